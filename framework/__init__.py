@@ -1,0 +1,1 @@
+"""fw: declarative post-training for Qwen3 on PyTorch Lightning."""
