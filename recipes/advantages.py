@@ -1,0 +1,92 @@
+"""Advantage estimators for the RL recipes: GRPO group advantages, GAE, masked whitening.
+
+Tensors follow the rollout layout: ``[B, Tc]`` aligned to completion tokens, with a response mask
+that is 1 on real completion tokens and 0 on padding past each row's end.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+SCALE_REWARDS = ("group", "batch", "none")
+
+
+def grpo_advantages(rewards: Tensor, group_size: int, scale_rewards: str, eps: float) -> Tensor:
+    """Per-sample GRPO advantages for ``rewards`` [B] laid out as consecutive groups of ``group_size``.
+
+    ``A_i = (r_i - mean_group) / (std + eps)`` where std is the group's std (``group``), the whole
+    batch's std (``batch``) or no scaling at all (``none``, Dr.GRPO: ``A_i = r_i - mean_group``).
+    The std is the unbiased sample std (Bessel-corrected, as torch.std and TRL use).
+    """
+    if rewards.dim() != 1:
+        raise ValueError(f"grpo_advantages: rewards must be 1-D [B], got shape {tuple(rewards.shape)}")
+    if group_size < 1 or rewards.numel() % group_size:
+        raise ValueError(f"grpo_advantages: {rewards.numel()} rewards do not split into groups of {group_size}")
+    if scale_rewards not in SCALE_REWARDS:
+        raise ValueError(f"grpo_advantages: scale_rewards must be one of {SCALE_REWARDS}, got {scale_rewards!r}")
+    r = rewards.to(torch.float32)
+    grouped = r.view(-1, group_size)
+    centred = (grouped - grouped.mean(dim=1, keepdim=True)).view(-1)
+    if scale_rewards == "none":
+        return centred
+    if scale_rewards == "group":
+        if group_size < 2:
+            raise ValueError("grpo_advantages: scale_rewards 'group' needs group_size >= 2 for a group std")
+        std = grouped.std(dim=1, keepdim=True).expand_as(grouped).reshape(-1)
+    else:
+        if r.numel() < 2:
+            raise ValueError("grpo_advantages: scale_rewards 'batch' needs at least 2 rewards for a std")
+        std = r.std()
+    return centred / (std + eps)
+
+
+def gae(token_rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float) -> tuple[Tensor, Tensor]:
+    """Generalised advantage estimation over the response mask; returns ``(advantages, returns)``.
+
+    ``delta_t = r_t + gamma * V_{t+1} * m_{t+1} - V_t`` and ``A_t = delta_t + gamma * lam * A_{t+1}``,
+    running backwards; the state after a row's last token is terminal (its next value is masked out).
+    ``returns = A + V``. Both outputs are 0 outside the mask. Computed in float32, no gradient.
+    """
+    if not (token_rewards.shape == values.shape == mask.shape) or token_rewards.dim() != 2:
+        raise ValueError(
+            "gae: token_rewards, values and mask must share one [B, T] shape, got "
+            f"{tuple(token_rewards.shape)}, {tuple(values.shape)}, {tuple(mask.shape)}")
+    with torch.no_grad():
+        m = mask.to(torch.float32)
+        r = token_rewards.to(torch.float32) * m
+        v = values.detach().to(torch.float32) * m
+        steps = r.shape[1]
+        advantages = torch.zeros_like(r)
+        next_adv = torch.zeros_like(r[:, 0])
+        next_value = torch.zeros_like(r[:, 0])
+        for t in reversed(range(steps)):
+            delta = r[:, t] + gamma * next_value - v[:, t]
+            next_adv = (delta + gamma * lam * next_adv) * m[:, t]
+            advantages[:, t] = next_adv
+            next_value = v[:, t]  # already masked: 0 past the row's end
+        returns = (advantages + v) * m
+    return advantages, returns
+
+
+def masked_mean(x: Tensor, mask: Tensor) -> Tensor:
+    """Mean of ``x`` over positions where ``mask`` is 1 (0 when the mask is empty)."""
+    m = mask.to(x.dtype)
+    return (x * m).sum() / m.sum().clamp(min=1)
+
+
+def masked_var(x: Tensor, mask: Tensor) -> Tensor:
+    """Population variance of ``x`` over the mask."""
+    mean = masked_mean(x, mask)
+    return masked_mean((x - mean) ** 2, mask)
+
+
+def whiten(x: Tensor, mask: Tensor, eps: float = 1e-8, shift_mean: bool = True) -> Tensor:
+    """Normalise ``x`` to zero mean and unit (population) variance over the mask; 0 outside it.
+
+    With ``shift_mean=False`` only the scale changes (the mean is added back).
+    """
+    mean = masked_mean(x, mask)
+    out = (x - mean) * torch.rsqrt(masked_var(x, mask) + eps)
+    if not shift_mean:
+        out = out + mean
+    return out * mask.to(x.dtype)

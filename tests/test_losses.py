@@ -1,0 +1,127 @@
+"""KL estimators, the clipped surrogate, the value loss, aggregation and explained variance
+against hand-computed values and independent float64 computations."""
+import math
+
+import pytest
+import torch
+
+from recipes.losses import (
+    aggregate,
+    aggregate_weight,
+    explained_variance,
+    kl_estimate,
+    policy_loss,
+    value_loss,
+)
+
+
+def test_kl_estimators_hand_computed():
+    logp = torch.tensor([-1.0, -2.0, -0.5])
+    ref = torch.tensor([-1.5, -1.0, -0.5])  # l = ref - logp = [-0.5, 1.0, 0.0]
+    assert kl_estimate(logp, ref, "k1").tolist() == pytest.approx([0.5, -1.0, 0.0])
+    assert kl_estimate(logp, ref, "k2").tolist() == pytest.approx([0.125, 0.5, 0.0])
+    k3 = [math.exp(-0.5) + 0.5 - 1.0, math.e - 1.0 - 1.0, 0.0]
+    assert kl_estimate(logp, ref, "k3").tolist() == pytest.approx(k3, abs=1e-6)
+    with pytest.raises(ValueError, match="k4"):
+        kl_estimate(logp, ref, "k4")
+
+
+def test_kl_estimators_are_unbiased_or_biased_as_documented():
+    # exact KL(p || q) of two categoricals vs the Monte-Carlo mean of k1 and k3 under samples of p
+    p = torch.tensor([0.5, 0.3, 0.2], dtype=torch.float64)
+    q = torch.tensor([0.2, 0.5, 0.3], dtype=torch.float64)
+    exact = float((p * (p / q).log()).sum())
+    logp, logq = p.log(), q.log()
+    # expectation under p, computed exactly as a weighted sum over the support
+    k1 = float((p * kl_estimate(logp, logq, "k1")).sum())
+    k3 = float((p * kl_estimate(logp, logq, "k3")).sum())
+    assert k1 == pytest.approx(exact, rel=1e-9)
+    assert k3 == pytest.approx(exact, rel=1e-9)
+
+
+def test_aggregate_modes_hand_computed():
+    x = torch.tensor([[1.0, 2.0, 3.0, 4.0], [10.0, 20.0, 0.0, 0.0]])
+    m = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0]])
+    assert float(aggregate(x, m, "token-mean")) == pytest.approx((1 + 2 + 3 + 10) / 4)
+    assert float(aggregate(x, m, "seq-mean-token-mean")) == pytest.approx((2.0 + 10.0) / 2)
+    assert float(aggregate(x, m, "seq-mean-token-sum-norm", max_len=8)) == pytest.approx((6 / 8 + 10 / 8) / 2)
+    assert float(aggregate(x, m, "seq-mean-token-sum-norm")) == pytest.approx((6 / 4 + 10 / 4) / 2)
+    with pytest.raises(ValueError, match="mode"):
+        aggregate(x, m, "mean")
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_aggregate_weight_splits_exactly(mode):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(6, 5, generator=g)
+    m = (torch.rand(6, 5, generator=g) > 0.3).long()
+    whole = aggregate(x, m, mode, max_len=7)
+    parts = sum(aggregate(x[i:i + 2], m[i:i + 2], mode, max_len=7) * aggregate_weight(m[i:i + 2], m, mode)
+                for i in range(0, 6, 2))
+    assert float(parts) == pytest.approx(float(whole), abs=1e-6)
+
+
+def test_policy_loss_hand_computed():
+    # one sequence, 4 tokens; ratios e^logdiff; eps_low 0.2, eps_high 0.3
+    old = torch.zeros(1, 4)
+    logp = torch.log(torch.tensor([[1.5, 0.5, 1.1, 0.7]])).requires_grad_(True)
+    adv = torch.tensor([[1.0, -2.0, 1.0, 3.0]])
+    m = torch.ones(1, 4)
+    out = policy_loss(logp, old, adv, m, clip_eps_low=0.2, clip_eps_high=0.3, loss_agg="token-mean")
+    # token 0: rho 1.5 > 1.3, A>0 -> min(1.5, 1.3) = 1.3 (clipped)
+    # token 1: rho 0.5 < 0.8, A<0 -> min(-1.0, -1.6) = -1.6 (clipped)
+    # token 2: rho 1.1, A>0 -> 1.1 ; token 3: rho 0.7, A>0 -> min(2.1, 2.4) = 2.1 (unclipped)
+    assert float(out.loss.detach()) == pytest.approx(-(1.3 - 1.6 + 1.1 + 2.1) / 4, abs=1e-6)
+    assert float(out.clip_frac) == pytest.approx(0.5)
+    assert float(out.ratio_mean) == pytest.approx((1.5 + 0.5 + 1.1 + 0.7) / 4, abs=1e-6)
+    assert float(out.adv_weighted) == pytest.approx((1.5 - 1.0 + 1.1 + 2.1) / 4, abs=1e-6)
+    kl = sum(r - 1 - math.log(r) for r in (1.5, 0.5, 1.1, 0.7)) / 4
+    assert float(out.approx_kl) == pytest.approx(kl, abs=1e-6)
+    out.loss.backward()
+    # d/dlogp of -rho*A/4 where unclipped, 0 where clipped
+    assert logp.grad[0].tolist() == pytest.approx([0.0, 0.0, -1.1 / 4, -0.7 * 3 / 4], abs=1e-6)
+
+
+def test_policy_loss_sequence_advantages_broadcast_and_ratio_one():
+    # ratio 1 (first GRPO iteration): loss = -aggregate(A) which is ~0 for balanced advantages,
+    # but the gradient is not: d loss / d logp_t = -A_t / n_tokens
+    logp = torch.zeros(2, 3, requires_grad=True)
+    adv = torch.tensor([1.0, -1.0])
+    m = torch.tensor([[1, 1, 1], [1, 1, 1]])
+    out = policy_loss(logp, logp.detach(), adv, m, 0.2, 0.2, "token-mean")
+    assert float(out.loss) == pytest.approx(0.0)
+    out.loss.backward()
+    assert logp.grad.flatten().tolist() == pytest.approx([-1 / 6] * 3 + [1 / 6] * 3)
+    assert float(out.clip_frac) == 0.0 and float(out.approx_kl) == 0.0
+
+
+def test_value_loss_hand_computed():
+    v = torch.tensor([[1.0, 0.0, 2.0]], requires_grad=True)
+    old = torch.tensor([[0.5, 0.1, 2.0]])
+    ret = torch.tensor([[0.0, 1.0, 3.0]])
+    m = torch.ones(1, 3)
+    out = value_loss(v, old, ret, m, clip=0.2)
+    # t0: err 1.0, clipped V = 0.7 -> 0.49 ; max 1.0
+    # t1: err 1.0, clipped V = max(0.0, -0.1) = 0.0 -> 1.0 ; max 1.0 (not strictly larger)
+    # t2: err 1.0, clipped V = 2.0 -> 1.0
+    assert float(out.loss) == pytest.approx(0.5 * (1.0 + 1.0 + 1.0) / 3)
+    assert float(out.clip_frac) == 0.0
+    v2 = torch.tensor([[0.0]])
+    out2 = value_loss(v2, torch.tensor([[1.0]]), torch.tensor([[0.0]]), torch.ones(1, 1), clip=0.2)
+    # err 0, clipped V = 0.8 -> 0.64: the clipped term wins
+    assert float(out2.loss) == pytest.approx(0.5 * 0.64, abs=1e-6)
+    assert float(out2.clip_frac) == 1.0 and float(out2.error) == 0.0
+
+
+def test_explained_variance_float64_reference():
+    g = torch.Generator().manual_seed(3)
+    r = torch.randn(3, 6, generator=g, dtype=torch.float64)
+    v = r + 0.3 * torch.randn(3, 6, generator=g, dtype=torch.float64)
+    m = torch.ones(3, 6)
+    m[1, 4:] = 0
+    sel = m.bool()
+    rr, vv = r[sel], v[sel]
+    expected = 1 - ((rr - vv).var(unbiased=False) / rr.var(unbiased=False)).item()
+    assert float(explained_variance(v, r, m)) == pytest.approx(expected, abs=1e-5)
+    assert float(explained_variance(r, r, m)) == pytest.approx(1.0)
+    assert math.isnan(float(explained_variance(v, torch.ones(3, 6), m)))
