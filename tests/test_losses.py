@@ -104,7 +104,7 @@ def test_value_loss_hand_computed():
     # t0: err 1.0, clipped V = 0.7 -> 0.49 ; max 1.0
     # t1: err 1.0, clipped V = max(0.0, -0.1) = 0.0 -> 1.0 ; max 1.0 (not strictly larger)
     # t2: err 1.0, clipped V = 2.0 -> 1.0
-    assert float(out.loss) == pytest.approx(0.5 * (1.0 + 1.0 + 1.0) / 3)
+    assert float(out.loss.detach()) == pytest.approx(0.5 * (1.0 + 1.0 + 1.0) / 3)
     assert float(out.clip_frac) == 0.0
     v2 = torch.tensor([[0.0]])
     out2 = value_loss(v2, torch.tensor([[1.0]]), torch.tensor([[0.0]]), torch.ones(1, 1), clip=0.2)
