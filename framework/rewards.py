@@ -1,0 +1,401 @@
+"""Rewards for RL: built-in verifiers, user rewards, and batch scoring with error policy.
+
+A reward is a callable ``reward(prompt: str, completion: str, metadata: dict) -> float``, or an
+object with a batched method ``batch(prompts, completions, metadatas) -> list[float]`` (used when
+present). ``metadata`` is the task sample's metadata; tasks always put the reference answer under
+``metadata["answer"]`` (see framework/tasks.py), which is what the built-ins compare against.
+
+Built-ins (``REWARDS``, selected by ``reward.name``, constructed with ``reward.init_args``):
+
+- ``exact_match``: 1.0 when the extracted answer equals ``metadata["answer"]`` after normalisation
+  (strip, collapse whitespace, case-fold, drop one trailing period), else 0.0.
+- ``numeric_match``: 1.0 when the extracted number equals the numeric answer within tolerance.
+  The number is the content of the last ``\\boxed{...}`` when there is one, else the last number
+  in the completion (``-1,234.5``, ``3/4`` and ``\\frac{3}{4}`` are understood).
+- ``format``: 1.0 when the completion carries its final answer in the required form: ``boxed``
+  (a non-empty ``\\boxed{...}``), ``answer_tag`` (a non-empty ``<answer>...</answer>``) or
+  ``think_answer`` (``<think>...</think>`` then ``<answer>...</answer>`` and nothing else).
+- ``countdown``: 1.0 when the expression (from ``<answer>``, ``\\boxed{}`` or the last line) uses
+  only the given numbers, each at most once (all of them with ``use_all``), with ``+ - * /`` and
+  parentheses, and evaluates exactly to the target; ``format_score`` for a well-formed expression
+  that misses. Parsed by a small recursive-descent parser over fractions, never ``eval``.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import numbers
+import re
+from collections import Counter
+from collections.abc import Callable
+from fractions import Fraction
+from typing import Any
+
+import torch
+
+from framework.errors import FwError
+
+log = logging.getLogger(__name__)
+
+ON_ERROR = ("raise", "zero")
+
+
+# ---------------------------------------------------------------- answer extraction
+
+def last_boxed(text: str) -> str | None:
+    """Content of the last ``\\boxed{...}`` in ``text`` (nested braces balanced), or None."""
+    start = text.rfind("\\boxed{")
+    while start != -1:
+        i = start + len("\\boxed{")
+        depth = 1
+        j = i
+        while j < len(text) and depth:
+            depth += {"{": 1, "}": -1}.get(text[j], 0)
+            j += 1
+        if depth == 0:
+            return text[i:j - 1]
+        start = text.rfind("\\boxed{", 0, start)  # unbalanced (truncated) box: try an earlier one
+    return None
+
+
+_ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+
+
+def last_answer_tag(text: str) -> str | None:
+    """Content of the last ``<answer>...</answer>`` in ``text``, or None."""
+    found = _ANSWER_TAG.findall(text)
+    return found[-1] if found else None
+
+
+def extract_answer(text: str) -> str:
+    """The final answer of a completion: last ``<answer>`` tag, else last ``\\boxed{}``, else the text."""
+    for found in (last_answer_tag(text), last_boxed(text)):
+        if found is not None:
+            return found
+    return text
+
+
+def normalize_text(text: str) -> str:
+    """Strip, collapse whitespace, case-fold and drop one trailing period."""
+    text = " ".join(str(text).split()).casefold()
+    return text[:-1].rstrip() if text.endswith(".") else text
+
+
+_NUMBER = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:\s*/\s*-?\d+(?!\.\d))?|-?\.\d+")
+_FRAC = re.compile(r"\\[dt]?frac\{\s*(-?[\d.]+)\s*\}\{\s*(-?[\d.]+)\s*\}")
+
+
+def _to_number(token: str) -> float | None:
+    token = token.replace(",", "").replace(" ", "")
+    try:
+        if "/" in token:
+            num, den = token.split("/")
+            return float(Fraction(num) / Fraction(den)) if float(den) != 0 else None
+        return float(token)
+    except (ValueError, ZeroDivisionError):
+        return None
+
+
+def parse_number(text: str) -> float | None:
+    """The last number in ``text`` (thousands commas, decimals, ``a/b``, ``\\frac{a}{b}``), or None."""
+    text = _FRAC.sub(lambda m: f"{m.group(1)}/{m.group(2)}", str(text))
+    found = _NUMBER.findall(text)
+    return _to_number(found[-1]) if found else None
+
+
+def extract_number(completion: str) -> float | None:
+    """The completion's numeric answer: from the last ``\\boxed{}`` when present, else its last number."""
+    boxed = last_boxed(completion)
+    return parse_number(boxed if boxed is not None else completion)
+
+
+# ---------------------------------------------------------------- built-in rewards
+
+def _reference(metadata: dict) -> Any:
+    if "answer" not in metadata:
+        raise KeyError("the sample's metadata has no 'answer' (tasks put the reference answer there)")
+    return metadata["answer"]
+
+
+class ExactMatch:
+    """1.0 when the completion's answer equals ``metadata["answer"]`` after normalisation.
+
+    ``extract``: take the answer from ``<answer>``/``\\boxed{}`` when present (else the whole text);
+    ``normalize``: apply ``normalize_text`` to both sides (else compare stripped strings).
+    """
+
+    def __init__(self, extract: bool = True, normalize: bool = True):
+        self.extract = extract
+        self.normalize = normalize
+
+    def __call__(self, prompt: str, completion: str, metadata: dict) -> float:
+        got = extract_answer(completion) if self.extract else completion
+        want = str(_reference(metadata))
+        if self.normalize:
+            return float(normalize_text(got) == normalize_text(want))
+        return float(got.strip() == want.strip())
+
+
+class NumericMatch:
+    """1.0 when ``extract_number(completion)`` is within tolerance of the numeric answer.
+
+    Equal when ``|got - want| <= abs_tol + rel_tol * |want|``.
+    """
+
+    def __init__(self, rel_tol: float = 1e-6, abs_tol: float = 1e-6):
+        if rel_tol < 0 or abs_tol < 0:
+            raise FwError(f"numeric_match: rel_tol and abs_tol must be >= 0, got {rel_tol}, {abs_tol}")
+        self.rel_tol = rel_tol
+        self.abs_tol = abs_tol
+
+    def __call__(self, prompt: str, completion: str, metadata: dict) -> float:
+        reference = _reference(metadata)
+        want = float(reference) if isinstance(reference, numbers.Real) else parse_number(str(reference))
+        if want is None:
+            raise ValueError(f"the reference answer {reference!r} holds no number")
+        got = extract_number(completion)
+        if got is None or not math.isfinite(got):
+            return 0.0
+        return float(abs(got - want) <= self.abs_tol + self.rel_tol * abs(want))
+
+
+_THINK_ANSWER = re.compile(r"\s*<think>.*?</think>\s*<answer>(.*?)</answer>\s*", re.DOTALL)
+FORMAT_STYLES = ("boxed", "answer_tag", "think_answer")
+
+
+class FormatReward:
+    """1.0 when the completion gives its final answer in the required form (see module doc)."""
+
+    def __init__(self, style: str = "boxed"):
+        if style not in FORMAT_STYLES:
+            raise FwError(f"format reward: style must be one of {', '.join(FORMAT_STYLES)}, got {style!r}")
+        self.style = style
+
+    def __call__(self, prompt: str, completion: str, metadata: dict) -> float:
+        if self.style == "boxed":
+            found = last_boxed(completion)
+        elif self.style == "answer_tag":
+            found = last_answer_tag(completion)
+        else:
+            match = _THINK_ANSWER.fullmatch(completion)
+            found = match.group(1) if match else None
+        return float(found is not None and found.strip() != "")
+
+
+# ---------------------------------------------------------------- countdown expressions
+
+class ExpressionError(ValueError):
+    """An arithmetic expression that is not well formed."""
+
+
+_EXPR_TOKEN = re.compile(r"\s*(?:(\d+)|(.))")
+
+
+def evaluate_expression(text: str) -> tuple[Fraction, list[int]]:
+    """Value and integer literals of ``text``: integers, ``+ - * /`` (also ``× ÷``) and parentheses.
+
+    Exact rational arithmetic; no unary operators; division by zero and anything else raise
+    ``ExpressionError``. Never uses ``eval``.
+    """
+    tokens: list[str | int] = []
+    for number, char in _EXPR_TOKEN.findall(text):
+        if number:
+            tokens.append(int(number))
+        elif char.strip():
+            char = {"×": "*", "÷": "/", "x": "*"}.get(char, char)
+            if char not in "+-*/()":
+                raise ExpressionError(f"unexpected character {char!r}")
+            tokens.append(char)
+    if not tokens:
+        raise ExpressionError("empty expression")
+    literals: list[int] = []
+    pos = 0
+
+    def peek():
+        return tokens[pos] if pos < len(tokens) else None
+
+    def atom() -> Fraction:
+        nonlocal pos
+        tok = peek()
+        if isinstance(tok, int):
+            pos += 1
+            literals.append(tok)
+            return Fraction(tok)
+        if tok == "(":
+            pos += 1
+            value = expr()
+            if peek() != ")":
+                raise ExpressionError("missing ')'")
+            pos += 1
+            return value
+        raise ExpressionError(f"expected a number or '(' but found {tok!r}" if tok else "unexpected end")
+
+    def term() -> Fraction:
+        nonlocal pos
+        value = atom()
+        while peek() in ("*", "/"):
+            op = tokens[pos]
+            pos += 1
+            rhs = atom()
+            if op == "/" and rhs == 0:
+                raise ExpressionError("division by zero")
+            value = value * rhs if op == "*" else value / rhs
+        return value
+
+    def expr() -> Fraction:
+        nonlocal pos
+        value = term()
+        while peek() in ("+", "-"):
+            op = tokens[pos]
+            pos += 1
+            rhs = term()
+            value = value + rhs if op == "+" else value - rhs
+        return value
+
+    value = expr()
+    if pos != len(tokens):
+        raise ExpressionError(f"unexpected {tokens[pos]!r} after a complete expression")
+    return value, literals
+
+
+def countdown_expression(completion: str) -> str:
+    """The expression a countdown completion proposes: ``<answer>``, ``\\boxed{}``, else its last line.
+
+    A trailing ``= <target>`` is dropped.
+    """
+    found = last_answer_tag(completion)
+    if found is None:
+        found = last_boxed(completion)
+    if found is None:
+        lines = [line for line in completion.strip().splitlines() if line.strip()]
+        found = lines[-1] if lines else ""
+    return found.split("=")[0]
+
+
+class CountdownReward:
+    """1.0 when the proposed expression reaches ``metadata["target"]`` from ``metadata["numbers"]``.
+
+    Each number may be used at most once (exactly once each with ``use_all``); ``format_score`` is
+    given for a well-formed expression that misses.
+    """
+
+    def __init__(self, use_all: bool = False, format_score: float = 0.0):
+        self.use_all = use_all
+        self.format_score = float(format_score)
+
+    def __call__(self, prompt: str, completion: str, metadata: dict) -> float:
+        numbers_, target = metadata["numbers"], metadata["target"]
+        try:
+            value, literals = evaluate_expression(countdown_expression(completion))
+        except ExpressionError:
+            return 0.0
+        used, available = Counter(literals), Counter(numbers_)
+        uses_allowed = used == available if self.use_all else not (used - available)
+        return 1.0 if uses_allowed and value == target else self.format_score
+
+
+REWARDS: dict[str, type] = {
+    "exact_match": ExactMatch,
+    "numeric_match": NumericMatch,
+    "format": FormatReward,
+    "countdown": CountdownReward,
+}
+
+
+# ---------------------------------------------------------------- building and scoring
+
+def build_reward(reward_cfg: dict) -> Callable[..., float] | Any:
+    """The reward object of ``cfg["reward"]``: ``class_path`` + ``init_args``, else ``REWARDS[name]``."""
+    init_args = reward_cfg["init_args"] or {}
+    if reward_cfg["class_path"]:
+        from framework.imports import instantiate
+
+        reward = instantiate({"class_path": reward_cfg["class_path"], "init_args": init_args})
+        where = f"reward.class_path {reward_cfg['class_path']!r}"
+    else:
+        name = reward_cfg["name"]
+        if name not in REWARDS:
+            raise FwError(f"reward.name: unknown reward {name!r}; built-ins are {', '.join(sorted(REWARDS))}")
+        try:
+            reward = REWARDS[name](**init_args)
+        except TypeError as exc:
+            raise FwError(f"reward.init_args for {name!r}: {exc}") from exc
+        where = f"reward {name!r}"
+    if not callable(reward) and not callable(getattr(reward, "batch", None)):
+        raise FwError(f"{where}: a reward must be callable (prompt, completion, metadata) -> float "
+                      "or have a batch(prompts, completions, metadatas) -> list[float] method")
+    return reward
+
+
+def _shorten(text: Any, limit: int = 300) -> str:
+    text = repr(text)
+    return text if len(text) <= limit else text[:limit] + "...'"
+
+
+def _check_value(value: Any) -> float:
+    """``value`` as a finite float, or TypeError / ValueError saying what it was."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"returned {type(value).__name__} {value!r}, expected a float")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"returned {value}, expected a finite float")
+    return value
+
+
+def score_rollout(reward_fn: Any, prompts: list[str], completions: list[str], metadatas: list[dict],
+                  on_error: str) -> tuple[torch.Tensor, int]:
+    """Rewards fp32 ``[N]`` for N samples and the number of samples whose reward failed.
+
+    A reward that raises or returns NaN / inf / a non-number is reported with the offending sample
+    (index, prompt, completion, error); ``on_error="raise"`` then raises ``FwError``, ``"zero"``
+    logs a warning and scores the sample 0. A failing ``batch`` call is retried per sample when the
+    reward is also callable, so only the offending samples are zeroed; otherwise the whole batch is.
+    """
+    if on_error not in ON_ERROR:
+        raise FwError(f"reward.on_error must be one of {', '.join(ON_ERROR)}, got {on_error!r}")
+    n = len(prompts)
+    if not len(completions) == len(metadatas) == n:
+        raise FwError(f"score_rollout: {n} prompts, {len(completions)} completions, {len(metadatas)} metadatas")
+    failures: list[tuple[int, str]] = []
+    values: list[float] = [0.0] * n
+    batch = getattr(reward_fn, "batch", None)
+    per_sample = not callable(batch)
+    if callable(batch):
+        try:
+            result = list(batch(prompts, completions, metadatas))
+        except Exception as exc:  # noqa: BLE001 - user code: any failure is reported, then retried per sample
+            if not callable(reward_fn):
+                failures = [(i, f"batch() raised {type(exc).__name__}: {exc}") for i in range(n)]
+            else:
+                per_sample = True
+        else:
+            if len(result) != n:
+                raise FwError(f"reward batch() returned {len(result)} values for {n} samples")
+            for i, value in enumerate(result):
+                try:
+                    values[i] = _check_value(value)
+                except (TypeError, ValueError) as exc:
+                    failures.append((i, f"batch() {exc}"))
+    if per_sample:
+        for i in range(n):
+            try:
+                value = reward_fn(prompts[i], completions[i], metadatas[i])
+            except Exception as exc:  # noqa: BLE001 - user code: any failure is reported with its sample
+                failures.append((i, f"raised {type(exc).__name__}: {exc}"))
+                continue
+            try:
+                values[i] = _check_value(value)
+            except (TypeError, ValueError) as exc:
+                failures.append((i, str(exc)))
+    for i, _ in failures:
+        values[i] = 0.0
+    if failures:
+        i, error = failures[0]
+        report = (f"reward failed on {len(failures)} of {n} samples; first: sample {i}: {error}; "
+                  f"prompt={_shorten(prompts[i])} completion={_shorten(completions[i])}")
+        if on_error == "raise":
+            raise FwError(report + " (set reward.on_error: zero to count and zero such samples)")
+        log.warning("%s; scored 0 (reward.on_error: zero)", report)
+    return torch.tensor(values, dtype=torch.float32), len(failures)

@@ -1,0 +1,323 @@
+"""Prompt sources for RL (and SFT): seeded procedural tasks and JSONL prompt datasets.
+
+Every task is an endless, indexable stream: ``task.sample(index)`` returns
+``{"prompt": str | list[message], "answer": str, "metadata": dict}`` and is a pure function of
+(the task's seed, index), so a run that resumes at index k sees exactly the prompts it would have
+seen. ``metadata`` always holds ``"answer"`` too (rewards read it there, see framework/rewards.py).
+``task.sft_example(index)`` gives the same sample as an SFT pair (prompt -> the correct answer).
+``task.reward_name`` names the built-in reward that verifies the task.
+
+Built-ins (``TASKS``, chosen by ``data.task.name`` with ``data.task.init_args``):
+
+- ``digits``: a few random digits and ``=``; the answer is one digit by a simple rule. Made so that a
+  tiny random-init model learns it with GRPO in minutes on a CPU (a random digit is right 10% of
+  the time). Use ``rollout.max_new_tokens: 1`` (or EOS) with ``exact_match``.
+- ``arithmetic``: ``a+b=`` / ``a-b=`` / ``a*b=`` with ``digits``-digit operands; ``numeric_match``.
+- ``countdown``: reach a target from given numbers with ``+ - * /``; always solvable (the target is
+  built from the numbers); verified by the ``countdown`` reward.
+- JSONL (``data.path``): one JSON object per line with ``data.prompt_key`` and ``data.answer_key``,
+  visited in a seeded order reshuffled each epoch (``data.shuffle``).
+"""
+from __future__ import annotations
+
+import inspect
+import json
+import operator
+import random
+from fractions import Fraction
+from pathlib import Path
+from typing import Any
+
+from framework.errors import FwError
+
+Sample = dict[str, Any]
+OPERATORS = {"+": operator.add, "-": operator.sub, "*": operator.mul, "/": operator.truediv}
+
+
+def _rng(seed: int, index: int, salt: str = "") -> random.Random:
+    # String seeds go through sha512 in random.seed: stable across processes and PYTHONHASHSEED.
+    return random.Random(f"{salt}:{seed}:{index}")
+
+
+def _check_index(index: int) -> int:
+    if isinstance(index, bool) or not isinstance(index, int) or index < 0:
+        raise FwError(f"task sample index must be an int >= 0, got {index!r}")
+    return index
+
+
+class Task:
+    """Common interface: ``sample(index)``, ``sft_example(index)``, ``reward_name``, ``seed``."""
+
+    reward_name = "exact_match"
+
+    def __init__(self, seed: int = 0):
+        self.seed = int(seed)
+
+    def sample(self, index: int) -> Sample:
+        raise NotImplementedError
+
+    def sft_example(self, index: int) -> dict[str, Any]:
+        """``{"prompt": ..., "completion": answer}`` for sample ``index``: SFT data from the task."""
+        sample = self.sample(index)
+        return {"prompt": sample["prompt"], "completion": sample["answer"]}
+
+    def _make(self, prompt: Any, answer: str, **metadata: Any) -> Sample:
+        return {"prompt": prompt, "answer": answer, "metadata": {**metadata, "answer": answer}}
+
+
+DIGIT_RULES = {
+    "copy": lambda d: d[0],
+    "last": lambda d: d[-1],
+    "next": lambda d: (d[0] + 1) % 10,
+    "sum": lambda d: sum(d) % 10,
+    "max": max,
+}
+
+
+class Digits(Task):
+    """``num_digits`` random digits then ``=``; the answer is one digit given by ``rule``.
+
+    Rules: ``copy`` (the first digit), ``last`` (the last digit), ``next`` (first + 1 mod 10),
+    ``sum`` (sum of the digits mod 10), ``max`` (the largest digit). ``copy`` with one digit is the
+    easiest; more digits or ``sum`` make it harder.
+    """
+
+    def __init__(self, num_digits: int = 1, rule: str = "copy", template: str = "{digits}=", seed: int = 0):
+        super().__init__(seed)
+        if not isinstance(num_digits, int) or num_digits < 1:
+            raise FwError(f"digits task: num_digits must be an int >= 1, got {num_digits!r}")
+        if rule not in DIGIT_RULES:
+            raise FwError(f"digits task: rule must be one of {', '.join(DIGIT_RULES)}, got {rule!r}")
+        _check_template("digits", template, {"digits"})
+        self.num_digits, self.rule, self.template = num_digits, rule, template
+
+    def sample(self, index: int) -> Sample:
+        rng = _rng(self.seed, _check_index(index), "digits")
+        digits = [rng.randrange(10) for _ in range(self.num_digits)]
+        answer = str(DIGIT_RULES[self.rule](digits))
+        prompt = self.template.format(digits="".join(map(str, digits)))
+        return self._make(prompt, answer, digits=digits, rule=self.rule)
+
+
+class Arithmetic(Task):
+    """``{a}{op}{b}=`` with ``digits``-digit operands and ``op`` drawn from ``ops``; integer answer.
+
+    ``allow_negative: false`` orders the operands of ``-`` so the result is never negative.
+    """
+
+    reward_name = "numeric_match"
+
+    def __init__(self, digits: int = 2, ops: str | list[str] = "+-*", allow_negative: bool = True,
+                 template: str = "{a}{op}{b}=", seed: int = 0):
+        super().__init__(seed)
+        if not isinstance(digits, int) or not 1 <= digits <= 18:
+            raise FwError(f"arithmetic task: digits must be an int in 1..18, got {digits!r}")
+        ops = list(ops)
+        if not ops or any(op not in "+-*" for op in ops):
+            raise FwError(f"arithmetic task: ops must be a non-empty selection of '+-*', got {ops!r}")
+        _check_template("arithmetic", template, {"a", "op", "b"})
+        self.digits, self.ops, self.allow_negative, self.template = digits, ops, allow_negative, template
+
+    def sample(self, index: int) -> Sample:
+        rng = _rng(self.seed, _check_index(index), "arithmetic")
+        low = 0 if self.digits == 1 else 10 ** (self.digits - 1)
+        a, b = rng.randint(low, 10 ** self.digits - 1), rng.randint(low, 10 ** self.digits - 1)
+        op = rng.choice(self.ops)
+        if op == "-" and not self.allow_negative and a < b:
+            a, b = b, a
+        answer = str(OPERATORS[op](a, b))
+        return self._make(self.template.format(a=a, op=op, b=b), answer, a=a, b=b, op=op)
+
+
+COUNTDOWN_TEMPLATE = ("Using the numbers {numbers}, write an expression equal to {target}. "
+                      "Use + - * / and parentheses, each number at most once. "
+                      "Put the expression in <answer></answer>.")
+
+
+class Countdown(Task):
+    """Reach ``target`` from ``num_numbers`` numbers in 1..``max_number`` with ``+ - * /``.
+
+    The target is the value of a random expression over all the numbers (exact divisions only,
+    no negative intermediate results), between 1 and ``max_target``, so every sample is solvable;
+    that expression is the answer. Verified by the ``countdown`` reward.
+    """
+
+    reward_name = "countdown"
+
+    def __init__(self, num_numbers: int = 4, max_number: int = 50, max_target: int = 1000,
+                 template: str = COUNTDOWN_TEMPLATE, seed: int = 0):
+        super().__init__(seed)
+        if not isinstance(num_numbers, int) or not 2 <= num_numbers <= 8:
+            raise FwError(f"countdown task: num_numbers must be an int in 2..8, got {num_numbers!r}")
+        if not isinstance(max_number, int) or max_number < 2:
+            raise FwError(f"countdown task: max_number must be an int >= 2, got {max_number!r}")
+        if not isinstance(max_target, int) or max_target < 1:
+            raise FwError(f"countdown task: max_target must be an int >= 1, got {max_target!r}")
+        _check_template("countdown", template, {"numbers", "target"})
+        self.num_numbers, self.max_number, self.max_target = num_numbers, max_number, max_target
+        self.template = template
+
+    def _build(self, rng: random.Random) -> tuple[list[int], int, str]:
+        numbers = [rng.randint(1, self.max_number) for _ in range(self.num_numbers)]
+        pool = [(Fraction(n), str(n), True) for n in numbers]  # (value, text, is_atom)
+        while len(pool) > 1:
+            (a, ta, atom_a), (b, tb, atom_b) = (pool.pop(rng.randrange(len(pool))) for _ in range(2))
+            ops = ["+", "*"] + (["-"] if a > b else []) + (["/"] if b not in (0, 1) and a % b == 0 else [])
+            op = rng.choice(ops)
+            value = OPERATORS[op](a, b)
+            text = f"{ta if atom_a else f'({ta})'}{op}{tb if atom_b else f'({tb})'}"
+            pool.append((value, text, False))
+        value, text, _ = pool[0]
+        return numbers, int(value), text
+
+    def sample(self, index: int) -> Sample:
+        rng = _rng(self.seed, _check_index(index), "countdown")
+        while True:  # a few draws at most: most expressions land in range
+            numbers, target, expression = self._build(rng)
+            if 1 <= target <= self.max_target:
+                break
+        prompt = self.template.format(numbers=", ".join(map(str, numbers)), target=target)
+        return self._make(prompt, expression, numbers=numbers, target=target)
+
+    def sft_example(self, index: int) -> dict[str, Any]:
+        """The solution wrapped in ``<answer></answer>``, as the default template asks."""
+        sample = self.sample(index)
+        return {"prompt": sample["prompt"], "completion": f"<answer>{sample['answer']}</answer>"}
+
+
+def _check_template(task: str, template: Any, fields: set[str]) -> None:
+    if not isinstance(template, str):
+        raise FwError(f"{task} task: template must be a string, got {template!r}")
+    try:
+        template.format(**{field: "" for field in fields})
+    except (KeyError, IndexError, ValueError) as exc:
+        raise FwError(f"{task} task: template {template!r} may only use the fields "
+                      f"{', '.join('{' + f + '}' for f in sorted(fields))} ({exc})") from exc
+
+
+def _check_prompt(prompt: Any) -> str | None:
+    """Why ``prompt`` is not a non-empty string or a list of {role, content} messages, or None."""
+    if isinstance(prompt, str):
+        return None if prompt else "is an empty string"
+    if isinstance(prompt, list) and prompt:
+        for i, message in enumerate(prompt):
+            if not (isinstance(message, dict) and isinstance(message.get("role"), str)
+                    and isinstance(message.get("content"), str)):
+                return f"message {i} is not an object with string 'role' and 'content'"
+        return None
+    return "must be a non-empty string or a non-empty list of {role, content} messages"
+
+
+class JsonlPrompts(Task):
+    """Prompts and answers from JSONL file(s), in a seeded order reshuffled every epoch.
+
+    Index ``i`` is record ``perm_e[i % n]`` of epoch ``e = i // n``. A line that is not a JSON object
+    with a valid prompt and an answer is an ``FwError`` naming the file and line.
+    """
+
+    def __init__(self, path: str | list[str], prompt_key: str = "prompt", answer_key: str = "answer",
+                 shuffle: bool = True, seed: int = 0):
+        super().__init__(seed)
+        self.prompt_key, self.answer_key, self.shuffle = prompt_key, answer_key, shuffle
+        self.records: list[Sample] = []
+        for file in [path] if isinstance(path, (str, Path)) else list(path):
+            self.records.extend(self._read(Path(file)))
+        if not self.records:
+            raise FwError(f"data.path {path}: no records (every line is empty)")
+        self._order: tuple[int, list[int]] | None = None
+
+    def _read(self, file: Path) -> list[Sample]:
+        try:
+            lines = file.read_text(encoding="utf-8").splitlines()
+        except OSError as exc:
+            raise FwError(f"data.path: cannot read {file}: {exc.strerror or exc}") from exc
+        except UnicodeDecodeError as exc:
+            raise FwError(f"{file}: not UTF-8 text ({exc.reason} at byte {exc.start})") from exc
+        records = []
+        for lineno, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            where = f"{file}:{lineno}"
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise FwError(f"{where}: invalid JSON: {exc.msg} (column {exc.colno})") from exc
+            if not isinstance(record, dict):
+                raise FwError(f"{where}: expected a JSON object, got {type(record).__name__}")
+            for key in (self.prompt_key, self.answer_key):
+                if key not in record:
+                    raise FwError(f"{where}: missing key {key!r} (keys: {', '.join(map(repr, record))}); "
+                                  "set data.prompt_key / data.answer_key to match the file")
+            problem = _check_prompt(record[self.prompt_key])
+            if problem:
+                raise FwError(f"{where}: {self.prompt_key!r} {problem}")
+            answer = record[self.answer_key]
+            if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
+                raise FwError(f"{where}: {self.answer_key!r} must be a string or a number, "
+                              f"got {type(answer).__name__}")
+            metadata = {k: v for k, v in record.items() if k not in (self.prompt_key, self.answer_key)}
+            metadata.update(source=where, answer=str(answer))
+            records.append({"prompt": record[self.prompt_key], "answer": str(answer), "metadata": metadata})
+        return records
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def sample(self, index: int) -> Sample:
+        epoch, offset = divmod(_check_index(index), len(self.records))
+        if not self.shuffle:
+            return self.records[offset]
+        if self._order is None or self._order[0] != epoch:
+            order = list(range(len(self.records)))
+            _rng(self.seed, epoch, "jsonl-epoch").shuffle(order)
+            self._order = (epoch, order)
+        return self.records[self._order[1][offset]]
+
+
+TASKS: dict[str, type] = {"digits": Digits, "arithmetic": Arithmetic, "countdown": Countdown}
+
+
+def build_task(data_cfg: dict, seed: int = 0) -> Task:
+    """The prompt source of ``cfg["data"]``: ``task`` ({name|class_path, init_args}) or ``path`` (JSONL).
+
+    ``seed`` (recipes pass ``cfg["seed"]``) seeds built-in tasks unless ``init_args`` sets one.
+    """
+    task_cfg, path = data_cfg["task"], data_cfg["path"]
+    if task_cfg and path:
+        raise FwError("data: set either data.task or data.path (JSONL prompts), not both")
+    if path:
+        return JsonlPrompts(path, data_cfg["prompt_key"], data_cfg["answer_key"], data_cfg["shuffle"], seed)
+    if not task_cfg:
+        raise FwError("data: RL needs prompts: set data.task (e.g. {name: digits}) or data.path (JSONL)")
+    init_args = dict(task_cfg.get("init_args") or {})
+    if task_cfg.get("class_path"):
+        from framework.imports import instantiate
+
+        cls_path = task_cfg["class_path"]
+        task = instantiate({"class_path": cls_path, "init_args": init_args})
+        if not callable(getattr(task, "sample", None)):
+            raise FwError(f"data.task.class_path {cls_path!r}: a task needs a sample(index) -> "
+                          "{prompt, answer, metadata} method")
+        return task
+    name = task_cfg.get("name")
+    if name not in TASKS:
+        raise FwError(f"data.task.name: unknown task {name!r}; built-ins are {', '.join(sorted(TASKS))}")
+    cls = TASKS[name]
+    init_args.setdefault("seed", seed)
+    unknown = set(init_args) - set(inspect.signature(cls).parameters)
+    if unknown:
+        raise FwError(f"data.task.init_args: {name!r} has no parameter(s) {', '.join(sorted(unknown))}; "
+                      f"it takes {', '.join(inspect.signature(cls).parameters)}")
+    return cls(**init_args)
+
+
+def render_prompt(prompt: str | list[dict], tokenizer: Any, chat_template: bool,
+                  enable_thinking: bool = False) -> str:
+    """The text the policy continues: the chat template (a string becomes one user turn) or the raw prompt."""
+    if not chat_template:
+        if isinstance(prompt, str):
+            return prompt
+        raise FwError("data.chat_template is false but the prompt is a list of messages; "
+                      "set data.chat_template: true or give plain-string prompts")
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, enable_thinking=enable_thinking)

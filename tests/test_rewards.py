@@ -1,0 +1,265 @@
+"""Built-in rewards, the countdown expression checker, user rewards and the on_error policy."""
+import logging
+import math
+
+import pytest
+import torch
+
+from framework.errors import FwError
+from framework.rewards import (
+    REWARDS,
+    CountdownReward,
+    ExactMatch,
+    ExpressionError,
+    FormatReward,
+    NumericMatch,
+    build_reward,
+    evaluate_expression,
+    extract_number,
+    last_boxed,
+    score_rollout,
+)
+
+
+def meta(answer, **extra):
+    return {"answer": answer, **extra}
+
+
+@pytest.mark.parametrize("completion, answer, expected", [
+    ("42", "42", 1.0),
+    ("  Paris. ", "paris", 1.0),
+    ("New   York", "new york", 1.0),
+    ("The answer is \\boxed{Paris}", "Paris", 1.0),
+    ("<answer> 7 </answer> trailing", "7", 1.0),
+    ("42!", "42", 0.0),
+    ("4", "42", 0.0),
+    ("", "0", 0.0),
+])
+def test_exact_match(completion, answer, expected):
+    assert ExactMatch()("p", completion, meta(answer)) == expected
+
+
+def test_exact_match_without_normalisation_is_case_sensitive():
+    assert ExactMatch(normalize=False)("p", "Paris", meta("paris")) == 0.0
+    assert ExactMatch(normalize=False)("p", " Paris\n", meta("Paris")) == 1.0
+    assert ExactMatch(extract=False)("p", "\\boxed{3}", meta("3")) == 0.0
+
+
+@pytest.mark.parametrize("text, number", [
+    ("so 3 apples and 5 pears: 8", 8.0),
+    ("total -12.5 dollars", -12.5),
+    ("1,234,567 people", 1234567.0),
+    ("the ratio is 3/4", 0.75),
+    ("\\boxed{\\frac{3}{4}} and 9 later", 0.75),
+    ("first 12 then \\boxed{7} then 99", 7.0),
+    ("\\boxed{x = {2}} 5", 2.0),          # nested braces inside the box
+    ("no digits here", None),
+    ("value .5", 0.5),
+])
+def test_extract_number(text, number):
+    got = extract_number(text)
+    assert got == number if number is None else math.isclose(got, number)
+
+
+def test_last_boxed_balances_braces_and_skips_truncated_box():
+    assert last_boxed("a \\boxed{\\frac{1}{2}} b") == "\\frac{1}{2}"
+    assert last_boxed("\\boxed{5} then \\boxed{6") == "5"
+    assert last_boxed("nothing") is None
+
+
+@pytest.mark.parametrize("completion, answer, expected", [
+    ("12*12 = 144", "144", 1.0),
+    ("It is \\boxed{144.0000001}", "144", 1.0),       # within rel_tol 1e-6
+    ("\\boxed{144} and then 150", "144", 1.0),          # the box wins over the last number
+    ("144 ... wait, 145", "144", 0.0),                  # last number
+    ("-3", "-3", 1.0),
+    ("0.1 + 0.2 = 0.30000000000000004", "0.3", 1.0),
+    ("no number", "3", 0.0),
+    ("1/0", "3", 0.0),
+])
+def test_numeric_match(completion, answer, expected):
+    assert NumericMatch()("p", completion, meta(answer)) == expected
+
+
+def test_numeric_match_tolerance_and_numeric_reference():
+    assert NumericMatch(rel_tol=0.01, abs_tol=0)("p", "101", meta(100)) == 1.0
+    assert NumericMatch(rel_tol=0.01, abs_tol=0)("p", "102", meta(100)) == 0.0
+    with pytest.raises(ValueError, match="holds no number"):
+        NumericMatch()("p", "3", meta("three"))
+    with pytest.raises(FwError, match="rel_tol"):
+        NumericMatch(rel_tol=-1)
+
+
+@pytest.mark.parametrize("style, completion, expected", [
+    ("boxed", "so \\boxed{4}", 1.0),
+    ("boxed", "so \\boxed{ }", 0.0),
+    ("boxed", "so 4", 0.0),
+    ("answer_tag", "<answer>4</answer>", 1.0),
+    ("answer_tag", "<answer>4", 0.0),
+    ("think_answer", "<think>2+2</think>\n<answer>4</answer>", 1.0),
+    ("think_answer", "<think>2+2</think><answer>4</answer> extra", 0.0),
+    ("think_answer", "<answer>4</answer>", 0.0),
+])
+def test_format_reward(style, completion, expected):
+    assert FormatReward(style)("p", completion, {}) == expected
+
+
+def test_format_reward_rejects_unknown_style():
+    with pytest.raises(FwError, match="style must be one of boxed, answer_tag, think_answer"):
+        FormatReward("xml")
+
+
+@pytest.mark.parametrize("text, value, literals", [
+    ("1+2*3", 7, [1, 2, 3]),
+    ("(1+2)*3", 9, [1, 2, 3]),
+    ("8/3*3", 8, [8, 3, 3]),            # exact rationals: no float rounding
+    ("10-4-3", 3, [10, 4, 3]),          # left associative
+    ("24 / (8 - 2) × 3", 12, [24, 8, 2, 3]),
+])
+def test_evaluate_expression(text, value, literals):
+    got, used = evaluate_expression(text)
+    assert got == value and used == literals
+
+
+@pytest.mark.parametrize("text", ["", "1+", "(1+2", "1+2)", "2**3", "-1+2", "3/0", "__import__('os')", "1 2"])
+def test_evaluate_expression_rejects(text):
+    with pytest.raises(ExpressionError):
+        evaluate_expression(text)
+
+
+@pytest.mark.parametrize("completion, expected", [
+    ("<answer>(6+4)*5</answer>", 1.0),
+    ("I think \\boxed{5*(4+6)}", 1.0),
+    ("working...\n50/1*1", 0.0),        # 1 is not among the numbers
+    ("<answer>(6+4)*5 = 50</answer>", 1.0),
+    ("<answer>6*5+4*5</answer>", 0.0),  # 5 used twice
+    ("<answer>6*4+5</answer>", 0.0),    # wrong value
+    ("<answer>import os</answer>", 0.0),
+])
+def test_countdown_reward(completion, expected):
+    md = {"numbers": [6, 4, 5, 9], "target": 50, "answer": "(6+4)*5"}
+    assert CountdownReward()("p", completion, md) == expected
+
+
+def test_countdown_use_all_and_format_score():
+    md = {"numbers": [6, 4, 5], "target": 50}
+    assert CountdownReward(use_all=True)("p", "<answer>(6+4)*5</answer>", md) == 1.0
+    md = {"numbers": [6, 4, 5, 9], "target": 50}
+    assert CountdownReward(use_all=True)("p", "<answer>(6+4)*5</answer>", md) == 0.0
+    assert CountdownReward(format_score=0.1)("p", "<answer>6+4</answer>", md) == 0.1
+    assert CountdownReward(format_score=0.1)("p", "<answer>6+</answer>", md) == 0.0
+
+
+def test_build_reward_builtins_and_errors():
+    base = {"name": "numeric_match", "class_path": None, "init_args": {}, "on_error": "raise"}
+    assert isinstance(build_reward(base), NumericMatch)
+    r = build_reward({**base, "name": "format", "init_args": {"style": "answer_tag"}})
+    assert isinstance(r, FormatReward) and r.style == "answer_tag"
+    assert set(REWARDS) >= {"exact_match", "numeric_match", "format", "countdown"}
+    with pytest.raises(FwError, match="unknown reward 'nope'.*exact_match"):
+        build_reward({**base, "name": "nope"})
+    with pytest.raises(FwError, match="reward.init_args for 'numeric_match'"):
+        build_reward({**base, "init_args": {"tolerance": 1}})
+
+
+class LengthPenalty:
+    """A user reward written as a test fixture: importable by class_path."""
+
+    def __init__(self, scale: float = 1.0):
+        self.scale = scale
+
+    def __call__(self, prompt, completion, metadata):
+        return -self.scale * len(completion)
+
+
+class BatchedReward:
+    def __init__(self, bad_index: int = -1):
+        self.bad_index = bad_index
+
+    def batch(self, prompts, completions, metadatas):
+        return [float("nan") if i == self.bad_index else float(len(c)) for i, c in enumerate(completions)]
+
+
+def test_build_reward_from_class_path():
+    cfg = {"name": None, "class_path": "tests.test_rewards.LengthPenalty", "init_args": {"scale": 2.0},
+           "on_error": "raise"}
+    reward = build_reward(cfg)
+    rewards, errors = score_rollout(reward, ["a", "b"], ["xyz", ""], [{}, {}], "raise")
+    assert rewards.tolist() == [-6.0, 0.0] and errors == 0
+
+
+def test_score_rollout_batched_form_is_used():
+    rewards, errors = score_rollout(BatchedReward(), ["a", "b", "c"], ["x", "yy", ""], [{}] * 3, "raise")
+    assert rewards.dtype == torch.float32 and rewards.tolist() == [1.0, 2.0, 0.0] and errors == 0
+
+
+def test_score_rollout_raise_names_the_sample():
+    def reward(prompt, completion, metadata):
+        if completion == "boom":
+            raise RuntimeError("parser exploded")
+        return 1.0
+
+    with pytest.raises(FwError) as info:
+        score_rollout(reward, ["p0", "p1", "p2"], ["ok", "boom", "ok"], [{}] * 3, "raise")
+    message = str(info.value)
+    assert "sample 1" in message and "RuntimeError: parser exploded" in message
+    assert "'p1'" in message and "'boom'" in message and "on_error: zero" in message
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), "1.0", None, True, [1.0]])
+def test_score_rollout_bad_values_zeroed_and_counted(bad, caplog):
+    def reward(prompt, completion, metadata):
+        return bad if completion == "bad" else 0.5
+
+    with caplog.at_level(logging.WARNING, logger="framework.rewards"):
+        rewards, errors = score_rollout(reward, ["a", "b", "c"], ["bad", "fine", "bad"], [{}] * 3, "zero")
+    assert rewards.tolist() == [0.0, 0.5, 0.0] and errors == 2
+    assert "2 of 3 samples; first: sample 0" in caplog.text
+    with pytest.raises(FwError, match="expected a"):
+        score_rollout(reward, ["a"], ["bad"], [{}], "raise")
+
+
+def test_score_rollout_accepts_numpy_like_and_tensor_scalars():
+    values = iter([torch.tensor(0.25), 3])
+    rewards, errors = score_rollout(lambda p, c, m: next(values), ["a", "b"], ["x", "y"], [{}, {}], "raise")
+    assert rewards.tolist() == [0.25, 3.0] and errors == 0
+
+
+def test_score_rollout_batched_nan_and_failures():
+    rewards, errors = score_rollout(BatchedReward(bad_index=1), ["a"] * 3, ["x", "yy", "zzz"], [{}] * 3, "zero")
+    assert rewards.tolist() == [1.0, 0.0, 3.0] and errors == 1
+
+    class Broken:
+        def batch(self, prompts, completions, metadatas):
+            raise KeyError("target")
+
+    rewards, errors = score_rollout(Broken(), ["a", "b"], ["x", "y"], [{}] * 2, "zero")
+    assert rewards.tolist() == [0.0, 0.0] and errors == 2
+    with pytest.raises(FwError, match="batch\\(\\) raised KeyError"):
+        score_rollout(Broken(), ["a"], ["x"], [{}], "raise")
+
+    class BrokenBatchButCallable(Broken):
+        def __call__(self, prompt, completion, metadata):
+            return 1 / len(completion)
+
+    rewards, errors = score_rollout(BrokenBatchButCallable(), ["a", "b"], ["xx", ""], [{}] * 2, "zero")
+    assert rewards.tolist() == [0.5, 0.0] and errors == 1   # retried per sample: only the offender zeroed
+
+    class Short:
+        def batch(self, prompts, completions, metadatas):
+            return [1.0]
+
+    with pytest.raises(FwError, match="returned 1 values for 2 samples"):
+        score_rollout(Short(), ["a", "b"], ["x", "y"], [{}] * 2, "zero")
+
+
+def test_score_rollout_rejects_bad_policy_and_lengths():
+    with pytest.raises(FwError, match="on_error must be one of raise, zero"):
+        score_rollout(ExactMatch(), ["a"], ["b"], [meta("b")], "ignore")
+    with pytest.raises(FwError, match="2 prompts, 1 completions"):
+        score_rollout(ExactMatch(), ["a", "b"], ["b"], [meta("b")] * 2, "raise")
+
+
+def test_missing_answer_is_reported_as_the_samples_error():
+    with pytest.raises(FwError, match="KeyError.*no 'answer'"):
+        score_rollout(ExactMatch(), ["a"], ["b"], [{}], "raise")

@@ -1,0 +1,215 @@
+"""Procedural tasks (seeded, pure in the index), JSONL prompts, build_task, render_prompt."""
+import json
+import subprocess
+import sys
+from collections import Counter
+
+import pytest
+
+from framework.errors import FwError
+from framework.rewards import REWARDS, evaluate_expression
+from framework.tasks import TASKS, Arithmetic, Countdown, Digits, JsonlPrompts, build_task, render_prompt
+
+
+def data_cfg(**over):
+    cfg = {"path": None, "task": None, "prompt_key": "prompt", "answer_key": "answer", "shuffle": True}
+    cfg.update(over)
+    return cfg
+
+
+FACTORIES = [
+    lambda seed: Digits(seed=seed),
+    lambda seed: Digits(num_digits=3, rule="sum", seed=seed),
+    lambda seed: Arithmetic(seed=seed),
+    lambda seed: Countdown(seed=seed),
+]
+
+
+@pytest.mark.parametrize("make", FACTORIES)
+def test_sample_is_pure_in_seed_and_index(make):
+    forward = [make(0).sample(i) for i in range(20)]
+    again = make(0)
+    backward = [again.sample(i) for i in reversed(range(20))][::-1]
+    assert forward == backward                       # order of calls and instance do not matter
+    assert len({json.dumps(s, sort_keys=True) for s in forward}) > 5
+    assert [make(1).sample(i) for i in range(20)] != forward
+    for s in forward:
+        assert set(s) == {"prompt", "answer", "metadata"} and s["metadata"]["answer"] == s["answer"]
+        assert isinstance(s["prompt"], str) and isinstance(s["answer"], str)
+
+
+def test_samples_identical_across_processes():
+    code = ("from framework.tasks import Countdown, Arithmetic;"
+            "print([Countdown(seed=3).sample(i) for i in (0, 7)], Arithmetic(seed=3).sample(5))")
+    runs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                           env={"PYTHONHASHSEED": str(h), "PATH": ""}, cwd=".").stdout for h in (1, 2)}
+    assert len(runs) == 1 and "target" in runs.pop()
+
+
+@pytest.mark.parametrize("rule, check", [
+    ("copy", lambda d: d[0]), ("last", lambda d: d[-1]), ("next", lambda d: (d[0] + 1) % 10),
+    ("sum", lambda d: sum(d) % 10), ("max", max),
+])
+def test_digits_rules(rule, check):
+    task = Digits(num_digits=3, rule=rule, seed=5)
+    for i in range(50):
+        s = task.sample(i)
+        digits = [int(c) for c in s["prompt"][:-1]]
+        assert s["prompt"].endswith("=") and len(digits) == 3 and s["answer"] == str(check(digits))
+        assert REWARDS[task.reward_name]()("", s["answer"], s["metadata"]) == 1.0
+
+
+def test_digits_answers_are_roughly_uniform():
+    counts = Counter(Digits(seed=0).sample(i)["answer"] for i in range(2000))
+    assert set(counts) == {str(d) for d in range(10)} and min(counts.values()) > 140
+
+
+def test_arithmetic_answers_and_options():
+    task = Arithmetic(digits=3, ops="+-*", seed=1)
+    ops = Counter()
+    for i in range(300):
+        s = task.sample(i)
+        md = s["metadata"]
+        assert 100 <= md["a"] <= 999 and 100 <= md["b"] <= 999
+        assert s["prompt"] == f"{md['a']}{md['op']}{md['b']}="
+        expected = {"+": md["a"] + md["b"], "-": md["a"] - md["b"], "*": md["a"] * md["b"]}[md["op"]]
+        assert s["answer"] == str(expected)
+        assert REWARDS[task.reward_name]()("", f"so it is {expected}", md) == 1.0
+        ops[md["op"]] += 1
+    assert set(ops) == {"+", "-", "*"}
+    nonneg = Arithmetic(digits=1, ops=["-"], allow_negative=False, template="What is {a} {op} {b}?")
+    samples = [nonneg.sample(i) for i in range(100)]
+    assert all(int(s["answer"]) >= 0 for s in samples) and samples[0]["prompt"].startswith("What is ")
+
+
+def test_countdown_is_always_solvable_by_its_answer():
+    task = Countdown(num_numbers=4, max_number=30, max_target=500, seed=2)
+    reward = REWARDS[task.reward_name](use_all=True)
+    for i in range(200):
+        s = task.sample(i)
+        md = s["metadata"]
+        value, used = evaluate_expression(s["answer"])
+        assert value == md["target"] and 1 <= md["target"] <= 500
+        assert Counter(used) == Counter(md["numbers"]) and all(1 <= n <= 30 for n in md["numbers"])
+        assert str(md["target"]) in s["prompt"] and ", ".join(map(str, md["numbers"])) in s["prompt"]
+        pair = task.sft_example(i)
+        assert reward(pair["prompt"], pair["completion"], md) == 1.0
+
+
+def test_sft_example_is_prompt_and_answer():
+    task = Arithmetic(seed=4)
+    assert task.sft_example(3) == {"prompt": task.sample(3)["prompt"], "completion": task.sample(3)["answer"]}
+
+
+@pytest.mark.parametrize("cls, kwargs, message", [
+    (Digits, {"num_digits": 0}, "num_digits must be an int >= 1"),
+    (Digits, {"rule": "mul"}, "rule must be one of copy, last, next, sum, max"),
+    (Digits, {"template": "{x}"}, "may only use the fields {digits}"),
+    (Arithmetic, {"ops": "+/"}, "ops must be a non-empty selection"),
+    (Arithmetic, {"digits": 0}, "digits must be an int in 1..18"),
+    (Countdown, {"num_numbers": 1}, "num_numbers must be an int in 2..8"),
+])
+def test_bad_init_args(cls, kwargs, message):
+    with pytest.raises(FwError, match=message.replace("{", "\\{").replace("}", "\\}")):
+        cls(**kwargs)
+
+
+def test_negative_index_rejected():
+    with pytest.raises(FwError, match="index must be an int >= 0"):
+        Digits().sample(-1)
+
+
+def write_jsonl(path, rows):
+    path.write_text("\n".join(r if isinstance(r, str) else json.dumps(r) for r in rows) + "\n")
+    return str(path)
+
+
+def test_jsonl_prompts_epochs_and_metadata(tmp_path):
+    rows = [{"question": f"q{i}", "solution": i * 10, "level": i % 2} for i in range(5)]
+    path = write_jsonl(tmp_path / "math.jsonl", rows[:3] + [""] + rows[3:])
+    task = JsonlPrompts(path, prompt_key="question", answer_key="solution", seed=7)
+    assert len(task) == 5
+    epoch0 = [task.sample(i)["prompt"] for i in range(5)]
+    epoch1 = [task.sample(i)["prompt"] for i in range(5, 10)]
+    assert sorted(epoch0) == sorted(epoch1) == [f"q{i}" for i in range(5)]
+    assert epoch0 != epoch1                         # reshuffled per epoch
+    again = JsonlPrompts(path, prompt_key="question", answer_key="solution", seed=7)
+    assert [again.sample(i)["prompt"] for i in (9, 3, 7)] == [epoch1[4], epoch0[3], epoch1[2]]
+    s = next(task.sample(i) for i in range(5) if task.sample(i)["prompt"] == "q4")
+    assert s["answer"] == "40"
+    assert s["metadata"] == {"level": 0, "answer": "40", "source": f"{path}:6"}  # line 4 is blank
+    ordered = JsonlPrompts(path, "question", "solution", shuffle=False)
+    assert [ordered.sample(i)["prompt"] for i in range(7)] == ["q0", "q1", "q2", "q3", "q4", "q0", "q1"]
+
+
+def test_jsonl_messages_prompt_and_several_files(tmp_path):
+    a = write_jsonl(tmp_path / "a.jsonl", [{"prompt": [{"role": "user", "content": "hi"}], "answer": "x"}])
+    b = write_jsonl(tmp_path / "b.jsonl", [{"prompt": "p", "answer": "y", "answer_extra": 1}])
+    task = build_task(data_cfg(path=[a, b], shuffle=False))
+    assert task.sample(0)["prompt"] == [{"role": "user", "content": "hi"}]
+    assert task.sample(1)["metadata"]["answer_extra"] == 1 and task.sample(1)["metadata"]["source"] == f"{b}:1"
+
+
+@pytest.mark.parametrize("line, message", [
+    ('{"prompt": "p", "answer": "a"', "invalid JSON"),
+    ('["p", "a"]', "expected a JSON object, got list"),
+    ('{"prompt": "p"}', "missing key 'answer'"),
+    ('{"prompt": "", "answer": "a"}', "'prompt' is an empty string"),
+    ('{"prompt": [{"role": "user"}], "answer": "a"}', "message 0 is not an object"),
+    ('{"prompt": "p", "answer": null}', "'answer' must be a string or a number"),
+])
+def test_jsonl_malformed_line_names_file_and_line(tmp_path, line, message):
+    path = write_jsonl(tmp_path / "bad.jsonl", ['{"prompt": "ok", "answer": "1"}', "", line])
+    with pytest.raises(FwError, match=f"bad.jsonl:3: .*{message}"):
+        JsonlPrompts(path)
+
+
+def test_jsonl_missing_and_empty_files(tmp_path):
+    with pytest.raises(FwError, match="cannot read .*nope.jsonl"):
+        JsonlPrompts(str(tmp_path / "nope.jsonl"))
+    (tmp_path / "empty.jsonl").write_text("\n\n")
+    with pytest.raises(FwError, match="no records"):
+        JsonlPrompts(str(tmp_path / "empty.jsonl"))
+
+
+def test_build_task_builtin_and_seed():
+    task = build_task(data_cfg(task={"name": "digits", "init_args": {"num_digits": 2}}), seed=3)
+    assert isinstance(task, Digits) and task.seed == 3 and task.num_digits == 2
+    pinned = build_task(data_cfg(task={"name": "arithmetic", "init_args": {"seed": 9}}), seed=3)
+    assert pinned.seed == 9
+    assert set(TASKS) == {"digits", "arithmetic", "countdown"}
+
+
+@pytest.mark.parametrize("cfg, message", [
+    (data_cfg(), "set data.task .* or data.path"),
+    (data_cfg(task={"name": "digits"}, path="x.jsonl"), "either data.task or data.path"),
+    (data_cfg(task={"name": "sudoku", "init_args": {}}), "unknown task 'sudoku'; built-ins are arithmetic"),
+    (data_cfg(task={"name": "digits", "init_args": {"digitz": 2}}), "'digits' has no parameter.* digitz"),
+])
+def test_build_task_errors(cfg, message):
+    with pytest.raises(FwError, match=message):
+        build_task(cfg)
+
+
+def test_build_task_from_class_path():
+    task = build_task(data_cfg(task={"class_path": "framework.tasks.Digits", "init_args": {"rule": "next"}}))
+    assert isinstance(task, Digits) and task.rule == "next"
+    with pytest.raises(FwError, match="needs a sample"):
+        build_task(data_cfg(task={"class_path": "collections.Counter", "init_args": {}}))
+
+
+class Template:
+    """A chat-template renderer standing in for the tokenizer: records what it was asked."""
+
+    def apply_chat_template(self, messages, add_generation_prompt=True, enable_thinking=False):
+        body = "".join(f"<{m['role']}>{m['content']}" for m in messages)
+        return body + ("<assistant>" if add_generation_prompt else "") + ("<think>" if enable_thinking else "")
+
+
+def test_render_prompt():
+    assert render_prompt("7=", None, chat_template=False) == "7="
+    assert render_prompt("7=", Template(), chat_template=True) == "<user>7=<assistant>"
+    msgs = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]
+    assert render_prompt(msgs, Template(), True, enable_thinking=True) == "<system>s<user>u<assistant><think>"
+    with pytest.raises(FwError, match="chat_template is false but the prompt is a list of messages"):
+        render_prompt(msgs, None, chat_template=False)
