@@ -1,0 +1,321 @@
+"""The Qwen3 dense decoder: trunk, causal-LM policy and its KV cache.
+
+Every norm, rotary, activation and attention call goes through `ops_cuda`, so CUDA kernels replace the
+torch references without touching this file. Q/K/V and gate/up are fused in memory (one matmul
+each); `hf_targets` maps HF's tensor names on disk to (tensor, row range) pieces of the fused weights.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+import ops_cuda
+from framework.errors import FwError
+from framework.models.qwen3_config import Qwen3Config
+
+# HF name -> (tensor in our module, first row, last row) of a fused weight; rows None = whole tensor.
+HfTargets = dict[str, tuple[Tensor, int | None, int | None]]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return ops_cuda.rms_norm(x, self.weight, self.eps)
+
+
+@dataclass
+class KVCache:
+    """Keys/values of every layer for a batch of right-padded rows; row b holds `lengths[b]` tokens."""
+
+    k: Tensor        # [L, B, Hk, S, D]
+    v: Tensor        # [L, B, Hk, S, D]
+    lengths: Tensor  # LongTensor [B]
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[3]
+
+
+class Qwen3Attention(nn.Module):
+    def __init__(self, config: Qwen3Config):
+        super().__init__()
+        self.config = config
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.scale = config.head_dim ** -0.5
+        self.qkv_proj = nn.Linear(config.hidden_size, config.q_size + 2 * config.kv_size, bias=False)
+        self.o_proj = nn.Linear(config.q_size, config.hidden_size, bias=False)
+        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+
+    def _qkv(self, x: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """x [B, T, d] -> q [B, T, Hq, D], k, v [B, T, Hk, D] with QK-norm then RoPE applied."""
+        B, T, _ = x.shape
+        q, k, v = self.qkv_proj(x).split([self.config.q_size, self.config.kv_size, self.config.kv_size], -1)
+        q = self.q_norm(q.view(B, T, self.num_heads, self.head_dim))
+        k = self.k_norm(k.view(B, T, self.num_kv_heads, self.head_dim))
+        q, k = ops_cuda.rope(q, k, positions, self.config.rope_theta)
+        return q, k, v.view(B, T, self.num_kv_heads, self.head_dim)
+
+    def forward(self, x: Tensor, positions: Tensor, packed: bool,
+                cache: tuple[Tensor, Tensor] | None = None) -> Tensor:
+        """Causal attention over the rows of x; `packed` rows hold several sequences (split by positions).
+
+        With `cache` = (k_cache, v_cache) of this layer, [B, Hk, S, D], the new keys/values are also
+        written at cache positions 0..T-1 (prefill).
+        """
+        B, T, _ = x.shape
+        q, k, v = self._qkv(x, positions)
+        if cache is not None:
+            cache[0][:, :, :T] = k.transpose(1, 2)
+            cache[1][:, :, :T] = v.transpose(1, 2)
+        out = ops_cuda.attention(q, k, v, positions if packed else None, self.scale)
+        return self.o_proj(out.reshape(B, T, self.config.q_size))
+
+    def decode(self, x: Tensor, positions: Tensor, k_cache: Tensor, v_cache: Tensor) -> Tensor:
+        """One new token per row: x [B, 1, d] at `positions` [B]; writes k/v there and attends to 0..pos."""
+        B = x.shape[0]
+        q, k, v = self._qkv(x, positions[:, None])
+        rows = torch.arange(B, device=x.device)
+        k_cache[rows, :, positions] = k[:, 0]
+        v_cache[rows, :, positions] = v[:, 0]
+        out = ops_cuda.decode_attention(q[:, 0], k_cache, v_cache, positions + 1, self.scale)
+        return self.o_proj(out.reshape(B, 1, self.config.q_size))
+
+
+class Qwen3MLP(nn.Module):
+    def __init__(self, config: Qwen3Config):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(ops_cuda.swiglu(self.gate_up_proj(x)))
+
+
+class Qwen3DecoderLayer(nn.Module):
+    def __init__(self, config: Qwen3Config):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Qwen3Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = Qwen3MLP(config)
+
+    def forward(self, h: Tensor, positions: Tensor, packed: bool,
+                cache: tuple[Tensor, Tensor] | None = None) -> Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), positions, packed, cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+    def decode(self, h: Tensor, positions: Tensor, k_cache: Tensor, v_cache: Tensor) -> Tensor:
+        h = h + self.self_attn.decode(self.input_layernorm(h), positions, k_cache, v_cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Qwen3Model(nn.Module):
+    """The trunk: embeddings, decoder layers and the final norm (shared by policy and value model)."""
+
+    def __init__(self, config: Qwen3Config):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(Qwen3DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.gradient_checkpointing = False
+
+    def forward(self, input_ids: Tensor, position_ids: Tensor | None = None,
+                cache: KVCache | None = None) -> Tensor:
+        """Final normalised hidden states [B, T, d]. position_ids given = rows may be packed."""
+        B, T = input_ids.shape
+        packed = position_ids is not None
+        if position_ids is None:
+            position_ids = torch.arange(T, device=input_ids.device).expand(B, T)
+        elif position_ids.shape != input_ids.shape:
+            raise FwError(f"position_ids shape {tuple(position_ids.shape)} != input_ids shape "
+                          f"{tuple(input_ids.shape)}")
+        h = self.embed_tokens(input_ids)
+        recompute = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
+        for i, layer in enumerate(self.layers):
+            layer_cache = (cache.k[i], cache.v[i]) if cache is not None else None
+            if recompute:
+                h = checkpoint(layer, h, position_ids, packed, layer_cache, use_reentrant=False)
+            else:
+                h = layer(h, position_ids, packed, layer_cache)
+        return self.norm(h)
+
+    def decode(self, tokens: Tensor, cache: KVCache) -> Tensor:
+        """Hidden state [B, d] of one new token per row, written at `cache.lengths` (then lengths += 1)."""
+        if tokens.dim() != 1 or tokens.shape[0] != cache.lengths.shape[0]:
+            raise FwError(f"decode: tokens must be [B={cache.lengths.shape[0]}], got {tuple(tokens.shape)}")
+        # No host-side check of lengths < max_len here: a sync per token would stall the GPU (and CUDA
+        # graph capture); the caller sizes the cache, and an overflow fails the cache index.
+        positions = cache.lengths
+        h = self.embed_tokens(tokens[:, None])
+        for i, layer in enumerate(self.layers):
+            h = layer.decode(h, positions, cache.k[i], cache.v[i])
+        cache.lengths += 1
+        return self.norm(h[:, 0])
+
+    def hf_targets(self, prefix: str = "model.") -> HfTargets:
+        c = self.config
+        t: HfTargets = {f"{prefix}embed_tokens.weight": (self.embed_tokens.weight, None, None),
+                        f"{prefix}norm.weight": (self.norm.weight, None, None)}
+        for i, layer in enumerate(self.layers):
+            p = f"{prefix}layers.{i}."
+            qkv = layer.self_attn.qkv_proj.weight
+            gate_up = layer.mlp.gate_up_proj.weight
+            t.update({
+                f"{p}self_attn.q_proj.weight": (qkv, 0, c.q_size),
+                f"{p}self_attn.k_proj.weight": (qkv, c.q_size, c.q_size + c.kv_size),
+                f"{p}self_attn.v_proj.weight": (qkv, c.q_size + c.kv_size, c.q_size + 2 * c.kv_size),
+                f"{p}self_attn.o_proj.weight": (layer.self_attn.o_proj.weight, None, None),
+                f"{p}self_attn.q_norm.weight": (layer.self_attn.q_norm.weight, None, None),
+                f"{p}self_attn.k_norm.weight": (layer.self_attn.k_norm.weight, None, None),
+                f"{p}mlp.gate_proj.weight": (gate_up, 0, c.intermediate_size),
+                f"{p}mlp.up_proj.weight": (gate_up, c.intermediate_size, 2 * c.intermediate_size),
+                f"{p}mlp.down_proj.weight": (layer.mlp.down_proj.weight, None, None),
+                f"{p}input_layernorm.weight": (layer.input_layernorm.weight, None, None),
+                f"{p}post_attention_layernorm.weight": (layer.post_attention_layernorm.weight, None, None),
+            })
+        return t
+
+
+def init_weights(module: nn.Module, std: float) -> None:
+    """HF's initialisation: normal(0, std) for linear and embedding weights, zero biases, unit norms."""
+    for m in module.modules():
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, 0.0, std)
+            if getattr(m, "bias", None) is not None:
+                nn.init.zeros_(m.bias)
+        elif isinstance(m, RMSNorm):
+            nn.init.ones_(m.weight)
+
+
+def hf_state_dict(targets: HfTargets) -> dict[str, Tensor]:
+    """HF-named views of the module's tensors (no copies)."""
+    return {name: (t if lo is None else t[lo:hi]).detach() for name, (t, lo, hi) in targets.items()}
+
+
+def load_hf_state_dict(targets: HfTargets, sd: dict[str, Tensor], strict: bool = True,
+                       source: str = "state dict") -> None:
+    """Copy HF-named tensors into the module; strict = every target present and nothing else."""
+    if strict:
+        missing = sorted(set(targets) - set(sd))
+        unexpected = sorted(set(sd) - set(targets))
+        if missing or unexpected:
+            raise FwError(f"{source}: missing tensors {missing[:8]}{'...' if len(missing) > 8 else ''}, "
+                          f"unexpected tensors {unexpected[:8]}{'...' if len(unexpected) > 8 else ''}")
+    for name, value in sd.items():
+        if name in targets:
+            copy_into(targets, name, value, source)
+
+
+def copy_into(targets: HfTargets, name: str, value: Tensor, source: str) -> None:
+    """Copy one HF tensor into its (slice of a) parameter, converting dtype/device; checks the shape."""
+    t, lo, hi = targets[name]
+    dest = t if lo is None else t[lo:hi]
+    if tuple(value.shape) != tuple(dest.shape):
+        raise FwError(f"{source}: tensor {name} has shape {tuple(value.shape)}, expected {tuple(dest.shape)}")
+    with torch.no_grad():
+        dest.copy_(value)
+
+
+class Qwen3ForCausalLM(nn.Module):
+    """The policy: trunk + LM head (the embedding matrix when `tie_word_embeddings`)."""
+
+    def __init__(self, config: Qwen3Config):
+        super().__init__()
+        self.config = config
+        self.model = Qwen3Model(config)
+        self.lm_head = None if config.tie_word_embeddings else nn.Linear(
+            config.hidden_size, config.vocab_size, bias=False)
+        init_weights(self, config.initializer_range)
+
+    @property
+    def lm_head_weight(self) -> Tensor:
+        """[V, d]: the output projection (the input embedding when tied)."""
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    @property
+    def gradient_checkpointing(self) -> bool:
+        return self.model.gradient_checkpointing
+
+    @gradient_checkpointing.setter
+    def gradient_checkpointing(self, enabled: bool) -> None:
+        self.model.gradient_checkpointing = enabled
+
+    def forward(self, input_ids: Tensor, position_ids: Tensor | None = None,
+                return_hidden: bool = False) -> Tensor:
+        """Logits [B, T, V], or the final normalised hidden states [B, T, d] with return_hidden."""
+        h = self.model(input_ids, position_ids)
+        return h if return_hidden else F.linear(h, self.lm_head_weight)
+
+    def new_kv_cache(self, batch_size: int, max_len: int, device: torch.device | str | None = None,
+                     dtype: torch.dtype | None = None) -> KVCache:
+        """An empty cache for `batch_size` rows of up to `max_len` tokens (model's device/dtype by default)."""
+        ref = self.lm_head_weight
+        c = self.config
+        shape = (c.num_hidden_layers, batch_size, c.num_key_value_heads, max_len, c.head_dim)
+        kw = {"device": device or ref.device, "dtype": dtype or ref.dtype}
+        return KVCache(k=torch.zeros(shape, **kw), v=torch.zeros(shape, **kw),
+                       lengths=torch.zeros(batch_size, dtype=torch.long, device=kw["device"]))
+
+    @torch.no_grad()
+    def prefill(self, input_ids: Tensor, lengths: Tensor, cache: KVCache) -> Tensor:
+        """Run right-padded prompts [B, T] (row b has lengths[b] real tokens) into an empty cache.
+
+        Returns the logits [B, V] at each row's last real token; afterwards cache.lengths = lengths.
+        """
+        B, T = input_ids.shape
+        if cache.lengths.shape[0] != B or int(cache.lengths.max()) != 0:
+            raise FwError(f"prefill needs an empty cache for {B} rows (got lengths "
+                          f"{cache.lengths.tolist()[:8]})")
+        if T > cache.max_len:
+            raise FwError(f"prefill: {T} prompt tokens do not fit the cache (max_len {cache.max_len})")
+        lengths = lengths.to(device=input_ids.device, dtype=torch.long)
+        if int(lengths.min()) < 1 or int(lengths.max()) > T:
+            raise FwError(f"prefill: lengths must be in 1..{T}, got {lengths.tolist()[:8]}")
+        # Right padding: a real token never attends to the pad tokens after it, so plain causal
+        # attention is exact; pad keys written past lengths[b] are overwritten by decode.
+        h = self.model(input_ids, None, cache)
+        cache.lengths.copy_(lengths)
+        last = h[torch.arange(B, device=h.device), lengths - 1]
+        return F.linear(last, self.lm_head_weight)
+
+    @torch.no_grad()
+    def decode(self, tokens: Tensor, cache: KVCache) -> Tensor:
+        """Append one token per row at position cache.lengths; returns its logits [B, V]."""
+        return F.linear(self.model.decode(tokens, cache), self.lm_head_weight)
+
+    def hf_targets(self) -> HfTargets:
+        t = self.model.hf_targets()
+        if self.lm_head is not None:
+            t["lm_head.weight"] = (self.lm_head.weight, None, None)
+        return t
+
+    def hf_state_dict(self) -> dict[str, Tensor]:
+        """Tensors under HF's exact names and layouts (views of the fused weights)."""
+        return hf_state_dict(self.hf_targets())
+
+    def load_hf_state_dict(self, sd: dict[str, Tensor], strict: bool = True) -> None:
+        """Load HF-named tensors; a tied model also accepts an `lm_head.weight` equal to the embedding."""
+        sd = dict(sd)
+        if self.lm_head is None and "lm_head.weight" in sd:
+            check_tied_head(sd.pop("lm_head.weight"), sd.get("model.embed_tokens.weight"), "state dict")
+        load_hf_state_dict(self.hf_targets(), sd, strict)
+
+
+def check_tied_head(lm_head: Tensor, embed: Tensor | None, source: str) -> None:
+    """Some tied checkpoints store lm_head.weight too; accept it only as a copy of the embedding."""
+    if embed is None or lm_head.shape != embed.shape or not torch.equal(lm_head.to(embed), embed):
+        raise FwError(f"{source}: tensor lm_head.weight is present and differs from model.embed_tokens.weight, "
+                      "but tie_word_embeddings is true")

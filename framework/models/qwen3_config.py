@@ -1,0 +1,122 @@
+"""`Qwen3Config`: the shape of a Qwen3 dense model, read from and written to HF `config.json`."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+
+from framework.errors import FwError
+
+# config.json keys that describe features this implementation does not have. A checkpoint that turns
+# any of them on is refused instead of being loaded as a plain dense model with wrong numerics.
+_MOE_KEYS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "n_routed_experts",
+             "num_local_experts", "shared_expert_intermediate_size")
+_REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+             "num_attention_heads", "num_key_value_heads")
+
+
+@dataclass
+class Qwen3Config:
+    """Hyper-parameters of a Qwen3 dense decoder (field names are HF's config.json names)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6          # HF Qwen3Config's defaults for keys a config.json may omit
+    rope_theta: float = 10000.0
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 32768
+    initializer_range: float = 0.02
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    pad_token_id: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in _REQUIRED + ("head_dim",):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise FwError(f"Qwen3 config: {name} must be a positive integer, got {value!r}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise FwError(f"Qwen3 config: num_attention_heads ({self.num_attention_heads}) must be a multiple "
+                          f"of num_key_value_heads ({self.num_key_value_heads})")
+        if self.head_dim % 2:
+            raise FwError(f"Qwen3 config: head_dim must be even for rotary embeddings, got {self.head_dim}")
+        if not self.rms_norm_eps > 0 or not self.rope_theta > 0:
+            raise FwError(f"Qwen3 config: rms_norm_eps and rope_theta must be > 0, got "
+                          f"{self.rms_norm_eps!r} and {self.rope_theta!r}")
+
+    @property
+    def q_size(self) -> int:
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_key_value_heads * self.head_dim
+
+    @classmethod
+    def from_hf(cls, d: dict, source: str = "config.json") -> Qwen3Config:
+        """Validate an HF config dict and keep what the model needs; unsupported features raise FwError."""
+        where = f"{source}:"
+        model_type = d.get("model_type", "qwen3")
+        if model_type != "qwen3":
+            raise FwError(f"{where} model_type is {model_type!r}; only dense Qwen3 ('qwen3') is supported")
+        unsupported = []
+        if d.get("attention_bias"):
+            unsupported.append("attention_bias: true (Qwen3 has no attention biases)")
+        if d.get("mlp_bias"):
+            unsupported.append("mlp_bias: true")
+        if d.get("use_sliding_window"):
+            unsupported.append("use_sliding_window: true (sliding-window attention is not implemented)")
+        layer_types = d.get("layer_types")
+        if layer_types is not None and any(t != "full_attention" for t in layer_types):
+            unsupported.append(f"layer_types other than full_attention: {sorted(set(layer_types))}")
+        if d.get("hidden_act", "silu") != "silu":
+            unsupported.append(f"hidden_act: {d['hidden_act']!r} (only 'silu' is implemented)")
+        for key in _MOE_KEYS:
+            if d.get(key):
+                unsupported.append(f"{key}: {d[key]!r} (mixture-of-experts models are not supported)")
+        if d.get("rope_scaling") is not None:
+            unsupported.append(f"rope_scaling: {d['rope_scaling']!r} (only plain RoPE is implemented)")
+        rope_theta = d.get("rope_theta")
+        params = d.get("rope_parameters")
+        if params is not None:   # transformers >= 5 writes RoPE settings here
+            if params.get("rope_type", "default") != "default" or set(params) - {"rope_type", "rope_theta"}:
+                unsupported.append(f"rope_parameters: {params!r} (only plain RoPE is implemented)")
+            rope_theta = params.get("rope_theta", rope_theta)
+        if unsupported:
+            raise FwError(f"{where} unsupported Qwen3 configuration: " + "; ".join(unsupported))
+        missing = [k for k in _REQUIRED if k not in d]
+        if missing:
+            raise FwError(f"{where} missing required keys {missing}")
+        known = {f.name for f in fields(cls)}
+        kwargs = {k: d[k] for k in known if d.get(k) is not None and k != "rope_theta"}
+        if rope_theta is not None:
+            kwargs["rope_theta"] = float(rope_theta)
+        # HF derives head_dim this way when config.json leaves it out.
+        kwargs.setdefault("head_dim", d["hidden_size"] // d["num_attention_heads"])
+        try:
+            return cls(**kwargs)
+        except FwError as e:
+            raise FwError(f"{where} {e}") from None
+
+    def to_hf(self, dtype: str | None = None) -> dict:
+        """The config.json dict, in the layout of the released Qwen3 checkpoints."""
+        d = asdict(self)
+        d.update({
+            "architectures": ["Qwen3ForCausalLM"],
+            "model_type": "qwen3",
+            "attention_bias": False,
+            "attention_dropout": 0.0,
+            "hidden_act": "silu",
+            "max_window_layers": self.num_hidden_layers,
+            "rope_scaling": None,
+            "sliding_window": None,
+            "use_sliding_window": False,
+            "use_cache": True,
+        })
+        if dtype is not None:
+            d["torch_dtype"] = dtype
+        return dict(sorted(d.items()))

@@ -1,0 +1,66 @@
+"""`Qwen3ValueModel`: the PPO critic, a Qwen3 trunk with a scalar head, saved as its own safetensors."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from framework.models.qwen3 import HfTargets, Qwen3ForCausalLM, Qwen3Model, hf_state_dict, init_weights
+from framework.models.qwen3 import load_hf_state_dict as _load_targets
+from framework.models.qwen3_config import Qwen3Config
+
+ARCHITECTURE = "Qwen3ValueModel"   # config.json "architectures" entry that marks a value model directory
+
+
+class Qwen3ValueModel(nn.Module):
+    """Trunk + `v_head` Linear(hidden, 1), zero-initialised so that V = 0 before any training."""
+
+    def __init__(self, config: Qwen3Config):
+        super().__init__()
+        self.config = config
+        self.model = Qwen3Model(config)
+        self.v_head = nn.Linear(config.hidden_size, 1)
+        init_weights(self.model, config.initializer_range)
+        nn.init.zeros_(self.v_head.weight)
+        nn.init.zeros_(self.v_head.bias)
+
+    @property
+    def gradient_checkpointing(self) -> bool:
+        return self.model.gradient_checkpointing
+
+    @gradient_checkpointing.setter
+    def gradient_checkpointing(self, enabled: bool) -> None:
+        self.model.gradient_checkpointing = enabled
+
+    def forward(self, input_ids: Tensor, position_ids: Tensor | None = None) -> Tensor:
+        """Values fp32 [B, T] (the head runs in fp32 whatever the trunk's dtype)."""
+        h = self.model(input_ids, position_ids)
+        return F.linear(h.float(), self.v_head.weight.float(), self.v_head.bias.float()).squeeze(-1)
+
+    @classmethod
+    def from_policy(cls, policy: Qwen3ForCausalLM) -> Qwen3ValueModel:
+        """A critic whose trunk is an exact copy of the policy's (same dtype and device), head zero."""
+        ref = policy.lm_head_weight
+        with torch.device("meta"):
+            value = cls(policy.config)
+        value = value.to(ref.dtype).to_empty(device=ref.device)
+        value.model.load_state_dict(policy.model.state_dict())
+        with torch.no_grad():
+            value.v_head.weight.zero_()
+            value.v_head.bias.zero_()
+        value.model.gradient_checkpointing = policy.model.gradient_checkpointing
+        return value
+
+    def hf_targets(self) -> HfTargets:
+        t = self.model.hf_targets()
+        t["v_head.weight"] = (self.v_head.weight, None, None)
+        t["v_head.bias"] = (self.v_head.bias, None, None)
+        return t
+
+    def hf_state_dict(self) -> dict[str, Tensor]:
+        """Trunk tensors under HF's names plus `v_head.weight` / `v_head.bias`."""
+        return hf_state_dict(self.hf_targets())
+
+    def load_hf_state_dict(self, sd: dict[str, Tensor], strict: bool = True) -> None:
+        _load_targets(self.hf_targets(), sd, strict)
