@@ -1,0 +1,144 @@
+"""Build and load the CUDA extension (csrc/) that gives `torch.ops.fw.*` their CUDA kernels.
+
+The extension is compiled with ninja by `torch.utils.cpp_extension.load` into a cache directory:
+`$FW_OPS_CACHE`, else `~/.cache/fw/ops`, one subdirectory per torch/CUDA version. A build killed
+mid-way leaves torch's `lock` file there, which makes every later build wait forever (pytorch#189245);
+we record the building process in `owner` next to it, and report a lock whose owner is gone (or, with
+no owner record, that is older than STALE_LOCK_AGE_S) instead of waiting on it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from pathlib import Path
+
+import torch
+
+CSRC = Path(__file__).resolve().parent / "csrc"
+EXTENSION_NAME = "fw_ops"
+STALE_LOCK_AGE_S = 900.0
+NVCC_FLAGS = [
+    "-O3", "-std=c++17", "--use_fast_math", "-lineinfo",
+    "-gencode=arch=compute_90,code=sm_90",
+    "-gencode=arch=compute_80,code=compute_80",  # PTX the driver JIT-compiles on other GPUs (sm_80+)
+]
+_loaded: dict[str, str] = {}
+
+
+class StaleBuildLock(RuntimeError):
+    """A build lock left behind by a build that is no longer running."""
+
+
+def cache_dir() -> Path:
+    """Where the extension is built: $FW_OPS_CACHE or ~/.cache/fw/ops, per torch and CUDA version."""
+    root = Path(os.environ.get("FW_OPS_CACHE") or Path.home() / ".cache" / "fw" / "ops")
+    tag = f"torch{torch.__version__.split('+')[0]}-cu{(torch.version.cuda or 'none').replace('.', '')}"
+    return root / tag
+
+
+def sources() -> list[str]:
+    return sorted(str(p) for p in CSRC.iterdir() if p.suffix in (".cu", ".cpp"))
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def lock_status(directory: Path | None = None) -> tuple[str, str]:
+    """("none" | "held" | "stale", human-readable detail) for the build lock in `directory`."""
+    d = directory or cache_dir()
+    lock, owner_file = d / "lock", d / "owner"
+    if not lock.exists():
+        return "none", "no build lock"
+    age = time.time() - lock.stat().st_mtime
+    owner = None
+    if owner_file.exists():
+        try:
+            owner = json.loads(owner_file.read_text())
+        except (OSError, ValueError):
+            owner = None
+    if owner and owner.get("host") == socket.gethostname():
+        if _pid_alive(int(owner["pid"])):
+            return "held", f"{lock} held by running pid {owner['pid']} for {age:.0f}s"
+        return "stale", (f"{lock} left by pid {owner['pid']}, which is no longer running "
+                         f"(a build killed mid-way); delete the file to build again")
+    if age > STALE_LOCK_AGE_S:
+        who = f"host {owner['host']} pid {owner['pid']}" if owner else "an unknown process"
+        return "stale", (f"{lock} is {age:.0f}s old (owner: {who}); a build takes about a minute, so it was "
+                         "most likely killed mid-way; delete the file to build again")
+    return "held", f"{lock} created {age:.0f}s ago by another process (a build in progress?)"
+
+
+def build(verbose: bool = False) -> str:
+    """Compile (if needed) and load the CUDA extension; returns the path of the loaded library.
+    Raises RuntimeError when CUDA or the toolchain is missing, StaleBuildLock for a dead build's lock."""
+    if "path" in _loaded:
+        return _loaded["path"]
+    from torch.utils import cpp_extension
+
+    if torch.version.cuda is None:
+        raise RuntimeError(f"torch {torch.__version__} is a CPU-only build; the CUDA kernels need a CUDA torch")
+    if cpp_extension.CUDA_HOME is None:
+        raise RuntimeError("no CUDA toolkit found (nvcc); set CUDA_HOME")
+    d = cache_dir()
+    d.mkdir(parents=True, exist_ok=True)
+    state, detail = lock_status(d)
+    if state == "stale":
+        raise StaleBuildLock(detail)
+    owner_file = d / "owner"
+    mine = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.time()}
+    if state == "none":
+        owner_file.write_text(json.dumps(mine))
+    try:
+        path = cpp_extension.load(
+            name=EXTENSION_NAME, sources=sources(), build_directory=str(d), verbose=verbose,
+            is_python_module=False, extra_cflags=["-O3", "-std=c++17"], extra_cuda_cflags=NVCC_FLAGS,
+            extra_ldflags=["-lcublas"],
+        )
+    finally:
+        if state == "none" and owner_file.exists():
+            try:
+                if json.loads(owner_file.read_text()).get("pid") == os.getpid():
+                    owner_file.unlink()
+            except (OSError, ValueError):
+                pass
+    _loaded["path"] = str(path) if path else str(d / f"{EXTENSION_NAME}.so")
+    return _loaded["path"]
+
+
+def doctor() -> str:
+    """A report: torch, CUDA, GPU, whether the extension is built/loaded, cache path, lock status."""
+    from ops_cuda.library import cuda_state
+
+    lines = [f"torch: {torch.__version__}", f"torch CUDA: {torch.version.cuda or 'none (CPU build)'}"]
+    try:
+        from torch.utils import cpp_extension
+
+        lines.append(f"CUDA toolkit (nvcc): {cpp_extension.CUDA_HOME or 'not found'}")
+    except Exception as e:  # the report must not fail on a broken toolchain
+        lines.append(f"CUDA toolkit: unavailable ({e})")
+    if torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            cap = torch.cuda.get_device_capability(i)
+            lines.append(f"GPU {i}: {torch.cuda.get_device_name(i)} (capability {cap[0]}.{cap[1]})")
+    else:
+        lines.append("GPU: none visible (CPU: the operators run the torch references)")
+    d = cache_dir()
+    so = d / f"{EXTENSION_NAME}.so"
+    lines.append(f"cache: {d}")
+    lines.append(f"extension built: {'yes, ' + str(so) if so.exists() else 'no'}")
+    lines.append(f"extension loaded: {'yes' if 'path' in _loaded else 'no'}")
+    backend = cuda_state["backend"]
+    lines.append("CUDA ops served by: " + {None: "not decided yet (built on first CUDA call)",
+                                            "kernels": "the CUDA kernels",
+                                            "reference": f"the torch references ({cuda_state['error']})"}[backend])
+    lines.append(f"build lock: {lock_status(d)[1]}")
+    return "\n".join(lines)

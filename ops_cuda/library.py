@@ -1,0 +1,205 @@
+"""The `fw` operator library: schemas, CPU kernels (the torch references), fake kernels, autograd.
+
+Schemas live here, in Python, so that the operators exist on every machine, with or without a
+compiler. The CUDA kernels come from the C++ extension (csrc/bindings.cpp, `TORCH_LIBRARY_IMPL(fw,
+CUDA, m)`), built on the first call with a CUDA tensor: until then each CUDA key holds a small Python
+shim that builds and loads the extension, removes itself and redispatches. If the build fails, the
+references are registered for CUDA instead, with one warning.
+"""
+from __future__ import annotations
+
+import threading
+import warnings
+
+import torch
+
+from ops_cuda import reference as ref
+
+LIB = torch.library.Library("fw", "DEF")  # noqa: TOR901 (schemas defined once, here)
+
+SCHEMAS = {
+    "rms_norm": "rms_norm(Tensor x, Tensor weight, float eps) -> Tensor",
+    "rms_norm_backward": "rms_norm_backward(Tensor grad, Tensor x, Tensor weight, float eps) -> (Tensor, Tensor)",
+    "rope": "rope(Tensor q, Tensor k, Tensor positions, float theta, bool inverse=False) -> (Tensor, Tensor)",
+    "swiglu": "swiglu(Tensor gate_up) -> Tensor",
+    "swiglu_backward": "swiglu_backward(Tensor grad, Tensor gate_up) -> Tensor",
+    "attention": "attention(Tensor q, Tensor k, Tensor v, Tensor? positions, float scale) -> Tensor",
+    "decode_attention": "decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor lengths, "
+                        "float scale) -> Tensor",
+    "linear_logprob": "linear_logprob(Tensor hidden, Tensor weight, Tensor targets, float temperature) "
+                      "-> (Tensor, Tensor, Tensor)",
+    "linear_logprob_backward": "linear_logprob_backward(Tensor grad_logprob, Tensor grad_entropy, "
+                               "Tensor hidden, Tensor weight, Tensor targets, Tensor lse, Tensor entropy, "
+                               "float temperature) -> (Tensor, Tensor)",
+    "sample": "sample(Tensor logits, float temperature, int top_k, float top_p, float min_p, int seed) "
+              "-> (Tensor, Tensor)",
+}
+
+# The torch reference behind each operator (CPU kernel and CUDA fallback).
+REFERENCES = {
+    "rms_norm": ref.rms_norm,
+    "rms_norm_backward": ref.rms_norm_backward,
+    "rope": ref.rope,
+    "swiglu": ref.swiglu,
+    "swiglu_backward": ref.swiglu_backward,
+    "decode_attention": ref.decode_attention,
+    "linear_logprob": ref.linear_logprob,
+    "linear_logprob_backward": ref.linear_logprob_backward,
+    "sample": ref.sample,
+}
+# attention is a composite of scaled_dot_product_attention (flash / memory-efficient kernels on CUDA):
+# it decomposes under autograd and torch.compile, so it needs no fake, autograd or CUDA kernel of its own.
+CUDA_OPS = tuple(REFERENCES)
+
+for _name, _schema in SCHEMAS.items():
+    LIB.define(_schema)
+LIB.impl("attention", ref.attention, "CompositeImplicitAutograd")
+for _name, _fn in REFERENCES.items():
+    LIB.impl(_name, _fn, "CPU")
+
+
+# ---------------------------------------------------------------- fake (meta) kernels
+@torch.library.register_fake("fw::rms_norm")
+def _(x, weight, eps):
+    return torch.empty_like(x)
+
+
+@torch.library.register_fake("fw::rms_norm_backward")
+def _(grad, x, weight, eps):
+    return torch.empty_like(x), torch.empty_like(weight)
+
+
+@torch.library.register_fake("fw::rope")
+def _(q, k, positions, theta, inverse=False):
+    return torch.empty_like(q), torch.empty_like(k)
+
+
+@torch.library.register_fake("fw::swiglu")
+def _(gate_up):
+    return gate_up.new_empty((*gate_up.shape[:-1], gate_up.shape[-1] // 2))
+
+
+@torch.library.register_fake("fw::swiglu_backward")
+def _(grad, gate_up):
+    return torch.empty_like(gate_up)
+
+
+@torch.library.register_fake("fw::decode_attention")
+def _(q, k_cache, v_cache, lengths, scale):
+    return torch.empty_like(q)
+
+
+@torch.library.register_fake("fw::linear_logprob")
+def _(hidden, weight, targets, temperature):
+    acc = ref.acc_dtype(hidden.dtype)
+    n = hidden.shape[0]
+    return (hidden.new_empty(n, dtype=acc), hidden.new_empty(n, dtype=acc), hidden.new_empty(n, dtype=acc))
+
+
+@torch.library.register_fake("fw::linear_logprob_backward")
+def _(grad_logprob, grad_entropy, hidden, weight, targets, lse, entropy, temperature):
+    return torch.empty_like(hidden), torch.empty_like(weight)
+
+
+@torch.library.register_fake("fw::sample")
+def _(logits, temperature, top_k, top_p, min_p, seed):
+    b = logits.shape[0]
+    return logits.new_empty(b, dtype=torch.int64), logits.new_empty(b, dtype=torch.float32)
+
+
+# ---------------------------------------------------------------- autograd (backwards are fw ops)
+def _rms_norm_setup(ctx, inputs, output):
+    x, weight, eps = inputs
+    ctx.save_for_backward(x, weight)
+    ctx.eps = eps
+
+
+def _rms_norm_backward(ctx, grad):
+    x, weight = ctx.saved_tensors
+    gx, gw = torch.ops.fw.rms_norm_backward(grad, x, weight, ctx.eps)
+    return gx, gw, None
+
+
+def _rope_setup(ctx, inputs, output):
+    ctx.save_for_backward(inputs[2])
+    ctx.theta, ctx.inverse = inputs[3], inputs[4] if len(inputs) > 4 else False
+
+
+def _rope_backward(ctx, grad_q, grad_k):
+    (positions,) = ctx.saved_tensors
+    gq, gk = torch.ops.fw.rope(grad_q, grad_k, positions, ctx.theta, not ctx.inverse)
+    return gq, gk, None, None, None
+
+
+def _swiglu_setup(ctx, inputs, output):
+    ctx.save_for_backward(inputs[0])
+
+
+def _swiglu_backward(ctx, grad):
+    (gate_up,) = ctx.saved_tensors
+    return torch.ops.fw.swiglu_backward(grad, gate_up)
+
+
+def _linear_logprob_setup(ctx, inputs, output):
+    hidden, weight, targets, temperature = inputs
+    _, entropy, lse = output
+    ctx.save_for_backward(hidden, weight, targets, lse, entropy)
+    ctx.temperature = temperature
+
+
+def _linear_logprob_backward(ctx, grad_logprob, grad_entropy, grad_lse):
+    # lse is an auxiliary output for the backward; the public API never returns it.
+    hidden, weight, targets, lse, entropy = ctx.saved_tensors
+    gh, gw = torch.ops.fw.linear_logprob_backward(grad_logprob, grad_entropy, hidden, weight, targets,
+                                                  lse, entropy, ctx.temperature)
+    return gh, gw, None, None
+
+
+torch.library.register_autograd("fw::rms_norm", _rms_norm_backward, setup_context=_rms_norm_setup)
+torch.library.register_autograd("fw::rope", _rope_backward, setup_context=_rope_setup)
+torch.library.register_autograd("fw::swiglu", _swiglu_backward, setup_context=_swiglu_setup)
+torch.library.register_autograd("fw::linear_logprob", _linear_logprob_backward,
+                                setup_context=_linear_logprob_setup)
+
+
+# ---------------------------------------------------------------- CUDA: build on first use
+_CUDA_SHIMS = torch.library.Library("fw", "IMPL")  # noqa: TOR901
+_CUDA_FALLBACK: list[torch.library.Library] = []
+_cuda_lock = threading.Lock()
+cuda_state = {"backend": None, "error": None}  # backend: None (not tried) | "kernels" | "reference"
+
+
+def activate_cuda() -> str:
+    """Give the CUDA keys their kernels: build/load the extension, or register the references
+    (one warning) if that fails. Returns the backend now serving CUDA: "kernels" or "reference"."""
+    with _cuda_lock:
+        if cuda_state["backend"] is not None:
+            return cuda_state["backend"]
+        from ops_cuda.build import build
+
+        _CUDA_SHIMS._destroy()
+        try:
+            build()
+            cuda_state["backend"] = "kernels"
+        except Exception as e:  # any build/load failure: the references keep CUDA working
+            cuda_state["backend"], cuda_state["error"] = "reference", f"{type(e).__name__}: {e}"
+            fallback = torch.library.Library("fw", "IMPL")  # noqa: TOR901
+            for name, fn in REFERENCES.items():
+                fallback.impl(name, fn, "CUDA")
+            _CUDA_FALLBACK.append(fallback)
+            warnings.warn(f"fw ops: the CUDA extension is unavailable ({cuda_state['error']}); CUDA tensors "
+                          "use the torch reference implementations (correct, slower). Run `fw doctor`.",
+                          stacklevel=3)
+        return cuda_state["backend"]
+
+
+def _make_shim(name: str):
+    def shim(*args):
+        activate_cuda()
+        return getattr(torch.ops.fw, name).default(*args)
+
+    return shim
+
+
+for _name in CUDA_OPS:
+    _CUDA_SHIMS.impl(_name, _make_shim(_name), "CUDA")
