@@ -119,12 +119,9 @@ def doctor() -> str:
     from ops_cuda.library import cuda_state
 
     lines = [f"torch: {torch.__version__}", f"torch CUDA: {torch.version.cuda or 'none (CPU build)'}"]
-    try:
-        from torch.utils import cpp_extension
+    from torch.utils import cpp_extension
 
-        lines.append(f"CUDA toolkit (nvcc): {cpp_extension.CUDA_HOME or 'not found'}")
-    except Exception as e:  # the report must not fail on a broken toolchain
-        lines.append(f"CUDA toolkit: unavailable ({e})")
+    lines.append(f"CUDA toolkit (nvcc): {cpp_extension.CUDA_HOME or 'not found'}")
     if torch.cuda.is_available():
         for i in range(torch.cuda.device_count()):
             cap = torch.cuda.get_device_capability(i)
