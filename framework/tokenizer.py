@@ -1,0 +1,159 @@
+"""`Tokenizer`: a `tokenizers` tokenizer with Qwen3's special tokens and chat template.
+
+`apply_chat_template` renders Qwen3's template (framework/assets/qwen3_chat_template.jinja, the
+`chat_template` of Qwen3's tokenizer_config.json) in plain Python for system, user and assistant turns.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from pathlib import Path
+
+from tokenizers import Tokenizer as _HfTokenizer
+
+from framework.errors import FwError
+
+ASSETS = Path(__file__).parent / "assets"
+BUILTIN_FILE = ASSETS / "char_tokenizer.json"
+CHAT_TEMPLATE_FILE = ASSETS / "qwen3_chat_template.jinja"
+EOS_TOKEN = "<|im_end|>"     # Qwen3's eos and pad tokens, used when tokenizer_config.json names none
+PAD_TOKEN = "<|endoftext|>"
+_ROLES = ("system", "user", "assistant")
+
+
+def qwen3_chat_template() -> str:
+    """The Jinja source of Qwen3's chat template (what transformers would render)."""
+    return CHAT_TEMPLATE_FILE.read_text()
+
+
+class Tokenizer:
+    """Text <-> token ids; special tokens are matched whole and never split."""
+
+    def __init__(self, tokenizer: _HfTokenizer, eos_token: str = EOS_TOKEN, pad_token: str = PAD_TOKEN,
+                 source: str = "tokenizer", config: dict | None = None):
+        self._tk = tokenizer
+        self.source = source
+        self.config = dict(config or {})   # tokenizer_config.json contents, written back by save_pretrained
+        self.eos_token, self.pad_token = eos_token, pad_token
+        self.eos_id = self._special_id(eos_token, "eos")
+        self.pad_id = self._special_id(pad_token, "pad")
+        self.vocab_size: int = tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def _special_id(self, token: str, what: str) -> int:
+        tid = self._tk.token_to_id(token)
+        if tid is None:
+            raise FwError(f"{self.source}: the {what} token {token!r} is not in the vocabulary")
+        return tid
+
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike) -> Tokenizer:
+        """From a directory (tokenizer.json + optional tokenizer_config.json) or a tokenizer.json file."""
+        path = Path(path)
+        file = path / "tokenizer.json" if path.is_dir() else path
+        if not file.is_file():
+            raise FwError(f"{path}: no tokenizer.json (expected a directory holding one, or the file)")
+        try:
+            tk = _HfTokenizer.from_file(str(file))
+        except Exception as e:  # noqa: BLE001 (tokenizers raises a bare Exception on malformed files)
+            raise FwError(f"{file}: cannot read tokenizer: {e}") from None
+        config: dict = {}
+        config_file = file.parent / "tokenizer_config.json"
+        if config_file.is_file():
+            try:
+                config = json.loads(config_file.read_text())
+            except json.JSONDecodeError as e:
+                raise FwError(f"{config_file}: invalid JSON: {e}") from None
+            template = config.get("chat_template")
+            if isinstance(template, str) and template.strip() != qwen3_chat_template().strip():
+                warnings.warn(f"{config_file}: its chat_template differs from Qwen3's; fw renders chat "
+                              "prompts with Qwen3's template", stacklevel=2)
+        return cls(tk, _token(config.get("eos_token")) or EOS_TOKEN, _token(config.get("pad_token")) or PAD_TOKEN,
+                   source=str(file), config=config)
+
+    @classmethod
+    def builtin(cls) -> Tokenizer:
+        """The character-level tokenizer shipped with fw: printable ASCII, tab, newline, <unk> and Qwen3's
+        special tokens (<|endoftext|> pad, <|im_start|>, <|im_end|> eos, <think>, </think>)."""
+        return cls(_HfTokenizer.from_file(str(BUILTIN_FILE)), source="builtin character tokenizer")
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text` (no BOS/EOS added; special tokens in the text become their ids)."""
+        return self._tk.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        return self._tk.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tk.token_to_id(token)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            enable_thinking: bool = False) -> str:
+        """Qwen3's chat rendering of system / user / assistant messages.
+
+        Assistant turns after the last user message carry a <think> block (reasoning from
+        `reasoning_content` or from a <think>...</think> prefix of the content; empty otherwise); the
+        generation prompt opens an assistant turn, pre-closing the think block unless enable_thinking.
+        """
+        _check_messages(messages)
+        last_query = len(messages) - 1
+        for i in range(len(messages) - 1, -1, -1):
+            c = messages[i]["content"]
+            if messages[i]["role"] == "user" and not (c.startswith("<tool_response>")
+                                                      and c.endswith("</tool_response>")):
+                last_query = i
+                break
+        out = []
+        for i, m in enumerate(messages):
+            role, content = m["role"], m["content"]
+            if role == "user" or role == "system":
+                out.append(f"<|im_start|>{role}\n{content}<|im_end|>\n")
+                continue
+            reasoning = m.get("reasoning_content")
+            if reasoning is None:
+                reasoning = ""
+                if "</think>" in content:
+                    reasoning = content.split("</think>")[0].rstrip("\n").split("<think>")[-1].lstrip("\n")
+                    content = content.split("</think>")[-1].lstrip("\n")
+            if i > last_query and (i == len(messages) - 1 or reasoning):
+                out.append(f"<|im_start|>assistant\n<think>\n{reasoning.strip(chr(10))}\n</think>\n\n"
+                           f"{content.lstrip(chr(10))}<|im_end|>\n")
+            else:
+                out.append(f"<|im_start|>assistant\n{content}<|im_end|>\n")
+        if add_generation_prompt:
+            out.append("<|im_start|>assistant\n" + ("" if enable_thinking else "<think>\n\n</think>\n\n"))
+        return "".join(out)
+
+    def save_pretrained(self, path: str | os.PathLike) -> None:
+        """Write tokenizer.json and tokenizer_config.json (with Qwen3's chat template) for transformers."""
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        self._tk.save(str(path / "tokenizer.json"))
+        config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": None, "unk_token": None,
+                  "clean_up_tokenization_spaces": False, "model_max_length": 131072, **self.config,
+                  "eos_token": self.eos_token, "pad_token": self.pad_token,
+                  "chat_template": self.config.get("chat_template") or qwen3_chat_template()}
+        (path / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
+
+
+def _token(value) -> str | None:
+    """A token named in tokenizer_config.json: a string or an AddedToken dict {"content": ...}."""
+    return value.get("content") if isinstance(value, dict) else value
+
+
+def _check_messages(messages: list[dict]) -> None:
+    if not isinstance(messages, list) or not messages:
+        raise FwError("chat messages: expected a non-empty list of {role, content} dicts")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in _ROLES:
+            role = m.get("role") if isinstance(m, dict) else m
+            raise FwError(f"chat messages[{i}]: role {role!r} is not supported; expected one of {_ROLES}")
+        if not isinstance(m.get("content"), str):
+            raise FwError(f"chat messages[{i}] ({m['role']}): content must be a string, "
+                          f"got {type(m.get('content')).__name__}")
+        if m.get("tool_calls"):
+            raise FwError(f"chat messages[{i}]: tool_calls are not supported")
+        reasoning = m.get("reasoning_content")
+        if reasoning is not None and not isinstance(reasoning, str):
+            raise FwError(f"chat messages[{i}]: reasoning_content must be a string")

