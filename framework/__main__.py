@@ -1,0 +1,5 @@
+import sys
+
+from framework.cli import main
+
+sys.exit(main())

@@ -1,0 +1,174 @@
+"""The `fw` command line (also `python -m framework`).
+
+Commands that read a config take `--config FILE` (repeatable, merged left to right) and dotted
+overrides `--section.key=value`. User errors print one line each on stderr and exit with code 2;
+`--debug` (or FW_DEBUG=1) adds the traceback. The training, export, generation and CUDA-op parts are
+imported only by the command that needs them, so `fw validate` stays fast and works without them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+import traceback
+from pathlib import Path
+from types import ModuleType
+
+from framework.config import dump_config, load_config, save_resolved, schema_path, schema_text
+from framework.errors import ConfigError, FwError
+
+# Commands whose leftover `--a.b=v` arguments are config overrides.
+_WITH_CONFIG = ("fit", "validate", "print-config", "generate")
+
+
+def _reference() -> str:
+    return (f"Config reference: the JSON Schema {os.path.realpath(schema_path())} (print it with `fw schema`); "
+            "`fw print-config --config FILE` shows every resolved value.")
+
+
+def _parser() -> argparse.ArgumentParser:
+    # --debug is accepted before and after the command; SUPPRESS keeps `fw --debug fit` from being reset
+    common = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                        help="show Python tracebacks (also FW_DEBUG=1)")
+    configs = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    configs.add_argument("--config", action="append", metavar="FILE", default=[],
+                         help="YAML config; repeat to merge several, later files win (mappings merge, lists replace)")
+
+    overrides = "Dotted overrides such as --trainer.max_steps=10 --optimizer.lr=1e-4 follow the options."
+    parser = argparse.ArgumentParser(
+        prog="fw", allow_abbrev=False,
+        description="fw: declarative post-training (SFT, GRPO, PPO) for Qwen3 on PyTorch Lightning.",
+        epilog=_reference())
+    parser.add_argument("--debug", action="store_true", help="show Python tracebacks (also FW_DEBUG=1)")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    def add(name: str, help: str, parents: list, description: str = "") -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=help, parents=parents, allow_abbrev=False,
+                              description=(description or help), epilog=_reference())
+
+    fit = add("fit", "train: run the recipe of the config", [common, configs],
+              "Train with the recipe of the config and write the resolved config.yaml into run_dir. " + overrides)
+    fit.add_argument("--resume", metavar="last|PATH",
+                     help="continue from the newest checkpoint of run_dir ('last') or a checkpoint directory")
+    add("validate", "check a config without running it (exit 0 when valid, 2 with every problem)",
+        [common, configs], "Check a config without running it. " + overrides)
+    add("print-config", "print the resolved config (every default filled in) as YAML",
+        [common, configs], "Print the resolved config as YAML. " + overrides)
+    add("schema", "print the config's JSON Schema", [common])
+
+    export = add("export", "write a checkpoint's policy as a Hugging Face model directory", [common])
+    export.add_argument("--checkpoint", required=True, metavar="DIR", help="checkpoint directory (step-...)")
+    export.add_argument("--out", required=True, metavar="DIR", help="output directory")
+
+    gen = add("generate", "generate text from a config's model or a checkpoint", [common, configs],
+              "Generate a completion. With only --checkpoint, the checkpoint's own config.yaml is used; "
+              "options left out come from the config (rollout.max_new_tokens, rollout.temperature, seed). "
+              + overrides)
+    gen.add_argument("--checkpoint", metavar="DIR", help="checkpoint directory whose policy is used")
+    gen.add_argument("--prompt", required=True, help="the user message")
+    gen.add_argument("--max-new-tokens", type=int, metavar="N")
+    how = gen.add_mutually_exclusive_group()
+    how.add_argument("--temperature", type=float, metavar="T")
+    how.add_argument("--greedy", action="store_true", help="same as --temperature 0")
+    gen.add_argument("--seed", type=int, metavar="S")
+
+    add("doctor", "report torch, CUDA and the state of the CUDA ops", [common])
+    ops = add("ops", "CUDA ops tools", [common])
+    ops_sub = ops.add_subparsers(dest="ops_command", metavar="OPS_COMMAND", required=True)
+    ops_sub.add_parser("build", help="compile and load the CUDA ops", parents=[common], allow_abbrev=False)
+    return parser
+
+
+def _import(module: str, what: str) -> ModuleType:
+    """Import a part of fw built separately; FwError when that part is missing from this installation."""
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        if e.name and (module == e.name or module.startswith(e.name + ".")):
+            raise FwError(f"{what} ({module}) is not available in this installation of fw") from e
+        raise
+
+
+def _require_recipe(recipe: str) -> None:
+    registry = getattr(_import("recipes", "the recipes package"), "RECIPES", {})
+    if recipe not in registry:
+        available = ", ".join(sorted(registry)) or "none yet"
+        raise FwError(f"recipe '{recipe}' is not available yet in this version of fw (available: {available})")
+
+
+def _run(args: argparse.Namespace, overrides: list[str]) -> int:
+    cmd = args.command
+    if cmd in ("validate", "print-config", "fit"):
+        if not args.config:
+            raise FwError(f"fw {cmd} needs --config FILE")
+        cfg = load_config(args.config, overrides)
+        if cmd == "validate":
+            print(f"{', '.join(args.config)}: valid (recipe {cfg['recipe']})")
+        elif cmd == "print-config":
+            sys.stdout.write(dump_config(cfg))
+        else:
+            _require_recipe(cfg["recipe"])
+            trainer = _import("framework.trainer", "the training loop")
+            save_resolved(cfg, Path(cfg["run_dir"]) / "config.yaml")
+            trainer.fit(cfg, resume=args.resume)
+    elif cmd == "schema":
+        sys.stdout.write(schema_text())
+    elif cmd == "export":
+        export = _import("framework.export", "checkpoint export")
+        out = export.export_checkpoint(args.checkpoint, args.out)
+        print(f"exported {args.checkpoint} to {out or args.out}")
+    elif cmd == "generate":
+        if not args.config and not args.checkpoint:
+            raise FwError("fw generate needs --config FILE or --checkpoint DIR")
+        if overrides and not args.config:
+            raise FwError(f"overrides ({' '.join(overrides)}) need --config FILE; with only --checkpoint the "
+                          "checkpoint's config.yaml is used as it is")
+        cfg = load_config(args.config, overrides) if args.config else None
+        generate = _import("framework.generate", "text generation")
+        temperature = 0.0 if args.greedy else args.temperature
+        print(generate.generate_text(cfg, args.prompt, checkpoint=args.checkpoint,
+                                     max_new_tokens=args.max_new_tokens, temperature=temperature, seed=args.seed))
+    elif cmd == "doctor":
+        print(_import("ops_cuda", "the CUDA ops package").doctor())
+    elif cmd == "ops":
+        ops_cuda = _import("ops_cuda", "the CUDA ops package")
+        try:
+            print(ops_cuda.build())
+        except RuntimeError as e:  # no CUDA / no compiler / a stale build lock: the message says which
+            raise FwError(f"fw ops build: {e}") from e
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run `fw` with `argv` (default: sys.argv[1:]); returns the exit code."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = _parser()
+    try:
+        args, rest = parser.parse_known_args(argv)
+        if rest and args.command not in _WITH_CONFIG:
+            parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    except SystemExit as e:  # --help, or a usage error already printed by argparse
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
+    if args.command is None:
+        parser.print_help(sys.stderr)
+        return 2
+    debug = args.debug or os.environ.get("FW_DEBUG", "") not in ("", "0")
+    try:
+        return _run(args, rest)
+    except FwError as e:
+        if debug:
+            traceback.print_exc()
+        if isinstance(e, ConfigError):
+            for problem in e.problems:
+                print(problem, file=sys.stderr)
+        else:
+            print(f"fw: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        if debug:
+            traceback.print_exc()
+        print("fw: interrupted", file=sys.stderr)
+        return 130

@@ -1,0 +1,459 @@
+"""Load, merge, override, validate and resolve the job config against schemas/train.schema.json.
+
+The resolved config is a plain nested dict in which every key of the schema is present with its
+default filled in, except the recipe sections: only the section of the selected recipe exists
+(`cfg["grpo"]` under `recipe: grpo`; `cfg.get("ppo")` is None there). That keeps the resolved
+config valid against the schema, which allows a recipe section only under its own recipe, so a
+run's saved `config.yaml` can be loaded again as it is.
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+import functools
+import importlib
+import json
+import os
+import re
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from jsonschema import Draft202012Validator, ValidationError
+from jsonschema.exceptions import best_match
+
+from framework import yaml12
+from framework.errors import ConfigError, FwError, Problem
+from framework.imports import check_init_args, import_object
+from framework.yaml12 import Located, Mark
+
+SCHEMA_FILE = "train.schema.json"
+MODELINE = "# yaml-language-server: $schema="
+YAML11_BOOLEANS = {"on", "off", "yes", "no", "y", "n"}
+# Built-in names that are checked against a registry at validation time, when no class_path replaces them.
+_REGISTRIES = {("reward", "name"): ("framework.rewards", "REWARDS"),
+               ("data", "task", "name"): ("framework.tasks", "TASKS")}
+
+
+# ------------------------------------------------------------------------------------------ the schema
+
+def schema_path() -> Path:
+    """The schema file shipped in the package (in a source checkout, a link to schemas/train.schema.json)."""
+    return Path(str(resources.files("framework") / SCHEMA_FILE))
+
+
+def schema_text() -> str:
+    return schema_path().read_text(encoding="utf-8")
+
+
+@functools.cache
+def _schema() -> dict:
+    return json.loads(schema_text())  # read-only inside this module
+
+
+def schema() -> dict:
+    """The parsed schema (a fresh copy, so callers cannot change the one used for validation)."""
+    return copy.deepcopy(_schema())
+
+
+@functools.cache
+def _validator() -> Draft202012Validator:
+    return Draft202012Validator(_schema())
+
+
+def recipe_sections() -> tuple[str, ...]:
+    """The recipe names, which are also the names of their config sections."""
+    return tuple(_schema()["properties"]["recipe"]["enum"])
+
+
+def _class_path_pattern() -> str:
+    return _schema()["properties"]["callbacks"]["items"]["properties"]["class_path"]["pattern"]
+
+
+# ------------------------------------------------------------------------------------------ helpers
+
+def _dotted(path: tuple) -> str:
+    out = ""
+    for p in path:
+        out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else str(p))
+    return out
+
+
+def _locate(marks: dict, path: tuple, key: bool, fallback: Mark) -> Mark:
+    """The mark of `path` (its key's when `key` and there is one), else of its nearest written parent."""
+    for n in range(len(path), -1, -1):
+        located = marks.get(path[:n])
+        if located is not None:
+            if key and n == len(path) and located.key is not None:
+                return located.key
+            return located.value
+    return fallback
+
+
+def _suggest(word: Any, choices: list) -> str:
+    close = difflib.get_close_matches(str(word), [str(c) for c in choices], n=1, cutoff=0.6)
+    return f"; did you mean '{close[0]}'?" if close else ""
+
+
+def _describe(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return f"the number {value!r}"
+    if isinstance(value, str):
+        return f"the string {value!r}"
+    if isinstance(value, dict):
+        return "a mapping"
+    if isinstance(value, list):
+        return "a list"
+    return type(value).__name__
+
+
+_TYPE_WORDS = {"object": "a mapping", "array": "a list", "null": "null", "integer": "an integer",
+               "number": "a number", "boolean": "true or false", "string": "a string"}
+
+
+def _type_message(error: ValidationError) -> str:
+    types = error.validator_value if isinstance(error.validator_value, list) else [error.validator_value]
+    expected = " or ".join(_TYPE_WORDS.get(t, t) for t in types)
+    msg = f"expected {expected}, got {_describe(error.instance)}"
+    if "boolean" in types and isinstance(error.instance, str) and error.instance.lower() in YAML11_BOOLEANS:
+        msg += " (YAML 1.2 reads on/off/yes/no as strings: write true or false)"
+    return msg
+
+
+def _choice_text(values: list) -> str:
+    return ", ".join("null" if v is None else str(v).lower() if isinstance(v, bool) else str(v) for v in values)
+
+
+def _alternatives_message(error: ValidationError) -> str | None:
+    """oneOf/anyOf: 'exactly one of' for branches that each require one key, else the schema's description."""
+    branches = error.validator_value
+    if all(isinstance(b, dict) and len(b.get("required", [])) == 1 for b in branches) \
+            and isinstance(error.instance, dict):
+        keys = [b["required"][0] for b in branches]
+        present = [k for k in keys if error.instance.get(k) is not None]
+        names = " or ".join(f"'{k}'" for k in keys)
+        if not present:
+            return f"set one of {names} (none is set)"
+        if len(present) > 1:
+            return f"set only one of {names}, not {' and '.join(repr(k) for k in present)}"
+        return None  # the set key has a bad value: its own error says so
+    description = error.schema.get("description")
+    if description:
+        return f"{_describe(error.instance)} is not allowed here: {description}"
+    return best_match(error.context).message if error.context else error.message
+
+
+def _problems_for(error: ValidationError, marks: dict, fallback: Mark, recipe: Any) -> list[Problem]:
+    path = tuple(error.absolute_path)
+    v = error.validator
+
+    def at(p: tuple, message: str, key: bool = False) -> Problem:
+        # a problem with a whole mapping or list is shown at its key, where the block starts
+        key = key or (p == path and isinstance(error.instance, (dict, list)))
+        m = _locate(marks, p, key, fallback)
+        return Problem(m.file, m.line, m.col, _dotted(p), message)
+
+    if v == "additionalProperties":
+        allowed = list(error.schema.get("properties", {}))
+        extra = [k for k in error.instance if k not in allowed]
+        return [at(path + (k,), f"unknown key '{k}'" + (_suggest(k, allowed) or
+                                                         f" (allowed here: {', '.join(allowed)})"), key=True)
+                for k in extra]
+    if v == "required":
+        return [at(path + (k,), f"missing required key '{k}'") for k in error.validator_value
+                if isinstance(error.instance, dict) and k not in error.instance]
+    if v == "type":
+        return [at(path, _type_message(error))]
+    if v == "enum":
+        return [at(path, f"expected one of {_choice_text(error.validator_value)}; got {_describe(error.instance)}"
+                         + _suggest(error.instance, error.validator_value))]
+    if v == "not" and error.schema.get("description"):
+        return [at(path, f"{error.schema['description'].rstrip('.')} (this config has recipe: {recipe})", key=True)]
+    if v in ("oneOf", "anyOf"):
+        message = _alternatives_message(error)
+        return [at(path, message)] if message else []
+    if v == "pattern" and path and path[-1] == "class_path":
+        return [at(path, f"{_describe(error.instance)} is not a dotted import path like 'package.module.Class'")]
+    if v in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"):
+        op = {"minimum": ">=", "maximum": "<=", "exclusiveMinimum": ">", "exclusiveMaximum": "<"}[v]
+        return [at(path, f"must be {op} {error.validator_value}, got {error.instance!r}")]
+    if v == "minLength" and error.validator_value == 1:
+        return [at(path, "must not be empty")]
+    if v in ("minItems", "maxItems"):
+        word = "at least" if v == "minItems" else "at most"
+        return [at(path, f"needs {word} {error.validator_value} item(s), got {len(error.instance)}")]
+    return [at(path, error.message)]
+
+
+def _check_class_paths(data: Any, marks: dict, fallback: Mark, path: tuple = ()) -> list[Problem]:
+    """Import every `class_path` written in the config; check its `init_args` names against the signature."""
+    problems: list[Problem] = []
+    if isinstance(data, list):
+        for i, item in enumerate(data):
+            problems += _check_class_paths(item, marks, fallback, path + (i,))
+        return problems
+    if not isinstance(data, dict):
+        return problems
+    class_path = data.get("class_path")
+    if isinstance(class_path, str) and re.match(_class_path_pattern(), class_path):
+        where = path + ("class_path",)
+        try:
+            target = import_object(class_path)
+            init_args = data.get("init_args")
+            if isinstance(init_args, dict) and callable(target):
+                where = path + ("init_args",)
+                check_init_args(target, init_args, class_path)
+        except FwError as e:
+            m = _locate(marks, where, False, fallback)
+            problems.append(Problem(m.file, m.line, m.col, _dotted(where), str(e)))
+    for key, value in data.items():
+        if key != "init_args":  # what init_args holds belongs to the user's class
+            problems += _check_class_paths(value, marks, fallback, path + (key,))
+    return problems
+
+
+def _get(data: Any, path: tuple) -> Any:
+    for p in path:
+        if not isinstance(data, dict):
+            return None
+        data = data.get(p)
+    return data
+
+
+def _check_registry_names(data: dict, marks: dict, fallback: Mark) -> list[Problem]:
+    """Built-in reward / task names must exist (checked when the module defining them is present)."""
+    problems = []
+    for path, (module_name, attr) in _REGISTRIES.items():
+        name = _get(data, path)
+        if not isinstance(name, str) or _get(data, path[:-1] + ("class_path",)):
+            continue
+        try:
+            registry = getattr(importlib.import_module(module_name), attr)
+        except (ImportError, AttributeError):  # that part of fw is not installed in this checkout
+            continue
+        if name not in registry:
+            m = _locate(marks, path, False, fallback)
+            problems.append(Problem(m.file, m.line, m.col, _dotted(path),
+                                    f"unknown built-in '{name}' (built-ins: {', '.join(sorted(registry))})"
+                                    + _suggest(name, list(registry))))
+    return problems
+
+
+def _validate(data: Any, marks: dict, fallback: Mark) -> list[Problem]:
+    recipe = data.get("recipe") if isinstance(data, dict) else None
+    problems: list[Problem] = []
+    for error in _validator().iter_errors(data):
+        problems += _problems_for(error, marks, fallback, recipe)
+    if isinstance(data, dict):
+        problems += _check_class_paths(data, marks, fallback)
+        problems += _check_registry_names(data, marks, fallback)
+    return problems
+
+
+# ------------------------------------------------------------------------------------------ defaults
+
+def _types(sub: dict) -> list:
+    t = sub.get("type", [])
+    return t if isinstance(t, list) else [t]
+
+
+def _fill(sub: dict, value: Any, recipe: Any, top: bool = False) -> Any:
+    """`value` with the defaults filled in below it; integral floats become ints for integer keys."""
+    if isinstance(value, float) and value.is_integer() and "integer" in _types(sub) and "number" not in _types(sub):
+        return int(value)  # `max_steps: 1e3` is valid as an integer in JSON Schema; code wants an int
+    if isinstance(value, list) and isinstance(sub.get("items"), dict):
+        return [_fill(sub["items"], item, recipe) for item in value]
+    if not isinstance(value, dict) or "properties" not in sub:
+        return value
+    out = {}  # keys in schema order, so printed configs read like the reference
+    for key, prop in sub["properties"].items():
+        if top and key in recipe_sections() and key != recipe:
+            continue
+        if key in value:
+            out[key] = _fill(prop, value[key], recipe)
+        elif "default" in prop:
+            out[key] = _fill(prop, copy.deepcopy(prop["default"]), recipe)
+        elif "properties" in prop:
+            out[key] = _fill(prop, {}, recipe)
+    out.update({k: v for k, v in value.items() if k not in out})  # free-form keys (validated already)
+    return out
+
+
+def defaults(recipe: str) -> dict:
+    """Every default of the schema for `recipe` (required keys without a default stay absent)."""
+    return _fill(_schema(), {"recipe": recipe}, recipe, top=True)
+
+
+# ------------------------------------------------------------------------------------------ merging
+
+def _merge(base: Any, new: Any, marks: dict, new_marks: dict, path: tuple = ()) -> Any:
+    """Mappings merge key by key; anything else (lists too) replaces, taking its marks along."""
+    if isinstance(base, dict) and isinstance(new, dict):
+        for key, value in new.items():
+            if key in base:
+                base[key] = _merge(base[key], value, marks, new_marks, path + (key,))
+            else:
+                base[key] = value
+                _replace_marks(marks, new_marks, path + (key,))
+        if path in new_marks:
+            marks[path] = new_marks[path]
+        return base
+    _replace_marks(marks, new_marks, path)
+    return new
+
+
+def _replace_marks(marks: dict, new_marks: dict, prefix: tuple) -> None:
+    n = len(prefix)
+    for p in [p for p in marks if p[:n] == prefix]:
+        del marks[p]
+    marks.update({p: m for p, m in new_marks.items() if p[:n] == prefix})
+
+
+def _read_file(path: str) -> tuple[Any, dict, list[Problem]]:
+    if not os.path.exists(path):
+        return None, {}, [Problem(path, None, None, "", "config file not found")]
+    if os.path.isdir(path):
+        return None, {}, [Problem(path, None, None, "", "is a directory, expected a YAML config file")]
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        return None, {}, [Problem(path, None, None, "", f"cannot read the config file: {e}")]
+    try:
+        data, marks = yaml12.load_with_marks(text, path)
+    except ConfigError as e:
+        return None, {}, e.problems
+    if data is None:
+        return None, {}, [Problem(path, 1, 1, "", "the config file is empty; expected a mapping with at least "
+                                                   "'recipe' and 'model'")]
+    if not isinstance(data, dict):
+        m = marks[()].value
+        return None, {}, [Problem(path, m.line, m.col, "", f"the top level must be a mapping of sections "
+                                                           f"(key: value lines), got {_describe(data)}")]
+    return data, marks, []
+
+
+# ------------------------------------------------------------------------------------------ overrides
+
+def _schema_at(keys: list[str]) -> tuple[dict | None, str | None]:
+    """(subschema at `keys` or None when inside a free-form mapping, error text for an unknown key)."""
+    sub: dict | None = _schema()
+    for i, key in enumerate(keys):
+        props = sub.get("properties")
+        if props is None:
+            return None, None
+        if key not in props:
+            if sub.get("additionalProperties") is False:
+                where = ".".join(keys[:i]) or "the top level"
+                return None, f"unknown key '{key}' in {where}" + (_suggest(key, list(props)) or
+                                                                f" (allowed: {', '.join(props)})")
+            return None, None
+        sub = props[key]
+    return sub, None
+
+
+def _apply_override(data: dict, marks: dict, arg: str) -> list[Problem]:
+    label = f"override '{arg}'"
+    text = arg.removeprefix("--")
+    key, sep, raw = text.partition("=")
+    keys = key.split(".")
+    if not sep or not all(k.strip() == k and k for k in keys):
+        return [Problem(label, None, None, "", "malformed override: expected --key.path=value, "
+                                               "e.g. --trainer.max_steps=10")]
+    sub, unknown = _schema_at(keys)
+    if unknown:
+        return [Problem(label, None, None, key, unknown)]
+    value, _ = yaml12.parse_scalar(raw)  # not one flow value: the text itself
+    if sub is not None and not Draft202012Validator(sub).is_valid(value) and Draft202012Validator(sub).is_valid(raw):
+        value = raw  # e.g. --name=123 for a string key: typed by the schema
+    node = data
+    for i, k in enumerate(keys[:-1]):
+        child = node.get(k)
+        if isinstance(child, list):
+            return [Problem(label, None, None, key, f"cannot override inside the list '{'.'.join(keys[:i + 1])}'; "
+                                                    f"set the whole list, e.g. --{'.'.join(keys[:i + 1])}=[...]")]
+        if not isinstance(child, dict):
+            node[k] = child = {}
+        node = child
+    node[keys[-1]] = value
+    path = tuple(keys)
+    mark = Located(Mark(label), Mark(label))
+    _replace_marks(marks, {path + p: mark for p in [()] + _paths(value)}, path)
+    for n in range(1, len(path)):  # parents created by the override; written ones keep their marks
+        marks.setdefault(path[:n], mark)
+    return []
+
+
+def _paths(value: Any, prefix: tuple = ()) -> list[tuple]:
+    out = [prefix] if prefix else []
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else []
+    for k, v in items:
+        out += _paths(v, prefix + (k,))
+    return out
+
+
+# ------------------------------------------------------------------------------------------ public API
+
+def _finish(data: Any, marks: dict, fallback: Mark, problems: list[Problem], order: dict) -> dict:
+    problems = problems + _validate(data, marks, fallback)
+    if problems:
+        unique = list(dict.fromkeys(problems))
+        unique.sort(key=lambda p: (order.get(p.file, len(order)), p.line or 0, p.col or 0))
+        raise ConfigError(unique)
+    return _fill(_schema(), data, data["recipe"], top=True)
+
+
+def load_config(paths: list[str], overrides: list[str] | None = None) -> dict:
+    """Read YAML files (merged left to right), apply `--key.path=value` overrides, validate, fill defaults.
+
+    Raises ConfigError listing every problem as `FILE:LINE:COL: key.path: message`.
+    """
+    if not paths:
+        raise FwError("no config file given: pass --config FILE")
+    data: dict = {}
+    marks: dict = {}
+    problems: list[Problem] = []
+    for path in paths:
+        new, new_marks, file_problems = _read_file(path)
+        problems += file_problems
+        if new is not None and not problems:  # after a broken file, merging further files explains nothing
+            new_marks = dict(new_marks)
+            new_marks.pop((), None)
+            data = _merge(data, new, marks, new_marks)
+            marks[()] = Located(Mark(path, 1, 1))
+    if problems:
+        raise ConfigError(problems)
+    order = {p: i for i, p in enumerate(paths)}
+    for i, arg in enumerate(overrides or []):
+        order[f"override '{arg}'"] = len(paths) + i
+        problems += _apply_override(data, marks, arg)
+    fallback = marks[()].value if () in marks else Mark(paths[-1])
+    return _finish(data, marks, fallback, problems, order)
+
+
+def resolve(d: dict) -> dict:
+    """Validate a config built in Python and return a deep copy with every default filled in."""
+    if not isinstance(d, dict):
+        raise ConfigError([Problem("<config>", None, None, "", f"expected a mapping, got {_describe(d)}")])
+    return _finish(copy.deepcopy(d), {}, Mark("<config>"), [], {})
+
+
+def dump_config(cfg: dict) -> str:
+    """The config as YAML 1.2 text (what `fw print-config` shows)."""
+    return yaml12.dump(cfg)
+
+
+def save_resolved(cfg: dict, path: str | os.PathLike) -> None:
+    """Write `cfg` as YAML with the schema modeline, atomically (a temp file renamed into place)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    schema_ref = os.path.relpath(os.path.realpath(schema_path()), os.path.realpath(path.parent))
+    text = (f"{MODELINE}{Path(schema_ref).as_posix()}\n"
+            "# Resolved by fw: every default filled in.\n" + dump_config(cfg))
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)

@@ -1,0 +1,87 @@
+"""Import user-named classes from dotted paths (`class_path` / `init_args`) with importlib; no eval."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from typing import Any
+
+from framework.errors import FwError
+
+
+def _is_prefix(name: str | None, dotted: str) -> bool:
+    return name is not None and (dotted == name or dotted.startswith(name + "."))
+
+
+def import_object(class_path: str) -> Any:
+    """Return the object at `pkg.module.Name` (nested attributes allowed: `pkg.mod.Outer.Inner`).
+
+    Raises FwError saying whether a module or an attribute is missing.
+    """
+    parts = class_path.split(".")
+    if len(parts) < 2 or not all(p.isidentifier() for p in parts):
+        raise FwError(f"'{class_path}' is not a dotted path like 'package.module.ClassName'")
+    missing_module = None
+    for i in range(len(parts) - 1, 0, -1):  # longest importable module prefix, then attributes
+        module_name = ".".join(parts[:i])
+        try:
+            obj = importlib.import_module(module_name)
+        except ModuleNotFoundError as e:
+            if not _is_prefix(e.name, module_name):  # the module exists but imports something missing
+                raise FwError(f"cannot import '{class_path}': importing module '{module_name}' failed: {e}") from e
+            missing_module = missing_module or e.name
+            continue
+        except Exception as e:  # the user's module itself is broken (SyntaxError, error at import time, ...)
+            raise FwError(f"cannot import '{class_path}': importing module '{module_name}' failed: "
+                          f"{type(e).__name__}: {e}") from e
+        owner = module_name
+        for attr in parts[i:]:
+            if not hasattr(obj, attr):
+                raise FwError(f"cannot import '{class_path}': module '{module_name}' has no attribute "
+                              f"'{attr}'" if owner == module_name else
+                              f"cannot import '{class_path}': '{owner}' has no attribute '{attr}'")
+            obj = getattr(obj, attr)
+            owner = f"{owner}.{attr}"
+        return obj
+    raise FwError(f"cannot import '{class_path}': no module named '{missing_module}'")
+
+
+def import_class(class_path: str) -> type:
+    """Return the class at `class_path`; FwError if it cannot be imported or is not a class."""
+    obj = import_object(class_path)
+    if not isinstance(obj, type):
+        raise FwError(f"'{class_path}' is a {type(obj).__name__}, not a class")
+    return obj
+
+
+def check_init_args(target: Any, init_args: dict, class_path: str) -> None:
+    """FwError if `target` cannot accept these keyword arguments (missing ones may come later as extras)."""
+    try:
+        sig = inspect.signature(target)
+    except (TypeError, ValueError):  # builtins without a signature: let the call decide
+        return
+    try:
+        sig.bind_partial(**init_args)
+    except TypeError as e:
+        names = [n for n, p in sig.parameters.items()
+                 if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+        raise FwError(f"init_args do not fit {class_path}{sig}: {e} (accepted: {', '.join(names) or 'none'})") from e
+
+
+def instantiate(spec: dict, **extra: Any) -> Any:
+    """Build `spec["class_path"](**spec["init_args"], **extra)`; `init_args` may be absent."""
+    if not isinstance(spec, dict) or not isinstance(spec.get("class_path"), str):
+        raise FwError(f"expected a mapping with a 'class_path' string, got {spec!r}")
+    class_path = spec["class_path"]
+    init_args = spec.get("init_args") or {}
+    if not isinstance(init_args, dict):
+        raise FwError(f"init_args of {class_path} must be a mapping, got {type(init_args).__name__}")
+    clash = sorted(set(init_args) & set(extra))
+    if clash:
+        raise FwError(f"init_args of {class_path} set {', '.join(clash)}, which fw passes itself; remove them")
+    target = import_object(class_path)
+    if not callable(target):
+        raise FwError(f"'{class_path}' is a {type(target).__name__}, which cannot be called")
+    kwargs = {**init_args, **extra}
+    check_init_args(target, kwargs, class_path)
+    return target(**kwargs)

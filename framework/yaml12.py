@@ -1,0 +1,211 @@
+"""YAML 1.2 core-schema loading and dumping on top of PyYAML, keeping source positions.
+
+PyYAML implements YAML 1.1: `2e-5` is a string, `on`/`yes` are booleans, `0755` is octal and `12:30`
+is the sexagesimal int 750, while editors validate the same file as YAML 1.2. `Yaml12Loader` has its
+own implicit-resolver table with only the 1.2 core schema:
+
+- null: `~`, `null`/`Null`/`NULL`, or nothing
+- bool: `true`/`True`/`TRUE`, `false`/`False`/`FALSE` (so `on`, `off`, `yes`, `no`, `y`, `n` are strings)
+- int: `[-+]?[0-9]+` (decimal, so `0755` is the int 755, as in the 1.2 core schema), `0o17`, `0x1F`
+- float: `1.5`, `.5`, `2e-5`, `1e3`, `-1.5E+3`, `.inf`, `-.inf`, `.nan`
+- everything else is a string (`12:30`, `2024-01-01`, `1_000`)
+
+No timestamps, no `<<` merge keys (both are 1.1 only). Duplicate keys are errors. Loading returns the
+data plus the position of every value (and key) by path, so later errors can say FILE:LINE:COL.
+PyYAML's global loaders and dumpers are left untouched.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import yaml
+
+from framework.errors import ConfigError, Problem
+
+Path = tuple  # a path into the data: mapping keys and list indices
+
+
+@dataclass(frozen=True)
+class Mark:
+    """Where something was written: a file (or a label such as an override) and a 1-based position."""
+
+    file: str
+    line: int | None = None
+    col: int | None = None
+
+
+@dataclass(frozen=True)
+class Located:
+    """Position of a value and, for mapping entries, of its key."""
+
+    value: Mark
+    key: Mark | None = None
+
+
+_CORE_RESOLVERS = [  # order matters within a first character: int is tried before float
+    ("tag:yaml.org,2002:bool", r"^(?:true|True|TRUE|false|False|FALSE)$", "tTfF"),
+    ("tag:yaml.org,2002:null", r"^(?:~|null|Null|NULL|)$", ["~", "n", "N", ""]),
+    ("tag:yaml.org,2002:int", r"^(?:[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+)$", "-+0123456789"),
+    ("tag:yaml.org,2002:float",
+     r"^(?:[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$",
+     "-+0123456789."),
+]
+
+
+def _core_resolver_table() -> dict:
+    table: dict = {}
+    for tag, pattern, first in _CORE_RESOLVERS:
+        regexp = re.compile(pattern)
+        for ch in first:
+            table.setdefault(ch, []).append((tag, regexp))
+    return table
+
+
+def _construct_int(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> int:
+    text = loader.construct_scalar(node)
+    if text.startswith(("0x", "0o")):
+        return int(text, 0)
+    return int(text, 10)  # leading zeros are decimal in the 1.2 core schema
+
+
+def _construct_float(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> float:
+    text = loader.construct_scalar(node).lower()
+    if text.endswith(".inf"):
+        return -math.inf if text.startswith("-") else math.inf
+    if text == ".nan":
+        return math.nan
+    return float(text)
+
+
+def _construct_bool(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> bool:
+    return loader.construct_scalar(node).lower() == "true"
+
+
+class Yaml12Loader(yaml.SafeLoader):
+    """SafeLoader with the YAML 1.2 core schema (its own resolver table; nothing global is changed)."""
+
+    yaml_implicit_resolvers = _core_resolver_table()
+
+
+Yaml12Loader.add_constructor("tag:yaml.org,2002:int", _construct_int)  # copies the table for this class only
+Yaml12Loader.add_constructor("tag:yaml.org,2002:float", _construct_float)
+Yaml12Loader.add_constructor("tag:yaml.org,2002:bool", _construct_bool)
+
+
+class Yaml12Dumper(yaml.SafeDumper):
+    """SafeDumper that quotes exactly the strings the 1.2 core schema would read as something else."""
+
+    yaml_implicit_resolvers = _core_resolver_table()
+
+
+def _mark(file: str, m: yaml.Mark) -> Mark:
+    return Mark(file, m.line + 1, m.column + 1)
+
+
+def _syntax_problem(file: str, e: yaml.MarkedYAMLError) -> Problem:
+    mark = e.problem_mark or e.context_mark
+    text = e.problem or "invalid YAML"
+    if e.context:
+        text = f"{e.context}, {text}"
+    if "'\\t'" in text:
+        text += " (indent YAML with spaces, not tabs)"
+    return Problem(file, mark.line + 1 if mark else None, mark.column + 1 if mark else None, "",
+                   f"YAML syntax error: {text}")
+
+
+def _key_text(loader: Yaml12Loader, node: yaml.Node) -> Any:
+    if isinstance(node, yaml.ScalarNode):
+        return loader.construct_object(node, deep=True)
+    return None  # complex keys cannot be config keys; schema validation reports them
+
+
+def _walk(loader: Yaml12Loader, node: yaml.Node, file: str, path: Path, marks: dict, problems: list,
+          key_mark: Mark | None) -> None:
+    """Record positions under `path` and find duplicate keys, all of them."""
+    marks[path] = Located(_mark(file, node.start_mark), key_mark)
+    if isinstance(node, yaml.MappingNode):
+        seen: dict = {}
+        for k_node, v_node in node.value:
+            key = _key_text(loader, k_node)
+            kmark = _mark(file, k_node.start_mark)
+            try:
+                first = seen.get(key)
+            except TypeError:  # unhashable keys are reported by PyYAML when constructing
+                first = None
+            if first is not None:
+                dotted = ".".join(str(p) for p in path + (key,))
+                problems.append(Problem(file, kmark.line, kmark.col, dotted,
+                                        f"duplicate key '{key}' (first defined at line {first.line})"))
+                continue
+            if key is not None:
+                seen[key] = kmark
+            _walk(loader, v_node, file, path + (key,), marks, problems, kmark)
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            _walk(loader, item, file, path + (i,), marks, problems, None)
+
+
+def _compose(text: str, file: str) -> tuple[yaml.Node | None, Yaml12Loader]:
+    loader = Yaml12Loader(text)
+    try:
+        return loader.get_single_node(), loader
+    except yaml.MarkedYAMLError as e:
+        loader.dispose()
+        raise ConfigError([_syntax_problem(file, e)]) from None
+
+
+def load_with_marks(text: str, file: str = "<string>") -> tuple[Any, dict[Path, Located]]:
+    """Parse one YAML 1.2 document; returns (data, positions by path). Raises ConfigError on bad YAML."""
+    node, loader = _compose(text, file)
+    try:
+        if node is None:
+            return None, {}
+        marks: dict[Path, Located] = {}
+        problems: list[Problem] = []
+        _walk(loader, node, file, (), marks, problems, None)
+        if problems:
+            raise ConfigError(problems)
+        try:
+            data = loader.construct_document(node)
+        except yaml.MarkedYAMLError as e:
+            raise ConfigError([_syntax_problem(file, e)]) from None
+        return data, marks
+    finally:
+        loader.dispose()
+
+
+def load(text: str, file: str = "<string>") -> Any:
+    """Parse one YAML 1.2 document into plain Python data."""
+    return load_with_marks(text, file)[0]
+
+
+def parse_scalar(text: str) -> tuple[Any, bool]:
+    """Parse a command-line value as a YAML 1.2 scalar or flow collection.
+
+    Returns (value, ok); ok is False when the text is not one flow value (e.g. `a: b` or `- x`),
+    in which case value is the text itself.
+    """
+    try:
+        node, loader = _compose(text, "<value>")
+    except ConfigError:
+        return text, False
+    try:
+        if node is None:
+            return None, True
+        if isinstance(node, (yaml.MappingNode, yaml.SequenceNode)) and not node.flow_style:
+            return text, False
+        return loader.construct_document(node), True
+    except yaml.YAMLError:
+        return text, False
+    finally:
+        loader.dispose()
+
+
+def dump(data: Any) -> str:
+    """Block-style YAML that `load` reads back to the same data (keys keep their order)."""
+    return yaml.dump(data, Dumper=Yaml12Dumper, sort_keys=False, default_flow_style=False, allow_unicode=True,
+                     width=100)
