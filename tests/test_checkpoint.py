@@ -1,0 +1,348 @@
+"""Atomic checkpoint directories: round trip, manifest, verification, replace, prune, leftovers, callback."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from safetensors import safe_open
+from scripts.ckpt_writer import expected, make_cfg
+
+from framework import checkpoint as ck
+from framework.errors import FwError
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def _assert_same(a, b, where="checkpoint"):
+    """Deep equality of nested dict/list/tuple/tensor structures; tensors must match in dtype and values."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape, where
+        assert torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and set(a) == set(b), f"{where}: keys {sorted(map(str, a))} vs {sorted(map(str, b))}"
+        for k in a:
+            _assert_same(a[k], b[k], f"{where}[{k!r}]")
+    elif isinstance(a, (list, tuple)):
+        assert type(a) is type(b) and len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            _assert_same(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, f"{where}: {a!r} != {b!r}"
+
+
+@pytest.fixture
+def run_dir(tmp_path):
+    return tmp_path / "run"
+
+
+def _save(run_dir, step, version=0, size_mb=1, use_exchange=True, cfg=None):
+    cfg = cfg or make_cfg(str(run_dir))
+    path = ck.checkpoints_dir(run_dir) / ck.step_dir_name(step)
+    ck.write_checkpoint_dir(expected(step, version, size_mb), path, cfg, use_exchange=use_exchange)
+    return path
+
+
+def test_round_trip_through_checkpoint_io(run_dir):
+    cfg = make_cfg(str(run_dir))
+    io = ck.AtomicCheckpointIO(cfg)
+    original = expected(7, 0, size_mb=1)
+    original["fw_components"]["value"] = {
+        "config": {"model_type": "qwen3", "value_head": True},
+        "state_dict": {"score.weight": torch.randn(1, 64, dtype=torch.float64)},
+    }
+    given = expected(7, 0, size_mb=1)
+    given["fw_components"]["value"] = original["fw_components"]["value"]
+    path = ck.checkpoints_dir(run_dir) / "step-000007"
+    io.save_checkpoint(given, path)
+    assert "fw_components" not in given  # moved out, the rest went to trainer_state.pt
+
+    loaded = io.load_checkpoint(path)
+    original["fw_components"]["value"]["files"] = {}  # a component without extra files reads back with none
+    _assert_same(original, loaded)
+    assert sorted(os.listdir(path)) == ["config.yaml", "manifest.json", "policy", "trainer_state.pt", "value"]
+    assert sorted(os.listdir(path / "policy")) == ["config.json", "model.safetensors", "tokenizer.json"]
+
+
+def test_manifest_matches_files_on_disk(run_dir):
+    cfg = make_cfg(str(run_dir))
+    path = _save(run_dir, 12, cfg=cfg)
+    manifest = json.loads((path / "manifest.json").read_text())
+
+    on_disk = {}
+    for root, _, files in os.walk(path):
+        for name in files:
+            full = Path(root) / name
+            rel = full.relative_to(path).as_posix()
+            if rel != "manifest.json":
+                on_disk[rel] = {"size": full.stat().st_size, "sha256": hashlib.sha256(full.read_bytes()).hexdigest()}
+    assert manifest["files"] == on_disk
+    assert manifest["format"] == "fw.checkpoint" and manifest["format_version"] == 1
+    assert manifest["step"] == 12 and manifest["policy_version"] == 12 and manifest["global_step"] == 12
+    assert manifest["components"] == ["policy"]
+    canonical = json.dumps(cfg, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    assert manifest["config_sha256"] == hashlib.sha256(canonical.encode()).hexdigest()
+
+    # the policy dir is plain HF layout, readable without fw
+    with safe_open(path / "policy" / "model.safetensors", "pt") as f:
+        assert f.metadata() == {"format": "pt"}
+        assert set(f.keys()) == set(expected(12, 0)["fw_components"]["policy"]["state_dict"])
+        assert f.get_tensor("model.layers.0.self_attn.q_proj.weight").dtype == torch.bfloat16
+    assert json.loads((path / "policy" / "config.json").read_text())["step"] == 12
+    state = torch.load(path / "trainer_state.pt", weights_only=True)
+    assert "fw_components" not in state and state["optimizer_states"][0]["state"][0]["exp_avg"].shape[1] == 64
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "missing"])
+@pytest.mark.parametrize("victim", ["policy/model.safetensors", "trainer_state.pt", "config.yaml"])
+def test_verify_names_the_damaged_file(run_dir, damage, victim):
+    path = _save(run_dir, 3)
+    ck.verify_checkpoint(path)
+    file = path / victim
+    if damage == "flip":
+        data = bytearray(file.read_bytes())
+        data[len(data) // 2] ^= 0x01
+        file.write_bytes(bytes(data))
+    elif damage == "truncate":
+        file.write_bytes(file.read_bytes()[:-1])
+    else:
+        file.unlink()
+    with pytest.raises(FwError, match=str(file)):
+        ck.verify_checkpoint(path)
+
+    cfg = make_cfg(str(run_dir))
+    cfg["checkpoint"]["verify"] = True
+    with pytest.raises(FwError, match=str(file)):
+        ck.AtomicCheckpointIO(cfg).load_checkpoint(path)
+    # size checks are always on: truncated and missing files make the checkpoint incomplete
+    assert ck.is_complete(path) is (damage == "flip")
+    assert ck.find_latest(run_dir) == (str(path) if damage == "flip" else None)
+
+
+def test_missing_manifest_is_not_a_checkpoint(run_dir):
+    path = _save(run_dir, 3)
+    (path / "manifest.json").unlink()
+    assert ck.list_checkpoints(run_dir) == []
+    with pytest.raises(FwError, match="manifest.json: missing"):
+        ck.resolve_resume(str(path), run_dir)
+    with pytest.raises(FwError, match="--resume last: no complete checkpoint under"):
+        ck.resolve_resume("last", run_dir)
+
+
+@pytest.mark.parametrize("use_exchange", [True, False])
+def test_republish_replaces_the_step(run_dir, use_exchange):
+    assert ck.exchange_supported()
+    path = _save(run_dir, 4, version=0)
+    _save(run_dir, 4, version=1, use_exchange=use_exchange)
+    loaded = ck.read_checkpoint_dir(path, verify=True)
+    _assert_same(expected(4, 1, 1), loaded)
+    assert sorted(os.listdir(path.parent)) == ["step-000004"]  # no hidden leftovers
+
+
+@pytest.mark.parametrize("use_exchange", [True, False])
+def test_republish_gap(run_dir, use_exchange):
+    """While one thread re-publishes a step 15 times, a reader polls for its manifest: with RENAME_EXCHANGE it
+    is never absent; the fallback's two renames do leave a moment without it (hence `recover`)."""
+    path = _save(run_dir, 4, version=0)
+    stop = threading.Event()
+    seen = {"checks": 0, "gaps": 0}
+
+    def reader():
+        while not stop.is_set():
+            seen["checks"] += 1
+            seen["gaps"] += not (path / "manifest.json").is_file()
+
+    t = threading.Thread(target=reader)
+    t.start()
+    try:
+        for version in range(1, 16):
+            _save(run_dir, 4, version=version, use_exchange=use_exchange)
+    finally:
+        stop.set()
+        t.join()
+    assert seen["checks"] > 100
+    assert (seen["gaps"] == 0) if use_exchange else (seen["gaps"] > 0)
+    assert ck.read_checkpoint_dir(path, verify=True)["recipe_state"]["version"] == 15
+
+
+def test_exchange_swaps_two_directories(tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "x").write_text("a")
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "x").write_text("b")
+    assert ck._exchange(tmp_path / "a", tmp_path / "b")
+    assert (tmp_path / "a" / "x").read_text() == "b" and (tmp_path / "b" / "x").read_text() == "a"
+
+
+def test_fallback_replace_interrupted_between_renames_is_recovered(run_dir):
+    """The state a crash leaves between the fallback's two renames: old dir set aside, new one still staged."""
+    old = _save(run_dir, 5, version=0)
+    pid = _dead_pid()
+    aside = old.parent / f".replaced-step-000005-{pid}-0a0b"
+    os.rename(old, aside)
+    staged = _save(run_dir, 6, version=1)  # any complete dir will do as the stranded new copy
+    os.rename(staged, old.parent / f".staging-step-000005-{pid}-0c0d")
+
+    assert ck.list_checkpoints(run_dir) == []  # hidden dirs are never discovered
+    assert ck.find_latest(run_dir) == str(old)  # ...but the set-aside copy is put back
+    _assert_same(expected(5, 0, 1), ck.read_checkpoint_dir(old, verify=True))
+    assert ck.clean_leftovers(old.parent) == [f".staging-step-000005-{pid}-0c0d"]
+    assert sorted(os.listdir(old.parent)) == ["step-000005"]
+
+
+def test_staging_leftovers_ignored_then_cleaned(run_dir):
+    good = _save(run_dir, 2)
+    ckpt_dir = good.parent
+    dead, alive = _dead_pid(), os.getppid()
+    partial = ckpt_dir / f".staging-step-000003-{dead}-1234abcd"
+    partial.mkdir()
+    (partial / "trainer_state.pt").write_bytes(b"half a file")
+    trash = ckpt_dir / f".trash-step-000001-{dead}-00ff"
+    (trash / "policy").mkdir(parents=True)
+    busy = ckpt_dir / f".staging-step-000003-{alive}-5678"
+    busy.mkdir()
+    incomplete = ckpt_dir / "step-000009"  # a published name without a manifest (e.g. hand-copied)
+    incomplete.mkdir()
+
+    assert ck.list_checkpoints(run_dir) == [str(good)]
+    assert ck.find_latest(run_dir) == str(good)
+    assert ck.clean_leftovers(ckpt_dir) == [partial.name, trash.name]
+    assert sorted(os.listdir(ckpt_dir)) == sorted([busy.name, "step-000002", "step-000009"])
+
+
+def test_prune_keeps_newest_complete(run_dir):
+    for step in (1, 2, 10, 3):
+        _save(run_dir, step)
+    torn = ck.checkpoints_dir(run_dir) / "step-000011"
+    torn.mkdir()
+    assert ck.prune(run_dir, None) == []
+    removed = ck.prune(run_dir, 2)
+    names = lambda paths: [Path(p).name for p in paths]
+    assert names(removed) == ["step-000001", "step-000002"]
+    assert names(ck.list_checkpoints(run_dir)) == ["step-000003", "step-000010"]
+    assert torn.exists()  # never a complete checkpoint: prune leaves it alone
+    with pytest.raises(FwError, match="keep_last: 0"):
+        ck.prune(run_dir, 0)
+
+
+# ---------------------------------------------------------------- the callback inside a real Trainer
+
+
+class TinyModule(pl.LightningModule):
+    """A Lightning module that hands its weights to the CheckpointIO as an fw component (like FwModule)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Linear(4, 1)
+        self.policy_version = 0
+        self.batches = 0
+
+    def training_step(self, batch, batch_idx):
+        self.batches += 1
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.net(x), y)
+
+    def optimizer_step(self, *args, **kwargs):
+        super().optimizer_step(*args, **kwargs)
+        self.policy_version += 1
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=0.05)
+
+    def train_dataloader(self):
+        g = torch.Generator().manual_seed(1)
+        x = torch.randn(8, 4, generator=g)
+        data = torch.utils.data.TensorDataset(x.repeat(1000, 1), x.sum(1, keepdim=True).repeat(1000, 1))
+        return torch.utils.data.DataLoader(data, batch_size=8)  # the same batch every time: resume is exact
+
+    def on_save_checkpoint(self, checkpoint):
+        sd = checkpoint.pop("state_dict")
+        checkpoint["state_dict"] = {}
+        checkpoint["policy_version"] = self.policy_version
+        checkpoint["fw_components"] = {"policy": {"config": {"in": 4}, "state_dict": sd}}
+
+    def on_load_checkpoint(self, checkpoint):
+        checkpoint["state_dict"] = checkpoint.pop("fw_components")["policy"]["state_dict"]
+        self.policy_version = checkpoint["policy_version"]
+
+
+class RecordingIO(ck.AtomicCheckpointIO):
+    def __init__(self, cfg, events):
+        super().__init__(cfg)
+        self.events = events
+
+    def save_checkpoint(self, checkpoint, path, storage_options=None):
+        self.events.append(("publish", Path(path).name, self.module.batches))
+        super().save_checkpoint(checkpoint, path, storage_options)
+
+
+class RecordingLogger(pl.loggers.Logger):
+    def __init__(self, events):
+        super().__init__()
+        self.events = events
+
+    name = "rec"
+    version = 0
+
+    def log_metrics(self, metrics, step=None):
+        pass
+
+    def log_hyperparams(self, params, *args, **kwargs):
+        pass
+
+    def save(self):
+        self.events.append(("flush",))
+
+
+def _fit(cfg, max_steps, accumulate=1, ckpt_path=None, events=None):
+    events = [] if events is None else events
+    module = TinyModule()
+    io = RecordingIO(cfg, events)
+    io.module = module
+    trainer = pl.Trainer(
+        max_steps=max_steps, accelerator="cpu", devices=1, accumulate_grad_batches=accumulate,
+        plugins=[io], callbacks=[ck.CheckpointCallback(cfg)], logger=RecordingLogger(events),
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        default_root_dir=cfg["run_dir"],
+    )
+    trainer.fit(module, ckpt_path=ckpt_path)
+    return module, events
+
+
+def test_callback_saves_every_n_and_at_end_then_prunes_and_resumes(run_dir):
+    cfg = make_cfg(str(run_dir))
+    cfg["checkpoint"].update(every_n_steps=2, keep_last=2)
+    _, events = _fit(cfg, max_steps=5, accumulate=2)
+    publishes = [e for e in events if e[0] == "publish"]
+    # saved only in batches that completed an optimizer step (even batch counts), once per step
+    assert publishes == [("publish", "step-000002", 4), ("publish", "step-000004", 8), ("publish", "step-000005", 10)]
+    for i, e in enumerate(events):
+        if e[0] == "publish":
+            assert events[i - 1] == ("flush",)  # loggers flushed right before each publish
+    assert [Path(p).name for p in ck.list_checkpoints(run_dir)] == ["step-000004", "step-000005"]
+
+    with pytest.raises(FwError, match="already holds checkpoints"):
+        _fit(cfg, max_steps=5)
+
+    resumed, events = _fit(cfg, max_steps=9, accumulate=2, ckpt_path=ck.find_latest(run_dir))
+    assert [e[1] for e in events if e[0] == "publish"] == ["step-000006", "step-000008", "step-000009"]
+    assert [Path(p).name for p in ck.list_checkpoints(run_dir)] == ["step-000008", "step-000009"]
+
+    straight, _ = _fit(make_cfg(str(run_dir.parent / "straight")), max_steps=9, accumulate=2)
+    # Adam moments, step counts and weights all came back: same weights as an uninterrupted run
+    assert torch.equal(resumed.net.weight, straight.net.weight)
+    final = ck.read_checkpoint_dir(ck.find_latest(run_dir), verify=True)
+    assert torch.equal(final["fw_components"]["policy"]["state_dict"]["net.weight"], straight.net.weight)
