@@ -1,0 +1,162 @@
+"""Batched generation with the KV cache: prefill all prompts, then one forward per decode step.
+
+Stopping, per row: an EOS id (the EOS token is kept as the row's last completion token, with its
+logprob, so the trainer learns to emit it; it is left out of the text), a stop string (the token
+whose text completes it is the row's last token; the text keeps the stop string and is cut right
+after it), or ``max_new_tokens``. Finished rows are still fed a pad token so the batch stays one
+tensor, but they are masked out: nothing they produce enters the result. The loop ends as soon as
+every row has finished.
+
+Behaviour logprobs are the chosen tokens' log probabilities under the temperature-scaled FULL
+softmax, as ``ops_cuda.sample`` returns them (top-k/top-p/min-p only restrict which token may be
+drawn), i.e. what the trainer recomputes; see ../shared/REFERENCE.md §5. At temperature 0 (greedy)
+they are under the unscaled softmax.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+import ops_cuda
+from framework.errors import FwError
+
+FINISH_REASONS = ("eos", "stop", "length")
+_MASK63 = (1 << 63) - 1
+
+
+@dataclass
+class Rollout:
+    """The result of ``generate`` for B prompts (tensors on the model's device)."""
+
+    prompt_ids: list[list[int]]
+    completion_ids: list[list[int]]
+    tokens: Tensor            # LongTensor [B, T]: prompt + completion, right-padded with the pad id
+    prompt_lens: Tensor       # LongTensor [B]
+    completion_lens: Tensor   # LongTensor [B]
+    logprobs: Tensor          # float32 [B, Tc]: behaviour logprob of completion token j, 0 past the end
+    finish_reasons: list[str]  # "eos" | "stop" | "length"
+    texts: list[str]          # decoded completions ([] when generate got no tokenizer)
+    policy_version: int
+
+    @property
+    def completion_mask(self) -> Tensor:
+        """bool [B, Tc]: True at real completion tokens (aligned with ``logprobs``)."""
+        steps = torch.arange(self.logprobs.shape[1], device=self.logprobs.device)
+        return steps[None, :] < self.completion_lens[:, None]
+
+
+def step_seed(seed: int, step: int) -> int:
+    """The sampler seed of decode step ``step``: distinct per step, a pure function of (seed, step)."""
+    # splitmix64-style mixing, kept below 2**63 so it fits the op's int64 seed argument.
+    z = (seed * 0x9E3779B97F4A7C15 + (step + 1) * 0xBF58476D1CE4E5B9) & ((1 << 64) - 1)
+    z = ((z ^ (z >> 31)) * 0x94D049BB133111EB) & ((1 << 64) - 1)
+    return (z ^ (z >> 29)) & _MASK63
+
+
+def _check_args(prompts, max_new_tokens, temperature, top_k, top_p, min_p, stop, tokenizer) -> None:
+    if not prompts:
+        raise FwError("generate: no prompts")
+    for i, prompt in enumerate(prompts):
+        if len(prompt) == 0:
+            raise FwError(f"generate: prompt {i} is empty (a prompt needs at least one token)")
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise FwError(f"generate: max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+    if temperature < 0:
+        raise FwError(f"generate: temperature must be >= 0, got {temperature}")
+    if top_k < 0 or not 0 < top_p <= 1 or not 0 <= min_p < 1:
+        raise FwError(f"generate: need top_k >= 0, 0 < top_p <= 1, 0 <= min_p < 1; got top_k={top_k}, "
+                      f"top_p={top_p}, min_p={min_p}")
+    if stop and tokenizer is None:
+        raise FwError("generate: stop strings need a tokenizer to decode the completions")
+    if any(not isinstance(s, str) or not s for s in stop):
+        raise FwError(f"generate: stop strings must be non-empty strings, got {list(stop)!r}")
+
+
+def _find_stop(text: str, stop: Sequence[str], start: int) -> int | None:
+    """End offset of the earliest stop string found in ``text`` at or after ``start``, or None."""
+    ends = [i + len(s) for s in stop if (i := text.find(s, start)) != -1]
+    return min(ends) if ends else None
+
+
+@torch.no_grad()
+def generate(model: Any, prompts: list[list[int]], *, max_new_tokens: int, temperature: float = 1.0,
+             top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0, eos_ids: Sequence[int] = (),
+             stop: Sequence[str] = (), tokenizer: Any = None, seed: int = 0,
+             policy_version: int = 0) -> Rollout:
+    """Sample up to ``max_new_tokens`` tokens for each prompt (token id lists) in one batch.
+
+    Same (model, prompts, settings, seed) give the same tokens. ``tokenizer`` (for ``texts``, stop
+    strings and the pad id; pad id 0 without one) is optional. The model runs in eval mode and gets
+    its previous mode back.
+    """
+    stop = list(stop)
+    _check_args(prompts, max_new_tokens, temperature, top_k, top_p, min_p, stop, tokenizer)
+    device = model.lm_head_weight.device
+    pad_id = tokenizer.pad_id if tokenizer is not None and tokenizer.pad_id is not None else 0
+    B = len(prompts)
+    prompt_lens = torch.tensor([len(p) for p in prompts], dtype=torch.long)
+    width = int(prompt_lens.max())
+    ids = torch.full((B, width), pad_id, dtype=torch.long)
+    for b, prompt in enumerate(prompts):
+        ids[b, :len(prompt)] = torch.as_tensor(prompt, dtype=torch.long)
+    eos = torch.tensor(sorted(set(eos_ids)), dtype=torch.long)
+
+    was_training = model.training
+    model.eval()
+    try:
+        cache = model.new_kv_cache(B, width + max_new_tokens, device=device)
+        logits = model.prefill(ids.to(device), prompt_lens.to(device), cache)
+        out_tokens = torch.full((B, max_new_tokens), pad_id, dtype=torch.long)
+        out_logprobs = torch.zeros(B, max_new_tokens, dtype=torch.float32)
+        finished = torch.zeros(B, dtype=torch.bool)
+        reasons = ["length"] * B
+        completion_lens = torch.zeros(B, dtype=torch.long)
+        text_ends: list[int | None] = [None] * B   # where a stop string cut the text
+        checked = [0] * B                         # text offset up to which stop strings were searched
+        steps = 0
+        for step in range(max_new_tokens):
+            tokens, logprobs = ops_cuda.sample(logits, temperature, top_k, top_p, min_p, step_seed(seed, step))
+            tokens, logprobs = tokens.cpu(), logprobs.float().cpu()
+            active = ~finished
+            out_tokens[:, step] = torch.where(active, tokens, pad_id)
+            out_logprobs[:, step] = torch.where(active, logprobs, 0.0)
+            completion_lens += active
+            steps = step + 1
+            hit_eos = active & torch.isin(tokens, eos)
+            for b in hit_eos.nonzero().flatten().tolist():
+                reasons[b] = "eos"
+            finished |= hit_eos
+            if stop:
+                for b in (~finished).nonzero().flatten().tolist():
+                    text = tokenizer.decode(out_tokens[b, :steps].tolist())
+                    # A stop string may straddle earlier text; search from where it could start.
+                    end = _find_stop(text, stop, max(0, checked[b] - max(map(len, stop)) + 1))
+                    checked[b] = len(text)
+                    if end is not None:
+                        finished[b], reasons[b], text_ends[b] = True, "stop", end
+            if bool(finished.all()) or step == max_new_tokens - 1:
+                break
+            logits = model.decode(torch.where(finished, pad_id, tokens).to(device), cache)
+    finally:
+        model.train(was_training)
+
+    completion_ids = [out_tokens[b, :int(completion_lens[b])].tolist() for b in range(B)]
+    texts = []
+    if tokenizer is not None:
+        for b, completion in enumerate(completion_ids):
+            text = tokenizer.decode(completion[:-1] if reasons[b] == "eos" else completion)
+            texts.append(text[:text_ends[b]] if text_ends[b] is not None else text)
+    total = prompt_lens + completion_lens
+    seq = torch.full((B, int(total.max())), pad_id, dtype=torch.long)
+    for b in range(B):
+        seq[b, :prompt_lens[b]] = ids[b, :prompt_lens[b]]
+        seq[b, prompt_lens[b]:total[b]] = out_tokens[b, :completion_lens[b]]
+    return Rollout(
+        prompt_ids=[list(map(int, p)) for p in prompts], completion_ids=completion_ids,
+        tokens=seq.to(device), prompt_lens=prompt_lens.to(device), completion_lens=completion_lens.to(device),
+        logprobs=out_logprobs[:, :steps].to(device), finish_reasons=reasons, texts=texts,
+        policy_version=int(policy_version))

@@ -1,0 +1,247 @@
+"""The rollout engine against independent references: a cache-free greedy loop over full forwards,
+log_softmax of full-forward logits, the filtered softmax for sampling statistics, and transformers."""
+import math
+from collections import Counter
+
+import pytest
+import torch
+
+from framework.errors import FwError
+from framework.models import Qwen3ForCausalLM, save_pretrained
+from framework.models.presets import preset_config
+from framework.rollout import Rollout, generate
+from framework.tokenizer import Tokenizer
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return Tokenizer.builtin()
+
+
+@pytest.fixture(scope="module")
+def model(tok):
+    torch.manual_seed(0)
+    m = Qwen3ForCausalLM(preset_config("tiny", tok.vocab_size, tok.eos_id, tok.pad_id))
+    with torch.no_grad():  # larger weights than the init: peaked, varied next-token distributions
+        for p in m.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.3)
+    return m.eval()
+
+
+@pytest.fixture(scope="module")
+def prompts(tok):
+    return [tok.encode(t) for t in ("12+34=", "7=", "hello world, ", "a", "99*9=")]
+
+
+def naive_greedy(model, prompt, max_new_tokens, eos_ids=()):
+    """Reference: re-run the full forward on the growing sequence, no cache."""
+    seq, tokens, logprobs = list(prompt), [], []
+    with torch.no_grad():
+        for _ in range(max_new_tokens):
+            logits = model(torch.tensor([seq]))[0, -1].double()
+            token = int(logits.argmax())
+            tokens.append(token)
+            logprobs.append(float(torch.log_softmax(logits, -1)[token]))
+            seq.append(token)
+            if token in eos_ids:
+                return tokens, logprobs, "eos"
+    return tokens, logprobs, "length"
+
+
+def full_forward_logprobs(model, rollout, temperature):
+    """log_softmax(full-forward logits / T) at each completion token: [B, Tc] (float64), 0 past the end."""
+    with torch.no_grad():
+        logits = model(rollout.tokens).double()
+    out = torch.zeros(rollout.logprobs.shape, dtype=torch.float64)
+    for b in range(len(rollout.prompt_ids)):
+        p, n = int(rollout.prompt_lens[b]), int(rollout.completion_lens[b])
+        lp = torch.log_softmax(logits[b, p - 1:p + n - 1] / temperature, -1)
+        out[b, :n] = lp.gather(1, rollout.tokens[b, p:p + n, None]).squeeze(1)
+    return out
+
+
+def test_greedy_equals_naive_full_forward_loop(model, prompts):
+    r = generate(model, prompts, max_new_tokens=12, temperature=0.0)
+    for b, prompt in enumerate(prompts):
+        tokens, logprobs, reason = naive_greedy(model, prompt, 12)
+        assert r.completion_ids[b] == tokens and r.finish_reasons[b] == reason
+        torch.testing.assert_close(r.logprobs[b].double(), torch.tensor(logprobs, dtype=torch.float64), atol=1e-5, rtol=0)
+
+
+def test_rollout_layout(model, prompts, tok):
+    r = generate(model, prompts, max_new_tokens=6, temperature=1.0, seed=3, eos_ids=[tok.eos_id],
+                 tokenizer=tok, policy_version=7)
+    assert isinstance(r, Rollout) and r.policy_version == 7
+    assert r.prompt_ids == prompts and r.prompt_lens.tolist() == [len(p) for p in prompts]
+    assert r.completion_lens.tolist() == [len(c) for c in r.completion_ids]
+    assert r.tokens.shape == (5, max(len(p) + len(c) for p, c in zip(prompts, r.completion_ids)))
+    assert r.logprobs.dtype == torch.float32 and r.logprobs.shape == (5, max(r.completion_lens.tolist()))
+    for b, (p, c) in enumerate(zip(prompts, r.completion_ids)):
+        row = r.tokens[b].tolist()
+        assert row[:len(p) + len(c)] == p + c and set(row[len(p) + len(c):]) <= {tok.pad_id}
+        assert (r.logprobs[b, len(c):] == 0).all() and (r.logprobs[b, :len(c)] < 0).all()
+        assert r.completion_mask[b].tolist() == [j < len(c) for j in range(r.logprobs.shape[1])]
+        assert r.texts[b] == tok.decode(c[:-1] if r.finish_reasons[b] == "eos" else c)
+
+
+@pytest.mark.parametrize("temperature, top_k, top_p, min_p", [
+    (1.0, 0, 1.0, 0.0), (0.7, 5, 1.0, 0.0), (1.3, 0, 0.8, 0.0), (1.0, 20, 0.9, 0.05),
+])
+def test_behaviour_logprobs_are_full_softmax(model, prompts, temperature, top_k, top_p, min_p):
+    r = generate(model, prompts, max_new_tokens=10, temperature=temperature, top_k=top_k, top_p=top_p,
+                 min_p=min_p, seed=11)
+    expected = full_forward_logprobs(model, r, temperature)
+    torch.testing.assert_close(r.logprobs.double(), expected, atol=1e-5, rtol=0)
+    if top_k or top_p < 1:
+        # Renormalised over the filtered set, the logprobs would be visibly larger: the check has power.
+        with torch.no_grad():
+            logits = model(r.tokens)
+        p = int(r.prompt_lens[0])
+        truncated = [math.log(filtered_probs(logits[0, p - 1 + j], temperature, top_k, top_p, min_p)[t])
+                     for j, t in enumerate(r.completion_ids[0])]
+        assert max(t - float(lp) for t, lp in zip(truncated, r.logprobs[0])) > 1e-2
+
+
+def filtered_probs(logits, temperature, top_k, top_p, min_p):
+    """Independent float64 reference of the sampling distribution: top-k, then top-p, then min-p."""
+    probs = torch.softmax(logits.double() / temperature, -1)
+    order = probs.argsort(descending=True)
+    keep = torch.zeros_like(probs, dtype=torch.bool)
+    keep[order[:top_k or len(probs)]] = True
+    mass = probs[keep].sum()
+    running = 0.0
+    nucleus = torch.zeros_like(keep)
+    for i in order.tolist():
+        if not keep[i]:
+            break
+        nucleus[i] = True
+        running += float(probs[i])
+        if running >= top_p * float(mass) - 1e-12:
+            break
+    keep &= nucleus
+    keep &= probs >= min_p * probs.max()
+    out = torch.where(keep, probs, 0.0)
+    return out / out.sum()
+
+
+@pytest.mark.parametrize("temperature, top_k, top_p, min_p", [
+    (1.0, 0, 1.0, 0.0), (1.5, 6, 1.0, 0.0), (0.8, 0, 0.7, 0.0), (1.0, 0, 1.0, 0.1),
+])
+def test_first_token_distribution_matches_filtered_softmax(model, tok, temperature, top_k, top_p, min_p):
+    prompt = tok.encode("3+4=")
+    n = 2000
+    r = generate(model, [prompt] * n, max_new_tokens=1, temperature=temperature, top_k=top_k, top_p=top_p,
+                 min_p=min_p, seed=5)
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt]))[0, -1]
+    want = filtered_probs(logits, temperature, top_k, top_p, min_p)
+    counts = Counter(c[0] for c in r.completion_ids)
+    assert all(want[t] > 0 for t in counts), "drew a token outside the filtered set"
+    # Pearson chi-square over the allowed tokens, pooling the rare ones (expected < 5) into one cell.
+    cells, rare_obs, rare_exp = [], 0, 0.0
+    for t in want.nonzero().flatten().tolist():
+        expected = n * float(want[t])
+        if expected < 5:
+            rare_obs, rare_exp = rare_obs + counts[t], rare_exp + expected
+        else:
+            cells.append((counts[t], expected))
+    if rare_exp > 0:
+        cells.append((rare_obs, rare_exp))
+    chi2 = sum((o - e) ** 2 / e for o, e in cells)
+    dof = max(len(cells) - 1, 1)
+    # Wilson-Hilferty upper tail at z = 4 (p ~ 3e-5): fails only on a real mismatch.
+    bound = dof * (1 - 2 / (9 * dof) + 4 * math.sqrt(2 / (9 * dof))) ** 3
+    assert chi2 < bound, (chi2, bound, dof)
+    assert len(cells) >= 2  # the distribution is not degenerate: the test has power
+
+
+def test_top_k_one_is_greedy(model, prompts):
+    greedy = generate(model, prompts, max_new_tokens=8, temperature=0.0)
+    topk1 = generate(model, prompts, max_new_tokens=8, temperature=0.9, top_k=1, seed=123)
+    assert topk1.completion_ids == greedy.completion_ids
+
+
+def test_seeds_reproduce(model, prompts):
+    a = generate(model, prompts, max_new_tokens=10, temperature=1.0, top_p=0.95, seed=42)
+    b = generate(model, prompts, max_new_tokens=10, temperature=1.0, top_p=0.95, seed=42)
+    c = generate(model, prompts, max_new_tokens=10, temperature=1.0, top_p=0.95, seed=43)
+    assert a.completion_ids == b.completion_ids and torch.equal(a.logprobs, b.logprobs)
+    assert a.completion_ids != c.completion_ids
+
+
+def test_eos_ends_rows_individually(model, prompts):
+    free = [naive_greedy(model, p, 10)[0] for p in prompts]
+    eos = free[0][3]  # row 0 emits this at step 4; the others stop wherever they emit it, if ever
+    r = generate(model, prompts, max_new_tokens=10, temperature=0.0, eos_ids=[eos, 10_000])
+    for b, p in enumerate(prompts):
+        tokens, logprobs, reason = naive_greedy(model, p, 10, eos_ids=(eos,))
+        assert r.completion_ids[b] == tokens and r.finish_reasons[b] == reason
+        torch.testing.assert_close(r.logprobs[b, :len(tokens)].double(), torch.tensor(logprobs, dtype=torch.float64), atol=1e-5, rtol=0)
+    assert r.finish_reasons[0] == "eos" and len(r.completion_ids[0]) <= 4
+    assert "length" in r.finish_reasons  # some rows ran on to max_new_tokens past row 0's end
+
+
+def test_loop_stops_early_when_all_rows_finished(model, prompts):
+    firsts = {naive_greedy(model, p, 1)[0][0] for p in prompts}
+    r = generate(model, prompts, max_new_tokens=50, temperature=0.0, eos_ids=list(firsts))
+    assert r.completion_lens.tolist() == [1] * len(prompts) and r.logprobs.shape == (len(prompts), 1)
+    assert r.finish_reasons == ["eos"] * len(prompts)
+
+
+def test_stop_strings_end_rows_and_keep_the_stop_text(model, prompts, tok):
+    free = generate(model, prompts, max_new_tokens=12, temperature=0.0, tokenizer=tok)
+    stop = free.texts[1][4:6]  # two characters row 1 produces at steps 5-6 (char-level tokenizer)
+    r = generate(model, prompts, max_new_tokens=12, temperature=0.0, tokenizer=tok, stop=[stop, "@@never@@"])
+    for b in range(len(prompts)):
+        end = free.texts[b].find(stop)
+        if end == -1:
+            assert r.finish_reasons[b] == "length" and r.completion_ids[b] == free.completion_ids[b]
+        else:
+            end += len(stop)
+            assert r.finish_reasons[b] == "stop" and r.texts[b] == free.texts[b][:end]
+            assert r.completion_ids[b] == free.completion_ids[b][:end]   # one char per token here
+            assert r.texts[b].endswith(stop)
+    assert r.finish_reasons[1] == "stop" and len(r.completion_ids[1]) <= 6
+
+
+def test_stop_string_split_over_tokens_of_several_steps(model, tok):
+    prompt = tok.encode("hello world, ")
+    free = generate(model, [prompt], max_new_tokens=10, temperature=0.0, tokenizer=tok)
+    stop = free.texts[0][2:7]
+    r = generate(model, [prompt], max_new_tokens=10, temperature=0.0, tokenizer=tok, stop=[stop])
+    assert r.texts[0] == free.texts[0][:free.texts[0].find(stop) + len(stop)] and r.finish_reasons == ["stop"]
+
+
+def test_model_mode_is_restored(model, prompts):
+    model.train()
+    generate(model, prompts[:2], max_new_tokens=2, temperature=1.0)
+    assert model.training
+    model.eval()
+    generate(model, prompts[:2], max_new_tokens=2, temperature=1.0)
+    assert not model.training
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"prompts": [[1], []]}, "prompt 1 is empty"),
+    ({"prompts": []}, "no prompts"),
+    ({"max_new_tokens": 0}, "max_new_tokens must be an int >= 1"),
+    ({"stop": ["x"]}, "stop strings need a tokenizer"),
+    ({"top_p": 0.0}, "0 < top_p <= 1"),
+    ({"temperature": -1.0}, "temperature must be >= 0"),
+])
+def test_bad_arguments(model, kwargs, message):
+    args = {"prompts": [[1, 2]], "max_new_tokens": 2, **kwargs}
+    with pytest.raises(FwError, match=message):
+        generate(model, args.pop("prompts"), **args)
+
+
+def test_greedy_matches_transformers_generate(model, prompts, tok, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    save_pretrained(model, tmp_path)
+    hf = transformers.Qwen3ForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    ours = generate(model, prompts, max_new_tokens=10, temperature=0.0, eos_ids=[tok.eos_id])
+    for b, prompt in enumerate(prompts):
+        out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                          do_sample=False, max_new_tokens=10, eos_token_id=tok.eos_id, pad_token_id=tok.pad_id)
+        assert ours.completion_ids[b] == out[0, len(prompt):].tolist()
