@@ -1,0 +1,111 @@
+"""Rollout throughput on the REFERENCE.md §4 workload: fw's engine against HF `generate`, same run.
+
+Random prompt ids, prompt and output lengths uniform in [lo, hi] (seed 0), EOS ignored, temperature
+0.6; throughput = useful output tokens / wall time including prefill. Both engines run every row to the
+longest output in the batch (neither stops rows early here), so both are charged the same padding.
+
+    python -m benchmarks.rollout --num-seqs 256 --lo 100 --hi 1024 --impls fw
+    python -m benchmarks.rollout --num-seqs 64 --lo 100 --hi 256 --impls fw,hf
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+
+import torch
+
+from framework.models import Qwen3ForCausalLM
+from framework.models.presets import PRESETS, preset_config
+from framework.rollout import generate
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+
+
+def sync() -> None:
+    if CUDA:
+        torch.cuda.synchronize()
+
+
+def workload(n: int, lo: int, hi: int, vocab: int, seed: int = 0):
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+    outs = [rng.randint(lo, hi) for _ in range(n)]
+    return prompts, outs
+
+
+def run_fw(model, prompts, outs, temperature):
+    sync()
+    t0 = time.perf_counter()
+    generate(model, prompts, max_new_tokens=max(outs), temperature=temperature, seed=0)
+    sync()
+    return time.perf_counter() - t0
+
+
+def run_hf(model, prompts, outs, temperature, pad_id=0):
+    width = max(map(len, prompts))
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for b, p in enumerate(prompts):   # HF generate wants left padding
+        ids[b, width - len(p):] = torch.tensor(p)
+        mask[b, width - len(p):] = 1
+    sync()
+    t0 = time.perf_counter()
+    model.generate(input_ids=ids.to(DEVICE), attention_mask=mask.to(DEVICE), do_sample=True, temperature=temperature,
+                   top_k=0, top_p=1.0, max_new_tokens=max(outs), min_new_tokens=max(outs), eos_token_id=None,
+                   pad_token_id=pad_id)
+    sync()
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--preset", default="qwen3-0.6b")
+    ap.add_argument("--num-seqs", type=int, default=256)
+    ap.add_argument("--lo", type=int, default=100)
+    ap.add_argument("--hi", type=int, default=1024)
+    ap.add_argument("--temperature", type=float, default=0.6)
+    ap.add_argument("--impls", default="fw,hf")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    cfg = preset_config(args.preset, PRESETS[args.preset]["vocab_size"] or 256)
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(cfg).to(torch.bfloat16).to(DEVICE).eval()
+    prompts, outs = workload(args.num_seqs, args.lo, args.hi, cfg.vocab_size)
+    useful = sum(outs)
+    # Warm-up: kernels, allocator, cuBLAS handles.
+    generate(model, prompts[:4], max_new_tokens=8, temperature=args.temperature, seed=1)
+    rows = []
+    for impl in args.impls.split(","):
+        CUDA and torch.cuda.reset_peak_memory_stats()
+        if impl == "fw":
+            secs = run_fw(model, prompts, outs, args.temperature)
+        else:
+            import transformers
+            hf = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**cfg.to_hf(), attn_implementation="sdpa"))
+            hf.load_state_dict(model.hf_state_dict(), strict=False)  # tied head: lm_head comes from the embedding
+            hf = hf.to(torch.bfloat16).to(DEVICE).eval()
+            run_hf(hf, prompts[:2], [8, 8], args.temperature)
+            CUDA and torch.cuda.reset_peak_memory_stats()
+            secs = run_hf(hf, prompts, outs, args.temperature)
+            del hf
+        rows.append({"impl": impl, "seconds": secs, "useful_tokens": useful, "tok_s": useful / secs,
+                     "peak_gib": (torch.cuda.max_memory_allocated() / 2**30 if CUDA else 0.0)})
+        print(json.dumps(rows[-1]), flush=True)
+        CUDA and torch.cuda.empty_cache()
+    hf_row = next((r for r in rows if r["impl"] == "hf"), None)
+    print(f"\nRollout, {args.preset} bf16, {args.num_seqs} seqs, prompt/output uniform [{args.lo}, {args.hi}], "
+          f"T={args.temperature}, {useful} useful output tokens, {(torch.cuda.get_device_name() if CUDA else 'CPU')}")
+    print(f"{'impl':<6}{'seconds':>10}{'tok/s':>10}{'peak GiB':>10}{'vs HF':>8}")
+    for r in rows:
+        ratio = f"{r['tok_s'] / hf_row['tok_s']:.1f}x" if hf_row else "-"
+        print(f"{r['impl']:<6}{r['seconds']:>10.2f}{r['tok_s']:>10.0f}{r['peak_gib']:>10.1f}{ratio:>8}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,132 @@
+"""Training-step throughput at the Qwen3-0.6B shape: fw's model against HF transformers, same run.
+
+One step = forward, token-mean cross-entropy, backward, clip, fused AdamW; autocast bf16 with fp32
+master weights (the peer setting of REFERENCE.md §2). Prints one table; `--json` writes the rows.
+
+    python -m benchmarks.train_step --batch 8 --seq 2048 --steps 10
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+import ops_cuda
+from framework.models import Qwen3ForCausalLM
+from framework.models.presets import PRESETS, preset_config
+
+# Dense bf16 matrix rate measured on the H200 (REFERENCE.md §1): the denominator of MFU.
+PEAK_FLOPS = 785e12
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+
+
+def sync() -> None:
+    if CUDA:
+        torch.cuda.synchronize()
+
+
+def flops_per_token(cfg, seq: int) -> float:
+    """6 × params (matrix params, embedding counted once as the tied head) + causal attention."""
+    d = cfg.hidden_size
+    per_layer = d * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * d + 3 * d * cfg.intermediate_size
+    params = cfg.vocab_size * d + cfg.num_hidden_layers * per_layer
+    return 6 * params + 6 * cfg.num_hidden_layers * seq * cfg.q_size
+
+
+def fw_loss(model, ids):
+    hidden = model(ids[:, :-1], return_hidden=True)
+    logp, _ = ops_cuda.linear_logprob(hidden.reshape(-1, hidden.shape[-1]), model.lm_head_weight,
+                                      ids[:, 1:].reshape(-1))
+    return -logp.mean()
+
+
+def hf_loss(model, ids):
+    logits = model(input_ids=ids[:, :-1]).logits
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+
+
+def run(name, model, loss_fn, batch, seq, steps, vocab):
+    model.to(DEVICE).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=CUDA)
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    times = []
+    CUDA and torch.cuda.reset_peak_memory_stats()
+    for i in range(steps + 3):
+        ids = torch.randint(0, vocab, (batch, seq + 1), device=DEVICE, generator=gen)
+        sync()
+        t0 = time.perf_counter()
+        with torch.autocast(DEVICE, dtype=torch.bfloat16):
+            loss = loss_fn(model, ids)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sync()
+        if i >= 3:
+            times.append(time.perf_counter() - t0)
+    peak = (torch.cuda.max_memory_allocated() / 2**30 if CUDA else 0.0)
+    med = statistics.median(times)
+    del opt
+    return {"impl": name, "median_s": med, "tok_s": batch * seq / med, "peak_gib": peak, "loss": float(loss)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--preset", default="qwen3-0.6b")
+    ap.add_argument("--impls", default="fw,fw-compile,fw-ckpt,hf")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    cfg = preset_config(args.preset, PRESETS[args.preset]["vocab_size"] or 256)
+    fpt = flops_per_token(cfg, args.seq)
+    rows = []
+    for impl in args.impls.split(","):
+        torch.manual_seed(0)
+        if impl.startswith("fw"):
+            model = Qwen3ForCausalLM(cfg)
+            if impl == "fw-ckpt":
+                model.gradient_checkpointing = True
+            if impl == "fw-compile":
+                model.compile()
+            loss_fn = fw_loss
+        else:
+            import transformers
+            hf_cfg = transformers.Qwen3Config(**cfg.to_hf(), attn_implementation="sdpa")
+            model = transformers.Qwen3ForCausalLM(hf_cfg)
+            loss_fn = hf_loss
+        try:
+            row = run(impl, model, loss_fn, args.batch, args.seq, args.steps, cfg.vocab_size)
+        except torch.cuda.OutOfMemoryError as e:
+            row = {"impl": impl, "error": f"OOM: {str(e).splitlines()[0]}"}
+        del model
+        CUDA and torch.cuda.empty_cache()
+        if "tok_s" in row:
+            row["mfu"] = row["tok_s"] * fpt / PEAK_FLOPS
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    hf = next((r for r in rows if r["impl"] == "hf" and "tok_s" in r), None)
+    print(f"\nTraining step, {args.preset}, {args.batch}x{args.seq} tokens, autocast bf16, fused AdamW, "
+          f"{(torch.cuda.get_device_name() if CUDA else 'CPU')}")
+    print(f"{'impl':<12}{'median s':>10}{'tok/s':>10}{'MFU':>8}{'peak GiB':>10}{'vs HF':>8}")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['impl']:<12}{r['error']}")
+            continue
+        ratio = f"{r['tok_s'] / hf['tok_s']:.2f}x" if hf else "-"
+        print(f"{r['impl']:<12}{r['median_s']:>10.3f}{r['tok_s']:>10.0f}{r['mfu']:>8.1%}{r['peak_gib']:>10.1f}"
+              f"{ratio:>8}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
