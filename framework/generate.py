@@ -1,0 +1,77 @@
+"""``fw generate``: one completion from a config's policy or from a checkpoint, to sanity-check a model."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from framework.errors import FwError
+
+
+def _device(cfg: dict) -> torch.device:
+    accelerator = cfg["trainer"]["accelerator"]
+    if accelerator in ("auto", "gpu", "cuda") and torch.cuda.is_available():
+        return torch.device("cuda")
+    return torch.device("cpu")
+
+
+def load_policy(cfg: dict | None, checkpoint: str | None) -> tuple[dict, Any, Any]:
+    """(config, tokenizer, policy): from ``checkpoint``'s ``policy/`` (its ``config.yaml`` when ``cfg``
+    is None), else built from ``cfg`` (random init for a preset, seeded with ``cfg["seed"]``)."""
+    from framework.models import build_policy, load_pretrained
+    from framework.tokenizer import Tokenizer
+
+    def build_tokenizer(cfg: dict) -> Tokenizer:
+        from framework.module import build_tokenizer  # imports lightning (seconds): only when needed
+
+        return build_tokenizer(cfg)
+
+    if checkpoint is None:
+        if cfg is None:
+            raise FwError("fw generate needs a config or a checkpoint")
+        tokenizer = build_tokenizer(cfg)
+        torch.manual_seed(cfg["seed"])
+        return cfg, tokenizer, build_policy(cfg["model"]["policy"], tokenizer)
+    ckpt = Path(checkpoint)
+    policy_dir = ckpt / "policy"
+    if not (policy_dir / "config.json").is_file():
+        raise FwError(f"--checkpoint {ckpt}: no policy/config.json there (expected a checkpoint directory "
+                      "such as <run_dir>/checkpoints/step-000100)")
+    if cfg is None:
+        from framework.config import load_config
+
+        if not (ckpt / "config.yaml").is_file():
+            raise FwError(f"--checkpoint {ckpt}: no config.yaml there; pass --config FILE as well")
+        cfg = load_config([str(ckpt / "config.yaml")])
+    # A checkpoint's policy/ carries the tokenizer the run trained with; fall back to the config's.
+    has_tokenizer = (policy_dir / "tokenizer.json").is_file()
+    tokenizer = Tokenizer.from_pretrained(policy_dir) if has_tokenizer else build_tokenizer(cfg)
+    return cfg, tokenizer, load_pretrained(policy_dir, cfg["model"]["policy"]["dtype"])
+
+
+def generate_text(cfg: dict | None, prompt: str, checkpoint: str | None = None, max_new_tokens: int | None = None,
+                  temperature: float | None = None, seed: int | None = None) -> str:
+    """The completion of ``prompt`` (the user message; rendered with the chat template when
+    ``data.chat_template``). Unset options come from ``rollout.max_new_tokens``, ``rollout.temperature``
+    (0 = greedy) and ``seed``; top-k/top-p/min-p/stop strings from ``rollout``."""
+    from framework.rollout import generate
+    from framework.tasks import render_prompt
+
+    cfg, tokenizer, policy = load_policy(cfg, checkpoint)
+    policy.to(_device(cfg))
+    rollout_cfg = cfg["rollout"]
+    text = render_prompt(prompt, tokenizer, cfg["data"]["chat_template"], cfg["tokenizer"]["enable_thinking"])
+    ids = tokenizer.encode(text)
+    if not ids:
+        raise FwError("fw generate: the prompt is empty")
+    eos = policy.config.eos_token_id
+    eos_ids = {tokenizer.eos_id} | set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    result = generate(
+        policy, [ids],
+        max_new_tokens=rollout_cfg["max_new_tokens"] if max_new_tokens is None else max_new_tokens,
+        temperature=rollout_cfg["temperature"] if temperature is None else temperature,
+        top_k=rollout_cfg["top_k"], top_p=rollout_cfg["top_p"], min_p=rollout_cfg["min_p"],
+        eos_ids=sorted(eos_ids), stop=rollout_cfg["stop"], tokenizer=tokenizer,
+        seed=cfg["seed"] if seed is None else seed)
+    return result.texts[0]
