@@ -373,7 +373,7 @@ def _apply_override(data: dict, marks: dict, arg: str) -> list[Problem]:
     node = data
     for i, k in enumerate(keys[:-1]):
         child = node.get(k)
-        if isinstance(child, list):
+        if isinstance(child, list) or "array" in _types(_schema_at(keys[:i + 1])[0] or {}):
             return [Problem(label, None, None, key, f"cannot override inside the list '{'.'.join(keys[:i + 1])}'; "
                                                     f"set the whole list, e.g. --{'.'.join(keys[:i + 1])}=[...]")]
         if not isinstance(child, dict):

@@ -36,6 +36,9 @@ def import_object(class_path: str) -> Any:
                           f"{type(e).__name__}: {e}") from e
         owner = module_name
         for attr in parts[i:]:
+            if not hasattr(obj, attr) and owner == module_name and missing_module:
+                # `pkg.nosuchmod.Cls`: the missing piece is the module, not an attribute of `pkg`
+                raise FwError(f"cannot import '{class_path}': no module named '{missing_module}'")
             if not hasattr(obj, attr):
                 raise FwError(f"cannot import '{class_path}': module '{module_name}' has no attribute "
                               f"'{attr}'" if owner == module_name else

@@ -1,0 +1,333 @@
+"""Config loading: merging, overrides, defaults, resolve, saving, class_path imports."""
+
+import os
+import re
+import sys
+from collections import OrderedDict
+from fractions import Fraction
+from pathlib import Path
+
+import pytest
+
+from framework import yaml12
+from framework.config import load_config, resolve, save_resolved, schema_path
+from framework.errors import ConfigError, FwError, Problem
+from framework.imports import import_class, import_object, instantiate
+
+ROOT = Path(__file__).resolve().parents[1]
+MINIMAL = "recipe: grpo\nmodel:\n  policy:\n    preset: tiny\n"
+
+
+def write(tmp_path: Path, name: str, text: str) -> str:
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+def problems(exc: pytest.ExceptionInfo) -> list[str]:
+    return [str(p) for p in exc.value.problems]
+
+
+def design_defaults() -> dict:
+    """The config block of docs/DESIGN.md, the contract the schema's defaults must match."""
+    text = (ROOT / "docs" / "DESIGN.md").read_text()
+    return yaml12.load(re.search(r"## The config.*?```yaml\n(.*?)```", text, re.DOTALL).group(1))
+
+
+# ------------------------------------------------------------------------------------------ defaults
+
+@pytest.mark.parametrize("recipe", ["sft", "grpo", "ppo"])
+def test_resolved_defaults_match_the_design_contract(recipe):
+    expected = design_defaults()
+    expected["recipe"] = recipe
+    expected["model"]["policy"]["preset"] = "tiny"
+    for other in ("sft", "grpo", "ppo"):
+        if other != recipe:
+            del expected[other]  # only the selected recipe's section exists in a resolved config
+    cfg = resolve({"recipe": recipe, "model": {"policy": {"preset": "tiny"}}})
+    assert cfg == expected
+    assert list(cfg) == list(expected)  # schema order, as in the reference
+
+
+def test_resolve_does_not_touch_its_input_and_is_idempotent():
+    raw = {"recipe": "ppo", "model": {"policy": {"path": "/m"}}, "callbacks": [{"class_path": "fractions.Fraction"}]}
+    before = repr(raw)
+    cfg = resolve(raw)
+    assert repr(raw) == before
+    assert cfg["callbacks"] == [{"class_path": "fractions.Fraction", "init_args": {}}]
+    assert cfg["ppo"]["critic"] == {"lr": 1e-5, "weight_decay": 0.0, "max_grad_norm": 1.0}
+    assert resolve(cfg) == cfg
+
+
+def test_defaults_fill_inside_given_task_and_keep_user_values():
+    cfg = resolve({"recipe": "grpo", "model": {"policy": {"preset": "tiny"}},
+                   "data": {"task": {"name": "arithmetic", "init_args": {"digits": 2}}, "max_seq_len": 64}})
+    assert cfg["data"]["task"] == {"name": "arithmetic", "class_path": None, "init_args": {"digits": 2}}
+    assert cfg["data"]["max_seq_len"] == 64 and cfg["data"]["batch_size"] == 8
+
+
+def test_integral_floats_become_ints_for_integer_keys():
+    cfg = resolve({"recipe": "sft", "model": {"policy": {"preset": "tiny"}}, "trainer": {"max_steps": 1e3},
+                   "optimizer": {"lr": 1e-3}})
+    assert cfg["trainer"]["max_steps"] == 1000 and type(cfg["trainer"]["max_steps"]) is int
+    assert type(cfg["optimizer"]["lr"]) is float
+
+
+def test_resolve_reports_every_problem_without_positions():
+    with pytest.raises(ConfigError) as e:
+        resolve({"recipe": "grpo", "model": {"policy": {"preset": "tiny"}}, "trainer": {"max_steps": 0},
+                 "seed": "x"})
+    assert problems(e) == ["<config>: seed: expected an integer, got the string 'x'",
+                           "<config>: trainer.max_steps: must be >= 1, got 0"]
+
+
+def test_resolve_rejects_a_non_mapping():
+    with pytest.raises(ConfigError, match="expected a mapping, got a list"):
+        resolve([1])
+
+
+def test_reward_class_path_keeps_the_builtin_name_default():
+    # documented: reward.class_path, when set, is used instead of reward.name
+    cfg = resolve({"recipe": "grpo", "model": {"policy": {"preset": "tiny"}},
+                   "reward": {"class_path": "fractions.Fraction"}})
+    assert cfg["reward"] == {"name": "numeric_match", "class_path": "fractions.Fraction", "init_args": {},
+                             "on_error": "raise"}
+
+
+def test_problem_text():
+    assert str(Problem("a.yaml", 3, 5, "x.y", "bad")) == "a.yaml:3:5: x.y: bad"
+    assert str(Problem("a.yaml", None, None, "", "config file not found")) == "a.yaml: config file not found"
+    err = ConfigError([Problem("a", 1, 1, "k", "m1"), Problem("b", 2, 2, "", "m2")])
+    assert str(err) == "a:1:1: k: m1\nb:2:2: m2" and isinstance(err, FwError)
+
+
+# ------------------------------------------------------------------------------------------ merging
+
+def test_files_merge_left_to_right(tmp_path):
+    base = write(tmp_path, "base.yaml", MINIMAL + "optimizer:\n  lr: 1e-4\n  betas: [0.8, 0.9]\n"
+                                                  "rollout:\n  stop: ['a', 'b']\n  max_new_tokens: 16\n")
+    top = write(tmp_path, "top.yaml", "optimizer:\n  betas: [0.5, 0.6]\n  eps: 1e-6\nrollout:\n  stop: ['c']\n")
+    cfg = load_config([base, top], [])
+    assert cfg["optimizer"]["lr"] == 1e-4  # kept from base
+    assert cfg["optimizer"]["betas"] == [0.5, 0.6] and cfg["optimizer"]["eps"] == 1e-6  # from top
+    assert cfg["rollout"]["stop"] == ["c"]  # lists replace
+    assert cfg["rollout"]["max_new_tokens"] == 16
+
+
+def test_errors_point_at_the_file_that_set_the_value(tmp_path):
+    base = write(tmp_path, "base.yaml", MINIMAL + "trainer:\n  max_steps: 0\n  log_every_n_steps: 0\n")
+    top = write(tmp_path, "top.yaml", "# later file\ntrainer:\n  max_steps: 5\n  log_every_n_steps: -3\n")
+    with pytest.raises(ConfigError) as e:
+        load_config([base, top], [])
+    assert problems(e) == [f"{top}:4:22: trainer.log_every_n_steps: must be >= 1, got -3"]
+
+
+def test_a_mapping_replaced_by_a_scalar_takes_the_new_position(tmp_path):
+    base = write(tmp_path, "base.yaml", MINIMAL + "data:\n  task: {name: arithmetic}\n")
+    top = write(tmp_path, "top.yaml", "data:\n  task: 5\n")
+    with pytest.raises(ConfigError) as e:
+        load_config([base, top], [])
+    assert problems(e) == [f"{top}:2:9: data.task: expected a mapping or null, got the number 5"]
+
+
+def test_no_config_file_given():
+    with pytest.raises(FwError, match="no config file given"):
+        load_config([], [])
+
+
+def test_every_missing_file_is_reported(tmp_path):
+    with pytest.raises(ConfigError) as e:
+        load_config([str(tmp_path / "a.yaml"), str(tmp_path / "b.yaml")], [])
+    assert problems(e) == [f"{tmp_path / 'a.yaml'}: config file not found",
+                           f"{tmp_path / 'b.yaml'}: config file not found"]
+
+
+# ------------------------------------------------------------------------------------------ overrides
+
+def test_overrides_are_typed_by_the_schema(tmp_path):
+    path = write(tmp_path, "c.yaml", MINIMAL + "name: base\n")
+    cfg = load_config([path], ["--trainer.max_steps=10", "--optimizer.lr=1e-4", "--optimizer.betas=[0.9, 0.95]",
+                               "--name=123", "--run_dir=2024", "--logging.tensorboard=false",
+                               "--optimizer.max_grad_norm=null", "--trainer.devices=2", "--rollout.stop=[]",
+                               "--tokenizer.path=true"])
+    assert cfg["trainer"]["max_steps"] == 10
+    assert cfg["optimizer"]["lr"] == 1e-4 and cfg["optimizer"]["betas"] == [0.9, 0.95]
+    assert cfg["name"] == "123" and cfg["run_dir"] == "2024"  # string keys keep the text
+    assert cfg["logging"]["tensorboard"] is False and cfg["optimizer"]["max_grad_norm"] is None
+    assert cfg["trainer"]["devices"] == 2 and cfg["rollout"]["stop"] == []
+    assert cfg["tokenizer"]["path"] == "true"
+
+
+def test_overrides_apply_after_all_files_in_order(tmp_path):
+    a = write(tmp_path, "a.yaml", MINIMAL + "seed: 1\n")
+    b = write(tmp_path, "b.yaml", "seed: 2\n")
+    assert load_config([a, b], ["seed=3", "--seed=4"])["seed"] == 4
+
+
+def test_override_creates_parents_and_reaches_free_form_init_args(tmp_path):
+    path = write(tmp_path, "c.yaml", MINIMAL)
+    cfg = load_config([path], ["--data.task.name=arithmetic", "--data.task.init_args.digits=3",
+                               "--reward.init_args.tolerance=1e-6"])
+    assert cfg["data"]["task"] == {"name": "arithmetic", "class_path": None, "init_args": {"digits": 3}}
+    assert cfg["reward"]["init_args"] == {"tolerance": 1e-6}
+
+
+def test_override_errors_name_the_override(tmp_path):
+    path = write(tmp_path, "c.yaml", MINIMAL + "trainer:\n  max_steps: 0\n")
+    with pytest.raises(ConfigError) as e:
+        load_config([path], ["--trainer.max_stepz=10", "--optimizer.lr=fast", "--logging.csv=on",
+                             "--callbacks.0.class_path=x.Y", "trainer.max_steps", "--=1", "--a..b=1"])
+    assert problems(e) == [
+        f"{path}:6:14: trainer.max_steps: must be >= 1, got 0",
+        ("override '--trainer.max_stepz=10': trainer.max_stepz: unknown key 'max_stepz' in trainer; "
+        "did you mean 'max_steps'?"),
+        "override '--optimizer.lr=fast': optimizer.lr: expected a number, got the string 'fast'",
+        ("override '--logging.csv=on': logging.csv: expected true or false, got the string 'on' "
+        "(YAML 1.2 reads on/off/yes/no as strings: write true or false)"),
+        ("override '--callbacks.0.class_path=x.Y': callbacks.0.class_path: cannot override inside the list "
+        "'callbacks'; set the whole list, e.g. --callbacks=[...]"),
+        "override 'trainer.max_steps': malformed override: expected --key.path=value, e.g. --trainer.max_steps=10",
+        "override '--=1': malformed override: expected --key.path=value, e.g. --trainer.max_steps=10",
+        "override '--a..b=1': malformed override: expected --key.path=value, e.g. --trainer.max_steps=10",
+    ]
+
+
+def test_override_fixes_an_error_in_a_file(tmp_path):
+    path = write(tmp_path, "c.yaml", MINIMAL + "trainer:\n  max_steps: 0\n")
+    assert load_config([path], ["--trainer.max_steps=7"])["trainer"]["max_steps"] == 7
+
+
+def test_override_of_another_recipes_section(tmp_path):
+    path = write(tmp_path, "c.yaml", MINIMAL)
+    with pytest.raises(ConfigError) as e:
+        load_config([path], ["--ppo.gamma=0.9"])
+    assert problems(e) == [("override '--ppo.gamma=0.9': ppo: The ppo: section is only allowed with recipe: ppo "
+                           "(this config has recipe: grpo)")]
+
+
+# ------------------------------------------------------------------------------------------ saving
+
+def test_save_resolved_round_trips_with_a_working_modeline(tmp_path):
+    path = write(tmp_path, "c.yaml", MINIMAL + "optimizer: {lr: 2e-5}\nrollout: {stop: ['yes', '1e3']}\n")
+    cfg = load_config([path], [])
+    out = tmp_path / "run" / "deep" / "config.yaml"
+    save_resolved(cfg, out)
+    first = out.read_text().splitlines()[0]
+    assert first.startswith("# yaml-language-server: $schema=")
+    schema_ref = first.split("$schema=", 1)[1]
+    assert os.path.samefile(out.parent / schema_ref, os.path.realpath(schema_path()))
+    assert load_config([str(out)], []) == cfg
+    assert [p.name for p in out.parent.iterdir()] == ["config.yaml"]  # no temp file left behind
+
+
+# ------------------------------------------------------------------------------------------ class_path
+
+@pytest.fixture
+def user_modules(tmp_path, monkeypatch):
+    """A directory of importable user modules (real files on sys.path)."""
+    pkg = tmp_path / "userpkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "good.py").write_text("class Scale:\n    def __init__(self, factor, offset=0.0):\n"
+                                 "        self.factor, self.offset = factor, offset\n\n"
+                                 "    class Inner:\n        pass\n\n\ndef helper():\n    return 1\n")
+    (pkg / "needs_dep.py").write_text("import nosuchdep_for_fw_tests\n")
+    (pkg / "broken.py").write_text("def f(:\n")
+    (pkg / "raises.py").write_text("raise RuntimeError('boom at import')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield "userpkg"
+    for name in [m for m in sys.modules if m == "userpkg" or m.startswith("userpkg.")]:
+        del sys.modules[name]
+
+
+def test_import_object_and_class(user_modules):
+    assert import_class("collections.OrderedDict") is OrderedDict
+    assert import_class("userpkg.good.Scale.Inner").__qualname__ == "Scale.Inner"
+    assert import_object("userpkg.good.helper")() == 1
+    with pytest.raises(FwError, match="'userpkg.good.helper' is a function, not a class"):
+        import_class("userpkg.good.helper")
+
+
+@pytest.mark.parametrize("class_path,message", [
+    ("nosuchpkg_fw.mod.Cls", "cannot import 'nosuchpkg_fw.mod.Cls': no module named 'nosuchpkg_fw'"),
+    ("userpkg.nosuchmod.Cls", "cannot import 'userpkg.nosuchmod.Cls': no module named 'userpkg.nosuchmod'"),
+    ("userpkg.good.Nope", "cannot import 'userpkg.good.Nope': module 'userpkg.good' has no attribute 'Nope'"),
+    ("userpkg.good.Scale.Nope", "cannot import 'userpkg.good.Scale.Nope': 'userpkg.good.Scale' has no attribute 'Nope'"),
+    ("userpkg.needs_dep.X", ("cannot import 'userpkg.needs_dep.X': importing module 'userpkg.needs_dep' failed: "
+                            "No module named 'nosuchdep_for_fw_tests'")),
+    ("userpkg.broken.X", "cannot import 'userpkg.broken.X': importing module 'userpkg.broken' failed: SyntaxError"),
+    ("userpkg.raises.X", "importing module 'userpkg.raises' failed: RuntimeError: boom at import"),
+    ("Scale", "'Scale' is not a dotted path like 'package.module.ClassName'"),
+    ("a..b", "'a..b' is not a dotted path"),
+])
+def test_import_errors_say_what_is_missing(user_modules, class_path, message):
+    with pytest.raises(FwError) as e:
+        import_object(class_path)
+    assert message in str(e.value)
+
+
+def test_instantiate(user_modules):
+    obj = instantiate({"class_path": "userpkg.good.Scale", "init_args": {"factor": 2}}, offset=1.5)
+    assert (obj.factor, obj.offset) == (2, 1.5)
+    assert instantiate({"class_path": "fractions.Fraction", "init_args": {"numerator": 3, "denominator": 4}}) \
+        == Fraction(3, 4)
+    assert instantiate({"class_path": "fractions.Fraction"}) == 0
+    with pytest.raises(FwError, match="init_args do not fit userpkg.good.Scale.*unexpected keyword argument "
+                                      "'factr'.*accepted: factor, offset"):
+        instantiate({"class_path": "userpkg.good.Scale", "init_args": {"factr": 2}})
+    with pytest.raises(FwError, match="set offset, which fw passes itself"):
+        instantiate({"class_path": "userpkg.good.Scale", "init_args": {"factor": 1, "offset": 2}}, offset=1)
+    with pytest.raises(FwError, match="expected a mapping with a 'class_path' string"):
+        instantiate({"init_args": {}})
+    with pytest.raises(FwError, match="init_args of fractions.Fraction must be a mapping"):
+        instantiate({"class_path": "fractions.Fraction", "init_args": [1]})
+    with pytest.raises(FwError, match="'math.pi' is a float, which cannot be called"):
+        instantiate({"class_path": "math.pi"})
+
+
+def test_class_paths_are_checked_when_validating(tmp_path, user_modules):
+    path = write(tmp_path, "c.yaml", MINIMAL + """\
+callbacks:
+  - class_path: userpkg.good.Scale
+    init_args: {factor: 2}
+  - class_path: userpkg.good.Scale
+    init_args: {factr: 2}
+  - class_path: userpkg.missing.Cb
+reward:
+  class_path: userpkg.good.Nope
+data:
+  task:
+    class_path: userpkg.needs_dep.Task
+""")
+    with pytest.raises(ConfigError) as e:
+        load_config([path], [])
+    got = problems(e)
+    assert len(got) == 4
+    assert got[0].startswith(f"{path}:9:16: callbacks[1].init_args: init_args do not fit userpkg.good.Scale")
+    assert got[1] == (f"{path}:10:17: callbacks[2].class_path: cannot import 'userpkg.missing.Cb': "
+                      "no module named 'userpkg.missing'")
+    assert got[2] == (f"{path}:12:15: reward.class_path: cannot import 'userpkg.good.Nope': "
+                      "module 'userpkg.good' has no attribute 'Nope'")
+    assert got[3].startswith(f"{path}:15:17: data.task.class_path: cannot import 'userpkg.needs_dep.Task': "
+                             "importing module 'userpkg.needs_dep' failed")
+
+
+def test_valid_class_paths_load(tmp_path, user_modules):
+    path = write(tmp_path, "c.yaml", MINIMAL + "callbacks:\n  - class_path: userpkg.good.Scale\n"
+                                               "    init_args: {factor: 2}\n")
+    cfg = load_config([path], [])
+    assert cfg["callbacks"] == [{"class_path": "userpkg.good.Scale", "init_args": {"factor": 2}}]
+    assert instantiate(cfg["callbacks"][0]).factor == 2
+
+
+def test_builtin_names_are_checked_against_the_registries(tmp_path):
+    pytest.importorskip("framework.rewards")
+    pytest.importorskip("framework.tasks")
+    path = write(tmp_path, "c.yaml", MINIMAL + "reward: {name: numeric_matc}\ndata:\n  task: {name: arithmetc}\n")
+    with pytest.raises(ConfigError) as e:
+        load_config([path], [])
+    got = problems(e)
+    assert got[0].startswith(f"{path}:5:16: reward.name: unknown built-in 'numeric_matc' (built-ins: ")
+    assert got[0].endswith("did you mean 'numeric_match'?")
+    assert got[1].startswith(f"{path}:7:16: data.task.name: unknown built-in 'arithmetc'")
+    assert got[1].endswith("did you mean 'arithmetic'?")

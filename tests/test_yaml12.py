@@ -1,0 +1,135 @@
+"""The YAML 1.2 core loader: scalars, duplicate keys, positions, syntax errors, dumping, isolation."""
+
+import math
+
+import pytest
+import yaml
+
+from framework import yaml12
+from framework.errors import ConfigError
+
+# (plain scalar as written, value under the YAML 1.2 core schema) -- from the 1.2.2 spec, section 10.3
+CORE_SCALARS = [
+    ("2e-5", 2e-5), ("1e3", 1000.0), ("-1.5E+3", -1500.0), (".5", 0.5), ("1.", 1.0), ("+12.5", 12.5),
+    ("0", 0), ("-7", -7), ("+5", 5), ("0755", 755), ("0o17", 15), ("0x1F", 31), ("0xff", 255),
+    ("true", True), ("True", True), ("TRUE", True), ("false", False), ("False", False), ("FALSE", False),
+    ("null", None), ("Null", None), ("NULL", None), ("~", None), ("", None),
+    ("on", "on"), ("off", "off"), ("yes", "yes"), ("no", "no"), ("y", "y"), ("n", "n"), ("Yes", "Yes"),
+    ("12:30", "12:30"), ("2024-01-01", "2024-01-01"), ("1_000", "1_000"), ("0b101", "0b101"),
+    ("tRUE", "tRUE"), ("nULL", "nULL"), ("1e", "1e"), ("0x", "0x"), ("0o8", "0o8"), ("=", "="),
+    ("<<", "<<"), ("hello world", "hello world"), ("'1e3'", "1e3"), ('"true"', "true"),
+]
+
+
+@pytest.mark.parametrize("text,expected", CORE_SCALARS)
+def test_core_schema_scalars(text, expected):
+    value = yaml12.load(f"v: {text}\n")["v"]
+    assert value == expected and type(value) is type(expected)
+
+
+@pytest.mark.parametrize("text,sign", [(".inf", 1), ("+.inf", 1), ("-.inf", -1), (".Inf", 1), ("-.INF", -1)])
+def test_infinities(text, sign):
+    assert yaml12.load(f"v: {text}")["v"] == sign * math.inf
+
+
+@pytest.mark.parametrize("text", [".nan", ".NaN", ".NAN"])
+def test_nan(text):
+    assert math.isnan(yaml12.load(f"v: {text}")["v"])
+
+
+def test_yaml11_words_are_strings_also_as_keys():
+    assert yaml12.load("on: 1\nyes: 2\n") == {"on": 1, "yes": 2}
+
+
+def test_pyyaml_global_loaders_are_untouched():
+    # importing framework.yaml12 must not change what plain PyYAML does (YAML 1.1)
+    assert yaml.safe_load("a: on\nb: 2e-5\nc: 0755\nd: 12:30\n") == {"a": True, "b": "2e-5", "c": 493, "d": 750}
+    assert yaml12.Yaml12Loader.yaml_implicit_resolvers is not yaml.SafeLoader.yaml_implicit_resolvers
+    assert yaml12.Yaml12Loader.yaml_constructors is not yaml.SafeLoader.yaml_constructors
+
+
+def test_nested_structures_and_anchors():
+    text = "base: &b {lr: 1e-4, betas: [0.9, 0.95]}\ncopy: *b\nlist:\n  - 1\n  - [a, {x: .5}]\n"
+    assert yaml12.load(text) == {"base": {"lr": 1e-4, "betas": [0.9, 0.95]},
+                                 "copy": {"lr": 1e-4, "betas": [0.9, 0.95]}, "list": [1, ["a", {"x": 0.5}]]}
+
+
+def test_positions_of_keys_and_values():
+    text = "a: 1\nsection:\n  key:   value\n  items:\n    - x\n    - {y: 2}\n"
+    data, marks = yaml12.load_with_marks(text, "f.yaml")
+    assert data["section"]["items"][1] == {"y": 2}
+    assert marks[("a",)].key == yaml12.Mark("f.yaml", 1, 1)
+    assert marks[("a",)].value == yaml12.Mark("f.yaml", 1, 4)
+    assert marks[("section", "key")].key == yaml12.Mark("f.yaml", 3, 3)
+    assert marks[("section", "key")].value == yaml12.Mark("f.yaml", 3, 10)
+    assert marks[("section", "items", 0)].value == yaml12.Mark("f.yaml", 5, 7)
+    assert marks[("section", "items", 1, "y")].value == yaml12.Mark("f.yaml", 6, 11)
+    assert marks[("section", "items", 1)].key is None
+
+
+def test_every_duplicate_key_is_reported():
+    text = "a: 1\nb:\n  c: 1\n  c: 2\na: 3\n"
+    with pytest.raises(ConfigError) as e:
+        yaml12.load(text, "d.yaml")
+    assert [str(p) for p in e.value.problems] == [
+        "d.yaml:4:3: b.c: duplicate key 'c' (first defined at line 3)",
+        "d.yaml:5:1: a: duplicate key 'a' (first defined at line 1)",
+    ]
+
+
+def test_duplicate_keys_differing_only_in_spelling_of_the_same_value():
+    # `1` and `0x1` are the same int key once resolved
+    with pytest.raises(ConfigError, match="duplicate key '1'"):
+        yaml12.load("1: a\n0x1: b\n")
+
+
+def test_syntax_error_position():
+    with pytest.raises(ConfigError) as e:
+        yaml12.load("a: [1, 2\nb: 3\n", "s.yaml")
+    (problem,) = e.value.problems
+    assert (problem.file, problem.line, problem.col) == ("s.yaml", 2, 2)
+    assert "YAML syntax error" in problem.message and "expected ',' or ']'" in problem.message
+
+
+def test_tab_indentation_hint():
+    with pytest.raises(ConfigError) as e:
+        yaml12.load("a:\n\tb: 1\n", "t.yaml")
+    (problem,) = e.value.problems
+    assert (problem.line, problem.col) == (2, 1)
+    assert "spaces, not tabs" in problem.message
+
+
+def test_two_documents_are_an_error():
+    with pytest.raises(ConfigError, match="expected a single document"):
+        yaml12.load("a: 1\n---\nb: 2\n")
+
+
+def test_empty_document_is_none():
+    assert yaml12.load_with_marks("# only a comment\n", "e.yaml") == (None, {})
+
+
+@pytest.mark.parametrize("value", ["1e3", "0755", "0o17", "0x1F", "true", "TRUE", "null", "~", "", ".5", ".inf",
+                                   "-.5e-3", "yes", "on", "12:30", "2024-01-01", "1_000", "#x", "a: b", "- x",
+                                   "'q'", "multi\nline", " lead", "[1]"])
+def test_dump_round_trip_of_strings(value):
+    assert yaml12.load(yaml12.dump({"v": value})) == {"v": value}
+
+
+def test_dump_quotes_only_what_yaml12_would_misread():
+    assert yaml12.dump({"a": "1e3", "b": "yes", "c": "12:30"}) == "a: '1e3'\nb: yes\nc: 12:30\n"
+
+
+def test_dump_round_trip_of_numbers_and_order():
+    data = {"z": 2e-5, "a": 1000.0, "m": [1, -3, 0.1], "n": None, "t": True, "i": math.inf}
+    text = yaml12.dump(data)
+    assert list(yaml12.load(text)) == ["z", "a", "m", "n", "t", "i"]
+    assert yaml12.load(text) == data
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("10", (10, True)), ("1e-4", (1e-4, True)), ("[1, 2]", ([1, 2], True)), ("{a: 1}", ({"a": 1}, True)),
+    ("", (None, True)), ("hello world", ("hello world", True)), ("a: b", ("a: b", False)),
+    ("- x", ("- x", False)), ("[1, 2", ("[1, 2", False)), ("yes", ("yes", True)),
+])
+def test_parse_scalar(text, expected):
+    assert yaml12.parse_scalar(text) == expected
