@@ -3,7 +3,7 @@
 A checkpoint is a directory `<run_dir>/checkpoints/step-000123/`:
 
     manifest.json        format version, step, policy version, config hash, every file's size and sha256
-    policy/              HF layout: config.json + model.safetensors (+ extra files such as tokenizer.json)
+    policy/              HF layout: config.json + model.safetensors or shards + index (+ files like tokenizer.json)
     value/               the PPO critic, same layout (only when present)
     trainer_state.pt     the rest of Lightning's checkpoint dict (optimizers, schedulers, loops, callbacks, ...)
     config.yaml          the resolved config
@@ -32,17 +32,17 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.plugins.io import CheckpointIO
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from framework.config import save_resolved
 from framework.errors import FwError
+from framework.models.hf_io import INDEX_FILE, write_checkpoint
 
 FORMAT = "fw.checkpoint"
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 TRAINER_STATE = "trainer_state.pt"
 CONFIG_FILE = "config.yaml"
-WEIGHTS_FILE = "model.safetensors"
 HF_CONFIG_FILE = "config.json"
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -327,24 +327,30 @@ def _write_json(path: Path, obj: Any) -> None:
     _write_bytes(path, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode("utf-8"))
 
 
-def _write_component(folder: Path, name: str, component: dict) -> None:
+def _is_model_file(fname: str) -> bool:
+    """config.json and the weights (single file, shards, index): written by hf_io, not passed as "files"."""
+    return fname in (HF_CONFIG_FILE, INDEX_FILE) or fname.endswith(".safetensors")
+
+
+def _write_component(folder: Path, name: str, component: dict, max_shard_size: int | str) -> None:
     if not _COMPONENT_NAME.match(name):
         raise ValueError(f"fw_components: component name {name!r} must match {_COMPONENT_NAME.pattern}")
-    folder.mkdir()
-    _write_json(folder / HF_CONFIG_FILE, component["config"])
-    tensors = {k: v.detach().contiguous() for k, v in component["state_dict"].items()}
-    save_file(tensors, folder / WEIGHTS_FILE, metadata={"format": "pt"})
-    for fname, data in (component.get("files") or {}).items():
-        if fname in (HF_CONFIG_FILE, WEIGHTS_FILE) or Path(fname).name != fname or fname.startswith("."):
+    files = component.get("files") or {}
+    for fname in files:
+        if _is_model_file(fname) or Path(fname).name != fname or fname.startswith("."):
             raise ValueError(f"fw_components[{name!r}]['files']: {fname!r} is not an allowed file name")
+    write_checkpoint(component["config"], component["state_dict"], folder, max_shard_size)
+    for fname, data in files.items():
         _write_bytes(folder / fname, bytes(data))
 
 
 def write_checkpoint_dir(
-    checkpoint: dict, final: str | os.PathLike, cfg: dict, use_exchange: bool = True
+    checkpoint: dict, final: str | os.PathLike, cfg: dict, use_exchange: bool = True,
+    max_shard_size: int | str = "5GB",
 ) -> dict:
     """Write `checkpoint` (a Lightning checkpoint dict, with weights under "fw_components") as the directory
-    `final`, atomically. Pops "fw_components". Returns the manifest."""
+    `final`, atomically. Pops "fw_components". Returns the manifest. Components are sharded like HF's
+    save_pretrained (5 GB shards by default)."""
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
     components = checkpoint.pop("fw_components", None) or {}
@@ -352,7 +358,7 @@ def write_checkpoint_dir(
     staging.mkdir()
     try:
         for name, component in components.items():
-            _write_component(staging / name, name, component)
+            _write_component(staging / name, name, component, max_shard_size)
         with open(staging / TRAINER_STATE, "wb") as f:
             torch.save(checkpoint, f)
         save_resolved(cfg, staging / CONFIG_FILE)
@@ -401,18 +407,19 @@ def read_checkpoint_dir(
         _check_sizes(path, manifest)
     with open(path / TRAINER_STATE, "rb") as f:
         checkpoint = torch.load(f, map_location=map_location, weights_only=weights_only)
+    device = _safetensors_device(map_location)
     components = {}
     for name in manifest["components"]:
         folder = path / name
-        files = {}
-        for rel in manifest["files"]:
-            head, _, fname = rel.partition("/")
-            if head == name and fname not in (HF_CONFIG_FILE, WEIGHTS_FILE):
-                files[fname] = (folder / fname).read_bytes()
+        names = sorted(rel.split("/", 1)[1] for rel in manifest["files"] if rel.startswith(name + "/"))
+        state_dict = {}
+        for fname in names:
+            if fname.endswith(".safetensors"):
+                state_dict.update(load_file(folder / fname, device=device))
         components[name] = {
             "config": json.loads((folder / HF_CONFIG_FILE).read_text()),
-            "state_dict": load_file(folder / WEIGHTS_FILE, device=_safetensors_device(map_location)),
-            "files": files,
+            "state_dict": state_dict,
+            "files": {f: (folder / f).read_bytes() for f in names if not _is_model_file(f)},
         }
     checkpoint["fw_components"] = components
     return checkpoint

@@ -14,7 +14,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from safetensors import safe_open
-from scripts.ckpt_writer import expected, make_cfg
+from scripts.ckpt_writer import assert_same, expected, make_cfg
 
 from framework import checkpoint as ck
 from framework.errors import FwError
@@ -24,23 +24,6 @@ def _dead_pid() -> int:
     proc = subprocess.Popen([sys.executable, "-c", "pass"])
     proc.wait()
     return proc.pid
-
-
-def _assert_same(a, b, where="checkpoint"):
-    """Deep equality of nested dict/list/tuple/tensor structures; tensors must match in dtype and values."""
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape, where
-        assert torch.equal(a, b), where
-    elif isinstance(a, dict):
-        assert isinstance(b, dict) and set(a) == set(b), f"{where}: keys {sorted(map(str, a))} vs {sorted(map(str, b))}"
-        for k in a:
-            _assert_same(a[k], b[k], f"{where}[{k!r}]")
-    elif isinstance(a, (list, tuple)):
-        assert type(a) is type(b) and len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            _assert_same(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, f"{where}: {a!r} != {b!r}"
 
 
 @pytest.fixture
@@ -71,9 +54,18 @@ def test_round_trip_through_checkpoint_io(run_dir):
 
     loaded = io.load_checkpoint(path)
     original["fw_components"]["value"]["files"] = {}  # a component without extra files reads back with none
-    _assert_same(original, loaded)
+    assert_same(original, loaded)
     assert sorted(os.listdir(path)) == ["config.yaml", "manifest.json", "policy", "trainer_state.pt", "value"]
     assert sorted(os.listdir(path / "policy")) == ["config.json", "model.safetensors", "tokenizer.json"]
+
+
+def test_sharded_component_round_trip(run_dir):
+    path = ck.checkpoints_dir(run_dir) / "step-000002"
+    ck.write_checkpoint_dir(expected(2, 0, 1), path, make_cfg(str(run_dir)), max_shard_size="600KB")
+    names = sorted(os.listdir(path / "policy"))
+    assert names == ["config.json", "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
+                     "model.safetensors.index.json", "tokenizer.json"]
+    assert_same(expected(2, 0, 1), ck.read_checkpoint_dir(path, verify=True))
 
 
 def test_manifest_matches_files_on_disk(run_dir):
@@ -147,7 +139,7 @@ def test_republish_replaces_the_step(run_dir, use_exchange):
     path = _save(run_dir, 4, version=0)
     _save(run_dir, 4, version=1, use_exchange=use_exchange)
     loaded = ck.read_checkpoint_dir(path, verify=True)
-    _assert_same(expected(4, 1, 1), loaded)
+    assert_same(expected(4, 1, 1), loaded)
     assert sorted(os.listdir(path.parent)) == ["step-000004"]  # no hidden leftovers
 
 
@@ -197,7 +189,7 @@ def test_fallback_replace_interrupted_between_renames_is_recovered(run_dir):
 
     assert ck.list_checkpoints(run_dir) == []  # hidden dirs are never discovered
     assert ck.find_latest(run_dir) == str(old)  # ...but the set-aside copy is put back
-    _assert_same(expected(5, 0, 1), ck.read_checkpoint_dir(old, verify=True))
+    assert_same(expected(5, 0, 1), ck.read_checkpoint_dir(old, verify=True))
     assert ck.clean_leftovers(old.parent) == [f".staging-step-000005-{pid}-0c0d"]
     assert sorted(os.listdir(old.parent)) == ["step-000005"]
 

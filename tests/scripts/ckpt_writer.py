@@ -55,6 +55,23 @@ def expected(step: int, version: int, size_mb: int = 4) -> dict:
     }
 
 
+def assert_same(a, b, where="checkpoint"):
+    """Deep equality of nested dict/list/tuple/tensor structures; tensors must match in dtype and values."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape, where
+        assert torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and set(a) == set(b), f"{where}: keys {sorted(map(str, a))} vs {sorted(map(str, b))}"
+        for k in a:
+            assert_same(a[k], b[k], f"{where}[{k!r}]")
+    elif isinstance(a, (list, tuple)):
+        assert type(a) is type(b) and len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, f"{where}: {a!r} != {b!r}"
+
+
 def make_cfg(run_dir: str) -> dict:
     from framework.config import resolve
 
