@@ -70,7 +70,7 @@ def config_sha256(cfg: dict) -> str:
 # ---------------------------------------------------------------- durable file system primitives
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)
@@ -78,7 +78,7 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _hash_and_fsync(path: Path) -> tuple[int, str]:
+def hash_and_fsync(path: Path) -> tuple[int, str]:
     """Read the file back (what is on disk is what gets hashed), fsync it, return (size, sha256)."""
     digest = hashlib.sha256()
     size = 0
@@ -98,7 +98,7 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _hidden_sibling(final: Path, kind: str) -> Path:
+def hidden_sibling(final: Path, kind: str) -> Path:
     return final.parent / f".{kind}-{final.name}-{os.getpid()}-{secrets.token_hex(4)}"
 
 
@@ -137,17 +137,17 @@ def publish_dir(staging: Path, final: Path, use_exchange: bool = True) -> None:
     parent = final.parent
     if not final.exists():
         os.rename(staging, final)
-        _fsync_dir(parent)
+        fsync_dir(parent)
         return
     if use_exchange and _exchange(staging, final):
-        _fsync_dir(parent)
+        fsync_dir(parent)
         _remove_tree(staging)
         return
-    aside = _hidden_sibling(final, "replaced")
+    aside = hidden_sibling(final, "replaced")
     os.rename(final, aside)
-    _fsync_dir(parent)
+    fsync_dir(parent)
     os.rename(staging, final)
-    _fsync_dir(parent)
+    fsync_dir(parent)
     _remove_tree(aside)
 
 
@@ -157,9 +157,9 @@ def _remove_tree(path: Path) -> None:
     if not path.exists():
         return
     if not _HIDDEN.match(path.name):
-        trash = _hidden_sibling(path, "trash")
+        trash = hidden_sibling(path, "trash")
         os.rename(path, trash)
-        _fsync_dir(path.parent)
+        fsync_dir(path.parent)
         path = trash
     shutil.rmtree(path)
 
@@ -190,7 +190,7 @@ def recover(ckpt_dir: str | os.PathLike) -> None:
         final = ckpt_dir / m.group(2)
         if not final.exists() and is_complete(entry):
             os.rename(entry, final)
-            _fsync_dir(ckpt_dir)
+            fsync_dir(ckpt_dir)
 
 
 def clean_leftovers(ckpt_dir: str | os.PathLike) -> list[str]:
@@ -354,7 +354,7 @@ def write_checkpoint_dir(
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
     components = checkpoint.pop("fw_components", None) or {}
-    staging = _hidden_sibling(final, "staging")
+    staging = hidden_sibling(final, "staging")
     staging.mkdir()
     try:
         for name, component in components.items():
@@ -365,7 +365,7 @@ def write_checkpoint_dir(
 
         rels = sorted(p.relative_to(staging).as_posix() for p in staging.rglob("*") if p.is_file())
         with ThreadPoolExecutor(max_workers=min(8, len(rels))) as pool:
-            sums = list(pool.map(lambda rel: _hash_and_fsync(staging / rel), rels))
+            sums = list(pool.map(lambda rel: hash_and_fsync(staging / rel), rels))
         policy_version = checkpoint.get("policy_version")
         step = policy_version if policy_version is not None else checkpoint.get("global_step")
         manifest = {
@@ -379,10 +379,10 @@ def write_checkpoint_dir(
             "files": {rel: {"size": size, "sha256": digest} for rel, (size, digest) in zip(rels, sums)},
         }
         _write_json(staging / MANIFEST, manifest)
-        _hash_and_fsync(staging / MANIFEST)
+        hash_and_fsync(staging / MANIFEST)
         for name in components:
-            _fsync_dir(staging / name)
-        _fsync_dir(staging)
+            fsync_dir(staging / name)
+        fsync_dir(staging)
         publish_dir(staging, final, use_exchange=use_exchange)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
@@ -506,7 +506,7 @@ class CheckpointCallback(pl.Callback):
     def save(self, trainer: pl.Trainer, step: int) -> None:
         for logger in trainer.loggers:
             logger.save()
-        trainer.save_checkpoint(self.ckpt_dir / step_dir_name(step))
+        trainer.save_checkpoint(self.ckpt_dir / step_dir_name(step), weights_only=False)
         self._last_saved = step
         if trainer.is_global_zero:
             prune(self.cfg["run_dir"], self.keep_last)

@@ -1,0 +1,104 @@
+"""`fw export`: a checkpoint's policy/ as an HF directory that transformers loads with the same logits."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from scripts.ckpt_writer import make_cfg
+
+from framework import checkpoint as ck
+from framework.errors import FwError
+from framework.export import export_checkpoint
+from framework.models import Qwen3Config, Qwen3ForCausalLM
+from framework.models.presets import PRESETS
+from framework.tokenizer import Tokenizer
+
+
+def _policy(tied: bool) -> Qwen3ForCausalLM:
+    tok = Tokenizer.builtin()
+    config = Qwen3Config(**{**PRESETS["tiny"], "vocab_size": tok.vocab_size, "tie_word_embeddings": tied,
+                            "eos_token_id": tok.eos_id, "pad_token_id": tok.pad_id})
+    model = Qwen3ForCausalLM(config)
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():  # weights large enough that logits spread over several units
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=g)
+            p.copy_(1 + 0.2 * noise if name.endswith("norm.weight") else 0.25 * noise)
+    return model.eval()
+
+
+def _write(run_dir, model: Qwen3ForCausalLM, step: int = 3) -> str:
+    """A checkpoint as FwModule hands it over (DESIGN.md "Checkpoints"), tokenizer files included."""
+    tok_dir = run_dir.parent / "tok"
+    Tokenizer.builtin().save_pretrained(tok_dir)
+    files = {n: (tok_dir / n).read_bytes() for n in ("tokenizer.json", "tokenizer_config.json")}
+    state = {k: v.detach().clone() for k, v in model.hf_state_dict().items()}
+    checkpoint = {"global_step": step, "policy_version": step, "state_dict": {},
+                  "fw_components": {"policy": {"config": model.config.to_hf("float32"), "state_dict": state,
+                                               "files": files}}}
+    path = ck.checkpoints_dir(run_dir) / ck.step_dir_name(step)
+    ck.AtomicCheckpointIO(make_cfg(str(run_dir))).save_checkpoint(checkpoint, path)
+    return str(path)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_export_loads_in_transformers_with_same_logits(tmp_path, tied):
+    model = _policy(tied)
+    ckpt = _write(tmp_path / "run", model)
+    out = tmp_path / "export"
+    assert export_checkpoint(ckpt, out) == str(out)
+    assert sorted(os.listdir(out)) == ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
+    assert [n for n in os.listdir(tmp_path) if n.startswith(".")] == []  # staging published, nothing left
+
+    hf, info = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32,
+                                                                 output_loading_info=True)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys"))
+    assert type(hf).__name__ == "Qwen3ForCausalLM" and hf.config.tie_word_embeddings is tied
+    ids = torch.randint(0, model.config.vocab_size, (2, 17), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = hf.eval()(input_ids=ids).logits
+        got = model(ids)
+    assert ref.std() > 1.0
+    assert (got - ref).abs().max().item() <= 1e-4
+
+    hf_tok = transformers.AutoTokenizer.from_pretrained(str(out))
+    text = "<|im_start|>user\n12+30=?<|im_end|>\n"
+    assert hf_tok.encode(text, add_special_tokens=False) == Tokenizer.builtin().encode(text)
+
+
+def test_export_of_a_run_dir_takes_its_newest_checkpoint(tmp_path):
+    run_dir = tmp_path / "run"
+    _write(run_dir, _policy(True), step=3)
+    newest = _policy(False)
+    _write(run_dir, newest, step=8)
+    out = export_checkpoint(run_dir, tmp_path / "export")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    assert hf.config.tie_word_embeddings is False  # step 8's model, not step 3's
+
+
+def test_export_refuses_bad_input(tmp_path):
+    ckpt = _write(tmp_path / "run", _policy(True))
+    weights = Path(ckpt) / "policy" / "model.safetensors"
+
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    (busy / "keep.txt").write_text("user data")
+    with pytest.raises(FwError, match="already exists and is not an empty directory"):
+        export_checkpoint(ckpt, busy)
+    assert os.listdir(busy) == ["keep.txt"]
+
+    with pytest.raises(FwError, match="no such directory"):
+        export_checkpoint(tmp_path / "nope", tmp_path / "out")
+    with pytest.raises(FwError, match="not a checkpoint"):
+        export_checkpoint(busy, tmp_path / "out")
+
+    data = bytearray(weights.read_bytes())
+    data[-3] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    with pytest.raises(FwError, match=str(weights)):
+        export_checkpoint(ckpt, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
