@@ -39,7 +39,7 @@ def naive_greedy(model, prompt, max_new_tokens, eos_ids=()):
     seq, tokens, logprobs = list(prompt), [], []
     with torch.no_grad():
         for _ in range(max_new_tokens):
-            logits = model(torch.tensor([seq]))[0, -1].double()
+            logits = model(torch.tensor([seq], device=model.lm_head_weight.device))[0, -1].double().cpu()
             token = int(logits.argmax())
             tokens.append(token)
             logprobs.append(float(torch.log_softmax(logits, -1)[token]))
@@ -57,7 +57,7 @@ def full_forward_logprobs(model, rollout, temperature):
     for b in range(len(rollout.prompt_ids)):
         p, n = int(rollout.prompt_lens[b]), int(rollout.completion_lens[b])
         lp = torch.log_softmax(logits[b, p - 1:p + n - 1] / temperature, -1)
-        out[b, :n] = lp.gather(1, rollout.tokens[b, p:p + n, None]).squeeze(1)
+        out[b, :n] = lp.gather(1, rollout.tokens[b, p:p + n, None]).squeeze(1).cpu()
     return out
 
 
@@ -245,3 +245,35 @@ def test_greedy_matches_transformers_generate(model, prompts, tok, tmp_path):
         out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                           do_sample=False, max_new_tokens=10, eos_token_id=tok.eos_id, pad_token_id=tok.pad_id)
         assert ours.completion_ids[b] == out[0, len(prompt):].tolist()
+
+
+def test_bf16_model_and_autocast(model, prompts):
+    r = generate(model, prompts, max_new_tokens=6, temperature=1.0, seed=2)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        auto = generate(model, prompts, max_new_tokens=6, temperature=1.0, seed=2)
+    assert auto.logprobs.dtype == torch.float32 and (auto.logprobs - r.logprobs).abs().max() < 0.2
+    half = Qwen3ForCausalLM(model.config)
+    half.load_state_dict(model.state_dict())
+    half = half.to(torch.bfloat16).eval()
+    rb = generate(half, prompts, max_new_tokens=6, temperature=1.0, seed=2)
+    assert rb.logprobs.dtype == torch.float32
+    # bf16 rounding of prefill/decode vs the full forward: same magnitude as bf16 logits' error
+    assert (rb.logprobs.double() - full_forward_logprobs(half, rb, 1.0)).abs().max() < 0.1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-4), (torch.bfloat16, 0.1)])
+def test_cuda_greedy_and_logprobs(model, prompts, dtype, tol):
+    cuda = Qwen3ForCausalLM(model.config)
+    cuda.load_state_dict(model.state_dict())
+    cuda = cuda.to("cuda", dtype).eval()
+    greedy = generate(cuda, prompts, max_new_tokens=10, temperature=0.0)
+    assert greedy.tokens.device.type == "cuda"
+    if dtype == torch.float32:
+        for b, prompt in enumerate(prompts):
+            assert greedy.completion_ids[b] == naive_greedy(cuda, prompt, 10)[0]
+    r = generate(cuda, prompts, max_new_tokens=10, temperature=0.8, top_k=10, top_p=0.9, seed=4)
+    expected = full_forward_logprobs(cuda, r, 0.8).to("cuda")
+    assert (r.logprobs.double() - expected).abs().max() < tol
+    again = generate(cuda, prompts, max_new_tokens=10, temperature=0.8, top_k=10, top_p=0.9, seed=4)
+    assert again.completion_ids == r.completion_ids

@@ -108,7 +108,11 @@ def generate(model: Any, prompts: list[list[int]], *, max_new_tokens: int, tempe
     was_training = model.training
     model.eval()
     try:
-        cache = model.new_kv_cache(B, width + max_new_tokens, device=device)
+        # Under autocast (e.g. Lightning's bf16-mixed) keys/values come out in the autocast dtype:
+        # keep the cache in it, as the computation that fills it does.
+        autocast = torch.is_autocast_enabled(device.type)
+        cache_dtype = torch.get_autocast_dtype(device.type) if autocast else None
+        cache = model.new_kv_cache(B, width + max_new_tokens, device=device, dtype=cache_dtype)
         logits = model.prefill(ids.to(device), prompt_lens.to(device), cache)
         out_tokens = torch.full((B, max_new_tokens), pad_id, dtype=torch.long)
         out_logprobs = torch.zeros(B, max_new_tokens, dtype=torch.float32)
