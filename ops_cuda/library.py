@@ -54,6 +54,21 @@ CUDA_OPS = tuple(REFERENCES)
 for _name, _schema in SCHEMAS.items():
     LIB.define(_schema)
 LIB.impl("attention", ref.attention, "CompositeImplicitAutograd")
+
+
+def _contiguous_outputs(fn):
+    """The reference with contiguous outputs, matching the fake kernels and the CUDA kernels."""
+    def wrapped(*args):
+        out = fn(*args)
+        if isinstance(out, tuple):
+            return tuple(o.contiguous() for o in out)
+        return out.contiguous()
+
+    wrapped.__name__ = fn.__name__
+    return wrapped
+
+
+REFERENCES = {name: _contiguous_outputs(fn) for name, fn in REFERENCES.items()}
 for _name, _fn in REFERENCES.items():
     LIB.impl(_name, _fn, "CPU")
 
@@ -61,17 +76,17 @@ for _name, _fn in REFERENCES.items():
 # ---------------------------------------------------------------- fake (meta) kernels
 @torch.library.register_fake("fw::rms_norm")
 def _(x, weight, eps):
-    return torch.empty_like(x)
+    return x.new_empty(x.shape)
 
 
 @torch.library.register_fake("fw::rms_norm_backward")
 def _(grad, x, weight, eps):
-    return torch.empty_like(x), torch.empty_like(weight)
+    return x.new_empty(x.shape), weight.new_empty(weight.shape)
 
 
 @torch.library.register_fake("fw::rope")
 def _(q, k, positions, theta, inverse=False):
-    return torch.empty_like(q), torch.empty_like(k)
+    return q.new_empty(q.shape), k.new_empty(k.shape)
 
 
 @torch.library.register_fake("fw::swiglu")
@@ -81,12 +96,12 @@ def _(gate_up):
 
 @torch.library.register_fake("fw::swiglu_backward")
 def _(grad, gate_up):
-    return torch.empty_like(gate_up)
+    return gate_up.new_empty(gate_up.shape)
 
 
 @torch.library.register_fake("fw::decode_attention")
 def _(q, k_cache, v_cache, lengths, scale):
-    return torch.empty_like(q)
+    return q.new_empty(q.shape)
 
 
 @torch.library.register_fake("fw::linear_logprob")
@@ -98,7 +113,7 @@ def _(hidden, weight, targets, temperature):
 
 @torch.library.register_fake("fw::linear_logprob_backward")
 def _(grad_logprob, grad_entropy, hidden, weight, targets, lse, entropy, temperature):
-    return torch.empty_like(hidden), torch.empty_like(weight)
+    return hidden.new_empty(hidden.shape), weight.new_empty(weight.shape)
 
 
 @torch.library.register_fake("fw::sample")

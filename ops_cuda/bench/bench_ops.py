@@ -1,0 +1,226 @@
+"""Benchmark every fw operator against eager torch and torch.compile of the same maths, at Qwen3-0.6B
+shapes (training 8 x 2048 tokens, decode batch 1..256); one table.
+
+    python -m ops_cuda.bench.bench_ops            (needs a CUDA GPU)
+
+Times are medians of triton.testing.do_bench (CUDA events); GB/s counts the bytes that must move once
+(inputs read + outputs written), TFLOP/s the GEMM FLOPs; ceilings measured on the H200 (REFERENCE.md):
+4.26 TB/s copy, 785 TFLOP/s bf16.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+
+import torch
+import torch.nn.functional as F
+
+import ops_cuda
+from ops_cuda import library
+from ops_cuda import reference as ref
+
+COPY_BW = 4.26e12
+BF16_FLOPS = 785e12
+DEV = "cuda"
+BF = torch.bfloat16
+
+
+def bench(fn, reps_ms: int = 200) -> float:
+    from triton.testing import do_bench
+
+    return do_bench(fn, warmup=50, rep=reps_ms, return_mode="median")
+
+
+def compiled(fn):
+    return torch.compile(fn, fullgraph=False, dynamic=False)
+
+
+def fwd_bwd(fn, inputs, grads):
+    """A closure running fn forward and backward (grads w.r.t. inputs that require grad)."""
+    def run():
+        out = fn(*inputs)
+        outs = out if isinstance(out, tuple) else (out,)
+        torch.autograd.grad(outs, [i for i in inputs if isinstance(i, torch.Tensor) and i.requires_grad], grads)
+    return run
+
+
+# ------------------------------------------------------------------ eager torch baselines (what users write)
+def rms_norm_torch(x, w, eps):
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * w.float()).to(x.dtype)
+
+
+def rope_torch(q, k, pos, theta):
+    return ref.rope(q, k, pos, theta)
+
+
+def swiglu_torch(gu):
+    g, u = gu.chunk(2, -1)
+    return F.silu(g) * u
+
+
+def decode_sdpa(q, kc, vc, lengths, scale):
+    mask = torch.arange(kc.shape[2], device=q.device)[None, :] < lengths[:, None]
+    out = F.scaled_dot_product_attention(q[:, :, None], kc, vc, attn_mask=mask[:, None, None, :], scale=scale,
+                                         enable_gqa=True)
+    return out[:, :, 0]
+
+
+def linear_logprob_unfused(h, w, t, temperature):
+    logits = (h @ w.T).float() / temperature
+    logp = logits.log_softmax(-1)
+    return logp.gather(1, t[:, None]).squeeze(1), -(logp.exp() * logp).sum(-1)
+
+
+def sample_torch(logits, temperature, top_k, top_p):
+    z = logits.float() / temperature
+    logprobs = z.log_softmax(-1)
+    zz = z
+    if top_k:
+        kth = zz.topk(top_k, -1).values[:, -1:]
+        zz = zz.masked_fill(zz < kth, float("-inf"))
+    if top_p < 1.0:
+        s, idx = zz.sort(-1, descending=True)
+        cum = s.softmax(-1).cumsum(-1)
+        drop = cum - s.softmax(-1) > top_p
+        zz = zz.scatter(1, idx, s.masked_fill(drop, float("-inf")))
+    tok = torch.multinomial(zz.softmax(-1), 1).squeeze(1)
+    return tok, logprobs.gather(1, tok[:, None]).squeeze(1)
+
+
+def fw_sample(logits, temperature, top_k, top_p):
+    return ops_cuda.sample(logits, temperature, top_k, top_p, 0.0, 1)
+
+
+# ------------------------------------------------------------------ the table
+ROWS: list[dict] = []
+
+
+def row(op: str, shape: str, fw, eager, comp, args: tuple = (), nbytes: float = 0.0, flops: float = 0.0) -> None:
+    """Time fw(*args), eager(*args) and comp(*args) (comp: torch.compile of the eager maths)."""
+    t_fw, t_e = bench(lambda: fw(*args)), bench(lambda: eager(*args))
+    try:
+        t_c = bench(lambda: comp(*args))
+    except Exception as e:  # noqa: BLE001 (a baseline that fails to compile is reported, not fatal)
+        print(f"  torch.compile baseline failed for {op} {shape}: {type(e).__name__}: {str(e)[:200]}")
+        t_c = math.nan
+    r = {"op": op, "shape": shape, "fw": t_fw, "eager": t_e, "compile": t_c}
+    if nbytes:
+        r["rate"] = f"{nbytes / t_fw / 1e6:.0f} GB/s"
+        r["ceiling"] = f"{100 * nbytes / t_fw / 1e-3 / COPY_BW:.0f}% of copy"
+    if flops:
+        r["rate"] = f"{flops / t_fw / 1e9:.0f} TFLOP/s"
+        r["ceiling"] = f"{100 * flops / t_fw / 1e-3 / BF16_FLOPS:.0f}% of bf16"
+    ROWS.append(r)
+    print(f"  {op:24s} {shape:30s} fw {t_fw:8.3f} ms  eager {t_e:8.3f}  compile {t_c:8.3f}  "
+          f"{r.get('rate', '')} {r.get('ceiling', '')}", flush=True)
+
+
+def print_table() -> None:
+    head = f"| {'op':24s} | {'shape':30s} | fw ms | eager ms | compile ms | fw vs compile | achieved | vs ceiling |"
+    print("\n" + head)
+    print("|" + "|".join("-" * (len(c)) for c in head.split("|")[1:-1]) + "|")
+    for r in ROWS:
+        sp = r["compile"] / r["fw"] if r["compile"] == r["compile"] else float("nan")
+        print(f"| {r['op']:24s} | {r['shape']:30s} | {r['fw']:.3f} | {r['eager']:.3f} | {r['compile']:.3f} | "
+              f"{sp:.2f}x | {r.get('rate', '')} | {r.get('ceiling', '')} |")
+
+
+def peak_memory(fn) -> float:
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**30
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--tokens", type=int, default=8 * 2048)
+    args = ap.parse_args()
+    assert torch.cuda.is_available(), "the benchmark needs a CUDA GPU"
+    backend = library.activate_cuda()
+    print(ops_cuda.doctor(), flush=True)
+    assert backend == "kernels", library.cuda_state["error"]
+    torch.manual_seed(0)
+    N, d, Hq, Hk, D, I, V = args.tokens, 1024, 16, 8, 128, 3072, 151936
+    B, T = max(1, N // 2048), min(N, 2048)
+    es = 2  # bf16 bytes
+
+    # rms_norm (hidden) and QK-norm (per head)
+    for shape, label in [((N, d), f"[{N}, {d}]"), ((N, Hq, D), f"[{N}, {Hq}, {D}] (QK-norm)")]:
+        x = torch.randn(shape, device=DEV, dtype=BF)
+        w = torch.randn(shape[-1], device=DEV, dtype=BF)
+        n = x.numel()
+        row("rms_norm fwd", label, ops_cuda.rms_norm, rms_norm_torch, compiled(rms_norm_torch), (x, w, 1e-6),
+            nbytes=2 * n * es)
+        xg = x.clone().requires_grad_(True)
+        wg = w.clone().requires_grad_(True)
+        g = torch.randn_like(x)
+        row("rms_norm fwd+bwd", label, fwd_bwd(lambda a, b: ops_cuda.rms_norm(a, b, 1e-6), (xg, wg), g),
+            fwd_bwd(lambda a, b: rms_norm_torch(a, b, 1e-6), (xg, wg), g),
+            fwd_bwd(compiled(lambda a, b: rms_norm_torch(a, b, 1e-6)), (xg, wg), g), nbytes=5 * n * es)
+
+    # rope on q and k
+    q = torch.randn(B, T, Hq, D, device=DEV, dtype=BF)
+    k = torch.randn(B, T, Hk, D, device=DEV, dtype=BF)
+    pos = torch.arange(T, device=DEV).expand(B, T).contiguous()
+    nb = 2 * (q.numel() + k.numel()) * es
+    row("rope fwd (q+k)", f"q[{B},{T},{Hq},{D}] k[..{Hk}..]", ops_cuda.rope, rope_torch, compiled(rope_torch),
+        (q, k, pos, 1e6), nbytes=nb)
+
+    # swiglu
+    gu = torch.randn(N, 2 * I, device=DEV, dtype=BF)
+    row("swiglu fwd", f"[{N}, {2 * I}]", ops_cuda.swiglu, swiglu_torch, compiled(swiglu_torch), (gu,),
+        nbytes=3 * N * I * es)
+    gug = gu.clone().requires_grad_(True)
+    g = torch.randn(N, I, device=DEV, dtype=BF)
+    row("swiglu fwd+bwd", f"[{N}, {2 * I}]", fwd_bwd(ops_cuda.swiglu, (gug,), g), fwd_bwd(swiglu_torch, (gug,), g),
+        fwd_bwd(compiled(swiglu_torch), (gug,), g), nbytes=(3 + 5) * N * I * es)
+
+    # fused linear + logprob (fwd+bwd), FLOPs: 4 GEMMs of 2*N*d*V (fwd, recompute, grad_h, grad_W)
+    h = (torch.randn(N, d, device=DEV) * 0.5).to(BF).requires_grad_(True)
+    lm = (torch.randn(V, d, device=DEV) / 32).to(BF).requires_grad_(True)
+    tg = torch.randint(0, V, (N,), device=DEV)
+    glp, gent = torch.randn(N, device=DEV), torch.randn(N, device=DEV)
+
+    def fused():
+        lp, ent = ops_cuda.linear_logprob(h, lm, tg, 1.0, return_entropy=True)
+        torch.autograd.grad((lp, ent), (h, lm), (glp, gent))
+
+    def unfused(fn=linear_logprob_unfused):
+        lp, ent = fn(h, lm, tg, 1.0)
+        torch.autograd.grad((lp, ent), (h, lm), (glp, gent))
+
+    cu = compiled(linear_logprob_unfused)
+    row("linear_logprob fwd+bwd", f"N={N} d={d} V={V}", fused, unfused, lambda: unfused(cu), flops=4 * 2 * N * d * V)
+    mem_fused, mem_unfused = peak_memory(fused), peak_memory(unfused)
+    mem_comp = peak_memory(lambda: unfused(cu))
+
+    # decode attention over a context of 1024 (Qwen3-0.6B: 16 q heads, 8 kv heads, head_dim 128)
+    S = 1024
+    for b in (1, 64, 256):
+        qd = torch.randn(b, Hq, D, device=DEV, dtype=BF)
+        kc = torch.randn(b, Hk, S, D, device=DEV, dtype=BF)
+        vc = torch.randn(b, Hk, S, D, device=DEV, dtype=BF)
+        ln = torch.full((b,), S, device=DEV)
+        row("decode_attention", f"B={b} ctx={S}", ops_cuda.decode_attention, decode_sdpa, compiled(decode_sdpa),
+            (qd, kc, vc, ln, D ** -0.5), nbytes=(2 * kc.numel() + 2 * qd.numel()) * es)
+
+    # sampler over the full vocabulary (fp32 logits)
+    for b in (1, 64, 256):
+        lg = torch.randn(b, V, device=DEV) * 3
+        for tk, tp in ((0, 1.0), (50, 0.9)):
+            row("sample", f"B={b} V={V} top_k={tk} top_p={tp}", fw_sample, sample_torch, compiled(sample_torch),
+                (lg, 1.0, tk, tp), nbytes=lg.numel() * 4)
+
+    print_table()
+    print(f"\nlinear_logprob peak memory (fwd+bwd, N={N}, V={V}, bf16): fused {mem_fused:.2f} GiB, "
+          f"unfused eager {mem_unfused:.2f} GiB, unfused compiled {mem_comp:.2f} GiB; "
+          f"fused/unfused = {mem_fused / mem_unfused:.3f}")
+
+
+if __name__ == "__main__":
+    main()

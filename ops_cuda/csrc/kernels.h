@@ -1,0 +1,61 @@
+// Launchers of the fw CUDA kernels: plain CUDA entry points (raw pointers, the caller's stream), so the
+// .cu files build without the torch headers; bindings.cpp adapts them to at::Tensor.
+// Every launcher returns the launch's cudaError_t (cudaGetLastError after the launch).
+#pragma once
+#include <cstdint>
+#include <cuda_runtime_api.h>
+
+namespace fw {
+
+enum class DType : int { F32 = 0, BF16 = 1, F16 = 2 };
+
+// x [rows, D] -> y [rows, D]; weight [D] of wdtype (x's dtype or F32).
+cudaError_t rms_norm_fwd(DType dt, DType wdt, const void* x, const void* w, void* y, int64_t rows, int D,
+                         float eps, cudaStream_t stream);
+// gx [rows, D] (x's dtype); gw_partial [blocks, D] fp32 partial sums of grad*x*rstd over rows.
+int rms_norm_bwd_blocks(int64_t rows, int sm_count);
+cudaError_t rms_norm_bwd(DType dt, DType wdt, const void* grad, const void* x, const void* w, void* gx,
+                         float* gw_partial, int blocks, int64_t rows, int D, float eps, cudaStream_t stream);
+
+// q [B, T, Hq, D], k [B, T, Hk, D] with element strides (b, t, h) and a contiguous last dim; outputs
+// contiguous; positions [B*T] int64; inv_freq [D/2] fp32.
+struct RopeStrides {
+  int64_t T;
+  int64_t q[3];
+  int64_t k[3];
+};
+cudaError_t rope_fwd(DType dt, const void* q, const void* k, void* q_out, void* k_out, const int64_t* positions,
+                     const float* inv_freq, RopeStrides strides, int64_t tokens, int Hq, int Hk, int D, bool inverse,
+                     cudaStream_t stream);
+
+// gate_up [rows, 2I] -> out [rows, I]; backward: grad [rows, I] -> grad_gate_up [rows, 2I].
+cudaError_t swiglu_fwd(DType dt, const void* gate_up, void* out, int64_t rows, int64_t I, cudaStream_t stream);
+cudaError_t swiglu_bwd(DType dt, const void* grad, const void* gate_up, void* grad_gate_up, int64_t rows,
+                       int64_t I, cudaStream_t stream);
+
+// Per row of a fp32 logits tile z [n, V] (already divided by the temperature): logprob of targets,
+// entropy, logsumexp (float [n] each). Negative target: logprob 0; target >= V: NaN.
+cudaError_t logprob_rows_fwd(const float* z, const int64_t* targets, float* logprob, float* entropy,
+                             float* lse, int64_t n, int64_t V, cudaStream_t stream);
+// d(loss)/dz for the same tile, written in dtype dt into g [n, V] (the 1/temperature is left to the caller).
+cudaError_t logprob_rows_bwd(DType dt, const float* z, const int64_t* targets, const float* lse,
+                             const float* entropy, const float* grad_logprob, const float* grad_entropy, void* g,
+                             int64_t n, int64_t V, cudaStream_t stream);
+
+// q [B, Hq, D]; caches addressed as base + b*sb + h*sh + s*ss + d (elements); out [B, Hq, D].
+struct DecodeWorkspace {
+  float* o;  // [B, Hq, splits, D]
+  float* m;  // [B, Hq, splits]
+  float* l;  // [B, Hq, splits]
+};
+int decode_attention_splits(int B, int Hk, int S, int sm_count);
+cudaError_t decode_attention(DType dt, const void* q, const void* k, const void* v, const int64_t* lengths,
+                             void* out, DecodeWorkspace ws, int B, int Hq, int Hk, int S, int D, int64_t sb,
+                             int64_t sh, int64_t ss, int splits, float scale, cudaStream_t stream);
+
+// logits [B, V] (row stride in elements) -> tokens int64 [B], logprob fp32 [B].
+cudaError_t sample(DType dt, const void* logits, int64_t row_stride, int64_t* tokens, float* logprob, int B,
+                   int64_t V, float temperature, int64_t top_k, float top_p, float log_min_p, bool use_min_p,
+                   uint64_t seed, cudaStream_t stream);
+
+}  // namespace fw

@@ -1,0 +1,77 @@
+// NeoX split-half RoPE of q and k in one launch: one block per token, cos/sin computed once per token
+// into shared memory (angle = float(position) * inv_freq in fp32, as transformers computes it), then
+// every head of q and k rotated with 16-byte accesses when aligned.
+#include "common.cuh"
+
+namespace fw {
+namespace {
+
+constexpr int kThreads = 128;
+
+template <typename T, int VEC>
+__device__ __forceinline__ void rotate_heads(const T* __restrict__ in, int64_t in_head_stride, T* __restrict__ out,
+                                             int H, int D, const float* cs, const float* sn) {
+  const int half = D / 2;
+  const int per_head = half / VEC;
+  for (int idx = threadIdx.x; idx < H * per_head; idx += blockDim.x) {
+    const int h = idx / per_head, i = (idx - h * per_head) * VEC;
+    const T* src = in + h * in_head_stride;
+    T* dst = out + (int64_t)h * D;
+    Vec<T, VEC> a = load_vec<T, VEC>(src + i), b = load_vec<T, VEC>(src + i + half);
+    Vec<T, VEC> oa, ob;
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) {
+      const float x1 = to_f(a.v[j]), x2 = to_f(b.v[j]), c = cs[i + j], s = sn[i + j];
+      oa.v[j] = from_f<T>(x1 * c - x2 * s);
+      ob.v[j] = from_f<T>(x2 * c + x1 * s);
+    }
+    store_vec<T, VEC>(dst + i, oa);
+    store_vec<T, VEC>(dst + i + half, ob);
+  }
+}
+
+template <typename T, int VEC>
+__global__ void __launch_bounds__(kThreads)
+rope_kernel(const T* __restrict__ q, const T* __restrict__ k, T* __restrict__ qo, T* __restrict__ ko,
+            const int64_t* __restrict__ positions, const float* __restrict__ inv_freq, RopeStrides st, int Hq,
+            int Hk, int D, float sign) {
+  extern __shared__ float trig[];  // cos [D/2], sin [D/2]
+  const int64_t tok = blockIdx.x;
+  const int half = D / 2;
+  const float pos = (float)positions[tok];
+  for (int i = threadIdx.x; i < half; i += blockDim.x) {
+    float s, c;
+    sincosf(pos * inv_freq[i], &s, &c);
+    trig[i] = c;
+    trig[half + i] = sign * s;
+  }
+  __syncthreads();
+  const int64_t b = tok / st.T, t = tok - b * st.T;
+  rotate_heads<T, VEC>(q + b * st.q[0] + t * st.q[1], st.q[2], qo + tok * Hq * D, Hq, D, trig, trig + half);
+  rotate_heads<T, VEC>(k + b * st.k[0] + t * st.k[1], st.k[2], ko + tok * Hk * D, Hk, D, trig, trig + half);
+}
+
+}  // namespace
+
+cudaError_t rope_fwd(DType dt, const void* q, const void* k, void* q_out, void* k_out, const int64_t* positions,
+                     const float* inv_freq, RopeStrides st, int64_t tokens, int Hq, int Hk, int D, bool inverse,
+                     cudaStream_t stream) {
+  if (tokens == 0) return cudaSuccess;
+  return dispatch(dt, [&](auto t) -> cudaError_t {
+    using T = decltype(t);
+    constexpr int V16 = 16 / sizeof(T);
+    const size_t smem = (size_t)D * sizeof(float);
+    const float sign = inverse ? -1.f : 1.f;
+    bool vec = (D / 2) % V16 == 0 && aligned16(q) && aligned16(k) && aligned16(q_out) && aligned16(k_out);
+    for (int i = 0; i < 3; ++i) vec = vec && st.q[i] % V16 == 0 && st.k[i] % V16 == 0;
+    if (vec)
+      rope_kernel<T, V16><<<(unsigned)tokens, kThreads, smem, stream>>>(
+          (const T*)q, (const T*)k, (T*)q_out, (T*)k_out, positions, inv_freq, st, Hq, Hk, D, sign);
+    else
+      rope_kernel<T, 1><<<(unsigned)tokens, kThreads, smem, stream>>>(
+          (const T*)q, (const T*)k, (T*)q_out, (T*)k_out, positions, inv_freq, st, Hq, Hk, D, sign);
+    return cudaGetLastError();
+  });
+}
+
+}  // namespace fw

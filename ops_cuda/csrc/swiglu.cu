@@ -1,0 +1,88 @@
+// SwiGLU on a fused gate_up [rows, 2I]: out = silu(gate) * up, and its backward; elementwise with
+// 16-byte accesses when I is a multiple of the vector width, grid-stride over the vectors.
+#include "common.cuh"
+
+namespace fw {
+namespace {
+
+constexpr int kThreads = 256;
+
+__device__ __forceinline__ float sigmoid(float g) { return 1.f / (1.f + expf(-g)); }
+
+template <typename T, int VEC>
+__global__ void __launch_bounds__(kThreads)
+swiglu_fwd_kernel(const T* __restrict__ gu, T* __restrict__ out, int64_t rows, int64_t I) {
+  const int64_t per_row = I / VEC, total = rows * per_row;
+  for (int64_t v = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; v < total; v += (int64_t)gridDim.x * blockDim.x) {
+    const int64_t r = v / per_row, c = (v - r * per_row) * VEC;
+    Vec<T, VEC> g = load_vec<T, VEC>(gu + r * 2 * I + c), u = load_vec<T, VEC>(gu + r * 2 * I + I + c);
+    Vec<T, VEC> o;
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) {
+      const float gf = to_f(g.v[j]);
+      o.v[j] = from_f<T>(gf * sigmoid(gf) * to_f(u.v[j]));
+    }
+    store_vec<T, VEC>(out + r * I + c, o);
+  }
+}
+
+template <typename T, int VEC>
+__global__ void __launch_bounds__(kThreads)
+swiglu_bwd_kernel(const T* __restrict__ grad, const T* __restrict__ gu, T* __restrict__ ggu, int64_t rows,
+                  int64_t I) {
+  const int64_t per_row = I / VEC, total = rows * per_row;
+  for (int64_t v = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; v < total; v += (int64_t)gridDim.x * blockDim.x) {
+    const int64_t r = v / per_row, c = (v - r * per_row) * VEC;
+    Vec<T, VEC> g = load_vec<T, VEC>(gu + r * 2 * I + c), u = load_vec<T, VEC>(gu + r * 2 * I + I + c);
+    Vec<T, VEC> d = load_vec<T, VEC>(grad + r * I + c);
+    Vec<T, VEC> dg, du;
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) {
+      const float gf = to_f(g.v[j]), uf = to_f(u.v[j]), df = to_f(d.v[j]);
+      const float s = sigmoid(gf);
+      dg.v[j] = from_f<T>(df * uf * s * (1.f + gf * (1.f - s)));
+      du.v[j] = from_f<T>(df * gf * s);
+    }
+    store_vec<T, VEC>(ggu + r * 2 * I + c, dg);
+    store_vec<T, VEC>(ggu + r * 2 * I + I + c, du);
+  }
+}
+
+unsigned grid_for(int64_t vectors) {
+  const int64_t blocks = (vectors + kThreads - 1) / kThreads;
+  return (unsigned)(blocks < 132 * 32 ? (blocks > 0 ? blocks : 1) : 132 * 32);
+}
+
+}  // namespace
+
+cudaError_t swiglu_fwd(DType dt, const void* gate_up, void* out, int64_t rows, int64_t I, cudaStream_t stream) {
+  if (rows * I == 0) return cudaSuccess;
+  return dispatch(dt, [&](auto t) -> cudaError_t {
+    using T = decltype(t);
+    constexpr int V16 = 16 / sizeof(T);
+    if (I % V16 == 0 && aligned16(gate_up) && aligned16(out))
+      swiglu_fwd_kernel<T, V16><<<grid_for(rows * I / V16), kThreads, 0, stream>>>((const T*)gate_up, (T*)out,
+                                                                                   rows, I);
+    else
+      swiglu_fwd_kernel<T, 1><<<grid_for(rows * I), kThreads, 0, stream>>>((const T*)gate_up, (T*)out, rows, I);
+    return cudaGetLastError();
+  });
+}
+
+cudaError_t swiglu_bwd(DType dt, const void* grad, const void* gate_up, void* grad_gate_up, int64_t rows,
+                       int64_t I, cudaStream_t stream) {
+  if (rows * I == 0) return cudaSuccess;
+  return dispatch(dt, [&](auto t) -> cudaError_t {
+    using T = decltype(t);
+    constexpr int V16 = 16 / sizeof(T);
+    if (I % V16 == 0 && aligned16(grad) && aligned16(gate_up) && aligned16(grad_gate_up))
+      swiglu_bwd_kernel<T, V16><<<grid_for(rows * I / V16), kThreads, 0, stream>>>(
+          (const T*)grad, (const T*)gate_up, (T*)grad_gate_up, rows, I);
+    else
+      swiglu_bwd_kernel<T, 1><<<grid_for(rows * I), kThreads, 0, stream>>>((const T*)grad, (const T*)gate_up,
+                                                                          (T*)grad_gate_up, rows, I);
+    return cudaGetLastError();
+  });
+}
+
+}  // namespace fw
