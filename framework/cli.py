@@ -13,10 +13,9 @@ import importlib
 import os
 import sys
 import traceback
-from pathlib import Path
 from types import ModuleType
 
-from framework.config import dump_config, load_config, save_resolved, schema_path, schema_text
+from framework.config import dump_config, load_config, schema_path, schema_text
 from framework.errors import ConfigError, FwError
 
 # Commands whose leftover `--a.b=v` arguments are config overrides.
@@ -112,8 +111,7 @@ def _run(args: argparse.Namespace, overrides: list[str]) -> int:
         else:
             _require_recipe(cfg["recipe"])
             trainer = _import("framework.trainer", "the training loop")
-            save_resolved(cfg, Path(cfg["run_dir"]) / "config.yaml")
-            trainer.fit(cfg, resume=args.resume)
+            trainer.fit(cfg, resume=args.resume)  # writes the resolved config.yaml into run_dir
     elif cmd == "schema":
         sys.stdout.write(schema_text())
     elif cmd == "export":
@@ -138,7 +136,7 @@ def _run(args: argparse.Namespace, overrides: list[str]) -> int:
         try:
             print(ops_cuda.build())
         except RuntimeError as e:  # no CUDA / no compiler / a stale build lock: the message says which
-            raise FwError(f"fw ops build: {e}") from e
+            raise FwError(f"cannot build the CUDA ops: {e}") from e
     return 0
 
 

@@ -66,8 +66,8 @@ def check_init_args(target: Any, init_args: dict, class_path: str) -> None:
     try:
         sig.bind_partial(**init_args)
     except TypeError as e:
-        names = [n for n, p in sig.parameters.items() if not n.startswith("_")
-                 if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+        names = [n for n, p in sig.parameters.items()
+                 if not n.startswith("_") and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
         raise FwError(f"init_args do not fit {class_path}{sig}: {e} (accepted: {', '.join(names) or 'none'})") from e
 
 

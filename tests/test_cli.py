@@ -1,0 +1,267 @@
+"""The `fw` command line: commands, exit codes, error output, and the files that ship with it."""
+
+import os
+import re
+import signal
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from framework import yaml12
+from framework.cli import main
+from framework.config import load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+TRAIN = str(ROOT / "train.yaml")
+SCHEMA_FILE = ROOT / "schemas" / "train.schema.json"
+BAD = ROOT / "tests" / "bad_configs"
+
+
+def fw(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def fw_process(*argv: str, env: dict | None = None, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "framework", *argv], capture_output=True, text=True, cwd=cwd,
+                          env={**os.environ, **(env or {})}, timeout=120, check=False)
+
+
+# ------------------------------------------------------------------------------------------ help
+
+def test_help_lists_the_commands_and_the_config_reference(capsys):
+    code, out, _ = fw(capsys, "--help")
+    assert code == 0
+    for command in ["fit", "validate", "print-config", "schema", "export", "generate", "doctor", "ops"]:
+        assert re.search(rf"^\s+{command}\s", out, re.MULTILINE), command
+    flat = " ".join(out.split())
+    assert str(SCHEMA_FILE) in flat and "fw schema" in flat
+
+
+def test_fit_help_shows_options_overrides_and_the_config_reference(capsys):
+    code, out, _ = fw(capsys, "fit", "--help")
+    flat = " ".join(out.split())
+    assert code == 0
+    for text in ["--config FILE", "--resume last|PATH", "--debug", "--trainer.max_steps=10", str(SCHEMA_FILE),
+                 "fw schema"]:
+        assert text in flat, text
+
+
+def test_no_command_prints_usage_and_exits_2(capsys):
+    code, out, err = fw(capsys)
+    assert (code, out) == (2, "") and err.startswith("usage: fw")
+
+
+def test_unknown_arguments_of_commands_without_config_are_usage_errors(capsys):
+    code, _, err = fw(capsys, "schema", "--trainer.max_steps=3")
+    assert code == 2 and "unrecognized arguments: --trainer.max_steps=3" in err
+
+
+# ------------------------------------------------------------------------------------------ config commands
+
+def test_validate(capsys):
+    assert fw(capsys, "validate", "--config", TRAIN) == (0, f"{TRAIN}: valid (recipe grpo)\n", "")
+
+
+def test_validate_needs_a_config(capsys):
+    assert fw(capsys, "validate") == (2, "", "fw: error: fw validate needs --config FILE\n")
+
+
+def test_print_config_is_the_resolved_config(capsys):
+    code, out, err = fw(capsys, "print-config", "--config", TRAIN, "--trainer.max_steps=3", "--optimizer.lr=2e-5")
+    assert (code, err) == (0, "")
+    printed = yaml12.load(out)
+    assert printed == load_config([TRAIN], ["--trainer.max_steps=3", "--optimizer.lr=2e-5"])
+    assert printed["trainer"]["max_steps"] == 3 and printed["optimizer"]["lr"] == 2e-5
+    assert printed["scheduler"] == {"name": "constant", "warmup_steps": 0, "min_lr_ratio": 0.0}  # defaults shown
+
+
+def test_print_config_output_is_itself_a_valid_config(capsys, tmp_path):
+    _, out, _ = fw(capsys, "print-config", "--config", TRAIN)
+    saved = tmp_path / "resolved.yaml"
+    saved.write_text(out)
+    assert fw(capsys, "validate", "--config", str(saved))[0] == 0
+
+
+def test_schema_prints_the_schema_file(capsys):
+    code, out, err = fw(capsys, "schema")
+    assert (code, err) == (0, "") and out == SCHEMA_FILE.read_text()
+
+
+# ------------------------------------------------------------------------------------------ errors
+
+def test_config_errors_are_one_line_each_without_traceback(capsys):
+    path = BAD / "many_problems.yaml"
+    code, out, err = fw(capsys, "validate", "--config", str(path))
+    assert (code, out) == (2, "")
+    assert [line.split(": ")[0] for line in err.splitlines()] == [f"{path}:{p}" for p in
+                                                                   ["5:14", "6:3", "8:7", "10:8", "11:1"]]
+
+
+def test_debug_adds_the_traceback(capsys):
+    path = str(BAD / "missing_recipe.yaml")
+    code, _, err = fw(capsys, "validate", "--config", path, "--debug")
+    assert code == 2 and "Traceback (most recent call last)" in err and "ConfigError" in err
+    assert err.splitlines()[-1] == f"{path}:1:1: recipe: missing required key 'recipe'"
+    code, _, err = fw(capsys, "--debug", "validate", "--config", path)
+    assert code == 2 and "Traceback" in err
+
+
+def test_fw_debug_environment_variable(capsys, monkeypatch):
+    path = str(BAD / "missing_recipe.yaml")
+    monkeypatch.setenv("FW_DEBUG", "1")
+    assert "Traceback" in fw(capsys, "validate", "--config", path)[2]
+    monkeypatch.setenv("FW_DEBUG", "0")
+    assert "Traceback" not in fw(capsys, "validate", "--config", path)[2]
+
+
+def test_generate_argument_errors(capsys):
+    assert fw(capsys, "generate", "--prompt", "hi") == (
+        2, "", "fw: error: fw generate needs --config FILE or --checkpoint DIR\n")
+    code, _, err = fw(capsys, "generate", "--checkpoint", "x", "--prompt", "hi", "--seed=3", "--rollout.top_k=5")
+    assert code == 2 and err.startswith("fw: error: overrides (--rollout.top_k=5) need --config FILE")
+    code, _, err = fw(capsys, "generate", "--config", TRAIN, "--prompt", "hi", "--greedy", "--temperature", "1")
+    assert code == 2 and "not allowed with argument" in err
+
+
+def test_export_of_a_missing_checkpoint_is_a_user_error(capsys, tmp_path):
+    code, out, err = fw(capsys, "export", "--checkpoint", str(tmp_path / "nope"), "--out", str(tmp_path / "out"))
+    assert (code, out) == (2, "")
+    assert err.startswith("fw: error: ") and len(err.splitlines()) == 1 and "Traceback" not in err
+
+
+def test_keyboard_interrupt_exits_130(capsys, tmp_path, monkeypatch):
+    (tmp_path / "interrupting_fw_mod.py").write_text("raise KeyboardInterrupt\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    config = tmp_path / "c.yaml"
+    config.write_text("recipe: sft\nmodel: {policy: {preset: tiny}}\n"
+                      "callbacks: [{class_path: interrupting_fw_mod.Callback}]\n")
+    assert fw(capsys, "validate", "--config", str(config)) == (130, "", "fw: interrupted\n")
+    sys.modules.pop("interrupting_fw_mod", None)
+
+
+def test_ops_build_without_cuda_is_one_line(capsys):
+    torch = pytest.importorskip("torch")
+    if torch.version.cuda is not None:
+        pytest.skip("this torch has CUDA: building is the GPU tests' business")
+    code, _, err = fw(capsys, "ops", "build")
+    assert code == 2 and err.startswith("fw: error: cannot build the CUDA ops: ") and len(err.splitlines()) == 1
+
+
+def test_doctor(capsys):
+    code, out, err = fw(capsys, "doctor")
+    assert (code, err) == (0, "") and out.startswith("torch: ")
+
+
+# ------------------------------------------------------------------------------------------ real processes
+
+def test_process_reports_every_problem_and_exits_2():
+    proc = fw_process("validate", "--config", str(BAD / "many_problems.yaml"))
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert len(proc.stderr.splitlines()) == 5 and "Traceback" not in proc.stderr
+
+
+def test_process_debug_shows_the_traceback():
+    proc = fw_process("--debug", "validate", "--config", str(BAD / "duplicate_key.yaml"))
+    assert proc.returncode == 2 and "Traceback (most recent call last)" in proc.stderr
+
+
+def test_console_script_outside_the_repo(tmp_path):
+    script = Path(sys.executable).parent / "fw"
+    if not script.exists():
+        pytest.skip("the fw console script is not installed next to this Python")
+    proc = subprocess.run([str(script), "validate", "--config", TRAIN, "--trainer.max_steps=x"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 2
+    assert proc.stderr == ("override '--trainer.max_steps=x': trainer.max_steps: expected an integer, "
+                           "got the string 'x'\n")
+
+
+def test_sigint_exits_130(tmp_path):
+    marker = tmp_path / "started"
+    (tmp_path / "slow_fw_mod.py").write_text(
+        f"import pathlib, time\npathlib.Path({str(marker)!r}).touch()\ntime.sleep(60)\n")
+    config = tmp_path / "c.yaml"
+    config.write_text("recipe: sft\nmodel: {policy: {preset: tiny}}\ncallbacks: [{class_path: slow_fw_mod.Cb}]\n")
+    proc = subprocess.Popen([sys.executable, "-m", "framework", "validate", "--config", str(config)],
+                            cwd=ROOT, env={**os.environ, "PYTHONPATH": str(tmp_path)},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not marker.exists() and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert (proc.returncode, err) == (130, "fw: interrupted\n")
+
+
+# ------------------------------------------------------------------------------------------ fit, end to end
+
+def test_fit_generate_export_end_to_end(capsys, tmp_path):
+    pytest.importorskip("framework.trainer")
+    run_dir = tmp_path / "run"
+    code, _, err = fw(capsys, "fit", "--config", TRAIN, f"--run_dir={run_dir}", "--trainer.max_steps=1",
+                      "--checkpoint.every_n_steps=1", "--trainer.enable_progress_bar=false",
+                      "--logging.tensorboard=false")
+    assert code == 0, err
+    saved = run_dir / "config.yaml"
+    assert saved.read_text().startswith("# yaml-language-server: $schema=")
+    assert load_config([str(saved)], []) == load_config(
+        [TRAIN], [f"--run_dir={run_dir}", "--trainer.max_steps=1", "--checkpoint.every_n_steps=1",
+                  "--trainer.enable_progress_bar=false", "--logging.tensorboard=false"])
+    (checkpoint,) = (run_dir / "checkpoints").glob("step-*")
+    code, out, err = fw(capsys, "generate", "--checkpoint", str(checkpoint), "--prompt", "1+1=", "--greedy",
+                        "--max-new-tokens", "4")
+    assert code == 0, err
+    assert out.endswith("\n")
+    code, _, err = fw(capsys, "export", "--checkpoint", str(checkpoint), "--out", str(tmp_path / "hf"))
+    assert code == 0, err
+    assert (tmp_path / "hf" / "config.json").is_file()
+
+
+# ------------------------------------------------------------------------------------------ shipping
+
+def _ci_test_command() -> str:
+    lines = [ln for ln in (ROOT / ".ci" / "run").read_text().splitlines() if "-m pytest" in ln]
+    (line,) = lines
+    return line.split("||")[0].strip()
+
+
+def test_readme_quickstart_and_ci_run_the_same_test_command():
+    readme = (ROOT / "README.md").read_text()
+    command = _ci_test_command()
+    assert command == 'python -m pytest -q -m "not slow"'
+    assert command in readme
+    for text in ['pip install -e ".[dev]"', "fw fit --config train.yaml", "## Callbacks",
+                 "schemas/train.schema.json", "yaml-language-server"]:
+        assert text in readme, text
+
+
+def test_ci_script_is_strict_and_executable():
+    path = ROOT / ".ci" / "run"
+    text = path.read_text()
+    assert text.startswith("#!/usr/bin/env bash\n") and "set -euo pipefail" in text
+    assert path.stat().st_mode & stat.S_IXUSR
+    for step in ['pip install "torch==2.13.0"', 'pip install -e ".[dev]"', "ruff check ."]:
+        assert step in text, step
+    subprocess.run(["bash", "-n", str(path)], check=True)
+
+
+def test_pyproject_dependencies_and_entry_point():
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    specifiers = pytest.importorskip("packaging.requirements")
+    deps = {specifiers.Requirement(d).name: specifiers.Requirement(d).specifier for d in project["dependencies"]}
+    assert set(deps) == {"torch", "lightning", "torchmetrics", "safetensors", "tokenizers", "pyyaml", "jsonschema",
+                         "ninja"}
+    for name, version in [("torch", "2.11.0"), ("lightning", "2.6.6"), ("pyyaml", "6.0.3"), ("tokenizers", "0.23.2"),
+                          ("safetensors", "0.8.0"), ("torchmetrics", "1.9.0"), ("ninja", "1.13.2")]:
+        assert deps[name].contains(version), f"{name} {version} (the GPU machine's) must be admitted"
+    dev = {specifiers.Requirement(d).name for d in project["optional-dependencies"]["dev"]}
+    assert {"pytest", "ruff"} <= dev
+    assert project["scripts"] == {"fw": "framework.cli:main"}
+    assert project["requires-python"] == ">=3.10"
