@@ -1,0 +1,284 @@
+"""SFT data: JSONL reading, chat rendering, loss masks, packing and the resumable batch stream.
+
+An *example* is a token sequence with shifted targets: `targets[t]` is the token the model should
+predict after reading `ids[:t+1]`, or -100 where no loss is taken (prompt, padding, the last token).
+Shifting per example (not per packed row) keeps a packed row's sequences from predicting each other.
+
+The *stream* is an infinite sequence of examples: position p is example `perm_e[p % n]` of epoch
+`e = p // n` (a permutation seeded with `seed + e`), or `task.sft_example(p)` for a procedural task.
+A global micro-batch takes the next examples of the stream: packed into `batch_size * world_size`
+rows of `max_seq_len` tokens (or one example per row, right-padded); rank r keeps rows
+`[r * batch_size, (r + 1) * batch_size)`. A batch is therefore a pure function of (seed, position),
+and the position after the last consumed batch is all a checkpoint needs for an exact resume.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, IterableDataset
+
+from framework.errors import FwError
+
+IGNORE = -100
+ASSISTANT_HEADER = "<|im_start|>assistant\n"
+TURN_END = "<|im_end|>"
+# With thinking disabled the generation prompt already ends in this block, so it is prompt, not target.
+EMPTY_THINK = "<think>\n\n</think>\n\n"
+
+
+@dataclass(frozen=True)
+class Example:
+    """One tokenized training sequence; `targets` are already shifted (see module docstring)."""
+
+    ids: list[int]
+    targets: list[int]
+
+
+def read_jsonl(path: str | Path) -> list[tuple[str, dict]]:
+    """Every record of a JSONL file with its `FILE:LINE` location; blank lines are skipped."""
+    records = []
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as e:
+        raise FwError(f"data.path: cannot read {path}: {e.strerror or e}") from None
+    for lineno, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        where = f"{path}:{lineno}"
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise FwError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+        if not isinstance(record, dict):
+            raise FwError(f"{where}: expected a JSON object, got {type(record).__name__}")
+        records.append((where, record))
+    return records
+
+
+def record_format(record: dict, fmt: str, where: str) -> str:
+    """`messages` or `prompt_completion` for this record, checking it has what `data.format` asks for."""
+    if fmt == "auto":
+        if "messages" in record:
+            fmt = "messages"
+        elif "prompt" in record and "completion" in record:
+            fmt = "prompt_completion"
+        else:
+            raise FwError(f"{where}: expected a 'messages' list or 'prompt' and 'completion' keys, "
+                          f"got keys {sorted(record)}")
+    if fmt == "messages":
+        messages = record.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise FwError(f"{where}: 'messages' must be a non-empty list of {{role, content}} objects")
+        for i, m in enumerate(messages):
+            if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+                raise FwError(f"{where}: messages[{i}] must be an object with string 'role' and 'content'")
+            if m["role"] not in ("system", "user", "assistant"):
+                raise FwError(f"{where}: messages[{i}].role is {m['role']!r}; expected system, user or assistant")
+        if not any(m["role"] == "assistant" for m in messages):
+            raise FwError(f"{where}: 'messages' has no assistant turn, so there is nothing to train on")
+    else:
+        prompt, completion = record.get("prompt"), record.get("completion")
+        if not (isinstance(prompt, (str, list)) and isinstance(completion, str)):
+            raise FwError(f"{where}: expected string 'prompt' (or a messages list) and string 'completion'")
+    return fmt
+
+
+def _segments_to_example(segments: list[tuple[str, bool]], tokenizer: Any, train_all: bool) -> Example:
+    """Tokenize (text, trainable) segments one by one and build shifted targets."""
+    ids: list[int] = []
+    trainable: list[bool] = []
+    for text, train in segments:
+        if not text:
+            continue
+        piece = tokenizer.encode(text)
+        ids += piece
+        trainable += [train or train_all] * len(piece)
+    # Position t predicts token t+1; the first token is never a target (nothing precedes it).
+    targets = [ids[t + 1] if trainable[t + 1] else IGNORE for t in range(len(ids) - 1)] + [IGNORE]
+    return Example(ids, targets)
+
+
+def chat_segments(rendered: str, where: str) -> list[tuple[str, bool]]:
+    """Split a rendered Qwen3 chat into (text, trainable): each assistant turn's content + `<|im_end|>`."""
+    segments: list[tuple[str, bool]] = []
+    pos = 0
+    while (start := rendered.find(ASSISTANT_HEADER, pos)) != -1:
+        body = start + len(ASSISTANT_HEADER)
+        if rendered.startswith(EMPTY_THINK, body):
+            body += len(EMPTY_THINK)
+        end = rendered.find(TURN_END, body)
+        if end == -1:
+            raise FwError(f"{where}: the chat template left an assistant turn without {TURN_END}")
+        end += len(TURN_END)
+        segments += [(rendered[pos:body], False), (rendered[body:end], True)]
+        pos = end
+    segments.append((rendered[pos:], False))
+    return segments
+
+
+def encode_record(record: dict, fmt: str, tokenizer: Any, cfg: dict, where: str) -> Example:
+    """Tokenize one SFT record; the loss covers assistant content (or the completion) and its end token."""
+    fmt = record_format(record, fmt, where)
+    train_all = cfg["sft"]["train_on_prompt"]
+    thinking = cfg["tokenizer"]["enable_thinking"]
+    if fmt == "messages":
+        rendered = tokenizer.apply_chat_template(record["messages"], add_generation_prompt=False,
+                                                 enable_thinking=thinking)
+        return _segments_to_example(chat_segments(rendered, where), tokenizer, train_all)
+    from framework.tasks import render_prompt
+
+    prompt = render_prompt(record["prompt"], tokenizer, cfg["data"]["chat_template"], thinking)
+    example = _segments_to_example([(prompt, False), (record["completion"], True)], tokenizer, train_all)
+    # The completion ends with eos so the model learns to stop; eos is a target of the last real token.
+    return Example(example.ids + [tokenizer.eos_id], example.targets[:-1] + [tokenizer.eos_id, IGNORE])
+
+
+def load_examples(cfg: dict, tokenizer: Any) -> list[Example]:
+    """Every example of `data.path` (one file or a list), tokenized up front so bad lines fail early."""
+    paths = cfg["data"]["path"]
+    paths = [paths] if isinstance(paths, str) else list(paths)
+    examples = []
+    for path in paths:
+        for where, record in read_jsonl(path):
+            examples.append(encode_record(record, cfg["data"]["format"], tokenizer, cfg, where))
+    if not examples:
+        raise FwError(f"data.path: no examples in {', '.join(map(str, paths))}")
+    return examples
+
+
+class ExampleStream:
+    """Position -> example: shuffled epochs of a fixed list, or a procedural task's `sft_example`."""
+
+    def __init__(self, cfg: dict, tokenizer: Any):
+        self.cfg = cfg
+        self.tokenizer = tokenizer
+        self.seed = cfg["seed"]
+        self.shuffle = cfg["data"]["shuffle"]
+        data = cfg["data"]
+        if data["path"] and data["task"]:
+            raise FwError("data: set either data.path (JSONL) or data.task (procedural task), not both")
+        if data["path"]:
+            self.examples: list[Example] | None = load_examples(cfg, tokenizer)
+            self.task = None
+        elif data["task"]:
+            from framework.tasks import build_task
+
+            self.examples = None
+            self.task = build_task(data, seed=self.seed)
+        else:
+            raise FwError("data: SFT needs data.path (JSONL with messages or prompt/completion) or data.task")
+        self._perm_epoch = -1
+        self._perm: list[int] = []
+
+    def __getitem__(self, position: int) -> Example:
+        if self.examples is None:
+            record = self.task.sft_example(position)
+            return encode_record(record, "prompt_completion", self.tokenizer, self.cfg,
+                                 f"data.task example {position}")
+        n = len(self.examples)
+        epoch, i = divmod(position, n)
+        if not self.shuffle:
+            return self.examples[i]
+        if epoch != self._perm_epoch:
+            g = torch.Generator().manual_seed(self.seed + epoch)
+            self._perm = torch.randperm(n, generator=g).tolist()
+            self._perm_epoch = epoch
+        return self.examples[self._perm[i]]
+
+
+def truncate(example: Example, max_len: int) -> Example:
+    """The first `max_len` tokens; the last kept token predicts nothing (its next token is cut)."""
+    if len(example.ids) <= max_len:
+        return example
+    return Example(example.ids[:max_len], example.targets[: max_len - 1] + [IGNORE])
+
+
+def global_batch(stream: ExampleStream, position: int, rows: int, max_len: int,
+                 pack: bool) -> tuple[list[list[Example]], int]:
+    """The rows of the global micro-batch starting at `position`, and the position after it.
+
+    Packed: examples fill rows in stream order; one that does not fit in the current row starts the
+    next; the batch ends when an example does not fit in the last row. Unpacked: one example per row.
+    """
+    out: list[list[Example]] = [[]]
+    used = 0
+    while True:
+        example = truncate(stream[position], max_len)
+        if not pack:
+            out[-1].append(example)
+            position += 1
+            if len(out) == rows:
+                return out, position
+            out.append([])
+            continue
+        if used + len(example.ids) > max_len:
+            if len(out) == rows:
+                return out, position
+            out.append([])
+            used = 0
+        out[-1].append(example)
+        used += len(example.ids)
+        position += 1
+
+
+def collate(rows: list[list[Example]], pad_id: int, length: int | None) -> dict[str, Any]:
+    """input_ids, position_ids (restarting at 0 for every sequence), targets and num_tokens (an int).
+
+    Padding uses positions 0.. of its own, so it never continues a real sequence; its targets are -100.
+    """
+    length = length or max(sum(len(e.ids) for e in row) for row in rows)
+    ids = torch.full((len(rows), length), pad_id, dtype=torch.long)
+    pos = torch.zeros((len(rows), length), dtype=torch.long)
+    tgt = torch.full((len(rows), length), IGNORE, dtype=torch.long)
+    real = 0
+    for r, row in enumerate(rows):
+        at = 0
+        for e in row:
+            n = len(e.ids)
+            ids[r, at:at + n] = torch.tensor(e.ids)
+            pos[r, at:at + n] = torch.arange(n)
+            tgt[r, at:at + n] = torch.tensor(e.targets)
+            at += n
+        pos[r, at:] = torch.arange(length - at)
+        real += at
+    return {"input_ids": ids, "position_ids": pos, "targets": tgt, "num_tokens": real}
+
+
+class SFTBatches(IterableDataset):
+    """Infinite micro-batches for one rank, starting at stream `position`; each carries `next_position`."""
+
+    def __init__(self, stream: ExampleStream, position: int, batch_size: int, max_seq_len: int, pack: bool,
+                 pad_id: int, rank: int = 0, world_size: int = 1):
+        self.stream = stream
+        self.position = position
+        self.batch_size = batch_size
+        self.max_seq_len = max_seq_len
+        self.pack = pack
+        self.pad_id = pad_id
+        self.rank = rank
+        self.world_size = world_size
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        position = self.position
+        while True:
+            rows, position = global_batch(self.stream, position, self.batch_size * self.world_size,
+                                          self.max_seq_len, self.pack)
+            mine = rows[self.rank * self.batch_size:(self.rank + 1) * self.batch_size]
+            batch = collate(mine, self.pad_id, self.max_seq_len if self.pack else None)
+            batch["next_position"] = position   # an int: Lightning leaves it on the host
+            yield batch
+
+
+def sft_dataloader(stream: ExampleStream, position: int, cfg: dict, pad_id: int, rank: int,
+                   world_size: int) -> DataLoader:
+    """A DataLoader over `SFTBatches` (batches are built in the main process; they are cheap)."""
+    data = cfg["data"]
+    batches = SFTBatches(stream, position, data["batch_size"], data["max_seq_len"], data["pack"], pad_id,
+                         rank, world_size)
+    return DataLoader(batches, batch_size=None, num_workers=0)

@@ -1,0 +1,178 @@
+"""Per-step metrics: torchmetrics aggregation over micro-batches and ranks, and the metrics.jsonl logger.
+
+Recipes record values with `FwModule.log_metric(name, value, weight, reduce)`; they accumulate in
+`StepMetrics` until a logged optimizer step, where `compute()` reduces them across ranks (so a
+token-weighted loss is the exact token mean of the global batch, accumulation included).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from argparse import Namespace
+from pathlib import Path
+from typing import Any
+
+import torch
+import torchmetrics
+from lightning.pytorch.loggers import Logger
+from lightning.pytorch.utilities import rank_zero_only
+from torch import nn
+
+REDUCTIONS = {"mean": torchmetrics.MeanMetric, "sum": torchmetrics.SumMetric,
+              "max": torchmetrics.MaxMetric, "min": torchmetrics.MinMetric}
+
+
+class StepMetrics(nn.Module):
+    """Named torchmetrics aggregators, created on first use; `compute()` returns floats and resets.
+
+    `reduce="last"` keeps the latest value without any reduction (for values equal on every rank, e.g. lr).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.metrics = nn.ModuleDict()
+        self.reductions: dict[str, str] = {}
+        self.last: dict[str, float] = {}
+
+    def update(self, name: str, value: torch.Tensor | float, weight: torch.Tensor | float = 1.0,
+               reduce: str = "mean") -> None:
+        if reduce == "last":
+            self.last[name] = float(value)
+            return
+        if reduce not in REDUCTIONS:
+            raise ValueError(f"log_metric({name!r}): reduce must be 'last' or one of {sorted(REDUCTIONS)}, "
+                             f"got {reduce!r}")
+        key = name.replace(".", "__")  # ModuleDict keys cannot hold dots
+        if key not in self.metrics:
+            device = value.device if isinstance(value, torch.Tensor) else None
+            self.metrics[key] = REDUCTIONS[reduce](nan_strategy="error").to(device or "cpu")
+            self.reductions[key] = reduce
+        elif self.reductions[key] != reduce:
+            raise ValueError(f"log_metric({name!r}): logged with reduce={self.reductions[key]!r} before, "
+                             f"now {reduce!r}")
+        metric = self.metrics[key]
+        value = torch.as_tensor(value, dtype=torch.float64, device=metric.device).detach()
+        if reduce == "mean":
+            metric.update(value, torch.as_tensor(weight, dtype=torch.float64, device=metric.device))
+        else:
+            metric.update(value)
+
+    def compute(self) -> dict[str, float]:
+        """Every metric updated since the last call, reduced over ranks (collective: call on all ranks)."""
+        out = {}
+        for key, metric in self.metrics.items():
+            if metric.update_count:
+                out[key.replace("__", ".")] = float(metric.compute())
+            metric.reset()
+        out.update(self.last)
+        self.last = {}
+        return out
+
+    def state(self) -> dict[str, Any]:
+        """What a checkpoint needs to continue a logging interval that a save interrupted."""
+        metrics = {key: {"reduce": self.reductions[key], "update_count": m.update_count,
+                         "state": {k: v.detach().cpu().clone() for k, v in m.metric_state.items()}}
+                   for key, m in self.metrics.items() if m.update_count}
+        return {"metrics": metrics, "last": dict(self.last)}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        self.last = dict(state["last"])
+        for key, saved in state["metrics"].items():
+            if key not in self.metrics:
+                self.metrics[key] = REDUCTIONS[saved["reduce"]](nan_strategy="error")
+                self.reductions[key] = saved["reduce"]
+            metric = self.metrics[key]
+            for k, v in saved["state"].items():
+                setattr(metric, k, v.to(metric.device))
+            metric._update_count = saved["update_count"]
+
+
+class JsonlLogger(Logger):
+    """`<run_dir>/metrics.jsonl`: one JSON object per `log_metrics` call with its `step`.
+
+    `save()` flushes and fsyncs, so lines up to a published checkpoint survive a crash;
+    `truncate_after(step)` drops lines a resumed run will write again.
+    """
+
+    def __init__(self, path: str | os.PathLike, name: str = "fw"):
+        super().__init__()
+        self.path = Path(path)
+        self._name = name
+        self._file = None
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def version(self) -> str:
+        return ""
+
+    @property
+    def save_dir(self) -> str:
+        return str(self.path.parent)
+
+    @rank_zero_only
+    def log_hyperparams(self, params: dict[str, Any] | Namespace, *args: Any, **kwargs: Any) -> None:
+        """The resolved config is in `<run_dir>/config.yaml`; nothing to add here."""
+
+    def _open(self):
+        if self._file is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 (kept open across calls; closed in finalize)
+        return self._file
+
+    @rank_zero_only
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        record = {"step": step}
+        for k, v in metrics.items():
+            v = v.item() if isinstance(v, torch.Tensor) else v
+            record[k] = v if isinstance(v, (int, str)) or math.isfinite(v) else str(v)
+        self._open().write(json.dumps(record) + "\n")
+
+    @rank_zero_only
+    def save(self) -> None:
+        if self._file is not None:
+            self._file.flush()
+            os.fsync(self._file.fileno())
+
+    @rank_zero_only
+    def finalize(self, status: str) -> None:
+        if self._file is not None:
+            self.save()
+            self._file.close()
+            self._file = None
+
+    @rank_zero_only
+    def truncate_after(self, step: int) -> None:
+        """Drop lines with `step` > `step` (written after the checkpoint a run resumes from)."""
+        if self._file is not None:
+            self.finalize("resumed")
+        if not self.path.exists():
+            return
+        lines = self.path.read_text(encoding="utf-8").splitlines(keepends=True)
+        keep = [ln for ln in lines if ln.strip() and _step_of(ln) <= step]
+        if len(keep) == len(lines):
+            return
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.writelines(keep)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.path)
+
+
+def _step_of(line: str) -> float:
+    """The step of a metrics.jsonl line; a torn last line (crash mid-write) counts as past every step."""
+    try:
+        step = json.loads(line).get("step")
+    except json.JSONDecodeError:
+        return math.inf
+    return math.inf if step is None else step
+
+
+def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """The records of a metrics.jsonl file, in order."""
+    return [json.loads(ln) for ln in Path(path).read_text(encoding="utf-8").splitlines() if ln.strip()]

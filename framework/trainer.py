@@ -1,0 +1,83 @@
+"""Build the Lightning `Trainer` from the `trainer:` section and run `fit`."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import lightning
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger
+from lightning.pytorch.utilities import rank_zero_only
+
+from framework.callbacks import builtin_callbacks, user_callbacks
+from framework.metrics import JsonlLogger
+
+
+def build_loggers(cfg: dict) -> list[Logger]:
+    """metrics.jsonl always; CSV and TensorBoard under `<run_dir>/logs/` when enabled."""
+    run_dir = Path(cfg["run_dir"])
+    loggers: list[Logger] = [JsonlLogger(run_dir / "metrics.jsonl", name=cfg["name"])]
+    if cfg["logging"]["csv"]:
+        loggers.append(CSVLogger(save_dir=run_dir, name="logs", version=None))
+    if cfg["logging"]["tensorboard"]:
+        loggers.append(TensorBoardLogger(save_dir=run_dir, name="logs", version=None, default_hp_metric=False))
+    return loggers
+
+
+def build_trainer(cfg: dict) -> lightning.Trainer:
+    """A `lightning.Trainer` for `cfg`: `trainer:` settings, loggers, built-in + user callbacks, checkpoints.
+
+    Gradient accumulation is Lightning's only under automatic optimization; manual recipes accumulate
+    over their own micro-batches. Clipping is done by the module (`optimizer.max_grad_norm`) in both modes.
+    """
+    from framework.checkpoint import AtomicCheckpointIO, CheckpointCallback
+    from recipes import RECIPES
+
+    t = cfg["trainer"]
+    automatic = RECIPES[cfg["recipe"]].automatic_optimization
+    # Metrics first so they reach the loggers before the checkpoint callback flushes them and saves.
+    callbacks = [*builtin_callbacks(cfg), *user_callbacks(cfg), CheckpointCallback(cfg)]
+    return lightning.Trainer(
+        accelerator=t["accelerator"],
+        devices=t["devices"],
+        num_nodes=t["num_nodes"],
+        strategy=t["strategy"],
+        precision=t["precision"],
+        max_steps=t["max_steps"],
+        max_epochs=-1,
+        accumulate_grad_batches=t["accumulate_grad_batches"] if automatic else 1,
+        log_every_n_steps=t["log_every_n_steps"],
+        enable_progress_bar=t["enable_progress_bar"],
+        enable_model_summary=False,
+        enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks),
+        default_root_dir=cfg["run_dir"],
+        logger=build_loggers(cfg),
+        callbacks=callbacks,
+        plugins=[AtomicCheckpointIO(cfg)],
+        use_distributed_sampler=False,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+    )
+
+
+def fit(cfg: dict, resume: str | None = None) -> lightning.Trainer:
+    """Train `cfg` (a resolved config): seed, write `<run_dir>/config.yaml`, build, fit.
+
+    `resume`: None (fresh run), "last" (the newest complete checkpoint under run_dir; FwError if none)
+    or a checkpoint directory.
+    """
+    from framework.checkpoint import resolve_resume
+    from framework.config import save_resolved
+    from framework.module import FwModule
+
+    lightning.seed_everything(cfg["seed"], workers=True, verbose=False)
+    ckpt_path = resolve_resume(resume, cfg["run_dir"])
+    if rank_zero_only.rank == 0:
+        save_resolved(cfg, Path(cfg["run_dir"]) / "config.yaml")
+    module = FwModule(cfg)
+    trainer = build_trainer(cfg)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*does not have many workers.*")
+        trainer.fit(module, ckpt_path=ckpt_path)
+    return trainer

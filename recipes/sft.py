@@ -1,0 +1,76 @@
+"""SFT: token-mean cross-entropy on the assistant / completion tokens of packed JSONL (or task) data."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+import ops_cuda
+from framework.data import IGNORE, ExampleStream, sft_dataloader
+
+
+class SFTRecipe:
+    """Supervised fine-tuning under Lightning's automatic optimization (accumulation and clipping included).
+
+    Loss = − Σ log p(target) / (number of target tokens in the global micro-batch): the token count is
+    summed over ranks, so DDP's gradient average equals one process on the whole global batch.
+    Token accuracy needs the argmax over the vocabulary, i.e. the full logits; it is computed without
+    gradients, chunked, and only on steps that are logged.
+    """
+
+    automatic_optimization = True
+    ACCURACY_CHUNK = 4096   # target tokens per logits chunk for the accuracy metric
+
+    def __init__(self, cfg: dict, tokenizer: Any):
+        self.cfg = cfg
+        self.tokenizer = tokenizer
+        self.stream = ExampleStream(cfg, tokenizer)   # reads and tokenizes the data now: errors come early
+        self.position = 0                             # stream position after the last consumed batch
+
+    def needs_value_model(self) -> bool:
+        return False
+
+    def needs_reference_model(self) -> bool:
+        return False
+
+    def train_dataloader(self, module) -> torch.utils.data.DataLoader:
+        trainer = module.trainer
+        return sft_dataloader(self.stream, self.position, self.cfg, self.tokenizer.pad_id,
+                              trainer.global_rank, trainer.world_size)
+
+    def training_step(self, module, batch: dict, batch_idx: int) -> torch.Tensor:
+        policy = module.policy
+        hidden = policy(batch["input_ids"], position_ids=batch["position_ids"], return_hidden=True)
+        targets = batch["targets"]
+        selected = targets != IGNORE
+        h, t = hidden[selected], targets[selected]
+        weight = policy.lm_head_weight
+        if weight.dtype != h.dtype:   # autocast leaves the fp32 head weight; match the activations
+            weight = weight.to(h.dtype)
+        logprob, _ = ops_cuda.linear_logprob(h, weight, t)
+        n_local = selected.sum()
+        n_global = module.trainer.strategy.reduce(n_local.detach().clone().float(), reduce_op="sum")
+        nll = -logprob.sum()
+        loss = nll * module.trainer.world_size / n_global.clamp(min=1)
+        # Reported loss: the token mean over micro-batches and ranks (weights = token counts).
+        module.log_metric("loss", nll.detach() / n_local.clamp(min=1), weight=n_local)
+        module.log_metric("tokens", batch["num_tokens"], reduce="sum")
+        if module.logging_this_step():
+            module.log_metric("token_accuracy", self._accuracy(h.detach(), weight.detach(), t), weight=n_local)
+        self.position = batch["next_position"]
+        return loss
+
+    @torch.no_grad()
+    def _accuracy(self, h: torch.Tensor, weight: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        correct = torch.zeros((), dtype=torch.long, device=h.device)
+        for i in range(0, h.shape[0], self.ACCURACY_CHUNK):
+            logits = h[i:i + self.ACCURACY_CHUNK] @ weight.T
+            correct += (logits.argmax(-1) == t[i:i + self.ACCURACY_CHUNK]).sum()
+        return correct.double() / max(h.shape[0], 1)
+
+    def state_dict(self) -> dict:
+        return {"position": self.position}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.position = int(state["position"])
