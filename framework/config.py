@@ -120,9 +120,13 @@ def _type_message(error: ValidationError) -> str:
     types = error.validator_value if isinstance(error.validator_value, list) else [error.validator_value]
     expected = " or ".join(_TYPE_WORDS.get(t, t) for t in types)
     msg = f"expected {expected}, got {_describe(error.instance)}"
-    if "boolean" in types and isinstance(error.instance, str) and error.instance.lower() in YAML11_BOOLEANS:
-        msg += " (YAML 1.2 reads on/off/yes/no as strings: write true or false)"
-    return msg
+    return msg + _bool_hint(error.instance, "boolean" in types)
+
+
+def _bool_hint(value: Any, wants_bool: bool) -> str:
+    if wants_bool and isinstance(value, str) and value.lower() in YAML11_BOOLEANS:
+        return " (YAML 1.2 reads on/off/yes/no as strings: write true or false)"
+    return ""
 
 
 def _choice_text(values: list) -> str:
@@ -170,8 +174,9 @@ def _problems_for(error: ValidationError, marks: dict, fallback: Mark, recipe: A
     if v == "type":
         return [at(path, _type_message(error))]
     if v == "enum":
-        return [at(path, f"expected one of {_choice_text(error.validator_value)}; got {_describe(error.instance)}"
-                         + _suggest(error.instance, error.validator_value))]
+        choices = error.validator_value
+        return [at(path, f"expected one of {_choice_text(choices)}; got {_describe(error.instance)}"
+                         + (_bool_hint(error.instance, True in choices) or _suggest(error.instance, choices)))]
     if v == "not" and error.schema.get("description"):
         return [at(path, f"{error.schema['description'].rstrip('.')} (this config has recipe: {recipe})", key=True)]
     if v in ("oneOf", "anyOf"):
