@@ -277,3 +277,35 @@ def test_cuda_greedy_and_logprobs(model, prompts, dtype, tol):
     assert (r.logprobs.double() - expected).abs().max() < tol
     again = generate(cuda, prompts, max_new_tokens=10, temperature=0.8, top_k=10, top_p=0.9, seed=4)
     assert again.completion_ids == r.completion_ids
+
+
+def test_stop_string_inside_a_multi_character_token():
+    """Byte-level BPE: the token completing the stop string is the last one; the text is cut after it."""
+    from tokenizers import Tokenizer as HfTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    hf = HfTokenizer(models.BPE())
+    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    hf.decoder = decoders.ByteLevel()
+    corpus = ["the cat sat on the mat; the dog ate the hat. " * 3, "numbers: 12345 67890 ünïcödé ✓✓"] * 20
+    hf.train_from_iterator(corpus, trainers.BpeTrainer(
+        vocab_size=320, special_tokens=["<|endoftext|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok = Tokenizer(hf)
+    torch.manual_seed(3)
+    model = Qwen3ForCausalLM(preset_config("tiny", tok.vocab_size, tok.eos_id, tok.pad_id))
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.3)
+    prompts = [tok.encode("the cat"), tok.encode("12")]
+    free = generate(model, prompts, max_new_tokens=16, temperature=0.0, tokenizer=tok)
+    pieces = [tok.decode([t]) for t in free.completion_ids[0]]
+    j = next(i for i, piece in enumerate(pieces) if len(piece) >= 2 and "\ufffd" not in piece)
+    before = tok.decode(free.completion_ids[0][:j])
+    stop = before[-1:] + pieces[j][0]                   # ends inside token j, which has more text after it
+    assert free.texts[0].find(stop) == len(before) - len(before[-1:])  # its first occurrence
+    r = generate(model, prompts, max_new_tokens=16, temperature=0.0, tokenizer=tok, stop=[stop])
+    assert r.finish_reasons[0] == "stop" and r.texts[0] == before + pieces[j][0]
+    assert r.completion_ids[0] == free.completion_ids[0][:j + 1]
+    assert tok.decode(r.completion_ids[0]) == before + pieces[j] != r.texts[0]

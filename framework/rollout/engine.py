@@ -76,9 +76,9 @@ def _check_args(prompts, max_new_tokens, temperature, top_k, top_p, min_p, stop,
         raise FwError(f"generate: stop strings must be non-empty strings, got {list(stop)!r}")
 
 
-def _find_stop(text: str, stop: Sequence[str], start: int) -> int | None:
-    """End offset of the earliest stop string found in ``text`` at or after ``start``, or None."""
-    ends = [i + len(s) for s in stop if (i := text.find(s, start)) != -1]
+def _find_stop(text: str, stop: Sequence[str]) -> int | None:
+    """End offset of the earliest-ending first occurrence of a stop string in ``text``, or None."""
+    ends = [i + len(s) for s in stop if (i := text.find(s)) != -1]
     return min(ends) if ends else None
 
 
@@ -119,8 +119,10 @@ def generate(model: Any, prompts: list[list[int]], *, max_new_tokens: int, tempe
         finished = torch.zeros(B, dtype=torch.bool)
         reasons = ["length"] * B
         completion_lens = torch.zeros(B, dtype=torch.long)
-        text_ends: list[int | None] = [None] * B   # where a stop string cut the text
-        checked = [0] * B                         # text offset up to which stop strings were searched
+        # Stop strings are searched in the text of the last few tokens only: earlier steps already
+        # searched everything before, and a stop string of n characters spans at most 4n tokens
+        # (a token holds at least one UTF-8 byte).
+        window = 4 * max(map(len, stop), default=0) + 4
         steps = 0
         for step in range(max_new_tokens):
             tokens, logprobs = ops_cuda.sample(logits, temperature, top_k, top_p, min_p, step_seed(seed, step))
@@ -136,12 +138,9 @@ def generate(model: Any, prompts: list[list[int]], *, max_new_tokens: int, tempe
             finished |= hit_eos
             if stop:
                 for b in (~finished).nonzero().flatten().tolist():
-                    text = tokenizer.decode(out_tokens[b, :steps].tolist())
-                    # A stop string may straddle earlier text; search from where it could start.
-                    end = _find_stop(text, stop, max(0, checked[b] - max(map(len, stop)) + 1))
-                    checked[b] = len(text)
-                    if end is not None:
-                        finished[b], reasons[b], text_ends[b] = True, "stop", end
+                    tail = tokenizer.decode(out_tokens[b, max(0, steps - window):steps].tolist())
+                    if any(s in tail for s in stop):
+                        finished[b], reasons[b] = True, "stop"
             if bool(finished.all()) or step == max_new_tokens - 1:
                 break
             logits = model.decode(torch.where(finished, pad_id, tokens).to(device), cache)
@@ -153,7 +152,7 @@ def generate(model: Any, prompts: list[list[int]], *, max_new_tokens: int, tempe
     if tokenizer is not None:
         for b, completion in enumerate(completion_ids):
             text = tokenizer.decode(completion[:-1] if reasons[b] == "eos" else completion)
-            texts.append(text[:text_ends[b]] if text_ends[b] is not None else text)
+            texts.append(text[:_find_stop(text, stop)] if reasons[b] == "stop" else text)
     total = prompt_lens + completion_lens
     seq = torch.full((B, int(total.max())), pad_id, dtype=torch.long)
     for b in range(B):
