@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import math
 import numbers
+import operator
 import re
 from collections import Counter
 from collections.abc import Callable
@@ -188,6 +189,7 @@ class ExpressionError(ValueError):
     """An arithmetic expression that is not well formed."""
 
 
+_ARITHMETIC = {"+": operator.add, "-": operator.sub, "*": operator.mul, "/": operator.truediv}
 _EXPR_TOKEN = re.compile(r"\s*(?:(\d+)|(.))")
 
 
@@ -230,27 +232,24 @@ def evaluate_expression(text: str) -> tuple[Fraction, list[int]]:
             return value
         raise ExpressionError(f"expected a number or '(' but found {tok!r}" if tok else "unexpected end")
 
-    def term() -> Fraction:
+    def chain(operand, ops: tuple[str, ...]) -> Fraction:
+        """operand (op operand)*, left associative."""
         nonlocal pos
-        value = atom()
-        while peek() in ("*", "/"):
+        value = operand()
+        while peek() in ops:
             op = tokens[pos]
             pos += 1
-            rhs = atom()
+            rhs = operand()
             if op == "/" and rhs == 0:
                 raise ExpressionError("division by zero")
-            value = value * rhs if op == "*" else value / rhs
+            value = _ARITHMETIC[op](value, rhs)
         return value
 
+    def term() -> Fraction:
+        return chain(atom, ("*", "/"))
+
     def expr() -> Fraction:
-        nonlocal pos
-        value = term()
-        while peek() in ("+", "-"):
-            op = tokens[pos]
-            pos += 1
-            rhs = term()
-            value = value + rhs if op == "+" else value - rhs
-        return value
+        return chain(term, ("+", "-"))
 
     value = expr()
     if pos != len(tokens):

@@ -21,7 +21,6 @@ Built-ins (``TASKS``, chosen by ``data.task.name`` with ``data.task.init_args``)
 from __future__ import annotations
 
 import inspect
-import json
 import operator
 import random
 from fractions import Fraction
@@ -227,23 +226,10 @@ class JsonlPrompts(Task):
         self._order: tuple[int, list[int]] | None = None
 
     def _read(self, file: Path) -> list[Sample]:
-        try:
-            lines = file.read_text(encoding="utf-8").splitlines()
-        except OSError as exc:
-            raise FwError(f"data.path: cannot read {file}: {exc.strerror or exc}") from exc
-        except UnicodeDecodeError as exc:
-            raise FwError(f"{file}: not UTF-8 text ({exc.reason} at byte {exc.start})") from exc
+        from framework.data import read_jsonl
+
         records = []
-        for lineno, line in enumerate(lines, 1):
-            if not line.strip():
-                continue
-            where = f"{file}:{lineno}"
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise FwError(f"{where}: invalid JSON: {exc.msg} (column {exc.colno})") from exc
-            if not isinstance(record, dict):
-                raise FwError(f"{where}: expected a JSON object, got {type(record).__name__}")
+        for where, record in read_jsonl(file):
             for key in (self.prompt_key, self.answer_key):
                 if key not in record:
                     raise FwError(f"{where}: missing key {key!r} (keys: {', '.join(map(repr, record))}); "

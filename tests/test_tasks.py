@@ -151,7 +151,7 @@ def test_jsonl_messages_prompt_and_several_files(tmp_path):
 
 
 @pytest.mark.parametrize("line, message", [
-    ('{"prompt": "p", "answer": "a"', "invalid JSON"),
+    ('{"prompt": "p", "answer": "a"', "not valid JSON"),
     ('["p", "a"]', "expected a JSON object, got list"),
     ('{"prompt": "p"}', "missing key 'answer'"),
     ('{"prompt": "", "answer": "a"}', "'prompt' is an empty string"),
