@@ -1,0 +1,268 @@
+"""SFT data: JSONL errors, loss masks on rendered chats, packing, the resumable / rank-split batch stream."""
+
+import json
+
+import pytest
+import torch
+
+from framework.config import resolve
+from framework.data import IGNORE, ExampleStream, collate, encode_record, global_batch, read_jsonl, truncate
+from framework.data import Example, SFTBatches
+from framework.errors import FwError
+from framework.tokenizer import Tokenizer
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    # The CI box has 2 cores shared by many processes: intra-op threads only spin against each other.
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return Tokenizer.builtin()
+
+
+def cfg_for(path, **data):
+    return resolve({"recipe": "sft", "model": {"policy": {"preset": "tiny"}},
+                    "data": {"path": str(path), **data}})
+
+
+def write_jsonl(path, records):
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records))
+    return path
+
+
+def trained_text(tok, example):
+    """The text of every target token, i.e. what the loss covers."""
+    return tok.decode([t for t in example.targets if t != IGNORE])
+
+
+# ---------------------------------------------------------------- JSONL errors
+@pytest.mark.parametrize("line, message", [
+    ('{"messages": [', "not valid JSON"),
+    ('[1, 2]', "expected a JSON object"),
+    ('{"text": "hi"}', "expected a 'messages' list or 'prompt' and 'completion'"),
+    ('{"messages": [{"role": "bot", "content": "x"}]}', "messages[0].role is 'bot'"),
+    ('{"messages": [{"role": "user", "content": 3}]}', "messages[0] must be an object with string"),
+    ('{"messages": [{"role": "user", "content": "hi"}]}', "no assistant turn"),
+    ('{"prompt": "a", "completion": 5}', "string 'completion'"),
+])
+def test_malformed_line_names_file_and_line(tmp_path, tok, line, message):
+    good = {"prompt": "1+1=", "completion": "2"}
+    path = write_jsonl(tmp_path / "d.jsonl", [good, "", line, good])
+    with pytest.raises(FwError) as e:
+        ExampleStream(cfg_for(path), tok)
+    assert f"{path}:3: " in str(e.value)
+    assert message in str(e.value)
+
+
+def test_forced_format_mismatch_is_an_error(tmp_path, tok):
+    path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "a", "completion": "b"}])
+    with pytest.raises(FwError, match=r"d.jsonl:1: 'messages' must be a non-empty list"):
+        ExampleStream(cfg_for(path, format="messages"), tok)
+
+
+def test_missing_file(tmp_path, tok):
+    with pytest.raises(FwError, match="cannot read .*nope.jsonl"):
+        ExampleStream(cfg_for(tmp_path / "nope.jsonl"), tok)
+
+
+def test_read_jsonl_skips_blank_lines_and_keeps_line_numbers(tmp_path):
+    path = write_jsonl(tmp_path / "d.jsonl", [{"a": 1}, "", "  ", {"b": 2}])
+    assert read_jsonl(path) == [(f"{path}:1", {"a": 1}), (f"{path}:4", {"b": 2})]
+
+
+# ---------------------------------------------------------------- loss masks
+def test_chat_loss_covers_assistant_content_and_im_end(tmp_path, tok):
+    cfg = cfg_for(tmp_path / "unused.jsonl")
+    record = {"messages": [{"role": "system", "content": "Be brief."},
+                           {"role": "user", "content": "What is 1 + 2?"},
+                           {"role": "assistant", "content": "It is 3."},
+                           {"role": "user", "content": "And 2 + 2?"},
+                           {"role": "assistant", "content": "4"}]}
+    ex = encode_record(record, "auto", tok, cfg, "x")
+    full = ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nWhat is 1 + 2?<|im_end|>\n"
+            "<|im_start|>assistant\nIt is 3.<|im_end|>\n<|im_start|>user\nAnd 2 + 2?<|im_end|>\n"
+            "<|im_start|>assistant\n<think>\n\n</think>\n\n4<|im_end|>\n")
+    assert tok.decode(ex.ids) == full
+    assert len(ex.targets) == len(ex.ids)
+    # Targets are shifted: targets[t] is ids[t+1] where trained; the loss covers exactly these tokens.
+    assert trained_text(tok, ex) == "It is 3.<|im_end|>4<|im_end|>"
+    for t, target in enumerate(ex.targets):
+        if target != IGNORE:
+            assert target == ex.ids[t + 1]
+    assert ex.targets[-1] == IGNORE
+
+
+def test_prompt_completion_loss_covers_completion_and_eos(tmp_path, tok):
+    cfg = cfg_for(tmp_path / "unused.jsonl")
+    ex = encode_record({"prompt": "2 * 3 =", "completion": " 6"}, "auto", tok, cfg, "x")
+    assert tok.decode(ex.ids) == ("<|im_start|>user\n2 * 3 =<|im_end|>\n<|im_start|>assistant\n"
+                                  "<think>\n\n</think>\n\n 6<|im_end|>")
+    assert ex.ids[-1] == tok.eos_id
+    assert trained_text(tok, ex) == " 6<|im_end|>"
+
+    raw = cfg_for(tmp_path / "unused.jsonl", chat_template=False)
+    ex = encode_record({"prompt": "2 * 3 =", "completion": " 6"}, "auto", tok, raw, "x")
+    assert tok.decode(ex.ids) == "2 * 3 = 6<|im_end|>"
+    assert trained_text(tok, ex) == " 6<|im_end|>"
+
+
+def test_train_on_prompt_trains_every_next_token(tmp_path, tok):
+    cfg = resolve({"recipe": "sft", "model": {"policy": {"preset": "tiny"}},
+                   "data": {"path": "unused", "chat_template": False}, "sft": {"train_on_prompt": True}})
+    ex = encode_record({"prompt": "ab", "completion": "c"}, "auto", tok, cfg, "x")
+    assert ex.targets == ex.ids[1:] + [IGNORE]
+
+
+# ---------------------------------------------------------------- packing
+def ex(n, start):
+    """An example of n tokens whose every next token is a target (ids are distinct per example)."""
+    ids = list(range(start, start + n))
+    return Example(ids, ids[1:] + [IGNORE])
+
+
+class ListStream:
+    def __init__(self, examples):
+        self.examples = examples
+
+    def __getitem__(self, position):
+        return self.examples[position % len(self.examples)]
+
+
+def test_packing_fills_rows_in_order_with_restarting_positions():
+    stream = ListStream([ex(3, 100), ex(4, 200), ex(2, 300), ex(5, 400), ex(1, 500)])
+    rows, nxt = global_batch(stream, 0, rows=2, max_len=8, pack=True)
+    # Row 0: 3 + 4 tokens (the 2-token one does not fit: 9 > 8); row 1: 2 + 5 + 1; then the batch is full.
+    assert [[e.ids[0] for e in row] for row in rows] == [[100, 200], [300, 400, 500]]
+    assert nxt == 5
+    b = collate(rows, pad_id=0, length=8)
+    assert b["input_ids"].tolist() == [[100, 101, 102, 200, 201, 202, 203, 0],
+                                       [300, 301, 400, 401, 402, 403, 404, 500]]
+    assert b["position_ids"].tolist() == [[0, 1, 2, 0, 1, 2, 3, 0], [0, 1, 0, 1, 2, 3, 4, 0]]
+    # No target crosses a sequence boundary: a sequence's last token predicts nothing.
+    assert b["targets"].tolist() == [[101, 102, IGNORE, 201, 202, 203, IGNORE, IGNORE],
+                                     [301, IGNORE, 401, 402, 403, 404, IGNORE, IGNORE]]
+    assert b["num_tokens"] == 15
+
+
+def test_unpacked_rows_are_right_padded_to_the_longest():
+    stream = ListStream([ex(3, 100), ex(5, 200), ex(2, 300)])
+    rows, nxt = global_batch(stream, 1, rows=2, max_len=64, pack=False)
+    assert nxt == 3
+    b = collate(rows, pad_id=7, length=None)
+    assert b["input_ids"].tolist() == [[200, 201, 202, 203, 204], [300, 301, 7, 7, 7]]
+    assert b["position_ids"].tolist() == [[0, 1, 2, 3, 4], [0, 1, 0, 1, 2]]
+    assert b["targets"][1].tolist() == [301, IGNORE, IGNORE, IGNORE, IGNORE]
+
+
+def test_truncation_keeps_the_head_and_drops_the_cut_target():
+    e = truncate(ex(6, 10), 4)
+    assert e.ids == [10, 11, 12, 13]
+    assert e.targets == [11, 12, 13, IGNORE]
+
+
+def test_packed_logprobs_equal_each_sequence_alone(tmp_path, tok):
+    """A packed row's per-token log-probs equal those of each of its sequences run alone (fp32)."""
+    from framework.models import build_policy
+
+    torch.manual_seed(0)
+    cfg = cfg_for(tmp_path / "unused.jsonl")
+    policy = build_policy(cfg["model"]["policy"], tok).eval()
+    examples = [encode_record({"prompt": p, "completion": c}, "auto", tok, cfg, "x")
+                for p, c in [("1 + 1 =", " 2"), ("What is 12 * 3?", " 36"), ("hi", " there!")]]
+    total = sum(len(e.ids) for e in examples)
+    rows, _ = global_batch(ListStream(examples), 0, rows=1, max_len=total + 5, pack=True)
+    assert rows == [examples]
+    b = collate(rows, tok.pad_id, total + 5)
+    with torch.no_grad():
+        packed = torch.log_softmax(policy(b["input_ids"], position_ids=b["position_ids"]).double(), -1)[0]
+        at = 0
+        for e in examples:
+            alone = torch.log_softmax(policy(torch.tensor([e.ids])).double(), -1)[0]
+            n = len(e.ids)
+            assert torch.allclose(packed[at:at + n], alone, atol=1e-5, rtol=0)
+            at += n
+
+
+# ---------------------------------------------------------------- the stream
+def test_stream_epochs_are_seeded_permutations(tmp_path, tok):
+    path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": f"q{i}", "completion": f"a{i}"} for i in range(7)])
+    s = ExampleStream(cfg_for(path), tok)
+    epoch0 = [tuple(s[p].ids) for p in range(7)]
+    epoch1 = [tuple(s[p].ids) for p in range(7, 14)]
+    everything = {tuple(e.ids) for e in s.examples}
+    assert set(epoch0) == set(epoch1) == everything
+    assert epoch0 != epoch1   # reshuffled with seed + epoch
+    order = torch.randperm(7, generator=torch.Generator().manual_seed(0)).tolist()
+    assert epoch0 == [tuple(s.examples[i].ids) for i in order]
+    assert [tuple(s[p].ids) for p in range(7)] == epoch0   # a pure function of the position
+    unshuffled = ExampleStream(cfg_for(path, shuffle=False), tok)
+    assert [unshuffled[p].ids for p in range(8)] == [e.ids for e in s.examples] + [s.examples[0].ids]
+
+
+def batches(stream, start, n, **kw):
+    it = iter(SFTBatches(stream, start, **kw))
+    return [next(it) for _ in range(n)]
+
+
+def same(a, b):
+    return all(torch.equal(a[k], b[k]) for k in ("input_ids", "position_ids", "targets")) and \
+        a["next_position"] == b["next_position"]
+
+
+@pytest.mark.parametrize("pack", [True, False])
+def test_batches_resume_exactly_from_a_saved_position(tmp_path, tok, pack):
+    path = write_jsonl(tmp_path / "d.jsonl",
+                       [{"prompt": f"{i} + {i} =", "completion": f" {2 * i}"} for i in range(23)])
+    s = ExampleStream(cfg_for(path), tok)
+    kw = dict(batch_size=3, max_seq_len=64, pack=pack, pad_id=tok.pad_id)
+    run = batches(s, 0, 12, **kw)
+    assert run[-1]["next_position"] > 23   # crossed into a later epoch
+    k = 5
+    resumed = batches(ExampleStream(cfg_for(path), tok), run[k - 1]["next_position"], 12 - k, **kw)
+    assert all(same(a, b) for a, b in zip(run[k:], resumed))
+
+
+@pytest.mark.parametrize("pack", [True, False])
+def test_ranks_split_the_global_batch(tmp_path, tok, pack):
+    """2 ranks with batch B see, together, exactly what 1 rank with batch 2B sees."""
+    path = write_jsonl(tmp_path / "d.jsonl",
+                       [{"prompt": "x" * (i % 9), "completion": f" {i}"} for i in range(30)])
+    s = ExampleStream(cfg_for(path), tok)
+    one = batches(s, 0, 4, batch_size=4, max_seq_len=48, pack=pack, pad_id=tok.pad_id)
+    r0 = batches(s, 0, 4, batch_size=2, max_seq_len=48, pack=pack, pad_id=tok.pad_id, rank=0, world_size=2)
+    r1 = batches(s, 0, 4, batch_size=2, max_seq_len=48, pack=pack, pad_id=tok.pad_id, rank=1, world_size=2)
+    for a, b0, b1 in zip(one, r0, r1):
+        assert a["next_position"] == b0["next_position"] == b1["next_position"]
+        for row, ranks_row in zip(range(4), [(b0, 0), (b0, 1), (b1, 0), (b1, 1)]):
+            b, i = ranks_row
+            n = int((a["targets"][row] != IGNORE).sum())
+            assert n == int((b["targets"][i] != IGNORE).sum())
+            width = min(a["input_ids"].shape[1], b["input_ids"].shape[1])
+            real = a["input_ids"][row] != tok.pad_id
+            assert torch.equal(a["input_ids"][row][real], b["input_ids"][i][: int(real.sum())])
+            assert torch.equal(a["targets"][row][:width], b["targets"][i][:width])
+
+
+def test_task_examples(tok):
+    cfg = resolve({"recipe": "sft", "model": {"policy": {"preset": "tiny"}},
+                   "data": {"task": {"name": "arithmetic"}}})
+    s = ExampleStream(cfg, tok)
+    from framework.tasks import build_task
+
+    sample = build_task(cfg["data"], seed=cfg["seed"]).sample(3)
+    assert trained_text(tok, s[3]) == sample["answer"] + "<|im_end|>"
+    assert [s[p].ids for p in range(4)] == [ExampleStream(cfg, tok)[p].ids for p in range(4)]
+
+
+def test_path_and_task_together_is_an_error(tmp_path, tok):
+    path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "a", "completion": "b"}])
+    cfg = resolve({"recipe": "sft", "model": {"policy": {"preset": "tiny"}},
+                   "data": {"path": str(path), "task": {"name": "arithmetic"}}})
+    with pytest.raises(FwError, match="not both"):
+        ExampleStream(cfg, tok)
