@@ -115,7 +115,7 @@ def test_greedy_decoding_matches_transformers_generate(tmp_path):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_prefill_and_decode_on_gpu(dtype):
-    model = make_model(2).to(device="cuda", dtype=dtype)
+    model = make_model(2, head_dim=128).to(device="cuda", dtype=dtype)   # Qwen3's head_dim
     if dtype == torch.float32:
         check_against_full_forward(model, lengths=[37, 1, 90, 64], steps=12, device="cuda", atol=1e-4)
     else:
