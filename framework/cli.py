@@ -27,6 +27,20 @@ def _reference() -> str:
             "`fw print-config --config FILE` shows every resolved value.")
 
 
+def _at_least(low: float, kind: type):
+    """An argparse type: a number of `kind` that is >= low."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'}, "
+                                             f"got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {text}")
+        return value
+    return parse
+
+
 def _parser() -> argparse.ArgumentParser:
     # --debug is accepted before and after the command; SUPPRESS keeps `fw --debug fit` from being reset
     common = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
@@ -68,11 +82,11 @@ def _parser() -> argparse.ArgumentParser:
               + overrides)
     gen.add_argument("--checkpoint", metavar="DIR", help="checkpoint directory whose policy is used")
     gen.add_argument("--prompt", required=True, help="the user message")
-    gen.add_argument("--max-new-tokens", type=int, metavar="N")
+    gen.add_argument("--max-new-tokens", type=_at_least(1, int), metavar="N")
     how = gen.add_mutually_exclusive_group()
-    how.add_argument("--temperature", type=float, metavar="T")
+    how.add_argument("--temperature", type=_at_least(0.0, float), metavar="T", help="0 = greedy")
     how.add_argument("--greedy", action="store_true", help="same as --temperature 0")
-    gen.add_argument("--seed", type=int, metavar="S")
+    gen.add_argument("--seed", type=_at_least(0, int), metavar="S")
 
     add("doctor", "report torch, CUDA and the state of the CUDA ops", [common])
     ops = add("ops", "CUDA ops tools", [common])

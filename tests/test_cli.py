@@ -127,6 +127,10 @@ def test_generate_argument_errors(capsys):
     assert code == 2 and err.startswith("fw: error: overrides (--rollout.top_k=5) need --config FILE")
     code, _, err = fw(capsys, "generate", "--config", TRAIN, "--prompt", "hi", "--greedy", "--temperature", "1")
     assert code == 2 and "not allowed with argument" in err
+    code, _, err = fw(capsys, "generate", "--config", TRAIN, "--prompt", "hi", "--max-new-tokens", "0")
+    assert code == 2 and "argument --max-new-tokens: must be >= 1, got 0" in err
+    code, _, err = fw(capsys, "generate", "--config", TRAIN, "--prompt", "hi", "--temperature", "warm")
+    assert code == 2 and "argument --temperature: expected a number, got 'warm'" in err
 
 
 def test_export_of_a_missing_checkpoint_is_a_user_error(capsys, tmp_path):
