@@ -178,3 +178,39 @@ def test_printable_covers_python_printable_ascii():
     tok = Tokenizer.builtin()
     unk = tok.token_to_id("<unk>")
     assert [c for c in string.printable if tok.encode(c) == [unk]] == ["\r", "\x0b", "\x0c"]
+
+
+QWEN3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+               r"\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+def test_byte_level_bpe_with_qwen3_pre_tokenizer(tmp_path):
+    """A small BPE trained here with Qwen3's normalizer, pre-tokenizer and special tokens (its real
+    vocabulary is checked in test_real_qwen3_vocabulary when the dev dependency is present)."""
+    from tokenizers import Regex, decoders, models, normalizers, pre_tokenizers, trainers
+    from tokenizers import Tokenizer as HfTokenizer
+
+    tk = HfTokenizer(models.BPE())
+    tk.normalizer = normalizers.NFC()
+    tk.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN3_SPLIT), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tk.decoder = decoders.ByteLevel()
+    corpus = ["The capital of France is Paris.", "Les élèves d'aujourd'hui comptent 12345 étoiles!",
+              "def f(x):\n    return x * 2\n", "東京は日本の首都です。"] * 20
+    tk.train_from_iterator(corpus, trainers.BpeTrainer(
+        vocab_size=400, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tk.save(str(tmp_path / "tokenizer.json"))
+    tok = Tokenizer.from_pretrained(tmp_path)
+    hf = PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "tokenizer.json"))
+    assert (tok.eos_id, tok.pad_id) == (SPECIALS.index("<|im_end|>"), SPECIALS.index("<|endoftext|>"))
+    texts = ["The capital of France is Paris.", "naïve café — 2024 ✓ 😀", "  spaced\n\n\tout  ",
+             "<|im_start|>user\nCombien font 12+30?<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n42"]
+    for text in texts:
+        ids = tok.encode(text)
+        assert ids == hf.encode(text, add_special_tokens=False)
+        assert tok.decode(ids) == text   # byte-level: every string round-trips
+    ids = tok.encode(texts[3])
+    assert [i for i in ids if i < len(SPECIALS)] == [1, 2, 1, 3, 4]   # specials whole, in order
+    digits = tok.encode("12345")   # Qwen's \p{N} rule: one pre-token per digit
+    assert len(digits) == 5 and tok.decode(digits[:1]) == "1"
