@@ -20,7 +20,9 @@ class Callback(lightning.Callback):
     """A Lightning callback with two more hooks, fired exactly once around every real optimizer step.
 
     `optimizer` is the torch optimizer being stepped: the policy's, or the critic's in PPO
-    (`module.optimizer_role(optimizer)` says which).
+    (`module.optimizer_role(optimizer)` says which). Count steps with `module.policy_version`: it is
+    incremented between the two hooks of a policy step in both modes, whereas Lightning updates
+    `trainer.global_step` after the hook under automatic optimization and before it under manual.
     """
 
     def before_optimizer_step(self, trainer: lightning.Trainer, module: lightning.LightningModule,

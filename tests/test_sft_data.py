@@ -6,8 +6,17 @@ import pytest
 import torch
 
 from framework.config import resolve
-from framework.data import IGNORE, ExampleStream, collate, encode_record, global_batch, read_jsonl, truncate
-from framework.data import Example, SFTBatches
+from framework.data import (
+    IGNORE,
+    Example,
+    ExampleStream,
+    SFTBatches,
+    collate,
+    encode_record,
+    global_batch,
+    read_jsonl,
+    truncate,
+)
 from framework.errors import FwError
 from framework.tokenizer import Tokenizer
 
@@ -220,7 +229,7 @@ def test_batches_resume_exactly_from_a_saved_position(tmp_path, tok, pack):
     path = write_jsonl(tmp_path / "d.jsonl",
                        [{"prompt": f"{i} + {i} =", "completion": f" {2 * i}"} for i in range(23)])
     s = ExampleStream(cfg_for(path), tok)
-    kw = dict(batch_size=3, max_seq_len=64, pack=pack, pad_id=tok.pad_id)
+    kw = {"batch_size": 3, "max_seq_len": 64, "pack": pack, "pad_id": tok.pad_id}
     run = batches(s, 0, 12, **kw)
     assert run[-1]["next_position"] > 23   # crossed into a later epoch
     k = 5

@@ -1,0 +1,150 @@
+"""fw optimizer-step hooks: exactly once around every real optimizer step, for every optimizer, in
+automatic (with and without accumulation) and manual optimization, loaded from `callbacks:`."""
+
+import pytest
+import torch
+
+import recipes
+from framework.callbacks import Callback
+from framework.config import resolve
+from framework.data import IGNORE
+from framework.module import LRSchedule
+from framework.trainer import fit
+from recipes.sft import SFTRecipe
+
+DATA = "recipes/data/arithmetic_chat.jsonl"
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+class Recorder(Callback):
+    """Records every fw hook call with the optimizer's role and the state of its gradients."""
+
+    def __init__(self, tag: str = ""):
+        self.tag = tag
+        self.events = []
+        self.micro_batches = 0
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx):
+        self.micro_batches += 1
+
+    def before_optimizer_step(self, trainer, module, optimizer):
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        grads = [p.grad for p in params if p.grad is not None]
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])).item()
+        self.events.append(("before", module.optimizer_role(optimizer), module.policy_version,
+                            self.micro_batches, len(grads) == len(params), norm,
+                            [p.detach().clone() for p in params]))
+
+    def after_optimizer_step(self, trainer, module, optimizer):
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        self.events.append(("after", module.optimizer_role(optimizer), module.policy_version,
+                            self.micro_batches, None, None, [p.detach().clone() for p in params]))
+
+
+def changed(before, after):
+    return any(not torch.equal(a, b) for a, b in zip(before, after))
+
+
+def base_cfg(tmp_path, recipe="sft", **trainer):
+    return {"recipe": recipe, "run_dir": str(tmp_path / "run"), "model": {"policy": {"preset": "tiny"}},
+            "data": {"path": DATA, "max_seq_len": 64, "batch_size": 2},
+            "optimizer": {"lr": 1e-3, "max_grad_norm": 0.05},
+            "trainer": {"accelerator": "cpu", "max_steps": 3, "enable_progress_bar": False, **trainer},
+            "checkpoint": {"every_n_steps": 100}, "logging": {"csv": False, "tensorboard": False},
+            "callbacks": [{"class_path": "test_callbacks.Recorder", "init_args": {"tag": "mine"}}]}
+
+
+def recorder(trainer) -> Recorder:
+    found = [c for c in trainer.callbacks if isinstance(c, Recorder)]
+    assert len(found) == 1 and found[0].tag == "mine"   # built from `callbacks:` with its init_args
+    return found[0]
+
+
+@pytest.mark.parametrize("accumulate", [1, 3])
+def test_automatic_fires_once_per_real_step(tmp_path, accumulate):
+    trainer = fit(resolve(base_cfg(tmp_path, accumulate_grad_batches=accumulate)))
+    rec = recorder(trainer)
+    assert rec.micro_batches == 3 * accumulate
+    kinds = [(e[0], e[1]) for e in rec.events]
+    assert kinds == [("before", "policy"), ("after", "policy")] * 3
+    for i in range(3):
+        before, after = rec.events[2 * i], rec.events[2 * i + 1]
+        # Fired after the whole accumulation window, before / after the parameters change.
+        assert before[2] == i and after[2] == i + 1
+        assert before[3] == after[3] == (i + 1) * accumulate
+        assert before[4]                                  # every parameter has its final gradient
+        assert before[5] <= 0.05 * (1 + 1e-5)             # ... already clipped to max_grad_norm
+        assert changed(before[6], after[6])                 # the step happened in between
+    assert trainer.lightning_module.policy_version == 3
+
+
+class ManualTwoOptimizers(SFTRecipe):
+    """A manual-optimization recipe with a critic: 2 micro-batches per step, then both optimizers."""
+
+    automatic_optimization = False
+    MICRO = 2
+
+    def __init__(self, cfg, tokenizer):
+        super().__init__({**cfg, "sft": {"train_on_prompt": False}}, tokenizer)
+
+    def needs_value_model(self):
+        return True
+
+    def training_step(self, module, batch, batch_idx):
+        policy_opt, critic_opt = module.optimizers()
+        rows = batch["input_ids"].shape[0]
+        for part in torch.arange(rows).chunk(self.MICRO):
+            ids, pos, tgt = batch["input_ids"][part], batch["position_ids"][part], batch["targets"][part]
+            logits = module.policy(ids, position_ids=pos)
+            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), tgt.flatten(), ignore_index=IGNORE)
+            module.manual_backward(loss / self.MICRO)
+            values = module.value(ids, position_ids=pos)
+            module.manual_backward((values - 1.0).pow(2).mean() / self.MICRO)
+        module.step_optimizer(policy_opt, 0.05)
+        module.step_optimizer(critic_opt, None)
+        self.position = batch["next_position"]
+
+
+def test_manual_two_optimizers(tmp_path, monkeypatch):
+    monkeypatch.setitem(recipes.RECIPES, "ppo", ManualTwoOptimizers)
+    cfg = base_cfg(tmp_path, recipe="ppo", accumulate_grad_batches=4)   # ignored in manual mode
+    cfg["scheduler"] = {"name": "linear", "warmup_steps": 1}
+    trainer = fit(resolve(cfg))
+    rec = recorder(trainer)
+    module = trainer.lightning_module
+    assert rec.micro_batches == 3   # one Lightning batch per policy step
+    assert [(e[0], e[1]) for e in rec.events] == [("before", "policy"), ("after", "policy"),
+                                                  ("before", "critic"), ("after", "critic")] * 3
+    # max_steps counts policy steps only: the critic's steps do not move global_step.
+    assert trainer.global_step == 3 and module.policy_version == 3
+    for i in range(3):
+        bp, ap, bc, ac = rec.events[4 * i: 4 * i + 4]
+        assert (bp[2], ap[2], bc[2], ac[2]) == (i, i + 1, i + 1, i + 1)
+        assert bp[4] and bc[4]
+        assert bp[5] <= 0.05 * (1 + 1e-5)                      # policy clipped by the recipe's value
+        assert changed(bp[6], ap[6]) and changed(bc[6], ac[6])
+    # Gradients were zeroed by step_optimizer; the LR schedule stepped once per policy step.
+    assert all(p.grad is None for p in module.policy.parameters())
+    schedule = LRSchedule("linear", 1, 3, 0.0)
+    assert module.optimizers()[0].param_groups[0]["lr"] == pytest.approx(1e-3 * schedule(3))
+    assert module.optimizers()[1].param_groups[0]["lr"] == cfg_critic_lr(module)
+
+
+def cfg_critic_lr(module):
+    return module.cfg["ppo"]["critic"]["lr"]
+
+
+def test_user_callback_must_be_a_lightning_callback(tmp_path):
+    from framework.errors import FwError
+
+    cfg = base_cfg(tmp_path)
+    cfg["callbacks"] = [{"class_path": "collections.OrderedDict", "init_args": {}}]
+    with pytest.raises(FwError, match=r"callbacks\[0\]: collections.OrderedDict is a OrderedDict, not a"):
+        fit(resolve(cfg))
