@@ -200,12 +200,12 @@ def init_weights(module: nn.Module, std: float) -> None:
             nn.init.ones_(m.weight)
 
 
-def hf_state_dict(targets: HfTargets) -> dict[str, Tensor]:
+def target_views(targets: HfTargets) -> dict[str, Tensor]:
     """HF-named views of the module's tensors (no copies)."""
     return {name: (t if lo is None else t[lo:hi]).detach() for name, (t, lo, hi) in targets.items()}
 
 
-def load_hf_state_dict(targets: HfTargets, sd: dict[str, Tensor], strict: bool = True,
+def load_targets(targets: HfTargets, sd: dict[str, Tensor], strict: bool = True,
                        source: str = "state dict") -> None:
     """Copy HF-named tensors into the module; strict = every target present and nothing else."""
     if strict:
@@ -304,14 +304,14 @@ class Qwen3ForCausalLM(nn.Module):
 
     def hf_state_dict(self) -> dict[str, Tensor]:
         """Tensors under HF's exact names and layouts (views of the fused weights)."""
-        return hf_state_dict(self.hf_targets())
+        return target_views(self.hf_targets())
 
     def load_hf_state_dict(self, sd: dict[str, Tensor], strict: bool = True) -> None:
         """Load HF-named tensors; a tied model also accepts an `lm_head.weight` equal to the embedding."""
         sd = dict(sd)
         if self.lm_head is None and "lm_head.weight" in sd:
             check_tied_head(sd.pop("lm_head.weight"), sd.get("model.embed_tokens.weight"), "state dict")
-        load_hf_state_dict(self.hf_targets(), sd, strict)
+        load_targets(self.hf_targets(), sd, strict)
 
 
 def check_tied_head(lm_head: Tensor, embed: Tensor | None, source: str) -> None:

@@ -6,8 +6,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from framework.models.qwen3 import HfTargets, Qwen3ForCausalLM, Qwen3Model, hf_state_dict, init_weights
-from framework.models.qwen3 import load_hf_state_dict as _load_targets
+from framework.models.qwen3 import (
+    HfTargets,
+    Qwen3ForCausalLM,
+    Qwen3Model,
+    init_weights,
+    load_targets,
+    target_views,
+)
 from framework.models.qwen3_config import Qwen3Config
 
 ARCHITECTURE = "Qwen3ValueModel"   # config.json "architectures" entry that marks a value model directory
@@ -60,7 +66,7 @@ class Qwen3ValueModel(nn.Module):
 
     def hf_state_dict(self) -> dict[str, Tensor]:
         """Trunk tensors under HF's names plus `v_head.weight` / `v_head.bias`."""
-        return hf_state_dict(self.hf_targets())
+        return target_views(self.hf_targets())
 
     def load_hf_state_dict(self, sd: dict[str, Tensor], strict: bool = True) -> None:
-        _load_targets(self.hf_targets(), sd, strict)
+        load_targets(self.hf_targets(), sd, strict)
