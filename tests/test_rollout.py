@@ -277,6 +277,11 @@ def test_cuda_greedy_and_logprobs(model, prompts, dtype, tol):
     assert (r.logprobs.double() - expected).abs().max() < tol
     again = generate(cuda, prompts, max_new_tokens=10, temperature=0.8, top_k=10, top_p=0.9, seed=4)
     assert again.completion_ids == r.completion_ids
+    # every row ends on EOS at its first token: the loop notices within a few steps, the result is exact
+    firsts = sorted({c[0] for c in greedy.completion_ids})
+    ended = generate(cuda, prompts, max_new_tokens=50, temperature=0.0, eos_ids=firsts)
+    assert ended.completion_lens.tolist() == [1] * len(prompts) and ended.logprobs.shape == (len(prompts), 1)
+    assert ended.finish_reasons == ["eos"] * len(prompts)
 
 
 def test_stop_string_inside_a_multi_character_token():

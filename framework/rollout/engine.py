@@ -25,6 +25,9 @@ import ops_cuda
 from framework.errors import FwError
 
 FINISH_REASONS = ("eos", "stop", "length")
+_REASON_OF_CODE = ("length", "stop", "eos")   # finish reasons as codes on the device
+_STOP, _EOS = 1, 2
+SYNC_EVERY = 8          # decode steps between host checks for "every row finished" (GPU)
 _MASK63 = (1 << 63) - 1
 
 
@@ -103,7 +106,6 @@ def generate(model: Any, prompts: list[list[int]], *, max_new_tokens: int, tempe
     ids = torch.full((B, width), pad_id, dtype=torch.long)
     for b, prompt in enumerate(prompts):
         ids[b, :len(prompt)] = torch.as_tensor(prompt, dtype=torch.long)
-    eos = torch.tensor(sorted(set(eos_ids)), dtype=torch.long)
 
     was_training = model.training
     model.eval()
@@ -114,52 +116,55 @@ def generate(model: Any, prompts: list[list[int]], *, max_new_tokens: int, tempe
         cache_dtype = torch.get_autocast_dtype(device.type) if autocast else None
         cache = model.new_kv_cache(B, width + max_new_tokens, device=device, dtype=cache_dtype)
         logits = model.prefill(ids.to(device), prompt_lens.to(device), cache)
-        out_tokens = torch.full((B, max_new_tokens), pad_id, dtype=torch.long)
-        out_logprobs = torch.zeros(B, max_new_tokens, dtype=torch.float32)
-        finished = torch.zeros(B, dtype=torch.bool)
-        reasons = ["length"] * B
-        completion_lens = torch.zeros(B, dtype=torch.long)
+        # Per-row state stays on the model's device: without stop strings the host syncs only every
+        # SYNC_EVERY steps (to end the loop once every row finished), so it can queue work ahead.
+        out_tokens = torch.full((B, max_new_tokens), pad_id, dtype=torch.long, device=device)
+        out_logprobs = torch.zeros(B, max_new_tokens, dtype=torch.float32, device=device)
+        finished = torch.zeros(B, dtype=torch.bool, device=device)
+        reason = torch.zeros(B, dtype=torch.long, device=device)    # index into _REASON_OF_CODE
+        completion_lens = torch.zeros(B, dtype=torch.long, device=device)
+        eos = torch.tensor(sorted(set(eos_ids)), dtype=torch.long, device=device)
         # Stop strings are searched in the text of the last few tokens only: earlier steps already
         # searched everything before, and a stop string of n characters spans at most 4n tokens
         # (a token holds at least one UTF-8 byte).
         window = 4 * max(map(len, stop), default=0) + 4
+        sync_every = 1 if stop or device.type == "cpu" else SYNC_EVERY
         steps = 0
         for step in range(max_new_tokens):
             tokens, logprobs = ops_cuda.sample(logits, temperature, top_k, top_p, min_p, step_seed(seed, step))
-            tokens, logprobs = tokens.cpu(), logprobs.float().cpu()
             active = ~finished
             out_tokens[:, step] = torch.where(active, tokens, pad_id)
-            out_logprobs[:, step] = torch.where(active, logprobs, 0.0)
+            out_logprobs[:, step] = torch.where(active, logprobs.float(), 0.0)
             completion_lens += active
             steps = step + 1
             hit_eos = active & torch.isin(tokens, eos)
-            for b in hit_eos.nonzero().flatten().tolist():
-                reasons[b] = "eos"
+            reason.masked_fill_(hit_eos, _EOS)
             finished |= hit_eos
             if stop:
+                tails = out_tokens[:, max(0, steps - window):steps].tolist()
                 for b in (~finished).nonzero().flatten().tolist():
-                    tail = tokenizer.decode(out_tokens[b, max(0, steps - window):steps].tolist())
-                    if any(s in tail for s in stop):
-                        finished[b], reasons[b] = True, "stop"
-            if bool(finished.all()) or step == max_new_tokens - 1:
+                    if any(s in tokenizer.decode(tails[b]) for s in stop):
+                        finished[b], reason[b] = True, _STOP
+            if step == max_new_tokens - 1 or (steps % sync_every == 0 and bool(finished.all())):
                 break
-            logits = model.decode(torch.where(finished, pad_id, tokens).to(device), cache)
+            logits = model.decode(torch.where(finished, pad_id, tokens), cache)
     finally:
         model.train(was_training)
 
-    completion_ids = [out_tokens[b, :int(completion_lens[b])].tolist() for b in range(B)]
+    lens = completion_lens.tolist()
+    reasons = [_REASON_OF_CODE[r] for r in reason.tolist()]
+    rows = out_tokens[:, :steps].tolist()
+    completion_ids = [row[:n] for row, n in zip(rows, lens)]
     texts = []
     if tokenizer is not None:
         for b, completion in enumerate(completion_ids):
             text = tokenizer.decode(completion[:-1] if reasons[b] == "eos" else completion)
             texts.append(text[:_find_stop(text, stop)] if reasons[b] == "stop" else text)
-    total = prompt_lens + completion_lens
-    seq = torch.full((B, int(total.max())), pad_id, dtype=torch.long)
-    for b in range(B):
-        seq[b, :prompt_lens[b]] = ids[b, :prompt_lens[b]]
-        seq[b, prompt_lens[b]:total[b]] = out_tokens[b, :completion_lens[b]]
+    seq = torch.full((B, max(len(p) + n for p, n in zip(prompts, lens))), pad_id, dtype=torch.long)
+    for b, (prompt, completion) in enumerate(zip(prompts, completion_ids)):
+        seq[b, :len(prompt) + len(completion)] = torch.as_tensor(list(prompt) + completion, dtype=torch.long)
     return Rollout(
         prompt_ids=[list(map(int, p)) for p in prompts], completion_ids=completion_ids,
-        tokens=seq.to(device), prompt_lens=prompt_lens.to(device), completion_lens=completion_lens.to(device),
-        logprobs=out_logprobs[:, :steps].to(device), finish_reasons=reasons, texts=texts,
+        tokens=seq.to(device), prompt_lens=prompt_lens.to(device), completion_lens=completion_lens,
+        logprobs=out_logprobs[:, :max(lens)].contiguous(), finish_reasons=reasons, texts=texts,
         policy_version=int(policy_version))
