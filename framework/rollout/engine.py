@@ -4,8 +4,9 @@ Stopping, per row: an EOS id (the EOS token is kept as the row's last completion
 logprob, so the trainer learns to emit it; it is left out of the text), a stop string (the token
 whose text completes it is the row's last token; the text keeps the stop string and is cut right
 after it), or ``max_new_tokens``. Finished rows are still fed a pad token so the batch stays one
-tensor, but they are masked out: nothing they produce enters the result. The loop ends as soon as
-every row has finished.
+tensor, but they are masked out: nothing they produce enters the result. The loop ends once every
+row has finished (checked each step on CPU or with stop strings, every ``SYNC_EVERY`` steps on GPU).
+Under autocast the KV cache takes the autocast dtype.
 
 Behaviour logprobs are the chosen tokens' log probabilities under the temperature-scaled FULL
 softmax, as ``ops_cuda.sample`` returns them (top-k/top-p/min-p only restrict which token may be
