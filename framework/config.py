@@ -92,8 +92,30 @@ def _locate(marks: dict, path: tuple, key: bool, fallback: Mark) -> Mark:
 
 
 def _suggest(word: Any, choices: list) -> str:
-    close = difflib.get_close_matches(str(word), [str(c) for c in choices], n=1, cutoff=0.6)
+    same_but_case = [c for c in choices if str(c).lower() == str(word).lower()]
+    close = same_but_case or difflib.get_close_matches(str(word), [str(c) for c in choices], n=1, cutoff=0.6)
     return f"; did you mean '{close[0]}'?" if close else ""
+
+
+def _key_paths(node: dict, prefix: tuple = ()) -> list[tuple]:
+    """Dotted paths of every key the schema knows (list items excluded)."""
+    out = []
+    for key, sub in node.get("properties", {}).items():
+        out.append(prefix + (key,))
+        out += _key_paths(sub, prefix + (key,))
+    return out
+
+
+def _unknown_key_message(key: Any, allowed: list, where: tuple, recipe: Any) -> str:
+    """Unknown key: a close spelling here, else the place the key belongs, else what is allowed here."""
+    message = f"unknown key '{key}'" + _suggest(key, allowed)
+    if message.endswith("?"):
+        return message
+    other_recipes = [r for r in recipe_sections() if r != recipe]
+    homes = [p for p in _key_paths(_schema()) if p[-1] == key and p[:-1] != where and p[0] not in other_recipes]
+    if homes:
+        return message + "; it belongs in " + " or ".join(f"'{'.'.join(p[:-1]) or 'the top level'}'" for p in homes)
+    return message + f" (allowed here: {', '.join(allowed)})"
 
 
 def _describe(value: Any) -> str:
@@ -165,9 +187,7 @@ def _problems_for(error: ValidationError, marks: dict, fallback: Mark, recipe: A
     if v == "additionalProperties":
         allowed = list(error.schema.get("properties", {}))
         extra = [k for k in error.instance if k not in allowed]
-        return [at(path + (k,), f"unknown key '{k}'" + (_suggest(k, allowed) or
-                                                         f" (allowed here: {', '.join(allowed)})"), key=True)
-                for k in extra]
+        return [at(path + (k,), _unknown_key_message(k, allowed, path, recipe), key=True) for k in extra]
     if v == "required":
         return [at(path + (k,), f"missing required key '{k}'") for k in error.validator_value
                 if isinstance(error.instance, dict) and k not in error.instance]
@@ -344,7 +364,7 @@ def _read_file(path: str) -> tuple[Any, dict, list[Problem]]:
 
 # ------------------------------------------------------------------------------------------ overrides
 
-def _schema_at(keys: list[str]) -> tuple[dict | None, str | None]:
+def _schema_at(keys: list[str], recipe: Any = None) -> tuple[dict | None, str | None]:
     """(subschema at `keys` or None when inside a free-form mapping, error text for an unknown key)."""
     sub: dict | None = _schema()
     for i, key in enumerate(keys):
@@ -353,9 +373,7 @@ def _schema_at(keys: list[str]) -> tuple[dict | None, str | None]:
             return None, None
         if key not in props:
             if sub.get("additionalProperties") is False:
-                where = ".".join(keys[:i]) or "the top level"
-                return None, f"unknown key '{key}' in {where}" + (_suggest(key, list(props)) or
-                                                                f" (allowed: {', '.join(props)})")
+                return None, _unknown_key_message(key, list(props), tuple(keys[:i]), recipe)
             return None, None
         sub = props[key]
     return sub, None
@@ -369,7 +387,7 @@ def _apply_override(data: dict, marks: dict, arg: str) -> list[Problem]:
     if not sep or not all(k.strip() == k and k for k in keys):
         return [Problem(label, None, None, "", "malformed override: expected --key.path=value, "
                                                "e.g. --trainer.max_steps=10")]
-    sub, unknown = _schema_at(keys)
+    sub, unknown = _schema_at(keys, data.get("recipe"))
     if unknown:
         return [Problem(label, None, None, key, unknown)]
     value, _ = yaml12.parse_scalar(raw)  # not one flow value: the text itself

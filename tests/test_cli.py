@@ -162,6 +162,20 @@ def test_doctor(capsys):
     assert (code, err) == (0, "") and out.startswith("torch: ")
 
 
+def test_a_missing_part_of_fw_is_named(tmp_path, monkeypatch):
+    from framework.cli import _import
+    from framework.errors import FwError
+
+    with pytest.raises(FwError, match=r"^text generation \(framework\.no_such_part\) is not available in this "
+                                      "installation of fw$"):
+        _import("framework.no_such_part", "text generation")
+    # a part that exists but lacks a dependency is a real failure, not "not available"
+    (tmp_path / "part_with_missing_dep_fw.py").write_text("import no_such_dependency_fw\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ModuleNotFoundError, match="no_such_dependency_fw"):
+        _import("part_with_missing_dep_fw", "a part")
+
+
 # ------------------------------------------------------------------------------------------ real processes
 
 def test_process_reports_every_problem_and_exits_2():

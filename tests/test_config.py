@@ -189,7 +189,7 @@ def test_override_errors_name_the_override(tmp_path):
                              "--callbacks.0.class_path=x.Y", "trainer.max_steps", "--=1", "--a..b=1"])
     assert problems(e) == [
         f"{path}:6:14: trainer.max_steps: must be >= 1, got 0",
-        ("override '--trainer.max_stepz=10': trainer.max_stepz: unknown key 'max_stepz' in trainer; "
+        ("override '--trainer.max_stepz=10': trainer.max_stepz: unknown key 'max_stepz'; "
         "did you mean 'max_steps'?"),
         "override '--optimizer.lr=fast': optimizer.lr: expected a number, got the string 'fast'",
         ("override '--logging.csv=on': logging.csv: expected true or false, got the string 'on' "
