@@ -1,0 +1,179 @@
+"""FwModule: LR schedules, optimizer setup, the SFT loss / clipping against an independent computation,
+checkpoint components in HF layout, and the metrics aggregation."""
+
+import copy
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from framework.config import resolve
+from framework.data import IGNORE, sft_dataloader
+from framework.metrics import StepMetrics, read_metrics
+from framework.module import FwModule, LRSchedule
+from framework.trainer import fit
+
+DATA = "recipes/data/arithmetic_chat.jsonl"
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def sft_cfg(tmp_path, **over):
+    cfg = {"recipe": "sft", "run_dir": str(tmp_path / "run"), "model": {"policy": {"preset": "tiny"}},
+           "data": {"path": DATA, "max_seq_len": 96, "batch_size": 3},
+           "trainer": {"accelerator": "cpu", "max_steps": 2, "enable_progress_bar": False},
+           "logging": {"csv": False, "tensorboard": False}}
+    for k, v in over.items():
+        cfg[k] = {**cfg.get(k, {}), **v}
+    return resolve(cfg)
+
+
+# ------------------------------------------------------------------ LR schedules
+def test_lr_schedules_by_hand():
+    # warmup 4 of 14 steps: (s+1)/4 for s < 4, then decay over the remaining 10 steps.
+    const = LRSchedule("constant", 4, 14, 0.5)
+    assert [const(s) for s in range(6)] == [0.25, 0.5, 0.75, 1.0, 1.0, 1.0]
+    lin = LRSchedule("linear", 4, 14, 0.0)
+    assert [lin(s) for s in (3, 4, 9, 14, 20)] == pytest.approx([1.0, 1.0, 0.5, 0.0, 0.0])
+    lin_floor = LRSchedule("linear", 0, 10, 0.2)
+    assert [lin_floor(s) for s in (0, 5, 10)] == pytest.approx([1.0, 0.6, 0.2])
+    cos = LRSchedule("cosine", 0, 8, 0.1)
+    # 0.1 + 0.9 * 0.5 * (1 + cos(pi * s / 8))
+    assert cos(0) == pytest.approx(1.0)
+    assert cos(2) == pytest.approx(0.1 + 0.45 * (1 + math.sqrt(0.5)))
+    assert cos(4) == pytest.approx(0.55)
+    assert cos(8) == pytest.approx(0.1)
+
+
+def test_scheduler_checkpoint_round_trip():
+    opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=1.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, LRSchedule("cosine", 2, 10, 0.0))
+    for _ in range(5):
+        opt.step()
+        sched.step()
+    opt2 = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=1.0)
+    sched2 = torch.optim.lr_scheduler.LambdaLR(opt2, LRSchedule("constant", 0, 1, 0.0))
+    sched2.load_state_dict(sched.state_dict())   # the schedule object itself is restored
+    sched2.step()
+    sched.step()
+    assert opt2.param_groups[0]["lr"] == opt.param_groups[0]["lr"] == pytest.approx(
+        0.5 * (1 + math.cos(math.pi * 4 / 8)))
+
+
+def test_optimizer_groups_and_fused_auto(tmp_path):
+    module = FwModule(sft_cfg(tmp_path, optimizer={"weight_decay": 0.1, "lr": 2e-3, "betas": [0.8, 0.9]}))
+    (opts, scheds) = module.configure_optimizers()
+    (opt,) = opts
+    decay, no_decay = opt.param_groups
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    assert all(p.ndim >= 2 for p in decay["params"]) and all(p.ndim == 1 for p in no_decay["params"])
+    assert len(decay["params"]) + len(no_decay["params"]) == len(list(module.policy.parameters()))
+    assert opt.defaults["fused"] is False   # auto: fused only on CUDA
+    assert opt.defaults["betas"] == (0.8, 0.9) and opt.defaults["lr"] == 2e-3
+    assert scheds[0]["interval"] == "step"
+
+
+# ------------------------------------------------- loss and clipping vs reference
+def reference_step(module, batch, max_norm):
+    """Independent SFT loss (full-vocab cross-entropy on the shifted targets) and gradient norm."""
+    policy = copy.deepcopy(module.policy)
+    logits = policy(batch["input_ids"], position_ids=batch["position_ids"]).double()
+    loss = F.cross_entropy(logits.flatten(0, 1), batch["targets"].flatten(), ignore_index=IGNORE)
+    loss.backward()
+    grads = [p.grad.double() for p in policy.parameters()]
+    norm = torch.sqrt(sum((g ** 2).sum() for g in grads))
+    accuracy = (logits.argmax(-1) == batch["targets"]).sum() / (batch["targets"] != IGNORE).sum()
+    return loss.item(), norm.item(), accuracy.item(), [g * min(1.0, max_norm / norm.item()) for g in grads]
+
+
+def test_first_step_matches_reference_and_clips(tmp_path):
+    cfg = sft_cfg(tmp_path, optimizer={"max_grad_norm": 0.1, "lr": 1e-3}, trainer={"max_steps": 1})
+    torch.manual_seed(cfg["seed"])
+    probe = FwModule(cfg)   # same seed as fit's: same initial weights
+    first = next(iter(sft_dataloader(probe.recipe.stream, 0, cfg, probe.tokenizer.pad_id, 0, 1)))
+    loss, norm, accuracy, clipped = reference_step(probe, first, 0.1)
+    trainer = fit(cfg)
+    module = trainer.lightning_module
+    (m,) = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert m["step"] == 1
+    assert m["loss"] == pytest.approx(loss, rel=1e-5)
+    assert m["grad_norm"] == pytest.approx(norm, rel=1e-5)
+    assert m["token_accuracy"] == pytest.approx(accuracy, abs=1e-6)
+    assert m["tokens"] == first["num_tokens"]
+    assert m["lr"] == 1e-3
+    assert norm > 0.1   # so clipping was active
+    # AdamW's first step moves each weight by ~lr * sign(grad): check the direction matches the clipped
+    # reference gradient wherever the gradient is clearly non-zero.
+    for p0, p1, g in zip(probe.policy.parameters(), module.policy.parameters(), clipped):
+        moved = (p1.detach().double() - p0.detach().double())
+        big = g.abs() > 1e-6
+        assert torch.equal(torch.sign(moved[big]), -torch.sign(g[big]))
+
+
+# ------------------------------------------------------------- checkpoints
+def test_checkpoint_components_round_trip(tmp_path):
+    cfg = sft_cfg(tmp_path)
+    torch.manual_seed(0)
+    a = FwModule(cfg)
+    a.policy_version = 7
+    a.recipe.position = 42
+    checkpoint = {"state_dict": a.state_dict()}
+    a.on_save_checkpoint(checkpoint)
+    assert not any(k.startswith("policy.") for k in checkpoint["state_dict"])
+    comp = checkpoint["fw_components"]["policy"]
+    hf = a.policy.hf_state_dict()
+    assert set(comp["state_dict"]) == set(hf)
+    assert "model.layers.0.self_attn.q_proj.weight" in comp["state_dict"]   # HF names, unfused
+    for k, v in comp["state_dict"].items():
+        assert torch.equal(v, hf[k]) and v.device.type == "cpu"
+        assert v.untyped_storage().data_ptr() != hf[k].untyped_storage().data_ptr()   # own copies
+    assert comp["config"]["model_type"] == "qwen3" and comp["config"]["hidden_size"] == 64
+    assert {"tokenizer.json", "tokenizer_config.json"} <= set(comp["files"])
+    assert checkpoint["policy_version"] == 7 and checkpoint["fw_recipe"] == {"position": 42}
+
+    torch.manual_seed(1)
+    b = FwModule(cfg)
+    assert not torch.equal(b.policy.lm_head_weight, a.policy.lm_head_weight)
+    b.on_load_checkpoint(checkpoint)
+    b.load_state_dict(checkpoint["state_dict"])   # what Lightning does next
+    for (ka, va), (kb, vb) in zip(a.policy.state_dict().items(), b.policy.state_dict().items()):
+        assert ka == kb and torch.equal(va, vb)
+    assert b.policy_version == 7 and b.recipe.position == 42
+
+
+def test_checkpoint_without_weights_fails_loudly(tmp_path):
+    from framework.errors import FwError
+
+    module = FwModule(sft_cfg(tmp_path))
+    with pytest.raises(FwError, match="no policy weights"):
+        module.on_load_checkpoint({"state_dict": {}})
+
+
+# ------------------------------------------------------------------ metrics
+def test_step_metrics_weighted_mean_sum_max_last_and_state():
+    m = StepMetrics()
+    m.update("loss", 2.0, weight=1)
+    m.update("loss", 5.0, weight=3)
+    m.update("tokens", 10, reduce="sum")
+    m.update("tokens", 7, reduce="sum")
+    m.update("peak", 1.0, reduce="max")
+    m.update("peak", 4.0, reduce="max")
+    m.update("lr", 0.1, reduce="last")
+    m.update("lr", 0.2, reduce="last")
+    saved = m.state()
+    out = m.compute()
+    assert out == {"loss": pytest.approx((2 + 15) / 4), "tokens": 17.0, "peak": 4.0, "lr": 0.2}
+    assert m.compute() == {}   # reset after compute
+    restored = StepMetrics()
+    restored.load_state(saved)
+    restored.update("loss", 1.0, weight=4)
+    assert restored.compute()["loss"] == pytest.approx((2 + 15 + 4) / 8)
+    with pytest.raises(ValueError, match="reduce"):
+        m.update("loss", 1.0, reduce="median")
