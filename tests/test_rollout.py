@@ -314,3 +314,28 @@ def test_stop_string_inside_a_multi_character_token():
     assert r.finish_reasons[0] == "stop" and r.texts[0] == before + pieces[j][0]
     assert r.completion_ids[0] == free.completion_ids[0][:j + 1]
     assert tok.decode(r.completion_ids[0]) == before + pieces[j] != r.texts[0]
+
+
+class CountingModel(Qwen3ForCausalLM):
+    """The real model, recording the shapes its prefill and decode are called with."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.calls = []
+
+    def prefill(self, input_ids, lengths, cache):
+        self.calls.append(("prefill", tuple(input_ids.shape)))
+        return super().prefill(input_ids, lengths, cache)
+
+    def decode(self, tokens, cache):
+        self.calls.append(("decode", tuple(tokens.shape)))
+        return super().decode(tokens, cache)
+
+
+def test_one_batched_forward_per_decode_step(model, prompts):
+    counting = CountingModel(model.config)
+    counting.load_state_dict(model.state_dict())
+    r = generate(counting, prompts, max_new_tokens=7, temperature=1.0, seed=9)
+    width = max(map(len, prompts))
+    assert counting.calls == [("prefill", (5, width))] + [("decode", (5,))] * 6
+    assert r.completion_lens.tolist() == [7] * 5
