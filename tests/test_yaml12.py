@@ -133,3 +133,9 @@ def test_dump_round_trip_of_numbers_and_order():
 ])
 def test_parse_scalar(text, expected):
     assert yaml12.parse_scalar(text) == expected
+
+
+def test_windows_line_endings_and_byte_order_mark():
+    data, marks = yaml12.load_with_marks("\ufeffa: 1\r\nb:\r\n  c: 2e-5\r\n", "w.yaml")
+    assert data == {"a": 1, "b": {"c": 2e-5}}
+    assert marks[("b", "c")].value == yaml12.Mark("w.yaml", 3, 6)
