@@ -3,7 +3,7 @@
 Commands that read a config take `--config FILE` (repeatable, merged left to right) and dotted
 overrides `--section.key=value`. User errors print one line each on stderr and exit with code 2;
 `--debug` (or FW_DEBUG=1) adds the traceback. The training, export, generation and CUDA-op parts are
-imported only by the command that needs them, so `fw validate` stays fast and works without them.
+imported only by the command that needs them, so `fw validate` works in an installation without them.
 """
 
 from __future__ import annotations
