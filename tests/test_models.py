@@ -66,7 +66,7 @@ def test_build_policy_from_preset_uses_the_tokenizer_vocabulary():
     model = build_policy(policy_cfg(preset="tiny"), tok)
     c = model.config
     assert (c.vocab_size, c.hidden_size, c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads,
-            c.head_dim) == (tok.vocab_size, 64, 2, 4, 2, 16)
+            c.head_dim) == (tok.vocab_size, 64, 2, 4, 2, 64)
     assert c.eos_token_id == tok.eos_id and model.lm_head_weight.dtype == torch.float32
     assert not model.gradient_checkpointing
     w = model.model.layers[0].self_attn.qkv_proj.weight

@@ -6,14 +6,15 @@ from framework.errors import FwError
 from framework.models.qwen3_config import Qwen3Config
 
 # vocab_size None = the tokenizer's vocabulary size. The qwen3-* entries are the released models'
-# config.json shapes (Qwen/Qwen3-0.6B, -1.7B, -4B, -8B).
+# config.json shapes (Qwen/Qwen3-0.6B, -1.7B, -4B, -8B). tiny and small keep head_dim 64 (q width !=
+# hidden, as in Qwen3) and a GQA ratio of 2: shapes the CUDA decode-attention kernel takes.
 PRESETS: dict[str, dict] = {
     "tiny": {"vocab_size": None, "hidden_size": 64, "intermediate_size": 192, "num_hidden_layers": 2,
-             "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+             "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
              "max_position_embeddings": 4096, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
              "tie_word_embeddings": True},
     "small": {"vocab_size": None, "hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 4,
-              "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 32,
+              "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 64,
               "max_position_embeddings": 4096, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
               "tie_word_embeddings": True},
     "qwen3-0.6b": {"vocab_size": 151936, "hidden_size": 1024, "intermediate_size": 3072,
