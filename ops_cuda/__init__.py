@@ -9,11 +9,17 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ops_cuda import library as _library  # noqa: F401  (defines torch.ops.fw.*)
-from ops_cuda.build import build, doctor
+from ops_cuda import library as _library  # defines torch.ops.fw.*
+from ops_cuda.extension import doctor
 
 __all__ = ["attention", "build", "decode_attention", "doctor", "linear_logprob", "rms_norm", "rope", "sample",
            "swiglu"]
+
+
+def build(verbose: bool = False) -> str:
+    """Compile (if needed) and load the CUDA kernels now, e.g. on rank 0 before a multi-process job;
+    returns the library path. Raises with the reason if it cannot (CUDA then uses the references)."""
+    return _library.load_kernels(verbose)
 
 
 def _fail(op: str, what: str) -> None:

@@ -181,31 +181,46 @@ torch.library.register_autograd("fw::linear_logprob", _linear_logprob_backward,
 _CUDA_SHIMS = torch.library.Library("fw", "IMPL")  # noqa: TOR901
 _CUDA_FALLBACK: list[torch.library.Library] = []
 _cuda_lock = threading.Lock()
-cuda_state = {"backend": None, "error": None}  # backend: None (not tried) | "kernels" | "reference"
+cuda_state = {"backend": None, "error": None, "path": None}  # backend: None (untried) | "kernels" | "reference"
+
+
+def load_kernels(verbose: bool = False) -> str:
+    """Build/load the extension and give it the CUDA keys; returns the library path. On failure the
+    references take the CUDA keys (so CUDA tensors keep working) and the error is raised."""
+    from ops_cuda.extension import build
+
+    with _cuda_lock:
+        if cuda_state["backend"] == "kernels":
+            return cuda_state["path"]
+        if cuda_state["backend"] is None:
+            _CUDA_SHIMS._destroy()  # before the C++ registrations arrive: no double registration
+        try:
+            cuda_state["path"] = build(verbose)
+            cuda_state["backend"], cuda_state["error"] = "kernels", None
+            return cuda_state["path"]
+        except Exception as e:  # any build/load failure: the references keep CUDA working, then re-raise
+            cuda_state["error"] = f"{type(e).__name__}: {e}"
+            if cuda_state["backend"] is None:
+                fallback = torch.library.Library("fw", "IMPL")  # noqa: TOR901
+                for name, fn in REFERENCES.items():
+                    fallback.impl(name, fn, "CUDA")
+                _CUDA_FALLBACK.append(fallback)
+            cuda_state["backend"] = "reference"
+            raise
 
 
 def activate_cuda() -> str:
-    """Give the CUDA keys their kernels: build/load the extension, or register the references
-    (one warning) if that fails. Returns the backend now serving CUDA: "kernels" or "reference"."""
-    with _cuda_lock:
-        if cuda_state["backend"] is not None:
-            return cuda_state["backend"]
-        from ops_cuda.build import build
-
-        _CUDA_SHIMS._destroy()
-        try:
-            build()
-            cuda_state["backend"] = "kernels"
-        except Exception as e:  # noqa: BLE001 (any build/load failure: the references keep CUDA working)
-            cuda_state["backend"], cuda_state["error"] = "reference", f"{type(e).__name__}: {e}"
-            fallback = torch.library.Library("fw", "IMPL")  # noqa: TOR901
-            for name, fn in REFERENCES.items():
-                fallback.impl(name, fn, "CUDA")
-            _CUDA_FALLBACK.append(fallback)
-            warnings.warn(f"fw ops: the CUDA extension is unavailable ({cuda_state['error']}); CUDA tensors "
-                          "use the torch reference implementations (correct, slower). Run `fw doctor`.",
-                          stacklevel=3)
+    """Called on the first CUDA call of any fw op: load the kernels, or fall back to the references
+    with one warning. Returns the backend now serving CUDA: "kernels" or "reference"."""
+    if cuda_state["backend"] is not None:
         return cuda_state["backend"]
+    try:
+        load_kernels()
+    except Exception:  # noqa: BLE001 (reported once; the references serve CUDA from now on)
+        warnings.warn(f"fw ops: the CUDA extension is unavailable ({cuda_state['error']}); CUDA tensors "
+                      "use the torch reference implementations (correct, slower). Run `fw doctor`.",
+                      stacklevel=3)
+    return cuda_state["backend"]
 
 
 def _make_shim(name: str):

@@ -141,11 +141,11 @@ def linear_logprob(hidden: Tensor, weight: Tensor, targets: Tensor,
     for s in range(0, N, step):
         z = (hidden[s:s + step].to(acc) @ wf.T) / temperature
         t = targets[s:s + step]
+        if bool((t >= V).any()):
+            raise IndexError(f"linear_logprob: a target is >= the vocabulary size {V}")
         m = z.logsumexp(-1)
         logp = z - m[:, None]
         picked = logp.gather(1, t.clamp(min=0)[:, None]).squeeze(1)
-        if V and bool((t >= V).any()):
-            raise IndexError(f"linear_logprob: a target is >= the vocabulary size {V}")
         lp[s:s + step] = torch.where(t < 0, torch.zeros_like(picked), picked)
         ent[s:s + step] = -(logp.exp() * logp).sum(-1)
         lse[s:s + step] = m

@@ -1,0 +1,320 @@
+"""CPU tests of the fw operators: opcheck, gradcheck in float64, agreement with independent references
+(transformers' Qwen3 modules, plain per-document attention, cross-entropy, hand-computed sampling sets,
+Random123 Philox known answers), sampler statistics, torch.compile(fullgraph=True), the build lock."""
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import ops_cuda
+from ops_cuda import extension as fw_build
+from ops_cuda import reference as ref
+
+D64 = torch.float64
+
+
+def rel(a, b) -> float:
+    a, b = torch.as_tensor(a).detach().double(), torch.as_tensor(b).detach().double()
+    assert not a.isnan().any()
+    return float((a - b).norm() / b.norm().clamp_min(1e-300))
+
+
+# ------------------------------------------------------------------ opcheck (schema, fake, autograd, AOT)
+def op_args():
+    q = torch.randn(2, 5, 4, 8, requires_grad=True)
+    k = torch.randn(2, 5, 2, 8, requires_grad=True)
+    v = torch.randn(2, 5, 2, 8, requires_grad=True)
+    pos = torch.tensor([[0, 1, 2, 0, 1], [0, 1, 2, 3, 4]])
+    h, w = torch.randn(6, 16, requires_grad=True), torch.randn(30, 16, requires_grad=True)
+    t = torch.tensor([1, 2, -100, 4, 29, 0])
+    _, ent, lse = torch.ops.fw.linear_logprob(h.detach(), w.detach(), t, 0.8)
+    return {
+        "rms_norm": [(torch.randn(3, 7, 16, requires_grad=True), torch.randn(16, requires_grad=True), 1e-6)],
+        "rms_norm_backward": [(torch.randn(3, 16), torch.randn(3, 16), torch.randn(16), 1e-5)],
+        "rope": [(q, k, pos, 1e4, False), (q, k, pos, 1e6, True)],
+        "swiglu": [(torch.randn(3, 2, 12, requires_grad=True),)],
+        "swiglu_backward": [(torch.randn(3, 6), torch.randn(3, 12))],
+        "attention": [(q, k, v, None, 0.3), (q, k, v, pos, 0.3)],
+        "decode_attention": [(torch.randn(2, 4, 8), torch.randn(2, 2, 7, 8), torch.randn(2, 2, 7, 8),
+                              torch.tensor([3, 7]), 0.35)],
+        "linear_logprob": [(h, w, t, 0.8)],
+        "linear_logprob_backward": [(torch.randn(6), torch.randn(6), h.detach(), w.detach(), t, lse, ent, 0.8)],
+        "sample": [(torch.randn(3, 50), 0.8, 5, 0.9, 0.05, 123), (torch.randn(3, 50), 0.0, 0, 1.0, 0.0, 1)],
+    }
+
+
+@pytest.mark.parametrize("name", list(op_args()))
+def test_opcheck(name):
+    for args in op_args()[name]:
+        torch.library.opcheck(getattr(torch.ops.fw, name).default, args)
+
+
+# ------------------------------------------------------------------ gradcheck in float64
+def test_gradcheck():
+    x, w = torch.randn(3, 5, 8, dtype=D64, requires_grad=True), torch.randn(8, dtype=D64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda a, b: ops_cuda.rms_norm(a, b, 1e-6), (x, w))
+    q = torch.randn(2, 4, 4, 6, dtype=D64, requires_grad=True)
+    k = torch.randn(2, 4, 2, 6, dtype=D64, requires_grad=True)
+    pos = torch.tensor([[0, 1, 2, 3], [5, 9, 100, 40000]])
+    assert torch.autograd.gradcheck(lambda a, b: ops_cuda.rope(a, b, pos, 1e6), (q, k))
+    assert torch.autograd.gradgradcheck(lambda a, b: ops_cuda.rope(a, b, pos, 1e6), (q, k))
+    gu = torch.randn(3, 2, 10, dtype=D64, requires_grad=True)
+    assert torch.autograd.gradcheck(ops_cuda.swiglu, (gu,))
+    h, wl = torch.randn(7, 5, dtype=D64, requires_grad=True), torch.randn(11, 5, dtype=D64, requires_grad=True)
+    t = torch.tensor([1, 2, -100, 4, 5, 10, 0])
+    assert torch.autograd.gradcheck(lambda a, b: ops_cuda.linear_logprob(a, b, t, 0.7, True), (h, wl))
+    v = torch.randn(2, 4, 2, 6, dtype=D64, requires_grad=True)
+    pk = torch.tensor([[0, 1, 0, 1], [0, 1, 2, 3]])
+    assert torch.autograd.gradcheck(lambda a, b, c: ops_cuda.attention(a, b, c, pk, 0.4), (q, k, v))
+
+
+# ------------------------------------------------------------------ agreement with independent references
+@pytest.mark.parametrize("shape", [(1, 1), (3, 1024), (2, 7, 16, 128), (5, 13)])
+def test_rms_norm_matches_transformers(shape):
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+
+    hf = Qwen3RMSNorm(shape[-1], eps=1e-6).double()
+    with torch.no_grad():
+        hf.weight.copy_(torch.randn(shape[-1]))
+    x = torch.randn(shape, dtype=D64)
+    assert rel(ops_cuda.rms_norm(x, hf.weight, 1e-6), hf(x)) < 1e-6  # HF computes in fp32 even for float64
+    x32 = x.float()
+    assert rel(ops_cuda.rms_norm(x32, hf.weight.float(), 1e-6), hf(x)) < 1e-6
+    xb = x.bfloat16()
+    out = ops_cuda.rms_norm(xb, hf.weight.float(), 1e-6)
+    assert out.dtype == torch.bfloat16 and rel(out, hf(xb.double())) < 8e-3
+
+
+@pytest.mark.parametrize("B,T,Hq,Hk,D,theta", [(1, 1, 1, 1, 2, 1e4), (2, 9, 16, 8, 128, 1e6), (1, 5, 3, 1, 6, 500.0)])
+def test_rope_matches_transformers(B, T, Hq, Hk, D, theta):
+    from transformers import Qwen3Config
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding, apply_rotary_pos_emb
+
+    cfg = Qwen3Config(head_dim=D, rope_theta=theta, hidden_size=D * Hq, num_attention_heads=Hq,
+                      num_key_value_heads=Hk, max_position_embeddings=50000)
+    rot = Qwen3RotaryEmbedding(cfg)
+    q, k = torch.randn(B, T, Hq, D), torch.randn(B, T, Hk, D)
+    pos = torch.randint(0, 4096, (B, T))
+    cos, sin = rot(q, pos)
+    q_hf, k_hf = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+    q_fw, k_fw = ops_cuda.rope(q, k, pos, theta)
+    assert rel(q_fw, q_hf.transpose(1, 2)) < 1e-6 and rel(k_fw, k_hf.transpose(1, 2)) < 1e-6
+
+
+def test_swiglu_matches_formula():
+    gu = torch.randn(4, 3, 2 * 37, dtype=D64)
+    g, u = gu[..., :37], gu[..., 37:]
+    assert rel(ops_cuda.swiglu(gu), g / (1 + torch.exp(-g)) * u) < 1e-14
+
+
+def naive_attention(q, k, v, positions, scale):
+    """Per-document causal softmax attention in float64, one query at a time."""
+    B, T, Hq, D = q.shape
+    rep = Hq // k.shape[2]
+    out = torch.zeros(B, T, Hq, D, dtype=D64)
+    for b in range(B):
+        start = 0
+        for t in range(T):
+            if positions is not None and t > 0 and positions[b, t] != positions[b, t - 1] + 1:
+                start = t
+            for h in range(Hq):
+                kk, vv = k[b, start:t + 1, h // rep].double(), v[b, start:t + 1, h // rep].double()
+                p = torch.softmax(kk @ q[b, t, h].double() * scale, 0)
+                out[b, t, h] = p @ vv
+    return out
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_attention_matches_naive(packed):
+    B, T, Hq, Hk, D = 2, 11, 4, 2, 8
+    q, k, v = torch.randn(B, T, Hq, D), torch.randn(B, T, Hk, D), torch.randn(B, T, Hk, D)
+    pos = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 0, 0, 1, 2], list(range(T))]) if packed else None
+    out = ops_cuda.attention(q, k, v, pos, 0.3)
+    assert out.shape == (B, T, Hq, D) and rel(out, naive_attention(q, k, v, pos, 0.3)) < 1e-5
+
+
+def test_decode_attention_matches_naive():
+    B, Hq, Hk, S, D = 3, 8, 2, 9, 16
+    q, kc, vc = torch.randn(B, Hq, D), torch.randn(B, Hk, S, D), torch.randn(B, Hk, S, D)
+    lengths = torch.tensor([9, 1, 0])
+    out = ops_cuda.decode_attention(q, kc, vc, lengths, 0.25)
+    for b in range(B):
+        for h in range(Hq):
+            n = int(lengths[b])
+            if n == 0:
+                assert out[b, h].abs().max() == 0
+                continue
+            p = torch.softmax(kc[b, h // 4, :n].double() @ q[b, h].double() * 0.25, 0)
+            assert rel(out[b, h], p @ vc[b, h // 4, :n].double()) < 1e-5
+
+
+@pytest.mark.parametrize("tile_bytes", [None, 4 * 50 * 3])  # default, and 3 rows per chunk (many chunks)
+def test_linear_logprob_matches_cross_entropy(monkeypatch, tile_bytes):
+    if tile_bytes:
+        monkeypatch.setattr(ref, "LOGITS_TILE_BYTES", tile_bytes)
+    N, d, V, temp = 10, 12, 50, 0.6
+    h = torch.randn(N, d, dtype=D64, requires_grad=True)
+    w = torch.randn(V, d, dtype=D64, requires_grad=True)
+    t = torch.randint(0, V, (N,))
+    t[3] = -100
+    lp, ent = ops_cuda.linear_logprob(h, w, t, temp, return_entropy=True)
+    logits = h @ w.T / temp
+    ce = F.cross_entropy(logits, t, reduction="none", ignore_index=-100)
+    assert rel(lp, -ce) < 1e-12 and lp[3] == 0
+    assert rel(ent, torch.distributions.Categorical(logits=logits).entropy()) < 1e-12
+    g1, g2 = torch.randn(N, dtype=D64), torch.randn(N, dtype=D64)
+    grads = torch.autograd.grad((lp * g1).sum() + (ent * g2).sum(), (h, w))
+    ent_ref = torch.distributions.Categorical(logits=logits).entropy()
+    grads_ref = torch.autograd.grad((-ce * g1).sum() + (ent_ref * g2).sum(), (h, w))
+    assert all(rel(a, b) < 1e-10 for a, b in zip(grads, grads_ref))
+    lp32, ent32 = ops_cuda.linear_logprob(h.float(), w.bfloat16(), t, temp)
+    assert lp32.dtype == torch.float32 and ent32 is None
+
+
+# ------------------------------------------------------------------ sampler
+def test_philox_known_answers():
+    """Random123 philox4x32-10 known-answer vectors."""
+    def run(ctr, key):
+        c = [torch.tensor([x], dtype=torch.int64) for x in ctr]
+        return [int(x) for x in ref.philox4x32(*c, *key)]
+
+    assert run((0, 0, 0, 0), (0, 0)) == [0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8]
+    assert run((0xFFFFFFFF,) * 4, (0xFFFFFFFF, 0xFFFFFFFF)) == [0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD]
+    assert run((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0)) == [
+        0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1]
+
+
+def test_sampling_sets_hand_computed():
+    z = torch.tensor([[math.log(0.5), math.log(0.3), math.log(0.15), math.log(0.05)]], dtype=D64)
+    keep = lambda k, p, m: ref.sampling_mask(z, k, p, m)[0].tolist()
+    assert keep(0, 0.7, 0.0) == [True, True, False, False]      # 0.5 < 0.7 <= 0.8
+    assert keep(0, 0.5, 0.0) == [True, False, False, False]
+    assert keep(0, 0.81, 0.0) == [True, True, True, False]
+    assert keep(0, 1.0, 0.4) == [True, True, False, False]      # p >= 0.4 * 0.5
+    assert keep(3, 1.0, 0.0) == [True, True, True, False]
+    assert keep(3, 0.5 / 0.95 + 0.01, 0.0) == [True, True, False, False]  # top-p over the renormalised top-3
+    assert keep(1, 1.0, 0.0) == [True, False, False, False]
+
+
+CONFIGS = [(1.0, 0, 1.0, 0.0), (0.7, 5, 1.0, 0.0), (1.3, 0, 0.8, 0.0), (1.0, 0, 1.0, 0.1), (0.9, 8, 0.9, 0.02)]
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p,min_p", CONFIGS)
+def test_sample_distribution(temperature, top_k, top_p, min_p):
+    V, n = 20, 20_000
+    row = torch.randn(V) * 1.5
+    tok, lp = ops_cuda.sample(row.expand(n, V), temperature, top_k, top_p, min_p, seed=11)
+    z = (row.double() / temperature)[None]
+    keep = ref.sampling_mask(z, top_k, top_p, min_p)[0]
+    p = torch.where(keep, z[0].softmax(-1), 0.0)
+    p = p / p.sum()
+    freq = torch.bincount(tok, minlength=V).double() / n
+    assert float((freq - p).abs().sum()) / 2 < 0.02  # total variation (noise about 0.01 at this n)
+    assert freq[~keep].sum() == 0
+    assert rel(lp, z[0].log_softmax(-1)[tok]) < 1e-6  # full-softmax logprob, not the filtered one
+
+
+def test_sample_greedy_seed_and_validation():
+    logits = torch.randn(6, 40)
+    tok, lp = ops_cuda.sample(logits, 0.0, 3, 0.5, 0.1, 0)
+    assert torch.equal(tok, logits.argmax(-1)) and rel(lp, logits.log_softmax(-1).gather(1, tok[:, None])[:, 0]) < 1e-6
+    assert torch.equal(ops_cuda.sample(logits, 1.0, 1, 1.0, 0.0, 5)[0], logits.argmax(-1))  # top_k=1 is greedy
+    a = ops_cuda.sample(logits[:1].expand(500, 40), 1.0, 0, 1.0, 0.0, 5)[0]
+    assert torch.equal(a, ops_cuda.sample(logits[:1].expand(500, 40), 1.0, 0, 1.0, 0.0, 5)[0])
+    assert not torch.equal(a, ops_cuda.sample(logits[:1].expand(500, 40), 1.0, 0, 1.0, 0.0, 6)[0])
+    for bad, msg in [({"top_p": 0.0}, "top_p"), ({"top_k": -1}, "top_k"), ({"min_p": 1.0}, "min_p"),
+                     ({"temperature": -1.0}, "temperature")]:
+        kw = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "seed": 0} | bad
+        with pytest.raises(ValueError, match=msg):
+            ops_cuda.sample(logits, **kw)
+
+
+def test_bad_shapes_raise_clear_errors():
+    with pytest.raises(ValueError, match="weight"):
+        ops_cuda.rms_norm(torch.randn(2, 8), torch.randn(7), 1e-6)
+    with pytest.raises(ValueError, match="positions"):
+        ops_cuda.rope(torch.randn(1, 2, 2, 4), torch.randn(1, 2, 1, 4), torch.zeros(1, 3, dtype=torch.long), 1e4)
+    with pytest.raises(ValueError, match="int64"):
+        ops_cuda.rope(torch.randn(1, 2, 2, 4), torch.randn(1, 2, 1, 4), torch.zeros(1, 2), 1e4)
+    with pytest.raises(ValueError, match="2\\*I"):
+        ops_cuda.swiglu(torch.randn(3, 5))
+    with pytest.raises(ValueError, match="Hq a multiple of Hk"):
+        ops_cuda.attention(torch.randn(1, 2, 3, 4), torch.randn(1, 2, 2, 4), torch.randn(1, 2, 2, 4), None, 1.0)
+    with pytest.raises(ValueError, match="lengths"):
+        ops_cuda.decode_attention(torch.randn(2, 2, 4), torch.randn(2, 1, 3, 4), torch.randn(2, 1, 3, 4),
+                                  torch.tensor([1]), 1.0)
+    with pytest.raises(ValueError, match="targets"):
+        ops_cuda.linear_logprob(torch.randn(3, 4), torch.randn(5, 4), torch.zeros(2, dtype=torch.long))
+    with pytest.raises(ValueError, match="temperature"):
+        ops_cuda.linear_logprob(torch.randn(3, 4), torch.randn(5, 4), torch.zeros(3, dtype=torch.long), 0.0)
+    with pytest.raises(IndexError, match="vocabulary"):
+        ops_cuda.linear_logprob(torch.randn(3, 4), torch.randn(5, 4), torch.tensor([0, 5, 1]))
+
+
+# ------------------------------------------------------------------ torch.compile
+def test_compile_fullgraph_every_op():
+    def f(x, w, gu, q, k, v, pos, h, lm, t, qd, kc, vc, lens, logits):
+        y = ops_cuda.rms_norm(x, w, 1e-6)
+        a = ops_cuda.swiglu(gu)
+        qr, kr = ops_cuda.rope(q, k, pos, 1e6)
+        o = ops_cuda.attention(qr, kr, v, pos, 0.3) + ops_cuda.attention(qr, kr, v, None, 0.3)
+        lp, ent = ops_cuda.linear_logprob(h, lm, t, 0.9, return_entropy=True)
+        dec = ops_cuda.decode_attention(qd, kc, vc, lens, 0.3)
+        tok, slp = ops_cuda.sample(logits, 0.8, 5, 0.9, 0.0, 7)
+        return y.sum() + a.sum() + o.sum() + lp.sum() + ent.sum() + dec.sum() + slp.sum(), tok
+
+    args = [torch.randn(3, 16), torch.randn(16), torch.randn(3, 20), torch.randn(2, 6, 4, 8), torch.randn(2, 6, 2, 8),
+            torch.randn(2, 6, 2, 8), torch.tensor([[0, 1, 2, 0, 1, 2], [3, 4, 5, 6, 7, 8]]), torch.randn(5, 8),
+            torch.randn(30, 8), torch.tensor([1, 2, 3, -100, 29]), torch.randn(2, 4, 8), torch.randn(2, 2, 5, 8),
+            torch.randn(2, 2, 5, 8), torch.tensor([2, 5]), torch.randn(3, 30)]
+    trained = [0, 1, 2, 3, 4, 5, 7, 8]
+    for i in trained:
+        args[i].requires_grad_(True)
+    torch._dynamo.reset()
+    eager, tok_e = f(*args)
+    g_e = torch.autograd.grad(eager, [args[i] for i in trained])
+    compiled, tok_c = torch.compile(f, fullgraph=True, backend="aot_eager")(*args)
+    g_c = torch.autograd.grad(compiled, [args[i] for i in trained])
+    assert torch.equal(tok_c, tok_e) and rel(compiled, eager) < 1e-6
+    assert all(rel(a, b) < 1e-6 for a, b in zip(g_c, g_e))
+
+
+# ------------------------------------------------------------------ build lock and doctor
+def test_lock_status_detects_stale_locks(tmp_path):
+    assert fw_build.lock_status(tmp_path)[0] == "none"
+    (tmp_path / "lock").touch()
+    # a lock whose owner is a process that was killed mid-build
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    import json
+    import socket
+
+    (tmp_path / "owner").write_text(json.dumps({"host": socket.gethostname(), "pid": proc.pid}))
+    assert fw_build.lock_status(tmp_path)[0] == "held"
+    proc.kill()
+    proc.wait()
+    state, detail = fw_build.lock_status(tmp_path)
+    assert state == "stale" and str(proc.pid) in detail and "delete" in detail
+    # no owner record: stale only once older than any real build
+    (tmp_path / "owner").unlink()
+    assert fw_build.lock_status(tmp_path)[0] == "held"
+    old = time.time() - fw_build.STALE_LOCK_AGE_S - 5
+    os.utime(tmp_path / "lock", (old, old))
+    assert fw_build.lock_status(tmp_path)[0] == "stale"
+
+
+def test_doctor_and_build_on_this_machine(tmp_path, monkeypatch):
+    monkeypatch.setenv("FW_OPS_CACHE", str(tmp_path))
+    assert fw_build.cache_dir().parent == tmp_path
+    text = ops_cuda.doctor()
+    for key in ("torch:", "GPU", "cache:", "extension built:", "build lock:"):
+        assert key in text
+    if torch.version.cuda is None:
+        with pytest.raises(RuntimeError, match="CPU-only"):
+            ops_cuda.build()
