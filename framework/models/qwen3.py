@@ -8,6 +8,7 @@ each); `hf_targets` maps HF's tensor names on disk to (tensor, row range) pieces
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -43,6 +44,14 @@ class KVCache:
     @property
     def max_len(self) -> int:
         return self.k.shape[3]
+
+
+class DecodeStep(NamedTuple):
+    """Where one decode step writes, shared by all layers: row b's new token goes to slot positions[b]."""
+
+    rows: Tensor       # arange(B)
+    positions: Tensor  # [B] cache lengths before the step = the new tokens' positions
+    lengths: Tensor    # [B] positions + 1: what each row attends to after writing
 
 
 class Qwen3Attention(nn.Module):
@@ -82,15 +91,13 @@ class Qwen3Attention(nn.Module):
         out = ops_cuda.attention(q, k, v, positions if packed else None, self.scale)
         return self.o_proj(out.reshape(B, T, self.config.q_size))
 
-    def decode(self, x: Tensor, positions: Tensor, k_cache: Tensor, v_cache: Tensor) -> Tensor:
-        """One new token per row: x [B, 1, d] at `positions` [B]; writes k/v there and attends to 0..pos."""
-        B = x.shape[0]
-        q, k, v = self._qkv(x, positions[:, None])
-        rows = torch.arange(B, device=x.device)
-        k_cache[rows, :, positions] = k[:, 0]
-        v_cache[rows, :, positions] = v[:, 0]
-        out = ops_cuda.decode_attention(q[:, 0], k_cache, v_cache, positions + 1, self.scale)
-        return self.o_proj(out.reshape(B, 1, self.config.q_size))
+    def decode(self, x: Tensor, step: DecodeStep, k_cache: Tensor, v_cache: Tensor) -> Tensor:
+        """One new token per row, x [B, 1, d]: writes its k/v at step.positions, attends to 0..position."""
+        q, k, v = self._qkv(x, step.positions[:, None])
+        k_cache[step.rows, :, step.positions] = k[:, 0]
+        v_cache[step.rows, :, step.positions] = v[:, 0]
+        out = ops_cuda.decode_attention(q[:, 0], k_cache, v_cache, step.lengths, self.scale)
+        return self.o_proj(out.reshape(x.shape[0], 1, self.config.q_size))
 
 
 class Qwen3MLP(nn.Module):
@@ -116,8 +123,8 @@ class Qwen3DecoderLayer(nn.Module):
         h = h + self.self_attn(self.input_layernorm(h), positions, packed, cache)
         return h + self.mlp(self.post_attention_layernorm(h))
 
-    def decode(self, h: Tensor, positions: Tensor, k_cache: Tensor, v_cache: Tensor) -> Tensor:
-        h = h + self.self_attn.decode(self.input_layernorm(h), positions, k_cache, v_cache)
+    def decode(self, h: Tensor, step: DecodeStep, k_cache: Tensor, v_cache: Tensor) -> Tensor:
+        h = h + self.self_attn.decode(self.input_layernorm(h), step, k_cache, v_cache)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -158,11 +165,12 @@ class Qwen3Model(nn.Module):
             raise FwError(f"decode: tokens must be [B={cache.lengths.shape[0]}], got {tuple(tokens.shape)}")
         # No host-side check of lengths < max_len here: a sync per token would stall the GPU (and CUDA
         # graph capture); the caller sizes the cache, and an overflow fails the cache index.
-        positions = cache.lengths
+        positions = cache.lengths.clone()
+        step = DecodeStep(torch.arange(len(positions), device=positions.device), positions, positions + 1)
         h = self.embed_tokens(tokens[:, None])
         for i, layer in enumerate(self.layers):
-            h = layer.decode(h, positions, cache.k[i], cache.v[i])
-        cache.lengths += 1
+            h = layer.decode(h, step, cache.k[i], cache.v[i])
+        cache.lengths.copy_(step.lengths)
         return self.norm(h[:, 0])
 
     def hf_targets(self, prefix: str = "model.") -> HfTargets:
