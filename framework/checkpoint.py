@@ -480,14 +480,16 @@ class CheckpointCallback(pl.Callback):
         self._resumed = self._resumed or trainer.ckpt_path is not None
         if self._resumed:
             self._last_saved = step
+        # every rank checks (a shared run_dir), so all of them stop together rather than leaving some
+        # waiting in a collective; only rank 0 touches the directory
+        existing = list_checkpoints(self.cfg["run_dir"])
+        if existing and not self._resumed:
+            raise FwError(
+                f"{self.ckpt_dir} already holds checkpoints ({Path(existing[-1]).name} is the newest): "
+                "resume with --resume last, or choose another run_dir"
+            )
         if trainer.is_global_zero:
             clean_leftovers(self.ckpt_dir)
-            existing = list_checkpoints(self.cfg["run_dir"])
-            if existing and not self._resumed:
-                raise FwError(
-                    f"{self.ckpt_dir} already holds checkpoints ({Path(existing[-1]).name} is the newest): "
-                    "resume with --resume last, or choose another run_dir"
-                )
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         step = self.step_of(trainer, pl_module)

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from scripts.ckpt_writer import assert_same, expected, write_forever
 
 from framework import checkpoint as ck
@@ -28,6 +29,11 @@ WRITER = Path(__file__).parent / "scripts" / "ckpt_writer.py"
 def _hidden_leftovers(run_dir: Path) -> list[str]:
     d = ck.checkpoints_dir(run_dir)
     return [n for n in os.listdir(d) if n.startswith(".")] if d.is_dir() else []
+
+
+def _newest_step(run_dir: Path) -> int:
+    latest = ck.find_latest(run_dir)
+    return ck.read_manifest(latest)["step"] if latest else 0
 
 
 class KillLog:
@@ -60,20 +66,31 @@ class KillLog:
             ck.verify_checkpoint(path)
 
 
+# One forkserver per test session (multiprocessing keeps a single one), preloaded for every test here.
+PRELOAD = ["torch", "lightning.pytorch", "framework.checkpoint", "framework.cli", "framework.trainer",
+           "framework.module", "recipes", "scripts.ckpt_writer", "scripts.fw_cli"]
+
+
 def _forkserver():
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "framework.checkpoint", "scripts.ckpt_writer"])
+    ctx.set_forkserver_preload(PRELOAD)
     return ctx
 
 
 def _kill_cycles(run_dir: Path, kills: int, seed: int) -> KillLog:
+    """Even kills land at a random moment after the start (also during start-up recovery and cleanup); odd
+    ones at a random moment after the writer published a new checkpoint, so progress never stalls."""
     ctx = _forkserver()
     rng = random.Random(seed)
     log = KillLog(run_dir)
     for i in range(kills):
-        proc = ctx.Process(target=write_forever, args=(str(run_dir), i % 2 == 0))
+        proc = ctx.Process(target=write_forever, args=(str(run_dir), i % 4 < 2))
         proc.start()
-        time.sleep(rng.uniform(0.02, 0.4))
+        if i % 2:
+            deadline = time.monotonic() + 60
+            while _newest_step(run_dir) <= log.newest and time.monotonic() < deadline:
+                time.sleep(0.005)
+        time.sleep(rng.uniform(0.0, 0.3))
         os.kill(proc.pid, signal.SIGKILL)
         proc.join()
         assert proc.exitcode == -signal.SIGKILL, f"writer exited on its own with {proc.exitcode}"
@@ -82,9 +99,9 @@ def _kill_cycles(run_dir: Path, kills: int, seed: int) -> KillLog:
 
 
 def test_sigkill_writer_many_times(tmp_path):
-    log = _kill_cycles(tmp_path / "run", kills=36, seed=0)
-    assert log.newest >= 10, "the writer barely progressed; the test did not exercise much"
-    assert log.kills_mid_save >= 5, f"only {log.kills_mid_save} of 36 kills landed during a save"
+    log = _kill_cycles(tmp_path / "run", kills=32, seed=0)
+    assert log.newest >= 16  # every other cycle waited for a new step
+    assert log.kills_mid_save >= 5, f"only {log.kills_mid_save} of 32 kills landed during a save"
 
 
 @pytest.mark.slow
@@ -115,3 +132,92 @@ def test_sigkill_writer_script(tmp_path):
         assert proc.wait() == -signal.SIGKILL
         log.check_after_kill()
     assert log.newest > 4
+
+
+# ---------------------------------------------------------------- end to end: `fw fit`, killed, `--resume last`
+
+REPO = Path(__file__).parents[1]
+MAX_STEPS = 12
+
+
+def _fit_argv(run_dir: Path, resume: bool, every: int = 1) -> list[str]:
+    return ["fit", "--config", str(REPO / "recipes" / "sft.yaml"), f"--run_dir={run_dir}",
+            f"--data.path={REPO / 'recipes' / 'data' / 'arithmetic_chat.jsonl'}", "--data.max_seq_len=64",
+            "--data.batch_size=4", f"--trainer.max_steps={MAX_STEPS}", "--trainer.enable_progress_bar=false",
+            f"--checkpoint.every_n_steps={every}", "--checkpoint.keep_last=2", "--checkpoint.verify=true",
+            "--logging.tensorboard=false"] + (["--resume", "last"] if resume else [])
+
+
+class Launcher:
+    """Starts `fw fit` processes: forked from a forkserver with fw preloaded, or as fresh interpreters."""
+
+    def __init__(self, fresh_interpreter: bool):
+        self.fresh = fresh_interpreter
+        if not fresh_interpreter:
+            self.ctx = _forkserver()
+
+    def start(self, argv: list[str]):
+        if self.fresh:
+            return subprocess.Popen([sys.executable, "-m", "framework", *argv], cwd=REPO)
+        from scripts.fw_cli import run
+
+        proc = self.ctx.Process(target=run, args=(argv,))
+        proc.start()
+        return proc
+
+    @staticmethod
+    def wait(proc) -> int:
+        if isinstance(proc, subprocess.Popen):
+            return proc.wait()
+        proc.join()
+        return proc.exitcode
+
+
+def _fit_killed_then_resumed(run_dir: Path, kills: int, seed: int, fresh_interpreter: bool) -> int:
+    """Kill `fw fit` `kills` times, each time at a random moment after it published a new checkpoint,
+    check the newest checkpoint, then let `--resume last` finish. Returns how many kills hit a save."""
+    launcher = Launcher(fresh_interpreter)
+    rng = random.Random(seed)
+    newest, mid_save = 0, 0
+    for _ in range(kills):
+        proc = launcher.start(_fit_argv(run_dir, resume=newest > 0))
+        deadline = time.monotonic() + 300
+        while _newest_step(run_dir) <= newest:
+            assert time.monotonic() < deadline, "fw fit published no new checkpoint within 300 s"
+            time.sleep(0.02)
+        time.sleep(rng.uniform(0.0, 1.0))
+        os.kill(proc.pid, signal.SIGKILL)
+        assert launcher.wait(proc) == -signal.SIGKILL, "fw fit ended before it was killed"
+        mid_save += bool(_hidden_leftovers(run_dir))
+        latest = ck.find_latest(run_dir)
+        loaded = ck.read_checkpoint_dir(latest, verify=True)
+        assert loaded["policy_version"] >= newest and loaded["policy_version"] < MAX_STEPS
+        newest = loaded["policy_version"]
+        assert "policy" in loaded["fw_components"] and loaded["optimizer_states"]
+    assert launcher.wait(launcher.start(_fit_argv(run_dir, resume=True))) == 0
+    final = ck.find_latest(run_dir)
+    assert Path(final).name == ck.step_dir_name(MAX_STEPS)
+    ck.verify_checkpoint(final)
+    assert [n for n in os.listdir(ck.checkpoints_dir(run_dir)) if n.startswith(".")] == []
+    return mid_save
+
+
+def _final_weights(run_dir: Path) -> dict:
+    return ck.read_checkpoint_dir(ck.find_latest(run_dir))["fw_components"]["policy"]["state_dict"]
+
+
+def test_fw_fit_killed_and_resumed_matches_an_uninterrupted_run(tmp_path):
+    _fit_killed_then_resumed(tmp_path / "killed", kills=2, seed=3, fresh_interpreter=False)
+    launcher = Launcher(fresh_interpreter=False)
+    # the reference saves only at the end: saving must not change the trajectory either
+    assert launcher.wait(launcher.start(_fit_argv(tmp_path / "straight", resume=False, every=1000))) == 0
+    killed, straight = _final_weights(tmp_path / "killed"), _final_weights(tmp_path / "straight")
+    assert killed.keys() == straight.keys()
+    for name in straight:
+        assert torch.equal(killed[name], straight[name]), name
+
+
+@pytest.mark.slow
+def test_python_m_framework_fit_killed_many_times(tmp_path):
+    mid_save = _fit_killed_then_resumed(tmp_path / "run", kills=8, seed=4, fresh_interpreter=True)
+    assert mid_save >= 1
