@@ -303,17 +303,26 @@ def test_stop_string_inside_a_multi_character_token():
         for p in model.parameters():
             if p.dim() > 1:
                 p.normal_(0.0, 0.3)
-    prompts = [tok.encode("the cat"), tok.encode("12")]
-    free = generate(model, prompts, max_new_tokens=16, temperature=0.0, tokenizer=tok)
-    pieces = [tok.decode([t]) for t in free.completion_ids[0]]
-    j = next(i for i, piece in enumerate(pieces) if len(piece) >= 2 and "\ufffd" not in piece)
-    before = tok.decode(free.completion_ids[0][:j])
-    stop = before[-1:] + pieces[j][0]                   # ends inside token j, which has more text after it
-    assert free.texts[0].find(stop) == len(before) - len(before[-1:])  # its first occurrence
-    r = generate(model, prompts, max_new_tokens=16, temperature=0.0, tokenizer=tok, stop=[stop])
-    assert r.finish_reasons[0] == "stop" and r.texts[0] == before + pieces[j][0]
-    assert r.completion_ids[0] == free.completion_ids[0][:j + 1]
-    assert tok.decode(r.completion_ids[0]) == before + pieces[j] != r.texts[0]
+    prompts = [tok.encode("the cat")] * 16
+    free = generate(model, prompts, max_new_tokens=16, temperature=1.0, seed=0, tokenizer=tok)
+    # the first sampled multi-character token whose first character, with the character before it,
+    # makes a stop string not seen earlier in that row
+    for b, completion in enumerate(free.completion_ids):
+        found = None
+        for j in range(1, len(completion)):
+            piece, before = tok.decode([completion[j]]), tok.decode(completion[:j])
+            stop = before[-1:] + piece[:1]
+            if len(piece) >= 2 and "\ufffd" not in piece + stop and free.texts[b].find(stop) == len(before) - 1:
+                found = (j, piece, before, stop)
+                break
+        if found:
+            break
+    assert found, "no multi-character token was sampled"
+    j, piece, before, stop = found
+    r = generate(model, prompts, max_new_tokens=16, temperature=1.0, seed=0, tokenizer=tok, stop=[stop])
+    assert r.finish_reasons[b] == "stop" and r.texts[b] == before + piece[0]
+    assert r.completion_ids[b] == free.completion_ids[b][:j + 1]
+    assert tok.decode(r.completion_ids[b]) == before + piece != r.texts[b]
 
 
 class CountingModel(Qwen3ForCausalLM):
