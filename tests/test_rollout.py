@@ -200,9 +200,12 @@ def test_stop_strings_end_rows_and_keep_the_stop_text(model, prompts, tok):
         else:
             end += len(stop)
             assert r.finish_reasons[b] == "stop" and r.texts[b] == free.texts[b][:end]
-            assert r.completion_ids[b] == free.completion_ids[b][:end]   # one char per token here
+            # the completion ends with the token that completes the stop string's text
+            ids = free.completion_ids[b]
+            last = next(i for i in range(1, len(ids) + 1) if len(tok.decode(ids[:i])) >= end)
+            assert r.completion_ids[b] == ids[:last]
             assert r.texts[b].endswith(stop)
-    assert r.finish_reasons[1] == "stop" and len(r.completion_ids[1]) <= 6
+    assert r.finish_reasons[1] == "stop" and len(r.completion_ids[1]) < 12
 
 
 def test_stop_string_split_over_tokens_of_several_steps(model, tok):
