@@ -265,7 +265,7 @@ def test_bf16_model_and_autocast(model, prompts):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-4), (torch.bfloat16, 0.1)])
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-4), (torch.bfloat16, 0.2)])
 def test_cuda_greedy_and_logprobs(model, prompts, dtype, tol):
     cuda = Qwen3ForCausalLM(model.config)
     cuda.load_state_dict(model.state_dict())
