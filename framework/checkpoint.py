@@ -458,6 +458,7 @@ class CheckpointCallback(pl.Callback):
         self.cfg = cfg
         self.every = cfg["checkpoint"]["every_n_steps"]
         self.keep_last = cfg["checkpoint"]["keep_last"]
+        self.max_steps = cfg["trainer"]["max_steps"]  # policy optimizer steps in every recipe (DESIGN.md)
         self.ckpt_dir = checkpoints_dir(cfg["run_dir"])
         self._seen_step: int | None = None
         self._last_saved: int | None = None
@@ -497,7 +498,7 @@ class CheckpointCallback(pl.Callback):
         if previous is None or step == previous:
             return
         crossed = step // self.every > previous // self.every
-        if crossed or (trainer.max_steps > 0 and step >= trainer.max_steps):
+        if crossed or step >= self.max_steps > 0:
             self.save(trainer, step)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -301,6 +301,7 @@ class RecordingLogger(pl.loggers.Logger):
 
 def _fit(cfg, max_steps, accumulate=1, ckpt_path=None, events=None):
     events = [] if events is None else events
+    cfg["trainer"]["max_steps"] = max_steps
     module = TinyModule()
     io = RecordingIO(cfg, events)
     io.module = module
@@ -338,3 +339,42 @@ def test_callback_saves_every_n_and_at_end_then_prunes_and_resumes(run_dir):
     assert torch.equal(resumed.net.weight, straight.net.weight)
     final = ck.read_checkpoint_dir(ck.find_latest(run_dir), verify=True)
     assert torch.equal(final["fw_components"]["policy"]["state_dict"]["net.weight"], straight.net.weight)
+
+
+class TwoOptimizerModule(TinyModule):
+    """Manual optimization stepping a policy and a critic optimizer per batch, like PPO: Lightning's
+    global_step counts both, the checkpoint step must count only the policy's."""
+
+    def __init__(self):
+        super().__init__()
+        self.automatic_optimization = False
+        self.critic = torch.nn.Linear(4, 1)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        self.batches += 1
+        policy_opt, critic_opt = self.optimizers()
+        for opt, net in ((policy_opt, self.net), (critic_opt, self.critic)):
+            opt.zero_grad()
+            self.manual_backward(torch.nn.functional.mse_loss(net(x), y))
+            opt.step()
+        self.policy_version += 1
+
+    def configure_optimizers(self):
+        return [torch.optim.SGD(self.net.parameters(), lr=0.01), torch.optim.SGD(self.critic.parameters(), lr=0.01)]
+
+
+def test_callback_counts_policy_steps_not_global_steps(run_dir):
+    cfg = make_cfg(str(run_dir))
+    cfg["checkpoint"].update(every_n_steps=2, keep_last=None)
+    cfg["trainer"]["max_steps"] = 5
+    module = TwoOptimizerModule()
+    trainer = pl.Trainer(max_steps=10, accelerator="cpu", devices=1, plugins=[ck.AtomicCheckpointIO(cfg)],
+                         callbacks=[ck.CheckpointCallback(cfg)], logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(run_dir))
+    trainer.fit(module)
+    assert trainer.global_step == 10 and module.policy_version == 5
+    found = ck.list_checkpoints(run_dir)
+    assert [Path(p).name for p in found] == ["step-000002", "step-000004", "step-000005"]
+    manifest = ck.read_manifest(found[-1])
+    assert (manifest["step"], manifest["policy_version"], manifest["global_step"]) == (5, 5, 10)

@@ -102,3 +102,15 @@ def test_export_refuses_bad_input(tmp_path):
     with pytest.raises(FwError, match=str(weights)):
         export_checkpoint(ckpt, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_fw_export_command(tmp_path, capsys):
+    from framework.cli import main
+
+    ckpt = _write(tmp_path / "run", _policy(True))
+    assert main(["export", "--checkpoint", ckpt, "--out", str(tmp_path / "hf")]) == 0
+    assert "hf" in capsys.readouterr().out
+    assert (tmp_path / "hf" / "model.safetensors").read_bytes() == (Path(ckpt) / "policy" / "model.safetensors").read_bytes()
+    assert main(["export", "--checkpoint", ckpt, "--out", str(tmp_path / "hf")]) == 2
+    err = capsys.readouterr().err
+    assert "already exists and is not an empty directory" in err and "Traceback" not in err
