@@ -153,7 +153,9 @@ Tensor swiglu_backward(const Tensor& grad, const Tensor& gate_up) {
 }
 
 // ------------------------------------------------------------------ linear + logprob
-constexpr int64_t kTileBytes = int64_t(1) << 28;  // the fp32 logits tile, as ops_cuda/reference.py
+// The fp32 logits tile: 1 GiB (1765 rows at vocab 151,936). Larger than the CPU reference's: fewer passes of the
+// fp32 grad_W accumulator (V x d) and fuller GEMMs; still a few percent of the unfused [N, V] memory.
+constexpr int64_t kTileBytes = int64_t(1) << 30;
 
 cudaDataType_t cuda_type(at::ScalarType t) {
   switch (t) {
@@ -281,7 +283,7 @@ Tensor decode_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_
   auto kc = k_cache.stride(3) == 1 ? k_cache : k_cache.contiguous();
   auto vc = v_cache.stride(3) == 1 && kc.strides() == v_cache.strides() ? v_cache : v_cache.contiguous();
   if (kc.strides() != vc.strides()) kc = kc.contiguous();
-  const int64_t E = D / 32;
+  const int64_t E = std::max<int64_t>(16 / kc.element_size(), D / 32);  // elements per lane (decode_attention.cu)
   const bool aligned = kc.stride(0) % E == 0 && kc.stride(1) % E == 0 && kc.stride(2) % E == 0 &&
                        reinterpret_cast<uintptr_t>(kc.data_ptr()) % (E * kc.element_size()) == 0 &&
                        reinterpret_cast<uintptr_t>(vc.data_ptr()) % (E * vc.element_size()) == 0;
@@ -318,8 +320,13 @@ std::tuple<Tensor, Tensor> sample(const Tensor& logits, double temperature, int6
   auto lp = at::empty({B}, x.options().dtype(at::kFloat));
   const bool use_min_p = min_p > 0.0;
   const float log_min_p = use_min_p ? (float)std::log(min_p) : 0.f;
+  if (B == 0) return {tokens, lp};
+  const int P = fw::sample_split_parts((int)B, V, sm_count());
+  auto part_f = at::empty({B * P * 3}, x.options().dtype(at::kFloat));
+  auto part_i = at::empty({B * P}, x.options().dtype(at::kLong));
+  fw::SampleSplitWorkspace ws{P, part_f.data_ptr<float>(), part_i.data_ptr<int64_t>()};
   check_launch(fw::sample(dt, x.data_ptr(), x.stride(0), tokens.data_ptr<int64_t>(), lp.data_ptr<float>(), (int)B, V,
-                          (float)temperature, top_k, (float)top_p, log_min_p, use_min_p, (uint64_t)seed,
+                          (float)temperature, top_k, (float)top_p, log_min_p, use_min_p, (uint64_t)seed, ws,
                           at::cuda::getCurrentCUDAStream()),
                "sample");
   return {tokens, lp};

@@ -53,9 +53,16 @@ cudaError_t decode_attention(DType dt, const void* q, const void* k, const void*
                              void* out, DecodeWorkspace ws, int B, int Hq, int Hk, int S, int D, int64_t sb,
                              int64_t sh, int64_t ss, int splits, float scale, cudaStream_t stream);
 
-// logits [B, V] (row stride in elements) -> tokens int64 [B], logprob fp32 [B].
+// logits [B, V] (row stride in elements) -> tokens int64 [B], logprob fp32 [B]. Plain sampling and greedy
+// split each row over P blocks; the workspace holds 3 floats and 1 int64 per (row, part).
+struct SampleSplitWorkspace {
+  int P;
+  float* part_f;     // [B, P, 3]
+  int64_t* part_i;   // [B, P]
+};
+int sample_split_parts(int B, int64_t V, int sm_count);
 cudaError_t sample(DType dt, const void* logits, int64_t row_stride, int64_t* tokens, float* logprob, int B,
                    int64_t V, float temperature, int64_t top_k, float top_p, float log_min_p, bool use_min_p,
-                   uint64_t seed, cudaStream_t stream);
+                   uint64_t seed, SampleSplitWorkspace split_ws, cudaStream_t stream);
 
 }  // namespace fw

@@ -6,6 +6,8 @@
 //  last pass: Gumbel-max over z >= threshold with Philox4x32-10 noise keyed by the seed, counter
 //  (col / 4, row, 0, 0), word col % 4 (the same stream as ops_cuda/reference.py).
 // temperature 0: greedy (first maximum), logprob under the unscaled softmax.
+// Without top-k / top-p / min-p (and for greedy) no threshold is needed: the row is split over several
+// blocks (one pass) and a small kernel combines them, which keeps the GPU busy at batch 1.
 #include "common.cuh"
 
 namespace fw {
@@ -226,13 +228,124 @@ sample_kernel(const T* __restrict__ logits, int64_t row_stride, int64_t* __restr
   }
 }
 
+// Plain sampling (no top-k / top-p / min-p) and greedy need no row-wide threshold, so a row is split over
+// P blocks: each writes a partial (max, sum of exp, best z + g, its index); sample_combine_kernel merges.
+constexpr int kSplitThreads = 256;
+
+template <typename T>
+__global__ void __launch_bounds__(kSplitThreads)
+sample_split_kernel(const T* __restrict__ logits, int64_t row_stride, int64_t V, float temperature, uint32_t k0,
+                    uint32_t k1, int64_t cols_per_block, float* __restrict__ part_f, int64_t* __restrict__ part_i) {
+  __shared__ float red_m[kSplitThreads / 32], red_s[kSplitThreads / 32], red_v[kSplitThreads / 32];
+  __shared__ int64_t red_i[kSplitThreads / 32];
+  const int64_t row = blockIdx.y, P = gridDim.x;
+  const T* x = logits + row * row_stride;
+  const bool greedy = temperature == 0.f;
+  const int64_t c_begin = blockIdx.x * cols_per_block, c_end = min(V, c_begin + cols_per_block);
+  float m = -INFINITY, s = 0.f;
+  ArgMax pick{-INFINITY, V};
+  for (int64_t c4 = c_begin / 4 + threadIdx.x; c4 * 4 < c_end; c4 += kSplitThreads) {
+    uint4 r = make_uint4(0u, 0u, 0u, 0u);
+    if (!greedy) r = philox4x32_10(make_uint4((uint32_t)c4, (uint32_t)row, 0u, 0u), k0, k1);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int64_t i = c4 * 4 + j;
+      if (i < c_end) {
+        const float z = greedy ? to_f(x[i]) : to_f(x[i]) / temperature;
+        if (z == -INFINITY) continue;  // a banned token
+        if (z > m) {
+          s = s * expf(m - z) + 1.f;
+          m = z;
+        } else {
+          s += expf(z - m);
+        }
+        const uint32_t w = j == 0 ? r.x : (j == 1 ? r.y : (j == 2 ? r.z : r.w));
+        pick = better(pick, ArgMax{greedy ? z : z + gumbel(w), i});
+      }
+    }
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    const float m2 = __shfl_xor_sync(0xffffffffu, m, o), s2 = __shfl_xor_sync(0xffffffffu, s, o);
+    const float M = fmaxf(m, m2);
+    s = (M == -INFINITY) ? 0.f : s * expf(m - M) + s2 * expf(m2 - M);
+    m = M;
+    pick = better(pick, ArgMax{__shfl_xor_sync(0xffffffffu, pick.v, o), __shfl_xor_sync(0xffffffffu, pick.i, o)});
+  }
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  if (lane == 0) {
+    red_m[warp] = m;
+    red_s[warp] = s;
+    red_v[warp] = pick.v;
+    red_i[warp] = pick.i;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    float M = -INFINITY, S = 0.f;
+    ArgMax b{-INFINITY, V};
+    for (int w = 0; w < kSplitThreads / 32; ++w) M = fmaxf(M, red_m[w]);
+    for (int w = 0; w < kSplitThreads / 32; ++w) {
+      if (red_s[w] > 0.f) S += red_s[w] * expf(red_m[w] - M);
+      if (red_i[w] < V) b = better(b, ArgMax{red_v[w], red_i[w]});
+    }
+    const int64_t k = row * P + blockIdx.x;
+    part_f[3 * k] = M;
+    part_f[3 * k + 1] = S;
+    part_f[3 * k + 2] = b.v;
+    part_i[k] = b.i;
+  }
+}
+
+template <typename T>
+__global__ void sample_combine_kernel(const T* __restrict__ logits, int64_t row_stride, int B, int64_t V,
+                                      float temperature, int P, const float* __restrict__ part_f,
+                                      const int64_t* __restrict__ part_i, int64_t* __restrict__ tokens,
+                                      float* __restrict__ out_logprob) {
+  const int64_t row = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+  if (row >= B) return;
+  float M = -INFINITY, S = 0.f;
+  ArgMax b{-INFINITY, V};
+  for (int p = 0; p < P; ++p) M = fmaxf(M, part_f[3 * (row * P + p)]);
+  for (int p = 0; p < P; ++p) {
+    const int64_t k = row * P + p;
+    if (part_f[3 * k + 1] > 0.f) S += part_f[3 * k + 1] * expf(part_f[3 * k] - M);
+    if (part_i[k] < V) b = better(b, ArgMax{part_f[3 * k + 2], part_i[k]});
+  }
+  const int64_t tok = b.i < V ? b.i : 0;
+  const float x = to_f(logits[row * row_stride + tok]);
+  tokens[row] = tok;
+  out_logprob[row] = (temperature == 0.f ? x : x / temperature) - (M + logf(S));
+}
+
 }  // namespace
+
+int sample_split_parts(int B, int64_t V, int sm_count) {
+  int64_t P = (2 * (int64_t)sm_count + B - 1) / B;
+  const int64_t most = (V + 4095) / 4096;  // at least 4096 columns per block
+  if (P > most) P = most;
+  return (int)(P < 1 ? 1 : P);
+}
 
 cudaError_t sample(DType dt, const void* logits, int64_t row_stride, int64_t* tokens, float* logprob, int B,
                    int64_t V, float temperature, int64_t top_k, float top_p, float log_min_p, bool use_min_p,
-                   uint64_t seed, cudaStream_t stream) {
+                   uint64_t seed, SampleSplitWorkspace split_ws, cudaStream_t stream) {
   if (B == 0) return cudaSuccess;
   const uint32_t k0 = (uint32_t)(seed & 0xffffffffu), k1 = (uint32_t)(seed >> 32);
+  const bool plain = temperature == 0.f || ((top_k <= 0 || top_k >= V) && top_p >= 1.f && !use_min_p);
+  if (plain && split_ws.part_f != nullptr) {
+    return dispatch(dt, [&](auto t) -> cudaError_t {
+      using T = decltype(t);
+      const int64_t cols = ((V + split_ws.P - 1) / split_ws.P + 3) / 4 * 4;  // multiples of 4: one Philox call
+      sample_split_kernel<T><<<dim3((unsigned)split_ws.P, (unsigned)B), kSplitThreads, 0, stream>>>(
+          (const T*)logits, row_stride, V, temperature, k0, k1, cols, split_ws.part_f, split_ws.part_i);
+      cudaError_t e = cudaGetLastError();
+      if (e != cudaSuccess) return e;
+      sample_combine_kernel<T><<<(unsigned)((B + 127) / 128), 128, 0, stream>>>(
+          (const T*)logits, row_stride, B, V, temperature, split_ws.P, split_ws.part_f, split_ws.part_i, tokens,
+          logprob);
+      return cudaGetLastError();
+    });
+  }
   return dispatch(dt, [&](auto t) -> cudaError_t {
     using T = decltype(t);
     sample_kernel<T><<<(unsigned)B, kThreads, 0, stream>>>((const T*)logits, row_stride, tokens, logprob, V,

@@ -1,20 +1,21 @@
 // SwiGLU on a fused gate_up [rows, 2I]: out = silu(gate) * up, and its backward; elementwise with
-// 16-byte accesses when I is a multiple of the vector width, grid-stride over the vectors.
+// 16-byte accesses when I is a multiple of the vector width. 2-D grid (x: vectors of a row, y: rows,
+// grid-stride) so no thread divides 64-bit indices.
 #include "common.cuh"
 
 namespace fw {
 namespace {
 
-constexpr int kThreads = 256;
+constexpr int kThreads = 128;
 
 __device__ __forceinline__ float sigmoid(float g) { return 1.f / (1.f + expf(-g)); }
 
 template <typename T, int VEC>
 __global__ void __launch_bounds__(kThreads)
 swiglu_fwd_kernel(const T* __restrict__ gu, T* __restrict__ out, int64_t rows, int64_t I) {
-  const int64_t per_row = I / VEC, total = rows * per_row;
-  for (int64_t v = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; v < total; v += (int64_t)gridDim.x * blockDim.x) {
-    const int64_t r = v / per_row, c = (v - r * per_row) * VEC;
+  const int64_t c = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) * VEC;
+  if (c >= I) return;
+  for (int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
     Vec<T, VEC> g = load_vec<T, VEC>(gu + r * 2 * I + c), u = load_vec<T, VEC>(gu + r * 2 * I + I + c);
     Vec<T, VEC> o;
 #pragma unroll
@@ -30,9 +31,9 @@ template <typename T, int VEC>
 __global__ void __launch_bounds__(kThreads)
 swiglu_bwd_kernel(const T* __restrict__ grad, const T* __restrict__ gu, T* __restrict__ ggu, int64_t rows,
                   int64_t I) {
-  const int64_t per_row = I / VEC, total = rows * per_row;
-  for (int64_t v = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; v < total; v += (int64_t)gridDim.x * blockDim.x) {
-    const int64_t r = v / per_row, c = (v - r * per_row) * VEC;
+  const int64_t c = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) * VEC;
+  if (c >= I) return;
+  for (int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
     Vec<T, VEC> g = load_vec<T, VEC>(gu + r * 2 * I + c), u = load_vec<T, VEC>(gu + r * 2 * I + I + c);
     Vec<T, VEC> d = load_vec<T, VEC>(grad + r * I + c);
     Vec<T, VEC> dg, du;
@@ -48,9 +49,12 @@ swiglu_bwd_kernel(const T* __restrict__ grad, const T* __restrict__ gu, T* __res
   }
 }
 
-unsigned grid_for(int64_t vectors) {
-  const int64_t blocks = (vectors + kThreads - 1) / kThreads;
-  return (unsigned)(blocks < 132 * 32 ? (blocks > 0 ? blocks : 1) : 132 * 32);
+dim3 grid_for(int64_t rows, int64_t vectors_per_row) {
+  const int64_t x = (vectors_per_row + kThreads - 1) / kThreads;
+  int64_t y = (132 * 64 + x - 1) / x;  // enough blocks to fill the GPU, each looping over rows
+  y = y < rows ? y : rows;
+  y = y < 65535 ? y : 65535;
+  return dim3((unsigned)x, (unsigned)(y > 0 ? y : 1));
 }
 
 }  // namespace
@@ -61,10 +65,10 @@ cudaError_t swiglu_fwd(DType dt, const void* gate_up, void* out, int64_t rows, i
     using T = decltype(t);
     constexpr int V16 = 16 / sizeof(T);
     if (I % V16 == 0 && aligned16(gate_up) && aligned16(out))
-      swiglu_fwd_kernel<T, V16><<<grid_for(rows * I / V16), kThreads, 0, stream>>>((const T*)gate_up, (T*)out,
+      swiglu_fwd_kernel<T, V16><<<grid_for(rows, I / V16), kThreads, 0, stream>>>((const T*)gate_up, (T*)out,
                                                                                    rows, I);
     else
-      swiglu_fwd_kernel<T, 1><<<grid_for(rows * I), kThreads, 0, stream>>>((const T*)gate_up, (T*)out, rows, I);
+      swiglu_fwd_kernel<T, 1><<<grid_for(rows, I), kThreads, 0, stream>>>((const T*)gate_up, (T*)out, rows, I);
     return cudaGetLastError();
   });
 }
@@ -76,10 +80,10 @@ cudaError_t swiglu_bwd(DType dt, const void* grad, const void* gate_up, void* gr
     using T = decltype(t);
     constexpr int V16 = 16 / sizeof(T);
     if (I % V16 == 0 && aligned16(grad) && aligned16(gate_up) && aligned16(grad_gate_up))
-      swiglu_bwd_kernel<T, V16><<<grid_for(rows * I / V16), kThreads, 0, stream>>>(
+      swiglu_bwd_kernel<T, V16><<<grid_for(rows, I / V16), kThreads, 0, stream>>>(
           (const T*)grad, (const T*)gate_up, (T*)grad_gate_up, rows, I);
     else
-      swiglu_bwd_kernel<T, 1><<<grid_for(rows * I), kThreads, 0, stream>>>((const T*)grad, (const T*)gate_up,
+      swiglu_bwd_kernel<T, 1><<<grid_for(rows, I), kThreads, 0, stream>>>((const T*)grad, (const T*)gate_up,
                                                                           (T*)grad_gate_up, rows, I);
     return cudaGetLastError();
   });
