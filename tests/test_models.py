@@ -110,6 +110,26 @@ def test_compile_gives_the_same_logits():
     assert isinstance(compiled, Qwen3ForCausalLM) and set(compiled.state_dict()) == set(model.state_dict())
 
 
+@pytest.mark.gpu
+def test_compiled_training_step_on_gpu():
+    tok = Tokenizer.builtin()
+    torch.manual_seed(0)
+    eager = build_policy(policy_cfg(preset="small"), tok).cuda()
+    compiled = build_policy(policy_cfg(preset="small", compile=True, gradient_checkpointing=True), tok).cuda()
+    compiled.load_state_dict(eager.state_dict())
+    ids = torch.randint(0, tok.vocab_size, (4, 64), device="cuda")
+    positions = torch.cat([torch.arange(40), torch.arange(24)]).expand(4, 64).cuda()   # packed rows
+    losses = []
+    for model in (eager.train(), compiled.train()):
+        logits = model(ids, position_ids=positions)
+        loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), ids[:, 1:].reshape(-1))
+        loss.backward()
+        losses.append(loss.detach())
+    assert torch.allclose(losses[0], losses[1], atol=1e-4)
+    for a, b in zip(eager.parameters(), compiled.parameters(), strict=True):
+        assert torch.allclose(a.grad, b.grad, atol=1e-4, rtol=1e-3)
+
+
 # ---------------------------------------------------------------- forward
 
 
