@@ -46,7 +46,8 @@ def test_doctor_reports_built_extension():
 
 # ------------------------------------------------------------------ rms_norm
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shape", [(1, 1024), (7, 1000), (3, 5, 16, 128), (2048, 1024), (4, 13)])
+@pytest.mark.parametrize("shape", [(1, 1024), (7, 1000), (3, 5, 16, 128), (2048, 1024), (4, 13), (3, 2048),
+                                   (5, 4096), (9, 64)])
 @pytest.mark.parametrize("wdtype", ["same", "fp32"])
 def test_rms_norm(dtype, shape, wdtype):
     x = torch.randn(shape, device=DEV, dtype=dtype, requires_grad=True)
@@ -261,12 +262,13 @@ def test_compile_fullgraph_cuda():
         assert rel(a, b) < 1e-4
 
 
-def test_sample_under_cuda_graph():
-    logits = torch.randn(4, 1000, device=DEV)
-    tok, lp = ops_cuda.sample(logits, 1.0, 20, 0.9, 0.0, 5)
+@pytest.mark.parametrize("top_k,top_p", [(20, 0.9), (0, 1.0)])
+def test_sample_under_cuda_graph(top_k, top_p):
+    logits = torch.randn(4, 100_000, device=DEV)
+    tok, lp = ops_cuda.sample(logits, 1.0, top_k, top_p, 0.0, 5)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        tok_g, lp_g = ops_cuda.sample(logits, 1.0, 20, 0.9, 0.0, 5)
+        tok_g, lp_g = ops_cuda.sample(logits, 1.0, top_k, top_p, 0.0, 5)
     g.replay()
     torch.cuda.synchronize()
     assert torch.equal(tok_g, tok) and torch.allclose(lp_g, lp)
