@@ -39,7 +39,7 @@ def build_tokenizer(cfg: dict):
 
 class LRSchedule:
     """LR multiplier after `step` optimizer steps: linear warmup, then constant / linear / cosine decay
-    to `min_lr_ratio` at `total_steps`. A callable object (not a lambda) so LambdaLR can checkpoint it."""
+    to `min_lr_ratio` at `total_steps`."""
 
     def __init__(self, name: str, warmup_steps: int, total_steps: int, min_lr_ratio: float):
         if name not in ("constant", "linear", "cosine"):
@@ -161,7 +161,9 @@ class FwModule(lightning.LightningModule):
         o, s = self.cfg["optimizer"], self.cfg["scheduler"]
         policy_opt = self._adamw(self.policy, o["lr"], o["weight_decay"])
         schedule = LRSchedule(s["name"], s["warmup_steps"], self.cfg["trainer"]["max_steps"], s["min_lr_ratio"])
-        scheduler = torch.optim.lr_scheduler.LambdaLR(policy_opt, schedule)
+        # Wrapped in a plain function so LambdaLR's checkpoint keeps only the step count: a resumed run
+        # follows its own config (e.g. a longer max_steps), not the schedule parameters of the old one.
+        scheduler = torch.optim.lr_scheduler.LambdaLR(policy_opt, lambda step: schedule(step))
         optimizers = [policy_opt]
         self._roles = {id(policy_opt): "policy"}
         if self.value is not None:

@@ -52,24 +52,29 @@ def test_lr_schedules_by_hand():
     assert cos(8) == pytest.approx(0.1)
 
 
-def test_scheduler_checkpoint_round_trip():
-    opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=1.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, LRSchedule("cosine", 2, 10, 0.0))
-    for _ in range(5):
+def test_resumed_schedule_follows_the_config(tmp_path):
+    """The scheduler checkpoint holds the step count only: resuming with a longer max_steps stretches
+    the decay (the new config's schedule at the restored step)."""
+    module = FwModule(sft_cfg(tmp_path, scheduler={"name": "linear"}, optimizer={"lr": 1.0},
+                              trainer={"max_steps": 10}))
+    (opt,), (sched,) = module.configure_optimizers()
+    for _ in range(4):
         opt.step()
-        sched.step()
-    opt2 = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=1.0)
-    sched2 = torch.optim.lr_scheduler.LambdaLR(opt2, LRSchedule("constant", 0, 1, 0.0))
-    sched2.load_state_dict(sched.state_dict())   # the schedule object itself is restored
-    sched2.step()
-    sched.step()
-    assert opt2.param_groups[0]["lr"] == opt.param_groups[0]["lr"] == pytest.approx(
-        0.5 * (1 + math.cos(math.pi * 4 / 8)))
+        sched["scheduler"].step()
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.6)
+    longer = FwModule(sft_cfg(tmp_path, scheduler={"name": "linear"}, optimizer={"lr": 1.0},
+                              trainer={"max_steps": 20}))
+    (opt2,), (sched2,) = longer.configure_optimizers()
+    opt2.load_state_dict(opt.state_dict())
+    sched2["scheduler"].load_state_dict(sched["scheduler"].state_dict())
+    opt2.step()
+    sched2["scheduler"].step()
+    assert opt2.param_groups[0]["lr"] == pytest.approx(1 - 5 / 20)
 
 
 def test_optimizer_groups_and_fused_auto(tmp_path):
     module = FwModule(sft_cfg(tmp_path, optimizer={"weight_decay": 0.1, "lr": 2e-3, "betas": [0.8, 0.9]}))
-    (opts, scheds) = module.configure_optimizers()
+    opts, scheds = module.configure_optimizers()
     (opt,) = opts
     decay, no_decay = opt.param_groups
     assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
@@ -177,3 +182,10 @@ def test_step_metrics_weighted_mean_sum_max_last_and_state():
     assert restored.compute()["loss"] == pytest.approx((2 + 15 + 4) / 8)
     with pytest.raises(ValueError, match="reduce"):
         m.update("loss", 1.0, reduce="median")
+
+
+def test_metrics_logged_every_n_steps_and_at_the_end(tmp_path):
+    fit(sft_cfg(tmp_path, trainer={"max_steps": 5, "log_every_n_steps": 2}))
+    metrics = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == [2, 4, 5]
+    assert all("token_accuracy" in m and "loss" in m for m in metrics)
