@@ -405,8 +405,11 @@ def read_checkpoint_dir(
     manifest = verify_checkpoint(path) if verify else read_manifest(path)
     if not verify:
         _check_sizes(path, manifest)
+    # like Lightning's TorchCheckpointIO, default to CPU: never onto the GPU the state was saved from
+    # (another rank's device under DDP); Lightning moves optimizer state to the right device itself
     with open(path / TRAINER_STATE, "rb") as f:
-        checkpoint = torch.load(f, map_location=map_location, weights_only=weights_only)
+        checkpoint = torch.load(f, map_location=map_location if map_location is not None else "cpu",
+                                weights_only=weights_only)
     device = _safetensors_device(map_location)
     components = {}
     for name in manifest["components"]:

@@ -299,14 +299,14 @@ class RecordingLogger(pl.loggers.Logger):
         self.events.append(("flush",))
 
 
-def _fit(cfg, max_steps, accumulate=1, ckpt_path=None, events=None):
+def _fit(cfg, max_steps, accumulate=1, ckpt_path=None, events=None, accelerator="cpu"):
     events = [] if events is None else events
     cfg["trainer"]["max_steps"] = max_steps
     module = TinyModule()
     io = RecordingIO(cfg, events)
     io.module = module
     trainer = pl.Trainer(
-        max_steps=max_steps, accelerator="cpu", devices=1, accumulate_grad_batches=accumulate,
+        max_steps=max_steps, accelerator=accelerator, devices=1, accumulate_grad_batches=accumulate,
         plugins=[io], callbacks=[ck.CheckpointCallback(cfg)], logger=RecordingLogger(events),
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         default_root_dir=cfg["run_dir"],
@@ -378,3 +378,49 @@ def test_callback_counts_policy_steps_not_global_steps(run_dir):
     assert [Path(p).name for p in found] == ["step-000002", "step-000004", "step-000005"]
     manifest = ck.read_manifest(found[-1])
     assert (manifest["step"], manifest["policy_version"], manifest["global_step"]) == (5, 5, 10)
+
+
+@pytest.mark.gpu
+def test_gpu_state_saves_and_resumes_exactly(run_dir):
+    """CUDA weights and Adam state go to disk through the CPU and come back onto the GPU."""
+    cfg = make_cfg(str(run_dir))
+    cfg["checkpoint"].update(every_n_steps=3, keep_last=1)
+    _fit(cfg, max_steps=3, accelerator="gpu")
+    state = ck.read_checkpoint_dir(ck.find_latest(run_dir), verify=True)
+    assert state["fw_components"]["policy"]["state_dict"]["net.weight"].device.type == "cpu"
+    assert state["optimizer_states"][0]["state"][0]["exp_avg"].device.type == "cpu"
+    resumed, _ = _fit(cfg, max_steps=7, ckpt_path=ck.find_latest(run_dir), accelerator="gpu")
+    straight, _ = _fit(make_cfg(str(run_dir.parent / "straight")), max_steps=7, accelerator="gpu")
+    assert resumed.net.weight.is_cuda and torch.equal(resumed.net.weight, straight.net.weight)
+
+
+@pytest.mark.gpu
+def test_fw_fit_bf16_on_gpu_checkpoints_resumes_and_exports(tmp_path):
+    import transformers
+
+    from framework.config import resolve
+    from framework.export import export_checkpoint
+    from framework.trainer import fit
+
+    def cfg(steps):
+        return resolve({"recipe": "sft", "run_dir": str(tmp_path / "run"), "model": {"policy": {"preset": "tiny"}},
+                        "data": {"path": str(Path(__file__).parents[1] / "recipes/data/arithmetic_chat.jsonl"),
+                                 "max_seq_len": 128},
+                        "trainer": {"accelerator": "gpu", "devices": 1, "precision": "bf16-true",
+                                    "max_steps": steps, "enable_progress_bar": False},
+                        "checkpoint": {"every_n_steps": 5, "verify": True},
+                        "logging": {"tensorboard": False}})
+
+    fit(cfg(5))
+    trainer = fit(cfg(10), resume="last")
+    assert trainer.lightning_module.policy_version == 10
+    final = ck.find_latest(tmp_path / "run")
+    assert Path(final).name == "step-000010"
+    with safe_open(Path(final) / "policy" / "model.safetensors", "pt") as f:
+        assert f.get_tensor("model.norm.weight").dtype == torch.bfloat16
+    out = export_checkpoint(final, tmp_path / "hf")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    ids = torch.tensor([[1, 2, 3, 4]])
+    policy = trainer.lightning_module.policy.float().cpu().eval()
+    with torch.no_grad():
+        assert (hf.eval()(input_ids=ids).logits - policy(ids)).abs().max().item() <= 1e-4
