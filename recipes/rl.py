@@ -1,0 +1,236 @@
+"""What GRPO and PPO share: the prompt stream, one scored rollout batch, and trainer-side logprobs.
+
+Data position: rollout batch ``k`` on rank ``r`` of ``W`` uses task samples
+``(k * W + r) * P .. + P - 1`` (``P = rollout.prompts_per_step``) and sampling seed
+``(seed, k, r)``; ``k`` is the recipe's saved state, so a resumed run draws exactly the prompts and
+tokens it would have drawn. Lightning is fed an endless stream of placeholder batches; the recipe
+picks the prompts itself, so Lightning's one-batch prefetch can never move the data position.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.utils.data import DataLoader, IterableDataset
+
+from framework.errors import FwError
+
+
+class _Ticks(IterableDataset):
+    """An endless stream of step placeholders: RL batches are produced inside training_step."""
+
+    def __iter__(self):
+        while True:
+            yield 0
+
+
+@dataclass
+class ScoredRollout:
+    """One rollout batch of ``B = prompts * samples`` sequences, scored and laid out for training."""
+
+    tokens: Tensor           # [B, T] prompt + completion, right-padded
+    prompt_lens: Tensor      # [B]
+    completion_lens: Tensor  # [B]
+    old_logp: Tensor         # [B, Tc] behaviour logprobs (pi_old), 0 past each row's end
+    mask: Tensor             # [B, Tc] float, 1 on completion tokens
+    rewards: Tensor          # [B] fp32
+    correct: Tensor          # [B] bool: full-credit reward (>= 1)
+    n_reward_errors: int
+    eos_frac: float          # share of rows that ended on EOS or a stop string
+    gen_seconds: float
+    texts: list[str]
+
+
+def render_prompt(tokenizer: Any, prompt: str | list[dict], chat_template: bool, enable_thinking: bool) -> str:
+    """The prompt text the policy sees: chat-templated (a bare string becomes one user turn) or raw."""
+    if chat_template:
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, enable_thinking=enable_thinking)
+    if not isinstance(prompt, str):
+        raise FwError("data.chat_template is false but the task gives chat messages; "
+                      "set data.chat_template: true or give plain-string prompts")
+    return prompt
+
+
+def response_index(prompt_lens: Tensor, completion_lens: Tensor, width: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Rows, completion columns and the token positions whose hidden state predicts each completion token.
+
+    Completion token ``j`` of row ``b`` sits at ``prompt_lens[b] + j`` in ``tokens`` and is predicted
+    from position ``prompt_lens[b] + j - 1``.
+    """
+    mask = torch.arange(width, device=prompt_lens.device)[None, :] < completion_lens[:, None]
+    rows, cols = mask.nonzero(as_tuple=True)
+    return rows, cols, prompt_lens[rows] + cols - 1
+
+
+def completion_logprobs(model: Any, tokens: Tensor, prompt_lens: Tensor, completion_lens: Tensor, width: int,
+                        temperature: float, with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
+    """Per-token logprobs ``[B, width]`` (and entropies) of the completion tokens under ``model``.
+
+    Uses the model's hidden states and the fused ``ops_cuda.linear_logprob`` on the response
+    positions only, at the rollout's temperature, so the values are comparable with the behaviour
+    logprobs. 0 past each row's end.
+    """
+    import ops_cuda
+
+    length = int((prompt_lens + completion_lens).max())
+    hidden = model(tokens[:, :length], return_hidden=True)
+    rows, cols, pos = response_index(prompt_lens, completion_lens, width)
+    logp, entropy = ops_cuda.linear_logprob(hidden[rows, pos], model.lm_head_weight, tokens[rows, pos + 1],
+                                            temperature=temperature, return_entropy=with_entropy)
+    out = hidden.new_zeros(tokens.shape[0], width, dtype=torch.float32).index_put((rows, cols), logp)
+    ent = None
+    if with_entropy:
+        ent = torch.zeros_like(out).index_put((rows, cols), entropy.detach().float())
+    return out, ent
+
+
+def completion_values(value_model: Any, tokens: Tensor, prompt_lens: Tensor, completion_lens: Tensor,
+                      width: int) -> Tensor:
+    """Critic values ``[B, width]`` of the states before each completion token; 0 past each row's end."""
+    length = int((prompt_lens + completion_lens).max())
+    values = value_model(tokens[:, :length])
+    rows, cols, pos = response_index(prompt_lens, completion_lens, width)
+    out = values.new_zeros(tokens.shape[0], width, dtype=torch.float32)
+    return out.index_put((rows, cols), values[rows, pos].float())
+
+
+class RLRecipe:
+    """Base of the manual-optimization RL recipes: data position, rollouts, rewards, logging."""
+
+    automatic_optimization = False
+    section = ""  # "grpo" | "ppo": the config section holding epochs, minibatches, loss_agg, ...
+
+    def __init__(self, cfg: dict, tokenizer: Any):
+        from framework.rewards import build_reward
+        from framework.tasks import build_task
+
+        self.cfg = cfg
+        self.tokenizer = tokenizer
+        if cfg["rollout"]["temperature"] <= 0:
+            raise FwError(f"rollout.temperature: {cfg['recipe']} samples from the policy and needs a temperature "
+                          f"> 0 (got {cfg['rollout']['temperature']}); the trainer's logprobs use the same one")
+        self.task = build_task(cfg["data"], seed=cfg["seed"])
+        self.reward_fn = build_reward(cfg["reward"])
+        self.rollout_step = 0  # rollout batches consumed so far: the data position
+
+    # ---- protocol
+    def needs_value_model(self) -> bool:
+        return False
+
+    def needs_reference_model(self) -> bool:
+        return self.cfg[self.section]["kl_coef"] > 0
+
+    def train_dataloader(self, module: Any) -> DataLoader:
+        return DataLoader(_Ticks(), batch_size=None)
+
+    def state_dict(self) -> dict:
+        return {"rollout_step": self.rollout_step}
+
+    def load_state_dict(self, d: dict) -> None:
+        self.rollout_step = int(d["rollout_step"])
+
+    # ---- shared steps
+    def _check_batch_split(self, batch_size: int) -> None:
+        sec = self.cfg[self.section]
+        micro = self.cfg["trainer"]["accumulate_grad_batches"]
+        if sec["minibatches"] * micro > batch_size:
+            raise FwError(f"{self.section}.minibatches ({sec['minibatches']}) x trainer.accumulate_grad_batches "
+                          f"({micro}) exceeds the {batch_size} sequences of one rollout batch")
+
+    def _rank(self, module: Any) -> tuple[int, int]:
+        trainer = getattr(module, "_trainer", None)
+        if trainer is None:
+            return 0, 1
+        return trainer.global_rank, trainer.world_size
+
+    def collect(self, module: Any, samples_per_prompt: int) -> ScoredRollout:
+        """Generate ``samples_per_prompt`` completions for each prompt of this step and score them."""
+        from framework.rewards import score_rollout
+        from framework.rollout import generate
+
+        cfg, tok = self.cfg, self.tokenizer
+        ro_cfg = cfg["rollout"]
+        rank, world = self._rank(module)
+        n_prompts = ro_cfg["prompts_per_step"]
+        first = (self.rollout_step * world + rank) * n_prompts
+        samples = [self.task.sample(first + i) for i in range(n_prompts)]
+        texts = [render_prompt(tok, s["prompt"], cfg["data"]["chat_template"], cfg["tokenizer"]["enable_thinking"])
+                 for s in samples]
+        ids = [tok.encode(t) for t in texts]
+        prompts = [p for p in ids for _ in range(samples_per_prompt)]
+        seed = (cfg["seed"] * 1_000_003 + self.rollout_step * world + rank) % (2**31 - 1)
+        start = time.perf_counter()
+        ro = generate(module.policy, prompts, max_new_tokens=ro_cfg["max_new_tokens"],
+                      temperature=ro_cfg["temperature"], top_k=ro_cfg["top_k"], top_p=ro_cfg["top_p"],
+                      min_p=ro_cfg["min_p"], eos_ids=(tok.eos_id,), stop=tuple(ro_cfg["stop"]), tokenizer=tok,
+                      seed=seed, policy_version=int(module.policy_version))
+        gen_seconds = time.perf_counter() - start
+        rep_texts = [t for t in texts for _ in range(samples_per_prompt)]
+        metadatas = [s["metadata"] for s in samples for _ in range(samples_per_prompt)]
+        rewards, n_err = score_rollout(self.reward_fn, rep_texts, ro.texts, metadatas, cfg["reward"]["on_error"])
+        device = module.device
+        width = ro.logprobs.shape[1]
+        clens = ro.completion_lens.to(device)
+        mask = (torch.arange(width, device=device)[None, :] < clens[:, None]).float()
+        return ScoredRollout(
+            tokens=ro.tokens.to(device), prompt_lens=ro.prompt_lens.to(device), completion_lens=clens,
+            old_logp=ro.logprobs.to(device=device, dtype=torch.float32), mask=mask, rewards=rewards.to(device),
+            correct=(rewards >= 1.0).to(device), n_reward_errors=n_err,
+            eos_frac=sum(r != "length" for r in ro.finish_reasons) / len(ro.finish_reasons),
+            gen_seconds=gen_seconds, texts=list(ro.texts))
+
+    def logprobs(self, model: Any, batch: ScoredRollout, rows: Tensor,
+                 with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
+        return completion_logprobs(model, batch.tokens[rows], batch.prompt_lens[rows], batch.completion_lens[rows],
+                                   batch.mask.shape[1], self.cfg["rollout"]["temperature"], with_entropy)
+
+    def minibatches(self, batch_size: int, epoch: int) -> list[list[Tensor]]:
+        """Seeded shuffled split of ``range(batch_size)``: ``minibatches`` lists of micro-batch index sets."""
+        sec = self.cfg[self.section]
+        gen = torch.Generator().manual_seed(((self.cfg["seed"] * 1_000_003 + self.rollout_step) * 101 + epoch) % 2**63)
+        perm = torch.randperm(batch_size, generator=gen)
+        micro = self.cfg["trainer"]["accumulate_grad_batches"]
+        return [list(torch.tensor_split(mb, micro)) for mb in torch.tensor_split(perm, sec["minibatches"])]
+
+    def steps_left(self, module: Any) -> bool:
+        """False once ``trainer.max_steps`` policy optimizer steps are done (stop mid-rollout then)."""
+        trainer = getattr(module, "_trainer", None)
+        if trainer is None or trainer.max_steps is None or trainer.max_steps < 0:
+            return True
+        return module.policy_version < trainer.max_steps
+
+    def log_rollout(self, module: Any, batch: ScoredRollout) -> None:
+        """Reward and rollout metrics of one rollout batch (averaged over the logging interval)."""
+        lens = batch.completion_lens.float()
+        rewards = batch.rewards
+        for name, value in (
+            ("reward/mean", rewards.mean()),
+            ("reward/std", rewards.std() if rewards.numel() > 1 else 0.0),
+            ("reward/accuracy", batch.correct.float().mean()),
+            ("rollout/response_len", lens.mean()),
+            ("rollout/eos_frac", batch.eos_frac),
+            ("rollout/tokens_per_s", float(lens.sum()) / max(batch.gen_seconds, 1e-9)),
+            ("rollout/seconds", batch.gen_seconds),
+        ):
+            module.log_metric(name, value)
+        module.log_metric("reward/errors", batch.n_reward_errors, reduce="sum")
+        module.log_metric("tokens", float((batch.prompt_lens + batch.completion_lens).sum()), reduce="sum")
+
+    def log_first_update(self, module: Any, logp: Tensor, entropy: Tensor, batch: ScoredRollout,
+                         rows: Tensor) -> None:
+        """Rollout-vs-trainer logprob mismatch and entropy, on the first minibatch before any update."""
+        mask = batch.mask[rows]
+        n_tokens = float(mask.sum())
+        diff = (logp.detach() - batch.old_logp[rows]).abs() * mask
+        module.log_metric("mismatch/mean", float(diff.sum()) / max(n_tokens, 1.0), weight=n_tokens)
+        module.log_metric("mismatch/max", diff.max(), reduce="max")
+        module.log_metric("policy/entropy", float((entropy * mask).sum()) / max(n_tokens, 1.0), weight=n_tokens)
+
+    @staticmethod
+    def log_weighted(module: Any, prefix: str, values: dict[str, Tensor], weight: float) -> None:
+        for name, value in values.items():
+            module.log_metric(f"{prefix}/{name}", value.detach(), weight=weight)
