@@ -90,6 +90,44 @@ def _tokenizer_files(tokenizer) -> dict[str, bytes]:
         return {p.name: p.read_bytes() for p in sorted(Path(tmp).iterdir()) if p.is_file()}
 
 
+class HfLayout:
+    """Where each HF tensor of a model lives in the module's state dict (fused weights split by rows).
+
+    Computed once on the unwrapped model, so checkpoints convert from / to any full state dict (one
+    device, DDP, FSDP's gathered one) without reading the live, possibly sharded, parameters.
+    """
+
+    def __init__(self, model: torch.nn.Module, prefix: str):
+        names = {id(t): n for n, t in [*model.named_parameters(), *model.named_buffers()]}
+        self.pieces: dict[str, tuple[str, int | None, int | None]] = {}
+        self.shapes: dict[str, tuple[int, ...]] = {}
+        for hf, (tensor, lo, hi) in model.hf_targets().items():
+            key = prefix + names[id(tensor)]
+            self.pieces[hf] = (key, lo, hi)
+            self.shapes[key] = tuple(tensor.shape)
+
+    def to_hf(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """HF-named CPU copies (views of fused weights would share storage, which safetensors refuses)."""
+        return {hf: (state_dict[key] if lo is None else state_dict[key][lo:hi]).detach().to("cpu", copy=True)
+                for hf, (key, lo, hi) in self.pieces.items()}
+
+    def from_hf(self, hf: dict[str, torch.Tensor], source: str) -> dict[str, torch.Tensor]:
+        """The module's state-dict entries rebuilt from HF-named tensors; every tensor must be there."""
+        missing, unexpected = sorted(set(self.pieces) - set(hf)), sorted(set(hf) - set(self.pieces))
+        if missing or unexpected:
+            raise FwError(f"{source}: missing tensors {missing[:8]}, unexpected tensors {unexpected[:8]}")
+        out: dict[str, torch.Tensor] = {}
+        for name, (key, lo, hi) in self.pieces.items():
+            value = hf[name]
+            if key not in out:
+                out[key] = torch.empty(self.shapes[key], dtype=value.dtype, device=value.device)
+            dest = out[key] if lo is None else out[key][lo:hi]
+            if tuple(value.shape) != tuple(dest.shape):
+                raise FwError(f"{source}: tensor {name} has shape {tuple(value.shape)}, expected {tuple(dest.shape)}")
+            dest.copy_(value)
+        return out
+
+
 class FwModule(lightning.LightningModule):
     """Models + optimizers + the fw step path; `training_step` and the data belong to the recipe."""
 
@@ -115,6 +153,9 @@ class FwModule(lightning.LightningModule):
         self._pending_rng: dict | None = None
         self._flush_time = time.perf_counter()
         self._tokenizer_files = _tokenizer_files(self.tokenizer)
+        self._layouts = {"policy": HfLayout(self.policy, "policy.")}
+        if self.value is not None:
+            self._layouts["value"] = HfLayout(self.value, "value.")
 
     # ----------------------------------------------------------------- models
     def _build_value(self):
@@ -293,26 +334,25 @@ class FwModule(lightning.LightningModule):
             self._pending_rng = None
 
     # ------------------------------------------------------------ checkpoints
-    def _component(self, model: torch.nn.Module, value: bool) -> dict[str, Any]:
-        from framework.models.hf_io import VALUE_ARCHITECTURE, dtype_name
-
-        first = next(iter(model.parameters()))
-        config = model.config.to_hf(dtype_name(first.dtype))
-        if value:
-            config["architectures"] = [VALUE_ARCHITECTURE]
-        # Independent CPU copies: HF names are views into fused weights, which must not share storage.
-        state = {k: v.detach().to("cpu", copy=True) for k, v in model.hf_state_dict().items()}
-        return {"config": config, "state_dict": state}
-
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Weights leave `state_dict` for `fw_components` (HF layout, written as policy/ and value/)."""
+        from framework.models.hf_io import VALUE_ARCHITECTURE, dtype_name
+
         sd = checkpoint["state_dict"]
+        components = {}
+        for name, layout in self._layouts.items():
+            if not any(key in sd for key in layout.shapes):
+                continue   # a rank that FSDP gave no full state dict: it writes nothing
+            model = self.policy if name == "policy" else self.value
+            tensors = layout.to_hf(sd)
+            config = model.config.to_hf(dtype_name(next(iter(tensors.values())).dtype))
+            if name == "value":
+                config["architectures"] = [VALUE_ARCHITECTURE]
+            components[name] = {"config": config, "state_dict": tensors}
+        if "policy" in components:
+            components["policy"]["files"] = dict(self._tokenizer_files)
         for key in [k for k in sd if k.startswith(("policy.", "value.", "reference."))]:
             del sd[key]
-        components = {"policy": self._component(self.policy, value=False)}
-        components["policy"]["files"] = dict(self._tokenizer_files)
-        if self.value is not None:
-            components["value"] = self._component(self.value, value=True)
         checkpoint["fw_components"] = components
         checkpoint["policy_version"] = self.policy_version
         checkpoint["fw_recipe"] = self.recipe.state_dict()
@@ -320,19 +360,19 @@ class FwModule(lightning.LightningModule):
         checkpoint["fw_step_metrics"] = self.step_metrics.state()
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """Put the HF-layout weights back (the reference model is rebuilt, never saved)."""
+        """Rebuild the weights' state-dict entries from `fw_components` for Lightning to load.
+
+        The reference model is never saved: it is rebuilt from its source, so its current weights stand.
+        """
         components = checkpoint.pop("fw_components", None)
         if not components or "policy" not in components:
             raise FwError("checkpoint: no policy weights (fw_components.policy); not an fw checkpoint")
-        self.policy.load_hf_state_dict(components["policy"]["state_dict"])
+        if self.value is not None and "value" not in components:
+            raise FwError("checkpoint: no value/ component, but this recipe trains a value model; "
+                          "a PPO run resumes only from a checkpoint that holds its critic")
         sd = checkpoint["state_dict"]
-        sd.update({f"policy.{k}": v for k, v in self.policy.state_dict().items()})
-        if self.value is not None:
-            if "value" not in components:
-                raise FwError("checkpoint: no value/ component, but this recipe trains a value model; "
-                              "a PPO run resumes only from a checkpoint that holds its critic")
-            self.value.load_hf_state_dict(components["value"]["state_dict"])
-            sd.update({f"value.{k}": v for k, v in self.value.state_dict().items()})
+        for name, layout in self._layouts.items():
+            sd.update(layout.from_hf(components[name]["state_dict"], f"checkpoint {name}/"))
         if self.reference is not None:
             sd.update({f"reference.{k}": v for k, v in self.reference.state_dict().items()})
         self.policy_version = int(checkpoint["policy_version"])

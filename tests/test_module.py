@@ -8,11 +8,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import recipes
 from framework.config import resolve
 from framework.data import IGNORE, sft_dataloader
 from framework.metrics import StepMetrics, read_metrics
 from framework.module import FwModule, LRSchedule
 from framework.trainer import fit
+from recipes.sft import SFTRecipe
 
 DATA = "recipes/data/arithmetic_chat.jsonl"
 
@@ -159,6 +161,11 @@ def test_checkpoint_without_weights_fails_loudly(tmp_path):
     module = FwModule(sft_cfg(tmp_path))
     with pytest.raises(FwError, match="no policy weights"):
         module.on_load_checkpoint({"state_dict": {}})
+    checkpoint = {"state_dict": module.state_dict()}
+    module.on_save_checkpoint(checkpoint)
+    del checkpoint["fw_components"]["policy"]["state_dict"]["model.layers.1.mlp.up_proj.weight"]
+    with pytest.raises(FwError, match=r"checkpoint policy/: missing tensors \['model.layers.1.mlp.up_proj.weight'\]"):
+        module.on_load_checkpoint(checkpoint)
 
 
 # ------------------------------------------------------------------ metrics
@@ -189,3 +196,37 @@ def test_metrics_logged_every_n_steps_and_at_the_end(tmp_path):
     metrics = read_metrics(tmp_path / "run" / "metrics.jsonl")
     assert [m["step"] for m in metrics] == [2, 4, 5]
     assert all("token_accuracy" in m and "loss" in m for m in metrics)
+
+
+class WithCritic(SFTRecipe):
+    """SFT data + a value model: enough to exercise the critic's checkpoint component."""
+
+    def __init__(self, cfg, tokenizer):
+        super().__init__({**cfg, "sft": {"train_on_prompt": False}}, tokenizer)
+
+    def needs_value_model(self):
+        return True
+
+
+def test_value_component_round_trip(tmp_path, monkeypatch):
+    from framework.errors import FwError
+
+    monkeypatch.setitem(recipes.RECIPES, "ppo", WithCritic)
+    cfg = resolve({"recipe": "ppo", "model": {"policy": {"preset": "tiny"}}, "data": {"path": DATA}})
+    a = FwModule(cfg)
+    with torch.no_grad():
+        a.value.v_head.weight.normal_()
+    checkpoint = {"state_dict": a.state_dict()}
+    a.on_save_checkpoint(checkpoint)
+    value = checkpoint["fw_components"]["value"]
+    assert value["config"]["architectures"] == ["Qwen3ValueModel"]
+    assert set(value["state_dict"]) == set(a.value.hf_state_dict()) and "v_head.weight" in value["state_dict"]
+    b = FwModule(cfg)
+    restored = copy.deepcopy(checkpoint)
+    b.on_load_checkpoint(restored)
+    b.load_state_dict(restored["state_dict"])
+    for (ka, va), (kb, vb) in zip(a.state_dict().items(), b.state_dict().items()):
+        assert ka == kb and torch.equal(va, vb), ka
+    del checkpoint["fw_components"]["value"]
+    with pytest.raises(FwError, match="no value/ component"):
+        b.on_load_checkpoint(checkpoint)
