@@ -189,7 +189,11 @@ def recover(ckpt_dir: str | os.PathLike) -> None:
             continue
         final = ckpt_dir / m.group(2)
         if not final.exists() and is_complete(entry):
-            os.rename(entry, final)
+            try:
+                os.rename(entry, final)
+            except OSError:  # gone or target exists: another rank (same shared run_dir) recovered it first
+                if not final.is_dir():
+                    raise
             fsync_dir(ckpt_dir)
 
 
