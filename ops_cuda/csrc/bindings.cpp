@@ -73,13 +73,14 @@ std::tuple<Tensor, Tensor> rms_norm_backward(const Tensor& grad, const Tensor& x
   auto [w, wdt] = weight_for(weight, x, dt);
   const int64_t rows = D ? xc.numel() / D : 0;
   auto gx = at::empty(x.sizes(), xc.options());
-  const int blocks = fw::rms_norm_bwd_blocks(rows, sm_count());
-  auto part = at::empty({blocks, D}, xc.options().dtype(at::kFloat));
+  const int sms = sm_count(), max_blocks = fw::rms_norm_bwd_max_blocks(sms);
+  auto part = at::empty({max_blocks, D}, xc.options().dtype(at::kFloat));
+  int blocks = 0;
   check_launch(fw::rms_norm_bwd(dt, wdt, gc.data_ptr(), xc.data_ptr(), w.data_ptr(), gx.data_ptr(),
-                                part.data_ptr<float>(), blocks, rows, (int)D, (float)eps,
+                                part.data_ptr<float>(), max_blocks, &blocks, rows, (int)D, (float)eps, sms,
                                 at::cuda::getCurrentCUDAStream()),
                "rms_norm_backward");
-  return {gx, part.sum(0).to(weight.scalar_type())};
+  return {gx, part.narrow(0, 0, blocks).sum(0).to(weight.scalar_type())};
 }
 
 // ------------------------------------------------------------------ rope

@@ -12,10 +12,12 @@ enum class DType : int { F32 = 0, BF16 = 1, F16 = 2 };
 // x [rows, D] -> y [rows, D]; weight [D] of wdtype (x's dtype or F32).
 cudaError_t rms_norm_fwd(DType dt, DType wdt, const void* x, const void* w, void* y, int64_t rows, int D,
                          float eps, cudaStream_t stream);
-// gx [rows, D] (x's dtype); gw_partial [blocks, D] fp32 partial sums of grad*x*rstd over rows.
-int rms_norm_bwd_blocks(int64_t rows, int sm_count);
+// gx [rows, D] (x's dtype); gw_partial [max_blocks, D] fp32: the first *blocks_used rows get partial sums of
+// grad*x*rstd over rows (one per block; the grid is one wave of resident blocks).
+int rms_norm_bwd_max_blocks(int sm_count);
 cudaError_t rms_norm_bwd(DType dt, DType wdt, const void* grad, const void* x, const void* w, void* gx,
-                         float* gw_partial, int blocks, int64_t rows, int D, float eps, cudaStream_t stream);
+                         float* gw_partial, int max_blocks, int* blocks_used, int64_t rows, int D, float eps,
+                         int sm_count, cudaStream_t stream);
 
 // q [B, T, Hq, D], k [B, T, Hk, D] with element strides (b, t, h) and a contiguous last dim; outputs
 // contiguous; positions [B*T] int64; inv_freq [D/2] fp32.

@@ -209,8 +209,8 @@ cudaError_t launch_fwd(const void* x, const void* w, void* y, int64_t rows, int 
 }
 
 template <typename T, typename W>
-cudaError_t launch_bwd(const void* g, const void* x, const void* w, void* gx, float* part, int blocks,
-                       int64_t rows, int D, float eps, cudaStream_t s) {
+cudaError_t launch_bwd(const void* g, const void* x, const void* w, void* gx, float* part, int max_blocks,
+                       int* blocks_used, int64_t rows, int D, float eps, int sm_count, cudaStream_t s) {
   constexpr int V16 = 16 / sizeof(T);
   const size_t smem = (size_t)D * sizeof(float);
   auto go = [&](auto vec, auto lanes, auto nv) -> cudaError_t {
@@ -220,7 +220,16 @@ cudaError_t launch_bwd(const void* g, const void* x, const void* w, void* gx, fl
       cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
       if (e != cudaSuccess) return e;
     }
-    kernel<<<blocks, kThreads, smem, s>>>((const T*)g, (const T*)x, (const W*)w, (T*)gx, part, rows, D, eps);
+    // one wave of resident blocks (a second partial wave would idle most SMs), at least 8 rows per block
+    int per_sm = 0;
+    cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, smem);
+    if (e != cudaSuccess) return e;
+    int64_t blocks = (int64_t)sm_count * (per_sm > 0 ? per_sm : 1);
+    blocks = blocks < max_blocks ? blocks : max_blocks;
+    const int64_t need = (rows + 7) / 8;
+    blocks = blocks < need ? blocks : (need > 0 ? need : 1);
+    *blocks_used = (int)blocks;
+    kernel<<<(unsigned)blocks, kThreads, smem, s>>>((const T*)g, (const T*)x, (const W*)w, (T*)gx, part, rows, D, eps);
     return cudaGetLastError();
   };
   if (D % V16 == 0 && aligned16(x) && aligned16(g) && aligned16(gx))  // registers: x, g, acc of 32 elements
@@ -240,19 +249,17 @@ cudaError_t rms_norm_fwd(DType dt, DType wdt, const void* x, const void* w, void
   });
 }
 
-int rms_norm_bwd_blocks(int64_t rows, int sm_count) {
-  const int64_t need = (rows + 7) / 8;  // at least 8 rows per block
-  const int64_t cap = (int64_t)sm_count * 4;
-  return (int)(need < cap ? (need > 0 ? need : 1) : cap);
-}
+int rms_norm_bwd_max_blocks(int sm_count) { return sm_count * (2048 / kThreads); }
 
 cudaError_t rms_norm_bwd(DType dt, DType wdt, const void* grad, const void* x, const void* w, void* gx,
-                         float* gw_partial, int blocks, int64_t rows, int D, float eps, cudaStream_t stream) {
+                         float* gw_partial, int max_blocks, int* blocks_used, int64_t rows, int D, float eps,
+                         int sm_count, cudaStream_t stream) {
   return dispatch(dt, [&](auto t) -> cudaError_t {
     using T = decltype(t);
-    if (wdt == DType::F32) return launch_bwd<T, float>(grad, x, w, gx, gw_partial, blocks, rows, D, eps, stream);
+    if (wdt == DType::F32)
+      return launch_bwd<T, float>(grad, x, w, gx, gw_partial, max_blocks, blocks_used, rows, D, eps, sm_count, stream);
     if (wdt != dt) return cudaErrorInvalidValue;
-    return launch_bwd<T, T>(grad, x, w, gx, gw_partial, blocks, rows, D, eps, stream);
+    return launch_bwd<T, T>(grad, x, w, gx, gw_partial, max_blocks, blocks_used, rows, D, eps, sm_count, stream);
   });
 }
 

@@ -238,10 +238,10 @@ sample_split_kernel(const T* __restrict__ logits, int64_t row_stride, int64_t V,
                     uint32_t k1, int64_t cols_per_block, float* __restrict__ part_f, int64_t* __restrict__ part_i) {
   __shared__ float red_m[kSplitThreads / 32], red_s[kSplitThreads / 32], red_v[kSplitThreads / 32];
   __shared__ int64_t red_i[kSplitThreads / 32];
-  const int64_t row = blockIdx.y, P = gridDim.x;
+  const int64_t row = blockIdx.x, P = gridDim.y;  // rows on x: up to 2^31 - 1 of them
   const T* x = logits + row * row_stride;
   const bool greedy = temperature == 0.f;
-  const int64_t c_begin = blockIdx.x * cols_per_block, c_end = min(V, c_begin + cols_per_block);
+  const int64_t c_begin = blockIdx.y * cols_per_block, c_end = min(V, c_begin + cols_per_block);
   float m = -INFINITY, s = 0.f;
   ArgMax pick{-INFINITY, V};
   for (int64_t c4 = c_begin / 4 + threadIdx.x; c4 * 4 < c_end; c4 += kSplitThreads) {
@@ -288,7 +288,7 @@ sample_split_kernel(const T* __restrict__ logits, int64_t row_stride, int64_t V,
       if (red_s[w] > 0.f) S += red_s[w] * expf(red_m[w] - M);
       if (red_i[w] < V) b = better(b, ArgMax{red_v[w], red_i[w]});
     }
-    const int64_t k = row * P + blockIdx.x;
+    const int64_t k = row * P + blockIdx.y;
     part_f[3 * k] = M;
     part_f[3 * k + 1] = S;
     part_f[3 * k + 2] = b.v;
@@ -323,6 +323,7 @@ int sample_split_parts(int B, int64_t V, int sm_count) {
   int64_t P = (2 * (int64_t)sm_count + B - 1) / B;
   const int64_t most = (V + 4095) / 4096;  // at least 4096 columns per block
   if (P > most) P = most;
+  if (P > 65535) P = 65535;
   return (int)(P < 1 ? 1 : P);
 }
 
@@ -336,7 +337,7 @@ cudaError_t sample(DType dt, const void* logits, int64_t row_stride, int64_t* to
     return dispatch(dt, [&](auto t) -> cudaError_t {
       using T = decltype(t);
       const int64_t cols = ((V + split_ws.P - 1) / split_ws.P + 3) / 4 * 4;  // multiples of 4: one Philox call
-      sample_split_kernel<T><<<dim3((unsigned)split_ws.P, (unsigned)B), kSplitThreads, 0, stream>>>(
+      sample_split_kernel<T><<<dim3((unsigned)B, (unsigned)split_ws.P), kSplitThreads, 0, stream>>>(
           (const T*)logits, row_stride, V, temperature, k0, k1, cols, split_ws.part_f, split_ws.part_i);
       cudaError_t e = cudaGetLastError();
       if (e != cudaSuccess) return e;
