@@ -3,9 +3,11 @@ shapes (training 8 x 2048 tokens, decode batch 1..256); one table.
 
     python -m ops_cuda.bench.bench_ops            (needs a CUDA GPU)
 
-Times are medians of triton.testing.do_bench (CUDA events); GB/s counts the bytes that must move once
-(inputs read + outputs written), TFLOP/s the GEMM FLOPs; ceilings measured on the H200 (REFERENCE.md):
-4.26 TB/s copy, 785 TFLOP/s bf16.
+Times are medians of CUDA-graph replays (triton.testing.do_bench_cudagraph: GPU time without Python and
+launch overhead; rows marked * could not be captured and use do_bench's plain launches instead); the last
+column is the fw op launched plainly from Python (do_bench), which adds the dispatcher/autograd overhead.
+GB/s counts the bytes that must move once (inputs read + outputs written), TFLOP/s the GEMM FLOPs;
+ceilings measured on the H200 (REFERENCE.md): 4.26 TB/s copy, 785 TFLOP/s bf16.
 """
 from __future__ import annotations
 
@@ -26,9 +28,22 @@ BF = torch.bfloat16
 
 
 def bench(fn, reps_ms: int = 200) -> float:
+    """Median ms of plain launches (CUDA events around each call)."""
     from triton.testing import do_bench
 
     return do_bench(fn, warmup=50, rep=reps_ms, return_mode="median")
+
+
+def bench_graph(fn, reps_ms: int = 100) -> tuple[float, bool]:
+    """(median ms of CUDA-graph replays, True), or (plain-launch median, False) if fn cannot be captured."""
+    from triton.testing import do_bench_cudagraph
+
+    try:
+        return do_bench_cudagraph(fn, rep=reps_ms, return_mode="median"), True
+    except Exception as e:  # noqa: BLE001 (e.g. a host sync inside fn): fall back, and say so in the table
+        print(f"  (no CUDA graph: {type(e).__name__}: {str(e)[:120]})")
+        torch.cuda.synchronize()
+        return bench(fn), False
 
 
 def compiled(fn):
@@ -98,13 +113,17 @@ ROWS: list[dict] = []
 
 def row(op: str, shape: str, fw, eager, comp, args: tuple = (), nbytes: float = 0.0, flops: float = 0.0) -> None:
     """Time fw(*args), eager(*args) and comp(*args) (comp: torch.compile of the eager maths)."""
-    t_fw, t_e = bench(lambda: fw(*args)), bench(lambda: eager(*args))
+    t_plain = bench(lambda: fw(*args))
+    (t_fw, g1), (t_e, g2) = bench_graph(lambda: fw(*args)), bench_graph(lambda: eager(*args))
     try:
-        t_c = bench(lambda: comp(*args))
+        comp(*args)  # compile outside any graph capture
+        t_c, g3 = bench_graph(lambda: comp(*args))
     except Exception as e:  # noqa: BLE001 (a baseline that fails to compile is reported, not fatal)
         print(f"  torch.compile baseline failed for {op} {shape}: {type(e).__name__}: {str(e)[:200]}")
-        t_c = math.nan
-    r = {"op": op, "shape": shape, "fw": t_fw, "eager": t_e, "compile": t_c}
+        t_c, g3 = math.nan, True
+    mark = lambda ok: "" if ok else "*"
+    r = {"op": op, "shape": shape, "fw": t_fw, "eager": t_e, "compile": t_c, "plain": t_plain,
+         "marks": (mark(g1), mark(g2), mark(g3))}
     if nbytes:
         r["rate"] = f"{nbytes / t_fw / 1e6:.0f} GB/s"
         r["ceiling"] = f"{100 * nbytes / t_fw / 1e-3 / COPY_BW:.0f}% of copy"
@@ -113,17 +132,20 @@ def row(op: str, shape: str, fw, eager, comp, args: tuple = (), nbytes: float = 
         r["ceiling"] = f"{100 * flops / t_fw / 1e-3 / BF16_FLOPS:.0f}% of bf16"
     ROWS.append(r)
     print(f"  {op:24s} {shape:30s} fw {t_fw:8.3f} ms  eager {t_e:8.3f}  compile {t_c:8.3f}  "
-          f"{r.get('rate', '')} {r.get('ceiling', '')}", flush=True)
+          f"{r.get('rate', '')} {r.get('ceiling', '')}  (fw plain launch {t_plain:.3f} ms)", flush=True)
 
 
 def print_table() -> None:
-    head = f"| {'op':24s} | {'shape':30s} | fw ms | eager ms | compile ms | fw vs compile | achieved | vs ceiling |"
+    head = (f"| {'op':24s} | {'shape':32s} | fw ms | eager ms | compile ms | fw vs compile | achieved | vs ceiling "
+            "| fw plain-launch ms |")
     print("\n" + head)
     print("|" + "|".join("-" * (len(c)) for c in head.split("|")[1:-1]) + "|")
     for r in ROWS:
         sp = r["compile"] / r["fw"] if r["compile"] == r["compile"] else float("nan")
-        print(f"| {r['op']:24s} | {r['shape']:30s} | {r['fw']:.3f} | {r['eager']:.3f} | {r['compile']:.3f} | "
-              f"{sp:.2f}x | {r.get('rate', '')} | {r.get('ceiling', '')} |")
+        m = r["marks"]
+        print(f"| {r['op']:24s} | {r['shape']:32s} | {r['fw']:.3f}{m[0]} | {r['eager']:.3f}{m[1]} | "
+              f"{r['compile']:.3f}{m[2]} | {sp:.2f}x | {r.get('rate', '')} | {r.get('ceiling', '')} | "
+              f"{r['plain']:.3f} |")
 
 
 def peak_memory(fn) -> float:

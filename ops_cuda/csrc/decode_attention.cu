@@ -26,7 +26,7 @@ decode_split_kernel(const T* __restrict__ q, const T* __restrict__ kc, const T* 
                     int64_t sh, int64_t ss, int splits, float scale) {
   using Sh = DecodeShape<T, D>;
   constexpr int E = Sh::E, LPP = Sh::LPP, kSlots = Sh::kSlots;
-  constexpr int U = R <= 2 ? 4 : 2;  // rows in flight per slot (fewer when R heads of state fill registers)
+  constexpr int U = R <= 2 ? 2 : 1;  // rows per slot per step; the next step's rows load during this one's math
   __shared__ float sm_m[kSlots][R], sm_l[kSlots][R];
   __shared__ float sm_acc[kSlots][R][D];
   const int bg = blockIdx.x, b = bg / Hk, g = bg - b * Hk, split = blockIdx.y;
@@ -36,6 +36,7 @@ decode_split_kernel(const T* __restrict__ q, const T* __restrict__ kc, const T* 
   const int chunk = (S + splits - 1) / splits;
   const int64_t s_begin = (int64_t)split * chunk;
   const int64_t s_end = min(len, s_begin + chunk);
+  const float qscale = scale * 1.4426950408889634f;  // scores in base 2: exp2f is one MUFU op
 
   float qf[R][E], acc[R][E], m[R], l[R];
 #pragma unroll
@@ -43,7 +44,7 @@ decode_split_kernel(const T* __restrict__ q, const T* __restrict__ kc, const T* 
     Vec<T, E> qv = load_vec<T, E>(q + ((int64_t)b * Hq + g * R + r) * D + sub * E);
 #pragma unroll
     for (int e = 0; e < E; ++e) {
-      qf[r][e] = to_f(qv.v[e]) * scale;
+      qf[r][e] = to_f(qv.v[e]) * qscale;
       acc[r][e] = 0.f;
     }
     m[r] = -INFINITY;
@@ -51,15 +52,24 @@ decode_split_kernel(const T* __restrict__ q, const T* __restrict__ kc, const T* 
   }
   const T* kb = kc + b * sb + g * sh + sub * E;
   const T* vb = vc + b * sb + g * sh + sub * E;
-  // step k covers rows s_begin + k*kSlots + slot; the loop condition is uniform across the warp
-  for (int64_t p0 = s_begin; p0 < s_end; p0 += (int64_t)kSlots * U) {
-    Vec<T, E> kv[U], vv[U];
+  constexpr int64_t kStep = (int64_t)kSlots * U;
+  // step p0 covers rows p0 + u*kSlots + slot; the loop condition is uniform across the warp
+  Vec<T, E> kv[U], vv[U], kn[U], vn[U];
 #pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int64_t p = p0 + (int64_t)u * kSlots + slot;
+  for (int u = 0; u < U; ++u) {
+    const int64_t p = s_begin + (int64_t)u * kSlots + slot;
+    if (p < s_end) {
+      kv[u] = load_vec<T, E>(kb + p * ss);
+      vv[u] = load_vec<T, E>(vb + p * ss);
+    }
+  }
+  for (int64_t p0 = s_begin; p0 < s_end; p0 += kStep) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {  // prefetch the next step
+      const int64_t p = p0 + kStep + (int64_t)u * kSlots + slot;
       if (p < s_end) {
-        kv[u] = load_vec<T, E>(kb + p * ss);
-        vv[u] = load_vec<T, E>(vb + p * ss);
+        kn[u] = load_vec<T, E>(kb + p * ss);
+        vn[u] = load_vec<T, E>(vb + p * ss);
       }
     }
 #pragma unroll
@@ -76,13 +86,18 @@ decode_split_kernel(const T* __restrict__ q, const T* __restrict__ kc, const T* 
 #pragma unroll
         for (int o = LPP / 2; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
         if (valid) {
-          const float m_new = fmaxf(m[r], dot), c = expf(m[r] - m_new), w = expf(dot - m_new);
+          const float m_new = fmaxf(m[r], dot), c = exp2f(m[r] - m_new), w = exp2f(dot - m_new);
           l[r] = l[r] * c + w;
 #pragma unroll
           for (int e = 0; e < E; ++e) acc[r][e] = acc[r][e] * c + w * to_f(vv[u].v[e]);
           m[r] = m_new;
         }
       }
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      kv[u] = kn[u];
+      vv[u] = vn[u];
     }
   }
 #pragma unroll
@@ -104,7 +119,7 @@ decode_split_kernel(const T* __restrict__ q, const T* __restrict__ kc, const T* 
     if (M != -INFINITY) {
 #pragma unroll
       for (int w = 0; w < kSlots; ++w) {
-        const float c = expf(sm_m[w][r] - M);
+        const float c = exp2f(sm_m[w][r] - M);
         O += sm_acc[w][r][d] * c;
         L += sm_l[w][r] * c;
       }
@@ -127,7 +142,7 @@ __global__ void decode_combine_kernel(DecodeWorkspace ws, T* __restrict__ out, i
     float O = 0.f, L = 0.f;
     if (M != -INFINITY) {
       for (int s = 0; s < splits; ++s) {
-        const float c = expf(ws.m[hq * splits + s] - M);
+        const float c = exp2f(ws.m[hq * splits + s] - M);  // maxima in base 2
         O += ws.o[(hq * splits + s) * D + d] * c;
         L += ws.l[hq * splits + s] * c;
       }
