@@ -391,7 +391,8 @@ def test_gpu_state_saves_and_resumes_exactly(run_dir):
     assert state["optimizer_states"][0]["state"][0]["exp_avg"].device.type == "cpu"
     resumed, _ = _fit(cfg, max_steps=7, ckpt_path=ck.find_latest(run_dir), accelerator="gpu")
     straight, _ = _fit(make_cfg(str(run_dir.parent / "straight")), max_steps=7, accelerator="gpu")
-    assert resumed.net.weight.is_cuda and torch.equal(resumed.net.weight, straight.net.weight)
+    # (Lightning moves the module back to the CPU when fit ends)
+    assert torch.equal(resumed.net.weight, straight.net.weight)
 
 
 @pytest.mark.gpu
