@@ -105,8 +105,12 @@ def attention(q: Tensor, k: Tensor, v: Tensor, positions: Tensor | None, scale: 
     if positions is None:
         out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale, enable_gqa=True)
     else:
-        out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=document_mask(positions), scale=scale,
-                                             enable_gqa=True)
+        # K/V expanded to the query heads: with a mask SDPA needs the memory-efficient kernel, which (unlike
+        # flash) does not take grouped heads in every torch version, and the math fallback is O(T^2) memory.
+        rep = q.shape[2] // k.shape[2]
+        if rep > 1:
+            kt, vt = kt.repeat_interleave(rep, dim=1), vt.repeat_interleave(rep, dim=1)
+        out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=document_mask(positions), scale=scale)
     return out.transpose(1, 2)
 
 
