@@ -35,7 +35,7 @@ class GRPORecipe(RLRecipe):
 
     def training_step(self, module: Any, batch: Any, batch_idx: int) -> None:
         g, cfg = self.cfg["grpo"], self.cfg
-        data = self.collect(module, g["group_size"])
+        data = self.last_rollout = self.collect(module, g["group_size"])
         adv = grpo_advantages(data.rewards, g["group_size"], g["scale_rewards"], g["adv_eps"])
         self.log_rollout(module, data)
         module.log_metric("policy/adv_abs", _token_weighted_abs_mean(adv, data.mask))

@@ -40,7 +40,7 @@ class PPORecipe(RLRecipe):
 
     def training_step(self, module: Any, batch: Any, batch_idx: int) -> None:
         p, cfg = self.cfg["ppo"], self.cfg
-        data = self.collect(module, p["samples_per_prompt"])
+        data = self.last_rollout = self.collect(module, p["samples_per_prompt"])
         n_seq, width = data.mask.shape
         max_len = cfg["rollout"]["max_new_tokens"]
         everything = torch.arange(n_seq, device=data.mask.device)

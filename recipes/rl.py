@@ -116,6 +116,7 @@ class RLRecipe:
         self.task = build_task(cfg["data"], seed=cfg["seed"])
         self.reward_fn = build_reward(cfg["reward"])
         self.rollout_step = 0  # rollout batches consumed so far: the data position
+        self.last_rollout: ScoredRollout | None = None  # the latest batch, for callbacks and inspection
 
     # ---- protocol
     def needs_value_model(self) -> bool:

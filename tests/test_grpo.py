@@ -1,0 +1,238 @@
+"""GRPO on CPU: trainer logprobs vs rollout, the update's gradient vs an independent float64 computation,
+policy-step counting, the reference model only when needed, exact resume."""
+import copy
+import math
+from pathlib import Path
+from typing import ClassVar
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from framework.callbacks import Callback
+from framework.config import resolve
+from framework.errors import FwError
+from framework.metrics import read_metrics
+from framework.models import build_policy
+from framework.module import FwModule
+from framework.rollout import generate
+from framework.tokenizer import Tokenizer
+from framework.trainer import fit
+from recipes.rl import completion_logprobs
+
+TIMING = {"tokens_per_s", "rollout/tokens_per_s", "rollout/seconds"}   # wall-clock dependent
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def config(run_dir, callbacks=(), **sections):
+    cfg = {
+        "recipe": "grpo", "seed": 1, "run_dir": str(run_dir), "model": {"policy": {"preset": "tiny"}},
+        "data": {"task": {"name": "digits", "init_args": {"num_digits": 2, "rule": "sum"}}, "chat_template": False},
+        "rollout": {"prompts_per_step": 4, "max_new_tokens": 3, "temperature": 0.9},
+        "reward": {"name": "numeric_match"},
+        "grpo": {"group_size": 4},
+        "optimizer": {"lr": 1e-2, "max_grad_norm": None},
+        "trainer": {"accelerator": "cpu", "max_steps": 2, "enable_progress_bar": False},
+        "checkpoint": {"every_n_steps": 100, "keep_last": None},
+        "logging": {"csv": False, "tensorboard": False},
+        "callbacks": list(callbacks),
+    }
+    for name, values in sections.items():
+        cfg[name] = {**cfg.get(name, {}), **values}
+    return resolve(cfg)
+
+
+def test_trainer_logprobs_match_rollout_fp32():
+    torch.manual_seed(0)
+    tok = Tokenizer.builtin()
+    model = build_policy({"path": None, "preset": "tiny", "dtype": None, "gradient_checkpointing": False,
+                          "compile": False}, tok)
+    prompts = [tok.encode(t) for t in ("12=", "7+8=", "a", "hello there=")]
+    temperature = 0.7
+    ro = generate(model, prompts, max_new_tokens=6, temperature=temperature, top_k=5, top_p=0.9,
+                  eos_ids=(tok.eos_id,), tokenizer=tok, seed=3)
+    width = ro.logprobs.shape[1]
+    mask = ro.completion_mask
+    with torch.no_grad():
+        logp, entropy = completion_logprobs(model, ro.tokens, ro.prompt_lens, ro.completion_lens, width,
+                                            temperature, with_entropy=True)
+    # the rollout's behaviour logprobs (full softmax at T, though top-k/top-p restricted sampling)
+    assert (logp - ro.logprobs)[mask].abs().max() <= 1e-5
+    assert torch.all(logp[~mask] == 0)
+    # an independent float64 reference from the full logits of a plain forward
+    m64 = copy.deepcopy(model).double()
+    with torch.no_grad():
+        full = torch.log_softmax(m64(ro.tokens) / temperature, dim=-1)
+    for b in range(len(prompts)):
+        p = int(ro.prompt_lens[b])
+        for j in range(int(ro.completion_lens[b])):
+            row = full[b, p + j - 1]
+            assert abs(float(logp[b, j]) - float(row[ro.tokens[b, p + j]])) <= 1e-5
+            assert abs(float(entropy[b, j]) + float((row.exp() * row).sum())) <= 1e-4
+
+
+class GradProbe(Callback):
+    """At policy step `step`, recomputes the GRPO loss gradient independently in float64 and compares."""
+
+    results: ClassVar[list] = []
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def before_optimizer_step(self, trainer, module, optimizer):
+        if module.optimizer_role(optimizer) != "policy" or module.policy_version != self.step - 1:
+            return
+        cfg = module.cfg
+        g, data = cfg["grpo"], module.recipe.last_rollout
+        policy = copy.deepcopy(module.policy).double()
+        with torch.no_grad():
+            ref_lp = self.token_logprobs(copy.deepcopy(module.reference).double(), data, cfg)
+        lp = self.token_logprobs(policy, data, cfg)
+        # group advantages by hand: (r - group mean) / (unbiased group std + eps)
+        rewards = data.rewards.double().tolist()
+        size = g["group_size"]
+        adv = []
+        for start in range(0, len(rewards), size):
+            group = rewards[start:start + size]
+            mean = sum(group) / size
+            std = math.sqrt(sum((r - mean) ** 2 for r in group) / (size - 1))
+            adv += [(r - mean) / (std + g["adv_eps"]) for r in group]
+        loss_terms, kl_terms, clipped = [], [], 0
+        for b, tokens in enumerate(lp):
+            per_tok, per_kl = [], []
+            for j, logp in enumerate(tokens):
+                ratio = torch.exp(logp - float(data.old_logp[b, j]))
+                a = adv[b]
+                low, high = 1 - g["clip_eps_low"], 1 + g["clip_eps_high"]
+                per_tok.append(-torch.minimum(ratio * a, ratio.clamp(low, high) * a))
+                clipped += int((ratio * a).item() > (ratio.clamp(low, high) * a).item())
+                log_ratio = ref_lp[b][j] - logp
+                per_kl.append(torch.exp(log_ratio) - log_ratio - 1)
+            loss_terms.append(per_tok)
+            kl_terms.append(per_kl)
+        max_len = cfg["rollout"]["max_new_tokens"]
+        loss = self.agg(loss_terms, g["loss_agg"], max_len) + g["kl_coef"] * self.agg(kl_terms, g["loss_agg"], max_len)
+        loss.backward()
+        got = dict(module.policy.named_parameters())
+        worst = max(float((p.grad - got[n].grad.double()).abs().max() / p.grad.abs().max().clamp(min=1e-12))
+                    for n, p in policy.named_parameters())
+        GradProbe.results.append({"worst_rel": worst, "clipped": clipped})
+
+    @staticmethod
+    def token_logprobs(model, data, cfg):
+        logits = model(data.tokens) / cfg["rollout"]["temperature"]
+        full = torch.log_softmax(logits, dim=-1)
+        out = []
+        for b in range(data.tokens.shape[0]):
+            p = int(data.prompt_lens[b])
+            out.append([full[b, p + j - 1, data.tokens[b, p + j]] for j in range(int(data.completion_lens[b]))])
+        return out
+
+    @staticmethod
+    def agg(terms, mode, max_len):
+        if mode == "token-mean":
+            flat = [t for row in terms for t in row]
+            return sum(flat) / len(flat)
+        if mode == "seq-mean-token-mean":
+            return sum(sum(row) / len(row) for row in terms) / len(terms)
+        return sum(sum(row) / max_len for row in terms) / len(terms)
+
+
+@pytest.mark.parametrize("loss_agg, micro", [("token-mean", 1), ("seq-mean-token-sum-norm", 2),
+                                             ("seq-mean-token-mean", 3)])
+def test_update_gradient_matches_float64_reference(tmp_path, loss_agg, micro):
+    """Second update on one rollout (ratio != 1, clipping and the k3 KL active), micro-batched or not."""
+    GradProbe.results = []
+    probe = {"class_path": "test_grpo.GradProbe", "init_args": {"step": 2}}
+    cfg = config(tmp_path / "run", [probe],
+                 grpo={"group_size": 4, "epochs": 2, "minibatches": 1, "clip_eps_low": 0.02, "clip_eps_high": 0.03,
+                       "kl_coef": 0.5, "kl_estimator": "k3", "loss_agg": loss_agg},
+                 trainer={"accelerator": "cpu", "max_steps": 2, "enable_progress_bar": False,
+                          "accumulate_grad_batches": micro})
+    trainer = fit(cfg)
+    assert trainer.global_step == 2
+    [result] = GradProbe.results
+    assert result["clipped"] > 0   # the test exercises the clipped branch
+    assert result["worst_rel"] < 1e-4
+
+
+def test_max_steps_counts_policy_steps_and_metrics(tmp_path):
+    # 2 epochs x 2 minibatches = 4 policy steps per rollout batch; max_steps 6 stops mid-rollout
+    cfg = config(tmp_path / "run", grpo={"group_size": 4, "epochs": 2, "minibatches": 2},
+                 trainer={"accelerator": "cpu", "max_steps": 6, "enable_progress_bar": False})
+    trainer = fit(cfg)
+    module = trainer.lightning_module
+    assert trainer.global_step == 6 and module.policy_version == 6
+    assert module.recipe.rollout_step == 2
+    assert module.reference is None   # kl_coef 0: no reference model at all
+    records = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    # metrics reach the loggers at the end of a rollout batch: after policy steps 4 and 6
+    assert [r["step"] for r in records] == [4, 6]
+    first = records[0]
+    for key in ("reward/mean", "reward/std", "reward/accuracy", "policy/clip_frac", "policy/approx_kl",
+                "policy/entropy", "rollout/response_len", "mismatch/mean", "mismatch/max", "policy/surrogate",
+                "policy/objective", "policy/adv_abs", "grad_norm"):
+        assert key in first, key
+    assert first["mismatch/max"] <= 1e-5 and first["policy_version"] == 4
+    assert 0.0 <= first["reward/mean"] <= 1.0
+
+
+def test_reference_model_only_with_kl(tmp_path):
+    module = FwModule(config(tmp_path / "a", grpo={"kl_coef": 0.05}))
+    assert module.reference is not None
+    assert not any(p.requires_grad for p in module.reference.parameters()) and not module.reference.training
+    assert FwModule(config(tmp_path / "b")).reference is None
+
+
+def test_bad_settings_are_reported(tmp_path):
+    with pytest.raises(FwError, match="rollout.temperature"):
+        FwModule(config(tmp_path / "a", rollout={"temperature": 0.0}))
+    with pytest.raises(FwError, match="grpo.minibatches"):
+        FwModule(config(tmp_path / "b", grpo={"group_size": 2, "minibatches": 16}))
+
+
+class CrashAt(Callback):
+    """Simulates a crash right after policy step `step`."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def after_optimizer_step(self, trainer, module, optimizer):
+        if module.policy_version == self.step:
+            raise RuntimeError(f"simulated crash after step {self.step}")
+
+
+def test_exact_resume(tmp_path):
+    """Crash mid-rollout (after policy step 5 of 2 per rollout), resume from step 4: identical metrics
+    for every step and identical final weights."""
+    settings = {"grpo": {"group_size": 4, "minibatches": 2},
+                "trainer": {"accelerator": "cpu", "max_steps": 8, "enable_progress_bar": False,
+                            "log_every_n_steps": 1},
+                "checkpoint": {"every_n_steps": 2, "keep_last": None}}
+    straight = tmp_path / "straight"
+    fit(config(straight, **settings))
+    broken = tmp_path / "broken"
+    crash = {"class_path": "test_grpo.CrashAt", "init_args": {"step": 5}}
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        fit(config(broken, [crash], **settings))
+    state = torch.load(broken / "checkpoints" / "step-000004" / "trainer_state.pt", weights_only=False)
+    assert state["fw_recipe"] == {"rollout_step": 2} and state["policy_version"] == 4
+    trainer = fit(config(broken, **settings), resume="last")
+    assert trainer.global_step == 8 and trainer.lightning_module.recipe.rollout_step == 4
+
+    def comparable(run):
+        return [{k: v for k, v in r.items() if k not in TIMING} for r in read_metrics(run / "metrics.jsonl")]
+
+    expected = comparable(straight)
+    assert [r["step"] for r in expected] == [2, 4, 6, 8]
+    assert comparable(broken) == expected
+    a, b = (load_file(str(Path(run) / "checkpoints" / "step-000008" / "policy" / "model.safetensors"))
+            for run in (straight, broken))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
