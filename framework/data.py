@@ -251,10 +251,15 @@ def collate(rows: list[list[Example]], pad_id: int, length: int | None) -> dict[
 
 
 class SFTBatches(IterableDataset):
-    """Infinite micro-batches for one rank, starting at stream `position`; each carries `next_position`."""
+    """Infinite micro-batches for one rank, starting at stream `position`.
+
+    They come in windows of `accumulate` micro-batches (one optimizer step). Each batch carries
+    `next_position` (the stream position after it) and `step_targets`, the number of target tokens in
+    the whole window over all ranks, so a loss divided by it is the exact token mean of the step.
+    """
 
     def __init__(self, stream: ExampleStream, position: int, batch_size: int, max_seq_len: int, pack: bool,
-                 pad_id: int, rank: int = 0, world_size: int = 1):
+                 pad_id: int, rank: int = 0, world_size: int = 1, accumulate: int = 1):
         self.stream = stream
         self.position = position
         self.batch_size = batch_size
@@ -263,22 +268,30 @@ class SFTBatches(IterableDataset):
         self.pad_id = pad_id
         self.rank = rank
         self.world_size = world_size
+        self.accumulate = accumulate
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         position = self.position
         while True:
-            rows, position = global_batch(self.stream, position, self.batch_size * self.world_size,
-                                          self.max_seq_len, self.pack)
-            mine = rows[self.rank * self.batch_size:(self.rank + 1) * self.batch_size]
-            batch = collate(mine, self.pad_id, self.max_seq_len if self.pack else None)
-            batch["next_position"] = position   # an int: Lightning leaves it on the host
-            yield batch
+            window = []
+            for _ in range(self.accumulate):
+                rows, position = global_batch(self.stream, position, self.batch_size * self.world_size,
+                                              self.max_seq_len, self.pack)
+                window.append((rows, position))
+            # Every rank builds the global batches, so the step's target count needs no communication.
+            step_targets = sum(t != IGNORE for rows, _ in window for row in rows for e in row for t in e.targets)
+            for rows, next_position in window:
+                mine = rows[self.rank * self.batch_size:(self.rank + 1) * self.batch_size]
+                batch = collate(mine, self.pad_id, self.max_seq_len if self.pack else None)
+                batch["next_position"] = next_position   # ints: Lightning leaves them on the host
+                batch["step_targets"] = step_targets
+                yield batch
 
 
 def sft_dataloader(stream: ExampleStream, position: int, cfg: dict, pad_id: int, rank: int,
-                   world_size: int) -> DataLoader:
+                   world_size: int, accumulate: int = 1) -> DataLoader:
     """A DataLoader over `SFTBatches` (batches are built in the main process; they are cheap)."""
     data = cfg["data"]
     batches = SFTBatches(stream, position, data["batch_size"], data["max_seq_len"], data["pack"], pad_id,
-                         rank, world_size)
+                         rank, world_size, accumulate)
     return DataLoader(batches, batch_size=None, num_workers=0)

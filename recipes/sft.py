@@ -13,8 +13,9 @@ from framework.data import IGNORE, ExampleStream, sft_dataloader
 class SFTRecipe:
     """Supervised fine-tuning under Lightning's automatic optimization (accumulation and clipping included).
 
-    Loss = − Σ log p(target) / (number of target tokens in the global micro-batch): the token count is
-    summed over ranks, so DDP's gradient average equals one process on the whole global batch.
+    Loss = − Σ log p(target) / (number of target tokens of the whole optimizer step: every micro-batch
+    of the accumulation window on every rank), scaled to undo Lightning's 1/accumulate and DDP's 1/world
+    averaging: the gradient is that of the exact token mean over the step's global batch.
     Token accuracy needs the argmax over the vocabulary, i.e. the full logits; it is computed without
     gradients, chunked, and only on steps that are logged.
     """
@@ -37,7 +38,7 @@ class SFTRecipe:
     def train_dataloader(self, module) -> torch.utils.data.DataLoader:
         trainer = module.trainer
         return sft_dataloader(self.stream, self.position, self.cfg, self.tokenizer.pad_id,
-                              trainer.global_rank, trainer.world_size)
+                              trainer.global_rank, trainer.world_size, trainer.accumulate_grad_batches)
 
     def training_step(self, module, batch: dict, batch_idx: int) -> torch.Tensor:
         policy = module.policy
@@ -50,9 +51,9 @@ class SFTRecipe:
             weight = weight.to(h.dtype)
         logprob, _ = ops_cuda.linear_logprob(h, weight, t)
         n_local = selected.sum()
-        n_global = module.trainer.strategy.reduce(n_local.detach().clone().float(), reduce_op="sum")
         nll = -logprob.sum()
-        loss = nll * module.trainer.world_size / n_global.clamp(min=1)
+        trainer = module.trainer
+        loss = nll * (trainer.world_size * trainer.accumulate_grad_batches / max(batch["step_targets"], 1))
         # Reported loss: the token mean over micro-batches and ranks (weights = token counts).
         module.log_metric("loss", nll.detach() / n_local.clamp(min=1), weight=n_local)
         module.log_metric("tokens", batch["num_tokens"], reduce="sum")

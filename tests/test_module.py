@@ -230,3 +230,17 @@ def test_value_component_round_trip(tmp_path, monkeypatch):
     del checkpoint["fw_components"]["value"]
     with pytest.raises(FwError, match="no value/ component"):
         b.on_load_checkpoint(checkpoint)
+
+
+def test_accumulation_is_the_exact_token_mean_of_the_step(tmp_path):
+    """2 micro-batches of 2 rows train exactly like 1 batch of 4 rows (packed rows are the same)."""
+    runs = {}
+    for name, (accumulate, rows) in {"acc": (2, 2), "one": (1, 4)}.items():
+        cfg = sft_cfg(tmp_path / name, trainer={"max_steps": 3, "accumulate_grad_batches": accumulate},
+                      data={"batch_size": rows}, optimizer={"lr": 3e-3, "max_grad_norm": None})
+        fit(cfg)
+        runs[name] = read_metrics(tmp_path / name / "run" / "metrics.jsonl")
+    for a, b in zip(runs["acc"], runs["one"], strict=True):
+        assert a["tokens"] == b["tokens"]
+        for key in ("loss", "grad_norm", "token_accuracy"):
+            assert a[key] == pytest.approx(b[key], rel=1e-5), (a["step"], key)

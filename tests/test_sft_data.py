@@ -275,3 +275,13 @@ def test_path_and_task_together_is_an_error(tmp_path, tok):
                    "data": {"path": str(path), "task": {"name": "arithmetic"}}})
     with pytest.raises(FwError, match="not both"):
         ExampleStream(cfg, tok)
+
+
+def test_batches_carry_the_target_count_of_their_accumulation_window(tmp_path, tok):
+    path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "x" * i, "completion": "y" * (i + 1)} for i in range(9)])
+    s = ExampleStream(cfg_for(path), tok)
+    it = iter(SFTBatches(s, 0, batch_size=2, max_seq_len=64, pack=False, pad_id=tok.pad_id, accumulate=3))
+    for _ in range(2):
+        window = [next(it) for _ in range(3)]
+        total = sum(int((b["targets"] != IGNORE).sum()) for b in window)
+        assert [b["step_targets"] for b in window] == [total] * 3
