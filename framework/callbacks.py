@@ -1,8 +1,10 @@
 """fw callbacks: Lightning's `Callback` plus hooks around every real optimizer step, and the built-ins.
 
 Order around each optimizer step (automatic and manual optimization, every optimizer):
-gradients clipped -> `before_optimizer_step` -> `optimizer.step()` -> the step's metrics logged ->
-`after_optimizer_step` -> LR scheduler stepped. Accumulation micro-steps fire nothing.
+gradients final -> clipped -> `before_optimizer_step` -> `optimizer.step()` -> `after_optimizer_step`
+-> LR scheduler stepped (policy). Accumulation micro-steps fire nothing. At the end of the batch the
+metrics are logged (`MetricsLogger`, every `log_every_n_steps`), then user callbacks' and the
+checkpoint callback's `on_train_batch_end` run, in that order.
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ class Callback(lightning.Callback):
 
     def after_optimizer_step(self, trainer: lightning.Trainer, module: lightning.LightningModule,
                              optimizer: Any) -> None:
-        """After the parameters changed and the step's metrics were logged (`module.last_metrics`)."""
+        """After the parameters changed, before the LR scheduler steps (`module.last_metrics` holds the
+        previously logged metrics; this step's are logged at the end of the batch)."""
 
 
 def fire(trainer: lightning.Trainer, module: lightning.LightningModule, hook: str, optimizer: Any) -> None:
