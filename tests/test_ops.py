@@ -178,6 +178,18 @@ def test_linear_logprob_matches_cross_entropy(monkeypatch, tile_bytes):
     assert lp32.dtype == torch.float32 and ent32 is None
 
 
+def test_linear_logprob_under_autocast_runs_in_bf16():
+    h = torch.randn(9, 16, requires_grad=True)
+    w = torch.randn(40, 16, requires_grad=True)
+    t = torch.randint(0, 40, (9,))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        lp, _ = ops_cuda.linear_logprob(h, w, t)
+    expected = F.log_softmax(h.bfloat16().double() @ w.bfloat16().double().T, -1).gather(1, t[:, None])[:, 0]
+    assert lp.dtype == torch.float32 and rel(lp, expected) < 1e-6  # the bf16-rounded operands, fp32 maths
+    gh, gw = torch.autograd.grad(lp.sum(), (h, w))
+    assert gh.dtype == torch.float32 and gw.dtype == torch.float32
+
+
 # ------------------------------------------------------------------ sampler
 def test_philox_known_answers():
     """Random123 philox4x32-10 known-answer vectors."""

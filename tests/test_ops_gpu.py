@@ -133,6 +133,18 @@ def test_linear_logprob(dtype, N, d, V, temperature):
     assert rel(dh, dh64) < TOL[dtype] * 2 and rel(dw, dw64) < TOL[dtype] * 2
 
 
+def test_linear_logprob_autocast_uses_bf16_gemm():
+    h = torch.randn(64, 128, device=DEV, requires_grad=True)
+    w = torch.randn(3001, 128, device=DEV, requires_grad=True)
+    t = torch.randint(0, 3001, (64,), device=DEV)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        lp, _ = ops_cuda.linear_logprob(h, w, t)
+    lp_bf16, _ = ops_cuda.linear_logprob(h.bfloat16(), w.bfloat16(), t)
+    assert torch.equal(lp, lp_bf16)
+    gh, gw = torch.autograd.grad(lp.sum(), (h, w))
+    assert gh.dtype == torch.float32 and gw.dtype == torch.float32 and gh.isfinite().all()
+
+
 def test_linear_logprob_bad_target_is_nan():
     h = torch.randn(3, 64, device=DEV)
     w = torch.randn(100, 64, device=DEV)
