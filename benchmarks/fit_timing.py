@@ -1,0 +1,101 @@
+"""Time a real `fw fit` run: wall time per policy optimizer step, peak GPU memory, logged throughput.
+
+    python -m benchmarks.fit_timing --config recipes/sft.yaml [--config more.yaml] [--a.b=v ...]
+
+A `StepTimer` callback is appended to the config's callbacks (the same `class_path` mechanism users
+have); the summary reads its `step_times.json` and the run's `metrics.jsonl`. The first step (kernels,
+allocator, autotuning) is reported apart from the median of the later ones.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from framework.callbacks import Callback
+
+
+class StepTimer(Callback):
+    """Wall time between consecutive policy optimizer steps, written to <run_dir>/step_times.json."""
+
+    def __init__(self) -> None:
+        self.stamps: list[float] = []
+
+    def on_train_start(self, trainer, module) -> None:
+        self._sync()
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+        self.stamps = [time.perf_counter()]
+
+    def after_optimizer_step(self, trainer, module, optimizer) -> None:
+        if module.optimizer_role(optimizer) != "policy":
+            return
+        self._sync()
+        self.stamps.append(time.perf_counter())
+        peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
+        out = Path(trainer.default_root_dir) / "step_times.json"
+        out.write_text(json.dumps({"step_seconds": [b - a for a, b in zip(self.stamps, self.stamps[1:])],
+                                   "peak_gib": peak}))
+
+    @staticmethod
+    def _sync() -> None:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+
+
+def _median(records: list[dict], key: str, skip_first: bool = True) -> float | None:
+    values = [r[key] for r in records if key in r]
+    values = values[1:] if skip_first and len(values) > 1 else values
+    return statistics.median(values) if values else None
+
+
+def report(cfg: dict) -> str:
+    run_dir = Path(cfg["run_dir"])
+    times = json.loads((run_dir / "step_times.json").read_text())
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    steps = times["step_seconds"]
+    later = steps[1:] or steps
+    policy = cfg["model"]["policy"]
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
+    lines = [(f"fw fit timing: recipe {cfg['recipe']}, model {policy['preset'] or policy['path']}, "
+              f"{cfg['trainer']['precision']}, {device}"),
+             f"  first step (warm-up)  {steps[0]:.3f} s",
+             f"  median later step     {statistics.median(later):.3f} s over {len(later)} steps"]
+    for key, label, fmt in (("tokens_per_s", "tokens/s (logged)", "{:.0f}"),
+                            ("rollout/tokens_per_s", "rollout tokens/s", "{:.0f}"),
+                            ("rollout/seconds", "rollout seconds", "{:.2f}"),
+                            ("mismatch/mean", "logprob mismatch mean", "{:.2e}"),
+                            ("mismatch/max", "logprob mismatch max", "{:.2e}"),
+                            ("loss", "loss (last logged)", None),
+                            ("reward/mean", "reward mean (last logged)", None)):
+        if fmt is None:
+            values = [r[key] for r in records if key in r]
+            if values:
+                lines.append(f"  {label:<26}{values[0]:.4f} -> {values[-1]:.4f}")
+            continue
+        value = _median(records, key)
+        if value is not None:
+            lines.append(f"  {label:<26}" + fmt.format(value) + " (median of later logged steps)")
+    lines.append(f"  peak GPU memory           {times['peak_gib']:.1f} GiB")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    from framework.config import load_config
+    from framework.trainer import fit
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", action="append", required=True)
+    args, overrides = ap.parse_known_args(argv)
+    cfg = load_config(args.config, overrides)
+    cfg["callbacks"] = [*cfg["callbacks"], {"class_path": "benchmarks.fit_timing.StepTimer", "init_args": {}}]
+    fit(cfg)
+    print("\n" + report(cfg), flush=True)
+
+
+if __name__ == "__main__":
+    main()
