@@ -2,7 +2,7 @@
 # The whole GPU evidence in one command (one device call): build the CUDA ops, run every GPU test, the
 # op benchmark, the model-level benchmarks against HF transformers, grpo-bench-v1, and the shipped
 # examples in bf16. Logs go to $OUT (default ./h200-logs). Each step has its own time limit so that a
-# slow or failing step still leaves the others' results.
+# slow or failing step still leaves the others' results; steps run in order of importance.
 set -u
 OUT=${OUT:-h200-logs}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 FW_OPS_CACHE=${FW_OPS_CACHE:-/tmp/fwops}
@@ -20,13 +20,13 @@ step() {  # step NAME LIMIT_S LOG CMD...
   echo "=== $name: rc=$rc in $((SECONDS - t0))s" | tee -a "$OUT/$log" "$OUT/summary.log"
 }
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; python3 -c "import torch; print(torch.__version__)"; git log -1 --format='commit %h %s' 2>/dev/null; } | tee -a "$OUT/summary.log"
-step build 120 summary.log python3 -c "import ops_cuda; print(ops_cuda.build()); print(ops_cuda.doctor())"
-step gpu-tests 200 gpu_tests.log python3 -m pytest -m gpu -q -p no:cacheprovider --durations=10
-step train-bench 120 train_bench.log python3 -m benchmarks.train_step --batch 8 --seq 2048 --steps 10 --impls fw,hf
-step rollout-full 120 rollout_bench.log python3 -m benchmarks.rollout --num-seqs 256 --lo 100 --hi 1024 --impls fw
-step rollout-vs-hf 100 rollout_bench.log python3 -m benchmarks.rollout --num-seqs 64 --lo 100 --hi 256 --impls fw,hf
-step grpo-bench 150 grpo_bench.log python3 -m benchmarks.grpo_step --run_dir=/tmp/runs/grpo-bench
-step sft-bf16 90 examples.log python3 -m benchmarks.fit_timing --config recipes/sft.yaml --trainer.precision=bf16-mixed --model.policy.preset=qwen3-0.6b --data.max_seq_len=2048 --data.batch_size=8 --trainer.max_steps=12 --trainer.log_every_n_steps=1 --checkpoint.every_n_steps=1000 --run_dir=/tmp/runs/sft-0.6b
-step train-yaml 90 examples.log python3 -m benchmarks.fit_timing --config train.yaml --run_dir=/tmp/runs/train-yaml
-step ops-bench 120 ops_bench.log python3 -m ops_cuda.bench.bench_ops
+step build 90 summary.log python3 -c "import ops_cuda; print(ops_cuda.build()); print(ops_cuda.doctor())"
+step gpu-tests 150 gpu_tests.log python3 -m pytest -m gpu -q -p no:cacheprovider --durations=10
+step ops-bench 90 ops_bench.log python3 -m ops_cuda.bench.bench_ops
+step train-bench 90 train_bench.log python3 -m benchmarks.train_step --batch 8 --seq 2048 --steps 10 --impls fw,hf
+step grpo-bench 100 grpo_bench.log python3 -m benchmarks.grpo_step --run_dir=/tmp/runs/grpo-bench
+step rollout-full 75 rollout_bench.log python3 -m benchmarks.rollout --num-seqs 256 --lo 100 --hi 1024 --impls fw
+step rollout-vs-hf 60 rollout_bench.log python3 -m benchmarks.rollout --num-seqs 64 --lo 100 --hi 256 --impls fw,hf
+step sft-bf16 60 examples.log python3 -m benchmarks.fit_timing --config recipes/sft.yaml --trainer.precision=bf16-mixed --model.policy.preset=qwen3-0.6b --data.max_seq_len=2048 --data.batch_size=8 --trainer.max_steps=12 --trainer.log_every_n_steps=1 --checkpoint.every_n_steps=1000 --run_dir=/tmp/runs/sft-0.6b
+step train-yaml 60 examples.log python3 -m benchmarks.fit_timing --config train.yaml --run_dir=/tmp/runs/train-yaml
 tail -n 30 "$OUT"/*.log | grep -v "^$" | tail -n 150
