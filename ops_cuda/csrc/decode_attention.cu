@@ -180,9 +180,11 @@ cudaError_t launch_d(const void* q, const void* k, const void* v, const int64_t*
 }  // namespace
 
 int decode_attention_splits(int B, int Hk, int S, int sm_count) {
+  // about 8 blocks per SM (a block of 4 warps holds ~100 registers a thread: ~4 resident per SM, so two
+  // waves), each split keeping at least 32 positions (two steps of its 16 rows in flight)
   const int base = B * Hk > 0 ? B * Hk : 1;
-  int splits = (2 * sm_count + base - 1) / base;
-  const int most = (S + 63) / 64;  // at least 64 positions per split
+  int splits = (8 * sm_count + base - 1) / base;
+  const int most = (S + 31) / 32;
   if (splits > most) splits = most;
   if (splits > 64) splits = 64;
   return splits < 1 ? 1 : splits;
