@@ -13,7 +13,7 @@ from framework.callbacks import Callback
 from framework.config import resolve
 from framework.errors import FwError
 from framework.metrics import read_metrics
-from framework.models import build_policy
+from framework.models import build_policy, save_pretrained
 from framework.module import FwModule
 from framework.rollout import generate
 from framework.tokenizer import Tokenizer
@@ -243,3 +243,32 @@ def test_exact_resume(tmp_path):
     a, b = (load_file(str(Path(run) / "checkpoints" / "step-000008" / "policy" / "model.safetensors"))
             for run in (straight, broken))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_math_example_runs_on_a_model_directory(tmp_path):
+    """recipes/grpo_math.yaml as shipped, pointed at an HF-layout directory (random tiny weights + the
+    built-in tokenizer) and shrunk: JSONL prompts through the chat template, numeric answer reward."""
+    from framework.config import load_config
+
+    tok = Tokenizer.builtin()
+    model_dir = tmp_path / "model"
+    policy = build_policy({"path": None, "preset": "tiny", "dtype": None, "gradient_checkpointing": False,
+                           "compile": False}, tok)
+    save_pretrained(policy, model_dir)
+    tok.save_pretrained(model_dir)
+    root = Path(__file__).resolve().parent.parent
+    cfg = load_config([str(root / "recipes" / "grpo_math.yaml")], [
+        f"--model.policy.path={model_dir}", f"--data.path={root / 'recipes' / 'data' / 'math_sample.jsonl'}",
+        f"--run_dir={tmp_path / 'run'}", "--rollout.prompts_per_step=2", "--rollout.max_new_tokens=6",
+        "--grpo.group_size=2", "--trainer.max_steps=2", "--trainer.precision=32-true",
+        "--trainer.accelerator=cpu", "--trainer.enable_progress_bar=false", "--trainer.accumulate_grad_batches=1",
+        "--model.policy.gradient_checkpointing=false", "--logging.tensorboard=false"])
+    trainer = fit(cfg)
+    assert trainer.global_step == 2
+    module = trainer.lightning_module
+    data = module.recipe.last_rollout
+    # prompts went through the Qwen3 chat template: every row starts with <|im_start|>user
+    start = tok.encode("<|im_start|>user")
+    assert all(data.tokens[b, :len(start)].tolist() == start for b in range(data.tokens.shape[0]))
+    records = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert records[-1]["step"] == 2 and "reward/mean" in records[-1]
