@@ -205,13 +205,12 @@ def philox4x32(c0: Tensor, c1: Tensor, c2: Tensor, c3: Tensor, k0: int, k1: int,
 def gumbel_noise(batch: int, vocab: int, seed: int, device: torch.device | str = "cpu") -> Tensor:
     """float32 [batch, vocab] Gumbel(0, 1) noise from Philox4x32-10 with key = seed (64 bit) and
     counter (col // 4, row, 0, 0), output word col % 4; u = ((x >> 9) + 0.5) * 2^-23."""
-    cols = torch.arange(vocab, device=device, dtype=torch.int64)
-    rows = torch.arange(batch, device=device, dtype=torch.int64)
-    c0 = (cols // 4)[None, :].expand(batch, vocab)
-    c1 = rows[:, None].expand(batch, vocab)
+    groups = (vocab + 3) // 4
+    c0 = torch.arange(groups, device=device, dtype=torch.int64)[None, :].expand(batch, groups)
+    c1 = torch.arange(batch, device=device, dtype=torch.int64)[:, None].expand(batch, groups)
     zero = torch.zeros_like(c0)
     words = philox4x32(c0, c1, zero, zero, seed & _MASK32, (seed >> 32) & _MASK32)
-    x = torch.stack(words, dim=-1).gather(-1, (cols % 4)[None, :, None].expand(batch, vocab, 1)).squeeze(-1)
+    x = torch.stack(words, dim=-1).reshape(batch, 4 * groups)[:, :vocab]  # column 4g + j = word j of group g
     u = ((x >> 9).to(torch.float32) + 0.5) * (2.0 ** -23)
     return -torch.log(-torch.log(u))
 

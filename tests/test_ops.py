@@ -203,6 +203,17 @@ def test_philox_known_answers():
         0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1]
 
 
+def test_gumbel_noise_stream_layout():
+    """Column c of row r uses word c % 4 of Philox(counter (c // 4, r, 0, 0), key = the 64-bit seed)."""
+    seed = (7 << 32) | 123
+    g = ref.gumbel_noise(3, 10, seed)
+    for r, c in [(0, 0), (1, 5), (2, 9), (2, 3)]:
+        one = lambda v: torch.tensor([v], dtype=torch.int64)
+        word = int(ref.philox4x32(one(c // 4), one(r), one(0), one(0), 123, 7)[c % 4])
+        u = ((word >> 9) + 0.5) * 2.0**-23
+        assert abs(float(g[r, c]) - (-math.log(-math.log(u)))) < 1e-5
+
+
 def test_sampling_sets_hand_computed():
     z = torch.tensor([[math.log(0.5), math.log(0.3), math.log(0.15), math.log(0.05)]], dtype=D64)
     keep = lambda k, p, m: ref.sampling_mask(z, k, p, m)[0].tolist()
