@@ -259,6 +259,15 @@ def test_readme_quickstart_and_ci_run_the_same_test_command():
         assert text in readme, text
 
 
+def test_the_readme_config_example_is_valid(tmp_path):
+    blocks = re.findall(r"```yaml\n(.*?)```", (ROOT / "README.md").read_text(), re.DOTALL)
+    assert blocks
+    for i, block in enumerate(blocks):
+        path = tmp_path / f"readme_{i}.yaml"
+        path.write_text(block)
+        assert load_config([str(path)], [])["recipe"] in ("sft", "grpo", "ppo")
+
+
 def test_ci_script_is_strict_and_executable():
     path = ROOT / ".ci" / "run"
     text = path.read_text()
