@@ -78,6 +78,13 @@ def test_trainer_logprobs_match_rollout_fp32():
             assert abs(float(entropy[b, j]) + float((row.exp() * row).sum())) <= 1e-4
 
 
+def token_logprobs(model, data, temperature):
+    """Per-row lists of completion-token logprobs from a plain full forward (independent of the recipe)."""
+    full = torch.log_softmax(model(data.tokens) / temperature, dim=-1)
+    return [[full[b, int(data.prompt_lens[b]) + j - 1, data.tokens[b, int(data.prompt_lens[b]) + j]]
+             for j in range(int(data.completion_lens[b]))] for b in range(data.tokens.shape[0])]
+
+
 class LetterReward:
     """A dense, varied reward for random-init policies: the share of letters in the completion."""
 
@@ -100,8 +107,8 @@ class GradProbe(Callback):
         g, data = cfg["grpo"], module.recipe.last_rollout
         policy = copy.deepcopy(module.policy).double()
         with torch.no_grad():
-            ref_lp = self.token_logprobs(copy.deepcopy(module.reference).double(), data, cfg)
-        lp = self.token_logprobs(policy, data, cfg)
+            ref_lp = token_logprobs(copy.deepcopy(module.reference).double(), data, cfg["rollout"]["temperature"])
+        lp = token_logprobs(policy, data, cfg["rollout"]["temperature"])
         # group advantages by hand: (r - group mean) / (unbiased group std + eps)
         rewards = data.rewards.double().tolist()
         size = g["group_size"]
@@ -131,16 +138,6 @@ class GradProbe(Callback):
         worst = max(float((p.grad - got[n].grad.double()).abs().max() / p.grad.abs().max().clamp(min=1e-12))
                     for n, p in policy.named_parameters())
         GradProbe.results.append({"worst_rel": worst, "clipped": clipped})
-
-    @staticmethod
-    def token_logprobs(model, data, cfg):
-        logits = model(data.tokens) / cfg["rollout"]["temperature"]
-        full = torch.log_softmax(logits, dim=-1)
-        out = []
-        for b in range(data.tokens.shape[0]):
-            p = int(data.prompt_lens[b])
-            out.append([full[b, p + j - 1, data.tokens[b, p + j]] for j in range(int(data.completion_lens[b]))])
-        return out
 
     @staticmethod
     def agg(terms, mode, max_len):
@@ -205,17 +202,6 @@ def test_bad_settings_are_reported(tmp_path):
         FwModule(config(tmp_path / "b", grpo={"group_size": 2, "minibatches": 16}))
 
 
-class CrashAt(Callback):
-    """Simulates a crash right after policy step `step`."""
-
-    def __init__(self, step: int):
-        self.step = step
-
-    def after_optimizer_step(self, trainer, module, optimizer):
-        if module.policy_version == self.step:
-            raise RuntimeError(f"simulated crash after step {self.step}")
-
-
 def test_exact_resume(tmp_path):
     """Crash mid-rollout (after policy step 5 of 2 per rollout), resume from step 4: identical metrics
     for every step and identical final weights."""
@@ -226,7 +212,7 @@ def test_exact_resume(tmp_path):
     straight = tmp_path / "straight"
     fit(config(straight, **settings))
     broken = tmp_path / "broken"
-    crash = {"class_path": "test_grpo.CrashAt", "init_args": {"step": 5}}
+    crash = {"class_path": "test_resume.CrashAt", "init_args": {"step": 5}}
     with pytest.raises(RuntimeError, match="simulated crash"):
         fit(config(broken, [crash], **settings))
     state = torch.load(broken / "checkpoints" / "step-000004" / "trainer_state.pt", weights_only=False)

@@ -7,6 +7,7 @@ from typing import ClassVar
 
 import pytest
 import torch
+from test_grpo import token_logprobs
 
 from framework.callbacks import Callback
 from framework.config import resolve
@@ -41,19 +42,6 @@ def config(run_dir, callbacks=(), recipe="ppo", **sections):
     return resolve(cfg)
 
 
-class LetterReward:
-    """A dense, varied reward for random-init policies: the share of letters in the completion."""
-
-    def __call__(self, prompt: str, completion: str, metadata: dict) -> float:
-        return sum(c.isalpha() for c in completion) / max(len(completion), 1)
-
-
-def _token_logprobs(model, data, temperature):
-    full = torch.log_softmax(model(data.tokens) / temperature, dim=-1)
-    return [[full[b, int(data.prompt_lens[b]) + j - 1, data.tokens[b, int(data.prompt_lens[b]) + j]]
-             for j in range(int(data.completion_lens[b]))] for b in range(data.tokens.shape[0])]
-
-
 def _token_values(model, data):
     values = model(data.tokens)
     return [[values[b, int(data.prompt_lens[b]) + j - 1] for j in range(int(data.completion_lens[b]))]
@@ -71,7 +59,7 @@ class PPOProbe(Callback):
         temperature = module.cfg["rollout"]["temperature"]
         if role == "policy" and module.policy_version == 0:
             with torch.no_grad():
-                ref = _token_logprobs(copy.deepcopy(module.reference).double(), data, temperature)
+                ref = token_logprobs(copy.deepcopy(module.reference).double(), data, temperature)
                 values = [[float(v) for v in row] for row in _token_values(copy.deepcopy(module.value).double(), data)]
             adv_rows, ret_rows = [], []
             for b, row_values in enumerate(values):
@@ -97,7 +85,7 @@ class PPOProbe(Callback):
             self.returns, self.old_values = ret_rows, values
         elif role == "policy" and module.policy_version == 1:
             policy = copy.deepcopy(module.policy).double()
-            lp = _token_logprobs(policy, data, temperature)
+            lp = token_logprobs(policy, data, temperature)
             terms = []
             for b, row in enumerate(lp):
                 for j, logp in enumerate(row):
@@ -129,7 +117,7 @@ def _worst(reference, model):
 def test_policy_and_critic_gradients_match_float64_reference(tmp_path):
     PPOProbe.results = []
     probe = {"class_path": "test_ppo.PPOProbe", "init_args": {}}
-    cfg = config(tmp_path / "run", [probe], reward={"class_path": "test_ppo.LetterReward"},
+    cfg = config(tmp_path / "run", [probe], reward={"class_path": "test_grpo.LetterReward"},
                  ppo={"epochs": 2, "minibatches": 1, "kl_coef": 0.2, "kl_estimator": "k1", "gamma": 0.9,
                       "lam": 0.8, "value_clip": 0.05, "vf_coef": 0.7, "clip_eps_low": 0.1, "clip_eps_high": 0.15,
                       "critic": {"lr": 1e-2, "max_grad_norm": None}})
