@@ -425,3 +425,47 @@ def test_fw_fit_bf16_on_gpu_checkpoints_resumes_and_exports(tmp_path):
     policy = trainer.lightning_module.policy.float().cpu().eval()
     with torch.no_grad():
         assert (hf.eval()(input_ids=ids).logits - policy(ids)).abs().max().item() <= 1e-4
+
+
+DDP_SCRIPT = """
+import json, sys
+from framework.config import resolve
+from framework.trainer import fit
+fit(resolve(json.loads(sys.argv[1])), resume=sys.argv[2] or None)
+"""
+
+
+@pytest.mark.slow  # three 2-process Lightning start-ups
+def test_ddp_two_ranks_save_prune_refuse_and_resume(tmp_path):
+    """Only rank 0 writes; both ranks refuse a fresh start over existing checkpoints (no rank left hanging);
+    `--resume last` continues under DDP."""
+    root = Path(__file__).resolve().parents[1]
+    script = tmp_path / "ddp_fit.py"
+    script.write_text(DDP_SCRIPT)
+    run_dir = tmp_path / "run"
+
+    def fit_ddp(max_steps, resume):
+        cfg = {"recipe": "sft", "run_dir": str(run_dir), "model": {"policy": {"preset": "tiny"}},
+               "data": {"path": str(root / "recipes" / "data" / "arithmetic_chat.jsonl"), "max_seq_len": 64,
+                        "batch_size": 2},
+               "trainer": {"accelerator": "cpu", "devices": 2, "strategy": "ddp", "max_steps": max_steps,
+                           "enable_progress_bar": False},
+               "checkpoint": {"every_n_steps": 2, "keep_last": 1, "verify": True},
+               "logging": {"csv": False, "tensorboard": False}}
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)}
+        return subprocess.run([sys.executable, str(script), json.dumps(cfg), resume], check=False, cwd=root, env=env,
+                              capture_output=True, text=True, timeout=300)
+
+    first = fit_ddp(4, "")
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert [Path(p).name for p in ck.list_checkpoints(run_dir)] == ["step-000004"]
+    assert [n for n in os.listdir(ck.checkpoints_dir(run_dir)) if n.startswith(".")] == []
+    ck.verify_checkpoint(ck.find_latest(run_dir))
+
+    again = fit_ddp(4, "")  # each rank refuses by itself, none is left waiting in a collective
+    assert again.returncode != 0 and again.stderr.count("already holds checkpoints") >= 2, again.stderr[-3000:]
+
+    resumed = fit_ddp(6, "last")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert [Path(p).name for p in ck.list_checkpoints(run_dir)] == ["step-000006"]
+    assert ck.read_manifest(ck.find_latest(run_dir))["policy_version"] == 6
