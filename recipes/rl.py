@@ -142,11 +142,9 @@ class RLRecipe:
             raise FwError(f"{self.section}.minibatches ({sec['minibatches']}) x trainer.accumulate_grad_batches "
                           f"({micro}) exceeds the {batch_size} sequences of one rollout batch")
 
-    def _rank(self, module: Any) -> tuple[int, int]:
-        trainer = getattr(module, "_trainer", None)
-        if trainer is None:
-            return 0, 1
-        return trainer.global_rank, trainer.world_size
+    @staticmethod
+    def _rank(module: Any) -> tuple[int, int]:
+        return module.trainer.global_rank, module.trainer.world_size
 
     def collect(self, module: Any, samples_per_prompt: int) -> ScoredRollout:
         """Generate ``samples_per_prompt`` completions for each prompt of this step and score them."""
@@ -199,10 +197,8 @@ class RLRecipe:
 
     def steps_left(self, module: Any) -> bool:
         """False once ``trainer.max_steps`` policy optimizer steps are done (stop mid-rollout then)."""
-        trainer = getattr(module, "_trainer", None)
-        if trainer is None or trainer.max_steps is None or trainer.max_steps < 0:
-            return True
-        return module.policy_version < trainer.max_steps
+        max_steps = module.trainer.max_steps
+        return max_steps is None or max_steps < 0 or module.policy_version < max_steps
 
     def log_rollout(self, module: Any, batch: ScoredRollout) -> None:
         """Reward and rollout metrics of one rollout batch (averaged over the logging interval)."""

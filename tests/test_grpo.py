@@ -1,7 +1,11 @@
 """GRPO on CPU: trainer logprobs vs rollout, the update's gradient vs an independent float64 computation,
 policy-step counting, the reference model only when needed, exact resume."""
 import copy
+import json
 import math
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import ClassVar
 
@@ -258,3 +262,36 @@ def test_math_example_runs_on_a_model_directory(tmp_path):
     assert all(data.tokens[b, :len(start)].tolist() == start for b in range(data.tokens.shape[0]))
     records = read_metrics(tmp_path / "run" / "metrics.jsonl")
     assert records[-1]["step"] == 2 and "reward/mean" in records[-1]
+
+
+class RankChecksum(Callback):
+    """Writes each rank's policy checksum and prompts after every policy step to <run_dir>/rank<r>.jsonl."""
+
+    def after_optimizer_step(self, trainer, module, optimizer):
+        if module.optimizer_role(optimizer) != "policy":
+            return
+        data = module.recipe.last_rollout
+        record = {"step": module.policy_version,
+                  "checksum": float(sum(p.detach().double().sum() for p in module.policy.parameters())),
+                  "first_prompt": data.tokens[0, :int(data.prompt_lens[0])].tolist()}
+        with open(Path(module.cfg["run_dir"]) / f"rank{trainer.global_rank}.jsonl", "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+@pytest.mark.slow
+def test_two_processes_share_updates_and_split_prompts(tmp_path):
+    """DDP with gloo on CPU: ranks draw different prompts, and the policy stays identical on both."""
+    run = tmp_path / "run"
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": f"{root / 'tests'}{os.pathsep}{root}", "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "framework", "fit", "--config", str(root / "train.yaml"), f"--run_dir={run}",
+           "--trainer.max_steps=4", "--trainer.devices=2", "--trainer.strategy=ddp", "--trainer.accelerator=cpu",
+           "--trainer.enable_progress_bar=false", "--rollout.prompts_per_step=4", "--grpo.group_size=4",
+           "--grpo.minibatches=2", "--logging.tensorboard=false",
+           "--callbacks=[{class_path: test_grpo.RankChecksum}]"]
+    subprocess.run(cmd, check=True, env=env, cwd=tmp_path, timeout=300, capture_output=True)
+    ranks = [[json.loads(line) for line in (run / f"rank{r}.jsonl").read_text().splitlines()] for r in (0, 1)]
+    assert [r["step"] for r in ranks[0]] == [r["step"] for r in ranks[1]] == [1, 2, 3, 4]
+    assert [r["checksum"] for r in ranks[0]] == [r["checksum"] for r in ranks[1]]
+    assert ranks[0][0]["first_prompt"] != ranks[1][0]["first_prompt"] or ranks[0][2]["first_prompt"] != \
+        ranks[1][2]["first_prompt"]
