@@ -11,7 +11,8 @@ A checkpoint is a directory `<run_dir>/checkpoints/step-000123/`:
 It is built in a hidden staging sibling, every file and directory fsynced, then published by one rename
 (or, when the step already exists, one `renameat2(RENAME_EXCHANGE)` swap), and the parent fsynced. A
 crash at any moment leaves either the old state or the new one plus hidden leftovers that discovery
-ignores and `clean_leftovers` removes. A directory counts as complete when its manifest parses and every
+ignores and `clean_leftovers` removes (without RENAME_EXCHANGE a replace is two renames, and `recover`,
+called by `find_latest`, undoes a crash between them). A directory counts as complete when its manifest parses and every
 file it lists exists with the listed size.
 """
 
@@ -469,29 +470,22 @@ class CheckpointCallback(pl.Callback):
         self.ckpt_dir = checkpoints_dir(cfg["run_dir"])
         self._seen_step: int | None = None
         self._last_saved: int | None = None
-        self._resumed = False
 
     @staticmethod
     def step_of(trainer: pl.Trainer, module: pl.LightningModule) -> int:
         version = getattr(module, "policy_version", None)
         return int(version) if version is not None else int(trainer.global_step)
 
-    def state_dict(self) -> dict:
-        return {"last_saved": self._last_saved}
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        self._resumed = True
-
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         step = self.step_of(trainer, pl_module)
         self._seen_step = step
-        self._resumed = self._resumed or trainer.ckpt_path is not None
-        if self._resumed:
+        resumed = trainer.ckpt_path is not None  # set by now under every strategy
+        if resumed:
             self._last_saved = step
         # every rank checks (a shared run_dir), so all of them stop together rather than leaving some
         # waiting in a collective; only rank 0 touches the directory
         existing = list_checkpoints(self.cfg["run_dir"])
-        if existing and not self._resumed:
+        if existing and not resumed:
             raise FwError(
                 f"{self.ckpt_dir} already holds checkpoints ({Path(existing[-1]).name} is the newest): "
                 "resume with --resume last, or choose another run_dir"
