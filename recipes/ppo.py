@@ -15,12 +15,9 @@ from typing import Any
 
 import torch
 
-from framework.errors import FwError
 from recipes.advantages import gae, masked_mean, whiten
 from recipes.losses import aggregate_weight, explained_variance, kl_estimate, policy_loss, value_loss
 from recipes.rl import RLRecipe, completion_values
-
-PPO_KL_ESTIMATORS = ("k1", "k3")
 
 
 class PPORecipe(RLRecipe):
@@ -30,9 +27,6 @@ class PPORecipe(RLRecipe):
 
     def __init__(self, cfg: dict, tokenizer: Any):
         super().__init__(cfg, tokenizer)
-        if cfg["ppo"]["kl_estimator"] not in PPO_KL_ESTIMATORS:
-            raise FwError(f"ppo.kl_estimator: the KL folded into PPO token rewards is k1 or k3, "
-                          f"got {cfg['ppo']['kl_estimator']!r}")
         self._check_batch_split(cfg["rollout"]["prompts_per_step"] * cfg["ppo"]["samples_per_prompt"])
 
     def needs_value_model(self) -> bool:

@@ -44,17 +44,6 @@ class ScoredRollout:
     texts: list[str]
 
 
-def render_prompt(tokenizer: Any, prompt: str | list[dict], chat_template: bool, enable_thinking: bool) -> str:
-    """The prompt text the policy sees: chat-templated (a bare string becomes one user turn) or raw."""
-    if chat_template:
-        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, enable_thinking=enable_thinking)
-    if not isinstance(prompt, str):
-        raise FwError("data.chat_template is false but the task gives chat messages; "
-                      "set data.chat_template: true or give plain-string prompts")
-    return prompt
-
-
 def response_index(prompt_lens: Tensor, completion_lens: Tensor, width: int) -> tuple[Tensor, Tensor, Tensor]:
     """Rows, completion columns and the token positions whose hidden state predicts each completion token.
 
@@ -150,6 +139,7 @@ class RLRecipe:
         """Generate ``samples_per_prompt`` completions for each prompt of this step and score them."""
         from framework.rewards import score_rollout
         from framework.rollout import generate
+        from framework.tasks import render_prompt
 
         cfg, tok = self.cfg, self.tokenizer
         ro_cfg = cfg["rollout"]
@@ -157,15 +147,18 @@ class RLRecipe:
         n_prompts = ro_cfg["prompts_per_step"]
         first = (self.rollout_step * world + rank) * n_prompts
         samples = [self.task.sample(first + i) for i in range(n_prompts)]
-        texts = [render_prompt(tok, s["prompt"], cfg["data"]["chat_template"], cfg["tokenizer"]["enable_thinking"])
+        texts = [render_prompt(s["prompt"], tok, cfg["data"]["chat_template"], cfg["tokenizer"]["enable_thinking"])
                  for s in samples]
         ids = [tok.encode(t) for t in texts]
         prompts = [p for p in ids for _ in range(samples_per_prompt)]
+        # the tokenizer's EOS and the model's own (Qwen3 lists <|im_end|> and <|endoftext|>)
+        model_eos = module.policy.config.eos_token_id
+        eos_ids = {tok.eos_id} | set(model_eos if isinstance(model_eos, list) else [] if model_eos is None else [model_eos])
         seed = (cfg["seed"] * 1_000_003 + self.rollout_step * world + rank) % (2**31 - 1)
         start = time.perf_counter()
         ro = generate(module.policy, prompts, max_new_tokens=ro_cfg["max_new_tokens"],
                       temperature=ro_cfg["temperature"], top_k=ro_cfg["top_k"], top_p=ro_cfg["top_p"],
-                      min_p=ro_cfg["min_p"], eos_ids=(tok.eos_id,), stop=tuple(ro_cfg["stop"]), tokenizer=tok,
+                      min_p=ro_cfg["min_p"], eos_ids=sorted(eos_ids), stop=tuple(ro_cfg["stop"]), tokenizer=tok,
                       seed=seed, policy_version=int(module.policy_version))
         gen_seconds = time.perf_counter() - start
         rep_texts = [t for t in texts for _ in range(samples_per_prompt)]
