@@ -9,8 +9,11 @@ it is reached.
 
 About "loss is 0": on the first update of a rollout the ratio is 1, so the surrogate equals
 ``-mean(A)``, which is ~0 because group advantages are centred; the gradient is not 0. The logged
-``policy/adv_abs`` (mean |A|) and ``policy/grad_norm`` show the signal, and ``policy/objective``
+``policy/adv_abs`` (mean |A|) and ``grad_norm`` show the signal, and ``policy/objective``
 is the advantage-weighted ratio the update climbs.
+
+With several processes each rank samples its own prompts; groups never straddle ranks, and
+``scale_rewards: batch`` uses the std of the rank's own batch.
 """
 from __future__ import annotations
 
