@@ -15,14 +15,6 @@ from recipes.sft import SFTRecipe
 DATA = "recipes/data/arithmetic_chat.jsonl"
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 class Recorder(Callback):
     """Records every fw hook call with the optimizer's role and the state of its gradients."""
 

@@ -27,14 +27,6 @@ from recipes.rl import completion_logprobs
 TIMING = {"tokens_per_s", "rollout/tokens_per_s", "rollout/seconds"}   # wall-clock dependent
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def config(run_dir, callbacks=(), **sections):
     cfg = {
         "recipe": "grpo", "seed": 1, "run_dir": str(run_dir), "model": {"policy": {"preset": "tiny"}},

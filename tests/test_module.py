@@ -19,14 +19,6 @@ from recipes.sft import SFTRecipe
 DATA = "recipes/data/arithmetic_chat.jsonl"
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def sft_cfg(tmp_path, **over):
     cfg = {"recipe": "sft", "run_dir": str(tmp_path / "run"), "model": {"policy": {"preset": "tiny"}},
            "data": {"path": DATA, "max_seq_len": 96, "batch_size": 3},

@@ -15,14 +15,6 @@ from framework.errors import FwError
 from framework.trainer import fit
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def config(run_dir, callbacks=(), recipe="ppo", **sections):
     cfg = {
         "recipe": recipe, "seed": 2, "run_dir": str(run_dir), "model": {"policy": {"preset": "tiny"}},

@@ -18,14 +18,6 @@ from framework.trainer import fit
 TIMING = {"tokens_per_s"}   # wall-clock dependent
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 class CrashAt(Callback):
     """Simulates a crash right after optimizer step `step` (after the checkpoint of an earlier step)."""
 

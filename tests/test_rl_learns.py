@@ -3,22 +3,12 @@ take the digits reward from near chance to near perfect."""
 from pathlib import Path
 
 import pytest
-import torch
 
 from framework.config import load_config
 from framework.metrics import read_metrics
 from framework.trainer import fit
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    # tiny models run fastest on one thread; it also makes the run independent of the core count
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.mark.parametrize("path, steps", [("train.yaml", 40), ("recipes/ppo.yaml", 45)])

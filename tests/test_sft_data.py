@@ -21,15 +21,6 @@ from framework.errors import FwError
 from framework.tokenizer import Tokenizer
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    # The CI box has 2 cores shared by many processes: intra-op threads only spin against each other.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
 def tok():
     return Tokenizer.builtin()
