@@ -186,7 +186,10 @@ def _fit_killed_then_resumed(run_dir: Path, max_steps: int, kills: int, seed: in
             assert time.monotonic() < deadline, "fw fit published no new checkpoint within 300 s"
             time.sleep(0.02)
         time.sleep(rng.uniform(0.0, 1.0))
-        os.kill(proc.pid, signal.SIGKILL)
+        try:
+            os.kill(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass  # it finished (and was reaped) before the kill: the rc == 0 case below
         rc = launcher.wait(proc)
         latest = ck.find_latest(run_dir)
         assert rc == -signal.SIGKILL or (rc == 0 and Path(latest).name == ck.step_dir_name(max_steps)), rc
