@@ -294,10 +294,20 @@ def find_latest(run_dir: str | os.PathLike) -> str | None:
     return found[-1] if found else None
 
 
+def refuse_existing_checkpoints(run_dir: str | os.PathLike) -> None:
+    """FwError if `run_dir` already holds checkpoints: a fresh run there would prune them and mix its
+    own in with them."""
+    existing = list_checkpoints(run_dir)
+    if existing:
+        raise FwError(f"{checkpoints_dir(run_dir)} already holds checkpoints ({Path(existing[-1]).name} is the "
+                      "newest): resume with --resume last, or choose another run_dir")
+
+
 def resolve_resume(resume: str | None, run_dir: str | os.PathLike) -> str | None:
-    """`--resume` value → checkpoint dir: None stays None, "last" → newest complete one (FwError if none),
-    a path → that checkpoint, which must be complete."""
+    """`--resume` value → checkpoint dir: None stays None (after refusing a run_dir that holds checkpoints),
+    "last" → newest complete one (FwError if none), a path → that checkpoint, which must be complete."""
     if resume is None:
+        refuse_existing_checkpoints(run_dir)
         return None
     if resume == "last":
         latest = find_latest(run_dir)
@@ -484,12 +494,8 @@ class CheckpointCallback(pl.Callback):
             self._last_saved = step
         # every rank checks (a shared run_dir), so all of them stop together rather than leaving some
         # waiting in a collective; only rank 0 touches the directory
-        existing = list_checkpoints(self.cfg["run_dir"])
-        if existing and not resumed:
-            raise FwError(
-                f"{self.ckpt_dir} already holds checkpoints ({Path(existing[-1]).name} is the newest): "
-                "resume with --resume last, or choose another run_dir"
-            )
+        if not resumed:
+            refuse_existing_checkpoints(self.cfg["run_dir"])
         if trainer.is_global_zero:
             clean_leftovers(self.ckpt_dir)
 

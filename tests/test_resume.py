@@ -105,3 +105,16 @@ def test_config_written_to_run_dir(tmp_path, data):
 
     assert load_config([str(tmp_path / "run" / "config.yaml")], []) == cfg
     assert json.loads((tmp_path / "run" / "checkpoints" / "step-000001" / "manifest.json").read_text())
+
+
+def test_fresh_run_over_existing_checkpoints_is_refused_before_writing(tmp_path, data):
+    cfg = config(tmp_path / "run", data, 1)
+    cfg["trainer"]["max_steps"] = 1
+    fit(cfg)
+    run = tmp_path / "run"
+    before = {p: p.read_bytes() for p in (run / "config.yaml", run / "metrics.jsonl")}
+    other = config(run, data, 1)
+    other["optimizer"]["lr"] = 1e-4
+    with pytest.raises(FwError, match="already holds checkpoints"):
+        fit(other)
+    assert {p: p.read_bytes() for p in before} == before   # the earlier run's files are untouched
