@@ -47,7 +47,7 @@ def fire(trainer: lightning.Trainer, module: lightning.LightningModule, hook: st
 class ProgressBar(TQDMProgressBar):
     """Counts optimizer steps up to `max_steps` (the data is an endless stream, so batches have no total)."""
 
-    SHOWN = ("loss", "token_accuracy", "reward_mean", "lr", "tokens_per_s")
+    SHOWN = ("loss", "token_accuracy", "reward/mean", "lr", "tokens_per_s")
 
     def on_train_epoch_start(self, trainer: lightning.Trainer, *_: Any) -> None:
         super().on_train_epoch_start(trainer)

@@ -467,9 +467,10 @@ class CheckpointCallback(pl.Callback):
     """Saves `<run_dir>/checkpoints/step-%06d` every `checkpoint.every_n_steps` policy optimizer steps and at
     the end of fit, flushing every logger first, then prunes to `checkpoint.keep_last`.
 
-    The step is the module's `policy_version` when it has one (RL recipes may step a critic optimizer too,
-    which Lightning's global_step counts), else `trainer.global_step`. A save happens only in a batch where
-    the step advanced, so never in the middle of gradient accumulation.
+    The step is the module's `policy_version` when it has one (it moves between the optimizer-step hooks
+    in both optimization modes, whereas Lightning updates global_step at different points in each),
+    else `trainer.global_step`. A save happens only in a batch where the step advanced, so never in the
+    middle of gradient accumulation.
     """
 
     def __init__(self, cfg: dict):

@@ -6,11 +6,13 @@ import warnings
 from pathlib import Path
 
 import lightning
+import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_only
 
 from framework.callbacks import builtin_callbacks, user_callbacks
+from framework.errors import FwError
 from framework.metrics import JsonlLogger
 
 
@@ -25,6 +27,22 @@ def build_loggers(cfg: dict) -> list[Logger]:
     return loggers
 
 
+def _check_device_precision(t: dict) -> None:
+    cuda = t["accelerator"] in ("gpu", "cuda") or (t["accelerator"] == "auto" and torch.cuda.is_available())
+    if cuda and t["precision"] == "64-true":
+        raise FwError("trainer.precision: 64-true runs on the CPU only (the CUDA kernels take bf16, fp16 and "
+                      "fp32); set trainer.accelerator: cpu or another precision")
+
+
+def _strategy(cfg: dict) -> str:
+    """PPO backpropagates the policy and the critic losses separately, so each backward leaves the other
+    model's parameters without gradients, which plain DDP refuses: let DDP look for unused parameters."""
+    strategy = cfg["trainer"]["strategy"]
+    if cfg["recipe"] == "ppo" and strategy == "ddp":
+        return "ddp_find_unused_parameters_true"
+    return strategy
+
+
 def build_trainer(cfg: dict) -> lightning.Trainer:
     """A `lightning.Trainer` for `cfg`: `trainer:` settings, loggers, built-in + user callbacks, checkpoints.
 
@@ -36,13 +54,14 @@ def build_trainer(cfg: dict) -> lightning.Trainer:
 
     t = cfg["trainer"]
     automatic = RECIPES[cfg["recipe"]].automatic_optimization
+    _check_device_precision(t)
     # Metrics first so they reach the loggers before the checkpoint callback flushes them and saves.
     callbacks = [*builtin_callbacks(cfg), *user_callbacks(cfg), CheckpointCallback(cfg)]
     return lightning.Trainer(
         accelerator=t["accelerator"],
         devices=t["devices"],
         num_nodes=t["num_nodes"],
-        strategy=t["strategy"],
+        strategy=_strategy(cfg),
         precision=t["precision"],
         max_steps=t["max_steps"],
         max_epochs=-1,
@@ -75,8 +94,8 @@ def fit(cfg: dict, resume: str | None = None) -> lightning.Trainer:
     ckpt_path = resolve_resume(resume, cfg["run_dir"])
     if rank_zero_only.rank == 0:
         save_resolved(cfg, Path(cfg["run_dir"]) / "config.yaml")
+    trainer = build_trainer(cfg)   # first: it refuses unsupported settings before the models are built
     module = FwModule(cfg)
-    trainer = build_trainer(cfg)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*does not have many workers.*")
         trainer.fit(module, ckpt_path=ckpt_path)

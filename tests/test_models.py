@@ -226,7 +226,8 @@ def test_config_round_trip_and_transformers_format():
     hf5 = transformers.Qwen3Config(**{**TINY, "rope_theta": 777.0}).to_dict()   # rope_parameters layout
     assert "rope_parameters" in hf5 and Qwen3Config.from_hf(hf5).rope_theta == 777.0
     no_head_dim = {k: v for k, v in TINY.items() if k != "head_dim"}
-    assert Qwen3Config.from_hf(no_head_dim).head_dim == 8   # HF's hidden // heads
+    # what transformers builds from the same config.json (its Qwen3Config default, 128 — not hidden // heads)
+    assert Qwen3Config.from_hf(no_head_dim).head_dim == transformers.Qwen3Config(**no_head_dim).head_dim
 
 
 @pytest.mark.parametrize("change,match", [

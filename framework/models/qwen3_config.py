@@ -95,8 +95,9 @@ class Qwen3Config:
         kwargs = {k: d[k] for k in known if d.get(k) is not None and k != "rope_theta"}
         if rope_theta is not None:
             kwargs["rope_theta"] = float(rope_theta)
-        # HF derives head_dim this way when config.json leaves it out.
-        kwargs.setdefault("head_dim", d["hidden_size"] // d["num_attention_heads"])
+        # transformers' Qwen3Config defaults head_dim to 128 (not hidden_size // heads) when config.json
+        # leaves it out; the model must be the one HF would build from the same file.
+        kwargs.setdefault("head_dim", 128)
         try:
             return cls(**kwargs)
         except FwError as e:
