@@ -10,6 +10,11 @@ A global micro-batch takes the next examples of the stream: packed into `batch_s
 rows of `max_seq_len` tokens (or one example per row, right-padded); rank r keeps rows
 `[r * batch_size, (r + 1) * batch_size)`. A batch is therefore a pure function of (seed, position),
 and the position after the last consumed batch is all a checkpoint needs for an exact resume.
+
+The position is global (the same on every rank), so a run may resume on a different number of
+processes: with `batch_size * world_size` unchanged (e.g. 2 ranks x 4 rows -> 1 process x 8 rows) the
+continued global batches are exactly those of the uninterrupted run; otherwise the stream continues at
+the same position with the new global batch size (no example skipped or repeated).
 """
 
 from __future__ import annotations

@@ -71,21 +71,34 @@ class StepMetrics(nn.Module):
         return out
 
     def state(self) -> dict[str, Any]:
-        """What a checkpoint needs to continue a logging interval that a save interrupted."""
-        metrics = {key: {"reduce": self.reductions[key], "update_count": m.update_count,
-                         "state": {k: v.detach().cpu().clone() for k, v in m.metric_state.items()}}
-                   for key, m in self.metrics.items() if m.update_count}
+        """What a checkpoint needs to continue a logging interval that a save interrupted.
+
+        The accumulated values are reduced over ranks (a collective under DDP: call on every rank), so
+        the state is that of the whole interval so far, independent of the number of processes.
+        """
+        metrics = {}
+        for key, m in self.metrics.items():
+            if not m.update_count:
+                continue
+            with m.sync_context(should_sync=True, should_unsync=True):
+                values = {k: v.detach().cpu().clone() for k, v in m.metric_state.items()}
+            metrics[key] = {"reduce": self.reductions[key], "update_count": m.update_count, "state": values}
         return {"metrics": metrics, "last": dict(self.last)}
 
-    def load_state(self, state: dict[str, Any]) -> None:
+    def load_state(self, state: dict[str, Any], holder: bool = True) -> None:
+        """Continue an interval from `state()`. Exactly one rank (`holder`, rank 0) takes the accumulated
+        values; the others start empty but with the same update counts, so every rank reduces the same
+        metrics and the next `compute()` adds each value once, whatever the number of processes."""
         self.last = dict(state["last"])
         for key, saved in state["metrics"].items():
             if key not in self.metrics:
                 self.metrics[key] = REDUCTIONS[saved["reduce"]](nan_strategy="error")
                 self.reductions[key] = saved["reduce"]
             metric = self.metrics[key]
-            for k, v in saved["state"].items():
-                setattr(metric, k, v.to(metric.device))
+            metric.reset()
+            if holder:
+                for k, v in saved["state"].items():
+                    setattr(metric, k, v.to(metric.device))
             metric._update_count = saved["update_count"]
 
 

@@ -58,10 +58,14 @@ class LRSchedule:
 
 
 def rng_state() -> dict[str, Any]:
-    """torch / CUDA / Python / NumPy generator states as tensors and plain values (torch.load-safe)."""
+    """torch / CUDA / Python / NumPy generator states as tensors and plain values (torch.load-safe).
+
+    CUDA: the state of this process's current device only (`cuda_device`), restored onto the current
+    device of whichever process loads it, so it follows the rank and not the device index.
+    """
     state = {"torch": torch.get_rng_state(), "python": random.getstate()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+        state["cuda_device"] = torch.cuda.get_rng_state()
     try:
         import numpy as np
     except ImportError:
@@ -74,13 +78,35 @@ def rng_state() -> dict[str, Any]:
 def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
-    if "cuda" in state and torch.cuda.is_available():
+    if "cuda_device" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda_device"])
+    elif "cuda" in state and torch.cuda.is_available():   # checkpoints that saved every device's state
         torch.cuda.set_rng_state_all(state["cuda"])
     if "numpy" in state:
         import numpy as np
 
         kind, keys, pos, has_gauss, gauss = state["numpy"]
         np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
+
+
+def gather_rng_states() -> list[dict[str, Any]] | None:
+    """Every rank's `rng_state()` in rank order (a collective) under torch.distributed; None on one process."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return None
+    states: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(states, rng_state())
+    return states
+
+
+def choose_rng_state(checkpoint: dict[str, Any], rank: int, world_size: int) -> dict[str, Any] | None:
+    """The RNG state a rank restores: its own when the checkpoint was saved by as many processes, else
+    rank 0's (`fw_rng`) on every rank, as in a fresh run, where every rank is seeded alike."""
+    per_rank = checkpoint.get("fw_rng_ranks")
+    if per_rank is not None and len(per_rank) == world_size:
+        return per_rank[rank]
+    return checkpoint.get("fw_rng")
 
 
 def _tokenizer_files(tokenizer) -> dict[str, bytes]:
@@ -291,10 +317,17 @@ class FwModule(lightning.LightningModule):
         return opts if isinstance(opts, list) else [opts]
 
     # ---------------------------------------------------------------- metrics
-    def log_metric(self, name: str, value: torch.Tensor | float, weight: torch.Tensor | float = 1.0,
+    def log_metric(self, name: str, value: torch.Tensor | float, weight: torch.Tensor | float | None = None,
                    reduce: str = "mean") -> None:
         """Record a value for the current logging interval: `mean` (weighted), `sum`, `max`, `min` are
-        reduced over micro-batches, steps and ranks; `last` keeps the latest value as is."""
+        reduced over micro-batches, steps and ranks; `last` keeps the latest value as is.
+
+        `weight` defaults to 1 / world size: each rank's value is one vote and each call site one vote per
+        step in all, so a logging interval that a resume on another number of processes cut in two still
+        weighs its steps equally. Weights that count something global (tokens, sequences) need no care.
+        """
+        if weight is None:
+            weight = 1.0 / (self.trainer.world_size if self._trainer is not None else 1)
         self.step_metrics.update(name, value, weight, reduce)
 
     def logging_this_step(self) -> bool:
@@ -357,7 +390,8 @@ class FwModule(lightning.LightningModule):
         checkpoint["policy_version"] = self.policy_version
         checkpoint["fw_recipe"] = self.recipe.state_dict()
         checkpoint["fw_rng"] = rng_state()
-        checkpoint["fw_step_metrics"] = self.step_metrics.state()
+        checkpoint["fw_rng_ranks"] = gather_rng_states()   # None on one process
+        checkpoint["fw_step_metrics"] = self.step_metrics.state()   # reduced over ranks
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Rebuild the weights' state-dict entries from `fw_components` for Lightning to load.
@@ -376,6 +410,10 @@ class FwModule(lightning.LightningModule):
         if self.reference is not None:
             sd.update({f"reference.{k}": v for k, v in self.reference.state_dict().items()})
         self.policy_version = int(checkpoint["policy_version"])
+        # The recipe state (data position) is global, the same on every rank; see the recipes for how a
+        # changed number of processes continues.
         self.recipe.load_state_dict(checkpoint["fw_recipe"])
-        self._pending_rng = checkpoint.get("fw_rng")
-        self.step_metrics.load_state(checkpoint.get("fw_step_metrics") or {"metrics": {}, "last": {}})
+        rank, world = (self.trainer.global_rank, self.trainer.world_size) if self._trainer is not None else (0, 1)
+        self._pending_rng = choose_rng_state(checkpoint, rank, world)
+        self.step_metrics.load_state(checkpoint.get("fw_step_metrics") or {"metrics": {}, "last": {}},
+                                     holder=rank == 0)

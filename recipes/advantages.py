@@ -11,12 +11,15 @@ from torch import Tensor
 SCALE_REWARDS = ("group", "batch", "none")
 
 
-def grpo_advantages(rewards: Tensor, group_size: int, scale_rewards: str, eps: float) -> Tensor:
+def grpo_advantages(rewards: Tensor, group_size: int, scale_rewards: str, eps: float,
+                    batch_std: Tensor | float | None = None) -> Tensor:
     """Per-sample GRPO advantages for ``rewards`` [B] laid out as consecutive groups of ``group_size``.
 
     ``A_i = (r_i - mean_group) / (std + eps)`` where std is the group's std (``group``), the whole
     batch's std (``batch``) or no scaling at all (``none``, Dr.GRPO: ``A_i = r_i - mean_group``).
     The std is the unbiased sample std (Bessel-corrected, as torch.std and TRL use).
+    ``batch_std`` replaces the std of ``rewards`` under ``batch``: with several processes it is the std
+    of the global batch (``batch_reward_std``), of which ``rewards`` is one rank's share.
     """
     if rewards.dim() != 1:
         raise ValueError(f"grpo_advantages: rewards must be 1-D [B], got shape {tuple(rewards.shape)}")
@@ -33,11 +36,41 @@ def grpo_advantages(rewards: Tensor, group_size: int, scale_rewards: str, eps: f
         if group_size < 2:
             raise ValueError("grpo_advantages: scale_rewards 'group' needs group_size >= 2 for a group std")
         std = grouped.std(dim=1, keepdim=True).expand_as(grouped).reshape(-1)
+    elif batch_std is not None:
+        std = torch.as_tensor(batch_std, dtype=torch.float32, device=r.device)
     else:
         if r.numel() < 2:
             raise ValueError("grpo_advantages: scale_rewards 'batch' needs at least 2 rewards for a std")
         std = r.std()
     return centred / (std + eps)
+
+
+def batch_reward_std(rewards: Tensor) -> Tensor:
+    """Unbiased std (float64 scalar) of the rewards of every rank together, from one all-reduce of
+    (count, sum, sum of squares) when torch.distributed is initialised; ``rewards.std()`` otherwise."""
+    r = rewards.detach().to(torch.float64).reshape(-1)
+    stats = torch.stack([torch.tensor(float(r.numel()), dtype=torch.float64, device=r.device), r.sum(),
+                         r.square().sum()])
+    stats = all_reduce_sum(stats)
+    n, total, squares = stats.unbind()
+    if float(n) < 2:
+        raise ValueError("batch_reward_std: needs at least 2 rewards for a std")
+    mean = total / n
+    return ((squares - n * mean * mean).clamp(min=0.0) / (n - 1)).sqrt()
+
+
+def all_reduce_sum(t: Tensor) -> Tensor:
+    """The sum of ``t`` over all processes (a new tensor) when torch.distributed is initialised, else ``t``.
+
+    Collective: every rank must call it with the same shape, in the same order.
+    """
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return t
+    out = t.clone()
+    dist.all_reduce(out, op=dist.ReduceOp.SUM)
+    return out
 
 
 def gae(token_rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float) -> tuple[Tensor, Tensor]:

@@ -12,8 +12,11 @@ About "loss is 0": on the first update of a rollout the ratio is 1, so the surro
 ``policy/adv_abs`` (mean |A|) and ``grad_norm`` show the signal, and ``policy/objective``
 is the advantage-weighted ratio the update climbs.
 
-With several processes each rank samples its own prompts; groups never straddle ranks, and
-``scale_rewards: batch`` uses the std of the rank's own batch.
+With several processes each rank samples its own prompts (see recipes/rl.py for the data position);
+groups never straddle ranks, so ``group`` and ``none`` need no communication. ``scale_rewards: batch``
+divides by the std of the global batch (every rank's rewards, one all-reduce of count, sum and sum of
+squares), token-mean divides by the minibatch's token count over all ranks, so 2 processes x P prompts
+compute the advantages and the update of 1 process holding both ranks' rollouts.
 """
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from recipes.advantages import grpo_advantages
+from recipes.advantages import batch_reward_std, grpo_advantages
 from recipes.losses import aggregate, aggregate_weight, kl_estimate, policy_loss
 from recipes.rl import RLRecipe
 
@@ -35,11 +38,14 @@ class GRPORecipe(RLRecipe):
     def __init__(self, cfg: dict, tokenizer: Any):
         super().__init__(cfg, tokenizer)
         self._check_batch_split(cfg["rollout"]["prompts_per_step"] * cfg["grpo"]["group_size"])
+        self.last_advantages: Tensor | None = None   # [B] of the latest rollout, for callbacks and tests
 
     def training_step(self, module: Any, batch: Any, batch_idx: int) -> None:
         g, cfg = self.cfg["grpo"], self.cfg
         data = self.last_rollout = self.collect(module, g["group_size"])
-        adv = grpo_advantages(data.rewards, g["group_size"], g["scale_rewards"], g["adv_eps"])
+        batch_std = batch_reward_std(data.rewards) if g["scale_rewards"] == "batch" else None
+        adv = self.last_advantages = grpo_advantages(data.rewards, g["group_size"], g["scale_rewards"],
+                                                     g["adv_eps"], batch_std)
         self.log_rollout(module, data)
         module.log_metric("policy/adv_abs", _token_weighted_abs_mean(adv, data.mask))
         max_len = cfg["rollout"]["max_new_tokens"]
@@ -55,6 +61,7 @@ class GRPORecipe(RLRecipe):
                     break
                 first_update = epoch == 0 and mb_index == 0
                 mb_mask = data.mask[torch.cat(micro_batches).to(adv.device)]
+                mb_tokens = self.minibatch_tokens(module, mb_mask, g["loss_agg"])
                 for rows in micro_batches:
                     rows = rows.to(adv.device)
                     mask = data.mask[rows]
@@ -70,13 +77,13 @@ class GRPORecipe(RLRecipe):
                         loss = loss + g["kl_coef"] * kl
                         logged["ref_kl"] = kl
                     logged["loss"] = loss
-                    weight = aggregate_weight(mask, mb_mask, g["loss_agg"])
+                    weight = aggregate_weight(mask, mb_mask, g["loss_agg"], mb_tokens)
                     module.manual_backward(loss * weight)
                     self.log_weighted(module, "policy", logged, weight)
                     if first_update:
                         self.log_first_update(module, logp, entropy, data, rows)
                 module.step_optimizer(opt, cfg["optimizer"]["max_grad_norm"])
-        self.rollout_step += 1
+        self.finish_rollout(module)
         module.log_metric("policy_version", module.policy_version, reduce="last")
 
 

@@ -52,14 +52,20 @@ def aggregate(per_token: Tensor, mask: Tensor, mode: str, max_len: int | None = 
     raise ValueError(f"aggregate: mode must be one of {LOSS_AGG_MODES}, got {mode!r}")
 
 
-def aggregate_weight(mask: Tensor, full_mask: Tensor, mode: str) -> float:
+def aggregate_weight(mask: Tensor, full_mask: Tensor, mode: str, full_tokens: float | None = None) -> float:
     """Share of a micro-batch (``mask``) in its minibatch (``full_mask``) under ``mode``.
 
     ``sum(aggregate(micro) * aggregate_weight(micro))`` over a minibatch's micro-batches equals
     ``aggregate(minibatch)``, so gradient accumulation reproduces the un-split loss exactly.
+
+    With several processes (DDP averages gradients over ranks) pass ``full_tokens``, the minibatch's
+    token count averaged over ranks (``global tokens / world size``): token-mean is then the exact
+    mean over the tokens of every rank's minibatch, however unevenly the ranks' completions ran. The
+    sequence-mean modes need nothing: every rank holds the same number of sequences.
     """
     if mode == "token-mean":
-        return float(mask.sum()) / max(float(full_mask.sum()), 1.0)
+        total = float(full_mask.sum()) if full_tokens is None else float(full_tokens)
+        return float(mask.sum()) / total if total > 0 else 0.0
     if mode in LOSS_AGG_MODES:
         return mask.shape[0] / full_mask.shape[0]
     raise ValueError(f"aggregate_weight: mode must be one of {LOSS_AGG_MODES}, got {mode!r}")

@@ -70,12 +70,13 @@ class PPORecipe(RLRecipe):
                 first_update = epoch == 0 and mb_index == 0
                 micro_batches = [rows.to(data.mask.device) for rows in micro_batches]
                 mb_mask = data.mask[torch.cat(micro_batches)]
+                mb_tokens = self.minibatch_tokens(module, mb_mask, p["loss_agg"])
                 for rows in micro_batches:
                     mask = data.mask[rows]
                     logp, entropy = self.logprobs(module.policy, data, rows, with_entropy=first_update)
                     pl = policy_loss(logp, data.old_logp[rows], advantages[rows], mask, p["clip_eps_low"],
                                      p["clip_eps_high"], p["loss_agg"], max_len)
-                    weight = aggregate_weight(mask, mb_mask, p["loss_agg"])
+                    weight = aggregate_weight(mask, mb_mask, p["loss_agg"], mb_tokens)
                     module.manual_backward(pl.loss * weight)
                     self.log_weighted(module, "policy", {
                         "loss": pl.loss, "objective": pl.adv_weighted, "clip_frac": pl.clip_frac,
@@ -89,10 +90,10 @@ class PPORecipe(RLRecipe):
                                                data.completion_lens[rows], width)
                     vl = value_loss(values, old_values[rows], returns[rows], mask, p["value_clip"],
                                     p["loss_agg"], max_len)
-                    weight = aggregate_weight(mask, mb_mask, p["loss_agg"])
+                    weight = aggregate_weight(mask, mb_mask, p["loss_agg"], mb_tokens)
                     module.manual_backward(p["vf_coef"] * vl.loss * weight)
                     self.log_weighted(module, "value", {"loss": vl.loss, "clip_frac": vl.clip_frac,
                                                         "error": vl.error}, weight)
                 module.step_optimizer(critic_opt, p["critic"]["max_grad_norm"])
-        self.rollout_step += 1
+        self.finish_rollout(module)
         module.log_metric("policy_version", module.policy_version, reduce="last")

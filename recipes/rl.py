@@ -1,10 +1,19 @@
 """What GRPO and PPO share: the prompt stream, one scored rollout batch, and trainer-side logprobs.
 
-Data position: rollout batch ``k`` on rank ``r`` of ``W`` uses task samples
-``(k * W + r) * P .. + P - 1`` (``P = rollout.prompts_per_step``) and sampling seed
-``(seed, k, r)``; ``k`` is the recipe's saved state, so a resumed run draws exactly the prompts and
-tokens it would have drawn. Lightning is fed an endless stream of placeholder batches; the recipe
-picks the prompts itself, so Lightning's one-batch prefetch can never move the data position.
+Data position: ``prompt_position`` counts the task samples consumed by all ranks together. A rollout
+batch on rank ``r`` of ``W`` uses samples ``prompt_position + r * P .. + P - 1``
+(``P = rollout.prompts_per_step``, per rank) with sampling seed ``(seed, first sample // P)``, then
+every rank advances ``prompt_position`` by ``W * P``. With an unchanged world size batch ``k`` uses
+samples ``(k * W + r) * P ..``, and a resumed run draws exactly the prompts and tokens it would have
+drawn. Resuming on a different number of processes continues at the first unused sample: keep
+``W * P`` (the global batch) to see the same prompts as the uninterrupted run would have, e.g.
+2 ranks x 16 prompts -> 1 process x 32 prompts (each rank's groups are sampled in one batch, so the
+tokens differ). Lightning is fed an endless stream of placeholder batches; the recipe picks the prompts
+itself, so Lightning's one-batch prefetch can never move the data position.
+
+Statistics over the rollout batch are global: the ``scale_rewards: batch`` std and ``reward/std`` come
+from one all-reduce of (count, sum, sum of squares), token-mean losses divide by the minibatch's token
+count over all ranks, and metrics go through torchmetrics, which reduces over ranks.
 """
 from __future__ import annotations
 
@@ -17,6 +26,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader, IterableDataset
 
 from framework.errors import FwError
+from recipes.advantages import all_reduce_sum, batch_reward_std
 
 
 class _Ticks(IterableDataset):
@@ -104,7 +114,8 @@ class RLRecipe:
                           f"> 0 (got {cfg['rollout']['temperature']}); the trainer's logprobs use the same one")
         self.task = build_task(cfg["data"], seed=cfg["seed"])
         self.reward_fn = build_reward(cfg["reward"])
-        self.rollout_step = 0  # rollout batches consumed so far: the data position
+        self.rollout_step = 0  # rollout batches done so far (seeds the minibatch shuffle)
+        self.prompt_position: int | None = 0  # task samples consumed by all ranks: the data position
         self.last_rollout: ScoredRollout | None = None  # the latest batch, for callbacks and inspection
 
     # ---- protocol
@@ -118,10 +129,13 @@ class RLRecipe:
         return DataLoader(_Ticks(), batch_size=None)
 
     def state_dict(self) -> dict:
-        return {"rollout_step": self.rollout_step}
+        return {"rollout_step": self.rollout_step, "prompt_position": self.prompt_position}
 
     def load_state_dict(self, d: dict) -> None:
         self.rollout_step = int(d["rollout_step"])
+        # checkpoints from before prompt_position: rollout_step * W * P, with this run's W (see collect)
+        position = d.get("prompt_position")
+        self.prompt_position = None if position is None else int(position)
 
     # ---- shared steps
     def _check_batch_split(self, batch_size: int) -> None:
@@ -145,7 +159,9 @@ class RLRecipe:
         ro_cfg = cfg["rollout"]
         rank, world = self._rank(module)
         n_prompts = ro_cfg["prompts_per_step"]
-        first = (self.rollout_step * world + rank) * n_prompts
+        if self.prompt_position is None:
+            self.prompt_position = self.rollout_step * world * n_prompts
+        first = self.prompt_position + rank * n_prompts
         samples = [self.task.sample(first + i) for i in range(n_prompts)]
         texts = [render_prompt(s["prompt"], tok, cfg["data"]["chat_template"], cfg["tokenizer"]["enable_thinking"])
                  for s in samples]
@@ -154,7 +170,7 @@ class RLRecipe:
         # the tokenizer's EOS and the model's own (Qwen3 lists <|im_end|> and <|endoftext|>)
         model_eos = module.policy.config.eos_token_id
         eos_ids = {tok.eos_id} | set(model_eos if isinstance(model_eos, list) else [] if model_eos is None else [model_eos])
-        seed = (cfg["seed"] * 1_000_003 + self.rollout_step * world + rank) % (2**31 - 1)
+        seed = (cfg["seed"] * 1_000_003 + first // n_prompts) % (2**31 - 1)
         start = time.perf_counter()
         ro = generate(module.policy, prompts, max_new_tokens=ro_cfg["max_new_tokens"],
                       temperature=ro_cfg["temperature"], top_k=ro_cfg["top_k"], top_p=ro_cfg["top_p"],
@@ -174,6 +190,21 @@ class RLRecipe:
             correct=(rewards >= 1.0).to(device), n_reward_errors=n_err,
             eos_frac=sum(r != "length" for r in ro.finish_reasons) / len(ro.finish_reasons),
             gen_seconds=gen_seconds, texts=list(ro.texts))
+
+    def finish_rollout(self, module: Any) -> None:
+        """Advance the data position past this rollout batch of every rank (end of a training step)."""
+        self.rollout_step += 1
+        self.prompt_position += self._rank(module)[1] * self.cfg["rollout"]["prompts_per_step"]
+
+    @staticmethod
+    def minibatch_tokens(module: Any, mb_mask: Tensor, mode: str) -> float | None:
+        """``aggregate_weight``'s ``full_tokens`` for token-mean under several processes: the minibatch's
+        response tokens summed over ranks and divided by the world size (DDP averages gradients); None
+        otherwise (no communication). A collective under DDP: call it on every rank for every minibatch."""
+        world = module.trainer.world_size
+        if mode != "token-mean" or world == 1:
+            return None
+        return float(all_reduce_sum(mb_mask.sum().to(torch.float64))) / world
 
     def logprobs(self, model: Any, batch: ScoredRollout, rows: Tensor,
                  with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
@@ -197,16 +228,19 @@ class RLRecipe:
         """Reward and rollout metrics of one rollout batch (averaged over the logging interval)."""
         lens = batch.completion_lens.float()
         rewards = batch.rewards
+        n = rewards.numel()
+        # weighted by the rank's sequence count, so the reduction over ranks is the global batch mean
         for name, value in (
             ("reward/mean", rewards.mean()),
-            ("reward/std", rewards.std() if rewards.numel() > 1 else 0.0),
             ("reward/accuracy", batch.correct.float().mean()),
             ("rollout/response_len", lens.mean()),
             ("rollout/eos_frac", batch.eos_frac),
-            ("rollout/tokens_per_s", float(lens.sum()) / max(batch.gen_seconds, 1e-9)),
-            ("rollout/seconds", batch.gen_seconds),
         ):
-            module.log_metric(name, value)
+            module.log_metric(name, value, weight=n)
+        # the global batch's std (a collective: every rank logs it); per-rank generation speed and time
+        module.log_metric("reward/std", batch_reward_std(rewards) if module.trainer.world_size * n > 1 else 0.0)
+        module.log_metric("rollout/tokens_per_s", float(lens.sum()) / max(batch.gen_seconds, 1e-9))
+        module.log_metric("rollout/seconds", batch.gen_seconds)
         module.log_metric("reward/errors", batch.n_reward_errors, reduce="sum")
         module.log_metric("tokens", float((batch.prompt_lens + batch.completion_lens).sum()), reduce="sum")
 
@@ -222,5 +256,8 @@ class RLRecipe:
 
     @staticmethod
     def log_weighted(module: Any, prefix: str, values: dict[str, Tensor], weight: float) -> None:
+        """Micro-batch values weighted by their share of the minibatch; divided by the world size so
+        a minibatch weighs 1 in all, whatever the number of processes."""
+        world = module.trainer.world_size
         for name, value in values.items():
-            module.log_metric(f"{prefix}/{name}", value.detach(), weight=weight)
+            module.log_metric(f"{prefix}/{name}", value.detach(), weight=weight / world)

@@ -15,8 +15,21 @@ SCRIPT = """
 import json, sys
 from framework.config import resolve
 from framework.trainer import fit
-fit(resolve(json.loads(sys.argv[1])))
+fit(resolve(json.loads(sys.argv[1])), resume=sys.argv[2] or None)
 """
+
+
+def fit_in_subprocess(tmp_path, cfg: dict, resume: str = "", check: bool = True) -> subprocess.CompletedProcess:
+    """`fit(cfg)` in a fresh Python process (Lightning's DDP launcher starts rank 1 by re-running the same
+    script with the same arguments). `tests/` is importable there, for callbacks given by class_path."""
+    script = tmp_path / "train_script.py"
+    script.write_text(SCRIPT)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT / 'tests'}{os.pathsep}{ROOT}"}
+    proc = subprocess.run([sys.executable, str(script), json.dumps(cfg), resume], check=False, cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+    if check:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
 
 
 def train(tmp_path, name, devices, batch_size):
@@ -27,13 +40,7 @@ def train(tmp_path, name, devices, batch_size):
            "trainer": {"accelerator": "cpu", "devices": devices, "strategy": "ddp" if devices > 1 else "auto",
                        "max_steps": 4, "enable_progress_bar": False},
            "checkpoint": {"every_n_steps": 100}, "logging": {"csv": False, "tensorboard": False}}
-    script = tmp_path / "train_script.py"
-    script.write_text(SCRIPT)
-    # Lightning's DDP launcher starts rank 1 by re-running this script with the same arguments.
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, str(script), json.dumps(cfg)], check=False, cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    fit_in_subprocess(tmp_path, cfg)
     return read_metrics(tmp_path / name / "metrics.jsonl")
 
 

@@ -212,7 +212,7 @@ def test_exact_resume(tmp_path):
     with pytest.raises(RuntimeError, match="simulated crash"):
         fit(config(broken, [crash], **settings))
     state = torch.load(broken / "checkpoints" / "step-000004" / "trainer_state.pt", weights_only=False)
-    assert state["fw_recipe"] == {"rollout_step": 2} and state["policy_version"] == 4
+    assert state["fw_recipe"] == {"rollout_step": 2, "prompt_position": 8} and state["policy_version"] == 4
     trainer = fit(config(broken, **settings), resume="last")
     assert trainer.global_step == 8 and trainer.lightning_module.recipe.rollout_step == 4
 
