@@ -32,6 +32,9 @@ class StepMetrics(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
+        # Moves with the module (`.to(device)`): metrics created later live on the same device, which
+        # NCCL needs to reduce them (a metric made from a Python float would otherwise stay on the CPU).
+        self.register_buffer("_anchor", torch.empty(0), persistent=False)
         self.metrics = nn.ModuleDict()
         self.reductions: dict[str, str] = {}
         self.last: dict[str, float] = {}
@@ -46,8 +49,7 @@ class StepMetrics(nn.Module):
                              f"got {reduce!r}")
         key = name.replace(".", "__")  # ModuleDict keys cannot hold dots
         if key not in self.metrics:
-            device = value.device if isinstance(value, torch.Tensor) else None
-            self.metrics[key] = REDUCTIONS[reduce](nan_strategy="error").to(device or "cpu")
+            self.metrics[key] = REDUCTIONS[reduce](nan_strategy="error").to(self._anchor.device)
             self.reductions[key] = reduce
         elif self.reductions[key] != reduce:
             raise ValueError(f"log_metric({name!r}): logged with reduce={self.reductions[key]!r} before, "
@@ -92,7 +94,7 @@ class StepMetrics(nn.Module):
         self.last = dict(state["last"])
         for key, saved in state["metrics"].items():
             if key not in self.metrics:
-                self.metrics[key] = REDUCTIONS[saved["reduce"]](nan_strategy="error")
+                self.metrics[key] = REDUCTIONS[saved["reduce"]](nan_strategy="error").to(self._anchor.device)
                 self.reductions[key] = saved["reduce"]
             metric = self.metrics[key]
             metric.reset()

@@ -217,7 +217,9 @@ class FwModule(lightning.LightningModule):
         params = [p for p in model.parameters() if p.requires_grad]
         fused = o["fused"]
         if fused == "auto":
-            fused = all(p.device.type == "cuda" for p in params)
+            # Not under 16-mixed: Lightning leaves unscaling to a fused optimizer's step, which comes after
+            # fw's clipping and grad-norm metric (they need unscaled gradients).
+            fused = all(p.device.type == "cuda" for p in params) and self.cfg["trainer"]["precision"] != "16-mixed"
         # Weight decay on matrices only: norms' gains and biases are not decayed.
         groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
                   {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
@@ -281,7 +283,7 @@ class FwModule(lightning.LightningModule):
 
     def step_optimizer(self, optimizer: Any, max_grad_norm: float | None) -> None:
         """Manual optimization: clip to `max_grad_norm` (None: no clipping), fire `before_optimizer_step`,
-        step, zero the gradients, fire `after_optimizer_step`, then step the LR schedule (policy only).
+        step, fire `after_optimizer_step`, zero the gradients, then step the LR schedule (policy only).
 
         The policy steps through Lightning's wrapper, so `trainer.global_step` counts policy steps; the
         critic steps directly, so it does not.
@@ -302,10 +304,10 @@ class FwModule(lightning.LightningModule):
             finally:
                 self._manual_clip = False
             raw.step()
-        raw.zero_grad(set_to_none=True)
         if role == "policy":
             self.policy_version += 1
         fire(self.trainer, self, "after_optimizer_step", raw)
+        raw.zero_grad(set_to_none=True)   # after the hook: it sees the gradients, as in automatic mode
         if role == "policy":
             schedulers = self.lr_schedulers()
             for sched in schedulers if isinstance(schedulers, list) else [schedulers]:

@@ -27,11 +27,20 @@ def build_loggers(cfg: dict) -> list[Logger]:
     return loggers
 
 
-def _check_device_precision(t: dict) -> None:
+def _check_precision(cfg: dict) -> None:
+    """Refuse precision settings that would run but compute the wrong thing."""
+    t = cfg["trainer"]
     cuda = t["accelerator"] in ("gpu", "cuda") or (t["accelerator"] == "auto" and torch.cuda.is_available())
     if cuda and t["precision"] == "64-true":
         raise FwError("trainer.precision: 64-true runs on the CPU only (the CUDA kernels take bf16, fp16 and "
                       "fp32); set trainer.accelerator: cpu or another precision")
+    if t["precision"] == "16-mixed":
+        if cfg["optimizer"]["fused"] is True:
+            raise FwError("optimizer.fused: true cannot be combined with trainer.precision: 16-mixed (a fused "
+                          "AdamW unscales inside its step, after fw clips the gradients); use auto or false")
+        if cfg["recipe"] == "ppo":
+            raise FwError("trainer.precision: 16-mixed is not supported by recipe ppo (the critic steps "
+                          "outside Lightning's loss scaler); use bf16-mixed")
 
 
 def _strategy(cfg: dict) -> str:
@@ -54,7 +63,7 @@ def build_trainer(cfg: dict) -> lightning.Trainer:
 
     t = cfg["trainer"]
     automatic = RECIPES[cfg["recipe"]].automatic_optimization
-    _check_device_precision(t)
+    _check_precision(cfg)
     # Metrics first so they reach the loggers before the checkpoint callback flushes them and saves.
     callbacks = [*builtin_callbacks(cfg), *user_callbacks(cfg), CheckpointCallback(cfg)]
     return lightning.Trainer(

@@ -43,8 +43,11 @@ class PPORecipe(RLRecipe):
             token_rewards = torch.zeros_like(data.mask)
             kl_metric = None
             if p["kl_coef"] > 0:
+                # Both sides through the trainer's forward: the rollout's logprobs come from the KV-cache
+                # decode path (bf16 cache under autocast), whose mismatch would make KL(pi || pi) != 0.
+                logp, _ = self.logprobs(module.policy, data, everything)
                 ref_logp, _ = self.logprobs(module.reference, data, everything)
-                kl = kl_estimate(data.old_logp, ref_logp, p["kl_estimator"]) * data.mask
+                kl = kl_estimate(logp, ref_logp, p["kl_estimator"]) * data.mask
                 token_rewards -= p["kl_coef"] * kl
                 kl_metric = float(masked_mean(kl, data.mask))
             last = (data.completion_lens - 1).clamp(min=0)
@@ -55,8 +58,10 @@ class PPORecipe(RLRecipe):
                 advantages = whiten(advantages, data.mask)
         self.log_rollout(module, data)
         ev = explained_variance(old_values, returns, data.mask)
-        if not torch.isnan(ev):  # undefined when every return is equal (e.g. all rewards 0 and no KL)
-            module.log_metric("value/explained_variance", ev)
+        # Undefined (NaN) when every return is equal (e.g. all rewards 0 and no KL): logged with weight 0,
+        # never skipped, because every rank must log the same metrics (they are reduced collectively).
+        undefined = bool(torch.isnan(ev))
+        module.log_metric("value/explained_variance", 0.0 if undefined else ev, weight=0.0 if undefined else None)
         module.log_metric("value/mean", masked_mean(old_values, data.mask))
         module.log_metric("value/returns", masked_mean(returns, data.mask))
         module.log_metric("policy/adv_abs", masked_mean(advantages.abs(), data.mask))

@@ -46,10 +46,8 @@ class SFTRecipe:
         targets = batch["targets"]
         selected = targets != IGNORE
         h, t = hidden[selected], targets[selected]
-        weight = policy.lm_head_weight
-        if weight.dtype != h.dtype:   # autocast leaves the fp32 head weight; match the activations
-            weight = weight.to(h.dtype)
-        logprob, _ = ops_cuda.linear_logprob(h, weight, t)
+        # Under autocast, fw::linear_logprob's autocast rule casts both operands to bf16.
+        logprob, _ = ops_cuda.linear_logprob(h, policy.lm_head_weight, t)
         n_local = selected.sum()
         nll = -logprob.sum()
         trainer = module.trainer
@@ -58,7 +56,7 @@ class SFTRecipe:
         module.log_metric("loss", nll.detach() / n_local.clamp(min=1), weight=n_local)
         module.log_metric("tokens", batch["num_tokens"], reduce="sum")
         if module.logging_this_step():
-            module.log_metric("token_accuracy", self._accuracy(h.detach(), weight.detach(), t), weight=n_local)
+            module.log_metric("token_accuracy", self._accuracy(h.detach(), policy.lm_head_weight.detach(), t), weight=n_local)
         self.position = batch["next_position"]
         return loss
 

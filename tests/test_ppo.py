@@ -12,6 +12,7 @@ from test_grpo import token_logprobs
 from framework.callbacks import Callback
 from framework.config import resolve
 from framework.errors import FwError
+from framework.metrics import read_metrics
 from framework.trainer import fit
 
 
@@ -153,3 +154,14 @@ def test_critic_in_checkpoints_and_policy_steps_counted(tmp_path):
     shutil.rmtree(broken / "checkpoints" / "step-000002" / "value")
     with pytest.raises(FwError, match="value"):
         fit(config(broken), resume=str(broken / "checkpoints" / "step-000002"))
+
+
+def test_reward_kl_is_zero_while_the_policy_equals_the_reference(tmp_path):
+    # Both logprobs come from the same forward path, so KL(pi || pi) is exactly 0 at the first rollout
+    # (taking the policy side from the rollout's KV-cache decode would leave its rounding mismatch in).
+    cfg = config(tmp_path / "run", ppo={"kl_coef": 0.1, "kl_estimator": "k1",
+                                        "critic": {"lr": 1e-2, "max_grad_norm": None}},
+                 trainer={"max_steps": 1, "log_every_n_steps": 1})
+    fit(cfg)
+    first = read_metrics(tmp_path / "run" / "metrics.jsonl")[0]
+    assert first["policy/ref_kl"] == 0.0

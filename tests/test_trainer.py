@@ -25,3 +25,10 @@ def test_ppo_under_ddp_lets_ddp_find_unused_parameters(tmp_path):
 def test_float64_on_cuda_is_refused_with_the_key(tmp_path):
     with pytest.raises(FwError, match="trainer.precision: 64-true runs on the CPU only"):
         build_trainer(_cfg(tmp_path, "sft", accelerator="gpu", precision="64-true"))
+
+
+def test_fp16_loss_scaling_combinations_that_would_clip_scaled_gradients_are_refused(tmp_path):
+    with pytest.raises(FwError, match="optimizer.fused: true cannot be combined with trainer.precision: 16-mixed"):
+        build_trainer(resolve({**_cfg(tmp_path, "sft", precision="16-mixed"), "optimizer": {"fused": True}}))
+    with pytest.raises(FwError, match="16-mixed is not supported by recipe ppo"):
+        build_trainer(_cfg(tmp_path, "ppo", precision="16-mixed"))
