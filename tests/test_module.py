@@ -236,3 +236,16 @@ def test_accumulation_is_the_exact_token_mean_of_the_step(tmp_path):
         assert a["tokens"] == b["tokens"]
         for key in ("loss", "grad_norm", "token_accuracy"):
             assert a[key] == pytest.approx(b[key], rel=1e-5), (a["step"], key)
+
+
+@pytest.mark.gpu
+def test_step_metrics_live_on_the_module_device():
+    # NCCL reduces only CUDA tensors: a metric first logged as a Python float must still live on the GPU,
+    # and so must one restored from a checkpoint's interval state.
+    metrics = StepMetrics().cuda()
+    metrics.update("tokens", 12.0, reduce="sum")
+    metrics.update("loss", 0.5)
+    restored = StepMetrics().cuda()
+    restored.load_state(metrics.state())
+    assert {m.device.type for s in (metrics, restored) for m in s.metrics.values()} == {"cuda"}
+    assert restored.compute() == {"tokens": 12.0, "loss": 0.5}
