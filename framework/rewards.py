@@ -303,8 +303,9 @@ REWARDS: dict[str, type] = {
 
 # ---------------------------------------------------------------- building and scoring
 
-def build_reward(reward_cfg: dict) -> Callable[..., float] | Any:
-    """The reward object of ``cfg["reward"]``: ``class_path`` + ``init_args``, else ``REWARDS[name]``."""
+def build_reward(reward_cfg: dict, task: Any = None) -> Callable[..., float] | Any:
+    """The reward object of ``cfg["reward"]``: ``class_path`` + ``init_args``, else ``REWARDS[name]``;
+    a null ``name`` means the task's own reward (``task.reward_name``), the one that verifies it."""
     init_args = reward_cfg["init_args"] or {}
     if reward_cfg["class_path"]:
         from framework.imports import instantiate
@@ -313,6 +314,11 @@ def build_reward(reward_cfg: dict) -> Callable[..., float] | Any:
         where = f"reward.class_path {reward_cfg['class_path']!r}"
     else:
         name = reward_cfg["name"]
+        if name is None:
+            name = getattr(task, "reward_name", None)
+            if name is None:
+                raise FwError(f"reward.name: not set, and the task ({type(task).__name__}) names no reward of its "
+                              "own (reward_name); set reward.name to a built-in or reward.class_path")
         if name not in REWARDS:
             raise FwError(f"reward.name: unknown reward {name!r}; built-ins are {', '.join(sorted(REWARDS))}")
         try:

@@ -210,9 +210,13 @@ def _check_prompt(prompt: Any) -> str | None:
 class JsonlPrompts(Task):
     """Prompts and answers from JSONL file(s), in a seeded order reshuffled every epoch.
 
+    Verified by ``numeric_match`` unless ``reward.name`` says otherwise (math data is the common case).
+
     Index ``i`` is record ``perm_e[i % n]`` of epoch ``e = i // n``. A line that is not a JSON object
     with a valid prompt and an answer is an ``FwError`` naming the file and line.
     """
+
+    reward_name = "numeric_match"
 
     def __init__(self, path: str | list[str], prompt_key: str = "prompt", answer_key: str = "answer",
                  shuffle: bool = True, seed: int = 0):

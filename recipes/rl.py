@@ -113,7 +113,7 @@ class RLRecipe:
             raise FwError(f"rollout.temperature: {cfg['recipe']} samples from the policy and needs a temperature "
                           f"> 0 (got {cfg['rollout']['temperature']}); the trainer's logprobs use the same one")
         self.task = build_task(cfg["data"], seed=cfg["seed"])
-        self.reward_fn = build_reward(cfg["reward"])
+        self.reward_fn = build_reward(cfg["reward"], self.task)
         self.rollout_step = 0  # rollout batches done so far (seeds the minibatch shuffle)
         self.prompt_position: int | None = 0  # task samples consumed by all ranks: the data position
         self.last_rollout: ScoredRollout | None = None  # the latest batch, for callbacks and inspection

