@@ -55,7 +55,7 @@ def generate_text(cfg: dict | None, prompt: str, checkpoint: str | None = None, 
     """The completion of ``prompt`` (the user message; rendered with the chat template when
     ``data.chat_template``). Unset options come from ``rollout.max_new_tokens``, ``rollout.temperature``
     (0 = greedy) and ``seed``; top-k/top-p/min-p/stop strings from ``rollout``."""
-    from framework.rollout import generate
+    from framework.rollout import generate, stop_token_ids
     from framework.tasks import render_prompt
 
     cfg, tokenizer, policy = load_policy(cfg, checkpoint)
@@ -65,13 +65,11 @@ def generate_text(cfg: dict | None, prompt: str, checkpoint: str | None = None, 
     ids = tokenizer.encode(text)
     if not ids:
         raise FwError("fw generate: the prompt is empty")
-    eos = policy.config.eos_token_id
-    eos_ids = {tokenizer.eos_id} | set(eos if isinstance(eos, list) else [] if eos is None else [eos])
     result = generate(
         policy, [ids],
         max_new_tokens=rollout_cfg["max_new_tokens"] if max_new_tokens is None else max_new_tokens,
         temperature=rollout_cfg["temperature"] if temperature is None else temperature,
         top_k=rollout_cfg["top_k"], top_p=rollout_cfg["top_p"], min_p=rollout_cfg["min_p"],
-        eos_ids=sorted(eos_ids), stop=rollout_cfg["stop"], tokenizer=tokenizer,
+        eos_ids=stop_token_ids(tokenizer, policy.config), stop=rollout_cfg["stop"], tokenizer=tokenizer,
         seed=cfg["seed"] if seed is None else seed)
     return result.texts[0]

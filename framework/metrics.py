@@ -20,6 +20,8 @@ from lightning.pytorch.loggers import Logger
 from lightning.pytorch.utilities import rank_zero_only
 from torch import nn
 
+from framework.errors import FwError
+
 REDUCTIONS = {"mean": torchmetrics.MeanMetric, "sum": torchmetrics.SumMetric,
               "max": torchmetrics.MaxMetric, "min": torchmetrics.MinMetric}
 
@@ -28,6 +30,8 @@ class StepMetrics(nn.Module):
     """Named torchmetrics aggregators, created on first use; `compute()` returns floats and resets.
 
     `reduce="last"` keeps the latest value without any reduction (for values equal on every rank, e.g. lr).
+    A NaN value stops the run with an FwError naming the metric (a NaN loss or gradient norm means the
+    run has diverged); infinities pass (an fp16 step skipped by loss scaling has an infinite grad norm).
     """
 
     def __init__(self) -> None:
@@ -56,6 +60,9 @@ class StepMetrics(nn.Module):
                              f"now {reduce!r}")
         metric = self.metrics[key]
         value = torch.as_tensor(value, dtype=torch.float64, device=metric.device).detach()
+        if bool(torch.isnan(value).any()):
+            raise FwError(f"metric {name!r} is NaN: the run has diverged (lower optimizer.lr, keep "
+                          "optimizer.max_grad_norm set, or use bf16 instead of fp16)")
         if reduce == "mean":
             metric.update(value, torch.as_tensor(weight, dtype=torch.float64, device=metric.device))
         else:

@@ -152,7 +152,7 @@ class RLRecipe:
     def collect(self, module: Any, samples_per_prompt: int) -> ScoredRollout:
         """Generate ``samples_per_prompt`` completions for each prompt of this step and score them."""
         from framework.rewards import score_rollout
-        from framework.rollout import generate
+        from framework.rollout import generate, stop_token_ids
         from framework.tasks import render_prompt
 
         cfg, tok = self.cfg, self.tokenizer
@@ -167,14 +167,11 @@ class RLRecipe:
                  for s in samples]
         ids = [tok.encode(t) for t in texts]
         prompts = [p for p in ids for _ in range(samples_per_prompt)]
-        # the tokenizer's EOS and the model's own (Qwen3 lists <|im_end|> and <|endoftext|>)
-        model_eos = module.policy.config.eos_token_id
-        eos_ids = {tok.eos_id} | set(model_eos if isinstance(model_eos, list) else [] if model_eos is None else [model_eos])
         seed = (cfg["seed"] * 1_000_003 + first // n_prompts) % (2**31 - 1)
         start = time.perf_counter()
         ro = generate(module.policy, prompts, max_new_tokens=ro_cfg["max_new_tokens"],
                       temperature=ro_cfg["temperature"], top_k=ro_cfg["top_k"], top_p=ro_cfg["top_p"],
-                      min_p=ro_cfg["min_p"], eos_ids=sorted(eos_ids), stop=tuple(ro_cfg["stop"]), tokenizer=tok,
+                      min_p=ro_cfg["min_p"], eos_ids=stop_token_ids(tok, module.policy.config), stop=tuple(ro_cfg["stop"]), tokenizer=tok,
                       seed=seed, policy_version=int(module.policy_version))
         gen_seconds = time.perf_counter() - start
         rep_texts = [t for t in texts for _ in range(samples_per_prompt)]

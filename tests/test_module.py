@@ -11,6 +11,7 @@ import torch.nn.functional as F
 import recipes
 from framework.config import resolve
 from framework.data import IGNORE, sft_dataloader
+from framework.errors import FwError
 from framework.metrics import StepMetrics, read_metrics
 from framework.module import FwModule, LRSchedule
 from framework.trainer import fit
@@ -249,3 +250,10 @@ def test_step_metrics_live_on_the_module_device():
     restored.load_state(metrics.state())
     assert {m.device.type for s in (metrics, restored) for m in s.metrics.values()} == {"cuda"}
     assert restored.compute() == {"tokens": 12.0, "loss": 0.5}
+
+
+def test_a_nan_metric_stops_the_run_naming_it():
+    metrics = StepMetrics()
+    metrics.update("grad_norm", float("inf"))   # an fp16 step skipped by loss scaling: not an error
+    with pytest.raises(FwError, match="metric 'loss' is NaN: the run has diverged"):
+        metrics.update("loss", float("nan"))

@@ -1,5 +1,5 @@
 """Rollout engine: batched KV-cache generation with behaviour logprobs (docs/DESIGN.md "Rollout")."""
 
-from framework.rollout.engine import FINISH_REASONS, Rollout, generate, step_seed
+from framework.rollout.engine import FINISH_REASONS, Rollout, generate, step_seed, stop_token_ids
 
-__all__ = ["FINISH_REASONS", "Rollout", "generate", "step_seed"]
+__all__ = ["FINISH_REASONS", "Rollout", "generate", "step_seed", "stop_token_ids"]

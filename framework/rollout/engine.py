@@ -53,6 +53,14 @@ class Rollout:
         return steps[None, :] < self.completion_lens[:, None]
 
 
+def stop_token_ids(tokenizer: Any, model_config: Any) -> list[int]:
+    """The tokenizer's EOS and the model's own (config.json's eos_token_id: one id or a list; Qwen3
+    lists <|im_end|> and <|endoftext|>): a row ends on any of them."""
+    model_eos = model_config.eos_token_id
+    ids = model_eos if isinstance(model_eos, list) else [] if model_eos is None else [model_eos]
+    return sorted({tokenizer.eos_id, *ids} - {None})
+
+
 def step_seed(seed: int, step: int) -> int:
     """The sampler seed of decode step ``step``: distinct per step, a pure function of (seed, step)."""
     # splitmix64-style mixing, kept below 2**63 so it fits the op's int64 seed argument.
