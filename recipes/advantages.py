@@ -113,13 +113,29 @@ def masked_var(x: Tensor, mask: Tensor) -> Tensor:
     return masked_mean((x - mean) ** 2, mask)
 
 
-def whiten(x: Tensor, mask: Tensor, eps: float = 1e-8, shift_mean: bool = True) -> Tensor:
+def whiten(x: Tensor, mask: Tensor, eps: float = 1e-8, shift_mean: bool = True,
+           across_ranks: bool = False) -> Tensor:
     """Normalise ``x`` to zero mean and unit (population) variance over the mask; 0 outside it.
 
-    With ``shift_mean=False`` only the scale changes (the mean is added back).
+    With ``shift_mean=False`` only the scale changes (the mean is added back). With ``across_ranks``
+    and several processes, the mean and variance are those of every rank's masked values together
+    (one all-reduce of count, sum and sum of squares in float64); on one process nothing changes.
     """
-    mean = masked_mean(x, mask)
-    out = (x - mean) * torch.rsqrt(masked_var(x, mask) + eps)
+    mean, var = masked_mean(x, mask), None
+    if across_ranks:
+        m = mask.to(torch.float64)
+        xd = x.detach().to(torch.float64)
+        stats = torch.stack([m.sum(), (xd * m).sum(), (xd * xd * m).sum()])
+        reduced = all_reduce_sum(stats)
+        if reduced is not stats:   # several processes
+            n, total, squares = reduced.unbind()
+            n = n.clamp(min=1)
+            mean_d = total / n
+            mean = mean_d.to(x.dtype)
+            var = ((squares / n) - mean_d * mean_d).clamp(min=0).to(x.dtype)
+    if var is None:
+        var = masked_var(x, mask)
+    out = (x - mean) * torch.rsqrt(var + eps)
     if not shift_mean:
         out = out + mean
     return out * mask.to(x.dtype)

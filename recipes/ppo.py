@@ -8,6 +8,9 @@ rollout, and stay pinned for every replayed epoch (optionally whitened). Each mi
 policy optimizer step (clipped surrogate) and one critic step (clipped value loss x ``vf_coef``,
 clipped to ``ppo.critic.max_grad_norm``). ``trainer.max_steps`` counts policy steps only: the
 module steps the critic's optimizer without advancing Lightning's global step.
+
+With several processes (DDP) the whitening uses the mean and variance of every rank's response tokens
+and token-mean losses divide by the minibatch's token count over all ranks (recipes/rl.py).
 """
 from __future__ import annotations
 
@@ -28,6 +31,8 @@ class PPORecipe(RLRecipe):
     def __init__(self, cfg: dict, tokenizer: Any):
         super().__init__(cfg, tokenizer)
         self._check_batch_split(cfg["rollout"]["prompts_per_step"] * cfg["ppo"]["samples_per_prompt"])
+        self.last_advantages_raw: torch.Tensor | None = None   # [B, Tc] GAE advantages of the latest rollout
+        self.last_advantages: torch.Tensor | None = None       # the same, whitened when whiten_advantages
 
     def needs_value_model(self) -> bool:
         return True
@@ -54,8 +59,10 @@ class PPORecipe(RLRecipe):
             has_tokens = data.completion_lens > 0
             token_rewards[everything[has_tokens], last[has_tokens]] += data.rewards[has_tokens]
             advantages, returns = gae(token_rewards, old_values, data.mask, p["gamma"], p["lam"])
-            if p["whiten_advantages"]:
-                advantages = whiten(advantages, data.mask)
+            self.last_advantages_raw = advantages
+            if p["whiten_advantages"]:   # over the tokens of every rank's batch
+                advantages = whiten(advantages, data.mask, across_ranks=True)
+            self.last_advantages = advantages
         self.log_rollout(module, data)
         ev = explained_variance(old_values, returns, data.mask)
         # Undefined (NaN) when every return is equal (e.g. all rewards 0 and no KL): logged with weight 0,

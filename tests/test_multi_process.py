@@ -267,3 +267,36 @@ def test_step_metrics_state_is_held_by_one_rank():
     holder.update("loss", 1.0, weight=2.0)
     got = holder.compute()
     assert got["loss"] == pytest.approx((2 * 3 + 4 * 1 + 1 * 2) / 6) and got["peak"] == 7.0
+
+
+# ------------------------------------------------------------------------------------------------- PPO
+class AdvantageDump(Callback):
+    """At the first policy step each rank saves its GAE advantages before and after whitening."""
+
+    def before_optimizer_step(self, trainer, module, optimizer):
+        if module.optimizer_role(optimizer) != "policy" or module.policy_version != 0:
+            return
+        recipe = module.recipe
+        torch.save({"raw": recipe.last_advantages_raw.cpu(), "whitened": recipe.last_advantages.cpu(),
+                    "mask": recipe.last_rollout.mask.cpu()}, Path(module.cfg["run_dir"]) / f"adv-rank{trainer.global_rank}.pt")
+
+
+@pytest.mark.slow   # one 2-process Lightning start-up
+def test_ppo_whitens_with_the_statistics_of_every_rank(tmp_path):
+    from test_ppo import config as ppo_config
+
+    run = tmp_path / "run"
+    cfg = ppo_config(run, [{"class_path": "test_multi_process.AdvantageDump"}],
+                     reward={"class_path": "test_grpo.LetterReward"},
+                     rollout={"prompts_per_step": 4, "max_new_tokens": 6, "temperature": 1.1, "stop": ["1", "5", "+"]},
+                     trainer={**ddp(2), "max_steps": 1})
+    fit_in_subprocess(tmp_path, cfg)
+    dumps = [torch.load(run / f"adv-rank{r}.pt", weights_only=False) for r in (0, 1)]
+    values = [float(a) for d in dumps for a, m in zip(d["raw"].flatten(), d["mask"].flatten()) if m > 0]
+    mean = sum(values) / len(values)
+    var = sum((v - mean) ** 2 for v in values) / len(values)   # population variance, as whiten()
+    for d in dumps:
+        expected = (d["raw"].double() - mean) / math.sqrt(var + 1e-8) * d["mask"].double()
+        assert torch.allclose(d["whitened"].double(), expected, atol=1e-5)
+    local_means = [float((d["raw"] * d["mask"]).sum() / d["mask"].sum()) for d in dumps]
+    assert max(abs(m - mean) for m in local_means) > 1e-4   # per-rank whitening would have differed
