@@ -64,6 +64,23 @@ class PromptLog(Callback):
             f.write(json.dumps({"step": module.policy_version, "prompts": prompts}) + "\n")
 
 
+class RngProbe(Callback):
+    """After every policy step rank r draws r + 1 numbers from torch's global generator (rank-dependent
+    RNG use, as a user's callback might) and appends the last to <run_dir>/rng-rank<r>.jsonl."""
+
+    def after_optimizer_step(self, trainer, module, optimizer):
+        if module.optimizer_role(optimizer) != "policy":
+            return
+        value = float(torch.rand(trainer.global_rank + 1)[-1])
+        with open(Path(module.cfg["run_dir"]) / f"rng-rank{trainer.global_rank}.jsonl", "a") as f:
+            f.write(json.dumps({"step": module.policy_version, "value": value}) + "\n")
+
+
+def rng_log(run_dir, rank):
+    path = Path(run_dir) / f"rng-rank{rank}.jsonl"
+    return {r["step"]: r["value"] for r in map(json.loads, path.read_text().splitlines())}
+
+
 def prompt_log(run_dir, rank):
     path = Path(run_dir) / f"prompts-rank{rank}.jsonl"
     return {r["step"]: r["prompts"] for r in map(json.loads, path.read_text().splitlines())}
@@ -106,7 +123,7 @@ def grpo_two_ranks(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("grpo")
     run = tmp / "two"
     cbs = [{"class_path": "test_multi_process.RolloutDump", "init_args": {"step": 1}},
-           {"class_path": "test_multi_process.PromptLog"}]
+           {"class_path": "test_multi_process.PromptLog"}, {"class_path": "test_multi_process.RngProbe"}]
     fit_in_subprocess(tmp, grpo_cfg(run, 2, 2, 4, cbs))
     return tmp, run
 
@@ -189,6 +206,25 @@ def test_grpo_resumes_on_another_number_of_processes(grpo_two_ranks):
         manifest = ck.verify_checkpoint(ck.checkpoints_dir(run) / ck.step_dir_name(step))
         assert manifest["policy_version"] == step
     assert [r["step"] for r in read_metrics(again / "metrics.jsonl")] == [5]
+
+
+@pytest.mark.slow   # one 2-process resume
+def test_grpo_same_world_resume_is_exact_and_restores_each_ranks_rng(grpo_two_ranks):
+    """2 ranks -> save at 2 -> 2 ranks: the same prompts and metrics as the straight run, and each rank
+    continues its own RNG stream (its state, not rank 0's)."""
+    tmp, two = grpo_two_ranks
+    same = tmp / "same"
+    copy_checkpoint(two, 2, same)
+    cbs = [{"class_path": "test_multi_process.PromptLog"}, {"class_path": "test_multi_process.RngProbe"}]
+    fit_in_subprocess(tmp, grpo_cfg(same, 2, 2, 4, cbs), resume="last")
+    for rank in (0, 1):
+        straight = rng_log(two, rank)
+        assert rng_log(same, rank) == {s: straight[s] for s in (3, 4)}, rank
+        assert prompt_log(same, rank) == {s: prompt_log(two, rank)[s] for s in (3, 4)}
+    assert rng_log(two, 0)[3] != rng_log(two, 1)[3]   # the ranks' streams did differ
+    timing = {"tokens_per_s", "rollout/tokens_per_s", "rollout/seconds"}
+    straight = [{k: v for k, v in r.items() if k not in timing} for r in read_metrics(two / "metrics.jsonl")][2:]
+    assert [{k: v for k, v in r.items() if k not in timing} for r in read_metrics(same / "metrics.jsonl")] == straight
 
 
 # ------------------------------------------------------------------------------------------------- SFT
