@@ -42,7 +42,8 @@ def sources() -> list[str]:
     return sorted(str(p) for p in CSRC.iterdir() if p.suffix in (".cu", ".cpp"))
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process `pid` exists (one we may not signal counts as alive)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -66,7 +67,7 @@ def lock_status(directory: Path | None = None) -> tuple[str, str]:
         except (OSError, ValueError):
             owner = None
     if owner and owner.get("host") == socket.gethostname():
-        if _pid_alive(int(owner["pid"])):
+        if pid_alive(int(owner["pid"])):
             return "held", f"{lock} held by running pid {owner['pid']} for {age:.0f}s"
         return "stale", (f"{lock} left by pid {owner['pid']}, which is no longer running "
                          f"(a build killed mid-way); delete the file to build again")
