@@ -80,8 +80,6 @@ def set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
     if "cuda_device" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda_device"])
-    elif "cuda" in state and torch.cuda.is_available():   # checkpoints that saved every device's state
-        torch.cuda.set_rng_state_all(state["cuda"])
     if "numpy" in state:
         import numpy as np
 

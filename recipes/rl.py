@@ -115,7 +115,7 @@ class RLRecipe:
         self.task = build_task(cfg["data"], seed=cfg["seed"])
         self.reward_fn = build_reward(cfg["reward"], self.task)
         self.rollout_step = 0  # rollout batches done so far (seeds the minibatch shuffle)
-        self.prompt_position: int | None = 0  # task samples consumed by all ranks: the data position
+        self.prompt_position = 0  # task samples consumed by all ranks: the data position
         self.last_rollout: ScoredRollout | None = None  # the latest batch, for callbacks and inspection
 
     # ---- protocol
@@ -133,9 +133,7 @@ class RLRecipe:
 
     def load_state_dict(self, d: dict) -> None:
         self.rollout_step = int(d["rollout_step"])
-        # checkpoints from before prompt_position: rollout_step * W * P, with this run's W (see collect)
-        position = d.get("prompt_position")
-        self.prompt_position = None if position is None else int(position)
+        self.prompt_position = int(d["prompt_position"])
 
     # ---- shared steps
     def _check_batch_split(self, batch_size: int) -> None:
@@ -157,10 +155,8 @@ class RLRecipe:
 
         cfg, tok = self.cfg, self.tokenizer
         ro_cfg = cfg["rollout"]
-        rank, world = self._rank(module)
+        rank, _ = self._rank(module)
         n_prompts = ro_cfg["prompts_per_step"]
-        if self.prompt_position is None:
-            self.prompt_position = self.rollout_step * world * n_prompts
         first = self.prompt_position + rank * n_prompts
         samples = [self.task.sample(first + i) for i in range(n_prompts)]
         texts = [render_prompt(s["prompt"], tok, cfg["data"]["chat_template"], cfg["tokenizer"]["enable_thinking"])
