@@ -5,13 +5,7 @@
 # slow or failing step still leaves the others' results; steps run in order of importance.
 set -u
 OUT=${OUT:-h200-logs}; mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 FW_OPS_CACHE=${FW_OPS_CACHE:-/tmp/fwops}
-if [ -d .whl ]; then   # the GPU machine has no package index: jsonschema & co. travel as wheels
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  export PYTHONPATH=/tmp/site:$PWD
-else
-  export PYTHONPATH=$PWD
-fi
+. "$(dirname "$0")/device_env.sh"
 step() {  # step NAME LIMIT_S LOG CMD...
   local name=$1 limit=$2 log=$3; shift 3
   echo "=== $name ($(date -u +%H:%M:%S), limit ${limit}s): $*" | tee -a "$OUT/$log"

@@ -9,13 +9,7 @@ set -u
 OUT=${OUT:-mgpu-logs}; mkdir -p "$OUT"
 # NVLink multicast stays off in every process (/work/.library/device/KINDS.md); rank 1 inherits this.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export PYTHONUNBUFFERED=1 FW_OPS_CACHE=${FW_OPS_CACHE:-/tmp/fwops}
-if [ -d .whl ]; then   # the GPU machine has no package index: jsonschema & co. travel as wheels
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  export PYTHONPATH=/tmp/site:$PWD
-else
-  export PYTHONPATH=$PWD
-fi
+. "$(dirname "$0")/device_env.sh"
 ACCEL=${ACCEL:-gpu} PRESET=${PRESET:-qwen3-0.6b} PREC=${PREC:-bf16-mixed} SEQ=${SEQ:-2048} ROWS=${ROWS:-8}
 STEPS=${STEPS:-20} STRATEGY=${STRATEGY:-ddp} GRPO_CFG=${GRPO_CFG:-benchmarks/grpo_bench.yaml}
 PROMPTS=${PROMPTS:-32} GSTEPS=${GSTEPS:-6} R=${RUNS:-/tmp/mgpu-runs}

@@ -1,0 +1,8 @@
+# Sourced by the device scripts (h200.sh, multi_gpu.sh): the environment every command there needs.
+export PYTHONUNBUFFERED=1 FW_OPS_CACHE=${FW_OPS_CACHE:-/tmp/fwops}
+if [ -d .whl ]; then   # the GPU machine has no package index: jsonschema & co. travel as wheels
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site:$PWD
+else
+  export PYTHONPATH=$PWD
+fi
