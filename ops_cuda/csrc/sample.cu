@@ -1,9 +1,13 @@
 // Sampler: one block per row of logits. z = logits / temperature.
 //  pass 1: max and logsumexp of z (the behaviour logprob is under this FULL softmax);
-//  top-k: radix select (4 passes of 8-bit digits over order-preserving keys) of the k-th largest z;
-//  top-p: the mass of the top-k set, then a radix select on mass for the largest threshold whose tail
-//         holds top_p of it; min-p: threshold max z + log(min_p);
-//  last pass: Gumbel-max over z >= threshold with Philox4x32-10 noise keyed by the seed, counter
+//  top-k with k <= kCand (the usual case): pass 1 also counts keys per quarter-octave bin, pass 2 gathers
+//         the keys of the k-th largest key's bin and above into shared memory, which are sorted there;
+//         tau_k, top-p (prefix sums of the sorted top-k mass), min-p and the draw then touch only them.
+//         Too many keys in that bin (e.g. massive ties) falls back to the full-row path:
+//  full-row path: top-k by radix select (4 passes of 8-bit digits over order-preserving keys) of the k-th
+//         largest z; top-p: the mass of the top-k set, then a radix select on mass for the largest
+//         threshold whose tail holds top_p of it; min-p: threshold max z + log(min_p);
+//  the draw: Gumbel-max over z >= threshold with Philox4x32-10 noise keyed by the seed, counter
 //  (col / 4, row, 0, 0), word col % 4 (the same stream as ops_cuda/reference.py).
 // temperature 0: greedy (first maximum), logprob under the unscaled softmax.
 // Without top-k / top-p / min-p (and for greedy) no threshold is needed: the row is split over several
@@ -52,94 +56,289 @@ __device__ __forceinline__ ArgMax better(ArgMax a, ArgMax b) {
   return a;
 }
 
+// A running max m and sum s of exp(z - m) over a set of z (-inf carries no mass), plus the best (value,
+// index) pair of a second quantity: z itself for greedy, z + Gumbel noise for sampling.
+struct RowStats {
+  float m, s;
+  ArgMax a;
+};
+__device__ __forceinline__ void stats_add(RowStats& st, float z) {
+  if (z == -INFINITY) return;  // a banned token: no mass, never the max
+  if (z > st.m) {
+    st.s = st.s * expf(st.m - z) + 1.f;
+    st.m = z;
+  } else {
+    st.s += expf(z - st.m);
+  }
+}
+__device__ __forceinline__ RowStats merge(RowStats x, RowStats y) {
+  const float M = fmaxf(x.m, y.m);
+  RowStats r;
+  r.s = (M == -INFINITY) ? 0.f : x.s * expf(x.m - M) + y.s * expf(y.m - M);
+  r.m = M;
+  r.a = better(x.a, y.a);
+  return r;
+}
+// Merge over the block (the one copy of this reduction: the row kernel, the split kernel, the candidate
+// draw); `smem` holds 32 RowStats; every thread gets the result. `none` is the index of an empty ArgMax.
+__device__ __forceinline__ RowStats block_reduce_stats(RowStats st, RowStats* smem, int64_t none) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = (blockDim.x + 31) >> 5;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    RowStats t;
+    t.m = __shfl_xor_sync(0xffffffffu, st.m, o);
+    t.s = __shfl_xor_sync(0xffffffffu, st.s, o);
+    t.a.v = __shfl_xor_sync(0xffffffffu, st.a.v, o);
+    t.a.i = __shfl_xor_sync(0xffffffffu, st.a.i, o);
+    st = merge(st, t);
+  }
+  __syncthreads();  // smem may still be read by a previous call
+  if (lane == 0) smem[warp] = st;
+  __syncthreads();
+  st = lane < warps ? smem[lane] : RowStats{-INFINITY, 0.f, {-INFINITY, none}};
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {  // merge is commutative, so every lane ends with the same value
+    RowStats t;
+    t.m = __shfl_xor_sync(0xffffffffu, st.m, o);
+    t.s = __shfl_xor_sync(0xffffffffu, st.s, o);
+    t.a.v = __shfl_xor_sync(0xffffffffu, st.a.v, o);
+    t.a.i = __shfl_xor_sync(0xffffffffu, st.a.i, o);
+    st = merge(st, t);
+  }
+  return st;
+}
+
+// Exclusive prefix sum over the threads of the block (in thread order); `smem` holds 32 U; *total gets the
+// block total (every thread).
+template <typename U>
+__device__ __forceinline__ U block_exclusive_scan(U v, U* smem, U* total) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = (blockDim.x + 31) >> 5;
+  U inc = v;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const U y = __shfl_up_sync(0xffffffffu, inc, o);
+    if (lane >= o) inc += y;
+  }
+  U ex = __shfl_up_sync(0xffffffffu, inc, 1);
+  if (lane == 0) ex = U(0);
+  __syncthreads();  // smem may still be read by a previous call
+  if (lane == 31) smem[warp] = inc;
+  __syncthreads();
+  if (warp == 0) {
+    U w = lane < warps ? smem[lane] : U(0);
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const U y = __shfl_up_sync(0xffffffffu, w, o);
+      if (lane >= o) w += y;
+    }
+    if (lane < warps) smem[lane] = w;  // inclusive prefix of the warp totals
+  }
+  __syncthreads();
+  *total = smem[warps - 1];
+  return (warp ? smem[warp - 1] : U(0)) + ex;
+}
+
+// Calls f(i, float(x[i])) for every column i < V of a row: 16-byte loads, several in flight per thread
+// (memory-level parallelism: one block streams a whole row), when the row start is 16-byte aligned; a
+// scalar loop for the tail and for unaligned rows. U * N = 16 elements per step (more spills registers
+// in the 1024-thread sampler with 2-byte types).
+template <int NT, typename T, typename F>
+__device__ __forceinline__ void for_row(const T* __restrict__ x, int64_t V, F&& f) {
+  constexpr int N = 16 / sizeof(T), U = 16 / N;
+  int64_t done = 0;
+  if ((reinterpret_cast<uintptr_t>(x) & 15u) == 0) {
+    const int64_t nvec = V / N;
+    for (int64_t b = threadIdx.x; b < nvec; b += (int64_t)U * NT) {
+      Vec<T, N> v[U];
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+        if (b + u * NT < nvec) v[u] = load_vec<T, N>(x + (b + u * NT) * N);
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+        if (b + u * NT < nvec) {
+#pragma unroll
+          for (int j = 0; j < N; ++j) f((b + u * NT) * N + j, to_f(v[u].v[j]));
+        }
+    }
+    done = nvec * N;
+  }
+  for (int64_t i = done + threadIdx.x; i < V; i += NT) f(i, to_f(x[i]));
+}
+
+// Candidate path (top-k set, k <= kCand): pass 1 also builds a histogram of the top kBinBits bits of the
+// order-preserving keys (sign, exponent, 2 mantissa bits: quarter-octave bins, so the k-th largest key's
+// bin usually holds few keys); a second pass gathers every key in that bin or above (n of them, all
+// ties of the k-th included) into shared memory when n <= kCand; the rest (exact tau_k, top-p over the
+// top-k set, min-p, the Gumbel draw) runs on those n only. A larger n takes the full-row path.
+constexpr int kCand = 4 * kThreads;  // 4 sorted candidates per thread for the top-p prefix sum
+constexpr int kBinBits = 11, kBins = 1 << kBinBits;
+static_assert(kBins == 2 * kThreads, "the bin search gives each thread two bins");
+
 template <typename T>
 __global__ void __launch_bounds__(kThreads, 1)
 sample_kernel(const T* __restrict__ logits, int64_t row_stride, int64_t* __restrict__ tokens,
               float* __restrict__ out_logprob, int64_t V, float temperature, int64_t top_k, float top_p,
               float log_min_p, bool use_min_p, uint32_t k0, uint32_t k1) {
-  __shared__ float red_f[kWarps], red_g[kWarps];
-  __shared__ int64_t red_i[kWarps];
+  __shared__ RowStats red[32];
+  __shared__ float red_f[32];
+  __shared__ uint32_t red_u[32];
   __shared__ uint32_t hist[256];
   __shared__ float hmass[256];
   __shared__ uint32_t sel_prefix, sel_mask;
   __shared__ float sel_remaining;
+  __shared__ uint32_t bins[kBins];
+  __shared__ unsigned long long cand[kCand];  // key << 32 | column
+  __shared__ uint32_t s_bin, s_n, s_fill, s_nk, s_idx;
   const int64_t row = blockIdx.x;
   const T* x = logits + row * row_stride;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int t = threadIdx.x;
   const bool greedy = temperature == 0.f;
   auto zat = [&](int64_t i) { return greedy ? to_f(x[i]) : to_f(x[i]) / temperature; };
+  const bool cand_ok = !greedy && top_k > 0 && top_k <= kCand && top_k < V && V <= 0x7fffffff;
 
-  // pass 1: running max + sum of exp (logsumexp), and the argmax for greedy
-  float m = -INFINITY, s = 0.f;
-  ArgMax best{-INFINITY, V};
-  for (int64_t i = threadIdx.x; i < V; i += kThreads) {
-    const float z = zat(i);
-    if (z == -INFINITY) {  // a banned token: no mass, never the max
-    } else if (z > m) {
-      s = s * expf(m - z) + 1.f;
-      m = z;
-    } else {
-      s += expf(z - m);
-    }
-    best = better(best, ArgMax{z, i});
+  if (cand_ok) {
+    for (int i = t; i < kBins; i += kThreads) bins[i] = 0u;
+    if (t == 0) s_fill = 0u;
+    __syncthreads();
   }
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) {
-    const float m2 = __shfl_xor_sync(0xffffffffu, m, o), s2 = __shfl_xor_sync(0xffffffffu, s, o);
-    const float M = fmaxf(m, m2);
-    s = (M == -INFINITY) ? 0.f : s * expf(m - M) + s2 * expf(m2 - M);
-    m = M;
-    best = better(best, ArgMax{__shfl_xor_sync(0xffffffffu, best.v, o), __shfl_xor_sync(0xffffffffu, best.i, o)});
-  }
-  if (lane == 0) {
-    red_f[warp] = m;
-    red_g[warp] = s;
-    red_i[warp] = best.i;
-  }
-  __syncthreads();
-  __shared__ float row_max, row_lse;
-  __shared__ int64_t row_argmax;
-  if (threadIdx.x == 0) {
-    float M = -INFINITY;
-    for (int w = 0; w < kWarps; ++w) M = fmaxf(M, red_f[w]);
-    float S = 0.f;
-    ArgMax b{-INFINITY, V};
-    for (int w = 0; w < kWarps; ++w) {
-      if (red_g[w] > 0.f) S += red_g[w] * expf(red_f[w] - M);
-      if (red_i[w] < V) b = better(b, ArgMax{red_f[w] == -INFINITY ? -INFINITY : zat(red_i[w]), red_i[w]});
-    }
-    row_max = M;
-    row_lse = M + logf(S);
-    row_argmax = b.i;
-  }
-  __syncthreads();
-  const float zmax = row_max, lse = row_lse;
+  // pass 1: max and sum of exp (logsumexp), the argmax for greedy, the key histogram for the candidates
+  RowStats st{-INFINITY, 0.f, {-INFINITY, V}};
+  for_row<kThreads>(x, V, [&](int64_t i, float v) {
+    const float z = greedy ? v : v / temperature;
+    stats_add(st, z);
+    st.a = better(st.a, ArgMax{z, i});
+    if (cand_ok) atomicAdd(&bins[ordered_key(z) >> (32 - kBinBits)], 1u);
+  });
+  st = block_reduce_stats(st, red, V);
+  const float zmax = st.m, lse = st.m + logf(st.s);
+  const int64_t row_argmax = st.a.i;
   if (greedy) {
-    if (threadIdx.x == 0) {
+    if (t == 0) {
       tokens[row] = row_argmax;
-      out_logprob[row] = zat(row_argmax) - lse;
+      out_logprob[row] = st.a.v - lse;
     }
     return;
   }
 
+  if (cand_ok) {
+    // the bin of the k-th largest key, counting from the top bin down: thread t holds bins
+    // kBins-1-2t and kBins-2-2t, so an exclusive scan over threads counts the keys in higher bins
+    const uint32_t k = (uint32_t)top_k;
+    const uint32_t c_hi = bins[kBins - 1 - 2 * t], c_lo = bins[kBins - 2 - 2 * t];
+    uint32_t all;
+    const uint32_t above = block_exclusive_scan(c_hi + c_lo, red_u, &all);
+    if (above < k && above + c_hi >= k) {
+      s_bin = kBins - 1 - 2 * t;
+      s_n = above + c_hi;
+    } else if (above + c_hi < k && above + c_hi + c_lo >= k) {
+      s_bin = kBins - 2 - 2 * t;
+      s_n = above + c_hi + c_lo;
+    }
+    __syncthreads();
+    const uint32_t n = s_n;
+    if (n <= (uint32_t)kCand) {  // block-uniform
+      const uint32_t lo = s_bin << (32 - kBinBits);
+      // pass 2: gather; the keys are recomputed exactly as in pass 1, so exactly n of them are >= lo
+      for_row<kThreads>(x, V, [&](int64_t i, float v) {
+        const uint32_t key = ordered_key(v / temperature);
+        if (key >= lo) {
+          const uint32_t p = atomicAdd(&s_fill, 1u);
+          if (p < (uint32_t)kCand) cand[p] = ((unsigned long long)key << 32) | (uint32_t)i;
+        }
+      });
+      const uint32_t np2 = 1u << (32 - __clz((int)n - 1));  // n >= k >= 1; np2 <= kCand
+      for (uint32_t p = n + t; p < np2; p += kThreads) cand[p] = 0ull;  // below every real key
+      __syncthreads();
+      // bitonic sort, descending (key first; ties in any order)
+      for (uint32_t size = 2; size <= np2; size <<= 1) {
+        for (uint32_t stride = size >> 1; stride > 0; stride >>= 1) {
+          for (uint32_t q = t; q < np2 / 2; q += kThreads) {
+            const uint32_t a = 2 * q - (q & (stride - 1)), b = a + stride;
+            const unsigned long long xa = cand[a], xb = cand[b];
+            if (((a & size) == 0) ? xa < xb : xa > xb) {
+              cand[a] = xb;
+              cand[b] = xa;
+            }
+          }
+          __syncthreads();
+        }
+      }
+      // tau_k = the k-th largest; nk = the top-k set with every tie of tau_k (the last position >= it)
+      const uint32_t key_k = (uint32_t)(cand[k - 1] >> 32);
+      for (uint32_t p = k - 1 + t; p < n; p += kThreads)
+        if (p + 1 == n || (uint32_t)(cand[p + 1] >> 32) < key_k) {
+          if ((uint32_t)(cand[p] >> 32) >= key_k) s_nk = p + 1;
+        }
+      __syncthreads();
+      const uint32_t nk = s_nk;
+      float tau = key_to_float(key_k);
+      float zc[4];  // thread t holds sorted positions 4t .. 4t+3
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const uint32_t p = 4 * t + j;
+        zc[j] = p < nk ? key_to_float((uint32_t)(cand[p] >> 32)) : -INFINITY;
+      }
+      if (top_p < 1.f) {
+        // the reference's top-p: cum = prefix sums of exp(z - zmax) in descending order over the top-k
+        // set, need = top_p * its total, tau_p = z at the first position with cum >= need
+        float c[4], local = 0.f;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          local += zc[j] == -INFINITY ? 0.f : expf(zc[j] - zmax);
+          c[j] = local;
+        }
+        if (t == 0) s_idx = nk - 1;  // rounding left need out of reach: keep the whole top-k set
+        float total;
+        const float base = block_exclusive_scan(local, red_f, &total);
+        const float need = top_p * total;
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+          if (4u * t + j < nk && base + c[j] >= need) atomicMin(&s_idx, 4u * t + j);
+        __syncthreads();
+        tau = fmaxf(tau, key_to_float((uint32_t)(cand[s_idx] >> 32)));
+      }
+      if (use_min_p) tau = fmaxf(tau, zmax + log_min_p);
+      // Gumbel-max over the kept candidates, same Philox stream as the full-row draw
+      RowStats pick{-INFINITY, 0.f, {-INFINITY, V}};
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const uint32_t p = 4 * t + j;
+        if (p < nk && zc[j] >= tau) {
+          const uint32_t col = (uint32_t)cand[p];
+          const uint4 r = philox4x32_10(make_uint4(col >> 2, (uint32_t)row, 0u, 0u), k0, k1);
+          const uint32_t w = (col & 3u) == 0 ? r.x : ((col & 3u) == 1 ? r.y : ((col & 3u) == 2 ? r.z : r.w));
+          pick.a = better(pick.a, ArgMax{zc[j] + gumbel(w), (int64_t)col});
+        }
+      }
+      pick = block_reduce_stats(pick, red, V);
+      if (t == 0) {
+        const int64_t tok = pick.a.i < V ? pick.a.i : row_argmax;
+        tokens[row] = tok;
+        out_logprob[row] = zat(tok) - lse;
+      }
+      return;
+    }
+  }
+
+  // full-row path: radix selects over the whole row
   float tau = -INFINITY;
   if (top_k > 0 && top_k < V) {  // radix select of the k-th largest key, most significant digit first
-    if (threadIdx.x == 0) {
+    if (t == 0) {
       sel_prefix = 0u;
       sel_mask = 0u;
       sel_remaining = 0.f;
     }
     int64_t remaining = top_k;
     for (int shift = 24; shift >= 0; shift -= 8) {
-      for (int i = threadIdx.x; i < 256; i += kThreads) hist[i] = 0u;
+      for (int i = t; i < 256; i += kThreads) hist[i] = 0u;
       __syncthreads();
       const uint32_t prefix = sel_prefix, mask = sel_mask;
-      for (int64_t i = threadIdx.x; i < V; i += kThreads) {
+      for (int64_t i = t; i < V; i += kThreads) {
         const uint32_t key = ordered_key(zat(i));
         if ((key & mask) == prefix) atomicAdd(&hist[(key >> shift) & 255u], 1u);
       }
       __syncthreads();
-      if (threadIdx.x == 0) {
+      if (t == 0) {
         int64_t cum = 0;
         int d = 255;
         for (; d > 0; --d) {
@@ -156,27 +355,27 @@ sample_kernel(const T* __restrict__ logits, int64_t row_stride, int64_t* __restr
   }
   if (top_p < 1.f) {
     float part = 0.f;  // mass of the tokens top-k keeps
-    for (int64_t i = threadIdx.x; i < V; i += kThreads) {
+    for (int64_t i = t; i < V; i += kThreads) {
       const float z = zat(i);
       if (z >= tau) part += expf(z - zmax);
     }
     const float total = block_sum(part, red_f);
-    if (threadIdx.x == 0) {
+    if (t == 0) {
       sel_prefix = 0u;
       sel_mask = 0u;
       sel_remaining = top_p * total;
     }
     for (int shift = 24; shift >= 0; shift -= 8) {
-      for (int i = threadIdx.x; i < 256; i += kThreads) hmass[i] = 0.f;
+      for (int i = t; i < 256; i += kThreads) hmass[i] = 0.f;
       __syncthreads();
       const uint32_t prefix = sel_prefix, mask = sel_mask;
-      for (int64_t i = threadIdx.x; i < V; i += kThreads) {
+      for (int64_t i = t; i < V; i += kThreads) {
         const float z = zat(i);
         const uint32_t key = ordered_key(z);
         if (z >= tau && (key & mask) == prefix) atomicAdd(&hmass[(key >> shift) & 255u], expf(z - zmax));
       }
       __syncthreads();
-      if (threadIdx.x == 0) {
+      if (t == 0) {
         float cum = 0.f;
         int d = 255, last_nonzero = 255;
         for (; d >= 0; --d) {
@@ -196,8 +395,8 @@ sample_kernel(const T* __restrict__ logits, int64_t row_stride, int64_t* __restr
   if (use_min_p) tau = fmaxf(tau, zmax + log_min_p);
 
   // last pass: Gumbel-max over the allowed tokens; each thread draws 4 consecutive columns per Philox call
-  ArgMax pick{-INFINITY, V};
-  for (int64_t c4 = threadIdx.x; c4 * 4 < V; c4 += kThreads) {
+  RowStats pick{-INFINITY, 0.f, {-INFINITY, V}};
+  for (int64_t c4 = t; c4 * 4 < V; c4 += kThreads) {
     const uint4 r = philox4x32_10(make_uint4((uint32_t)c4, (uint32_t)row, 0u, 0u), k0, k1);
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
@@ -205,24 +404,13 @@ sample_kernel(const T* __restrict__ logits, int64_t row_stride, int64_t* __restr
       if (i < V) {
         const float z = zat(i);
         const uint32_t w = j == 0 ? r.x : (j == 1 ? r.y : (j == 2 ? r.z : r.w));
-        if (z >= tau) pick = better(pick, ArgMax{z + gumbel(w), i});
+        if (z >= tau) pick.a = better(pick.a, ArgMax{z + gumbel(w), i});
       }
     }
   }
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1)
-    pick = better(pick, ArgMax{__shfl_xor_sync(0xffffffffu, pick.v, o), __shfl_xor_sync(0xffffffffu, pick.i, o)});
-  __syncthreads();
-  if (lane == 0) {
-    red_f[warp] = pick.v;
-    red_i[warp] = pick.i;
-  }
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    ArgMax b{-INFINITY, V};
-    for (int w = 0; w < kWarps; ++w)
-      if (red_i[w] < V) b = better(b, ArgMax{red_f[w], red_i[w]});
-    const int64_t tok = b.i < V ? b.i : row_argmax;
+  pick = block_reduce_stats(pick, red, V);
+  if (t == 0) {
+    const int64_t tok = pick.a.i < V ? pick.a.i : row_argmax;
     tokens[row] = tok;
     out_logprob[row] = zat(tok) - lse;
   }
@@ -236,14 +424,12 @@ template <typename T>
 __global__ void __launch_bounds__(kSplitThreads)
 sample_split_kernel(const T* __restrict__ logits, int64_t row_stride, int64_t V, float temperature, uint32_t k0,
                     uint32_t k1, int64_t cols_per_block, float* __restrict__ part_f, int64_t* __restrict__ part_i) {
-  __shared__ float red_m[kSplitThreads / 32], red_s[kSplitThreads / 32], red_v[kSplitThreads / 32];
-  __shared__ int64_t red_i[kSplitThreads / 32];
+  __shared__ RowStats red[32];
   const int64_t row = blockIdx.x, P = gridDim.y;  // rows on x: up to 2^31 - 1 of them
   const T* x = logits + row * row_stride;
   const bool greedy = temperature == 0.f;
   const int64_t c_begin = blockIdx.y * cols_per_block, c_end = min(V, c_begin + cols_per_block);
-  float m = -INFINITY, s = 0.f;
-  ArgMax pick{-INFINITY, V};
+  RowStats st{-INFINITY, 0.f, {-INFINITY, V}};
   for (int64_t c4 = c_begin / 4 + threadIdx.x; c4 * 4 < c_end; c4 += kSplitThreads) {
     uint4 r = make_uint4(0u, 0u, 0u, 0u);
     if (!greedy) r = philox4x32_10(make_uint4((uint32_t)c4, (uint32_t)row, 0u, 0u), k0, k1);
@@ -252,47 +438,20 @@ sample_split_kernel(const T* __restrict__ logits, int64_t row_stride, int64_t V,
       const int64_t i = c4 * 4 + j;
       if (i < c_end) {
         const float z = greedy ? to_f(x[i]) : to_f(x[i]) / temperature;
-        if (z == -INFINITY) continue;  // a banned token
-        if (z > m) {
-          s = s * expf(m - z) + 1.f;
-          m = z;
-        } else {
-          s += expf(z - m);
-        }
+        if (z == -INFINITY) continue;  // a banned token: no mass, never picked
+        stats_add(st, z);
         const uint32_t w = j == 0 ? r.x : (j == 1 ? r.y : (j == 2 ? r.z : r.w));
-        pick = better(pick, ArgMax{greedy ? z : z + gumbel(w), i});
+        st.a = better(st.a, ArgMax{greedy ? z : z + gumbel(w), i});
       }
     }
   }
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) {
-    const float m2 = __shfl_xor_sync(0xffffffffu, m, o), s2 = __shfl_xor_sync(0xffffffffu, s, o);
-    const float M = fmaxf(m, m2);
-    s = (M == -INFINITY) ? 0.f : s * expf(m - M) + s2 * expf(m2 - M);
-    m = M;
-    pick = better(pick, ArgMax{__shfl_xor_sync(0xffffffffu, pick.v, o), __shfl_xor_sync(0xffffffffu, pick.i, o)});
-  }
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  if (lane == 0) {
-    red_m[warp] = m;
-    red_s[warp] = s;
-    red_v[warp] = pick.v;
-    red_i[warp] = pick.i;
-  }
-  __syncthreads();
+  st = block_reduce_stats(st, red, V);
   if (threadIdx.x == 0) {
-    float M = -INFINITY, S = 0.f;
-    ArgMax b{-INFINITY, V};
-    for (int w = 0; w < kSplitThreads / 32; ++w) M = fmaxf(M, red_m[w]);
-    for (int w = 0; w < kSplitThreads / 32; ++w) {
-      if (red_s[w] > 0.f) S += red_s[w] * expf(red_m[w] - M);
-      if (red_i[w] < V) b = better(b, ArgMax{red_v[w], red_i[w]});
-    }
     const int64_t k = row * P + blockIdx.y;
-    part_f[3 * k] = M;
-    part_f[3 * k + 1] = S;
-    part_f[3 * k + 2] = b.v;
-    part_i[k] = b.i;
+    part_f[3 * k] = st.m;
+    part_f[3 * k + 1] = st.s;
+    part_f[3 * k + 2] = st.a.v;
+    part_i[k] = st.a.i;
   }
 }
 
