@@ -206,15 +206,14 @@ sample_kernel(const T* __restrict__ logits, int64_t row_stride, int64_t* __restr
   for_row<kThreads>(x, V, [&](int64_t i, float v) {
     const float z = greedy ? v : v / temperature;
     stats_add(st, z);
-    st.a = better(st.a, ArgMax{z, i});
+    if (greedy) st.a = better(st.a, ArgMax{z, i});  // only greedy uses the argmax
     if (cand_ok) atomicAdd(&bins[ordered_key(z) >> (32 - kBinBits)], 1u);
   });
   st = block_reduce_stats(st, red, V);
   const float zmax = st.m, lse = st.m + logf(st.s);
-  const int64_t row_argmax = st.a.i;
   if (greedy) {
     if (t == 0) {
-      tokens[row] = row_argmax;
+      tokens[row] = st.a.i;
       out_logprob[row] = st.a.v - lse;
     }
     return;
@@ -312,7 +311,7 @@ sample_kernel(const T* __restrict__ logits, int64_t row_stride, int64_t* __restr
       }
       pick = block_reduce_stats(pick, red, V);
       if (t == 0) {
-        const int64_t tok = pick.a.i < V ? pick.a.i : row_argmax;
+        const int64_t tok = pick.a.i < V ? pick.a.i : 0;
         tokens[row] = tok;
         out_logprob[row] = zat(tok) - lse;
       }
@@ -333,10 +332,10 @@ sample_kernel(const T* __restrict__ logits, int64_t row_stride, int64_t* __restr
       for (int i = t; i < 256; i += kThreads) hist[i] = 0u;
       __syncthreads();
       const uint32_t prefix = sel_prefix, mask = sel_mask;
-      for (int64_t i = t; i < V; i += kThreads) {
-        const uint32_t key = ordered_key(zat(i));
+      for_row<kThreads>(x, V, [&](int64_t, float v) {
+        const uint32_t key = ordered_key(v / temperature);
         if ((key & mask) == prefix) atomicAdd(&hist[(key >> shift) & 255u], 1u);
-      }
+      });
       __syncthreads();
       if (t == 0) {
         int64_t cum = 0;
@@ -355,10 +354,10 @@ sample_kernel(const T* __restrict__ logits, int64_t row_stride, int64_t* __restr
   }
   if (top_p < 1.f) {
     float part = 0.f;  // mass of the tokens top-k keeps
-    for (int64_t i = t; i < V; i += kThreads) {
-      const float z = zat(i);
+    for_row<kThreads>(x, V, [&](int64_t, float v) {
+      const float z = v / temperature;
       if (z >= tau) part += expf(z - zmax);
-    }
+    });
     const float total = block_sum(part, red_f);
     if (t == 0) {
       sel_prefix = 0u;
@@ -369,11 +368,11 @@ sample_kernel(const T* __restrict__ logits, int64_t row_stride, int64_t* __restr
       for (int i = t; i < 256; i += kThreads) hmass[i] = 0.f;
       __syncthreads();
       const uint32_t prefix = sel_prefix, mask = sel_mask;
-      for (int64_t i = t; i < V; i += kThreads) {
-        const float z = zat(i);
+      for_row<kThreads>(x, V, [&](int64_t, float v) {
+        const float z = v / temperature;
         const uint32_t key = ordered_key(z);
         if (z >= tau && (key & mask) == prefix) atomicAdd(&hmass[(key >> shift) & 255u], expf(z - zmax));
-      }
+      });
       __syncthreads();
       if (t == 0) {
         float cum = 0.f;
@@ -409,8 +408,8 @@ sample_kernel(const T* __restrict__ logits, int64_t row_stride, int64_t* __restr
     }
   }
   pick = block_reduce_stats(pick, red, V);
-  if (t == 0) {
-    const int64_t tok = pick.a.i < V ? pick.a.i : row_argmax;
+  if (t == 0) {  // nothing picked only when the row is all NaN
+    const int64_t tok = pick.a.i < V ? pick.a.i : 0;
     tokens[row] = tok;
     out_logprob[row] = zat(tok) - lse;
   }
