@@ -292,8 +292,8 @@ __global__ void __launch_bounds__(kThreads, min_blocks<T, DP, RP>()) decode_kern
 int heads_per_block(int R) { return (R == 1 || R == 2 || R == 4) ? R : R == 3 ? 4 : 8; }
 int padded_dim(int D) { return D <= 64 ? 64 : D <= 128 ? 128 : 256; }
 
-// A kernel instance and how many of its blocks an SM holds (queried once per instance, outside any stream
-// work, so it is safe under graph capture).
+// A kernel instance and how many of its blocks an SM holds (set up and queried once per instance; neither
+// call is stream work, so a first call under graph capture is fine).
 struct KernelInfo {
   const void* fn;
   int per_sm;
@@ -301,8 +301,11 @@ struct KernelInfo {
 template <typename T, int DP, int RP, bool kFullD> KernelInfo info() {
   static const int per_sm = [] {
     int n = 0;
-    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, decode_kernel<T, DP, RP, kFullD>, kThreads, 0) !=
-        cudaSuccess) {
+    // the most shared memory per SM (L1 is not used: cp.async.cg goes to L2): 8 blocks of ~25 KB fit
+    if (cudaFuncSetAttribute(decode_kernel<T, DP, RP, kFullD>, cudaFuncAttributePreferredSharedMemoryCarveout,
+                             cudaSharedmemCarveoutMaxShared) != cudaSuccess ||
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, decode_kernel<T, DP, RP, kFullD>, kThreads, 0) !=
+            cudaSuccess) {
       (void)cudaGetLastError();
       n = 0;
     }
