@@ -19,12 +19,27 @@ import torch
 CSRC = Path(__file__).resolve().parent / "csrc"
 EXTENSION_NAME = "fw_ops"
 STALE_LOCK_AGE_S = 900.0
+# No -std flag: torch's own (C++20 since torch 2.10) must hold, since bindings.cpp includes torch's headers and a
+# different standard there broke the C++ exception path (a TORCH_CHECK aborted the process on the H200).
 NVCC_FLAGS = [
-    "-O3", "-std=c++17", "-lineinfo",  # no --use_fast_math: rope needs accurate sincosf at large angles
+    "-O3", "-lineinfo",  # no --use_fast_math: rope needs accurate sincosf at large angles
     "-gencode=arch=compute_90,code=sm_90",
     "-gencode=arch=compute_80,code=compute_80",  # PTX the driver JIT-compiles on other GPUs (sm_80+)
 ]
 _loaded: dict[str, str] = {}
+
+
+def running_libstdcxx() -> list[str]:
+    """The libstdc++ shared library this process runs with (torch loaded it), as a linker input, or []."""
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                fields = line.split(maxsplit=5)
+                if len(fields) == 6 and os.path.basename(fields[5].strip()).startswith("libstdc++.so"):
+                    return [fields[5].strip()]
+    except OSError:  # not Linux
+        pass
+    return []
 
 
 class StaleBuildLock(RuntimeError):
@@ -101,8 +116,12 @@ def build(verbose: bool = False) -> str:
     try:
         path = cpp_extension.load(
             name=EXTENSION_NAME, sources=sources(), build_directory=str(d), verbose=verbose,
-            is_python_module=False, extra_cflags=["-O3", "-std=c++17"], extra_cuda_cflags=NVCC_FLAGS,
-            extra_ldflags=["-lcublas"],
+            is_python_module=False, extra_cflags=["-O3"], extra_cuda_cflags=NVCC_FLAGS,
+            # Linked against the libstdc++.so that torch runs with: a compiler that links libstdc++ statically by
+            # default (the H200 machine's c++) copied libstdc++ into fw_ops.so, and that copy's iostreams
+            # crashed (SIGSEGV) formatting any TORCH_CHECK message: a bad argument killed the process instead
+            # of raising. Resolved against the shared library first, nothing is taken from the static archive.
+            extra_ldflags=["-lcublas", *running_libstdcxx()],
         )
     finally:
         if state == "none" and owner_file.exists():

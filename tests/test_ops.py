@@ -341,3 +341,36 @@ def test_doctor_and_build_on_this_machine(tmp_path, monkeypatch):
     if torch.version.cuda is None:
         with pytest.raises(RuntimeError, match="CPU-only"):
             ops_cuda.build()
+
+
+@pytest.mark.slow
+def test_extension_links_the_running_libstdcxx(tmp_path):
+    """A torch extension linked with a static libstdc++ (the default of the H200 machine's compiler) carries its
+    own iostreams, and a TORCH_CHECK message formatted there came out broken (here) or crashed the process (on
+    the H200). Linked first against the libstdc++ torch runs with, as ops_cuda's build does, it is intact."""
+    import shutil
+
+    if shutil.which(os.environ.get("CXX", "c++")) is None:
+        pytest.skip("no C++ compiler")
+    (tmp_path / "check.cpp").write_text(
+        "#include <ATen/ATen.h>\n#include <torch/library.h>\n"
+        "at::Tensor check(const at::Tensor& x) {\n"
+        "  TORCH_CHECK(x.size(0) == 3, \"fwtest::check: want 3 rows, got \", x.size(0), \" rows\");\n"
+        "  return x;\n}\n"
+        "TORCH_LIBRARY(fwtest, m) { m.def(\"check(Tensor x) -> Tensor\"); }\n"
+        "TORCH_LIBRARY_IMPL(fwtest, CPU, m) { m.impl(\"check\", &check); }\n")
+    code = ("import sys, torch\nfrom torch.utils import cpp_extension\nfrom ops_cuda.extension import running_libstdcxx\n"
+            "flags = (running_libstdcxx() if sys.argv[1] == 'fixed' else []) + ['-static-libstdc++']\n"
+            "cpp_extension.load(name='fwtest_' + sys.argv[1], sources=[sys.argv[2]], extra_ldflags=flags,\n"
+            "                   is_python_module=False, build_directory=sys.argv[3])\n"
+            "try:\n    torch.ops.fwtest.check(torch.ones(2))\nexcept RuntimeError as e:\n"
+            "    print(str(e).splitlines()[0])\n")
+    out = {}
+    for variant in ("static", "fixed"):
+        build = tmp_path / variant
+        build.mkdir()
+        r = subprocess.run([sys.executable, "-c", code, variant, str(tmp_path / "check.cpp"), str(build)],
+                           check=False, capture_output=True, text=True, timeout=600)
+        out[variant] = (r.returncode, r.stdout.strip())
+    assert out["fixed"] == (0, "fwtest::check: want 3 rows, got 2 rows"), out
+    assert out["static"] != out["fixed"], "the static-libstdc++ build no longer breaks: this test shows nothing"
