@@ -49,9 +49,12 @@ swiglu_bwd_kernel(const T* __restrict__ grad, const T* __restrict__ gu, T* __res
   }
 }
 
-dim3 grid_for(int64_t rows, int64_t vectors_per_row) {
+// x: the vectors of a row; y: rows. `flat` (the forward): a block row per row (up to 65,535, then grid-stride), as
+// a pointwise Triton kernel launches, no block loops: 0.072 ms against 0.074 for ~64 looping blocks per SM
+// (Qwen3-0.6B shape on the H200; evict-first cache hints measured no better). The backward keeps the loops.
+dim3 grid_for(int64_t rows, int64_t vectors_per_row, bool flat) {
   const int64_t x = (vectors_per_row + kThreads - 1) / kThreads;
-  int64_t y = (132 * 64 + x - 1) / x;  // enough blocks to fill the GPU, each looping over rows
+  int64_t y = flat ? rows : (132 * 64 + x - 1) / x;
   y = y < rows ? y : rows;
   y = y < 65535 ? y : 65535;
   return dim3((unsigned)x, (unsigned)(y > 0 ? y : 1));
@@ -65,10 +68,10 @@ cudaError_t swiglu_fwd(DType dt, const void* gate_up, void* out, int64_t rows, i
     using T = decltype(t);
     constexpr int V16 = 16 / sizeof(T);
     if (I % V16 == 0 && aligned16(gate_up) && aligned16(out))
-      swiglu_fwd_kernel<T, V16><<<grid_for(rows, I / V16), kThreads, 0, stream>>>((const T*)gate_up, (T*)out,
-                                                                                   rows, I);
+      swiglu_fwd_kernel<T, V16><<<grid_for(rows, I / V16, true), kThreads, 0, stream>>>((const T*)gate_up, (T*)out,
+                                                                                       rows, I);
     else
-      swiglu_fwd_kernel<T, 1><<<grid_for(rows, I), kThreads, 0, stream>>>((const T*)gate_up, (T*)out, rows, I);
+      swiglu_fwd_kernel<T, 1><<<grid_for(rows, I, true), kThreads, 0, stream>>>((const T*)gate_up, (T*)out, rows, I);
     return cudaGetLastError();
   });
 }
@@ -80,10 +83,10 @@ cudaError_t swiglu_bwd(DType dt, const void* grad, const void* gate_up, void* gr
     using T = decltype(t);
     constexpr int V16 = 16 / sizeof(T);
     if (I % V16 == 0 && aligned16(grad) && aligned16(gate_up) && aligned16(grad_gate_up))
-      swiglu_bwd_kernel<T, V16><<<grid_for(rows, I / V16), kThreads, 0, stream>>>(
+      swiglu_bwd_kernel<T, V16><<<grid_for(rows, I / V16, false), kThreads, 0, stream>>>(
           (const T*)grad, (const T*)gate_up, (T*)grad_gate_up, rows, I);
     else
-      swiglu_bwd_kernel<T, 1><<<grid_for(rows, I), kThreads, 0, stream>>>((const T*)grad, (const T*)gate_up,
+      swiglu_bwd_kernel<T, 1><<<grid_for(rows, I, false), kThreads, 0, stream>>>((const T*)grad, (const T*)gate_up,
                                                                           (T*)grad_gate_up, rows, I);
     return cudaGetLastError();
   });
