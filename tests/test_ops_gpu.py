@@ -3,6 +3,9 @@ awkward shapes, freed memory poisoned with NaN before each call (an unwritten ou
 thresholds from REFERENCE.md section 4; opcheck and torch.compile(fullgraph) on CUDA."""
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -47,7 +50,10 @@ def test_doctor_reports_built_extension():
 # ------------------------------------------------------------------ rms_norm
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(1, 1024), (7, 1000), (3, 5, 16, 128), (2048, 1024), (4, 13), (3, 2048),
-                                   (5, 4096), (9, 64)])
+                                   (5, 4096), (9, 64),
+                                   # more rows than one wave of blocks (the grid-stride loop and its prefetch),
+                                   # a 5120-wide row (4 vectors a thread) and a row too long for registers
+                                   (20000, 1024), (4096, 16, 128), (300, 5120), (3, 12288)])
 @pytest.mark.parametrize("wdtype", ["same", "fp32"])
 def test_rms_norm(dtype, shape, wdtype):
     x = torch.randn(shape, device=DEV, dtype=dtype, requires_grad=True)
@@ -109,7 +115,8 @@ def test_swiglu(dtype, shape):
 
 # ------------------------------------------------------------------ linear + logprob
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("N,d,V,temperature", [(1, 64, 1000, 1.0), (37, 128, 5003, 0.7), (1000, 128, 151936, 1.3)])
+@pytest.mark.parametrize("N,d,V,temperature", [(1, 64, 1000, 1.0), (37, 128, 5003, 0.7), (1000, 128, 151936, 1.3),
+                                               (5000, 64, 20001, 1.0)])  # several row and vocabulary tiles
 def test_linear_logprob(dtype, N, d, V, temperature):
     h = torch.randn(N, d, device=DEV, dtype=dtype).requires_grad_(True)
     w = (torch.randn(V, d, device=DEV) / d**0.5).to(dtype).requires_grad_(True)
@@ -161,6 +168,21 @@ def test_linear_logprob_bad_target_is_nan():
     (2, 32, 4, 4099, 128, [4099, 4000]),
     (4, 16, 8, 50, 256, [50, 49, 3, 25]),
     (256, 16, 8, 300, 128, None),
+    # the benchmark shapes (16 splits combined in-kernel at B=1, 2 at B=64)
+    (1, 16, 8, 1024, 128, [1024]),
+    (64, 16, 8, 1024, 128, None),
+    # every GQA ratio and head_dim (multiple of 8 up to 256): generic instances, head groups when R > 8
+    (3, 12, 4, 777, 80, [0, 1, 777]),
+    (2, 20, 4, 513, 96, [513, 200]),
+    (2, 6, 1, 1025, 160, [1, 1025]),
+    (3, 7, 1, 129, 64, [129, 0, 64]),
+    (2, 24, 2, 2000, 128, [2000, 1999]),
+    (2, 32, 2, 300, 256, [300, 7]),
+    (4, 16, 16, 65, 8, [65, 64, 63, 1]),
+    (2, 9, 3, 97, 200, [97, 33]),
+    (1, 40, 8, 4096, 128, [4096]),
+    (1, 64, 8, 3000, 128, [2999]),
+    (2, 3, 1, 70, 248, [70, 69]),
 ])
 def test_decode_attention(dtype, B, Hq, Hk, S, D, lens):
     q = torch.randn(B, Hq, D, device=DEV, dtype=dtype)
@@ -176,6 +198,54 @@ def test_decode_attention(dtype, B, Hq, Hk, S, D, lens):
     assert rel(out, out64) < TOL[dtype]
     if lens and 0 in lens:
         assert out[lens.index(0)].abs().max() == 0
+
+
+def test_decode_attention_layouts_and_repeats():
+    """Strided caches ([B, S, Hk, D] storage seen as [B, Hk, S, D]), misaligned q / caches (copied), lengths
+    past S; calls of different shapes in turn, so the in-kernel split counters must be left at zero."""
+    for _ in range(2):
+        for B, Hq, Hk, S, D, dtype in [(3, 10, 2, 600, 72, torch.bfloat16), (1, 16, 8, 1024, 128, torch.float16),
+                                       (5, 8, 4, 257, 64, torch.float32)]:
+            q = torch.randn(B * Hq * D + 1, device=DEV, dtype=dtype)[1:].view(B, Hq, D)
+            kc = torch.randn(B, S, Hk, D, device=DEV, dtype=dtype).transpose(1, 2)
+            vc = torch.randn(B, S, Hk, D, device=DEV, dtype=dtype).transpose(1, 2)
+            lengths = torch.randint(0, S + 50, (B,), device=DEV)
+            poison()
+            out = ops_cuda.decode_attention(q, kc, vc, lengths, 0.3)
+            assert rel(out, ref.decode_attention(q.double(), kc.double(), vc.double(), lengths, 0.3)) < TOL[dtype]
+            flat = torch.randn(B * Hk * S * D + 1, device=DEV, dtype=dtype)
+            kc2, vc2 = flat[1:].view(B, Hk, S, D), flat[:-1].view(B, Hk, S, D)  # odd element offset
+            out = ops_cuda.decode_attention(q, kc2, vc2, lengths, 0.3)
+            assert rel(out, ref.decode_attention(q.double(), kc2.double(), vc2.double(), lengths, 0.3)) < TOL[dtype]
+
+
+def _child(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-X", "faulthandler", "-u", "-c", "import torch\n" + code], check=False,
+                          capture_output=True, text=True, timeout=600)
+
+
+RAISE = ("    try:\n        call()\n        print('no error')\n"
+         "    except RuntimeError as e:\n        print('RuntimeError:', str(e).splitlines()[0])\n")
+
+
+def test_bad_arguments_raise_in_a_live_process():
+    """The kernels' argument checks (C++ TORCH_CHECK) reach Python as RuntimeError with their message. In child
+    processes, so that an abort fails this test alone; torch's own C++ errors are tried first, since on some
+    machines any C++ exception crashes the process while libgcc walks the stack (pytorch/pytorch#117645)."""
+    for what, code in (("a CPU error", "for call in (lambda: torch.ones(2).view(3),):\n" + RAISE),
+                       ("a CUDA error", "for call in (lambda: torch.ones(2, device='cuda').view(3),):\n" + RAISE)):
+        r = _child(code)
+        if r.returncode != 0 or "RuntimeError" not in r.stdout:
+            pytest.skip(f"torch itself dies on {what} here (rc {r.returncode}): {r.stderr[-500:]}")
+    r = _child(
+        "from ops_cuda import library\nlibrary.activate_cuda()\n"
+        "q = torch.randn(1, 2, 12, device='cuda')\nkc = torch.randn(1, 1, 5, 12, device='cuda')\n"
+        "for call in (lambda: torch.ops.fw.decode_attention(q, kc, kc, torch.tensor([5], device='cuda'), 0.1),\n"
+        "             lambda: torch.ops.fw.rms_norm(q, torch.ones(5, device='cuda'), 1e-6)):\n" + RAISE)
+    assert r.returncode == 0, f"the process died (rc {r.returncode}); it printed {r.stdout!r}; {r.stderr[-3000:]}"
+    lines = r.stdout.splitlines()
+    assert len(lines) == 2 and "head_dim that is a multiple of 8" in lines[0], r.stdout
+    assert "weight has 5 elements, expected 12" in lines[1], r.stdout
 
 
 # ------------------------------------------------------------------ sampler
@@ -212,6 +282,64 @@ def test_sample_distribution(temperature, top_k, top_p, min_p):
     freq = torch.bincount(tok, minlength=V).double() / n
     assert float((freq - p).abs().sum()) / 2 < 0.015  # total variation; sampling noise is about 0.005 here
     assert freq[~keep].sum() == 0
+
+
+def _check_sample(logits, temperature, top_k, top_p, min_p, seed=1234):
+    """The drawn tokens lie in the float64 reference mask, match the reference draw on >= 85% of rows,
+    carry the full-softmax logprob and are deterministic."""
+    poison()
+    tok, lp = ops_cuda.sample(logits, temperature, top_k, top_p, min_p, seed)
+    tok_ref, _ = ref.sample(logits.double(), temperature, top_k, top_p, min_p, seed)
+    z = logits.double() / temperature
+    keep = ref.sampling_mask(z, top_k, top_p, min_p)
+    assert keep.gather(1, tok[:, None]).all(), "a drawn token is outside the top-k / top-p / min-p set"
+    assert (tok == tok_ref).float().mean() >= 0.85
+    full = z.log_softmax(-1).gather(1, tok[:, None]).squeeze(1)
+    assert rel(lp, full) < 1e-5, "logprob must be under the full temperature-scaled softmax"
+    assert torch.equal(ops_cuda.sample(logits, temperature, top_k, top_p, min_p, seed)[0], tok)
+    return tok, keep
+
+
+# top-k <= 4096 runs on the keys gathered into shared memory (candidate path); more keys in the k-th key's
+# quarter-octave bin, or a larger k, take the full-row path
+CANDIDATES = [  # dtype, B, V, temperature, top_k, top_p, min_p
+    (torch.float32, 1, 151936, 1.0, 50, 0.9, 0.0),  # the benchmark row, B=1
+    (torch.bfloat16, 3, 151935, 0.7, 1, 1.0, 0.0),  # top_k=1, V not a multiple of 4
+    (torch.float16, 5, 1001, 1.0, 20, 1e-6, 0.0),  # top_p tiny: only the max is kept
+    (torch.float32, 64, 151936, 1.0, 1000, 0.95, 0.0),  # ~1500 candidates: a 2048-wide sort
+    (torch.bfloat16, 16, 151936, 0.8, 40, 0.95, 0.02),  # top-k + top-p + min-p
+    (torch.float32, 9, 32003, 1.3, 4096, 0.95, 0.0),  # k = the buffer size: ~4,400 in its bin, full-row path
+    (torch.float32, 7, 50001, 1.0, 5000, 0.9, 0.0),  # k above the buffer: full-row path
+]
+
+
+@pytest.mark.parametrize("dtype,B,V,temperature,top_k,top_p,min_p", CANDIDATES)
+def test_sample_top_k_candidates(dtype, B, V, temperature, top_k, top_p, min_p):
+    logits = (3 * torch.randn(B, V, device=DEV)).to(dtype)
+    tok, _ = _check_sample(logits, temperature, top_k, top_p, min_p)
+    if top_k == 1 or top_p < 1e-3:  # only the maximum (or one of its exact ties) may be drawn
+        x = logits.float()
+        assert torch.equal(x.gather(1, tok[:, None]).squeeze(1), x.max(-1).values)
+
+
+@pytest.mark.parametrize("V,top_k,top_p", [(1001, 50, 1.0), (1001, 50, 0.5), (100_003, 50, 0.9),
+                                           (100_003, 3000, 1.0)])
+def test_sample_top_k_ties(V, top_k, top_p):
+    """Integer logits: thousands of exact ties at the k-th value, all kept. V=1001: ~170 ties, gathered;
+    V=100,003: ~17,000 keys share the top value, more than the buffer: the full-row fallback."""
+    logits = torch.randint(0, 6, (12, V), device=DEV).float()
+    _, keep = _check_sample(logits, 1.0, top_k, top_p, 0.0)
+    if top_p == 1.0:
+        assert (keep.sum(-1) > top_k).all()  # the ties were kept
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_sample_unaligned_rows(dtype):
+    """Rows starting off a 16-byte boundary take the scalar loads."""
+    logits = (3 * torch.randn(6, 50_001, device=DEV)).to(dtype)[:, 1:]
+    assert logits.stride(1) == 1
+    for cfg in ((1.0, 50, 0.9, 0.0), (1.0, 0, 0.9, 0.0), (1.0, 0, 1.0, 0.0)):
+        _check_sample(logits, *cfg)
 
 
 def test_sample_greedy():
@@ -306,3 +434,29 @@ def test_decode_attention_under_cuda_graph():
         torch.cuda.synchronize()
         expected = ref.decode_attention(q.double(), kc.double(), vc.double(), lengths, 0.1)
         assert rel(out, expected) < TOL[torch.bfloat16]
+
+
+@pytest.mark.parametrize("B,Hq,Hk,S,D", [(1, 16, 8, 1024, 128), (3, 20, 4, 513, 96), (64, 16, 8, 1024, 128)])
+def test_decode_attention_under_cuda_graph_shapes(B, Hq, Hk, S, D):
+    """Split (B=1, 3) and unsplit shapes captured once and replayed many times with new lengths (0 included):
+    the split counters reset themselves on every replay."""
+    q = torch.randn(B, Hq, D, device=DEV, dtype=torch.bfloat16)
+    kc = torch.randn(B, Hk, S, D, device=DEV, dtype=torch.bfloat16)
+    vc = torch.randn(B, Hk, S, D, device=DEV, dtype=torch.bfloat16)
+    lengths = torch.full((B,), S, device=DEV)
+    ops_cuda.decode_attention(q, kc, vc, lengths, 0.1)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = ops_cuda.decode_attention(q, kc, vc, lengths, 0.1)
+    for i in range(5):
+        q.normal_()
+        lengths.random_(0, S + 1)
+        if i == 0:
+            lengths[0] = 0
+        for _ in range(3):
+            g.replay()
+        torch.cuda.synchronize()
+        expected = ref.decode_attention(q.double(), kc.double(), vc.double(), lengths, 0.1)
+        assert rel(out, expected) < TOL[torch.bfloat16]
+        if i == 0:
+            assert out[0].abs().max() == 0

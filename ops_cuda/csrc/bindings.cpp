@@ -8,9 +8,12 @@
 #include <torch/library.h>
 
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
 #include <map>
 #include <mutex>
 #include <tuple>
+#include <vector>
 
 #include "kernels.h"
 
@@ -58,7 +61,7 @@ Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps) {
   auto y = at::empty(x.sizes(), xc.options());
   const int64_t rows = D ? xc.numel() / D : 0;
   check_launch(fw::rms_norm_fwd(dt, wdt, xc.data_ptr(), w.data_ptr(), y.data_ptr(), rows, (int)D, (float)eps,
-                                at::cuda::getCurrentCUDAStream()),
+                                sm_count(), at::cuda::getCurrentCUDAStream()),
                "rms_norm");
   return y;
 }
@@ -75,12 +78,13 @@ std::tuple<Tensor, Tensor> rms_norm_backward(const Tensor& grad, const Tensor& x
   auto gx = at::empty(x.sizes(), xc.options());
   const int sms = sm_count(), max_blocks = fw::rms_norm_bwd_max_blocks(sms);
   auto part = at::empty({max_blocks, D}, xc.options().dtype(at::kFloat));
-  int blocks = 0;
-  check_launch(fw::rms_norm_bwd(dt, wdt, gc.data_ptr(), xc.data_ptr(), w.data_ptr(), gx.data_ptr(),
-                                part.data_ptr<float>(), max_blocks, &blocks, rows, (int)D, (float)eps, sms,
+  auto gw = at::empty({D}, w.options());  // in the kernels' weight dtype (x's, or float32)
+  if (rows == 0) return {gx, gw.zero_().to(weight.scalar_type())};
+  check_launch(fw::rms_norm_bwd(dt, wdt, gc.data_ptr(), xc.data_ptr(), w.data_ptr(), gx.data_ptr(), gw.data_ptr(),
+                                part.data_ptr<float>(), max_blocks, rows, (int)D, (float)eps, sms,
                                 at::cuda::getCurrentCUDAStream()),
                "rms_norm_backward");
-  return {gx, part.narrow(0, 0, blocks).sum(0).to(weight.scalar_type())};
+  return {gx, gw.to(weight.scalar_type())};
 }
 
 // ------------------------------------------------------------------ rope
@@ -154,9 +158,23 @@ Tensor swiglu_backward(const Tensor& grad, const Tensor& gate_up) {
 }
 
 // ------------------------------------------------------------------ linear + logprob
-// The fp32 logits tile: 1 GiB (1765 rows at vocab 151,936). Larger than the CPU reference's: fewer passes of the
-// fp32 grad_W accumulator (V x d) and fuller GEMMs; still a few percent of the unfused [N, V] memory.
-constexpr int64_t kTileBytes = int64_t(1) << 30;
+// The logits are walked in fp32 tiles of kTileRows rows x kTileCols vocabulary columns (logprob.cu); both are
+// overridable with FW_LOGPROB_TILE="rows,cols" (ops_cuda/bench/sweep.sh). The backward walks vocabulary tiles
+// outside and row tiles inside, so a tile's grad_weight rows are finished (accumulated in a [cols, d] fp32
+// buffer) before the next tile starts, and grad_hidden accumulates in fp32 across vocabulary tiles.
+// H200 sweep at N 16,384, V 151,936 (fwd+bwd): 4096 x 8192 takes 42.9 ms and 0.60 GiB; whole-vocabulary row
+// chunks of 1 GiB (the previous layout) 42.1 ms and 2.40 GiB; smaller tiles were slower (up to 49.6 ms).
+constexpr int64_t kTileRows = 4096, kTileCols = 8192;
+
+std::pair<int64_t, int64_t> tile_shape() {
+  static const std::pair<int64_t, int64_t> shape = [] {
+    long long r = 0, c = 0;
+    const char* v = getenv("FW_LOGPROB_TILE");
+    if (v && sscanf(v, "%lld,%lld", &r, &c) == 2 && r > 0 && c > 0 && c % 4 == 0) return std::make_pair<int64_t, int64_t>(r, c);
+    return std::make_pair(kTileRows, kTileCols);
+  }();
+  return shape;
+}
 
 cudaDataType_t cuda_type(at::ScalarType t) {
   switch (t) {
@@ -183,7 +201,7 @@ void gemm(cublasOperation_t ta, cublasOperation_t tb, int64_t m, int64_t n, int6
 
 struct LinearArgs {
   Tensor h, w;
-  int64_t N, d, V, chunk;
+  int64_t N, d, V, rows, cols;  // rows x cols: the logits tile
 };
 
 LinearArgs linear_args(const Tensor& hidden, const Tensor& weight, const Tensor& targets, const char* op) {
@@ -198,7 +216,8 @@ LinearArgs linear_args(const Tensor& hidden, const Tensor& weight, const Tensor&
   a.N = hidden.size(0);
   a.d = hidden.size(1);
   a.V = weight.size(0);
-  a.chunk = std::max<int64_t>(1, std::min<int64_t>(a.N, kTileBytes / (4 * std::max<int64_t>(a.V, 1))));
+  a.rows = std::max<int64_t>(1, std::min(a.N, tile_shape().first));
+  a.cols = std::max<int64_t>(1, std::min(a.V, tile_shape().second));
   return a;
 }
 
@@ -210,18 +229,27 @@ std::tuple<Tensor, Tensor, Tensor> linear_logprob(const Tensor& hidden, const Te
   auto opts = a.h.options().dtype(at::kFloat);
   auto lp = at::empty({a.N}, opts), ent = at::empty({a.N}, opts), lse = at::empty({a.N}, opts);
   if (a.N == 0) return {lp, ent, lse};
-  auto tile = at::empty({a.chunk, a.V}, opts);
+  auto tile = at::empty({a.rows * a.cols}, opts);
+  auto state = at::empty({4, a.rows}, opts);  // (m, s, a, target logit) of the rows of the current row tile
   const auto ht = cuda_type(a.h.scalar_type());
   auto stream = at::cuda::getCurrentCUDAStream();
+  const size_t es = a.h.element_size();
   const char* hp = static_cast<const char*>(a.h.data_ptr());
-  for (int64_t s = 0; s < a.N; s += a.chunk) {
-    const int64_t n = std::min(a.chunk, a.N - s);
-    // z^T [V, n] (column-major) = W [V, d] . h_chunk^T, scaled by 1/temperature
-    gemm(CUBLAS_OP_T, CUBLAS_OP_N, a.V, n, a.d, (float)(1.0 / temperature), a.w.data_ptr(), ht, a.d,
-         hp + s * a.d * a.h.element_size(), ht, a.d, 0.f, tile.data_ptr(), CUDA_R_32F, a.V);
-    check_launch(fw::logprob_rows_fwd(tile.data_ptr<float>(), t.data_ptr<int64_t>() + s, lp.data_ptr<float>() + s,
-                                      ent.data_ptr<float>() + s, lse.data_ptr<float>() + s, n, a.V, stream),
-                 "linear_logprob");
+  const char* wp = static_cast<const char*>(a.w.data_ptr());
+  float* sp = state.data_ptr<float>();
+  const fw::LogprobState st{sp, sp + a.rows, sp + 2 * a.rows, sp + 3 * a.rows};
+  for (int64_t n0 = 0; n0 < a.N; n0 += a.rows) {
+    const int64_t n = std::min(a.rows, a.N - n0);
+    for (int64_t v0 = 0; v0 < a.V; v0 += a.cols) {
+      const int64_t vc = std::min(a.cols, a.V - v0);
+      // z^T [vc, n] (column-major) = W[v0:v0+vc] . h[n0:n0+n]^T, scaled by 1/temperature
+      gemm(CUBLAS_OP_T, CUBLAS_OP_N, vc, n, a.d, (float)(1.0 / temperature), wp + v0 * a.d * es, ht, a.d,
+           hp + n0 * a.d * es, ht, a.d, 0.f, tile.data_ptr(), CUDA_R_32F, vc);
+      check_launch(fw::logprob_tile_fwd(tile.data_ptr<float>(), n, vc, v0, a.V, t.data_ptr<int64_t>() + n0, st,
+                                        lp.data_ptr<float>() + n0, ent.data_ptr<float>() + n0,
+                                        lse.data_ptr<float>() + n0, stream),
+                   "linear_logprob");
+    }
   }
   return {lp, ent, lse};
 }
@@ -235,38 +263,76 @@ std::tuple<Tensor, Tensor> linear_logprob_backward(const Tensor& grad_logprob, c
   auto t = targets.to(at::kLong).contiguous();
   auto glp = grad_logprob.to(at::kFloat).contiguous(), gent = grad_entropy.to(at::kFloat).contiguous();
   auto l = lse.to(at::kFloat).contiguous(), H = entropy.to(at::kFloat).contiguous();
-  auto gh = at::empty({a.N, a.d}, a.h.options());
-  auto gw = at::zeros({a.V, a.d}, a.h.options().dtype(at::kFloat));
-  if (a.N == 0) return {gh, gw.to(weight.scalar_type())};
+  auto gw = at::empty({a.V, a.d}, weight.options());
+  if (a.N == 0) return {at::zeros({a.N, a.d}, a.h.options()), gw.zero_()};
+  const bool one_col_tile = a.cols >= a.V, one_row_tile = a.rows >= a.N;
+  // grad_h: written straight in hidden's dtype when one GEMM covers the vocabulary, else fp32 across tiles.
+  auto gh = at::empty({a.N, a.d}, one_col_tile ? a.h.options() : a.h.options().dtype(at::kFloat));
+  // grad_W rows of a vocabulary tile: straight into gw when one GEMM covers the rows (and dtypes agree).
+  const bool gw_direct = one_row_tile && weight.scalar_type() == a.h.scalar_type();
+  Tensor gw_acc = gw_direct ? Tensor() : at::empty({a.cols, a.d}, a.h.options().dtype(at::kFloat));
   auto opts = a.h.options().dtype(at::kFloat);
-  auto tile = at::empty({a.chunk, a.V}, opts);
-  auto gtile = at::empty({a.chunk, a.V}, a.h.options());
-  const auto ht = cuda_type(a.h.scalar_type());
+  auto tile = at::empty({a.rows * a.cols}, opts);
+  auto gtile = at::empty({a.rows * a.cols}, a.h.options());
+  const auto ht = cuda_type(a.h.scalar_type()), gh_t = cuda_type(gh.scalar_type());
+  const auto gw_t = gw_direct ? ht : CUDA_R_32F;
   const float inv_t = (float)(1.0 / temperature);
   auto stream = at::cuda::getCurrentCUDAStream();
   const size_t es = a.h.element_size();
   const char* hp = static_cast<const char*>(a.h.data_ptr());
+  const char* wp = static_cast<const char*>(a.w.data_ptr());
   char* ghp = static_cast<char*>(gh.data_ptr());
-  for (int64_t s = 0; s < a.N; s += a.chunk) {
-    const int64_t n = std::min(a.chunk, a.N - s);
-    const void* hs = hp + s * a.d * es;
-    gemm(CUBLAS_OP_T, CUBLAS_OP_N, a.V, n, a.d, inv_t, a.w.data_ptr(), ht, a.d, hs, ht, a.d, 0.f, tile.data_ptr(),
-         CUDA_R_32F, a.V);
-    check_launch(fw::logprob_rows_bwd(dt, tile.data_ptr<float>(), t.data_ptr<int64_t>() + s, l.data_ptr<float>() + s,
-                                      H.data_ptr<float>() + s, glp.data_ptr<float>() + s,
-                                      gent.data_ptr<float>() + s, gtile.data_ptr(), n, a.V, stream),
-                 "linear_logprob_backward");
-    // grad_h^T [d, n] = W^T [d, V] . g^T [V, n]   (dz/dlogits = 1/temperature)
-    gemm(CUBLAS_OP_N, CUBLAS_OP_N, a.d, n, a.V, inv_t, a.w.data_ptr(), ht, a.d, gtile.data_ptr(), ht, a.V, 0.f,
-         ghp + s * a.d * es, ht, a.d);
-    // grad_W^T [d, V] += h_chunk^T [d, n] . g [n, V]
-    gemm(CUBLAS_OP_N, CUBLAS_OP_T, a.d, a.V, n, inv_t, hs, ht, a.d, gtile.data_ptr(), ht, a.V, 1.f, gw.data_ptr(),
-         CUDA_R_32F, a.d);
+  for (int64_t v0 = 0; v0 < a.V; v0 += a.cols) {
+    const int64_t vc = std::min(a.cols, a.V - v0);
+    const void* ws = wp + v0 * a.d * es;
+    void* gw_out = gw_direct ? static_cast<void*>(static_cast<char*>(gw.data_ptr()) + v0 * a.d * es) : gw_acc.data_ptr();
+    for (int64_t n0 = 0; n0 < a.N; n0 += a.rows) {
+      const int64_t n = std::min(a.rows, a.N - n0);
+      const void* hs = hp + n0 * a.d * es;
+      gemm(CUBLAS_OP_T, CUBLAS_OP_N, vc, n, a.d, inv_t, ws, ht, a.d, hs, ht, a.d, 0.f, tile.data_ptr(), CUDA_R_32F,
+           vc);
+      check_launch(fw::logprob_tile_bwd(dt, tile.data_ptr<float>(), n, vc, v0, t.data_ptr<int64_t>() + n0,
+                                        l.data_ptr<float>() + n0, H.data_ptr<float>() + n0,
+                                        glp.data_ptr<float>() + n0, gent.data_ptr<float>() + n0, gtile.data_ptr(),
+                                        stream),
+                   "linear_logprob_backward");
+      // grad_h^T [d, n] (+)= W_tile^T [d, vc] . g^T [vc, n]   (dz/dlogits = 1/temperature)
+      gemm(CUBLAS_OP_N, CUBLAS_OP_N, a.d, n, vc, inv_t, ws, ht, a.d, gtile.data_ptr(), ht, vc, v0 == 0 ? 0.f : 1.f,
+           ghp + n0 * a.d * gh.element_size(), gh_t, a.d);
+      // grad_W_tile^T [d, vc] (+)= h_rows^T [d, n] . g [n, vc]
+      gemm(CUBLAS_OP_N, CUBLAS_OP_T, a.d, vc, n, inv_t, hs, ht, a.d, gtile.data_ptr(), ht, vc, n0 == 0 ? 0.f : 1.f,
+           gw_out, gw_t, a.d);
+    }
+    if (!gw_direct) gw.narrow(0, v0, vc).copy_(gw_acc.narrow(0, 0, vc));
   }
-  return {gh, gw.to(weight.scalar_type())};
+  return {one_col_tile ? gh : gh.to(a.h.scalar_type()), gw};
 }
 
 // ------------------------------------------------------------------ decode attention
+// Split counters: one int per (b, kv head, head group), zero between launches because the last block of
+// each group resets its own. One zeroed buffer per device is kept (never freed: graphs captured earlier
+// hold its address) and grown outside captures; a capture that needs more than it has gets its own zeroed
+// buffer (the memset becomes part of the graph). The shared buffer assumes decode calls on one device do
+// not run concurrently on two streams.
+int* decode_counters(int64_t n, const Tensor& like, cudaStream_t stream, Tensor& local) {
+  static std::mutex mu;
+  // leaked on purpose: no tensor destructor may run at exit, after the CUDA runtime is gone
+  static auto* bufs = new std::map<int, Tensor>();
+  static auto* retired = new std::vector<Tensor>();
+  std::lock_guard<std::mutex> lock(mu);
+  Tensor& buf = (*bufs)[like.get_device()];
+  if (buf.defined() && buf.numel() >= n) return buf.data_ptr<int>();
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  C10_CUDA_CHECK(cudaStreamIsCapturing(stream, &status));
+  if (status != cudaStreamCaptureStatusNone) {
+    local = at::zeros({n}, like.options().dtype(at::kInt));
+    return local.data_ptr<int>();
+  }
+  if (buf.defined()) retired->push_back(buf);
+  buf = at::zeros({std::max<int64_t>(n, 4096)}, like.options().dtype(at::kInt));
+  return buf.data_ptr<int>();
+}
+
 Tensor decode_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, const Tensor& lengths,
                         double scale) {
   check_cuda(q, "decode_attention", "q");
@@ -275,35 +341,41 @@ Tensor decode_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_
   TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
               "fw::decode_attention: q, k_cache and v_cache must share a dtype");
   const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2), Hk = k_cache.size(1), S = k_cache.size(2);
-  TORCH_CHECK(D == 64 || D == 128 || D == 256, "fw::decode_attention: the CUDA kernel takes head_dim 64, 128 or 256, got ",
-              D);
-  const int64_t R = Hq / Hk;
-  TORCH_CHECK(Hq % Hk == 0 && (R == 1 || R == 2 || R == 4 || R == 8),
-              "fw::decode_attention: the CUDA kernel takes Hq / Hk in {1, 2, 4, 8}, got ", Hq, " / ", Hk);
+  TORCH_CHECK(D > 0 && D <= 256 && D % 8 == 0,
+              "fw::decode_attention: the CUDA kernel takes a head_dim that is a multiple of 8 up to 256, got ", D);
+  TORCH_CHECK(Hk > 0 && Hq % Hk == 0, "fw::decode_attention: Hq must be a multiple of Hk, got ", Hq, " / ", Hk);
   TORCH_CHECK(k_cache.strides() == v_cache.strides(), "fw::decode_attention: k_cache and v_cache strides differ");
   auto kc = k_cache.stride(3) == 1 ? k_cache : k_cache.contiguous();
   auto vc = v_cache.stride(3) == 1 && kc.strides() == v_cache.strides() ? v_cache : v_cache.contiguous();
   if (kc.strides() != vc.strides()) kc = kc.contiguous();
-  const int64_t E = std::max<int64_t>(16 / kc.element_size(), D / 32);  // elements per lane (decode_attention.cu)
-  const bool aligned = kc.stride(0) % E == 0 && kc.stride(1) % E == 0 && kc.stride(2) % E == 0 &&
-                       reinterpret_cast<uintptr_t>(kc.data_ptr()) % (E * kc.element_size()) == 0 &&
-                       reinterpret_cast<uintptr_t>(vc.data_ptr()) % (E * vc.element_size()) == 0;
-  if (!aligned) {
-    kc = kc.contiguous();
-    vc = vc.contiguous();
+  // the kernel copies 16-byte chunks of a row (decode_attention.cu)
+  const int64_t vec = 16 / kc.element_size();
+  const bool aligned = kc.stride(0) % vec == 0 && kc.stride(1) % vec == 0 && kc.stride(2) % vec == 0 &&
+                       reinterpret_cast<uintptr_t>(kc.data_ptr()) % 16 == 0 &&
+                       reinterpret_cast<uintptr_t>(vc.data_ptr()) % 16 == 0;
+  if (!aligned) {  // clone: contiguous() would return an already contiguous but misaligned view as is
+    kc = kc.clone(at::MemoryFormat::Contiguous);
+    vc = vc.clone(at::MemoryFormat::Contiguous);
   }
   auto qc = q.contiguous();
+  if (reinterpret_cast<uintptr_t>(qc.data_ptr()) % 16 != 0) qc = qc.clone(at::MemoryFormat::Contiguous);
   auto len = lengths.to(at::kLong).contiguous();
   auto out = at::empty({B, Hq, D}, q.options());
   if (B == 0) return out;
-  const int splits = fw::decode_attention_splits((int)B, (int)Hk, (int)S, sm_count());
-  const int64_t parts = B * Hq * splits;
-  auto ws = at::empty({parts * D + 2 * parts}, q.options().dtype(at::kFloat));
-  float* base = ws.data_ptr<float>();
-  fw::DecodeWorkspace w{base, base + parts * D, base + parts * D + parts};
+  const int splits = fw::decode_attention_splits(dt, (int)B, (int)Hq, (int)Hk, (int)S, (int)D, sm_count());
+  auto stream = at::cuda::getCurrentCUDAStream();
+  fw::DecodeWorkspace w{nullptr, nullptr, nullptr, nullptr};
+  Tensor ws, local_counters;
+  if (splits > 1) {
+    const int64_t parts = B * Hq * splits;
+    ws = at::empty({parts * D + 2 * parts}, q.options().dtype(at::kFloat));
+    float* base = ws.data_ptr<float>();
+    w = {base, base + parts * D, base + parts * D + parts,
+         decode_counters(B * Hk * fw::decode_attention_groups((int)Hq, (int)Hk), q, stream, local_counters)};
+  }
   check_launch(fw::decode_attention(dt, qc.data_ptr(), kc.data_ptr(), vc.data_ptr(), len.data_ptr<int64_t>(),
                                     out.data_ptr(), w, (int)B, (int)Hq, (int)Hk, (int)S, (int)D, kc.stride(0),
-                                    kc.stride(1), kc.stride(2), splits, (float)scale, at::cuda::getCurrentCUDAStream()),
+                                    kc.stride(1), kc.stride(2), splits, (float)scale, stream),
                "decode_attention");
   return out;
 }

@@ -10,13 +10,14 @@ namespace fw {
 enum class DType : int { F32 = 0, BF16 = 1, F16 = 2 };
 
 // x [rows, D] -> y [rows, D]; weight [D] of wdtype (x's dtype or F32).
+// The grid is one wave of resident blocks (sm_count SMs) looping over the rows.
 cudaError_t rms_norm_fwd(DType dt, DType wdt, const void* x, const void* w, void* y, int64_t rows, int D,
-                         float eps, cudaStream_t stream);
-// gx [rows, D] (x's dtype); gw_partial [max_blocks, D] fp32: the first *blocks_used rows get partial sums of
-// grad*x*rstd over rows (one per block; the grid is one wave of resident blocks).
+                         float eps, int sm_count, cudaStream_t stream);
+// gx [rows, D] (x's dtype), gw [D] (wdt); gw_partial [max_blocks, D] fp32 scratch: one partial row per block of
+// the main kernel (one wave of resident blocks), summed by a second kernel.
 int rms_norm_bwd_max_blocks(int sm_count);
 cudaError_t rms_norm_bwd(DType dt, DType wdt, const void* grad, const void* x, const void* w, void* gx,
-                         float* gw_partial, int max_blocks, int* blocks_used, int64_t rows, int D, float eps,
+                         void* gw, float* gw_partial, int max_blocks, int64_t rows, int D, float eps,
                          int sm_count, cudaStream_t stream);
 
 // q [B, T, Hq, D], k [B, T, Hk, D] with element strides (b, t, h) and a contiguous last dim; outputs
@@ -35,22 +36,36 @@ cudaError_t swiglu_fwd(DType dt, const void* gate_up, void* out, int64_t rows, i
 cudaError_t swiglu_bwd(DType dt, const void* grad, const void* gate_up, void* grad_gate_up, int64_t rows,
                        int64_t I, cudaStream_t stream);
 
-// Per row of a fp32 logits tile z [n, V] (already divided by the temperature): logprob of targets,
-// entropy, logsumexp (float [n] each). Negative target: logprob 0; target >= V: NaN.
-cudaError_t logprob_rows_fwd(const float* z, const int64_t* targets, float* logprob, float* entropy,
-                             float* lse, int64_t n, int64_t V, cudaStream_t stream);
-// d(loss)/dz for the same tile, written in dtype dt into g [n, V] (the 1/temperature is left to the caller).
-cudaError_t logprob_rows_bwd(DType dt, const float* z, const int64_t* targets, const float* lse,
-                             const float* entropy, const float* grad_logprob, const float* grad_entropy, void* g,
-                             int64_t n, int64_t V, cudaStream_t stream);
-
-// q [B, Hq, D]; caches addressed as base + b*sb + h*sh + s*ss + d (elements); out [B, Hq, D].
-struct DecodeWorkspace {
-  float* o;  // [B, Hq, splits, D]
-  float* m;  // [B, Hq, splits]
-  float* l;  // [B, Hq, splits]
+// The fused linear + logprob walks the logits in fp32 tiles z [n, vc] (already divided by the temperature):
+// rows n0.. of the batch, vocabulary columns v0 .. v0 + vc of V; row i of a tile is contiguous (vc floats).
+// Forward, per row, across the tiles of the row (v0 ascending, the first with v0 = 0): the running logsumexp
+// state and the target's logit live in LogprobState ([rows] floats each, offset to the tile's first row); the
+// last tile (v0 + vc == V) writes logprob, entropy and lse. Negative target: logprob 0; target >= V: NaN.
+struct LogprobState {
+  float* m;
+  float* s;
+  float* a;
+  float* target_z;
 };
-int decode_attention_splits(int B, int Hk, int S, int sm_count);
+cudaError_t logprob_tile_fwd(const float* z, int64_t n, int64_t vc, int64_t v0, int64_t V, const int64_t* targets,
+                             LogprobState state, float* logprob, float* entropy, float* lse, cudaStream_t stream);
+// d(loss)/dz for a tile, written in dtype dt into g [n, vc] (the 1/temperature is left to the caller).
+cudaError_t logprob_tile_bwd(DType dt, const float* z, int64_t n, int64_t vc, int64_t v0, const int64_t* targets,
+                             const float* lse, const float* entropy, const float* grad_logprob,
+                             const float* grad_entropy, void* g, cudaStream_t stream);
+
+// q [B, Hq, D] (16-byte aligned); caches addressed as base + b*sb + h*sh + s*ss + d (elements; base 16-byte
+// aligned, strides multiples of 16 bytes); out [B, Hq, D]. Any Hq % Hk == 0, D a multiple of 8 up to 256.
+// With splits > 1: o/m/l hold the per-split partials and count one int per (b, kv head, head group)
+// (B * Hk * decode_attention_groups ints), zero before the launch and left zero after it.
+struct DecodeWorkspace {
+  float* o;    // [B, Hq, splits, D]
+  float* m;    // [B, Hq, splits]
+  float* l;    // [B, Hq, splits]
+  int* count;  // [B, Hk, groups]
+};
+int decode_attention_groups(int Hq, int Hk);
+int decode_attention_splits(DType dt, int B, int Hq, int Hk, int S, int D, int sm_count);
 cudaError_t decode_attention(DType dt, const void* q, const void* k, const void* v, const int64_t* lengths,
                              void* out, DecodeWorkspace ws, int B, int Hq, int Hk, int S, int D, int64_t sb,
                              int64_t sh, int64_t ss, int splits, float scale, cudaStream_t stream);

@@ -1,14 +1,16 @@
-// Row kernels of the fused linear + logprob: the host (bindings.cpp) computes a fp32 logits tile
-// z = hidden_chunk @ weight.T / temperature with cuBLAS, then these kernels take one row per block:
-// forward: online logsumexp with the entropy term, the target's logprob; backward: dz written in the
-// GEMM dtype for the two gradient GEMMs. State per thread: m (max), s = sum e^(z-m), a = sum e^(z-m)(z-m),
-// so entropy = log s - a/s with no cancellation against m.
+// Row kernels of the fused linear + logprob. The host (bindings.cpp) walks the [N, V] logits in tiles of
+// n rows x vc vocabulary columns: it computes a fp32 tile z = hidden_rows @ weight_cols.T / temperature with cuBLAS
+// (row i of the tile is contiguous, vc floats), then these kernels take one row per block:
+// forward: online logsumexp with the entropy term, merged across the vocabulary tiles of a row through a
+// per-row state (m, s, a) in global memory, the target's logit when it falls in the tile, and at the last tile
+// the outputs; backward: dz written in the GEMM dtype for the two gradient GEMMs, from the saved lse and entropy.
+// State: m (max), s = sum e^(z-m), a = sum e^(z-m)(z-m), so entropy = log s - a/s with no cancellation against m.
 #include "common.cuh"
 
 namespace fw {
 namespace {
 
-constexpr int kThreads = 512;
+constexpr int kThreads = 256;
 
 struct Lse {
   float m, s, a;
@@ -43,51 +45,62 @@ __device__ __forceinline__ Lse lse_merge(Lse x, Lse y) {
   return {x.m, x.s + y.s * sc, x.a + sc * (y.a + y.s * d)};
 }
 
+// One row of a tile per block: row i of z has vc columns (global columns v0 ..), `state` holds (m, s, a) and the
+// target logit of every row across tiles; the last tile (v0 + vc == V) writes logprob, entropy and lse.
 template <int VEC>
 __global__ void __launch_bounds__(kThreads)
-logprob_fwd_kernel(const float* __restrict__ z, const int64_t* __restrict__ targets, float* __restrict__ logprob,
-                   float* __restrict__ entropy, float* __restrict__ lse, int64_t V) {
+logprob_tile_fwd_kernel(const float* __restrict__ z, int64_t vc, int64_t v0, int64_t V,
+                        const int64_t* __restrict__ targets, LogprobState st, float* __restrict__ logprob,
+                        float* __restrict__ entropy, float* __restrict__ lse) {
   __shared__ Lse parts[kThreads / 32];
   const int64_t row = blockIdx.x;
-  const float* zr = z + row * V;
-  Lse st{0.f, 0.f, 0.f};
-  for (int64_t i = (int64_t)threadIdx.x * VEC; i < V; i += (int64_t)kThreads * VEC) {
+  const float* zr = z + row * vc;
+  Lse acc{0.f, 0.f, 0.f};
+  for (int64_t i = (int64_t)threadIdx.x * VEC; i < vc; i += (int64_t)kThreads * VEC) {
     Vec<float, VEC> v = load_vec<float, VEC>(zr + i);
 #pragma unroll
-    for (int j = 0; j < VEC; ++j) lse_add(st, v.v[j]);
+    for (int j = 0; j < VEC; ++j) lse_add(acc, v.v[j]);
   }
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) {
-    Lse other{__shfl_xor_sync(0xffffffffu, st.m, o), __shfl_xor_sync(0xffffffffu, st.s, o),
-              __shfl_xor_sync(0xffffffffu, st.a, o)};
-    st = lse_merge(st, other);
+    Lse other{__shfl_xor_sync(0xffffffffu, acc.m, o), __shfl_xor_sync(0xffffffffu, acc.s, o),
+              __shfl_xor_sync(0xffffffffu, acc.a, o)};
+    acc = lse_merge(acc, other);
   }
-  if ((threadIdx.x & 31) == 0) parts[threadIdx.x >> 5] = st;
+  if ((threadIdx.x & 31) == 0) parts[threadIdx.x >> 5] = acc;
   __syncthreads();
-  if (threadIdx.x == 0) {
-    Lse t = parts[0];
-    for (int w = 1; w < kThreads / 32; ++w) t = lse_merge(t, parts[w]);
-    const float log_s = logf(t.s), l = t.m + log_s;
-    lse[row] = l;
-    entropy[row] = log_s - t.a / t.s;
-    const int64_t tg = targets[row];
-    logprob[row] = tg < 0 ? 0.f : (tg >= V ? __int_as_float(0x7fc00000) : zr[tg] - l);
+  if (threadIdx.x != 0) return;
+  Lse t = v0 == 0 ? Lse{0.f, 0.f, 0.f} : Lse{st.m[row], st.s[row], st.a[row]};
+  for (int w = 0; w < kThreads / 32; ++w) t = lse_merge(t, parts[w]);
+  const int64_t tg = targets[row];
+  if (tg >= v0 && tg < v0 + vc) st.target_z[row] = zr[tg - v0];
+  if (v0 + vc < V) {
+    st.m[row] = t.m;
+    st.s[row] = t.s;
+    st.a[row] = t.a;
+    return;
   }
+  const float log_s = logf(t.s), l = t.m + log_s;
+  lse[row] = l;
+  entropy[row] = log_s - t.a / t.s;
+  logprob[row] = tg < 0 ? 0.f : (tg >= V ? __int_as_float(0x7fc00000) : st.target_z[row] - l);
 }
 
 // g = glp * (onehot - p) - gH * p * (log p + H), p = exp(z - lse); an ignored target (< 0) has glp = 0.
+// Row i of the tile: vc columns starting at global column v0; g has the same layout.
 template <typename T, int VEC>
 __global__ void __launch_bounds__(kThreads)
-logprob_bwd_kernel(const float* __restrict__ z, const int64_t* __restrict__ targets, const float* __restrict__ lse,
-                   const float* __restrict__ entropy, const float* __restrict__ grad_logprob,
-                   const float* __restrict__ grad_entropy, T* __restrict__ g, int64_t V) {
+logprob_tile_bwd_kernel(const float* __restrict__ z, int64_t vc, int64_t v0, const int64_t* __restrict__ targets,
+                        const float* __restrict__ lse, const float* __restrict__ entropy,
+                        const float* __restrict__ grad_logprob, const float* __restrict__ grad_entropy,
+                        T* __restrict__ g) {
   const int64_t row = blockIdx.x;
-  const float* zr = z + row * V;
-  T* gr = g + row * V;
-  const int64_t tg = targets[row];
+  const float* zr = z + row * vc;
+  T* gr = g + row * vc;
+  const int64_t tg = targets[row] - v0;  // the target's column in this tile (maybe outside it)
   const float l = lse[row], H = entropy[row], gH = grad_entropy[row];
-  const float glp = tg < 0 ? 0.f : grad_logprob[row];
-  for (int64_t i = (int64_t)threadIdx.x * VEC; i < V; i += (int64_t)kThreads * VEC) {
+  const float glp = targets[row] < 0 ? 0.f : grad_logprob[row];
+  for (int64_t i = (int64_t)threadIdx.x * VEC; i < vc; i += (int64_t)kThreads * VEC) {
     Vec<float, VEC> v = load_vec<float, VEC>(zr + i);
     Vec<T, VEC> o;
 #pragma unroll
@@ -103,28 +116,30 @@ logprob_bwd_kernel(const float* __restrict__ z, const int64_t* __restrict__ targ
 
 }  // namespace
 
-cudaError_t logprob_rows_fwd(const float* z, const int64_t* targets, float* logprob, float* entropy, float* lse,
-                             int64_t n, int64_t V, cudaStream_t stream) {
+cudaError_t logprob_tile_fwd(const float* z, int64_t n, int64_t vc, int64_t v0, int64_t V, const int64_t* targets,
+                             LogprobState state, float* logprob, float* entropy, float* lse, cudaStream_t stream) {
   if (n == 0) return cudaSuccess;
-  if (V % 4 == 0 && aligned16(z))
-    logprob_fwd_kernel<4><<<(unsigned)n, kThreads, 0, stream>>>(z, targets, logprob, entropy, lse, V);
+  if (vc % 4 == 0 && aligned16(z))
+    logprob_tile_fwd_kernel<4><<<(unsigned)n, kThreads, 0, stream>>>(z, vc, v0, V, targets, state, logprob, entropy,
+                                                                     lse);
   else
-    logprob_fwd_kernel<1><<<(unsigned)n, kThreads, 0, stream>>>(z, targets, logprob, entropy, lse, V);
+    logprob_tile_fwd_kernel<1><<<(unsigned)n, kThreads, 0, stream>>>(z, vc, v0, V, targets, state, logprob, entropy,
+                                                                     lse);
   return cudaGetLastError();
 }
 
-cudaError_t logprob_rows_bwd(DType dt, const float* z, const int64_t* targets, const float* lse,
-                             const float* entropy, const float* grad_logprob, const float* grad_entropy, void* g,
-                             int64_t n, int64_t V, cudaStream_t stream) {
+cudaError_t logprob_tile_bwd(DType dt, const float* z, int64_t n, int64_t vc, int64_t v0, const int64_t* targets,
+                             const float* lse, const float* entropy, const float* grad_logprob,
+                             const float* grad_entropy, void* g, cudaStream_t stream) {
   if (n == 0) return cudaSuccess;
   return dispatch(dt, [&](auto t) -> cudaError_t {
     using T = decltype(t);
-    if (V % 4 == 0 && aligned16(z) && aligned16(g))
-      logprob_bwd_kernel<T, 4><<<(unsigned)n, kThreads, 0, stream>>>(z, targets, lse, entropy, grad_logprob,
-                                                                     grad_entropy, (T*)g, V);
+    if (vc % 4 == 0 && aligned16(z) && aligned16(g))
+      logprob_tile_bwd_kernel<T, 4><<<(unsigned)n, kThreads, 0, stream>>>(z, vc, v0, targets, lse, entropy,
+                                                                          grad_logprob, grad_entropy, (T*)g);
     else
-      logprob_bwd_kernel<T, 1><<<(unsigned)n, kThreads, 0, stream>>>(z, targets, lse, entropy, grad_logprob,
-                                                                     grad_entropy, (T*)g, V);
+      logprob_tile_bwd_kernel<T, 1><<<(unsigned)n, kThreads, 0, stream>>>(z, vc, v0, targets, lse, entropy,
+                                                                          grad_logprob, grad_entropy, (T*)g);
     return cudaGetLastError();
   });
 }

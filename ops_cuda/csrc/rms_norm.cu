@@ -1,8 +1,18 @@
 // RMSNorm forward and backward, fp32 accumulation, 16-byte accesses when aligned.
-// A row is handled by LANES lanes of a warp (16 for a 128-wide bf16 head, 32 otherwise) so that per-head
-// QK-norm keeps every lane busy; when a row fits in registers (NV vectors per lane) it is read once.
-// The backward accumulates grad_weight per lane in registers across the rows a warp visits and adds them
-// into a per-block shared row once, then one partial row per block goes out (summed by the caller).
+// A row is handled by a group of LANES threads (LANES = 4..256, a power of two) holding NV vectors of VEC
+// elements each in registers, so a row is read once. Blocks are persistent (one wave, a grid-stride loop over
+// rows), which lets every thread load its slice of the weight into registers once instead of once per row,
+// and lets the next row's loads be in flight while the current row is reduced (software prefetch).
+// Groups wider than a warp reduce through shared memory, double-buffered so one barrier per row suffices.
+// The backward keeps grad_weight partial sums per thread in registers (each thread owns fixed columns), the row
+// groups of a block add them into one partial row with shared-memory atomics (so the last bits of grad_weight
+// may vary from run to run), and a second small kernel sums the blocks' partial rows column-wise in a fixed
+// order straight into the weight's dtype.
+// Rows too long for registers (or unaligned) take the NV == 0 path: VEC-wide loops over the row, twice.
+// Launch shapes measured on the H200 (ops_cuda/bench/sweep.sh, docs/PERFORMANCE.md): 2 vectors a thread beat
+// 1 and 4; prefetching 2 rows ahead (more registers, fewer resident warps) and a non-persistent forward grid
+// were both slower.
+#include <cstdlib>
 #include <type_traits>
 
 #include "common.cuh"
@@ -11,124 +21,225 @@ namespace fw {
 namespace {
 
 constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
 
-template <int LANES> __device__ __forceinline__ float group_sum(float v) {
+template <int N> using Int = std::integral_constant<int, N>;
+
+// (a, b) summed over the LANES threads of this thread's row group; every thread of the block must call it the
+// same number of times (groups wider than a warp meet at a barrier). `red` is [2][kWarps], `parity` alternates.
+template <int LANES>
+__device__ __forceinline__ float2 group_sum2(float a, float b, float2 (*red)[kWarps], int parity) {
+  constexpr int kWidth = LANES < 32 ? LANES : 32;
 #pragma unroll
-  for (int o = LANES / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
+  for (int o = kWidth / 2; o > 0; o >>= 1) {
+    a += __shfl_xor_sync(0xffffffffu, a, o);
+    b += __shfl_xor_sync(0xffffffffu, b, o);
+  }
+  if constexpr (LANES > 32) {
+    const int warp = threadIdx.x >> 5;
+    if ((threadIdx.x & 31) == 0) red[parity][warp] = make_float2(a, b);
+    __syncthreads();
+    constexpr int kPer = LANES / 32;
+    const int first = (warp / kPer) * kPer;
+    a = 0.f;
+    b = 0.f;
+#pragma unroll
+    for (int k = 0; k < kPer; ++k) {
+      const float2 v = red[parity][first + k];
+      a += v.x;
+      b += v.y;
+    }
+  }
+  return make_float2(a, b);
 }
 
-// NV > 0: the row lives in registers (D <= LANES * VEC * NV); NV == 0: loop over the row twice.
-template <typename T, typename W, int VEC, int LANES, int NV>
-__global__ void __launch_bounds__(kThreads)
-rms_norm_fwd_kernel(const T* __restrict__ x, const W* __restrict__ w, T* __restrict__ y, int64_t rows, int D,
-                    float eps) {
-  constexpr int kRowsPerBlock = kThreads / LANES;
-  const int sub = threadIdx.x % LANES;
-  const int64_t row = (int64_t)blockIdx.x * kRowsPerBlock + threadIdx.x / LANES;
-  const bool active = row < rows;  // inactive lanes still join the shuffles
-  const T* xr = x + (active ? row : 0) * D;
-  T* yr = y + row * D;
-  float ss = 0.f;
-  if constexpr (NV > 0) {
-    Vec<T, VEC> v[NV];
+// One wave of resident blocks of `kernel`, or fewer when `rows` need fewer blocks of `rows_per_block` rows; at
+// least one.
+template <typename K> int64_t persistent_blocks(K kernel, size_t smem, int sm_count, int64_t rows, int rows_per_block) {
+  int per_sm = 0;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, smem) != cudaSuccess || per_sm < 1)
+    per_sm = 1;
+  const int64_t wave = (int64_t)sm_count * per_sm, need = (rows + rows_per_block - 1) / rows_per_block;
+  return need < wave ? (need > 0 ? need : 1) : wave;
+}
+
+// The thread's slice of a row in registers: NV vectors, vector n at element (n * LANES + sub) * VEC.
+template <typename T, int VEC, int LANES, int NV> struct RowSlice {
+  Vec<T, VEC> v[NV];
+  __device__ __forceinline__ void load(const T* row, int sub, int D, bool active) {
 #pragma unroll
     for (int n = 0; n < NV; ++n) {
       const int i = (n * LANES + sub) * VEC;
-      if (i < D) {
-        v[n] = load_vec<T, VEC>(xr + i);
-#pragma unroll
-        for (int j = 0; j < VEC; ++j) ss += to_f(v[n].v[j]) * to_f(v[n].v[j]);
-      }
+      if (active && i < D) v[n] = load_vec<T, VEC>(row + i);
+      else v[n] = Vec<T, VEC>{};  // an inactive row's sums are never used, but are defined
     }
-    const float r = rsqrtf(group_sum<LANES>(ss) / D + eps);
-    if (!active) return;
+  }
+};
+
+// The thread's slice of the weight, as floats, read in 16-byte pieces (w is 16-byte aligned, D % VEC == 0).
+template <typename W, int VEC, int LANES, int NV>
+__device__ __forceinline__ void load_weight(float (&wf)[NV][VEC], const W* w, int sub, int D) {
+  constexpr int P = (16 / (int)sizeof(W)) < VEC ? 16 / (int)sizeof(W) : VEC;
 #pragma unroll
-    for (int n = 0; n < NV; ++n) {
-      const int i = (n * LANES + sub) * VEC;
-      if (i < D) {
-        Vec<T, VEC> o;
+  for (int n = 0; n < NV; ++n) {
+    const int i = (n * LANES + sub) * VEC;
 #pragma unroll
-        for (int j = 0; j < VEC; ++j) o.v[j] = from_f<T>(to_f(v[n].v[j]) * r * to_f(w[i + j]));
-        store_vec<T, VEC>(yr + i, o);
-      }
-    }
-  } else {
-    for (int i = sub * VEC; i < D; i += LANES * VEC) {
-      Vec<T, VEC> v = load_vec<T, VEC>(xr + i);
+    for (int j0 = 0; j0 < VEC; j0 += P) {
+      Vec<W, P> piece{};
+      if (i < D) piece = load_vec<W, P>(w + i + j0);
 #pragma unroll
-      for (int j = 0; j < VEC; ++j) ss += to_f(v.v[j]) * to_f(v.v[j]);
-    }
-    const float r = rsqrtf(group_sum<LANES>(ss) / D + eps);
-    if (!active) return;
-    for (int i = sub * VEC; i < D; i += LANES * VEC) {  // the second read of the row hits L1
-      Vec<T, VEC> v = load_vec<T, VEC>(xr + i);
-      Vec<T, VEC> o;
-#pragma unroll
-      for (int j = 0; j < VEC; ++j) o.v[j] = from_f<T>(to_f(v.v[j]) * r * to_f(w[i + j]));
-      store_vec<T, VEC>(yr + i, o);
+      for (int j = 0; j < P; ++j) wf[n][j0 + j] = to_f(piece.v[j]);
     }
   }
 }
 
-// gx = r*g*w - x*r^3*mean(g*w*x); grad_weight partial of the block += g*x*r.
+// Rows whose loads are in flight ahead of the row being reduced.
+constexpr int PF = 1;
+
+// NV > 0: the row lives in registers (D <= LANES * VEC * NV), and the loads of the next PF rows are in flight
+// while a row is reduced; NV == 0: loop over the row twice.
 template <typename T, typename W, int VEC, int LANES, int NV>
 __global__ void __launch_bounds__(kThreads)
-rms_norm_bwd_kernel(const T* __restrict__ grad, const T* __restrict__ x, const W* __restrict__ w,
-                    T* __restrict__ gx, float* __restrict__ gw_partial, int64_t rows, int D, float eps) {
-  extern __shared__ float gw_acc[];
-  constexpr int kRowsPerBlock = kThreads / LANES;
-  for (int i = threadIdx.x; i < D; i += blockDim.x) gw_acc[i] = 0.f;
-  __syncthreads();
+rms_norm_fwd_kernel(const T* __restrict__ x, const W* __restrict__ w, T* __restrict__ y, int64_t rows, int D,
+                    float eps) {
+  __shared__ float2 red[2][kWarps];
+  constexpr int kGroups = kThreads / LANES;
   const int sub = threadIdx.x % LANES;
-  const int64_t stride = (int64_t)gridDim.x * kRowsPerBlock;
-  const int64_t first = (int64_t)blockIdx.x * kRowsPerBlock + threadIdx.x / LANES;
-  // every group runs the same number of iterations (shuffles need the whole warp)
-  const int64_t iters = (rows + stride - 1) / stride;
+  const int64_t stride = (int64_t)gridDim.x * kGroups;
+  const int64_t first = (int64_t)blockIdx.x * kGroups + threadIdx.x / LANES;
+  const int64_t iters = (rows + stride - 1) / stride;  // the same for every thread: barriers stay uniform
   if constexpr (NV > 0) {
-    float acc[NV][VEC];
+    float wf[NV][VEC];
+    load_weight<W, VEC, LANES, NV>(wf, w, sub, D);
+    RowSlice<T, VEC, LANES, NV> xs[PF + 1];  // xs[0]: this iteration's row; xs[k]: k rows ahead, in flight
 #pragma unroll
-    for (int n = 0; n < NV; ++n)
+    for (int k = 0; k < PF; ++k) {
+      const int64_t r = first + k * stride;
+      xs[k].load(x + r * D, sub, D, k < iters && r < rows);
+    }
+    for (int64_t it = 0; it < iters; ++it) {
+      const int64_t row = first + it * stride, ahead = row + PF * stride;
+      xs[PF].load(x + ahead * D, sub, D, it + PF < iters && ahead < rows);
+      const RowSlice<T, VEC, LANES, NV>& cur = xs[0];
+      float ss = 0.f;
 #pragma unroll
-      for (int j = 0; j < VEC; ++j) acc[n][j] = 0.f;
+      for (int n = 0; n < NV; ++n) {
+        if ((n * LANES + sub) * VEC < D)
+#pragma unroll
+          for (int j = 0; j < VEC; ++j) ss += to_f(cur.v[n].v[j]) * to_f(cur.v[n].v[j]);
+      }
+      const float r = rsqrtf(group_sum2<LANES>(ss, 0.f, red, it & 1).x / D + eps);
+      if (row < rows) {
+#pragma unroll
+        for (int n = 0; n < NV; ++n) {
+          const int i = (n * LANES + sub) * VEC;
+          if (i < D) {
+            Vec<T, VEC> o;
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) o.v[j] = from_f<T>(to_f(cur.v[n].v[j]) * r * wf[n][j]);
+            store_vec<T, VEC>(y + row * D + i, o);
+          }
+        }
+      }
+#pragma unroll
+      for (int k = 0; k < PF; ++k) xs[k] = xs[k + 1];
+    }
+  } else {
     for (int64_t it = 0; it < iters; ++it) {
       const int64_t row = first + it * stride;
       const bool active = row < rows;
       const T* xr = x + (active ? row : 0) * D;
-      const T* gr = grad + (active ? row : 0) * D;
-      Vec<T, VEC> xv[NV], gv[NV];
+      float ss = 0.f;
+      if (active)
+        for (int i = sub * VEC; i < D; i += LANES * VEC) {
+          Vec<T, VEC> v = load_vec<T, VEC>(xr + i);
+#pragma unroll
+          for (int j = 0; j < VEC; ++j) ss += to_f(v.v[j]) * to_f(v.v[j]);
+        }
+      const float r = rsqrtf(group_sum2<LANES>(ss, 0.f, red, it & 1).x / D + eps);
+      if (active)
+        for (int i = sub * VEC; i < D; i += LANES * VEC) {  // the second read of the row hits L1/L2
+          Vec<T, VEC> v = load_vec<T, VEC>(xr + i);
+          Vec<T, VEC> o;
+#pragma unroll
+          for (int j = 0; j < VEC; ++j) o.v[j] = from_f<T>(to_f(v.v[j]) * r * to_f(w[i + j]));
+          store_vec<T, VEC>(y + row * D + i, o);
+        }
+    }
+  }
+}
+
+// Resident blocks per SM the backward asks the compiler for, by NV: registers capped so that more warps keep loads
+// in flight (NV 1: 4 blocks of 256 threads, 64 registers; capping NV 2 at 80 registers spills).
+constexpr int kBwdMinBlocks[5] = {1, 4, 1, 1, 1};
+
+// gx = r*g*w - x*r^3*mean(g*w*x); grad_weight partial of the block += g*x*r.
+template <typename T, typename W, int VEC, int LANES, int NV>
+__global__ void __launch_bounds__(kThreads, kBwdMinBlocks[NV])
+rms_norm_bwd_kernel(const T* __restrict__ grad, const T* __restrict__ x, const W* __restrict__ w,
+                    T* __restrict__ gx, float* __restrict__ gw_partial, int64_t rows, int D, float eps) {
+  extern __shared__ float gw_acc[];  // [D]: the row groups of the block add their partials here
+  __shared__ float2 red[2][kWarps];
+  constexpr int kGroups = kThreads / LANES;
+  for (int i = threadIdx.x; i < D; i += blockDim.x) gw_acc[i] = 0.f;
+  __syncthreads();
+  const int sub = threadIdx.x % LANES;
+  const int64_t stride = (int64_t)gridDim.x * kGroups;
+  const int64_t first = (int64_t)blockIdx.x * kGroups + threadIdx.x / LANES;
+  const int64_t iters = (rows + stride - 1) / stride;
+  if constexpr (NV > 0) {
+    float wf[NV][VEC], acc[NV][VEC];
+    load_weight<W, VEC, LANES, NV>(wf, w, sub, D);
+#pragma unroll
+    for (int n = 0; n < NV; ++n)
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) acc[n][j] = 0.f;
+    RowSlice<T, VEC, LANES, NV> xs[PF + 1], gs[PF + 1];  // [0]: this iteration's row; [k]: k rows ahead
+#pragma unroll
+    for (int k = 0; k < PF; ++k) {
+      const bool valid = k < iters && first + k * stride < rows;
+      xs[k].load(x + (first + k * stride) * D, sub, D, valid);
+      gs[k].load(grad + (first + k * stride) * D, sub, D, valid);
+    }
+    for (int64_t it = 0; it < iters; ++it) {
+      const int64_t row = first + it * stride, ahead = row + PF * stride;
+      const bool more = it + PF < iters && ahead < rows;
+      xs[PF].load(x + ahead * D, sub, D, more);
+      gs[PF].load(grad + ahead * D, sub, D, more);
+      const RowSlice<T, VEC, LANES, NV>&xc = xs[0], &gc = gs[0];
       float ss = 0.f, dot = 0.f;
 #pragma unroll
       for (int n = 0; n < NV; ++n) {
-        const int i = (n * LANES + sub) * VEC;
-        if (i < D) {
-          xv[n] = load_vec<T, VEC>(xr + i);
-          gv[n] = load_vec<T, VEC>(gr + i);
+        if ((n * LANES + sub) * VEC < D)
 #pragma unroll
           for (int j = 0; j < VEC; ++j) {
-            const float xf = to_f(xv[n].v[j]);
+            const float xf = to_f(xc.v[n].v[j]);
             ss += xf * xf;
-            dot += to_f(gv[n].v[j]) * to_f(w[i + j]) * xf;
+            dot += to_f(gc.v[n].v[j]) * wf[n][j] * xf;
+          }
+      }
+      const float2 s = group_sum2<LANES>(ss, dot, red, it & 1);
+      if (row < rows) {
+        const float r = rsqrtf(s.x / D + eps), c = r * r * r * s.y / D;
+#pragma unroll
+        for (int n = 0; n < NV; ++n) {
+          const int i = (n * LANES + sub) * VEC;
+          if (i < D) {
+            Vec<T, VEC> o;
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) {
+              const float xf = to_f(xc.v[n].v[j]), gf = to_f(gc.v[n].v[j]);
+              o.v[j] = from_f<T>(r * gf * wf[n][j] - xf * c);
+              acc[n][j] += gf * xf * r;
+            }
+            store_vec<T, VEC>(gx + row * D + i, o);
           }
         }
       }
-      ss = group_sum<LANES>(ss);
-      dot = group_sum<LANES>(dot);
-      if (!active) continue;
-      const float r = rsqrtf(ss / D + eps), c = r * r * r * dot / D;
 #pragma unroll
-      for (int n = 0; n < NV; ++n) {
-        const int i = (n * LANES + sub) * VEC;
-        if (i < D) {
-          Vec<T, VEC> o;
-#pragma unroll
-          for (int j = 0; j < VEC; ++j) {
-            const float xf = to_f(xv[n].v[j]), gf = to_f(gv[n].v[j]);
-            o.v[j] = from_f<T>(r * gf * to_f(w[i + j]) - xf * c);
-            acc[n][j] += gf * xf * r;
-          }
-          store_vec<T, VEC>(gx + row * D + i, o);
-        }
+      for (int k = 0; k < PF; ++k) {
+        xs[k] = xs[k + 1];
+        gs[k] = gs[k + 1];
       }
     }
 #pragma unroll
@@ -136,7 +247,10 @@ rms_norm_bwd_kernel(const T* __restrict__ grad, const T* __restrict__ x, const W
       const int i = (n * LANES + sub) * VEC;
       if (i < D)
 #pragma unroll
-        for (int j = 0; j < VEC; ++j) atomicAdd(&gw_acc[i + j], acc[n][j]);
+        for (int j = 0; j < VEC; ++j) {
+          if constexpr (kGroups == 1) gw_acc[i + j] = acc[n][j];  // this thread owns the column
+          else atomicAdd(&gw_acc[i + j], acc[n][j]);
+        }
     }
   } else {
     for (int64_t it = 0; it < iters; ++it) {
@@ -145,19 +259,19 @@ rms_norm_bwd_kernel(const T* __restrict__ grad, const T* __restrict__ x, const W
       const T* xr = x + (active ? row : 0) * D;
       const T* gr = grad + (active ? row : 0) * D;
       float ss = 0.f, dot = 0.f;
-      for (int i = sub * VEC; i < D; i += LANES * VEC) {
-        Vec<T, VEC> xv = load_vec<T, VEC>(xr + i), gv = load_vec<T, VEC>(gr + i);
+      if (active)
+        for (int i = sub * VEC; i < D; i += LANES * VEC) {
+          Vec<T, VEC> xv = load_vec<T, VEC>(xr + i), gv = load_vec<T, VEC>(gr + i);
 #pragma unroll
-        for (int j = 0; j < VEC; ++j) {
-          const float xf = to_f(xv.v[j]);
-          ss += xf * xf;
-          dot += to_f(gv.v[j]) * to_f(w[i + j]) * xf;
+          for (int j = 0; j < VEC; ++j) {
+            const float xf = to_f(xv.v[j]);
+            ss += xf * xf;
+            dot += to_f(gv.v[j]) * to_f(w[i + j]) * xf;
+          }
         }
-      }
-      ss = group_sum<LANES>(ss);
-      dot = group_sum<LANES>(dot);
+      const float2 s = group_sum2<LANES>(ss, dot, red, it & 1);
       if (!active) continue;
-      const float r = rsqrtf(ss / D + eps), c = r * r * r * dot / D;
+      const float r = rsqrtf(s.x / D + eps), c = r * r * r * s.y / D;
       for (int i = sub * VEC; i < D; i += LANES * VEC) {
         Vec<T, VEC> xv = load_vec<T, VEC>(xr + i), gv = load_vec<T, VEC>(gr + i);
         Vec<T, VEC> o;
@@ -175,91 +289,125 @@ rms_norm_bwd_kernel(const T* __restrict__ grad, const T* __restrict__ x, const W
   for (int i = threadIdx.x; i < D; i += blockDim.x) gw_partial[(int64_t)blockIdx.x * D + i] = gw_acc[i];
 }
 
-// Picks LANES and NV for a row of D elements moved VEC at a time, then launches F<VEC, LANES, NV>.
-template <int VEC, int MAX_ELEMS, typename L> cudaError_t by_shape(int D, L&& launch) {
-  const int vecs = D / VEC;
-  if (vecs <= 16) return launch(std::integral_constant<int, 16>{}, std::integral_constant<int, 1>{});
-  const int nv = (vecs + 31) / 32;
-  if (nv == 1) return launch(std::integral_constant<int, 32>{}, std::integral_constant<int, 1>{});
-  if (nv == 2) return launch(std::integral_constant<int, 32>{}, std::integral_constant<int, 2>{});
-  if (nv <= 4) return launch(std::integral_constant<int, 32>{}, std::integral_constant<int, 4>{});
-  if constexpr (8 * VEC <= MAX_ELEMS) {
-    if (nv <= 8) return launch(std::integral_constant<int, 32>{}, std::integral_constant<int, 8>{});
+// Picks LANES (threads per row, 4..256) and NV (vectors per thread, 1, 2 or 4) for a row of `vecs` vectors and
+// calls launch(Int<LANES>, Int<NV>): LANES grows until each thread holds at most `pref` vectors (or 256 threads),
+// rows longer than 256 * 4 vectors get NV = 0 (the looping path). Fewer vectors per thread mean fewer registers
+// but wider groups (a barrier per row beyond a warp).
+template <typename L> cudaError_t by_shape(int vecs, int pref, L&& launch) {
+  int lanes = 4;
+  while (lanes < 256 && lanes * pref < vecs) lanes *= 2;
+  const int nv = (vecs + lanes - 1) / lanes;
+  auto with_nv = [&](auto lanes_c) -> cudaError_t {
+    if (nv <= 1) return launch(lanes_c, Int<1>{});
+    if (nv <= 2) return launch(lanes_c, Int<2>{});
+    if (nv <= 4) return launch(lanes_c, Int<4>{});
+    return launch(Int<256>{}, Int<0>{});
+  };
+  switch (lanes) {
+    case 4: return with_nv(Int<4>{});
+    case 8: return with_nv(Int<8>{});
+    case 16: return with_nv(Int<16>{});
+    case 32: return with_nv(Int<32>{});
+    case 64: return with_nv(Int<64>{});
+    case 128: return with_nv(Int<128>{});
+    default: return with_nv(Int<256>{});
   }
-  if constexpr (16 * VEC <= MAX_ELEMS) {
-    if (nv <= 16) return launch(std::integral_constant<int, 32>{}, std::integral_constant<int, 16>{});
+}
+
+// grad_weight[c] = sum over the partial rows of column c, in a fixed order; 32 columns a block, 8 row slices.
+template <typename W>
+__global__ void __launch_bounds__(256) rms_norm_gw_kernel(const float* __restrict__ part, int blocks, int D,
+                                                          W* __restrict__ gw) {
+  __shared__ float acc[8][33];
+  const int lane = threadIdx.x & 31, slice = threadIdx.x >> 5, col = blockIdx.x * 32 + lane;
+  float a = 0.f;
+  if (col < D)
+    for (int b = slice; b < blocks; b += 8) a += part[(int64_t)b * D + col];
+  acc[slice][lane] = a;
+  __syncthreads();
+  if (slice == 0 && col < D) {
+    float t = 0.f;
+#pragma unroll
+    for (int k = 0; k < 8; ++k) t += acc[k][lane];
+    gw[col] = from_f<W>(t);
   }
-  return launch(std::integral_constant<int, 32>{}, std::integral_constant<int, 0>{});
+}
+
+// Vectors per thread, with overrides for benchmark sweeps (ops_cuda/bench/sweep.sh): FW_RMS_FWD_PREF /
+// FW_RMS_BWD_PREF = 1, 2 or 4.
+int int_from_env(const char* name, int fallback) {
+  const char* v = getenv(name);
+  return v && *v ? atoi(v) : fallback;
 }
 
 template <typename T, typename W>
-cudaError_t launch_fwd(const void* x, const void* w, void* y, int64_t rows, int D, float eps, cudaStream_t s) {
+cudaError_t launch_fwd(const void* x, const void* w, void* y, int64_t rows, int D, float eps, int sm_count,
+                       cudaStream_t s) {
   constexpr int V16 = 16 / sizeof(T);
+  static const int pref = int_from_env("FW_RMS_FWD_PREF", 2);
   if (rows == 0) return cudaSuccess;
   auto go = [&](auto vec, auto lanes, auto nv) -> cudaError_t {
     constexpr int VEC = decltype(vec)::value, LANES = decltype(lanes)::value, NV = decltype(nv)::value;
-    const int64_t per_block = kThreads / LANES;
-    rms_norm_fwd_kernel<T, W, VEC, LANES, NV><<<(unsigned)((rows + per_block - 1) / per_block), kThreads, 0, s>>>(
-        (const T*)x, (const W*)w, (T*)y, rows, D, eps);
+    auto kernel = rms_norm_fwd_kernel<T, W, VEC, LANES, NV>;
+    const int64_t blocks = persistent_blocks(kernel, 0, sm_count, rows, kThreads / LANES);
+    kernel<<<(unsigned)blocks, kThreads, 0, s>>>((const T*)x, (const W*)w, (T*)y, rows, D, eps);
     return cudaGetLastError();
   };
-  if (D % V16 == 0 && aligned16(x) && aligned16(y))
-    return by_shape<V16, 128>(D, [&](auto lanes, auto nv) { return go(std::integral_constant<int, V16>{}, lanes, nv); });
-  return go(std::integral_constant<int, 1>{}, std::integral_constant<int, 32>{}, std::integral_constant<int, 0>{});
+  if (D % V16 == 0 && aligned16(x) && aligned16(y) && aligned16(w))
+    return by_shape(D / V16, pref, [&](auto lanes, auto nv) { return go(Int<V16>{}, lanes, nv); });
+  return go(Int<1>{}, Int<256>{}, Int<0>{});
 }
 
 template <typename T, typename W>
-cudaError_t launch_bwd(const void* g, const void* x, const void* w, void* gx, float* part, int max_blocks,
-                       int* blocks_used, int64_t rows, int D, float eps, int sm_count, cudaStream_t s) {
+cudaError_t launch_bwd(const void* g, const void* x, const void* w, void* gx, void* gw, float* part, int max_blocks,
+                       int64_t rows, int D, float eps, int sm_count, cudaStream_t s) {
   constexpr int V16 = 16 / sizeof(T);
+  static const int pref = int_from_env("FW_RMS_BWD_PREF", 2);
   const size_t smem = (size_t)D * sizeof(float);
   auto go = [&](auto vec, auto lanes, auto nv) -> cudaError_t {
     constexpr int VEC = decltype(vec)::value, LANES = decltype(lanes)::value, NV = decltype(nv)::value;
     auto kernel = rms_norm_bwd_kernel<T, W, VEC, LANES, NV>;
-    if (smem > 48 * 1024) {
+    if (smem + sizeof(float2) * 2 * kWarps > 48 * 1024) {  // dynamic + the static reduction buffer
       cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
       if (e != cudaSuccess) return e;
     }
-    // one wave of resident blocks (a second partial wave would idle most SMs), at least 8 rows per block
-    int per_sm = 0;
-    cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, smem);
-    if (e != cudaSuccess) return e;
-    int64_t blocks = (int64_t)sm_count * (per_sm > 0 ? per_sm : 1);
+    // one wave of resident blocks, each taking at least 8 rows (fewer partial rows for the caller to sum)
+    int64_t blocks = persistent_blocks(kernel, smem, sm_count, (rows + 7) / 8, kThreads / LANES);
     blocks = blocks < max_blocks ? blocks : max_blocks;
-    const int64_t need = (rows + 7) / 8;
-    blocks = blocks < need ? blocks : (need > 0 ? need : 1);
-    *blocks_used = (int)blocks;
     kernel<<<(unsigned)blocks, kThreads, smem, s>>>((const T*)g, (const T*)x, (const W*)w, (T*)gx, part, rows, D, eps);
+    const cudaError_t e = cudaGetLastError();
+    if (e != cudaSuccess) return e;
+    rms_norm_gw_kernel<W><<<(unsigned)((D + 31) / 32), 256, 0, s>>>(part, (int)blocks, D, (W*)gw);
     return cudaGetLastError();
   };
-  if (D % V16 == 0 && aligned16(x) && aligned16(g) && aligned16(gx))  // registers: x, g, acc of 32 elements
-    return by_shape<V16, 32>(D, [&](auto lanes, auto nv) { return go(std::integral_constant<int, V16>{}, lanes, nv); });
-  return go(std::integral_constant<int, 1>{}, std::integral_constant<int, 32>{}, std::integral_constant<int, 0>{});
+  if (D % V16 == 0 && aligned16(x) && aligned16(g) && aligned16(gx) && aligned16(w))
+    return by_shape(D / V16, pref, [&](auto lanes, auto nv) { return go(Int<V16>{}, lanes, nv); });
+  return go(Int<1>{}, Int<256>{}, Int<0>{});
 }
 
 }  // namespace
 
 cudaError_t rms_norm_fwd(DType dt, DType wdt, const void* x, const void* w, void* y, int64_t rows, int D,
-                         float eps, cudaStream_t stream) {
+                         float eps, int sm_count, cudaStream_t stream) {
   return dispatch(dt, [&](auto t) -> cudaError_t {
     using T = decltype(t);
-    if (wdt == DType::F32) return launch_fwd<T, float>(x, w, y, rows, D, eps, stream);
+    if (wdt == DType::F32) return launch_fwd<T, float>(x, w, y, rows, D, eps, sm_count, stream);
     if (wdt != dt) return cudaErrorInvalidValue;
-    return launch_fwd<T, T>(x, w, y, rows, D, eps, stream);
+    return launch_fwd<T, T>(x, w, y, rows, D, eps, sm_count, stream);
   });
 }
 
 int rms_norm_bwd_max_blocks(int sm_count) { return sm_count * (2048 / kThreads); }
 
 cudaError_t rms_norm_bwd(DType dt, DType wdt, const void* grad, const void* x, const void* w, void* gx,
-                         float* gw_partial, int max_blocks, int* blocks_used, int64_t rows, int D, float eps,
+                         void* gw, float* gw_partial, int max_blocks, int64_t rows, int D, float eps,
                          int sm_count, cudaStream_t stream) {
   return dispatch(dt, [&](auto t) -> cudaError_t {
     using T = decltype(t);
     if (wdt == DType::F32)
-      return launch_bwd<T, float>(grad, x, w, gx, gw_partial, max_blocks, blocks_used, rows, D, eps, sm_count, stream);
+      return launch_bwd<T, float>(grad, x, w, gx, gw, gw_partial, max_blocks, rows, D, eps, sm_count, stream);
     if (wdt != dt) return cudaErrorInvalidValue;
-    return launch_bwd<T, T>(grad, x, w, gx, gw_partial, max_blocks, blocks_used, rows, D, eps, sm_count, stream);
+    return launch_bwd<T, T>(grad, x, w, gx, gw, gw_partial, max_blocks, rows, D, eps, sm_count, stream);
   });
 }
 
