@@ -22,6 +22,7 @@ import torch
 from scripts.ckpt_writer import assert_same, expected, write_forever
 
 from framework import checkpoint as ck
+from framework.errors import FwError
 
 WRITER = Path(__file__).parent / "scripts" / "ckpt_writer.py"
 
@@ -32,8 +33,16 @@ def _hidden_leftovers(run_dir: Path) -> list[str]:
 
 
 def _newest_step(run_dir: Path) -> int:
-    latest = ck.find_latest(run_dir)
-    return ck.read_manifest(latest)["step"] if latest else 0
+    """The newest published step while a writer runs: a checkpoint listed here may be pruned by the writer before
+    its manifest is read (seen on a loaded machine), so look again."""
+    while True:
+        latest = ck.find_latest(run_dir)
+        try:
+            return ck.read_manifest(latest)["step"] if latest else 0
+        except FwError:
+            if latest is not None and Path(latest).exists():
+                raise  # still there, yet unreadable: a real fault
+
 
 
 class KillLog:
