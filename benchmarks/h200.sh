@@ -3,20 +3,24 @@
 # op benchmark, the model-level benchmarks against HF transformers, grpo-bench-v1, and the shipped
 # examples in bf16. Logs go to $OUT (default ./h200-logs). Each step has its own time limit so that a
 # slow or failing step still leaves the others' results; steps run in order of importance.
+# STEPS="build gpu-tests ops-bench" (names as below) runs a subset, when device time is short.
 set -u
+STEPS=${STEPS:-}
 OUT=${OUT:-h200-logs}; mkdir -p "$OUT"
 . "$(dirname "$0")/device_env.sh"
 step() {  # step NAME LIMIT_S LOG CMD...
   local name=$1 limit=$2 log=$3; shift 3
+  if [ -n "$STEPS" ] && [[ " $STEPS " != *" $name "* ]]; then return; fi
   echo "=== $name ($(date -u +%H:%M:%S), limit ${limit}s): $*" | tee -a "$OUT/$log"
   local t0=$SECONDS
   timeout "$limit" "$@" >>"$OUT/$log" 2>&1; local rc=$?
   echo "=== $name: rc=$rc in $((SECONDS - t0))s" | tee -a "$OUT/$log" "$OUT/summary.log"
 }
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; python3 -c "import torch; print(torch.__version__)"; git log -1 --format='commit %h %s' 2>/dev/null; } | tee -a "$OUT/summary.log"
-step build 90 summary.log python3 -c "import ops_cuda; print(ops_cuda.build()); print(ops_cuda.doctor())"
+step build 150 summary.log python3 -c "import ops_cuda; print(ops_cuda.build()); print(ops_cuda.doctor())"
 step gpu-tests 150 gpu_tests.log python3 -m pytest -m gpu -q -p no:cacheprovider --continue-on-collection-errors --durations=10
-step ops-bench 90 ops_bench.log python3 -m ops_cuda.bench.bench_ops
+step ops-bench 120 ops_bench.log python3 -m ops_cuda.bench.bench_ops
+step ops-profile 45 ops_bench.log python3 -m ops_cuda.bench.profile_ops rms_norm qk_norm swiglu linear_logprob
 step train-bench 90 train_bench.log python3 -m benchmarks.train_step --batch 8 --seq 2048 --steps 10 --impls fw,hf
 step grpo-bench 100 grpo_bench.log python3 -m benchmarks.grpo_step --run_dir=/tmp/runs/grpo-bench
 step rollout-full 75 rollout_bench.log python3 -m benchmarks.rollout --num-seqs 256 --lo 100 --hi 1024 --impls fw

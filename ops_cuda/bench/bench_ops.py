@@ -2,6 +2,7 @@
 shapes (training 8 x 2048 tokens, decode batch 1..256); one table.
 
     python -m ops_cuda.bench.bench_ops            (needs a CUDA GPU)
+    python -m ops_cuda.bench.bench_ops --only rms_norm,swiglu --fw-only     (a subset, without the baselines)
 
 Times are medians of CUDA-graph replays (triton.testing.do_bench_cudagraph: GPU time without Python and
 launch overhead; rows marked * could not be captured and use do_bench's plain launches instead); the last
@@ -109,18 +110,26 @@ def fw_sample(logits, temperature, top_k, top_p):
 
 # ------------------------------------------------------------------ the table
 ROWS: list[dict] = []
+OPTS = argparse.Namespace(only=None, fw_only=False)
+
+
+def time_compiled(op: str, shape: str, comp, args: tuple) -> tuple[float, bool]:
+    try:
+        comp(*args)  # compile outside any graph capture
+        return bench_graph(lambda: comp(*args))
+    except Exception as e:  # noqa: BLE001 (a baseline that fails to compile is reported, not fatal)
+        print(f"  torch.compile baseline failed for {op} {shape}: {type(e).__name__}: {str(e)[:200]}")
+        return math.nan, True
 
 
 def row(op: str, shape: str, fw, eager, comp, args: tuple = (), nbytes: float = 0.0, flops: float = 0.0) -> None:
     """Time fw(*args), eager(*args) and comp(*args) (comp: torch.compile of the eager maths)."""
+    if OPTS.only and not any(o in op for o in OPTS.only):
+        return
     t_plain = bench(lambda: fw(*args))
-    (t_fw, g1), (t_e, g2) = bench_graph(lambda: fw(*args)), bench_graph(lambda: eager(*args))
-    try:
-        comp(*args)  # compile outside any graph capture
-        t_c, g3 = bench_graph(lambda: comp(*args))
-    except Exception as e:  # noqa: BLE001 (a baseline that fails to compile is reported, not fatal)
-        print(f"  torch.compile baseline failed for {op} {shape}: {type(e).__name__}: {str(e)[:200]}")
-        t_c, g3 = math.nan, True
+    t_fw, g1 = bench_graph(lambda: fw(*args))
+    t_e, g2 = (math.nan, True) if OPTS.fw_only else bench_graph(lambda: eager(*args))
+    t_c, g3 = (math.nan, True) if OPTS.fw_only else time_compiled(op, shape, comp, args)
     mark = lambda ok: "" if ok else "*"
     r = {"op": op, "shape": shape, "fw": t_fw, "eager": t_e, "compile": t_c, "plain": t_plain,
          "marks": (mark(g1), mark(g2), mark(g3))}
@@ -161,7 +170,11 @@ def peak_memory(fn) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", type=int, default=8 * 2048)
+    ap.add_argument("--only", type=lambda v: v.split(","), default=None,
+                    help="comma-separated substrings of op names to run (default: all)")
+    ap.add_argument("--fw-only", action="store_true", help="time the fw ops only, not the baselines")
     args = ap.parse_args()
+    OPTS.only, OPTS.fw_only = args.only, args.fw_only
     assert torch.cuda.is_available(), "the benchmark needs a CUDA GPU"
     backend = library.activate_cuda()
     print(ops_cuda.doctor(), flush=True)
@@ -218,8 +231,10 @@ def main() -> None:
 
     cu = compiled(linear_logprob_unfused)
     row("linear_logprob fwd+bwd", f"N={N} d={d} V={V}", fused, unfused, lambda: unfused(cu), flops=4 * 2 * N * d * V)
-    mem_fused, mem_unfused = peak_memory(fused), peak_memory(unfused)
-    mem_comp = peak_memory(lambda: unfused(cu))
+    run_mem = not args.only or any(o in "linear_logprob" for o in args.only)
+    mem_fused = peak_memory(fused) if run_mem else math.nan
+    mem_unfused = peak_memory(unfused) if run_mem and not args.fw_only else math.nan
+    mem_comp = peak_memory(lambda: unfused(cu)) if run_mem and not args.fw_only else math.nan
 
     # decode attention over a context of 1024 (Qwen3-0.6B: 16 q heads, 8 kv heads, head_dim 128)
     S = 1024
@@ -239,6 +254,8 @@ def main() -> None:
                 (lg, 1.0, tk, tp), nbytes=lg.numel() * 4)
 
     print_table()
+    if not run_mem:
+        return
     print(f"\nlinear_logprob peak memory (fwd+bwd, N={N}, V={V}, bf16): fused {mem_fused:.2f} GiB, "
           f"unfused eager {mem_unfused:.2f} GiB, unfused compiled {mem_comp:.2f} GiB; "
           f"fused/unfused = {mem_fused / mem_unfused:.3f}")
