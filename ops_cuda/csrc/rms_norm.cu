@@ -53,12 +53,16 @@ __device__ __forceinline__ float2 group_sum2(float a, float b, float2 (*red)[kWa
   return make_float2(a, b);
 }
 
-// One wave of resident blocks of `kernel`, or fewer when `rows` need fewer blocks of `rows_per_block` rows; at
-// least one.
-template <typename K> int64_t persistent_blocks(K kernel, size_t smem, int sm_count, int64_t rows, int rows_per_block) {
+// Resident blocks of `kernel` per SM (at least 1).
+template <typename K> int resident_per_sm(K kernel, size_t smem) {
   int per_sm = 0;
   if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, smem) != cudaSuccess || per_sm < 1)
     per_sm = 1;
+  return per_sm;
+}
+
+// One wave of resident blocks, or fewer when `rows` need fewer blocks of `rows_per_block` rows; at least one.
+int64_t persistent_blocks(int per_sm, int sm_count, int64_t rows, int rows_per_block) {
   const int64_t wave = (int64_t)sm_count * per_sm, need = (rows + rows_per_block - 1) / rows_per_block;
   return need < wave ? (need > 0 ? need : 1) : wave;
 }
@@ -349,7 +353,9 @@ cudaError_t launch_fwd(const void* x, const void* w, void* y, int64_t rows, int 
   auto go = [&](auto vec, auto lanes, auto nv) -> cudaError_t {
     constexpr int VEC = decltype(vec)::value, LANES = decltype(lanes)::value, NV = decltype(nv)::value;
     auto kernel = rms_norm_fwd_kernel<T, W, VEC, LANES, NV>;
-    const int64_t blocks = persistent_blocks(kernel, 0, sm_count, rows, kThreads / LANES);
+    // queried once per kernel instance: the decode loop calls this ~100 times a step and is host-bound
+    static const int per_sm = resident_per_sm(kernel, 0);
+    const int64_t blocks = persistent_blocks(per_sm, sm_count, rows, kThreads / LANES);
     kernel<<<(unsigned)blocks, kThreads, 0, s>>>((const T*)x, (const W*)w, (T*)y, rows, D, eps);
     return cudaGetLastError();
   };
@@ -372,7 +378,7 @@ cudaError_t launch_bwd(const void* g, const void* x, const void* w, void* gx, vo
       if (e != cudaSuccess) return e;
     }
     // one wave of resident blocks, each taking at least 8 rows (fewer partial rows for the caller to sum)
-    int64_t blocks = persistent_blocks(kernel, smem, sm_count, (rows + 7) / 8, kThreads / LANES);
+    int64_t blocks = persistent_blocks(resident_per_sm(kernel, smem), sm_count, (rows + 7) / 8, kThreads / LANES);
     blocks = blocks < max_blocks ? blocks : max_blocks;
     kernel<<<(unsigned)blocks, kThreads, smem, s>>>((const T*)g, (const T*)x, (const W*)w, (T*)gx, part, rows, D, eps);
     const cudaError_t e = cudaGetLastError();
