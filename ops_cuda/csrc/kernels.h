@@ -38,9 +38,10 @@ cudaError_t swiglu_bwd(DType dt, const void* grad, const void* gate_up, void* gr
 
 // The fused linear + logprob walks the logits in fp32 tiles z [n, vc] (already divided by the temperature):
 // rows n0.. of the batch, vocabulary columns v0 .. v0 + vc of V; row i of a tile is contiguous (vc floats).
-// Forward, per row, across the tiles of the row (v0 ascending, the first with v0 = 0): the running logsumexp
-// state and the target's logit live in LogprobState ([rows] floats each, offset to the tile's first row); the
-// last tile (v0 + vc == V) writes logprob, entropy and lse. Negative target: logprob 0; target >= V: NaN.
+// Forward, per row, across the tiles of the row (v0 ascending, the first with v0 = 0, all of them before the next
+// row tile): the running logsumexp state and the target's logit live in LogprobState ([tile rows] floats each,
+// indexed by the row within the tile); the last tile (v0 + vc == V) writes logprob, entropy and lse (pointers
+// offset to the tile's first row). Negative target: logprob 0; target >= V: NaN.
 struct LogprobState {
   float* m;
   float* s;

@@ -1,10 +1,11 @@
 // Row kernels of the fused linear + logprob. The host (bindings.cpp) walks the [N, V] logits in tiles of
-// n rows x vc vocabulary columns: it computes a fp32 tile z = hidden_rows @ weight_cols.T / temperature with cuBLAS
-// (row i of the tile is contiguous, vc floats), then these kernels take one row per block:
+// n rows x vc vocabulary columns: it computes a fp32 tile z = hidden_rows @ weight_cols.T / temperature with
+// cuBLAS (row i of the tile is contiguous, vc floats), then these kernels take one row per block:
 // forward: online logsumexp with the entropy term, merged across the vocabulary tiles of a row through a
-// per-row state (m, s, a) in global memory, the target's logit when it falls in the tile, and at the last tile
-// the outputs; backward: dz written in the GEMM dtype for the two gradient GEMMs, from the saved lse and entropy.
-// State: m (max), s = sum e^(z-m), a = sum e^(z-m)(z-m), so entropy = log s - a/s with no cancellation against m.
+// per-row state (m, s, a) in global memory, the target's logit when it falls in the tile, and at the last
+// tile the outputs; backward: dz written in the GEMM dtype for the two gradient GEMMs, from the saved lse
+// and entropy. State: m (max), s = sum e^(z-m), a = sum e^(z-m)(z-m), so entropy = log s - a/s with no
+// cancellation against m.
 #include "common.cuh"
 
 namespace fw {
@@ -45,8 +46,9 @@ __device__ __forceinline__ Lse lse_merge(Lse x, Lse y) {
   return {x.m, x.s + y.s * sc, x.a + sc * (y.a + y.s * d)};
 }
 
-// One row of a tile per block: row i of z has vc columns (global columns v0 ..), `state` holds (m, s, a) and the
-// target logit of every row across tiles; the last tile (v0 + vc == V) writes logprob, entropy and lse.
+// One row of a tile per block: row i of z has vc columns (global columns v0 ..); `st` holds (m, s, a) and the
+// target logit of every row of the row tile across its vocabulary tiles; the last tile (v0 + vc == V) writes
+// logprob, entropy and lse.
 template <int VEC>
 __global__ void __launch_bounds__(kThreads)
 logprob_tile_fwd_kernel(const float* __restrict__ z, int64_t vc, int64_t v0, int64_t V,
