@@ -35,8 +35,10 @@ def running_libstdcxx() -> list[str]:
         with open("/proc/self/maps") as maps:
             for line in maps:
                 fields = line.split(maxsplit=5)
-                if len(fields) == 6 and os.path.basename(fields[5].strip()).startswith("libstdc++.so"):
-                    return [fields[5].strip()]
+                path = fields[5].strip() if len(fields) == 6 else ""
+                # a library replaced on disk since it was loaded shows as "PATH (deleted)": not linkable
+                if os.path.basename(path).startswith("libstdc++.so") and os.path.isfile(path):
+                    return [path]
     except OSError:  # not Linux
         pass
     return []
