@@ -79,10 +79,8 @@ __device__ __forceinline__ RowStats merge(RowStats x, RowStats y) {
   r.a = better(x.a, y.a);
   return r;
 }
-// Merge over the block (the one copy of this reduction: the row kernel, the split kernel, the candidate
-// draw); `smem` holds 32 RowStats; every thread gets the result. `none` is the index of an empty ArgMax.
-__device__ __forceinline__ RowStats block_reduce_stats(RowStats st, RowStats* smem, int64_t none) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = (blockDim.x + 31) >> 5;
+// Merge over the warp; every lane gets the result (merge is commutative, so all lanes end with the same value).
+__device__ __forceinline__ RowStats warp_reduce_stats(RowStats st) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) {
     RowStats t;
@@ -92,20 +90,20 @@ __device__ __forceinline__ RowStats block_reduce_stats(RowStats st, RowStats* sm
     t.a.i = __shfl_xor_sync(0xffffffffu, st.a.i, o);
     st = merge(st, t);
   }
+  return st;
+}
+
+
+// Merge over the block (the one copy of this reduction: the row kernel, the split kernel, the candidate
+// draw); `smem` holds 32 RowStats; every thread gets the result. `none` is the index of an empty ArgMax.
+__device__ __forceinline__ RowStats block_reduce_stats(RowStats st, RowStats* smem, int64_t none) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = (blockDim.x + 31) >> 5;
+  st = warp_reduce_stats(st);
   __syncthreads();  // smem may still be read by a previous call
   if (lane == 0) smem[warp] = st;
   __syncthreads();
   st = lane < warps ? smem[lane] : RowStats{-INFINITY, 0.f, {-INFINITY, none}};
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) {  // merge is commutative, so every lane ends with the same value
-    RowStats t;
-    t.m = __shfl_xor_sync(0xffffffffu, st.m, o);
-    t.s = __shfl_xor_sync(0xffffffffu, st.s, o);
-    t.a.v = __shfl_xor_sync(0xffffffffu, st.a.v, o);
-    t.a.i = __shfl_xor_sync(0xffffffffu, st.a.i, o);
-    st = merge(st, t);
-  }
-  return st;
+  return warp_reduce_stats(st);
 }
 
 // Exclusive prefix sum over the threads of the block (in thread order); `smem` holds 32 U; *total gets the
