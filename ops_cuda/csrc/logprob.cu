@@ -17,23 +17,6 @@ struct Lse {
   float m, s, a;
 };
 
-__device__ __forceinline__ void lse_add(Lse& st, float z) {
-  if (st.s == 0.f) {
-    st.m = z;
-    st.s = 1.f;
-    st.a = 0.f;
-  } else if (z <= st.m) {
-    const float d = z - st.m, e = expf(d);
-    st.s += e;
-    st.a += e * d;
-  } else {
-    const float d = st.m - z, sc = expf(d);  // rescale the running sums to the new max z
-    st.a = sc * (st.a + st.s * d);
-    st.s = st.s * sc + 1.f;
-    st.m = z;
-  }
-}
-
 __device__ __forceinline__ Lse lse_merge(Lse x, Lse y) {
   if (y.s == 0.f) return x;
   if (x.s == 0.f) return y;
@@ -48,21 +31,52 @@ __device__ __forceinline__ Lse lse_merge(Lse x, Lse y) {
 
 // One row of a tile per block: row i of z has vc columns (global columns v0 ..); `st` holds (m, s, a) and the
 // target logit of every row of the row tile across its vocabulary tiles; the last tile (v0 + vc == V) writes
-// logprob, entropy and lse.
+// logprob, entropy and lse. Each thread loads all CH vectors of a chunk before it reduces them (the
+// exponentials of a chunk are independent), and moves its running (m, s, a) to the chunk's max once.
 template <int VEC>
 __global__ void __launch_bounds__(kThreads)
 logprob_tile_fwd_kernel(const float* __restrict__ z, int64_t vc, int64_t v0, int64_t V,
                         const int64_t* __restrict__ targets, LogprobState st, float* __restrict__ logprob,
                         float* __restrict__ entropy, float* __restrict__ lse) {
+  constexpr int CH = 16 / VEC;  // 64 bytes a thread in flight; a 128-byte variant took 64 registers, ran slower
   __shared__ Lse parts[kThreads / 32];
   const int64_t row = blockIdx.x;
   const float* zr = z + row * vc;
-  Lse acc{0.f, 0.f, 0.f};
-  for (int64_t i = (int64_t)threadIdx.x * VEC; i < vc; i += (int64_t)kThreads * VEC) {
-    Vec<float, VEC> v = load_vec<float, VEC>(zr + i);
+  float m = -INFINITY, s = 0.f, a = 0.f;  // s == 0: nothing seen yet
+  for (int64_t i0 = (int64_t)threadIdx.x * VEC; i0 < vc; i0 += (int64_t)kThreads * VEC * CH) {
+    float x[CH][VEC];
 #pragma unroll
-    for (int j = 0; j < VEC; ++j) lse_add(acc, v.v[j]);
+    for (int c = 0; c < CH; ++c) {
+      const int64_t i = i0 + (int64_t)c * kThreads * VEC;
+      Vec<float, VEC> v;
+      if (i < vc) v = load_vec<float, VEC>(zr + i);
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) x[c][j] = i < vc ? v.v[j] : -INFINITY;  // past the end: weight 0
+    }
+    float cm = m;
+#pragma unroll
+    for (int c = 0; c < CH; ++c) {
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) cm = fmaxf(cm, x[c][j]);
+    }
+    if (cm == -INFINITY) continue;  // only columns past the end so far
+    if (s > 0.f) {                  // rescale the running sums to the new max (d = 0 when it did not move)
+      const float d = m - cm, sc = expf(d);
+      a = sc * (a + s * d);
+      s *= sc;
+    }
+    m = cm;
+#pragma unroll
+    for (int c = 0; c < CH; ++c) {
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) {
+        const float d = x[c][j] - m, e = expf(d);
+        s += e;
+        a += e == 0.f ? 0.f : e * d;  // a column past the end has e = 0 and d = -inf
+      }
+    }
   }
+  Lse acc{m, s, a};
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) {
     Lse other{__shfl_xor_sync(0xffffffffu, acc.m, o), __shfl_xor_sync(0xffffffffu, acc.s, o),
