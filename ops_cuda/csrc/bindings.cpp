@@ -362,7 +362,7 @@ Tensor decode_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_
   auto len = lengths.to(at::kLong).contiguous();
   auto out = at::empty({B, Hq, D}, q.options());
   if (B == 0) return out;
-  const int splits = fw::decode_attention_splits(dt, (int)B, (int)Hq, (int)Hk, (int)S, (int)D, sm_count());
+  const int splits = fw::decode_attention_splits((int)B, (int)Hq, (int)Hk, (int)S, sm_count());
   auto stream = at::cuda::getCurrentCUDAStream();
   fw::DecodeWorkspace w{nullptr, nullptr, nullptr, nullptr};
   Tensor ws, local_counters;

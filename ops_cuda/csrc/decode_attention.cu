@@ -13,6 +13,8 @@
 // Generality: any GQA ratio (RP = 1/2/4/8 heads per block, ceil(R / RP) groups when R > 8 or R is not a
 // power of two) and any head_dim that is a multiple of 8 up to 256 (padded to DP = 64/128/256; lanes past
 // D copy zeros and write nothing).
+#include <cstdlib>
+
 #include "common.cuh"
 
 namespace fw {
@@ -292,47 +294,38 @@ __global__ void __launch_bounds__(kThreads, min_blocks<T, DP, RP>()) decode_kern
 int heads_per_block(int R) { return (R == 1 || R == 2 || R == 4) ? R : R == 3 ? 4 : 8; }
 int padded_dim(int D) { return D <= 64 ? 64 : D <= 128 ? 128 : 256; }
 
-// A kernel instance and how many of its blocks an SM holds (set up and queried once per instance; neither
-// call is stream work, so a first call under graph capture is fine).
-struct KernelInfo {
-  const void* fn;
-  int per_sm;
-};
-template <typename T, int DP, int RP, bool kFullD> KernelInfo info() {
-  static const int per_sm = [] {
-    int n = 0;
-    // the most shared memory per SM (L1 is not used: cp.async.cg goes to L2): 8 blocks of ~25 KB fit
+// A kernel instance, with the most shared memory per SM asked for once (L1 is not used: cp.async.cg goes to
+// L2), so 8 blocks of ~25 KB fit. Not stream work, so a first call under graph capture is fine.
+template <typename T, int DP, int RP, bool kFullD> const void* kernel() {
+  static const bool carveout = [] {
     if (cudaFuncSetAttribute(decode_kernel<T, DP, RP, kFullD>, cudaFuncAttributePreferredSharedMemoryCarveout,
-                             cudaSharedmemCarveoutMaxShared) != cudaSuccess ||
-        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, decode_kernel<T, DP, RP, kFullD>, kThreads, 0) !=
-            cudaSuccess) {
-      (void)cudaGetLastError();
-      n = 0;
-    }
-    return n;
+                             cudaSharedmemCarveoutMaxShared) != cudaSuccess)
+      (void)cudaGetLastError();  // only a hint: the launch works without it
+    return true;
   }();
-  return {(const void*)decode_kernel<T, DP, RP, kFullD>, per_sm};
+  (void)carveout;
+  return (const void*)decode_kernel<T, DP, RP, kFullD>;
 }
-template <typename T, int DP, int RP> KernelInfo info_d(bool full) {
-  return full ? info<T, DP, RP, true>() : info<T, DP, RP, false>();
+template <typename T, int DP, int RP> const void* kernel_d(bool full) {
+  return full ? kernel<T, DP, RP, true>() : kernel<T, DP, RP, false>();
 }
-template <typename T, int DP> KernelInfo info_r(int RP, bool full) {
+template <typename T, int DP> const void* kernel_r(int RP, bool full) {
   switch (RP) {
-    case 1: return info_d<T, DP, 1>(full);
-    case 2: return info_d<T, DP, 2>(full);
-    case 4: return info_d<T, DP, 4>(full);
-    default: return info_d<T, DP, 8>(full);
+    case 1: return kernel_d<T, DP, 1>(full);
+    case 2: return kernel_d<T, DP, 2>(full);
+    case 4: return kernel_d<T, DP, 4>(full);
+    default: return kernel_d<T, DP, 8>(full);
   }
 }
-KernelInfo kernel_info(DType dt, int D, int R) {
-  KernelInfo k{nullptr, 0};
+const void* kernel_for(DType dt, int D, int R) {
+  const void* f = nullptr;
   const int RP = heads_per_block(R), DP = padded_dim(D);
   dispatch(dt, [&](auto t) -> cudaError_t {
     using T = decltype(t);
-    k = DP == 64 ? info_r<T, 64>(RP, D == DP) : DP == 128 ? info_r<T, 128>(RP, D == DP) : info_r<T, 256>(RP, D == DP);
+    f = DP == 64 ? kernel_r<T, 64>(RP, D == DP) : DP == 128 ? kernel_r<T, 128>(RP, D == DP) : kernel_r<T, 256>(RP, D == DP);
     return cudaSuccess;
   });
-  return k;
+  return f;
 }
 
 }  // namespace
@@ -342,27 +335,19 @@ int decode_attention_groups(int Hq, int Hk) {
   return (R + RP - 1) / RP;
 }
 
-int decode_attention_splits(DType dt, int B, int Hq, int Hk, int S, int D, int sm_count) {
-  if (B <= 0 || Hk <= 0 || S <= 0 || Hq % Hk != 0 || D <= 0 || D > 256 || D % 8 != 0) return 1;
-  const int R = Hq / Hk;
-  int per_sm = kernel_info(dt, D, R).per_sm;
-  if (per_sm < 1) per_sm = 4;
-  const int64_t base = (int64_t)B * Hk * decode_attention_groups(Hq, Hk), cap = (int64_t)per_sm * sm_count;
-  // at least 64 positions a split (several pipeline steps), at most kMaxSplits; among those, the fewest
-  // splits with the least time in the waves model (each block does 1/s of its group's rows, the grid runs
-  // in ceil(blocks / resident) waves): B=256 x 8 kv heads gives 1 split, B=64 2, B=1 16 (S=1024)
+int decode_attention_splits(int B, int Hq, int Hk, int S, int sm_count) {
+  if (B <= 0 || Hk <= 0 || S <= 0 || Hq % Hk != 0) return 1;
+  // Splits only to reach about 3 blocks per SM: that many keep enough K/V copies in flight to saturate HBM,
+  // and every further split adds partials to combine and a shorter pipeline per block. Measured on the H200
+  // (python -m ops_cuda.bench.decode_splits: B x 8 kv heads, head_dim 128): B=64 is fastest with 512 blocks in one
+  // split, B=16 with 4 to 8 splits, B=1 with 16; at least 64 positions a split, at most kMaxSplits.
   int most = (S + 63) / 64;
   most = most < 1 ? 1 : most > kMaxSplits ? kMaxSplits : most;
-  int best = 1;
-  double best_t = 1e30;
-  for (int s = 1; s <= most; ++s) {
-    const double t = (double)((base * s + cap - 1) / cap) / s;
-    if (t < best_t * 0.999) {
-      best_t = t;
-      best = s;
-    }
-  }
-  return best;
+  const char* env = getenv("FW_DECODE_SPLITS");  // a fixed split count, for sweeps (read per call)
+  const int forced = env && *env ? atoi(env) : 0;
+  const int64_t base = (int64_t)B * Hk * decode_attention_groups(Hq, Hk), want = 3LL * sm_count;
+  const int64_t s = forced > 0 ? forced : (want + base - 1) / base;
+  return (int)(s < 1 ? 1 : s > most ? most : s);
 }
 
 cudaError_t decode_attention(DType dt, const void* q, const void* k, const void* v, const int64_t* lengths,
@@ -375,7 +360,7 @@ cudaError_t decode_attention(DType dt, const void* q, const void* k, const void*
   DecodeArgs a{q, k, v, lengths, out, ws, Hq, Hk, R, RG, S, D, sb, sh, ss, splits, scale};
   const dim3 grid((unsigned)((int64_t)B * Hk * RG), (unsigned)splits);
   void* args[] = {&a};
-  const void* f = kernel_info(dt, D, R).fn;
+  const void* f = kernel_for(dt, D, R);
   if (!f) return cudaErrorInvalidValue;
   return cudaLaunchKernel(f, grid, dim3(kThreads), args, 0, stream);
 }
