@@ -182,6 +182,21 @@ def test_eos_ends_rows_individually(model, prompts):
     assert "length" in r.finish_reasons  # some rows ran on to max_new_tokens past row 0's end
 
 
+def test_per_row_token_limits(model, prompts):
+    """max_new_tokens per prompt: each row ends at its own limit with reason "length" (or earlier on
+    EOS), with the tokens and logprobs of the naive loop; the loop runs to the largest limit."""
+    limits = [3, 9, 1, 6, 9]
+    eos = naive_greedy(model, prompts[4], 9)[0][4]   # row 4 ends on EOS at its 5th token, before its limit
+    r = generate(model, prompts, max_new_tokens=limits, temperature=0.0, eos_ids=[eos])
+    for b, p in enumerate(prompts):
+        tokens, logprobs, reason = naive_greedy(model, p, limits[b], eos_ids=(eos,))
+        assert r.completion_ids[b] == tokens and r.finish_reasons[b] == reason, b
+        torch.testing.assert_close(r.logprobs[b, :len(tokens)].double(), torch.tensor(logprobs, dtype=torch.float64),
+                                   atol=1e-5, rtol=0)
+    assert r.finish_reasons[4] == "eos" and r.completion_lens.tolist()[:4] == limits[:4]
+    assert r.logprobs.shape[1] == 9
+
+
 def test_loop_stops_early_when_all_rows_finished(model, prompts):
     firsts = {naive_greedy(model, p, 1)[0][0] for p in prompts}
     r = generate(model, prompts, max_new_tokens=50, temperature=0.0, eos_ids=list(firsts))
@@ -229,6 +244,8 @@ def test_model_mode_is_restored(model, prompts):
     ({"prompts": [[1], []]}, "prompt 1 is empty"),
     ({"prompts": []}, "no prompts"),
     ({"max_new_tokens": 0}, "max_new_tokens must be an int >= 1"),
+    ({"max_new_tokens": [2, 3]}, r"one such int per prompt \(1\)"),
+    ({"prompts": [[1], [2]], "max_new_tokens": [2, 0]}, "max_new_tokens must be an int >= 1"),
     ({"stop": ["x"]}, "stop strings need a tokenizer"),
     ({"top_p": 0.0}, "0 < top_p <= 1"),
     ({"temperature": -1.0}, "temperature must be >= 0"),
@@ -287,6 +304,28 @@ def test_cuda_greedy_and_logprobs(model, prompts, dtype, tol):
     assert ended.finish_reasons == ["eos"] * len(prompts)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("setup", ["fp32", "bf16", "fp32 weights under bf16 autocast"])
+def test_cuda_graph_decode_gives_the_eager_tokens(model, prompts, tok, setup):
+    """The replayed decode graph runs the same kernels on the same data as eager decode steps: same
+    tokens and logprobs, also under autocast (the trainer's bf16-mixed) and for a second capture in one
+    autocast region; rows ending on EOS mid-way keep being fed pad tokens through the graph."""
+    m = Qwen3ForCausalLM(model.config)
+    m.load_state_dict(model.state_dict())
+    m = m.to("cuda", torch.bfloat16 if setup == "bf16" else torch.float32).eval()
+    kw = {"max_new_tokens": 24, "temperature": 0.9, "top_k": 20, "top_p": 0.95, "seed": 7, "tokenizer": tok}
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=setup.endswith("autocast")):
+        free = generate(m, prompts, cuda_graph=False, **kw).completion_ids
+        kw["eos_ids"] = [free[0][5], free[2][12]]   # tokens this draw emits mid-way: those rows stop early
+        eager = generate(m, prompts, cuda_graph=False, **kw)
+        graphed = generate(m, prompts, **kw)
+        again = generate(m, prompts, **kw)
+    assert "eos" in eager.finish_reasons and "length" in eager.finish_reasons
+    assert graphed.completion_ids == eager.completion_ids == again.completion_ids
+    assert graphed.finish_reasons == eager.finish_reasons
+    assert torch.equal(graphed.logprobs, eager.logprobs) and torch.equal(again.logprobs, eager.logprobs)
+
+
 def test_stop_string_inside_a_multi_character_token():
     """Byte-level BPE: the token completing the stop string is the last one; the text is cut after it."""
     from tokenizers import Tokenizer as HfTokenizer
@@ -333,7 +372,7 @@ class CountingModel(Qwen3ForCausalLM):
 
     def __init__(self, config):
         super().__init__(config)
-        self.calls = []
+        self.calls, self.lengths = [], []   # lengths: the cache lengths each decode step starts from
 
     def prefill(self, input_ids, lengths, cache):
         self.calls.append(("prefill", tuple(input_ids.shape)))
@@ -341,6 +380,7 @@ class CountingModel(Qwen3ForCausalLM):
 
     def decode(self, tokens, cache):
         self.calls.append(("decode", tuple(tokens.shape)))
+        self.lengths.append(cache.lengths.tolist())
         return super().decode(tokens, cache)
 
 
@@ -351,3 +391,18 @@ def test_one_batched_forward_per_decode_step(model, prompts):
     width = max(map(len, prompts))
     assert counting.calls == [("prefill", (5, width))] + [("decode", (5,))] * 6
     assert r.completion_lens.tolist() == [7] * 5
+
+
+def test_finished_rows_stop_reading_their_context(model, prompts):
+    """A row that ended is decoded at cache length 0 (its attention reads one slot), the others at their
+    full length; what they produce is the same as the naive loop's (test_eos_ends_rows_individually)."""
+    counting = CountingModel(model.config)
+    counting.load_state_dict(model.state_dict())
+    eos = naive_greedy(model, prompts[0], 10)[0][3]
+    r = generate(counting, prompts, max_new_tokens=10, temperature=0.0, eos_ids=[eos])
+    ended_at = [n if reason == "eos" else None for n, reason in zip(r.completion_lens.tolist(), r.finish_reasons)]
+    assert ended_at[0] is not None and None in ended_at
+    for step, lengths in enumerate(counting.lengths, start=1):   # decode call i feeds completion token i
+        for b, p in enumerate(prompts):
+            done = ended_at[b] is not None and step >= ended_at[b]
+            assert lengths[b] == (0 if done else len(p) + step - 1), (step, b)

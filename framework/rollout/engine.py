@@ -3,10 +3,12 @@
 Stopping, per row: an EOS id (the EOS token is kept as the row's last completion token, with its
 logprob, so the trainer learns to emit it; it is left out of the text), a stop string (the token
 whose text completes it is the row's last token; the text keeps the stop string and is cut right
-after it), or ``max_new_tokens``. Finished rows are still fed a pad token so the batch stays one
+after it), or ``max_new_tokens`` (one limit for all rows, or one per row). Finished rows are still fed a pad token so the batch stays one
 tensor, but they are masked out: nothing they produce enters the result. The loop ends once every
 row has finished (checked each step on CPU or with stop strings, every ``SYNC_EVERY`` steps on GPU).
-Under autocast the KV cache takes the autocast dtype.
+Under autocast the KV cache takes the autocast dtype. On CUDA the decode step (a few hundred small
+kernels at rollout batch sizes, which Python cannot launch as fast as the GPU runs them) is replayed
+as one CUDA graph, captured afresh in every call; sampling stays outside it, since its seed changes per step.
 
 Behaviour logprobs are the chosen tokens' log probabilities under the temperature-scaled FULL
 softmax, as ``ops_cuda.sample`` returns them (top-k/top-p/min-p only restrict which token may be
@@ -29,6 +31,7 @@ FINISH_REASONS = ("eos", "stop", "length")
 _REASON_OF_CODE = ("length", "stop", "eos")   # finish reasons as codes on the device
 _STOP, _EOS = 1, 2
 SYNC_EVERY = 8          # decode steps between host checks for "every row finished" (GPU)
+GRAPH_MIN_STEPS = 8     # below this many new tokens a CUDA graph's capture costs more than it saves
 _MASK63 = (1 << 63) - 1
 
 
@@ -53,6 +56,27 @@ class Rollout:
         return steps[None, :] < self.completion_lens[:, None]
 
 
+class _DecodeGraph:
+    """``model.decode(tokens, cache)`` captured once and replayed per step, reading ``tokens`` from a static
+    buffer and leaving the logits in a static one (overwritten by the next replay).
+
+    Capture it only after an eager decode step with the same shapes: that step has done every lazy set-up
+    (cuBLAS handles, the kernels' workspaces, autocast's weight casts), so the graph holds no set-up work
+    and reads the cast weights autocast keeps until its region ends, i.e. after this ``generate`` call.
+    """
+
+    def __init__(self, model: Any, tokens: Tensor, cache: Any) -> None:
+        self.tokens = tokens.clone()
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.logits = model.decode(self.tokens, cache)   # recorded, not run: the cache is untouched
+
+    def __call__(self, tokens: Tensor) -> Tensor:
+        self.tokens.copy_(tokens)
+        self.graph.replay()
+        return self.logits
+
+
 def stop_token_ids(tokenizer: Any, model_config: Any) -> list[int]:
     """The tokenizer's EOS and the model's own (config.json's eos_token_id: one id or a list; Qwen3
     lists <|im_end|> and <|endoftext|>): a row ends on any of them."""
@@ -75,8 +99,11 @@ def _check_args(prompts, max_new_tokens, temperature, top_k, top_p, min_p, stop,
     for i, prompt in enumerate(prompts):
         if len(prompt) == 0:
             raise FwError(f"generate: prompt {i} is empty (a prompt needs at least one token)")
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise FwError(f"generate: max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+    one = isinstance(max_new_tokens, int)
+    limits = [max_new_tokens] if one else list(max_new_tokens)
+    if any(not isinstance(n, int) or n < 1 for n in limits) or not (one or len(limits) == len(prompts)):
+        raise FwError(f"generate: max_new_tokens must be an int >= 1 or one such int per prompt "
+                      f"({len(prompts)}), got {max_new_tokens!r}")
     if temperature < 0:
         raise FwError(f"generate: temperature must be >= 0, got {temperature}")
     if top_k < 0 or not 0 < top_p <= 1 or not 0 <= min_p < 1:
@@ -95,18 +122,23 @@ def _find_stop(text: str, stop: Sequence[str]) -> int | None:
 
 
 @torch.no_grad()
-def generate(model: Any, prompts: list[list[int]], *, max_new_tokens: int, temperature: float = 1.0,
+def generate(model: Any, prompts: list[list[int]], *, max_new_tokens: int | Sequence[int],
+             temperature: float = 1.0,
              top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0, eos_ids: Sequence[int] = (),
              stop: Sequence[str] = (), tokenizer: Any = None, seed: int = 0,
-             policy_version: int = 0) -> Rollout:
-    """Sample up to ``max_new_tokens`` tokens for each prompt (token id lists) in one batch.
+             policy_version: int = 0, cuda_graph: bool = True) -> Rollout:
+    """Sample up to ``max_new_tokens`` tokens (or ``max_new_tokens[b]`` for prompt b) for each prompt
+    (token id lists) in one batch.
 
     Same (model, prompts, settings, seed) give the same tokens. ``tokenizer`` (for ``texts``, stop
     strings and the pad id; pad id 0 without one) is optional. The model runs in eval mode and gets
-    its previous mode back.
+    its previous mode back. ``cuda_graph=False`` runs every CUDA decode step eagerly (same tokens).
     """
     stop = list(stop)
     _check_args(prompts, max_new_tokens, temperature, top_k, top_p, min_p, stop, tokenizer)
+    per_row = not isinstance(max_new_tokens, int)
+    row_limits = list(max_new_tokens) if per_row else None
+    max_new_tokens = max(max_new_tokens) if per_row else max_new_tokens
     device = model.lm_head_weight.device
     pad_id = tokenizer.pad_id if tokenizer is not None and tokenizer.pad_id is not None else 0
     B = len(prompts)
@@ -132,6 +164,7 @@ def generate(model: Any, prompts: list[list[int]], *, max_new_tokens: int, tempe
         finished = torch.zeros(B, dtype=torch.bool, device=device)
         reason = torch.zeros(B, dtype=torch.long, device=device)    # index into _REASON_OF_CODE
         completion_lens = torch.zeros(B, dtype=torch.long, device=device)
+        limits = torch.tensor(row_limits, dtype=torch.long, device=device) if per_row else None
         eos = torch.tensor(sorted(set(eos_ids)), dtype=torch.long, device=device)
         # Stop strings are searched in the text of the last few tokens only: earlier steps already
         # searched everything before, and a stop string of n characters spans at most 4n tokens
@@ -139,6 +172,8 @@ def generate(model: Any, prompts: list[list[int]], *, max_new_tokens: int, tempe
         window = 4 * max(map(len, stop), default=0) + 4
         sync_every = 1 if stop or device.type == "cpu" else SYNC_EVERY
         steps = 0
+        graphed = cuda_graph and device.type == "cuda" and max_new_tokens >= GRAPH_MIN_STEPS
+        decode_graph = None
         for step in range(max_new_tokens):
             tokens, logprobs = ops_cuda.sample(logits, temperature, top_k, top_p, min_p, step_seed(seed, step))
             active = ~finished
@@ -149,6 +184,8 @@ def generate(model: Any, prompts: list[list[int]], *, max_new_tokens: int, tempe
             hit_eos = active & torch.isin(tokens, eos)
             reason.masked_fill_(hit_eos, _EOS)
             finished |= hit_eos
+            if per_row:   # a row at its own limit ends with reason "length" (code 0)
+                finished |= completion_lens >= limits
             if stop:
                 tails = out_tokens[:, max(0, steps - window):steps].tolist()
                 for b in (~finished).nonzero().flatten().tolist():
@@ -156,9 +193,16 @@ def generate(model: Any, prompts: list[list[int]], *, max_new_tokens: int, tempe
                         finished[b], reason[b] = True, _STOP
             if step == max_new_tokens - 1 or (steps % sync_every == 0 and bool(finished.all())):
                 break
-            logits = model.decode(torch.where(finished, pad_id, tokens), cache)
+            feed = torch.where(finished, pad_id, tokens)
+            # A finished row's cache is no longer needed: at length 0 its attention reads one slot, not
+            # its whole context, while the batch keeps its shape (and its graph).
+            cache.lengths.masked_fill_(finished, 0)
+            if decode_graph is None and graphed and step >= 1:   # step 0 decoded eagerly: the warm-up
+                decode_graph = _DecodeGraph(model, feed, cache)
+            logits = decode_graph(feed) if decode_graph is not None else model.decode(feed, cache)
     finally:
         model.train(was_training)
+        decode_graph = None   # frees the graph's memory pool before the caller's next allocations
 
     lens = completion_lens.tolist()
     reasons = [_REASON_OF_CODE[r] for r in reason.tolist()]
