@@ -1,11 +1,14 @@
 """Rollout throughput on the REFERENCE.md §4 workload: fw's engine against HF `generate`, same run.
 
 Random prompt ids, prompt and output lengths uniform in [lo, hi] (seed 0), EOS ignored, temperature
-0.6; throughput = useful output tokens / wall time including prefill. Both engines run every row to the
-longest output in the batch (neither stops rows early here), so both are charged the same padding.
+0.6; throughput = useful output tokens / wall time including prefill. `fw` ends each row at its own
+output length (generate's per-row max_new_tokens; a finished row stops reading its KV cache), as the
+workload's floor in REFERENCE.md §4 assumes; `fw-longest` and HF `generate` (which has no per-row
+limit) run every row to the longest output, so both are charged the same padding; `fw-eager` is `fw`
+without the CUDA graph of the decode step.
 
-    python -m benchmarks.rollout --num-seqs 256 --lo 100 --hi 1024 --impls fw
-    python -m benchmarks.rollout --num-seqs 64 --lo 100 --hi 256 --impls fw,hf
+    python -m benchmarks.rollout --num-seqs 256 --lo 100 --hi 1024 --impls fw,fw-longest,fw-eager
+    python -m benchmarks.rollout --num-seqs 64 --lo 100 --hi 256 --impls fw,fw-longest,hf
 """
 from __future__ import annotations
 
@@ -36,10 +39,11 @@ def workload(n: int, lo: int, hi: int, vocab: int, seed: int = 0):
     return prompts, outs
 
 
-def run_fw(model, prompts, outs, temperature):
+def run_fw(model, prompts, outs, temperature, impl):
+    limits = max(outs) if impl == "fw-longest" else outs
     sync()
     t0 = time.perf_counter()
-    generate(model, prompts, max_new_tokens=max(outs), temperature=temperature, seed=0)
+    generate(model, prompts, max_new_tokens=limits, temperature=temperature, seed=0, cuda_graph=impl != "fw-eager")
     sync()
     return time.perf_counter() - t0
 
@@ -80,8 +84,8 @@ def main() -> None:
     rows = []
     for impl in args.impls.split(","):
         CUDA and torch.cuda.reset_peak_memory_stats()
-        if impl == "fw":
-            secs = run_fw(model, prompts, outs, args.temperature)
+        if impl.startswith("fw"):
+            secs = run_fw(model, prompts, outs, args.temperature, impl)
         else:
             import transformers
             hf = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**cfg.to_hf(), attn_implementation="sdpa"))
@@ -98,10 +102,10 @@ def main() -> None:
     hf_row = next((r for r in rows if r["impl"] == "hf"), None)
     print(f"\nRollout, {args.preset} bf16, {args.num_seqs} seqs, prompt/output uniform [{args.lo}, {args.hi}], "
           f"T={args.temperature}, {useful} useful output tokens, {(torch.cuda.get_device_name() if CUDA else 'CPU')}")
-    print(f"{'impl':<6}{'seconds':>10}{'tok/s':>10}{'peak GiB':>10}{'vs HF':>8}")
+    print(f"{'impl':<11}{'seconds':>10}{'tok/s':>10}{'peak GiB':>10}{'vs HF':>8}")
     for r in rows:
         ratio = f"{r['tok_s'] / hf_row['tok_s']:.1f}x" if hf_row else "-"
-        print(f"{r['impl']:<6}{r['seconds']:>10.2f}{r['tok_s']:>10.0f}{r['peak_gib']:>10.1f}{ratio:>8}")
+        print(f"{r['impl']:<11}{r['seconds']:>10.2f}{r['tok_s']:>10.0f}{r['peak_gib']:>10.1f}{ratio:>8}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
