@@ -68,7 +68,9 @@ class _DecodeGraph:
     def __init__(self, model: Any, tokens: Tensor, cache: Any) -> None:
         self.tokens = tokens.clone()
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
+        # thread_local: CUDA calls of other threads (a DataLoader's pin-memory thread, a checkpoint
+        # writer) stay legal during the capture; only this thread's are restricted.
+        with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
             self.logits = model.decode(self.tokens, cache)   # recorded, not run: the cache is untouched
 
     def __call__(self, tokens: Tensor) -> Tensor:
