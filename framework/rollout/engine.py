@@ -3,12 +3,14 @@
 Stopping, per row: an EOS id (the EOS token is kept as the row's last completion token, with its
 logprob, so the trainer learns to emit it; it is left out of the text), a stop string (the token
 whose text completes it is the row's last token; the text keeps the stop string and is cut right
-after it), or ``max_new_tokens`` (one limit for all rows, or one per row). Finished rows are still fed a pad token so the batch stays one
-tensor, but they are masked out: nothing they produce enters the result. The loop ends once every
-row has finished (checked each step on CPU or with stop strings, every ``SYNC_EVERY`` steps on GPU).
-Under autocast the KV cache takes the autocast dtype. On CUDA the decode step (a few hundred small
-kernels at rollout batch sizes, which Python cannot launch as fast as the GPU runs them) is replayed
-as one CUDA graph, captured afresh in every call; sampling stays outside it, since its seed changes per step.
+after it), or ``max_new_tokens`` (one limit for all rows, or one per row). Finished rows are still
+fed a pad token so the batch stays one tensor, but they are masked out: nothing they produce enters
+the result, and their attention reads one cache slot instead of their context. The loop ends once
+every row has finished (checked each step on CPU or with stop strings, every ``SYNC_EVERY`` steps on
+GPU). Under autocast the KV cache takes the autocast dtype. On CUDA the decode step (a few hundred
+small kernels at rollout batch sizes, which Python cannot launch as fast as the GPU runs them) is
+replayed as one CUDA graph, captured afresh in every call; sampling stays outside it, since its seed
+changes per step.
 
 Behaviour logprobs are the chosen tokens' log probabilities under the temperature-scaled FULL
 softmax, as ``ops_cuda.sample`` returns them (top-k/top-p/min-p only restrict which token may be
@@ -31,7 +33,7 @@ FINISH_REASONS = ("eos", "stop", "length")
 _REASON_OF_CODE = ("length", "stop", "eos")   # finish reasons as codes on the device
 _STOP, _EOS = 1, 2
 SYNC_EVERY = 8          # decode steps between host checks for "every row finished" (GPU)
-GRAPH_MIN_STEPS = 8     # below this many new tokens a CUDA graph's capture costs more than it saves
+GRAPH_MIN_STEPS = 8     # shorter generations decode eagerly: too few replays to repay a capture
 _MASK63 = (1 << 63) - 1
 
 
@@ -204,7 +206,6 @@ def generate(model: Any, prompts: list[list[int]], *, max_new_tokens: int | Sequ
             logits = decode_graph(feed) if decode_graph is not None else model.decode(feed, cache)
     finally:
         model.train(was_training)
-        decode_graph = None   # frees the graph's memory pool before the caller's next allocations
 
     lens = completion_lens.tolist()
     reasons = [_REASON_OF_CODE[r] for r in reason.tolist()]
