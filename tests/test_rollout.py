@@ -197,6 +197,15 @@ def test_per_row_token_limits(model, prompts):
     assert r.logprobs.shape[1] == 9
 
 
+def test_stop_string_on_a_rows_last_allowed_token_is_a_stop(model, prompts, tok):
+    """A per-row limit does not hide a stop string completed by the row's last allowed token."""
+    free = generate(model, prompts, max_new_tokens=12, temperature=0.0, tokenizer=tok)
+    stop = free.texts[1][4:6]   # completed by row 1's 6th token (char-level tokenizer)
+    limits = [12, 6, 12, 12, 12]
+    r = generate(model, prompts, max_new_tokens=limits, temperature=0.0, tokenizer=tok, stop=[stop])
+    assert free.texts[1].find(stop) == 4 and r.finish_reasons[1] == "stop" and r.texts[1] == free.texts[1][:6]
+
+
 def test_loop_stops_early_when_all_rows_finished(model, prompts):
     firsts = {naive_greedy(model, p, 1)[0][0] for p in prompts}
     r = generate(model, prompts, max_new_tokens=50, temperature=0.0, eos_ids=list(firsts))
@@ -306,21 +315,34 @@ def test_cuda_greedy_and_logprobs(model, prompts, dtype, tol):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("setup", ["fp32", "bf16", "fp32 weights under bf16 autocast"])
-def test_cuda_graph_decode_gives_the_eager_tokens(model, prompts, tok, setup):
+def test_cuda_graph_decode_gives_the_eager_tokens(model, prompts, tok, setup, monkeypatch):
     """The replayed decode graph runs the same kernels on the same data as eager decode steps: same
     tokens and logprobs, also under autocast (the trainer's bf16-mixed) and for a second capture in one
-    autocast region; rows ending on EOS mid-way keep being fed pad tokens through the graph."""
+    autocast region; rows ending on EOS or at their own limit keep being fed pad tokens through it."""
+    from framework.rollout import engine
+
+    captures = []
+
+    class CountingGraph(engine._DecodeGraph):   # the real graph, counted
+        def __init__(self, *args):
+            captures.append(1)
+            super().__init__(*args)
+
+    monkeypatch.setattr(engine, "_DecodeGraph", CountingGraph)
     m = Qwen3ForCausalLM(model.config)
     m.load_state_dict(model.state_dict())
     m = m.to("cuda", torch.bfloat16 if setup == "bf16" else torch.float32).eval()
-    kw = {"max_new_tokens": 24, "temperature": 0.9, "top_k": 20, "top_p": 0.95, "seed": 7, "tokenizer": tok}
+    kw = {"max_new_tokens": [24, 24, 24, 11, 24], "temperature": 0.9, "top_k": 20, "top_p": 0.95, "seed": 7,
+          "tokenizer": tok}
     with torch.autocast("cuda", dtype=torch.bfloat16, enabled=setup.endswith("autocast")):
         free = generate(m, prompts, cuda_graph=False, **kw).completion_ids
         kw["eos_ids"] = [free[0][5], free[2][12]]   # tokens this draw emits mid-way: those rows stop early
         eager = generate(m, prompts, cuda_graph=False, **kw)
+        assert not captures
         graphed = generate(m, prompts, **kw)
         again = generate(m, prompts, **kw)
-    assert "eos" in eager.finish_reasons and "length" in eager.finish_reasons
+    assert len(captures) == 2
+    assert "eos" in eager.finish_reasons and "length" in eager.finish_reasons and len(eager.completion_ids[3]) <= 11
     assert graphed.completion_ids == eager.completion_ids == again.completion_ids
     assert graphed.finish_reasons == eager.finish_reasons
     assert torch.equal(graphed.logprobs, eager.logprobs) and torch.equal(again.logprobs, eager.logprobs)

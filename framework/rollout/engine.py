@@ -19,6 +19,7 @@ they are under the unscaled softmax.
 """
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -62,22 +63,35 @@ class _DecodeGraph:
     """``model.decode(tokens, cache)`` captured once and replayed per step, reading ``tokens`` from a static
     buffer and leaving the logits in a static one (overwritten by the next replay).
 
-    Capture it only after an eager decode step with the same shapes: that step has done every lazy set-up
-    (cuBLAS handles, the kernels' workspaces, autocast's weight casts), so the graph holds no set-up work
-    and reads the cast weights autocast keeps until its region ends, i.e. after this ``generate`` call.
+    Capture it only after an eager decode step with the same shapes: that step has done the lazy set-up
+    (cuBLAS handles, the decode-attention counters, autocast's cached casts of the weights that require
+    grad), so the graph reads the cast weights autocast keeps until its region ends, after this
+    ``generate`` call; casts of frozen weights are recorded in the graph and rerun on each replay. The
+    capture is by hand rather than ``torch.cuda.graph``, whose entry empties the allocator cache: in an
+    RL loop that would hand every training step's memory back to the driver at each rollout.
     """
 
     def __init__(self, model: Any, tokens: Tensor, cache: Any) -> None:
+        self.device = tokens.device
         self.tokens = tokens.clone()
         self.graph = torch.cuda.CUDAGraph()
-        # thread_local: CUDA calls of other threads (a DataLoader's pin-memory thread, a checkpoint
-        # writer) stay legal during the capture; only this thread's are restricted.
-        with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
-            self.logits = model.decode(self.tokens, cache)   # recorded, not run: the cache is untouched
+        with torch.cuda.device(self.device):   # the model's device, whichever one is current
+            stream, current = torch.cuda.Stream(), torch.cuda.current_stream()
+            stream.wait_stream(current)
+            with torch.cuda.stream(stream):
+                # thread_local: CUDA calls of other threads (a DataLoader's pin-memory thread, a checkpoint
+                # writer) stay legal during the capture; only this thread's are restricted.
+                self.graph.capture_begin(capture_error_mode="thread_local")
+                try:
+                    self.logits = model.decode(self.tokens, cache)   # recorded, not run: the cache is untouched
+                finally:
+                    self.graph.capture_end()
+            current.wait_stream(stream)
 
     def __call__(self, tokens: Tensor) -> Tensor:
         self.tokens.copy_(tokens)
-        self.graph.replay()
+        with torch.cuda.device(self.device):
+            self.graph.replay()
         return self.logits
 
 
@@ -103,9 +117,9 @@ def _check_args(prompts, max_new_tokens, temperature, top_k, top_p, min_p, stop,
     for i, prompt in enumerate(prompts):
         if len(prompt) == 0:
             raise FwError(f"generate: prompt {i} is empty (a prompt needs at least one token)")
-    one = isinstance(max_new_tokens, int)
-    limits = [max_new_tokens] if one else list(max_new_tokens)
-    if any(not isinstance(n, int) or n < 1 for n in limits) or not (one or len(limits) == len(prompts)):
+    one = isinstance(max_new_tokens, int)   # else a list of ints (generate normalised it)
+    limits = [max_new_tokens] if one else max_new_tokens
+    if any(isinstance(n, bool) or n < 1 for n in limits) or not (one or len(limits) == len(prompts)):
         raise FwError(f"generate: max_new_tokens must be an int >= 1 or one such int per prompt "
                       f"({len(prompts)}), got {max_new_tokens!r}")
     if temperature < 0:
@@ -139,9 +153,15 @@ def generate(model: Any, prompts: list[list[int]], *, max_new_tokens: int | Sequ
     its previous mode back. ``cuda_graph=False`` runs every CUDA decode step eagerly (same tokens).
     """
     stop = list(stop)
-    _check_args(prompts, max_new_tokens, temperature, top_k, top_p, min_p, stop, tokenizer)
     per_row = not isinstance(max_new_tokens, int)
-    row_limits = list(max_new_tokens) if per_row else None
+    if per_row:   # any iterable of integers (numpy ones too); the values are checked below
+        try:
+            max_new_tokens = [n if isinstance(n, bool) else operator.index(n) for n in max_new_tokens]
+        except TypeError:
+            raise FwError(f"generate: max_new_tokens must be an int >= 1 or one such int per prompt "
+                          f"({len(prompts)}), got {max_new_tokens!r}") from None
+    _check_args(prompts, max_new_tokens, temperature, top_k, top_p, min_p, stop, tokenizer)
+    row_limits = max_new_tokens if per_row else None
     max_new_tokens = max(max_new_tokens) if per_row else max_new_tokens
     device = model.lm_head_weight.device
     pad_id = tokenizer.pad_id if tokenizer is not None and tokenizer.pad_id is not None else 0
@@ -176,7 +196,10 @@ def generate(model: Any, prompts: list[list[int]], *, max_new_tokens: int | Sequ
         window = 4 * max(map(len, stop), default=0) + 4
         sync_every = 1 if stop or device.type == "cpu" else SYNC_EVERY
         steps = 0
-        graphed = cuda_graph and device.type == "cuda" and max_new_tokens >= GRAPH_MIN_STEPS
+        # Graphs need the CUDA kernels: the torch references (used when the extension cannot build)
+        # copy host tensors to the device, which a capture forbids. Prefill has loaded them by now.
+        graphed = (cuda_graph and device.type == "cuda" and max_new_tokens >= GRAPH_MIN_STEPS
+                   and ops_cuda.library.cuda_state["backend"] == "kernels")
         decode_graph = None
         for step in range(max_new_tokens):
             tokens, logprobs = ops_cuda.sample(logits, temperature, top_k, top_p, min_p, step_seed(seed, step))
@@ -188,13 +211,13 @@ def generate(model: Any, prompts: list[list[int]], *, max_new_tokens: int | Sequ
             hit_eos = active & torch.isin(tokens, eos)
             reason.masked_fill_(hit_eos, _EOS)
             finished |= hit_eos
-            if per_row:   # a row at its own limit ends with reason "length" (code 0)
-                finished |= completion_lens >= limits
             if stop:
                 tails = out_tokens[:, max(0, steps - window):steps].tolist()
                 for b in (~finished).nonzero().flatten().tolist():
                     if any(s in tokenizer.decode(tails[b]) for s in stop):
                         finished[b], reason[b] = True, _STOP
+            if per_row:   # a row at its own limit (and not ended by EOS or a stop string) ends as "length"
+                finished |= completion_lens >= limits
             if step == max_new_tokens - 1 or (steps % sync_every == 0 and bool(finished.all())):
                 break
             feed = torch.where(finished, pad_id, tokens)
