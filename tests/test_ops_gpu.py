@@ -159,6 +159,22 @@ def test_linear_logprob_bad_target_is_nan():
     assert lp[1].isnan() and not lp[0].isnan() and not lp[2].isnan()
 
 
+def test_linear_logprob_nan_propagates():
+    """A NaN logit makes its row's outputs NaN, even when a whole vocabulary tile of the row is NaN (the
+    online max must not skip it), as in the float64 reference; the other rows are unaffected."""
+    N, d, V = 4, 64, 20_000   # 3 vocabulary tiles of 8192 columns
+    h, w = torch.randn(N, d, device=DEV), torch.randn(V, d, device=DEV) / 8
+    h[1] = float("nan")                            # every logit of row 1
+    t = torch.tensor([5, 9000, 17_000, 3], device=DEV)
+    lp, ent, lse = torch.ops.fw.linear_logprob(h, w, t, 1.0)
+    lp_ref, ent_ref, lse_ref = ref.linear_logprob(h.double().cpu(), w.double().cpu(), t.cpu(), 1.0)
+    for out, expect in ((lp, lp_ref), (ent, ent_ref), (lse, lse_ref)):
+        assert out[1].isnan() and expect[1].isnan()
+        torch.testing.assert_close(out[[0, 2, 3]].double().cpu(), expect[[0, 2, 3]], rtol=1e-5, atol=1e-5)
+    w[9000] = float("nan")                         # one column of every row
+    assert torch.ops.fw.linear_logprob(h, w, t, 1.0)[2].isnan().all()
+
+
 # ------------------------------------------------------------------ decode attention
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("B,Hq,Hk,S,D,lens", [

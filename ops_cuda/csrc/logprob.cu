@@ -43,6 +43,7 @@ logprob_tile_fwd_kernel(const float* __restrict__ z, int64_t vc, int64_t v0, int
   const int64_t row = blockIdx.x;
   const float* zr = z + row * vc;
   float m = -INFINITY, s = 0.f, a = 0.f;  // s == 0: nothing seen yet
+  bool nan_seen = false;  // fmaxf skips NaN: a chunk of NaN only would otherwise vanish from the row
   for (int64_t i0 = (int64_t)threadIdx.x * VEC; i0 < vc; i0 += (int64_t)kThreads * VEC * CH) {
     float x[CH][VEC];
 #pragma unroll
@@ -57,7 +58,10 @@ logprob_tile_fwd_kernel(const float* __restrict__ z, int64_t vc, int64_t v0, int
 #pragma unroll
     for (int c = 0; c < CH; ++c) {
 #pragma unroll
-      for (int j = 0; j < VEC; ++j) cm = fmaxf(cm, x[c][j]);
+      for (int j = 0; j < VEC; ++j) {
+        cm = fmaxf(cm, x[c][j]);
+        nan_seen |= x[c][j] != x[c][j];
+      }
     }
     if (cm == -INFINITY) continue;  // only columns past the end so far
     if (s > 0.f) {                  // rescale the running sums to the new max (d = 0 when it did not move)
@@ -76,7 +80,7 @@ logprob_tile_fwd_kernel(const float* __restrict__ z, int64_t vc, int64_t v0, int
       }
     }
   }
-  Lse acc{m, s, a};
+  Lse acc = nan_seen ? Lse{NAN, NAN, NAN} : Lse{m, s, a};  // lse_merge carries the NaN to the row's outputs
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) {
     Lse other{__shfl_xor_sync(0xffffffffu, acc.m, o), __shfl_xor_sync(0xffffffffu, acc.s, o),
