@@ -103,6 +103,8 @@ def main() -> None:
     print(f"\nRollout, {args.preset} bf16, {args.num_seqs} seqs, prompt/output uniform [{args.lo}, {args.hi}], "
           f"T={args.temperature}, {useful} useful output tokens, {(torch.cuda.get_device_name() if CUDA else 'CPU')}")
     print(f"{'impl':<11}{'seconds':>10}{'tok/s':>10}{'peak GiB':>10}{'vs HF':>8}")
+    if hf_row:
+        print("(vs HF: fw-longest does HF's work, every row to the longest output; fw stops rows at their lengths)")
     for r in rows:
         ratio = f"{r['tok_s'] / hf_row['tok_s']:.1f}x" if hf_row else "-"
         print(f"{r['impl']:<11}{r['seconds']:>10.2f}{r['tok_s']:>10.0f}{r['peak_gib']:>10.1f}{ratio:>8}")

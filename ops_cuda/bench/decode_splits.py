@@ -1,6 +1,7 @@
 """Decode attention time by split count (FW_DECODE_SPLITS, read per call), at Qwen3-0.6B heads (16 q, 8 kv,
 head_dim 128) over batch x cache length, with every row full and with random lengths: the data behind
-`decode_attention_splits` in ops_cuda/csrc/decode_attention.cu. "auto" is the built-in choice.
+`decode_attention_splits` in ops_cuda/csrc/decode_attention.cu. "auto" is the built-in choice; "=n" marks
+a forced count above the cap of ceil(S / 64), which runs as n splits.
 
     python -m ops_cuda.bench.decode_splits            (needs a CUDA GPU; CUDA-graph replay medians, us)
 """
@@ -42,7 +43,9 @@ def main() -> None:
             cases.append(("random", torch.randint(s // 10, s + 1, (b,), generator=gen)))
         for name, lengths in cases:
             times = times_us(q, kc, torch.randn_like(kc), lengths.cuda())
-            print(f"{b:<4} {s:<5} {name:<8} " + "  ".join(f"{t:6.1f}" for t in times), flush=True)
+            most = min(-(-s // 64), 64)   # the kernel caps a forced count at ceil(S / 64) and 64
+            cells = [f"{t:6.1f}" if not n or int(n) <= most else f"{'=' + str(most):>6}" for n, t in zip(SPLITS, times)]
+            print(f"{b:<4} {s:<5} {name:<8} " + "  ".join(cells), flush=True)
 
 
 if __name__ == "__main__":
