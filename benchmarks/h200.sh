@@ -3,7 +3,10 @@
 # op benchmark, the model-level benchmarks against HF transformers, grpo-bench-v1, and the shipped
 # examples in bf16. Logs go to $OUT (default ./h200-logs). Each step has its own time limit so that a
 # slow or failing step still leaves the others' results; steps run in order of importance.
-# STEPS="build gpu-tests ops-bench" (names as below) runs a subset, when device time is short.
+# STEPS="build gpu-tests ops-bench" (names as below) runs a subset, when device time is short. All steps
+# take about 10 minutes on an H200 (run 5: ~500 s without sft-bf16 and train-yaml): where one call is
+# limited to 600 s, run them in two calls, e.g. STEPS="build gpu-tests ops-bench ops-profile train-bench
+# grpo-bench rollout-full" then STEPS="build rollout-vs-hf sft-bf16 train-yaml decode-splits".
 set -u
 STEPS=${STEPS:-}
 OUT=${OUT:-h200-logs}; mkdir -p "$OUT"
