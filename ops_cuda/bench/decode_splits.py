@@ -10,10 +10,10 @@ from __future__ import annotations
 import os
 
 import torch
-from triton.testing import do_bench_cudagraph
 
 import ops_cuda
 from ops_cuda import library
+from ops_cuda.bench.bench_ops import bench_graph
 
 SPLITS = ["", "1", "2", "3", "4", "6", "8", "12", "16", "32"]
 SHAPES = [(1, 1024), (16, 1024), (64, 1024), (256, 1024), (64, 2048), (256, 2048), (256, 384)]
@@ -24,8 +24,8 @@ def times_us(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, lengths: torch
     out = []
     for splits in SPLITS:
         os.environ["FW_DECODE_SPLITS"] = splits
-        out.append(do_bench_cudagraph(lambda: ops_cuda.decode_attention(q, kc, vc, lengths, q.shape[-1] ** -0.5),
-                                      rep=60, return_mode="median") * 1e3)
+        ms, _ = bench_graph(lambda: ops_cuda.decode_attention(q, kc, vc, lengths, q.shape[-1] ** -0.5), reps_ms=60)
+        out.append(ms * 1e3)
     os.environ.pop("FW_DECODE_SPLITS")
     return out
 
