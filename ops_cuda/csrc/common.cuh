@@ -4,6 +4,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 #include <cstdint>
+#include <type_traits>
 
 #include "kernels.h"
 
@@ -22,6 +23,23 @@ template <> __device__ __forceinline__ __half from_f<__half>(float x) { return _
 template <typename T, int N> struct alignas(sizeof(T) * N) Vec {
   T v[N];
 };
+// N floats rounded to T, two at a time for 16-bit types (one cvt.rn.bf16x2 / f16x2 per pair instead of a cvt and
+// a move per element: the memory-bound kernels are partly issue-bound on the H200).
+template <typename T, int N> __device__ __forceinline__ Vec<T, N> vec_from_f(const float (&f)[N]) {
+  Vec<T, N> o;
+  if constexpr (N % 2 == 0 && std::is_same_v<T, __nv_bfloat16>) {
+#pragma unroll
+    for (int j = 0; j < N; j += 2) *reinterpret_cast<__nv_bfloat162*>(&o.v[j]) = __floats2bfloat162_rn(f[j], f[j + 1]);
+  } else if constexpr (N % 2 == 0 && std::is_same_v<T, __half>) {
+#pragma unroll
+    for (int j = 0; j < N; j += 2) *reinterpret_cast<__half2*>(&o.v[j]) = __floats2half2_rn(f[j], f[j + 1]);
+  } else {
+#pragma unroll
+    for (int j = 0; j < N; ++j) o.v[j] = from_f<T>(f[j]);
+  }
+  return o;
+}
+
 template <typename T, int N> __device__ __forceinline__ Vec<T, N> load_vec(const T* p) {
   return *reinterpret_cast<const Vec<T, N>*>(p);
 }

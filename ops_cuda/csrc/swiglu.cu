@@ -8,22 +8,27 @@ namespace {
 
 constexpr int kThreads = 128;
 
-__device__ __forceinline__ float sigmoid(float g) { return 1.f / (1.f + expf(-g)); }
+// div.approx (2 ulp) instead of an IEEE division, as the pointwise Triton kernel of torch.compile divides; with
+// the loop-free flat grid it took the forward from 0.073 to 0.071 ms on the H200 (run 6). A denominator past
+// 2^126 (g < -87) gives 0, the limit.
+__device__ __forceinline__ float sigmoid(float g) { return __fdividef(1.f, 1.f + expf(-g)); }
 
-template <typename T, int VEC>
+// kFlat: the grid has a block row per row (no loop).
+template <typename T, int VEC, bool kFlat>
 __global__ void __launch_bounds__(kThreads)
 swiglu_fwd_kernel(const T* __restrict__ gu, T* __restrict__ out, int64_t rows, int64_t I) {
   const int64_t c = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) * VEC;
   if (c >= I) return;
   for (int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
     Vec<T, VEC> g = load_vec<T, VEC>(gu + r * 2 * I + c), u = load_vec<T, VEC>(gu + r * 2 * I + I + c);
-    Vec<T, VEC> o;
+    float o[VEC];
 #pragma unroll
     for (int j = 0; j < VEC; ++j) {
       const float gf = to_f(g.v[j]);
-      o.v[j] = from_f<T>(gf * sigmoid(gf) * to_f(u.v[j]));
+      o[j] = gf * sigmoid(gf) * to_f(u.v[j]);
     }
-    store_vec<T, VEC>(out + r * I + c, o);
+    store_vec<T, VEC>(out + r * I + c, vec_from_f<T, VEC>(o));
+    if constexpr (kFlat) break;
   }
 }
 
@@ -36,16 +41,16 @@ swiglu_bwd_kernel(const T* __restrict__ grad, const T* __restrict__ gu, T* __res
   for (int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
     Vec<T, VEC> g = load_vec<T, VEC>(gu + r * 2 * I + c), u = load_vec<T, VEC>(gu + r * 2 * I + I + c);
     Vec<T, VEC> d = load_vec<T, VEC>(grad + r * I + c);
-    Vec<T, VEC> dg, du;
+    float dg[VEC], du[VEC];
 #pragma unroll
     for (int j = 0; j < VEC; ++j) {
       const float gf = to_f(g.v[j]), uf = to_f(u.v[j]), df = to_f(d.v[j]);
       const float s = sigmoid(gf);
-      dg.v[j] = from_f<T>(df * uf * s * (1.f + gf * (1.f - s)));
-      du.v[j] = from_f<T>(df * gf * s);
+      dg[j] = df * uf * s * (1.f + gf * (1.f - s));
+      du[j] = df * gf * s;
     }
-    store_vec<T, VEC>(ggu + r * 2 * I + c, dg);
-    store_vec<T, VEC>(ggu + r * 2 * I + I + c, du);
+    store_vec<T, VEC>(ggu + r * 2 * I + c, vec_from_f<T, VEC>(dg));
+    store_vec<T, VEC>(ggu + r * 2 * I + I + c, vec_from_f<T, VEC>(du));
   }
 }
 
@@ -67,11 +72,12 @@ cudaError_t swiglu_fwd(DType dt, const void* gate_up, void* out, int64_t rows, i
   return dispatch(dt, [&](auto t) -> cudaError_t {
     using T = decltype(t);
     constexpr int V16 = 16 / sizeof(T);
-    if (I % V16 == 0 && aligned16(gate_up) && aligned16(out))
-      swiglu_fwd_kernel<T, V16><<<grid_for(rows, I / V16, true), kThreads, 0, stream>>>((const T*)gate_up, (T*)out,
-                                                                                       rows, I);
-    else
-      swiglu_fwd_kernel<T, 1><<<grid_for(rows, I, true), kThreads, 0, stream>>>((const T*)gate_up, (T*)out, rows, I);
+    const bool vec = I % V16 == 0 && aligned16(gate_up) && aligned16(out);
+    const dim3 grid = grid_for(rows, vec ? I / V16 : I, true);
+    const bool flat = grid.y == rows;
+    auto launch = [&](auto kernel) { kernel<<<grid, kThreads, 0, stream>>>((const T*)gate_up, (T*)out, rows, I); };
+    if (vec) flat ? launch(swiglu_fwd_kernel<T, V16, true>) : launch(swiglu_fwd_kernel<T, V16, false>);
+    else flat ? launch(swiglu_fwd_kernel<T, 1, true>) : launch(swiglu_fwd_kernel<T, 1, false>);
     return cudaGetLastError();
   });
 }
