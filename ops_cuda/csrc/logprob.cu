@@ -4,14 +4,30 @@
 // forward: online logsumexp with the entropy term, merged across the vocabulary tiles of a row through a
 // per-row state (m, s, a) in global memory, the target's logit when it falls in the tile, and at the last
 // tile the outputs; backward: dz written in the GEMM dtype for the two gradient GEMMs, from the saved lse
-// and entropy. State: m (max), s = sum e^(z-m), a = sum e^(z-m)(z-m), so entropy = log s - a/s with no
-// cancellation against m.
+// and entropy. State: m (max), s = sum 2^((z-m) log2 e), a = sum 2^(..) (z-m) log2 e, so that
+// lse = m + ln s and entropy = ln s - ln 2 * a/s, with no cancellation against m.
+// Exponentials are ex2.approx (one MUFU op, 2 ulp) of an FFMA. With expf and a NaN test per element the forward
+// row kernel kept the SMs 60% busy at 58% of DRAM bandwidth (ncu, H200); this form took it from 4.67 to 4.20 ms
+// a call of the benchmark (docs/PERFORMANCE.md, run 6).
 #include "common.cuh"
 
 namespace fw {
 namespace {
 
 constexpr int kThreads = 256;
+constexpr float kLog2e = 1.4426950408889634f, kLn2 = 0.6931471805599453f;
+
+__device__ __forceinline__ float ex2(float x) {  // 2^x; -inf and x < -126 give 0, NaN stays NaN
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+// max that returns NaN when either side is NaN (fmaxf returns the other side, which hid an all-NaN chunk).
+__device__ __forceinline__ float max_nan(float a, float b) {
+  float y;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(y) : "f"(a), "f"(b));
+  return y;
+}
 
 struct Lse {
   float m, s, a;
@@ -25,7 +41,7 @@ __device__ __forceinline__ Lse lse_merge(Lse x, Lse y) {
     x = y;
     y = t;
   }
-  const float d = y.m - x.m, sc = expf(d);
+  const float d = (y.m - x.m) * kLog2e, sc = ex2(d);  // a NaN m or s makes every field NaN
   return {x.m, x.s + y.s * sc, x.a + sc * (y.a + y.s * d)};
 }
 
@@ -42,8 +58,7 @@ logprob_tile_fwd_kernel(const float* __restrict__ z, int64_t vc, int64_t v0, int
   __shared__ Lse parts[kThreads / 32];
   const int64_t row = blockIdx.x;
   const float* zr = z + row * vc;
-  float m = -INFINITY, s = 0.f, a = 0.f;  // s == 0: nothing seen yet
-  bool nan_seen = false;  // fmaxf skips NaN: a chunk of NaN only would otherwise vanish from the row
+  float m = -INFINITY, s = 0.f, a = 0.f;  // s == 0: nothing seen yet; a NaN logit makes m NaN, then s and a
   for (int64_t i0 = (int64_t)threadIdx.x * VEC; i0 < vc; i0 += (int64_t)kThreads * VEC * CH) {
     float x[CH][VEC];
 #pragma unroll
@@ -56,31 +71,29 @@ logprob_tile_fwd_kernel(const float* __restrict__ z, int64_t vc, int64_t v0, int
     }
     float cm = m;
 #pragma unroll
-    for (int c = 0; c < CH; ++c) {
+    for (int c = 0; c < CH; ++c)
 #pragma unroll
-      for (int j = 0; j < VEC; ++j) {
-        cm = fmaxf(cm, x[c][j]);
-        nan_seen |= x[c][j] != x[c][j];
-      }
-    }
+      for (int j = 0; j < VEC; ++j) cm = max_nan(cm, x[c][j]);
     if (cm == -INFINITY) continue;  // only columns past the end so far
     if (s > 0.f) {                  // rescale the running sums to the new max (d = 0 when it did not move)
-      const float d = m - cm, sc = expf(d);
+      const float d = (m - cm) * kLog2e, sc = ex2(d);
       a = sc * (a + s * d);
       s *= sc;
     }
     m = cm;
+    const float mk = m * kLog2e;
 #pragma unroll
     for (int c = 0; c < CH; ++c) {
 #pragma unroll
       for (int j = 0; j < VEC; ++j) {
-        const float d = x[c][j] - m, e = expf(d);
+        // (z - m) log2 e, floored at -200 so that a column past the end (z = -inf) adds 0 * -200 to a, not NaN
+        const float d = max_nan(fmaf(x[c][j], kLog2e, -mk), -200.f), e = ex2(d);
         s += e;
-        a += e == 0.f ? 0.f : e * d;  // a column past the end has e = 0 and d = -inf
+        a = fmaf(e, d, a);
       }
     }
   }
-  Lse acc = nan_seen ? Lse{NAN, NAN, NAN} : Lse{m, s, a};  // lse_merge carries the NaN to the row's outputs
+  Lse acc{m, s, a};
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) {
     Lse other{__shfl_xor_sync(0xffffffffu, acc.m, o), __shfl_xor_sync(0xffffffffu, acc.s, o),
@@ -102,7 +115,7 @@ logprob_tile_fwd_kernel(const float* __restrict__ z, int64_t vc, int64_t v0, int
   }
   const float log_s = logf(t.s), l = t.m + log_s;
   lse[row] = l;
-  entropy[row] = log_s - t.a / t.s;
+  entropy[row] = log_s - kLn2 * t.a / t.s;
   logprob[row] = tg < 0 ? 0.f : (tg >= V ? __int_as_float(0x7fc00000) : st.target_z[row] - l);
 }
 
@@ -118,19 +131,18 @@ logprob_tile_bwd_kernel(const float* __restrict__ z, int64_t vc, int64_t v0, con
   const float* zr = z + row * vc;
   T* gr = g + row * vc;
   const int64_t tg = targets[row] - v0;  // the target's column in this tile (maybe outside it)
-  const float l = lse[row], H = entropy[row], gH = grad_entropy[row];
+  const float l = lse[row], lk = l * kLog2e, H = entropy[row], gH = grad_entropy[row];
   const float glp = targets[row] < 0 ? 0.f : grad_logprob[row];
   for (int64_t i = (int64_t)threadIdx.x * VEC; i < vc; i += (int64_t)kThreads * VEC) {
     Vec<float, VEC> v = load_vec<float, VEC>(zr + i);
-    Vec<T, VEC> o;
+    float o[VEC];
 #pragma unroll
     for (int j = 0; j < VEC; ++j) {
-      const float logp = v.v[j] - l, p = expf(logp);
-      float d = -glp * p - gH * p * (logp + H);
-      if (i + j == tg) d += glp;
-      o.v[j] = from_f<T>(d);
+      const float logp = v.v[j] - l, p = ex2(fmaf(v.v[j], kLog2e, -lk));
+      o[j] = -glp * p - gH * p * (logp + H);
+      if (i + j == tg) o[j] += glp;
     }
-    store_vec<T, VEC>(gr + i, o);
+    store_vec<T, VEC>(gr + i, vec_from_f<T, VEC>(o));
   }
 }
 
