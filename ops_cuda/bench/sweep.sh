@@ -2,7 +2,10 @@
 # The launch-shape sweeps behind two kernels' defaults (GPU only; results and the rejected variants are in
 # docs/PERFORMANCE.md). Each setting runs in its own process, since the overrides are read once per process;
 # fw times only (CUDA-graph replay): compare the "fw ms" column.
-#   FW_RMS_FWD_PREF / FW_RMS_BWD_PREF  vectors per thread in rms_norm (1, 2 or 4; default 2; rms_norm.cu)
+#   FW_RMS_ROWS_VECS                   vectors in flight per thread in rms_norm's rows kernel (1, 2 or 4;
+#                                      default 2; rms_norm.cu)
+#   FW_RMS_ROWS_THREADS                its block size (32, 64 or 128; default: picked by the wave rule)
+#   FW_RMS_FWD_PREF / FW_RMS_BWD_PREF  vectors per thread in rms_norm's persistent kernels (1, 2 or 4; default 2)
 #   FW_LOGPROB_TILE=rows,cols          the fp32 logits tile of linear_logprob (default 4096,8192; bindings.cpp)
 # Usage: bash ops_cuda/bench/sweep.sh [rms|logprob ...]   (default: both)
 set -u
@@ -11,7 +14,9 @@ run() { echo "--- $*"; env "$@" python3 -m ops_cuda.bench.bench_ops --fw-only --
 for what in "$@"; do
   case $what in
     rms) ONLY=rms_norm
-         for p in 1 2 4; do run FW_RMS_FWD_PREF=$p FW_RMS_BWD_PREF=$p; done ;;
+         for v in 1 2 4; do run FW_RMS_ROWS_VECS=$v; done
+         for t in 32 64 128; do run FW_RMS_ROWS_THREADS=$t; done
+         for p in 1 2 4; do run FW_RMS_BWD_PREF=$p; done ;;
     logprob) ONLY=linear_logprob
          for t in 4096,8192 2048,4096 1024,8192 2048,16384 8192,4096 16384,2048 1765,151936; do
            run FW_LOGPROB_TILE=$t; done ;;
