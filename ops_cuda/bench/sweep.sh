@@ -4,8 +4,9 @@
 # fw times only (CUDA-graph replay): compare the "fw ms" column.
 #   FW_RMS_ROWS_VECS                   vectors in flight per thread in rms_norm's rows kernel (1, 2 or 4;
 #                                      default 2; rms_norm.cu)
-#   FW_RMS_ROWS_THREADS                its block size (32, 64 or 128; default: picked by the wave rule)
-#   FW_RMS_FWD_PREF / FW_RMS_BWD_PREF  vectors per thread in rms_norm's persistent kernels (1, 2 or 4; default 2)
+#   FW_RMS_ROWS_THREADS                its block size (32, 64 or 128; default 64)
+#   FW_RMS_BWD_PREF                    vectors per thread in rms_norm's backward (1, 2 or 4; default 2)
+#   (FW_RMS_FWD_PREF does the same for the persistent forward, which only rows over 128 vectors take: not swept)
 #   FW_LOGPROB_TILE=rows,cols          the fp32 logits tile of linear_logprob (default 4096,8192; bindings.cpp)
 # Usage: bash ops_cuda/bench/sweep.sh [rms|logprob ...]   (default: both)
 set -u

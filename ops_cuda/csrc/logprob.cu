@@ -7,8 +7,8 @@
 // and entropy. State: m (max), s = sum 2^((z-m) log2 e), a = sum 2^(..) (z-m) log2 e, so that
 // lse = m + ln s and entropy = ln s - ln 2 * a/s, with no cancellation against m.
 // Exponentials are ex2.approx (one MUFU op, 2 ulp) of an FFMA. With expf and a NaN test per element the forward
-// row kernel kept the SMs 60% busy at 58% of DRAM bandwidth (ncu, H200); this form took it from 4.67 to 4.20 ms
-// a call of the benchmark (docs/PERFORMANCE.md, run 6).
+// row kernel ran at 60% of the SMs' throughput and 58% of DRAM bandwidth (ncu, H200); this form took it from
+// 4.67 to 4.20 ms a call of the benchmark (docs/PERFORMANCE.md, run 6).
 #include "common.cuh"
 
 namespace fw {
@@ -41,7 +41,7 @@ __device__ __forceinline__ Lse lse_merge(Lse x, Lse y) {
     x = y;
     y = t;
   }
-  const float d = (y.m - x.m) * kLog2e, sc = ex2(d);  // a NaN m or s makes every field NaN
+  const float d = (y.m - x.m) * kLog2e, sc = ex2(d);  // a NaN m or s makes s and a NaN, hence the outputs
   return {x.m, x.s + y.s * sc, x.a + sc * (y.a + y.s * d)};
 }
 

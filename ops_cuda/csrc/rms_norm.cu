@@ -1,8 +1,8 @@
 // RMSNorm forward and backward, fp32 accumulation, 16-byte accesses when aligned.
 // A row is handled by a group of LANES threads (LANES = 4..256, a power of two) holding NV vectors of VEC
 // elements each in registers, so a row is read once.
-// Forward: aligned rows of up to 32 x 4 vectors (hidden 1024, QK-norm's 128) take the rows kernel: warp-wide
-// groups, a few rows in flight per thread, no persistence. Longer rows take the persistent kernel (one wave, a
+// Forward: aligned rows of up to 32 x 4 vectors (hidden 1024, QK-norm's 128) take the rows kernel: groups of at
+// most a warp, a few rows in flight per thread, no persistence. Longer rows take the persistent kernel (one wave, a
 // grid-stride loop over rows), which loads each thread's slice of the weight into registers once and keeps the
 // next row's loads in flight while the current row is reduced (software prefetch).
 // Groups wider than a warp reduce through shared memory, double-buffered so one barrier per row suffices.
@@ -345,8 +345,8 @@ rms_norm_bwd_kernel(const T* __restrict__ grad, const T* __restrict__ x, const W
   for (int i = threadIdx.x; i < D; i += blockDim.x) gw_partial[(int64_t)blockIdx.x * D + i] = gw_acc[i];
 }
 
-// Picks LANES (threads per row, 4..256) and NV (vectors per thread, 1, 2 or 4) for a row of `vecs` vectors and
-// calls launch(Int<LANES>, Int<NV>): LANES grows until each thread holds at most `pref` vectors (or 256 threads),
+// Picks LANES (threads per row, kMinLanes..256) and NV (vectors per thread, 1, 2 or 4) for a row of `vecs` vectors
+// and calls launch(Int<LANES>, Int<NV>): LANES grows from kMinLanes until each thread holds at most `pref` vectors (or 256 threads),
 // rows longer than 256 * 4 vectors get NV = 0 (the looping path). Fewer vectors per thread mean fewer registers
 // but wider groups (a barrier per row beyond a warp).
 template <int kMinLanes = 4, typename L> cudaError_t by_shape(int vecs, int pref, L&& launch) {
@@ -400,9 +400,10 @@ int int_from_env(const char* name, int fallback) {
   return v && *v ? atoi(v) : fallback;
 }
 
-// Vectors a thread of the rows kernel has in flight (RPT = this / NV rows, at most 4): 2 measured best on the
-// H200 (QK-norm fwd with 128-thread blocks: 0.034 ms for 2 rows a thread, 0.035 for 4, 0.040 for 8; hidden 1024
-// takes its 4 vectors of one row either way). FW_RMS_ROWS_VECS overrides it for sweeps.
+// Vectors a thread of the rows kernel has in flight, as RPT = this / NV rows (at least 1, at most 4 / NV): 2
+// measured best on the H200 (QK-norm fwd, 128-thread blocks: 0.034 ms with 2 rows a thread, 0.035 with 4, and
+// 0.040 with 8 rows, which are no longer allowed; hidden 1024 runs its 4 vectors of one row in every case).
+// FW_RMS_ROWS_VECS overrides it for sweeps.
 int rows_kernel_vecs() {
   static const int v = int_from_env("FW_RMS_ROWS_VECS", 2);
   return v;
@@ -418,10 +419,11 @@ int rows_block_threads() {
 template <typename T, typename W, int VEC>
 cudaError_t launch_fwd_rows(const void* x, const void* w, void* y, int64_t rows, int D, float eps, cudaStream_t s) {
   const int vecs = D / VEC, nv = vecs <= 32 ? 1 : vecs <= 64 ? 2 : 4;
-  const int want = rows_kernel_vecs() / nv, rpt = want >= 4 ? 4 : want >= 2 ? 2 : 1;
+  const int want = rows_kernel_vecs() / nv, most = 4 / nv;  // NV * RPT <= 4 vectors a thread
+  const int rpt = want >= 4 && most >= 4 ? 4 : want >= 2 && most >= 2 ? 2 : 1;
   auto go = [&](auto lanes, auto nv_c, auto rpt_c) -> cudaError_t {
     constexpr int LANES = decltype(lanes)::value, NV = decltype(nv_c)::value, RPT = decltype(rpt_c)::value;
-    if constexpr (NV * RPT > 4) {  // never picked (rpt <= 4 / nv): more would spill at 64 registers
+    if constexpr (NV * RPT > 4) {  // never picked (rpt <= 4 / nv above): more would spill at 64 registers
       return cudaErrorInvalidValue;
     } else {
       auto kernel = rms_norm_fwd_rows_kernel<T, W, VEC, LANES, NV, RPT>;
