@@ -120,8 +120,7 @@ def _check_args(prompts, max_new_tokens, temperature, top_k, top_p, min_p, stop,
     one = isinstance(max_new_tokens, int)   # else a list of ints (generate normalised it)
     limits = [max_new_tokens] if one else max_new_tokens
     if any(isinstance(n, bool) or n < 1 for n in limits) or not (one or len(limits) == len(prompts)):
-        raise FwError(f"generate: max_new_tokens must be an int >= 1 or one such int per prompt "
-                      f"({len(prompts)}), got {max_new_tokens!r}")
+        raise _bad_limit(len(prompts), max_new_tokens)
     if temperature < 0:
         raise FwError(f"generate: temperature must be >= 0, got {temperature}")
     if top_k < 0 or not 0 < top_p <= 1 or not 0 <= min_p < 1:
@@ -131,6 +130,11 @@ def _check_args(prompts, max_new_tokens, temperature, top_k, top_p, min_p, stop,
         raise FwError("generate: stop strings need a tokenizer to decode the completions")
     if any(not isinstance(s, str) or not s for s in stop):
         raise FwError(f"generate: stop strings must be non-empty strings, got {list(stop)!r}")
+
+
+def _bad_limit(n_prompts: int, value: Any) -> FwError:
+    return FwError(f"generate: max_new_tokens must be an int >= 1 or one such int per prompt ({n_prompts}), "
+                   f"got {value!r}")
 
 
 def _find_stop(text: str, stop: Sequence[str]) -> int | None:
@@ -158,8 +162,7 @@ def generate(model: Any, prompts: list[list[int]], *, max_new_tokens: int | Sequ
         try:
             max_new_tokens = [n if isinstance(n, bool) else operator.index(n) for n in max_new_tokens]
         except TypeError:
-            raise FwError(f"generate: max_new_tokens must be an int >= 1 or one such int per prompt "
-                          f"({len(prompts)}), got {max_new_tokens!r}") from None
+            raise _bad_limit(len(prompts), max_new_tokens) from None
     _check_args(prompts, max_new_tokens, temperature, top_k, top_p, min_p, stop, tokenizer)
     row_limits = max_new_tokens if per_row else None
     max_new_tokens = max(max_new_tokens) if per_row else max_new_tokens

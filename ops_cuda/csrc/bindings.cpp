@@ -170,7 +170,8 @@ std::pair<int64_t, int64_t> tile_shape() {
   static const std::pair<int64_t, int64_t> shape = [] {
     long long r = 0, c = 0;
     const char* v = getenv("FW_LOGPROB_TILE");
-    if (v && sscanf(v, "%lld,%lld", &r, &c) == 2 && r > 0 && c > 0 && c % 4 == 0) return std::make_pair<int64_t, int64_t>(r, c);
+    if (v && sscanf(v, "%lld,%lld", &r, &c) == 2 && r > 0 && c > 0 && c % 4 == 0)
+      return std::make_pair<int64_t, int64_t>(r, c);
     return std::make_pair(kTileRows, kTileCols);
   }();
   return shape;
@@ -285,7 +286,8 @@ std::tuple<Tensor, Tensor> linear_logprob_backward(const Tensor& grad_logprob, c
   for (int64_t v0 = 0; v0 < a.V; v0 += a.cols) {
     const int64_t vc = std::min(a.cols, a.V - v0);
     const void* ws = wp + v0 * a.d * es;
-    void* gw_out = gw_direct ? static_cast<void*>(static_cast<char*>(gw.data_ptr()) + v0 * a.d * es) : gw_acc.data_ptr();
+    void* gw_out =
+        gw_direct ? static_cast<void*>(static_cast<char*>(gw.data_ptr()) + v0 * a.d * es) : gw_acc.data_ptr();
     for (int64_t n0 = 0; n0 < a.N; n0 += a.rows) {
       const int64_t n = std::min(a.rows, a.N - n0);
       const void* hs = hp + n0 * a.d * es;

@@ -4,6 +4,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 #include <cstdint>
+#include <cstdlib>
 #include <type_traits>
 
 #include "kernels.h"
@@ -80,5 +81,12 @@ template <typename F> cudaError_t dispatch(DType dt, F&& f) {
 }
 
 inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+
+// An integer from the environment, or `fallback` when unset or empty: the launch-shape overrides that the
+// benchmark sweeps set (ops_cuda/bench/sweep.sh, decode_splits.py).
+inline int int_from_env(const char* name, int fallback) {
+  const char* v = getenv(name);
+  return v && *v ? atoi(v) : fallback;
+}
 
 }  // namespace fw

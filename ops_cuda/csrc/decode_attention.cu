@@ -322,7 +322,8 @@ const void* kernel_for(DType dt, int D, int R) {
   const int RP = heads_per_block(R), DP = padded_dim(D);
   dispatch(dt, [&](auto t) -> cudaError_t {
     using T = decltype(t);
-    f = DP == 64 ? kernel_r<T, 64>(RP, D == DP) : DP == 128 ? kernel_r<T, 128>(RP, D == DP) : kernel_r<T, 256>(RP, D == DP);
+    const bool full = D == DP;
+    f = DP == 64 ? kernel_r<T, 64>(RP, full) : DP == 128 ? kernel_r<T, 128>(RP, full) : kernel_r<T, 256>(RP, full);
     return cudaSuccess;
   });
   return f;
@@ -339,12 +340,11 @@ int decode_attention_splits(int B, int Hq, int Hk, int S, int sm_count) {
   if (B <= 0 || Hk <= 0 || S <= 0 || Hq % Hk != 0) return 1;
   // Splits only to reach about 3 blocks per SM: that many keep enough K/V copies in flight to saturate HBM,
   // and every further split adds partials to combine and a shorter pipeline per block. Measured on the H200
-  // (python -m ops_cuda.bench.decode_splits: B x 8 kv heads, head_dim 128): B=64 is fastest with 512 blocks in one
-  // split, B=16 with 4 to 8 splits, B=1 with 16; at least 64 positions a split, at most kMaxSplits.
+  // (python -m ops_cuda.bench.decode_splits: B x 8 kv heads, head_dim 128): B=64 is fastest with 512 blocks in
+  // one split, B=16 with 4 to 8 splits, B=1 with 16; at least 64 positions a split, at most kMaxSplits.
   int most = (S + 63) / 64;
   most = most < 1 ? 1 : most > kMaxSplits ? kMaxSplits : most;
-  const char* env = getenv("FW_DECODE_SPLITS");  // a fixed split count, for sweeps (read per call)
-  const int forced = env && *env ? atoi(env) : 0;
+  const int forced = int_from_env("FW_DECODE_SPLITS", 0);  // a fixed split count, for sweeps (read per call)
   const int64_t base = (int64_t)B * Hk * decode_attention_groups(Hq, Hk), want = 3LL * sm_count;
   const int64_t s = forced > 0 ? forced : (want + base - 1) / base;
   return (int)(s < 1 ? 1 : s > most ? most : s);

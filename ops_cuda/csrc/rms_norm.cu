@@ -13,6 +13,7 @@
 // Rows too long for registers (or unaligned) take the NV == 0 path: VEC-wide loops over the row, twice.
 // Launch shapes measured on the H200 (ops_cuda/bench/sweep.sh, docs/PERFORMANCE.md): 2 vectors a thread beat
 // 1 and 4 in the persistent kernels; prefetching 2 rows ahead (more registers, fewer resident warps) was slower.
+#include <algorithm>
 #include <cstdlib>
 #include <type_traits>
 
@@ -345,9 +346,9 @@ rms_norm_bwd_kernel(const T* __restrict__ grad, const T* __restrict__ x, const W
   for (int i = threadIdx.x; i < D; i += blockDim.x) gw_partial[(int64_t)blockIdx.x * D + i] = gw_acc[i];
 }
 
-// Picks LANES (threads per row, kMinLanes..256) and NV (vectors per thread, 1, 2 or 4) for a row of `vecs` vectors
-// and calls launch(Int<LANES>, Int<NV>): LANES grows from kMinLanes until each thread holds at most `pref` vectors (or 256 threads),
-// rows longer than 256 * 4 vectors get NV = 0 (the looping path). Fewer vectors per thread mean fewer registers
+// Picks LANES (threads per row, kMinLanes..256) and NV (vectors per thread, 1, 2 or 4) for a row of `vecs`
+// vectors and calls launch(Int<LANES>, Int<NV>): LANES grows from kMinLanes until each thread holds at most
+// `pref` vectors (or 256 threads); rows longer than 256 * 4 vectors get NV = 0 (the looping path). Fewer vectors per thread mean fewer registers
 // but wider groups (a barrier per row beyond a warp).
 template <int kMinLanes = 4, typename L> cudaError_t by_shape(int vecs, int pref, L&& launch) {
   int lanes = kMinLanes;
@@ -393,13 +394,6 @@ __global__ void __launch_bounds__(256) rms_norm_gw_kernel(const float* __restric
   }
 }
 
-// Vectors per thread, with overrides for benchmark sweeps (ops_cuda/bench/sweep.sh): FW_RMS_FWD_PREF /
-// FW_RMS_BWD_PREF = 1, 2 or 4.
-int int_from_env(const char* name, int fallback) {
-  const char* v = getenv(name);
-  return v && *v ? atoi(v) : fallback;
-}
-
 // Vectors a thread of the rows kernel has in flight, as RPT = this / NV rows (at least 1, at most 4 / NV): 2
 // measured best on the H200 (QK-norm fwd, 128-thread blocks: 0.034 ms with 2 rows a thread, 0.035 with 4, and
 // 0.040 with 8 rows, which are no longer allowed; hidden 1024 runs its 4 vectors of one row in every case).
@@ -419,8 +413,8 @@ int rows_block_threads() {
 template <typename T, typename W, int VEC>
 cudaError_t launch_fwd_rows(const void* x, const void* w, void* y, int64_t rows, int D, float eps, cudaStream_t s) {
   const int vecs = D / VEC, nv = vecs <= 32 ? 1 : vecs <= 64 ? 2 : 4;
-  const int want = rows_kernel_vecs() / nv, most = 4 / nv;  // NV * RPT <= 4 vectors a thread
-  const int rpt = want >= 4 && most >= 4 ? 4 : want >= 2 && most >= 2 ? 2 : 1;
+  const int want = std::min(rows_kernel_vecs() / nv, 4 / nv);  // NV * RPT <= 4 vectors a thread
+  const int rpt = want >= 4 ? 4 : want >= 2 ? 2 : 1;
   auto go = [&](auto lanes, auto nv_c, auto rpt_c) -> cudaError_t {
     constexpr int LANES = decltype(lanes)::value, NV = decltype(nv_c)::value, RPT = decltype(rpt_c)::value;
     if constexpr (NV * RPT > 4) {  // never picked (rpt <= 4 / nv above): more would spill at 64 registers
