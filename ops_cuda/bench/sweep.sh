@@ -5,7 +5,10 @@
 #   FW_RMS_ROWS_VECS                   vectors in flight per thread in rms_norm's rows kernel (1, 2 or 4;
 #                                      default 2; rms_norm.cu)
 #   FW_RMS_ROWS_THREADS                its block size (32, 64 or 128; default 64)
-#   FW_RMS_BWD_PREF                    vectors per thread in rms_norm's backward (1, 2 or 4; default 2)
+#   FW_RMS_BWD_ROWS                    vectors per thread the backward rows kernel aims at (rows of at most
+#                                      128 vectors; 1, 2 or 4; default 2); 0 sends them to the persistent kernel
+#   FW_RMS_BWD_PREF                    vectors per thread in the persistent backward (1, 2 or 4; default 2; rows
+#                                      over 128 vectors, or all with FW_RMS_BWD_ROWS=0)
 #   (FW_RMS_FWD_PREF does the same for the persistent forward, which only rows over 128 vectors take: not swept)
 #   FW_LOGPROB_TILE=rows,cols          the fp32 logits tile of linear_logprob (default 4096,8192; bindings.cpp)
 # Usage: bash ops_cuda/bench/sweep.sh [rms|logprob ...]   (default: both)
@@ -17,7 +20,8 @@ for what in "$@"; do
     rms) ONLY=rms_norm
          for v in 1 2 4; do run FW_RMS_ROWS_VECS=$v; done
          for t in 32 64 128; do run FW_RMS_ROWS_THREADS=$t; done
-         for p in 1 2 4; do run FW_RMS_BWD_PREF=$p; done ;;
+         for v in 0 1 2 4; do run FW_RMS_BWD_ROWS=$v; done
+         for p in 1 2 4; do run FW_RMS_BWD_ROWS=0 FW_RMS_BWD_PREF=$p; done ;;
     logprob) ONLY=linear_logprob
          for t in 4096,8192 2048,4096 1024,8192 2048,16384 8192,4096 16384,2048 1765,151936; do
            run FW_LOGPROB_TILE=$t; done ;;

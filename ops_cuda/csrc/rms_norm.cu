@@ -1,15 +1,17 @@
 // RMSNorm forward and backward, fp32 accumulation, 16-byte accesses when aligned.
 // A row is handled by a group of LANES threads (LANES = 4..256, a power of two) holding NV vectors of VEC
 // elements each in registers, so a row is read once.
-// Forward: aligned rows of up to 32 x 4 vectors (hidden 1024, QK-norm's 128) take the rows kernel: groups of at
-// most a warp, a few rows in flight per thread, no persistence. Longer rows take the persistent kernel (one wave, a
-// grid-stride loop over rows), which loads each thread's slice of the weight into registers once and keeps the
-// next row's loads in flight while the current row is reduced (software prefetch).
+// Aligned rows of up to 32 x 4 vectors (hidden 1024, QK-norm's 128) take the rows kernels. Forward: groups of at
+// most a warp, a few rows in flight per thread, no persistence. Backward: one wave of blocks looping over rows,
+// grad_weight terms added into a shared-memory slice per row group and summed over the groups in a fixed order.
+// Longer rows take the persistent kernels (one wave, a grid-stride loop over rows, groups of 64 threads or more),
+// which load each thread's slice of the weight into registers once and keep the next row's loads in flight while
+// the current row is reduced (software prefetch); their backward keeps grad_weight partial sums per thread in
+// registers (each thread owns fixed columns) and the row groups of a block add them into one partial row with
+// shared-memory atomics (so the last bits of grad_weight may vary from run to run there).
 // Groups wider than a warp reduce through shared memory, double-buffered so one barrier per row suffices.
-// The backward (persistent) keeps grad_weight partial sums per thread in registers (each thread owns fixed
-// columns), the row groups of a block add them into one partial row with shared-memory atomics (so the last bits
-// of grad_weight may vary from run to run), and a second small kernel sums the blocks' partial rows column-wise
-// in a fixed order straight into the weight's dtype.
+// Either backward leaves a partial row per block, which a second small kernel sums column-wise in a fixed order
+// straight into the weight's dtype.
 // Rows too long for registers (or unaligned) take the NV == 0 path: VEC-wide loops over the row, twice.
 // Launch shapes measured on the H200 (ops_cuda/bench/sweep.sh, docs/PERFORMANCE.md): 2 vectors a thread beat
 // 1 and 4 in the persistent kernels; prefetching 2 rows ahead (more registers, fewer resident warps) was slower.
@@ -227,12 +229,12 @@ rms_norm_fwd_rows_kernel(const T* __restrict__ x, const W* __restrict__ w, T* __
 // Resident blocks per SM the backward asks the compiler for, by NV: registers capped so that more warps keep loads
 // in flight (NV 1: 4 blocks of 256 threads, 64 registers; capping NV 2 at 80 registers spills).
 constexpr int kBwdMinBlocks[5] = {1, 4, 1, 1, 1};
-// Without the prefetched row (BPF = 0: groups of up to 32 lanes): NV 2 fits 3 blocks of 256 threads.
-constexpr int kBwdMinBlocksNoPf[5] = {1, 4, 3, 1, 1};
 
+// The persistent backward, for rows longer than the rows kernel takes (and unaligned ones): groups of 64 threads
+// or more (NV > 0), which meet at a barrier per row and so keep the next row's loads in flight (PF rows ahead).
 // gx = r*g*w - x*r^3*mean(g*w*x); grad_weight partial of the block += g*x*r.
-template <typename T, typename W, int VEC, int LANES, int NV, int BPF>
-__global__ void __launch_bounds__(kThreads, BPF ? kBwdMinBlocks[NV] : kBwdMinBlocksNoPf[NV])
+template <typename T, typename W, int VEC, int LANES, int NV>
+__global__ void __launch_bounds__(kThreads, kBwdMinBlocks[NV])
 rms_norm_bwd_kernel(const T* __restrict__ grad, const T* __restrict__ x, const W* __restrict__ w,
                     T* __restrict__ gx, float* __restrict__ gw_partial, int64_t rows, int D, float eps) {
   extern __shared__ float gw_acc[];  // [D]: the row groups of the block add their partials here
@@ -251,18 +253,18 @@ rms_norm_bwd_kernel(const T* __restrict__ grad, const T* __restrict__ x, const W
     for (int n = 0; n < NV; ++n)
 #pragma unroll
       for (int j = 0; j < VEC; ++j) acc[n][j] = 0.f;
-    RowSlice<T, VEC, LANES, NV> xs[BPF + 1], gs[BPF + 1];  // [0]: this iteration's row; [k]: k rows ahead
+    RowSlice<T, VEC, LANES, NV> xs[PF + 1], gs[PF + 1];  // [0]: this iteration's row; [k]: k rows ahead
 #pragma unroll
-    for (int k = 0; k < BPF; ++k) {
+    for (int k = 0; k < PF; ++k) {
       const bool valid = k < iters && first + k * stride < rows;
       xs[k].load(x + (first + k * stride) * D, sub, D, valid);
       gs[k].load(grad + (first + k * stride) * D, sub, D, valid);
     }
     for (int64_t it = 0; it < iters; ++it) {
-      const int64_t row = first + it * stride, ahead = row + BPF * stride;
-      const bool more = it + BPF < iters && ahead < rows;
-      xs[BPF].load(x + ahead * D, sub, D, more);
-      gs[BPF].load(grad + ahead * D, sub, D, more);
+      const int64_t row = first + it * stride, ahead = row + PF * stride;
+      const bool more = it + PF < iters && ahead < rows;
+      xs[PF].load(x + ahead * D, sub, D, more);
+      gs[PF].load(grad + ahead * D, sub, D, more);
       const RowSlice<T, VEC, LANES, NV>&xc = xs[0], &gc = gs[0];
       float ss = 0.f, dot = 0.f;
 #pragma unroll
@@ -294,7 +296,7 @@ rms_norm_bwd_kernel(const T* __restrict__ grad, const T* __restrict__ x, const W
         }
       }
 #pragma unroll
-      for (int k = 0; k < BPF; ++k) {
+      for (int k = 0; k < PF; ++k) {
         xs[k] = xs[k + 1];
         gs[k] = gs[k + 1];
       }
@@ -346,12 +348,101 @@ rms_norm_bwd_kernel(const T* __restrict__ grad, const T* __restrict__ x, const W
   for (int i = threadIdx.x; i < D; i += blockDim.x) gw_partial[(int64_t)blockIdx.x * D + i] = gw_acc[i];
 }
 
-// Picks LANES (threads per row, kMinLanes..256) and NV (vectors per thread, 1, 2 or 4) for a row of `vecs`
-// vectors and calls launch(Int<LANES>, Int<NV>): LANES grows from kMinLanes until each thread holds at most
-// `pref` vectors (or 256 threads); rows longer than 256 * 4 vectors get NV = 0 (the looping path). Fewer vectors per thread mean fewer registers
-// but wider groups (a barrier per row beyond a warp).
-template <int kMinLanes = 4, typename L> cudaError_t by_shape(int vecs, int pref, L&& launch) {
-  int lanes = kMinLanes;
+// Backward for aligned rows of at most 128 vectors (hidden 1024 and QK-norm's 128 in bf16). The persistent kernel
+// above held the weight and the grad_weight sums in registers (hidden 1024: 118 registers, 25% occupancy). Here
+// the weight is read from L1 where it is used, and each group of LANES threads adds its grad_weight terms into its
+// own slice of shared memory, laid out lane-contiguous in float4s (no bank conflicts, no atomics); the block sums
+// its groups' slices in a fixed order at the end, so grad_weight is the same from run to run. Groups of at most a
+// warp reduce with shuffles, wider ones meet at a barrier per row. Keeping the next row's loads in flight, as the
+// persistent kernel does, measured no better here (H200, docs/PERFORMANCE.md run 7: hidden 1024 fwd+bwd 0.055 ms
+// with it, 0.053 without) and was removed.
+// Resident blocks asked of the compiler, by NV: the tightest register caps that compile without spills for sm_90,
+// 5 / 4 / 3 blocks of 256 threads for 1 / 2 / 4 vectors (51 / 64 / 80 registers; 16-bit x with an fp32 weight
+// spills 8 bytes at 4 vectors, where 2 blocks would leave too few warps).
+constexpr int kBwdRowsMinBlocks[5] = {1, 5, 4, 1, 3};
+
+template <typename T, typename W, int VEC, int LANES, int NV>
+__global__ void __launch_bounds__(kThreads, kBwdRowsMinBlocks[NV])
+rms_norm_bwd_rows_kernel(const T* __restrict__ grad, const T* __restrict__ x, const W* __restrict__ w,
+                         T* __restrict__ gx, float* __restrict__ gw_partial, int64_t rows, int D, float eps) {
+  static_assert(LANES * NV <= 128 && VEC % 4 == 0, "rows kernel: rows of at most 128 vectors, whole float4s");
+  constexpr int kGroups = kThreads / LANES, Q = VEC / 4, kSlice = NV * Q * LANES;  // float4s a group
+  extern __shared__ float4 slices[];  // [group][NV * Q][LANES]
+  __shared__ float2 red[2][kWarps];
+  const int sub = threadIdx.x % LANES, group = threadIdx.x / LANES;
+  float4* mine = slices + group * kSlice + sub;  // this thread's float4 k at mine[k * LANES]: only it touches them
+#pragma unroll
+  for (int k = 0; k < NV * Q; ++k) mine[k * LANES] = make_float4(0.f, 0.f, 0.f, 0.f);
+  const int64_t stride = (int64_t)gridDim.x * kGroups, first = (int64_t)blockIdx.x * kGroups + group;
+  const int64_t iters = (rows + stride - 1) / stride;  // the same for every thread: shuffles and barriers uniform
+  for (int64_t it = 0; it < iters; ++it) {
+    const int64_t row = first + it * stride;
+    const bool active = row < rows;
+    RowSlice<T, VEC, LANES, NV> xc, gc;
+    xc.load(x + (active ? row : 0) * D, sub, D, active);
+    gc.load(grad + (active ? row : 0) * D, sub, D, active);
+    float ss = 0.f, dot = 0.f;
+#pragma unroll
+    for (int n = 0; n < NV; ++n) {
+      const int i = (n * LANES + sub) * VEC;
+      if (i < D) {
+        float wf[1][VEC];
+        load_weight<W, VEC, 1, 1>(wf, w + i, 0, VEC);
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) {
+          const float xf = to_f(xc.v[n].v[j]);
+          ss += xf * xf;
+          dot += to_f(gc.v[n].v[j]) * wf[0][j] * xf;
+        }
+      }
+    }
+    const float2 s = group_sum2<LANES>(ss, dot, red, it & 1);
+    if (active) {
+      const float r = rsqrtf(s.x / D + eps), c = r * r * r * s.y / D;
+#pragma unroll
+      for (int n = 0; n < NV; ++n) {
+        const int i = (n * LANES + sub) * VEC;
+        if (i < D) {
+          float wf[1][VEC], o[VEC], t[VEC];
+          load_weight<W, VEC, 1, 1>(wf, w + i, 0, VEC);
+#pragma unroll
+          for (int j = 0; j < VEC; ++j) {
+            const float xf = to_f(xc.v[n].v[j]), gf = to_f(gc.v[n].v[j]);
+            o[j] = r * gf * wf[0][j] - xf * c;
+            t[j] = gf * xf * r;
+          }
+          store_vec<T, VEC>(gx + row * D + i, vec_from_f<T, VEC>(o));
+#pragma unroll
+          for (int h = 0; h < Q; ++h) {
+            float4 acc = mine[(n * Q + h) * LANES];
+            acc.x += t[4 * h];
+            acc.y += t[4 * h + 1];
+            acc.z += t[4 * h + 2];
+            acc.w += t[4 * h + 3];
+            mine[(n * Q + h) * LANES] = acc;
+          }
+        }
+      }
+    }
+  }
+  __syncthreads();
+  const float* all = reinterpret_cast<const float*>(slices);
+  for (int col = threadIdx.x; col < D; col += kThreads) {
+    const int v = col / VEC, e = col % VEC;
+    const int at = (((v / LANES) * Q + e / 4) * LANES + v % LANES) * 4 + e % 4;  // float index in a slice
+    float t = 0.f;
+#pragma unroll
+    for (int g = 0; g < kGroups; ++g) t += all[g * kSlice * 4 + at];
+    gw_partial[(int64_t)blockIdx.x * D + col] = t;
+  }
+}
+
+// The persistent kernels' launch shape: picks LANES (threads per row, 64..256) and NV (vectors per thread, 1, 2 or
+// 4) for a row of `vecs` vectors and calls launch(Int<LANES>, Int<NV>): LANES grows from 64 until each thread holds
+// at most `pref` vectors (or 256 threads); rows longer than 256 * 4 vectors get NV = 0 (the looping path). Fewer
+// vectors per thread mean fewer registers but wider groups. (Rows of up to 128 vectors take the rows kernels.)
+template <typename L> cudaError_t by_shape(int vecs, int pref, L&& launch) {
+  int lanes = 64;
   while (lanes < 256 && lanes * pref < vecs) lanes *= 2;
   const int nv = (vecs + lanes - 1) / lanes;
   auto with_nv = [&](auto lanes_c) -> cudaError_t {
@@ -360,14 +451,6 @@ template <int kMinLanes = 4, typename L> cudaError_t by_shape(int vecs, int pref
     if (nv <= 4) return launch(lanes_c, Int<4>{});
     return launch(Int<256>{}, Int<0>{});
   };
-  if constexpr (kMinLanes <= 32) {  // the forward's persistent kernel starts at 64 lanes: no instances below
-    switch (lanes) {
-      case 4: return with_nv(Int<4>{});
-      case 8: return with_nv(Int<8>{});
-      case 16: return with_nv(Int<16>{});
-      case 32: return with_nv(Int<32>{});
-    }
-  }
   switch (lanes) {
     case 64: return with_nv(Int<64>{});
     case 128: return with_nv(Int<128>{});
@@ -462,8 +545,64 @@ cudaError_t launch_fwd(const void* x, const void* w, void* y, int64_t rows, int 
   const bool vec = D % V16 == 0 && aligned16(x) && aligned16(y) && aligned16(w);
   if (vec && D / V16 <= 32 * 4) return launch_fwd_rows<T, W, V16>(x, w, y, rows, D, eps, s);
   // longer rows: the persistent kernel with groups of 64 threads or more
-  if (vec) return by_shape<64>(D / V16, pref, [&](auto lanes, auto nv) { return go(Int<V16>{}, lanes, nv); });
+  if (vec) return by_shape(D / V16, pref, [&](auto lanes, auto nv) { return go(Int<V16>{}, lanes, nv); });
   return go(Int<1>{}, Int<256>{}, Int<0>{});
+}
+
+// Vectors a thread of the backward rows kernel aims to hold (its groups grow from 4 lanes until they do, up to
+// 128): 2 (H200, run 7, fwd+bwd ms at hidden 1024 / QK-norm: 1 vector 0.055 / 0.091, 2 0.053 / 0.092, 4 0.057 /
+// 0.099). FW_RMS_BWD_ROWS overrides it for sweeps; 0 sends every shape to the persistent kernel (A/B runs).
+int bwd_rows_pref() {
+  static const int v = int_from_env("FW_RMS_BWD_ROWS", 2);
+  return v;
+}
+
+// Rows a group of the backward rows kernel takes at least (fewer blocks, so fewer partial rows to sum, when rows
+// are few). 1, 2, 4 and 8 measured the same at hidden 1024 and QK-norm (H200, run 7, with the prefetching variant).
+constexpr int kBwdRowsMin = 4;
+
+// grad_weight = the column sums of the `blocks` partial rows, in the weight's dtype.
+template <typename W> cudaError_t launch_gw(const float* part, int64_t blocks, int D, void* gw, cudaStream_t s) {
+  rms_norm_gw_kernel<W><<<(unsigned)((D + 31) / 32), 256, 0, s>>>(part, (int)blocks, D, (W*)gw);
+  return cudaGetLastError();
+}
+
+template <typename T, typename W, int VEC>
+cudaError_t launch_bwd_rows(const void* g, const void* x, const void* w, void* gx, void* gw, float* part,
+                            int max_blocks, int64_t rows, int D, float eps, int sm_count, cudaStream_t s) {
+  const int vecs = D / VEC, pref = bwd_rows_pref();
+  int lanes = 4;
+  while (lanes < 128 && (lanes * pref < vecs || lanes * 4 < vecs)) lanes *= 2;
+  const int nv = (vecs + lanes - 1) / lanes;  // lanes * nv <= 128: vecs <= 128
+  auto go = [&](auto lanes_c, auto nv_c) -> cudaError_t {
+    constexpr int LANES = decltype(lanes_c)::value, NV = decltype(nv_c)::value;
+    if constexpr (LANES * NV > 128) {  // never picked: no such instance
+      return cudaErrorInvalidValue;
+    } else {
+      auto kernel = rms_norm_bwd_rows_kernel<T, W, VEC, LANES, NV>;
+      constexpr size_t smem = (size_t)kThreads * NV * VEC * sizeof(float);  // every group's slice: 32 KB at most
+      static const int per_sm = resident_per_sm(kernel, smem);
+      int64_t blocks = persistent_blocks(per_sm, sm_count, (rows + kBwdRowsMin - 1) / kBwdRowsMin, kThreads / LANES);
+      blocks = blocks < max_blocks ? blocks : max_blocks;
+      kernel<<<(unsigned)blocks, kThreads, smem, s>>>((const T*)g, (const T*)x, (const W*)w, (T*)gx, part, rows, D,
+                                                      eps);
+      const cudaError_t e = cudaGetLastError();
+      return e != cudaSuccess ? e : launch_gw<W>(part, blocks, D, gw, s);
+    }
+  };
+  auto with_nv = [&](auto lanes_c) -> cudaError_t {
+    if (nv <= 1) return go(lanes_c, Int<1>{});
+    if (nv <= 2) return go(lanes_c, Int<2>{});
+    return go(lanes_c, Int<4>{});
+  };
+  switch (lanes) {
+    case 4: return with_nv(Int<4>{});
+    case 8: return with_nv(Int<8>{});
+    case 16: return with_nv(Int<16>{});
+    case 32: return with_nv(Int<32>{});
+    case 64: return with_nv(Int<64>{});
+    default: return with_nv(Int<128>{});
+  }
 }
 
 template <typename T, typename W>
@@ -472,12 +611,12 @@ cudaError_t launch_bwd(const void* g, const void* x, const void* w, void* gx, vo
   constexpr int V16 = 16 / sizeof(T);
   static const int pref = int_from_env("FW_RMS_BWD_PREF", 2);
   const size_t smem = (size_t)D * sizeof(float);
-  auto go = [&](auto vec, auto lanes, auto nv) -> cudaError_t {
-    constexpr int VEC = decltype(vec)::value, LANES = decltype(lanes)::value, NV = decltype(nv)::value;
-    // the next row's loads in flight pay off where a row group meets at a barrier (LANES > 32: hidden 1024
-    // in bf16, 0.059 against 0.061 ms fwd+bwd); warp-wide groups run freely and gain occupancy without them
-    // (QK-norm: 0.095 against 0.098 ms; H200, run 6)
-    auto kernel = rms_norm_bwd_kernel<T, W, VEC, LANES, NV, (LANES > 32 ? 1 : 0)>;
+  const bool vec = D % V16 == 0 && aligned16(x) && aligned16(g) && aligned16(gx) && aligned16(w);
+  if (vec && D / V16 <= 32 * 4 && bwd_rows_pref() > 0)
+    return launch_bwd_rows<T, W, V16>(g, x, w, gx, gw, part, max_blocks, rows, D, eps, sm_count, s);
+  auto go = [&](auto vec_c, auto lanes, auto nv) -> cudaError_t {
+    constexpr int VEC = decltype(vec_c)::value, LANES = decltype(lanes)::value, NV = decltype(nv)::value;
+    auto kernel = rms_norm_bwd_kernel<T, W, VEC, LANES, NV>;
     if (smem + sizeof(float2) * 2 * kWarps > 48 * 1024) {  // dynamic + the static reduction buffer
       cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
       if (e != cudaSuccess) return e;
@@ -487,12 +626,9 @@ cudaError_t launch_bwd(const void* g, const void* x, const void* w, void* gx, vo
     blocks = blocks < max_blocks ? blocks : max_blocks;
     kernel<<<(unsigned)blocks, kThreads, smem, s>>>((const T*)g, (const T*)x, (const W*)w, (T*)gx, part, rows, D, eps);
     const cudaError_t e = cudaGetLastError();
-    if (e != cudaSuccess) return e;
-    rms_norm_gw_kernel<W><<<(unsigned)((D + 31) / 32), 256, 0, s>>>(part, (int)blocks, D, (W*)gw);
-    return cudaGetLastError();
+    return e != cudaSuccess ? e : launch_gw<W>(part, blocks, D, gw, s);
   };
-  if (D % V16 == 0 && aligned16(x) && aligned16(g) && aligned16(gx) && aligned16(w))
-    return by_shape(D / V16, pref, [&](auto lanes, auto nv) { return go(Int<V16>{}, lanes, nv); });
+  if (vec) return by_shape(D / V16, pref, [&](auto lanes, auto nv) { return go(Int<V16>{}, lanes, nv); });
   return go(Int<1>{}, Int<256>{}, Int<0>{});
 }
 
