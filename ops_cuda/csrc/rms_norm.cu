@@ -72,13 +72,14 @@ int64_t persistent_blocks(int per_sm, int sm_count, int64_t rows, int rows_per_b
 }
 
 // The thread's slice of a row in registers: NV vectors, vector n at element (n * LANES + sub) * VEC.
+// kFull: D == LANES * NV * VEC, so no vector lies past the end of the row.
 template <typename T, int VEC, int LANES, int NV> struct RowSlice {
   Vec<T, VEC> v[NV];
-  __device__ __forceinline__ void load(const T* row, int sub, int D, bool active) {
+  template <bool kFull = false> __device__ __forceinline__ void load(const T* row, int sub, int D, bool active) {
 #pragma unroll
     for (int n = 0; n < NV; ++n) {
       const int i = (n * LANES + sub) * VEC;
-      if (active && i < D) v[n] = load_vec<T, VEC>(row + i);
+      if (active && (kFull || i < D)) v[n] = load_vec<T, VEC>(row + i);
       else v[n] = Vec<T, VEC>{};  // an inactive row's sums are never used, but are defined
     }
   }
@@ -181,10 +182,11 @@ rms_norm_fwd_kernel(const T* __restrict__ x, const W* __restrict__ w, T* __restr
 // LANES <= 32 threads per row, so a row reduces with shuffles only (no shared memory, no barrier), and RPT rows
 // per group whose loads are all issued before the first reduction; blocks of 64 threads (32 or 128 for sweeps),
 // each taking blockDim / LANES * RPT rows, no persistence (the shape of the Triton kernel that
-// torch.compile generates for this maths).
+// torch.compile generates for this maths). FULL (rows of exactly LANES * NV vectors: hidden 1024, QK-norm) drops
+// the end-of-row tests, so the code is straight-line and the compiler can issue the weight loads together.
 constexpr int kRowThreads = 128;  // the largest block of the rows kernel
 
-template <typename T, typename W, int VEC, int LANES, int NV, int RPT>
+template <typename T, typename W, int VEC, int LANES, int NV, int RPT, bool FULL>
 __global__ void __launch_bounds__(kRowThreads, 8)  // 64 registers at most: 50% occupancy or more
 rms_norm_fwd_rows_kernel(const T* __restrict__ x, const W* __restrict__ w, T* __restrict__ y, int64_t rows, int D,
                          float eps) {
@@ -195,7 +197,7 @@ rms_norm_fwd_rows_kernel(const T* __restrict__ x, const W* __restrict__ w, T* __
 #pragma unroll
   for (int k = 0; k < RPT; ++k) {
     const int64_t r = first + (int64_t)k * groups;
-    xs[k].load(x + (r < rows ? r : 0) * D, sub, D, r < rows);
+    xs[k].template load<FULL>(x + (r < rows ? r : 0) * D, sub, D, r < rows);
   }
 #pragma unroll
   for (int k = 0; k < RPT; ++k) {
@@ -203,7 +205,7 @@ rms_norm_fwd_rows_kernel(const T* __restrict__ x, const W* __restrict__ w, T* __
     float ss = 0.f;
 #pragma unroll
     for (int n = 0; n < NV; ++n) {
-      if ((n * LANES + sub) * VEC < D)
+      if (FULL || (n * LANES + sub) * VEC < D)
 #pragma unroll
         for (int j = 0; j < VEC; ++j) ss += to_f(xs[k].v[n].v[j]) * to_f(xs[k].v[n].v[j]);
     }
@@ -212,7 +214,7 @@ rms_norm_fwd_rows_kernel(const T* __restrict__ x, const W* __restrict__ w, T* __
 #pragma unroll
     for (int n = 0; n < NV; ++n) {
       const int i = (n * LANES + sub) * VEC;
-      if (i < D) {
+      if (FULL || i < D) {
         // the weight is read here, once per row, from L1 (one row's worth, shared by all rows): held in registers
         // for the whole kernel it made the hidden-1024 instance spill at the 64 registers allowed below
         float wf[1][VEC];
@@ -493,6 +495,12 @@ int rows_block_threads() {
   return forced == 32 || forced == 128 ? forced : 64;
 }
 
+// The rows kernel's FULL instances for rows that fill its groups exactly; FW_RMS_ROWS_FULL = 0 turns them off (A/B).
+bool rows_full() {
+  static const bool v = int_from_env("FW_RMS_ROWS_FULL", 1) != 0;
+  return v;
+}
+
 template <typename T, typename W, int VEC>
 cudaError_t launch_fwd_rows(const void* x, const void* w, void* y, int64_t rows, int D, float eps, cudaStream_t s) {
   const int vecs = D / VEC, nv = vecs <= 32 ? 1 : vecs <= 64 ? 2 : 4;
@@ -503,7 +511,9 @@ cudaError_t launch_fwd_rows(const void* x, const void* w, void* y, int64_t rows,
     if constexpr (NV * RPT > 4) {  // never picked (rpt <= 4 / nv above): more would spill at 64 registers
       return cudaErrorInvalidValue;
     } else {
-      auto kernel = rms_norm_fwd_rows_kernel<T, W, VEC, LANES, NV, RPT>;
+      const bool full = D == LANES * NV * VEC && rows_full();
+      auto kernel = full ? rms_norm_fwd_rows_kernel<T, W, VEC, LANES, NV, RPT, true>
+                         : rms_norm_fwd_rows_kernel<T, W, VEC, LANES, NV, RPT, false>;
       const int threads = rows_block_threads();
       const int64_t per_block = (int64_t)threads / LANES * RPT;
       const int64_t blocks = (rows + per_block - 1) / per_block;
