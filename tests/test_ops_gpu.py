@@ -57,7 +57,9 @@ def test_doctor_reports_built_extension():
                                    (20000, 1024), (4096, 16, 128), (300, 5120), (3, 12288),
                                    # in 16-bit dtypes, the forward rows kernel with idle lanes: 1 and 3 vectors
                                    # on 4 lanes, 96 and 65 on 32 x 4, 48 on 32 x 2
-                                   (5, 8), (33, 24), (17, 768), (11, 520), (7, 384)])
+                                   (5, 8), (33, 24), (17, 768), (11, 520), (7, 384),
+                                   # the backward rows kernel's 16 x 2 (16-bit) and 32 x 2 (fp32) groups
+                                   (5, 256)])
 @pytest.mark.parametrize("wdtype", ["same", "fp32"])
 def test_rms_norm(dtype, shape, wdtype):
     x = torch.randn(shape, device=DEV, dtype=dtype, requires_grad=True)
@@ -80,13 +82,44 @@ def test_rms_norm(dtype, shape, wdtype):
 @pytest.mark.parametrize("shape", [(20000, 1024), (4096, 16, 128), (33, 24)])
 def test_rms_norm_grad_weight_is_deterministic(shape):
     # rows of at most 32 x 4 vectors take the backward rows kernel, whose grad_weight partials are summed in a
-    # fixed order (no atomics): two runs must agree bit for bit
+    # fixed order (no atomics): runs must agree bit for bit. The weight is fp32 so that grad_weight keeps every
+    # bit of the sums (a bf16 one would round most differences away).
     x = torch.randn(shape, device=DEV, dtype=torch.bfloat16)
-    w = (1 + 0.1 * torch.randn(shape[-1], device=DEV)).to(torch.bfloat16)
+    w = 1 + 0.1 * torch.randn(shape[-1], device=DEV)
     g = torch.randn(shape, device=DEV, dtype=torch.bfloat16)
     runs = [torch.ops.fw.rms_norm_backward(g, x, w, 1e-6) for _ in range(3)]
     for gx, gw in runs[1:]:
         assert torch.equal(gx, runs[0][0]) and torch.equal(gw, runs[0][1])
+
+
+@pytest.mark.parametrize("vecs_a_thread", ["1", "4"])
+def test_rms_norm_backward_other_group_shapes(vecs_a_thread):
+    # FW_RMS_BWD_ROWS (read once per process) sets the vectors a thread of the backward rows kernel aims at:
+    # 1 gives 128-lane groups at hidden 1024 and 4 gives 4 vectors a thread, which the default (2) never runs.
+    # In a child process, against float64.
+    code = (
+        "import json\nfrom ops_cuda import library\nfrom ops_cuda import reference as ref\nlibrary.activate_cuda()\n"
+        "out = []\n"
+        "for dt, wdt, shape in [('bfloat16', 'bfloat16', (20000, 1024)), ('bfloat16', 'float32', (17, 768)),\n"
+        "                       ('float16', 'float16', (5, 256)), ('bfloat16', 'bfloat16', (3, 5, 16, 128)),\n"
+        "                       ('bfloat16', 'bfloat16', (33, 24)), ('float32', 'float32', (7, 384)),\n"
+        "                       ('float32', 'float32', (9, 64))]:\n"
+        "    x = torch.randn(shape, device='cuda', dtype=getattr(torch, dt))\n"
+        "    g = torch.randn_like(x)\n"
+        "    w = (1 + 0.1 * torch.randn(shape[-1], device='cuda')).to(getattr(torch, wdt))\n"
+        "    gx, gw = torch.ops.fw.rms_norm_backward(g, x, w, 1e-6)\n"
+        "    gx64, gw64 = ref.rms_norm_backward(g.double(), x.double(), w.double(), 1e-6)\n"
+        "    rel = lambda a, b: float('nan') if a.isnan().any() else float((a.double() - b).norm() / b.norm())\n"
+        "    out.append([dt, wdt, list(shape), rel(gx, gx64), rel(gw, gw64)])\n"
+        "print(json.dumps(out))\n")
+    import json
+    import os
+    r = subprocess.run([sys.executable, "-c", "import torch\n" + code], capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "FW_RMS_BWD_ROWS": vecs_a_thread}, check=False)
+    assert r.returncode == 0, r.stderr[-3000:]
+    for dt, wdt, shape, rel_gx, rel_gw in json.loads(r.stdout.splitlines()[-1]):
+        assert rel_gx < TOL[getattr(torch, dt)] * 2, (dt, wdt, shape, rel_gx)
+        assert rel_gw < TOL[getattr(torch, wdt)] * 2, (dt, wdt, shape, rel_gw)
 
 
 # ------------------------------------------------------------------ rope

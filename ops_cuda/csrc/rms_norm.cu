@@ -2,8 +2,8 @@
 // A row is handled by a group of LANES threads (LANES = 4..256, a power of two) holding NV vectors of VEC
 // elements each in registers, so a row is read once.
 // Aligned rows of up to 32 x 4 vectors (hidden 1024, QK-norm's 128) take the rows kernels. Forward: groups of at
-// most a warp, a few rows in flight per thread, no persistence. Backward: one wave of blocks looping over rows,
-// grad_weight terms added into a shared-memory slice per row group and summed over the groups in a fixed order.
+// most a warp, a few rows in flight per thread, no persistence. Backward: at most one wave of blocks looping over
+// rows, grad_weight terms added into a shared-memory slice per row group and summed over the groups in a fixed order.
 // Longer rows take the persistent kernels (one wave, a grid-stride loop over rows, groups of 64 threads or more),
 // which load each thread's slice of the weight into registers once and keep the next row's loads in flight while
 // the current row is reduced (software prefetch); their backward keeps grad_weight partial sums per thread in
@@ -228,7 +228,7 @@ rms_norm_fwd_rows_kernel(const T* __restrict__ x, const W* __restrict__ w, T* __
   }
 }
 
-// Resident blocks per SM the backward asks the compiler for, by NV: registers capped so that more warps keep loads
+// Resident blocks per SM the persistent backward asks the compiler for, by NV: registers capped so that more warps keep loads
 // in flight (NV 1: 4 blocks of 256 threads, 64 registers; capping NV 2 at 80 registers spills).
 constexpr int kBwdMinBlocks[5] = {1, 4, 1, 1, 1};
 
@@ -353,13 +353,14 @@ rms_norm_bwd_kernel(const T* __restrict__ grad, const T* __restrict__ x, const W
 // Backward for aligned rows of at most 128 vectors (hidden 1024 and QK-norm's 128 in bf16). The persistent kernel
 // above held the weight and the grad_weight sums in registers (hidden 1024: 118 registers, 25% occupancy). Here
 // the weight is read from L1 where it is used, and each group of LANES threads adds its grad_weight terms into its
-// own slice of shared memory, laid out lane-contiguous in float4s (no bank conflicts, no atomics); the block sums
-// its groups' slices in a fixed order at the end, so grad_weight is the same from run to run. Groups of at most a
-// warp reduce with shuffles, wider ones meet at a barrier per row. Keeping the next row's loads in flight, as the
-// persistent kernel does, measured no better here (H200, docs/PERFORMANCE.md run 7: hidden 1024 fwd+bwd 0.055 ms
-// with it, 0.053 without) and was removed.
+// own slice of shared memory, laid out lane-contiguous in float4s (no atomics; no bank conflicts for groups of 8
+// lanes or more, up to 2-way for the 4-lane groups of rows of a few vectors); the block sums its groups'
+// slices in a fixed order at the end, so grad_weight is the same from run to run. Groups of at most a warp reduce
+// with shuffles, wider ones meet at a barrier per row. Keeping the next row's loads in flight, as the persistent
+// kernel does, measured no better here and was removed (H200, docs/PERFORMANCE.md run 7, fwd+bwd ms at hidden
+// 1024: 0.055 with it and 0.053 without at 2 vectors a thread, 0.054 and 0.055 at 1).
 // Resident blocks asked of the compiler, by NV: the tightest register caps that compile without spills for sm_90,
-// 5 / 4 / 3 blocks of 256 threads for 1 / 2 / 4 vectors (51 / 64 / 80 registers; 16-bit x with an fp32 weight
+// 5 / 4 / 3 blocks of 256 threads for 1 / 2 / 4 vectors (48 / 64 / 80 registers; bf16 x with an fp32 weight
 // spills 8 bytes at 4 vectors, where 2 blocks would leave too few warps).
 constexpr int kBwdRowsMinBlocks[5] = {1, 5, 4, 1, 3};
 
@@ -567,8 +568,9 @@ int bwd_rows_pref() {
   return v;
 }
 
-// Rows a group of the backward rows kernel takes at least (fewer blocks, so fewer partial rows to sum, when rows
-// are few). 1, 2, 4 and 8 measured the same at hidden 1024 and QK-norm (H200, run 7, with the prefetching variant).
+// The backward rows kernel's grid gives each row group about this many rows (at least one block, at most one
+// wave): fewer blocks, so fewer partial rows to sum, when rows are few. 1, 2, 4 and 8 measured the same at
+// hidden 1024 and QK-norm (H200, run 7, with the prefetching variant).
 constexpr int kBwdRowsMin = 4;
 
 // grad_weight = the column sums of the `blocks` partial rows, in the weight's dtype.
