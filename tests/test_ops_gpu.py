@@ -3,6 +3,8 @@ awkward shapes, freed memory poisoned with NaN before each call (an unwritten ou
 thresholds from REFERENCE.md section 4; opcheck and torch.compile(fullgraph) on CUDA."""
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import sys
 
@@ -112,8 +114,6 @@ def test_rms_norm_backward_other_group_shapes(vecs_a_thread):
         "    rel = lambda a, b: float('nan') if a.isnan().any() else float((a.double() - b).norm() / b.norm())\n"
         "    out.append([dt, wdt, list(shape), rel(gx, gx64), rel(gw, gw64)])\n"
         "print(json.dumps(out))\n")
-    import json
-    import os
     r = subprocess.run([sys.executable, "-c", "import torch\n" + code], capture_output=True, text=True, timeout=600,
                        env={**os.environ, "FW_RMS_BWD_ROWS": vecs_a_thread}, check=False)
     assert r.returncode == 0, r.stderr[-3000:]
