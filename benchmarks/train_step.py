@@ -42,7 +42,7 @@ def flops_per_token(cfg, seq: int) -> float:
 def fw_loss(model, ids):
     hidden = model(ids[:, :-1], return_hidden=True)
     logp, _ = ops_cuda.linear_logprob(hidden.reshape(-1, hidden.shape[-1]), model.lm_head_weight,
-                                      ids[:, 1:].reshape(-1))
+                                      ids[:, 1:].reshape(-1), save_logits=not model.gradient_checkpointing)
     return -logp.mean()
 
 

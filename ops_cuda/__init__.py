@@ -99,11 +99,20 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tenso
     return torch.ops.fw.decode_attention(q, k_cache, v_cache, lengths, float(scale))
 
 
+# Vocabulary columns per offset of the saved logits (linear_logprob with save_logits): the CUDA forward takes
+# up to 8,192 (a block holds a row's chunk in registers), and a chunk is one tile of its GEMM.
+SAVED_LOGITS_CHUNK = 8192
+
+
 def linear_logprob(hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float = 1.0,
-                   return_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
+                   return_entropy: bool = False, save_logits: bool = False) -> tuple[Tensor, Tensor | None]:
     """(logprob [N], entropy [N] or None) of log softmax(hidden @ weight.T / temperature)[targets],
     fp32 (float64 for float64 inputs), chunked so [N, V] never exists in fp32. A negative target
-    (e.g. -100) is ignored: logprob 0 and no gradient through it."""
+    (e.g. -100) is ignored: logprob 0 and no gradient through it.
+
+    save_logits: with bf16/fp16 operands (also under autocast) and a backward to come, keep the logits in
+    float16 (2·N·V bytes, each shifted by its 8,192-column chunk's max) for the backward instead of
+    recomputing them: one GEMM of the four fewer. Otherwise the backward recomputes them."""
     _need_dim("linear_logprob", "hidden", hidden, 2, "[N, d]")
     _need_dim("linear_logprob", "weight", weight, 2, f"[V, d] with d = {hidden.shape[1]}")
     _need_dim("linear_logprob", "targets", targets, 1, f"[N] with N = {hidden.shape[0]}")
@@ -113,7 +122,9 @@ def linear_logprob(hidden: Tensor, weight: Tensor, targets: Tensor, temperature:
                                 f"targets {tuple(targets.shape)} (expected [N, d], [V, d], [N])")
     if not temperature > 0:
         _fail("linear_logprob", f"temperature must be > 0, got {temperature}")
-    lp, ent, _ = torch.ops.fw.linear_logprob(hidden, weight, targets, float(temperature))
+    save = save_logits and torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    lp, ent, *_ = torch.ops.fw.linear_logprob(hidden, weight, targets, float(temperature),
+                                              SAVED_LOGITS_CHUNK if save else 0)
     return lp, (ent if return_entropy else None)
 
 

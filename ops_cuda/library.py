@@ -26,11 +26,12 @@ SCHEMAS = {
     "attention": "attention(Tensor q, Tensor k, Tensor v, Tensor? positions, float scale) -> Tensor",
     "decode_attention": "decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor lengths, "
                         "float scale) -> Tensor",
-    "linear_logprob": "linear_logprob(Tensor hidden, Tensor weight, Tensor targets, float temperature) "
-                      "-> (Tensor, Tensor, Tensor)",
+    "linear_logprob": "linear_logprob(Tensor hidden, Tensor weight, Tensor targets, float temperature, "
+                      "int save_chunk=0) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
     "linear_logprob_backward": "linear_logprob_backward(Tensor grad_logprob, Tensor grad_entropy, "
                                "Tensor hidden, Tensor weight, Tensor targets, Tensor lse, Tensor entropy, "
-                               "float temperature) -> (Tensor, Tensor)",
+                               "Tensor saved, Tensor offsets, float temperature, int save_chunk=0) "
+                               "-> (Tensor, Tensor)",
     "sample": "sample(Tensor logits, float temperature, int top_k, float top_p, float min_p, int seed) "
               "-> (Tensor, Tensor)",
 }
@@ -105,14 +106,19 @@ def _(q, k_cache, v_cache, lengths, scale):
 
 
 @torch.library.register_fake("fw::linear_logprob")
-def _(hidden, weight, targets, temperature):
+def _(hidden, weight, targets, temperature, save_chunk=0):
     acc = ref.acc_dtype(hidden.dtype)
-    n = hidden.shape[0]
-    return (hidden.new_empty(n, dtype=acc), hidden.new_empty(n, dtype=acc), hidden.new_empty(n, dtype=acc))
+    n, v = hidden.shape[0], weight.shape[0]
+    save = ref.saves_logits(hidden.dtype, save_chunk)
+    saved = hidden.new_empty((n, v) if save else (0,), dtype=torch.float16)
+    offsets = hidden.new_empty((n, -(-v // save_chunk)) if save else (0,), dtype=torch.float32)
+    return (hidden.new_empty(n, dtype=acc), hidden.new_empty(n, dtype=acc), hidden.new_empty(n, dtype=acc),
+            saved, offsets)
 
 
 @torch.library.register_fake("fw::linear_logprob_backward")
-def _(grad_logprob, grad_entropy, hidden, weight, targets, lse, entropy, temperature):
+def _(grad_logprob, grad_entropy, hidden, weight, targets, lse, entropy, saved, offsets, temperature,
+      save_chunk=0):
     return hidden.new_empty(hidden.shape), weight.new_empty(weight.shape)
 
 
@@ -156,18 +162,18 @@ def _swiglu_backward(ctx, grad):
 
 
 def _linear_logprob_setup(ctx, inputs, output):
-    hidden, weight, targets, temperature = inputs
-    _, entropy, lse = output
-    ctx.save_for_backward(hidden, weight, targets, lse, entropy)
-    ctx.temperature = temperature
+    hidden, weight, targets, temperature = inputs[:4]
+    _, entropy, lse, saved, offsets = output
+    ctx.save_for_backward(hidden, weight, targets, lse, entropy, saved, offsets)
+    ctx.temperature, ctx.save_chunk = temperature, inputs[4] if len(inputs) > 4 else 0
 
 
-def _linear_logprob_backward(ctx, grad_logprob, grad_entropy, grad_lse):
-    # lse is an auxiliary output for the backward; the public API never returns it.
-    hidden, weight, targets, lse, entropy = ctx.saved_tensors
+def _linear_logprob_backward(ctx, grad_logprob, grad_entropy, grad_lse, grad_saved, grad_offsets):
+    # lse, saved and offsets are auxiliary outputs for the backward; the public API never returns them.
+    hidden, weight, targets, lse, entropy, saved, offsets = ctx.saved_tensors
     gh, gw = torch.ops.fw.linear_logprob_backward(grad_logprob, grad_entropy, hidden, weight, targets,
-                                                  lse, entropy, ctx.temperature)
-    return gh, gw, None, None
+                                                  lse, entropy, saved, offsets, ctx.temperature, ctx.save_chunk)
+    return gh, gw, None, None, None
 
 
 torch.library.register_autograd("fw::rms_norm", _rms_norm_backward, setup_context=_rms_norm_setup)

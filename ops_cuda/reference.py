@@ -133,14 +133,31 @@ def chunk_rows(n: int, vocab: int) -> int:
     return max(1, min(n, LOGITS_TILE_BYTES // (4 * max(vocab, 1))))
 
 
-def linear_logprob(hidden: Tensor, weight: Tensor, targets: Tensor,
-                   temperature: float) -> tuple[Tensor, Tensor, Tensor]:
-    """(logprob, entropy, logsumexp), each [N] in float32, of softmax(hidden @ weight.T / temperature),
-    computed over row chunks. A negative target (ignore index) gives logprob 0."""
+def saves_logits(dtype: torch.dtype, save_chunk: int) -> bool:
+    """Whether linear_logprob keeps its shifted logits for the backward: asked for (save_chunk > 0) and
+    16-bit operands, whose gradient GEMMs round dz to 16 bits anyway; fp32 and fp64 always recompute."""
+    return save_chunk > 0 and dtype in (torch.bfloat16, torch.float16)
+
+
+# float16's largest finite magnitude: a shifted logit below -65504 is stored as -65504 (its exp is 0 anyway).
+FP16_MIN = -65504.0
+
+
+def linear_logprob(hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float,
+                   save_chunk: int = 0) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(logprob, entropy, logsumexp, saved, offsets): the first three [N] in float32, of
+    softmax(hidden @ weight.T / temperature), computed over row chunks. A negative target (ignore index)
+    gives logprob 0. When `saves_logits`: offsets [N, ceil(V / save_chunk)] (float32) is the max logit of each
+    chunk of save_chunk vocabulary columns and saved [N, V] (float16) the logits minus their chunk's max;
+    otherwise both are empty."""
     N, V = hidden.shape[0], weight.shape[0]
     acc = acc_dtype(hidden.dtype)
     wf = weight.to(acc)
     lp, ent, lse = (torch.empty(N, dtype=acc, device=hidden.device) for _ in range(3))
+    save = saves_logits(hidden.dtype, save_chunk)
+    chunks = -(-V // save_chunk) if save else 0
+    saved = hidden.new_empty((N, V) if save else (0,), dtype=torch.float16)
+    offsets = hidden.new_empty((N, chunks) if save else (0,), dtype=torch.float32)
     step = chunk_rows(N, V)
     for s in range(0, N, step):
         z = (hidden[s:s + step].to(acc) @ wf.T) / temperature
@@ -153,24 +170,36 @@ def linear_logprob(hidden: Tensor, weight: Tensor, targets: Tensor,
         lp[s:s + step] = torch.where(t < 0, torch.zeros_like(picked), picked)
         ent[s:s + step] = -(logp.exp() * logp).sum(-1)
         lse[s:s + step] = m
-    return lp, ent, lse
+        if save:
+            padded = F.pad(z, (0, chunks * save_chunk - V), value=float("-inf"))
+            off = padded.view(z.shape[0], chunks, save_chunk).amax(-1)
+            off = torch.where(off == float("-inf"), torch.zeros_like(off), off)  # an all -inf chunk: shift 0
+            shifted = z - off.repeat_interleave(save_chunk, dim=1)[:, :V]
+            saved[s:s + step] = shifted.clamp(min=FP16_MIN).half()
+            offsets[s:s + step] = off
+    return lp, ent, lse, saved, offsets
 
 
 def linear_logprob_backward(grad_logprob: Tensor, grad_entropy: Tensor, hidden: Tensor, weight: Tensor,
-                            targets: Tensor, lse: Tensor, entropy: Tensor,
-                            temperature: float) -> tuple[Tensor, Tensor]:
-    """(grad_hidden, grad_weight), recomputing the logits chunk by chunk.
+                            targets: Tensor, lse: Tensor, entropy: Tensor, saved: Tensor, offsets: Tensor,
+                            temperature: float, save_chunk: int = 0) -> tuple[Tensor, Tensor]:
+    """(grad_hidden, grad_weight) from the saved shifted logits when the forward kept them (saved
+    non-empty), else recomputing the logits chunk by chunk.
     d logprob/dz = onehot - p; d entropy/dz = -p (log p + H); z = logits / temperature."""
     N, V = hidden.shape[0], weight.shape[0]
     acc = acc_dtype(hidden.dtype)
     wf = weight.to(acc)
     gh = torch.empty_like(hidden)
     gw = torch.zeros(weight.shape, dtype=acc, device=weight.device)
+    use_saved = saved.numel() > 0
     step = chunk_rows(N, V)
     for s in range(0, N, step):
         hc = hidden[s:s + step].to(acc)
-        z = (hc @ wf.T) / temperature
-        logp = z - lse[s:s + step, None].to(acc)
+        if use_saved:
+            off = offsets[s:s + step].to(acc).repeat_interleave(save_chunk, dim=1)[:, :V]
+            logp = saved[s:s + step].to(acc) + (off - lse[s:s + step, None].to(acc))
+        else:
+            logp = (hc @ wf.T) / temperature - lse[s:s + step, None].to(acc)
         p = logp.exp()
         t = targets[s:s + step]
         glp = torch.where(t < 0, 0.0, grad_logprob[s:s + step].to(acc))

@@ -34,7 +34,10 @@ def op_args():
     pos = torch.tensor([[0, 1, 2, 0, 1], [0, 1, 2, 3, 4]])
     h, w = torch.randn(6, 16, requires_grad=True), torch.randn(30, 16, requires_grad=True)
     t = torch.tensor([1, 2, -100, 4, 29, 0])
-    _, ent, lse = torch.ops.fw.linear_logprob(h.detach(), w.detach(), t, 0.8)
+    _, ent, lse, empty, _ = torch.ops.fw.linear_logprob(h.detach(), w.detach(), t, 0.8)
+    # bf16 operands keeping their logits, in chunks of 8 columns (the last one 6 wide)
+    hb, wb = h.detach().bfloat16().requires_grad_(True), w.detach().bfloat16().requires_grad_(True)
+    _, ent_b, lse_b, saved, offsets = torch.ops.fw.linear_logprob(hb.detach(), wb.detach(), t, 0.8, 8)
     return {
         "rms_norm": [(torch.randn(3, 7, 16, requires_grad=True), torch.randn(16, requires_grad=True), 1e-6)],
         "rms_norm_backward": [(torch.randn(3, 16), torch.randn(3, 16), torch.randn(16), 1e-5)],
@@ -44,8 +47,11 @@ def op_args():
         "attention": [(q, k, v, None, 0.3), (q, k, v, pos, 0.3)],
         "decode_attention": [(torch.randn(2, 4, 8), torch.randn(2, 2, 7, 8), torch.randn(2, 2, 7, 8),
                               torch.tensor([3, 7]), 0.35)],
-        "linear_logprob": [(h, w, t, 0.8)],
-        "linear_logprob_backward": [(torch.randn(6), torch.randn(6), h.detach(), w.detach(), t, lse, ent, 0.8)],
+        "linear_logprob": [(h, w, t, 0.8), (hb, wb, t, 0.8, 8)],
+        "linear_logprob_backward": [(torch.randn(6), torch.randn(6), h.detach(), w.detach(), t, lse, ent, empty, empty,
+                                     0.8),
+                                    (torch.randn(6), torch.randn(6), hb.detach(), wb.detach(), t, lse_b, ent_b, saved,
+                                     offsets, 0.8, 8)],
         "sample": [(torch.randn(3, 50), 0.8, 5, 0.9, 0.05, 123), (torch.randn(3, 50), 0.0, 0, 1.0, 0.0, 1)],
     }
 
@@ -188,6 +194,89 @@ def test_linear_logprob_under_autocast_runs_in_bf16():
     assert lp.dtype == torch.float32 and rel(lp, expected) < 1e-6  # the bf16-rounded operands, fp32 maths
     gh, gw = torch.autograd.grad(lp.sum(), (h, w))
     assert gh.dtype == torch.float32 and gw.dtype == torch.float32
+
+
+def _logprob_grads(h, w, t, temp, save_logits):
+    h, w = h.detach().requires_grad_(True), w.detach().requires_grad_(True)
+    lp, ent = ops_cuda.linear_logprob(h, w, t, temp, return_entropy=True, save_logits=save_logits)
+    g1, g2 = torch.linspace(-1, 1, len(t)), torch.linspace(0.5, -0.3, len(t))
+    return (lp, ent), torch.autograd.grad((lp * g1).sum() + (ent * g2).sum(), (h, w))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_linear_logprob_saved_logits(dtype):
+    """bf16/fp16 operands with save_logits: the forward keeps z minus each chunk's max in float16 and the chunk
+    maxima; the outputs equal the recomputing path's, and the gradients from the kept logits match float64
+    autograd of the same (rounded) operands within fp16's rounding of the shifted logits."""
+    N, d, V, temp = 11, 16, 50, 0.7
+    h, w = torch.randn(N, d).to(dtype), (torch.randn(V, d) / 2).to(dtype)
+    t = torch.randint(0, V, (N,))
+    t[[2, 7]] = -100
+    lp, ent, lse, saved, off = torch.ops.fw.linear_logprob(h, w, t, temp, 8)  # 7 chunks, the last one 2 wide
+    z = h.double() @ w.double().T / temp
+    assert saved.shape == (N, V) and saved.dtype == torch.float16 and off.shape == (N, 7)
+    expect_off = torch.stack([z[:, c:c + 8].amax(-1) for c in range(0, V, 8)], 1)
+    assert rel(off, expect_off) < 1e-6
+    shifted = z - expect_off.repeat_interleave(8, 1)[:, :V]
+    assert (saved.double() - shifted).abs().max() <= 2.0 ** -11 * shifted.abs().max() + 1e-6
+    assert (saved <= 0).all() and (saved == 0).sum() >= N * 7  # every chunk's max is stored as exactly 0
+    plain = torch.ops.fw.linear_logprob(h, w, t, temp)
+    assert plain[3].numel() == 0 and all(torch.equal(a, b) for a, b in zip((lp, ent, lse), plain[:3]))
+
+    (lp_s, ent_s), grads_s = _logprob_grads(h, w, t, temp, save_logits=True)
+    (lp_r, _), grads_r = _logprob_grads(h, w, t, temp, save_logits=False)
+    assert torch.equal(lp_s, lp_r)
+    h64, w64 = h.double().requires_grad_(True), w.double().requires_grad_(True)
+    logp = (h64 @ w64.T / temp).log_softmax(-1)
+    lp64 = torch.where(t < 0, 0.0, logp.gather(1, t.clamp(min=0)[:, None]).squeeze(1))
+    ent64 = -(logp.exp() * logp).sum(-1)
+    g1, g2 = torch.linspace(-1, 1, N, dtype=D64), torch.linspace(0.5, -0.3, N, dtype=D64)
+    grads64 = torch.autograd.grad((lp64 * g1).sum() + (ent64 * g2).sum(), (h64, w64))
+    assert rel(lp_s, lp64) < 1e-6 and rel(ent_s, ent64) < 1e-6
+    bound = {torch.bfloat16: 8e-3, torch.float16: 1.5e-3}[dtype]  # the gradients' own rounding to dtype
+    for gs, gr, g64 in zip(grads_s, grads_r, grads64):
+        # the kept logits' fp16 rounding (2^-11 relative) adds little to the gradients' rounding to dtype
+        assert rel(gr, g64) < bound and rel(gs, g64) < 1.25 * rel(gr, g64) + 1e-5
+
+
+def test_linear_logprob_saved_logits_only_when_useful():
+    """Nothing is kept for fp32 / fp64 operands, without a backward, or under no_grad."""
+    h, w, t = torch.randn(4, 8), torch.randn(20, 8), torch.tensor([1, 2, 3, 4])
+    assert torch.ops.fw.linear_logprob(h, w, t, 1.0, 8)[3].numel() == 0
+    assert torch.ops.fw.linear_logprob(h.double(), w.double(), t, 1.0, 8)[3].numel() == 0
+    assert torch.ops.fw.linear_logprob(h.bfloat16(), w.bfloat16(), t, 1.0, 8)[3].shape == (4, 20)
+    assert torch.ops.fw.linear_logprob(h.bfloat16(), w.bfloat16(), t, 1.0, 0)[3].numel() == 0
+
+
+def test_linear_logprob_saved_logits_beyond_fp16_range():
+    """At a tiny temperature the shifted logits leave fp16's range: stored as -65504, their probability and
+    entropy term are 0, and the gradients stay finite and match float64."""
+    h = torch.tensor([[1.0, -2.0], [0.5, 3.0]]).bfloat16()
+    w = torch.tensor([[100.0, 0.0], [-100.0, 0.0], [0.0, 100.0], [1.0, 1.0]]).bfloat16()
+    t = torch.tensor([0, 2])
+    temp = 1e-3
+    saved = torch.ops.fw.linear_logprob(h, w, t, temp, 8)[3]
+    assert saved.min() == -65504
+    outs, (gh, gw) = _logprob_grads(h, w, t, temp, save_logits=True)
+    outs_r, (gh_r, gw_r) = _logprob_grads(h, w, t, temp, save_logits=False)
+    assert all(torch.equal(a, b) for a, b in zip(outs, outs_r))
+    assert gh.isfinite().all() and gw.isfinite().all()
+    assert torch.allclose(gh.float(), gh_r.float(), rtol=1e-2, atol=1e-2)
+    assert torch.allclose(gw.float(), gw_r.float(), rtol=1e-2, atol=1e-2)
+
+
+def test_linear_logprob_saved_logits_compile_fullgraph():
+    h = torch.randn(9, 16).bfloat16().requires_grad_(True)
+    w = torch.randn(40, 16).bfloat16().requires_grad_(True)
+    t = torch.randint(0, 40, (9,))
+
+    def f(a, b):
+        lp, ent = ops_cuda.linear_logprob(a, b, t, 0.9, return_entropy=True, save_logits=True)
+        return lp.sum() + 0.5 * ent.sum()
+
+    ge = torch.autograd.grad(f(h, w), (h, w))
+    gc = torch.autograd.grad(torch.compile(f, fullgraph=True, backend="aot_eager")(h, w), (h, w))
+    assert all(torch.equal(a, b) for a, b in zip(gc, ge))
 
 
 # ------------------------------------------------------------------ sampler

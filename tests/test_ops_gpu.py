@@ -164,21 +164,23 @@ def test_swiglu(dtype, shape):
 
 
 # ------------------------------------------------------------------ linear + logprob
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype,save", [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True),
+                                        (torch.float16, True)])
 @pytest.mark.parametrize("N,d,V,temperature", [(1, 64, 1000, 1.0), (37, 128, 5003, 0.7), (1000, 128, 151936, 1.3),
                                                (5000, 64, 20001, 1.0)])  # several row and vocabulary tiles
-def test_linear_logprob(dtype, N, d, V, temperature):
+def test_linear_logprob(dtype, save, N, d, V, temperature):
+    """save: the backward reads the forward's fp16 logits instead of recomputing them (16-bit operands)."""
     h = torch.randn(N, d, device=DEV, dtype=dtype).requires_grad_(True)
     w = (torch.randn(V, d, device=DEV) / d**0.5).to(dtype).requires_grad_(True)
     t = torch.randint(0, V, (N,), device=DEV)
     t[::5] = -100  # ignored rows
     glp, gent = torch.randn(N, device=DEV), torch.randn(N, device=DEV)
     poison()
-    lp, ent = ops_cuda.linear_logprob(h, w, t, temperature, return_entropy=True)
+    lp, ent = ops_cuda.linear_logprob(h, w, t, temperature, return_entropy=True, save_logits=save)
     poison()
     dh, dw = torch.autograd.grad((lp * glp).sum() + (ent * gent).sum(), (h, w))
     h64, w64 = f64(h, w)
-    lp64, ent64, _ = ref.linear_logprob(h64, w64, t, temperature)
+    lp64, ent64, *_ = ref.linear_logprob(h64, w64, t, temperature)
     logits = (h64 @ w64.T) / temperature  # independent unchunked float64 reference for the grads
     logp = logits.log_softmax(-1)
     lp_full = torch.where(t < 0, 0.0, logp.gather(1, t.clamp(min=0)[:, None]).squeeze(1))
@@ -216,13 +218,45 @@ def test_linear_logprob_nan_propagates():
     h, w = torch.randn(N, d, device=DEV), torch.randn(V, d, device=DEV) / 8
     h[1] = float("nan")                            # every logit of row 1
     t = torch.tensor([5, 9000, 17_000, 3], device=DEV)
-    lp, ent, lse = torch.ops.fw.linear_logprob(h, w, t, 1.0)
-    lp_ref, ent_ref, lse_ref = ref.linear_logprob(h.double().cpu(), w.double().cpu(), t.cpu(), 1.0)
-    for out, expect in ((lp, lp_ref), (ent, ent_ref), (lse, lse_ref)):
-        assert out[1].isnan() and expect[1].isnan()
-        torch.testing.assert_close(out[[0, 2, 3]].double().cpu(), expect[[0, 2, 3]], rtol=1e-5, atol=1e-5)
+    lp_ref, ent_ref, lse_ref, *_ = ref.linear_logprob(h.double().cpu(), w.double().cpu(), t.cpu(), 1.0)
+    for hh, ww, tol in ((h, w, 1e-5), (h.bfloat16(), w.bfloat16(), 5e-2)):  # bf16: also keeping the logits
+        lp, ent, lse, saved, _ = torch.ops.fw.linear_logprob(hh, ww, t, 1.0, 8192)
+        assert saved.numel() == (N * V if hh.dtype == torch.bfloat16 else 0)
+        for out, expect in ((lp, lp_ref), (ent, ent_ref), (lse, lse_ref)):
+            assert out[1].isnan() and expect[1].isnan()
+            torch.testing.assert_close(out[[0, 2, 3]].double().cpu(), expect[[0, 2, 3]], rtol=tol, atol=tol)
+        if saved.numel():
+            assert saved[1].isnan().all() and not saved[[0, 2, 3]].isnan().any()
     w[9000] = float("nan")                         # one column of every row
     assert torch.ops.fw.linear_logprob(h, w, t, 1.0)[2].isnan().all()
+
+
+@pytest.mark.parametrize("N,V", [(3, 20001), (300, 151936), (5, 4099), (1, 7)])
+def test_linear_logprob_saved_logits_match_float64(N, V):
+    """The kept logits: offsets[:, c] = the max of chunk c (8,192 columns) of the fp32 logits, saved = the logits
+    minus their chunk's max in fp16; aligned and unaligned vocabularies, a partial last chunk, one column."""
+    d = 64
+    h = torch.randn(N, d, device=DEV, dtype=torch.bfloat16)
+    w = (torch.randn(V, d, device=DEV) / 4).to(torch.bfloat16)
+    t = torch.randint(0, V, (N,), device=DEV)
+    poison()
+    _, _, _, saved, off = torch.ops.fw.linear_logprob(h, w, t, 0.8, 8192)
+    z = h.double() @ w.double().T / 0.8
+    chunks = -(-V // 8192)
+    expect_off = torch.stack([z[:, c * 8192:(c + 1) * 8192].amax(-1) for c in range(chunks)], 1)
+    assert off.shape == (N, chunks) and rel(off, expect_off) < 1e-6
+    shifted = z - expect_off.repeat_interleave(8192, 1)[:, :V]
+    err = (saved.double() - shifted).abs()
+    assert saved.shape == (N, V) and not saved.isnan().any()
+    assert (err <= 2.0 ** -11 * shifted.abs() + 1e-5 * (1 + z.abs())).all()  # fp16 rounding of fp32 logits
+    assert (saved.amax(-1) == 0).all()
+
+
+def test_opcheck_cuda_linear_logprob_saved():
+    h = torch.randn(6, 32, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(9000, 32, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+    torch.library.opcheck(torch.ops.fw.linear_logprob.default, (h, w, torch.randint(0, 9000, (6,), device=DEV), 0.9,
+                                                                8192))
 
 
 # ------------------------------------------------------------------ decode attention

@@ -215,24 +215,32 @@ def main() -> None:
     row("swiglu fwd+bwd", f"[{N}, {2 * I}]", fwd_bwd(ops_cuda.swiglu, (gug,), g), fwd_bwd(swiglu_torch, (gug,), g),
         fwd_bwd(compiled(swiglu_torch), (gug,), g), nbytes=(3 + 5) * N * I * es)
 
-    # fused linear + logprob (fwd+bwd), FLOPs: 4 GEMMs of 2*N*d*V (fwd, recompute, grad_h, grad_W)
+    # fused linear + logprob (fwd+bwd), FLOPs: the GEMMs of 2*N*d*V each: logits, grad_h, grad_W, and with
+    # recomputation (save_logits=False) the logits again in the backward
     h = (torch.randn(N, d, device=DEV) * 0.5).to(BF).requires_grad_(True)
     lm = (torch.randn(V, d, device=DEV) / 32).to(BF).requires_grad_(True)
     tg = torch.randint(0, V, (N,), device=DEV)
     glp, gent = torch.randn(N, device=DEV), torch.randn(N, device=DEV)
 
-    def fused():
-        lp, ent = ops_cuda.linear_logprob(h, lm, tg, 1.0, return_entropy=True)
+    def fused(save_logits=True):
+        lp, ent = ops_cuda.linear_logprob(h, lm, tg, 1.0, return_entropy=True, save_logits=save_logits)
         torch.autograd.grad((lp, ent), (h, lm), (glp, gent))
+
+    def recomputing():
+        fused(save_logits=False)
 
     def unfused(fn=linear_logprob_unfused):
         lp, ent = fn(h, lm, tg, 1.0)
         torch.autograd.grad((lp, ent), (h, lm), (glp, gent))
 
     cu = compiled(linear_logprob_unfused)
-    row("linear_logprob fwd+bwd", f"N={N} d={d} V={V}", fused, unfused, lambda: unfused(cu), flops=4 * 2 * N * d * V)
+    row("linear_logprob fwd+bwd", f"N={N} d={d} V={V} saved", fused, unfused, lambda: unfused(cu),
+        flops=3 * 2 * N * d * V)
+    row("linear_logprob fwd+bwd", f"N={N} d={d} V={V} recomp", recomputing, unfused, lambda: unfused(cu),
+        flops=4 * 2 * N * d * V)
     run_mem = not args.only or any(o in "linear_logprob" for o in args.only)
     mem_fused = peak_memory(fused) if run_mem else math.nan
+    mem_recomp = peak_memory(recomputing) if run_mem else math.nan
     mem_unfused = peak_memory(unfused) if run_mem and not args.fw_only else math.nan
     mem_comp = peak_memory(lambda: unfused(cu)) if run_mem and not args.fw_only else math.nan
 
@@ -256,9 +264,10 @@ def main() -> None:
     print_table()
     if not run_mem:
         return
-    print(f"\nlinear_logprob peak memory (fwd+bwd, N={N}, V={V}, bf16): fused {mem_fused:.2f} GiB, "
-          f"unfused eager {mem_unfused:.2f} GiB, unfused compiled {mem_comp:.2f} GiB; "
-          f"fused/unfused = {mem_fused / mem_unfused:.3f}")
+    print(f"\nlinear_logprob peak memory (fwd+bwd, N={N}, V={V}, bf16): fused with saved logits {mem_fused:.2f} GiB, "
+          f"fused recomputing {mem_recomp:.2f} GiB, unfused eager {mem_unfused:.2f} GiB, unfused compiled "
+          f"{mem_comp:.2f} GiB; fused/unfused = {mem_fused / mem_unfused:.3f} saved, "
+          f"{mem_recomp / mem_unfused:.3f} recomputing")
 
 
 if __name__ == "__main__":

@@ -36,8 +36,10 @@ def cases(n_tokens: int) -> dict:
         "rms_norm": fwd_bwd(lambda a, b: ops_cuda.rms_norm(a, b, 1e-6), (x, w), torch.randn_like(x)),
         "qk_norm": fwd_bwd(lambda a, b: ops_cuda.rms_norm(a, b, 1e-6), (xq, wq), torch.randn_like(xq)),
         "swiglu": fwd_bwd(ops_cuda.swiglu, (gu,), torch.randn(n_tokens, 3072, device=DEV, dtype=BF)),
-        "linear_logprob": fwd_bwd(lambda a, b: ops_cuda.linear_logprob(a, b, tg, 1.0)[0], (h, lm),
+        "linear_logprob": fwd_bwd(lambda a, b: ops_cuda.linear_logprob(a, b, tg, 1.0, save_logits=True)[0], (h, lm),
                                   torch.randn(n_tokens, device=DEV)),
+        "linear_logprob_recomp": fwd_bwd(lambda a, b: ops_cuda.linear_logprob(a, b, tg, 1.0)[0], (h, lm),
+                                         torch.randn(n_tokens, device=DEV)),
     }
 
 

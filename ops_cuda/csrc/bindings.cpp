@@ -222,15 +222,29 @@ LinearArgs linear_args(const Tensor& hidden, const Tensor& weight, const Tensor&
   return a;
 }
 
-std::tuple<Tensor, Tensor, Tensor> linear_logprob(const Tensor& hidden, const Tensor& weight, const Tensor& targets,
-                                                  double temperature) {
+// Whether the forward keeps the logits for the backward: asked for and 16-bit operands (ops_cuda.reference).
+bool saves_logits(const LinearArgs& a, int64_t save_chunk) {
+  if (save_chunk <= 0 || a.h.scalar_type() == at::kFloat) return false;
+  TORCH_CHECK(save_chunk <= fw::kLogprobSaveCols, "fw::linear_logprob: save_chunk must be at most ",
+              fw::kLogprobSaveCols, " on CUDA, got ", save_chunk);
+  return true;
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> linear_logprob(const Tensor& hidden, const Tensor& weight,
+                                                                  const Tensor& targets, double temperature,
+                                                                  int64_t save_chunk) {
   c10::cuda::CUDAGuard guard(hidden.device());
   auto a = linear_args(hidden, weight, targets, "linear_logprob");
   auto t = targets.to(at::kLong).contiguous();
   auto opts = a.h.options().dtype(at::kFloat);
   auto lp = at::empty({a.N}, opts), ent = at::empty({a.N}, opts), lse = at::empty({a.N}, opts);
-  if (a.N == 0) return {lp, ent, lse};
-  auto tile = at::empty({a.rows * a.cols}, opts);
+  const bool save = saves_logits(a, save_chunk);
+  // Kept logits: a tile is one chunk of save_chunk columns, its max in offsets[row, chunk].
+  const int64_t cols = save ? std::min(a.V, save_chunk) : a.cols, chunks = save ? (a.V + save_chunk - 1) / save_chunk : 0;
+  auto saved = at::empty(save ? std::vector<int64_t>{a.N, a.V} : std::vector<int64_t>{0}, opts.dtype(at::kHalf));
+  auto offsets = at::empty(save ? std::vector<int64_t>{a.N, chunks} : std::vector<int64_t>{0}, opts);
+  if (a.N == 0) return {lp, ent, lse, saved, offsets};
+  auto tile = at::empty({a.rows * cols}, opts);
   auto state = at::empty({4, a.rows}, opts);  // (m, s, a, target logit) of the rows of the current row tile
   const auto ht = cuda_type(a.h.scalar_type());
   auto stream = at::cuda::getCurrentCUDAStream();
@@ -241,23 +255,30 @@ std::tuple<Tensor, Tensor, Tensor> linear_logprob(const Tensor& hidden, const Te
   const fw::LogprobState st{sp, sp + a.rows, sp + 2 * a.rows, sp + 3 * a.rows};
   for (int64_t n0 = 0; n0 < a.N; n0 += a.rows) {
     const int64_t n = std::min(a.rows, a.N - n0);
-    for (int64_t v0 = 0; v0 < a.V; v0 += a.cols) {
-      const int64_t vc = std::min(a.cols, a.V - v0);
+    for (int64_t v0 = 0; v0 < a.V; v0 += cols) {
+      const int64_t vc = std::min(cols, a.V - v0);
       // z^T [vc, n] (column-major) = W[v0:v0+vc] . h[n0:n0+n]^T, scaled by 1/temperature
       gemm(CUBLAS_OP_T, CUBLAS_OP_N, vc, n, a.d, (float)(1.0 / temperature), wp + v0 * a.d * es, ht, a.d,
            hp + n0 * a.d * es, ht, a.d, 0.f, tile.data_ptr(), CUDA_R_32F, vc);
-      check_launch(fw::logprob_tile_fwd(tile.data_ptr<float>(), n, vc, v0, a.V, t.data_ptr<int64_t>() + n0, st,
+      fw::SavedLogits sv{nullptr, a.V, nullptr, chunks};
+      if (save) {
+        sv.z16 = static_cast<at::Half*>(saved.data_ptr()) + n0 * a.V + v0;
+        sv.off = offsets.data_ptr<float>() + n0 * chunks + v0 / cols;
+      }
+      check_launch(fw::logprob_tile_fwd(tile.data_ptr<float>(), n, vc, v0, a.V, t.data_ptr<int64_t>() + n0, st, sv,
                                         lp.data_ptr<float>() + n0, ent.data_ptr<float>() + n0,
                                         lse.data_ptr<float>() + n0, stream),
                    "linear_logprob");
     }
   }
-  return {lp, ent, lse};
+  return {lp, ent, lse, saved, offsets};
 }
 
+// With the forward's kept logits (saved non-empty) the backward runs two GEMMs a tile instead of three.
 std::tuple<Tensor, Tensor> linear_logprob_backward(const Tensor& grad_logprob, const Tensor& grad_entropy,
                                                    const Tensor& hidden, const Tensor& weight, const Tensor& targets,
-                                                   const Tensor& lse, const Tensor& entropy, double temperature) {
+                                                   const Tensor& lse, const Tensor& entropy, const Tensor& saved,
+                                                   const Tensor& offsets, double temperature, int64_t save_chunk) {
   c10::cuda::CUDAGuard guard(hidden.device());
   auto a = linear_args(hidden, weight, targets, "linear_logprob_backward");
   const auto dt = dtype_of(a.h, "linear_logprob_backward", "hidden");
@@ -266,15 +287,27 @@ std::tuple<Tensor, Tensor> linear_logprob_backward(const Tensor& grad_logprob, c
   auto l = lse.to(at::kFloat).contiguous(), H = entropy.to(at::kFloat).contiguous();
   auto gw = at::empty({a.V, a.d}, weight.options());
   if (a.N == 0) return {at::zeros({a.N, a.d}, a.h.options()), gw.zero_()};
-  const bool one_col_tile = a.cols >= a.V, one_row_tile = a.rows >= a.N;
+  const bool use_saved = saved.numel() > 0;
+  const int64_t chunks = use_saved ? (a.V + save_chunk - 1) / std::max<int64_t>(save_chunk, 1) : 0;
+  if (use_saved) {
+    TORCH_CHECK(saves_logits(a, save_chunk) && saved.scalar_type() == at::kHalf && saved.is_contiguous() &&
+                    saved.dim() == 2 && saved.size(0) == a.N && saved.size(1) == a.V &&
+                    offsets.scalar_type() == at::kFloat && offsets.is_contiguous() && offsets.dim() == 2 &&
+                    offsets.size(0) == a.N && offsets.size(1) == chunks,
+                "fw::linear_logprob_backward: saved must be the float16 [N, V] and offsets the float32 [N, ",
+                "ceil(V / save_chunk)] that linear_logprob returned for 16-bit operands and this save_chunk");
+    check_cuda(saved, "linear_logprob_backward", "saved");
+  }
+  const int64_t cols = use_saved ? std::min(a.V, save_chunk) : a.cols;
+  const bool one_col_tile = cols >= a.V, one_row_tile = a.rows >= a.N;
   // grad_h: written straight in hidden's dtype when one GEMM covers the vocabulary, else fp32 across tiles.
   auto gh = at::empty({a.N, a.d}, one_col_tile ? a.h.options() : a.h.options().dtype(at::kFloat));
   // grad_W rows of a vocabulary tile: straight into gw when one GEMM covers the rows (and dtypes agree).
   const bool gw_direct = one_row_tile && weight.scalar_type() == a.h.scalar_type();
-  Tensor gw_acc = gw_direct ? Tensor() : at::empty({a.cols, a.d}, a.h.options().dtype(at::kFloat));
+  Tensor gw_acc = gw_direct ? Tensor() : at::empty({cols, a.d}, a.h.options().dtype(at::kFloat));
   auto opts = a.h.options().dtype(at::kFloat);
-  auto tile = at::empty({a.rows * a.cols}, opts);
-  auto gtile = at::empty({a.rows * a.cols}, a.h.options());
+  auto tile = use_saved ? Tensor() : at::empty({a.rows * cols}, opts);
+  auto gtile = at::empty({a.rows * cols}, a.h.options());
   const auto ht = cuda_type(a.h.scalar_type()), gh_t = cuda_type(gh.scalar_type());
   const auto gw_t = gw_direct ? ht : CUDA_R_32F;
   const float inv_t = (float)(1.0 / temperature);
@@ -283,20 +316,26 @@ std::tuple<Tensor, Tensor> linear_logprob_backward(const Tensor& grad_logprob, c
   const char* hp = static_cast<const char*>(a.h.data_ptr());
   const char* wp = static_cast<const char*>(a.w.data_ptr());
   char* ghp = static_cast<char*>(gh.data_ptr());
-  for (int64_t v0 = 0; v0 < a.V; v0 += a.cols) {
-    const int64_t vc = std::min(a.cols, a.V - v0);
+  for (int64_t v0 = 0; v0 < a.V; v0 += cols) {
+    const int64_t vc = std::min(cols, a.V - v0);
     const void* ws = wp + v0 * a.d * es;
     void* gw_out =
         gw_direct ? static_cast<void*>(static_cast<char*>(gw.data_ptr()) + v0 * a.d * es) : gw_acc.data_ptr();
     for (int64_t n0 = 0; n0 < a.N; n0 += a.rows) {
       const int64_t n = std::min(a.rows, a.N - n0);
       const void* hs = hp + n0 * a.d * es;
-      gemm(CUBLAS_OP_T, CUBLAS_OP_N, vc, n, a.d, inv_t, ws, ht, a.d, hs, ht, a.d, 0.f, tile.data_ptr(), CUDA_R_32F,
-           vc);
-      check_launch(fw::logprob_tile_bwd(dt, tile.data_ptr<float>(), n, vc, v0, t.data_ptr<int64_t>() + n0,
-                                        l.data_ptr<float>() + n0, H.data_ptr<float>() + n0,
-                                        glp.data_ptr<float>() + n0, gent.data_ptr<float>() + n0, gtile.data_ptr(),
-                                        stream),
+      fw::SavedLogits sv{nullptr, a.V, nullptr, chunks};
+      if (use_saved) {
+        sv.z16 = const_cast<at::Half*>(saved.const_data_ptr<at::Half>()) + n0 * a.V + v0;
+        sv.off = const_cast<float*>(offsets.const_data_ptr<float>()) + n0 * chunks + v0 / cols;
+      } else {
+        gemm(CUBLAS_OP_T, CUBLAS_OP_N, vc, n, a.d, inv_t, ws, ht, a.d, hs, ht, a.d, 0.f, tile.data_ptr(),
+             CUDA_R_32F, vc);
+      }
+      check_launch(fw::logprob_tile_bwd(dt, use_saved ? nullptr : tile.data_ptr<float>(), sv, n, vc, v0,
+                                        t.data_ptr<int64_t>() + n0, l.data_ptr<float>() + n0,
+                                        H.data_ptr<float>() + n0, glp.data_ptr<float>() + n0,
+                                        gent.data_ptr<float>() + n0, gtile.data_ptr(), stream),
                    "linear_logprob_backward");
       // grad_h^T [d, n] (+)= W_tile^T [d, vc] . g^T [vc, n]   (dz/dlogits = 1/temperature)
       gemm(CUBLAS_OP_N, CUBLAS_OP_N, a.d, n, vc, inv_t, ws, ht, a.d, gtile.data_ptr(), ht, vc, v0 == 0 ? 0.f : 1.f,

@@ -48,12 +48,24 @@ struct LogprobState {
   float* a;
   float* target_z;
 };
+// The logits kept for the backward: row i of the tile is stored (fp16, z minus the row's max over the tile) at
+// z16 + i * ld and that max at off[i * off_ld]; pointers at the tile's first row and column. z16 == nullptr:
+// nothing is kept. A tile that keeps its logits has vc <= kLogprobSaveCols.
+constexpr int64_t kLogprobSaveCols = 8192;
+struct SavedLogits {
+  void* z16;
+  int64_t ld;
+  float* off;
+  int64_t off_ld;
+};
 cudaError_t logprob_tile_fwd(const float* z, int64_t n, int64_t vc, int64_t v0, int64_t V, const int64_t* targets,
-                             LogprobState state, float* logprob, float* entropy, float* lse, cudaStream_t stream);
-// d(loss)/dz for a tile, written in dtype dt into g [n, vc] (the 1/temperature is left to the caller).
-cudaError_t logprob_tile_bwd(DType dt, const float* z, int64_t n, int64_t vc, int64_t v0, const int64_t* targets,
-                             const float* lse, const float* entropy, const float* grad_logprob,
-                             const float* grad_entropy, void* g, cudaStream_t stream);
+                             LogprobState state, SavedLogits saved, float* logprob, float* entropy, float* lse,
+                             cudaStream_t stream);
+// d(loss)/dz for a tile, written in dtype dt into g [n, vc] (the 1/temperature is left to the caller), from the
+// fp32 tile z (row stride vc) or, when saved.z16 is set, from the kept logits (z ignored).
+cudaError_t logprob_tile_bwd(DType dt, const float* z, SavedLogits saved, int64_t n, int64_t vc, int64_t v0,
+                             const int64_t* targets, const float* lse, const float* entropy,
+                             const float* grad_logprob, const float* grad_entropy, void* g, cudaStream_t stream);
 
 // q [B, Hq, D] (16-byte aligned); caches addressed as base + b*sb + h*sh + s*ss + d (elements; base 16-byte
 // aligned, strides multiples of 16 bytes); out [B, Hq, D]. Any Hq % Hk == 0, D a multiple of 8 up to 256.
