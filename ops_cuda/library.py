@@ -166,11 +166,18 @@ def _linear_logprob_setup(ctx, inputs, output):
     _, entropy, lse, saved, offsets = output
     ctx.save_for_backward(hidden, weight, targets, lse, entropy, saved, offsets)
     ctx.temperature, ctx.save_chunk = temperature, inputs[4] if len(inputs) > 4 else 0
+    # Outputs without a gradient arrive as None instead of zeros: a zero [N, V] for `saved` cost 4.6 GiB and
+    # 1.5 ms at N 16,384 (H200 profile).
+    ctx.set_materialize_grads(False)
 
 
 def _linear_logprob_backward(ctx, grad_logprob, grad_entropy, grad_lse, grad_saved, grad_offsets):
     # lse, saved and offsets are auxiliary outputs for the backward; the public API never returns them.
     hidden, weight, targets, lse, entropy, saved, offsets = ctx.saved_tensors
+    if grad_logprob is None:
+        grad_logprob = torch.zeros_like(lse)
+    if grad_entropy is None:
+        grad_entropy = torch.zeros_like(lse)
     gh, gw = torch.ops.fw.linear_logprob_backward(grad_logprob, grad_entropy, hidden, weight, targets,
                                                   lse, entropy, saved, offsets, ctx.temperature, ctx.save_chunk)
     return gh, gw, None, None, None

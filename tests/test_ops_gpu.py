@@ -220,7 +220,7 @@ def test_linear_logprob_nan_propagates():
     t = torch.tensor([5, 9000, 17_000, 3], device=DEV)
     lp_ref, ent_ref, lse_ref, *_ = ref.linear_logprob(h.double().cpu(), w.double().cpu(), t.cpu(), 1.0)
     for hh, ww, tol in ((h, w, 1e-5), (h.bfloat16(), w.bfloat16(), 5e-2)):  # bf16: also keeping the logits
-        lp, ent, lse, saved, _ = torch.ops.fw.linear_logprob(hh, ww, t, 1.0, 8192)
+        lp, ent, lse, saved, _ = torch.ops.fw.linear_logprob(hh, ww, t, 1.0, ops_cuda.SAVED_LOGITS_CHUNK)
         assert saved.numel() == (N * V if hh.dtype == torch.bfloat16 else 0)
         for out, expect in ((lp, lp_ref), (ent, ent_ref), (lse, lse_ref)):
             assert out[1].isnan() and expect[1].isnan()
@@ -231,32 +231,74 @@ def test_linear_logprob_nan_propagates():
     assert torch.ops.fw.linear_logprob(h, w, t, 1.0)[2].isnan().all()
 
 
-@pytest.mark.parametrize("N,V", [(3, 20001), (300, 151936), (5, 4099), (1, 7)])
+@pytest.mark.parametrize("N,V", [(3, 20001), (300, 151936), (5, 4099), (1, 7), (2, 1024)])
 def test_linear_logprob_saved_logits_match_float64(N, V):
-    """The kept logits: offsets[:, c] = the max of chunk c (8,192 columns) of the fp32 logits, saved = the logits
-    minus their chunk's max in fp16; aligned and unaligned vocabularies, a partial last chunk, one column."""
-    d = 64
+    """The kept logits: offsets[:, c] = the max of chunk c (1,024 columns) of the fp32 logits, saved = the logits
+    minus their chunk's max in fp16; aligned and unaligned vocabularies, partial last chunks, one column, and
+    several vocabulary tiles (8,192 columns each)."""
+    d, C = 64, ops_cuda.SAVED_LOGITS_CHUNK
     h = torch.randn(N, d, device=DEV, dtype=torch.bfloat16)
     w = (torch.randn(V, d, device=DEV) / 4).to(torch.bfloat16)
     t = torch.randint(0, V, (N,), device=DEV)
     poison()
-    _, _, _, saved, off = torch.ops.fw.linear_logprob(h, w, t, 0.8, 8192)
+    _, _, _, saved, off = torch.ops.fw.linear_logprob(h, w, t, 0.8, C)
     z = h.double() @ w.double().T / 0.8
-    chunks = -(-V // 8192)
-    expect_off = torch.stack([z[:, c * 8192:(c + 1) * 8192].amax(-1) for c in range(chunks)], 1)
+    chunks = -(-V // C)
+    expect_off = torch.stack([z[:, c * C:(c + 1) * C].amax(-1) for c in range(chunks)], 1)
     assert off.shape == (N, chunks) and rel(off, expect_off) < 1e-6
-    shifted = z - expect_off.repeat_interleave(8192, 1)[:, :V]
+    shifted = z - expect_off.repeat_interleave(C, 1)[:, :V]
     err = (saved.double() - shifted).abs()
     assert saved.shape == (N, V) and not saved.isnan().any()
     assert (err <= 2.0 ** -11 * shifted.abs() + 1e-5 * (1 + z.abs())).all()  # fp16 rounding of fp32 logits
     assert (saved.amax(-1) == 0).all()
 
 
+@pytest.mark.parametrize("tile", ["3,2048", "4096,1024"])
+def test_linear_logprob_other_tiles(tile):
+    # FW_LOGPROB_TILE (read once per process): 3-row tiles (several row tiles, each with its own partials and
+    # merge) and 1,024-column tiles (one chunk a tile); kept and recomputed logits, in a child process, against
+    # float64. A tile width that is not a multiple of 1,024 is refused with the variable's name.
+    code = (
+        "import json, torch, ops_cuda\n"
+        "N, d, V = 10, 64, 5003\n"
+        "h = torch.randn(N, d, device='cuda').bfloat16().requires_grad_(True)\n"
+        "w = (torch.randn(V, d, device='cuda') / 4).bfloat16().requires_grad_(True)\n"
+        "t = torch.randint(0, V, (N,), device='cuda')\n"
+        "t[4] = -100\n"
+        "h64, w64 = h.double().detach().requires_grad_(True), w.double().detach().requires_grad_(True)\n"
+        "logp = (h64 @ w64.T / 0.9).log_softmax(-1)\n"
+        "lp64 = torch.where(t < 0, 0.0, logp.gather(1, t.clamp(min=0)[:, None]).squeeze(1))\n"
+        "ent64 = -(logp.exp() * logp).sum(-1)\n"
+        "g64 = torch.autograd.grad(lp64.sum() + 0.3 * ent64.sum(), (h64, w64))\n"
+        "rel = lambda a, b: float('nan') if a.isnan().any() else float((a.double() - b).norm() / b.norm())\n"
+        "out = []\n"
+        "for save in (False, True):\n"
+        "    lp, ent = ops_cuda.linear_logprob(h, w, t, 0.9, return_entropy=True, save_logits=save)\n"
+        "    gh, gw = torch.autograd.grad(lp.sum() + 0.3 * ent.sum(), (h, w))\n"
+        "    out.append([save, rel(lp, lp64), rel(ent, ent64), rel(gh, g64[0]), rel(gw, g64[1])])\n"
+        "print(json.dumps(out))\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "FW_LOGPROB_TILE": tile}, check=False)
+    assert r.returncode == 0, r.stderr[-3000:]
+    for save, rel_lp, rel_ent, rel_gh, rel_gw in json.loads(r.stdout.splitlines()[-1]):
+        assert rel_lp < 1e-5 and rel_ent < 1e-5, (save, rel_lp, rel_ent)
+        assert rel_gh < TOL[torch.bfloat16] * 2 and rel_gw < TOL[torch.bfloat16] * 2, (save, rel_gh, rel_gw)
+    bad = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "FW_LOGPROB_TILE": "4096,1000"}, check=False)
+    assert bad.returncode != 0 and "FW_LOGPROB_TILE must be rows,cols with cols a multiple of 1024" in bad.stderr
+
+
+def test_linear_logprob_save_chunk_checked():
+    h, w = torch.randn(2, 64, device=DEV, dtype=torch.bfloat16), torch.randn(10, 64, device=DEV, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="save_chunk must be 1024"):
+        torch.ops.fw.linear_logprob(h, w, torch.tensor([1, 2], device=DEV), 1.0, 8192)
+
+
 def test_opcheck_cuda_linear_logprob_saved():
     h = torch.randn(6, 32, device=DEV, dtype=torch.bfloat16, requires_grad=True)
     w = torch.randn(9000, 32, device=DEV, dtype=torch.bfloat16, requires_grad=True)
     torch.library.opcheck(torch.ops.fw.linear_logprob.default, (h, w, torch.randint(0, 9000, (6,), device=DEV), 0.9,
-                                                                8192))
+                                                                ops_cuda.SAVED_LOGITS_CHUNK))
 
 
 # ------------------------------------------------------------------ decode attention

@@ -12,8 +12,8 @@
 #   FW_RMS_BWD_PREF                    vectors per thread in the persistent backward (1, 2 or 4; default 2; rows
 #                                      over 128 vectors, or all with FW_RMS_BWD_ROWS=0)
 #   (FW_RMS_FWD_PREF does the same for the persistent forward, which only rows over 128 vectors take: not swept)
-#   FW_LOGPROB_TILE=rows,cols          the fp32 logits tile of linear_logprob (default 4096,8192; bindings.cpp);
-#                                      with saved logits (the training default) only its rows apply
+#   FW_LOGPROB_TILE=rows,cols          the fp32 logits tile of linear_logprob (default 4096,8192; cols a multiple
+#                                      of 1024; bindings.cpp)
 # Usage: bash ops_cuda/bench/sweep.sh [rms|logprob ...]   (default: both)
 set -u
 run() { echo "--- $*"; env "$@" python3 -m ops_cuda.bench.bench_ops --fw-only --only "$ONLY" 2>&1 | grep -E "^  [a-z_]+ |peak memory" ; }
@@ -27,7 +27,7 @@ for what in "$@"; do
          for v in 0 1 2 4; do run FW_RMS_BWD_ROWS=$v; done
          for p in 1 2 4; do run FW_RMS_BWD_ROWS=0 FW_RMS_BWD_PREF=$p; done ;;
     logprob) ONLY=linear_logprob
-         for t in 4096,8192 2048,4096 1024,8192 2048,16384 8192,4096 16384,2048 1765,151936; do
+         for t in 4096,8192 2048,4096 1024,8192 2048,16384 8192,4096 16384,2048 1765,152576; do
            run FW_LOGPROB_TILE=$t; done ;;
     *) echo "unknown sweep: $what (rms, logprob)"; exit 2 ;;
   esac

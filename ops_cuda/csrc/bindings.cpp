@@ -164,14 +164,19 @@ Tensor swiglu_backward(const Tensor& grad, const Tensor& gate_up) {
 // buffer) before the next tile starts, and grad_hidden accumulates in fp32 across vocabulary tiles.
 // H200 sweep at N 16,384, V 151,936 (fwd+bwd): 4096 x 8192 takes 42.9 ms and 0.60 GiB; whole-vocabulary row
 // chunks of 1 GiB (the previous layout) 42.1 ms and 2.40 GiB; smaller tiles were slower (up to 49.6 ms).
+// The columns of a tile are a multiple of kLogprobChunk (the forward's partials are per chunk). With kept logits
+// the backward reads each tile's fp16 logits where it would recompute them.
 constexpr int64_t kTileRows = 4096, kTileCols = 8192;
 
 std::pair<int64_t, int64_t> tile_shape() {
   static const std::pair<int64_t, int64_t> shape = [] {
     long long r = 0, c = 0;
     const char* v = getenv("FW_LOGPROB_TILE");
-    if (v && sscanf(v, "%lld,%lld", &r, &c) == 2 && r > 0 && c > 0 && c % 4 == 0)
+    if (v && *v) {
+      TORCH_CHECK(sscanf(v, "%lld,%lld", &r, &c) == 2 && r > 0 && c > 0 && c % fw::kLogprobChunk == 0,
+                  "FW_LOGPROB_TILE must be rows,cols with cols a multiple of ", fw::kLogprobChunk, ", got '", v, "'");
       return std::make_pair<int64_t, int64_t>(r, c);
+    }
     return std::make_pair(kTileRows, kTileCols);
   }();
   return shape;
@@ -225,8 +230,8 @@ LinearArgs linear_args(const Tensor& hidden, const Tensor& weight, const Tensor&
 // Whether the forward keeps the logits for the backward: asked for and 16-bit operands (ops_cuda.reference).
 bool saves_logits(const LinearArgs& a, int64_t save_chunk) {
   if (save_chunk <= 0 || a.h.scalar_type() == at::kFloat) return false;
-  TORCH_CHECK(save_chunk <= fw::kLogprobSaveCols, "fw::linear_logprob: save_chunk must be at most ",
-              fw::kLogprobSaveCols, " on CUDA, got ", save_chunk);
+  TORCH_CHECK(save_chunk == fw::kLogprobChunk, "fw::linear_logprob: save_chunk must be ", fw::kLogprobChunk,
+              " on CUDA (the chunk of the forward kernel), got ", save_chunk);
   return true;
 }
 
@@ -239,37 +244,36 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> linear_logprob(const Tensor& 
   auto opts = a.h.options().dtype(at::kFloat);
   auto lp = at::empty({a.N}, opts), ent = at::empty({a.N}, opts), lse = at::empty({a.N}, opts);
   const bool save = saves_logits(a, save_chunk);
-  // Kept logits: a tile is one chunk of save_chunk columns, its max in offsets[row, chunk].
-  const int64_t cols = save ? std::min(a.V, save_chunk) : a.cols, chunks = save ? (a.V + save_chunk - 1) / save_chunk : 0;
+  const int64_t P = (a.V + fw::kLogprobChunk - 1) / fw::kLogprobChunk;  // chunks a row
   auto saved = at::empty(save ? std::vector<int64_t>{a.N, a.V} : std::vector<int64_t>{0}, opts.dtype(at::kHalf));
-  auto offsets = at::empty(save ? std::vector<int64_t>{a.N, chunks} : std::vector<int64_t>{0}, opts);
+  auto offsets = at::empty(save ? std::vector<int64_t>{a.N, P} : std::vector<int64_t>{0}, opts);
   if (a.N == 0) return {lp, ent, lse, saved, offsets};
-  auto tile = at::empty({a.rows * cols}, opts);
-  auto state = at::empty({4, a.rows}, opts);  // (m, s, a, target logit) of the rows of the current row tile
+  auto tile = at::empty({a.rows * a.cols}, opts);
+  // The row tile's chunk partials (m, s, a) and target logits; m goes straight into offsets when keeping logits.
+  auto parts = at::empty({(save ? 2 : 3) * a.rows * P + a.rows}, opts);
+  float* pp = parts.data_ptr<float>();
   const auto ht = cuda_type(a.h.scalar_type());
   auto stream = at::cuda::getCurrentCUDAStream();
   const size_t es = a.h.element_size();
   const char* hp = static_cast<const char*>(a.h.data_ptr());
   const char* wp = static_cast<const char*>(a.w.data_ptr());
-  float* sp = state.data_ptr<float>();
-  const fw::LogprobState st{sp, sp + a.rows, sp + 2 * a.rows, sp + 3 * a.rows};
   for (int64_t n0 = 0; n0 < a.N; n0 += a.rows) {
     const int64_t n = std::min(a.rows, a.N - n0);
-    for (int64_t v0 = 0; v0 < a.V; v0 += cols) {
-      const int64_t vc = std::min(cols, a.V - v0);
+    float* m = save ? offsets.data_ptr<float>() + n0 * P : pp + 2 * a.rows * P;
+    const fw::LogprobParts parts_of_tile{m, pp, pp + a.rows * P, P, pp + (save ? 2 : 3) * a.rows * P};
+    for (int64_t v0 = 0; v0 < a.V; v0 += a.cols) {
+      const int64_t vc = std::min(a.cols, a.V - v0);
       // z^T [vc, n] (column-major) = W[v0:v0+vc] . h[n0:n0+n]^T, scaled by 1/temperature
       gemm(CUBLAS_OP_T, CUBLAS_OP_N, vc, n, a.d, (float)(1.0 / temperature), wp + v0 * a.d * es, ht, a.d,
            hp + n0 * a.d * es, ht, a.d, 0.f, tile.data_ptr(), CUDA_R_32F, vc);
-      fw::SavedLogits sv{nullptr, a.V, nullptr, chunks};
-      if (save) {
-        sv.z16 = static_cast<at::Half*>(saved.data_ptr()) + n0 * a.V + v0;
-        sv.off = offsets.data_ptr<float>() + n0 * chunks + v0 / cols;
-      }
-      check_launch(fw::logprob_tile_fwd(tile.data_ptr<float>(), n, vc, v0, a.V, t.data_ptr<int64_t>() + n0, st, sv,
-                                        lp.data_ptr<float>() + n0, ent.data_ptr<float>() + n0,
-                                        lse.data_ptr<float>() + n0, stream),
+      void* z16 = save ? static_cast<void*>(static_cast<at::Half*>(saved.data_ptr()) + n0 * a.V + v0) : nullptr;
+      check_launch(fw::logprob_chunks_fwd(tile.data_ptr<float>(), n, vc, v0, t.data_ptr<int64_t>() + n0,
+                                          parts_of_tile, z16, a.V, stream),
                    "linear_logprob");
     }
+    check_launch(fw::logprob_merge(parts_of_tile, n, a.V, t.data_ptr<int64_t>() + n0, lp.data_ptr<float>() + n0,
+                                   ent.data_ptr<float>() + n0, lse.data_ptr<float>() + n0, stream),
+                 "linear_logprob");
   }
   return {lp, ent, lse, saved, offsets};
 }
@@ -288,7 +292,7 @@ std::tuple<Tensor, Tensor> linear_logprob_backward(const Tensor& grad_logprob, c
   auto gw = at::empty({a.V, a.d}, weight.options());
   if (a.N == 0) return {at::zeros({a.N, a.d}, a.h.options()), gw.zero_()};
   const bool use_saved = saved.numel() > 0;
-  const int64_t chunks = use_saved ? (a.V + save_chunk - 1) / std::max<int64_t>(save_chunk, 1) : 0;
+  const int64_t chunks = use_saved ? (a.V + fw::kLogprobChunk - 1) / fw::kLogprobChunk : 0;
   if (use_saved) {
     TORCH_CHECK(saves_logits(a, save_chunk) && saved.scalar_type() == at::kHalf && saved.is_contiguous() &&
                     saved.dim() == 2 && saved.size(0) == a.N && saved.size(1) == a.V &&
@@ -298,7 +302,7 @@ std::tuple<Tensor, Tensor> linear_logprob_backward(const Tensor& grad_logprob, c
                 "ceil(V / save_chunk)] that linear_logprob returned for 16-bit operands and this save_chunk");
     check_cuda(saved, "linear_logprob_backward", "saved");
   }
-  const int64_t cols = use_saved ? std::min(a.V, save_chunk) : a.cols;
+  const int64_t cols = a.cols;
   const bool one_col_tile = cols >= a.V, one_row_tile = a.rows >= a.N;
   // grad_h: written straight in hidden's dtype when one GEMM covers the vocabulary, else fp32 across tiles.
   auto gh = at::empty({a.N, a.d}, one_col_tile ? a.h.options() : a.h.options().dtype(at::kFloat));
@@ -326,8 +330,8 @@ std::tuple<Tensor, Tensor> linear_logprob_backward(const Tensor& grad_logprob, c
       const void* hs = hp + n0 * a.d * es;
       fw::SavedLogits sv{nullptr, a.V, nullptr, chunks};
       if (use_saved) {
-        sv.z16 = const_cast<at::Half*>(saved.const_data_ptr<at::Half>()) + n0 * a.V + v0;
-        sv.off = const_cast<float*>(offsets.const_data_ptr<float>()) + n0 * chunks + v0 / cols;
+        sv.z16 = saved.const_data_ptr<at::Half>() + n0 * a.V + v0;
+        sv.off = offsets.const_data_ptr<float>() + n0 * chunks + v0 / fw::kLogprobChunk;
       } else {
         gemm(CUBLAS_OP_T, CUBLAS_OP_N, vc, n, a.d, inv_t, ws, ht, a.d, hs, ht, a.d, 0.f, tile.data_ptr(),
              CUDA_R_32F, vc);

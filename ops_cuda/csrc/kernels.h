@@ -37,30 +37,34 @@ cudaError_t swiglu_bwd(DType dt, const void* grad, const void* gate_up, void* gr
                        int64_t I, cudaStream_t stream);
 
 // The fused linear + logprob walks the logits in fp32 tiles z [n, vc] (already divided by the temperature):
-// rows n0.. of the batch, vocabulary columns v0 .. v0 + vc of V; row i of a tile is contiguous (vc floats).
-// Forward, per row, across the tiles of the row (v0 ascending, the first with v0 = 0, all of them before the next
-// row tile): the running logsumexp state and the target's logit live in LogprobState ([tile rows] floats each,
-// indexed by the row within the tile); the last tile (v0 + vc == V) writes logprob, entropy and lse (pointers
-// offset to the tile's first row). Negative target: logprob 0; target >= V: NaN.
-struct LogprobState {
+// rows n0.. of the batch, vocabulary columns v0 .. v0 + vc of V, v0 a multiple of kLogprobChunk; row i of a tile
+// is contiguous (vc floats). Forward: each chunk of kLogprobChunk columns of a row leaves its logsumexp partial
+// (m, s, a) in LogprobParts (row i, column v0 / kLogprobChunk + chunk; row stride ld = ceil(V / kLogprobChunk))
+// and the chunk holding the target its logit in target_z[i]; logprob_merge then combines a row's partials into
+// logprob, entropy and lse (pointers at the row tile's first row). Negative target: logprob 0; target >= V: NaN.
+// Kept logits (z16 set): the tile also goes to z16 + i * z16_ld in fp16 as z minus its chunk's m, so parts.m
+// doubles as the offsets that the backward adds back.
+constexpr int64_t kLogprobChunk = 1024;
+struct LogprobParts {
   float* m;
   float* s;
   float* a;
+  int64_t ld;
   float* target_z;
 };
-// The logits kept for the backward: row i of the tile is stored (fp16, z minus the row's max over the tile) at
-// z16 + i * ld and that max at off[i * off_ld]; pointers at the tile's first row and column. z16 == nullptr:
-// nothing is kept. A tile that keeps its logits has vc <= kLogprobSaveCols.
-constexpr int64_t kLogprobSaveCols = 8192;
+cudaError_t logprob_chunks_fwd(const float* z, int64_t n, int64_t vc, int64_t v0, const int64_t* targets,
+                               LogprobParts parts, void* z16, int64_t z16_ld, cudaStream_t stream);
+cudaError_t logprob_merge(LogprobParts parts, int64_t n, int64_t V, const int64_t* targets, float* logprob,
+                          float* entropy, float* lse, cudaStream_t stream);
+// The kept logits as the backward reads them: row i of the tile at z16 + i * ld (fp16), the offset of its chunk
+// of kLogprobChunk columns at off[i * off_ld + column / kLogprobChunk] (pointers at the tile's first row and
+// column). z16 == nullptr: none.
 struct SavedLogits {
-  void* z16;
+  const void* z16;
   int64_t ld;
-  float* off;
+  const float* off;
   int64_t off_ld;
 };
-cudaError_t logprob_tile_fwd(const float* z, int64_t n, int64_t vc, int64_t v0, int64_t V, const int64_t* targets,
-                             LogprobState state, SavedLogits saved, float* logprob, float* entropy, float* lse,
-                             cudaStream_t stream);
 // d(loss)/dz for a tile, written in dtype dt into g [n, vc] (the 1/temperature is left to the caller), from the
 // fp32 tile z (row stride vc) or, when saved.z16 is set, from the kept logits (z ignored).
 cudaError_t logprob_tile_bwd(DType dt, const float* z, SavedLogits saved, int64_t n, int64_t vc, int64_t v0,

@@ -1,11 +1,12 @@
 // Row kernels of the fused linear + logprob. The host (bindings.cpp) walks the [N, V] logits in tiles of
 // n rows x vc vocabulary columns: it computes a fp32 tile z = hidden_rows @ weight_cols.T / temperature with
-// cuBLAS (row i of the tile is contiguous, vc floats), then these kernels take one row per block:
-// forward: logsumexp with the entropy term over the tile, merged across the vocabulary tiles of a row through a
-// per-row state (m, s, a) in global memory, the target's logit when it falls in the tile, at the last tile the
-// outputs, and optionally the tile's logits kept in fp16 for the backward; backward: dz written in the GEMM dtype
-// for the two gradient GEMMs, from the saved lse and entropy and either a recomputed fp32 tile or the kept fp16
-// logits. State: m (max), s = sum 2^((z-m) log2 e), a = sum 2^(..) (z-m) log2 e, so that lse = m + ln s and
+// cuBLAS (row i of the tile is contiguous, vc floats), then:
+// forward: a warp per chunk of kLogprobChunk columns of a row computes that chunk's logsumexp partial with the
+// entropy term (and the target's logit when the chunk holds it), optionally keeping the chunk in fp16 for the
+// backward; after the row tile's last vocabulary tile one warp per row merges its partials into the outputs;
+// backward: dz written in the GEMM dtype for the two gradient GEMMs, from the saved lse and entropy and either a
+// recomputed fp32 tile or the kept fp16 logits.
+// Partial state: m (max), s = sum 2^((z-m) log2 e), a = sum 2^(..) (z-m) log2 e, so that lse = m + ln s and
 // entropy = ln s - ln 2 * a/s, with no cancellation against m.
 // Exponentials are ex2.approx (one MUFU op, 2 ulp) of an FFMA. With expf and a NaN test per element the forward
 // row kernel ran at 60% of the SMs' throughput and 58% of DRAM bandwidth (ncu, H200); this form took it from
@@ -46,111 +47,109 @@ __device__ __forceinline__ Lse lse_merge(Lse x, Lse y) {
   return {x.m, x.s + y.s * sc, x.a + sc * (y.a + y.s * d)};
 }
 
-// One row of a tile per block, in slices of kSlice columns that the block holds in registers (32 floats a
-// thread, all loaded before any is used): the slice's max first (a block reduction), then the exponentials
-// against it, so no running max is rescaled. Thread 0 loads the row's state before the slice loads, so that
-// latency overlaps them, and merges each slice into it. SAVE: the tile (one slice) is also stored in fp16 as
-// z - max, with that max, for the backward; a shifted logit below fp16's range is stored as -65504 (its
+// One warp per (row, chunk of kLogprobChunk columns), four independent warps a block (no block synchronisation,
+// so the warps' load and arithmetic phases overlap): each lane loads its 32 floats before using any, the warp
+// takes the chunk's max with shuffles, then sums the exponentials against it, so no running max is rescaled.
+// SAVE: the chunk also goes out in fp16 as z - max; a shifted logit below fp16's range is stored as -65504 (its
 // exponential is 0 either way, and the entropy term then stays 0 * finite).
-constexpr int kPerThread = 32;
-constexpr int64_t kSlice = (int64_t)kThreads * kPerThread;
-static_assert(kSlice == kLogprobSaveCols, "a tile that keeps its logits must be one slice");
+// The previous kernel (a block of 256 threads a row, a running state merged across tiles by thread 0) read the
+// tile at 2.2 TB/s, and a version of it that kept a whole 8,192-column tile row in registers (two block
+// reductions a row) at 2.4 TB/s with the fp16 stores (H200 profile, 4,096 x 8,192 tiles).
+constexpr int kChunkWarps = 4;
 
 template <int VEC, bool SAVE>
-__global__ void __launch_bounds__(kThreads)
-logprob_tile_fwd_kernel(const float* __restrict__ z, int64_t vc, int64_t v0, int64_t V,
-                        const int64_t* __restrict__ targets, LogprobState st, SavedLogits sv,
-                        float* __restrict__ logprob, float* __restrict__ entropy, float* __restrict__ lse) {
-  constexpr int CH = kPerThread / VEC;
-  __shared__ float s_max[kThreads / 32], s_sum[2][kThreads / 32], s_tz;
-  const int64_t row = blockIdx.x;
+__global__ void __launch_bounds__(kChunkWarps * 32)
+logprob_chunk_fwd_kernel(const float* __restrict__ z, int64_t n, int64_t vc, int64_t v0,
+                         const int64_t* __restrict__ targets, LogprobParts parts, __half* __restrict__ z16,
+                         int64_t z16_ld) {
+  constexpr int CH = (int)kLogprobChunk / 32 / VEC;  // vectors a lane
+  const int lane = threadIdx.x & 31;
+  const int64_t per_row = (vc + kLogprobChunk - 1) / kLogprobChunk;
+  const int64_t w = (int64_t)blockIdx.x * kChunkWarps + (threadIdx.x >> 5);
+  if (w >= n * per_row) return;
+  const int64_t row = w / per_row, c = w - row * per_row, c0 = c * kLogprobChunk;
   const float* zr = z + row * vc;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int64_t tg = targets[row], tcol = tg - v0;  // the target's column in this tile (maybe outside it)
-  Lse t{0.f, 0.f, 0.f};  // thread 0: the row's state; s == 0 means nothing seen yet
-  float tz_before = 0.f;
-  if (threadIdx.x == 0 && v0 > 0) {
-    t = Lse{st.m[row], st.s[row], st.a[row]};
-    if (tg >= 0 && tg < v0) tz_before = st.target_z[row];
+  float x[CH][VEC];
+#pragma unroll
+  for (int k = 0; k < CH; ++k) {
+    const int64_t i = c0 + (k * 32 + lane) * VEC;
+    Vec<float, VEC> v;
+    if (i < vc) v = load_vec<float, VEC>(zr + i);
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) x[k][j] = i < vc ? v.v[j] : -INFINITY;  // past the end: weight 0
   }
-  for (int64_t c0 = 0; c0 < vc; c0 += kSlice) {
-    float x[CH][VEC];
+  float mx = -INFINITY;
 #pragma unroll
-    for (int c = 0; c < CH; ++c) {
-      const int64_t i = c0 + ((int64_t)c * kThreads + threadIdx.x) * VEC;
-      Vec<float, VEC> v;
-      if (i < vc) v = load_vec<float, VEC>(zr + i);
+  for (int k = 0; k < CH; ++k)
 #pragma unroll
-      for (int j = 0; j < VEC; ++j) x[c][j] = i < vc ? v.v[j] : -INFINITY;  // past the end: weight 0
+    for (int j = 0; j < VEC; ++j) mx = max_nan(mx, x[k][j]);
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) mx = max_nan(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+  const float m = mx == -INFINITY ? 0.f : mx, mk = m * kLog2e;  // a chunk of -inf only: shift 0
+  float s = 0.f, a = 0.f;
+#pragma unroll
+  for (int k = 0; k < CH; ++k) {
+    float sh[VEC];
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) {
+      // (z - m) log2 e, floored at -200 so that a column past the end (z = -inf) adds 0 * -200 to a, not NaN
+      const float d = max_nan(fmaf(x[k][j], kLog2e, -mk), -200.f), e = ex2(d);
+      s += e;
+      a = fmaf(e, d, a);
+      const float y = x[k][j] - m;
+      sh[j] = y < -65504.f ? -65504.f : y;
     }
-    float mx = -INFINITY;
-#pragma unroll
-    for (int c = 0; c < CH; ++c)
-#pragma unroll
-      for (int j = 0; j < VEC; ++j) mx = max_nan(mx, x[c][j]);
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) mx = max_nan(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-    if (lane == 0) s_max[warp] = mx;
-    __syncthreads();
-#pragma unroll
-    for (int w = 0; w < kThreads / 32; ++w) mx = max_nan(mx, s_max[w]);
-    const float m = mx == -INFINITY ? 0.f : mx, mk = m * kLog2e;  // a slice of -inf only: shift 0
-    float s = 0.f, a = 0.f;
-#pragma unroll
-    for (int c = 0; c < CH; ++c) {
-      const int64_t i = c0 + ((int64_t)c * kThreads + threadIdx.x) * VEC;
-      float sh[VEC];
-#pragma unroll
-      for (int j = 0; j < VEC; ++j) {
-        // (z - m) log2 e, floored at -200 so that a column past the end (z = -inf) adds 0 * -200 to a, not NaN
-        const float d = max_nan(fmaf(x[c][j], kLog2e, -mk), -200.f), e = ex2(d);
-        s += e;
-        a = fmaf(e, d, a);
-        const float y = x[c][j] - m;
-        sh[j] = y < -65504.f ? -65504.f : y;
-        if (i + j == tcol) {  // the target's logit: kept for the last tile (s_tz) and across tiles (state)
-          s_tz = x[c][j];
-          st.target_z[row] = x[c][j];
-        }
-      }
-      if constexpr (SAVE)
-        if (i < vc) store_vec<__half, VEC>(static_cast<__half*>(sv.z16) + row * sv.ld + i, vec_from_f<__half, VEC>(sh));
-    }
-    s = warp_sum(s);
-    a = warp_sum(a);
-    if (lane == 0) {
-      s_sum[0][warp] = s;
-      s_sum[1][warp] = a;
-    }
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      float S = 0.f, A = 0.f;
-#pragma unroll
-      for (int w = 0; w < kThreads / 32; ++w) {
-        S += s_sum[0][w];
-        A += s_sum[1][w];
-      }
-      t = lse_merge(t, Lse{m, S, A});
-      if constexpr (SAVE) sv.off[row * sv.off_ld] = m;
+    if constexpr (SAVE) {
+      const int64_t i = c0 + (k * 32 + lane) * VEC;
+      if (i < vc) store_vec<__half, VEC>(z16 + row * z16_ld + i, vec_from_f<__half, VEC>(sh));
     }
   }
-  if (threadIdx.x != 0) return;
-  if (v0 + vc < V) {
-    st.m[row] = t.m;
-    st.s[row] = t.s;
-    st.a[row] = t.a;
-    return;
+  const int64_t tin = targets[row] - v0 - c0;  // the target's column in this chunk (maybe outside it)
+  if (tin >= 0 && tin < kLogprobChunk) {       // the same for the whole warp
+    const int tl = (int)tin - lane * VEC;
+#pragma unroll
+    for (int k = 0; k < CH; ++k)
+#pragma unroll
+      for (int j = 0; j < VEC; ++j)
+        if (k * 32 * VEC + j == tl) parts.target_z[row] = x[k][j];
   }
+  s = warp_sum(s);
+  a = warp_sum(a);
+  if (lane == 0) {
+    const int64_t p = row * parts.ld + v0 / kLogprobChunk + c;
+    parts.m[p] = m;
+    parts.s[p] = s;
+    parts.a[p] = a;
+  }
+}
+
+// One warp per row: its ld partials merged (each lane a strided share, then the lanes), the outputs written.
+__global__ void __launch_bounds__(256)
+logprob_merge_kernel(LogprobParts parts, int64_t n, int64_t V, const int64_t* __restrict__ targets,
+                     float* __restrict__ logprob, float* __restrict__ entropy, float* __restrict__ lse) {
+  const int64_t row = (int64_t)blockIdx.x * 8 + (threadIdx.x >> 5);
+  if (row >= n) return;
+  const int lane = threadIdx.x & 31;
+  Lse t{0.f, 0.f, 0.f};  // s == 0: nothing seen yet
+  for (int64_t p = row * parts.ld + lane, end = (row + 1) * parts.ld; p < end; p += 32)
+    t = lse_merge(t, Lse{parts.m[p], parts.s[p], parts.a[p]});
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    Lse other{__shfl_xor_sync(0xffffffffu, t.m, o), __shfl_xor_sync(0xffffffffu, t.s, o),
+              __shfl_xor_sync(0xffffffffu, t.a, o)};
+    t = lse_merge(t, other);
+  }
+  if (lane != 0) return;
+  const int64_t tg = targets[row];
   const float log_s = logf(t.s), l = t.m + log_s;
   lse[row] = l;
   entropy[row] = log_s - kLn2 * t.a / t.s;
-  const float tz = tcol >= 0 && tcol < vc ? s_tz : tz_before;
-  logprob[row] = tg < 0 ? 0.f : (tg >= V ? __int_as_float(0x7fc00000) : tz - l);
+  logprob[row] = tg < 0 ? 0.f : (tg >= V ? __int_as_float(0x7fc00000) : parts.target_z[row] - l);
 }
 
 // g = glp * (onehot - p) - gH * p * (log p + H), p = exp(z - lse); an ignored target (< 0) has glp = 0.
-// Row i of the tile: vc columns starting at global column v0, read from z + i * ld and shifted by off[i * off_ld]
-// when off is set (the kept fp16 logits); g is [n, vc].
+// Row i of the tile: vc columns starting at global column v0, read from z + i * ld and shifted by their chunk's
+// off[i * off_ld + column / kLogprobChunk] when off is set (the kept fp16 logits); g is [n, vc].
 template <typename Z, typename T, int VEC>
 __global__ void __launch_bounds__(kThreads)
 logprob_tile_bwd_kernel(const Z* __restrict__ z, int64_t ld, const float* __restrict__ off, int64_t off_ld,
@@ -161,9 +160,11 @@ logprob_tile_bwd_kernel(const Z* __restrict__ z, int64_t ld, const float* __rest
   const Z* zr = z + row * ld;
   T* gr = g + row * vc;
   const int64_t tg = targets[row] - v0;  // the target's column in this tile (maybe outside it)
-  const float c = (off ? off[row * off_ld] : 0.f) - lse[row], ck = c * kLog2e, H = entropy[row];
+  const float l = lse[row], H = entropy[row];
   const float gH = grad_entropy[row], glp = targets[row] < 0 ? 0.f : grad_logprob[row];
   for (int64_t i = (int64_t)threadIdx.x * VEC; i < vc; i += (int64_t)kThreads * VEC) {
+    // log p = z - lse, z = the kept value + its chunk's offset (a VEC-wide vector never straddles two chunks)
+    const float c = (off ? off[row * off_ld + i / kLogprobChunk] : 0.f) - l, ck = c * kLog2e;
     const Vec<Z, VEC> v = load_vec<Z, VEC>(zr + i);
     float o[VEC];
 #pragma unroll
@@ -178,22 +179,29 @@ logprob_tile_bwd_kernel(const Z* __restrict__ z, int64_t ld, const float* __rest
 
 }  // namespace
 
-cudaError_t logprob_tile_fwd(const float* z, int64_t n, int64_t vc, int64_t v0, int64_t V, const int64_t* targets,
-                             LogprobState state, SavedLogits saved, float* logprob, float* entropy, float* lse,
-                             cudaStream_t stream) {
+cudaError_t logprob_chunks_fwd(const float* z, int64_t n, int64_t vc, int64_t v0, const int64_t* targets,
+                               LogprobParts parts, void* z16, int64_t z16_ld, cudaStream_t stream) {
   if (n == 0) return cudaSuccess;
-  const bool save = saved.z16 != nullptr;
-  if (save && vc > kLogprobSaveCols) return cudaErrorInvalidValue;
+  if (v0 % kLogprobChunk) return cudaErrorInvalidValue;
+  const bool save = z16 != nullptr;
   // 4 columns a load, and 4 fp16 (8 bytes) a store when keeping the logits
-  const bool vec4 = vc % 4 == 0 && aligned16(z) &&
-                    (!save || (saved.ld % 4 == 0 && (reinterpret_cast<uintptr_t>(saved.z16) & 7u) == 0));
+  const bool vec4 = vc % 4 == 0 && aligned16(z) && (!save || (z16_ld % 4 == 0 && (reinterpret_cast<uintptr_t>(z16) & 7u) == 0));
+  const int64_t warps = n * ((vc + kLogprobChunk - 1) / kLogprobChunk);
+  const unsigned blocks = (unsigned)((warps + kChunkWarps - 1) / kChunkWarps);
   auto launch = [&](auto kernel) {
-    kernel<<<(unsigned)n, kThreads, 0, stream>>>(z, vc, v0, V, targets, state, saved, logprob, entropy, lse);
+    kernel<<<blocks, kChunkWarps * 32, 0, stream>>>(z, n, vc, v0, targets, parts, static_cast<__half*>(z16), z16_ld);
   };
   if (save)
-    vec4 ? launch(logprob_tile_fwd_kernel<4, true>) : launch(logprob_tile_fwd_kernel<1, true>);
+    vec4 ? launch(logprob_chunk_fwd_kernel<4, true>) : launch(logprob_chunk_fwd_kernel<1, true>);
   else
-    vec4 ? launch(logprob_tile_fwd_kernel<4, false>) : launch(logprob_tile_fwd_kernel<1, false>);
+    vec4 ? launch(logprob_chunk_fwd_kernel<4, false>) : launch(logprob_chunk_fwd_kernel<1, false>);
+  return cudaGetLastError();
+}
+
+cudaError_t logprob_merge(LogprobParts parts, int64_t n, int64_t V, const int64_t* targets, float* logprob,
+                          float* entropy, float* lse, cudaStream_t stream) {
+  if (n == 0) return cudaSuccess;
+  logprob_merge_kernel<<<(unsigned)((n + 7) / 8), 256, 0, stream>>>(parts, n, V, targets, logprob, entropy, lse);
   return cudaGetLastError();
 }
 
