@@ -40,6 +40,15 @@ def rel(out: torch.Tensor, expected: torch.Tensor) -> float:
     return float((o - e).norm() / e.norm().clamp_min(1e-30))
 
 
+def child_json(code: str, **env: str):
+    """Run `code` in a child Python process with `env` added (launch overrides are read once per process) and
+    return the JSON it prints last."""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                       env={**os.environ, **env}, check=False)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout.splitlines()[-1])
+
+
 def f64(*ts):
     return [t.detach().double().requires_grad_(t.requires_grad) for t in ts]
 
@@ -114,10 +123,7 @@ def test_rms_norm_backward_other_group_shapes(vecs_a_thread):
         "    rel = lambda a, b: float('nan') if a.isnan().any() else float((a.double() - b).norm() / b.norm())\n"
         "    out.append([dt, wdt, list(shape), rel(gx, gx64), rel(gw, gw64)])\n"
         "print(json.dumps(out))\n")
-    r = subprocess.run([sys.executable, "-c", "import torch\n" + code], capture_output=True, text=True, timeout=600,
-                       env={**os.environ, "FW_RMS_BWD_ROWS": vecs_a_thread}, check=False)
-    assert r.returncode == 0, r.stderr[-3000:]
-    for dt, wdt, shape, rel_gx, rel_gw in json.loads(r.stdout.splitlines()[-1]):
+    for dt, wdt, shape, rel_gx, rel_gw in child_json("import torch\n" + code, FW_RMS_BWD_ROWS=vecs_a_thread):
         assert rel_gx < TOL[getattr(torch, dt)] * 2, (dt, wdt, shape, rel_gx)
         assert rel_gw < TOL[getattr(torch, wdt)] * 2, (dt, wdt, shape, rel_gw)
 
@@ -277,10 +283,7 @@ def test_linear_logprob_other_tiles(tile):
         "    gh, gw = torch.autograd.grad(lp.sum() + 0.3 * ent.sum(), (h, w))\n"
         "    out.append([save, rel(lp, lp64), rel(ent, ent64), rel(gh, g64[0]), rel(gw, g64[1])])\n"
         "print(json.dumps(out))\n")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
-                       env={**os.environ, "FW_LOGPROB_TILE": tile}, check=False)
-    assert r.returncode == 0, r.stderr[-3000:]
-    for save, rel_lp, rel_ent, rel_gh, rel_gw in json.loads(r.stdout.splitlines()[-1]):
+    for save, rel_lp, rel_ent, rel_gh, rel_gw in child_json(code, FW_LOGPROB_TILE=tile):
         assert rel_lp < 1e-5 and rel_ent < 1e-5, (save, rel_lp, rel_ent)
         assert rel_gh < TOL[torch.bfloat16] * 2 and rel_gw < TOL[torch.bfloat16] * 2, (save, rel_gh, rel_gw)
     bad = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
