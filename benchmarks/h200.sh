@@ -24,7 +24,7 @@ step build 150 summary.log python3 -c "import ops_cuda; print(ops_cuda.build());
 step gpu-tests 150 gpu_tests.log python3 -m pytest -m gpu -q -p no:cacheprovider --continue-on-collection-errors --durations=10
 step ops-bench 150 ops_bench.log python3 -m ops_cuda.bench.bench_ops
 step ops-profile 60 ops_bench.log python3 -m ops_cuda.bench.profile_ops rms_norm qk_norm swiglu linear_logprob linear_logprob_recomp
-step train-bench 90 train_bench.log python3 -m benchmarks.train_step --batch 8 --seq 2048 --steps 10 --impls fw,hf
+step train-bench 120 train_bench.log python3 -m benchmarks.train_step --batch 8 --seq 2048 --steps 10 --impls fw,fw-recomp,hf
 step grpo-bench 100 grpo_bench.log python3 -m benchmarks.grpo_step --run_dir=/tmp/runs/grpo-bench
 step rollout-full 120 rollout_bench.log python3 -m benchmarks.rollout --num-seqs 256 --lo 100 --hi 1024 --impls fw,fw-longest,fw-eager
 step rollout-vs-hf 150 rollout_bench.log python3 -m benchmarks.rollout --num-seqs 64 --lo 100 --hi 256 --impls fw,fw-longest,hf

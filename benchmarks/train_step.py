@@ -39,10 +39,13 @@ def flops_per_token(cfg, seq: int) -> float:
     return 6 * params + 6 * cfg.num_hidden_layers * seq * cfg.q_size
 
 
-def fw_loss(model, ids):
+def fw_loss(model, ids, save_logits=None):
+    """The recipes' loss: logits kept for the backward unless the model recomputes activations (or
+    save_logits=False, the fw-recomp impl: the A/B of that choice alone)."""
     hidden = model(ids[:, :-1], return_hidden=True)
+    keep = not model.gradient_checkpointing if save_logits is None else save_logits
     logp, _ = ops_cuda.linear_logprob(hidden.reshape(-1, hidden.shape[-1]), model.lm_head_weight,
-                                      ids[:, 1:].reshape(-1), save_logits=not model.gradient_checkpointing)
+                                      ids[:, 1:].reshape(-1), save_logits=keep)
     return -logp.mean()
 
 
@@ -82,7 +85,9 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--preset", default="qwen3-0.6b")
-    ap.add_argument("--impls", default="fw,fw-compile,fw-ckpt,hf")
+    ap.add_argument("--impls", default="fw,fw-compile,fw-ckpt,hf",
+                    help="comma list of fw, fw-compile, fw-ckpt (activation checkpointing), fw-recomp (loss logits "
+                         "recomputed in the backward instead of kept), hf")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     cfg = preset_config(args.preset, PRESETS[args.preset]["vocab_size"] or 256)
@@ -96,7 +101,7 @@ def main() -> None:
                 model.gradient_checkpointing = True
             if impl == "fw-compile":
                 model.compile()
-            loss_fn = fw_loss
+            loss_fn = (lambda m, ids: fw_loss(m, ids, save_logits=False)) if impl == "fw-recomp" else fw_loss
         else:
             import transformers
             hf_cfg = transformers.Qwen3Config(**cfg.to_hf(), attn_implementation="sdpa")
