@@ -52,9 +52,9 @@ __device__ __forceinline__ Lse lse_merge(Lse x, Lse y) {
 // takes the chunk's max with shuffles, then sums the exponentials against it, so no running max is rescaled.
 // SAVE: the chunk also goes out in fp16 as z - max; a shifted logit below fp16's range is stored as -65504 (its
 // exponential is 0 either way, and the entropy term then stays 0 * finite).
-// The previous kernel (a block of 256 threads a row, a running state merged across tiles by thread 0) read the
-// tile at 2.2 TB/s, and a version of it that kept a whole 8,192-column tile row in registers (two block
-// reductions a row) at 2.4 TB/s with the fp16 stores (H200 profile, 4,096 x 8,192 tiles).
+// Reading the 4,096 x 8,192 fp32 tile (H200 profiles, docs/PERFORMANCE.md runs 7-8): run 7's kernel, a
+// 256-thread block a row with per-thread running maxima, 2.4 TB/s; a block a row holding the whole tile row in
+// registers (two block reductions) 2.2 TB/s, 2.4 counting its fp16 stores; this kernel 2.6 TB/s, 3.1 with them.
 constexpr int kChunkWarps = 4;
 
 template <int VEC, bool SAVE>
