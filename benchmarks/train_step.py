@@ -43,7 +43,7 @@ def fw_loss(model, ids, save_logits=None):
     """The recipes' loss: logits kept for the backward unless the model recomputes activations (or
     save_logits=False, the fw-recomp impl: the A/B of that choice alone)."""
     hidden = model(ids[:, :-1], return_hidden=True)
-    keep = not model.gradient_checkpointing if save_logits is None else save_logits
+    keep = model.saves_logits if save_logits is None else save_logits
     logp, _ = ops_cuda.linear_logprob(hidden.reshape(-1, hidden.shape[-1]), model.lm_head_weight,
                                       ids[:, 1:].reshape(-1), save_logits=keep)
     return -logp.mean()

@@ -78,10 +78,10 @@ def completion_logprobs(model: Any, tokens: Tensor, prompt_lens: Tensor, complet
     length = int((prompt_lens + completion_lens).max())
     hidden = model(tokens[:, :length], return_hidden=True)
     rows, cols, pos = response_index(prompt_lens, completion_lens, width)
-    # The logits are kept for the backward (when there is one) unless the model recomputes its activations.
+    # The logits are kept for the backward (when there is one) as model.policy.keep_logits says.
     logp, entropy = ops_cuda.linear_logprob(hidden[rows, pos], model.lm_head_weight, tokens[rows, pos + 1],
                                             temperature=temperature, return_entropy=with_entropy,
-                                            save_logits=not model.gradient_checkpointing)
+                                            save_logits=model.saves_logits)
     out = hidden.new_zeros(tokens.shape[0], width, dtype=torch.float32).index_put((rows, cols), logp)
     ent = None
     if with_entropy:

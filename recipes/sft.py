@@ -47,9 +47,8 @@ class SFTRecipe:
         selected = targets != IGNORE
         h, t = hidden[selected], targets[selected]
         # Under autocast, fw::linear_logprob's autocast rule casts both operands to bf16. The logits are kept
-        # for the backward (one GEMM fewer) unless the user chose recomputation for memory.
-        logprob, _ = ops_cuda.linear_logprob(h, policy.lm_head_weight, t,
-                                             save_logits=not policy.gradient_checkpointing)
+        # for the backward (one GEMM fewer) unless model.policy.keep_logits says otherwise.
+        logprob, _ = ops_cuda.linear_logprob(h, policy.lm_head_weight, t, save_logits=policy.saves_logits)
         n_local = selected.sum()
         nll = -logprob.sum()
         trainer = module.trainer

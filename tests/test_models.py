@@ -29,7 +29,8 @@ def tiny_model(seed: int = 0, **kw) -> Qwen3ForCausalLM:
 
 
 def policy_cfg(**kw) -> dict:
-    return {"path": None, "preset": None, "dtype": None, "gradient_checkpointing": False, "compile": False, **kw}
+    return {"path": None, "preset": None, "dtype": None, "gradient_checkpointing": False, "keep_logits": None,
+            "compile": False, **kw}
 
 
 def n_params(model: torch.nn.Module) -> int:
@@ -74,6 +75,11 @@ def test_build_policy_from_preset_uses_the_tokenizer_vocabulary():
     small = build_policy(policy_cfg(preset="small", dtype="bfloat16", gradient_checkpointing=True), tok)
     assert small.lm_head_weight.dtype == torch.bfloat16 and small.gradient_checkpointing
     assert small.config.hidden_size == 256
+    # keep_logits: null follows gradient_checkpointing; true / false override it
+    assert model.saves_logits and not small.saves_logits
+    for ckpt, keep in ((False, False), (True, True)):
+        m = build_policy(policy_cfg(preset="tiny", gradient_checkpointing=ckpt, keep_logits=keep), tok)
+        assert m.saves_logits is keep and m.gradient_checkpointing is ckpt
 
 
 def test_build_policy_from_path_and_bad_settings(tmp_path):

@@ -12,7 +12,7 @@ from framework.models.qwen3 import Qwen3ForCausalLM, init_weights
 
 def build_policy(model_cfg: dict, tokenizer) -> Qwen3ForCausalLM:
     """Load `model_cfg["path"]` or random-init `model_cfg["preset"]` in `dtype` (null = float32) on the
-    CPU; honours `gradient_checkpointing` and `compile`. The tokenizer must fit the vocabulary."""
+    CPU; honours `gradient_checkpointing`, `keep_logits` and `compile`. The tokenizer must fit the vocabulary."""
     path, preset = model_cfg["path"], model_cfg["preset"]
     if (path is None) == (preset is None):
         raise FwError("model.policy: set exactly one of path (an HF checkpoint directory) or preset, "
@@ -30,6 +30,7 @@ def build_policy(model_cfg: dict, tokenizer) -> Qwen3ForCausalLM:
         raise FwError(f"model.policy: the tokenizer has {tokenizer.vocab_size} tokens but the model's "
                       f"vocab_size is {model.config.vocab_size}")
     model.gradient_checkpointing = model_cfg["gradient_checkpointing"]
+    model.keep_logits = model_cfg["keep_logits"]
     if model_cfg["compile"]:
         model.compile()   # in place: keeps the class, its methods and the state_dict keys
     return model

@@ -246,6 +246,7 @@ class Qwen3ForCausalLM(nn.Module):
         self.model = Qwen3Model(config)
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(
             config.hidden_size, config.vocab_size, bias=False)
+        self.keep_logits: bool | None = None  # model.policy.keep_logits; None: keep unless checkpointing
         init_weights(self, config.initializer_range)
 
     @property
@@ -260,6 +261,11 @@ class Qwen3ForCausalLM(nn.Module):
     @gradient_checkpointing.setter
     def gradient_checkpointing(self, enabled: bool) -> None:
         self.model.gradient_checkpointing = enabled
+
+    @property
+    def saves_logits(self) -> bool:
+        """Whether the loss keeps its logits for the backward (ops_cuda.linear_logprob's save_logits)."""
+        return not self.gradient_checkpointing if self.keep_logits is None else self.keep_logits
 
     def forward(self, input_ids: Tensor, position_ids: Tensor | None = None,
                 return_hidden: bool = False) -> Tensor:
