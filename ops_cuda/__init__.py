@@ -122,6 +122,8 @@ def linear_logprob(hidden: Tensor, weight: Tensor, targets: Tensor, temperature:
                                 f"targets {tuple(targets.shape)} (expected [N, d], [V, d], [N])")
     if not temperature > 0:
         _fail("linear_logprob", f"temperature must be > 0, got {temperature}")
+    if weight.shape[0] == 0:
+        _fail("linear_logprob", "`weight` has no rows: the vocabulary must hold at least one token")
     save = save_logits and torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     lp, ent, *_ = torch.ops.fw.linear_logprob(hidden, weight, targets, float(temperature),
                                               SAVED_LOGITS_CHUNK if save else 0)

@@ -239,13 +239,59 @@ def test_linear_logprob_saved_logits(dtype):
         assert rel(gr, g64) < bound and rel(gs, g64) < 1.25 * rel(gr, g64) + 1e-5
 
 
+def _kept_for_backward(fn) -> list[tuple[torch.dtype, tuple]]:
+    """(dtype, shape) of every tensor autograd saves while `fn` runs."""
+    saved = []
+
+    def pack(t):
+        saved.append((t.dtype, tuple(t.shape)))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return saved
+
+
 def test_linear_logprob_saved_logits_only_when_useful():
-    """Nothing is kept for fp32 / fp64 operands, without a backward, or under no_grad."""
+    """The wrapper keeps an fp16 [N, V] for the backward only with save_logits, 16-bit operands (also under
+    autocast) and a backward to come: not under no_grad, without requires_grad, or for fp32 / fp64 operands."""
     h, w, t = torch.randn(4, 8), torch.randn(20, 8), torch.tensor([1, 2, 3, 4])
+
+    def kept(a, b, save=True, grad=True):
+        with torch.set_grad_enabled(grad):
+            return (torch.float16, (4, 20)) in _kept_for_backward(
+                lambda: ops_cuda.linear_logprob(a, b, t, save_logits=save))
+
+    hb, wb = h.bfloat16().requires_grad_(True), w.bfloat16().requires_grad_(True)
+    assert kept(hb, wb)
+    assert kept(h.half(), w.half().requires_grad_(True))  # the weight alone needs a gradient
+    assert not kept(hb, wb, save=False) and not kept(hb, wb, grad=False)
+    assert not kept(h.bfloat16(), w.bfloat16())
+    assert not kept(h.requires_grad_(True), w) and not kept(h.double(), w.double().requires_grad_(True))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert kept(h, w.requires_grad_(True))
     assert torch.ops.fw.linear_logprob(h, w, t, 1.0, 8)[3].numel() == 0
-    assert torch.ops.fw.linear_logprob(h.double(), w.double(), t, 1.0, 8)[3].numel() == 0
-    assert torch.ops.fw.linear_logprob(h.bfloat16(), w.bfloat16(), t, 1.0, 8)[3].shape == (4, 20)
     assert torch.ops.fw.linear_logprob(h.bfloat16(), w.bfloat16(), t, 1.0, 0)[3].numel() == 0
+
+
+def test_linear_logprob_backward_reads_the_kept_logits():
+    """Given kept logits of other hidden states h2, the backward's dz comes from them, not from recomputing
+    hidden @ W.T: grad_hidden = dz(h2) W / T and grad_weight = dz(h2)^T h / T, checked in float64."""
+    N, d, V, temp = 6, 8, 30, 0.8
+    h, h2, w = torch.randn(N, d).bfloat16(), torch.randn(N, d).bfloat16(), torch.randn(V, d).bfloat16()
+    t = torch.tensor([1, 2, -100, 4, 29, 0])
+    _, ent2, lse2, saved2, off2 = torch.ops.fw.linear_logprob(h2, w, t, temp, 8)
+    g1, g2 = torch.linspace(-1, 1, N), torch.linspace(0.5, -0.5, N)
+    gh, gw = torch.ops.fw.linear_logprob_backward(g1, g2, h, w, t, lse2, ent2, saved2, off2, temp, 8)
+    z2 = (h2.double() @ w.double().T / temp).requires_grad_(True)
+    logp = z2.log_softmax(-1)
+    lp = torch.where(t < 0, 0.0, logp.gather(1, t.clamp(min=0)[:, None]).squeeze(1))
+    ent = -(logp.exp() * logp).sum(-1)
+    (dz,) = torch.autograd.grad((lp * g1.double()).sum() + (ent * g2.double()).sum(), z2)
+    assert rel(gh, dz @ w.double() / temp) < 8e-3 and rel(gw, dz.T @ h.double() / temp) < 8e-3
+    recomputed = torch.ops.fw.linear_logprob_backward(g1, g2, h, w, t, lse2, ent2, torch.empty(0), torch.empty(0),
+                                                      temp)
+    assert rel(recomputed[0], gh) > 0.1  # the recomputing path would have used h's logits
 
 
 def test_linear_logprob_saved_logits_beyond_fp16_range():
@@ -368,6 +414,8 @@ def test_bad_shapes_raise_clear_errors():
         ops_cuda.linear_logprob(torch.randn(3, 4), torch.randn(5, 4), torch.zeros(3, dtype=torch.long), 0.0)
     with pytest.raises(IndexError, match="vocabulary"):
         ops_cuda.linear_logprob(torch.randn(3, 4), torch.randn(5, 4), torch.tensor([0, 5, 1]))
+    with pytest.raises(ValueError, match="at least one token"):
+        ops_cuda.linear_logprob(torch.randn(3, 4), torch.randn(0, 4), torch.zeros(3, dtype=torch.long))
 
 
 # ------------------------------------------------------------------ torch.compile

@@ -173,7 +173,8 @@ def test_swiglu(dtype, shape):
 @pytest.mark.parametrize("dtype,save", [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True),
                                         (torch.float16, True)])
 @pytest.mark.parametrize("N,d,V,temperature", [(1, 64, 1000, 1.0), (37, 128, 5003, 0.7), (1000, 128, 151936, 1.3),
-                                               (5000, 64, 20001, 1.0)])  # several row and vocabulary tiles
+                                               (5000, 64, 20001, 1.0),  # several row and vocabulary tiles
+                                               (7, 64, 4100, 1.0)])  # V % 8 == 4: 4-wide forward, 1-wide dz
 def test_linear_logprob(dtype, save, N, d, V, temperature):
     """save: the backward reads the forward's fp16 logits instead of recomputing them (16-bit operands)."""
     h = torch.randn(N, d, device=DEV, dtype=dtype).requires_grad_(True)
@@ -194,6 +195,9 @@ def test_linear_logprob(dtype, save, N, d, V, temperature):
     dh64, dw64 = torch.autograd.grad((lp_full * glp.double()).sum() + (ent_full * gent.double()).sum(), (h64, w64))
     assert lp.dtype == torch.float32 and ent.dtype == torch.float32
     assert rel(lp, lp_full) < 1e-5 and rel(ent, ent_full) < 1e-5
+    with torch.no_grad():  # keeping the logits leaves the forward's outputs as they are, bit for bit
+        lp_plain, ent_plain, *_ = torch.ops.fw.linear_logprob(h, w, t, temperature)
+    assert torch.equal(lp, lp_plain) and torch.equal(ent, ent_plain)
     assert rel(lp64, lp_full) < 1e-10 and rel(ent64, ent_full) < 1e-10  # chunked reference == plain one
     assert rel(dh, dh64) < TOL[dtype] * 2 and rel(dw, dw64) < TOL[dtype] * 2
 
@@ -208,6 +212,14 @@ def test_linear_logprob_autocast_uses_bf16_gemm():
     assert torch.allclose(lp, lp_bf16, rtol=0, atol=1e-5)
     gh, gw = torch.autograd.grad(lp.sum(), (h, w))
     assert gh.dtype == torch.float32 and gw.dtype == torch.float32 and gh.isfinite().all()
+    # the recipes' path: fp32 master weights under autocast, logits kept (an fp16 [N, V] saved for the backward)
+    kept = []
+    hooks = torch.autograd.graph.saved_tensors_hooks(lambda x: kept.append((x.dtype, tuple(x.shape))) or x, lambda x: x)
+    with hooks, torch.autocast("cuda", dtype=torch.bfloat16):
+        lp_k, _ = ops_cuda.linear_logprob(h, w, t, save_logits=True)
+    assert (torch.float16, (64, 3001)) in kept and torch.equal(lp_k, lp)
+    gh_k, gw_k = torch.autograd.grad(lp_k.sum(), (h, w))
+    assert rel(gh_k, gh) < 1e-2 and rel(gw_k, gw) < 1e-2
 
 
 def test_linear_logprob_bad_target_is_nan():
@@ -235,16 +247,64 @@ def test_linear_logprob_nan_propagates():
             assert saved[1].isnan().all() and not saved[[0, 2, 3]].isnan().any()
     w[9000] = float("nan")                         # one column of every row
     assert torch.ops.fw.linear_logprob(h, w, t, 1.0)[2].isnan().all()
+    assert torch.ops.fw.linear_logprob(h.bfloat16(), w.bfloat16(), t, 1.0, ops_cuda.SAVED_LOGITS_CHUNK)[2].isnan().all()
 
 
+def test_linear_logprob_chunk_of_minus_inf():
+    """A 1,024-column chunk whose logits are all -inf (a -inf weight column, positive hidden) adds nothing: the
+    outputs equal float64 over the finite columns, with and without kept logits (saved -65504, offset 0)."""
+    N, d, V = 3, 64, 5000
+    h = torch.rand(N, d, device=DEV) + 0.1
+    w = torch.randn(V, d, device=DEV) / 8
+    w[1024:2048] = 0.0
+    w[1024:2048, 0] = float("-inf")                # logits of columns 1024..2047: -inf
+    t = torch.tensor([5, 3000, 4999], device=DEV)
+    finite = torch.cat([torch.arange(0, 1024), torch.arange(2048, V)]).to(DEV)
+    z = h.double() @ w[finite].double().T
+    logp = z.log_softmax(-1)
+    tf = torch.tensor([5, 3000 - 1024, 4999 - 1024], device=DEV)
+    lp64, ent64 = logp.gather(1, tf[:, None]).squeeze(1), -(logp.exp() * logp).sum(-1)
+    for hh, ww, tol in ((h, w, 1e-5), (h.bfloat16(), w.bfloat16(), 3e-2)):
+        lp, ent, lse, saved, off = torch.ops.fw.linear_logprob(hh, ww, t, 1.0, ops_cuda.SAVED_LOGITS_CHUNK)
+        torch.testing.assert_close(lp.double(), lp64, rtol=tol, atol=tol)
+        torch.testing.assert_close(ent.double(), ent64, rtol=tol, atol=tol)
+        torch.testing.assert_close(lse.double(), z.logsumexp(-1), rtol=tol, atol=tol)
+        if saved.numel():
+            assert (saved[:, 1024:2048] == -65504).all() and (off[:, 1] == 0).all()
+            gh, gw = torch.ops.fw.linear_logprob_backward(torch.ones(N, device=DEV), torch.ones(N, device=DEV), hh, ww,
+                                                          t, lse, ent, saved, off, 1.0, ops_cuda.SAVED_LOGITS_CHUNK)
+            # grad_weight of the -inf columns is exactly 0 (p = 0 there); grad_hidden meets their -inf weights
+            assert gw.isfinite().all() and (gw[1024:2048] == 0).all() and gh.shape == hh.shape
+
+
+def test_linear_logprob_backward_reads_the_kept_logits():
+    """Given kept logits of other hidden states h2, the CUDA backward's dz comes from them, not from
+    recomputing hidden @ W.T: grad_hidden = dz(h2) W / T, grad_weight = dz(h2)^T h / T (float64 reference)."""
+    N, d, V, temp, C = 40, 64, 9000, 0.8, ops_cuda.SAVED_LOGITS_CHUNK
+    h, h2 = (torch.randn(N, d, device=DEV).bfloat16() for _ in range(2))
+    w = (torch.randn(V, d, device=DEV) / 8).bfloat16()
+    t = torch.randint(0, V, (N,), device=DEV)
+    _, ent2, lse2, saved2, off2 = torch.ops.fw.linear_logprob(h2, w, t, temp, C)
+    g1, g2 = torch.randn(N, device=DEV), torch.randn(N, device=DEV)
+    poison()
+    gh, gw = torch.ops.fw.linear_logprob_backward(g1, g2, h, w, t, lse2, ent2, saved2, off2, temp, C)
+    z2 = (h2.double() @ w.double().T / temp).requires_grad_(True)
+    logp = z2.log_softmax(-1)
+    lp, ent = logp.gather(1, t[:, None]).squeeze(1), -(logp.exp() * logp).sum(-1)
+    (dz,) = torch.autograd.grad((lp * g1.double()).sum() + (ent * g2.double()).sum(), z2)
+    assert rel(gh, dz @ w.double() / temp) < TOL[torch.bfloat16] * 2
+    assert rel(gw, dz.T @ h.double() / temp) < TOL[torch.bfloat16] * 2
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("N,V", [(3, 20001), (300, 151936), (5, 4099), (1, 7), (2, 1024)])
-def test_linear_logprob_saved_logits_match_float64(N, V):
+def test_linear_logprob_saved_logits_match_float64(dtype, N, V):
     """The kept logits: offsets[:, c] = the max of chunk c (1,024 columns) of the fp32 logits, saved = the logits
     minus their chunk's max in fp16; aligned and unaligned vocabularies, partial last chunks, one column, and
     several vocabulary tiles (8,192 columns each)."""
     d, C = 64, ops_cuda.SAVED_LOGITS_CHUNK
-    h = torch.randn(N, d, device=DEV, dtype=torch.bfloat16)
-    w = (torch.randn(V, d, device=DEV) / 4).to(torch.bfloat16)
+    h = torch.randn(N, d, device=DEV, dtype=dtype)
+    w = (torch.randn(V, d, device=DEV) / 4).to(dtype)
     t = torch.randint(0, V, (N,), device=DEV)
     poison()
     _, _, _, saved, off = torch.ops.fw.linear_logprob(h, w, t, 0.8, C)

@@ -301,6 +301,9 @@ std::tuple<Tensor, Tensor> linear_logprob_backward(const Tensor& grad_logprob, c
                 "fw::linear_logprob_backward: saved must be the float16 [N, V] and offsets the float32 [N, ",
                 "ceil(V / save_chunk)] that linear_logprob returned for 16-bit operands and this save_chunk");
     check_cuda(saved, "linear_logprob_backward", "saved");
+    check_cuda(offsets, "linear_logprob_backward", "offsets");
+    TORCH_CHECK(saved.device() == hidden.device() && offsets.device() == hidden.device(),
+                "fw::linear_logprob_backward: saved and offsets must be on hidden's device");
   }
   const int64_t cols = a.cols;
   const bool one_col_tile = cols >= a.V, one_row_tile = a.rows >= a.N;

@@ -54,7 +54,7 @@ __device__ __forceinline__ Lse lse_merge(Lse x, Lse y) {
 // exponential is 0 either way, and the entropy term then stays 0 * finite).
 // Reading the 4,096 x 8,192 fp32 tile (H200 profiles, docs/PERFORMANCE.md runs 7-8): run 7's kernel, a
 // 256-thread block a row with per-thread running maxima, 2.4 TB/s; a block a row holding the whole tile row in
-// registers (two block reductions) 2.2 TB/s, 2.4 counting its fp16 stores; this kernel 2.6 TB/s, 3.1 with them.
+// registers (two block reductions) 2.1 TB/s, 2.3 counting its fp16 stores; this kernel 2.6 TB/s, 3.1 with them.
 constexpr int kChunkWarps = 4;
 
 template <int VEC, bool SAVE>
@@ -185,7 +185,8 @@ cudaError_t logprob_chunks_fwd(const float* z, int64_t n, int64_t vc, int64_t v0
   if (v0 % kLogprobChunk) return cudaErrorInvalidValue;
   const bool save = z16 != nullptr;
   // 4 columns a load, and 4 fp16 (8 bytes) a store when keeping the logits
-  const bool vec4 = vc % 4 == 0 && aligned16(z) && (!save || (z16_ld % 4 == 0 && (reinterpret_cast<uintptr_t>(z16) & 7u) == 0));
+  const bool vec4 = vc % 4 == 0 && aligned16(z) &&
+                    (!save || (z16_ld % 4 == 0 && (reinterpret_cast<uintptr_t>(z16) & 7u) == 0));
   const int64_t warps = n * ((vc + kLogprobChunk - 1) / kLogprobChunk);
   const unsigned blocks = (unsigned)((warps + kChunkWarps - 1) / kChunkWarps);
   auto launch = [&](auto kernel) {
