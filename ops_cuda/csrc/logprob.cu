@@ -61,7 +61,7 @@ template <int VEC, bool SAVE>
 __global__ void __launch_bounds__(kChunkWarps * 32)
 logprob_chunk_fwd_kernel(const float* __restrict__ z, int64_t n, int64_t vc, int64_t v0,
                          const int64_t* __restrict__ targets, LogprobParts parts, __half* __restrict__ z16,
-                         int64_t z16_ld) {
+                         int64_t z16_ld, bool z16_vec) {
   constexpr int CH = (int)kLogprobChunk / 32 / VEC;  // vectors a lane
   const int lane = threadIdx.x & 31;
   const int64_t per_row = (vc + kLogprobChunk - 1) / kLogprobChunk;
@@ -101,7 +101,13 @@ logprob_chunk_fwd_kernel(const float* __restrict__ z, int64_t n, int64_t vc, int
     }
     if constexpr (SAVE) {
       const int64_t i = c0 + (k * 32 + lane) * VEC;
-      if (i < vc) store_vec<__half, VEC>(z16 + row * z16_ld + i, vec_from_f<__half, VEC>(sh));
+      __half* out = z16 + row * z16_ld + i;
+      if (i < vc && z16_vec) {
+        store_vec<__half, VEC>(out, vec_from_f<__half, VEC>(sh));
+      } else if (i < vc) {  // rows of an odd width: fp16 stores one by one
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) out[j] = __float2half_rn(sh[j]);
+      }
     }
   }
   const int64_t tin = targets[row] - v0 - c0;  // the target's column in this chunk (maybe outside it)
@@ -184,13 +190,15 @@ cudaError_t logprob_chunks_fwd(const float* z, int64_t n, int64_t vc, int64_t v0
   if (n == 0) return cudaSuccess;
   if (v0 % kLogprobChunk) return cudaErrorInvalidValue;
   const bool save = z16 != nullptr;
-  // 4 columns a load, and 4 fp16 (8 bytes) a store when keeping the logits
-  const bool vec4 = vc % 4 == 0 && aligned16(z) &&
-                    (!save || (z16_ld % 4 == 0 && (reinterpret_cast<uintptr_t>(z16) & 7u) == 0));
+  // 4 columns a load whether or not the logits are kept (the same sums, so the same outputs bit for bit), and
+  // 4 fp16 (8 bytes) a store where the kept rows allow it
+  const bool vec4 = vc % 4 == 0 && aligned16(z);
+  const bool z16_vec = vec4 && z16_ld % 4 == 0 && (reinterpret_cast<uintptr_t>(z16) & 7u) == 0;
   const int64_t warps = n * ((vc + kLogprobChunk - 1) / kLogprobChunk);
   const unsigned blocks = (unsigned)((warps + kChunkWarps - 1) / kChunkWarps);
   auto launch = [&](auto kernel) {
-    kernel<<<blocks, kChunkWarps * 32, 0, stream>>>(z, n, vc, v0, targets, parts, static_cast<__half*>(z16), z16_ld);
+    kernel<<<blocks, kChunkWarps * 32, 0, stream>>>(z, n, vc, v0, targets, parts, static_cast<__half*>(z16), z16_ld,
+                                                    z16_vec);
   };
   if (save)
     vec4 ? launch(logprob_chunk_fwd_kernel<4, true>) : launch(logprob_chunk_fwd_kernel<1, true>);
