@@ -33,15 +33,19 @@ def _hidden_leftovers(run_dir: Path) -> list[str]:
 
 
 def _newest_step(run_dir: Path) -> int:
-    """The newest published step while a writer runs: a checkpoint listed here may be pruned by the writer before
-    its manifest is read (seen on a loaded machine), so look again."""
+    """The newest published step while a writer runs. Between listing a checkpoint and reading its manifest the
+    live writer may prune it, or (replacing a step without RENAME_EXCHANGE: two renames) have it renamed aside
+    with the new copy not yet in place; both were seen on a loaded machine. So look again; a manifest that stays
+    unreadable for a second is a real fault."""
+    deadline = time.monotonic() + 1.0
     while True:
         latest = ck.find_latest(run_dir)
         try:
             return ck.read_manifest(latest)["step"] if latest else 0
         except FwError:
-            if latest is not None and Path(latest).exists():
-                raise  # still there, yet unreadable: a real fault
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.005)
 
 
 
