@@ -104,7 +104,7 @@ logprob_chunk_fwd_kernel(const float* __restrict__ z, int64_t n, int64_t vc, int
       __half* out = z16 + row * z16_ld + i;
       if (i < vc && z16_vec) {
         store_vec<__half, VEC>(out, vec_from_f<__half, VEC>(sh));
-      } else if (i < vc) {  // rows of an odd width: fp16 stores one by one
+      } else if (i < vc) {  // kept rows not 8-byte aligned (V not a multiple of 4): one fp16 at a time
 #pragma unroll
         for (int j = 0; j < VEC; ++j) out[j] = __float2half_rn(sh[j]);
       }
