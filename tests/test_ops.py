@@ -26,6 +26,12 @@ def rel(a, b) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-300))
 
 
+def logprob_entropy64(z, t):
+    """Independent float64 reference: (logprob of targets t, 0 where t < 0; entropy) of softmax(z)."""
+    logp = z.log_softmax(-1)
+    return torch.where(t < 0, 0.0, logp.gather(1, t.clamp(min=0)[:, None]).squeeze(1)), -(logp.exp() * logp).sum(-1)
+
+
 # ------------------------------------------------------------------ opcheck (schema, fake, autograd, AOT)
 def op_args():
     q = torch.randn(2, 5, 4, 8, requires_grad=True)
@@ -227,9 +233,7 @@ def test_linear_logprob_saved_logits(dtype):
     (lp_r, _), grads_r = _logprob_grads(h, w, t, temp, save_logits=False)
     assert torch.equal(lp_s, lp_r)
     h64, w64 = h.double().requires_grad_(True), w.double().requires_grad_(True)
-    logp = (h64 @ w64.T / temp).log_softmax(-1)
-    lp64 = torch.where(t < 0, 0.0, logp.gather(1, t.clamp(min=0)[:, None]).squeeze(1))
-    ent64 = -(logp.exp() * logp).sum(-1)
+    lp64, ent64 = logprob_entropy64(h64 @ w64.T / temp, t)
     g1, g2 = torch.linspace(-1, 1, N, dtype=D64), torch.linspace(0.5, -0.3, N, dtype=D64)
     grads64 = torch.autograd.grad((lp64 * g1).sum() + (ent64 * g2).sum(), (h64, w64))
     assert rel(lp_s, lp64) < 1e-6 and rel(ent_s, ent64) < 1e-6
@@ -284,9 +288,7 @@ def test_linear_logprob_backward_reads_the_kept_logits():
     g1, g2 = torch.linspace(-1, 1, N), torch.linspace(0.5, -0.5, N)
     gh, gw = torch.ops.fw.linear_logprob_backward(g1, g2, h, w, t, lse2, ent2, saved2, off2, temp, 8)
     z2 = (h2.double() @ w.double().T / temp).requires_grad_(True)
-    logp = z2.log_softmax(-1)
-    lp = torch.where(t < 0, 0.0, logp.gather(1, t.clamp(min=0)[:, None]).squeeze(1))
-    ent = -(logp.exp() * logp).sum(-1)
+    lp, ent = logprob_entropy64(z2, t)
     (dz,) = torch.autograd.grad((lp * g1.double()).sum() + (ent * g2.double()).sum(), z2)
     assert rel(gh, dz @ w.double() / temp) < 8e-3 and rel(gw, dz.T @ h.double() / temp) < 8e-3
     recomputed = torch.ops.fw.linear_logprob_backward(g1, g2, h, w, t, lse2, ent2, torch.empty(0), torch.empty(0),

@@ -53,6 +53,12 @@ def f64(*ts):
     return [t.detach().double().requires_grad_(t.requires_grad) for t in ts]
 
 
+def logprob_entropy64(z, t):
+    """Independent float64 reference: (logprob of targets t, 0 where t < 0; entropy) of softmax(z)."""
+    logp = z.log_softmax(-1)
+    return torch.where(t < 0, 0.0, logp.gather(1, t.clamp(min=0)[:, None]).squeeze(1)), -(logp.exp() * logp).sum(-1)
+
+
 def test_doctor_reports_built_extension():
     text = ops_cuda.doctor()
     assert "extension loaded: yes" in text and "CUDA ops served by: the CUDA kernels" in text
@@ -188,10 +194,7 @@ def test_linear_logprob(dtype, save, N, d, V, temperature):
     dh, dw = torch.autograd.grad((lp * glp).sum() + (ent * gent).sum(), (h, w))
     h64, w64 = f64(h, w)
     lp64, ent64, *_ = ref.linear_logprob(h64, w64, t, temperature)
-    logits = (h64 @ w64.T) / temperature  # independent unchunked float64 reference for the grads
-    logp = logits.log_softmax(-1)
-    lp_full = torch.where(t < 0, 0.0, logp.gather(1, t.clamp(min=0)[:, None]).squeeze(1))
-    ent_full = -(logp.exp() * logp).sum(-1)
+    lp_full, ent_full = logprob_entropy64((h64 @ w64.T) / temperature, t)  # unchunked, for the grads too
     dh64, dw64 = torch.autograd.grad((lp_full * glp.double()).sum() + (ent_full * gent.double()).sum(), (h64, w64))
     assert lp.dtype == torch.float32 and ent.dtype == torch.float32
     assert rel(lp, lp_full) < 1e-5 and rel(ent, ent_full) < 1e-5
@@ -261,9 +264,7 @@ def test_linear_logprob_chunk_of_minus_inf():
     t = torch.tensor([5, 3000, 4999], device=DEV)
     finite = torch.cat([torch.arange(0, 1024), torch.arange(2048, V)]).to(DEV)
     z = h.double() @ w[finite].double().T
-    logp = z.log_softmax(-1)
-    tf = torch.tensor([5, 3000 - 1024, 4999 - 1024], device=DEV)
-    lp64, ent64 = logp.gather(1, tf[:, None]).squeeze(1), -(logp.exp() * logp).sum(-1)
+    lp64, ent64 = logprob_entropy64(z, torch.tensor([5, 3000 - 1024, 4999 - 1024], device=DEV))
     for hh, ww, tol in ((h, w, 1e-5), (h.bfloat16(), w.bfloat16(), 3e-2)):
         lp, ent, lse, saved, off = torch.ops.fw.linear_logprob(hh, ww, t, 1.0, ops_cuda.SAVED_LOGITS_CHUNK)
         torch.testing.assert_close(lp.double(), lp64, rtol=tol, atol=tol)
@@ -289,8 +290,7 @@ def test_linear_logprob_backward_reads_the_kept_logits():
     poison()
     gh, gw = torch.ops.fw.linear_logprob_backward(g1, g2, h, w, t, lse2, ent2, saved2, off2, temp, C)
     z2 = (h2.double() @ w.double().T / temp).requires_grad_(True)
-    logp = z2.log_softmax(-1)
-    lp, ent = logp.gather(1, t[:, None]).squeeze(1), -(logp.exp() * logp).sum(-1)
+    lp, ent = logprob_entropy64(z2, t)
     (dz,) = torch.autograd.grad((lp * g1.double()).sum() + (ent * g2.double()).sum(), z2)
     assert rel(gh, dz @ w.double() / temp) < TOL[torch.bfloat16] * 2
     assert rel(gw, dz.T @ h.double() / temp) < TOL[torch.bfloat16] * 2

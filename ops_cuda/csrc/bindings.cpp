@@ -227,6 +227,9 @@ LinearArgs linear_args(const Tensor& hidden, const Tensor& weight, const Tensor&
   return a;
 }
 
+// Chunks of kLogprobChunk columns in a row of V: the forward's partials a row, and the kept logits' offsets.
+int64_t logprob_chunks(int64_t V) { return (V + fw::kLogprobChunk - 1) / fw::kLogprobChunk; }
+
 // Whether the forward keeps the logits for the backward: asked for and 16-bit operands (ops_cuda.reference).
 bool saves_logits(const LinearArgs& a, int64_t save_chunk) {
   if (save_chunk <= 0 || a.h.scalar_type() == at::kFloat) return false;
@@ -244,7 +247,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> linear_logprob(const Tensor& 
   auto opts = a.h.options().dtype(at::kFloat);
   auto lp = at::empty({a.N}, opts), ent = at::empty({a.N}, opts), lse = at::empty({a.N}, opts);
   const bool save = saves_logits(a, save_chunk);
-  const int64_t P = (a.V + fw::kLogprobChunk - 1) / fw::kLogprobChunk;  // chunks a row
+  const int64_t P = logprob_chunks(a.V);
   auto saved = at::empty(save ? std::vector<int64_t>{a.N, a.V} : std::vector<int64_t>{0}, opts.dtype(at::kHalf));
   auto offsets = at::empty(save ? std::vector<int64_t>{a.N, P} : std::vector<int64_t>{0}, opts);
   if (a.N == 0) return {lp, ent, lse, saved, offsets};
@@ -292,7 +295,7 @@ std::tuple<Tensor, Tensor> linear_logprob_backward(const Tensor& grad_logprob, c
   auto gw = at::empty({a.V, a.d}, weight.options());
   if (a.N == 0) return {at::zeros({a.N, a.d}, a.h.options()), gw.zero_()};
   const bool use_saved = saved.numel() > 0;
-  const int64_t chunks = use_saved ? (a.V + fw::kLogprobChunk - 1) / fw::kLogprobChunk : 0;
+  const int64_t chunks = use_saved ? logprob_chunks(a.V) : 0;
   if (use_saved) {
     TORCH_CHECK(saves_logits(a, save_chunk) && saved.scalar_type() == at::kHalf && saved.is_contiguous() &&
                     saved.dim() == 2 && saved.size(0) == a.N && saved.size(1) == a.V &&
@@ -305,16 +308,15 @@ std::tuple<Tensor, Tensor> linear_logprob_backward(const Tensor& grad_logprob, c
     TORCH_CHECK(saved.device() == hidden.device() && offsets.device() == hidden.device(),
                 "fw::linear_logprob_backward: saved and offsets must be on hidden's device");
   }
-  const int64_t cols = a.cols;
-  const bool one_col_tile = cols >= a.V, one_row_tile = a.rows >= a.N;
+  const bool one_col_tile = a.cols >= a.V, one_row_tile = a.rows >= a.N;
   // grad_h: written straight in hidden's dtype when one GEMM covers the vocabulary, else fp32 across tiles.
   auto gh = at::empty({a.N, a.d}, one_col_tile ? a.h.options() : a.h.options().dtype(at::kFloat));
   // grad_W rows of a vocabulary tile: straight into gw when one GEMM covers the rows (and dtypes agree).
   const bool gw_direct = one_row_tile && weight.scalar_type() == a.h.scalar_type();
-  Tensor gw_acc = gw_direct ? Tensor() : at::empty({cols, a.d}, a.h.options().dtype(at::kFloat));
+  Tensor gw_acc = gw_direct ? Tensor() : at::empty({a.cols, a.d}, a.h.options().dtype(at::kFloat));
   auto opts = a.h.options().dtype(at::kFloat);
-  auto tile = use_saved ? Tensor() : at::empty({a.rows * cols}, opts);
-  auto gtile = at::empty({a.rows * cols}, a.h.options());
+  auto tile = use_saved ? Tensor() : at::empty({a.rows * a.cols}, opts);
+  auto gtile = at::empty({a.rows * a.cols}, a.h.options());
   const auto ht = cuda_type(a.h.scalar_type()), gh_t = cuda_type(gh.scalar_type());
   const auto gw_t = gw_direct ? ht : CUDA_R_32F;
   const float inv_t = (float)(1.0 / temperature);
@@ -323,8 +325,8 @@ std::tuple<Tensor, Tensor> linear_logprob_backward(const Tensor& grad_logprob, c
   const char* hp = static_cast<const char*>(a.h.data_ptr());
   const char* wp = static_cast<const char*>(a.w.data_ptr());
   char* ghp = static_cast<char*>(gh.data_ptr());
-  for (int64_t v0 = 0; v0 < a.V; v0 += cols) {
-    const int64_t vc = std::min(cols, a.V - v0);
+  for (int64_t v0 = 0; v0 < a.V; v0 += a.cols) {
+    const int64_t vc = std::min(a.cols, a.V - v0);
     const void* ws = wp + v0 * a.d * es;
     void* gw_out =
         gw_direct ? static_cast<void*>(static_cast<char*>(gw.data_ptr()) + v0 * a.d * es) : gw_acc.data_ptr();
