@@ -44,6 +44,34 @@ template <typename T, int N> __device__ __forceinline__ Vec<T, N> vec_from_f(con
 template <typename T, int N> __device__ __forceinline__ Vec<T, N> load_vec(const T* p) {
   return *reinterpret_cast<const Vec<T, N>*>(p);
 }
+// Loads of data read once: L1 evict-first with an L2 access policy that marks the lines evict-first (`pol`, from
+// l2_evict_first_policy()). This is what Triton emits for eviction_policy='evict_first', which torch.compile puts
+// on such loads: the lines read leave L2 first, so the ones just written (the output, read next by the following
+// op) stay.
+__device__ __forceinline__ uint64_t l2_evict_first_policy() {
+  uint64_t p;
+  asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(p));
+  return p;
+}
+template <typename T, int N> __device__ __forceinline__ Vec<T, N> load_vec_evict_first(const T* p, uint64_t pol) {
+  static_assert(sizeof(T) * N == 16 || sizeof(T) * N == 8 || sizeof(T) * N == 4, "moves 4, 8 or 16 bytes");
+  Vec<T, N> v;
+  if constexpr (sizeof(T) * N == 16) {
+    uint4 u;
+    asm("ld.global.L1::evict_first.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
+        : "=r"(u.x), "=r"(u.y), "=r"(u.z), "=r"(u.w) : "l"(p), "l"(pol));
+    *reinterpret_cast<uint4*>(&v) = u;
+  } else if constexpr (sizeof(T) * N == 8) {
+    uint2 u;
+    asm("ld.global.L1::evict_first.L2::cache_hint.v2.u32 {%0, %1}, [%2], %3;" : "=r"(u.x), "=r"(u.y) : "l"(p), "l"(pol));
+    *reinterpret_cast<uint2*>(&v) = u;
+  } else {
+    unsigned u;
+    asm("ld.global.L1::evict_first.L2::cache_hint.u32 %0, [%1], %2;" : "=r"(u) : "l"(p), "l"(pol));
+    *reinterpret_cast<unsigned*>(&v) = u;
+  }
+  return v;
+}
 template <typename T, int N> __device__ __forceinline__ void store_vec(T* p, const Vec<T, N>& v) {
   *reinterpret_cast<Vec<T, N>*>(p) = v;
 }

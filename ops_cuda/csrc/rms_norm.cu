@@ -75,11 +75,14 @@ int64_t persistent_blocks(int per_sm, int sm_count, int64_t rows, int rows_per_b
 // kFull: D == LANES * NV * VEC, so no vector lies past the end of the row.
 template <typename T, int VEC, int LANES, int NV> struct RowSlice {
   Vec<T, VEC> v[NV];
-  template <bool kFull = false> __device__ __forceinline__ void load(const T* row, int sub, int D, bool active) {
+  // kOnce: evict-first loads with the L2 policy pol (load_vec_evict_first)
+  template <bool kFull = false, bool kOnce = false>
+  __device__ __forceinline__ void load(const T* row, int sub, int D, bool active, uint64_t pol = 0) {
 #pragma unroll
     for (int n = 0; n < NV; ++n) {
       const int i = (n * LANES + sub) * VEC;
-      if (active && (kFull || i < D)) v[n] = load_vec<T, VEC>(row + i);
+      if (active && (kFull || i < D))
+        v[n] = kOnce ? load_vec_evict_first<T, VEC>(row + i, pol) : load_vec<T, VEC>(row + i);
       else v[n] = Vec<T, VEC>{};  // an inactive row's sums are never used, but are defined
     }
   }
@@ -186,18 +189,19 @@ rms_norm_fwd_kernel(const T* __restrict__ x, const W* __restrict__ w, T* __restr
 // the end-of-row tests, so the code is straight-line and the compiler can issue the weight loads together.
 constexpr int kRowThreads = 128;  // the largest block of the rows kernel
 
-template <typename T, typename W, int VEC, int LANES, int NV, int RPT, bool FULL>
+template <typename T, typename W, int VEC, int LANES, int NV, int RPT, bool FULL, bool ONCE>
 __global__ void __launch_bounds__(kRowThreads, 8)  // 64 registers at most: 50% occupancy or more
 rms_norm_fwd_rows_kernel(const T* __restrict__ x, const W* __restrict__ w, T* __restrict__ y, int64_t rows, int D,
                          float eps) {
   const int groups = blockDim.x / LANES;
   const int sub = threadIdx.x % LANES;
   const int64_t first = (int64_t)blockIdx.x * groups * RPT + threadIdx.x / LANES;  // rows first + k * groups
+  const uint64_t pol = ONCE ? l2_evict_first_policy() : 0;
   RowSlice<T, VEC, LANES, NV> xs[RPT];
 #pragma unroll
   for (int k = 0; k < RPT; ++k) {
     const int64_t r = first + (int64_t)k * groups;
-    xs[k].template load<FULL>(x + (r < rows ? r : 0) * D, sub, D, r < rows);
+    xs[k].template load<FULL, ONCE>(x + (r < rows ? r : 0) * D, sub, D, r < rows, pol);
   }
 #pragma unroll
   for (int k = 0; k < RPT; ++k) {
@@ -502,6 +506,13 @@ bool rows_full() {
   return v;
 }
 
+// The rows kernel's evict-first loads of x (ONCE), as torch.compile's kernel loads them; FW_RMS_LOAD_ONCE = 0
+// turns them off (A/B).
+bool rows_load_once() {
+  static const bool v = int_from_env("FW_RMS_LOAD_ONCE", 1) != 0;
+  return v;
+}
+
 template <typename T, typename W, int VEC>
 cudaError_t launch_fwd_rows(const void* x, const void* w, void* y, int64_t rows, int D, float eps, cudaStream_t s) {
   const int vecs = D / VEC, nv = vecs <= 32 ? 1 : vecs <= 64 ? 2 : 4;
@@ -512,9 +523,11 @@ cudaError_t launch_fwd_rows(const void* x, const void* w, void* y, int64_t rows,
     if constexpr (NV * RPT > 4) {  // never picked (rpt <= 4 / nv above): more would spill at 64 registers
       return cudaErrorInvalidValue;
     } else {
-      const bool full = D == LANES * NV * VEC && rows_full();
-      auto kernel = full ? rms_norm_fwd_rows_kernel<T, W, VEC, LANES, NV, RPT, true>
-                         : rms_norm_fwd_rows_kernel<T, W, VEC, LANES, NV, RPT, false>;
+      const bool full = D == LANES * NV * VEC && rows_full(), once = rows_load_once();
+      auto kernel = full ? (once ? rms_norm_fwd_rows_kernel<T, W, VEC, LANES, NV, RPT, true, true>
+                                 : rms_norm_fwd_rows_kernel<T, W, VEC, LANES, NV, RPT, true, false>)
+                         : (once ? rms_norm_fwd_rows_kernel<T, W, VEC, LANES, NV, RPT, false, true>
+                                 : rms_norm_fwd_rows_kernel<T, W, VEC, LANES, NV, RPT, false, false>);
       const int threads = rows_block_threads();
       const int64_t per_block = (int64_t)threads / LANES * RPT;
       const int64_t blocks = (rows + per_block - 1) / per_block;
