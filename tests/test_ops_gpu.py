@@ -109,6 +109,30 @@ def test_rms_norm_grad_weight_is_deterministic(shape):
         assert torch.equal(gx, runs[0][0]) and torch.equal(gw, runs[0][1])
 
 
+def test_rms_norm_forward_load_policy_changes_no_value():
+    # The forward rows kernel loads x evict-first when the output fits in L2 and plainly otherwise;
+    # FW_RMS_LOAD_ONCE (read once per process) forces either. Both, in child processes on the same inputs:
+    # against float64, and bit-equal to each other (a cache policy must not change a value).
+    code = (
+        "import hashlib, json, torch\nfrom ops_cuda import library\nfrom ops_cuda import reference as ref\n"
+        "library.activate_cuda()\ntorch.manual_seed(0)\nout = []\n"
+        "for dt, wdt, shape in [('bfloat16', 'bfloat16', (16384, 1024)), ('bfloat16', 'float32', (17, 768)),\n"
+        "                       ('float16', 'float16', (4096, 16, 128)), ('bfloat16', 'bfloat16', (33, 24)),\n"
+        "                       ('float32', 'float32', (9, 64)), ('float16', 'float32', (5, 8))]:\n"
+        "    x = torch.randn(shape, device='cuda', dtype=getattr(torch, dt))\n"
+        "    w = (1 + 0.1 * torch.randn(shape[-1], device='cuda')).to(getattr(torch, wdt))\n"
+        "    y = torch.ops.fw.rms_norm(x, w, 1e-6)\n"
+        "    y64 = ref.rms_norm(x.double(), w.double(), 1e-6)\n"
+        "    rel = float('nan') if y.isnan().any() else float((y.double() - y64).norm() / y64.norm())\n"
+        "    digest = hashlib.sha256(y.contiguous().view(torch.uint8).cpu().numpy().tobytes()).hexdigest()\n"
+        "    out.append([dt, list(shape), rel, digest])\n"
+        "print(json.dumps(out))\n")
+    runs = {once: child_json(code, FW_RMS_LOAD_ONCE=once) for once in ("0", "1")}
+    for (dt, shape, rel0, digest0), (_, _, rel1, digest1) in zip(runs["0"], runs["1"], strict=True):
+        assert rel0 < TOL[getattr(torch, dt)] and rel1 < TOL[getattr(torch, dt)], (dt, shape, rel0, rel1)
+        assert digest0 == digest1, (dt, shape)
+
+
 @pytest.mark.parametrize("vecs_a_thread", ["1", "4"])
 def test_rms_norm_backward_other_group_shapes(vecs_a_thread):
     # FW_RMS_BWD_ROWS (read once per process) sets the vectors a thread of the backward rows kernel aims at:

@@ -37,13 +37,10 @@ template <typename T, int DP, int RP> struct DecodeShape {
   static constexpr int kStep = kSlots * U;
 };
 
-// K/V are read once per launch: the copies carry the L2 evict-first policy `pol` (common.cuh), so they do not push
-// out lines that are read again (q, the split workspace, the next layer's inputs).
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool pred, uint64_t pol) {
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool pred) {
   const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
   const int n = pred ? 16 : 0;  // 0: no global read, the 16 bytes are zero-filled
-  asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;\n" ::"r"(s), "l"(gmem), "r"(n),
-               "l"(pol) : "memory");
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(n) : "memory");
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 template <int N> __device__ __forceinline__ void cp_async_wait() {
@@ -99,7 +96,6 @@ __global__ void __launch_bounds__(kThreads, min_blocks<T, DP, RP>()) decode_kern
   const int steps = s_end > s_begin ? (int)((s_end - s_begin + kStep - 1) / kStep) : 0;
   const float qscale = a.scale * 1.4426950408889634f;  // scores in base 2: exp2f is one MUFU op
 
-  const uint64_t pol = l2_evict_first_policy();
   const T* kb = (const T*)a.k + b * a.sb + g * a.sh;
   const T* vb = (const T*)a.v + b * a.sb + g * a.sh;
   // stage t: rows s_begin + t*kStep + u*kSlots + slot; rows past s_end (and lanes past D) copy zeros
@@ -113,8 +109,8 @@ __global__ void __launch_bounds__(kThreads, min_blocks<T, DP, RP>()) decode_kern
         const int64_t off = ok ? p * a.ss + sub * E : 0;
 #pragma unroll
         for (int n = 0; n < NV; ++n) {
-          cp_async16(st + ((u * 2 + 0) * NV + n) * kThreads, kb + off + n * kVec, ok, pol);
-          cp_async16(st + ((u * 2 + 1) * NV + n) * kThreads, vb + off + n * kVec, ok, pol);
+          cp_async16(st + ((u * 2 + 0) * NV + n) * kThreads, kb + off + n * kVec, ok);
+          cp_async16(st + ((u * 2 + 1) * NV + n) * kThreads, vb + off + n * kVec, ok);
         }
       }
     }

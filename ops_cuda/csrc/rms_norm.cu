@@ -506,11 +506,29 @@ bool rows_full() {
   return v;
 }
 
-// The rows kernel's evict-first loads of x (ONCE), as torch.compile's kernel loads them; FW_RMS_LOAD_ONCE = 0
-// turns them off (A/B).
-bool rows_load_once() {
-  static const bool v = int_from_env("FW_RMS_LOAD_ONCE", 1) != 0;
-  return v;
+// L2 bytes of the current device, queried once per device (0 if the query fails).
+int64_t l2_bytes() {
+  static int64_t known[64] = {};
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  if (known[dev] == 0) {
+    int v = 0;
+    if (cudaDeviceGetAttribute(&v, cudaDevAttrL2CacheSize, dev) != cudaSuccess) (void)cudaGetLastError();
+    known[dev] = v > 0 ? v : -1;
+  }
+  return known[dev] > 0 ? known[dev] : 0;
+}
+
+// Whether the rows kernel loads x evict-first (ONCE), as torch.compile's kernel does: when the output fits in L2,
+// so that it can stay there for the next op (and for the next replay of a benchmark). H200, 50 MB of L2 (docs/
+// PERFORMANCE.md run 9): hidden 1024 x 16,384 rows (32 MiB out) 0.018 -> 0.017 ms; QK-norm (64 MiB out) 0.034 ->
+// 0.035 ms, slower, so it keeps plain loads. FW_RMS_LOAD_ONCE = 0 / 1 forces them off / on (A/B).
+bool rows_load_once(int64_t out_bytes) {
+  static const int forced = int_from_env("FW_RMS_LOAD_ONCE", -1);
+  return forced >= 0 ? forced != 0 : out_bytes <= l2_bytes();
 }
 
 template <typename T, typename W, int VEC>
@@ -523,7 +541,7 @@ cudaError_t launch_fwd_rows(const void* x, const void* w, void* y, int64_t rows,
     if constexpr (NV * RPT > 4) {  // never picked (rpt <= 4 / nv above): more would spill at 64 registers
       return cudaErrorInvalidValue;
     } else {
-      const bool full = D == LANES * NV * VEC && rows_full(), once = rows_load_once();
+      const bool full = D == LANES * NV * VEC && rows_full(), once = rows_load_once(rows * D * (int64_t)sizeof(T));
       auto kernel = full ? (once ? rms_norm_fwd_rows_kernel<T, W, VEC, LANES, NV, RPT, true, true>
                                  : rms_norm_fwd_rows_kernel<T, W, VEC, LANES, NV, RPT, true, false>)
                          : (once ? rms_norm_fwd_rows_kernel<T, W, VEC, LANES, NV, RPT, false, true>
