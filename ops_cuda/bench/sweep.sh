@@ -7,6 +7,8 @@
 #   FW_RMS_ROWS_THREADS                its block size (32, 64 or 128; default 64)
 #   FW_RMS_ROWS_FULL                   its instances without end-of-row tests for rows that fill the groups
 #                                      (1 default, 0 off: the A/B of docs/PERFORMANCE.md run 7)
+#   FW_RMS_LOAD_ONCE                   0 / 1: the forward rows kernel's evict-first loads of x off / on (default:
+#                                      on when the output fits in L2; the A/B of docs/PERFORMANCE.md run 9)
 #   FW_RMS_BWD_ROWS                    vectors per thread the backward rows kernel aims at (rows of at most
 #                                      128 vectors; 1, 2 or 4; default 2); 0 sends them to the persistent kernel
 #   FW_RMS_BWD_PREF                    vectors per thread in the persistent backward (1, 2 or 4; default 2; rows
@@ -24,6 +26,7 @@ for what in "$@"; do
          for v in 1 2 4; do run FW_RMS_ROWS_VECS=$v; done
          for t in 32 64 128; do run FW_RMS_ROWS_THREADS=$t; done
          for f in 0 1; do run FW_RMS_ROWS_FULL=$f; done
+         for o in 0 1; do run FW_RMS_LOAD_ONCE=$o; done
          for v in 0 1 2 4; do run FW_RMS_BWD_ROWS=$v; done
          for p in 1 2 4; do run FW_RMS_BWD_ROWS=0 FW_RMS_BWD_PREF=$p; done ;;
     logprob) ONLY=linear_logprob
