@@ -115,7 +115,7 @@ def test_rms_norm_forward_load_policy_changes_no_value():
     # against float64, and bit-equal to each other (a cache policy must not change a value).
     code = (
         "import hashlib, json, torch\nfrom ops_cuda import library\nfrom ops_cuda import reference as ref\n"
-        "library.activate_cuda()\ntorch.manual_seed(0)\nout = []\n"
+        "assert library.activate_cuda() == 'kernels'\ntorch.manual_seed(0)\nout = []\n"
         "for dt, wdt, shape in [('bfloat16', 'bfloat16', (16384, 1024)), ('bfloat16', 'float32', (17, 768)),\n"
         "                       ('float16', 'float16', (4096, 16, 128)), ('bfloat16', 'bfloat16', (33, 24)),\n"
         "                       ('float32', 'float32', (9, 64)), ('float16', 'float32', (5, 8))]:\n"

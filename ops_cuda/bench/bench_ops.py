@@ -90,7 +90,8 @@ def linear_logprob_unfused(h, w, t, temperature):
 
 def linear_logprob_checkpointed(h, w, t, temperature, rows: int = 1024):
     """The memory-saving way to write it in torch: row chunks under activation checkpointing, so the backward
-    recomputes each chunk's logits (1,024 rows: a 0.6 GiB fp32 chunk at V 151,936, fw's recomputing tile class)."""
+    recomputes each chunk's logits, as fw's recomputing mode does (1,024 rows: 0.58 GiB of fp32 logits a chunk
+    at V 151,936; its measured peak is larger, see docs/PERFORMANCE.md run 9)."""
     from torch.utils.checkpoint import checkpoint
 
     outs = [checkpoint(linear_logprob_unfused, h[s:s + rows], w, t[s:s + rows], temperature, use_reentrant=False)
@@ -248,8 +249,8 @@ def main() -> None:
         flops=3 * 2 * N * d * V)
     row("linear_logprob fwd+bwd", f"N={N} d={d} V={V} recomp", recomputing, unfused, lambda: unfused(cu),
         flops=4 * 2 * N * d * V)
-    # the same recomputing mode against baselines that also recompute (checkpointed row chunks), i.e. at
-    # comparable memory
+    # the same recomputing mode against baselines that also recompute the logits in the backward (checkpointed
+    # row chunks): far below the unfused baselines' memory, though still above fw's
     cu_ckpt = compiled(linear_logprob_checkpointed)
     row("linear_logprob fwd+bwd", f"N={N} d={d} V={V} recomp/ckpt", recomputing,
         lambda: unfused(linear_logprob_checkpointed), lambda: unfused(cu_ckpt), flops=4 * 2 * N * d * V)

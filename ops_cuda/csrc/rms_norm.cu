@@ -16,6 +16,7 @@
 // Launch shapes measured on the H200 (ops_cuda/bench/sweep.sh, docs/PERFORMANCE.md): 2 vectors a thread beat
 // 1 and 4 in the persistent kernels; prefetching 2 rows ahead (more registers, fewer resident warps) was slower.
 #include <algorithm>
+#include <atomic>
 #include <cstdlib>
 #include <type_traits>
 
@@ -506,20 +507,23 @@ bool rows_full() {
   return v;
 }
 
-// L2 bytes of the current device, queried once per device (0 if the query fails).
+// L2 bytes of the current device, queried once per device; 0 (so plain loads) if the query fails or for device
+// indices past 63. A failed query's error is cleared so that the launch check after it does not report it.
 int64_t l2_bytes() {
-  static int64_t known[64] = {};
+  static std::atomic<int64_t> known[64] = {};  // 0: not asked yet; -1: the query failed
   int dev = 0;
   if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) {
     (void)cudaGetLastError();
     return 0;
   }
-  if (known[dev] == 0) {
-    int v = 0;
-    if (cudaDeviceGetAttribute(&v, cudaDevAttrL2CacheSize, dev) != cudaSuccess) (void)cudaGetLastError();
-    known[dev] = v > 0 ? v : -1;
+  int64_t v = known[dev].load(std::memory_order_relaxed);
+  if (v == 0) {
+    int bytes = 0;
+    if (cudaDeviceGetAttribute(&bytes, cudaDevAttrL2CacheSize, dev) != cudaSuccess) (void)cudaGetLastError();
+    v = bytes > 0 ? bytes : -1;
+    known[dev].store(v, std::memory_order_relaxed);
   }
-  return known[dev] > 0 ? known[dev] : 0;
+  return v > 0 ? v : 0;
 }
 
 // Whether the rows kernel loads x evict-first (ONCE), as torch.compile's kernel does: when the output fits in L2,
