@@ -283,8 +283,8 @@ def main() -> None:
         return
     print(f"\nlinear_logprob peak memory (fwd+bwd, N={N}, V={V}, bf16): fused with saved logits {mem_fused:.2f} GiB, "
           f"fused recomputing {mem_recomp:.2f} GiB, unfused eager {mem_unfused:.2f} GiB, unfused compiled "
-          f"{mem_comp:.2f} GiB, checkpointed chunks compiled {mem_ckpt:.2f} GiB; fused/unfused = {mem_fused / mem_unfused:.3f} saved, "
-          f"{mem_recomp / mem_unfused:.3f} recomputing")
+          f"{mem_comp:.2f} GiB, checkpointed chunks compiled {mem_ckpt:.2f} GiB; fused/unfused = "
+          f"{mem_fused / mem_unfused:.3f} saved, {mem_recomp / mem_unfused:.3f} recomputing")
 
 
 if __name__ == "__main__":

@@ -2,8 +2,9 @@
 // A row is handled by a group of LANES threads (LANES = 4..256, a power of two) holding NV vectors of VEC
 // elements each in registers, so a row is read once.
 // Aligned rows of up to 32 x 4 vectors (hidden 1024, QK-norm's 128) take the rows kernels. Forward: groups of at
-// most a warp, a few rows in flight per thread, no persistence, x loaded evict-first when the output fits in L2. Backward: at most one wave of blocks looping over
-// rows, grad_weight terms added into a shared-memory slice per row group and summed over the groups in a fixed order.
+// most a warp, a few rows in flight per thread, no persistence, x loaded evict-first when the output fits in L2.
+// Backward: at most one wave of blocks looping over rows, grad_weight terms added into a shared-memory slice per
+// row group and summed over the groups in a fixed order.
 // Longer rows take the persistent kernels (one wave, a grid-stride loop over rows, groups of 64 threads or more),
 // which load each thread's slice of the weight into registers once and keep the next row's loads in flight while
 // the current row is reduced (software prefetch); their backward keeps grad_weight partial sums per thread in
