@@ -41,6 +41,7 @@ void check_cuda(const Tensor& t, const char* op, const char* name) {
 }
 
 int sm_count() { return at::cuda::getCurrentDeviceProperties()->multiProcessorCount; }
+int64_t l2_bytes() { return at::cuda::getCurrentDeviceProperties()->l2CacheSize; }
 
 // weight in x's dtype, or float32 (kept: the kernels read it as float).
 std::pair<Tensor, fw::DType> weight_for(const Tensor& weight, const Tensor& x, fw::DType dt) {
@@ -61,7 +62,7 @@ Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps) {
   auto y = at::empty(x.sizes(), xc.options());
   const int64_t rows = D ? xc.numel() / D : 0;
   check_launch(fw::rms_norm_fwd(dt, wdt, xc.data_ptr(), w.data_ptr(), y.data_ptr(), rows, (int)D, (float)eps,
-                                sm_count(), at::cuda::getCurrentCUDAStream()),
+                                sm_count(), l2_bytes(), at::cuda::getCurrentCUDAStream()),
                "rms_norm");
   return y;
 }

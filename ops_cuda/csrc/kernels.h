@@ -10,9 +10,10 @@ namespace fw {
 enum class DType : int { F32 = 0, BF16 = 1, F16 = 2 };
 
 // x [rows, D] -> y [rows, D]; weight [D] of wdtype (x's dtype or F32).
-// The grid is one wave of resident blocks (sm_count SMs) looping over the rows.
+// The grid is one wave of resident blocks (sm_count SMs) looping over the rows; l2_bytes (the device's L2)
+// decides whether the rows kernel loads x evict-first.
 cudaError_t rms_norm_fwd(DType dt, DType wdt, const void* x, const void* w, void* y, int64_t rows, int D,
-                         float eps, int sm_count, cudaStream_t stream);
+                         float eps, int sm_count, int64_t l2_bytes, cudaStream_t stream);
 // gx [rows, D] (x's dtype), gw [D] (wdt); gw_partial [max_blocks, D] fp32 scratch: one partial row per block of
 // the main kernel (one wave of resident blocks), summed by a second kernel.
 int rms_norm_bwd_max_blocks(int sm_count);

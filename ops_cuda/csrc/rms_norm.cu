@@ -17,7 +17,6 @@
 // Launch shapes measured on the H200 (ops_cuda/bench/sweep.sh, docs/PERFORMANCE.md): 2 vectors a thread beat
 // 1 and 4 in the persistent kernels; prefetching 2 rows ahead (more registers, fewer resident warps) was slower.
 #include <algorithm>
-#include <atomic>
 #include <cstdlib>
 #include <type_traits>
 
@@ -508,36 +507,18 @@ bool rows_full() {
   return v;
 }
 
-// L2 bytes of the current device, queried once per device; 0 (so plain loads) if the query fails or for device
-// indices past 63. A failed query's error is cleared so that the launch check after it does not report it.
-int64_t l2_bytes() {
-  static std::atomic<int64_t> known[64] = {};  // 0: not asked yet; -1: the query failed
-  int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) {
-    (void)cudaGetLastError();
-    return 0;
-  }
-  int64_t v = known[dev].load(std::memory_order_relaxed);
-  if (v == 0) {
-    int bytes = 0;
-    if (cudaDeviceGetAttribute(&bytes, cudaDevAttrL2CacheSize, dev) != cudaSuccess) (void)cudaGetLastError();
-    v = bytes > 0 ? bytes : -1;
-    known[dev].store(v, std::memory_order_relaxed);
-  }
-  return v > 0 ? v : 0;
-}
-
 // Whether the rows kernel loads x evict-first (ONCE), as torch.compile's kernel does: when the output fits in L2,
 // so that it can stay there for the next op (and for the next replay of a benchmark). H200, 50 MB of L2 (docs/
 // PERFORMANCE.md run 9): hidden 1024 x 16,384 rows (32 MiB out) 0.018 -> 0.017 ms; QK-norm (64 MiB out) 0.034 ->
 // 0.035 ms, slower, so it keeps plain loads. FW_RMS_LOAD_ONCE = 0 / 1 forces them off / on (A/B).
-bool rows_load_once(int64_t out_bytes) {
+bool rows_load_once(int64_t out_bytes, int64_t l2_bytes) {
   static const int forced = int_from_env("FW_RMS_LOAD_ONCE", -1);
-  return forced >= 0 ? forced != 0 : out_bytes <= l2_bytes();
+  return forced >= 0 ? forced != 0 : out_bytes <= l2_bytes;
 }
 
 template <typename T, typename W, int VEC>
-cudaError_t launch_fwd_rows(const void* x, const void* w, void* y, int64_t rows, int D, float eps, cudaStream_t s) {
+cudaError_t launch_fwd_rows(const void* x, const void* w, void* y, int64_t rows, int D, float eps, int64_t l2_bytes,
+                            cudaStream_t s) {
   const int vecs = D / VEC, nv = vecs <= 32 ? 1 : vecs <= 64 ? 2 : 4;
   const int want = std::min(rows_kernel_vecs() / nv, 4 / nv);  // NV * RPT <= 4 vectors a thread
   const int rpt = want >= 4 ? 4 : want >= 2 ? 2 : 1;
@@ -546,7 +527,8 @@ cudaError_t launch_fwd_rows(const void* x, const void* w, void* y, int64_t rows,
     if constexpr (NV * RPT > 4) {  // never picked (rpt <= 4 / nv above): more would spill at 64 registers
       return cudaErrorInvalidValue;
     } else {
-      const bool full = D == LANES * NV * VEC && rows_full(), once = rows_load_once(rows * D * (int64_t)sizeof(T));
+      const bool full = D == LANES * NV * VEC && rows_full();
+      const bool once = rows_load_once(rows * D * (int64_t)sizeof(T), l2_bytes);
       auto kernel = full ? (once ? rms_norm_fwd_rows_kernel<T, W, VEC, LANES, NV, RPT, true, true>
                                  : rms_norm_fwd_rows_kernel<T, W, VEC, LANES, NV, RPT, true, false>)
                          : (once ? rms_norm_fwd_rows_kernel<T, W, VEC, LANES, NV, RPT, false, true>
@@ -576,7 +558,7 @@ cudaError_t launch_fwd_rows(const void* x, const void* w, void* y, int64_t rows,
 
 template <typename T, typename W>
 cudaError_t launch_fwd(const void* x, const void* w, void* y, int64_t rows, int D, float eps, int sm_count,
-                       cudaStream_t s) {
+                       int64_t l2_bytes, cudaStream_t s) {
   constexpr int V16 = 16 / sizeof(T);
   static const int pref = int_from_env("FW_RMS_FWD_PREF", 2);
   if (rows == 0) return cudaSuccess;
@@ -590,7 +572,7 @@ cudaError_t launch_fwd(const void* x, const void* w, void* y, int64_t rows, int 
     return cudaGetLastError();
   };
   const bool vec = D % V16 == 0 && aligned16(x) && aligned16(y) && aligned16(w);
-  if (vec && D / V16 <= 32 * 4) return launch_fwd_rows<T, W, V16>(x, w, y, rows, D, eps, s);
+  if (vec && D / V16 <= 32 * 4) return launch_fwd_rows<T, W, V16>(x, w, y, rows, D, eps, l2_bytes, s);
   // longer rows: the persistent kernel with groups of 64 threads or more
   if (vec) return by_shape(D / V16, pref, [&](auto lanes, auto nv) { return go(Int<V16>{}, lanes, nv); });
   return go(Int<1>{}, Int<256>{}, Int<0>{});
@@ -683,12 +665,12 @@ cudaError_t launch_bwd(const void* g, const void* x, const void* w, void* gx, vo
 }  // namespace
 
 cudaError_t rms_norm_fwd(DType dt, DType wdt, const void* x, const void* w, void* y, int64_t rows, int D,
-                         float eps, int sm_count, cudaStream_t stream) {
+                         float eps, int sm_count, int64_t l2_bytes, cudaStream_t stream) {
   return dispatch(dt, [&](auto t) -> cudaError_t {
     using T = decltype(t);
-    if (wdt == DType::F32) return launch_fwd<T, float>(x, w, y, rows, D, eps, sm_count, stream);
+    if (wdt == DType::F32) return launch_fwd<T, float>(x, w, y, rows, D, eps, sm_count, l2_bytes, stream);
     if (wdt != dt) return cudaErrorInvalidValue;
-    return launch_fwd<T, T>(x, w, y, rows, D, eps, sm_count, stream);
+    return launch_fwd<T, T>(x, w, y, rows, D, eps, sm_count, l2_bytes, stream);
   });
 }
 
