@@ -123,7 +123,7 @@ def build(verbose: bool = False) -> str:
             # default (the H200 machine's c++) copied libstdc++ into fw_ops.so, and that copy's iostreams
             # crashed (SIGSEGV) formatting any TORCH_CHECK message: a bad argument killed the process instead
             # of raising. Resolved against the shared library first, nothing is taken from the static archive.
-            extra_ldflags=["-lcublas", *running_libstdcxx()],
+            extra_ldflags=["-lcublas", "-lcublasLt", *running_libstdcxx()],
         )
     finally:
         if state == "none" and owner_file.exists():

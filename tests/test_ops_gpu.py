@@ -375,6 +375,55 @@ def test_linear_logprob_other_tiles(tile):
     assert bad.returncode != 0 and "FW_LOGPROB_TILE must be rows,cols with cols a multiple of 1024" in bad.stderr
 
 
+# The GEMM choice (ops_cuda/csrc/gemm.cpp, FW_GEMM read once a process): the default times the heuristic's
+# first algorithms and keeps the fastest of those giving the first's bits; "heuristic" keeps the first,
+# "ex" takes cublasGemmEx. At Qwen3's d = 1,024 with two row tiles and a short vocabulary tile, fwd and bwd,
+# kept and recomputed logits: every mode against float64, and the default bit-equal to "heuristic".
+GEMM_CHOICE_CODE = (
+    "import hashlib, json, torch, ops_cuda\nfrom ops_cuda import library\n"
+    "assert library.activate_cuda() == 'kernels'\ntorch.manual_seed(0)\n"
+    "N, d, V = 4096 + 37, 1024, 8192 + 4100\n"
+    "h = torch.randn(N, d, device='cuda').bfloat16().requires_grad_(True)\n"
+    "w = (torch.randn(V, d, device='cuda') / 8).bfloat16().requires_grad_(True)\n"
+    "t = torch.randint(0, V, (N,), device='cuda')\n"
+    "h64, w64 = h.double().detach().requires_grad_(True), w.double().detach().requires_grad_(True)\n"
+    "logp = (h64 @ w64.T / 0.8).log_softmax(-1)\n"
+    "lp64 = logp.gather(1, t[:, None]).squeeze(1)\n"
+    "ent64 = -(logp.exp() * logp).sum(-1)\n"
+    "g64 = torch.autograd.grad(lp64.sum() + 0.3 * ent64.sum(), (h64, w64))\n"
+    "del logp\n"
+    "rel = lambda a, b: float('nan') if a.isnan().any() else float((a.double() - b).norm() / b.norm())\n"
+    "digest = lambda *ts: hashlib.sha256(b''.join(x.contiguous().view(torch.uint8).cpu().numpy().tobytes()\n"
+    "                                             for x in ts)).hexdigest()\n"
+    "out = []\n"
+    "for save in (False, True):\n"
+    "    lp, ent = ops_cuda.linear_logprob(h, w, t, 0.8, return_entropy=True, save_logits=save)\n"
+    "    gh, gw = torch.autograd.grad(lp.sum() + 0.3 * ent.sum(), (h, w))\n"
+    "    out.append([save, rel(lp, lp64), rel(ent, ent64), rel(gh, g64[0]), rel(gw, g64[1]),\n"
+    "                digest(lp, ent, gh, gw)])\n"
+    "print(json.dumps(out))\n")
+
+
+def test_linear_logprob_gemm_choice_changes_no_value():
+    runs = {}
+    for mode in ("tuned", "heuristic", "ex"):
+        r = subprocess.run([sys.executable, "-c", GEMM_CHOICE_CODE], capture_output=True, text=True, timeout=600,
+                           env={**os.environ, "FW_GEMM": mode, "FW_GEMM_LOG": "1"}, check=False)
+        assert r.returncode == 0, r.stderr[-3000:]
+        runs[mode] = json.loads(r.stdout.splitlines()[-1])
+        timed = [ln for ln in r.stderr.splitlines() if "same bits" in ln]
+        # only the default times candidates (here several shapes with more than one)
+        assert (len(timed) > 4) == (mode == "tuned"), (mode, r.stderr[-2000:])
+        for save, rel_lp, rel_ent, rel_gh, rel_gw, _ in runs[mode]:
+            assert rel_lp < 1e-5 and rel_ent < 1e-5, (mode, save, rel_lp, rel_ent)
+            assert rel_gh < TOL[torch.bfloat16] * 2 and rel_gw < TOL[torch.bfloat16] * 2, (mode, save, rel_gh, rel_gw)
+    for tuned, heuristic in zip(runs["tuned"], runs["heuristic"], strict=True):
+        assert tuned[-1] == heuristic[-1], tuned[0]
+    bad = subprocess.run([sys.executable, "-c", GEMM_CHOICE_CODE], capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "FW_GEMM": "fastest"}, check=False)
+    assert bad.returncode != 0 and "FW_GEMM must be tuned, heuristic or ex, got 'fastest'" in bad.stderr
+
+
 def test_linear_logprob_save_chunk_checked():
     h, w = torch.randn(2, 64, device=DEV, dtype=torch.bfloat16), torch.randn(10, 64, device=DEV, dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="save_chunk must be 1024"):

@@ -1,6 +1,6 @@
 // CUDA implementations of the fw operators (schemas are defined in ops_cuda/library.py): argument checks,
-// output allocation, the cuBLAS GEMMs of the fused linear + logprob, and the kernel launches (kernels.h)
-// on the current stream, each launch's error checked.
+// output allocation, the fused linear + logprob's tiling around its GEMMs (gemm.cpp), and the kernel launches
+// (kernels.h) on the current stream, each launch's error checked.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/cuda/Exceptions.h>
@@ -15,6 +15,7 @@
 #include <tuple>
 #include <vector>
 
+#include "gemm.h"
 #include "kernels.h"
 
 namespace {
@@ -192,20 +193,6 @@ cudaDataType_t cuda_type(at::ScalarType t) {
   }
 }
 
-// Column-major cublasGemmEx with fp32 compute (no TF32: logprobs feed importance ratios).
-void gemm(cublasOperation_t ta, cublasOperation_t tb, int64_t m, int64_t n, int64_t k, float alpha, const void* A,
-          cudaDataType_t a_t, int64_t lda, const void* B, cudaDataType_t b_t, int64_t ldb, float beta, void* C,
-          cudaDataType_t c_t, int64_t ldc) {
-  cublasHandle_t handle = at::cuda::getCurrentCUDABlasHandle();
-  cublasMath_t prev;
-  TORCH_CUDABLAS_CHECK(cublasGetMathMode(handle, &prev));
-  TORCH_CUDABLAS_CHECK(cublasSetMathMode(handle, CUBLAS_DEFAULT_MATH));
-  const cublasStatus_t st = cublasGemmEx(handle, ta, tb, (int)m, (int)n, (int)k, &alpha, A, a_t, (int)lda, B, b_t,
-                                         (int)ldb, &beta, C, c_t, (int)ldc, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
-  TORCH_CUDABLAS_CHECK(cublasSetMathMode(handle, prev));
-  TORCH_CUDABLAS_CHECK(st);
-}
-
 struct LinearArgs {
   Tensor h, w;
   int64_t N, d, V, rows, cols;  // rows x cols: the logits tile
@@ -268,7 +255,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> linear_logprob(const Tensor& 
     for (int64_t v0 = 0; v0 < a.V; v0 += a.cols) {
       const int64_t vc = std::min(a.cols, a.V - v0);
       // z^T [vc, n] (column-major) = W[v0:v0+vc] . h[n0:n0+n]^T, scaled by 1/temperature
-      gemm(CUBLAS_OP_T, CUBLAS_OP_N, vc, n, a.d, (float)(1.0 / temperature), wp + v0 * a.d * es, ht, a.d,
+      fw::gemm(CUBLAS_OP_T, CUBLAS_OP_N, vc, n, a.d, (float)(1.0 / temperature), wp + v0 * a.d * es, ht, a.d,
            hp + n0 * a.d * es, ht, a.d, 0.f, tile.data_ptr(), CUDA_R_32F, vc);
       void* z16 = save ? static_cast<void*>(static_cast<at::Half*>(saved.data_ptr()) + n0 * a.V + v0) : nullptr;
       check_launch(fw::logprob_chunks_fwd(tile.data_ptr<float>(), n, vc, v0, t.data_ptr<int64_t>() + n0,
@@ -339,7 +326,7 @@ std::tuple<Tensor, Tensor> linear_logprob_backward(const Tensor& grad_logprob, c
         sv.z16 = saved.const_data_ptr<at::Half>() + n0 * a.V + v0;
         sv.off = offsets.const_data_ptr<float>() + n0 * chunks + v0 / fw::kLogprobChunk;
       } else {
-        gemm(CUBLAS_OP_T, CUBLAS_OP_N, vc, n, a.d, inv_t, ws, ht, a.d, hs, ht, a.d, 0.f, tile.data_ptr(),
+        fw::gemm(CUBLAS_OP_T, CUBLAS_OP_N, vc, n, a.d, inv_t, ws, ht, a.d, hs, ht, a.d, 0.f, tile.data_ptr(),
              CUDA_R_32F, vc);
       }
       check_launch(fw::logprob_tile_bwd(dt, use_saved ? nullptr : tile.data_ptr<float>(), sv, n, vc, v0,
@@ -348,10 +335,10 @@ std::tuple<Tensor, Tensor> linear_logprob_backward(const Tensor& grad_logprob, c
                                         gent.data_ptr<float>() + n0, gtile.data_ptr(), stream),
                    "linear_logprob_backward");
       // grad_h^T [d, n] (+)= W_tile^T [d, vc] . g^T [vc, n]   (dz/dlogits = 1/temperature)
-      gemm(CUBLAS_OP_N, CUBLAS_OP_N, a.d, n, vc, inv_t, ws, ht, a.d, gtile.data_ptr(), ht, vc, v0 == 0 ? 0.f : 1.f,
+      fw::gemm(CUBLAS_OP_N, CUBLAS_OP_N, a.d, n, vc, inv_t, ws, ht, a.d, gtile.data_ptr(), ht, vc, v0 == 0 ? 0.f : 1.f,
            ghp + n0 * a.d * gh.element_size(), gh_t, a.d);
       // grad_W_tile^T [d, vc] (+)= h_rows^T [d, n] . g [n, vc]
-      gemm(CUBLAS_OP_N, CUBLAS_OP_T, a.d, vc, n, inv_t, hs, ht, a.d, gtile.data_ptr(), ht, vc, n0 == 0 ? 0.f : 1.f,
+      fw::gemm(CUBLAS_OP_N, CUBLAS_OP_T, a.d, vc, n, inv_t, hs, ht, a.d, gtile.data_ptr(), ht, vc, n0 == 0 ? 0.f : 1.f,
            gw_out, gw_t, a.d);
     }
     if (!gw_direct) gw.narrow(0, v0, vc).copy_(gw_acc.narrow(0, 0, vc));

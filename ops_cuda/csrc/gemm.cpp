@@ -1,0 +1,241 @@
+// The GEMMs of the fused linear + logprob (bindings.cpp), through cuBLASLt with the algorithm chosen per shape.
+//
+// cuBLASLt's heuristic puts first, for the logits GEMM (K = 1,024, fp32 out), an algorithm the H200 runs 1.16x
+// slower than the best of the next seven (0.108 against 0.093 ms for a 8,192 x 4,096 tile; FW_GEMM_LOG=1 prints
+// them); with cublasGemmEx, used before, linear_logprob took 31.70 / 41.69 ms (kept / recomputed logits)
+// against 31.17 / 39.89 with this file (docs/PERFORMANCE.md, run 10). So, for a shape met outside CUDA-graph
+// capture, the heuristic's first kCandidates algorithms without split-K each run once on the call's operands;
+// those whose output has the same bits as the first's are timed (kTimedRuns runs on the caller's stream) and
+// the fastest is kept for the process. The choice thus gave, on the operands it was made with, the bits of the
+// heuristic's own. Under capture before a shape was timed, the heuristic's first runs; where cuBLASLt offers
+// no algorithm (odd leading dimensions), cublasGemmEx. For A/B runs and tests, FW_GEMM (read once a process)
+// = heuristic keeps the heuristic's first, = ex takes cublasGemmEx; = tuned is the default.
+#include "gemm.h"
+
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <ATen/cuda/Exceptions.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cublasLt.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <tuple>
+#include <vector>
+
+namespace fw {
+namespace {
+
+constexpr int kCandidates = 8, kTimedRuns = 3;
+
+// What decides the algorithms cuBLASLt may offer: shape, layout, types, whether C is read, operand alignment.
+using GemmKey = std::tuple<int, int, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int, int, int, bool,
+                           unsigned, unsigned, unsigned>;
+
+unsigned alignment(const void* p) {
+  const auto a = reinterpret_cast<uintptr_t>(p);
+  unsigned b = 16;
+  while (b > 1 && a % b) b /= 2;
+  return b;
+}
+
+struct LtDescs {
+  cublasLtMatmulDesc_t op = nullptr;
+  cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
+  ~LtDescs() {
+    if (c) cublasLtMatrixLayoutDestroy(c);
+    if (b) cublasLtMatrixLayoutDestroy(b);
+    if (a) cublasLtMatrixLayoutDestroy(a);
+    if (op) cublasLtMatmulDescDestroy(op);
+  }
+};
+
+void make_descs(LtDescs& d, cublasOperation_t ta, cublasOperation_t tb, int64_t m, int64_t n, int64_t k,
+                cudaDataType_t a_t, int64_t lda, cudaDataType_t b_t, int64_t ldb, cudaDataType_t c_t, int64_t ldc) {
+  // fp32 compute and scale type, no TF32 (logprobs feed importance ratios), as cublasGemmEx with default math
+  TORCH_CUDABLAS_CHECK(cublasLtMatmulDescCreate(&d.op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+  TORCH_CUDABLAS_CHECK(cublasLtMatmulDescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta)));
+  TORCH_CUDABLAS_CHECK(cublasLtMatmulDescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb)));
+  const bool an = ta == CUBLAS_OP_N, bn = tb == CUBLAS_OP_N;
+  TORCH_CUDABLAS_CHECK(cublasLtMatrixLayoutCreate(&d.a, a_t, an ? m : k, an ? k : m, lda));
+  TORCH_CUDABLAS_CHECK(cublasLtMatrixLayoutCreate(&d.b, b_t, bn ? k : n, bn ? n : k, ldb));
+  TORCH_CUDABLAS_CHECK(cublasLtMatrixLayoutCreate(&d.c, c_t, m, n, ldc));
+}
+
+std::vector<cublasLtMatmulAlgo_t> candidates(cublasLtHandle_t h, const LtDescs& d, size_t ws_bytes, unsigned al_a,
+                                             unsigned al_b, unsigned al_c) {
+  cublasLtMatmulPreference_t pref;
+  TORCH_CUDABLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
+  uint64_t ws = ws_bytes;
+  uint32_t aa = al_a, ab = al_b, ac = al_c;
+  cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws));
+  cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &aa, sizeof(aa));
+  cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &ab, sizeof(ab));
+  cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &ac, sizeof(ac));
+  cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &ac, sizeof(ac));
+  cublasLtMatmulHeuristicResult_t res[kCandidates];
+  int found = 0;
+  const cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(h, d.op, d.a, d.b, d.c, d.c, pref, kCandidates, res, &found);
+  cublasLtMatmulPreferenceDestroy(pref);
+  std::vector<cublasLtMatmulAlgo_t> out;
+  if (st != CUBLAS_STATUS_SUCCESS) return out;
+  for (int i = 0; i < found; ++i) {
+    if (res[i].state != CUBLAS_STATUS_SUCCESS) continue;
+    int32_t splitk = 1;
+    size_t w = 0;
+    cublasLtMatmulAlgoConfigGetAttribute(&res[i].algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM, &splitk, sizeof(splitk), &w);
+    if (splitk <= 1) out.push_back(res[i].algo);
+  }
+  return out;
+}
+
+void describe(const cublasLtMatmulAlgo_t& algo, char* buf, size_t n) {
+  int32_t id = 0, stages = 0, swizzle = 0, cluster = 0;
+  int32_t tile = 0;
+  size_t w = 0;
+  cublasLtMatmulAlgoConfigGetAttribute(&algo, CUBLASLT_ALGO_CONFIG_ID, &id, sizeof(id), &w);
+  cublasLtMatmulAlgoConfigGetAttribute(&algo, CUBLASLT_ALGO_CONFIG_TILE_ID, &tile, sizeof(tile), &w);
+  cublasLtMatmulAlgoConfigGetAttribute(&algo, CUBLASLT_ALGO_CONFIG_STAGES_ID, &stages, sizeof(stages), &w);
+  cublasLtMatmulAlgoConfigGetAttribute(&algo, CUBLASLT_ALGO_CONFIG_CTA_SWIZZLING, &swizzle, sizeof(swizzle), &w);
+  cublasLtMatmulAlgoConfigGetAttribute(&algo, CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID, &cluster, sizeof(cluster), &w);
+  snprintf(buf, n, "algo %d tile %d stages %d swizzle %d cluster %d", id, tile, stages, swizzle, cluster);
+}
+
+struct Choice {
+  bool lt = true;  // false: cublasGemmEx
+  cublasLtMatmulAlgo_t algo{};
+};
+
+// The fastest of `cand` among those whose output has the same bits as the first's (cand[0], the heuristic's
+// choice) on this call's operands; C keeps its contents (for beta != 0 each candidate starts from a copy).
+template <typename Run, typename Name>
+cublasLtMatmulAlgo_t tune(const std::vector<cublasLtMatmulAlgo_t>& cand, Run& run, void* C, cudaDataType_t c_t,
+                          int64_t ldc, int64_t n, bool reads_c, cudaStream_t stream, bool log, Name name) {
+  const int64_t bytes = ldc * n * (c_t == CUDA_R_32F ? 4 : 2);
+  const auto opts = at::TensorOptions().dtype(at::kByte).device(at::kCUDA, c10::cuda::current_device());
+  const at::Tensor c = at::from_blob(C, {bytes}, opts);
+  const at::Tensor init = reads_c ? c.clone() : at::Tensor();
+  at::Tensor ref = reads_c ? c.clone() : c, out = at::empty({bytes}, opts);
+  cudaEvent_t e0, e1;
+  C10_CUDA_CHECK(cudaEventCreate(&e0));
+  C10_CUDA_CHECK(cudaEventCreate(&e1));
+  size_t best_i = 0;
+  float best = -1.f;
+  bool have_ref = false;
+  for (size_t i = 0; i < cand.size(); ++i) {
+    at::Tensor& o = have_ref ? out : ref;
+    if (reads_c) o.copy_(init);
+    if (run(cand[i], o.data_ptr()) != CUBLAS_STATUS_SUCCESS) continue;  // an algorithm that fails is skipped
+    const bool same = !have_ref || at::equal(out, ref);
+    have_ref = true;
+    float ms = -1.f;
+    if (same) {
+      C10_CUDA_CHECK(cudaEventRecord(e0, stream));
+      for (int r = 0; r < kTimedRuns; ++r) TORCH_CUDABLAS_CHECK(run(cand[i], o.data_ptr()));
+      C10_CUDA_CHECK(cudaEventRecord(e1, stream));
+      C10_CUDA_CHECK(cudaEventSynchronize(e1));
+      C10_CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
+      ms /= kTimedRuns;
+      if (best < 0.f || ms < best) best = ms, best_i = i;  // ties keep the heuristic's order
+    }
+    if (log) {
+      char what[96], how[96];
+      name(what, sizeof(what));
+      describe(cand[i], how, sizeof(how));
+      fprintf(stderr, "fw gemm %s: candidate %zu (%s) %s %.4f ms\n", what, i, how,
+              same ? "same bits" : "OTHER BITS, not timed", ms);
+    }
+  }
+  C10_CUDA_CHECK(cudaEventDestroy(e0));
+  C10_CUDA_CHECK(cudaEventDestroy(e1));
+  if (log) {
+    char what[96];
+    name(what, sizeof(what));
+    fprintf(stderr, "fw gemm %s: chose candidate %zu\n", what, best_i);
+  }
+  return cand[best_i];
+}
+
+bool capturing(cudaStream_t s) {
+  cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
+  return cudaStreamIsCapturing(s, &st) == cudaSuccess && st != cudaStreamCaptureStatusNone;
+}
+
+}  // namespace
+
+void gemm(cublasOperation_t ta, cublasOperation_t tb, int64_t m, int64_t n, int64_t k, float alpha, const void* A,
+          cudaDataType_t a_t, int64_t lda, const void* B, cudaDataType_t b_t, int64_t ldb, float beta, void* C,
+          cudaDataType_t c_t, int64_t ldc) {
+  auto gemm_ex = [&] {
+    cublasHandle_t handle = at::cuda::getCurrentCUDABlasHandle();
+    cublasMath_t prev;
+    TORCH_CUDABLAS_CHECK(cublasGetMathMode(handle, &prev));
+    TORCH_CUDABLAS_CHECK(cublasSetMathMode(handle, CUBLAS_DEFAULT_MATH));
+    const cublasStatus_t st = cublasGemmEx(handle, ta, tb, (int)m, (int)n, (int)k, &alpha, A, a_t, (int)lda, B, b_t,
+                                           (int)ldb, &beta, C, c_t, (int)ldc, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+    TORCH_CUDABLAS_CHECK(cublasSetMathMode(handle, prev));
+    TORCH_CUDABLAS_CHECK(st);
+  };
+  enum Mode { kTuned, kHeuristic, kEx };
+  static const Mode mode = [] {
+    const char* v = getenv("FW_GEMM");
+    if (!v || !*v || strcmp(v, "tuned") == 0) return kTuned;
+    if (strcmp(v, "heuristic") == 0) return kHeuristic;
+    TORCH_CHECK(strcmp(v, "ex") == 0, "FW_GEMM must be tuned, heuristic or ex, got '", v, "'");
+    return kEx;
+  }();
+  if (mode == kEx) return gemm_ex();
+  static std::mutex mu;
+  static std::map<GemmKey, Choice> chosen;
+  static const bool log = [] {
+    const char* v = getenv("FW_GEMM_LOG");
+    return v && strcmp(v, "1") == 0;
+  }();
+
+  cublasLtHandle_t h = at::cuda::getCurrentCUDABlasLtHandle();
+  cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  void* ws = at::cuda::getCUDABlasLtWorkspace();
+  const size_t ws_bytes = at::cuda::getCUDABlasLtWorkspaceSize();
+  const unsigned al_a = alignment(A), al_b = alignment(B), al_c = alignment(C);
+  const GemmKey key{(int)ta, (int)tb, m, n, k, lda, ldb, ldc, (int)a_t, (int)b_t, (int)c_t, beta != 0.f,
+                    al_a, al_b, al_c};
+  Choice choice;
+  bool have = false;
+  {
+    std::lock_guard<std::mutex> g(mu);
+    auto it = chosen.find(key);
+    if (it != chosen.end()) choice = it->second, have = true;
+  }
+  if (have && !choice.lt) return gemm_ex();
+  LtDescs d;
+  make_descs(d, ta, tb, m, n, k, a_t, lda, b_t, ldb, c_t, ldc);
+  auto run = [&](const cublasLtMatmulAlgo_t& algo, void* out) {
+    return cublasLtMatmul(h, d.op, &alpha, A, d.a, B, d.b, &beta, out, d.c, out, d.c, &algo, ws, ws_bytes, stream);
+  };
+  if (!have) {
+    const auto cand = candidates(h, d, ws_bytes, al_a, al_b, al_c);
+    if (cand.empty()) {  // e.g. odd leading dimensions cuBLASLt has no kernel for: cublasGemmEx handles them
+      std::lock_guard<std::mutex> g(mu);
+      chosen.emplace(key, Choice{false, {}});
+      return gemm_ex();
+    }
+    choice = Choice{true, cand[0]};
+    if (cand.size() == 1 || mode == kHeuristic) {
+      std::lock_guard<std::mutex> g(mu);
+      chosen.emplace(key, choice);
+    } else if (!capturing(stream)) {
+      choice.algo = tune(cand, run, C, c_t, ldc, n, beta != 0.f, stream, log, [&](char* buf, size_t len) {
+        snprintf(buf, len, "%c%c m %lld n %lld k %lld beta %d", ta == CUBLAS_OP_N ? 'N' : 'T',
+                 tb == CUBLAS_OP_N ? 'N' : 'T', (long long)m, (long long)n, (long long)k, beta != 0.f);
+      });
+      std::lock_guard<std::mutex> g(mu);
+      chosen.emplace(key, choice);
+    }
+  }
+  if (run(choice.algo, C) != CUBLAS_STATUS_SUCCESS) gemm_ex();  // not expected: the heuristic offered it
+}
+
+}  // namespace fw
