@@ -1,15 +1,17 @@
 // The GEMMs of the fused linear + logprob (bindings.cpp), through cuBLASLt with the algorithm chosen per shape.
 //
-// cuBLASLt's heuristic puts first, for the logits GEMM (K = 1,024, fp32 out), an algorithm the H200 runs 1.16x
-// slower than the best of the next seven (0.108 against 0.093 ms for a 8,192 x 4,096 tile; FW_GEMM_LOG=1 prints
-// them); with cublasGemmEx, used before, linear_logprob took 31.70 / 41.69 ms (kept / recomputed logits)
-// against 31.17 / 39.89 with this file (docs/PERFORMANCE.md, run 10). So, for a shape met outside CUDA-graph
-// capture, the heuristic's first kCandidates algorithms without split-K each run once on the call's operands;
-// those whose output has the same bits as the first's are timed (kTimedRuns runs on the caller's stream) and
-// the fastest is kept for the process. The choice thus gave, on the operands it was made with, the bits of the
-// heuristic's own. Under capture before a shape was timed, the heuristic's first runs; where cuBLASLt offers
-// no algorithm (odd leading dimensions), cublasGemmEx. For A/B runs and tests, FW_GEMM (read once a process)
-// = heuristic keeps the heuristic's first, = ex takes cublasGemmEx; = tuned is the default.
+// cuBLASLt's heuristic puts first, for the logits GEMM (K = 1,024, fp32 out), an algorithm the H200 runs up to
+// 1.16x slower than the best of the next seven (0.108 against 0.093-0.102 ms a 8,192 x 4,096 tile, two calls;
+// FW_GEMM_LOG=1 prints them). linear_logprob took 31.67 / 41.04 ms (kept / recomputed logits) with
+// cublasGemmEx, used before, against 30.76 / 39.88 with this file (docs/PERFORMANCE.md, run 10).
+// So, for a shape met outside CUDA-graph capture, the heuristic's first kCandidates algorithms without split-K
+// each run once on the call's operands; those whose output has the same bits as the first's are timed
+// (kTimedRuns runs on the caller's stream) and the fastest is kept for the process. The choice thus gave, on the
+// operands it was made with, the bits of the heuristic's own (on the H200, every candidate of the logits GEMMs
+// did; for the gradient GEMMs accumulating into C none but the first). Under capture before a shape was timed,
+// the heuristic's first runs; where cuBLASLt offers no algorithm (odd leading dimensions), cublasGemmEx.
+// For A/B runs and tests, FW_GEMM (read once a process) = heuristic keeps the heuristic's first, = ex takes
+// cublasGemmEx; = tuned is the default.
 #include "gemm.h"
 
 #include <ATen/ATen.h>
