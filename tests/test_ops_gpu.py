@@ -376,16 +376,27 @@ def test_linear_logprob_other_tiles(tile):
 
 
 # The GEMM choice (ops_cuda/csrc/gemm.cpp, FW_GEMM read once a process): the default times the heuristic's
-# first algorithms and keeps the fastest of those giving the first's bits; "heuristic" keeps the first,
-# "ex" takes cublasGemmEx. At Qwen3's d = 1,024 with two row tiles and a short vocabulary tile, fwd and bwd,
-# kept and recomputed logits: every mode against float64, and the default bit-equal to "heuristic".
+# first algorithms and keeps the fastest of those giving the first's bits on the operands it tunes with;
+# "heuristic" keeps the first, "ex" takes cublasGemmEx. At Qwen3's d = 1,024 with two row tiles and a short
+# vocabulary tile, fwd and bwd, kept and recomputed logits: a first backward with zero gradients (which cannot
+# tell algorithms apart), then one on operands A (where the default tunes), then the values on operands B:
+# every mode against float64, and the default bit-equal to "heuristic" on B.
 GEMM_CHOICE_CODE = (
     "import hashlib, json, torch, ops_cuda\nfrom ops_cuda import library\n"
-    "assert library.activate_cuda() == 'kernels'\ntorch.manual_seed(0)\n"
+    "assert library.activate_cuda() == 'kernels'\n"
     "N, d, V = 4096 + 37, 1024, 8192 + 4100\n"
-    "h = torch.randn(N, d, device='cuda').bfloat16().requires_grad_(True)\n"
-    "w = (torch.randn(V, d, device='cuda') / 8).bfloat16().requires_grad_(True)\n"
-    "t = torch.randint(0, V, (N,), device='cuda')\n"
+    "def operands(seed):\n"
+    "    g = torch.Generator(device='cuda').manual_seed(seed)\n"
+    "    h = torch.randn(N, d, device='cuda', generator=g).bfloat16().requires_grad_(True)\n"
+    "    w = (torch.randn(V, d, device='cuda', generator=g) / 8).bfloat16().requires_grad_(True)\n"
+    "    return h, w, torch.randint(0, V, (N,), device='cuda', generator=g)\n"
+    "def run(h, w, t, save, scale=1.0):\n"
+    "    lp, ent = ops_cuda.linear_logprob(h, w, t, 0.8, return_entropy=True, save_logits=save)\n"
+    "    return lp, ent, *torch.autograd.grad(scale * (lp.sum() + 0.3 * ent.sum()), (h, w))\n"
+    "for save in (False, True):\n"
+    "    run(*operands(1), save, scale=0.0)\n"
+    "    run(*operands(2), save)\n"
+    "h, w, t = operands(3)\n"
     "h64, w64 = h.double().detach().requires_grad_(True), w.double().detach().requires_grad_(True)\n"
     "logp = (h64 @ w64.T / 0.8).log_softmax(-1)\n"
     "lp64 = logp.gather(1, t[:, None]).squeeze(1)\n"
@@ -397,8 +408,7 @@ GEMM_CHOICE_CODE = (
     "                                             for x in ts)).hexdigest()\n"
     "out = []\n"
     "for save in (False, True):\n"
-    "    lp, ent = ops_cuda.linear_logprob(h, w, t, 0.8, return_entropy=True, save_logits=save)\n"
-    "    gh, gw = torch.autograd.grad(lp.sum() + 0.3 * ent.sum(), (h, w))\n"
+    "    lp, ent, gh, gw = run(h, w, t, save)\n"
     "    out.append([save, rel(lp, lp64), rel(ent, ent64), rel(gh, g64[0]), rel(gw, g64[1]),\n"
     "                digest(lp, ent, gh, gw)])\n"
     "print(json.dumps(out))\n")
@@ -411,15 +421,28 @@ def test_linear_logprob_gemm_choice_changes_no_value():
                            env={**os.environ, "FW_GEMM": mode, "FW_GEMM_LOG": "1"}, check=False)
         assert r.returncode == 0, r.stderr[-3000:]
         runs[mode] = json.loads(r.stdout.splitlines()[-1])
-        timed = [ln for ln in r.stderr.splitlines() if "same bits" in ln]
-        # only the default times candidates (here several shapes with more than one)
-        assert (len(timed) > 4) == (mode == "tuned"), (mode, r.stderr[-2000:])
+        log = [ln for ln in r.stderr.splitlines() if ln.startswith("fw gemm")]
+        timed = [ln for ln in log if " same bits " in ln]
+        if mode == "tuned":
+            # several shapes had more than one candidate; the zero-gradient backward did not decide any; every
+            # choice is a candidate that gave the first's bits
+            assert len(timed) > 4 and any("inconclusive" in ln for ln in log), "\n".join(log)
+            chose = [ln.split(": chose candidate ") for ln in log if ": chose candidate " in ln]
+            assert chose
+            for shape, i in chose:
+                assert any(ln.startswith(f"{shape}: candidate {i} (") for ln in timed), (shape, i)
+        elif mode == "heuristic":
+            assert not timed and any("the heuristic's first of" in ln for ln in log), "\n".join(log)
+        else:
+            assert log == ["fw gemm: FW_GEMM=ex, every GEMM through cublasGemmEx"], "\n".join(log)
         for save, rel_lp, rel_ent, rel_gh, rel_gw, _ in runs[mode]:
             assert rel_lp < 1e-5 and rel_ent < 1e-5, (mode, save, rel_lp, rel_ent)
             assert rel_gh < TOL[torch.bfloat16] * 2 and rel_gw < TOL[torch.bfloat16] * 2, (mode, save, rel_gh, rel_gw)
     for tuned, heuristic in zip(runs["tuned"], runs["heuristic"], strict=True):
         assert tuned[-1] == heuristic[-1], tuned[0]
-    bad = subprocess.run([sys.executable, "-c", GEMM_CHOICE_CODE], capture_output=True, text=True, timeout=600,
+    tiny = ("import torch, ops_cuda\nh = torch.randn(2, 8, device='cuda')\n"
+            "ops_cuda.linear_logprob(h, torch.randn(5, 8, device='cuda'), torch.tensor([1, 2], device='cuda'))\n")
+    bad = subprocess.run([sys.executable, "-c", tiny], capture_output=True, text=True, timeout=600,
                          env={**os.environ, "FW_GEMM": "fastest"}, check=False)
     assert bad.returncode != 0 and "FW_GEMM must be tuned, heuristic or ex, got 'fastest'" in bad.stderr
 

@@ -1,17 +1,18 @@
 // The GEMMs of the fused linear + logprob (bindings.cpp), through cuBLASLt with the algorithm chosen per shape.
 //
 // cuBLASLt's heuristic puts first, for the logits GEMM (K = 1,024, fp32 out), an algorithm the H200 runs up to
-// 1.16x slower than the best of the next seven (0.108 against 0.093-0.102 ms a 8,192 x 4,096 tile, two calls;
+// 1.16x slower than the best of the next seven (0.108 against 0.093-0.094 ms a 8,192 x 4,096 tile in two calls;
 // FW_GEMM_LOG=1 prints them). linear_logprob took 31.67 / 41.04 ms (kept / recomputed logits) with
-// cublasGemmEx, used before, against 30.76 / 39.88 with this file (docs/PERFORMANCE.md, run 10).
+// cublasGemmEx, used before, against 30.76 / 39.88 with timed choices (docs/PERFORMANCE.md, run 10).
 // So, for a shape met outside CUDA-graph capture, the heuristic's first kCandidates algorithms without split-K
 // each run once on the call's operands; those whose output has the same bits as the first's are timed
-// (kTimedRuns runs on the caller's stream) and the fastest is kept for the process. The choice thus gave, on the
-// operands it was made with, the bits of the heuristic's own (on the H200, every candidate of the logits GEMMs
-// did; for the gradient GEMMs accumulating into C none but the first). Under capture before a shape was timed,
-// the heuristic's first runs; where cuBLASLt offers no algorithm (odd leading dimensions), cublasGemmEx.
-// For A/B runs and tests, FW_GEMM (read once a process) = heuristic keeps the heuristic's first, = ex takes
-// cublasGemmEx; = tuned is the default.
+// (kTimedRuns runs on the caller's stream) and the fastest is kept for the process. The choice thus gave the
+// heuristic's bits on the operands it was made with (bit-equality there is evidence, not a proof, for other
+// operands). Under capture, or while the operands multiply to zero, the heuristic's first runs untimed; where
+// cuBLASLt offers no algorithm without split-K, cublasGemmEx. For A/B runs and tests,
+// FW_GEMM (read once a process) = heuristic keeps the heuristic's first, = ex takes cublasGemmEx; = tuned is the
+// default. Tuning synchronises the stream and holds a scratch copy of C (two more when C is read) for its
+// duration, once a shape.
 #include "gemm.h"
 
 #include <ATen/ATen.h>
@@ -31,11 +32,12 @@
 namespace fw {
 namespace {
 
-constexpr int kCandidates = 8, kTimedRuns = 3;
+constexpr int kCandidates = 8, kTimedRuns = 5;
 
-// What decides the algorithms cuBLASLt may offer: shape, layout, types, whether C is read, operand alignment.
-using GemmKey = std::tuple<int, int, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int, int, int, bool,
-                           unsigned, unsigned, unsigned>;
+// What decides the algorithms cuBLASLt may offer and whether one runs: the device, shape, layout, types, whether
+// C is read, operand alignment, the workspace size.
+using GemmKey = std::tuple<int, int, int, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int, int, int, bool,
+                           unsigned, unsigned, unsigned, size_t>;
 
 unsigned alignment(const void* p) {
   const auto a = reinterpret_cast<uintptr_t>(p);
@@ -67,17 +69,20 @@ void make_descs(LtDescs& d, cublasOperation_t ta, cublasOperation_t tb, int64_t 
   TORCH_CUDABLAS_CHECK(cublasLtMatrixLayoutCreate(&d.c, c_t, m, n, ldc));
 }
 
+// The heuristic's first kCandidates algorithms with no split-K reduction (asked for, and checked).
 std::vector<cublasLtMatmulAlgo_t> candidates(cublasLtHandle_t h, const LtDescs& d, size_t ws_bytes, unsigned al_a,
                                              unsigned al_b, unsigned al_c) {
   cublasLtMatmulPreference_t pref;
   TORCH_CUDABLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
   uint64_t ws = ws_bytes;
-  uint32_t aa = al_a, ab = al_b, ac = al_c;
+  uint32_t aa = al_a, ab = al_b, ac = al_c, reduction = CUBLASLT_REDUCTION_SCHEME_NONE;
   cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws));
   cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &aa, sizeof(aa));
   cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &ab, sizeof(ab));
   cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &ac, sizeof(ac));
   cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &ac, sizeof(ac));
+  cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &reduction,
+                                       sizeof(reduction));
   cublasLtMatmulHeuristicResult_t res[kCandidates];
   int found = 0;
   const cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(h, d.op, d.a, d.b, d.c, d.c, pref, kCandidates, res, &found);
@@ -111,32 +116,53 @@ struct Choice {
   cublasLtMatmulAlgo_t algo{};
 };
 
-// The fastest of `cand` among those whose output has the same bits as the first's (cand[0], the heuristic's
-// choice) on this call's operands; C keeps its contents (for beta != 0 each candidate starts from a copy).
-template <typename Run, typename Name>
-cublasLtMatmulAlgo_t tune(const std::vector<cublasLtMatmulAlgo_t>& cand, Run& run, void* C, cudaDataType_t c_t,
-                          int64_t ldc, int64_t n, bool reads_c, cudaStream_t stream, bool log, Name name) {
-  const int64_t bytes = ldc * n * (c_t == CUDA_R_32F ? 4 : 2);
+struct Tuned {
+  size_t index;     // into the candidates
+  bool conclusive;  // false: the operands could not tell candidates apart; tune again on a later call
+};
+
+// The fastest of `cand` among those whose output has the same bits as the reference: the first candidate that
+// runs (cand[0], the heuristic's choice, unless it fails). C is m x n, column-major with leading dimension ldc.
+// With beta == 0 the reference is computed into C (the call after tuning overwrites it with the same bits);
+// otherwise C is left as it was and each candidate starts from a copy. Timed runs go to a scratch matrix, after
+// one untimed run, so that the GPU is busy when the first event is queued. Inconclusive when the reference is
+// all zeros (beta == 0) or equals C (beta != 0): operands that multiply to zero give every candidate the same
+// bits, e.g. a first backward with zero gradients.
+template <typename Run>
+Tuned tune(const std::vector<cublasLtMatmulAlgo_t>& cand, Run& run, void* C, cudaDataType_t c_t, int64_t m,
+           int64_t n, int64_t ldc, bool reads_c, cudaStream_t stream, bool log, const char* what) {
+  const int64_t bytes = ((n - 1) * ldc + m) * (c_t == CUDA_R_32F ? 4 : 2);
   const auto opts = at::TensorOptions().dtype(at::kByte).device(at::kCUDA, c10::cuda::current_device());
   const at::Tensor c = at::from_blob(C, {bytes}, opts);
   const at::Tensor init = reads_c ? c.clone() : at::Tensor();
   at::Tensor ref = reads_c ? c.clone() : c, out = at::empty({bytes}, opts);
+  size_t first = 0;
+  while (first < cand.size() && run(cand[first], ref.data_ptr()) != CUBLAS_STATUS_SUCCESS) {
+    if (reads_c) ref.copy_(init);
+    ++first;
+  }
+  if (first == cand.size()) return {0, true};  // none runs: the call reports cuBLASLt's error
+  if (reads_c ? at::equal(ref, init) : !ref.any().item<bool>()) {
+    if (log) fprintf(stderr, "fw gemm %s: inconclusive operands (a zero product), not tuned yet\n", what);
+    return {first, false};
+  }
   cudaEvent_t e0, e1;
   C10_CUDA_CHECK(cudaEventCreate(&e0));
   C10_CUDA_CHECK(cudaEventCreate(&e1));
-  size_t best_i = 0;
+  size_t best_i = first;
   float best = -1.f;
-  bool have_ref = false;
-  for (size_t i = 0; i < cand.size(); ++i) {
-    at::Tensor& o = have_ref ? out : ref;
-    if (reads_c) o.copy_(init);
-    if (run(cand[i], o.data_ptr()) != CUBLAS_STATUS_SUCCESS) continue;  // an algorithm that fails is skipped
-    const bool same = !have_ref || at::equal(out, ref);
-    have_ref = true;
+  for (size_t i = first; i < cand.size(); ++i) {
+    bool same = true;
+    if (i != first) {
+      if (reads_c) out.copy_(init);
+      if (run(cand[i], out.data_ptr()) != CUBLAS_STATUS_SUCCESS) continue;  // an algorithm that fails is skipped
+      same = at::equal(out, ref);
+    }
     float ms = -1.f;
     if (same) {
+      TORCH_CUDABLAS_CHECK(run(cand[i], out.data_ptr()));  // untimed: the GPU is busy when e0 is queued
       C10_CUDA_CHECK(cudaEventRecord(e0, stream));
-      for (int r = 0; r < kTimedRuns; ++r) TORCH_CUDABLAS_CHECK(run(cand[i], o.data_ptr()));
+      for (int r = 0; r < kTimedRuns; ++r) TORCH_CUDABLAS_CHECK(run(cand[i], out.data_ptr()));
       C10_CUDA_CHECK(cudaEventRecord(e1, stream));
       C10_CUDA_CHECK(cudaEventSynchronize(e1));
       C10_CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
@@ -144,8 +170,7 @@ cublasLtMatmulAlgo_t tune(const std::vector<cublasLtMatmulAlgo_t>& cand, Run& ru
       if (best < 0.f || ms < best) best = ms, best_i = i;  // ties keep the heuristic's order
     }
     if (log) {
-      char what[96], how[96];
-      name(what, sizeof(what));
+      char how[96];
       describe(cand[i], how, sizeof(how));
       fprintf(stderr, "fw gemm %s: candidate %zu (%s) %s %.4f ms\n", what, i, how,
               same ? "same bits" : "OTHER BITS, not timed", ms);
@@ -153,12 +178,8 @@ cublasLtMatmulAlgo_t tune(const std::vector<cublasLtMatmulAlgo_t>& cand, Run& ru
   }
   C10_CUDA_CHECK(cudaEventDestroy(e0));
   C10_CUDA_CHECK(cudaEventDestroy(e1));
-  if (log) {
-    char what[96];
-    name(what, sizeof(what));
-    fprintf(stderr, "fw gemm %s: chose candidate %zu\n", what, best_i);
-  }
-  return cand[best_i];
+  if (log) fprintf(stderr, "fw gemm %s: chose candidate %zu\n", what, best_i);
+  return {best_i, true};
 }
 
 bool capturing(cudaStream_t s) {
@@ -171,6 +192,21 @@ bool capturing(cudaStream_t s) {
 void gemm(cublasOperation_t ta, cublasOperation_t tb, int64_t m, int64_t n, int64_t k, float alpha, const void* A,
           cudaDataType_t a_t, int64_t lda, const void* B, cudaDataType_t b_t, int64_t ldb, float beta, void* C,
           cudaDataType_t c_t, int64_t ldc) {
+  enum Mode { kTuned, kHeuristic, kEx };
+  static const Mode mode = [] {
+    const char* v = getenv("FW_GEMM");
+    if (!v || !*v || strcmp(v, "tuned") == 0) return kTuned;
+    if (strcmp(v, "heuristic") == 0) return kHeuristic;
+    TORCH_CHECK(strcmp(v, "ex") == 0, "FW_GEMM must be tuned, heuristic or ex, got '", v, "'");
+    return kEx;
+  }();
+  static const bool log = [] {
+    const char* v = getenv("FW_GEMM_LOG");
+    return v && strcmp(v, "1") == 0;
+  }();
+  char what[96];
+  snprintf(what, sizeof(what), "%c%c m %lld n %lld k %lld beta %d", ta == CUBLAS_OP_N ? 'N' : 'T',
+           tb == CUBLAS_OP_N ? 'N' : 'T', (long long)m, (long long)n, (long long)k, beta != 0.f);
   auto gemm_ex = [&] {
     cublasHandle_t handle = at::cuda::getCurrentCUDABlasHandle();
     cublasMath_t prev;
@@ -181,29 +217,21 @@ void gemm(cublasOperation_t ta, cublasOperation_t tb, int64_t m, int64_t n, int6
     TORCH_CUDABLAS_CHECK(cublasSetMathMode(handle, prev));
     TORCH_CUDABLAS_CHECK(st);
   };
-  enum Mode { kTuned, kHeuristic, kEx };
-  static const Mode mode = [] {
-    const char* v = getenv("FW_GEMM");
-    if (!v || !*v || strcmp(v, "tuned") == 0) return kTuned;
-    if (strcmp(v, "heuristic") == 0) return kHeuristic;
-    TORCH_CHECK(strcmp(v, "ex") == 0, "FW_GEMM must be tuned, heuristic or ex, got '", v, "'");
-    return kEx;
-  }();
-  if (mode == kEx) return gemm_ex();
+  if (mode == kEx) {
+    static const bool said = log && fprintf(stderr, "fw gemm: FW_GEMM=ex, every GEMM through cublasGemmEx\n") > 0;
+    (void)said;
+    return gemm_ex();
+  }
   static std::mutex mu;
   static std::map<GemmKey, Choice> chosen;
-  static const bool log = [] {
-    const char* v = getenv("FW_GEMM_LOG");
-    return v && strcmp(v, "1") == 0;
-  }();
 
   cublasLtHandle_t h = at::cuda::getCurrentCUDABlasLtHandle();
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   void* ws = at::cuda::getCUDABlasLtWorkspace();
   const size_t ws_bytes = at::cuda::getCUDABlasLtWorkspaceSize();
   const unsigned al_a = alignment(A), al_b = alignment(B), al_c = alignment(C);
-  const GemmKey key{(int)ta, (int)tb, m, n, k, lda, ldb, ldc, (int)a_t, (int)b_t, (int)c_t, beta != 0.f,
-                    al_a, al_b, al_c};
+  const GemmKey key{(int)c10::cuda::current_device(), (int)ta, (int)tb, m, n, k, lda, ldb, ldc, (int)a_t, (int)b_t,
+                    (int)c_t, beta != 0.f, al_a, al_b, al_c, ws_bytes};
   Choice choice;
   bool have = false;
   {
@@ -219,25 +247,28 @@ void gemm(cublasOperation_t ta, cublasOperation_t tb, int64_t m, int64_t n, int6
   };
   if (!have) {
     const auto cand = candidates(h, d, ws_bytes, al_a, al_b, al_c);
-    if (cand.empty()) {  // e.g. odd leading dimensions cuBLASLt has no kernel for: cublasGemmEx handles them
+    if (cand.empty()) {  // run 10's first call, which dropped split-K results instead of asking for none, met
+                         // this with small GEMMs such as 64 x 40 x 8192
+      if (log) fprintf(stderr, "fw gemm %s: no cuBLASLt algorithm without split-K, cublasGemmEx\n", what);
       std::lock_guard<std::mutex> g(mu);
       chosen.emplace(key, Choice{false, {}});
       return gemm_ex();
     }
     choice = Choice{true, cand[0]};
     if (cand.size() == 1 || mode == kHeuristic) {
+      if (log) fprintf(stderr, "fw gemm %s: the heuristic's first of %zu, not timed\n", what, cand.size());
       std::lock_guard<std::mutex> g(mu);
       chosen.emplace(key, choice);
     } else if (!capturing(stream)) {
-      choice.algo = tune(cand, run, C, c_t, ldc, n, beta != 0.f, stream, log, [&](char* buf, size_t len) {
-        snprintf(buf, len, "%c%c m %lld n %lld k %lld beta %d", ta == CUBLAS_OP_N ? 'N' : 'T',
-                 tb == CUBLAS_OP_N ? 'N' : 'T', (long long)m, (long long)n, (long long)k, beta != 0.f);
-      });
-      std::lock_guard<std::mutex> g(mu);
-      chosen.emplace(key, choice);
+      const Tuned t = tune(cand, run, C, c_t, m, n, ldc, beta != 0.f, stream, log, what);
+      choice.algo = cand[t.index];
+      if (t.conclusive) {
+        std::lock_guard<std::mutex> g(mu);
+        chosen.emplace(key, choice);
+      }
     }
   }
-  if (run(choice.algo, C) != CUBLAS_STATUS_SUCCESS) gemm_ex();  // not expected: the heuristic offered it
+  TORCH_CUDABLAS_CHECK(run(choice.algo, C));
 }
 
 }  // namespace fw
