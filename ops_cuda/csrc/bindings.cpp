@@ -256,7 +256,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> linear_logprob(const Tensor& 
       const int64_t vc = std::min(a.cols, a.V - v0);
       // z^T [vc, n] (column-major) = W[v0:v0+vc] . h[n0:n0+n]^T, scaled by 1/temperature
       fw::gemm(CUBLAS_OP_T, CUBLAS_OP_N, vc, n, a.d, (float)(1.0 / temperature), wp + v0 * a.d * es, ht, a.d,
-           hp + n0 * a.d * es, ht, a.d, 0.f, tile.data_ptr(), CUDA_R_32F, vc);
+               hp + n0 * a.d * es, ht, a.d, 0.f, tile.data_ptr(), CUDA_R_32F, vc);
       void* z16 = save ? static_cast<void*>(static_cast<at::Half*>(saved.data_ptr()) + n0 * a.V + v0) : nullptr;
       check_launch(fw::logprob_chunks_fwd(tile.data_ptr<float>(), n, vc, v0, t.data_ptr<int64_t>() + n0,
                                           parts_of_tile, z16, a.V, stream),
@@ -327,7 +327,7 @@ std::tuple<Tensor, Tensor> linear_logprob_backward(const Tensor& grad_logprob, c
         sv.off = offsets.const_data_ptr<float>() + n0 * chunks + v0 / fw::kLogprobChunk;
       } else {
         fw::gemm(CUBLAS_OP_T, CUBLAS_OP_N, vc, n, a.d, inv_t, ws, ht, a.d, hs, ht, a.d, 0.f, tile.data_ptr(),
-             CUDA_R_32F, vc);
+                 CUDA_R_32F, vc);
       }
       check_launch(fw::logprob_tile_bwd(dt, use_saved ? nullptr : tile.data_ptr<float>(), sv, n, vc, v0,
                                         t.data_ptr<int64_t>() + n0, l.data_ptr<float>() + n0,
@@ -335,11 +335,11 @@ std::tuple<Tensor, Tensor> linear_logprob_backward(const Tensor& grad_logprob, c
                                         gent.data_ptr<float>() + n0, gtile.data_ptr(), stream),
                    "linear_logprob_backward");
       // grad_h^T [d, n] (+)= W_tile^T [d, vc] . g^T [vc, n]   (dz/dlogits = 1/temperature)
-      fw::gemm(CUBLAS_OP_N, CUBLAS_OP_N, a.d, n, vc, inv_t, ws, ht, a.d, gtile.data_ptr(), ht, vc, v0 == 0 ? 0.f : 1.f,
-           ghp + n0 * a.d * gh.element_size(), gh_t, a.d);
+      fw::gemm(CUBLAS_OP_N, CUBLAS_OP_N, a.d, n, vc, inv_t, ws, ht, a.d, gtile.data_ptr(), ht, vc,
+               v0 == 0 ? 0.f : 1.f, ghp + n0 * a.d * gh.element_size(), gh_t, a.d);
       // grad_W_tile^T [d, vc] (+)= h_rows^T [d, n] . g [n, vc]
-      fw::gemm(CUBLAS_OP_N, CUBLAS_OP_T, a.d, vc, n, inv_t, hs, ht, a.d, gtile.data_ptr(), ht, vc, n0 == 0 ? 0.f : 1.f,
-           gw_out, gw_t, a.d);
+      fw::gemm(CUBLAS_OP_N, CUBLAS_OP_T, a.d, vc, n, inv_t, hs, ht, a.d, gtile.data_ptr(), ht, vc,
+               n0 == 0 ? 0.f : 1.f, gw_out, gw_t, a.d);
     }
     if (!gw_direct) gw.narrow(0, v0, vc).copy_(gw_acc.narrow(0, 0, vc));
   }
