@@ -204,9 +204,6 @@ void gemm(cublasOperation_t ta, cublasOperation_t tb, int64_t m, int64_t n, int6
     const char* v = getenv("FW_GEMM_LOG");
     return v && strcmp(v, "1") == 0;
   }();
-  char what[96];
-  snprintf(what, sizeof(what), "%c%c m %lld n %lld k %lld beta %d", ta == CUBLAS_OP_N ? 'N' : 'T',
-           tb == CUBLAS_OP_N ? 'N' : 'T', (long long)m, (long long)n, (long long)k, beta != 0.f);
   auto gemm_ex = [&] {
     cublasHandle_t handle = at::cuda::getCurrentCUDABlasHandle();
     cublasMath_t prev;
@@ -246,6 +243,9 @@ void gemm(cublasOperation_t ta, cublasOperation_t tb, int64_t m, int64_t n, int6
     return cublasLtMatmul(h, d.op, &alpha, A, d.a, B, d.b, &beta, out, d.c, out, d.c, &algo, ws, ws_bytes, stream);
   };
   if (!have) {
+    char what[96];  // the shape, for the log
+    snprintf(what, sizeof(what), "%c%c m %lld n %lld k %lld beta %d", ta == CUBLAS_OP_N ? 'N' : 'T',
+             tb == CUBLAS_OP_N ? 'N' : 'T', (long long)m, (long long)n, (long long)k, beta != 0.f);
     const auto cand = candidates(h, d, ws_bytes, al_a, al_b, al_c);
     if (cand.empty()) {  // run 10's first call, which dropped split-K results instead of asking for none, met
                          // this with small GEMMs such as 64 x 40 x 8192
