@@ -447,6 +447,57 @@ def test_linear_logprob_gemm_choice_changes_no_value():
     assert bad.returncode != 0 and "FW_GEMM must be tuned, heuristic or ex, got 'fastest'" in bad.stderr
 
 
+@pytest.mark.parametrize("save", [False, True])
+def test_linear_logprob_on_a_user_stream_and_in_a_cuda_graph(save):
+    """On a stream of the caller's that is still busy writing the inputs, the op waits for them and its outputs
+    equal those of the default stream, bit for bit; captured in a CUDA graph (GEMM algorithms chosen before the
+    capture) and replayed on new inputs, it equals the eager op. Three vocabulary tiles and two row tiles."""
+    N, d, V = 4096 + 100, 128, 3 * 8192 + 5
+    h = torch.empty(N, d, device=DEV, dtype=torch.bfloat16)
+    w = torch.empty(V, d, device=DEV, dtype=torch.bfloat16)
+    t = torch.empty(N, device=DEV, dtype=torch.long)
+    gl, ge = torch.empty(N, device=DEV), torch.empty(N, device=DEV)
+    C = ops_cuda.SAVED_LOGITS_CHUNK if save else 0
+
+    def fill(seed):
+        gen = torch.Generator(device=DEV).manual_seed(seed)
+        h.copy_(torch.randn(N, d, device=DEV, generator=gen))
+        w.copy_(torch.randn(V, d, device=DEV, generator=gen) / 8)
+        t.random_(0, V, generator=gen)
+        gl.normal_(generator=gen)
+        ge.normal_(generator=gen)
+
+    def both():
+        lp, ent, lse, sv, off = torch.ops.fw.linear_logprob(h, w, t, 0.9, C)
+        gh, gw = torch.ops.fw.linear_logprob_backward(gl, ge, h, w, t, lse, ent, sv, off, 0.9, C)
+        return lp, ent, gh, gw
+
+    fill(0)
+    eager = [x.clone() for x in both()]  # also tunes the GEMMs outside the capture
+    user = torch.cuda.Stream()
+    user.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(user):
+        for x in (h, t, gl, ge):
+            x.zero_()
+        torch.cuda._sleep(50_000_000)  # the user stream is still busy when the op is queued
+        fill(0)  # the row kernels' inputs (targets, gradients) are written last
+        poison()
+        on_user = both()
+    torch.cuda.current_stream().wait_stream(user)
+    for x, y in zip(on_user, eager, strict=True):
+        assert torch.equal(x, y)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        graphed = both()
+    for seed in (1, 2):
+        fill(seed)
+        g.replay()
+        expect = both()
+        torch.cuda.synchronize()
+        for x, y in zip(graphed, expect, strict=True):
+            assert torch.equal(x, y)
+
+
 def test_linear_logprob_save_chunk_checked():
     h, w = torch.randn(2, 64, device=DEV, dtype=torch.bfloat16), torch.randn(10, 64, device=DEV, dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="save_chunk must be 1024"):

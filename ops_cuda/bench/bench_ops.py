@@ -270,6 +270,13 @@ def main() -> None:
         ln = torch.full((b,), S, device=DEV)
         row("decode_attention", f"B={b} ctx={S}", ops_cuda.decode_attention, decode_sdpa, compiled(decode_sdpa),
             (qd, kc, vc, ln, D ** -0.5), nbytes=(2 * kc.numel() + 2 * qd.numel()) * es)
+        if b > 1:
+            # ragged rows, as in a rollout (lengths uniform in [S/10, S], seeded): the bytes that must move are the
+            # rows within each length; the masked SDPA baselines read every slot, fw stops at each row's length
+            ln = torch.randint(S // 10, S + 1, (b,), generator=torch.Generator().manual_seed(b)).to(DEV)
+            row("decode_attention", f"B={b} ctx={S} ragged", ops_cuda.decode_attention, decode_sdpa,
+                compiled(decode_sdpa), (qd, kc, vc, ln, D ** -0.5),
+                nbytes=(2 * int(ln.sum()) * Hk * D + 2 * qd.numel()) * es)
 
     # sampler over the full vocabulary (fp32 logits)
     for b in (1, 64, 256):
