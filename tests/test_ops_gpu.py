@@ -480,7 +480,7 @@ def test_linear_logprob_on_a_user_stream_and_in_a_cuda_graph(save):
         for x in (h, t, gl, ge):
             x.zero_()
         torch.cuda._sleep(50_000_000)  # the user stream is still busy when the op is queued
-        fill(0)  # the row kernels' inputs (targets, gradients) are written last
+        fill(0)  # every input is rewritten behind the sleep: an op on another stream would read zeros
         poison()
         on_user = both()
     torch.cuda.current_stream().wait_stream(user)
