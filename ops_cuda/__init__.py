@@ -101,7 +101,7 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tenso
 
 # Vocabulary columns per offset of the saved logits (linear_logprob with save_logits): the chunk that one warp
 # of the CUDA forward reduces (kLogprobChunk in ops_cuda/csrc/kernels.h).
-SAVED_LOGITS_CHUNK = 1024
+SAVED_LOGITS_CHUNK = 256
 
 
 def linear_logprob(hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float = 1.0,
@@ -111,7 +111,7 @@ def linear_logprob(hidden: Tensor, weight: Tensor, targets: Tensor, temperature:
     (e.g. -100) is ignored: logprob 0 and no gradient through it.
 
     save_logits: with bf16/fp16 operands (also under autocast) and a backward to come, keep the logits in
-    float16 (2·N·V bytes, each shifted by its 1,024-column chunk's max) for the backward instead of
+    float16 (2·N·V bytes, each shifted by its 256-column chunk's max) for the backward instead of
     recomputing them: one GEMM of the four fewer. Otherwise the backward recomputes them."""
     _need_dim("linear_logprob", "hidden", hidden, 2, "[N, d]")
     _need_dim("linear_logprob", "weight", weight, 2, f"[V, d] with d = {hidden.shape[1]}")

@@ -23,7 +23,8 @@ STALE_LOCK_AGE_S = 900.0
 # different standard there broke the C++ exception path (a TORCH_CHECK aborted the process on the H200).
 NVCC_FLAGS = [
     "-O3", "-lineinfo",  # no --use_fast_math: rope needs accurate sincosf at large angles
-    "-gencode=arch=compute_90,code=sm_90",
+    # sm_90a: sm_90 plus the Hopper-only instructions (wgmma, setmaxnreg) that logprob_sm90.cu uses
+    "-gencode=arch=compute_90a,code=sm_90a",
     "-gencode=arch=compute_80,code=compute_80",  # PTX the driver JIT-compiles on other GPUs (sm_80+)
 ]
 _loaded: dict[str, str] = {}

@@ -229,6 +229,93 @@ def test_linear_logprob(dtype, save, N, d, V, temperature):
     assert rel(dh, dh64) < TOL[dtype] * 2 and rel(dw, dw64) < TOL[dtype] * 2
 
 
+def logprob_kernels(fn) -> set[str]:
+    """The names of the linear_logprob CUDA kernels that fn launches (torch.profiler)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return {e.name for e in prof.events() if "logprob" in e.name}
+
+
+SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+@pytest.mark.skipif(not SM90, reason="the Hopper kernel (logprob_sm90.cu) runs on compute capability 9.0")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("N,d,V", [(1, 8, 1), (129, 72, 257), (300, 1024, 151936), (5, 64, 255), (260, 136, 9000)])
+def test_linear_logprob_sm90(monkeypatch, dtype, N, d, V):
+    """The Hopper kernel, which does the row work on the GEMM's accumulators (recomputed logits, 16-bit operands):
+    float64 outputs and gradients at partial row blocks (128 rows) and column blocks (256), a reduction length
+    that is not a multiple of its 64-wide slices, ignored targets, targets in the last block; it is the kernel
+    that runs (profiler), and FW_LOGPROB_SM90=0 gives the cuBLAS tiles the same values."""
+    temp = 0.7
+    h = torch.randn(N, d, device=DEV, dtype=dtype).requires_grad_(True)
+    w = (torch.randn(V, d, device=DEV) / d**0.5 * 3).to(dtype).requires_grad_(True)
+    t = torch.randint(0, V, (N,), device=DEV)
+    t[::3] = -100
+    t[1::7] = V - 1
+    glp, gent = torch.randn(N, device=DEV), torch.randn(N, device=DEV)
+
+    def run():
+        poison()
+        lp, ent = ops_cuda.linear_logprob(h, w, t, temp, return_entropy=True)
+        poison()
+        return (lp, ent, *torch.autograd.grad((lp * glp).sum() + (ent * gent).sum(), (h, w)))
+
+    names = logprob_kernels(run)
+    assert any("linear_logprob_sm90_kernel" in n for n in names) and not any("tile_bwd" in n for n in names), names
+    lp, ent, dh, dw = run()
+    h64, w64 = f64(h, w)
+    lp64, ent64 = logprob_entropy64((h64 @ w64.T) / temp, t)
+    dh64, dw64 = torch.autograd.grad((lp64 * glp.double()).sum() + (ent64 * gent.double()).sum(), (h64, w64))
+    # relative to the reference's norm, floored (V = 1: entropy and gradients 0, which fp32 gives as ~1e-8)
+    def err(out, expected, floor):
+        return float((out.double() - expected.double()).norm() / expected.double().norm().clamp_min(floor))
+
+    assert err(lp, lp64, 1) < 1e-5 and err(ent, ent64, 1) < 1e-5
+    assert err(dh, dh64, 1e-3) < TOL[dtype] * 2 and err(dw, dw64, 1e-3) < TOL[dtype] * 2
+    monkeypatch.setenv("FW_LOGPROB_SM90", "0")  # read on every call
+    assert not any("sm90" in n for n in logprob_kernels(run))
+    lp_c, ent_c, dh_c, dw_c = run()
+    assert err(lp, lp_c, 1) < 1e-5 and err(ent, ent_c, 1) < 1e-5
+    assert err(dh, dh_c, 1e-3) < TOL[dtype] * 2 and err(dw, dw_c, 1e-3) < TOL[dtype] * 2
+
+
+@pytest.mark.skipif(not SM90, reason="the Hopper kernel (logprob_sm90.cu) runs on compute capability 9.0")
+def test_linear_logprob_sm90_nan_and_minus_inf():
+    """On the Hopper kernel: a NaN row makes that row's outputs NaN and no other; a 256-column chunk of -inf
+    logits adds nothing (outputs equal float64 over the finite columns; kept: -65504, offset 0) and gets a
+    grad_weight of exactly 0, with kept and with recomputed logits; keeping changes no output bit."""
+    N, d, V = 4, 64, 5000
+    h = (torch.rand(N, d, device=DEV) + 0.1).bfloat16()
+    w = torch.randn(V, d, device=DEV) / 8
+    w[512:768] = 0.0
+    w[512:768, 0] = float("-inf")                   # logits of columns 512..767: -inf
+    w = w.bfloat16()
+    t = torch.tensor([5, 3000, 4999, 100], device=DEV)
+    finite = torch.cat([torch.arange(0, 512), torch.arange(768, V)]).to(DEV)
+    z = h.double() @ w[finite].double().T
+    lp64, ent64 = logprob_entropy64(z, torch.where(t < 512, t, t - 256))  # the targets among the finite columns
+    outs = []
+    for C in (0, ops_cuda.SAVED_LOGITS_CHUNK):
+        lp, ent, lse, saved, off = torch.ops.fw.linear_logprob(h, w, t, 1.0, C)
+        assert saved.numel() == (N * V if C else 0)
+        if C:
+            assert (saved[:, 512:768] == -65504).all() and (off[:, 2] == 0).all()
+        for out, expect in ((lp, lp64), (ent, ent64), (lse, z.logsumexp(-1))):
+            torch.testing.assert_close(out.double(), expect, rtol=1e-4, atol=1e-4)
+        _, gw = torch.ops.fw.linear_logprob_backward(torch.ones(N, device=DEV), torch.ones(N, device=DEV), h, w, t,
+                                                     lse, ent, saved, off, 1.0, C)
+        assert gw.isfinite().all() and (gw[512:768] == 0).all()
+        outs.append((lp, ent, lse))
+    assert all(torch.equal(x, y) for x, y in zip(*outs))
+    h_nan = h.clone()
+    h_nan[1] = float("nan")
+    lp, ent, lse, *_ = torch.ops.fw.linear_logprob(h_nan, w, t, 1.0)
+    assert lp[1].isnan() and ent[1].isnan() and lse[1].isnan()
+    assert not lp[[0, 2, 3]].isnan().any() and not ent[[0, 2, 3]].isnan().any()
+
+
 def test_linear_logprob_autocast_uses_bf16_gemm():
     h = torch.randn(64, 128, device=DEV, requires_grad=True)
     w = torch.randn(3001, 128, device=DEV, requires_grad=True)
@@ -278,8 +365,9 @@ def test_linear_logprob_nan_propagates():
 
 
 def test_linear_logprob_chunk_of_minus_inf():
-    """A 1,024-column chunk whose logits are all -inf (a -inf weight column, positive hidden) adds nothing: the
-    outputs equal float64 over the finite columns, with and without kept logits (saved -65504, offset 0)."""
+    """1,024 columns (four 256-column chunks) whose logits are all -inf (a -inf weight column, positive hidden)
+    add nothing: the outputs equal float64 over the finite columns, with and without kept logits (saved -65504,
+    offsets 0)."""
     N, d, V = 3, 64, 5000
     h = torch.rand(N, d, device=DEV) + 0.1
     w = torch.randn(V, d, device=DEV) / 8
@@ -295,7 +383,7 @@ def test_linear_logprob_chunk_of_minus_inf():
         torch.testing.assert_close(ent.double(), ent64, rtol=tol, atol=tol)
         torch.testing.assert_close(lse.double(), z.logsumexp(-1), rtol=tol, atol=tol)
         if saved.numel():
-            assert (saved[:, 1024:2048] == -65504).all() and (off[:, 1] == 0).all()
+            assert (saved[:, 1024:2048] == -65504).all() and (off[:, 4:8] == 0).all()
             gh, gw = torch.ops.fw.linear_logprob_backward(torch.ones(N, device=DEV), torch.ones(N, device=DEV), hh, ww,
                                                           t, lse, ent, saved, off, 1.0, ops_cuda.SAVED_LOGITS_CHUNK)
             # grad_weight of the -inf columns is exactly 0 (p = 0 there); grad_hidden meets their -inf weights
@@ -323,7 +411,7 @@ def test_linear_logprob_backward_reads_the_kept_logits():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("N,V", [(3, 20001), (300, 151936), (5, 4099), (1, 7), (2, 1024)])
 def test_linear_logprob_saved_logits_match_float64(dtype, N, V):
-    """The kept logits: offsets[:, c] = the max of chunk c (1,024 columns) of the fp32 logits, saved = the logits
+    """The kept logits: offsets[:, c] = the max of chunk c (256 columns) of the fp32 logits, saved = the logits
     minus their chunk's max in fp16; aligned and unaligned vocabularies, partial last chunks, one column, and
     several vocabulary tiles (8,192 columns each)."""
     d, C = 64, ops_cuda.SAVED_LOGITS_CHUNK
@@ -343,11 +431,12 @@ def test_linear_logprob_saved_logits_match_float64(dtype, N, V):
     assert (saved.amax(-1) == 0).all()
 
 
-@pytest.mark.parametrize("tile", ["3,2048", "4096,1024"])
+@pytest.mark.parametrize("tile", ["3,2048", "4096,256"])
 def test_linear_logprob_other_tiles(tile):
     # FW_LOGPROB_TILE (read once per process): 3-row tiles (several row tiles, each with its own partials and
-    # merge) and 1,024-column tiles (one chunk a tile); kept and recomputed logits, in a child process, against
-    # float64. A tile width that is not a multiple of 1,024 is refused with the variable's name.
+    # merge) and 256-column tiles (one chunk a tile); kept and recomputed logits, in a child process, against
+    # float64 (on Hopper the tiles are the backward's). A tile width that is not a multiple of 256 is refused
+    # with the variable's name.
     code = (
         "import json, torch, ops_cuda\n"
         "N, d, V = 10, 64, 5003\n"
@@ -372,7 +461,7 @@ def test_linear_logprob_other_tiles(tile):
         assert rel_gh < TOL[torch.bfloat16] * 2 and rel_gw < TOL[torch.bfloat16] * 2, (save, rel_gh, rel_gw)
     bad = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
                          env={**os.environ, "FW_LOGPROB_TILE": "4096,1000"}, check=False)
-    assert bad.returncode != 0 and "FW_LOGPROB_TILE must be rows,cols with cols a multiple of 1024" in bad.stderr
+    assert bad.returncode != 0 and "FW_LOGPROB_TILE must be rows,cols with cols a multiple of 256" in bad.stderr
 
 
 # The GEMM choice (ops_cuda/csrc/gemm.cpp, FW_GEMM read once a process): the default times the heuristic's
@@ -500,7 +589,7 @@ def test_linear_logprob_on_a_user_stream_and_in_a_cuda_graph(save):
 
 def test_linear_logprob_save_chunk_checked():
     h, w = torch.randn(2, 64, device=DEV, dtype=torch.bfloat16), torch.randn(10, 64, device=DEV, dtype=torch.bfloat16)
-    with pytest.raises(RuntimeError, match="save_chunk must be 1024"):
+    with pytest.raises(RuntimeError, match=f"save_chunk must be {ops_cuda.SAVED_LOGITS_CHUNK}"):
         torch.ops.fw.linear_logprob(h, w, torch.tensor([1, 2], device=DEV), 1.0, 8192)
 
 

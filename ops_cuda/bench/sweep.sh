@@ -14,8 +14,8 @@
 #   FW_RMS_BWD_PREF                    vectors per thread in the persistent backward (1, 2 or 4; default 2; rows
 #                                      over 128 vectors, or all with FW_RMS_BWD_ROWS=0)
 #   (FW_RMS_FWD_PREF does the same for the persistent forward, which only rows over 128 vectors take: not swept)
-#   FW_LOGPROB_TILE=rows,cols          the fp32 logits tile of linear_logprob (default 4096,8192; cols a multiple
-#                                      of 1024; bindings.cpp)
+#   FW_LOGPROB_TILE=rows,cols          the fp32 logits tile of linear_logprob (default 8192,8192; cols a multiple
+#                                      of 256; bindings.cpp)
 # Usage: bash ops_cuda/bench/sweep.sh [rms|logprob ...]   (default: both)
 set -u
 run() { echo "--- $*"; env "$@" python3 -m ops_cuda.bench.bench_ops --fw-only --only "$ONLY" 2>&1 | grep -E "^  [a-z_]+ |peak memory" ; }

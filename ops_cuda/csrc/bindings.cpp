@@ -166,11 +166,14 @@ Tensor swiglu_backward(const Tensor& grad, const Tensor& gate_up) {
 // buffer) before the next tile starts, and grad_hidden accumulates in fp32 across vocabulary tiles.
 // H200 sweep at N 16,384, V 151,936 (fwd+bwd): 4096 x 8192 takes 42.9 ms and 0.60 GiB; whole-vocabulary row
 // chunks of 1 GiB (the previous layout) 42.1 ms and 2.40 GiB; smaller tiles were slower (up to 49.6 ms).
+// On Hopper the forward needs no tile (logprob_sm90.cu) and the backward's tile is the 16-bit dz alone, so it
+// takes twice the rows (kSm90TileRows). Sweep, recomputing (docs/PERFORMANCE.md run 12): 8192 x 8192 34.3 ms and
+// 0.54 GiB; 4096 x 8192 35.6 ms and 0.48; 4096 x 16384 34.9 and 0.57; 8192 x 16384 34.1 and 0.70.
 // The columns of a tile are a multiple of kLogprobChunk (the forward's partials are per chunk). With kept logits
 // the backward reads each tile's fp16 logits where it would recompute them.
-constexpr int64_t kTileRows = 4096, kTileCols = 8192;
+constexpr int64_t kTileRows = 4096, kSm90TileRows = 8192, kTileCols = 8192;
 
-std::pair<int64_t, int64_t> tile_shape() {
+std::pair<int64_t, int64_t> tile_shape(bool sm90) {
   static const std::pair<int64_t, int64_t> shape = [] {
     long long r = 0, c = 0;
     const char* v = getenv("FW_LOGPROB_TILE");
@@ -179,9 +182,10 @@ std::pair<int64_t, int64_t> tile_shape() {
                   "FW_LOGPROB_TILE must be rows,cols with cols a multiple of ", fw::kLogprobChunk, ", got '", v, "'");
       return std::make_pair<int64_t, int64_t>(r, c);
     }
-    return std::make_pair(kTileRows, kTileCols);
+    return std::make_pair<int64_t, int64_t>(0, 0);  // the defaults below
   }();
-  return shape;
+  if (shape.first) return shape;
+  return std::make_pair(sm90 ? kSm90TileRows : kTileRows, kTileCols);
 }
 
 cudaDataType_t cuda_type(at::ScalarType t) {
@@ -196,6 +200,7 @@ cudaDataType_t cuda_type(at::ScalarType t) {
 struct LinearArgs {
   Tensor h, w;
   int64_t N, d, V, rows, cols;  // rows x cols: the logits tile
+  bool sm90;                    // the Hopper kernel (logprob_sm90.cu) computes the logits, not cuBLAS tiles
 };
 
 LinearArgs linear_args(const Tensor& hidden, const Tensor& weight, const Tensor& targets, const char* op) {
@@ -210,8 +215,11 @@ LinearArgs linear_args(const Tensor& hidden, const Tensor& weight, const Tensor&
   a.N = hidden.size(0);
   a.d = hidden.size(1);
   a.V = weight.size(0);
-  a.rows = std::max<int64_t>(1, std::min(a.N, tile_shape().first));
-  a.cols = std::max<int64_t>(1, std::min(a.V, tile_shape().second));
+  const auto* p = at::cuda::getCurrentDeviceProperties();
+  a.sm90 = fw::linear_logprob_sm90_supported(dtype_of(a.h, op, "hidden"), p->major, p->minor, a.d, a.h.data_ptr(),
+                                             a.w.data_ptr());
+  a.rows = std::max<int64_t>(1, std::min(a.N, tile_shape(a.sm90).first));
+  a.cols = std::max<int64_t>(1, std::min(a.V, tile_shape(a.sm90).second));
   return a;
 }
 
@@ -239,20 +247,29 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> linear_logprob(const Tensor& 
   auto saved = at::empty(save ? std::vector<int64_t>{a.N, a.V} : std::vector<int64_t>{0}, opts.dtype(at::kHalf));
   auto offsets = at::empty(save ? std::vector<int64_t>{a.N, P} : std::vector<int64_t>{0}, opts);
   if (a.N == 0) return {lp, ent, lse, saved, offsets};
-  auto tile = at::empty({a.rows * a.cols}, opts);
-  // The row tile's chunk partials (m, s, a) and target logits; m goes straight into offsets when keeping logits.
-  auto parts = at::empty({(save ? 2 : 3) * a.rows * P + a.rows}, opts);
-  float* pp = parts.data_ptr<float>();
-  const auto ht = cuda_type(a.h.scalar_type());
   auto stream = at::cuda::getCurrentCUDAStream();
   const size_t es = a.h.element_size();
   const char* hp = static_cast<const char*>(a.h.data_ptr());
   const char* wp = static_cast<const char*>(a.w.data_ptr());
+  // Hopper: the logits never leave the GEMM's accumulators; elsewhere fp32 tiles from cuBLAS for the row kernels
+  const bool sm90 = a.sm90;
+  auto tile = sm90 ? Tensor() : at::empty({a.rows * a.cols}, opts);
+  // The row tile's chunk partials (m, s, a) and target logits; m goes straight into offsets when keeping logits.
+  auto parts = at::empty({(save ? 2 : 3) * a.rows * P + a.rows}, opts);
+  float* pp = parts.data_ptr<float>();
+  const auto ht = cuda_type(a.h.scalar_type());
   for (int64_t n0 = 0; n0 < a.N; n0 += a.rows) {
     const int64_t n = std::min(a.rows, a.N - n0);
     float* m = save ? offsets.data_ptr<float>() + n0 * P : pp + 2 * a.rows * P;
     const fw::LogprobParts parts_of_tile{m, pp, pp + a.rows * P, P, pp + (save ? 2 : 3) * a.rows * P};
-    for (int64_t v0 = 0; v0 < a.V; v0 += a.cols) {
+    if (sm90) {  // one launch for the row tile's whole vocabulary
+      void* z16 = save ? static_cast<void*>(static_cast<at::Half*>(saved.data_ptr()) + n0 * a.V) : nullptr;
+      check_launch(fw::linear_logprob_sm90_fwd(dtype_of(a.h, "linear_logprob", "hidden"), hp + n0 * a.d * es, wp, n,
+                                               a.V, a.d, (float)(1.0 / temperature), t.data_ptr<int64_t>() + n0,
+                                               parts_of_tile, z16, a.V, sm_count(), stream),
+                   "linear_logprob");
+    }
+    for (int64_t v0 = 0; !sm90 && v0 < a.V; v0 += a.cols) {
       const int64_t vc = std::min(a.cols, a.V - v0);
       // z^T [vc, n] (column-major) = W[v0:v0+vc] . h[n0:n0+n]^T, scaled by 1/temperature
       fw::gemm(CUBLAS_OP_T, CUBLAS_OP_N, vc, n, a.d, (float)(1.0 / temperature), wp + v0 * a.d * es, ht, a.d,
@@ -303,7 +320,9 @@ std::tuple<Tensor, Tensor> linear_logprob_backward(const Tensor& grad_logprob, c
   const bool gw_direct = one_row_tile && weight.scalar_type() == a.h.scalar_type();
   Tensor gw_acc = gw_direct ? Tensor() : at::empty({a.cols, a.d}, a.h.options().dtype(at::kFloat));
   auto opts = a.h.options().dtype(at::kFloat);
-  auto tile = use_saved ? Tensor() : at::empty({a.rows * a.cols}, opts);
+  // recomputed logits: on Hopper the sm90 kernel writes the tile's dz itself, elsewhere a cuBLAS fp32 tile
+  const bool sm90 = !use_saved && a.sm90;
+  auto tile = use_saved || sm90 ? Tensor() : at::empty({a.rows * a.cols}, opts);
   auto gtile = at::empty({a.rows * a.cols}, a.h.options());
   const auto ht = cuda_type(a.h.scalar_type()), gh_t = cuda_type(gh.scalar_type());
   const auto gw_t = gw_direct ? ht : CUDA_R_32F;
@@ -322,18 +341,25 @@ std::tuple<Tensor, Tensor> linear_logprob_backward(const Tensor& grad_logprob, c
       const int64_t n = std::min(a.rows, a.N - n0);
       const void* hs = hp + n0 * a.d * es;
       fw::SavedLogits sv{nullptr, a.V, nullptr, chunks};
-      if (use_saved) {
+      if (sm90) {
+        check_launch(fw::linear_logprob_sm90_bwd(dt, hs, ws, n, vc, a.d, v0, inv_t, t.data_ptr<int64_t>() + n0,
+                                                 l.data_ptr<float>() + n0, H.data_ptr<float>() + n0,
+                                                 glp.data_ptr<float>() + n0, gent.data_ptr<float>() + n0,
+                                                 gtile.data_ptr(), sm_count(), stream),
+                     "linear_logprob_backward");
+      } else if (use_saved) {
         sv.z16 = saved.const_data_ptr<at::Half>() + n0 * a.V + v0;
         sv.off = offsets.const_data_ptr<float>() + n0 * chunks + v0 / fw::kLogprobChunk;
       } else {
         fw::gemm(CUBLAS_OP_T, CUBLAS_OP_N, vc, n, a.d, inv_t, ws, ht, a.d, hs, ht, a.d, 0.f, tile.data_ptr(),
                  CUDA_R_32F, vc);
       }
-      check_launch(fw::logprob_tile_bwd(dt, use_saved ? nullptr : tile.data_ptr<float>(), sv, n, vc, v0,
-                                        t.data_ptr<int64_t>() + n0, l.data_ptr<float>() + n0,
-                                        H.data_ptr<float>() + n0, glp.data_ptr<float>() + n0,
-                                        gent.data_ptr<float>() + n0, gtile.data_ptr(), stream),
-                   "linear_logprob_backward");
+      if (!sm90)
+        check_launch(fw::logprob_tile_bwd(dt, use_saved ? nullptr : tile.data_ptr<float>(), sv, n, vc, v0,
+                                          t.data_ptr<int64_t>() + n0, l.data_ptr<float>() + n0,
+                                          H.data_ptr<float>() + n0, glp.data_ptr<float>() + n0,
+                                          gent.data_ptr<float>() + n0, gtile.data_ptr(), stream),
+                     "linear_logprob_backward");
       // grad_h^T [d, n] (+)= W_tile^T [d, vc] . g^T [vc, n]   (dz/dlogits = 1/temperature)
       fw::gemm(CUBLAS_OP_N, CUBLAS_OP_N, a.d, n, vc, inv_t, ws, ht, a.d, gtile.data_ptr(), ht, vc,
                v0 == 0 ? 0.f : 1.f, ghp + n0 * a.d * gh.element_size(), gh_t, a.d);

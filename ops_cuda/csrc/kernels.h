@@ -45,7 +45,9 @@ cudaError_t swiglu_bwd(DType dt, const void* grad, const void* gate_up, void* gr
 // logprob, entropy and lse (pointers at the row tile's first row). Negative target: logprob 0; target >= V: NaN.
 // Kept logits (z16 set): the tile also goes to z16 + i * z16_ld in fp16 as z minus its chunk's m, so parts.m
 // doubles as the offsets that the backward adds back.
-constexpr int64_t kLogprobChunk = 1024;
+// 256: the column block of the Hopper kernel below, whose partials and kept-logit offsets must be the row
+// kernels' too, so that both paths keep the same logits and the kept and recomputing forwards agree bit for bit.
+constexpr int64_t kLogprobChunk = 256;
 struct LogprobParts {
   float* m;
   float* s;
@@ -71,6 +73,22 @@ struct SavedLogits {
 cudaError_t logprob_tile_bwd(DType dt, const float* z, SavedLogits saved, int64_t n, int64_t vc, int64_t v0,
                              const int64_t* targets, const float* lse, const float* entropy,
                              const float* grad_logprob, const float* grad_entropy, void* g, cudaStream_t stream);
+
+// The same on Hopper (sm_90a, logprob_sm90.cu), with the row work done on the GEMM's accumulators: hidden
+// [n, K] and weight [vc, K] row-major 16-bit, 16-byte aligned, K a multiple of 8. The forward covers the whole
+// vocabulary (V columns) in one launch and leaves the partials of every chunk as logprob_chunks_fwd does (parts.ld
+// = ceil(V / kLogprobChunk)), with the kept logits in z16 (row stride z16_ld) when z16 is set; the backward writes
+// d(loss)/dz of columns v0 .. v0 + vc into g [n, vc] as logprob_tile_bwd does.
+// Whether that kernel runs here: compute capability 9.0, 16-bit operands, the shapes above, and not turned off
+// with FW_LOGPROB_SM90=0 (read per call; the benchmark's and tests' A/B against the cuBLAS tiles).
+bool linear_logprob_sm90_supported(DType dt, int cc_major, int cc_minor, int64_t K, const void* h, const void* w);
+cudaError_t linear_logprob_sm90_fwd(DType dt, const void* h, const void* w, int64_t n, int64_t V, int64_t K,
+                                    float inv_t, const int64_t* targets, LogprobParts parts, void* z16,
+                                    int64_t z16_ld, int sm_count, cudaStream_t stream);
+cudaError_t linear_logprob_sm90_bwd(DType dt, const void* h, const void* w, int64_t n, int64_t vc, int64_t K,
+                                    int64_t v0, float inv_t, const int64_t* targets, const float* lse,
+                                    const float* entropy, const float* grad_logprob, const float* grad_entropy,
+                                    void* g, int sm_count, cudaStream_t stream);
 
 // q [B, Hq, D] (16-byte aligned); caches addressed as base + b*sb + h*sh + s*ss + d (elements; base 16-byte
 // aligned, strides multiples of 16 bytes); out [B, Hq, D]. Any Hq % Hk == 0, D a multiple of 8 up to 256.

@@ -6,30 +6,16 @@
 // backward; after the row tile's last vocabulary tile one warp per row merges its partials into the outputs;
 // backward: dz written in the GEMM dtype for the two gradient GEMMs, from the saved lse and entropy and either a
 // recomputed fp32 tile or the kept fp16 logits.
-// Partial state: m (max), s = sum 2^((z-m) log2 e), a = sum 2^(..) (z-m) log2 e, so that lse = m + ln s and
-// entropy = ln s - ln 2 * a/s, with no cancellation against m.
+// Partial state (m, s, a) and the per-element maths: logprob_math.cuh.
 // Exponentials are ex2.approx (one MUFU op, 2 ulp) of an FFMA. With expf and a NaN test per element the forward
 // row kernel ran at 60% of the SMs' throughput and 58% of DRAM bandwidth (ncu, H200); this form took it from
 // 4.67 to 4.20 ms a call of the benchmark (docs/PERFORMANCE.md, run 6).
-#include "common.cuh"
+#include "logprob_math.cuh"
 
 namespace fw {
 namespace {
 
 constexpr int kThreads = 256;
-constexpr float kLog2e = 1.4426950408889634f, kLn2 = 0.6931471805599453f;
-
-__device__ __forceinline__ float ex2(float x) {  // 2^x; -inf and x < -126 give 0, NaN stays NaN
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-// max that returns NaN when either side is NaN (fmaxf returns the other side, which hid an all-NaN chunk).
-__device__ __forceinline__ float max_nan(float a, float b) {
-  float y;
-  asm("max.NaN.f32 %0, %1, %2;" : "=f"(y) : "f"(a), "f"(b));
-  return y;
-}
 
 struct Lse {
   float m, s, a;
@@ -50,8 +36,7 @@ __device__ __forceinline__ Lse lse_merge(Lse x, Lse y) {
 // One warp per (row, chunk of kLogprobChunk columns), four independent warps a block (no block synchronisation,
 // so the warps' load and arithmetic phases overlap): each lane loads its 32 floats before using any, the warp
 // takes the chunk's max with shuffles, then sums the exponentials against it, so no running max is rescaled.
-// SAVE: the chunk also goes out in fp16 as z - max; a shifted logit below fp16's range is stored as -65504 (its
-// exponential is 0 either way, and the entropy term then stays 0 * finite).
+// SAVE: the chunk also goes out in fp16 as z - max (kept_logit).
 // Reading the 4,096 x 8,192 fp32 tile (H200 profiles, docs/PERFORMANCE.md runs 7-8): run 7's kernel, a
 // 256-thread block a row with per-thread running maxima, 2.4 TB/s; a block a row holding the whole tile row in
 // registers (two block reductions) 2.1 TB/s, 2.3 counting its fp16 stores; this kernel 2.6 TB/s, 3.1 with them.
@@ -92,12 +77,8 @@ logprob_chunk_fwd_kernel(const float* __restrict__ z, int64_t n, int64_t vc, int
     float sh[VEC];
 #pragma unroll
     for (int j = 0; j < VEC; ++j) {
-      // (z - m) log2 e, floored at -200 so that a column past the end (z = -inf) adds 0 * -200 to a, not NaN
-      const float d = max_nan(fmaf(x[k][j], kLog2e, -mk), -200.f), e = ex2(d);
-      s += e;
-      a = fmaf(e, d, a);
-      const float y = x[k][j] - m;
-      sh[j] = y < -65504.f ? -65504.f : y;
+      lse_add(x[k][j], mk, s, a);
+      sh[j] = kept_logit(x[k][j], m);
     }
     if constexpr (SAVE) {
       const int64_t i = c0 + (k * 32 + lane) * VEC;
@@ -175,8 +156,7 @@ logprob_tile_bwd_kernel(const Z* __restrict__ z, int64_t ld, const float* __rest
     float o[VEC];
 #pragma unroll
     for (int j = 0; j < VEC; ++j) {
-      const float x = to_f(v.v[j]), logp = x + c, p = ex2(fmaf(x, kLog2e, ck));
-      o[j] = -glp * p - gH * p * (logp + H);
+      o[j] = dlogit(to_f(v.v[j]), c, ck, glp, gH, H);
       if (i + j == tg) o[j] += glp;
     }
     store_vec<T, VEC>(gr + i, vec_from_f<T, VEC>(o));
