@@ -99,8 +99,9 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tenso
     return torch.ops.fw.decode_attention(q, k_cache, v_cache, lengths, float(scale))
 
 
-# Vocabulary columns per offset of the saved logits (linear_logprob with save_logits): the chunk that one warp
-# of the CUDA forward reduces (kLogprobChunk in ops_cuda/csrc/kernels.h).
+# Vocabulary columns per offset of the saved logits (linear_logprob with save_logits): the chunk that the CUDA
+# forward reduces, a warp's in the row kernels and a column block of the Hopper kernel (kLogprobChunk in
+# ops_cuda/csrc/kernels.h).
 SAVED_LOGITS_CHUNK = 256
 
 

@@ -1,6 +1,7 @@
-// Row kernels of the fused linear + logprob. The host (bindings.cpp) walks the [N, V] logits in tiles of
-// n rows x vc vocabulary columns: it computes a fp32 tile z = hidden_rows @ weight_cols.T / temperature with
-// cuBLAS (row i of the tile is contiguous, vc floats), then:
+// Row kernels of the fused linear + logprob, for every GPU and dtype that logprob_sm90.cu does not take (which
+// does the same chunk work on the GEMM's accumulators), the merge for both, and the backward from kept logits.
+// The host (bindings.cpp) walks the [N, V] logits in tiles of n rows x vc vocabulary columns: it computes a fp32
+// tile z = hidden_rows @ weight_cols.T / temperature with cuBLAS (row i of the tile is contiguous, vc floats), then:
 // forward: a warp per chunk of kLogprobChunk columns of a row computes that chunk's logsumexp partial with the
 // entropy term (and the target's logit when the chunk holds it), optionally keeping the chunk in fp16 for the
 // backward; after the row tile's last vocabulary tile one warp per row merges its partials into the outputs;
@@ -34,7 +35,7 @@ __device__ __forceinline__ Lse lse_merge(Lse x, Lse y) {
 }
 
 // One warp per (row, chunk of kLogprobChunk columns), four independent warps a block (no block synchronisation,
-// so the warps' load and arithmetic phases overlap): each lane loads its 32 floats before using any, the warp
+// so the warps' load and arithmetic phases overlap): each lane loads its kLogprobChunk / 32 floats before using any, the warp
 // takes the chunk's max with shuffles, then sums the exponentials against it, so no running max is rescaled.
 // SAVE: the chunk also goes out in fp16 as z - max (kept_logit).
 // Reading the 4,096 x 8,192 fp32 tile (H200 profiles, docs/PERFORMANCE.md runs 7-8): run 7's kernel, a

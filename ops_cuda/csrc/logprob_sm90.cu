@@ -3,7 +3,7 @@
 //
 // A persistent kernel of one CTA an SM walks output tiles of BM rows (hidden) x BN columns (vocabulary), rows
 // fastest, so the CTAs running at once share a few weight blocks through L2 and the hidden rows of the launch
-// (at most a few MB) stay there. Warp group 0 is the producer: one thread loads each BK-wide slice of the two
+// (16 MB at 8,192 rows of 1,024) stay there. Warp group 0 is the producer: one thread loads each BK-wide slice of the two
 // operand tiles with TMA (128-byte swizzle) into a ring of kStages stages, ordered by full/empty mbarriers. Warp
 // groups 1 and 2 each compute 64 rows x BN with wgmma m64n256k16 (fp32 accumulators: 128 registers a thread; the
 // producer hands registers to them with setmaxnreg, 40 against 232, without which the kept-logits epilogue
