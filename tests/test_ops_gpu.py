@@ -298,12 +298,14 @@ def test_linear_logprob_sm90_nan_and_minus_inf():
     lp64, ent64 = logprob_entropy64(z, torch.where(t < 512, t, t - 256))  # the targets among the finite columns
     outs = []
     for C in (0, ops_cuda.SAVED_LOGITS_CHUNK):
+        poison()
         lp, ent, lse, saved, off = torch.ops.fw.linear_logprob(h, w, t, 1.0, C)
         assert saved.numel() == (N * V if C else 0)
         if C:
             assert (saved[:, 512:768] == -65504).all() and (off[:, 2] == 0).all()
         for out, expect in ((lp, lp64), (ent, ent64), (lse, z.logsumexp(-1))):
             torch.testing.assert_close(out.double(), expect, rtol=1e-4, atol=1e-4)
+        poison()
         _, gw = torch.ops.fw.linear_logprob_backward(torch.ones(N, device=DEV), torch.ones(N, device=DEV), h, w, t,
                                                      lse, ent, saved, off, 1.0, C)
         assert gw.isfinite().all() and (gw[512:768] == 0).all()
@@ -311,6 +313,7 @@ def test_linear_logprob_sm90_nan_and_minus_inf():
     assert all(torch.equal(x, y) for x, y in zip(*outs))
     h_nan = h.clone()
     h_nan[1] = float("nan")
+    poison()
     lp, ent, lse, *_ = torch.ops.fw.linear_logprob(h_nan, w, t, 1.0)
     assert lp[1].isnan() and ent[1].isnan() and lse[1].isnan()
     assert not lp[[0, 2, 3]].isnan().any() and not ent[[0, 2, 3]].isnan().any()
