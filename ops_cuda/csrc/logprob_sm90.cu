@@ -3,10 +3,10 @@
 //
 // A persistent kernel of one CTA an SM walks output tiles of BM rows (hidden) x BN columns (vocabulary), rows
 // fastest, so the CTAs running at once share a few weight blocks through L2 and the hidden rows of the launch
-// (16 MB at 8,192 rows of 1,024) stay there. Warp group 0 is the producer: one thread loads each BK-wide slice of the two
-// operand tiles with TMA (128-byte swizzle) into a ring of kStages stages, ordered by full/empty mbarriers. Warp
-// groups 1 and 2 each compute 64 rows x BN with wgmma m64n256k16 (fp32 accumulators: 128 registers a thread; the
-// producer hands registers to them with setmaxnreg, 40 against 232, without which the kept-logits epilogue
+// (16 MB at 8,192 rows of 1,024) stay there. Warp group 0 is the producer: one thread loads each BK-wide slice of the
+// two operand tiles with TMA (128-byte swizzle) into a ring of kStages stages, ordered by full/empty mbarriers.
+// Warp groups 1 and 2 each compute 64 rows x BN with wgmma m64n256k16 (fp32 accumulators: 128 registers a thread;
+// the producer hands registers to them with setmaxnreg, 40 against 232, without which the kept-logits epilogue
 // spills), then, on the accumulators:
 //   forward: each (row, column block = chunk) leaves the logsumexp partial (m, s, a) and the target's logit,
 //            which logprob_merge combines as it does the row kernels' partials; kept logits go out in fp16 as
@@ -356,8 +356,8 @@ cudaError_t linear_logprob_sm90_fwd(DType dt, const void* h, const void* w, int6
                                     float inv_t, const int64_t* targets, LogprobParts parts, void* z16,
                                     int64_t z16_ld, int sm_count, cudaStream_t stream) {
   if (parts.ld != (V + kLogprobChunk - 1) / kLogprobChunk) return cudaErrorInvalidValue;
-  FusedArgs a{(int)n,  (int)V,  (int)K,  0,       inv_t,   targets, parts, static_cast<__half*>(z16),
-              z16_ld, nullptr, nullptr, nullptr, nullptr, nullptr};
+  FusedArgs a{(int)n, (int)V, (int)K, 0, inv_t, targets, parts, static_cast<__half*>(z16), z16_ld,
+              nullptr, nullptr, nullptr, nullptr, nullptr};
   return z16 ? launch<false, true>(dt, h, w, a, sm_count, stream) : launch<false, false>(dt, h, w, a, sm_count, stream);
 }
 
