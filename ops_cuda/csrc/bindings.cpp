@@ -199,25 +199,26 @@ cudaDataType_t cuda_type(at::ScalarType t) {
 
 struct LinearArgs {
   Tensor h, w;
+  fw::DType dt;
   int64_t N, d, V, rows, cols;  // rows x cols: the logits tile
   bool sm90;                    // the Hopper kernel (logprob_sm90.cu) computes the logits, not cuBLAS tiles
 };
 
 LinearArgs linear_args(const Tensor& hidden, const Tensor& weight, const Tensor& targets, const char* op) {
   check_cuda(hidden, op, "hidden");
-  dtype_of(hidden, op, "hidden");
+  const fw::DType dt = dtype_of(hidden, op, "hidden");
   TORCH_CHECK(hidden.dim() == 2 && weight.dim() == 2 && hidden.size(1) == weight.size(1), "fw::", op,
               ": expected hidden [N, d] and weight [V, d]");
   TORCH_CHECK(targets.numel() == hidden.size(0), "fw::", op, ": targets must have N = ", hidden.size(0), " elements");
   LinearArgs a;
+  a.dt = dt;
   a.h = hidden.contiguous();
   a.w = (weight.scalar_type() == hidden.scalar_type() ? weight : weight.to(hidden.scalar_type())).contiguous();
   a.N = hidden.size(0);
   a.d = hidden.size(1);
   a.V = weight.size(0);
   const auto* p = at::cuda::getCurrentDeviceProperties();
-  a.sm90 = fw::linear_logprob_sm90_supported(dtype_of(a.h, op, "hidden"), p->major, p->minor, a.d, a.h.data_ptr(),
-                                             a.w.data_ptr());
+  a.sm90 = fw::linear_logprob_sm90_supported(a.dt, p->major, p->minor, a.d, a.h.data_ptr(), a.w.data_ptr());
   a.rows = std::max<int64_t>(1, std::min(a.N, tile_shape(a.sm90).first));
   a.cols = std::max<int64_t>(1, std::min(a.V, tile_shape(a.sm90).second));
   return a;
@@ -252,8 +253,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> linear_logprob(const Tensor& 
   const char* hp = static_cast<const char*>(a.h.data_ptr());
   const char* wp = static_cast<const char*>(a.w.data_ptr());
   // Hopper: the logits never leave the GEMM's accumulators; elsewhere fp32 tiles from cuBLAS for the row kernels
-  const bool sm90 = a.sm90;
-  auto tile = sm90 ? Tensor() : at::empty({a.rows * a.cols}, opts);
+  auto tile = a.sm90 ? Tensor() : at::empty({a.rows * a.cols}, opts);
   // The row tile's chunk partials (m, s, a) and target logits; m goes straight into offsets when keeping logits.
   auto parts = at::empty({(save ? 2 : 3) * a.rows * P + a.rows}, opts);
   float* pp = parts.data_ptr<float>();
@@ -262,14 +262,14 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> linear_logprob(const Tensor& 
     const int64_t n = std::min(a.rows, a.N - n0);
     float* m = save ? offsets.data_ptr<float>() + n0 * P : pp + 2 * a.rows * P;
     const fw::LogprobParts parts_of_tile{m, pp, pp + a.rows * P, P, pp + (save ? 2 : 3) * a.rows * P};
-    if (sm90) {  // one launch for the row tile's whole vocabulary
+    if (a.sm90) {  // one launch for the row tile's whole vocabulary
       void* z16 = save ? static_cast<void*>(static_cast<at::Half*>(saved.data_ptr()) + n0 * a.V) : nullptr;
-      check_launch(fw::linear_logprob_sm90_fwd(dtype_of(a.h, "linear_logprob", "hidden"), hp + n0 * a.d * es, wp, n,
-                                               a.V, a.d, (float)(1.0 / temperature), t.data_ptr<int64_t>() + n0,
-                                               parts_of_tile, z16, a.V, sm_count(), stream),
+      check_launch(fw::linear_logprob_sm90_fwd(a.dt, hp + n0 * a.d * es, wp, n, a.V, a.d, (float)(1.0 / temperature),
+                                               t.data_ptr<int64_t>() + n0, parts_of_tile, z16, a.V, sm_count(),
+                                               stream),
                    "linear_logprob");
     }
-    for (int64_t v0 = 0; !sm90 && v0 < a.V; v0 += a.cols) {
+    for (int64_t v0 = 0; !a.sm90 && v0 < a.V; v0 += a.cols) {
       const int64_t vc = std::min(a.cols, a.V - v0);
       // z^T [vc, n] (column-major) = W[v0:v0+vc] . h[n0:n0+n]^T, scaled by 1/temperature
       fw::gemm(CUBLAS_OP_T, CUBLAS_OP_N, vc, n, a.d, (float)(1.0 / temperature), wp + v0 * a.d * es, ht, a.d,
@@ -293,7 +293,7 @@ std::tuple<Tensor, Tensor> linear_logprob_backward(const Tensor& grad_logprob, c
                                                    const Tensor& offsets, double temperature, int64_t save_chunk) {
   c10::cuda::CUDAGuard guard(hidden.device());
   auto a = linear_args(hidden, weight, targets, "linear_logprob_backward");
-  const auto dt = dtype_of(a.h, "linear_logprob_backward", "hidden");
+  const auto dt = a.dt;
   auto t = targets.to(at::kLong).contiguous();
   auto glp = grad_logprob.to(at::kFloat).contiguous(), gent = grad_entropy.to(at::kFloat).contiguous();
   auto l = lse.to(at::kFloat).contiguous(), H = entropy.to(at::kFloat).contiguous();

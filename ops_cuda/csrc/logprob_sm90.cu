@@ -83,6 +83,16 @@ __device__ __forceinline__ void fence_acc(float (&d)[128]) {
 #pragma unroll
   for (int i = 0; i < 128; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
+// Two adjacent columns of an output row at p, of which `left` (maybe fewer than 2) are inside the row: one 4-byte
+// store when both are and `pairs` says p is 4-byte aligned, else one element at a time.
+template <typename T> __device__ __forceinline__ void store_pair(T* p, const float (&v)[2], bool pairs, int left) {
+  if (pairs && left >= 2) {
+    store_vec<T, 2>(p, vec_from_f<T, 2>(v));
+  } else {
+    if (left >= 1) p[0] = from_f<T>(v[0]);
+    if (left >= 2) p[1] = from_f<T>(v[1]);
+  }
+}
 // Shared-memory matrix descriptor of a K-major tile with the 128-byte swizzle: 8-row groups 1024 bytes apart.
 __device__ __forceinline__ uint64_t smem_desc(const void* p) {
   return (uint64_t)((smem_u32(p) & 0x3FFFF) >> 4) | (uint64_t)1 << 16 | (uint64_t)(1024 >> 4) << 32 |
@@ -237,12 +247,7 @@ linear_logprob_sm90_kernel(const __grid_constant__ CUtensorMap tm_h, const __gri
               float y[2];
 #pragma unroll
               for (int c = 0; c < 2; ++c) y[c] = kept_logit(acc[4 * j + 2 * i + c], m);
-              if (pairs && c0 + col + 1 < a.vc) {
-                store_vec<__half, 2>(zr + col, vec_from_f<__half, 2>(y));
-              } else {
-                if (c0 + col < a.vc) zr[col] = __float2half_rn(y[0]);
-                if (c0 + col + 1 < a.vc) zr[col + 1] = __float2half_rn(y[1]);
-              }
+              store_pair(zr + col, y, pairs, a.vc - c0 - col);
             }
           }
         }
@@ -277,12 +282,7 @@ linear_logprob_sm90_kernel(const __grid_constant__ CUtensorMap tm_h, const __gri
             o[c] = dlogit(acc[4 * j + 2 * i + c] * a.inv_t, -l, ck, glp, gH, H);
             if (col + c == tg) o[c] += glp;
           }
-          if (pairs && c0 + col + 1 < a.vc) {
-            store_vec<T, 2>(gr + col, vec_from_f<T, 2>(o));
-          } else {
-            if (c0 + col < a.vc) gr[col] = from_f<T>(o[0]);
-            if (c0 + col + 1 < a.vc) gr[col + 1] = from_f<T>(o[1]);
-          }
+          store_pair(gr + col, o, pairs, a.vc - c0 - col);
         }
       }
     }
