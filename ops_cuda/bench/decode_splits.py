@@ -1,50 +1,83 @@
-"""Decode attention time by split count (FW_DECODE_SPLITS, read per call), at Qwen3-0.6B heads (16 q, 8 kv,
-head_dim 128) over batch x cache length, with every row full and with random lengths: the data behind
-`decode_attention_splits` in ops_cuda/csrc/decode_attention.cu. "auto" is the built-in choice; "=n" marks
-a forced count above the cap of ceil(S / 64), which runs as n splits.
+"""Decode attention time by launch setting, at Qwen3-0.6B heads (16 q, 8 kv, head_dim 128; --heads) over batch x cache
+length, with every row full and with random lengths: the data behind `decode_attention_splits` (decode_attention.cu)
+and the streaming kernel's rule and shape (decode_sm90.cu). The overrides are read per call.
 
-    python -m ops_cuda.bench.decode_splits            (needs a CUDA GPU; CUDA-graph replay medians, us)
+    python -m ops_cuda.bench.decode_splits                      the ring kernel by split count (FW_DECODE_SPLITS)
+    python -m ops_cuda.bench.decode_splits --columns "FW_DECODE_STREAM=0" "FW_DECODE_STREAM=1 FW_DECODE_STREAM_STAGES=4" \\
+        --shapes 256x1024,64x1024 --compile                    any settings, and torch.compile's SDPA as a baseline
+
+Needs a CUDA GPU; CUDA-graph replay medians, us. In the split sweep, "=n" marks a forced count above the cap of
+ceil(S / 64), which runs as n splits.
 """
 from __future__ import annotations
 
+import argparse
 import os
 
 import torch
 
 import ops_cuda
 from ops_cuda import library
-from ops_cuda.bench.bench_ops import bench_graph
+from ops_cuda.bench.bench_ops import bench_graph, compiled, decode_sdpa
 
 SPLITS = ["", "1", "2", "3", "4", "6", "8", "12", "16", "32"]
-SHAPES = [(1, 1024), (16, 1024), (64, 1024), (256, 1024), (64, 2048), (256, 2048), (256, 384)]
+SPLIT_COLUMNS = [f"FW_DECODE_STREAM=0 FW_DECODE_SPLITS={s}" for s in SPLITS]
+SHAPES = "1x1024,16x1024,64x1024,256x1024,64x2048,256x2048,256x384"
 
 
-def times_us(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, lengths: torch.Tensor) -> list[float]:
-    """Median replay time of one decode_attention call for each entry of SPLITS."""
-    out = []
-    for splits in SPLITS:
-        os.environ["FW_DECODE_SPLITS"] = splits
-        ms, _ = bench_graph(lambda: ops_cuda.decode_attention(q, kc, vc, lengths, q.shape[-1] ** -0.5), reps_ms=60)
-        out.append(ms * 1e3)
-    os.environ.pop("FW_DECODE_SPLITS")
-    return out
+def settings(column: str) -> dict[str, str]:
+    return dict(kv.split("=", 1) for kv in column.split())
+
+
+def time_us(fn, column: str) -> float:
+    """Median replay time of fn with the column's environment set (and removed afterwards)."""
+    env = settings(column)
+    os.environ.update(env)
+    try:
+        ms, _ = bench_graph(fn, reps_ms=60)
+    finally:
+        for k in env:
+            os.environ.pop(k, None)
+    return ms * 1e3
 
 
 def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--columns", nargs="+", default=SPLIT_COLUMNS, help="settings a column: NAME=VALUE ...")
+    p.add_argument("--shapes", default=SHAPES, help="BxS,... (batch x cache length)")
+    p.add_argument("--heads", default="16,8", help="query heads,kv heads (head_dim 128)")
+    p.add_argument("--compile", action="store_true", help="add torch.compile of the masked SDPA as a last column")
+    args = p.parse_args()
     assert library.activate_cuda() == "kernels", library.cuda_state["error"]
-    hq, hk, d = 16, 8, 128
+    (hq, hk), d = (int(x) for x in args.heads.split(",")), 128
     gen = torch.Generator().manual_seed(0)
-    print("B    S     lengths  " + "  ".join(f"{s or 'auto':>6}" for s in SPLITS))
-    for b, s in SHAPES:
+    split_sweep = args.columns == SPLIT_COLUMNS
+    names = [s or "auto" for s in SPLITS] if split_sweep else [f"[{i}]" for i in range(len(args.columns))]
+    if not split_sweep:
+        for n, c in zip(names, args.columns):
+            print(f"{n} {c}")
+    sdpa = compiled(decode_sdpa) if args.compile else None
+    print("B    S     lengths  " + "  ".join(f"{n:>6}" for n in names) + ("  compile" if sdpa else ""))
+    for shape in args.shapes.split(","):
+        b, s = (int(x) for x in shape.split("x"))
         q = torch.randn(b, hq, d, device="cuda", dtype=torch.bfloat16)
         kc = torch.randn(b, hk, s, d, device="cuda", dtype=torch.bfloat16)
+        vc = torch.randn_like(kc)
         cases = [("full", torch.full((b,), s))]
         if b > 1:
             cases.append(("random", torch.randint(s // 10, s + 1, (b,), generator=gen)))
         for name, lengths in cases:
-            times = times_us(q, kc, torch.randn_like(kc), lengths.cuda())
-            most = min(-(-s // 64), 64)   # the kernel caps a forced count at ceil(S / 64) and 64
-            cells = [f"{t:6.1f}" if not n or int(n) <= most else f"{'=' + str(most):>6}" for n, t in zip(SPLITS, times)]
+            inputs = (q, kc, vc, lengths.cuda(), d ** -0.5)
+            times = [time_us(lambda i=inputs: ops_cuda.decode_attention(*i), c) for c in args.columns]
+            if split_sweep:
+                most = min(-(-s // 64), 64)   # the kernel caps a forced count at ceil(S / 64) and 64
+                cells = [f"{t:6.1f}" if not n or int(n) <= most else f"{'=' + str(most):>6}"
+                         for n, t in zip(SPLITS, times)]
+            else:
+                cells = [f"{t:6.1f}" for t in times]
+            if sdpa:
+                ms, _ = bench_graph(lambda i=inputs: sdpa(*i), reps_ms=60)
+                cells.append(f"{ms * 1e3:7.1f}")
             print(f"{b:<4} {s:<5} {name:<8} " + "  ".join(cells), flush=True)
 
 
