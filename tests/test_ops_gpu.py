@@ -628,11 +628,7 @@ def test_opcheck_cuda_linear_logprob_saved():
     (1, 64, 8, 3000, 128, [2999]),
     (2, 3, 1, 70, 248, [70, 69]),
 ])
-@pytest.mark.parametrize("stream", ["0", "1"])
-def test_decode_attention(monkeypatch, stream, dtype, B, Hq, Hk, S, D, lens):
-    """Against float64, with the Hopper streaming kernel off and on (FW_DECODE_STREAM=1: wherever it can run,
-    on a grid of one block an SM, so the small shapes share units between blocks)."""
-    monkeypatch.setenv("FW_DECODE_STREAM", stream)  # read on every call
+def test_decode_attention(dtype, B, Hq, Hk, S, D, lens):
     q = torch.randn(B, Hq, D, device=DEV, dtype=dtype)
     # caches as one layer of a [L, B, Hk, S, D] cache
     kc = torch.randn(2, B, Hk, S, D, device=DEV, dtype=dtype)[1]
@@ -665,69 +661,6 @@ def test_decode_attention_layouts_and_repeats():
             kc2, vc2 = flat[1:].view(B, Hk, S, D), flat[:-1].view(B, Hk, S, D)  # odd element offset
             out = ops_cuda.decode_attention(q, kc2, vc2, lengths, 0.3)
             assert rel(out, ref.decode_attention(q.double(), kc2.double(), vc2.double(), lengths, 0.3)) < TOL[dtype]
-
-
-def decode_kernels(fn) -> set[str]:
-    """The names of the decode attention CUDA kernels that fn launches (torch.profiler)."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return {e.name for e in prof.events() if "decode" in e.name}
-
-
-@pytest.mark.skipif(not SM90, reason="the streaming decode kernel (decode_sm90.cu) runs on compute capability 9.0")
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("grid", ["1", "5", "64", ""])
-@pytest.mark.parametrize("B,Hq,Hk,S,D,lens", [
-    (7, 16, 8, 1000, 128, [0, 1, 64, 65, 1000, 5000, -3]),  # empty, one row, chunk edges, past S, negative
-    (3, 4, 4, 700, 64, [700, 127, 129]),                     # 128-row chunks at head_dim 64, one head a kv head
-    (4, 32, 8, 333, 256, [333, 31, 33, 0]),                  # 32-row chunks at head_dim 256, 4 heads a kv head
-    (2, 12, 4, 90, 128, [90, 89]),                           # 3 heads a kv head: one group of 4, a head unused
-    (64, 16, 8, 1024, 128, None),
-])
-def test_decode_attention_stream(monkeypatch, dtype, grid, B, Hq, Hk, S, D, lens):
-    """The streaming kernel against float64 on grids of 1 block (every unit whole), 5 and 64 blocks (units shared by
-    blocks, combined by the last to finish) and the default; it is the kernel that runs (profiler)."""
-    monkeypatch.setenv("FW_DECODE_STREAM", "1")
-    monkeypatch.setenv("FW_DECODE_STREAM_GRID", grid)
-    q = torch.randn(B, Hq, D, device=DEV, dtype=dtype)
-    kc = torch.randn(B, Hk, S, D, device=DEV, dtype=dtype)
-    vc = torch.randn(B, Hk, S, D, device=DEV, dtype=dtype)
-    lengths = torch.tensor(lens, device=DEV) if lens else torch.randint(1, S + 1, (B,), device=DEV)
-
-    def run():
-        poison()
-        return ops_cuda.decode_attention(q, kc, vc, lengths, 0.2)
-
-    names = decode_kernels(run)
-    assert names and all("decode_stream_kernel" in n for n in names), names
-    for _ in range(2):  # twice: the unit counters were left at zero
-        out = run()
-        assert rel(out, ref.decode_attention(q.double(), kc.double(), vc.double(), lengths, 0.2)) < TOL[dtype]
-    if lens:
-        for i, n in enumerate(lens):
-            if n <= 0:
-                assert out[i].abs().max() == 0
-
-
-@pytest.mark.skipif(not SM90, reason="the streaming decode kernel (decode_sm90.cu) runs on compute capability 9.0")
-@pytest.mark.parametrize("dtype,B,Hq,Hk,S,D", [
-    (torch.float32, 4, 16, 8, 100, 128),     # fp32 caches
-    (torch.bfloat16, 4, 16, 8, 100, 96),     # head_dim not 64 / 128 / 256
-    (torch.bfloat16, 2, 64, 8, 100, 128),    # 8 query heads a kv head
-    (torch.bfloat16, 1100, 2, 1, 16, 64),    # more rows than the kernel keeps in shared memory
-])
-def test_decode_attention_stream_falls_back(monkeypatch, dtype, B, Hq, Hk, S, D):
-    """Where the streaming kernel cannot run, FW_DECODE_STREAM=1 leaves the ring kernel, with correct outputs."""
-    monkeypatch.setenv("FW_DECODE_STREAM", "1")
-    q = torch.randn(B, Hq, D, device=DEV, dtype=dtype)
-    kc = torch.randn(B, Hk, S, D, device=DEV, dtype=dtype)
-    vc = torch.randn(B, Hk, S, D, device=DEV, dtype=dtype)
-    lengths = torch.randint(0, S + 1, (B,), device=DEV)
-    names = decode_kernels(lambda: ops_cuda.decode_attention(q, kc, vc, lengths, 0.2))
-    assert names and not any("stream" in n for n in names), names
-    out = ops_cuda.decode_attention(q, kc, vc, lengths, 0.2)
-    assert rel(out, ref.decode_attention(q.double(), kc.double(), vc.double(), lengths, 0.2)) < TOL[dtype]
 
 
 def _child(code: str) -> subprocess.CompletedProcess:
@@ -947,12 +880,10 @@ def test_decode_attention_under_cuda_graph():
         assert rel(out, expected) < TOL[torch.bfloat16]
 
 
-@pytest.mark.parametrize("stream", ["0", "1"])
 @pytest.mark.parametrize("B,Hq,Hk,S,D", [(1, 16, 8, 1024, 128), (3, 20, 4, 513, 96), (64, 16, 8, 1024, 128)])
-def test_decode_attention_under_cuda_graph_shapes(monkeypatch, stream, B, Hq, Hk, S, D):
+def test_decode_attention_under_cuda_graph_shapes(B, Hq, Hk, S, D):
     """Split (B=1, 3) and unsplit shapes captured once and replayed many times with new lengths (0 included):
-    the split counters (and, with the streaming kernel on, its unit counters) reset themselves on every replay."""
-    monkeypatch.setenv("FW_DECODE_STREAM", stream)
+    the split counters reset themselves on every replay."""
     q = torch.randn(B, Hq, D, device=DEV, dtype=torch.bfloat16)
     kc = torch.randn(B, Hk, S, D, device=DEV, dtype=torch.bfloat16)
     vc = torch.randn(B, Hk, S, D, device=DEV, dtype=torch.bfloat16)

@@ -1,9 +1,9 @@
 """Decode attention time by launch setting, at Qwen3-0.6B heads (16 q, 8 kv, head_dim 128; --heads) over batch x cache
-length, with every row full and with random lengths: the data behind `decode_attention_splits` (decode_attention.cu)
-and the streaming kernel's rule and shape (decode_sm90.cu). The overrides are read per call.
+length, with every row full and with random lengths: the data behind `decode_attention_splits` in
+ops_cuda/csrc/decode_attention.cu. The overrides are read per call.
 
-    python -m ops_cuda.bench.decode_splits                      the ring kernel by split count (FW_DECODE_SPLITS)
-    python -m ops_cuda.bench.decode_splits --columns "FW_DECODE_STREAM=0" "FW_DECODE_STREAM=1 FW_DECODE_STREAM_STAGES=4" \\
+    python -m ops_cuda.bench.decode_splits                      by split count (FW_DECODE_SPLITS)
+    python -m ops_cuda.bench.decode_splits --columns "FW_DECODE_SPLITS=" "FW_DECODE_SPLITS=2" --heads 32,8 \
         --shapes 256x1024,64x1024 --compile                    any settings, and torch.compile's SDPA as a baseline
 
 Needs a CUDA GPU; CUDA-graph replay medians, us. In the split sweep, "=n" marks a forced count above the cap of
@@ -21,7 +21,7 @@ from ops_cuda import library
 from ops_cuda.bench.bench_ops import bench_graph, compiled, decode_sdpa
 
 SPLITS = ["", "1", "2", "3", "4", "6", "8", "12", "16", "32"]
-SPLIT_COLUMNS = [f"FW_DECODE_STREAM=0 FW_DECODE_SPLITS={s}" for s in SPLITS]
+SPLIT_COLUMNS = [f"FW_DECODE_SPLITS={s}" for s in SPLITS]
 SHAPES = "1x1024,16x1024,64x1024,256x1024,64x2048,256x2048,256x384"
 
 

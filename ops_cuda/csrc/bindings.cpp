@@ -426,31 +426,16 @@ Tensor decode_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_
   auto len = lengths.to(at::kLong).contiguous();
   auto out = at::empty({B, Hq, D}, q.options());
   if (B == 0) return out;
+  const int splits = fw::decode_attention_splits((int)B, (int)Hq, (int)Hk, (int)S, sm_count());
   auto stream = at::cuda::getCurrentCUDAStream();
-  const auto* p = at::cuda::getCurrentDeviceProperties();
-  const int smem_optin = (int)p->sharedMemPerBlockOptin;
-  const int groups = fw::decode_attention_groups((int)Hq, (int)Hk);
   fw::DecodeWorkspace w{nullptr, nullptr, nullptr, nullptr};
   Tensor ws, local_counters;
-  const int grid = fw::decode_stream_grid(dt, (int)B, (int)Hq, (int)Hk, (int)S, (int)D, kc.stride(2), p->major,
-                                          p->minor, sm_count(), smem_optin);
-  if (grid > 0) {
-    const int64_t parts = fw::decode_stream_parts(grid, (int)Hq, (int)Hk);
-    ws = at::empty({parts * D + 2 * parts}, q.options().dtype(at::kFloat));
-    float* base = ws.data_ptr<float>();
-    w = {base, base + parts * D, base + parts * D + parts, decode_counters(B * Hk * groups, q, stream, local_counters)};
-    check_launch(fw::decode_attention_stream(dt, qc.data_ptr(), kc.data_ptr(), vc.data_ptr(), len.data_ptr<int64_t>(),
-                                             out.data_ptr(), w, (int)B, (int)Hq, (int)Hk, (int)S, (int)D, kc.stride(0),
-                                             kc.stride(1), grid, smem_optin, (float)scale, stream),
-                 "decode_attention");
-    return out;
-  }
-  const int splits = fw::decode_attention_splits((int)B, (int)Hq, (int)Hk, (int)S, sm_count());
   if (splits > 1) {
     const int64_t parts = B * Hq * splits;
     ws = at::empty({parts * D + 2 * parts}, q.options().dtype(at::kFloat));
     float* base = ws.data_ptr<float>();
-    w = {base, base + parts * D, base + parts * D + parts, decode_counters(B * Hk * groups, q, stream, local_counters)};
+    w = {base, base + parts * D, base + parts * D + parts,
+         decode_counters(B * Hk * fw::decode_attention_groups((int)Hq, (int)Hk), q, stream, local_counters)};
   }
   check_launch(fw::decode_attention(dt, qc.data_ptr(), kc.data_ptr(), vc.data_ptr(), len.data_ptr<int64_t>(),
                                     out.data_ptr(), w, (int)B, (int)Hq, (int)Hk, (int)S, (int)D, kc.stride(0),

@@ -15,7 +15,7 @@
 // D copy zeros and write nothing).
 #include <cstdlib>
 
-#include "decode_attention.cuh"
+#include "common.cuh"
 
 namespace fw {
 namespace {
@@ -78,7 +78,9 @@ __global__ void __launch_bounds__(kThreads, min_blocks<T, DP, RP>()) decode_kern
   __shared__ float sm_scale[RP][kMaxSplits];
   __shared__ int sm_last;
   uint4* ring = reinterpret_cast<uint4*>(smem);  // [stage][u][k/v][nv][thread]
-  float* red = reinterpret_cast<float*>(smem);  // after the loop: the warps' states (decode_write_red)
+  float* red_m = reinterpret_cast<float*>(smem);  // after the loop: [warp][RP] maxima, sums, [warp][RP][DP] acc
+  float* red_l = red_m + kWarps * RP;
+  float* red_acc = red_l + kWarps * RP;
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int sub = lane % LPP, slot = warp * PPW + lane / LPP;
@@ -139,29 +141,105 @@ __global__ void __launch_bounds__(kThreads, min_blocks<T, DP, RP>()) decode_kern
     cp_async_wait<kStages - 2>();  // this thread's copies of stage t have landed
     const uint4* st = ring + (t % kStages) * (U * 2 * NV * kThreads) + tid;
     const int64_t p0 = s_begin + (int64_t)t * kStep + slot;
-    // V rows past s_end were zero-filled by their copies
-    auto row = [&](int u, int kv) {
-      Vec<T, E> x;
+    float dot[U][RP];
 #pragma unroll
-      for (int n = 0; n < NV; ++n) reinterpret_cast<uint4*>(&x)[n] = st[((u * 2 + kv) * NV + n) * kThreads];
-      return x;
-    };
-    decode_step<T, RP, E, LPP, U>(
-        qf, acc, m, l, [&](int u) { return row(u, 0); }, [&](int u) { return row(u, 1); },
-        [&](int u) { return p0 + u * kSlots < s_end; });
+    for (int u = 0; u < U; ++u) {
+      Vec<T, E> kv;
+#pragma unroll
+      for (int n = 0; n < NV; ++n) reinterpret_cast<uint4*>(&kv)[n] = st[((u * 2 + 0) * NV + n) * kThreads];
+#pragma unroll
+      for (int r = 0; r < RP; ++r) {
+        float d = 0.f;
+#pragma unroll
+        for (int e = 0; e < E; ++e) d += qf[r][e] * to_f(kv.v[e]);
+        dot[u][r] = d;
+      }
+    }
+#pragma unroll
+    for (int o = LPP / 2; o > 0; o >>= 1) {
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+#pragma unroll
+        for (int r = 0; r < RP; ++r) dot[u][r] += __shfl_xor_sync(0xffffffffu, dot[u][r], o);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const bool valid = p0 + u * kSlots < s_end;
+#pragma unroll
+      for (int r = 0; r < RP; ++r) dot[u][r] = valid ? dot[u][r] : -INFINITY;
+    }
+#pragma unroll
+    for (int r = 0; r < RP; ++r) {
+      float mx = m[r];
+#pragma unroll
+      for (int u = 0; u < U; ++u) mx = fmaxf(mx, dot[u][r]);
+      const float ms = mx == -INFINITY ? 0.f : mx;  // a slot with no row yet: keep exp2 away from inf - inf
+      const float c = exp2f(m[r] - ms);
+      l[r] *= c;
+#pragma unroll
+      for (int e = 0; e < E; ++e) acc[r][e] *= c;
+      m[r] = mx;
+#pragma unroll
+      for (int u = 0; u < U; ++u) dot[u][r] = exp2f(dot[u][r] - ms);  // weight; 0 for an invalid row
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      Vec<T, E> vv;  // zero-filled for invalid rows, so 0 * v stays 0
+#pragma unroll
+      for (int n = 0; n < NV; ++n) reinterpret_cast<uint4*>(&vv)[n] = st[((u * 2 + 1) * NV + n) * kThreads];
+#pragma unroll
+      for (int r = 0; r < RP; ++r) {
+        l[r] += dot[u][r];
+#pragma unroll
+        for (int e = 0; e < E; ++e) acc[r][e] += dot[u][r] * to_f(vv.v[e]);
+      }
+    }
     issue(t + kStages - 1);  // refills the stage this thread read in step t - 1
   }
   cp_async_wait<0>();
 
-  decode_merge_slots<RP, E, LPP>(acc, m, l);
+  // merge the PPW slots of a warp (lanes sub, sub + LPP, ...), then the warps through shared memory
+#pragma unroll
+  for (int o = LPP; o < 32; o <<= 1) {
+#pragma unroll
+    for (int r = 0; r < RP; ++r) {
+      const float mo = __shfl_xor_sync(0xffffffffu, m[r], o), lo = __shfl_xor_sync(0xffffffffu, l[r], o);
+      const float mx = fmaxf(m[r], mo), ms = mx == -INFINITY ? 0.f : mx;
+      const float ca = exp2f(m[r] - ms), cb = exp2f(mo - ms);
+      l[r] = l[r] * ca + lo * cb;
+#pragma unroll
+      for (int e = 0; e < E; ++e) acc[r][e] = acc[r][e] * ca + __shfl_xor_sync(0xffffffffu, acc[r][e], o) * cb;
+      m[r] = mx;
+    }
+  }
   __syncthreads();  // every warp is done with the ring, which the reduction area overlays
-  decode_write_red<kWarps, RP, E, LPP, DP>(red, warp, lane, acc, m, l);
+  if (lane < LPP) {
+#pragma unroll
+    for (int r = 0; r < RP; ++r) {
+      if (sub == 0) {
+        red_m[warp * RP + r] = m[r];
+        red_l[warp * RP + r] = l[r];
+      }
+#pragma unroll
+      for (int e = 0; e < E; ++e) red_acc[(warp * RP + r) * DP + sub * E + e] = acc[r][e];
+    }
+  }
   __syncthreads();
   const int64_t hq0 = (int64_t)b * a.Hq + (int64_t)g * a.R + r0;  // first query head of the group
   for (int idx = tid; idx < nr * D; idx += kThreads) {
     const int r = idx / D, d = idx - r * D;
-    float M, L, O;
-    decode_read_red<kWarps, RP, DP>(red, r, d, M, L, O);
+    float M = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) M = fmaxf(M, red_m[w * RP + r]);
+    const float Ms = M == -INFINITY ? 0.f : M;
+    float O = 0.f, L = 0.f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) {
+      const float c = exp2f(red_m[w * RP + r] - Ms);
+      O += red_acc[(w * RP + r) * DP + d] * c;
+      L += red_l[w * RP + r] * c;
+    }
     const int64_t hq = hq0 + r;
     if (splits == 1) {
       ((T*)a.out)[hq * D + d] = from_f<T>(L > 0.f ? O / L : 0.f);
@@ -212,6 +290,8 @@ __global__ void __launch_bounds__(kThreads, min_blocks<T, DP, RP>()) decode_kern
   }
 }
 
+// RP: query heads per block; the head groups of a kv head are ceil(R / RP).
+int heads_per_block(int R) { return (R == 1 || R == 2 || R == 4) ? R : R == 3 ? 4 : 8; }
 int padded_dim(int D) { return D <= 64 ? 64 : D <= 128 ? 128 : 256; }
 
 // A kernel instance, with the most shared memory per SM asked for once (L1 is not used: cp.async.cg goes to
@@ -239,7 +319,7 @@ template <typename T, int DP> const void* kernel_r(int RP, bool full) {
 }
 const void* kernel_for(DType dt, int D, int R) {
   const void* f = nullptr;
-  const int RP = decode_attention_heads_per_block(R), DP = padded_dim(D);
+  const int RP = heads_per_block(R), DP = padded_dim(D);
   dispatch(dt, [&](auto t) -> cudaError_t {
     using T = decltype(t);
     const bool full = D == DP;
@@ -251,11 +331,8 @@ const void* kernel_for(DType dt, int D, int R) {
 
 }  // namespace
 
-// RP: query heads per block; the head groups of a kv head are ceil(R / RP).
-int decode_attention_heads_per_block(int R) { return (R == 1 || R == 2 || R == 4) ? R : R == 3 ? 4 : 8; }
-
 int decode_attention_groups(int Hq, int Hk) {
-  const int R = Hq / Hk, RP = decode_attention_heads_per_block(R);
+  const int R = Hq / Hk, RP = heads_per_block(R);
   return (R + RP - 1) / RP;
 }
 

@@ -100,25 +100,11 @@ struct DecodeWorkspace {
   float* l;    // [B, Hq, splits]
   int* count;  // [B, Hk, groups]
 };
-int decode_attention_heads_per_block(int R);  // query heads a block takes, R = Hq / Hk of them sharing a kv head
 int decode_attention_groups(int Hq, int Hk);
 int decode_attention_splits(int B, int Hq, int Hk, int S, int sm_count);
 cudaError_t decode_attention(DType dt, const void* q, const void* k, const void* v, const int64_t* lengths,
                              void* out, DecodeWorkspace ws, int B, int Hq, int Hk, int S, int D, int64_t sb,
                              int64_t sh, int64_t ss, int splits, float scale, cudaStream_t stream);
-
-// The streaming kernel for Hopper (decode_sm90.cu): its grid where it runs for this call, else 0 (the ring kernel
-// above runs). ss is the caches' row stride; smem_optin the device's opt-in shared memory a block.
-// FW_DECODE_STREAM=0 turns it off, =1 runs it wherever it can (tests and sweeps); FW_DECODE_STREAM_GRID and
-// FW_DECODE_STREAM_STAGES override its grid and ring depth. All are read on every call.
-int decode_stream_grid(DType dt, int B, int Hq, int Hk, int S, int D, int64_t ss, int cc_major, int cc_minor,
-                       int sm_count, int smem_optin);
-// Its partial slots (the DecodeWorkspace's o holds D floats a slot, m and l one each; count one int per
-// (b, kv head, head group), zero before the launch and left zero after it).
-int64_t decode_stream_parts(int grid, int Hq, int Hk);
-cudaError_t decode_attention_stream(DType dt, const void* q, const void* k, const void* v, const int64_t* lengths,
-                                    void* out, DecodeWorkspace ws, int B, int Hq, int Hk, int S, int D, int64_t sb,
-                                    int64_t sh, int grid, int smem_optin, float scale, cudaStream_t stream);
 
 // logits [B, V] (row stride in elements) -> tokens int64 [B], logprob fp32 [B]. Plain sampling and greedy
 // split each row over P blocks; the workspace holds 3 floats and 1 int64 per (row, part).
