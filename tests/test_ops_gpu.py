@@ -627,6 +627,11 @@ def test_opcheck_cuda_linear_logprob_saved():
     (1, 40, 8, 4096, 128, [4096]),
     (1, 64, 8, 3000, 128, [2999]),
     (2, 3, 1, 70, 248, [70, 69]),
+    # the tensor-core kernel (16-bit, head_dim 64 / 128, >= 3 heads a kv head): 4, 16 and 32 (two groups of 16)
+    (4, 32, 8, 1000, 128, [1000, 0, 17, 999]),
+    (3, 48, 3, 130, 128, [130, 129, 1]),
+    (2, 32, 1, 300, 64, [300, 1]),
+    (256, 32, 8, 200, 128, None),
 ])
 def test_decode_attention(dtype, B, Hq, Hk, S, D, lens):
     q = torch.randn(B, Hq, D, device=DEV, dtype=dtype)
@@ -649,7 +654,7 @@ def test_decode_attention_layouts_and_repeats():
     past S; calls of different shapes in turn, so the in-kernel split counters must be left at zero."""
     for _ in range(2):
         for B, Hq, Hk, S, D, dtype in [(3, 10, 2, 600, 72, torch.bfloat16), (1, 16, 8, 1024, 128, torch.float16),
-                                       (5, 8, 4, 257, 64, torch.float32)]:
+                                       (5, 8, 4, 257, 64, torch.float32), (2, 32, 4, 300, 128, torch.bfloat16)]:
             q = torch.randn(B * Hq * D + 1, device=DEV, dtype=dtype)[1:].view(B, Hq, D)
             kc = torch.randn(B, S, Hk, D, device=DEV, dtype=dtype).transpose(1, 2)
             vc = torch.randn(B, S, Hk, D, device=DEV, dtype=dtype).transpose(1, 2)
@@ -661,6 +666,44 @@ def test_decode_attention_layouts_and_repeats():
             kc2, vc2 = flat[1:].view(B, Hk, S, D), flat[:-1].view(B, Hk, S, D)  # odd element offset
             out = ops_cuda.decode_attention(q, kc2, vc2, lengths, 0.3)
             assert rel(out, ref.decode_attention(q.double(), kc2.double(), vc2.double(), lengths, 0.3)) < TOL[dtype]
+
+
+def decode_kernels(fn) -> set[str]:
+    """The names of the decode attention CUDA kernels that fn launches (torch.profiler)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return {e.name for e in prof.events() if "decode" in e.name}
+
+
+@pytest.mark.parametrize("dtype,Hq,Hk,D,mma", [
+    (torch.bfloat16, 32, 8, 128, True), (torch.float16, 24, 8, 64, True), (torch.bfloat16, 64, 8, 128, True),
+    (torch.bfloat16, 16, 8, 128, False),   # 2 heads a kv head: the ring kernel
+    (torch.float32, 32, 8, 128, False),    # fp32 caches
+    (torch.bfloat16, 32, 8, 96, False),    # head_dim not 64 / 128
+])
+def test_decode_attention_kernel_choice(monkeypatch, dtype, Hq, Hk, D, mma):
+    """The tensor-core kernel runs where it should (profiler), and with FW_DECODE_MMA=0 the ring kernel gives the
+    same outputs within rounding; both against float64, at one split (B=64) and several (B=2)."""
+    for B, S in ((64, 700), (2, 3000)):
+        q = torch.randn(B, Hq, D, device=DEV, dtype=dtype)
+        kc = torch.randn(B, Hk, S, D, device=DEV, dtype=dtype)
+        vc = torch.randn(B, Hk, S, D, device=DEV, dtype=dtype)
+        lengths = torch.randint(1, S + 1, (B,), device=DEV)
+        expected = ref.decode_attention(q.double(), kc.double(), vc.double(), lengths, 0.15)
+
+        def run(args=(q, kc, vc, lengths, 0.15)):
+            poison()
+            return ops_cuda.decode_attention(*args)
+
+        names = decode_kernels(run)
+        assert any("decode_mma_kernel" in n for n in names) == mma, names
+        out = run()
+        assert rel(out, expected) < TOL[dtype]
+        monkeypatch.setenv("FW_DECODE_MMA", "0")  # read on every call
+        assert not any("mma" in n for n in decode_kernels(run))
+        assert rel(run(), expected) < TOL[dtype]
+        monkeypatch.delenv("FW_DECODE_MMA")
 
 
 def _child(code: str) -> subprocess.CompletedProcess:
@@ -880,7 +923,8 @@ def test_decode_attention_under_cuda_graph():
         assert rel(out, expected) < TOL[torch.bfloat16]
 
 
-@pytest.mark.parametrize("B,Hq,Hk,S,D", [(1, 16, 8, 1024, 128), (3, 20, 4, 513, 96), (64, 16, 8, 1024, 128)])
+@pytest.mark.parametrize("B,Hq,Hk,S,D", [(1, 16, 8, 1024, 128), (3, 20, 4, 513, 96), (64, 16, 8, 1024, 128),
+                                         (1, 64, 8, 1024, 128), (16, 32, 8, 1024, 128)])
 def test_decode_attention_under_cuda_graph_shapes(B, Hq, Hk, S, D):
     """Split (B=1, 3) and unsplit shapes captured once and replayed many times with new lengths (0 included):
     the split counters reset themselves on every replay."""

@@ -13,6 +13,11 @@
 // Generality: any GQA ratio (RP = 1/2/4/8 heads per block, ceil(R / RP) groups when R > 8 or R is not a
 // power of two) and any head_dim that is a multiple of 8 up to 256 (padded to DP = 64/128/256; lanes past
 // D copy zeros and write nothing).
+//
+// Two kernels: the ring kernel above for 1 or 2 query heads a kv head, fp32 caches and head dims other than 64
+// and 128; the tensor-core kernel (decode_mma_kernel, below) for 16-bit caches with head_dim 64 or 128 and at
+// least 3 query heads a kv head, where the ring kernel's maths on the CUDA cores bounded it. Both share the
+// split scheme and the end of a block's work (decode_finish).
 #include <cstdlib>
 
 #include "common.cuh"
@@ -66,6 +71,82 @@ template <typename T, int DP, int RP> constexpr int min_blocks() {
   return RP == 8 ? (DecodeShape<T, DP, RP>::E == 8 ? 2 : 3) : RP == 4 ? 4 : 8;
 }
 
+// The end of a block's work. The warps' states are in red, as [warp][head] maxima, [warp][head] sums and
+// [warp][head][DP] unnormalised outputs, and the block is synchronised. With one split the block writes its heads'
+// outputs, otherwise its partials; the last block of the group to arrive combines the splits (threadFenceReduction
+// pattern). hq0: the group's first query head; nr: its heads.
+template <typename T, int RP, int DP>
+__device__ __forceinline__ void decode_finish(const DecodeArgs& a, const float* red, int grp, int split, int64_t hq0,
+                                              int nr, int D) {
+  __shared__ float sm_scale[RP][kMaxSplits];
+  __shared__ int sm_last;
+  const float* red_m = red;
+  const float* red_l = red + kWarps * RP;
+  const float* red_acc = red_l + kWarps * RP;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, splits = a.splits;
+  for (int idx = tid; idx < nr * D; idx += kThreads) {
+    const int r = idx / D, d = idx - r * D;
+    float M = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) M = fmaxf(M, red_m[w * RP + r]);
+    const float Ms = M == -INFINITY ? 0.f : M;
+    float O = 0.f, L = 0.f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) {
+      const float c = exp2f(red_m[w * RP + r] - Ms);
+      O += red_acc[(w * RP + r) * DP + d] * c;
+      L += red_l[w * RP + r] * c;
+    }
+    const int64_t hq = hq0 + r;
+    if (splits == 1) {
+      ((T*)a.out)[hq * D + d] = from_f<T>(L > 0.f ? O / L : 0.f);
+    } else {
+      a.ws.o[(hq * splits + split) * D + d] = O;
+      if (d == 0) {
+        a.ws.m[hq * splits + split] = M;
+        a.ws.l[hq * splits + split] = L;
+      }
+    }
+  }
+  if (splits == 1) return;
+
+  // last block of the group to arrive combines the splits (threadFenceReduction pattern)
+  __threadfence();  // this block's partials are visible device-wide before its arrival is counted
+  __syncthreads();
+  if (tid == 0) {
+    const int prev = atomicAdd(a.ws.count + grp, 1);
+    sm_last = prev == splits - 1;
+    if (sm_last) a.ws.count[grp] = 0;  // every split has arrived: ready for the next launch / graph replay
+  }
+  __syncthreads();
+  if (!sm_last) return;
+  __threadfence();
+  // per head (one warp each): global max over splits, then scale_s = 2^(m_s - M) / L (0 for an empty row)
+  for (int r = warp; r < nr; r += kWarps) {
+    const int64_t base = (hq0 + r) * splits;
+    const float m0 = lane < splits ? __ldcg(a.ws.m + base + lane) : -INFINITY;
+    const float m1 = lane + 32 < splits ? __ldcg(a.ws.m + base + lane + 32) : -INFINITY;
+    const float M = warp_max(fmaxf(m0, m1)), Ms = M == -INFINITY ? 0.f : M;
+    const float c0 = exp2f(m0 - Ms), c1 = exp2f(m1 - Ms);
+    const float l0 = lane < splits ? __ldcg(a.ws.l + base + lane) : 0.f;
+    const float l1 = lane + 32 < splits ? __ldcg(a.ws.l + base + lane + 32) : 0.f;
+    const float L = warp_sum(l0 * c0 + l1 * c1);
+    const float inv = L > 0.f ? 1.f / L : 0.f;
+    sm_scale[r][lane] = c0 * inv;
+    sm_scale[r][lane + 32] = c1 * inv;
+  }
+  __syncthreads();
+  for (int idx = tid; idx < nr * D; idx += kThreads) {
+    const int r = idx / D, d = idx - r * D;
+    const int64_t hq = hq0 + r;
+    const float* po = a.ws.o + hq * splits * D + d;
+    float O = 0.f;
+#pragma unroll 8
+    for (int s = 0; s < splits; ++s) O += __ldcg(po + (int64_t)s * D) * sm_scale[r][s];
+    ((T*)a.out)[hq * D + d] = from_f<T>(O);
+  }
+}
+
 template <typename T, int DP, int RP, bool kFullD>
 __global__ void __launch_bounds__(kThreads, min_blocks<T, DP, RP>()) decode_kernel(DecodeArgs a) {
   using Sh = DecodeShape<T, DP, RP>;
@@ -75,8 +156,6 @@ __global__ void __launch_bounds__(kThreads, min_blocks<T, DP, RP>()) decode_kern
   constexpr int kRingBytes = kStages * U * 2 * NV * kThreads * 16;
   constexpr int kRedBytes = kWarps * RP * (DP + 2) * 4;
   __shared__ alignas(16) unsigned char smem[kRingBytes > kRedBytes ? kRingBytes : kRedBytes];
-  __shared__ float sm_scale[RP][kMaxSplits];
-  __shared__ int sm_last;
   uint4* ring = reinterpret_cast<uint4*>(smem);  // [stage][u][k/v][nv][thread]
   float* red_m = reinterpret_cast<float*>(smem);  // after the loop: [warp][RP] maxima, sums, [warp][RP][DP] acc
   float* red_l = red_m + kWarps * RP;
@@ -226,68 +305,244 @@ __global__ void __launch_bounds__(kThreads, min_blocks<T, DP, RP>()) decode_kern
     }
   }
   __syncthreads();
-  const int64_t hq0 = (int64_t)b * a.Hq + (int64_t)g * a.R + r0;  // first query head of the group
-  for (int idx = tid; idx < nr * D; idx += kThreads) {
-    const int r = idx / D, d = idx - r * D;
-    float M = -INFINITY;
+  decode_finish<T, RP, DP>(a, red_m, grp, split, (int64_t)b * a.Hq + (int64_t)g * a.R + r0, nr, D);
+}
+
+// ------------------------------------------------------------------ tensor-core path
+// With several query heads a kv head the ring kernel's per-row maths on the CUDA cores, not the K/V bytes, bounds it
+// (docs/PERFORMANCE.md run 13: 0.80x of torch.compile at 4 heads a kv head, 0.38x at 8). This kernel takes up to
+// kMmaHeads query heads of one kv head as the 16 rows of mma.sync m16n8k16 (FlashAttention-2's fragments): S = Q K^T
+// over 16-row K tiles, the online softmax on the fragments in base 2, O += P V. Each warp streams its own K/V tiles
+// (tiles warp, warp + kWarps, ...) through a private cp.async ring, so no barrier is needed until the end, where the
+// warps' states meet in shared memory and decode_finish writes the outputs or split partials.
+// The ring holds rows of DP elements with the 16-byte chunks of row r at chunk c ^ (r % 8), so ldmatrix's eight row
+// reads of one chunk column fall in distinct banks.
+constexpr int kMmaHeads = 16, kMmaStages = 3;
+
+template <int DP> constexpr int mma_ring_bytes() { return kWarps * kMmaStages * 2 * 16 * DP * 2; }
+template <int DP> constexpr int mma_smem_bytes() {
+  return mma_ring_bytes<DP>() > kWarps * kMmaHeads * (DP + 2) * 4 ? mma_ring_bytes<DP>()
+                                                                 : kWarps * kMmaHeads * (DP + 2) * 4;
+}
+
+__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+__device__ __forceinline__ void ldsm_x4_trans(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+// d += a b for one m16n8k16 tile, 16-bit operands of type T, fp32 accumulators.
+template <typename T>
+__device__ __forceinline__ void mma16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+}
+// Two floats as a pair of T in one register, lo in the low half.
+template <typename T> __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
+  const float f[2] = {lo, hi};
+  const Vec<T, 2> v = vec_from_f<T, 2>(f);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+
+// Block (b, kv head g, group of kMmaHeads query heads, split); thread (warp, lane) with gq = lane / 4, tq = lane % 4
+// holds, in the mma fragments' layout, query heads gq and gq + 8 of the group: their scores for K rows 2tq, 2tq + 1
+// of each 8-row half of a tile, and their outputs for columns 8n + 2tq, 8n + 2tq + 1.
+template <typename T, int DP>
+__global__ void __launch_bounds__(kThreads, 2) decode_mma_kernel(DecodeArgs a) {
+  constexpr int CH = DP / 8, KS = DP / 16, NT = DP / 8;  // 16-byte chunks a row; k-steps of q.k; n-tiles of p.v
+  constexpr int kTileBytes = 16 * DP * 2, kStageBytes = 2 * kTileBytes;  // 16 rows of K, then of V
+  extern __shared__ __align__(128) unsigned char smem[];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, gq = lane >> 2, tq = lane & 3;
+  const int grp = blockIdx.x, split = blockIdx.y, splits = a.splits;
+  const int bg = grp / a.RG, rg = grp - bg * a.RG, b = bg / a.Hk, g = bg - b * a.Hk;
+  const int r0 = rg * kMmaHeads, nr = min(kMmaHeads, a.R - r0);
+  const int64_t len = min((int64_t)a.S, a.lengths[b]);
+  const int chunk = (a.S + splits - 1) / splits;
+  const int64_t s_begin = (int64_t)split * chunk;
+  const int64_t s_end = min(len, s_begin + chunk);
+  const int tiles = s_end > s_begin ? (int)((s_end - s_begin + 15) / 16) : 0;
+  const int my_tiles = tiles > warp ? (tiles - warp + kWarps - 1) / kWarps : 0;  // tiles warp, warp + kWarps, ...
+  const float qscale = a.scale * 1.4426950408889634f;  // scores in base 2
+
+  const T* kb = (const T*)a.k + b * a.sb + g * a.sh;
+  const T* vb = (const T*)a.v + b * a.sb + g * a.sh;
+  unsigned char* ring = smem + warp * kMmaStages * kStageBytes;
+  const uint32_t ring_s = (uint32_t)__cvta_generic_to_shared(ring);
+  // swizzled byte offset of chunk c of row r of a tile
+  auto at = [](int r, int c) { return r * DP * 2 + ((c ^ (r & 7)) << 4); };
+  // this warp's i-th tile into stage i % kMmaStages; rows past s_end are zero-filled
+  auto issue = [&](int i) {
+    if (i < my_tiles) {
+      unsigned char* st = ring + (i % kMmaStages) * kStageBytes;
+      const int64_t p0 = s_begin + (int64_t)(warp + i * kWarps) * 16;
 #pragma unroll
-    for (int w = 0; w < kWarps; ++w) M = fmaxf(M, red_m[w * RP + r]);
-    const float Ms = M == -INFINITY ? 0.f : M;
-    float O = 0.f, L = 0.f;
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) {
-      const float c = exp2f(red_m[w * RP + r] - Ms);
-      O += red_acc[(w * RP + r) * DP + d] * c;
-      L += red_l[w * RP + r] * c;
-    }
-    const int64_t hq = hq0 + r;
-    if (splits == 1) {
-      ((T*)a.out)[hq * D + d] = from_f<T>(L > 0.f ? O / L : 0.f);
-    } else {
-      a.ws.o[(hq * splits + split) * D + d] = O;
-      if (d == 0) {
-        a.ws.m[hq * splits + split] = M;
-        a.ws.l[hq * splits + split] = L;
+      for (int j = 0; j < 16 * CH / 32; ++j) {
+        const int idx = lane + 32 * j, r = idx / CH, c = idx - r * CH;
+        const bool ok = p0 + r < s_end;
+        const int64_t off = ok ? (p0 + r) * a.ss + c * 8 : 0;
+        cp_async16(st + at(r, c), kb + off, ok);
+        cp_async16(st + kTileBytes + at(r, c), vb + off, ok);
       }
     }
-  }
-  if (splits == 1) return;
+    cp_async_commit();
+  };
+#pragma unroll
+  for (int i = 0; i < kMmaStages - 1; ++i) issue(i);
 
-  // last block of the group to arrive combines the splits (threadFenceReduction pattern)
-  __threadfence();  // this block's partials are visible device-wide before its arrival is counted
-  __syncthreads();
-  if (tid == 0) {
-    const int prev = atomicAdd(a.ws.count + grp, 1);
-    sm_last = prev == splits - 1;
-    if (sm_last) a.ws.count[grp] = 0;  // every split has arrived: ready for the next launch / graph replay
+  // q as the A operand: rows gq and gq + 8 (query heads r0 + gq, r0 + gq + 8), columns 16k + 2tq (+1) and + 8
+  uint32_t qa[KS][4];
+  {
+    const T* q0 = (const T*)a.q + ((int64_t)b * a.Hq + (int64_t)g * a.R + r0) * DP;
+    const bool on0 = gq < nr, on1 = gq + 8 < nr;
+#pragma unroll
+    for (int k = 0; k < KS; ++k) {
+      const int c = 16 * k + 2 * tq;
+      qa[k][0] = on0 ? *reinterpret_cast<const uint32_t*>(q0 + gq * DP + c) : 0u;
+      qa[k][1] = on1 ? *reinterpret_cast<const uint32_t*>(q0 + (gq + 8) * DP + c) : 0u;
+      qa[k][2] = on0 ? *reinterpret_cast<const uint32_t*>(q0 + gq * DP + c + 8) : 0u;
+      qa[k][3] = on1 ? *reinterpret_cast<const uint32_t*>(q0 + (gq + 8) * DP + c + 8) : 0u;
+    }
+  }
+  float o[NT][4], m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};  // [0]: head gq, [1]: head gq + 8
+#pragma unroll
+  for (int n = 0; n < NT; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
+
+  // ldmatrix lanes: matrix mt = lane / 8 takes the address of its row lane % 8
+  const int mt = lane >> 3, mr = lane & 7;
+  for (int i = 0; i < my_tiles; ++i) {
+    cp_async_wait<kMmaStages - 2>();  // this lane's copies of tile i have landed
+    __syncwarp();                     // and every lane's
+    const uint32_t ks = ring_s + (i % kMmaStages) * kStageBytes, vs = ks + kTileBytes;
+    // S = Q K^T: n-tile h holds K rows 8h..8h+7; x4 matrices (rows 0-7, chunk 2k), (0-7, 2k+1), (8-15, 2k), (8-15, 2k+1)
+    float sc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+#pragma unroll
+    for (int k = 0; k < KS; ++k) {
+      uint32_t kf[4];
+      const int r = (mt >> 1) * 8 + mr;
+      ldsm_x4(kf, ks + at(r, 2 * k + (mt & 1)));
+      mma16816<T>(sc[0], qa[k], kf[0], kf[1]);
+      mma16816<T>(sc[1], qa[k], kf[2], kf[3]);
+    }
+    // online softmax per head over the tile's 16 rows; a quad (lanes 4gq..4gq+3) shares a head's rows
+    const int64_t p0 = s_begin + (int64_t)(warp + i * kWarps) * 16;
+    float c2[2];
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      float mx = m[hh];
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          const bool valid = p0 + h * 8 + 2 * tq + j < s_end;
+          float& x = sc[h][2 * hh + j];
+          x = valid ? x * qscale : -INFINITY;
+          mx = fmaxf(mx, x);
+        }
+      }
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float ms = mx == -INFINITY ? 0.f : mx;  // no valid row yet: keep exp2 away from inf - inf
+      c2[hh] = exp2f(m[hh] - ms);
+      m[hh] = mx;
+      float sum = 0.f;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          float& x = sc[h][2 * hh + j];
+          x = exp2f(x - ms);  // 0 for an invalid row
+          sum += x;
+        }
+      }
+      l[hh] = l[hh] * c2[hh] + sum;  // this lane's rows only; the quad's lanes are summed at the end
+    }
+    // P as the A operand of O += P V: the two score n-tiles are its two k halves
+    uint32_t pa[4];
+    pa[0] = pack2<T>(sc[0][0], sc[0][1]);
+    pa[1] = pack2<T>(sc[0][2], sc[0][3]);
+    pa[2] = pack2<T>(sc[1][0], sc[1][1]);
+    pa[3] = pack2<T>(sc[1][2], sc[1][3]);
+    // V^T fragments with ldmatrix.trans: x4 matrices (rows 0-7, chunk 2t), (8-15, 2t), (0-7, 2t+1), (8-15, 2t+1)
+#pragma unroll
+    for (int t = 0; t < NT / 2; ++t) {
+      uint32_t vf[4];
+      const int r = (mt & 1) * 8 + mr;
+      ldsm_x4_trans(vf, vs + at(r, 2 * t + (mt >> 1)));
+#pragma unroll
+      for (int u = 0; u < 2; ++u) {
+        float (&on)[4] = o[2 * t + u];
+        on[0] *= c2[0];
+        on[1] *= c2[0];
+        on[2] *= c2[1];
+        on[3] *= c2[1];
+        mma16816<T>(on, pa, vf[2 * u], vf[2 * u + 1]);
+      }
+    }
+    __syncwarp();  // every lane has read the stage before it is refilled
+    issue(i + kMmaStages - 1);
+  }
+  cp_async_wait<0>();
+
+  // the warps' states through shared memory, as decode_finish reads them
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    l[hh] += __shfl_xor_sync(0xffffffffu, l[hh], 1);
+    l[hh] += __shfl_xor_sync(0xffffffffu, l[hh], 2);
+  }
+  __syncthreads();  // every warp is done with its ring, which the reduction area overlays
+  float* red = reinterpret_cast<float*>(smem);
+  float *red_m = red, *red_l = red + kWarps * kMmaHeads, *red_acc = red_l + kWarps * kMmaHeads;
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    const int r = gq + 8 * hh;
+    if (tq == 0) {
+      red_m[warp * kMmaHeads + r] = m[hh];
+      red_l[warp * kMmaHeads + r] = l[hh];
+    }
+#pragma unroll
+    for (int n = 0; n < NT; ++n) {
+      red_acc[(warp * kMmaHeads + r) * DP + 8 * n + 2 * tq] = o[n][2 * hh];
+      red_acc[(warp * kMmaHeads + r) * DP + 8 * n + 2 * tq + 1] = o[n][2 * hh + 1];
+    }
   }
   __syncthreads();
-  if (!sm_last) return;
-  __threadfence();
-  // per head (one warp each): global max over splits, then scale_s = 2^(m_s - M) / L (0 for an empty row)
-  for (int r = warp; r < nr; r += kWarps) {
-    const int64_t base = (hq0 + r) * splits;
-    const float m0 = lane < splits ? __ldcg(a.ws.m + base + lane) : -INFINITY;
-    const float m1 = lane + 32 < splits ? __ldcg(a.ws.m + base + lane + 32) : -INFINITY;
-    const float M = warp_max(fmaxf(m0, m1)), Ms = M == -INFINITY ? 0.f : M;
-    const float c0 = exp2f(m0 - Ms), c1 = exp2f(m1 - Ms);
-    const float l0 = lane < splits ? __ldcg(a.ws.l + base + lane) : 0.f;
-    const float l1 = lane + 32 < splits ? __ldcg(a.ws.l + base + lane + 32) : 0.f;
-    const float L = warp_sum(l0 * c0 + l1 * c1);
-    const float inv = L > 0.f ? 1.f / L : 0.f;
-    sm_scale[r][lane] = c0 * inv;
-    sm_scale[r][lane + 32] = c1 * inv;
+  decode_finish<T, kMmaHeads, DP>(a, red, grp, split, (int64_t)b * a.Hq + (int64_t)g * a.R + r0, nr, DP);
+}
+
+// The tensor-core kernel serves 16-bit caches with head_dim 64 or 128 and at least 3 query heads a kv head
+// (FW_DECODE_MMA=0 turns it off; read per call).
+bool use_mma(DType dt, int R, int D) {
+  return dt != DType::F32 && R >= 3 && (D == 64 || D == 128) && int_from_env("FW_DECODE_MMA", 1) != 0;
+}
+
+// The kernel, allowed its dynamic shared memory (over 48 KB) once per device; null if that fails. Not stream work,
+// so a first call under graph capture is fine.
+template <typename T, int DP> const void* mma_kernel() {
+  static bool asked[64] = {};
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev >= 64) return nullptr;
+  if (!asked[dev]) {
+    if (cudaFuncSetAttribute(decode_mma_kernel<T, DP>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             mma_smem_bytes<DP>()) != cudaSuccess)
+      return nullptr;
+    asked[dev] = true;
   }
-  __syncthreads();
-  for (int idx = tid; idx < nr * D; idx += kThreads) {
-    const int r = idx / D, d = idx - r * D;
-    const int64_t hq = hq0 + r;
-    const float* po = a.ws.o + hq * splits * D + d;
-    float O = 0.f;
-#pragma unroll 8
-    for (int s = 0; s < splits; ++s) O += __ldcg(po + (int64_t)s * D) * sm_scale[r][s];
-    ((T*)a.out)[hq * D + d] = from_f<T>(O);
-  }
+  return (const void*)decode_mma_kernel<T, DP>;
 }
 
 // RP: query heads per block; the head groups of a kv head are ceil(R / RP).
@@ -331,12 +586,12 @@ const void* kernel_for(DType dt, int D, int R) {
 
 }  // namespace
 
-int decode_attention_groups(int Hq, int Hk) {
-  const int R = Hq / Hk, RP = heads_per_block(R);
+int decode_attention_groups(DType dt, int Hq, int Hk, int D) {
+  const int R = Hq / Hk, RP = use_mma(dt, R, D) ? kMmaHeads : heads_per_block(R);
   return (R + RP - 1) / RP;
 }
 
-int decode_attention_splits(int B, int Hq, int Hk, int S, int sm_count) {
+int decode_attention_splits(DType dt, int B, int Hq, int Hk, int S, int D, int sm_count) {
   if (B <= 0 || Hk <= 0 || S <= 0 || Hq % Hk != 0) return 1;
   // Splits only to reach about 3 blocks per SM: that many keep enough K/V copies in flight to saturate HBM,
   // and every further split adds partials to combine and a shorter pipeline per block. Measured on the H200
@@ -345,7 +600,7 @@ int decode_attention_splits(int B, int Hq, int Hk, int S, int sm_count) {
   int most = (S + 63) / 64;
   most = most < 1 ? 1 : most > kMaxSplits ? kMaxSplits : most;
   const int forced = int_from_env("FW_DECODE_SPLITS", 0);  // a fixed split count, for sweeps (read per call)
-  const int64_t base = (int64_t)B * Hk * decode_attention_groups(Hq, Hk), want = 3LL * sm_count;
+  const int64_t base = (int64_t)B * Hk * decode_attention_groups(dt, Hq, Hk, D), want = 3LL * sm_count;
   const int64_t s = forced > 0 ? forced : (want + base - 1) / base;
   return (int)(s < 1 ? 1 : s > most ? most : s);
 }
@@ -356,13 +611,23 @@ cudaError_t decode_attention(DType dt, const void* q, const void* k, const void*
   if (B == 0) return cudaSuccess;
   if (Hk <= 0 || Hq % Hk != 0 || D <= 0 || D > 256 || D % 8 != 0 || splits < 1 || splits > kMaxSplits)
     return cudaErrorInvalidValue;
-  const int R = Hq / Hk, RG = decode_attention_groups(Hq, Hk);
+  const int R = Hq / Hk, RG = decode_attention_groups(dt, Hq, Hk, D);
   DecodeArgs a{q, k, v, lengths, out, ws, Hq, Hk, R, RG, S, D, sb, sh, ss, splits, scale};
   const dim3 grid((unsigned)((int64_t)B * Hk * RG), (unsigned)splits);
   void* args[] = {&a};
-  const void* f = kernel_for(dt, D, R);
+  const void* f = nullptr;
+  size_t smem = 0;
+  if (use_mma(dt, R, D)) {
+    smem = D == 64 ? mma_smem_bytes<64>() : mma_smem_bytes<128>();
+    if (dt == DType::BF16)
+      f = D == 64 ? mma_kernel<__nv_bfloat16, 64>() : mma_kernel<__nv_bfloat16, 128>();
+    else
+      f = D == 64 ? mma_kernel<__half, 64>() : mma_kernel<__half, 128>();
+  } else {
+    f = kernel_for(dt, D, R);
+  }
   if (!f) return cudaErrorInvalidValue;
-  return cudaLaunchKernel(f, grid, dim3(kThreads), args, 0, stream);
+  return cudaLaunchKernel(f, grid, dim3(kThreads), args, smem, stream);
 }
 
 }  // namespace fw

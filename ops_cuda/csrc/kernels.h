@@ -100,8 +100,8 @@ struct DecodeWorkspace {
   float* l;    // [B, Hq, splits]
   int* count;  // [B, Hk, groups]
 };
-int decode_attention_groups(int Hq, int Hk);
-int decode_attention_splits(int B, int Hq, int Hk, int S, int sm_count);
+int decode_attention_groups(DType dt, int Hq, int Hk, int D);
+int decode_attention_splits(DType dt, int B, int Hq, int Hk, int S, int D, int sm_count);
 cudaError_t decode_attention(DType dt, const void* q, const void* k, const void* v, const int64_t* lengths,
                              void* out, DecodeWorkspace ws, int B, int Hq, int Hk, int S, int D, int64_t sb,
                              int64_t sh, int64_t ss, int splits, float scale, cudaStream_t stream);
