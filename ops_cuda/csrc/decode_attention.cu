@@ -428,7 +428,8 @@ __global__ void __launch_bounds__(kThreads, 2) decode_mma_kernel(DecodeArgs a) {
     cp_async_wait<kMmaStages - 2>();  // this lane's copies of tile i have landed
     __syncwarp();                     // and every lane's
     const uint32_t ks = ring_s + (i % kMmaStages) * kStageBytes, vs = ks + kTileBytes;
-    // S = Q K^T: n-tile h holds K rows 8h..8h+7; x4 matrices (rows 0-7, chunk 2k), (0-7, 2k+1), (8-15, 2k), (8-15, 2k+1)
+    // S = Q K^T: n-tile h holds K rows 8h..8h+7;
+    // x4 matrices (rows 0-7, chunk 2k), (0-7, 2k+1), (8-15, 2k), (8-15, 2k+1)
     float sc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
 #pragma unroll
     for (int k = 0; k < KS; ++k) {
