@@ -676,16 +676,20 @@ def decode_kernels(fn) -> set[str]:
     return {e.name for e in prof.events() if "decode" in e.name}
 
 
-@pytest.mark.parametrize("dtype,Hq,Hk,D,mma", [
-    (torch.bfloat16, 32, 8, 128, True), (torch.float16, 24, 8, 64, True), (torch.bfloat16, 64, 8, 128, True),
-    (torch.bfloat16, 16, 8, 128, False),   # 2 heads a kv head: the ring kernel
-    (torch.float32, 32, 8, 128, False),    # fp32 caches
-    (torch.bfloat16, 32, 8, 96, False),    # head_dim not 64 / 128
+@pytest.mark.parametrize("dtype,Hq,Hk,D,mode,mma", [
+    (torch.bfloat16, 32, 8, 128, "", True), (torch.float16, 24, 8, 64, "", True),
+    (torch.bfloat16, 64, 8, 128, "", True),
+    (torch.bfloat16, 16, 8, 128, "", False),   # 2 heads a kv head: the ring kernel
+    (torch.bfloat16, 16, 8, 128, "2", True),   # ... unless FW_DECODE_MMA=2
+    (torch.float16, 8, 8, 64, "2", True),      # 1 head a kv head, likewise
+    (torch.float32, 32, 8, 128, "2", False),   # fp32 caches
+    (torch.bfloat16, 32, 8, 96, "2", False),   # head_dim not 64 / 128
 ])
-def test_decode_attention_kernel_choice(monkeypatch, dtype, Hq, Hk, D, mma):
+def test_decode_attention_kernel_choice(monkeypatch, dtype, Hq, Hk, D, mode, mma):
     """The tensor-core kernel runs where it should (profiler), and with FW_DECODE_MMA=0 the ring kernel gives the
     same outputs within rounding; both against float64, at one split (B=64) and several (B=2)."""
     for B, S in ((64, 700), (2, 3000)):
+        monkeypatch.setenv("FW_DECODE_MMA", mode)  # read on every call; "" is the default
         q = torch.randn(B, Hq, D, device=DEV, dtype=dtype)
         kc = torch.randn(B, Hk, S, D, device=DEV, dtype=dtype)
         vc = torch.randn(B, Hk, S, D, device=DEV, dtype=dtype)
@@ -703,7 +707,6 @@ def test_decode_attention_kernel_choice(monkeypatch, dtype, Hq, Hk, D, mma):
         monkeypatch.setenv("FW_DECODE_MMA", "0")  # read on every call
         assert not any("mma" in n for n in decode_kernels(run))
         assert rel(run(), expected) < TOL[dtype]
-        monkeypatch.delenv("FW_DECODE_MMA")
 
 
 def _child(code: str) -> subprocess.CompletedProcess:

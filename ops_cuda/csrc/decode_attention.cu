@@ -525,10 +525,11 @@ __global__ void __launch_bounds__(kThreads, 2) decode_mma_kernel(DecodeArgs a) {
   decode_finish<T, kMmaHeads, DP>(a, red, grp, split, (int64_t)b * a.Hq + (int64_t)g * a.R + r0, nr, DP);
 }
 
-// The tensor-core kernel serves 16-bit caches with head_dim 64 or 128 and at least 3 query heads a kv head
-// (FW_DECODE_MMA=0 turns it off; read per call).
+// The tensor-core kernel serves 16-bit caches with head_dim 64 or 128 and at least 3 query heads a kv head.
+// FW_DECODE_MMA (read per call): 0 never, 2 also at 1 or 2 heads a kv head (for sweeps: not yet timed there).
 bool use_mma(DType dt, int R, int D) {
-  return dt != DType::F32 && R >= 3 && (D == 64 || D == 128) && int_from_env("FW_DECODE_MMA", 1) != 0;
+  const int mode = int_from_env("FW_DECODE_MMA", 1);
+  return dt != DType::F32 && (D == 64 || D == 128) && (mode == 2 || (mode == 1 && R >= 3));
 }
 
 // The kernel, allowed its dynamic shared memory (over 48 KB) once per device; null if that fails. Not stream work,
