@@ -110,6 +110,18 @@ template <typename F> cudaError_t dispatch(DType dt, F&& f) {
 
 inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
+// Lets kernel K launch with `bytes` of dynamic shared memory (more than 48 KB must be asked for), asking once per
+// device (the attribute is not stream work).
+template <auto K> cudaError_t allow_dynamic_smem(int bytes) {
+  static bool asked[64] = {};
+  int dev = 0;
+  cudaError_t e = cudaGetDevice(&dev);
+  if (e != cudaSuccess || (dev < 64 && asked[dev])) return e;
+  e = cudaFuncSetAttribute(K, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+  if (e == cudaSuccess && dev < 64) asked[dev] = true;
+  return e;
+}
+
 // An integer from the environment, or `fallback` when unset or empty: the launch-shape overrides that the
 // benchmark sweeps set (ops_cuda/bench/sweep.sh, decode_splits.py).
 inline int int_from_env(const char* name, int fallback) {

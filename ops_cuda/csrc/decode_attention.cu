@@ -18,6 +18,7 @@
 // and 128; the tensor-core kernel (decode_mma_kernel, below) for 16-bit caches with head_dim 64 or 128 and at
 // least 3 query heads a kv head, where the ring kernel's maths on the CUDA cores bounded it. Both share the
 // split scheme and the end of a block's work (decode_finish).
+#include <algorithm>
 #include <cstdlib>
 
 #include "common.cuh"
@@ -319,10 +320,9 @@ __global__ void __launch_bounds__(kThreads, min_blocks<T, DP, RP>()) decode_kern
 // reads of one chunk column fall in distinct banks.
 constexpr int kMmaHeads = 16, kMmaStages = 3;
 
-template <int DP> constexpr int mma_ring_bytes() { return kWarps * kMmaStages * 2 * 16 * DP * 2; }
+// the warps' rings, which the reduction area (decode_finish's layout) overlays after the loop
 template <int DP> constexpr int mma_smem_bytes() {
-  return mma_ring_bytes<DP>() > kWarps * kMmaHeads * (DP + 2) * 4 ? mma_ring_bytes<DP>()
-                                                                 : kWarps * kMmaHeads * (DP + 2) * 4;
+  return std::max(kWarps * kMmaStages * 2 * 16 * DP * 2, kWarps * kMmaHeads * (DP + 2) * 4);
 }
 
 __device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], uint32_t addr) {
@@ -532,19 +532,11 @@ bool use_mma(DType dt, int R, int D) {
   return dt != DType::F32 && (D == 64 || D == 128) && (mode == 2 || (mode == 1 && R >= 3));
 }
 
-// The kernel, allowed its dynamic shared memory (over 48 KB) once per device; null if that fails. Not stream work,
-// so a first call under graph capture is fine.
+// The kernel, allowed its dynamic shared memory; null if that fails.
 template <typename T, int DP> const void* mma_kernel() {
-  static bool asked[64] = {};
-  int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess || dev >= 64) return nullptr;
-  if (!asked[dev]) {
-    if (cudaFuncSetAttribute(decode_mma_kernel<T, DP>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                             mma_smem_bytes<DP>()) != cudaSuccess)
-      return nullptr;
-    asked[dev] = true;
-  }
-  return (const void*)decode_mma_kernel<T, DP>;
+  return allow_dynamic_smem<decode_mma_kernel<T, DP>>(mma_smem_bytes<DP>()) == cudaSuccess
+             ? (const void*)decode_mma_kernel<T, DP>
+             : nullptr;
 }
 
 // RP: query heads per block; the head groups of a kv head are ceil(R / RP).

@@ -329,16 +329,9 @@ cudaError_t launch(DType dt, const void* h, const void* w, FusedArgs a, int sm_c
     if constexpr (std::is_same_v<T, float>) {
       return cudaErrorInvalidValue;
     } else {
-      auto kernel = linear_logprob_sm90_kernel<T, kBwd, kSave>;
-      // more than 48 KB of dynamic shared memory must be asked for, once per device (before any graph capture,
-      // since the first call is usually eager)
-      static bool asked[64] = {};
-      int dev = 0;
-      cudaError_t e = cudaGetDevice(&dev);
-      if (e == cudaSuccess && (dev >= 64 || !asked[dev]))
-        e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+      constexpr auto kernel = linear_logprob_sm90_kernel<T, kBwd, kSave>;
+      const cudaError_t e = allow_dynamic_smem<kernel>(kSmemBytes);
       if (e != cudaSuccess) return e;
-      if (dev < 64) asked[dev] = true;
       kernel<<<grid, kFusedThreads, kSmemBytes, stream>>>(th, tw, a);
       return cudaGetLastError();
     }
