@@ -9,6 +9,7 @@ no owner record, that is older than STALE_LOCK_AGE_S) instead of waiting on it.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import time
@@ -96,13 +97,26 @@ def lock_status(directory: Path | None = None) -> tuple[str, str]:
     return "held", f"{lock} created {age:.0f}s ago by another process (a build in progress?)"
 
 
+def _cpp_extension():
+    """torch.utils.cpp_extension, imported with its logger quiet: with a CUDA build of torch, a toolkit and no GPU
+    (a CPU machine with nvcc) the import logs "No CUDA runtime is found" to stderr, which `fw doctor` reports itself
+    as "GPU: none visible"."""
+    log = logging.getLogger("torch.utils.cpp_extension")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        from torch.utils import cpp_extension
+    finally:
+        log.setLevel(level)
+    return cpp_extension
+
+
 def build(verbose: bool = False) -> str:
     """Compile (if needed) and load the CUDA extension; returns the path of the loaded library.
     Raises RuntimeError when CUDA or the toolchain is missing, StaleBuildLock for a dead build's lock."""
     if "path" in _loaded:
         return _loaded["path"]
-    from torch.utils import cpp_extension
-
+    cpp_extension = _cpp_extension()
     if torch.version.cuda is None:
         raise RuntimeError(f"torch {torch.__version__} is a CPU-only build; the CUDA kernels need a CUDA torch")
     if cpp_extension.CUDA_HOME is None:
@@ -142,8 +156,7 @@ def doctor() -> str:
     from ops_cuda.library import cuda_state
 
     lines = [f"torch: {torch.__version__}", f"torch CUDA: {torch.version.cuda or 'none (CPU build)'}"]
-    from torch.utils import cpp_extension
-
+    cpp_extension = _cpp_extension()
     lines.append(f"CUDA toolkit (nvcc): {cpp_extension.CUDA_HOME or 'not found'}")
     if torch.cuda.is_available():
         for i in range(torch.cuda.device_count()):
