@@ -14,10 +14,10 @@
 // power of two) and any head_dim that is a multiple of 8 up to 256 (padded to DP = 64/128/256; lanes past
 // D copy zeros and write nothing).
 //
-// Two kernels: the ring kernel above for 1 or 2 query heads a kv head, fp32 caches and head dims other than 64
-// and 128; the tensor-core kernel (decode_mma_kernel, below) for 16-bit caches with head_dim 64 or 128 and at
-// least 3 query heads a kv head, where the ring kernel's maths on the CUDA cores bounded it. Both share the
-// split scheme and the end of a block's work (decode_finish).
+// Two kernels: the tensor-core kernel (decode_mma_kernel, below) for 16-bit caches with head_dim 64 or 128 at 3 or
+// more query heads a kv head, where the ring kernel's maths on the CUDA cores bounded it, and at 2 when the context
+// is not split (use_mma); the ring kernel above for the rest. Both share the split scheme and the end of a block's
+// work (decode_finish).
 #include <algorithm>
 #include <cstdlib>
 
@@ -525,11 +525,15 @@ __global__ void __launch_bounds__(kThreads, 2) decode_mma_kernel(DecodeArgs a) {
   decode_finish<T, kMmaHeads, DP>(a, red, grp, split, (int64_t)b * a.Hq + (int64_t)g * a.R + r0, nr, DP);
 }
 
-// The tensor-core kernel serves 16-bit caches with head_dim 64 or 128 and at least 3 query heads a kv head.
-// FW_DECODE_MMA (read per call): 0 never, 2 also at 1 or 2 heads a kv head (for sweeps: not yet timed there).
-bool use_mma(DType dt, int R, int D) {
+// Whether the tensor-core kernel runs: 16-bit caches with head_dim 64 or 128, at 3 or more query heads a kv head,
+// and at 2 when the context is not split. At 2 heads with one split it was 12-19% faster than the ring kernel
+// (B=64 and 256 at 8 kv heads), with 16 or 4 splits (B=1 and 16) 0-8% slower (docs/PERFORMANCE.md run 14). At
+// R <= 2 either kernel has one head group, so the choice does not change the split count. FW_DECODE_MMA (read per
+// call): 0 never, 2 wherever it can (also at 1 head a kv head, and with splits), for sweeps.
+bool use_mma(DType dt, int R, int D, int splits) {
   const int mode = int_from_env("FW_DECODE_MMA", 1);
-  return dt != DType::F32 && (D == 64 || D == 128) && (mode == 2 || (mode == 1 && R >= 3));
+  if (dt == DType::F32 || (D != 64 && D != 128) || mode == 0) return false;
+  return mode == 2 || R >= 3 || (R == 2 && splits == 1);
 }
 
 // The kernel, allowed its dynamic shared memory; null if that fails.
@@ -581,7 +585,9 @@ const void* kernel_for(DType dt, int D, int R) {
 }  // namespace
 
 int decode_attention_groups(DType dt, int Hq, int Hk, int D) {
-  const int R = Hq / Hk, RP = use_mma(dt, R, D) ? kMmaHeads : heads_per_block(R);
+  const int R = Hq / Hk;
+  if (R <= 2) return 1;  // either kernel: one group
+  const int RP = use_mma(dt, R, D, 1) ? kMmaHeads : heads_per_block(R);
   return (R + RP - 1) / RP;
 }
 
@@ -611,7 +617,7 @@ cudaError_t decode_attention(DType dt, const void* q, const void* k, const void*
   void* args[] = {&a};
   const void* f = nullptr;
   size_t smem = 0;
-  if (use_mma(dt, R, D)) {
+  if (use_mma(dt, R, D, splits)) {
     smem = D == 64 ? mma_smem_bytes<64>() : mma_smem_bytes<128>();
     if (dt == DType::BF16)
       f = D == 64 ? mma_kernel<__nv_bfloat16, 64>() : mma_kernel<__nv_bfloat16, 128>();
