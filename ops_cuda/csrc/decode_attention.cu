@@ -14,10 +14,10 @@
 // power of two) and any head_dim that is a multiple of 8 up to 256 (padded to DP = 64/128/256; lanes past
 // D copy zeros and write nothing).
 //
-// Two kernels: the tensor-core kernel (decode_mma_kernel, below) for 16-bit caches with head_dim 64 or 128 at 3 or
-// more query heads a kv head, where the ring kernel's maths on the CUDA cores bounded it, and at 2 when the context
-// is not split (use_mma); the ring kernel above for the rest. Both share the split scheme and the end of a block's
-// work (decode_finish).
+// Two kernels: the tensor-core kernel (decode_mma_kernel, below) for 16-bit caches with head_dim 64 or 128 at 2 or
+// more query heads a kv head, where the ring kernel's maths on the CUDA cores bounded it (use_mma); the ring kernel
+// above for the rest. Both share the end of a block's work (decode_finish); each has its own split count
+// (decode_attention_splits).
 #include <algorithm>
 #include <cstdlib>
 
@@ -525,15 +525,13 @@ __global__ void __launch_bounds__(kThreads, 2) decode_mma_kernel(DecodeArgs a) {
   decode_finish<T, kMmaHeads, DP>(a, red, grp, split, (int64_t)b * a.Hq + (int64_t)g * a.R + r0, nr, DP);
 }
 
-// Whether the tensor-core kernel runs: 16-bit caches with head_dim 64 or 128, at 3 or more query heads a kv head,
-// and at 2 when the context is not split. At 2 heads with one split it was 12-19% faster than the ring kernel
-// (B=64 and 256 at 8 kv heads), with 16 or 4 splits (B=1 and 16) 0-8% slower (docs/PERFORMANCE.md run 14). At
-// R <= 2 either kernel has one head group, so the choice does not change the split count. FW_DECODE_MMA (read per
-// call): 0 never, 2 wherever it can (also at 1 head a kv head, and with splits), for sweeps.
-bool use_mma(DType dt, int R, int D, int splits) {
+// Whether the tensor-core kernel runs: 16-bit caches with head_dim 64 or 128, at 2 or more query heads a kv head.
+// At 2 it was 11-33% faster than the ring kernel from B=8 to 256 (8 kv heads, each kernel with its own split
+// count) and 2-5% slower at B=1 (docs/PERFORMANCE.md run 14). FW_DECODE_MMA (read per call): 0 never, 2 also at 1 head a kv head, for sweeps.
+bool use_mma(DType dt, int R, int D) {
   const int mode = int_from_env("FW_DECODE_MMA", 1);
   if (dt == DType::F32 || (D != 64 && D != 128) || mode == 0) return false;
-  return mode == 2 || R >= 3 || (R == 2 && splits == 1);
+  return mode == 2 || R >= 2;
 }
 
 // The kernel, allowed its dynamic shared memory; null if that fails.
@@ -585,23 +583,25 @@ const void* kernel_for(DType dt, int D, int R) {
 }  // namespace
 
 int decode_attention_groups(DType dt, int Hq, int Hk, int D) {
-  const int R = Hq / Hk;
-  if (R <= 2) return 1;  // either kernel: one group
-  const int RP = use_mma(dt, R, D, 1) ? kMmaHeads : heads_per_block(R);
+  const int R = Hq / Hk, RP = use_mma(dt, R, D) ? kMmaHeads : heads_per_block(R);
   return (R + RP - 1) / RP;
 }
 
 int decode_attention_splits(DType dt, int B, int Hq, int Hk, int S, int D, int sm_count) {
   if (B <= 0 || Hk <= 0 || S <= 0 || Hq % Hk != 0) return 1;
-  // Splits only to reach about 3 blocks per SM: that many keep enough K/V copies in flight to saturate HBM,
-  // and every further split adds partials to combine and a shorter pipeline per block. Measured on the H200
-  // (python -m ops_cuda.bench.decode_splits: B x 8 kv heads, head_dim 128): B=64 is fastest with 512 blocks in
-  // one split, B=16 with 4 to 8 splits, B=1 with 16; at least 64 positions a split, at most kMaxSplits.
+  // The ring kernel splits only to reach about 3 blocks per SM: that many keep enough K/V copies in flight to
+  // saturate HBM, and every further split adds partials to combine and a shorter pipeline per block. Measured on
+  // the H200 (python -m ops_cuda.bench.decode_splits: B x 8 kv heads, head_dim 128): B=64 is fastest with 512
+  // blocks in one split, B=16 with 4 to 8 splits, B=1 with 16. The tensor-core kernel's block keeps 4 warps x 3
+  // stages of 16-row K/V tiles in flight, so it splits only to reach about one block per SM, rounding down: at
+  // B=16 (128 blocks) one split ran 20.1 us against 26.8 with four, at B=8 two splits 11.2 against 18.2 with
+  // seven (run 14). At least 64 positions a split, at most kMaxSplits.
   int most = (S + 63) / 64;
   most = most < 1 ? 1 : most > kMaxSplits ? kMaxSplits : most;
   const int forced = int_from_env("FW_DECODE_SPLITS", 0);  // a fixed split count, for sweeps (read per call)
-  const int64_t base = (int64_t)B * Hk * decode_attention_groups(dt, Hq, Hk, D), want = 3LL * sm_count;
-  const int64_t s = forced > 0 ? forced : (want + base - 1) / base;
+  const int64_t base = (int64_t)B * Hk * decode_attention_groups(dt, Hq, Hk, D);
+  const int64_t ring = (3LL * sm_count + base - 1) / base, mma = sm_count / base;
+  const int64_t s = forced > 0 ? forced : use_mma(dt, Hq / Hk, D) ? mma : ring;
   return (int)(s < 1 ? 1 : s > most ? most : s);
 }
 
@@ -617,7 +617,7 @@ cudaError_t decode_attention(DType dt, const void* q, const void* k, const void*
   void* args[] = {&a};
   const void* f = nullptr;
   size_t smem = 0;
-  if (use_mma(dt, R, D, splits)) {
+  if (use_mma(dt, R, D)) {
     smem = D == 64 ? mma_smem_bytes<64>() : mma_smem_bytes<128>();
     if (dt == DType::BF16)
       f = D == 64 ? mma_kernel<__nv_bfloat16, 64>() : mma_kernel<__nv_bfloat16, 128>();
