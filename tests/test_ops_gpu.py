@@ -688,8 +688,7 @@ def decode_kernels(fn) -> set[str]:
 ])
 def test_decode_attention_kernel_choice(monkeypatch, dtype, Hq, Hk, D, mode, mma):
     """The tensor-core kernel runs where it should (profiler), and with FW_DECODE_MMA=0 the ring kernel gives the
-    same outputs within rounding; both against float64, at one split (B=64)
-    and several (B=2)."""
+    same outputs within rounding; both against float64, at one split (B=64) and several (B=2)."""
     for (B, S), want in zip(((64, 700), (2, 3000)), mma):
         monkeypatch.setenv("FW_DECODE_MMA", mode)  # read on every call; "" is the default
         q = torch.randn(B, Hq, D, device=DEV, dtype=dtype)

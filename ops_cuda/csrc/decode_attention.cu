@@ -527,7 +527,8 @@ __global__ void __launch_bounds__(kThreads, 2) decode_mma_kernel(DecodeArgs a) {
 
 // Whether the tensor-core kernel runs: 16-bit caches with head_dim 64 or 128, at 2 or more query heads a kv head.
 // At 2 it was 11-33% faster than the ring kernel from B=8 to 256 (8 kv heads, each kernel with its own split
-// count) and 2-5% slower at B=1 (docs/PERFORMANCE.md run 14). FW_DECODE_MMA (read per call): 0 never, 2 also at 1 head a kv head, for sweeps.
+// count) and 2-5% slower at B=1 (docs/PERFORMANCE.md run 14). FW_DECODE_MMA (read per call): 0 never, 2 also at
+// 1 head a kv head, for sweeps.
 bool use_mma(DType dt, int R, int D) {
   const int mode = int_from_env("FW_DECODE_MMA", 1);
   if (dt == DType::F32 || (D != 64 && D != 128) || mode == 0) return false;
