@@ -627,7 +627,7 @@ def test_opcheck_cuda_linear_logprob_saved():
     (1, 40, 8, 4096, 128, [4096]),
     (1, 64, 8, 3000, 128, [2999]),
     (2, 3, 1, 70, 248, [70, 69]),
-    # the tensor-core kernel (16-bit, head_dim 64 / 128, >= 3 heads a kv head): 4, 16 and 32 (two groups of 16)
+    # the tensor-core kernel (16-bit, head_dim 64 / 128) at more heads a kv head: 4, 16 and 32 (two groups of 16)
     (4, 32, 8, 1000, 128, [1000, 0, 17, 999]),
     (3, 48, 3, 130, 128, [130, 129, 1]),
     (2, 32, 1, 300, 64, [300, 1]),
