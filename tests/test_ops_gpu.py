@@ -668,6 +668,20 @@ def test_decode_attention_layouts_and_repeats():
             assert rel(out, ref.decode_attention(q.double(), kc2.double(), vc2.double(), lengths, 0.3)) < TOL[dtype]
 
 
+def test_decode_attention_no_rows_or_no_heads():
+    """B=0 or Hq=0 give an empty [B, Hq, D] output. In a child process: with no query heads the split count's
+    block count was 0, and the host divided by it (SIGFPE)."""
+    r = _child(
+        "from ops_cuda import library\nlibrary.activate_cuda()\n"
+        "for B, Hq in ((0, 4), (2, 0)):\n"
+        "    q = torch.randn(B, Hq, 64, device='cuda', dtype=torch.bfloat16)\n"
+        "    kc = torch.randn(B, 2, 10, 64, device='cuda', dtype=torch.bfloat16)\n"
+        "    out = torch.ops.fw.decode_attention(q, kc, kc, torch.full((B,), 10, device='cuda'), 0.1)\n"
+        "    print(tuple(out.shape))\n")
+    assert r.returncode == 0, f"rc {r.returncode}: {r.stdout!r} {r.stderr[-2000:]}"
+    assert r.stdout.split() == ["(0,", "4,", "64)", "(2,", "0,", "64)"], r.stdout
+
+
 def decode_kernels(fn) -> set[str]:
     """The names of the decode attention CUDA kernels that fn launches (torch.profiler)."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
@@ -681,7 +695,7 @@ def decode_kernels(fn) -> set[str]:
     (torch.bfloat16, 64, 8, 128, "", (True, True)),
     (torch.bfloat16, 16, 8, 128, "", (True, True)), (torch.float16, 16, 8, 64, "", (True, True)),
     (torch.bfloat16, 8, 8, 128, "", (False, False)),   # 1 head a kv head: the ring kernel ...
-    (torch.bfloat16, 16, 8, 128, "2", (True, True)),   # ... unless FW_DECODE_MMA=2
+    (torch.bfloat16, 8, 8, 128, "2", (True, True)),    # ... unless FW_DECODE_MMA=2
     (torch.float16, 8, 8, 64, "2", (True, True)),
     (torch.float32, 32, 8, 128, "2", (False, False)),  # fp32 caches
     (torch.bfloat16, 32, 8, 96, "2", (False, False)),  # head_dim not 64 / 128

@@ -425,7 +425,7 @@ Tensor decode_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_
   if (reinterpret_cast<uintptr_t>(qc.data_ptr()) % 16 != 0) qc = qc.clone(at::MemoryFormat::Contiguous);
   auto len = lengths.to(at::kLong).contiguous();
   auto out = at::empty({B, Hq, D}, q.options());
-  if (B == 0) return out;
+  if (B == 0 || Hq == 0) return out;  // nothing to attend (and no blocks to split over)
   const int splits = fw::decode_attention_splits(dt, (int)B, (int)Hq, (int)Hk, (int)S, (int)D, sm_count());
   auto stream = at::cuda::getCurrentCUDAStream();
   fw::DecodeWorkspace w{nullptr, nullptr, nullptr, nullptr};

@@ -526,9 +526,9 @@ __global__ void __launch_bounds__(kThreads, 2) decode_mma_kernel(DecodeArgs a) {
 }
 
 // Whether the tensor-core kernel runs: 16-bit caches with head_dim 64 or 128, at 2 or more query heads a kv head.
-// At 2 it was 11-33% faster than the ring kernel from B=8 to 256 (8 kv heads, each kernel with its own split
-// count) and 2-5% slower at B=1 (docs/PERFORMANCE.md run 14). FW_DECODE_MMA (read per call): 0 never, 2 also at
-// 1 head a kv head, for sweeps.
+// At 2 it took 11-33% less time than the ring kernel from B=8 to 256 (8 kv heads, each kernel with its own split
+// count) and 1-5% more at B=1 (docs/PERFORMANCE.md run 14). FW_DECODE_MMA (read per call): 0 never, 2 also at
+// 1 head a kv head, for sweeps; any other value is the default.
 bool use_mma(DType dt, int R, int D) {
   const int mode = int_from_env("FW_DECODE_MMA", 1);
   if (dt == DType::F32 || (D != 64 && D != 128) || mode == 0) return false;
@@ -589,12 +589,12 @@ int decode_attention_groups(DType dt, int Hq, int Hk, int D) {
 }
 
 int decode_attention_splits(DType dt, int B, int Hq, int Hk, int S, int D, int sm_count) {
-  if (B <= 0 || Hk <= 0 || S <= 0 || Hq % Hk != 0) return 1;
+  if (B <= 0 || Hq <= 0 || Hk <= 0 || S <= 0 || Hq % Hk != 0) return 1;
   // The ring kernel splits only to reach about 3 blocks per SM: that many keep enough K/V copies in flight to
   // saturate HBM, and every further split adds partials to combine and a shorter pipeline per block. Measured on
   // the H200 (python -m ops_cuda.bench.decode_splits: B x 8 kv heads, head_dim 128): B=64 is fastest with 512
-  // blocks in one split, B=16 with 4 to 8 splits, B=1 with 16. The tensor-core kernel's block keeps 4 warps x 3
-  // stages of 16-row K/V tiles in flight, so it splits only to reach about one block per SM, rounding down: at
+  // blocks in one split, B=16 with 4 to 8 splits, B=1 with 16. The tensor-core kernel's 4 warps each keep 2 tiles of
+  // 16 K/V rows in flight (3 ring stages), and it splits only to reach about one block per SM, rounding down: at
   // B=16 (128 blocks) one split ran 20.1 us against 26.8 with four, at B=8 two splits 11.2 against 18.2 with
   // seven (run 14). At least 64 positions a split, at most kMaxSplits.
   int most = (S + 63) / 64;
@@ -609,7 +609,7 @@ int decode_attention_splits(DType dt, int B, int Hq, int Hk, int S, int D, int s
 cudaError_t decode_attention(DType dt, const void* q, const void* k, const void* v, const int64_t* lengths,
                              void* out, DecodeWorkspace ws, int B, int Hq, int Hk, int S, int D, int64_t sb,
                              int64_t sh, int64_t ss, int splits, float scale, cudaStream_t stream) {
-  if (B == 0) return cudaSuccess;
+  if (B == 0 || Hq == 0) return cudaSuccess;
   if (Hk <= 0 || Hq % Hk != 0 || D <= 0 || D > 256 || D % 8 != 0 || splits < 1 || splits > kMaxSplits)
     return cudaErrorInvalidValue;
   const int R = Hq / Hk, RG = decode_attention_groups(dt, Hq, Hk, D);
