@@ -1,5 +1,5 @@
 """Decode attention time by launch setting, at Qwen3-0.6B heads (16 q, 8 kv, head_dim 128; --heads) over batch x cache
-length, with every row full and with random lengths: the data behind `decode_attention_splits` in
+length, with every row full and with random lengths: the data behind `decode_attention_plan` in
 ops_cuda/csrc/decode_attention.cu. The overrides are read per call.
 
     python -m ops_cuda.bench.decode_splits                      by split count (FW_DECODE_SPLITS)

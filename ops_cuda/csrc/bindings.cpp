@@ -426,7 +426,8 @@ Tensor decode_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_
   auto len = lengths.to(at::kLong).contiguous();
   auto out = at::empty({B, Hq, D}, q.options());
   if (B == 0 || Hq == 0) return out;  // nothing to attend (and no blocks to split over)
-  const int splits = fw::decode_attention_splits(dt, (int)B, (int)Hq, (int)Hk, (int)S, (int)D, sm_count());
+  const fw::DecodePlan plan = fw::decode_attention_plan(dt, (int)B, (int)Hq, (int)Hk, (int)S, (int)D, sm_count());
+  const int splits = plan.splits;
   auto stream = at::cuda::getCurrentCUDAStream();
   fw::DecodeWorkspace w{nullptr, nullptr, nullptr, nullptr};
   Tensor ws, local_counters;
@@ -435,12 +436,11 @@ Tensor decode_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_
     ws = at::empty({parts * D + 2 * parts}, q.options().dtype(at::kFloat));
     float* base = ws.data_ptr<float>();
     w = {base, base + parts * D, base + parts * D + parts,
-         decode_counters(B * Hk * fw::decode_attention_groups(dt, (int)Hq, (int)Hk, (int)D), q, stream,
-                         local_counters)};
+         decode_counters(B * Hk * plan.groups, q, stream, local_counters)};
   }
   check_launch(fw::decode_attention(dt, qc.data_ptr(), kc.data_ptr(), vc.data_ptr(), len.data_ptr<int64_t>(),
                                     out.data_ptr(), w, (int)B, (int)Hq, (int)Hk, (int)S, (int)D, kc.stride(0),
-                                    kc.stride(1), kc.stride(2), splits, (float)scale, stream),
+                                    kc.stride(1), kc.stride(2), plan, (float)scale, stream),
                "decode_attention");
   return out;
 }

@@ -17,7 +17,7 @@
 // Two kernels: the tensor-core kernel (decode_mma_kernel, below) for 16-bit caches with head_dim 64 or 128 at 2 or
 // more query heads a kv head, where the ring kernel's maths on the CUDA cores bounded it (use_mma); the ring kernel
 // above for the rest. Both share the end of a block's work (decode_finish); each has its own split count
-// (decode_attention_splits).
+// (decode_attention_plan).
 #include <algorithm>
 #include <cstdlib>
 
@@ -583,13 +583,11 @@ const void* kernel_for(DType dt, int D, int R) {
 
 }  // namespace
 
-int decode_attention_groups(DType dt, int Hq, int Hk, int D) {
-  const int R = Hq / Hk, RP = use_mma(dt, R, D) ? kMmaHeads : heads_per_block(R);
-  return (R + RP - 1) / RP;
-}
-
-int decode_attention_splits(DType dt, int B, int Hq, int Hk, int S, int D, int sm_count) {
-  if (B <= 0 || Hq <= 0 || Hk <= 0 || S <= 0 || Hq % Hk != 0) return 1;
+DecodePlan decode_attention_plan(DType dt, int B, int Hq, int Hk, int S, int D, int sm_count) {
+  if (B <= 0 || Hq <= 0 || Hk <= 0 || S <= 0 || Hq % Hk != 0) return {false, 1, 1};
+  const int R = Hq / Hk;
+  const bool mma = use_mma(dt, R, D);
+  const int RP = mma ? kMmaHeads : heads_per_block(R), groups = (R + RP - 1) / RP;
   // The ring kernel splits only to reach about 3 blocks per SM: that many keep enough K/V copies in flight to
   // saturate HBM, and every further split adds partials to combine and a shorter pipeline per block. Measured on
   // the H200 (python -m ops_cuda.bench.decode_splits: B x 8 kv heads, head_dim 128): B=64 is fastest with 512
@@ -600,25 +598,26 @@ int decode_attention_splits(DType dt, int B, int Hq, int Hk, int S, int D, int s
   int most = (S + 63) / 64;
   most = most < 1 ? 1 : most > kMaxSplits ? kMaxSplits : most;
   const int forced = int_from_env("FW_DECODE_SPLITS", 0);  // a fixed split count, for sweeps (read per call)
-  const int64_t base = (int64_t)B * Hk * decode_attention_groups(dt, Hq, Hk, D);
-  const int64_t ring = (3LL * sm_count + base - 1) / base, mma = sm_count / base;
-  const int64_t s = forced > 0 ? forced : use_mma(dt, Hq / Hk, D) ? mma : ring;
-  return (int)(s < 1 ? 1 : s > most ? most : s);
+  const int64_t base = (int64_t)B * Hk * groups;
+  const int64_t s = forced > 0 ? forced : mma ? sm_count / base : (3LL * sm_count + base - 1) / base;
+  return {mma, groups, (int)(s < 1 ? 1 : s > most ? most : s)};
 }
 
 cudaError_t decode_attention(DType dt, const void* q, const void* k, const void* v, const int64_t* lengths,
                              void* out, DecodeWorkspace ws, int B, int Hq, int Hk, int S, int D, int64_t sb,
-                             int64_t sh, int64_t ss, int splits, float scale, cudaStream_t stream) {
+                             int64_t sh, int64_t ss, DecodePlan plan, float scale, cudaStream_t stream) {
   if (B == 0 || Hq == 0) return cudaSuccess;
-  if (Hk <= 0 || Hq % Hk != 0 || D <= 0 || D > 256 || D % 8 != 0 || splits < 1 || splits > kMaxSplits)
+  const int splits = plan.splits, RG = plan.groups;
+  if (Hk <= 0 || Hq % Hk != 0 || D <= 0 || D > 256 || D % 8 != 0 || splits < 1 || splits > kMaxSplits || RG < 1 ||
+      (plan.mma && (dt == DType::F32 || (D != 64 && D != 128))))
     return cudaErrorInvalidValue;
-  const int R = Hq / Hk, RG = decode_attention_groups(dt, Hq, Hk, D);
+  const int R = Hq / Hk;
   DecodeArgs a{q, k, v, lengths, out, ws, Hq, Hk, R, RG, S, D, sb, sh, ss, splits, scale};
   const dim3 grid((unsigned)((int64_t)B * Hk * RG), (unsigned)splits);
   void* args[] = {&a};
   const void* f = nullptr;
   size_t smem = 0;
-  if (use_mma(dt, R, D)) {
+  if (plan.mma) {
     smem = D == 64 ? mma_smem_bytes<64>() : mma_smem_bytes<128>();
     if (dt == DType::BF16)
       f = D == 64 ? mma_kernel<__nv_bfloat16, 64>() : mma_kernel<__nv_bfloat16, 128>();

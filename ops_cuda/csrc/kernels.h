@@ -92,19 +92,25 @@ cudaError_t linear_logprob_sm90_bwd(DType dt, const void* h, const void* w, int6
 
 // q [B, Hq, D] (16-byte aligned); caches addressed as base + b*sb + h*sh + s*ss + d (elements; base 16-byte
 // aligned, strides multiples of 16 bytes); out [B, Hq, D]. Any Hq % Hk == 0, D a multiple of 8 up to 256.
-// With splits > 1: o/m/l hold the per-split partials and count one int per (b, kv head, head group)
-// (B * Hk * decode_attention_groups ints), zero before the launch and left zero after it.
+// With plan.splits > 1: o/m/l hold the per-split partials and count one int per (b, kv head, head group)
+// (B * Hk * plan.groups ints), zero before the launch and left zero after it.
 struct DecodeWorkspace {
   float* o;    // [B, Hq, splits, D]
   float* m;    // [B, Hq, splits]
   float* l;    // [B, Hq, splits]
   int* count;  // [B, Hk, groups]
 };
-int decode_attention_groups(DType dt, int Hq, int Hk, int D);
-int decode_attention_splits(DType dt, int B, int Hq, int Hk, int S, int D, int sm_count);
+// How one call runs, decided once (the overrides FW_DECODE_MMA and FW_DECODE_SPLITS are read here, per call):
+// the kernel, the head groups a kv head and the splits of the context. The workspace is sized from it.
+struct DecodePlan {
+  bool mma;    // the tensor-core kernel, else the ring kernel
+  int groups;  // query-head groups a kv head, a block each
+  int splits;
+};
+DecodePlan decode_attention_plan(DType dt, int B, int Hq, int Hk, int S, int D, int sm_count);
 cudaError_t decode_attention(DType dt, const void* q, const void* k, const void* v, const int64_t* lengths,
                              void* out, DecodeWorkspace ws, int B, int Hq, int Hk, int S, int D, int64_t sb,
-                             int64_t sh, int64_t ss, int splits, float scale, cudaStream_t stream);
+                             int64_t sh, int64_t ss, DecodePlan plan, float scale, cudaStream_t stream);
 
 // logits [B, V] (row stride in elements) -> tokens int64 [B], logprob fp32 [B]. Plain sampling and greedy
 // split each row over P blocks; the workspace holds 3 floats and 1 int64 per (row, part).
