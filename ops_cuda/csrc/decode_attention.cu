@@ -75,12 +75,12 @@ template <typename T, int DP, int RP> constexpr int min_blocks() {
 // The end of a block's work. The warps' states are in red, as [warp][head] maxima, [warp][head] sums and
 // [warp][head][DP] unnormalised outputs, and the block is synchronised. With one split the block writes its heads'
 // outputs, otherwise its partials; the last block of the group to arrive combines the splits (threadFenceReduction
-// pattern). hq0: the group's first query head; nr: its heads.
+// pattern). hq0: the group's first query head; nr: its heads. sm_scale and sm_last are the kernel's own shared
+// variables: declared here instead, they made the compiler schedule the ring kernel's main loop differently, which then took
+// 11-18% more time at B=64 and 256 (docs/PERFORMANCE.md run 15).
 template <typename T, int RP, int DP>
-__device__ __forceinline__ void decode_finish(const DecodeArgs& a, const float* red, int grp, int split, int64_t hq0,
-                                              int nr, int D) {
-  __shared__ float sm_scale[RP][kMaxSplits];
-  __shared__ int sm_last;
+__device__ __forceinline__ void decode_finish(const DecodeArgs& a, const float* red, float (&sm_scale)[RP][kMaxSplits],
+                                              int& sm_last, int grp, int split, int64_t hq0, int nr, int D) {
   const float* red_m = red;
   const float* red_l = red + kWarps * RP;
   const float* red_acc = red_l + kWarps * RP;
@@ -157,6 +157,8 @@ __global__ void __launch_bounds__(kThreads, min_blocks<T, DP, RP>()) decode_kern
   constexpr int kRingBytes = kStages * U * 2 * NV * kThreads * 16;
   constexpr int kRedBytes = kWarps * RP * (DP + 2) * 4;
   __shared__ alignas(16) unsigned char smem[kRingBytes > kRedBytes ? kRingBytes : kRedBytes];
+  __shared__ float sm_scale[RP][kMaxSplits];
+  __shared__ int sm_last;
   uint4* ring = reinterpret_cast<uint4*>(smem);  // [stage][u][k/v][nv][thread]
   float* red_m = reinterpret_cast<float*>(smem);  // after the loop: [warp][RP] maxima, sums, [warp][RP][DP] acc
   float* red_l = red_m + kWarps * RP;
@@ -306,7 +308,8 @@ __global__ void __launch_bounds__(kThreads, min_blocks<T, DP, RP>()) decode_kern
     }
   }
   __syncthreads();
-  decode_finish<T, RP, DP>(a, red_m, grp, split, (int64_t)b * a.Hq + (int64_t)g * a.R + r0, nr, D);
+  decode_finish<T, RP, DP>(a, red_m, sm_scale, sm_last, grp, split, (int64_t)b * a.Hq + (int64_t)g * a.R + r0, nr,
+                           D);
 }
 
 // ------------------------------------------------------------------ tensor-core path
@@ -367,6 +370,8 @@ __global__ void __launch_bounds__(kThreads, 2) decode_mma_kernel(DecodeArgs a) {
   constexpr int CH = DP / 8, KS = DP / 16, NT = DP / 8;  // 16-byte chunks a row; k-steps of q.k; n-tiles of p.v
   constexpr int kTileBytes = 16 * DP * 2, kStageBytes = 2 * kTileBytes;  // 16 rows of K, then of V
   extern __shared__ __align__(128) unsigned char smem[];
+  __shared__ float sm_scale[kMmaHeads][kMaxSplits];
+  __shared__ int sm_last;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, gq = lane >> 2, tq = lane & 3;
   const int grp = blockIdx.x, split = blockIdx.y, splits = a.splits;
   const int bg = grp / a.RG, rg = grp - bg * a.RG, b = bg / a.Hk, g = bg - b * a.Hk;
@@ -522,7 +527,8 @@ __global__ void __launch_bounds__(kThreads, 2) decode_mma_kernel(DecodeArgs a) {
     }
   }
   __syncthreads();
-  decode_finish<T, kMmaHeads, DP>(a, red, grp, split, (int64_t)b * a.Hq + (int64_t)g * a.R + r0, nr, DP);
+  decode_finish<T, kMmaHeads, DP>(a, red, sm_scale, sm_last, grp, split, (int64_t)b * a.Hq + (int64_t)g * a.R + r0,
+                                  nr, DP);
 }
 
 // Whether the tensor-core kernel runs: 16-bit caches with head_dim 64 or 128, at 2 or more query heads a kv head.
