@@ -76,8 +76,8 @@ template <typename T, int DP, int RP> constexpr int min_blocks() {
 // [warp][head][DP] unnormalised outputs, and the block is synchronised. With one split the block writes its heads'
 // outputs, otherwise its partials; the last block of the group to arrive combines the splits (threadFenceReduction
 // pattern). hq0: the group's first query head; nr: its heads. sm_scale and sm_last are the kernel's own shared
-// variables: declared here instead, they made the compiler schedule the ring kernel's main loop differently, which then took
-// 11-18% more time at B=64 and 256 (docs/PERFORMANCE.md run 15).
+// variables: declared here instead, they changed how the compiler scheduled the ring kernel's main loop, which then
+// took 12-18% more time at B=64 and 256 (docs/PERFORMANCE.md run 15).
 template <typename T, int RP, int DP>
 __device__ __forceinline__ void decode_finish(const DecodeArgs& a, const float* red, float (&sm_scale)[RP][kMaxSplits],
                                               int& sm_last, int grp, int split, int64_t hq0, int nr, int D) {
