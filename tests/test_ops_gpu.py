@@ -229,12 +229,12 @@ def test_linear_logprob(dtype, save, N, d, V, temperature):
     assert rel(dh, dh64) < TOL[dtype] * 2 and rel(dw, dw64) < TOL[dtype] * 2
 
 
-def logprob_kernels(fn) -> set[str]:
-    """The names of the linear_logprob CUDA kernels that fn launches (torch.profiler)."""
+def launched_kernels(fn, part: str) -> set[str]:
+    """The names of the CUDA kernels that fn launches whose name contains part (torch.profiler)."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    return {e.name for e in prof.events() if "logprob" in e.name}
+    return {e.name for e in prof.events() if part in e.name}
 
 
 SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
@@ -262,7 +262,7 @@ def test_linear_logprob_sm90(monkeypatch, dtype, N, d, V):
         poison()
         return (lp, ent, *torch.autograd.grad((lp * glp).sum() + (ent * gent).sum(), (h, w)))
 
-    names = logprob_kernels(run)
+    names = launched_kernels(run, "logprob")
     assert any("linear_logprob_sm90_kernel" in n for n in names) and not any("tile_bwd" in n for n in names), names
     lp, ent, dh, dw = run()
     h64, w64 = f64(h, w)
@@ -275,7 +275,7 @@ def test_linear_logprob_sm90(monkeypatch, dtype, N, d, V):
     assert err(lp, lp64, 1) < 1e-5 and err(ent, ent64, 1) < 1e-5
     assert err(dh, dh64, 1e-3) < TOL[dtype] * 2 and err(dw, dw64, 1e-3) < TOL[dtype] * 2
     monkeypatch.setenv("FW_LOGPROB_SM90", "0")  # read on every call
-    assert not any("sm90" in n for n in logprob_kernels(run))
+    assert not any("sm90" in n for n in launched_kernels(run, "logprob"))
     lp_c, ent_c, dh_c, dw_c = run()
     assert err(lp, lp_c, 1) < 1e-5 and err(ent, ent_c, 1) < 1e-5
     assert err(dh, dh_c, 1e-3) < TOL[dtype] * 2 and err(dw, dw_c, 1e-3) < TOL[dtype] * 2
@@ -682,14 +682,6 @@ def test_decode_attention_no_rows_or_no_heads():
     assert r.stdout.split() == ["(0,", "4,", "64)", "(2,", "0,", "64)"], r.stdout
 
 
-def decode_kernels(fn) -> set[str]:
-    """The names of the decode attention CUDA kernels that fn launches (torch.profiler)."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return {e.name for e in prof.events() if "decode" in e.name}
-
-
 @pytest.mark.parametrize("dtype,Hq,Hk,D,mode,mma", [  # mma: tensor cores at (one split, several splits)
     (torch.bfloat16, 32, 8, 128, "", (True, True)), (torch.float16, 24, 8, 64, "", (True, True)),
     (torch.bfloat16, 64, 8, 128, "", (True, True)),
@@ -715,12 +707,12 @@ def test_decode_attention_kernel_choice(monkeypatch, dtype, Hq, Hk, D, mode, mma
             poison()
             return ops_cuda.decode_attention(*args)
 
-        names = decode_kernels(run)
+        names = launched_kernels(run, "decode")
         assert any("decode_mma_kernel" in n for n in names) == want, (B, names)
         out = run()
         assert rel(out, expected) < TOL[dtype]
         monkeypatch.setenv("FW_DECODE_MMA", "0")  # read on every call
-        assert not any("mma" in n for n in decode_kernels(run))
+        assert not any("mma" in n for n in launched_kernels(run, "decode"))
         assert rel(run(), expected) < TOL[dtype]
 
 

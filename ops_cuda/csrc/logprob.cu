@@ -35,8 +35,9 @@ __device__ __forceinline__ Lse lse_merge(Lse x, Lse y) {
 }
 
 // One warp per (row, chunk of kLogprobChunk columns), four independent warps a block (no block synchronisation,
-// so the warps' load and arithmetic phases overlap): each lane loads its kLogprobChunk / 32 floats before using any, the warp
-// takes the chunk's max with shuffles, then sums the exponentials against it, so no running max is rescaled.
+// so the warps' load and arithmetic phases overlap): each lane loads its kLogprobChunk / 32 floats before using any,
+// the warp takes the chunk's max with shuffles, then sums the exponentials against it, so no running max is
+// rescaled.
 // SAVE: the chunk also goes out in fp16 as z - max (kept_logit).
 // Reading the 4,096 x 8,192 fp32 tile (H200 profiles, docs/PERFORMANCE.md runs 7-8): run 7's kernel, a
 // 256-thread block a row with per-thread running maxima, 2.4 TB/s; a block a row holding the whole tile row in
