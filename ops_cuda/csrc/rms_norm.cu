@@ -89,7 +89,21 @@ template <typename T, int VEC, int LANES, int NV> struct RowSlice {
   }
 };
 
-// The thread's slice of the weight, as floats, read in 16-byte pieces (w is 16-byte aligned, D % VEC == 0).
+// VEC weights from w (16-byte aligned) in their dtype, read in 16-byte pieces.
+template <typename W, int VEC> __device__ __forceinline__ Vec<W, VEC> load_weight_vec(const W* w) {
+  constexpr int P = (16 / (int)sizeof(W)) < VEC ? 16 / (int)sizeof(W) : VEC;
+  Vec<W, VEC> out;
+#pragma unroll
+  for (int j0 = 0; j0 < VEC; j0 += P) {
+    const Vec<W, P> piece = load_vec<W, P>(w + j0);
+#pragma unroll
+    for (int j = 0; j < P; ++j) out.v[j0 + j] = piece.v[j];
+  }
+  return out;
+}
+
+// The thread's slice of the weight, as floats, read in 16-byte pieces (w is 16-byte aligned, D % VEC == 0). (Not
+// written with load_weight_vec: with fp32 weights that gave the persistent kernels up to 2 more registers.)
 template <typename W, int VEC, int LANES, int NV>
 __device__ __forceinline__ void load_weight(float (&wf)[NV][VEC], const W* w, int sub, int D) {
   constexpr int P = (16 / (int)sizeof(W)) < VEC ? 16 / (int)sizeof(W) : VEC;
@@ -190,10 +204,21 @@ rms_norm_fwd_kernel(const T* __restrict__ x, const W* __restrict__ w, T* __restr
 // the end-of-row tests, so the code is straight-line and the compiler can issue the weight loads together.
 constexpr int kRowThreads = 128;  // the largest block of the rows kernel
 
+// Resident blocks of kRowThreads per SM the rows kernel asks the compiler for: 16 (32 registers, full occupancy)
+// for the FULL instances holding at most 2 vectors a thread whose weight is no wider than x (QK-norm's: 39 registers
+// and 75% occupancy without the cap, 0.9% slower than torch.compile's 32-register kernel on the H200), else 8 (64
+// registers, 50% occupancy or more); the other instances spill at 32 (nvcc -Xptxas -v).
+template <typename T, typename W, int NV, int RPT, bool FULL> constexpr int rows_min_blocks() {
+  return FULL && NV * RPT <= 2 && sizeof(W) <= sizeof(T) ? 16 : 8;
+}
+
 template <typename T, typename W, int VEC, int LANES, int NV, int RPT, bool FULL, bool ONCE>
-__global__ void __launch_bounds__(kRowThreads, 8)  // 64 registers at most: 50% occupancy or more
-rms_norm_fwd_rows_kernel(const T* __restrict__ x, const W* __restrict__ w, T* __restrict__ y, int64_t rows, int D,
-                         float eps) {
+__global__ void __launch_bounds__(kRowThreads, rows_min_blocks<T, W, NV, RPT, FULL>())
+rms_norm_fwd_rows_kernel(const T* __restrict__ x, const W* __restrict__ w, T* __restrict__ y, int64_t rows,
+                         int D_arg, float eps) {
+  // FULL: the row length is a compile-time constant, so the mean's division by it (a power of two at Qwen3's
+  // shapes) becomes an exact multiplication and the row offsets shifts
+  const int D = FULL ? LANES * NV * VEC : D_arg;
   const int groups = blockDim.x / LANES;
   const int sub = threadIdx.x % LANES;
   const int64_t first = (int64_t)blockIdx.x * groups * RPT + threadIdx.x / LANES;  // rows first + k * groups
@@ -204,6 +229,11 @@ rms_norm_fwd_rows_kernel(const T* __restrict__ x, const W* __restrict__ w, T* __
     const int64_t r = first + (int64_t)k * groups;
     xs[k].template load<FULL, ONCE>(x + (r < rows ? r : 0) * D, sub, D, r < rows, pol);
   }
+  // one vector of the weight a thread (NV 1: QK-norm's rows) is held for all its rows in the weight's dtype (fewer
+  // registers than as floats), read after the rows' loads are issued; longer rows read it per row below
+  Vec<W, VEC> wv{};
+  if constexpr (NV == 1)
+    if (FULL || sub * VEC < D) wv = load_weight_vec<W, VEC>(w + sub * VEC);
 #pragma unroll
   for (int k = 0; k < RPT; ++k) {
     const int64_t row = first + (int64_t)k * groups;
@@ -221,9 +251,14 @@ rms_norm_fwd_rows_kernel(const T* __restrict__ x, const W* __restrict__ w, T* __
       const int i = (n * LANES + sub) * VEC;
       if (FULL || i < D) {
         // the weight is read here, once per row, from L1 (one row's worth, shared by all rows): held in registers
-        // for the whole kernel it made the hidden-1024 instance spill at the 64 registers allowed below
+        // for the whole kernel it made the hidden-1024 instance spill at the 64 registers its launch bounds allow
         float wf[1][VEC];
-        load_weight<W, VEC, 1, 1>(wf, w + i, 0, VEC);
+        if constexpr (NV == 1) {
+#pragma unroll
+          for (int j = 0; j < VEC; ++j) wf[0][j] = to_f(wv.v[j]);
+        } else {
+          load_weight<W, VEC, 1, 1>(wf, w + i, 0, VEC);
+        }
         float o[VEC];
 #pragma unroll
         for (int j = 0; j < VEC; ++j) o[j] = to_f(xs[k].v[n].v[j]) * r * wf[0][j];
