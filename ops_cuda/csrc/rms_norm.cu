@@ -205,20 +205,22 @@ rms_norm_fwd_kernel(const T* __restrict__ x, const W* __restrict__ w, T* __restr
 constexpr int kRowThreads = 128;  // the largest block of the rows kernel
 
 // Resident blocks of kRowThreads per SM the rows kernel asks the compiler for: 16 (32 registers, full occupancy)
-// for the FULL instances holding at most 2 vectors a thread whose weight is no wider than x (QK-norm's: 39 registers
-// and 75% occupancy without the cap, 0.9% slower than torch.compile's 32-register kernel on the H200), else 8 (64
-// registers, 50% occupancy or more); the other instances spill at 32 (nvcc -Xptxas -v).
+// for the FULL instances with one vector a row, at most 2 rows a thread and a weight no wider than x (QK-norm's:
+// 39 registers and 75% theoretical occupancy without the cap, where torch.compile's kernel has 32 registers and
+// 100%: Nsight Compute, H200), else 8 (64 registers, 50% occupancy or more); other instances spill at 32 (nvcc
+// -Xptxas -v).
 template <typename T, typename W, int NV, int RPT, bool FULL> constexpr int rows_min_blocks() {
-  return FULL && NV * RPT <= 2 && sizeof(W) <= sizeof(T) ? 16 : 8;
+  return FULL && NV == 1 && RPT <= 2 && sizeof(W) <= sizeof(T) ? 16 : 8;
 }
 
 template <typename T, typename W, int VEC, int LANES, int NV, int RPT, bool FULL, bool ONCE>
 __global__ void __launch_bounds__(kRowThreads, rows_min_blocks<T, W, NV, RPT, FULL>())
-rms_norm_fwd_rows_kernel(const T* __restrict__ x, const W* __restrict__ w, T* __restrict__ y, int64_t rows,
-                         int D_arg, float eps) {
-  // FULL: the row length is a compile-time constant, so the mean's division by it (a power of two at Qwen3's
-  // shapes) becomes an exact multiplication and the row offsets shifts
-  const int D = FULL ? LANES * NV * VEC : D_arg;
+rms_norm_fwd_rows_kernel(const T* __restrict__ x, const W* __restrict__ w, T* __restrict__ y, int64_t rows, int D,
+                         float eps) {
+  // FULL: the mean divides by the row length as a compile-time constant (a power of two at Qwen3's shapes: an exact
+  // multiplication). The row offsets keep the runtime D: with the constant, nvcc 13 split QK-norm's 16-byte stores
+  // into four 4-byte ones (sm_90a SASS).
+  const int Dm = FULL ? LANES * NV * VEC : D;
   const int groups = blockDim.x / LANES;
   const int sub = threadIdx.x % LANES;
   const int64_t first = (int64_t)blockIdx.x * groups * RPT + threadIdx.x / LANES;  // rows first + k * groups
@@ -227,7 +229,9 @@ rms_norm_fwd_rows_kernel(const T* __restrict__ x, const W* __restrict__ w, T* __
 #pragma unroll
   for (int k = 0; k < RPT; ++k) {
     const int64_t r = first + (int64_t)k * groups;
-    xs[k].template load<FULL, ONCE>(x + (r < rows ? r : 0) * D, sub, D, r < rows, pol);
+    // rows past the end read the last row instead (rows > 0), so every load is unconditional: zero-filled
+    // (predicated) vectors kept each element in a register of its own (nvcc 13 SASS); their results are not stored
+    xs[k].template load<FULL, ONCE>(x + (r < rows ? r : rows - 1) * D, sub, D, true, pol);
   }
   // one vector of the weight a thread (NV 1: QK-norm's rows) is held for all its rows in the weight's dtype (fewer
   // registers than as floats), read after the rows' loads are issued; longer rows read it per row below
@@ -244,7 +248,7 @@ rms_norm_fwd_rows_kernel(const T* __restrict__ x, const W* __restrict__ w, T* __
 #pragma unroll
         for (int j = 0; j < VEC; ++j) ss += to_f(xs[k].v[n].v[j]) * to_f(xs[k].v[n].v[j]);
     }
-    const float r = rsqrtf(group_sum2<LANES>(ss, 0.f, nullptr, 0).x / D + eps);
+    const float r = rsqrtf(group_sum2<LANES>(ss, 0.f, nullptr, 0).x / Dm + eps);
     if (row >= rows) continue;
 #pragma unroll
     for (int n = 0; n < NV; ++n) {
