@@ -204,11 +204,11 @@ rms_norm_fwd_kernel(const T* __restrict__ x, const W* __restrict__ w, T* __restr
 // the end-of-row tests, so the code is straight-line and the compiler can issue the weight loads together.
 constexpr int kRowThreads = 128;  // the largest block of the rows kernel
 
-// Resident blocks of kRowThreads per SM the rows kernel asks the compiler for: 16 (32 registers, full occupancy)
-// for the FULL instances with one vector a row, at most 2 rows a thread and a weight no wider than x (QK-norm's:
-// 39 registers and 75% theoretical occupancy without the cap, where torch.compile's kernel has 32 registers and
-// 100%: Nsight Compute, H200), else 8 (64 registers, 50% occupancy or more); other instances spill at 32 (nvcc
-// -Xptxas -v).
+// Resident blocks of kRowThreads per SM the rows kernel asks the compiler for: 16 (32 registers, full occupancy,
+// as in torch.compile's kernel for QK-norm: Nsight Compute, H200) for the FULL instances with one vector a row, at
+// most 2 rows a thread and a weight no wider than x; else 8 (64 registers, 50% occupancy or more). Other instances
+// spill at 32 (nvcc -Xptxas -v). QK-norm's instance ran as fast with 39 registers and 75% occupancy (33.75 against
+// 33.74 us, docs/PERFORMANCE.md run 16).
 template <typename T, typename W, int NV, int RPT, bool FULL> constexpr int rows_min_blocks() {
   return FULL && NV == 1 && RPT <= 2 && sizeof(W) <= sizeof(T) ? 16 : 8;
 }
@@ -254,8 +254,8 @@ rms_norm_fwd_rows_kernel(const T* __restrict__ x, const W* __restrict__ w, T* __
     for (int n = 0; n < NV; ++n) {
       const int i = (n * LANES + sub) * VEC;
       if (FULL || i < D) {
-        // the weight is read here, once per row, from L1 (one row's worth, shared by all rows): held in registers
-        // for the whole kernel it made the hidden-1024 instance spill at the 64 registers its launch bounds allow
+        // longer rows (NV > 1) read the weight here, once per row, from L1 (one row's worth, shared by all rows):
+        // held in registers for the whole kernel it made the hidden-1024 instance spill at its 64 registers
         float wf[1][VEC];
         if constexpr (NV == 1) {
 #pragma unroll
