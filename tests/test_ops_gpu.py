@@ -109,25 +109,38 @@ def test_rms_norm_grad_weight_is_deterministic(shape):
         assert torch.equal(gx, runs[0][0]) and torch.equal(gw, runs[0][1])
 
 
-def test_rms_norm_forward_load_policy_changes_no_value():
-    # The forward rows kernel loads x evict-first when the output fits in L2 and plainly otherwise;
-    # FW_RMS_LOAD_ONCE (read once per process) forces either. Both, in child processes on the same inputs:
-    # against float64, and bit-equal to each other (a cache policy must not change a value).
+# (rows, D) in every dtype the forward rows kernel takes, for the launch-variant tests below
+ROWS_KERNEL_CASES = [("bfloat16", "bfloat16", (16384, 1024)), ("bfloat16", "float32", (17, 768)),
+                     ("float16", "float16", (4096, 16, 128)), ("bfloat16", "bfloat16", (33, 24)),
+                     ("float32", "float32", (9, 64)), ("float16", "float32", (5, 8)),
+                     # QK-norm rows: 2 short of filling the blocks, and eps 0 (both off the LEAN instances)
+                     ("bfloat16", "bfloat16", (4094, 128)), ("bfloat16", "float32", (4096, 128), 0.0),
+                     ("float32", "float32", (4096, 128))]
+
+
+@pytest.mark.parametrize("env", [
+    # the forward rows kernel loads x evict-first when the output fits in L2 and plainly otherwise
+    "FW_RMS_LOAD_ONCE",
+    # its LEAN instances (32-bit offsets, no end-of-rows tests, flush-to-zero rsqrt) take rows that fill its blocks
+    # exactly, with eps >= FLT_MIN; the others take the rest
+    "FW_RMS_ROWS_LEAN"])
+def test_rms_norm_forward_launch_variants_change_no_value(env):
+    # `env` (read once per process) forces either variant. Both, in child processes on the same inputs: against
+    # float64, and bit-equal to each other (a cache policy or an index width must not change a value).
     code = (
         "import hashlib, json, torch\nfrom ops_cuda import library\nfrom ops_cuda import reference as ref\n"
         "assert library.activate_cuda() == 'kernels'\ntorch.manual_seed(0)\nout = []\n"
-        "for dt, wdt, shape in [('bfloat16', 'bfloat16', (16384, 1024)), ('bfloat16', 'float32', (17, 768)),\n"
-        "                       ('float16', 'float16', (4096, 16, 128)), ('bfloat16', 'bfloat16', (33, 24)),\n"
-        "                       ('float32', 'float32', (9, 64)), ('float16', 'float32', (5, 8))]:\n"
+        f"for dt, wdt, shape, *eps in {ROWS_KERNEL_CASES!r}:\n"
+        "    eps = eps[0] if eps else 1e-6\n"
         "    x = torch.randn(shape, device='cuda', dtype=getattr(torch, dt))\n"
         "    w = (1 + 0.1 * torch.randn(shape[-1], device='cuda')).to(getattr(torch, wdt))\n"
-        "    y = torch.ops.fw.rms_norm(x, w, 1e-6)\n"
-        "    y64 = ref.rms_norm(x.double(), w.double(), 1e-6)\n"
+        "    y = torch.ops.fw.rms_norm(x, w, eps)\n"
+        "    y64 = ref.rms_norm(x.double(), w.double(), eps)\n"
         "    rel = float('nan') if y.isnan().any() else float((y.double() - y64).norm() / y64.norm())\n"
         "    digest = hashlib.sha256(y.contiguous().view(torch.uint8).cpu().numpy().tobytes()).hexdigest()\n"
         "    out.append([dt, list(shape), rel, digest])\n"
         "print(json.dumps(out))\n")
-    runs = {once: child_json(code, FW_RMS_LOAD_ONCE=once) for once in ("0", "1")}
+    runs = {on: child_json(code, **{env: on}) for on in ("0", "1")}
     for (dt, shape, rel0, digest0), (_, _, rel1, digest1) in zip(runs["0"], runs["1"], strict=True):
         assert rel0 < TOL[getattr(torch, dt)] and rel1 < TOL[getattr(torch, dt)], (dt, shape, rel0, rel1)
         assert digest0 == digest1, (dt, shape)

@@ -76,6 +76,14 @@ template <typename T, int N> __device__ __forceinline__ void store_vec(T* p, con
   *reinterpret_cast<Vec<T, N>*>(p) = v;
 }
 
+// 1/sqrt(x) with subnormal x flushed to zero: rsqrtf's value for normal x, without the scaling rsqrtf (no
+// --use_fast_math here) wraps around the approximation for subnormal ones.
+__device__ __forceinline__ float rsqrt_approx_ftz(float x) {
+  float r;
+  asm("rsqrt.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
+  return r;
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);

@@ -17,6 +17,8 @@
 // Launch shapes measured on the H200 (ops_cuda/bench/sweep.sh, docs/PERFORMANCE.md): 2 vectors a thread beat
 // 1 and 4 in the persistent kernels; prefetching 2 rows ahead (more registers, fewer resident warps) was slower.
 #include <algorithm>
+#include <cfloat>
+#include <cstdint>
 #include <cstdlib>
 #include <type_traits>
 
@@ -213,25 +215,30 @@ template <typename T, typename W, int NV, int RPT, bool FULL> constexpr int rows
   return FULL && NV == 1 && RPT <= 2 && sizeof(W) <= sizeof(T) ? 16 : 8;
 }
 
-template <typename T, typename W, int VEC, int LANES, int NV, int RPT, bool FULL, bool ONCE>
+template <typename T, typename W, int VEC, int LANES, int NV, int RPT, bool FULL, bool ONCE, bool LEAN>
 __global__ void __launch_bounds__(kRowThreads, rows_min_blocks<T, W, NV, RPT, FULL>())
 rms_norm_fwd_rows_kernel(const T* __restrict__ x, const W* __restrict__ w, T* __restrict__ y, int64_t rows, int D,
                          float eps) {
   // FULL: the mean divides by the row length as a compile-time constant (a power of two at Qwen3's shapes: an exact
-  // multiplication). The row offsets keep the runtime D: with the constant, nvcc 13 split QK-norm's 16-byte stores
-  // into four 4-byte ones (sm_90a SASS).
+  // multiplication).
   const int Dm = FULL ? LANES * NV * VEC : D;
+  // LEAN (FULL rows that fill every block, fewer than 2^31 elements, eps >= FLT_MIN; see launch_fwd_rows): 32-bit
+  // offsets and no end-of-rows tests, as in the Triton kernel torch.compile specialises to the row count. Its row
+  // offsets use the constant too; the other instances' 64-bit ones keep the runtime D, because with the constant
+  // nvcc 13 split QK-norm's 16-byte stores into four 4-byte ones (sm_90a SASS).
+  using Idx = std::conditional_t<LEAN, int, int64_t>;
+  const Idx Do = LEAN ? Dm : D;  // the row stride
   const int groups = blockDim.x / LANES;
   const int sub = threadIdx.x % LANES;
-  const int64_t first = (int64_t)blockIdx.x * groups * RPT + threadIdx.x / LANES;  // rows first + k * groups
+  const Idx first = (Idx)blockIdx.x * groups * RPT + threadIdx.x / LANES;  // rows first + k * groups
   const uint64_t pol = ONCE ? l2_evict_first_policy() : 0;
   RowSlice<T, VEC, LANES, NV> xs[RPT];
 #pragma unroll
   for (int k = 0; k < RPT; ++k) {
-    const int64_t r = first + (int64_t)k * groups;
+    const Idx r = first + (Idx)k * groups;
     // rows past the end read the last row instead (rows > 0), so every load is unconditional: zero-filled
     // (predicated) vectors kept each element in a register of its own (nvcc 13 SASS); their results are not stored
-    xs[k].template load<FULL, ONCE>(x + (r < rows ? r : rows - 1) * D, sub, D, true, pol);
+    xs[k].template load<FULL, ONCE>(x + (LEAN || r < (Idx)rows ? r : (Idx)(rows - 1)) * Do, sub, D, true, pol);
   }
   // one vector of the weight a thread (NV 1: QK-norm's rows) is held for all its rows in the weight's dtype (fewer
   // registers than as floats), read after the rows' loads are issued; longer rows read it per row below
@@ -240,7 +247,7 @@ rms_norm_fwd_rows_kernel(const T* __restrict__ x, const W* __restrict__ w, T* __
     if (FULL || sub * VEC < D) wv = load_weight_vec<W, VEC>(w + sub * VEC);
 #pragma unroll
   for (int k = 0; k < RPT; ++k) {
-    const int64_t row = first + (int64_t)k * groups;
+    const Idx row = first + (Idx)k * groups;
     float ss = 0.f;
 #pragma unroll
     for (int n = 0; n < NV; ++n) {
@@ -248,8 +255,11 @@ rms_norm_fwd_rows_kernel(const T* __restrict__ x, const W* __restrict__ w, T* __
 #pragma unroll
         for (int j = 0; j < VEC; ++j) ss += to_f(xs[k].v[n].v[j]) * to_f(xs[k].v[n].v[j]);
     }
-    const float r = rsqrtf(group_sum2<LANES>(ss, 0.f, nullptr, 0).x / Dm + eps);
-    if (row >= rows) continue;
+    const float ms = group_sum2<LANES>(ss, 0.f, nullptr, 0).x / Dm + eps;
+    // LEAN: ms >= eps >= FLT_MIN is never subnormal, so the flush-to-zero rsqrt gives rsqrtf's value without its
+    // subnormal scaling (3 instructions a row)
+    const float r = LEAN ? rsqrt_approx_ftz(ms) : rsqrtf(ms);
+    if (!LEAN && row >= (Idx)rows) continue;
 #pragma unroll
     for (int n = 0; n < NV; ++n) {
       const int i = (n * LANES + sub) * VEC;
@@ -266,7 +276,7 @@ rms_norm_fwd_rows_kernel(const T* __restrict__ x, const W* __restrict__ w, T* __
         float o[VEC];
 #pragma unroll
         for (int j = 0; j < VEC; ++j) o[j] = to_f(xs[k].v[n].v[j]) * r * wf[0][j];
-        store_vec<T, VEC>(y + row * D + i, vec_from_f<T, VEC>(o));
+        store_vec<T, VEC>(y + row * Do + i, vec_from_f<T, VEC>(o));
       }
     }
   }
@@ -546,6 +556,13 @@ bool rows_full() {
   return v;
 }
 
+// The rows kernel's LEAN instances (32-bit offsets, no end-of-rows tests, flush-to-zero rsqrt) where they apply;
+// FW_RMS_ROWS_LEAN = 0 turns them off (A/B).
+bool rows_lean() {
+  static const bool v = int_from_env("FW_RMS_ROWS_LEAN", 1) != 0;
+  return v;
+}
+
 // Whether the rows kernel loads x evict-first (ONCE), as torch.compile's kernel does: when the output fits in L2,
 // so that it can stay there for the next op (and for the next replay of a benchmark). H200, 50 MB of L2 (docs/
 // PERFORMANCE.md run 9): hidden 1024 x 16,384 rows (32 MiB out) 0.018 -> 0.017 ms; QK-norm (64 MiB out) 0.034 ->
@@ -568,12 +585,15 @@ cudaError_t launch_fwd_rows(const void* x, const void* w, void* y, int64_t rows,
     } else {
       const bool full = D == LANES * NV * VEC && rows_full();
       const bool once = rows_load_once(rows * D * (int64_t)sizeof(T), l2_bytes);
-      auto kernel = full ? (once ? rms_norm_fwd_rows_kernel<T, W, VEC, LANES, NV, RPT, true, true>
-                                 : rms_norm_fwd_rows_kernel<T, W, VEC, LANES, NV, RPT, true, false>)
-                         : (once ? rms_norm_fwd_rows_kernel<T, W, VEC, LANES, NV, RPT, false, true>
-                                 : rms_norm_fwd_rows_kernel<T, W, VEC, LANES, NV, RPT, false, false>);
       const int threads = rows_block_threads();
       const int64_t per_block = (int64_t)threads / LANES * RPT;
+      const bool lean = full && rows % per_block == 0 && rows * D <= INT32_MAX && eps >= FLT_MIN && rows_lean();
+      auto kernel = lean ? (once ? rms_norm_fwd_rows_kernel<T, W, VEC, LANES, NV, RPT, true, true, true>
+                                 : rms_norm_fwd_rows_kernel<T, W, VEC, LANES, NV, RPT, true, false, true>)
+                  : full ? (once ? rms_norm_fwd_rows_kernel<T, W, VEC, LANES, NV, RPT, true, true, false>
+                                 : rms_norm_fwd_rows_kernel<T, W, VEC, LANES, NV, RPT, true, false, false>)
+                         : (once ? rms_norm_fwd_rows_kernel<T, W, VEC, LANES, NV, RPT, false, true, false>
+                                 : rms_norm_fwd_rows_kernel<T, W, VEC, LANES, NV, RPT, false, false, false>);
       const int64_t blocks = (rows + per_block - 1) / per_block;
       if (blocks > 0x7fffffff) return cudaErrorInvalidValue;
       kernel<<<(unsigned)blocks, threads, 0, s>>>((const T*)x, (const W*)w, (T*)y, rows, D, eps);
