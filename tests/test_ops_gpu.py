@@ -109,7 +109,7 @@ def test_rms_norm_grad_weight_is_deterministic(shape):
         assert torch.equal(gx, runs[0][0]) and torch.equal(gw, runs[0][1])
 
 
-# (rows, D) in every dtype the forward rows kernel takes, for the launch-variant tests below
+# (x dtype, weight dtype, shape[, eps]) for the forward rows kernel, in each of its dtypes, for the test below
 ROWS_KERNEL_CASES = [("bfloat16", "bfloat16", (16384, 1024)), ("bfloat16", "float32", (17, 768)),
                      ("float16", "float16", (4096, 16, 128)), ("bfloat16", "bfloat16", (33, 24)),
                      ("float32", "float32", (9, 64)), ("float16", "float32", (5, 8)),
