@@ -695,20 +695,20 @@ def test_decode_attention_no_rows_or_no_heads():
     assert r.stdout.split() == ["(0,", "4,", "64)", "(2,", "0,", "64)"], r.stdout
 
 
-@pytest.mark.parametrize("dtype,Hq,Hk,D,mode,mma", [  # mma: tensor cores at (one split, several splits)
-    (torch.bfloat16, 32, 8, 128, "", (True, True)), (torch.float16, 24, 8, 64, "", (True, True)),
-    (torch.bfloat16, 64, 8, 128, "", (True, True)),
-    (torch.bfloat16, 16, 8, 128, "", (True, True)), (torch.float16, 16, 8, 64, "", (True, True)),
-    (torch.bfloat16, 8, 8, 128, "", (False, False)),   # 1 head a kv head: the ring kernel ...
-    (torch.bfloat16, 8, 8, 128, "2", (True, True)),    # ... unless FW_DECODE_MMA=2
-    (torch.float16, 8, 8, 64, "2", (True, True)),
-    (torch.float32, 32, 8, 128, "2", (False, False)),  # fp32 caches
-    (torch.bfloat16, 32, 8, 96, "2", (False, False)),  # head_dim not 64 / 128
+@pytest.mark.parametrize("dtype,Hq,Hk,D,mode,mma", [  # mma: the tensor-core kernel runs, at one split and several
+    (torch.bfloat16, 32, 8, 128, "", True), (torch.float16, 24, 8, 64, "", True),
+    (torch.bfloat16, 64, 8, 128, "", True),
+    (torch.bfloat16, 16, 8, 128, "", True), (torch.float16, 16, 8, 64, "", True),
+    (torch.bfloat16, 8, 8, 128, "", False),   # 1 head a kv head: the ring kernel ...
+    (torch.bfloat16, 8, 8, 128, "2", True),   # ... unless FW_DECODE_MMA=2
+    (torch.float16, 8, 8, 64, "2", True),
+    (torch.float32, 32, 8, 128, "2", False),  # fp32 caches
+    (torch.bfloat16, 32, 8, 96, "2", False),  # head_dim not 64 / 128
 ])
 def test_decode_attention_kernel_choice(monkeypatch, dtype, Hq, Hk, D, mode, mma):
     """The tensor-core kernel runs where it should (profiler), and with FW_DECODE_MMA=0 the ring kernel gives the
     same outputs within rounding; both against float64, at one split (B=64) and several (B=2)."""
-    for (B, S), want in zip(((64, 700), (2, 3000)), mma):
+    for B, S in ((64, 700), (2, 3000)):
         monkeypatch.setenv("FW_DECODE_MMA", mode)  # read on every call; "" is the default
         q = torch.randn(B, Hq, D, device=DEV, dtype=dtype)
         kc = torch.randn(B, Hk, S, D, device=DEV, dtype=dtype)
@@ -721,7 +721,7 @@ def test_decode_attention_kernel_choice(monkeypatch, dtype, Hq, Hk, D, mode, mma
             return ops_cuda.decode_attention(*args)
 
         names = launched_kernels(run, "decode")
-        assert any("decode_mma_kernel" in n for n in names) == want, (B, names)
+        assert any("decode_mma_kernel" in n for n in names) == mma, (B, names)
         out = run()
         assert rel(out, expected) < TOL[dtype]
         monkeypatch.setenv("FW_DECODE_MMA", "0")  # read on every call
