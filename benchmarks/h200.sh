@@ -22,7 +22,7 @@ step() {  # step NAME LIMIT_S LOG CMD...
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; python3 -c "import torch; print(torch.__version__)"; git log -1 --format='commit %h %s' 2>/dev/null; } | tee -a "$OUT/summary.log"
 step build 150 summary.log python3 -c "import ops_cuda; print(ops_cuda.build()); print(ops_cuda.doctor())"
 step gpu-tests 240 gpu_tests.log python3 -m pytest -m gpu -q -p no:cacheprovider --continue-on-collection-errors --durations=10
-step ops-bench 150 ops_bench.log python3 -m ops_cuda.bench.bench_ops
+step ops-bench 330 ops_bench.log python3 -m ops_cuda.bench.bench_ops
 step ops-profile 60 ops_bench.log python3 -m ops_cuda.bench.profile_ops rms_norm qk_norm swiglu linear_logprob linear_logprob_recomp
 step train-bench 120 train_bench.log python3 -m benchmarks.train_step --batch 8 --seq 2048 --steps 10 --impls fw,fw-recomp,hf
 step grpo-bench 100 grpo_bench.log python3 -m benchmarks.grpo_step --run_dir=/tmp/runs/grpo-bench

@@ -5,8 +5,10 @@ shapes (training 8 x 2048 tokens, decode batch 1..256); one table.
     python -m ops_cuda.bench.bench_ops --only rms_norm,swiglu --fw-only     (a subset, without the baselines)
 
 Times are medians of CUDA-graph replays (triton.testing.do_bench_cudagraph: GPU time without Python and
-launch overhead; rows marked * could not be captured and use do_bench's plain launches instead); the last
-column is the fw op launched plainly from Python (do_bench), which adds the dispatcher/autograd overhead.
+launch overhead; rows marked * could not be captured and use do_bench's plain launches instead), taken for fw,
+eager and compile in turn, --rounds times (3), so that a drift of the GPU's clocks over a row reaches all three;
+the table gives the median of the rounds. The last column is the fw op launched plainly from Python (do_bench),
+which adds the dispatcher/autograd overhead.
 GB/s counts the bytes that must move once (inputs read + outputs written), TFLOP/s the GEMM FLOPs;
 ceilings measured on the H200 (REFERENCE.md): 4.26 TB/s copy, 785 TFLOP/s bf16.
 """
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import statistics
 
 import torch
 import torch.nn.functional as F
@@ -121,7 +124,7 @@ def fw_sample(logits, temperature, top_k, top_p):
 
 # ------------------------------------------------------------------ the table
 ROWS: list[dict] = []
-OPTS = argparse.Namespace(only=None, fw_only=False)
+OPTS = argparse.Namespace(only=None, fw_only=False, rounds=3)
 
 
 def time_compiled(op: str, shape: str, comp, args: tuple) -> tuple[float, bool]:
@@ -134,16 +137,27 @@ def time_compiled(op: str, shape: str, comp, args: tuple) -> tuple[float, bool]:
 
 
 def row(op: str, shape: str, fw, eager, comp, args: tuple = (), nbytes: float = 0.0, flops: float = 0.0) -> None:
-    """Time fw(*args), eager(*args) and comp(*args) (comp: torch.compile of the eager maths)."""
+    """Time fw(*args), eager(*args) and comp(*args) (comp: torch.compile of the eager maths) in turn, OPTS.rounds
+    times; each gets the median of its rounds."""
     if OPTS.only and not any(o in op for o in OPTS.only):
         return
     t_plain = bench(lambda: fw(*args))
-    t_fw, g1 = bench_graph(lambda: fw(*args))
-    t_e, g2 = (math.nan, True) if OPTS.fw_only else bench_graph(lambda: eager(*args))
-    t_c, g3 = (math.nan, True) if OPTS.fw_only else time_compiled(op, shape, comp, args)
+    times = {"fw": [], "eager": [], "compile": []}
+    graphed = {k: True for k in times}
+    for _ in range(OPTS.rounds):
+        rnd = {"fw": bench_graph(lambda: fw(*args))}
+        if not OPTS.fw_only:
+            rnd["eager"] = bench_graph(lambda: eager(*args))
+            failed = times["compile"] and math.isnan(times["compile"][-1])  # not compiled again
+            rnd["compile"] = (math.nan, True) if failed else time_compiled(op, shape, comp, args)
+        for k, (t, ok) in rnd.items():
+            times[k].append(t)
+            graphed[k] = graphed[k] and ok
+    t_fw, t_e, t_c = (math.nan if not v or any(math.isnan(t) for t in v) else statistics.median(v)
+                      for v in times.values())
     mark = lambda ok: "" if ok else "*"
     r = {"op": op, "shape": shape, "fw": t_fw, "eager": t_e, "compile": t_c, "plain": t_plain,
-         "marks": (mark(g1), mark(g2), mark(g3))}
+         "marks": (mark(graphed["fw"]), mark(graphed["eager"]), mark(graphed["compile"]))}
     if nbytes:
         r["rate"] = f"{nbytes / t_fw / 1e6:.0f} GB/s"
         r["ceiling"] = f"{100 * nbytes / t_fw / 1e-3 / COPY_BW:.0f}% of copy"
@@ -151,8 +165,10 @@ def row(op: str, shape: str, fw, eager, comp, args: tuple = (), nbytes: float = 
         r["rate"] = f"{flops / t_fw / 1e9:.0f} TFLOP/s"
         r["ceiling"] = f"{100 * flops / t_fw / 1e-3 / BF16_FLOPS:.0f}% of bf16"
     ROWS.append(r)
+    rounds = " ".join(f"{k} [" + " ".join(f"{t:.4f}" for t in v) + "]" for k, v in times.items() if v)
     print(f"  {op:24s} {shape:30s} fw {t_fw:8.3f} ms  eager {t_e:8.3f}  compile {t_c:8.3f}  "
-          f"{r.get('rate', '')} {r.get('ceiling', '')}  (fw plain launch {t_plain:.3f} ms)", flush=True)
+          f"{r.get('rate', '')} {r.get('ceiling', '')}  (fw plain launch {t_plain:.3f} ms; rounds, ms: {rounds})",
+          flush=True)
 
 
 def print_table() -> None:
@@ -164,7 +180,7 @@ def print_table() -> None:
         sp = r["compile"] / r["fw"] if r["compile"] == r["compile"] else float("nan")
         m = r["marks"]
         print(f"| {r['op']:24s} | {r['shape']:32s} | {r['fw']:.3f}{m[0]} | {r['eager']:.3f}{m[1]} | "
-              f"{r['compile']:.3f}{m[2]} | {sp:.2f}x | {r.get('rate', '')} | {r.get('ceiling', '')} | "
+              f"{r['compile']:.3f}{m[2]} | {sp:.3f}x | {r.get('rate', '')} | {r.get('ceiling', '')} | "
               f"{r['plain']:.3f} |")
 
 
@@ -184,8 +200,10 @@ def main() -> None:
     ap.add_argument("--only", type=lambda v: v.split(","), default=None,
                     help="comma-separated substrings of op names to run (default: all)")
     ap.add_argument("--fw-only", action="store_true", help="time the fw ops only, not the baselines")
+    ap.add_argument("--rounds", type=int, default=OPTS.rounds,
+                    help="times each row's fw op and baselines are timed in turn (the table: their medians)")
     args = ap.parse_args()
-    OPTS.only, OPTS.fw_only = args.only, args.fw_only
+    OPTS.only, OPTS.fw_only, OPTS.rounds = args.only, args.fw_only, max(1, args.rounds)
     assert torch.cuda.is_available(), "the benchmark needs a CUDA GPU"
     backend = library.activate_cuda()
     print(ops_cuda.doctor(), flush=True)
