@@ -42,15 +42,11 @@ def bench_graph(fn, reps_ms: int = 100) -> tuple[float, bool]:
     """(median ms of CUDA-graph replays, True), or (plain-launch median, False) if fn cannot be captured."""
     from triton.testing import do_bench_cudagraph
 
-    # the memory pool of the previous measurement's graph is free once that graph is: hand it back to the device,
-    # or the rounds of the largest baselines (46 GiB a call) pile up reserved memory until one runs out
-    torch.cuda.empty_cache()
     try:
         return do_bench_cudagraph(fn, rep=reps_ms, return_mode="median"), True
     except Exception as e:  # noqa: BLE001 (e.g. a host sync inside fn): fall back, and say so in the table
         print(f"  (no CUDA graph: {type(e).__name__}: {str(e)[:120]})")
         torch.cuda.synchronize()
-        torch.cuda.empty_cache()
         return bench(fn), False
 
 
