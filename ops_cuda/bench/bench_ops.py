@@ -7,8 +7,8 @@ shapes (training 8 x 2048 tokens, decode batch 1..256); one table.
 Times are medians of CUDA-graph replays (triton.testing.do_bench_cudagraph: GPU time without Python and
 launch overhead; rows marked * could not be captured and use do_bench's plain launches instead), taken for fw,
 eager and compile in turn, --rounds times (3; the linear_logprob rows once), so that a drift of the GPU's clocks
-over a row reaches all three; the table gives the median of the rounds. The last column is the fw op launched plainly from Python (do_bench),
-which adds the dispatcher/autograd overhead.
+over a row reaches all three; the table gives the median of the rounds. The last column is the fw op launched
+plainly from Python (do_bench), which adds the dispatcher/autograd overhead.
 GB/s counts the bytes that must move once (inputs read + outputs written), TFLOP/s the GEMM FLOPs;
 ceilings measured on the H200 (REFERENCE.md): 4.26 TB/s copy, 785 TFLOP/s bf16.
 """
@@ -166,9 +166,9 @@ def row(op: str, shape: str, fw, eager, comp, args: tuple = (), nbytes: float = 
         r["rate"] = f"{flops / t_fw / 1e9:.0f} TFLOP/s"
         r["ceiling"] = f"{100 * flops / t_fw / 1e-3 / BF16_FLOPS:.0f}% of bf16"
     ROWS.append(r)
-    rounds = " ".join(f"{k} [" + " ".join(f"{t:.4f}" for t in v) + "]" for k, v in times.items() if v)
+    per_round = " ".join(f"{k} [" + " ".join(f"{t:.4f}" for t in v) + "]" for k, v in times.items() if v)
     print(f"  {op:24s} {shape:30s} fw {t_fw:8.3f} ms  eager {t_e:8.3f}  compile {t_c:8.3f}  "
-          f"{r.get('rate', '')} {r.get('ceiling', '')}  (fw plain launch {t_plain:.3f} ms; rounds, ms: {rounds})",
+          f"{r.get('rate', '')} {r.get('ceiling', '')}  (fw plain launch {t_plain:.3f} ms; rounds, ms: {per_round})",
           flush=True)
 
 
