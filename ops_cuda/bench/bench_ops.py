@@ -264,7 +264,7 @@ def main() -> None:
         torch.autograd.grad((lp, ent), (h, lm), (glp, gent))
 
     # one round each: a second round of the unfused baselines (46 GiB a call) ran out of the H200's memory (session
-    # 16), and these rows are 10-55% from parity
+    # 16), and these rows are far from parity (docs/PERFORMANCE.md)
     cu = compiled(linear_logprob_unfused)
     row("linear_logprob fwd+bwd", f"N={N} d={d} V={V} saved", fused, unfused, lambda: unfused(cu),
         flops=3 * 2 * N * d * V, rounds=1)
