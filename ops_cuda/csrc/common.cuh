@@ -3,9 +3,14 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
+#include <climits>
 #include <cstdint>
 #include <cstdlib>
+#include <map>
+#include <mutex>
+#include <tuple>
 #include <type_traits>
+#include <utility>
 
 #include "kernels.h"
 
@@ -135,6 +140,91 @@ template <auto K> cudaError_t allow_dynamic_smem(int bytes) {
 inline int int_from_env(const char* name, int fallback) {
   const char* v = getenv(name);
   return v && *v ? atoi(v) : fallback;
+}
+
+// Programmatic dependent launch (PDL, sm_90). The rms_norm, rope and swiglu kernels are launched with programmatic
+// stream serialization (launch_kernel() below), so the next such kernel in the stream is launched before this grid
+// has completed: once every block of this grid has started and either let it (launch_dependents) or exited. Its
+// blocks then become resident as this grid's last wave drains, and wait (griddepcontrol.wait) until this grid has
+// completed and its writes are visible before they touch global memory. Only the blocks of the last wave let it:
+// launch_dependents in every block made QK-norm's 32,768 short blocks 20% slower on the H200, with or without PDL
+// (docs/PERFORMANCE.md run 19). Both instructions compile to nothing below sm_90, and launch_kernel() asks for PDL
+// only on compute capability 9.x, whose SASS has them.
+__device__ __forceinline__ void grid_dependency_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void allow_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+// The first statement of every kernel launched by launch_kernel(), whose last parameter is `trigger_from`: the
+// linear index of the first block of the grid's last wave (launch_kernel() passes it).
+__device__ __forceinline__ void pdl_begin(unsigned trigger_from) {
+  grid_dependency_wait();
+  if (blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z) >= trigger_from) allow_dependents();
+}
+
+// Whether launch_kernel() asks for PDL: the current device has compute capability 9.x and FW_PDL is not 0 (read
+// every call: the benchmark's A/B).
+inline bool pdl_on() {
+  static int major[64] = {};
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev >= 64) return false;
+  if (major[dev] == 0 && cudaDeviceGetAttribute(&major[dev], cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess)
+    return false;
+  return major[dev] == 9 && int_from_env("FW_PDL", 1) != 0;
+}
+
+// The current device's SM count, asked once per device.
+inline int device_sm_count() {
+  static int sms[64] = {};
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev >= 64) return 1;
+  if (sms[dev] == 0 && cudaDeviceGetAttribute(&sms[dev], cudaDevAttrMultiProcessorCount, dev) != cudaSuccess)
+    return 1;
+  return sms[dev];
+}
+
+// Blocks of `kernel` resident per SM with `threads` threads and `smem` bytes of dynamic shared memory (at least
+// 1), asked once per kernel and block shape.
+inline int resident_blocks(const void* kernel, int threads, size_t smem) {
+  static std::mutex mu;
+  static std::map<std::tuple<const void*, int, size_t>, int> known;
+  const std::lock_guard<std::mutex> lock(mu);
+  int& n = known[{kernel, threads, smem}];
+  if (n == 0 && (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, threads, smem) != cudaSuccess || n < 1))
+    n = 1;
+  return n;
+}
+
+// kernel<<<grid, block, smem, stream>>>(args..., trigger_from), with PDL where pdl_on() (the kernel starts with
+// pdl_begin(trigger_from)). Without PDL no block lets dependents launch. Returns the launch's error.
+template <typename... P, typename... A>
+cudaError_t launch_kernel(void (*kernel)(P...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream, A&&... args) {
+  const bool pdl = pdl_on();
+  unsigned trigger_from = UINT_MAX;
+  const int64_t blocks = (int64_t)grid.x * grid.y * grid.z;
+  if (pdl && blocks <= UINT_MAX) {
+    const int threads = (int)(block.x * block.y * block.z);
+    const int64_t wave = (int64_t)device_sm_count() * resident_blocks((const void*)kernel, threads, smem);
+    trigger_from = blocks > wave ? (unsigned)(blocks - wave) : 0u;
+  }
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cfg.attrs = attr;
+  cfg.numAttrs = pdl ? 1 : 0;
+  const cudaError_t e = cudaLaunchKernelEx(&cfg, kernel, std::forward<A>(args)..., trigger_from);
+  const cudaError_t last = cudaGetLastError();  // clears the error a failed launch also leaves behind
+  return e != cudaSuccess ? e : last;
 }
 
 }  // namespace fw

@@ -60,12 +60,9 @@ __device__ __forceinline__ float2 group_sum2(float a, float b, float2 (*red)[kWa
   return make_float2(a, b);
 }
 
-// Resident blocks of `kernel` per SM (at least 1).
+// Resident blocks of `kernel` per SM, in blocks of kThreads (at least 1).
 template <typename K> int resident_per_sm(K kernel, size_t smem) {
-  int per_sm = 0;
-  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, smem) != cudaSuccess || per_sm < 1)
-    per_sm = 1;
-  return per_sm;
+  return resident_blocks((const void*)kernel, kThreads, smem);
 }
 
 // One wave of resident blocks, or fewer when `rows` need fewer blocks of `rows_per_block` rows; at least one.
@@ -130,7 +127,8 @@ constexpr int PF = 1;
 template <typename T, typename W, int VEC, int LANES, int NV>
 __global__ void __launch_bounds__(kThreads)
 rms_norm_fwd_kernel(const T* __restrict__ x, const W* __restrict__ w, T* __restrict__ y, int64_t rows, int D,
-                    float eps) {
+                    float eps, unsigned trigger_from) {
+  pdl_begin(trigger_from);
   __shared__ float2 red[2][kWarps];
   constexpr int kGroups = kThreads / LANES;
   const int sub = threadIdx.x % LANES;
@@ -218,7 +216,8 @@ template <typename T, typename W, int NV, int RPT, bool FULL> constexpr int rows
 template <typename T, typename W, int VEC, int LANES, int NV, int RPT, bool FULL, bool ONCE, bool LEAN>
 __global__ void __launch_bounds__(kRowThreads, rows_min_blocks<T, W, NV, RPT, FULL>())
 rms_norm_fwd_rows_kernel(const T* __restrict__ x, const W* __restrict__ w, T* __restrict__ y, int64_t rows, int D,
-                         float eps) {
+                         float eps, unsigned trigger_from) {
+  pdl_begin(trigger_from);
   // FULL: the mean divides by the row length as a compile-time constant (a power of two at Qwen3's shapes: an exact
   // multiplication).
   const int Dm = FULL ? LANES * NV * VEC : D;
@@ -292,7 +291,9 @@ constexpr int kBwdMinBlocks[5] = {1, 4, 1, 1, 1};
 template <typename T, typename W, int VEC, int LANES, int NV>
 __global__ void __launch_bounds__(kThreads, kBwdMinBlocks[NV])
 rms_norm_bwd_kernel(const T* __restrict__ grad, const T* __restrict__ x, const W* __restrict__ w,
-                    T* __restrict__ gx, float* __restrict__ gw_partial, int64_t rows, int D, float eps) {
+                    T* __restrict__ gx, float* __restrict__ gw_partial, int64_t rows, int D, float eps,
+                    unsigned trigger_from) {
+  pdl_begin(trigger_from);
   extern __shared__ float gw_acc[];  // [D]: the row groups of the block add their partials here
   __shared__ float2 red[2][kWarps];
   constexpr int kGroups = kThreads / LANES;
@@ -421,7 +422,9 @@ constexpr int kBwdRowsMinBlocks[5] = {1, 5, 4, 1, 3};
 template <typename T, typename W, int VEC, int LANES, int NV>
 __global__ void __launch_bounds__(kThreads, kBwdRowsMinBlocks[NV])
 rms_norm_bwd_rows_kernel(const T* __restrict__ grad, const T* __restrict__ x, const W* __restrict__ w,
-                         T* __restrict__ gx, float* __restrict__ gw_partial, int64_t rows, int D, float eps) {
+                         T* __restrict__ gx, float* __restrict__ gw_partial, int64_t rows, int D, float eps,
+                         unsigned trigger_from) {
+  pdl_begin(trigger_from);
   static_assert(LANES * NV <= 128 && VEC % 4 == 0, "rows kernel: rows of at most 128 vectors, whole float4s");
   constexpr int kGroups = kThreads / LANES, Q = VEC / 4, kSlice = NV * Q * LANES;  // float4s a group
   extern __shared__ float4 slices[];  // [group][NV * Q][LANES]
@@ -518,7 +521,8 @@ template <typename L> cudaError_t by_shape(int vecs, int pref, L&& launch) {
 // grad_weight[c] = sum over the partial rows of column c, in a fixed order; 32 columns a block, 8 row slices.
 template <typename W>
 __global__ void __launch_bounds__(256) rms_norm_gw_kernel(const float* __restrict__ part, int blocks, int D,
-                                                          W* __restrict__ gw) {
+                                                          W* __restrict__ gw, unsigned trigger_from) {
+  pdl_begin(trigger_from);
   __shared__ float acc[8][33];
   const int lane = threadIdx.x & 31, slice = threadIdx.x >> 5, col = blockIdx.x * 32 + lane;
   float a = 0.f;
@@ -596,8 +600,7 @@ cudaError_t launch_fwd_rows(const void* x, const void* w, void* y, int64_t rows,
                                  : rms_norm_fwd_rows_kernel<T, W, VEC, LANES, NV, RPT, false, false, false>);
       const int64_t blocks = (rows + per_block - 1) / per_block;
       if (blocks > 0x7fffffff) return cudaErrorInvalidValue;
-      kernel<<<(unsigned)blocks, threads, 0, s>>>((const T*)x, (const W*)w, (T*)y, rows, D, eps);
-      return cudaGetLastError();
+      return launch_kernel(kernel, (unsigned)blocks, threads, 0, s, (const T*)x, (const W*)w, (T*)y, rows, D, eps);
     }
   };
   auto with_rpt = [&](auto lanes, auto nv_c) -> cudaError_t {
@@ -627,8 +630,7 @@ cudaError_t launch_fwd(const void* x, const void* w, void* y, int64_t rows, int 
     // queried once per kernel instance: the decode loop calls this ~100 times a step and is host-bound
     static const int per_sm = resident_per_sm(kernel, 0);
     const int64_t blocks = persistent_blocks(per_sm, sm_count, rows, kThreads / LANES);
-    kernel<<<(unsigned)blocks, kThreads, 0, s>>>((const T*)x, (const W*)w, (T*)y, rows, D, eps);
-    return cudaGetLastError();
+    return launch_kernel(kernel, (unsigned)blocks, kThreads, 0, s, (const T*)x, (const W*)w, (T*)y, rows, D, eps);
   };
   const bool vec = D % V16 == 0 && aligned16(x) && aligned16(y) && aligned16(w);
   if (vec && D / V16 <= 32 * 4) return launch_fwd_rows<T, W, V16>(x, w, y, rows, D, eps, l2_bytes, s);
@@ -652,8 +654,8 @@ constexpr int kBwdRowsMin = 4;
 
 // grad_weight = the column sums of the `blocks` partial rows, in the weight's dtype.
 template <typename W> cudaError_t launch_gw(const float* part, int64_t blocks, int D, void* gw, cudaStream_t s) {
-  rms_norm_gw_kernel<W><<<(unsigned)((D + 31) / 32), 256, 0, s>>>(part, (int)blocks, D, (W*)gw);
-  return cudaGetLastError();
+  return launch_kernel(rms_norm_gw_kernel<W>, (unsigned)((D + 31) / 32), 256, 0, s, (const float*)part, (int)blocks, D,
+                       (W*)gw);
 }
 
 template <typename T, typename W, int VEC>
@@ -673,9 +675,8 @@ cudaError_t launch_bwd_rows(const void* g, const void* x, const void* w, void* g
       static const int per_sm = resident_per_sm(kernel, smem);
       int64_t blocks = persistent_blocks(per_sm, sm_count, (rows + kBwdRowsMin - 1) / kBwdRowsMin, kThreads / LANES);
       blocks = blocks < max_blocks ? blocks : max_blocks;
-      kernel<<<(unsigned)blocks, kThreads, smem, s>>>((const T*)g, (const T*)x, (const W*)w, (T*)gx, part, rows, D,
-                                                      eps);
-      const cudaError_t e = cudaGetLastError();
+      const cudaError_t e = launch_kernel(kernel, (unsigned)blocks, kThreads, smem, s, (const T*)g, (const T*)x,
+                                          (const W*)w, (T*)gx, part, rows, D, eps);
       return e != cudaSuccess ? e : launch_gw<W>(part, blocks, D, gw, s);
     }
   };
@@ -713,8 +714,8 @@ cudaError_t launch_bwd(const void* g, const void* x, const void* w, void* gx, vo
     // one wave of resident blocks, each taking at least 8 rows (fewer partial rows for the caller to sum)
     int64_t blocks = persistent_blocks(resident_per_sm(kernel, smem), sm_count, (rows + 7) / 8, kThreads / LANES);
     blocks = blocks < max_blocks ? blocks : max_blocks;
-    kernel<<<(unsigned)blocks, kThreads, smem, s>>>((const T*)g, (const T*)x, (const W*)w, (T*)gx, part, rows, D, eps);
-    const cudaError_t e = cudaGetLastError();
+    const cudaError_t e = launch_kernel(kernel, (unsigned)blocks, kThreads, smem, s, (const T*)g, (const T*)x,
+                                        (const W*)w, (T*)gx, part, rows, D, eps);
     return e != cudaSuccess ? e : launch_gw<W>(part, blocks, D, gw, s);
   };
   if (vec) return by_shape(D / V16, pref, [&](auto lanes, auto nv) { return go(Int<V16>{}, lanes, nv); });

@@ -34,7 +34,8 @@ template <typename T, int VEC>
 __global__ void __launch_bounds__(kThreads)
 rope_kernel(const T* __restrict__ q, const T* __restrict__ k, T* __restrict__ qo, T* __restrict__ ko,
             const int64_t* __restrict__ positions, const float* __restrict__ inv_freq, RopeStrides st, int Hq,
-            int Hk, int D, float sign) {
+            int Hk, int D, float sign, unsigned trigger_from) {
+  pdl_begin(trigger_from);
   extern __shared__ float trig[];  // cos [D/2], sin [D/2]
   const int64_t tok = blockIdx.x;
   const int half = D / 2;
@@ -64,13 +65,8 @@ cudaError_t rope_fwd(DType dt, const void* q, const void* k, void* q_out, void* 
     const float sign = inverse ? -1.f : 1.f;
     bool vec = (D / 2) % V16 == 0 && aligned16(q) && aligned16(k) && aligned16(q_out) && aligned16(k_out);
     for (int i = 0; i < 3; ++i) vec = vec && st.q[i] % V16 == 0 && st.k[i] % V16 == 0;
-    if (vec)
-      rope_kernel<T, V16><<<(unsigned)tokens, kThreads, smem, stream>>>(
-          (const T*)q, (const T*)k, (T*)q_out, (T*)k_out, positions, inv_freq, st, Hq, Hk, D, sign);
-    else
-      rope_kernel<T, 1><<<(unsigned)tokens, kThreads, smem, stream>>>(
-          (const T*)q, (const T*)k, (T*)q_out, (T*)k_out, positions, inv_freq, st, Hq, Hk, D, sign);
-    return cudaGetLastError();
+    return launch_kernel(vec ? rope_kernel<T, V16> : rope_kernel<T, 1>, (unsigned)tokens, kThreads, smem, stream,
+                         (const T*)q, (const T*)k, (T*)q_out, (T*)k_out, positions, inv_freq, st, Hq, Hk, D, sign);
   });
 }
 

@@ -16,7 +16,9 @@ __device__ __forceinline__ float sigmoid(float g) { return __fdividef(1.f, 1.f +
 // kFlat: the grid has a block row per row (no loop).
 template <typename T, int VEC, bool kFlat>
 __global__ void __launch_bounds__(kThreads)
-swiglu_fwd_kernel(const T* __restrict__ gu, T* __restrict__ out, int64_t rows, int64_t I) {
+swiglu_fwd_kernel(const T* __restrict__ gu, T* __restrict__ out, int64_t rows, int64_t I,
+                  unsigned trigger_from) {
+  pdl_begin(trigger_from);
   const int64_t c = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) * VEC;
   if (c >= I) return;
   for (int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
@@ -35,7 +37,8 @@ swiglu_fwd_kernel(const T* __restrict__ gu, T* __restrict__ out, int64_t rows, i
 template <typename T, int VEC>
 __global__ void __launch_bounds__(kThreads)
 swiglu_bwd_kernel(const T* __restrict__ grad, const T* __restrict__ gu, T* __restrict__ ggu, int64_t rows,
-                  int64_t I) {
+                  int64_t I, unsigned trigger_from) {
+  pdl_begin(trigger_from);
   const int64_t c = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) * VEC;
   if (c >= I) return;
   for (int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
@@ -75,10 +78,9 @@ cudaError_t swiglu_fwd(DType dt, const void* gate_up, void* out, int64_t rows, i
     const bool vec = I % V16 == 0 && aligned16(gate_up) && aligned16(out);
     const dim3 grid = grid_for(rows, vec ? I / V16 : I, true);
     const bool flat = grid.y == rows;
-    auto launch = [&](auto kernel) { kernel<<<grid, kThreads, 0, stream>>>((const T*)gate_up, (T*)out, rows, I); };
-    if (vec) flat ? launch(swiglu_fwd_kernel<T, V16, true>) : launch(swiglu_fwd_kernel<T, V16, false>);
-    else flat ? launch(swiglu_fwd_kernel<T, 1, true>) : launch(swiglu_fwd_kernel<T, 1, false>);
-    return cudaGetLastError();
+    auto kernel = vec ? (flat ? swiglu_fwd_kernel<T, V16, true> : swiglu_fwd_kernel<T, V16, false>)
+                      : (flat ? swiglu_fwd_kernel<T, 1, true> : swiglu_fwd_kernel<T, 1, false>);
+    return launch_kernel(kernel, grid, kThreads, 0, stream, (const T*)gate_up, (T*)out, rows, I);
   });
 }
 
@@ -88,13 +90,10 @@ cudaError_t swiglu_bwd(DType dt, const void* grad, const void* gate_up, void* gr
   return dispatch(dt, [&](auto t) -> cudaError_t {
     using T = decltype(t);
     constexpr int V16 = 16 / sizeof(T);
-    if (I % V16 == 0 && aligned16(grad) && aligned16(gate_up) && aligned16(grad_gate_up))
-      swiglu_bwd_kernel<T, V16><<<grid_for(rows, I / V16, false), kThreads, 0, stream>>>(
-          (const T*)grad, (const T*)gate_up, (T*)grad_gate_up, rows, I);
-    else
-      swiglu_bwd_kernel<T, 1><<<grid_for(rows, I, false), kThreads, 0, stream>>>((const T*)grad, (const T*)gate_up,
-                                                                          (T*)grad_gate_up, rows, I);
-    return cudaGetLastError();
+    const bool vec = I % V16 == 0 && aligned16(grad) && aligned16(gate_up) && aligned16(grad_gate_up);
+    return launch_kernel(vec ? swiglu_bwd_kernel<T, V16> : swiglu_bwd_kernel<T, 1>,
+                         grid_for(rows, vec ? I / V16 : I, false), kThreads, 0, stream, (const T*)grad,
+                         (const T*)gate_up, (T*)grad_gate_up, rows, I);
   });
 }
 
