@@ -878,9 +878,10 @@ def _chain(x, w, w_long, pos):
 def test_pdl_chain_matches_stream_order(monkeypatch, graph):
     """On Hopper the rms_norm, rope and swiglu kernels launch with programmatic dependent launch: a kernel's
     blocks become resident before the previous grid has ended (its last wave lets them) and wait
-    (griddepcontrol.wait) before touching memory. A chain of those ops, forward and backward, eagerly and replayed from a CUDA graph (as the benchmark
-    times them), gives the same bits with PDL as with plain stream order (FW_PDL=0, read on every launch). A
-    kernel that touched memory before its wait would read its input before the previous kernel had written it."""
+    (griddepcontrol.wait) before touching memory. A chain of those ops, forward and backward, eagerly and
+    replayed from a CUDA graph (as the benchmark times them), gives the same bits with PDL as with plain stream
+    order (FW_PDL=0, read on every launch). A kernel that touched memory before its wait would read its input
+    before the previous kernel had written it."""
     B, T, H, D = 1, 4096, 64, 128
     x = torch.randn(B, T, H, D, device=DEV, dtype=torch.bfloat16, requires_grad=True)
     w, w_long = ((1 + 0.1 * torch.randn(n, device=DEV, dtype=torch.bfloat16)).requires_grad_(True) for n in (D, 4096))
