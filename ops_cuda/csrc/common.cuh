@@ -167,25 +167,13 @@ __device__ __forceinline__ void pdl_begin(unsigned trigger_from) {
   if (blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z) >= trigger_from) allow_dependents();
 }
 
-// Whether launch_kernel() asks for PDL: the current device has compute capability 9.x and FW_PDL is not 0 (read
-// every call: the benchmark's A/B).
-inline bool pdl_on() {
-  static int major[64] = {};
-  int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess || dev >= 64) return false;
-  if (major[dev] == 0 && cudaDeviceGetAttribute(&major[dev], cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess)
-    return false;
-  return major[dev] == 9 && int_from_env("FW_PDL", 1) != 0;
-}
-
-// The current device's SM count, asked once per device.
-inline int device_sm_count() {
-  static int sms[64] = {};
-  int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess || dev >= 64) return 1;
-  if (sms[dev] == 0 && cudaDeviceGetAttribute(&sms[dev], cudaDevAttrMultiProcessorCount, dev) != cudaSuccess)
-    return 1;
-  return sms[dev];
+// Attribute A of device `dev`, asked once per device (0 where it cannot be asked).
+template <cudaDeviceAttr A> int device_attribute(int dev) {
+  static int known[64] = {};
+  int v = dev < 64 ? known[dev] : 0;
+  if (v == 0 && cudaDeviceGetAttribute(&v, A, dev) != cudaSuccess) v = 0;
+  if (dev < 64) known[dev] = v;
+  return v;
 }
 
 // Blocks of `kernel` resident per SM with `threads` threads and `smem` bytes of dynamic shared memory (at least
@@ -200,16 +188,20 @@ inline int resident_blocks(const void* kernel, int threads, size_t smem) {
   return n;
 }
 
-// kernel<<<grid, block, smem, stream>>>(args..., trigger_from), with PDL where pdl_on() (the kernel starts with
+// kernel<<<grid, block, smem, stream>>>(args..., trigger_from), with PDL on Hopper (the kernel starts with
 // pdl_begin(trigger_from)). Without PDL no block lets dependents launch. Returns the launch's error.
 template <typename... P, typename... A>
 cudaError_t launch_kernel(void (*kernel)(P...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream, A&&... args) {
-  const bool pdl = pdl_on();
+  // PDL where the device has compute capability 9.x and FW_PDL is not 0 (read every call: the benchmark's A/B)
+  int dev = 0;
+  const bool pdl = cudaGetDevice(&dev) == cudaSuccess &&
+                   device_attribute<cudaDevAttrComputeCapabilityMajor>(dev) == 9 && int_from_env("FW_PDL", 1) != 0;
   unsigned trigger_from = UINT_MAX;
   const int64_t blocks = (int64_t)grid.x * grid.y * grid.z;
   if (pdl && blocks <= UINT_MAX) {
     const int threads = (int)(block.x * block.y * block.z);
-    const int64_t wave = (int64_t)device_sm_count() * resident_blocks((const void*)kernel, threads, smem);
+    const int64_t wave = (int64_t)device_attribute<cudaDevAttrMultiProcessorCount>(dev) *
+                         resident_blocks((const void*)kernel, threads, smem);
     trigger_from = blocks > wave ? (unsigned)(blocks - wave) : 0u;
   }
   cudaLaunchAttribute attr[1];
