@@ -5,6 +5,7 @@
 #   bash benchmarks/multi_gpu.sh                       # nvidia-h200-x2: qwen3-0.6b, bf16, 2048 tokens
 #   ACCEL=cpu PRESET=tiny PREC=32-true SEQ=96 ROWS=2 STEPS=4 GRPO_CFG=train.yaml PROMPTS=8 GSTEPS=4 \
 #     bash benchmarks/multi_gpu.sh                     # the same flow on CPU (gloo), as a dry run
+#   PARTS=grpo bash benchmarks/multi_gpu.sh            # one part only (sft, grpo; both by default)
 set -u
 OUT=${OUT:-mgpu-logs}; mkdir -p "$OUT"
 # NVLink multicast stays off in every process (/work/.library/device/KINDS.md); rank 1 inherits this.
@@ -12,7 +13,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 . "$(dirname "$0")/device_env.sh"
 ACCEL=${ACCEL:-gpu} PRESET=${PRESET:-qwen3-0.6b} PREC=${PREC:-bf16-mixed} SEQ=${SEQ:-2048} ROWS=${ROWS:-8}
 STEPS=${STEPS:-20} STRATEGY=${STRATEGY:-ddp} GRPO_CFG=${GRPO_CFG:-benchmarks/grpo_bench.yaml}
-PROMPTS=${PROMPTS:-32} GSTEPS=${GSTEPS:-6} R=${RUNS:-/tmp/mgpu-runs}
+PROMPTS=${PROMPTS:-32} GSTEPS=${GSTEPS:-6} R=${RUNS:-/tmp/mgpu-runs} PARTS=${PARTS:-sft grpo}
 rm -rf "$R"; mkdir -p "$R"
 HALF=$((STEPS / 2)); GHALF=$((GSTEPS / 2))
 
@@ -39,6 +40,7 @@ resume_from() {  # resume_from SRC STEP DST: DST holds only checkpoint STEP of S
 { nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null; git log -1 --format='commit %h %s'; } \
   | tee -a "$OUT/summary.log"
 
+if [[ " $PARTS " == *" sft "* ]]; then
 SFT=(--config recipes/sft.yaml --model.policy.preset="$PRESET" --data.max_seq_len="$SEQ" --trainer.max_steps="$STEPS"
      --trainer.log_every_n_steps=1 --checkpoint.every_n_steps="$HALF" --checkpoint.keep_last=null)
 fit sft-1gpu 1 "${SFT[@]}" --data.batch_size="$ROWS" --run_dir="$R/sft-1gpu"
@@ -55,6 +57,9 @@ fit sft-resume-1-to-2 2 "${SFT[@]}" --data.batch_size=$((ROWS / 2)) --run_dir="$
 compare "SFT save on 2 GPUs, resume on 1 (steps after $HALF)" "$R/sft-2gpu-same-global" "$R/sft-resume-on-1" --keys loss,tokens
 compare "SFT save on 1 GPU, resume on 2 (steps after $HALF)" "$R/sft-1gpu" "$R/sft-resume-on-2" --keys loss,tokens
 for run in sft-1gpu sft-2gpu-same-global sft-resume-on-1 sft-resume-on-2; do state "$R/$run" "$STEPS"; done
+fi
+
+if [[ " $PARTS " == *" grpo "* ]]; then
 
 GRPO=(--config "$GRPO_CFG" --model.policy.preset="$PRESET" --trainer.max_steps="$GSTEPS" --trainer.log_every_n_steps=1
       --checkpoint.every_n_steps="$GHALF" --checkpoint.keep_last=null --checkpoint.verify=true)
@@ -65,4 +70,5 @@ compare "GRPO: 1 GPU x $PROMPTS prompts vs 2 x $((PROMPTS / 2)) (strong scaling;
 resume_from "$R/grpo-2gpu" "$GHALF" "$R/grpo-resume-on-1"
 fit grpo-resume-2-to-1 1 "${GRPO[@]}" --rollout.prompts_per_step="$PROMPTS" --run_dir="$R/grpo-resume-on-1" --resume last
 for run in grpo-1gpu grpo-2gpu grpo-resume-on-1; do state "$R/$run" "$GSTEPS"; done
+fi
 echo "=== done; the runs are in $R" | tee -a "$OUT/summary.log"
