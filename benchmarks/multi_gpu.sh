@@ -5,7 +5,8 @@
 #   bash benchmarks/multi_gpu.sh                       # nvidia-h200-x2: qwen3-0.6b, bf16, 2048 tokens
 #   ACCEL=cpu PRESET=tiny PREC=32-true SEQ=96 ROWS=2 STEPS=4 GRPO_CFG=train.yaml PROMPTS=8 GSTEPS=4 \
 #     bash benchmarks/multi_gpu.sh                     # the same flow on CPU (gloo), as a dry run
-#   PARTS=grpo bash benchmarks/multi_gpu.sh            # one part only (sft, grpo; both by default)
+#   PARTS=grpo bash benchmarks/multi_gpu.sh            # one part only (sft, grpo; both by default). Each call
+#                                                      # empties $RUNS: give a later call its own RUNS
 set -u
 OUT=${OUT:-mgpu-logs}; mkdir -p "$OUT"
 # NVLink multicast stays off in every process (/work/.library/device/KINDS.md); rank 1 inherits this.
@@ -14,6 +15,9 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 ACCEL=${ACCEL:-gpu} PRESET=${PRESET:-qwen3-0.6b} PREC=${PREC:-bf16-mixed} SEQ=${SEQ:-2048} ROWS=${ROWS:-8}
 STEPS=${STEPS:-20} STRATEGY=${STRATEGY:-ddp} GRPO_CFG=${GRPO_CFG:-benchmarks/grpo_bench.yaml}
 PROMPTS=${PROMPTS:-32} GSTEPS=${GSTEPS:-6} R=${RUNS:-/tmp/mgpu-runs} PARTS=${PARTS:-sft grpo}
+for part in $PARTS; do
+  case $part in sft|grpo) ;; *) echo "multi_gpu.sh: PARTS has '$part'; expected sft and/or grpo, separated by spaces" >&2; exit 2;; esac
+done
 rm -rf "$R"; mkdir -p "$R"
 HALF=$((STEPS / 2)); GHALF=$((GSTEPS / 2))
 
