@@ -425,8 +425,10 @@ sample_kernel(const T* __restrict__ logits, int64_t row_stride, int64_t* __restr
 // The loop computes more than it loads (a Philox draw per 4 columns, two logs and an exp per column), so a thread
 // takes 8 columns at a time: one or two 16-byte loads where the row start is 16-byte aligned, one rescale of the
 // running sum per 8 columns, the fast exp (its argument z - max is <= 0; its error, 2 + floor(1.173 |x|) ulp in
-// CUDA's table, grows only as the term shrinks against the max's 1) and gumbel_fast: roughly 85 SASS instructions
-// a column on the aligned path against roughly 130 with exact expf, logf and division, 4 columns a thread (sm_90).
+// CUDA's table, grows only as the term shrinks against the max's 1) and gumbel_fast: about 75 SASS instructions a
+// column on the aligned path against about 120 with exact expf, logf and division, 4 columns a thread (sm_90).
+// z = x * (1 / T) is within an ulp of the x / T that sample_combine_kernel and reference.py compute. A group whose
+// columns are all -inf is skipped, so a NaN logit among seven -inf ones is dropped; any other NaN makes the sum NaN.
 constexpr int kSplitThreads = 256, kSplitCols = 8;
 
 template <typename T>
