@@ -19,16 +19,16 @@ the same position with the new global batch size (no example skipped or repeated
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from framework.errors import FwError
+from framework.jsonl import read_jsonl
+from framework.tasks import build_task, render_prompt
 
 IGNORE = -100
 ASSISTANT_HEADER = "<|im_start|>assistant\n"
@@ -43,27 +43,6 @@ class Example:
 
     ids: list[int]
     targets: list[int]
-
-
-def read_jsonl(path: str | Path) -> list[tuple[str, dict]]:
-    """Every record of a JSONL file with its `FILE:LINE` location; blank lines are skipped."""
-    records = []
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except OSError as e:
-        raise FwError(f"data.path: cannot read {path}: {e.strerror or e}") from None
-    for lineno, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        where = f"{path}:{lineno}"
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise FwError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
-        if not isinstance(record, dict):
-            raise FwError(f"{where}: expected a JSON object, got {type(record).__name__}")
-        records.append((where, record))
-    return records
 
 
 def record_format(record: dict, fmt: str, where: str) -> str:
@@ -136,8 +115,6 @@ def encode_record(record: dict, fmt: str, tokenizer: Any, cfg: dict, where: str)
         rendered = tokenizer.apply_chat_template(record["messages"], add_generation_prompt=False,
                                                  enable_thinking=thinking)
         return _segments_to_example(chat_segments(rendered, where), tokenizer, train_all)
-    from framework.tasks import render_prompt
-
     prompt = render_prompt(record["prompt"], tokenizer, cfg["data"]["chat_template"], thinking)
     example = _segments_to_example([(prompt, False), (record["completion"], True)], tokenizer, train_all)
     # The completion ends with eos so the model learns to stop; eos is a target of the last real token.
@@ -172,8 +149,6 @@ class ExampleStream:
             self.examples: list[Example] | None = load_examples(cfg, tokenizer)
             self.task = None
         elif data["task"]:
-            from framework.tasks import build_task
-
             self.examples = None
             self.task = build_task(data, seed=self.seed)
         else:

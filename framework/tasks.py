@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from framework.errors import FwError
+from framework.jsonl import read_jsonl
 
 Sample = dict[str, Any]
 OPERATORS = {"+": operator.add, "-": operator.sub, "*": operator.mul, "/": operator.truediv}
@@ -230,8 +231,6 @@ class JsonlPrompts(Task):
         self._order: tuple[int, list[int]] | None = None
 
     def _read(self, file: Path) -> list[Sample]:
-        from framework.data import read_jsonl
-
         records = []
         for where, record in read_jsonl(file):
             for key in (self.prompt_key, self.answer_key):
