@@ -21,7 +21,7 @@ import torch
 
 from framework.models import Qwen3ForCausalLM
 from framework.models.presets import PRESETS, preset_config
-from framework.rollout import generate
+from framework.rollout import SamplingParams, generate
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -43,7 +43,8 @@ def run_fw(model, prompts, outs, temperature, impl):
     limits = max(outs) if impl == "fw-longest" else outs
     sync()
     t0 = time.perf_counter()
-    generate(model, prompts, max_new_tokens=limits, temperature=temperature, seed=0, cuda_graph=impl != "fw-eager")
+    generate(model, prompts, SamplingParams(max_new_tokens=limits, temperature=temperature), seed=0,
+             cuda_graph=impl != "fw-eager")
     sync()
     return time.perf_counter() - t0
 
@@ -80,7 +81,7 @@ def main() -> None:
     prompts, outs = workload(args.num_seqs, args.lo, args.hi, cfg.vocab_size)
     useful = sum(outs)
     # Warm-up: kernels, allocator, cuBLAS handles.
-    generate(model, prompts[:4], max_new_tokens=8, temperature=args.temperature, seed=1)
+    generate(model, prompts[:4], SamplingParams(max_new_tokens=8, temperature=args.temperature), seed=1)
     rows = []
     for impl in args.impls.split(","):
         CUDA and torch.cuda.reset_peak_memory_stats()

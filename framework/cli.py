@@ -2,18 +2,16 @@
 
 Commands that read a config take `--config FILE` (repeatable, merged left to right) and dotted
 overrides `--section.key=value`. User errors print one line each on stderr and exit with code 2;
-`--debug` (or FW_DEBUG=1) adds the traceback. The training, export, generation and CUDA-op parts are
-imported only by the command that needs them, so `fw validate` works in an installation without them.
+`--debug` (or FW_DEBUG=1) adds the traceback. Each command imports only what it needs, so `fw validate`
+and `fw schema` start without loading torch.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
 import sys
 import traceback
-from types import ModuleType
 
 from framework.config import dump_config, load_config, schema_path, schema_text
 from framework.errors import ConfigError, FwError
@@ -25,20 +23,6 @@ _WITH_CONFIG = ("fit", "validate", "print-config", "generate")
 def _reference() -> str:
     return (f"Config reference: the JSON Schema {os.path.realpath(schema_path())} (print it with `fw schema`); "
             "`fw print-config --config FILE` shows every resolved value.")
-
-
-def _at_least(low: float, kind: type):
-    """An argparse type: a number of `kind` that is >= low."""
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'}, "
-                                             f"got {text!r}") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"must be >= {low}, got {text}")
-        return value
-    return parse
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -82,34 +66,17 @@ def _parser() -> argparse.ArgumentParser:
               + overrides)
     gen.add_argument("--checkpoint", metavar="DIR", help="checkpoint directory whose policy is used")
     gen.add_argument("--prompt", required=True, help="the user message")
-    gen.add_argument("--max-new-tokens", type=_at_least(1, int), metavar="N")
+    gen.add_argument("--max-new-tokens", type=int, metavar="N")
     how = gen.add_mutually_exclusive_group()
-    how.add_argument("--temperature", type=_at_least(0.0, float), metavar="T", help="0 = greedy")
+    how.add_argument("--temperature", type=float, metavar="T", help="0 = greedy")
     how.add_argument("--greedy", action="store_true", help="same as --temperature 0")
-    gen.add_argument("--seed", type=_at_least(0, int), metavar="S")
+    gen.add_argument("--seed", type=int, metavar="S")
 
     add("doctor", "report torch, CUDA and the state of the CUDA ops", [common])
     ops = add("ops", "CUDA ops tools", [common])
     ops_sub = ops.add_subparsers(dest="ops_command", metavar="OPS_COMMAND", required=True)
     ops_sub.add_parser("build", help="compile and load the CUDA ops", parents=[common], allow_abbrev=False)
     return parser
-
-
-def _import(module: str, what: str) -> ModuleType:
-    """Import a part of fw built separately; FwError when that part is missing from this installation."""
-    try:
-        return importlib.import_module(module)
-    except ModuleNotFoundError as e:
-        if e.name and (module == e.name or module.startswith(e.name + ".")):
-            raise FwError(f"{what} ({module}) is not available in this installation of fw") from e
-        raise
-
-
-def _require_recipe(recipe: str) -> None:
-    registry = getattr(_import("recipes", "the recipes package"), "RECIPES", {})
-    if recipe not in registry:
-        available = ", ".join(sorted(registry)) or "none yet"
-        raise FwError(f"recipe '{recipe}' is not available yet in this version of fw (available: {available})")
 
 
 def _run(args: argparse.Namespace, overrides: list[str]) -> int:
@@ -123,14 +90,15 @@ def _run(args: argparse.Namespace, overrides: list[str]) -> int:
         elif cmd == "print-config":
             sys.stdout.write(dump_config(cfg))
         else:
-            _require_recipe(cfg["recipe"])
-            trainer = _import("framework.trainer", "the training loop")
-            trainer.fit(cfg, resume=args.resume)  # writes the resolved config.yaml into run_dir
+            from framework.trainer import fit
+
+            fit(cfg, resume=args.resume)  # writes the resolved config.yaml into run_dir
     elif cmd == "schema":
         sys.stdout.write(schema_text())
     elif cmd == "export":
-        export = _import("framework.export", "checkpoint export")
-        out = export.export_checkpoint(args.checkpoint, args.out)
+        from framework.export import export_checkpoint
+
+        out = export_checkpoint(args.checkpoint, args.out)
         print(f"exported {args.checkpoint} to {out or args.out}")
     elif cmd == "generate":
         if not args.config and not args.checkpoint:
@@ -139,14 +107,18 @@ def _run(args: argparse.Namespace, overrides: list[str]) -> int:
             raise FwError(f"overrides ({' '.join(overrides)}) need --config FILE; with only --checkpoint the "
                           "checkpoint's config.yaml is used as it is")
         cfg = load_config(args.config, overrides) if args.config else None
-        generate = _import("framework.generate", "text generation")
+        from framework.generate import generate_text
+
         temperature = 0.0 if args.greedy else args.temperature
-        print(generate.generate_text(cfg, args.prompt, checkpoint=args.checkpoint,
-                                     max_new_tokens=args.max_new_tokens, temperature=temperature, seed=args.seed))
+        print(generate_text(cfg, args.prompt, checkpoint=args.checkpoint, max_new_tokens=args.max_new_tokens,
+                            temperature=temperature, seed=args.seed))
     elif cmd == "doctor":
-        print(_import("ops_cuda", "the CUDA ops package").doctor())
+        import ops_cuda
+
+        print(ops_cuda.doctor())
     elif cmd == "ops":
-        ops_cuda = _import("ops_cuda", "the CUDA ops package")
+        import ops_cuda
+
         try:
             print(ops_cuda.build())
         except RuntimeError as e:  # no CUDA / no compiler / a stale build lock: the message says which

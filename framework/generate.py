@@ -20,12 +20,7 @@ def load_policy(cfg: dict | None, checkpoint: str | None) -> tuple[dict, Any, An
     """(config, tokenizer, policy): from ``checkpoint``'s ``policy/`` (its ``config.yaml`` when ``cfg``
     is None), else built from ``cfg`` (random init for a preset, seeded with ``cfg["seed"]``)."""
     from framework.models import build_policy, load_pretrained
-    from framework.tokenizer import Tokenizer
-
-    def build_tokenizer(cfg: dict) -> Tokenizer:
-        from framework.module import build_tokenizer  # imports lightning (seconds): only when needed
-
-        return build_tokenizer(cfg)
+    from framework.tokenizer import Tokenizer, build_tokenizer
 
     if checkpoint is None:
         if cfg is None:
@@ -55,21 +50,19 @@ def generate_text(cfg: dict | None, prompt: str, checkpoint: str | None = None, 
     """The completion of ``prompt`` (the user message; rendered with the chat template when
     ``data.chat_template``). Unset options come from ``rollout.max_new_tokens``, ``rollout.temperature``
     (0 = greedy) and ``seed``; top-k/top-p/min-p/stop strings from ``rollout``."""
-    from framework.rollout import generate, stop_token_ids
+    from framework.rollout import SamplingParams, generate, stop_token_ids
     from framework.tasks import render_prompt
 
+    if seed is not None and seed < 0:
+        raise FwError(f"fw generate: --seed must be >= 0, got {seed}")
     cfg, tokenizer, policy = load_policy(cfg, checkpoint)
     policy.to(_device(cfg))
-    rollout_cfg = cfg["rollout"]
+    changes = {k: v for k, v in (("max_new_tokens", max_new_tokens), ("temperature", temperature)) if v is not None}
+    params = SamplingParams.from_config(cfg["rollout"], **changes)
     text = render_prompt(prompt, tokenizer, cfg["data"]["chat_template"], cfg["tokenizer"]["enable_thinking"])
     ids = tokenizer.encode(text)
     if not ids:
         raise FwError("fw generate: the prompt is empty")
-    result = generate(
-        policy, [ids],
-        max_new_tokens=rollout_cfg["max_new_tokens"] if max_new_tokens is None else max_new_tokens,
-        temperature=rollout_cfg["temperature"] if temperature is None else temperature,
-        top_k=rollout_cfg["top_k"], top_p=rollout_cfg["top_p"], min_p=rollout_cfg["min_p"],
-        eos_ids=stop_token_ids(tokenizer, policy.config), stop=rollout_cfg["stop"], tokenizer=tokenizer,
-        seed=cfg["seed"] if seed is None else seed)
+    result = generate(policy, [ids], params, eos_ids=stop_token_ids(tokenizer, policy.config), tokenizer=tokenizer,
+                      seed=cfg["seed"] if seed is None else seed)
     return result.texts[0]

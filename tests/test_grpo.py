@@ -19,7 +19,7 @@ from framework.errors import FwError
 from framework.metrics import read_metrics
 from framework.models import build_policy, save_pretrained
 from framework.module import FwModule
-from framework.rollout import generate
+from framework.rollout import SamplingParams, generate
 from framework.tokenizer import Tokenizer
 from framework.trainer import fit
 from recipes.rl import completion_logprobs
@@ -52,7 +52,7 @@ def test_trainer_logprobs_match_rollout_fp32():
                           "keep_logits": None, "compile": False}, tok)
     prompts = [tok.encode(t) for t in ("12=", "7+8=", "a", "hello there=")]
     temperature = 0.7
-    ro = generate(model, prompts, max_new_tokens=6, temperature=temperature, top_k=5, top_p=0.9,
+    ro = generate(model, prompts, SamplingParams(max_new_tokens=6, temperature=temperature, top_k=5, top_p=0.9),
                   eos_ids=(tok.eos_id,), tokenizer=tok, seed=3)
     width = ro.logprobs.shape[1]
     mask = ro.completion_mask

@@ -9,7 +9,7 @@ import torch
 from framework.errors import FwError
 from framework.models import Qwen3ForCausalLM, save_pretrained
 from framework.models.presets import preset_config
-from framework.rollout import Rollout, generate
+from framework.rollout import Rollout, SamplingParams, generate
 from framework.tokenizer import Tokenizer
 
 
@@ -62,15 +62,16 @@ def full_forward_logprobs(model, rollout, temperature):
 
 
 def test_greedy_equals_naive_full_forward_loop(model, prompts):
-    r = generate(model, prompts, max_new_tokens=12, temperature=0.0)
+    r = generate(model, prompts, SamplingParams(max_new_tokens=12, temperature=0.0))
     for b, prompt in enumerate(prompts):
         tokens, logprobs, reason = naive_greedy(model, prompt, 12)
         assert r.completion_ids[b] == tokens and r.finish_reasons[b] == reason
-        torch.testing.assert_close(r.logprobs[b].double(), torch.tensor(logprobs, dtype=torch.float64), atol=1e-5, rtol=0)
+        torch.testing.assert_close(r.logprobs[b].double(), torch.tensor(logprobs, dtype=torch.float64), atol=1e-5,
+                                   rtol=0)
 
 
 def test_rollout_layout(model, prompts, tok):
-    r = generate(model, prompts, max_new_tokens=6, temperature=1.0, seed=3, eos_ids=[tok.eos_id],
+    r = generate(model, prompts, SamplingParams(max_new_tokens=6, temperature=1.0), seed=3, eos_ids=[tok.eos_id],
                  tokenizer=tok, policy_version=7)
     assert isinstance(r, Rollout) and r.policy_version == 7
     assert r.prompt_ids == prompts and r.prompt_lens.tolist() == [len(p) for p in prompts]
@@ -89,8 +90,8 @@ def test_rollout_layout(model, prompts, tok):
     (1.0, 0, 1.0, 0.0), (0.7, 5, 1.0, 0.0), (1.3, 0, 0.8, 0.0), (1.0, 20, 0.9, 0.05),
 ])
 def test_behaviour_logprobs_are_full_softmax(model, prompts, temperature, top_k, top_p, min_p):
-    r = generate(model, prompts, max_new_tokens=10, temperature=temperature, top_k=top_k, top_p=top_p,
-                 min_p=min_p, seed=11)
+    params = SamplingParams(max_new_tokens=10, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+    r = generate(model, prompts, params, seed=11)
     expected = full_forward_logprobs(model, r, temperature)
     torch.testing.assert_close(r.logprobs.double(), expected, atol=1e-5, rtol=0)
     if top_k or top_p < 1:
@@ -131,8 +132,8 @@ def filtered_probs(logits, temperature, top_k, top_p, min_p):
 def test_first_token_distribution_matches_filtered_softmax(model, tok, temperature, top_k, top_p, min_p):
     prompt = tok.encode("3+4=")
     n = 2000
-    r = generate(model, [prompt] * n, max_new_tokens=1, temperature=temperature, top_k=top_k, top_p=top_p,
-                 min_p=min_p, seed=5)
+    params = SamplingParams(max_new_tokens=1, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+    r = generate(model, [prompt] * n, params, seed=5)
     with torch.no_grad():
         logits = model(torch.tensor([prompt]))[0, -1]
     want = filtered_probs(logits, temperature, top_k, top_p, min_p)
@@ -157,15 +158,15 @@ def test_first_token_distribution_matches_filtered_softmax(model, tok, temperatu
 
 
 def test_top_k_one_is_greedy(model, prompts):
-    greedy = generate(model, prompts, max_new_tokens=8, temperature=0.0)
-    topk1 = generate(model, prompts, max_new_tokens=8, temperature=0.9, top_k=1, seed=123)
+    greedy = generate(model, prompts, SamplingParams(max_new_tokens=8, temperature=0.0))
+    topk1 = generate(model, prompts, SamplingParams(max_new_tokens=8, temperature=0.9, top_k=1), seed=123)
     assert topk1.completion_ids == greedy.completion_ids
 
 
 def test_seeds_reproduce(model, prompts):
-    a = generate(model, prompts, max_new_tokens=10, temperature=1.0, top_p=0.95, seed=42)
-    b = generate(model, prompts, max_new_tokens=10, temperature=1.0, top_p=0.95, seed=42)
-    c = generate(model, prompts, max_new_tokens=10, temperature=1.0, top_p=0.95, seed=43)
+    a = generate(model, prompts, SamplingParams(max_new_tokens=10, temperature=1.0, top_p=0.95), seed=42)
+    b = generate(model, prompts, SamplingParams(max_new_tokens=10, temperature=1.0, top_p=0.95), seed=42)
+    c = generate(model, prompts, SamplingParams(max_new_tokens=10, temperature=1.0, top_p=0.95), seed=43)
     assert a.completion_ids == b.completion_ids and torch.equal(a.logprobs, b.logprobs)
     assert a.completion_ids != c.completion_ids
 
@@ -173,11 +174,12 @@ def test_seeds_reproduce(model, prompts):
 def test_eos_ends_rows_individually(model, prompts):
     free = [naive_greedy(model, p, 10)[0] for p in prompts]
     eos = free[0][3]  # row 0 emits this at step 4; the others stop wherever they emit it, if ever
-    r = generate(model, prompts, max_new_tokens=10, temperature=0.0, eos_ids=[eos, 10_000])
+    r = generate(model, prompts, SamplingParams(max_new_tokens=10, temperature=0.0), eos_ids=[eos, 10_000])
     for b, p in enumerate(prompts):
         tokens, logprobs, reason = naive_greedy(model, p, 10, eos_ids=(eos,))
         assert r.completion_ids[b] == tokens and r.finish_reasons[b] == reason
-        torch.testing.assert_close(r.logprobs[b, :len(tokens)].double(), torch.tensor(logprobs, dtype=torch.float64), atol=1e-5, rtol=0)
+        torch.testing.assert_close(r.logprobs[b, :len(tokens)].double(), torch.tensor(logprobs,
+                                   dtype=torch.float64), atol=1e-5, rtol=0)
     assert r.finish_reasons[0] == "eos" and len(r.completion_ids[0]) <= 4
     assert "length" in r.finish_reasons  # some rows ran on to max_new_tokens past row 0's end
 
@@ -187,7 +189,7 @@ def test_per_row_token_limits(model, prompts):
     EOS), with the tokens and logprobs of the naive loop; the loop runs to the largest limit."""
     limits = [3, 9, 1, 6, 9]
     eos = naive_greedy(model, prompts[4], 9)[0][4]   # row 4 ends on EOS at its 5th token, before its limit
-    r = generate(model, prompts, max_new_tokens=limits, temperature=0.0, eos_ids=[eos])
+    r = generate(model, prompts, SamplingParams(max_new_tokens=limits, temperature=0.0), eos_ids=[eos])
     for b, p in enumerate(prompts):
         tokens, logprobs, reason = naive_greedy(model, p, limits[b], eos_ids=(eos,))
         assert r.completion_ids[b] == tokens and r.finish_reasons[b] == reason, b
@@ -199,24 +201,25 @@ def test_per_row_token_limits(model, prompts):
 
 def test_stop_string_on_a_rows_last_allowed_token_is_a_stop(model, prompts, tok):
     """A per-row limit does not hide a stop string completed by the row's last allowed token."""
-    free = generate(model, prompts, max_new_tokens=12, temperature=0.0, tokenizer=tok)
+    free = generate(model, prompts, SamplingParams(max_new_tokens=12, temperature=0.0), tokenizer=tok)
     stop = free.texts[1][4:6]   # completed by row 1's 6th token (char-level tokenizer)
     limits = [12, 6, 12, 12, 12]
-    r = generate(model, prompts, max_new_tokens=limits, temperature=0.0, tokenizer=tok, stop=[stop])
+    r = generate(model, prompts, SamplingParams(max_new_tokens=limits, temperature=0.0, stop=[stop]), tokenizer=tok)
     assert free.texts[1].find(stop) == 4 and r.finish_reasons[1] == "stop" and r.texts[1] == free.texts[1][:6]
 
 
 def test_loop_stops_early_when_all_rows_finished(model, prompts):
     firsts = {naive_greedy(model, p, 1)[0][0] for p in prompts}
-    r = generate(model, prompts, max_new_tokens=50, temperature=0.0, eos_ids=list(firsts))
+    r = generate(model, prompts, SamplingParams(max_new_tokens=50, temperature=0.0), eos_ids=list(firsts))
     assert r.completion_lens.tolist() == [1] * len(prompts) and r.logprobs.shape == (len(prompts), 1)
     assert r.finish_reasons == ["eos"] * len(prompts)
 
 
 def test_stop_strings_end_rows_and_keep_the_stop_text(model, prompts, tok):
-    free = generate(model, prompts, max_new_tokens=12, temperature=0.0, tokenizer=tok)
+    free = generate(model, prompts, SamplingParams(max_new_tokens=12, temperature=0.0), tokenizer=tok)
     stop = free.texts[1][4:6]  # two characters row 1 produces at steps 5-6 (char-level tokenizer)
-    r = generate(model, prompts, max_new_tokens=12, temperature=0.0, tokenizer=tok, stop=[stop, "@@never@@"])
+    r = generate(model, prompts, SamplingParams(max_new_tokens=12, temperature=0.0, stop=[stop, "@@never@@"]),
+                 tokenizer=tok)
     for b in range(len(prompts)):
         end = free.texts[b].find(stop)
         if end == -1:
@@ -234,42 +237,67 @@ def test_stop_strings_end_rows_and_keep_the_stop_text(model, prompts, tok):
 
 def test_stop_string_split_over_tokens_of_several_steps(model, tok):
     prompt = tok.encode("hello world, ")
-    free = generate(model, [prompt], max_new_tokens=10, temperature=0.0, tokenizer=tok)
+    free = generate(model, [prompt], SamplingParams(max_new_tokens=10, temperature=0.0), tokenizer=tok)
     stop = free.texts[0][2:7]
-    r = generate(model, [prompt], max_new_tokens=10, temperature=0.0, tokenizer=tok, stop=[stop])
+    r = generate(model, [prompt], SamplingParams(max_new_tokens=10, temperature=0.0, stop=[stop]), tokenizer=tok)
     assert r.texts[0] == free.texts[0][:free.texts[0].find(stop) + len(stop)] and r.finish_reasons == ["stop"]
 
 
 def test_model_mode_is_restored(model, prompts):
     model.train()
-    generate(model, prompts[:2], max_new_tokens=2, temperature=1.0)
+    generate(model, prompts[:2], SamplingParams(max_new_tokens=2, temperature=1.0))
     assert model.training
     model.eval()
-    generate(model, prompts[:2], max_new_tokens=2, temperature=1.0)
+    generate(model, prompts[:2], SamplingParams(max_new_tokens=2, temperature=1.0))
     assert not model.training
 
 
 @pytest.mark.parametrize("kwargs, message", [
     ({"prompts": [[1], []]}, "prompt 1 is empty"),
     ({"prompts": []}, "no prompts"),
-    ({"max_new_tokens": 0}, "max_new_tokens must be an int >= 1"),
-    ({"max_new_tokens": [2, 3]}, r"one such int per prompt \(1\)"),
-    ({"prompts": [[1], [2]], "max_new_tokens": [2, 0]}, "max_new_tokens must be an int >= 1"),
+    ({"max_new_tokens": [2, 3]}, r"max_new_tokens has 2 limits for 1 prompts"),
     ({"stop": ["x"]}, "stop strings need a tokenizer"),
-    ({"top_p": 0.0}, "0 < top_p <= 1"),
-    ({"temperature": -1.0}, "temperature must be >= 0"),
 ])
 def test_bad_arguments(model, kwargs, message):
     args = {"prompts": [[1, 2]], "max_new_tokens": 2, **kwargs}
+    prompts = args.pop("prompts")
     with pytest.raises(FwError, match=message):
-        generate(model, args.pop("prompts"), **args)
+        generate(model, prompts, SamplingParams(temperature=1.0, **args))
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"max_new_tokens": 0}, "max_new_tokens must be an int >= 1"),
+    ({"max_new_tokens": [2, 0]}, "max_new_tokens must be an int >= 1"),
+    ({"max_new_tokens": "3"}, "max_new_tokens must be an int >= 1"),
+    ({"temperature": -1.0}, "temperature must be a finite number >= 0"),
+    ({"temperature": float("nan")}, "temperature must be a finite number >= 0"),
+    ({"top_k": -1}, r"top_k must be an int >= 0 \(0 = off\), got -1"),
+    ({"top_p": 0.0}, r"top_p must be in \(0, 1\] \(1 = off\), got 0.0"),
+    ({"top_p": 1.5}, r"top_p must be in \(0, 1\]"),
+    ({"min_p": 1.0}, r"min_p must be in \[0, 1\) \(0 = off\), got 1.0"),
+    ({"stop": "x"}, "stop must be a list of non-empty strings"),
+    ({"stop": [""]}, "stop must be a list of non-empty strings"),
+])
+def test_sampling_params_are_checked_once_when_built(kwargs, message):
+    with pytest.raises(FwError, match=message):
+        SamplingParams(**{"max_new_tokens": 2, "temperature": 1.0, **kwargs})
+
+
+def test_sampling_params_from_config_is_frozen_and_takes_changes():
+    rollout = {"max_new_tokens": 7, "temperature": 0.5, "top_k": 3, "top_p": 0.9, "min_p": 0.1, "stop": ["\n"],
+               "prompts_per_step": 4}
+    params = SamplingParams.from_config(rollout, temperature=0.0)
+    assert params == SamplingParams(7, 0.0, 3, 0.9, 0.1, ("\n",))
+    assert SamplingParams(max_new_tokens=[3, 5], temperature=1.0).max_new_tokens == (3, 5)
+    with pytest.raises(AttributeError):
+        params.temperature = 1.0
 
 
 def test_greedy_matches_transformers_generate(model, prompts, tok, tmp_path):
     transformers = pytest.importorskip("transformers")
     save_pretrained(model, tmp_path)
     hf = transformers.Qwen3ForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
-    ours = generate(model, prompts, max_new_tokens=10, temperature=0.0, eos_ids=[tok.eos_id])
+    ours = generate(model, prompts, SamplingParams(max_new_tokens=10, temperature=0.0), eos_ids=[tok.eos_id])
     for b, prompt in enumerate(prompts):
         out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                           do_sample=False, max_new_tokens=10, eos_token_id=tok.eos_id, pad_token_id=tok.pad_id)
@@ -277,14 +305,14 @@ def test_greedy_matches_transformers_generate(model, prompts, tok, tmp_path):
 
 
 def test_bf16_model_and_autocast(model, prompts):
-    r = generate(model, prompts, max_new_tokens=6, temperature=1.0, seed=2)
+    r = generate(model, prompts, SamplingParams(max_new_tokens=6, temperature=1.0), seed=2)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        auto = generate(model, prompts, max_new_tokens=6, temperature=1.0, seed=2)
+        auto = generate(model, prompts, SamplingParams(max_new_tokens=6, temperature=1.0), seed=2)
     assert auto.logprobs.dtype == torch.float32 and (auto.logprobs - r.logprobs).abs().max() < 0.2
     half = Qwen3ForCausalLM(model.config)
     half.load_state_dict(model.state_dict())
     half = half.to(torch.bfloat16).eval()
-    rb = generate(half, prompts, max_new_tokens=6, temperature=1.0, seed=2)
+    rb = generate(half, prompts, SamplingParams(max_new_tokens=6, temperature=1.0), seed=2)
     assert rb.logprobs.dtype == torch.float32
     # bf16 rounding of prefill/decode vs the full forward: same magnitude as bf16 logits' error
     assert (rb.logprobs.double() - full_forward_logprobs(half, rb, 1.0)).abs().max() < 0.1
@@ -296,19 +324,19 @@ def test_cuda_greedy_and_logprobs(model, prompts, dtype, tol):
     cuda = Qwen3ForCausalLM(model.config)
     cuda.load_state_dict(model.state_dict())
     cuda = cuda.to("cuda", dtype).eval()
-    greedy = generate(cuda, prompts, max_new_tokens=10, temperature=0.0)
+    greedy = generate(cuda, prompts, SamplingParams(max_new_tokens=10, temperature=0.0))
     assert greedy.tokens.device.type == "cuda"
     if dtype == torch.float32:
         for b, prompt in enumerate(prompts):
             assert greedy.completion_ids[b] == naive_greedy(cuda, prompt, 10)[0]
-    r = generate(cuda, prompts, max_new_tokens=10, temperature=0.8, top_k=10, top_p=0.9, seed=4)
+    r = generate(cuda, prompts, SamplingParams(max_new_tokens=10, temperature=0.8, top_k=10, top_p=0.9), seed=4)
     expected = full_forward_logprobs(cuda, r, 0.8).to("cuda")
     assert (r.logprobs.double() - expected).abs().max() < tol
-    again = generate(cuda, prompts, max_new_tokens=10, temperature=0.8, top_k=10, top_p=0.9, seed=4)
+    again = generate(cuda, prompts, SamplingParams(max_new_tokens=10, temperature=0.8, top_k=10, top_p=0.9), seed=4)
     assert again.completion_ids == r.completion_ids
     # every row ends on EOS at its first token: the loop notices within a few steps, the result is exact
     firsts = sorted({c[0] for c in greedy.completion_ids})
-    ended = generate(cuda, prompts, max_new_tokens=50, temperature=0.0, eos_ids=firsts)
+    ended = generate(cuda, prompts, SamplingParams(max_new_tokens=50, temperature=0.0), eos_ids=firsts)
     assert ended.completion_lens.tolist() == [1] * len(prompts) and ended.logprobs.shape == (len(prompts), 1)
     assert ended.finish_reasons == ["eos"] * len(prompts)
 
@@ -332,15 +360,15 @@ def test_cuda_graph_decode_gives_the_eager_tokens(model, prompts, tok, setup, mo
     m = Qwen3ForCausalLM(model.config)
     m.load_state_dict(model.state_dict())
     m = m.to("cuda", torch.bfloat16 if setup == "bf16" else torch.float32).eval()
-    kw = {"max_new_tokens": [24, 24, 24, 11, 24], "temperature": 0.9, "top_k": 20, "top_p": 0.95, "seed": 7,
-          "tokenizer": tok}
+    params = SamplingParams(max_new_tokens=[24, 24, 24, 11, 24], temperature=0.9, top_k=20, top_p=0.95)
+    kw = {"seed": 7, "tokenizer": tok}
     with torch.autocast("cuda", dtype=torch.bfloat16, enabled=setup.endswith("autocast")):
-        free = generate(m, prompts, cuda_graph=False, **kw).completion_ids
+        free = generate(m, prompts, params, cuda_graph=False, **kw).completion_ids
         kw["eos_ids"] = [free[0][5], free[2][12]]   # tokens this draw emits mid-way: those rows stop early
-        eager = generate(m, prompts, cuda_graph=False, **kw)
+        eager = generate(m, prompts, params, cuda_graph=False, **kw)
         assert not captures
-        graphed = generate(m, prompts, **kw)
-        again = generate(m, prompts, **kw)
+        graphed = generate(m, prompts, params, **kw)
+        again = generate(m, prompts, params, **kw)
     assert len(captures) == 2
     assert "eos" in eager.finish_reasons and "length" in eager.finish_reasons and len(eager.completion_ids[3]) <= 11
     assert graphed.completion_ids == eager.completion_ids == again.completion_ids
@@ -368,7 +396,7 @@ def test_stop_string_inside_a_multi_character_token():
             if p.dim() > 1:
                 p.normal_(0.0, 0.3)
     prompts = [tok.encode("the cat")] * 16
-    free = generate(model, prompts, max_new_tokens=16, temperature=1.0, seed=0, tokenizer=tok)
+    free = generate(model, prompts, SamplingParams(max_new_tokens=16, temperature=1.0), seed=0, tokenizer=tok)
     # the first sampled multi-character token whose first character, with the character before it,
     # makes a stop string not seen earlier in that row
     for b, completion in enumerate(free.completion_ids):
@@ -383,7 +411,7 @@ def test_stop_string_inside_a_multi_character_token():
             break
     assert found, "no multi-character token was sampled"
     j, piece, before, stop = found
-    r = generate(model, prompts, max_new_tokens=16, temperature=1.0, seed=0, tokenizer=tok, stop=[stop])
+    r = generate(model, prompts, SamplingParams(max_new_tokens=16, temperature=1.0, stop=[stop]), seed=0, tokenizer=tok)
     assert r.finish_reasons[b] == "stop" and r.texts[b] == before + piece[0]
     assert r.completion_ids[b] == free.completion_ids[b][:j + 1]
     assert tok.decode(r.completion_ids[b]) == before + piece != r.texts[b]
@@ -409,7 +437,7 @@ class CountingModel(Qwen3ForCausalLM):
 def test_one_batched_forward_per_decode_step(model, prompts):
     counting = CountingModel(model.config)
     counting.load_state_dict(model.state_dict())
-    r = generate(counting, prompts, max_new_tokens=7, temperature=1.0, seed=9)
+    r = generate(counting, prompts, SamplingParams(max_new_tokens=7, temperature=1.0), seed=9)
     width = max(map(len, prompts))
     assert counting.calls == [("prefill", (5, width))] + [("decode", (5,))] * 6
     assert r.completion_lens.tolist() == [7] * 5
@@ -421,7 +449,7 @@ def test_finished_rows_stop_reading_their_context(model, prompts):
     counting = CountingModel(model.config)
     counting.load_state_dict(model.state_dict())
     eos = naive_greedy(model, prompts[0], 10)[0][3]
-    r = generate(counting, prompts, max_new_tokens=10, temperature=0.0, eos_ids=[eos])
+    r = generate(counting, prompts, SamplingParams(max_new_tokens=10, temperature=0.0), eos_ids=[eos])
     ended_at = [n if reason == "eos" else None for n, reason in zip(r.completion_lens.tolist(), r.finish_reasons)]
     assert ended_at[0] is not None and None in ended_at
     for step, lengths in enumerate(counting.lengths, start=1):   # decode call i feeds completion token i

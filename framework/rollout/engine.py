@@ -14,12 +14,11 @@ changes per step.
 
 Behaviour logprobs are the chosen tokens' log probabilities under the temperature-scaled FULL
 softmax, as ``ops_cuda.sample`` returns them (top-k/top-p/min-p only restrict which token may be
-drawn), i.e. what the trainer recomputes; see ../shared/REFERENCE.md §5. At temperature 0 (greedy)
-they are under the unscaled softmax.
+drawn), i.e. what the trainer recomputes: a distribution renormalised over the allowed tokens would
+bias the importance ratio. At temperature 0 (greedy) they are under the unscaled softmax.
 """
 from __future__ import annotations
 
-import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +28,7 @@ from torch import Tensor
 
 import ops_cuda
 from framework.errors import FwError
+from framework.rollout.sampling import SamplingParams
 
 FINISH_REASONS = ("eos", "stop", "length")
 _REASON_OF_CODE = ("length", "stop", "eos")   # finish reasons as codes on the device
@@ -111,30 +111,14 @@ def step_seed(seed: int, step: int) -> int:
     return (z ^ (z >> 29)) & _MASK63
 
 
-def _check_args(prompts, max_new_tokens, temperature, top_k, top_p, min_p, stop, tokenizer) -> None:
+def _check_prompts(prompts: list[list[int]], params: SamplingParams, tokenizer: Any) -> None:
     if not prompts:
         raise FwError("generate: no prompts")
     for i, prompt in enumerate(prompts):
         if len(prompt) == 0:
             raise FwError(f"generate: prompt {i} is empty (a prompt needs at least one token)")
-    one = isinstance(max_new_tokens, int)   # else a list of ints (generate normalised it)
-    limits = [max_new_tokens] if one else max_new_tokens
-    if any(isinstance(n, bool) or n < 1 for n in limits) or not (one or len(limits) == len(prompts)):
-        raise _bad_limit(len(prompts), max_new_tokens)
-    if temperature < 0:
-        raise FwError(f"generate: temperature must be >= 0, got {temperature}")
-    if top_k < 0 or not 0 < top_p <= 1 or not 0 <= min_p < 1:
-        raise FwError(f"generate: need top_k >= 0, 0 < top_p <= 1, 0 <= min_p < 1; got top_k={top_k}, "
-                      f"top_p={top_p}, min_p={min_p}")
-    if stop and tokenizer is None:
+    if params.stop and tokenizer is None:
         raise FwError("generate: stop strings need a tokenizer to decode the completions")
-    if any(not isinstance(s, str) or not s for s in stop):
-        raise FwError(f"generate: stop strings must be non-empty strings, got {list(stop)!r}")
-
-
-def _bad_limit(n_prompts: int, value: Any) -> FwError:
-    return FwError(f"generate: max_new_tokens must be an int >= 1 or one such int per prompt ({n_prompts}), "
-                   f"got {value!r}")
 
 
 def _find_stop(text: str, stop: Sequence[str]) -> int | None:
@@ -144,28 +128,20 @@ def _find_stop(text: str, stop: Sequence[str]) -> int | None:
 
 
 @torch.no_grad()
-def generate(model: Any, prompts: list[list[int]], *, max_new_tokens: int | Sequence[int],
-             temperature: float = 1.0,
-             top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0, eos_ids: Sequence[int] = (),
-             stop: Sequence[str] = (), tokenizer: Any = None, seed: int = 0,
-             policy_version: int = 0, cuda_graph: bool = True) -> Rollout:
-    """Sample up to ``max_new_tokens`` tokens (or ``max_new_tokens[b]`` for prompt b) for each prompt
-    (token id lists) in one batch.
+def generate(model: Any, prompts: list[list[int]], params: SamplingParams, *, eos_ids: Sequence[int] = (),
+             tokenizer: Any = None, seed: int = 0, policy_version: int = 0, cuda_graph: bool = True) -> Rollout:
+    """Sample completions of ``prompts`` (token id lists) in one batch as ``params`` says.
 
-    Same (model, prompts, settings, seed) give the same tokens. ``tokenizer`` (for ``texts``, stop
+    Same (model, prompts, params, seed) give the same tokens. ``tokenizer`` (for ``texts``, stop
     strings and the pad id; pad id 0 without one) is optional. The model runs in eval mode and gets
     its previous mode back. ``cuda_graph=False`` runs every CUDA decode step eagerly (same tokens).
     """
-    stop = list(stop)
-    per_row = not isinstance(max_new_tokens, int)
-    if per_row:   # any iterable of integers (numpy ones too); the values are checked below
-        try:
-            max_new_tokens = [n if isinstance(n, bool) else operator.index(n) for n in max_new_tokens]
-        except TypeError:
-            raise _bad_limit(len(prompts), max_new_tokens) from None
-    _check_args(prompts, max_new_tokens, temperature, top_k, top_p, min_p, stop, tokenizer)
-    row_limits = max_new_tokens if per_row else None
-    max_new_tokens = max(max_new_tokens) if per_row else max_new_tokens
+    _check_prompts(prompts, params, tokenizer)
+    stop = params.stop
+    row_limits = params.row_limits(len(prompts))
+    per_row = row_limits is not None
+    max_new_tokens = params.longest
+    temperature, top_k, top_p, min_p = params.temperature, params.top_k, params.top_p, params.min_p
     device = model.lm_head_weight.device
     pad_id = tokenizer.pad_id if tokenizer is not None and tokenizer.pad_id is not None else 0
     B = len(prompts)
@@ -202,7 +178,7 @@ def generate(model: Any, prompts: list[list[int]], *, max_new_tokens: int | Sequ
         # Graphs need the CUDA kernels: the torch references (used when the extension cannot build)
         # copy host tensors to the device, which a capture forbids. Prefill has loaded them by now.
         graphed = (cuda_graph and device.type == "cuda" and max_new_tokens >= GRAPH_MIN_STEPS
-                   and ops_cuda.library.cuda_state["backend"] == "kernels")
+                   and ops_cuda.cuda_backend() == "kernels")
         decode_graph = None
         for step in range(max_new_tokens):
             tokens, logprobs = ops_cuda.sample(logits, temperature, top_k, top_p, min_p, step_seed(seed, step))
