@@ -15,6 +15,7 @@ import lightning
 from lightning.pytorch.callbacks import TQDMProgressBar
 from lightning.pytorch.callbacks.progress.tqdm_progress import convert_inf
 
+from framework.cadence import crossed
 from framework.errors import FwError
 
 
@@ -103,7 +104,7 @@ class MetricsLogger(lightning.Callback):
         step = trainer.global_step
         if step == self.logged_step:
             return
-        if step // self.every > self.logged_step // self.every or step >= trainer.max_steps:
+        if crossed(self.logged_step, step, self.every) or step >= trainer.max_steps:
             if not self.truncated:
                 # A resumed run writes the steps after its checkpoint again: drop lines a crashed run
                 # wrote past it (done at the first flush, once every start-up check has passed).

@@ -52,19 +52,14 @@ def _schema() -> dict:
     return json.loads(schema_text())  # read-only inside this module
 
 
-def schema() -> dict:
-    """The parsed schema (a fresh copy, so callers cannot change the one used for validation)."""
-    return copy.deepcopy(_schema())
-
-
 @functools.cache
 def _validator() -> Draft202012Validator:
     return Draft202012Validator(_schema())
 
 
 def recipe_sections() -> tuple[str, ...]:
-    """The recipe names, which are also the names of their config sections."""
-    return tuple(_schema()["properties"]["recipe"]["enum"])
+    """The built-in recipe names, which are also the names of their config sections."""
+    return tuple(_schema()["properties"]["recipe"]["anyOf"][0]["enum"])
 
 
 def _class_path_pattern() -> str:
@@ -251,22 +246,45 @@ def _get(data: Any, path: tuple) -> Any:
 
 
 def _check_registry_names(data: dict, marks: dict, fallback: Mark) -> list[Problem]:
-    """Built-in reward / task names must exist (checked when the module defining them is present)."""
+    """Built-in reward / task names must exist."""
     problems = []
     for path, (module_name, attr) in _REGISTRIES.items():
         name = _get(data, path)
         if not isinstance(name, str) or _get(data, path[:-1] + ("class_path",)):
             continue
-        try:
-            registry = getattr(importlib.import_module(module_name), attr)
-        except (ImportError, AttributeError):  # that part of fw is not installed in this checkout
-            continue
+        registry = getattr(importlib.import_module(module_name), attr)
         if name not in registry:
             m = _locate(marks, path, False, fallback)
             problems.append(Problem(m.file, m.line, m.col, _dotted(path),
                                     f"unknown built-in '{name}' (built-ins: {', '.join(sorted(registry))})"
                                     + _suggest(name, list(registry))))
     return problems
+
+
+def _check_recipe(data: dict, marks: dict, fallback: Mark) -> list[Problem]:
+    """`recipe` must name an installed recipe (the schema only checks its form)."""
+    from framework.recipe import installed_recipes
+
+    name = data.get("recipe")
+    if not isinstance(name, str):
+        return []
+    try:
+        installed = installed_recipes()
+    except FwError as e:
+        installed, clash = {}, str(e)
+    else:
+        clash = ""
+    if name in installed and not clash:
+        return []
+    m = _locate(marks, ("recipe",), False, fallback)
+    if clash:
+        return [Problem(m.file, m.line, m.col, "recipe", clash)]
+    # built-ins first, in the schema's order, then the others installed
+    names = [r for r in recipe_sections() if r in installed] + sorted(set(installed) - set(recipe_sections()))
+    if not names:
+        return [Problem(m.file, m.line, m.col, "recipe", "no recipes are installed: install fw (pip install -e .)")]
+    return [Problem(m.file, m.line, m.col, "recipe", f"expected one of {', '.join(names)}; got the string "
+                    f"'{name}'" + _suggest(name, names))]
 
 
 def _validate(data: Any, marks: dict, fallback: Mark) -> list[Problem]:
@@ -277,6 +295,7 @@ def _validate(data: Any, marks: dict, fallback: Mark) -> list[Problem]:
     if isinstance(data, dict):
         problems += _check_class_paths(data, marks, fallback)
         problems += _check_registry_names(data, marks, fallback)
+        problems += _check_recipe(data, marks, fallback)
     return problems
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 import warnings
 from pathlib import Path
 
@@ -157,3 +158,16 @@ def _check_messages(messages: list[dict]) -> None:
         reasoning = m.get("reasoning_content")
         if reasoning is not None and not isinstance(reasoning, str):
             raise FwError(f"chat messages[{i}]: reasoning_content must be a string")
+
+
+def build_tokenizer(cfg: dict) -> Tokenizer:
+    """`tokenizer.path`, else the policy directory's tokenizer, else the built-in character tokenizer."""
+    path = cfg["tokenizer"]["path"] or cfg["model"]["policy"]["path"]
+    return Tokenizer.from_pretrained(path) if path else Tokenizer.builtin()
+
+
+def tokenizer_files(tokenizer: Tokenizer) -> dict[str, bytes]:
+    """The files `save_pretrained` writes (tokenizer.json, tokenizer_config.json), by name."""
+    with tempfile.TemporaryDirectory() as tmp:
+        tokenizer.save_pretrained(tmp)
+        return {p.name: p.read_bytes() for p in sorted(Path(tmp).iterdir()) if p.is_file()}

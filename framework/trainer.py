@@ -14,6 +14,7 @@ from lightning.pytorch.utilities import rank_zero_only
 from framework.callbacks import builtin_callbacks, user_callbacks
 from framework.errors import FwError
 from framework.metrics import JsonlLogger
+from framework.recipe import Requirements, recipe_class
 
 
 def build_loggers(cfg: dict) -> list[Logger]:
@@ -27,27 +28,25 @@ def build_loggers(cfg: dict) -> list[Logger]:
     return loggers
 
 
-def _check_precision(cfg: dict) -> None:
+def _check_precision(cfg: dict, requirements: Requirements) -> None:
     """Refuse precision settings that would run but compute the wrong thing."""
     t = cfg["trainer"]
     cuda = t["accelerator"] in ("gpu", "cuda") or (t["accelerator"] == "auto" and torch.cuda.is_available())
     if cuda and t["precision"] == "64-true":
         raise FwError("trainer.precision: 64-true runs on the CPU only (the CUDA kernels take bf16, fp16 and "
                       "fp32); set trainer.accelerator: cpu or another precision")
-    if t["precision"] == "16-mixed":
-        if cfg["optimizer"]["fused"] is True:
-            raise FwError("optimizer.fused: true cannot be combined with trainer.precision: 16-mixed (a fused "
-                          "AdamW unscales inside its step, after fw clips the gradients); use auto or false")
-        if cfg["recipe"] == "ppo":
-            raise FwError("trainer.precision: 16-mixed is not supported by recipe ppo (the critic steps "
-                          "outside Lightning's loss scaler); use bf16-mixed")
+    if t["precision"] == "16-mixed" and cfg["optimizer"]["fused"] is True:
+        raise FwError("optimizer.fused: true cannot be combined with trainer.precision: 16-mixed (a fused "
+                      "AdamW unscales inside its step, after fw clips the gradients); use auto or false")
+    why = requirements.unsupported_precisions.get(t["precision"])
+    if why is not None:
+        raise FwError(f"trainer.precision: {t['precision']} is not supported by recipe {cfg['recipe']} ({why})")
 
 
-def _strategy(cfg: dict) -> str:
-    """PPO backpropagates the policy and the critic losses separately, so each backward leaves the other
-    model's parameters without gradients, which plain DDP refuses: let DDP look for unused parameters."""
+def _strategy(cfg: dict, requirements: Requirements) -> str:
+    """`trainer.strategy`, with DDP told to look for unused parameters when the recipe needs it."""
     strategy = cfg["trainer"]["strategy"]
-    if cfg["recipe"] == "ppo" and strategy == "ddp":
+    if requirements.find_unused_parameters and strategy == "ddp":
         return "ddp_find_unused_parameters_true"
     return strategy
 
@@ -59,18 +58,18 @@ def build_trainer(cfg: dict) -> lightning.Trainer:
     over their own micro-batches. Clipping is done by the module (`optimizer.max_grad_norm`) in both modes.
     """
     from framework.checkpoint import AtomicCheckpointIO, CheckpointCallback
-    from recipes import RECIPES
 
     t = cfg["trainer"]
-    automatic = RECIPES[cfg["recipe"]].automatic_optimization
-    _check_precision(cfg)
+    requirements = recipe_class(cfg["recipe"]).requirements(cfg)
+    automatic = requirements.automatic_optimization
+    _check_precision(cfg, requirements)
     # Metrics first so they reach the loggers before the checkpoint callback flushes them and saves.
     callbacks = [*builtin_callbacks(cfg), *user_callbacks(cfg), CheckpointCallback(cfg)]
     return lightning.Trainer(
         accelerator=t["accelerator"],
         devices=t["devices"],
         num_nodes=t["num_nodes"],
-        strategy=_strategy(cfg),
+        strategy=_strategy(cfg, requirements),
         precision=t["precision"],
         max_steps=t["max_steps"],
         max_epochs=-1,

@@ -8,8 +8,6 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-SCALE_REWARDS = ("group", "batch", "none")
-
 
 def grpo_advantages(rewards: Tensor, group_size: int, scale_rewards: str, eps: float,
                     batch_std: Tensor | float | None = None) -> Tensor:
@@ -25,8 +23,6 @@ def grpo_advantages(rewards: Tensor, group_size: int, scale_rewards: str, eps: f
         raise ValueError(f"grpo_advantages: rewards must be 1-D [B], got shape {tuple(rewards.shape)}")
     if group_size < 1 or rewards.numel() % group_size:
         raise ValueError(f"grpo_advantages: {rewards.numel()} rewards do not split into groups of {group_size}")
-    if scale_rewards not in SCALE_REWARDS:
-        raise ValueError(f"grpo_advantages: scale_rewards must be one of {SCALE_REWARDS}, got {scale_rewards!r}")
     r = rewards.to(torch.float32)
     grouped = r.view(-1, group_size)
     centred = (grouped - grouped.mean(dim=1, keepdim=True)).view(-1)

@@ -25,9 +25,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from framework.recipe import Requirements, StepContext
 from recipes.advantages import batch_reward_std, grpo_advantages
-from recipes.losses import aggregate, aggregate_weight, kl_estimate, policy_loss
-from recipes.rl import RLRecipe
+from recipes.losses import aggregate, build_policy_loss, kl_estimate
+from recipes.rl import Phase, RLRecipe
 
 
 class GRPORecipe(RLRecipe):
@@ -35,56 +36,48 @@ class GRPORecipe(RLRecipe):
 
     section = "grpo"
 
+    @classmethod
+    def requirements(cls, cfg: dict) -> Requirements:
+        return Requirements(automatic_optimization=False, reference_model=cfg["grpo"]["kl_coef"] > 0)
+
     def __init__(self, cfg: dict, tokenizer: Any):
         super().__init__(cfg, tokenizer)
         self._check_batch_split(cfg["rollout"]["prompts_per_step"] * cfg["grpo"]["group_size"])
+        self.policy_loss = build_policy_loss(cfg["grpo"], cfg["rollout"]["max_new_tokens"])
         self.last_advantages: Tensor | None = None   # [B] of the latest rollout, for callbacks and tests
 
-    def training_step(self, module: Any, batch: Any, batch_idx: int) -> None:
-        g, cfg = self.cfg["grpo"], self.cfg
-        data = self.last_rollout = self.collect(module, g["group_size"])
+    def training_step(self, ctx: StepContext, batch: Any, batch_idx: int) -> None:
+        g = self.cfg["grpo"]
+        data = self.last_rollout = self.collect(ctx, g["group_size"])
         batch_std = batch_reward_std(data.rewards) if g["scale_rewards"] == "batch" else None
         adv = self.last_advantages = grpo_advantages(data.rewards, g["group_size"], g["scale_rewards"],
                                                      g["adv_eps"], batch_std)
-        self.log_rollout(module, data)
-        module.log_metric("policy/adv_abs", _token_weighted_abs_mean(adv, data.mask))
-        max_len = cfg["rollout"]["max_new_tokens"]
-        use_kl = g["kl_coef"] > 0
+        self.log_rollout(ctx, data)
+        ctx.log("policy/adv_abs", _token_weighted_abs_mean(adv, data.mask))
         ref_logp = None
-        if use_kl:
+        if g["kl_coef"] > 0:
             with torch.no_grad():
-                ref_logp, _ = self.logprobs(module.reference, data, torch.arange(len(adv), device=adv.device))
-        opt = module.optimizers()
-        for epoch in range(g["epochs"]):
-            for mb_index, micro_batches in enumerate(self.minibatches(len(adv), epoch)):
-                if not self.steps_left(module):
-                    break
-                first_update = epoch == 0 and mb_index == 0
-                mb_mask = data.mask[torch.cat(micro_batches).to(adv.device)]
-                mb_tokens = self.minibatch_tokens(module, mb_mask, g["loss_agg"])
-                for rows in micro_batches:
-                    rows = rows.to(adv.device)
-                    mask = data.mask[rows]
-                    logp, entropy = self.logprobs(module.policy, data, rows, with_entropy=first_update)
-                    pl = policy_loss(logp, data.old_logp[rows], adv[rows], mask, g["clip_eps_low"],
-                                     g["clip_eps_high"], g["loss_agg"], max_len)
-                    loss = pl.loss
-                    logged = {"surrogate": pl.loss, "objective": pl.adv_weighted, "clip_frac": pl.clip_frac,
-                              "approx_kl": pl.approx_kl, "ratio": pl.ratio_mean}
-                    if use_kl:
-                        kl = aggregate(kl_estimate(logp, ref_logp[rows], g["kl_estimator"]), mask,
-                                       g["loss_agg"], max_len)
-                        loss = loss + g["kl_coef"] * kl
-                        logged["ref_kl"] = kl
-                    logged["loss"] = loss
-                    weight = aggregate_weight(mask, mb_mask, g["loss_agg"], mb_tokens)
-                    module.manual_backward(loss * weight)
-                    self.log_weighted(module, "policy", logged, weight)
-                    if first_update:
-                        self.log_first_update(module, logp, entropy, data, rows)
-                module.step_optimizer(opt, cfg["optimizer"]["max_grad_norm"])
-        self.finish_rollout(module)
-        module.log_metric("policy_version", module.policy_version, reduce="last")
+                ref_logp, _ = self.logprobs(ctx.reference, data, torch.arange(len(adv), device=adv.device))
+
+        def policy_micro(rows: Tensor, first: bool) -> tuple[Tensor, dict[str, Tensor]]:
+            mask = data.mask[rows]
+            logp, entropy = self.logprobs(ctx.policy, data, rows, with_entropy=first)
+            pl = self.policy_loss(logp, data.old_logp[rows], adv[rows], mask)
+            loss = pl.loss
+            logged = {"surrogate": pl.loss, "objective": pl.adv_weighted, "clip_frac": pl.clip_frac,
+                      "approx_kl": pl.approx_kl, "ratio": pl.ratio_mean}
+            if ref_logp is not None:
+                kl = aggregate(kl_estimate(logp, ref_logp[rows], g["kl_estimator"]), mask, g["loss_agg"],
+                               self.policy_loss.max_len)
+                loss = loss + g["kl_coef"] * kl
+                logged["ref_kl"] = kl
+            logged["loss"] = loss
+            if first:
+                self.log_first_update(ctx, logp, entropy, data, rows)
+            return loss, logged
+
+        self.update(ctx, data, [Phase("policy", "policy", policy_micro)])
+        self.finish_rollout(ctx)
 
 
 def _token_weighted_abs_mean(seq_adv: Tensor, mask: Tensor) -> Tensor:

@@ -1,9 +1,11 @@
-"""RL loss pieces: KL estimators, the clipped policy surrogate, the clipped value loss, aggregation.
+"""RL loss pieces: KL estimators, aggregation, and the policy and value losses as objects built once from
+their config section (``POLICY_LOSSES`` maps ``policy_loss`` names to classes).
 
 Per-token tensors are ``[B, T]`` with a response ``mask`` (1 on completion tokens).
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -11,25 +13,43 @@ from torch import Tensor
 
 from recipes.advantages import masked_mean, masked_var
 
-KL_ESTIMATORS = ("k1", "k2", "k3")
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-
 
 def kl_estimate(logp: Tensor, ref_logp: Tensor, estimator: str) -> Tensor:
-    """Per-token estimate of KL(pi_theta || pi_ref) from samples of pi_theta.
+    """Per-token estimate of KL(pi_theta || pi_ref) from samples of pi_theta (``grpo.kl_estimator``).
 
     With ``l = ref_logp - logp``: k1 = -l, k2 = l^2 / 2, k3 = exp(l) - l - 1 (non-negative).
     """
-    log_ratio = ref_logp - logp
-    if estimator == "k1":
-        return -log_ratio
-    if estimator == "k2":
-        return 0.5 * log_ratio.square()
-    if estimator == "k3":
-        # exp of a huge log-ratio overflows to inf; the clamp keeps one outlier token from NaN-ing the loss
-        log_ratio = log_ratio.clamp(-20.0, 20.0)
-        return torch.exp(log_ratio) - log_ratio - 1.0
-    raise ValueError(f"kl_estimate: estimator must be one of {KL_ESTIMATORS}, got {estimator!r}")
+    return KL_ESTIMATORS[estimator](ref_logp - logp)
+
+
+def _k3(log_ratio: Tensor) -> Tensor:
+    # exp of a huge log-ratio overflows to inf; the clamp keeps one outlier token from NaN-ing the loss
+    log_ratio = log_ratio.clamp(-20.0, 20.0)
+    return torch.exp(log_ratio) - log_ratio - 1.0
+
+
+KL_ESTIMATORS: dict[str, Callable[[Tensor], Tensor]] = {
+    "k1": lambda log_ratio: -log_ratio,
+    "k2": lambda log_ratio: 0.5 * log_ratio.square(),
+    "k3": _k3,
+}
+
+
+def _token_mean(masked: Tensor, m: Tensor, max_len: int | None) -> Tensor:
+    return masked.sum() / m.sum().clamp(min=1)
+
+
+def _seq_mean_token_mean(masked: Tensor, m: Tensor, max_len: int | None) -> Tensor:
+    return (masked.sum(dim=1) / m.sum(dim=1).clamp(min=1)).mean()
+
+
+def _seq_mean_token_sum_norm(masked: Tensor, m: Tensor, max_len: int | None) -> Tensor:
+    return (masked.sum(dim=1) / (masked.shape[1] if max_len is None else max_len)).mean()
+
+
+# ``loss_agg`` modes: a per-token loss times its mask -> a scalar.
+AGGREGATIONS = {"token-mean": _token_mean, "seq-mean-token-mean": _seq_mean_token_mean,
+                "seq-mean-token-sum-norm": _seq_mean_token_sum_norm}
 
 
 def aggregate(per_token: Tensor, mask: Tensor, mode: str, max_len: int | None = None) -> Tensor:
@@ -41,15 +61,7 @@ def aggregate(per_token: Tensor, mask: Tensor, mode: str, max_len: int | None = 
       over sequences (``max_len`` defaults to T).
     """
     m = mask.to(per_token.dtype)
-    masked = per_token * m
-    if mode == "token-mean":
-        return masked.sum() / m.sum().clamp(min=1)
-    if mode == "seq-mean-token-mean":
-        return (masked.sum(dim=1) / m.sum(dim=1).clamp(min=1)).mean()
-    if mode == "seq-mean-token-sum-norm":
-        norm = per_token.shape[1] if max_len is None else max_len
-        return (masked.sum(dim=1) / norm).mean()
-    raise ValueError(f"aggregate: mode must be one of {LOSS_AGG_MODES}, got {mode!r}")
+    return AGGREGATIONS[mode](per_token * m, m, max_len)
 
 
 def aggregate_weight(mask: Tensor, full_mask: Tensor, mode: str, full_tokens: float | None = None) -> float:
@@ -66,9 +78,7 @@ def aggregate_weight(mask: Tensor, full_mask: Tensor, mode: str, full_tokens: fl
     if mode == "token-mean":
         total = float(full_mask.sum()) if full_tokens is None else float(full_tokens)
         return float(mask.sum()) / total if total > 0 else 0.0
-    if mode in LOSS_AGG_MODES:
-        return mask.shape[0] / full_mask.shape[0]
-    raise ValueError(f"aggregate_weight: mode must be one of {LOSS_AGG_MODES}, got {mode!r}")
+    return mask.shape[0] / full_mask.shape[0]
 
 
 @dataclass
@@ -82,29 +92,47 @@ class PolicyLoss:
     adv_weighted: Tensor  # aggregated rho*A (unclipped objective); -loss is the clipped one
 
 
-def policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, clip_eps_low: float,
-                clip_eps_high: float, loss_agg: str, max_len: int | None = None) -> PolicyLoss:
-    """PPO/GRPO clipped surrogate: per token ``-min(rho*A, clip(rho, 1-eps_low, 1+eps_high)*A)``.
+@dataclass(frozen=True)
+class ClippedSurrogate:
+    """PPO/GRPO clipped surrogate (``policy_loss: clip``): per token
+    ``-min(rho*A, clip(rho, 1-clip_eps_low, 1+clip_eps_high)*A)`` with ``rho = exp(logp - old_logp)``."""
 
-    ``rho = exp(logp - old_logp)``; ``advantages`` is ``[B, T]`` (per token) or ``[B]`` (per sequence,
-    broadcast over its tokens).
-    """
-    if advantages.dim() == 1:
-        advantages = advantages[:, None].expand_as(logp)
-    log_ratio = logp - old_logp.detach()
-    ratio = torch.exp(log_ratio)
-    adv = advantages.detach()
-    unclipped = ratio * adv
-    clipped = torch.clamp(ratio, 1.0 - clip_eps_low, 1.0 + clip_eps_high) * adv
-    per_token = -torch.minimum(unclipped, clipped)
-    loss = aggregate(per_token, mask, loss_agg, max_len)
-    with torch.no_grad():
-        mf = mask.to(torch.float32)
-        clip_frac = masked_mean((clipped < unclipped).to(torch.float32), mf)
-        approx_kl = masked_mean(ratio - 1.0 - log_ratio, mf)
-        ratio_mean = masked_mean(ratio, mf)
-        adv_weighted = aggregate(unclipped, mask, loss_agg, max_len)
-    return PolicyLoss(loss, clip_frac, approx_kl, ratio_mean, adv_weighted)
+    clip_eps_low: float
+    clip_eps_high: float
+    loss_agg: str
+    max_len: int | None = None
+
+    @classmethod
+    def from_section(cls, section: dict, max_len: int) -> ClippedSurrogate:
+        return cls(section["clip_eps_low"], section["clip_eps_high"], section["loss_agg"], max_len)
+
+    def __call__(self, logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor) -> PolicyLoss:
+        """``advantages`` is ``[B, T]`` (per token) or ``[B]`` (per sequence, broadcast over its tokens)."""
+        if advantages.dim() == 1:
+            advantages = advantages[:, None].expand_as(logp)
+        log_ratio = logp - old_logp.detach()
+        ratio = torch.exp(log_ratio)
+        adv = advantages.detach()
+        unclipped = ratio * adv
+        clipped = torch.clamp(ratio, 1.0 - self.clip_eps_low, 1.0 + self.clip_eps_high) * adv
+        per_token = -torch.minimum(unclipped, clipped)
+        loss = aggregate(per_token, mask, self.loss_agg, self.max_len)
+        with torch.no_grad():
+            mf = mask.to(torch.float32)
+            clip_frac = masked_mean((clipped < unclipped).to(torch.float32), mf)
+            approx_kl = masked_mean(ratio - 1.0 - log_ratio, mf)
+            ratio_mean = masked_mean(ratio, mf)
+            adv_weighted = aggregate(unclipped, mask, self.loss_agg, self.max_len)
+        return PolicyLoss(loss, clip_frac, approx_kl, ratio_mean, adv_weighted)
+
+
+# ``grpo.policy_loss`` / ``ppo.policy_loss``: a loss class with ``from_section(section, max_len)``.
+POLICY_LOSSES = {"clip": ClippedSurrogate}
+
+
+def build_policy_loss(section: dict, max_len: int) -> ClippedSurrogate:
+    """The policy loss a recipe section (``grpo:`` or ``ppo:``) selects, configured from it."""
+    return POLICY_LOSSES[section["policy_loss"]].from_section(section, max_len)
 
 
 @dataclass
@@ -116,21 +144,31 @@ class ValueLoss:
     error: Tensor      # mean squared error (V - R)^2 over the mask
 
 
-def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, clip: float,
-               loss_agg: str = "token-mean", max_len: int | None = None) -> ValueLoss:
-    """Clipped value loss ``0.5 * max((V - R)^2, (clip(V, V_old - c, V_old + c) - R)^2)``."""
-    old = old_values.detach()
-    ret = returns.detach()
-    v_clipped = old + torch.clamp(values - old, -clip, clip)
-    err = (values - ret).square()
-    err_clipped = (v_clipped - ret).square()
-    per_token = 0.5 * torch.maximum(err, err_clipped)
-    loss = aggregate(per_token, mask, loss_agg, max_len)
-    with torch.no_grad():
-        mf = mask.to(torch.float32)
-        clip_frac = masked_mean((err_clipped > err).to(torch.float32), mf)
-        error = masked_mean(err.detach(), mf)
-    return ValueLoss(loss, clip_frac, error)
+@dataclass(frozen=True)
+class ClippedValueLoss:
+    """``0.5 * max((V - R)^2, (clip(V, V_old - c, V_old + c) - R)^2)`` with ``c = ppo.value_clip``."""
+
+    clip: float
+    loss_agg: str = "token-mean"
+    max_len: int | None = None
+
+    @classmethod
+    def from_section(cls, section: dict, max_len: int) -> ClippedValueLoss:
+        return cls(section["value_clip"], section["loss_agg"], max_len)
+
+    def __call__(self, values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor) -> ValueLoss:
+        old = old_values.detach()
+        ret = returns.detach()
+        v_clipped = old + torch.clamp(values - old, -self.clip, self.clip)
+        err = (values - ret).square()
+        err_clipped = (v_clipped - ret).square()
+        per_token = 0.5 * torch.maximum(err, err_clipped)
+        loss = aggregate(per_token, mask, self.loss_agg, self.max_len)
+        with torch.no_grad():
+            mf = mask.to(torch.float32)
+            clip_frac = masked_mean((err_clipped > err).to(torch.float32), mf)
+            error = masked_mean(err.detach(), mf)
+        return ValueLoss(loss, clip_frac, error)
 
 
 def explained_variance(values: Tensor, returns: Tensor, mask: Tensor) -> Tensor:

@@ -18,6 +18,7 @@ count over all ranks, and metrics go through torchmetrics, which reduces over ra
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,7 +27,10 @@ from torch import Tensor
 from torch.utils.data import DataLoader, IterableDataset
 
 from framework.errors import FwError
+from framework.recipe import StepContext
+from framework.rollout import SamplingParams
 from recipes.advantages import all_reduce_sum, batch_reward_std
+from recipes.losses import aggregate_weight
 
 
 class _Ticks(IterableDataset):
@@ -99,10 +103,23 @@ def completion_values(value_model: Any, tokens: Tensor, prompt_lens: Tensor, com
     return out.index_put((rows, cols), values[rows, pos].float())
 
 
-class RLRecipe:
-    """Base of the manual-optimization RL recipes: data position, rollouts, rewards, logging."""
+# A micro-batch's loss: (rows of the rollout batch, first minibatch of the rollout?) -> (the loss to
+# backpropagate, the scalars to log under the phase's prefix).
+MicroLoss = Callable[[Tensor, bool], tuple[Tensor, dict[str, Tensor]]]
 
-    automatic_optimization = False
+
+@dataclass(frozen=True)
+class Phase:
+    """One optimizer's share of a minibatch: its micro-batch loss, then one step of `role`."""
+
+    role: str
+    prefix: str        # metrics prefix, e.g. "policy" -> policy/loss
+    loss: MicroLoss
+
+
+class RLRecipe:
+    """Base of the manual-optimization RL recipes: data position, rollouts, rewards, the update loop, logging."""
+
     section = ""  # "grpo" | "ppo": the config section holding epochs, minibatches, loss_agg, ...
 
     def __init__(self, cfg: dict, tokenizer: Any):
@@ -114,6 +131,7 @@ class RLRecipe:
         if cfg["rollout"]["temperature"] <= 0:
             raise FwError(f"rollout.temperature: {cfg['recipe']} samples from the policy and needs a temperature "
                           f"> 0 (got {cfg['rollout']['temperature']}); the trainer's logprobs use the same one")
+        self.sampling = SamplingParams.from_config(cfg["rollout"])
         self.task = build_task(cfg["data"], seed=cfg["seed"])
         self.reward_fn = build_reward(cfg["reward"], self.task)
         self.rollout_step = 0  # rollout batches done so far (seeds the minibatch shuffle)
@@ -121,13 +139,7 @@ class RLRecipe:
         self.last_rollout: ScoredRollout | None = None  # the latest batch, for callbacks and inspection
 
     # ---- protocol
-    def needs_value_model(self) -> bool:
-        return False
-
-    def needs_reference_model(self) -> bool:
-        return self.cfg[self.section]["kl_coef"] > 0
-
-    def train_dataloader(self, module: Any) -> DataLoader:
+    def train_dataloader(self, ctx: StepContext) -> DataLoader:
         return DataLoader(_Ticks(), batch_size=None)
 
     def state_dict(self) -> dict:
@@ -145,21 +157,15 @@ class RLRecipe:
             raise FwError(f"{self.section}.minibatches ({sec['minibatches']}) x trainer.accumulate_grad_batches "
                           f"({micro}) exceeds the {batch_size} sequences of one rollout batch")
 
-    @staticmethod
-    def _rank(module: Any) -> tuple[int, int]:
-        return module.trainer.global_rank, module.trainer.world_size
-
-    def collect(self, module: Any, samples_per_prompt: int) -> ScoredRollout:
+    def collect(self, ctx: StepContext, samples_per_prompt: int) -> ScoredRollout:
         """Generate ``samples_per_prompt`` completions for each prompt of this step and score them."""
         from framework.rewards import score_rollout
         from framework.rollout import generate, stop_token_ids
         from framework.tasks import render_prompt
 
         cfg, tok = self.cfg, self.tokenizer
-        ro_cfg = cfg["rollout"]
-        rank, _ = self._rank(module)
-        n_prompts = ro_cfg["prompts_per_step"]
-        first = self.prompt_position + rank * n_prompts
+        n_prompts = cfg["rollout"]["prompts_per_step"]
+        first = self.prompt_position + ctx.rank * n_prompts
         samples = [self.task.sample(first + i) for i in range(n_prompts)]
         texts = [render_prompt(s["prompt"], tok, cfg["data"]["chat_template"], cfg["tokenizer"]["enable_thinking"])
                  for s in samples]
@@ -167,15 +173,13 @@ class RLRecipe:
         prompts = [p for p in ids for _ in range(samples_per_prompt)]
         seed = (cfg["seed"] * 1_000_003 + first // n_prompts) % (2**31 - 1)
         start = time.perf_counter()
-        ro = generate(module.policy, prompts, max_new_tokens=ro_cfg["max_new_tokens"],
-                      temperature=ro_cfg["temperature"], top_k=ro_cfg["top_k"], top_p=ro_cfg["top_p"],
-                      min_p=ro_cfg["min_p"], eos_ids=stop_token_ids(tok, module.policy.config), stop=tuple(ro_cfg["stop"]), tokenizer=tok,
-                      seed=seed, policy_version=int(module.policy_version))
+        ro = generate(ctx.policy, prompts, self.sampling, eos_ids=stop_token_ids(tok, ctx.policy.config),
+                      tokenizer=tok, seed=seed, policy_version=int(ctx.policy_version))
         gen_seconds = time.perf_counter() - start
         rep_texts = [t for t in texts for _ in range(samples_per_prompt)]
         metadatas = [s["metadata"] for s in samples for _ in range(samples_per_prompt)]
         rewards, n_err = score_rollout(self.reward_fn, rep_texts, ro.texts, metadatas, cfg["reward"]["on_error"])
-        device = module.device
+        device = ctx.device
         width = ro.logprobs.shape[1]
         clens = ro.completion_lens.to(device)
         mask = (torch.arange(width, device=device)[None, :] < clens[:, None]).float()
@@ -186,20 +190,20 @@ class RLRecipe:
             eos_frac=sum(r != "length" for r in ro.finish_reasons) / len(ro.finish_reasons),
             gen_seconds=gen_seconds, texts=list(ro.texts))
 
-    def finish_rollout(self, module: Any) -> None:
+    def finish_rollout(self, ctx: StepContext) -> None:
         """Advance the data position past this rollout batch of every rank (end of a training step)."""
         self.rollout_step += 1
-        self.prompt_position += self._rank(module)[1] * self.cfg["rollout"]["prompts_per_step"]
+        self.prompt_position += ctx.world_size * self.cfg["rollout"]["prompts_per_step"]
+        ctx.log("policy_version", ctx.policy_version, reduce="last")
 
     @staticmethod
-    def minibatch_tokens(module: Any, mb_mask: Tensor, mode: str) -> float | None:
+    def minibatch_tokens(ctx: StepContext, mb_mask: Tensor, mode: str) -> float | None:
         """``aggregate_weight``'s ``full_tokens`` for token-mean under several processes: the minibatch's
         response tokens summed over ranks and divided by the world size (DDP averages gradients); None
         otherwise (no communication). A collective under DDP: call it on every rank for every minibatch."""
-        world = module.trainer.world_size
-        if mode != "token-mean" or world == 1:
+        if mode != "token-mean" or ctx.world_size == 1:
             return None
-        return float(all_reduce_sum(mb_mask.sum().to(torch.float64))) / world
+        return float(all_reduce_sum(mb_mask.sum().to(torch.float64))) / ctx.world_size
 
     def logprobs(self, model: Any, batch: ScoredRollout, rows: Tensor,
                  with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
@@ -214,12 +218,28 @@ class RLRecipe:
         micro = self.cfg["trainer"]["accumulate_grad_batches"]
         return [list(torch.tensor_split(mb, micro)) for mb in torch.tensor_split(perm, sec["minibatches"])]
 
-    def steps_left(self, module: Any) -> bool:
-        """False once ``trainer.max_steps`` policy optimizer steps are done (stop mid-rollout then)."""
-        max_steps = module.trainer.max_steps
-        return max_steps is None or max_steps < 0 or module.policy_version < max_steps
+    def update(self, ctx: StepContext, batch: ScoredRollout, phases: Sequence[Phase]) -> None:
+        """``epochs`` x ``minibatches`` over the rollout batch; in each minibatch every phase accumulates its
+        micro-batch losses (each weighted by its share of the minibatch under ``loss_agg``) and then steps
+        its optimizer once. Stops as soon as ``trainer.max_steps`` policy steps are done."""
+        sec = self.cfg[self.section]
+        for epoch in range(sec["epochs"]):
+            for mb_index, micro_batches in enumerate(self.minibatches(batch.mask.shape[0], epoch)):
+                if not ctx.steps_left():
+                    return
+                first = epoch == 0 and mb_index == 0
+                micro_batches = [rows.to(batch.mask.device) for rows in micro_batches]
+                mb_mask = batch.mask[torch.cat(micro_batches)]
+                mb_tokens = self.minibatch_tokens(ctx, mb_mask, sec["loss_agg"])
+                for phase in phases:
+                    for rows in micro_batches:
+                        loss, logged = phase.loss(rows, first)
+                        weight = aggregate_weight(batch.mask[rows], mb_mask, sec["loss_agg"], mb_tokens)
+                        ctx.backward(loss * weight)
+                        self.log_weighted(ctx, phase.prefix, logged, weight)
+                    ctx.step(phase.role)
 
-    def log_rollout(self, module: Any, batch: ScoredRollout) -> None:
+    def log_rollout(self, ctx: StepContext, batch: ScoredRollout) -> None:
         """Reward and rollout metrics of one rollout batch (averaged over the logging interval)."""
         lens = batch.completion_lens.float()
         rewards = batch.rewards
@@ -231,28 +251,27 @@ class RLRecipe:
             ("rollout/response_len", lens.mean()),
             ("rollout/eos_frac", batch.eos_frac),
         ):
-            module.log_metric(name, value, weight=n)
+            ctx.log(name, value, weight=n)
         # the global batch's std (a collective: every rank logs it); per-rank generation speed and time
-        module.log_metric("reward/std", batch_reward_std(rewards) if module.trainer.world_size * n > 1 else 0.0)
-        module.log_metric("rollout/tokens_per_s", float(lens.sum()) / max(batch.gen_seconds, 1e-9))
-        module.log_metric("rollout/seconds", batch.gen_seconds)
-        module.log_metric("reward/errors", batch.n_reward_errors, reduce="sum")
-        module.log_metric("tokens", float((batch.prompt_lens + batch.completion_lens).sum()), reduce="sum")
+        ctx.log("reward/std", batch_reward_std(rewards) if ctx.world_size * n > 1 else 0.0)
+        ctx.log("rollout/tokens_per_s", float(lens.sum()) / max(batch.gen_seconds, 1e-9))
+        ctx.log("rollout/seconds", batch.gen_seconds)
+        ctx.log("reward/errors", batch.n_reward_errors, reduce="sum")
+        ctx.log("tokens", float((batch.prompt_lens + batch.completion_lens).sum()), reduce="sum")
 
-    def log_first_update(self, module: Any, logp: Tensor, entropy: Tensor, batch: ScoredRollout,
+    def log_first_update(self, ctx: StepContext, logp: Tensor, entropy: Tensor, batch: ScoredRollout,
                          rows: Tensor) -> None:
         """Rollout-vs-trainer logprob mismatch and entropy, on the first minibatch before any update."""
         mask = batch.mask[rows]
         n_tokens = float(mask.sum())
         diff = (logp.detach() - batch.old_logp[rows]).abs() * mask
-        module.log_metric("mismatch/mean", float(diff.sum()) / max(n_tokens, 1.0), weight=n_tokens)
-        module.log_metric("mismatch/max", diff.max(), reduce="max")
-        module.log_metric("policy/entropy", float((entropy * mask).sum()) / max(n_tokens, 1.0), weight=n_tokens)
+        ctx.log("mismatch/mean", float(diff.sum()) / max(n_tokens, 1.0), weight=n_tokens)
+        ctx.log("mismatch/max", diff.max(), reduce="max")
+        ctx.log("policy/entropy", float((entropy * mask).sum()) / max(n_tokens, 1.0), weight=n_tokens)
 
     @staticmethod
-    def log_weighted(module: Any, prefix: str, values: dict[str, Tensor], weight: float) -> None:
+    def log_weighted(ctx: StepContext, prefix: str, values: dict[str, Tensor], weight: float) -> None:
         """Micro-batch values weighted by their share of the minibatch; divided by the world size so
         a minibatch weighs 1 in all, whatever the number of processes."""
-        world = module.trainer.world_size
         for name, value in values.items():
-            module.log_metric(f"{prefix}/{name}", value.detach(), weight=weight / world)
+            ctx.log(f"{prefix}/{name}", value.detach(), weight=weight / ctx.world_size)

@@ -8,6 +8,7 @@ import torch
 
 import ops_cuda
 from framework.data import IGNORE, ExampleStream, sft_dataloader
+from framework.recipe import Requirements, StepContext
 
 
 class SFTRecipe:
@@ -20,7 +21,6 @@ class SFTRecipe:
     gradients, chunked, and only on steps that are logged.
     """
 
-    automatic_optimization = True
     ACCURACY_CHUNK = 4096   # target tokens per logits chunk for the accuracy metric
 
     def __init__(self, cfg: dict, tokenizer: Any):
@@ -29,19 +29,16 @@ class SFTRecipe:
         self.stream = ExampleStream(cfg, tokenizer)   # reads and tokenizes the data now: errors come early
         self.position = 0                             # stream position after the last consumed batch
 
-    def needs_value_model(self) -> bool:
-        return False
+    @classmethod
+    def requirements(cls, cfg: dict) -> Requirements:
+        return Requirements(automatic_optimization=True)
 
-    def needs_reference_model(self) -> bool:
-        return False
+    def train_dataloader(self, ctx: StepContext) -> torch.utils.data.DataLoader:
+        return sft_dataloader(self.stream, self.position, self.cfg, self.tokenizer.pad_id, ctx.rank, ctx.world_size,
+                              self.cfg["trainer"]["accumulate_grad_batches"])
 
-    def train_dataloader(self, module) -> torch.utils.data.DataLoader:
-        trainer = module.trainer
-        return sft_dataloader(self.stream, self.position, self.cfg, self.tokenizer.pad_id,
-                              trainer.global_rank, trainer.world_size, trainer.accumulate_grad_batches)
-
-    def training_step(self, module, batch: dict, batch_idx: int) -> torch.Tensor:
-        policy = module.policy
+    def training_step(self, ctx: StepContext, batch: dict, batch_idx: int) -> torch.Tensor:
+        policy = ctx.policy
         hidden = policy(batch["input_ids"], position_ids=batch["position_ids"], return_hidden=True)
         targets = batch["targets"]
         selected = targets != IGNORE
@@ -51,13 +48,14 @@ class SFTRecipe:
         logprob, _ = ops_cuda.linear_logprob(h, policy.lm_head_weight, t, save_logits=policy.saves_logits)
         n_local = selected.sum()
         nll = -logprob.sum()
-        trainer = module.trainer
-        loss = nll * (trainer.world_size * trainer.accumulate_grad_batches / max(batch["step_targets"], 1))
+        accumulate = self.cfg["trainer"]["accumulate_grad_batches"]
+        loss = nll * (ctx.world_size * accumulate / max(batch["step_targets"], 1))
         # Reported loss: the token mean over micro-batches and ranks (weights = token counts).
-        module.log_metric("loss", nll.detach() / n_local.clamp(min=1), weight=n_local)
-        module.log_metric("tokens", batch["num_tokens"], reduce="sum")
-        if module.logging_this_step():
-            module.log_metric("token_accuracy", self._accuracy(h.detach(), policy.lm_head_weight.detach(), t), weight=n_local)
+        ctx.log("loss", nll.detach() / n_local.clamp(min=1), weight=n_local)
+        ctx.log("tokens", batch["num_tokens"], reduce="sum")
+        if ctx.logging_this_step():
+            accuracy = self._accuracy(h.detach(), policy.lm_head_weight.detach(), t)
+            ctx.log("token_accuracy", accuracy, weight=n_local)
         self.position = batch["next_position"]
         return loss
 

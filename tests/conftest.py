@@ -17,3 +17,18 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def install_recipe(tmp_path, monkeypatch):
+    """Install recipes for one test the way a package does: an `fw.recipes` entry point in a dist-info
+    directory on sys.path. Call it with {name: "module:Class"}."""
+    def install(recipes: dict[str, str], dist: str = "fw_test_recipes") -> None:
+        info = tmp_path / "site" / f"{dist}-0.0.dist-info"
+        info.mkdir(parents=True)
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: 0.0\n")
+        lines = "".join(f"{name} = {target}\n" for name, target in recipes.items())
+        (info / "entry_points.txt").write_text(f"[fw.recipes]\n{lines}")
+        monkeypatch.syspath_prepend(str(tmp_path / "site"))
+
+    return install

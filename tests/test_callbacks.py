@@ -4,11 +4,11 @@ automatic (with and without accumulation) and manual optimization, loaded from `
 import pytest
 import torch
 
-import recipes
 from framework.callbacks import Callback
 from framework.config import resolve
 from framework.data import IGNORE
-from framework.module import LRSchedule
+from framework.recipe import POLICY, OptimizerRole, Requirements
+from framework.schedule import LRSchedule
 from framework.trainer import fit
 from recipes.sft import SFTRecipe
 
@@ -78,37 +78,41 @@ def test_automatic_fires_once_per_real_step(tmp_path, accumulate):
 
 
 class ManualTwoOptimizers(SFTRecipe):
-    """A manual-optimization recipe with a critic: 2 micro-batches per step, then both optimizers."""
+    """A manual-optimization recipe with a critic: 2 micro-batches per step, then both optimizers. The
+    critic's settings are the PPO critic's section, which this recipe's config does not have: it reuses
+    `optimizer:` with its own section path."""
 
-    automatic_optimization = False
     MICRO = 2
+
+    @classmethod
+    def requirements(cls, cfg):
+        critic = OptimizerRole("critic", "value", ("critic_settings",))
+        return Requirements(automatic_optimization=False, optimizers=(POLICY, critic), value_model=True)
 
     def __init__(self, cfg, tokenizer):
         super().__init__({**cfg, "sft": {"train_on_prompt": False}}, tokenizer)
 
-    def needs_value_model(self):
-        return True
-
-    def training_step(self, module, batch, batch_idx):
-        policy_opt, critic_opt = module.optimizers()
+    def training_step(self, ctx, batch, batch_idx):
         rows = batch["input_ids"].shape[0]
         for part in torch.arange(rows).chunk(self.MICRO):
             ids, pos, tgt = batch["input_ids"][part], batch["position_ids"][part], batch["targets"][part]
-            logits = module.policy(ids, position_ids=pos)
+            logits = ctx.policy(ids, position_ids=pos)
             loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), tgt.flatten(), ignore_index=IGNORE)
-            module.manual_backward(loss / self.MICRO)
-            values = module.value(ids, position_ids=pos)
-            module.manual_backward((values - 1.0).pow(2).mean() / self.MICRO)
-        module.step_optimizer(policy_opt, 0.05)
-        module.step_optimizer(critic_opt, None)
+            ctx.backward(loss / self.MICRO)
+            values = ctx.value(ids, position_ids=pos)
+            ctx.backward((values - 1.0).pow(2).mean() / self.MICRO)
+        ctx.step("policy")
+        ctx.step("critic")
         self.position = batch["next_position"]
 
 
-def test_manual_two_optimizers(tmp_path, monkeypatch):
-    monkeypatch.setitem(recipes.RECIPES, "ppo", ManualTwoOptimizers)
-    cfg = base_cfg(tmp_path, recipe="ppo", accumulate_grad_batches=4)   # ignored in manual mode
-    cfg["scheduler"] = {"name": "linear", "warmup_steps": 1}
-    trainer = fit(resolve(cfg))
+def test_manual_two_optimizers(tmp_path, install_recipe):
+    install_recipe({"two_optimizers": "test_callbacks:ManualTwoOptimizers"})
+    cfg = resolve(base_cfg(tmp_path, recipe="two_optimizers", accumulate_grad_batches=4))  # ignored: manual
+    cfg["scheduler"] = {"name": "linear", "warmup_steps": 1, "min_lr_ratio": 0.0}
+    # the critic's section: its lr, weight decay and clipping (None: measured, not clipped)
+    cfg["critic_settings"] = {"lr": 2e-4, "weight_decay": 0.0, "max_grad_norm": None}
+    trainer = fit(cfg)
     rec = recorder(trainer)
     module = trainer.lightning_module
     assert rec.micro_batches == 3   # one Lightning batch per policy step
@@ -120,17 +124,13 @@ def test_manual_two_optimizers(tmp_path, monkeypatch):
         bp, ap, bc, ac = rec.events[4 * i: 4 * i + 4]
         assert (bp[2], ap[2], bc[2], ac[2]) == (i, i + 1, i + 1, i + 1)
         assert bp[4] and bc[4]
-        assert bp[5] <= 0.05 * (1 + 1e-5)                      # policy clipped by the recipe's value
+        assert bp[5] <= 0.05 * (1 + 1e-5)                      # policy clipped to optimizer.max_grad_norm
         assert changed(bp[6], ap[6]) and changed(bc[6], ac[6])
     # Gradients were zeroed by step_optimizer; the LR schedule stepped once per policy step.
     assert all(p.grad is None for p in module.policy.parameters())
     schedule = LRSchedule("linear", 1, 3, 0.0)
     assert module.optimizers()[0].param_groups[0]["lr"] == pytest.approx(1e-3 * schedule(3))
-    assert module.optimizers()[1].param_groups[0]["lr"] == cfg_critic_lr(module)
-
-
-def cfg_critic_lr(module):
-    return module.cfg["ppo"]["critic"]["lr"]
+    assert module.optimizers()[1].param_groups[0]["lr"] == 2e-4
 
 
 def test_user_callback_must_be_a_lightning_callback(tmp_path):

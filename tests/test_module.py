@@ -8,12 +8,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import recipes
 from framework.config import resolve
 from framework.data import IGNORE, sft_dataloader
 from framework.errors import FwError
 from framework.metrics import StepMetrics, read_metrics
-from framework.module import FwModule, LRSchedule
+from framework.module import FwModule
+from framework.recipe import Requirements
+from framework.schedule import LRSchedule
 from framework.trainer import fit
 from recipes.sft import SFTRecipe
 
@@ -194,18 +195,19 @@ def test_metrics_logged_every_n_steps_and_at_the_end(tmp_path):
 class WithCritic(SFTRecipe):
     """SFT data + a value model: enough to exercise the critic's checkpoint component."""
 
+    @classmethod
+    def requirements(cls, cfg):
+        return Requirements(automatic_optimization=True, value_model=True)
+
     def __init__(self, cfg, tokenizer):
         super().__init__({**cfg, "sft": {"train_on_prompt": False}}, tokenizer)
 
-    def needs_value_model(self):
-        return True
 
-
-def test_value_component_round_trip(tmp_path, monkeypatch):
+def test_value_component_round_trip(tmp_path, install_recipe):
     from framework.errors import FwError
 
-    monkeypatch.setitem(recipes.RECIPES, "ppo", WithCritic)
-    cfg = resolve({"recipe": "ppo", "model": {"policy": {"preset": "tiny"}}, "data": {"path": DATA}})
+    install_recipe({"sft_with_critic": "test_module:WithCritic"})
+    cfg = resolve({"recipe": "sft_with_critic", "model": {"policy": {"preset": "tiny"}}, "data": {"path": DATA}})
     a = FwModule(cfg)
     with torch.no_grad():
         a.value.v_head.weight.normal_()

@@ -1,0 +1,154 @@
+"""The recipe contract: what a training recipe declares, the step context it trains through, and where
+recipes are found.
+
+A recipe owns its data and its loss; the framework owns the models, optimizers, clipping, the
+optimizer-step hooks, metrics and checkpoints. Recipes are installed under the entry-point group
+`fw.recipes` (name = the config's `recipe:` value, object = the recipe class), so a package of your own
+adds one exactly as fw adds its built-ins (see pyproject.toml).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from importlib.metadata import EntryPoint, entry_points
+from typing import TYPE_CHECKING, Any, Protocol
+
+from framework.errors import FwError
+
+if TYPE_CHECKING:   # torch stays unimported: `fw validate` checks recipe names without it
+    import torch
+    from torch.utils.data import DataLoader
+
+    from framework.module import FwModule
+
+ENTRY_POINT_GROUP = "fw.recipes"
+
+
+@dataclass(frozen=True)
+class OptimizerRole:
+    """One optimizer of a recipe: its role name, the model it trains and the config section holding its
+    `lr`, `weight_decay` and `max_grad_norm` (betas, eps and fused always come from `optimizer:`)."""
+
+    name: str
+    model: str                   # "policy" | "value"
+    section: tuple[str, ...]     # path into the config, e.g. ("optimizer",) or ("ppo", "critic")
+
+
+POLICY = OptimizerRole("policy", "policy", ("optimizer",))
+
+
+@dataclass(frozen=True)
+class Requirements:
+    """What a recipe needs from the framework, declared before any model is built."""
+
+    automatic_optimization: bool
+    optimizers: tuple[OptimizerRole, ...] = (POLICY,)
+    value_model: bool = False
+    reference_model: bool = False
+    # DDP must look for parameters without gradients (e.g. separate policy and critic backwards).
+    find_unused_parameters: bool = False
+    # trainer.precision values this recipe cannot train under, each with the reason.
+    unsupported_precisions: Mapping[str, str] = field(default_factory=dict)
+
+    def role(self, name: str) -> OptimizerRole:
+        return next(r for r in self.optimizers if r.name == name)
+
+
+class StepContext:
+    """The narrow view of the training module that a recipe trains through.
+
+    `backward` and `step` are for manual optimization; under automatic optimization the recipe returns
+    its loss from `training_step` and Lightning does both.
+    """
+
+    def __init__(self, module: FwModule):
+        self._module = module
+
+    @property
+    def policy(self) -> torch.nn.Module:
+        return self._module.policy
+
+    @property
+    def value(self) -> torch.nn.Module | None:
+        return self._module.value
+
+    @property
+    def reference(self) -> torch.nn.Module | None:
+        return self._module.reference
+
+    @property
+    def device(self) -> torch.device:
+        return self._module.device
+
+    @property
+    def rank(self) -> int:
+        return self._module.trainer.global_rank
+
+    @property
+    def world_size(self) -> int:
+        return self._module.trainer.world_size
+
+    @property
+    def policy_version(self) -> int:
+        """Policy optimizer steps taken so far (saved in checkpoints)."""
+        return self._module.policy_version
+
+    def steps_left(self) -> bool:
+        """False once `trainer.max_steps` policy optimizer steps are done."""
+        max_steps = self._module.trainer.max_steps
+        return max_steps is None or max_steps < 0 or self._module.policy_version < max_steps
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backpropagate `loss` (precision plugin and DDP included); gradients accumulate until `step`."""
+        self._module.manual_backward(loss)
+
+    def step(self, role: str) -> None:
+        """One optimizer step of `role`: clip, `before_optimizer_step`, step, `after_optimizer_step`, zero the
+        gradients, then the LR schedule (policy)."""
+        self._module.step_optimizer(role)
+
+    def log(self, name: str, value: torch.Tensor | float, weight: torch.Tensor | float | None = None,
+            reduce: str = "mean") -> None:
+        """Record a metric for the logging interval (see `FwModule.log_metric`)."""
+        self._module.log_metric(name, value, weight, reduce)
+
+    def logging_this_step(self) -> bool:
+        """Whether the optimizer step in progress will be logged (for metrics too costly for every step)."""
+        return self._module.logging_this_step()
+
+
+class Recipe(Protocol):
+    """A training recipe: constructed as `Recipe(cfg, tokenizer)` after `requirements(cfg)` was honoured."""
+
+    @classmethod
+    def requirements(cls, cfg: dict) -> Requirements: ...
+
+    def train_dataloader(self, ctx: StepContext) -> DataLoader: ...
+
+    def training_step(self, ctx: StepContext, batch: Any, batch_idx: int) -> torch.Tensor | None: ...
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
+
+
+def installed_recipes() -> dict[str, EntryPoint]:
+    """The recipes installed under the `fw.recipes` entry-point group, by name (nothing is imported)."""
+    found: dict[str, EntryPoint] = {}
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        other = found.get(ep.name)
+        if other is not None and other.value != ep.value:
+            raise FwError(f"recipe '{ep.name}' is installed twice: {other.value} and {ep.value} "
+                          f"(entry-point group {ENTRY_POINT_GROUP}); uninstall one of them")
+        found[ep.name] = ep
+    return found
+
+
+def recipe_class(name: str) -> type[Recipe]:
+    """The recipe class installed as `name`."""
+    installed = installed_recipes()
+    if name not in installed:
+        known = ", ".join(sorted(installed)) or "none: is fw installed (pip install -e .)?"
+        raise FwError(f"recipe: unknown recipe '{name}' (installed: {known})")
+    return installed[name].load()

@@ -1,0 +1,23 @@
+"""The learning-rate schedule: linear warmup, then constant, linear or cosine decay."""
+
+from __future__ import annotations
+
+import math
+
+
+class LRSchedule:
+    """LR multiplier after `step` optimizer steps: linear warmup over `warmup_steps`, then `name` (constant,
+    linear or cosine) decays to `min_lr_ratio` at `total_steps`."""
+
+    def __init__(self, name: str, warmup_steps: int, total_steps: int, min_lr_ratio: float):
+        self.name, self.warmup_steps, self.total_steps, self.min_lr_ratio = (
+            name, warmup_steps, total_steps, min_lr_ratio)
+
+    def __call__(self, step: int) -> float:
+        if step < self.warmup_steps:
+            return (step + 1) / self.warmup_steps
+        if self.name == "constant":
+            return 1.0
+        progress = min(1.0, (step - self.warmup_steps) / max(1, self.total_steps - self.warmup_steps))
+        decay = 1.0 - progress if self.name == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
+        return self.min_lr_ratio + (1.0 - self.min_lr_ratio) * decay
