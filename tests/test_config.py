@@ -262,7 +262,8 @@ def test_import_object_and_class(user_modules):
     ("nosuchpkg_fw.mod.Cls", "cannot import 'nosuchpkg_fw.mod.Cls': no module named 'nosuchpkg_fw'"),
     ("userpkg.nosuchmod.Cls", "cannot import 'userpkg.nosuchmod.Cls': no module named 'userpkg.nosuchmod'"),
     ("userpkg.good.Nope", "cannot import 'userpkg.good.Nope': module 'userpkg.good' has no attribute 'Nope'"),
-    ("userpkg.good.Scale.Nope", "cannot import 'userpkg.good.Scale.Nope': 'userpkg.good.Scale' has no attribute 'Nope'"),
+    ("userpkg.good.Scale.Nope",
+     "cannot import 'userpkg.good.Scale.Nope': 'userpkg.good.Scale' has no attribute 'Nope'"),
     ("userpkg.needs_dep.X", ("cannot import 'userpkg.needs_dep.X': importing module 'userpkg.needs_dep' failed: "
                             "No module named 'nosuchdep_for_fw_tests'")),
     ("userpkg.broken.X", "cannot import 'userpkg.broken.X': importing module 'userpkg.broken' failed: SyntaxError"),

@@ -313,8 +313,9 @@ class AdvantageDump(Callback):
         if module.optimizer_role(optimizer) != "policy" or module.policy_version != 0:
             return
         recipe = module.recipe
+        out = Path(module.cfg["run_dir"]) / f"adv-rank{trainer.global_rank}.pt"
         torch.save({"raw": recipe.last_advantages_raw.cpu(), "whitened": recipe.last_advantages.cpu(),
-                    "mask": recipe.last_rollout.mask.cpu()}, Path(module.cfg["run_dir"]) / f"adv-rank{trainer.global_rank}.pt")
+                    "mask": recipe.last_rollout.mask.cpu()}, out)
 
 
 @pytest.mark.slow   # one 2-process Lightning start-up

@@ -84,7 +84,8 @@ class PPOProbe(Callback):
                 for j, logp in enumerate(row):
                     ratio = torch.exp(logp - float(data.old_logp[b, j]))
                     a = self.adv[b][j]
-                    terms.append(-torch.minimum(ratio * a, ratio.clamp(1 - p["clip_eps_low"], 1 + p["clip_eps_high"]) * a))
+                    clipped = ratio.clamp(1 - p["clip_eps_low"], 1 + p["clip_eps_high"])
+                    terms.append(-torch.minimum(ratio * a, clipped * a))
             (sum(terms) / len(terms)).backward()
             PPOProbe.results.append(("policy", _worst(policy, module.policy)))
         elif role == "critic" and module.policy_version == 2:   # the second critic step follows policy step 2

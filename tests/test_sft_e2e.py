@@ -18,8 +18,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def run_fw(*args, timeout=600):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}   # 2 shared cores: intra-op threads only contend
-    return subprocess.run([sys.executable, "-m", "framework", *args], check=False, cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run([sys.executable, "-m", "framework", *args], check=False, cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
 
 
 def test_example_config_is_cpu_friendly_and_gpu_ready():
