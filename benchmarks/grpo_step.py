@@ -2,7 +2,8 @@
 
 The config is benchmarks/grpo_bench.yaml; the prompts and reward below plug in through
 `class_path` like any user's. A random-init model never emits EOS, so every completion runs the full
-256 tokens, as in the reference measurement. Timing and summary: benchmarks/fit_timing.py.
+256 tokens, as the benchmark's definition and TRL's figure assume (docs/BENCHMARKS.md). Timing and
+summary: benchmarks/fit_timing.py.
 
     python -m benchmarks.grpo_step [--trainer.max_steps=4 ...]
 """

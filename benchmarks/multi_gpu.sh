@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# DDP evidence for issue 7 on a 2-GPU machine (docs/MULTI_GPU.md): SFT loss parity with 1 GPU on the same
+# DDP evidence on a 2-GPU machine (docs/MULTI_GPU.md): SFT loss parity with 1 GPU on the same
 # global batch, tokens/s scaling, save on 2 -> resume on 1 and 1 -> 2 with the data position checked, and
 # GRPO on 1 vs 2 GPUs with a 2 -> 1 resume. Logs and a summary go to $OUT (default mgpu-logs).
 #   bash benchmarks/multi_gpu.sh                       # nvidia-h200-x2: qwen3-0.6b, bf16, 2048 tokens
@@ -9,7 +9,8 @@
 #                                                      # empties $RUNS: give a later call its own RUNS
 set -u
 OUT=${OUT:-mgpu-logs}; mkdir -p "$OUT"
-# NVLink multicast stays off in every process (/work/.library/device/KINDS.md); rank 1 inherits this.
+# NVLink multicast stays off in every process: on a host whose GPUs are shared, a program that uses it can put
+# them out of service. Lightning starts rank 1 with this environment, so exporting it here covers both ranks.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 . "$(dirname "$0")/device_env.sh"
 ACCEL=${ACCEL:-gpu} PRESET=${PRESET:-qwen3-0.6b} PREC=${PREC:-bf16-mixed} SEQ=${SEQ:-2048} ROWS=${ROWS:-8}

@@ -1,11 +1,11 @@
-"""Rollout throughput on the REFERENCE.md §4 workload: fw's engine against HF `generate`, same run.
+"""Rollout throughput on the rollout workload (docs/BENCHMARKS.md): fw's engine against HF `generate`, same run.
 
 Random prompt ids, prompt and output lengths uniform in [lo, hi] (seed 0), EOS ignored, temperature
 0.6; throughput = useful output tokens / wall time including prefill. `fw` ends each row at its own
 output length (generate's per-row max_new_tokens; a finished row stops reading its KV cache), as the
-workload's floor in REFERENCE.md §4 assumes; `fw-longest` and HF `generate` (which has no per-row
-limit) run every row to the longest output, so both are charged the same padding; `fw-eager` is `fw`
-without the CUDA graph of the decode step.
+workload's floor assumes; `fw-longest` and HF `generate` (which has no per-row limit) run every row to
+the longest output, so both are charged the same padding; `fw-eager` is `fw` without the CUDA graph of
+the decode step.
 
     python -m benchmarks.rollout --num-seqs 256 --lo 100 --hi 1024 --impls fw,fw-longest,fw-eager
     python -m benchmarks.rollout --num-seqs 64 --lo 100 --hi 256 --impls fw,fw-longest,hf

@@ -1,7 +1,7 @@
 """Training-step throughput at the Qwen3-0.6B shape: fw's model against HF transformers, same run.
 
 One step = forward, token-mean cross-entropy, backward, clip, fused AdamW; autocast bf16 with fp32
-master weights (the peer setting of REFERENCE.md §2). Prints one table; `--json` writes the rows.
+master weights, for fw and HF alike (docs/BENCHMARKS.md). Prints one table; `--json` writes the rows.
 
     python -m benchmarks.train_step --batch 8 --seq 2048 --steps 10
 """
@@ -19,7 +19,7 @@ import ops_cuda
 from framework.models import Qwen3ForCausalLM
 from framework.models.presets import PRESETS, preset_config
 
-# Dense bf16 matrix rate measured on the H200 (REFERENCE.md §1): the denominator of MFU.
+# Dense bf16 matrix rate measured on the H200 (docs/BENCHMARKS.md): the denominator of MFU.
 PEAK_FLOPS = 785e12
 
 CUDA = torch.cuda.is_available()
@@ -41,7 +41,7 @@ def flops_per_token(cfg, seq: int) -> float:
 
 def fw_loss(model, ids, save_logits=None):
     """The recipes' loss: logits kept for the backward unless the model recomputes activations (or
-    save_logits=False, the fw-recomp impl: the A/B of that choice alone)."""
+    save_logits=False, the fw-recomp impl, which changes that choice and nothing else)."""
     hidden = model(ids[:, :-1], return_hidden=True)
     keep = model.saves_logits if save_logits is None else save_logits
     logp, _ = ops_cuda.linear_logprob(hidden.reshape(-1, hidden.shape[-1]), model.lm_head_weight,
