@@ -2,49 +2,18 @@
 
     python -m benchmarks.fit_timing --config recipes/sft.yaml [--config more.yaml] [--a.b=v ...]
 
-A `StepTimer` callback is appended to the config's callbacks (the same `class_path` mechanism users
-have); the summary reads its `step_times.json` and the run's `metrics.jsonl`. The first step (kernels,
-allocator, autotuning) is reported apart from the median of the later ones.
+The `StepTimer` callback of examples/step_timer.py is appended to the config's callbacks (the same
+`class_path` mechanism users have); the summary reads its `step_times.json` and the run's `metrics.jsonl`.
+The first step (kernels, allocator, autotuning) is reported apart from the median of the later ones.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import statistics
-import time
 from pathlib import Path
 
 import torch
-
-from framework.callbacks import Callback
-
-
-class StepTimer(Callback):
-    """Wall time between consecutive policy optimizer steps, written to <run_dir>/step_times.json."""
-
-    def __init__(self) -> None:
-        self.stamps: list[float] = []
-
-    def on_train_start(self, trainer, module) -> None:
-        self._sync()
-        if torch.cuda.is_available():
-            torch.cuda.reset_peak_memory_stats()
-        self.stamps = [time.perf_counter()]
-
-    def after_optimizer_step(self, trainer, module, optimizer) -> None:
-        if module.optimizer_role(optimizer) != "policy":
-            return
-        self._sync()
-        self.stamps.append(time.perf_counter())
-        peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
-        out = Path(trainer.default_root_dir) / "step_times.json"
-        out.write_text(json.dumps({"step_seconds": [b - a for a, b in zip(self.stamps, self.stamps[1:])],
-                                   "peak_gib": peak}))
-
-    @staticmethod
-    def _sync() -> None:
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
 
 
 def _median(records: list[dict], key: str, skip_first: bool = True) -> float | None:
@@ -92,7 +61,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--config", action="append", required=True)
     args, overrides = ap.parse_known_args(argv)
     cfg = load_config(args.config, overrides)
-    cfg["callbacks"] = [*cfg["callbacks"], {"class_path": "benchmarks.fit_timing.StepTimer", "init_args": {}}]
+    cfg["callbacks"] = [*cfg["callbacks"], {"class_path": "examples.step_timer.StepTimer", "init_args": {}}]
     fit(cfg)
     print("\n" + report(cfg), flush=True)
 
