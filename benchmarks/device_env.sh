@@ -6,3 +6,6 @@ if [ -d .whl ]; then   # the GPU machine has no package index: jsonschema & co. 
 else
   export PYTHONPATH=$PWD
 fi
+# fw itself, editable: its recipes are found through the fw.recipes entry points of its metadata.
+python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >/tmp/fw-install.log 2>&1 \
+  || { echo "device_env.sh: pip install -e . failed (see /tmp/fw-install.log)" >&2; cat /tmp/fw-install.log >&2; }

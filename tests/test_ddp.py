@@ -44,7 +44,7 @@ def train(tmp_path, name, devices, batch_size):
     return read_metrics(tmp_path / name / "metrics.jsonl")
 
 
-@pytest.mark.slow   # two Lightning process start-ups: ~25-60 s on 2 shared cores
+@pytest.mark.slow   # two Lightning process start-ups: long on a 2-core machine
 def test_two_processes_match_one_on_the_same_global_batch(tmp_path):
     one = train(tmp_path, "one", devices=1, batch_size=4)
     two = train(tmp_path, "two", devices=2, batch_size=2)
