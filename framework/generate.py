@@ -16,33 +16,41 @@ def _device(cfg: dict) -> torch.device:
     return torch.device("cpu")
 
 
-def load_policy(cfg: dict | None, checkpoint: str | None) -> tuple[dict, Any, Any]:
-    """(config, tokenizer, policy): from ``checkpoint``'s ``policy/`` (its ``config.yaml`` when ``cfg``
-    is None), else built from ``cfg`` (random init for a preset, seeded with ``cfg["seed"]``)."""
+def run_config(cfg: dict | None, checkpoint: str | None) -> dict:
+    """The config to generate with: ``cfg``, else the ``config.yaml`` of ``checkpoint`` (which must hold a
+    policy)."""
+    if checkpoint is None:
+        if cfg is None:
+            raise FwError("fw generate needs a config or a checkpoint")
+        return cfg
+    ckpt = Path(checkpoint)
+    if not (ckpt / "policy" / "config.json").is_file():
+        raise FwError(f"--checkpoint {ckpt}: no policy/config.json there (expected a checkpoint directory "
+                      "such as <run_dir>/checkpoints/step-000100)")
+    if cfg is not None:
+        return cfg
+    from framework.config import load_config
+
+    if not (ckpt / "config.yaml").is_file():
+        raise FwError(f"--checkpoint {ckpt}: no config.yaml there; pass --config FILE as well")
+    return load_config([str(ckpt / "config.yaml")])
+
+
+def load_policy(cfg: dict, checkpoint: str | None) -> tuple[Any, Any]:
+    """(tokenizer, policy): from ``checkpoint``'s ``policy/`` (checked by ``run_config``), else built from
+    ``cfg`` (random init for a preset, seeded with ``cfg["seed"]``)."""
     from framework.models import build_policy, load_pretrained
     from framework.tokenizer import Tokenizer, build_tokenizer
 
     if checkpoint is None:
-        if cfg is None:
-            raise FwError("fw generate needs a config or a checkpoint")
         tokenizer = build_tokenizer(cfg)
         torch.manual_seed(cfg["seed"])
-        return cfg, tokenizer, build_policy(cfg["model"]["policy"], tokenizer)
-    ckpt = Path(checkpoint)
-    policy_dir = ckpt / "policy"
-    if not (policy_dir / "config.json").is_file():
-        raise FwError(f"--checkpoint {ckpt}: no policy/config.json there (expected a checkpoint directory "
-                      "such as <run_dir>/checkpoints/step-000100)")
-    if cfg is None:
-        from framework.config import load_config
-
-        if not (ckpt / "config.yaml").is_file():
-            raise FwError(f"--checkpoint {ckpt}: no config.yaml there; pass --config FILE as well")
-        cfg = load_config([str(ckpt / "config.yaml")])
+        return tokenizer, build_policy(cfg["model"]["policy"], tokenizer)
+    policy_dir = Path(checkpoint) / "policy"
     # A checkpoint's policy/ carries the tokenizer the run trained with; fall back to the config's.
     has_tokenizer = (policy_dir / "tokenizer.json").is_file()
     tokenizer = Tokenizer.from_pretrained(policy_dir) if has_tokenizer else build_tokenizer(cfg)
-    return cfg, tokenizer, load_pretrained(policy_dir, cfg["model"]["policy"]["dtype"])
+    return tokenizer, load_pretrained(policy_dir, cfg["model"]["policy"]["dtype"])
 
 
 def generate_text(cfg: dict | None, prompt: str, checkpoint: str | None = None, max_new_tokens: int | None = None,
@@ -55,10 +63,11 @@ def generate_text(cfg: dict | None, prompt: str, checkpoint: str | None = None, 
 
     if seed is not None and seed < 0:
         raise FwError(f"fw generate: --seed must be >= 0, got {seed}")
-    cfg, tokenizer, policy = load_policy(cfg, checkpoint)
-    policy.to(_device(cfg))
+    cfg = run_config(cfg, checkpoint)
     changes = {k: v for k, v in (("max_new_tokens", max_new_tokens), ("temperature", temperature)) if v is not None}
-    params = SamplingParams.from_config(cfg["rollout"], **changes)
+    params = SamplingParams.from_config(cfg["rollout"], **changes)   # checked before any weights load
+    tokenizer, policy = load_policy(cfg, checkpoint)
+    policy.to(_device(cfg))
     text = render_prompt(prompt, tokenizer, cfg["data"]["chat_template"], cfg["tokenizer"]["enable_thinking"])
     ids = tokenizer.encode(text)
     if not ids:

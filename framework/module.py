@@ -155,7 +155,10 @@ class FwModule(lightning.LightningModule):
         The policy steps through Lightning's wrapper, so `trainer.global_step` counts policy steps; other
         roles step directly, so they do not.
         """
-        raw = self._optimizer_of[role]
+        raw = self._optimizer_of.get(role)
+        if raw is None:
+            raise FwError(f"step: no optimizer role {role!r}; recipe {self.cfg['recipe']} declares "
+                          f"{', '.join(self._optimizer_of)}")
         if role == "policy":
             wrapped = next(o for o in self._lightning_optimizers() if o.optimizer is raw)
             wrapped.step()   # precision plugin -> on_before_optimizer_step -> raw.step()
