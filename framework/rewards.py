@@ -38,8 +38,6 @@ from framework.errors import FwError
 
 log = logging.getLogger(__name__)
 
-ON_ERROR = ("raise", "zero")
-
 
 # ---------------------------------------------------------------- answer extraction
 
@@ -358,8 +356,6 @@ def score_rollout(reward_fn: Any, prompts: list[str], completions: list[str], me
     logs a warning and scores the sample 0. A failing ``batch`` call is retried per sample when the
     reward is also callable, so only the offending samples are zeroed; otherwise the whole batch is.
     """
-    if on_error not in ON_ERROR:
-        raise FwError(f"reward.on_error must be one of {', '.join(ON_ERROR)}, got {on_error!r}")
     n = len(prompts)
     if not len(completions) == len(metadatas) == n:
         raise FwError(f"score_rollout: {n} prompts, {len(completions)} completions, {len(metadatas)} metadatas")

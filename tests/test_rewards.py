@@ -269,9 +269,7 @@ def test_score_rollout_batched_nan_and_failures():
         score_rollout(Short(), ["a", "b"], ["x", "y"], [{}] * 2, "zero")
 
 
-def test_score_rollout_rejects_bad_policy_and_lengths():
-    with pytest.raises(FwError, match="on_error must be one of raise, zero"):
-        score_rollout(ExactMatch(), ["a"], ["b"], [meta("b")], "ignore")
+def test_score_rollout_rejects_mismatched_lengths():
     with pytest.raises(FwError, match="2 prompts, 1 completions"):
         score_rollout(ExactMatch(), ["a", "b"], ["b"], [meta("b")] * 2, "raise")
 
