@@ -8,6 +8,7 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.plugins.io import CheckpointIO
 
+from framework.cadence import crossed
 from framework.checkpoint.directory import read_checkpoint_dir, write_checkpoint_dir
 from framework.checkpoint.files import remove_tree
 from framework.checkpoint.store import (
@@ -81,8 +82,7 @@ class CheckpointCallback(pl.Callback):
         previous, self._seen_step = self._seen_step, step
         if previous is None or step == previous:
             return
-        crossed = step // self.every > previous // self.every
-        if crossed or step >= self.max_steps > 0:
+        if crossed(previous, step, self.every) or step >= self.max_steps > 0:
             self.save(trainer, step)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
