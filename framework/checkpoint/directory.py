@@ -54,7 +54,7 @@ def read_manifest(path: str | os.PathLike) -> dict:
     return manifest
 
 
-def check_sizes(path: Path, manifest: dict) -> None:
+def _check_sizes(path: Path, manifest: dict) -> None:
     for rel, meta in manifest["files"].items():
         file = path / rel
         try:
@@ -65,11 +65,17 @@ def check_sizes(path: Path, manifest: dict) -> None:
             raise FwError(f"{file}: size {size} bytes, the manifest says {meta['size']}: the file is corrupt")
 
 
+def read_complete_manifest(path: str | os.PathLike) -> dict:
+    """The manifest of checkpoint `path` once every file it lists exists with the listed size; FwError if not."""
+    manifest = read_manifest(path)
+    _check_sizes(Path(path), manifest)
+    return manifest
+
+
 def is_complete(path: str | os.PathLike) -> bool:
     """Manifest parses and every file it lists exists with the listed size (no hashing)."""
-    path = Path(path)
     try:
-        check_sizes(path, read_manifest(path))
+        read_complete_manifest(path)
     except (FwError, KeyError, TypeError, AttributeError):
         return False
     return True
@@ -79,8 +85,7 @@ def verify_checkpoint(path: str | os.PathLike) -> dict:
     """Check every file's size and sha256 against the manifest; return the manifest or raise FwError naming
     the bad file."""
     path = Path(path)
-    manifest = read_manifest(path)
-    check_sizes(path, manifest)
+    manifest = read_complete_manifest(path)
     files = list(manifest["files"].items())
     with ThreadPoolExecutor(max_workers=min(8, max(1, len(files)))) as pool:
         digests = list(pool.map(lambda item: sha256(path / item[0]), files))
@@ -176,9 +181,7 @@ def read_checkpoint_dir(
     """Rebuild the checkpoint dict from directory `path`; weights come back under "fw_components" as
     {name: {"config": dict, "state_dict": {hf name: tensor}, "files": {name: bytes}}}."""
     path = Path(path)
-    manifest = verify_checkpoint(path) if verify else read_manifest(path)
-    if not verify:
-        check_sizes(path, manifest)
+    manifest = verify_checkpoint(path) if verify else read_complete_manifest(path)
     # like Lightning's TorchCheckpointIO, default to CPU: never onto the GPU the state was saved from
     # (another rank's device under DDP); Lightning moves optimizer state to the right device itself
     with open(path / TRAINER_STATE, "rb") as f:

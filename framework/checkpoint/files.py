@@ -10,10 +10,11 @@ import re
 import secrets
 import shutil
 from pathlib import Path
+from typing import BinaryIO
 
 # hidden siblings: .staging-<name>-<pid>-<hex> (being built, or an old dir swapped out),
 # .replaced-<name>-<pid>-<hex> (set aside by the fallback replace), .trash-<name>-<pid>-<hex> (being deleted)
-HIDDEN = re.compile(r"^\.(staging|replaced|trash)-(.+)-(\d+)-([0-9a-f]+)$")
+_HIDDEN = re.compile(r"^\.(staging|replaced|trash)-(.+)-(\d+)-([0-9a-f]+)$")
 _HASH_CHUNK = 8 << 20
 
 
@@ -25,24 +26,26 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def hash_and_fsync(path: Path) -> tuple[int, str]:
-    """Read the file back (what is on disk is what gets hashed), fsync it, return (size, sha256)."""
+def _size_and_sha256(f: BinaryIO) -> tuple[int, str]:
     digest = hashlib.sha256()
     size = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(_HASH_CHUNK):
-            digest.update(chunk)
-            size += len(chunk)
-        os.fsync(f.fileno())
+    while chunk := f.read(_HASH_CHUNK):
+        digest.update(chunk)
+        size += len(chunk)
     return size, digest.hexdigest()
 
 
-def sha256(path: Path) -> str:
-    digest = hashlib.sha256()
+def hash_and_fsync(path: Path) -> tuple[int, str]:
+    """Read the file back (what is on disk is what gets hashed), fsync it, return (size, sha256)."""
     with open(path, "rb") as f:
-        while chunk := f.read(_HASH_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
+        result = _size_and_sha256(f)
+        os.fsync(f.fileno())
+    return result
+
+
+def sha256(path: Path) -> str:
+    with open(path, "rb") as f:
+        return _size_and_sha256(f)[1]
 
 
 def hidden_sibling(final: Path, kind: str) -> Path:
@@ -103,7 +106,7 @@ def remove_tree(path: Path) -> None:
     path = Path(path)
     if not path.exists():
         return
-    if not HIDDEN.match(path.name):
+    if not _HIDDEN.match(path.name):
         trash = hidden_sibling(path, "trash")
         os.rename(path, trash)
         fsync_dir(path.parent)
@@ -111,7 +114,7 @@ def remove_tree(path: Path) -> None:
     shutil.rmtree(path)
 
 
-def other_process_alive(pid: int) -> bool:
+def _other_process_alive(pid: int) -> bool:
     """Whether `pid` is a live process other than this one. Our own pid counts as dead: callers run when this
     process is not saving, and a restarted container often gets the crashed process's pid back."""
     if pid == os.getpid():
@@ -123,3 +126,16 @@ def other_process_alive(pid: int) -> bool:
     except PermissionError:  # exists, owned by another user
         return True
     return True
+
+
+def dead_leftovers(directory: Path) -> list[tuple[Path, str, str]]:
+    """Hidden siblings in `directory` whose owning process is gone, sorted by name, as (path, kind, name of
+    the directory they stand beside); none when `directory` does not exist."""
+    if not directory.is_dir():
+        return []
+    found = []
+    for entry in sorted(directory.iterdir()):
+        m = _HIDDEN.match(entry.name)
+        if m and not _other_process_alive(int(m.group(3))):
+            found.append((entry, m.group(1), m.group(2)))
+    return found

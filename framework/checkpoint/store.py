@@ -7,8 +7,8 @@ import re
 import shutil
 from pathlib import Path
 
-from framework.checkpoint.directory import check_sizes, is_complete, read_manifest
-from framework.checkpoint.files import HIDDEN, fsync_dir, other_process_alive, remove_tree
+from framework.checkpoint.directory import is_complete, read_complete_manifest
+from framework.checkpoint.files import dead_leftovers, fsync_dir, remove_tree
 from framework.errors import FwError
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -25,14 +25,9 @@ def checkpoints_dir(run_dir: str | os.PathLike) -> Path:
 def recover(ckpt_dir: str | os.PathLike) -> None:
     """Put back a checkpoint that an interrupted fallback replace had set aside (its new copy never appeared)."""
     ckpt_dir = Path(ckpt_dir)
-    if not ckpt_dir.is_dir():
-        return
-    for entry in sorted(ckpt_dir.iterdir()):
-        m = HIDDEN.match(entry.name)
-        if not m or m.group(1) != "replaced" or other_process_alive(int(m.group(3))):
-            continue
-        final = ckpt_dir / m.group(2)
-        if not final.exists() and is_complete(entry):
+    for entry, kind, name in dead_leftovers(ckpt_dir):
+        final = ckpt_dir / name
+        if kind == "replaced" and not final.exists() and is_complete(entry):
             try:
                 os.rename(entry, final)
             except OSError:  # gone or target exists: another rank (same shared run_dir) recovered it first
@@ -46,13 +41,12 @@ def clean_leftovers(ckpt_dir: str | os.PathLike) -> list[str]:
     ckpt_dir = Path(ckpt_dir)
     recover(ckpt_dir)
     removed = []
-    if not ckpt_dir.is_dir():
-        return removed
-    for entry in sorted(ckpt_dir.iterdir()):
-        m = HIDDEN.match(entry.name)
-        if m and not other_process_alive(int(m.group(3))):
-            shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
-            removed.append(entry.name)
+    for entry, _, _ in dead_leftovers(ckpt_dir):
+        if entry.is_dir():
+            shutil.rmtree(entry)
+        else:
+            entry.unlink()
+        removed.append(entry.name)
     return removed
 
 
@@ -97,7 +91,7 @@ def resolve_resume(resume: str | None, run_dir: str | os.PathLike) -> str | None
         if latest is None:
             raise FwError(f"--resume last: no complete checkpoint under {checkpoints_dir(run_dir)}")
         return latest
-    check_sizes(Path(resume), read_manifest(resume))
+    read_complete_manifest(resume)
     return str(resume)
 
 
