@@ -97,15 +97,6 @@ def verify_checkpoint(path: str | os.PathLike) -> dict:
     return manifest
 
 
-def _write_bytes(path: Path, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-
-
-def _write_json(path: Path, obj: Any) -> None:
-    _write_bytes(path, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode("utf-8"))
-
-
 def _is_model_file(fname: str) -> bool:
     """config.json and the weights (single file, shards, index): written by hf_io, not passed as "files"."""
     return fname in (HF_CONFIG_FILE, INDEX_FILE) or fname.endswith(".safetensors")
@@ -120,7 +111,7 @@ def _write_component(folder: Path, name: str, component: dict, max_shard_size: i
             raise ValueError(f"fw_components[{name!r}]['files']: {fname!r} is not an allowed file name")
     write_checkpoint(component["config"], component["state_dict"], folder, max_shard_size)
     for fname, data in files.items():
-        _write_bytes(folder / fname, bytes(data))
+        (folder / fname).write_bytes(bytes(data))
 
 
 def write_checkpoint_dir(
@@ -157,7 +148,7 @@ def write_checkpoint_dir(
             "components": sorted(components),
             "files": {rel: {"size": size, "sha256": digest} for rel, (size, digest) in zip(rels, sums)},
         }
-        _write_json(staging / MANIFEST, manifest)
+        (staging / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n", encoding="utf-8")
         hash_and_fsync(staging / MANIFEST)
         for name in components:
             fsync_dir(staging / name)
