@@ -222,7 +222,10 @@ def test_prune_keeps_newest_complete(run_dir):
     torn.mkdir()
     assert ck.prune(run_dir, None) == []
     removed = ck.prune(run_dir, 2)
-    names = lambda paths: [Path(p).name for p in paths]
+
+    def names(paths):
+        return [Path(p).name for p in paths]
+
     assert names(removed) == ["step-000001", "step-000002"]
     assert names(ck.list_checkpoints(run_dir)) == ["step-000003", "step-000010"]
     assert torn.exists()  # never a complete checkpoint: prune leaves it alone

@@ -12,8 +12,11 @@ It is built in a hidden staging sibling, every file and directory fsynced, then 
 (or, when the step already exists, one `renameat2(RENAME_EXCHANGE)` swap), and the parent fsynced. A
 crash at any moment leaves either the old state or the new one plus hidden leftovers that discovery
 ignores and `clean_leftovers` removes (without RENAME_EXCHANGE a replace is two renames, and `recover`,
-called by `find_latest`, undoes a crash between them). A directory counts as complete when its manifest parses and every
-file it lists exists with the listed size.
+called by `find_latest`, undoes a crash between them). A directory counts as complete when its manifest
+parses and every file it lists exists with the listed size.
+
+Modules: `files` (durable file operations), `directory` (one checkpoint directory), `store` (a run's
+checkpoints), `lightning_io` (the CheckpointIO plugin and the checkpoint callback).
 """
 
 from framework.checkpoint.directory import (

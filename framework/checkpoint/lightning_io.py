@@ -23,7 +23,7 @@ from framework.checkpoint.store import (
 class AtomicCheckpointIO(CheckpointIO):
     """Lightning CheckpointIO writing fw checkpoint directories (the format: `framework.checkpoint`)."""
 
-    def __init__(self, cfg: dict):
+    def __init__(self, cfg: dict) -> None:
         self.cfg = cfg
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
@@ -50,11 +50,11 @@ class CheckpointCallback(pl.Callback):
     middle of gradient accumulation.
     """
 
-    def __init__(self, cfg: dict):
+    def __init__(self, cfg: dict) -> None:
         self.cfg = cfg
         self.every = cfg["checkpoint"]["every_n_steps"]
         self.keep_last = cfg["checkpoint"]["keep_last"]
-        self.max_steps = cfg["trainer"]["max_steps"]  # policy optimizer steps in every recipe (DESIGN.md)
+        self.max_steps = cfg["trainer"]["max_steps"]  # policy optimizer steps in every recipe (docs/DESIGN.md)
         self.ckpt_dir = checkpoints_dir(cfg["run_dir"])
         self._seen_step: int | None = None
         self._last_saved: int | None = None
@@ -67,17 +67,18 @@ class CheckpointCallback(pl.Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         step = self.step_of(trainer, pl_module)
         self._seen_step = step
-        resumed = trainer.ckpt_path is not None  # set by now under every strategy
-        if resumed:
+        if trainer.ckpt_path is not None:  # set by now under every strategy
             self._last_saved = step
-        # every rank checks (a shared run_dir), so all of them stop together rather than leaving some
-        # waiting in a collective; only rank 0 touches the directory
-        if not resumed:
+        else:
+            # every rank checks (a shared run_dir), so all of them stop together rather than leaving some
+            # waiting in a collective; only rank 0 touches the directory
             refuse_existing_checkpoints(self.cfg["run_dir"])
         if trainer.is_global_zero:
             clean_leftovers(self.ckpt_dir)
 
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         step = self.step_of(trainer, pl_module)
         previous, self._seen_step = self._seen_step, step
         if previous is None or step == previous:
