@@ -10,16 +10,8 @@ import os
 import shutil
 from pathlib import Path
 
-from framework.checkpoint import (
-    MANIFEST,
-    checkpoints_dir,
-    find_latest,
-    fsync_dir,
-    hash_and_fsync,
-    hidden_sibling,
-    publish_dir,
-    verify_checkpoint,
-)
+from framework.checkpoint import MANIFEST, checkpoints_dir, find_latest, verify_checkpoint
+from framework.checkpoint.files import fsync_dir, hash_and_fsync, hidden_sibling, publish_dir
 from framework.errors import FwError
 
 POLICY = "policy"

@@ -17,6 +17,7 @@ from safetensors import safe_open
 from scripts.ckpt_writer import assert_same, expected, make_cfg
 
 from framework import checkpoint as ck
+from framework.checkpoint.files import exchange
 from framework.errors import FwError
 
 
@@ -174,7 +175,7 @@ def test_exchange_swaps_two_directories(tmp_path):
     (tmp_path / "a" / "x").write_text("a")
     (tmp_path / "b").mkdir()
     (tmp_path / "b" / "x").write_text("b")
-    assert ck._exchange(tmp_path / "a", tmp_path / "b")
+    assert exchange(tmp_path / "a", tmp_path / "b")
     assert (tmp_path / "a" / "x").read_text() == "b" and (tmp_path / "b" / "x").read_text() == "a"
 
 
@@ -221,7 +222,10 @@ def test_prune_keeps_newest_complete(run_dir):
     torn.mkdir()
     assert ck.prune(run_dir, None) == []
     removed = ck.prune(run_dir, 2)
-    names = lambda paths: [Path(p).name for p in paths]
+
+    def names(paths):
+        return [Path(p).name for p in paths]
+
     assert names(removed) == ["step-000001", "step-000002"]
     assert names(ck.list_checkpoints(run_dir)) == ["step-000003", "step-000010"]
     assert torn.exists()  # never a complete checkpoint: prune leaves it alone

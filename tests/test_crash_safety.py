@@ -134,7 +134,8 @@ def test_sigkill_writer_script(tmp_path):
     rng = random.Random(2)
     for i in range(4):
         args = [sys.executable, str(WRITER), str(run_dir)] + ([] if i % 2 else ["--no-exchange"])
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")]))
+        pythonpath = os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")])
+        env = dict(os.environ, PYTHONPATH=pythonpath)
         proc = subprocess.Popen(args, env=env)
         start = log.newest
         deadline = time.monotonic() + 120

@@ -1,0 +1,57 @@
+"""Atomic checkpoint directories: write, publish, discover, verify, prune, and the checkpoint callback.
+
+A checkpoint is a directory `<run_dir>/checkpoints/step-000123/`:
+
+    manifest.json        format version, step, policy version, config hash, every file's size and sha256
+    policy/              HF layout: config.json + model.safetensors or shards + index (+ files like tokenizer.json)
+    value/               the PPO critic, same layout (only when present)
+    trainer_state.pt     the rest of Lightning's checkpoint dict (optimizers, schedulers, loops, callbacks, ...)
+    config.yaml          the resolved config
+
+It is built in a hidden staging sibling, every file and directory fsynced, then published by one rename
+(or, when the step already exists, one `renameat2(RENAME_EXCHANGE)` swap), and the parent fsynced. A
+crash at any moment leaves either the old state or the new one plus hidden leftovers that discovery
+ignores and `clean_leftovers` removes (without RENAME_EXCHANGE a replace is two renames, and `recover`,
+called by `find_latest`, undoes a crash between them). A directory counts as complete when its manifest
+parses and every file it lists exists with the listed size.
+
+Modules: `files` (durable file operations), `directory` (one checkpoint directory), `store` (a run's
+checkpoints), `lightning_io` (the CheckpointIO plugin and the checkpoint callback).
+"""
+
+from framework.checkpoint.directory import (
+    CONFIG_FILE,
+    FORMAT,
+    FORMAT_VERSION,
+    HF_CONFIG_FILE,
+    MANIFEST,
+    TRAINER_STATE,
+    config_sha256,
+    is_complete,
+    read_checkpoint_dir,
+    read_manifest,
+    verify_checkpoint,
+    write_checkpoint_dir,
+)
+from framework.checkpoint.files import exchange_supported, fsync_dir, hash_and_fsync, hidden_sibling, publish_dir
+from framework.checkpoint.lightning_io import AtomicCheckpointIO, CheckpointCallback
+from framework.checkpoint.store import (
+    checkpoints_dir,
+    clean_leftovers,
+    find_latest,
+    list_checkpoints,
+    prune,
+    recover,
+    refuse_existing_checkpoints,
+    resolve_resume,
+    step_dir_name,
+)
+
+__all__ = [
+    "CONFIG_FILE", "FORMAT", "FORMAT_VERSION", "HF_CONFIG_FILE", "MANIFEST", "TRAINER_STATE",
+    "AtomicCheckpointIO", "CheckpointCallback",
+    "checkpoints_dir", "clean_leftovers", "config_sha256", "exchange_supported", "find_latest", "fsync_dir",
+    "hash_and_fsync", "hidden_sibling", "is_complete", "list_checkpoints", "prune", "publish_dir",
+    "read_checkpoint_dir", "read_manifest", "recover", "refuse_existing_checkpoints", "resolve_resume",
+    "step_dir_name", "verify_checkpoint", "write_checkpoint_dir",
+]

@@ -1,0 +1,141 @@
+"""Durable file operations: fsync, hashing while fsyncing, hidden staging siblings, atomic publish, removal."""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import hashlib
+import os
+import re
+import secrets
+import shutil
+from pathlib import Path
+from typing import BinaryIO
+
+# hidden siblings: .staging-<name>-<pid>-<hex> (being built, or an old dir swapped out),
+# .replaced-<name>-<pid>-<hex> (set aside by the fallback replace), .trash-<name>-<pid>-<hex> (being deleted)
+_HIDDEN = re.compile(r"^\.(staging|replaced|trash)-(.+)-(\d+)-([0-9a-f]+)$")
+_HASH_CHUNK = 8 << 20
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _size_and_sha256(f: BinaryIO) -> tuple[int, str]:
+    digest = hashlib.sha256()
+    size = 0
+    while chunk := f.read(_HASH_CHUNK):
+        digest.update(chunk)
+        size += len(chunk)
+    return size, digest.hexdigest()
+
+
+def hash_and_fsync(path: Path) -> tuple[int, str]:
+    """Read the file back (what is on disk is what gets hashed), fsync it, return (size, sha256)."""
+    with open(path, "rb") as f:
+        result = _size_and_sha256(f)
+        os.fsync(f.fileno())
+    return result
+
+
+def sha256(path: Path) -> str:
+    with open(path, "rb") as f:
+        return _size_and_sha256(f)[1]
+
+
+def hidden_sibling(final: Path, kind: str) -> Path:
+    return final.parent / f".{kind}-{final.name}-{os.getpid()}-{secrets.token_hex(4)}"
+
+
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+_libc = ctypes.CDLL(None, use_errno=True)
+_renameat2 = getattr(_libc, "renameat2", None)
+
+
+def exchange_supported() -> bool:
+    """Whether this libc offers renameat2 (the kernel and file system may still refuse it)."""
+    return _renameat2 is not None
+
+
+def exchange(a: Path, b: Path) -> bool:
+    """Atomically swap two existing paths; False when the platform or file system cannot."""
+    if _renameat2 is None:
+        return False
+    rc = _renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE)
+    if rc == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, f"renameat2(RENAME_EXCHANGE) {a} <-> {b}: {os.strerror(err)}")
+
+
+def publish_dir(staging: Path, final: Path, use_exchange: bool = True) -> None:
+    """Make the complete, fsynced directory `staging` appear as `final` in one step.
+
+    A new `final` is one rename. An existing `final` is swapped with `staging` by RENAME_EXCHANGE and
+    the old contents (now under the staging name) deleted. Without RENAME_EXCHANGE the old dir is
+    renamed aside to `.replaced-*` first; a crash between the two renames is undone by `recover`.
+    """
+    staging, final = Path(staging), Path(final)
+    parent = final.parent
+    if not final.exists():
+        os.rename(staging, final)
+        fsync_dir(parent)
+        return
+    if use_exchange and exchange(staging, final):
+        fsync_dir(parent)
+        remove_tree(staging)
+        return
+    aside = hidden_sibling(final, "replaced")
+    os.rename(final, aside)
+    fsync_dir(parent)
+    os.rename(staging, final)
+    fsync_dir(parent)
+    remove_tree(aside)
+
+
+def remove_tree(path: Path) -> None:
+    """Delete a directory so that a crash midway leaves only a hidden `.trash-*` leftover."""
+    path = Path(path)
+    if not path.exists():
+        return
+    if not _HIDDEN.match(path.name):
+        trash = hidden_sibling(path, "trash")
+        os.rename(path, trash)
+        fsync_dir(path.parent)
+        path = trash
+    shutil.rmtree(path)
+
+
+def _other_process_alive(pid: int) -> bool:
+    """Whether `pid` is a live process other than this one. Our own pid counts as dead: callers run when this
+    process is not saving, and a restarted container often gets the crashed process's pid back."""
+    if pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by another user
+        return True
+    return True
+
+
+def dead_leftovers(directory: Path) -> list[tuple[Path, str, str]]:
+    """Hidden siblings in `directory` whose owning process is gone, sorted by name, as (path, kind, name of
+    the directory they stand beside); none when `directory` does not exist."""
+    if not directory.is_dir():
+        return []
+    found = []
+    for entry in sorted(directory.iterdir()):
+        m = _HIDDEN.match(entry.name)
+        if m and not _other_process_alive(int(m.group(3))):
+            found.append((entry, m.group(1), m.group(2)))
+    return found

@@ -1,0 +1,100 @@
+"""Lightning's side of checkpointing: the CheckpointIO plugin and the callback that decides when to save."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.plugins.io import CheckpointIO
+
+from framework.cadence import crossed
+from framework.checkpoint.directory import read_checkpoint_dir, write_checkpoint_dir
+from framework.checkpoint.files import remove_tree
+from framework.checkpoint.store import (
+    checkpoints_dir,
+    clean_leftovers,
+    prune,
+    refuse_existing_checkpoints,
+    step_dir_name,
+)
+
+
+class AtomicCheckpointIO(CheckpointIO):
+    """Lightning CheckpointIO writing fw checkpoint directories (the format: `framework.checkpoint`)."""
+
+    def __init__(self, cfg: dict) -> None:
+        self.cfg = cfg
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
+        if storage_options is not None:
+            raise TypeError(f"AtomicCheckpointIO.save_checkpoint takes no storage_options, got {storage_options!r}")
+        write_checkpoint_dir(checkpoint, path, self.cfg)
+
+    def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: bool | None = None) -> dict:
+        return read_checkpoint_dir(
+            path, map_location=map_location, weights_only=weights_only, verify=self.cfg["checkpoint"]["verify"]
+        )
+
+    def remove_checkpoint(self, path: Any) -> None:
+        remove_tree(Path(path))
+
+
+class CheckpointCallback(pl.Callback):
+    """Saves `<run_dir>/checkpoints/step-%06d` every `checkpoint.every_n_steps` policy optimizer steps and at
+    the end of fit, flushing every logger first, then prunes to `checkpoint.keep_last`.
+
+    The step is the module's `policy_version` when it has one (it moves between the optimizer-step hooks
+    in both optimization modes, whereas Lightning updates global_step at different points in each),
+    else `trainer.global_step`. A save happens only in a batch where the step advanced, so never in the
+    middle of gradient accumulation.
+    """
+
+    def __init__(self, cfg: dict) -> None:
+        self.cfg = cfg
+        self.every = cfg["checkpoint"]["every_n_steps"]
+        self.keep_last = cfg["checkpoint"]["keep_last"]
+        self.max_steps = cfg["trainer"]["max_steps"]  # policy optimizer steps in every recipe (docs/DESIGN.md)
+        self.ckpt_dir = checkpoints_dir(cfg["run_dir"])
+        self._seen_step: int | None = None
+        self._last_saved: int | None = None
+
+    @staticmethod
+    def step_of(trainer: pl.Trainer, module: pl.LightningModule) -> int:
+        version = getattr(module, "policy_version", None)
+        return int(version) if version is not None else int(trainer.global_step)
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        step = self.step_of(trainer, pl_module)
+        self._seen_step = step
+        if trainer.ckpt_path is not None:  # set by now under every strategy
+            self._last_saved = step
+        else:
+            # every rank checks (a shared run_dir), so all of them stop together rather than leaving some
+            # waiting in a collective; only rank 0 touches the directory
+            refuse_existing_checkpoints(self.cfg["run_dir"])
+        if trainer.is_global_zero:
+            clean_leftovers(self.ckpt_dir)
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        step = self.step_of(trainer, pl_module)
+        previous, self._seen_step = self._seen_step, step
+        if previous is None or step == previous:
+            return
+        if crossed(previous, step, self.every) or step >= self.max_steps > 0:
+            self.save(trainer, step)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        step = self.step_of(trainer, pl_module)
+        if step > 0 and step != self._last_saved:
+            self.save(trainer, step)
+
+    def save(self, trainer: pl.Trainer, step: int) -> None:
+        for logger in trainer.loggers:
+            logger.save()
+        trainer.save_checkpoint(self.ckpt_dir / step_dir_name(step), weights_only=False)
+        self._last_saved = step
+        if trainer.is_global_zero:
+            prune(self.cfg["run_dir"], self.keep_last)
