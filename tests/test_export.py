@@ -110,7 +110,8 @@ def test_fw_export_command(tmp_path, capsys):
     ckpt = _write(tmp_path / "run", _policy(True))
     assert main(["export", "--checkpoint", ckpt, "--out", str(tmp_path / "hf")]) == 0
     assert "hf" in capsys.readouterr().out
-    assert (tmp_path / "hf" / "model.safetensors").read_bytes() == (Path(ckpt) / "policy" / "model.safetensors").read_bytes()
+    exported, saved = tmp_path / "hf" / "model.safetensors", Path(ckpt) / "policy" / "model.safetensors"
+    assert exported.read_bytes() == saved.read_bytes()
     assert main(["export", "--checkpoint", ckpt, "--out", str(tmp_path / "hf")]) == 2
     err = capsys.readouterr().err
     assert "already exists and is not an empty directory" in err and "Traceback" not in err
