@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 import ops_cuda
 from ops_cuda import library
-from ops_cuda import reference as ref
+from ops_cuda.rope import rope_reference
 
 COPY_BW = 4.26e12
 BF16_FLOPS = 785e12
@@ -70,7 +70,7 @@ def rms_norm_torch(x, w, eps):
 
 
 def rope_torch(q, k, pos, theta):
-    return ref.rope(q, k, pos, theta)
+    return rope_reference(q, k, pos, theta)
 
 
 def swiglu_torch(gu):
