@@ -387,7 +387,7 @@ def test_sample_distribution(temperature, top_k, top_p, min_p):
     assert rel(lp, z[0].log_softmax(-1)[tok]) < 1e-6  # full-softmax logprob, not the filtered one
 
 
-def test_sample_greedy_seed_and_validation():
+def test_sample_greedy_and_seed():
     logits = torch.randn(6, 40)
     tok, lp = ops_cuda.sample(logits, 0.0, 3, 0.5, 0.1, 0)
     assert torch.equal(tok, logits.argmax(-1)) and rel(lp, logits.log_softmax(-1).gather(1, tok[:, None])[:, 0]) < 1e-6
@@ -395,11 +395,6 @@ def test_sample_greedy_seed_and_validation():
     a = ops_cuda.sample(logits[:1].expand(500, 40), 1.0, 0, 1.0, 0.0, 5)[0]
     assert torch.equal(a, ops_cuda.sample(logits[:1].expand(500, 40), 1.0, 0, 1.0, 0.0, 5)[0])
     assert not torch.equal(a, ops_cuda.sample(logits[:1].expand(500, 40), 1.0, 0, 1.0, 0.0, 6)[0])
-    for bad, msg in [({"top_p": 0.0}, "top_p"), ({"top_k": -1}, "top_k"), ({"min_p": 1.0}, "min_p"),
-                     ({"temperature": -1.0}, "temperature")]:
-        kw = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "seed": 0} | bad
-        with pytest.raises(ValueError, match=msg):
-            ops_cuda.sample(logits, **kw)
 
 
 def test_bad_shapes_raise_clear_errors():
