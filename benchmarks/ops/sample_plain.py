@@ -3,7 +3,7 @@ rows whose token equals the float64 reference's draw from the same Philox stream
 error, and fw's time (CUDA-graph replay medians in us, three rounds), against torch.compile of the reference maths at
 the last batch size.
 
-    python -m ops_cuda.bench.sample_plain 1,64,256      (needs a CUDA GPU)
+    python -m benchmarks.ops.sample_plain 1,64,256      (needs a CUDA GPU)
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import torch
 
 from ops_cuda import library
 from ops_cuda.sample import sample_reference
-from ops_cuda.bench.bench_ops import bench_graph, compiled, fw_sample, sample_torch
+from benchmarks.ops.bench_ops import bench_graph, compiled, fw_sample, sample_torch
 
 V = 151936
 

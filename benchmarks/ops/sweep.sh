@@ -16,9 +16,9 @@
 #   (FW_RMS_FWD_PREF does the same for the persistent forward, which only rows over 128 vectors take: not swept)
 #   FW_LOGPROB_TILE=rows,cols          the fp32 logits tile of linear_logprob (default 8192,8192; cols a multiple
 #                                      of 256; bindings.cpp)
-# Usage: bash ops_cuda/bench/sweep.sh [rms|logprob ...]   (default: both)
+# Usage: bash benchmarks/ops/sweep.sh [rms|logprob ...]   (default: both)
 set -u
-run() { echo "--- $*"; env "$@" python3 -m ops_cuda.bench.bench_ops --fw-only --only "$ONLY" 2>&1 | grep -E "^  [a-z_]+ |peak memory" ; }
+run() { echo "--- $*"; env "$@" python3 -m benchmarks.ops.bench_ops --fw-only --only "$ONLY" 2>&1 | grep -E "^  [a-z_]+ |peak memory" ; }
 [ $# -eq 0 ] && set -- rms logprob
 for what in "$@"; do
   case $what in

@@ -1,8 +1,8 @@
 """Benchmark every fw operator against eager torch and torch.compile of the same maths, at Qwen3-0.6B
 shapes (training 8 x 2048 tokens, decode batch 1..256); one table.
 
-    python -m ops_cuda.bench.bench_ops            (needs a CUDA GPU)
-    python -m ops_cuda.bench.bench_ops --only rms_norm,swiglu --fw-only     (a subset, without the baselines)
+    python -m benchmarks.ops.bench_ops            (needs a CUDA GPU)
+    python -m benchmarks.ops.bench_ops --only rms_norm,swiglu --fw-only     (a subset, without the baselines)
 
 Times are medians of CUDA-graph replays (triton.testing.do_bench_cudagraph: GPU time without Python and
 launch overhead; rows marked * could not be captured and use do_bench's plain launches instead), taken for fw,
@@ -156,7 +156,9 @@ def row(op: str, shape: str, fw, eager, comp, args: tuple = (), nbytes: float = 
             graphed[k] = graphed[k] and ok
     t_fw, t_e, t_c = (math.nan if not v or any(math.isnan(t) for t in v) else statistics.median(v)
                       for v in times.values())
-    mark = lambda ok: "" if ok else "*"
+    def mark(ok):
+        return "" if ok else "*"
+
     r = {"op": op, "shape": shape, "fw": t_fw, "eager": t_e, "compile": t_c, "plain": t_plain,
          "marks": (mark(graphed["fw"]), mark(graphed["eager"]), mark(graphed["compile"]))}
     if nbytes:
@@ -210,7 +212,7 @@ def main() -> None:
     print(ops_cuda.doctor(), flush=True)
     assert backend == "kernels", library.cuda_state["error"]
     torch.manual_seed(0)
-    N, d, Hq, Hk, D, I, V = args.tokens, 1024, 16, 8, 128, 3072, 151936
+    N, d, Hq, Hk, D, I, V = args.tokens, 1024, 16, 8, 128, 3072, 151936  # noqa: E741 (I: intermediate size)
     B, T = max(1, N // 2048), min(N, 2048)
     es = 2  # bf16 bytes
 
