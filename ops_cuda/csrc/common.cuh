@@ -12,9 +12,11 @@
 #include <type_traits>
 #include <utility>
 
-#include "kernels.h"
-
 namespace fw {
+
+// The element types of the kernels. Every launcher returns the launch's cudaError_t (cudaGetLastError after the
+// launch); its host wrapper (at the end of its csrc/<op>.cu) turns a failure into a TORCH_CHECK.
+enum class DType : int { F32 = 0, BF16 = 1, F16 = 2 };
 
 __device__ __forceinline__ float to_f(float x) { return x; }
 __device__ __forceinline__ float to_f(__nv_bfloat16 x) { return __bfloat162float(x); }
@@ -136,7 +138,7 @@ template <auto K> cudaError_t allow_dynamic_smem(int bytes) {
 }
 
 // An integer from the environment, or `fallback` when unset or empty: the launch-shape overrides that the
-// benchmark sweeps set (ops_cuda/bench/sweep.sh, decode_splits.py).
+// benchmark sweeps set (benchmarks/ops/sweep.sh, decode_splits.py).
 inline int int_from_env(const char* name, int fallback) {
   const char* v = getenv(name);
   return v && *v ? atoi(v) : fallback;

@@ -14,7 +14,7 @@
 // Either backward leaves a partial row per block, which a second small kernel sums column-wise in a fixed order
 // straight into the weight's dtype.
 // Rows too long for registers (or unaligned) take the NV == 0 path: VEC-wide loops over the row, twice.
-// Launch shapes measured on the H200 (ops_cuda/bench/sweep.sh, docs/PERFORMANCE.md): 2 vectors a thread beat
+// Launch shapes measured on the H200 (benchmarks/ops/sweep.sh, docs/PERFORMANCE.md): 2 vectors a thread beat
 // 1 and 4 in the persistent kernels; prefetching 2 rows ahead (more registers, fewer resident warps) was slower.
 #include <algorithm>
 #include <cfloat>
@@ -23,6 +23,23 @@
 #include <type_traits>
 
 #include "common.cuh"
+#include "torch_utils.h"
+
+namespace fw {
+
+// x [rows, D] -> y [rows, D]; weight [D] of wdtype (x's dtype or F32).
+// The grid is one wave of resident blocks (sm_count SMs) looping over the rows; l2_bytes (the device's L2)
+// decides whether the rows kernel loads x evict-first.
+cudaError_t rms_norm_fwd(DType dt, DType wdt, const void* x, const void* w, void* y, int64_t rows, int D,
+                         float eps, int sm_count, int64_t l2_bytes, cudaStream_t stream);
+// gx [rows, D] (x's dtype), gw [D] (wdt); gw_partial [max_blocks, D] fp32 scratch: one partial row per block of
+// the main kernel (one wave of resident blocks), summed by a second kernel.
+int rms_norm_bwd_max_blocks(int sm_count);
+cudaError_t rms_norm_bwd(DType dt, DType wdt, const void* grad, const void* x, const void* w, void* gx,
+                         void* gw, float* gw_partial, int max_blocks, int64_t rows, int D, float eps,
+                         int sm_count, cudaStream_t stream);
+
+}  // namespace fw
 
 namespace fw {
 namespace {
@@ -749,3 +766,57 @@ cudaError_t rms_norm_bwd(DType dt, DType wdt, const void* grad, const void* x, c
 }
 
 }  // namespace fw
+
+namespace {
+
+// weight in x's dtype, or float32 (kept: the kernels read it as float).
+std::pair<Tensor, fw::DType> weight_for(const Tensor& weight, const Tensor& x, fw::DType dt) {
+  if (weight.scalar_type() == x.scalar_type()) return {weight.contiguous(), dt};
+  if (weight.scalar_type() == at::kFloat) return {weight.contiguous(), fw::DType::F32};
+  return {weight.to(x.scalar_type()).contiguous(), dt};
+}
+
+// ------------------------------------------------------------------ rms_norm
+Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps) {
+  check_cuda(x, "rms_norm", "x");
+  c10::cuda::CUDAGuard guard(x.device());
+  const auto dt = dtype_of(x, "rms_norm", "x");
+  const int64_t D = x.size(-1);
+  TORCH_CHECK(weight.numel() == D, "fw::rms_norm: weight has ", weight.numel(), " elements, expected ", D);
+  auto xc = x.contiguous();
+  auto [w, wdt] = weight_for(weight, x, dt);
+  auto y = at::empty(x.sizes(), xc.options());
+  const int64_t rows = D ? xc.numel() / D : 0;
+  check_launch(fw::rms_norm_fwd(dt, wdt, xc.data_ptr(), w.data_ptr(), y.data_ptr(), rows, (int)D, (float)eps,
+                                sm_count(), l2_bytes(), at::cuda::getCurrentCUDAStream()),
+               "rms_norm");
+  return y;
+}
+
+std::tuple<Tensor, Tensor> rms_norm_backward(const Tensor& grad, const Tensor& x, const Tensor& weight, double eps) {
+  check_cuda(x, "rms_norm_backward", "x");
+  c10::cuda::CUDAGuard guard(x.device());
+  const auto dt = dtype_of(x, "rms_norm_backward", "x");
+  const int64_t D = x.size(-1);
+  auto xc = x.contiguous();
+  auto gc = grad.to(x.scalar_type()).contiguous();
+  auto [w, wdt] = weight_for(weight, x, dt);
+  const int64_t rows = D ? xc.numel() / D : 0;
+  auto gx = at::empty(x.sizes(), xc.options());
+  const int sms = sm_count(), max_blocks = fw::rms_norm_bwd_max_blocks(sms);
+  auto part = at::empty({max_blocks, D}, xc.options().dtype(at::kFloat));
+  auto gw = at::empty({D}, w.options());  // in the kernels' weight dtype (x's, or float32)
+  if (rows == 0) return {gx, gw.zero_().to(weight.scalar_type())};
+  check_launch(fw::rms_norm_bwd(dt, wdt, gc.data_ptr(), xc.data_ptr(), w.data_ptr(), gx.data_ptr(), gw.data_ptr(),
+                                part.data_ptr<float>(), max_blocks, rows, (int)D, (float)eps, sms,
+                                at::cuda::getCurrentCUDAStream()),
+               "rms_norm_backward");
+  return {gx, gw.to(weight.scalar_type())};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(fw, CUDA, m) {
+  m.impl("rms_norm", &rms_norm);
+  m.impl("rms_norm_backward", &rms_norm_backward);
+}

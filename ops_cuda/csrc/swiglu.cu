@@ -2,6 +2,16 @@
 // 16-byte accesses when I is a multiple of the vector width. 2-D grid (x: vectors of a row, y: rows,
 // grid-stride) so no thread divides 64-bit indices.
 #include "common.cuh"
+#include "torch_utils.h"
+
+namespace fw {
+
+// gate_up [rows, 2I] -> out [rows, I]; backward: grad [rows, I] -> grad_gate_up [rows, 2I].
+cudaError_t swiglu_fwd(DType dt, const void* gate_up, void* out, int64_t rows, int64_t I, cudaStream_t stream);
+cudaError_t swiglu_bwd(DType dt, const void* grad, const void* gate_up, void* grad_gate_up, int64_t rows,
+                       int64_t I, cudaStream_t stream);
+
+}  // namespace fw
 
 namespace fw {
 namespace {
@@ -98,3 +108,43 @@ cudaError_t swiglu_bwd(DType dt, const void* grad, const void* gate_up, void* gr
 }
 
 }  // namespace fw
+
+namespace {
+
+// ------------------------------------------------------------------ swiglu
+Tensor swiglu(const Tensor& gate_up) {
+  check_cuda(gate_up, "swiglu", "gate_up");
+  c10::cuda::CUDAGuard guard(gate_up.device());
+  const auto dt = dtype_of(gate_up, "swiglu", "gate_up");
+  auto gu = gate_up.contiguous();
+  const int64_t I = gu.size(-1) / 2;
+  auto sizes = gu.sizes().vec();
+  sizes.back() = I;
+  auto out = at::empty(sizes, gu.options());
+  const int64_t rows = I ? gu.numel() / (2 * I) : 0;
+  check_launch(fw::swiglu_fwd(dt, gu.data_ptr(), out.data_ptr(), rows, I, at::cuda::getCurrentCUDAStream()),
+               "swiglu");
+  return out;
+}
+
+Tensor swiglu_backward(const Tensor& grad, const Tensor& gate_up) {
+  check_cuda(gate_up, "swiglu_backward", "gate_up");
+  c10::cuda::CUDAGuard guard(gate_up.device());
+  const auto dt = dtype_of(gate_up, "swiglu_backward", "gate_up");
+  auto gu = gate_up.contiguous();
+  auto g = grad.to(gu.scalar_type()).contiguous();
+  const int64_t I = gu.size(-1) / 2;
+  auto out = at::empty(gu.sizes(), gu.options());
+  const int64_t rows = I ? gu.numel() / (2 * I) : 0;
+  check_launch(fw::swiglu_bwd(dt, g.data_ptr(), gu.data_ptr(), out.data_ptr(), rows, I,
+                              at::cuda::getCurrentCUDAStream()),
+               "swiglu_backward");
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(fw, CUDA, m) {
+  m.impl("swiglu", &swiglu);
+  m.impl("swiglu_backward", &swiglu_backward);
+}
