@@ -485,9 +485,9 @@ def test_doctor_and_build_on_this_machine(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_extension_links_the_running_libstdcxx(tmp_path):
-    """A torch extension linked with a static libstdc++ (the default of the H200 machine's compiler) carries its
-    own iostreams, and a TORCH_CHECK message formatted there came out broken (here) or crashed the process (on
-    the H200). Linked first against the libstdc++ torch runs with, as ops_cuda's build does, it is intact."""
+    """A torch extension linked with a static libstdc++ (the default of some compilers) carries its own
+    iostreams, and a TORCH_CHECK message formatted there comes out broken (here) or crashes the process (on
+    other machines). Linked first against the libstdc++ torch runs with, as ops_cuda's build does, it is intact."""
     import shutil
 
     if shutil.which(os.environ.get("CXX", "c++")) is None:

@@ -259,7 +259,7 @@ def launched_kernels(fn, part: str) -> set[str]:
 SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 
 
-@pytest.mark.skipif(not SM90, reason="the Hopper kernel (logprob_sm90.cu) runs on compute capability 9.0")
+@pytest.mark.skipif(not SM90, reason="the Hopper kernel (linear_logprob_sm90.cuh) runs on compute capability 9.0")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("N,d,V", [(1, 8, 1), (129, 72, 257), (300, 1024, 151936), (5, 64, 255), (260, 136, 9000)])
 def test_linear_logprob_sm90(monkeypatch, dtype, N, d, V):
@@ -300,7 +300,7 @@ def test_linear_logprob_sm90(monkeypatch, dtype, N, d, V):
     assert err(dh, dh_c, 1e-3) < TOL[dtype] * 2 and err(dw, dw_c, 1e-3) < TOL[dtype] * 2
 
 
-@pytest.mark.skipif(not SM90, reason="the Hopper kernel (logprob_sm90.cu) runs on compute capability 9.0")
+@pytest.mark.skipif(not SM90, reason="the Hopper kernel (linear_logprob_sm90.cuh) runs on compute capability 9.0")
 def test_linear_logprob_sm90_nan_and_minus_inf():
     """On the Hopper kernel: a NaN row makes that row's outputs NaN and no other; a 256-column chunk of -inf
     logits adds nothing (outputs equal float64 over the finite columns; kept: -65504, offset 0) and gets a

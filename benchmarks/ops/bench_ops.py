@@ -9,8 +9,8 @@ launch overhead; rows marked * could not be captured and use do_bench's plain la
 eager and compile in turn, --rounds times (3; the linear_logprob rows once), so that a drift of the GPU's clocks
 over a row reaches all three; the table gives the median of the rounds. The last column is the fw op launched
 plainly from Python (do_bench), which adds the dispatcher/autograd overhead.
-GB/s counts the bytes that must move once (inputs read + outputs written), TFLOP/s the GEMM FLOPs;
-ceilings measured on the H200 (REFERENCE.md): 4.26 TB/s copy, 785 TFLOP/s bf16.
+GB/s counts the bytes that must move once (inputs read + outputs written), TFLOP/s the GEMM FLOPs; the
+ceilings are COPY_BW and BF16_FLOPS below, the benchmark GPU's copy bandwidth and dense bf16 rate.
 """
 from __future__ import annotations
 
@@ -93,8 +93,8 @@ def linear_logprob_unfused(h, w, t, temperature):
 
 def linear_logprob_checkpointed(h, w, t, temperature, rows: int = 1024):
     """The memory-saving way to write it in torch: row chunks under activation checkpointing, so the backward
-    recomputes each chunk's logits, as fw's recomputing mode does (1,024 rows: 0.58 GiB of fp32 logits a chunk
-    at V 151,936; its measured peak is larger, see docs/PERFORMANCE.md run 9)."""
+    recomputes each chunk's logits, as fw's recomputing mode does (a chunk's fp32 logits are rows x V; the
+    peak-memory line of its row shows what it holds)."""
     from torch.utils.checkpoint import checkpoint
 
     outs = [checkpoint(linear_logprob_unfused, h[s:s + rows], w, t[s:s + rows], temperature, use_reentrant=False)
@@ -265,8 +265,8 @@ def main() -> None:
         lp, ent = fn(h, lm, tg, 1.0)
         torch.autograd.grad((lp, ent), (h, lm), (glp, gent))
 
-    # one round each: a second round of the unfused baselines (46 GiB a call) ran out of the H200's memory (session
-    # 16), and these rows are far from parity (docs/PERFORMANCE.md)
+    # one round each: the unfused baselines hold several [N, V] fp32 tensors a call, so a second round can run out
+    # of GPU memory, and these rows are far from parity anyway
     cu = compiled(linear_logprob_unfused)
     row("linear_logprob fwd+bwd", f"N={N} d={d} V={V} saved", fused, unfused, lambda: unfused(cu),
         flops=3 * 2 * N * d * V, rounds=1)

@@ -106,8 +106,8 @@ template <typename T, int DP, int RP> constexpr int min_blocks() {
 // [warp][head][DP] unnormalised outputs, and the block is synchronised. With one split the block writes its heads'
 // outputs, otherwise its partials; the last block of the group to arrive combines the splits (threadFenceReduction
 // pattern). hq0: the group's first query head; nr: its heads. sm_scale and sm_last are the kernel's own shared
-// variables: declared here instead, they changed how the compiler scheduled the ring kernel's main loop, which then
-// took 12-18% more time at B=64 and 256 (docs/PERFORMANCE.md run 15).
+// variables: declared here instead, they change how the compiler schedules the ring kernel's main loop, which is
+// then slower at large batches (`python -m benchmarks.ops.decode_splits`).
 template <typename T, int RP, int DP>
 __device__ __forceinline__ void decode_finish(const DecodeArgs& a, const float* red, float (&sm_scale)[RP][kMaxSplits],
                                               int& sm_last, int grp, int split, int64_t hq0, int nr, int D) {
@@ -344,7 +344,7 @@ __global__ void __launch_bounds__(kThreads, min_blocks<T, DP, RP>()) decode_kern
 
 // ------------------------------------------------------------------ tensor-core path
 // With several query heads a kv head the ring kernel's per-row maths on the CUDA cores, not the K/V bytes, bounds it
-// (docs/PERFORMANCE.md run 13: 0.80x of torch.compile at 4 heads a kv head, 0.38x at 8). This kernel takes up to
+// (`python -m benchmarks.ops.decode_splits --heads 32,8` shows it against torch.compile). This kernel takes up to
 // kMmaHeads query heads of one kv head as the 16 rows of mma.sync m16n8k16 (FlashAttention-2's fragments): S = Q K^T
 // over 16-row K tiles, the online softmax on the fragments in base 2, O += P V. Each warp streams its own K/V tiles
 // (tiles warp, warp + kWarps, ...) through a private cp.async ring, so no barrier is needed until the end, where the
@@ -562,9 +562,9 @@ __global__ void __launch_bounds__(kThreads, 2) decode_mma_kernel(DecodeArgs a) {
 }
 
 // Whether the tensor-core kernel runs: 16-bit caches with head_dim 64 or 128, at 2 or more query heads a kv head.
-// At 2 it took 11-33% less time than the ring kernel from B=8 to 256 (8 kv heads, each kernel with its own split
-// count) and 1-5% more at B=1 (docs/PERFORMANCE.md run 14). FW_DECODE_MMA (read per call): 0 never, 2 also at
-// 1 head a kv head, for sweeps; any other value is the default.
+// From 2 on it beats the ring kernel except at the smallest batches, where it is about even (`python -m
+// benchmarks.ops.decode_splits --columns FW_DECODE_MMA=0 FW_DECODE_MMA=1` compares them). FW_DECODE_MMA (read per
+// call): 0 never, 2 also at 1 head a kv head, for sweeps; any other value is the default.
 bool use_mma(DType dt, int R, int D) {
   const int mode = int_from_env("FW_DECODE_MMA", 1);
   if (dt == DType::F32 || (D != 64 && D != 128) || mode == 0) return false;
@@ -625,12 +625,11 @@ DecodePlan decode_attention_plan(DType dt, int B, int Hq, int Hk, int S, int D, 
   const bool mma = use_mma(dt, R, D);
   const int RP = mma ? kMmaHeads : heads_per_block(R), groups = (R + RP - 1) / RP;
   // The ring kernel splits only to reach about 3 blocks per SM: that many keep enough K/V copies in flight to
-  // saturate HBM, and every further split adds partials to combine and a shorter pipeline per block. Measured on
-  // the H200 (python -m benchmarks.ops.decode_splits: B x 8 kv heads, head_dim 128): B=64 is fastest with 512
-  // blocks in one split, B=16 with 4 to 8 splits, B=1 with 16. The tensor-core kernel's 4 warps each keep 2 tiles of
-  // 16 K/V rows in flight (3 ring stages), and it splits only to reach about one block per SM, rounding down: at
-  // B=16 (128 blocks) one split ran 20.1 us against 26.8 with four, at B=8 two splits 11.2 against 18.2 with
-  // seven (run 14). At least 64 positions a split, at most kMaxSplits.
+  // saturate HBM, and every further split adds partials to combine and a shorter pipeline per block. The
+  // tensor-core kernel's 4 warps each keep 2 tiles of 16 K/V rows in flight (3 ring stages), so it splits only to
+  // reach about one block per SM, rounding down: more splits cost more than they hide. `python -m
+  // benchmarks.ops.decode_splits` times every split count by batch. At least 64 positions a split, at most
+  // kMaxSplits.
   int most = (S + 63) / 64;
   most = most < 1 ? 1 : most > kMaxSplits ? kMaxSplits : most;
   const int forced = int_from_env("FW_DECODE_SPLITS", 0);  // a fixed split count, for sweeps (read per call)

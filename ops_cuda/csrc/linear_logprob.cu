@@ -1,19 +1,17 @@
-// Row kernels of the fused linear + logprob, for every GPU and dtype that logprob_sm90.cu does not take (which
-// does the same chunk work on the GEMM's accumulators), the merge for both, and the backward from kept logits.
-// The host (bindings.cpp) walks the [N, V] logits in tiles of n rows x vc vocabulary columns: it computes a fp32
+// The fused linear + logprob: its row kernels, for every GPU and dtype that the Hopper kernel
+// (linear_logprob_sm90.cuh, which does the same chunk work on the GEMM's accumulators) does not take, the merge for
+// both, the backward from kept logits, and the host wrappers with their cuBLAS tiling (gemm.cpp).
+// The host walks the [N, V] logits in tiles of n rows x vc vocabulary columns: it computes a fp32
 // tile z = hidden_rows @ weight_cols.T / temperature with cuBLAS (row i of the tile is contiguous, vc floats), then:
 // forward: a warp per chunk of kLogprobChunk columns of a row computes that chunk's logsumexp partial with the
 // entropy term (and the target's logit when the chunk holds it), optionally keeping the chunk in fp16 for the
 // backward; after the row tile's last vocabulary tile one warp per row merges its partials into the outputs;
 // backward: dz written in the GEMM dtype for the two gradient GEMMs, from the saved lse and entropy and either a
 // recomputed fp32 tile or the kept fp16 logits.
-// Partial state (m, s, a) and the per-element maths: logprob_math.cuh.
-// Exponentials are ex2.approx (one MUFU op, 2 ulp) of an FFMA. With expf and a NaN test per element the forward
-// row kernel ran at 60% of the SMs' throughput and 58% of DRAM bandwidth (ncu, H200); this form took it from
-// 4.67 to 4.20 ms a call of the benchmark (docs/PERFORMANCE.md, run 6).
-// The per-element maths of the fused linear + logprob, shared by the row kernels over cuBLAS tiles (logprob.cu)
-// and the Hopper kernel that does it on the GEMM's accumulators (logprob_sm90.cu), so both give the same values
-// from the same logits.
+// Exponentials are ex2.approx (one MUFU op, 2 ulp) of an FFMA: with expf and a NaN test per element the forward
+// row kernel is bound by its arithmetic rather than by DRAM (`python -m benchmarks.ops.profile_ops linear_logprob`).
+// The per-element maths below is shared by the row kernels over cuBLAS tiles and the Hopper kernel, so both give
+// the same values from the same logits.
 // Partial state of a logsumexp: m (max), s = sum 2^((z-m) log2 e), a = sum 2^(..) (z-m) log2 e, so that
 // lse = m + ln s and entropy = ln s - ln 2 * a/s, with no cancellation against m.
 #include <cstdio>
@@ -64,7 +62,7 @@ cudaError_t logprob_tile_bwd(DType dt, const float* z, SavedLogits saved, int64_
                              const int64_t* targets, const float* lse, const float* entropy,
                              const float* grad_logprob, const float* grad_entropy, void* g, cudaStream_t stream);
 
-// The same on Hopper (sm_90a, logprob_sm90.cu), with the row work done on the GEMM's accumulators: hidden
+// The same on Hopper (sm_90a, linear_logprob_sm90.cuh), with the row work done on the GEMM's accumulators: hidden
 // [n, K] and weight [vc, K] row-major 16-bit, 16-byte aligned, K a multiple of 8. The forward covers the whole
 // vocabulary (V columns) in one launch and leaves the partials of every chunk as logprob_chunks_fwd does (parts.ld
 // = ceil(V / kLogprobChunk)), with the kept logits in z16 (row stride z16_ld) when z16 is set; the backward writes
@@ -146,9 +144,8 @@ __device__ __forceinline__ Lse lse_merge(Lse x, Lse y) {
 // the warp takes the chunk's max with shuffles, then sums the exponentials against it, so no running max is
 // rescaled.
 // SAVE: the chunk also goes out in fp16 as z - max (kept_logit).
-// Reading the 4,096 x 8,192 fp32 tile (H200 profiles, docs/PERFORMANCE.md runs 7-8): run 7's kernel, a
-// 256-thread block a row with per-thread running maxima, 2.4 TB/s; a block a row holding the whole tile row in
-// registers (two block reductions) 2.1 TB/s, 2.3 counting its fp16 stores; this kernel 2.6 TB/s, 3.1 with them.
+// Independent warps read the fp32 tile faster than a block a row, with per-thread running maxima or with the whole
+// tile row in registers (`python -m benchmarks.ops.profile_ops linear_logprob_recomp` shows this kernel's time).
 constexpr int kChunkWarps = 4;
 
 template <int VEC, bool SAVE>
@@ -337,15 +334,14 @@ cudaError_t logprob_tile_bwd(DType dt, const float* z, SavedLogits saved, int64_
 namespace {
 
 // ------------------------------------------------------------------ linear + logprob
-// The logits are walked in fp32 tiles of kTileRows rows x kTileCols vocabulary columns (logprob.cu); both are
+// The logits are walked in fp32 tiles of kTileRows rows x kTileCols vocabulary columns; both are
 // overridable with FW_LOGPROB_TILE="rows,cols" (benchmarks/ops/sweep.sh). The backward walks vocabulary tiles
 // outside and row tiles inside, so a tile's grad_weight rows are finished (accumulated in a [cols, d] fp32
 // buffer) before the next tile starts, and grad_hidden accumulates in fp32 across vocabulary tiles.
-// H200 sweep at N 16,384, V 151,936 (fwd+bwd): 4096 x 8192 takes 42.9 ms and 0.60 GiB; whole-vocabulary row
-// chunks of 1 GiB (the previous layout) 42.1 ms and 2.40 GiB; smaller tiles were slower (up to 49.6 ms).
-// On Hopper the forward needs no tile (logprob_sm90.cu) and the backward's tile is the 16-bit dz alone, so it
-// takes twice the rows (kSm90TileRows). Sweep, recomputing (docs/PERFORMANCE.md run 12): 8192 x 8192 34.3 ms and
-// 0.54 GiB; 4096 x 8192 35.6 ms and 0.48; 4096 x 16384 34.9 and 0.57; 8192 x 16384 34.1 and 0.70.
+// The default tile is about as fast as whole-vocabulary row chunks in a fraction of their memory; smaller tiles
+// are slower (`bash benchmarks/ops/sweep.sh logprob` times the alternatives).
+// On Hopper the forward needs no tile (linear_logprob_sm90.cuh) and the backward's tile is the 16-bit dz alone,
+// so it takes twice the rows (kSm90TileRows) for the same memory.
 // The columns of a tile are a multiple of kLogprobChunk (the forward's partials are per chunk). With kept logits
 // the backward reads each tile's fp16 logits where it would recompute them.
 constexpr int64_t kTileRows = 4096, kSm90TileRows = 8192, kTileCols = 8192;
@@ -404,7 +400,8 @@ LinearArgs linear_args(const Tensor& hidden, const Tensor& weight, const Tensor&
 // Chunks of kLogprobChunk columns in a row of V: the forward's partials a row, and the kept logits' offsets.
 int64_t logprob_chunks(int64_t V) { return (V + fw::kLogprobChunk - 1) / fw::kLogprobChunk; }
 
-// Whether the forward keeps the logits for the backward: asked for and 16-bit operands (ops_cuda.reference).
+// Whether the forward keeps the logits for the backward: asked for and 16-bit operands (as saves_logits in
+// ops_cuda/linear_logprob.py).
 bool saves_logits(const LinearArgs& a, int64_t save_chunk) {
   if (save_chunk <= 0 || a.h.scalar_type() == at::kFloat) return false;
   TORCH_CHECK(save_chunk == fw::kLogprobChunk, "fw::linear_logprob: save_chunk must be ", fw::kLogprobChunk,

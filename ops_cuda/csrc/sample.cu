@@ -541,7 +541,8 @@ __global__ void sample_combine_kernel(const T* __restrict__ logits, int64_t row_
 int sample_split_parts(int B, int64_t V, int sm_count) {
   // a grid of about 8 blocks per SM (at 48 registers a thread, 5 are resident): the loop computes more
   // than it loads (a Philox draw per 4 columns, two logs and an exp per column) and needs every SM full of
-  // warps; with 2 blocks per SM B=256 ran at 17% of the copy bandwidth (H200, run 4)
+  // warps; with 2 blocks per SM a large batch runs far below the copy bandwidth (`python -m
+  // benchmarks.ops.sample_plain 1,64,256`)
   int64_t P = (8 * (int64_t)sm_count + B - 1) / B;
   const int64_t most = (V + 4095) / 4096;  // at least 4096 columns per block
   if (P > most) P = most;

@@ -19,8 +19,8 @@ namespace {
 constexpr int kThreads = 128;
 
 // div.approx (2 ulp) instead of an IEEE division (the Triton kernel of torch.compile uses div.full, also
-// approximate); with the loop-free flat grid it took the forward from 0.073 to 0.071 ms on the H200 (run 6).
-// A denominator past 2^126 (g < -87) gives 0, the limit.
+// approximate): fewer instructions in a kernel bound by memory and issue (`python -m benchmarks.ops.bench_ops
+// --only swiglu`). A denominator past 2^126 (g < -87) gives 0, the limit.
 __device__ __forceinline__ float sigmoid(float g) { return __fdividef(1.f, 1.f + expf(-g)); }
 
 // kFlat: the grid has a block row per row (no loop).
@@ -68,8 +68,9 @@ swiglu_bwd_kernel(const T* __restrict__ grad, const T* __restrict__ gu, T* __res
 }
 
 // x: the vectors of a row; y: rows. `flat` (the forward): a block row per row (up to 65,535, then grid-stride), as
-// a pointwise Triton kernel launches, no block loops: 0.072 ms against 0.074 for ~64 looping blocks per SM
-// (Qwen3-0.6B shape on the H200; evict-first cache hints measured no better). The backward keeps the loops.
+// a pointwise Triton kernel launches, no block loops: the loop-free grid is a little faster than looping blocks
+// (and evict-first cache hints are no better; `python -m benchmarks.ops.bench_ops --only swiglu`). The backward
+// keeps the loops.
 dim3 grid_for(int64_t rows, int64_t vectors_per_row, bool flat) {
   const int64_t x = (vectors_per_row + kThreads - 1) / kThreads;
   int64_t y = flat ? rows : (132 * 64 + x - 1) / x;
