@@ -22,14 +22,14 @@ step() {  # step NAME LIMIT_S LOG CMD...
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; python3 -c "import torch; print(torch.__version__)"; git log -1 --format='commit %h %s' 2>/dev/null; } | tee -a "$OUT/summary.log"
 step build 150 summary.log python3 -c "import ops_cuda; print(ops_cuda.build()); print(ops_cuda.doctor())"
 step gpu-tests 240 gpu_tests.log python3 -m pytest -m gpu -q -p no:cacheprovider --continue-on-collection-errors --durations=10
-step ops-bench 330 ops_bench.log python3 -m ops_cuda.bench.bench_ops
-step ops-bench-pdl-off 90 ops_bench.log env FW_PDL=0 python3 -m ops_cuda.bench.bench_ops --only rms_norm,rope,swiglu
-step ops-profile 60 ops_bench.log python3 -m ops_cuda.bench.profile_ops rms_norm qk_norm swiglu linear_logprob linear_logprob_recomp
+step ops-bench 330 ops_bench.log python3 -m benchmarks.ops.bench_ops
+step ops-bench-pdl-off 90 ops_bench.log env FW_PDL=0 python3 -m benchmarks.ops.bench_ops --only rms_norm,rope,swiglu
+step ops-profile 60 ops_bench.log python3 -m benchmarks.ops.profile_ops rms_norm qk_norm swiglu linear_logprob linear_logprob_recomp
 step train-bench 120 train_bench.log python3 -m benchmarks.train_step --batch 8 --seq 2048 --steps 10 --impls fw,fw-recomp,hf
 step grpo-bench 100 grpo_bench.log python3 -m benchmarks.grpo_step --run_dir=/tmp/runs/grpo-bench
 step rollout-full 120 rollout_bench.log python3 -m benchmarks.rollout --num-seqs 256 --lo 100 --hi 1024 --impls fw,fw-longest,fw-eager
 step rollout-vs-hf 150 rollout_bench.log python3 -m benchmarks.rollout --num-seqs 64 --lo 100 --hi 256 --impls fw,fw-longest,hf
 step sft-bf16 60 examples.log python3 -m benchmarks.fit_timing --config recipes/sft.yaml --trainer.precision=bf16-mixed --model.policy.preset=qwen3-0.6b --data.max_seq_len=2048 --data.batch_size=8 --trainer.max_steps=12 --trainer.log_every_n_steps=1 --checkpoint.every_n_steps=1000 --run_dir=/tmp/runs/sft-0.6b
 step train-yaml 60 examples.log python3 -m benchmarks.fit_timing --config train.yaml --run_dir=/tmp/runs/train-yaml
-step decode-splits 90 ops_bench.log python3 -m ops_cuda.bench.decode_splits
+step decode-splits 90 ops_bench.log python3 -m benchmarks.ops.decode_splits
 tail -n 30 "$OUT"/*.log | grep -v "^$" | tail -n 150

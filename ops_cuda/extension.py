@@ -20,11 +20,11 @@ import torch
 CSRC = Path(__file__).resolve().parent / "csrc"
 EXTENSION_NAME = "fw_ops"
 STALE_LOCK_AGE_S = 900.0
-# No -std flag: torch's own (C++20 since torch 2.10) must hold, since bindings.cpp includes torch's headers and a
-# different standard there broke the C++ exception path (a TORCH_CHECK aborted the process on the H200).
+# No -std flag: torch's own (C++20 since torch 2.10) must hold, since every csrc file includes torch's headers and
+# a different standard there breaks the C++ exception path (a TORCH_CHECK aborts the process instead of raising).
 NVCC_FLAGS = [
     "-O3", "-lineinfo",  # no --use_fast_math: rope needs accurate sincosf at large angles
-    # sm_90a: sm_90 plus the Hopper-only instructions (wgmma, setmaxnreg) that logprob_sm90.cu uses
+    # sm_90a: sm_90 plus the Hopper-only instructions (wgmma, setmaxnreg) that linear_logprob_sm90.cuh uses
     "-gencode=arch=compute_90a,code=sm_90a",
     "-gencode=arch=compute_80,code=compute_80",  # PTX the driver JIT-compiles on other GPUs (sm_80+)
 ]
@@ -111,6 +111,16 @@ def _cpp_extension():
     return cpp_extension
 
 
+def cuda_home() -> str | None:
+    """The CUDA toolkit that builds the extension (torch's CUDA_HOME), or None."""
+    return _cpp_extension().CUDA_HOME
+
+
+def loaded_path() -> str | None:
+    """The path of the extension this process loaded, or None."""
+    return _loaded.get("path")
+
+
 def build(verbose: bool = False) -> str:
     """Compile (if needed) and load the CUDA extension; returns the path of the loaded library.
     Raises RuntimeError when CUDA or the toolchain is missing, StaleBuildLock for a dead build's lock."""
@@ -135,9 +145,10 @@ def build(verbose: bool = False) -> str:
             name=EXTENSION_NAME, sources=sources(), build_directory=str(d), verbose=verbose,
             is_python_module=False, extra_cflags=["-O3"], extra_cuda_cflags=NVCC_FLAGS,
             # Linked against the libstdc++.so that torch runs with: a compiler that links libstdc++ statically by
-            # default (the H200 machine's c++) copied libstdc++ into fw_ops.so, and that copy's iostreams
-            # crashed (SIGSEGV) formatting any TORCH_CHECK message: a bad argument killed the process instead
-            # of raising. Resolved against the shared library first, nothing is taken from the static archive.
+            # default copies libstdc++ into fw_ops.so, and that copy's iostreams crash (SIGSEGV) formatting any
+            # TORCH_CHECK message: a bad argument kills the process instead of raising. Resolved against the
+            # shared library first, nothing is taken from the static archive
+            # (tests/test_ops.py::test_extension_links_the_running_libstdcxx shows it).
             extra_ldflags=["-lcublas", "-lcublasLt", *running_libstdcxx()],
         )
     finally:
@@ -149,29 +160,3 @@ def build(verbose: bool = False) -> str:
                 pass
     _loaded["path"] = str(path) if path else str(d / f"{EXTENSION_NAME}.so")
     return _loaded["path"]
-
-
-def doctor() -> str:
-    """A report: torch, CUDA, GPU, whether the extension is built/loaded, cache path, lock status."""
-    from ops_cuda.library import cuda_state
-
-    lines = [f"torch: {torch.__version__}", f"torch CUDA: {torch.version.cuda or 'none (CPU build)'}"]
-    cpp_extension = _cpp_extension()
-    lines.append(f"CUDA toolkit (nvcc): {cpp_extension.CUDA_HOME or 'not found'}")
-    if torch.cuda.is_available():
-        for i in range(torch.cuda.device_count()):
-            cap = torch.cuda.get_device_capability(i)
-            lines.append(f"GPU {i}: {torch.cuda.get_device_name(i)} (capability {cap[0]}.{cap[1]})")
-    else:
-        lines.append("GPU: none visible (CPU: the operators run the torch references)")
-    d = cache_dir()
-    so = d / f"{EXTENSION_NAME}.so"
-    lines.append(f"cache: {d}")
-    lines.append(f"extension built: {'yes, ' + str(so) if so.exists() else 'no'}")
-    lines.append(f"extension loaded: {'yes' if 'path' in _loaded else 'no'}")
-    backend = cuda_state["backend"]
-    lines.append("CUDA ops served by: " + {None: "not decided yet (built on first CUDA call)",
-                                            "kernels": "the CUDA kernels",
-                                            "reference": f"the torch references ({cuda_state['error']})"}[backend])
-    lines.append(f"build lock: {lock_status(d)[1]}")
-    return "\n".join(lines)

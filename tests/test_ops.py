@@ -3,6 +3,7 @@
 Random123 Philox known answers), sampler statistics, torch.compile(fullgraph=True), the build lock."""
 from __future__ import annotations
 
+import importlib
 import math
 import os
 import subprocess
@@ -15,7 +16,7 @@ import torch.nn.functional as F
 
 import ops_cuda
 from ops_cuda import extension as fw_build
-from ops_cuda import reference as ref
+from ops_cuda.sample import gumbel_noise, philox4x32, sampling_mask
 
 D64 = torch.float64
 
@@ -170,7 +171,8 @@ def test_decode_attention_matches_naive():
 @pytest.mark.parametrize("tile_bytes", [None, 4 * 50 * 3])  # default, and 3 rows per chunk (many chunks)
 def test_linear_logprob_matches_cross_entropy(monkeypatch, tile_bytes):
     if tile_bytes:
-        monkeypatch.setattr(ref, "LOGITS_TILE_BYTES", tile_bytes)
+        # the module, not the function of the same name that ops_cuda re-exports
+        monkeypatch.setattr(importlib.import_module("ops_cuda.linear_logprob"), "LOGITS_TILE_BYTES", tile_bytes)
     N, d, V, temp = 10, 12, 50, 0.6
     h = torch.randn(N, d, dtype=D64, requires_grad=True)
     w = torch.randn(V, d, dtype=D64, requires_grad=True)
@@ -332,7 +334,7 @@ def test_philox_known_answers():
     """Random123 philox4x32-10 known-answer vectors."""
     def run(ctr, key):
         c = [torch.tensor([x], dtype=torch.int64) for x in ctr]
-        return [int(x) for x in ref.philox4x32(*c, *key)]
+        return [int(x) for x in philox4x32(*c, *key)]
 
     assert run((0, 0, 0, 0), (0, 0)) == [0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8]
     assert run((0xFFFFFFFF,) * 4, (0xFFFFFFFF, 0xFFFFFFFF)) == [0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD]
@@ -343,17 +345,21 @@ def test_philox_known_answers():
 def test_gumbel_noise_stream_layout():
     """Column c of row r uses word c % 4 of Philox(counter (c // 4, r, 0, 0), key = the 64-bit seed)."""
     seed = (7 << 32) | 123
-    g = ref.gumbel_noise(3, 10, seed)
+    g = gumbel_noise(3, 10, seed)
     for r, c in [(0, 0), (1, 5), (2, 9), (2, 3)]:
-        one = lambda v: torch.tensor([v], dtype=torch.int64)
-        word = int(ref.philox4x32(one(c // 4), one(r), one(0), one(0), 123, 7)[c % 4])
+        def one(v):
+            return torch.tensor([v], dtype=torch.int64)
+
+        word = int(philox4x32(one(c // 4), one(r), one(0), one(0), 123, 7)[c % 4])
         u = ((word >> 9) + 0.5) * 2.0**-23
         assert abs(float(g[r, c]) - (-math.log(-math.log(u)))) < 1e-5
 
 
 def test_sampling_sets_hand_computed():
     z = torch.tensor([[math.log(0.5), math.log(0.3), math.log(0.15), math.log(0.05)]], dtype=D64)
-    keep = lambda k, p, m: ref.sampling_mask(z, k, p, m)[0].tolist()
+    def keep(k, p, m):
+        return sampling_mask(z, k, p, m)[0].tolist()
+
     assert keep(0, 0.7, 0.0) == [True, True, False, False]      # 0.5 < 0.7 <= 0.8
     assert keep(0, 0.5, 0.0) == [True, False, False, False]
     assert keep(0, 0.81, 0.0) == [True, True, True, False]
@@ -372,7 +378,7 @@ def test_sample_distribution(temperature, top_k, top_p, min_p):
     row = torch.randn(V) * 1.5
     tok, lp = ops_cuda.sample(row.expand(n, V), temperature, top_k, top_p, min_p, seed=11)
     z = (row.double() / temperature)[None]
-    keep = ref.sampling_mask(z, top_k, top_p, min_p)[0]
+    keep = sampling_mask(z, top_k, top_p, min_p)[0]
     p = torch.where(keep, z[0].softmax(-1), 0.0)
     p = p / p.sum()
     freq = torch.bincount(tok, minlength=V).double() / n
@@ -381,7 +387,7 @@ def test_sample_distribution(temperature, top_k, top_p, min_p):
     assert rel(lp, z[0].log_softmax(-1)[tok]) < 1e-6  # full-softmax logprob, not the filtered one
 
 
-def test_sample_greedy_seed_and_validation():
+def test_sample_greedy_and_seed():
     logits = torch.randn(6, 40)
     tok, lp = ops_cuda.sample(logits, 0.0, 3, 0.5, 0.1, 0)
     assert torch.equal(tok, logits.argmax(-1)) and rel(lp, logits.log_softmax(-1).gather(1, tok[:, None])[:, 0]) < 1e-6
@@ -389,11 +395,6 @@ def test_sample_greedy_seed_and_validation():
     a = ops_cuda.sample(logits[:1].expand(500, 40), 1.0, 0, 1.0, 0.0, 5)[0]
     assert torch.equal(a, ops_cuda.sample(logits[:1].expand(500, 40), 1.0, 0, 1.0, 0.0, 5)[0])
     assert not torch.equal(a, ops_cuda.sample(logits[:1].expand(500, 40), 1.0, 0, 1.0, 0.0, 6)[0])
-    for bad, msg in [({"top_p": 0.0}, "top_p"), ({"top_k": -1}, "top_k"), ({"min_p": 1.0}, "min_p"),
-                     ({"temperature": -1.0}, "temperature")]:
-        kw = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "seed": 0} | bad
-        with pytest.raises(ValueError, match=msg):
-            ops_cuda.sample(logits, **kw)
 
 
 def test_bad_shapes_raise_clear_errors():
@@ -484,9 +485,9 @@ def test_doctor_and_build_on_this_machine(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_extension_links_the_running_libstdcxx(tmp_path):
-    """A torch extension linked with a static libstdc++ (the default of the H200 machine's compiler) carries its
-    own iostreams, and a TORCH_CHECK message formatted there came out broken (here) or crashed the process (on
-    the H200). Linked first against the libstdc++ torch runs with, as ops_cuda's build does, it is intact."""
+    """A torch extension linked with a static libstdc++ (the default of some compilers) carries its own
+    iostreams, and a TORCH_CHECK message formatted there comes out broken (here) or crashes the process (on
+    other machines). Linked first against the libstdc++ torch runs with, as ops_cuda's build does, it is intact."""
     import shutil
 
     if shutil.which(os.environ.get("CXX", "c++")) is None:
@@ -498,7 +499,8 @@ def test_extension_links_the_running_libstdcxx(tmp_path):
         "  return x;\n}\n"
         "TORCH_LIBRARY(fwtest, m) { m.def(\"check(Tensor x) -> Tensor\"); }\n"
         "TORCH_LIBRARY_IMPL(fwtest, CPU, m) { m.impl(\"check\", &check); }\n")
-    code = ("import sys, torch\nfrom torch.utils import cpp_extension\nfrom ops_cuda.extension import running_libstdcxx\n"
+    code = ("import sys, torch\nfrom torch.utils import cpp_extension\n"
+            "from ops_cuda.extension import running_libstdcxx\n"
             "flags = (running_libstdcxx() if sys.argv[1] == 'fixed' else []) + ['-static-libstdc++']\n"
             "cpp_extension.load(name='fwtest_' + sys.argv[1], sources=[sys.argv[2]], extra_ldflags=flags,\n"
             "                   is_python_module=False, build_directory=sys.argv[3])\n"

@@ -1,6 +1,6 @@
 """GPU tests of the fw CUDA kernels: each op against a float64 reference on fresh random inputs,
 awkward shapes, freed memory poisoned with NaN before each call (an unwritten output shows as NaN),
-thresholds from REFERENCE.md section 4; opcheck and torch.compile(fullgraph) on CUDA."""
+thresholds in TOL below; opcheck and torch.compile(fullgraph) on CUDA."""
 from __future__ import annotations
 
 import json
@@ -13,7 +13,12 @@ import torch
 
 import ops_cuda
 from ops_cuda import library
-from ops_cuda import reference as ref
+from ops_cuda.decode_attention import decode_attention_reference
+from ops_cuda.linear_logprob import linear_logprob_reference
+from ops_cuda.rms_norm import rms_norm_reference
+from ops_cuda.rope import rope_cos_sin, rope_rotate
+from ops_cuda.sample import sample_reference, sampling_mask
+from ops_cuda.swiglu import swiglu_reference
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -88,7 +93,7 @@ def test_rms_norm(dtype, shape, wdtype):
     poison()
     gx, gw = torch.autograd.grad(y, (x, w), g)
     x64, w64 = f64(x, w)
-    y64 = ref.rms_norm(x64, w64, 1e-6)
+    y64 = rms_norm_reference(x64, w64, 1e-6)
     gx64, gw64 = torch.autograd.grad(y64, (x64, w64), g.double())
     assert y.dtype == dtype and gx.dtype == dtype and gw.dtype == w.dtype
     assert rel(y, y64) < TOL[dtype]
@@ -128,14 +133,14 @@ def test_rms_norm_forward_launch_variants_change_no_value(env):
     # `env` (read once per process) forces either variant. Both, in child processes on the same inputs: against
     # float64, and bit-equal to each other (a cache policy or an index width must not change a value).
     code = (
-        "import hashlib, json, torch\nfrom ops_cuda import library\nfrom ops_cuda import reference as ref\n"
+        "import hashlib, json, torch\nfrom ops_cuda import library\nfrom ops_cuda.rms_norm import rms_norm_reference\n"
         "assert library.activate_cuda() == 'kernels'\ntorch.manual_seed(0)\nout = []\n"
         f"for dt, wdt, shape, *eps in {ROWS_KERNEL_CASES!r}:\n"
         "    eps = eps[0] if eps else 1e-6\n"
         "    x = torch.randn(shape, device='cuda', dtype=getattr(torch, dt))\n"
         "    w = (1 + 0.1 * torch.randn(shape[-1], device='cuda')).to(getattr(torch, wdt))\n"
         "    y = torch.ops.fw.rms_norm(x, w, eps)\n"
-        "    y64 = ref.rms_norm(x.double(), w.double(), eps)\n"
+        "    y64 = rms_norm_reference(x.double(), w.double(), eps)\n"
         "    rel = float('nan') if y.isnan().any() else float((y.double() - y64).norm() / y64.norm())\n"
         "    digest = hashlib.sha256(y.contiguous().view(torch.uint8).cpu().numpy().tobytes()).hexdigest()\n"
         "    out.append([dt, list(shape), rel, digest])\n"
@@ -152,7 +157,8 @@ def test_rms_norm_backward_other_group_shapes(vecs_a_thread):
     # 1 gives 128-lane groups at hidden 1024 and 4 gives 4 vectors a thread, which the default (2) never runs.
     # In a child process, against float64.
     code = (
-        "import json\nfrom ops_cuda import library\nfrom ops_cuda import reference as ref\nlibrary.activate_cuda()\n"
+        "import json\nfrom ops_cuda import library\nfrom ops_cuda.rms_norm import rms_norm_backward_reference\n"
+        "library.activate_cuda()\n"
         "out = []\n"
         "for dt, wdt, shape in [('bfloat16', 'bfloat16', (20000, 1024)), ('bfloat16', 'float32', (17, 768)),\n"
         "                       ('float16', 'float16', (5, 256)), ('bfloat16', 'bfloat16', (3, 5, 16, 128)),\n"
@@ -162,7 +168,7 @@ def test_rms_norm_backward_other_group_shapes(vecs_a_thread):
         "    g = torch.randn_like(x)\n"
         "    w = (1 + 0.1 * torch.randn(shape[-1], device='cuda')).to(getattr(torch, wdt))\n"
         "    gx, gw = torch.ops.fw.rms_norm_backward(g, x, w, 1e-6)\n"
-        "    gx64, gw64 = ref.rms_norm_backward(g.double(), x.double(), w.double(), 1e-6)\n"
+        "    gx64, gw64 = rms_norm_backward_reference(g.double(), x.double(), w.double(), 1e-6)\n"
         "    rel = lambda a, b: float('nan') if a.isnan().any() else float((a.double() - b).norm() / b.norm())\n"
         "    out.append([dt, wdt, list(shape), rel(gx, gx64), rel(gw, gw64)])\n"
         "print(json.dumps(out))\n")
@@ -182,16 +188,16 @@ def test_rope(dtype, B, T, Hq, Hk, D):
     pos = torch.randint(0, 40960, (B, T), device=DEV)
     poison()
     qo, ko = ops_cuda.rope(q, k, pos, 1e6)
-    cos, sin = ref.rope_cos_sin(pos, D, 1e6)  # fp32 angles (the op's definition), rotation in float64
-    q64, k64 = ref._rotate(q.double(), cos.double(), sin.double()), ref._rotate(k.double(), cos.double(), sin.double())
+    cos, sin = rope_cos_sin(pos, D, 1e6)  # fp32 angles (the op's definition), rotation in float64
+    q64, k64 = rope_rotate(q.double(), cos.double(), sin.double()), rope_rotate(k.double(), cos.double(), sin.double())
     assert rel(qo, q64) < TOL[dtype] and rel(ko, k64) < TOL[dtype]
     # backward = inverse rotation: grads through the op
     qq, kk = q.detach().clone().requires_grad_(True), k.detach().clone().requires_grad_(True)
     gq, gk = torch.randn_like(qq), torch.randn_like(kk)
     poison()
     dq, dk = torch.autograd.grad(ops_cuda.rope(qq, kk, pos, 1e6), (qq, kk), (gq, gk))
-    dq64 = ref._rotate(gq.double(), cos.double(), -sin.double())
-    dk64 = ref._rotate(gk.double(), cos.double(), -sin.double())
+    dq64 = rope_rotate(gq.double(), cos.double(), -sin.double())
+    dk64 = rope_rotate(gk.double(), cos.double(), -sin.double())
     assert rel(dq, dq64) < TOL[dtype] and rel(dk, dk64) < TOL[dtype]
 
 
@@ -207,7 +213,7 @@ def test_swiglu(dtype, shape):
     poison()
     (dgu,) = torch.autograd.grad(y, gu, g)
     (gu64,) = f64(gu)
-    y64 = ref.swiglu(gu64)
+    y64 = swiglu_reference(gu64)
     (dgu64,) = torch.autograd.grad(y64, gu64, g.double())
     assert rel(y, y64) < TOL[dtype] and rel(dgu, dgu64) < TOL[dtype] * 2
 
@@ -230,7 +236,7 @@ def test_linear_logprob(dtype, save, N, d, V, temperature):
     poison()
     dh, dw = torch.autograd.grad((lp * glp).sum() + (ent * gent).sum(), (h, w))
     h64, w64 = f64(h, w)
-    lp64, ent64, *_ = ref.linear_logprob(h64, w64, t, temperature)
+    lp64, ent64, *_ = linear_logprob_reference(h64, w64, t, temperature)
     lp_full, ent_full = logprob_entropy64((h64 @ w64.T) / temperature, t)  # unchunked, for the grads too
     dh64, dw64 = torch.autograd.grad((lp_full * glp.double()).sum() + (ent_full * gent.double()).sum(), (h64, w64))
     assert lp.dtype == torch.float32 and ent.dtype == torch.float32
@@ -253,7 +259,7 @@ def launched_kernels(fn, part: str) -> set[str]:
 SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 
 
-@pytest.mark.skipif(not SM90, reason="the Hopper kernel (logprob_sm90.cu) runs on compute capability 9.0")
+@pytest.mark.skipif(not SM90, reason="the Hopper kernel (linear_logprob_sm90.cuh) runs on compute capability 9.0")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("N,d,V", [(1, 8, 1), (129, 72, 257), (300, 1024, 151936), (5, 64, 255), (260, 136, 9000)])
 def test_linear_logprob_sm90(monkeypatch, dtype, N, d, V):
@@ -294,7 +300,7 @@ def test_linear_logprob_sm90(monkeypatch, dtype, N, d, V):
     assert err(dh, dh_c, 1e-3) < TOL[dtype] * 2 and err(dw, dw_c, 1e-3) < TOL[dtype] * 2
 
 
-@pytest.mark.skipif(not SM90, reason="the Hopper kernel (logprob_sm90.cu) runs on compute capability 9.0")
+@pytest.mark.skipif(not SM90, reason="the Hopper kernel (linear_logprob_sm90.cuh) runs on compute capability 9.0")
 def test_linear_logprob_sm90_nan_and_minus_inf():
     """On the Hopper kernel: a NaN row makes that row's outputs NaN and no other; a 256-column chunk of -inf
     logits adds nothing (outputs equal float64 over the finite columns; kept: -65504, offset 0) and gets a
@@ -366,7 +372,7 @@ def test_linear_logprob_nan_propagates():
     h, w = torch.randn(N, d, device=DEV), torch.randn(V, d, device=DEV) / 8
     h[1] = float("nan")                            # every logit of row 1
     t = torch.tensor([5, 9000, 17_000, 3], device=DEV)
-    lp_ref, ent_ref, lse_ref, *_ = ref.linear_logprob(h.double().cpu(), w.double().cpu(), t.cpu(), 1.0)
+    lp_ref, ent_ref, lse_ref, *_ = linear_logprob_reference(h.double().cpu(), w.double().cpu(), t.cpu(), 1.0)
     for hh, ww, tol in ((h, w, 1e-5), (h.bfloat16(), w.bfloat16(), 5e-2)):  # bf16: also keeping the logits
         lp, ent, lse, saved, _ = torch.ops.fw.linear_logprob(hh, ww, t, 1.0, ops_cuda.SAVED_LOGITS_CHUNK)
         assert saved.numel() == (N * V if hh.dtype == torch.bfloat16 else 0)
@@ -655,7 +661,7 @@ def test_decode_attention(dtype, B, Hq, Hk, S, D, lens):
     scale = D ** -0.5
     poison()
     out = ops_cuda.decode_attention(q, kc, vc, lengths, scale)
-    out64 = ref.decode_attention(q.double(), kc.double(), vc.double(), lengths, scale)
+    out64 = decode_attention_reference(q.double(), kc.double(), vc.double(), lengths, scale)
     assert out.dtype == dtype
     assert rel(out, out64) < TOL[dtype]
     if lens and 0 in lens:
@@ -674,11 +680,12 @@ def test_decode_attention_layouts_and_repeats():
             lengths = torch.randint(0, S + 50, (B,), device=DEV)
             poison()
             out = ops_cuda.decode_attention(q, kc, vc, lengths, 0.3)
-            assert rel(out, ref.decode_attention(q.double(), kc.double(), vc.double(), lengths, 0.3)) < TOL[dtype]
+            assert rel(out, decode_attention_reference(q.double(), kc.double(), vc.double(), lengths, 0.3)) < TOL[dtype]
             flat = torch.randn(B * Hk * S * D + 1, device=DEV, dtype=dtype)
             kc2, vc2 = flat[1:].view(B, Hk, S, D), flat[:-1].view(B, Hk, S, D)  # odd element offset
             out = ops_cuda.decode_attention(q, kc2, vc2, lengths, 0.3)
-            assert rel(out, ref.decode_attention(q.double(), kc2.double(), vc2.double(), lengths, 0.3)) < TOL[dtype]
+            expected = decode_attention_reference(q.double(), kc2.double(), vc2.double(), lengths, 0.3)
+            assert rel(out, expected) < TOL[dtype]
 
 
 def test_decode_attention_no_rows_or_no_heads():
@@ -714,7 +721,7 @@ def test_decode_attention_kernel_choice(monkeypatch, dtype, Hq, Hk, D, mode, mma
         kc = torch.randn(B, Hk, S, D, device=DEV, dtype=dtype)
         vc = torch.randn(B, Hk, S, D, device=DEV, dtype=dtype)
         lengths = torch.randint(1, S + 1, (B,), device=DEV)
-        expected = ref.decode_attention(q.double(), kc.double(), vc.double(), lengths, 0.15)
+        expected = decode_attention_reference(q.double(), kc.double(), vc.double(), lengths, 0.15)
 
         def run(args=(q, kc, vc, lengths, 0.15)):
             poison()
@@ -769,9 +776,9 @@ def test_sample_matches_reference_stream(dtype, temperature, top_k, top_p, min_p
     logits = (3 * torch.randn(B, V, device=DEV)).to(dtype)
     poison()
     tok, lp = ops_cuda.sample(logits, temperature, top_k, top_p, min_p, 1234)
-    tok_ref, lp_ref = ref.sample(logits.double(), temperature, top_k, top_p, min_p, 1234)
+    tok_ref, lp_ref = sample_reference(logits.double(), temperature, top_k, top_p, min_p, 1234)
     z = logits.double() / temperature
-    keep = ref.sampling_mask(z, top_k, top_p, min_p)
+    keep = sampling_mask(z, top_k, top_p, min_p)
     assert keep.gather(1, tok[:, None]).all(), "a drawn token is outside the top-k / top-p / min-p set"
     assert (tok == tok_ref).float().mean() >= 0.85  # same Philox stream; float64 vs fp32 noise may flip a near-tie
     full = z.log_softmax(-1).gather(1, tok[:, None]).squeeze(1)
@@ -786,7 +793,7 @@ def test_sample_distribution(temperature, top_k, top_p, min_p):
     row = 1.5 * torch.randn(V, device=DEV)
     tok, _ = ops_cuda.sample(row.expand(n, V), temperature, top_k, top_p, min_p, 7)
     z = (row / temperature).double()[None]
-    keep = ref.sampling_mask(z, top_k, top_p, min_p)[0]
+    keep = sampling_mask(z, top_k, top_p, min_p)[0]
     p = torch.where(keep, z[0].softmax(-1), 0.0)
     p = p / p.sum()
     freq = torch.bincount(tok, minlength=V).double() / n
@@ -799,9 +806,9 @@ def _check_sample(logits, temperature, top_k, top_p, min_p, seed=1234):
     carry the full-softmax logprob and are deterministic."""
     poison()
     tok, lp = ops_cuda.sample(logits, temperature, top_k, top_p, min_p, seed)
-    tok_ref, _ = ref.sample(logits.double(), temperature, top_k, top_p, min_p, seed)
+    tok_ref, _ = sample_reference(logits.double(), temperature, top_k, top_p, min_p, seed)
     z = logits.double() / temperature
-    keep = ref.sampling_mask(z, top_k, top_p, min_p)
+    keep = sampling_mask(z, top_k, top_p, min_p)
     assert keep.gather(1, tok[:, None]).all(), "a drawn token is outside the top-k / top-p / min-p set"
     assert (tok == tok_ref).float().mean() >= 0.85
     full = z.log_softmax(-1).gather(1, tok[:, None]).squeeze(1)
@@ -927,8 +934,8 @@ def _op_args():
     k = torch.randn(2, 5, 2, 64, device=DEV, requires_grad=True)
     pos = torch.arange(5, device=DEV).expand(2, 5).contiguous()
     return {
-        "rms_norm": (torch.randn(3, 64, device=DEV, requires_grad=True), torch.randn(64, device=DEV, requires_grad=True),
-                     1e-6),
+        "rms_norm": (torch.randn(3, 64, device=DEV, requires_grad=True),
+                     torch.randn(64, device=DEV, requires_grad=True), 1e-6),
         "rms_norm_backward": (torch.randn(3, 64, device=DEV), torch.randn(3, 64, device=DEV),
                               torch.randn(64, device=DEV), 1e-6),
         "rope": (q, k, pos, 1e4, False),
@@ -1002,7 +1009,7 @@ def test_decode_attention_under_cuda_graph():
         lengths.random_(1, S + 1)
         g.replay()
         torch.cuda.synchronize()
-        expected = ref.decode_attention(q.double(), kc.double(), vc.double(), lengths, 0.1)
+        expected = decode_attention_reference(q.double(), kc.double(), vc.double(), lengths, 0.1)
         assert rel(out, expected) < TOL[torch.bfloat16]
 
 
@@ -1027,7 +1034,7 @@ def test_decode_attention_under_cuda_graph_shapes(B, Hq, Hk, S, D):
         for _ in range(3):
             g.replay()
         torch.cuda.synchronize()
-        expected = ref.decode_attention(q.double(), kc.double(), vc.double(), lengths, 0.1)
+        expected = decode_attention_reference(q.double(), kc.double(), vc.double(), lengths, 0.1)
         assert rel(out, expected) < TOL[torch.bfloat16]
         if i == 0:
             assert out[0].abs().max() == 0

@@ -12,9 +12,11 @@
 #include <type_traits>
 #include <utility>
 
-#include "kernels.h"
-
 namespace fw {
+
+// The element types of the kernels. Every launcher returns the launch's cudaError_t (cudaGetLastError after the
+// launch); its host wrapper (at the end of its csrc/<op>.cu) turns a failure into a TORCH_CHECK.
+enum class DType : int { F32 = 0, BF16 = 1, F16 = 2 };
 
 __device__ __forceinline__ float to_f(float x) { return x; }
 __device__ __forceinline__ float to_f(__nv_bfloat16 x) { return __bfloat162float(x); }
@@ -30,7 +32,7 @@ template <typename T, int N> struct alignas(sizeof(T) * N) Vec {
   T v[N];
 };
 // N floats rounded to T, two at a time for 16-bit types (one cvt.rn.bf16x2 / f16x2 per pair instead of a cvt and
-// a move per element: the memory-bound kernels are partly issue-bound on the H200).
+// a move per element: the memory-bound kernels are partly issue-bound).
 template <typename T, int N> __device__ __forceinline__ Vec<T, N> vec_from_f(const float (&f)[N]) {
   Vec<T, N> o;
   if constexpr (N % 2 == 0 && std::is_same_v<T, __nv_bfloat16>) {
@@ -136,7 +138,7 @@ template <auto K> cudaError_t allow_dynamic_smem(int bytes) {
 }
 
 // An integer from the environment, or `fallback` when unset or empty: the launch-shape overrides that the
-// benchmark sweeps set (ops_cuda/bench/sweep.sh, decode_splits.py).
+// benchmark sweeps set (benchmarks/ops/sweep.sh, decode_splits.py).
 inline int int_from_env(const char* name, int fallback) {
   const char* v = getenv(name);
   return v && *v ? atoi(v) : fallback;
@@ -147,9 +149,10 @@ inline int int_from_env(const char* name, int fallback) {
 // has completed: once every block of this grid has started and either let it (launch_dependents) or exited. Its
 // blocks then become resident as this grid's last wave drains, and wait (griddepcontrol.wait) until this grid has
 // completed and its writes are visible before they touch global memory. Only the blocks of the last wave let it:
-// launch_dependents in every block made QK-norm's 32,768 short blocks 20% slower on the H200, with or without PDL
-// (docs/PERFORMANCE.md run 19). Both instructions compile to nothing below sm_90, and launch_kernel() asks for PDL
-// only on compute capability 9.x, whose SASS has them.
+// launch_dependents in every block slows grids of many short blocks such as QK-norm's, with or without PDL
+// (`python -m benchmarks.ops.bench_ops --only rms_norm`, with FW_PDL=0 for the comparison). Both instructions
+// compile to nothing below sm_90, and launch_kernel() asks for PDL only on compute capability 9.x, whose SASS has
+// them.
 __device__ __forceinline__ void grid_dependency_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");

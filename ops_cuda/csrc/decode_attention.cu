@@ -20,8 +20,38 @@
 // (decode_attention_plan).
 #include <algorithm>
 #include <cstdlib>
+#include <map>
+#include <mutex>
+#include <vector>
 
 #include "common.cuh"
+#include "torch_utils.h"
+
+namespace fw {
+
+// q [B, Hq, D] (16-byte aligned); caches addressed as base + b*sb + h*sh + s*ss + d (elements; base 16-byte
+// aligned, strides multiples of 16 bytes); out [B, Hq, D]. Any Hq % Hk == 0, D a multiple of 8 up to 256.
+// With plan.splits > 1: o/m/l hold the per-split partials and count one int per (b, kv head, head group)
+// (B * Hk * plan.groups ints), zero before the launch and left zero after it.
+struct DecodeWorkspace {
+  float* o;    // [B, Hq, splits, D]
+  float* m;    // [B, Hq, splits]
+  float* l;    // [B, Hq, splits]
+  int* count;  // [B, Hk, groups]
+};
+// How one call runs, decided once (the overrides FW_DECODE_MMA and FW_DECODE_SPLITS are read here, per call):
+// the kernel, the head groups a kv head and the splits of the context. The workspace is sized from it.
+struct DecodePlan {
+  bool mma;    // the tensor-core kernel, else the ring kernel
+  int groups;  // query-head groups a kv head, a block each
+  int splits;
+};
+DecodePlan decode_attention_plan(DType dt, int B, int Hq, int Hk, int S, int D, int sm_count);
+cudaError_t decode_attention(DType dt, const void* q, const void* k, const void* v, const int64_t* lengths,
+                             void* out, DecodeWorkspace ws, int B, int Hq, int Hk, int S, int D, int64_t sb,
+                             int64_t sh, int64_t ss, DecodePlan plan, float scale, cudaStream_t stream);
+
+}  // namespace fw
 
 namespace fw {
 namespace {
@@ -76,8 +106,8 @@ template <typename T, int DP, int RP> constexpr int min_blocks() {
 // [warp][head][DP] unnormalised outputs, and the block is synchronised. With one split the block writes its heads'
 // outputs, otherwise its partials; the last block of the group to arrive combines the splits (threadFenceReduction
 // pattern). hq0: the group's first query head; nr: its heads. sm_scale and sm_last are the kernel's own shared
-// variables: declared here instead, they changed how the compiler scheduled the ring kernel's main loop, which then
-// took 12-18% more time at B=64 and 256 (docs/PERFORMANCE.md run 15).
+// variables: declared here instead, they change how the compiler schedules the ring kernel's main loop, which is
+// then slower at large batches (`python -m benchmarks.ops.decode_splits`).
 template <typename T, int RP, int DP>
 __device__ __forceinline__ void decode_finish(const DecodeArgs& a, const float* red, float (&sm_scale)[RP][kMaxSplits],
                                               int& sm_last, int grp, int split, int64_t hq0, int nr, int D) {
@@ -314,7 +344,7 @@ __global__ void __launch_bounds__(kThreads, min_blocks<T, DP, RP>()) decode_kern
 
 // ------------------------------------------------------------------ tensor-core path
 // With several query heads a kv head the ring kernel's per-row maths on the CUDA cores, not the K/V bytes, bounds it
-// (docs/PERFORMANCE.md run 13: 0.80x of torch.compile at 4 heads a kv head, 0.38x at 8). This kernel takes up to
+// (`python -m benchmarks.ops.decode_splits --heads 32,8` shows it against torch.compile). This kernel takes up to
 // kMmaHeads query heads of one kv head as the 16 rows of mma.sync m16n8k16 (FlashAttention-2's fragments): S = Q K^T
 // over 16-row K tiles, the online softmax on the fragments in base 2, O += P V. Each warp streams its own K/V tiles
 // (tiles warp, warp + kWarps, ...) through a private cp.async ring, so no barrier is needed until the end, where the
@@ -532,9 +562,9 @@ __global__ void __launch_bounds__(kThreads, 2) decode_mma_kernel(DecodeArgs a) {
 }
 
 // Whether the tensor-core kernel runs: 16-bit caches with head_dim 64 or 128, at 2 or more query heads a kv head.
-// At 2 it took 11-33% less time than the ring kernel from B=8 to 256 (8 kv heads, each kernel with its own split
-// count) and 1-5% more at B=1 (docs/PERFORMANCE.md run 14). FW_DECODE_MMA (read per call): 0 never, 2 also at
-// 1 head a kv head, for sweeps; any other value is the default.
+// From 2 on it beats the ring kernel except at the smallest batches, where it is about even (`python -m
+// benchmarks.ops.decode_splits --columns FW_DECODE_MMA=0 FW_DECODE_MMA=1` compares them). FW_DECODE_MMA (read per
+// call): 0 never, 2 also at 1 head a kv head, for sweeps; any other value is the default.
 bool use_mma(DType dt, int R, int D) {
   const int mode = int_from_env("FW_DECODE_MMA", 1);
   if (dt == DType::F32 || (D != 64 && D != 128) || mode == 0) return false;
@@ -595,12 +625,11 @@ DecodePlan decode_attention_plan(DType dt, int B, int Hq, int Hk, int S, int D, 
   const bool mma = use_mma(dt, R, D);
   const int RP = mma ? kMmaHeads : heads_per_block(R), groups = (R + RP - 1) / RP;
   // The ring kernel splits only to reach about 3 blocks per SM: that many keep enough K/V copies in flight to
-  // saturate HBM, and every further split adds partials to combine and a shorter pipeline per block. Measured on
-  // the H200 (python -m ops_cuda.bench.decode_splits: B x 8 kv heads, head_dim 128): B=64 is fastest with 512
-  // blocks in one split, B=16 with 4 to 8 splits, B=1 with 16. The tensor-core kernel's 4 warps each keep 2 tiles of
-  // 16 K/V rows in flight (3 ring stages), and it splits only to reach about one block per SM, rounding down: at
-  // B=16 (128 blocks) one split ran 20.1 us against 26.8 with four, at B=8 two splits 11.2 against 18.2 with
-  // seven (run 14). At least 64 positions a split, at most kMaxSplits.
+  // saturate HBM, and every further split adds partials to combine and a shorter pipeline per block. The
+  // tensor-core kernel's 4 warps each keep 2 tiles of 16 K/V rows in flight (3 ring stages), so it splits only to
+  // reach about one block per SM, rounding down: more splits cost more than they hide. `python -m
+  // benchmarks.ops.decode_splits` times every split count by batch. At least 64 positions a split, at most
+  // kMaxSplits.
   int most = (S + 63) / 64;
   most = most < 1 ? 1 : most > kMaxSplits ? kMaxSplits : most;
   const int forced = int_from_env("FW_DECODE_SPLITS", 0);  // a fixed split count, for sweeps (read per call)
@@ -637,3 +666,84 @@ cudaError_t decode_attention(DType dt, const void* q, const void* k, const void*
 }
 
 }  // namespace fw
+
+namespace {
+
+// ------------------------------------------------------------------ decode attention
+// Split counters: one int per (b, kv head, head group), zero between launches because the last block of
+// each group resets its own. One zeroed buffer per device is kept (never freed: graphs captured earlier
+// hold its address) and grown outside captures; a capture that needs more than it has gets its own zeroed
+// buffer (the memset becomes part of the graph). The shared buffer assumes decode calls on one device do
+// not run concurrently on two streams.
+int* decode_counters(int64_t n, const Tensor& like, cudaStream_t stream, Tensor& local) {
+  static std::mutex mu;
+  // leaked on purpose: no tensor destructor may run at exit, after the CUDA runtime is gone
+  static auto* bufs = new std::map<int, Tensor>();
+  static auto* retired = new std::vector<Tensor>();
+  std::lock_guard<std::mutex> lock(mu);
+  Tensor& buf = (*bufs)[like.get_device()];
+  if (buf.defined() && buf.numel() >= n) return buf.data_ptr<int>();
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  C10_CUDA_CHECK(cudaStreamIsCapturing(stream, &status));
+  if (status != cudaStreamCaptureStatusNone) {
+    local = at::zeros({n}, like.options().dtype(at::kInt));
+    return local.data_ptr<int>();
+  }
+  if (buf.defined()) retired->push_back(buf);
+  buf = at::zeros({std::max<int64_t>(n, 4096)}, like.options().dtype(at::kInt));
+  return buf.data_ptr<int>();
+}
+
+Tensor decode_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, const Tensor& lengths,
+                        double scale) {
+  check_cuda(q, "decode_attention", "q");
+  c10::cuda::CUDAGuard guard(q.device());
+  const auto dt = dtype_of(q, "decode_attention", "q");
+  TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
+              "fw::decode_attention: q, k_cache and v_cache must share a dtype");
+  const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2), Hk = k_cache.size(1), S = k_cache.size(2);
+  TORCH_CHECK(D > 0 && D <= 256 && D % 8 == 0,
+              "fw::decode_attention: the CUDA kernel takes a head_dim that is a multiple of 8 up to 256, got ", D);
+  TORCH_CHECK(Hk > 0 && Hq % Hk == 0, "fw::decode_attention: Hq must be a multiple of Hk, got ", Hq, " / ", Hk);
+  TORCH_CHECK(k_cache.strides() == v_cache.strides(), "fw::decode_attention: k_cache and v_cache strides differ");
+  auto kc = k_cache.stride(3) == 1 ? k_cache : k_cache.contiguous();
+  auto vc = v_cache.stride(3) == 1 && kc.strides() == v_cache.strides() ? v_cache : v_cache.contiguous();
+  if (kc.strides() != vc.strides()) kc = kc.contiguous();
+  // the kernel copies 16-byte chunks of a row (decode_attention.cu)
+  const int64_t vec = 16 / kc.element_size();
+  const bool aligned = kc.stride(0) % vec == 0 && kc.stride(1) % vec == 0 && kc.stride(2) % vec == 0 &&
+                       reinterpret_cast<uintptr_t>(kc.data_ptr()) % 16 == 0 &&
+                       reinterpret_cast<uintptr_t>(vc.data_ptr()) % 16 == 0;
+  if (!aligned) {  // clone: contiguous() would return an already contiguous but misaligned view as is
+    kc = kc.clone(at::MemoryFormat::Contiguous);
+    vc = vc.clone(at::MemoryFormat::Contiguous);
+  }
+  auto qc = q.contiguous();
+  if (reinterpret_cast<uintptr_t>(qc.data_ptr()) % 16 != 0) qc = qc.clone(at::MemoryFormat::Contiguous);
+  auto len = lengths.to(at::kLong).contiguous();
+  auto out = at::empty({B, Hq, D}, q.options());
+  if (B == 0 || Hq == 0) return out;  // nothing to attend (and no blocks to split over)
+  const fw::DecodePlan plan = fw::decode_attention_plan(dt, (int)B, (int)Hq, (int)Hk, (int)S, (int)D, sm_count());
+  const int splits = plan.splits;
+  auto stream = at::cuda::getCurrentCUDAStream();
+  fw::DecodeWorkspace w{nullptr, nullptr, nullptr, nullptr};
+  Tensor ws, local_counters;
+  if (splits > 1) {
+    const int64_t parts = B * Hq * splits;
+    ws = at::empty({parts * D + 2 * parts}, q.options().dtype(at::kFloat));
+    float* base = ws.data_ptr<float>();
+    w = {base, base + parts * D, base + parts * D + parts,
+         decode_counters(B * Hk * plan.groups, q, stream, local_counters)};
+  }
+  check_launch(fw::decode_attention(dt, qc.data_ptr(), kc.data_ptr(), vc.data_ptr(), len.data_ptr<int64_t>(),
+                                    out.data_ptr(), w, (int)B, (int)Hq, (int)Hk, (int)S, (int)D, kc.stride(0),
+                                    kc.stride(1), kc.stride(2), plan, (float)scale, stream),
+               "decode_attention");
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(fw, CUDA, m) {
+  m.impl("decode_attention", &decode_attention);
+}

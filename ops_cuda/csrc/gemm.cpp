@@ -1,9 +1,9 @@
-// The GEMMs of the fused linear + logprob (bindings.cpp), through cuBLASLt with the algorithm chosen per shape.
+// The GEMMs of the fused linear + logprob (linear_logprob.cu), through cuBLASLt with the algorithm chosen per
+// shape.
 //
-// cuBLASLt's heuristic puts first, for the logits GEMM (K = 1,024, fp32 out), an algorithm the H200 runs up to
-// 1.16x slower than the best of the next seven (0.108 against 0.093-0.094 ms a 8,192 x 4,096 tile in two calls;
-// FW_GEMM_LOG=1 prints them). linear_logprob took 31.67 / 41.04 ms (kept / recomputed logits) with
-// cublasGemmEx, used before, against 30.76 / 39.88 with timed choices (docs/PERFORMANCE.md, run 10).
+// cuBLASLt's heuristic does not always put first the fastest algorithm for the logits GEMM (K = 1,024, fp32 out):
+// one of the next few can be faster (FW_GEMM_LOG=1 prints them; `FW_GEMM=heuristic python -m
+// benchmarks.ops.bench_ops --only linear_logprob` against the default shows the difference).
 // So, for a shape met outside CUDA-graph capture, the heuristic's first kCandidates algorithms without split-K
 // each run once on the call's operands; those whose output has the same bits as the first's are timed
 // (kTimedRuns runs on the caller's stream) and the fastest is kept for the process. The choice thus gave the
@@ -247,8 +247,7 @@ void gemm(cublasOperation_t ta, cublasOperation_t tb, int64_t m, int64_t n, int6
     snprintf(what, sizeof(what), "%c%c m %lld n %lld k %lld beta %d", ta == CUBLAS_OP_N ? 'N' : 'T',
              tb == CUBLAS_OP_N ? 'N' : 'T', (long long)m, (long long)n, (long long)k, beta != 0.f);
     const auto cand = candidates(h, d, ws_bytes, al_a, al_b, al_c);
-    if (cand.empty()) {  // run 10's first call, which dropped split-K results instead of asking for none, met
-                         // this with small GEMMs such as 64 x 40 x 8192
+    if (cand.empty()) {  // small GEMMs such as 64 x 40 x 8192 can have no algorithm without split-K
       if (log) fprintf(stderr, "fw gemm %s: no cuBLASLt algorithm without split-K, cublasGemmEx\n", what);
       std::lock_guard<std::mutex> g(mu);
       chosen.emplace(key, Choice{false, {}});

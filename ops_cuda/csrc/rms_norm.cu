@@ -14,8 +14,8 @@
 // Either backward leaves a partial row per block, which a second small kernel sums column-wise in a fixed order
 // straight into the weight's dtype.
 // Rows too long for registers (or unaligned) take the NV == 0 path: VEC-wide loops over the row, twice.
-// Launch shapes measured on the H200 (ops_cuda/bench/sweep.sh, docs/PERFORMANCE.md): 2 vectors a thread beat
-// 1 and 4 in the persistent kernels; prefetching 2 rows ahead (more registers, fewer resident warps) was slower.
+// Launch shapes come from the sweeps of `bash benchmarks/ops/sweep.sh rms`: 2 vectors a thread beat 1 and 4 in
+// the persistent kernels; prefetching 2 rows ahead (more registers, fewer resident warps) is slower.
 #include <algorithm>
 #include <cfloat>
 #include <cstdint>
@@ -23,6 +23,23 @@
 #include <type_traits>
 
 #include "common.cuh"
+#include "torch_utils.h"
+
+namespace fw {
+
+// x [rows, D] -> y [rows, D]; weight [D] of wdtype (x's dtype or F32).
+// The grid is one wave of resident blocks (sm_count SMs) looping over the rows; l2_bytes (the device's L2)
+// decides whether the rows kernel loads x evict-first.
+cudaError_t rms_norm_fwd(DType dt, DType wdt, const void* x, const void* w, void* y, int64_t rows, int D,
+                         float eps, int sm_count, int64_t l2_bytes, cudaStream_t stream);
+// gx [rows, D] (x's dtype), gw [D] (wdt); gw_partial [max_blocks, D] fp32 scratch: one partial row per block of
+// the main kernel (one wave of resident blocks), summed by a second kernel.
+int rms_norm_bwd_max_blocks(int sm_count);
+cudaError_t rms_norm_bwd(DType dt, DType wdt, const void* grad, const void* x, const void* w, void* gx,
+                         void* gw, float* gw_partial, int max_blocks, int64_t rows, int D, float eps,
+                         int sm_count, cudaStream_t stream);
+
+}  // namespace fw
 
 namespace fw {
 namespace {
@@ -205,10 +222,10 @@ rms_norm_fwd_kernel(const T* __restrict__ x, const W* __restrict__ w, T* __restr
 constexpr int kRowThreads = 128;  // the largest block of the rows kernel
 
 // Resident blocks of kRowThreads per SM the rows kernel asks the compiler for: 16 (32 registers, full occupancy,
-// as in torch.compile's kernel for QK-norm: Nsight Compute, H200) for the FULL instances with one vector a row, at
-// most 2 rows a thread and a weight no wider than x; else 8 (64 registers, 50% occupancy or more). Other instances
-// spill at 32 (nvcc -Xptxas -v). QK-norm's instance ran as fast with 39 registers and 75% occupancy (33.75 against
-// 33.74 us, docs/PERFORMANCE.md run 16).
+// as in torch.compile's kernel for QK-norm) for the FULL instances with one vector a row, at most 2 rows a thread
+// and a weight no wider than x; else 8 (64 registers, half occupancy or more). Other instances spill at 32
+// (nvcc -Xptxas -v). QK-norm's instance is as fast with a looser cap (`python -m benchmarks.ops.bench_ops --only
+// rms_norm`).
 template <typename T, typename W, int NV, int RPT, bool FULL> constexpr int rows_min_blocks() {
   return FULL && NV == 1 && RPT <= 2 && sizeof(W) <= sizeof(T) ? 16 : 8;
 }
@@ -406,14 +423,13 @@ rms_norm_bwd_kernel(const T* __restrict__ grad, const T* __restrict__ x, const W
 }
 
 // Backward for aligned rows of at most 128 vectors (hidden 1024 and QK-norm's 128 in bf16). The persistent kernel
-// above held the weight and the grad_weight sums in registers (hidden 1024: 118 registers, 25% occupancy). Here
+// above holds the weight and the grad_weight sums in registers (many registers, low occupancy at hidden 1024). Here
 // the weight is read from L1 where it is used, and each group of LANES threads adds its grad_weight terms into its
 // own slice of shared memory, laid out lane-contiguous in float4s (no atomics; no bank conflicts for groups of 8
 // lanes or more, up to 2-way for the 4-lane groups of rows of a few vectors); the block sums its groups'
 // slices in a fixed order at the end, so grad_weight is the same from run to run. Groups of at most a warp reduce
 // with shuffles, wider ones meet at a barrier per row. Keeping the next row's loads in flight, as the persistent
-// kernel does, measured no better here and was removed (H200, docs/PERFORMANCE.md run 7, fwd+bwd ms at hidden
-// 1024: 0.055 with it and 0.053 without at 2 vectors a thread, 0.054 and 0.055 at 1).
+// kernel does, is no better here, so the kernel does not (`bash benchmarks/ops/sweep.sh rms`).
 // Resident blocks asked of the compiler, by NV: the tightest register caps that compile without spills for sm_90,
 // 5 / 4 / 3 blocks of 256 threads for 1 / 2 / 4 vectors (48 / 64 / 80 registers; bf16 x with an fp32 weight
 // spills 8 bytes at 4 vectors, where 2 blocks would leave too few warps).
@@ -538,17 +554,16 @@ __global__ void __launch_bounds__(256) rms_norm_gw_kernel(const float* __restric
   }
 }
 
-// Vectors a thread of the rows kernel has in flight, as RPT = this / NV rows (at least 1, at most 4 / NV): 2
-// measured best on the H200 (QK-norm fwd, 128-thread blocks: 0.034 ms with 2 rows a thread, 0.035 with 4, and
-// 0.040 with 8 rows, which are no longer allowed; hidden 1024 runs its 4 vectors of one row in every case).
-// FW_RMS_ROWS_VECS overrides it for sweeps.
+// Vectors a thread of the rows kernel has in flight, as RPT = this / NV rows (at least 1, at most 4 / NV): 2 is
+// the fastest for QK-norm (hidden 1024 runs its 4 vectors of one row in every case). FW_RMS_ROWS_VECS overrides it
+// for sweeps (`bash benchmarks/ops/sweep.sh rms`).
 int rows_kernel_vecs() {
   static const int v = int_from_env("FW_RMS_ROWS_VECS", 2);
   return v;
 }
 
-// Threads per block of the rows kernel: 64 (H200, run 6, fw ms for hidden 1024 / QK-norm fwd: 32 threads
-// 0.018 / 0.042, 64 0.018 / 0.034, 128 0.019 / 0.034). FW_RMS_ROWS_THREADS = 32, 64 or 128 overrides it (sweeps).
+// Threads per block of the rows kernel: 64, the smallest block as fast as any at hidden 1024 and QK-norm.
+// FW_RMS_ROWS_THREADS = 32, 64 or 128 overrides it (`bash benchmarks/ops/sweep.sh rms`).
 int rows_block_threads() {
   static const int forced = int_from_env("FW_RMS_ROWS_THREADS", 64);
   return forced == 32 || forced == 128 ? forced : 64;
@@ -568,9 +583,9 @@ bool rows_lean() {
 }
 
 // Whether the rows kernel loads x evict-first (ONCE), as torch.compile's kernel does: when the output fits in L2,
-// so that it can stay there for the next op (and for the next replay of a benchmark). H200, 50 MB of L2 (docs/
-// PERFORMANCE.md run 9): hidden 1024 x 16,384 rows (32 MiB out) 0.018 -> 0.017 ms; QK-norm (64 MiB out) 0.034 ->
-// 0.035 ms, slower, so it keeps plain loads. FW_RMS_LOAD_ONCE = 0 / 1 forces them off / on (A/B).
+// so that it can stay there for the next op (and for the next replay of a benchmark); an output larger than L2
+// gains nothing and keeps plain loads. FW_RMS_LOAD_ONCE = 0 / 1 forces them off / on (A/B:
+// `bash benchmarks/ops/sweep.sh rms`).
 bool rows_load_once(int64_t out_bytes, int64_t l2_bytes) {
   static const int forced = int_from_env("FW_RMS_LOAD_ONCE", -1);
   return forced >= 0 ? forced != 0 : out_bytes <= l2_bytes;
@@ -640,16 +655,16 @@ cudaError_t launch_fwd(const void* x, const void* w, void* y, int64_t rows, int 
 }
 
 // Vectors a thread of the backward rows kernel aims to hold (its groups grow from 4 lanes until they do, up to
-// 128): 2 (H200, run 7, fwd+bwd ms at hidden 1024 / QK-norm: 1 vector 0.055 / 0.091, 2 0.053 / 0.092, 4 0.057 /
-// 0.099). FW_RMS_BWD_ROWS overrides it for sweeps; 0 sends every shape to the persistent kernel (A/B runs).
+// 128): 2, as fast as any at hidden 1024 and QK-norm. FW_RMS_BWD_ROWS overrides it for sweeps; 0 sends every
+// shape to the persistent kernel (A/B runs; `bash benchmarks/ops/sweep.sh rms`).
 int bwd_rows_pref() {
   static const int v = int_from_env("FW_RMS_BWD_ROWS", 2);
   return v;
 }
 
 // The backward rows kernel's grid gives each row group about this many rows (at least one block, at most one
-// wave): fewer blocks, so fewer partial rows to sum, when rows are few. 1, 2, 4 and 8 measured the same at
-// hidden 1024 and QK-norm (H200, run 7, with the prefetching variant).
+// wave): fewer blocks, so fewer partial rows to sum, when rows are few. 1, 2, 4 and 8 are about the same at
+// hidden 1024 and QK-norm.
 constexpr int kBwdRowsMin = 4;
 
 // grad_weight = the column sums of the `blocks` partial rows, in the weight's dtype.
@@ -749,3 +764,57 @@ cudaError_t rms_norm_bwd(DType dt, DType wdt, const void* grad, const void* x, c
 }
 
 }  // namespace fw
+
+namespace {
+
+// weight in x's dtype, or float32 (kept: the kernels read it as float).
+std::pair<Tensor, fw::DType> weight_for(const Tensor& weight, const Tensor& x, fw::DType dt) {
+  if (weight.scalar_type() == x.scalar_type()) return {weight.contiguous(), dt};
+  if (weight.scalar_type() == at::kFloat) return {weight.contiguous(), fw::DType::F32};
+  return {weight.to(x.scalar_type()).contiguous(), dt};
+}
+
+// ------------------------------------------------------------------ rms_norm
+Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps) {
+  check_cuda(x, "rms_norm", "x");
+  c10::cuda::CUDAGuard guard(x.device());
+  const auto dt = dtype_of(x, "rms_norm", "x");
+  const int64_t D = x.size(-1);
+  TORCH_CHECK(weight.numel() == D, "fw::rms_norm: weight has ", weight.numel(), " elements, expected ", D);
+  auto xc = x.contiguous();
+  auto [w, wdt] = weight_for(weight, x, dt);
+  auto y = at::empty(x.sizes(), xc.options());
+  const int64_t rows = D ? xc.numel() / D : 0;
+  check_launch(fw::rms_norm_fwd(dt, wdt, xc.data_ptr(), w.data_ptr(), y.data_ptr(), rows, (int)D, (float)eps,
+                                sm_count(), l2_bytes(), at::cuda::getCurrentCUDAStream()),
+               "rms_norm");
+  return y;
+}
+
+std::tuple<Tensor, Tensor> rms_norm_backward(const Tensor& grad, const Tensor& x, const Tensor& weight, double eps) {
+  check_cuda(x, "rms_norm_backward", "x");
+  c10::cuda::CUDAGuard guard(x.device());
+  const auto dt = dtype_of(x, "rms_norm_backward", "x");
+  const int64_t D = x.size(-1);
+  auto xc = x.contiguous();
+  auto gc = grad.to(x.scalar_type()).contiguous();
+  auto [w, wdt] = weight_for(weight, x, dt);
+  const int64_t rows = D ? xc.numel() / D : 0;
+  auto gx = at::empty(x.sizes(), xc.options());
+  const int sms = sm_count(), max_blocks = fw::rms_norm_bwd_max_blocks(sms);
+  auto part = at::empty({max_blocks, D}, xc.options().dtype(at::kFloat));
+  auto gw = at::empty({D}, w.options());  // in the kernels' weight dtype (x's, or float32)
+  if (rows == 0) return {gx, gw.zero_().to(weight.scalar_type())};
+  check_launch(fw::rms_norm_bwd(dt, wdt, gc.data_ptr(), xc.data_ptr(), w.data_ptr(), gx.data_ptr(), gw.data_ptr(),
+                                part.data_ptr<float>(), max_blocks, rows, (int)D, (float)eps, sms,
+                                at::cuda::getCurrentCUDAStream()),
+               "rms_norm_backward");
+  return {gx, gw.to(weight.scalar_type())};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(fw, CUDA, m) {
+  m.impl("rms_norm", &rms_norm);
+  m.impl("rms_norm_backward", &rms_norm_backward);
+}

@@ -1,7 +1,27 @@
 // NeoX split-half RoPE of q and k in one launch: one block per token, cos/sin computed once per token
 // into shared memory (angle = float(position) * inv_freq in fp32, as transformers computes it), then
 // every head of q and k rotated with 16-byte accesses when aligned.
+#include <map>
+#include <mutex>
+#include <tuple>
+
 #include "common.cuh"
+#include "torch_utils.h"
+
+namespace fw {
+
+// q [B, T, Hq, D], k [B, T, Hk, D] with element strides (b, t, h) and a contiguous last dim; outputs
+// contiguous; positions [B*T] int64; inv_freq [D/2] fp32.
+struct RopeStrides {
+  int64_t T;
+  int64_t q[3];
+  int64_t k[3];
+};
+cudaError_t rope_fwd(DType dt, const void* q, const void* k, void* q_out, void* k_out, const int64_t* positions,
+                     const float* inv_freq, RopeStrides strides, int64_t tokens, int Hq, int Hk, int D, bool inverse,
+                     cudaStream_t stream);
+
+}  // namespace fw
 
 namespace fw {
 namespace {
@@ -71,3 +91,50 @@ cudaError_t rope_fwd(DType dt, const void* q, const void* k, void* q_out, void* 
 }
 
 }  // namespace fw
+
+namespace {
+
+// ------------------------------------------------------------------ rope
+// inv_freq computed by the same ATen CPU ops as transformers (1 / theta ** (arange(0, D, 2) / D) in fp32),
+// cached on each device.
+Tensor inv_freq_for(int64_t D, double theta, const at::Device& device) {
+  static std::mutex mu;
+  static std::map<std::tuple<int, int64_t, double>, Tensor> cache;
+  std::lock_guard<std::mutex> lock(mu);
+  const auto key = std::make_tuple((int)device.index(), D, theta);
+  auto it = cache.find(key);
+  if (it != cache.end()) return it->second;
+  auto e = at::arange(0, D, 2, at::TensorOptions().dtype(at::kLong)).to(at::kFloat).div(D);
+  auto inv = at::reciprocal(at::pow(theta, e)).to(device);
+  cache.emplace(key, inv);
+  return inv;
+}
+
+std::tuple<Tensor, Tensor> rope(const Tensor& q, const Tensor& k, const Tensor& positions, double theta,
+                                bool inverse) {
+  check_cuda(q, "rope", "q");
+  c10::cuda::CUDAGuard guard(q.device());
+  const auto dt = dtype_of(q, "rope", "q");
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && positions.dim() == 2, "fw::rope: expected q [B,T,Hq,D], k [B,T,Hk,D], "
+              "positions [B,T]");
+  TORCH_CHECK(k.scalar_type() == q.scalar_type(), "fw::rope: q and k dtypes differ");
+  const int64_t B = q.size(0), T = q.size(1), Hq = q.size(2), Hk = k.size(2), D = q.size(3);
+  auto qc = q.stride(3) == 1 ? q : q.contiguous();
+  auto kc = k.stride(3) == 1 ? k : k.contiguous();
+  auto pos = positions.to(at::kLong).contiguous();
+  auto qo = at::empty(q.sizes(), q.options().memory_format(at::MemoryFormat::Contiguous));
+  auto ko = at::empty(k.sizes(), k.options().memory_format(at::MemoryFormat::Contiguous));
+  fw::RopeStrides st{T, {qc.stride(0), qc.stride(1), qc.stride(2)}, {kc.stride(0), kc.stride(1), kc.stride(2)}};
+  auto inv = inv_freq_for(D, theta, q.device());
+  check_launch(fw::rope_fwd(dt, qc.data_ptr(), kc.data_ptr(), qo.data_ptr(), ko.data_ptr(), pos.data_ptr<int64_t>(),
+                            inv.data_ptr<float>(), st, B * T, (int)Hq, (int)Hk, (int)D, inverse,
+                            at::cuda::getCurrentCUDAStream()),
+               "rope");
+  return {qo, ko};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(fw, CUDA, m) {
+  m.impl("rope", &rope);
+}

@@ -8,11 +8,30 @@
 //         largest z; top-p: the mass of the top-k set, then a radix select on mass for the largest
 //         threshold whose tail holds top_p of it; min-p: threshold max z + log(min_p);
 //  the draw: Gumbel-max over z >= threshold with Philox4x32-10 noise keyed by the seed, counter
-//  (col / 4, row, 0, 0), word col % 4 (the same stream as ops_cuda/reference.py).
+//  (col / 4, row, 0, 0), word col % 4 (the same stream as gumbel_noise in ops_cuda/sample.py).
 // temperature 0: greedy (first maximum), logprob under the unscaled softmax.
 // Without top-k / top-p / min-p (and for greedy) no threshold is needed: the row is split over several
 // blocks (one pass) and a small kernel combines them, which keeps the GPU busy at batch 1.
+#include <cmath>
+
 #include "common.cuh"
+#include "torch_utils.h"
+
+namespace fw {
+
+// logits [B, V] (row stride in elements) -> tokens int64 [B], logprob fp32 [B]. Plain sampling and greedy
+// split each row over P blocks; the workspace holds 3 floats and 1 int64 per (row, part).
+struct SampleSplitWorkspace {
+  int P;
+  float* part_f;     // [B, P, 3]
+  int64_t* part_i;   // [B, P]
+};
+int sample_split_parts(int B, int64_t V, int sm_count);
+cudaError_t sample(DType dt, const void* logits, int64_t row_stride, int64_t* tokens, float* logprob, int B,
+                   int64_t V, float temperature, int64_t top_k, float top_p, float log_min_p, bool use_min_p,
+                   uint64_t seed, SampleSplitWorkspace split_ws, cudaStream_t stream);
+
+}  // namespace fw
 
 namespace fw {
 namespace {
@@ -427,8 +446,8 @@ sample_kernel(const T* __restrict__ logits, int64_t row_stride, int64_t* __restr
 // running sum per 8 columns, the fast exp (its argument z - max is <= 0; its error, 2 + floor(1.173 |x|) ulp in
 // CUDA's table, grows only as the term shrinks against the max's 1) and gumbel_fast: about 75 SASS instructions a
 // column on the aligned path against about 120 with exact expf, logf and division, 4 columns a thread (sm_90).
-// z = x * (1 / T) is within an ulp of the x / T that sample_combine_kernel and reference.py compute. A group whose
-// columns are all -inf is skipped, so a NaN logit among seven -inf ones is dropped; any other NaN makes the sum NaN.
+// z = x * (1 / T) is within an ulp of the x / T that sample_combine_kernel and the reference (ops_cuda/sample.py)
+// compute. A group whose columns are all -inf is skipped, so a NaN logit among seven -inf ones is dropped; any other NaN makes the sum NaN.
 constexpr int kSplitThreads = 256, kSplitCols = 8;
 
 template <typename T>
@@ -522,7 +541,8 @@ __global__ void sample_combine_kernel(const T* __restrict__ logits, int64_t row_
 int sample_split_parts(int B, int64_t V, int sm_count) {
   // a grid of about 8 blocks per SM (at 48 registers a thread, 5 are resident): the loop computes more
   // than it loads (a Philox draw per 4 columns, two logs and an exp per column) and needs every SM full of
-  // warps; with 2 blocks per SM B=256 ran at 17% of the copy bandwidth (H200, run 4)
+  // warps; with 2 blocks per SM a large batch runs far below the copy bandwidth (`python -m
+  // benchmarks.ops.sample_plain 1,64,256`)
   int64_t P = (8 * (int64_t)sm_count + B - 1) / B;
   const int64_t most = (V + 4095) / 4096;  // at least 4096 columns per block
   if (P > most) P = most;
@@ -560,3 +580,36 @@ cudaError_t sample(DType dt, const void* logits, int64_t row_stride, int64_t* to
 }
 
 }  // namespace fw
+
+namespace {
+
+// ------------------------------------------------------------------ sampler
+std::tuple<Tensor, Tensor> sample(const Tensor& logits, double temperature, int64_t top_k, double top_p,
+                                  double min_p, int64_t seed) {
+  check_cuda(logits, "sample", "logits");
+  c10::cuda::CUDAGuard guard(logits.device());
+  const auto dt = dtype_of(logits, "sample", "logits");
+  TORCH_CHECK(logits.dim() == 2, "fw::sample: logits must be [B, V]");
+  auto x = logits.stride(1) == 1 ? logits : logits.contiguous();
+  const int64_t B = x.size(0), V = x.size(1);
+  auto tokens = at::empty({B}, x.options().dtype(at::kLong));
+  auto lp = at::empty({B}, x.options().dtype(at::kFloat));
+  const bool use_min_p = min_p > 0.0;
+  const float log_min_p = use_min_p ? (float)std::log(min_p) : 0.f;
+  if (B == 0) return {tokens, lp};
+  const int P = fw::sample_split_parts((int)B, V, sm_count());
+  auto part_f = at::empty({B * P * 3}, x.options().dtype(at::kFloat));
+  auto part_i = at::empty({B * P}, x.options().dtype(at::kLong));
+  fw::SampleSplitWorkspace ws{P, part_f.data_ptr<float>(), part_i.data_ptr<int64_t>()};
+  check_launch(fw::sample(dt, x.data_ptr(), x.stride(0), tokens.data_ptr<int64_t>(), lp.data_ptr<float>(), (int)B, V,
+                          (float)temperature, top_k, (float)top_p, log_min_p, use_min_p, (uint64_t)seed, ws,
+                          at::cuda::getCurrentCUDAStream()),
+               "sample");
+  return {tokens, lp};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(fw, CUDA, m) {
+  m.impl("sample", &sample);
+}

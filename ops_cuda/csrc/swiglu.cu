@@ -2,6 +2,16 @@
 // 16-byte accesses when I is a multiple of the vector width. 2-D grid (x: vectors of a row, y: rows,
 // grid-stride) so no thread divides 64-bit indices.
 #include "common.cuh"
+#include "torch_utils.h"
+
+namespace fw {
+
+// gate_up [rows, 2I] -> out [rows, I]; backward: grad [rows, I] -> grad_gate_up [rows, 2I].
+cudaError_t swiglu_fwd(DType dt, const void* gate_up, void* out, int64_t rows, int64_t I, cudaStream_t stream);
+cudaError_t swiglu_bwd(DType dt, const void* grad, const void* gate_up, void* grad_gate_up, int64_t rows,
+                       int64_t I, cudaStream_t stream);
+
+}  // namespace fw
 
 namespace fw {
 namespace {
@@ -9,8 +19,8 @@ namespace {
 constexpr int kThreads = 128;
 
 // div.approx (2 ulp) instead of an IEEE division (the Triton kernel of torch.compile uses div.full, also
-// approximate); with the loop-free flat grid it took the forward from 0.073 to 0.071 ms on the H200 (run 6).
-// A denominator past 2^126 (g < -87) gives 0, the limit.
+// approximate): fewer instructions in a kernel bound by memory and issue (`python -m benchmarks.ops.bench_ops
+// --only swiglu`). A denominator past 2^126 (g < -87) gives 0, the limit.
 __device__ __forceinline__ float sigmoid(float g) { return __fdividef(1.f, 1.f + expf(-g)); }
 
 // kFlat: the grid has a block row per row (no loop).
@@ -58,8 +68,9 @@ swiglu_bwd_kernel(const T* __restrict__ grad, const T* __restrict__ gu, T* __res
 }
 
 // x: the vectors of a row; y: rows. `flat` (the forward): a block row per row (up to 65,535, then grid-stride), as
-// a pointwise Triton kernel launches, no block loops: 0.072 ms against 0.074 for ~64 looping blocks per SM
-// (Qwen3-0.6B shape on the H200; evict-first cache hints measured no better). The backward keeps the loops.
+// a pointwise Triton kernel launches, no block loops: the loop-free grid is a little faster than looping blocks
+// (and evict-first cache hints are no better; `python -m benchmarks.ops.bench_ops --only swiglu`). The backward
+// keeps the loops.
 dim3 grid_for(int64_t rows, int64_t vectors_per_row, bool flat) {
   const int64_t x = (vectors_per_row + kThreads - 1) / kThreads;
   int64_t y = flat ? rows : (132 * 64 + x - 1) / x;
@@ -98,3 +109,43 @@ cudaError_t swiglu_bwd(DType dt, const void* grad, const void* gate_up, void* gr
 }
 
 }  // namespace fw
+
+namespace {
+
+// ------------------------------------------------------------------ swiglu
+Tensor swiglu(const Tensor& gate_up) {
+  check_cuda(gate_up, "swiglu", "gate_up");
+  c10::cuda::CUDAGuard guard(gate_up.device());
+  const auto dt = dtype_of(gate_up, "swiglu", "gate_up");
+  auto gu = gate_up.contiguous();
+  const int64_t I = gu.size(-1) / 2;
+  auto sizes = gu.sizes().vec();
+  sizes.back() = I;
+  auto out = at::empty(sizes, gu.options());
+  const int64_t rows = I ? gu.numel() / (2 * I) : 0;
+  check_launch(fw::swiglu_fwd(dt, gu.data_ptr(), out.data_ptr(), rows, I, at::cuda::getCurrentCUDAStream()),
+               "swiglu");
+  return out;
+}
+
+Tensor swiglu_backward(const Tensor& grad, const Tensor& gate_up) {
+  check_cuda(gate_up, "swiglu_backward", "gate_up");
+  c10::cuda::CUDAGuard guard(gate_up.device());
+  const auto dt = dtype_of(gate_up, "swiglu_backward", "gate_up");
+  auto gu = gate_up.contiguous();
+  auto g = grad.to(gu.scalar_type()).contiguous();
+  const int64_t I = gu.size(-1) / 2;
+  auto out = at::empty(gu.sizes(), gu.options());
+  const int64_t rows = I ? gu.numel() / (2 * I) : 0;
+  check_launch(fw::swiglu_bwd(dt, g.data_ptr(), gu.data_ptr(), out.data_ptr(), rows, I,
+                              at::cuda::getCurrentCUDAStream()),
+               "swiglu_backward");
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(fw, CUDA, m) {
+  m.impl("swiglu", &swiglu);
+  m.impl("swiglu_backward", &swiglu_backward);
+}

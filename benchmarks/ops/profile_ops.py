@@ -1,7 +1,7 @@
 """Per-kernel GPU times of one fw op call (forward, or forward + backward), from torch.profiler's CUDA activity:
 which launches an op makes and where its time goes, at the benchmark's Qwen3-0.6B shapes.
 
-    python -m ops_cuda.bench.profile_ops rms_norm qk_norm swiglu linear_logprob     (needs a CUDA GPU)
+    python -m benchmarks.ops.profile_ops rms_norm qk_norm swiglu linear_logprob     (needs a CUDA GPU)
 """
 from __future__ import annotations
 

@@ -3,7 +3,7 @@ rows whose token equals the float64 reference's draw from the same Philox stream
 error, and fw's time (CUDA-graph replay medians in us, three rounds), against torch.compile of the reference maths at
 the last batch size.
 
-    python -m ops_cuda.bench.sample_plain 1,64,256      (needs a CUDA GPU)
+    python -m benchmarks.ops.sample_plain 1,64,256      (needs a CUDA GPU)
 """
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import sys
 import torch
 
 from ops_cuda import library
-from ops_cuda import reference as ref
-from ops_cuda.bench.bench_ops import bench_graph, compiled, fw_sample, sample_torch
+from ops_cuda.sample import sample_reference
+from benchmarks.ops.bench_ops import bench_graph, compiled, fw_sample, sample_torch
 
 V = 151936
 
@@ -25,7 +25,7 @@ def main(batches: list[int]) -> None:
     for B in batches:
         lg = (3 * torch.randn(B, V, device="cuda")).to(torch.bfloat16)
         tok, lp = fw_sample(lg, 1.0, 0, 1.0)
-        tok_ref, _ = ref.sample(lg.double(), 1.0, 0, 1.0, 0.0, 1)
+        tok_ref, _ = sample_reference(lg.double(), 1.0, 0, 1.0, 0.0, 1)
         full = lg.double().log_softmax(-1).gather(1, tok[:, None]).squeeze(1)
         print(f"B={B}: tokens equal to the float64 reference stream {(tok == tok_ref).float().mean().item():.4f}, "
               f"max rel logprob err {((lp - full).abs() / full.abs()).max().item():.2e}", flush=True)

@@ -1,5 +1,6 @@
 // The fused linear + logprob on Hopper (sm_90a): the logits GEMM on the tensor cores (TMA loads, wgmma), with the
-// row work of logprob.cu done on the accumulators, so that no fp32 logits tile goes through memory.
+// row work of linear_logprob.cu's row kernels done on the accumulators, so that no fp32 logits tile goes through
+// memory.
 //
 // A persistent kernel of one CTA an SM walks output tiles of BM rows (hidden) x BN columns (vocabulary), rows
 // fastest, so the CTAs running at once share a few weight blocks through L2 and the hidden rows of the launch
@@ -10,15 +11,17 @@
 // spills), then, on the accumulators:
 //   forward: each (row, column block = chunk) leaves the logsumexp partial (m, s, a) and the target's logit,
 //            which logprob_merge combines as it does the row kernels' partials; kept logits go out in fp16 as
-//            z minus the chunk's m, as logprob.cu keeps them;
+//            z minus the chunk's m, as the row kernels keep them;
 //   backward: d(loss)/dz, written in the operand dtype for the two gradient GEMMs.
-// The arithmetic per logit is logprob_math.cuh's, as in the row kernels.
+// The arithmetic per logit is linear_logprob.cu's (ex2, lse_add, dlogit, ...), as in the row kernels.
+// Included only by linear_logprob.cu, after the shared structs and maths it uses: a file of its own because
+// this kernel alone is as long as the rest of the op.
 // The wgmma fragment of a thread (warp w of its group, lane l): rows 16w + l/4 and 16w + l/4 + 8, columns
 // 8j + 2(l%4) + {0, 1} for j < 32; register 4j + 2i + c holds (row half i, column c).
+#pragma once
 #include <cuda.h>
 #include <cudaTypedefs.h>
 
-#include "logprob_math.cuh"
 
 namespace fw {
 namespace {

@@ -1,16 +1,16 @@
 """Benchmark every fw operator against eager torch and torch.compile of the same maths, at Qwen3-0.6B
 shapes (training 8 x 2048 tokens, decode batch 1..256); one table.
 
-    python -m ops_cuda.bench.bench_ops            (needs a CUDA GPU)
-    python -m ops_cuda.bench.bench_ops --only rms_norm,swiglu --fw-only     (a subset, without the baselines)
+    python -m benchmarks.ops.bench_ops            (needs a CUDA GPU)
+    python -m benchmarks.ops.bench_ops --only rms_norm,swiglu --fw-only     (a subset, without the baselines)
 
 Times are medians of CUDA-graph replays (triton.testing.do_bench_cudagraph: GPU time without Python and
 launch overhead; rows marked * could not be captured and use do_bench's plain launches instead), taken for fw,
 eager and compile in turn, --rounds times (3; the linear_logprob rows once), so that a drift of the GPU's clocks
 over a row reaches all three; the table gives the median of the rounds. The last column is the fw op launched
 plainly from Python (do_bench), which adds the dispatcher/autograd overhead.
-GB/s counts the bytes that must move once (inputs read + outputs written), TFLOP/s the GEMM FLOPs;
-ceilings measured on the H200 (REFERENCE.md): 4.26 TB/s copy, 785 TFLOP/s bf16.
+GB/s counts the bytes that must move once (inputs read + outputs written), TFLOP/s the GEMM FLOPs; the
+ceilings are COPY_BW and BF16_FLOPS below, the benchmark GPU's copy bandwidth and dense bf16 rate.
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 import ops_cuda
 from ops_cuda import library
-from ops_cuda import reference as ref
+from ops_cuda.rope import rope_reference
 
 COPY_BW = 4.26e12
 BF16_FLOPS = 785e12
@@ -70,7 +70,7 @@ def rms_norm_torch(x, w, eps):
 
 
 def rope_torch(q, k, pos, theta):
-    return ref.rope(q, k, pos, theta)
+    return rope_reference(q, k, pos, theta)
 
 
 def swiglu_torch(gu):
@@ -93,8 +93,8 @@ def linear_logprob_unfused(h, w, t, temperature):
 
 def linear_logprob_checkpointed(h, w, t, temperature, rows: int = 1024):
     """The memory-saving way to write it in torch: row chunks under activation checkpointing, so the backward
-    recomputes each chunk's logits, as fw's recomputing mode does (1,024 rows: 0.58 GiB of fp32 logits a chunk
-    at V 151,936; its measured peak is larger, see docs/PERFORMANCE.md run 9)."""
+    recomputes each chunk's logits, as fw's recomputing mode does (a chunk's fp32 logits are rows x V; the
+    peak-memory line of its row shows what it holds)."""
     from torch.utils.checkpoint import checkpoint
 
     outs = [checkpoint(linear_logprob_unfused, h[s:s + rows], w, t[s:s + rows], temperature, use_reentrant=False)
@@ -156,7 +156,9 @@ def row(op: str, shape: str, fw, eager, comp, args: tuple = (), nbytes: float = 
             graphed[k] = graphed[k] and ok
     t_fw, t_e, t_c = (math.nan if not v or any(math.isnan(t) for t in v) else statistics.median(v)
                       for v in times.values())
-    mark = lambda ok: "" if ok else "*"
+    def mark(ok):
+        return "" if ok else "*"
+
     r = {"op": op, "shape": shape, "fw": t_fw, "eager": t_e, "compile": t_c, "plain": t_plain,
          "marks": (mark(graphed["fw"]), mark(graphed["eager"]), mark(graphed["compile"]))}
     if nbytes:
@@ -210,7 +212,7 @@ def main() -> None:
     print(ops_cuda.doctor(), flush=True)
     assert backend == "kernels", library.cuda_state["error"]
     torch.manual_seed(0)
-    N, d, Hq, Hk, D, I, V = args.tokens, 1024, 16, 8, 128, 3072, 151936
+    N, d, Hq, Hk, D, I, V = args.tokens, 1024, 16, 8, 128, 3072, 151936  # noqa: E741 (I: intermediate size)
     B, T = max(1, N // 2048), min(N, 2048)
     es = 2  # bf16 bytes
 
@@ -263,8 +265,8 @@ def main() -> None:
         lp, ent = fn(h, lm, tg, 1.0)
         torch.autograd.grad((lp, ent), (h, lm), (glp, gent))
 
-    # one round each: a second round of the unfused baselines (46 GiB a call) ran out of the H200's memory (session
-    # 16), and these rows are far from parity (docs/PERFORMANCE.md)
+    # one round each: the unfused baselines hold several [N, V] fp32 tensors a call, so a second round can run out
+    # of GPU memory, and these rows are far from parity anyway
     cu = compiled(linear_logprob_unfused)
     row("linear_logprob fwd+bwd", f"N={N} d={d} V={V} saved", fused, unfused, lambda: unfused(cu),
         flops=3 * 2 * N * d * V, rounds=1)

@@ -2,8 +2,8 @@
 length, with every row full and with random lengths: the data behind `decode_attention_plan` in
 ops_cuda/csrc/decode_attention.cu. The overrides are read per call.
 
-    python -m ops_cuda.bench.decode_splits                      by split count (FW_DECODE_SPLITS)
-    python -m ops_cuda.bench.decode_splits --columns "FW_DECODE_SPLITS=" "FW_DECODE_SPLITS=2" --heads 32,8 \
+    python -m benchmarks.ops.decode_splits                      by split count (FW_DECODE_SPLITS)
+    python -m benchmarks.ops.decode_splits --columns "FW_DECODE_SPLITS=" "FW_DECODE_SPLITS=2" --heads 32,8 \
         --shapes 256x1024,64x1024 --compile                    any settings, and torch.compile's SDPA as a baseline
 
 Needs a CUDA GPU; CUDA-graph replay medians, us. In the split sweep, "=n" marks a forced count above the cap of
@@ -18,7 +18,7 @@ import torch
 
 import ops_cuda
 from ops_cuda import library
-from ops_cuda.bench.bench_ops import bench_graph, compiled, decode_sdpa
+from benchmarks.ops.bench_ops import bench_graph, compiled, decode_sdpa
 
 SPLITS = ["", "1", "2", "3", "4", "6", "8", "12", "16", "32"]
 SPLIT_COLUMNS = [f"FW_DECODE_SPLITS={s}" for s in SPLITS]

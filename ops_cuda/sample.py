@@ -1,0 +1,101 @@
+"""sample: Gumbel-max sampling with top-k / top-p / min-p from a batch of logits, and its logprob. Schema,
+shape checks, torch reference (Philox4x32 noise, the sampling mask), fake (inference only: no autograd).
+CUDA kernels: csrc/sample.cu.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from ops_cuda.library import acc_dtype, define, need_dim
+
+_MASK32 = 0xFFFFFFFF
+_PHILOX_M = (0xD2511F53, 0xCD9E8D57)
+_PHILOX_W = (0x9E3779B9, 0xBB67AE85)
+
+
+def philox4x32(c0: Tensor, c1: Tensor, c2: Tensor, c3: Tensor, k0: int, k1: int, rounds: int = 10):
+    """Philox4x32 (Random123) on int64 tensors holding uint32 values; returns the 4 output words."""
+    c = [x & _MASK32 for x in (c0, c1, c2, c3)]
+    for r in range(rounds):
+        if r:
+            k0, k1 = (k0 + _PHILOX_W[0]) & _MASK32, (k1 + _PHILOX_W[1]) & _MASK32
+        p0, p1 = c[0] * _PHILOX_M[0], c[2] * _PHILOX_M[1]  # int64 wraps; the masks recover the uint64 words
+        hi0, lo0 = (p0 >> 32) & _MASK32, p0 & _MASK32
+        hi1, lo1 = (p1 >> 32) & _MASK32, p1 & _MASK32
+        c = [hi1 ^ c[1] ^ k0, lo1, hi0 ^ c[3] ^ k1, lo0]
+    return c
+
+
+def gumbel_noise(batch: int, vocab: int, seed: int, device: torch.device | str = "cpu") -> Tensor:
+    """float32 [batch, vocab] Gumbel(0, 1) noise from Philox4x32-10 with key = seed (64 bit) and
+    counter (col // 4, row, 0, 0), output word col % 4; u = ((x >> 9) + 0.5) * 2^-23."""
+    groups = (vocab + 3) // 4
+    c0 = torch.arange(groups, device=device, dtype=torch.int64)[None, :].expand(batch, groups)
+    c1 = torch.arange(batch, device=device, dtype=torch.int64)[:, None].expand(batch, groups)
+    zero = torch.zeros_like(c0)
+    words = philox4x32(c0, c1, zero, zero, seed & _MASK32, (seed >> 32) & _MASK32)
+    x = torch.stack(words, dim=-1).reshape(batch, 4 * groups)[:, :vocab]  # column 4g + j = word j of group g
+    u = ((x >> 9).to(torch.float32) + 0.5) * (2.0 ** -23)
+    return -torch.log(-torch.log(u))
+
+
+def sampling_mask(z: Tensor, top_k: int, top_p: float, min_p: float) -> Tensor:
+    """Tokens that may be drawn from scaled logits z [B, V] (float32): z >= max(tau_k, tau_p, tau_min).
+    tau_k = the k-th largest z; tau_p = the largest value whose tail {z >= tau} (within top-k) holds at
+    least top_p of the top-k mass; tau_min = max z + log(min_p). Ties at a threshold are all kept."""
+    B, V = z.shape
+    tau = torch.full((B,), float("-inf"), dtype=z.dtype, device=z.device)
+    zmax = z.max(-1).values
+    if 0 < top_k < V:
+        tau = torch.maximum(tau, z.topk(top_k, dim=-1).values[:, -1])
+    if top_p < 1.0:
+        e = torch.where(z >= tau[:, None], (z - zmax[:, None]).exp(), 0.0)
+        s, order = z.sort(dim=-1, descending=True)
+        cum = e.gather(1, order).cumsum(-1)
+        need = top_p * e.sum(-1, keepdim=True)
+        idx = (cum < need).sum(-1, keepdim=True).clamp(max=V - 1)
+        tau = torch.maximum(tau, s.gather(1, idx).squeeze(1))
+    if min_p > 0.0:
+        tau = torch.maximum(tau, zmax + torch.tensor(math.log(min_p), dtype=z.dtype))
+    return z >= tau[:, None]
+
+
+def sample_reference(logits: Tensor, temperature: float, top_k: int, top_p: float, min_p: float,
+                     seed: int) -> tuple[Tensor, Tensor]:
+    """(tokens int64 [B], logprob float32 [B]). Gumbel-max over the allowed tokens of logits/temperature;
+    logprob under the temperature-scaled FULL softmax. temperature 0: greedy (first maximum), logprob
+    under the unscaled softmax."""
+    z = logits.to(acc_dtype(logits.dtype))
+    if temperature == 0.0:
+        tokens = z.argmax(-1)
+    else:
+        z = z / temperature
+        keep = sampling_mask(z, top_k, top_p, min_p)
+        g = gumbel_noise(z.shape[0], z.shape[1], seed, z.device).to(z.dtype)
+        tokens = torch.where(keep, z + g, float("-inf")).argmax(-1)
+    logprob = z.gather(1, tokens[:, None]).squeeze(1) - z.logsumexp(-1)
+    return tokens, logprob.to(torch.float32)
+
+
+def _fake(logits, temperature, top_k, top_p, min_p, seed):
+    b = logits.shape[0]
+    return logits.new_empty(b, dtype=torch.int64), logits.new_empty(b, dtype=torch.float32)
+
+
+define("sample(Tensor logits, float temperature, int top_k, float top_p, float min_p, int seed) "
+       "-> (Tensor, Tensor)", sample_reference, fake=_fake)
+
+
+def sample(logits: Tensor, temperature: float, top_k: int, top_p: float, min_p: float,
+           seed: int) -> tuple[Tensor, Tensor]:
+    """(tokens int64 [B], logprob fp32 [B]). Draws by Gumbel-max (Philox, keyed by `seed`) among the
+    tokens top-k / top-p / min-p allow; logprob is under the temperature-scaled FULL softmax.
+    temperature 0 is greedy, its logprob under the unscaled softmax.
+
+    Valid ranges (not checked here; the caller's sampling parameters check them): temperature >= 0,
+    top_k >= 0 (0 = off), top_p in (0, 1] (1 = off), min_p in [0, 1) (0 = off)."""
+    need_dim("sample", "logits", logits, 2, "[B, V]")
+    return torch.ops.fw.sample(logits, float(temperature), int(top_k), float(top_p), float(min_p), int(seed))
