@@ -212,7 +212,7 @@ def main() -> None:
     print(ops_cuda.doctor(), flush=True)
     assert backend == "kernels", library.cuda_state["error"]
     torch.manual_seed(0)
-    N, d, Hq, Hk, D, I, V = args.tokens, 1024, 16, 8, 128, 3072, 151936  # noqa: E741 (I: intermediate size)
+    N, d, Hq, Hk, D, I, V = args.tokens, 1024, 16, 8, 128, 3072, 151936
     B, T = max(1, N // 2048), min(N, 2048)
     es = 2  # bf16 bytes
 

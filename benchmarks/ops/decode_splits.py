@@ -17,8 +17,8 @@ import os
 import torch
 
 import ops_cuda
-from ops_cuda import library
 from benchmarks.ops.bench_ops import bench_graph, compiled, decode_sdpa
+from ops_cuda import library
 
 SPLITS = ["", "1", "2", "3", "4", "6", "8", "12", "16", "32"]
 SPLIT_COLUMNS = [f"FW_DECODE_SPLITS={s}" for s in SPLITS]

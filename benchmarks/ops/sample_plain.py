@@ -12,9 +12,9 @@ import sys
 
 import torch
 
+from benchmarks.ops.bench_ops import bench_graph, compiled, fw_sample, sample_torch
 from ops_cuda import library
 from ops_cuda.sample import sample_reference
-from benchmarks.ops.bench_ops import bench_graph, compiled, fw_sample, sample_torch
 
 V = 151936
 
