@@ -1,8 +1,8 @@
 """`FwModule`: the LightningModule holding the policy (and value / reference models) for every recipe.
 
-The recipe owns the loss and the data and trains through a `StepContext` (framework/recipe.py); this
-module owns the models, optimizers, LR schedule, gradient clipping, the fw optimizer-step hooks, metrics
-aggregation and what goes into checkpoints.
+The recipe owns the loss and the data and trains through a `StepContext` (framework/recipe.py), which
+`ModuleContext` provides; this module owns the models, optimizers, LR schedule, gradient clipping, the fw
+optimizer-step hooks, metrics aggregation and what goes into checkpoints.
 
 One optimizer-step path for both optimization modes (see framework/callbacks.py for the order):
 - automatic: Lightning calls `optimizer_step` once per accumulation window; the precision plugin runs
@@ -28,10 +28,62 @@ from framework.errors import FwError
 from framework.metrics import StepMetrics
 from framework.models.hf_layout import HfLayout
 from framework.optim import adamw
-from framework.recipe import OptimizerRole, StepContext, recipe_class
+from framework.recipe import OptimizerRole, recipe_class
 from framework.rng import choose_rng_state, gather_rng_states, rng_state, set_rng_state
 from framework.schedule import LRSchedule
 from framework.tokenizer import build_tokenizer, tokenizer_files
+
+
+class ModuleContext:
+    """`framework.recipe.StepContext` over an `FwModule`: all of the module a recipe sees."""
+
+    def __init__(self, module: FwModule):
+        self._module = module
+
+    @property
+    def policy(self) -> torch.nn.Module:
+        return self._module.policy
+
+    @property
+    def value(self) -> torch.nn.Module | None:
+        return self._module.value
+
+    @property
+    def reference(self) -> torch.nn.Module | None:
+        return self._module.reference
+
+    @property
+    def device(self) -> torch.device:
+        return self._module.device
+
+    @property
+    def rank(self) -> int:
+        return self._module.trainer.global_rank
+
+    @property
+    def world_size(self) -> int:
+        return self._module.trainer.world_size
+
+    @property
+    def policy_version(self) -> int:
+        return self._module.policy_version
+
+    def steps_left(self) -> bool:
+        max_steps = self._module.trainer.max_steps
+        return max_steps is None or max_steps < 0 or self._module.policy_version < max_steps
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self._module.manual_backward(loss)
+
+    def step(self, role: str) -> None:
+        self._module.step_optimizer(role)
+
+    def log(self, name: str, value: torch.Tensor | float, weight: torch.Tensor | float | None = None,
+            reduce: str = "mean") -> None:
+        self._module.log_metric(name, value, weight, reduce)
+
+    def logging_this_step(self) -> bool:
+        return self._module.logging_this_step()
 
 
 class FwModule(lightning.LightningModule):
@@ -50,7 +102,7 @@ class FwModule(lightning.LightningModule):
         self.value = self._build_value() if self.requirements.value_model else None
         self.reference = self._build_reference() if self.requirements.reference_model else None
         self.automatic_optimization = self.requirements.automatic_optimization
-        self.context = StepContext(self)
+        self.context = ModuleContext(self)
         self.policy_version = 0
         self.step_metrics = StepMetrics()
         self.last_metrics: dict[str, float] = {}

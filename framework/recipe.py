@@ -20,8 +20,6 @@ if TYPE_CHECKING:   # torch stays unimported: `fw validate` checks recipe names 
     import torch
     from torch.utils.data import DataLoader
 
-    from framework.module import FwModule
-
 ENTRY_POINT_GROUP = "fw.recipes"
 
 
@@ -55,67 +53,37 @@ class Requirements:
         return next(r for r in self.optimizers if r.name == name)
 
 
-class StepContext:
-    """The narrow view of the training module that a recipe trains through.
+class StepContext(Protocol):
+    """The narrow view of the training module that a recipe trains through (FwModule provides it).
 
     `backward` and `step` are for manual optimization; under automatic optimization the recipe returns
     its loss from `training_step` and Lightning does both.
     """
 
-    def __init__(self, module: FwModule):
-        self._module = module
-
-    @property
-    def policy(self) -> torch.nn.Module:
-        return self._module.policy
-
-    @property
-    def value(self) -> torch.nn.Module | None:
-        return self._module.value
-
-    @property
-    def reference(self) -> torch.nn.Module | None:
-        return self._module.reference
-
-    @property
-    def device(self) -> torch.device:
-        return self._module.device
-
-    @property
-    def rank(self) -> int:
-        return self._module.trainer.global_rank
-
-    @property
-    def world_size(self) -> int:
-        return self._module.trainer.world_size
-
-    @property
-    def policy_version(self) -> int:
-        """Policy optimizer steps taken so far (saved in checkpoints)."""
-        return self._module.policy_version
+    policy: torch.nn.Module
+    value: torch.nn.Module | None         # when Requirements.value_model
+    reference: torch.nn.Module | None     # when Requirements.reference_model: frozen, eval mode
+    device: torch.device
+    rank: int
+    world_size: int
+    policy_version: int                   # policy optimizer steps taken so far (saved in checkpoints)
 
     def steps_left(self) -> bool:
         """False once `trainer.max_steps` policy optimizer steps are done."""
-        max_steps = self._module.trainer.max_steps
-        return max_steps is None or max_steps < 0 or self._module.policy_version < max_steps
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backpropagate `loss` (precision plugin and DDP included); gradients accumulate until `step`."""
-        self._module.manual_backward(loss)
 
     def step(self, role: str) -> None:
-        """One optimizer step of `role`: clip, `before_optimizer_step`, step, `after_optimizer_step`, zero the
-        gradients, then the LR schedule (policy)."""
-        self._module.step_optimizer(role)
+        """One optimizer step of `role`: clip to its `max_grad_norm`, `before_optimizer_step`, step,
+        `after_optimizer_step`, zero the gradients, then the LR schedule (policy)."""
 
     def log(self, name: str, value: torch.Tensor | float, weight: torch.Tensor | float | None = None,
             reduce: str = "mean") -> None:
         """Record a metric for the logging interval (see `FwModule.log_metric`)."""
-        self._module.log_metric(name, value, weight, reduce)
 
     def logging_this_step(self) -> bool:
         """Whether the optimizer step in progress will be logged (for metrics too costly for every step)."""
-        return self._module.logging_this_step()
 
 
 class Recipe(Protocol):
