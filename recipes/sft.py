@@ -26,7 +26,8 @@ class SFTRecipe:
     def __init__(self, cfg: dict, tokenizer: Any):
         self.cfg = cfg
         self.tokenizer = tokenizer
-        self.stream = ExampleStream(cfg, tokenizer)   # reads and tokenizes the data now: errors come early
+        # reads and tokenizes the data now: errors come early
+        self.stream = ExampleStream(cfg, tokenizer, cfg["sft"]["train_on_prompt"])
         self.position = 0                             # stream position after the last consumed batch
 
     @classmethod

@@ -114,8 +114,8 @@ def test_prompt_completion_loss_covers_completion_and_eos(tmp_path, tok):
 
 def test_train_on_prompt_trains_every_next_token(tmp_path, tok):
     cfg = resolve({"recipe": "sft", "model": {"policy": {"preset": "tiny"}},
-                   "data": {"path": "unused", "chat_template": False}, "sft": {"train_on_prompt": True}})
-    ex = encode_record({"prompt": "ab", "completion": "c"}, "auto", tok, cfg, "x")
+                   "data": {"path": "unused", "chat_template": False}})
+    ex = encode_record({"prompt": "ab", "completion": "c"}, "auto", tok, cfg, "x", train_on_prompt=True)
     assert ex.targets == ex.ids[1:] + [IGNORE]
 
 
@@ -276,3 +276,15 @@ def test_batches_carry_the_target_count_of_their_accumulation_window(tmp_path, t
         window = [next(it) for _ in range(3)]
         total = sum(int((b["targets"] != IGNORE).sum()) for b in window)
         assert [b["step_targets"] for b in window] == [total] * 3
+
+
+def test_the_sft_recipe_passes_sft_train_on_prompt_to_its_stream(tmp_path, tok):
+    from recipes.sft import SFTRecipe
+
+    path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "ab", "completion": "c"}])
+    cfg = resolve({"recipe": "sft", "model": {"policy": {"preset": "tiny"}},
+                   "data": {"path": str(path), "chat_template": False}, "sft": {"train_on_prompt": True}})
+    example = SFTRecipe(cfg, tok).stream[0]
+    assert example.targets == example.ids[1:] + [IGNORE]
+    cfg["sft"]["train_on_prompt"] = False
+    assert trained_text(tok, SFTRecipe(cfg, tok).stream[0]) == "c<|im_end|>"
