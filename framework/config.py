@@ -262,23 +262,20 @@ def _check_registry_names(data: dict, marks: dict, fallback: Mark) -> list[Probl
 
 
 def _check_recipe(data: dict, marks: dict, fallback: Mark) -> list[Problem]:
-    """`recipe` must name an installed recipe (the schema only checks its form)."""
-    from framework.recipe import installed_recipes
+    """`recipe` must name an installed recipe that imports (the schema checks only its form)."""
+    from framework.recipe import installed_recipes, recipe_class
 
     name = data.get("recipe")
     if not isinstance(name, str):
-        return []
+        return []   # the schema has reported it
+    m = _locate(marks, ("recipe",), False, fallback)
     try:
         installed = installed_recipes()
+        if name in installed:
+            recipe_class(name)
+            return []
     except FwError as e:
-        installed, clash = {}, str(e)
-    else:
-        clash = ""
-    if name in installed and not clash:
-        return []
-    m = _locate(marks, ("recipe",), False, fallback)
-    if clash:
-        return [Problem(m.file, m.line, m.col, "recipe", clash)]
+        return [Problem(m.file, m.line, m.col, "recipe", str(e).removeprefix("recipe: "))]
     # built-ins first, in the schema's order, then the others installed
     names = [r for r in recipe_sections() if r in installed] + sorted(set(installed) - set(recipe_sections()))
     if not names:
@@ -291,6 +288,8 @@ def _validate(data: Any, marks: dict, fallback: Mark) -> list[Problem]:
     recipe = data.get("recipe") if isinstance(data, dict) else None
     problems: list[Problem] = []
     for error in _validator().iter_errors(data):
+        if tuple(error.absolute_path) == ("recipe",) and error.validator == "anyOf":
+            continue   # a string that names no recipe: _check_recipe says which ones are installed
         problems += _problems_for(error, marks, fallback, recipe)
     if isinstance(data, dict):
         problems += _check_class_paths(data, marks, fallback)

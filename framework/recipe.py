@@ -49,24 +49,54 @@ class Requirements:
     # trainer.precision values this recipe cannot train under, each with the reason.
     unsupported_precisions: Mapping[str, str] = field(default_factory=dict)
 
-    def role(self, name: str) -> OptimizerRole:
-        return next(r for r in self.optimizers if r.name == name)
+    def __post_init__(self) -> None:
+        names = [r.name for r in self.optimizers]
+        problem = None
+        if len(set(names)) != len(names):
+            problem = f"optimizer roles {names} repeat a name"
+        elif [r.name for r in self.optimizers if r.model == "policy"] != ["policy"]:
+            problem = "exactly one optimizer role trains the policy model, and it is named 'policy'"
+        elif any(r.model not in ("policy", "value") for r in self.optimizers):
+            problem = "an optimizer role's model is 'policy' or 'value'"
+        elif any(r.model == "value" for r in self.optimizers) and not self.value_model:
+            problem = "an optimizer role trains the value model, but value_model is False"
+        elif self.automatic_optimization and len(self.optimizers) != 1:
+            problem = "automatic optimization steps one optimizer: the policy's"
+        if problem:
+            raise FwError(f"recipe requirements: {problem}")
 
 
 class StepContext(Protocol):
-    """The narrow view of the training module that a recipe trains through (FwModule provides it).
+    """The narrow view of the training module that a recipe trains through (framework/module.py's
+    `ModuleContext` provides it).
 
     `backward` and `step` are for manual optimization; under automatic optimization the recipe returns
     its loss from `training_step` and Lightning does both.
     """
 
-    policy: torch.nn.Module
-    value: torch.nn.Module | None         # when Requirements.value_model
-    reference: torch.nn.Module | None     # when Requirements.reference_model: frozen, eval mode
-    device: torch.device
-    rank: int
-    world_size: int
-    policy_version: int                   # policy optimizer steps taken so far (saved in checkpoints)
+    @property
+    def policy(self) -> torch.nn.Module: ...
+
+    @property
+    def value(self) -> torch.nn.Module | None:
+        """The value model, when `Requirements.value_model`."""
+
+    @property
+    def reference(self) -> torch.nn.Module | None:
+        """The frozen reference model (eval mode), when `Requirements.reference_model`."""
+
+    @property
+    def device(self) -> torch.device: ...
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def world_size(self) -> int: ...
+
+    @property
+    def policy_version(self) -> int:
+        """Policy optimizer steps taken so far (saved in checkpoints)."""
 
     def steps_left(self) -> bool:
         """False once `trainer.max_steps` policy optimizer steps are done."""
@@ -114,9 +144,19 @@ def installed_recipes() -> dict[str, EntryPoint]:
 
 
 def recipe_class(name: str) -> type[Recipe]:
-    """The recipe class installed as `name`."""
+    """The recipe class installed as `name`, imported and checked to be a recipe."""
     installed = installed_recipes()
     if name not in installed:
         known = ", ".join(sorted(installed)) or "none: is fw installed (pip install -e .)?"
         raise FwError(f"recipe: unknown recipe '{name}' (installed: {known})")
-    return installed[name].load()
+    target = installed[name].value
+    try:
+        cls = installed[name].load()
+    except Exception as e:  # any import failure of a user package is reported the same way
+        raise FwError(f"recipe: cannot import recipe '{name}' ({target}): {type(e).__name__}: {e}") from e
+    missing = [m for m in ("requirements", "train_dataloader", "training_step", "state_dict", "load_state_dict")
+               if not callable(getattr(cls, m, None))]
+    if missing:
+        raise FwError(f"recipe: '{name}' ({target}) is not a recipe: it has no {', '.join(missing)} "
+                      "(see framework.recipe.Recipe)")
+    return cls

@@ -62,3 +62,15 @@ def test_two_packages_installing_one_name_are_refused(tmp_path):
     b = site_with(tmp_path, {"copy": "somewhere_else:Copy"}, dist="two")
     done = fw("validate", "--config", str(write_config(tmp_path)), path=[a, b])
     assert done.returncode == 2 and "recipe 'copy' is installed twice" in done.stderr, done.stderr
+
+
+def test_a_recipe_that_does_not_import_or_is_not_a_recipe_fails_validation(tmp_path):
+    site = site_with(tmp_path, {"copy": "no_such_module_fw:CopyRecipe"})
+    done = fw("validate", "--config", str(write_config(tmp_path)), path=[site])
+    assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+    assert ("1:9: recipe: cannot import recipe 'copy' (no_such_module_fw:CopyRecipe): ModuleNotFoundError"
+            in done.stderr), done.stderr
+    site = site_with(tmp_path, {"copy": "collections:OrderedDict"}, dist="not_a_recipe")
+    done = fw("validate", "--config", str(write_config(tmp_path)), path=[site])
+    assert done.returncode == 2 and "recipe: 'copy' (collections:OrderedDict) is not a recipe: it has no " \
+        "requirements, train_dataloader, training_step" in done.stderr, done.stderr
