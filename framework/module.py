@@ -106,8 +106,8 @@ class FwModule(lightning.LightningModule):
         self.policy_version = 0
         self.step_metrics = StepMetrics()
         self.last_metrics: dict[str, float] = {}
-        self._role_of: dict[int, str] = {}                       # id(torch optimizer) -> role name
-        self._optimizer_of: dict[str, torch.optim.Optimizer] = {}
+        self._settings = {role.name: self._role_settings(role) for role in self.requirements.optimizers}
+        self._optimizer_of: dict[str, torch.optim.Optimizer] = {}   # role name -> its torch optimizer
         self._pending_rng: dict | None = None
         self._flush_time = time.perf_counter()
         self._tokenizer_files = tokenizer_files(self.tokenizer)
@@ -144,11 +144,15 @@ class FwModule(lightning.LightningModule):
         return self
 
     # ------------------------------------------------------------- optimizers
-    def _settings(self, role: OptimizerRole) -> dict:
-        """The role's config section: lr, weight_decay, max_grad_norm."""
+    def _role_settings(self, role: OptimizerRole) -> dict:
+        """The role's config section, which holds its lr, weight_decay and max_grad_norm."""
         section = self.cfg
         for key in role.section:
-            section = section[key]
+            section = section.get(key) if isinstance(section, dict) else None
+        if not isinstance(section, dict) or {"lr", "weight_decay", "max_grad_norm"} - set(section):
+            raise FwError(f"recipe {self.cfg['recipe']}: optimizer role '{role.name}' reads lr, weight_decay and "
+                          f"max_grad_norm from config section {'.'.join(role.section)}, which this config does "
+                          "not hold")
         return section
 
     def configure_optimizers(self):
@@ -156,8 +160,7 @@ class FwModule(lightning.LightningModule):
         optimizers = []
         for role in self.requirements.optimizers:
             model = self.policy if role.model == "policy" else self.value
-            optimizer = adamw(model, self._settings(role), self.cfg)
-            self._role_of[id(optimizer)] = role.name
+            optimizer = adamw(model, self._settings[role.name], self.cfg)
             self._optimizer_of[role.name] = optimizer
             optimizers.append(optimizer)
         schedule = LRSchedule(s["name"], s["warmup_steps"], self.cfg["trainer"]["max_steps"], s["min_lr_ratio"])
@@ -169,7 +172,7 @@ class FwModule(lightning.LightningModule):
     def optimizer_role(self, optimizer: Any) -> str:
         """The role ("policy", "critic", ...) of one of this module's optimizers (raw or Lightning-wrapped)."""
         raw = optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
-        return self._role_of[id(raw)]
+        return next(name for name, own in self._optimizer_of.items() if own is raw)
 
     def _clip(self, optimizer: torch.optim.Optimizer, max_norm: float | None) -> torch.Tensor:
         """Clip this optimizer's gradients to `max_norm` (None: measure only); returns the norm before."""
@@ -185,7 +188,7 @@ class FwModule(lightning.LightningModule):
 
     def _before_step(self, optimizer: torch.optim.Optimizer) -> None:
         role = self.optimizer_role(optimizer)
-        norm = self._clip(optimizer, self._settings(self.requirements.role(role))["max_grad_norm"])
+        norm = self._clip(optimizer, self._settings[role]["max_grad_norm"])
         self.log_metric("grad_norm" if role == "policy" else f"{role}_grad_norm", norm)
         fire(self.trainer, self, "before_optimizer_step", optimizer)
 
@@ -316,8 +319,8 @@ class FwModule(lightning.LightningModule):
         if not components or "policy" not in components:
             raise FwError("checkpoint: no policy weights (fw_components.policy); not an fw checkpoint")
         if self.value is not None and "value" not in components:
-            raise FwError("checkpoint: no value/ component, but this recipe trains a value model; "
-                          "a PPO run resumes only from a checkpoint that holds its critic")
+            raise FwError(f"checkpoint: no value/ component, but recipe {self.cfg['recipe']} trains a value model; "
+                          "it resumes only from a checkpoint that holds its value model")
         sd = checkpoint["state_dict"]
         for name, layout in self._layouts.items():
             sd.update(layout.from_hf(components[name]["state_dict"], f"checkpoint {name}/"))

@@ -13,7 +13,7 @@ from framework.data import IGNORE, sft_dataloader
 from framework.errors import FwError
 from framework.metrics import StepMetrics, read_metrics
 from framework.module import FwModule
-from framework.recipe import Requirements
+from framework.recipe import POLICY, OptimizerRole, Requirements
 from framework.schedule import LRSchedule
 from framework.trainer import fit
 from recipes.sft import SFTRecipe
@@ -259,3 +259,31 @@ def test_a_nan_metric_stops_the_run_naming_it():
     metrics.update("grad_norm", float("inf"))   # an fp16 step skipped by loss scaling: not an error
     with pytest.raises(FwError, match="metric 'loss' is NaN: the run has diverged"):
         metrics.update("loss", float("nan"))
+
+
+@pytest.mark.parametrize("roles, value_model, automatic, message", [
+    ((OptimizerRole("critic", "value", ("optimizer",)),), True, False, "exactly one optimizer role trains the policy"),
+    ((POLICY, OptimizerRole("policy", "value", ("optimizer",))), True, False, "repeat a name"),
+    ((OptimizerRole("policy", "value", ("optimizer",)),), True, False, "exactly one optimizer role trains the policy"),
+    ((POLICY, OptimizerRole("critic", "value", ("optimizer",))), False, False, "value_model is False"),
+    ((POLICY, OptimizerRole("critic", "critic", ("optimizer",))), True, False, "model is 'policy' or 'value'"),
+    ((POLICY, OptimizerRole("critic", "value", ("optimizer",))), True, True, "automatic optimization steps one"),
+])
+def test_requirements_refuse_optimizer_roles_that_cannot_train(roles, value_model, automatic, message):
+    with pytest.raises(FwError, match=f"recipe requirements: .*{message}"):
+        Requirements(automatic_optimization=automatic, optimizers=roles, value_model=value_model)
+
+
+class CriticWithoutSection(WithCritic):
+    @classmethod
+    def requirements(cls, cfg):
+        critic = OptimizerRole("critic", "value", ("critic_settings",))
+        return Requirements(automatic_optimization=False, optimizers=(POLICY, critic), value_model=True)
+
+
+def test_an_optimizer_role_needs_its_config_section(install_recipe):
+    install_recipe({"no_section": "test_module:CriticWithoutSection"})
+    cfg = resolve({"recipe": "no_section", "model": {"policy": {"preset": "tiny"}}, "data": {"path": DATA}})
+    with pytest.raises(FwError, match="optimizer role 'critic' reads lr, weight_decay and max_grad_norm from "
+                                      "config section critic_settings, which this config does not hold"):
+        FwModule(cfg)
