@@ -2,8 +2,7 @@
 
 Commands that read a config take `--config FILE` (repeatable, merged left to right) and dotted
 overrides `--section.key=value`. User errors print one line each on stderr and exit with code 2;
-`--debug` (or FW_DEBUG=1) adds the traceback. Each command imports only what it needs, so `fw validate`
-and `fw schema` start without loading torch.
+`--debug` (or FW_DEBUG=1) adds the traceback. Each command imports only what it needs.
 """
 
 from __future__ import annotations

@@ -106,31 +106,31 @@ def chat_segments(rendered: str, where: str) -> list[tuple[str, bool]]:
     return segments
 
 
-def encode_record(record: dict, fmt: str, tokenizer: Any, cfg: dict, where: str,
-                  train_on_prompt: bool = False) -> Example:
+def encode_record(record: dict, fmt: str, tokenizer: Any, cfg: dict, where: str, *,
+                  train_on_prompt: bool) -> Example:
     """Tokenize one SFT record; the loss covers assistant content (or the completion) and its end token,
     or every next token with `train_on_prompt`."""
     fmt = record_format(record, fmt, where)
-    train_all = train_on_prompt
     thinking = cfg["tokenizer"]["enable_thinking"]
     if fmt == "messages":
         rendered = tokenizer.apply_chat_template(record["messages"], add_generation_prompt=False,
                                                  enable_thinking=thinking)
-        return _segments_to_example(chat_segments(rendered, where), tokenizer, train_all)
+        return _segments_to_example(chat_segments(rendered, where), tokenizer, train_on_prompt)
     prompt = render_prompt(record["prompt"], tokenizer, cfg["data"]["chat_template"], thinking)
-    example = _segments_to_example([(prompt, False), (record["completion"], True)], tokenizer, train_all)
+    example = _segments_to_example([(prompt, False), (record["completion"], True)], tokenizer, train_on_prompt)
     # The completion ends with eos so the model learns to stop; eos is a target of the last real token.
     return Example(example.ids + [tokenizer.eos_id], example.targets[:-1] + [tokenizer.eos_id, IGNORE])
 
 
-def load_examples(cfg: dict, tokenizer: Any, train_on_prompt: bool = False) -> list[Example]:
+def load_examples(cfg: dict, tokenizer: Any, *, train_on_prompt: bool) -> list[Example]:
     """Every example of `data.path` (one file or a list), tokenized up front so bad lines fail early."""
     paths = cfg["data"]["path"]
     paths = [paths] if isinstance(paths, str) else list(paths)
     examples = []
     for path in paths:
         for where, record in read_jsonl(path):
-            examples.append(encode_record(record, cfg["data"]["format"], tokenizer, cfg, where, train_on_prompt))
+            examples.append(encode_record(record, cfg["data"]["format"], tokenizer, cfg, where,
+                                          train_on_prompt=train_on_prompt))
     if not examples:
         raise FwError(f"data.path: no examples in {', '.join(map(str, paths))}")
     return examples
@@ -140,7 +140,7 @@ class ExampleStream:
     """Position -> example: shuffled epochs of a fixed list, or a procedural task's `sft_example`.
     `train_on_prompt`: the loss covers every next token, not only the assistant / completion ones."""
 
-    def __init__(self, cfg: dict, tokenizer: Any, train_on_prompt: bool = False):
+    def __init__(self, cfg: dict, tokenizer: Any, *, train_on_prompt: bool):
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.train_on_prompt = train_on_prompt
@@ -150,7 +150,7 @@ class ExampleStream:
         if data["path"] and data["task"]:
             raise FwError("data: set either data.path (JSONL) or data.task (procedural task), not both")
         if data["path"]:
-            self.examples: list[Example] | None = load_examples(cfg, tokenizer, train_on_prompt)
+            self.examples: list[Example] | None = load_examples(cfg, tokenizer, train_on_prompt=train_on_prompt)
             self.task = None
         elif data["task"]:
             self.examples = None
@@ -164,7 +164,7 @@ class ExampleStream:
         if self.examples is None:
             record = self.task.sft_example(position)
             return encode_record(record, "prompt_completion", self.tokenizer, self.cfg,
-                                 f"data.task example {position}", self.train_on_prompt)
+                                 f"data.task example {position}", train_on_prompt=self.train_on_prompt)
         n = len(self.examples)
         epoch, i = divmod(position, n)
         if not self.shuffle:

@@ -65,7 +65,12 @@ def generate_text(cfg: dict | None, prompt: str, checkpoint: str | None = None, 
         raise FwError(f"fw generate: --seed must be >= 0, got {seed}")
     cfg = run_config(cfg, checkpoint)
     changes = {k: v for k, v in (("max_new_tokens", max_new_tokens), ("temperature", temperature)) if v is not None}
-    params = SamplingParams.from_config(cfg["rollout"], **changes)   # checked before any weights load
+    try:   # checked before any weights load
+        params = SamplingParams.from_config(cfg["rollout"], **changes)
+    except FwError as e:
+        key = str(e).removeprefix("sampling: ").split(" ", 1)[0]
+        where = f"--{key.replace('_', '-')}" if key in changes else f"rollout.{key}"
+        raise FwError(f"{where}: {str(e).removeprefix('sampling: ')}") from None
     tokenizer, policy = load_policy(cfg, checkpoint)
     policy.to(_device(cfg))
     text = render_prompt(prompt, tokenizer, cfg["data"]["chat_template"], cfg["tokenizer"]["enable_thinking"])

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import Tensor
@@ -126,11 +127,19 @@ class ClippedSurrogate:
         return PolicyLoss(loss, clip_frac, approx_kl, ratio_mean, adv_weighted)
 
 
+class PolicyLossFn(Protocol):
+    """What a policy loss is: built once from its section, then called per micro-batch."""
+
+    max_len: int | None
+
+    def __call__(self, logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor) -> PolicyLoss: ...
+
+
 # ``grpo.policy_loss`` / ``ppo.policy_loss``: a loss class with ``from_section(section, max_len)``.
 POLICY_LOSSES = {"clip": ClippedSurrogate}
 
 
-def build_policy_loss(section: dict, max_len: int) -> ClippedSurrogate:
+def build_policy_loss(section: dict, max_len: int) -> PolicyLossFn:
     """The policy loss a recipe section (``grpo:`` or ``ppo:``) selects, configured from it."""
     return POLICY_LOSSES[section["policy_loss"]].from_section(section, max_len)
 

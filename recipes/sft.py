@@ -27,7 +27,7 @@ class SFTRecipe:
         self.cfg = cfg
         self.tokenizer = tokenizer
         # reads and tokenizes the data now: errors come early
-        self.stream = ExampleStream(cfg, tokenizer, cfg["sft"]["train_on_prompt"])
+        self.stream = ExampleStream(cfg, tokenizer, train_on_prompt=cfg["sft"]["train_on_prompt"])
         self.position = 0                             # stream position after the last consumed batch
 
     @classmethod

@@ -128,8 +128,8 @@ def test_generate_argument_errors(capsys):
     code, _, err = fw(capsys, "generate", "--config", TRAIN, "--prompt", "hi", "--greedy", "--temperature", "1")
     assert code == 2 and "not allowed with argument" in err
     code, _, err = fw(capsys, "generate", "--config", TRAIN, "--prompt", "hi", "--max-new-tokens", "0")
-    assert (code, err) == (2, ("fw: error: sampling: max_new_tokens must be an int >= 1 or one such int per "
-                               "prompt, got 0\n"))
+    assert (code, err) == (2, ("fw: error: --max-new-tokens: max_new_tokens must be an int >= 1 or one such int "
+                               "per prompt, got 0\n"))
     code, _, err = fw(capsys, "generate", "--config", TRAIN, "--prompt", "hi", "--seed", "-1")
     assert (code, err) == (2, "fw: error: fw generate: --seed must be >= 0, got -1\n")
     code, _, err = fw(capsys, "generate", "--config", TRAIN, "--prompt", "hi", "--temperature", "warm")

@@ -55,7 +55,7 @@ def test_malformed_line_names_file_and_line(tmp_path, tok, line, message):
     good = {"prompt": "1+1=", "completion": "2"}
     path = write_jsonl(tmp_path / "d.jsonl", [good, "", line, good])
     with pytest.raises(FwError) as e:
-        ExampleStream(cfg_for(path), tok)
+        ExampleStream(cfg_for(path), tok, train_on_prompt=False)
     assert f"{path}:3: " in str(e.value)
     assert message in str(e.value)
 
@@ -63,12 +63,12 @@ def test_malformed_line_names_file_and_line(tmp_path, tok, line, message):
 def test_forced_format_mismatch_is_an_error(tmp_path, tok):
     path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "a", "completion": "b"}])
     with pytest.raises(FwError, match=r"d.jsonl:1: 'messages' must be a non-empty list"):
-        ExampleStream(cfg_for(path, format="messages"), tok)
+        ExampleStream(cfg_for(path, format="messages"), tok, train_on_prompt=False)
 
 
 def test_missing_file(tmp_path, tok):
     with pytest.raises(FwError, match="cannot read .*nope.jsonl"):
-        ExampleStream(cfg_for(tmp_path / "nope.jsonl"), tok)
+        ExampleStream(cfg_for(tmp_path / "nope.jsonl"), tok, train_on_prompt=False)
 
 
 def test_read_jsonl_skips_blank_lines_and_keeps_line_numbers(tmp_path):
@@ -84,7 +84,7 @@ def test_chat_loss_covers_assistant_content_and_im_end(tmp_path, tok):
                            {"role": "assistant", "content": "It is 3."},
                            {"role": "user", "content": "And 2 + 2?"},
                            {"role": "assistant", "content": "4"}]}
-    ex = encode_record(record, "auto", tok, cfg, "x")
+    ex = encode_record(record, "auto", tok, cfg, "x", train_on_prompt=False)
     full = ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nWhat is 1 + 2?<|im_end|>\n"
             "<|im_start|>assistant\nIt is 3.<|im_end|>\n<|im_start|>user\nAnd 2 + 2?<|im_end|>\n"
             "<|im_start|>assistant\n<think>\n\n</think>\n\n4<|im_end|>\n")
@@ -100,14 +100,14 @@ def test_chat_loss_covers_assistant_content_and_im_end(tmp_path, tok):
 
 def test_prompt_completion_loss_covers_completion_and_eos(tmp_path, tok):
     cfg = cfg_for(tmp_path / "unused.jsonl")
-    ex = encode_record({"prompt": "2 * 3 =", "completion": " 6"}, "auto", tok, cfg, "x")
+    ex = encode_record({"prompt": "2 * 3 =", "completion": " 6"}, "auto", tok, cfg, "x", train_on_prompt=False)
     assert tok.decode(ex.ids) == ("<|im_start|>user\n2 * 3 =<|im_end|>\n<|im_start|>assistant\n"
                                   "<think>\n\n</think>\n\n 6<|im_end|>")
     assert ex.ids[-1] == tok.eos_id
     assert trained_text(tok, ex) == " 6<|im_end|>"
 
     raw = cfg_for(tmp_path / "unused.jsonl", chat_template=False)
-    ex = encode_record({"prompt": "2 * 3 =", "completion": " 6"}, "auto", tok, raw, "x")
+    ex = encode_record({"prompt": "2 * 3 =", "completion": " 6"}, "auto", tok, raw, "x", train_on_prompt=False)
     assert tok.decode(ex.ids) == "2 * 3 = 6<|im_end|>"
     assert trained_text(tok, ex) == " 6<|im_end|>"
 
@@ -173,7 +173,7 @@ def test_packed_logprobs_equal_each_sequence_alone(tmp_path, tok):
     torch.manual_seed(0)
     cfg = cfg_for(tmp_path / "unused.jsonl")
     policy = build_policy(cfg["model"]["policy"], tok).eval()
-    examples = [encode_record({"prompt": p, "completion": c}, "auto", tok, cfg, "x")
+    examples = [encode_record({"prompt": p, "completion": c}, "auto", tok, cfg, "x", train_on_prompt=False)
                 for p, c in [("1 + 1 =", " 2"), ("What is 12 * 3?", " 36"), ("hi", " there!")]]
     total = sum(len(e.ids) for e in examples)
     rows, _ = global_batch(ListStream(examples), 0, rows=1, max_len=total + 5, pack=True)
@@ -192,7 +192,7 @@ def test_packed_logprobs_equal_each_sequence_alone(tmp_path, tok):
 # ---------------------------------------------------------------- the stream
 def test_stream_epochs_are_seeded_permutations(tmp_path, tok):
     path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": f"q{i}", "completion": f"a{i}"} for i in range(7)])
-    s = ExampleStream(cfg_for(path), tok)
+    s = ExampleStream(cfg_for(path), tok, train_on_prompt=False)
     epoch0 = [tuple(s[p].ids) for p in range(7)]
     epoch1 = [tuple(s[p].ids) for p in range(7, 14)]
     everything = {tuple(e.ids) for e in s.examples}
@@ -201,7 +201,7 @@ def test_stream_epochs_are_seeded_permutations(tmp_path, tok):
     order = torch.randperm(7, generator=torch.Generator().manual_seed(0)).tolist()
     assert epoch0 == [tuple(s.examples[i].ids) for i in order]
     assert [tuple(s[p].ids) for p in range(7)] == epoch0   # a pure function of the position
-    unshuffled = ExampleStream(cfg_for(path, shuffle=False), tok)
+    unshuffled = ExampleStream(cfg_for(path, shuffle=False), tok, train_on_prompt=False)
     assert [unshuffled[p].ids for p in range(8)] == [e.ids for e in s.examples] + [s.examples[0].ids]
 
 
@@ -219,12 +219,13 @@ def same(a, b):
 def test_batches_resume_exactly_from_a_saved_position(tmp_path, tok, pack):
     path = write_jsonl(tmp_path / "d.jsonl",
                        [{"prompt": f"{i} + {i} =", "completion": f" {2 * i}"} for i in range(23)])
-    s = ExampleStream(cfg_for(path), tok)
+    s = ExampleStream(cfg_for(path), tok, train_on_prompt=False)
     kw = {"batch_size": 3, "max_seq_len": 64, "pack": pack, "pad_id": tok.pad_id}
     run = batches(s, 0, 12, **kw)
     assert run[-1]["next_position"] > 23   # crossed into a later epoch
     k = 5
-    resumed = batches(ExampleStream(cfg_for(path), tok), run[k - 1]["next_position"], 12 - k, **kw)
+    stream = ExampleStream(cfg_for(path), tok, train_on_prompt=False)
+    resumed = batches(stream, run[k - 1]["next_position"], 12 - k, **kw)
     assert all(same(a, b) for a, b in zip(run[k:], resumed))
 
 
@@ -233,7 +234,7 @@ def test_ranks_split_the_global_batch(tmp_path, tok, pack):
     """2 ranks with batch B see, together, exactly what 1 rank with batch 2B sees."""
     path = write_jsonl(tmp_path / "d.jsonl",
                        [{"prompt": "x" * (i % 9), "completion": f" {i}"} for i in range(30)])
-    s = ExampleStream(cfg_for(path), tok)
+    s = ExampleStream(cfg_for(path), tok, train_on_prompt=False)
     one = batches(s, 0, 4, batch_size=4, max_seq_len=48, pack=pack, pad_id=tok.pad_id)
     r0 = batches(s, 0, 4, batch_size=2, max_seq_len=48, pack=pack, pad_id=tok.pad_id, rank=0, world_size=2)
     r1 = batches(s, 0, 4, batch_size=2, max_seq_len=48, pack=pack, pad_id=tok.pad_id, rank=1, world_size=2)
@@ -252,12 +253,12 @@ def test_ranks_split_the_global_batch(tmp_path, tok, pack):
 def test_task_examples(tok):
     cfg = resolve({"recipe": "sft", "model": {"policy": {"preset": "tiny"}},
                    "data": {"task": {"name": "arithmetic"}}})
-    s = ExampleStream(cfg, tok)
+    s = ExampleStream(cfg, tok, train_on_prompt=False)
     from framework.tasks import build_task
 
     sample = build_task(cfg["data"], seed=cfg["seed"]).sample(3)
     assert trained_text(tok, s[3]) == sample["answer"] + "<|im_end|>"
-    assert [s[p].ids for p in range(4)] == [ExampleStream(cfg, tok)[p].ids for p in range(4)]
+    assert [s[p].ids for p in range(4)] == [ExampleStream(cfg, tok, train_on_prompt=False)[p].ids for p in range(4)]
 
 
 def test_path_and_task_together_is_an_error(tmp_path, tok):
@@ -265,12 +266,12 @@ def test_path_and_task_together_is_an_error(tmp_path, tok):
     cfg = resolve({"recipe": "sft", "model": {"policy": {"preset": "tiny"}},
                    "data": {"path": str(path), "task": {"name": "arithmetic"}}})
     with pytest.raises(FwError, match="not both"):
-        ExampleStream(cfg, tok)
+        ExampleStream(cfg, tok, train_on_prompt=False)
 
 
 def test_batches_carry_the_target_count_of_their_accumulation_window(tmp_path, tok):
     path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "x" * i, "completion": "y" * (i + 1)} for i in range(9)])
-    s = ExampleStream(cfg_for(path), tok)
+    s = ExampleStream(cfg_for(path), tok, train_on_prompt=False)
     it = iter(SFTBatches(s, 0, batch_size=2, max_seq_len=64, pack=False, pad_id=tok.pad_id, accumulate=3))
     for _ in range(2):
         window = [next(it) for _ in range(3)]
