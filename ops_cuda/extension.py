@@ -2,7 +2,7 @@
 
 The extension is compiled with ninja by `torch.utils.cpp_extension.load` into a cache directory:
 `$FW_OPS_CACHE`, else `~/.cache/fw/ops`, one subdirectory per torch/CUDA version. A build killed
-mid-way leaves torch's `lock` file there, which makes every later build wait forever (pytorch#189245);
+mid-way leaves torch's `lock` file there, which makes every later build wait forever (torch does not clear it);
 we record the building process in `owner` next to it, and report a lock whose owner is gone (or, with
 no owner record, that is older than STALE_LOCK_AGE_S) instead of waiting on it.
 """

@@ -748,7 +748,7 @@ RAISE = ("    try:\n        call()\n        print('no error')\n"
 def test_bad_arguments_raise_in_a_live_process():
     """The kernels' argument checks (C++ TORCH_CHECK) reach Python as RuntimeError with their message. In child
     processes, so that an abort fails this test alone; torch's own C++ errors are tried first, since on some
-    machines any C++ exception crashes the process while libgcc walks the stack (pytorch/pytorch#117645)."""
+    machines any C++ exception crashes the process while libgcc walks the stack."""
     for what, code in (("a CPU error", "for call in (lambda: torch.ones(2).view(3),):\n" + RAISE),
                        ("a CUDA error", "for call in (lambda: torch.ones(2, device='cuda').view(3),):\n" + RAISE)):
         r = _child(code)
