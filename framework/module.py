@@ -96,6 +96,8 @@ class FwModule(lightning.LightningModule):
         self.cfg = cfg
         recipe_cls = recipe_class(cfg["recipe"])
         self.requirements = recipe_cls.requirements(cfg)
+        # each optimizer role's config section, resolved before any model is built
+        self._settings = {role.name: self._role_settings(role) for role in self.requirements.optimizers}
         self.tokenizer = build_tokenizer(cfg)
         self.recipe = recipe_cls(cfg, self.tokenizer)
         self.policy = build_policy(cfg["model"]["policy"], self.tokenizer)
@@ -106,7 +108,6 @@ class FwModule(lightning.LightningModule):
         self.policy_version = 0
         self.step_metrics = StepMetrics()
         self.last_metrics: dict[str, float] = {}
-        self._settings = {role.name: self._role_settings(role) for role in self.requirements.optimizers}
         self._optimizer_of: dict[str, torch.optim.Optimizer] = {}   # role name -> its torch optimizer
         self._pending_rng: dict | None = None
         self._flush_time = time.perf_counter()

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from framework.errors import FwError
 
-if TYPE_CHECKING:   # torch stays unimported: `fw validate` checks recipe names without it
+if TYPE_CHECKING:   # annotations only: listing the installed recipes imports no torch
     import torch
     from torch.utils.data import DataLoader
 
