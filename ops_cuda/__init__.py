@@ -1,4 +1,4 @@
-"""fw operators: the op seam between the model / losses and the kernels (see docs/DESIGN.md).
+"""fw operators: the op seam between the model / losses and the kernels (ops_cuda/README.md).
 
 Every function calls a `torch.ops.fw.*` operator: hand-written CUDA kernels on CUDA tensors (built on
 first use, see `build`), the op's torch reference on CPU. One op lives in ops_cuda/<op>.py (schema, checks,

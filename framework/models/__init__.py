@@ -1,4 +1,4 @@
-"""Qwen3 policy and value models, HF checkpoint IO, presets and the KV cache (docs/DESIGN.md "Models")."""
+"""Qwen3 policy and value models, HF checkpoint IO, presets and the KV cache."""
 
 from framework.models.build import build_policy
 from framework.models.hf_io import load_pretrained, load_value_model, save_pretrained, save_value_model

@@ -1,4 +1,4 @@
-"""Rollout engine: batched KV-cache generation with behaviour logprobs (docs/DESIGN.md "Rollout")."""
+"""Rollout engine: batched KV-cache generation with behaviour logprobs, and its `SamplingParams`."""
 
 from framework.rollout.engine import FINISH_REASONS, Rollout, generate, step_seed, stop_token_ids
 from framework.rollout.sampling import SamplingParams
