@@ -31,10 +31,12 @@ class StepTimer(Callback):
             return
         self._sync()
         self.stamps.append(time.perf_counter())
-        peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
+        cuda = torch.cuda.is_available()
+        peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0
+        reserved = torch.cuda.max_memory_reserved() / 2**30 if cuda else 0.0
         out = Path(trainer.default_root_dir) / "step_times.json"
         out.write_text(json.dumps({"step_seconds": [b - a for a, b in zip(self.stamps, self.stamps[1:])],
-                                   "peak_gib": peak}))
+                                   "peak_gib": peak, "reserved_gib": reserved}))
 
     @staticmethod
     def _sync() -> None:

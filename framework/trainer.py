@@ -11,6 +11,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_only
 
+from framework.allocator import configure_allocator
 from framework.callbacks import builtin_callbacks, user_callbacks
 from framework.errors import FwError
 from framework.metrics import JsonlLogger
@@ -98,6 +99,7 @@ def fit(cfg: dict, resume: str | None = None) -> lightning.Trainer:
     from framework.config import save_resolved
     from framework.module import FwModule
 
+    configure_allocator()   # before the first CUDA allocation: it decides how segments are mapped
     lightning.seed_everything(cfg["seed"], workers=True, verbose=False)
     ckpt_path = resolve_resume(resume, cfg["run_dir"])
     if rank_zero_only.rank == 0:

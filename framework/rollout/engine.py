@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 import ops_cuda
+from framework.allocator import release_cached
 from framework.errors import FwError
 from framework.rollout.sampling import SamplingParams
 
@@ -208,6 +209,9 @@ def generate(model: Any, prompts: list[list[int]], params: SamplingParams, *, eo
             logits = decode_graph(feed) if decode_graph is not None else model.decode(feed, cache)
     finally:
         model.train(was_training)
+    # The KV cache and the graph's private pool go back before the caller trains on the result.
+    del cache, decode_graph, logits
+    release_cached(device)
 
     lens = completion_lens.tolist()
     reasons = [_REASON_OF_CODE[r] for r in reason.tolist()]

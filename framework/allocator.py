@@ -1,0 +1,39 @@
+"""The CUDA caching allocator's settings for long RL jobs, and handing cached memory back.
+
+An RL step alternates two very different memory shapes: the rollout (a KV cache of every row's whole
+context, CUDA-graph pools) and the update (activations of one micro-batch, gradients). With fixed-size
+segments the allocator keeps the first shape's blocks cached and splits them for the second, so a job
+can fail with tens of GiB "reserved but unallocated". Expandable segments grow and shrink one mapping
+per stream instead, so freed memory is reusable whatever its shape.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+ENV = "PYTORCH_CUDA_ALLOC_CONF"
+DEFAULT = "expandable_segments:True"
+
+
+def configure_allocator() -> str:
+    """Use expandable segments unless the user set PYTORCH_CUDA_ALLOC_CONF; returns the setting in force.
+
+    Before CUDA starts the environment variable is enough; once it has, the setting is applied to the
+    live allocator (it governs the segments allocated from then on).
+    """
+    user = os.environ.get(ENV)
+    if user is not None:
+        return user
+    os.environ[ENV] = DEFAULT
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.memory._set_allocator_settings(DEFAULT)
+    return DEFAULT
+
+
+def release_cached(device: torch.device) -> None:
+    """Hand the allocator's cached, unused blocks (a finished rollout's KV cache and graph pool) back to
+    the driver, so the next phase maps what it needs instead of splitting the last phase's blocks."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
