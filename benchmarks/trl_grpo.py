@@ -52,7 +52,7 @@ def write_random_model(preset: str, model_dir: Path, vocab_size: int = 151936) -
     torch.manual_seed(0)
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
         model = Qwen3ForCausalLM._from_config(config, torch_dtype=torch.bfloat16)
-    model.save_pretrained(str(model_dir))
+    model.save_pretrained(str(model_dir), max_shard_size="5GB")
     del model
     torch.cuda.empty_cache()
 
