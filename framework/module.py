@@ -89,18 +89,20 @@ class ModuleContext:
 class FwModule(lightning.LightningModule):
     """Models + optimizers + the fw step path; `training_step` and the data belong to the recipe."""
 
-    def __init__(self, cfg: dict):
+    def __init__(self, cfg: dict, device: torch.device | str | None = None):
+        """`device`: where the models are built (None = the CPU); Lightning moves them to its device after."""
         super().__init__()
         from framework.models import build_policy
 
         self.cfg = cfg
+        self._build_device = device
         recipe_cls = recipe_class(cfg["recipe"])
         self.requirements = recipe_cls.requirements(cfg)
         # each optimizer role's config section, resolved before any model is built
         self._settings = {role.name: self._role_settings(role) for role in self.requirements.optimizers}
         self.tokenizer = build_tokenizer(cfg)
         self.recipe = recipe_cls(cfg, self.tokenizer)
-        self.policy = build_policy(cfg["model"]["policy"], self.tokenizer)
+        self.policy = build_policy(cfg["model"]["policy"], self.tokenizer, device)
         self.value = self._build_value() if self.requirements.value_model else None
         self.reference = self._build_reference() if self.requirements.reference_model else None
         self.automatic_optimization = self.requirements.automatic_optimization
@@ -126,15 +128,16 @@ class FwModule(lightning.LightningModule):
             return Qwen3ValueModel.from_policy(self.policy)
         dtype = resolve_dtype(self.cfg["model"]["policy"]["dtype"])
         if VALUE_ARCHITECTURE in (read_config(path)[1].get("architectures") or []):
-            return load_value_model(path, dtype)
-        return Qwen3ValueModel.from_policy(load_pretrained(path, dtype))   # warm start from another LM
+            return load_value_model(path, dtype, self._build_device)
+        # warm start from another LM
+        return Qwen3ValueModel.from_policy(load_pretrained(path, dtype, self._build_device))
 
     def _build_reference(self):
         from framework.models import load_pretrained
 
         path = self.cfg["model"]["reference"]["path"]
         ref = copy.deepcopy(self.policy) if path is None else load_pretrained(
-            path, self.cfg["model"]["policy"]["dtype"])
+            path, self.cfg["model"]["policy"]["dtype"], self._build_device)
         ref.requires_grad_(False)
         return ref.eval()
 

@@ -89,6 +89,15 @@ def build_trainer(cfg: dict) -> lightning.Trainer:
     )
 
 
+def build_device(trainer: lightning.Trainer) -> torch.device:
+    """Where the models are built: this process's accelerator when the strategy keeps a whole model per
+    device (one device, DDP), the CPU when it shards (FSDP wraps and moves a CPU model itself)."""
+    from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+
+    strategy = trainer.strategy
+    return strategy.root_device if isinstance(strategy, (SingleDeviceStrategy, DDPStrategy)) else torch.device("cpu")
+
+
 def fit(cfg: dict, resume: str | None = None) -> lightning.Trainer:
     """Train `cfg` (a resolved config): seed, write `<run_dir>/config.yaml`, build, fit.
 
@@ -105,7 +114,7 @@ def fit(cfg: dict, resume: str | None = None) -> lightning.Trainer:
     if rank_zero_only.rank == 0:
         save_resolved(cfg, Path(cfg["run_dir"]) / "config.yaml")
     trainer = build_trainer(cfg)   # first: it refuses unsupported settings before the models are built
-    module = FwModule(cfg)
+    module = FwModule(cfg, device=build_device(trainer))
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*does not have many workers.*")
         trainer.fit(module, ckpt_path=ckpt_path)
