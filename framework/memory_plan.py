@@ -164,8 +164,8 @@ class Plan:
     def refusal(self) -> str:
         """One line: why the job does not fit and what to try first."""
         b = self.biggest
-        line = (f"memory plan: the job needs {self.total_bytes / GIB:.1f} GiB per GPU, more than the "
-                f"{self.limit_bytes / GIB:.1f} GiB of {self.limit_source}; the biggest row is {b.name} "
+        line = (f"memory plan: the job needs {self.total_bytes / GIB:.1f} GiB per process, more than the "
+                f"{self.limit_bytes / GIB:.1f} GiB limit ({self.limit_source}); the biggest row is {b.name} "
                 f"({b.bytes / GIB:.1f} GiB)")
         first = self.suggestions[0] if self.suggestions else self.together
         if first is not None:
@@ -413,7 +413,8 @@ def build_plan(cfg: dict, model: Qwen3Config, requirements: Requirements, shapes
     source = policy_cfg["preset"] or policy_cfg["path"]
     title = (f"fw plan: recipe {cfg['recipe']}, {source} ({_count(counts.total)} params, "
              f"{model.num_hidden_layers} layers), {t['precision']}, {pdt} weights, "
-             f"{world_size} process{'es' if world_size > 1 else ''}, per GPU")
+             f"{world_size} process{'es' if world_size > 1 else ''}; memory per "
+             + ("GPU" if backend == "cuda" else "process (CPU)"))
     return Plan(title, rows, limit_bytes, limit_source)
 
 
@@ -529,10 +530,10 @@ def _model_configs(cfg: dict, tokenizer: Any) -> tuple[Qwen3Config, Qwen3Config 
 
 def _limit(cfg: dict, backend: str, gpu_gib: float | None) -> tuple[float | None, str]:
     if gpu_gib is not None:
-        return gpu_gib * GIB, f"--gpu-gib {gpu_gib:g}"
+        return gpu_gib * GIB, "--gpu-gib"
     limit = cfg["trainer"]["memory_limit_gib"]
     if limit is not None:
-        return limit * GIB, f"trainer.memory_limit_gib {limit:g}"
+        return limit * GIB, "trainer.memory_limit_gib"
     if backend == "cuda":
         import torch
 
