@@ -150,9 +150,8 @@ class Plan:
         if self.fits:
             lines.append(f"fits: {(self.limit_bytes - self.total_bytes) / GIB:.1f} GiB to spare")
             return "\n".join(lines)
-        lines.append(f"does not fit: {self.total_bytes / GIB:.1f} GiB > {self.limit_bytes / GIB:.1f} GiB; "
-                     "try one of:" if self.suggestions else
-                     f"does not fit: {self.total_bytes / GIB:.1f} GiB > {self.limit_bytes / GIB:.1f} GiB")
+        verdict = f"does not fit: {_gib(self.total_bytes)} GiB > {_gib(self.limit_bytes)} GiB"
+        lines.append(verdict + ("; try one of:" if self.suggestions else ""))
         width = max([len(s.text) for s in self.suggestions] + [0])
         for s in self.suggestions:
             lines.append(f"  {s.text:<{width}}  -> {s.total_bytes / GIB:.1f} GiB{' (fits)' if s.fits else ''}")
@@ -164,16 +163,21 @@ class Plan:
     def refusal(self) -> str:
         """One line: why the job does not fit and what to try first."""
         b = self.biggest
-        line = (f"memory plan: the job needs {self.total_bytes / GIB:.1f} GiB per process, more than the "
-                f"{self.limit_bytes / GIB:.1f} GiB limit ({self.limit_source}); the biggest row is {b.name} "
-                f"({b.bytes / GIB:.1f} GiB)")
+        line = (f"memory plan: the job needs {_gib(self.total_bytes)} GiB per process, more than the "
+                f"{_gib(self.limit_bytes)} GiB limit ({self.limit_source}); the biggest row is {b.name} "
+                f"({_gib(b.bytes)} GiB)")
         first = self.suggestions[0] if self.suggestions else self.together
         if first is not None:
-            line += f"; try {first.text} ({first.total_bytes / GIB:.1f} GiB)"
+            line += f"; try {first.text} ({_gib(first.total_bytes)} GiB)"
         return line + "; `fw plan --config ...` prints the whole plan"
 
 
 # ------------------------------------------------------------------------------------------- counting
+
+def _gib(n: float) -> str:
+    """GiB with one decimal; small amounts with two significant digits, so a tiny limit reads as itself."""
+    return f"{n / GIB:.1f}" if n >= 0.05 * GIB else f"{n / GIB:.2g}"
+
 
 def _bytes(dtype: str) -> int:
     return _BYTES[dtype]
@@ -221,6 +225,12 @@ def param_counts(m: Qwen3Config) -> ParamCounts:
     return ParamCounts(embed=m.vocab_size * d, lm_head=0 if m.tie_word_embeddings else m.vocab_size * d,
                        layer_linear=linear, layer_norm=2 * d + 2 * m.head_dim, layers=m.num_hidden_layers,
                        final_norm=d)
+
+
+def _largest_tensor(m: Qwen3Config) -> int:
+    """Elements of the model's largest parameter tensor (the fused projections count as one)."""
+    d, inter = m.hidden_size, m.intermediate_size
+    return max(m.vocab_size * d, d * (m.q_size + 2 * m.kv_size), m.q_size * d, d * 2 * inter, inter * d)
 
 
 def lora_dims(m: Qwen3Config) -> dict[str, tuple[int, int]]:
@@ -371,7 +381,7 @@ def build_plan(cfg: dict, model: Qwen3Config, requirements: Requirements, shapes
     fused = o["fused"] is True or (o["fused"] == "auto" and backend == "cuda" and t["precision"] != "16-mixed")
     if o["name"] == "adamw" and not o["stochastic_rounding"] and not o["cpu_offload"] and not fused:
         # torch's foreach AdamW (CUDA) holds one state-sized intermediate; the CPU loop one parameter's
-        largest = trainable if backend == "cuda" else max(counts.embed, counts.layer_linear) if lora is None else 0
+        largest = trainable if backend == "cuda" else _largest_tensor(model) if lora is None else 0
         rows.append(Row("optimizer step buffers", largest * _bytes(tdt), ("step",),
                         "AdamW's intermediate (not fused)"))
 
@@ -580,13 +590,21 @@ class _Planner:
                           reference=self.reference, value=self.value)
 
     def variant(self, cfg: dict, changes: dict[str, Any]) -> dict:
-        """`cfg` with dotted `changes` applied, validated and resolved again (e.g. a new lora's defaults)."""
-        from framework.config import resolve
-
+        """`cfg` with dotted `changes` applied (schema-valid values: no second validation)."""
         new = copy.deepcopy(cfg)
         for key, value in changes.items():
             _set(new, key, value)
-        return resolve(new)
+        return new
+
+
+def _lora_defaults() -> dict:
+    """model.policy.lora's defaults, from the schema."""
+    import json
+
+    from framework.config import schema_text
+
+    lora = json.loads(schema_text())["properties"]["model"]["properties"]["policy"]["properties"]["lora"]
+    return {key: prop["default"] for key, prop in lora["properties"].items()}
 
 
 _SPLIT_ROWS = "fewer rows per micro-batch"
@@ -613,7 +631,7 @@ def _candidates(cfg: dict, plan: Plan, shapes: BatchShapes | None, backend: str)
         out.append({"model.policy.dtype": "bfloat16", "trainer.precision": "bf16-true",
                     "optimizer.stochastic_rounding": True})
     if p["lora"] is None:
-        out.append({"model.policy.lora.rank": 16})
+        out.append({"model.policy.lora": _lora_defaults()})
     if shapes is not None and shapes.rollout_rows and plan.peak_phase == "rollout" and prompts > 1:
         out.append({"rollout.prompts_per_step": prompts // 2})
     return out
@@ -623,7 +641,13 @@ def _overrides(changes: dict[str, Any]) -> tuple[str, ...]:
     def text(v: Any) -> str:
         return "true" if v is True else "false" if v is False else str(v)
 
-    return tuple(f"--{k}={text(v)}" for k, v in changes.items())
+    out = []
+    for key, value in changes.items():
+        if key == "model.policy.lora":   # a new adapter section: its rank is the override, the rest defaults
+            out.append(f"--model.policy.lora.rank={value['rank']}")
+        else:
+            out.append(f"--{key}={text(value)}")
+    return tuple(out)
 
 
 def _fewer_rows(planner: _Planner, cfg: dict, shapes: BatchShapes) -> list[tuple[dict[str, Any], BatchShapes]]:

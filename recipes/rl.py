@@ -153,6 +153,10 @@ class RLRecipe:
         # (torch.tensor_split: the first ones take the remainder); a row is its prompt + its completion.
         sec = cfg[cls.section]
         batch = cfg["rollout"]["prompts_per_step"] * sec[cls.samples_key]
+        if sec["minibatches"] * cfg["trainer"]["accumulate_grad_batches"] > batch:   # as _check_batch_split
+            raise FwError(f"{cls.section}.minibatches ({sec['minibatches']}) x trainer.accumulate_grad_batches "
+                          f"({cfg['trainer']['accumulate_grad_batches']}) exceeds the {batch} sequences of one "
+                          "rollout batch")
         per_minibatch = -(-batch // sec["minibatches"])
         rows = -(-per_minibatch // cfg["trainer"]["accumulate_grad_batches"])
         new = SamplingParams.from_config(cfg["rollout"]).longest
