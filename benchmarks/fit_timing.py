@@ -1,10 +1,13 @@
-"""Time a real `fw fit` run: wall time per policy optimizer step, peak GPU memory, logged throughput.
+"""Time a real `fw fit` run: wall time per policy optimizer step, peak GPU memory against the memory plan's
+estimate, logged throughput.
 
     python -m benchmarks.fit_timing --config recipes/sft.yaml [--config more.yaml] [--a.b=v ...]
 
 The `StepTimer` callback of examples/step_timer.py is appended to the config's callbacks (the same
 `class_path` mechanism users have); the summary reads its `step_times.json` and the run's `metrics.jsonl`.
-The first step (kernels, allocator, autotuning) is reported apart from the median of the later ones.
+The first step (kernels, allocator, autotuning) is reported apart from the median of the later ones. Peak memory
+is the run's largest `memory/peak_gib` (torch.cuda.max_memory_allocated) and `memory/reserved_gib` in
+metrics.jsonl, beside `framework.memory_plan.estimate(cfg)`'s total in torch's allocator.
 """
 from __future__ import annotations
 
@@ -22,7 +25,8 @@ def _median(records: list[dict], key: str, skip_first: bool = True) -> float | N
     return statistics.median(values) if values else None
 
 
-def report(cfg: dict) -> str:
+def report(cfg: dict, plan_gib: float | None = None) -> str:
+    """The run's summary; `plan_gib`: the memory plan's estimate of the peak in torch's allocator."""
     run_dir = Path(cfg["run_dir"])
     times = json.loads((run_dir / "step_times.json").read_text())
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
@@ -49,12 +53,19 @@ def report(cfg: dict) -> str:
         value = _median(records, key)
         if value is not None:
             lines.append(f"  {label:<26}" + fmt.format(value) + " (median of later logged steps)")
-    lines.append(f"  peak GPU memory           {times['peak_gib']:.1f} GiB")
+    peaks = [r["memory/peak_gib"] for r in records if "memory/peak_gib" in r]
+    reserved = [r["memory/reserved_gib"] for r in records if "memory/reserved_gib" in r]
+    if peaks:
+        lines.append(f"  peak GPU memory           {max(peaks):.1f} GiB allocated, {max(reserved):.1f} GiB reserved")
+    if plan_gib is not None:
+        ratio = f" ({plan_gib / max(peaks):.2f}x the measured peak)" if peaks else ""
+        lines.append(f"  memory plan estimate      {plan_gib:.1f} GiB allocated{ratio}")
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> None:
     from framework.config import load_config
+    from framework.memory_plan import GIB, estimate
     from framework.trainer import fit
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -62,8 +73,9 @@ def main(argv: list[str] | None = None) -> None:
     args, overrides = ap.parse_known_args(argv)
     cfg = load_config(args.config, overrides)
     cfg["callbacks"] = [*cfg["callbacks"], {"class_path": "examples.step_timer.StepTimer", "init_args": {}}]
+    plan = estimate(cfg)
     fit(cfg)
-    print("\n" + report(cfg), flush=True)
+    print("\n" + report(cfg, plan.allocated_bytes / GIB), flush=True)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ from framework.config import dump_config, load_config, schema_path, schema_text
 from framework.errors import ConfigError, FwError
 
 # Commands whose leftover `--a.b=v` arguments are config overrides.
-_WITH_CONFIG = ("fit", "validate", "print-config", "generate")
+_WITH_CONFIG = ("fit", "validate", "print-config", "generate", "plan")
 
 
 def _reference() -> str:
@@ -53,6 +53,12 @@ def _parser() -> argparse.ArgumentParser:
         [common, configs], "Check a config without running it. " + overrides)
     add("print-config", "print the resolved config (every default filled in) as YAML",
         [common, configs], "Print the resolved config as YAML. " + overrides)
+    plan = add("plan", "print the memory the job will need on each GPU, row by row (exit 2 when it does not fit)",
+               [common, configs], "Print the memory plan: weights, gradients, optimizer states, reference and value "
+               "models, KV cache, activations and logits per GPU, against the GPU's memory, trainer.memory_limit_gib "
+               "or --gpu-gib; when it does not fit, the overrides to try. Exit 0 when it fits, 2 when it does not. "
+               + overrides)
+    plan.add_argument("--gpu-gib", type=float, metavar="N", help="GiB of memory per GPU to plan against")
     add("schema", "print the config's JSON Schema", [common])
 
     export = add("export", "write a checkpoint's policy as a Hugging Face model directory", [common])
@@ -92,6 +98,17 @@ def _run(args: argparse.Namespace, overrides: list[str]) -> int:
             from framework.trainer import fit
 
             fit(cfg, resume=args.resume)  # writes the resolved config.yaml into run_dir
+    elif cmd == "plan":
+        if not args.config:
+            raise FwError("fw plan needs --config FILE")
+        if args.gpu_gib is not None and not args.gpu_gib > 0:
+            raise FwError(f"--gpu-gib must be > 0, got {args.gpu_gib:g}")
+        from framework.memory_plan import estimate
+
+        plan = estimate(load_config(args.config, overrides), gpu_gib=args.gpu_gib)
+        print(plan.table())
+        if plan.fits is False:
+            raise FwError(plan.refusal())
     elif cmd == "schema":
         sys.stdout.write(schema_text())
     elif cmd == "export":

@@ -263,8 +263,9 @@ class FwModule(lightning.LightningModule):
         if "tokens" in metrics:
             metrics["tokens_per_s"] = metrics["tokens"] / max(now - self._flush_time, 1e-9)
         self._flush_time = now
-        if self.device.type == "cuda":
-            metrics["peak_memory_gb"] = torch.cuda.max_memory_allocated(self.device) / 2**30
+        if self.device.type == "cuda":   # peaks since the run started, what the memory plan estimates
+            metrics["memory/peak_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
+            metrics["memory/reserved_gib"] = torch.cuda.max_memory_reserved(self.device) / 2**30
         self.last_metrics = metrics
         for logger in self.trainer.loggers:
             logger.log_metrics(metrics, step=self.trainer.global_step)

@@ -66,6 +66,28 @@ class Requirements:
             raise FwError(f"recipe requirements: {problem}")
 
 
+@dataclass(frozen=True)
+class BatchShapes:
+    """The tensor shapes of one training step on one process, for the memory plan (framework/memory_plan.py).
+
+    Upper bounds: the plan must hold for the largest micro-batch the recipe can form under `cfg`.
+    """
+
+    rows: int                # sequences in the largest training micro-batch
+    seq_len: int             # tokens of its longest row (the model's input width)
+    loss_tokens: int         # rows of the loss's hidden states (tokens whose logprob the loss takes)
+    packed: bool = False     # the model gets position_ids: attention holds a [seq_len, seq_len] mask per row
+    rollout_rows: int = 0    # sequences generated per step (0: the recipe does not generate)
+    prompt_len: int = 0      # the longest prompt, in tokens (the KV cache holds prompt_len + new_tokens)
+    new_tokens: int = 0      # the longest completion, in tokens
+    scoring_rows: int = 0    # rows of a no-grad forward over the rollout batch at once (reference, old values)
+
+    def __post_init__(self) -> None:
+        if min(self.rows, self.seq_len) < 1 or min(self.loss_tokens, self.rollout_rows, self.prompt_len,
+                                                     self.new_tokens, self.scoring_rows) < 0:
+            raise FwError(f"recipe batch shapes: rows and seq_len must be >= 1 and the counts >= 0, got {self}")
+
+
 class StepContext(Protocol):
     """The narrow view of the training module that a recipe trains through (framework/module.py's
     `ModuleContext` provides it).
@@ -121,6 +143,11 @@ class Recipe(Protocol):
 
     @classmethod
     def requirements(cls, cfg: dict) -> Requirements: ...
+
+    # Optional: without it the memory plan counts no activations, logits or KV cache for the recipe.
+    @classmethod
+    def batch_shapes(cls, cfg: dict, tokenizer: Any) -> BatchShapes:
+        """The step's shapes under `cfg` (read before any model is built), for the memory plan."""
 
     def train_dataloader(self, ctx: StepContext) -> DataLoader: ...
 

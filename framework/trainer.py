@@ -99,18 +99,21 @@ def build_device(trainer: lightning.Trainer) -> torch.device:
 
 
 def fit(cfg: dict, resume: str | None = None) -> lightning.Trainer:
-    """Train `cfg` (a resolved config): seed, write `<run_dir>/config.yaml`, build, fit.
+    """Train `cfg` (a resolved config): check its memory plan, seed, write `<run_dir>/config.yaml`, build, fit.
 
     `resume`: None (fresh run), "last" (the newest complete checkpoint under run_dir; FwError if none)
     or a checkpoint directory.
     """
     from framework.checkpoint import resolve_resume
     from framework.config import save_resolved
+    from framework.memory_plan import check_fits
     from framework.module import FwModule
 
     configure_allocator()   # before the first CUDA allocation: it decides how segments are mapped
-    lightning.seed_everything(cfg["seed"], workers=True, verbose=False)
     ckpt_path = resolve_resume(resume, cfg["run_dir"])
+    # before anything is written or built: a job that cannot fit is refused now, not an hour in
+    check_fits(cfg, rank_zero_only.rank)
+    lightning.seed_everything(cfg["seed"], workers=True, verbose=False)
     if rank_zero_only.rank == 0:
         save_resolved(cfg, Path(cfg["run_dir"]) / "config.yaml")
     trainer = build_trainer(cfg)   # first: it refuses unsupported settings before the models are built

@@ -35,6 +35,11 @@ class GRPORecipe(RLRecipe):
     """GRPO over a task's prompts with a verifiable reward; see the module docstring."""
 
     section = "grpo"
+    samples_key = "group_size"
+
+    @classmethod
+    def scores_whole_batch(cls, cfg: dict) -> bool:
+        return cfg["grpo"]["kl_coef"] > 0   # the reference's logprobs of every row, before the update
 
     @classmethod
     def requirements(cls, cfg: dict) -> Requirements:

@@ -31,6 +31,11 @@ class PPORecipe(RLRecipe):
     """PPO over a task's prompts with a verifiable reward and a value model; see the module docstring."""
 
     section = "ppo"
+    samples_key = "samples_per_prompt"
+
+    @classmethod
+    def scores_whole_batch(cls, cfg: dict) -> bool:
+        return True   # the critic's old values of every row (and, with a KL, both models' logprobs)
 
     @classmethod
     def requirements(cls, cfg: dict) -> Requirements:

@@ -27,7 +27,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader, IterableDataset
 
 from framework.errors import FwError
-from framework.recipe import StepContext
+from framework.recipe import BatchShapes, StepContext
 from framework.rollout import SamplingParams
 from recipes.advantages import all_reduce_sum, batch_reward_std
 from recipes.losses import aggregate_weight
@@ -103,6 +103,25 @@ def completion_values(value_model: Any, tokens: Tensor, prompt_lens: Tensor, com
     return out.index_put((rows, cols), values[rows, pos].float())
 
 
+# Samples of the task stream whose prompts bound the prompt length in the memory plan: the first PLAN_PROMPTS of
+# a procedural task, the first PLAN_DATASET_PROMPTS of a prompt dataset (its seeded shuffle: a random sample).
+PLAN_PROMPTS = 256
+PLAN_DATASET_PROMPTS = 4096
+
+
+def longest_prompt(cfg: dict, tokenizer: Any) -> int:
+    """The longest prompt in tokens among the first samples of the task (``PLAN_PROMPTS``, or
+    ``PLAN_DATASET_PROMPTS`` of a dataset), rendered as ``RLRecipe.collect`` renders them: RL prompts are
+    never truncated, so only the task bounds them."""
+    from framework.tasks import build_task, render_prompt
+
+    task = build_task(cfg["data"], seed=cfg["seed"])
+    count = min(PLAN_DATASET_PROMPTS, len(task)) if hasattr(task, "__len__") else PLAN_PROMPTS
+    template, thinking = cfg["data"]["chat_template"], cfg["tokenizer"]["enable_thinking"]
+    return max(len(tokenizer.encode(render_prompt(task.sample(i)["prompt"], tokenizer, template, thinking)))
+               for i in range(count))
+
+
 # A micro-batch's loss: (rows of the rollout batch, first minibatch of the rollout?) -> (the loss to
 # backpropagate, the scalars to log under the phase's prefix).
 MicroLoss = Callable[[Tensor, bool], tuple[Tensor, dict[str, Tensor]]]
@@ -121,6 +140,30 @@ class RLRecipe:
     """Base of the manual-optimization RL recipes: data position, rollouts, rewards, the update loop, logging."""
 
     section = ""  # "grpo" | "ppo": the config section holding epochs, minibatches, loss_agg, ...
+    samples_key = ""  # the section's completions per prompt: "group_size" | "samples_per_prompt"
+
+    @classmethod
+    def scores_whole_batch(cls, cfg: dict) -> bool:
+        """Whether a no-grad forward runs over the whole rollout batch at once (reference logprobs, values)."""
+        return False
+
+    @classmethod
+    def batch_shapes(cls, cfg: dict, tokenizer: Any) -> BatchShapes:
+        # update(): the batch splits into `minibatches`, each into accumulate_grad_batches micro-batches
+        # (torch.tensor_split: the first ones take the remainder); a row is its prompt + its completion.
+        sec = cfg[cls.section]
+        batch = cfg["rollout"]["prompts_per_step"] * sec[cls.samples_key]
+        if sec["minibatches"] * cfg["trainer"]["accumulate_grad_batches"] > batch:   # as _check_batch_split
+            raise FwError(f"{cls.section}.minibatches ({sec['minibatches']}) x trainer.accumulate_grad_batches "
+                          f"({cfg['trainer']['accumulate_grad_batches']}) exceeds the {batch} sequences of one "
+                          "rollout batch")
+        per_minibatch = -(-batch // sec["minibatches"])
+        rows = -(-per_minibatch // cfg["trainer"]["accumulate_grad_batches"])
+        new = SamplingParams.from_config(cfg["rollout"]).longest
+        prompt = longest_prompt(cfg, tokenizer)
+        return BatchShapes(rows=rows, seq_len=prompt + new, loss_tokens=rows * new, rollout_rows=batch,
+                           prompt_len=prompt, new_tokens=new,
+                           scoring_rows=batch if cls.scores_whole_batch(cfg) else 0)
 
     def __init__(self, cfg: dict, tokenizer: Any):
         from framework.rewards import build_reward

@@ -8,7 +8,7 @@ import torch
 
 import ops_cuda
 from framework.data import IGNORE, ExampleStream, sft_dataloader
-from framework.recipe import Requirements, StepContext
+from framework.recipe import BatchShapes, Requirements, StepContext
 
 
 class SFTRecipe:
@@ -33,6 +33,14 @@ class SFTRecipe:
     @classmethod
     def requirements(cls, cfg: dict) -> Requirements:
         return Requirements(automatic_optimization=True)
+
+    @classmethod
+    def batch_shapes(cls, cfg: dict, tokenizer: Any) -> BatchShapes:
+        # data.batch_size rows of at most data.max_seq_len tokens (exactly that when packed), every token
+        # possibly a target; position_ids always reach the model, so attention always takes the mask path.
+        d = cfg["data"]
+        return BatchShapes(rows=d["batch_size"], seq_len=d["max_seq_len"],
+                           loss_tokens=d["batch_size"] * d["max_seq_len"], packed=True)
 
     def train_dataloader(self, ctx: StepContext) -> torch.utils.data.DataLoader:
         return sft_dataloader(self.stream, self.position, self.cfg, self.tokenizer.pad_id, ctx.rank, ctx.world_size,

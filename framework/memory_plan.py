@@ -1,0 +1,736 @@
+"""The memory plan: what a job holds on each GPU, counted from its config before anything is built.
+
+`estimate(cfg)` gathers what the count needs without loading any weights (the model's shape from its preset
+or config.json, the recipe's `batch_shapes`, the world size, the device's memory) and calls `build_plan`, a
+pure function of those. Each row is one kind of memory and the phase of a training step in which it is live:
+`held` through the whole step, or one of `rollout` (generation), `score` (no-grad forwards over the whole
+rollout batch), `train` (the policy's forward and backward), `critic` (PPO's value update) and `step` (the
+optimizer step). The total is what is held plus the largest phase.
+
+The activation count follows what each op saves for its backward (ops_cuda/*.py's autograd registrations,
+scaled_dot_product_attention, nn.Linear) in framework/models/qwen3.py's layer; `layer_saved_bytes` spells it
+out. The constants below are what the count cannot derive from shapes: calibrating the plan on a GPU means
+adjusting them.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+from framework.errors import FwError
+from framework.models.qwen3_config import Qwen3Config
+from framework.recipe import BatchShapes, Requirements
+
+GIB = 2**30
+
+# Outside torch's allocator (not in max_memory_allocated): the CUDA context, the kernels' images (fw's
+# extension, cuBLAS, cuDNN) and the NCCL buffers of several processes.
+CUDA_CONTEXT_BYTES = 0.75 * GIB
+CUDA_CONTEXT_BYTES_DDP = 0.5 * GIB   # added per process when several processes communicate
+# Inside it: cuBLAS workspaces and the rounding of small blocks, whatever the model.
+ALLOCATOR_WORKSPACE_BYTES = 0.25 * GIB
+# torchao's AdamW8bit: per moment an 8-bit code per element and a float32 scale per block of 256.
+ADAMW8BIT_BYTES_PER_MOMENT = 1 + 4 / 256
+# Gradients of the activations in flight during the backward, in layers' worth of saved activations.
+BACKWARD_IN_FLIGHT_LAYERS = 1.0
+# The loss's own float32 tensors per loss token (logprobs scattered to [rows, width], ratios, masks, advantages).
+LOSS_BYTES_PER_TOKEN = 64
+# linear_logprob's CUDA tiles (ops_cuda/csrc/linear_logprob.cu: kTileRows x kTileCols of float32 logits; the
+# Hopper kernel's 16-bit tile of kSm90TileRows rows is the same size).
+LOGPROB_TILE_ROWS = 4096
+LOGPROB_TILE_COLS = 8192
+# ops_cuda/linear_logprob.py: columns per offset of the kept logits, and the reference's float32 tile.
+SAVED_LOGITS_CHUNK = 256
+REFERENCE_LOGITS_TILE_BYTES = 1 << 28
+REFERENCE_LOGITS_TILES = 3   # the reference's logits, log-probabilities and probabilities of one tile
+# The memory-efficient attention kernel (packed rows on CUDA) pads its float mask's last dimension to 16 and its
+# logsumexp to 32 positions.
+MASK_ALIGN = 16
+LSE_ALIGN = 32
+
+PHASES = ("rollout", "score", "train", "critic", "step")
+
+_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
+# Lightning's *-true precisions convert the whole module (policy, adapters, value and reference) to their dtype.
+_CONVERTS_TO = {"bf16-true": "bfloat16", "16-true": "float16", "64-true": "float64"}
+_AUTOCAST_TO = {"bf16-mixed": "bfloat16", "16-mixed": "float16"}
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+# ---------------------------------------------------------------------------------------------- the plan
+
+@dataclass(frozen=True)
+class Row:
+    """One kind of memory: its bytes on the GPU, the phase in which they are live, and how it was counted."""
+
+    name: str
+    bytes: float
+    phases: tuple[str, ...]      # ("held",) or some of PHASES
+    how: str
+    host_bytes: float = 0.0      # kept in CPU memory instead (optimizer.cpu_offload)
+    outside_allocator: bool = False
+
+
+@dataclass(frozen=True)
+class Suggestion:
+    """Overrides that shrink the plan, and the total they give."""
+
+    overrides: tuple[str, ...]
+    total_bytes: float
+    fits: bool | None
+
+    @property
+    def text(self) -> str:
+        return " ".join(self.overrides)
+
+
+@dataclass
+class Plan:
+    """The rows of one job's memory per GPU, the limit it must fit in, and what to change when it does not."""
+
+    title: str
+    rows: list[Row]
+    limit_bytes: float | None = None
+    limit_source: str = ""
+    suggestions: list[Suggestion] = field(default_factory=list)
+    together: Suggestion | None = None   # the suggestions applied one after another until the job fits
+
+    def phase_bytes(self, phase: str) -> float:
+        return sum(r.bytes for r in self.rows if phase in r.phases)
+
+    @property
+    def peak_phase(self) -> str:
+        return max(PHASES, key=self.phase_bytes)
+
+    @property
+    def total_bytes(self) -> float:
+        """Held memory plus the largest phase: the peak of a step on one GPU."""
+        return self.phase_bytes("held") + self.phase_bytes(self.peak_phase)
+
+    @property
+    def allocated_bytes(self) -> float:
+        """The total without what lies outside torch's allocator: compare with torch.cuda.max_memory_allocated."""
+        return self.total_bytes - sum(r.bytes for r in self.rows if r.outside_allocator)
+
+    @property
+    def host_bytes(self) -> float:
+        return sum(r.host_bytes for r in self.rows)
+
+    @property
+    def fits(self) -> bool | None:
+        """None when no limit is known (CPU without trainer.memory_limit_gib)."""
+        return None if self.limit_bytes is None else self.total_bytes <= self.limit_bytes
+
+    @property
+    def biggest(self) -> Row:
+        return max(self.rows, key=lambda r: r.bytes)
+
+    def table(self) -> str:
+        """The plan as aligned text: one row per kind of memory, the total against the limit, suggestions."""
+        name_w = max(len(r.name) for r in self.rows)
+        phase_w = max(len("+".join(r.phases)) for r in self.rows)
+        lines = [self.title, f"  {'':<{name_w}}  {'GiB':>7}  {'phase':<{phase_w}}  counted as"]
+        for r in self.rows:
+            lines.append(f"  {r.name:<{name_w}}  {r.bytes / GIB:7.1f}  {'+'.join(r.phases):<{phase_w}}  {r.how}")
+        phases = ", ".join(f"{p} {self.phase_bytes(p) / GIB:.1f}" for p in PHASES if self.phase_bytes(p) > 0)
+        lines.append(f"  {'total':<{name_w}}  {self.total_bytes / GIB:7.1f}  {'':<{phase_w}}  held "
+                     f"{self.phase_bytes('held') / GIB:.1f} + the largest phase ({phases or 'none'}); "
+                     f"{self.allocated_bytes / GIB:.1f} in torch's allocator")
+        if self.host_bytes:
+            lines.append(f"  {'host memory':<{name_w}}  {self.host_bytes / GIB:7.1f}  {'':<{phase_w}}  "
+                         "pinned CPU memory (optimizer.cpu_offload)")
+        if self.limit_bytes is None:
+            lines.append(f"  {'limit':<{name_w}}  {'-':>7}  {'':<{phase_w}}  {self.limit_source}")
+            return "\n".join(lines)
+        lines.append(f"  {'limit':<{name_w}}  {self.limit_bytes / GIB:7.1f}  {'':<{phase_w}}  {self.limit_source}")
+        if self.fits:
+            lines.append(f"fits: {(self.limit_bytes - self.total_bytes) / GIB:.1f} GiB to spare")
+            return "\n".join(lines)
+        verdict = f"does not fit: {_gib(self.total_bytes)} GiB > {_gib(self.limit_bytes)} GiB"
+        lines.append(verdict + ("; try one of:" if self.suggestions else ""))
+        width = max([len(s.text) for s in self.suggestions] + [0])
+        for s in self.suggestions:
+            lines.append(f"  {s.text:<{width}}  -> {s.total_bytes / GIB:.1f} GiB{' (fits)' if s.fits else ''}")
+        if self.together is not None:
+            lines.append(f"together: {self.together.text}  -> {self.together.total_bytes / GIB:.1f} GiB"
+                         f"{' (fits)' if self.together.fits else ''}")
+        return "\n".join(lines)
+
+    def refusal(self) -> str:
+        """One line: why the job does not fit and what to try first."""
+        b = self.biggest
+        line = (f"memory plan: the job needs {_gib(self.total_bytes)} GiB per process, more than the "
+                f"{_gib(self.limit_bytes)} GiB limit ({self.limit_source}); the biggest row is {b.name} "
+                f"({_gib(b.bytes)} GiB)")
+        first = self.suggestions[0] if self.suggestions else self.together
+        if first is not None:
+            line += f"; try {first.text} ({_gib(first.total_bytes)} GiB)"
+        return line + "; `fw plan --config ...` prints the whole plan"
+
+
+# ------------------------------------------------------------------------------------------- counting
+
+def _gib(n: float) -> str:
+    """GiB with one decimal; small amounts with two significant digits, so a tiny limit reads as itself."""
+    return f"{n / GIB:.1f}" if n >= 0.05 * GIB else f"{n / GIB:.2g}"
+
+
+def _bytes(dtype: str) -> int:
+    return _BYTES[dtype]
+
+
+def param_dtype(cfg: dict) -> str:
+    """The policy's parameter dtype in training: model.policy.dtype (null = float32) unless a *-true
+    precision converts the module."""
+    return _CONVERTS_TO.get(cfg["trainer"]["precision"]) or cfg["model"]["policy"]["dtype"] or "float32"
+
+
+def compute_dtype(cfg: dict) -> str:
+    """The dtype of the matmuls' operands: autocast's under a *-mixed precision, else the parameters'."""
+    return _AUTOCAST_TO.get(cfg["trainer"]["precision"]) or param_dtype(cfg)
+
+
+@dataclass(frozen=True)
+class ParamCounts:
+    """Parameters of a Qwen3 model by kind."""
+
+    embed: int               # vocab x hidden (also the LM head when tied)
+    lm_head: int             # vocab x hidden when untied, else 0
+    layer_linear: int        # one layer's qkv, o, gate_up and down projections
+    layer_norm: int          # one layer's four norm gains
+    layers: int
+    final_norm: int
+
+    @property
+    def trunk(self) -> int:
+        return self.embed + self.layers * (self.layer_linear + self.layer_norm) + self.final_norm
+
+    @property
+    def total(self) -> int:
+        return self.trunk + self.lm_head
+
+    @property
+    def matmul(self) -> int:
+        """Weights that enter a matmul (what autocast casts): the projections and the LM head."""
+        return self.layers * self.layer_linear + self.embed
+
+
+def param_counts(m: Qwen3Config) -> ParamCounts:
+    d, inter = m.hidden_size, m.intermediate_size
+    linear = d * (m.q_size + 2 * m.kv_size) + m.q_size * d + d * 2 * inter + inter * d
+    return ParamCounts(embed=m.vocab_size * d, lm_head=0 if m.tie_word_embeddings else m.vocab_size * d,
+                       layer_linear=linear, layer_norm=2 * d + 2 * m.head_dim, layers=m.num_hidden_layers,
+                       final_norm=d)
+
+
+def _largest_tensor(m: Qwen3Config) -> int:
+    """Elements of the model's largest parameter tensor (the fused projections count as one)."""
+    d, inter = m.hidden_size, m.intermediate_size
+    return max(m.vocab_size * d, d * (m.q_size + 2 * m.kv_size), m.q_size * d, d * 2 * inter, inter * d)
+
+
+def lora_dims(m: Qwen3Config) -> dict[str, tuple[int, int]]:
+    """(in, out) features of each projection that can take an adapter."""
+    d, inter = m.hidden_size, m.intermediate_size
+    return {"q_proj": (d, m.q_size), "k_proj": (d, m.kv_size), "v_proj": (d, m.kv_size), "o_proj": (m.q_size, d),
+            "gate_proj": (d, inter), "up_proj": (d, inter), "down_proj": (inter, d)}
+
+
+def lora_params(m: Qwen3Config, lora: dict) -> int:
+    """Adapter parameters: A [rank, in] and B [out, rank] for each target of each layer."""
+    dims = lora_dims(m)
+    return m.num_hidden_layers * lora["rank"] * sum(sum(dims[t]) for t in lora["targets"])
+
+
+def layer_saved_bytes(m: Qwen3Config, seq_len: int, packed: bool, residual_bytes: int, compute_bytes: int,
+                      backend: str = "cuda", lora: dict | None = None) -> float:
+    """Bytes per token that one decoder layer's forward keeps for the backward (framework/models/qwen3.py).
+
+    residual_bytes: the residual stream's dtype (the parameters'); compute_bytes: the matmuls' (autocast's
+    under *-mixed). backend "cuda" (flash / memory-efficient attention) or "cpu" (the CPU flash kernel).
+    """
+    d, q, kv, inter = m.hidden_size, m.q_size, m.kv_size, m.intermediate_size
+    expanded = packed and m.num_attention_heads > m.num_key_value_heads   # ops_cuda/attention.py repeats K/V
+    residual = 2 * d                 # the layer's input (input_layernorm) and its mid-point (post_attention_layernorm)
+    compute = (d                     # qkv_proj's input, the normed hidden state
+               + q + 2 * kv          # qkv_proj's output: q_norm and k_norm keep views of it, attention keeps v
+               + q                   # q after QK-norm and RoPE (attention)
+               + (2 * q if expanded else kv)   # k after RoPE, or k and v repeated to the query heads
+               + q                   # attention's output, o_proj's input
+               + d                   # gate_up_proj's input, the normed mid-point
+               + 2 * inter           # gate_up_proj's output (swiglu)
+               + inter)              # swiglu's output, down_proj's input
+    lse = 4 * m.num_attention_heads  # attention's float32 logsumexp per head
+    mask = 0
+    if packed:                       # the [B, 1, T, T] document mask, as a float mask in the operands' dtype
+        width = seq_len
+        if backend == "cuda":
+            width = -(-seq_len // MASK_ALIGN) * MASK_ALIGN
+            lse *= (-(-seq_len // LSE_ALIGN) * LSE_ALIGN) / seq_len
+        mask = width * compute_bytes
+    adapters = 0
+    if lora is not None:             # each adapter's B keeps A's output; dropout keeps its mask and output
+        dims = lora_dims(m)
+        adapters = len(lora["targets"]) * lora["rank"] * compute_bytes
+        if lora["dropout"] > 0:
+            adapters += sum(dims[t][0] for t in lora["targets"]) * (compute_bytes + 1)
+    return residual * residual_bytes + compute * compute_bytes + lse + mask + adapters
+
+
+def model_saved_bytes(m: Qwen3Config, residual_bytes: int, packed: bool) -> int:
+    """Bytes per token kept outside the layers: the input ids (embedding), the positions (RoPE, when packed) and
+    the final norm's input."""
+    return 8 + (8 if packed else 0) + m.hidden_size * residual_bytes
+
+
+def no_grad_peak_bytes(m: Qwen3Config, residual_bytes: int, compute_bytes: int) -> int:
+    """Bytes per token live at the widest point of a no-grad forward: the residual, the normed mid-point (and
+    its cast), gate_up's output and swiglu's output, while swiglu runs."""
+    cast = compute_bytes if compute_bytes != residual_bytes else 0
+    return (m.hidden_size * (2 * residual_bytes + cast) + 3 * m.intermediate_size * compute_bytes)
+
+
+def _count(n: float) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n:,.0f}"
+
+
+def _kib(n: float) -> str:
+    return f"{n / 1024:.1f} KiB"
+
+
+def _optimizer_state_bytes(o: dict, params: int, dtype: str) -> tuple[float, str]:
+    """(bytes per parameter of the optimizer's states, how) for `params` trainable parameters of `dtype`."""
+    if o["name"] == "adamw8bit":
+        return 2 * ADAMW8BIT_BYTES_PER_MOMENT, f"2 moments x {_count(params)} params x 8 bits + block scales"
+    # torch's and torchao's AdamW keep both moments in the parameters' dtype
+    return 2 * _bytes(dtype), f"2 moments x {_count(params)} params x {_bytes(dtype)} B ({dtype})"
+
+
+def _logits_rows(m: Qwen3Config, n: int, compute: str, keep: bool, backend: str) -> tuple[float, str]:
+    """Bytes of the loss's linear_logprob for `n` tokens, with the hidden states it keeps, and how."""
+    c, v, d = _bytes(compute), m.vocab_size, m.hidden_size
+    kept_inputs = n * (d * c + 8 + 4 + 4 + 16)   # hidden, targets, logsumexp, entropy; the gather's indices
+    loss = n * LOSS_BYTES_PER_TOKEN
+    if keep:
+        saved = n * v * 2 + n * -(-v // SAVED_LOGITS_CHUNK) * 4
+        how = f"{n:,} tokens x {v:,} kept float16 logits"
+    elif backend == "cuda":
+        saved = min(n, LOGPROB_TILE_ROWS) * min(v, LOGPROB_TILE_COLS) * 4
+        how = f"{n:,} tokens, logits recomputed in {LOGPROB_TILE_ROWS} x {LOGPROB_TILE_COLS} tiles"
+    else:
+        rows = max(1, min(n, REFERENCE_LOGITS_TILE_BYTES // (4 * v)))
+        saved = REFERENCE_LOGITS_TILES * rows * v * 4
+        how = f"{n:,} tokens, logits recomputed in float32 tiles of {rows} rows"
+    # the backward: grad_hidden in float32 across vocabulary tiles, and one tile's grad_weight rows
+    backward = (n * d * 4 if v > LOGPROB_TILE_COLS else 0) + min(v, LOGPROB_TILE_COLS) * d * 4
+    return kept_inputs + loss + saved + backward, how + " + hidden states and the backward's buffers"
+
+
+def build_plan(cfg: dict, model: Qwen3Config, requirements: Requirements, shapes: BatchShapes | None, *,
+               world_size: int = 1, backend: str = "cuda", limit_bytes: float | None = None,
+               limit_source: str = "", reference: Qwen3Config | None = None,
+               value: Qwen3Config | None = None) -> Plan:
+    """The memory plan of `cfg` (a resolved config) on one of `world_size` processes: a pure function.
+
+    model: the policy's shape; reference / value: those of model.reference.path / model.value.path (None =
+    the policy's). shapes None: the recipe declares none, so nothing that depends on the batch is counted.
+    backend: "cuda" or "cpu" (which attention kernels save what; no CUDA context on CPU).
+    """
+    policy_cfg, o, t = cfg["model"]["policy"], cfg["optimizer"], cfg["trainer"]
+    pdt, cdt = param_dtype(cfg), compute_dtype(cfg)
+    pb, cb = _bytes(pdt), _bytes(cdt)
+    counts = param_counts(model)
+    lora = policy_cfg["lora"]
+    rows: list[Row] = []
+    # adapters are float32 unless a *-true precision converts them with the rest of the module
+    adt = _CONVERTS_TO.get(t["precision"], "float32")
+    trainable = lora_params(model, lora) if lora is not None else counts.total
+    tdt = adt if lora is not None else pdt
+
+    rows.append(Row("policy weights", counts.total * pb, ("held",),
+                    f"{_count(counts.total)} params x {pb} B ({pdt})"
+                    + ("; tied embedding and LM head" if model.tie_word_embeddings else "")))
+    if lora is not None:
+        rows.append(Row("LoRA adapters", trainable * _bytes(adt), ("held",),
+                        f"{_count(trainable)} params (rank {lora['rank']} x {len(lora['targets'])} targets x "
+                        f"{model.num_hidden_layers} layers) x {_bytes(adt)} B ({adt})"))
+    casts = pdt == "float32" and t["precision"] in _AUTOCAST_TO
+    if casts:
+        # autocast caches the casts of trainable weights for its whole region (the training step); frozen
+        # weights (LoRA's base) are cast again at each use, and the backward keeps those casts
+        rows.append(Row("autocast weight casts", counts.matmul * cb, ("train",) if lora is not None else ("held",),
+                        f"{_count(counts.matmul)} matmul weights x {cb} B ({cdt}) "
+                        + ("kept by the backward" if lora is not None else "cached by autocast")))
+    grad_bytes = trainable * _bytes(tdt)
+    rows.append(Row("gradients", grad_bytes, ("train", "step"),
+                    f"{_count(trainable)} trainable params x {_bytes(tdt)} B ({tdt})"))
+    per_param, how = _optimizer_state_bytes(o, trainable, tdt)
+    states = trainable * per_param
+    if o["cpu_offload"]:
+        # torchao's CPUOffloadOptimizer: states, a copy of each parameter and of its gradient in pinned memory
+        host = states + 2 * trainable * _bytes(tdt)
+        rows.append(Row("optimizer states", 0.0, ("held",), f"on the host: {how} + parameter and gradient copies",
+                        host_bytes=host))
+    else:
+        rows.append(Row("optimizer states", states, ("held",),
+                        how + ("; no float32 master copy (stochastic rounding)" if o["stochastic_rounding"] else "")))
+    fused = o["fused"] is True or (o["fused"] == "auto" and backend == "cuda" and t["precision"] != "16-mixed")
+    if o["name"] == "adamw" and not o["stochastic_rounding"] and not o["cpu_offload"] and not fused:
+        # torch's foreach AdamW (CUDA) holds one state-sized intermediate; the CPU loop one parameter's
+        largest = trainable if backend == "cuda" else _largest_tensor(model) if lora is None else 0
+        rows.append(Row("optimizer step buffers", largest * _bytes(tdt), ("step",),
+                        "AdamW's intermediate (not fused)"))
+
+    if requirements.reference_model and (lora is None or cfg["model"]["reference"]["path"] is not None):
+        ref = param_counts(reference or model)
+        rdt = _CONVERTS_TO.get(t["precision"]) or policy_cfg["dtype"] or "float32"
+        rows.append(Row("reference model", ref.total * _bytes(rdt), ("held",),
+                        f"{_count(ref.total)} params x {_bytes(rdt)} B ({rdt}), frozen"))
+    value_grads = 0.0
+    if requirements.value_model:
+        val = param_counts(value or model)
+        vparams = val.trunk + model.hidden_size + 1
+        vstate, vhow = _optimizer_state_bytes(o, vparams, pdt)
+        value_grads = vparams * pb
+        on_gpu = 0.0 if o["cpu_offload"] else vparams * vstate
+        value_casts = val.layers * val.layer_linear * cb if casts else 0
+        rows.append(Row("value model", vparams * pb + on_gpu + value_casts, ("held",),
+                        f"{_count(vparams)} params x {pb} B ({pdt}) + " + (f"states on the host ({vhow})"
+                                                                            if o["cpu_offload"] else vhow)
+                        + (" + autocast casts" if value_casts else ""),
+                        host_bytes=vparams * (vstate + 2 * pb) if o["cpu_offload"] else 0.0))
+
+    if world_size > 1 and not t["strategy"].startswith(("fsdp", "deepspeed")):
+        rows.append(Row("DDP gradient buckets", grad_bytes + value_grads, ("held",),
+                        f"a flat copy of the gradients ({world_size} processes)"))
+
+    if shapes is None:
+        rows.append(Row("activations", 0.0, ("train",),
+                        f"not counted: recipe {cfg['recipe']} declares no batch_shapes (framework.recipe.Recipe)"))
+    else:
+        _batch_rows(rows, cfg, model, shapes, backend, pb, cb, grad_bytes, value_grads, value or model)
+
+    if backend == "cuda":
+        context = CUDA_CONTEXT_BYTES + (CUDA_CONTEXT_BYTES_DDP if world_size > 1 else 0)
+        rows.append(Row("CUDA context", context, ("held",), "driver context and kernel images, outside torch's "
+                        "allocator", outside_allocator=True))
+        rows.append(Row("workspaces", ALLOCATOR_WORKSPACE_BYTES, ("held",), "cuBLAS workspaces, allocator rounding"))
+
+    source = policy_cfg["preset"] or policy_cfg["path"]
+    title = (f"fw plan: recipe {cfg['recipe']}, {source} ({_count(counts.total)} params, "
+             f"{model.num_hidden_layers} layers), {t['precision']}, {pdt} weights, "
+             f"{world_size} process{'es' if world_size > 1 else ''}; memory per "
+             + ("GPU" if backend == "cuda" else "process (CPU)"))
+    return Plan(title, rows, limit_bytes, limit_source)
+
+
+def _batch_rows(rows: list[Row], cfg: dict, model: Qwen3Config, shapes: BatchShapes, backend: str, pb: int,
+                cb: int, grad_bytes: float, value_grads: float, value: Qwen3Config) -> None:
+    """The rows that depend on the recipe's batch: KV cache, no-grad scoring, activations, logits."""
+    policy_cfg = cfg["model"]["policy"]
+    layers = model.num_hidden_layers
+    if shapes.rollout_rows:
+        # framework/rollout/engine.py: the cache is as wide as the longest prompt + max_new_tokens, in autocast's
+        # dtype under *-mixed, else the model's
+        width = shapes.prompt_len + shapes.new_tokens
+        kv = 2 * layers * shapes.rollout_rows * model.kv_size * width * cb
+        rows.append(Row("KV cache", kv, ("rollout",),
+                        f"2 x {layers} layers x {shapes.rollout_rows} rows x {model.num_key_value_heads} kv heads "
+                        f"x {width} positions ({shapes.prompt_len} prompt + {shapes.new_tokens} new) x "
+                        f"{model.head_dim} x {cb} B"))
+        prefill = shapes.rollout_rows * shapes.prompt_len * no_grad_peak_bytes(model, pb, cb)
+        decode = shapes.rollout_rows * model.vocab_size * (cb + 8)   # the step's logits and sampling's float32
+        rows.append(Row("rollout buffers", prefill + decode, ("rollout",),
+                        f"prefill of {shapes.rollout_rows} x {shapes.prompt_len} prompt tokens + decode logits"))
+    if shapes.scoring_rows:
+        tokens = shapes.scoring_rows * shapes.seq_len
+        n = shapes.scoring_rows * shapes.new_tokens
+        score = tokens * (no_grad_peak_bytes(model, pb, cb) + model.hidden_size * pb) + n * (model.hidden_size * cb + 8)
+        score += min(n, LOGPROB_TILE_ROWS) * min(model.vocab_size, LOGPROB_TILE_COLS) * 4
+        rows.append(Row("scoring forward", score, ("score",),
+                        f"no-grad forward of {shapes.scoring_rows} rows x {shapes.seq_len} tokens (reference or "
+                        "values): its widest point and the hidden states"))
+
+    tokens = shapes.rows * shapes.seq_len
+    ckpt = policy_cfg["gradient_checkpointing"]
+    lora = policy_cfg["lora"]
+    per_layer = layer_saved_bytes(model, shapes.seq_len, shapes.packed, pb, cb, backend, lora)
+    extra = model_saved_bytes(model, pb, shapes.packed)
+    in_flight = BACKWARD_IN_FLIGHT_LAYERS * per_layer
+    if ckpt:
+        per_token = layers * model.hidden_size * pb + per_layer + in_flight + extra
+        how = (f"{tokens:,} tokens ({shapes.rows} rows x {shapes.seq_len}) x ({layers} layer inputs x "
+               f"{_kib(model.hidden_size * pb)} + one layer's recompute {_kib(per_layer)} + in flight)")
+    else:
+        per_token = layers * per_layer + in_flight + extra
+        how = (f"{tokens:,} tokens ({shapes.rows} rows x {shapes.seq_len}) x ({layers} layers x "
+               f"{_kib(per_layer)} + in flight)")
+    rows.append(Row("activations", tokens * per_token, ("train",), how))
+    keep = policy_cfg["keep_logits"]
+    keep = (not ckpt if keep is None else keep) and cb == 2
+    logits, how = _logits_rows(model, shapes.loss_tokens, "bfloat16" if cb == 2 else "float32", keep, backend)
+    rows.append(Row("logits buffers", logits, ("train",), how))
+    if value_grads:
+        v_layer = layer_saved_bytes(value, shapes.seq_len, shapes.packed, pb, cb, backend)
+        v_tokens = (value.num_hidden_layers * (value.hidden_size * pb if ckpt else v_layer)
+                    + (v_layer if ckpt else 0) + BACKWARD_IN_FLIGHT_LAYERS * v_layer
+                    + model_saved_bytes(value, pb, shapes.packed))
+        rows.append(Row("critic update", value_grads + tokens * v_tokens, ("critic",),
+                        f"the value model's gradients + its activations of {tokens:,} tokens "
+                        "(the policy's gradients are freed by then)"))
+
+
+# ------------------------------------------------------------------------------------------ gathering
+
+def _backend(cfg: dict) -> str:
+    import torch
+
+    accelerator = cfg["trainer"]["accelerator"]
+    cuda = accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available())
+    return "cuda" if cuda else "cpu"
+
+
+def world_size(cfg: dict, backend: str) -> int:
+    """Processes the job runs on: trainer.devices (auto = every GPU, one process on CPU) x trainer.num_nodes."""
+    import torch
+
+    devices = cfg["trainer"]["devices"]
+    if isinstance(devices, list):
+        n = len(devices)
+    elif devices in ("auto", -1):
+        n = max(torch.cuda.device_count(), 1) if backend == "cuda" else 1
+    else:
+        n = int(devices)
+    return n * cfg["trainer"]["num_nodes"]
+
+
+def _device_memory(cfg: dict) -> tuple[float, str] | None:
+    """(bytes, name) of this process's CUDA device. Not asked under a fork-based strategy, where initialising
+    CUDA before Lightning forks would break the children."""
+    import torch
+
+    if "fork" in cfg["trainer"]["strategy"] or "notebook" in cfg["trainer"]["strategy"]:
+        return None
+    devices = cfg["trainer"]["devices"]
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    index = devices[local] if isinstance(devices, list) and local < len(devices) else local
+    props = torch.cuda.get_device_properties(index)
+    return float(props.total_memory), f"{props.name} (GPU {index})"
+
+
+def _model_configs(cfg: dict, tokenizer: Any) -> tuple[Qwen3Config, Qwen3Config | None, Qwen3Config | None]:
+    from framework.models.hf_io import read_config
+    from framework.models.presets import preset_config
+
+    policy = cfg["model"]["policy"]
+    if policy["path"] is not None:
+        model = read_config(policy["path"])[0]
+    elif policy["preset"] is not None:
+        model = preset_config(policy["preset"], tokenizer.vocab_size, tokenizer.eos_id, tokenizer.pad_id)
+    else:
+        raise FwError("model.policy: set exactly one of path (an HF checkpoint directory) or preset")
+    ref_path, value_path = cfg["model"]["reference"]["path"], cfg["model"]["value"]["path"]
+    return (model, read_config(ref_path)[0] if ref_path else None,
+            read_config(value_path)[0] if value_path else None)
+
+
+def _limit(cfg: dict, backend: str, gpu_gib: float | None) -> tuple[float | None, str]:
+    if gpu_gib is not None:
+        return gpu_gib * GIB, "--gpu-gib"
+    limit = cfg["trainer"]["memory_limit_gib"]
+    if limit is not None:
+        return limit * GIB, "trainer.memory_limit_gib"
+    if backend == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            return None, "unknown: no CUDA device on this machine (pass --gpu-gib)"
+        found = _device_memory(cfg)
+        if found is not None:
+            return found
+        return None, "unknown: a fork-based strategy (set trainer.memory_limit_gib)"
+    return None, "none on CPU (set trainer.memory_limit_gib or pass --gpu-gib to check against one)"
+
+
+def _set(cfg: dict, dotted: str, value: Any) -> None:
+    node = cfg
+    *parents, last = dotted.split(".")
+    for key in parents:
+        if not isinstance(node.get(key), dict):
+            node[key] = {}
+        node = node[key]
+    node[last] = value
+
+
+class _Planner:
+    """Everything `build_plan` needs that is read once, so that suggestions only recount."""
+
+    def __init__(self, cfg: dict, gpu_gib: float | None):
+        from framework.recipe import recipe_class
+        from framework.tokenizer import build_tokenizer
+
+        self.recipe = recipe_class(cfg["recipe"])
+        self.tokenizer = build_tokenizer(cfg)
+        self.model, self.reference, self.value = _model_configs(cfg, self.tokenizer)
+        self.backend = _backend(cfg)
+        self.world = world_size(cfg, self.backend)
+        self.limit, self.source = _limit(cfg, self.backend, gpu_gib)
+
+    def shapes(self, cfg: dict) -> BatchShapes | None:
+        method = getattr(self.recipe, "batch_shapes", None)
+        return method(cfg, self.tokenizer) if callable(method) else None
+
+    def plan(self, cfg: dict, shapes: BatchShapes | None) -> Plan:
+        return build_plan(cfg, self.model, self.recipe.requirements(cfg), shapes, world_size=self.world,
+                          backend=self.backend, limit_bytes=self.limit, limit_source=self.source,
+                          reference=self.reference, value=self.value)
+
+    def variant(self, cfg: dict, changes: dict[str, Any]) -> dict:
+        """`cfg` with dotted `changes` applied (schema-valid values: no second validation)."""
+        new = copy.deepcopy(cfg)
+        for key, value in changes.items():
+            _set(new, key, value)
+        return new
+
+
+def _lora_defaults() -> dict:
+    """model.policy.lora's defaults, from the schema."""
+    import json
+
+    from framework.config import schema_text
+
+    lora = json.loads(schema_text())["properties"]["model"]["properties"]["policy"]["properties"]["lora"]
+    return {key: prop["default"] for key, prop in lora["properties"].items()}
+
+
+_SPLIT_ROWS = "fewer rows per micro-batch"
+
+
+def _candidates(cfg: dict, plan: Plan, shapes: BatchShapes | None, backend: str) -> list[dict[str, Any]]:
+    """Changes that shrink the plan, those that keep the update's maths first."""
+    p, o = cfg["model"]["policy"], cfg["optimizer"]
+    prompts = cfg["rollout"]["prompts_per_step"]
+    out: list[dict[str, Any]] = []
+    if not p["gradient_checkpointing"]:
+        out.append({"model.policy.gradient_checkpointing": True})
+    keeps = next((r for r in plan.rows if r.name == "logits buffers" and "kept" in r.how), None)
+    if keeps is not None:
+        out.append({"model.policy.keep_logits": False})
+    if shapes is not None and shapes.rows > 1:
+        out.append({_SPLIT_ROWS: True})   # which keys split the micro-batch: `_fewer_rows` asks the recipe
+    states = next(r.bytes for r in plan.rows if r.name == "optimizer states")
+    if backend == "cuda" and not o["cpu_offload"] and states > 0:
+        out.append({"optimizer.cpu_offload": True})
+    if o["name"] == "adamw":
+        out.append({"optimizer.name": "adamw8bit"})
+    if param_dtype(cfg) == "float32" and p["lora"] is None:
+        out.append({"model.policy.dtype": "bfloat16", "trainer.precision": "bf16-true",
+                    "optimizer.stochastic_rounding": True})
+    if p["lora"] is None:
+        out.append({"model.policy.lora": _lora_defaults()})
+    if shapes is not None and shapes.rollout_rows and plan.peak_phase == "rollout" and prompts > 1:
+        out.append({"rollout.prompts_per_step": prompts // 2})
+    return out
+
+
+def _overrides(changes: dict[str, Any]) -> tuple[str, ...]:
+    def text(v: Any) -> str:
+        return "true" if v is True else "false" if v is False else str(v)
+
+    out = []
+    for key, value in changes.items():
+        if key == "model.policy.lora":   # a new adapter section: its rank is the override, the rest defaults
+            out.append(f"--model.policy.lora.rank={value['rank']}")
+        else:
+            out.append(f"--{key}={text(value)}")
+    return tuple(out)
+
+
+def _fewer_rows(planner: _Planner, cfg: dict, shapes: BatchShapes) -> list[tuple[dict[str, Any], BatchShapes]]:
+    """Splits of the micro-batch, each with its shapes, fewest extra micro-batches first: more
+    accumulate_grad_batches where that shrinks the recipe's micro-batch (RL), else a data.batch_size divided by
+    what multiplies the accumulation, which keeps the step's batch (SFT)."""
+    acc, batch_size = cfg["trainer"]["accumulate_grad_batches"], cfg["data"]["batch_size"]
+    out: list[tuple[dict[str, Any], BatchShapes]] = []
+    last = shapes.rows
+    for factor in (2, 4, 8, 16, 32, 64, 128):
+        options = [{"trainer.accumulate_grad_batches": acc * factor}]
+        if batch_size % factor == 0:
+            options.append({"data.batch_size": batch_size // factor, "trainer.accumulate_grad_batches": acc * factor})
+        for option in options:
+            try:
+                trial = planner.shapes(planner.variant(cfg, option))
+            except FwError:
+                continue
+            if trial is not None and trial.rows < last:
+                out.append((option, trial))
+                last = trial.rows
+                break
+        else:
+            break
+    return out
+
+
+def suggest(planner: _Planner, cfg: dict, plan: Plan, shapes: BatchShapes | None) -> None:
+    """Fill `plan.suggestions` (fitting ones first) and `plan.together` when the plan does not fit."""
+    found: list[tuple[dict[str, Any], Plan]] = []
+    for changes in _candidates(cfg, plan, shapes, planner.backend):
+        if _SPLIT_ROWS in changes:
+            options = _fewer_rows(planner, cfg, shapes)
+        else:
+            options = [(changes, shapes)]
+        best = None
+        for option, option_shapes in options:
+            try:
+                trial = planner.plan(planner.variant(cfg, option), option_shapes)
+            except FwError:
+                continue
+            best = (option, trial)
+            if trial.fits:
+                break
+        if best is not None and best[1].total_bytes < plan.total_bytes:
+            found.append(best)
+    ranked = sorted(range(len(found)), key=lambda i: (not found[i][1].fits, i))
+    plan.suggestions = [Suggestion(_overrides(found[i][0]), found[i][1].total_bytes, found[i][1].fits)
+                        for i in ranked]
+    if len(found) > 1 and not any(trial.fits for _, trial in found):
+        merged: dict[str, Any] = {}
+        best = None
+        for changes, _ in found:
+            merged.update(changes)
+            try:
+                new = planner.variant(cfg, merged)
+                best = (dict(merged), planner.plan(new, planner.shapes(new)))
+            except FwError:
+                continue
+            if best[1].fits:
+                break
+        if best is not None:
+            plan.together = Suggestion(_overrides(best[0]), best[1].total_bytes, best[1].fits)
+
+
+def estimate(cfg: dict, gpu_gib: float | None = None) -> Plan:
+    """The memory plan of a resolved config on this machine: its model's shape read without loading weights,
+    the recipe's batch shapes, the world size and the limit (`gpu_gib`, else trainer.memory_limit_gib, else the
+    CUDA device's memory, else none); with suggestions when it does not fit."""
+    planner = _Planner(cfg, gpu_gib)
+    shapes = planner.shapes(cfg)
+    plan = planner.plan(cfg, shapes)
+    if plan.fits is False:
+        suggest(planner, cfg, plan, shapes)
+    return plan
+
+
+def check_fits(cfg: dict, rank: int = 0) -> Plan:
+    """`fw fit`'s check before anything is built: the plan on stderr (rank 0), FwError when it does not fit."""
+    plan = estimate(cfg)
+    if rank == 0:
+        print(plan.table(), file=sys.stderr, flush=True)
+    if plan.fits is False:
+        raise FwError(plan.refusal())
+    return plan
+

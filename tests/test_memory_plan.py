@@ -1,0 +1,337 @@
+"""The memory plan (framework/memory_plan.py): its arithmetic against hand counts of the tiny preset, the
+activation formula against the bytes a real forward saves, `fw plan`, `fw fit`'s refusal, and on a GPU the
+estimate against torch.cuda.max_memory_allocated."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import ops_cuda
+from framework import memory_plan as mp
+from framework.cli import main
+from framework.config import load_config, resolve
+from framework.models.presets import preset_config
+from framework.models.qwen3 import Qwen3ForCausalLM
+from framework.recipe import BatchShapes, Requirements
+from framework.tokenizer import Tokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+TRAIN = str(ROOT / "train.yaml")
+V = Tokenizer.builtin().vocab_size   # the tiny preset's vocabulary: the built-in tokenizer's
+# The tiny preset by hand: hidden 64, intermediate 192, 2 layers, 4 query heads and 2 kv heads of 64, tied.
+D, INTER, LAYERS, Q, KV, HEADS = 64, 192, 2, 4 * 64, 2 * 64, 4
+LAYER_PARAMS = D * (Q + 2 * KV) + Q * D + D * 2 * INTER + INTER * D + 2 * D + 2 * 64
+PARAMS = V * D + LAYERS * LAYER_PARAMS + D
+
+
+def tiny(recipe: str = "sft", **sections) -> dict:
+    cfg = {"recipe": recipe, "model": {"policy": {"preset": "tiny"}}}
+    for key, value in sections.items():
+        cfg.setdefault(key, {}).update(value)
+    return resolve(cfg)
+
+
+def plan_of(cfg: dict, shapes: BatchShapes | None = None, backend: str = "cpu", **kw) -> mp.Plan:
+    req = Requirements(automatic_optimization=cfg["recipe"] == "sft",
+                       reference_model=cfg["recipe"] == "grpo" and cfg["grpo"]["kl_coef"] > 0)
+    return mp.build_plan(cfg, preset_config("tiny", V), req, shapes, backend=backend, **kw)
+
+
+def row(plan: mp.Plan, name: str) -> mp.Row:
+    return next(r for r in plan.rows if r.name == name)
+
+
+SFT_SHAPES = BatchShapes(rows=2, seq_len=16, loss_tokens=32, packed=True)
+
+
+# ------------------------------------------------------------------------------------------ hand counts
+
+def test_tiny_sft_plan_matches_a_hand_count():
+    cfg = tiny("sft", data={"batch_size": 2, "max_seq_len": 16})
+    plan = plan_of(cfg, SFT_SHAPES)
+    assert PARAMS == 179_200
+    assert row(plan, "policy weights").bytes == PARAMS * 4
+    assert row(plan, "gradients").bytes == PARAMS * 4
+    assert row(plan, "optimizer states").bytes == 2 * 4 * PARAMS
+    # one layer per token, float32: the layer input and mid-point; normed input, qkv, rotated q, k and v repeated
+    # to the 4 query heads (packed rows), attention output, normed mid-point, gate_up, swiglu; logsumexp; mask
+    per_layer = 2 * D * 4 + (D + (Q + 2 * KV) + Q + 2 * Q + Q + D + 2 * INTER + INTER) * 4 + HEADS * 4 + 16 * 4
+    assert per_layer == 9552
+    outside = 8 + 8 + D * 4   # input ids, positions, the final norm's input
+    tokens = 2 * 16
+    expected = tokens * (LAYERS * per_layer + mp.BACKWARD_IN_FLIGHT_LAYERS * per_layer + outside)
+    assert row(plan, "activations").bytes == expected
+    # float32: the loss recomputes its logits (no kept float16 copy); the reference's float32 tiles of all 32 rows
+    logits = (32 * (D * 4 + 8 + 4 + 4 + 16) + 32 * mp.LOSS_BYTES_PER_TOKEN
+              + mp.REFERENCE_LOGITS_TILES * 32 * V * 4 + V * D * 4)
+    assert row(plan, "logits buffers").bytes == logits
+    # CPU: AdamW's loop over parameters holds one tensor's intermediate in the step: the largest is qkv_proj
+    assert max(V * D, D * (Q + 2 * KV), Q * D, D * 2 * INTER, INTER * D) == D * (Q + 2 * KV)
+    assert row(plan, "optimizer step buffers").bytes == D * (Q + 2 * KV) * 4
+    held = PARAMS * 4 + 2 * 4 * PARAMS
+    assert plan.total_bytes == held + PARAMS * 4 + expected + logits
+    assert not any(r.name == "CUDA context" for r in plan.rows)
+
+
+def test_grpo_kv_cache_reference_and_cuda_rows_by_hand():
+    cfg = tiny("grpo", grpo={"kl_coef": 0.1}, trainer={"precision": "bf16-mixed"})
+    shapes = BatchShapes(rows=4, seq_len=10 + 6, loss_tokens=4 * 6, rollout_rows=8, prompt_len=10, new_tokens=6,
+                         scoring_rows=8)
+    plan = plan_of(cfg, shapes, backend="cuda")
+    # the cache in autocast's bfloat16: k and v, 2 layers, 8 rows, 2 kv heads, 16 positions, head_dim 64
+    assert row(plan, "KV cache").bytes == 2 * LAYERS * 8 * 2 * 16 * 64 * 2
+    assert row(plan, "reference model").bytes == PARAMS * 4     # a float32 copy of the policy
+    # autocast's cached casts: every projection and the (tied) LM head in bfloat16, not the norms
+    assert row(plan, "autocast weight casts").bytes == (LAYERS * (LAYER_PARAMS - 2 * D - 2 * 64) + V * D) * 2
+    assert row(plan, "CUDA context").outside_allocator
+    assert plan.allocated_bytes == plan.total_bytes - mp.CUDA_CONTEXT_BYTES
+    # mixed precision: residual stream float32, matmul operands bfloat16; not packed: k after RoPE, no mask
+    per_layer = 2 * D * 4 + (D + (Q + 2 * KV) + Q + KV + Q + D + 2 * INTER + INTER) * 2 + HEADS * 4
+    assert mp.layer_saved_bytes(preset_config("tiny", V), 16, False, 4, 2, "cuda") == per_layer
+    # bf16 operands keep the loss's logits in float16 (keep_logits null, no checkpointing), with chunk offsets
+    assert "kept float16 logits" in row(plan, "logits buffers").how
+    assert plan.peak_phase in mp.PHASES and plan.total_bytes == plan.phase_bytes("held") + max(
+        plan.phase_bytes(p) for p in mp.PHASES)
+
+
+# ------------------------------------------------------------------------------------------ options move rows
+
+def test_each_optimizer_option_moves_the_states_row_by_its_bytes():
+    base = row(plan_of(tiny()), "optimizer states").bytes
+    eight = plan_of(tiny(optimizer={"name": "adamw8bit"}))
+    assert base == 8 * PARAMS
+    assert row(eight, "optimizer states").bytes == PARAMS * 2 * (1 + 4 / 256)
+    offload = plan_of(tiny(optimizer={"cpu_offload": True}), backend="cuda")
+    states = row(offload, "optimizer states")
+    assert states.bytes == 0 and states.host_bytes == 8 * PARAMS + 2 * 4 * PARAMS
+    assert offload.host_bytes == states.host_bytes
+    # bfloat16 weights with stochastic rounding: weights, gradients and 8-bit moments at 2 + 2 + 2.03 B/param
+    lean = plan_of(tiny(model={"policy": {"preset": "tiny", "dtype": "bfloat16"}}, trainer={"precision": "bf16-true"},
+                        optimizer={"name": "adamw8bit", "stochastic_rounding": True}))
+    assert [row(lean, n).bytes for n in ("policy weights", "gradients", "optimizer states")] == [
+        2 * PARAMS, 2 * PARAMS, PARAMS * 2 * (1 + 4 / 256)]
+
+
+def test_lora_trains_only_the_adapters_and_drops_the_reference_copy():
+    lora = {"rank": 8, "targets": ["q_proj", "v_proj"]}
+    full = plan_of(tiny("grpo", grpo={"kl_coef": 0.1}))
+    cfg = tiny("grpo", grpo={"kl_coef": 0.1}, model={"policy": {"preset": "tiny", "lora": lora}})
+    adapted = plan_of(cfg)
+    adapters = LAYERS * 8 * ((D + Q) + (D + KV))    # A [8, in] and B [out, 8] for q_proj and v_proj
+    assert row(adapted, "LoRA adapters").bytes == adapters * 4
+    assert row(adapted, "gradients").bytes == adapters * 4
+    assert row(adapted, "optimizer states").bytes == adapters * 8
+    assert row(adapted, "policy weights").bytes == row(full, "policy weights").bytes == PARAMS * 4
+    assert row(full, "reference model").bytes == PARAMS * 4
+    assert not any(r.name == "reference model" for r in adapted.rows)   # the base with the adapters off
+
+
+def test_gradient_checkpointing_keeps_layer_inputs_and_one_recompute():
+    cfg = tiny(data={"batch_size": 2, "max_seq_len": 16})
+    ckpt = tiny(data={"batch_size": 2, "max_seq_len": 16},
+                model={"policy": {"preset": "tiny", "gradient_checkpointing": True}})
+    per_layer = mp.layer_saved_bytes(preset_config("tiny", V), 16, True, 4, 4, "cpu")
+    full = row(plan_of(cfg, SFT_SHAPES), "activations").bytes
+    kept = row(plan_of(ckpt, SFT_SHAPES), "activations").bytes
+    assert full - kept == 32 * (LAYERS * per_layer - LAYERS * D * 4 - per_layer)
+    # under bf16 checkpointing also turns the kept logits off (keep_logits null), explicit keep_logits wins
+    bf16 = {"trainer": {"precision": "bf16-mixed"}}
+    keeps = row(plan_of(tiny(**bf16), SFT_SHAPES), "logits buffers")
+    recomputes = row(plan_of(tiny(model={"policy": {"preset": "tiny", "gradient_checkpointing": True}}, **bf16),
+                             SFT_SHAPES), "logits buffers")
+    forced = row(plan_of(tiny(model={"policy": {"preset": "tiny", "gradient_checkpointing": True,
+                                                 "keep_logits": True}}, **bf16), SFT_SHAPES), "logits buffers")
+    kept_bytes = 32 * V * 2 + 32 * -(-V // 256) * 4
+    assert "kept" in keeps.how and "kept" not in recomputes.how and forced.bytes == keeps.bytes
+    assert keeps.bytes - kept_bytes == recomputes.bytes - mp.REFERENCE_LOGITS_TILES * 32 * V * 4
+
+
+def test_recipes_declare_their_micro_batch_shapes(tmp_path):
+    from recipes.grpo import GRPORecipe
+    from recipes.sft import SFTRecipe
+
+    tok = Tokenizer.builtin()
+    sft = SFTRecipe.batch_shapes(tiny(data={"batch_size": 3, "max_seq_len": 40}), tok)
+    assert (sft.rows, sft.seq_len, sft.loss_tokens, sft.packed, sft.rollout_rows) == (3, 40, 120, True, 0)
+    prompts = tmp_path / "p.jsonl"
+    texts = ["ab", "a much longer prompt than the rest", "xyz"]
+    prompts.write_text("".join(json.dumps({"prompt": t, "answer": "1"}) + "\n" for t in texts))
+    cfg = tiny("grpo", data={"path": str(prompts), "chat_template": False},
+               rollout={"prompts_per_step": 3, "max_new_tokens": 5},
+               grpo={"group_size": 2, "minibatches": 2}, trainer={"accumulate_grad_batches": 2})
+    shapes = GRPORecipe.batch_shapes(cfg, tok)
+    # the largest micro-batch the update loop forms: 6 rows -> minibatches of 3 -> micro-batches of 2 and 1
+    recipe = GRPORecipe(cfg, tok)
+    largest = max(len(m) for mb in recipe.minibatches(6, 0) for m in mb)
+    assert (shapes.rows, largest) == (2, 2)
+    # the built-in tokenizer has one token per character: the longest prompt is 34 tokens
+    assert (shapes.prompt_len, shapes.new_tokens, shapes.seq_len) == (len(texts[1]), 5, len(texts[1]) + 5)
+    assert (shapes.rollout_rows, shapes.loss_tokens, shapes.scoring_rows) == (6, 10, 0)
+
+
+# ------------------------------------------------------------------------------------------ real saved bytes
+
+def _saved_bytes(model, ids, positions, autocast: bool) -> tuple[int, int]:
+    """(bytes of the distinct storages a forward saves for backward, excluding parameters and their autocast
+    casts; bytes of those casts)."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: dict[int, int] = {}
+    casts: dict[int, int] = {}
+
+    def pack(t):
+        key = t.untyped_storage().data_ptr()
+        grad_fn = t.grad_fn
+        if type(grad_fn).__name__ == "TBackward0":   # nn.Linear saves the transposed weight
+            grad_fn = grad_fn.next_functions[0][0]
+        is_cast = type(grad_fn).__name__ == "ToCopyBackward0" and any(   # a cast of a parameter
+            type(f).__name__ == "AccumulateGrad" for f, _ in grad_fn.next_functions if f is not None)
+        if key not in params:
+            (casts if is_cast else seen)[key] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+            torch.autocast("cpu", torch.bfloat16, enabled=autocast):
+        model(ids, position_ids=positions, return_hidden=True)
+    return sum(seen.values()), sum(casts.values())
+
+
+@pytest.mark.parametrize("dtype,autocast,packed", [
+    (torch.float32, False, False), (torch.float32, False, True), (torch.bfloat16, False, False),
+    (torch.float32, True, False), (torch.float32, True, True)])
+def test_activation_formula_equals_the_bytes_a_forward_saves(dtype, autocast, packed):
+    config = preset_config("small", V)
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(config).to(dtype)
+    B, T = 2, 24
+    ids = torch.randint(0, V, (B, T))
+    positions = torch.cat([torch.arange(10), torch.arange(T - 10)]).expand(B, T).contiguous() if packed else None
+    saved, casts = _saved_bytes(model, ids, positions, autocast)
+    res = torch.finfo(dtype).bits // 8
+    comp = 2 if autocast else res
+    per_layer = mp.layer_saved_bytes(config, T, packed, res, comp, backend="cpu")
+    outside = mp.model_saved_bytes(config, res, packed)
+    if not packed:   # the expanded arange of unpacked positions is one row of T, not B x T
+        outside += 8 * T / (B * T)
+    assert saved == pytest.approx(B * T * (config.num_hidden_layers * per_layer + outside), rel=0, abs=0.5)
+    counts = mp.param_counts(config)
+    assert casts == (counts.matmul - counts.embed) * 2 * autocast   # the LM head is cast by the loss, below
+
+
+def test_kept_logits_formula_equals_what_linear_logprob_saves():
+    torch.manual_seed(0)
+    n, d, vocab = 40, 32, 1000
+    hidden = torch.randn(n, d, dtype=torch.bfloat16, requires_grad=True)
+    weight = torch.randn(vocab, d, dtype=torch.bfloat16, requires_grad=True)
+    sizes = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: sizes.append((t.dtype, t.untyped_storage().nbytes()))
+                                                  or t, lambda t: t):
+        ops_cuda.linear_logprob(hidden, weight, torch.randint(0, vocab, (n,)), save_logits=True)
+    kept = sum(b for dt, b in sizes if dt == torch.float16)
+    floats = sorted(b for dt, b in sizes if dt == torch.float32)   # logsumexp, entropy, the chunks' offsets
+    assert kept == n * vocab * 2 and floats == [n * 4, n * 4, n * -(-vocab // mp.SAVED_LOGITS_CHUNK) * 4]
+
+
+# ------------------------------------------------------------------------------------------ fw plan
+
+def fw(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_fw_plan_prints_an_aligned_table_and_exits_0(capsys):
+    code, out, err = fw(capsys, "plan", "--config", TRAIN, "--trainer.max_steps=3")
+    assert (code, err) == (0, "")
+    lines = out.splitlines()
+    assert lines[0].startswith("fw plan: recipe grpo, tiny (179,200 params, 2 layers), 32-true")
+    table = [ln for ln in lines[2:] if ln.startswith("  ")]
+    names = [ln.split("  ")[1] for ln in table]
+    for name in ("policy weights", "gradients", "optimizer states", "KV cache", "activations", "logits buffers",
+                 "total", "limit"):
+        assert name in names, name
+    end = lines[1].index("GiB") + len("GiB")   # the GiB column is right-aligned under its header
+    values = [ln[:end].split()[-1] for ln in table if not ln.startswith("  limit")]
+    assert all(v.replace(".", "").isdigit() and len(v.split(".")[1]) == 1 for v in values), values
+    assert "none on CPU" in lines[-1]
+
+
+def test_fw_plan_that_does_not_fit_lists_overrides_that_do(capsys):
+    args = ["plan", "--config", TRAIN, "--data.task.init_args={num_digits: 40}", "--rollout.max_new_tokens=64"]
+    code, out, _ = fw(capsys, *args)
+    assert code == 0
+    total = float(next(ln for ln in out.splitlines() if ln.startswith("  total")).split()[1])
+    limit = total * 0.6
+    code, out, err = fw(capsys, *args, "--gpu-gib", f"{limit:.3f}")
+    assert code == 2
+    assert err.count("\n") == 1 and err.startswith("fw: error: memory plan: the job needs ")
+    assert "the biggest row is " in err and "; try --" in err
+    assert f"does not fit: {total:.1f} GiB > {limit:.1f} GiB; try one of:" in out
+    tried = [ln.split("  -> ")[0].split() for ln in out.splitlines() if "  -> " in ln and ln.startswith("  --")]
+    assert ["--model.policy.gradient_checkpointing=true"] in tried
+    fitting = [t for t, ln in zip(tried, [ln for ln in out.splitlines() if "  -> " in ln and ln.startswith("  --")])
+               if ln.endswith("(fits)")]
+    assert fitting, out
+    for overrides in fitting:   # each override said to fit does fit when applied
+        assert fw(capsys, *args, *overrides, "--gpu-gib", f"{limit:.3f}")[0] == 0, overrides
+
+
+def test_fw_plan_usage_errors(capsys):
+    code, _, err = fw(capsys, "plan", "--config", TRAIN, "--gpu-gib", "0")
+    assert code == 2 and err == "fw: error: --gpu-gib must be > 0, got 0\n"
+    code, _, err = fw(capsys, "plan")
+    assert code == 2 and err == "fw: error: fw plan needs --config FILE\n"
+
+
+def test_a_recipe_without_batch_shapes_gets_a_plan_without_activations(install_recipe, capsys):
+    sys.path.insert(0, str(ROOT / "tests" / "plugins"))
+    try:
+        install_recipe({"copy": "fw_copy_recipe:CopyRecipe"})
+        cfg = resolve({"recipe": "copy", "model": {"policy": {"preset": "tiny"}}})
+        plan = mp.estimate(cfg, gpu_gib=1.0)
+    finally:
+        sys.path.remove(str(ROOT / "tests" / "plugins"))
+    assert "declares no batch_shapes" in row(plan, "activations").how and plan.fits
+
+
+# ------------------------------------------------------------------------------------------ fw fit
+
+def test_fw_fit_refuses_a_job_over_the_memory_limit_before_writing_anything(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "notes.txt").write_text("mine")
+    code, out, err = fw(capsys, "fit", "--config", TRAIN, f"--run_dir={run_dir}", "--trainer.memory_limit_gib=0.001")
+    assert (code, out) == (2, "")
+    errors = [ln for ln in err.splitlines() if ln.startswith("fw: error:")]
+    assert len(errors) == 1 and err.endswith(errors[0] + "\n") and "Traceback" not in err
+    assert ("more than the 0.001 GiB limit (trainer.memory_limit_gib); the biggest row is " in errors[0]
+            and "; try --" in errors[0])
+    assert "  policy weights " in err    # the plan's table came first, on stderr
+    assert sorted(p.name for p in run_dir.iterdir()) == ["notes.txt"]
+
+
+# ------------------------------------------------------------------------------------------ GPU
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("job", ["sft", "grpo"])
+def test_plan_is_within_15_percent_of_the_measured_peak(tmp_path, job):
+    from framework.trainer import fit
+
+    common = [f"--run_dir={tmp_path / 'run'}", "--model.policy.preset=qwen3-0.6b", "--trainer.precision=bf16-mixed",
+              "--trainer.max_steps=2", "--trainer.enable_progress_bar=false", "--logging.csv=false",
+              "--logging.tensorboard=false", "--checkpoint.every_n_steps=1000"]
+    if job == "sft":   # every token a target: the plan's bound on the loss's tokens is met
+        cfg = load_config([str(ROOT / "recipes" / "sft.yaml")],
+                          common + ["--data.max_seq_len=1024", "--data.batch_size=4", "--sft.train_on_prompt=true"])
+    else:              # a random-init model never stops early: every completion is max_new_tokens long
+        cfg = load_config([str(ROOT / "benchmarks" / "grpo_bench.yaml")],
+                          common + ["--rollout.prompts_per_step=8", "--rollout.max_new_tokens=128",
+                                    "--trainer.accumulate_grad_batches=1"])
+    plan = mp.estimate(cfg)
+    fit(cfg)
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    peak = max(r["memory/peak_gib"] for r in records if "memory/peak_gib" in r) * mp.GIB
+    assert all("memory/reserved_gib" in r for r in records if "memory/peak_gib" in r)
+    assert abs(plan.allocated_bytes - peak) <= 0.15 * peak, (plan.table(), peak / mp.GIB)
