@@ -66,7 +66,9 @@ def run_fw(row: Row, steps: int, out: Path, timeout_s: int) -> dict:
     args = ["--config", row.config, *row.overrides, f"--trainer.max_steps={steps + 1}",
             "--trainer.log_every_n_steps=1", "--trainer.enable_progress_bar=false", f"--run_dir={run_dir}"]
     plan = estimate(load_config([row.config], [a for a in args[2:] if a.startswith("--") and "=" in a]))
-    result = {"row": row.name, "overrides": " ".join(row.overrides), "plan_gib": round(plan.total_gib, 1)}
+    # torch's allocator only: what max_memory_allocated measures (the CUDA context lies outside it)
+    result = {"row": row.name, "overrides": " ".join(row.overrides), "plan_gib": round(plan.allocated_bytes / 2**30, 1),
+              "plan_fits": plan.fits}
     t0 = time.perf_counter()
     try:
         proc = subprocess.run([sys.executable, "-m", "benchmarks.fit_timing", *args], check=False, capture_output=True,
