@@ -111,7 +111,7 @@ def _suggest(word: Any, choices: list) -> str:
 
 
 @functools.cache
-def _all_key_paths() -> tuple[tuple, ...]:
+def all_key_paths() -> tuple[tuple, ...]:
     return tuple(_key_paths(_schema()))
 
 
@@ -130,7 +130,7 @@ def _unknown_key_message(key: Any, allowed: list, where: tuple, recipe: Any) -> 
     if message.endswith("?"):
         return message
     other_recipes = [r for r in recipe_sections() if r != recipe]
-    homes = [p for p in _all_key_paths() if p[-1] == key and p[:-1] != where and p[0] not in other_recipes]
+    homes = [p for p in all_key_paths() if p[-1] == key and p[:-1] != where and p[0] not in other_recipes]
     if homes:
         return message + "; it belongs in " + " or ".join(f"'{'.'.join(p[:-1]) or 'the top level'}'" for p in homes)
     return message + f" (allowed here: {', '.join(allowed)})"

@@ -10,6 +10,15 @@ from pathlib import Path
 from framework.errors import FwError
 
 
+class NotUtf8(FwError):
+    """A JSONL file with a byte that is not UTF-8, at `line` and `col` (1-based)."""
+
+    def __init__(self, path: str | Path, line: int, col: int, byte: int):
+        self.path, self.line, self.col = str(path), line, col
+        self.reason = f"not UTF-8 (byte 0x{byte:02x}); save the file as UTF-8"
+        super().__init__(f"{path}:{line}:{col}: {self.reason}")
+
+
 @dataclass(frozen=True)
 class Row:
     """One non-blank line: its record, or why it is not a JSON object (`problem`, at `col`)."""
@@ -31,7 +40,7 @@ def _text(path: str | Path) -> str:
     except UnicodeDecodeError as e:
         line = raw.count(b"\n", 0, e.start) + 1
         col = e.start - (raw.rfind(b"\n", 0, e.start) + 1) + 1
-        raise FwError(f"{path}:{line}:{col}: not UTF-8 (byte 0x{raw[e.start]:02x}); save the file as UTF-8") from None
+        raise NotUtf8(path, line, col, raw[e.start]) from None
 
 
 def rows(path: str | Path) -> Iterator[Row]:
