@@ -252,3 +252,47 @@ def test_thousands_of_unknown_keys_are_reported_briefly_in_linear_time(tmp_path,
     assert code == 2 and len(lines) == MAX_PROBLEMS + 1
     assert lines[0] == f"{config}:7:1: k0: unknown key 'k0' (allowed here: " + lines[0].split("(allowed here: ")[1]
     assert lines[-1] == f"{config}: {8000 - MAX_PROBLEMS} more problems not shown; fix these first"
+
+
+# ------------------------------------------------------------------ fw doctor / fw ops build
+
+def fake_toolkit(tmp_path: Path, script: str) -> dict:
+    """A CUDA_HOME-shaped folder whose bin/nvcc is `script`; the environment that finds it first on PATH."""
+    nvcc = tmp_path / "cuda" / "bin" / "nvcc"
+    nvcc.parent.mkdir(parents=True)
+    nvcc.write_text("#!/bin/sh\n" + script)
+    nvcc.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k not in ("CUDA_HOME", "CUDA_PATH")}
+    return {**env, "PATH": f"{nvcc.parent}{os.pathsep}{env['PATH']}", "PYTHONPATH": str(ROOT)}
+
+
+def doctor_line(env: dict) -> str:
+    proc = subprocess.run([sys.executable, "-m", "framework", "doctor"], env=env, capture_output=True, text=True,
+                          timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr
+    return next(line for line in proc.stdout.splitlines() if line.startswith("CUDA toolkit (nvcc): "))
+
+
+@pytest.mark.parametrize("script, says", [
+    ("echo 'cannot find libcudart' >&2\nexit 3\n", "--version exits with 3: cannot find libcudart"),
+    ("echo 'hello'\n", "--version names no CUDA release: it is not a working nvcc"),
+])
+def test_doctor_does_not_trust_a_broken_nvcc(tmp_path, script, says):
+    line = doctor_line(fake_toolkit(tmp_path, script))
+    assert line == f"CUDA toolkit (nvcc): {tmp_path / 'cuda'} (unusable: {tmp_path / 'cuda' / 'bin' / 'nvcc'} {says})"
+
+
+@pytest.mark.skipif(torch.version.cuda is not None, reason="the CPU-only torch case")
+def test_doctor_says_a_working_nvcc_cannot_serve_a_cpu_torch(tmp_path):
+    line = doctor_line(fake_toolkit(tmp_path, "echo 'Cuda compilation tools, release 12.4, V12.4.131'\n"))
+    assert line.endswith(f"(unusable: nvcc is CUDA 12.4, but torch {torch.__version__} is a CPU-only build)")
+
+
+def test_ops_build_without_cuda_is_one_line(tmp_path):
+    env = fake_toolkit(tmp_path, "echo 'Cuda compilation tools, release 12.4, V12.4.131'\n")
+    proc = subprocess.run([sys.executable, "-m", "framework", "ops", "build"], env=env, capture_output=True,
+                          text=True, timeout=300, check=False)
+    if torch.cuda.is_available():
+        pytest.skip("a machine with CUDA builds the ops")
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert proc.stderr.startswith("fw: error: cannot build the CUDA ops: ")
