@@ -89,7 +89,12 @@ def _run(args: argparse.Namespace, overrides: list[str]) -> int:
     if cmd in ("validate", "print-config", "fit"):
         if not args.config:
             raise FwError(f"fw {cmd} needs --config FILE")
-        cfg = load_config(args.config, overrides)
+        if cmd == "print-config":
+            cfg = load_config(args.config, overrides)
+        else:   # the deep checks too; fit adds this machine's (accelerator, devices, strategy, precision)
+            from framework.validate import validate_config
+
+            cfg = validate_config(args.config, overrides, machine=cmd == "fit")
         if cmd == "validate":
             print(f"{', '.join(args.config)}: valid (recipe {cfg['recipe']})")
         elif cmd == "print-config":

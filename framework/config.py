@@ -1,5 +1,9 @@
 """Load, merge, override, validate and resolve the job config against schemas/train.schema.json.
 
+Paths (the schema's keys with `"format": "path"`) written in a config file resolve against that
+file's directory; paths from command-line overrides, Python-built configs and defaults resolve against
+the working directory. The resolved config holds them absolute.
+
 The resolved config is a plain nested dict in which every key of the schema is present with its
 default filled in, except the recipe sections: only the section of the selected recipe exists
 (`cfg["grpo"]` under `recipe: grpo`; `cfg.get("ppo")` is None there). That keeps the resolved
@@ -14,8 +18,10 @@ import difflib
 import functools
 import importlib
 import json
+import math
 import os
 import re
+from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -25,12 +31,13 @@ from jsonschema.exceptions import best_match
 
 from framework import yaml12
 from framework.errors import ConfigError, FwError, Problem
-from framework.imports import check_init_args, import_object
+from framework.imports import add_search_paths, check_init_args, import_object
 from framework.yaml12 import Located, Mark
 
 SCHEMA_FILE = "train.schema.json"
 MODELINE = "# yaml-language-server: $schema="
 YAML11_BOOLEANS = {"on", "off", "yes", "no", "y", "n"}
+MAX_PROBLEMS = 50  # reported; the rest are counted in one more line
 # Built-in names that are checked against a registry at validation time, when no class_path replaces them.
 _REGISTRIES = {("reward", "name"): ("framework.rewards", "REWARDS"),
                ("data", "task", "name"): ("framework.tasks", "TASKS")}
@@ -60,6 +67,17 @@ def _validator() -> Draft202012Validator:
 def recipe_sections() -> tuple[str, ...]:
     """The built-in recipe names, which are also the names of their config sections."""
     return tuple(_schema()["properties"]["recipe"]["anyOf"][0]["enum"])
+
+
+@functools.cache
+def path_keys() -> tuple[tuple[str, ...], ...]:
+    """The key paths whose values are filesystem paths (`"format": "path"` in the schema)."""
+    def walk(node: dict, prefix: tuple) -> list[tuple]:
+        out = []
+        for key, sub in node.get("properties", {}).items():
+            out += [prefix + (key,)] if sub.get("format") == "path" else walk(sub, prefix + (key,))
+        return out
+    return tuple(walk(_schema(), ()))
 
 
 def _class_path_pattern() -> str:
@@ -92,6 +110,11 @@ def _suggest(word: Any, choices: list) -> str:
     return f"; did you mean '{close[0]}'?" if close else ""
 
 
+@functools.cache
+def all_key_paths() -> tuple[tuple, ...]:
+    return tuple(_key_paths(_schema()))
+
+
 def _key_paths(node: dict, prefix: tuple = ()) -> list[tuple]:
     """Dotted paths of every key the schema knows (list items excluded)."""
     out = []
@@ -107,7 +130,7 @@ def _unknown_key_message(key: Any, allowed: list, where: tuple, recipe: Any) -> 
     if message.endswith("?"):
         return message
     other_recipes = [r for r in recipe_sections() if r != recipe]
-    homes = [p for p in _key_paths(_schema()) if p[-1] == key and p[:-1] != where and p[0] not in other_recipes]
+    homes = [p for p in all_key_paths() if p[-1] == key and p[:-1] != where and p[0] not in other_recipes]
     if homes:
         return message + "; it belongs in " + " or ".join(f"'{'.'.join(p[:-1]) or 'the top level'}'" for p in homes)
     return message + f" (allowed here: {', '.join(allowed)})"
@@ -182,7 +205,9 @@ def _problems_for(error: ValidationError, marks: dict, fallback: Mark, recipe: A
     if v == "additionalProperties":
         allowed = list(error.schema.get("properties", {}))
         extra = [k for k in error.instance if k not in allowed]
-        return [at(path + (k,), _unknown_key_message(k, allowed, path, recipe), key=True) for k in extra]
+        # suggestions cost a search over the schema each: only for the keys that will be shown
+        return [at(path + (k,), _unknown_key_message(k, allowed, path, recipe) if i < MAX_PROBLEMS
+                   else f"unknown key '{k}'", key=True) for i, k in enumerate(extra)]
     if v == "required":
         return [at(path + (k,), f"missing required key '{k}'") for k in error.validator_value
                 if isinstance(error.instance, dict) and k not in error.instance]
@@ -284,12 +309,27 @@ def _check_recipe(data: dict, marks: dict, fallback: Mark) -> list[Problem]:
                     f"'{name}'" + _suggest(name, names))]
 
 
+def _check_finite(data: Any, marks: dict, fallback: Mark, path: tuple = ()) -> list[Problem]:
+    """NaN and infinities pass every `minimum` / `maximum` of the schema; no fw key takes them."""
+    if isinstance(data, float) and not math.isfinite(data):
+        m = _locate(marks, path, False, fallback)
+        return [Problem(m.file, m.line, m.col, _dotted(path), f"must be a finite number, got {data!r}")]
+    problems: list[Problem] = []
+    items = data.items() if isinstance(data, dict) else enumerate(data) if isinstance(data, list) else ()
+    for key, value in items:
+        if key != "init_args":  # what init_args holds belongs to the user's class
+            problems += _check_finite(value, marks, fallback, path + (key,))
+    return problems
+
+
 def _validate(data: Any, marks: dict, fallback: Mark) -> list[Problem]:
     recipe = data.get("recipe") if isinstance(data, dict) else None
-    problems: list[Problem] = []
+    problems: list[Problem] = _check_finite(data, marks, fallback)
     for error in _validator().iter_errors(data):
         if tuple(error.absolute_path) == ("recipe",) and error.validator == "anyOf":
             continue   # a string that names no recipe: _check_recipe says which ones are installed
+        if isinstance(error.instance, float) and not math.isfinite(error.instance):
+            continue   # _check_finite has said it
         problems += _problems_for(error, marks, fallback, recipe)
     if isinstance(data, dict):
         problems += _check_class_paths(data, marks, fallback)
@@ -334,27 +374,36 @@ def defaults(recipe: str) -> dict:
 
 # ------------------------------------------------------------------------------------------ merging
 
-def _merge(base: Any, new: Any, marks: dict, new_marks: dict, path: tuple = ()) -> Any:
+def _merge(base: Any, new: Any, marks: dict, new_marks: dict) -> Any:
     """Mappings merge key by key; anything else (lists too) replaces, taking its marks along."""
+    replaced: set[tuple] = set()
+    merged = _merge_into(base, new, (), replaced, marks, new_marks)
+    _replace_marks(marks, new_marks, replaced)
+    return merged
+
+
+def _merge_into(base: Any, new: Any, path: tuple, replaced: set, marks: dict, new_marks: dict) -> Any:
     if isinstance(base, dict) and isinstance(new, dict):
         for key, value in new.items():
             if key in base:
-                base[key] = _merge(base[key], value, marks, new_marks, path + (key,))
+                base[key] = _merge_into(base[key], value, path + (key,), replaced, marks, new_marks)
             else:
                 base[key] = value
-                _replace_marks(marks, new_marks, path + (key,))
+                replaced.add(path + (key,))
         if path in new_marks:
             marks[path] = new_marks[path]
         return base
-    _replace_marks(marks, new_marks, path)
+    replaced.add(path)
     return new
 
 
-def _replace_marks(marks: dict, new_marks: dict, prefix: tuple) -> None:
-    n = len(prefix)
-    for p in [p for p in marks if p[:n] == prefix]:
+def _replace_marks(marks: dict, new_marks: dict, prefixes: set[tuple]) -> None:
+    """Marks under each prefix come from `new_marks`; one pass over each dict (depth is bounded)."""
+    def under(p: tuple) -> bool:
+        return any(p[:n] in prefixes for n in range(len(p) + 1))
+    for p in [p for p in marks if under(p)]:
         del marks[p]
-    marks.update({p: m for p, m in new_marks.items() if p[:n] == prefix})
+    marks.update({p: m for p, m in new_marks.items() if under(p)})
 
 
 def _read_file(path: str) -> tuple[Any, dict, list[Problem]]:
@@ -423,7 +472,7 @@ def _apply_override(data: dict, marks: dict, arg: str) -> list[Problem]:
     node[keys[-1]] = value
     path = tuple(keys)
     mark = Located(Mark(label), Mark(label))
-    _replace_marks(marks, {path + p: mark for p in [()] + _paths(value)}, path)
+    _replace_marks(marks, {path + p: mark for p in [()] + _paths(value)}, {path})
     for n in range(1, len(path)):  # parents created by the override; written ones keep their marks
         marks.setdefault(path[:n], mark)
     return []
@@ -437,24 +486,70 @@ def _paths(value: Any, prefix: tuple = ()) -> list[tuple]:
     return out
 
 
+# ------------------------------------------------------------------------------------------ paths
+
+def _absolute(value: Any, base: str) -> Any:
+    """`value` (a path string or a list of them) made absolute against `base`; other values as they are."""
+    if isinstance(value, str) and value:
+        return os.path.abspath(os.path.join(base, os.path.expanduser(value)))
+    if isinstance(value, list):
+        return [_absolute(v, base) for v in value]
+    return value
+
+
+def _resolve_paths(data: Any, base: str) -> None:
+    """Make the path keys of `data` absolute against `base`, in place."""
+    for keys in path_keys():
+        node = _get(data, keys[:-1])
+        if isinstance(node, dict) and keys[-1] in node:
+            node[keys[-1]] = _absolute(node[keys[-1]], base)
+
+
 # ------------------------------------------------------------------------------------------ public API
+
+def _sorted_problems(problems: list[Problem], order: dict) -> list[Problem]:
+    unique = list(dict.fromkeys(problems))
+    unique.sort(key=lambda p: (order.get(p.file, len(order)), p.line or 0, p.col or 0))
+    if len(unique) > MAX_PROBLEMS:
+        last = unique[MAX_PROBLEMS - 1]
+        unique = unique[:MAX_PROBLEMS] + [Problem(last.file, None, None, "", f"{len(unique) - MAX_PROBLEMS} "
+                                                  "more problems not shown; fix these first")]
+    return unique
+
 
 def _finish(data: Any, marks: dict, fallback: Mark, problems: list[Problem], order: dict) -> dict:
     problems = problems + _validate(data, marks, fallback)
     if problems:
-        unique = list(dict.fromkeys(problems))
-        unique.sort(key=lambda p: (order.get(p.file, len(order)), p.line or 0, p.col or 0))
-        raise ConfigError(unique)
-    return _fill(_schema(), data, data["recipe"], top=True)
+        raise ConfigError(_sorted_problems(problems, order))
+    cfg = _fill(_schema(), data, data["recipe"], top=True)
+    _resolve_paths(cfg, os.getcwd())   # overrides and defaults; paths from files are absolute already
+    return cfg
 
 
-def load_config(paths: list[str], overrides: list[str] | None = None) -> dict:
-    """Read YAML files (merged left to right), apply `--key.path=value` overrides, validate, fill defaults.
+@dataclass
+class LocatedConfig:
+    """A resolved config with the position of every key written in its files or overrides."""
 
-    Raises ConfigError listing every problem as `FILE:LINE:COL: key.path: message`.
-    """
+    cfg: dict
+    marks: dict
+    fallback: Mark
+    order: dict
+
+    def problem(self, path: tuple, message: str, key: bool = False) -> Problem:
+        """A problem with `path`, shown where it (or its nearest written parent) was written."""
+        m = _locate(self.marks, path, key, self.fallback)
+        return Problem(m.file, m.line, m.col, _dotted(path), message)
+
+    def error(self, problems: list[Problem]) -> ConfigError:
+        return ConfigError(_sorted_problems(problems, self.order))
+
+
+def load_located(paths: list[str], overrides: list[str] | None = None) -> LocatedConfig:
+    """`load_config`, keeping the positions for checks that come after the schema's (framework/validate.py)."""
     if not paths:
         raise FwError("no config file given: pass --config FILE")
+    # class_path modules next to a config or in the working directory import also under the console script
+    add_search_paths([os.getcwd(), *(os.path.dirname(os.path.abspath(p)) for p in paths)])
     data: dict = {}
     marks: dict = {}
     problems: list[Problem] = []
@@ -462,6 +557,7 @@ def load_config(paths: list[str], overrides: list[str] | None = None) -> dict:
         new, new_marks, file_problems = _read_file(path)
         problems += file_problems
         if new is not None and not problems:  # after a broken file, merging further files explains nothing
+            _resolve_paths(new, os.path.dirname(os.path.abspath(path)))
             new_marks = dict(new_marks)
             new_marks.pop((), None)
             data = _merge(data, new, marks, new_marks)
@@ -473,7 +569,15 @@ def load_config(paths: list[str], overrides: list[str] | None = None) -> dict:
         order[f"override '{arg}'"] = len(paths) + i
         problems += _apply_override(data, marks, arg)
     fallback = marks[()].value if () in marks else Mark(paths[-1])
-    return _finish(data, marks, fallback, problems, order)
+    return LocatedConfig(_finish(data, marks, fallback, problems, order), marks, fallback, order)
+
+
+def load_config(paths: list[str], overrides: list[str] | None = None) -> dict:
+    """Read YAML files (merged left to right), apply `--key.path=value` overrides, validate, fill defaults.
+
+    Raises ConfigError listing every problem as `FILE:LINE:COL: key.path: message`.
+    """
+    return load_located(paths, overrides).cfg
 
 
 def resolve(d: dict) -> dict:

@@ -45,32 +45,39 @@ class Example:
     targets: list[int]
 
 
-def record_format(record: dict, fmt: str, where: str) -> str:
-    """`messages` or `prompt_completion` for this record, checking it has what `data.format` asks for."""
+def record_problem(record: dict, fmt: str) -> tuple[str | None, str | None]:
+    """(the record's format, None) or (None, what is wrong with it) under `data.format` `fmt`."""
     if fmt == "auto":
         if "messages" in record:
             fmt = "messages"
         elif "prompt" in record and "completion" in record:
             fmt = "prompt_completion"
         else:
-            raise FwError(f"{where}: expected a 'messages' list or 'prompt' and 'completion' keys, "
-                          f"got keys {sorted(record)}")
+            return None, f"expected a 'messages' list or 'prompt' and 'completion' keys, got keys {sorted(record)}"
     if fmt == "messages":
         messages = record.get("messages")
         if not isinstance(messages, list) or not messages:
-            raise FwError(f"{where}: 'messages' must be a non-empty list of {{role, content}} objects")
+            return None, "'messages' must be a non-empty list of {role, content} objects"
         for i, m in enumerate(messages):
             if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
-                raise FwError(f"{where}: messages[{i}] must be an object with string 'role' and 'content'")
+                return None, f"messages[{i}] must be an object with string 'role' and 'content'"
             if m["role"] not in ("system", "user", "assistant"):
-                raise FwError(f"{where}: messages[{i}].role is {m['role']!r}; expected system, user or assistant")
+                return None, f"messages[{i}].role is {m['role']!r}; expected system, user or assistant"
         if not any(m["role"] == "assistant" for m in messages):
-            raise FwError(f"{where}: 'messages' has no assistant turn, so there is nothing to train on")
+            return None, "'messages' has no assistant turn, so there is nothing to train on"
     else:
         prompt, completion = record.get("prompt"), record.get("completion")
         if not (isinstance(prompt, (str, list)) and isinstance(completion, str)):
-            raise FwError(f"{where}: expected string 'prompt' (or a messages list) and string 'completion'")
-    return fmt
+            return None, "expected string 'prompt' (or a messages list) and string 'completion'"
+    return fmt, None
+
+
+def record_format(record: dict, fmt: str, where: str) -> str:
+    """`messages` or `prompt_completion` for this record, checking it has what `data.format` asks for."""
+    found, problem = record_problem(record, fmt)
+    if problem:
+        raise FwError(f"{where}: {problem}")
+    return found
 
 
 def _segments_to_example(segments: list[tuple[str, bool]], tokenizer: Any, train_all: bool) -> Example:

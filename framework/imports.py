@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import os
+import sys
 from typing import Any
 
 from framework.errors import FwError
@@ -34,6 +36,9 @@ def import_object(class_path: str) -> Any:
         except Exception as e:  # the user's module itself is broken (SyntaxError, error at import time, ...)
             raise FwError(f"cannot import '{class_path}': importing module '{module_name}' failed: "
                           f"{type(e).__name__}: {e}") from e
+        except SystemExit as e:  # sys.exit() at import would end fw with the module's exit code
+            raise FwError(f"cannot import '{class_path}': module '{module_name}' called sys.exit({e.code!r}) "
+                          "while being imported") from e
         owner = module_name
         for attr in parts[i:]:
             if not hasattr(obj, attr) and owner == module_name and missing_module:
@@ -47,6 +52,19 @@ def import_object(class_path: str) -> Any:
             owner = f"{owner}.{attr}"
         return obj
     raise FwError(f"cannot import '{class_path}': no module named '{missing_module}'")
+
+
+def add_search_paths(directories: list[str]) -> None:
+    """Make modules in `directories` importable by `class_path`, after everything already on sys.path.
+
+    The `fw` console script, unlike `python -m framework`, does not put the working directory on sys.path;
+    a user's module next to the config or in the working directory must import either way. Appending
+    keeps a file there from shadowing an installed module of the same name.
+    """
+    for d in directories:
+        d = os.path.abspath(d)
+        if d not in (os.path.abspath(p or os.curdir) for p in sys.path):
+            sys.path.append(d)
 
 
 def import_class(class_path: str) -> type:
@@ -87,4 +105,10 @@ def instantiate(spec: dict, **extra: Any) -> Any:
         raise FwError(f"'{class_path}' is a {type(target).__name__}, which cannot be called")
     kwargs = {**init_args, **extra}
     check_init_args(target, kwargs, class_path)
-    return target(**kwargs)
+    try:
+        return target(**kwargs)
+    except FwError:
+        raise
+    except (Exception, SystemExit) as e:  # the user's constructor: one line, the traceback under --debug
+        what = f"called sys.exit({e.code!r})" if isinstance(e, SystemExit) else f"raised {type(e).__name__}: {e}"
+        raise FwError(f"{class_path}(**init_args) {what}") from e

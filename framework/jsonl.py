@@ -3,27 +3,68 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 from framework.errors import FwError
 
 
-def read_jsonl(path: str | Path) -> list[tuple[str, dict]]:
-    """Every record of a JSONL file with its `FILE:LINE` location; blank lines are skipped."""
-    records = []
+class NotUtf8(FwError):
+    """A JSONL file with a byte that is not UTF-8, at `line` and `col` (1-based)."""
+
+    def __init__(self, path: str | Path, line: int, col: int, byte: int):
+        self.path, self.line, self.col = str(path), line, col
+        self.reason = f"not UTF-8 (byte 0x{byte:02x}); save the file as UTF-8"
+        super().__init__(f"{path}:{line}:{col}: {self.reason}")
+
+
+@dataclass(frozen=True)
+class Row:
+    """One non-blank line: its record, or why it is not a JSON object (`problem`, at `col`)."""
+
+    line: int
+    col: int
+    record: dict | None
+    problem: str | None
+
+
+def _text(path: str | Path) -> str:
+    """The file as text; FwError at the line and column of the first byte that is not UTF-8."""
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        raw = Path(path).read_bytes()
     except OSError as e:
         raise FwError(f"data.path: cannot read {path}: {e.strerror or e}") from None
-    for lineno, line in enumerate(text.splitlines(), 1):
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw.count(b"\n", 0, e.start) + 1
+        col = e.start - (raw.rfind(b"\n", 0, e.start) + 1) + 1
+        raise NotUtf8(path, line, col, raw[e.start]) from None
+
+
+def rows(path: str | Path) -> Iterator[Row]:
+    """Every non-blank line of a JSONL file, parsed; FwError if the file cannot be read as UTF-8 text."""
+    for lineno, line in enumerate(_text(path).splitlines(), 1):
         if not line.strip():
             continue
-        where = f"{path}:{lineno}"
         try:
             record = json.loads(line)
         except json.JSONDecodeError as e:
-            raise FwError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+            yield Row(lineno, e.colno, None, f"not valid JSON ({e.msg} at column {e.colno})")
+            continue
         if not isinstance(record, dict):
-            raise FwError(f"{where}: expected a JSON object, got {type(record).__name__}")
-        records.append((where, record))
+            yield Row(lineno, 1, None, f"expected a JSON object, got {type(record).__name__}")
+            continue
+        yield Row(lineno, 1, record, None)
+
+
+def read_jsonl(path: str | Path) -> list[tuple[str, dict]]:
+    """Every record of a JSONL file with its `FILE:LINE` location; blank lines are skipped."""
+    records = []
+    for row in rows(path):
+        where = f"{path}:{row.line}"
+        if row.problem:
+            raise FwError(f"{where}: {row.problem}")
+        records.append((where, row.record))
     return records

@@ -208,6 +208,21 @@ def _check_prompt(prompt: Any) -> str | None:
     return "must be a non-empty string or a non-empty list of {role, content} messages"
 
 
+def prompt_record_problem(record: dict, prompt_key: str, answer_key: str) -> str | None:
+    """What makes one JSONL record unusable as an RL prompt with an answer, or None."""
+    for key in (prompt_key, answer_key):
+        if key not in record:
+            return (f"missing key {key!r} (keys: {', '.join(map(repr, record))}); "
+                    "set data.prompt_key / data.answer_key to match the file")
+    problem = _check_prompt(record[prompt_key])
+    if problem:
+        return f"{prompt_key!r} {problem}"
+    answer = record[answer_key]
+    if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
+        return f"{answer_key!r} must be a string or a number, got {type(answer).__name__}"
+    return None
+
+
 class JsonlPrompts(Task):
     """Prompts and answers from JSONL file(s), in a seeded order reshuffled every epoch.
 
@@ -233,17 +248,10 @@ class JsonlPrompts(Task):
     def _read(self, file: Path) -> list[Sample]:
         records = []
         for where, record in read_jsonl(file):
-            for key in (self.prompt_key, self.answer_key):
-                if key not in record:
-                    raise FwError(f"{where}: missing key {key!r} (keys: {', '.join(map(repr, record))}); "
-                                  "set data.prompt_key / data.answer_key to match the file")
-            problem = _check_prompt(record[self.prompt_key])
+            problem = prompt_record_problem(record, self.prompt_key, self.answer_key)
             if problem:
-                raise FwError(f"{where}: {self.prompt_key!r} {problem}")
+                raise FwError(f"{where}: {problem}")
             answer = record[self.answer_key]
-            if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
-                raise FwError(f"{where}: {self.answer_key!r} must be a string or a number, "
-                              f"got {type(answer).__name__}")
             metadata = {k: v for k, v in record.items() if k not in (self.prompt_key, self.answer_key)}
             metadata.update(source=where, answer=str(answer))
             records.append({"prompt": record[self.prompt_key], "answer": str(answer), "metadata": metadata})

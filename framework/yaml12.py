@@ -13,6 +13,10 @@ own implicit-resolver table with only the 1.2 core schema:
 No timestamps, no `<<` merge keys (both are 1.1 only). Duplicate keys are errors. Loading returns the
 data plus the position of every value (and key) by path, so later errors can say FILE:LINE:COL.
 PyYAML's global loaders and dumpers are left untouched.
+
+A config is small, so loading refuses documents that are not: more than MAX_DEPTH levels of nesting,
+MAX_ALIASES aliases, or MAX_NODES values counting every alias expansion (an alias bomb). Each limit is
+checked as the document is read, so a hostile file costs time linear in its size.
 """
 
 from __future__ import annotations
@@ -27,6 +31,9 @@ import yaml
 from framework.errors import ConfigError, Problem
 
 Path = tuple  # a path into the data: mapping keys and list indices
+MAX_DEPTH = 50          # nested mappings / lists
+MAX_ALIASES = 100       # `*name` references
+MAX_NODES = 20_000      # values, with every alias expanded where it is used
 
 
 @dataclass(frozen=True)
@@ -86,9 +93,40 @@ def _construct_bool(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> bool:
 
 
 class Yaml12Loader(yaml.SafeLoader):
-    """SafeLoader with the YAML 1.2 core schema (its own resolver table; nothing global is changed)."""
+    """SafeLoader with the YAML 1.2 core schema (its own resolver table; nothing global is changed)
+    that refuses documents deeper than MAX_DEPTH, with more than MAX_ALIASES aliases or MAX_NODES nodes."""
 
     yaml_implicit_resolvers = _core_resolver_table()
+
+    def __init__(self, stream: str):
+        super().__init__(stream)
+        self._depth = self._aliases = self._nodes = 0
+
+    def compose_node(self, parent: yaml.Node | None, index: Any) -> yaml.Node:
+        event = self.peek_event()
+        if isinstance(event, yaml.AliasEvent):
+            self._aliases += 1
+            if self._aliases > MAX_ALIASES:
+                raise _limit(f"has more than {MAX_ALIASES} aliases", event.start_mark)
+        else:
+            self._nodes += 1
+            if self._nodes > MAX_NODES:
+                raise _limit(f"has more than {MAX_NODES} values", event.start_mark)
+        self._depth += 1
+        if self._depth > MAX_DEPTH:
+            raise _limit(f"is nested more than {MAX_DEPTH} levels deep", event.start_mark)
+        try:
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+
+class _TooBig(yaml.composer.ComposerError):
+    """A document over one of the size limits."""
+
+
+def _limit(what: str, mark: yaml.Mark) -> _TooBig:
+    return _TooBig(None, None, f"the document {what}; a config is much smaller", mark)
 
 
 Yaml12Loader.add_constructor("tag:yaml.org,2002:int", _construct_int)  # copies the table for this class only
@@ -113,8 +151,9 @@ def _syntax_problem(file: str, e: yaml.MarkedYAMLError) -> Problem:
         text = f"{e.context}, {text}"
     if "'\\t'" in text:
         text += " (indent YAML with spaces, not tabs)"
+    what = "YAML" if isinstance(e, _TooBig) else "YAML syntax error"
     return Problem(file, mark.line + 1 if mark else None, mark.column + 1 if mark else None, "",
-                   f"YAML syntax error: {text}")
+                   f"{what}: {text}")
 
 
 def _key_text(loader: Yaml12Loader, node: yaml.Node) -> Any:
@@ -123,9 +162,19 @@ def _key_text(loader: Yaml12Loader, node: yaml.Node) -> Any:
     return None  # complex keys cannot be config keys; schema validation reports them
 
 
+class _Budget:
+    """Values left to visit: aliases make a small node graph expand to an exponentially large tree."""
+
+    def __init__(self, n: int):
+        self.left = n
+
+
 def _walk(loader: Yaml12Loader, node: yaml.Node, file: str, path: Path, marks: dict, problems: list,
-          key_mark: Mark | None) -> None:
+          key_mark: Mark | None, budget: _Budget) -> None:
     """Record positions under `path` and find duplicate keys, all of them."""
+    budget.left -= 1
+    if budget.left < 0:
+        raise _limit(f"has more than {MAX_NODES} values once its aliases are expanded", node.start_mark)
     marks[path] = Located(_mark(file, node.start_mark), key_mark)
     if isinstance(node, yaml.MappingNode):
         seen: dict = {}
@@ -143,10 +192,10 @@ def _walk(loader: Yaml12Loader, node: yaml.Node, file: str, path: Path, marks: d
                 continue
             if key is not None:
                 seen[key] = kmark
-            _walk(loader, v_node, file, path + (key,), marks, problems, kmark)
+            _walk(loader, v_node, file, path + (key,), marks, problems, kmark, budget)
     elif isinstance(node, yaml.SequenceNode):
         for i, item in enumerate(node.value):
-            _walk(loader, item, file, path + (i,), marks, problems, None)
+            _walk(loader, item, file, path + (i,), marks, problems, None, budget)
 
 
 def _compose(text: str, file: str) -> tuple[yaml.Node | None, Yaml12Loader]:
@@ -166,7 +215,10 @@ def load_with_marks(text: str, file: str = "<string>") -> tuple[Any, dict[Path, 
             return None, {}
         marks: dict[Path, Located] = {}
         problems: list[Problem] = []
-        _walk(loader, node, file, (), marks, problems, None)
+        try:
+            _walk(loader, node, file, (), marks, problems, None, _Budget(MAX_NODES))
+        except yaml.MarkedYAMLError as e:
+            raise ConfigError([_syntax_problem(file, e)]) from None
         if problems:
             raise ConfigError(problems)
         try:

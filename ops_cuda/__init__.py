@@ -38,7 +38,7 @@ def cuda_backend() -> str | None:
 def doctor() -> str:
     """A report: torch, CUDA, GPU, whether the extension is built/loaded, cache path, lock status."""
     lines = [f"torch: {torch.__version__}", f"torch CUDA: {torch.version.cuda or 'none (CPU build)'}"]
-    lines.append(f"CUDA toolkit (nvcc): {_extension.cuda_home() or 'not found'}")
+    lines.append(f"CUDA toolkit (nvcc): {_extension.toolkit_report()}")
     if torch.cuda.is_available():
         for i in range(torch.cuda.device_count()):
             cap = torch.cuda.get_device_capability(i)

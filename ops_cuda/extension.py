@@ -11,7 +11,9 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import socket
+import subprocess
 import time
 from pathlib import Path
 
@@ -116,6 +118,62 @@ def cuda_home() -> str | None:
     return _cpp_extension().CUDA_HOME
 
 
+def _toolkit_home() -> str | None:
+    """CUDA_HOME as torch finds it ($CUDA_HOME, the nvcc on PATH, /usr/local/cuda), also under a CPU-only
+    torch, which leaves cpp_extension.CUDA_HOME unset: doctor then reports the toolkit and why it cannot serve."""
+    cpp_extension = _cpp_extension()
+    if cpp_extension.CUDA_HOME:
+        return cpp_extension.CUDA_HOME
+    log = logging.getLogger("torch.utils.cpp_extension")
+    level = log.level
+    log.setLevel(logging.ERROR)   # it warns "No CUDA runtime is found", which doctor says in its GPU line
+    try:
+        return getattr(cpp_extension, "_find_cuda_home", lambda: None)()
+    finally:
+        log.setLevel(level)
+
+
+def nvcc_problem() -> str | None:
+    """Why the toolkit's nvcc cannot build the extension for this torch, or None when it can: it must run
+    and be of the CUDA major version torch was built with."""
+    home = _toolkit_home()
+    if home is None:
+        return "no CUDA toolkit found (nvcc); install one or set CUDA_HOME"
+    nvcc = os.path.join(home, "bin", "nvcc")
+    try:
+        out = subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=60, check=False)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"{nvcc} does not run ({e})"
+    if out.returncode != 0:
+        first = (out.stderr or out.stdout).strip().splitlines()
+        return f"{nvcc} --version exits with {out.returncode}" + (f": {first[0]}" if first else "")
+    m = re.search(r"release (\d+)\.(\d+)", out.stdout)
+    if not m:
+        return f"{nvcc} --version names no CUDA release: it is not a working nvcc"
+    if torch.version.cuda is None:
+        return f"nvcc is CUDA {m[1]}.{m[2]}, but torch {torch.__version__} is a CPU-only build"
+    if m[1] != torch.version.cuda.split(".")[0]:
+        return (f"{nvcc} is CUDA {m[1]}.{m[2]} but torch was built with CUDA {torch.version.cuda}; install a "
+                f"CUDA {torch.version.cuda.split('.')[0]}.x toolkit and point CUDA_HOME at it")
+    return None
+
+
+def toolkit_report() -> str:
+    """One line for `fw doctor`: the toolkit, its nvcc version, and what is wrong with it if anything."""
+    home = _toolkit_home()
+    if home is None:
+        return "not found"
+    problem = nvcc_problem()
+    return f"{home} (unusable: {problem})" if problem else f"{home} (nvcc fits torch CUDA {torch.version.cuda})"
+
+
+def _first_compiler_error(text: str) -> str:
+    """The first line of a failed build's output that names an error, else its last line."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    errors = [line for line in lines if re.search(r"\berror\b", line, re.IGNORECASE)]
+    return (errors or lines or ["no output"])[0]
+
+
 def loaded_path() -> str | None:
     """The path of the extension this process loaded, or None."""
     return _loaded.get("path")
@@ -129,8 +187,9 @@ def build(verbose: bool = False) -> str:
     cpp_extension = _cpp_extension()
     if torch.version.cuda is None:
         raise RuntimeError(f"torch {torch.__version__} is a CPU-only build; the CUDA kernels need a CUDA torch")
-    if cpp_extension.CUDA_HOME is None:
-        raise RuntimeError("no CUDA toolkit found (nvcc); set CUDA_HOME")
+    problem = nvcc_problem()
+    if problem:
+        raise RuntimeError(problem)
     d = cache_dir()
     d.mkdir(parents=True, exist_ok=True)
     state, detail = lock_status(d)
@@ -141,16 +200,7 @@ def build(verbose: bool = False) -> str:
     if state == "none":
         owner_file.write_text(json.dumps(mine))
     try:
-        path = cpp_extension.load(
-            name=EXTENSION_NAME, sources=sources(), build_directory=str(d), verbose=verbose,
-            is_python_module=False, extra_cflags=["-O3"], extra_cuda_cflags=NVCC_FLAGS,
-            # Linked against the libstdc++.so that torch runs with: a compiler that links libstdc++ statically by
-            # default copies libstdc++ into fw_ops.so, and that copy's iostreams crash (SIGSEGV) formatting any
-            # TORCH_CHECK message: a bad argument kills the process instead of raising. Resolved against the
-            # shared library first, nothing is taken from the static archive
-            # (tests/test_ops.py::test_extension_links_the_running_libstdcxx shows it).
-            extra_ldflags=["-lcublas", "-lcublasLt", *running_libstdcxx()],
-        )
+        path = _compile(cpp_extension, verbose)
     finally:
         if state == "none" and owner_file.exists():
             try:
@@ -160,3 +210,24 @@ def build(verbose: bool = False) -> str:
                 pass
     _loaded["path"] = str(path) if path else str(d / f"{EXTENSION_NAME}.so")
     return _loaded["path"]
+
+
+def _compile(cpp_extension, verbose: bool):
+    """cpp_extension.load; a failed compile is one line (its first error), the full output under verbose."""
+    d = cache_dir()
+    try:
+        return cpp_extension.load(
+            name=EXTENSION_NAME, sources=sources(), build_directory=str(d), verbose=verbose,
+            is_python_module=False, extra_cflags=["-O3"], extra_cuda_cflags=NVCC_FLAGS,
+            # Linked against the libstdc++.so that torch runs with: a compiler that links libstdc++ statically by
+            # default copies libstdc++ into fw_ops.so, and that copy's iostreams crash (SIGSEGV) formatting any
+            # TORCH_CHECK message: a bad argument kills the process instead of raising. Resolved against the
+            # shared library first, nothing is taken from the static archive
+            # (tests/test_ops.py::test_extension_links_the_running_libstdcxx shows it).
+            extra_ldflags=["-lcublas", "-lcublasLt", *running_libstdcxx()],
+        )
+    except RuntimeError as e:
+        if verbose:
+            raise
+        raise RuntimeError(f"compiling the CUDA ops failed: {_first_compiler_error(str(e))} (the whole compiler "
+                           "output: python -c 'import ops_cuda; ops_cuda.build(verbose=True)')") from e

@@ -87,6 +87,7 @@ def test_problem_in_the_second_of_two_configs(tmp_path, capsys):
 
 def test_override_repairs_a_bad_file(capsys):
     path = CORPUS / "wrong_type_integer.yaml"
-    code, out, err = run_fw(["validate", "--config", str(path), "--trainer.max_steps=10"], capsys)
+    code, out, err = run_fw(["validate", "--config", str(path), "--trainer.max_steps=10", "--data.task.name=digits"],
+                            capsys)
     assert (code, err) == (0, "")
     assert out == f"{path}: valid (recipe grpo)\n"

@@ -51,6 +51,7 @@ def test_resolved_defaults_match_the_design_contract(recipe):
     expected = design_defaults()
     expected["recipe"] = recipe
     expected["model"]["policy"]["preset"] = "tiny"
+    expected["run_dir"] = os.path.abspath(expected["run_dir"])  # a default path resolves against the cwd
     for other in ("sft", "grpo", "ppo"):
         if other != recipe:
             del expected[other]  # only the selected recipe's section exists in a resolved config
@@ -162,10 +163,10 @@ def test_overrides_are_typed_by_the_schema(tmp_path):
                                "--tokenizer.path=true"])
     assert cfg["trainer"]["max_steps"] == 10
     assert cfg["optimizer"]["lr"] == 1e-4 and cfg["optimizer"]["betas"] == [0.9, 0.95]
-    assert cfg["name"] == "123" and cfg["run_dir"] == "2024"  # string keys keep the text
+    assert cfg["name"] == "123" and cfg["run_dir"] == os.path.abspath("2024")  # string keys keep the text
     assert cfg["logging"]["tensorboard"] is False and cfg["optimizer"]["max_grad_norm"] is None
     assert cfg["trainer"]["devices"] == 2 and cfg["rollout"]["stop"] == []
-    assert cfg["tokenizer"]["path"] == "true"
+    assert cfg["tokenizer"]["path"] == os.path.abspath("true")
 
 
 def test_overrides_apply_after_all_files_in_order(tmp_path):

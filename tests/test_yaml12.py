@@ -139,3 +139,46 @@ def test_windows_line_endings_and_byte_order_mark():
     data, marks = yaml12.load_with_marks("\ufeffa: 1\r\nb:\r\n  c: 2e-5\r\n", "w.yaml")
     assert data == {"a": 1, "b": {"c": 2e-5}}
     assert marks[("b", "c")].value == yaml12.Mark("w.yaml", 3, 6)
+
+
+# ---------------------------------------------------------------- size limits (hostile documents)
+
+def _one_problem(text: str) -> str:
+    with pytest.raises(ConfigError) as info:
+        yaml12.load_with_marks(text, "f.yaml")
+    assert len(info.value.problems) == 1
+    return str(info.value.problems[0])
+
+
+def test_an_alias_bomb_is_refused_before_it_expands():
+    # 9 levels of 9 aliases: 9**9 values once expanded, from a file of about 300 bytes
+    text = "a: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(
+        f"{c}: &{c} [{', '.join(['*' + p] * 9)}]\n" for p, c in zip("abcdefgh", "bcdefghi", strict=True))
+    assert len(text) < 400
+    assert "values once its aliases are expanded" in _one_problem(text)
+
+
+def test_too_many_aliases():
+    text = "a: &a 1\nb: [" + ", ".join(["*a"] * (yaml12.MAX_ALIASES + 1)) + "]\n"
+    assert f"more than {yaml12.MAX_ALIASES} aliases" in _one_problem(text)
+
+
+def test_aliases_within_the_limits_still_load():
+    assert yaml12.load("a: &a [1, 2]\nb: *a\n") == {"a": [1, 2], "b": [1, 2]}
+
+
+@pytest.mark.parametrize("open_, close", [("{k: ", "}"), ("[", "]")])
+def test_deep_nesting_is_a_problem_not_a_recursion_error(open_, close):
+    message = _one_problem("x: " + open_ * 500 + "1" + close * 500 + "\n")
+    assert message.startswith("f.yaml:1:") and f"nested more than {yaml12.MAX_DEPTH} levels" in message
+
+
+def test_deep_block_nesting():
+    text = "".join(" " * (2 * i) + f"k{i}:\n" for i in range(500)) + " " * 1000 + "v\n"
+    assert f"nested more than {yaml12.MAX_DEPTH} levels" in _one_problem(text)
+
+
+def test_too_many_values_stop_the_reading_where_the_limit_is_crossed():
+    text = "".join(f"k{i}: 1\n" for i in range(200_000))
+    # each entry is a key and a value: the limit is crossed at entry MAX_NODES / 2
+    assert _one_problem(text).startswith(f"f.yaml:{yaml12.MAX_NODES // 2}:")

@@ -1,0 +1,340 @@
+"""Checks of a config that need the filesystem, imports or this machine: what `fw validate` adds to the
+schema's checks (framework/config.py), and what `fw fit` runs before it builds anything.
+
+Everything that can be known without a training step is checked here, each problem at the position of
+the key that causes it: the paths name what they should (a model directory with config.json and
+weights, a tokenizer, JSONL files whose every row fits its format, a writable run_dir), the pluggable
+parts import, are of the right kind and construct with their init_args, and the combinations the
+schema cannot express hold. `machine=True` (fit) adds what depends on this machine: the accelerator,
+devices, strategy and precision must be available here.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import re
+import warnings
+from typing import Any
+
+from framework.config import LocatedConfig, all_key_paths, load_located
+from framework.errors import FwError, Problem
+
+BUILTIN_RECIPES = ("sft", "grpo", "ppo")
+RL_RECIPES = {"grpo": "group_size", "ppo": "samples_per_prompt"}  # section -> its samples-per-prompt key
+MAX_ROW_PROBLEMS = 20  # per JSONL file
+# Lightning strategies fw cannot train with (docs/MULTI_GPU.md), by name prefix
+UNSUPPORTED_STRATEGIES = {"fsdp": "FSDP is not supported yet (docs/MULTI_GPU.md)",
+                          "deepspeed": "DeepSpeed is not supported", "xla": "XLA/TPU is not supported",
+                          "single_xla": "XLA/TPU is not supported", "single_tpu": "XLA/TPU is not supported"}
+MODEL_DIR = "a Hugging Face Qwen3 directory with config.json and model.safetensors"
+
+
+def validate_config(paths: list[str], overrides: list[str] | None = None, *, machine: bool = False) -> dict:
+    """Load and resolve the config, then run every check below; ConfigError lists all problems."""
+    located = load_located(paths, overrides)
+    problems = check(located, machine=machine)
+    if problems:
+        raise located.error(problems)
+    return located.cfg
+
+
+def check(located: LocatedConfig, *, machine: bool = False) -> list[Problem]:
+    """Every problem of a resolved config that the schema cannot see."""
+    checks = _Checks(located)
+    checks.run_dir()
+    checks.models()
+    checks.data()
+    checks.plugins()
+    checks.combinations()
+    checks.trainer(machine)
+    return checks.problems
+
+
+def _keys() -> list[str]:
+    """Every dotted key, longest first (so `data.task.init_args` wins over `data.task`)."""
+    return sorted((".".join(p) for p in all_key_paths()), key=len, reverse=True)
+
+
+def _what_raised(e: BaseException) -> str:
+    if isinstance(e, SystemExit):
+        return f"called sys.exit({e.code!r})"
+    return f"raised {type(e).__name__}: {e}"
+
+
+class _Checks:
+    def __init__(self, located: LocatedConfig):
+        self.located = located
+        self.cfg = located.cfg
+        self.recipe = self.cfg["recipe"]
+        self.problems: list[Problem] = []
+        self.task: Any = None
+        self.task_failed = False
+
+    # ------------------------------------------------------------------ helpers
+    def add(self, path: tuple, message: str, key: bool = False) -> None:
+        self.problems.append(self.located.problem(path, message, key))
+
+    def add_error(self, e: BaseException, default: tuple, what: str = "") -> None:
+        """An error from a builder: at the key its message starts with (`data.task.init_args: ...`), else
+        at `default`; an exception that is not an FwError is shown as what raised it."""
+        if not isinstance(e, FwError):
+            self.add(default, f"{what} {_what_raised(e)}".strip())
+            return
+        text = str(e)
+        for dotted in _keys():
+            if text.startswith((dotted + ":", dotted + " ")):
+                rest = text[len(dotted):].lstrip(":").strip()
+                self.add(tuple(dotted.split(".")), rest)
+                return
+        self.add(default, text)
+
+    # ------------------------------------------------------------------ paths
+    def run_dir(self) -> None:
+        path = self.cfg["run_dir"]
+        if os.path.exists(path):
+            if not os.path.isdir(path):
+                self.add(("run_dir",), f"{path} is a file; run_dir must be a directory")
+            elif not os.access(path, os.W_OK | os.X_OK):
+                self.add(("run_dir",), f"{path} is not writable")
+            return
+        parent = path
+        while not os.path.exists(parent):
+            parent = os.path.dirname(parent)
+        if not os.path.isdir(parent):
+            self.add(("run_dir",), f"cannot create {path}: {parent} is a file")
+        elif not os.access(parent, os.W_OK | os.X_OK):
+            self.add(("run_dir",), f"cannot create {path}: {parent} is not writable")
+
+    def model_dir(self, where: tuple, value: bool = False) -> Any:
+        """The Qwen3Config of the model directory at `where`, or None after adding its problem."""
+        from framework.models.hf_io import VALUE_ARCHITECTURE, checkpoint_files, read_config
+
+        path = self.cfg
+        for k in where:
+            path = path[k]
+        if not os.path.exists(path):
+            self.add(where, f"no such directory: {path} (expected {MODEL_DIR})")
+            return None
+        if not os.path.isdir(path):
+            self.add(where, f"{path} is a file; expected {MODEL_DIR}")
+            return None
+        try:
+            config, raw = read_config(path)
+            files = checkpoint_files(path)
+        except FwError as e:
+            self.add(where, str(e))
+            return None
+        if not value and VALUE_ARCHITECTURE in (raw.get("architectures") or []):
+            self.add(where, f"{path} holds a value model ({VALUE_ARCHITECTURE}), not a language model")
+            return None
+        from safetensors import safe_open
+
+        for file in files:
+            try:
+                with safe_open(str(file), framework="pt", device="cpu") as f:
+                    f.keys()
+            except Exception as e:  # noqa: BLE001 (safetensors raises its own error types)
+                self.add(where, f"{file}: not a readable safetensors file ({e})")
+                return None
+        return config
+
+    def models(self) -> None:
+        model = self.cfg["model"]
+        policy_config = self.model_dir(("model", "policy", "path")) if model["policy"]["path"] else None
+        tokenizer_at = ("tokenizer", "path") if self.cfg["tokenizer"]["path"] else ("model", "policy", "path")
+        tokenizer_path = self.cfg["tokenizer"]["path"] or model["policy"]["path"]
+        if tokenizer_path and (tokenizer_at[0] == "tokenizer" or policy_config is not None):
+            from framework.tokenizer import Tokenizer
+
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")   # a differing chat template is fit's warning to give
+                    tokenizer = Tokenizer.from_pretrained(tokenizer_path)
+            except FwError as e:
+                self.add(tokenizer_at, str(e))
+            else:
+                if policy_config is not None and tokenizer.vocab_size > policy_config.vocab_size:
+                    self.add(tokenizer_at, f"the tokenizer has {tokenizer.vocab_size} tokens but the model's "
+                                           f"vocab_size is {policy_config.vocab_size}")
+        for role in ("value", "reference"):
+            if model[role]["path"]:
+                self.model_dir(("model", role, "path"), value=role == "value")
+
+    # ------------------------------------------------------------------ data
+    def data(self) -> None:
+        data = self.cfg["data"]
+        if self.recipe in BUILTIN_RECIPES:
+            if data["path"] and data["task"]:
+                self.add(("data", "task"), "set either data.task or data.path (JSONL), not both", key=True)
+            elif not data["path"] and not data["task"]:
+                need = "examples" if self.recipe == "sft" else "prompts"
+                self.add(("data",), f"recipe {self.recipe} needs {need}: set data.path (JSONL) or data.task "
+                                    "(e.g. {name: digits})", key=True)
+        paths = data["path"]
+        for i, path in enumerate([paths] if isinstance(paths, str) else paths or []):
+            self.jsonl(("data", "path") if isinstance(paths, str) else ("data", "path", i), path)
+
+    def jsonl(self, where: tuple, path: str) -> None:
+        from framework.data import record_problem
+        from framework.jsonl import NotUtf8, rows
+        from framework.tasks import prompt_record_problem
+
+        if not os.path.isfile(path):
+            self.add(where, f"no such file: {path}" if not os.path.exists(path) else f"{path} is not a file")
+            return
+        data = self.cfg["data"]
+        bad = n = 0
+        try:
+            for row in rows(path):
+                n += 1
+                problem = row.problem
+                if problem is None and self.recipe == "sft":
+                    problem = record_problem(row.record, data["format"])[1]
+                elif problem is None and self.recipe in RL_RECIPES:
+                    problem = prompt_record_problem(row.record, data["prompt_key"], data["answer_key"])
+                if problem:
+                    bad += 1
+                    if bad <= MAX_ROW_PROBLEMS:
+                        self.problems.append(Problem(path, row.line, row.col, "data.path", problem))
+        except NotUtf8 as e:
+            self.problems.append(Problem(e.path, e.line, e.col, "data.path", e.reason))
+            return
+        except FwError as e:   # unreadable
+            self.add(where, str(e).removeprefix("data.path: "))
+            return
+        if bad > MAX_ROW_PROBLEMS:
+            self.add(where, f"{path}: {bad - MAX_ROW_PROBLEMS} more bad rows not shown")
+        if n == 0:
+            self.add(where, f"{path} holds no records (every line is empty)")
+
+    # ------------------------------------------------------------------ class_path parts
+    def plugins(self) -> None:
+        from framework.imports import instantiate
+
+        data = self.cfg["data"]
+        if data["task"] and not data["path"]:
+            from framework.tasks import build_task
+
+            try:
+                self.task = build_task(data, seed=self.cfg["seed"])
+            except (Exception, SystemExit) as e:  # noqa: BLE001 (user code: any failure is a config problem)
+                self.task_failed = True
+                at = ("data", "task", "init_args") if ("data", "task", "init_args") in self.located.marks else \
+                    ("data", "task")
+                self.add_error(e, at, "building the task")
+        elif data["path"] and self.recipe in RL_RECIPES:
+            from framework.tasks import JsonlPrompts
+
+            self.task = JsonlPrompts   # its reward_name is what a null reward.name means
+        reward = self.cfg["reward"]
+        # without a task a null reward.name has nothing to follow: the task's problem is the one to fix
+        task_missing = (self.task_failed or self.task is None) and not reward["class_path"] and not reward["name"]
+        if self.recipe in RL_RECIPES and not task_missing:
+            from framework.rewards import build_reward
+
+            try:
+                build_reward(self.cfg["reward"], self.task)
+            except (Exception, SystemExit) as e:  # noqa: BLE001 (user code: any failure is a config problem)
+                self.add_error(e, ("reward", "class_path") if self.cfg["reward"]["class_path"] else ("reward",),
+                               "building the reward")
+        for i, spec in enumerate(self.cfg["callbacks"]):
+            import lightning
+
+            try:
+                callback = instantiate(spec)
+            except (Exception, SystemExit) as e:  # noqa: BLE001 (user code: any failure is a config problem)
+                self.add_error(e, ("callbacks", i, "class_path"), "building the callback")
+                continue
+            if not isinstance(callback, lightning.Callback):
+                self.add(("callbacks", i, "class_path"), f"{spec['class_path']} is a {type(callback).__name__}, "
+                         "not a lightning.Callback (subclass framework.callbacks.Callback)")
+
+    # ------------------------------------------------------------------ combinations
+    def combinations(self) -> None:
+        cfg = self.cfg
+        if self.recipe not in RL_RECIPES:
+            return
+        temperature = cfg["rollout"]["temperature"]
+        if temperature <= 0:
+            self.add(("rollout", "temperature"), f"{self.recipe} samples from the policy and needs a temperature "
+                     f"> 0 (got {temperature}); the trainer's logprobs use the same one")
+        section = cfg[self.recipe]
+        samples = cfg["rollout"]["prompts_per_step"] * section[RL_RECIPES[self.recipe]]
+        micro = cfg["trainer"]["accumulate_grad_batches"]
+        if section["minibatches"] * micro > samples:
+            self.add((self.recipe, "minibatches"),
+                     f"{section['minibatches']} minibatches x trainer.accumulate_grad_batches ({micro}) exceeds the "
+                     f"{samples} samples of one rollout batch (rollout.prompts_per_step x "
+                     f"{self.recipe}.{RL_RECIPES[self.recipe]})")
+
+    # ------------------------------------------------------------------ trainer
+    def trainer(self, machine: bool) -> None:
+        from lightning.pytorch.strategies import StrategyRegistry
+
+        t = self.cfg["trainer"]
+        strategy = t["strategy"]
+        known = ["auto", *StrategyRegistry.available_strategies()]
+        unsupported = next((why for prefix, why in UNSUPPORTED_STRATEGIES.items() if strategy.startswith(prefix)),
+                           None)
+        strategy_ok = False
+        if unsupported and strategy in known:
+            self.add(("trainer", "strategy"), f"'{strategy}' is not supported by fw: {unsupported}")
+        elif strategy not in known:
+            usable = [s for s in known if not any(s.startswith(p) for p in UNSUPPORTED_STRATEGIES)
+                      and "find_unused" not in s]   # variants fw picks itself when a recipe needs them
+            close = difflib.get_close_matches(strategy, usable, n=1)
+            self.add(("trainer", "strategy"), f"unknown strategy '{strategy}'; expected one of "
+                     f"{', '.join(usable)}" + (f"; did you mean '{close[0]}'?" if close else ""))
+        else:
+            strategy_ok = True
+        if self.recipe in BUILTIN_RECIPES or self._recipe_imports():
+            from framework.recipe import recipe_class
+            from framework.trainer import _check_precision
+
+            try:
+                _check_precision(self.cfg, recipe_class(self.recipe).requirements(self.cfg))
+            except FwError as e:
+                self.add_error(e, ("trainer", "precision"))
+        if machine and strategy_ok:
+            self.machine()
+
+    def _recipe_imports(self) -> bool:
+        from framework.recipe import recipe_class
+
+        try:
+            recipe_class(self.recipe)
+        except FwError:
+            return False   # the schema checks have reported it
+        return True
+
+    def machine(self) -> None:
+        """The accelerator, devices, strategy and precision must be available on this machine."""
+        import torch
+
+        t = self.cfg["trainer"]
+        accelerator = t["accelerator"]
+        if accelerator in ("gpu", "cuda") and not torch.cuda.is_available():
+            build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
+            self.add(("trainer", "accelerator"), f"'{accelerator}' needs a CUDA GPU and this machine has none "
+                     f"visible (torch {torch.__version__}, {build}); use trainer.accelerator: cpu or auto")
+            return
+        mps = getattr(torch.backends, "mps", None)
+        if accelerator == "mps" and not (mps and mps.is_available()):
+            self.add(("trainer", "accelerator"), "'mps' needs Apple-silicon MPS, which this machine does not have")
+            return
+        devices = t["devices"]
+        if accelerator in ("gpu", "cuda") and isinstance(devices, int) and devices > torch.cuda.device_count():
+            self.add(("trainer", "devices"), f"{devices} GPUs asked for, {torch.cuda.device_count()} visible")
+            return
+        from lightning.pytorch.trainer.connectors.accelerator_connector import _AcceleratorConnector
+
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                _AcceleratorConnector(devices=devices, num_nodes=t["num_nodes"], accelerator=accelerator,
+                                      strategy=t["strategy"], precision=t["precision"])
+        except Exception as e:  # noqa: BLE001 (Lightning's refusals come as several exception types)
+            first = re.sub(r"\s+", " ", str(e)).strip()
+            self.add(("trainer",), f"Lightning cannot run these trainer settings on this machine: {first}", key=True)
+

@@ -1,0 +1,298 @@
+"""`fw validate` / `fw fit` deep checks through real processes and real files: exit codes, one line per
+problem at its position, the console script's imports, paths relative to the config file."""
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from framework.cli import main
+from framework.config import MAX_PROBLEMS, load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+GRPO = "recipe: grpo\nmodel:\n  policy:\n    preset: tiny\ndata:\n  task: {name: digits}\n"
+
+
+def console_script(tmp_path: Path) -> Path:
+    """What pip writes for `fw`: a script outside the working directory, so sys.path[0] is its own folder."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    script = bin_dir / "fw"
+    script.write_text("import sys\nfrom framework.cli import main\nsys.exit(main())\n")
+    return script
+
+
+def run_script(tmp_path: Path, cwd: Path, *args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("FW_DEBUG", None)
+    return subprocess.run([sys.executable, str(console_script(tmp_path)), *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=300, check=False)
+
+
+def run_fw(argv: list[str], capsys) -> tuple[int, list[str]]:
+    code = main(argv)
+    return code, capsys.readouterr().err.splitlines()
+
+
+def one_error_line(proc: subprocess.CompletedProcess) -> str:
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    return lines[0]
+
+
+# ------------------------------------------------------------------ the console script and imports
+
+def test_console_script_imports_modules_next_to_the_config_and_in_the_working_directory(tmp_path):
+    configs, work = tmp_path / "configs", tmp_path / "work"
+    configs.mkdir()
+    work.mkdir()
+    for folder, name in ((configs, "cb_by_config"), (work, "cb_in_cwd")):
+        (folder / f"{name}.py").write_text(
+            "import lightning\n\nclass Noisy(lightning.Callback):\n    def __init__(self, every=1):\n"
+            "        self.every = every\n")
+    config = configs / "train.yaml"
+    config.write_text(GRPO + "callbacks:\n  - class_path: cb_by_config.Noisy\n    init_args: {every: 2}\n"
+                      "  - class_path: cb_in_cwd.Noisy\n")
+    proc = run_script(tmp_path, work, "validate", "--config", str(config))
+    assert (proc.returncode, proc.stderr) == (0, ""), proc.stderr
+    assert "valid (recipe grpo)" in proc.stdout
+
+
+def test_a_module_calling_sys_exit_at_import_is_an_error(tmp_path, monkeypatch, capsys):
+    (tmp_path / "quitter.py").write_text("import sys\nsys.exit(0)\n")
+    config = tmp_path / "train.yaml"
+    config.write_text(GRPO + "reward:\n  class_path: quitter.Reward\n")
+    line = one_error_line(run_script(tmp_path, tmp_path, "validate", "--config", str(config)))
+    assert line.startswith(f"{config}:8:15: reward.class_path: ") and "called sys.exit(0)" in line
+    monkeypatch.chdir(tmp_path)
+    sys.modules.pop("quitter", None)
+    assert run_fw(["fit", "--config", str(config)], capsys) == (2, [line])
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_reward_constructor_that_raises_stops_fit_before_anything_is_written(tmp_path):
+    (tmp_path / "bad_reward.py").write_text(
+        "class Reward:\n    def __init__(self, scale=1.0):\n        raise RuntimeError('no scale today')\n"
+        "    def __call__(self, prompt, completion, metadata):\n        return 0.0\n")
+    config = tmp_path / "train.yaml"
+    config.write_text(GRPO + "run_dir: run\nreward:\n  class_path: bad_reward.Reward\n")
+    line = one_error_line(run_script(tmp_path, tmp_path, "fit", "--config", str(config)))
+    assert line == (f"{config}:9:15: reward.class_path: bad_reward.Reward(**init_args) raised RuntimeError: "
+                    "no scale today")
+    assert not (tmp_path / "run").exists()
+
+
+# ------------------------------------------------------------------ this machine (fit only)
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a CUDA GPU")
+def test_accelerator_gpu_without_a_gpu_is_one_line_at_fit_and_valid_for_validate(tmp_path):
+    config = tmp_path / "train.yaml"
+    config.write_text(GRPO + "run_dir: run\ntrainer:\n  accelerator: gpu\n")
+    proc = run_script(tmp_path, tmp_path, "validate", "--config", str(config))
+    assert proc.returncode == 0, proc.stderr   # a config for a GPU machine, checked on a CPU one
+    line = one_error_line(run_script(tmp_path, tmp_path, "fit", "--config", str(config)))
+    assert line.startswith(f"{config}:9:16: trainer.accelerator: 'gpu' needs a CUDA GPU and this machine has none")
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("strategy, message", [("nope", "unknown strategy 'nope'"),
+                                               ("deepspeed", "'deepspeed' is not supported by fw")])
+def test_strategy_problems_exit_2_at_fit(tmp_path, capsys, strategy, message):
+    config = tmp_path / "train.yaml"
+    config.write_text(GRPO + f"run_dir: {tmp_path / 'run'}\ntrainer:\n  strategy: {strategy}\n")
+    code, lines = run_fw(["fit", "--config", str(config)], capsys)
+    assert code == 2 and len(lines) == 1 and lines[0].startswith(f"{config}:9:13: trainer.strategy: {message}")
+    assert not (tmp_path / "run").exists()
+
+
+# ------------------------------------------------------------------ run_dir
+
+def test_run_dir_below_a_file(tmp_path, capsys):
+    (tmp_path / "taken").write_text("a file\n")
+    config = tmp_path / "train.yaml"
+    config.write_text(GRPO + "run_dir: taken/run\n")
+    assert run_fw(["validate", "--config", str(config)], capsys) == (
+        2, [f"{config}:7:10: run_dir: cannot create {tmp_path}/taken/run: {tmp_path}/taken is a file"])
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only directories")
+def test_run_dir_not_writable(tmp_path, capsys):
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o500)
+    config = tmp_path / "train.yaml"
+    config.write_text(GRPO + "run_dir: locked/run\n")
+    try:
+        code, lines = run_fw(["validate", "--config", str(config)], capsys)
+    finally:
+        locked.chmod(0o700)
+    assert (code, lines) == (2, [f"{config}:7:10: run_dir: cannot create {locked}/run: {locked} is not writable"])
+
+
+# ------------------------------------------------------------------ model directories
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    from framework.models import build_policy, save_pretrained
+    from framework.tokenizer import Tokenizer
+
+    tok = Tokenizer.builtin()
+    path = tmp_path_factory.mktemp("model")
+    policy = build_policy({"path": None, "preset": "tiny", "dtype": None, "gradient_checkpointing": False,
+                           "keep_logits": None, "compile": False}, tok)
+    save_pretrained(policy, path)
+    tok.save_pretrained(path)
+    return path
+
+
+def policy_config(tmp_path: Path, path: Path, extra: str = "") -> Path:
+    config = tmp_path / "train.yaml"
+    config.write_text(f"recipe: grpo\nmodel:\n  policy:\n    path: {path}\ndata:\n  task: {{name: digits}}\n" + extra)
+    return config
+
+
+def test_a_complete_model_directory_is_valid(tmp_path, model_dir, capsys):
+    assert run_fw(["validate", "--config", str(policy_config(tmp_path, model_dir))], capsys) == (0, [])
+
+
+def test_a_missing_model_directory_is_named_as_such(tmp_path, capsys):
+    config = policy_config(tmp_path, tmp_path / "nowhere")
+    code, lines = run_fw(["validate", "--config", str(config)], capsys)
+    assert code == 2 and len(lines) == 1
+    assert lines[0].startswith(f"{config}:4:11: model.policy.path: no such directory: {tmp_path}/nowhere")
+    assert "tokenizer" not in lines[0]
+
+
+@pytest.mark.parametrize("remove, message", [("model.safetensors", "no model.safetensors"),
+                                             ("config.json", "no config.json"),
+                                             ("tokenizer.json", "no tokenizer.json")])
+def test_a_model_directory_missing_a_file(tmp_path, model_dir, capsys, remove, message):
+    copy = tmp_path / "model"
+    copy.mkdir()
+    for f in model_dir.iterdir():
+        if f.name != remove:
+            (copy / f.name).write_bytes(f.read_bytes())
+    config = policy_config(tmp_path, copy)
+    code, lines = run_fw(["validate", "--config", str(config)], capsys)
+    assert code == 2 and len(lines) == 1 and lines[0].startswith(f"{config}:4:11: model.policy.path: ")
+    assert message in lines[0]
+
+
+def test_truncated_weights_and_a_reference_that_is_a_file(tmp_path, model_dir, capsys):
+    copy = tmp_path / "model"
+    copy.mkdir()
+    for f in model_dir.iterdir():
+        (copy / f.name).write_bytes(f.read_bytes()[:40] if f.name == "model.safetensors" else f.read_bytes())
+    config = tmp_path / "train.yaml"
+    config.write_text(f"recipe: grpo\nmodel:\n  policy:\n    path: {copy}\n  reference:\n    path: x.txt\n"
+                      "data:\n  task: {name: digits}\n")
+    (tmp_path / "x.txt").write_text("not a model\n")
+    code, lines = run_fw(["validate", "--config", str(config)], capsys)
+    assert code == 2 and len(lines) == 2, lines
+    assert lines[0].startswith(f"{config}:4:11: model.policy.path: {copy}/model.safetensors: not a readable")
+    assert lines[1].startswith(f"{config}:6:11: model.reference.path: {tmp_path}/x.txt is a file")
+
+
+def test_grpo_math_as_shipped_says_where_the_model_should_be(capsys):
+    code, lines = run_fw(["validate", "--config", str(ROOT / "recipes" / "grpo_math.yaml")], capsys)
+    if (ROOT / "models" / "Qwen3-0.6B").is_dir():
+        pytest.skip("a model directory is installed")
+    assert code == 2 and len(lines) == 1
+    assert lines[0].startswith(f"{ROOT / 'recipes' / 'grpo_math.yaml'}:18:11: model.policy.path: no such directory: "
+                               f"{ROOT / 'models' / 'Qwen3-0.6B'}")
+    assert "NOT RUNNABLE AS SHIPPED" in (ROOT / "recipes" / "grpo_math.yaml").read_text()
+
+
+# ------------------------------------------------------------------ paths relative to the config file
+
+def test_paths_resolve_against_the_config_file_and_overrides_against_the_cwd(tmp_path, monkeypatch, capsys):
+    project = tmp_path / "project"
+    (project / "data").mkdir(parents=True)
+    (project / "data" / "chat.jsonl").write_text('{"prompt": "a", "completion": "b"}\n')
+    config = project / "sft.yaml"
+    config.write_text("recipe: sft\nmodel:\n  policy:\n    preset: tiny\ndata:\n  path: data/chat.jsonl\n"
+                      "run_dir: ../runs/sft\n")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    cfg = load_config([str(config)], [])
+    assert cfg["data"]["path"] == str(project / "data" / "chat.jsonl")
+    assert cfg["run_dir"] == str(tmp_path / "runs" / "sft")
+    assert load_config([str(config)], ["--run_dir=out"])["run_dir"] == str(elsewhere / "out")
+    assert run_fw(["validate", "--config", str(config)], capsys) == (0, [])
+    # a list of files, one written in a second config in another directory
+    other = tmp_path / "other"
+    (other / "more").mkdir(parents=True)
+    (other / "more" / "x.jsonl").write_text('{"prompt": "c", "completion": "d"}\n')
+    (other / "top.yaml").write_text("data:\n  path: [more/x.jsonl, ~/y.jsonl]\n")
+    cfg = load_config([str(config), str(other / "top.yaml")], [])
+    assert cfg["data"]["path"] == [str(other / "more" / "x.jsonl"), os.path.expanduser("~/y.jsonl")]
+
+
+def test_the_shipped_sft_recipe_validates_from_any_directory(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert run_fw(["validate", "--config", str(ROOT / "recipes" / "sft.yaml")], capsys) == (0, [])
+    assert load_config([str(ROOT / "recipes" / "sft.yaml")], [])["run_dir"] == str(ROOT / "runs" / "arith-sft")
+
+
+# ------------------------------------------------------------------ many problems
+
+def test_thousands_of_unknown_keys_are_reported_briefly_in_linear_time(tmp_path, capsys):
+    config = tmp_path / "train.yaml"
+    config.write_text(GRPO + "".join(f"k{i}: 1\n" for i in range(8000)))
+    start = time.perf_counter()
+    code, lines = run_fw(["validate", "--config", str(config)], capsys)
+    assert time.perf_counter() - start < 20   # quadratic merging took minutes here
+    assert code == 2 and len(lines) == MAX_PROBLEMS + 1
+    assert lines[0] == f"{config}:7:1: k0: unknown key 'k0' (allowed here: " + lines[0].split("(allowed here: ")[1]
+    assert lines[-1] == f"{config}: {8000 - MAX_PROBLEMS} more problems not shown; fix these first"
+
+
+# ------------------------------------------------------------------ fw doctor / fw ops build
+
+def fake_toolkit(tmp_path: Path, script: str) -> dict:
+    """A CUDA_HOME-shaped folder whose bin/nvcc is `script`; the environment that finds it first on PATH."""
+    nvcc = tmp_path / "cuda" / "bin" / "nvcc"
+    nvcc.parent.mkdir(parents=True)
+    nvcc.write_text("#!/bin/sh\n" + script)
+    nvcc.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k not in ("CUDA_HOME", "CUDA_PATH")}
+    return {**env, "PATH": f"{nvcc.parent}{os.pathsep}{env['PATH']}", "PYTHONPATH": str(ROOT)}
+
+
+def doctor_line(env: dict) -> str:
+    proc = subprocess.run([sys.executable, "-m", "framework", "doctor"], env=env, capture_output=True, text=True,
+                          timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr
+    return next(line for line in proc.stdout.splitlines() if line.startswith("CUDA toolkit (nvcc): "))
+
+
+@pytest.mark.parametrize("script, says", [
+    ("echo 'cannot find libcudart' >&2\nexit 3\n", "--version exits with 3: cannot find libcudart"),
+    ("echo 'hello'\n", "--version names no CUDA release: it is not a working nvcc"),
+])
+def test_doctor_does_not_trust_a_broken_nvcc(tmp_path, script, says):
+    line = doctor_line(fake_toolkit(tmp_path, script))
+    assert line == f"CUDA toolkit (nvcc): {tmp_path / 'cuda'} (unusable: {tmp_path / 'cuda' / 'bin' / 'nvcc'} {says})"
+
+
+@pytest.mark.skipif(torch.version.cuda is not None, reason="the CPU-only torch case")
+def test_doctor_says_a_working_nvcc_cannot_serve_a_cpu_torch(tmp_path):
+    line = doctor_line(fake_toolkit(tmp_path, "echo 'Cuda compilation tools, release 12.4, V12.4.131'\n"))
+    assert line.endswith(f"(unusable: nvcc is CUDA 12.4, but torch {torch.__version__} is a CPU-only build)")
+
+
+def test_ops_build_without_cuda_is_one_line(tmp_path):
+    env = fake_toolkit(tmp_path, "echo 'Cuda compilation tools, release 12.4, V12.4.131'\n")
+    proc = subprocess.run([sys.executable, "-m", "framework", "ops", "build"], env=env, capture_output=True,
+                          text=True, timeout=300, check=False)
+    if torch.cuda.is_available():
+        pytest.skip("a machine with CUDA builds the ops")
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert proc.stderr.startswith("fw: error: cannot build the CUDA ops: ")
