@@ -89,6 +89,16 @@ def optimizer_problems(cfg: dict, world_size: int | None = None) -> list[str]:
     return problems
 
 
+def allow_optimizer_states(cfg: dict) -> None:
+    """Let a weights-only `torch.load` of a checkpoint rebuild the optimizer states of `cfg`'s kind:
+    `adamw8bit` holds its moments as torchao's `OptimState8bit` tensors. Call it before the load."""
+    if cfg["optimizer"]["name"] == "adamw8bit" and importlib.util.find_spec("torchao") is not None:
+        _torchao_optim()
+        from torchao.optim.subclass_8bit import OptimState8bit
+
+        torch.serialization.add_safe_globals([OptimState8bit])
+
+
 def build_optimizer(model: torch.nn.Module, settings: dict, cfg: dict) -> torch.optim.Optimizer:
     """The optimizer of one role over `model`'s trainable parameters: `lr` and `weight_decay` from
     `settings` (the role's config section), the kind, betas and eps from `optimizer:`."""

@@ -9,6 +9,7 @@ inductor cache, seconds on a warm one). The tests share shapes with the tiny pre
 import io
 import math
 import os
+import pickle
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +19,7 @@ import torch
 from safetensors.torch import load_file
 
 from framework.callbacks import Callback
+from framework.checkpoint import AtomicCheckpointIO
 from framework.config import resolve
 from framework.metrics import read_metrics
 from framework.optim import build_optimizer, optimizer_problems
@@ -225,6 +227,20 @@ def test_resumed_run_equals_uninterrupted(tmp_path, chats, optimizer, bf16):
     assert same_state(saved["optimizer_states"][0], loaded)
     kinds = {type(s["exp_avg"]).__name__ for s in loaded["state"].values()}
     assert kinds == ({"OptimState8bit", "Tensor"} if "name" in optimizer else {"Tensor"})
+    if "name" in optimizer:
+        # `fw fit --resume` in a fresh process loads the checkpoint before torchao is imported: the loader
+        # itself allows the 8-bit state class for the weights-only torch.load.
+        cfg = sft(tmp_path / "broken", chats, optimizer, 6, bf16=bf16)
+        allowed = torch.serialization.get_safe_globals()
+        torch.serialization.clear_safe_globals()
+        try:
+            with pytest.raises(pickle.UnpicklingError, match="OptimState8bit"):
+                torch.load(tmp_path / "broken/checkpoints/step-000003/trainer_state.pt")
+            reloaded = AtomicCheckpointIO(cfg).load_checkpoint(tmp_path / "broken/checkpoints/step-000003")
+            assert same_state(reloaded["optimizer_states"][0], saved["optimizer_states"][0])
+        finally:
+            torch.serialization.clear_safe_globals()
+            torch.serialization.add_safe_globals(allowed)
 
     def final(run):
         return load_file(str(tmp_path / run / "checkpoints/step-000006/policy/model.safetensors"))
