@@ -27,7 +27,7 @@ from framework.callbacks import fire
 from framework.errors import FwError
 from framework.metrics import StepMetrics
 from framework.models.hf_layout import HfLayout
-from framework.optim import adamw
+from framework.optim import build_optimizer, optimizer_problems
 from framework.recipe import OptimizerRole, recipe_class
 from framework.rng import choose_rng_state, gather_rng_states, rng_state, set_rng_state
 from framework.schedule import LRSchedule
@@ -161,10 +161,13 @@ class FwModule(lightning.LightningModule):
 
     def configure_optimizers(self):
         s = self.cfg["scheduler"]
+        problems = optimizer_problems(self.cfg, self.trainer.world_size if self._trainer is not None else None)
+        if problems:
+            raise FwError("\n".join(problems))
         optimizers = []
         for role in self.requirements.optimizers:
             model = self.policy if role.model == "policy" else self.value
-            optimizer = adamw(model, self._settings[role.name], self.cfg)
+            optimizer = build_optimizer(model, self._settings[role.name], self.cfg)
             self._optimizer_of[role.name] = optimizer
             optimizers.append(optimizer)
         schedule = LRSchedule(s["name"], s["warmup_steps"], self.cfg["trainer"]["max_steps"], s["min_lr_ratio"])

@@ -1,22 +1,194 @@
-"""The optimizers: AdamW per optimizer role, with weight decay on matrices only."""
+"""The optimizers: one builder for every optimizer role (the policy, PPO's critic), from `optimizer:`.
+
+`optimizer.name: adamw` is torch's AdamW; `adamw8bit`, `stochastic_rounding` and `cpu_offload` select
+torchao's (the `lean` extra, imported only when asked for): `AdamW8bit` keeps both moments in 8 bits
+with block-wise scales, `_AdamW(bf16_stochastic_round=True)` (or `AdamW8bit` with it) computes the AdamW
+step in float32 and rounds it into the bfloat16 weights stochastically, and `CPUOffloadOptimizer` keeps
+the chosen optimizer's states and step on the CPU. Every variant gets the same parameter groups (no
+weight decay on 1-D parameters), betas, eps, lr and weight decay.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import importlib.util
+import logging
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
 import torch
 
+from framework.errors import FwError
 
-def adamw(model: torch.nn.Module, settings: dict, cfg: dict) -> torch.optim.AdamW:
-    """AdamW over `model`'s trainable parameters: `lr` and `weight_decay` from `settings` (the role's config
-    section), betas, eps and fused from `optimizer:`."""
+LEAN_INSTALL = "pip install 'fw[lean]'"
+
+
+def _lean_keys(o: dict) -> list[str]:
+    """The `optimizer:` settings that need torchao, as `key: value`."""
+    return [key for key, on in (("optimizer.name: adamw8bit", o["name"] == "adamw8bit"),
+                                ("optimizer.stochastic_rounding: true", o["stochastic_rounding"]),
+                                ("optimizer.cpu_offload: true", o["cpu_offload"])) if on]
+
+
+def _uses_torchao_step(o: dict) -> bool:
+    return o["name"] == "adamw8bit" or o["stochastic_rounding"]
+
+
+def _weights_dtype(cfg: dict) -> str:
+    """The dtype the trained weights have when the optimizer steps (Lightning's `-true` precisions
+    convert the module; the others keep `model.policy.dtype`)."""
+    converted = {"bf16-true": "bfloat16", "16-true": "float16", "64-true": "float64"}
+    return converted.get(cfg["trainer"]["precision"], cfg["model"]["policy"]["dtype"] or "float32")
+
+
+def _cuda(t: dict) -> bool:
+    return t["accelerator"] in ("gpu", "cuda") or (t["accelerator"] == "auto" and torch.cuda.is_available())
+
+
+def _processes(t: dict) -> int:
+    """How many training processes the `trainer:` section asks for (Lightning's count for CUDA)."""
+    devices = t["devices"]
+    if isinstance(devices, list):
+        per_node = len(devices)
+    elif devices in ("auto", -1):
+        per_node = torch.cuda.device_count() if _cuda(t) else 1
+    else:
+        per_node = int(devices)
+    return per_node * t["num_nodes"]
+
+
+def optimizer_problems(cfg: dict, world_size: int | None = None) -> list[str]:
+    """What keeps the `optimizer:` settings of a resolved config from running, one `key: message` line
+    each (empty: they run). `world_size`, when known, replaces the process count read from `trainer:`."""
+    o, t = cfg["optimizer"], cfg["trainer"]
+    problems = []
+    lean = _lean_keys(o)
+    if lean and importlib.util.find_spec("torchao") is None:
+        problems.append(f"{lean[0]} needs torchao: {LEAN_INSTALL}")
+    if o["stochastic_rounding"] and _weights_dtype(cfg) != "bfloat16":
+        problems.append(f"optimizer.stochastic_rounding: true rounds bfloat16 weights, but they are "
+                        f"{_weights_dtype(cfg)} here; set model.policy.dtype: bfloat16 or trainer.precision: "
+                        "bf16-true")
+    if o["fused"] is True and _uses_torchao_step(o):
+        problems.append("optimizer.fused: true selects torch AdamW's fused kernel, but optimizer.name: adamw8bit "
+                        "and optimizer.stochastic_rounding: true run torchao's own compiled step; use auto or false")
+    if o["cpu_offload"]:
+        if not _cuda(t):
+            problems.append("optimizer.cpu_offload: true moves the optimizer states from a CUDA GPU to the CPU, "
+                            "but this run has no CUDA GPU (trainer.accelerator: "
+                            f"{t['accelerator']}{'' if t['accelerator'] == 'cpu' else ', none visible'})")
+        elif (world_size if world_size is not None else _processes(t)) > 1:
+            problems.append("optimizer.cpu_offload: true runs in a single process only (the offloaded step reads "
+                            "each GPU's own gradients, before they are averaged over processes); set "
+                            "trainer.devices: 1 and trainer.num_nodes: 1")
+        if t["precision"] == "16-mixed":
+            problems.append("optimizer.cpu_offload: true cannot be combined with trainer.precision: 16-mixed (the "
+                            "loss scaler would unscale the host copies of the gradients); use bf16-mixed or bf16-true")
+    return problems
+
+
+def allow_optimizer_states(cfg: dict) -> None:
+    """Let a weights-only `torch.load` of a checkpoint rebuild the optimizer states of `cfg`'s kind:
+    `adamw8bit` holds its moments as torchao's `OptimState8bit` tensors. Call it before the load."""
+    if cfg["optimizer"]["name"] == "adamw8bit" and importlib.util.find_spec("torchao") is not None:
+        _torchao_optim()
+        from torchao.optim.subclass_8bit import OptimState8bit
+
+        torch.serialization.add_safe_globals([OptimState8bit])
+
+
+def build_optimizer(model: torch.nn.Module, settings: dict, cfg: dict) -> torch.optim.Optimizer:
+    """The optimizer of one role over `model`'s trainable parameters: `lr` and `weight_decay` from
+    `settings` (the role's config section), the kind, betas and eps from `optimizer:`."""
     o = cfg["optimizer"]
     params = [p for p in model.parameters() if p.requires_grad]
-    fused = o["fused"]
-    if fused == "auto":
-        # Not under 16-mixed: Lightning leaves unscaling to a fused optimizer's step, which comes after
-        # fw's clipping and grad-norm metric (they need unscaled gradients).
-        fused = all(p.device.type == "cuda" for p in params) and cfg["trainer"]["precision"] != "16-mixed"
     # Norms' gains (and any bias) are not decayed.
     groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": settings["weight_decay"]},
               {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
-    return torch.optim.AdamW([g for g in groups if g["params"]], lr=settings["lr"], betas=tuple(o["betas"]),
-                             eps=o["eps"], fused=bool(fused))
+    groups = [g for g in groups if g["params"]]
+    kwargs: dict[str, Any] = {"lr": settings["lr"], "betas": tuple(o["betas"]), "eps": o["eps"]}
+    if _uses_torchao_step(o):
+        optim = _torchao_optim()
+        cls = optim.AdamW8bit if o["name"] == "adamw8bit" else optim._AdamW
+        kwargs["bf16_stochastic_round"] = o["stochastic_rounding"]
+    else:
+        cls = torch.optim.AdamW
+        kwargs["fused"] = _fused(o["fused"], params, cfg)
+    if o["cpu_offload"]:
+        return _offloaded_class()(groups, optimizer_class=cls, **kwargs)
+    return cls(groups, **kwargs)
+
+
+def _fused(fused: bool | str, params: list[torch.Tensor], cfg: dict) -> bool:
+    if fused != "auto":
+        return bool(fused)
+    if cfg["optimizer"]["cpu_offload"]:
+        return True   # the offloaded step runs on the CPU, where torch has a fused AdamW too
+    # Not under 16-mixed: Lightning leaves unscaling to a fused optimizer's step, which comes after fw's
+    # clipping and grad-norm metric (they need unscaled gradients).
+    return all(p.device.type == "cuda" for p in params) and cfg["trainer"]["precision"] != "16-mixed"
+
+
+@contextlib.contextmanager
+def _quiet(*loggers: str) -> Iterator[None]:
+    """Raise `loggers` to ERROR for the duration."""
+    saved = {name: logging.getLogger(name).level for name in loggers}
+    for name in loggers:
+        logging.getLogger(name).setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for name, level in saved.items():
+            logging.getLogger(name).setLevel(level)
+
+
+@functools.cache
+def _torchao_optim() -> Any:
+    """`torchao.optim`, or an FwError naming the setting that needs it.
+
+    The import is quiet: torchao logs a warning for each of its C++ extensions that does not load
+    against this torch build (they hold quantization kernels; its optimizers are Python and
+    torch.compile), and torch's pytree module logs a deprecation for one of torchao's registrations.
+    torch warns once per process that torchao's state tensor subclass has no stable hash for the AOT
+    autograd cache; the compiled step then runs uncached, correctly.
+    """
+    try:
+        with _quiet("torchao", "torch.utils._pytree"):
+            import torchao.optim
+    except ImportError as e:
+        raise FwError(f"torchao does not import ({e}); the lean optimizers need it: {LEAN_INSTALL}") from e
+    warnings.filterwarnings("ignore", message=r".*does not implement _stable_hash_for_caching", category=UserWarning)
+    return torchao.optim
+
+
+@functools.cache
+def _offloaded_class() -> type:
+    """torchao's CPUOffloadOptimizer with what Lightning and fw's clipping read from an optimizer."""
+    base = _torchao_optim().CPUOffloadOptimizer
+
+    class OffloadedOptimizer(base):
+        """CPUOffloadOptimizer whose `param_groups` (the host copies of the large parameters and the
+        on-device small ones) hold finished gradients, with the `state` and `defaults` that Lightning
+        expects of an optimizer (torchao's class skips `Optimizer.__init__`)."""
+
+        @property
+        def param_groups(self) -> list[dict]:
+            # Backward hooks copy the gradients to the host on a side stream; clipping and the grad-norm
+            # metric read them through param_groups before the step would wait for them.
+            self.stream.synchronize()
+            return super().param_groups
+
+        @property
+        def state(self) -> dict:
+            # Lightning moves `optimizer.state` to the GPU after loading a checkpoint: only the on-device
+            # optimizer's states belong there, the offloaded ones stay in CPU memory.
+            return self.d_opt.state if self.d_opt is not None else {}
+
+        @property
+        def defaults(self) -> dict:
+            inner = self.d_opt if self.d_opt is not None else next(iter(self.optim_dict.values()))
+            return inner.defaults
+
+    return OffloadedOptimizer

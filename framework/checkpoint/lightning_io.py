@@ -18,6 +18,7 @@ from framework.checkpoint.store import (
     refuse_existing_checkpoints,
     step_dir_name,
 )
+from framework.optim import allow_optimizer_states
 
 
 class AtomicCheckpointIO(CheckpointIO):
@@ -32,6 +33,7 @@ class AtomicCheckpointIO(CheckpointIO):
         write_checkpoint_dir(checkpoint, path, self.cfg)
 
     def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: bool | None = None) -> dict:
+        allow_optimizer_states(self.cfg)   # torchao's 8-bit state tensors, for a weights-only load
         return read_checkpoint_dir(
             path, map_location=map_location, weights_only=weights_only, verify=self.cfg["checkpoint"]["verify"]
         )
