@@ -252,7 +252,12 @@ class _Checks:
 
     # ------------------------------------------------------------------ combinations
     def combinations(self) -> None:
+        from framework.optim import optimizer_problems
+
         cfg = self.cfg
+        for problem in optimizer_problems(cfg):   # each line starts with the key it names
+            key, _, message = problem.partition(": ")
+            self.add(tuple(key.split(".")), message)
         if self.recipe not in RL_RECIPES:
             return
         temperature = cfg["rollout"]["temperature"]
