@@ -160,13 +160,18 @@ def _finite(tensors: list[torch.Tensor]) -> bool:
     return bool(torch.stack([t.isfinite().all() for t in tensors]).all()) if tensors else True
 
 
+def _grads(optimizer: Any) -> list[torch.Tensor]:
+    return [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+
+
 class StopOnNonFinite(Callback):
     """Stops the run (FwError, exit 2) at the first non-finite loss, gradient or weight.
 
-    The loss is checked before each backward, the gradients of every optimizer after clipping (a
-    non-finite norm leaves NaN there) and the weights after each step, so a step that diverges raises
-    before its batch ends and no checkpoint of it is written: the newest checkpoint is the last good
-    one. Under `16-mixed` the gradients are left to the loss scaler, which skips steps with infinite
+    The loss is checked before each backward; the policy's gradients before clipping, by their norm
+    (clipping an infinite norm would zero them); other optimizers' gradients after clipping, where a
+    non-finite norm leaves NaN; every optimizer's weights after its step. A step that diverges raises
+    before its batch ends, so no checkpoint of it is written and the newest checkpoint is the last good
+    one. Under `16-mixed` gradients are left to the loss scaler, which skips steps with infinite
     gradients by design.
     """
 
@@ -176,24 +181,33 @@ class StopOnNonFinite(Callback):
     @staticmethod
     def _stop(module: lightning.LightningModule, what: str) -> None:
         steps = getattr(module, "policy_version", None)
-        raise FwError(f"{what} after {steps} policy steps: the run has diverged and stops; the newest checkpoint "
-                      "is from before it (lower optimizer.lr, keep optimizer.max_grad_norm set, or use bf16 "
-                      "instead of fp16)")
+        raise FwError(f"{what} after {steps} policy steps: the run has diverged; it stops without saving this "
+                      "step, so every checkpoint holds finite weights (lower optimizer.lr, keep "
+                      "optimizer.max_grad_norm set, or use bf16 instead of fp16)")
+
+    @staticmethod
+    def _role(module: lightning.LightningModule, optimizer: Any) -> str:
+        return module.optimizer_role(optimizer) if hasattr(module, "optimizer_role") else "policy"
 
     def on_before_backward(self, trainer: lightning.Trainer, module: lightning.LightningModule,
                            loss: torch.Tensor) -> None:
         if not bool(loss.detach().isfinite().all()):
             self._stop(module, f"the loss is {loss.detach().float().sum().item()}")
 
-    def _role(self, module: lightning.LightningModule, optimizer: Any) -> str:
-        return module.optimizer_role(optimizer) if hasattr(module, "optimizer_role") else "policy"
+    def on_before_optimizer_step(self, trainer: lightning.Trainer, module: lightning.LightningModule,
+                                 optimizer: Any) -> None:
+        # Lightning calls this for the optimizers it steps (the policy's) before the module clips
+        grads = _grads(optimizer)
+        if self.check_gradients and grads:
+            norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.detach()) for g in grads]))
+            if not bool(norm.isfinite()):
+                self._stop(module, f"the {self._role(module, optimizer)} gradient's norm is {norm.item()}")
 
     def before_optimizer_step(self, trainer: lightning.Trainer, module: lightning.LightningModule,
                               optimizer: Any) -> None:
-        if self.check_gradients:
-            grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-            if not _finite(grads):
-                self._stop(module, f"a {self._role(module, optimizer)} gradient is not finite")
+        role = self._role(module, optimizer)
+        if self.check_gradients and role != "policy" and not _finite(_grads(optimizer)):
+            self._stop(module, f"a {role} gradient is not finite")
 
     def after_optimizer_step(self, trainer: lightning.Trainer, module: lightning.LightningModule,
                              optimizer: Any) -> None:
