@@ -1,8 +1,11 @@
 """Built-in rewards, the countdown expression checker, user rewards and the on_error policy."""
 import logging
 import math
+import re
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -368,3 +371,17 @@ def test_rewards_run_on_a_helper_thread_only_when_timed():
 
     with pytest.raises(FwError, match="returned 0 values for 1 samples"):
         score_rollout(Short(), ["p"], ["c"], [{}], {**RAISE, "timeout_s": 10})
+
+
+def test_the_readme_reward_example_scores_a_rollout(tmp_path, monkeypatch):
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    section = readme.split("## Rewards and tasks", 1)[1].split("\n## ", 1)[0]
+    (tmp_path / "my_readme_reward.py").write_text(re.search(r"```python\n(.*?)```", section, re.DOTALL).group(1))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        reward = build_reward({"name": None, "class_path": "my_readme_reward.LengthPenalty", "init_args": {"budget": 2},
+                               "on_error": "raise"})
+    finally:
+        sys.modules.pop("my_readme_reward", None)
+    rewards, errors = score_rollout(reward, ["3="] * 3, ["4", "5", "4   "], [meta("4")] * 3, RAISE)
+    assert errors == 0 and rewards.tolist() == pytest.approx([1.0, 0.0, 1.0 - 0.01 * 2])   # "4   ": 2 past the budget
