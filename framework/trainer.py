@@ -152,10 +152,10 @@ def fit(cfg: dict, resume: str | None = None) -> lightning.Trainer:
             stack.enter_context(RunLock(run_dir))
         lightning.seed_everything(cfg["seed"], workers=True, verbose=False)
         ckpt_path = resolve_resume(resume, run_dir)
+        if ckpt_path is None:
+            refuse_earlier_metrics(run_dir)   # on every rank, so that all of them stop together
         if rank0:
-            if ckpt_path is None:
-                refuse_earlier_metrics(run_dir)
-            else:
+            if ckpt_path is not None:
                 print(f"fw: resuming from {ckpt_path}", file=sys.stderr)
             save_resolved(cfg, run_dir / "config.yaml")
         stack.enter_context(quiet_lightning())
