@@ -2,9 +2,9 @@
 
 Order around each optimizer step (automatic and manual optimization, every optimizer):
 gradients final -> clipped -> `before_optimizer_step` -> `optimizer.step()` -> `after_optimizer_step`
--> LR scheduler stepped (policy). Accumulation micro-steps fire nothing. At the end of the batch the
-metrics are logged (`MetricsLogger`, every `log_every_n_steps`), then user callbacks' and the
-checkpoint callback's `on_train_batch_end` run, in that order.
+-> LR scheduler stepped (policy). Accumulation micro-steps fire nothing. At the end of the batch a stop
+request is taken (`StopOnSignal`), the metrics are logged (`MetricsLogger`, every `log_every_n_steps`),
+then user callbacks' and the checkpoint callback's `on_train_batch_end` run, in that order.
 """
 
 from __future__ import annotations
@@ -12,11 +12,13 @@ from __future__ import annotations
 from typing import Any
 
 import lightning
+import torch
 from lightning.pytorch.callbacks import TQDMProgressBar
 from lightning.pytorch.callbacks.progress.tqdm_progress import convert_inf
 
 from framework.cadence import crossed
 from framework.errors import FwError
+from framework.signals import StopSignals
 
 
 class Callback(lightning.Callback):
@@ -69,6 +71,13 @@ class ProgressBar(TQDMProgressBar):
         metrics = getattr(module, "last_metrics", {})
         return {k: f"{metrics[k]:.4g}" for k in self.SHOWN if k in metrics}
 
+    def on_exception(self, trainer: lightning.Trainer, module: lightning.LightningModule,
+                     exception: BaseException) -> None:
+        # tqdm leaves its line open; closing it ends the line, so the error that follows starts its own
+        bar = self._train_progress_bar
+        if bar is not None:
+            bar.close()
+
 
 class LearningRateMonitor(Callback):
     """Logs each optimizer's learning rate as used by the step: `lr` (policy), `critic_lr` (PPO critic).
@@ -116,10 +125,103 @@ class MetricsLogger(lightning.Callback):
             self.logged_step = step
 
 
-def builtin_callbacks(cfg: dict) -> list[lightning.Callback]:
-    """Metrics logging, learning-rate monitor and the progress bar (when enabled), in that order;
-    the trainer adds user callbacks and checkpointing after these."""
-    out: list[lightning.Callback] = [MetricsLogger(cfg["trainer"]["log_every_n_steps"]), LearningRateMonitor()]
+class StopOnSignal(lightning.Callback):
+    """Ends training at the end of the step in progress once a signal asked to stop (framework/signals.py).
+
+    It sets `trainer.should_stop` only in a batch where the policy step advanced, never in the middle of
+    gradient accumulation, so the checkpoint callback, which runs later in the same batch, saves a step
+    an uninterrupted run also passes through. Under several processes the request of any rank stops
+    every rank at the same step (one small all-reduce per step).
+    """
+
+    def __init__(self, stop: StopSignals):
+        self.stop = stop
+        self._step = 0
+
+    def on_train_start(self, trainer: lightning.Trainer, module: lightning.LightningModule) -> None:
+        self.stop.start_training()   # after Lightning installed its SIGTERM handler, which this replaces
+        self._step = trainer.global_step
+
+    def on_train_batch_end(self, trainer: lightning.Trainer, module: lightning.LightningModule, outputs: Any,
+                           batch: Any, batch_idx: int) -> None:
+        if trainer.global_step == self._step:
+            return
+        self._step = trainer.global_step
+        signum = self.stop.signum or 0
+        if trainer.world_size > 1:
+            flag = torch.tensor(signum, device=trainer.strategy.root_device)
+            signum = int(trainer.strategy.reduce(flag, reduce_op="max"))
+        if signum:
+            self.stop.request(signum)
+            trainer.should_stop = True
+
+
+def _finite(tensors: list[torch.Tensor]) -> bool:
+    return bool(torch.stack([t.isfinite().all() for t in tensors]).all()) if tensors else True
+
+
+def _grads(optimizer: Any) -> list[torch.Tensor]:
+    return [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+
+
+class StopOnNonFinite(Callback):
+    """Stops the run (FwError, exit 2) at the first non-finite loss, gradient or weight.
+
+    The loss is checked before each backward; the policy's gradients before clipping, by their norm
+    (clipping an infinite norm would zero them); other optimizers' gradients after clipping, where a
+    non-finite norm leaves NaN; every optimizer's weights after its step. A step that diverges raises
+    before its batch ends, so no checkpoint of it is written and the newest checkpoint is the last good
+    one. Under `16-mixed` gradients are left to the loss scaler, which skips steps with infinite
+    gradients by design.
+    """
+
+    def __init__(self, precision: str):
+        self.check_gradients = precision != "16-mixed"
+
+    @staticmethod
+    def _stop(module: lightning.LightningModule, what: str) -> None:
+        steps = getattr(module, "policy_version", None)
+        raise FwError(f"{what} after {steps} policy steps: the run has diverged; it stops without saving this "
+                      "step, so every checkpoint holds finite weights (lower optimizer.lr, keep "
+                      "optimizer.max_grad_norm set, or use bf16 instead of fp16)")
+
+    @staticmethod
+    def _role(module: lightning.LightningModule, optimizer: Any) -> str:
+        return module.optimizer_role(optimizer) if hasattr(module, "optimizer_role") else "policy"
+
+    def on_before_backward(self, trainer: lightning.Trainer, module: lightning.LightningModule,
+                           loss: torch.Tensor) -> None:
+        if not bool(loss.detach().isfinite().all()):
+            self._stop(module, f"the loss is {loss.detach().float().sum().item()}")
+
+    def on_before_optimizer_step(self, trainer: lightning.Trainer, module: lightning.LightningModule,
+                                 optimizer: Any) -> None:
+        # Lightning calls this for the optimizers it steps (the policy's) before the module clips
+        grads = _grads(optimizer)
+        if self.check_gradients and grads:
+            norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.detach()) for g in grads]))
+            if not bool(norm.isfinite()):
+                self._stop(module, f"the {self._role(module, optimizer)} gradient's norm is {norm.item()}")
+
+    def before_optimizer_step(self, trainer: lightning.Trainer, module: lightning.LightningModule,
+                              optimizer: Any) -> None:
+        role = self._role(module, optimizer)
+        if self.check_gradients and role != "policy" and not _finite(_grads(optimizer)):
+            self._stop(module, f"a {role} gradient is not finite")
+
+    def after_optimizer_step(self, trainer: lightning.Trainer, module: lightning.LightningModule,
+                             optimizer: Any) -> None:
+        if not _finite([p.detach() for g in optimizer.param_groups for p in g["params"]]):
+            self._stop(module, f"a {self._role(module, optimizer)} weight is not finite")
+
+
+def builtin_callbacks(cfg: dict, stop: StopSignals | None = None) -> list[lightning.Callback]:
+    """The stop request (when `stop` is given), the non-finite check, metrics logging, learning-rate
+    monitor and the progress bar (when enabled), in that order; the trainer adds user callbacks and
+    checkpointing after these."""
+    out: list[lightning.Callback] = [] if stop is None else [StopOnSignal(stop)]
+    out += [StopOnNonFinite(cfg["trainer"]["precision"]), MetricsLogger(cfg["trainer"]["log_every_n_steps"]),
+            LearningRateMonitor()]
     if cfg["trainer"]["enable_progress_bar"]:
         out.append(ProgressBar())
     return out

@@ -2,7 +2,8 @@
 
 Commands that read a config take `--config FILE` (repeatable, merged left to right) and dotted
 overrides `--section.key=value`. User errors print one line each on stderr and exit with code 2;
-`--debug` (or FW_DEBUG=1) adds the traceback. Each command imports only what it needs.
+`--debug` (or FW_DEBUG=1) adds the traceback. `fw fit` stopped by SIGTERM / SIGINT exits with 143 / 130
+after saving its step (framework/signals.py). Each command imports only what it needs.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import traceback
 
 from framework.config import dump_config, load_config, schema_path, schema_text
 from framework.errors import ConfigError, FwError
+from framework.signals import Stopped
 
 # Commands whose leftover `--a.b=v` arguments are config overrides.
 _WITH_CONFIG = ("fit", "validate", "print-config", "generate", "plan")
@@ -147,6 +149,11 @@ def _run(args: argparse.Namespace, overrides: list[str]) -> int:
     return 0
 
 
+def _one_line(message: str) -> str:
+    """A message as one line: lines after the first (a wrapped error's own report) joined with "; "."""
+    return "; ".join(line.strip() for line in message.splitlines() if line.strip())
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run `fw` with `argv` (default: sys.argv[1:]); returns the exit code."""
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -170,8 +177,13 @@ def main(argv: list[str] | None = None) -> int:
             for problem in e.problems:
                 print(problem, file=sys.stderr)
         else:
-            print(f"fw: error: {e}", file=sys.stderr)
+            print(f"fw: error: {_one_line(str(e))}", file=sys.stderr)
         return 2
+    except Stopped as e:   # SIGTERM / SIGINT during fit: the step finished and was saved
+        if debug:
+            traceback.print_exc()
+        print(f"fw: {e}", file=sys.stderr)
+        return e.exit_code
     except KeyboardInterrupt:
         if debug:
             traceback.print_exc()

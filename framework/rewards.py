@@ -27,6 +27,8 @@ import math
 import numbers
 import operator
 import re
+import threading
+import time
 from collections import Counter
 from collections.abc import Callable
 from fractions import Fraction
@@ -347,23 +349,97 @@ def _check_value(value: Any) -> float:
     return value
 
 
+class _Calls:
+    """Which reward call the scoring thread is in and since when (what the timeout measures)."""
+
+    def __init__(self) -> None:
+        self.current: tuple[str, int | None, float] = ("batch()", None, time.monotonic())
+
+    def enter(self, what: str, sample: int | None) -> None:
+        self.current = (what, sample, time.monotonic())   # one tuple: read whole by the waiting thread
+
+
+def _timed(work: Callable[[], Any], calls: _Calls, timeout_s: float | None, describe: Callable[[int], str]) -> Any:
+    """``work()`` on a helper thread, stopped with ``FwError`` when one reward call in it outlasts ``timeout_s``.
+
+    A Python call cannot be cancelled: a timed-out call is left running on its daemon thread, which
+    ends with the process. ``timeout_s=None`` runs ``work`` on the calling thread.
+    """
+    if timeout_s is None:
+        return work()
+    outcome: dict[str, Any] = {}
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            outcome["value"] = work()
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread, which raises it
+            outcome["error"] = exc
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name="fw-reward", daemon=True).start()
+    while True:
+        what, sample, started = calls.current
+        if done.wait(max(started + timeout_s - time.monotonic(), 0.0) + 0.01):
+            break
+        if calls.current[2] == started and time.monotonic() - started >= timeout_s:
+            where = f"; {describe(sample)}" if sample is not None else ""
+            raise FwError(f"reward {what} did not return within reward.timeout_s = {timeout_s:g} s{where} "
+                          "(a reward call cannot be cancelled, so the run stops; fix the reward or raise "
+                          "reward.timeout_s)")
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
+
+
 def score_rollout(reward_fn: Any, prompts: list[str], completions: list[str], metadatas: list[dict],
-                  on_error: str) -> tuple[torch.Tensor, int]:
+                  settings: dict) -> tuple[torch.Tensor, int]:
     """Rewards fp32 ``[N]`` for N samples and the number of samples whose reward failed.
 
+    ``settings`` is the resolved ``reward:`` section (``on_error``, ``max_error_fraction``, ``timeout_s``).
     A reward that raises or returns NaN / inf / a non-number is reported with the offending sample
     (index, prompt, completion, error); ``on_error="raise"`` then raises ``FwError``, ``"zero"``
-    logs a warning and scores the sample 0. A failing ``batch`` call is retried per sample when the
-    reward is also callable, so only the offending samples are zeroed; otherwise the whole batch is.
+    logs a warning and scores the sample 0, unless more than ``max_error_fraction`` of the samples
+    failed, which raises ``FwError``. A failing ``batch`` call is retried per sample when the reward is
+    also callable, so only the offending samples are zeroed; otherwise the whole batch is. A call that
+    takes longer than ``timeout_s`` raises ``FwError`` whatever ``on_error`` says.
     """
     n = len(prompts)
     if not len(completions) == len(metadatas) == n:
         raise FwError(f"score_rollout: {n} prompts, {len(completions)} completions, {len(metadatas)} metadatas")
+    on_error = settings["on_error"]
+    calls = _Calls()
+
+    def sample(i: int) -> str:
+        return f"sample {i}: prompt={_shorten(prompts[i])} completion={_shorten(completions[i])}"
+
+    failures, values = _timed(lambda: _score(reward_fn, prompts, completions, metadatas, calls), calls,
+                              settings["timeout_s"], sample)
+    if failures:
+        i, error = failures[0]
+        report = (f"reward failed on {len(failures)} of {n} samples; first: sample {i}: {error}; "
+                  f"prompt={_shorten(prompts[i])} completion={_shorten(completions[i])}")
+        if on_error == "raise":
+            raise FwError(report + " (set reward.on_error: zero to count and zero such samples)")
+        if len(failures) > settings["max_error_fraction"] * n:
+            raise FwError(f"{report}: more than reward.max_error_fraction = {settings['max_error_fraction']:g} of "
+                          "the rollout batch failed, so the reward is taken to be broken (fix it, or raise "
+                          "reward.max_error_fraction)")
+        log.warning("%s; scored 0 (reward.on_error: zero)", report)
+    return torch.tensor(values, dtype=torch.float32), len(failures)
+
+
+def _score(reward_fn: Any, prompts: list[str], completions: list[str], metadatas: list[dict],
+           calls: _Calls) -> tuple[list[tuple[int, str]], list[float]]:
+    """The failures (index, error) and values of every sample, failed ones 0; `calls` tracks each call."""
+    n = len(prompts)
     failures: list[tuple[int, str]] = []
     values: list[float] = [0.0] * n
     batch = getattr(reward_fn, "batch", None)
     per_sample = not callable(batch)
     if callable(batch):
+        calls.enter("batch()", None)
         try:
             result = list(batch(prompts, completions, metadatas))
         except Exception as exc:  # noqa: BLE001 - user code: any failure is reported, then retried per sample
@@ -381,6 +457,7 @@ def score_rollout(reward_fn: Any, prompts: list[str], completions: list[str], me
                     failures.append((i, f"batch() {exc}"))
     if per_sample:
         for i in range(n):
+            calls.enter("call", i)
             try:
                 value = reward_fn(prompts[i], completions[i], metadatas[i])
             except Exception as exc:  # noqa: BLE001 - user code: any failure is reported with its sample
@@ -392,11 +469,4 @@ def score_rollout(reward_fn: Any, prompts: list[str], completions: list[str], me
                 failures.append((i, str(exc)))
     for i, _ in failures:
         values[i] = 0.0
-    if failures:
-        i, error = failures[0]
-        report = (f"reward failed on {len(failures)} of {n} samples; first: sample {i}: {error}; "
-                  f"prompt={_shorten(prompts[i])} completion={_shorten(completions[i])}")
-        if on_error == "raise":
-            raise FwError(report + " (set reward.on_error: zero to count and zero such samples)")
-        log.warning("%s; scored 0 (reward.on_error: zero)", report)
-    return torch.tensor(values, dtype=torch.float32), len(failures)
+    return failures, values

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import sys
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import lightning
@@ -16,6 +20,21 @@ from framework.callbacks import builtin_callbacks, user_callbacks
 from framework.errors import FwError
 from framework.metrics import JsonlLogger
 from framework.recipe import Requirements, recipe_class
+from framework.run_lock import RunLock
+from framework.signals import Stopped, StopSignals, signal_name
+
+# Lightning's messages a user of fw cannot act on: fw picks the Trainer's settings itself, keeps the
+# frozen reference model in eval mode on purpose, and reads its data from an endless stream.
+UNACTIONABLE_WARNINGS = (
+    r"GPU available but not used",
+    r"TPU available but not used",
+    r"Found \d+ module\(s\) in eval mode",
+    r".*does not have many workers",
+    r".*isinstance\(treespec, LeafSpec\)` is deprecated",
+)
+# Loggers of Lightning's info lines: device banners, tips, "`Trainer.fit` stopped: `max_steps` reached".
+QUIET_LOGGERS = ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero",
+                 "lightning.pytorch.accelerators.cuda", "lightning.fabric.utilities.distributed")
 
 
 def build_loggers(cfg: dict) -> list[Logger]:
@@ -52,8 +71,9 @@ def _strategy(cfg: dict, requirements: Requirements) -> str:
     return strategy
 
 
-def build_trainer(cfg: dict) -> lightning.Trainer:
-    """A `lightning.Trainer` for `cfg`: `trainer:` settings, loggers, built-in + user callbacks, checkpoints.
+def build_trainer(cfg: dict, stop: StopSignals | None = None) -> lightning.Trainer:
+    """A `lightning.Trainer` for `cfg`: `trainer:` settings, loggers, built-in + user callbacks, checkpoints;
+    with `stop`, a signal ends training at the end of the step in progress.
 
     Gradient accumulation is Lightning's only under automatic optimization; manual recipes accumulate
     over their own micro-batches. Clipping is done by the module (`optimizer.max_grad_norm`) in both modes.
@@ -65,7 +85,7 @@ def build_trainer(cfg: dict) -> lightning.Trainer:
     automatic = requirements.automatic_optimization
     _check_precision(cfg, requirements)
     # Metrics first so they reach the loggers before the checkpoint callback flushes them and saves.
-    callbacks = [*builtin_callbacks(cfg), *user_callbacks(cfg), CheckpointCallback(cfg)]
+    callbacks = [*builtin_callbacks(cfg, stop), *user_callbacks(cfg), CheckpointCallback(cfg)]
     return lightning.Trainer(
         accelerator=t["accelerator"],
         devices=t["devices"],
@@ -98,27 +118,68 @@ def build_device(trainer: lightning.Trainer) -> torch.device:
     return strategy.root_device if isinstance(strategy, (SingleDeviceStrategy, DDPStrategy)) else torch.device("cpu")
 
 
+@contextlib.contextmanager
+def quiet_lightning() -> Iterator[None]:
+    """Hide Lightning's warnings and info lines that a user of fw cannot act on; the rest pass."""
+    levels = {name: logging.getLogger(name).level for name in QUIET_LOGGERS}
+    with warnings.catch_warnings():
+        for message in UNACTIONABLE_WARNINGS:
+            warnings.filterwarnings("ignore", message=message)
+        try:
+            for name in QUIET_LOGGERS:
+                logging.getLogger(name).setLevel(logging.WARNING)
+            yield
+        finally:
+            for name, level in levels.items():
+                logging.getLogger(name).setLevel(level)
+
+
+def refuse_earlier_metrics(run_dir: str | Path) -> None:
+    """FwError if a fresh run would write into the metrics.jsonl of an earlier one (which left no
+    checkpoint: a run_dir with checkpoints is refused before this, with --resume last as the way on)."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if path.is_file() and path.read_text(encoding="utf-8", errors="replace").strip():
+        raise FwError(f"{path} holds the metrics of an earlier run, which left no checkpoint to resume from; "
+                      "choose another run_dir, or delete the file to start over")
+
+
 def fit(cfg: dict, resume: str | None = None) -> lightning.Trainer:
-    """Train `cfg` (a resolved config): check its memory plan, seed, write `<run_dir>/config.yaml`, build, fit.
+    """Train `cfg` (a resolved config): lock run_dir, check its memory plan, seed, write
+    `<run_dir>/config.yaml`, build, fit.
 
     `resume`: None (fresh run), "last" (the newest complete checkpoint under run_dir; FwError if none)
-    or a checkpoint directory.
+    or a checkpoint directory. SIGTERM / SIGINT finish the current step, publish its checkpoint and
+    raise `framework.signals.Stopped` (framework/signals.py has the rules).
     """
-    from framework.checkpoint import resolve_resume
+    from framework.checkpoint import find_latest, resolve_resume
     from framework.config import save_resolved
     from framework.memory_plan import check_fits
     from framework.module import FwModule
 
     configure_allocator()   # before the first CUDA allocation: it decides how segments are mapped
-    ckpt_path = resolve_resume(resume, cfg["run_dir"])
     # before anything is written or built: a job that cannot fit is refused now, not an hour in
     check_fits(cfg, rank_zero_only.rank)
-    lightning.seed_everything(cfg["seed"], workers=True, verbose=False)
-    if rank_zero_only.rank == 0:
-        save_resolved(cfg, Path(cfg["run_dir"]) / "config.yaml")
-    trainer = build_trainer(cfg)   # first: it refuses unsupported settings before the models are built
-    module = FwModule(cfg, device=build_device(trainer))
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*does not have many workers.*")
+    run_dir = Path(cfg["run_dir"])
+    rank0 = rank_zero_only.rank == 0
+    with contextlib.ExitStack() as stack:
+        stop = stack.enter_context(StopSignals(cfg["trainer"]["stop_grace_s"]))
+        if rank0:   # the other processes of a multi-process run share it with rank 0
+            stack.enter_context(RunLock(run_dir))
+        ckpt_path = resolve_resume(resume, run_dir)
+        lightning.seed_everything(cfg["seed"], workers=True, verbose=False)
+        if ckpt_path is None:
+            refuse_earlier_metrics(run_dir)   # on every rank, so that all of them stop together
+        if rank0:
+            if ckpt_path is not None:
+                print(f"fw: resuming from {ckpt_path}", file=sys.stderr)
+            save_resolved(cfg, run_dir / "config.yaml")
+        stack.enter_context(quiet_lightning())
+        trainer = build_trainer(cfg, stop)   # first: it refuses unsupported settings before the models are built
+        module = FwModule(cfg, device=build_device(trainer))
         trainer.fit(module, ckpt_path=ckpt_path)
+        if stop.signum is not None and module.policy_version < trainer.max_steps:
+            latest = find_latest(run_dir)
+            saved = f"checkpoint {latest}; continue with --resume last" if latest else "no checkpoint"
+            raise Stopped(stop.signum, f"stopped by {signal_name(stop.signum)} after step {module.policy_version}; "
+                                       f"{saved}")
     return trainer

@@ -221,7 +221,7 @@ class RLRecipe:
         gen_seconds = time.perf_counter() - start
         rep_texts = [t for t in texts for _ in range(samples_per_prompt)]
         metadatas = [s["metadata"] for s in samples for _ in range(samples_per_prompt)]
-        rewards, n_err = score_rollout(self.reward_fn, rep_texts, ro.texts, metadatas, cfg["reward"]["on_error"])
+        rewards, n_err = score_rollout(self.reward_fn, rep_texts, ro.texts, metadatas, cfg["reward"])
         device = ctx.device
         width = ro.logprobs.shape[1]
         clens = ro.completion_lens.to(device)

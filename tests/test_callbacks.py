@@ -1,6 +1,9 @@
 """fw optimizer-step hooks: exactly once around every real optimizer step, for every optimizer, in
 automatic (with and without accumulation) and manual optimization, loaded from `callbacks:`."""
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -140,3 +143,55 @@ def test_user_callback_must_be_a_lightning_callback(tmp_path):
     cfg["callbacks"] = [{"class_path": "collections.OrderedDict", "init_args": {}}]
     with pytest.raises(FwError, match=r"callbacks\[0\]: collections.OrderedDict is a OrderedDict, not a"):
         fit(resolve(cfg))
+
+
+# ------------------------------------------------------------------------------------------ a diverged run stops
+
+def test_a_diverging_run_exits_2_keeping_the_last_good_checkpoint(tmp_path, capsys):
+    from framework import checkpoint as ck
+    from framework.cli import main
+
+    run_dir = tmp_path / "run"
+    # lr 1e30: the first update is finite, the second step's loss and gradients are not
+    code = main(["fit", "--config", "recipes/sft.yaml", f"--run_dir={run_dir}", f"--data.path={DATA}",
+                 "--data.max_seq_len=64", "--data.batch_size=4", "--optimizer.lr=1e30", "--scheduler.warmup_steps=0",
+                 "--trainer.max_steps=4", "--trainer.log_every_n_steps=1", "--trainer.enable_progress_bar=false",
+                 "--checkpoint.every_n_steps=1", "--checkpoint.keep_last=1", "--logging.tensorboard=false"])
+    err = capsys.readouterr().err
+    assert code == 2
+    (line,) = [ln for ln in err.splitlines() if ln.startswith("fw: error: ")]
+    assert " after 1 policy steps: the run has diverged" in line and "Traceback" not in err
+    latest = ck.find_latest(run_dir)
+    assert Path(latest).name == ck.step_dir_name(1)   # not pruned in favour of a diverged step
+    ck.verify_checkpoint(latest)
+    weights = ck.read_checkpoint_dir(latest)["fw_components"]["policy"]["state_dict"]
+    assert all(bool(w.isfinite().all()) for w in weights.values())
+    assert [json.loads(ln)["step"] for ln in (run_dir / "metrics.jsonl").read_text().splitlines()] == [1]
+
+
+def test_the_non_finite_guard_stops_on_an_infinite_loss_gradient_or_weight(tmp_path):
+    # infinities pass the NaN check of the metrics (an fp16 step skipped by loss scaling has an infinite
+    # gradient norm); outside 16-mixed they mean divergence
+    from framework.callbacks import StopOnNonFinite
+    from framework.errors import FwError
+    from framework.module import FwModule
+
+    module = FwModule(resolve(base_cfg(tmp_path)))
+    (optimizer,), _ = module.configure_optimizers()
+    guard = StopOnNonFinite("32-true")
+    guard.on_before_backward(None, module, torch.tensor(2.5))
+    with pytest.raises(FwError, match=r"^the loss is inf after 0 policy steps: the run has diverged"):
+        guard.on_before_backward(None, module, torch.tensor(float("inf")))
+    params = list(module.policy.parameters())
+    for p in params:
+        p.grad = torch.ones_like(p)
+    guard.on_before_optimizer_step(None, module, optimizer)
+    params[3].grad[0] = float("inf")
+    with pytest.raises(FwError, match=r"^the policy gradient's norm is inf after 0 policy steps"):
+        guard.on_before_optimizer_step(None, module, optimizer)
+    StopOnNonFinite("16-mixed").on_before_optimizer_step(None, module, optimizer)   # the scaler's business
+    guard.after_optimizer_step(None, module, optimizer)
+    with torch.no_grad():
+        params[-1][0] = float("-inf")
+    with pytest.raises(FwError, match=r"^a policy weight is not finite after 0 policy steps"):
+        guard.after_optimizer_step(None, module, optimizer)

@@ -230,6 +230,43 @@ def test_fit_generate_export_end_to_end(capsys, tmp_path):
     assert (tmp_path / "hf" / "config.json").is_file()
 
 
+def _fit_argv(run_dir: Path, *extra: str) -> list[str]:
+    return ["fit", "--config", str(ROOT / "recipes" / "sft.yaml"), f"--run_dir={run_dir}",
+            f"--data.path={ROOT / 'recipes' / 'data' / 'arithmetic_chat.jsonl'}", "--data.max_seq_len=64",
+            "--data.batch_size=4", "--trainer.max_steps=3", "--logging.tensorboard=false", *extra]
+
+
+def test_an_error_during_fit_is_one_line_of_its_own_after_the_progress_bar(capsys, tmp_path, monkeypatch):
+    (tmp_path / "failing_fw_cb.py").write_text(
+        "import lightning\nfrom framework.errors import FwError\n\n"
+        "class FailAtStep2(lightning.Callback):\n"
+        "    def on_train_batch_start(self, trainer, module, batch, batch_idx):\n"
+        "        if module.policy_version == 1:\n"
+        "            raise FwError('the source is gone:\\n  it was moved')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    code, out, err = fw(capsys, *_fit_argv(tmp_path / "run", "--trainer.enable_progress_bar=true",
+                                           "--callbacks=[{class_path: failing_fw_cb.FailAtStep2}]"))
+    sys.modules.pop("failing_fw_cb", None)
+    # the bar (on stdout, which a terminal shows with stderr) had its line ended before the error
+    assert code == 2 and "step:" in out and out.endswith("\n")
+    assert err == "fw: error: the source is gone:; it was moved\n"
+
+
+def test_a_fresh_fit_does_not_overwrite_the_metrics_of_an_earlier_run(capsys, tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    earlier = '{"step": 1, "loss": 2.5}\n{"step": 2, "loss": 2.25}\n'
+    (run_dir / "metrics.jsonl").write_text(earlier)
+    code, _, err = fw(capsys, *_fit_argv(run_dir, "--trainer.enable_progress_bar=false"))
+    assert (code, err) == (2, (f"fw: error: {run_dir / 'metrics.jsonl'} holds the metrics of an earlier run, which "
+                               "left no checkpoint to resume from; choose another run_dir, or delete the file to "
+                               "start over\n"))
+    assert (run_dir / "metrics.jsonl").read_text() == earlier and not (run_dir / "config.yaml").exists()
+    # an empty metrics.jsonl (a run that stopped before its first step) is no earlier run
+    (run_dir / "metrics.jsonl").write_text("")
+    assert fw(capsys, *_fit_argv(run_dir, "--trainer.enable_progress_bar=false"))[0] == 0
+
+
 # ------------------------------------------------------------------------------------------ shipping
 
 def _ci_test_command() -> str:

@@ -102,7 +102,7 @@ def test_reward_class_path_keeps_the_builtin_name_default():
     cfg = resolve({"recipe": "grpo", "model": {"policy": {"preset": "tiny"}},
                    "reward": {"class_path": "fractions.Fraction"}})
     assert cfg["reward"] == {"name": None, "class_path": "fractions.Fraction", "init_args": {},
-                             "on_error": "raise"}
+                             "on_error": "raise", "max_error_fraction": 0.5, "timeout_s": 120}
 
 
 def test_problem_text():

@@ -1,6 +1,11 @@
 """Built-in rewards, the countdown expression checker, user rewards and the on_error policy."""
 import logging
 import math
+import re
+import sys
+import threading
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,6 +24,10 @@ from framework.rewards import (
     last_boxed,
     score_rollout,
 )
+
+# reward sections as the schema resolves them; no timeout, and no failure share stops a run
+RAISE = {"on_error": "raise", "max_error_fraction": 1.0, "timeout_s": None}
+ZERO = {"on_error": "zero", "max_error_fraction": 1.0, "timeout_s": None}
 
 
 def meta(answer, **extra):
@@ -200,12 +209,12 @@ def test_build_reward_from_class_path():
     cfg = {"name": None, "class_path": "tests.test_rewards.LengthPenalty", "init_args": {"scale": 2.0},
            "on_error": "raise"}
     reward = build_reward(cfg)
-    rewards, errors = score_rollout(reward, ["a", "b"], ["xyz", ""], [{}, {}], "raise")
+    rewards, errors = score_rollout(reward, ["a", "b"], ["xyz", ""], [{}, {}], RAISE)
     assert rewards.tolist() == [-6.0, 0.0] and errors == 0
 
 
 def test_score_rollout_batched_form_is_used():
-    rewards, errors = score_rollout(BatchedReward(), ["a", "b", "c"], ["x", "yy", ""], [{}] * 3, "raise")
+    rewards, errors = score_rollout(BatchedReward(), ["a", "b", "c"], ["x", "yy", ""], [{}] * 3, RAISE)
     assert rewards.dtype == torch.float32 and rewards.tolist() == [1.0, 2.0, 0.0] and errors == 0
 
 
@@ -216,7 +225,7 @@ def test_score_rollout_raise_names_the_sample():
         return 1.0
 
     with pytest.raises(FwError) as info:
-        score_rollout(reward, ["p0", "p1", "p2"], ["ok", "boom", "ok"], [{}] * 3, "raise")
+        score_rollout(reward, ["p0", "p1", "p2"], ["ok", "boom", "ok"], [{}] * 3, RAISE)
     message = str(info.value)
     assert "sample 1" in message and "RuntimeError: parser exploded" in message
     assert "'p1'" in message and "'boom'" in message and "on_error: zero" in message
@@ -228,37 +237,37 @@ def test_score_rollout_bad_values_zeroed_and_counted(bad, caplog):
         return bad if completion == "bad" else 0.5
 
     with caplog.at_level(logging.WARNING, logger="framework.rewards"):
-        rewards, errors = score_rollout(reward, ["a", "b", "c"], ["bad", "fine", "bad"], [{}] * 3, "zero")
+        rewards, errors = score_rollout(reward, ["a", "b", "c"], ["bad", "fine", "bad"], [{}] * 3, ZERO)
     assert rewards.tolist() == [0.0, 0.5, 0.0] and errors == 2
     assert "2 of 3 samples; first: sample 0" in caplog.text
     with pytest.raises(FwError, match="expected a"):
-        score_rollout(reward, ["a"], ["bad"], [{}], "raise")
+        score_rollout(reward, ["a"], ["bad"], [{}], RAISE)
 
 
 def test_score_rollout_accepts_numpy_like_and_tensor_scalars():
     values = iter([torch.tensor(0.25), 3])
-    rewards, errors = score_rollout(lambda p, c, m: next(values), ["a", "b"], ["x", "y"], [{}, {}], "raise")
+    rewards, errors = score_rollout(lambda p, c, m: next(values), ["a", "b"], ["x", "y"], [{}, {}], RAISE)
     assert rewards.tolist() == [0.25, 3.0] and errors == 0
 
 
 def test_score_rollout_batched_nan_and_failures():
-    rewards, errors = score_rollout(BatchedReward(bad_index=1), ["a"] * 3, ["x", "yy", "zzz"], [{}] * 3, "zero")
+    rewards, errors = score_rollout(BatchedReward(bad_index=1), ["a"] * 3, ["x", "yy", "zzz"], [{}] * 3, ZERO)
     assert rewards.tolist() == [1.0, 0.0, 3.0] and errors == 1
 
     class Broken:
         def batch(self, prompts, completions, metadatas):
             raise KeyError("target")
 
-    rewards, errors = score_rollout(Broken(), ["a", "b"], ["x", "y"], [{}] * 2, "zero")
+    rewards, errors = score_rollout(Broken(), ["a", "b"], ["x", "y"], [{}] * 2, ZERO)
     assert rewards.tolist() == [0.0, 0.0] and errors == 2
     with pytest.raises(FwError, match="batch\\(\\) raised KeyError"):
-        score_rollout(Broken(), ["a"], ["x"], [{}], "raise")
+        score_rollout(Broken(), ["a"], ["x"], [{}], RAISE)
 
     class BrokenBatchButCallable(Broken):
         def __call__(self, prompt, completion, metadata):
             return 1 / len(completion)
 
-    rewards, errors = score_rollout(BrokenBatchButCallable(), ["a", "b"], ["xx", ""], [{}] * 2, "zero")
+    rewards, errors = score_rollout(BrokenBatchButCallable(), ["a", "b"], ["xx", ""], [{}] * 2, ZERO)
     assert rewards.tolist() == [0.5, 0.0] and errors == 1   # retried per sample: only the offender zeroed
 
     class Short:
@@ -266,14 +275,113 @@ def test_score_rollout_batched_nan_and_failures():
             return [1.0]
 
     with pytest.raises(FwError, match="returned 1 values for 2 samples"):
-        score_rollout(Short(), ["a", "b"], ["x", "y"], [{}] * 2, "zero")
+        score_rollout(Short(), ["a", "b"], ["x", "y"], [{}] * 2, ZERO)
 
 
 def test_score_rollout_rejects_mismatched_lengths():
     with pytest.raises(FwError, match="2 prompts, 1 completions"):
-        score_rollout(ExactMatch(), ["a", "b"], ["b"], [meta("b")] * 2, "raise")
+        score_rollout(ExactMatch(), ["a", "b"], ["b"], [meta("b")] * 2, RAISE)
 
 
 def test_missing_answer_is_reported_as_the_samples_error():
     with pytest.raises(FwError, match="KeyError.*no 'answer'"):
-        score_rollout(ExactMatch(), ["a"], ["b"], [{}], "raise")
+        score_rollout(ExactMatch(), ["a"], ["b"], [{}], RAISE)
+
+
+# ---------------------------------------------------------------- a broken or hanging reward stops the run
+
+def test_a_reward_failing_on_most_samples_stops_the_run_under_on_error_zero():
+    def reward(prompt, completion, metadata):
+        if completion != "ok":
+            raise ValueError("unparsable")
+        return 1.0
+
+    half = {**ZERO, "max_error_fraction": 0.5}
+    # 2 of 4 failed: not more than half, so zeroed and counted
+    rewards, errors = score_rollout(reward, ["p"] * 4, ["ok", "x", "ok", "y"], [{}] * 4, half)
+    assert rewards.tolist() == [1.0, 0.0, 1.0, 0.0] and errors == 2
+    # 3 of 4 failed: more than half
+    with pytest.raises(FwError) as info:
+        score_rollout(reward, ["p"] * 4, ["ok", "x", "y", "z"], [{}] * 4, half)
+    message = str(info.value)
+    assert "reward failed on 3 of 4 samples; first: sample 1: raised ValueError: unparsable" in message
+    assert "reward.max_error_fraction = 0.5" in message
+    # a reward that fails on every sample stops under any fraction below 1
+    with pytest.raises(FwError, match="reward failed on 2 of 2 samples"):
+        score_rollout(reward, ["p"] * 2, ["x", "y"], [{}] * 2, {**ZERO, "max_error_fraction": 0.99})
+
+
+def test_a_hanging_reward_call_is_ended_by_the_timeout_naming_its_sample():
+    release = threading.Event()
+
+    def reward(prompt, completion, metadata):
+        if completion == "hang":
+            release.wait(30)
+        return 1.0
+
+    start = time.monotonic()
+    try:
+        with pytest.raises(FwError) as info:
+            score_rollout(reward, ["p0", "p1", "p2"], ["ok", "ok", "hang"], [{}] * 3, {**ZERO, "timeout_s": 0.3})
+    finally:
+        release.set()
+    assert time.monotonic() - start < 5
+    message = str(info.value)
+    assert message.startswith("reward call did not return within reward.timeout_s = 0.3 s; sample 2: ")
+    assert "prompt='p2' completion='hang'" in message
+
+
+def test_the_timeout_is_per_call_and_a_batch_call_is_one_call():
+    def slowish(prompt, completion, metadata):
+        time.sleep(0.1)
+        return 0.5
+
+    # 6 calls of 0.1 s each take longer than the 0.25 s limit of one call: no timeout
+    rewards, errors = score_rollout(slowish, ["p"] * 6, ["c"] * 6, [{}] * 6, {**RAISE, "timeout_s": 0.25})
+    assert rewards.tolist() == [0.5] * 6 and errors == 0
+
+    class Stuck:
+        def batch(self, prompts, completions, metadatas):
+            time.sleep(2)
+            return [1.0] * len(prompts)
+
+    with pytest.raises(FwError, match=r"^reward batch\(\) did not return within reward.timeout_s = 0.2 s \("):
+        score_rollout(Stuck(), ["p"], ["c"], [{}], {**ZERO, "timeout_s": 0.2})
+
+
+def test_rewards_run_on_a_helper_thread_only_when_timed():
+    threads = []
+
+    def reward(prompt, completion, metadata):
+        threads.append(threading.current_thread())
+        if completion == "bad":
+            raise FwError("the reward's own user error")
+        return 1.0
+
+    score_rollout(reward, ["p"], ["c"], [{}], RAISE)
+    score_rollout(reward, ["p"], ["c"], [{}], {**RAISE, "timeout_s": 10})
+    assert threads[0] is threading.main_thread() and threads[1] is not threading.main_thread()
+    # an error on the helper thread reaches the caller as it was raised
+    with pytest.raises(FwError, match="reward failed on 1 of 1 samples; first: sample 0: raised FwError"):
+        score_rollout(reward, ["p"], ["bad"], [{}], {**RAISE, "timeout_s": 10})
+
+    class Short:
+        def batch(self, prompts, completions, metadatas):
+            return []
+
+    with pytest.raises(FwError, match="returned 0 values for 1 samples"):
+        score_rollout(Short(), ["p"], ["c"], [{}], {**RAISE, "timeout_s": 10})
+
+
+def test_the_readme_reward_example_scores_a_rollout(tmp_path, monkeypatch):
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    section = readme.split("## Rewards and tasks", 1)[1].split("\n## ", 1)[0]
+    (tmp_path / "my_readme_reward.py").write_text(re.search(r"```python\n(.*?)```", section, re.DOTALL).group(1))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        reward = build_reward({"name": None, "class_path": "my_readme_reward.LengthPenalty", "init_args": {"budget": 2},
+                               "on_error": "raise"})
+    finally:
+        sys.modules.pop("my_readme_reward", None)
+    rewards, errors = score_rollout(reward, ["3="] * 3, ["4", "5", "4   "], [meta("4")] * 3, RAISE)
+    assert errors == 0 and rewards.tolist() == pytest.approx([1.0, 0.0, 1.0 - 0.01 * 2])   # "4   ": 2 past the budget

@@ -85,8 +85,8 @@ class CheckpointCallback(pl.Callback):
         previous, self._seen_step = self._seen_step, step
         if previous is None or step == previous:
             return
-        if crossed(previous, step, self.every) or step >= self.max_steps > 0:
-            self.save(trainer, step)
+        if crossed(previous, step, self.every) or step >= self.max_steps > 0 or trainer.should_stop:
+            self.save(trainer, step)   # should_stop: the last step of a run that stops early (e.g. on SIGTERM)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         step = self.step_of(trainer, pl_module)

@@ -1,0 +1,99 @@
+"""SIGTERM and SIGINT during `fw fit`: finish the step, publish its checkpoint, exit with 128 + the signal.
+
+SIGTERM is what `timeout`, SLURM and Kubernetes send before they kill; SIGINT is Ctrl+C. While
+`StopSignals` is active, the first of either is a stop request: before training starts it stops at
+once (`Stopped` is raised where the main thread is; there is nothing to save), during training the
+step in progress finishes, its checkpoint is published and `fit` raises `Stopped` (the CLI exits with
+143 for SIGTERM, 130 for SIGINT). A second signal, or a step that has not finished `trainer.stop_grace_s`
+seconds after the first (user code that does not return), ends the process at once with the same
+code; the checkpoints already published stay as they are. `framework.callbacks.StopOnSignal` turns the
+request into Lightning's `trainer.should_stop` at the end of a step.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+from types import FrameType, TracebackType
+from typing import final
+
+SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+def signal_name(signum: int) -> str:
+    return signal.Signals(signum).name
+
+
+class Stopped(Exception):
+    """`fw fit` stopped on a signal; the CLI exits with `exit_code` (128 + the signal's number)."""
+
+    def __init__(self, signum: int, message: str):
+        super().__init__(message)
+        self.signum = signum
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum
+
+
+def _say(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+@final
+class StopSignals:
+    """Context manager: SIGTERM / SIGINT handlers that turn the first signal into a stop request."""
+
+    def __init__(self, grace_s: float):
+        self.grace_s = grace_s
+        self.signum: int | None = None   # the first signal received (or, under DDP, seen by any rank)
+        self.training = False
+        self._previous: dict[int, object] = {}
+        self._watchdog: threading.Timer | None = None
+
+    def __enter__(self) -> StopSignals:
+        if threading.current_thread() is threading.main_thread():   # signal.signal works only there
+            for signum in SIGNALS:
+                self._previous[signum] = signal.getsignal(signum)
+                signal.signal(signum, self._handle)
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        self._previous = {}
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+
+    def start_training(self) -> None:
+        """From now on a signal ends the current step instead of the process. Installs the handlers
+        again: Lightning puts its own SIGTERM handler in place when it starts a stage."""
+        self.training = True
+        for signum in self._previous:
+            signal.signal(signum, self._handle)
+
+    def request(self, signum: int) -> None:
+        """Record a stop request that another rank received (it started the watchdog there)."""
+        if self.signum is None:
+            self.signum = signum
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        name = signal_name(signum)
+        if self.signum is not None:
+            _say(f"fw: {name} again: exiting now; the checkpoints published so far are kept")
+            os._exit(128 + signum)
+        self.signum = signum
+        if not self.training:
+            raise Stopped(signum, f"stopped by {name} before the first step; nothing to save")
+        _say(f"fw: {name}: finishing the current step and saving a checkpoint (send it again to exit now)")
+        self._watchdog = threading.Timer(self.grace_s, self._expire, args=(signum,))
+        self._watchdog.daemon = True
+        self._watchdog.start()
+
+    def _expire(self, signum: int) -> None:
+        _say(f"fw: {signal_name(signum)}: the step did not finish within trainer.stop_grace_s = {self.grace_s:g} s; "
+             "exiting without its checkpoint (the checkpoints published so far are kept)")
+        os._exit(128 + signum)

@@ -1,0 +1,50 @@
+"""User code that reports its progress or never returns, for the tests of stopping a run."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import lightning
+
+
+def _write(path: str, text: str) -> None:
+    tmp = f"{path}.tmp"
+    Path(tmp).write_text(text)
+    os.replace(tmp, path)
+
+
+class StepFile(lightning.Callback):
+    """Writes the number of policy steps done to `path` at the end of every batch."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        _write(self.path, str(module.policy_version))
+
+
+class HangAtStep(lightning.Callback):
+    """Never returns from the start of the batch that follows policy step `step`; touches `marker` first."""
+
+    def __init__(self, step: int, marker: str):
+        self.step = step
+        self.marker = marker
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx):
+        if module.policy_version == self.step:
+            _write(self.marker, "")
+            time.sleep(3600)
+
+
+class HangingReward:
+    """A reward whose first call touches `marker` and never returns."""
+
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __call__(self, prompt: str, completion: str, metadata: dict) -> float:
+        _write(self.marker, "")
+        time.sleep(3600)
+        return 0.0

@@ -1,0 +1,228 @@
+"""Real `fw fit` processes that are signalled, hang, or share a run_dir: exit codes, checkpoints, metrics.
+
+The runs are processes forked from a forkserver with torch and fw preloaded (as in test_crash_safety),
+so each costs its model build and steps, not a fresh interpreter's imports; one slow test uses
+`python -m framework` itself. Each process writes its stdout and stderr to a log file that the test reads.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from scripts.fw_logged import run_logged
+
+from framework import checkpoint as ck
+
+REPO = Path(__file__).parents[1]
+# the same modules as test_crash_safety's: multiprocessing keeps one forkserver per session
+PRELOAD = ["torch", "lightning.pytorch", "framework.checkpoint", "framework.cli", "framework.trainer",
+           "framework.module", "recipes", "scripts.ckpt_writer", "scripts.fw_cli"]
+# Lightning lines that a user of fw cannot act on (framework/trainer.py silences them)
+NOISE = ["GPU available", "TPU available", "Tip:", "LeafSpec", "eval mode", "`Trainer.fit` stopped",
+         "does not have many workers"]
+
+
+def sft_argv(run_dir: Path, *extra: str, max_steps: int = 1000) -> list[str]:
+    return ["fit", "--config", str(REPO / "recipes" / "sft.yaml"), f"--run_dir={run_dir}",
+            f"--data.path={REPO / 'recipes' / 'data' / 'arithmetic_chat.jsonl'}", "--data.max_seq_len=64",
+            "--data.batch_size=4", f"--trainer.max_steps={max_steps}", "--trainer.log_every_n_steps=1",
+            "--trainer.enable_progress_bar=false", "--logging.tensorboard=false", "--checkpoint.verify=true",
+            *extra]
+
+
+def callbacks(*specs: tuple[str, dict]) -> str:
+    return "--callbacks=" + json.dumps([{"class_path": f"scripts.stalls.{name}", "init_args": args}
+                                        for name, args in specs])
+
+
+class Run:
+    """One `fw` process forked from the forkserver, logging to `log`."""
+
+    def __init__(self, argv: list[str], log: Path):
+        ctx = multiprocessing.get_context("forkserver")
+        ctx.set_forkserver_preload(PRELOAD)
+        self.log = log
+        self.proc = ctx.Process(target=run_logged, args=(argv, str(log)))
+        self.proc.start()
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def signal(self, signum: int) -> None:
+        os.kill(self.proc.pid, signum)
+
+    def wait(self, timeout: float = 120) -> int:
+        self.proc.join(timeout)
+        if self.proc.exitcode is None:
+            self.proc.kill()
+            self.proc.join()
+            pytest.fail(f"fw did not exit within {timeout} s; it printed:\n{self.output()}")
+        return self.proc.exitcode
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace") if self.log.exists() else ""
+
+
+def wait_for(predicate, what: str, run: Run, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert run.proc.is_alive(), f"fw exited ({run.proc.exitcode}) before {what}:\n{run.output()}"
+        assert time.monotonic() < deadline, f"no {what} within {timeout} s"
+        time.sleep(0.05)
+
+
+def steps_done(path: Path) -> int:
+    try:
+        return int(path.read_text() or 0)
+    except FileNotFoundError:
+        return 0
+
+
+def metric_steps(run_dir: Path) -> list[int]:
+    """The steps of metrics.jsonl, every line parsed (a torn or foreign line fails the test)."""
+    return [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def newest(run_dir: Path) -> str:
+    latest = ck.find_latest(run_dir)
+    assert latest is not None, f"no checkpoint under {run_dir}"
+    ck.verify_checkpoint(latest)
+    return Path(latest).name
+
+
+def policy_weights(run_dir: Path) -> dict:
+    return ck.read_checkpoint_dir(ck.find_latest(run_dir))["fw_components"]["policy"]["state_dict"]
+
+
+# ------------------------------------------------------------------------------------------ one signal
+
+@pytest.mark.parametrize("signum, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_a_signal_finishes_the_step_saves_it_and_resume_continues(tmp_path, signum, code):
+    run_dir, progress = tmp_path / "run", tmp_path / "steps"
+    run = Run(sft_argv(run_dir, "--checkpoint.every_n_steps=1000", callbacks(("StepFile", {"path": str(progress)}))),
+              tmp_path / "fit.log")
+    wait_for(lambda: steps_done(progress) >= 2, "second step", run)
+    run.signal(signum)
+    assert run.wait() == code
+    out = run.output()
+    # the step in progress finished and is the one checkpoint (none was due before max_steps)
+    reached = metric_steps(run_dir)[-1]
+    assert reached >= 2 and metric_steps(run_dir) == list(range(1, reached + 1))
+    assert newest(run_dir) == ck.step_dir_name(reached)
+    name = signal.Signals(signum).name
+    assert f"fw: {name}: finishing the current step and saving a checkpoint" in out
+    assert out.splitlines()[-1] == (f"fw: stopped by {name} after step {reached}; checkpoint "
+                                    f"{ck.checkpoints_dir(run_dir) / ck.step_dir_name(reached)}; continue with "
+                                    "--resume last")
+    assert "Traceback" not in out and not [n for n in NOISE if n in out], out
+
+    # --resume last continues from it, to the weights of a run that was never stopped
+    end = reached + 2
+    resumed = Run(sft_argv(run_dir, "--resume", "last", max_steps=end), tmp_path / "resume.log")
+    assert resumed.wait() == 0, resumed.output()
+    assert metric_steps(run_dir) == list(range(1, end + 1))
+    assert newest(run_dir) == ck.step_dir_name(end)
+    straight = Run(sft_argv(tmp_path / "straight", max_steps=end), tmp_path / "straight.log")
+    assert straight.wait() == 0, straight.output()
+    got, want = policy_weights(run_dir), policy_weights(tmp_path / "straight")
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+
+@pytest.mark.slow
+def test_python_m_framework_fit_on_sigterm_exits_143_with_a_checkpoint(tmp_path):
+    run_dir, progress = tmp_path / "run", tmp_path / "steps"
+    argv = sft_argv(run_dir, "--checkpoint.every_n_steps=1000", callbacks(("StepFile", {"path": str(progress)})))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen([sys.executable, "-m", "framework", *argv], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 180
+    while steps_done(progress) < 1 and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, err
+    reached = metric_steps(run_dir)[-1]
+    assert newest(run_dir) == ck.step_dir_name(reached) and err.splitlines()[-1].startswith("fw: stopped by SIGTERM")
+
+
+# ------------------------------------------------------------------------------------------ a step that never ends
+
+def _hang_at_step_2(tmp_path: Path, *extra: str) -> tuple[Run, Path]:
+    run_dir, marker = tmp_path / "run", tmp_path / "hanging"
+    run = Run(sft_argv(run_dir, "--checkpoint.every_n_steps=1", *extra,
+                       callbacks(("HangAtStep", {"step": 1, "marker": str(marker)}))), tmp_path / "fit.log")
+    wait_for(marker.exists, "the hang", run)
+    return run, run_dir
+
+
+def test_a_second_signal_ends_a_hanging_step_at_once(tmp_path):
+    run, run_dir = _hang_at_step_2(tmp_path)
+    run.signal(signal.SIGTERM)
+    time.sleep(1.0)
+    assert run.proc.is_alive()   # the first signal waits for the step (stop_grace_s is 600 s)
+    start = time.monotonic()
+    run.signal(signal.SIGINT)
+    assert run.wait(timeout=30) == 130
+    assert time.monotonic() - start < 10
+    out = run.output()
+    assert "fw: SIGTERM: finishing the current step" in out and out.splitlines()[-1] == (
+        "fw: SIGINT again: exiting now; the checkpoints published so far are kept")
+    assert newest(run_dir) == ck.step_dir_name(1)
+
+
+def test_the_watchdog_ends_a_step_that_does_not_finish_within_the_grace_period(tmp_path):
+    run, run_dir = _hang_at_step_2(tmp_path, "--trainer.stop_grace_s=1")
+    start = time.monotonic()
+    run.signal(signal.SIGTERM)
+    assert run.wait(timeout=30) == 143
+    assert time.monotonic() - start < 10
+    assert run.output().splitlines()[-1] == (
+        "fw: SIGTERM: the step did not finish within trainer.stop_grace_s = 1 s; exiting without its checkpoint "
+        "(the checkpoints published so far are kept)")
+    assert newest(run_dir) == ck.step_dir_name(1)
+
+
+def test_a_hanging_reward_is_ended_by_reward_timeout(tmp_path):
+    marker = tmp_path / "scoring"
+    reward = json.dumps({"class_path": "scripts.stalls.HangingReward", "init_args": {"marker": str(marker)}})
+    argv = ["fit", "--config", str(REPO / "train.yaml"), f"--run_dir={tmp_path / 'run'}", "--trainer.max_steps=2",
+            "--rollout.prompts_per_step=2", "--grpo.group_size=2", "--grpo.kl_coef=0.1", "--logging.tensorboard=false",
+            f"--reward={reward}", "--reward.timeout_s=1"]
+    run = Run(argv, tmp_path / "fit.log")
+    wait_for(marker.exists, "the first reward call", run)
+    start = time.monotonic()
+    assert run.wait(timeout=60) == 2
+    assert time.monotonic() - start < 20
+    out = run.output()
+    last = out.split("\n")[-2]   # the progress bar's line was ended: the error is a line of its own
+    assert last.startswith("fw: error: reward call did not return within reward.timeout_s = 1 s; sample 0: "), out
+    assert "Traceback" not in out and not [n for n in NOISE if n in out], out   # grpo.kl_coef: an eval-mode model
+
+
+# ------------------------------------------------------------------------------------------ one run per run_dir
+
+def test_a_second_fit_into_a_run_dir_in_use_is_refused_naming_the_holder(tmp_path):
+    first, run_dir = _hang_at_step_2(tmp_path)
+    config = (run_dir / "config.yaml").read_text()
+    second = Run(sft_argv(run_dir, "--resume", "last", "--trainer.max_steps=3", "--optimizer.lr=0.5"),
+                 tmp_path / "second.log")
+    assert second.wait() == 2
+    assert second.output() == (f"fw: error: run_dir {run_dir} is in use by another fw fit (pid {first.pid}); "
+                               "wait for it to end or choose another run_dir\n")
+    assert (run_dir / "config.yaml").read_text() == config and newest(run_dir) == ck.step_dir_name(1)
+    # the kernel drops the lock with its holder, however it ends
+    first.signal(signal.SIGKILL)
+    assert first.wait() == -signal.SIGKILL
+    third = Run(sft_argv(run_dir, "--resume", "last", max_steps=2), tmp_path / "third.log")
+    assert third.wait() == 0, third.output()
+    assert newest(run_dir) == ck.step_dir_name(2)
