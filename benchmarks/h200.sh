@@ -32,4 +32,5 @@ step rollout-vs-hf 150 rollout_bench.log python3 -m benchmarks.rollout --num-seq
 step sft-bf16 60 examples.log python3 -m benchmarks.fit_timing --config recipes/sft.yaml --trainer.precision=bf16-mixed --model.policy.preset=qwen3-0.6b --data.max_seq_len=2048 --data.batch_size=8 --trainer.max_steps=12 --trainer.log_every_n_steps=1 --checkpoint.every_n_steps=1000 --run_dir=/tmp/runs/sft-0.6b
 step train-yaml 60 examples.log python3 -m benchmarks.fit_timing --config train.yaml --run_dir=/tmp/runs/train-yaml
 step decode-splits 90 ops_bench.log python3 -m benchmarks.ops.decode_splits
+step lora-rollout 150 rollout_bench.log python3 -m benchmarks.lora_rollout --preset qwen3-0.6b --num-seqs 256 --lo 100 --hi 1024
 tail -n 30 "$OUT"/*.log | grep -v "^$" | tail -n 150
