@@ -292,8 +292,7 @@ def _rises(metrics: list[dict]) -> tuple[float, float]:
 
 
 def test_grpo_with_lora_uses_the_base_as_kl_reference(tmp_path, toy_base):
-    cfg, trainer, metrics = _rl(tmp_path, "train.yaml", toy_base, 3, "--grpo.kl_coef=0.01",
-                                "--rollout.prompts_per_step=8")
+    cfg, trainer, metrics = _rl(tmp_path, "train.yaml", toy_base, 2, "--grpo.kl_coef=0.01")
     module = trainer.lightning_module
     assert isinstance(module.reference, AdaptersOff)
     kl = [r["policy/ref_kl"] for r in metrics]
@@ -302,12 +301,12 @@ def test_grpo_with_lora_uses_the_base_as_kl_reference(tmp_path, toy_base):
 
 
 def test_ppo_with_lora_trains_a_full_critic(tmp_path, toy_base):
-    cfg, trainer, metrics = _rl(tmp_path, "recipes/ppo.yaml", toy_base, 2, "--rollout.prompts_per_step=32")
+    cfg, trainer, metrics = _rl(tmp_path, "recipes/ppo.yaml", toy_base, 2)
     module = trainer.lightning_module
     assert isinstance(module.reference, AdaptersOff)
     assert not any(isinstance(m, LoraLinear) for m in module.value.modules())
     assert all(p.requires_grad for p in module.value.parameters())   # the critic trains every weight
-    assert metrics[-1]["critic_grad_norm"] > 0
+    assert all(r["critic_grad_norm"] > 0 for r in metrics)
     _only_adapters_changed(cfg, module)
     ckpt = _checkpoint(cfg, 2)
     assert (ckpt / "value" / "model.safetensors").is_file() and (ckpt / "policy" / "adapter_config.json").is_file()
