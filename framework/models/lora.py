@@ -96,7 +96,9 @@ class LoraLinear(nn.Module):
     def delta(self, x: Tensor) -> Tensor:
         """The adapters' contribution to the output, zero in the rows no adapter covers."""
         names = list(self.rows)
-        h = self.dropout(x).to(self.lora_A[names[0]].dtype)
+        h = self.dropout(x)
+        if not torch.is_autocast_enabled(x.device.type):   # under autocast the matmuls pick their own dtype
+            h = h.to(self.lora_A[names[0]].dtype)
         # One matmul for every A of this layer (they share the input), then one per B.
         a = self.lora_A[names[0]] if len(names) == 1 else torch.cat([self.lora_A[n] for n in names])
         u = F.linear(h, a)
