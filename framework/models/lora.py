@@ -65,7 +65,7 @@ class LoraLinear(nn.Module):
         super().__init__()
         self.base_layer = base_layer
         self.rows = dict(sorted(rows.items(), key=lambda item: item[1][0]))   # in output-row order
-        self.rank = rank
+        self.rank, self.alpha, self.dropout_p = rank, alpha, dropout
         self.scaling = alpha / rank
         self.enabled = True
         self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
@@ -211,8 +211,7 @@ def lora_settings(model: Qwen3ForCausalLM) -> dict:
         raise FwError("the model has no LoRA adapters")
     m = modules[0]
     targets = [n for n in projections(model.config) if any(n in x.rows for x in modules)]
-    dropout = m.dropout.p if isinstance(m.dropout, nn.Dropout) else 0.0
-    return {"rank": m.rank, "alpha": m.scaling * m.rank, "dropout": dropout, "targets": targets}
+    return {"rank": m.rank, "alpha": m.alpha, "dropout": m.dropout_p, "targets": targets}
 
 
 def adapter_config(model: Qwen3ForCausalLM, base_model: str | None) -> dict:
