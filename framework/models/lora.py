@@ -7,7 +7,7 @@ B zero: the adapted model starts equal to the base). The fused weights hold seve
 to that projection's output columns only, so the others see the plain base weight.
 
 The base weights stay frozen (requires_grad False) in `model.policy.dtype` (bf16 is the intended
-dtype for big models: half the memory of fp32 and no optimizer state); the adapters are float32 and
+dtype for big models: frozen weights need neither an fp32 master copy nor optimizer state); the adapters are float32 and
 compute in float32 outside autocast, as PEFT does. Rollouts run the adapters as extra low-rank matmuls
 (no merge: the base weights are never rewritten, so a bf16 base cannot drift); `merged_copy` builds a
 separate merged model for export and for measuring merged decoding.
@@ -35,7 +35,7 @@ PEFT_PREFIX = "base_model.model."
 
 
 def projections(config: Qwen3Config) -> dict[str, tuple[str, int, int]]:
-    """PEFT module name -> (the fused module holding it, inside a decoder layer; its first and last output row)."""
+    """PEFT module name -> (the fused module holding it, inside a decoder layer; its output rows lo..hi-1)."""
     c = config
     q, kv, inter = c.q_size, c.kv_size, c.intermediate_size
     return {
