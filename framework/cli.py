@@ -66,6 +66,9 @@ def _parser() -> argparse.ArgumentParser:
     export = add("export", "write a checkpoint's policy as a Hugging Face model directory", [common])
     export.add_argument("--checkpoint", required=True, metavar="DIR", help="checkpoint directory (step-...)")
     export.add_argument("--out", required=True, metavar="DIR", help="output directory")
+    export.add_argument("--merge", action="store_true",
+                        help="LoRA checkpoint: write the base with the adapters merged in (default: the adapters "
+                             "in PEFT's format)")
 
     gen = add("generate", "generate text from a config's model or a checkpoint", [common, configs],
               "Generate a completion. With only --checkpoint, the checkpoint's own config.yaml is used; "
@@ -121,7 +124,7 @@ def _run(args: argparse.Namespace, overrides: list[str]) -> int:
     elif cmd == "export":
         from framework.export import export_checkpoint
 
-        out = export_checkpoint(args.checkpoint, args.out)
+        out = export_checkpoint(args.checkpoint, args.out, merge=args.merge)
         print(f"exported {args.checkpoint} to {out or args.out}")
     elif cmd == "generate":
         if not args.config and not args.checkpoint:

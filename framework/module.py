@@ -14,6 +14,7 @@ One optimizer-step path for both optimization modes (see framework/callbacks.py 
 from __future__ import annotations
 
 import copy
+import json
 import math
 import time
 from typing import Any
@@ -27,6 +28,16 @@ from framework.callbacks import fire
 from framework.errors import FwError
 from framework.metrics import StepMetrics
 from framework.models.hf_layout import HfLayout
+from framework.models.lora import (
+    ADAPTER_CONFIG,
+    ADAPTER_WEIGHTS,
+    AdaptersOff,
+    adapter_config,
+    adapters_detached,
+    check_adapter_config,
+    has_adapters,
+    peft_targets,
+)
 from framework.optim import build_optimizer, optimizer_problems
 from framework.recipe import OptimizerRole, recipe_class
 from framework.rng import choose_rng_state, gather_rng_states, rng_state, set_rng_state
@@ -102,7 +113,10 @@ class FwModule(lightning.LightningModule):
         self._settings = {role.name: self._role_settings(role) for role in self.requirements.optimizers}
         self.tokenizer = build_tokenizer(cfg)
         self.recipe = recipe_cls(cfg, self.tokenizer)
-        self.policy = build_policy(cfg["model"]["policy"], self.tokenizer, device)
+        # A LoRA run's checkpoints hold only the adapters: its base is rebuilt from the seed (presets).
+        lora = cfg["model"]["policy"]["lora"]
+        self.policy = build_policy(cfg["model"]["policy"], self.tokenizer, seed=cfg["seed"] if lora else None,
+                                   device=device)
         self.value = self._build_value() if self.requirements.value_model else None
         self.reference = self._build_reference() if self.requirements.reference_model else None
         self.automatic_optimization = self.requirements.automatic_optimization
@@ -114,7 +128,7 @@ class FwModule(lightning.LightningModule):
         self._pending_rng: dict | None = None
         self._flush_time = time.perf_counter()
         self._tokenizer_files = tokenizer_files(self.tokenizer)
-        self._layouts = {"policy": HfLayout(self.policy, "policy.")}
+        self._layouts = {"policy": HfLayout(self.policy, "policy.", peft_targets(self.policy) if lora else None)}
         if self.value is not None:
             self._layouts["value"] = HfLayout(self.value, "value.")
 
@@ -125,7 +139,8 @@ class FwModule(lightning.LightningModule):
 
         path = self.cfg["model"]["value"]["path"]
         if path is None:
-            return Qwen3ValueModel.from_policy(self.policy)
+            with adapters_detached(self.policy):   # under LoRA the critic is a full model on the base weights
+                return Qwen3ValueModel.from_policy(self.policy)
         dtype = resolve_dtype(self.cfg["model"]["policy"]["dtype"])
         if VALUE_ARCHITECTURE in (read_config(path)[1].get("architectures") or []):
             return load_value_model(path, dtype, self._build_device)
@@ -136,6 +151,8 @@ class FwModule(lightning.LightningModule):
         from framework.models import load_pretrained
 
         path = self.cfg["model"]["reference"]["path"]
+        if path is None and has_adapters(self.policy):
+            return AdaptersOff(self.policy)   # the base itself: no second copy of the weights
         ref = copy.deepcopy(self.policy) if path is None else load_pretrained(
             path, self.cfg["model"]["policy"]["dtype"], self._build_device)
         ref.requires_grad_(False)
@@ -303,12 +320,17 @@ class FwModule(lightning.LightningModule):
                 continue   # a rank that FSDP gave no full state dict: it writes nothing
             model = self.policy if name == "policy" else self.value
             tensors = layout.to_hf(sd)
+            if name == "policy" and has_adapters(model):   # PEFT's adapter directory
+                config = adapter_config(model, self.cfg["model"]["policy"]["path"])
+                components[name] = {"config": None, "weights_file": ADAPTER_WEIGHTS, "state_dict": tensors,
+                                    "files": {ADAPTER_CONFIG: (json.dumps(config, indent=2) + "\n").encode()}}
+                continue
             config = model.config.to_hf(dtype_name(next(iter(tensors.values())).dtype))
             if name == "value":
                 config["architectures"] = [VALUE_ARCHITECTURE]
             components[name] = {"config": config, "state_dict": tensors}
         if "policy" in components:
-            components["policy"]["files"] = dict(self._tokenizer_files)
+            components["policy"]["files"] = {**components["policy"].get("files", {}), **self._tokenizer_files}
         for key in [k for k in sd if k.startswith(("policy.", "value.", "reference."))]:
             del sd[key]
         checkpoint["fw_components"] = components
@@ -330,9 +352,12 @@ class FwModule(lightning.LightningModule):
             raise FwError(f"checkpoint: no value/ component, but recipe {self.cfg['recipe']} trains a value model; "
                           "it resumes only from a checkpoint that holds its value model")
         sd = checkpoint["state_dict"]
+        self._check_policy_kind(components["policy"])
+        if has_adapters(self.policy):   # the base, which the checkpoint does not hold, stands as built
+            sd.update({f"policy.{k}": v for k, v in self.policy.state_dict().items()})
         for name, layout in self._layouts.items():
             sd.update(layout.from_hf(components[name]["state_dict"], f"checkpoint {name}/"))
-        if self.reference is not None:
+        if isinstance(self.reference, torch.nn.Module):
             sd.update({f"reference.{k}": v for k, v in self.reference.state_dict().items()})
         self.policy_version = int(checkpoint["policy_version"])
         # The recipe state (data position) is global, the same on every rank; see the recipes for how a
@@ -342,3 +367,16 @@ class FwModule(lightning.LightningModule):
         self._pending_rng = choose_rng_state(checkpoint, rank, world)
         self.step_metrics.load_state(checkpoint.get("fw_step_metrics") or {"metrics": {}, "last": {}},
                                      holder=rank == 0)
+
+    def _check_policy_kind(self, component: dict) -> None:
+        """A LoRA run resumes from adapters saved with the same settings, a full run from full weights."""
+        saved = component.get("files", {}).get(ADAPTER_CONFIG)
+        lora = self.cfg["model"]["policy"]["lora"]
+        if lora is None and saved is not None:
+            raise FwError("checkpoint policy/ holds LoRA adapters but model.policy.lora is null; resume it with the "
+                          "lora settings it was trained with (or export it with fw export --merge)")
+        if lora is not None and saved is None:
+            raise FwError("checkpoint policy/ holds a full model but model.policy.lora is set; a LoRA run resumes "
+                          "only from a LoRA checkpoint")
+        if lora is not None:
+            check_adapter_config(json.loads(saved), lora, f"checkpoint policy/{ADAPTER_CONFIG}")

@@ -49,7 +49,7 @@ def test_trainer_logprobs_match_rollout_fp32():
     torch.manual_seed(0)
     tok = Tokenizer.builtin()
     model = build_policy({"path": None, "preset": "tiny", "dtype": None, "gradient_checkpointing": False,
-                          "keep_logits": None, "compile": False}, tok)
+                          "keep_logits": None, "lora": None, "compile": False}, tok)
     prompts = [tok.encode(t) for t in ("12=", "7+8=", "a", "hello there=")]
     temperature = 0.7
     ro = generate(model, prompts, SamplingParams(max_new_tokens=6, temperature=temperature, top_k=5, top_p=0.9),
@@ -235,7 +235,7 @@ def test_math_example_runs_on_a_model_directory(tmp_path):
     tok = Tokenizer.builtin()
     model_dir = tmp_path / "model"
     policy = build_policy({"path": None, "preset": "tiny", "dtype": None, "gradient_checkpointing": False,
-                           "keep_logits": None, "compile": False}, tok)
+                           "keep_logits": None, "lora": None, "compile": False}, tok)
     save_pretrained(policy, model_dir)
     tok.save_pretrained(model_dir)
     root = Path(__file__).resolve().parent.parent

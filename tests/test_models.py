@@ -30,7 +30,7 @@ def tiny_model(seed: int = 0, **kw) -> Qwen3ForCausalLM:
 
 def policy_cfg(**kw) -> dict:
     return {"path": None, "preset": None, "dtype": None, "gradient_checkpointing": False, "keep_logits": None,
-            "compile": False, **kw}
+            "lora": None, "compile": False, **kw}
 
 
 def n_params(model: torch.nn.Module) -> int:

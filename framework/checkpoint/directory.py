@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from framework.checkpoint.files import fsync_dir, hash_and_fsync, hidden_sibling, publish_dir, sha256
 from framework.config import save_resolved
@@ -103,13 +103,24 @@ def _is_model_file(fname: str) -> bool:
 
 
 def _write_component(folder: Path, name: str, component: dict, max_shard_size: int | str) -> None:
+    """A component's files: config.json + safetensors shards ("config" given) or one safetensors file named
+    "weights_file" ("config" None), then its other "files"."""
     if not _COMPONENT_NAME.match(name):
         raise ValueError(f"fw_components: component name {name!r} must match {_COMPONENT_NAME.pattern}")
     files = component.get("files") or {}
     for fname in files:
         if _is_model_file(fname) or Path(fname).name != fname or fname.startswith("."):
             raise ValueError(f"fw_components[{name!r}]['files']: {fname!r} is not an allowed file name")
-    write_checkpoint(component["config"], component["state_dict"], folder, max_shard_size)
+    if component.get("config") is None:
+        # Tensors without a model config (e.g. PEFT adapters): one safetensors file under the given name.
+        weights = component["weights_file"]
+        if Path(weights).name != weights or not weights.endswith(".safetensors"):
+            raise ValueError(f"fw_components[{name!r}]['weights_file']: {weights!r} is not a safetensors file name")
+        folder.mkdir(parents=True, exist_ok=True)
+        save_file({n: t.detach().to("cpu").contiguous() for n, t in component["state_dict"].items()},
+                  str(folder / weights), metadata={"format": "pt"})
+    else:
+        write_checkpoint(component["config"], component["state_dict"], folder, max_shard_size)
     for fname, data in files.items():
         (folder / fname).write_bytes(bytes(data))
 
@@ -170,7 +181,7 @@ def read_checkpoint_dir(
     path: str | os.PathLike, map_location: Any = None, weights_only: bool | None = None, verify: bool = False
 ) -> dict:
     """Rebuild the checkpoint dict from directory `path`; weights come back under "fw_components" as
-    {name: {"config": dict, "state_dict": {hf name: tensor}, "files": {name: bytes}}}."""
+    {name: {"config": dict (None without config.json), "state_dict": {hf name: tensor}, "files": {name: bytes}}}."""
     path = Path(path)
     manifest = verify_checkpoint(path) if verify else read_complete_manifest(path)
     # like Lightning's TorchCheckpointIO, default to CPU: never onto the GPU the state was saved from
@@ -188,7 +199,7 @@ def read_checkpoint_dir(
             if fname.endswith(".safetensors"):
                 state_dict.update(load_file(folder / fname, device=device))
         components[name] = {
-            "config": json.loads((folder / HF_CONFIG_FILE).read_text()),
+            "config": json.loads((folder / HF_CONFIG_FILE).read_text()) if HF_CONFIG_FILE in names else None,
             "state_dict": state_dict,
             "files": {f: (folder / f).read_bytes() for f in names if not _is_model_file(f)},
         }

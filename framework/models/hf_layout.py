@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from framework.errors import FwError
+from framework.models.qwen3 import HfTargets
 
 
 class HfLayout:
@@ -12,13 +13,15 @@ class HfLayout:
 
     Computed once on the unwrapped model, so checkpoints convert from / to any full state dict (one
     device, DDP, FSDP's gathered one) without reading the live, possibly sharded, parameters.
+    `targets` (default: the model's `hf_targets()`) names the tensors to convert, e.g. only the LoRA
+    adapters under PEFT's names (`framework.models.lora.peft_targets`).
     """
 
-    def __init__(self, model: torch.nn.Module, prefix: str):
+    def __init__(self, model: torch.nn.Module, prefix: str, targets: HfTargets | None = None):
         names = {id(t): n for n, t in [*model.named_parameters(), *model.named_buffers()]}
         self.pieces: dict[str, tuple[str, int | None, int | None]] = {}
         self.shapes: dict[str, tuple[int, ...]] = {}
-        for hf, (tensor, lo, hi) in model.hf_targets().items():
+        for hf, (tensor, lo, hi) in (model.hf_targets() if targets is None else targets).items():
             key = prefix + names[id(tensor)]
             self.pieces[hf] = (key, lo, hi)
             self.shapes[key] = tuple(tensor.shape)
