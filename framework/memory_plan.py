@@ -725,10 +725,11 @@ def estimate(cfg: dict, gpu_gib: float | None = None) -> Plan:
     return plan
 
 
-def check_fits(cfg: dict, rank: int = 0) -> Plan:
-    """`fw fit`'s check before anything is built: the plan on stderr (rank 0), FwError when it does not fit."""
+def check_fits(cfg: dict, rank: int = 0, show: bool = True) -> Plan:
+    """`fw fit`'s check before anything is built: FwError when the plan does not fit, after its table on
+    stderr (rank 0); with `show`, the table of a plan that fits too (else the caller prints it later)."""
     plan = estimate(cfg)
-    if rank == 0:
+    if rank == 0 and (show or plan.fits is False):
         print(plan.table(), file=sys.stderr, flush=True)
     if plan.fits is False:
         raise FwError(plan.refusal())

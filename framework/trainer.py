@@ -157,14 +157,16 @@ def fit(cfg: dict, resume: str | None = None) -> lightning.Trainer:
     from framework.module import FwModule
 
     configure_allocator()   # before the first CUDA allocation: it decides how segments are mapped
-    # before anything is written or built: a job that cannot fit is refused now, not an hour in
-    check_fits(cfg, rank_zero_only.rank)
+    # before anything is written or built: a job that cannot fit is refused now, not an hour in; the table
+    # of one that fits is printed once run_dir is this process's (a busy run_dir gets one line only)
+    plan = check_fits(cfg, rank_zero_only.rank, show=False)
     run_dir = Path(cfg["run_dir"])
     rank0 = rank_zero_only.rank == 0
     with contextlib.ExitStack() as stack:
         stop = stack.enter_context(StopSignals(cfg["trainer"]["stop_grace_s"]))
         if rank0:   # the other processes of a multi-process run share it with rank 0
             stack.enter_context(RunLock(run_dir))
+            print(plan.table(), file=sys.stderr, flush=True)
         ckpt_path = resolve_resume(resume, run_dir)
         lightning.seed_everything(cfg["seed"], workers=True, verbose=False)
         if ckpt_path is None:
