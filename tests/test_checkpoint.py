@@ -18,6 +18,7 @@ from scripts.ckpt_writer import assert_same, expected, make_cfg
 
 from framework import checkpoint as ck
 from framework.checkpoint.files import exchange
+from framework.checkpoint.tensors import TensorRef
 from framework.errors import FwError
 
 
@@ -56,7 +57,8 @@ def test_round_trip_through_checkpoint_io(run_dir):
     loaded = io.load_checkpoint(path)
     original["fw_components"]["value"]["files"] = {}  # a component without extra files reads back with none
     assert_same(original, loaded)
-    assert sorted(os.listdir(path)) == ["config.yaml", "manifest.json", "policy", "trainer_state.pt", "value"]
+    assert sorted(os.listdir(path)) == ["config.yaml", "manifest.json", "policy", "trainer_state.pt",
+                                        "trainer_state.safetensors", "value"]
     assert sorted(os.listdir(path / "policy")) == ["config.json", "model.safetensors", "tokenizer.json"]
 
 
@@ -82,7 +84,7 @@ def test_manifest_matches_files_on_disk(run_dir):
             if rel != "manifest.json":
                 on_disk[rel] = {"size": full.stat().st_size, "sha256": hashlib.sha256(full.read_bytes()).hexdigest()}
     assert manifest["files"] == on_disk
-    assert manifest["format"] == "fw.checkpoint" and manifest["format_version"] == 1
+    assert manifest["format"] == "fw.checkpoint" and manifest["format_version"] == 2
     assert manifest["step"] == 12 and manifest["policy_version"] == 12 and manifest["global_step"] == 12
     assert manifest["components"] == ["policy"]
     canonical = json.dumps(cfg, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
@@ -94,8 +96,15 @@ def test_manifest_matches_files_on_disk(run_dir):
         assert set(f.keys()) == set(expected(12, 0)["fw_components"]["policy"]["state_dict"])
         assert f.get_tensor("model.layers.0.self_attn.q_proj.weight").dtype == torch.bfloat16
     assert json.loads((path / "policy" / "config.json").read_text())["step"] == 12
-    state = torch.load(path / "trainer_state.pt", weights_only=True)
-    assert "fw_components" not in state and state["optimizer_states"][0]["state"][0]["exp_avg"].shape[1] == 64
+    # the trainer state's tensors sit in a safetensors file beside the pickled rest, under their path
+    with torch.serialization.safe_globals([TensorRef]):
+        state = torch.load(path / "trainer_state.pt", weights_only=True)
+    assert "fw_components" not in state
+    ref = state["optimizer_states"][0]["state"][0]["exp_avg"]
+    assert type(ref) is TensorRef and ref == "optimizer_states.0.state.0.exp_avg"
+    with safe_open(path / "trainer_state.safetensors", "pt") as f:
+        original = expected(12, 0, 1)["optimizer_states"][0]["state"][0]["exp_avg"]
+        assert torch.equal(f.get_tensor(ref), original)
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate", "missing"])
