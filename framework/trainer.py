@@ -88,18 +88,19 @@ def build_trainer(cfg: dict) -> lightning.Trainer:
     )
 
 
-def fit(cfg: dict, resume: str | None = None) -> lightning.Trainer:
+def fit(cfg: dict, resume: str | None = None, skip_damaged: bool = False) -> lightning.Trainer:
     """Train `cfg` (a resolved config): seed, write `<run_dir>/config.yaml`, build, fit.
 
     `resume`: None (fresh run), "last" (the newest complete checkpoint under run_dir; FwError if none)
-    or a checkpoint directory.
+    or a checkpoint directory; `skip_damaged` passes over damaged newest checkpoints (reported on stderr)
+    instead of refusing. A changed setting that a resume cannot apply is refused before anything is written.
     """
     from framework.checkpoint import resolve_resume
     from framework.config import save_resolved
     from framework.module import FwModule
 
     lightning.seed_everything(cfg["seed"], workers=True, verbose=False)
-    ckpt_path = resolve_resume(resume, cfg["run_dir"])
+    ckpt_path = resolve_resume(resume, cfg, skip_damaged)
     if rank_zero_only.rank == 0:
         save_resolved(cfg, Path(cfg["run_dir"]) / "config.yaml")
     trainer = build_trainer(cfg)   # first: it refuses unsupported settings before the models are built
