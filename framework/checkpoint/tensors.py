@@ -31,6 +31,9 @@ SAFETENSORS_DTYPES = {
 }
 _CHUNK = 32 << 20            # bytes per write, and per pinned staging buffer for CUDA tensors
 _MAX_HEADER = 100 << 20      # what safetensors itself accepts
+# trainer-state tensors below this size stay in the pickle (step counts, RNG states): cheap there, and
+# readers of trainer_state.pt keep seeing them as tensors
+_MIN_SPLIT_BYTES = 64 << 10
 _TRAINER_TENSORS = re.compile(r"^trainer_state(-\d{5}-of-\d{5})?\.safetensors$")
 TRAINER_TENSORS_PREFIX = "trainer_state"
 
@@ -218,12 +221,12 @@ class TensorRef(str):
 
 def _storable(x: Any) -> bool:
     return (type(x) in (torch.Tensor, torch.nn.Parameter) and x.layout == torch.strided
-            and x.dtype in SAFETENSORS_DTYPES)
+            and x.dtype in SAFETENSORS_DTYPES and x.numel() * x.element_size() >= _MIN_SPLIT_BYTES)
 
 
 def split_tensors(obj: Any) -> tuple[Any, dict[str, torch.Tensor]]:
-    """`obj` with every plain tensor inside dicts, lists and tuples replaced by a TensorRef, and the
-    tensors by name (their path, e.g. `optimizer_states.0.state.3.exp_avg`). A tensor met twice is one entry."""
+    """`obj` with every plain tensor of 64 KiB or more inside dicts, lists and tuples replaced by a TensorRef,
+    and the tensors by name (their path, e.g. `optimizer_states.0.state.3.exp_avg`). A tensor met twice is one entry."""
     tensors: dict[str, torch.Tensor] = {}
     names: dict[int, str] = {}
 
