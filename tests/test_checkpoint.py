@@ -128,19 +128,48 @@ def test_verify_names_the_damaged_file(run_dir, damage, victim):
     cfg["checkpoint"]["verify"] = True
     with pytest.raises(FwError, match=str(file)):
         ck.AtomicCheckpointIO(cfg).load_checkpoint(path)
-    # size checks are always on: truncated and missing files make the checkpoint incomplete
+    # size checks are always on: truncated and missing files make the checkpoint damaged, and finding the
+    # newest checkpoint says so instead of passing over it; the sha256 check finds flipped bytes
     assert ck.is_complete(path) is (damage == "flip")
-    assert ck.find_latest(run_dir) == (str(path) if damage == "flip" else None)
+    if damage == "flip":
+        assert ck.find_latest(run_dir) == str(path)
+        with pytest.raises(FwError, match=f"newest checkpoint {path} is damaged: {file}: sha256"):
+            ck.find_latest(run_dir, verify=True)
+    else:
+        with pytest.raises(FwError, match=f"newest checkpoint {path} is damaged: {file}.*--skip-damaged"):
+            ck.find_latest(run_dir)
+    assert ck.find_latest(run_dir, skip_damaged=True, verify=True) is None
 
 
-def test_missing_manifest_is_not_a_checkpoint(run_dir):
+def test_missing_manifest_is_a_damaged_checkpoint(run_dir):
     path = _save(run_dir, 3)
     (path / "manifest.json").unlink()
+    cfg = make_cfg(str(run_dir))
     assert ck.list_checkpoints(run_dir) == []
     with pytest.raises(FwError, match="manifest.json: missing"):
-        ck.resolve_resume(str(path), run_dir)
+        ck.resolve_resume(str(path), cfg)
+    with pytest.raises(FwError, match="newest checkpoint .*step-000003 is damaged: .*manifest.json: missing"):
+        ck.resolve_resume("last", cfg)
     with pytest.raises(FwError, match="--resume last: no complete checkpoint under"):
-        ck.resolve_resume("last", run_dir)
+        ck.resolve_resume("last", cfg, skip_damaged=True)
+    with pytest.raises(FwError, match="already holds checkpoints"):   # a fresh run would mix with it
+        ck.resolve_resume(None, cfg)
+
+
+def test_skip_damaged_falls_back_and_says_so(run_dir, capsys):
+    old = _save(run_dir, 2)
+    newest = _save(run_dir, 4)
+    (newest / "trainer_state.pt").unlink()
+    cfg = make_cfg(str(run_dir))
+    with pytest.raises(FwError, match=f"the newest checkpoint {newest} is damaged: {newest / 'trainer_state.pt'}: "
+                                      "missing"):
+        ck.resolve_resume("last", cfg)
+    assert ck.resolve_resume("last", cfg, skip_damaged=True) == str(old)
+    err = capsys.readouterr().err
+    assert err == (f"fw: warning: skipping damaged checkpoint {newest}: {newest / 'trainer_state.pt'}: missing from "
+                   f"checkpoint {newest} (listed in its manifest)\n")
+    assert ck.prune(run_dir, 1) == []   # the damaged one is left for inspection, never pruned as the newest
+    assert newest.exists() and old.exists()
 
 
 @pytest.mark.parametrize("use_exchange", [True, False])
@@ -219,7 +248,9 @@ def test_staging_leftovers_ignored_then_cleaned(run_dir):
     incomplete.mkdir()
 
     assert ck.list_checkpoints(run_dir) == [str(good)]
-    assert ck.find_latest(run_dir) == str(good)
+    with pytest.raises(FwError, match="step-000009 is damaged"):
+        ck.find_latest(run_dir)
+    assert ck.find_latest(run_dir, skip_damaged=True) == str(good)
     assert ck.clean_leftovers(ckpt_dir) == [partial.name, trash.name]
     assert sorted(os.listdir(ckpt_dir)) == sorted([busy.name, "step-000002", "step-000009"])
 

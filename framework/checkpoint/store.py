@@ -104,17 +104,17 @@ def resolve_checkpoint(path: str | os.PathLike, skip_damaged: bool = False, veri
     """A checkpoint directory as given (which must be complete), or a run directory's newest checkpoint under
     `find_latest`'s rules."""
     path = Path(path)
-    if (path / MANIFEST).is_file():
-        problem = damage(path)
-        if problem is not None:
-            raise FwError(f"{option} {path}: the checkpoint is damaged: {problem}")
-        return path
     if checkpoints_dir(path).is_dir():
         latest = find_latest(path, skip_damaged, verify)
         if latest is None:
             raise FwError(f"{option} {path}: a run directory without a usable checkpoint under "
                           f"{checkpoints_dir(path)}")
         return Path(latest)
+    if path.is_dir() and ((path / MANIFEST).exists() or _STEP_DIR.match(path.name)):
+        problem = damage(path)
+        if problem is not None:
+            raise FwError(f"{option} {path}: the checkpoint is damaged: {problem}")
+        return path
     if not path.exists():
         raise FwError(f"{option} {path}: no such directory")
     raise FwError(f"{option} {path}: not a checkpoint (no {MANIFEST}) nor a run directory (no checkpoints/)")
