@@ -225,9 +225,9 @@ def write_checkpoint_dir(
         publish_dir(staging, final, use_exchange=use_exchange)
     except BaseException as e:
         shutil.rmtree(staging, ignore_errors=True)
-        if isinstance(e, DiskFull):
-            raise DiskFull(f"{e} ({_free(final.parent)} free); the checkpoint {final.name} was not written, "
-                           "the earlier checkpoints are intact") from None
+        if isinstance(e, DiskFull):   # named by its published path: the staging directory is gone
+            raise DiskFull(f"{str(e).replace(str(staging), str(final))} ({_free(final.parent)} free); the checkpoint "
+                           f"{final.name} was not written, the earlier checkpoints are intact") from None
         if isinstance(e, Exception) and is_disk_full(e):
             raise DiskFull(f"{final.parent}: no space left on device while writing the checkpoint {final.name} "
                            f"({_free(final.parent)} free); the earlier checkpoints are intact") from None
