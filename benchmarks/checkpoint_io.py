@@ -4,7 +4,8 @@ Builds policy weights in HF layout (Qwen3-like shapes) and an AdamW-like optimiz
 exp_avg_sq and a step per parameter), on CUDA when present, then times `write_checkpoint_dir` (staging,
 writing, hashing, fsync, publish) and `read_checkpoint_dir(verify=True)` (load and sha256 check).
 fsync and hash times are summed over the threads that run them (wrappers around `os.fsync` and
-`hashlib.sha256`); RSS is the peak above the level before each phase, sampled every 10 ms.
+`hashlib.sha256`); CPU time counts every thread of the process (on a shared machine it is steadier than
+wall time); RSS is the peak above the level before each phase, sampled every 10 ms.
 
     python -m benchmarks.checkpoint_io --params 4e9 --dtype float32 --dir /tmp/x
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
+import resource
 import shutil
 import threading
 import time
@@ -91,6 +93,11 @@ class PeakRss:
     @property
     def above_gb(self) -> float:
         return (self.peak - self.base) / 1e9
+
+
+def _cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 def _rss() -> int:
@@ -187,26 +194,28 @@ def main() -> None:
     timed.install()
     path = checkpoints_dir(run_dir) / step_dir_name(10)
     with PeakRss() as save_rss:
-        t = time.perf_counter()
+        t, cpu = time.perf_counter(), _cpu_s()
         manifest = write_checkpoint_dir(checkpoint, path, cfg)
-        save_s = time.perf_counter() - t
+        save_s, save_cpu = time.perf_counter() - t, _cpu_s() - cpu
     save_fsync, save_hash = timed.fsync_s, timed.hash_s
     written = sum(meta["size"] for meta in manifest["files"].values())
     del checkpoint
     timed.reset()
     with PeakRss() as load_rss:
-        t = time.perf_counter()
+        t, cpu = time.perf_counter(), _cpu_s()
         loaded = read_checkpoint_dir(path, verify=True)
-        load_s = time.perf_counter() - t
+        load_s, load_cpu = time.perf_counter() - t, _cpu_s() - cpu
     load_hash = timed.hash_s
     del loaded
 
     rows = [
         ("save (write + hash + fsync + publish)", f"{save_s:8.2f} s", f"{written / save_s / 1e9:6.2f} GB/s"),
+        ("  CPU time (user + system, all threads)", f"{save_cpu:8.2f} s", ""),
         ("  fsync, summed over threads", f"{save_fsync:8.2f} s", ""),
         ("  sha256, summed over threads", f"{save_hash:8.2f} s", ""),
         ("  peak RSS above start", f"{save_rss.above_gb:8.2f} GB", ""),
         ("load + verify", f"{load_s:8.2f} s", f"{written / load_s / 1e9:6.2f} GB/s"),
+        ("  CPU time (user + system, all threads)", f"{load_cpu:8.2f} s", ""),
         ("  sha256, summed over threads", f"{load_hash:8.2f} s", ""),
         ("  peak RSS above start", f"{load_rss.above_gb:8.2f} GB", ""),
     ]

@@ -291,17 +291,23 @@ def _read(path: Path, manifest: dict, map_location: Any, weights_only: bool | No
                                     weights_only=weights_only)
     except (RuntimeError, EOFError, ValueError) as e:
         raise FwError(f"{path / TRAINER_STATE}: corrupt trainer state ({str(e).splitlines()[0]})") from None
+    # every tensor file at once, on several threads (safetensors reads without holding the GIL)
+    trainer_files = sorted(r for r in manifest["files"] if is_trainer_tensor_file(r))
+    weight_files = {name: component_weight_files(manifest, name) for name in manifest["components"]}
+    rels = trainer_files + [f"{name}/{f}" for name, files in weight_files.items() for f in files]
+    loaded = dict(zip(rels, run_parallel([lambda rel=rel: read_safetensors(path / rel, device) for rel in rels],
+                                         _workers())))
     tensors: dict[str, torch.Tensor] = {}
-    for rel in sorted(r for r in manifest["files"] if is_trainer_tensor_file(r)):
-        tensors.update(read_safetensors(path / rel, device))
+    for rel in trainer_files:
+        tensors.update(loaded[rel])
     checkpoint = join_tensors(checkpoint, tensors, str(path))
     components = {}
     for name in manifest["components"]:
         folder = path / name
         names = sorted(rel.split("/", 1)[1] for rel in manifest["files"] if rel.startswith(name + "/"))
         state_dict: dict[str, torch.Tensor] = {}
-        for fname in component_weight_files(manifest, name):
-            state_dict.update(read_safetensors(folder / fname, device))
+        for fname in weight_files[name]:
+            state_dict.update(loaded[f"{name}/{fname}"])
         try:
             config = json.loads((folder / HF_CONFIG_FILE).read_text())
         except ValueError as e:
