@@ -61,10 +61,9 @@ def load_policy(cfg: dict, checkpoint: str | os.PathLike | None) -> tuple[Any, A
         has_tokenizer = (policy_dir / "tokenizer.json").is_file()
         tokenizer = Tokenizer.from_pretrained(policy_dir) if has_tokenizer else build_tokenizer(cfg)
         policy = load_pretrained(policy_dir, cfg["model"]["policy"]["dtype"])
-    except BaseException:
-        problem = verifier.problem() if verifier is not None else None
-        if problem is not None:
-            raise FwError(problem) from None
+    except BaseException as e:
+        if verifier is not None:
+            verifier.explain(e)
         raise
     if verifier is not None:
         verifier.check()

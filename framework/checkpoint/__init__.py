@@ -40,7 +40,6 @@ from framework.checkpoint.directory import (
     write_checkpoint_dir,
 )
 from framework.checkpoint.files import exchange_supported, fsync_dir, hash_and_fsync, hidden_sibling, publish_dir
-from framework.checkpoint.lightning_io import AtomicCheckpointIO, CheckpointCallback
 from framework.checkpoint.store import (
     checkpoints_dir,
     clean_leftovers,
@@ -55,6 +54,17 @@ from framework.checkpoint.store import (
     step_dir_name,
     step_dirs,
 )
+
+
+def __getattr__(name: str) -> object:
+    # the Lightning glue imports Lightning (seconds): only when asked for, so `fw generate` and `fw export`
+    # start without it
+    if name in ("AtomicCheckpointIO", "CheckpointCallback"):
+        from framework.checkpoint import lightning_io
+
+        return getattr(lightning_io, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "CONFIG_FILE",

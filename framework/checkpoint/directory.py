@@ -126,6 +126,16 @@ class Verifier:
         if problem is not None:
             raise FwError(problem)
 
+    def explain(self, error: BaseException) -> None:
+        """After `error` while reading the files: raise the hash mismatch instead when there is one (a corrupt
+        file often fails to parse, and its hash is the root cause); an interrupt only stops the hashing."""
+        if not isinstance(error, Exception):
+            self.pool.shutdown(wait=False, cancel_futures=True)
+            return
+        problem = self.problem()
+        if problem is not None:
+            raise FwError(problem) from None
+
 
 def verify_checkpoint(path: str | os.PathLike, rels: list[str] | None = None) -> dict:
     """Check every file's size and sha256 (or only those of `rels`) against the manifest; return the manifest
@@ -270,11 +280,9 @@ def read_checkpoint_dir(
     verifier = Verifier(path, manifest) if verify else None
     try:
         checkpoint = _read(path, manifest, map_location, weights_only)
-    except BaseException:
-        # a corrupt file often fails to parse: say that its hash is wrong, the root cause
-        problem = verifier.problem() if verifier is not None else None
-        if problem is not None:
-            raise FwError(problem) from None
+    except BaseException as e:
+        if verifier is not None:
+            verifier.explain(e)
         raise
     if verifier is not None:
         verifier.check()
