@@ -40,12 +40,28 @@ def _check_file(path, tensors, size, digest):
     assert ts.check_header(path).keys() == {"__metadata__", *tensors}
 
 
-@pytest.mark.parametrize("chunk", [32 << 20, 100])   # 100 bytes: every tensor spans several writes
-def test_write_safetensors_reads_back_with_safetensors(tmp_path, monkeypatch, chunk):
+@pytest.mark.parametrize("direct", ["1", "0"])   # O_DIRECT through the bounce buffer, or buffered writes
+@pytest.mark.parametrize("chunk", [32 << 20, 8192])   # 8 KiB: tensors span several writes and buffer fills
+def test_write_safetensors_reads_back_with_safetensors(tmp_path, monkeypatch, chunk, direct):
     monkeypatch.setattr(ts, "_CHUNK", chunk)
-    tensors = _tensors("cpu")
+    monkeypatch.setenv("FW_CHECKPOINT_DIRECT", direct)
+    tensors = {**_tensors("cpu"), "big": torch.randn(3000)}   # 12000 bytes: not a multiple of a block
     size, digest = ts.write_safetensors(tmp_path / "a.safetensors", tensors, {"format": "pt"})
     _check_file(tmp_path / "a.safetensors", tensors, size, digest)
+
+
+def test_o_direct_is_used_where_the_file_system_takes_it(tmp_path, monkeypatch):
+    import os
+
+    try:
+        os.close(os.open(tmp_path / "probe", os.O_WRONLY | os.O_CREAT | os.O_DIRECT))
+    except OSError:
+        pytest.skip(f"{tmp_path} does not take O_DIRECT")
+    for env, expected in (("1", True), ("0", False)):
+        monkeypatch.setenv("FW_CHECKPOINT_DIRECT", env)
+        sink = ts._Sink(tmp_path / f"file-{env}")
+        sink.close()
+        assert sink.direct is expected
 
 
 @pytest.mark.gpu

@@ -213,6 +213,8 @@ def test_resume_applies_new_lr_schedule_and_weight_decay(tmp_path, data):
     ("trainer.precision", "64-true", "trainer.precision changed from '32-true' to '64-true'"),
 ])
 def test_resume_refuses_a_change_it_cannot_apply(tmp_path, data, key, value, message, capsys):
+    from test_crash_safety import fw_lines
+
     from framework.cli import main
 
     run = tmp_path / "run"
@@ -230,8 +232,8 @@ def test_resume_refuses_a_change_it_cannot_apply(tmp_path, data, key, value, mes
     (tmp_path / "train.yaml").write_text(json.dumps({**cfg, "trainer": {**cfg["trainer"], "max_steps": 2}}))
     capsys.readouterr()
     assert main(["fit", "--config", str(tmp_path / "train.yaml"), f"--{key}={value}", "--resume", "last"]) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and message in err and err.startswith("fw: error: --resume ")
+    (error,) = [line for line in fw_lines(capsys.readouterr().err) if not line.startswith("INFO:")]
+    assert message in error and error.startswith("fw: error: --resume ")
 
 
 def test_ppo_resume_resets_the_critic_lr(tmp_path):
