@@ -8,6 +8,9 @@ fsync and hash times are summed over the threads that run them (wrappers around 
 wall time); RSS is the peak above the level before each phase, sampled every 10 ms.
 
     python -m benchmarks.checkpoint_io --params 4e9 --dtype float32 --dir /tmp/x
+    FW_CHECKPOINT_DIRECT=0 python -m benchmarks.checkpoint_io ...   # buffered writes instead of O_DIRECT
+
+Files written with O_DIRECT leave nothing in the page cache, so the load that follows reads the device.
 """
 
 from __future__ import annotations
