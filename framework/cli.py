@@ -50,7 +50,11 @@ def _parser() -> argparse.ArgumentParser:
     fit = add("fit", "train: run the recipe of the config", [common, configs],
               "Train with the recipe of the config and write the resolved config.yaml into run_dir. " + overrides)
     fit.add_argument("--resume", metavar="last|PATH",
-                     help="continue from the newest checkpoint of run_dir ('last') or a checkpoint directory")
+                     help="continue from the newest checkpoint of run_dir ('last') or a checkpoint directory; "
+                          "changed settings apply where a resume can apply them, else the run is refused")
+    skip_help = ("when the newest checkpoint is damaged (a file missing, truncated or, with checkpoint.verify, "
+                 "corrupt), say so and use the newest intact older one instead of stopping")
+    fit.add_argument("--skip-damaged", action="store_true", help=skip_help)
     add("validate", "check a config without running it (exit 0 when valid, 2 with every problem)",
         [common, configs], "Check a config without running it. " + overrides)
     add("print-config", "print the resolved config (every default filled in) as YAML",
@@ -64,17 +68,21 @@ def _parser() -> argparse.ArgumentParser:
     add("schema", "print the config's JSON Schema", [common])
 
     export = add("export", "write a checkpoint's policy as a Hugging Face model directory", [common])
-    export.add_argument("--checkpoint", required=True, metavar="DIR", help="checkpoint directory (step-...)")
+    export.add_argument("--checkpoint", required=True, metavar="DIR",
+                        help="checkpoint directory (step-...), or a run directory for its newest checkpoint")
     export.add_argument("--out", required=True, metavar="DIR", help="output directory")
     export.add_argument("--merge", action="store_true",
                         help="LoRA checkpoint: write the base with the adapters merged in (default: the adapters "
                              "in PEFT's format)")
+    export.add_argument("--skip-damaged", action="store_true", help=skip_help)
 
     gen = add("generate", "generate text from a config's model or a checkpoint", [common, configs],
               "Generate a completion. With only --checkpoint, the checkpoint's own config.yaml is used; "
               "options left out come from the config (rollout.max_new_tokens, rollout.temperature, seed). "
               + overrides)
-    gen.add_argument("--checkpoint", metavar="DIR", help="checkpoint directory whose policy is used")
+    gen.add_argument("--checkpoint", metavar="DIR",
+                     help="checkpoint directory whose policy is used, or a run directory for its newest checkpoint")
+    gen.add_argument("--skip-damaged", action="store_true", help=skip_help)
     gen.add_argument("--prompt", required=True, help="the user message")
     gen.add_argument("--max-new-tokens", type=int, metavar="N")
     how = gen.add_mutually_exclusive_group()
@@ -107,7 +115,7 @@ def _run(args: argparse.Namespace, overrides: list[str]) -> int:
         else:
             from framework.trainer import fit
 
-            fit(cfg, resume=args.resume)  # writes the resolved config.yaml into run_dir
+            fit(cfg, resume=args.resume, skip_damaged=args.skip_damaged)  # writes config.yaml into run_dir
     elif cmd == "plan":
         if not args.config:
             raise FwError("fw plan needs --config FILE")
@@ -124,7 +132,7 @@ def _run(args: argparse.Namespace, overrides: list[str]) -> int:
     elif cmd == "export":
         from framework.export import export_checkpoint
 
-        out = export_checkpoint(args.checkpoint, args.out, merge=args.merge)
+        out = export_checkpoint(args.checkpoint, args.out, merge=args.merge, skip_damaged=args.skip_damaged)
         print(f"exported {args.checkpoint} to {out or args.out}")
     elif cmd == "generate":
         if not args.config and not args.checkpoint:
@@ -137,7 +145,7 @@ def _run(args: argparse.Namespace, overrides: list[str]) -> int:
 
         temperature = 0.0 if args.greedy else args.temperature
         print(generate_text(cfg, args.prompt, checkpoint=args.checkpoint, max_new_tokens=args.max_new_tokens,
-                            temperature=temperature, seed=args.seed))
+                            temperature=temperature, seed=args.seed, skip_damaged=args.skip_damaged))
     elif cmd == "doctor":
         import ops_cuda
 

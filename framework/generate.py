@@ -1,12 +1,18 @@
 """``fw generate``: one completion from a config's policy or from a checkpoint, to sanity-check a model."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from framework.checkpoint import CONFIG_FILE, resolve_checkpoint
+from framework.checkpoint.directory import Verifier, component_weight_files, read_complete_manifest
+from framework.checkpoint.tensors import check_header
 from framework.errors import FwError
+
+POLICY = "policy"
 
 
 def _device(cfg: dict) -> torch.device:
@@ -16,29 +22,24 @@ def _device(cfg: dict) -> torch.device:
     return torch.device("cpu")
 
 
-def run_config(cfg: dict | None, checkpoint: str | None) -> dict:
-    """The config to generate with: ``cfg``, else the ``config.yaml`` of ``checkpoint`` (which must hold a
-    policy)."""
+def run_config(cfg: dict | None, checkpoint: str | os.PathLike | None) -> dict:
+    """The config to generate with: ``cfg``, else the ``config.yaml`` of ``checkpoint`` (a checkpoint
+    directory, as ``resolve_checkpoint`` returns it)."""
     if checkpoint is None:
         if cfg is None:
             raise FwError("fw generate needs a config or a checkpoint")
         return cfg
-    ckpt = Path(checkpoint)
-    if not (ckpt / "policy" / "config.json").is_file():
-        raise FwError(f"--checkpoint {ckpt}: no policy/config.json there (expected a checkpoint directory "
-                      "such as <run_dir>/checkpoints/step-000100)")
     if cfg is not None:
         return cfg
     from framework.config import load_config
 
-    if not (ckpt / "config.yaml").is_file():
-        raise FwError(f"--checkpoint {ckpt}: no config.yaml there; pass --config FILE as well")
-    return load_config([str(ckpt / "config.yaml")])
+    return load_config([str(Path(checkpoint) / CONFIG_FILE)])
 
 
-def load_policy(cfg: dict, checkpoint: str | None) -> tuple[Any, Any]:
-    """(tokenizer, policy): from ``checkpoint``'s ``policy/`` (checked by ``run_config``), else built from
-    ``cfg`` (random init for a preset, seeded with ``cfg["seed"]``)."""
+def load_policy(cfg: dict, checkpoint: str | os.PathLike | None) -> tuple[Any, Any]:
+    """(tokenizer, policy): from ``checkpoint``'s ``policy/`` (a checkpoint directory, its sizes checked;
+    with ``checkpoint.verify`` every file read is hashed while it loads), else built from ``cfg`` (random
+    init for a preset, seeded with ``cfg["seed"]``)."""
     from framework.models import build_policy, load_pretrained
     from framework.tokenizer import Tokenizer, build_tokenizer
 
@@ -46,23 +47,42 @@ def load_policy(cfg: dict, checkpoint: str | None) -> tuple[Any, Any]:
         tokenizer = build_tokenizer(cfg)
         torch.manual_seed(cfg["seed"])
         return tokenizer, build_policy(cfg["model"]["policy"], tokenizer)
-    policy_dir = Path(checkpoint) / "policy"
-    # A checkpoint's policy/ carries the tokenizer the run trained with; fall back to the config's.
-    has_tokenizer = (policy_dir / "tokenizer.json").is_file()
-    tokenizer = Tokenizer.from_pretrained(policy_dir) if has_tokenizer else build_tokenizer(cfg)
-    return tokenizer, load_pretrained(policy_dir, cfg["model"]["policy"]["dtype"])
+    path = Path(checkpoint)
+    manifest = read_complete_manifest(path)
+    if POLICY not in manifest["components"]:
+        raise FwError(f"--checkpoint {path}: the checkpoint holds no {POLICY}/ component")
+    rels = [rel for rel in manifest["files"] if rel.startswith(POLICY + "/") or rel == CONFIG_FILE]
+    verifier = Verifier(path, manifest, rels) if cfg["checkpoint"]["verify"] else None
+    policy_dir = path / POLICY
+    try:
+        for fname in component_weight_files(manifest, POLICY):
+            check_header(policy_dir / fname)
+        # A checkpoint's policy/ carries the tokenizer the run trained with; fall back to the config's.
+        has_tokenizer = (policy_dir / "tokenizer.json").is_file()
+        tokenizer = Tokenizer.from_pretrained(policy_dir) if has_tokenizer else build_tokenizer(cfg)
+        policy = load_pretrained(policy_dir, cfg["model"]["policy"]["dtype"])
+    except BaseException as e:
+        if verifier is not None:
+            verifier.explain(e)
+        raise
+    if verifier is not None:
+        verifier.check()
+    return tokenizer, policy
 
 
 def generate_text(cfg: dict | None, prompt: str, checkpoint: str | None = None, max_new_tokens: int | None = None,
-                  temperature: float | None = None, seed: int | None = None) -> str:
+                  temperature: float | None = None, seed: int | None = None, skip_damaged: bool = False) -> str:
     """The completion of ``prompt`` (the user message; rendered with the chat template when
     ``data.chat_template``). Unset options come from ``rollout.max_new_tokens``, ``rollout.temperature``
-    (0 = greedy) and ``seed``; top-k/top-p/min-p/stop strings from ``rollout``."""
+    (0 = greedy) and ``seed``; top-k/top-p/min-p/stop strings from ``rollout``. ``checkpoint`` is a
+    checkpoint directory or a run directory (its newest checkpoint; ``skip_damaged`` as in ``fw fit``)."""
     from framework.rollout import SamplingParams, generate, stop_token_ids
     from framework.tasks import render_prompt
 
     if seed is not None and seed < 0:
         raise FwError(f"fw generate: --seed must be >= 0, got {seed}")
+    if checkpoint is not None:
+        checkpoint = resolve_checkpoint(checkpoint, skip_damaged=skip_damaged, verify=skip_damaged)
     cfg = run_config(cfg, checkpoint)
     changes = {k: v for k, v in (("max_new_tokens", max_new_tokens), ("temperature", temperature)) if v is not None}
     try:   # checked before any weights load

@@ -300,6 +300,11 @@ class FwModule(lightning.LightningModule):
 
     def on_train_start(self) -> None:
         self._flush_time = time.perf_counter()
+        if self.trainer.ckpt_path is not None:
+            # Lightning has restored the checkpoint's lr, betas, ... and LambdaLR's base_lrs: the config's stand
+            from framework.checkpoint.resume import reset_optimizers
+
+            reset_optimizers(self)
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         if self._pending_rng is not None:

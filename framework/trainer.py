@@ -143,13 +143,15 @@ def refuse_earlier_metrics(run_dir: str | Path) -> None:
                       "choose another run_dir, or delete the file to start over")
 
 
-def fit(cfg: dict, resume: str | None = None) -> lightning.Trainer:
+def fit(cfg: dict, resume: str | None = None, skip_damaged: bool = False) -> lightning.Trainer:
     """Train `cfg` (a resolved config): lock run_dir, check its memory plan, seed, write
     `<run_dir>/config.yaml`, build, fit.
 
     `resume`: None (fresh run), "last" (the newest complete checkpoint under run_dir; FwError if none)
-    or a checkpoint directory. SIGTERM / SIGINT finish the current step, publish its checkpoint and
-    raise `framework.signals.Stopped` (framework/signals.py has the rules).
+    or a checkpoint directory; `skip_damaged` passes over damaged newest checkpoints (reported on stderr)
+    instead of refusing. A changed setting that a resume cannot apply is refused before anything is written.
+    SIGTERM / SIGINT finish the current step, publish its checkpoint and raise `framework.signals.Stopped`
+    (framework/signals.py has the rules).
     """
     from framework.checkpoint import find_latest, resolve_resume
     from framework.config import save_resolved
@@ -167,7 +169,7 @@ def fit(cfg: dict, resume: str | None = None) -> lightning.Trainer:
         if rank0:   # the other processes of a multi-process run share it with rank 0
             stack.enter_context(RunLock(run_dir))
             print(plan.table(), file=sys.stderr, flush=True)
-        ckpt_path = resolve_resume(resume, run_dir)
+        ckpt_path = resolve_resume(resume, cfg, skip_damaged)
         lightning.seed_everything(cfg["seed"], workers=True, verbose=False)
         if ckpt_path is None:
             refuse_earlier_metrics(run_dir)   # on every rank, so that all of them stop together

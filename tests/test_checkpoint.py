@@ -18,6 +18,7 @@ from scripts.ckpt_writer import assert_same, expected, make_cfg
 
 from framework import checkpoint as ck
 from framework.checkpoint.files import exchange
+from framework.checkpoint.tensors import TensorRef
 from framework.errors import FwError
 
 
@@ -56,7 +57,8 @@ def test_round_trip_through_checkpoint_io(run_dir):
     loaded = io.load_checkpoint(path)
     original["fw_components"]["value"]["files"] = {}  # a component without extra files reads back with none
     assert_same(original, loaded)
-    assert sorted(os.listdir(path)) == ["config.yaml", "manifest.json", "policy", "trainer_state.pt", "value"]
+    assert sorted(os.listdir(path)) == ["config.yaml", "manifest.json", "policy", "trainer_state.pt",
+                                        "trainer_state.safetensors", "value"]
     assert sorted(os.listdir(path / "policy")) == ["config.json", "model.safetensors", "tokenizer.json"]
 
 
@@ -82,7 +84,7 @@ def test_manifest_matches_files_on_disk(run_dir):
             if rel != "manifest.json":
                 on_disk[rel] = {"size": full.stat().st_size, "sha256": hashlib.sha256(full.read_bytes()).hexdigest()}
     assert manifest["files"] == on_disk
-    assert manifest["format"] == "fw.checkpoint" and manifest["format_version"] == 1
+    assert manifest["format"] == "fw.checkpoint" and manifest["format_version"] == 2
     assert manifest["step"] == 12 and manifest["policy_version"] == 12 and manifest["global_step"] == 12
     assert manifest["components"] == ["policy"]
     canonical = json.dumps(cfg, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
@@ -94,8 +96,15 @@ def test_manifest_matches_files_on_disk(run_dir):
         assert set(f.keys()) == set(expected(12, 0)["fw_components"]["policy"]["state_dict"])
         assert f.get_tensor("model.layers.0.self_attn.q_proj.weight").dtype == torch.bfloat16
     assert json.loads((path / "policy" / "config.json").read_text())["step"] == 12
-    state = torch.load(path / "trainer_state.pt", weights_only=True)
-    assert "fw_components" not in state and state["optimizer_states"][0]["state"][0]["exp_avg"].shape[1] == 64
+    # the trainer state's tensors sit in a safetensors file beside the pickled rest, under their path
+    with torch.serialization.safe_globals([TensorRef]):
+        state = torch.load(path / "trainer_state.pt", weights_only=True)
+    assert "fw_components" not in state
+    ref = state["optimizer_states"][0]["state"][0]["exp_avg"]
+    assert type(ref) is TensorRef and ref == "optimizer_states.0.state.0.exp_avg"
+    with safe_open(path / "trainer_state.safetensors", "pt") as f:
+        original = expected(12, 0, 1)["optimizer_states"][0]["state"][0]["exp_avg"]
+        assert torch.equal(f.get_tensor(ref), original)
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate", "missing"])
@@ -119,19 +128,48 @@ def test_verify_names_the_damaged_file(run_dir, damage, victim):
     cfg["checkpoint"]["verify"] = True
     with pytest.raises(FwError, match=str(file)):
         ck.AtomicCheckpointIO(cfg).load_checkpoint(path)
-    # size checks are always on: truncated and missing files make the checkpoint incomplete
+    # size checks are always on: truncated and missing files make the checkpoint damaged, and finding the
+    # newest checkpoint says so instead of passing over it; the sha256 check finds flipped bytes
     assert ck.is_complete(path) is (damage == "flip")
-    assert ck.find_latest(run_dir) == (str(path) if damage == "flip" else None)
+    if damage == "flip":
+        assert ck.find_latest(run_dir) == str(path)
+        with pytest.raises(FwError, match=f"newest checkpoint {path} is damaged: {file}: sha256"):
+            ck.find_latest(run_dir, verify=True)
+    else:
+        with pytest.raises(FwError, match=f"newest checkpoint {path} is damaged: {file}.*--skip-damaged"):
+            ck.find_latest(run_dir)
+    assert ck.find_latest(run_dir, skip_damaged=True, verify=True) is None
 
 
-def test_missing_manifest_is_not_a_checkpoint(run_dir):
+def test_missing_manifest_is_a_damaged_checkpoint(run_dir):
     path = _save(run_dir, 3)
     (path / "manifest.json").unlink()
+    cfg = make_cfg(str(run_dir))
     assert ck.list_checkpoints(run_dir) == []
     with pytest.raises(FwError, match="manifest.json: missing"):
-        ck.resolve_resume(str(path), run_dir)
+        ck.resolve_resume(str(path), cfg)
+    with pytest.raises(FwError, match="newest checkpoint .*step-000003 is damaged: .*manifest.json: missing"):
+        ck.resolve_resume("last", cfg)
     with pytest.raises(FwError, match="--resume last: no complete checkpoint under"):
-        ck.resolve_resume("last", run_dir)
+        ck.resolve_resume("last", cfg, skip_damaged=True)
+    with pytest.raises(FwError, match="already holds checkpoints"):   # a fresh run would mix with it
+        ck.resolve_resume(None, cfg)
+
+
+def test_skip_damaged_falls_back_and_says_so(run_dir, capsys):
+    old = _save(run_dir, 2)
+    newest = _save(run_dir, 4)
+    (newest / "trainer_state.pt").unlink()
+    cfg = make_cfg(str(run_dir))
+    with pytest.raises(FwError, match=f"the newest checkpoint {newest} is damaged: {newest / 'trainer_state.pt'}: "
+                                      "missing"):
+        ck.resolve_resume("last", cfg)
+    assert ck.resolve_resume("last", cfg, skip_damaged=True) == str(old)
+    err = capsys.readouterr().err
+    assert err == (f"fw: warning: skipping damaged checkpoint {newest}: {newest / 'trainer_state.pt'}: missing from "
+                   f"checkpoint {newest} (listed in its manifest)\n")
+    assert ck.prune(run_dir, 1) == []   # the damaged one is left for inspection, never pruned as the newest
+    assert newest.exists() and old.exists()
 
 
 @pytest.mark.parametrize("use_exchange", [True, False])
@@ -210,7 +248,9 @@ def test_staging_leftovers_ignored_then_cleaned(run_dir):
     incomplete.mkdir()
 
     assert ck.list_checkpoints(run_dir) == [str(good)]
-    assert ck.find_latest(run_dir) == str(good)
+    with pytest.raises(FwError, match="step-000009 is damaged"):
+        ck.find_latest(run_dir)
+    assert ck.find_latest(run_dir, skip_damaged=True) == str(good)
     assert ck.clean_leftovers(ckpt_dir) == [partial.name, trash.name]
     assert sorted(os.listdir(ckpt_dir)) == sorted([busy.name, "step-000002", "step-000009"])
 

@@ -8,6 +8,9 @@ and fw preloaded, so a kill cycle costs a fraction of a second instead of a fres
 
 from __future__ import annotations
 
+import gc
+import json
+import logging
 import multiprocessing
 import os
 import random
@@ -19,7 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from scripts.ckpt_writer import assert_same, expected, write_forever
+from scripts.ckpt_writer import assert_same, expected, make_cfg, write_forever
 
 from framework import checkpoint as ck
 from framework.errors import FwError
@@ -239,3 +242,123 @@ def test_fw_fit_killed_and_resumed_matches_an_uninterrupted_run(tmp_path):
 def test_python_m_framework_fit_killed_many_times(tmp_path):
     # (kills during saves are asserted by the writer tests above, where saves are most of the time)
     _fit_killed_then_resumed(tmp_path / "run", max_steps=40, kills=8, seed=4, fresh_interpreter=True)
+
+
+# ---------------------------------------------------------------- a full disk, damaged checkpoints: `fw fit`
+
+
+@pytest.fixture
+def tmpfs(tmp_path):
+    """A real 4 MiB tmpfs (root only): room for one tiny-preset checkpoint (2.2 MB), not two."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    mnt = tmp_path / "tmpfs"
+    mnt.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)], capture_output=True,
+                             text=True, check=False)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
+    try:
+        yield mnt
+    finally:
+        gc.collect()   # loaded tensors may still map files there
+        if subprocess.run(["umount", str(mnt)], capture_output=True, check=False).returncode != 0:
+            subprocess.run(["umount", "--lazy", str(mnt)], check=True)
+
+
+def _sft_config(tmp_path, run_dir, **trainer):
+    """A config file for `fw fit`: tiny SFT, a checkpoint every 2 steps, keeping 1."""
+    from test_resume import config
+
+    cfg = config(run_dir, str(REPO / "recipes" / "data" / "arithmetic_chat.jsonl"), 1)
+    cfg["trainer"].update(trainer)
+    cfg["checkpoint"].update(every_n_steps=2, keep_last=1)
+    cfg["logging"]["csv"] = False
+    path = tmp_path / "train.yaml"
+    path.write_text(json.dumps(cfg))   # JSON is YAML
+    return str(path)
+
+
+@pytest.fixture
+def quiet_lightning():
+    """Lightning's INFO lines off: with fw run in-process, its log handler may hold an earlier test's stderr."""
+    loggers = [logging.getLogger(name) for name in ("lightning.pytorch", "lightning.fabric")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    yield
+    for lg, level in zip(loggers, levels):
+        lg.setLevel(level)
+
+
+def fw_lines(err: str) -> list[str]:
+    """The lines on stderr, none of them a traceback."""
+    assert "Traceback" not in err
+    return err.splitlines()
+
+
+def test_writer_on_a_full_disk_keeps_the_previous_checkpoint(tmpfs):
+    run_dir = tmpfs / "run"
+    cfg = make_cfg(str(run_dir))
+    first = ck.checkpoints_dir(run_dir) / "step-000001"
+    ck.write_checkpoint_dir(expected(1, 0, 1), first, cfg)
+    free = os.statvfs(tmpfs).f_bavail
+    with pytest.raises(FwError, match=r"step-000002/.*: no space left on device while writing the checkpoint "
+                                      r"\(.* MB free\); the checkpoint step-000002 was not written") as e:
+        ck.write_checkpoint_dir(expected(2, 0, 1), ck.checkpoints_dir(run_dir) / "step-000002", cfg)
+    assert "\n" not in str(e.value) and ".staging" not in str(e.value)
+    assert os.listdir(ck.checkpoints_dir(run_dir)) == ["step-000001"]   # staging removed, space given back
+    assert os.statvfs(tmpfs).f_bavail == free
+    assert_same(expected(1, 0, 1), ck.read_checkpoint_dir(first, verify=True))
+
+
+def test_fw_fit_on_a_full_disk_exits_2_with_one_line(tmp_path, tmpfs, capsys, quiet_lightning):
+    from framework.cli import main
+
+    run_dir = tmpfs / "run"
+    assert main(["fit", "--config", _sft_config(tmp_path, run_dir, max_steps=4)]) == 2
+    (error,) = fw_lines(capsys.readouterr().err)
+    step4 = ck.checkpoints_dir(run_dir) / "step-000004"
+    assert error.startswith(f"fw: error: {step4}/") and "no space left on device" in error
+    assert os.listdir(ck.checkpoints_dir(run_dir)) == ["step-000002"]
+    ck.verify_checkpoint(ck.checkpoints_dir(run_dir) / "step-000002")
+
+
+def test_fw_fit_resume_names_a_corrupt_checkpoint(tmp_path, capsys, quiet_lightning):
+    from framework.cli import main
+
+    run_dir = tmp_path / "run"
+    train = _sft_config(tmp_path, run_dir, max_steps=4)
+    assert main(["fit", "--config", train]) == 0
+    ckpts = ck.checkpoints_dir(run_dir)
+    assert main(["fit", "--config", train, "--checkpoint.keep_last=2", "--trainer.max_steps=6"]
+                + ["--resume", "last"]) == 0
+    weights = ckpts / "step-000006" / "policy" / "model.safetensors"
+    original = weights.read_bytes()
+    data = bytearray(original)
+    data[-7] ^= 0x40   # one flipped bit in a weight
+    weights.write_bytes(bytes(data))
+    capsys.readouterr()
+
+    resume = ["fit", "--config", train, "--checkpoint.keep_last=2", "--trainer.max_steps=8", "--resume", "last"]
+    assert main(resume) == 2   # verify is on by default: the flipped bit is found, nothing trains
+    notice, error = fw_lines(capsys.readouterr().err)
+    assert notice.endswith("with changed settings: trainer.max_steps 6 -> 8")
+    assert error.startswith(f"fw: error: {weights}: sha256 ")
+
+    header = bytearray(original)
+    header[0:8] = (len(original) * 2).to_bytes(8, "little")   # a header longer than the file
+    weights.write_bytes(bytes(header))
+    assert main([*resume, "--checkpoint.verify=false"]) == 2
+    error = fw_lines(capsys.readouterr().err)[1:]
+    claim = f"it claims {len(original) * 2} bytes, the file has {len(original)}"
+    assert error == [f"fw: error: {weights}: corrupt safetensors header ({claim})"]
+
+    weights.unlink()   # a missing file: named; --skip-damaged resumes from the older checkpoint, saying so
+    assert main(resume) == 2
+    assert f"the newest checkpoint {ckpts / 'step-000006'} is damaged" in fw_lines(capsys.readouterr().err)[-1]
+    assert main([*resume, "--skip-damaged"]) == 0
+    err = capsys.readouterr().err
+    assert f"fw: warning: skipping damaged checkpoint {ckpts / 'step-000006'}: {weights}: missing" in err
+    assert [Path(p).name for p in ck.list_checkpoints(run_dir)] == ["step-000006", "step-000008"]
+    ck.verify_checkpoint(ckpts / "step-000006")   # re-published by the run that continued from step 4

@@ -115,3 +115,26 @@ def test_fw_export_command(tmp_path, capsys):
     assert main(["export", "--checkpoint", ckpt, "--out", str(tmp_path / "hf")]) == 2
     err = capsys.readouterr().err
     assert "already exists and is not an empty directory" in err and "Traceback" not in err
+
+
+def test_export_of_a_run_dir_with_a_damaged_newest_checkpoint(tmp_path, capsys):
+    from framework.cli import main
+
+    run_dir = tmp_path / "run"
+    _write(run_dir, _policy(True), step=3)
+    newest = Path(_write(run_dir, _policy(False), step=8))
+    weights = newest / "policy" / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[len(data) // 2] ^= 0x10   # same size: only the sha256 finds it
+    weights.write_bytes(bytes(data))
+
+    assert main(["export", "--checkpoint", str(run_dir), "--out", str(tmp_path / "a")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"fw: error: {weights}: sha256 ") and err.count("\n") == 1
+    assert not (tmp_path / "a").exists() and [n for n in os.listdir(tmp_path) if n.startswith(".")] == []
+
+    assert main(["export", "--checkpoint", str(run_dir), "--out", str(tmp_path / "b"), "--skip-damaged"]) == 0
+    err = capsys.readouterr().err
+    assert err.startswith(f"fw: warning: skipping damaged checkpoint {newest}: {weights}: sha256 ")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "b"), dtype=torch.float32)
+    assert hf.config.tie_word_embeddings is True   # step 3's model

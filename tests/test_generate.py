@@ -7,7 +7,8 @@ import sys
 import pytest
 import torch
 
-from framework.config import resolve, save_resolved
+from framework import checkpoint as ck
+from framework.config import resolve
 from framework.errors import FwError
 from framework.generate import generate_text
 from framework.models import Qwen3ForCausalLM, save_pretrained
@@ -21,21 +22,37 @@ def make_cfg(chat_template: bool, **rollout):
                     "rollout": {"max_new_tokens": 9, **rollout}})
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    """A checkpoint-shaped directory: policy/ (HF weights + tokenizer) and config.yaml."""
+def write_checkpoint(run_dir, model, tok, step=10):
+    """A checkpoint as FwModule hands it over: policy/ (HF weights + tokenizer files), config.yaml."""
+    tok_dir = run_dir.parent / f"tok-{step}"
+    tok.save_pretrained(tok_dir)
+    files = {n: (tok_dir / n).read_bytes() for n in ("tokenizer.json", "tokenizer_config.json")}
+    state = {k: v.detach().clone() for k, v in model.hf_state_dict().items()}
+    checkpoint = {"global_step": step, "policy_version": step, "state_dict": {},
+                  "fw_components": {"policy": {"config": model.config.to_hf("float32"), "state_dict": state,
+                                               "files": files}}}
+    path = ck.checkpoints_dir(run_dir) / ck.step_dir_name(step)
+    cfg = make_cfg(chat_template=True)
+    cfg["run_dir"] = str(run_dir)
+    ck.write_checkpoint_dir(checkpoint, path, cfg)
+    return path
+
+
+def peaked_model(seed):
     tok = Tokenizer.builtin()
-    torch.manual_seed(1)
+    torch.manual_seed(seed)
     model = Qwen3ForCausalLM(preset_config("tiny", tok.vocab_size, tok.eos_id, tok.pad_id))
     with torch.no_grad():  # peaked distributions, so greedy text is not a run of one character
         for p in model.parameters():
             if p.dim() > 1:
                 p.normal_(0.0, 0.3)
-    ckpt = tmp_path_factory.mktemp("run") / "step-000010"
-    save_pretrained(model, ckpt / "policy")
-    tok.save_pretrained(ckpt / "policy")
-    save_resolved(make_cfg(chat_template=True), ckpt / "config.yaml")
-    return ckpt, model.eval(), tok
+    return model.eval(), tok
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    model, tok = peaked_model(1)
+    return write_checkpoint(tmp_path_factory.mktemp("gen") / "run", model, tok), model, tok
 
 
 def naive_greedy_text(model, tok, ids, max_new_tokens):
@@ -83,12 +100,55 @@ def test_from_config_preset_is_deterministic():
 
 
 def test_bad_checkpoint(tmp_path):
-    with pytest.raises(FwError, match="no policy/config.json"):
+    with pytest.raises(FwError, match="not a checkpoint .* nor a run directory"):
         generate_text(None, "x", checkpoint=str(tmp_path))
-    (tmp_path / "policy").mkdir()
+    (tmp_path / "policy").mkdir()   # a bare HF directory is a model path, not a checkpoint
     save_pretrained(Qwen3ForCausalLM(preset_config("tiny", 103)), tmp_path / "policy")
-    with pytest.raises(FwError, match="no config.yaml there; pass --config"):
+    with pytest.raises(FwError, match="not a checkpoint"):
         generate_text(None, "x", checkpoint=str(tmp_path))
+    with pytest.raises(FwError, match="no such directory"):
+        generate_text(None, "x", checkpoint=str(tmp_path / "nope"))
+
+
+def test_run_dir_means_its_newest_checkpoint(tmp_path, checkpoint):
+    _, model, tok = checkpoint
+    run = tmp_path / "run"
+    other, _ = peaked_model(2)
+    write_checkpoint(run, other, tok, step=3)
+    newest = write_checkpoint(run, model, tok, step=10)
+    expected = naive_greedy_text(model, tok, tok.encode(tok.apply_chat_template(
+        [{"role": "user", "content": "2+2="}], add_generation_prompt=True)), 9)
+    assert generate_text(None, "2+2=", checkpoint=str(run), temperature=0.0) == expected
+    assert expected != naive_greedy_text(other, tok, tok.encode(tok.apply_chat_template(
+        [{"role": "user", "content": "2+2="}], add_generation_prompt=True)), 9)
+
+    (newest / "policy" / "tokenizer.json").unlink()   # the newest is damaged: named, skipped only on request
+    with pytest.raises(FwError, match=f"newest checkpoint {newest} is damaged: .*tokenizer.json: missing"):
+        generate_text(None, "2+2=", checkpoint=str(run), temperature=0.0)
+    fallback = generate_text(None, "2+2=", checkpoint=str(run), temperature=0.0, skip_damaged=True)
+    assert fallback == naive_greedy_text(other, tok, tok.encode(tok.apply_chat_template(
+        [{"role": "user", "content": "2+2="}], add_generation_prompt=True)), 9)
+
+
+def _corrupt(file, at, value):
+    data = bytearray(file.read_bytes())
+    data[at] = value
+    file.write_bytes(bytes(data))
+
+
+def test_corrupt_weights_are_found(tmp_path):
+    model, tok = peaked_model(1)
+    path = write_checkpoint(tmp_path / "run", model, tok)
+    weights = path / "policy" / "model.safetensors"
+    _corrupt(weights, weights.stat().st_size - 5, 0x7F)   # flipped bytes in a weight: only the hash sees them
+    with pytest.raises(FwError, match=f"{weights}: sha256 .* does not match"):
+        generate_text(None, "x", checkpoint=str(path), temperature=0.0)
+
+    _corrupt(weights, 7, 0x01)   # a header length of 2**56 bytes: checked before safetensors parses it
+    cfg = make_cfg(chat_template=True)
+    cfg["checkpoint"]["verify"] = False
+    with pytest.raises(FwError, match=f"{weights}: corrupt safetensors header"):
+        generate_text(cfg, "x", checkpoint=str(path), temperature=0.0)
 
 
 def test_cli_generate_prints_the_completion(checkpoint):
@@ -101,3 +161,16 @@ def test_cli_generate_prints_the_completion(checkpoint):
                          check=False, capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout == expected + "\n"
+
+    run_dir = ckpt.parent.parent   # the run directory works the same; a corrupt newest one is one line
+    weights = ckpt / "policy" / "model.safetensors"
+    original = weights.read_bytes()
+    try:
+        _corrupt(weights, 3, 0xFF)
+        out = subprocess.run([sys.executable, "-m", "framework", "generate", "--checkpoint", str(run_dir),
+                              "--prompt", "abc", "--greedy"], check=False, capture_output=True, text=True,
+                             env=env, timeout=120)
+    finally:
+        weights.write_bytes(original)
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr.startswith(f"fw: error: {weights}: sha256 ") and out.stderr.count("\n") == 1

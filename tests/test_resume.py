@@ -3,6 +3,7 @@ logging interval) and resumed from its last checkpoint logs the same metrics for
 ends with the same weights, as an uninterrupted run."""
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -118,3 +119,136 @@ def test_fresh_run_over_existing_checkpoints_is_refused_before_writing(tmp_path,
     with pytest.raises(FwError, match="already holds checkpoints"):
         fit(other)
     assert {p: p.read_bytes() for p in before} == before   # the earlier run's files are untouched
+
+
+# ---------------------------------------------------------------- what a resume may change
+
+
+def schema_leaf_keys():
+    """Every leaf key of the schema, walked here independently of framework code."""
+    schema = json.loads((Path(__file__).parents[1] / "schemas" / "train.schema.json").read_text())
+    keys = []
+
+    def walk(node, prefix):
+        for key, sub in node.get("properties", {}).items():
+            if "properties" in sub:
+                walk(sub, f"{prefix}{key}.")
+            else:
+                keys.append(f"{prefix}{key}")
+
+    walk(schema, "")
+    return keys
+
+
+def test_every_schema_key_has_a_resume_rule():
+    from framework.checkpoint.resume import APPLIES, REFUSED, RESET, RESUME_RULES
+
+    keys = schema_leaf_keys()
+    unclassified = [k for k in keys if k not in RESUME_RULES]
+    assert unclassified == [], f"add these keys to RESUME_RULES in framework/checkpoint/resume.py: {unclassified}"
+    assert sorted(set(RESUME_RULES) - set(keys)) == []   # no rule for a key the schema does not have
+    for key, (rule, why) in RESUME_RULES.items():
+        assert rule in (APPLIES, RESET, REFUSED) and why, key
+
+
+class RecordSettings(Callback):
+    """Appends each optimizer step's (role, step, lr and weight_decay of every param group) to a JSON file."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def before_optimizer_step(self, trainer, module, optimizer):
+        role = module.optimizer_role(optimizer)
+        groups = [[g["lr"], g["weight_decay"], list(g["betas"])] for g in optimizer.param_groups]
+        with open(self.path, "a") as f:
+            f.write(json.dumps([role, module.policy_version + 1, groups]) + "\n")
+
+
+def records(path):
+    return [json.loads(line) for line in Path(path).read_text().splitlines()]
+
+
+def cosine(step, base, warmup, total, floor):
+    """The lr of the optimizer step after `step` steps, written out by hand."""
+    if step < warmup:
+        return base * (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / (total - warmup))
+    return base * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def test_resume_applies_new_lr_schedule_and_weight_decay(tmp_path, data):
+    run, log = tmp_path / "run", tmp_path / "lr.jsonl"
+    record = [{"class_path": "test_resume.RecordSettings", "init_args": {"path": str(log)}}]
+    first = config(run, data, 1, record)
+    first["trainer"]["max_steps"] = 4
+    fit(first)
+    old = [r for r in records(log)]
+    assert [r[1] for r in old] == [1, 2, 3, 4]
+    assert [r[2][0][0] for r in old] == pytest.approx([cosine(s, 3e-3, 3, 4, 0.1) for s in range(4)], rel=1e-12)
+
+    log.unlink()
+    second = config(run, data, 1, record)
+    second["optimizer"].update(lr=1e-2, weight_decay=0.2, betas=[0.8, 0.99])
+    second["scheduler"].update(min_lr_ratio=0.5)
+    second["trainer"]["max_steps"] = 7
+    trainer = fit(second, resume="last")
+    assert trainer.global_step == 7
+    new = records(log)
+    assert [r[1] for r in new] == [5, 6, 7]
+    for _, step, groups in new:
+        lr = cosine(step - 1, 1e-2, 3, 7, 0.5)
+        assert [g[0] for g in groups] == pytest.approx([lr, lr], rel=1e-12)
+        assert [g[1] for g in groups] == [0.2, 0.0]   # matrices decay, norms' gains do not
+        assert all(g[2] == [0.8, 0.99] for g in groups)
+    # the run's recorded config is what ran, and the next checkpoint records it too
+    from framework.config import load_config
+
+    assert load_config([str(run / "config.yaml")])["optimizer"]["lr"] == 1e-2
+    assert load_config([str(run / "checkpoints" / "step-000007" / "config.yaml")])["optimizer"]["lr"] == 1e-2
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("data.max_seq_len", 64, "data.max_seq_len changed from 96 to 64"),
+    ("seed", 4, "seed changed from 3 to 4"),
+    ("trainer.precision", "64-true", "trainer.precision changed from '32-true' to '64-true'"),
+])
+def test_resume_refuses_a_change_it_cannot_apply(tmp_path, data, key, value, message, capsys):
+    from test_crash_safety import fw_lines
+
+    from framework.cli import main
+
+    run = tmp_path / "run"
+    cfg = config(run, data, 1)
+    cfg["trainer"]["max_steps"] = 1
+    fit(cfg)
+    before = {p: p.read_bytes() for p in (run / "config.yaml", run / "metrics.jsonl")}
+    section, _, name = key.rpartition(".")
+    changed = config(run, data, 1)
+    (changed[section] if section else changed)[name] = value
+    with pytest.raises(FwError, match=message):
+        fit(changed, resume="last")
+    assert {p: p.read_bytes() for p in before} == before   # nothing written: config.yaml still what ran
+
+    (tmp_path / "train.yaml").write_text(json.dumps({**cfg, "trainer": {**cfg["trainer"], "max_steps": 2}}))
+    capsys.readouterr()
+    assert main(["fit", "--config", str(tmp_path / "train.yaml"), f"--{key}={value}", "--resume", "last"]) == 2
+    (error,) = [line for line in fw_lines(capsys.readouterr().err) if not line.startswith("INFO:")]
+    assert message in error and error.startswith("fw: error: --resume ")
+
+
+def test_ppo_resume_resets_the_critic_lr(tmp_path):
+    from test_ppo import config as ppo_config
+
+    run, log = tmp_path / "run", tmp_path / "lr.jsonl"
+    record = [{"class_path": "test_resume.RecordSettings", "init_args": {"path": str(log)}}]
+    fit(ppo_config(run, record, checkpoint={"every_n_steps": 1, "keep_last": None}))
+    assert {r[0] for r in records(log)} == {"policy", "critic"}
+    log.unlink()
+    fit(ppo_config(run, record, ppo={"critic": {"lr": 3e-4, "weight_decay": 0.1, "max_grad_norm": None}},
+                   optimizer={"lr": 2e-3}, trainer={"max_steps": 3}), resume="last")
+    new = records(log)
+    assert sorted(r[0] for r in new) == ["critic", "policy"]   # one rollout: one step of each
+    for role, _, groups in new:
+        lr, decay = (2e-3, 0.0) if role == "policy" else (3e-4, 0.1)
+        assert [g[0] for g in groups] == pytest.approx([lr] * len(groups), rel=1e-12)
+        assert groups[0][1] == decay

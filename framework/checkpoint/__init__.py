@@ -5,7 +5,9 @@ A checkpoint is a directory `<run_dir>/checkpoints/step-000123/`:
     manifest.json        format version, step, policy version, config hash, every file's size and sha256
     policy/              HF layout: config.json + model.safetensors or shards + index (+ files like tokenizer.json)
     value/               the PPO critic, same layout (only when present)
-    trainer_state.pt     the rest of Lightning's checkpoint dict (optimizers, schedulers, loops, callbacks, ...)
+    trainer_state.pt     the rest of Lightning's checkpoint dict (optimizers, schedulers, loops, callbacks, ...),
+                         its tensors replaced by `TensorRef` names
+    trainer_state.safetensors (or -00001-of-0000N shards)  those tensors (optimizer moments, ...)
     config.yaml          the resolved config
 
 It is built in a hidden staging sibling, every file and directory fsynced, then published by one rename
@@ -13,10 +15,14 @@ It is built in a hidden staging sibling, every file and directory fsynced, then 
 crash at any moment leaves either the old state or the new one plus hidden leftovers that discovery
 ignores and `clean_leftovers` removes (without RENAME_EXCHANGE a replace is two renames, and `recover`,
 called by `find_latest`, undoes a crash between them). A directory counts as complete when its manifest
-parses and every file it lists exists with the listed size.
+parses and every file it lists exists with the listed size; a `step-*` directory that is not is damaged,
+and `find_latest` says so rather than pass over it (unless asked to skip it). Tensor files are hashed while
+they are written, several at a time; loads check sizes always and (`checkpoint.verify`) every sha256,
+hashing while the files are read.
 
-Modules: `files` (durable file operations), `directory` (one checkpoint directory), `store` (a run's
-checkpoints), `lightning_io` (the CheckpointIO plugin and the checkpoint callback).
+Modules: `files` (durable file operations), `tensors` (safetensors written and read, the trainer state's
+tensors), `directory` (one checkpoint directory), `store` (a run's checkpoints), `resume` (what a resume may
+change), `lightning_io` (the CheckpointIO plugin and the checkpoint callback).
 """
 
 from framework.checkpoint.directory import (
@@ -34,24 +40,62 @@ from framework.checkpoint.directory import (
     write_checkpoint_dir,
 )
 from framework.checkpoint.files import exchange_supported, fsync_dir, hash_and_fsync, hidden_sibling, publish_dir
-from framework.checkpoint.lightning_io import AtomicCheckpointIO, CheckpointCallback
 from framework.checkpoint.store import (
     checkpoints_dir,
     clean_leftovers,
+    damage,
     find_latest,
     list_checkpoints,
     prune,
     recover,
     refuse_existing_checkpoints,
+    resolve_checkpoint,
     resolve_resume,
     step_dir_name,
+    step_dirs,
 )
 
+
+def __getattr__(name: str) -> object:
+    # the Lightning glue imports Lightning (seconds): only when asked for, so `fw generate` and `fw export`
+    # start without it
+    if name in ("AtomicCheckpointIO", "CheckpointCallback"):
+        from framework.checkpoint import lightning_io
+
+        return getattr(lightning_io, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 __all__ = [
-    "CONFIG_FILE", "FORMAT", "FORMAT_VERSION", "HF_CONFIG_FILE", "MANIFEST", "TRAINER_STATE",
-    "AtomicCheckpointIO", "CheckpointCallback",
-    "checkpoints_dir", "clean_leftovers", "config_sha256", "exchange_supported", "find_latest", "fsync_dir",
-    "hash_and_fsync", "hidden_sibling", "is_complete", "list_checkpoints", "prune", "publish_dir",
-    "read_checkpoint_dir", "read_manifest", "recover", "refuse_existing_checkpoints", "resolve_resume",
-    "step_dir_name", "verify_checkpoint", "write_checkpoint_dir",
+    "CONFIG_FILE",
+    "FORMAT",
+    "FORMAT_VERSION",
+    "HF_CONFIG_FILE",
+    "MANIFEST",
+    "TRAINER_STATE",
+    "AtomicCheckpointIO",
+    "CheckpointCallback",
+    "checkpoints_dir",
+    "clean_leftovers",
+    "config_sha256",
+    "damage",
+    "exchange_supported",
+    "find_latest",
+    "fsync_dir",
+    "hash_and_fsync",
+    "hidden_sibling",
+    "is_complete",
+    "list_checkpoints",
+    "prune",
+    "publish_dir",
+    "read_checkpoint_dir",
+    "read_manifest",
+    "recover",
+    "refuse_existing_checkpoints",
+    "resolve_checkpoint",
+    "resolve_resume",
+    "step_dir_name",
+    "step_dirs",
+    "verify_checkpoint",
+    "write_checkpoint_dir",
 ]

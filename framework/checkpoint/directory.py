@@ -7,20 +7,35 @@ import json
 import os
 import re
 import shutil
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
 
 from framework.checkpoint.files import fsync_dir, hash_and_fsync, hidden_sibling, publish_dir, sha256
+from framework.checkpoint.tensors import (
+    TRAINER_TENSORS_PREFIX,
+    DiskFull,
+    TensorRef,
+    is_disk_full,
+    is_trainer_tensor_file,
+    join_tensors,
+    plan_shards,
+    read_safetensors,
+    run_parallel,
+    shard_names,
+    split_tensors,
+    write_safetensors,
+)
 from framework.config import save_resolved
 from framework.errors import FwError
-from framework.models.hf_io import INDEX_FILE, write_checkpoint
+from framework.models.hf_io import INDEX_FILE, parse_size
 
 FORMAT = "fw.checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)   # 1: the whole trainer state pickled in trainer_state.pt
 MANIFEST = "manifest.json"
 TRAINER_STATE = "trainer_state.pt"
 CONFIG_FILE = "config.yaml"
@@ -46,10 +61,10 @@ def read_manifest(path: str | os.PathLike) -> dict:
         raise FwError(f"{file}: unreadable checkpoint manifest ({e})") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise FwError(f"{file}: not an fw checkpoint manifest (expected format {FORMAT!r})")
-    if manifest.get("format_version") != FORMAT_VERSION:
+    if manifest.get("format_version") not in READABLE_VERSIONS:
         raise FwError(
             f"{file}: checkpoint format version {manifest.get('format_version')!r} is not supported "
-            f"(this fw reads version {FORMAT_VERSION})"
+            f"(this fw reads versions {', '.join(map(str, READABLE_VERSIONS))})"
         )
     return manifest
 
@@ -81,48 +96,98 @@ def is_complete(path: str | os.PathLike) -> bool:
     return True
 
 
-def verify_checkpoint(path: str | os.PathLike) -> dict:
-    """Check every file's size and sha256 against the manifest; return the manifest or raise FwError naming
-    the bad file."""
+class Verifier:
+    """sha256 of checkpoint files computed on background threads while the caller reads the same files (the
+    page cache serves both), checked against the manifest at the end."""
+
+    def __init__(self, path: Path, manifest: dict, rels: list[str] | None = None):
+        self.path = path
+        self.expected = {rel: manifest["files"][rel]["sha256"] for rel in (rels or sorted(manifest["files"]))}
+        # largest first, so the threads finish together
+        order = sorted(self.expected, key=lambda rel: -manifest["files"][rel]["size"])
+        self.pool = ThreadPoolExecutor(max_workers=min(_workers(), max(1, len(order))))
+        self.futures: dict[str, Future] = {rel: self.pool.submit(sha256, path / rel) for rel in order}
+
+    def problem(self) -> str | None:
+        """Wait for every hash; the first mismatching file (in path order) as a message, or None."""
+        self.pool.shutdown(wait=True)
+        for rel in sorted(self.futures):
+            try:
+                digest = self.futures[rel].result()
+            except FileNotFoundError:
+                return f"{self.path / rel}: missing from checkpoint {self.path} (listed in its manifest)"
+            if digest != self.expected[rel]:
+                return (f"{self.path / rel}: sha256 {digest} does not match the manifest's {self.expected[rel]}: "
+                        "the file is corrupt")
+        return None
+
+    def check(self) -> None:
+        problem = self.problem()
+        if problem is not None:
+            raise FwError(problem)
+
+    def explain(self, error: BaseException) -> None:
+        """After `error` while reading the files: raise the hash mismatch instead when there is one (a corrupt
+        file often fails to parse, and its hash is the root cause); an interrupt only stops the hashing."""
+        if not isinstance(error, Exception):
+            self.pool.shutdown(wait=False, cancel_futures=True)
+            return
+        problem = self.problem()
+        if problem is not None:
+            raise FwError(problem) from None
+
+
+def verify_checkpoint(path: str | os.PathLike, rels: list[str] | None = None) -> dict:
+    """Check every file's size and sha256 (or only those of `rels`) against the manifest; return the manifest
+    or raise FwError naming the bad file."""
     path = Path(path)
     manifest = read_complete_manifest(path)
-    files = list(manifest["files"].items())
-    with ThreadPoolExecutor(max_workers=min(8, max(1, len(files)))) as pool:
-        digests = list(pool.map(lambda item: sha256(path / item[0]), files))
-    for (rel, meta), digest in zip(files, digests):
-        if digest != meta["sha256"]:
-            raise FwError(
-                f"{path / rel}: sha256 {digest} does not match the manifest's {meta['sha256']}: the file is corrupt"
-            )
+    Verifier(path, manifest, rels).check()
     return manifest
 
 
+
+
 def _is_model_file(fname: str) -> bool:
-    """config.json and the weights (single file, shards, index): written by hf_io, not passed as "files"."""
+    """config.json and the weights (single file, shards, index, or a config-less component's one
+    safetensors file such as PEFT's adapters): written from "state_dict", not "files"."""
     return fname in (HF_CONFIG_FILE, INDEX_FILE) or fname.endswith(".safetensors")
 
 
-def _write_component(folder: Path, name: str, component: dict, max_shard_size: int | str) -> None:
-    """A component's files: config.json + safetensors shards ("config" given) or one safetensors file named
-    "weights_file" ("config" None), then its other "files"."""
+def _component_jobs(folder: Path, name: str, component: dict, limit: int) -> list[tuple[int, str, Callable]]:
+    """Write the component's small files now; return its weight shards as (bytes, rel path, job) to run."""
     if not _COMPONENT_NAME.match(name):
         raise ValueError(f"fw_components: component name {name!r} must match {_COMPONENT_NAME.pattern}")
     files = component.get("files") or {}
     for fname in files:
         if _is_model_file(fname) or Path(fname).name != fname or fname.startswith("."):
             raise ValueError(f"fw_components[{name!r}]['files']: {fname!r} is not an allowed file name")
+    folder.mkdir()
+    tensors = component["state_dict"]
     if component.get("config") is None:
         # Tensors without a model config (e.g. PEFT adapters): one safetensors file under the given name.
         weights = component["weights_file"]
         if Path(weights).name != weights or not weights.endswith(".safetensors"):
             raise ValueError(f"fw_components[{name!r}]['weights_file']: {weights!r} is not a safetensors file name")
-        folder.mkdir(parents=True, exist_ok=True)
-        save_file({n: t.detach().to("cpu").contiguous() for n, t in component["state_dict"].items()},
-                  str(folder / weights), metadata={"format": "pt"})
-    else:
-        write_checkpoint(component["config"], component["state_dict"], folder, max_shard_size)
+        for fname, data in files.items():
+            (folder / fname).write_bytes(bytes(data))
+        return [_tensor_job(folder / weights, f"{name}/{weights}", tensors, {"format": "pt"})]
+    shards = plan_shards(tensors, limit)
+    names = shard_names("model", len(shards))
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
+                 "weight_map": {n: file for file, shard in zip(names, shards) for n in shard}}
+        (folder / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+    (folder / HF_CONFIG_FILE).write_text(json.dumps(component["config"], indent=2) + "\n")
     for fname, data in files.items():
         (folder / fname).write_bytes(bytes(data))
+    return [_tensor_job(folder / file, f"{name}/{file}", {n: tensors[n] for n in shard}, {"format": "pt"})
+            for file, shard in zip(names, shards)]
+
+
+def _tensor_job(file: Path, rel: str, tensors: dict, metadata: dict | None) -> tuple[int, str, Callable]:
+    nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    return nbytes, rel, lambda: write_safetensors(file, tensors, metadata)
 
 
 def write_checkpoint_dir(
@@ -131,22 +196,33 @@ def write_checkpoint_dir(
 ) -> dict:
     """Write `checkpoint` (a Lightning checkpoint dict, with weights under "fw_components") as the directory
     `final`, atomically. Pops "fw_components". Returns the manifest. Components are sharded like HF's
-    save_pretrained (5 GB shards by default)."""
+    save_pretrained (5 GB shards by default); the trainer state's tensors go to safetensors shards of the
+    same size beside the pickled rest. A full disk raises DiskFull (an FwError) after removing the staging
+    directory; earlier checkpoints are never touched."""
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
     components = checkpoint.pop("fw_components", None) or {}
+    limit = parse_size(max_shard_size)
     staging = hidden_sibling(final, "staging")
     staging.mkdir()
     try:
+        jobs = []
         for name, component in components.items():
-            _write_component(staging / name, name, component, max_shard_size)
+            jobs += _component_jobs(staging / name, name, component, limit)
+        skeleton, tensors = split_tensors(checkpoint)
+        shards = plan_shards(tensors, limit) if tensors else []
+        for file, shard in zip(shard_names(TRAINER_TENSORS_PREFIX, len(shards)), shards):
+            jobs.append(_tensor_job(staging / file, file, {n: tensors[n] for n in shard}, None))
         with open(staging / TRAINER_STATE, "wb") as f:
-            torch.save(checkpoint, f)
+            torch.save(skeleton, f)
         save_resolved(cfg, staging / CONFIG_FILE)
 
-        rels = sorted(p.relative_to(staging).as_posix() for p in staging.rglob("*") if p.is_file())
-        with ThreadPoolExecutor(max_workers=min(8, len(rels))) as pool:
-            sums = list(pool.map(lambda rel: hash_and_fsync(staging / rel), rels))
+        jobs.sort(key=lambda job: -job[0])   # largest first: the threads finish together
+        sums = dict(zip([rel for _, rel, _ in jobs], run_parallel([job for _, _, job in jobs], _workers())))
+        for p in staging.rglob("*"):
+            rel = p.relative_to(staging).as_posix()
+            if p.is_file() and rel not in sums:
+                sums[rel] = hash_and_fsync(p)   # the small files: read back what is on disk
         policy_version = checkpoint.get("policy_version")
         step = policy_version if policy_version is not None else checkpoint.get("global_step")
         manifest = {
@@ -157,7 +233,7 @@ def write_checkpoint_dir(
             "global_step": checkpoint.get("global_step"),
             "config_sha256": config_sha256(cfg),
             "components": sorted(components),
-            "files": {rel: {"size": size, "sha256": digest} for rel, (size, digest) in zip(rels, sums)},
+            "files": {rel: {"size": size, "sha256": digest} for rel, (size, digest) in sorted(sums.items())},
         }
         (staging / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n", encoding="utf-8")
         hash_and_fsync(staging / MANIFEST)
@@ -165,10 +241,28 @@ def write_checkpoint_dir(
             fsync_dir(staging / name)
         fsync_dir(staging)
         publish_dir(staging, final, use_exchange=use_exchange)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(staging, ignore_errors=True)
+        if isinstance(e, DiskFull):   # named by its published path: the staging directory is gone
+            raise DiskFull(f"{str(e).replace(str(staging), str(final))} ({_free(final.parent)} free); the checkpoint "
+                           f"{final.name} was not written, the earlier checkpoints are intact") from None
+        if isinstance(e, Exception) and is_disk_full(e):
+            raise DiskFull(f"{final.parent}: no space left on device while writing the checkpoint {final.name} "
+                           f"({_free(final.parent)} free); the earlier checkpoints are intact") from None
         raise
     return manifest
+
+
+def _workers() -> int:
+    return max(1, min(8, os.cpu_count() or 1))
+
+
+def _free(directory: Path) -> str:
+    try:
+        st = os.statvfs(directory)
+    except OSError:
+        return "unknown space"
+    return f"{st.f_bavail * st.f_frsize / 1e6:.1f} MB"
 
 
 def _safetensors_device(map_location: Any) -> str:
@@ -177,29 +271,66 @@ def _safetensors_device(map_location: Any) -> str:
     return "cpu"
 
 
+def component_weight_files(manifest: dict, name: str) -> list[str]:
+    """The weight files of component `name` (relative to it), in order."""
+    return sorted(rel.split("/", 1)[1] for rel in manifest["files"]
+                  if rel.startswith(name + "/") and rel.endswith(".safetensors"))
+
+
 def read_checkpoint_dir(
     path: str | os.PathLike, map_location: Any = None, weights_only: bool | None = None, verify: bool = False
 ) -> dict:
     """Rebuild the checkpoint dict from directory `path`; weights come back under "fw_components" as
-    {name: {"config": dict (None without config.json), "state_dict": {hf name: tensor}, "files": {name: bytes}}}."""
+    {name: {"config": dict (None without config.json), "state_dict": {hf name: tensor}, "files": {name: bytes}}}.
+    Sizes are always
+    checked; `verify` also checks every sha256, hashing on other threads while the files are read."""
     path = Path(path)
-    manifest = verify_checkpoint(path) if verify else read_complete_manifest(path)
+    manifest = read_complete_manifest(path)
+    verifier = Verifier(path, manifest) if verify else None
+    try:
+        checkpoint = _read(path, manifest, map_location, weights_only)
+    except BaseException as e:
+        if verifier is not None:
+            verifier.explain(e)
+        raise
+    if verifier is not None:
+        verifier.check()
+    return checkpoint
+
+
+def _read(path: Path, manifest: dict, map_location: Any, weights_only: bool | None) -> dict:
+    device = _safetensors_device(map_location)
     # like Lightning's TorchCheckpointIO, default to CPU: never onto the GPU the state was saved from
     # (another rank's device under DDP); Lightning moves optimizer state to the right device itself
-    with open(path / TRAINER_STATE, "rb") as f:
-        checkpoint = torch.load(f, map_location=map_location if map_location is not None else "cpu",
-                                weights_only=weights_only)
-    device = _safetensors_device(map_location)
+    try:
+        with open(path / TRAINER_STATE, "rb") as f, torch.serialization.safe_globals([TensorRef]):
+            checkpoint = torch.load(f, map_location=map_location if map_location is not None else "cpu",
+                                    weights_only=weights_only)
+    except (RuntimeError, EOFError, ValueError) as e:
+        raise FwError(f"{path / TRAINER_STATE}: corrupt trainer state ({str(e).splitlines()[0]})") from None
+    # every tensor file at once, on several threads (safetensors reads without holding the GIL)
+    trainer_files = sorted(r for r in manifest["files"] if is_trainer_tensor_file(r))
+    weight_files = {name: component_weight_files(manifest, name) for name in manifest["components"]}
+    rels = trainer_files + [f"{name}/{f}" for name, files in weight_files.items() for f in files]
+    loaded = dict(zip(rels, run_parallel([lambda rel=rel: read_safetensors(path / rel, device) for rel in rels],
+                                         _workers())))
+    tensors: dict[str, torch.Tensor] = {}
+    for rel in trainer_files:
+        tensors.update(loaded[rel])
+    checkpoint = join_tensors(checkpoint, tensors, str(path))
     components = {}
     for name in manifest["components"]:
         folder = path / name
         names = sorted(rel.split("/", 1)[1] for rel in manifest["files"] if rel.startswith(name + "/"))
-        state_dict = {}
-        for fname in names:
-            if fname.endswith(".safetensors"):
-                state_dict.update(load_file(folder / fname, device=device))
+        state_dict: dict[str, torch.Tensor] = {}
+        for fname in weight_files[name]:
+            state_dict.update(loaded[f"{name}/{fname}"])
+        try:
+            config = json.loads((folder / HF_CONFIG_FILE).read_text()) if HF_CONFIG_FILE in names else None
+        except ValueError as e:
+            raise FwError(f"{folder / HF_CONFIG_FILE}: invalid JSON ({e})") from None
         components[name] = {
-            "config": json.loads((folder / HF_CONFIG_FILE).read_text()) if HF_CONFIG_FILE in names else None,
+            "config": config,
             "state_dict": state_dict,
             "files": {f: (folder / f).read_bytes() for f in names if not _is_model_file(f)},
         }

@@ -5,11 +5,14 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import sys
 from pathlib import Path
 
-from framework.checkpoint.directory import is_complete, read_complete_manifest
+from framework.checkpoint.directory import MANIFEST, Verifier, is_complete, read_complete_manifest
 from framework.checkpoint.files import dead_leftovers, fsync_dir, remove_tree
 from framework.errors import FwError
+
+SKIP_DAMAGED_FLAG = "--skip-damaged"
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
@@ -50,49 +53,105 @@ def clean_leftovers(ckpt_dir: str | os.PathLike) -> list[str]:
     return removed
 
 
-def list_checkpoints(run_dir: str | os.PathLike) -> list[str]:
-    """Complete checkpoints under `<run_dir>/checkpoints`, oldest step first (hidden leftovers ignored)."""
+def step_dirs(run_dir: str | os.PathLike) -> list[Path]:
+    """Every `step-*` directory under `<run_dir>/checkpoints`, complete or not, oldest step first."""
     ckpt_dir = checkpoints_dir(run_dir)
     if not ckpt_dir.is_dir():
         return []
-    found = []
-    for entry in ckpt_dir.iterdir():
-        m = _STEP_DIR.match(entry.name)
-        if m and entry.is_dir() and is_complete(entry):
-            found.append((int(m.group(1)), str(entry)))
+    found = [(int(m.group(1)), entry) for entry in ckpt_dir.iterdir()
+             if (m := _STEP_DIR.match(entry.name)) and entry.is_dir()]
     return [p for _, p in sorted(found)]
 
 
-def find_latest(run_dir: str | os.PathLike) -> str | None:
-    """The newest complete checkpoint of the run, or None. First puts back a checkpoint left aside by an
-    interrupted fallback replace, so a crash there never loses the newest checkpoint."""
+def list_checkpoints(run_dir: str | os.PathLike) -> list[str]:
+    """Complete checkpoints under `<run_dir>/checkpoints`, oldest step first (hidden leftovers ignored)."""
+    return [str(p) for p in step_dirs(run_dir) if is_complete(p)]
+
+
+def damage(path: str | os.PathLike, verify: bool = False) -> str | None:
+    """Why checkpoint `path` cannot be used (a missing or wrong-sized file, an unreadable manifest, and with
+    `verify` a wrong sha256), naming the file; None when it is complete."""
+    path = Path(path)
+    try:
+        manifest = read_complete_manifest(path)
+    except FwError as e:
+        return str(e)
+    except (KeyError, TypeError, AttributeError) as e:
+        return f"{path / MANIFEST}: malformed manifest ({type(e).__name__}: {e})"
+    return Verifier(path, manifest).problem() if verify else None
+
+
+def find_latest(run_dir: str | os.PathLike, skip_damaged: bool = False, verify: bool = False) -> str | None:
+    """The newest checkpoint of the run, or None when it has none. First puts back a checkpoint left aside by
+    an interrupted fallback replace, so a crash there never loses the newest checkpoint.
+
+    A damaged newest checkpoint (see `damage`; `verify` adds the sha256 check) is an FwError naming it and
+    the reason, unless `skip_damaged`: then each damaged one is reported on stderr and skipped."""
     recover(checkpoints_dir(run_dir))
-    found = list_checkpoints(run_dir)
-    return found[-1] if found else None
+    for path in reversed(step_dirs(run_dir)):
+        problem = damage(path, verify)
+        if problem is None:
+            return str(path)
+        if not skip_damaged:
+            raise FwError(f"the newest checkpoint {path} is damaged: {problem}; {SKIP_DAMAGED_FLAG} uses the newest "
+                          "intact older one instead")
+        print(f"fw: warning: skipping damaged checkpoint {path}: {problem}", file=sys.stderr)
+    return None
+
+
+def resolve_checkpoint(path: str | os.PathLike, skip_damaged: bool = False, verify: bool = False,
+                       option: str = "--checkpoint") -> Path:
+    """A checkpoint directory as given (which must be complete), or a run directory's newest checkpoint under
+    `find_latest`'s rules."""
+    path = Path(path)
+    if checkpoints_dir(path).is_dir():
+        latest = find_latest(path, skip_damaged, verify)
+        if latest is None:
+            raise FwError(f"{option} {path}: a run directory without a usable checkpoint under "
+                          f"{checkpoints_dir(path)}")
+        return Path(latest)
+    if path.is_dir() and ((path / MANIFEST).exists() or _STEP_DIR.match(path.name)):
+        problem = damage(path)
+        if problem is not None:
+            raise FwError(f"{option} {path}: the checkpoint is damaged: {problem}")
+        return path
+    if not path.exists():
+        raise FwError(f"{option} {path}: no such directory")
+    raise FwError(f"{option} {path}: not a checkpoint (no {MANIFEST}) nor a run directory (no checkpoints/)")
 
 
 def refuse_existing_checkpoints(run_dir: str | os.PathLike) -> None:
-    """FwError if `run_dir` already holds checkpoints: a fresh run there would prune them and mix its
-    own in with them."""
-    existing = list_checkpoints(run_dir)
+    """FwError if `run_dir` already holds checkpoints (complete or not): a fresh run there would prune them
+    and mix its own in with them."""
+    existing = step_dirs(run_dir)
     if existing:
-        raise FwError(f"{checkpoints_dir(run_dir)} already holds checkpoints ({Path(existing[-1]).name} is the "
+        raise FwError(f"{checkpoints_dir(run_dir)} already holds checkpoints ({existing[-1].name} is the "
                       "newest): resume with --resume last, or choose another run_dir")
 
 
-def resolve_resume(resume: str | None, run_dir: str | os.PathLike) -> str | None:
-    """`--resume` value → checkpoint dir: None stays None (after refusing a run_dir that holds checkpoints),
-    "last" → newest complete one (FwError if none), a path → that checkpoint, which must be complete."""
+def resolve_resume(resume: str | None, cfg: dict, skip_damaged: bool = False) -> str | None:
+    """`--resume` value -> checkpoint dir: None stays None (after refusing a run_dir that holds checkpoints),
+    "last" -> the newest under `find_latest`'s rules (FwError if none), a path -> that checkpoint (which must
+    be complete) or that run directory's newest. The new config `cfg` is then checked against the
+    checkpoint's (`resume.check_resume_config`)."""
+    from framework.checkpoint.resume import check_resume_config
+
+    run_dir = cfg["run_dir"]
     if resume is None:
         refuse_existing_checkpoints(run_dir)
         return None
     if resume == "last":
-        latest = find_latest(run_dir)
+        latest = find_latest(run_dir, skip_damaged, verify=skip_damaged and cfg["checkpoint"]["verify"])
         if latest is None:
             raise FwError(f"--resume last: no complete checkpoint under {checkpoints_dir(run_dir)}")
-        return latest
-    read_complete_manifest(resume)
-    return str(resume)
+    else:
+        latest = str(resolve_checkpoint(resume, skip_damaged, skip_damaged and cfg["checkpoint"]["verify"],
+                                        option="--resume"))
+    changes = check_resume_config(latest, cfg)
+    if changes and os.environ.get("LOCAL_RANK", "0") == "0" and os.environ.get("NODE_RANK", "0") == "0":
+        changed = ", ".join(f"{k} {a!r} -> {b!r}" for k, a, b in changes)
+        print(f"fw: resuming {latest} with changed settings: {changed}", file=sys.stderr)
+    return latest
 
 
 def prune(run_dir: str | os.PathLike, keep_last: int | None) -> list[str]:

@@ -1,0 +1,349 @@
+"""Tensor files: safetensors written in one pass, hashed while written and fsynced; their headers checked on
+read; and the trainer state's tensors moved out of the pickle into such files and back.
+
+One pass per file matters for large checkpoints: each tensor's bytes go from the tensor (through a pinned
+buffer, double-buffered, for CUDA tensors) to the file and the sha256 without a second copy or a read back,
+and several files are written by several threads (hashing is the CPU-bound part).
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import hashlib
+import json
+import mmap
+import os
+import re
+import struct
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+
+from framework.errors import FwError
+
+SAFETENSORS_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+}
+_CHUNK = 32 << 20            # bytes per write, and per pinned staging buffer for CUDA tensors
+_MAX_HEADER = 100 << 20      # what safetensors itself accepts
+# trainer-state tensors below this size stay in the pickle (step counts, RNG states): cheap there, and
+# readers of trainer_state.pt keep seeing them as tensors
+_MIN_SPLIT_BYTES = 64 << 10
+_TRAINER_TENSORS = re.compile(r"^trainer_state(-\d{5}-of-\d{5})?\.safetensors$")
+TRAINER_TENSORS_PREFIX = "trainer_state"
+
+
+class DiskFull(FwError):
+    """The file system ran out of space (or quota) while a checkpoint file was written."""
+
+
+def is_disk_full(exc: BaseException | None) -> bool:
+    """Whether `exc` or an exception in its chain is ENOSPC / EDQUOT (torch and safetensors wrap it)."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if "No space left on device" in str(exc) or "StorageFull" in str(exc):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def plan_shards(tensors: dict[str, torch.Tensor], limit: int) -> list[list[str]]:
+    """Tensor names split into shards of at most `limit` bytes, in order (a bigger tensor gets its own)."""
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > limit:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes
+    return shards
+
+
+def shard_names(stem: str, count: int) -> list[str]:
+    """`stem.safetensors`, or `stem-00001-of-0000N.safetensors` for several shards (HF's naming)."""
+    if count == 1:
+        return [f"{stem}.safetensors"]
+    return [f"{stem}-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
+
+
+def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+_ALIGN = 4096   # O_DIRECT wants offsets, lengths and buffers aligned to the device's blocks
+
+
+def _write_all(fd: int, view: memoryview) -> None:
+    while view:
+        view = view[os.write(fd, view):]
+
+
+class _Sink:
+    """Writes byte chunks to a new file and its sha256 together.
+
+    Where the file system takes O_DIRECT the bytes go through a page-aligned bounce buffer straight to the
+    device: no page cache to fill (costly on a host that hands out fresh pages slowly) and no dirty pages
+    for fsync to wait on. Elsewhere (tmpfs, or FW_CHECKPOINT_DIRECT=0) writes are buffered. fsync follows
+    in both cases.
+    """
+
+    def __init__(self, path: Path):
+        self.path, self.digest, self.size, self.fill = path, hashlib.sha256(), 0, 0
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+        self.direct = os.environ.get("FW_CHECKPOINT_DIRECT", "1") != "0" and hasattr(os, "O_DIRECT")
+        self.fd = -1
+        if self.direct:
+            try:
+                self.fd = os.open(path, flags | os.O_DIRECT, 0o666)
+            except OSError as e:
+                if e.errno != errno.EINVAL:
+                    raise
+                self.direct = False
+        if self.fd < 0:
+            self.fd = os.open(path, flags, 0o666)
+        if self.direct:
+            self.buffer = mmap.mmap(-1, _CHUNK)   # anonymous mappings are page aligned
+            self.view = memoryview(self.buffer)
+
+    def put(self, data: Any) -> None:
+        view = memoryview(data).cast("B")
+        self.digest.update(view)
+        self.size += len(view)
+        if not self.direct:
+            _write_all(self.fd, view)
+            return
+        while view:
+            n = min(len(view), _CHUNK - self.fill)
+            self.view[self.fill:self.fill + n] = view[:n]
+            self.fill, view = self.fill + n, view[n:]
+            if self.fill == _CHUNK:
+                self._write_buffer(_CHUNK)
+
+    def _write_buffer(self, length: int) -> None:
+        try:
+            _write_all(self.fd, self.view[:length])
+        except OSError as e:
+            if e.errno != errno.EINVAL:
+                raise
+            # the file system opened it O_DIRECT but refuses such writes: continue buffered, same offset
+            fcntl.fcntl(self.fd, fcntl.F_SETFL, fcntl.fcntl(self.fd, fcntl.F_GETFL) & ~os.O_DIRECT)
+            _write_all(self.fd, self.view[:length])
+        self.fill = 0
+
+    def finish(self) -> None:
+        """Write what is left (padded to a block, then cut back to the real size) and fsync."""
+        if self.direct and self.fill:
+            padded = self.fill + (-self.fill % _ALIGN)
+            self.view[self.fill:padded] = bytes(padded - self.fill)
+            self._write_buffer(padded)
+            os.ftruncate(self.fd, self.size)
+        os.fsync(self.fd)
+
+    def close(self) -> None:
+        os.close(self.fd)
+        # the mapping goes with its last reference (a traceback through a write may still hold a slice)
+        self.view = self.buffer = None
+
+
+def _write_cpu(sink: _Sink, flat: torch.Tensor) -> None:
+    array = flat.numpy()
+    for start in range(0, len(array), _CHUNK):
+        sink.put(array[start:start + _CHUNK])
+
+
+def _write_cuda(sink: _Sink, flats: list[torch.Tensor]) -> None:
+    """Copy chunks into two pinned buffers on a side stream; write one while the next one copies."""
+    device = flats[0].device
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    buffers = [torch.empty(_CHUNK, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+    events = [torch.cuda.Event(), torch.cuda.Event()]
+    pending: tuple[int, int] | None = None   # (buffer index, bytes) copied but not written yet
+    slot = 0
+    for flat in flats:
+        for start in range(0, flat.numel(), _CHUNK):
+            n = min(_CHUNK, flat.numel() - start)
+            with torch.cuda.stream(stream):
+                buffers[slot][:n].copy_(flat[start:start + n], non_blocking=True)
+                events[slot].record(stream)
+            if pending is not None:
+                events[pending[0]].synchronize()
+                sink.put(buffers[pending[0]][:pending[1]].numpy())
+            pending, slot = (slot, n), 1 - slot
+    if pending is not None:
+        events[pending[0]].synchronize()
+        sink.put(buffers[pending[0]][:pending[1]].numpy())
+    for flat in flats:
+        flat.record_stream(stream)
+
+
+def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None
+                      ) -> tuple[int, str]:
+    """Write `tensors` as a safetensors file (readable by safetensors and transformers), fsync it and return
+    (size, sha256) of the bytes written. Tensors may live on any device; CUDA ones stream through pinned
+    memory. A full disk raises DiskFull naming the file."""
+    for name, t in tensors.items():
+        if t.dtype not in SAFETENSORS_DTYPES:
+            raise ValueError(f"{path}: tensor {name} has dtype {t.dtype}, which safetensors cannot hold")
+    # widest elements first keeps every tensor aligned to its element size (as safetensors orders them)
+    order = sorted(tensors, key=lambda n: -tensors[n].element_size())
+    header: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
+    offset = 0
+    for name in order:
+        t = tensors[name]
+        nbytes = t.numel() * t.element_size()
+        header[name] = {"dtype": SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape),
+                        "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    try:
+        sink = _Sink(path)
+        try:
+            sink.put(struct.pack("<Q", len(text)) + text)
+            flats = [_flat_bytes(tensors[name]) for name in order]
+            cpu = [x for x in flats if x.device.type != "cuda"]
+            cuda = [x for x in flats if x.device.type == "cuda"]
+            if cuda and cpu:
+                for flat in flats:   # keep the header's order: one device at a time
+                    (_write_cuda(sink, [flat]) if flat.device.type == "cuda" else _write_cpu(sink, flat))
+            elif cuda:
+                _write_cuda(sink, cuda)
+            else:
+                for flat in cpu:
+                    _write_cpu(sink, flat)
+            sink.finish()
+        finally:
+            sink.close()
+    except OSError as e:
+        if is_disk_full(e):
+            raise DiskFull(f"{path}: no space left on device while writing the checkpoint") from None
+        raise
+    return sink.size, sink.digest.hexdigest()
+
+
+def check_header(path: Path) -> dict:
+    """The parsed header of a safetensors file; FwError naming the file when it is not a valid one."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise FwError(f"{path}: corrupt safetensors file ({size} bytes, shorter than its header length)")
+        n = struct.unpack("<Q", head)[0]
+        if n > min(_MAX_HEADER, size - 8):
+            raise FwError(f"{path}: corrupt safetensors header (it claims {n} bytes, the file has {size})")
+        try:
+            header = json.loads(f.read(n))
+        except ValueError as e:
+            raise FwError(f"{path}: corrupt safetensors header (not JSON: {e})") from None
+    if not isinstance(header, dict):
+        raise FwError(f"{path}: corrupt safetensors header (not a JSON object)")
+    end = 0
+    for name, meta in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            start, stop = meta["data_offsets"]
+            end = max(end, stop)
+            ok = 0 <= start <= stop and isinstance(meta["dtype"], str) and isinstance(meta["shape"], list)
+        except (KeyError, TypeError, ValueError):
+            ok = False
+        if not ok:
+            raise FwError(f"{path}: corrupt safetensors header (entry {name!r} is malformed)")
+    if 8 + n + end != size:
+        raise FwError(f"{path}: corrupt safetensors file (the header describes {8 + n + end} bytes, the file has "
+                      f"{size})")
+    return header
+
+
+def read_safetensors(path: Path, device: str = "cpu") -> dict[str, torch.Tensor]:
+    """Every tensor of a safetensors file, its header checked first; FwError naming the file if corrupt."""
+    check_header(path)
+    try:
+        return load_file(path, device=device)
+    except SafetensorError as e:
+        raise FwError(f"{path}: corrupt safetensors file ({e})") from None
+
+
+class TensorRef(str):
+    """Stands in the pickled trainer state for a tensor stored in the trainer state's safetensors files."""
+
+    __slots__ = ()
+
+
+def _storable(x: Any) -> bool:
+    return (type(x) in (torch.Tensor, torch.nn.Parameter) and x.layout == torch.strided
+            and x.dtype in SAFETENSORS_DTYPES and x.numel() * x.element_size() >= _MIN_SPLIT_BYTES)
+
+
+def split_tensors(obj: Any) -> tuple[Any, dict[str, torch.Tensor]]:
+    """`obj` with every plain tensor of 64 KiB or more inside dicts, lists and tuples replaced by a TensorRef,
+    and the tensors by name (their path, e.g. `optimizer_states.0.state.3.exp_avg`). A tensor met twice is one entry."""
+    tensors: dict[str, torch.Tensor] = {}
+    names: dict[int, str] = {}
+
+    def walk(x: Any, path: str) -> Any:
+        if _storable(x):
+            if id(x) not in names:
+                name = path
+                while name in tensors:
+                    name += "'"
+                names[id(x)] = name
+                tensors[name] = x
+            return TensorRef(names[id(x)])
+        if isinstance(x, dict) and type(x) is dict:
+            return {k: walk(v, f"{path}.{k}" if path else str(k)) for k, v in x.items()}
+        if type(x) in (list, tuple):
+            return type(x)(walk(v, f"{path}.{i}") for i, v in enumerate(x))
+        return x
+
+    return walk(obj, ""), tensors
+
+
+def join_tensors(obj: Any, tensors: dict[str, torch.Tensor], source: str) -> Any:
+    """The inverse of `split_tensors`; FwError when a referenced tensor is missing from `source`."""
+
+    def walk(x: Any) -> Any:
+        if type(x) is TensorRef:
+            if x not in tensors:
+                raise FwError(f"{source}: tensor {str(x)!r} of the trainer state is missing")
+            return tensors[x]
+        if type(x) is dict:
+            return {k: walk(v) for k, v in x.items()}
+        if type(x) in (list, tuple):
+            return type(x)(walk(v) for v in x)
+        return x
+
+    return walk(obj)
+
+
+def is_trainer_tensor_file(rel: str) -> bool:
+    return _TRAINER_TENSORS.match(rel) is not None
+
+
+def run_parallel(jobs: list[Callable[[], Any]], workers: int) -> list[Any]:
+    """Run `jobs` on up to `workers` threads; results in order; the first failure (in job order) is raised
+    after every job has finished, so no thread is still writing when the caller cleans up."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    if len(jobs) <= 1 or workers <= 1:
+        return [job() for job in jobs]
+    with ThreadPoolExecutor(max_workers=min(workers, len(jobs))) as pool:
+        futures = [pool.submit(job) for job in jobs]
+    errors = [f.exception() for f in futures]
+    for error in errors:
+        if error is not None:
+            raise error
+    return [f.result() for f in futures]

@@ -1,0 +1,114 @@
+"""Tensor files of checkpoints: safetensors written in one pass (read back by safetensors itself), headers
+checked on read, and the trainer state's tensors split out of the pickle and joined back."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from framework.checkpoint import tensors as ts
+from framework.errors import FwError
+
+
+def _tensors(device: str) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(48, 40, generator=g)
+    return {
+        "w.f32": base.to(device),
+        "w.bf16": torch.randn(7, 5, generator=g).to(torch.bfloat16).to(device),
+        "w.f16.transposed": base.t().to(torch.float16).to(device),   # not contiguous
+        "w.i64": torch.arange(9, dtype=torch.int64).to(device),
+        "w.bool": (torch.randn(11, generator=g) > 0).to(device),
+        "w.scalar": torch.tensor(3.5, dtype=torch.float64).to(device),
+        "w.empty": torch.zeros(0, 4).to(device),
+    }
+
+
+def _check_file(path, tensors, size, digest):
+    data = path.read_bytes()
+    assert (size, digest) == (len(data), hashlib.sha256(data).hexdigest())
+    loaded = load_file(path)
+    assert loaded.keys() == tensors.keys()
+    for name, t in tensors.items():
+        assert loaded[name].dtype == t.dtype and torch.equal(loaded[name], t.cpu()), name
+    with safe_open(path, "pt") as f:
+        assert f.metadata() == {"format": "pt"}
+    assert ts.check_header(path).keys() == {"__metadata__", *tensors}
+
+
+@pytest.mark.parametrize("direct", ["1", "0"])   # O_DIRECT through the bounce buffer, or buffered writes
+@pytest.mark.parametrize("chunk", [32 << 20, 8192])   # 8 KiB: tensors span several writes and buffer fills
+def test_write_safetensors_reads_back_with_safetensors(tmp_path, monkeypatch, chunk, direct):
+    monkeypatch.setattr(ts, "_CHUNK", chunk)
+    monkeypatch.setenv("FW_CHECKPOINT_DIRECT", direct)
+    tensors = {**_tensors("cpu"), "big": torch.randn(3000)}   # 12000 bytes: not a multiple of a block
+    size, digest = ts.write_safetensors(tmp_path / "a.safetensors", tensors, {"format": "pt"})
+    _check_file(tmp_path / "a.safetensors", tensors, size, digest)
+
+
+def test_o_direct_is_used_where_the_file_system_takes_it(tmp_path, monkeypatch):
+    import os
+
+    try:
+        os.close(os.open(tmp_path / "probe", os.O_WRONLY | os.O_CREAT | os.O_DIRECT))
+    except OSError:
+        pytest.skip(f"{tmp_path} does not take O_DIRECT")
+    for env, expected in (("1", True), ("0", False)):
+        monkeypatch.setenv("FW_CHECKPOINT_DIRECT", env)
+        sink = ts._Sink(tmp_path / f"file-{env}")
+        sink.close()
+        assert sink.direct is expected
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("chunk", [32 << 20, 1000])   # 1000 bytes: the two pinned buffers take turns
+def test_write_safetensors_from_cuda(tmp_path, monkeypatch, chunk):
+    monkeypatch.setattr(ts, "_CHUNK", chunk)
+    tensors = _tensors("cuda")
+    size, digest = ts.write_safetensors(tmp_path / "a.safetensors", tensors, {"format": "pt"})
+    _check_file(tmp_path / "a.safetensors", tensors, size, digest)
+    mixed = {**tensors, "cpu.f32": torch.randn(5, 3)}
+    size, digest = ts.write_safetensors(tmp_path / "b.safetensors", mixed, {"format": "pt"})
+    _check_file(tmp_path / "b.safetensors", mixed, size, digest)
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda d: d[:5], "shorter than its header length"),
+    (lambda d: (10**9).to_bytes(8, "little") + d[8:], "claims 1000000000 bytes"),
+    (lambda d: d[:8] + b"x" + d[9:], "not JSON"),
+    (lambda d: d[:-1], "the header describes"),
+])
+def test_corrupt_headers_are_named(tmp_path, damage, message):
+    path = tmp_path / "a.safetensors"
+    ts.write_safetensors(path, _tensors("cpu"), {"format": "pt"})
+    path.write_bytes(damage(path.read_bytes()))
+    with pytest.raises(FwError, match=f"{path}: corrupt safetensors .*{message}"):
+        ts.read_safetensors(path)
+
+
+def test_split_and_join_trainer_state():
+    big = torch.randn(128, 128)
+    state = {"optimizer_states": [{"state": {0: {"exp_avg": big, "step": torch.tensor(4.0)},
+                                             1: {"exp_avg": big}},   # the same tensor twice: one entry
+                                   "param_groups": [{"lr": 1e-3, "betas": (0.9, 0.999)}]}],
+             "rng": torch.zeros(5056, dtype=torch.uint8), "sparse": torch.eye(300).to_sparse(), "name": "x"}
+    skeleton, tensors = ts.split_tensors(state)
+    assert list(tensors) == ["optimizer_states.0.state.0.exp_avg"]   # small, sparse ones stay pickled
+    assert skeleton["optimizer_states"][0]["state"][1]["exp_avg"] == "optimizer_states.0.state.0.exp_avg"
+    assert skeleton["optimizer_states"][0]["param_groups"][0]["betas"] == (0.9, 0.999)
+    joined = ts.join_tensors(skeleton, tensors, "ckpt")
+    assert joined["optimizer_states"][0]["state"][0]["exp_avg"] is big
+    assert torch.equal(joined["optimizer_states"][0]["state"][0]["step"], torch.tensor(4.0))
+    with pytest.raises(FwError, match="ckpt: tensor 'optimizer_states.0.state.0.exp_avg' .* is missing"):
+        ts.join_tensors(skeleton, {}, "ckpt")
+
+
+def test_plan_shards_matches_the_size_limit():
+    tensors = {f"t{i}": torch.zeros(n) for i, n in enumerate([10, 10, 30, 5, 1])}   # float32: 4 bytes each
+    assert ts.plan_shards(tensors, 80) == [["t0", "t1"], ["t2"], ["t3", "t4"]]
+    assert ts.shard_names("model", 3)[1] == "model-00002-of-00003.safetensors"
+    assert ts.shard_names("trainer_state", 1) == ["trainer_state.safetensors"]
