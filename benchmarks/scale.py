@@ -38,13 +38,14 @@ class Row:
 
 
 ROWS = [
-    Row("grpo-0.6b", GRPO, ("--trainer.accumulate_grad_batches=16",), goal_peak_gib=24, goal_step_s=2.4),
+    Row("grpo-0.6b", GRPO, (*LEAN, "--trainer.accumulate_grad_batches=8"), goal_peak_gib=24, goal_step_s=2.4),
+    Row("grpo-0.6b-fp32-master", GRPO, ()),   # the benchmark's own config: float32 weights, bf16-mixed
     Row("grpo-4b", GRPO, ("--model.policy.preset=qwen3-4b", *LEAN, "--trainer.accumulate_grad_batches=16"),
         goal_peak_gib=80, goal_step_s=8, peer={"preset": "qwen3-4b", "gradient_checkpointing": True}),
     Row("grpo-8b", GRPO, ("--model.policy.preset=qwen3-8b", *LEAN, "--trainer.accumulate_grad_batches=16"),
         goal_step_s=20),
     Row("grpo-8b-lora16", GRPO, ("--model.policy.preset=qwen3-8b", "--model.policy.dtype=bfloat16",
-                                 "--model.policy.lora={rank: 16}", "--trainer.accumulate_grad_batches=32"),
+                                 "--model.policy.lora={rank: 16}", "--trainer.accumulate_grad_batches=16"),
         goal_peak_gib=48, goal_step_s=12, peer={"preset": "qwen3-8b", "lora_rank": 16}),
     Row("sft-8b", SFT, ("--model.policy.preset=qwen3-8b", *LEAN, "--data.max_seq_len=2048", "--data.batch_size=2",
                         "--trainer.accumulate_grad_batches=4", "--checkpoint.every_n_steps=1000"),
@@ -78,9 +79,16 @@ def run_fw(row: Row, steps: int, out: Path, timeout_s: int) -> dict:
     except subprocess.TimeoutExpired:
         result["rc"], tail = "timeout", [f"over {timeout_s} s"]
     result["wall_s"] = round(time.perf_counter() - t0, 1)
+    ended_at = time.time()
     times_file = run_dir / "step_times.json"
     if times_file.is_file():
         times = json.loads(times_file.read_text())
+        # after the last step: the final checkpoint's save (and the process's exit)
+        result["after_last_step_s"] = round(ended_at - times["last_step_at"], 1)
+        saved = sorted((run_dir / "checkpoints").glob("step-*"))
+        if saved:
+            result["checkpoint_gib"] = round(sum(f.stat().st_size for f in saved[-1].rglob("*") if f.is_file())
+                                             / 2**30, 1)
         later = times["step_seconds"][1:] or times["step_seconds"]
         result.update(step_s=round(statistics.median(later), 3), rounds=len(later),
                       peak_gib=round(times["peak_gib"], 1), reserved_gib=round(times["reserved_gib"], 1))
@@ -122,21 +130,28 @@ def _goal(row: Row, r: dict) -> str:
     if row.goal_tokens_per_s is not None and "tokens_per_s" in r:
         checks.append(("tok/s", r["tokens_per_s"] >= row.goal_tokens_per_s, f">= {row.goal_tokens_per_s:g}"))
     if not checks:
-        return "not measured"
+        return "none (reference row)"
     return ", ".join(f"{what} {want}: {'met' if ok else 'MISSED'}" for what, ok, want in checks)
+
+
+def _save(r: dict) -> str:
+    if "after_last_step_s" not in r:
+        return "-"
+    size = f"{r['checkpoint_gib']} GiB in " if "checkpoint_gib" in r else ""
+    return f"{size}{r['after_last_step_s']} s"
 
 
 def table(results: list[dict]) -> str:
     rows = {r.name: r for r in ROWS}
-    lines = ["| job | s/step | tokens/s | peak GiB | reserved GiB | plan GiB (error) | goal | settings |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| job | s/step | tokens/s | peak GiB | reserved GiB | plan GiB (error) | goal | final save | settings |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         if "rc" not in r:
             continue
         plan = f"{r['plan_gib']} ({r['plan_error']:+.0%})" if "plan_error" in r else f"{r['plan_gib']}"
         lines.append(f"| {r['row']} | {r.get('step_s', r.get('error', '-'))} | {r.get('tokens_per_s', '-')} | "
                      f"{r.get('peak_gib', '-')} | {r.get('reserved_gib', '-')} | {plan} | "
-                     f"{_goal(rows[r['row']], r)} | `{r['overrides']}` |")
+                     f"{_goal(rows[r['row']], r)} | {_save(r)} | `{r['overrides']}` |")
     return "\n".join(lines)
 
 

@@ -36,7 +36,7 @@ class StepTimer(Callback):
         reserved = torch.cuda.max_memory_reserved() / 2**30 if cuda else 0.0
         out = Path(trainer.default_root_dir) / "step_times.json"
         out.write_text(json.dumps({"step_seconds": [b - a for a, b in zip(self.stamps, self.stamps[1:])],
-                                   "peak_gib": peak, "reserved_gib": reserved}))
+                                   "peak_gib": peak, "reserved_gib": reserved, "last_step_at": time.time()}))
 
     @staticmethod
     def _sync() -> None:
