@@ -99,16 +99,28 @@ def allow_optimizer_states(cfg: dict) -> None:
         torch.serialization.add_safe_globals([OptimState8bit])
 
 
+def param_groups(model: torch.nn.Module, settings: dict) -> list[dict]:
+    """The parameter groups of one role: matrices decayed by the role's `weight_decay`, norms' gains
+    (and any bias) not; empty groups left out."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": settings["weight_decay"]},
+              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]
+
+
+def hyperparameters(settings: dict, cfg: dict) -> dict[str, Any]:
+    """What every group of a role's optimizer takes from the config: lr (the role's), betas and eps."""
+    o = cfg["optimizer"]
+    return {"lr": settings["lr"], "betas": tuple(o["betas"]), "eps": o["eps"]}
+
+
 def build_optimizer(model: torch.nn.Module, settings: dict, cfg: dict) -> torch.optim.Optimizer:
     """The optimizer of one role over `model`'s trainable parameters: `lr` and `weight_decay` from
     `settings` (the role's config section), the kind, betas and eps from `optimizer:`."""
     o = cfg["optimizer"]
-    params = [p for p in model.parameters() if p.requires_grad]
-    # Norms' gains (and any bias) are not decayed.
-    groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": settings["weight_decay"]},
-              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
-    groups = [g for g in groups if g["params"]]
-    kwargs: dict[str, Any] = {"lr": settings["lr"], "betas": tuple(o["betas"]), "eps": o["eps"]}
+    groups = param_groups(model, settings)
+    params = [p for g in groups for p in g["params"]]
+    kwargs: dict[str, Any] = hyperparameters(settings, cfg)
     if _uses_torchao_step(o):
         optim = _torchao_optim()
         cls = optim.AdamW8bit if o["name"] == "adamw8bit" else optim._AdamW

@@ -160,7 +160,8 @@ def fit(cfg: dict, resume: str | None = None, skip_damaged: bool = False) -> lig
 
     configure_allocator()   # before the first CUDA allocation: it decides how segments are mapped
     # before anything is written or built: a job that cannot fit is refused now, not an hour in; the table
-    # of one that fits is printed once run_dir is this process's (a busy run_dir gets one line only)
+    # of one that fits is printed once the run is sure to start (a busy run_dir or a refused resume gets
+    # its one line only)
     plan = check_fits(cfg, rank_zero_only.rank, show=False)
     run_dir = Path(cfg["run_dir"])
     rank0 = rank_zero_only.rank == 0
@@ -168,14 +169,12 @@ def fit(cfg: dict, resume: str | None = None, skip_damaged: bool = False) -> lig
         stop = stack.enter_context(StopSignals(cfg["trainer"]["stop_grace_s"]))
         if rank0:   # the other processes of a multi-process run share it with rank 0
             stack.enter_context(RunLock(run_dir))
-            print(plan.table(), file=sys.stderr, flush=True)
         ckpt_path = resolve_resume(resume, cfg, skip_damaged)
         lightning.seed_everything(cfg["seed"], workers=True, verbose=False)
         if ckpt_path is None:
             refuse_earlier_metrics(run_dir)   # on every rank, so that all of them stop together
         if rank0:
-            if ckpt_path is not None:
-                print(f"fw: resuming from {ckpt_path}", file=sys.stderr)
+            print(plan.table(), file=sys.stderr, flush=True)
             save_resolved(cfg, run_dir / "config.yaml")
         stack.enter_context(quiet_lightning())
         trainer = build_trainer(cfg, stop)   # first: it refuses unsupported settings before the models are built

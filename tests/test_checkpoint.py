@@ -167,7 +167,7 @@ def test_skip_damaged_falls_back_and_says_so(run_dir, capsys):
     assert ck.resolve_resume("last", cfg, skip_damaged=True) == str(old)
     err = capsys.readouterr().err
     assert err == (f"fw: warning: skipping damaged checkpoint {newest}: {newest / 'trainer_state.pt'}: missing from "
-                   f"checkpoint {newest} (listed in its manifest)\n")
+                   f"checkpoint {newest} (listed in its manifest)\nfw: resuming {old}\n")
     assert ck.prune(run_dir, 1) == []   # the damaged one is left for inspection, never pruned as the newest
     assert newest.exists() and old.exists()
 

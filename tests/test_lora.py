@@ -258,7 +258,7 @@ def test_interrupted_lora_run_resumes_exactly(sft_run, tmp_path):
 
     other = _sft_config(tmp_path / "other", data)
     other["model"]["policy"]["lora"]["rank"] = 4
-    with pytest.raises(FwError, match="rank 8 \\(config: 4\\)"):
+    with pytest.raises(FwError, match="model.policy.lora.rank changed from 8 to 4"):
         fit(other, resume=str(_checkpoint(cfg, 4)))
     full = _sft_config(tmp_path / "full", data)
     full["model"]["policy"]["lora"] = None

@@ -145,7 +145,7 @@ def model_dir(tmp_path_factory) -> Path:
     tok = Tokenizer.builtin()
     path = tmp_path_factory.mktemp("model")
     policy = build_policy({"path": None, "preset": "tiny", "dtype": None, "gradient_checkpointing": False,
-                           "keep_logits": None, "compile": False}, tok)
+                           "keep_logits": None, "compile": False, "lora": None}, tok)
     save_pretrained(policy, path)
     tok.save_pretrained(path)
     return path

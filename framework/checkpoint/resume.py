@@ -67,6 +67,8 @@ RESUME_RULES: dict[str, tuple[str, str]] = {
     "reward.class_path": (APPLIES, "the reward is built from the config"),
     "reward.init_args": (APPLIES, "the reward is built from the config"),
     "reward.on_error": (APPLIES, "the reward is built from the config"),
+    "reward.timeout_s": (APPLIES, "read at every reward call"),
+    "reward.max_error_fraction": (APPLIES, "read at every rollout batch"),
     "sft.train_on_prompt": (APPLIES, "the loss mask is made for each batch"),
     "grpo.group_size": (REFUSED, "the rollouts of the run being continued are drawn in groups of this size"),
     "grpo.scale_rewards": (APPLIES, "a loss setting read at every step"),
@@ -102,7 +104,7 @@ RESUME_RULES: dict[str, tuple[str, str]] = {
     "optimizer.eps": (RESET, "set on every optimizer after the restore"),
     "optimizer.weight_decay": (RESET, "set on the policy optimizer after the restore"),
     "optimizer.max_grad_norm": (APPLIES, "read at every policy step"),
-    "optimizer.fused": (RESET, "set on every optimizer after the restore"),
+    "optimizer.fused": (REFUSED, "it selects the kernel of the optimizer the checkpoint restores"),
     "optimizer.stochastic_rounding": (REFUSED, "it changes the optimizer whose state the checkpoint holds"),
     "optimizer.cpu_offload": (REFUSED, "it changes the optimizer whose state the checkpoint holds"),
     "scheduler.name": (RESET, "the schedule is rebuilt from the config and the lr set after the restore"),
@@ -117,6 +119,8 @@ RESUME_RULES: dict[str, tuple[str, str]] = {
     "trainer.accumulate_grad_batches": (REFUSED, "Lightning counts its windows from the restored batch index"),
     "trainer.log_every_n_steps": (APPLIES, "logging cadence"),
     "trainer.enable_progress_bar": (APPLIES, "display only"),
+    "trainer.memory_limit_gib": (APPLIES, "the memory plan is checked at every start"),
+    "trainer.stop_grace_s": (APPLIES, "read when a signal arrives"),
     "checkpoint.every_n_steps": (APPLIES, "checkpoint cadence"),
     "checkpoint.keep_last": (APPLIES, "pruning"),
     "checkpoint.verify": (APPLIES, "how checkpoints are read"),
@@ -185,32 +189,51 @@ def check_resume_config(checkpoint: str | os.PathLike, cfg: dict) -> list[tuple[
 
 def reset_optimizers(module: Any) -> None:
     """After Lightning restored optimizer and scheduler states, set every optimizer role's hyperparameters
-    (lr, weight_decay, betas, eps, fused) from the config, and the schedule's base_lrs and current lr.
+    (lr, weight_decay, betas, eps) from the config, and the schedule's base_lrs and current lr.
 
-    Each role's settings come from an optimizer built afresh from the config (nothing is allocated: AdamW
-    makes its state at the first step), so the reset follows `framework.optim` whatever it sets."""
-    from framework.optim import adamw
+    Each group's values come from `framework.optim` (its groups and hyperparameters), so the reset follows
+    what the optimizer is built with; nothing is allocated. torchao keeps some values as tensors, which are
+    filled in place."""
+    from framework.optim import hyperparameters, param_groups
 
     trainer = module.trainer
     for role in module.requirements.optimizers:
         optimizer = module._optimizer_of[role.name]
         model = module.policy if role.model == "policy" else module.value
-        fresh = adamw(model, module._settings[role.name], module.cfg)
-        if len(fresh.param_groups) != len(optimizer.param_groups):
+        settings = module._settings[role.name]
+        fresh = [{k: v for k, v in g.items() if k != "params"} | hyperparameters(settings, module.cfg)
+                 for g in param_groups(model, settings)]
+        if len(fresh) != len(optimizer.param_groups):
             raise FwError(f"--resume: the {role.name} optimizer has {len(optimizer.param_groups)} parameter groups "
-                          f"in the checkpoint and {len(fresh.param_groups)} by the config")
-        for group, new in zip(optimizer.param_groups, fresh.param_groups):
-            group.update({k: v for k, v in new.items() if k != "params"})
+                          f"in the checkpoint and {len(fresh)} by the config")
+        for group, new in zip(optimizer.param_groups, fresh):
+            for key, value in new.items():
+                _set(group, key, value)
             if "initial_lr" in group:
-                group["initial_lr"] = new["lr"]
+                _set(group, "initial_lr", new["lr"])
         for config in trainer.lr_scheduler_configs:
             scheduler = config.scheduler
             if scheduler.optimizer is not optimizer:
                 continue
-            scheduler.base_lrs = [g["lr"] for g in fresh.param_groups]
+            # as the scheduler's own constructor takes them: the groups' initial_lr (a tensor's copy where
+            # torchao keeps lr as a tensor), so a resumed schedule computes in the same dtype as a fresh one
+            scheduler.base_lrs = [_copy(g["initial_lr"]) if "initial_lr" in g else new["lr"]
+                                  for g, new in zip(optimizer.param_groups, fresh)]
             if isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR):
                 step = scheduler.last_epoch
                 lrs = [base * fn(step) for base, fn in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
                 for group, lr in zip(optimizer.param_groups, lrs):
-                    group["lr"] = lr
+                    _set(group, "lr", lr)
                 scheduler._last_lr = lrs
+
+
+def _set(group: dict, key: str, value: Any) -> None:
+    """group[key] = value, in place when the optimizer keeps that value as a tensor (torchao's lr)."""
+    if isinstance(group.get(key), torch.Tensor):
+        group[key].fill_(value)
+    else:
+        group[key] = value
+
+
+def _copy(value: Any) -> Any:
+    return value.clone() if isinstance(value, torch.Tensor) else value

@@ -148,9 +148,9 @@ def resolve_resume(resume: str | None, cfg: dict, skip_damaged: bool = False) ->
         latest = str(resolve_checkpoint(resume, skip_damaged, skip_damaged and cfg["checkpoint"]["verify"],
                                         option="--resume"))
     changes = check_resume_config(latest, cfg)
-    if changes and os.environ.get("LOCAL_RANK", "0") == "0" and os.environ.get("NODE_RANK", "0") == "0":
+    if os.environ.get("LOCAL_RANK", "0") == "0" and os.environ.get("NODE_RANK", "0") == "0":
         changed = ", ".join(f"{k} {a!r} -> {b!r}" for k, a, b in changes)
-        print(f"fw: resuming {latest} with changed settings: {changed}", file=sys.stderr)
+        print(f"fw: resuming {latest}" + (f" with changed settings: {changed}" if changes else ""), file=sys.stderr)
     return latest
 
 
