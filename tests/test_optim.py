@@ -335,8 +335,8 @@ def test_fit_without_torchao_is_one_error_line_and_its_import_is_quiet(tmp_path,
     fit_err, import_err = proc.stderr.split("IMPORT\n")
     # one problem line, as the config's validation reports it (the key came from an override)
     lines = fit_err.splitlines()
-    assert lines == ["override '--optimizer.name=adamw8bit': optimizer.name: adamw8bit needs torchao: "
-                     "pip install 'fw[lean]'"], proc.stderr
+    expected = "override '--optimizer.name=adamw8bit': optimizer.name: adamw8bit needs torchao: pip install 'fw[lean]'"
+    assert lines == [expected], proc.stderr
     assert "Traceback" not in fit_err
     assert import_err == "", import_err
 
