@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 
 from framework.checkpoint import tensors as ts
 from framework.errors import FwError
+from framework.models.hf_io import plan_shards
 
 
 def _tensors(device: str) -> dict[str, torch.Tensor]:
@@ -109,6 +110,6 @@ def test_split_and_join_trainer_state():
 
 def test_plan_shards_matches_the_size_limit():
     tensors = {f"t{i}": torch.zeros(n) for i, n in enumerate([10, 10, 30, 5, 1])}   # float32: 4 bytes each
-    assert ts.plan_shards(tensors, 80) == [["t0", "t1"], ["t2"], ["t3", "t4"]]
+    assert plan_shards(tensors, 80) == [["t0", "t1"], ["t2"], ["t3", "t4"]]
     assert ts.shard_names("model", 3)[1] == "model-00002-of-00003.safetensors"
     assert ts.shard_names("trainer_state", 1) == ["trainer_state.safetensors"]

@@ -22,7 +22,6 @@ from framework.checkpoint.tensors import (
     is_disk_full,
     is_trainer_tensor_file,
     join_tensors,
-    plan_shards,
     read_safetensors,
     run_parallel,
     shard_names,
@@ -31,7 +30,7 @@ from framework.checkpoint.tensors import (
 )
 from framework.config import save_resolved
 from framework.errors import FwError
-from framework.models.hf_io import INDEX_FILE, parse_size
+from framework.models.hf_io import INDEX_FILE, parse_size, plan_shards
 
 FORMAT = "fw.checkpoint"
 FORMAT_VERSION = 2

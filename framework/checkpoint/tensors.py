@@ -57,20 +57,6 @@ def is_disk_full(exc: BaseException | None) -> bool:
     return False
 
 
-def plan_shards(tensors: dict[str, torch.Tensor], limit: int) -> list[list[str]]:
-    """Tensor names split into shards of at most `limit` bytes, in order (a bigger tensor gets its own)."""
-    shards: list[list[str]] = [[]]
-    size = 0
-    for name, t in tensors.items():
-        nbytes = t.numel() * t.element_size()
-        if shards[-1] and size + nbytes > limit:
-            shards.append([])
-            size = 0
-        shards[-1].append(name)
-        size += nbytes
-    return shards
-
-
 def shard_names(stem: str, count: int) -> list[str]:
     """`stem.safetensors`, or `stem-00001-of-0000N.safetensors` for several shards (HF's naming)."""
     if count == 1:

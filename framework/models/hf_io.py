@@ -155,15 +155,8 @@ def save_value_model(model: Qwen3ValueModel, path: str | os.PathLike, max_shard_
     write_checkpoint(config, model.hf_state_dict(), path, max_shard_size)
 
 
-def write_checkpoint(config: dict, tensors: dict[str, Tensor], path: str | os.PathLike,
-                     max_shard_size: int | str) -> None:
-    """config.json + safetensors shards; earlier model*.safetensors files in `path` are replaced."""
-    limit = parse_size(max_shard_size)
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    for old in path.iterdir():
-        if old.name in (SINGLE_FILE, INDEX_FILE) or _SHARD_RE.match(old.name):
-            old.unlink()
+def plan_shards(tensors: dict[str, torch.Tensor], limit: int) -> list[list[str]]:
+    """Tensor names split into shards of at most `limit` bytes, in order (a bigger tensor gets its own)."""
     shards: list[list[str]] = [[]]
     size = 0
     for name, t in tensors.items():
@@ -173,6 +166,20 @@ def write_checkpoint(config: dict, tensors: dict[str, Tensor], path: str | os.Pa
             size = 0
         shards[-1].append(name)
         size += nbytes
+    return shards
+
+
+
+def write_checkpoint(config: dict, tensors: dict[str, Tensor], path: str | os.PathLike,
+                     max_shard_size: int | str) -> None:
+    """config.json + safetensors shards; earlier model*.safetensors files in `path` are replaced."""
+    limit = parse_size(max_shard_size)
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    for old in path.iterdir():
+        if old.name in (SINGLE_FILE, INDEX_FILE) or _SHARD_RE.match(old.name):
+            old.unlink()
+    shards = plan_shards(tensors, limit)
     names = [SINGLE_FILE] if len(shards) == 1 else [
         f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     for file, shard in zip(names, shards):
