@@ -92,6 +92,8 @@ def find_latest(run_dir: str | os.PathLike, skip_damaged: bool = False, verify: 
         problem = damage(path, verify)
         if problem is None:
             return str(path)
+        if not path.exists():
+            continue   # pruned or replaced while it was read (a writer is running): not damaged, gone
         if not skip_damaged:
             raise FwError(f"the newest checkpoint {path} is damaged: {problem}; {SKIP_DAMAGED_FLAG} uses the newest "
                           "intact older one instead")
