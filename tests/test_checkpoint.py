@@ -513,3 +513,17 @@ def test_ddp_two_ranks_save_prune_refuse_and_resume(tmp_path):
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert [Path(p).name for p in ck.list_checkpoints(run_dir)] == ["step-000006"]
     assert ck.read_manifest(ck.find_latest(run_dir))["policy_version"] == 6
+
+
+def test_resuming_a_finished_run_removes_a_dead_writers_leftovers(run_dir):
+    # A run killed while it pruned after its last step leaves a .trash-* directory; resuming it trains no step
+    # (max_steps is reached), and the leftover must go all the same.
+    cfg = make_cfg(str(run_dir))
+    _fit(cfg, max_steps=2)
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
+                          check=True)
+    leftover = ck.checkpoints_dir(run_dir) / f".trash-step-000001-{int(dead.stdout)}-0123abcd"
+    (leftover / "policy").mkdir(parents=True)
+    (leftover / "policy" / "model.safetensors").write_bytes(b"partly deleted")
+    _fit(cfg, max_steps=2, ckpt_path=ck.find_latest(run_dir))
+    assert not leftover.exists()

@@ -75,6 +75,10 @@ class CheckpointCallback(pl.Callback):
             # every rank checks (a shared run_dir), so all of them stop together rather than leaving some
             # waiting in a collective; only rank 0 touches the directory
             refuse_existing_checkpoints(self.cfg["run_dir"])
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # Here rather than at train start: resuming a run that had reached max_steps (killed while it pruned,
+        # say) trains no step and never starts training, and its leftovers must go all the same.
         if trainer.is_global_zero:
             clean_leftovers(self.ckpt_dir)
 
