@@ -129,8 +129,9 @@ def shapes(params: float) -> dict[str, tuple[int, ...]]:
     return out
 
 
-def build_state(params: float, dtype: torch.dtype, device: str) -> dict:
-    """A Lightning checkpoint dict as FwModule hands it over: weights under fw_components, AdamW state."""
+def build_state(params: float, dtype: torch.dtype, device: str, optimizer: bool = True) -> dict:
+    """A Lightning checkpoint dict as FwModule hands it over: weights under fw_components, AdamW state
+    (none with `optimizer` False)."""
     g = torch.Generator(device=device).manual_seed(0)
 
     def rand(shape):
@@ -138,7 +139,7 @@ def build_state(params: float, dtype: torch.dtype, device: str) -> dict:
 
     weights = {name: rand(shape) for name, shape in shapes(params).items()}
     state = {i: {"step": torch.tensor(10.0), "exp_avg": rand(w.shape), "exp_avg_sq": rand(w.shape).abs()}
-             for i, w in enumerate(weights.values())}
+             for i, w in enumerate(weights.values())} if optimizer else {}
     groups = [{"lr": 1e-5, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0, "amsgrad": False,
                "foreach": None, "maximize": False, "capturable": False, "differentiable": False,
                "fused": None, "initial_lr": 1e-5, "params": list(state)}]
@@ -178,6 +179,8 @@ def main() -> None:
     parser.add_argument("--dir", default="/tmp/fw-checkpoint-io", help="run directory (deleted afterwards)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--keep", action="store_true", help="leave the checkpoint on disk")
+    parser.add_argument("--weights-only", action="store_true",
+                        help="no optimizer state: the weights' cost alone (a machine with little memory)")
     args = parser.parse_args()
 
     run_dir = Path(args.dir)
@@ -185,7 +188,7 @@ def main() -> None:
         shutil.rmtree(run_dir)
     cfg = resolve({"recipe": "sft", "run_dir": str(run_dir), "model": {"policy": {"preset": "tiny"}}})
     t = time.perf_counter()
-    checkpoint = build_state(args.params, _DTYPES[args.dtype], args.device)
+    checkpoint = build_state(args.params, _DTYPES[args.dtype], args.device, optimizer=not args.weights_only)
     if args.device.startswith("cuda"):
         torch.cuda.synchronize()
     total = nbytes(checkpoint)

@@ -28,7 +28,10 @@ def configure_allocator() -> str:
         return user
     os.environ[ENV] = DEFAULT
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.memory._set_allocator_settings(DEFAULT)
+        # the accelerator-wide setter where this torch has it (the CUDA one is deprecated there)
+        setter = (getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+                  or torch.cuda.memory._set_allocator_settings)
+        setter(DEFAULT)
     return DEFAULT
 
 
