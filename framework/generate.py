@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from framework.checkpoint import CONFIG_FILE, resolve_checkpoint
-from framework.checkpoint.directory import Verifier, component_weight_files, read_complete_manifest
+from framework.checkpoint.directory import Verifier, component_weight_files, read_complete_manifest, verifying
 from framework.checkpoint.tensors import check_header
 from framework.errors import FwError
 
@@ -52,21 +52,14 @@ def load_policy(cfg: dict, checkpoint: str | os.PathLike | None) -> tuple[Any, A
     if POLICY not in manifest["components"]:
         raise FwError(f"--checkpoint {path}: the checkpoint holds no {POLICY}/ component")
     rels = [rel for rel in manifest["files"] if rel.startswith(POLICY + "/") or rel == CONFIG_FILE]
-    verifier = Verifier(path, manifest, rels) if cfg["checkpoint"]["verify"] else None
     policy_dir = path / POLICY
-    try:
+    with verifying(Verifier(path, manifest, rels) if cfg["checkpoint"]["verify"] else None):
         for fname in component_weight_files(manifest, POLICY):
             check_header(policy_dir / fname)
         # A checkpoint's policy/ carries the tokenizer the run trained with; fall back to the config's.
         has_tokenizer = (policy_dir / "tokenizer.json").is_file()
         tokenizer = Tokenizer.from_pretrained(policy_dir) if has_tokenizer else build_tokenizer(cfg)
         policy = load_pretrained(policy_dir, cfg["model"]["policy"]["dtype"])
-    except BaseException as e:
-        if verifier is not None:
-            verifier.explain(e)
-        raise
-    if verifier is not None:
-        verifier.check()
     return tokenizer, policy
 
 

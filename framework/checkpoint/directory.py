@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import re
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -135,6 +136,20 @@ class Verifier:
         if problem is not None:
             raise FwError(problem) from None
 
+
+
+@contextlib.contextmanager
+def verifying(verifier: Verifier | None) -> Iterator[None]:
+    """Around a read of the files that `verifier` hashes (None: no verification): an error while reading
+    becomes the hash mismatch when there is one, and a read that succeeded is checked at the end."""
+    try:
+        yield
+    except BaseException as e:
+        if verifier is not None:
+            verifier.explain(e)
+        raise
+    if verifier is not None:
+        verifier.check()
 
 def verify_checkpoint(path: str | os.PathLike, rels: list[str] | None = None) -> dict:
     """Check every file's size and sha256 (or only those of `rels`) against the manifest; return the manifest
@@ -285,15 +300,8 @@ def read_checkpoint_dir(
     checked; `verify` also checks every sha256, hashing on other threads while the files are read."""
     path = Path(path)
     manifest = read_complete_manifest(path)
-    verifier = Verifier(path, manifest) if verify else None
-    try:
+    with verifying(Verifier(path, manifest) if verify else None):
         checkpoint = _read(path, manifest, map_location, weights_only)
-    except BaseException as e:
-        if verifier is not None:
-            verifier.explain(e)
-        raise
-    if verifier is not None:
-        verifier.check()
     return checkpoint
 
 
