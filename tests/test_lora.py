@@ -12,7 +12,6 @@ import torch
 import transformers
 from safetensors.torch import load_file
 
-from framework.callbacks import Callback
 from framework.cli import main
 from framework.config import load_config, resolve
 from framework.errors import FwError
@@ -116,17 +115,6 @@ def test_reference_with_adapters_off_equals_the_base_model(tmp_path):
         assert torch.equal(module.reference(ids, return_hidden=True), base(ids, return_hidden=True))
         assert not torch.allclose(module.policy(ids), ref, atol=1e-3)   # adapters back on outside the view
     assert module.reference.lm_head_weight is module.policy.lm_head_weight
-
-
-class CrashAt(Callback):
-    """Raises right after optimizer step `step` (after the checkpoint of an earlier step)."""
-
-    def __init__(self, step: int):
-        self.step = step
-
-    def after_optimizer_step(self, trainer, module, optimizer):
-        if module.policy_version == self.step:
-            raise RuntimeError(f"simulated crash after step {self.step}")
 
 
 def _sft_config(run_dir, data, callbacks=()) -> dict:
@@ -242,7 +230,7 @@ def test_export_writes_the_adapters_or_with_merge_the_merged_model(sft_run, tmp_
 
 def test_interrupted_lora_run_resumes_exactly(sft_run, tmp_path):
     cfg, _, data = sft_run
-    crash = {"class_path": "test_lora.CrashAt", "init_args": {"step": 6}}
+    crash = {"class_path": "test_resume.CrashAt", "init_args": {"step": 6}}
     broken = tmp_path / "broken"
     with pytest.raises(RuntimeError, match="simulated crash"):
         fit(_sft_config(broken, data, [crash]))

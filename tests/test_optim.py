@@ -154,13 +154,6 @@ def test_state_bytes_per_parameter(name, stochastic, dtype, per_value):
 
 
 # ---------------------------------------------------------------------------------- fit and resume
-class CrashAt(Callback):
-    def __init__(self, step: int):
-        self.step = step
-
-    def after_optimizer_step(self, trainer, module, optimizer):
-        if module.policy_version == self.step:
-            raise RuntimeError(f"simulated crash after step {self.step}")
 
 
 class LoadedState(Callback):
@@ -216,7 +209,7 @@ def test_resumed_run_equals_uninterrupted(tmp_path, chats, optimizer, bf16):
     """6 steps straight vs 3 steps (a crash after step 4) + resume from step 3: the same final weights
     and metrics, and the optimizer state loaded at the resume is the one saved, 8-bit codes included."""
     fit(sft(tmp_path / "straight", chats, optimizer, 6, bf16=bf16))
-    crash = {"class_path": "test_optim.CrashAt", "init_args": {"step": 4}}
+    crash = {"class_path": "test_resume.CrashAt", "init_args": {"step": 4}}
     with pytest.raises(RuntimeError, match="simulated crash"):
         fit(sft(tmp_path / "broken", chats, optimizer, 6, [crash], bf16=bf16))
     probe = {"class_path": "test_optim.LoadedState"}
@@ -386,7 +379,7 @@ def test_cpu_offload_fit_resumes_exactly(tmp_path, chats):
     optimizer = {"name": "adamw8bit", "stochastic_rounding": True, "cpu_offload": True}
     gpu = {"accelerator": "gpu", "devices": 1}
     fit(sft(tmp_path / "straight", chats, optimizer, 6, **gpu))
-    crash = {"class_path": "test_optim.CrashAt", "init_args": {"step": 4}}
+    crash = {"class_path": "test_resume.CrashAt", "init_args": {"step": 4}}
     with pytest.raises(RuntimeError, match="simulated crash"):
         fit(sft(tmp_path / "broken", chats, optimizer, 6, [crash], **gpu))
     trainer = fit(sft(tmp_path / "broken", chats, optimizer, 6, **gpu), resume="last")
