@@ -310,7 +310,8 @@ def _optimizer_state_bytes(o: dict, params: int, dtype: str) -> tuple[float, str
     return 2 * _bytes(dtype), f"2 moments x {_count(params)} params x {_bytes(dtype)} B ({dtype})"
 
 
-def _logits_rows(m: Qwen3Config, n: int, compute: str, keep: bool, backend: str) -> tuple[float, str]:
+def _logits_rows(m: Qwen3Config, n: int, compute: str, keep: bool, backend: str,
+                 weight_grad: bool = True) -> tuple[float, str]:
     """Bytes of the loss's linear_logprob for `n` tokens, with the hidden states it keeps, and how."""
     c, v, d = _bytes(compute), m.vocab_size, m.hidden_size
     kept_inputs = n * (d * c + 8 + 4 + 4 + 16)   # hidden, targets, logsumexp, entropy; the gather's indices
@@ -325,8 +326,9 @@ def _logits_rows(m: Qwen3Config, n: int, compute: str, keep: bool, backend: str)
         rows = max(1, min(n, REFERENCE_LOGITS_TILE_BYTES // (4 * v)))
         saved = REFERENCE_LOGITS_TILES * rows * v * 4
         how = f"{n:,} tokens, logits recomputed in float32 tiles of {rows} rows"
-    # the backward: grad_hidden in float32 across vocabulary tiles, and one tile's grad_weight rows
-    backward = (n * d * 4 if v > LOGPROB_TILE_COLS else 0) + min(v, LOGPROB_TILE_COLS) * d * 4
+    # the backward: grad_hidden in float32 across vocabulary tiles, and one tile's grad_weight rows (none for a
+    # frozen LM head, as under LoRA)
+    backward = (n * d * 4 if v > LOGPROB_TILE_COLS else 0) + (min(v, LOGPROB_TILE_COLS) * d * 4 if weight_grad else 0)
     return kept_inputs + loss + saved + backward, how + " + hidden states and the backward's buffers"
 
 
@@ -472,7 +474,8 @@ def _batch_rows(rows: list[Row], cfg: dict, model: Qwen3Config, shapes: BatchSha
     rows.append(Row("activations", tokens * per_token, ("train",), how))
     keep = policy_cfg["keep_logits"]
     keep = (not ckpt if keep is None else keep) and cb == 2
-    logits, how = _logits_rows(model, shapes.loss_tokens, "bfloat16" if cb == 2 else "float32", keep, backend)
+    logits, how = _logits_rows(model, shapes.loss_tokens, "bfloat16" if cb == 2 else "float32", keep, backend,
+                               weight_grad=lora is None)
     rows.append(Row("logits buffers", logits, ("train",), how))
     if value_grads:
         v_layer = layer_saved_bytes(value, shapes.seq_len, shapes.packed, pb, cb, backend)

@@ -69,16 +69,17 @@ def linear_logprob_reference(hidden: Tensor, weight: Tensor, targets: Tensor, te
 
 def linear_logprob_backward_reference(grad_logprob: Tensor, grad_entropy: Tensor, hidden: Tensor, weight: Tensor,
                                       targets: Tensor, lse: Tensor, entropy: Tensor, saved: Tensor,
-                                      offsets: Tensor, temperature: float,
-                                      save_chunk: int = 0) -> tuple[Tensor, Tensor]:
+                                      offsets: Tensor, temperature: float, save_chunk: int = 0,
+                                      weight_grad: bool = True) -> tuple[Tensor, Tensor]:
     """(grad_hidden, grad_weight) from the saved shifted logits when the forward kept them (saved
-    non-empty), else recomputing the logits chunk by chunk.
+    non-empty), else recomputing the logits chunk by chunk. Without weight_grad (a frozen weight, as under
+    LoRA) grad_weight is an empty tensor and its GEMM is skipped.
     d logprob/dz = onehot - p; d entropy/dz = -p (log p + H); z = logits / temperature."""
     N, V = hidden.shape[0], weight.shape[0]
     acc = acc_dtype(hidden.dtype)
     wf = weight.to(acc)
     gh = torch.empty_like(hidden)
-    gw = torch.zeros(weight.shape, dtype=acc, device=weight.device)
+    gw = torch.zeros(weight.shape if weight_grad else (0,), dtype=acc, device=weight.device)
     use_saved = saved.numel() > 0
     step = chunk_rows(N, V)
     for s in range(0, N, step):
@@ -96,7 +97,8 @@ def linear_logprob_backward_reference(grad_logprob: Tensor, grad_entropy: Tensor
         g.scatter_add_(1, t.clamp(min=0)[:, None], glp[:, None])
         g = g / temperature
         gh[s:s + step] = (g @ wf).to(hidden.dtype)
-        gw += g.T @ hc
+        if weight_grad:
+            gw += g.T @ hc
     return gh, gw.to(weight.dtype)
 
 
@@ -111,15 +113,16 @@ def _fake(hidden, weight, targets, temperature, save_chunk=0):
 
 
 def _backward_fake(grad_logprob, grad_entropy, hidden, weight, targets, lse, entropy, saved, offsets, temperature,
-                   save_chunk=0):
-    return hidden.new_empty(hidden.shape), weight.new_empty(weight.shape)
+                   save_chunk=0, weight_grad=True):
+    return hidden.new_empty(hidden.shape), weight.new_empty(weight.shape if weight_grad else (0,))
 
 
 define("linear_logprob(Tensor hidden, Tensor weight, Tensor targets, float temperature, int save_chunk=0) "
        "-> (Tensor, Tensor, Tensor, Tensor, Tensor)", linear_logprob_reference, fake=_fake)
 define("linear_logprob_backward(Tensor grad_logprob, Tensor grad_entropy, Tensor hidden, Tensor weight, "
        "Tensor targets, Tensor lse, Tensor entropy, Tensor saved, Tensor offsets, float temperature, "
-       "int save_chunk=0) -> (Tensor, Tensor)", linear_logprob_backward_reference, fake=_backward_fake)
+       "int save_chunk=0, bool weight_grad=True) -> (Tensor, Tensor)", linear_logprob_backward_reference,
+       fake=_backward_fake)
 
 
 def _setup(ctx, inputs, output):
@@ -139,9 +142,12 @@ def _backward(ctx, grad_logprob, grad_entropy, grad_lse, grad_saved, grad_offset
         grad_logprob = torch.zeros_like(lse)
     if grad_entropy is None:
         grad_entropy = torch.zeros_like(lse)
+    # A frozen weight (LoRA's lm_head) gets no gradient: its GEMM and [V, d] buffers are skipped.
+    weight_grad = ctx.needs_input_grad[1]
     gh, gw = torch.ops.fw.linear_logprob_backward(grad_logprob, grad_entropy, hidden, weight, targets,
-                                                  lse, entropy, saved, offsets, ctx.temperature, ctx.save_chunk)
-    return gh, gw, None, None, None
+                                                  lse, entropy, saved, offsets, ctx.temperature, ctx.save_chunk,
+                                                  weight_grad)
+    return gh, (gw if weight_grad else None), None, None, None
 
 
 torch.library.register_autograd("fw::linear_logprob", _backward, setup_context=_setup)

@@ -58,7 +58,9 @@ def op_args():
         "linear_logprob_backward": [(torch.randn(6), torch.randn(6), h.detach(), w.detach(), t, lse, ent, empty, empty,
                                      0.8),
                                     (torch.randn(6), torch.randn(6), hb.detach(), wb.detach(), t, lse_b, ent_b, saved,
-                                     offsets, 0.8, 8)],
+                                     offsets, 0.8, 8),
+                                    (torch.randn(6), torch.randn(6), h.detach(), w.detach(), t, lse, ent, empty, empty,
+                                     0.8, 0, False)],
         "sample": [(torch.randn(3, 50), 0.8, 5, 0.9, 0.05, 123), (torch.randn(3, 50), 0.0, 0, 1.0, 0.0, 1)],
     }
 
@@ -296,6 +298,25 @@ def test_linear_logprob_backward_reads_the_kept_logits():
     recomputed = torch.ops.fw.linear_logprob_backward(g1, g2, h, w, t, lse2, ent2, torch.empty(0), torch.empty(0),
                                                       temp)
     assert rel(recomputed[0], gh) > 0.1  # the recomputing path would have used h's logits
+
+
+def test_linear_logprob_frozen_weight_gets_no_gradient():
+    """A frozen weight (LoRA's lm_head): grad_hidden is the float64 one, the weight gets no .grad, and the
+    backward op returns an empty grad_weight instead of a [V, d] one."""
+    N, d, V, temp = 5, 8, 30, 0.7
+    h = torch.randn(N, d, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(V, d, dtype=torch.float64)
+    t = torch.tensor([1, 2, -100, 4, 29])
+    lp, ent = ops_cuda.linear_logprob(h, w, t, temp, return_entropy=True)
+    (lp.sum() + 0.3 * ent.sum()).backward()
+    z = (h.detach() @ w.T / temp).requires_grad_(True)
+    lp64, ent64 = logprob_entropy64(z, t)
+    (dz,) = torch.autograd.grad(lp64.sum() + 0.3 * ent64.sum(), z)
+    assert w.grad is None and rel(h.grad, dz @ w / temp) < 1e-10
+    _, ent2, lse2, empty, _ = torch.ops.fw.linear_logprob(h.detach(), w, t, temp)
+    _, gw = torch.ops.fw.linear_logprob_backward(torch.ones(N), torch.ones(N), h.detach(), w, t, lse2, ent2,
+                                                 empty, empty, temp, 0, False)
+    assert gw.numel() == 0
 
 
 def test_linear_logprob_saved_logits_beyond_fp16_range():

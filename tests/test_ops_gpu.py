@@ -412,6 +412,27 @@ def test_linear_logprob_chunk_of_minus_inf():
             assert gw.isfinite().all() and (gw[1024:2048] == 0).all() and gh.shape == hh.shape
 
 
+@pytest.mark.parametrize("save", [False, True])
+def test_linear_logprob_frozen_weight(save):
+    """weight_grad=False (a frozen lm_head): the CUDA backward's grad_hidden equals the float64 one and
+    grad_weight is empty; through autograd the weight gets no .grad."""
+    N, d, V, temp = 48, 64, 9000, 0.9
+    h = torch.randn(N, d, device=DEV).bfloat16().requires_grad_(True)
+    w = (torch.randn(V, d, device=DEV) / 8).bfloat16()
+    t = torch.randint(0, V, (N,), device=DEV)
+    lp, ent = ops_cuda.linear_logprob(h, w, t, temp, return_entropy=True, save_logits=save)
+    g1, g2 = torch.randn(N, device=DEV), torch.randn(N, device=DEV)
+    poison()
+    ((lp * g1).sum() + (ent * g2).sum()).backward()
+    z = (h.detach().double() @ w.double().T / temp).requires_grad_(True)
+    lp64, ent64 = logprob_entropy64(z, t)
+    (dz,) = torch.autograd.grad((lp64 * g1.double()).sum() + (ent64 * g2.double()).sum(), z)
+    assert w.grad is None and rel(h.grad, dz @ w.double() / temp) < TOL[torch.bfloat16] * 2
+    _, ent2, lse2, sv, off = torch.ops.fw.linear_logprob(h.detach(), w, t, temp, 0)
+    gh, gw = torch.ops.fw.linear_logprob_backward(g1, g2, h.detach(), w, t, lse2, ent2, sv, off, temp, 0, False)
+    assert gw.numel() == 0 and rel(gh, dz @ w.double() / temp) < TOL[torch.bfloat16] * 2
+
+
 def test_linear_logprob_backward_reads_the_kept_logits():
     """Given kept logits of other hidden states h2, the CUDA backward's dz comes from them, not from
     recomputing hidden @ W.T: grad_hidden = dz(h2) W / T, grad_weight = dz(h2)^T h / T (float64 reference)."""

@@ -464,14 +464,16 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> linear_logprob(const Tensor& 
 std::tuple<Tensor, Tensor> linear_logprob_backward(const Tensor& grad_logprob, const Tensor& grad_entropy,
                                                    const Tensor& hidden, const Tensor& weight, const Tensor& targets,
                                                    const Tensor& lse, const Tensor& entropy, const Tensor& saved,
-                                                   const Tensor& offsets, double temperature, int64_t save_chunk) {
+                                                   const Tensor& offsets, double temperature, int64_t save_chunk,
+                                                   bool weight_grad) {
   c10::cuda::CUDAGuard guard(hidden.device());
   auto a = linear_args(hidden, weight, targets, "linear_logprob_backward");
   const auto dt = a.dt;
   auto t = targets.to(at::kLong).contiguous();
   auto glp = grad_logprob.to(at::kFloat).contiguous(), gent = grad_entropy.to(at::kFloat).contiguous();
   auto l = lse.to(at::kFloat).contiguous(), H = entropy.to(at::kFloat).contiguous();
-  auto gw = at::empty({a.V, a.d}, weight.options());
+  // Without weight_grad (a frozen weight) grad_W is empty and its GEMM, buffer and copies are skipped.
+  auto gw = weight_grad ? at::empty({a.V, a.d}, weight.options()) : at::empty({0}, weight.options());
   if (a.N == 0) return {at::zeros({a.N, a.d}, a.h.options()), gw.zero_()};
   const bool use_saved = saved.numel() > 0;
   const int64_t chunks = use_saved ? logprob_chunks(a.V) : 0;
@@ -492,7 +494,7 @@ std::tuple<Tensor, Tensor> linear_logprob_backward(const Tensor& grad_logprob, c
   auto gh = at::empty({a.N, a.d}, one_col_tile ? a.h.options() : a.h.options().dtype(at::kFloat));
   // grad_W rows of a vocabulary tile: straight into gw when one GEMM covers the rows (and dtypes agree).
   const bool gw_direct = one_row_tile && weight.scalar_type() == a.h.scalar_type();
-  Tensor gw_acc = gw_direct ? Tensor() : at::empty({a.cols, a.d}, a.h.options().dtype(at::kFloat));
+  Tensor gw_acc = gw_direct || !weight_grad ? Tensor() : at::empty({a.cols, a.d}, a.h.options().dtype(at::kFloat));
   auto opts = a.h.options().dtype(at::kFloat);
   // recomputed logits: on Hopper the sm90 kernel writes the tile's dz itself, elsewhere a cuBLAS fp32 tile
   const bool sm90 = !use_saved && a.sm90;
@@ -509,8 +511,9 @@ std::tuple<Tensor, Tensor> linear_logprob_backward(const Tensor& grad_logprob, c
   for (int64_t v0 = 0; v0 < a.V; v0 += a.cols) {
     const int64_t vc = std::min(a.cols, a.V - v0);
     const void* ws = wp + v0 * a.d * es;
-    void* gw_out =
-        gw_direct ? static_cast<void*>(static_cast<char*>(gw.data_ptr()) + v0 * a.d * es) : gw_acc.data_ptr();
+    void* gw_out = !weight_grad ? nullptr
+                   : gw_direct  ? static_cast<void*>(static_cast<char*>(gw.data_ptr()) + v0 * a.d * es)
+                                : gw_acc.data_ptr();
     for (int64_t n0 = 0; n0 < a.N; n0 += a.rows) {
       const int64_t n = std::min(a.rows, a.N - n0);
       const void* hs = hp + n0 * a.d * es;
@@ -538,10 +541,11 @@ std::tuple<Tensor, Tensor> linear_logprob_backward(const Tensor& grad_logprob, c
       fw::gemm(CUBLAS_OP_N, CUBLAS_OP_N, a.d, n, vc, inv_t, ws, ht, a.d, gtile.data_ptr(), ht, vc,
                v0 == 0 ? 0.f : 1.f, ghp + n0 * a.d * gh.element_size(), gh_t, a.d);
       // grad_W_tile^T [d, vc] (+)= h_rows^T [d, n] . g [n, vc]
-      fw::gemm(CUBLAS_OP_N, CUBLAS_OP_T, a.d, vc, n, inv_t, hs, ht, a.d, gtile.data_ptr(), ht, vc,
-               n0 == 0 ? 0.f : 1.f, gw_out, gw_t, a.d);
+      if (weight_grad)
+        fw::gemm(CUBLAS_OP_N, CUBLAS_OP_T, a.d, vc, n, inv_t, hs, ht, a.d, gtile.data_ptr(), ht, vc,
+                 n0 == 0 ? 0.f : 1.f, gw_out, gw_t, a.d);
     }
-    if (!gw_direct) gw.narrow(0, v0, vc).copy_(gw_acc.narrow(0, 0, vc));
+    if (weight_grad && !gw_direct) gw.narrow(0, v0, vc).copy_(gw_acc.narrow(0, 0, vc));
   }
   return {one_col_tile ? gh : gh.to(a.h.scalar_type()), gw};
 }
