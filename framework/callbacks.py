@@ -156,8 +156,26 @@ class StopOnSignal(lightning.Callback):
             trainer.should_stop = True
 
 
+def _by_device(tensors: list[torch.Tensor]) -> dict[torch.device, list[torch.Tensor]]:
+    # An offloaded optimizer's groups hold host copies of the large parameters and the small ones on the GPU.
+    groups: dict[torch.device, list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault(t.device, []).append(t)
+    return groups
+
+
 def _finite(tensors: list[torch.Tensor]) -> bool:
-    return bool(torch.stack([t.isfinite().all() for t in tensors]).all()) if tensors else True
+    """One host synchronisation per device, none per tensor."""
+    return all(bool(torch.stack([t.isfinite().all() for t in group]).all())
+               for group in _by_device(tensors).values())
+
+
+def _norm(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The 2-norm of all of `tensors`, on the first one's device."""
+    first = tensors[0].device
+    norms = [torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(t.detach()) for t in group])).to(first)
+             for group in _by_device(tensors).values()]
+    return torch.linalg.vector_norm(torch.stack(norms))
 
 
 def _grads(optimizer: Any) -> list[torch.Tensor]:
@@ -199,7 +217,7 @@ class StopOnNonFinite(Callback):
         # Lightning calls this for the optimizers it steps (the policy's) before the module clips
         grads = _grads(optimizer)
         if self.check_gradients and grads:
-            norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.detach()) for g in grads]))
+            norm = _norm(grads)
             if not bool(norm.isfinite()):
                 self._stop(module, f"the {self._role(module, optimizer)} gradient's norm is {norm.item()}")
 

@@ -100,7 +100,9 @@ class _Sink:
         if self.fd < 0:
             self.fd = os.open(path, flags, 0o666)
         if self.direct:
-            self.buffer = mmap.mmap(-1, _CHUNK)   # anonymous mappings are page aligned
+            # whole blocks, so every write but the padded last one is aligned (whatever _CHUNK is)
+            self.capacity = -(-_CHUNK // _ALIGN) * _ALIGN
+            self.buffer = mmap.mmap(-1, self.capacity)   # anonymous mappings are page aligned
             self.view = memoryview(self.buffer)
 
     def put(self, data: Any) -> None:
@@ -111,11 +113,11 @@ class _Sink:
             _write_all(self.fd, view)
             return
         while view:
-            n = min(len(view), _CHUNK - self.fill)
+            n = min(len(view), self.capacity - self.fill)
             self.view[self.fill:self.fill + n] = view[:n]
             self.fill, view = self.fill + n, view[n:]
-            if self.fill == _CHUNK:
-                self._write_buffer(_CHUNK)
+            if self.fill == self.capacity:
+                self._write_buffer(self.capacity)
 
     def _write_buffer(self, length: int) -> None:
         try:
