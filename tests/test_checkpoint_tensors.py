@@ -108,6 +108,28 @@ def test_split_and_join_trainer_state():
         ts.join_tensors(skeleton, {}, "ckpt")
 
 
+def test_tensor_subclass_states_are_stored_as_plain_tensors():
+    """torchao's 8-bit optimizer states travel as their inner tensors (codes, scales) in the safetensors
+    files, and come back as the same class with equal values; a class not allowed for loading is refused."""
+    subclass = pytest.importorskip("torchao.optim.subclass_8bit")
+    state = subclass.OptimState8bit.zeros((512, 256), signed=True, block_size=256, device="cpu")
+    state.copy_(torch.randn(512, 256))
+    skeleton, tensors = ts.split_tensors({"state": {0: {"exp_avg": state}}})
+    assert type(skeleton["state"][0]["exp_avg"]) is ts.SubclassRef
+    assert tensors["state.0.exp_avg.codes"].dtype == torch.uint8 and set(tensors) == {"state.0.exp_avg.codes"}
+    with torch.serialization.safe_globals([subclass.OptimState8bit]):
+        back = ts.join_tensors(skeleton, tensors, "ckpt")["state"][0]["exp_avg"]
+    assert type(back) is subclass.OptimState8bit and back.signed and back.shape == (512, 256)
+    assert torch.equal(back.dequantize(), state.dequantize())
+    allowed = torch.serialization.get_safe_globals()
+    torch.serialization.clear_safe_globals()
+    try:
+        with pytest.raises(FwError, match="ckpt: the trainer state holds a torchao.optim.subclass_8bit:OptimState8bit"):
+            ts.join_tensors(skeleton, tensors, "ckpt")
+    finally:
+        torch.serialization.add_safe_globals(allowed)
+
+
 def test_plan_shards_matches_the_size_limit():
     tensors = {f"t{i}": torch.zeros(n) for i, n in enumerate([10, 10, 30, 5, 1])}   # float32: 4 bytes each
     assert plan_shards(tensors, 80) == [["t0", "t1"], ["t2"], ["t3", "t4"]]

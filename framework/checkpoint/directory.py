@@ -19,6 +19,7 @@ from framework.checkpoint.files import fsync_dir, hash_and_fsync, hidden_sibling
 from framework.checkpoint.tensors import (
     TRAINER_TENSORS_PREFIX,
     DiskFull,
+    SubclassRef,
     TensorRef,
     is_disk_full,
     is_trainer_tensor_file,
@@ -310,7 +311,7 @@ def _read(path: Path, manifest: dict, map_location: Any, weights_only: bool | No
     # like Lightning's TorchCheckpointIO, default to CPU: never onto the GPU the state was saved from
     # (another rank's device under DDP); Lightning moves optimizer state to the right device itself
     try:
-        with open(path / TRAINER_STATE, "rb") as f, torch.serialization.safe_globals([TensorRef]):
+        with open(path / TRAINER_STATE, "rb") as f, torch.serialization.safe_globals([TensorRef, SubclassRef]):
             checkpoint = torch.load(f, map_location=map_location if map_location is not None else "cpu",
                                     weights_only=weights_only)
     except (RuntimeError, EOFError, ValueError) as e:

@@ -271,14 +271,45 @@ class TensorRef(str):
     __slots__ = ()
 
 
+class SubclassRef(tuple):
+    """Stands in the pickled trainer state for a tensor subclass (torchao's 8-bit optimizer states) whose
+    inner tensors are stored like plain ones: (class "module:qualname", flatten context, {attr: inner},
+    size, stride). Pickling such a tensor whole would stream it through one thread's torch.save."""
+
+    __slots__ = ()
+
+
+def _subclass_name(cls: type) -> str:
+    return f"{cls.__module__}:{cls.__qualname__}"
+
+
+def _flattenable(x: Any) -> bool:
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    return type(x) not in (torch.Tensor, torch.nn.Parameter) and is_traceable_wrapper_subclass(x)
+
+
+def _rebuild_subclass(ref: SubclassRef, inner: dict[str, torch.Tensor], source: str) -> torch.Tensor:
+    """The tensor `ref` stands for; only classes allowed for weights-only loading are rebuilt (the same trust
+    as torch.load's: `framework.optim.allow_optimizer_states` allows torchao's)."""
+    name, context, _, size, stride = ref
+    allowed = [g[0] if isinstance(g, tuple) else g for g in torch.serialization.get_safe_globals()]
+    cls = next((g for g in allowed if isinstance(g, type) and _subclass_name(g) == name), None)
+    if cls is None:
+        raise FwError(f"{source}: the trainer state holds a {name} tensor, a class not allowed for loading "
+                      "(its optimizer is not the configured one)")
+    return cls.__tensor_unflatten__(inner, context, torch.Size(size), tuple(stride))
+
+
 def _storable(x: Any) -> bool:
     return (type(x) in (torch.Tensor, torch.nn.Parameter) and x.layout == torch.strided
             and x.dtype in SAFETENSORS_DTYPES and x.numel() * x.element_size() >= _MIN_SPLIT_BYTES)
 
 
 def split_tensors(obj: Any) -> tuple[Any, dict[str, torch.Tensor]]:
-    """`obj` with every plain tensor of 64 KiB or more inside dicts, lists and tuples replaced by a TensorRef,
-    and the tensors by name (their path, e.g. `optimizer_states.0.state.3.exp_avg`). A tensor met twice is one entry."""
+    """`obj` with every plain tensor of 64 KiB or more inside dicts, lists and tuples replaced by a TensorRef
+    (and every tensor subclass by a SubclassRef of its inner tensors, treated alike), and the tensors by name
+    (their path, e.g. `optimizer_states.0.state.3.exp_avg`). A tensor met twice is one entry."""
     tensors: dict[str, torch.Tensor] = {}
     names: dict[int, str] = {}
 
@@ -291,6 +322,10 @@ def split_tensors(obj: Any) -> tuple[Any, dict[str, torch.Tensor]]:
                 names[id(x)] = name
                 tensors[name] = x
             return TensorRef(names[id(x)])
+        if _flattenable(x):
+            attrs, context = x.__tensor_flatten__()
+            inner = {a: walk(getattr(x, a), f"{path}.{a}") for a in attrs}
+            return SubclassRef((_subclass_name(type(x)), context, inner, list(x.shape), list(x.stride())))
         if isinstance(x, dict) and type(x) is dict:
             return {k: walk(v, f"{path}.{k}" if path else str(k)) for k, v in x.items()}
         if type(x) in (list, tuple):
@@ -308,6 +343,8 @@ def join_tensors(obj: Any, tensors: dict[str, torch.Tensor], source: str) -> Any
             if x not in tensors:
                 raise FwError(f"{source}: tensor {str(x)!r} of the trainer state is missing")
             return tensors[x]
+        if type(x) is SubclassRef:
+            return _rebuild_subclass(x, {a: walk(t) for a, t in x[2].items()}, source)
         if type(x) is dict:
             return {k: walk(v) for k, v in x.items()}
         if type(x) in (list, tuple):
