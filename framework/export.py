@@ -15,6 +15,7 @@ import json
 import os
 import shutil
 from pathlib import Path
+from typing import Any
 
 from framework.checkpoint import CONFIG_FILE, resolve_checkpoint
 from framework.checkpoint.directory import read_complete_manifest
@@ -85,14 +86,15 @@ def export_checkpoint(checkpoint: str | os.PathLike, out: str | os.PathLike, mer
     return str(out)
 
 
-def _write_merged(source: Path, staging: Path) -> None:
-    """The merged policy of LoRA checkpoint `source` as config.json + safetensors in `staging`, from the
-    adapter files already copied (and checked) there."""
+def adapted_policy(source: Path, adapter_dir: Path) -> tuple[Any, Any]:
+    """(tokenizer, policy with adapters) of LoRA checkpoint `source`: the base rebuilt from its config.yaml
+    (`model.policy.path`, or the preset from the seed), the adapters of `adapter_dir` (checked copies, or
+    the checkpoint's own `policy/` once its files were checked) loaded into it."""
     from safetensors.torch import load_file
 
     from framework.config import load_config
-    from framework.models import build_policy, save_pretrained
-    from framework.models.lora import check_adapter_config, merged_copy, peft_targets
+    from framework.models import build_policy
+    from framework.models.lora import check_adapter_config, peft_targets
     from framework.models.qwen3 import load_targets
     from framework.tokenizer import Tokenizer, build_tokenizer
 
@@ -100,13 +102,23 @@ def _write_merged(source: Path, staging: Path) -> None:
     lora = cfg["model"]["policy"]["lora"]
     if lora is None:
         raise FwError(f"{source / CONFIG_FILE}: model.policy.lora is null, but {POLICY}/ holds adapters")
-    check_adapter_config(json.loads((staging / ADAPTER_CONFIG).read_text()), lora,
+    check_adapter_config(json.loads((adapter_dir / ADAPTER_CONFIG).read_text()), lora,
                          str(source / POLICY / ADAPTER_CONFIG))
     # The vocabulary of a preset comes from the tokenizer the run trained with, which policy/ carries.
-    tokenizer = Tokenizer.from_pretrained(staging) if (staging / "tokenizer.json").is_file() \
+    tokenizer = Tokenizer.from_pretrained(adapter_dir) if (adapter_dir / "tokenizer.json").is_file() \
         else build_tokenizer(cfg)
     model_cfg = {**cfg["model"]["policy"], "compile": False, "gradient_checkpointing": False}
     policy = build_policy(model_cfg, tokenizer, seed=cfg["seed"])
-    load_targets(peft_targets(policy), load_file(str(staging / ADAPTER_WEIGHTS)),
+    load_targets(peft_targets(policy), load_file(str(adapter_dir / ADAPTER_WEIGHTS)),
                  source=str(source / POLICY / ADAPTER_WEIGHTS))
+    return tokenizer, policy
+
+
+def _write_merged(source: Path, staging: Path) -> None:
+    """The merged policy of LoRA checkpoint `source` as config.json + safetensors in `staging`, from the
+    adapter files already copied (and checked) there."""
+    from framework.models import save_pretrained
+    from framework.models.lora import merged_copy
+
+    _, policy = adapted_policy(source, staging)
     save_pretrained(merged_copy(policy), staging)

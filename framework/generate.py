@@ -40,7 +40,9 @@ def load_policy(cfg: dict, checkpoint: str | os.PathLike | None) -> tuple[Any, A
     """(tokenizer, policy): from ``checkpoint``'s ``policy/`` (a checkpoint directory, its sizes checked;
     with ``checkpoint.verify`` every file read is hashed while it loads), else built from ``cfg`` (random
     init for a preset, seeded with ``cfg["seed"]``)."""
+    from framework.export import adapted_policy
     from framework.models import build_policy, load_pretrained
+    from framework.models.lora import ADAPTER_CONFIG, merged_copy
     from framework.tokenizer import Tokenizer, build_tokenizer
 
     if checkpoint is None:
@@ -56,6 +58,10 @@ def load_policy(cfg: dict, checkpoint: str | os.PathLike | None) -> tuple[Any, A
     with verifying(Verifier(path, manifest, rels) if cfg["checkpoint"]["verify"] else None):
         for fname in component_weight_files(manifest, POLICY):
             check_header(policy_dir / fname)
+        if f"{POLICY}/{ADAPTER_CONFIG}" in manifest["files"]:
+            # LoRA: the base from the checkpoint's own config, the adapters folded in for plain decoding
+            tokenizer, policy = adapted_policy(path, policy_dir)
+            return tokenizer, merged_copy(policy)
         # A checkpoint's policy/ carries the tokenizer the run trained with; fall back to the config's.
         has_tokenizer = (policy_dir / "tokenizer.json").is_file()
         tokenizer = Tokenizer.from_pretrained(policy_dir) if has_tokenizer else build_tokenizer(cfg)

@@ -20,6 +20,7 @@ from framework.metrics import read_metrics
 from framework.models import build_policy, save_pretrained
 from framework.models.lora import AdaptersOff, LoraLinear, adapters_detached, adapters_disabled, peft_targets
 from framework.models.qwen3 import load_targets
+from framework.tasks import render_prompt
 from framework.tokenizer import Tokenizer
 from framework.trainer import fit
 
@@ -226,6 +227,29 @@ def test_export_writes_the_adapters_or_with_merge_the_merged_model(sft_run, tmp_
     assert main(["export", "--checkpoint", str(tmp_path / "full"), "--out", str(tmp_path / "x"), "--merge"]) == 2
     err = capsys.readouterr().err
     assert "holds a full model, not LoRA adapters" in err and "Traceback" not in err
+
+
+def test_generate_from_a_lora_checkpoint_equals_transformers_on_the_merged_export(sft_run, tmp_path, capsys):
+    """`fw generate --checkpoint` of a LoRA run: the base rebuilt from the checkpoint's config with the
+    adapters folded in; its greedy text is transformers' greedy decoding of the `--merge` export."""
+    cfg, _, _ = sft_run
+    ckpt = _checkpoint(cfg)
+    export_checkpoint(ckpt, tmp_path / "merged", merge=True)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged"), dtype=torch.float32).eval()
+    tok = Tokenizer.from_pretrained(ckpt / "policy")
+    ids = tok.encode(render_prompt("hello", tok, cfg["data"]["chat_template"], cfg["tokenizer"]["enable_thinking"]))
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=6, eos_token_id=tok.eos_id,
+                          pad_token_id=tok.eos_id)[0, len(ids):].tolist()
+    expected = tok.decode([t for t in out if t != tok.eos_id])
+    policy, seq = _adapted_policy(cfg, ckpt), list(ids)
+    with torch.no_grad(), adapters_disabled(policy):   # the base alone decodes differently: the test can fail
+        for _ in range(6):
+            seq.append(int(policy(torch.tensor([seq]))[0, -1].argmax()))
+    assert seq[len(ids):] != out
+    capsys.readouterr()
+    assert main(["generate", "--checkpoint", str(ckpt), "--prompt", "hello", "--greedy", "--max-new-tokens", "6"]) == 0
+    assert capsys.readouterr().out.rstrip("\n") == expected
 
 
 def test_interrupted_lora_run_resumes_exactly(sft_run, tmp_path):
