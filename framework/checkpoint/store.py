@@ -81,6 +81,25 @@ def damage(path: str | os.PathLike, verify: bool = False) -> str | None:
     return Verifier(path, manifest).problem() if verify else None
 
 
+def _inode(path: Path) -> int | None:
+    try:
+        return path.stat().st_ino
+    except FileNotFoundError:
+        return None
+
+
+def _settled_damage(path: Path, verify: bool, attempts: int = 20) -> str | None:
+    """`damage(path)` of one and the same directory: a running writer that replaces `path` (an exchange, or two
+    renames) while it is read makes the manifest and the files come from different directories, so the check
+    is repeated until `path` names the same directory before and after it."""
+    for _ in range(attempts):
+        before = _inode(path)
+        problem = damage(path, verify)
+        if problem is None or _inode(path) == before:
+            return problem
+    return problem
+
+
 def find_latest(run_dir: str | os.PathLike, skip_damaged: bool = False, verify: bool = False) -> str | None:
     """The newest checkpoint of the run, or None when it has none. First puts back a checkpoint left aside by
     an interrupted fallback replace, so a crash there never loses the newest checkpoint.
@@ -89,11 +108,11 @@ def find_latest(run_dir: str | os.PathLike, skip_damaged: bool = False, verify: 
     the reason, unless `skip_damaged`: then each damaged one is reported on stderr and skipped."""
     recover(checkpoints_dir(run_dir))
     for path in reversed(step_dirs(run_dir)):
-        problem = damage(path, verify)
+        problem = _settled_damage(path, verify)
         if problem is None:
             return str(path)
         if not path.exists():
-            continue   # pruned or replaced while it was read (a writer is running): not damaged, gone
+            continue   # pruned while it was read (a writer is running): not damaged, gone
         if not skip_damaged:
             raise FwError(f"the newest checkpoint {path} is damaged: {problem}; {SKIP_DAMAGED_FLAG} uses the newest "
                           "intact older one instead")
