@@ -59,6 +59,21 @@ def overlong_penalty(completion_lens: Tensor, max_len: int, buffer: int, factor:
     return (-factor * excess / buffer).to(torch.float32)
 
 
+def overlong_shaping(section: dict, rewards: Tensor, completion_lens: Tensor, truncated: Tensor,
+                     max_len: int) -> tuple[Tensor, dict[str, Tensor]]:
+    """The rewards a recipe section's ``overlong`` settings train on, and their metrics (empty when off):
+    ``rollout/truncated_frac`` and, with a ``buffer``, the soft penalty added and its mean."""
+    o = section["overlong"]
+    metrics: dict[str, Tensor] = {}
+    if o["mask_truncated"] or o["buffer"] is not None:
+        metrics["rollout/truncated_frac"] = truncated.float().mean()
+    if o["buffer"] is None:
+        return rewards, metrics
+    penalty = overlong_penalty(completion_lens, max_len, o["buffer"], o["penalty_factor"]).to(rewards.device)
+    metrics["reward/overlong_penalty_mean"] = penalty.mean()
+    return rewards + penalty, metrics
+
+
 def batch_reward_std(rewards: Tensor) -> Tensor:
     """Unbiased std (float64 scalar) of the rewards of every rank together, from one all-reduce of
     (count, sum, sum of squares) when torch.distributed is initialised; ``rewards.std()`` otherwise."""

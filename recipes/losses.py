@@ -259,6 +259,21 @@ def loss_inputs(section: dict, behaviour_logp: Tensor, mask: Tensor, truncated: 
     return LossInputs(trainer_logp, c.mask, c.weight, metrics)
 
 
+def option_problems(name: str, section: dict, max_new_tokens: int) -> list[str]:
+    """What the schema cannot check of a section's overlong and correction settings, one line each
+    starting with the key (``name`` is the section's: ``grpo`` | ``ppo``)."""
+    problems = []
+    buffer = section["overlong"]["buffer"]
+    if buffer is not None and buffer > max_new_tokens:
+        problems.append(f"{name}.overlong.buffer: {buffer} exceeds rollout.max_new_tokens ({max_new_tokens}); "
+                        "the penalty ramps over the last `buffer` tokens a completion may have")
+    c = section["off_policy_correction"]
+    if c["name"] == "mask" and not c["low"] < c["high"]:
+        problems.append(f"{name}.off_policy_correction.low: {c['low']} must be below high ({c['high']}), "
+                        "else every token is dropped")
+    return problems
+
+
 @dataclass
 class ValueLoss:
     """Clipped value loss and its diagnostics."""
