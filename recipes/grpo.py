@@ -103,7 +103,8 @@ class GRPORecipe(RLRecipe):
             data, rewards = select_rows(drawn, rows), rewards[rows.to(rewards.device)]
             ctx.log("rollout/rounds", rounds)
             ctx.log("rollout/groups_drawn", rounds * ctx.world_size * wanted)
-            ctx.log("rollout/uninformative_frac", tied_groups(rewards, size).float().mean())
+        # groups trained on with advantage 0: the share dynamic sampling would replace
+        ctx.log("rollout/uninformative_frac", tied_groups(rewards, size).float().mean())
         self.last_rollout = data
         batch_std = batch_reward_std(rewards) if g["scale_rewards"] == "batch" else None
         adv = self.last_advantages = grpo_advantages(rewards, size, g["scale_rewards"], g["adv_eps"], batch_std)
