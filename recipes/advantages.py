@@ -11,34 +11,67 @@ from torch import Tensor
 
 def grpo_advantages(rewards: Tensor, group_size: int, scale_rewards: str, eps: float,
                     batch_std: Tensor | float | None = None) -> Tensor:
-    """Per-sample GRPO advantages for ``rewards`` [B] laid out as consecutive groups of ``group_size``.
+    """Per-sample GRPO advantages (float32) for ``rewards`` [B] laid out as consecutive groups of ``group_size``.
 
     ``A_i = (r_i - mean_group) / (std + eps)`` where std is the group's std (``group``), the whole
     batch's std (``batch``) or no scaling at all (``none``, Dr.GRPO: ``A_i = r_i - mean_group``).
     The std is the unbiased sample std (Bessel-corrected, as torch.std and TRL use).
     ``batch_std`` replaces the std of ``rewards`` under ``batch``: with several processes it is the std
     of the global batch (``batch_reward_std``), of which ``rewards`` is one rank's share.
+
+    The group statistics are float64, and a tied group (every reward equal) gets exactly 0 whatever
+    ``eps`` is: a float mean of equal numbers need not equal them, and 0 / (0 + eps) is no signal either.
     """
     if rewards.dim() != 1:
         raise ValueError(f"grpo_advantages: rewards must be 1-D [B], got shape {tuple(rewards.shape)}")
     if group_size < 1 or rewards.numel() % group_size:
         raise ValueError(f"grpo_advantages: {rewards.numel()} rewards do not split into groups of {group_size}")
-    r = rewards.to(torch.float32)
-    grouped = r.view(-1, group_size)
+    grouped = rewards.to(torch.float64).view(-1, group_size)
+    tied = tied_groups(rewards, group_size)[:, None].expand_as(grouped).reshape(-1)
     centred = (grouped - grouped.mean(dim=1, keepdim=True)).view(-1)
     if scale_rewards == "none":
-        return centred
+        return centred.masked_fill(tied, 0.0).to(torch.float32)
     if scale_rewards == "group":
         if group_size < 2:
             raise ValueError("grpo_advantages: scale_rewards 'group' needs group_size >= 2 for a group std")
         std = grouped.std(dim=1, keepdim=True).expand_as(grouped).reshape(-1)
     elif batch_std is not None:
-        std = torch.as_tensor(batch_std, dtype=torch.float32, device=r.device)
+        std = torch.as_tensor(batch_std, dtype=torch.float64, device=rewards.device)
     else:
-        if r.numel() < 2:
+        if rewards.numel() < 2:
             raise ValueError("grpo_advantages: scale_rewards 'batch' needs at least 2 rewards for a std")
-        std = r.std()
-    return centred / (std + eps)
+        std = grouped.reshape(-1).std()
+    return (centred / (std + eps)).masked_fill(tied, 0.0).to(torch.float32)
+
+
+def tied_groups(rewards: Tensor, group_size: int) -> Tensor:
+    """[B / group_size] bool: the groups whose rewards are all equal (no advantage signal)."""
+    grouped = rewards.view(-1, group_size)
+    return grouped.amax(dim=1) == grouped.amin(dim=1)
+
+
+def overlong_penalty(completion_lens: Tensor, max_len: int, buffer: int, factor: float) -> Tensor:
+    """DAPO's soft overlong punishment (float32 [B], <= 0): 0 up to ``max_len - buffer`` tokens, then
+    falling linearly to ``-factor`` at ``max_len``: ``-factor * max(0, len - (max_len - buffer)) / buffer``."""
+    if not 1 <= buffer <= max_len:
+        raise ValueError(f"overlong_penalty: buffer {buffer} must be in [1, max_len = {max_len}]")
+    excess = (completion_lens.to(torch.float64) - (max_len - buffer)).clamp(min=0.0)
+    return (-factor * excess / buffer).to(torch.float32)
+
+
+def overlong_shaping(section: dict, rewards: Tensor, completion_lens: Tensor, truncated: Tensor,
+                     max_len: int) -> tuple[Tensor, dict[str, Tensor]]:
+    """The rewards a recipe section's ``overlong`` settings train on, and their metrics (empty when off):
+    ``rollout/truncated_frac`` and, with a ``buffer``, the soft penalty added and its mean."""
+    o = section["overlong"]
+    metrics: dict[str, Tensor] = {}
+    if o["mask_truncated"] or o["buffer"] is not None:
+        metrics["rollout/truncated_frac"] = truncated.float().mean()
+    if o["buffer"] is None:
+        return rewards, metrics
+    penalty = overlong_penalty(completion_lens, max_len, o["buffer"], o["penalty_factor"]).to(rewards.device)
+    metrics["reward/overlong_penalty_mean"] = penalty.mean()
+    return rewards + penalty, metrics
 
 
 def batch_reward_std(rewards: Tensor) -> Tensor:

@@ -86,28 +86,37 @@ def aggregate_weight(mask: Tensor, full_mask: Tensor, mode: str, full_tokens: fl
 class PolicyLoss:
     """Clipped surrogate loss and its diagnostics (all scalars; only ``loss`` carries a gradient)."""
 
-    loss: Tensor          # aggregated -min(rho*A, clip(rho)*A)
+    loss: Tensor          # aggregated -min(rho*A, clip(rho)*A) (dual-clipped, IS-weighted when set)
     clip_frac: Tensor     # share of tokens whose clipped term was the active (gradient-free) one
     approx_kl: Tensor     # k3 estimate of KL(pi_old || pi_theta): mean(rho - 1 - log rho)
     ratio_mean: Tensor    # mean importance ratio over the mask
     adv_weighted: Tensor  # aggregated rho*A (unclipped objective); -loss is the clipped one
+    dual_clip_frac: Tensor  # share of tokens (A < 0) whose loss the dual clip bounded at -clip_ratio_c*A
 
 
 @dataclass(frozen=True)
 class ClippedSurrogate:
     """PPO/GRPO clipped surrogate (``policy_loss: clip``): per token
-    ``-min(rho*A, clip(rho, 1-clip_eps_low, 1+clip_eps_high)*A)`` with ``rho = exp(logp - old_logp)``."""
+    ``-min(rho*A, clip(rho, 1-clip_eps_low, 1+clip_eps_high)*A)`` with ``rho = exp(logp - old_logp)``.
+
+    With ``clip_ratio_c`` (dual clip) a token with ``A < 0`` loses at most ``-clip_ratio_c * A``, so a
+    ratio far above 1 cannot make its loss unbounded. An optional per-token ``weight`` (the off-policy
+    correction's IS weight, no gradient) multiplies each token's loss after both clips.
+    """
 
     clip_eps_low: float
     clip_eps_high: float
     loss_agg: str
     max_len: int | None = None
+    clip_ratio_c: float | None = None
 
     @classmethod
     def from_section(cls, section: dict, max_len: int) -> ClippedSurrogate:
-        return cls(section["clip_eps_low"], section["clip_eps_high"], section["loss_agg"], max_len)
+        return cls(section["clip_eps_low"], section["clip_eps_high"], section["loss_agg"], max_len,
+                   section["clip_ratio_c"])
 
-    def __call__(self, logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor) -> PolicyLoss:
+    def __call__(self, logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor,
+                 weight: Tensor | None = None) -> PolicyLoss:
         """``advantages`` is ``[B, T]`` (per token) or ``[B]`` (per sequence, broadcast over its tokens)."""
         if advantages.dim() == 1:
             advantages = advantages[:, None].expand_as(logp)
@@ -117,6 +126,13 @@ class ClippedSurrogate:
         unclipped = ratio * adv
         clipped = torch.clamp(ratio, 1.0 - self.clip_eps_low, 1.0 + self.clip_eps_high) * adv
         per_token = -torch.minimum(unclipped, clipped)
+        dual = torch.zeros_like(per_token, dtype=torch.bool)
+        if self.clip_ratio_c is not None:
+            bound = -self.clip_ratio_c * adv
+            dual = (adv < 0) & (per_token > bound)
+            per_token = torch.where(dual, bound, per_token)
+        if weight is not None:
+            per_token = per_token * weight.detach()
         loss = aggregate(per_token, mask, self.loss_agg, self.max_len)
         with torch.no_grad():
             mf = mask.to(torch.float32)
@@ -124,7 +140,8 @@ class ClippedSurrogate:
             approx_kl = masked_mean(ratio - 1.0 - log_ratio, mf)
             ratio_mean = masked_mean(ratio, mf)
             adv_weighted = aggregate(unclipped, mask, self.loss_agg, self.max_len)
-        return PolicyLoss(loss, clip_frac, approx_kl, ratio_mean, adv_weighted)
+            dual_clip_frac = masked_mean(dual.to(torch.float32), mf)
+        return PolicyLoss(loss, clip_frac, approx_kl, ratio_mean, adv_weighted, dual_clip_frac)
 
 
 class PolicyLossFn(Protocol):
@@ -132,7 +149,8 @@ class PolicyLossFn(Protocol):
 
     max_len: int | None
 
-    def __call__(self, logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor) -> PolicyLoss: ...
+    def __call__(self, logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor,
+                 weight: Tensor | None = None) -> PolicyLoss: ...
 
 
 # ``grpo.policy_loss`` / ``ppo.policy_loss``: a loss class with ``from_section(section, max_len)``.
@@ -142,6 +160,118 @@ POLICY_LOSSES = {"clip": ClippedSurrogate}
 def build_policy_loss(section: dict, max_len: int) -> PolicyLossFn:
     """The policy loss a recipe section (``grpo:`` or ``ppo:``) selects, configured from it."""
     return POLICY_LOSSES[section["policy_loss"]].from_section(section, max_len)
+
+
+# exp of a sequence's summed log-ratio overflows quickly; any bound a config can set lies well inside this
+LOG_RATIO_BOUND = 20.0
+
+
+@dataclass
+class Correction:
+    """The off-policy correction of one rollout batch (no gradient)."""
+
+    weight: Tensor       # [B, T] IS weight of each token's loss, 0 outside ``mask``
+    mask: Tensor         # [B, T] the loss mask: the given mask less the rejected tokens
+    ratio_mean: Tensor   # mean trainer/behaviour ratio over the given mask (before capping)
+    capped_frac: Tensor  # share of the given mask's tokens whose weight the cap lowered (tis)
+    masked_frac: Tensor  # share of the given mask's tokens rejected (mask)
+
+
+@dataclass(frozen=True)
+class OffPolicyCorrection:
+    """Importance weights for the rollout-vs-trainer mismatch (``off_policy_correction``).
+
+    The ratio is ``pi_trainer / pi_behaviour`` of each sampled token (``level: token``) or of the whole
+    completion (``sequence``: the product over its tokens, every token of the row sharing it); its
+    log is bounded to +-``LOG_RATIO_BOUND`` before ``exp``.
+
+    - ``tis``: truncated importance sampling, weight ``min(ratio, cap)``; nothing is rejected.
+    - ``mask``: masked importance sampling, tokens (or rows) with a ratio outside ``[low, high]`` leave
+      the loss mask (numerator and denominator); the kept ones are weighted by their ratio.
+    - ``none``: no correction.
+    """
+
+    name: str
+    cap: float
+    low: float
+    high: float
+    level: str
+
+    @classmethod
+    def from_section(cls, section: dict) -> OffPolicyCorrection:
+        c = section["off_policy_correction"]
+        return cls(c["name"], c["cap"], c["low"], c["high"], c["level"])
+
+    @property
+    def enabled(self) -> bool:
+        return self.name != "none"
+
+    def __call__(self, trainer_logp: Tensor, behaviour_logp: Tensor, mask: Tensor) -> Correction:
+        with torch.no_grad():
+            m = mask.to(torch.float32)
+            log_ratio = (trainer_logp.detach().float() - behaviour_logp.float()) * m
+            if self.level == "sequence":
+                log_ratio = log_ratio.sum(dim=1, keepdim=True).expand_as(m)
+            ratio = torch.exp(log_ratio.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND))
+            zero = torch.zeros((), device=m.device)
+            if self.name == "tis":
+                capped = ratio > self.cap
+                return Correction(torch.clamp(ratio, max=self.cap) * m, m, masked_mean(ratio, m),
+                                  masked_mean(capped.float(), m), zero)
+            if self.name == "mask":
+                keep = ((ratio >= self.low) & (ratio <= self.high)).float()
+                return Correction(ratio * m * keep, m * keep, masked_mean(ratio, m), zero,
+                                  masked_mean(1.0 - keep, m))
+            raise ValueError(f"OffPolicyCorrection: no correction named {self.name!r}")
+
+
+@dataclass
+class LossInputs:
+    """What the policy loss of one rollout batch trains on, after overlong masking and the correction."""
+
+    old_logp: Tensor             # [B, T] pi_old: the behaviour logprobs, or the trainer's under a correction
+    mask: Tensor                 # [B, T] the loss mask
+    weight: Tensor | None        # [B, T] IS weights, or None without a correction
+    metrics: dict[str, Tensor]   # name -> scalar, for the recipe to log
+
+
+def loss_inputs(section: dict, behaviour_logp: Tensor, mask: Tensor, truncated: Tensor,
+                trainer_logprobs: Callable[[], Tensor]) -> LossInputs:
+    """The loss inputs a recipe section (``grpo:`` / ``ppo:``) asks for.
+
+    ``overlong.mask_truncated`` drops the rows cut at ``max_new_tokens`` (``truncated`` [B]) from the mask.
+    With an ``off_policy_correction``, ``trainer_logprobs()`` (the trainer's no-grad logprobs of every row,
+    before any update) becomes pi_old of the clipped ratio, and the IS weights correct from the
+    behaviour policy to it (as verl's decoupled PPO does); without one, pi_old is the behaviour policy.
+    """
+    metrics: dict[str, Tensor] = {}
+    m = mask.to(torch.float32)
+    if section["overlong"]["mask_truncated"]:
+        m = m * (~truncated.to(m.device)).to(m.dtype)[:, None]
+    correction = OffPolicyCorrection.from_section(section)
+    if not correction.enabled:
+        return LossInputs(behaviour_logp, m, None, metrics)
+    trainer_logp = trainer_logprobs().detach()
+    c = correction(trainer_logp, behaviour_logp, m)
+    metrics["policy/is_ratio"] = c.ratio_mean
+    metrics["policy/tis_capped_frac" if correction.name == "tis" else "policy/masked_frac"] = (
+        c.capped_frac if correction.name == "tis" else c.masked_frac)
+    return LossInputs(trainer_logp, c.mask, c.weight, metrics)
+
+
+def option_problems(name: str, section: dict, max_new_tokens: int) -> list[str]:
+    """What the schema cannot check of a section's overlong and correction settings, one line each
+    starting with the key (``name`` is the section's: ``grpo`` | ``ppo``)."""
+    problems = []
+    buffer = section["overlong"]["buffer"]
+    if buffer is not None and buffer > max_new_tokens:
+        problems.append(f"{name}.overlong.buffer: {buffer} exceeds rollout.max_new_tokens ({max_new_tokens}); "
+                        "the penalty ramps over the last `buffer` tokens a completion may have")
+    c = section["off_policy_correction"]
+    if c["name"] == "mask" and not c["low"] < c["high"]:
+        problems.append(f"{name}.off_policy_correction.low: {c['low']} must be below high ({c['high']}), "
+                        "else every token is dropped")
+    return problems
 
 
 @dataclass

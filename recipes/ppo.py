@@ -11,17 +11,31 @@ module steps the critic's optimizer without advancing Lightning's global step.
 
 With several processes (DDP) the whitening uses the mean and variance of every rank's response tokens
 and token-mean losses divide by the minibatch's token count over all ranks (recipes/rl.py).
+
+Options (all off by default): ``ppo.overlong`` adds DAPO's soft length penalty to the sequence reward
+before GAE and can drop truncated completions from both losses; ``ppo.off_policy_correction`` and
+``ppo.clip_ratio_c`` change the policy loss (recipes/losses.py). Rows and tokens a correction or the
+overlong mask drops leave the critic's loss too: one loss mask weighs both phases' micro-batches.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from framework.errors import FwError
 from framework.recipe import POLICY, OptimizerRole, Requirements, StepContext
-from recipes.advantages import gae, masked_mean, whiten
-from recipes.losses import ClippedValueLoss, build_policy_loss, explained_variance, kl_estimate
+from recipes.advantages import gae, masked_mean, overlong_shaping, whiten
+from recipes.losses import (
+    ClippedValueLoss,
+    build_policy_loss,
+    explained_variance,
+    kl_estimate,
+    loss_inputs,
+    option_problems,
+)
 from recipes.rl import Phase, RLRecipe, completion_values
 
 CRITIC = OptimizerRole("critic", "value", ("ppo", "critic"))
@@ -51,6 +65,9 @@ class PPORecipe(RLRecipe):
         super().__init__(cfg, tokenizer)
         self._check_batch_split(cfg["rollout"]["prompts_per_step"] * cfg["ppo"]["samples_per_prompt"])
         max_len = cfg["rollout"]["max_new_tokens"]
+        problems = option_problems("ppo", cfg["ppo"], max_len)
+        if problems:
+            raise FwError(problems[0])
         self.policy_loss = build_policy_loss(cfg["ppo"], max_len)
         self.value_loss = ClippedValueLoss.from_section(cfg["ppo"], max_len)
         self.last_advantages_raw: Tensor | None = None   # [B, Tc] GAE advantages of the latest rollout
@@ -64,7 +81,7 @@ class PPORecipe(RLRecipe):
         with torch.no_grad():
             old_values = completion_values(ctx.value, data.tokens, data.prompt_lens, data.completion_lens, width)
             token_rewards = torch.zeros_like(data.mask)
-            kl_metric = None
+            kl_metric, logp = None, None
             if p["kl_coef"] > 0:
                 # Both sides through the trainer's forward: the rollout's logprobs come from the KV-cache
                 # decode path (bf16 cache under autocast), whose mismatch would make KL(pi || pi) != 0.
@@ -73,15 +90,30 @@ class PPORecipe(RLRecipe):
                 kl = kl_estimate(logp, ref_logp, p["kl_estimator"]) * data.mask
                 token_rewards -= p["kl_coef"] * kl
                 kl_metric = float(masked_mean(kl, data.mask))
+            rewards, shaping_metrics = overlong_shaping(p, data.rewards, data.completion_lens, data.truncated,
+                                                        self.cfg["rollout"]["max_new_tokens"])
             last = (data.completion_lens - 1).clamp(min=0)
             has_tokens = data.completion_lens > 0
-            token_rewards[everything[has_tokens], last[has_tokens]] += data.rewards[has_tokens]
+            token_rewards[everything[has_tokens], last[has_tokens]] += rewards[has_tokens]
             advantages, returns = gae(token_rewards, old_values, data.mask, p["gamma"], p["lam"])
             self.last_advantages_raw = advantages
             if p["whiten_advantages"]:   # over the tokens of every rank's batch
                 advantages = whiten(advantages, data.mask, across_ranks=True)
             self.last_advantages = advantages
         self.log_rollout(ctx, data)
+        for name, value in shaping_metrics.items():
+            ctx.log(name, value, weight=n_seq)
+
+        def trainer_logprobs() -> Tensor:
+            if logp is not None:   # the KL's forward above: the same policy, before any update
+                return logp
+            with torch.no_grad():
+                return self.logprobs(ctx.policy, data, everything)[0]
+
+        inputs = loss_inputs(p, data.old_logp, data.mask, data.truncated, trainer_logprobs)
+        for name, value in inputs.metrics.items():
+            ctx.log(name, value)
+        train = dataclasses.replace(data, mask=inputs.mask)   # what both losses (and their weighting) see
         ev = explained_variance(old_values, returns, data.mask)
         # Undefined (NaN) when every return is equal (e.g. all rewards 0 and no KL): logged with weight 0,
         # never skipped, because every rank must log the same metrics (they are reduced collectively).
@@ -95,17 +127,21 @@ class PPORecipe(RLRecipe):
 
         def policy_micro(rows: Tensor, first: bool) -> tuple[Tensor, dict[str, Tensor]]:
             logp, entropy = self.logprobs(ctx.policy, data, rows, with_entropy=first)
-            pl = self.policy_loss(logp, data.old_logp[rows], advantages[rows], data.mask[rows])
-            if first:
+            weight = None if inputs.weight is None else inputs.weight[rows]
+            pl = self.policy_loss(logp, inputs.old_logp[rows], advantages[rows], train.mask[rows], weight)
+            if first:   # the mismatch over every completion token, the dropped ones included
                 self.log_first_update(ctx, logp, entropy, data, rows)
-            return pl.loss, {"loss": pl.loss, "objective": pl.adv_weighted, "clip_frac": pl.clip_frac,
-                             "approx_kl": pl.approx_kl, "ratio": pl.ratio_mean}
+            logged = {"loss": pl.loss, "objective": pl.adv_weighted, "clip_frac": pl.clip_frac,
+                      "approx_kl": pl.approx_kl, "ratio": pl.ratio_mean}
+            if p["clip_ratio_c"] is not None:
+                logged["dual_clip_frac"] = pl.dual_clip_frac
+            return pl.loss, logged
 
         def critic_micro(rows: Tensor, first: bool) -> tuple[Tensor, dict[str, Tensor]]:
             values = completion_values(ctx.value, data.tokens[rows], data.prompt_lens[rows],
                                        data.completion_lens[rows], width)
-            vl = self.value_loss(values, old_values[rows], returns[rows], data.mask[rows])
+            vl = self.value_loss(values, old_values[rows], returns[rows], train.mask[rows])
             return p["vf_coef"] * vl.loss, {"loss": vl.loss, "clip_frac": vl.clip_frac, "error": vl.error}
 
-        self.update(ctx, data, [Phase("policy", "policy", policy_micro), Phase("critic", "value", critic_micro)])
+        self.update(ctx, train, [Phase("policy", "policy", policy_micro), Phase("critic", "value", critic_micro)])
         self.finish_rollout(ctx)

@@ -8,8 +8,10 @@ samples ``(k * W + r) * P ..``, and a resumed run draws exactly the prompts and 
 drawn. Resuming on a different number of processes continues at the first unused sample: keep
 ``W * P`` (the global batch) to see the same prompts as the uninterrupted run would have, e.g.
 2 ranks x 16 prompts -> 1 process x 32 prompts (each rank's groups are sampled in one batch, so the
-tokens differ). Lightning is fed an endless stream of placeholder batches; the recipe picks the prompts
-itself, so Lightning's one-batch prefetch can never move the data position.
+tokens differ). A step of GRPO's dynamic sampling draws rounds of ``W * P`` samples, round ``j`` at
+``prompt_position + (j * W + r) * P``, and advances by all of them: the position and the seeds it
+implies are all a resume needs. Lightning is fed an endless stream of placeholder batches; the recipe
+picks the prompts itself, so Lightning's one-batch prefetch can never move the data position.
 
 Statistics over the rollout batch are global: the ``scale_rewards: batch`` std and ``reward/std`` come
 from one all-reduce of (count, sum, sum of squares), token-mean losses divide by the minibatch's token
@@ -54,6 +56,7 @@ class ScoredRollout:
     correct: Tensor          # [B] bool: full-credit reward (>= 1)
     n_reward_errors: int
     eos_frac: float          # share of rows that ended on EOS or a stop string
+    truncated: Tensor        # [B] bool: cut at max_new_tokens (ended neither on EOS nor on a stop string)
     gen_seconds: float
     texts: list[str]
 
@@ -200,15 +203,18 @@ class RLRecipe:
             raise FwError(f"{self.section}.minibatches ({sec['minibatches']}) x trainer.accumulate_grad_batches "
                           f"({micro}) exceeds the {batch_size} sequences of one rollout batch")
 
-    def collect(self, ctx: StepContext, samples_per_prompt: int) -> ScoredRollout:
-        """Generate ``samples_per_prompt`` completions for each prompt of this step and score them."""
+    def collect(self, ctx: StepContext, samples_per_prompt: int, round_index: int = 0) -> ScoredRollout:
+        """Generate ``samples_per_prompt`` completions for each prompt of this step and score them.
+
+        ``round_index`` > 0 draws the step's further rounds (GRPO's dynamic sampling): the prompts after
+        those of every rank's earlier rounds, which ``finish_rollout(ctx, rounds)`` then skips."""
         from framework.rewards import score_rollout
         from framework.rollout import generate, stop_token_ids
         from framework.tasks import render_prompt
 
         cfg, tok = self.cfg, self.tokenizer
         n_prompts = cfg["rollout"]["prompts_per_step"]
-        first = self.prompt_position + ctx.rank * n_prompts
+        first = self.prompt_position + (round_index * ctx.world_size + ctx.rank) * n_prompts
         samples = [self.task.sample(first + i) for i in range(n_prompts)]
         texts = [render_prompt(s["prompt"], tok, cfg["data"]["chat_template"], cfg["tokenizer"]["enable_thinking"])
                  for s in samples]
@@ -231,12 +237,14 @@ class RLRecipe:
             old_logp=ro.logprobs.to(device=device, dtype=torch.float32), mask=mask, rewards=rewards.to(device),
             correct=(rewards >= 1.0).to(device), n_reward_errors=n_err,
             eos_frac=sum(r != "length" for r in ro.finish_reasons) / len(ro.finish_reasons),
+            truncated=torch.tensor([r == "length" for r in ro.finish_reasons], device=device),
             gen_seconds=gen_seconds, texts=list(ro.texts))
 
-    def finish_rollout(self, ctx: StepContext) -> None:
-        """Advance the data position past this rollout batch of every rank (end of a training step)."""
+    def finish_rollout(self, ctx: StepContext, rounds: int = 1) -> None:
+        """Advance the data position past this step's ``rounds`` rollout rounds of every rank (end of a
+        training step)."""
         self.rollout_step += 1
-        self.prompt_position += ctx.world_size * self.cfg["rollout"]["prompts_per_step"]
+        self.prompt_position += rounds * ctx.world_size * self.cfg["rollout"]["prompts_per_step"]
         ctx.log("policy_version", ctx.policy_version, reduce="last")
 
     @staticmethod

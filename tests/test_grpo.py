@@ -242,7 +242,7 @@ def test_math_example_runs_on_a_model_directory(tmp_path):
     cfg = load_config([str(root / "recipes" / "grpo_math.yaml")], [
         f"--model.policy.path={model_dir}", f"--data.path={root / 'recipes' / 'data' / 'math_sample.jsonl'}",
         f"--run_dir={tmp_path / 'run'}", "--rollout.prompts_per_step=2", "--rollout.max_new_tokens=6",
-        "--grpo.group_size=2", "--trainer.max_steps=2", "--trainer.precision=32-true",
+        "--grpo.group_size=2", "--grpo.overlong.buffer=3", "--trainer.max_steps=2", "--trainer.precision=32-true",
         "--trainer.accelerator=cpu", "--trainer.enable_progress_bar=false", "--trainer.accumulate_grad_batches=1",
         "--model.policy.gradient_checkpointing=false", "--logging.tensorboard=false"])
     trainer = fit(cfg)
@@ -254,6 +254,8 @@ def test_math_example_runs_on_a_model_directory(tmp_path):
     assert all(data.tokens[b, :len(start)].tolist() == start for b in range(data.tokens.shape[0]))
     records = read_metrics(tmp_path / "run" / "metrics.jsonl")
     assert records[-1]["step"] == 2 and "reward/mean" in records[-1]
+    for key in ("rollout/rounds", "policy/tis_capped_frac", "policy/dual_clip_frac", "reward/overlong_penalty_mean"):
+        assert key in records[-1], key   # the recommended options ran
 
 
 class RankChecksum(Callback):

@@ -128,8 +128,9 @@ def test_explained_variance_float64_reference():
 
 
 def test_policy_loss_is_built_once_from_its_section():
-    section = {"policy_loss": "clip", "clip_eps_low": 0.1, "clip_eps_high": 0.28, "loss_agg": "seq-mean-token-mean"}
-    assert build_policy_loss(section, 64) == ClippedSurrogate(0.1, 0.28, "seq-mean-token-mean", 64)
+    section = {"policy_loss": "clip", "clip_eps_low": 0.1, "clip_eps_high": 0.28, "loss_agg": "seq-mean-token-mean",
+               "clip_ratio_c": 3.0}
+    assert build_policy_loss(section, 64) == ClippedSurrogate(0.1, 0.28, "seq-mean-token-mean", 64, 3.0)
     schema = json.loads((Path(__file__).parents[1] / "schemas" / "train.schema.json").read_text())
     for recipe in ("grpo", "ppo"):   # every name the schema offers has a class, and nothing else is offered
         assert schema["properties"][recipe]["properties"]["policy_loss"]["enum"] == sorted(POLICY_LOSSES)
