@@ -9,6 +9,7 @@ then user callbacks' and the checkpoint callback's `on_train_batch_end` run, in 
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import lightning
@@ -157,7 +158,8 @@ class StopOnSignal(lightning.Callback):
 
 
 def _finite(tensors: list[torch.Tensor]) -> bool:
-    return bool(torch.stack([t.isfinite().all() for t in tensors]).all()) if tensors else True
+    # the largest |x| of every tensor in fused launches (inf for an infinity, NaN for a NaN), one host sync
+    return bool(torch.stack(torch._foreach_norm(tensors, math.inf)).isfinite().all()) if tensors else True
 
 
 def _grads(optimizer: Any) -> list[torch.Tensor]:
@@ -199,7 +201,7 @@ class StopOnNonFinite(Callback):
         # Lightning calls this for the optimizers it steps (the policy's) before the module clips
         grads = _grads(optimizer)
         if self.check_gradients and grads:
-            norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.detach()) for g in grads]))
+            norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm([g.detach() for g in grads])))
             if not bool(norm.isfinite()):
                 self._stop(module, f"the {self._role(module, optimizer)} gradient's norm is {norm.item()}")
 
