@@ -57,7 +57,7 @@ class StepMetrics(nn.Module):
     """Named torchmetrics aggregators, created on first use; `compute()` returns floats and resets.
 
     `reduce="last"` keeps the latest value without any reduction (for values equal on every rank, e.g. lr).
-    A NaN value stops the run with an FwError naming the metric at the next `compute()` (a NaN loss or
+    A NaN value logged stops the run with an FwError naming the metric at the next `compute()` (a NaN loss or
     gradient norm means the run has diverged); infinities pass (an fp16 step skipped by loss scaling has an
     infinite grad norm). `update` never waits for the GPU: values stay on the device until `compute()`, the
     logging step (the loss and gradients themselves are checked every step by callbacks.StopOnNonFinite).
@@ -71,6 +71,7 @@ class StepMetrics(nn.Module):
         self.metrics = nn.ModuleDict()
         self.reductions: dict[str, str] = {}
         self.last: dict[str, torch.Tensor | float] = {}
+        self.nan_seen: dict[str, torch.Tensor] = {}   # per metric: a NaN value was logged (on the device)
 
     def update(self, name: str, value: torch.Tensor | float, weight: torch.Tensor | float = 1.0,
                reduce: str = "mean") -> None:
@@ -89,6 +90,8 @@ class StepMetrics(nn.Module):
                              f"now {reduce!r}")
         metric = self.metrics[key]
         value = torch.as_tensor(value, dtype=torch.float64, device=metric.device).detach()
+        seen = torch.isnan(value).any()
+        self.nan_seen[name] = seen if name not in self.nan_seen else self.nan_seen[name] | seen
         if reduce == "mean":
             metric.update(value, torch.as_tensor(weight, dtype=torch.float64, device=metric.device))
         else:
@@ -96,6 +99,14 @@ class StepMetrics(nn.Module):
 
     def compute(self) -> dict[str, float]:
         """Every metric updated since the last call, reduced over ranks (collective: call on all ranks)."""
+        if self.nan_seen:
+            names = list(self.nan_seen)
+            flags = torch.stack([self.nan_seen[n] for n in names]).tolist()   # one sync for all metrics
+            self.nan_seen = {}
+            for name, nan in zip(names, flags, strict=True):
+                if nan:
+                    raise FwError(f"metric {name!r} is NaN: the run has diverged (lower optimizer.lr, keep "
+                                  "optimizer.max_grad_norm set, or use bf16 instead of fp16)")
         out = {}
         for key, metric in self.metrics.items():
             if metric.update_count:
@@ -103,10 +114,6 @@ class StepMetrics(nn.Module):
             metric.reset()
         out.update({name: float(v) for name, v in self.last.items()})
         self.last = {}
-        for name, value in out.items():
-            if math.isnan(value):
-                raise FwError(f"metric {name!r} is NaN: the run has diverged (lower optimizer.lr, keep "
-                              "optimizer.max_grad_norm set, or use bf16 instead of fp16)")
         return out
 
     def state(self) -> dict[str, Any]:
