@@ -4,6 +4,7 @@ One step = forward, token-mean cross-entropy, backward, clip, fused AdamW; autoc
 master weights, for fw and HF alike (docs/BENCHMARKS.md). Prints one table; `--json` writes the rows.
 
     python -m benchmarks.train_step --batch 8 --seq 2048 --steps 10
+    python -m benchmarks.train_step --impls fw,fw-packed --doc-len 512   # packed rows: varlen attention
 """
 from __future__ import annotations
 
@@ -39,10 +40,11 @@ def flops_per_token(cfg, seq: int) -> float:
     return 6 * params + 6 * cfg.num_hidden_layers * seq * cfg.q_size
 
 
-def fw_loss(model, ids, save_logits=None):
+def fw_loss(model, ids, save_logits=None, positions=None):
     """The recipes' loss: logits kept for the backward unless the model recomputes activations (or
-    save_logits=False, the fw-recomp impl, which changes that choice and nothing else)."""
-    hidden = model(ids[:, :-1], return_hidden=True)
+    save_logits=False, the fw-recomp impl, which changes that choice and nothing else). positions: packed
+    rows (the fw-packed impl: SFT's path, varlen attention within each document)."""
+    hidden = model(ids[:, :-1], position_ids=positions, return_hidden=True)
     keep = model.saves_logits if save_logits is None else save_logits
     logp, _ = ops_cuda.linear_logprob(hidden.reshape(-1, hidden.shape[-1]), model.lm_head_weight,
                                       ids[:, 1:].reshape(-1), save_logits=keep)
@@ -87,7 +89,10 @@ def main() -> None:
     ap.add_argument("--preset", default="qwen3-0.6b")
     ap.add_argument("--impls", default="fw,fw-compile,fw-ckpt,hf",
                     help="comma list of fw, fw-compile, fw-ckpt (activation checkpointing), fw-recomp (loss logits "
-                         "recomputed in the backward instead of kept), hf")
+                         "recomputed in the backward instead of kept), fw-packed (rows packed with documents "
+                         "of --doc-len tokens, as SFT feeds them: varlen attention), hf")
+    ap.add_argument("--doc-len", type=int, default=0,
+                    help="fw-packed: tokens per packed document (0: one document a row)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     cfg = preset_config(args.preset, PRESETS[args.preset]["vocab_size"] or 256)
@@ -102,6 +107,10 @@ def main() -> None:
             if impl == "fw-compile":
                 model.compile()
             loss_fn = (lambda m, ids: fw_loss(m, ids, save_logits=False)) if impl == "fw-recomp" else fw_loss
+            if impl == "fw-packed":
+                positions = (torch.arange(args.seq, device=DEVICE) % (args.doc_len or args.seq)).expand(
+                    args.batch, args.seq)
+                loss_fn = lambda m, ids, p=positions: fw_loss(m, ids, positions=p)
         else:
             import transformers
             hf_cfg = transformers.Qwen3Config(**cfg.to_hf(), attn_implementation="sdpa")

@@ -9,6 +9,7 @@ then user callbacks' and the checkpoint callback's `on_train_batch_end` run, in 
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import lightning
@@ -165,15 +166,16 @@ def _by_device(tensors: list[torch.Tensor]) -> dict[torch.device, list[torch.Ten
 
 
 def _finite(tensors: list[torch.Tensor]) -> bool:
-    """One host synchronisation per device, none per tensor."""
-    return all(bool(torch.stack([t.isfinite().all() for t in group]).all())
+    """The largest |x| of every tensor in fused launches (inf for an infinity, NaN for a NaN): one host
+    synchronisation per device, none per tensor."""
+    return all(bool(torch.stack(torch._foreach_norm(group, math.inf)).isfinite().all())
                for group in _by_device(tensors).values())
 
 
 def _norm(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """The 2-norm of all of `tensors`, on the first one's device."""
+    """The 2-norm of all of `tensors` in fused launches per device, on the first one's device."""
     first = tensors[0].device
-    norms = [torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(t.detach()) for t in group])).to(first)
+    norms = [torch.linalg.vector_norm(torch.stack(torch._foreach_norm([t.detach() for t in group]))).to(first)
              for group in _by_device(tensors).values()]
     return torch.linalg.vector_norm(torch.stack(norms))
 

@@ -47,11 +47,6 @@ LOGPROB_TILE_COLS = 8192
 SAVED_LOGITS_CHUNK = 256
 REFERENCE_LOGITS_TILE_BYTES = 1 << 28
 REFERENCE_LOGITS_TILES = 3   # the reference's logits, log-probabilities and probabilities of one tile
-# The memory-efficient attention kernel (packed rows on CUDA) pads its float mask's last dimension to 16 and its
-# logsumexp to 32 positions.
-MASK_ALIGN = 16
-LSE_ALIGN = 32
-
 PHASES = ("rollout", "score", "train", "critic", "step")
 
 _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
@@ -251,34 +246,28 @@ def layer_saved_bytes(m: Qwen3Config, seq_len: int, packed: bool, residual_bytes
     """Bytes per token that one decoder layer's forward keeps for the backward (framework/models/qwen3.py).
 
     residual_bytes: the residual stream's dtype (the parameters'); compute_bytes: the matmuls' (autocast's
-    under *-mixed). backend "cuda" (flash / memory-efficient attention) or "cpu" (the CPU flash kernel).
+    under *-mixed). backend "cuda" (flash attention) or "cpu" (the CPU flash kernel, the varlen reference).
+    Packed rows (ops_cuda.varlen_attention) keep the same tensors as plain causal rows, plus the sequence
+    bounds that every layer shares (4 bytes a sequence, left out).
     """
     d, q, kv, inter = m.hidden_size, m.q_size, m.kv_size, m.intermediate_size
-    expanded = packed and m.num_attention_heads > m.num_key_value_heads   # ops_cuda/attention.py repeats K/V
     residual = 2 * d                 # the layer's input (input_layernorm) and its mid-point (post_attention_layernorm)
     compute = (d                     # qkv_proj's input, the normed hidden state
                + q + 2 * kv          # qkv_proj's output: q_norm and k_norm keep views of it, attention keeps v
                + q                   # q after QK-norm and RoPE (attention)
-               + (2 * q if expanded else kv)   # k after RoPE, or k and v repeated to the query heads
+               + kv                  # k after RoPE
                + q                   # attention's output, o_proj's input
                + d                   # gate_up_proj's input, the normed mid-point
                + 2 * inter           # gate_up_proj's output (swiglu)
                + inter)              # swiglu's output, down_proj's input
     lse = 4 * m.num_attention_heads  # attention's float32 logsumexp per head
-    mask = 0
-    if packed:                       # the [B, 1, T, T] document mask, as a float mask in the operands' dtype
-        width = seq_len
-        if backend == "cuda":
-            width = -(-seq_len // MASK_ALIGN) * MASK_ALIGN
-            lse *= (-(-seq_len // LSE_ALIGN) * LSE_ALIGN) / seq_len
-        mask = width * compute_bytes
     adapters = 0
     if lora is not None:             # each adapter's B keeps A's output; dropout keeps its mask and output
         dims = lora_dims(m)
         adapters = len(lora["targets"]) * lora["rank"] * compute_bytes
         if lora["dropout"] > 0:
             adapters += sum(dims[t][0] for t in lora["targets"]) * (compute_bytes + 1)
-    return residual * residual_bytes + compute * compute_bytes + lse + mask + adapters
+    return residual * residual_bytes + compute * compute_bytes + lse + adapters
 
 
 def model_saved_bytes(m: Qwen3Config, residual_bytes: int, packed: bool) -> int:

@@ -22,16 +22,45 @@ from torch import nn
 
 from framework.errors import FwError
 
-REDUCTIONS = {"mean": torchmetrics.MeanMetric, "sum": torchmetrics.SumMetric,
-              "max": torchmetrics.MaxMetric, "min": torchmetrics.MinMetric}
+
+class _Unchecked:
+    """An aggregator whose update casts without looking for NaN: torchmetrics' check waits for the device at
+    every update; StepMetrics.compute looks at the reduced values instead."""
+
+    def _cast_and_nan_check_input(self, x: torch.Tensor | float,
+                                  weight: torch.Tensor | float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        x = torch.as_tensor(x, dtype=self.dtype, device=self.device)
+        w = torch.ones_like(x) if weight is None else torch.as_tensor(weight, dtype=self.dtype, device=self.device)
+        return x, w
+
+
+class _Mean(_Unchecked, torchmetrics.MeanMetric):
+    pass
+
+
+class _Sum(_Unchecked, torchmetrics.SumMetric):
+    pass
+
+
+class _Max(_Unchecked, torchmetrics.MaxMetric):
+    pass
+
+
+class _Min(_Unchecked, torchmetrics.MinMetric):
+    pass
+
+
+REDUCTIONS = {"mean": _Mean, "sum": _Sum, "max": _Max, "min": _Min}
 
 
 class StepMetrics(nn.Module):
     """Named torchmetrics aggregators, created on first use; `compute()` returns floats and resets.
 
     `reduce="last"` keeps the latest value without any reduction (for values equal on every rank, e.g. lr).
-    A NaN value stops the run with an FwError naming the metric (a NaN loss or gradient norm means the
-    run has diverged); infinities pass (an fp16 step skipped by loss scaling has an infinite grad norm).
+    A NaN value logged stops the run with an FwError naming the metric at the next `compute()` (a NaN loss or
+    gradient norm means the run has diverged); infinities pass (an fp16 step skipped by loss scaling has an
+    infinite grad norm). `update` never waits for the GPU: values stay on the device until `compute()`, the
+    logging step (the loss and gradients themselves are checked every step by callbacks.StopOnNonFinite).
     """
 
     def __init__(self) -> None:
@@ -41,12 +70,13 @@ class StepMetrics(nn.Module):
         self.register_buffer("_anchor", torch.empty(0), persistent=False)
         self.metrics = nn.ModuleDict()
         self.reductions: dict[str, str] = {}
-        self.last: dict[str, float] = {}
+        self.last: dict[str, torch.Tensor | float] = {}
+        self.nan_seen: dict[str, torch.Tensor] = {}   # per metric: a NaN value was logged (on the device)
 
     def update(self, name: str, value: torch.Tensor | float, weight: torch.Tensor | float = 1.0,
                reduce: str = "mean") -> None:
         if reduce == "last":
-            self.last[name] = float(value)
+            self.last[name] = value.detach().clone() if isinstance(value, torch.Tensor) else float(value)
             return
         if reduce not in REDUCTIONS:
             raise ValueError(f"log_metric({name!r}): reduce must be 'last' or one of {sorted(REDUCTIONS)}, "
@@ -60,9 +90,8 @@ class StepMetrics(nn.Module):
                              f"now {reduce!r}")
         metric = self.metrics[key]
         value = torch.as_tensor(value, dtype=torch.float64, device=metric.device).detach()
-        if bool(torch.isnan(value).any()):
-            raise FwError(f"metric {name!r} is NaN: the run has diverged (lower optimizer.lr, keep "
-                          "optimizer.max_grad_norm set, or use bf16 instead of fp16)")
+        seen = torch.isnan(value).any()
+        self.nan_seen[name] = seen if name not in self.nan_seen else self.nan_seen[name] | seen
         if reduce == "mean":
             metric.update(value, torch.as_tensor(weight, dtype=torch.float64, device=metric.device))
         else:
@@ -70,12 +99,20 @@ class StepMetrics(nn.Module):
 
     def compute(self) -> dict[str, float]:
         """Every metric updated since the last call, reduced over ranks (collective: call on all ranks)."""
+        if self.nan_seen:
+            names = list(self.nan_seen)
+            flags = torch.stack([self.nan_seen[n] for n in names]).tolist()   # one sync for all metrics
+            self.nan_seen = {}
+            for name, nan in zip(names, flags, strict=True):
+                if nan:
+                    raise FwError(f"metric {name!r} is NaN: the run has diverged (lower optimizer.lr, keep "
+                                  "optimizer.max_grad_norm set, or use bf16 instead of fp16)")
         out = {}
         for key, metric in self.metrics.items():
             if metric.update_count:
                 out[key.replace("__", ".")] = float(metric.compute())
             metric.reset()
-        out.update(self.last)
+        out.update({name: float(v) for name, v in self.last.items()})
         self.last = {}
         return out
 
@@ -92,7 +129,7 @@ class StepMetrics(nn.Module):
             with m.sync_context(should_sync=True, should_unsync=True):
                 values = {k: v.detach().cpu().clone() for k, v in m.metric_state.items()}
             metrics[key] = {"reduce": self.reductions[key], "update_count": m.update_count, "state": values}
-        return {"metrics": metrics, "last": dict(self.last)}
+        return {"metrics": metrics, "last": {name: float(v) for name, v in self.last.items()}}
 
     def load_state(self, state: dict[str, Any], holder: bool = True) -> None:
         """Continue an interval from `state()`. Exactly one rank (`holder`, rank 0) takes the accumulated

@@ -18,9 +18,10 @@ from ops_cuda.rms_norm import rms_norm
 from ops_cuda.rope import rope
 from ops_cuda.sample import sample
 from ops_cuda.swiglu import swiglu
+from ops_cuda.varlen_attention import packed_sequences, varlen_attention
 
 __all__ = ["SAVED_LOGITS_CHUNK", "attention", "build", "cuda_backend", "decode_attention", "doctor",
-           "linear_logprob", "rms_norm", "rope", "sample", "swiglu"]
+           "linear_logprob", "packed_sequences", "rms_norm", "rope", "sample", "swiglu", "varlen_attention"]
 
 
 def build(verbose: bool = False) -> str:

@@ -61,11 +61,13 @@ def _contiguous_outputs(fn: Callable) -> Callable:
     return wrapped
 
 
-def define(schema: str, reference: Callable, fake: Callable | None = None, composite: bool = False) -> str:
+def define(schema: str, reference: Callable, fake: Callable | None = None, composite: bool = False,
+           cuda: Callable | None = None) -> str:
     """Define `fw::<name>` from its schema and return the name. composite: `reference` is the op itself
     (CompositeImplicitAutograd: it decomposes under autograd and torch.compile, no fake or CUDA kernel).
     Otherwise `reference` is the CPU kernel and the CUDA fallback, `fake` the meta kernel, and the CUDA key
-    gets the build-on-first-use shim that csrc/<name>'s TORCH_LIBRARY_IMPL replaces."""
+    gets the build-on-first-use shim that csrc/<name>'s TORCH_LIBRARY_IMPL replaces. cuda: a Python CUDA
+    kernel over PyTorch's own kernels instead (no csrc file, no build; it chooses its own fallback)."""
     name = schema.split("(", 1)[0]
     if cuda_state["backend"] is not None:
         raise RuntimeError(f"fw::{name} is defined after the CUDA backend was chosen; import it with ops_cuda")
@@ -73,10 +75,14 @@ def define(schema: str, reference: Callable, fake: Callable | None = None, compo
     if composite:
         LIB.impl(name, reference, "CompositeImplicitAutograd")
         return name
-    REFERENCES[name] = _contiguous_outputs(reference)
-    LIB.impl(name, REFERENCES[name], "CPU")
     if fake is not None:
         torch.library.register_fake(f"fw::{name}", fake)
+    if cuda is not None:
+        LIB.impl(name, _contiguous_outputs(reference), "CPU")
+        LIB.impl(name, cuda, "CUDA")
+        return name
+    REFERENCES[name] = _contiguous_outputs(reference)
+    LIB.impl(name, REFERENCES[name], "CPU")
     _CUDA_SHIMS.impl(name, _make_shim(name), "CUDA")
     return name
 

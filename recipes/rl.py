@@ -61,49 +61,78 @@ class ScoredRollout:
     texts: list[str]
 
 
-def response_index(prompt_lens: Tensor, completion_lens: Tensor, width: int) -> tuple[Tensor, Tensor, Tensor]:
-    """Rows, completion columns and the token positions whose hidden state predicts each completion token.
+@dataclass(frozen=True)
+class ResponseLayout:
+    """A micro-batch as the model reads it, and where the state predicting each completion token sits.
 
-    Completion token ``j`` of row ``b`` sits at ``prompt_lens[b] + j`` in ``tokens`` and is predicted
-    from position ``prompt_lens[b] + j - 1``.
+    Packed (the default): the sequences (prompt + completion) end to end in one row, positions restarting
+    at 0 for each, so attention stays inside each sequence (ops_cuda.varlen_attention) and no pad token is
+    computed. Padded: the rows right-padded to the longest sequence, plain causal attention.
     """
-    mask = torch.arange(width, device=prompt_lens.device)[None, :] < completion_lens[:, None]
+
+    input_ids: Tensor            # [1, N] packed, [B, longest] padded
+    position_ids: Tensor | None  # [1, N] packed, None padded
+    rows: Tensor                 # [M] the batch row of each completion token
+    cols: Tensor                 # [M] its completion column
+    source: Tensor               # [M] flat index (into input_ids.reshape(-1)) of the state predicting it
+    targets: Tensor              # [M] the token itself
+
+
+def response_layout(tokens: Tensor, prompt_lens: Tensor, completion_lens: Tensor, width: int,
+                    packed: bool = True) -> ResponseLayout:
+    """The model input of rows ``tokens`` [B, T] (prompt + completion, right-padded) and the completion tokens.
+
+    Completion token ``j`` of row ``b`` sits at ``prompt_lens[b] + j`` of its sequence and is predicted from
+    the state at ``prompt_lens[b] + j - 1``.
+    """
+    device = tokens.device
+    lens = prompt_lens + completion_lens
+    mask = torch.arange(width, device=device)[None, :] < completion_lens[:, None]
     rows, cols = mask.nonzero(as_tuple=True)
-    return rows, cols, prompt_lens[rows] + cols - 1
+    at = prompt_lens[rows] + cols
+    targets = tokens[rows, at]
+    if not packed:
+        length = int(lens.max())
+        return ResponseLayout(tokens[:, :length], None, rows, cols, rows * length + at - 1, targets)
+    starts = lens.cumsum(0) - lens
+    n = int(lens.sum())
+    seq = torch.repeat_interleave(torch.arange(len(lens), device=device), lens, output_size=n)
+    pos = torch.arange(n, device=device) - starts[seq]
+    return ResponseLayout(tokens[seq, pos][None], pos[None], rows, cols, starts[rows] + at - 1, targets)
 
 
 def completion_logprobs(model: Any, tokens: Tensor, prompt_lens: Tensor, completion_lens: Tensor, width: int,
-                        temperature: float, with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
+                        temperature: float, with_entropy: bool = False,
+                        packed: bool = True) -> tuple[Tensor, Tensor | None]:
     """Per-token logprobs ``[B, width]`` (and entropies) of the completion tokens under ``model``.
 
     Uses the model's hidden states and the fused ``ops_cuda.linear_logprob`` on the response
     positions only, at the rollout's temperature, so the values are comparable with the behaviour
-    logprobs. 0 past each row's end.
+    logprobs. 0 past each row's end. ``packed``: see ``ResponseLayout``; the values are the same.
     """
     import ops_cuda
 
-    length = int((prompt_lens + completion_lens).max())
-    hidden = model(tokens[:, :length], return_hidden=True)
-    rows, cols, pos = response_index(prompt_lens, completion_lens, width)
+    x = response_layout(tokens, prompt_lens, completion_lens, width, packed)
+    hidden = model(x.input_ids, position_ids=x.position_ids, return_hidden=True)
     # The logits are kept for the backward (when there is one) as model.policy.keep_logits says.
-    logp, entropy = ops_cuda.linear_logprob(hidden[rows, pos], model.lm_head_weight, tokens[rows, pos + 1],
-                                            temperature=temperature, return_entropy=with_entropy,
+    logp, entropy = ops_cuda.linear_logprob(hidden.reshape(-1, hidden.shape[-1])[x.source], model.lm_head_weight,
+                                            x.targets, temperature=temperature, return_entropy=with_entropy,
                                             save_logits=model.saves_logits)
-    out = hidden.new_zeros(tokens.shape[0], width, dtype=torch.float32).index_put((rows, cols), logp)
+    # float32 (float64 for a float64 model: linear_logprob's accumulation dtype)
+    out = hidden.new_zeros(tokens.shape[0], width, dtype=logp.dtype).index_put((x.rows, x.cols), logp)
     ent = None
     if with_entropy:
-        ent = torch.zeros_like(out).index_put((rows, cols), entropy.detach().float())
+        ent = torch.zeros_like(out).index_put((x.rows, x.cols), entropy.detach().to(out.dtype))
     return out, ent
 
 
 def completion_values(value_model: Any, tokens: Tensor, prompt_lens: Tensor, completion_lens: Tensor,
-                      width: int) -> Tensor:
+                      width: int, packed: bool = True) -> Tensor:
     """Critic values ``[B, width]`` of the states before each completion token; 0 past each row's end."""
-    length = int((prompt_lens + completion_lens).max())
-    values = value_model(tokens[:, :length])
-    rows, cols, pos = response_index(prompt_lens, completion_lens, width)
+    x = response_layout(tokens, prompt_lens, completion_lens, width, packed)
+    values = value_model(x.input_ids, position_ids=x.position_ids).reshape(-1)
     out = values.new_zeros(tokens.shape[0], width, dtype=torch.float32)
-    return out.index_put((rows, cols), values[rows, pos].float())
+    return out.index_put((x.rows, x.cols), values[x.source].float())
 
 
 # Samples of the task stream whose prompts bound the prompt length in the memory plan: the first PLAN_PROMPTS of
@@ -164,7 +193,8 @@ class RLRecipe:
         rows = -(-per_minibatch // cfg["trainer"]["accumulate_grad_batches"])
         new = SamplingParams.from_config(cfg["rollout"]).longest
         prompt = longest_prompt(cfg, tokenizer)
-        return BatchShapes(rows=rows, seq_len=prompt + new, loss_tokens=rows * new, rollout_rows=batch,
+        # packed=True: the micro-batch's sequences are packed (response_layout), so the positions are kept
+        return BatchShapes(rows=rows, seq_len=prompt + new, loss_tokens=rows * new, packed=True, rollout_rows=batch,
                            prompt_len=prompt, new_tokens=new,
                            scoring_rows=batch if cls.scores_whole_batch(cfg) else 0)
 

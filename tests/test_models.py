@@ -154,6 +154,31 @@ def test_packed_rows_keep_attention_inside_each_sequence():
         assert (model(packed)[0, 5:12] - out[5:12]).abs().max().item() > 1e-2
 
 
+def test_packed_rows_equal_per_sequence_runs_in_float64():
+    """Two packed rows (varlen attention) against each sequence run alone (plain causal attention): the
+    logits, and the gradients of every parameter of a loss on every token."""
+    model = tiny_model(3).double().train()
+    g = torch.Generator().manual_seed(4)
+    lengths = [(6, 1, 9), (12, 4)]   # row lengths 16 and 16
+    seqs = [[torch.randint(0, 110, (n,), generator=g) for n in row] for row in lengths]
+    ids = torch.stack([torch.cat(row) for row in seqs])
+    positions = torch.stack([torch.cat([torch.arange(n) for n in row]) for row in lengths])
+    weights = torch.randn(2, 16, 110, generator=g, dtype=torch.float64)
+    logits = model(ids, position_ids=positions)
+    packed_grads = torch.autograd.grad((logits * weights).sum(), list(model.parameters()))
+    alone_loss = 0
+    for b, row in enumerate(seqs):
+        start = 0
+        for seq in row:
+            alone = model(seq[None])[0]
+            assert (logits[b, start:start + len(seq)] - alone).abs().max().item() <= 1e-12
+            alone_loss = alone_loss + (alone * weights[b, start:start + len(seq)]).sum()
+            start += len(seq)
+    alone_grads = torch.autograd.grad(alone_loss, list(model.parameters()))
+    for p, q in zip(packed_grads, alone_grads, strict=True):
+        assert (p - q).abs().max().item() <= 1e-10 * max(1.0, q.abs().max().item())
+
+
 def test_right_padding_does_not_change_real_tokens():
     model = tiny_model()
     ids = torch.randint(1, 50, (1, 6))

@@ -257,8 +257,15 @@ def test_step_metrics_live_on_the_module_device():
 def test_a_nan_metric_stops_the_run_naming_it():
     metrics = StepMetrics()
     metrics.update("grad_norm", float("inf"))   # an fp16 step skipped by loss scaling: not an error
-    with pytest.raises(FwError, match="metric 'loss' is NaN: the run has diverged"):
-        metrics.update("loss", float("nan"))
+    assert metrics.compute() == {"grad_norm": float("inf")}
+    # found at the logging step's compute(): update() does not wait for the device
+    metrics.update("undefined", 0.0, weight=0.0)   # 0 / 0 is NaN, but no NaN was logged
+    assert math.isnan(metrics.compute()["undefined"])
+    for name, reduce in (("loss", "mean"), ("tokens", "sum"), ("mismatch/max", "max")):
+        metrics.update("ok", 1.0)
+        metrics.update(name, torch.tensor([float("nan")]).sum(), reduce=reduce)
+        with pytest.raises(FwError, match=f"metric '{name}' is NaN: the run has diverged"):
+            metrics.compute()
 
 
 @pytest.mark.parametrize("roles, value_model, automatic, message", [

@@ -45,6 +45,11 @@ def op_args():
     # bf16 operands keeping their logits, in chunks of 8 columns (the last one 6 wide)
     hb, wb = h.detach().bfloat16().requires_grad_(True), w.detach().bfloat16().requires_grad_(True)
     _, ent_b, lse_b, saved, offsets = torch.ops.fw.linear_logprob(hb.detach(), wb.detach(), t, 0.8, 8)
+    # varlen: sequences of 3, 2, 0 and 5 tokens (an empty one too), GQA 4:2
+    qv = torch.randn(10, 4, 8, requires_grad=True)
+    kv, vv = torch.randn(10, 2, 8, requires_grad=True), torch.randn(10, 2, 8, requires_grad=True)
+    cu = torch.tensor([0, 3, 5, 5, 10], dtype=torch.int32)
+    out_v, lse_v = torch.ops.fw.varlen_attention(qv.detach(), kv.detach(), vv.detach(), cu, 5, 0.3)
     return {
         "rms_norm": [(torch.randn(3, 7, 16, requires_grad=True), torch.randn(16, requires_grad=True), 1e-6)],
         "rms_norm_backward": [(torch.randn(3, 16), torch.randn(3, 16), torch.randn(16), 1e-5)],
@@ -52,6 +57,10 @@ def op_args():
         "swiglu": [(torch.randn(3, 2, 12, requires_grad=True),)],
         "swiglu_backward": [(torch.randn(3, 6), torch.randn(3, 12))],
         "attention": [(q, k, v, None, 0.3), (q, k, v, pos, 0.3)],
+        "varlen_attention": [(qv, kv, vv, cu, 5, 0.3), (qv.detach().bfloat16(), kv.detach().bfloat16(),
+                                                        vv.detach().bfloat16(), cu, 5, 0.3)],
+        "varlen_attention_backward": [(torch.randn(10, 4, 8), qv.detach(), kv.detach(), vv.detach(), out_v, lse_v,
+                                       cu, 5, 0.3)],
         "decode_attention": [(torch.randn(2, 4, 8), torch.randn(2, 2, 7, 8), torch.randn(2, 2, 7, 8),
                               torch.tensor([3, 7]), 0.35)],
         "linear_logprob": [(h, w, t, 0.8), (hb, wb, t, 0.8, 8)],
@@ -88,6 +97,10 @@ def test_gradcheck():
     v = torch.randn(2, 4, 2, 6, dtype=D64, requires_grad=True)
     pk = torch.tensor([[0, 1, 0, 1], [0, 1, 2, 3]])
     assert torch.autograd.gradcheck(lambda a, b, c: ops_cuda.attention(a, b, c, pk, 0.4), (q, k, v))
+    qv = torch.randn(9, 6, 4, dtype=D64, requires_grad=True)   # GQA 6:2, sequences of 4, 0, 1 and 4 tokens
+    kv, vv = torch.randn(9, 2, 4, dtype=D64, requires_grad=True), torch.randn(9, 2, 4, dtype=D64, requires_grad=True)
+    cu = torch.tensor([0, 4, 4, 5, 9], dtype=torch.int32)
+    assert torch.autograd.gradcheck(lambda a, b, c: ops_cuda.varlen_attention(a, b, c, cu, 4, 0.6), (qv, kv, vv))
 
 
 # ------------------------------------------------------------------ agreement with independent references
@@ -153,6 +166,43 @@ def test_attention_matches_naive(packed):
     pos = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 0, 0, 1, 2], list(range(T))]) if packed else None
     out = ops_cuda.attention(q, k, v, pos, 0.3)
     assert out.shape == (B, T, Hq, D) and rel(out, naive_attention(q, k, v, pos, 0.3)) < 1e-5
+
+
+def test_varlen_attention_matches_naive():
+    """Packed rows flattened to [N, H, D]: the per-document float64 attention, in float32 and bfloat16."""
+    B, T, Hq, Hk, D = 2, 11, 4, 2, 8
+    q, k, v = torch.randn(B, T, Hq, D), torch.randn(B, T, Hk, D), torch.randn(B, T, Hk, D)
+    pos = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 0, 7, 8, 9], list(range(T))])
+    expected = naive_attention(q, k, v, pos, 0.3).reshape(B * T, Hq, D)
+    cu, longest = ops_cuda.packed_sequences(pos)
+    assert cu.tolist() == [0, 4, 7, 8, 11, 22] and longest == 11
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 8e-3)):
+        flat = [t.reshape(B * T, -1, D).to(dtype) for t in (q, k, v)]
+        out = ops_cuda.varlen_attention(*flat, cu, longest, 0.3)
+        assert out.shape == (B * T, Hq, D) and out.dtype == dtype and rel(out, expected) < tol
+
+
+def test_varlen_attention_backward_matches_float64_autograd():
+    """The backward op against autograd through the float64 per-document attention of test_attention."""
+    torch.manual_seed(3)
+    B, T, Hq, Hk, D = 1, 13, 6, 3, 8
+    q, k, v = (torch.randn(B, T, h, D, dtype=D64, requires_grad=True) for h in (Hq, Hk, Hk))
+    pos = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 0, 1, 2, 3, 4, 5]])
+    grad = torch.randn(B, T, Hq, D, dtype=D64)
+    ref = torch.autograd.grad(naive_attention(q, k, v, pos, 0.5), (q, k, v), grad)
+    flat = [t.detach().float().reshape(T, -1, D).requires_grad_(True) for t in (q, k, v)]
+    cu, longest = ops_cuda.packed_sequences(pos)
+    got = torch.autograd.grad(ops_cuda.varlen_attention(*flat, cu, longest, 0.5), flat, grad.float().reshape(T, Hq, D))
+    for g, r in zip(got, ref, strict=True):
+        assert rel(g, r.reshape(g.shape)) < 1e-5
+
+
+def test_packed_sequences_rule():
+    """Every row starts a sequence (even when its positions continue the previous row's), and so does any
+    position that is not previous+1; a row of one sequence has no other bound."""
+    pos = torch.tensor([[0, 1, 2, 3], [4, 5, 0, 0], [3, 4, 5, 6]])
+    cu, longest = ops_cuda.packed_sequences(pos)
+    assert cu.dtype == torch.int32 and cu.tolist() == [0, 4, 6, 7, 8, 12] and longest == 4
 
 
 def test_decode_attention_matches_naive():
@@ -429,6 +479,12 @@ def test_bad_shapes_raise_clear_errors():
         ops_cuda.swiglu(torch.randn(3, 5))
     with pytest.raises(ValueError, match="Hq a multiple of Hk"):
         ops_cuda.attention(torch.randn(1, 2, 3, 4), torch.randn(1, 2, 2, 4), torch.randn(1, 2, 2, 4), None, 1.0)
+    with pytest.raises(ValueError, match="Hq a multiple of Hk"):
+        ops_cuda.varlen_attention(torch.randn(5, 3, 4), torch.randn(5, 2, 4), torch.randn(5, 2, 4),
+                                  torch.tensor([0, 5], dtype=torch.int32), 5, 1.0)
+    with pytest.raises(ValueError, match="int32"):
+        ops_cuda.varlen_attention(torch.randn(5, 2, 4), torch.randn(5, 2, 4), torch.randn(5, 2, 4),
+                                  torch.tensor([0, 5]), 5, 1.0)
     with pytest.raises(ValueError, match="lengths"):
         ops_cuda.decode_attention(torch.randn(2, 2, 4), torch.randn(2, 1, 3, 4), torch.randn(2, 1, 3, 4),
                                   torch.tensor([1]), 1.0)
@@ -449,6 +505,9 @@ def test_compile_fullgraph_every_op():
         a = ops_cuda.swiglu(gu)
         qr, kr = ops_cuda.rope(q, k, pos, 1e6)
         o = ops_cuda.attention(qr, kr, v, pos, 0.3) + ops_cuda.attention(qr, kr, v, None, 0.3)
+        cu, longest = ops_cuda.packed_sequences(pos)   # data-dependent sequence count and length
+        o = o + ops_cuda.varlen_attention(qr.flatten(0, 1), kr.flatten(0, 1), v.flatten(0, 1), cu, longest,
+                                          0.3).view(o.shape)
         lp, ent = ops_cuda.linear_logprob(h, lm, t, 0.9, return_entropy=True)
         dec = ops_cuda.decode_attention(qd, kc, vc, lens, 0.3)
         tok, slp = ops_cuda.sample(logits, 0.8, 5, 0.9, 0.0, 7)

@@ -19,6 +19,7 @@ from ops_cuda.rms_norm import rms_norm_reference
 from ops_cuda.rope import rope_cos_sin, rope_rotate
 from ops_cuda.sample import sample_reference, sampling_mask
 from ops_cuda.swiglu import swiglu_reference
+from ops_cuda.varlen_attention import flash_serves
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -1059,3 +1060,76 @@ def test_decode_attention_under_cuda_graph_shapes(B, Hq, Hk, S, D):
         assert rel(out, expected) < TOL[torch.bfloat16]
         if i == 0:
             assert out[0].abs().max() == 0
+
+
+# ------------------------------------------------------------------ varlen attention (PyTorch's varlen flash)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("Hq,Hk,D,lens", [
+    (16, 8, 128, [2048] * 4),                          # the SFT shape of Qwen3-0.6B, one sequence a row
+    (16, 8, 128, [1, 300, 0, 17, 2049, 128, 129]),     # ragged, an empty sequence, lengths across tile edges
+    (32, 4, 64, [116 + n for n in (16, 256, 77, 200)]),  # RL: prompt + completion
+    (8, 8, 256, [5, 70]),
+    (6, 1, 80, [33, 1, 64]),
+])
+def test_varlen_attention(dtype, Hq, Hk, D, lens):
+    """Forward and backward of the flash kernels against the float64 reference (whose backward tests/test_ops.py
+    holds to autograd through per-document attention)."""
+    n = sum(lens)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=DEV)
+    q = torch.randn(n, Hq, D, device=DEV, dtype=dtype, requires_grad=True)
+    # k and v as views of a fused projection (rows strided), as the model passes them
+    kv = torch.randn(n, 2 * Hk * D, device=DEV, dtype=dtype)
+    k = kv[:, :Hk * D].view(n, Hk, D).requires_grad_(True)
+    v = kv[:, Hk * D:].view(n, Hk, D).requires_grad_(True)
+    assert flash_serves(q)
+    poison()
+    out, lse = torch.ops.fw.varlen_attention(q, k, v, cu, max(lens), D ** -0.5)
+    assert lse.shape == (Hq, n) and lse.dtype == torch.float32
+    grad = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v), grad)
+    q64, k64, v64 = (t.detach().double().cpu().requires_grad_(True) for t in (q, k, v))
+    out64 = ops_cuda.varlen_attention(q64, k64, v64, cu.cpu(), max(lens), D ** -0.5)
+    ref = torch.autograd.grad(out64, (q64, k64, v64), grad.double().cpu())
+    assert rel(out.cpu(), out64) < TOL[dtype]
+    _, lse64 = torch.ops.fw.varlen_attention(q64.detach(), k64.detach(), v64.detach(), cu.cpu(), max(lens), D ** -0.5)
+    assert rel(lse.cpu(), lse64) < 1e-3
+    for g, r in zip(got, ref, strict=True):
+        assert g.shape == r.shape and rel(g.cpu(), r) < 2 * TOL[dtype]
+
+
+def test_varlen_attention_float32_uses_the_reference():
+    lens = [7, 20]
+    cu = torch.tensor([0, 7, 27], dtype=torch.int32, device=DEV)
+    q, k, v = (torch.randn(27, h, 64, device=DEV, requires_grad=True) for h in (4, 2, 2))
+    out = ops_cuda.varlen_attention(q, k, v, cu, max(lens), 0.125)
+    out.sum().backward()
+    out64 = ops_cuda.varlen_attention(*(t.detach().double().cpu() for t in (q, k, v)), cu.cpu(), 20, 0.125)
+    assert rel(out.cpu(), out64) < 1e-5 and all(t.grad is not None for t in (q, k, v))
+
+
+def test_opcheck_cuda_varlen_attention():
+    cu = torch.tensor([0, 5, 5, 40, 41], dtype=torch.int32, device=DEV)
+    q = torch.randn(41, 16, 128, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(41, 8, 128, device=DEV, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    torch.library.opcheck(torch.ops.fw.varlen_attention.default, (q, k, v, cu, 35, 0.088))
+    out, lse = torch.ops.fw.varlen_attention(q.detach(), k.detach(), v.detach(), cu, 35, 0.088)
+    torch.library.opcheck(torch.ops.fw.varlen_attention_backward.default,
+                          (torch.randn_like(out), q.detach(), k.detach(), v.detach(), out, lse, cu, 35, 0.088))
+
+
+def test_packed_model_on_cuda_matches_each_sequence_alone():
+    """The tiny model in bf16 on packed rows (varlen flash) against each sequence alone (causal flash)."""
+    from framework.models import PRESETS, Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(Qwen3Config.from_hf({**PRESETS["tiny"], "vocab_size": 97})).cuda().bfloat16()
+    lens = [40, 3, 85]
+    seqs = [torch.randint(0, 97, (n,), device=DEV) for n in lens]
+    positions = torch.cat([torch.arange(n, device=DEV) for n in lens])[None]
+    with torch.no_grad():
+        packed = model(torch.cat(seqs)[None], position_ids=positions)[0]
+        start = 0
+        for s in seqs:
+            alone = model(s[None])[0]
+            assert rel(packed[start:start + len(s)].float(), alone.float()) < 2e-2
+            start += len(s)

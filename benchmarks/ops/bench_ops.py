@@ -284,6 +284,36 @@ def main() -> None:
     mem_comp = peak_memory(lambda: unfused(cu)) if run_mem and not args.fw_only else math.nan
     mem_ckpt = peak_memory(lambda: unfused(cu_ckpt)) if run_mem and not args.fw_only else math.nan
 
+    # packed rows' attention, fwd+bwd: B rows of T tokens, each packed with documents of seeded lengths U[64, 1024]
+    # (the last one cut at the row's end). fw: varlen flash over cu_seqlens; the baselines: the path packed rows
+    # took before, SDPA with a [B, 1, T, T] document mask (ops_cuda.attention with positions), eager and compiled.
+    # FLOPs: causal within each document, forward 2 matmuls of L^2 / 2 x D per head, backward 2.5x that.
+    gen = torch.Generator().manual_seed(0)
+    doc_lens = []
+    for _ in range(B):
+        left = T
+        while left:
+            n = min(left, int(torch.randint(64, 1025, (1,), generator=gen)))
+            doc_lens.append(n)
+            left -= n
+    pos_docs = torch.cat([torch.arange(n) for n in doc_lens]).view(B, T).to(DEV)
+    cu_docs, longest = ops_cuda.packed_sequences(pos_docs)
+    qa = torch.randn(B, T, Hq, D, device=DEV, dtype=BF, requires_grad=True)
+    ka = torch.randn(B, T, Hk, D, device=DEV, dtype=BF, requires_grad=True)
+    va = torch.randn(B, T, Hk, D, device=DEV, dtype=BF, requires_grad=True)
+    ga = torch.randn(B, T, Hq, D, device=DEV, dtype=BF)
+
+    def varlen_fw(a, b, c):
+        return ops_cuda.varlen_attention(a.flatten(0, 1), b.flatten(0, 1), c.flatten(0, 1), cu_docs, longest,
+                                         D ** -0.5).view(a.shape)
+
+    def masked_sdpa(a, b, c):
+        return ops_cuda.attention(a, b, c, pos_docs, D ** -0.5)
+
+    row("varlen_attention fwd+bwd", f"[{B}x{T}, {Hq}/{Hk}, {D}] {len(doc_lens)} docs",
+        fwd_bwd(varlen_fw, (qa, ka, va), ga), fwd_bwd(masked_sdpa, (qa, ka, va), ga),
+        fwd_bwd(compiled(masked_sdpa), (qa, ka, va), ga), flops=3.5 * 2 * sum(n * n for n in doc_lens) * Hq * D)
+
     # decode attention over a context of 1024 (Qwen3-0.6B: 16 q heads, 8 kv heads, head_dim 128)
     S = 1024
     for b in (1, 64, 256):

@@ -54,6 +54,13 @@ class DecodeStep(NamedTuple):
     lengths: Tensor    # [B] positions + 1: what each row attends to after writing
 
 
+class Packing(NamedTuple):
+    """The sequences of packed rows, flattened row after row (ops_cuda.varlen_attention's arguments)."""
+
+    cu_seqlens: Tensor  # int32 [S + 1]: sequence i is tokens cu_seqlens[i] .. cu_seqlens[i+1] - 1
+    max_seqlen: int
+
+
 class Qwen3Attention(nn.Module):
     def __init__(self, config: Qwen3Config):
         super().__init__()
@@ -76,9 +83,10 @@ class Qwen3Attention(nn.Module):
         q, k = ops_cuda.rope(q, k, positions, self.config.rope_theta)
         return q, k, v.view(B, T, self.num_kv_heads, self.head_dim)
 
-    def forward(self, x: Tensor, positions: Tensor, packed: bool,
+    def forward(self, x: Tensor, positions: Tensor, packed: Packing | None,
                 cache: tuple[Tensor, Tensor] | None = None) -> Tensor:
-        """Causal attention over the rows of x; `packed` rows hold several sequences (split by positions).
+        """Causal attention over the rows of x; `packed` rows hold several sequences, each attending
+        only to itself through ops_cuda.varlen_attention (no [T, T] mask).
 
         With `cache` = (k_cache, v_cache) of this layer, [B, Hk, S, D], the new keys/values are also
         written at cache positions 0..T-1 (prefill).
@@ -88,7 +96,13 @@ class Qwen3Attention(nn.Module):
         if cache is not None:
             cache[0][:, :, :T] = k.transpose(1, 2)
             cache[1][:, :, :T] = v.transpose(1, 2)
-        out = ops_cuda.attention(q, k, v, positions if packed else None, self.scale)
+        if packed is None:
+            out = ops_cuda.attention(q, k, v, None, self.scale)
+        else:
+            out = ops_cuda.varlen_attention(q.reshape(B * T, self.num_heads, self.head_dim),
+                                            k.reshape(B * T, self.num_kv_heads, self.head_dim),
+                                            v.reshape(B * T, self.num_kv_heads, self.head_dim),
+                                            packed.cu_seqlens, packed.max_seqlen, self.scale)
         return self.o_proj(out.reshape(B, T, self.config.q_size))
 
     def decode(self, x: Tensor, step: DecodeStep, k_cache: Tensor, v_cache: Tensor) -> Tensor:
@@ -118,7 +132,7 @@ class Qwen3DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = Qwen3MLP(config)
 
-    def forward(self, h: Tensor, positions: Tensor, packed: bool,
+    def forward(self, h: Tensor, positions: Tensor, packed: Packing | None,
                 cache: tuple[Tensor, Tensor] | None = None) -> Tensor:
         h = h + self.self_attn(self.input_layernorm(h), positions, packed, cache)
         return h + self.mlp(self.post_attention_layernorm(h))
@@ -141,14 +155,17 @@ class Qwen3Model(nn.Module):
 
     def forward(self, input_ids: Tensor, position_ids: Tensor | None = None,
                 cache: KVCache | None = None) -> Tensor:
-        """Final normalised hidden states [B, T, d]. position_ids given = rows may be packed."""
+        """Final normalised hidden states [B, T, d]. position_ids given = rows may be packed: a position
+        that is not previous+1 starts a new sequence (the sequence bounds are found once, for all layers)."""
         B, T = input_ids.shape
-        packed = position_ids is not None
+        packed = None
         if position_ids is None:
             position_ids = torch.arange(T, device=input_ids.device).expand(B, T)
         elif position_ids.shape != input_ids.shape:
             raise FwError(f"position_ids shape {tuple(position_ids.shape)} != input_ids shape "
                           f"{tuple(input_ids.shape)}")
+        else:
+            packed = Packing(*ops_cuda.packed_sequences(position_ids))
         h = self.embed_tokens(input_ids)
         recompute = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
         for i, layer in enumerate(self.layers):

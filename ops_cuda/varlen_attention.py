@@ -1,0 +1,180 @@
+"""varlen_attention: causal GQA attention within each sequence of packed [N, H, D] tensors (cu_seqlens,
+no mask tensor), and its backward. Schemas, argument checks, torch references, fakes, autograd, autocast
+rule and the CUDA kernels, which are PyTorch's own varlen flash attention (the kernels behind
+`torch.nn.attention.varlen.varlen_attn`), so there is no csrc file.
+"""
+from __future__ import annotations
+
+import functools
+import itertools
+
+import torch
+from torch import Tensor
+
+from ops_cuda.library import LIB, acc_dtype, define, fail, need_dim
+
+
+def packed_sequences(positions: Tensor) -> tuple[Tensor, int]:
+    """(cu_seqlens int32 [S + 1], max_seqlen) of the sequences in rows of positions [B, T], flattened
+    row after row: a position that is not previous+1 starts a new sequence (ops_cuda.attention's
+    document_mask rule), and so does every row. Two host syncs (the sequence count and the longest)."""
+    B, T = positions.shape
+    flat = positions.reshape(-1)
+    start = torch.ones(B, T, dtype=torch.bool, device=positions.device)
+    start[:, 1:] = positions[:, 1:] != positions[:, :-1] + 1
+    first = start.reshape(-1).nonzero().reshape(-1)
+    cu = torch.cat([first, first.new_full((1,), flat.numel())]).to(torch.int32)
+    return cu, int((cu[1:] - cu[:-1]).max()) if B * T else 0
+
+
+def _causal_scores(q: Tensor, k: Tensor, scale: float) -> Tensor:
+    """[Hq, L, L] scaled scores of one sequence (q [L, Hq, D], k [L, Hk, D]) in the accumulation dtype,
+    -inf above the diagonal."""
+    rep = q.shape[1] // k.shape[1]
+    acc = acc_dtype(q.dtype)
+    s = torch.einsum("qhd,khd->hqk", q.to(acc), k.to(acc).repeat_interleave(rep, dim=1)) * scale
+    L = q.shape[0]
+    above = torch.ones(L, L, dtype=torch.bool, device=q.device).triu(1)
+    return s.masked_fill(above, float("-inf"))
+
+
+def varlen_attention_reference(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int,
+                               scale: float) -> tuple[Tensor, Tensor]:
+    """(out [N, Hq, D] in q's dtype, logsumexp [Hq, N] in the accumulation dtype): each sequence
+    cu_seqlens[i]..cu_seqlens[i+1] attends causally to itself alone, one [L, L] score block at a time."""
+    acc = acc_dtype(q.dtype)
+    rep = q.shape[1] // k.shape[1]
+    out = torch.zeros(q.shape, dtype=acc, device=q.device)
+    lse = torch.zeros(q.shape[1], q.shape[0], dtype=acc, device=q.device)
+    bounds = cu_seqlens.tolist()
+    for s, e in itertools.pairwise(bounds):
+        if e <= s:
+            continue
+        scores = _causal_scores(q[s:e], k[s:e], scale)
+        m = scores.logsumexp(-1)
+        p = (scores - m[..., None]).exp()
+        out[s:e] = torch.einsum("hqk,khd->qhd", p, v[s:e].to(acc).repeat_interleave(rep, dim=1))
+        lse[:, s:e] = m
+    return out.to(q.dtype), lse
+
+
+def varlen_attention_backward_reference(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
+                                        lse: Tensor, cu_seqlens: Tensor, max_seqlen: int,
+                                        scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    """(grad_q, grad_k, grad_v) from the forward's out and logsumexp, as flash attention's backward:
+    p = exp(s - lse), dS = p (dP - rowsum(dO * O)); the query heads of a kv head add into its gradients."""
+    acc = acc_dtype(q.dtype)
+    Hq, Hk, D = q.shape[1], k.shape[1], q.shape[2]
+    rep = Hq // Hk
+    gq = torch.zeros(q.shape, dtype=acc, device=q.device)
+    gk = torch.zeros(k.shape, dtype=acc, device=q.device)
+    gv = torch.zeros(v.shape, dtype=acc, device=q.device)
+    bounds = cu_seqlens.tolist()
+    for s, e in itertools.pairwise(bounds):
+        if e <= s:
+            continue
+        L = e - s
+        p = (_causal_scores(q[s:e], k[s:e], scale) - lse[:, s:e, None].to(acc)).exp()   # [Hq, L, L]
+        do = grad_out[s:e].to(acc)
+        vv = v[s:e].to(acc).repeat_interleave(rep, dim=1)
+        kk = k[s:e].to(acc).repeat_interleave(rep, dim=1)
+        delta = (do * out[s:e].to(acc)).sum(-1).T                                       # [Hq, L]
+        dp = torch.einsum("qhd,khd->hqk", do, vv)
+        ds = p * (dp - delta[..., None])
+        gq[s:e] = torch.einsum("hqk,khd->qhd", ds, kk) * scale
+        gk[s:e] = (torch.einsum("hqk,qhd->khd", ds, q[s:e].to(acc)) * scale).reshape(L, Hk, rep, D).sum(2)
+        gv[s:e] = torch.einsum("hqk,qhd->khd", p, do).reshape(L, Hk, rep, D).sum(2)
+    return gq.to(q.dtype), gk.to(k.dtype), gv.to(v.dtype)
+
+
+# ---------------------------------------------------------------- CUDA: PyTorch's varlen flash attention
+@functools.cache
+def _flash_capable(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index)[0] >= 8
+
+
+def flash_serves(q: Tensor) -> bool:
+    """Whether the CUDA kernel is PyTorch's varlen flash attention for q (16-bit, head_dim a multiple of 8
+    up to 256, compute capability >= 8.0, a torch with the kernel); otherwise the reference serves."""
+    return (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] % 8 == 0
+            and q.shape[-1] <= 256 and hasattr(torch.ops.aten, "_flash_attention_forward")
+            and _flash_capable(q.device.index if q.device.index is not None else torch.cuda.current_device()))
+
+
+def _last_dim_dense(t: Tensor) -> Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _varlen_attention_cuda(q, k, v, cu_seqlens, max_seqlen, scale):
+    if not flash_serves(q):
+        return varlen_attention_reference(q, k, v, cu_seqlens.cpu(), max_seqlen, scale)
+    # The aten op rather than the public varlen_attn wrapper: its arguments changed between torch releases
+    # (is_causal, then window_size), the aten schema did not, and the backward below needs the logsumexp.
+    out, lse, *_ = torch.ops.aten._flash_attention_forward(
+        _last_dim_dense(q), _last_dim_dense(k), _last_dim_dense(v), cu_seqlens, cu_seqlens, max_seqlen,
+        max_seqlen, 0.0, True, False, scale=scale)
+    return out, lse
+
+
+def _varlen_attention_backward_cuda(grad_out, q, k, v, out, lse, cu_seqlens, max_seqlen, scale):
+    if not flash_serves(q):
+        return varlen_attention_backward_reference(grad_out, q, k, v, out, lse, cu_seqlens.cpu(), max_seqlen, scale)
+    rng_state = torch.zeros(2, dtype=torch.uint64, device=q.device)   # read only under dropout
+    unused = torch.empty(0, device=q.device)
+    dq, dk, dv = torch.ops.aten._flash_attention_backward(
+        grad_out.contiguous(), _last_dim_dense(q), _last_dim_dense(k), _last_dim_dense(v), out, lse,
+        cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, 0.0, True, rng_state, unused, scale=scale)
+    return dq, dk, dv
+
+
+def _fake(q, k, v, cu_seqlens, max_seqlen, scale):
+    return q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]), dtype=acc_dtype(q.dtype))
+
+
+def _backward_fake(grad_out, q, k, v, out, lse, cu_seqlens, max_seqlen, scale):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+define("varlen_attention(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens, SymInt max_seqlen, float scale) "
+       "-> (Tensor, Tensor)", varlen_attention_reference, fake=_fake, cuda=_varlen_attention_cuda)
+define("varlen_attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
+       "Tensor cu_seqlens, SymInt max_seqlen, float scale) -> (Tensor, Tensor, Tensor)",
+       varlen_attention_backward_reference, fake=_backward_fake, cuda=_varlen_attention_backward_cuda)
+
+
+def _setup(ctx, inputs, output):
+    q, k, v, cu_seqlens, max_seqlen, scale = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens)
+    ctx.max_seqlen, ctx.scale = max_seqlen, scale
+
+
+def _backward(ctx, grad_out, grad_lse):
+    # lse is an auxiliary output for the backward; the public function never returns it.
+    q, k, v, out, lse, cu_seqlens = ctx.saved_tensors
+    dq, dk, dv = torch.ops.fw.varlen_attention_backward(grad_out, q, k, v, out, lse, cu_seqlens, ctx.max_seqlen,
+                                                        ctx.scale)
+    return dq, dk, dv, None, None, None
+
+
+torch.library.register_autograd("fw::varlen_attention", _backward, setup_context=_setup)
+
+# Under autocast the attention runs in bf16, as scaled_dot_product_attention does (flash takes 16-bit only).
+for _device in ("cuda", "cpu"):
+    torch.library.register_autocast("fw::varlen_attention", _device, torch.bfloat16, lib=LIB)
+
+
+def varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int, scale: float) -> Tensor:
+    """Causal GQA attention on packed q [N, Hq, D], k, v [N, Hk, D]: the tokens cu_seqlens[i] ..
+    cu_seqlens[i+1] - 1 form sequence i and attend only within it. cu_seqlens: int32 [S + 1], 0 first and
+    N last; max_seqlen: at least the longest sequence (`packed_sequences` gives both)."""
+    need_dim("varlen_attention", "q", q, 3, "[N, Hq, D]")
+    need_dim("varlen_attention", "k", k, 3, "[N, Hk, D]")
+    need_dim("varlen_attention", "v", v, 3, "[N, Hk, D]")
+    need_dim("varlen_attention", "cu_seqlens", cu_seqlens, 1, "[S + 1]")
+    if cu_seqlens.dtype != torch.int32:
+        fail("varlen_attention", f"`cu_seqlens` must be int32, got {cu_seqlens.dtype}")
+    if k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2] or q.shape[1] % k.shape[1]:
+        fail("varlen_attention", f"shapes disagree: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} "
+                                 "(expected k == v shapes, same N and D, and Hq a multiple of Hk)")
+    return torch.ops.fw.varlen_attention(q, k, v, cu_seqlens, max_seqlen, float(scale))[0]
