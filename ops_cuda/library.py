@@ -61,11 +61,13 @@ def _contiguous_outputs(fn: Callable) -> Callable:
     return wrapped
 
 
-def define(schema: str, reference: Callable, fake: Callable | None = None, composite: bool = False) -> str:
+def define(schema: str, reference: Callable, fake: Callable | None = None, composite: bool = False,
+           cuda_kernel: bool = True) -> str:
     """Define `fw::<name>` from its schema and return the name. composite: `reference` is the op itself
     (CompositeImplicitAutograd: it decomposes under autograd and torch.compile, no fake or CUDA kernel).
     Otherwise `reference` is the CPU kernel and the CUDA fallback, `fake` the meta kernel, and the CUDA key
-    gets the build-on-first-use shim that csrc/<name>'s TORCH_LIBRARY_IMPL replaces."""
+    gets the build-on-first-use shim that csrc/<name>'s TORCH_LIBRARY_IMPL replaces; with
+    cuda_kernel=False (no csrc kernel) the reference serves CUDA tensors too."""
     name = schema.split("(", 1)[0]
     if cuda_state["backend"] is not None:
         raise RuntimeError(f"fw::{name} is defined after the CUDA backend was chosen; import it with ops_cuda")
@@ -77,7 +79,10 @@ def define(schema: str, reference: Callable, fake: Callable | None = None, compo
     LIB.impl(name, REFERENCES[name], "CPU")
     if fake is not None:
         torch.library.register_fake(f"fw::{name}", fake)
-    _CUDA_SHIMS.impl(name, _make_shim(name), "CUDA")
+    if cuda_kernel:
+        _CUDA_SHIMS.impl(name, _make_shim(name), "CUDA")
+    else:
+        LIB.impl(name, REFERENCES.pop(name), "CUDA")
     return name
 
 
