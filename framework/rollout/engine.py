@@ -110,6 +110,7 @@ class RolloutEngine:
         self.warm: set[tuple] = set()
         self.graph_pool = None
         self.prefill_tokens = 0     # prompt tokens computed by prefill (all calls): group sharing shows here
+        self.peak_rows = 0          # most rows decoding together (all calls)
 
     def release(self) -> None:
         """Drop the pool, the graphs and their memory."""
@@ -184,6 +185,7 @@ class _Run:
     def run(self) -> None:
         while not self.sched.done:
             new = self.sched.admit()
+            self.e.peak_rows = max(self.e.peak_rows, len(self.sched.running))
             if new:
                 self._prefill(new)
             if self.sched.running:
