@@ -75,9 +75,9 @@ def test_scheduler_admits_as_blocks_free_up():
         Scheduler([RowState(row=0, prompt=[1] * 40, limit=8)], BlockManager(4, 4), 8)
 
 
-@pytest.mark.parametrize("sampling", [dict(temperature=1.0), dict(temperature=0.8, top_k=8, top_p=0.9)])
+@pytest.mark.parametrize("sampling", [{"temperature": 1.0}, {"temperature": 0.8, "top_k": 8, "top_p": 0.9}])
 def test_small_budget_gives_the_unbounded_tokens_and_logprobs(model, tok, sampling):
-    """fp32 on CPU: a budget holding about 2 rows at a time, and max_num_seqs 3, against an unbounded pool:
+    """fp32 on CPU: a budget of 4 blocks (2 to 4 rows at a time) and max_num_seqs 3, against an unbounded pool:
     identical tokens and logprobs (the noise is keyed by row and step, never by batch slot)."""
     prompts = [tok.encode(t) for t in ("12+34=", "7=", "hello world, ", "a", "99*9=", "5-3=", "abc")]
     prompts.append(prompts[1])   # a repeated prompt: a group of two in the unbounded run
