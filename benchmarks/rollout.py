@@ -2,11 +2,14 @@
 
 Random prompt ids, prompt and output lengths uniform in [lo, hi] (seed 0), EOS ignored, temperature
 0.6; throughput = useful output tokens / wall time including prefill. `fw` ends each row at its own
-output length (generate's per-row max_new_tokens; a finished row stops reading its KV cache), as the
+output length (generate's per-row max_new_tokens; a finished row leaves the batch and frees its KV blocks), as the
 workload's floor assumes; `fw-longest` and HF `generate` (which has no per-row limit) run every row to
 the longest output, so both are charged the same padding; `fw-eager` is `fw` without the CUDA graph of
-the decode step.
+the decode step. `--kv-cache-gib` is the paged cache's budget (rows wait for blocks beyond it); the table
+reports the peak allocated and reserved memory and the most rows that decoded together.
 
+    python -m benchmarks.rollout --num-seqs 256 --lo 100 --hi 1024 --impls fw --kv-cache-gib 16
+    python -m benchmarks.rollout --num-seqs 256 --lo 100 --hi 1024 --impls fw --kv-cache-gib 4
     python -m benchmarks.rollout --num-seqs 256 --lo 100 --hi 1024 --impls fw,fw-longest,fw-eager
     python -m benchmarks.rollout --num-seqs 64 --lo 100 --hi 256 --impls fw,fw-longest,hf
 """
@@ -21,7 +24,7 @@ import torch
 
 from framework.models import Qwen3ForCausalLM
 from framework.models.presets import PRESETS, preset_config
-from framework.rollout import SamplingParams, generate
+from framework.rollout import CacheSettings, RolloutEngine, SamplingParams
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -39,12 +42,12 @@ def workload(n: int, lo: int, hi: int, vocab: int, seed: int = 0):
     return prompts, outs
 
 
-def run_fw(model, prompts, outs, temperature, impl):
+def run_fw(engine, prompts, outs, temperature, impl):
     limits = max(outs) if impl == "fw-longest" else outs
+    engine.cuda_graph = impl != "fw-eager"
     sync()
     t0 = time.perf_counter()
-    generate(model, prompts, SamplingParams(max_new_tokens=limits, temperature=temperature), seed=0,
-             cuda_graph=impl != "fw-eager")
+    engine.generate(prompts, SamplingParams(max_new_tokens=limits, temperature=temperature), seed=0)
     sync()
     return time.perf_counter() - t0
 
@@ -74,19 +77,24 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=0.6)
     ap.add_argument("--impls", default="fw,hf")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--kv-cache-gib", type=float, default=None, help="the KV budget (default: the GPU's free memory)")
+    ap.add_argument("--max-num-seqs", type=int, default=None, help="rows decoding together (default: the schema's)")
     args = ap.parse_args()
     cfg = preset_config(args.preset, PRESETS[args.preset]["vocab_size"] or 256)
     torch.manual_seed(0)
     model = Qwen3ForCausalLM(cfg).to(torch.bfloat16).to(DEVICE).eval()
     prompts, outs = workload(args.num_seqs, args.lo, args.hi, cfg.vocab_size)
     useful = sum(outs)
-    # Warm-up: kernels, allocator, cuBLAS handles.
-    generate(model, prompts[:4], SamplingParams(max_new_tokens=8, temperature=args.temperature), seed=1)
+    base = CacheSettings.from_config(None)
+    settings = CacheSettings(args.kv_cache_gib, args.max_num_seqs or base.max_num_seqs, base.block_size)
+    engine = RolloutEngine(model, settings)
+    # Warm-up: kernels, allocator, cuBLAS handles; the engine keeps its pool and graphs for the timed call.
+    engine.generate(prompts[:4], SamplingParams(max_new_tokens=8, temperature=args.temperature), seed=1)
     rows = []
     for impl in args.impls.split(","):
         CUDA and torch.cuda.reset_peak_memory_stats()
         if impl.startswith("fw"):
-            secs = run_fw(model, prompts, outs, args.temperature, impl)
+            secs = run_fw(engine, prompts, outs, args.temperature, impl)
         else:
             import transformers
             hf = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**cfg.to_hf(), attn_implementation="sdpa"))
@@ -97,18 +105,24 @@ def main() -> None:
             secs = run_hf(hf, prompts, outs, args.temperature)
             del hf
         rows.append({"impl": impl, "seconds": secs, "useful_tokens": useful, "tok_s": useful / secs,
-                     "peak_gib": (torch.cuda.max_memory_allocated() / 2**30 if CUDA else 0.0)})
+                     "peak_gib": (torch.cuda.max_memory_allocated() / 2**30 if CUDA else 0.0),
+                     "reserved_gib": (torch.cuda.max_memory_reserved() / 2**30 if CUDA else 0.0),
+                     "kv_cache_gib": args.kv_cache_gib,
+                     "kv_blocks": engine.cache.num_blocks if engine.cache is not None else 0,
+                     "peak_rows": engine.peak_rows})
         print(json.dumps(rows[-1]), flush=True)
         CUDA and torch.cuda.empty_cache()
     hf_row = next((r for r in rows if r["impl"] == "hf"), None)
     print(f"\nRollout, {args.preset} bf16, {args.num_seqs} seqs, prompt/output uniform [{args.lo}, {args.hi}], "
           f"T={args.temperature}, {useful} useful output tokens, {(torch.cuda.get_device_name() if CUDA else 'CPU')}")
-    print(f"{'impl':<11}{'seconds':>10}{'tok/s':>10}{'peak GiB':>10}{'vs HF':>8}")
+    print(f"KV budget: {args.kv_cache_gib or 'free memory'} GiB")
+    print(f"{'impl':<11}{'seconds':>10}{'tok/s':>10}{'peak GiB':>10}{'rsvd GiB':>10}{'vs HF':>8}")
     if hf_row:
         print("(vs HF: fw-longest does HF's work, every row to the longest output; fw stops rows at their lengths)")
     for r in rows:
         ratio = f"{r['tok_s'] / hf_row['tok_s']:.1f}x" if hf_row else "-"
-        print(f"{r['impl']:<11}{r['seconds']:>10.2f}{r['tok_s']:>10.0f}{r['peak_gib']:>10.1f}{ratio:>8}")
+        print(f"{r['impl']:<11}{r['seconds']:>10.2f}{r['tok_s']:>10.0f}{r['peak_gib']:>10.1f}{r['reserved_gib']:>10.1f}"
+              f"{ratio:>8}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

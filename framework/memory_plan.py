@@ -425,16 +425,23 @@ def _batch_rows(rows: list[Row], cfg: dict, model: Qwen3Config, shapes: BatchSha
     policy_cfg = cfg["model"]["policy"]
     layers = model.num_hidden_layers
     if shapes.rollout_rows:
-        # framework/rollout/engine.py: the cache is as wide as the longest prompt + max_new_tokens, in autocast's
-        # dtype under *-mixed, else the model's
-        width = shapes.prompt_len + shapes.new_tokens
-        kv = 2 * layers * shapes.rollout_rows * model.kv_size * width * cb
-        rows.append(Row("KV cache", kv, ("rollout",),
-                        f"2 x {layers} layers x {shapes.rollout_rows} rows x {model.num_key_value_heads} kv heads "
-                        f"x {width} positions ({shapes.prompt_len} prompt + {shapes.new_tokens} new) x "
-                        f"{model.head_dim} x {cb} B"))
+        # framework/rollout/kv_cache.py: a pool of blocks of block_size positions, in autocast's dtype under
+        # *-mixed, else the model's: what every row of the rollout could use at once (its prompt + its limit,
+        # block-rounded, and the scratch block), capped by rollout.kv_cache_gib
+        ro = cfg["rollout"]
+        bs = ro["block_size"]
+        per_row = -(-(shapes.prompt_len + shapes.new_tokens - 1) // bs)
+        blocks = shapes.rollout_rows * per_row + 1
+        block = 2 * layers * model.kv_size * bs * cb
+        how = (f"{blocks} blocks ({shapes.rollout_rows} rows x {per_row} + scratch) x {bs} positions x 2 x {layers} "
+               f"layers x {model.num_key_value_heads} kv heads x {model.head_dim} x {cb} B")
+        if ro["kv_cache_gib"] is not None and ro["kv_cache_gib"] * (1 << 30) < blocks * block:
+            blocks = max(2, int(ro["kv_cache_gib"] * (1 << 30)) // block)
+            how = f"rollout.kv_cache_gib {ro['kv_cache_gib']}: {blocks} blocks of {bs} positions x {block} B"
+        rows.append(Row("KV cache", blocks * block, ("rollout",), how))
         prefill = shapes.rollout_rows * shapes.prompt_len * no_grad_peak_bytes(model, pb, cb)
-        decode = shapes.rollout_rows * model.vocab_size * (cb + 8)   # the step's logits and sampling's float32
+        at_once = min(shapes.rollout_rows, ro["max_num_seqs"])
+        decode = at_once * model.vocab_size * (cb + 8)   # the step's logits and sampling's float32
         rows.append(Row("rollout buffers", prefill + decode, ("rollout",),
                         f"prefill of {shapes.rollout_rows} x {shapes.prompt_len} prompt tokens + decode logits"))
     if shapes.scoring_rows:

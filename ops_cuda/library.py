@@ -67,7 +67,7 @@ def define(schema: str, reference: Callable, fake: Callable | None = None, compo
     (CompositeImplicitAutograd: it decomposes under autograd and torch.compile, no fake or CUDA kernel).
     Otherwise `reference` is the CPU kernel and the CUDA fallback, `fake` the meta kernel, and the CUDA key
     gets the build-on-first-use shim that csrc/<name>'s TORCH_LIBRARY_IMPL replaces. cuda: a Python CUDA
-    kernel over PyTorch's own kernels instead (no csrc file, no build; it chooses its own fallback)."""
+    kernel instead (no csrc file, no build), e.g. over PyTorch's own kernels, or the reference itself."""
     name = schema.split("(", 1)[0]
     if cuda_state["backend"] is not None:
         raise RuntimeError(f"fw::{name} is defined after the CUDA backend was chosen; import it with ops_cuda")
@@ -79,7 +79,7 @@ def define(schema: str, reference: Callable, fake: Callable | None = None, compo
         torch.library.register_fake(f"fw::{name}", fake)
     if cuda is not None:
         LIB.impl(name, _contiguous_outputs(reference), "CPU")
-        LIB.impl(name, cuda, "CUDA")
+        LIB.impl(name, _contiguous_outputs(cuda), "CUDA")
         return name
     REFERENCES[name] = _contiguous_outputs(reference)
     LIB.impl(name, REFERENCES[name], "CPU")

@@ -9,7 +9,7 @@ import math
 import torch
 from torch import Tensor
 
-from ops_cuda.library import acc_dtype, define, need_dim
+from ops_cuda.library import acc_dtype, define, fail, need_dim, need_long
 
 _MASK32 = 0xFFFFFFFF
 _PHILOX_M = (0xD2511F53, 0xCD9E8D57)
@@ -29,14 +29,20 @@ def philox4x32(c0: Tensor, c1: Tensor, c2: Tensor, c3: Tensor, k0: int, k1: int,
     return c
 
 
-def gumbel_noise(batch: int, vocab: int, seed: int, device: torch.device | str = "cpu") -> Tensor:
+def gumbel_noise(batch: int, vocab: int, seed: int, device: torch.device | str = "cpu",
+                 counters: Tensor | None = None) -> Tensor:
     """float32 [batch, vocab] Gumbel(0, 1) noise from Philox4x32-10 with key = seed (64 bit) and
-    counter (col // 4, row, 0, 0), output word col % 4; u = ((x >> 9) + 0.5) * 2^-23."""
+    counter (col // 4, c1, c2, 0), output word col % 4; u = ((x >> 9) + 0.5) * 2^-23. (c1, c2) of row b is
+    counters[b] (int64 [batch, 2], low 32 bits of each), or (b, 0) without counters."""
     groups = (vocab + 3) // 4
     c0 = torch.arange(groups, device=device, dtype=torch.int64)[None, :].expand(batch, groups)
-    c1 = torch.arange(batch, device=device, dtype=torch.int64)[:, None].expand(batch, groups)
-    zero = torch.zeros_like(c0)
-    words = philox4x32(c0, c1, zero, zero, seed & _MASK32, (seed >> 32) & _MASK32)
+    if counters is None:
+        c1 = torch.arange(batch, device=device, dtype=torch.int64)[:, None].expand(batch, groups)
+        c2 = torch.zeros_like(c0)
+    else:
+        c1 = counters[:, 0:1].to(device=device, dtype=torch.int64).expand(batch, groups)
+        c2 = counters[:, 1:2].to(device=device, dtype=torch.int64).expand(batch, groups)
+    words = philox4x32(c0, c1, c2, torch.zeros_like(c0), seed & _MASK32, (seed >> 32) & _MASK32)
     x = torch.stack(words, dim=-1).reshape(batch, 4 * groups)[:, :vocab]  # column 4g + j = word j of group g
     u = ((x >> 9).to(torch.float32) + 0.5) * (2.0 ** -23)
     return -torch.log(-torch.log(u))
@@ -64,7 +70,7 @@ def sampling_mask(z: Tensor, top_k: int, top_p: float, min_p: float) -> Tensor:
 
 
 def sample_reference(logits: Tensor, temperature: float, top_k: int, top_p: float, min_p: float,
-                     seed: int) -> tuple[Tensor, Tensor]:
+                     seed: int, counters: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """(tokens int64 [B], logprob float32 [B]). Gumbel-max over the allowed tokens of logits/temperature;
     logprob under the temperature-scaled FULL softmax. temperature 0: greedy (first maximum), logprob
     under the unscaled softmax."""
@@ -74,28 +80,36 @@ def sample_reference(logits: Tensor, temperature: float, top_k: int, top_p: floa
     else:
         z = z / temperature
         keep = sampling_mask(z, top_k, top_p, min_p)
-        g = gumbel_noise(z.shape[0], z.shape[1], seed, z.device).to(z.dtype)
+        g = gumbel_noise(z.shape[0], z.shape[1], seed, z.device, counters).to(z.dtype)
         tokens = torch.where(keep, z + g, float("-inf")).argmax(-1)
     logprob = z.gather(1, tokens[:, None]).squeeze(1) - z.logsumexp(-1)
     return tokens, logprob.to(torch.float32)
 
 
-def _fake(logits, temperature, top_k, top_p, min_p, seed):
+def _fake(logits, temperature, top_k, top_p, min_p, seed, counters=None):
     b = logits.shape[0]
     return logits.new_empty(b, dtype=torch.int64), logits.new_empty(b, dtype=torch.float32)
 
 
-define("sample(Tensor logits, float temperature, int top_k, float top_p, float min_p, int seed) "
-       "-> (Tensor, Tensor)", sample_reference, fake=_fake)
+define("sample(Tensor logits, float temperature, int top_k, float top_p, float min_p, int seed, "
+       "Tensor? counters=None) -> (Tensor, Tensor)", sample_reference, fake=_fake)
 
 
 def sample(logits: Tensor, temperature: float, top_k: int, top_p: float, min_p: float,
-           seed: int) -> tuple[Tensor, Tensor]:
+           seed: int, counters: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """(tokens int64 [B], logprob fp32 [B]). Draws by Gumbel-max (Philox, keyed by `seed`) among the
     tokens top-k / top-p / min-p allow; logprob is under the temperature-scaled FULL softmax.
-    temperature 0 is greedy, its logprob under the unscaled softmax.
+    temperature 0 is greedy, its logprob under the unscaled softmax. `counters` (int64 [B, 2]) gives each
+    row its own noise stream, e.g. (sequence id, decode step), so a row's draw does not depend on its slot
+    in the batch; without it row b's stream is (b, 0).
 
     Valid ranges (not checked here; the caller's sampling parameters check them): temperature >= 0,
     top_k >= 0 (0 = off), top_p in (0, 1] (1 = off), min_p in [0, 1) (0 = off)."""
     need_dim("sample", "logits", logits, 2, "[B, V]")
-    return torch.ops.fw.sample(logits, float(temperature), int(top_k), float(top_p), float(min_p), int(seed))
+    if counters is not None:
+        need_dim("sample", "counters", counters, 2, "[B, 2]")
+        need_long("sample", "counters", counters)
+        if counters.shape != (logits.shape[0], 2):
+            fail("sample", f"counters must be [B={logits.shape[0]}, 2], got {tuple(counters.shape)}")
+    return torch.ops.fw.sample(logits, float(temperature), int(top_k), float(top_p), float(min_p), int(seed),
+                               counters)

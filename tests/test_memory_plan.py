@@ -82,8 +82,13 @@ def test_grpo_kv_cache_reference_and_cuda_rows_by_hand():
     shapes = BatchShapes(rows=4, seq_len=10 + 6, loss_tokens=4 * 6, rollout_rows=8, prompt_len=10, new_tokens=6,
                          scoring_rows=8)
     plan = plan_of(cfg, shapes, backend="cuda")
-    # the cache in autocast's bfloat16: k and v, 2 layers, 8 rows, 2 kv heads, 16 positions, head_dim 64
-    assert row(plan, "KV cache").bytes == 2 * LAYERS * 8 * 2 * 16 * 64 * 2
+    # the paged cache in autocast's bfloat16: k and v, 2 layers, 8 rows of one 16-position block (10 prompt + 5
+    # written new tokens) and the scratch block, 2 kv heads, head_dim 64
+    assert row(plan, "KV cache").bytes == 2 * LAYERS * (8 + 1) * 2 * 16 * 64 * 2
+    capped = plan_of(tiny("grpo", grpo={"kl_coef": 0.1}, trainer={"precision": "bf16-mixed"},
+                          rollout={"kv_cache_gib": 4 * 2 * LAYERS * 2 * 16 * 64 * 2 / (1 << 30)}), shapes,
+                     backend="cuda")
+    assert row(capped, "KV cache").bytes == 4 * 2 * LAYERS * 2 * 16 * 64 * 2   # the budget: 4 blocks
     assert row(plan, "reference model").bytes == PARAMS * 4     # a float32 copy of the policy
     # autocast's cached casts: every projection and the (tied) LM head in bfloat16, not the norms
     assert row(plan, "autocast weight casts").bytes == (LAYERS * (LAYER_PARAMS - 2 * D - 2 * 64) + V * D) * 2

@@ -85,6 +85,13 @@ def decode_sdpa(q, kc, vc, lengths, scale):
     return out[:, :, 0]
 
 
+def paged_sdpa(q, k_pool, v_pool, tables, lengths, scale):
+    b = tables.shape[0]
+    kc = k_pool[tables].permute(0, 2, 1, 3, 4).reshape(b, k_pool.shape[1], -1, k_pool.shape[3])
+    vc = v_pool[tables].permute(0, 2, 1, 3, 4).reshape(b, v_pool.shape[1], -1, v_pool.shape[3])
+    return decode_sdpa(q, kc, vc, lengths, scale)
+
+
 def linear_logprob_unfused(h, w, t, temperature):
     logits = (h @ w.T).float() / temperature
     logp = logits.log_softmax(-1)
@@ -330,6 +337,20 @@ def main() -> None:
             row("decode_attention", f"B={b} ctx={S} ragged", ops_cuda.decode_attention, decode_sdpa,
                 compiled(decode_sdpa), (qd, kc, vc, ln, D ** -0.5),
                 nbytes=(2 * int(ln.sum()) * Hk * D + 2 * qd.numel()) * es)
+
+    # paged decode attention: the same contexts in shuffled 16-position blocks of one pool; the baselines gather
+    # each row's blocks into a contiguous cache first, as a paged cache without a paged kernel has to
+    bsz = 16
+    for b in (64, 256):
+        qd = torch.randn(b, Hq, D, device=DEV, dtype=BF)
+        nblk = b * S // bsz
+        kp = torch.randn(nblk + 1, Hk, bsz, D, device=DEV, dtype=BF)
+        vp = torch.randn(nblk + 1, Hk, bsz, D, device=DEV, dtype=BF)
+        tables = (torch.randperm(nblk, generator=torch.Generator().manual_seed(b)) + 1).view(b, S // bsz).to(DEV)
+        ln = torch.full((b,), S, device=DEV)
+        row("paged_decode_attention", f"B={b} ctx={S} block={bsz}", ops_cuda.paged_decode_attention, paged_sdpa,
+            compiled(paged_sdpa), (qd, kp, vp, tables, ln, D ** -0.5),
+            nbytes=(2 * b * S * Hk * D + 2 * qd.numel()) * es)
 
     # sampler over the full vocabulary (fp32 logits)
     for b in (1, 64, 256):

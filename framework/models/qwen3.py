@@ -61,6 +61,35 @@ class Packing(NamedTuple):
     max_seqlen: int
 
 
+@dataclass
+class PagedKVCache:
+    """Keys/values of every layer in fixed-size blocks of one pool; a row's positions live in the blocks its
+    block table names (framework/rollout/block_manager.py hands them out)."""
+
+    k: Tensor        # [L, num_blocks, Hk, block_size, D]
+    v: Tensor        # [L, num_blocks, Hk, block_size, D]
+
+    @property
+    def num_blocks(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def block_size(self) -> int:
+        return self.k.shape[3]
+
+
+class PagedBatch(NamedTuple):
+    """One forward over a paged cache, shared by all layers: N new tokens of R rows, each token's k/v written at
+    (write_blocks[i], write_offsets[i]) before the attention reads the rows' contexts."""
+
+    positions: Tensor       # [N] the tokens' positions in their rows
+    write_blocks: Tensor    # [N]
+    write_offsets: Tensor   # [N]
+    block_tables: Tensor    # [R, M] int64
+    lengths: Tensor         # [R] each row's context length after the writes
+    cu_seqlens: Tensor | None  # [R + 1]: row r's tokens (prefill); None: one token a row, N == R (decode)
+
+
 class Qwen3Attention(nn.Module):
     def __init__(self, config: Qwen3Config):
         super().__init__()
@@ -113,6 +142,19 @@ class Qwen3Attention(nn.Module):
         out = ops_cuda.decode_attention(q[:, 0], k_cache, v_cache, step.lengths, self.scale)
         return self.o_proj(out.reshape(x.shape[0], 1, self.config.q_size))
 
+    def paged(self, x: Tensor, batch: PagedBatch, k_pool: Tensor, v_pool: Tensor) -> Tensor:
+        """Packed tokens x [N, d]: writes their k/v into the pools, then attends over each row's context."""
+        q, k, v = (t[0] for t in self._qkv(x[None], batch.positions[None]))
+        k_pool[batch.write_blocks, :, batch.write_offsets] = k.to(k_pool.dtype)
+        v_pool[batch.write_blocks, :, batch.write_offsets] = v.to(v_pool.dtype)
+        q = q.to(k_pool.dtype)
+        if batch.cu_seqlens is None:
+            out = ops_cuda.paged_decode_attention(q, k_pool, v_pool, batch.block_tables, batch.lengths, self.scale)
+        else:
+            out = ops_cuda.paged_prefill_attention(q, k_pool, v_pool, batch.block_tables, batch.cu_seqlens,
+                                                   batch.lengths, self.scale)
+        return self.o_proj(out.reshape(x.shape[0], self.config.q_size).to(x.dtype))
+
 
 class Qwen3MLP(nn.Module):
     def __init__(self, config: Qwen3Config):
@@ -139,6 +181,10 @@ class Qwen3DecoderLayer(nn.Module):
 
     def decode(self, h: Tensor, step: DecodeStep, k_cache: Tensor, v_cache: Tensor) -> Tensor:
         h = h + self.self_attn.decode(self.input_layernorm(h), step, k_cache, v_cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+    def paged(self, h: Tensor, batch: PagedBatch, k_pool: Tensor, v_pool: Tensor) -> Tensor:
+        h = h + self.self_attn.paged(self.input_layernorm(h), batch, k_pool, v_pool)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -189,6 +235,13 @@ class Qwen3Model(nn.Module):
             h = layer.decode(h, step, cache.k[i], cache.v[i])
         cache.lengths.copy_(step.lengths)
         return self.norm(h[:, 0])
+
+    def paged(self, tokens: Tensor, batch: PagedBatch, cache: PagedKVCache) -> Tensor:
+        """Final normalised hidden states [N, d] of packed new tokens [N] over a paged cache."""
+        h = self.embed_tokens(tokens)
+        for i, layer in enumerate(self.layers):
+            h = layer.paged(h, batch, cache.k[i], cache.v[i])
+        return self.norm(h)
 
     def hf_targets(self, prefix: str = "model.") -> HfTargets:
         c = self.config
@@ -299,6 +352,22 @@ class Qwen3ForCausalLM(nn.Module):
         kw = {"device": device or ref.device, "dtype": dtype or ref.dtype}
         return KVCache(k=torch.zeros(shape, **kw), v=torch.zeros(shape, **kw),
                        lengths=torch.zeros(batch_size, dtype=torch.long, device=kw["device"]))
+
+    def new_paged_kv_cache(self, num_blocks: int, block_size: int, device: torch.device | str | None = None,
+                           dtype: torch.dtype | None = None) -> PagedKVCache:
+        """A pool of `num_blocks` blocks of `block_size` positions (model's device/dtype by default)."""
+        ref = self.lm_head_weight
+        c = self.config
+        shape = (c.num_hidden_layers, num_blocks, c.num_key_value_heads, block_size, c.head_dim)
+        kw = {"device": device or ref.device, "dtype": dtype or ref.dtype}
+        return PagedKVCache(k=torch.zeros(shape, **kw), v=torch.zeros(shape, **kw))
+
+    @torch.no_grad()
+    def forward_paged(self, tokens: Tensor, batch: PagedBatch, cache: PagedKVCache, last: Tensor) -> Tensor:
+        """Runs packed new tokens [N] through the paged cache; returns the logits [len(last), V] at the token
+        indices `last` (each row's last new token, for sampling)."""
+        h = self.model.paged(tokens, batch, cache)
+        return F.linear(h[last], self.lm_head_weight)
 
     @torch.no_grad()
     def prefill(self, input_ids: Tensor, lengths: Tensor, cache: KVCache) -> Tensor:

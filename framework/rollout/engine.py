@@ -1,21 +1,21 @@
-"""Batched generation with the KV cache: prefill all prompts, then one forward per decode step.
+"""Generation over a paged KV cache with continuous batching: rows join the running batch as blocks free up,
+prompts of a group are prefilled once, and one forward per step decodes every running row.
 
-Stopping, per row: an EOS id (the EOS token is kept as the row's last completion token, with its
-logprob, so the trainer learns to emit it; it is left out of the text), a stop string (the token
-whose text completes it is the row's last token; the text keeps the stop string and is cut right
-after it), or ``max_new_tokens`` (one limit for all rows, or one per row). Finished rows are still
-fed a pad token so the batch stays one tensor, but they are masked out: nothing they produce enters
-the result, and their attention reads one cache slot instead of their context. The loop ends once
-every row has finished (checked each step on CPU or with stop strings, every ``SYNC_EVERY`` steps on
-GPU). Under autocast the KV cache takes the autocast dtype. On CUDA the decode step (a few hundred
-small kernels at rollout batch sizes, which Python cannot launch as fast as the GPU runs them) is
-replayed as one CUDA graph, captured afresh in every call; sampling stays outside it, since its seed
-changes per step.
+A `RolloutEngine` holds the pool of KV blocks (`framework/rollout/kv_cache.py` sizes it from
+`rollout.kv_cache_gib`), its bookkeeping (`block_manager.py`), and on CUDA one decode graph per batch-size
+bucket, captured once and replayed by every later step and call of that bucket. `generate` runs one call on a
+fresh engine and hands its memory back; a training loop may keep one engine across rollouts instead.
 
-Behaviour logprobs are the chosen tokens' log probabilities under the temperature-scaled FULL
-softmax, as ``ops_cuda.sample`` returns them (top-k/top-p/min-p only restrict which token may be
-drawn), i.e. what the trainer recomputes: a distribution renormalised over the allowed tokens would
-bias the importance ratio. At temperature 0 (greedy) they are under the unscaled softmax.
+Stopping, per row: an EOS id (the EOS token is kept as the row's last completion token, with its logprob, so
+the trainer learns to emit it; it is left out of the text), a stop string (the token whose text completes it is
+the row's last token; the text keeps the stop string and is cut right after it), or ``max_new_tokens`` (one
+limit for all rows, or one per row). A finished row's blocks go back at once. Sampling noise is keyed by
+(seed, row, step), so the result does not depend on the KV budget or on which rows share a step.
+
+Behaviour logprobs are the chosen tokens' log probabilities under the temperature-scaled FULL softmax (top-k /
+top-p / min-p only restrict which token may be drawn), i.e. what the trainer recomputes: a distribution
+renormalised over the allowed tokens would bias the importance ratio. At temperature 0 (greedy) they are
+under the unscaled softmax.
 """
 from __future__ import annotations
 
@@ -29,13 +29,13 @@ from torch import Tensor
 import ops_cuda
 from framework.allocator import release_cached
 from framework.errors import FwError
-from framework.rollout.sampling import SamplingParams
+from framework.models.qwen3 import PagedBatch
+from framework.rollout.block_manager import BlockManager
+from framework.rollout.kv_cache import CacheSettings, DecodeGraph, batch_bucket, decode_step, pool_blocks
+from framework.rollout.sampling import SamplingParams, draw
+from framework.rollout.scheduler import RowState, Scheduler
 
 FINISH_REASONS = ("eos", "stop", "length")
-_REASON_OF_CODE = ("length", "stop", "eos")   # finish reasons as codes on the device
-_STOP, _EOS = 1, 2
-SYNC_EVERY = 8          # decode steps between host checks for "every row finished" (GPU)
-GRAPH_MIN_STEPS = 8     # shorter generations decode eagerly: too few replays to repay a capture
 _MASK63 = (1 << 63) - 1
 
 
@@ -58,42 +58,6 @@ class Rollout:
         """bool [B, Tc]: True at real completion tokens (aligned with ``logprobs``)."""
         steps = torch.arange(self.logprobs.shape[1], device=self.logprobs.device)
         return steps[None, :] < self.completion_lens[:, None]
-
-
-class _DecodeGraph:
-    """``model.decode(tokens, cache)`` captured once and replayed per step, reading ``tokens`` from a static
-    buffer and leaving the logits in a static one (overwritten by the next replay).
-
-    Capture it only after an eager decode step with the same shapes: that step has done the lazy set-up
-    (cuBLAS handles, the decode-attention counters, autocast's cached casts of the weights that require
-    grad), so the graph reads the cast weights autocast keeps until its region ends, after this
-    ``generate`` call; casts of frozen weights are recorded in the graph and rerun on each replay. The
-    capture is by hand rather than ``torch.cuda.graph``, whose entry empties the allocator cache: in an
-    RL loop that would hand every training step's memory back to the driver at each rollout.
-    """
-
-    def __init__(self, model: Any, tokens: Tensor, cache: Any) -> None:
-        self.device = tokens.device
-        self.tokens = tokens.clone()
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.device(self.device):   # the model's device, whichever one is current
-            stream, current = torch.cuda.Stream(), torch.cuda.current_stream()
-            stream.wait_stream(current)
-            with torch.cuda.stream(stream):
-                # thread_local: CUDA calls of other threads (a DataLoader's pin-memory thread, a checkpoint
-                # writer) stay legal during the capture; only this thread's are restricted.
-                self.graph.capture_begin(capture_error_mode="thread_local")
-                try:
-                    self.logits = model.decode(self.tokens, cache)   # recorded, not run: the cache is untouched
-                finally:
-                    self.graph.capture_end()
-            current.wait_stream(stream)
-
-    def __call__(self, tokens: Tensor) -> Tensor:
-        self.tokens.copy_(tokens)
-        with torch.cuda.device(self.device):
-            self.graph.replay()
-        return self.logits
 
 
 def stop_token_ids(tokenizer: Any, model_config: Any) -> list[int]:
@@ -128,105 +92,234 @@ def _find_stop(text: str, stop: Sequence[str]) -> int | None:
     return min(ends) if ends else None
 
 
-@torch.no_grad()
-def generate(model: Any, prompts: list[list[int]], params: SamplingParams, *, eos_ids: Sequence[int] = (),
-             tokenizer: Any = None, seed: int = 0, policy_version: int = 0, cuda_graph: bool = True) -> Rollout:
-    """Sample completions of ``prompts`` (token id lists) in one batch as ``params`` says.
+class RolloutEngine:
+    """The paged KV cache of one model, its block bookkeeping and its decode graphs, kept across calls.
 
-    Same (model, prompts, params, seed) give the same tokens. ``tokenizer`` (for ``texts``, stop
-    strings and the pad id; pad id 0 without one) is optional. The model runs in eval mode and gets
-    its previous mode back. ``cuda_graph=False`` runs every CUDA decode step eagerly (same tokens).
+    The pool is allocated on the first call, sized by `settings` (and by what that call can use at most);
+    a later call that needs more blocks than the pool holds still runs, admitting fewer rows at a time.
+    `release()` hands the pool and the graphs back.
     """
-    _check_prompts(prompts, params, tokenizer)
-    stop = params.stop
-    row_limits = params.row_limits(len(prompts))
-    per_row = row_limits is not None
-    max_new_tokens = params.longest
-    temperature, top_k, top_p, min_p = params.temperature, params.top_k, params.top_p, params.min_p
-    device = model.lm_head_weight.device
-    pad_id = tokenizer.pad_id if tokenizer is not None and tokenizer.pad_id is not None else 0
-    B = len(prompts)
-    prompt_lens = torch.tensor([len(p) for p in prompts], dtype=torch.long)
-    width = int(prompt_lens.max())
-    ids = torch.full((B, width), pad_id, dtype=torch.long)
-    for b, prompt in enumerate(prompts):
-        ids[b, :len(prompt)] = torch.as_tensor(prompt, dtype=torch.long)
 
-    was_training = model.training
-    model.eval()
-    try:
-        # Under autocast (e.g. Lightning's bf16-mixed) keys/values come out in the autocast dtype:
-        # keep the cache in it, as the computation that fills it does.
+    def __init__(self, model: Any, settings: CacheSettings | None = None, cuda_graph: bool = True) -> None:
+        self.model = model
+        self.settings = settings or CacheSettings.from_config(None)
+        self.cuda_graph = cuda_graph
+        self.cache = None
+        self.blocks: BlockManager | None = None
+        self.graphs: dict[tuple, DecodeGraph] = {}
+        self.warm: set[tuple] = set()
+        self.graph_pool = None
+        self.prefill_tokens = 0     # prompt tokens computed by prefill (all calls): group sharing shows here
+        self.peak_rows = 0          # most rows decoding together (all calls)
+
+    def release(self) -> None:
+        """Drop the pool, the graphs and their memory."""
+        device = self.model.lm_head_weight.device
+        self.cache, self.blocks = None, None
+        self.graphs.clear()
+        self.warm.clear()
+        self.graph_pool = None
+        release_cached(device)
+
+    def _ensure_cache(self, seqs: list[RowState], dtype: torch.dtype, device: torch.device) -> None:
+        c = self.model.config
+        bs = self.settings.block_size
+        if self.cache is None or self.cache.k.dtype != dtype:
+            self.graphs.clear()
+            self.warm.clear()
+            self.cache = None
+            n = pool_blocks(self.settings, c, dtype, device, seqs)
+            self.cache = self.model.new_paged_kv_cache(n, bs, device=device, dtype=dtype)
+        # fresh bookkeeping every call: the weights may have changed since, so no cached prefix carries over
+        self.blocks = BlockManager(self.cache.num_blocks, bs)
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], params: SamplingParams, *, eos_ids: Sequence[int] = (),
+                 tokenizer: Any = None, seed: int = 0, policy_version: int = 0) -> Rollout:
+        """Sample completions of ``prompts`` (token id lists) as ``params`` says; see `generate`."""
+        _check_prompts(prompts, params, tokenizer)
+        model = self.model
+        device = model.lm_head_weight.device
+        row_limits = params.row_limits(len(prompts)) or [params.longest] * len(prompts)
+        seqs = [RowState(row=b, prompt=list(map(int, p)), limit=n) for b, (p, n) in enumerate(zip(prompts, row_limits))]
+        pad_id = tokenizer.pad_id if tokenizer is not None and tokenizer.pad_id is not None else 0
         autocast = torch.is_autocast_enabled(device.type)
-        cache_dtype = torch.get_autocast_dtype(device.type) if autocast else None
-        cache = model.new_kv_cache(B, width + max_new_tokens, device=device, dtype=cache_dtype)
-        logits = model.prefill(ids.to(device), prompt_lens.to(device), cache)
-        # Per-row state stays on the model's device: without stop strings the host syncs only every
-        # SYNC_EVERY steps (to end the loop once every row finished), so it can queue work ahead.
-        out_tokens = torch.full((B, max_new_tokens), pad_id, dtype=torch.long, device=device)
-        out_logprobs = torch.zeros(B, max_new_tokens, dtype=torch.float32, device=device)
-        finished = torch.zeros(B, dtype=torch.bool, device=device)
-        reason = torch.zeros(B, dtype=torch.long, device=device)    # index into _REASON_OF_CODE
-        completion_lens = torch.zeros(B, dtype=torch.long, device=device)
-        limits = torch.tensor(row_limits, dtype=torch.long, device=device) if per_row else None
-        eos = torch.tensor(sorted(set(eos_ids)), dtype=torch.long, device=device)
-        # Stop strings are searched in the text of the last few tokens only: earlier steps already
-        # searched everything before, and a stop string of n characters spans at most 4n tokens
-        # (a token holds at least one UTF-8 byte).
-        window = 4 * max(map(len, stop), default=0) + 4
-        sync_every = 1 if stop or device.type == "cpu" else SYNC_EVERY
-        steps = 0
-        # Graphs need the CUDA kernels: the torch references (used when the extension cannot build)
-        # copy host tensors to the device, which a capture forbids. Prefill has loaded them by now.
-        graphed = (cuda_graph and device.type == "cuda" and max_new_tokens >= GRAPH_MIN_STEPS
-                   and ops_cuda.cuda_backend() == "kernels")
-        decode_graph = None
-        for step in range(max_new_tokens):
-            tokens, logprobs = ops_cuda.sample(logits, temperature, top_k, top_p, min_p, step_seed(seed, step))
-            active = ~finished
-            out_tokens[:, step] = torch.where(active, tokens, pad_id)
-            out_logprobs[:, step] = torch.where(active, logprobs.float(), 0.0)
-            completion_lens += active
-            steps = step + 1
-            hit_eos = active & torch.isin(tokens, eos)
-            reason.masked_fill_(hit_eos, _EOS)
-            finished |= hit_eos
-            if stop:
-                tails = out_tokens[:, max(0, steps - window):steps].tolist()
-                for b in (~finished).nonzero().flatten().tolist():
-                    if any(s in tokenizer.decode(tails[b]) for s in stop):
-                        finished[b], reason[b] = True, _STOP
-            if per_row:   # a row at its own limit (and not ended by EOS or a stop string) ends as "length"
-                finished |= completion_lens >= limits
-            if step == max_new_tokens - 1 or (steps % sync_every == 0 and bool(finished.all())):
-                break
-            feed = torch.where(finished, pad_id, tokens)
-            # A finished row's cache is no longer needed: at length 0 its attention reads one slot, not
-            # its whole context, while the batch keeps its shape (and its graph).
-            cache.lengths.masked_fill_(finished, 0)
-            if decode_graph is None and graphed and step >= 1:   # step 0 decoded eagerly: the warm-up
-                decode_graph = _DecodeGraph(model, feed, cache)
-            logits = decode_graph(feed) if decode_graph is not None else model.decode(feed, cache)
-    finally:
-        model.train(was_training)
-    # The KV cache and the graph's private pool go back before the caller trains on the result.
-    del cache, decode_graph, logits
-    release_cached(device)
+        # Under autocast (e.g. Lightning's bf16-mixed) keys/values come out in the autocast dtype: the cache
+        # takes it, as the computation that fills it does.
+        dtype = torch.get_autocast_dtype(device.type) if autocast else model.lm_head_weight.dtype
+        was_training = model.training
+        model.eval()
+        try:
+            self._ensure_cache(seqs, dtype, device)
+            _Run(self, seqs, params, set(eos_ids), tokenizer, seed, device).run()
+        finally:
+            model.train(was_training)
+            if autocast:
+                # The graphs read autocast's casts of the weights, which live only as long as this autocast
+                # region: captured again in the next call.
+                self.graphs.clear()
+                self.warm.clear()
+        return _result(seqs, prompts, pad_id, tokenizer, params.stop, device, policy_version)
 
-    lens = completion_lens.tolist()
-    reasons = [_REASON_OF_CODE[r] for r in reason.tolist()]
-    rows = out_tokens[:, :steps].tolist()
-    completion_ids = [row[:n] for row, n in zip(rows, lens)]
+
+class _Run:
+    """One `generate` call on an engine: admission, prefill, decode steps and stopping."""
+
+    def __init__(self, engine: RolloutEngine, seqs: list[RowState], params: SamplingParams, eos: set[int],
+                 tokenizer: Any, seed: int, device: torch.device) -> None:
+        self.e, self.seqs, self.params, self.eos, self.tok = engine, seqs, params, eos, tokenizer
+        self.device = device
+        self.key = step_seed(seed, 0)
+        self.bs = engine.settings.block_size
+        longest = max(len(s.prompt) + s.limit for s in seqs)
+        # block-table width: a power of two, so that calls of similar lengths share their decode graphs
+        self.width = 1 << max(0, (-(-longest // self.bs) - 1).bit_length())
+        self.sched = Scheduler(seqs, engine.blocks, engine.settings.max_num_seqs)
+        # every row's block table, filled at admission (a row's blocks never change while it runs); the last
+        # row, all scratch, serves the padding rows of a batch
+        self.tables = torch.zeros(len(seqs) + 1, self.width, dtype=torch.long)
+        self.tables_dev = None
+        self.window = 4 * max(map(len, params.stop), default=0) + 4
+        self.cpu = device.type == "cpu"
+
+    def run(self) -> None:
+        while not self.sched.done:
+            new = self.sched.admit()
+            self.e.peak_rows = max(self.e.peak_rows, len(self.sched.running))
+            if new:
+                self._prefill(new)
+            if self.sched.running:
+                self._decode([s for s in self.sched.running if s.reason is None])
+
+    # ---- prefill
+    def _prefill(self, new: list[RowState]) -> None:
+        for s in new:
+            self.tables[s.row, :len(s.blocks)] = torch.tensor(s.blocks, dtype=torch.long)
+        self.tables_dev = self.tables.to(self.device)
+        computed = [s for s in new if s.leader is None]
+        tokens, positions, cu = [], [], [0]
+        for s in computed:
+            tokens += s.prompt[s.cached:]
+            positions += range(s.cached, len(s.prompt))
+            cu.append(len(tokens))
+        self.e.prefill_tokens += len(tokens)
+        n_real = len(tokens)
+        # CPU: token and row counts padded to multiples of 16, where the BLAS runs one kernel whatever the
+        # count, so that a row's numbers do not depend on which rows share its batch
+        n = -(-n_real // 16) * 16 if self.cpu else n_real
+        tokens += [0] * (n - n_real)
+        positions += [0] * (n - n_real)
+        pos = torch.tensor(positions, dtype=torch.long)
+        rows = torch.tensor([s.row for s in computed], dtype=torch.long)
+        owner = torch.repeat_interleave(torch.arange(len(computed)), torch.tensor([len(s.prompt) - s.cached
+                                                                                   for s in computed]))
+        owner_rows = torch.cat([rows[owner], torch.full((n - n_real,), len(self.seqs), dtype=torch.long)])
+        blk = self.tables[owner_rows, pos // self.bs]
+        dev = self.device
+        batch = PagedBatch(positions=pos.to(dev), write_blocks=blk.to(dev), write_offsets=(pos % self.bs).to(dev),
+                           block_tables=self.tables_dev[rows.to(dev)],
+                           lengths=torch.tensor([len(s.prompt) for s in computed], device=dev),
+                           cu_seqlens=torch.tensor(cu, device=dev))
+        last = torch.tensor(cu[1:], dtype=torch.long) - 1
+        r_pad = -(-len(computed) // 16) * 16 if self.cpu else len(computed)
+        last = torch.cat([last, last[:1].expand(r_pad - len(computed))])
+        logits = self.e.model.forward_paged(torch.tensor(tokens, device=dev), batch, self.e.cache, last.to(dev))
+        logits = logits[:len(computed)]
+        index = {id(s): i for i, s in enumerate(computed)}
+        cache = self.e.cache
+        for s in new:
+            if s.leader is not None and len(s.prompt) % self.bs:   # the leader's partial last block
+                i = len(s.prompt) // self.bs
+                cache.k[:, s.blocks[i]] = cache.k[:, s.leader.blocks[i]]
+                cache.v[:, s.blocks[i]] = cache.v[:, s.leader.blocks[i]]
+        pick = torch.tensor([index[id(s.leader if s.leader is not None else s)] for s in new], device=dev)
+        self._sample(new, logits[pick])
+        for s in new:
+            s.leader = None
+
+    # ---- decode
+    def _decode(self, rows: list[RowState]) -> None:
+        if not rows:
+            return
+        dev, B = self.device, len(rows)
+        bucket = batch_bucket(B, self.e.settings.max_num_seqs, self.cpu)
+        pad = bucket - B
+        ids = torch.tensor([s.row for s in rows] + [len(self.seqs)] * pad, dtype=torch.long)
+        host = torch.tensor([[s.tokens[-1], s.context - 1] for s in rows] + [[0, 0]] * pad, dtype=torch.long)
+        inputs = host.to(dev)
+        tables = self.tables_dev[ids.to(dev)]
+        key = (bucket, self.width)
+        graphed = (self.e.cuda_graph and dev.type == "cuda" and ops_cuda.cuda_backend() == "kernels")
+        if graphed and key in self.e.graphs:
+            logits = self.e.graphs[key](inputs, tables)
+        elif graphed and key in self.e.warm:
+            if self.e.graph_pool is None:
+                self.e.graph_pool = torch.cuda.graph_pool_handle()
+            graph = DecodeGraph(self.e.model, self.e.cache, inputs, tables, self.e.graph_pool)
+            self.e.graphs[key] = graph
+            logits = graph(inputs, tables)
+        else:
+            # the first step of a bucket runs eagerly: it does the lazy set-up (cuBLAS handles, the
+            # decode-attention counters, autocast's casts) that a capture must not record
+            logits = decode_step(self.e.model, self.e.cache, inputs, tables)
+            self.e.warm.add(key)
+        self._sample(rows, logits[:B])
+
+    # ---- sampling and stopping
+    def _sample(self, rows: list[RowState], logits: Tensor) -> None:
+        counters = torch.tensor([[s.row, len(s.tokens)] for s in rows], dtype=torch.long, device=self.device)
+        tokens, logprobs = draw(logits, self.params, self.key, counters)
+        # one transfer a step: what the host needs to stop rows and to admit others
+        out = torch.stack([tokens.double(), logprobs.double()]).tolist()
+        stop = self.params.stop
+        for s, token, logprob in zip(rows, out[0], out[1]):
+            s.tokens.append(int(token))
+            s.logprobs.append(logprob)
+            if int(token) in self.eos:
+                self.sched.finish(s, "eos")
+            elif stop and any(x in self.tok.decode(s.tokens[-self.window:]) for x in stop):
+                self.sched.finish(s, "stop")
+            elif len(s.tokens) >= s.limit:
+                self.sched.finish(s, "length")
+
+
+def _result(seqs: list[RowState], prompts: list[list[int]], pad_id: int, tokenizer: Any, stop: tuple[str, ...],
+            device: torch.device, policy_version: int) -> Rollout:
+    lens = [len(s.tokens) for s in seqs]
+    reasons = [s.reason for s in seqs]
+    completion_ids = [s.tokens for s in seqs]
     texts = []
     if tokenizer is not None:
-        for b, completion in enumerate(completion_ids):
-            text = tokenizer.decode(completion[:-1] if reasons[b] == "eos" else completion)
-            texts.append(text[:_find_stop(text, stop)] if reasons[b] == "stop" else text)
+        for s in seqs:
+            text = tokenizer.decode(s.tokens[:-1] if s.reason == "eos" else s.tokens)
+            texts.append(text[:_find_stop(text, stop)] if s.reason == "stop" else text)
+    B, width = len(seqs), max(lens)
     seq = torch.full((B, max(len(p) + n for p, n in zip(prompts, lens))), pad_id, dtype=torch.long)
-    for b, (prompt, completion) in enumerate(zip(prompts, completion_ids)):
-        seq[b, :len(prompt) + len(completion)] = torch.as_tensor(list(prompt) + completion, dtype=torch.long)
+    logprobs = torch.zeros(B, width, dtype=torch.float32)
+    for b, s in enumerate(seqs):
+        seq[b, :len(s.prompt) + len(s.tokens)] = torch.as_tensor(s.prompt + s.tokens, dtype=torch.long)
+        logprobs[b, :len(s.tokens)] = torch.tensor(s.logprobs, dtype=torch.float64)
     return Rollout(
         prompt_ids=[list(map(int, p)) for p in prompts], completion_ids=completion_ids,
-        tokens=seq.to(device), prompt_lens=prompt_lens.to(device), completion_lens=completion_lens,
-        logprobs=out_logprobs[:, :max(lens)].contiguous(), finish_reasons=reasons, texts=texts,
-        policy_version=int(policy_version))
+        tokens=seq.to(device), prompt_lens=torch.tensor([len(p) for p in prompts], device=device),
+        completion_lens=torch.tensor(lens, device=device), logprobs=logprobs.to(device), finish_reasons=reasons,
+        texts=texts, policy_version=int(policy_version))
+
+
+def generate(model: Any, prompts: list[list[int]], params: SamplingParams, *, eos_ids: Sequence[int] = (),
+             tokenizer: Any = None, seed: int = 0, policy_version: int = 0, cuda_graph: bool = True,
+             cache: CacheSettings | None = None) -> Rollout:
+    """Sample completions of ``prompts`` (token id lists) as ``params`` says, on a fresh engine.
+
+    Same (model, prompts, params, seed) give the same tokens, whatever the KV budget (``cache``: the
+    `rollout` section's kv_cache_gib, max_num_seqs, block_size; the schema's defaults when None).
+    ``tokenizer`` (for ``texts``, stop strings and the pad id; pad id 0 without one) is optional. The model
+    runs in eval mode and gets its previous mode back. ``cuda_graph=False`` runs every CUDA decode step
+    eagerly (same tokens). The KV pool and the graphs go back before this returns.
+    """
+    engine = RolloutEngine(model, cache, cuda_graph=cuda_graph)
+    try:
+        return engine.generate(prompts, params, eos_ids=eos_ids, tokenizer=tokenizer, seed=seed,
+                               policy_version=policy_version)
+    finally:
+        engine.release()

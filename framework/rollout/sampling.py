@@ -1,4 +1,5 @@
-"""`SamplingParams`: how the rollout engine samples, built once from `rollout:` and passed whole."""
+"""`SamplingParams`: how the rollout engine samples, built once from `rollout:` and passed whole; `draw`, the
+sampler it calls."""
 
 from __future__ import annotations
 
@@ -7,7 +8,12 @@ import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
+from torch import Tensor
+
+import ops_cuda
 from framework.errors import FwError
+from ops_cuda.sample import philox4x32, sampling_mask
 
 
 @dataclass(frozen=True)
@@ -69,3 +75,58 @@ class SamplingParams:
         if len(self.max_new_tokens) != n_prompts:
             raise FwError(f"sampling: max_new_tokens has {len(self.max_new_tokens)} limits for {n_prompts} prompts")
         return list(self.max_new_tokens)
+
+
+_CHUNK = 128   # columns a chunk of the CPU sampler's two-level scan
+
+
+def draw(logits: Tensor, params: SamplingParams, key: int, counters: Tensor) -> tuple[Tensor, Tensor]:
+    """(tokens int64 [B], behaviour logprobs float32 [B]) for logits [B, V]; row b's randomness is keyed by
+    (key, counters[b]) only (counters int64 [B, 2]: sequence id, decode step), never by its slot in the batch.
+
+    CUDA: ``ops_cuda.sample`` (Gumbel-max over Philox noise of every column). CPU: inverse-CDF sampling with
+    one Philox uniform per row (53 bits), the cumulative mass summed in float64, which draws from the same
+    filtered distribution at a fraction of the cost of per-column noise; logprobs are the same formula.
+    """
+    T = params.temperature
+    if logits.device.type != "cpu":
+        return ops_cuda.sample(logits, T, params.top_k, params.top_p, params.min_p, key, counters)
+    z = logits.float()
+    if T == 0.0:
+        tokens = z.argmax(-1)
+        return tokens, (z.gather(1, tokens[:, None]).squeeze(1) - z.logsumexp(-1))
+    z = z / T
+    zmax = z.max(-1, keepdim=True).values
+    p = (z - zmax).exp_()
+    lse = zmax.squeeze(1) + p.sum(-1).log()
+    if params.top_k or params.top_p < 1.0 or params.min_p > 0.0:
+        p.masked_fill_(~sampling_mask(z, params.top_k, params.top_p, params.min_p), 0.0)
+    tokens = _inverse_cdf(p, _uniform53(key, counters))
+    return tokens, z.gather(1, tokens[:, None]).squeeze(1) - lse
+
+
+def _inverse_cdf(p: Tensor, u: Tensor) -> Tensor:
+    """The first column whose cumulative mass exceeds u x the row's mass, for p [B, V] >= 0: the chunk by the
+    float64 running sums of chunk sums, then the column within it (two small scans instead of one over V)."""
+    B, V = p.shape
+    pad = -V % _CHUNK
+    if pad:
+        p = torch.nn.functional.pad(p, (0, pad))
+    sums = p.view(B, -1, _CHUNK).sum(-1, dtype=torch.float64).cumsum(-1)
+    target = (u * sums[:, -1])[:, None]
+    chunk = torch.searchsorted(sums, target, right=True).clamp_(max=sums.shape[1] - 1)
+    before = torch.where(chunk > 0, sums.gather(1, (chunk - 1).clamp(min=0)), 0.0)
+    cols = chunk * _CHUNK + torch.arange(_CHUNK)[None, :]
+    inner = p.gather(1, cols).cumsum(-1, dtype=torch.float64)
+    j = torch.searchsorted(inner, target - before, right=True).clamp_(max=_CHUNK - 1)
+    return (chunk * _CHUNK + j).squeeze(1).clamp_(max=V - 1)
+
+
+def _uniform53(key: int, counters: Tensor) -> Tensor:
+    """float64 [B] in (0, 1) from Philox4x32-10 keyed by `key`, counter (c1, c2, 1, 0) of each row: a stream
+    apart from the sampler's Gumbel noise, whose counters end in (.., 0, 0)."""
+    c = counters.to(torch.int64)
+    one = torch.ones_like(c[:, 0])
+    w = philox4x32(c[:, 0], c[:, 1], one, torch.zeros_like(one), key & 0xFFFFFFFF, (key >> 32) & 0xFFFFFFFF)
+    bits = ((w[0] << 21) | (w[1] >> 11)) & ((1 << 53) - 1)   # 32 + 21 bits
+    return (bits.double() + 0.5) * 2.0 ** -53

@@ -46,10 +46,19 @@ struct DecodePlan {
   int groups;  // query-head groups a kv head, a block each
   int splits;
 };
+// A paged cache: position p of row b is at block table[b * stride + (p >> shift)], offset p & (2^shift - 1);
+// a block starts sblk elements after the previous one. table null: the cache is contiguous per row (base + b*sb).
+struct DecodeTable {
+  const int64_t* table;
+  int64_t stride;
+  int shift;
+  int64_t sblk;
+};
 DecodePlan decode_attention_plan(DType dt, int B, int Hq, int Hk, int S, int D, int sm_count);
 cudaError_t decode_attention(DType dt, const void* q, const void* k, const void* v, const int64_t* lengths,
                              void* out, DecodeWorkspace ws, int B, int Hq, int Hk, int S, int D, int64_t sb,
-                             int64_t sh, int64_t ss, DecodePlan plan, float scale, cudaStream_t stream);
+                             int64_t sh, int64_t ss, DecodePlan plan, float scale, cudaStream_t stream,
+                             DecodeTable table = {nullptr, 0, 0, 0});
 
 }  // namespace fw
 
@@ -94,7 +103,16 @@ struct DecodeArgs {
   int64_t sb, sh, ss;
   int splits;
   float scale;
+  DecodeTable tbl;
 };
+
+// Element offset of K/V position p of row b from the row's base (b * sb + head * sh): through the block
+// table for a paged cache. The table entry is read once per row copy and stays in L1/L2.
+__device__ __forceinline__ int64_t row_offset(const DecodeArgs& a, int b, int64_t p) {
+  if (a.tbl.table == nullptr) return p * a.ss;
+  const int64_t blk = __ldg(a.tbl.table + (int64_t)b * a.tbl.stride + (p >> a.tbl.shift));
+  return blk * a.tbl.sblk + (p & ((1LL << a.tbl.shift) - 1)) * a.ss;
+}
 
 // Resident blocks an SM must hold (the register cap, the tightest that compiles without spills for sm_90):
 // enough warps to keep K/V bytes in flight.
@@ -218,7 +236,7 @@ __global__ void __launch_bounds__(kThreads, min_blocks<T, DP, RP>()) decode_kern
       for (int u = 0; u < U; ++u) {
         const int64_t p = s_begin + (int64_t)t * kStep + u * kSlots + slot;
         const bool ok = lane_on && p < s_end;
-        const int64_t off = ok ? p * a.ss + sub * E : 0;
+        const int64_t off = ok ? row_offset(a, b, p) + sub * E : 0;
 #pragma unroll
         for (int n = 0; n < NV; ++n) {
           cp_async16(st + ((u * 2 + 0) * NV + n) * kThreads, kb + off + n * kVec, ok);
@@ -429,7 +447,7 @@ __global__ void __launch_bounds__(kThreads, 2) decode_mma_kernel(DecodeArgs a) {
       for (int j = 0; j < 16 * CH / 32; ++j) {
         const int idx = lane + 32 * j, r = idx / CH, c = idx - r * CH;
         const bool ok = p0 + r < s_end;
-        const int64_t off = ok ? (p0 + r) * a.ss + c * 8 : 0;
+        const int64_t off = ok ? row_offset(a, b, p0 + r) + c * 8 : 0;
         cp_async16(st + at(r, c), kb + off, ok);
         cp_async16(st + kTileBytes + at(r, c), vb + off, ok);
       }
@@ -640,14 +658,15 @@ DecodePlan decode_attention_plan(DType dt, int B, int Hq, int Hk, int S, int D, 
 
 cudaError_t decode_attention(DType dt, const void* q, const void* k, const void* v, const int64_t* lengths,
                              void* out, DecodeWorkspace ws, int B, int Hq, int Hk, int S, int D, int64_t sb,
-                             int64_t sh, int64_t ss, DecodePlan plan, float scale, cudaStream_t stream) {
+                             int64_t sh, int64_t ss, DecodePlan plan, float scale, cudaStream_t stream,
+                             DecodeTable table) {
   if (B == 0 || Hq == 0) return cudaSuccess;
   const int splits = plan.splits, RG = plan.groups;
   if (Hk <= 0 || Hq % Hk != 0 || D <= 0 || D > 256 || D % 8 != 0 || splits < 1 || splits > kMaxSplits || RG < 1 ||
       (plan.mma && (dt == DType::F32 || (D != 64 && D != 128))))
     return cudaErrorInvalidValue;
   const int R = Hq / Hk;
-  DecodeArgs a{q, k, v, lengths, out, ws, Hq, Hk, R, RG, S, D, sb, sh, ss, splits, scale};
+  DecodeArgs a{q, k, v, lengths, out, ws, Hq, Hk, R, RG, S, D, sb, sh, ss, splits, scale, table};
   const dim3 grid((unsigned)((int64_t)B * Hk * RG), (unsigned)splits);
   void* args[] = {&a};
   const void* f = nullptr;
@@ -694,14 +713,17 @@ int* decode_counters(int64_t n, const Tensor& like, cudaStream_t stream, Tensor&
   return buf.data_ptr<int>();
 }
 
+Tensor run_decode(const Tensor& q, const Tensor& kc, const Tensor& vc, const Tensor& lengths, int64_t S, int64_t sb,
+                  int64_t sh, int64_t ss, fw::DecodeTable table, double scale);
+
 Tensor decode_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, const Tensor& lengths,
                         double scale) {
   check_cuda(q, "decode_attention", "q");
   c10::cuda::CUDAGuard guard(q.device());
-  const auto dt = dtype_of(q, "decode_attention", "q");
+  (void)dtype_of(q, "decode_attention", "q");
   TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
               "fw::decode_attention: q, k_cache and v_cache must share a dtype");
-  const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2), Hk = k_cache.size(1), S = k_cache.size(2);
+  const int64_t Hq = q.size(1), D = q.size(2), Hk = k_cache.size(1), S = k_cache.size(2);
   TORCH_CHECK(D > 0 && D <= 256 && D % 8 == 0,
               "fw::decode_attention: the CUDA kernel takes a head_dim that is a multiple of 8 up to 256, got ", D);
   TORCH_CHECK(Hk > 0 && Hq % Hk == 0, "fw::decode_attention: Hq must be a multiple of Hk, got ", Hq, " / ", Hk);
@@ -718,6 +740,14 @@ Tensor decode_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_
     kc = kc.clone(at::MemoryFormat::Contiguous);
     vc = vc.clone(at::MemoryFormat::Contiguous);
   }
+  return run_decode(q, kc, vc, lengths, S, kc.stride(0), kc.stride(1), kc.stride(2), {nullptr, 0, 0, 0}, scale);
+}
+
+// The launch shared by the contiguous and the paged cache: q [B, Hq, D], K/V addressed as described at DecodeTable.
+Tensor run_decode(const Tensor& q, const Tensor& kc, const Tensor& vc, const Tensor& lengths, int64_t S, int64_t sb,
+                  int64_t sh, int64_t ss, fw::DecodeTable table, double scale) {
+  const auto dt = dtype_of(q, "decode_attention", "q");
+  const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2), Hk = kc.size(1);
   auto qc = q.contiguous();
   if (reinterpret_cast<uintptr_t>(qc.data_ptr()) % 16 != 0) qc = qc.clone(at::MemoryFormat::Contiguous);
   auto len = lengths.to(at::kLong).contiguous();
@@ -736,14 +766,48 @@ Tensor decode_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_
          decode_counters(B * Hk * plan.groups, q, stream, local_counters)};
   }
   check_launch(fw::decode_attention(dt, qc.data_ptr(), kc.data_ptr(), vc.data_ptr(), len.data_ptr<int64_t>(),
-                                    out.data_ptr(), w, (int)B, (int)Hq, (int)Hk, (int)S, (int)D, kc.stride(0),
-                                    kc.stride(1), kc.stride(2), plan, (float)scale, stream),
+                                    out.data_ptr(), w, (int)B, (int)Hq, (int)Hk, (int)S, (int)D, sb, sh, ss, plan,
+                                    (float)scale, stream, table),
                "decode_attention");
   return out;
+}
+
+// Pools [num_blocks, Hk, block_size, D] (block_size a power of two), block_tables [B, M] int64: row b's position
+// p is in block block_tables[b, p / block_size]. The pools are used in place (never copied): they must be
+// contiguous in their last three dimensions and 16-byte aligned.
+Tensor paged_decode_attention(const Tensor& q, const Tensor& k_pool, const Tensor& v_pool, const Tensor& block_tables,
+                              const Tensor& lengths, double scale) {
+  check_cuda(q, "paged_decode_attention", "q");
+  c10::cuda::CUDAGuard guard(q.device());
+  (void)dtype_of(q, "paged_decode_attention", "q");
+  TORCH_CHECK(k_pool.scalar_type() == q.scalar_type() && v_pool.scalar_type() == q.scalar_type(),
+              "fw::paged_decode_attention: q, k_pool and v_pool must share a dtype");
+  const int64_t D = q.size(2), Hq = q.size(1), Hk = k_pool.size(1), bs = k_pool.size(2);
+  TORCH_CHECK(D > 0 && D <= 256 && D % 8 == 0,
+              "fw::paged_decode_attention: the CUDA kernel takes a head_dim that is a multiple of 8 up to 256, got ", D);
+  TORCH_CHECK(Hk > 0 && Hq % Hk == 0, "fw::paged_decode_attention: Hq must be a multiple of Hk, got ", Hq, " / ", Hk);
+  TORCH_CHECK(bs > 0 && (bs & (bs - 1)) == 0, "fw::paged_decode_attention: block_size must be a power of two, got ",
+              bs);
+  TORCH_CHECK(k_pool.strides() == v_pool.strides(), "fw::paged_decode_attention: k_pool and v_pool strides differ");
+  TORCH_CHECK(k_pool.stride(3) == 1 && k_pool.stride(2) == D && k_pool.stride(1) == bs * D,
+              "fw::paged_decode_attention: the pools must be contiguous within a block");
+  const int64_t vec = 16 / k_pool.element_size();
+  TORCH_CHECK(k_pool.stride(0) % vec == 0 && reinterpret_cast<uintptr_t>(k_pool.data_ptr()) % 16 == 0 &&
+                  reinterpret_cast<uintptr_t>(v_pool.data_ptr()) % 16 == 0,
+              "fw::paged_decode_attention: the pools must be 16-byte aligned");
+  TORCH_CHECK(block_tables.device() == q.device() && lengths.device() == q.device(),
+              "fw::paged_decode_attention: block_tables and lengths must be on q's device");
+  auto tables = block_tables.to(at::kLong).contiguous();
+  int shift = 0;
+  while ((1LL << shift) < bs) ++shift;
+  const fw::DecodeTable table{tables.data_ptr<int64_t>(), tables.size(1), shift, k_pool.stride(0)};
+  return run_decode(q, k_pool, v_pool, lengths, tables.size(1) * bs, 0, k_pool.stride(1), k_pool.stride(2), table,
+                    scale);
 }
 
 }  // namespace
 
 TORCH_LIBRARY_IMPL(fw, CUDA, m) {
   m.impl("decode_attention", &decode_attention);
+  m.impl("paged_decode_attention", &paged_decode_attention);
 }

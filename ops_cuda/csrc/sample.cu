@@ -8,7 +8,8 @@
 //         largest z; top-p: the mass of the top-k set, then a radix select on mass for the largest
 //         threshold whose tail holds top_p of it; min-p: threshold max z + log(min_p);
 //  the draw: Gumbel-max over z >= threshold with Philox4x32-10 noise keyed by the seed, counter
-//  (col / 4, row, 0, 0), word col % 4 (the same stream as gumbel_noise in ops_cuda/sample.py).
+//  (col / 4, c1, c2, 0), word col % 4, where (c1, c2) is the row's counters pair or (row, 0) without
+//  counters (the same stream as gumbel_noise in ops_cuda/sample.py).
 // temperature 0: greedy (first maximum), logprob under the unscaled softmax.
 // Without top-k / top-p / min-p (and for greedy) no threshold is needed: the row is split over several
 // blocks (one pass) and a small kernel combines them, which keeps the GPU busy at batch 1.
@@ -29,7 +30,7 @@ struct SampleSplitWorkspace {
 int sample_split_parts(int B, int64_t V, int sm_count);
 cudaError_t sample(DType dt, const void* logits, int64_t row_stride, int64_t* tokens, float* logprob, int B,
                    int64_t V, float temperature, int64_t top_k, float top_p, float log_min_p, bool use_min_p,
-                   uint64_t seed, SampleSplitWorkspace split_ws, cudaStream_t stream);
+                   uint64_t seed, const int64_t* counters, SampleSplitWorkspace split_ws, cudaStream_t stream);
 
 }  // namespace fw
 
@@ -202,7 +203,7 @@ template <typename T>
 __global__ void __launch_bounds__(kThreads, 1)
 sample_kernel(const T* __restrict__ logits, int64_t row_stride, int64_t* __restrict__ tokens,
               float* __restrict__ out_logprob, int64_t V, float temperature, int64_t top_k, float top_p,
-              float log_min_p, bool use_min_p, uint32_t k0, uint32_t k1) {
+              float log_min_p, bool use_min_p, uint32_t k0, uint32_t k1, const int64_t* __restrict__ counters) {
   __shared__ RowStats red[32];
   __shared__ float red_f[32];
   __shared__ uint32_t red_u[32];
@@ -216,6 +217,8 @@ sample_kernel(const T* __restrict__ logits, int64_t row_stride, int64_t* __restr
   const int64_t row = blockIdx.x;
   const T* x = logits + row * row_stride;
   const int t = threadIdx.x;
+  const uint32_t c1 = counters ? (uint32_t)counters[2 * row] : (uint32_t)row;  // the row's noise stream
+  const uint32_t c2 = counters ? (uint32_t)counters[2 * row + 1] : 0u;
   const bool greedy = temperature == 0.f;
   auto zat = [&](int64_t i) { return greedy ? to_f(x[i]) : to_f(x[i]) / temperature; };
   const bool cand_ok = !greedy && top_k > 0 && top_k <= kCand && top_k < V && V <= 0x7fffffff;
@@ -328,7 +331,7 @@ sample_kernel(const T* __restrict__ logits, int64_t row_stride, int64_t* __restr
         const uint32_t p = 4 * t + j;
         if (p < nk && zc[j] >= tau) {
           const uint32_t col = (uint32_t)cand[p];
-          const uint4 r = philox4x32_10(make_uint4(col >> 2, (uint32_t)row, 0u, 0u), k0, k1);
+          const uint4 r = philox4x32_10(make_uint4(col >> 2, c1, c2, 0u), k0, k1);
           const uint32_t w = (col & 3u) == 0 ? r.x : ((col & 3u) == 1 ? r.y : ((col & 3u) == 2 ? r.z : r.w));
           pick.a = better(pick.a, ArgMax{zc[j] + gumbel(w), (int64_t)col});
         }
@@ -420,7 +423,7 @@ sample_kernel(const T* __restrict__ logits, int64_t row_stride, int64_t* __restr
   // last pass: Gumbel-max over the allowed tokens; each thread draws 4 consecutive columns per Philox call
   RowStats pick{-INFINITY, 0.f, {-INFINITY, V}};
   for (int64_t c4 = t; c4 * 4 < V; c4 += kThreads) {
-    const uint4 r = philox4x32_10(make_uint4((uint32_t)c4, (uint32_t)row, 0u, 0u), k0, k1);
+    const uint4 r = philox4x32_10(make_uint4((uint32_t)c4, c1, c2, 0u), k0, k1);
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       const int64_t i = c4 * 4 + j;
@@ -453,11 +456,14 @@ constexpr int kSplitThreads = 256, kSplitCols = 8;
 template <typename T>
 __global__ void __launch_bounds__(kSplitThreads)
 sample_split_kernel(const T* __restrict__ logits, int64_t row_stride, int64_t V, float temperature, uint32_t k0,
-                    uint32_t k1, int64_t cols_per_block, float* __restrict__ part_f, int64_t* __restrict__ part_i) {
+                    uint32_t k1, const int64_t* __restrict__ counters, int64_t cols_per_block, float* __restrict__ part_f,
+                    int64_t* __restrict__ part_i) {
   constexpr int N = 16 / sizeof(T), NV = kSplitCols / N;  // columns a 16-byte load, loads a group
   __shared__ RowStats red[32];
   const int64_t row = blockIdx.x, P = gridDim.y;  // rows on x: up to 2^31 - 1 of them
   const T* x = logits + row * row_stride;
+  const uint32_t c1 = counters ? (uint32_t)counters[2 * row] : (uint32_t)row;  // the row's noise stream
+  const uint32_t c2 = counters ? (uint32_t)counters[2 * row + 1] : 0u;
   const bool greedy = temperature == 0.f, aligned = (reinterpret_cast<uintptr_t>(x) & 15u) == 0;
   const float inv_t = greedy ? 1.f : 1.f / temperature;
   // cols_per_block is a multiple of kSplitCols, so every group lies in one block's columns
@@ -495,7 +501,7 @@ sample_split_kernel(const T* __restrict__ logits, int64_t row_stride, int64_t V,
     } else {
 #pragma unroll
       for (int h = 0; h < kSplitCols / 4; ++h) {
-        const uint4 r = philox4x32_10(make_uint4((uint32_t)(c0 / 4 + h), (uint32_t)row, 0u, 0u), k0, k1);
+        const uint4 r = philox4x32_10(make_uint4((uint32_t)(c0 / 4 + h), c1, c2, 0u), k0, k1);
         const uint32_t w[4] = {r.x, r.y, r.z, r.w};
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
@@ -552,7 +558,7 @@ int sample_split_parts(int B, int64_t V, int sm_count) {
 
 cudaError_t sample(DType dt, const void* logits, int64_t row_stride, int64_t* tokens, float* logprob, int B,
                    int64_t V, float temperature, int64_t top_k, float top_p, float log_min_p, bool use_min_p,
-                   uint64_t seed, SampleSplitWorkspace split_ws, cudaStream_t stream) {
+                   uint64_t seed, const int64_t* counters, SampleSplitWorkspace split_ws, cudaStream_t stream) {
   if (B == 0) return cudaSuccess;
   const uint32_t k0 = (uint32_t)(seed & 0xffffffffu), k1 = (uint32_t)(seed >> 32);
   const bool plain = temperature == 0.f || ((top_k <= 0 || top_k >= V) && top_p >= 1.f && !use_min_p);
@@ -562,7 +568,7 @@ cudaError_t sample(DType dt, const void* logits, int64_t row_stride, int64_t* to
       // whole groups of kSplitCols columns a block (two Philox draws, one or two 16-byte loads each)
       const int64_t cols = ((V + split_ws.P - 1) / split_ws.P + kSplitCols - 1) / kSplitCols * kSplitCols;
       sample_split_kernel<T><<<dim3((unsigned)B, (unsigned)split_ws.P), kSplitThreads, 0, stream>>>(
-          (const T*)logits, row_stride, V, temperature, k0, k1, cols, split_ws.part_f, split_ws.part_i);
+          (const T*)logits, row_stride, V, temperature, k0, k1, counters, cols, split_ws.part_f, split_ws.part_i);
       cudaError_t e = cudaGetLastError();
       if (e != cudaSuccess) return e;
       sample_combine_kernel<T><<<(unsigned)((B + 127) / 128), 128, 0, stream>>>(
@@ -574,7 +580,8 @@ cudaError_t sample(DType dt, const void* logits, int64_t row_stride, int64_t* to
   return dispatch(dt, [&](auto t) -> cudaError_t {
     using T = decltype(t);
     sample_kernel<T><<<(unsigned)B, kThreads, 0, stream>>>((const T*)logits, row_stride, tokens, logprob, V,
-                                                          temperature, top_k, top_p, log_min_p, use_min_p, k0, k1);
+                                                          temperature, top_k, top_p, log_min_p, use_min_p, k0, k1,
+                                                          counters);
     return cudaGetLastError();
   });
 }
@@ -585,7 +592,7 @@ namespace {
 
 // ------------------------------------------------------------------ sampler
 std::tuple<Tensor, Tensor> sample(const Tensor& logits, double temperature, int64_t top_k, double top_p,
-                                  double min_p, int64_t seed) {
+                                  double min_p, int64_t seed, const std::optional<Tensor>& counters) {
   check_cuda(logits, "sample", "logits");
   c10::cuda::CUDAGuard guard(logits.device());
   const auto dt = dtype_of(logits, "sample", "logits");
@@ -601,8 +608,16 @@ std::tuple<Tensor, Tensor> sample(const Tensor& logits, double temperature, int6
   auto part_f = at::empty({B * P * 3}, x.options().dtype(at::kFloat));
   auto part_i = at::empty({B * P}, x.options().dtype(at::kLong));
   fw::SampleSplitWorkspace ws{P, part_f.data_ptr<float>(), part_i.data_ptr<int64_t>()};
+  Tensor ctr;
+  if (counters.has_value()) {
+    TORCH_CHECK(counters->dim() == 2 && counters->size(0) == B && counters->size(1) == 2,
+                "fw::sample: counters must be [B, 2]");
+    TORCH_CHECK(counters->device() == x.device(), "fw::sample: counters must be on the logits' device");
+    ctr = counters->to(at::kLong).contiguous();
+  }
   check_launch(fw::sample(dt, x.data_ptr(), x.stride(0), tokens.data_ptr<int64_t>(), lp.data_ptr<float>(), (int)B, V,
-                          (float)temperature, top_k, (float)top_p, log_min_p, use_min_p, (uint64_t)seed, ws,
+                          (float)temperature, top_k, (float)top_p, log_min_p, use_min_p, (uint64_t)seed,
+                          ctr.defined() ? ctr.data_ptr<int64_t>() : nullptr, ws,
                           at::cuda::getCurrentCUDAStream()),
                "sample");
   return {tokens, lp};

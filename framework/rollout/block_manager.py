@@ -1,0 +1,91 @@
+"""The paged KV cache's bookkeeping: which blocks of the pool are free, who references each one, and the
+hashed prefix cache of full prompt blocks.
+
+Block 0 is never handed out: padding tokens of a batch write their keys/values there. A full block of prompt
+tokens is hashed with the hash of the blocks before it (the hash names the whole prefix up to its end), so a
+later prompt that starts with the same tokens reuses the block instead of computing it again. A block whose
+last reference goes is free again at once but keeps its hash until it is handed out for other content, so a
+shared system prompt stays cached while the pool has room.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from framework.errors import FwError
+
+SCRATCH_BLOCK = 0
+
+
+def block_hashes(tokens: Sequence[int], block_size: int) -> list[int]:
+    """The chained hashes of the full blocks of `tokens`: entry i names tokens[:(i + 1) * block_size]."""
+    out, h = [], 0
+    for i in range(len(tokens) // block_size):
+        h = hash((h, tuple(tokens[i * block_size:(i + 1) * block_size])))
+        out.append(h)
+    return out
+
+
+class BlockManager:
+    """Free list, reference counts and the prefix cache of a pool of `num_blocks` blocks."""
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        if num_blocks < 2:
+            raise FwError(f"rollout: the KV cache needs at least 2 blocks, got {num_blocks}")
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.refs = [0] * num_blocks
+        self.free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(1, num_blocks))
+        self.cached: dict[int, int] = {}       # prefix hash -> block holding it
+        self.hash_of: dict[int, int] = {}      # block -> its prefix hash
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free)
+
+    def cached_prefix(self, hashes: Sequence[int]) -> list[int]:
+        """The blocks holding the longest cached run of `hashes` (from the first one)."""
+        blocks = []
+        for h in hashes:
+            b = self.cached.get(h)
+            if b is None:
+                break
+            blocks.append(b)
+        return blocks
+
+    def blocks_needed(self, hits: Sequence[int], total: int) -> int:
+        """Free blocks a row of `total` blocks takes when `hits` are its cached prefix blocks."""
+        return total - len(hits) + sum(1 for b in hits if self.refs[b] == 0)
+
+    def take(self, block: int) -> int:
+        """One more reference to `block` (a cached one, maybe free)."""
+        if self.refs[block] == 0:
+            del self.free[block]
+        self.refs[block] += 1
+        return block
+
+    def allocate(self) -> int:
+        """A free block for new content (its old hash, if any, is forgotten)."""
+        if not self.free:
+            raise FwError("rollout: the KV cache has no free block (the scheduler's admission is wrong)")
+        block, _ = self.free.popitem(last=False)
+        old = self.hash_of.pop(block, None)
+        if old is not None and self.cached.get(old) == block:
+            del self.cached[old]
+        self.refs[block] = 1
+        return block
+
+    def register(self, block: int, h: int) -> None:
+        """`block` holds the full prefix block named `h`: later prompts may reuse it."""
+        if h in self.cached or block in self.hash_of:
+            return
+        self.cached[h] = block
+        self.hash_of[block] = h
+
+    def release(self, blocks: Sequence[int]) -> None:
+        """Drop one reference to each block; a block nobody references is free (and keeps its hash)."""
+        for b in reversed(blocks):   # a row's last blocks are freed first and so handed out first
+            self.refs[b] -= 1
+            if self.refs[b] < 0:
+                raise FwError(f"rollout: block {b} released more often than taken")
+            if self.refs[b] == 0:
+                self.free[b] = None

@@ -1,0 +1,119 @@
+"""The paged KV cache's size and the decode step's CUDA graphs.
+
+`CacheSettings` are the `rollout` section's kv_cache_gib, max_num_seqs and block_size. The pool holds as many
+blocks as the budget pays for (kv_cache_gib null: what the GPU has free, less `FREE_MARGIN_BYTES` for the
+step's activations and logits; on CPU `CPU_KV_CACHE_GIB`), and never more than the call's rows could all use
+at once. A smaller budget runs fewer rows at a time: same tokens, more steps.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from framework.models.qwen3 import PagedBatch
+from framework.rollout.scheduler import blocks_for
+
+FREE_MARGIN_BYTES = 4 << 30   # left free beside a kv_cache_gib-null pool: activations, logits, sampler workspace
+CPU_KV_CACHE_GIB = 4.0        # the pool's budget on CPU when kv_cache_gib is null
+CPU_ROW_MULTIPLE = 16         # CPU batches are padded to a multiple of this (see _Run._prefill)
+GRAPH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
+
+
+@dataclass(frozen=True)
+class CacheSettings:
+    """How large the paged cache is and how many rows decode together."""
+
+    kv_cache_gib: float | None
+    max_num_seqs: int
+    block_size: int
+
+    @classmethod
+    def from_config(cls, rollout: dict | None) -> CacheSettings:
+        """From the `rollout` section of a resolved config; None: the schema's defaults."""
+        if rollout is None:
+            from framework.config import defaults
+
+            rollout = defaults("grpo")["rollout"]
+        return cls(rollout["kv_cache_gib"], rollout["max_num_seqs"], rollout["block_size"])
+
+
+def block_bytes(config: Any, dtype: torch.dtype, block_size: int) -> int:
+    """Bytes of one block: keys and values of every layer."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    return 2 * config.num_hidden_layers * config.num_key_value_heads * block_size * config.head_dim * elem
+
+
+def pool_blocks(settings: CacheSettings, config: Any, dtype: torch.dtype, device: torch.device,
+                rows: Sequence[Any]) -> int:
+    """Blocks of the pool for a call over `rows` (each with .prompt and .limit), the scratch block included."""
+    per_block = block_bytes(config, dtype, settings.block_size)
+    if settings.kv_cache_gib is not None:
+        budget = int(settings.kv_cache_gib * (1 << 30))
+    elif device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        budget = free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device) - FREE_MARGIN_BYTES
+    else:
+        budget = int(CPU_KV_CACHE_GIB * (1 << 30))
+    need = sum(blocks_for(len(r.prompt), r.limit, settings.block_size) for r in rows) + 1
+    return max(2, min(need, budget // per_block))
+
+
+def batch_bucket(rows: int, max_num_seqs: int, cpu: bool) -> int:
+    """The batch size a decode step of `rows` runs at: a graph bucket on CUDA, a multiple of 16 on CPU."""
+    if cpu:
+        return -(-rows // CPU_ROW_MULTIPLE) * CPU_ROW_MULTIPLE
+    for b in GRAPH_BUCKETS:
+        if b >= rows:
+            return b
+    return -(-rows // 64) * 64
+
+
+def decode_step(model: Any, cache: Any, inputs: Tensor, tables: Tensor) -> Tensor:
+    """One decode forward: inputs [B, 2] (the token fed, its position), tables [B, M]; logits [B, V]. All on
+    the device, nothing read back, so that it can be captured in a CUDA graph."""
+    tokens, positions = inputs[:, 0], inputs[:, 1]
+    bs = cache.block_size
+    blk = tables.gather(1, (positions // bs)[:, None]).squeeze(1)
+    batch = PagedBatch(positions=positions, write_blocks=blk, write_offsets=positions % bs, block_tables=tables,
+                       lengths=positions + 1, cu_seqlens=None)
+    return model.forward_paged(tokens, batch, cache, torch.arange(len(tokens), device=tokens.device))
+
+
+class DecodeGraph:
+    """The decode step captured once for one (batch bucket, table width) and replayed per step: it reads
+    the fed tokens and positions and the rows' block tables from static buffers and leaves the logits in a
+    static one (overwritten by the next replay).
+
+    Capture it only after an eager step of the same shapes, which did the lazy set-up (cuBLAS handles, the
+    decode-attention counters). The capture is by hand rather than ``torch.cuda.graph``, whose entry empties
+    the allocator cache: in an RL loop that would hand every training step's memory back at each rollout.
+    All graphs of an engine share one memory pool.
+    """
+
+    def __init__(self, model: Any, cache: Any, inputs: Tensor, tables: Tensor, pool: Any) -> None:
+        self.device = inputs.device
+        self.inputs, self.tables = inputs.clone(), tables.clone()
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.device(self.device):   # the model's device, whichever one is current
+            stream, current = torch.cuda.Stream(), torch.cuda.current_stream()
+            stream.wait_stream(current)
+            with torch.cuda.stream(stream):
+                # thread_local: CUDA calls of other threads (a DataLoader's pin-memory thread, a checkpoint
+                # writer) stay legal during the capture; only this thread's are restricted.
+                self.graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+                try:
+                    self.logits = decode_step(model, cache, self.inputs, self.tables)   # recorded, not run
+                finally:
+                    self.graph.capture_end()
+            current.wait_stream(stream)
+
+    def __call__(self, inputs: Tensor, tables: Tensor) -> Tensor:
+        self.inputs.copy_(inputs)
+        self.tables.copy_(tables)
+        with torch.cuda.device(self.device):
+            self.graph.replay()
+        return self.logits

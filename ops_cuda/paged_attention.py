@@ -1,0 +1,126 @@
+"""paged_decode_attention and paged_prefill_attention: attention over a paged KV cache (fixed-size blocks of
+one pool, a block table per row). Schemas, argument checks, torch references, fakes (inference only: no
+autograd). CUDA kernel of the decode op: csrc/decode_attention.cu (the decode kernels with a block-table
+indirection); the prefill op runs its reference on CUDA too (a gather per row, then SDPA).
+
+Pool layout: k_pool, v_pool [num_blocks, Hk, block_size, D]; position p of row b lives in block
+block_tables[b, p // block_size] at offset p % block_size. The references handle one row at a time, so
+a row's result does not depend on which other rows share its batch.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ops_cuda.library import acc_dtype, define, fail, need_dim, need_long
+
+
+def gather_context(pool: Tensor, table: Tensor, length: int) -> Tensor:
+    """The first `length` positions of one row, [Hk, length, D], from its block table row [M]."""
+    bs = pool.shape[2]
+    blocks = table[:(length + bs - 1) // bs]
+    ctx = pool.index_select(0, blocks)                       # [n, Hk, bs, D]
+    return ctx.transpose(0, 1).reshape(pool.shape[1], -1, pool.shape[3])[:, :length]
+
+
+def _row_attention(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
+    """q [Tq, Hq, D] are the last Tq positions of a context k, v [Hk, Tk, D]; causal. Returns [Tq, Hq, D]."""
+    Tq, Hq, D = q.shape
+    Hk, Tk = k.shape[0], k.shape[1]
+    acc = acc_dtype(q.dtype)
+    qf = q.to(acc).permute(1, 0, 2).reshape(Hk, Hq // Hk * Tq, D)
+    s = torch.bmm(qf, k.to(acc).transpose(1, 2)).reshape(Hk, Hq // Hk, Tq, Tk) * scale
+    pos_q = torch.arange(Tk - Tq, Tk, device=q.device)
+    allowed = torch.arange(Tk, device=q.device)[None, :] <= pos_q[:, None]
+    p = torch.softmax(s.masked_fill(~allowed, float("-inf")), dim=-1)
+    out = torch.bmm(p.reshape(Hk, -1, Tk), v.to(acc)).reshape(Hk, Hq // Hk, Tq, D)
+    return out.reshape(Hq, Tq, D).permute(1, 0, 2).to(q.dtype)
+
+
+def paged_decode_attention_reference(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_tables: Tensor,
+                                     lengths: Tensor, scale: float) -> Tensor:
+    """q [B, Hq, D] attends to positions 0..lengths[b]-1 of row b; a row of length 0 gives zeros."""
+    out = torch.zeros_like(q)
+    for b, n in enumerate(lengths.tolist()):
+        if n > 0:
+            k = gather_context(k_pool, block_tables[b], n)
+            v = gather_context(v_pool, block_tables[b], n)
+            out[b] = _row_attention(q[b:b + 1], k, v, scale)[0]
+    return out
+
+
+def paged_prefill_attention_reference(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_tables: Tensor,
+                                      cu_seqlens: Tensor, lengths: Tensor, scale: float) -> Tensor:
+    """Packed queries q [N, Hq, D]: tokens cu_seqlens[r]..cu_seqlens[r+1]-1 are the last positions of row r,
+    whose context (already in the pool) is lengths[r] long; causal. Tokens past cu_seqlens[-1] give zeros."""
+    out = torch.zeros_like(q)
+    bounds = cu_seqlens.tolist()
+    for r, n in enumerate(lengths.tolist()):
+        lo, hi = bounds[r], bounds[r + 1]
+        if hi > lo:
+            k = gather_context(k_pool, block_tables[r], n)
+            v = gather_context(v_pool, block_tables[r], n)
+            if q.device.type == "cuda":   # flash / memory-efficient SDPA, bottom-right aligned causal mask
+                out[lo:hi] = _row_sdpa(q[lo:hi], k, v, scale)
+            else:
+                out[lo:hi] = _row_attention(q[lo:hi], k, v, scale)
+    return out
+
+
+def _row_sdpa(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
+    Tq, Tk = q.shape[0], k.shape[1]
+    qt = q.transpose(0, 1)[None]
+    if Tq == Tk:
+        o = F.scaled_dot_product_attention(qt, k[None], v[None], is_causal=True, scale=scale, enable_gqa=True)
+    else:
+        mask = torch.arange(Tk, device=q.device)[None, :] <= torch.arange(Tk - Tq, Tk, device=q.device)[:, None]
+        rep = q.shape[1] // k.shape[0]
+        o = F.scaled_dot_product_attention(qt, k.repeat_interleave(rep, 0)[None], v.repeat_interleave(rep, 0)[None],
+                                           attn_mask=mask, scale=scale)
+    return o[0].transpose(0, 1)
+
+
+define("paged_decode_attention(Tensor q, Tensor k_pool, Tensor v_pool, Tensor block_tables, Tensor lengths, "
+       "float scale) -> Tensor", paged_decode_attention_reference,
+       fake=lambda q, k_pool, v_pool, block_tables, lengths, scale: q.new_empty(q.shape))
+define("paged_prefill_attention(Tensor q, Tensor k_pool, Tensor v_pool, Tensor block_tables, Tensor cu_seqlens, "
+       "Tensor lengths, float scale) -> Tensor", paged_prefill_attention_reference,
+       fake=lambda q, k_pool, v_pool, block_tables, cu_seqlens, lengths, scale: q.new_empty(q.shape),
+       cuda=paged_prefill_attention_reference)
+
+
+def _check_pools(op: str, q: Tensor, k_pool: Tensor, v_pool: Tensor, block_tables: Tensor, lengths: Tensor) -> None:
+    need_dim(op, "q", q, 3, "[N, Hq, D]")
+    need_dim(op, "k_pool", k_pool, 4, "[num_blocks, Hk, block_size, D]")
+    need_dim(op, "v_pool", v_pool, 4, "[num_blocks, Hk, block_size, D]")
+    need_dim(op, "block_tables", block_tables, 2, "[B, max_blocks]")
+    need_dim(op, "lengths", lengths, 1, "[B]")
+    need_long(op, "block_tables", block_tables)
+    need_long(op, "lengths", lengths)
+    if (k_pool.shape != v_pool.shape or k_pool.shape[3] != q.shape[2] or q.shape[1] % k_pool.shape[1]
+            or block_tables.shape[0] != lengths.shape[0]):
+        fail(op, f"shapes disagree: q {tuple(q.shape)}, k_pool {tuple(k_pool.shape)}, v_pool {tuple(v_pool.shape)}, "
+                 f"block_tables {tuple(block_tables.shape)}, lengths {tuple(lengths.shape)}")
+
+
+def paged_decode_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_tables: Tensor, lengths: Tensor,
+                           scale: float) -> Tensor:
+    """q [B, Hq, D] (one query a row) attends to the first lengths[b] positions of row b in the pools
+    [num_blocks, Hk, block_size, D] through block_tables [B, M] (int64); length 0 gives zeros."""
+    _check_pools("paged_decode_attention", q, k_pool, v_pool, block_tables, lengths)
+    if q.shape[0] != lengths.shape[0]:
+        fail("paged_decode_attention", f"q has {q.shape[0]} rows, lengths {lengths.shape[0]}")
+    return torch.ops.fw.paged_decode_attention(q, k_pool, v_pool, block_tables, lengths, float(scale))
+
+
+def paged_prefill_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_tables: Tensor, cu_seqlens: Tensor,
+                            lengths: Tensor, scale: float) -> Tensor:
+    """Ragged prefill: packed q [N, Hq, D], row r's queries at cu_seqlens[r]..cu_seqlens[r+1]-1 being the last
+    positions of its context of lengths[r] tokens in the pools (written before the call); causal."""
+    _check_pools("paged_prefill_attention", q, k_pool, v_pool, block_tables, lengths)
+    need_dim("paged_prefill_attention", "cu_seqlens", cu_seqlens, 1, "[R + 1]")
+    need_long("paged_prefill_attention", "cu_seqlens", cu_seqlens)
+    if cu_seqlens.shape[0] != lengths.shape[0] + 1:
+        fail("paged_prefill_attention", f"cu_seqlens {tuple(cu_seqlens.shape)} for {lengths.shape[0]} rows")
+    return torch.ops.fw.paged_prefill_attention(q, k_pool, v_pool, block_tables, cu_seqlens, lengths, float(scale))

@@ -1,0 +1,121 @@
+"""The paged attention operators against a float64 reference written from scratch (one query position at a
+time over the row's tokens in order), opcheck, and on the GPU the decode kernel against the same reference."""
+import math
+
+import pytest
+import torch
+
+import ops_cuda
+
+
+def paged_problem(lengths, Hq=4, Hk=2, D=8, bs=4, dtype=torch.float32, device="cpu", seed=0):
+    """Random keys/values of rows of `lengths` tokens scattered over shuffled blocks of a pool."""
+    g = torch.Generator().manual_seed(seed)
+    per_row = [math.ceil(n / bs) for n in lengths]
+    n_blocks = 1 + sum(per_row) + 2
+    k_pool = torch.randn(n_blocks, Hk, bs, D, generator=g).to(device, dtype)
+    v_pool = torch.randn(n_blocks, Hk, bs, D, generator=g).to(device, dtype)
+    order = (torch.randperm(n_blocks - 1, generator=g) + 1).tolist()
+    width = max(per_row)
+    tables = torch.zeros(len(lengths), width, dtype=torch.long)
+    for r, m in enumerate(per_row):
+        tables[r, :m] = torch.tensor([order.pop() for _ in range(m)])
+    return k_pool, v_pool, tables.to(device)
+
+
+def naive(q, k_pool, v_pool, table, length, first_pos, scale):
+    """float64: query i (position first_pos + i) over the row's positions 0..first_pos + i, one at a time."""
+    bs = k_pool.shape[2]
+    keys = [k_pool[table[p // bs], :, p % bs].double() for p in range(length)]
+    vals = [v_pool[table[p // bs], :, p % bs].double() for p in range(length)]
+    rep = q.shape[1] // k_pool.shape[1]
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    for i in range(q.shape[0]):
+        for h in range(q.shape[1]):
+            ctx = range(first_pos + i + 1)
+            s = torch.tensor([float(q[i, h].double() @ keys[p][h // rep]) * scale for p in ctx], dtype=torch.float64)
+            w = torch.softmax(s, 0)
+            out[i, h] = sum(w[j] * vals[p][h // rep] for j, p in enumerate(ctx))
+    return out
+
+
+def test_paged_decode_matches_naive():
+    lengths = [5, 1, 9, 0, 12]
+    k_pool, v_pool, tables = paged_problem(lengths)
+    q = torch.randn(len(lengths), 4, 8, generator=torch.Generator().manual_seed(1))
+    out = ops_cuda.paged_decode_attention(q, k_pool, v_pool, tables, torch.tensor(lengths), 0.3)
+    for b, n in enumerate(lengths):
+        want = naive(q[b:b + 1], k_pool, v_pool, tables[b], n, n - 1, 0.3)[0] if n else torch.zeros(4, 8)
+        torch.testing.assert_close(out[b].double(), want.double(), atol=1e-5, rtol=0)
+
+
+def test_paged_prefill_matches_naive_with_cached_prefixes():
+    lengths = [7, 3, 10]            # context lengths after the writes
+    new = [7, 1, 4]                 # row 0 computes everything, rows 1 and 2 have cached prefixes
+    k_pool, v_pool, tables = paged_problem(lengths)
+    cu = torch.tensor([0, 7, 8, 12])
+    q = torch.randn(12 + 4, 4, 8, generator=torch.Generator().manual_seed(2))   # 4 padding tokens at the end
+    out = ops_cuda.paged_prefill_attention(q, k_pool, v_pool, tables, cu, torch.tensor(lengths), 0.4)
+    for r, (n, t) in enumerate(zip(lengths, new)):
+        lo = int(cu[r])
+        want = naive(q[lo:lo + t], k_pool, v_pool, tables[r], n, n - t, 0.4)
+        torch.testing.assert_close(out[lo:lo + t].double(), want, atol=1e-5, rtol=0)
+    assert (out[12:] == 0).all()
+
+
+def test_opcheck_and_argument_checks():
+    k_pool, v_pool, tables = paged_problem([5, 3])
+    lengths = torch.tensor([5, 3])
+    torch.library.opcheck(torch.ops.fw.paged_decode_attention.default,
+                          (torch.randn(2, 4, 8), k_pool, v_pool, tables, lengths, 0.5))
+    torch.library.opcheck(torch.ops.fw.paged_prefill_attention.default,
+                          (torch.randn(8, 4, 8), k_pool, v_pool, tables, torch.tensor([0, 5, 8]), lengths, 0.5))
+    torch.library.opcheck(torch.ops.fw.sample.default,
+                          (torch.randn(3, 50), 1.0, 5, 0.9, 0.0, 7, torch.tensor([[4, 0], [9, 2], [1, 1]])))
+    with pytest.raises(ValueError, match="shapes disagree"):
+        ops_cuda.paged_decode_attention(torch.randn(2, 3, 8), k_pool, v_pool, tables, lengths, 0.5)
+    with pytest.raises(ValueError, match="int64"):
+        ops_cuda.paged_decode_attention(torch.randn(2, 4, 8), k_pool, v_pool, tables.int(), lengths, 0.5)
+
+
+def test_sample_counters_key_each_rows_noise():
+    """With counters, a row's draw depends on its (id, step) pair, not on its slot: rows permuted, draws
+    permuted; without counters row b uses (b, 0)."""
+    logits = torch.randn(6, 40, generator=torch.Generator().manual_seed(3)) * 2
+    counters = torch.tensor([[i * 7, i % 3] for i in range(6)])
+    tokens, lp = ops_cuda.sample(logits, 1.0, 0, 1.0, 0.0, 11, counters)
+    perm = torch.tensor([4, 0, 5, 2, 1, 3])
+    t2, lp2 = ops_cuda.sample(logits[perm], 1.0, 0, 1.0, 0.0, 11, counters[perm])
+    assert torch.equal(t2, tokens[perm]) and torch.equal(lp2, lp[perm])
+    plain = ops_cuda.sample(logits, 1.0, 0, 1.0, 0.0, 11)[0]
+    default = ops_cuda.sample(logits, 1.0, 0, 1.0, 0.0, 11, torch.stack([torch.arange(6), torch.zeros(6).long()], 1))
+    assert torch.equal(plain, default[0])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2), (torch.float16, 2e-3)])
+@pytest.mark.parametrize("Hq, Hk, D, bs", [(4, 2, 64, 16), (16, 8, 128, 16), (8, 8, 128, 32), (14, 2, 64, 8)])
+def test_paged_decode_kernel_against_float64(dtype, tol, Hq, Hk, D, bs):
+    lengths = [1, 37, 300, 0, 1024, 17]
+    k_pool, v_pool, tables = paged_problem(lengths, Hq, Hk, D, bs, dtype, "cuda")
+    q = torch.randn(len(lengths), Hq, D, device="cuda", dtype=dtype)
+    lens = torch.tensor(lengths, device="cuda")
+    out = ops_cuda.paged_decode_attention(q, k_pool, v_pool, tables, lens, D ** -0.5)
+    from ops_cuda.paged_attention import paged_decode_attention_reference
+    want = paged_decode_attention_reference(q.double(), k_pool.double(), v_pool.double(), tables, lens, D ** -0.5)
+    err = (out.double() - want).norm() / want.norm()
+    assert err < tol
+    assert (out[3] == 0).all()
+
+
+@pytest.mark.gpu
+def test_paged_decode_kernel_in_a_cuda_graph():
+    k_pool, v_pool, tables = paged_problem([40, 90], 16, 8, 128, 16, torch.bfloat16, "cuda")
+    q = torch.randn(2, 16, 128, device="cuda", dtype=torch.bfloat16)
+    lens = torch.tensor([40, 90], device="cuda")
+    eager = ops_cuda.paged_decode_attention(q, k_pool, v_pool, tables, lens, 0.1)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = ops_cuda.paged_decode_attention(q, k_pool, v_pool, tables, lens, 0.1)
+    graph.replay()
+    assert torch.equal(out, eager)
