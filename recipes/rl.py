@@ -240,6 +240,7 @@ class RLRecipe:
         those of every rank's earlier rounds, which ``finish_rollout(ctx, rounds)`` then skips."""
         from framework.rewards import score_rollout
         from framework.rollout import generate, stop_token_ids
+        from framework.rollout.kv_cache import CacheSettings
         from framework.tasks import render_prompt
 
         cfg, tok = self.cfg, self.tokenizer
@@ -253,7 +254,8 @@ class RLRecipe:
         seed = (cfg["seed"] * 1_000_003 + first // n_prompts) % (2**31 - 1)
         start = time.perf_counter()
         ro = generate(ctx.policy, prompts, self.sampling, eos_ids=stop_token_ids(tok, ctx.policy.config),
-                      tokenizer=tok, seed=seed, policy_version=int(ctx.policy_version))
+                      tokenizer=tok, seed=seed, policy_version=int(ctx.policy_version),
+                      cache=CacheSettings.from_config(cfg["rollout"]))
         gen_seconds = time.perf_counter() - start
         rep_texts = [t for t in texts for _ in range(samples_per_prompt)]
         metadatas = [s["metadata"] for s in samples for _ in range(samples_per_prompt)]

@@ -289,3 +289,24 @@ def test_two_processes_share_updates_and_split_prompts(tmp_path):
     assert [r["checksum"] for r in ranks[0]] == [r["checksum"] for r in ranks[1]]
     assert ranks[0][0]["first_prompt"] != ranks[1][0]["first_prompt"] or ranks[0][2]["first_prompt"] != \
         ranks[1][2]["first_prompt"]
+
+
+def test_kv_budget_changes_no_metric_of_a_run(tmp_path):
+    """rollout.kv_cache_gib reaches the engine: a budget of a few blocks (rows wait for each other's blocks)
+    trains exactly like an unbounded one, and one too small for a single row is refused naming the key."""
+    from framework.models.presets import preset_config
+    from framework.rollout.kv_cache import block_bytes
+
+    model = preset_config("tiny", 300)   # the vocabulary does not change a block's size
+    blocks = 6 * block_bytes(model, torch.float32, 16) / 2**30
+    runs = {}
+    for name, gib in (("unbounded", None), ("small", blocks)):
+        cfg = config(tmp_path / name, rollout={"kv_cache_gib": gib, "block_size": 16})
+        fit(cfg)
+        runs[name] = [{k: v for k, v in r.items() if k not in TIMING}
+                      for r in read_metrics(tmp_path / name / "metrics.jsonl")]
+    assert runs["small"] == runs["unbounded"] and len(runs["small"]) == 2
+    # blocks of 8: a prompt and its 12 new tokens need two, and the smallest pool has one beside its scratch block
+    tiny = config(tmp_path / "tiny", rollout={"kv_cache_gib": blocks / 100, "block_size": 8, "max_new_tokens": 12})
+    with pytest.raises(FwError, match="kv_cache_gib"):
+        fit(tiny)
