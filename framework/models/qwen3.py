@@ -88,6 +88,9 @@ class PagedBatch(NamedTuple):
     block_tables: Tensor    # [R, M] int64
     lengths: Tensor         # [R] each row's context length after the writes
     cu_seqlens: Tensor | None  # [R + 1]: row r's tokens (prefill); None: one token a row, N == R (decode)
+    # a prefill whose rows have no cached prefix: their tokens are their whole contexts, so attention runs over
+    # the fresh k/v with varlen attention, (int32 cu_seqlens, the longest row), instead of gathering from the pool
+    fresh: tuple[Tensor, int] | None = None
 
 
 class Qwen3Attention(nn.Module):
@@ -150,6 +153,8 @@ class Qwen3Attention(nn.Module):
         q = q.to(k_pool.dtype)
         if batch.cu_seqlens is None:
             out = ops_cuda.paged_decode_attention(q, k_pool, v_pool, batch.block_tables, batch.lengths, self.scale)
+        elif batch.fresh is not None:
+            out = ops_cuda.varlen_attention(q, k.to(q.dtype), v.to(q.dtype), *batch.fresh, self.scale)
         else:
             out = ops_cuda.paged_prefill_attention(q, k_pool, v_pool, batch.block_tables, batch.cu_seqlens,
                                                    batch.lengths, self.scale)

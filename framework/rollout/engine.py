@@ -216,10 +216,14 @@ class _Run:
         owner_rows = torch.cat([rows[owner], torch.full((n - n_real,), len(self.seqs), dtype=torch.long)])
         blk = self.tables[owner_rows, pos // self.bs]
         dev = self.device
+        fresh = not self.cpu and all(s.cached == 0 for s in computed)
         batch = PagedBatch(positions=pos.to(dev), write_blocks=blk.to(dev), write_offsets=(pos % self.bs).to(dev),
                            block_tables=self.tables_dev[rows.to(dev)],
                            lengths=torch.tensor([len(s.prompt) for s in computed], device=dev),
-                           cu_seqlens=torch.tensor(cu, device=dev))
+                           cu_seqlens=torch.tensor(cu, device=dev),
+                           # CUDA only: the CPU pads the tokens, and keeps one attention path for exactness
+                           fresh=(torch.tensor(cu, dtype=torch.int32, device=dev),
+                                  max(len(s.prompt) for s in computed)) if fresh else None)
         last = torch.tensor(cu[1:], dtype=torch.long) - 1
         r_pad = -(-len(computed) // 16) * 16 if self.cpu else len(computed)
         last = torch.cat([last, last[:1].expand(r_pad - len(computed))])
