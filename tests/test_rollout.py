@@ -466,3 +466,19 @@ def test_finished_rows_leave_the_batch(model, prompts):
     for step, (_, rows, lengths) in enumerate(decodes, start=1):   # decode call i feeds completion token i
         alive = [b for b in range(len(prompts)) if ended_at[b] is None or step < ended_at[b]]
         assert rows == len(alive) and lengths == [len(prompts[b]) + step for b in alive], step
+
+
+def test_an_engine_grows_its_pool_for_a_larger_call(model, prompts, tok):
+    """A kept engine sized by a small first call (a warm-up) grows its pool for a larger one, and returns what a
+    fresh engine does."""
+    from framework.rollout import RolloutEngine
+
+    params = SamplingParams(max_new_tokens=12, temperature=0.8)
+    engine = RolloutEngine(model)
+    engine.generate(prompts[:1], SamplingParams(max_new_tokens=2, temperature=0.8), seed=1, tokenizer=tok)
+    small = engine.cache.num_blocks
+    grown = engine.generate(prompts, params, seed=3, tokenizer=tok)
+    assert engine.cache.num_blocks > small and engine.peak_rows == len(prompts)
+    fresh = generate(model, prompts, params, seed=3, tokenizer=tok)
+    assert grown.completion_ids == fresh.completion_ids and torch.equal(grown.logprobs, fresh.logprobs)
+    engine.release()

@@ -95,8 +95,8 @@ def _find_stop(text: str, stop: Sequence[str]) -> int | None:
 class RolloutEngine:
     """The paged KV cache of one model, its block bookkeeping and its decode graphs, kept across calls.
 
-    The pool is allocated on the first call, sized by `settings` (and by what that call can use at most);
-    a later call that needs more blocks than the pool holds still runs, admitting fewer rows at a time.
+    The pool is allocated on the first call, sized by `settings` (and by what that call can use at most); a
+    later call that could use more blocks grows it, within the budget.
     `release()` hands the pool and the graphs back.
     """
 
@@ -124,11 +124,15 @@ class RolloutEngine:
     def _ensure_cache(self, seqs: list[RowState], dtype: torch.dtype, device: torch.device) -> None:
         c = self.model.config
         bs = self.settings.block_size
-        if self.cache is None or self.cache.k.dtype != dtype:
+        n = pool_blocks(self.settings, c, dtype, device, seqs)
+        # a pool smaller than this call could use grows (the graphs read the old one, so they go too)
+        if self.cache is None or self.cache.k.dtype != dtype or self.cache.num_blocks < n:
             self.graphs.clear()
             self.warm.clear()
-            self.cache = None
-            n = pool_blocks(self.settings, c, dtype, device, seqs)
+            if self.cache is not None:
+                self.cache = None
+                release_cached(device)
+            n = pool_blocks(self.settings, c, dtype, device, seqs)   # with the old pool's memory free again
             self.cache = self.model.new_paged_kv_cache(n, bs, device=device, dtype=dtype)
         # fresh bookkeeping every call: the weights may have changed since, so no cached prefix carries over
         self.blocks = BlockManager(self.cache.num_blocks, bs)
