@@ -1,9 +1,9 @@
 """Evaluation on held-out data: while training (`EvalCallback`) and of a saved checkpoint (`fw eval`).
 
 The eval data is `eval.path` (JSONL in the training data's format) or samples of the training task drawn
-with `eval.seed`; a sample the run can train on is left out, so no eval prompt is a training prompt. The
-training stream's first `training_draws(cfg, world_size)` samples bound what a run of `trainer.max_steps`
-steps consumes, and any eval sample among them is skipped.
+with `eval.seed`; with `eval.held_out` a sample the run can train on is left out, so no eval prompt is a
+training prompt. The training stream's first `training_draws(cfg, world_size)` samples bound what a run of
+`trainer.max_steps` steps consumes, and any eval sample among them is skipped.
 
 RL: `eval.samples_per_prompt` completions per prompt from the rollout engine (batches of
 `rollout.prompts_per_step` prompts), scored by the run's reward. SFT: the token-mean loss of the
@@ -113,7 +113,7 @@ class Evaluation:
         cfg, e = self.cfg, self.cfg["eval"]
         train = build_task(cfg["data"], seed=cfg["seed"])
         self.reward_fn = build_reward(cfg["reward"], train)
-        seen = {_key(train.sample(i)["prompt"]) for i in range(_bounded(train, draws))}
+        seen = {_key(train.sample(i)["prompt"]) for i in range(_bounded(train, draws) if e["held_out"] else 0)}
         source = build_task(_eval_cfg(cfg)["data"] if e["path"] else cfg["data"], seed=self.seed)
         samples = self._held_out(source.sample, _length(source), lambda s: _key(s["prompt"]), seen)
         template, thinking = cfg["data"]["chat_template"], cfg["tokenizer"]["enable_thinking"]
@@ -131,7 +131,9 @@ class Evaluation:
         def records(paths: str | list[str]) -> list[dict]:
             return [r for p in ([paths] if isinstance(paths, str) else paths) for _, r in read_jsonl(p)]
 
-        if cfg["data"]["path"]:
+        if not e["held_out"]:
+            seen: set[str] = set()
+        elif cfg["data"]["path"]:
             seen = {_key(r) for r in records(cfg["data"]["path"])}
         else:
             train = build_task(cfg["data"], seed=cfg["seed"])
@@ -166,7 +168,8 @@ class Evaluation:
         if not out:
             where = "eval.path" if self.cfg["eval"]["path"] else "the training task drawn with eval.seed"
             raise FwError(f"eval: every sample of {where} is also a training sample of this run (a task with few "
-                          "distinct prompts); set eval.path to held-out data or use a task with more prompts")
+                          "distinct prompts); set eval.path to held-out data, use a task with more prompts, or set "
+                          "eval.held_out: false to evaluate on training prompts")
         return out
 
     # ----------------------------------------------------------------- running

@@ -127,6 +127,7 @@ RESUME_RULES: dict[str, tuple[str, str]] = {
     "eval.every_n_steps": (APPLIES, "evaluation cadence"),
     "eval.at_start": (APPLIES, "a fresh run's baseline; a resumed run has its own already"),
     "eval.path": (APPLIES, "evaluation reads the weights and never the training state"),
+    "eval.held_out": (APPLIES, "evaluation reads the weights and never the training state"),
     "eval.seed": (APPLIES, "evaluation reads the weights and never the training state"),
     "eval.max_prompts": (APPLIES, "evaluation reads the weights and never the training state"),
     "eval.samples_per_prompt": (APPLIES, "evaluation reads the weights and never the training state"),
