@@ -108,7 +108,8 @@ class MetricsLogger(lightning.Callback):
 
     def __init__(self, log_every_n_steps: int):
         self.every = log_every_n_steps
-        self.logged_step = 0
+        self.logged_step = self.start_step = 0
+        self.truncated = False
 
     def on_train_start(self, trainer: lightning.Trainer, module: lightning.LightningModule) -> None:
         self.logged_step = self.start_step = trainer.global_step
@@ -123,6 +124,11 @@ class MetricsLogger(lightning.Callback):
             self.truncate_once(trainer)
             module.flush_metrics()
             self.logged_step = step
+
+    def due(self, trainer: lightning.Trainer) -> bool:
+        """Whether this batch's end logs the metrics (an optimizer step landed on the logging cadence)."""
+        step = trainer.global_step
+        return step != self.logged_step and (crossed(self.logged_step, step, self.every) or step >= trainer.max_steps)
 
     def truncate_once(self, trainer: lightning.Trainer) -> None:
         """A resumed run writes the steps after its checkpoint again: drop lines a crashed run wrote past

@@ -291,8 +291,9 @@ def autocast_context(cfg: dict, device: torch.device) -> contextlib.AbstractCont
 
 class EvalCallback(lightning.Callback):
     """Evaluates every `eval.every_n_steps` policy steps (and at step 0 with `eval.at_start`), logging the
-    metrics at that step to every logger, before the step's checkpoint is saved (the trainer puts this
-    callback ahead of the checkpoint callback), so a checkpoint of step k comes after step k's eval."""
+    metrics at that step: with the step's training metrics when the step is logged (the trainer puts this
+    callback ahead of `MetricsLogger`), else in a record of their own. Either way before the step's
+    checkpoint is saved, so a checkpoint of step k comes after step k's eval."""
 
     def __init__(self, cfg: dict):
         _check_source(cfg)
@@ -330,11 +331,14 @@ class EvalCallback(lightning.Callback):
         finally:
             for bar in bars:
                 bar.show_phase("step")
-        for cb in trainer.callbacks:
-            if isinstance(cb, MetricsLogger):   # a resumed run drops a crashed run's lines before adding its own
-                cb.truncate_once(trainer)
-        for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=trainer.global_step)
+        metrics_logger = next(cb for cb in trainer.callbacks if isinstance(cb, MetricsLogger))
+        if metrics_logger.due(trainer):   # logged with the step's training metrics, in the same record
+            for name, value in metrics.items():
+                module.log_metric(name, value, reduce="last")
+        else:   # step 0, or a step the logging cadence skips: a record of its own
+            metrics_logger.truncate_once(trainer)   # a resumed run drops a crashed run's lines first
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step=trainer.global_step)
         module.last_eval_metrics = metrics
         self.history.append((trainer.global_step, metrics))
 

@@ -74,9 +74,10 @@ def build_trainer(cfg: dict, stop: StopSignals | None = None) -> lightning.Train
     automatic = requirements.automatic_optimization
     _check_precision(cfg, requirements)
     # Metrics first so they reach the loggers before the checkpoint callback flushes them and saves; the
-    # evaluation of a step before that step's checkpoint, so a resumed run never misses one.
+    # evaluation of a step ahead of both, so its metrics join the step's record and a resumed run never
+    # misses one.
     evaluation = [EvalCallback(cfg)] if eval_enabled(cfg) else []
-    callbacks = [*builtin_callbacks(cfg, stop), *evaluation, *user_callbacks(cfg), CheckpointCallback(cfg)]
+    callbacks = [*evaluation, *builtin_callbacks(cfg, stop), *user_callbacks(cfg), CheckpointCallback(cfg)]
     return lightning.Trainer(
         accelerator=t["accelerator"],
         devices=t["devices"],
