@@ -75,7 +75,11 @@ def run_fw(row: Row, steps: int, out: Path, timeout_s: int) -> dict:
         proc = subprocess.run([sys.executable, "-m", "benchmarks.fit_timing", *args], check=False, capture_output=True,
                               text=True, timeout=timeout_s)
         result["rc"] = proc.returncode
-        tail = (proc.stdout + proc.stderr).strip().splitlines()[-3:]
+        lines = (proc.stdout + proc.stderr).strip().splitlines()
+        tail = lines[-3:]
+        saves = [line.removeprefix("fw: ") for line in lines if line.startswith("fw: saved ")]
+        if saves:   # the final checkpoint's write against its whole save (framework.checkpoint's report)
+            result["last_save"] = saves[-1]
     except subprocess.TimeoutExpired:
         result["rc"], tail = "timeout", [f"over {timeout_s} s"]
     result["wall_s"] = round(time.perf_counter() - t0, 1)
@@ -138,7 +142,8 @@ def _save(r: dict) -> str:
     if "after_last_step_s" not in r:
         return "-"
     size = f"{r['checkpoint_gib']} GiB in " if "checkpoint_gib" in r else ""
-    return f"{size}{r['after_last_step_s']} s"
+    detail = f" ({r['last_save']})" if "last_save" in r else ""
+    return f"{size}{r['after_last_step_s']} s{detail}"
 
 
 def table(results: list[dict]) -> str:

@@ -51,7 +51,7 @@ def fire(trainer: lightning.Trainer, module: lightning.LightningModule, hook: st
 class ProgressBar(TQDMProgressBar):
     """Counts optimizer steps up to `max_steps` (the data is an endless stream, so batches have no total)."""
 
-    SHOWN = ("loss", "token_accuracy", "reward/mean", "lr", "tokens_per_s")
+    SHOWN = ("loss", "token_accuracy", "reward/mean", "lr", "tokens_per_s", "eval/loss", "eval/accuracy")
 
     def on_train_epoch_start(self, trainer: lightning.Trainer, *_: Any) -> None:
         super().on_train_epoch_start(trainer)
@@ -69,8 +69,14 @@ class ProgressBar(TQDMProgressBar):
             bar.set_postfix(self.get_metrics(trainer, module), refresh=True)
 
     def get_metrics(self, trainer: lightning.Trainer, module: lightning.LightningModule) -> dict[str, Any]:
-        metrics = getattr(module, "last_metrics", {})
+        metrics = {**getattr(module, "last_eval_metrics", {}), **getattr(module, "last_metrics", {})}
         return {k: f"{metrics[k]:.4g}" for k in self.SHOWN if k in metrics}
+
+    def show_phase(self, phase: str) -> None:
+        """The bar's label: "step" while training, "eval" while evaluating (framework/evaluation.py)."""
+        bar = self._train_progress_bar
+        if bar is not None:
+            bar.set_description(phase, refresh=True)
 
     def on_exception(self, trainer: lightning.Trainer, module: lightning.LightningModule,
                      exception: BaseException) -> None:
@@ -103,7 +109,8 @@ class MetricsLogger(lightning.Callback):
 
     def __init__(self, log_every_n_steps: int):
         self.every = log_every_n_steps
-        self.logged_step = 0
+        self.logged_step = self.start_step = 0
+        self.truncated = False
 
     def on_train_start(self, trainer: lightning.Trainer, module: lightning.LightningModule) -> None:
         self.logged_step = self.start_step = trainer.global_step
@@ -115,15 +122,23 @@ class MetricsLogger(lightning.Callback):
         if step == self.logged_step:
             return
         if crossed(self.logged_step, step, self.every) or step >= trainer.max_steps:
-            if not self.truncated:
-                # A resumed run writes the steps after its checkpoint again: drop lines a crashed run
-                # wrote past it (done at the first flush, once every start-up check has passed).
-                for logger in trainer.loggers:
-                    if hasattr(logger, "truncate_after"):
-                        logger.truncate_after(self.start_step)
-                self.truncated = True
+            self.truncate_once(trainer)
             module.flush_metrics()
             self.logged_step = step
+
+    def due(self, trainer: lightning.Trainer) -> bool:
+        """Whether this batch's end logs the metrics (an optimizer step landed on the logging cadence)."""
+        step = trainer.global_step
+        return step != self.logged_step and (crossed(self.logged_step, step, self.every) or step >= trainer.max_steps)
+
+    def truncate_once(self, trainer: lightning.Trainer) -> None:
+        """A resumed run writes the steps after its checkpoint again: drop lines a crashed run wrote past
+        it, before the first line of this run (once every start-up check has passed)."""
+        if not self.truncated:
+            for logger in trainer.loggers:
+                if hasattr(logger, "truncate_after"):
+                    logger.truncate_after(self.start_step)
+            self.truncated = True
 
 
 class StopOnSignal(lightning.Callback):

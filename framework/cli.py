@@ -18,7 +18,7 @@ from framework.errors import ConfigError, FwError
 from framework.signals import Stopped
 
 # Commands whose leftover `--a.b=v` arguments are config overrides.
-_WITH_CONFIG = ("fit", "validate", "print-config", "generate", "plan")
+_WITH_CONFIG = ("fit", "validate", "print-config", "generate", "plan", "eval")
 
 
 def _reference() -> str:
@@ -90,6 +90,26 @@ def _parser() -> argparse.ArgumentParser:
     how.add_argument("--greedy", action="store_true", help="same as --temperature 0")
     gen.add_argument("--seed", type=int, metavar="S")
 
+    ev = add("eval", "evaluate a checkpoint on held-out data as training does; print a table, write JSON",
+             [common, configs], "Evaluate a checkpoint's policy with the eval: settings (RL: reward, accuracy, "
+             "pass@k of eval.samples_per_prompt samples per prompt; SFT: loss, perplexity, token accuracy). With "
+             "only --checkpoint, the checkpoint's own config.yaml is used. " + overrides)
+    ev.add_argument("--checkpoint", required=True, metavar="DIR",
+                    help="checkpoint directory, or a run directory for its newest checkpoint")
+    ev.add_argument("--out", metavar="FILE", help="the JSON report (default: <run_dir>/eval/<checkpoint>.json)")
+    ev.add_argument("--skip-damaged", action="store_true", help=skip_help)
+
+    plot = add("plot", "draw runs' metrics.jsonl curves into a PNG (needs matplotlib: pip install 'fw[plot]')",
+               [common], "Plot metrics.jsonl of one or more runs, one panel per metric, steps on x; training "
+               "curves smoothed, eval curves with markers.")
+    plot.add_argument("--run", action="append", required=True, metavar="RUN_DIR",
+                      help="a run directory (or its metrics.jsonl); repeat to compare runs on one figure")
+    plot.add_argument("--metrics", metavar="A,B,...",
+                      help="comma-separated metric names (default: loss / reward and eval metrics present)")
+    plot.add_argument("--out", metavar="F.png", help="the PNG (default: <first run>/metrics.png)")
+    plot.add_argument("--smooth", type=float, default=0.6, metavar="W",
+                      help="moving-average weight of training curves in [0, 1); 0 = raw (default 0.6)")
+
     add("doctor", "report torch, CUDA and the state of the CUDA ops", [common])
     ops = add("ops", "CUDA ops tools", [common])
     ops_sub = ops.add_subparsers(dest="ops_command", metavar="OPS_COMMAND", required=True)
@@ -146,6 +166,21 @@ def _run(args: argparse.Namespace, overrides: list[str]) -> int:
         temperature = 0.0 if args.greedy else args.temperature
         print(generate_text(cfg, args.prompt, checkpoint=args.checkpoint, max_new_tokens=args.max_new_tokens,
                             temperature=temperature, seed=args.seed, skip_damaged=args.skip_damaged))
+    elif cmd == "eval":
+        if overrides and not args.config:
+            raise FwError(f"overrides ({' '.join(overrides)}) need --config FILE; with only --checkpoint the "
+                          "checkpoint's config.yaml is used as it is")
+        from framework.evaluation import evaluate_checkpoint, format_table
+
+        cfg = load_config(args.config, overrides) if args.config else None
+        report, out = evaluate_checkpoint(args.checkpoint, cfg, out=args.out, skip_damaged=args.skip_damaged)
+        print(format_table(report))
+        print(f"wrote {out}")
+    elif cmd == "plot":
+        from framework.plot import plot_runs
+
+        metrics = [m.strip() for m in args.metrics.split(",") if m.strip()] if args.metrics else None
+        print(f"wrote {plot_runs(args.run, args.out, metrics, args.smooth)}")
     elif cmd == "doctor":
         import ops_cuda
 

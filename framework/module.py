@@ -124,6 +124,7 @@ class FwModule(lightning.LightningModule):
         self.policy_version = 0
         self.step_metrics = StepMetrics()
         self.last_metrics: dict[str, float] = {}
+        self.last_eval_metrics: dict[str, float] = {}   # the latest evaluation's (framework/evaluation.py)
         self._optimizer_of: dict[str, torch.optim.Optimizer] = {}   # role name -> its torch optimizer
         self._pending_rng: dict | None = None
         self._flush_time = time.perf_counter()

@@ -12,13 +12,13 @@ from pathlib import Path
 import lightning
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_only
 
 from framework.allocator import configure_allocator
 from framework.callbacks import builtin_callbacks, user_callbacks
 from framework.errors import FwError
-from framework.metrics import JsonlLogger
+from framework.evaluation import EvalCallback, eval_enabled
+from framework.loggers import build_loggers, log_config
 from framework.recipe import Requirements, recipe_class
 from framework.run_lock import RunLock
 from framework.signals import Stopped, StopSignals, signal_name
@@ -35,17 +35,6 @@ UNACTIONABLE_WARNINGS = (
 # Loggers of Lightning's info lines: device banners, tips, "`Trainer.fit` stopped: `max_steps` reached".
 QUIET_LOGGERS = ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero",
                  "lightning.pytorch.accelerators.cuda", "lightning.fabric.utilities.distributed")
-
-
-def build_loggers(cfg: dict) -> list[Logger]:
-    """metrics.jsonl always; CSV and TensorBoard under `<run_dir>/logs/` when enabled."""
-    run_dir = Path(cfg["run_dir"])
-    loggers: list[Logger] = [JsonlLogger(run_dir / "metrics.jsonl", name=cfg["name"])]
-    if cfg["logging"]["csv"]:
-        loggers.append(CSVLogger(save_dir=run_dir, name="logs", version=None))
-    if cfg["logging"]["tensorboard"]:
-        loggers.append(TensorBoardLogger(save_dir=run_dir, name="logs", version=None, default_hp_metric=False))
-    return loggers
 
 
 def _check_precision(cfg: dict, requirements: Requirements) -> None:
@@ -84,8 +73,11 @@ def build_trainer(cfg: dict, stop: StopSignals | None = None) -> lightning.Train
     requirements = recipe_class(cfg["recipe"]).requirements(cfg)
     automatic = requirements.automatic_optimization
     _check_precision(cfg, requirements)
-    # Metrics first so they reach the loggers before the checkpoint callback flushes them and saves.
-    callbacks = [*builtin_callbacks(cfg, stop), *user_callbacks(cfg), CheckpointCallback(cfg)]
+    # Metrics first so they reach the loggers before the checkpoint callback flushes them and saves; the
+    # evaluation of a step ahead of both, so its metrics join the step's record and a resumed run never
+    # misses one.
+    evaluation = [EvalCallback(cfg)] if eval_enabled(cfg) else []
+    callbacks = [*evaluation, *builtin_callbacks(cfg, stop), *user_callbacks(cfg), CheckpointCallback(cfg)]
     return lightning.Trainer(
         accelerator=t["accelerator"],
         devices=t["devices"],
@@ -179,6 +171,7 @@ def fit(cfg: dict, resume: str | None = None, skip_damaged: bool = False) -> lig
         stack.enter_context(quiet_lightning())
         trainer = build_trainer(cfg, stop)   # first: it refuses unsupported settings before the models are built
         module = FwModule(cfg, device=build_device(trainer))
+        log_config(trainer.loggers, cfg)
         trainer.fit(module, ckpt_path=ckpt_path)
         if stop.signum is not None and module.policy_version < trainer.max_steps:
             latest = find_latest(run_dir)

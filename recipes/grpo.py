@@ -27,7 +27,6 @@ sample, the loss metrics the trained batch.
 """
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import torch
@@ -36,7 +35,7 @@ from torch import Tensor
 from framework.errors import FwError
 from framework.recipe import Requirements, StepContext
 from recipes.advantages import all_reduce_sum, batch_reward_std, grpo_advantages, overlong_shaping, tied_groups
-from recipes.losses import aggregate, build_policy_loss, kl_estimate, loss_inputs, option_problems
+from recipes.losses import aggregate, build_policy_loss, kl_estimate, option_problems
 from recipes.rl import Phase, RLRecipe, ScoredRollout
 
 
@@ -114,10 +113,7 @@ class GRPORecipe(RLRecipe):
             with torch.no_grad():
                 return self.logprobs(ctx.policy, data, everything)[0]
 
-        inputs = loss_inputs(g, data.old_logp, data.mask, data.truncated, trainer_logprobs)
-        for name, value in inputs.metrics.items():
-            ctx.log(name, value)
-        train = dataclasses.replace(data, mask=inputs.mask)   # what the loss (and its weighting) sees
+        inputs, train = self.loss_batch(ctx, g, data, trainer_logprobs)
         ctx.log("policy/adv_abs", _token_weighted_abs_mean(adv, train.mask))
         ref_logp = None
         if g["kl_coef"] > 0:

@@ -19,7 +19,6 @@ overlong mask drops leave the critic's loss too: one loss mask weighs both phase
 """
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import torch
@@ -33,7 +32,6 @@ from recipes.losses import (
     build_policy_loss,
     explained_variance,
     kl_estimate,
-    loss_inputs,
     option_problems,
 )
 from recipes.rl import Phase, RLRecipe, completion_values
@@ -110,10 +108,7 @@ class PPORecipe(RLRecipe):
             with torch.no_grad():
                 return self.logprobs(ctx.policy, data, everything)[0]
 
-        inputs = loss_inputs(p, data.old_logp, data.mask, data.truncated, trainer_logprobs)
-        for name, value in inputs.metrics.items():
-            ctx.log(name, value)
-        train = dataclasses.replace(data, mask=inputs.mask)   # what both losses (and their weighting) see
+        inputs, train = self.loss_batch(ctx, p, data, trainer_logprobs)
         ev = explained_variance(old_values, returns, data.mask)
         # Undefined (NaN) when every return is equal (e.g. all rewards 0 and no KL): logged with weight 0,
         # never skipped, because every rank must log the same metrics (they are reduced collectively).

@@ -19,6 +19,7 @@ count over all ranks, and metrics go through torchmetrics, which reduces over ra
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -32,7 +33,7 @@ from framework.errors import FwError
 from framework.recipe import BatchShapes, StepContext
 from framework.rollout import SamplingParams
 from recipes.advantages import all_reduce_sum, batch_reward_std
-from recipes.losses import aggregate_weight
+from recipes.losses import LossInputs, aggregate_weight, loss_inputs
 
 
 class _Ticks(IterableDataset):
@@ -321,6 +322,16 @@ class RLRecipe:
                         ctx.backward(loss * weight)
                         self.log_weighted(ctx, phase.prefix, logged, weight)
                     ctx.step(phase.role)
+
+    @staticmethod
+    def loss_batch(ctx: StepContext, section: dict, data: ScoredRollout,
+                   trainer_logprobs: Callable[[], Tensor]) -> tuple[LossInputs, ScoredRollout]:
+        """What the loss trains on (``section``'s overlong masking and off-policy correction applied, their
+        metrics logged) and the rollout batch with the loss's mask, which the loss weighting also sees."""
+        inputs = loss_inputs(section, data.old_logp, data.mask, data.truncated, trainer_logprobs)
+        for name, value in inputs.metrics.items():
+            ctx.log(name, value)
+        return inputs, dataclasses.replace(data, mask=inputs.mask)
 
     def log_rollout(self, ctx: StepContext, batch: ScoredRollout) -> None:
         """Reward and rollout metrics of one rollout batch (averaged over the logging interval)."""

@@ -527,3 +527,25 @@ def test_resuming_a_finished_run_removes_a_dead_writers_leftovers(run_dir):
     (leftover / "policy" / "model.safetensors").write_bytes(b"partly deleted")
     _fit(cfg, max_steps=2, ckpt_path=ck.find_latest(run_dir))
     assert not leftover.exists()
+
+
+def test_fit_reports_each_save_with_its_size_and_speed(tmp_path, capsys):
+    """Every save prints one line: the checkpoint, the bytes its manifest lists, the write's time and speed,
+    and the whole save's time (with gathering the states)."""
+    from framework.config import resolve
+    from framework.trainer import fit
+
+    cfg = resolve({"recipe": "sft", "run_dir": str(tmp_path / "run"), "model": {"policy": {"preset": "tiny"}},
+                   "data": {"path": str(Path(__file__).parents[1] / "recipes/data/arithmetic_chat.jsonl"),
+                            "max_seq_len": 64, "batch_size": 4},
+                   "trainer": {"accelerator": "cpu", "max_steps": 2, "enable_progress_bar": False},
+                   "checkpoint": {"every_n_steps": 1, "keep_last": None},
+                   "logging": {"csv": False, "tensorboard": False}})
+    capsys.readouterr()
+    fit(cfg)
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("fw: saved ")]
+    assert [line.split(":")[1].strip() for line in lines] == ["saved step-000001", "saved step-000002"]
+    step2 = ck.checkpoints_dir(tmp_path / "run") / "step-000002"
+    size = sum(f["size"] for f in ck.read_manifest(step2)["files"].values())
+    amount, unit = lines[1].split(": ")[2].split(" written in ")[0].split()
+    assert unit == "MiB" and abs(float(amount) - size / 2**20) <= 0.05 and " GB/s), " in lines[1]

@@ -126,6 +126,8 @@ def _sft_config(run_dir, data, callbacks=()) -> dict:
         "optimizer": {"lr": 1e-2, "weight_decay": 0.01},
         "trainer": {"accelerator": "cpu", "max_steps": SFT_STEPS, "enable_progress_bar": False},
         "checkpoint": {"every_n_steps": 4, "keep_last": None},
+        "eval": {"every_n_steps": SFT_STEPS, "path": str(ROOT / "recipes/data/arithmetic_chat_heldout.jsonl"),
+                 "max_prompts": 8},
         "logging": {"csv": False, "tensorboard": False},
         "callbacks": list(callbacks)})
 
@@ -250,6 +252,18 @@ def test_generate_from_a_lora_checkpoint_equals_transformers_on_the_merged_expor
     capsys.readouterr()
     assert main(["generate", "--checkpoint", str(ckpt), "--prompt", "hello", "--greedy", "--max-new-tokens", "6"]) == 0
     assert capsys.readouterr().out.rstrip("\n") == expected
+
+
+def test_fw_eval_of_a_lora_checkpoint_gives_the_logged_eval(sft_run, tmp_path):
+    """`fw eval --checkpoint` of a LoRA run (base rebuilt, adapters merged) reports what training logged."""
+    cfg, _, _ = sft_run
+    logged = [r for r in read_metrics(Path(cfg["run_dir"]) / "metrics.jsonl") if "eval/loss" in r]
+    assert [r["step"] for r in logged] == [SFT_STEPS]
+    out = tmp_path / "report.json"
+    assert main(["eval", "--checkpoint", str(_checkpoint(cfg)), "--out", str(out)]) == 0
+    report = json.loads(out.read_text())["metrics"]
+    assert abs(report["eval/loss"] - logged[0]["eval/loss"]) < 1e-5
+    assert report["eval/token_accuracy"] == logged[0]["eval/token_accuracy"]
 
 
 def test_interrupted_lora_run_resumes_exactly(sft_run, tmp_path):

@@ -19,7 +19,8 @@ SCHEMA_FILE = ROOT / "schemas" / "train.schema.json"
 SCHEMA = json.loads(SCHEMA_FILE.read_text())
 VALIDATOR = Draft202012Validator(SCHEMA)
 RECIPES = ["sft", "grpo", "ppo"]
-NO_DEFAULT = {("recipe",), ("callbacks", "[]", "class_path")}  # must be written by the user
+NO_DEFAULT = {("recipe",), ("callbacks", "[]", "class_path"),   # must be written by the user
+              ("logging", "loggers", "[]", "class_path")}
 
 
 def properties(node: dict, path: tuple = ()):
@@ -42,7 +43,8 @@ def test_schema_is_valid_draft_2020_12():
 def test_top_level_sections():
     assert list(SCHEMA["properties"]) == ["recipe", "seed", "name", "run_dir", "model", "tokenizer", "data",
                                           "rollout", "reward", "sft", "grpo", "ppo", "optimizer", "scheduler",
-                                          "trainer", "checkpoint", "logging", "callbacks"]
+                                          "trainer", "checkpoint", "eval", "logging",
+                                          "callbacks"]
     assert SCHEMA["required"] == ["recipe", "model"]
 
 

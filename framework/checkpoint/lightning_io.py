@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -26,11 +28,14 @@ class AtomicCheckpointIO(CheckpointIO):
 
     def __init__(self, cfg: dict) -> None:
         self.cfg = cfg
+        self.last_write: tuple[int, float] | None = None   # (bytes, seconds) of the newest write
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
         if storage_options is not None:
             raise TypeError(f"AtomicCheckpointIO.save_checkpoint takes no storage_options, got {storage_options!r}")
-        write_checkpoint_dir(checkpoint, path, self.cfg)
+        start = time.perf_counter()
+        manifest = write_checkpoint_dir(checkpoint, path, self.cfg)
+        self.last_write = (sum(f["size"] for f in manifest["files"].values()), time.perf_counter() - start)
 
     def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: bool | None = None) -> dict:
         allow_optimizer_states(self.cfg)   # torchao's 8-bit state tensors, for a weights-only load
@@ -100,7 +105,17 @@ class CheckpointCallback(pl.Callback):
     def save(self, trainer: pl.Trainer, step: int) -> None:
         for logger in trainer.loggers:
             logger.save()
+        start = time.perf_counter()
         trainer.save_checkpoint(self.ckpt_dir / step_dir_name(step), weights_only=False)
+        total = time.perf_counter() - start
         self._last_saved = step
         if trainer.is_global_zero:
             prune(self.cfg["run_dir"], self.keep_last)
+            io = trainer.strategy.checkpoint_io
+            if isinstance(io, AtomicCheckpointIO) and io.last_write is not None:
+                # the write against the whole save (which also gathers the states): where a slow save's time goes
+                size, seconds = io.last_write
+                shown = f"{size / 2**30:.2f} GiB" if size >= 2**30 else f"{size / 2**20:.1f} MiB"
+                print(f"fw: saved {step_dir_name(step)}: {shown} written in {seconds:.1f} s "
+                      f"({size / 1e9 / max(seconds, 1e-9):.2f} GB/s), {total:.1f} s with gathering the states",
+                      file=sys.stderr, flush=True)

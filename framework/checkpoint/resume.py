@@ -147,8 +147,18 @@ RESUME_RULES: dict[str, tuple[str, str]] = {
     "checkpoint.every_n_steps": (APPLIES, "checkpoint cadence"),
     "checkpoint.keep_last": (APPLIES, "pruning"),
     "checkpoint.verify": (APPLIES, "how checkpoints are read"),
+    "eval.every_n_steps": (APPLIES, "evaluation cadence"),
+    "eval.at_start": (APPLIES, "a fresh run's baseline; a resumed run has its own already"),
+    "eval.path": (APPLIES, "evaluation reads the weights and never the training state"),
+    "eval.held_out": (APPLIES, "evaluation reads the weights and never the training state"),
+    "eval.seed": (APPLIES, "evaluation reads the weights and never the training state"),
+    "eval.max_prompts": (APPLIES, "evaluation reads the weights and never the training state"),
+    "eval.samples_per_prompt": (APPLIES, "evaluation reads the weights and never the training state"),
+    "eval.temperature": (APPLIES, "evaluation reads the weights and never the training state"),
+    "eval.max_new_tokens": (APPLIES, "evaluation reads the weights and never the training state"),
     "logging.csv": (APPLIES, "loggers"),
     "logging.tensorboard": (APPLIES, "loggers"),
+    "logging.loggers": (APPLIES, "loggers"),
     "callbacks": (APPLIES, "callbacks are built from the config"),
 }
 

@@ -1,0 +1,380 @@
+"""Evaluation on held-out data: while training (`EvalCallback`) and of a saved checkpoint (`fw eval`).
+
+The eval data is `eval.path` (JSONL in the training data's format) or samples of the training task drawn
+with `eval.seed`; with `eval.held_out` a sample the run can train on is left out, so no eval prompt is a
+training prompt. The training stream's first `training_draws(cfg, world_size)` samples bound what a run of
+`trainer.max_steps` steps consumes, and any eval sample among them is skipped.
+
+RL: `eval.samples_per_prompt` completions per prompt from the rollout engine (batches of
+`rollout.prompts_per_step` prompts), scored by the run's reward. SFT: the token-mean loss of the
+examples' targets. Generation uses seeds of its own (the eval seed and the batch's index, the same at
+every evaluation) and the global RNG states are restored afterwards, so training draws exactly what it
+would draw without evaluation, and a resumed run evaluates exactly as the uninterrupted one did.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import lightning
+import torch
+
+from framework.cadence import crossed
+from framework.errors import FwError
+from framework.rng import rng_state, set_rng_state
+
+EVAL_PREFIX = "eval/"
+# Order of the summed statistics: RL (prompts, samples, reward, correct, pass@k, pass@1, mean@k, tokens).
+_RL_SUMS = 8
+ACCURACY_CHUNK = 4096   # SFT target tokens per logits chunk for eval/token_accuracy
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """The unbiased pass@k of one prompt with `c` correct among `n` samples: 1 - C(n-c, k) / C(n, k)."""
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"pass_at_k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def eval_seed(cfg: dict) -> int:
+    """`eval.seed`, or the run's seed + 1 when null."""
+    seed = cfg["eval"]["seed"]
+    return cfg["seed"] + 1 if seed is None else seed
+
+
+def eval_enabled(cfg: dict) -> bool:
+    """Whether training evaluates at all (`every_n_steps` or `at_start`)."""
+    return cfg["eval"]["every_n_steps"] is not None or cfg["eval"]["at_start"]
+
+
+def is_rl(cfg: dict) -> bool:
+    """RL recipes evaluate generations; the others (SFT) the loss of examples."""
+    from framework.recipe import recipe_class
+
+    return not recipe_class(cfg["recipe"]).requirements(cfg).automatic_optimization
+
+
+def training_draws(cfg: dict, world_size: int) -> int:
+    """An upper bound on the training samples a run of `trainer.max_steps` policy steps consumes.
+
+    RL: one rollout batch per step at most (`rollout.prompts_per_step` per rank). SFT: every micro-batch
+    row holds at most `data.max_seq_len // 2` packed examples (each at least two tokens), one unpacked.
+    """
+    steps = cfg["trainer"]["max_steps"]
+    if is_rl(cfg):
+        return steps * cfg["rollout"]["prompts_per_step"] * world_size
+    d = cfg["data"]
+    per_row = max(d["max_seq_len"] // 2, 1) if d["pack"] else 1
+    return steps * cfg["trainer"]["accumulate_grad_batches"] * d["batch_size"] * world_size * per_row
+
+
+def _key(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, ensure_ascii=False)
+
+
+def _eval_cfg(cfg: dict) -> dict:
+    """`cfg` with `data.path` set to `eval.path` (for the readers of JSONL data)."""
+    return {**cfg, "data": {**cfg["data"], "path": cfg["eval"]["path"], "task": None}}
+
+
+def _check_source(cfg: dict) -> None:
+    if cfg["eval"]["path"] is None and not cfg["data"]["task"]:
+        raise FwError("eval: the training data is a JSONL file (data.path), whose records the training stream "
+                      "visits again and again; set eval.path to a held-out JSONL file")
+
+
+class Evaluation:
+    """The held-out data of `cfg` and how to evaluate a policy on it (`run`)."""
+
+    def __init__(self, cfg: dict, tokenizer: Any, world_size: int = 1):
+        _check_source(cfg)
+        self.cfg = cfg
+        self.tokenizer = tokenizer
+        self.rl = is_rl(cfg)
+        self.seed = eval_seed(cfg)
+        draws = training_draws(cfg, world_size)
+        if self.rl:
+            self._build_rl(draws)
+        else:
+            self._build_sft(draws)
+
+    # ----------------------------------------------------------------- data
+    def _build_rl(self, draws: int) -> None:
+        from framework.rewards import build_reward
+        from framework.tasks import build_task, render_prompt
+
+        cfg, e = self.cfg, self.cfg["eval"]
+        train = build_task(cfg["data"], seed=cfg["seed"])
+        self.reward_fn = build_reward(cfg["reward"], train)
+        seen = {_key(train.sample(i)["prompt"]) for i in range(_bounded(train, draws) if e["held_out"] else 0)}
+        source = build_task(_eval_cfg(cfg)["data"] if e["path"] else cfg["data"], seed=self.seed)
+        samples = self._held_out(source.sample, _length(source), lambda s: _key(s["prompt"]), seen)
+        template, thinking = cfg["data"]["chat_template"], cfg["tokenizer"]["enable_thinking"]
+        self.texts = [render_prompt(s["prompt"], self.tokenizer, template, thinking) for s in samples]
+        self.ids = [self.tokenizer.encode(t) for t in self.texts]
+        self.metadatas = [s["metadata"] for s in samples]
+
+    def _build_sft(self, draws: int) -> None:
+        from framework.data import encode_record
+        from framework.jsonl import read_jsonl
+        from framework.tasks import build_task
+
+        cfg, e = self.cfg, self.cfg["eval"]
+
+        def records(paths: str | list[str]) -> list[dict]:
+            return [r for p in ([paths] if isinstance(paths, str) else paths) for _, r in read_jsonl(p)]
+
+        if not e["held_out"]:
+            seen: set[str] = set()
+        elif cfg["data"]["path"]:
+            seen = {_key(r) for r in records(cfg["data"]["path"])}
+        else:
+            train = build_task(cfg["data"], seed=cfg["seed"])
+            seen = {_key(train.sft_example(i)) for i in range(_bounded(train, draws))}
+        if e["path"]:
+            items = records(e["path"])
+            fmt, get, count = cfg["data"]["format"], items.__getitem__, len(items)
+        else:
+            source = build_task(cfg["data"], seed=self.seed)
+            fmt, get, count = "prompt_completion", source.sft_example, _length(source)
+        chosen = self._held_out(get, count, _key, seen)
+        self.examples = [encode_record(r, fmt, self.tokenizer, cfg, f"eval example {i}", train_on_prompt=False)
+                         for i, r in enumerate(chosen)]
+
+    def _held_out(self, get: Any, count: int | None, key: Any, seen: set[str]) -> list[Any]:
+        """The first `eval.max_prompts` samples `get(i)` (i < `count`; None = endless) whose key is not
+        in `seen`. An endless source is read up to 100 samples per wanted prompt past the training ones.
+        """
+        wanted = self.cfg["eval"]["max_prompts"]
+        limit = 100 * wanted + len(seen)
+        limit = limit if count is None else min(count, limit)
+        out, keys = [], set()
+        for i in range(limit):
+            sample = get(i)
+            k = key(sample)
+            if k in seen or k in keys:   # a duplicate would weigh one prompt twice
+                continue
+            out.append(sample)
+            keys.add(k)
+            if len(out) == wanted:
+                break
+        if not out:
+            where = "eval.path" if self.cfg["eval"]["path"] else "the training task drawn with eval.seed"
+            raise FwError(f"eval: every sample of {where} is also a training sample of this run (a task with few "
+                          "distinct prompts); set eval.path to held-out data, use a task with more prompts, or set "
+                          "eval.held_out: false to evaluate on training prompts")
+        return out
+
+    # ----------------------------------------------------------------- running
+    def run(self, policy: Any, rank: int = 0, world_size: int = 1) -> dict[str, float]:
+        """The eval metrics of `policy` (`eval/...` names); under several processes each rank evaluates
+        every `world_size`-th sample and the sums are all-reduced (a collective: call it on every rank)."""
+        was_training = policy.training
+        policy.eval()
+        try:
+            with preserved_rng(), torch.no_grad():
+                sums = self._rl_sums(policy, rank, world_size) if self.rl else self._sft_sums(policy, rank, world_size)
+        finally:
+            policy.train(was_training)
+        import torch.distributed as dist
+
+        if world_size > 1 and dist.is_available() and dist.is_initialized():
+            dist.all_reduce(sums)
+        sums = sums.tolist()
+        return self._rl_metrics(sums) if self.rl else self._sft_metrics(sums)
+
+    def _rl_sums(self, policy: Any, rank: int, world_size: int) -> torch.Tensor:
+        from framework.rewards import score_rollout
+        from framework.rollout import SamplingParams, generate, stop_token_ids
+
+        cfg, e = self.cfg, self.cfg["eval"]
+        k = e["samples_per_prompt"]
+        changes = {"temperature": e["temperature"]}
+        if e["max_new_tokens"] is not None:
+            changes["max_new_tokens"] = e["max_new_tokens"]
+        params = SamplingParams.from_config(cfg["rollout"], **changes)
+        eos = stop_token_ids(self.tokenizer, policy.config)
+        mine = list(range(rank, len(self.ids), world_size))
+        chunk = cfg["rollout"]["prompts_per_step"]
+        sums = torch.zeros(_RL_SUMS, dtype=torch.float64)
+        for n, start in enumerate(range(0, len(mine), chunk)):
+            part = mine[start:start + chunk]
+            seed = (self.seed * 1_000_003 + rank * 100_003 + n) % (2**31 - 1)
+            ro = generate(policy, [self.ids[i] for i in part for _ in range(k)], params, eos_ids=eos,
+                          tokenizer=self.tokenizer, seed=seed)
+            rewards, _ = score_rollout(self.reward_fn, [self.texts[i] for i in part for _ in range(k)], ro.texts,
+                                       [self.metadatas[i] for i in part for _ in range(k)], cfg["reward"])
+            rewards = rewards.double().view(len(part), k)
+            correct = (rewards >= 1.0).sum(dim=1).tolist()
+            sums += torch.tensor([
+                len(part), rewards.numel(), float(rewards.sum()), float(sum(correct)),
+                sum(pass_at_k(k, c, k) for c in correct), sum(pass_at_k(k, c, 1) for c in correct),
+                float(rewards.mean(dim=1).sum()), float(ro.completion_lens.sum())], dtype=torch.float64)
+        return sums.to(policy.lm_head_weight.device)
+
+    @staticmethod
+    def _rl_metrics(s: list[float]) -> dict[str, float]:
+        prompts, samples = max(s[0], 1.0), max(s[1], 1.0)
+        return {"eval/reward_mean": s[2] / samples, "eval/accuracy": s[3] / samples, "eval/pass@k": s[4] / prompts,
+                "eval/pass@1": s[5] / prompts, "eval/mean@k": s[6] / prompts, "eval/response_len": s[7] / samples,
+                "eval/prompts": s[0]}
+
+    def _sft_sums(self, policy: Any, rank: int, world_size: int) -> torch.Tensor:
+        import ops_cuda
+        from framework.data import IGNORE, collate, truncate
+
+        d = self.cfg["data"]
+        device = policy.lm_head_weight.device
+        mine = self.examples[rank::world_size]
+        sums = torch.zeros(3, dtype=torch.float64, device=device)   # nll, correct, targets
+        pad = self.tokenizer.pad_id if self.tokenizer.pad_id is not None else 0
+        for start in range(0, len(mine), d["batch_size"]):
+            rows = [[truncate(x, d["max_seq_len"])] for x in mine[start:start + d["batch_size"]]]
+            batch = collate(rows, pad, None)
+            hidden = policy(batch["input_ids"].to(device), position_ids=batch["position_ids"].to(device),
+                            return_hidden=True)
+            targets = batch["targets"].to(device)
+            selected = targets != IGNORE
+            h, t = hidden[selected], targets[selected]
+            logprob, _ = ops_cuda.linear_logprob(h, policy.lm_head_weight, t)
+            # the argmax needs the full logits: a chunk of rows at a time bounds them
+            correct = sum(int(((h[i:i + ACCURACY_CHUNK] @ policy.lm_head_weight.T).argmax(-1)
+                               == t[i:i + ACCURACY_CHUNK]).sum()) for i in range(0, h.shape[0], ACCURACY_CHUNK))
+            sums += torch.stack([-logprob.double().sum(), torch.tensor(float(correct), dtype=torch.float64,
+                                                                        device=device),
+                                 torch.tensor(float(t.numel()), dtype=torch.float64, device=device)])
+        return sums
+
+    @staticmethod
+    def _sft_metrics(s: list[float]) -> dict[str, float]:
+        tokens = max(s[2], 1.0)
+        loss = s[0] / tokens
+        return {"eval/loss": loss, "eval/perplexity": math.exp(min(loss, 700.0)), "eval/token_accuracy": s[1] / tokens,
+                "eval/tokens": s[2]}
+
+
+def _length(source: Any) -> int | None:
+    """The number of distinct samples of a finite source (a JSONL dataset), None for a procedural task."""
+    return len(source) if hasattr(source, "__len__") else None
+
+
+def _bounded(source: Any, limit: int) -> int:
+    """`limit`, or the length of a finite source when it is shorter (later indices repeat its records)."""
+    n = _length(source)
+    return limit if n is None else min(n, limit)
+
+
+@contextlib.contextmanager
+def preserved_rng() -> Iterator[None]:
+    """Every global generator (torch, CUDA, Python, NumPy) as it was before the block."""
+    state = rng_state()
+    try:
+        yield
+    finally:
+        set_rng_state(state)
+
+
+def autocast_context(cfg: dict, device: torch.device) -> contextlib.AbstractContextManager:
+    """The autocast training used (`trainer.precision` *-mixed on CUDA), for `fw eval` outside Lightning."""
+    precision = cfg["trainer"]["precision"]
+    if device.type == "cuda" and precision in ("bf16-mixed", "16-mixed"):
+        return torch.autocast("cuda", dtype=torch.bfloat16 if precision == "bf16-mixed" else torch.float16)
+    return contextlib.nullcontext()
+
+
+class EvalCallback(lightning.Callback):
+    """Evaluates every `eval.every_n_steps` policy steps (and at step 0 with `eval.at_start`), logging the
+    metrics at that step: with the step's training metrics when the step is logged (the trainer puts this
+    callback ahead of `MetricsLogger`), else in a record of their own. Either way before the step's
+    checkpoint is saved, so a checkpoint of step k comes after step k's eval."""
+
+    def __init__(self, cfg: dict):
+        _check_source(cfg)
+        self.cfg = cfg
+        self.every = cfg["eval"]["every_n_steps"]
+        self.evaluation: Evaluation | None = None
+        self._step = 0
+        self.history: list[tuple[int, dict[str, float]]] = []   # (step, metrics) of this process's evals
+
+    def on_train_start(self, trainer: lightning.Trainer, module: lightning.LightningModule) -> None:
+        self.evaluation = Evaluation(self.cfg, module.tokenizer, trainer.world_size)
+        self._step = trainer.global_step
+        if self.cfg["eval"]["at_start"] and trainer.global_step == 0:
+            self._evaluate(trainer, module)
+
+    def on_train_batch_end(self, trainer: lightning.Trainer, module: lightning.LightningModule, outputs: Any,
+                           batch: Any, batch_idx: int) -> None:
+        step = trainer.global_step
+        if step == self._step:
+            return
+        due = self.every is not None and crossed(self._step, step, self.every)
+        self._step = step
+        if due:
+            self._evaluate(trainer, module)
+
+    def _evaluate(self, trainer: lightning.Trainer, module: lightning.LightningModule) -> None:
+        from framework.callbacks import MetricsLogger, ProgressBar
+
+        bars = [cb for cb in trainer.callbacks if isinstance(cb, ProgressBar)]
+        for bar in bars:
+            bar.show_phase("eval")
+        try:
+            with trainer.precision_plugin.forward_context():
+                metrics = self.evaluation.run(module.policy, trainer.global_rank, trainer.world_size)
+        finally:
+            for bar in bars:
+                bar.show_phase("step")
+        metrics_logger = next(cb for cb in trainer.callbacks if isinstance(cb, MetricsLogger))
+        if metrics_logger.due(trainer):   # logged with the step's training metrics, in the same record
+            for name, value in metrics.items():
+                module.log_metric(name, value, reduce="last")
+        else:   # step 0, or a step the logging cadence skips: a record of its own
+            metrics_logger.truncate_once(trainer)   # a resumed run drops a crashed run's lines first
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step=trainer.global_step)
+        module.last_eval_metrics = metrics
+        self.history.append((trainer.global_step, metrics))
+
+
+def evaluate_checkpoint(checkpoint: str | Path, cfg: dict | None = None, out: str | Path | None = None,
+                        skip_damaged: bool = False) -> tuple[dict[str, Any], Path]:
+    """Evaluate a checkpoint (or a run directory's newest) as training does; write the JSON report to `out`
+    (default `<run_dir>/eval/<checkpoint>.json`) and return (report, path). `cfg` replaces the
+    checkpoint's own config.yaml (e.g. other eval settings)."""
+    from framework.checkpoint import resolve_checkpoint
+    from framework.checkpoint.directory import read_complete_manifest
+    from framework.generate import _device, load_policy, run_config
+
+    path = resolve_checkpoint(checkpoint, skip_damaged=skip_damaged, verify=skip_damaged)
+    cfg = run_config(cfg, path)
+    step = read_complete_manifest(path).get("step")
+    tokenizer, policy = load_policy(cfg, path)
+    device = _device(cfg)
+    policy.to(device)
+    evaluation = Evaluation(cfg, tokenizer)
+    with autocast_context(cfg, device):
+        metrics = evaluation.run(policy)
+    report = {"checkpoint": str(path), "step": step, "recipe": cfg["recipe"], "metrics": metrics}
+    if out is None:
+        out = (path.parent.parent / "eval" if path.parent.name == "checkpoints" else Path.cwd()) / f"{path.name}.json"
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    return report, out
+
+
+def format_table(report: dict[str, Any]) -> str:
+    """The report's metrics as an aligned two-column table."""
+    metrics = report["metrics"]
+    width = max(len(k) for k in metrics)
+    lines = [f"{report['checkpoint']} (step {report['step']}, recipe {report['recipe']})",
+             f"{'metric'.ljust(width)}  value"]
+    lines += [f"{k.ljust(width)}  {v:.6g}" for k, v in metrics.items()]
+    return "\n".join(lines)

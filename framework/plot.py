@@ -1,0 +1,107 @@
+"""`fw plot`: PNG curves of runs' metrics.jsonl, one panel per metric, steps on x, one line per run.
+
+Training metrics are drawn raw (faint) and smoothed with an exponential moving average; eval metrics,
+which have a point every `eval.every_n_steps` steps only, are drawn as they are, with markers. Needs
+matplotlib (`pip install 'fw[plot]'`); it draws off-screen (the Agg canvas), so no display is needed.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from framework.errors import FwError
+from framework.metrics import read_metrics
+
+DEFAULT_METRICS = ("loss", "reward/mean", "reward/accuracy", "eval/loss", "eval/token_accuracy",
+                   "eval/reward_mean", "eval/accuracy", "eval/pass@k")
+PANEL_INCHES = (5.0, 3.5)   # width, height of one panel
+DPI = 100
+COLUMNS = 2
+
+
+def figure_size(panels: int) -> tuple[int, int]:
+    """The PNG's (width, height) in pixels for `panels` metric panels."""
+    cols = min(COLUMNS, panels)
+    rows = math.ceil(panels / cols)
+    return round(cols * PANEL_INCHES[0] * DPI), round(rows * PANEL_INCHES[1] * DPI)
+
+
+def smooth(values: list[float], weight: float) -> list[float]:
+    """Exponential moving average, debiased so the first points are not pulled towards 0."""
+    out, avg = [], 0.0
+    for i, v in enumerate(values, 1):
+        avg = weight * avg + (1 - weight) * v
+        out.append(avg / (1 - weight ** i) if weight > 0 else v)
+    return out
+
+
+def series(records: list[dict], metric: str) -> tuple[list[int], list[float]]:
+    """(steps, values) of `metric`, finite values only, the last value per step (a resumed run's)."""
+    by_step: dict[int, float] = {}
+    for r in records:
+        v = r.get(metric)
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and r.get("step") is not None:
+            by_step[int(r["step"])] = float(v)
+    steps = sorted(by_step)
+    return steps, [by_step[s] for s in steps]
+
+
+def _metrics_file(run: str | Path) -> Path:
+    path = Path(run)
+    path = path / "metrics.jsonl" if path.is_dir() else path
+    if not path.is_file():
+        raise FwError(f"--run {run}: no metrics.jsonl (give a run directory or its metrics.jsonl)")
+    return path
+
+
+def plot_runs(runs: list[str | Path], out: str | Path | None = None, metrics: list[str] | None = None,
+              smoothing: float = 0.6) -> Path:
+    """Write the PNG of `metrics` (default: those of `DEFAULT_METRICS` any run has) for `runs`; returns
+    its path (default `<first run>/metrics.png`)."""
+    if not 0 <= smoothing < 1:
+        raise FwError(f"--smooth must be in [0, 1), got {smoothing:g}")
+    files = [_metrics_file(r) for r in runs]
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError:
+        raise FwError("fw plot needs matplotlib: pip install 'fw[plot]'") from None
+    data = {str(Path(r)): read_metrics(f) for r, f in zip(runs, files)}
+    present = {k for records in data.values() for r in records for k in r}
+    if metrics is None:
+        metrics = [m for m in DEFAULT_METRICS if m in present]
+        if not metrics:
+            raise FwError(f"fw plot: none of {', '.join(DEFAULT_METRICS)} is in the runs; name some with --metrics")
+    missing = [m for m in metrics if m not in present]
+    if missing:
+        raise FwError(f"--metrics: {', '.join(missing)} not in any run (they have: "
+                      f"{', '.join(sorted(present - {'step'}))})")
+    width, height = figure_size(len(metrics))
+    fig = Figure(figsize=(width / DPI, height / DPI), dpi=DPI, layout="constrained")
+    FigureCanvasAgg(fig)
+    cols = min(COLUMNS, len(metrics))
+    rows = math.ceil(len(metrics) / cols)
+    colors = [f"C{i % 10}" for i in range(len(data))]
+    for i, metric in enumerate(metrics):
+        ax = fig.add_subplot(rows, cols, i + 1)
+        for (name, records), color in zip(data.items(), colors):
+            steps, values = series(records, metric)
+            if not steps:
+                continue
+            label = name if len(data) > 1 else None
+            if metric.startswith("eval/"):
+                ax.plot(steps, values, marker="o", color=color, label=label)
+            else:
+                ax.plot(steps, values, color=color, alpha=0.25, linewidth=1)
+                ax.plot(steps, smooth(values, smoothing), color=color, label=label)
+        ax.set_title(metric)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        if len(data) > 1:
+            ax.legend(fontsize="small")
+    out = Path(out) if out is not None else Path(runs[0]) / "metrics.png" if Path(runs[0]).is_dir() else \
+        Path(runs[0]).with_suffix(".png")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=DPI, format="png")
+    return out

@@ -1,0 +1,297 @@
+"""Evaluation on held-out data: pass@k against hand counts, held-out prompts, RL and SFT metrics against
+independent computations, training untouched by evaluation, exact resume with evaluation on, fw eval."""
+
+import itertools
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from framework.cli import main
+from framework.config import resolve
+from framework.errors import FwError
+from framework.evaluation import EvalCallback, Evaluation, pass_at_k
+from framework.metrics import read_metrics
+from framework.tasks import Digits
+from framework.tokenizer import build_tokenizer
+from framework.trainer import fit
+
+TIMING = {"tokens_per_s", "rollout/tokens_per_s", "rollout/seconds"}   # wall-clock dependent
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class RecordingReward:
+    """1 for a completion whose first character is an even digit; appends (prompt, completion, reward)
+    to a JSONL file."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def __call__(self, prompt, completion, metadata):
+        reward = float(completion[:1].isdigit() and int(completion[0]) % 2 == 0)
+        with open(self.path, "a") as f:
+            f.write(json.dumps([prompt, completion, reward]) + "\n")
+        return reward
+
+
+def grpo_config(run_dir, eval_cfg=None, callbacks=(), reward=None, **changes):
+    cfg = {"recipe": "grpo", "seed": 5, "run_dir": str(run_dir), "model": {"policy": {"preset": "tiny"}},
+           "data": {"task": {"name": "digits", "init_args": {"num_digits": 3, "rule": "next"}}, "chat_template": False},
+           "rollout": {"prompts_per_step": 4, "max_new_tokens": 2}, "reward": reward or {"name": "numeric_match"},
+           "grpo": {"group_size": 4}, "optimizer": {"lr": 3e-3},
+           "trainer": {"accelerator": "cpu", "max_steps": 4, "enable_progress_bar": False},
+           "checkpoint": {"every_n_steps": 2, "keep_last": None},
+           "logging": {"csv": False, "tensorboard": False}, "callbacks": list(callbacks)}
+    if eval_cfg is not None:
+        cfg["eval"] = eval_cfg
+    cfg.update(changes)
+    return resolve(cfg)
+
+
+EVAL = {"every_n_steps": 2, "at_start": True, "max_prompts": 6, "samples_per_prompt": 3}
+
+
+# ---------------------------------------------------------------- pass@k
+
+
+def test_pass_at_k_against_hand_counts():
+    # 5 samples, 2 correct: of the 10 pairs, the 3 pairs of wrong ones fail -> pass@2 = 7/10
+    assert pass_at_k(5, 2, 2) == pytest.approx(0.7)
+    assert pass_at_k(5, 2, 1) == pytest.approx(0.4)
+    assert pass_at_k(5, 0, 3) == 0.0 and pass_at_k(5, 3, 3) == 1.0 and pass_at_k(4, 1, 4) == 1.0
+    # every k-subset of every pattern of n samples, counted one by one
+    for n in range(1, 7):
+        for c in range(n + 1):
+            outcomes = [True] * c + [False] * (n - c)
+            for k in range(1, n + 1):
+                subsets = list(itertools.combinations(outcomes, k))
+                assert pass_at_k(n, c, k) == pytest.approx(sum(any(s) for s in subsets) / len(subsets), abs=1e-12)
+    with pytest.raises(ValueError):
+        pass_at_k(3, 1, 4)
+
+
+def test_rl_eval_metrics_against_the_scored_samples(tmp_path):
+    log = tmp_path / "rewards.jsonl"
+    cfg = grpo_config(tmp_path / "run", {**EVAL, "samples_per_prompt": 4},
+                      reward={"class_path": "test_eval.RecordingReward", "init_args": {"path": str(log)}})
+    torch.manual_seed(0)
+    from framework.models import build_policy
+
+    tokenizer = build_tokenizer(cfg)
+    policy = build_policy(cfg["model"]["policy"], tokenizer)
+    metrics = Evaluation(cfg, tokenizer).run(policy)
+    rows = [json.loads(line) for line in log.read_text().splitlines()]
+    assert len(rows) == 6 * 4   # max_prompts x samples_per_prompt
+    by_prompt = {}
+    for prompt, completion, reward in rows:
+        by_prompt.setdefault(prompt, []).append((completion, reward))
+    assert len(by_prompt) == 6 and all(len(v) == 4 for v in by_prompt.values())
+    rewards = [r for _, _, r in rows]
+    solved = sum(any(r for _, r in v) for v in by_prompt.values())
+    assert 0 < sum(rewards) < len(rewards)   # a mix, so the counts below say something
+    assert metrics["eval/reward_mean"] == pytest.approx(sum(rewards) / 24)
+    assert metrics["eval/accuracy"] == pytest.approx(sum(rewards) / 24)
+    assert metrics["eval/pass@k"] == pytest.approx(solved / 6)   # k = n: a prompt passes if any sample does
+    assert metrics["eval/pass@1"] == pytest.approx(sum(sum(r for _, r in v) / 4 for v in by_prompt.values()) / 6)
+    assert metrics["eval/mean@k"] == pytest.approx(sum(rewards) / 24)
+    assert metrics["eval/prompts"] == 6
+    assert 1 <= metrics["eval/response_len"] <= 2
+
+
+def test_greedy_eval_samples_agree(tmp_path):
+    log = tmp_path / "rewards.jsonl"
+    cfg = grpo_config(tmp_path / "run", {**EVAL, "temperature": 0.0},
+                      reward={"class_path": "test_eval.RecordingReward", "init_args": {"path": str(log)}})
+    from framework.models import build_policy
+
+    tokenizer = build_tokenizer(cfg)
+    Evaluation(cfg, tokenizer).run(build_policy(cfg["model"]["policy"], tokenizer))
+    by_prompt = {}
+    for prompt, completion, _ in (json.loads(line) for line in log.read_text().splitlines()):
+        by_prompt.setdefault(prompt, set()).add(completion)
+    assert len(by_prompt) == 6 and all(len(v) == 1 for v in by_prompt.values())
+
+
+# ---------------------------------------------------------------- held-out prompts
+
+
+def test_eval_prompts_are_never_training_prompts(tmp_path):
+    log = tmp_path / "train_rewards.jsonl"
+    reward = {"class_path": "test_eval.RecordingReward", "init_args": {"path": str(log)}}
+    # 2-digit prompts: 100 of them, 40 training draws, so many eval candidates are training prompts
+    task = {"task": {"name": "digits", "init_args": {"num_digits": 2, "rule": "next"}}, "chat_template": False}
+    cfg = grpo_config(tmp_path / "run", reward=reward, data=task,
+                      rollout={"prompts_per_step": 4, "max_new_tokens": 1}, trainer={
+                          "accelerator": "cpu", "max_steps": 10, "enable_progress_bar": False})
+    fit(cfg)
+    trained = {json.loads(line)[0] for line in log.read_text().splitlines()}
+    assert len(trained) > 20
+    cfg["eval"].update(max_prompts=40)
+    evaluation = Evaluation(cfg, build_tokenizer(cfg))
+    assert len(evaluation.texts) == 40 and len(set(evaluation.texts)) == 40
+    assert not set(evaluation.texts) & trained
+    # the same seed as training draws the training prompts first: all of those are skipped
+    same = Evaluation({**cfg, "eval": {**cfg["eval"], "seed": cfg["seed"]}}, build_tokenizer(cfg))
+    assert not set(same.texts) & trained
+
+
+def test_a_task_without_held_out_prompts_is_refused(tmp_path):
+    task = {"task": {"name": "digits", "init_args": {"num_digits": 1}}, "chat_template": False}
+    cfg = grpo_config(tmp_path / "run", EVAL, data=task, trainer={"accelerator": "cpu", "max_steps": 20})
+    assert {Digits(seed=5).sample(i)["prompt"] for i in range(80)} == {f"{d}=" for d in range(10)}
+    with pytest.raises(FwError, match="every sample of the training task drawn with eval.seed is also a training"):
+        Evaluation(cfg, build_tokenizer(cfg))
+
+
+def test_jsonl_eval_file_leaves_out_training_records(tmp_path):
+    train = tmp_path / "train.jsonl"
+    held = tmp_path / "held.jsonl"
+    train.write_text("".join(json.dumps({"prompt": f"{i}+1=", "answer": str(i + 1)}) + "\n" for i in range(5)))
+    held.write_text("".join(json.dumps({"prompt": f"{i}+1=", "answer": str(i + 1)}) + "\n" for i in range(3, 9)))
+    cfg = grpo_config(tmp_path / "run", {**EVAL, "path": str(held), "max_prompts": 10},
+                      data={"path": str(train), "chat_template": False})
+    texts = Evaluation(cfg, build_tokenizer(cfg)).texts
+    assert sorted(texts) == [f"{i}+1=" for i in range(5, 9)]
+
+
+def test_jsonl_training_data_needs_an_eval_path(tmp_path):
+    train = tmp_path / "train.jsonl"
+    train.write_text(json.dumps({"prompt": "1+1=", "answer": "2"}) + "\n")
+    cfg = grpo_config(tmp_path / "run", EVAL, data={"path": str(train), "chat_template": False})
+    with pytest.raises(FwError, match="set eval.path to a held-out JSONL file"):
+        EvalCallback(cfg)
+
+
+# ---------------------------------------------------------------- training untouched, exact resume
+
+
+def training_lines(records):
+    """The records without eval and wall-clock metrics (records of eval metrics alone left out)."""
+    out = [{k: v for k, v in r.items() if k not in TIMING and not k.startswith("eval/")} for r in records]
+    return [r for r in out if len(r) > 1]
+
+
+def eval_lines(records):
+    """{step, eval/...} of every record that holds eval metrics."""
+    return [{k: v for k, v in r.items() if k == "step" or k.startswith("eval/")} for r in records
+            if any(k.startswith("eval/") for k in r)]
+
+
+def weights(run_dir, step=4):
+    return load_file(str(Path(run_dir) / "checkpoints" / f"step-{step:06d}" / "policy" / "model.safetensors"))
+
+
+def test_eval_leaves_training_untouched_and_resumes_exactly(tmp_path, capsys):
+    plain, evaluated, broken = tmp_path / "plain", tmp_path / "eval", tmp_path / "broken"
+    fit(grpo_config(plain))
+    trainer = fit(grpo_config(evaluated, EVAL, trainer={"accelerator": "cpu", "max_steps": 4,
+                                                        "enable_progress_bar": True}))
+    shown = capsys.readouterr()
+    assert "\reval: " in shown.out + shown.err   # the progress bar says when it evaluates
+    got = read_metrics(evaluated / "metrics.jsonl")
+    assert training_lines(got) == training_lines(read_metrics(plain / "metrics.jsonl"))
+    a, b = weights(plain), weights(evaluated)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    evals = eval_lines(got)
+    assert [r["step"] for r in evals] == [0, 2, 4]
+    history = next(cb for cb in trainer.callbacks if isinstance(cb, EvalCallback)).history
+    assert [(s, {"step": s, **m}) for s, m in history] == [(r["step"], r) for r in evals]
+
+    crash = {"class_path": "test_resume.CrashAt", "init_args": {"step": 3}}
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        fit(grpo_config(broken, EVAL, callbacks=[crash]))
+    fit(grpo_config(broken, EVAL), resume="last")
+    resumed = read_metrics(broken / "metrics.jsonl")
+    assert eval_lines(resumed) == evals   # the step-2 eval before the crash, the step-4 one after the resume
+    assert training_lines(resumed) == training_lines(got)
+    c = weights(broken)
+    assert all(torch.equal(a[k], c[k]) for k in a)
+
+    # fw eval of the step-4 checkpoint: what training logged at step 4, as a table and a JSON file
+    capsys.readouterr()
+    out = tmp_path / "report.json"
+    assert main(["eval", "--checkpoint", str(evaluated / "checkpoints" / "step-000004"), "--out", str(out)]) == 0
+    table = capsys.readouterr().out
+    report = json.loads(out.read_text())
+    assert report["step"] == 4
+    assert {"step": 4, **report["metrics"]} == evals[-1]
+    assert "eval/pass@k" in table and f"wrote {out}" in table
+    # a run directory: its newest checkpoint, the report under <run_dir>/eval/
+    assert main(["eval", "--checkpoint", str(evaluated)]) == 0
+    assert json.loads((evaluated / "eval" / "step-000004.json").read_text())["metrics"] == report["metrics"]
+
+
+def test_fw_eval_errors_are_one_line(tmp_path, capsys):
+    assert main(["eval", "--checkpoint", str(tmp_path / "nothing")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("fw: error: ")
+
+
+# ---------------------------------------------------------------- SFT
+
+
+def sft_config(run_dir, train, held, **eval_changes):
+    return resolve({
+        "recipe": "sft", "seed": 1, "run_dir": str(run_dir), "model": {"policy": {"preset": "tiny"}},
+        "data": {"path": str(train), "max_seq_len": 256, "batch_size": 2},
+        "trainer": {"accelerator": "cpu", "max_steps": 2, "enable_progress_bar": False},
+        "logging": {"csv": False, "tensorboard": False},
+        "eval": {"path": str(held), "every_n_steps": 1, "max_prompts": 5, **eval_changes}})
+
+
+def test_sft_eval_against_float64_reference(tmp_path):
+    lines = (ROOT / "recipes" / "data" / "arithmetic_chat.jsonl").read_text().splitlines()
+    train, held = tmp_path / "train.jsonl", tmp_path / "held.jsonl"
+    train.write_text("\n".join(lines[:6]) + "\n")
+    held.write_text("\n".join(lines[4:11]) + "\n")   # two training records, then five held-out ones
+    cfg = sft_config(tmp_path / "run", train, held)
+    from framework.data import IGNORE, encode_record
+    from framework.models import build_policy
+
+    tokenizer = build_tokenizer(cfg)
+    torch.manual_seed(0)
+    policy = build_policy(cfg["model"]["policy"], tokenizer)
+    metrics = Evaluation(cfg, tokenizer).run(policy)
+
+    nll = correct = count = 0.0
+    for line in lines[6:11]:
+        ex = encode_record(json.loads(line), "auto", tokenizer, cfg, "ref", train_on_prompt=False)
+        with torch.no_grad():
+            hidden = policy(torch.tensor([ex.ids]), return_hidden=True)[0].double()
+        logits = hidden @ policy.lm_head_weight.detach().double().T
+        targets = torch.tensor(ex.targets)
+        keep = targets != IGNORE
+        logp = torch.log_softmax(logits[keep], dim=-1).gather(1, targets[keep][:, None])
+        nll -= float(logp.sum())
+        correct += float((logits[keep].argmax(-1) == targets[keep]).sum())
+        count += float(keep.sum())
+    assert metrics["eval/tokens"] == count
+    assert metrics["eval/loss"] == pytest.approx(nll / count, rel=1e-5)
+    assert metrics["eval/perplexity"] == pytest.approx(math.exp(nll / count), rel=1e-5)
+    assert metrics["eval/token_accuracy"] == pytest.approx(correct / count)
+
+
+def test_sft_fit_logs_eval_every_step(tmp_path):
+    lines = (ROOT / "recipes" / "data" / "arithmetic_chat.jsonl").read_text().splitlines()
+    train, held = tmp_path / "train.jsonl", tmp_path / "held.jsonl"
+    train.write_text("\n".join(lines[:8]) + "\n")
+    held.write_text("\n".join(lines[8:12]) + "\n")
+    fit(sft_config(tmp_path / "run", train, held))
+    evals = eval_lines(read_metrics(tmp_path / "run" / "metrics.jsonl"))
+    assert [r["step"] for r in evals] == [1, 2]
+    assert all(set(r) == {"step", "eval/loss", "eval/perplexity", "eval/token_accuracy", "eval/tokens"} for r in evals)
+    assert evals[1]["eval/loss"] != evals[0]["eval/loss"]   # the weights changed in between
+
+
+@pytest.mark.parametrize("path", ["train.yaml", "recipes/grpo.yaml", "recipes/ppo.yaml", "recipes/sft.yaml"])
+def test_shipped_configs_evaluate(path):
+    from framework.config import load_config
+
+    cfg = load_config([str(ROOT / path)])
+    assert cfg["eval"]["every_n_steps"] is not None
+    evaluation = Evaluation(cfg, build_tokenizer(cfg))   # held-out data, or a task with held-out prompts
+    held = evaluation.texts if evaluation.rl else evaluation.examples
+    assert len(held) == cfg["eval"]["max_prompts"]

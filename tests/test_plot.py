@@ -1,0 +1,70 @@
+"""fw plot writes a valid PNG of the expected size from real metrics.jsonl files (one run or several)."""
+
+import json
+import struct
+import zlib
+from pathlib import Path
+
+import pytest
+
+from framework.cli import main
+from framework.plot import figure_size, series, smooth
+
+pytest.importorskip("matplotlib")
+
+
+def png_size(path: Path) -> tuple[int, int]:
+    """(width, height) from the PNG's IHDR chunk, after checking the signature and the chunk's CRC."""
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    length, kind = struct.unpack(">I4s", data[8:16])
+    assert kind == b"IHDR" and length == 13
+    body = data[16:16 + length]
+    assert struct.unpack(">I", data[16 + length:20 + length])[0] == zlib.crc32(kind + body)
+    assert data.endswith(b"IEND\xaeB`\x82")
+    return struct.unpack(">II", body[:8])
+
+
+def write_run(run: Path, offset: float) -> None:
+    run.mkdir(parents=True)
+    lines = [{"step": 0, "eval/accuracy": 0.1 + offset}]
+    lines += [{"step": s, "reward/mean": s / 10 + offset, "loss": 1 / s} for s in range(1, 11)]
+    lines += [{"step": 5, "eval/accuracy": 0.5 + offset}, {"step": 10, "eval/accuracy": 0.9 + offset}]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+
+
+def test_plot_of_two_runs_is_a_png_of_the_expected_size(tmp_path, capsys):
+    a, b = tmp_path / "a", tmp_path / "b"
+    write_run(a, 0.0)
+    write_run(b, 0.05)
+    out = tmp_path / "cmp.png"
+    assert main(["plot", "--run", str(a), "--run", str(b), "--metrics", "reward/mean,eval/accuracy,loss",
+                 "--out", str(out)]) == 0
+    assert capsys.readouterr().out.strip() == f"wrote {out}"
+    # 3 panels in 2 columns: 2 x 5 in by 2 x 3.5 in at 100 dpi
+    assert figure_size(3) == (1000, 700)
+    assert png_size(out) == (1000, 700)
+
+
+def test_plot_defaults_to_the_run_dir_and_known_metrics(tmp_path):
+    write_run(tmp_path / "a", 0.0)
+    assert main(["plot", "--run", str(tmp_path / "a")]) == 0
+    # loss, reward/mean and eval/accuracy are in DEFAULT_METRICS: 3 panels
+    assert png_size(tmp_path / "a" / "metrics.png") == (1000, 700)
+
+
+def test_plot_errors_are_one_line(tmp_path, capsys):
+    write_run(tmp_path / "a", 0.0)
+    assert main(["plot", "--run", str(tmp_path / "a"), "--metrics", "nope"]) == 2
+    assert main(["plot", "--run", str(tmp_path / "missing")]) == 2
+    errors = capsys.readouterr().err.strip().splitlines()
+    assert len(errors) == 2 and all(e.startswith("fw: error: ") for e in errors)
+    assert "nope not in any run" in errors[0] and "no metrics.jsonl" in errors[1]
+
+
+def test_series_and_smoothing():
+    records = [{"step": 2, "x": 1.0}, {"step": 1, "x": 3.0}, {"step": 2, "x": 5.0}, {"step": 3, "x": "nan"}]
+    assert series(records, "x") == ([1, 2], [3.0, 5.0])   # the later line of a step wins
+    # debiased EMA, by hand: 0.5*0 + 0.5*2 = 1 -> 1/0.5 = 2; 0.5*1 + 0.5*4 = 2.5 -> 2.5/0.75
+    assert smooth([2.0, 4.0], 0.5) == pytest.approx([2.0, 2.5 / 0.75])
+    assert smooth([2.0, 4.0], 0.0) == [2.0, 4.0]
