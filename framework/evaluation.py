@@ -193,6 +193,7 @@ class Evaluation:
     def _rl_sums(self, policy: Any, rank: int, world_size: int) -> torch.Tensor:
         from framework.rewards import score_rollout
         from framework.rollout import SamplingParams, generate, stop_token_ids
+        from framework.rollout.kv_cache import CacheSettings
 
         cfg, e = self.cfg, self.cfg["eval"]
         k = e["samples_per_prompt"]
@@ -208,7 +209,7 @@ class Evaluation:
             part = mine[start:start + chunk]
             seed = (self.seed * 1_000_003 + rank * 100_003 + n) % (2**31 - 1)
             ro = generate(policy, [self.ids[i] for i in part for _ in range(k)], params, eos_ids=eos,
-                          tokenizer=self.tokenizer, seed=seed)
+                          tokenizer=self.tokenizer, seed=seed, cache=CacheSettings.from_config(cfg["rollout"]))
             rewards, _ = score_rollout(self.reward_fn, [self.texts[i] for i in part for _ in range(k)], ro.texts,
                                        [self.metadatas[i] for i in part for _ in range(k)], cfg["reward"])
             rewards = rewards.double().view(len(part), k)
