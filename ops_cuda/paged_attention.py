@@ -65,20 +65,21 @@ def _batched_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor, tables: Tensor
     for lo in range(0, N, step):
         hi = min(N, lo + step)
         blocks = tables[lo:hi, :n_blocks]
-        # [n, Hk, T, D]: row i's positions in order
-        k = k_pool[blocks].to(acc).permute(0, 2, 1, 3, 4).reshape(hi - lo, Hk, T, D)
-        v = v_pool[blocks].to(acc).permute(0, 2, 1, 3, 4).reshape(hi - lo, Hk, T, D)
-        qi = q[lo:hi].to(acc).reshape(hi - lo, Hk, G, 1, D)
-        s = (qi * k[:, :, None]).sum(-1) * scale                              # [n, Hk, G, T]
+        n = hi - lo
+        k = k_pool[blocks].to(acc)                                             # [n, n_blocks, Hk, bs, D]
+        v = v_pool[blocks].to(acc).permute(0, 2, 1, 3, 4)[:, :, None]          # [n, Hk, 1, n_blocks, bs, D]
+        qi = q[lo:hi].to(acc).reshape(n, 1, Hk, G, 1, D)
+        s = (qi * k[:, :, :, None]).sum(-1)                                    # [n, n_blocks, Hk, G, bs]
+        s = s.permute(0, 2, 3, 1, 4).reshape(n, Hk, G, T) * scale              # positions in order
         masked = (positions[None, :] >= lengths[lo:hi, None])[:, None, None, :]
         s.masked_fill_(masked, float("-inf"))
         m = s.amax(-1, keepdim=True)
         m.masked_fill_(m == float("-inf"), 0.0)                                # rows of length 0
         e = (s - m).exp_()                                                     # exact zeros where masked
         den = e.cumsum(-1)[..., -1:]                                           # [n, Hk, G, 1]
-        num = (e[..., None] * v[:, :, None]).cumsum(-2)[..., -1, :]            # [n, Hk, G, D]
+        num = (e.view(n, Hk, G, n_blocks, bs, 1) * v).view(n, Hk, G, T, D).cumsum(-2)[..., -1, :]
         o = torch.where(den > 0, num / den, 0.0)
-        out[lo:hi] = o.reshape(hi - lo, Hq, D)
+        out[lo:hi] = o.reshape(n, Hq, D)
     return out.to(q.dtype)
 
 
