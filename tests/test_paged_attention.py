@@ -122,9 +122,10 @@ def test_paged_decode_kernel_in_a_cuda_graph():
 
 
 @pytest.mark.parametrize("D, bs", [(8, 4), (16, 16), (128, 16)])
-def test_cpu_rows_are_bitwise_independent_of_their_batch(D, bs):
+def test_cpu_rows_are_bitwise_independent_of_their_batch(D, bs, monkeypatch):
     """fp32 on CPU: a row's decode and prefill outputs are bitwise the same alone, next to rows of longer
-    contexts (the batch's longest context padded to several lengths) and at any slot of the batch."""
+    contexts (the batch's longest context padded to several lengths), at any slot of the batch, and when
+    the batch is split into chunks of one row."""
     lengths = [5, 1, 37, 16, 70, 3]
     k_pool, v_pool, tables = paged_problem(lengths, Hq=4, Hk=2, D=D, bs=bs)
     g = torch.Generator().manual_seed(4)
@@ -140,6 +141,11 @@ def test_cpu_rows_are_bitwise_independent_of_their_batch(D, bs):
         assert torch.equal(batched[b], alone[0]) and torch.equal(permuted[perm.index(b)], alone[0]), b
         want = naive(q[b:b + 1], k_pool, v_pool, tables[b], n, n - 1, 0.3)[0]
         torch.testing.assert_close(alone[0].double(), want, atol=1e-5, rtol=0)
+    from ops_cuda import paged_attention
+    with monkeypatch.context() as m:
+        m.setattr(paged_attention, "_CHUNK_ELEMENTS", 1)
+        chunked = ops_cuda.paged_decode_attention(q, k_pool, v_pool, tables, torch.tensor(lengths), 0.3)
+    assert torch.equal(chunked, batched)
     # prefill: row 0's last 4 queries alone, then after the 37- and 70-token rows' queries
     qp = torch.randn(4 + 9 + 20, 4, D, generator=g)
     alone = ops_cuda.paged_prefill_attention(qp[:4], k_pool, v_pool, tables[:1, :-(-5 // bs)],
