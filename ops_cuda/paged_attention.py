@@ -4,8 +4,10 @@ autograd). CUDA kernel of the decode op: csrc/decode_attention.cu (the decode ke
 indirection); the prefill op runs its reference on CUDA too (a gather per row, then SDPA).
 
 Pool layout: k_pool, v_pool [num_blocks, Hk, block_size, D]; position p of row b lives in block
-block_tables[b, p // block_size] at offset p % block_size. The references handle one row at a time, so
-a row's result does not depend on which other rows share its batch.
+block_tables[b, p // block_size] at offset p % block_size. A row's result does not depend on which other
+rows share its batch: on CPU every query is batched over the longest context of its call, with reductions
+whose order does not depend on that length (`_batched_attention`); elsewhere the references run one row at
+a time.
 """
 from __future__ import annotations
 
@@ -38,9 +40,54 @@ def _row_attention(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
     return out.reshape(Hq, Tq, D).permute(1, 0, 2).to(q.dtype)
 
 
+_CHUNK_ELEMENTS = 1 << 24   # CPU: the most elements of one [rows, Hq, T, D] product (64 MiB in float32)
+
+
+def _batched_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor, tables: Tensor, lengths: Tensor,
+                       scale: float) -> Tensor:
+    """CPU: query i [Hq, D] of q [N, Hq, D] attends to positions 0..lengths[i]-1 of the row whose block table
+    is tables[i]; length 0 gives zeros. Contexts are gathered up to the longest and masked; every reduction
+    over positions is a cumsum (one sequential sum per output, in position order), so the masked positions
+    add exact zeros and a query's result is bitwise the same whatever the longest context and the other
+    queries are. The dot products reduce over D, the same size for every query."""
+    N, Hq, D = q.shape
+    Hk, bs = k_pool.shape[1], k_pool.shape[2]
+    G = Hq // Hk
+    acc = acc_dtype(q.dtype)
+    out = torch.zeros(N, Hq, D, dtype=acc)
+    longest = int(lengths.max()) if N else 0
+    if longest == 0:
+        return out.to(q.dtype)
+    n_blocks = -(-longest // bs)
+    T = n_blocks * bs
+    step = max(1, _CHUNK_ELEMENTS // (Hq * T * D))
+    positions = torch.arange(T)
+    for lo in range(0, N, step):
+        hi = min(N, lo + step)
+        blocks = tables[lo:hi, :n_blocks]
+        n = hi - lo
+        k = k_pool[blocks].to(acc)                                             # [n, n_blocks, Hk, bs, D]
+        v = v_pool[blocks].to(acc).permute(0, 2, 1, 3, 4)[:, :, None]          # [n, Hk, 1, n_blocks, bs, D]
+        qi = q[lo:hi].to(acc).reshape(n, 1, Hk, G, 1, D)
+        s = (qi * k[:, :, :, None]).sum(-1)                                    # [n, n_blocks, Hk, G, bs]
+        s = s.permute(0, 2, 3, 1, 4).reshape(n, Hk, G, T) * scale              # positions in order
+        masked = (positions[None, :] >= lengths[lo:hi, None])[:, None, None, :]
+        s.masked_fill_(masked, float("-inf"))
+        m = s.amax(-1, keepdim=True)
+        m.masked_fill_(m == float("-inf"), 0.0)                                # rows of length 0
+        e = (s - m).exp_()                                                     # exact zeros where masked
+        den = e.cumsum(-1)[..., -1:]                                           # [n, Hk, G, 1]
+        num = (e.view(n, Hk, G, n_blocks, bs, 1) * v).view(n, Hk, G, T, D).cumsum(-2)[..., -1, :]
+        o = torch.where(den > 0, num / den, 0.0)
+        out[lo:hi] = o.reshape(n, Hq, D)
+    return out.to(q.dtype)
+
+
 def paged_decode_attention_reference(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_tables: Tensor,
                                      lengths: Tensor, scale: float) -> Tensor:
     """q [B, Hq, D] attends to positions 0..lengths[b]-1 of row b; a row of length 0 gives zeros."""
+    if q.device.type == "cpu":
+        return _batched_attention(q, k_pool, v_pool, block_tables, lengths, scale)
     out = torch.zeros_like(q)
     for b, n in enumerate(lengths.tolist()):
         if n > 0:
@@ -54,6 +101,16 @@ def paged_prefill_attention_reference(q: Tensor, k_pool: Tensor, v_pool: Tensor,
                                       cu_seqlens: Tensor, lengths: Tensor, scale: float) -> Tensor:
     """Packed queries q [N, Hq, D]: tokens cu_seqlens[r]..cu_seqlens[r+1]-1 are the last positions of row r,
     whose context (already in the pool) is lengths[r] long; causal. Tokens past cu_seqlens[-1] give zeros."""
+    if q.device.type == "cpu":
+        # each query token is a decode query over its row's context up to its own position
+        counts = cu_seqlens[1:] - cu_seqlens[:-1]
+        n_real = int(cu_seqlens[-1])
+        owner = torch.repeat_interleave(torch.arange(len(counts)), counts)
+        last = cu_seqlens[1:][owner] - 1                       # index of the row's last query token
+        upto = lengths[owner] - (last - torch.arange(n_real))  # query i sees positions 0..upto-1
+        pad = q.shape[0] - n_real
+        tables = torch.cat([block_tables[owner], block_tables.new_zeros(pad, block_tables.shape[1])])
+        return _batched_attention(q, k_pool, v_pool, tables, torch.cat([upto, upto.new_zeros(pad)]), scale)
     out = torch.zeros_like(q)
     bounds = cu_seqlens.tolist()
     for r, n in enumerate(lengths.tolist()):

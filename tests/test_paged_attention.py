@@ -119,3 +119,39 @@ def test_paged_decode_kernel_in_a_cuda_graph():
         out = ops_cuda.paged_decode_attention(q, k_pool, v_pool, tables, lens, 0.1)
     graph.replay()
     assert torch.equal(out, eager)
+
+
+@pytest.mark.parametrize("D, bs", [(8, 4), (16, 16), (128, 16)])
+def test_cpu_rows_are_bitwise_independent_of_their_batch(D, bs, monkeypatch):
+    """fp32 on CPU: a row's decode and prefill outputs are bitwise the same alone, next to rows of longer
+    contexts (the batch's longest context padded to several lengths), at any slot of the batch, and when
+    the batch is split into chunks of one row."""
+    lengths = [5, 1, 37, 16, 70, 3]
+    k_pool, v_pool, tables = paged_problem(lengths, Hq=4, Hk=2, D=D, bs=bs)
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(len(lengths), 4, D, generator=g)
+    batched = ops_cuda.paged_decode_attention(q, k_pool, v_pool, tables, torch.tensor(lengths), 0.3)
+    perm = [4, 2, 0, 5, 3, 1]
+    permuted = ops_cuda.paged_decode_attention(q[perm], k_pool, v_pool, tables[perm], torch.tensor(lengths)[perm],
+                                               0.3)
+    for b, n in enumerate(lengths):
+        width = -(-n // bs)
+        alone = ops_cuda.paged_decode_attention(q[b:b + 1], k_pool, v_pool, tables[b:b + 1, :width],
+                                                torch.tensor([n]), 0.3)
+        assert torch.equal(batched[b], alone[0]) and torch.equal(permuted[perm.index(b)], alone[0]), b
+        want = naive(q[b:b + 1], k_pool, v_pool, tables[b], n, n - 1, 0.3)[0]
+        torch.testing.assert_close(alone[0].double(), want, atol=1e-5, rtol=0)
+    from ops_cuda import paged_attention
+    with monkeypatch.context() as m:
+        m.setattr(paged_attention, "_CHUNK_ELEMENTS", 1)
+        chunked = ops_cuda.paged_decode_attention(q, k_pool, v_pool, tables, torch.tensor(lengths), 0.3)
+    assert torch.equal(chunked, batched)
+    # prefill: row 0's last 4 queries alone, then after the 37- and 70-token rows' queries
+    qp = torch.randn(4 + 9 + 20, 4, D, generator=g)
+    alone = ops_cuda.paged_prefill_attention(qp[:4], k_pool, v_pool, tables[:1, :-(-5 // bs)],
+                                             torch.tensor([0, 4]), torch.tensor([5]), 0.4)
+    mixed = torch.cat([qp[4:13], qp[13:], qp[:4]])
+    out = ops_cuda.paged_prefill_attention(mixed, k_pool, v_pool, tables[[2, 4, 0]], torch.tensor([0, 9, 29, 33]),
+                                           torch.tensor([37, 70, 5]), 0.4)
+    assert torch.equal(out[29:], alone)
+    torch.testing.assert_close(alone.double(), naive(qp[:4], k_pool, v_pool, tables[0], 5, 1, 0.4), atol=1e-5, rtol=0)

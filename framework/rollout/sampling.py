@@ -85,8 +85,9 @@ def draw(logits: Tensor, params: SamplingParams, key: int, counters: Tensor) -> 
     (key, counters[b]) only (counters int64 [B, 2]: sequence id, decode step), never by its slot in the batch.
 
     CUDA: ``ops_cuda.sample`` (Gumbel-max over Philox noise of every column). CPU: inverse-CDF sampling with
-    one Philox uniform per row (53 bits), the cumulative mass summed in float64, which draws from the same
-    filtered distribution at a fraction of the cost of per-column noise; logprobs are the same formula.
+    one Philox uniform per row (53 bits) over the row's softmax, which draws from the same filtered
+    distribution at a fraction of the cost of per-column noise; the logprob is the log of the drawn token's
+    full-softmax probability.
     """
     T = params.temperature
     if logits.device.type != "cpu":
@@ -95,35 +96,39 @@ def draw(logits: Tensor, params: SamplingParams, key: int, counters: Tensor) -> 
     if T == 0.0:
         tokens = z.argmax(-1)
         return tokens, (z.gather(1, tokens[:, None]).squeeze(1) - z.logsumexp(-1))
-    z = z / T
-    zmax = z.max(-1, keepdim=True).values
-    p = (z - zmax).exp_()
-    lse = zmax.squeeze(1) + p.sum(-1).log()
+    if T != 1.0:
+        z = z / T
+    p = torch.softmax(z, -1)   # one fused pass a row: max, exp, sum, scale
     if params.top_k or params.top_p < 1.0 or params.min_p > 0.0:
         p.masked_fill_(~sampling_mask(z, params.top_k, params.top_p, params.min_p), 0.0)
     tokens = _inverse_cdf(p, _uniform53(key, counters))
-    return tokens, z.gather(1, tokens[:, None]).squeeze(1) - lse
+    # masking keeps the drawn token's probability, which is under the full softmax
+    return tokens, p.gather(1, tokens[:, None]).squeeze(1).double().log().float()
 
 
 def _inverse_cdf(p: Tensor, u: Tensor) -> Tensor:
     """The first column whose cumulative mass exceeds u x the row's mass, for p [B, V] >= 0: the chunk by the
-    float64 running sums of chunk sums, then the column within it (two small scans instead of one over V)."""
+    float64 running sums of the chunks' (float32) sums, then the column within it (two small scans instead of
+    one over V). A chunk sum may round above its columns' float64 running sum; the pick then falls back to
+    the last column (chunk) before it with mass, so a column of zero mass is never drawn."""
     B, V = p.shape
     pad = -V % _CHUNK
     if pad:
         p = torch.nn.functional.pad(p, (0, pad))
-    sums = p.view(B, -1, _CHUNK).sum(-1, dtype=torch.float64).cumsum(-1)
+    sums = p.view(B, -1, _CHUNK).sum(-1).double().cumsum(-1)
     target = (u * sums[:, -1])[:, None]
     chunk = torch.searchsorted(sums, target, right=True).clamp_(max=sums.shape[1] - 1)
+    chunk = torch.searchsorted(sums, sums.gather(1, chunk))       # the last chunk with mass at or before
     before = torch.where(chunk > 0, sums.gather(1, (chunk - 1).clamp(min=0)), 0.0)
     cols = chunk * _CHUNK + torch.arange(_CHUNK)[None, :]
     inner = p.gather(1, cols).cumsum(-1, dtype=torch.float64)
     j = torch.searchsorted(inner, target - before, right=True).clamp_(max=_CHUNK - 1)
-    return (chunk * _CHUNK + j).squeeze(1).clamp_(max=V - 1)
+    j = torch.searchsorted(inner, inner.gather(1, j))             # the last column with mass at or before
+    return (chunk * _CHUNK + j).squeeze(1)
 
 
 def _uniform53(key: int, counters: Tensor) -> Tensor:
-    """float64 [B] in (0, 1) from Philox4x32-10 keyed by `key`, counter (c1, c2, 1, 0) of each row: a stream
+    """float64 [B] in (0, 1] from Philox4x32-10 keyed by `key`, counter (c1, c2, 1, 0) of each row: a stream
     apart from the sampler's Gumbel noise, whose counters end in (.., 0, 0)."""
     c = counters.to(torch.int64)
     one = torch.ones_like(c[:, 0])
