@@ -346,7 +346,9 @@ def test_ppo_with_lora_trains_a_full_critic(tmp_path, toy_base):
     assert isinstance(module.reference, AdaptersOff)
     assert not any(isinstance(m, LoraLinear) for m in module.value.modules())
     assert all(p.requires_grad for p in module.value.parameters())   # the critic trains every weight
-    assert all(r["critic_grad_norm"] > 0 for r in metrics)
+    # a step whose returns are all 0 (no sample rewarded: chance is ~1% here) leaves the value loss flat
+    assert any(r["value/loss"] > 0 for r in metrics)
+    assert all(r["critic_grad_norm"] > 0 for r in metrics if r["value/loss"] > 0)
     _only_adapters_changed(cfg, module)
     ckpt = _checkpoint(cfg, 2)
     assert (ckpt / "value" / "model.safetensors").is_file() and (ckpt / "policy" / "adapter_config.json").is_file()
