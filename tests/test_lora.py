@@ -341,7 +341,8 @@ def test_grpo_with_lora_uses_the_base_as_kl_reference(tmp_path, toy_base):
 
 
 def test_ppo_with_lora_trains_a_full_critic(tmp_path, toy_base):
-    cfg, trainer, metrics = _rl(tmp_path, "recipes/ppo.yaml", toy_base, 2)
+    # three steps: B starts at 0, so A's first gradient comes the step after B first moves
+    cfg, trainer, metrics = _rl(tmp_path, "recipes/ppo.yaml", toy_base, 3)
     module = trainer.lightning_module
     assert isinstance(module.reference, AdaptersOff)
     assert not any(isinstance(m, LoraLinear) for m in module.value.modules())
@@ -350,7 +351,7 @@ def test_ppo_with_lora_trains_a_full_critic(tmp_path, toy_base):
     assert any(r["value/loss"] > 0 for r in metrics)
     assert all(r["critic_grad_norm"] > 0 for r in metrics if r["value/loss"] > 0)
     _only_adapters_changed(cfg, module)
-    ckpt = _checkpoint(cfg, 2)
+    ckpt = _checkpoint(cfg, 3)
     assert (ckpt / "value" / "model.safetensors").is_file() and (ckpt / "policy" / "adapter_config.json").is_file()
 
 
