@@ -529,11 +529,15 @@ def test_resuming_a_finished_run_removes_a_dead_writers_leftovers(run_dir):
     assert not leftover.exists()
 
 
-def test_fit_reports_each_save_with_its_size_and_speed(tmp_path, capsys):
-    """Every save prints one line: the checkpoint, the bytes its manifest lists, the write's time and speed,
-    and the whole save's time (with gathering the states)."""
+def test_fit_reports_large_saves_with_their_size_and_speed(tmp_path, capsys, monkeypatch):
+    """A save of at least REPORT_BYTES prints one line: the checkpoint, the bytes its manifest lists, the
+    write's time and speed, and the whole save's time (with gathering the states). Here every save counts
+    as large; by default the tiny model's saves stay quiet."""
+    from framework.checkpoint import lightning_io
     from framework.config import resolve
     from framework.trainer import fit
+
+    monkeypatch.setattr(lightning_io, "REPORT_BYTES", 0)
 
     cfg = resolve({"recipe": "sft", "run_dir": str(tmp_path / "run"), "model": {"policy": {"preset": "tiny"}},
                    "data": {"path": str(Path(__file__).parents[1] / "recipes/data/arithmetic_chat.jsonl"),

@@ -22,6 +22,10 @@ from framework.checkpoint.store import (
 )
 from framework.optim import allow_optimizer_states
 
+# Saves of at least this many bytes are reported on stderr (size, the write's speed, the whole save's time);
+# smaller ones take moments and stay quiet.
+REPORT_BYTES = 1 << 30
+
 
 class AtomicCheckpointIO(CheckpointIO):
     """Lightning CheckpointIO writing fw checkpoint directories (the format: `framework.checkpoint`)."""
@@ -112,7 +116,7 @@ class CheckpointCallback(pl.Callback):
         if trainer.is_global_zero:
             prune(self.cfg["run_dir"], self.keep_last)
             io = trainer.strategy.checkpoint_io
-            if isinstance(io, AtomicCheckpointIO) and io.last_write is not None:
+            if isinstance(io, AtomicCheckpointIO) and io.last_write is not None and io.last_write[0] >= REPORT_BYTES:
                 # the write against the whole save (which also gathers the states): where a slow save's time goes
                 size, seconds = io.last_write
                 shown = f"{size / 2**30:.2f} GiB" if size >= 2**30 else f"{size / 2**20:.1f} MiB"
