@@ -32,3 +32,27 @@ def install_recipe(tmp_path, monkeypatch):
         monkeypatch.syspath_prepend(str(tmp_path / "site"))
 
     return install
+
+
+@pytest.fixture(scope="module")
+def tok():
+    """The built-in character tokenizer."""
+    from framework.tokenizer import Tokenizer
+
+    return Tokenizer.builtin()
+
+
+@pytest.fixture(scope="module")
+def model(tok):
+    """The rollout engine's tiny model, with larger weights than the init: peaked, varied next-token
+    distributions."""
+    from framework.models import Qwen3ForCausalLM
+    from framework.models.presets import preset_config
+
+    torch.manual_seed(0)
+    m = Qwen3ForCausalLM(preset_config("tiny", tok.vocab_size, tok.eos_id, tok.pad_id))
+    with torch.no_grad():
+        for p in m.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.3)
+    return m.eval()

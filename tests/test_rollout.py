@@ -14,22 +14,6 @@ from framework.tokenizer import Tokenizer
 
 
 @pytest.fixture(scope="module")
-def tok():
-    return Tokenizer.builtin()
-
-
-@pytest.fixture(scope="module")
-def model(tok):
-    torch.manual_seed(0)
-    m = Qwen3ForCausalLM(preset_config("tiny", tok.vocab_size, tok.eos_id, tok.pad_id))
-    with torch.no_grad():  # larger weights than the init: peaked, varied next-token distributions
-        for p in m.parameters():
-            if p.dim() > 1:
-                p.normal_(0.0, 0.3)
-    return m.eval()
-
-
-@pytest.fixture(scope="module")
 def prompts(tok):
     return [tok.encode(t) for t in ("12+34=", "7=", "hello world, ", "a", "99*9=")]
 

@@ -5,29 +5,10 @@ import pytest
 import torch
 
 from framework.errors import FwError
-from framework.models import Qwen3ForCausalLM
-from framework.models.presets import preset_config
 from framework.rollout import CacheSettings, RolloutEngine, SamplingParams, generate
 from framework.rollout.block_manager import BlockManager, block_hashes
 from framework.rollout.kv_cache import block_bytes
 from framework.rollout.scheduler import RowState, Scheduler, blocks_for
-from framework.tokenizer import Tokenizer
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return Tokenizer.builtin()
-
-
-@pytest.fixture(scope="module")
-def model(tok):
-    torch.manual_seed(0)
-    m = Qwen3ForCausalLM(preset_config("tiny", tok.vocab_size, tok.eos_id, tok.pad_id))
-    with torch.no_grad():   # peaked, varied next-token distributions
-        for p in m.parameters():
-            if p.dim() > 1:
-                p.normal_(0.0, 0.3)
-    return m.eval()
 
 
 def gib_for_blocks(model, n_blocks, block_size=16):
