@@ -42,17 +42,21 @@ def tok():
     return Tokenizer.builtin()
 
 
-@pytest.fixture(scope="module")
-def model(tok):
-    """The rollout engine's tiny model, with larger weights than the init: peaked, varied next-token
-    distributions."""
+def peaked_tiny_model(tok, seed: int = 0):
+    """The tiny preset for `tok` with larger weights than the init: peaked, varied next-token distributions."""
     from framework.models import Qwen3ForCausalLM
     from framework.models.presets import preset_config
 
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     m = Qwen3ForCausalLM(preset_config("tiny", tok.vocab_size, tok.eos_id, tok.pad_id))
     with torch.no_grad():
         for p in m.parameters():
             if p.dim() > 1:
                 p.normal_(0.0, 0.3)
     return m.eval()
+
+
+@pytest.fixture(scope="module")
+def model(tok):
+    """The rollout engine tests' model."""
+    return peaked_tiny_model(tok)

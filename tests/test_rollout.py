@@ -5,10 +5,10 @@ from collections import Counter
 
 import pytest
 import torch
+from conftest import peaked_tiny_model
 
 from framework.errors import FwError
 from framework.models import Qwen3ForCausalLM, save_pretrained
-from framework.models.presets import preset_config
 from framework.rollout import Rollout, SamplingParams, generate
 from framework.tokenizer import Tokenizer
 
@@ -398,12 +398,7 @@ def test_stop_string_inside_a_multi_character_token():
         vocab_size=320, special_tokens=["<|endoftext|>", "<|im_end|>"],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     tok = Tokenizer(hf)
-    torch.manual_seed(3)
-    model = Qwen3ForCausalLM(preset_config("tiny", tok.vocab_size, tok.eos_id, tok.pad_id))
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0.0, 0.3)
+    model = peaked_tiny_model(tok, seed=3)
     prompts = [tok.encode("the cat")] * 16
     free = generate(model, prompts, SamplingParams(max_new_tokens=16, temperature=1.0), seed=0, tokenizer=tok)
     # the first sampled multi-character token whose first character, with the character before it,
