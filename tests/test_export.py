@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from scripts.ckpt_writer import make_cfg
+from scripts.ckpt_writer import make_cfg, policy_checkpoint
 
 from framework import checkpoint as ck
 from framework.errors import FwError
@@ -33,13 +33,7 @@ def _policy(tied: bool) -> Qwen3ForCausalLM:
 
 def _write(run_dir, model: Qwen3ForCausalLM, step: int = 3) -> str:
     """A checkpoint as FwModule hands it over (DESIGN.md "Checkpoints"), tokenizer files included."""
-    tok_dir = run_dir.parent / "tok"
-    Tokenizer.builtin().save_pretrained(tok_dir)
-    files = {n: (tok_dir / n).read_bytes() for n in ("tokenizer.json", "tokenizer_config.json")}
-    state = {k: v.detach().clone() for k, v in model.hf_state_dict().items()}
-    checkpoint = {"global_step": step, "policy_version": step, "state_dict": {},
-                  "fw_components": {"policy": {"config": model.config.to_hf("float32"), "state_dict": state,
-                                               "files": files}}}
+    checkpoint = policy_checkpoint(model, Tokenizer.builtin(), step, run_dir.parent / "tok")
     path = ck.checkpoints_dir(run_dir) / ck.step_dir_name(step)
     ck.AtomicCheckpointIO(make_cfg(str(run_dir))).save_checkpoint(checkpoint, path)
     return str(path)

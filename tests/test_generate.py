@@ -6,6 +6,7 @@ import sys
 
 import pytest
 import torch
+from scripts.ckpt_writer import policy_checkpoint
 
 from framework import checkpoint as ck
 from framework.config import resolve
@@ -24,13 +25,7 @@ def make_cfg(chat_template: bool, **rollout):
 
 def write_checkpoint(run_dir, model, tok, step=10):
     """A checkpoint as FwModule hands it over: policy/ (HF weights + tokenizer files), config.yaml."""
-    tok_dir = run_dir.parent / f"tok-{step}"
-    tok.save_pretrained(tok_dir)
-    files = {n: (tok_dir / n).read_bytes() for n in ("tokenizer.json", "tokenizer_config.json")}
-    state = {k: v.detach().clone() for k, v in model.hf_state_dict().items()}
-    checkpoint = {"global_step": step, "policy_version": step, "state_dict": {},
-                  "fw_components": {"policy": {"config": model.config.to_hf("float32"), "state_dict": state,
-                                               "files": files}}}
+    checkpoint = policy_checkpoint(model, tok, step, run_dir.parent / f"tok-{step}")
     path = ck.checkpoints_dir(run_dir) / ck.step_dir_name(step)
     cfg = make_cfg(chat_template=True)
     cfg["run_dir"] = str(run_dir)

@@ -72,6 +72,17 @@ def assert_same(a, b, where="checkpoint"):
         assert a == b, f"{where}: {a!r} != {b!r}"
 
 
+def policy_checkpoint(model, tok, step: int, tok_dir) -> dict:
+    """A checkpoint dict as FwModule hands it over (DESIGN.md "Checkpoints"): `model`'s HF weights and `tok`'s
+    files (saved into the scratch directory `tok_dir`) under fw_components' policy."""
+    tok.save_pretrained(tok_dir)
+    files = {n: (tok_dir / n).read_bytes() for n in ("tokenizer.json", "tokenizer_config.json")}
+    state = {k: v.detach().clone() for k, v in model.hf_state_dict().items()}
+    return {"global_step": step, "policy_version": step, "state_dict": {},
+            "fw_components": {"policy": {"config": model.config.to_hf("float32"), "state_dict": state,
+                                         "files": files}}}
+
+
 def make_cfg(run_dir: str) -> dict:
     from framework.config import resolve
 
