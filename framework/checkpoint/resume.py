@@ -234,11 +234,10 @@ def reset_optimizers(module: Any) -> None:
         optimizer = module._optimizer_of[role.name]
         model = module.policy if role.model == "policy" else module.value
         settings = module._settings[role.name]
-        fresh = [{k: v for k, v in g.items() if k != "params"} | hyperparameters(settings, module.cfg)
-                 for g in param_groups(model, settings)]
-        if len(fresh) != len(optimizer.param_groups):
-            raise FwError(f"--resume: the {role.name} optimizer has {len(optimizer.param_groups)} parameter groups "
-                          f"in the checkpoint and {len(fresh)} by the config")
+        groups = param_groups(model, settings)
+        values = [{k: v for k, v in g.items() if k != "params"} | hyperparameters(settings, module.cfg)
+                  for g in groups]
+        fresh = [values[i] for i in _config_group_of(optimizer, groups, role.name)]
         for group, new in zip(optimizer.param_groups, fresh):
             for key, value in new.items():
                 _set(group, key, value)
@@ -258,6 +257,25 @@ def reset_optimizers(module: Any) -> None:
                 for group, lr in zip(optimizer.param_groups, lrs):
                     _set(group, "lr", lr)
                 scheduler._last_lr = lrs
+
+
+def _config_group_of(optimizer: Any, groups: list[dict], role: str) -> list[int]:
+    """For each of the optimizer's parameter groups, the index of the config group its parameters come from.
+
+    torchao's CPU-offloaded optimizer has one group per large parameter (holding its host copy) beside the
+    on-device groups of the small ones, so groups are matched by their parameters rather than by position."""
+    index = {id(p): i for i, g in enumerate(groups) for p in g["params"]}
+    for device_param, host_param in getattr(optimizer, "param_d2h_map", {}).items():
+        if id(device_param) in index:
+            index[id(host_param)] = index[id(device_param)]
+    found = []
+    for group in optimizer.param_groups:
+        i = {index.get(id(p)) for p in group["params"]}
+        if len(i) != 1 or None in i:
+            raise FwError(f"--resume: the {role} optimizer's parameter groups do not match the config's "
+                          f"({len(optimizer.param_groups)} in the optimizer, {len(groups)} by the config)")
+        found.append(i.pop())
+    return found
 
 
 def _set(group: dict, key: str, value: Any) -> None:

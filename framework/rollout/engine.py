@@ -116,10 +116,15 @@ class RolloutEngine:
         """Drop the pool, the graphs and their memory."""
         device = self.model.lm_head_weight.device
         self.cache, self.blocks = None, None
+        self._drop_graphs()
+        release_cached(device)
+
+    def _drop_graphs(self) -> None:
+        """Forget the decode graphs and their pool: the allocator frees a pool whose graphs are all gone,
+        so the next capture takes a new one."""
         self.graphs.clear()
         self.warm.clear()
         self.graph_pool = None
-        release_cached(device)
 
     def _ensure_cache(self, seqs: list[RowState], dtype: torch.dtype, device: torch.device) -> None:
         c = self.model.config
@@ -127,8 +132,7 @@ class RolloutEngine:
         n = pool_blocks(self.settings, c, dtype, device, seqs)
         # a pool smaller than this call could use grows (the graphs read the old one, so they go too)
         if self.cache is None or self.cache.k.dtype != dtype or self.cache.num_blocks < n:
-            self.graphs.clear()
-            self.warm.clear()
+            self._drop_graphs()
             if self.cache is not None:
                 self.cache = None
                 release_cached(device)
@@ -161,13 +165,28 @@ class RolloutEngine:
             if autocast:
                 # The graphs read autocast's casts of the weights, which live only as long as this autocast
                 # region: captured again in the next call.
-                self.graphs.clear()
-                self.warm.clear()
+                self._drop_graphs()
         return _result(seqs, prompts, pad_id, tokenizer, params.stop, device, policy_version)
 
 
+@dataclass
+class _Issued:
+    """Sampled tokens on their way to the host: tokens and logprobs of `rows`, in that order."""
+
+    rows: list[RowState]
+    out: Tensor        # float64 [2, B] on the host (pinned and filled asynchronously on CUDA)
+    ready: Any         # the CUDA event after the copy; None on CPU
+
+
 class _Run:
-    """One `generate` call on an engine: admission, prefill, decode steps and stopping."""
+    """One `generate` call on an engine: admission, prefill, decode steps and stopping.
+
+    The host runs one step behind the device: it queues a step's forward and sampling, then reads the
+    previous step's tokens (ready by then) to stop rows and admit others, while the device computes. A row
+    that ends on EOS or a stop string therefore runs one step more, whose token is dropped; a row at its
+    limit is never queued past it, since the host counts the tokens it has queued. The fed tokens stay on
+    the device, and what the host sends it goes through pinned memory without waiting for the device.
+    """
 
     def __init__(self, engine: RolloutEngine, seqs: list[RowState], params: SamplingParams, eos: set[int],
                  tokenizer: Any, seed: int, device: torch.device) -> None:
@@ -183,23 +202,39 @@ class _Run:
         # row, all scratch, serves the padding rows of a batch
         self.tables = torch.zeros(len(seqs) + 1, self.width, dtype=torch.long)
         self.tables_dev = None
+        self.last_dev = torch.zeros(len(seqs) + 1, dtype=torch.long, device=device)   # each row's last token
         self.window = 4 * max(map(len, params.stop), default=0) + 4
         self.cpu = device.type == "cpu"
 
     def run(self) -> None:
-        while not self.sched.done:
+        pending: list[_Issued] = []
+        while True:
+            issued = []
             new = self.sched.admit()
             self.e.peak_rows = max(self.e.peak_rows, len(self.sched.running))
             if new:
-                self._prefill(new)
-            if self.sched.running:
-                self._decode([s for s in self.sched.running if s.reason is None])
+                issued.append(self._prefill(new))
+            rows = [s for s in self.sched.running if s.reason is None and s.issued < s.limit]
+            if rows:
+                issued.append(self._decode(rows))
+            received = bool(pending)
+            for record in pending:
+                self._receive(record)
+            pending = issued
+            if not pending and self.sched.done:
+                return
+            if not pending and not received:   # cannot happen: a row always fits an empty pool (Scheduler checks)
+                raise FwError("rollout: the scheduler stalled with rows waiting and none running")
+
+    def _to_device(self, t: Tensor) -> Tensor:
+        """A host tensor on the device, without waiting for the device's queue (pinned, asynchronous)."""
+        return t if self.cpu else t.pin_memory().to(self.device, non_blocking=True)
 
     # ---- prefill
-    def _prefill(self, new: list[RowState]) -> None:
+    def _prefill(self, new: list[RowState]) -> _Issued:
         for s in new:
             self.tables[s.row, :len(s.blocks)] = torch.tensor(s.blocks, dtype=torch.long)
-        self.tables_dev = self.tables.to(self.device)
+        self.tables_dev = self._to_device(self.tables)
         computed = [s for s in new if s.leader is None]
         tokens, positions, cu = [], [], [0]
         for s in computed:
@@ -219,45 +254,49 @@ class _Run:
                                                                                    for s in computed]))
         owner_rows = torch.cat([rows[owner], torch.full((n - n_real,), len(self.seqs), dtype=torch.long)])
         blk = self.tables[owner_rows, pos // self.bs]
-        dev = self.device
-        fresh = not self.cpu and all(s.cached == 0 for s in computed)
-        batch = PagedBatch(positions=pos.to(dev), write_blocks=blk.to(dev), write_offsets=(pos % self.bs).to(dev),
-                           block_tables=self.tables_dev[rows.to(dev)],
-                           lengths=torch.tensor([len(s.prompt) for s in computed], device=dev),
-                           cu_seqlens=torch.tensor(cu, device=dev),
-                           # CUDA only: the CPU pads the tokens, and keeps one attention path for exactness
-                           fresh=(torch.tensor(cu, dtype=torch.int32, device=dev),
-                                  max(len(s.prompt) for s in computed)) if fresh else None)
         last = torch.tensor(cu[1:], dtype=torch.long) - 1
         r_pad = -(-len(computed) // 16) * 16 if self.cpu else len(computed)
         last = torch.cat([last, last[:1].expand(r_pad - len(computed))])
-        logits = self.e.model.forward_paged(torch.tensor(tokens, device=dev), batch, self.e.cache, last.to(dev))
-        logits = logits[:len(computed)]
         index = {id(s): i for i, s in enumerate(computed)}
+        pick = [index[id(s.leader if s.leader is not None else s)] for s in new]
+        # one transfer for the integer inputs: tokens, positions, write blocks, offsets | rows, lengths |
+        # logits rows | picks
+        flat = torch.cat([torch.tensor(tokens, dtype=torch.long), pos, blk, pos % self.bs, rows,
+                          torch.tensor([len(s.prompt) for s in computed], dtype=torch.long), last,
+                          torch.tensor(pick, dtype=torch.long)])
+        tok_d, pos_d, blk_d, off_d, rows_d, len_d, last_d, pick_d = self._to_device(flat).split(
+            [n, n, n, n, len(computed), len(computed), r_pad, len(new)])
+        fresh = not self.cpu and all(s.cached == 0 for s in computed)
+        cu_d = self._to_device(torch.tensor(cu, dtype=torch.int32))
+        batch = PagedBatch(positions=pos_d, write_blocks=blk_d, write_offsets=off_d,
+                           block_tables=self.tables_dev[rows_d], lengths=len_d, cu_seqlens=cu_d.long(),
+                           # CUDA only: the CPU pads the tokens, and keeps one attention path for exactness
+                           fresh=(cu_d, max(len(s.prompt) for s in computed)) if fresh else None)
+        logits = self.e.model.forward_paged(tok_d, batch, self.e.cache, last_d)
         cache = self.e.cache
         for s in new:
             if s.leader is not None and len(s.prompt) % self.bs:   # the leader's partial last block
                 i = len(s.prompt) // self.bs
                 cache.k[:, s.blocks[i]] = cache.k[:, s.leader.blocks[i]]
                 cache.v[:, s.blocks[i]] = cache.v[:, s.leader.blocks[i]]
-        pick = torch.tensor([index[id(s.leader if s.leader is not None else s)] for s in new], device=dev)
-        self._sample(new, logits[pick])
         for s in new:
             s.leader = None
+        meta = self._to_device(torch.tensor([[s.row, s.issued] for s in new], dtype=torch.long))
+        return self._sample(new, logits[pick_d], meta)
 
     # ---- decode
-    def _decode(self, rows: list[RowState]) -> None:
-        if not rows:
-            return
-        dev, B = self.device, len(rows)
+    def _decode(self, rows: list[RowState]) -> _Issued:
+        B = len(rows)
         bucket = batch_bucket(B, self.e.settings.max_num_seqs, self.cpu)
-        pad = bucket - B
-        ids = torch.tensor([s.row for s in rows] + [len(self.seqs)] * pad, dtype=torch.long)
-        host = torch.tensor([[s.tokens[-1], s.context - 1] for s in rows] + [[0, 0]] * pad, dtype=torch.long)
-        inputs = host.to(dev)
-        tables = self.tables_dev[ids.to(dev)]
+        # per row: its id, the tokens queued so far (the sampler's counter), the fed token's position
+        meta = torch.tensor([[s.row, s.issued, len(s.prompt) + s.issued - 1] for s in rows]
+                            + [[len(self.seqs), 0, 0]] * (bucket - B), dtype=torch.long)
+        meta = self._to_device(meta)
+        ids = meta[:, 0]
+        inputs = torch.stack([self.last_dev[ids], meta[:, 2]], 1)
+        tables = self.tables_dev[ids]
         key = (bucket, self.width)
-        graphed = (self.e.cuda_graph and dev.type == "cuda" and ops_cuda.cuda_backend() == "kernels")
+        graphed = (self.e.cuda_graph and not self.cpu and ops_cuda.cuda_backend() == "kernels")
         if graphed and key in self.e.graphs:
             logits = self.e.graphs[key](inputs, tables)
         elif graphed and key in self.e.warm:
@@ -271,16 +310,34 @@ class _Run:
             # decode-attention counters, autocast's casts) that a capture must not record
             logits = decode_step(self.e.model, self.e.cache, inputs, tables)
             self.e.warm.add(key)
-        self._sample(rows, logits[:B])
+        return self._sample(rows, logits[:B], meta[:B])
 
     # ---- sampling and stopping
-    def _sample(self, rows: list[RowState], logits: Tensor) -> None:
-        counters = torch.tensor([[s.row, len(s.tokens)] for s in rows], dtype=torch.long, device=self.device)
-        tokens, logprobs = draw(logits, self.params, self.key, counters)
-        # one transfer a step: what the host needs to stop rows and to admit others
-        out = torch.stack([tokens.double(), logprobs.double()]).tolist()
+    def _sample(self, rows: list[RowState], logits: Tensor, meta: Tensor) -> _Issued:
+        """Draw the next token of `rows` (meta [B, >=2] on the device: row id, tokens queued) and queue its
+        copy to the host; the drawn tokens are the rows' next fed tokens."""
+        tokens, logprobs = draw(logits, self.params, self.key, meta[:, :2])
+        self.last_dev.index_copy_(0, meta[:, 0], tokens)
+        for s in rows:
+            s.issued += 1
+        out = torch.stack([tokens.double(), logprobs.double()])
+        if self.cpu:
+            return _Issued(rows, out, None)
+        host = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
+        host.copy_(out, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return _Issued(rows, host, ready)
+
+    def _receive(self, record: _Issued) -> None:
+        """Append a queued step's tokens to their rows and stop the rows that are done."""
+        if record.ready is not None:
+            record.ready.synchronize()
+        out = record.out.tolist()
         stop = self.params.stop
-        for s, token, logprob in zip(rows, out[0], out[1]):
+        for s, token, logprob in zip(record.rows, out[0], out[1]):
+            if s.reason is not None:   # ended at the step before: this token lies past its end
+                continue
             s.tokens.append(int(token))
             s.logprobs.append(logprob)
             if int(token) in self.eos:

@@ -32,6 +32,7 @@ class RowState:
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     reason: str | None = None       # finish reason once finished
+    issued: int = 0                 # tokens sampled on the device, whether or not the host has them yet
 
     @property
     def context(self) -> int:
