@@ -205,18 +205,22 @@ class Qwen3Model(nn.Module):
         self.gradient_checkpointing = False
 
     def forward(self, input_ids: Tensor, position_ids: Tensor | None = None,
-                cache: KVCache | None = None) -> Tensor:
+                cache: KVCache | None = None, packing: Packing | None = None) -> Tensor:
         """Final normalised hidden states [B, T, d]. position_ids given = rows may be packed: a position
-        that is not previous+1 starts a new sequence (the sequence bounds are found once, for all layers)."""
+        that is not previous+1 starts a new sequence (the sequence bounds are found once, for all layers,
+        with two device syncs). `packing` gives those bounds instead, e.g. from a packer that knows them on
+        the host, so the forward does not sync."""
         B, T = input_ids.shape
         packed = None
         if position_ids is None:
+            if packing is not None:
+                raise FwError("packing needs the position_ids of the packed rows")
             position_ids = torch.arange(T, device=input_ids.device).expand(B, T)
         elif position_ids.shape != input_ids.shape:
             raise FwError(f"position_ids shape {tuple(position_ids.shape)} != input_ids shape "
                           f"{tuple(input_ids.shape)}")
         else:
-            packed = Packing(*ops_cuda.packed_sequences(position_ids))
+            packed = packing if packing is not None else Packing(*ops_cuda.packed_sequences(position_ids))
         h = self.embed_tokens(input_ids)
         recompute = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
         for i, layer in enumerate(self.layers):
@@ -343,9 +347,10 @@ class Qwen3ForCausalLM(nn.Module):
         return not self.gradient_checkpointing if self.keep_logits is None else self.keep_logits
 
     def forward(self, input_ids: Tensor, position_ids: Tensor | None = None,
-                return_hidden: bool = False) -> Tensor:
-        """Logits [B, T, V], or the final normalised hidden states [B, T, d] with return_hidden."""
-        h = self.model(input_ids, position_ids)
+                return_hidden: bool = False, packing: Packing | None = None) -> Tensor:
+        """Logits [B, T, V], or the final normalised hidden states [B, T, d] with return_hidden
+        (`packing`: see Qwen3Model.forward)."""
+        h = self.model(input_ids, position_ids, packing=packing)
         return h if return_hidden else F.linear(h, self.lm_head_weight)
 
     def new_kv_cache(self, batch_size: int, max_len: int, device: torch.device | str | None = None,

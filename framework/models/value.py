@@ -8,6 +8,7 @@ from torch import Tensor, nn
 
 from framework.models.qwen3 import (
     HfTargets,
+    Packing,
     Qwen3ForCausalLM,
     Qwen3Model,
     init_weights,
@@ -39,9 +40,11 @@ class Qwen3ValueModel(nn.Module):
     def gradient_checkpointing(self, enabled: bool) -> None:
         self.model.gradient_checkpointing = enabled
 
-    def forward(self, input_ids: Tensor, position_ids: Tensor | None = None) -> Tensor:
-        """Values fp32 [B, T] (the head runs in fp32 whatever the trunk's dtype)."""
-        h = self.model(input_ids, position_ids)
+    def forward(self, input_ids: Tensor, position_ids: Tensor | None = None,
+                packing: Packing | None = None) -> Tensor:
+        """Values fp32 [B, T] (the head runs in fp32 whatever the trunk's dtype; `packing`: see
+        Qwen3Model.forward)."""
+        h = self.model(input_ids, position_ids, packing=packing)
         return F.linear(h.float(), self.v_head.weight.float(), self.v_head.bias.float()).squeeze(-1)
 
     @classmethod
