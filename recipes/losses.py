@@ -76,10 +76,18 @@ def aggregate_weight(mask: Tensor, full_mask: Tensor, mode: str, full_tokens: fl
     mean over the tokens of every rank's minibatch, however unevenly the ranks' completions ran. The
     sequence-mean modes need nothing: every rank holds the same number of sequences.
     """
-    if mode == "token-mean":
-        total = float(full_mask.sum()) if full_tokens is None else float(full_tokens)
-        return float(mask.sum()) / total if total > 0 else 0.0
-    return mask.shape[0] / full_mask.shape[0]
+    return aggregate_weights([mask], full_mask, mode, full_tokens)[0]
+
+
+def aggregate_weights(masks: list[Tensor], full_mask: Tensor, mode: str,
+                      full_tokens: float | None = None) -> list[float]:
+    """``aggregate_weight`` of each micro-batch mask of one minibatch, read from the device at once
+    (token-mean: one sync for all of them; the sequence-mean modes: none)."""
+    if mode != "token-mean":
+        return [m.shape[0] / full_mask.shape[0] for m in masks]
+    sums = torch.stack([m.sum() for m in masks] + [full_mask.sum()]).tolist()
+    total = sums[-1] if full_tokens is None else float(full_tokens)
+    return [s / total if total > 0 else 0.0 for s in sums[:-1]]
 
 
 @dataclass
