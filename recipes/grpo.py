@@ -36,7 +36,7 @@ from framework.errors import FwError
 from framework.recipe import Requirements, StepContext
 from recipes.advantages import all_reduce_sum, batch_reward_std, grpo_advantages, overlong_shaping, tied_groups
 from recipes.losses import aggregate, build_policy_loss, kl_estimate, option_problems
-from recipes.rl import Phase, RLRecipe, ScoredRollout
+from recipes.rl import MicroBatch, Phase, RLRecipe, ScoredRollout
 
 
 class GRPORecipe(RLRecipe):
@@ -107,22 +107,22 @@ class GRPORecipe(RLRecipe):
         self.last_rollout = data
         batch_std = batch_reward_std(rewards) if g["scale_rewards"] == "batch" else None
         adv = self.last_advantages = grpo_advantages(rewards, size, g["scale_rewards"], g["adv_eps"], batch_std)
-        everything = torch.arange(len(adv), device=data.mask.device)
 
         def trainer_logprobs() -> Tensor:
             with torch.no_grad():
-                return self.logprobs(ctx.policy, data, everything)[0]
+                return self.logprobs(ctx.policy, data)[0]
 
         inputs, train = self.loss_batch(ctx, g, data, trainer_logprobs)
         ctx.log("policy/adv_abs", _token_weighted_abs_mean(adv, train.mask))
         ref_logp = None
         if g["kl_coef"] > 0:
             with torch.no_grad():
-                ref_logp, _ = self.logprobs(ctx.reference, data, everything)
+                ref_logp, _ = self.logprobs(ctx.reference, data)
 
-        def policy_micro(rows: Tensor, first: bool) -> tuple[Tensor, dict[str, Tensor]]:
+        def policy_micro(mb: MicroBatch, first: bool) -> tuple[Tensor, dict[str, Tensor]]:
+            rows = mb.rows
             mask = train.mask[rows]
-            logp, entropy = self.logprobs(ctx.policy, data, rows, with_entropy=first)
+            logp, entropy = self.logprobs(ctx.policy, data, mb, with_entropy=first)
             weight = None if inputs.weight is None else inputs.weight[rows]
             pl = self.policy_loss(logp, inputs.old_logp[rows], adv[rows], mask, weight)
             loss = pl.loss

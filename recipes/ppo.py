@@ -34,7 +34,7 @@ from recipes.losses import (
     kl_estimate,
     option_problems,
 )
-from recipes.rl import Phase, RLRecipe, completion_values
+from recipes.rl import MicroBatch, Phase, RLRecipe
 
 CRITIC = OptimizerRole("critic", "value", ("ppo", "critic"))
 
@@ -74,17 +74,17 @@ class PPORecipe(RLRecipe):
     def training_step(self, ctx: StepContext, batch: Any, batch_idx: int) -> None:
         p = self.cfg["ppo"]
         data = self.last_rollout = self.collect(ctx, p["samples_per_prompt"])
-        n_seq, width = data.mask.shape
+        n_seq = data.mask.shape[0]
         everything = torch.arange(n_seq, device=data.mask.device)
         with torch.no_grad():
-            old_values = completion_values(ctx.value, data.tokens, data.prompt_lens, data.completion_lens, width)
+            old_values = self.values(ctx.value, data)
             token_rewards = torch.zeros_like(data.mask)
             kl_metric, logp = None, None
             if p["kl_coef"] > 0:
                 # Both sides through the trainer's forward: the rollout's logprobs come from the KV-cache
                 # decode path (bf16 cache under autocast), whose mismatch would make KL(pi || pi) != 0.
-                logp, _ = self.logprobs(ctx.policy, data, everything)
-                ref_logp, _ = self.logprobs(ctx.reference, data, everything)
+                logp, _ = self.logprobs(ctx.policy, data)
+                ref_logp, _ = self.logprobs(ctx.reference, data)
                 kl = kl_estimate(logp, ref_logp, p["kl_estimator"]) * data.mask
                 token_rewards -= p["kl_coef"] * kl
                 kl_metric = float(masked_mean(kl, data.mask))
@@ -106,7 +106,7 @@ class PPORecipe(RLRecipe):
             if logp is not None:   # the KL's forward above: the same policy, before any update
                 return logp
             with torch.no_grad():
-                return self.logprobs(ctx.policy, data, everything)[0]
+                return self.logprobs(ctx.policy, data)[0]
 
         inputs, train = self.loss_batch(ctx, p, data, trainer_logprobs)
         ev = explained_variance(old_values, returns, data.mask)
@@ -120,8 +120,9 @@ class PPORecipe(RLRecipe):
         if kl_metric is not None:
             ctx.log("policy/ref_kl", kl_metric)
 
-        def policy_micro(rows: Tensor, first: bool) -> tuple[Tensor, dict[str, Tensor]]:
-            logp, entropy = self.logprobs(ctx.policy, data, rows, with_entropy=first)
+        def policy_micro(mb: MicroBatch, first: bool) -> tuple[Tensor, dict[str, Tensor]]:
+            rows = mb.rows
+            logp, entropy = self.logprobs(ctx.policy, data, mb, with_entropy=first)
             weight = None if inputs.weight is None else inputs.weight[rows]
             pl = self.policy_loss(logp, inputs.old_logp[rows], advantages[rows], train.mask[rows], weight)
             if first:   # the mismatch over every completion token, the dropped ones included
@@ -132,9 +133,9 @@ class PPORecipe(RLRecipe):
                 logged["dual_clip_frac"] = pl.dual_clip_frac
             return pl.loss, logged
 
-        def critic_micro(rows: Tensor, first: bool) -> tuple[Tensor, dict[str, Tensor]]:
-            values = completion_values(ctx.value, data.tokens[rows], data.prompt_lens[rows],
-                                       data.completion_lens[rows], width)
+        def critic_micro(mb: MicroBatch, first: bool) -> tuple[Tensor, dict[str, Tensor]]:
+            rows = mb.rows
+            values = self.values(ctx.value, data, mb)
             vl = self.value_loss(values, old_values[rows], returns[rows], train.mask[rows])
             return p["vf_coef"] * vl.loss, {"loss": vl.loss, "clip_frac": vl.clip_frac, "error": vl.error}
 

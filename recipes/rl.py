@@ -23,17 +23,18 @@ import dataclasses
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, IterableDataset
 
 from framework.errors import FwError
+from framework.models import Packing
 from framework.recipe import BatchShapes, StepContext
 from framework.rollout import SamplingParams
 from recipes.advantages import all_reduce_sum, batch_reward_std
-from recipes.losses import LossInputs, aggregate_weight, loss_inputs
+from recipes.losses import LossInputs, aggregate_weights, loss_inputs
 
 
 class _Ticks(IterableDataset):
@@ -60,19 +61,61 @@ class ScoredRollout:
     truncated: Tensor        # [B] bool: cut at max_new_tokens (ended neither on EOS nor on a stop string)
     gen_seconds: float
     texts: list[str]
+    # (prompt_lens, completion_lens) on the host, copied on first use: one sync per batch
+    _host_lens: tuple[Tensor, Tensor] | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
+
+    def host_lengths(self) -> tuple[Tensor, Tensor]:
+        """(prompt_lens, completion_lens) on the host: what lays micro-batches out without a device sync."""
+        if self._host_lens is None:
+            self._host_lens = (self.prompt_lens.cpu(), self.completion_lens.cpu())
+        return self._host_lens
+
+
+class MicroBatch(NamedTuple):
+    """Rows of the rollout batch trained together, on the batch's device and on the host."""
+
+    rows: Tensor       # [b] int64 on the batch's device: indexes the batch's tensors
+    host_rows: Tensor  # [b] the same on the host: lays the micro-batch out without a device sync
+
+
+# Packing must remove at least this share of a micro-batch's tokens for packed=None to pack: with every
+# sequence as long as the longest it removes nothing, and the padded layout's plain causal attention is the
+# cheaper of two layouts doing the same math.
+PACK_MIN_SAVING = 0.02
+
+
+def to_device(t: Tensor, device: torch.device | str) -> Tensor:
+    """Host tensor ``t`` on ``device`` without a host sync: a pinned, non-blocking copy onto CUDA (a plain
+    copy from pageable memory synchronizes the stream)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+def packs(prompt_lens: Tensor, completion_lens: Tensor, packed: bool | None = None) -> bool:
+    """Whether rows of these host lengths are laid out packed: ``packed`` when given, else whether packing
+    removes at least ``PACK_MIN_SAVING`` of the padded layout's tokens."""
+    if packed is not None:
+        return packed
+    lens = prompt_lens + completion_lens
+    padded = len(lens) * int(lens.max()) if len(lens) else 0
+    return int(lens.sum()) <= (1.0 - PACK_MIN_SAVING) * padded
 
 
 @dataclass(frozen=True)
 class ResponseLayout:
     """A micro-batch as the model reads it, and where the state predicting each completion token sits.
 
-    Packed (the default): the sequences (prompt + completion) end to end in one row, positions restarting
-    at 0 for each, so attention stays inside each sequence (ops_cuda.varlen_attention) and no pad token is
-    computed. Padded: the rows right-padded to the longest sequence, plain causal attention.
+    Packed: the sequences (prompt + completion) end to end in one row, positions restarting at 0 for each,
+    so attention stays inside each sequence (ops_cuda.varlen_attention) and no pad token is computed; the
+    sequence bounds (``packing``) come from the host lengths, so the model's forward finds none on the
+    device. Padded: the rows right-padded to the longest sequence, plain causal attention.
     """
 
     input_ids: Tensor            # [1, N] packed, [B, longest] padded
     position_ids: Tensor | None  # [1, N] packed, None padded
+    packing: Packing | None      # packed: cu_seqlens (on the device) and the longest sequence
     rows: Tensor                 # [M] the batch row of each completion token
     cols: Tensor                 # [M] its completion column
     source: Tensor               # [M] flat index (into input_ids.reshape(-1)) of the state predicting it
@@ -80,41 +123,51 @@ class ResponseLayout:
 
 
 def response_layout(tokens: Tensor, prompt_lens: Tensor, completion_lens: Tensor, width: int,
-                    packed: bool = True) -> ResponseLayout:
+                    packed: bool | None = None) -> ResponseLayout:
     """The model input of rows ``tokens`` [B, T] (prompt + completion, right-padded) and the completion tokens.
 
     Completion token ``j`` of row ``b`` sits at ``prompt_lens[b] + j`` of its sequence and is predicted from
-    the state at ``prompt_lens[b] + j - 1``.
+    the state at ``prompt_lens[b] + j - 1``. The indices are built on the host from the lengths (host
+    tensors cost no sync; device ones one copy) and reach ``tokens``' device in one non-blocking copy.
+    ``packed``: True packs, False pads, None packs when ``packs`` says it pays.
     """
-    device = tokens.device
-    lens = prompt_lens + completion_lens
-    mask = torch.arange(width, device=device)[None, :] < completion_lens[:, None]
-    rows, cols = mask.nonzero(as_tuple=True)
-    at = prompt_lens[rows] + cols
-    targets = tokens[rows, at]
-    if not packed:
-        length = int(lens.max())
-        return ResponseLayout(tokens[:, :length], None, rows, cols, rows * length + at - 1, targets)
-    starts = lens.cumsum(0) - lens
-    n = int(lens.sum())
-    seq = torch.repeat_interleave(torch.arange(len(lens), device=device), lens, output_size=n)
-    pos = torch.arange(n, device=device) - starts[seq]
-    return ResponseLayout(tokens[seq, pos][None], pos[None], rows, cols, starts[rows] + at - 1, targets)
+    p, c = prompt_lens.cpu().long(), completion_lens.cpu().long()
+    lens = p + c
+    B = len(lens)
+    rows, cols = (torch.arange(width)[None, :] < c[:, None]).nonzero(as_tuple=True)
+    at = p[rows] + cols
+    longest = int(lens.max()) if B else 0
+    if not packs(p, c, packed):
+        idx = to_device(torch.cat([rows, cols, rows * longest + at - 1, at]), tokens.device)
+        rows_d, cols_d, source, at_d = idx.split(len(rows))
+        return ResponseLayout(tokens[:, :longest], None, None, rows_d, cols_d, source, tokens[rows_d, at_d])
+    ends = lens.cumsum(0)
+    starts = ends - lens
+    n = int(ends[-1]) if B else 0
+    seq = torch.repeat_interleave(torch.arange(B), lens, output_size=n)
+    pos = torch.arange(n) - starts[seq]
+    cu = torch.cat([ends.new_zeros(1), ends])
+    m = len(rows)
+    idx = to_device(torch.cat([seq, pos, rows, cols, starts[rows] + at - 1, at, cu]), tokens.device)
+    seq_d, pos_d, rows_d, cols_d, source, at_d, cu_d = idx.split([n, n, m, m, m, m, B + 1])
+    return ResponseLayout(tokens[seq_d, pos_d][None], pos_d[None], Packing(cu_d.to(torch.int32), longest),
+                          rows_d, cols_d, source, tokens[rows_d, at_d])
 
 
 def completion_logprobs(model: Any, tokens: Tensor, prompt_lens: Tensor, completion_lens: Tensor, width: int,
                         temperature: float, with_entropy: bool = False,
-                        packed: bool = True) -> tuple[Tensor, Tensor | None]:
+                        packed: bool | None = None) -> tuple[Tensor, Tensor | None]:
     """Per-token logprobs ``[B, width]`` (and entropies) of the completion tokens under ``model``.
 
     Uses the model's hidden states and the fused ``ops_cuda.linear_logprob`` on the response
     positions only, at the rollout's temperature, so the values are comparable with the behaviour
-    logprobs. 0 past each row's end. ``packed``: see ``ResponseLayout``; the values are the same.
+    logprobs. 0 past each row's end. ``packed``: see ``response_layout``; the values are the same.
+    Lengths on the host keep the whole forward free of device syncs.
     """
     import ops_cuda
 
     x = response_layout(tokens, prompt_lens, completion_lens, width, packed)
-    hidden = model(x.input_ids, position_ids=x.position_ids, return_hidden=True)
+    hidden = model(x.input_ids, position_ids=x.position_ids, return_hidden=True, packing=x.packing)
     # The logits are kept for the backward (when there is one) as model.policy.keep_logits says.
     logp, entropy = ops_cuda.linear_logprob(hidden.reshape(-1, hidden.shape[-1])[x.source], model.lm_head_weight,
                                             x.targets, temperature=temperature, return_entropy=with_entropy,
@@ -128,10 +181,10 @@ def completion_logprobs(model: Any, tokens: Tensor, prompt_lens: Tensor, complet
 
 
 def completion_values(value_model: Any, tokens: Tensor, prompt_lens: Tensor, completion_lens: Tensor,
-                      width: int, packed: bool = True) -> Tensor:
+                      width: int, packed: bool | None = None) -> Tensor:
     """Critic values ``[B, width]`` of the states before each completion token; 0 past each row's end."""
     x = response_layout(tokens, prompt_lens, completion_lens, width, packed)
-    values = value_model(x.input_ids, position_ids=x.position_ids).reshape(-1)
+    values = value_model(x.input_ids, position_ids=x.position_ids, packing=x.packing).reshape(-1)
     out = values.new_zeros(tokens.shape[0], width, dtype=torch.float32)
     return out.index_put((x.rows, x.cols), values[x.source].float())
 
@@ -155,9 +208,24 @@ def longest_prompt(cfg: dict, tokenizer: Any) -> int:
                for i in range(count))
 
 
-# A micro-batch's loss: (rows of the rollout batch, first minibatch of the rollout?) -> (the loss to
+# A micro-batch's loss: (its rows of the rollout batch, first minibatch of the rollout?) -> (the loss to
 # backpropagate, the scalars to log under the phase's prefix).
-MicroLoss = Callable[[Tensor, bool], tuple[Tensor, dict[str, Tensor]]]
+MicroLoss = Callable[[MicroBatch, bool], tuple[Tensor, dict[str, Tensor]]]
+
+
+def balanced_split(rows: Tensor, lengths: Tensor, parts: int) -> list[Tensor]:
+    """``rows`` (host) in ``parts`` sets of at most ``ceil(len(rows) / parts)`` rows with even token counts
+    (``lengths[row]``): longest first, each to the set with the fewest tokens that has room; a set keeps
+    the order of ``rows``. The row cap keeps ``batch_shapes``' micro-batch bound."""
+    cap = -(-len(rows) // parts)
+    sizes = lengths[rows].tolist()
+    members: list[list[int]] = [[] for _ in range(parts)]
+    loads = [0] * parts
+    for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
+        j = min((k for k in range(parts) if len(members[k]) < cap), key=lambda k: loads[k])
+        members[j].append(i)
+        loads[j] += sizes[i]
+    return [rows[torch.tensor(sorted(m), dtype=torch.long)] for m in members]
 
 
 @dataclass(frozen=True)
@@ -289,36 +357,63 @@ class RLRecipe:
             return None
         return float(all_reduce_sum(mb_mask.sum().to(torch.float64))) / ctx.world_size
 
-    def logprobs(self, model: Any, batch: ScoredRollout, rows: Tensor,
+    def logprobs(self, model: Any, batch: ScoredRollout, rows: MicroBatch | None = None,
                  with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
-        return completion_logprobs(model, batch.tokens[rows], batch.prompt_lens[rows], batch.completion_lens[rows],
-                                   batch.mask.shape[1], self.cfg["rollout"]["temperature"], with_entropy)
+        """``completion_logprobs`` of the micro-batch ``rows`` (None: every row), laid out from the host
+        lengths: no device sync."""
+        tokens, prompt_lens, completion_lens = self._rows(batch, rows)
+        return completion_logprobs(model, tokens, prompt_lens, completion_lens, batch.mask.shape[1],
+                                   self.cfg["rollout"]["temperature"], with_entropy)
 
-    def minibatches(self, batch_size: int, epoch: int) -> list[list[Tensor]]:
-        """Seeded shuffled split of ``range(batch_size)``: ``minibatches`` lists of micro-batch index sets."""
+    def values(self, value_model: Any, batch: ScoredRollout, rows: MicroBatch | None = None) -> Tensor:
+        """``completion_values`` of the micro-batch ``rows`` (None: every row); no device sync."""
+        tokens, prompt_lens, completion_lens = self._rows(batch, rows)
+        return completion_values(value_model, tokens, prompt_lens, completion_lens, batch.mask.shape[1])
+
+    @staticmethod
+    def _rows(batch: ScoredRollout, rows: MicroBatch | None) -> tuple[Tensor, Tensor, Tensor]:
+        prompt_lens, completion_lens = batch.host_lengths()
+        if rows is None:
+            return batch.tokens, prompt_lens, completion_lens
+        return batch.tokens[rows.rows], prompt_lens[rows.host_rows], completion_lens[rows.host_rows]
+
+    def minibatches(self, batch_size: int, epoch: int, lengths: Tensor | None = None) -> list[list[Tensor]]:
+        """Seeded shuffled split of ``range(batch_size)``: ``minibatches`` lists of micro-batch index sets
+        (host tensors). With ``lengths`` (each row's tokens, host) a minibatch's micro-batches hold even
+        token counts (``balanced_split``), else even row counts."""
         sec = self.cfg[self.section]
         gen = torch.Generator().manual_seed(((self.cfg["seed"] * 1_000_003 + self.rollout_step) * 101 + epoch) % 2**63)
         perm = torch.randperm(batch_size, generator=gen)
         micro = self.cfg["trainer"]["accumulate_grad_batches"]
-        return [list(torch.tensor_split(mb, micro)) for mb in torch.tensor_split(perm, sec["minibatches"])]
+        split = (lambda mb: list(torch.tensor_split(mb, micro))) if lengths is None else (
+            lambda mb: balanced_split(mb, lengths, micro))
+        return [split(mb) for mb in torch.tensor_split(perm, sec["minibatches"])]
 
     def update(self, ctx: StepContext, batch: ScoredRollout, phases: Sequence[Phase]) -> None:
         """``epochs`` x ``minibatches`` over the rollout batch; in each minibatch every phase accumulates its
         micro-batch losses (each weighted by its share of the minibatch under ``loss_agg``) and then steps
-        its optimizer once. Stops as soon as ``trainer.max_steps`` policy steps are done."""
+        its optimizer once. Stops as soon as ``trainer.max_steps`` policy steps are done.
+
+        The micro-batches of a minibatch hold even token counts; their row indices reach the device in
+        non-blocking copies and their weights in one host read, so the only device syncs per minibatch are
+        that read and what the losses log."""
         sec = self.cfg[self.section]
+        device = batch.mask.device
+        prompt_lens, completion_lens = batch.host_lengths()
         for epoch in range(sec["epochs"]):
-            for mb_index, micro_batches in enumerate(self.minibatches(batch.mask.shape[0], epoch)):
+            for mb_index, host_rows in enumerate(self.minibatches(batch.mask.shape[0], epoch,
+                                                                  prompt_lens + completion_lens)):
                 if not ctx.steps_left():
                     return
                 first = epoch == 0 and mb_index == 0
-                micro_batches = [rows.to(batch.mask.device) for rows in micro_batches]
-                mb_mask = batch.mask[torch.cat(micro_batches)]
+                micro = [MicroBatch(to_device(rows, device), rows) for rows in host_rows]
+                mb_mask = batch.mask[torch.cat([m.rows for m in micro])]
                 mb_tokens = self.minibatch_tokens(ctx, mb_mask, sec["loss_agg"])
+                weights = aggregate_weights([batch.mask[m.rows] for m in micro], mb_mask, sec["loss_agg"],
+                                            mb_tokens)
                 for phase in phases:
-                    for rows in micro_batches:
-                        loss, logged = phase.loss(rows, first)
-                        weight = aggregate_weight(batch.mask[rows], mb_mask, sec["loss_agg"], mb_tokens)
+                    for m, weight in zip(micro, weights, strict=True):
+                        loss, logged = phase.loss(m, first)
                         ctx.backward(loss * weight)
                         self.log_weighted(ctx, phase.prefix, logged, weight)
                     ctx.step(phase.role)
@@ -331,7 +426,9 @@ class RLRecipe:
         inputs = loss_inputs(section, data.old_logp, data.mask, data.truncated, trainer_logprobs)
         for name, value in inputs.metrics.items():
             ctx.log(name, value)
-        return inputs, dataclasses.replace(data, mask=inputs.mask)
+        train = dataclasses.replace(data, mask=inputs.mask)
+        train._host_lens = data._host_lens   # the same lengths: no second copy
+        return inputs, train
 
     def log_rollout(self, ctx: StepContext, batch: ScoredRollout) -> None:
         """Reward and rollout metrics of one rollout batch (averaged over the logging interval)."""
