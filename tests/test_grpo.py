@@ -145,7 +145,7 @@ class GradProbe(Callback):
         return sum(sum(row) / max_len for row in terms) / len(terms)
 
 
-@pytest.mark.parametrize("loss_agg, micro", [("token-mean", 1), ("seq-mean-token-sum-norm", 2),
+@pytest.mark.parametrize("loss_agg, micro", [("token-mean", 1), ("token-mean", 3), ("seq-mean-token-sum-norm", 2),
                                              ("seq-mean-token-mean", 3)])
 def test_update_gradient_matches_float64_reference(tmp_path, loss_agg, micro):
     """Second update on one rollout (ratio != 1, clipping and the k3 KL active), micro-batched or not."""

@@ -140,3 +140,108 @@ def test_losses_and_gradients_equal_the_padded_path(recipe, loss_agg):
     assert abs(float(out[0][0]) - float(out[1][0])) <= 1e-6
     for a, b in zip(out[0][1], out[1][1], strict=True):
         assert (a - b).abs().max() <= 1e-5 * max(1.0, b.abs().max())
+
+
+def test_layout_bounds_come_from_the_host_lengths():
+    """The packed layout hands the model the sequence bounds: cu_seqlens by hand from the lengths, and
+    what ops_cuda.packed_sequences finds from the positions."""
+    import ops_cuda
+
+    tokens, prompt_lens, completion_lens, width = rollout_batch()
+    x = response_layout(tokens, prompt_lens, completion_lens, width, packed=True)
+    lens = [3 + 8, 9 + 0, 1 + 5, 5 + 1, 7 + 3, 4 + 8]
+    bounds = [sum(lens[:i]) for i in range(len(lens) + 1)]
+    assert x.packing.cu_seqlens.dtype == torch.int32 and x.packing.cu_seqlens.tolist() == bounds
+    assert x.packing.max_seqlen == max(lens)
+    cu, longest = ops_cuda.packed_sequences(x.position_ids)
+    assert torch.equal(cu, x.packing.cu_seqlens) and longest == x.packing.max_seqlen
+
+
+def test_packing_only_when_it_removes_tokens():
+    """packed=None pads rows that are all as long as the longest (packing removes nothing) and packs
+    rows of varied lengths; the logprobs are the same either way."""
+    from recipes.rl import PACK_MIN_SAVING, packs
+
+    model = tiny_policy(2)
+    tokens, _, _, width = rollout_batch(1)
+    prompt_lens, completion_lens = torch.tensor([4, 6, 2]), torch.tensor([6, 4, 8])   # all 10 tokens
+    x = response_layout(tokens[:3], prompt_lens, completion_lens, width, packed=None)
+    assert x.position_ids is None and x.packing is None and x.input_ids.shape == (3, 10)
+    with torch.no_grad():
+        auto, _ = completion_logprobs(model, tokens[:3], prompt_lens, completion_lens, width, TEMPERATURE)
+        packed, _ = completion_logprobs(model, tokens[:3], prompt_lens, completion_lens, width, TEMPERATURE,
+                                        packed=True)
+    assert auto.abs().max() > 0.5 and (auto - packed).abs().max() <= 1e-12
+    # 3 rows padded to 10 = 30 tokens: packing k of them removes (30 - k) / 30
+    assert 0 < PACK_MIN_SAVING < 0.5
+    for k in range(22, 31):
+        completions = torch.tensor([6, 4, 8 - (30 - k)])
+        assert packs(prompt_lens, completions) == ((30 - k) / 30 >= PACK_MIN_SAVING), k
+    assert not packs(prompt_lens, completion_lens, packed=None)
+    assert not packs(prompt_lens, torch.tensor([6, 4, 1]), packed=False) and packs(prompt_lens, completion_lens, True)
+
+
+def test_forward_with_packing_equals_forward_from_positions():
+    from framework.errors import FwError
+
+    model = tiny_policy(3)
+    tokens, prompt_lens, completion_lens, width = rollout_batch(4)
+    x = response_layout(tokens, prompt_lens, completion_lens, width, packed=True)
+    with torch.no_grad():
+        given = model(x.input_ids, position_ids=x.position_ids, packing=x.packing)
+        found = model(x.input_ids, position_ids=x.position_ids)
+    assert given.abs().max() > 0.1 and torch.equal(given, found)
+    with pytest.raises(FwError, match="packing needs the position_ids"):
+        model(x.input_ids, packing=x.packing)
+
+
+def test_balanced_split_evens_the_tokens_under_the_row_cap():
+    from recipes.rl import balanced_split
+
+    lengths = torch.tensor([10, 90, 20, 80, 30, 70, 40, 60, 50, 5])
+    rows = torch.tensor([9, 0, 8, 1, 7, 2, 6, 3, 5, 4])   # a shuffled minibatch
+    parts = balanced_split(rows, lengths, 3)
+    # longest first, each to the lightest part with room (at most 4 rows):
+    # 90->A 80->B 70->C 60->C(130) 50->B(130) 40->A(130) 30->A(160) 20->B(150) 10->C(140) 5->C(145)
+    assert [sorted(int(lengths[r]) for r in p) for p in parts] == [[30, 40, 90], [20, 50, 80], [5, 10, 60, 70]]
+    assert sorted(torch.cat(parts).tolist()) == list(range(10))
+    # each part keeps the minibatch's (shuffled) order
+    for p in parts:
+        order = [rows.tolist().index(r) for r in p.tolist()]
+        assert order == sorted(order)
+    # equal lengths: the row counts of tensor_split (ceil, then floor)
+    assert [len(p) for p in balanced_split(torch.arange(10), torch.full((10,), 7), 4)] == [3, 3, 2, 2]
+
+
+def test_aggregate_weights_read_once_equal_hand_shares():
+    from recipes.losses import aggregate_weight, aggregate_weights
+
+    full = torch.tensor([[1.0, 1, 0], [1, 0, 0], [1, 1, 1], [0, 0, 0]])
+    micro = [full[:1], full[1:3], full[3:]]
+    assert aggregate_weights(micro, full, "token-mean") == [2 / 6, 4 / 6, 0.0]
+    assert aggregate_weights(micro, full, "token-mean", full_tokens=8.0) == [2 / 8, 4 / 8, 0.0]
+    assert aggregate_weights(micro, full, "seq-mean-token-mean") == [1 / 4, 2 / 4, 1 / 4]
+    assert [aggregate_weight(m, full, "token-mean") for m in micro] == [2 / 6, 4 / 6, 0.0]
+
+
+@pytest.mark.gpu
+def test_packed_forward_does_not_sync_the_device():
+    """Layout from host lengths, packed forward, fused logprobs and the scatter back to [B, width], under
+    CUDA's sync debug mode set to error: any device->host sync raises."""
+    model = tiny_policy(5).float().cuda()
+    tokens, prompt_lens, completion_lens, width = rollout_batch(6)
+    tokens = tokens.cuda()
+
+    def run():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            return completion_logprobs(model, tokens, prompt_lens, completion_lens, width, TEMPERATURE,
+                                       with_entropy=True, packed=True)
+
+    expected, _ = run()   # the first CUDA call builds and loads the kernels
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        logp, _ = run()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert (logp - expected).abs().max() <= 1e-6 and expected.abs().max() > 0.5
