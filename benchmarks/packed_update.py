@@ -1,12 +1,15 @@
 """The GRPO update with packed against right-padded micro-batches (recipes/rl.py `response_layout`).
 
 One update = forward and backward of `completion_logprobs` and GRPO's clipped surrogate (token-mean) over
-every micro-batch of one rollout batch: 256 completions of lengths U[16, 256] (seeded) after 116-token
-prompts, 4 micro-batches of 64 rows as in benchmarks/grpo_bench.yaml, autocast bf16 over float32 weights,
-random weights built on the device. Prints the median of --rounds updates per layout, peak allocated and
-reserved GiB, and how far the packed loss and gradients are from the padded ones.
+every micro-batch of one rollout batch, as `RLRecipe.update` runs it: 256 completions of lengths U[16, 256]
+(seeded; --equal: all 256, as in grpo-bench) after 116-token prompts, 4 micro-batches of even token counts
+(`balanced_split`; --split rows: 64 rows each), the lengths on the host, the micro-batch weights read once,
+autocast bf16 over float32 weights, random weights built on the device. Every layout runs the same
+micro-batches: padded, packed, and auto (the recipes' packed=None). Prints the median of --rounds updates per
+layout, its time per real token, peak allocated and reserved GiB, and how far the packed loss and gradients
+are from the padded ones; --profile adds the CUDA kernels that take the most time in one update of each.
 
-    python -m benchmarks.packed_update [--preset qwen3-0.6b] [--micro 4] [--rounds 3]
+    python -m benchmarks.packed_update [--preset qwen3-0.6b] [--micro 4] [--rounds 3] [--equal] [--profile]
 """
 from __future__ import annotations
 
@@ -19,11 +22,12 @@ import torch
 from framework.config import resolve
 from framework.models import Qwen3ForCausalLM
 from framework.models.presets import PRESETS, preset_config
-from recipes.losses import aggregate_weight, build_policy_loss
-from recipes.rl import completion_logprobs
+from recipes.losses import aggregate_weights, build_policy_loss
+from recipes.rl import balanced_split, completion_logprobs, packs, to_device
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
+LAYOUTS = {"padded": False, "packed": True, "auto": None}
 
 
 def sync() -> None:
@@ -32,26 +36,39 @@ def sync() -> None:
 
 
 def rollout(n: int, prompt: int, lo: int, hi: int, vocab: int, seed: int = 0):
+    """Device tokens, host prompt and completion lengths, the completion width."""
     g = torch.Generator().manual_seed(seed)
     completion_lens = torch.randint(lo, hi + 1, (n,), generator=g)
     tokens = torch.randint(0, vocab, (n, prompt + hi), generator=g)
-    return (tokens.to(DEVICE), torch.full((n,), prompt).to(DEVICE), completion_lens.to(DEVICE), hi)
+    return tokens.to(DEVICE), torch.full((n,), prompt), completion_lens, hi
 
 
-def update(model, batch, old_logp, adv, loss_fn, micro: int, packed: bool) -> float:
-    """Forward + backward over the micro-batches, each weighted as RLRecipe.update weighs it; returns the loss."""
+def update(model, batch, micro, old_logp, adv, mask, loss_fn, packed: bool | None) -> torch.Tensor:
+    """Forward + backward over the micro-batches (host rows), weighted as RLRecipe.update weighs them."""
     tokens, prompt_lens, completion_lens, width = batch
-    mask = (torch.arange(width, device=DEVICE)[None, :] < completion_lens[:, None]).float()
-    total = 0.0
-    for rows in torch.tensor_split(torch.arange(tokens.shape[0], device=DEVICE), micro):
+    rows = [to_device(r, DEVICE) for r in micro]
+    weights = aggregate_weights([mask[r] for r in rows], mask, "token-mean")
+    total = torch.zeros((), device=DEVICE)
+    for host, dev, weight in zip(micro, rows, weights, strict=True):
         with torch.autocast(DEVICE, dtype=torch.bfloat16):
-            logp, _ = completion_logprobs(model, tokens[rows], prompt_lens[rows], completion_lens[rows], width, 1.0,
+            logp, _ = completion_logprobs(model, tokens[dev], prompt_lens[host], completion_lens[host], width, 1.0,
                                           packed=packed)
-        loss = loss_fn(logp, old_logp[rows], adv[rows], mask[rows]).loss * aggregate_weight(mask[rows], mask,
-                                                                                           "token-mean")
+        loss = loss_fn(logp, old_logp[dev], adv[dev], mask[dev]).loss * weight
         loss.backward()
-        total += float(loss)
+        total += loss.detach()
     return total
+
+
+def top_kernels(run, count: int = 12) -> str:
+    """The kernels of one `run()` that take the most device time (CPU: host time), as a table."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if CUDA else [])
+    with profile(activities=activities) as prof:
+        run()
+        sync()
+    key = "self_device_time_total" if CUDA else "self_cpu_time_total"
+    return prof.key_averages().table(sort_by=key, row_limit=count)
 
 
 def main() -> None:
@@ -61,53 +78,72 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=116)
     ap.add_argument("--min-len", type=int, default=16)
     ap.add_argument("--max-len", type=int, default=256)
+    ap.add_argument("--equal", action="store_true", help="every completion --max-len tokens (grpo-bench's rows)")
     ap.add_argument("--micro", type=int, default=4, help="micro-batches (trainer.accumulate_grad_batches)")
+    ap.add_argument("--split", choices=("tokens", "rows"), default="tokens",
+                    help="micro-batches of even token counts (the recipes') or of even row counts")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--profile", action="store_true", help="print the top kernels of each layout")
     args = ap.parse_args()
     cfg = preset_config(args.preset, PRESETS[args.preset]["vocab_size"] or 256)
     torch.manual_seed(0)
     with torch.device(DEVICE):
         model = Qwen3ForCausalLM(cfg).train()
-    batch = rollout(args.completions, args.prompt, args.min_len, args.max_len, cfg.vocab_size)
+    lo = args.max_len if args.equal else args.min_len
+    batch = rollout(args.completions, args.prompt, lo, args.max_len, cfg.vocab_size)
     tokens, prompt_lens, completion_lens, width = batch
+    lens = prompt_lens + completion_lens
+    everything = torch.arange(len(lens))
+    micro = (balanced_split(everything, lens, args.micro) if args.split == "tokens"
+             else list(torch.tensor_split(everything, args.micro)))
+    mask = (torch.arange(width)[None, :] < completion_lens[:, None]).float().to(DEVICE)
     with torch.no_grad(), torch.autocast(DEVICE, dtype=torch.bfloat16):
-        old_logp = torch.cat([completion_logprobs(model, tokens[r], prompt_lens[r], completion_lens[r], width, 1.0)[0]
-                              for r in torch.tensor_split(torch.arange(len(tokens), device=DEVICE), args.micro)])
-    adv = torch.randn(len(tokens), generator=torch.Generator().manual_seed(1)).to(DEVICE)
+        old_logp = torch.zeros(len(lens), width, device=DEVICE)
+        for r in micro:
+            old_logp[to_device(r, DEVICE)] = completion_logprobs(model, tokens[to_device(r, DEVICE)], prompt_lens[r],
+                                                                 completion_lens[r], width, 1.0)[0]
+    adv = torch.randn(len(lens), generator=torch.Generator().manual_seed(1)).to(DEVICE)
     section = resolve({"recipe": "grpo", "model": {"policy": {"preset": "tiny"}}})["grpo"]
     loss_fn = build_policy_loss(section, width)
-    results = {}
-    for packed in (False, True):
-        name = "packed" if packed else "padded"
+    results, profiles = {}, {}
+    for name, packed in LAYOUTS.items():
         times = []
         CUDA and torch.cuda.reset_peak_memory_stats()
         for _ in range(args.rounds + 1):   # the first: warm-up
             model.zero_grad(set_to_none=True)
             sync()
             t0 = time.perf_counter()
-            loss = update(model, batch, old_logp, adv, loss_fn, args.micro, packed)
+            loss = update(model, batch, micro, old_logp, adv, mask, loss_fn, packed)
             sync()
             times.append(time.perf_counter() - t0)
         grads = torch.cat([p.grad.float().reshape(-1) for p in model.parameters()])
-        results[name] = {"s": statistics.median(times[1:]), "loss": loss, "grads": grads,
+        results[name] = {"s": statistics.median(times[1:]), "loss": float(loss), "grads": grads,
                          "alloc": torch.cuda.max_memory_allocated() / 2**30 if CUDA else float("nan"),
                          "reserved": torch.cuda.max_memory_reserved() / 2**30 if CUDA else float("nan")}
+        if args.profile:
+            model.zero_grad(set_to_none=True)
+            profiles[name] = top_kernels(lambda p=packed: update(model, batch, micro, old_logp, adv, mask, loss_fn, p))
         model.zero_grad(set_to_none=True)
         CUDA and torch.cuda.empty_cache()
-    lens = (prompt_lens + completion_lens).tolist()
-    padded = sum(len(r) * max(lens[int(r[0]):int(r[-1]) + 1])
-                 for r in torch.tensor_split(torch.arange(len(lens)), args.micro))
-    print(f"\nGRPO update, {args.preset}, {args.completions} completions U[{args.min_len}, {args.max_len}] after "
-          f"{args.prompt}-token prompts, {args.micro} micro-batches, autocast bf16, "
-          f"{torch.cuda.get_device_name() if CUDA else 'CPU'}; real tokens {sum(lens)}, padded {padded}")
-    print(f"| layout | median s ({args.rounds}) | peak allocated GiB | peak reserved GiB | loss |")
-    print("|---|---|---|---|---|")
+    real = int(lens.sum())
+    padded = sum(len(r) * int(lens[r].max()) for r in micro)
+    auto = [("packed" if packs(prompt_lens[r], completion_lens[r]) else "padded") for r in micro]
+    print(f"\nGRPO update, {args.preset}, {args.completions} completions U[{lo}, {args.max_len}] after "
+          f"{args.prompt}-token prompts, {args.micro} micro-batches split by {args.split} "
+          f"(tokens {[int(lens[r].sum()) for r in micro]}; auto lays them out {auto}), autocast bf16, "
+          f"{torch.cuda.get_device_name() if CUDA else 'CPU'}; real tokens {real}, padded {padded}")
+    print(f"| layout | median s ({args.rounds}) | us per real token | peak allocated GiB | peak reserved GiB | loss |")
+    print("|---|---|---|---|---|---|")
     for name, r in results.items():
-        print(f"| {name} | {r['s']:.3f} | {r['alloc']:.2f} | {r['reserved']:.2f} | {r['loss']:.6g} |")
+        print(f"| {name} | {r['s']:.3f} | {1e6 * r['s'] / real:.2f} | {r['alloc']:.2f} | {r['reserved']:.2f} "
+              f"| {r['loss']:.6g} |")
     pad, pk = results["padded"], results["packed"]
     diff = float((pk["grads"] - pad["grads"]).norm() / pad["grads"].norm())
-    print(f"speed-up packed / padded: {pad['s'] / pk['s']:.2f}x; gradient relative difference {diff:.2e}, "
+    print(f"speed-up packed / padded: {pad['s'] / pk['s']:.2f}x, auto / padded: {pad['s'] / results['auto']['s']:.2f}x "
+          f"(ideal, time per padded token: {padded / real:.2f}x); gradient relative difference {diff:.2e}, "
           f"loss difference {abs(pk['loss'] - pad['loss']):.2e} (bf16 autocast: both round differently)")
+    for name, table in profiles.items():
+        print(f"\n{name}: the kernels of one update\n{table}")
 
 
 if __name__ == "__main__":
