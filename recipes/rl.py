@@ -396,7 +396,7 @@ class RLRecipe:
 
         The micro-batches of a minibatch hold even token counts; their row indices reach the device in
         non-blocking copies and their weights in one host read, so the only device syncs per minibatch are
-        that read and what the losses log."""
+        that read and what the losses log (``ctx.log``)."""
         sec = self.cfg[self.section]
         device = batch.mask.device
         prompt_lens, completion_lens = batch.host_lengths()
@@ -414,8 +414,11 @@ class RLRecipe:
                 for phase in phases:
                     for m, weight in zip(micro, weights, strict=True):
                         loss, logged = phase.loss(m, first)
-                        ctx.backward(loss * weight)
+                        # Logged before the backward is queued: a metric that reads the device then waits
+                        # for the forward only, and the next micro-batch's layout is built while the
+                        # device runs this backward.
                         self.log_weighted(ctx, phase.prefix, logged, weight)
+                        ctx.backward(loss * weight)
                     ctx.step(phase.role)
 
     @staticmethod
