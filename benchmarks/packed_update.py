@@ -3,11 +3,12 @@
 One update = forward and backward of `completion_logprobs` and GRPO's clipped surrogate (token-mean) over
 every micro-batch of one rollout batch, as `RLRecipe.update` runs it: 256 completions of lengths U[16, 256]
 (seeded; --equal: all 256, as in grpo-bench) after 116-token prompts, 4 micro-batches of even token counts
-(`balanced_split`; --split rows: 64 rows each), the lengths on the host, the micro-batch weights read once,
-autocast bf16 over float32 weights, random weights built on the device. Every layout runs the same
-micro-batches: padded, packed, and auto (the recipes' packed=None). Prints the median of --rounds updates per
-layout, its time per real token, peak allocated and reserved GiB, and how far the packed loss and gradients
-are from the padded ones; --profile adds the CUDA kernels that take the most time in one update of each.
+(`balanced_split`; --split rows: 64 rows each; --split sorted: buckets of similar lengths), the lengths on
+the host, the micro-batch weights read once, autocast bf16 over float32 weights, random weights built on
+the device. Every layout runs the same micro-batches: padded, packed, and auto (the recipes' packed=None).
+Prints the median of --rounds updates per layout, its time per real token, peak allocated and reserved GiB,
+and how far the packed loss and gradients are from the padded ones; --equal adds the share of tokens packing
+must remove to pay, --profile the kernels that take the most device time in one update of each layout.
 
     python -m benchmarks.packed_update [--preset qwen3-0.6b] [--micro 4] [--rounds 3] [--equal] [--profile]
 """
@@ -23,7 +24,7 @@ from framework.config import resolve
 from framework.models import Qwen3ForCausalLM
 from framework.models.presets import PRESETS, preset_config
 from recipes.losses import aggregate_weights, build_policy_loss
-from recipes.rl import balanced_split, completion_logprobs, packs, to_device
+from recipes.rl import PACK_MIN_SAVING, balanced_split, completion_logprobs, packs, to_device
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -80,8 +81,9 @@ def main() -> None:
     ap.add_argument("--max-len", type=int, default=256)
     ap.add_argument("--equal", action="store_true", help="every completion --max-len tokens (grpo-bench's rows)")
     ap.add_argument("--micro", type=int, default=4, help="micro-batches (trainer.accumulate_grad_batches)")
-    ap.add_argument("--split", choices=("tokens", "rows"), default="tokens",
-                    help="micro-batches of even token counts (the recipes') or of even row counts")
+    ap.add_argument("--split", choices=("tokens", "rows", "sorted"), default="tokens",
+                    help="micro-batches of even token counts (the recipes'), of even row counts, or of the "
+                         "length-sorted rows in order (buckets of similar lengths: the least padding)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--profile", action="store_true", help="print the top kernels of each layout")
     args = ap.parse_args()
@@ -94,8 +96,11 @@ def main() -> None:
     tokens, prompt_lens, completion_lens, width = batch
     lens = prompt_lens + completion_lens
     everything = torch.arange(len(lens))
-    micro = (balanced_split(everything, lens, args.micro) if args.split == "tokens"
-             else list(torch.tensor_split(everything, args.micro)))
+    if args.split == "tokens":
+        micro = balanced_split(everything, lens, args.micro)
+    else:
+        order = lens.sort(stable=True).indices if args.split == "sorted" else everything
+        micro = list(torch.tensor_split(order, args.micro))
     mask = (torch.arange(width)[None, :] < completion_lens[:, None]).float().to(DEVICE)
     with torch.no_grad(), torch.autocast(DEVICE, dtype=torch.bfloat16):
         old_logp = torch.zeros(len(lens), width, device=DEVICE)
@@ -142,6 +147,10 @@ def main() -> None:
     print(f"speed-up packed / padded: {pad['s'] / pk['s']:.2f}x, auto / padded: {pad['s'] / results['auto']['s']:.2f}x "
           f"(ideal, time per padded token: {padded / real:.2f}x); gradient relative difference {diff:.2e}, "
           f"loss difference {abs(pk['loss'] - pad['loss']):.2e} (bf16 autocast: both round differently)")
+    if args.equal:   # the same tokens in both layouts: what the packed layout costs beyond the math
+        ratio = pk["s"] / pad["s"]
+        print(f"equal rows: packed takes {ratio:.3f}x the padded time; packing pays when it removes more than "
+              f"{max(0.0, 1.0 - 1.0 / ratio):.1%} of the tokens (recipes.rl.PACK_MIN_SAVING is {PACK_MIN_SAVING:.1%})")
     for name, table in profiles.items():
         print(f"\n{name}: the kernels of one update\n{table}")
 
