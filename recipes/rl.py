@@ -23,7 +23,7 @@ import dataclasses
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -71,8 +71,10 @@ class ScoredRollout:
         return self._host_lens
 
 
-class MicroBatch(NamedTuple):
-    """Rows of the rollout batch trained together, on the batch's device and on the host."""
+@dataclass(frozen=True)
+class MicroBatch:
+    """Rows of the rollout batch trained together, on the batch's device and on the host (not a tuple: a
+    loss that indexes a tensor with it fails instead of indexing two dimensions)."""
 
     rows: Tensor       # [b] int64 on the batch's device: indexes the batch's tensors
     host_rows: Tensor  # [b] the same on the host: lays the micro-batch out without a device sync
