@@ -2,14 +2,17 @@
 
 Order around each optimizer step (automatic and manual optimization, every optimizer):
 gradients final -> clipped -> `before_optimizer_step` -> `optimizer.step()` -> `after_optimizer_step`
--> LR scheduler stepped (policy). Accumulation micro-steps fire nothing. At the end of the batch a stop
-request is taken (`StopOnSignal`), the metrics are logged (`MetricsLogger`, every `log_every_n_steps`),
-then user callbacks' and the checkpoint callback's `on_train_batch_end` run, in that order.
+-> LR scheduler stepped (policy). Accumulation micro-steps fire nothing. At the end of the batch that
+completes a step, the step's non-finite checks are read and raise (`StopOnNonFinite`), the evaluation
+runs when due, a stop request is taken (`StopOnSignal`), the metrics are logged (`MetricsLogger`, every
+`log_every_n_steps`), then user callbacks' and the checkpoint callback's `on_train_batch_end` run, in
+that order.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import lightning
@@ -19,6 +22,7 @@ from lightning.pytorch.callbacks.progress.tqdm_progress import convert_inf
 
 from framework.cadence import crossed
 from framework.errors import FwError
+from framework.metrics import StepMetrics, read_scalars
 from framework.signals import StopSignals
 
 
@@ -180,11 +184,11 @@ def _by_device(tensors: list[torch.Tensor]) -> dict[torch.device, list[torch.Ten
     return groups
 
 
-def _finite(tensors: list[torch.Tensor]) -> bool:
-    """The largest |x| of every tensor in fused launches (inf for an infinity, NaN for a NaN): one host
-    synchronisation per device, none per tensor."""
-    return all(bool(torch.stack(torch._foreach_norm(group, math.inf)).isfinite().all())
-               for group in _by_device(tensors).values())
+def _finite(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Per device, whether every tensor is finite (a bool tensor on that device), from the largest |x| of
+    each tensor in fused launches (inf for an infinity, NaN for a NaN); nothing is read back here."""
+    return [torch.stack(torch._foreach_norm(group, math.inf)).isfinite().all()
+            for group in _by_device(tensors).values()]
 
 
 def _norm(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -203,22 +207,26 @@ class StopOnNonFinite(Callback):
     """Stops the run (FwError, exit 2) at the first non-finite loss, gradient or weight.
 
     The loss is checked before each backward; the policy's gradients before clipping, by their norm
-    (clipping an infinite norm would zero them); other optimizers' gradients after clipping, where a
-    non-finite norm leaves NaN; every optimizer's weights after its step. A step that diverges raises
-    before its batch ends, so no checkpoint of it is written and the newest checkpoint is the last good
-    one. Under `16-mixed` gradients are left to the loss scaler, which skips steps with infinite
-    gradients by design.
+    (clipping an infinite norm would zero them: an `FwModule` hands over the norm it clips with, any other
+    module gets it measured); other optimizers' gradients after clipping, where a non-finite norm leaves
+    NaN; every optimizer's weights after its step. Each check stays on the device until the end of the
+    batch that completes the optimizer step, where all of them are read in one transfer (with the metrics
+    when the step is logged) and the first that failed raises; this callback comes before the evaluation,
+    the metrics and the checkpoint, so no record or checkpoint of a diverged step is written and the
+    newest checkpoint is the last good one. Under `16-mixed` gradients are left to the loss scaler, which
+    skips steps with infinite gradients by design.
     """
 
     def __init__(self, precision: str):
         self.check_gradients = precision != "16-mixed"
+        # (message with {} for the value, policy steps done, finite flag, value): checked at the batch end
+        self.pending: list[tuple[str, int | None, torch.Tensor, torch.Tensor]] = []
+        self._step: int | None = None
 
-    @staticmethod
-    def _stop(module: lightning.LightningModule, what: str) -> None:
+    def _expect(self, module: lightning.LightningModule, message: str, finite: torch.Tensor,
+                value: torch.Tensor | None = None) -> None:
         steps = getattr(module, "policy_version", None)
-        raise FwError(f"{what} after {steps} policy steps: the run has diverged; it stops without saving this "
-                      "step, so every checkpoint holds finite weights (lower optimizer.lr, keep "
-                      "optimizer.max_grad_norm set, or use bf16 instead of fp16)")
+        self.pending.append((message, steps, finite, finite if value is None else value))
 
     @staticmethod
     def _role(module: lightning.LightningModule, optimizer: Any) -> str:
@@ -226,37 +234,76 @@ class StopOnNonFinite(Callback):
 
     def on_before_backward(self, trainer: lightning.Trainer, module: lightning.LightningModule,
                            loss: torch.Tensor) -> None:
-        if not bool(loss.detach().isfinite().all()):
-            self._stop(module, f"the loss is {loss.detach().float().sum().item()}")
+        loss = loss.detach()
+        self._expect(module, "the loss is {}", loss.isfinite().all(), loss.float().sum())
 
     def on_before_optimizer_step(self, trainer: lightning.Trainer, module: lightning.LightningModule,
                                  optimizer: Any) -> None:
-        # Lightning calls this for the optimizers it steps (the policy's) before the module clips
+        # Lightning calls this for the optimizers it steps (the policy's) before the module clips; an
+        # FwModule's own norm comes in before_optimizer_step
         grads = _grads(optimizer)
-        if self.check_gradients and grads:
+        if self.check_gradients and grads and not isinstance(getattr(module, "grad_norms", None), dict):
             norm = _norm(grads)
-            if not bool(norm.isfinite()):
-                self._stop(module, f"the {self._role(module, optimizer)} gradient's norm is {norm.item()}")
+            role = self._role(module, optimizer)
+            self._expect(module, f"the {role} gradient's norm is {{}}", norm.isfinite(), norm)
 
     def before_optimizer_step(self, trainer: lightning.Trainer, module: lightning.LightningModule,
                               optimizer: Any) -> None:
+        if not self.check_gradients:
+            return
         role = self._role(module, optimizer)
-        if self.check_gradients and role != "policy" and not _finite(_grads(optimizer)):
-            self._stop(module, f"a {role} gradient is not finite")
+        if role == "policy":
+            norm = getattr(module, "grad_norms", {}).get(role)
+            if norm is not None:
+                self._expect(module, f"the {role} gradient's norm is {{}}", norm.isfinite(), norm)
+        elif _grads(optimizer):
+            for finite in _finite(_grads(optimizer)):
+                self._expect(module, f"a {role} gradient is not finite", finite)
 
     def after_optimizer_step(self, trainer: lightning.Trainer, module: lightning.LightningModule,
                              optimizer: Any) -> None:
-        if not _finite([p.detach() for g in optimizer.param_groups for p in g["params"]]):
-            self._stop(module, f"a {self._role(module, optimizer)} weight is not finite")
+        for finite in _finite([p.detach() for g in optimizer.param_groups for p in g["params"]]):
+            self._expect(module, f"a {self._role(module, optimizer)} weight is not finite", finite)
+
+    def on_train_start(self, trainer: lightning.Trainer, module: lightning.LightningModule) -> None:
+        self._step = trainer.global_step
+        self.pending = []
+
+    def on_train_batch_end(self, trainer: lightning.Trainer, module: lightning.LightningModule, outputs: Any,
+                           batch: Any, batch_idx: int) -> None:
+        if trainer.global_step == self._step:
+            return   # within an accumulation window: its checks wait for the step
+        self._step = trainer.global_step
+        logger = next((cb for cb in trainer.callbacks if isinstance(cb, MetricsLogger)), None)
+        metrics = getattr(module, "step_metrics", None)
+        if logger is not None and isinstance(metrics, StepMetrics) and logger.due(trainer):
+            self.check(metrics.read_ahead([t for *_, f, v in self.pending for t in (f, v)]))
+        else:
+            self.check()
+
+    def check(self, values: list[float] | None = None) -> None:
+        """Raise for the first pending check that failed; `values`: the pending (flag, value) pairs read
+        already (None: read them now, in one transfer)."""
+        pending, self.pending = self.pending, []
+        if values is None:
+            values = read_scalars([t for *_, f, v in pending for t in (f, v)])
+        for i, (message, steps, _, _) in enumerate(pending):
+            if not values[2 * i]:
+                what = message.format(values[2 * i + 1]) if "{}" in message else message
+                raise FwError(f"{what} after {steps} policy steps: the run has diverged; it stops without saving "
+                              "this step, so every checkpoint holds finite weights (lower optimizer.lr, keep "
+                              "optimizer.max_grad_norm set, or use bf16 instead of fp16)")
 
 
-def builtin_callbacks(cfg: dict, stop: StopSignals | None = None) -> list[lightning.Callback]:
-    """The stop request (when `stop` is given), the non-finite check, metrics logging, learning-rate
-    monitor and the progress bar (when enabled), in that order; the trainer adds user callbacks and
-    checkpointing after these."""
-    out: list[lightning.Callback] = [] if stop is None else [StopOnSignal(stop)]
-    out += [StopOnNonFinite(cfg["trainer"]["precision"]), MetricsLogger(cfg["trainer"]["log_every_n_steps"]),
-            LearningRateMonitor()]
+def builtin_callbacks(cfg: dict, stop: StopSignals | None = None,
+                      evaluation: Sequence[lightning.Callback] = ()) -> list[lightning.Callback]:
+    """The non-finite check, the `evaluation` callbacks, the stop request (when `stop` is given), metrics
+    logging, learning-rate monitor and the progress bar (when enabled), in that order; the trainer adds user
+    callbacks and checkpointing after these. The non-finite check reads the step's checks at the end of
+    its batch, so it comes before anything that evaluates, logs or saves the step."""
+    out: list[lightning.Callback] = [StopOnNonFinite(cfg["trainer"]["precision"]), *evaluation]
+    out += [] if stop is None else [StopOnSignal(stop)]
+    out += [MetricsLogger(cfg["trainer"]["log_every_n_steps"]), LearningRateMonitor()]
     if cfg["trainer"]["enable_progress_bar"]:
         out.append(ProgressBar())
     return out

@@ -19,6 +19,7 @@ the same position with the new global batch size (no example skipped or repeated
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -219,26 +220,42 @@ def global_batch(stream: ExampleStream, position: int, rows: int, max_len: int,
 
 
 def collate(rows: list[list[Example]], pad_id: int, length: int | None) -> dict[str, Any]:
-    """input_ids, position_ids (restarting at 0 for every sequence), targets and num_tokens (an int).
+    """input_ids, position_ids (restarting at 0 for every sequence), targets, num_tokens (an int) and
+    loss_index: the flat positions (row after row) of the targets that are not -100, in order, so that a
+    recipe gathers the loss tokens with an index tensor instead of a boolean mask (whose size the host
+    would have to read back from the device).
 
     Padding uses positions 0.. of its own, so it never continues a real sequence; its targets are -100.
+    Each field is built as one flat list and becomes a tensor once: a packed batch holds
+    hundreds of short examples, and a tensor per example costs more than the rest of the batch.
     """
     length = length or max(sum(len(e.ids) for e in row) for row in rows)
-    ids = torch.full((len(rows), length), pad_id, dtype=torch.long)
-    pos = torch.zeros((len(rows), length), dtype=torch.long)
-    tgt = torch.full((len(rows), length), IGNORE, dtype=torch.long)
+    ids: list[int] = []
+    pos: list[int] = []
+    tgt: list[int] = []
     real = 0
-    for r, row in enumerate(rows):
-        at = 0
+    for row in rows:
         for e in row:
-            n = len(e.ids)
-            ids[r, at:at + n] = torch.tensor(e.ids)
-            pos[r, at:at + n] = torch.arange(n)
-            tgt[r, at:at + n] = torch.tensor(e.targets)
-            at += n
-        pos[r, at:] = torch.arange(length - at)
-        real += at
-    return {"input_ids": ids, "position_ids": pos, "targets": tgt, "num_tokens": real}
+            ids += e.ids
+            pos += range(len(e.ids))
+            tgt += e.targets
+        pad = length - sum(len(e.ids) for e in row)
+        ids += [pad_id] * pad
+        pos += range(pad)
+        tgt += [IGNORE] * pad
+        real += length - pad
+    shape = (len(rows), length)
+    targets = _long_tensor(tgt, shape)
+    return {"input_ids": _long_tensor(ids, shape), "position_ids": _long_tensor(pos, shape), "targets": targets,
+            "loss_index": (targets.view(-1) != IGNORE).nonzero().view(-1), "num_tokens": real}
+
+
+def _long_tensor(values: list[int], shape: tuple[int, int]) -> torch.Tensor:
+    """An int64 tensor of `shape` holding `values`, through an int64 array: converting a long list
+    element by element in torch.tensor costs several times more."""
+    if not values:
+        return torch.zeros(shape, dtype=torch.long)
+    return torch.frombuffer(array("q", values), dtype=torch.long).view(shape)
 
 
 class SFTBatches(IterableDataset):
@@ -270,7 +287,8 @@ class SFTBatches(IterableDataset):
                                               self.max_seq_len, self.pack)
                 window.append((rows, position))
             # Every rank builds the global batches, so the step's target count needs no communication.
-            step_targets = sum(t != IGNORE for rows, _ in window for row in rows for e in row for t in e.targets)
+            step_targets = sum(len(e.targets) - e.targets.count(IGNORE) for rows, _ in window for row in rows
+                               for e in row)
             for rows, next_position in window:
                 mine = rows[self.rank * self.batch_size:(self.rank + 1) * self.batch_size]
                 batch = collate(mine, self.pad_id, self.max_seq_len if self.pack else None)
@@ -280,9 +298,13 @@ class SFTBatches(IterableDataset):
 
 
 def sft_dataloader(stream: ExampleStream, position: int, cfg: dict, pad_id: int, rank: int,
-                   world_size: int, accumulate: int = 1) -> DataLoader:
-    """A DataLoader over `SFTBatches` (batches are built in the main process; they are cheap)."""
+                   world_size: int, accumulate: int = 1, pin_memory: bool = False) -> DataLoader:
+    """A DataLoader over `SFTBatches` (batches are built in the main process; they are cheap).
+
+    `pin_memory` (for a CUDA device) puts the batches in page-locked memory, so that their copy to the
+    device runs asynchronously instead of waiting for the work already queued on the GPU.
+    """
     data = cfg["data"]
     batches = SFTBatches(stream, position, data["batch_size"], data["max_seq_len"], data["pack"], pad_id,
                          rank, world_size, accumulate)
-    return DataLoader(batches, batch_size=None, num_workers=0)
+    return DataLoader(batches, batch_size=None, num_workers=0, pin_memory=pin_memory)

@@ -11,6 +11,7 @@ import json
 import math
 import os
 from argparse import Namespace
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +54,27 @@ class _Min(_Unchecked, torchmetrics.MinMetric):
 REDUCTIONS = {"mean": _Mean, "sum": _Sum, "max": _Max, "min": _Min}
 
 
+def on_device(x: torch.Tensor | float, device: torch.device) -> torch.Tensor:
+    """`x` as a float64 tensor on `device`. A Python number is filled in by a kernel: a tensor made from it
+    on the host and copied would make the host wait for the work queued on the GPU."""
+    if isinstance(x, torch.Tensor):
+        return torch.as_tensor(x.detach(), dtype=torch.float64, device=device)
+    return torch.full((), float(x), dtype=torch.float64, device=device)
+
+
+def read_scalars(tensors: Sequence[torch.Tensor]) -> list[float]:
+    """The values of one-element tensors as floats, in order, with one transfer per device they live on."""
+    out: list[float] = [0.0] * len(tensors)
+    by_device: dict[torch.device, list[int]] = {}
+    for i, t in enumerate(tensors):
+        by_device.setdefault(t.device, []).append(i)
+    for indices in by_device.values():
+        values = torch.stack([tensors[i].detach().reshape(()).to(torch.float64) for i in indices]).tolist()
+        for i, v in zip(indices, values, strict=True):
+            out[i] = v
+    return out
+
+
 class StepMetrics(nn.Module):
     """Named torchmetrics aggregators, created on first use; `compute()` returns floats and resets.
 
@@ -60,7 +82,8 @@ class StepMetrics(nn.Module):
     A NaN value logged stops the run with an FwError naming the metric at the next `compute()` (a NaN loss or
     gradient norm means the run has diverged); infinities pass (an fp16 step skipped by loss scaling has an
     infinite grad norm). `update` never waits for the GPU: values stay on the device until `compute()`, the
-    logging step (the loss and gradients themselves are checked every step by callbacks.StopOnNonFinite).
+    logging step, which reads them all in one transfer (the loss and gradients themselves are checked every
+    step by callbacks.StopOnNonFinite, whose values `read_ahead` reads in the same transfer).
     """
 
     def __init__(self) -> None:
@@ -72,9 +95,11 @@ class StepMetrics(nn.Module):
         self.reductions: dict[str, str] = {}
         self.last: dict[str, torch.Tensor | float] = {}
         self.nan_seen: dict[str, torch.Tensor] = {}   # per metric: a NaN value was logged (on the device)
+        self._ahead: tuple[list[float], list[float]] | None = None   # read_ahead's (NaN flags, values)
 
     def update(self, name: str, value: torch.Tensor | float, weight: torch.Tensor | float = 1.0,
                reduce: str = "mean") -> None:
+        self._ahead = None   # a value read ahead no longer holds the interval
         if reduce == "last":
             self.last[name] = value.detach().clone() if isinstance(value, torch.Tensor) else float(value)
             return
@@ -89,30 +114,51 @@ class StepMetrics(nn.Module):
             raise ValueError(f"log_metric({name!r}): logged with reduce={self.reductions[key]!r} before, "
                              f"now {reduce!r}")
         metric = self.metrics[key]
-        value = torch.as_tensor(value, dtype=torch.float64, device=metric.device).detach()
+        value = on_device(value, metric.device)
         seen = torch.isnan(value).any()
         self.nan_seen[name] = seen if name not in self.nan_seen else self.nan_seen[name] | seen
         if reduce == "mean":
-            metric.update(value, torch.as_tensor(weight, dtype=torch.float64, device=metric.device))
+            metric.update(value, on_device(weight, metric.device))
         else:
             metric.update(value)
 
+    def _pending(self) -> tuple[list[str], list[str], list[str]]:
+        """The names of the NaN flags, the keys of the metrics updated, the names of the tensor `last` values."""
+        return (list(self.nan_seen), [k for k, m in self.metrics.items() if m.update_count],
+                [n for n, v in self.last.items() if isinstance(v, torch.Tensor)])
+
+    def _read(self, extra: Sequence[torch.Tensor]) -> tuple[list[float], tuple[list[float], list[float]]]:
+        """`extra`'s values and (NaN flags, values of the metrics and tensor `last` values), in one read."""
+        names, keys, last = self._pending()
+        tensors = [*extra, *(self.nan_seen[n] for n in names), *(self.metrics[k].compute() for k in keys),
+                   *(self.last[n] for n in last)]
+        values = read_scalars(tensors)
+        n = len(extra)
+        return values[:n], (values[n:n + len(names)], values[n + len(names):])
+
+    def read_ahead(self, extra: Sequence[torch.Tensor]) -> list[float]:
+        """The values of the one-element tensors `extra`, read in the same transfer as the interval's metrics
+        (collective under DDP: call on all ranks). The next `compute()` takes those without reading again,
+        unless a value is logged in between."""
+        values, self._ahead = self._read(extra)
+        return values
+
     def compute(self) -> dict[str, float]:
-        """Every metric updated since the last call, reduced over ranks (collective: call on all ranks)."""
-        if self.nan_seen:
-            names = list(self.nan_seen)
-            flags = torch.stack([self.nan_seen[n] for n in names]).tolist()   # one sync for all metrics
-            self.nan_seen = {}
-            for name, nan in zip(names, flags, strict=True):
-                if nan:
-                    raise FwError(f"metric {name!r} is NaN: the run has diverged (lower optimizer.lr, keep "
-                                  "optimizer.max_grad_norm set, or use bf16 instead of fp16)")
-        out = {}
-        for key, metric in self.metrics.items():
-            if metric.update_count:
-                out[key.replace("__", ".")] = float(metric.compute())
+        """Every metric updated since the last call, reduced over ranks (collective: call on all ranks), read
+        from the device in one transfer."""
+        names, keys, last = self._pending()
+        flags, values = self._ahead if self._ahead is not None else self._read(())[1]
+        self._ahead = None
+        self.nan_seen = {}
+        for name, nan in zip(names, flags, strict=True):
+            if nan:
+                raise FwError(f"metric {name!r} is NaN: the run has diverged (lower optimizer.lr, keep "
+                              "optimizer.max_grad_norm set, or use bf16 instead of fp16)")
+        out = dict(zip((k.replace("__", ".") for k in keys), values[:len(keys)], strict=True))
+        for metric in self.metrics.values():
             metric.reset()
-        out.update({name: float(v) for name, v in self.last.items()})
+        read_last = dict(zip(last, values[len(keys):], strict=True))
+        out.update({name: read_last[name] if name in read_last else float(v) for name, v in self.last.items()})
         self.last = {}
         return out
 
@@ -135,6 +181,7 @@ class StepMetrics(nn.Module):
         """Continue an interval from `state()`. Exactly one rank (`holder`, rank 0) takes the accumulated
         values; the others start empty but with the same update counts, so every rank reduces the same
         metrics and the next `compute()` adds each value once, whatever the number of processes."""
+        self._ahead = None
         self.last = dict(state["last"])
         for key, saved in state["metrics"].items():
             if key not in self.metrics:

@@ -126,6 +126,8 @@ class FwModule(lightning.LightningModule):
         self.last_metrics: dict[str, float] = {}
         self.last_eval_metrics: dict[str, float] = {}   # the latest evaluation's (framework/evaluation.py)
         self._optimizer_of: dict[str, torch.optim.Optimizer] = {}   # role name -> its torch optimizer
+        # role name -> its gradients' norm before the latest clip (on the device), for the non-finite guard
+        self.grad_norms: dict[str, torch.Tensor] = {}
         self._pending_rng: dict | None = None
         self._flush_time = time.perf_counter()
         self._tokenizer_files = tokenizer_files(self.tokenizer)
@@ -214,6 +216,7 @@ class FwModule(lightning.LightningModule):
     def _before_step(self, optimizer: torch.optim.Optimizer) -> None:
         role = self.optimizer_role(optimizer)
         norm = self._clip(optimizer, self._settings[role]["max_grad_norm"])
+        self.grad_norms[role] = norm
         self.log_metric("grad_norm" if role == "policy" else f"{role}_grad_norm", norm)
         fire(self.trainer, self, "before_optimizer_step", optimizer)
 

@@ -75,9 +75,10 @@ def build_trainer(cfg: dict, stop: StopSignals | None = None) -> lightning.Train
     _check_precision(cfg, requirements)
     # Metrics first so they reach the loggers before the checkpoint callback flushes them and saves; the
     # evaluation of a step ahead of both, so its metrics join the step's record and a resumed run never
-    # misses one.
+    # misses one; the non-finite check ahead of all three, so a diverged step is neither evaluated, logged
+    # nor saved.
     evaluation = [EvalCallback(cfg)] if eval_enabled(cfg) else []
-    callbacks = [*evaluation, *builtin_callbacks(cfg, stop), *user_callbacks(cfg), CheckpointCallback(cfg)]
+    callbacks = [*builtin_callbacks(cfg, stop, evaluation), *user_callbacks(cfg), CheckpointCallback(cfg)]
     return lightning.Trainer(
         accelerator=t["accelerator"],
         devices=t["devices"],

@@ -44,18 +44,20 @@ class SFTRecipe:
 
     def train_dataloader(self, ctx: StepContext) -> torch.utils.data.DataLoader:
         return sft_dataloader(self.stream, self.position, self.cfg, self.tokenizer.pad_id, ctx.rank, ctx.world_size,
-                              self.cfg["trainer"]["accumulate_grad_batches"])
+                              self.cfg["trainer"]["accumulate_grad_batches"], pin_memory=ctx.device.type == "cuda")
 
     def training_step(self, ctx: StepContext, batch: dict, batch_idx: int) -> torch.Tensor:
         policy = ctx.policy
         hidden = policy(batch["input_ids"], position_ids=batch["position_ids"], return_hidden=True)
         targets = batch["targets"]
-        selected = targets != IGNORE
-        h, t = hidden[selected], targets[selected]
+        # The loss tokens by the index the batch brings (those of `targets != IGNORE`, in order): a boolean
+        # mask would make the host wait for the GPU to learn how many there are.
+        index = batch["loss_index"]
+        h, t = hidden.flatten(0, 1)[index], targets.flatten()[index]
         # Under autocast, fw::linear_logprob's autocast rule casts both operands to bf16. The logits are kept
         # for the backward (one GEMM fewer) unless model.policy.keep_logits says otherwise.
         logprob, _ = ops_cuda.linear_logprob(h, policy.lm_head_weight, t, save_logits=policy.saves_logits)
-        n_local = selected.sum()
+        n_local = (targets != IGNORE).sum()
         nll = -logprob.sum()
         accumulate = self.cfg["trainer"]["accumulate_grad_batches"]
         loss = nll * (ctx.world_size * accumulate / max(batch["step_targets"], 1))

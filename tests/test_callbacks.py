@@ -171,7 +171,7 @@ def test_a_diverging_run_exits_2_keeping_the_last_good_checkpoint(tmp_path, caps
 
 def test_the_non_finite_guard_stops_on_an_infinite_loss_gradient_or_weight(tmp_path):
     # infinities pass the NaN check of the metrics (an fp16 step skipped by loss scaling has an infinite
-    # gradient norm); outside 16-mixed they mean divergence
+    # gradient norm); outside 16-mixed they mean divergence. The guard reads its checks at the batch end.
     from framework.callbacks import StopOnNonFinite
     from framework.errors import FwError
     from framework.module import FwModule
@@ -180,18 +180,41 @@ def test_the_non_finite_guard_stops_on_an_infinite_loss_gradient_or_weight(tmp_p
     (optimizer,), _ = module.configure_optimizers()
     guard = StopOnNonFinite("32-true")
     guard.on_before_backward(None, module, torch.tensor(2.5))
+    guard.check()
+    guard.on_before_backward(None, module, torch.tensor(float("inf")))
     with pytest.raises(FwError, match=r"^the loss is inf after 0 policy steps: the run has diverged"):
-        guard.on_before_backward(None, module, torch.tensor(float("inf")))
+        guard.check()
     params = list(module.policy.parameters())
     for p in params:
         p.grad = torch.ones_like(p)
+    # an FwModule hands over the norm it clipped with; the guard measures none of its own
+    module.grad_norms["policy"] = torch.tensor(3.0)
     guard.on_before_optimizer_step(None, module, optimizer)
-    params[3].grad[0] = float("inf")
+    guard.before_optimizer_step(None, module, optimizer)
+    guard.check()
+    module.grad_norms["policy"] = torch.tensor(float("inf"))
+    guard.before_optimizer_step(None, module, optimizer)
     with pytest.raises(FwError, match=r"^the policy gradient's norm is inf after 0 policy steps"):
-        guard.on_before_optimizer_step(None, module, optimizer)
-    StopOnNonFinite("16-mixed").on_before_optimizer_step(None, module, optimizer)   # the scaler's business
+        guard.check()
+    StopOnNonFinite("16-mixed").before_optimizer_step(None, module, optimizer)   # the scaler's business
+    # any other LightningModule: the guard measures the gradients before the clip itself
+    plain = torch.nn.Linear(2, 2)
+    plain_optimizer = torch.optim.SGD(plain.parameters())
+    for p in plain.parameters():
+        p.grad = torch.ones_like(p)
+    guard.on_before_optimizer_step(None, plain, plain_optimizer)
+    guard.check()
+    plain.bias.grad[0] = float("nan")
+    guard.on_before_optimizer_step(None, plain, plain_optimizer)
+    with pytest.raises(FwError, match=r"^the policy gradient's norm is nan after None policy steps"):
+        guard.check()
     guard.after_optimizer_step(None, module, optimizer)
+    guard.check()
     with torch.no_grad():
         params[-1][0] = float("-inf")
+    guard.after_optimizer_step(None, module, optimizer)
+    # the first check that failed is the one reported
+    guard.on_before_backward(None, module, torch.tensor(float("nan")))
     with pytest.raises(FwError, match=r"^a policy weight is not finite after 0 policy steps"):
-        guard.after_optimizer_step(None, module, optimizer)
+        guard.check()
+    assert guard.pending == []

@@ -148,6 +148,8 @@ def test_packing_fills_rows_in_order_with_restarting_positions():
     assert b["targets"].tolist() == [[101, 102, IGNORE, 201, 202, 203, IGNORE, IGNORE],
                                      [301, IGNORE, 401, 402, 403, 404, IGNORE, IGNORE]]
     assert b["num_tokens"] == 15
+    # the loss tokens' flat positions, row after row (row 1 starts at 8)
+    assert b["loss_index"].tolist() == [0, 1, 3, 4, 5, 8, 10, 11, 12, 13]
 
 
 def test_unpacked_rows_are_right_padded_to_the_longest():
@@ -158,6 +160,8 @@ def test_unpacked_rows_are_right_padded_to_the_longest():
     assert b["input_ids"].tolist() == [[200, 201, 202, 203, 204], [300, 301, 7, 7, 7]]
     assert b["position_ids"].tolist() == [[0, 1, 2, 3, 4], [0, 1, 0, 1, 2]]
     assert b["targets"][1].tolist() == [301, IGNORE, IGNORE, IGNORE, IGNORE]
+    assert b["input_ids"].dtype == b["position_ids"].dtype == b["targets"].dtype == torch.long
+    assert b["loss_index"].tolist() == [0, 1, 2, 3, 5]
 
 
 def test_truncation_keeps_the_head_and_drops_the_cut_target():

@@ -1,0 +1,219 @@
+"""What `fw fit` does per training step besides the step itself: reads from the device, one per step.
+
+A read is counted where the host asks a tensor for its value (`item`, `tolist`, `bool`, `float`, `int`,
+`nonzero`, boolean-mask indexing, `cpu`) or makes a device tensor from host data: on a GPU each waits for
+the work queued before it. The count runs through a real TorchFunctionMode over the real training loop;
+torch's own calls (the optimizer's step counters live on the host) and the DataLoader's (batches are built
+on the host) are left out. On CUDA, `torch.cuda.set_sync_debug_mode` counts the synchronisations themselves.
+"""
+
+import json
+import os
+import sys
+import warnings
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+
+from framework.callbacks import Callback
+from framework.config import resolve
+from framework.metrics import StepMetrics, read_scalars
+from framework.trainer import fit
+
+DATA = "recipes/data/arithmetic_chat.jsonl"
+REPO = Path(__file__).resolve().parent.parent
+TORCH_DIR = os.path.dirname(torch.__file__)
+DATA_LOADING = os.path.join(TORCH_DIR, "utils", "data")
+T = torch.Tensor
+READS = {T.item, T.tolist, T.__bool__, T.__float__, T.__int__, T.__index__, T.nonzero, torch.nonzero, T.cpu,
+         T.numpy, T.masked_select, torch.masked_select}
+
+
+def _bool_index(index) -> bool:
+    return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool
+               for i in (index if isinstance(index, tuple) else (index,)))
+
+
+class _Reads(TorchFunctionMode):
+    def __init__(self, sink: list[str]):
+        super().__init__()
+        self.sink = sink
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if (func in READS or (func is T.__getitem__ and _bool_index(args[1]))
+                or (func in (torch.tensor, torch.as_tensor) and kwargs.get("device") is not None
+                    and not isinstance(args[0], torch.Tensor))):
+            self._record(getattr(func, "__name__", str(func)))
+        return func(*args, **kwargs)
+
+    def _record(self, name: str) -> None:
+        caller = sys._getframe(2)
+        if caller.f_code.co_filename.startswith(TORCH_DIR):
+            return
+        frame = caller
+        while frame is not None:
+            if frame.f_code.co_filename.startswith(DATA_LOADING):
+                return
+            frame = frame.f_back
+        path = Path(caller.f_code.co_filename).resolve()
+        where = path.relative_to(REPO) if path.is_relative_to(REPO) else path
+        self.sink.append(f"{name} {where}:{caller.f_code.co_name}")
+
+
+class HostReads(Callback):
+    """The host reads of each policy step, from the start of its first batch to the start of the next step's
+    (its batch end: metrics, checks, checkpoint callback; the next batch's fetch and copy)."""
+
+    def __init__(self):
+        self.sink: list[str] = []
+        self.steps: list[list[str]] = []
+        self._step = None
+        self._mode = None
+
+    def on_train_start(self, trainer, module):
+        self._mode = _Reads(self.sink)
+        self._mode.__enter__()
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx):
+        if trainer.global_step != self._step:
+            self._step = trainer.global_step
+            self.steps.append(self.sink[:])
+            self.sink.clear()
+
+    def on_train_end(self, trainer, module):
+        self._mode.__exit__(None, None, None)
+
+
+def sft_cfg(tmp_path, **trainer):
+    return resolve({
+        "recipe": "sft", "run_dir": str(tmp_path / "run"), "model": {"policy": {"preset": "tiny"}},
+        "data": {"path": DATA, "max_seq_len": 64, "batch_size": 2},
+        "trainer": {"accelerator": "cpu", "max_steps": 5, "enable_progress_bar": True, **trainer},
+        "checkpoint": {"every_n_steps": 100}, "logging": {"csv": True, "tensorboard": True},
+        "callbacks": [{"class_path": "test_fit_step.HostReads"}]})
+
+
+def of_fw(reads: list[str]) -> Counter:
+    """The reads made by fw's training path (framework/, recipes/); ops_cuda's and the models' are left out
+    (packed attention reads its sequence count and longest sequence, as the bare benchmark step does)."""
+    return Counter(r for r in reads if r.split()[1].startswith(("framework/", "recipes/")))
+
+
+@pytest.mark.parametrize("log_every, accumulate", [(1, 1), (2, 2)])
+def test_a_fit_step_reads_the_device_once(tmp_path, log_every, accumulate):
+    trainer = fit(sft_cfg(tmp_path, log_every_n_steps=log_every, accumulate_grad_batches=accumulate))
+    counter = next(c for c in trainer.callbacks if isinstance(c, HostReads))
+    # steps[0]: before the first batch; steps[1]: step 1 (optimizer set-up); steps 2..4: full steps recorded
+    # at the next step's start (step 5, the last, checkpoints and is not recorded)
+    full = counter.steps[2:]
+    assert len(full) == 3
+    for reads in full:
+        # one batched transfer per step: the non-finite checks, with the metrics when the step is logged
+        assert of_fw(reads) == Counter({"tolist framework/metrics.py:read_scalars": 1}), reads
+    logged = [json.loads(ln)["step"] for ln in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert logged == ([1, 2, 3, 4, 5] if log_every == 1 else [2, 4, 5])
+
+
+class SyncWarnings(Callback):
+    """The synchronisations `torch.cuda.set_sync_debug_mode("warn")` reports in each policy step, as the
+    file:line of the Python code that caused them."""
+
+    def __init__(self):
+        self.steps: list[list[str]] = []
+        self._step = None
+
+    def on_train_start(self, trainer, module):
+        self._catch = warnings.catch_warnings(record=True)
+        self.records = self._catch.__enter__()
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx):
+        if trainer.global_step != self._step:
+            self._step = trainer.global_step
+            self.steps.append([f"{Path(w.filename).resolve()}:{w.lineno}" for w in self.records
+                               if "synchroniz" in str(w.message)])
+            self.records.clear()
+
+    def on_train_end(self, trainer, module):
+        torch.cuda.set_sync_debug_mode("default")
+        self._catch.__exit__(None, None, None)
+
+
+@pytest.mark.gpu
+def test_a_cuda_fit_step_synchronises_once(tmp_path):
+    """On the GPU itself, per step: one synchronisation from fw's training path (the batched read); the
+    models' packed attention has its own two, as in the bare benchmark step."""
+    cfg = sft_cfg(tmp_path, accelerator="gpu", devices=1, precision="bf16-mixed", log_every_n_steps=1)
+    cfg["callbacks"] = [{"class_path": "test_fit_step.SyncWarnings", "init_args": {}}]
+    trainer = fit(cfg)
+    sync = next(c for c in trainer.callbacks if isinstance(c, SyncWarnings))
+    assert len(sync.steps) == 5
+    for where in sync.steps[2:]:
+        mine = [w for w in where if w.startswith((str(REPO / "framework"), str(REPO / "recipes")))
+                and not w.startswith(str(REPO / "framework" / "models"))]
+        assert len(mine) == 1 and "metrics.py" in mine[0], where
+
+
+@pytest.mark.gpu
+def test_sft_batches_come_pinned_for_a_cuda_device(tmp_path):
+    from framework.data import sft_dataloader
+    from framework.module import FwModule
+
+    module = FwModule(sft_cfg(tmp_path))
+    loader = sft_dataloader(module.recipe.stream, 0, module.cfg, module.tokenizer.pad_id, 0, 1, pin_memory=True)
+    batch = next(iter(loader))
+    assert all(batch[k].is_pinned() for k in ("input_ids", "position_ids", "targets", "loss_index"))
+
+
+def test_metrics_read_ahead_with_other_values_in_one_transfer():
+    m = StepMetrics()
+    m.update("loss", torch.tensor(2.0), torch.tensor(1.0))
+    m.update("loss", torch.tensor(4.0), 3.0)   # a Python weight: filled in on the device
+    m.update("tokens", 5, reduce="sum")
+    m.update("lr", torch.tensor(0.25), reduce="last")
+    assert m.read_ahead([torch.tensor(7.0), torch.tensor(True)]) == [7.0, 1.0]
+    assert m.compute() == {"loss": 3.5, "tokens": 5.0, "lr": 0.25}   # (2 + 12) / 4
+    # a value logged after the read-ahead joins the interval: compute reads again
+    m.update("loss", torch.tensor(1.0), 1.0)
+    m.read_ahead([])
+    m.update("loss", torch.tensor(3.0), 1.0)
+    assert m.compute() == {"loss": 2.0}
+    m.update("loss", torch.tensor(float("nan")), 1.0)
+    m.read_ahead([])
+    with pytest.raises(Exception, match="metric 'loss' is NaN"):
+        m.compute()
+
+
+def test_read_scalars_keeps_order_across_devices():
+    values = [torch.tensor(1.5), torch.tensor(3, dtype=torch.long), torch.tensor([False]), torch.tensor(-2.0)]
+    if torch.cuda.is_available():
+        values[1] = values[1].cuda()
+    assert read_scalars(values) == [1.5, 3.0, 0.0, -2.0]
+
+
+def test_fit_profile_prints_its_table_and_writes_a_trace(tmp_path, capsys):
+    from benchmarks.fit_profile import main
+
+    trace = tmp_path / "trace.json"
+    out = main(["--config", "recipes/sft.yaml", "--trace", str(trace), "--model.policy.preset=tiny",
+                "--trainer.accelerator=cpu", "--trainer.enable_progress_bar=false", "--data.max_seq_len=64",
+                "--data.batch_size=2", "--logging.tensorboard=false", "--warmup", "1", "--steps", "3"])
+    lines = out.splitlines()
+    assert lines[0].startswith("fw fit profile: recipe sft, model tiny, 32-true, 2 x 64, CPU; 1 warm-up steps")
+    header = next(ln for ln in lines if ln.startswith("| |"))
+    assert header == "| | step 2 | step 3 | step 4 | mean |"
+    cells = [[c.strip() for c in ln.strip().strip("|").split("|")] for ln in lines if ln.startswith("| ")]
+    rows = {c[0]: c[1:] for c in cells}
+    walls = [float(v) for v in rows["wall s"]]
+    assert all(w > 0 for w in walls) and walls[3] == pytest.approx(sum(walls[:3]) / 3, abs=1e-4)
+    assert rows["cudaStreamSynchronize calls"] == ["0"] * 4   # no CUDA on this run
+    ops = [k for k in rows if k.startswith("self CPU ms: ")]
+    assert len(ops) == 12 and any("aten::mm" in k or "aten::addmm" in k or "aten::bmm" in k for k in ops)
+    events = json.loads(trace.read_text())["traceEvents"]
+    assert sum(e.get("name") == "fw_profile_boundary" for e in events) == 4   # 3 windows: 4 boundaries
+    assert out in capsys.readouterr().out
