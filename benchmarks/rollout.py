@@ -6,7 +6,9 @@ output length (generate's per-row max_new_tokens; a finished row leaves the batc
 workload's floor assumes; `fw-longest` and HF `generate` (which has no per-row limit) run every row to
 the longest output, so both are charged the same padding; `fw-eager` is `fw` without the CUDA graph of
 the decode step. `--kv-cache-gib` is the paged cache's budget (rows wait for blocks beyond it); the table
-reports the peak allocated and reserved memory and the most rows that decoded together.
+reports the peak allocated and reserved memory and the most rows that decoded together. Each fw impl runs
+`--rounds` times on the one engine (the first round captures the decode graphs of the buckets it meets) and
+reports the median round; HF runs once.
 
     python -m benchmarks.rollout --num-seqs 256 --lo 100 --hi 1024 --impls fw --kv-cache-gib 16
     python -m benchmarks.rollout --num-seqs 256 --lo 100 --hi 1024 --impls fw --kv-cache-gib 4
@@ -77,6 +79,7 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=0.6)
     ap.add_argument("--impls", default="fw,hf")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--rounds", type=int, default=3, help="timed rounds of each fw impl; the median is reported")
     ap.add_argument("--kv-cache-gib", type=float, default=None, help="the KV budget (default: the GPU's free memory)")
     ap.add_argument("--max-num-seqs", type=int, default=None, help="rows decoding together (default: the schema's)")
     args = ap.parse_args()
@@ -93,8 +96,10 @@ def main() -> None:
     rows = []
     for impl in args.impls.split(","):
         CUDA and torch.cuda.reset_peak_memory_stats()
+        rounds = []
         if impl.startswith("fw"):
-            secs = run_fw(engine, prompts, outs, args.temperature, impl)
+            rounds = [run_fw(engine, prompts, outs, args.temperature, impl) for _ in range(args.rounds)]
+            secs = sorted(rounds)[len(rounds) // 2]
         else:
             import transformers
             hf = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**cfg.to_hf(), attn_implementation="sdpa"))
@@ -104,7 +109,7 @@ def main() -> None:
             CUDA and torch.cuda.reset_peak_memory_stats()
             secs = run_hf(hf, prompts, outs, args.temperature)
             del hf
-        rows.append({"impl": impl, "seconds": secs, "useful_tokens": useful, "tok_s": useful / secs,
+        rows.append({"impl": impl, "seconds": secs, "rounds": rounds, "useful_tokens": useful, "tok_s": useful / secs,
                      "peak_gib": (torch.cuda.max_memory_allocated() / 2**30 if CUDA else 0.0),
                      "reserved_gib": (torch.cuda.max_memory_reserved() / 2**30 if CUDA else 0.0),
                      "kv_cache_gib": args.kv_cache_gib,
