@@ -233,21 +233,26 @@ def collate(rows: list[list[Example]], pad_id: int, length: int | None) -> dict[
     ids: list[int] = []
     pos: list[int] = []
     tgt: list[int] = []
+    seqlens: list[int] = []   # every example, and every row's padding, is a sequence of its own
     real = 0
     for row in rows:
         for e in row:
             ids += e.ids
             pos += range(len(e.ids))
             tgt += e.targets
+            seqlens += [len(e.ids)] if e.ids else []
         pad = length - sum(len(e.ids) for e in row)
         ids += [pad_id] * pad
         pos += range(pad)
         tgt += [IGNORE] * pad
+        seqlens += [pad] if pad else []
         real += length - pad
     shape = (len(rows), length)
     targets = _long_tensor(tgt, shape)
+    cu_seqlens = torch.tensor([0] + seqlens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
     return {"input_ids": _long_tensor(ids, shape), "position_ids": _long_tensor(pos, shape), "targets": targets,
-            "loss_index": (targets.view(-1) != IGNORE).nonzero().view(-1), "num_tokens": real}
+            "loss_index": (targets.view(-1) != IGNORE).nonzero().view(-1), "num_tokens": real,
+            "cu_seqlens": cu_seqlens, "max_seqlen": max(seqlens, default=0)}
 
 
 def _long_tensor(values: list[int], shape: tuple[int, int]) -> torch.Tensor:

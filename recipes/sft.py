@@ -8,6 +8,7 @@ import torch
 
 import ops_cuda
 from framework.data import IGNORE, ExampleStream, sft_dataloader
+from framework.models import Packing
 from framework.recipe import BatchShapes, Requirements, StepContext
 
 
@@ -37,7 +38,7 @@ class SFTRecipe:
     @classmethod
     def batch_shapes(cls, cfg: dict, tokenizer: Any) -> BatchShapes:
         # data.batch_size rows of at most data.max_seq_len tokens (exactly that when packed), every token
-        # possibly a target; position_ids always reach the model, so attention always takes the mask path.
+        # possibly a target; the sequences of a packed row go to varlen attention.
         d = cfg["data"]
         return BatchShapes(rows=d["batch_size"], seq_len=d["max_seq_len"],
                            loss_tokens=d["batch_size"] * d["max_seq_len"], packed=True)
@@ -48,7 +49,9 @@ class SFTRecipe:
 
     def training_step(self, ctx: StepContext, batch: dict, batch_idx: int) -> torch.Tensor:
         policy = ctx.policy
-        hidden = policy(batch["input_ids"], position_ids=batch["position_ids"], return_hidden=True)
+        # the batch's sequence bounds come from the host, so the forward need not find them on the device
+        packing = Packing(batch["cu_seqlens"], batch["max_seqlen"])
+        hidden = policy(batch["input_ids"], position_ids=batch["position_ids"], return_hidden=True, packing=packing)
         targets = batch["targets"]
         # The loss tokens by the index the batch brings (those of `targets != IGNORE`, in order): a boolean
         # mask would make the host wait for the GPU to learn how many there are.

@@ -5,6 +5,7 @@ import json
 import pytest
 import torch
 
+import ops_cuda
 from framework.config import resolve
 from framework.data import (
     IGNORE,
@@ -293,3 +294,14 @@ def test_the_sft_recipe_passes_sft_train_on_prompt_to_its_stream(tmp_path, tok):
     assert example.targets == example.ids[1:] + [IGNORE]
     cfg["sft"]["train_on_prompt"] = False
     assert trained_text(tok, SFTRecipe(cfg, tok).stream[0]) == "c<|im_end|>"
+
+
+@pytest.mark.parametrize("pack", [True, False])
+def test_collate_gives_the_sequence_bounds_the_positions_imply(pack):
+    """The batch's cu_seqlens / max_seqlen, built on the host, are what ops_cuda.packed_sequences finds in its
+    position_ids (every example and every row's padding a sequence)."""
+    rows = [[ex(3, 10), ex(2, 20)], [ex(6, 30)], [ex(1, 40)]]
+    b = collate(rows, pad_id=0, length=8 if pack else None)
+    cu, longest = ops_cuda.packed_sequences(b["position_ids"])
+    assert b["cu_seqlens"].dtype == torch.int32 and b["cu_seqlens"].tolist() == cu.tolist()
+    assert b["max_seqlen"] == longest
