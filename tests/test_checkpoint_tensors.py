@@ -92,10 +92,20 @@ def test_cuda_tensors_are_copied_after_the_work_that_produces_them(tmp_path):
     assert (size, digest) == (len(data), hashlib.sha256(data).hexdigest())
 
 
-def test_staging_buffers_are_block_aligned():
-    """O_DIRECT refuses buffers off a block boundary; the staging buffers start on one whatever malloc gives."""
-    for _ in range(8):
-        assert ts._aligned_buffer(3 * ts._ALIGN, pinned=False).data_ptr() % ts._ALIGN == 0
+@pytest.mark.parametrize("pinned", [False, pytest.param(True, marks=pytest.mark.gpu)])
+def test_staging_buffers_are_block_aligned(tmp_path, pinned):
+    """O_DIRECT refuses buffers off a block boundary: every staging buffer of a file starts on one, whatever
+    the allocator gives (malloc's large blocks start 16 bytes into a page)."""
+    sizes = [ts._ALIGN, 3 * ts._ALIGN, (16 << 20) + 16]
+    for nbytes in sizes:
+        buffer = ts._aligned_buffer(nbytes, pinned)
+        assert buffer.numel() == nbytes and buffer.data_ptr() % ts._ALIGN == 0
+        assert buffer.is_pinned() is pinned
+    sink = ts._Sink(tmp_path / "a", pinned)
+    try:
+        assert all(slot.data_ptr() % ts._ALIGN == 0 for slot in sink.slots) and len(sink.slots) == ts._SLOTS
+    finally:
+        sink.close()
 
 
 @pytest.mark.parametrize("damage, message", [

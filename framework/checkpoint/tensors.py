@@ -73,7 +73,13 @@ _ALIGN = 4096   # O_DIRECT wants offsets, lengths and buffers aligned to the dev
 
 
 def _aligned_buffer(nbytes: int, pinned: bool) -> torch.Tensor:
-    """A uint8 tensor of `nbytes` starting on an `_ALIGN` boundary (pinned host memory for CUDA copies)."""
+    """A uint8 tensor of `nbytes` starting on an `_ALIGN` boundary (pinned host memory for CUDA copies).
+    Pinned blocks come page aligned and rounded up to a power of two, so one of the exact size is tried
+    first; an unaligned one is given back for one a block larger."""
+    raw = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
+    if raw.data_ptr() % _ALIGN == 0:
+        return raw
+    del raw
     raw = torch.empty(nbytes + _ALIGN, dtype=torch.uint8, pin_memory=pinned)
     skip = -raw.data_ptr() % _ALIGN
     return raw[skip:skip + nbytes]
@@ -97,6 +103,19 @@ class _Sink:
         from concurrent.futures import ThreadPoolExecutor
 
         self.path, self.digest, self.size, self.fill = path, hashlib.sha256(), 0, 0
+        # whole blocks, so every write but the padded last one is aligned (whatever _CHUNK is)
+        self.capacity = -(-_CHUNK // _ALIGN) * _ALIGN
+        block = _aligned_buffer(_SLOTS * self.capacity, pinned)   # one allocation: one pinned block
+        self.slots = [block[i * self.capacity:(i + 1) * self.capacity] for i in range(_SLOTS)]
+        self.arrays = [slot.numpy() for slot in self.slots]
+        self.views = [memoryview(array) for array in self.arrays]
+        self.pending: list[tuple[Any, ...]] = [() for _ in range(_SLOTS)]   # futures still using each slot
+        self.slot = 0
+        self.offset = 0   # file offset of the current slot
+        self.streams: dict[torch.device, torch.cuda.Stream] = {}
+        self.copied: set[torch.device] = set()   # devices with copies into the current slot
+        self.hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fw-ckpt-hash")
+        self.writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fw-ckpt-write")
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
         self.direct = os.environ.get("FW_CHECKPOINT_DIRECT", "1") != "0" and hasattr(os, "O_DIRECT")
         self.fd = -1
@@ -109,17 +128,6 @@ class _Sink:
                 self.direct = False
         if self.fd < 0:
             self.fd = os.open(path, flags, 0o666)
-        # whole blocks, so every write but the padded last one is aligned (whatever _CHUNK is)
-        self.capacity = -(-_CHUNK // _ALIGN) * _ALIGN
-        self.slots = [_aligned_buffer(self.capacity, pinned) for _ in range(_SLOTS)]
-        self.views = [memoryview(slot.numpy()) for slot in self.slots]
-        self.pending: list[tuple[Any, ...]] = [() for _ in range(_SLOTS)]   # futures still using each slot
-        self.slot = 0
-        self.offset = 0   # file offset of the current slot
-        self.streams: dict[torch.device, torch.cuda.Stream] = {}
-        self.copied: set[torch.device] = set()   # devices with copies into the current slot
-        self.hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fw-ckpt-hash")
-        self.writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fw-ckpt-write")
 
     def put(self, flat: torch.Tensor) -> None:
         """Append the bytes of a 1-D uint8 tensor (CPU or CUDA)."""
@@ -127,18 +135,21 @@ class _Sink:
         if cuda:
             stream = self._stream(flat.device)
             flat.record_stream(stream)   # its memory stays allocated until the copies out of it have run
+        else:
+            # numpy copies on this thread's core without the GIL; torch's copy_ would start a team of
+            # threads in each of the files' threads at once
+            source = flat.cpu().numpy()
         start, total = 0, flat.numel()
         while start < total:
             if self.fill == 0:
                 self._wait(self.slot)
             n = min(total - start, self.capacity - self.fill)
-            dest = self.slots[self.slot][self.fill:self.fill + n]
             if cuda:
                 with torch.cuda.stream(stream):
-                    dest.copy_(flat[start:start + n], non_blocking=True)
+                    self.slots[self.slot][self.fill:self.fill + n].copy_(flat[start:start + n], non_blocking=True)
                 self.copied.add(flat.device)
             else:
-                dest.copy_(flat[start:start + n])
+                self.arrays[self.slot][self.fill:self.fill + n] = source[start:start + n]
             self.fill, self.size, start = self.fill + n, self.size + n, start + n
             if self.fill == self.capacity:
                 self._submit()
@@ -206,7 +217,7 @@ class _Sink:
         self.hasher.shutdown(wait=True, cancel_futures=True)
         self.writer.shutdown(wait=True, cancel_futures=True)
         os.close(self.fd)
-        self.views = self.slots = []
+        self.views = self.arrays = self.slots = []
 
 
 def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
