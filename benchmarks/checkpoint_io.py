@@ -8,9 +8,13 @@ fsync and hash times are summed over the threads that run them (wrappers around 
 wall time); RSS is the peak above the level before each phase, sampled every 10 ms.
 
     python -m benchmarks.checkpoint_io --params 4e9 --dtype float32 --dir /tmp/x
+    python -m benchmarks.checkpoint_io --gib 30 --dtype bfloat16 --save-only --dir /tmp/x   # N GiB of state
     FW_CHECKPOINT_DIRECT=0 python -m benchmarks.checkpoint_io ...   # buffered writes instead of O_DIRECT
 
-Files written with O_DIRECT leave nothing in the page cache, so the load that follows reads the device.
+After the save, the same number of bytes is written by plain O_DIRECT writes of 16 MiB from as many threads
+as the save uses (no hashing, no staging): the disk's speed, the save's target. `--gather` first copies the
+weights to host memory as `HfLayout.to_hf` does in a fit, and times that copy. Files written with O_DIRECT
+leave nothing in the page cache, so the load that follows reads the device.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from pathlib import Path
 import torch
 
 from framework.checkpoint import checkpoints_dir, read_checkpoint_dir, step_dir_name, write_checkpoint_dir
+from framework.checkpoint.directory import io_threads
 from framework.config import resolve
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -134,8 +139,8 @@ def build_state(params: float, dtype: torch.dtype, device: str, optimizer: bool 
     (none with `optimizer` False)."""
     g = torch.Generator(device=device).manual_seed(0)
 
-    def rand(shape):
-        return torch.randn(shape, generator=g, device=device, dtype=torch.float32).to(dtype)
+    def rand(shape):   # random, so nothing on the way can compress it; uniform_ fills fast on a CPU too
+        return torch.empty(shape, device=device, dtype=dtype).uniform_(-1, 1, generator=g)
 
     weights = {name: rand(shape) for name, shape in shapes(params).items()}
     state = {i: {"step": torch.tensor(10.0), "exp_avg": rand(w.shape), "exp_avg_sq": rand(w.shape).abs()}
@@ -172,6 +177,46 @@ def nbytes(checkpoint: dict) -> int:
     return total
 
 
+def params_for(gib: float, dtype: torch.dtype, optimizer: bool) -> float:
+    """The parameter count whose weights (and two optimizer moments) fill `gib` GiB."""
+    per_param = torch.empty(0, dtype=dtype).element_size() * (3 if optimizer else 1)
+    return gib * 2**30 / per_param
+
+
+def raw_disk_write(directory: Path, total: int, threads: int, chunk: int = 16 << 20) -> float:
+    """Seconds to write `total` bytes of random data as `threads` files by O_DIRECT writes of `chunk` bytes
+    (buffered where the file system refuses O_DIRECT), fsynced."""
+    import mmap
+
+    block = mmap.mmap(-1, chunk)   # page aligned, as O_DIRECT wants
+    block.write(os.urandom(chunk))
+    share = -(-total // threads // chunk) * chunk
+
+    def one(i: int) -> None:
+        path = directory / f"disk-probe-{i}"
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
+        except OSError:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            for _ in range(share // chunk):
+                os.write(fd, block)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    workers = [threading.Thread(target=one, args=(i,)) for i in range(threads)]
+    t = time.perf_counter()
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    seconds = time.perf_counter() - t
+    for i in range(threads):
+        (directory / f"disk-probe-{i}").unlink()
+    return seconds
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--params", type=float, default=1e8, help="parameter count of the policy")
@@ -181,7 +226,15 @@ def main() -> None:
     parser.add_argument("--keep", action="store_true", help="leave the checkpoint on disk")
     parser.add_argument("--weights-only", action="store_true",
                         help="no optimizer state: the weights' cost alone (a machine with little memory)")
+    parser.add_argument("--gib", type=float, default=None,
+                        help="size the state to this many GiB of tensors (instead of --params)")
+    parser.add_argument("--save-only", action="store_true", help="no load + verify after the save")
+    parser.add_argument("--gather", action="store_true",
+                        help="copy the weights to host memory first, as a fit does, and time the copy")
+    parser.add_argument("--no-disk", action="store_true", help="skip the raw O_DIRECT write of the same bytes")
     args = parser.parse_args()
+    if args.gib is not None:
+        args.params = params_for(args.gib, _DTYPES[args.dtype], not args.weights_only)
 
     run_dir = Path(args.dir)
     if run_dir.exists():
@@ -196,6 +249,17 @@ def main() -> None:
     print(f"state: {n_params / 1e9:.2f}B params, {total / 1e9:.2f} GB of tensors on {args.device}, "
           f"built in {time.perf_counter() - t:.1f} s")
 
+    rows = []
+    if args.gather:
+        weights = checkpoint["fw_components"]["policy"]["state_dict"]
+        t = time.perf_counter()
+        for name, w in weights.items():
+            weights[name] = w.detach().to("cpu", copy=True)
+        gather_s = time.perf_counter() - t
+        size = sum(w.numel() * w.element_size() for w in weights.values())
+        rows.append(("gather (weights to host, as a fit does)", f"{gather_s:8.2f} s",
+                     f"{size / gather_s / 1e9:6.2f} GB/s"))
+
     timed = Timed()
     timed.install()
     path = checkpoints_dir(run_dir) / step_dir_name(10)
@@ -206,25 +270,32 @@ def main() -> None:
     save_fsync, save_hash = timed.fsync_s, timed.hash_s
     written = sum(meta["size"] for meta in manifest["files"].values())
     del checkpoint
-    timed.reset()
-    with PeakRss() as load_rss:
-        t, cpu = time.perf_counter(), _cpu_s()
-        loaded = read_checkpoint_dir(path, verify=True)
-        load_s, load_cpu = time.perf_counter() - t, _cpu_s() - cpu
-    load_hash = timed.hash_s
-    del loaded
-
-    rows = [
+    rows += [
         ("save (write + hash + fsync + publish)", f"{save_s:8.2f} s", f"{written / save_s / 1e9:6.2f} GB/s"),
         ("  CPU time (user + system, all threads)", f"{save_cpu:8.2f} s", ""),
         ("  fsync, summed over threads", f"{save_fsync:8.2f} s", ""),
         ("  sha256, summed over threads", f"{save_hash:8.2f} s", ""),
         ("  peak RSS above start", f"{save_rss.above_gb:8.2f} GB", ""),
-        ("load + verify", f"{load_s:8.2f} s", f"{written / load_s / 1e9:6.2f} GB/s"),
-        ("  CPU time (user + system, all threads)", f"{load_cpu:8.2f} s", ""),
-        ("  sha256, summed over threads", f"{load_hash:8.2f} s", ""),
-        ("  peak RSS above start", f"{load_rss.above_gb:8.2f} GB", ""),
     ]
+    if not args.no_disk:
+        threads = min(io_threads(), sum(1 for meta in manifest["files"].values() if meta["size"] >= 1 << 20))
+        disk_s = raw_disk_write(path.parent, written, max(1, threads))
+        rows.append((f"disk: raw O_DIRECT writes, {max(1, threads)} threads", f"{disk_s:8.2f} s",
+                     f"{written / disk_s / 1e9:6.2f} GB/s  (save at {100 * disk_s / save_s:.0f}% of it)"))
+    if not args.save_only:
+        timed.reset()
+        with PeakRss() as load_rss:
+            t, cpu = time.perf_counter(), _cpu_s()
+            loaded = read_checkpoint_dir(path, verify=True)
+            load_s, load_cpu = time.perf_counter() - t, _cpu_s() - cpu
+        load_hash = timed.hash_s
+        del loaded
+        rows += [
+            ("load + verify", f"{load_s:8.2f} s", f"{written / load_s / 1e9:6.2f} GB/s"),
+            ("  CPU time (user + system, all threads)", f"{load_cpu:8.2f} s", ""),
+            ("  sha256, summed over threads", f"{load_hash:8.2f} s", ""),
+            ("  peak RSS above start", f"{load_rss.above_gb:8.2f} GB", ""),
+        ]
     print(f"checkpoint: {written / 1e9:.2f} GB in {len(manifest['files'])} files under {path}")
     width = max(len(r[0]) for r in rows)
     for name, value, rate in rows:

@@ -71,6 +71,37 @@ def test_sharded_component_round_trip(run_dir):
     assert_same(expected(2, 0, 1), ck.read_checkpoint_dir(path, verify=True))
 
 
+def _large_state(step):
+    """A checkpoint whose optimizer state is eight 256 KiB moments (2 MiB)."""
+    state = expected(step, 0, 1)
+    g = torch.Generator().manual_seed(step)
+    state["optimizer_states"][0]["state"] = {i: {"exp_avg": torch.randn(64, 1024, generator=g)} for i in range(8)}
+    state["optimizer_states"][0]["param_groups"][0]["params"] = list(range(8))
+    return state
+
+
+def test_a_large_trainer_state_spreads_over_the_writing_threads(run_dir, monkeypatch):
+    """Above the minimum shard size the trainer state's tensors go to one shard per writing thread (a file
+    hashes on one core at most), each a safetensors file, and the checkpoint reads back the same; below it
+    they stay in one file."""
+    from framework.checkpoint import directory
+
+    cfg = make_cfg(str(run_dir))
+    monkeypatch.setattr(directory, "io_threads", lambda: 4)
+    path = ck.checkpoints_dir(run_dir) / "step-000005"
+    ck.write_checkpoint_dir(_large_state(5), path, cfg)
+    assert sorted(f for f in os.listdir(path) if f.endswith(".safetensors")) == ["trainer_state.safetensors"]
+
+    monkeypatch.setattr(directory, "MIN_TRAINER_SHARD", 64 << 10)
+    ck.write_checkpoint_dir(_large_state(5), path, cfg)   # replaces step 5
+    shards = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    assert shards == [f"trainer_state-0000{i}-of-00004.safetensors" for i in range(1, 5)]
+    for shard in shards:   # 2 MiB over 4 threads: two 256 KiB moments each
+        with safe_open(path / shard, "pt") as f:
+            assert len(f.keys()) == 2
+    assert_same(_large_state(5), ck.read_checkpoint_dir(path, verify=True))
+
+
 def test_manifest_matches_files_on_disk(run_dir):
     cfg = make_cfg(str(run_dir))
     path = _save(run_dir, 12, cfg=cfg)

@@ -41,10 +41,12 @@ def _check_file(path, tensors, size, digest):
     assert ts.check_header(path).keys() == {"__metadata__", *tensors}
 
 
-@pytest.mark.parametrize("direct", ["1", "0"])   # O_DIRECT through the bounce buffer, or buffered writes
+@pytest.mark.parametrize("direct", ["1", "0"])   # O_DIRECT from the aligned staging buffers, or buffered writes
 @pytest.mark.parametrize("chunk", [32 << 20, 8192])   # 8 KiB: tensors span several writes and buffer fills
-def test_write_safetensors_reads_back_with_safetensors(tmp_path, monkeypatch, chunk, direct):
+@pytest.mark.parametrize("slots", [1, 4])   # one buffer (each chunk waits for its hash and write) or several
+def test_write_safetensors_reads_back_with_safetensors(tmp_path, monkeypatch, chunk, direct, slots):
     monkeypatch.setattr(ts, "_CHUNK", chunk)
+    monkeypatch.setattr(ts, "_SLOTS", slots)
     monkeypatch.setenv("FW_CHECKPOINT_DIRECT", direct)
     tensors = {**_tensors("cpu"), "big": torch.randn(3000)}   # 12000 bytes: not a multiple of a block
     size, digest = ts.write_safetensors(tmp_path / "a.safetensors", tensors, {"format": "pt"})
@@ -66,15 +68,44 @@ def test_o_direct_is_used_where_the_file_system_takes_it(tmp_path, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("chunk", [32 << 20, 1000])   # 1000 bytes: the two pinned buffers take turns
+@pytest.mark.parametrize("chunk", [32 << 20, 1000])   # 1000 bytes (a block): the pinned buffers take turns
 def test_write_safetensors_from_cuda(tmp_path, monkeypatch, chunk):
     monkeypatch.setattr(ts, "_CHUNK", chunk)
-    tensors = _tensors("cuda")
+    tensors = {**_tensors("cuda"), "big": torch.randn(300_000, device="cuda")}   # many chunks in flight
     size, digest = ts.write_safetensors(tmp_path / "a.safetensors", tensors, {"format": "pt"})
     _check_file(tmp_path / "a.safetensors", tensors, size, digest)
     mixed = {**tensors, "cpu.f32": torch.randn(5, 3)}
     size, digest = ts.write_safetensors(tmp_path / "b.safetensors", mixed, {"format": "pt"})
     _check_file(tmp_path / "b.safetensors", mixed, size, digest)
+
+
+@pytest.mark.gpu
+def test_cuda_tensors_are_copied_after_the_work_that_produces_them(tmp_path):
+    """The side stream that copies to the host waits for the current stream: a tensor still being computed
+    when the save starts is written with its final values."""
+    x = torch.zeros(4 << 20, device="cuda")
+    torch.cuda._sleep(200_000_000)   # keeps the current stream busy, so the fill below is still queued
+    x.fill_(3.0)
+    size, digest = ts.write_safetensors(tmp_path / "a.safetensors", {"x": x})
+    assert torch.equal(load_file(tmp_path / "a.safetensors")["x"], torch.full((4 << 20,), 3.0))
+    data = (tmp_path / "a.safetensors").read_bytes()
+    assert (size, digest) == (len(data), hashlib.sha256(data).hexdigest())
+
+
+@pytest.mark.parametrize("pinned", [False, pytest.param(True, marks=pytest.mark.gpu)])
+def test_staging_buffers_are_block_aligned(tmp_path, pinned):
+    """O_DIRECT refuses buffers off a block boundary: every staging buffer of a file starts on one, whatever
+    the allocator gives (malloc's large blocks start 16 bytes into a page)."""
+    sizes = [ts._ALIGN, 3 * ts._ALIGN, (16 << 20) + 16]
+    for nbytes in sizes:
+        buffer = ts._aligned_buffer(nbytes, pinned)
+        assert buffer.numel() == nbytes and buffer.data_ptr() % ts._ALIGN == 0
+        assert buffer.is_pinned() is pinned
+    sink = ts._Sink(tmp_path / "a", pinned)
+    try:
+        assert all(slot.data_ptr() % ts._ALIGN == 0 for slot in sink.slots) and len(sink.slots) == ts._SLOTS
+    finally:
+        sink.close()
 
 
 @pytest.mark.parametrize("damage, message", [

@@ -317,6 +317,23 @@ def test_writer_on_a_full_disk_keeps_the_previous_checkpoint(tmpfs):
     assert_same(expected(1, 0, 1), ck.read_checkpoint_dir(first, verify=True))
 
 
+def test_a_write_failing_on_its_thread_stops_the_file_and_names_it(tmpfs, monkeypatch):
+    """ENOSPC met by a file's writing thread while later chunks wait behind it: DiskFull names the file, no
+    hashing or writing thread outlives the call, and deleting the file gives its space back (it is closed)."""
+    import threading
+
+    from framework.checkpoint import tensors as ts
+
+    monkeypatch.setattr(ts, "_CHUNK", 64 << 10)
+    free = os.statvfs(tmpfs).f_bavail
+    path = tmpfs / "big.safetensors"
+    with pytest.raises(ts.DiskFull, match=f"{path}: no space left on device"):
+        ts.write_safetensors(path, {"t": torch.randn(2 << 20)})   # 8 MiB on a 4 MiB file system
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("fw-ckpt-")]
+    path.unlink()
+    assert os.statvfs(tmpfs).f_bavail == free
+
+
 def test_fw_fit_on_a_full_disk_exits_2_with_one_line(tmp_path, tmpfs, capsys, quiet_lightning):
     from framework.cli import main
 

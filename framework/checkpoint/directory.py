@@ -43,6 +43,8 @@ CONFIG_FILE = "config.yaml"
 HF_CONFIG_FILE = "config.json"
 
 _COMPONENT_NAME = re.compile(r"^[A-Za-z0-9_]+$")
+# the trainer state's shards are cut smaller than the weights' for a large state, but no smaller than this
+MIN_TRAINER_SHARD = 256 << 20
 
 
 def config_sha256(cfg: dict) -> str:
@@ -106,7 +108,7 @@ class Verifier:
         self.expected = {rel: manifest["files"][rel]["sha256"] for rel in (rels or sorted(manifest["files"]))}
         # largest first, so the threads finish together
         order = sorted(self.expected, key=lambda rel: -manifest["files"][rel]["size"])
-        self.pool = ThreadPoolExecutor(max_workers=min(_workers(), max(1, len(order))))
+        self.pool = ThreadPoolExecutor(max_workers=min(io_threads(), max(1, len(order))))
         self.futures: dict[str, Future] = {rel: self.pool.submit(sha256, path / rel) for rel in order}
 
     def problem(self) -> str | None:
@@ -211,9 +213,10 @@ def write_checkpoint_dir(
 ) -> dict:
     """Write `checkpoint` (a Lightning checkpoint dict, with weights under "fw_components") as the directory
     `final`, atomically. Pops "fw_components". Returns the manifest. Components are sharded like HF's
-    save_pretrained (5 GB shards by default); the trainer state's tensors go to safetensors shards of the
-    same size beside the pickled rest. A full disk raises DiskFull (an FwError) after removing the staging
-    directory; earlier checkpoints are never touched."""
+    save_pretrained (5 GB shards by default); the trainer state's tensors go to safetensors shards no larger
+    (smaller for a large state, to spread it over the writing threads) beside the pickled rest. A full disk
+    raises DiskFull (an FwError) after removing the staging directory; earlier checkpoints are never
+    touched."""
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
     components = checkpoint.pop("fw_components", None) or {}
@@ -225,7 +228,7 @@ def write_checkpoint_dir(
         for name, component in components.items():
             jobs += _component_jobs(staging / name, name, component, limit)
         skeleton, tensors = split_tensors(checkpoint)
-        shards = plan_shards(tensors, limit) if tensors else []
+        shards = plan_shards(tensors, _trainer_shard_limit(tensors, limit, io_threads())) if tensors else []
         for file, shard in zip(shard_names(TRAINER_TENSORS_PREFIX, len(shards)), shards):
             jobs.append(_tensor_job(staging / file, file, {n: tensors[n] for n in shard}, None))
         with open(staging / TRAINER_STATE, "wb") as f:
@@ -233,7 +236,7 @@ def write_checkpoint_dir(
         save_resolved(cfg, staging / CONFIG_FILE)
 
         jobs.sort(key=lambda job: -job[0])   # largest first: the threads finish together
-        sums = dict(zip([rel for _, rel, _ in jobs], run_parallel([job for _, _, job in jobs], _workers())))
+        sums = dict(zip([rel for _, rel, _ in jobs], run_parallel([job for _, _, job in jobs], io_threads())))
         for p in staging.rglob("*"):
             rel = p.relative_to(staging).as_posix()
             if p.is_file() and rel not in sums:
@@ -268,8 +271,17 @@ def write_checkpoint_dir(
     return manifest
 
 
-def _workers() -> int:
+def io_threads() -> int:
+    """Threads that write (or read) a checkpoint's files, one file each."""
     return max(1, min(8, os.cpu_count() or 1))
+
+
+def _trainer_shard_limit(tensors: dict[str, torch.Tensor], limit: int, workers: int) -> int:
+    """The size of the trainer state's shards: `limit`, or less for a large state, so that it spreads over
+    about `workers` files. A file streams no faster than one core hashes it (sha256 is sequential), so the
+    optimizer states, the bulk of a save, must not sit in one or two files. Only fw reads these files."""
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    return min(limit, max(MIN_TRAINER_SHARD, -(-total // workers)))
 
 
 def _free(directory: Path) -> str:
@@ -321,7 +333,7 @@ def _read(path: Path, manifest: dict, map_location: Any, weights_only: bool | No
     weight_files = {name: component_weight_files(manifest, name) for name in manifest["components"]}
     rels = trainer_files + [f"{name}/{f}" for name, files in weight_files.items() for f in files]
     loaded = dict(zip(rels, run_parallel([lambda rel=rel: read_safetensors(path / rel, device) for rel in rels],
-                                         _workers())))
+                                         io_threads())))
     tensors: dict[str, torch.Tensor] = {}
     for rel in trainer_files:
         tensors.update(loaded[rel])

@@ -1,9 +1,10 @@
 """Tensor files: safetensors written in one pass, hashed while written and fsynced; their headers checked on
 read; and the trainer state's tensors moved out of the pickle into such files and back.
 
-One pass per file matters for large checkpoints: each tensor's bytes go from the tensor (through a pinned
-buffer, double-buffered, for CUDA tensors) to the file and the sha256 without a second copy or a read back,
-and several files are written by several threads (hashing is the CPU-bound part).
+One pass per file matters for large checkpoints: each tensor's bytes are copied once, into an aligned
+staging buffer (pinned, for CUDA tensors), from which they are hashed and written at the same time, without
+a read back; filling, hashing and writing overlap, and several files are written by several threads (one
+file hashes on one core at most, sha256 being sequential).
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ import errno
 import fcntl
 import hashlib
 import json
-import mmap
 import os
 import re
 import struct
@@ -31,7 +31,8 @@ SAFETENSORS_DTYPES = {
     torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
     torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
 }
-_CHUNK = 32 << 20            # bytes per write, and per pinned staging buffer for CUDA tensors
+_CHUNK = 16 << 20            # bytes per write and per staging buffer
+_SLOTS = 4                   # staging buffers per file: one filling, the others hashing and writing
 _MAX_HEADER = 100 << 20      # what safetensors itself accepts
 # trainer-state tensors below this size stay in the pickle (step counts, RNG states): cheap there, and
 # readers of trainer_state.pt keep seeing them as tensors
@@ -71,22 +72,50 @@ def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
 _ALIGN = 4096   # O_DIRECT wants offsets, lengths and buffers aligned to the device's blocks
 
 
-def _write_all(fd: int, view: memoryview) -> None:
-    while view:
-        view = view[os.write(fd, view):]
+def _aligned_buffer(nbytes: int, pinned: bool) -> torch.Tensor:
+    """A uint8 tensor of `nbytes` starting on an `_ALIGN` boundary (pinned host memory for CUDA copies).
+    Pinned blocks come page aligned and rounded up to a power of two, so one of the exact size is tried
+    first; an unaligned one is given back for one a block larger."""
+    raw = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
+    if raw.data_ptr() % _ALIGN == 0:
+        return raw
+    del raw
+    raw = torch.empty(nbytes + _ALIGN, dtype=torch.uint8, pin_memory=pinned)
+    skip = -raw.data_ptr() % _ALIGN
+    return raw[skip:skip + nbytes]
 
 
 class _Sink:
-    """Writes byte chunks to a new file and its sha256 together.
+    """Writes a byte stream to a new file and its sha256, the stages overlapping.
 
-    Where the file system takes O_DIRECT the bytes go through a page-aligned bounce buffer straight to the
-    device: no page cache to fill (costly on a host that hands out fresh pages slowly) and no dirty pages
-    for fsync to wait on. Elsewhere (tmpfs, or FW_CHECKPOINT_DIRECT=0) writes are buffered. fsync follows
-    in both cases.
+    The caller packs the bytes into one of `_SLOTS` aligned staging buffers of `_CHUNK` bytes (CUDA tensors
+    by an asynchronous copy on a side stream); a full buffer goes to a hashing thread (in order: sha256 is
+    sequential) and, at the same time, to a writing thread (`pwrite` at its offset), and is reused once both
+    are done. So the disk writes while the next chunk is hashed and the one after is filled, and a file
+    streams at the slowest stage's speed rather than at the sum of their times.
+
+    Where the file system takes O_DIRECT the buffers go straight to the device: no page cache to fill
+    (costly on a host that hands out fresh pages slowly) and no dirty pages for fsync to wait on. Elsewhere
+    (tmpfs, or FW_CHECKPOINT_DIRECT=0) writes are buffered. fsync follows in both cases.
     """
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, pinned: bool = False):
+        from concurrent.futures import ThreadPoolExecutor
+
         self.path, self.digest, self.size, self.fill = path, hashlib.sha256(), 0, 0
+        # whole blocks, so every write but the padded last one is aligned (whatever _CHUNK is)
+        self.capacity = -(-_CHUNK // _ALIGN) * _ALIGN
+        block = _aligned_buffer(_SLOTS * self.capacity, pinned)   # one allocation: one pinned block
+        self.slots = [block[i * self.capacity:(i + 1) * self.capacity] for i in range(_SLOTS)]
+        self.arrays = [slot.numpy() for slot in self.slots]
+        self.views = [memoryview(array) for array in self.arrays]
+        self.pending: list[tuple[Any, ...]] = [() for _ in range(_SLOTS)]   # futures still using each slot
+        self.slot = 0
+        self.offset = 0   # file offset of the current slot
+        self.streams: dict[torch.device, torch.cuda.Stream] = {}
+        self.copied: set[torch.device] = set()   # devices with copies into the current slot
+        self.hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fw-ckpt-hash")
+        self.writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fw-ckpt-write")
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
         self.direct = os.environ.get("FW_CHECKPOINT_DIRECT", "1") != "0" and hasattr(os, "O_DIRECT")
         self.fd = -1
@@ -99,82 +128,102 @@ class _Sink:
                 self.direct = False
         if self.fd < 0:
             self.fd = os.open(path, flags, 0o666)
-        if self.direct:
-            # whole blocks, so every write but the padded last one is aligned (whatever _CHUNK is)
-            self.capacity = -(-_CHUNK // _ALIGN) * _ALIGN
-            self.buffer = mmap.mmap(-1, self.capacity)   # anonymous mappings are page aligned
-            self.view = memoryview(self.buffer)
 
-    def put(self, data: Any) -> None:
-        view = memoryview(data).cast("B")
-        self.digest.update(view)
-        self.size += len(view)
-        if not self.direct:
-            _write_all(self.fd, view)
-            return
-        while view:
-            n = min(len(view), self.capacity - self.fill)
-            self.view[self.fill:self.fill + n] = view[:n]
-            self.fill, view = self.fill + n, view[n:]
+    def put(self, flat: torch.Tensor) -> None:
+        """Append the bytes of a 1-D uint8 tensor (CPU or CUDA)."""
+        cuda = flat.device.type == "cuda"
+        if cuda:
+            stream = self._stream(flat.device)
+            flat.record_stream(stream)   # its memory stays allocated until the copies out of it have run
+        else:
+            # numpy copies on this thread's core without the GIL; torch's copy_ would start a team of
+            # threads in each of the files' threads at once
+            source = flat.cpu().numpy()
+        start, total = 0, flat.numel()
+        while start < total:
+            if self.fill == 0:
+                self._wait(self.slot)
+            n = min(total - start, self.capacity - self.fill)
+            if cuda:
+                with torch.cuda.stream(stream):
+                    self.slots[self.slot][self.fill:self.fill + n].copy_(flat[start:start + n], non_blocking=True)
+                self.copied.add(flat.device)
+            else:
+                self.arrays[self.slot][self.fill:self.fill + n] = source[start:start + n]
+            self.fill, self.size, start = self.fill + n, self.size + n, start + n
             if self.fill == self.capacity:
-                self._write_buffer(self.capacity)
+                self._submit()
 
-    def _write_buffer(self, length: int) -> None:
+    def _stream(self, device: torch.device) -> torch.cuda.Stream:
+        if device not in self.streams:
+            stream = torch.cuda.Stream(device)
+            stream.wait_stream(torch.cuda.current_stream(device))   # the tensors' producers come first
+            self.streams[device] = stream
+        return self.streams[device]
+
+    def _wait(self, slot: int) -> None:
+        for future in self.pending[slot]:
+            future.result()
+        self.pending[slot] = ()
+
+    def _submit(self) -> None:
+        """Hand the current slot to the hashing and the writing thread; move on to the next slot."""
+        slot, used = self.slot, self.fill
+        events = []
+        for device in self.copied:
+            event = torch.cuda.Event()
+            event.record(self.streams[device])
+            events.append(event)
+        self.copied = set()
+        length = used
+        if self.direct and used % _ALIGN:
+            length = used + (-used % _ALIGN)   # the last chunk: padded to a block, cut back by finish()
+            self.slots[slot][used:length].zero_()
+        view = self.views[slot]
+        self.pending[slot] = (self.hasher.submit(self._hash, view[:used], events),
+                              self.writer.submit(self._write, view[:length], self.offset, events))
+        self.offset += length
+        self.slot, self.fill = (slot + 1) % _SLOTS, 0
+
+    def _hash(self, view: memoryview, events: list) -> None:
+        for event in events:
+            event.synchronize()
+        self.digest.update(view)
+
+    def _write(self, view: memoryview, offset: int, events: list) -> None:
+        for event in events:
+            event.synchronize()
         try:
-            _write_all(self.fd, self.view[:length])
+            _pwrite_all(self.fd, view, offset)
         except OSError as e:
-            if e.errno != errno.EINVAL:
+            if e.errno != errno.EINVAL or not self.direct:
                 raise
             # the file system opened it O_DIRECT but refuses such writes: continue buffered, same offset
             fcntl.fcntl(self.fd, fcntl.F_SETFL, fcntl.fcntl(self.fd, fcntl.F_GETFL) & ~os.O_DIRECT)
-            _write_all(self.fd, self.view[:length])
-        self.fill = 0
+            _pwrite_all(self.fd, view, offset)
 
     def finish(self) -> None:
-        """Write what is left (padded to a block, then cut back to the real size) and fsync."""
-        if self.direct and self.fill:
-            padded = self.fill + (-self.fill % _ALIGN)
-            self.view[self.fill:padded] = bytes(padded - self.fill)
-            self._write_buffer(padded)
+        """Write what is left, wait for every hash and write, cut the file to its real size and fsync."""
+        if self.fill:
+            self._submit()
+        for slot in range(_SLOTS):
+            self._wait(slot)
+        if self.offset != self.size:
             os.ftruncate(self.fd, self.size)
         os.fsync(self.fd)
 
     def close(self) -> None:
+        # no thread may still touch the file or the buffers once the caller removes them
+        self.hasher.shutdown(wait=True, cancel_futures=True)
+        self.writer.shutdown(wait=True, cancel_futures=True)
         os.close(self.fd)
-        # the mapping goes with its last reference (a traceback through a write may still hold a slice)
-        self.view = self.buffer = None
+        self.views = self.arrays = self.slots = []
 
 
-def _write_cpu(sink: _Sink, flat: torch.Tensor) -> None:
-    array = flat.numpy()
-    for start in range(0, len(array), _CHUNK):
-        sink.put(array[start:start + _CHUNK])
-
-
-def _write_cuda(sink: _Sink, flats: list[torch.Tensor]) -> None:
-    """Copy chunks into two pinned buffers on a side stream; write one while the next one copies."""
-    device = flats[0].device
-    stream = torch.cuda.Stream(device)
-    stream.wait_stream(torch.cuda.current_stream(device))
-    buffers = [torch.empty(_CHUNK, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
-    events = [torch.cuda.Event(), torch.cuda.Event()]
-    pending: tuple[int, int] | None = None   # (buffer index, bytes) copied but not written yet
-    slot = 0
-    for flat in flats:
-        for start in range(0, flat.numel(), _CHUNK):
-            n = min(_CHUNK, flat.numel() - start)
-            with torch.cuda.stream(stream):
-                buffers[slot][:n].copy_(flat[start:start + n], non_blocking=True)
-                events[slot].record(stream)
-            if pending is not None:
-                events[pending[0]].synchronize()
-                sink.put(buffers[pending[0]][:pending[1]].numpy())
-            pending, slot = (slot, n), 1 - slot
-    if pending is not None:
-        events[pending[0]].synchronize()
-        sink.put(buffers[pending[0]][:pending[1]].numpy())
-    for flat in flats:
-        flat.record_stream(stream)
+def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
+    while view:
+        n = os.pwrite(fd, view, offset)
+        view, offset = view[n:], offset + n
 
 
 def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None
@@ -198,20 +247,11 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: di
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
     try:
-        sink = _Sink(path)
+        sink = _Sink(path, pinned=any(t.device.type == "cuda" for t in tensors.values()))
         try:
-            sink.put(struct.pack("<Q", len(text)) + text)
-            flats = [_flat_bytes(tensors[name]) for name in order]
-            cpu = [x for x in flats if x.device.type != "cuda"]
-            cuda = [x for x in flats if x.device.type == "cuda"]
-            if cuda and cpu:
-                for flat in flats:   # keep the header's order: one device at a time
-                    (_write_cuda(sink, [flat]) if flat.device.type == "cuda" else _write_cpu(sink, flat))
-            elif cuda:
-                _write_cuda(sink, cuda)
-            else:
-                for flat in cpu:
-                    _write_cpu(sink, flat)
+            sink.put(torch.frombuffer(bytearray(struct.pack("<Q", len(text)) + text), dtype=torch.uint8))
+            for name in order:   # one tensor made contiguous at a time: no second copy of the whole file
+                sink.put(_flat_bytes(tensors[name]))
             sink.finish()
         finally:
             sink.close()
