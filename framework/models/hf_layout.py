@@ -27,8 +27,10 @@ class HfLayout:
             self.shapes[key] = tuple(tensor.shape)
 
     def to_hf(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """HF-named CPU copies (views of fused weights would share storage, which safetensors refuses)."""
-        return {hf: (state_dict[key] if lo is None else state_dict[key][lo:hi]).detach().to("cpu", copy=True)
+        """HF-named views of the module's tensors, on their own devices: fw's checkpoint writer streams them
+        to disk from any device before training goes on (safetensors' own writer would refuse views that
+        share storage)."""
+        return {hf: (state_dict[key] if lo is None else state_dict[key][lo:hi]).detach()
                 for hf, (key, lo, hi) in self.pieces.items()}
 
     def from_hf(self, hf: dict[str, torch.Tensor], source: str) -> dict[str, torch.Tensor]:
