@@ -99,7 +99,8 @@ class StepProfiler(Callback):
             for e in events:
                 t = e.time_range.start
                 if e.device_type == torch.autograd.DeviceType.CUDA:
-                    if not start <= t < end:
+                    # a record_function range has a GPU-side twin spanning its kernels: not a kernel itself
+                    if not start <= t < end or getattr(e, "is_user_annotation", False):
                         continue
                     if "DtoH" in e.name:
                         w["d2h"] += 1

@@ -480,3 +480,19 @@ def test_an_engine_grows_its_pool_for_a_larger_call(model, prompts, tok):
     fresh = generate(model, prompts, params, seed=3, tokenizer=tok)
     assert grown.completion_ids == fresh.completion_ids and torch.equal(grown.logprobs, fresh.logprobs)
     engine.release()
+
+
+def test_rollout_profile_reports_each_phase_of_one_call(tmp_path):
+    """benchmarks.rollout_profile on CPU: one prefill (every row fits at once), one decode step per token
+    of the longest row after its first, and a chrome trace on disk."""
+    import re
+
+    from benchmarks.rollout import workload
+    from benchmarks.rollout_profile import main
+
+    report = main(["--preset", "tiny", "--num-seqs", "6", "--lo", "4", "--hi", "12", "--trace",
+                   str(tmp_path / "t.json")])
+    _, outs = workload(6, 4, 12, 256)
+    calls = {m[1]: int(m[2]) for m in re.finditer(r"\| `fw\.rollout\.(\w+)` \| [\d.]+ \| (\d+) \|", report)}
+    assert calls["prefill"] == 1 and calls["decode"] == max(outs) - 1
+    assert (tmp_path / "t.json").stat().st_size > 0

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.profiler import record_function
 
 import ops_cuda
 from framework.allocator import release_cached
@@ -213,13 +214,16 @@ class _Run:
             new = self.sched.admit()
             self.e.peak_rows = max(self.e.peak_rows, len(self.sched.running))
             if new:
-                issued.append(self._prefill(new))
+                with record_function("fw.rollout.prefill"):
+                    issued.append(self._prefill(new))
             rows = [s for s in self.sched.running if s.reason is None and s.issued < s.limit]
             if rows:
-                issued.append(self._decode(rows))
+                with record_function("fw.rollout.decode"):
+                    issued.append(self._decode(rows))
             received = bool(pending)
-            for record in pending:
-                self._receive(record)
+            with record_function("fw.rollout.receive"):
+                for record in pending:
+                    self._receive(record)
             pending = issued
             if not pending and self.sched.done:
                 return
