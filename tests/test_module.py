@@ -133,8 +133,9 @@ def test_checkpoint_components_round_trip(tmp_path):
     assert set(comp["state_dict"]) == set(hf)
     assert "model.layers.0.self_attn.q_proj.weight" in comp["state_dict"]   # HF names, unfused
     for k, v in comp["state_dict"].items():
-        assert torch.equal(v, hf[k]) and v.device.type == "cpu"
-        assert v.untyped_storage().data_ptr() != hf[k].untyped_storage().data_ptr()   # own copies
+        assert torch.equal(v, hf[k])
+        # views of the module's own tensors: the writer streams them, nothing is copied to the host first
+        assert v.untyped_storage().data_ptr() == hf[k].untyped_storage().data_ptr()
     assert comp["config"]["model_type"] == "qwen3" and comp["config"]["hidden_size"] == 64
     assert {"tokenizer.json", "tokenizer_config.json"} <= set(comp["files"])
     assert checkpoint["policy_version"] == 7 and checkpoint["fw_recipe"] == {"position": 42}
