@@ -20,11 +20,12 @@ import time
 
 import torch
 
+from framework.allocator import to_device
 from framework.config import resolve
 from framework.models import Qwen3ForCausalLM
 from framework.models.presets import PRESETS, preset_config
 from recipes.losses import aggregate_weights, build_policy_loss
-from recipes.rl import PACK_MIN_SAVING, balanced_split, completion_logprobs, packs, to_device
+from recipes.rl import PACK_MIN_SAVING, balanced_split, completion_logprobs, packs
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"

@@ -1,4 +1,5 @@
-"""The CUDA caching allocator's settings for long RL jobs, and handing cached memory back.
+"""The CUDA caching allocator's settings for long RL jobs, handing cached memory back, and host tensors
+copied to the device through the pinned-memory cache.
 
 An RL step alternates two very different memory shapes: the rollout (a KV cache of every row's whole
 context, CUDA-graph pools) and the update (activations of one micro-batch, gradients). With fixed-size
@@ -40,3 +41,12 @@ def release_cached(device: torch.device) -> None:
     the driver, so the next phase maps what it needs instead of splitting the last phase's blocks."""
     if device.type == "cuda":
         torch.cuda.empty_cache()
+
+
+def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """Host tensor `t` on `device` without a host sync: on CUDA a pinned, non-blocking copy (a plain copy
+    from pageable memory synchronizes the stream); elsewhere `t.to(device)`, `t` itself on the CPU."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)

@@ -122,13 +122,10 @@ class MetricsLogger(lightning.Callback):
 
     def on_train_batch_end(self, trainer: lightning.Trainer, module: lightning.LightningModule, outputs: Any,
                            batch: Any, batch_idx: int) -> None:
-        step = trainer.global_step
-        if step == self.logged_step:
-            return
-        if crossed(self.logged_step, step, self.every) or step >= trainer.max_steps:
+        if self.due(trainer):
             self.truncate_once(trainer)
             module.flush_metrics()
-            self.logged_step = step
+            self.logged_step = trainer.global_step
 
     def due(self, trainer: lightning.Trainer) -> bool:
         """Whether this batch's end logs the metrics (an optimizer step landed on the logging cadence)."""

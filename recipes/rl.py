@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, IterableDataset
 
+from framework.allocator import to_device
 from framework.errors import FwError
 from framework.models import Packing
 from framework.recipe import BatchShapes, StepContext
@@ -85,15 +86,6 @@ class MicroBatch:
 # runs (plain causal attention, no varlen bookkeeping); a saving this small is within what the varlen path's
 # own costs take back (`python -m benchmarks.packed_update --equal` compares the two).
 PACK_MIN_SAVING = 0.02
-
-
-def to_device(t: Tensor, device: torch.device | str) -> Tensor:
-    """Host tensor ``t`` on ``device`` without a host sync: a pinned, non-blocking copy onto CUDA (a plain
-    copy from pageable memory synchronizes the stream)."""
-    device = torch.device(device)
-    if device.type != "cuda":
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
 
 
 def packs(prompt_lens: Tensor, completion_lens: Tensor, packed: bool | None = None) -> bool:

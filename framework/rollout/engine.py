@@ -28,7 +28,7 @@ from torch import Tensor
 from torch.profiler import record_function
 
 import ops_cuda
-from framework.allocator import release_cached
+from framework.allocator import release_cached, to_device
 from framework.errors import FwError
 from framework.models.qwen3 import PagedBatch
 from framework.rollout.block_manager import BlockManager
@@ -230,15 +230,11 @@ class _Run:
             if not pending and not received:   # cannot happen: a row always fits an empty pool (Scheduler checks)
                 raise FwError("rollout: the scheduler stalled with rows waiting and none running")
 
-    def _to_device(self, t: Tensor) -> Tensor:
-        """A host tensor on the device, without waiting for the device's queue (pinned, asynchronous)."""
-        return t if self.cpu else t.pin_memory().to(self.device, non_blocking=True)
-
     # ---- prefill
     def _prefill(self, new: list[RowState]) -> _Issued:
         for s in new:
             self.tables[s.row, :len(s.blocks)] = torch.tensor(s.blocks, dtype=torch.long)
-        self.tables_dev = self._to_device(self.tables)
+        self.tables_dev = to_device(self.tables, self.device)
         computed = [s for s in new if s.leader is None]
         tokens, positions, cu = [], [], [0]
         for s in computed:
@@ -268,10 +264,10 @@ class _Run:
         flat = torch.cat([torch.tensor(tokens, dtype=torch.long), pos, blk, pos % self.bs, rows,
                           torch.tensor([len(s.prompt) for s in computed], dtype=torch.long), last,
                           torch.tensor(pick, dtype=torch.long)])
-        tok_d, pos_d, blk_d, off_d, rows_d, len_d, last_d, pick_d = self._to_device(flat).split(
+        tok_d, pos_d, blk_d, off_d, rows_d, len_d, last_d, pick_d = to_device(flat, self.device).split(
             [n, n, n, n, len(computed), len(computed), r_pad, len(new)])
         fresh = not self.cpu and all(s.cached == 0 for s in computed)
-        cu_d = self._to_device(torch.tensor(cu, dtype=torch.int32))
+        cu_d = to_device(torch.tensor(cu, dtype=torch.int32), self.device)
         batch = PagedBatch(positions=pos_d, write_blocks=blk_d, write_offsets=off_d,
                            block_tables=self.tables_dev[rows_d], lengths=len_d, cu_seqlens=cu_d.long(),
                            # CUDA only: the CPU pads the tokens, and keeps one attention path for exactness
@@ -285,7 +281,7 @@ class _Run:
                 cache.v[:, s.blocks[i]] = cache.v[:, s.leader.blocks[i]]
         for s in new:
             s.leader = None
-        meta = self._to_device(torch.tensor([[s.row, s.issued] for s in new], dtype=torch.long))
+        meta = to_device(torch.tensor([[s.row, s.issued] for s in new], dtype=torch.long), self.device)
         return self._sample(new, logits[pick_d], meta)
 
     # ---- decode
@@ -295,7 +291,7 @@ class _Run:
         # per row: its id, the tokens queued so far (the sampler's counter), the fed token's position
         meta = torch.tensor([[s.row, s.issued, len(s.prompt) + s.issued - 1] for s in rows]
                             + [[len(self.seqs), 0, 0]] * (bucket - B), dtype=torch.long)
-        meta = self._to_device(meta)
+        meta = to_device(meta, self.device)
         ids = meta[:, 0]
         inputs = torch.stack([self.last_dev[ids], meta[:, 2]], 1)
         tables = self.tables_dev[ids]
