@@ -90,7 +90,8 @@ def main() -> None:
     ap.add_argument("--impls", default="fw,fw-compile,fw-ckpt,hf",
                     help="comma list of fw, fw-compile, fw-ckpt (activation checkpointing), fw-recomp (loss logits "
                          "recomputed in the backward instead of kept), fw-packed (rows packed with documents "
-                         "of --doc-len tokens, as SFT feeds them: varlen attention), hf")
+                         "of --doc-len tokens, as SFT feeds them: varlen attention), fw-selective (fw-packed's rows "
+                         "with gradient_checkpointing: selective, which also recomputes the loss logits), hf")
     ap.add_argument("--doc-len", type=int, default=0,
                     help="fw-packed: tokens per packed document (0: one document a row)")
     ap.add_argument("--json", default=None)
@@ -107,10 +108,12 @@ def main() -> None:
             if impl == "fw-compile":
                 model.compile()
             loss_fn = (lambda m, ids: fw_loss(m, ids, save_logits=False)) if impl == "fw-recomp" else fw_loss
-            if impl == "fw-packed":
+            if impl in ("fw-packed", "fw-selective"):
                 positions = (torch.arange(args.seq, device=DEVICE) % (args.doc_len or args.seq)).expand(
                     args.batch, args.seq)
                 loss_fn = lambda m, ids, p=positions: fw_loss(m, ids, positions=p)
+            if impl == "fw-selective":
+                model.gradient_checkpointing = "selective"
         else:
             import transformers
             hf_cfg = transformers.Qwen3Config(**cfg.to_hf(), attn_implementation="sdpa")

@@ -242,24 +242,29 @@ def lora_params(m: Qwen3Config, lora: dict) -> int:
 
 
 def layer_saved_bytes(m: Qwen3Config, seq_len: int, packed: bool, residual_bytes: int, compute_bytes: int,
-                      backend: str = "cuda", lora: dict | None = None) -> float:
+                      backend: str = "cuda", lora: dict | None = None, selective: bool = False) -> float:
     """Bytes per token that one decoder layer's forward keeps for the backward (framework/models/qwen3.py).
 
     residual_bytes: the residual stream's dtype (the parameters'); compute_bytes: the matmuls' (autocast's
     under *-mixed). backend "cuda" (flash attention) or "cpu" (the CPU flash kernel, the varlen reference).
     Packed rows (ops_cuda.varlen_attention) keep the same tensors as plain causal rows, plus the sequence
-    bounds that every layer shares (4 bytes a sequence, left out).
+    bounds that every layer shares (4 bytes a sequence, left out). selective: gradient_checkpointing
+    "selective", under which the outputs of the norms, of QK-norm with RoPE and of SwiGLU are recomputed
+    (framework/models/recompute.py).
     """
     d, q, kv, inter = m.hidden_size, m.q_size, m.kv_size, m.intermediate_size
     residual = 2 * d                 # the layer's input (input_layernorm) and its mid-point (post_attention_layernorm)
-    compute = (d                     # qkv_proj's input, the normed hidden state
-               + q + 2 * kv          # qkv_proj's output: q_norm and k_norm keep views of it, attention keeps v
-               + q                   # q after QK-norm and RoPE (attention)
-               + kv                  # k after RoPE
+    compute = (q + 2 * kv            # qkv_proj's output: q_norm and k_norm keep views of it, attention keeps v
                + q                   # attention's output, o_proj's input
-               + d                   # gate_up_proj's input, the normed mid-point
-               + 2 * inter           # gate_up_proj's output (swiglu)
-               + inter)              # swiglu's output, down_proj's input
+               + 2 * inter)          # gate_up_proj's output (swiglu)
+    if not selective:
+        compute += (d                # qkv_proj's input, the normed hidden state
+                    + q + kv         # q and k after QK-norm and RoPE (attention)
+                    + d              # gate_up_proj's input, the normed mid-point
+                    + inter)         # swiglu's output, down_proj's input
+    elif lora is not None:           # a norm's output feeding adapters is kept (framework/models/qwen3.py _normed)
+        targets = set(lora["targets"])
+        compute += d * bool(targets & {"q_proj", "k_proj", "v_proj"}) + d * bool(targets & {"gate_proj", "up_proj"})
     lse = 4 * m.num_attention_heads  # attention's float32 logsumexp per head
     adapters = 0
     if lora is not None:             # each adapter's B keeps A's output; dropout keeps its mask and output
@@ -454,11 +459,14 @@ def _batch_rows(rows: list[Row], cfg: dict, model: Qwen3Config, shapes: BatchSha
                         "values): its widest point and the hidden states"))
 
     tokens = shapes.rows * shapes.seq_len
-    ckpt = policy_cfg["gradient_checkpointing"]
+    ckpt = policy_cfg["gradient_checkpointing"] is True
+    selective = policy_cfg["gradient_checkpointing"] == "selective"
     lora = policy_cfg["lora"]
-    per_layer = layer_saved_bytes(model, shapes.seq_len, shapes.packed, pb, cb, backend, lora)
+    per_layer = layer_saved_bytes(model, shapes.seq_len, shapes.packed, pb, cb, backend, lora, selective)
     extra = model_saved_bytes(model, pb, shapes.packed)
-    in_flight = BACKWARD_IN_FLIGHT_LAYERS * per_layer
+    # the activations' gradients have the shapes of everything a layer keeps, recomputed or not
+    in_flight = BACKWARD_IN_FLIGHT_LAYERS * (layer_saved_bytes(model, shapes.seq_len, shapes.packed, pb, cb, backend,
+                                                               lora) if selective else per_layer)
     if ckpt:
         per_token = layers * model.hidden_size * pb + per_layer + in_flight + extra
         how = (f"{tokens:,} tokens ({shapes.rows} rows x {shapes.seq_len}) x ({layers} layer inputs x "
@@ -466,15 +474,15 @@ def _batch_rows(rows: list[Row], cfg: dict, model: Qwen3Config, shapes: BatchSha
     else:
         per_token = layers * per_layer + in_flight + extra
         how = (f"{tokens:,} tokens ({shapes.rows} rows x {shapes.seq_len}) x ({layers} layers x "
-               f"{_kib(per_layer)} + in flight)")
+               f"{_kib(per_layer)}{', cheap ops recomputed' if selective else ''} + in flight)")
     rows.append(Row("activations", tokens * per_token, ("train",), how))
     keep = policy_cfg["keep_logits"]
-    keep = (not ckpt if keep is None else keep) and cb == 2
+    keep = (policy_cfg["gradient_checkpointing"] is False if keep is None else keep) and cb == 2
     logits, how = _logits_rows(model, shapes.loss_tokens, "bfloat16" if cb == 2 else "float32", keep, backend,
                                weight_grad=lora is None)
     rows.append(Row("logits buffers", logits, ("train",), how))
     if value_grads:
-        v_layer = layer_saved_bytes(value, shapes.seq_len, shapes.packed, pb, cb, backend)
+        v_layer = layer_saved_bytes(value, shapes.seq_len, shapes.packed, pb, cb, backend, selective=selective)
         v_tokens = (value.num_hidden_layers * (value.hidden_size * pb if ckpt else v_layer)
                     + (v_layer if ckpt else 0) + BACKWARD_IN_FLIGHT_LAYERS * v_layer
                     + model_saved_bytes(value, pb, shapes.packed))
@@ -614,7 +622,9 @@ def _candidates(cfg: dict, plan: Plan, shapes: BatchShapes | None, backend: str)
     p, o = cfg["model"]["policy"], cfg["optimizer"]
     prompts = cfg["rollout"]["prompts_per_step"]
     out: list[dict[str, Any]] = []
-    if not p["gradient_checkpointing"]:
+    if p["gradient_checkpointing"] is False:
+        out.append({"model.policy.gradient_checkpointing": "selective"})
+    if p["gradient_checkpointing"] is not True:
         out.append({"model.policy.gradient_checkpointing": True})
     keeps = next((r for r in plan.rows if r.name == "logits buffers" and "kept" in r.how), None)
     if keeps is not None:

@@ -278,6 +278,7 @@ def test_fw_plan_that_does_not_fit_lists_overrides_that_do(capsys):
     assert f"does not fit: {total:.1f} GiB > {limit:.1f} GiB; try one of:" in out
     tried = [ln.split("  -> ")[0].split() for ln in out.splitlines() if "  -> " in ln and ln.startswith("  --")]
     assert ["--model.policy.gradient_checkpointing=true"] in tried
+    assert ["--model.policy.gradient_checkpointing=selective"] in tried
     fitting = [t for t, ln in zip(tried, [ln for ln in out.splitlines() if "  -> " in ln and ln.startswith("  --")])
                if ln.endswith("(fits)")]
     assert fitting, out

@@ -7,6 +7,7 @@ each); `hf_targets` maps HF's tensor names on disk to (tensor, row range) pieces
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -17,7 +18,9 @@ from torch.utils.checkpoint import checkpoint
 
 import ops_cuda
 from framework.errors import FwError
+from framework.models import recompute
 from framework.models.qwen3_config import Qwen3Config
+from framework.models.recompute import cheap
 
 # HF name -> (tensor in our module, first row, last row) of a fused weight; rows None = whole tensor.
 HfTargets = dict[str, tuple[Tensor, int | None, int | None]]
@@ -31,6 +34,28 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return ops_cuda.rms_norm(x, self.weight, self.eps)
+
+
+def _norm_cast(x: Tensor, weight: Tensor, eps: float, dtype: torch.dtype) -> Tensor:
+    return ops_cuda.rms_norm(x, weight, eps).to(dtype)
+
+
+def _normed(norm: RMSNorm, h: Tensor, consumer: nn.Module) -> Tensor:
+    """The input of the matmul `consumer` after a norm. Under selective recomputation the norm's output is
+    cast to autocast's dtype here, as the matmul would cast it, so that the tensor the matmul keeps is the
+    marked one. Only for a plain nn.Linear, the cast's one user: the gradients of a cast with several users
+    (a LoRA layer's base and adapters) would add up in its lower precision."""
+    if not recompute.active() or type(consumer) is not nn.Linear:
+        return norm(h)
+    device = h.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else h.dtype
+    return cheap(_norm_cast, h, norm.weight, norm.eps, dtype)
+
+
+def _qk_norm_rope(q: Tensor, k: Tensor, positions: Tensor, q_weight: Tensor, k_weight: Tensor, eps: float,
+                  theta: float) -> tuple[Tensor, Tensor]:
+    """QK-norm then RoPE: q [B, T, Hq, D], k [B, T, Hk, D]."""
+    return ops_cuda.rope(ops_cuda.rms_norm(q, q_weight, eps), ops_cuda.rms_norm(k, k_weight, eps), positions, theta)
 
 
 @dataclass
@@ -110,9 +135,9 @@ class Qwen3Attention(nn.Module):
         """x [B, T, d] -> q [B, T, Hq, D], k, v [B, T, Hk, D] with QK-norm then RoPE applied."""
         B, T, _ = x.shape
         q, k, v = self.qkv_proj(x).split([self.config.q_size, self.config.kv_size, self.config.kv_size], -1)
-        q = self.q_norm(q.view(B, T, self.num_heads, self.head_dim))
-        k = self.k_norm(k.view(B, T, self.num_kv_heads, self.head_dim))
-        q, k = ops_cuda.rope(q, k, positions, self.config.rope_theta)
+        q, k = cheap(_qk_norm_rope, q.view(B, T, self.num_heads, self.head_dim),
+                     k.view(B, T, self.num_kv_heads, self.head_dim), positions, self.q_norm.weight,
+                     self.k_norm.weight, self.q_norm.eps, self.config.rope_theta)
         return q, k, v.view(B, T, self.num_kv_heads, self.head_dim)
 
     def forward(self, x: Tensor, positions: Tensor, packed: Packing | None,
@@ -168,7 +193,7 @@ class Qwen3MLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(ops_cuda.swiglu(self.gate_up_proj(x)))
+        return self.down_proj(cheap(ops_cuda.swiglu, self.gate_up_proj(x)))
 
 
 class Qwen3DecoderLayer(nn.Module):
@@ -181,8 +206,8 @@ class Qwen3DecoderLayer(nn.Module):
 
     def forward(self, h: Tensor, positions: Tensor, packed: Packing | None,
                 cache: tuple[Tensor, Tensor] | None = None) -> Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), positions, packed, cache)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        h = h + self.self_attn(_normed(self.input_layernorm, h, self.self_attn.qkv_proj), positions, packed, cache)
+        return h + self.mlp(_normed(self.post_attention_layernorm, h, self.mlp.gate_up_proj))
 
     def decode(self, h: Tensor, step: DecodeStep, k_cache: Tensor, v_cache: Tensor) -> Tensor:
         h = h + self.self_attn.decode(self.input_layernorm(h), step, k_cache, v_cache)
@@ -191,6 +216,13 @@ class Qwen3DecoderLayer(nn.Module):
     def paged(self, h: Tensor, batch: PagedBatch, k_pool: Tensor, v_pool: Tensor) -> Tensor:
         h = h + self.self_attn.paged(self.input_layernorm(h), batch, k_pool, v_pool)
         return h + self.mlp(self.post_attention_layernorm(h))
+
+
+def checkpointing_mode(mode: bool | str) -> bool | str:
+    """`mode` if it is one of model.policy.gradient_checkpointing's values (False, True, "selective")."""
+    if mode is not False and mode is not True and mode != "selective":
+        raise FwError(f"gradient_checkpointing must be false, true or \"selective\", got {mode!r}")
+    return mode
 
 
 class Qwen3Model(nn.Module):
@@ -202,7 +234,7 @@ class Qwen3Model(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(Qwen3DecoderLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.gradient_checkpointing = False
+        self.gradient_checkpointing: bool | str = False   # model.policy.gradient_checkpointing
 
     def forward(self, input_ids: Tensor, position_ids: Tensor | None = None,
                 cache: KVCache | None = None, packing: Packing | None = None) -> Tensor:
@@ -222,13 +254,16 @@ class Qwen3Model(nn.Module):
         else:
             packed = packing if packing is not None else Packing(*ops_cuda.packed_sequences(position_ids))
         h = self.embed_tokens(input_ids)
-        recompute = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
-        for i, layer in enumerate(self.layers):
-            layer_cache = (cache.k[i], cache.v[i]) if cache is not None else None
-            if recompute:
-                h = checkpoint(layer, h, position_ids, packed, layer_cache, use_reentrant=False)
-            else:
-                h = layer(h, position_ids, packed, layer_cache)
+        mode = self.gradient_checkpointing if self.training and torch.is_grad_enabled() else False
+        # under torch.compile the partitioner chooses what to recompute itself
+        selective = mode == "selective" and not torch.compiler.is_compiling()
+        with recompute.SelectiveRecompute() if selective else nullcontext():
+            for i, layer in enumerate(self.layers):
+                layer_cache = (cache.k[i], cache.v[i]) if cache is not None else None
+                if mode is True:
+                    h = checkpoint(layer, h, position_ids, packed, layer_cache, use_reentrant=False)
+                else:
+                    h = layer(h, position_ids, packed, layer_cache)
         return self.norm(h)
 
     def decode(self, tokens: Tensor, cache: KVCache) -> Tensor:
@@ -334,17 +369,19 @@ class Qwen3ForCausalLM(nn.Module):
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     @property
-    def gradient_checkpointing(self) -> bool:
+    def gradient_checkpointing(self) -> bool | str:
+        """False, True (whole layers recomputed in the backward) or "selective" (their cheap ops only)."""
         return self.model.gradient_checkpointing
 
     @gradient_checkpointing.setter
-    def gradient_checkpointing(self, enabled: bool) -> None:
-        self.model.gradient_checkpointing = enabled
+    def gradient_checkpointing(self, mode: bool | str) -> None:
+        self.model.gradient_checkpointing = checkpointing_mode(mode)
 
     @property
     def saves_logits(self) -> bool:
-        """Whether the loss keeps its logits for the backward (ops_cuda.linear_logprob's save_logits)."""
-        return not self.gradient_checkpointing if self.keep_logits is None else self.keep_logits
+        """Whether the loss keeps its logits for the backward (ops_cuda.linear_logprob's save_logits): as
+        keep_logits says, and when it is None unless activations are recomputed at all."""
+        return self.gradient_checkpointing is False if self.keep_logits is None else self.keep_logits
 
     def forward(self, input_ids: Tensor, position_ids: Tensor | None = None,
                 return_hidden: bool = False, packing: Packing | None = None) -> Tensor:

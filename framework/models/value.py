@@ -11,6 +11,7 @@ from framework.models.qwen3 import (
     Packing,
     Qwen3ForCausalLM,
     Qwen3Model,
+    checkpointing_mode,
     init_weights,
     load_targets,
     target_views,
@@ -33,12 +34,12 @@ class Qwen3ValueModel(nn.Module):
         nn.init.zeros_(self.v_head.bias)
 
     @property
-    def gradient_checkpointing(self) -> bool:
+    def gradient_checkpointing(self) -> bool | str:
         return self.model.gradient_checkpointing
 
     @gradient_checkpointing.setter
-    def gradient_checkpointing(self, enabled: bool) -> None:
-        self.model.gradient_checkpointing = enabled
+    def gradient_checkpointing(self, mode: bool | str) -> None:
+        self.model.gradient_checkpointing = checkpointing_mode(mode)
 
     def forward(self, input_ids: Tensor, position_ids: Tensor | None = None,
                 packing: Packing | None = None) -> Tensor:

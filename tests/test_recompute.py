@@ -1,0 +1,208 @@
+"""Selective recomputation (`gradient_checkpointing: selective`, framework/models/recompute.py): the same
+gradients bit for bit as keeping every activation, and the activation bytes the memory plan counts, measured
+by the storages that stay alive after the forward."""
+from __future__ import annotations
+
+import gc
+import json
+import weakref
+
+import pytest
+import torch
+from test_fit_step import DATA
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from framework.config import resolve
+from framework.errors import FwError
+from framework.memory_plan import layer_saved_bytes, model_saved_bytes
+from framework.models import Qwen3ForCausalLM
+from framework.models.lora import add_adapters
+from framework.models.presets import preset_config
+from framework.models.value import Qwen3ValueModel
+from framework.trainer import fit
+
+
+class LiveStorages(TorchDispatchMode):
+    """Every storage an op creates inside the mode, by weak reference to its tensor: what is still alive
+    afterwards is what the autograd graph (or the caller) keeps."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.made: list[tuple[weakref.ref, int, int]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                s = t.untyped_storage()
+                self.made.append((weakref.ref(t), s.data_ptr(), s.nbytes()))
+        return out
+
+    def live_bytes(self, exclude: set[int]) -> int:
+        gc.collect()
+        alive = {ptr: n for ref, ptr, n in self.made if ref() is not None and ptr not in exclude}
+        return sum(alive.values())
+
+
+def _grads(model, ids, positions, autocast: bool) -> list[torch.Tensor]:
+    model.zero_grad(set_to_none=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        out = model(ids, positions)
+        loss = out.float().logsumexp(-1).mean() if out.dim() == 3 else out.float().square().mean()
+    loss.backward()
+    return [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+
+def _inputs(packed: bool, T: int = 24):
+    ids = torch.randint(0, 256, (2, T), generator=torch.Generator().manual_seed(1))
+    positions = torch.arange(T).repeat(2, 1)
+    if packed:
+        positions[:, T // 2:] -= T // 2
+    return ids, positions
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
+@pytest.mark.parametrize("packed", [False, True], ids=["rows", "packed"])
+def test_selective_gives_the_same_gradients_bit_for_bit(autocast, packed):
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(preset_config("tiny", 256)).train()
+    ids, positions = _inputs(packed)
+    kept = _grads(model, ids, positions if packed else None, autocast)
+    model.gradient_checkpointing = "selective"
+    recomputed = _grads(model, ids, positions if packed else None, autocast)
+    assert len(kept) == len(recomputed) == len(list(model.parameters()))
+    for a, b in zip(kept, recomputed):
+        assert torch.equal(a, b)
+
+
+def test_selective_with_lora_and_the_value_model():
+    torch.manual_seed(0)
+    value = Qwen3ValueModel.from_policy(Qwen3ForCausalLM(preset_config("tiny", 256))).train()
+    torch.nn.init.normal_(value.v_head.weight, std=0.02)   # a zero head would give the trunk zero gradients
+    policy = Qwen3ForCausalLM(preset_config("tiny", 256)).train()
+    add_adapters(policy, {"rank": 4, "alpha": 8, "dropout": 0.0,
+                          "targets": ["q_proj", "v_proj", "gate_proj", "down_proj"]})
+    for p in policy.parameters():   # adapters start with B = 0: give every adapter a gradient path
+        if p.requires_grad:
+            torch.nn.init.normal_(p, std=0.02)
+    ids, positions = _inputs(packed=True)
+    for model in (policy, value):
+        model.gradient_checkpointing = False
+        kept = _grads(model, ids, positions, autocast=True)
+        model.gradient_checkpointing = "selective"
+        recomputed = _grads(model, ids, positions, autocast=True)
+        assert kept and len(kept) == len(recomputed)
+        assert all(torch.equal(a, b) for a, b in zip(kept, recomputed))
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
+def test_activation_bytes_are_what_the_memory_plan_counts(autocast):
+    """Measured on Qwen3-0.6B's layer shapes (two layers, packed rows, a small vocabulary): the bytes per token
+    each mode keeps alive after the forward, against layer_saved_bytes. Under autocast the weights' bf16 casts
+    (autocast's cache) are left out: the plan counts them apart."""
+    cfg = preset_config("qwen3-0.6b", 512)
+    cfg.num_hidden_layers = 2
+    T = 128
+    ids = torch.randint(0, 512, (1, T), generator=torch.Generator().manual_seed(0))
+    positions = torch.arange(T)[None].clone()
+    positions[:, T // 2:] -= T // 2
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(cfg).train()
+    exclude = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    residual, compute = 4, (2 if autocast else 4)
+    measured = {}
+    for mode in (False, "selective"):
+        model.gradient_checkpointing = mode
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast), LiveStorages() as live:
+            h = model(ids, positions, return_hidden=True)
+            casts = set()
+            if autocast:   # autocast's cached bf16 copies of the weights, alive in its cache
+                casts = {ptr for ref, ptr, n in live.made
+                         if ref() is not None and any(n == p.numel() * 2 for p in model.parameters())}
+            measured[mode] = (live.live_bytes(exclude | casts) - h.untyped_storage().nbytes()) / T
+        del h
+    for mode, selective in ((False, False), ("selective", True)):
+        plan = (cfg.num_hidden_layers * layer_saved_bytes(cfg, T, True, residual, compute, "cpu",
+                                                          selective=selective)
+                + model_saved_bytes(cfg, residual, True))
+        assert measured[mode] == pytest.approx(plan, abs=16), (mode, measured, plan)
+    # by hand: the norms' outputs (2 x hidden), q and k after RoPE (q_size + kv_size) and SwiGLU's output
+    by_hand = (2 * cfg.hidden_size + cfg.q_size + cfg.kv_size + cfg.intermediate_size) * compute
+    assert measured[False] - measured["selective"] == pytest.approx(cfg.num_hidden_layers * by_hand, abs=16)
+
+
+def test_an_input_changed_in_place_after_the_forward_is_an_error():
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(preset_config("tiny", 256)).train()
+    model.gradient_checkpointing = "selective"
+    ids, _ = _inputs(packed=False)
+    loss = model(ids).logsumexp(-1).mean()
+    with torch.no_grad():
+        model.model.layers[0].mlp.down_proj.weight.mul_(1.0)    # bumps a version the backward checks anyway
+        model.model.layers[1].self_attn.q_norm.weight.add_(1.0)  # an input of a recomputed op
+    with pytest.raises(RuntimeError, match="modified"):
+        loss.backward()
+
+
+def test_the_mode_is_checked_and_selective_recomputes_the_logits():
+    model = Qwen3ForCausalLM(preset_config("tiny", 256))
+    with pytest.raises(FwError, match='gradient_checkpointing must be false, true or "selective"'):
+        model.gradient_checkpointing = "layers"
+    assert model.saves_logits
+    model.gradient_checkpointing = "selective"
+    assert not model.saves_logits
+    model.keep_logits = True
+    assert model.saves_logits
+
+
+def test_fw_fit_with_selective_logs_the_same_losses(tmp_path):
+    runs = {}
+    for mode in (False, "selective"):
+        fit(resolve({
+            "recipe": "sft", "run_dir": str(tmp_path / str(mode) / "run"),
+            "model": {"policy": {"preset": "tiny", "gradient_checkpointing": mode, "keep_logits": False}},
+            "data": {"path": DATA, "max_seq_len": 64, "batch_size": 2},
+            "trainer": {"accelerator": "cpu", "max_steps": 4, "log_every_n_steps": 1},
+            "checkpoint": {"every_n_steps": 100}}))
+        lines = (tmp_path / str(mode) / "run" / "metrics.jsonl").read_text().splitlines()
+        runs[mode] = [(r["step"], r["loss"], r["grad_norm"]) for r in map(json.loads, lines) if "loss" in r]
+    assert len(runs[False]) >= 3
+    assert runs[False] == runs["selective"]
+
+
+@pytest.mark.gpu
+def test_selective_on_cuda_same_gradients_and_the_memory_it_saves():
+    """The CUDA kernels (flash varlen attention, fw's norms, RoPE and SwiGLU) under bf16 autocast: the same
+    gradients (deterministic algorithms, so that flash attention's backward is too), and the peak memory of
+    forward + backward lower by what the recomputed tensors take."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    cfg = preset_config("qwen3-0.6b", 4096)
+    cfg.num_hidden_layers = 8   # one layer's recompute, alive in the backward, stays a small share
+    T, rows = 2048, 4
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(cfg).cuda().train()
+    ids = torch.randint(0, 4096, (rows, T), device="cuda")
+    positions = (torch.arange(T, device="cuda") % 512).expand(rows, T)
+    grads, peaks = {}, {}
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        for mode in (False, "selective", False):
+            model.gradient_checkpointing = mode
+            model.zero_grad(set_to_none=True)
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                h = model(ids, positions, return_hidden=True)
+            h.float().square().mean().backward()
+            torch.cuda.synchronize()
+            peaks[mode] = torch.cuda.max_memory_allocated() - base
+            grads[mode] = [p.grad.clone() for p in model.parameters()]
+            del h
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert all(torch.equal(a, b) for a, b in zip(grads[False], grads["selective"]))
+    saved = (2 * cfg.hidden_size + cfg.q_size + cfg.kv_size + cfg.intermediate_size) * 2 * rows * T
+    assert peaks[False] - peaks["selective"] == pytest.approx(cfg.num_hidden_layers * saved, rel=0.2), peaks
