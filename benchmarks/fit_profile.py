@@ -10,7 +10,8 @@ Without --config it runs recipes/sft.yaml as the sft-bf16 workload (`SFT_BF16`: 
 callbacks. It profiles `--steps` policy steps after `--warmup` ones (CPU and CUDA activity) and prints one
 markdown table: per step the wall time, the GPU's kernel time and idle fraction, the host's
 cudaStreamSynchronize / cudaDeviceSynchronize calls and device-to-host copies, and the host ops of most
-self CPU time. `--trace` receives the chrome trace (chrome://tracing, ui.perfetto.dev).
+self CPU time; with `--stacks`, where each synchronisation comes from. `--trace` receives the chrome trace
+(chrome://tracing, ui.perfetto.dev).
 
 A step's window runs from one synchronisation at the start of its first batch to the next one (the
 profiler's own, in `fw_profile_boundary` ranges, which the counts leave out), so its wall time is the
@@ -34,14 +35,16 @@ SFT_BF16 = ["--trainer.precision=bf16-mixed", "--model.policy.preset=qwen3-0.6b"
 BOUNDARY = "fw_profile_boundary"
 SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize")
 TOP_OPS = 12
+STACK_FRAMES = 4   # Python frames shown per synchronisation site (--stacks)
+NO_STACK = "(no Python stack: another thread, or C++ alone)"
 
 
 class StepProfiler(Callback):
     """Runs torch.profiler over policy steps `warmup + 1 .. warmup + steps`, marking a synchronised
     boundary at the start of each; `windows()` gives each step's events after the run."""
 
-    def __init__(self, warmup: int = 3, steps: int = 3, trace: str | None = None) -> None:
-        self.warmup, self.steps, self.trace = warmup, steps, trace
+    def __init__(self, warmup: int = 3, steps: int = 3, trace: str | None = None, stacks: bool = False) -> None:
+        self.warmup, self.steps, self.trace, self.stacks = warmup, steps, trace, stacks
         self.prof: profile | None = None
         self.boundaries = 0
         self._step = -1
@@ -61,7 +64,7 @@ class StepProfiler(Callback):
             activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
-            self.prof = profile(activities=activities)
+            self.prof = profile(activities=activities, with_stack=self.stacks)
             self.prof.start()
         if self.prof is not None:
             self._boundary()
@@ -95,6 +98,7 @@ class StepProfiler(Callback):
             start, end, host_end = first.time_range.end, last.time_range.end, last.time_range.start
             w: dict[str, Any] = {"wall_s": (end - start) / 1e6, "kernel_s": 0.0, "d2h": 0, "h2d": 0,
                                  "self_cpu_us": defaultdict(float), "calls": defaultdict(int),
+                                 "sync_sites": defaultdict(int),
                                  **{name: 0 for name in SYNCS}}
             for e in events:
                 t = e.time_range.start
@@ -113,6 +117,10 @@ class StepProfiler(Callback):
                     continue
                 if e.name in SYNCS:
                     w[e.name] += 1
+                    if self.stacks:
+                        w["sync_sites"][" < ".join(e.stack[:STACK_FRAMES]) or NO_STACK] += 1
+                if ".py(" in e.name or e.name.startswith("<built-in"):   # Python frames of --stacks, not ops
+                    continue
                 w["self_cpu_us"][e.name] += e.self_cpu_time_total
                 w["calls"][e.name] += 1
             out.append(w)
@@ -148,6 +156,13 @@ def table(windows: list[dict[str, Any]], cuda: bool, first_step: int = 1) -> str
     for name in sorted(totals, key=totals.get, reverse=True)[:TOP_OPS]:
         calls = sum(w["calls"][name] for w in windows) / max(n, 1)
         row(f"self CPU ms: `{name}` ({calls:g} calls)", [w["self_cpu_us"][name] / 1e3 for w in windows], "{:.2f}")
+    sites: dict[str, int] = defaultdict(int)
+    for w in windows:
+        for site, count in w["sync_sites"].items():
+            sites[site] += count
+    if sites:
+        lines += ["", "| synchronisations a step | where (innermost Python frames first) |", "|---|---|"]
+        lines += [f"| {sites[k] / max(n, 1):g} | `{k}` |" for k in sorted(sites, key=sites.get, reverse=True)]
     return "\n".join(lines)
 
 
@@ -161,6 +176,8 @@ def main(argv: list[str] | None = None) -> str:
     ap.add_argument("--trace", required=True, help="where the chrome trace goes")
     ap.add_argument("--warmup", type=int, default=3, help="policy steps before the profiled ones")
     ap.add_argument("--steps", type=int, default=3, help="policy steps profiled")
+    ap.add_argument("--stacks", action="store_true",
+                    help="record Python stacks and list where each stream / device synchronisation comes from")
     args, overrides = ap.parse_known_args(argv)
     if args.config is None:
         args.config, overrides = ["recipes/sft.yaml"], [*SFT_BF16, *overrides]
@@ -170,7 +187,7 @@ def main(argv: list[str] | None = None) -> str:
                                         *overrides])
         cfg["callbacks"] = [*cfg["callbacks"], {"class_path": "benchmarks.fit_profile.StepProfiler",
                                                 "init_args": {"warmup": args.warmup, "steps": args.steps,
-                                                              "trace": args.trace}}]
+                                                              "trace": args.trace, "stacks": args.stacks}}]
         trainer = fit(cfg)
     # built from the config by class_path, so of the module benchmarks.fit_profile, not of __main__
     (profiler,) = [cb for cb in trainer.callbacks if type(cb).__name__ == StepProfiler.__name__]

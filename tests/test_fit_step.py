@@ -160,6 +160,24 @@ def test_a_cuda_fit_step_synchronises_once(tmp_path):
 
 
 @pytest.mark.gpu
+def test_fit_profile_names_where_each_synchronisation_comes_from(tmp_path):
+    from benchmarks.fit_profile import main
+
+    out = main(["--config", "recipes/sft.yaml", "--trace", str(tmp_path / "t.json"), "--model.policy.preset=tiny",
+                "--trainer.accelerator=gpu", "--trainer.precision=bf16-mixed", "--trainer.log_every_n_steps=1",
+                "--logging.tensorboard=false", "--warmup", "1", "--steps", "2", "--stacks"])
+    lines = out.splitlines()
+    syncs = next(ln for ln in lines if ln.startswith("| cudaStreamSynchronize calls"))
+    mean_syncs = float(syncs.strip().strip("|").split("|")[-1])
+    device_syncs = next(ln for ln in lines if ln.startswith("| cudaDeviceSynchronize calls"))
+    mean_syncs += float(device_syncs.strip().strip("|").split("|")[-1])
+    start = lines.index("| synchronisations a step | where (innermost Python frames first) |")
+    sites = lines[start + 2:]
+    assert mean_syncs >= 1 and sites, out   # fw's own read at least
+    assert sum(float(ln.strip("|").split("|")[0]) for ln in sites) == pytest.approx(mean_syncs), out
+
+
+@pytest.mark.gpu
 def test_sft_batches_come_pinned_for_a_cuda_device(tmp_path):
     from framework.data import sft_dataloader
     from framework.module import FwModule
@@ -196,13 +214,15 @@ def test_read_scalars_keeps_order_across_devices():
     assert read_scalars(values) == [1.5, 3.0, 0.0, -2.0]
 
 
-def test_fit_profile_prints_its_table_and_writes_a_trace(tmp_path, capsys):
+@pytest.mark.parametrize("stacks", [False, True], ids=["ops", "with-stacks"])
+def test_fit_profile_prints_its_table_and_writes_a_trace(tmp_path, capsys, stacks):
     from benchmarks.fit_profile import main
 
     trace = tmp_path / "trace.json"
     out = main(["--config", "recipes/sft.yaml", "--trace", str(trace), "--model.policy.preset=tiny",
                 "--trainer.accelerator=cpu", "--trainer.enable_progress_bar=false", "--data.max_seq_len=64",
-                "--data.batch_size=2", "--logging.tensorboard=false", "--warmup", "1", "--steps", "3"])
+                "--data.batch_size=2", "--logging.tensorboard=false", "--warmup", "1", "--steps", "3"]
+               + (["--stacks"] if stacks else []))
     lines = out.splitlines()
     assert lines[0].startswith("fw fit profile: recipe sft, model tiny, 32-true, 2 x 64, CPU; 1 warm-up steps")
     header = next(ln for ln in lines if ln.startswith("| |"))
@@ -214,6 +234,7 @@ def test_fit_profile_prints_its_table_and_writes_a_trace(tmp_path, capsys):
     assert rows["cudaStreamSynchronize calls"] == ["0"] * 4   # no CUDA on this run
     ops = [k for k in rows if k.startswith("self CPU ms: ")]
     assert len(ops) == 12 and any("aten::mm" in k or "aten::addmm" in k or "aten::bmm" in k for k in ops)
+    assert not any(".py(" in k or "<built-in" in k for k in ops)   # --stacks' Python frames are not ops
     events = json.loads(trace.read_text())["traceEvents"]
     assert sum(e.get("name") == "fw_profile_boundary" for e in events) == 4   # 3 windows: 4 boundaries
     assert out in capsys.readouterr().out
