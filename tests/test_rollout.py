@@ -496,6 +496,7 @@ def test_rollout_profile_reports_each_phase_of_one_call(tmp_path):
     _, outs = workload(6, 4, 12, 256)
     calls = {m[1]: int(m[2]) for m in re.finditer(r"\| `fw\.rollout\.(\w+)` \| [\d.]+ \| (\d+) \|", report)}
     assert calls["prefill"] == 1 and calls["decode"] == max(outs) - 1
+    assert re.search(r"peak rows 6, preemptions 0, KV blocks \d+", report)
     assert (tmp_path / "t.json").stat().st_size > 0
 
 

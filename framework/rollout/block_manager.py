@@ -66,7 +66,7 @@ class BlockManager:
     def allocate(self) -> int:
         """A free block for new content (its old hash, if any, is forgotten)."""
         if not self.free:
-            raise FwError("rollout: the KV cache has no free block (the scheduler's admission is wrong)")
+            raise FwError("rollout: the KV cache has no free block (the scheduler's accounting is wrong)")
         block, _ = self.free.popitem(last=False)
         old = self.hash_of.pop(block, None)
         if old is not None and self.cached.get(old) == block:

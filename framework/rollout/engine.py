@@ -1,5 +1,6 @@
-"""Generation over a paged KV cache with continuous batching: rows join the running batch as blocks free up,
-prompts of a group are prefilled once, and one forward per step decodes every running row.
+"""Generation over a paged KV cache with continuous batching: rows join the running batch as blocks free up
+and take blocks as they grow (the newest row is preempted and recomputed later when none is free), prompts of
+a group are prefilled once, and one forward per step decodes every running row.
 
 A `RolloutEngine` holds the pool of KV blocks (`framework/rollout/kv_cache.py` sizes it from
 `rollout.kv_cache_gib`), its bookkeeping (`block_manager.py`), and on CUDA one decode graph per batch-size
