@@ -191,9 +191,9 @@ class _Run:
     the device, and what the host sends it goes through pinned memory without waiting for the device.
 
     Blocks are allocated as rows grow (framework/rollout/scheduler.py): before a decode step is queued, the
-    rows whose write crosses into a new block get it, or rows are preempted. A preempted row's token in
-    flight is kept (it was computed before its blocks went back, and the device runs the queued steps in
-    order), so nothing is recomputed but its context; readmitted, its next token is drawn from the
+    rows whose write crosses into a new block get it, or rows are preempted. A preempted row's tokens in
+    flight are kept (their steps were queued before its blocks went back, and the device runs queued work in
+    order), so nothing is recomputed but its context's keys/values; readmitted, its next token is drawn from the
     prefill's logits with the (row, step) key its decode step would have had. The device's block tables
     learn only what changed: the admitted rows' table rows with the prefill's inputs, the new entries with
     the decode step's, in the same transfers.
@@ -210,8 +210,8 @@ class _Run:
         self.width = 1 << max(0, (-(-longest // self.bs) - 1).bit_length())
         self.sched = Scheduler(seqs, engine.blocks, engine.settings.max_num_seqs)
         self.cpu = device.type == "cpu"
-        # every row's block table, written at admission and extended as the row grows; the last row, all
-        # scratch, serves the padding rows of a batch. On CPU the device's copy is the host's itself.
+        # every row's block table, written at admission and extended on the device as the row grows; the last
+        # row, all scratch, serves the padding rows of a batch. On CPU the device's table is the host's itself.
         self.tables = torch.zeros(len(seqs) + 1, self.width, dtype=torch.long)
         self.tables_dev = self.tables if self.cpu else torch.zeros_like(self.tables, device=device)
         self.last_dev = torch.zeros(len(seqs) + 1, dtype=torch.long, device=device)   # each row's last token
@@ -322,11 +322,8 @@ class _Run:
         # new table entries, in the same transfer
         meta = torch.tensor([[s.row, s.issued, len(s.prompt) + s.issued - 1] for s in rows]
                             + [[len(self.seqs), 0, 0]] * (bucket - B) + changed, dtype=torch.long)
-        if changed:
-            entries = meta[bucket:]
-            self.tables[entries[:, 0], entries[:, 1]] = entries[:, 2]
         meta = to_device(meta, self.device)
-        if changed and not self.cpu:
+        if changed:   # on CUDA the host's table keeps its admission rows: only a prefill reads it, for new rows
             entries = meta[bucket:]
             self.tables_dev[entries[:, 0], entries[:, 1]] = entries[:, 2]
         meta = meta[:bucket]

@@ -14,10 +14,11 @@ running row is preempted: its blocks go back (one reference each: blocks shared 
 prefix blocks stay valid for the others; its own full blocks are hashed, so that its readmission finds them
 in the prefix cache while nobody has taken them) and it goes to the front of the waiting queue with the
 tokens and logprobs it has produced. Readmitted, it is prefilled over its prompt and those tokens and goes
-on. A preempted row may still have a token on its way to the host (the host runs a step behind the device):
-that token was computed from the row's whole, intact context before the blocks went back, so it is kept.
-The row is received as any other (`finish` takes it out of the waiting queue when that token ends it) and
-is not readmitted while a token of it is in flight.
+on. A preempted row may still have tokens on their way to the host (the host runs a step behind the device:
+one, or two when the row was admitted at the step before): they were queued on the device before its
+blocks went back, so they are computed from its intact context, and they are kept. The row is received as
+any other (`finish` takes it out of the waiting queue when such a token ends it) and is not readmitted
+while a token of it is in flight.
 
 No deadlock: one row's every block fits the pool (checked up front), an empty batch admits its first waiting
 row whatever the watermark, and the oldest running row always gets its next block: while none is free, rows
@@ -99,7 +100,7 @@ class Scheduler:
         leaders: dict[tuple[int, ...], RowState] = {}
         while self.waiting and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            if seq.issued > len(seq.tokens):   # preempted with a token in flight: readmitted once it is in
+            if seq.issued > len(seq.tokens):   # preempted with tokens in flight: readmitted once they are in
                 break
             spare = min(self.watermark, self.outstanding)
             context = seq.prompt + seq.tokens
