@@ -21,6 +21,11 @@ def test_block_hashes_name_whole_prefixes():
     c = block_hashes([99] + list(range(1, 40)), 16)
     assert len(a) == 2 and a == b            # only full blocks; equal prefixes, equal hashes
     assert c[0] != a[0] and c[1] != a[1]     # the second block's hash depends on the first block too
+    grown = list(range(40)) + [5] * 30       # a context that grew: only its new full blocks are hashed
+    assert block_hashes(grown, 16, a) == block_hashes(grown, 16)
+    assert block_hashes(grown, 16, [111, 222]) == [111, 222, hash((222, tuple(grown[32:48]))),
+                                                   hash((hash((222, tuple(grown[32:48]))), tuple(grown[48:64])))]
+    assert block_hashes(list(range(20)), 16, a) == a[:1]   # known hashes past the tokens' full blocks go
 
 
 def test_block_manager_refcounts_and_cache():

@@ -17,10 +17,12 @@ from framework.errors import FwError
 SCRATCH_BLOCK = 0
 
 
-def block_hashes(tokens: Sequence[int], block_size: int) -> list[int]:
-    """The chained hashes of the full blocks of `tokens`: entry i names tokens[:(i + 1) * block_size]."""
-    out, h = [], 0
-    for i in range(len(tokens) // block_size):
+def block_hashes(tokens: Sequence[int], block_size: int, known: Sequence[int] = ()) -> list[int]:
+    """The chained hashes of the full blocks of `tokens`: entry i names tokens[:(i + 1) * block_size].
+    `known`: hashes computed before for a prefix of `tokens` (a row's context only grows), not computed again."""
+    out = list(known[:len(tokens) // block_size])
+    h = out[-1] if out else 0
+    for i in range(len(out), len(tokens) // block_size):
         h = hash((h, tuple(tokens[i * block_size:(i + 1) * block_size])))
         out.append(h)
     return out

@@ -51,6 +51,7 @@ class RowState:
     blocks: list[int] = field(default_factory=list)   # empty exactly when the row is not running
     room: int = 0                   # decode steps its blocks take: it may issue tokens up to this count
     cached: int = 0                 # context tokens whose keys/values it did not compute itself
+    hashes: list[int] = field(default_factory=list)   # prefix hashes of its full blocks computed so far
     leader: RowState | None = None  # same context, prefilled in the same step: logits and tail block come from it
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -114,7 +115,7 @@ class Scheduler:
                 seq.blocks = [bm.take(b) for b in shared] + [bm.allocate() for _ in range(total - len(shared))]
                 seq.cached, seq.leader = n, leader
             else:   # cached prefix blocks, keeping at least one context token to compute the logits from
-                hashes = block_hashes(context, bs)
+                hashes = seq.hashes = block_hashes(context, bs, seq.hashes)
                 hits = bm.cached_prefix(hashes[:(n - 1) // bs])
                 if bm.num_free < bm.blocks_needed(hits, total) + spare:
                     break
@@ -158,7 +159,8 @@ class Scheduler:
         bm, bs = self.blocks, self.blocks.block_size
         # the full blocks whose keys/values the device has (or has been asked to) write: the fed tokens'
         written = seq.prompt + seq.tokens[:seq.issued - 1]
-        for b, h in zip(seq.blocks, block_hashes(written, bs)):
+        seq.hashes = block_hashes(written, bs, seq.hashes)
+        for b, h in zip(seq.blocks, seq.hashes):
             bm.register(b, h)
         self._leave(seq)
         seq.room, seq.leader = 0, None
