@@ -555,3 +555,48 @@ def test_cuda_preemption_keeps_greedy_tokens(model, prompts):
         assert tight.completion_ids[b] == naive_greedy(cuda, prompt, 40)[0]
     assert all(n == 0 for n in engine.blocks.refs)
     engine.release()
+
+
+def test_cpu_prefill_logits_are_the_decode_logits_bit_for_bit(model, tok):
+    """What readmission after a preemption relies on, on CPU fp32: a context's last-position logits from one
+    prefill (the engine's padding: tokens and logits rows to multiples of 16) equal, bit for bit, those of the
+    decode step that feeds its last token after a prefill of the rest, whatever the batch holds besides."""
+    from framework.models.qwen3 import PagedBatch
+
+    bs, pad = 8, 16
+    ctx = tok.encode("hello world, 12+34=")
+    n = len(ctx)
+    cache = model.new_paged_kv_cache(16, bs)
+    mine, other = torch.tensor([1, 2, 3, 0]), torch.tensor([4, 5, 6, 7])   # row tables, 4 blocks a row
+
+    def prefill(table, tokens, extra=0):
+        """tokens at positions 0.., padded with `extra` scratch rows' worth of tokens; logits of the last."""
+        m = len(tokens)
+        count = -(-(m + extra) // pad) * pad
+        pos = torch.cat([torch.arange(m), torch.zeros(count - m, dtype=torch.long)])
+        blk = torch.cat([table[torch.arange(m) // bs], torch.zeros(count - m, dtype=torch.long)])
+        batch = PagedBatch(positions=pos, write_blocks=blk, write_offsets=pos % bs, block_tables=table[None],
+                           lengths=torch.tensor([m]), cu_seqlens=torch.tensor([0, m]))
+        ids = torch.tensor(tokens + [0] * (count - m))
+        return model.forward_paged(ids, batch, cache, torch.full((pad,), m - 1))[0]
+
+    def decode(token, p, rows):
+        """one decode step of `rows` rows: ours first (token at position p), the others on scratch"""
+        tables = torch.zeros(rows, 4, dtype=torch.long)
+        tables[0] = mine
+        pos = torch.zeros(rows, dtype=torch.long)
+        pos[0] = p
+        batch = PagedBatch(positions=pos, write_blocks=tables.gather(1, (pos // bs)[:, None]).squeeze(1),
+                           write_offsets=pos % bs, block_tables=tables, lengths=pos + 1, cu_seqlens=None)
+        ids = torch.zeros(rows, dtype=torch.long)
+        ids[0] = token
+        return model.forward_paged(ids, batch, cache, torch.arange(rows))[0]
+
+    whole = prefill(other, ctx)
+    for extra, rows in ((0, 16), (40, 48)):
+        prefill(mine, ctx[:-1], extra)
+        stepped = decode(ctx[-1], n - 1, rows)
+        assert torch.equal(stepped, whole), (extra, rows, (stepped - whole).abs().max())
+        # the keys/values the two paths wrote for the last position agree too
+        b, o = (n - 1) // bs, (n - 1) % bs
+        assert torch.equal(cache.k[:, mine[b], :, o], cache.k[:, other[b], :, o])
