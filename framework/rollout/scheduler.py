@@ -21,9 +21,10 @@ any other (`finish` takes it out of the waiting queue when such a token ends it)
 while a token of it is in flight.
 
 No deadlock: one row's every block fits the pool (checked up front), an empty batch admits its first waiting
-row whatever the watermark, and the oldest running row always gets its next block: while none is free, rows
-admitted after it are preempted (the newest first), and once it runs alone every block it does not hold is
-free. It never preempts itself, so it finishes, and so does every row after it.
+row whatever the watermark (or at the next step, once its tokens in flight are in), and the oldest running
+row always gets its next block: while none is free, rows admitted after it are preempted (the newest first),
+and once it runs alone every block it does not hold is free. It never preempts itself, so it finishes, and so
+does every row after it.
 
 Prompt sharing: rows admitted together with the same context form a group whose first row (the leader) is
 prefilled; the others reference the leader's full blocks, get a copy of its last, partial block and its
