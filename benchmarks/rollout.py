@@ -114,7 +114,7 @@ def main() -> None:
                      "reserved_gib": (torch.cuda.max_memory_reserved() / 2**30 if CUDA else 0.0),
                      "kv_cache_gib": args.kv_cache_gib,
                      "kv_blocks": engine.cache.num_blocks if engine.cache is not None else 0,
-                     "peak_rows": engine.peak_rows})
+                     "peak_rows": engine.peak_rows, "preemptions": engine.preemptions})
         print(json.dumps(rows[-1]), flush=True)
         CUDA and torch.cuda.empty_cache()
     hf_row = next((r for r in rows if r["impl"] == "hf"), None)

@@ -7,8 +7,8 @@ The workload is `benchmarks.rollout`'s (random prompts and per-row output length
 unprofiled call first (the graphs of the buckets it meets are captured and kept), then one profiled call.
 Printed: the call's wall time and tokens/s; the host time inside the engine's phases (`fw.rollout.prefill`,
 `fw.rollout.decode`, `fw.rollout.receive`, which waits for the device's previous step) with their counts;
-on CUDA the kernels' total time, the GPU's idle share and the kernels of most time. `--trace` receives the
-chrome trace.
+on CUDA the kernels' total time, the GPU's idle share and the kernels of most time; the most rows that ran
+together, the call's preemptions and the pool's blocks. `--trace` receives the chrome trace.
 """
 from __future__ import annotations
 
@@ -74,6 +74,7 @@ def main(argv: list[str] | None = None) -> str:
     engine = RolloutEngine(model, CacheSettings(args.kv_cache_gib, base.max_num_seqs, base.block_size))
     params = SamplingParams(max_new_tokens=outs, temperature=args.temperature)
     engine.generate(prompts, params, seed=0)
+    before = engine.preemptions
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=activities) as prof:
         if cuda:
@@ -84,8 +85,10 @@ def main(argv: list[str] | None = None) -> str:
             torch.cuda.synchronize()
         wall = time.perf_counter() - t0
     prof.export_chrome_trace(args.trace)
-    engine.release()
     report = summarize(prof, wall, sum(outs), cuda)
+    report += (f"\n\npeak rows {engine.peak_rows}, preemptions {engine.preemptions - before}, "
+               f"KV blocks {engine.cache.num_blocks}")
+    engine.release()
     print(report)
     return report
 

@@ -9,7 +9,8 @@ from conftest import peaked_tiny_model
 
 from framework.errors import FwError
 from framework.models import Qwen3ForCausalLM, save_pretrained
-from framework.rollout import Rollout, SamplingParams, generate
+from framework.rollout import CacheSettings, Rollout, RolloutEngine, SamplingParams, generate
+from framework.rollout.kv_cache import block_bytes
 from framework.tokenizer import Tokenizer
 
 
@@ -495,4 +496,107 @@ def test_rollout_profile_reports_each_phase_of_one_call(tmp_path):
     _, outs = workload(6, 4, 12, 256)
     calls = {m[1]: int(m[2]) for m in re.finditer(r"\| `fw\.rollout\.(\w+)` \| [\d.]+ \| (\d+) \|", report)}
     assert calls["prefill"] == 1 and calls["decode"] == max(outs) - 1
+    assert re.search(r"peak rows 6, preemptions 0, KV blocks \d+", report)
     assert (tmp_path / "t.json").stat().st_size > 0
+
+
+@pytest.mark.parametrize("block_size, blocks", [(4, 24), (8, 14)])
+def test_preemption_gives_the_unbounded_tokens_and_logprobs(model, tok, block_size, blocks):
+    """fp32 on CPU, budgets that preempt rows again and again: exactly the tokens and logprobs of an unbounded
+    pool. The rows: a group of 8 identical prompts (prefilled once), a prompt sharing their first full block
+    (a prefix-cache hit), others of their own, limits per row, and EOS ids that end some rows mid-way. A
+    readmitted row's next token comes from the prefill's logits, which equal those of the decode step it
+    replaces bit for bit (matmuls of row counts padded to 16, `_batched_attention` summing in position
+    order). Every block goes back, and none is released more often than taken (that would raise)."""
+    group = tok.encode("what is 12+34? ")                       # 15 tokens
+    prompts = [group] * 8 + [group[:8] + tok.encode("5*5=")] + [tok.encode(t) for t in ("7=", "hello world, ", "a")]
+    limits = [24, 24, 20, 24, 24, 16, 24, 24, 24, 9, 24, 5]
+    params = SamplingParams(max_new_tokens=limits, temperature=1.0, top_p=0.95)
+    settings = CacheSettings(kv_cache_gib=None, max_num_seqs=256, block_size=block_size)
+    plain = RolloutEngine(model, settings).generate(prompts, params, seed=5, tokenizer=tok).completion_ids
+    eos = [plain[0][6], plain[10][11]]   # tokens this draw emits mid-way: rows stop there
+    counting = CountingModel(model.config)
+    counting.load_state_dict(model.state_dict())
+    unbounded = RolloutEngine(counting, settings)
+    free = unbounded.generate(prompts, params, seed=5, eos_ids=eos, tokenizer=tok)
+    assert unbounded.preemptions == 0 and "eos" in free.finish_reasons and "length" in free.finish_reasons
+    assert unbounded.prefill_tokens == len(group) + 4 + sum(map(len, prompts[9:]))   # once a group, one cached block
+    counting.calls.clear()
+    gib = (blocks + 0.5) * block_bytes(model.config, torch.float32, block_size) / (1 << 30)
+    tight = RolloutEngine(counting, CacheSettings(kv_cache_gib=gib, max_num_seqs=256, block_size=block_size))
+    r = tight.generate(prompts, params, seed=5, eos_ids=eos, tokenizer=tok)
+    assert tight.cache.num_blocks == blocks and tight.preemptions >= 5
+    prefills = [c for c in counting.calls if c[0] == "prefill"]
+    assert any(computed < sum(lengths) for _, computed, lengths in prefills)         # cached blocks were reused
+    assert max(max(lengths) for *_, lengths in prefills) > max(map(len, prompts))    # prompt + tokens recomputed
+    assert r.completion_ids == free.completion_ids and r.finish_reasons == free.finish_reasons
+    assert torch.equal(r.logprobs, free.logprobs)
+    assert all(n == 0 for n in tight.blocks.refs) and tight.blocks.num_free == blocks - 1
+
+
+@pytest.mark.gpu
+def test_cuda_preemption_keeps_greedy_tokens(model, prompts):
+    """CUDA, fp32, decode graphs on: under a budget that preempts rows, the device's block tables follow the
+    rows' new blocks and readmissions (changed entries and rows uploaded, not the whole table), and the
+    greedy tokens are those of a naive full-forward loop and of an unbounded pool."""
+    cuda = Qwen3ForCausalLM(model.config)
+    cuda.load_state_dict(model.state_dict())
+    cuda = cuda.to("cuda").eval()
+    many = prompts * 4
+    params = SamplingParams(max_new_tokens=40, temperature=0.0)
+    free = generate(cuda, many, params)
+    gib = 12.5 * block_bytes(cuda.config, torch.float32, 8) / (1 << 30)
+    engine = RolloutEngine(cuda, CacheSettings(kv_cache_gib=gib, max_num_seqs=256, block_size=8))
+    tight = engine.generate(many, params)
+    assert engine.cache.num_blocks == 12 and engine.preemptions > 0 and engine.graphs
+    assert tight.completion_ids == free.completion_ids
+    assert (tight.logprobs - free.logprobs).abs().max() < 1e-4
+    for b, prompt in enumerate(prompts):
+        assert tight.completion_ids[b] == naive_greedy(cuda, prompt, 40)[0]
+    assert all(n == 0 for n in engine.blocks.refs)
+    engine.release()
+
+
+def test_cpu_prefill_logits_are_the_decode_logits_bit_for_bit(model, tok):
+    """What readmission after a preemption relies on, on CPU fp32: a context's last-position logits from one
+    prefill (the engine's padding: tokens and logits rows to multiples of 16) equal, bit for bit, those of the
+    decode step that feeds its last token after a prefill of the rest, whatever the batch holds besides."""
+    from framework.models.qwen3 import PagedBatch
+
+    bs, pad = 8, 16
+    ctx = tok.encode("hello world, 12+34=")
+    n = len(ctx)
+    cache = model.new_paged_kv_cache(16, bs)
+    mine, other = torch.tensor([1, 2, 3, 0]), torch.tensor([4, 5, 6, 7])   # row tables, 4 blocks a row
+
+    def prefill(table, tokens, extra=0):
+        """tokens at positions 0.., padded with `extra` scratch rows' worth of tokens; logits of the last."""
+        m = len(tokens)
+        count = -(-(m + extra) // pad) * pad
+        pos = torch.cat([torch.arange(m), torch.zeros(count - m, dtype=torch.long)])
+        blk = torch.cat([table[torch.arange(m) // bs], torch.zeros(count - m, dtype=torch.long)])
+        batch = PagedBatch(positions=pos, write_blocks=blk, write_offsets=pos % bs, block_tables=table[None],
+                           lengths=torch.tensor([m]), cu_seqlens=torch.tensor([0, m]))
+        ids = torch.tensor(tokens + [0] * (count - m))
+        return model.forward_paged(ids, batch, cache, torch.full((pad,), m - 1))[0]
+
+    def decode(token, p, rows):
+        """one decode step of `rows` rows: ours first (token at position p), the others on scratch"""
+        tables = torch.zeros(rows, 4, dtype=torch.long)
+        tables[0] = mine
+        pos = torch.zeros(rows, dtype=torch.long)
+        pos[0] = p
+        batch = PagedBatch(positions=pos, write_blocks=tables.gather(1, (pos // bs)[:, None]).squeeze(1),
+                           write_offsets=pos % bs, block_tables=tables, lengths=pos + 1, cu_seqlens=None)
+        ids = torch.zeros(rows, dtype=torch.long)
+        ids[0] = token
+        return model.forward_paged(ids, batch, cache, torch.arange(rows))[0]
+
+    whole = prefill(other, ctx)
+    for extra, rows in ((0, 16), (40, 48)):
+        prefill(mine, ctx[:-1], extra)
+        stepped = decode(ctx[-1], n - 1, rows)
+        assert torch.equal(stepped, whole), (extra, rows, (stepped - whole).abs().max())
+        # the keys/values the two paths wrote for the last position agree too
+        b, o = (n - 1) // bs, (n - 1) % bs
+        assert torch.equal(cache.k[:, mine[b], :, o], cache.k[:, other[b], :, o])

@@ -21,6 +21,11 @@ def test_block_hashes_name_whole_prefixes():
     c = block_hashes([99] + list(range(1, 40)), 16)
     assert len(a) == 2 and a == b            # only full blocks; equal prefixes, equal hashes
     assert c[0] != a[0] and c[1] != a[1]     # the second block's hash depends on the first block too
+    grown = list(range(40)) + [5] * 30       # a context that grew: only its new full blocks are hashed
+    assert block_hashes(grown, 16, a) == block_hashes(grown, 16)
+    assert block_hashes(grown, 16, [111, 222]) == [111, 222, hash((222, tuple(grown[32:48]))),
+                                                   hash((hash((222, tuple(grown[32:48]))), tuple(grown[48:64])))]
+    assert block_hashes(list(range(20)), 16, a) == a[:1]   # known hashes past the tokens' full blocks go
 
 
 def test_block_manager_refcounts_and_cache():
@@ -104,3 +109,56 @@ def test_prefix_cache_reuses_a_shared_system_prompt(model, tok):
     assert all(n == 0 for n in engine.blocks.refs)
     for b, p in enumerate(prompts):   # and they generate what each prompt gives alone
         assert r.completion_ids[b] == generate(model, [p], params).completion_ids[0]
+
+
+def test_lazy_admission_runs_more_rows_than_reserving(model):
+    """Hand-computed, blocks of 4: six rows of 4 prompt + 8 new tokens may each use blocks_for(4, 8) = 3
+    blocks (positions 0..10), so a pool of 12 usable blocks held 4 such rows when admission reserved them.
+    Lazily, a row is admitted with 2 blocks (its prompt and its first sampled token, positions 0..4), keeping
+    1 free block (the watermark, at least one block) while the running rows may still grow: 12 -> 10 -> 8 ->
+    6 -> 4 -> 2, five rows, and the sixth waits (2 < 2 + 1). All five cross into their third block at the
+    same step (position 8): two free blocks go to rows 0 and 1, row 2 preempts row 4, the newest, whose two
+    blocks go to rows 2 and 3. Rows 4 and 5 run once the first four end: 5 rows at most, 1 preemption."""
+    assert blocks_for(4, 8, 4) == 3 and 12 // blocks_for(4, 8, 4) == 4   # what reserving admitted
+    prompts = [[3 + i, 4, 5, 6] for i in range(6)]
+    params = SamplingParams(max_new_tokens=8, temperature=1.0)
+    engine = RolloutEngine(model, CacheSettings(kv_cache_gib=gib_for_blocks(model, 13.5, 4), max_num_seqs=8,
+                                                block_size=4))
+    lazy = engine.generate(prompts, params, seed=2)
+    assert engine.cache.num_blocks == 13
+    assert engine.peak_rows == 5 and engine.preemptions == 1
+    free = generate(model, prompts, params, seed=2)
+    assert lazy.completion_ids == free.completion_ids and torch.equal(lazy.logprobs, free.logprobs)
+    assert all(n == 0 for n in engine.blocks.refs) and engine.blocks.num_free == 12
+
+
+def test_preemption_takes_the_newest_row_to_the_front():
+    """Rows of 3 prompt tokens, blocks of 4: each is admitted with one block (positions 0..3). When all of them
+    cross into their second block, the oldest rows get the free blocks and the newest running rows go back,
+    to the front of the queue in their admission order, keeping their tokens; one ended by its token in
+    flight leaves the queue instead of coming back; one with a token in flight waits for it."""
+    bm = BlockManager(7, 4)   # 6 usable blocks
+    rows = [RowState(row=i, prompt=[i + 1] * 3, limit=10) for i in range(6)]
+    sched = Scheduler(rows, bm, max_num_seqs=8)
+    assert sched.admit() == rows[:5] and bm.num_free == 1   # 6 -> 1 (the sixth would leave no watermark)
+    for r in rows[:5]:   # the first sampled token received, the second in flight: its write is at position 4
+        r.tokens, r.logprobs, r.issued = [9], [-0.5], 2
+    decoding, changed = sched.grow(rows[:5])
+    assert decoding == rows[:3] and sched.running == rows[:3] and sched.preemptions == 2
+    assert list(sched.waiting) == [rows[3], rows[4], rows[5]]   # row 4 went first, row 3 in front of it
+    assert [(r, i) for r, i, _ in changed] == [(0, 1), (1, 1), (2, 1)]
+    assert [b for *_, b in changed] == [r.blocks[1] for r in rows[:3]]
+    assert rows[3].blocks == [] and rows[3].tokens == [9] and rows[3].logprobs == [-0.5]
+    assert bm.num_free == 0 and sorted(b for r in rows[:3] for b in r.blocks) == list(range(1, 7))
+    sched.finish(rows[4], "eos")            # its token in flight was EOS: it is not resurrected
+    assert list(sched.waiting) == [rows[3], rows[5]] and rows[4].reason == "eos"
+    for r in rows[:3]:
+        sched.finish(r, "length")
+    assert sched.admit() == []              # row 3's second token is still on its way
+    rows[3].tokens.append(8)
+    rows[3].logprobs.append(-1.0)
+    assert sched.admit() == [rows[3], rows[5]]
+    assert len(rows[3].blocks) == 2 and rows[3].room == 2 * 4 - 3   # context 5 and its next write: 2 blocks
+    for r in (rows[3], rows[5]):
+        sched.finish(r, "length")
+    assert sched.done and all(n == 0 for n in bm.refs) and bm.num_free == 6

@@ -17,10 +17,12 @@ from framework.errors import FwError
 SCRATCH_BLOCK = 0
 
 
-def block_hashes(tokens: Sequence[int], block_size: int) -> list[int]:
-    """The chained hashes of the full blocks of `tokens`: entry i names tokens[:(i + 1) * block_size]."""
-    out, h = [], 0
-    for i in range(len(tokens) // block_size):
+def block_hashes(tokens: Sequence[int], block_size: int, known: Sequence[int] = ()) -> list[int]:
+    """The chained hashes of the full blocks of `tokens`: entry i names tokens[:(i + 1) * block_size].
+    `known`: hashes computed before for a prefix of `tokens` (a row's context only grows), not computed again."""
+    out = list(known[:len(tokens) // block_size])
+    h = out[-1] if out else 0
+    for i in range(len(out), len(tokens) // block_size):
         h = hash((h, tuple(tokens[i * block_size:(i + 1) * block_size])))
         out.append(h)
     return out
@@ -66,7 +68,7 @@ class BlockManager:
     def allocate(self) -> int:
         """A free block for new content (its old hash, if any, is forgotten)."""
         if not self.free:
-            raise FwError("rollout: the KV cache has no free block (the scheduler's admission is wrong)")
+            raise FwError("rollout: the KV cache has no free block (the scheduler's accounting is wrong)")
         block, _ = self.free.popitem(last=False)
         old = self.hash_of.pop(block, None)
         if old is not None and self.cached.get(old) == block:

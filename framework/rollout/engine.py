@@ -1,5 +1,6 @@
-"""Generation over a paged KV cache with continuous batching: rows join the running batch as blocks free up,
-prompts of a group are prefilled once, and one forward per step decodes every running row.
+"""Generation over a paged KV cache with continuous batching: rows join the running batch as blocks free up
+and take blocks as they grow (the newest row is preempted and recomputed later when none is free), prompts of
+a group are prefilled once, and one forward per step decodes every running row.
 
 A `RolloutEngine` holds the pool of KV blocks (`framework/rollout/kv_cache.py` sizes it from
 `rollout.kv_cache_gib`), its bookkeeping (`block_manager.py`), and on CUDA one decode graph per batch-size
@@ -110,8 +111,9 @@ class RolloutEngine:
         self.graphs: dict[tuple, DecodeGraph] = {}
         self.warm: set[tuple] = set()
         self.graph_pool = None
-        self.prefill_tokens = 0     # prompt tokens computed by prefill (all calls): group sharing shows here
+        self.prefill_tokens = 0     # context tokens computed by prefill (all calls): group sharing shows here
         self.peak_rows = 0          # most rows decoding together (all calls)
+        self.preemptions = 0        # rows preempted for want of a block, to be recomputed (all calls)
 
     def release(self) -> None:
         """Drop the pool, the graphs and their memory."""
@@ -187,6 +189,14 @@ class _Run:
     that ends on EOS or a stop string therefore runs one step more, whose token is dropped; a row at its
     limit is never queued past it, since the host counts the tokens it has queued. The fed tokens stay on
     the device, and what the host sends it goes through pinned memory without waiting for the device.
+
+    Blocks are allocated as rows grow (framework/rollout/scheduler.py): before a decode step is queued, the
+    rows whose write crosses into a new block get it, or rows are preempted. A preempted row's tokens in
+    flight are kept (their steps were queued before its blocks went back, and the device runs queued work in
+    order), so nothing is recomputed but its context's keys/values; readmitted, its next token is drawn from the
+    prefill's logits with the (row, step) key its decode step would have had. The device's block tables
+    learn only what changed: the admitted rows' table rows with the prefill's inputs, the new entries with
+    the decode step's, in the same transfers.
     """
 
     def __init__(self, engine: RolloutEngine, seqs: list[RowState], params: SamplingParams, eos: set[int],
@@ -199,27 +209,35 @@ class _Run:
         # block-table width: a power of two, so that calls of similar lengths share their decode graphs
         self.width = 1 << max(0, (-(-longest // self.bs) - 1).bit_length())
         self.sched = Scheduler(seqs, engine.blocks, engine.settings.max_num_seqs)
-        # every row's block table, filled at admission (a row's blocks never change while it runs); the last
-        # row, all scratch, serves the padding rows of a batch
+        self.cpu = device.type == "cpu"
+        # every row's block table, written at admission and extended on the device as the row grows; the last
+        # row, all scratch, serves the padding rows of a batch. On CPU the device's table is the host's itself.
         self.tables = torch.zeros(len(seqs) + 1, self.width, dtype=torch.long)
-        self.tables_dev = None
+        self.tables_dev = self.tables if self.cpu else torch.zeros_like(self.tables, device=device)
         self.last_dev = torch.zeros(len(seqs) + 1, dtype=torch.long, device=device)   # each row's last token
         self.window = 4 * max(map(len, params.stop), default=0) + 4
-        self.cpu = device.type == "cpu"
 
     def run(self) -> None:
+        try:
+            self._loop()
+        finally:
+            self.e.preemptions += self.sched.preemptions
+
+    def _loop(self) -> None:
         pending: list[_Issued] = []
         while True:
             issued = []
             new = self.sched.admit()
-            self.e.peak_rows = max(self.e.peak_rows, len(self.sched.running))
             if new:
                 with record_function("fw.rollout.prefill"):
                     issued.append(self._prefill(new))
-            rows = [s for s in self.sched.running if s.reason is None and s.issued < s.limit]
+            rows = [s for s in self.sched.running if s.issued < s.limit]
             if rows:
                 with record_function("fw.rollout.decode"):
-                    issued.append(self._decode(rows))
+                    rows, changed = self.sched.grow(rows)
+                    if rows:
+                        issued.append(self._decode(rows, changed))
+            self.e.peak_rows = max(self.e.peak_rows, len(self.sched.running))
             received = bool(pending)
             with record_function("fw.rollout.receive"):
                 for record in pending:
@@ -232,14 +250,17 @@ class _Run:
 
     # ---- prefill
     def _prefill(self, new: list[RowState]) -> _Issued:
+        """Prefill the admitted rows' contexts (prompt, and the tokens a preempted row produced) past what
+        they share or found cached, and draw each one's next token."""
         for s in new:
+            if s.tokens:   # readmitted: its old table row goes
+                self.tables[s.row].zero_()
             self.tables[s.row, :len(s.blocks)] = torch.tensor(s.blocks, dtype=torch.long)
-        self.tables_dev = to_device(self.tables, self.device)
         computed = [s for s in new if s.leader is None]
         tokens, positions, cu = [], [], [0]
         for s in computed:
-            tokens += s.prompt[s.cached:]
-            positions += range(s.cached, len(s.prompt))
+            tokens += (s.prompt + s.tokens)[s.cached:]
+            positions += range(s.cached, s.context)
             cu.append(len(tokens))
         self.e.prefill_tokens += len(tokens)
         n_real = len(tokens)
@@ -250,7 +271,7 @@ class _Run:
         positions += [0] * (n - n_real)
         pos = torch.tensor(positions, dtype=torch.long)
         rows = torch.tensor([s.row for s in computed], dtype=torch.long)
-        owner = torch.repeat_interleave(torch.arange(len(computed)), torch.tensor([len(s.prompt) - s.cached
+        owner = torch.repeat_interleave(torch.arange(len(computed)), torch.tensor([s.context - s.cached
                                                                                    for s in computed]))
         owner_rows = torch.cat([rows[owner], torch.full((n - n_real,), len(self.seqs), dtype=torch.long)])
         blk = self.tables[owner_rows, pos // self.bs]
@@ -260,23 +281,30 @@ class _Run:
         index = {id(s): i for i, s in enumerate(computed)}
         pick = [index[id(s.leader if s.leader is not None else s)] for s in new]
         # one transfer for the integer inputs: tokens, positions, write blocks, offsets | rows, lengths |
-        # logits rows | picks
-        flat = torch.cat([torch.tensor(tokens, dtype=torch.long), pos, blk, pos % self.bs, rows,
-                          torch.tensor([len(s.prompt) for s in computed], dtype=torch.long), last,
-                          torch.tensor(pick, dtype=torch.long)])
-        tok_d, pos_d, blk_d, off_d, rows_d, len_d, last_d, pick_d = to_device(flat, self.device).split(
-            [n, n, n, n, len(computed), len(computed), r_pad, len(new)])
+        # logits rows | picks | (CUDA) the admitted rows and their table rows
+        parts = [torch.tensor(tokens, dtype=torch.long), pos, blk, pos % self.bs, rows,
+                 torch.tensor([s.context for s in computed], dtype=torch.long), last,
+                 torch.tensor(pick, dtype=torch.long)]
+        sizes = [n, n, n, n, len(computed), len(computed), r_pad, len(new)]
+        if not self.cpu:
+            new_rows = torch.tensor([s.row for s in new], dtype=torch.long)
+            parts += [new_rows, self.tables[new_rows].flatten()]
+            sizes += [len(new), len(new) * self.width]
+        tok_d, pos_d, blk_d, off_d, rows_d, len_d, last_d, pick_d, *table_d = to_device(
+            torch.cat(parts), self.device).split(sizes)
+        if table_d:
+            self.tables_dev.index_copy_(0, table_d[0], table_d[1].view(len(new), self.width))
         fresh = not self.cpu and all(s.cached == 0 for s in computed)
         cu_d = to_device(torch.tensor(cu, dtype=torch.int32), self.device)
         batch = PagedBatch(positions=pos_d, write_blocks=blk_d, write_offsets=off_d,
                            block_tables=self.tables_dev[rows_d], lengths=len_d, cu_seqlens=cu_d.long(),
                            # CUDA only: the CPU pads the tokens, and keeps one attention path for exactness
-                           fresh=(cu_d, max(len(s.prompt) for s in computed)) if fresh else None)
+                           fresh=(cu_d, max(s.context for s in computed)) if fresh else None)
         logits = self.e.model.forward_paged(tok_d, batch, self.e.cache, last_d)
         cache = self.e.cache
         for s in new:
-            if s.leader is not None and len(s.prompt) % self.bs:   # the leader's partial last block
-                i = len(s.prompt) // self.bs
+            if s.leader is not None and s.context % self.bs:   # the leader's partial last block
+                i = s.context // self.bs
                 cache.k[:, s.blocks[i]] = cache.k[:, s.leader.blocks[i]]
                 cache.v[:, s.blocks[i]] = cache.v[:, s.leader.blocks[i]]
         for s in new:
@@ -285,13 +313,20 @@ class _Run:
         return self._sample(new, logits[pick_d], meta)
 
     # ---- decode
-    def _decode(self, rows: list[RowState]) -> _Issued:
+    def _decode(self, rows: list[RowState], changed: list[tuple[int, int, int]]) -> _Issued:
+        """Queue one decode step of `rows`; `changed` are the block-table entries (row, index, block) their
+        new blocks filled in."""
         B = len(rows)
         bucket = batch_bucket(B, self.e.settings.max_num_seqs, self.cpu)
-        # per row: its id, the tokens queued so far (the sampler's counter), the fed token's position
+        # per row: its id, the tokens queued so far (the sampler's counter), the fed token's position; then the
+        # new table entries, in the same transfer
         meta = torch.tensor([[s.row, s.issued, len(s.prompt) + s.issued - 1] for s in rows]
-                            + [[len(self.seqs), 0, 0]] * (bucket - B), dtype=torch.long)
+                            + [[len(self.seqs), 0, 0]] * (bucket - B) + changed, dtype=torch.long)
         meta = to_device(meta, self.device)
+        if changed:   # on CUDA the host's table keeps its admission rows: only a prefill reads it, for new rows
+            entries = meta[bucket:]
+            self.tables_dev[entries[:, 0], entries[:, 1]] = entries[:, 2]
+        meta = meta[:bucket]
         ids = meta[:, 0]
         inputs = torch.stack([self.last_dev[ids], meta[:, 2]], 1)
         tables = self.tables_dev[ids]

@@ -3,7 +3,8 @@
 `CacheSettings` are the `rollout` section's kv_cache_gib, max_num_seqs and block_size. The pool holds as many
 blocks as the budget pays for (kv_cache_gib null: what the GPU has free, less `FREE_MARGIN_BYTES` for the
 step's activations and logits; on CPU `CPU_KV_CACHE_GIB`), and never more than the call's rows could all use
-at once. A smaller budget runs fewer rows at a time: same tokens, more steps.
+at once. A smaller budget runs fewer rows at a time and preempts more (framework/rollout/scheduler.py): same
+tokens, more steps and more recomputation.
 """
 from __future__ import annotations
 

@@ -1,14 +1,35 @@
 """Continuous batching: which rows run, which wait, and the blocks each one holds.
 
-Rows are admitted first come, first served, while the batch has fewer than `max_num_seqs` rows and the pool
-has the blocks a row may ever need (its prompt plus its token limit), so a running row never waits for a
-block and never has to be evicted. A finished row gives its blocks back at once, and the next waiting row
-joins the batch at the next step.
+Lazy allocation: a row is admitted first come, first served, while the batch has fewer than `max_num_seqs`
+rows and the pool has the blocks of its context (prompt, plus the tokens it produced before a preemption)
+and of the position its first sampled token is written at, with blocks to spare for the running rows' next
+writes, so that an admission does not at once preempt a running row: `watermark`, 1% of the pool (at least
+one block), or what the running rows can still take at most (`outstanding`) when that is less. A pool that
+holds every row's prompt and limit thus admits as many rows at once as reserving them would. Each later block
+is allocated by `grow` when the host queues the decode step whose KV write crosses into it. A finished row gives
+its blocks back at once, and the next waiting row joins the batch at the next step.
 
-Prompt sharing: rows admitted together with the same prompt form a group whose first row (the leader) is
-prefilled; the others reference the leader's full prompt blocks, get a copy of its last, partial block and
-its last-token logits, and compute nothing. Across groups and steps, full prompt blocks are found by their
-prefix hash (framework/rollout/block_manager.py), so only the rest of such a prompt is prefilled.
+Preemption by recomputation: when a running row needs a block and none is free, the most recently admitted
+running row is preempted: its blocks go back (one reference each: blocks shared with its group and cached
+prefix blocks stay valid for the others; its own full blocks are hashed, so that its readmission finds them
+in the prefix cache while nobody has taken them) and it goes to the front of the waiting queue with the
+tokens and logprobs it has produced. Readmitted, it is prefilled over its prompt and those tokens and goes
+on. A preempted row may still have tokens on their way to the host (the host runs a step behind the device:
+one, or two when the row was admitted at the step before): they were queued on the device before its
+blocks went back, so they are computed from its intact context, and they are kept. The row is received as
+any other (`finish` takes it out of the waiting queue when such a token ends it) and is not readmitted
+while a token of it is in flight.
+
+No deadlock: one row's every block fits the pool (checked up front), an empty batch admits its first waiting
+row whatever the watermark (or at the next step, once its tokens in flight are in), and the oldest running
+row always gets its next block: while none is free, rows admitted after it are preempted (the newest first),
+and once it runs alone every block it does not hold is free. It never preempts itself, so it finishes, and so
+does every row after it.
+
+Prompt sharing: rows admitted together with the same context form a group whose first row (the leader) is
+prefilled; the others reference the leader's full blocks, get a copy of its last, partial block and its
+last-token logits, and compute nothing. Across groups and steps, full blocks are found by their prefix hash
+(framework/rollout/block_manager.py), so only the rest of such a context is prefilled.
 """
 from __future__ import annotations
 
@@ -18,17 +39,21 @@ from dataclasses import dataclass, field
 from framework.errors import FwError
 from framework.rollout.block_manager import BlockManager, block_hashes
 
+WATERMARK_FRACTION = 0.01   # of the pool kept free at admission while rows run (vLLM's default), at least 1 block
 
-@dataclass
+
+@dataclass(eq=False)
 class RowState:
     """One row of a `generate` call: its prompt, its limit, its blocks and what it has produced so far."""
 
     row: int
     prompt: list[int]
     limit: int
-    blocks: list[int] = field(default_factory=list)
-    cached: int = 0                 # prompt tokens whose keys/values it did not compute itself
-    leader: RowState | None = None  # same prompt, prefilled in the same step: logits and tail block come from it
+    blocks: list[int] = field(default_factory=list)   # empty exactly when the row is not running
+    room: int = 0                   # decode steps its blocks take: it may issue tokens up to this count
+    cached: int = 0                 # context tokens whose keys/values it did not compute itself
+    hashes: list[int] = field(default_factory=list)   # prefix hashes of its full blocks computed so far
+    leader: RowState | None = None  # same context, prefilled in the same step: logits and tail block come from it
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     reason: str | None = None       # finish reason once finished
@@ -45,13 +70,23 @@ def blocks_for(prompt_len: int, limit: int, block_size: int) -> int:
     return -(-(prompt_len + limit - 1) // block_size)
 
 
+def admission_blocks(seq: RowState, block_size: int) -> int:
+    """Blocks a row takes when admitted: its context and the position its first sampled token is written at,
+    unless that token is its last."""
+    written = min(seq.context + 1, len(seq.prompt) + seq.limit - 1)
+    return -(-written // block_size)
+
+
 class Scheduler:
     """Waiting and running rows over one `BlockManager`."""
 
     def __init__(self, seqs: list[RowState], blocks: BlockManager, max_num_seqs: int) -> None:
         self.blocks, self.max_num_seqs = blocks, max_num_seqs
         self.waiting: deque[RowState] = deque(seqs)
-        self.running: list[RowState] = []
+        self.running: list[RowState] = []   # in admission order: the last one is preempted first
+        self.preemptions = 0
+        self.outstanding = 0   # blocks the running rows may still allocate, up to their limits
+        self.watermark = max(1, int(WATERMARK_FRACTION * (blocks.num_blocks - 1)))
         bs = blocks.block_size
         worst = max(seqs, key=lambda s: blocks_for(len(s.prompt), s.limit, bs))
         need = blocks_for(len(worst.prompt), worst.limit, bs)
@@ -61,43 +96,93 @@ class Scheduler:
                           "rollout.kv_cache_gib or lower rollout.max_new_tokens")
 
     def admit(self) -> list[RowState]:
-        """The waiting rows that join the batch now, in order (their blocks allocated)."""
+        """The waiting rows that join the batch now, in order (their first blocks allocated)."""
         bm, bs = self.blocks, self.blocks.block_size
         new: list[RowState] = []
         leaders: dict[tuple[int, ...], RowState] = {}
         while self.waiting and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            n = len(seq.prompt)
-            total = blocks_for(n, seq.limit, bs)
-            leader = leaders.get(tuple(seq.prompt))
-            if leader is not None:   # the leader's full prompt blocks, own blocks for the rest
+            if seq.issued > len(seq.tokens):   # preempted with tokens in flight: readmitted once they are in
+                break
+            spare = min(self.watermark, self.outstanding)
+            context = seq.prompt + seq.tokens
+            n = len(context)
+            total = admission_blocks(seq, bs)
+            leader = leaders.get(tuple(context))
+            if leader is not None:   # the leader's full blocks, own blocks for the rest
                 shared = leader.blocks[:n // bs]
-                if bm.num_free < total - len(shared):
+                if bm.num_free < total - len(shared) + spare:
                     break
                 seq.blocks = [bm.take(b) for b in shared] + [bm.allocate() for _ in range(total - len(shared))]
                 seq.cached, seq.leader = n, leader
-            else:   # cached prefix blocks, keeping at least one prompt token to compute the logits from
-                hashes = block_hashes(seq.prompt, bs)
+            else:   # cached prefix blocks, keeping at least one context token to compute the logits from
+                hashes = seq.hashes = block_hashes(context, bs, seq.hashes)
                 hits = bm.cached_prefix(hashes[:(n - 1) // bs])
-                if bm.num_free < bm.blocks_needed(hits, total):
+                if bm.num_free < bm.blocks_needed(hits, total) + spare:
                     break
                 seq.blocks = [bm.take(b) for b in hits] + [bm.allocate() for _ in range(total - len(hits))]
                 seq.cached = len(hits) * bs
                 for i in range(len(hits), len(hashes)):
                     bm.register(seq.blocks[i], hashes[i])
-                leaders[tuple(seq.prompt)] = seq
+                leaders[tuple(context)] = seq
+            seq.room = len(seq.blocks) * bs - len(seq.prompt)
+            self.outstanding += blocks_for(len(seq.prompt), seq.limit, bs) - len(seq.blocks)
             self.waiting.popleft()
             self.running.append(seq)
             new.append(seq)
         return new
 
+    def grow(self, rows: list[RowState]) -> tuple[list[RowState], list[tuple[int, int, int]]]:
+        """Before a decode step of `rows` (running, in admission order): each row whose KV write crosses into a
+        new block gets it, preempting the newest running rows while none is free. Returns the rows that still
+        decode and the block-table entries that changed, (row, index, block)."""
+        short = [s for s in rows if s.issued > s.room]
+        if not short:
+            return rows, []
+        bm, bs = self.blocks, self.blocks.block_size
+        changed = []
+        preempted = False
+        for s in short:
+            while not bm.free and s.blocks:
+                self.preempt(self.running[-1])
+                preempted = True
+            if s.blocks:
+                s.blocks.append(bm.allocate())
+                s.room += bs
+                changed.append((s.row, len(s.blocks) - 1, s.blocks[-1]))
+                self.outstanding -= 1
+        if preempted:
+            rows = [s for s in rows if s.blocks]
+        return rows, changed
+
+    def preempt(self, seq: RowState) -> None:
+        """`seq` (running) gives its blocks back and waits at the front of the queue to be recomputed."""
+        bm, bs = self.blocks, self.blocks.block_size
+        # the full blocks whose keys/values the device has (or has been asked to) write: the fed tokens'
+        written = seq.prompt + seq.tokens[:seq.issued - 1]
+        seq.hashes = block_hashes(written, bs, seq.hashes)
+        for b, h in zip(seq.blocks, seq.hashes):
+            bm.register(b, h)
+        self._leave(seq)
+        seq.room, seq.leader = 0, None
+        self.waiting.appendleft(seq)
+        self.preemptions += 1
+
     def finish(self, seq: RowState, reason: str) -> None:
-        """`seq` is done: its blocks go back now."""
+        """`seq` is done: its blocks go back now (a preempted one leaves the waiting queue)."""
         seq.reason = reason
+        if seq.blocks:
+            self._leave(seq)
+        else:
+            self.waiting.remove(seq)
+        seq.leader = None
+
+    def _leave(self, seq: RowState) -> None:
+        """`seq` leaves the running rows and gives its blocks back."""
         self.running.remove(seq)
+        self.outstanding -= blocks_for(len(seq.prompt), seq.limit, self.blocks.block_size) - len(seq.blocks)
         self.blocks.release(seq.blocks)
         seq.blocks = []
-        seq.leader = None
 
     @property
     def done(self) -> bool:
