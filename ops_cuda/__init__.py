@@ -11,19 +11,21 @@ import torch
 
 from ops_cuda import extension as _extension
 from ops_cuda import library as _library
+from ops_cuda.add_rms_norm import add_rms_norm
 from ops_cuda.attention import attention
 from ops_cuda.decode_attention import decode_attention
 from ops_cuda.linear_logprob import SAVED_LOGITS_CHUNK, linear_logprob
 from ops_cuda.paged_attention import paged_decode_attention, paged_prefill_attention
+from ops_cuda.qk_norm_rope_write import qk_norm_rope_write
 from ops_cuda.rms_norm import rms_norm
 from ops_cuda.rope import rope
 from ops_cuda.sample import sample
 from ops_cuda.swiglu import swiglu
 from ops_cuda.varlen_attention import packed_sequences, varlen_attention
 
-__all__ = ["SAVED_LOGITS_CHUNK", "attention", "build", "cuda_backend", "decode_attention", "doctor",
-           "linear_logprob", "packed_sequences", "paged_decode_attention", "paged_prefill_attention", "rms_norm",
-           "rope", "sample", "swiglu", "varlen_attention"]
+__all__ = ["SAVED_LOGITS_CHUNK", "add_rms_norm", "attention", "build", "cuda_backend", "decode_attention", "doctor",
+           "linear_logprob", "packed_sequences", "paged_decode_attention", "paged_prefill_attention",
+           "qk_norm_rope_write", "rms_norm", "rope", "sample", "swiglu", "varlen_attention"]
 
 
 def build(verbose: bool = False) -> str:

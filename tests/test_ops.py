@@ -71,6 +71,11 @@ def op_args():
                                     (torch.randn(6), torch.randn(6), h.detach(), w.detach(), t, lse, ent, empty, empty,
                                      0.8, 0, False)],
         "sample": [(torch.randn(3, 50), 0.8, 5, 0.9, 0.05, 123), (torch.randn(3, 50), 0.0, 0, 1.0, 0.0, 1)],
+        "add_rms_norm": [(torch.randn(3, 16), torch.randn(3, 16), torch.randn(16), 1e-6),
+                         (torch.randn(2, 3, 16).bfloat16(), torch.randn(2, 3, 16), torch.randn(16), 1e-5)],
+        "qk_norm_rope_write": [(torch.randn(5, (4 + 2 * 2) * 8), torch.tensor([0, 3, 9, 1, 40]), torch.randn(8),
+                                torch.randn(8), 1e-6, 1e4, torch.zeros(6, 2, 4, 8), torch.zeros(6, 2, 4, 8),
+                                torch.tensor([1, 1, 2, 5, 0]), torch.tensor([0, 3, 1, 2, 0]))],
     }
 
 
@@ -134,6 +139,57 @@ def test_rope_matches_transformers(B, T, Hq, Hk, D, theta):
     q_hf, k_hf = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
     q_fw, k_fw = ops_cuda.rope(q, k, pos, theta)
     assert rel(q_fw, q_hf.transpose(1, 2)) < 1e-6 and rel(k_fw, k_hf.transpose(1, 2)) < 1e-6
+
+
+def test_add_rms_norm_matches_the_formula_and_the_separate_ops():
+    x, r, w = torch.randn(4, 3, 24, dtype=D64), torch.randn(4, 3, 24, dtype=D64), torch.randn(24, dtype=D64)
+    h, y = ops_cuda.add_rms_norm(x, r, w, 1e-6)
+    assert torch.equal(h, r + x)
+    assert rel(y, (r + x) / ((r + x).square().mean(-1, keepdim=True) + 1e-6).sqrt() * w) < 1e-14
+    # what the rollout's forward computed before the fusion: bit for bit, a bf16 x under a float32 residual too
+    xb, r32 = x.bfloat16(), r.float()
+    h, y = ops_cuda.add_rms_norm(xb, r32, w.float(), 1e-6)
+    assert h.dtype == y.dtype == torch.float32
+    assert torch.equal(h, r32 + xb) and torch.equal(y, ops_cuda.rms_norm(r32 + xb, w.float(), 1e-6))
+    with pytest.raises(ValueError, match="must promote to residual's dtype"):
+        ops_cuda.add_rms_norm(r32, xb, w.float(), 1e-6)
+
+
+@pytest.mark.parametrize("dtype", [D64, torch.float32])
+def test_qk_norm_rope_write_matches_the_separate_ops(dtype):
+    """Against transformers' QK-norm and rotary embedding, and bit for bit the separate fw ops the rollout's
+    forward ran before the fusion, with only the addressed pool entries written."""
+    from transformers import Qwen3Config
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, Qwen3RotaryEmbedding, apply_rotary_pos_emb
+
+    N, Hq, Hk, D, theta = 7, 4, 2, 16, 1e6
+    qkv = torch.randn(N, (Hq + 2 * Hk) * D, dtype=dtype)
+    pos = torch.tensor([0, 5, 17, 3, 100, 2, 64])
+    qw, kw = torch.randn(D, dtype=dtype), torch.randn(D, dtype=dtype)
+    blocks, offsets = torch.tensor([3, 3, 1, 4, 2, 1, 0]), torch.tensor([0, 1, 7, 2, 3, 0, 5])
+    k_pool, v_pool = torch.full((5, Hk, 8, D), 7.0, dtype=dtype), torch.full((5, Hk, 8, D), 7.0, dtype=dtype)
+    q = ops_cuda.qk_norm_rope_write(qkv, pos, qw, kw, 1e-6, theta, k_pool, v_pool, blocks, offsets)
+    q_in, k_in, v_in = qkv.view(N, Hq + 2 * Hk, D).split([Hq, Hk, Hk], 1)
+    # transformers, in float64
+    cfg = Qwen3Config(head_dim=D, rope_theta=theta, hidden_size=D * Hq, num_attention_heads=Hq,
+                      num_key_value_heads=Hk, max_position_embeddings=4096)
+    norm_q, norm_k = Qwen3RMSNorm(D, 1e-6).double(), Qwen3RMSNorm(D, 1e-6).double()
+    with torch.no_grad():
+        norm_q.weight.copy_(qw)
+        norm_k.weight.copy_(kw)
+    cos, sin = Qwen3RotaryEmbedding(cfg)(q_in.double(), pos[None])
+    q_hf, k_hf = apply_rotary_pos_emb(norm_q(q_in.double())[None].transpose(1, 2),
+                                      norm_k(k_in.double())[None].transpose(1, 2), cos, sin)
+    assert rel(q, q_hf.transpose(1, 2)[0]) < 1e-6
+    assert rel(k_pool[blocks, :, offsets], k_hf.transpose(1, 2)[0]) < 1e-6
+    assert torch.equal(v_pool[blocks, :, offsets], v_in)
+    written = torch.zeros(5, 8, dtype=torch.bool)
+    written[blocks, offsets] = True
+    assert (k_pool.transpose(1, 2)[~written] == 7.0).all() and (v_pool.transpose(1, 2)[~written] == 7.0).all()
+    # the separate ops
+    q_sep, k_sep = ops_cuda.rope(ops_cuda.rms_norm(q_in, qw, 1e-6)[None], ops_cuda.rms_norm(k_in, kw, 1e-6)[None],
+                                 pos[None], theta)
+    assert torch.equal(q, q_sep[0]) and torch.equal(k_pool[blocks, :, offsets], k_sep[0])
 
 
 def test_swiglu_matches_formula():

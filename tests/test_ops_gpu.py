@@ -219,6 +219,57 @@ def test_swiglu(dtype, shape):
     assert rel(y, y64) < TOL[dtype] and rel(dgu, dgu64) < TOL[dtype] * 2
 
 
+# ------------------------------------------------------------------ add_rms_norm, qk_norm_rope_write (inference)
+@pytest.mark.parametrize("xdtype,rdtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                           (torch.bfloat16, torch.float32), (torch.float16, torch.float16)])
+@pytest.mark.parametrize("wdtype", ["same", "fp32"])
+@pytest.mark.parametrize("shape", [(1, 1024), (256, 1024), (7, 1000), (3, 5, 2560), (2, 4096), (3, 16)])
+def test_add_rms_norm(xdtype, rdtype, wdtype, shape):
+    x = torch.randn(shape, device=DEV, dtype=xdtype)
+    r = (3 * torch.randn(shape, device=DEV)).to(rdtype)
+    w = torch.randn(shape[-1], device=DEV, dtype=rdtype if wdtype == "same" else torch.float32)
+    poison()
+    h, y = ops_cuda.add_rms_norm(x, r, w, 1e-6)
+    assert h.dtype == y.dtype == rdtype
+    assert torch.equal(h, r + x)   # the add rounds as torch's does
+    h64 = h.double()   # the norm reads the rounded sum, as rms_norm would
+    y64 = h64 * (h64.square().mean(-1, keepdim=True) + 1e-6).rsqrt() * w.double()
+    assert rel(y, y64) < TOL[rdtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("wdtype", ["same", "fp32"])
+@pytest.mark.parametrize("N,Hq,Hk,D", [(1, 16, 8, 128), (256, 16, 8, 128), (37, 32, 8, 128), (5, 8, 4, 64),
+                                       (9, 4, 2, 256), (3000, 16, 8, 128)])
+def test_qk_norm_rope_write(dtype, wdtype, N, Hq, Hk, D):
+    nb, bs = N // 4 + 3, 16
+    qkv = torch.randn(N, (Hq + 2 * Hk) * D, device=DEV, dtype=dtype)
+    pos = torch.randint(0, 40960, (N,), device=DEV)
+    wd = dtype if wdtype == "same" else torch.float32
+    qw, kw = (1 + 0.3 * torch.randn(D, device=DEV)).to(wd), (1 + 0.3 * torch.randn(D, device=DEV)).to(wd)
+    slots = torch.randperm(nb * bs, device=DEV)[:N]   # distinct (block, offset) per token
+    blocks, offsets = slots // bs, slots % bs
+    k_pool = torch.full((nb, Hk, bs, D), float("nan"), device=DEV, dtype=dtype)
+    v_pool = torch.full_like(k_pool, float("nan"))
+    poison()
+    q = ops_cuda.qk_norm_rope_write(qkv, pos, qw, kw, 1e-6, 1e6, k_pool, v_pool, blocks, offsets)
+    q_in, k_in, _ = qkv.double().view(N, Hq + 2 * Hk, D).split([Hq, Hk, Hk], 1)
+
+    def norm(t, w):   # the norm's output rounded to the dtype, as the separate rms_norm op returns it
+        return (t * (t.square().mean(-1, keepdim=True) + 1e-6).rsqrt() * w.double()).to(dtype).double()
+
+    cos, sin = rope_cos_sin(pos[None], D, 1e6)
+    q64 = rope_rotate(norm(q_in, qw)[None], cos.double(), sin.double())[0]
+    k64 = rope_rotate(norm(k_in, kw)[None], cos.double(), sin.double())[0]
+    assert rel(q, q64) < TOL[dtype] * 2
+    assert rel(k_pool[blocks, :, offsets], k64) < TOL[dtype] * 2
+    assert torch.equal(v_pool[blocks, :, offsets], qkv.view(N, Hq + 2 * Hk, D)[:, Hq + Hk:])
+    untouched = torch.ones(nb * bs, dtype=torch.bool, device=DEV)
+    untouched[slots] = False
+    assert k_pool.transpose(1, 2).reshape(nb * bs, Hk, D)[untouched].isnan().all()
+    assert v_pool.transpose(1, 2).reshape(nb * bs, Hk, D)[untouched].isnan().all()
+
+
 # ------------------------------------------------------------------ linear + logprob
 @pytest.mark.parametrize("dtype,save", [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True),
                                         (torch.float16, True)])
@@ -968,11 +1019,17 @@ def _op_args():
                              torch.randn(2, 2, 9, 64, device=DEV), torch.tensor([3, 9], device=DEV), 0.125),
         "linear_logprob": (h, w, torch.randint(0, 50, (6,), device=DEV), 0.9),
         "sample": (torch.randn(3, 50, device=DEV), 0.8, 5, 0.9, 0.05, 3),
+        "add_rms_norm": (torch.randn(3, 64, device=DEV).bfloat16(), torch.randn(3, 64, device=DEV),
+                         torch.randn(64, device=DEV), 1e-6),
+        "qk_norm_rope_write": (torch.randn(5, 8 * 64, device=DEV), pos[0], torch.randn(64, device=DEV),
+                               torch.randn(64, device=DEV), 1e-6, 1e4, torch.zeros(4, 2, 16, 64, device=DEV),
+                               torch.zeros(4, 2, 16, 64, device=DEV), torch.tensor([1, 1, 2, 3, 0], device=DEV),
+                               torch.tensor([0, 5, 1, 15, 0], device=DEV)),
     }
 
 
 @pytest.mark.parametrize("name", ["rms_norm", "rms_norm_backward", "rope", "swiglu", "swiglu_backward", "attention",
-                          "decode_attention", "linear_logprob", "sample"])
+                          "decode_attention", "linear_logprob", "sample", "add_rms_norm", "qk_norm_rope_write"])
 def test_opcheck_cuda(name):
     torch.library.opcheck(getattr(torch.ops.fw, name).default, _op_args()[name])
 

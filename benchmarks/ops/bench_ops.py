@@ -78,6 +78,21 @@ def swiglu_torch(gu):
     return F.silu(g) * u
 
 
+def add_rms_norm_torch(x, residual, w, eps):
+    h = residual + x
+    return h, rms_norm_torch(h, w, eps)
+
+
+def qk_norm_rope_write_torch(qkv, pos, qw, kw, eps, theta, k_pool, v_pool, blocks, offsets):
+    """The separate steps the rollout's forward ran: QK-norm, RoPE, two indexed writes."""
+    N, Hk, D = qkv.shape[0], k_pool.shape[1], k_pool.shape[3]
+    q, k, v = qkv.view(N, -1, D).split([qkv.shape[1] // D - 2 * Hk, Hk, Hk], 1)
+    q, k = rope_torch(rms_norm_torch(q, qw, eps)[None], rms_norm_torch(k, kw, eps)[None], pos[None], theta)
+    k_pool[blocks, :, offsets] = k[0]
+    v_pool[blocks, :, offsets] = v
+    return q[0]
+
+
 def decode_sdpa(q, kc, vc, lengths, scale):
     mask = torch.arange(kc.shape[2], device=q.device)[None, :] < lengths[:, None]
     out = F.scaled_dot_product_attention(q[:, :, None], kc, vc, attn_mask=mask[:, None, None, :], scale=scale,
@@ -253,6 +268,24 @@ def main() -> None:
     g = torch.randn(N, I, device=DEV, dtype=BF)
     row("swiglu fwd+bwd", f"[{N}, {2 * I}]", fwd_bwd(ops_cuda.swiglu, (gug,), g), fwd_bwd(swiglu_torch, (gug,), g),
         fwd_bwd(compiled(swiglu_torch), (gug,), g), nbytes=(3 + 5) * N * I * es)
+
+    # the rollout's inference fusions at decode shapes (256 rows): residual add + RMSNorm; QK-norm + RoPE + paged
+    # KV write against the separate steps they replace
+    rows = 256
+    xa, ra = torch.randn(rows, d, device=DEV, dtype=BF), torch.randn(rows, d, device=DEV, dtype=torch.float32)
+    wa = torch.randn(d, device=DEV)
+    row("add_rms_norm", f"[{rows}, {d}] bf16 + fp32 residual", ops_cuda.add_rms_norm, add_rms_norm_torch,
+        compiled(add_rms_norm_torch), (xa, ra, wa, 1e-6), nbytes=rows * d * (es + 3 * 4))
+    pool_blocks, block = 4096, 16
+    qkv = torch.randn(rows, (Hq + 2 * Hk) * D, device=DEV, dtype=BF)
+    kp, vp = (torch.zeros(pool_blocks, Hk, block, D, device=DEV, dtype=BF) for _ in range(2))
+    slots = torch.randperm(pool_blocks * block, device=DEV)[:rows]
+    qpos = torch.randint(0, 2048, (rows,), device=DEV)
+    qw, kw = torch.randn(D, device=DEV), torch.randn(D, device=DEV)
+    qkv_args = (qkv, qpos, qw, kw, 1e-6, 1e6, kp, vp, slots // block, slots % block)
+    row("qk_norm_rope_write", f"{rows} tokens, {Hq}+{Hk}+{Hk} heads of {D}", ops_cuda.qk_norm_rope_write,
+        qk_norm_rope_write_torch, compiled(qk_norm_rope_write_torch), qkv_args,
+        nbytes=rows * (Hq + 2 * Hk) * D * es * 2)
 
     # fused linear + logprob (fwd+bwd), FLOPs: the GEMMs of 2*N*d*V each: logits, grad_h, grad_W, and with
     # recomputation (save_logits=False) the logits again in the backward

@@ -172,10 +172,15 @@ class Qwen3Attention(nn.Module):
 
     def paged(self, x: Tensor, batch: PagedBatch, k_pool: Tensor, v_pool: Tensor) -> Tensor:
         """Packed tokens x [N, d]: writes their k/v into the pools, then attends over each row's context."""
-        q, k, v = (t[0] for t in self._qkv(x[None], batch.positions[None]))
-        k_pool[batch.write_blocks, :, batch.write_offsets] = k.to(k_pool.dtype)
-        v_pool[batch.write_blocks, :, batch.write_offsets] = v.to(v_pool.dtype)
-        q = q.to(k_pool.dtype)
+        if batch.fresh is None:   # QK-norm, RoPE and the writes in one op: the attention reads k/v from the pools
+            q = ops_cuda.qk_norm_rope_write(self.qkv_proj(x).to(k_pool.dtype), batch.positions, self.q_norm.weight,
+                                            self.k_norm.weight, self.q_norm.eps, self.config.rope_theta, k_pool,
+                                            v_pool, batch.write_blocks, batch.write_offsets)
+        else:
+            q, k, v = (t[0] for t in self._qkv(x[None], batch.positions[None]))
+            k_pool[batch.write_blocks, :, batch.write_offsets] = k.to(k_pool.dtype)
+            v_pool[batch.write_blocks, :, batch.write_offsets] = v.to(v_pool.dtype)
+            q = q.to(k_pool.dtype)
         if batch.cu_seqlens is None:
             out = ops_cuda.paged_decode_attention(q, k_pool, v_pool, batch.block_tables, batch.lengths, self.scale)
         elif batch.fresh is not None:
@@ -213,9 +218,13 @@ class Qwen3DecoderLayer(nn.Module):
         h = h + self.self_attn.decode(self.input_layernorm(h), step, k_cache, v_cache)
         return h + self.mlp(self.post_attention_layernorm(h))
 
-    def paged(self, h: Tensor, batch: PagedBatch, k_pool: Tensor, v_pool: Tensor) -> Tensor:
-        h = h + self.self_attn.paged(self.input_layernorm(h), batch, k_pool, v_pool)
-        return h + self.mlp(self.post_attention_layernorm(h))
+
+def _add_norm(x: Tensor, h: Tensor, norm: RMSNorm) -> tuple[Tensor, Tensor]:
+    """(h + x, norm(h + x)): one kernel (ops_cuda.add_rms_norm) where x's dtype promotes to h's."""
+    if torch.promote_types(x.dtype, h.dtype) != h.dtype:
+        h = h + x
+        return h, norm(h)
+    return ops_cuda.add_rms_norm(x, h, norm.weight, norm.eps)
 
 
 def checkpointing_mode(mode: bool | str) -> bool | str:
@@ -281,11 +290,15 @@ class Qwen3Model(nn.Module):
         return self.norm(h[:, 0])
 
     def paged(self, tokens: Tensor, batch: PagedBatch, cache: PagedKVCache) -> Tensor:
-        """Final normalised hidden states [N, d] of packed new tokens [N] over a paged cache."""
+        """Final normalised hidden states [N, d] of packed new tokens [N] over a paged cache. Each residual add
+        runs with the norm after it (the next layer's input norm, or the final one)."""
         h = self.embed_tokens(tokens)
-        for i, layer in enumerate(self.layers):
-            h = layer.paged(h, batch, cache.k[i], cache.v[i])
-        return self.norm(h)
+        norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
+        x = self.layers[0].input_layernorm(h) if len(self.layers) else self.norm(h)
+        for i, (layer, next_norm) in enumerate(zip(self.layers, norms)):
+            h, x = _add_norm(layer.self_attn.paged(x, batch, cache.k[i], cache.v[i]), h, layer.post_attention_layernorm)
+            h, x = _add_norm(layer.mlp(x), h, next_norm)
+        return x
 
     def hf_targets(self, prefix: str = "model.") -> HfTargets:
         c = self.config

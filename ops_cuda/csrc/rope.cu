@@ -92,12 +92,11 @@ cudaError_t rope_fwd(DType dt, const void* q, const void* k, void* q_out, void* 
 
 }  // namespace fw
 
-namespace {
+namespace fw {
 
-// ------------------------------------------------------------------ rope
 // inv_freq computed by the same ATen CPU ops as transformers (1 / theta ** (arange(0, D, 2) / D) in fp32),
 // cached on each device.
-Tensor inv_freq_for(int64_t D, double theta, const at::Device& device) {
+at::Tensor rope_inv_freq(int64_t D, double theta, const at::Device& device) {
   static std::mutex mu;
   static std::map<std::tuple<int, int64_t, double>, Tensor> cache;
   std::lock_guard<std::mutex> lock(mu);
@@ -109,6 +108,12 @@ Tensor inv_freq_for(int64_t D, double theta, const at::Device& device) {
   cache.emplace(key, inv);
   return inv;
 }
+
+}  // namespace fw
+
+namespace {
+
+// ------------------------------------------------------------------ rope
 
 std::tuple<Tensor, Tensor> rope(const Tensor& q, const Tensor& k, const Tensor& positions, double theta,
                                 bool inverse) {
@@ -125,7 +130,7 @@ std::tuple<Tensor, Tensor> rope(const Tensor& q, const Tensor& k, const Tensor& 
   auto qo = at::empty(q.sizes(), q.options().memory_format(at::MemoryFormat::Contiguous));
   auto ko = at::empty(k.sizes(), k.options().memory_format(at::MemoryFormat::Contiguous));
   fw::RopeStrides st{T, {qc.stride(0), qc.stride(1), qc.stride(2)}, {kc.stride(0), kc.stride(1), kc.stride(2)}};
-  auto inv = inv_freq_for(D, theta, q.device());
+  auto inv = fw::rope_inv_freq(D, theta, q.device());
   check_launch(fw::rope_fwd(dt, qc.data_ptr(), kc.data_ptr(), qo.data_ptr(), ko.data_ptr(), pos.data_ptr<int64_t>(),
                             inv.data_ptr<float>(), st, B * T, (int)Hq, (int)Hk, (int)D, inverse,
                             at::cuda::getCurrentCUDAStream()),

@@ -9,6 +9,11 @@
 
 #include "common.cuh"
 
+namespace fw {
+// RoPE's inverse frequencies [D/2] in float32 on `device`, as transformers computes them (csrc/rope.cu).
+at::Tensor rope_inv_freq(int64_t D, double theta, const at::Device& device);
+}  // namespace fw
+
 namespace {
 
 using at::Tensor;
