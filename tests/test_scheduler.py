@@ -162,3 +162,16 @@ def test_preemption_takes_the_newest_row_to_the_front():
     for r in (rows[3], rows[5]):
         sched.finish(r, "length")
     assert sched.done and all(n == 0 for n in bm.refs) and bm.num_free == 6
+
+
+def test_rollout_schedule_counts_the_real_scheduler():
+    """benchmarks.rollout_schedule on a small pool: reserving each row's limit (a watermark past the pool)
+    never preempts; lazy admission runs more rows a step in fewer steps, and a wider watermark preempts less."""
+    from benchmarks.rollout_schedule import main
+
+    reserve, tight, wide = main(["--preset", "tiny", "--num-seqs", "48", "--lo", "8", "--hi", "64",
+                                 "--kv-cache-gib", "0.0005", "--watermarks", "1e9", "0.0", "0.3"])
+    assert reserve["preemptions"] == 0 and tight["preemptions"] > 0
+    assert tight["rows_a_step"] > reserve["rows_a_step"] and tight["steps"] < reserve["steps"]
+    assert wide["preemptions"] <= tight["preemptions"]
+    assert "estimate_s" not in reserve   # no assumed costs given: counts only

@@ -3,7 +3,7 @@
 Lazy allocation: a row is admitted first come, first served, while the batch has fewer than `max_num_seqs`
 rows and the pool has the blocks of its context (prompt, plus the tokens it produced before a preemption)
 and of the position its first sampled token is written at, with blocks to spare for the running rows' next
-writes, so that an admission does not at once preempt a running row: `watermark`, 1% of the pool (at least
+writes, so that an admission does not at once preempt a running row: `watermark`, 5% of the pool (at least
 one block), or what the running rows can still take at most (`outstanding`) when that is less. A pool that
 holds every row's prompt and limit thus admits as many rows at once as reserving them would. Each later block
 is allocated by `grow` when the host queues the decode step whose KV write crosses into it. A finished row gives
@@ -39,7 +39,10 @@ from dataclasses import dataclass, field
 from framework.errors import FwError
 from framework.rollout.block_manager import BlockManager, block_hashes
 
-WATERMARK_FRACTION = 0.01   # of the pool kept free at admission while rows run (vLLM's default), at least 1 block
+# Of the pool kept free at admission while rows run, at least 1 block. A preempted row is recomputed by an eager
+# prefill, which leaves the GPU idle while the host launches it: a wider margin than vLLM's 1% preempts and
+# prefills less often for about as many rows a step (`python -m benchmarks.rollout_schedule` counts both).
+WATERMARK_FRACTION = 0.05
 
 
 @dataclass(eq=False)
