@@ -72,7 +72,8 @@ def op_args():
                                      0.8, 0, False)],
         "sample": [(torch.randn(3, 50), 0.8, 5, 0.9, 0.05, 123), (torch.randn(3, 50), 0.0, 0, 1.0, 0.0, 1)],
         "add_rms_norm": [(torch.randn(3, 16), torch.randn(3, 16), torch.randn(16), 1e-6),
-                         (torch.randn(2, 3, 16).bfloat16(), torch.randn(2, 3, 16), torch.randn(16), 1e-5)],
+                         (torch.randn(2, 3, 16).bfloat16(), torch.randn(2, 3, 16), torch.randn(16), 1e-5),
+                         (torch.randn(3, 16).bfloat16(), torch.randn(3, 16), torch.randn(16), 1e-5, torch.bfloat16)],
         "qk_norm_rope_write": [(torch.randn(5, (4 + 2 * 2) * 8), torch.tensor([0, 3, 9, 1, 40]), torch.randn(8),
                                 torch.randn(8), 1e-6, 1e4, torch.zeros(6, 2, 4, 8), torch.zeros(6, 2, 4, 8),
                                 torch.tensor([1, 1, 2, 5, 0]), torch.tensor([0, 3, 1, 2, 0]))],
@@ -153,6 +154,11 @@ def test_add_rms_norm_matches_the_formula_and_the_separate_ops():
     assert torch.equal(h, r32 + xb) and torch.equal(y, ops_cuda.rms_norm(r32 + xb, w.float(), 1e-6))
     with pytest.raises(ValueError, match="must promote to residual's dtype"):
         ops_cuda.add_rms_norm(r32, xb, w.float(), 1e-6)
+    # the norm in x's dtype: one rounding of the float32 norm, as autocast's cast of it before a matmul
+    h, yb = ops_cuda.add_rms_norm(xb, r32, w.float(), 1e-6, torch.bfloat16)
+    assert h.dtype == torch.float32 and yb.dtype == torch.bfloat16 and torch.equal(yb, y.bfloat16())
+    with pytest.raises(ValueError, match="out_dtype must be x's"):
+        ops_cuda.add_rms_norm(xb, r32, w.float(), 1e-6, torch.float16)
 
 
 @pytest.mark.parametrize("dtype", [D64, torch.float32])

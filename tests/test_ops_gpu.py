@@ -224,17 +224,19 @@ def test_swiglu(dtype, shape):
                                            (torch.bfloat16, torch.float32), (torch.float16, torch.float16)])
 @pytest.mark.parametrize("wdtype", ["same", "fp32"])
 @pytest.mark.parametrize("shape", [(1, 1024), (256, 1024), (7, 1000), (3, 5, 2560), (2, 4096), (3, 16)])
-def test_add_rms_norm(xdtype, rdtype, wdtype, shape):
+@pytest.mark.parametrize("ydtype", ["residual", "x"])
+def test_add_rms_norm(xdtype, rdtype, wdtype, shape, ydtype):
     x = torch.randn(shape, device=DEV, dtype=xdtype)
     r = (3 * torch.randn(shape, device=DEV)).to(rdtype)
-    w = torch.randn(shape[-1], device=DEV, dtype=rdtype if wdtype == "same" else torch.float32)
+    w = torch.randn(shape[-1], device=DEV, dtype=xdtype if wdtype == "same" else torch.float32)
+    out = xdtype if ydtype == "x" else rdtype
     poison()
-    h, y = ops_cuda.add_rms_norm(x, r, w, 1e-6)
-    assert h.dtype == y.dtype == rdtype
+    h, y = ops_cuda.add_rms_norm(x, r, w, 1e-6, out)
+    assert h.dtype == rdtype and y.dtype == out
     assert torch.equal(h, r + x)   # the add rounds as torch's does
     h64 = h.double()   # the norm reads the rounded sum, as rms_norm would
     y64 = h64 * (h64.square().mean(-1, keepdim=True) + 1e-6).rsqrt() * w.double()
-    assert rel(y, y64) < TOL[rdtype]
+    assert rel(y, y64) < TOL[out]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

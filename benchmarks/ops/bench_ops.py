@@ -78,9 +78,9 @@ def swiglu_torch(gu):
     return F.silu(g) * u
 
 
-def add_rms_norm_torch(x, residual, w, eps):
+def add_rms_norm_torch(x, residual, w, eps, out_dtype):
     h = residual + x
-    return h, rms_norm_torch(h, w, eps)
+    return h, rms_norm_torch(h, w, eps).to(out_dtype)
 
 
 def qk_norm_rope_write_torch(qkv, pos, qw, kw, eps, theta, k_pool, v_pool, blocks, offsets):
@@ -274,8 +274,8 @@ def main() -> None:
     rows = 256
     xa, ra = torch.randn(rows, d, device=DEV, dtype=BF), torch.randn(rows, d, device=DEV, dtype=torch.float32)
     wa = torch.randn(d, device=DEV)
-    row("add_rms_norm", f"[{rows}, {d}] bf16 + fp32 residual", ops_cuda.add_rms_norm, add_rms_norm_torch,
-        compiled(add_rms_norm_torch), (xa, ra, wa, 1e-6), nbytes=rows * d * (es + 3 * 4))
+    row("add_rms_norm", f"[{rows}, {d}] bf16 + fp32 residual -> bf16", ops_cuda.add_rms_norm, add_rms_norm_torch,
+        compiled(add_rms_norm_torch), (xa, ra, wa, 1e-6, BF), nbytes=rows * d * (2 * es + 2 * 4))
     pool_blocks, block = 4096, 16
     qkv = torch.randn(rows, (Hq + 2 * Hk) * D, device=DEV, dtype=BF)
     kp, vp = (torch.zeros(pool_blocks, Hk, block, D, device=DEV, dtype=BF) for _ in range(2))

@@ -220,11 +220,14 @@ class Qwen3DecoderLayer(nn.Module):
 
 
 def _add_norm(x: Tensor, h: Tensor, norm: RMSNorm) -> tuple[Tensor, Tensor]:
-    """(h + x, norm(h + x)): one kernel (ops_cuda.add_rms_norm) where x's dtype promotes to h's."""
+    """(h + x, norm(h + x)): one kernel (ops_cuda.add_rms_norm) where x's dtype promotes to h's. Under autocast
+    the norm comes out in autocast's dtype, which the next matmul would cast it to, and no cast kernel runs."""
     if torch.promote_types(x.dtype, h.dtype) != h.dtype:
         h = h + x
         return h, norm(h)
-    return ops_cuda.add_rms_norm(x, h, norm.weight, norm.eps)
+    device = h.device.type
+    out = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+    return ops_cuda.add_rms_norm(x, h, norm.weight, norm.eps, out if out in (x.dtype, h.dtype) else None)
 
 
 def checkpointing_mode(mode: bool | str) -> bool | str:

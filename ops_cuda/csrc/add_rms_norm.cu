@@ -1,14 +1,14 @@
 // Residual add + RMSNorm in one pass (inference): h = residual + x, rounded to residual's dtype as torch's add
-// rounds it, then y = h * rsqrt(mean(h^2) + eps) * w from the rounded h, as rms_norm reads it. One block per
-// row; each thread keeps its elements of h in registers between the two halves.
+// rounds it, then y = h * rsqrt(mean(h^2) + eps) * w from the rounded h, as rms_norm reads it, rounded once to
+// y's dtype. One block per row; each thread keeps its elements of h in registers between the two halves.
 #include "common.cuh"
 #include "torch_utils.h"
 
 namespace fw {
 
-// x [rows, D] (X), residual [rows, D] (R), weight [D] (W); h and y [rows, D] in R.
-cudaError_t add_rms_norm_fwd(DType xdt, DType rdt, DType wdt, const void* x, const void* residual, const void* w,
-                             void* h, void* y, int64_t rows, int D, float eps, cudaStream_t stream);
+// x [rows, D] (X), residual [rows, D] (R), weight [D] (W); h [rows, D] in R, y [rows, D] in Y.
+cudaError_t add_rms_norm_fwd(DType xdt, DType rdt, DType wdt, DType ydt, const void* x, const void* residual,
+                             const void* w, void* h, void* y, int64_t rows, int D, float eps, cudaStream_t stream);
 
 }  // namespace fw
 
@@ -18,10 +18,10 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int kMaxPerThread = 16;   // D up to 4096
 
-template <typename X, typename R, typename W>
+template <typename X, typename R, typename W, typename Y>
 __global__ void __launch_bounds__(kThreads)
 add_rms_norm_kernel(const X* __restrict__ x, const R* __restrict__ residual, const W* __restrict__ w,
-                    R* __restrict__ h, R* __restrict__ y, int D, float eps, unsigned trigger_from) {
+                    R* __restrict__ h, Y* __restrict__ y, int D, float eps, unsigned trigger_from) {
   pdl_begin(trigger_from);
   __shared__ float red[32];
   const int64_t row = blockIdx.x;
@@ -44,35 +44,37 @@ add_rms_norm_kernel(const X* __restrict__ x, const R* __restrict__ residual, con
 #pragma unroll
   for (int j = 0; j < kMaxPerThread; ++j) {
     const int i = threadIdx.x + j * kThreads;
-    if (i < D) y[row * D + i] = from_f<R>(v[j] * r * to_f(w[i]));
+    if (i < D) y[row * D + i] = from_f<Y>(v[j] * r * to_f(w[i]));
   }
 }
 
+// One of two types by a runtime test: f(Tag<A>) or f(Tag<B>).
 template <typename T> struct Tag { using type = T; };
-
-template <typename F> cudaError_t with_type(DType dt, F&& f) {
-  switch (dt) {
-    case DType::F32: return f(Tag<float>{});
-    case DType::BF16: return f(Tag<__nv_bfloat16>{});
-    case DType::F16: return f(Tag<__half>{});
-  }
-  return cudaErrorInvalidValue;
+template <typename A, typename B, typename F> cudaError_t either(bool first, F&& f) {
+  return first ? f(Tag<A>{}) : f(Tag<B>{});
 }
 
 }  // namespace
 
-cudaError_t add_rms_norm_fwd(DType xdt, DType rdt, DType wdt, const void* x, const void* residual, const void* w,
-                             void* h, void* y, int64_t rows, int D, float eps, cudaStream_t stream) {
+// The dtypes the model's forwards meet: x in X; the residual, and so h, in X or float32; the weight in X or float32;
+// y in X or in the residual's dtype.
+cudaError_t add_rms_norm_fwd(DType xdt, DType rdt, DType wdt, DType ydt, const void* x, const void* residual,
+                             const void* w, void* h, void* y, int64_t rows, int D, float eps, cudaStream_t stream) {
   if (rows == 0) return cudaSuccess;
-  if (D > kThreads * kMaxPerThread) return cudaErrorInvalidValue;
-  return with_type(xdt, [&](auto xt) {
-    using X = typename decltype(xt)::type;
-    return with_type(rdt, [&](auto rt) {
+  const bool supported = D <= kThreads * kMaxPerThread && (rdt == xdt || rdt == DType::F32) &&
+                         (wdt == xdt || wdt == DType::F32) && (ydt == xdt || ydt == rdt);
+  if (!supported) return cudaErrorInvalidValue;
+  return dispatch(xdt, [&](auto xv) {
+    using X = decltype(xv);
+    return either<X, float>(rdt == xdt, [&](auto rt) {
       using R = typename decltype(rt)::type;
-      return with_type(wdt, [&](auto wt) {
+      return either<X, float>(wdt == xdt, [&](auto wt) {
         using W = typename decltype(wt)::type;
-        return launch_kernel(add_rms_norm_kernel<X, R, W>, (unsigned)rows, kThreads, 0, stream, (const X*)x,
-                             (const R*)residual, (const W*)w, (R*)h, (R*)y, D, eps);
+        return either<X, R>(ydt == xdt, [&](auto yt) {
+          using Y = typename decltype(yt)::type;
+          return launch_kernel(add_rms_norm_kernel<X, R, W, Y>, (unsigned)rows, kThreads, 0, stream, (const X*)x,
+                               (const R*)residual, (const W*)w, (R*)h, (Y*)y, D, eps);
+        });
       });
     });
   });
@@ -82,7 +84,8 @@ cudaError_t add_rms_norm_fwd(DType xdt, DType rdt, DType wdt, const void* x, con
 
 namespace {
 
-std::tuple<Tensor, Tensor> add_rms_norm(const Tensor& x, const Tensor& residual, const Tensor& weight, double eps) {
+std::tuple<Tensor, Tensor> add_rms_norm(const Tensor& x, const Tensor& residual, const Tensor& weight, double eps,
+                                        std::optional<at::ScalarType> out_dtype) {
   check_cuda(x, "add_rms_norm", "x");
   c10::cuda::CUDAGuard guard(x.device());
   const auto xdt = dtype_of(x, "add_rms_norm", "x"), rdt = dtype_of(residual, "add_rms_norm", "residual");
@@ -93,10 +96,14 @@ std::tuple<Tensor, Tensor> add_rms_norm(const Tensor& x, const Tensor& residual,
   const int64_t D = x.size(-1);
   TORCH_CHECK(weight.numel() == D, "fw::add_rms_norm: weight must have x.shape[-1] elements");
   TORCH_CHECK(D <= 4096, "fw::add_rms_norm: the CUDA kernel takes rows of up to 4096 elements, got ", D);
+  TORCH_CHECK((rdt == xdt || rdt == fw::DType::F32) && (wdt == xdt || wdt == fw::DType::F32),
+              "fw::add_rms_norm: the residual and the weight must be in x's dtype or float32");
   auto xc = x.contiguous(), rc = residual.contiguous(), wc = weight.contiguous();
   auto h = at::empty(residual.sizes(), residual.options().memory_format(at::MemoryFormat::Contiguous));
-  auto y = at::empty_like(h);
-  check_launch(fw::add_rms_norm_fwd(xdt, rdt, wdt, xc.data_ptr(), rc.data_ptr(), wc.data_ptr(), h.data_ptr(),
+  auto y = at::empty_like(h, h.options().dtype(out_dtype.value_or(residual.scalar_type())));
+  const auto ydt = dtype_of(y, "add_rms_norm", "out_dtype");
+  TORCH_CHECK(ydt == xdt || ydt == rdt, "fw::add_rms_norm: out_dtype must be x's or the residual's dtype");
+  check_launch(fw::add_rms_norm_fwd(xdt, rdt, wdt, ydt, xc.data_ptr(), rc.data_ptr(), wc.data_ptr(), h.data_ptr(),
                                     y.data_ptr(), x.numel() / std::max<int64_t>(D, 1), (int)D, (float)eps,
                                     at::cuda::getCurrentCUDAStream()),
                "add_rms_norm");
