@@ -133,6 +133,8 @@ Tensor qk_norm_rope_write(const Tensor& qkv, const Tensor& positions, const Tens
   TORCH_CHECK(D == 64 || D == 128 || D == 256, "fw::qk_norm_rope_write: the CUDA kernel takes a head_dim of 64, 128 "
               "or 256, got ", D);
   TORCH_CHECK(qkv.stride(1) == 1, "fw::qk_norm_rope_write: qkv rows must be contiguous");
+  for (const Tensor* t : {&positions, &q_weight, &k_weight, &k_pool, &v_pool, &write_blocks, &write_offsets})
+    TORCH_CHECK(t->device() == qkv.device(), "fw::qk_norm_rope_write: every tensor must be on qkv's device");
   TORCH_CHECK(k_pool.strides() == v_pool.strides() && k_pool.stride(3) == 1,
               "fw::qk_norm_rope_write: the pools must share strides, with a contiguous last dim");
   auto pos = positions.contiguous(), blk = write_blocks.contiguous(), off = write_offsets.contiguous();
