@@ -24,6 +24,8 @@ step build 300 summary.log python3 -c "import ops_cuda; print(ops_cuda.build());
 step gpu-tests 240 gpu_tests.log python3 -m pytest -m gpu -q -p no:cacheprovider --continue-on-collection-errors --durations=10
 step ops-bench 330 ops_bench.log python3 -m benchmarks.ops.bench_ops
 step ops-bench-pdl-off 90 ops_bench.log env FW_PDL=0 python3 -m benchmarks.ops.bench_ops --only rms_norm,rope,swiglu
+step varlen-backends 90 ops_bench.log python3 -m benchmarks.ops.varlen_backends
+step varlen-backends-grpo 60 ops_bench.log python3 -m benchmarks.ops.varlen_backends --rows 64 --seq 372 --docs 372
 step ops-profile 60 ops_bench.log python3 -m benchmarks.ops.profile_ops rms_norm qk_norm swiglu linear_logprob linear_logprob_recomp
 step train-bench 120 train_bench.log python3 -m benchmarks.train_step --batch 8 --seq 2048 --steps 10 --impls fw,fw-recomp,hf
 step grpo-bench 100 grpo_bench.log python3 -m benchmarks.grpo_step --run_dir=/tmp/runs/grpo-bench

@@ -1,0 +1,128 @@
+"""Causal attention forward + backward over packed documents, by backend: which kernel should serve
+fw::varlen_attention on this GPU.
+
+    python -m benchmarks.ops.varlen_backends                      # 8 x 2048 tokens in 512-token documents
+    python -m benchmarks.ops.varlen_backends --docs 372 --rows 64 # grpo-bench's micro-batch: 64 rows of 372
+
+Backends, all on the same q, k, v (bf16, Qwen3-0.6B's 16 query and 8 key/value heads of 128):
+- `fw`: fw::varlen_attention (PyTorch's varlen flash attention through aten, what fw runs);
+- `sdpa-rows`: the documents as equal rows [docs, H, T, D] through scaled_dot_product_attention, causal, with
+  torch's own backend choice (what a padded layout without padding gets);
+- `sdpa-flash`, `sdpa-cudnn`, `sdpa-efficient`: the same, one SDPA backend forced;
+- `cudnn-varlen`: aten._cudnn_attention_forward / _backward over cu_seqlens, where this torch has them (k and v
+  expanded to the query heads: the cuDNN path takes no grouped heads).
+Times are CUDA-event medians of `--reps` calls after a warm-up, each row in turn, `--rounds` rounds; equal-length
+documents so that every backend computes the same thing.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import ops_cuda
+
+HQ, HK, D = 16, 8, 128
+
+
+def time_ms(fn, reps: int) -> float:
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def make(rows: int, doc: int, per_row: int):
+    """q, k, v [N, H, D] of rows x per_row documents of `doc` tokens, and their int32 cu_seqlens."""
+    n_docs = rows * per_row
+    N = n_docs * doc
+    q = torch.randn(N, HQ, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(N, HK, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn(N, HK, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    cu = torch.arange(0, N + 1, doc, device="cuda", dtype=torch.int32)
+    return q, k, v, cu, n_docs
+
+
+def backends(q, k, v, cu, doc: int, n_docs: int, scale: float) -> dict:
+    g = torch.randn_like(q)
+
+    def fw():
+        out = ops_cuda.varlen_attention(q, k, v, cu, doc, scale)
+        torch.autograd.grad(out, (q, k, v), g)
+
+    def as_rows(t: torch.Tensor) -> torch.Tensor:
+        return t.view(n_docs, doc, t.shape[1], D).transpose(1, 2)
+
+    def sdpa(backend=None):
+        def run():
+            ctx = sdpa_kernel(backend) if backend is not None else torch.enable_grad()
+            with ctx:
+                out = F.scaled_dot_product_attention(as_rows(q), as_rows(k), as_rows(v), is_causal=True, scale=scale,
+                                                     enable_gqa=True)
+            torch.autograd.grad(out, (q, k, v), as_rows(g))
+        return run
+
+    rows = {"fw": fw, "sdpa-rows": sdpa(), "sdpa-flash": sdpa(SDPBackend.FLASH_ATTENTION),
+            "sdpa-cudnn": sdpa(SDPBackend.CUDNN_ATTENTION), "sdpa-efficient": sdpa(SDPBackend.EFFICIENT_ATTENTION)}
+    if hasattr(torch.ops.aten, "_cudnn_attention_forward") and hasattr(torch.ops.aten, "_cudnn_attention_backward"):
+        rep = HQ // HK
+        ke, ve = k.detach().repeat_interleave(rep, 1), v.detach().repeat_interleave(rep, 1)
+        qd, no_bias = q.detach(), torch.empty(0, device="cuda")
+
+        def cudnn_varlen():
+            res = torch.ops.aten._cudnn_attention_forward(qd, ke, ve, None, cu, cu, doc, doc, True, 0.0, True, False,
+                                                          scale=scale)
+            out, lse, seed, offset = res[0], res[1], res[6], res[7]
+            torch.ops.aten._cudnn_attention_backward(g, qd, ke, ve, out, lse, seed, offset, no_bias, cu, cu, doc, doc,
+                                                     0.0, True, scale=scale)
+        rows["cudnn-varlen"] = cudnn_varlen
+    return rows
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=2048, help="tokens a row")
+    ap.add_argument("--docs", type=int, default=512, help="tokens a document (it divides --seq)")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args(argv)
+    assert torch.cuda.is_available(), "the benchmark needs a CUDA GPU"
+    torch.manual_seed(0)
+    per_row = max(1, args.seq // args.docs)
+    q, k, v, cu, n_docs = make(args.rows, args.docs, per_row)
+    scale = D ** -0.5
+    runs = backends(q, k, v, cu, args.docs, n_docs, scale)
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(args.rounds):
+        for name, fn in runs.items():
+            try:
+                times[name].append(time_ms(fn, args.reps))
+            except RuntimeError as e:   # a backend that does not take these shapes on this GPU
+                times[name].append(float("nan"))
+                print(f"  {name}: {type(e).__name__}: {str(e).splitlines()[0][:160]}")
+    tokens = q.shape[0]
+    fw_ms = statistics.median(times["fw"])
+    print(f"causal attention fwd+bwd, {tokens} tokens in {n_docs} documents of {args.docs}, "
+          f"{HQ}/{HK} heads of {D}, bf16, {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    print(f"{'backend':<16}{'median ms':>10}{'vs fw':>8}   rounds")
+    out = []
+    for name, ts in times.items():
+        med = statistics.median(ts)
+        print(f"{name:<16}{med:>10.3f}{fw_ms / med:>8.2f}   " + " ".join(f"{t:.3f}" for t in ts))
+        out.append({"backend": name, "median_ms": med, "rounds": ts})
+    return out
+
+
+if __name__ == "__main__":
+    main()
