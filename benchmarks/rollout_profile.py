@@ -4,9 +4,11 @@
     python -m benchmarks.rollout_profile --preset tiny --num-seqs 16 --lo 8 --hi 32 --trace ro.json   # CPU too
 
 The workload is `benchmarks.rollout`'s (random prompts and per-row output lengths, EOS ignored). One
-unprofiled call first (the graphs of the buckets it meets are captured and kept), then one profiled call.
-Printed: the call's wall time and tokens/s; the host time inside the engine's phases (`fw.rollout.prefill`,
-`fw.rollout.decode`, `fw.rollout.receive`, which waits for the device's previous step) with their counts;
+unprofiled call first (the graphs of the buckets it meets are captured and kept), then one profiled call on
+the same engine, or with `--fresh` on a new one, as each GRPO/PPO rollout is (its pool allocated and its graphs
+captured inside the call). Printed: the call's wall time and tokens/s; the host time inside the engine's phases
+(`fw.rollout.prefill`, `fw.rollout.decode`, `fw.rollout.capture` within it: the decode graphs captured,
+`fw.rollout.receive`, which waits for the device's previous step) with their counts;
 on CUDA the kernels' total time, the GPU's idle share and the kernels of most time; the most rows that ran
 together, the call's preemptions and the pool's blocks. `--trace` receives the chrome trace.
 """
@@ -24,7 +26,7 @@ from framework.models import Qwen3ForCausalLM
 from framework.models.presets import PRESETS, preset_config
 from framework.rollout import CacheSettings, RolloutEngine, SamplingParams
 
-PHASES = ("fw.rollout.prefill", "fw.rollout.decode", "fw.rollout.receive")
+PHASES = ("fw.rollout.prefill", "fw.rollout.decode", "fw.rollout.capture", "fw.rollout.receive")
 TOP_KERNELS = 10
 
 
@@ -64,6 +66,9 @@ def main(argv: list[str] | None = None) -> str:
     ap.add_argument("--temperature", type=float, default=0.6)
     ap.add_argument("--kv-cache-gib", type=float, default=None)
     ap.add_argument("--trace", required=True, help="where the chrome trace goes")
+    ap.add_argument("--fresh", action="store_true",
+                    help="profile a call on a new engine, as each GRPO/PPO rollout is: its pool allocated and its "
+                         "decode graphs captured inside the call")
     args = ap.parse_args(argv)
     cuda = torch.cuda.is_available()
     cfg = preset_config(args.preset, PRESETS[args.preset]["vocab_size"] or 256)
@@ -74,6 +79,9 @@ def main(argv: list[str] | None = None) -> str:
     engine = RolloutEngine(model, CacheSettings(args.kv_cache_gib, base.max_num_seqs, base.block_size))
     params = SamplingParams(max_new_tokens=outs, temperature=args.temperature)
     engine.generate(prompts, params, seed=0)
+    if args.fresh:
+        engine.release()
+        engine = RolloutEngine(model, engine.settings)
     before = engine.preemptions
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=activities) as prof:

@@ -483,19 +483,21 @@ def test_an_engine_grows_its_pool_for_a_larger_call(model, prompts, tok):
     engine.release()
 
 
-def test_rollout_profile_reports_each_phase_of_one_call(tmp_path):
+@pytest.mark.parametrize("fresh", [False, True], ids=["same-engine", "fresh-engine"])
+def test_rollout_profile_reports_each_phase_of_one_call(tmp_path, fresh):
     """benchmarks.rollout_profile on CPU: one prefill (every row fits at once), one decode step per token
-    of the longest row after its first, and a chrome trace on disk."""
+    of the longest row after its first, no graph captured (CPU), and a chrome trace on disk; the same on a
+    fresh engine."""
     import re
 
     from benchmarks.rollout import workload
     from benchmarks.rollout_profile import main
 
     report = main(["--preset", "tiny", "--num-seqs", "6", "--lo", "4", "--hi", "12", "--trace",
-                   str(tmp_path / "t.json")])
+                   str(tmp_path / "t.json")] + (["--fresh"] if fresh else []))
     _, outs = workload(6, 4, 12, 256)
     calls = {m[1]: int(m[2]) for m in re.finditer(r"\| `fw\.rollout\.(\w+)` \| [\d.]+ \| (\d+) \|", report)}
-    assert calls["prefill"] == 1 and calls["decode"] == max(outs) - 1
+    assert calls["prefill"] == 1 and calls["decode"] == max(outs) - 1 and calls["capture"] == 0
     assert re.search(r"peak rows 6, preemptions 0, KV blocks \d+", report)
     assert (tmp_path / "t.json").stat().st_size > 0
 

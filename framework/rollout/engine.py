@@ -337,7 +337,8 @@ class _Run:
         elif graphed and key in self.e.warm:
             if self.e.graph_pool is None:
                 self.e.graph_pool = torch.cuda.graph_pool_handle()
-            graph = DecodeGraph(self.e.model, self.e.cache, inputs, tables, self.e.graph_pool)
+            with record_function("fw.rollout.capture"):
+                graph = DecodeGraph(self.e.model, self.e.cache, inputs, tables, self.e.graph_pool)
             self.e.graphs[key] = graph
             logits = graph(inputs, tables)
         else:
