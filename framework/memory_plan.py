@@ -483,8 +483,9 @@ def _batch_rows(rows: list[Row], cfg: dict, model: Qwen3Config, shapes: BatchSha
     rows.append(Row("logits buffers", logits, ("train",), how))
     if value_grads:
         v_layer = layer_saved_bytes(value, shapes.seq_len, shapes.packed, pb, cb, backend, selective=selective)
+        v_full = layer_saved_bytes(value, shapes.seq_len, shapes.packed, pb, cb, backend)
         v_tokens = (value.num_hidden_layers * (value.hidden_size * pb if ckpt else v_layer)
-                    + (v_layer if ckpt else 0) + BACKWARD_IN_FLIGHT_LAYERS * v_layer
+                    + (v_layer if ckpt else 0) + BACKWARD_IN_FLIGHT_LAYERS * v_full
                     + model_saved_bytes(value, pb, shapes.packed))
         rows.append(Row("critic update", value_grads + tokens * v_tokens, ("critic",),
                         f"the value model's gradients + its activations of {tokens:,} tokens "
