@@ -108,6 +108,15 @@ def _cpu_s() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
+def _measured(fn, *args, **kwargs):
+    """fn(*args, **kwargs)'s result, wall seconds, CPU seconds (all threads) and the PeakRss around it."""
+    with PeakRss() as rss:
+        t, cpu = time.perf_counter(), _cpu_s()
+        out = fn(*args, **kwargs)
+        wall, cpu = time.perf_counter() - t, _cpu_s() - cpu
+    return out, wall, cpu, rss
+
+
 def _rss() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
@@ -263,10 +272,7 @@ def main() -> None:
     timed = Timed()
     timed.install()
     path = checkpoints_dir(run_dir) / step_dir_name(10)
-    with PeakRss() as save_rss:
-        t, cpu = time.perf_counter(), _cpu_s()
-        manifest = write_checkpoint_dir(checkpoint, path, cfg)
-        save_s, save_cpu = time.perf_counter() - t, _cpu_s() - cpu
+    manifest, save_s, save_cpu, save_rss = _measured(write_checkpoint_dir, checkpoint, path, cfg)
     save_fsync, save_hash = timed.fsync_s, timed.hash_s
     written = sum(meta["size"] for meta in manifest["files"].values())
     del checkpoint
@@ -284,10 +290,7 @@ def main() -> None:
                      f"{written / disk_s / 1e9:6.2f} GB/s  (save at {100 * disk_s / save_s:.0f}% of it)"))
     if not args.save_only:
         timed.reset()
-        with PeakRss() as load_rss:
-            t, cpu = time.perf_counter(), _cpu_s()
-            loaded = read_checkpoint_dir(path, verify=True)
-            load_s, load_cpu = time.perf_counter() - t, _cpu_s() - cpu
+        loaded, load_s, load_cpu, load_rss = _measured(read_checkpoint_dir, path, verify=True)
         load_hash = timed.hash_s
         del loaded
         rows += [

@@ -23,6 +23,8 @@ import torch.nn.functional as F
 
 import ops_cuda
 from ops_cuda import library
+from ops_cuda.add_rms_norm import add_rms_norm_reference
+from ops_cuda.qk_norm_rope_write import qk_norm_rope_write_reference
 from ops_cuda.rope import rope_reference
 
 COPY_BW = 4.26e12
@@ -76,21 +78,6 @@ def rope_torch(q, k, pos, theta):
 def swiglu_torch(gu):
     g, u = gu.chunk(2, -1)
     return F.silu(g) * u
-
-
-def add_rms_norm_torch(x, residual, w, eps, out_dtype):
-    h = residual + x
-    return h, rms_norm_torch(h, w, eps).to(out_dtype)
-
-
-def qk_norm_rope_write_torch(qkv, pos, qw, kw, eps, theta, k_pool, v_pool, blocks, offsets):
-    """The separate steps the rollout's forward ran: QK-norm, RoPE, two indexed writes."""
-    N, Hk, D = qkv.shape[0], k_pool.shape[1], k_pool.shape[3]
-    q, k, v = qkv.view(N, -1, D).split([qkv.shape[1] // D - 2 * Hk, Hk, Hk], 1)
-    q, k = rope_torch(rms_norm_torch(q, qw, eps)[None], rms_norm_torch(k, kw, eps)[None], pos[None], theta)
-    k_pool[blocks, :, offsets] = k[0]
-    v_pool[blocks, :, offsets] = v
-    return q[0]
 
 
 def decode_sdpa(q, kc, vc, lengths, scale):
@@ -274,8 +261,8 @@ def main() -> None:
     rows = 256
     xa, ra = torch.randn(rows, d, device=DEV, dtype=BF), torch.randn(rows, d, device=DEV, dtype=torch.float32)
     wa = torch.randn(d, device=DEV)
-    row("add_rms_norm", f"[{rows}, {d}] bf16 + fp32 residual -> bf16", ops_cuda.add_rms_norm, add_rms_norm_torch,
-        compiled(add_rms_norm_torch), (xa, ra, wa, 1e-6, BF), nbytes=rows * d * (2 * es + 2 * 4))
+    row("add_rms_norm", f"[{rows}, {d}] bf16 + fp32 residual -> bf16", ops_cuda.add_rms_norm, add_rms_norm_reference,
+        compiled(add_rms_norm_reference), (xa, ra, wa, 1e-6, BF), nbytes=rows * d * (2 * es + 2 * 4))
     pool_blocks, block = 4096, 16
     qkv = torch.randn(rows, (Hq + 2 * Hk) * D, device=DEV, dtype=BF)
     kp, vp = (torch.zeros(pool_blocks, Hk, block, D, device=DEV, dtype=BF) for _ in range(2))
@@ -284,7 +271,7 @@ def main() -> None:
     qw, kw = torch.randn(D, device=DEV), torch.randn(D, device=DEV)
     qkv_args = (qkv, qpos, qw, kw, 1e-6, 1e6, kp, vp, slots // block, slots % block)
     row("qk_norm_rope_write", f"{rows} tokens, {Hq}+{Hk}+{Hk} heads of {D}", ops_cuda.qk_norm_rope_write,
-        qk_norm_rope_write_torch, compiled(qk_norm_rope_write_torch), qkv_args,
+        qk_norm_rope_write_reference, compiled(qk_norm_rope_write_reference), qkv_args,
         nbytes=rows * (Hq + 2 * Hk) * D * es * 2)
 
     # fused linear + logprob (fwd+bwd), FLOPs: the GEMMs of 2*N*d*V each: logits, grad_h, grad_W, and with
