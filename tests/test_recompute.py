@@ -174,8 +174,8 @@ def test_fw_fit_with_selective_logs_the_same_losses(tmp_path):
 @pytest.mark.gpu
 def test_selective_on_cuda_same_gradients_and_the_memory_it_saves():
     """The CUDA kernels (flash varlen attention, fw's norms, RoPE and SwiGLU) under bf16 autocast: the same
-    gradients (deterministic algorithms, so that flash attention's backward is too), and the peak memory of
-    forward + backward lower by what the recomputed tensors take."""
+    gradients up to the run-to-run noise of flash attention's backward (its atomics add in any order), and the
+    peak memory of forward + backward lower by what the recomputed tensors take."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     cfg = preset_config("qwen3-0.6b", 4096)
@@ -186,23 +186,27 @@ def test_selective_on_cuda_same_gradients_and_the_memory_it_saves():
     ids = torch.randint(0, 4096, (rows, T), device="cuda")
     positions = (torch.arange(T, device="cuda") % 512).expand(rows, T)
     grads, peaks = {}, {}
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    try:
-        for mode in (False, "selective", False):
-            model.gradient_checkpointing = mode
-            model.zero_grad(set_to_none=True)
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            base = torch.cuda.memory_allocated()
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                h = model(ids, positions, return_hidden=True)
-            h.float().square().mean().backward()
-            torch.cuda.synchronize()
-            peaks[mode] = torch.cuda.max_memory_allocated() - base
-            grads[mode] = [p.grad.clone() for p in model.parameters()]
-            del h
-    finally:
-        torch.use_deterministic_algorithms(False)
-    assert all(torch.equal(a, b) for a, b in zip(grads[False], grads["selective"]))
+    for run, mode in enumerate((False, "selective", False)):
+        model.gradient_checkpointing = mode
+        model.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            h = model(ids, positions, return_hidden=True)
+        h.float().square().mean().backward()
+        torch.cuda.synchronize()
+        peaks[run] = torch.cuda.max_memory_allocated() - base
+        grads[run] = [p.grad.clone() for p in model.parameters()]
+        del h
+
+    def rel(a, b):
+        return max(((x - y).norm() / y.norm().clamp_min(1e-30)).item() for x, y in zip(a, b))
+
+    noise, err = rel(grads[2], grads[0]), rel(grads[1], grads[0])
+    print(f"selective vs kept: {err:.2e}; kept vs kept: {noise:.2e}")
+    # A recompute that differs from the tensor it replaces (a missed cast, a wrong input) moves the gradients
+    # by far more than the backward's own ordering noise.
+    assert err <= 2 * noise + 1e-3, (err, noise)
     saved = (2 * cfg.hidden_size + cfg.q_size + cfg.kv_size + cfg.intermediate_size) * 2 * rows * T
-    assert peaks[False] - peaks["selective"] == pytest.approx(cfg.num_hidden_layers * saved, rel=0.2), peaks
+    assert peaks[0] - peaks[1] == pytest.approx(cfg.num_hidden_layers * saved, rel=0.2), peaks
