@@ -1,22 +1,30 @@
-"""Where a rollout's wall time goes: one `RolloutEngine.generate` call under torch.profiler.
+"""Where a rollout's wall time goes: one `RolloutEngine.generate` call with a `Timeline` of its steps, and the
+kernels of its decode step under torch.profiler.
 
-    python -m benchmarks.rollout_profile --num-seqs 256 --lo 100 --hi 1024 --kv-cache-gib 16 --trace ro.json
-    python -m benchmarks.rollout_profile --preset tiny --num-seqs 16 --lo 8 --hi 32 --trace ro.json   # CPU too
+    python -m benchmarks.rollout_profile --num-seqs 256 --lo 100 --hi 1024 --kv-cache-gib 16 --kernels 5
+    python -m benchmarks.rollout_profile --num-seqs 256 --group 8 --prompt-len 116 --new-tokens 256 --mixed --fresh
+    python -m benchmarks.rollout_profile --preset tiny --num-seqs 16 --lo 8 --hi 32     # CPU too
 
-The workload is `benchmarks.rollout`'s (random prompts and per-row output lengths, EOS ignored). One
-unprofiled call first (the graphs of the buckets it meets are captured and kept), then one profiled call on
-the same engine, or with `--fresh` on a new one, as each GRPO/PPO rollout is (its pool allocated and its graphs
-captured inside the call). Printed: the call's wall time and tokens/s; the host time inside the engine's phases
-(`fw.rollout.prefill`, `fw.rollout.decode`, `fw.rollout.capture` within it: the decode graphs captured,
-`fw.rollout.receive`, which waits for the device's previous step) with their counts;
-on CUDA the kernels' total time, the GPU's idle share and the kernels of most time; the most rows that ran
-together, the call's preemptions and the pool's blocks. `--trace` receives the chrome trace.
+The workload is `benchmarks.rollout`'s (random prompts and per-row output lengths, EOS ignored), or with
+`--prompt-len` / `--new-tokens` fixed lengths, and with `--group G` each prompt repeated G times in a row, as a
+GRPO group is (the second line is grpo-bench-v1's rollout: 32 prompts x 8). `--mixed` keeps float32 weights and
+runs under bf16 autocast, as `fw fit` with bf16-mixed does. One untimed call first (the decode graphs of the
+buckets it meets are captured and kept), then the timed call on the same engine, or with `--fresh` on a new
+one, as each GRPO/PPO rollout under bf16-mixed is (pool allocated and graphs captured inside the call).
+
+The timed call carries a `framework.rollout.timeline.Timeline`: device time of each step's forward and sampler,
+host time queueing it, the device's idle time between steps (it waited for the host), the host's time blocked
+on the device, and the graphs captured. Per decode bucket: steps, rows, context and the bytes a step must read
+(the weights once and every row's keys and values) against its forward time. `--kernels N` profiles N replays
+of the largest bucket's decode graph with the sampler and lists the kernels of one step; `--trace` writes
+that profile's chrome trace.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import random
 import time
-from collections import defaultdict
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -25,36 +33,86 @@ from benchmarks.rollout import workload
 from framework.models import Qwen3ForCausalLM
 from framework.models.presets import PRESETS, preset_config
 from framework.rollout import CacheSettings, RolloutEngine, SamplingParams
+from framework.rollout.sampling import draw
+from framework.rollout.timeline import Timeline
 
-PHASES = ("fw.rollout.prefill", "fw.rollout.decode", "fw.rollout.capture", "fw.rollout.receive")
-TOP_KERNELS = 10
+TOP_KERNELS = 14
 
 
-def summarize(prof: profile, wall: float, tokens: int, cuda: bool) -> str:
-    """The markdown report of one profiled call."""
-    host: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
-    kernels: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            if getattr(e, "is_user_annotation", False) or e.name.startswith(("Memcpy", "Memset")):
-                continue
-            kernels[e.name][0] += (e.time_range.end - e.time_range.start) / 1e6
-            kernels[e.name][1] += 1
-        elif e.name in PHASES:
-            host[e.name][0] += (e.time_range.end - e.time_range.start) / 1e6
-            host[e.name][1] += 1
-    lines = [f"wall {wall:.3f} s, {tokens / wall:.0f} output tokens/s", "", "| host phase | s | calls | ms a call |",
-             "|---|---|---|---|"]
-    for name in PHASES:
-        s, n = host[name]
-        lines.append(f"| `{name}` | {s:.3f} | {n} | {1e3 * s / max(n, 1):.3f} |")
-    if cuda:
-        busy = sum(s for s, _ in kernels.values())
-        lines += ["", f"kernels {busy:.3f} s, GPU idle {max(0.0, 1 - busy / wall):.1%} of the wall time", "",
-                  "| kernel | s | calls |", "|---|---|---|"]
-        for name in sorted(kernels, key=lambda k: kernels[k][0], reverse=True)[:TOP_KERNELS]:
-            lines.append(f"| `{name[:90]}` | {kernels[name][0]:.3f} | {kernels[name][1]} |")
-    return "\n".join(lines)
+def prompts_and_lengths(args: argparse.Namespace, vocab: int) -> tuple[list[list[int]], list[int]]:
+    """The call's prompts and per-row output lengths (see the module's docstring)."""
+    n_prompts = -(-args.num_seqs // args.group)
+    prompts, outs = workload(n_prompts, args.lo, args.hi, vocab)
+    rng = random.Random(1)
+    if args.prompt_len:
+        prompts = [[rng.randrange(vocab) for _ in range(args.prompt_len)] for _ in prompts]
+    if args.new_tokens:
+        outs = [args.new_tokens] * len(outs)
+    prompts = [p for p in prompts for _ in range(args.group)][:args.num_seqs]
+    outs = [n for n in outs for _ in range(args.group)][:args.num_seqs]
+    return prompts, outs
+
+
+def step_bytes(model: torch.nn.Module, dtype: torch.dtype) -> tuple[int, int]:
+    """(bytes of the weights a decode step reads once, bytes of keys and values per context position)."""
+    c = model.config
+    elem = torch.empty((), dtype=dtype).element_size()
+    weights = sum(p.numel() for p in model.parameters() if p.dim() == 2) * elem   # the tied LM head once
+    return weights, 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * elem
+
+
+def timeline_report(s: dict, wall: float, tokens: int, weight_bytes: int, kv_bytes: int) -> list[str]:
+    lines = [(f"wall {wall:.3f} s, {tokens / wall:.0f} output tokens/s; device span of the steps {s['span_s']:.3f} s, "
+             f"idle between steps {s['idle_s']:.3f} s ({s['idle_s'] / max(wall, 1e-9):.1%} of the wall time)"),
+             (f"host: blocked on the device {s['waited_s']:.3f} s; {s['captures']} decode graphs captured in "
+             f"{s['captured_s']:.3f} s"), "",
+             ("| phase | steps | rows a step | device forward s | device sampler s | host queueing s | "
+             "device ms a step | host ms a step |"), "|---|---|---|---|---|---|---|---|"]
+    for kind in ("prefill", "decode"):
+        d = s[kind]
+        n = max(d["steps"], 1)
+        lines.append(f"| {kind} | {d['steps']} | {d['rows'] / n:.1f} | {d['forward_s']:.3f} | {d['sample_s']:.3f} | "
+                     f"{d['host_s']:.3f} | {1e3 * (d['forward_s'] + d['sample_s']) / n:.3f} | "
+                     f"{1e3 * d['host_s'] / n:.3f} |")
+    lines += ["", "| decode bucket | steps | rows a step | context a row | forward ms a step | GB a step | GB/s |",
+              "|---|---|---|---|---|---|---|"]
+    for bucket, b in sorted(s["decode"]["by_bucket"].items()):
+        n = max(b["steps"], 1)
+        gb = (weight_bytes * b["steps"] + kv_bytes * b["tokens"]) / 1e9
+        lines.append(f"| {bucket} | {b['steps']} | {b['rows'] / n:.1f} | {b['tokens'] / max(b['rows'], 1):.0f} | "
+                     f"{1e3 * b['forward_s'] / n:.3f} | {gb / n:.3f} | {gb / max(b['forward_s'], 1e-12):.0f} |")
+    return lines
+
+
+def kernel_report(engine: RolloutEngine, params: SamplingParams, steps: int, trace: str | None) -> list[str]:
+    """The kernels of `steps` replays of the largest bucket's decode graph, each with its sampler."""
+    bucket, width = max(engine.graphs)
+    graph = engine.graphs[(bucket, width)]
+    counters = torch.zeros(bucket, 2, dtype=torch.long, device=graph.inputs.device)
+
+    def one() -> None:
+        graph(graph.inputs, graph.tables)
+        draw(graph.logits, params, 0, counters)
+
+    one()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            one()
+        torch.cuda.synchronize()
+    if trace:
+        prof.export_chrome_trace(trace)
+    kernels: dict[str, list[float]] = {}
+    for e in prof.key_averages():
+        if e.device_time_total > 0 and not e.key.startswith(("Memcpy", "Memset")):
+            kernels[e.key] = [e.device_time_total / steps, e.count / steps]
+    total = sum(t for t, _ in kernels.values())
+    lines = ["", (f"kernels of one decode step at bucket {bucket} (table width {width}), the sampler included: "
+             f"{len(kernels)} kinds, {sum(c for _, c in kernels.values()):.0f} launches, {total / 1e3:.3f} ms"), "",
+             "| kernel | µs a step | launches a step |", "|---|---|---|"]
+    for name in sorted(kernels, key=lambda k: kernels[k][0], reverse=True)[:TOP_KERNELS]:
+        lines.append(f"| `{name[:100]}` | {kernels[name][0]:.1f} | {kernels[name][1]:.0f} |")
+    return lines
 
 
 def main(argv: list[str] | None = None) -> str:
@@ -63,28 +121,40 @@ def main(argv: list[str] | None = None) -> str:
     ap.add_argument("--num-seqs", type=int, default=256)
     ap.add_argument("--lo", type=int, default=100)
     ap.add_argument("--hi", type=int, default=1024)
+    ap.add_argument("--prompt-len", type=int, default=0, help="every prompt this long (0: U[lo, hi])")
+    ap.add_argument("--new-tokens", type=int, default=0, help="every row this many new tokens (0: U[lo, hi])")
+    ap.add_argument("--group", type=int, default=1, help="each prompt repeated this many times, as a GRPO group")
     ap.add_argument("--temperature", type=float, default=0.6)
     ap.add_argument("--kv-cache-gib", type=float, default=None)
-    ap.add_argument("--trace", required=True, help="where the chrome trace goes")
+    ap.add_argument("--mixed", action="store_true", help="float32 weights under bf16 autocast (fw fit's bf16-mixed)")
     ap.add_argument("--fresh", action="store_true",
-                    help="profile a call on a new engine, as each GRPO/PPO rollout is: its pool allocated and its "
-                         "decode graphs captured inside the call")
+                    help="time a call on a new engine, as each GRPO/PPO rollout under bf16-mixed is: its pool "
+                         "allocated and its decode graphs captured inside the call")
+    ap.add_argument("--kernels", type=int, default=0, help="profile this many decode-graph replays (CUDA)")
+    ap.add_argument("--trace", default=None, help="where the --kernels profile's chrome trace goes")
     args = ap.parse_args(argv)
     cuda = torch.cuda.is_available()
+    device = "cuda" if cuda else "cpu"
     cfg = preset_config(args.preset, PRESETS[args.preset]["vocab_size"] or 256)
     torch.manual_seed(0)
-    model = Qwen3ForCausalLM(cfg).to(torch.bfloat16 if cuda else torch.float32).to("cuda" if cuda else "cpu").eval()
-    prompts, outs = workload(args.num_seqs, args.lo, args.hi, cfg.vocab_size)
+    dtype = torch.bfloat16 if cuda and not args.mixed else torch.float32
+    model = Qwen3ForCausalLM(cfg).to(dtype).to(device).eval()
+    prompts, outs = prompts_and_lengths(args, cfg.vocab_size)
     base = CacheSettings.from_config(None)
     engine = RolloutEngine(model, CacheSettings(args.kv_cache_gib, base.max_num_seqs, base.block_size))
     params = SamplingParams(max_new_tokens=outs, temperature=args.temperature)
-    engine.generate(prompts, params, seed=0)
+
+    def region():
+        return torch.autocast(device, dtype=torch.bfloat16) if args.mixed else contextlib.nullcontext()
+
+    with region():
+        engine.generate(prompts, params, seed=0)
     if args.fresh:
         engine.release()
         engine = RolloutEngine(model, engine.settings)
     before = engine.preemptions
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with profile(activities=activities) as prof:
+    engine.timeline = Timeline(torch.device(device))
+    with region():
         if cuda:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -92,11 +162,23 @@ def main(argv: list[str] | None = None) -> str:
         if cuda:
             torch.cuda.synchronize()
         wall = time.perf_counter() - t0
-    prof.export_chrome_trace(args.trace)
-    report = summarize(prof, wall, sum(outs), cuda)
-    report += (f"\n\npeak rows {engine.peak_rows}, preemptions {engine.preemptions - before}, "
-               f"KV blocks {engine.cache.num_blocks}")
+    summary = engine.timeline.summary()
+    engine.timeline = None
+    weight_bytes, kv_bytes = step_bytes(model, engine.cache.k.dtype)
+    lines = [(f"{args.preset}, {'float32 weights under bf16 autocast' if args.mixed else str(dtype)}, "
+             f"{len(prompts)} rows ({len(prompts) // args.group} prompts x {args.group}), "
+             f"{sum(outs)} output tokens, {'a fresh engine' if args.fresh else 'a warm engine'}")]
+    lines += timeline_report(summary, wall, sum(outs), weight_bytes, kv_bytes)
+    lines.append(f"\npeak rows {engine.peak_rows}, preemptions {engine.preemptions - before}, "
+                 f"KV blocks {engine.cache.num_blocks}")
+    if args.kernels and cuda:
+        if engine.graphs:
+            with region():
+                lines += kernel_report(engine, params, args.kernels, args.trace)
+        else:   # under autocast the graphs read casts that die with the call's autocast region
+            lines.append("\nno decode graph is kept after a call under autocast: no kernel profile")
     engine.release()
+    report = "\n".join(lines)
     print(report)
     return report
 

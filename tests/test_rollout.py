@@ -484,22 +484,63 @@ def test_an_engine_grows_its_pool_for_a_larger_call(model, prompts, tok):
 
 
 @pytest.mark.parametrize("fresh", [False, True], ids=["same-engine", "fresh-engine"])
-def test_rollout_profile_reports_each_phase_of_one_call(tmp_path, fresh):
-    """benchmarks.rollout_profile on CPU: one prefill (every row fits at once), one decode step per token
-    of the longest row after its first, no graph captured (CPU), and a chrome trace on disk; the same on a
-    fresh engine."""
+def test_rollout_profile_reports_each_phase_of_one_call(fresh):
+    """benchmarks.rollout_profile on CPU: one prefill of every row (they all fit at once) and one decode step
+    per token of the longest row after its first, in the phase table and summed over the bucket table."""
     import re
 
     from benchmarks.rollout import workload
     from benchmarks.rollout_profile import main
 
-    report = main(["--preset", "tiny", "--num-seqs", "6", "--lo", "4", "--hi", "12", "--trace",
-                   str(tmp_path / "t.json")] + (["--fresh"] if fresh else []))
+    report = main(["--preset", "tiny", "--num-seqs", "6", "--lo", "4", "--hi", "12"] + (["--fresh"] if fresh else []))
     _, outs = workload(6, 4, 12, 256)
-    calls = {m[1]: int(m[2]) for m in re.finditer(r"\| `fw\.rollout\.(\w+)` \| [\d.]+ \| (\d+) \|", report)}
-    assert calls["prefill"] == 1 and calls["decode"] == max(outs) - 1 and calls["capture"] == 0
+    phases = {m[1]: (int(m[2]), float(m[3])) for m in re.finditer(r"^\| (prefill|decode) \| (\d+) \| ([\d.]+) \|",
+                                                                   report, re.MULTILINE)}
+    assert phases["prefill"] == (1, 6.0) and phases["decode"][0] == max(outs) - 1
+    buckets = [int(m[1]) for m in re.finditer(r"^\| \d+ \| (\d+) \| [\d.]+ \| \d+ \|", report, re.MULTILINE)]
+    assert sum(buckets) == max(outs) - 1
     assert re.search(r"peak rows 6, preemptions 0, KV blocks \d+", report)
-    assert (tmp_path / "t.json").stat().st_size > 0
+
+
+def test_timeline_counts_each_step_and_the_context_it_reads(model, tok):
+    """A Timeline on a CPU engine: one prefill computing every prompt token once, and decode steps whose rows
+    and context positions match a hand count: row i reads len(prompt_i) + k positions at its k-th decode step,
+    k = 1 .. limit_i - 1 (its first token comes from the prefill). Every duration is >= 0 and the parts fit in
+    the span."""
+    from framework.rollout.timeline import Timeline
+
+    prompts = [tok.encode(t) for t in ("12+34=", "hello there", "a")]
+    limits = [5, 9, 3]
+    engine = RolloutEngine(model)
+    engine.timeline = Timeline(torch.device("cpu"))
+    engine.generate(prompts, SamplingParams(max_new_tokens=limits, temperature=1.0), seed=2, tokenizer=tok)
+    s = engine.timeline.summary()
+    assert s["prefill"]["steps"] == 1 and s["prefill"]["rows"] == 3
+    assert s["prefill"]["tokens"] == sum(map(len, prompts))
+    assert s["decode"]["steps"] == max(limits) - 1
+    assert s["decode"]["rows"] == sum(n - 1 for n in limits)
+    assert s["decode"]["tokens"] == sum(len(p) + k for p, n in zip(prompts, limits) for k in range(1, n))
+    assert sum(b["steps"] for b in s["decode"]["by_bucket"].values()) == s["decode"]["steps"]
+    parts = [s[k][f] for k in ("prefill", "decode") for f in ("forward_s", "sample_s")] + [s["idle_s"]]
+    assert min(parts) >= 0 and sum(parts) <= s["span_s"] + 1e-6
+    assert s["captures"] == 0 and s["waited_s"] == 0.0   # CPU: no graphs, nothing to wait for
+
+
+@pytest.mark.gpu
+def test_rollout_profile_on_cuda_times_the_device_and_lists_the_decode_kernels():
+    """On CUDA the timeline reads the device's clock (events): its parts fit in the span, graphs are captured
+    and timed, and `--kernels` lists the decode step's kernels with the sampler's among them."""
+    import re
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from benchmarks.rollout_profile import main
+
+    report = main(["--preset", "tiny", "--num-seqs", "40", "--lo", "8", "--hi", "64", "--kernels", "3"])
+    m = re.search(r"device span of the steps ([\d.]+) s, idle between steps ([\d.]+) s", report)
+    assert m and 0 <= float(m[2]) <= float(m[1])
+    assert re.search(r"kernels of one decode step at bucket \d+ .*: \d+ kinds, \d+ launches", report)
+    assert "sample" in report.lower()
 
 
 @pytest.mark.parametrize("block_size, blocks", [(4, 24), (8, 14)])

@@ -20,6 +20,7 @@ under the unscaled softmax.
 """
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -36,6 +37,7 @@ from framework.rollout.block_manager import BlockManager
 from framework.rollout.kv_cache import CacheSettings, DecodeGraph, batch_bucket, decode_step, pool_blocks
 from framework.rollout.sampling import SamplingParams, draw
 from framework.rollout.scheduler import RowState, Scheduler
+from framework.rollout.timeline import Timeline
 
 FINISH_REASONS = ("eos", "stop", "length")
 _MASK63 = (1 << 63) - 1
@@ -114,6 +116,7 @@ class RolloutEngine:
         self.prefill_tokens = 0     # context tokens computed by prefill (all calls): group sharing shows here
         self.peak_rows = 0          # most rows decoding together (all calls)
         self.preemptions = 0        # rows preempted for want of a block, to be recomputed (all calls)
+        self.timeline: Timeline | None = None   # set one to time every step of later calls
 
     def release(self) -> None:
         """Drop the pool, the graphs and their memory."""
@@ -290,6 +293,8 @@ class _Run:
             new_rows = torch.tensor([s.row for s in new], dtype=torch.long)
             parts += [new_rows, self.tables[new_rows].flatten()]
             sizes += [len(new), len(new) * self.width]
+        if self.e.timeline is not None:
+            self.e.timeline.begin("prefill", len(new), n_real, n)
         tok_d, pos_d, blk_d, off_d, rows_d, len_d, last_d, pick_d, *table_d = to_device(
             torch.cat(parts), self.device).split(sizes)
         if table_d:
@@ -322,6 +327,8 @@ class _Run:
         # new table entries, in the same transfer
         meta = torch.tensor([[s.row, s.issued, len(s.prompt) + s.issued - 1] for s in rows]
                             + [[len(self.seqs), 0, 0]] * (bucket - B) + changed, dtype=torch.long)
+        if self.e.timeline is not None:
+            self.e.timeline.begin("decode", B, sum(len(s.prompt) + s.issued for s in rows), bucket)
         meta = to_device(meta, self.device)
         if changed:   # on CUDA the host's table keeps its admission rows: only a prefill reads it, for new rows
             entries = meta[bucket:]
@@ -337,8 +344,12 @@ class _Run:
         elif graphed and key in self.e.warm:
             if self.e.graph_pool is None:
                 self.e.graph_pool = torch.cuda.graph_pool_handle()
+            t = time.perf_counter()
             with record_function("fw.rollout.capture"):
                 graph = DecodeGraph(self.e.model, self.e.cache, inputs, tables, self.e.graph_pool)
+            if self.e.timeline is not None:
+                self.e.timeline.captured += time.perf_counter() - t
+                self.e.timeline.captures += 1
             self.e.graphs[key] = graph
             logits = graph(inputs, tables)
         else:
@@ -352,23 +363,33 @@ class _Run:
     def _sample(self, rows: list[RowState], logits: Tensor, meta: Tensor) -> _Issued:
         """Draw the next token of `rows` (meta [B, >=2] on the device: row id, tokens queued) and queue its
         copy to the host; the drawn tokens are the rows' next fed tokens."""
+        timeline = self.e.timeline
+        if timeline is not None:
+            timeline.forward_done()
         tokens, logprobs = draw(logits, self.params, self.key, meta[:, :2])
         self.last_dev.index_copy_(0, meta[:, 0], tokens)
         for s in rows:
             s.issued += 1
         out = torch.stack([tokens.double(), logprobs.double()])
         if self.cpu:
-            return _Issued(rows, out, None)
-        host = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
-        host.copy_(out, non_blocking=True)
-        ready = torch.cuda.Event()
-        ready.record()
-        return _Issued(rows, host, ready)
+            record = _Issued(rows, out, None)
+        else:
+            host = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
+            host.copy_(out, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record()
+            record = _Issued(rows, host, ready)
+        if timeline is not None:
+            timeline.end()
+        return record
 
     def _receive(self, record: _Issued) -> None:
         """Append a queued step's tokens to their rows and stop the rows that are done."""
         if record.ready is not None:
+            t = time.perf_counter()
             record.ready.synchronize()
+            if self.e.timeline is not None:
+                self.e.timeline.waited += time.perf_counter() - t
         out = record.out.tolist()
         stop = self.params.stop
         for s, token, logprob in zip(record.rows, out[0], out[1]):
