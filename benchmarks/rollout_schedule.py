@@ -1,7 +1,8 @@
-"""What the rollout scheduler does with a KV budget, without a model: decode steps, prefills, preemptions and rows
-a step for the rollout workload (`benchmarks.rollout`'s prompts and per-row output lengths), by admission
-watermark. It runs framework/rollout/scheduler.py's real `Scheduler` over a pool sized as the engine sizes it,
-each step growing every running row by one token, as the engine does.
+"""What the rollout scheduler does with a KV budget, without a model: decode steps, prefills, preemptions, prefill
+tokens (the prompts once, and what preempted rows recompute) and rows a step for the rollout workload
+(`benchmarks.rollout`'s prompts and per-row output lengths), by admission watermark. It runs
+framework/rollout/scheduler.py's real `Scheduler` over a pool sized as the engine sizes it, each step growing every
+running row by one token, as the engine does.
 
     python -m benchmarks.rollout_schedule --kv-cache-gib 16 4 --watermarks 0.01 0.05 0.1
 
@@ -28,7 +29,7 @@ def simulate(num_blocks: int, block_size: int, prompts: list[list[int]], outs: l
     seqs = [sched.RowState(row=i, prompt=p, limit=n) for i, (p, n) in enumerate(zip(prompts, outs))]
     s = sched.Scheduler(seqs, BlockManager(num_blocks, block_size), max_num_seqs)
     s.watermark = max(1, int(watermark * (num_blocks - 1)))
-    steps = prefills = row_steps = 0
+    steps = prefills = row_steps = prefill_tokens = 0
     estimate = 0.0
 
     def emit(rows: list[sched.RowState]) -> None:
@@ -42,6 +43,7 @@ def simulate(num_blocks: int, block_size: int, prompts: list[list[int]], outs: l
         new = s.admit()
         if new:
             prefills += 1
+            prefill_tokens += sum(r.context - r.cached for r in new)
             estimate += prefill_s
             emit(new)
         rows = [r for r in s.running if r.issued < r.limit]
@@ -52,7 +54,7 @@ def simulate(num_blocks: int, block_size: int, prompts: list[list[int]], outs: l
             estimate += step_s + sum(r.context for r in rows) * kv_bytes_per_token / bandwidth
             emit(rows)
     out = {"watermark": watermark, "steps": steps, "prefills": prefills, "preemptions": s.preemptions,
-           "rows_a_step": round(row_steps / max(steps, 1), 1)}
+           "prefill_tokens": prefill_tokens, "rows_a_step": round(row_steps / max(steps, 1), 1)}
     if step_s or prefill_s:
         out["estimate_s"] = round(estimate, 2)
         out["estimate_tok_s"] = round(sum(outs) / estimate)

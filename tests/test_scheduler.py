@@ -175,3 +175,44 @@ def test_rollout_schedule_counts_the_real_scheduler():
     assert tight["rows_a_step"] > reserve["rows_a_step"] and tight["steps"] < reserve["steps"]
     assert wide["preemptions"] <= tight["preemptions"]
     assert "estimate_s" not in reserve   # no assumed costs given: counts only
+
+
+def test_admission_starts_the_longest_limits_first():
+    """The waiting queue runs by limit, longest first, rows of equal limits in their given order; a preempted
+    row still goes back to its front. With room for two rows: the two 9-token rows (in row order), then the
+    4-token row once one leaves, then the 2-token row."""
+    rows = [RowState(row=i, prompt=[1, 2, 3], limit=n) for i, n in enumerate([4, 9, 9, 2])]
+    sched = Scheduler(rows, BlockManager(64, 4), max_num_seqs=2)
+    assert sched.admit() == [rows[1], rows[2]]
+    sched.finish(rows[2], "eos")
+    assert sched.admit() == [rows[0]]
+    sched.preempt(rows[0])
+    assert list(sched.waiting) == [rows[0], rows[3]]
+    sched.finish(rows[1], "length")
+    assert sched.admit() == [rows[0], rows[3]]
+
+
+def test_reserving_whole_limits_never_preempts():
+    """A watermark past the pool admits a row only while every running row, and the row itself, can grow to
+    its limit: decoding every row to its limit then never needs a preemption (limits of every length, the
+    longest first)."""
+    bs = 4
+    rows = [RowState(row=i, prompt=[7] * (1 + i % 5), limit=1 + (7 * i) % 23) for i in range(30)]
+    sched = Scheduler(rows, BlockManager(16, bs), max_num_seqs=256)
+    sched.watermark = 10**9
+    while not sched.done:
+        for r in sched.admit():
+            r.issued += 1
+            r.tokens.append(0)
+            if len(r.tokens) >= r.limit:
+                sched.finish(r, "length")
+        running = [r for r in sched.running if r.issued < r.limit]
+        if running:
+            sched.grow(running)
+            for r in running:
+                r.issued += 1
+                r.tokens.append(0)
+                if len(r.tokens) >= r.limit:
+                    sched.finish(r, "length")
+        assert sum(len(r.blocks) for r in sched.running) <= 15
+    assert sched.preemptions == 0

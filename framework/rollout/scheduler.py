@@ -1,10 +1,12 @@
 """Continuous batching: which rows run, which wait, and the blocks each one holds.
 
-Lazy allocation: a row is admitted first come, first served, while the batch has fewer than `max_num_seqs`
+Lazy allocation: a row is admitted in the order of the waiting queue (the longest limit first, rows of equal limits
+in their given order), while the batch has fewer than `max_num_seqs`
 rows and the pool has the blocks of its context (prompt, plus the tokens it produced before a preemption)
 and of the position its first sampled token is written at, with blocks to spare for the running rows' next
 writes, so that an admission does not at once preempt a running row: `watermark`, 5% of the pool (at least
-one block), or what the running rows can still take at most (`outstanding`) when that is less. A pool that
+one block), or what the running rows and the row itself can still take at most (`outstanding` and its own rest)
+when that is less. A pool that
 holds every row's prompt and limit thus admits as many rows at once as reserving them would. Each later block
 is allocated by `grow` when the host queues the decode step whose KV write crosses into it. A finished row gives
 its blocks back at once, and the next waiting row joins the batch at the next step.
@@ -85,7 +87,9 @@ class Scheduler:
 
     def __init__(self, seqs: list[RowState], blocks: BlockManager, max_num_seqs: int) -> None:
         self.blocks, self.max_num_seqs = blocks, max_num_seqs
-        self.waiting: deque[RowState] = deque(seqs)
+        # the longest limit first (rows of equal limits in their order): the rows that run last decide how many
+        # steps the call takes, with few rows each; started first, long rows overlap the short ones
+        self.waiting: deque[RowState] = deque(sorted(seqs, key=lambda s: -s.limit))
         self.running: list[RowState] = []   # in admission order: the last one is preempted first
         self.preemptions = 0
         self.outstanding = 0   # blocks the running rows may still allocate, up to their limits
@@ -107,10 +111,11 @@ class Scheduler:
             seq = self.waiting[0]
             if seq.issued > len(seq.tokens):   # preempted with tokens in flight: readmitted once they are in
                 break
-            spare = min(self.watermark, self.outstanding)
             context = seq.prompt + seq.tokens
             n = len(context)
             total = admission_blocks(seq, bs)
+            # what the running rows, and this one, may still take: no more need stay free
+            spare = min(self.watermark, self.outstanding + blocks_for(len(seq.prompt), seq.limit, bs) - total)
             leader = leaders.get(tuple(context))
             if leader is not None:   # the leader's full blocks, own blocks for the rest
                 shared = leader.blocks[:n // bs]
