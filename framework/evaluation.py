@@ -173,14 +173,17 @@ class Evaluation:
         return out
 
     # ----------------------------------------------------------------- running
-    def run(self, policy: Any, rank: int = 0, world_size: int = 1) -> dict[str, float]:
+    def run(self, policy: Any, rank: int = 0, world_size: int = 1, engine: Any = None) -> dict[str, float]:
         """The eval metrics of `policy` (`eval/...` names); under several processes each rank evaluates
-        every `world_size`-th sample and the sums are all-reduced (a collective: call it on every rank)."""
+        every `world_size`-th sample and the sums are all-reduced (a collective: call it on every rank).
+        `engine`: a RolloutEngine of `policy` to generate on (the training run's kept one, whose KV cache
+        would otherwise sit beside a second one); else each chunk runs on a fresh engine."""
         was_training = policy.training
         policy.eval()
         try:
             with preserved_rng(), torch.no_grad():
-                sums = self._rl_sums(policy, rank, world_size) if self.rl else self._sft_sums(policy, rank, world_size)
+                sums = (self._rl_sums(policy, rank, world_size, engine) if self.rl
+                        else self._sft_sums(policy, rank, world_size))
         finally:
             policy.train(was_training)
         import torch.distributed as dist
@@ -190,7 +193,7 @@ class Evaluation:
         sums = sums.tolist()
         return self._rl_metrics(sums) if self.rl else self._sft_metrics(sums)
 
-    def _rl_sums(self, policy: Any, rank: int, world_size: int) -> torch.Tensor:
+    def _rl_sums(self, policy: Any, rank: int, world_size: int, engine: Any = None) -> torch.Tensor:
         from framework.rewards import score_rollout
         from framework.rollout import SamplingParams, generate, stop_token_ids
         from framework.rollout.kv_cache import CacheSettings
@@ -208,8 +211,12 @@ class Evaluation:
         for n, start in enumerate(range(0, len(mine), chunk)):
             part = mine[start:start + chunk]
             seed = (self.seed * 1_000_003 + rank * 100_003 + n) % (2**31 - 1)
-            ro = generate(policy, [self.ids[i] for i in part for _ in range(k)], params, eos_ids=eos,
-                          tokenizer=self.tokenizer, seed=seed, cache=CacheSettings.from_config(cfg["rollout"]))
+            prompts = [self.ids[i] for i in part for _ in range(k)]
+            if engine is not None and engine.model is policy:
+                ro = engine.generate(prompts, params, eos_ids=eos, tokenizer=self.tokenizer, seed=seed)
+            else:
+                ro = generate(policy, prompts, params, eos_ids=eos, tokenizer=self.tokenizer, seed=seed,
+                              cache=CacheSettings.from_config(cfg["rollout"]))
             rewards, _ = score_rollout(self.reward_fn, [self.texts[i] for i in part for _ in range(k)], ro.texts,
                                        [self.metadatas[i] for i in part for _ in range(k)], cfg["reward"])
             rewards = rewards.double().view(len(part), k)
@@ -328,7 +335,8 @@ class EvalCallback(lightning.Callback):
             bar.show_phase("eval")
         try:
             with trainer.precision_plugin.forward_context():
-                metrics = self.evaluation.run(module.policy, trainer.global_rank, trainer.world_size)
+                engine = getattr(module.recipe, "engine", None)   # a kept rollout engine, else none
+                metrics = self.evaluation.run(module.policy, trainer.global_rank, trainer.world_size, engine)
         finally:
             for bar in bars:
                 bar.show_phase("step")

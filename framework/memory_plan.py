@@ -18,7 +18,7 @@ from __future__ import annotations
 import copy
 import os
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from framework.errors import FwError
@@ -93,6 +93,7 @@ class Plan:
     limit_source: str = ""
     suggestions: list[Suggestion] = field(default_factory=list)
     together: Suggestion | None = None   # the suggestions applied one after another until the job fits
+    keeps_engine: bool | None = None     # rollout.keep_engine resolved (None: the job does not generate)
 
     def phase_bytes(self, phase: str) -> float:
         return sum(r.bytes for r in self.rows if phase in r.phases)
@@ -421,7 +422,25 @@ def build_plan(cfg: dict, model: Qwen3Config, requirements: Requirements, shapes
              f"{model.num_hidden_layers} layers), {t['precision']}, {pdt} weights, "
              f"{world_size} process{'es' if world_size > 1 else ''}; memory per "
              + ("GPU" if backend == "cuda" else "process (CPU)"))
-    return Plan(title, rows, limit_bytes, limit_source)
+    return _keep_engine(Plan(title, rows, limit_bytes, limit_source), cfg["rollout"]["keep_engine"])
+
+
+def _keep_engine(plan: Plan, setting: bool | str) -> Plan:
+    """rollout.keep_engine applied: a kept engine holds its KV cache through every phase. "auto" keeps it when the
+    plan still fits so, or when no limit is known."""
+    i = next((i for i, r in enumerate(plan.rows) if r.name == "KV cache"), None)
+    if i is None:
+        return plan
+    row = plan.rows[i]
+    held = replace(row, phases=("held",), how=f"{row.how}; kept between rollouts (rollout.keep_engine {setting})")
+    kept = replace(plan, rows=plan.rows[:i] + [held] + plan.rows[i + 1:], keeps_engine=True)
+    if setting is True or (setting == "auto" and kept.fits is not False):
+        return kept
+    plan.keeps_engine = False
+    if setting == "auto":
+        plan.rows[i] = replace(row, how=f"{row.how}; handed back after each rollout (rollout.keep_engine auto: "
+                                        "held through the update it would not fit)")
+    return plan
 
 
 def _batch_rows(rows: list[Row], cfg: dict, model: Qwen3Config, shapes: BatchShapes, backend: str, pb: int,
@@ -623,6 +642,8 @@ def _candidates(cfg: dict, plan: Plan, shapes: BatchShapes | None, backend: str)
     p, o = cfg["model"]["policy"], cfg["optimizer"]
     prompts = cfg["rollout"]["prompts_per_step"]
     out: list[dict[str, Any]] = []
+    if plan.keeps_engine and cfg["rollout"]["keep_engine"] is True:   # its KV cache held through the update
+        out.append({"rollout.keep_engine": "auto"})
     if p["gradient_checkpointing"] is False:
         out.append({"model.policy.gradient_checkpointing": "selective"})
     if p["gradient_checkpointing"] is not True:

@@ -310,6 +310,11 @@ class FwModule(lightning.LightningModule):
 
             reset_optimizers(self)
 
+    def on_train_end(self) -> None:
+        release = getattr(self.recipe, "release", None)   # optional: a recipe holding memory between steps
+        if callable(release):
+            release()
+
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         if self._pending_rng is not None:
             # Restored here, not at load time: Lightning draws random numbers in between (e.g. the

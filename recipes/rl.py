@@ -277,6 +277,8 @@ class RLRecipe:
         self.rollout_step = 0  # rollout batches done so far (seeds the minibatch shuffle)
         self.prompt_position = 0  # task samples consumed by all ranks: the data position
         self.last_rollout: ScoredRollout | None = None  # the latest batch, for callbacks and inspection
+        self.engine: Any = None   # the policy's RolloutEngine, kept from one rollout to the next if keep_engine
+        self.keep_engine: bool | None = None   # rollout.keep_engine resolved at the first rollout
 
     # ---- protocol
     def train_dataloader(self, ctx: StepContext) -> DataLoader:
@@ -288,6 +290,29 @@ class RLRecipe:
     def load_state_dict(self, d: dict) -> None:
         self.rollout_step = int(d["rollout_step"])
         self.prompt_position = int(d["prompt_position"])
+
+    def release(self) -> None:
+        """Hand the rollout engine's KV cache and decode graphs back (the end of a fit)."""
+        if self.engine is not None:
+            self.engine.release()
+            self.engine = None
+
+    def rollout_engine(self, policy: torch.nn.Module) -> Any:
+        """The engine the rollouts of `policy` run on: one per run when rollout.keep_engine keeps it ("auto":
+        when the memory plan fits with its KV cache held through the update), else one per rollout."""
+        from framework.rollout import RolloutEngine
+        from framework.rollout.kv_cache import CacheSettings
+
+        if self.keep_engine is None:
+            keep = self.cfg["rollout"]["keep_engine"]
+            if keep == "auto":
+                from framework.memory_plan import estimate
+
+                keep = bool(estimate(self.cfg).keeps_engine)
+            self.keep_engine = keep
+        if self.engine is None or self.engine.model is not policy:
+            self.engine = RolloutEngine(policy, CacheSettings.from_config(self.cfg["rollout"]))
+        return self.engine
 
     # ---- shared steps
     def _check_batch_split(self, batch_size: int) -> None:
@@ -303,8 +328,7 @@ class RLRecipe:
         ``round_index`` > 0 draws the step's further rounds (GRPO's dynamic sampling): the prompts after
         those of every rank's earlier rounds, which ``finish_rollout(ctx, rounds)`` then skips."""
         from framework.rewards import score_rollout
-        from framework.rollout import generate, stop_token_ids
-        from framework.rollout.kv_cache import CacheSettings
+        from framework.rollout import stop_token_ids
         from framework.tasks import render_prompt
 
         cfg, tok = self.cfg, self.tokenizer
@@ -317,9 +341,13 @@ class RLRecipe:
         prompts = [p for p in ids for _ in range(samples_per_prompt)]
         seed = (cfg["seed"] * 1_000_003 + first // n_prompts) % (2**31 - 1)
         start = time.perf_counter()
-        ro = generate(ctx.policy, prompts, self.sampling, eos_ids=stop_token_ids(tok, ctx.policy.config),
-                      tokenizer=tok, seed=seed, policy_version=int(ctx.policy_version),
-                      cache=CacheSettings.from_config(cfg["rollout"]))
+        engine = self.rollout_engine(ctx.policy)
+        try:
+            ro = engine.generate(prompts, self.sampling, eos_ids=stop_token_ids(tok, ctx.policy.config),
+                                 tokenizer=tok, seed=seed, policy_version=int(ctx.policy_version))
+        finally:
+            if not self.keep_engine:   # its memory is the update's
+                self.engine.release()
         gen_seconds = time.perf_counter() - start
         rep_texts = [t for t in texts for _ in range(samples_per_prompt)]
         metadatas = [s["metadata"] for s in samples for _ in range(samples_per_prompt)]

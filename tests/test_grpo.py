@@ -310,3 +310,35 @@ def test_kv_budget_changes_no_metric_of_a_run(tmp_path):
     tiny = config(tmp_path / "tiny", rollout={"kv_cache_gib": blocks / 100, "block_size": 8, "max_new_tokens": 12})
     with pytest.raises(FwError, match="kv_cache_gib"):
         fit(tiny)
+
+
+class EngineProbe(Callback):
+    """Records, after every step, which rollout engine and KV pool the recipe holds (None: handed back)."""
+
+    seen: ClassVar[list] = []
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        engine = module.recipe.engine
+        EngineProbe.seen.append(None if engine is None or engine.cache is None
+                                else (id(engine), engine.cache.k.data_ptr()))
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_keep_engine_keeps_one_pool_for_the_run_and_changes_no_metric(tmp_path, keep):
+    """rollout.keep_engine true: one engine and one KV pool from the first rollout to the last, handed back at
+    the end of the fit; false: none held between steps. Both train exactly like the default ("auto", which on
+    CPU with no memory limit keeps it)."""
+    probe = {"class_path": "test_grpo.EngineProbe"}
+    EngineProbe.seen = []
+    trainer = fit(config(tmp_path / "run", [probe], rollout={"keep_engine": keep}, trainer={"max_steps": 3}))
+    seen = EngineProbe.seen
+    assert len(seen) == 3
+    if keep:
+        assert seen[0] is not None and seen == [seen[0]] * 3
+    else:
+        assert seen == [None] * 3
+    assert trainer.lightning_module.recipe.engine is None   # released when the fit ends
+    fit(config(tmp_path / "auto", trainer={"max_steps": 3}))
+    metrics = [[{k: v for k, v in r.items() if k not in TIMING} for r in read_metrics(d / "metrics.jsonl")]
+               for d in (tmp_path / "run", tmp_path / "auto")]
+    assert metrics[0] == metrics[1] and len(metrics[0]) == 3

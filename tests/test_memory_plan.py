@@ -77,6 +77,28 @@ def test_tiny_sft_plan_matches_a_hand_count():
     assert not any(r.name == "CUDA context" for r in plan.rows)
 
 
+def test_keep_engine_holds_the_kv_cache_through_every_phase_when_it_fits():
+    """rollout.keep_engine: kept, the KV cache (8 rows of one 16-position block + scratch, by hand) is held, so it
+    adds its bytes to the train-phase peak; handed back, it counts in the rollout phase only. "auto" keeps it
+    when the GPU holds the kept plan, hands it back when only the other fits, and keeps it with no limit."""
+    shapes = BatchShapes(rows=4, seq_len=10 + 6, loss_tokens=4 * 6, rollout_rows=8, prompt_len=10, new_tokens=6)
+    kv = 2 * LAYERS * (8 + 1) * 2 * 16 * 64 * 4   # float32: k and v, 2 layers, 9 blocks, 2 kv heads of 64
+    kept = plan_of(tiny("grpo", rollout={"keep_engine": True}), shapes)
+    back = plan_of(tiny("grpo", rollout={"keep_engine": False}), shapes)
+    assert row(kept, "KV cache").phases == ("held",) and row(back, "KV cache").phases == ("rollout",)
+    assert row(kept, "KV cache").bytes == row(back, "KV cache").bytes == kv
+    assert kept.keeps_engine is True and back.keeps_engine is False
+    assert back.peak_phase == "train" and kept.total_bytes == back.total_bytes + kv
+    auto = tiny("grpo")
+    assert plan_of(auto, shapes).keeps_engine is True   # no limit known
+    roomy = plan_of(auto, shapes, limit_bytes=kept.total_bytes)
+    tight = plan_of(auto, shapes, limit_bytes=kept.total_bytes - 1)
+    assert roomy.keeps_engine is True and roomy.total_bytes == kept.total_bytes
+    assert tight.keeps_engine is False and tight.total_bytes == back.total_bytes and tight.fits
+    assert "handed back after each rollout" in row(tight, "KV cache").how
+    assert plan_of(tiny("sft"), SFT_SHAPES).keeps_engine is None   # nothing generates
+
+
 def test_grpo_kv_cache_reference_and_cuda_rows_by_hand():
     cfg = tiny("grpo", grpo={"kl_coef": 0.1}, trainer={"precision": "bf16-mixed"})
     shapes = BatchShapes(rows=4, seq_len=10 + 6, loss_tokens=4 * 6, rollout_rows=8, prompt_len=10, new_tokens=6,
@@ -266,7 +288,9 @@ def test_fw_plan_prints_an_aligned_table_and_exits_0(capsys):
 
 
 def test_fw_plan_that_does_not_fit_lists_overrides_that_do(capsys):
-    args = ["plan", "--config", TRAIN, "--data.task.init_args={num_digits: 40}", "--rollout.max_new_tokens=64"]
+    # the engine handed back after each rollout: with no limit, "auto" would keep it, and the totals would differ
+    args = ["plan", "--config", TRAIN, "--data.task.init_args={num_digits: 40}", "--rollout.max_new_tokens=64",
+            "--rollout.keep_engine=false"]
     code, out, _ = fw(capsys, *args)
     assert code == 0
     total = float(next(ln for ln in out.splitlines() if ln.startswith("  total")).split()[1])
@@ -343,3 +367,19 @@ def test_plan_is_within_15_percent_of_the_measured_peak(tmp_path, job):
     peak = max(r["memory/peak_gib"] for r in records if "memory/peak_gib" in r) * mp.GIB
     assert all("memory/reserved_gib" in r for r in records if "memory/peak_gib" in r)
     assert abs(plan.allocated_bytes - peak) <= 0.15 * peak, (plan.table(), peak / mp.GIB)
+
+
+def test_fw_plan_suggests_auto_when_a_kept_engine_does_not_fit(capsys):
+    """keep_engine true on a GPU that holds the job only with the KV cache handed back: refused, and the
+    suggestion to let "auto" hand it back is listed and fits."""
+    totals = {}
+    for keep in ("true", "false"):
+        code, out, _ = fw(capsys, "plan", "--config", TRAIN, f"--rollout.keep_engine={keep}")
+        assert code == 0
+        totals[keep] = float(next(ln for ln in out.splitlines() if ln.startswith("  total")).split()[1])
+    assert totals["true"] > totals["false"]
+    limit = (totals["true"] + totals["false"]) / 2
+    code, out, _ = fw(capsys, "plan", "--config", TRAIN, "--rollout.keep_engine=true", "--gpu-gib", f"{limit:.4f}")
+    assert code == 2
+    line = next(ln for ln in out.splitlines() if ln.startswith("  --rollout.keep_engine=auto"))
+    assert float(line.split("->")[1].split()[0]) <= limit

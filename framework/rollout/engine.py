@@ -5,7 +5,8 @@ a group are prefilled once, and one forward per step decodes every running row.
 A `RolloutEngine` holds the pool of KV blocks (`framework/rollout/kv_cache.py` sizes it from
 `rollout.kv_cache_gib`), its bookkeeping (`block_manager.py`), and on CUDA one decode graph per batch-size
 bucket, captured once and replayed by every later step and call of that bucket. `generate` runs one call on a
-fresh engine and hands its memory back; a training loop may keep one engine across rollouts instead.
+fresh engine and hands its memory back; the RL recipes keep one engine across rollouts when
+`rollout.keep_engine` says so (recipes/rl.py).
 
 Stopping, per row: an EOS id (the EOS token is kept as the row's last completion token, with its logprob, so
 the trainer learns to emit it; it is left out of the text), a stop string (the token whose text completes it is
