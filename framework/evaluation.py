@@ -335,7 +335,8 @@ class EvalCallback(lightning.Callback):
             bar.show_phase("eval")
         try:
             with trainer.precision_plugin.forward_context():
-                engine = getattr(module.recipe, "engine", None)   # a kept rollout engine, else none
+                # the run's rollout engine when it is kept between rollouts (its cache is allocated anyway)
+                engine = module.recipe.engine if getattr(module.recipe, "keep_engine", None) else None
                 metrics = self.evaluation.run(module.policy, trainer.global_rank, trainer.world_size, engine)
         finally:
             for bar in bars:

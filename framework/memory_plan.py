@@ -432,7 +432,8 @@ def _keep_engine(plan: Plan, setting: bool | str) -> Plan:
     if i is None:
         return plan
     row = plan.rows[i]
-    held = replace(row, phases=("held",), how=f"{row.how}; kept between rollouts (rollout.keep_engine {setting})")
+    text = {True: "true", False: "false"}.get(setting, setting)
+    held = replace(row, phases=("held",), how=f"{row.how}; kept between rollouts (rollout.keep_engine {text})")
     kept = replace(plan, rows=plan.rows[:i] + [held] + plan.rows[i + 1:], keeps_engine=True)
     if setting is True or (setting == "auto" and kept.fits is not False):
         return kept

@@ -298,8 +298,9 @@ class RLRecipe:
             self.engine = None
 
     def rollout_engine(self, policy: torch.nn.Module) -> Any:
-        """The engine the rollouts of `policy` run on: one per run when rollout.keep_engine keeps it ("auto":
-        when the memory plan fits with its KV cache held through the update), else one per rollout."""
+        """The engine the rollouts of `policy` run on, one per run. rollout.keep_engine says whether its KV cache and
+        graphs stay between rollouts ("auto": when the memory plan fits with the cache held through the update);
+        when not, `collect` hands them back after each rollout."""
         from framework.rollout import RolloutEngine
         from framework.rollout.kv_cache import CacheSettings
 
