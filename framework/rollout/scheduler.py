@@ -1,13 +1,12 @@
 """Continuous batching: which rows run, which wait, and the blocks each one holds.
 
-Lazy allocation: a row is admitted in the order of the waiting queue (the longest limit first, rows of equal limits
-in their given order), while the batch has fewer than `max_num_seqs`
-rows and the pool has the blocks of its context (prompt, plus the tokens it produced before a preemption)
-and of the position its first sampled token is written at, with blocks to spare for the running rows' next
-writes, so that an admission does not at once preempt a running row: `watermark`, 5% of the pool (at least
-one block), or what the running rows and the row itself can still take at most (`outstanding` and its own rest)
-when that is less. A pool that
-holds every row's prompt and limit thus admits as many rows at once as reserving them would. Each later block
+Lazy allocation: a row is admitted in the order of the waiting queue (the longest limit first, rows of equal
+limits in their given order), while the batch has fewer than `max_num_seqs` rows and the pool has the blocks of
+its context (prompt, plus the tokens it produced before a preemption) and of the position its first sampled
+token is written at, with blocks to spare for the running rows' next writes, so that an admission does not at
+once preempt a running row: `watermark`, 5% of the pool (at least one block), or what the running rows and the
+row itself can still take at most (`outstanding` and its own rest) when that is less. A pool that holds every
+row's prompt and limit thus admits as many rows at once as reserving them would. Each later block
 is allocated by `grow` when the host queues the decode step whose KV write crosses into it. A finished row gives
 its blocks back at once, and the next waiting row joins the batch at the next step.
 
