@@ -1,7 +1,8 @@
 """paged_decode_attention and paged_prefill_attention: attention over a paged KV cache (fixed-size blocks of
 one pool, a block table per row). Schemas, argument checks, torch references, fakes (inference only: no
 autograd). CUDA kernel of the decode op: csrc/decode_attention.cu (the decode kernels with a block-table
-indirection); the prefill op runs its reference on CUDA too (a gather per row, then SDPA).
+indirection); the prefill op runs its reference on CUDA too (a gather per row, then SDPA, with host syncs), so the
+rollout engine's CUDA prefill gathers the contexts once and calls varlen_suffix_attention instead.
 
 Pool layout: k_pool, v_pool [num_blocks, Hk, block_size, D]; position p of row b lives in block
 block_tables[b, p // block_size] at offset p % block_size. A row's result does not depend on which other

@@ -1,7 +1,8 @@
 """varlen_attention: causal GQA attention within each sequence of packed [N, H, D] tensors (cu_seqlens,
-no mask tensor), and its backward. Schemas, argument checks, torch references, fakes, autograd, autocast
-rule and the CUDA kernels, which are PyTorch's own varlen flash attention (the kernels behind
-`torch.nn.attention.varlen.varlen_attn`), so there is no csrc file.
+no mask tensor), and its backward; varlen_suffix_attention: its inference-only form whose queries are the
+last tokens of each sequence (a prefill over cached context). Schemas, argument checks, torch references,
+fakes, autograd, autocast rules and the CUDA kernels, which are PyTorch's own varlen flash attention (the
+kernels behind `torch.nn.attention.varlen.varlen_attn`), so there is no csrc file.
 """
 from __future__ import annotations
 
@@ -127,6 +128,34 @@ def _varlen_attention_backward_cuda(grad_out, q, k, v, out, lse, cu_seqlens, max
     return dq, dk, dv
 
 
+def varlen_suffix_attention_reference(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, max_q: int,
+                                      max_k: int, scale: float) -> Tensor:
+    """out [Nq, Hq, D] in q's dtype: the queries cu_q[i]..cu_q[i+1] are the last tokens of sequence i, whose keys
+    are cu_k[i]..cu_k[i+1]; query j of n sits at key position len_k - n + j and sees the keys up to it. Query
+    tokens past cu_q[-1] give zeros."""
+    acc = acc_dtype(q.dtype)
+    rep = q.shape[1] // k.shape[1]
+    out = torch.zeros(q.shape, dtype=acc, device=q.device)
+    for (qs, qe), (ks, ke) in zip(itertools.pairwise(cu_q.tolist()), itertools.pairwise(cu_k.tolist())):
+        n, L = qe - qs, ke - ks
+        if n <= 0:
+            continue
+        s = torch.einsum("qhd,khd->hqk", q[qs:qe].to(acc), k[ks:ke].to(acc).repeat_interleave(rep, dim=1)) * scale
+        later = torch.arange(L, device=q.device)[None, :] > torch.arange(L - n, L, device=q.device)[:, None]
+        p = torch.softmax(s.masked_fill(later, float("-inf")), -1)
+        out[qs:qe] = torch.einsum("hqk,khd->qhd", p, v[ks:ke].to(acc).repeat_interleave(rep, dim=1))
+    return out.to(q.dtype)
+
+
+def _varlen_suffix_attention_cuda(q, k, v, cu_q, cu_k, max_q, max_k, scale):
+    if not flash_serves(q):
+        return varlen_suffix_attention_reference(q, k, v, cu_q.cpu(), cu_k.cpu(), max_q, max_k, scale)
+    # flash's causal mask is aligned to the bottom right of each sequence's [n, L] block: the suffix rule
+    return torch.ops.aten._flash_attention_forward(
+        _last_dim_dense(q), _last_dim_dense(k), _last_dim_dense(v), cu_q, cu_k, max_q, max_k, 0.0, True, False,
+        scale=scale)[0]
+
+
 def _fake(q, k, v, cu_seqlens, max_seqlen, scale):
     return q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]), dtype=acc_dtype(q.dtype))
 
@@ -140,6 +169,10 @@ define("varlen_attention(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens, SymInt
 define("varlen_attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
        "Tensor cu_seqlens, SymInt max_seqlen, float scale) -> (Tensor, Tensor, Tensor)",
        varlen_attention_backward_reference, fake=_backward_fake, cuda=_varlen_attention_backward_cuda)
+
+define("varlen_suffix_attention(Tensor q, Tensor k, Tensor v, Tensor cu_q, Tensor cu_k, SymInt max_q, SymInt max_k, "
+       "float scale) -> Tensor", varlen_suffix_attention_reference,
+       fake=lambda q, k, v, cu_q, cu_k, max_q, max_k, scale: q.new_empty(q.shape), cuda=_varlen_suffix_attention_cuda)
 
 
 def _setup(ctx, inputs, output):
@@ -161,7 +194,8 @@ torch.library.register_autograd("fw::varlen_attention", _backward, setup_context
 
 # Under autocast the attention runs in bf16, as scaled_dot_product_attention does (flash takes 16-bit only).
 for _device in ("cuda", "cpu"):
-    torch.library.register_autocast("fw::varlen_attention", _device, torch.bfloat16, lib=LIB)
+    for _op in ("fw::varlen_attention", "fw::varlen_suffix_attention"):
+        torch.library.register_autocast(_op, _device, torch.bfloat16, lib=LIB)
 
 
 def varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int, scale: float) -> Tensor:
@@ -178,3 +212,27 @@ def varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_se
         fail("varlen_attention", f"shapes disagree: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} "
                                  "(expected k == v shapes, same N and D, and Hq a multiple of Hk)")
     return torch.ops.fw.varlen_attention(q, k, v, cu_seqlens, max_seqlen, float(scale))[0]
+
+
+def varlen_suffix_attention(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, max_q: int, max_k: int,
+                            scale: float) -> Tensor:
+    """Causal GQA attention of packed queries q [Nq, Hq, D] that are the last tokens of their sequences, over
+    packed k, v [Nk, Hk, D] holding the sequences' every token: the queries cu_q[i]..cu_q[i+1] - 1 of sequence
+    i attend to its keys cu_k[i]..cu_k[i+1] - 1 up to their own positions (each sequence has at least as many
+    keys as queries). cu_q, cu_k: int32 [S + 1]; max_q, max_k: at least the most queries / keys of a sequence.
+    Inference only (no autograd). With cu_q == cu_k it is varlen_attention."""
+    need_dim("varlen_suffix_attention", "q", q, 3, "[Nq, Hq, D]")
+    need_dim("varlen_suffix_attention", "k", k, 3, "[Nk, Hk, D]")
+    need_dim("varlen_suffix_attention", "v", v, 3, "[Nk, Hk, D]")
+    for name, cu in (("cu_q", cu_q), ("cu_k", cu_k)):
+        need_dim("varlen_suffix_attention", name, cu, 1, "[S + 1]")
+        if cu.dtype != torch.int32:
+            fail("varlen_suffix_attention", f"`{name}` must be int32, got {cu.dtype}")
+    if cu_q.shape != cu_k.shape:
+        fail("varlen_suffix_attention", f"cu_q {tuple(cu_q.shape)} and cu_k {tuple(cu_k.shape)} must count the same "
+                                        "sequences")
+    if k.shape != v.shape or q.shape[2] != k.shape[2] or q.shape[1] % k.shape[1]:
+        fail("varlen_suffix_attention", f"shapes disagree: q {tuple(q.shape)}, k {tuple(k.shape)}, "
+                                        f"v {tuple(v.shape)} (expected k == v shapes, the same D, and Hq a multiple "
+                                        "of Hk)")
+    return torch.ops.fw.varlen_suffix_attention(q, k, v, cu_q, cu_k, max_q, max_k, float(scale))

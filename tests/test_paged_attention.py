@@ -155,3 +155,147 @@ def test_cpu_rows_are_bitwise_independent_of_their_batch(D, bs, monkeypatch):
                                            torch.tensor([37, 70, 5]), 0.4)
     assert torch.equal(out[29:], alone)
     torch.testing.assert_close(alone.double(), naive(qp[:4], k_pool, v_pool, tables[0], 5, 1, 0.4), atol=1e-5, rtol=0)
+
+
+def suffix_naive(q, k, v, cu_q, cu_k, scale):
+    """float64: query j of sequence i's n queries sits at key position L - n + j and sees keys 0..L - n + j."""
+    rep = q.shape[1] // k.shape[1]
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    for i in range(len(cu_q) - 1):
+        qs, ks = int(cu_q[i]), int(cu_k[i])
+        n, L = int(cu_q[i + 1]) - qs, int(cu_k[i + 1]) - ks
+        for j in range(n):
+            for h in range(q.shape[1]):
+                seen = range(L - n + j + 1)
+                s = torch.tensor([float(q[qs + j, h].double() @ k[ks + p, h // rep].double()) * scale for p in seen],
+                                 dtype=torch.float64)
+                w = torch.softmax(s, 0)
+                out[qs + j, h] = sum(w[p] * v[ks + p, h // rep].double() for p in seen)
+    return out
+
+
+def test_varlen_suffix_attention_matches_naive_and_opcheck():
+    g = torch.Generator().manual_seed(5)
+    cu_q, cu_k = torch.tensor([0, 3, 4, 9, 9], dtype=torch.int32), torch.tensor([0, 3, 11, 16, 18], dtype=torch.int32)
+    q, k, v = torch.randn(9, 4, 8, generator=g), torch.randn(18, 2, 8, generator=g), torch.randn(18, 2, 8, generator=g)
+    out = ops_cuda.varlen_suffix_attention(q, k, v, cu_q, cu_k, 5, 8, 0.35)
+    torch.testing.assert_close(out.double(), suffix_naive(q, k, v, cu_q, cu_k, 0.35), atol=1e-5, rtol=0)
+    # with every key a query it is causal varlen attention
+    same = ops_cuda.varlen_suffix_attention(k.repeat_interleave(2, 1), k, v, cu_k, cu_k, 8, 8, 0.35)
+    torch.testing.assert_close(same, ops_cuda.varlen_attention(k.repeat_interleave(2, 1), k, v, cu_k, 8, 0.35))
+    torch.library.opcheck(torch.ops.fw.varlen_suffix_attention.default, (q, k, v, cu_q, cu_k, 5, 8, 0.35))
+    with pytest.raises(ValueError, match="int32"):
+        ops_cuda.varlen_suffix_attention(q, k, v, cu_q.long(), cu_k, 5, 8, 0.35)
+    with pytest.raises(ValueError, match="same sequences"):
+        ops_cuda.varlen_suffix_attention(q, k, v, cu_q[:-1], cu_k, 5, 8, 0.35)
+    with pytest.raises(ValueError, match="shapes disagree"):
+        ops_cuda.varlen_suffix_attention(q, k, v[:, :1], cu_q, cu_k, 5, 8, 0.35)
+
+
+def flash_prefill_run(model, device, dtype, contexts, cached, bs=4):
+    """Rows of `contexts` random tokens in shuffled blocks of a paged cache. run(flash) writes each row's first
+    `cached` tokens by the reference path, then prefills the rest and returns the last tokens' logits, with
+    flash None (the reference path), "gather" (FlashPrefill as the engine builds it for cached prefixes) or
+    "fresh" (the new tokens are the whole contexts)."""
+    from framework.models.qwen3 import FlashPrefill, PagedBatch
+    from framework.rollout.engine import context_positions
+    from framework.rollout.scheduler import RowState
+
+    g = torch.Generator().manual_seed(9)
+    per_row = [-(-n // bs) for n in contexts]
+    cache = model.new_paged_kv_cache(1 + sum(per_row), bs, device=device, dtype=dtype)
+    order = (torch.randperm(sum(per_row), generator=g) + 1).tolist()
+    tables = torch.zeros(len(contexts), max(per_row), dtype=torch.long)
+    for r, m in enumerate(per_row):
+        tables[r, :m] = torch.tensor([order.pop() for _ in range(m)])
+    ids = [torch.randint(0, model.config.vocab_size, (n,), generator=g) for n in contexts]
+    rows = [RowState(row=r, prompt=ids[r].tolist(), limit=1) for r in range(len(contexts))]
+    for s, c in zip(rows, cached):
+        s.cached = c
+
+    def forward(rows_, spans, flash):
+        pos = torch.cat([torch.arange(a, b) for a, b in spans])
+        owner = torch.repeat_interleave(torch.tensor(rows_), torch.tensor([b - a for a, b in spans]))
+        cu = torch.tensor([0] + [b - a for a, b in spans]).cumsum(0)
+        f = None
+        if flash is not None:
+            cu_q = cu.int().to(device)
+            max_q, max_k = max(b - a for a, b in spans), max(b for _, b in spans)
+            if flash == "fresh":
+                f = FlashPrefill(cu_q, max_q, cu_q, max_k)
+            else:
+                blocks, offsets, cu_k = context_positions([rows[r] for r in rows_], tables, bs)
+                f = FlashPrefill(cu_q, max_q, cu_k.int().to(device), max_k, blocks.to(device), offsets.to(device))
+        batch = PagedBatch(positions=pos.to(device), write_blocks=tables[owner, pos // bs].to(device),
+                           write_offsets=(pos % bs).to(device), block_tables=tables[rows_].to(device),
+                           lengths=torch.tensor([b for _, b in spans], device=device), cu_seqlens=cu.to(device),
+                           flash=f)
+        tokens = torch.cat([ids[r][a:b] for r, (a, b) in zip(rows_, spans)])
+        return model.forward_paged(tokens.to(device), batch, cache, (cu[1:] - 1).to(device))
+
+    @torch.no_grad()
+    def run(flash):
+        prefixed = [r for r, c in enumerate(cached) if c]
+        if prefixed:
+            forward(prefixed, [(0, cached[r]) for r in prefixed], None)
+        return forward(list(range(len(contexts))), list(zip(cached, contexts)), flash)
+    return run
+
+
+def test_flash_prefill_paths_match_the_reference_in_float64(tok):
+    """The model's CUDA prefill paths (here on their CPU references): the contexts gathered from the pools after
+    a cached prefix, and fresh rows' own keys/values, give the reference path's logits."""
+    from conftest import peaked_tiny_model
+
+    model = peaked_tiny_model(tok).double()
+    run = flash_prefill_run(model, "cpu", torch.float64, contexts=[9, 14, 5, 21], cached=[4, 0, 4, 13])
+    want = run(None)
+    torch.testing.assert_close(run("gather"), want, atol=1e-10, rtol=0)
+    fresh = flash_prefill_run(model, "cpu", torch.float64, contexts=[9, 14, 5], cached=[0, 0, 0])
+    torch.testing.assert_close(fresh("fresh"), fresh(None), atol=1e-10, rtol=0)
+
+
+def test_context_positions_walk_each_rows_table():
+    from framework.rollout.engine import context_positions
+    from framework.rollout.scheduler import RowState
+
+    tables = torch.tensor([[0, 0, 0], [7, 3, 0], [5, 9, 2]])
+    rows = [RowState(row=2, prompt=[1] * 9, limit=1), RowState(row=1, prompt=[1] * 5, limit=1)]
+    blocks, offsets, cu = context_positions(rows, tables, 4)
+    assert cu.tolist() == [0, 9, 14]
+    assert blocks.tolist() == [5] * 4 + [9] * 4 + [2] + [7] * 4 + [3]
+    assert offsets.tolist() == [0, 1, 2, 3] * 2 + [0] + [0, 1, 2, 3, 0]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype, tol", [(torch.bfloat16, 3e-2), (torch.float16, 5e-3)])
+def test_varlen_suffix_attention_on_cuda_against_float64(dtype, tol):
+    from ops_cuda.varlen_attention import flash_serves
+
+    lens_k, lens_q = [1, 300, 37, 1024, 64, 5], [1, 17, 37, 300, 1, 5]
+    cu_k = torch.tensor([0] + lens_k).cumsum(0).int()
+    cu_q = torch.tensor([0] + lens_q).cumsum(0).int()
+    q = torch.randn(int(cu_q[-1]), 16, 128, device="cuda", dtype=dtype)
+    k, v = (torch.randn(int(cu_k[-1]), 8, 128, device="cuda", dtype=dtype) for _ in range(2))
+    assert flash_serves(q)
+    out = ops_cuda.varlen_suffix_attention(q, k, v, cu_q.cuda(), cu_k.cuda(), max(lens_q), max(lens_k), 128 ** -0.5)
+    from ops_cuda.varlen_attention import varlen_suffix_attention_reference
+    want = varlen_suffix_attention_reference(q.double().cpu(), k.double().cpu(), v.double().cpu(), cu_q, cu_k,
+                                             max(lens_q), max(lens_k), 128 ** -0.5)
+    err = (out.double().cpu() - want).norm() / want.norm()
+    assert err < tol, err
+
+
+@pytest.mark.gpu
+def test_flash_prefill_paths_on_cuda_match_the_reference(tok):
+    from conftest import peaked_tiny_model
+
+    model = peaked_tiny_model(tok).cuda()
+    with torch.autocast("cuda", torch.bfloat16):
+        run = flash_prefill_run(model, "cuda", torch.bfloat16, contexts=[90, 140, 50, 210], cached=[40, 0, 48, 130],
+                                bs=16)
+        want, got = run(None).float(), run("gather").float()
+        fresh = flash_prefill_run(model, "cuda", torch.bfloat16, contexts=[90, 140, 50], cached=[0, 0, 0], bs=16)
+        want_fresh, got_fresh = fresh(None).float(), fresh("fresh").float()
+    for a, b in ((got, want), (got_fresh, want_fresh)):
+        assert ((a - b).norm() / b.norm()) < 2e-2

@@ -103,6 +103,20 @@ class PagedKVCache:
         return self.k.shape[3]
 
 
+class FlashPrefill(NamedTuple):
+    """A prefill's attention by varlen flash attention (CUDA) instead of the pool-reading reference: cu_q and max_q
+    over the rows' new tokens, cu_k and max_k over their whole contexts (int32 cu). context_blocks/offsets [Nk] locate
+    every context position in the pools, gathered after the writes; None when no row has a cached prefix, so the new
+    tokens' own keys/values are the contexts (cu_k is cu_q)."""
+
+    cu_q: Tensor
+    max_q: int
+    cu_k: Tensor
+    max_k: int
+    context_blocks: Tensor | None = None
+    context_offsets: Tensor | None = None
+
+
 class PagedBatch(NamedTuple):
     """One forward over a paged cache, shared by all layers: N new tokens of R rows, each token's k/v written at
     (write_blocks[i], write_offsets[i]) before the attention reads the rows' contexts."""
@@ -113,9 +127,7 @@ class PagedBatch(NamedTuple):
     block_tables: Tensor    # [R, M] int64
     lengths: Tensor         # [R] each row's context length after the writes
     cu_seqlens: Tensor | None  # [R + 1]: row r's tokens (prefill); None: one token a row, N == R (decode)
-    # a prefill whose rows have no cached prefix: their tokens are their whole contexts, so attention runs over
-    # the fresh k/v with varlen attention, (int32 cu_seqlens, the longest row), instead of gathering from the pool
-    fresh: tuple[Tensor, int] | None = None
+    flash: FlashPrefill | None = None   # a prefill on CUDA; None: the reference (the CPU's exact path)
 
 
 class Qwen3Attention(nn.Module):
@@ -172,19 +184,24 @@ class Qwen3Attention(nn.Module):
 
     def paged(self, x: Tensor, batch: PagedBatch, k_pool: Tensor, v_pool: Tensor) -> Tensor:
         """Packed tokens x [N, d]: writes their k/v into the pools, then attends over each row's context."""
-        if batch.fresh is None:   # QK-norm, RoPE and the writes in one op: the attention reads k/v from the pools
+        f = batch.flash
+        if f is None or f.context_blocks is not None:   # QK-norm, RoPE and the writes in one op
             q = ops_cuda.qk_norm_rope_write(self.qkv_proj(x).to(k_pool.dtype), batch.positions, self.q_norm.weight,
                                             self.k_norm.weight, self.q_norm.eps, self.config.rope_theta, k_pool,
                                             v_pool, batch.write_blocks, batch.write_offsets)
-        else:
+        else:   # the new tokens are the whole contexts: their k/v serve the attention as they are
             q, k, v = (t[0] for t in self._qkv(x[None], batch.positions[None]))
             k_pool[batch.write_blocks, :, batch.write_offsets] = k.to(k_pool.dtype)
             v_pool[batch.write_blocks, :, batch.write_offsets] = v.to(v_pool.dtype)
             q = q.to(k_pool.dtype)
         if batch.cu_seqlens is None:
             out = ops_cuda.paged_decode_attention(q, k_pool, v_pool, batch.block_tables, batch.lengths, self.scale)
-        elif batch.fresh is not None:
-            out = ops_cuda.varlen_attention(q, k.to(q.dtype), v.to(q.dtype), *batch.fresh, self.scale)
+        elif f is not None:
+            if f.context_blocks is not None:   # cached prefix and new tokens, packed row after row
+                k = k_pool[f.context_blocks, :, f.context_offsets]
+                v = v_pool[f.context_blocks, :, f.context_offsets]
+            out = ops_cuda.varlen_suffix_attention(q, k.to(q.dtype), v.to(q.dtype), f.cu_q, f.cu_k, f.max_q,
+                                                   f.max_k, self.scale)
         else:
             out = ops_cuda.paged_prefill_attention(q, k_pool, v_pool, batch.block_tables, batch.cu_seqlens,
                                                    batch.lengths, self.scale)

@@ -33,7 +33,7 @@ from torch.profiler import record_function
 import ops_cuda
 from framework.allocator import release_cached, to_device
 from framework.errors import FwError
-from framework.models.qwen3 import PagedBatch
+from framework.models.qwen3 import FlashPrefill, PagedBatch
 from framework.rollout.block_manager import BlockManager
 from framework.rollout.kv_cache import CacheSettings, DecodeGraph, batch_bucket, decode_step, pool_blocks
 from framework.rollout.sampling import SamplingParams, draw
@@ -79,6 +79,17 @@ def step_seed(seed: int, step: int) -> int:
     z = (seed * 0x9E3779B97F4A7C15 + (step + 1) * 0xBF58476D1CE4E5B9) & ((1 << 64) - 1)
     z = ((z ^ (z >> 31)) * 0x94D049BB133111EB) & ((1 << 64) - 1)
     return (z ^ (z >> 29)) & _MASK63
+
+
+def context_positions(rows: list[RowState], tables: Tensor, block_size: int) -> tuple[Tensor, Tensor, Tensor]:
+    """(blocks [Nk], offsets [Nk], cu [R + 1]) of every context position 0..context - 1 of `rows`, row after row,
+    in a pool whose block tables (host, indexed by row id) are `tables`."""
+    counts = torch.tensor([s.context for s in rows], dtype=torch.long)
+    cu = torch.zeros(len(rows) + 1, dtype=torch.long)
+    torch.cumsum(counts, 0, out=cu[1:])
+    owner = torch.repeat_interleave(torch.tensor([s.row for s in rows], dtype=torch.long), counts)
+    pos = torch.arange(int(cu[-1])) - torch.repeat_interleave(cu[:-1], counts)
+    return tables[owner, pos // block_size], pos % block_size, cu
 
 
 def _check_prompts(prompts: list[list[int]], params: SamplingParams, tokenizer: Any) -> None:
@@ -289,23 +300,31 @@ class _Run:
         parts = [torch.tensor(tokens, dtype=torch.long), pos, blk, pos % self.bs, rows,
                  torch.tensor([s.context for s in computed], dtype=torch.long), last,
                  torch.tensor(pick, dtype=torch.long)]
-        sizes = [n, n, n, n, len(computed), len(computed), r_pad, len(new)]
+        sizes = [n, n, n, n, len(computed), len(computed), r_pad, len(new), len(cu)]
+        parts.append(torch.tensor(cu, dtype=torch.long))
+        fresh = all(s.cached == 0 for s in computed)
         if not self.cpu:
             new_rows = torch.tensor([s.row for s in new], dtype=torch.long)
             parts += [new_rows, self.tables[new_rows].flatten()]
             sizes += [len(new), len(new) * self.width]
+            if not fresh:   # flash attention reads each row's whole context, gathered from the pools
+                ctx_blocks, ctx_offsets, cu_k = context_positions(computed, self.tables, self.bs)
+                parts += [cu_k, ctx_blocks, ctx_offsets]
+                sizes += [len(cu_k), len(ctx_blocks), len(ctx_blocks)]
         if self.e.timeline is not None:
             self.e.timeline.begin("prefill", len(new), n_real, n)
-        tok_d, pos_d, blk_d, off_d, rows_d, len_d, last_d, pick_d, *table_d = to_device(
+        tok_d, pos_d, blk_d, off_d, rows_d, len_d, last_d, pick_d, cu_d, *cuda_d = to_device(
             torch.cat(parts), self.device).split(sizes)
-        if table_d:
-            self.tables_dev.index_copy_(0, table_d[0], table_d[1].view(len(new), self.width))
-        fresh = not self.cpu and all(s.cached == 0 for s in computed)
-        cu_d = to_device(torch.tensor(cu, dtype=torch.int32), self.device)
+        flash = None
+        if cuda_d:   # CUDA only: the CPU pads the tokens, and keeps one attention path for exactness
+            self.tables_dev.index_copy_(0, cuda_d[0], cuda_d[1].view(len(new), self.width))
+            cu_q = cu_d.int()
+            max_q = max(s.context - s.cached for s in computed)
+            max_k = max(s.context for s in computed)
+            flash = (FlashPrefill(cu_q, max_q, cu_q, max_k) if fresh
+                     else FlashPrefill(cu_q, max_q, cuda_d[2].int(), max_k, cuda_d[3], cuda_d[4]))
         batch = PagedBatch(positions=pos_d, write_blocks=blk_d, write_offsets=off_d,
-                           block_tables=self.tables_dev[rows_d], lengths=len_d, cu_seqlens=cu_d.long(),
-                           # CUDA only: the CPU pads the tokens, and keeps one attention path for exactness
-                           fresh=(cu_d, max(s.context for s in computed)) if fresh else None)
+                           block_tables=self.tables_dev[rows_d], lengths=len_d, cu_seqlens=cu_d, flash=flash)
         logits = self.e.model.forward_paged(tok_d, batch, self.e.cache, last_d)
         cache = self.e.cache
         for s in new:
