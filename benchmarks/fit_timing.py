@@ -8,6 +8,9 @@ The `StepTimer` callback of examples/step_timer.py is appended to the config's c
 The first step (kernels, allocator, autotuning) is reported apart from the median of the later ones. Peak memory
 is the run's largest `memory/peak_gib` (torch.cuda.max_memory_allocated) and `memory/reserved_gib` in
 metrics.jsonl, beside `framework.memory_plan.estimate(cfg)`'s total in torch's allocator.
+
+With --rollout-timeline an RL run's rollout engine carries a `framework.rollout.timeline.Timeline` each step
+(`RolloutTimeline` below, written to <run_dir>/rollout_timeline.json): where the rollout's wall time goes.
 """
 from __future__ import annotations
 
@@ -17,6 +20,50 @@ import statistics
 from pathlib import Path
 
 import torch
+
+from framework.callbacks import Callback
+from framework.rollout.timeline import Timeline
+
+
+class RolloutTimeline(Callback):
+    """A fresh Timeline on the recipe's rollout engine for every training batch; each batch's summary goes to
+    <run_dir>/rollout_timeline.json."""
+
+    def __init__(self) -> None:
+        self.summaries: list[dict] = []
+        self.timeline: Timeline | None = None
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
+        engine_of = getattr(module.recipe, "rollout_engine", None)
+        if engine_of is not None:
+            self.timeline = Timeline(module.device)
+            engine_of(module.policy).timeline = self.timeline
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+        if self.timeline is None:
+            return
+        self.summaries.append(self.timeline.summary())
+        out = Path(trainer.default_root_dir) / "rollout_timeline.json"
+        out.write_text(json.dumps(self.summaries, default=str))
+
+
+def timeline_lines(summaries: list[dict]) -> list[str]:
+    """Medians over the later steps' rollouts of where their wall time went."""
+    later = summaries[1:] or summaries
+
+    def m(key: str, kind: str | None = None) -> float:
+        return statistics.median((s[kind] if kind else s)[key] for s in later)
+
+    sampler = statistics.median(s["decode"]["sample_s"] + s["prefill"]["sample_s"] for s in later)
+    return [f"  rollout timeline (median of {len(later)} later steps, seconds):",
+            f"    generate wall           {m('call_s'):.3f}",
+            f"    host before 1st step    {m('setup_s'):.3f}",
+            f"    device span of steps    {m('span_s'):.3f} (idle in it {m('idle_s'):.3f})",
+            f"    host after last step    {m('finish_s'):.3f}",
+            f"    prefill forward         {m('forward_s', 'prefill'):.3f} over {m('steps', 'prefill'):.0f} steps",
+            (f"    decode forward          {m('forward_s', 'decode'):.3f} over {m('steps', 'decode'):.0f} steps; "
+             f"sampler {sampler:.3f}"),
+            f"    graph captures          {m('captures'):.0f} in {m('captured_s'):.3f}"]
 
 
 def _median(records: list[dict], key: str, skip_first: bool = True) -> float | None:
@@ -60,6 +107,9 @@ def report(cfg: dict, plan_gib: float | None = None) -> str:
     if plan_gib is not None:
         ratio = f" ({plan_gib / max(peaks):.2f}x the measured peak)" if peaks else ""
         lines.append(f"  memory plan estimate      {plan_gib:.1f} GiB allocated{ratio}")
+    timeline = run_dir / "rollout_timeline.json"
+    if timeline.exists() and (summaries := json.loads(timeline.read_text())):
+        lines += timeline_lines(summaries)
     return "\n".join(lines)
 
 
@@ -70,9 +120,12 @@ def main(argv: list[str] | None = None) -> None:
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", action="append", required=True)
+    ap.add_argument("--rollout-timeline", action="store_true", help="time the rollout's steps (RL recipes)")
     args, overrides = ap.parse_known_args(argv)
     cfg = load_config(args.config, overrides)
     cfg["callbacks"] = [*cfg["callbacks"], {"class_path": "examples.step_timer.StepTimer", "init_args": {}}]
+    if args.rollout_timeline:
+        cfg["callbacks"].append({"class_path": "benchmarks.fit_timing.RolloutTimeline", "init_args": {}})
     plan = estimate(cfg)
     fit(cfg)
     print("\n" + report(cfg, plan.allocated_bytes / GIB), flush=True)

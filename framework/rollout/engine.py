@@ -163,6 +163,8 @@ class RolloutEngine:
     def generate(self, prompts: list[list[int]], params: SamplingParams, *, eos_ids: Sequence[int] = (),
                  tokenizer: Any = None, seed: int = 0, policy_version: int = 0) -> Rollout:
         """Sample completions of ``prompts`` (token id lists) as ``params`` says; see `generate`."""
+        if self.timeline is not None:
+            self.timeline.enter()
         _check_prompts(prompts, params, tokenizer)
         model = self.model
         device = model.lm_head_weight.device
@@ -184,7 +186,10 @@ class RolloutEngine:
                 # The graphs read autocast's casts of the weights, which live only as long as this autocast
                 # region: captured again in the next call.
                 self._drop_graphs()
-        return _result(seqs, prompts, pad_id, tokenizer, params.stop, device, policy_version)
+        result = _result(seqs, prompts, pad_id, tokenizer, params.stop, device, policy_version)
+        if self.timeline is not None:
+            self.timeline.exit()
+        return result
 
 
 @dataclass

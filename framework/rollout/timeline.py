@@ -28,11 +28,20 @@ class Step:
     host: list[float] = field(default_factory=list)   # host clock at the same three points
 
 
+@dataclass
+class Call:
+    """One `generate` call: host clock at its entry and exit, and the index of its first step."""
+
+    first: int
+    host: list[float] = field(default_factory=list)
+
+
 class Timeline:
     """Marks around every step of the `generate` calls of the engine it is given to (`engine.timeline`)."""
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
+        self.calls: list[Call] = []
         self.steps: list[Step] = []
         self.waited = 0.0       # host seconds blocked on the device (reading a step's tokens back)
         self.captured = 0.0     # host seconds capturing decode graphs
@@ -46,6 +55,14 @@ class Timeline:
             step.marks.append(event)
         else:
             step.marks.append(step.host[-1])
+
+    def enter(self) -> None:
+        """At a `generate` call's entry."""
+        self.calls.append(Call(len(self.steps), [time.perf_counter()]))
+
+    def exit(self) -> None:
+        """At its return, the rollout's tensors built."""
+        self.calls[-1].host.append(time.perf_counter())
 
     def begin(self, kind: str, rows: int, tokens: int, bucket: int) -> None:
         """Before the step's first device op: the device's wait for the host falls before this mark."""
@@ -90,4 +107,15 @@ class Timeline:
                 out["idle_s"] += max(0.0, self._seconds(prev.marks[2], s.marks[0]))
         if done:
             out["span_s"] = self._seconds(done[0].marks[0], done[-1].marks[2])
+        # host seconds of the calls outside their steps: before the first step is queued (the pool, the
+        # scheduler, the tables), and after the last one (reading back its tokens, building the rollout)
+        out.update(calls=0, call_s=0.0, setup_s=0.0, finish_s=0.0)
+        ends = [c.first for c in self.calls[1:]] + [len(self.steps)]
+        for c, end in zip(self.calls, ends):
+            if len(c.host) < 2 or end <= c.first or len(self.steps[end - 1].host) < 3:
+                continue
+            out["calls"] += 1
+            out["call_s"] += c.host[1] - c.host[0]
+            out["setup_s"] += self.steps[c.first].host[0] - c.host[0]
+            out["finish_s"] += c.host[1] - self.steps[end - 1].host[2]
         return out
