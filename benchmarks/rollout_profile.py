@@ -17,7 +17,8 @@ host time queueing it, the device's idle time between steps (it waited for the h
 on the device, and the graphs captured. Per decode bucket: steps, rows, context and the bytes a step must read
 (the weights once and every row's keys and values) against its forward time. `--kernels N` profiles N replays
 of the largest bucket's decode graph with the sampler and lists the kernels of one step; `--trace` writes
-that profile's chrome trace.
+that profile's chrome trace. `--prefill-kernels R` lists the kernels of a call that only prefills the first R
+prompts (one new token each).
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ import argparse
 import contextlib
 import random
 import time
+from typing import Any
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -103,17 +105,38 @@ def kernel_report(engine: RolloutEngine, params: SamplingParams, steps: int, tra
         torch.cuda.synchronize()
     if trace:
         prof.export_chrome_trace(trace)
+    return kernel_table(prof, steps, f"one decode step at bucket {bucket} (table width {width}), the sampler "
+                                     "included", "a step")
+
+
+def kernel_table(prof: Any, repeats: int, what: str, per: str) -> list[str]:
+    """The profile's kernels (device time and launches per repeat), the longest first."""
     kernels: dict[str, list[float]] = {}
     for e in prof.key_averages():
         if e.device_time_total > 0 and not e.key.startswith(("Memcpy", "Memset")):
-            kernels[e.key] = [e.device_time_total / steps, e.count / steps]
+            kernels[e.key] = [e.device_time_total / repeats, e.count / repeats]
     total = sum(t for t, _ in kernels.values())
-    lines = ["", (f"kernels of one decode step at bucket {bucket} (table width {width}), the sampler included: "
-             f"{len(kernels)} kinds, {sum(c for _, c in kernels.values()):.0f} launches, {total / 1e3:.3f} ms"), "",
-             "| kernel | µs a step | launches a step |", "|---|---|---|"]
+    lines = ["", (f"kernels of {what}: {len(kernels)} kinds, {sum(c for _, c in kernels.values()):.0f} launches, "
+             f"{total / 1e3:.3f} ms"), "", f"| kernel | µs {per} | launches {per} |", "|---|---|---|"]
     for name in sorted(kernels, key=lambda k: kernels[k][0], reverse=True)[:TOP_KERNELS]:
         lines.append(f"| `{name[:100]}` | {kernels[name][0]:.1f} | {kernels[name][1]:.0f} |")
     return lines
+
+
+def prefill_report(engine: RolloutEngine, prompts: list[list[int]], rows: int, region: Any) -> list[str]:
+    """The kernels and wall time of a call that only prefills (one new token) the first `rows` prompts."""
+    params = SamplingParams(max_new_tokens=1, temperature=1.0)
+    with region():
+        engine.generate(prompts[:rows], params, seed=1)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            t0 = time.perf_counter()
+            engine.generate(prompts[:rows], params, seed=1)
+            torch.cuda.synchronize()
+            wall = time.perf_counter() - t0
+    tokens = sum(map(len, prompts[:rows]))
+    return kernel_table(prof, 1, f"a prefill-only call of {rows} prompts ({tokens} prompt tokens; wall "
+                                 f"{1e3 * wall:.1f} ms under the profiler)", "in all")
 
 
 def main(argv: list[str] | None = None) -> str:
@@ -133,6 +156,8 @@ def main(argv: list[str] | None = None) -> str:
                          "allocated and its decode graphs captured inside the call")
     ap.add_argument("--kernels", type=int, default=0, help="profile this many decode-graph replays (CUDA)")
     ap.add_argument("--trace", default=None, help="where the --kernels profile's chrome trace goes")
+    ap.add_argument("--prefill-kernels", type=int, default=0,
+                    help="profile a call that only prefills this many of the prompts (CUDA)")
     args = ap.parse_args(argv)
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
@@ -178,6 +203,8 @@ def main(argv: list[str] | None = None) -> str:
                 lines += kernel_report(engine, params, args.kernels, args.trace)
         else:   # under autocast the graphs read casts that die with the call's autocast region
             lines.append("\nno decode graph is kept after a call under autocast: no kernel profile")
+    if args.prefill_kernels and cuda:
+        lines += prefill_report(engine, prompts, args.prefill_kernels, region)
     engine.release()
     report = "\n".join(lines)
     print(report)

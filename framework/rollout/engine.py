@@ -305,8 +305,12 @@ class _Run:
         parts = [torch.tensor(tokens, dtype=torch.long), pos, blk, pos % self.bs, rows,
                  torch.tensor([s.context for s in computed], dtype=torch.long), last,
                  torch.tensor(pick, dtype=torch.long)]
-        sizes = [n, n, n, n, len(computed), len(computed), r_pad, len(new), len(cu)]
-        parts.append(torch.tensor(cu, dtype=torch.long))
+        # a group's followers copy their leader's partial last block once the prefill has written it
+        copies = [(s.blocks[s.context // self.bs], s.leader.blocks[s.context // self.bs]) for s in new
+                  if s.leader is not None and s.context % self.bs]
+        sizes = [n, n, n, n, len(computed), len(computed), r_pad, len(new), len(cu), 2 * len(copies)]
+        parts += [torch.tensor(cu, dtype=torch.long),
+                  torch.tensor([d for d, _ in copies] + [s for _, s in copies], dtype=torch.long)]
         fresh = all(s.cached == 0 for s in computed)
         if not self.cpu:
             new_rows = torch.tensor([s.row for s in new], dtype=torch.long)
@@ -318,7 +322,7 @@ class _Run:
                 sizes += [len(cu_k), len(ctx_blocks), len(ctx_blocks)]
         if self.e.timeline is not None:
             self.e.timeline.begin("prefill", len(new), n_real, n)
-        tok_d, pos_d, blk_d, off_d, rows_d, len_d, last_d, pick_d, cu_d, *cuda_d = to_device(
+        tok_d, pos_d, blk_d, off_d, rows_d, len_d, last_d, pick_d, cu_d, copy_d, *cuda_d = to_device(
             torch.cat(parts), self.device).split(sizes)
         flash = None
         if cuda_d:   # CUDA only: the CPU pads the tokens, and keeps one attention path for exactness
@@ -331,12 +335,11 @@ class _Run:
         batch = PagedBatch(positions=pos_d, write_blocks=blk_d, write_offsets=off_d,
                            block_tables=self.tables_dev[rows_d], lengths=len_d, cu_seqlens=cu_d, flash=flash)
         logits = self.e.model.forward_paged(tok_d, batch, self.e.cache, last_d)
-        cache = self.e.cache
-        for s in new:
-            if s.leader is not None and s.context % self.bs:   # the leader's partial last block
-                i = s.context // self.bs
-                cache.k[:, s.blocks[i]] = cache.k[:, s.leader.blocks[i]]
-                cache.v[:, s.blocks[i]] = cache.v[:, s.leader.blocks[i]]
+        if copies:
+            dst, src = copy_d.view(2, -1)
+            cache = self.e.cache
+            cache.k[:, dst] = cache.k[:, src]
+            cache.v[:, dst] = cache.v[:, src]
         for s in new:
             s.leader = None
         meta = to_device(torch.tensor([[s.row, s.issued] for s in new], dtype=torch.long), self.device)
