@@ -811,6 +811,167 @@ def test_decode_attention_kernel_choice(monkeypatch, dtype, Hq, Hk, D, mode, mma
         assert rel(run(), expected) < TOL[dtype]
 
 
+# the persistent tensor-core kernel (decode_mma_kernel_persistent, the default where the tensor-core kernel runs)
+def _persist_lengths(kind: str, gen: torch.Generator) -> torch.Tensor:
+    """many short rows (some empty), a few long ones, or a mix; row lengths as the kernel's chunking sees them"""
+    if kind == "short":
+        n = torch.randint(1, 301, (256,), generator=gen)
+        n[torch.randperm(256, generator=gen)[:9]] = 0
+        n[:2] = torch.tensor([300, 1])
+    elif kind == "long":
+        n = torch.tensor([4096, 1, 2500])
+    else:
+        n = torch.randint(1, 2049, (64,), generator=gen)
+        n[:3] = torch.tensor([2048, 16, 17])
+    return n
+
+
+def _paged(kc: torch.Tensor, vc: torch.Tensor, bs: int, gen: torch.Generator, spare: int = 1):
+    """[B, Hk, S, D] caches as pools of `bs`-position blocks in shuffled order, block 0 unused, and a block table
+    of a power-of-two width at least `spare` times what S needs (the engine's tables are wider than the lengths)"""
+    B, Hk, S, D = kc.shape
+    per_row = -(-S // bs)
+    width = 1 << max(0, (per_row * spare - 1).bit_length())
+    order = (torch.randperm(B * per_row, generator=gen) + 1).view(B, per_row)
+    tables = torch.zeros(B, width, dtype=torch.long)
+    tables[:, :per_row] = order
+    pad = per_row * bs - S
+
+    def pool(c):
+        c = torch.nn.functional.pad(c, (0, 0, 0, pad)).view(B, Hk, per_row, bs, D).transpose(1, 2)
+        out = torch.randn(B * per_row + 1, Hk, bs, D, device=c.device, dtype=c.dtype)
+        out[order.view(-1).to(c.device)] = c.reshape(B * per_row, Hk, bs, D)
+        return out
+
+    return pool(kc), pool(vc), tables.to(kc.device)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("Hq,Hk", [(16, 8), (32, 8), (32, 2), (48, 2)])   # R = 2, 4, 16, 24 (head groups 16 + 8)
+@pytest.mark.parametrize("kind", ["short", "long", "mixed"])
+@pytest.mark.parametrize("paged", [False, True])
+def test_decode_persistent(monkeypatch, dtype, D, Hq, Hk, kind, paged):
+    """The persistent kernel against float64: many short rows (B=256, some of length 0, which give exact zeros),
+    a few long rows (B=3, up to 4096) and a mix (B=64, up to 2048), contiguous and paged caches (shuffled
+    16-position blocks, a table twice as wide as needed)."""
+    monkeypatch.setenv("FW_DECODE_PERSIST", "1")
+    gen = torch.Generator().manual_seed(D + Hq + Hk)
+    lengths = _persist_lengths(kind, gen)
+    B, S = len(lengths), int(lengths.max())
+    q = torch.randn(B, Hq, D, device=DEV, dtype=dtype)
+    kc = torch.randn(B, Hk, S, D, device=DEV, dtype=dtype)
+    vc = torch.randn(B, Hk, S, D, device=DEV, dtype=dtype)
+    lengths = lengths.to(DEV)
+    scale = D ** -0.5
+    expected = decode_attention_reference(q.double(), kc.double(), vc.double(), lengths, scale)
+    if paged:
+        k_pool, v_pool, tables = _paged(kc, vc, 16, gen, spare=2)
+
+        def run():
+            return ops_cuda.paged_decode_attention(q, k_pool, v_pool, tables, lengths, scale)
+    else:
+        def run():
+            return ops_cuda.decode_attention(q, kc, vc, lengths, scale)
+    poison()
+    names = launched_kernels(run, "decode")
+    assert any("decode_mma_kernel_persistent" in n for n in names), names
+    poison()
+    out = run()
+    assert rel(out, expected) < TOL[dtype]
+    empty = (lengths == 0).nonzero().flatten().tolist()
+    assert all(out[b].abs().max() == 0 for b in empty)
+
+
+@pytest.mark.parametrize("bs", [8, 32, 64])
+def test_decode_persistent_block_sizes(monkeypatch, bs):
+    """Blocks of under 16 positions (a tile reads several table entries) and of more (tiles share an entry)."""
+    monkeypatch.setenv("FW_DECODE_PERSIST", "1")
+    gen = torch.Generator().manual_seed(bs)
+    lengths = torch.tensor([0, 1, 15, 16, 17, 100, 1000, 999, 513, 64])
+    B, S, Hq, Hk, D = len(lengths), 1000, 32, 8, 128
+    q = torch.randn(B, Hq, D, device=DEV, dtype=torch.bfloat16)
+    kc = torch.randn(B, Hk, S, D, device=DEV, dtype=torch.bfloat16)
+    vc = torch.randn(B, Hk, S, D, device=DEV, dtype=torch.bfloat16)
+    lengths = lengths.to(DEV)
+    k_pool, v_pool, tables = _paged(kc, vc, bs, gen)
+    poison()
+    out = ops_cuda.paged_decode_attention(q, k_pool, v_pool, tables, lengths, 0.1)
+    assert rel(out, decode_attention_reference(q.double(), kc.double(), vc.double(), lengths, 0.1)) < TOL[q.dtype]
+    assert out[0].abs().max() == 0
+
+
+@pytest.mark.parametrize("Hq,Hk,D", [(16, 8, 128), (64, 4, 64)])
+def test_decode_persistent_graph_replays(monkeypatch, Hq, Hk, D):
+    """Captured once in a CUDA graph and replayed with new lengths (and q) copied into the captured tensors: every
+    replay matches float64, so the kernel leaves its item, warps-done and arrival counters at zero. The lengths
+    change how the rows are chunked (one chunk a row, many, rows of length 0), and eager calls of other shapes run
+    between the replays on the shared counters."""
+    monkeypatch.setenv("FW_DECODE_PERSIST", "1")
+    gen = torch.Generator().manual_seed(7)
+    B, S, dtype = 48, 1024, torch.bfloat16
+    q = torch.randn(B, Hq, D, device=DEV, dtype=dtype)
+    kc = torch.randn(B, Hk, S, D, device=DEV, dtype=dtype)
+    vc = torch.randn(B, Hk, S, D, device=DEV, dtype=dtype)
+    k_pool, v_pool, tables = _paged(kc, vc, 16, gen, spare=2)
+    lengths = torch.full((B,), S, device=DEV)
+    out = ops_cuda.paged_decode_attention(q, k_pool, v_pool, tables, lengths, 0.2)   # warm-up outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = ops_cuda.paged_decode_attention(q, k_pool, v_pool, tables, lengths, 0.2)
+    cases = [torch.full((B,), S), torch.randint(1, S + 1, (B,), generator=gen),
+             torch.randint(0, 40, (B,), generator=gen), torch.tensor([S] + [1] * (B - 1)),
+             torch.zeros(B, dtype=torch.long), torch.randint(1, S + 1, (B,), generator=gen), torch.full((B,), 17)]
+    for i, n in enumerate(cases * 2):
+        lengths.copy_(n)
+        q.copy_(torch.randn(B, Hq, D, generator=gen).to(dtype))
+        out.fill_(float("nan"))
+        graph.replay()
+        expected = decode_attention_reference(q.double(), kc.double(), vc.double(), lengths, 0.2)
+        assert rel(out, expected) < TOL[dtype], (i, n[:8])
+        if i % 3 == 0:   # an eager call of another shape between replays
+            m = torch.randint(1, 300, (5,), generator=gen).to(DEV)
+            q2 = torch.randn(5, Hq, D, device=DEV, dtype=dtype)
+            k2, v2 = (torch.randn(5, Hk, 300, D, device=DEV, dtype=dtype) for _ in range(2))
+            got = ops_cuda.decode_attention(q2, k2, v2, m, 0.2)
+            assert rel(got, decode_attention_reference(q2.double(), k2.double(), v2.double(), m, 0.2)) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype,Hq,Hk,D", [(torch.bfloat16, 16, 8, 128), (torch.float16, 32, 8, 64),
+                                           (torch.bfloat16, 48, 2, 128)])
+def test_decode_persist_env_agrees(monkeypatch, dtype, Hq, Hk, D):
+    """FW_DECODE_PERSIST=0 runs decode_mma_kernel, 1 the persistent kernel (profiler): their outputs agree within
+    rounding and match float64, at many rows and at few (the other kernel's splits); the persistent kernel's
+    chunk and items overrides (FW_DECODE_CHUNK, FW_DECODE_ITEMS) change no more than rounding either."""
+    gen = torch.Generator().manual_seed(3)
+    for B, S in ((256, 300), (2, 3000)):
+        q = torch.randn(B, Hq, D, device=DEV, dtype=dtype)
+        kc = torch.randn(B, Hk, S, D, device=DEV, dtype=dtype)
+        vc = torch.randn(B, Hk, S, D, device=DEV, dtype=dtype)
+        lengths = torch.randint(0, S + 1, (B,), generator=gen).to(DEV)
+        expected = decode_attention_reference(q.double(), kc.double(), vc.double(), lengths, 0.15)
+
+        def run(args=(q, kc, vc, lengths, 0.15)):
+            poison()
+            return ops_cuda.decode_attention(*args)
+
+        outs = {}
+        for persist in ("0", "1"):
+            monkeypatch.setenv("FW_DECODE_PERSIST", persist)
+            names = launched_kernels(run, "decode")
+            assert any("decode_mma_kernel_persistent" in n for n in names) == (persist == "1"), names
+            assert any("decode_mma_kernel<" in n for n in names) == (persist == "0"), names
+            outs[persist] = run()
+            assert rel(outs[persist], expected) < TOL[dtype], (B, persist)
+        assert rel(outs["1"], outs["0"].double()) < TOL[dtype], B
+        for name, value in (("FW_DECODE_CHUNK", "2"), ("FW_DECODE_CHUNK", "3"), ("FW_DECODE_CHUNK", "1000"),
+                            ("FW_DECODE_ITEMS", "1"), ("FW_DECODE_ITEMS", "64")):
+            monkeypatch.setenv(name, value)
+            assert rel(run(), expected) < TOL[dtype], (B, name, value)
+            monkeypatch.delenv(name)
+
+
 def _child(code: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-X", "faulthandler", "-u", "-c", "import torch\n" + code], check=False,
                           capture_output=True, text=True, timeout=600)

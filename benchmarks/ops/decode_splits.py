@@ -5,9 +5,11 @@ ops_cuda/csrc/decode_attention.cu. The overrides are read per call.
     python -m benchmarks.ops.decode_splits                      by split count (FW_DECODE_SPLITS)
     python -m benchmarks.ops.decode_splits --columns "FW_DECODE_SPLITS=" "FW_DECODE_SPLITS=2" --heads 32,8 \
         --shapes 256x1024,64x1024 --compile                    any settings, and torch.compile's SDPA as a baseline
+    python -m benchmarks.ops.decode_splits --columns FW_DECODE_PERSIST=0 FW_DECODE_PERSIST=1 --gbps \
+        --shapes 256x256,256x512,256x1024,64x1024,48x1024,8x1024,1x2048   the persistent kernel against the other
 
-Needs a CUDA GPU; CUDA-graph replay medians, us. In the split sweep, "=n" marks a forced count above the cap of
-ceil(S / 64), which runs as n splits.
+Needs a CUDA GPU; CUDA-graph replay medians, us (with --gbps also the K/V bytes the lengths cover a second, GB/s).
+In the split sweep, "=n" marks a forced count above the cap of ceil(S / 64), which runs as n splits.
 """
 from __future__ import annotations
 
@@ -47,6 +49,7 @@ def main() -> None:
     p.add_argument("--shapes", default=SHAPES, help="BxS,... (batch x cache length)")
     p.add_argument("--heads", default="16,8", help="query heads,kv heads (head_dim 128)")
     p.add_argument("--compile", action="store_true", help="add torch.compile of the masked SDPA as a last column")
+    p.add_argument("--gbps", action="store_true", help="each time with the K/V bytes read a second (GB/s)")
     args = p.parse_args()
     assert library.activate_cuda() == "kernels", library.cuda_state["error"]
     (hq, hk), d = (int(x) for x in args.heads.split(",")), 128
@@ -57,7 +60,8 @@ def main() -> None:
         for n, c in zip(names, args.columns):
             print(f"{n} {c}")
     sdpa = compiled(decode_sdpa) if args.compile else None
-    print("B    S     lengths  " + "  ".join(f"{n:>6}" for n in names) + ("  compile" if sdpa else ""))
+    width = 12 if args.gbps else 6   # "us GB/s" cells
+    print("B    S     lengths  " + "  ".join(f"{n:>{width}}" for n in names) + ("  compile" if sdpa else ""))
     for shape in args.shapes.split(","):
         b, s = (int(x) for x in shape.split("x"))
         q = torch.randn(b, hq, d, device="cuda", dtype=torch.bfloat16)
@@ -73,6 +77,9 @@ def main() -> None:
                 most = min(-(-s // 64), 64)   # the kernel caps a forced count at ceil(S / 64) and 64
                 cells = [f"{t:6.1f}" if not n or int(n) <= most else f"{'=' + str(most):>6}"
                          for n, t in zip(SPLITS, times)]
+            elif args.gbps:
+                kv_bytes = int(lengths.clamp(max=s).sum()) * hk * d * 2 * kc.element_size()   # K and V rows
+                cells = [f"{t:6.1f} {kv_bytes / t * 1e-3:5.0f}" for t in times]
             else:
                 cells = [f"{t:6.1f}" for t in times]
             if sdpa:

@@ -14,10 +14,13 @@
 // power of two) and any head_dim that is a multiple of 8 up to 256 (padded to DP = 64/128/256; lanes past
 // D copy zeros and write nothing).
 //
-// Two kernels: the tensor-core kernel (decode_mma_kernel, below) for 16-bit caches with head_dim 64 or 128 at 2 or
-// more query heads a kv head, where the ring kernel's maths on the CUDA cores bounded it (use_mma); the ring kernel
-// above for the rest. Both share the end of a block's work (decode_finish); each has its own split count
-// (decode_attention_plan).
+// Three kernels: the tensor-core kernel for 16-bit caches with head_dim 64 or 128 at 2 or more query heads a kv
+// head, where the ring kernel's maths on the CUDA cores bounded it (use_mma); the ring kernel above for the rest.
+// The tensor-core maths runs in a persistent kernel by default (decode_mma_kernel_persistent: co-resident one-warp
+// workers that take (row, kv head, head group, chunk) items from a self-resetting counter, each streaming its tiles
+// through one ring across items, the last chunk of a row to finish combining the row), or with FW_DECODE_PERSIST=0
+// in decode_mma_kernel (a block per (row, kv head, head group, split)). decode_kernel and decode_mma_kernel share the
+// end of a block's work (decode_finish); each has its own split count (decode_attention_plan).
 #include <algorithm>
 #include <cstdlib>
 #include <map>
@@ -32,19 +35,29 @@ namespace fw {
 // q [B, Hq, D] (16-byte aligned); caches addressed as base + b*sb + h*sh + s*ss + d (elements; base 16-byte
 // aligned, strides multiples of 16 bytes); out [B, Hq, D]. Any Hq % Hk == 0, D a multiple of 8 up to 256.
 // With plan.splits > 1: o/m/l hold the per-split partials and count one int per (b, kv head, head group)
-// (B * Hk * plan.groups ints), zero before the launch and left zero after it.
+// (B * Hk * plan.groups ints), zero before the launch and left zero after it. With plan.persist: o/m/l hold a
+// partial per work item and query head of its group ([plan.slots, min(16, Hq / Hk)] of them) and count
+// kDecodeCounterHead + B * Hk * plan.groups ints, zero before the launch and left zero after it.
 struct DecodeWorkspace {
   float* o;    // [B, Hq, splits, D]
   float* m;    // [B, Hq, splits]
   float* l;    // [B, Hq, splits]
   int* count;  // [B, Hk, groups]
 };
-// How one call runs, decided once (the overrides FW_DECODE_MMA and FW_DECODE_SPLITS are read here, per call):
-// the kernel, the head groups a kv head and the splits of the context. The workspace is sized from it.
+// The persistent kernel's own counters (its item counter and its warps done) ahead of its arrival counters.
+constexpr int kDecodeCounterHead = 32;
+// How one call runs, decided once (the overrides FW_DECODE_MMA, FW_DECODE_PERSIST, FW_DECODE_SPLITS,
+// FW_DECODE_CHUNK and FW_DECODE_ITEMS are read here, per call): the kernel, the head groups a kv head and the
+// splits of the context, or the persistent kernel's grid and work items. The workspace is sized from it.
 struct DecodePlan {
   bool mma;    // the tensor-core kernel, else the ring kernel
   int groups;  // query-head groups a kv head, a block each
   int splits;
+  bool persist;  // mma as decode_mma_kernel_persistent (splits 1)
+  int blocks;    // its grid: one-warp blocks, those co-resident at most
+  int slots;     // the work items its workspace holds
+  int chunk;     // 16-position tiles a chunk when forced, else 0 (the kernel picks)
+  int items;     // the work items a warp it aims for
 };
 // A paged cache: position p of row b is at block table[b * stride + (p >> shift)], offset p & (2^shift - 1);
 // a block starts sblk elements after the previous one. table null: the cache is contiguous per row (base + b*sb).
@@ -579,6 +592,410 @@ __global__ void __launch_bounds__(kThreads, 2) decode_mma_kernel(DecodeArgs a) {
                                   nr, DP);
 }
 
+// ------------------------------------------------------------------ persistent tensor-core path
+// decode_mma_kernel pays a fixed latency per block (lengths, table, first copies, a short pipeline, the block's
+// reduction) and runs in waves; a grid of under one wave leaves the GPU short of bytes in flight. This kernel keeps
+// only as many one-warp blocks as are co-resident, and each warp is a worker that takes work items from a global
+// counter until none are left. An item is (row b, kv head g, head group, chunk): chunk c covers the context tiles
+// [c * CT, (c + 1) * CT) of the row, and a row of length 0 has one fully masked tile (the item that writes its zeros).
+// Every warp reads all the lengths first and picks the same CT: about kPItems items a warp over the actual tiles
+// (the table's width often far exceeds the lengths), CT >= 2, and at most kPMaxChunks chunks a row, which bounds the
+// combine (so a row's rounding depends on the batch's lengths, not on its own alone). Items are numbered row by
+// row, so a row's chunks run at about the same time on different warps, and the mapping of an item to its row
+// needs only a prefix sum that each lane holds for its share of the rows.
+// A warp's K/V tiles (and q, with an item's first tile) stream through its private cp.async ring without a break at
+// item boundaries: the producer half of the loop decodes the next item when it passes the end of the current one,
+// and per-stage records tell the consumer half where items start and end. At an item's end a row of one chunk
+// writes its output; otherwise the warp writes its partial (max, sum, unnormalised output) to the workspace slot of
+// the item, and the last warp of the row's chunks to arrive (a counter per (b, g, head group), which it resets)
+// combines them. The last warp to finish resets the item counter and the warps-done counter: the op is replayed in
+// CUDA graphs with no host work in between.
+constexpr int kPStages = 3, kPMaxChunks = 16, kPItems = 4;
+constexpr int kPNone = 1, kPFirst = 2, kPLast = 4;  // a stage past the last item; an item's first / last tile
+
+struct PersistArgs {
+  DecodeArgs a;
+  int B;
+  int nrp;    // q rows a stage holds: the most heads of a group, min(kMmaHeads, R)
+  int slots;  // work items the workspace holds
+  int chunk;  // tiles a chunk when forced (FW_DECODE_CHUNK), else 0
+  int items;  // the items a warp to aim for
+};
+// What the consumer needs of a stage; lane 0 writes it with the stage's copies.
+struct alignas(16) PStage {
+  int p0, len, flags, item;  // the tile's first position, the row's length, kP*, the item (its workspace slot)
+  int hq0, nr, nc, first;    // the group's first query head (b * Hq + ...), its heads, its chunks, its chunk 0 item
+  int grp, pad0, pad1, pad2;  // its arrival counter
+};
+
+// The warp's ring of K/V tiles, then one q slot a stage, then the stage records.
+template <int DP> constexpr int persist_smem_bytes(int nrp) {
+  return kPStages * (2 * 16 * DP * 2 + nrp * DP * 2 + (int)sizeof(PStage));
+}
+
+__device__ __forceinline__ int64_t warp_sum_i64(int64_t v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+__device__ __forceinline__ int warp_max_int(int v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = max(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+__device__ __forceinline__ int warp_incl_scan(int v) {
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const int y = __shfl_up_sync(0xffffffffu, v, o);
+    if (lane >= o) v += y;
+  }
+  return v;
+}
+
+// Block = one warp. ws.count: [0] the item counter, [1] the warps done, from kDecodeCounterHead one arrival counter
+// a (b, g, head group). ws.o/m/l: [slots, nrp] partials. Fragment layout as in decode_mma_kernel.
+template <typename T, int DP>
+__global__ void __launch_bounds__(32) decode_mma_kernel_persistent(PersistArgs pa) {
+  constexpr int CH = DP / 8, KS = DP / 16, NT = DP / 8, E = DP / 32;
+  constexpr int kTileBytes = 16 * DP * 2, kStageBytes = 2 * kTileBytes;
+  constexpr unsigned kAll = 0xffffffffu;
+  extern __shared__ __align__(128) unsigned char smem[];
+  const DecodeArgs& a = pa.a;
+  const int lane = threadIdx.x, gq = lane >> 2, tq = lane & 3, mt = lane >> 3, mr = lane & 7;
+  const int W = gridDim.x, B = pa.B, HR = a.Hk * a.RG, nrp = pa.nrp;
+  const int qslot = nrp * DP * 2;
+  unsigned char* ring = smem;
+  unsigned char* qring = smem + kPStages * kStageBytes;
+  PStage* meta = reinterpret_cast<PStage*>(qring + kPStages * qslot);
+  const uint32_t ring_s = (uint32_t)__cvta_generic_to_shared(ring), q_s = (uint32_t)__cvta_generic_to_shared(qring);
+  int* const next_ctr = a.ws.count;
+  int* const done_ctr = a.ws.count + 1;
+  int* const grp_ctr = a.ws.count + kDecodeCounterHead;
+  const float qscale = a.scale * 1.4426950408889634f;  // scores in base 2
+  auto at = [](int r, int c) { return r * DP * 2 + ((c ^ (r & 7)) << 4); };
+  auto len_of = [&](int b) {
+    const int64_t n = __ldg(a.lengths + b);
+    return (int)(n < 0 ? 0 : n > a.S ? a.S : n);
+  };
+  auto tiles_of = [](int len) { return max(1, (len + 15) >> 4); };  // a row of length 0: one masked tile
+
+  // The chunk size, from every row's tiles; then lane j's rows [j * k, j * k + k) and the items before them.
+  const int k = (B + 31) / 32;
+  int64_t tsum = 0;
+  int tmax = 0;
+  for (int t = 0; t < k; ++t) {
+    const int b = lane * k + t;
+    if (b < B) {
+      const int n = tiles_of(len_of(b));
+      tsum += n;
+      tmax = max(tmax, n);
+    }
+  }
+  tsum = warp_sum_i64(tsum) * HR;
+  tmax = warp_max_int(tmax);
+  int ct = pa.chunk;
+  if (ct <= 0) {
+    const int64_t target = (int64_t)pa.items * W;
+    ct = (int)std::max<int64_t>(2, (tsum + target - 1) / target);
+  }
+  ct = max(ct, (tmax + kPMaxChunks - 1) / kPMaxChunks);
+  int pre, N;
+  for (;;) {
+    int n = 0;
+    for (int t = 0; t < k; ++t) {
+      const int b = lane * k + t;
+      if (b < B) n += HR * ((tiles_of(len_of(b)) + ct - 1) / ct);
+    }
+    const int inc = warp_incl_scan(n);
+    pre = inc - n;
+    N = __shfl_sync(kAll, inc, 31);
+    if (N <= pa.slots) break;
+    ct *= 2;  // not taken at the sizes run_decode allows for; keeps the partials inside the workspace regardless
+  }
+
+  // ---- producer state: item `it` (none once it >= N), its tiles [t0, t1), the next one to issue t
+  int it = blockIdx.x, t = 0, t0 = 0, t1 = 0, len = 0, hq0 = 0, nr = 0, nc = 1, first = 0, grp = 0, b = 0;
+  int64_t kv = 0;   // the row's K/V base, b * sb + g * sh
+  int64_t ent = 0;  // block-table entry of tile win + lane (paged caches of blocks of 16 positions or more)
+  int win = 0;
+  int nxt = 0;  // lane 0: the counter's answer for the item after this one, asked for when this one starts
+  const bool tiled = a.tbl.table != nullptr && a.tbl.shift >= 4;  // a tile lies in one block
+  auto window = [&](int from) {
+    win = from;
+    const int tt = from + lane;
+    ent = tiled && tt < t1 && tt * 16 < len
+              ? __ldg(a.tbl.table + (int64_t)b * a.tbl.stride + ((int64_t)tt * 16 >> a.tbl.shift))
+              : 0;
+  };
+  // decodes item it (< N): its row by the lanes' prefix sums, then (g, head group, chunk) within the row
+  auto start = [&]() {
+    const int j = 31 - __clz(__ballot_sync(kAll, pre <= it));  // the last lane whose rows start at or before it
+    int rem = it - __shfl_sync(kAll, pre, j);
+    for (int base = 0;; base += 32) {
+      const int r = j * k + base + lane;
+      const int n = base + lane < k && r < B ? HR * ((tiles_of(len_of(r)) + ct - 1) / ct) : 0;
+      const int inc = warp_incl_scan(n);
+      const unsigned hit = __ballot_sync(kAll, inc > rem);
+      if (hit) {
+        const int s = __ffs(hit) - 1;
+        b = j * k + base + s;
+        rem -= __shfl_sync(kAll, inc - n, s);
+        break;
+      }
+      rem -= __shfl_sync(kAll, inc, 31);
+    }
+    len = len_of(b);
+    const int tiles = tiles_of(len);
+    nc = (tiles + ct - 1) / ct;
+    const int gl = rem / nc, c = rem - gl * nc, g = gl / a.RG, rg = gl - g * a.RG;
+    t = t0 = c * ct;
+    t1 = min(tiles, t0 + ct);
+    first = it - c;
+    grp = b * HR + gl;
+    nr = min(kMmaHeads, a.R - rg * kMmaHeads);
+    hq0 = b * a.Hq + g * a.R + rg * kMmaHeads;
+    kv = (int64_t)b * a.sb + (int64_t)g * a.sh;
+    window(t0);
+    if (lane == 0) nxt = atomicAdd(next_ctr, 1);  // its answer is first needed at this item's end
+  };
+  if (it < N) start();
+  // stage i into slot i % kPStages: tile t of the current item (q too at its first tile), then on to the next item
+  auto issue = [&](int i) {
+    const int s = i % kPStages;
+    if (it >= N) {
+      if (lane == 0) meta[s].flags = kPNone;
+      cp_async_commit();
+      return;
+    }
+    unsigned char* st = ring + s * kStageBytes;
+    const int p0 = t * 16;
+    if (t - win == 32) window(t);
+    const int64_t e = __shfl_sync(kAll, ent, (t - win) & 31);
+    const int64_t tile = a.tbl.table == nullptr ? (int64_t)p0 * a.ss
+                                                : e * a.tbl.sblk + (int64_t)(p0 & ((1LL << a.tbl.shift) - 1)) * a.ss;
+    const T* kb = (const T*)a.k + kv;
+    const T* vb = (const T*)a.v + kv;
+#pragma unroll
+    for (int jj = 0; jj < 16 * CH / 32; ++jj) {
+      const int idx = lane + 32 * jj, r = idx / CH, c = idx - r * CH;
+      const bool ok = p0 + r < len;  // rows past the length are zero-filled
+      int64_t off = 0;
+      if (ok) off = (a.tbl.table == nullptr || tiled ? tile + r * a.ss : row_offset(a, b, p0 + r)) + c * 8;
+      cp_async16(st + at(r, c), kb + off, ok);
+      cp_async16(st + kTileBytes + at(r, c), vb + off, ok);
+    }
+    if (t == t0) {
+      const T* qb = (const T*)a.q + (int64_t)hq0 * DP;
+      unsigned char* qs = qring + s * qslot;
+      for (int idx = lane; idx < nr * CH; idx += 32) {
+        const int r = idx / CH, c = idx - r * CH;
+        cp_async16(qs + at(r, c), qb + (int64_t)r * DP + c * 8, true);
+      }
+    }
+    if (lane == 0)
+      meta[s] = PStage{p0, len, (t == t0 ? kPFirst : 0) | (t == t1 - 1 ? kPLast : 0), it, hq0, nr, nc, first, grp,
+                       0, 0, 0};
+    cp_async_commit();
+    if (++t == t1) {
+      it = W + __shfl_sync(kAll, nxt, 0);
+      if (it < N) start();
+    }
+  };
+#pragma unroll
+  for (int i = 0; i < kPStages - 1; ++i) issue(i);
+
+  // ---- consumer state: the item's q fragments and its heads' (m, l, o), as in decode_mma_kernel
+  uint32_t qa[KS][4];
+  float o[NT][4], m[2], l[2];
+#pragma unroll
+  for (int kk = 0; kk < KS; ++kk) qa[kk][0] = qa[kk][1] = qa[kk][2] = qa[kk][3] = 0u;
+#pragma unroll
+  for (int n = 0; n < NT; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
+  m[0] = m[1] = -INFINITY;
+  l[0] = l[1] = 0.f;
+
+  // the last warp of a group to arrive: out = sum_c 2^(m_c - M) o_c / sum_c 2^(m_c - M) l_c, head by head
+  auto combine = [&](const PStage& rs) {
+    for (int r = 0; r < rs.nr; ++r) {
+      const int64_t h0 = (int64_t)rs.first * nrp + r;  // chunk c's partial of head r: slot h0 + c * nrp
+      const bool on = lane < rs.nc;
+      const float mc = on ? __ldcg(a.ws.m + h0 + (int64_t)lane * nrp) : -INFINITY;
+      const float lc = on ? __ldcg(a.ws.l + h0 + (int64_t)lane * nrp) : 0.f;
+      float ov[kPMaxChunks][E];
+#pragma unroll
+      for (int c = 0; c < kPMaxChunks; ++c) {  // every chunk's load in flight at once
+        const float* p = a.ws.o + (h0 + (int64_t)c * nrp) * DP + lane * E;
+        if constexpr (E == 4) {
+          const float4 v = c < rs.nc ? __ldcg(reinterpret_cast<const float4*>(p)) : make_float4(0.f, 0.f, 0.f, 0.f);
+          ov[c][0] = v.x, ov[c][1] = v.y, ov[c][2] = v.z, ov[c][3] = v.w;
+        } else {
+          const float2 v = c < rs.nc ? __ldcg(reinterpret_cast<const float2*>(p)) : make_float2(0.f, 0.f);
+          ov[c][0] = v.x, ov[c][1] = v.y;
+        }
+      }
+      const float M = warp_max(mc), Ms = M == -INFINITY ? 0.f : M;
+      float w = exp2f(mc - Ms);  // 0 past the chunks
+      const float L = warp_sum(lc * w);
+      w *= L > 0.f ? 1.f / L : 0.f;
+      float acc[E];
+#pragma unroll
+      for (int e = 0; e < E; ++e) acc[e] = 0.f;
+#pragma unroll
+      for (int c = 0; c < kPMaxChunks; ++c) {
+        const float wc = __shfl_sync(kAll, w, c);
+#pragma unroll
+        for (int e = 0; e < E; ++e) acc[e] += wc * ov[c][e];
+      }
+      store_vec<T, E>((T*)a.out + (int64_t)(rs.hq0 + r) * DP + lane * E, vec_from_f<T, E>(acc));
+    }
+  };
+  // an item's end: its output (one chunk) or its partial, and the combine if this warp is the group's last
+  auto finish = [&](const PStage& rs) {
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      l[hh] += __shfl_xor_sync(kAll, l[hh], 1);
+      l[hh] += __shfl_xor_sync(kAll, l[hh], 2);
+    }
+    if (rs.nc == 1) {
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        const int r = gq + 8 * hh;
+        if (r < rs.nr) {
+          const float inv = l[hh] > 0.f ? 1.f / l[hh] : 0.f;  // 0: a row of length 0
+          T* orow = (T*)a.out + (int64_t)(rs.hq0 + r) * DP + 2 * tq;
+#pragma unroll
+          for (int n = 0; n < NT; ++n)
+            *reinterpret_cast<uint32_t*>(orow + 8 * n) = pack2<T>(o[n][2 * hh] * inv, o[n][2 * hh + 1] * inv);
+        }
+      }
+      return;
+    }
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const int r = gq + 8 * hh;
+      if (r < rs.nr) {
+        const int64_t slot = (int64_t)rs.item * nrp + r;
+        float* po = a.ws.o + slot * DP + 2 * tq;
+#pragma unroll
+        for (int n = 0; n < NT; ++n)
+          *reinterpret_cast<float2*>(po + 8 * n) = make_float2(o[n][2 * hh], o[n][2 * hh + 1]);
+        if (tq == 0) {
+          a.ws.m[slot] = m[hh];
+          a.ws.l[slot] = l[hh];
+        }
+      }
+    }
+    __threadfence();  // this lane's partials are visible device-wide before lane 0 counts the arrival
+    __syncwarp();
+    int last = 0;
+    if (lane == 0) {
+      last = atomicAdd(grp_ctr + rs.grp, 1) == rs.nc - 1;
+      if (last) grp_ctr[rs.grp] = 0;  // every chunk has arrived: ready for the next launch / graph replay
+    }
+    if (!__shfl_sync(kAll, last, 0)) return;
+    __threadfence();
+    combine(rs);
+  };
+
+  const int mrow = (mt & 1) * 8 + mr;  // the q row this lane addresses for ldmatrix
+  for (int i = 0;; ++i) {
+    cp_async_wait<kPStages - 2>();  // this lane's copies of stage i have landed
+    __syncwarp();                   // and every lane's, and lane 0's record of it
+    const int s = i % kPStages;
+    const PStage rec = meta[s];
+    if (rec.flags & kPNone) break;
+    if (rec.flags & kPFirst) {
+      // q as the A operand from the stage's q slot; rows past the group's heads are zeros (their smem is stale)
+      const uint32_t qs = q_s + s * qslot;
+      const int qr = mrow < rec.nr ? mrow : 0;
+      const bool on0 = gq < rec.nr, on1 = gq + 8 < rec.nr;
+#pragma unroll
+      for (int kk = 0; kk < KS; ++kk) {
+        ldsm_x4(qa[kk], qs + at(qr, 2 * kk + (mt >> 1)));
+        qa[kk][0] = on0 ? qa[kk][0] : 0u;
+        qa[kk][1] = on1 ? qa[kk][1] : 0u;
+        qa[kk][2] = on0 ? qa[kk][2] : 0u;
+        qa[kk][3] = on1 ? qa[kk][3] : 0u;
+      }
+#pragma unroll
+      for (int n = 0; n < NT; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
+      m[0] = m[1] = -INFINITY;
+      l[0] = l[1] = 0.f;
+    }
+    const uint32_t ks = ring_s + s * kStageBytes, vs = ks + kTileBytes;
+    float sc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+#pragma unroll
+    for (int kk = 0; kk < KS; ++kk) {
+      uint32_t kf[4];
+      ldsm_x4(kf, ks + at((mt >> 1) * 8 + mr, 2 * kk + (mt & 1)));
+      mma16816<T>(sc[0], qa[kk], kf[0], kf[1]);
+      mma16816<T>(sc[1], qa[kk], kf[2], kf[3]);
+    }
+    float c2[2];
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      float mx = m[hh];
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          const bool valid = rec.p0 + h * 8 + 2 * tq + j < rec.len;
+          float& x = sc[h][2 * hh + j];
+          x = valid ? x * qscale : -INFINITY;
+          mx = fmaxf(mx, x);
+        }
+      }
+      mx = fmaxf(mx, __shfl_xor_sync(kAll, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(kAll, mx, 2));
+      const float ms = mx == -INFINITY ? 0.f : mx;  // no valid row yet: keep exp2 away from inf - inf
+      c2[hh] = exp2f(m[hh] - ms);
+      m[hh] = mx;
+      float sum = 0.f;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          float& x = sc[h][2 * hh + j];
+          x = exp2f(x - ms);  // 0 for an invalid row
+          sum += x;
+        }
+      }
+      l[hh] = l[hh] * c2[hh] + sum;
+    }
+    uint32_t pf[4];
+    pf[0] = pack2<T>(sc[0][0], sc[0][1]);
+    pf[1] = pack2<T>(sc[0][2], sc[0][3]);
+    pf[2] = pack2<T>(sc[1][0], sc[1][1]);
+    pf[3] = pack2<T>(sc[1][2], sc[1][3]);
+#pragma unroll
+    for (int tt = 0; tt < NT / 2; ++tt) {
+      uint32_t vf[4];
+      ldsm_x4_trans(vf, vs + at((mt & 1) * 8 + mr, 2 * tt + (mt >> 1)));
+#pragma unroll
+      for (int u = 0; u < 2; ++u) {
+        float (&on)[4] = o[2 * tt + u];
+        on[0] *= c2[0];
+        on[1] *= c2[0];
+        on[2] *= c2[1];
+        on[3] *= c2[1];
+        mma16816<T>(on, pf, vf[2 * u], vf[2 * u + 1]);
+      }
+    }
+    issue(i + kPStages - 1);  // into stage i - 1's slots, which every lane is past (the __syncwarp above)
+    if (rec.flags & kPLast) finish(rec);
+  }
+  cp_async_wait<0>();
+
+  // the last warp to finish resets the counters for the next launch / graph replay
+  __threadfence();  // this warp's counter updates come before its arrival here
+  if (lane == 0 && atomicAdd(done_ctr, 1) == W - 1) {
+    __threadfence();
+    atomicExch(next_ctr, 0);
+    atomicExch(done_ctr, 0);
+  }
+}
+
 // Whether the tensor-core kernel runs: 16-bit caches with head_dim 64 or 128, at 2 or more query heads a kv head.
 // From 2 on it beats the ring kernel except at the smallest batches, where it is about even (`python -m
 // benchmarks.ops.decode_splits --columns FW_DECODE_MMA=0 FW_DECODE_MMA=1` compares them). FW_DECODE_MMA (read per
@@ -595,6 +1012,31 @@ template <typename T, int DP> const void* mma_kernel() {
              ? (const void*)decode_mma_kernel<T, DP>
              : nullptr;
 }
+
+// Whether decode_mma_kernel_persistent runs where the tensor-core kernel does: FW_DECODE_PERSIST (read per call), 0
+// no (decode_mma_kernel, which `python -m benchmarks.ops.decode_splits --columns FW_DECODE_PERSIST=0
+// FW_DECODE_PERSIST=1 --gbps` compares it with), any other value is the default.
+bool use_persist() { return int_from_env("FW_DECODE_PERSIST", 1) != 0; }
+
+// The persistent kernel, allowed the dynamic shared memory of its largest q slots and the most shared memory per SM
+// (its warps' rings set how many fit); null if that fails. Not stream work, so a first call under capture is fine.
+template <typename T, int DP> const void* persist_kernel() {
+  static const bool carveout = [] {
+    if (cudaFuncSetAttribute(decode_mma_kernel_persistent<T, DP>, cudaFuncAttributePreferredSharedMemoryCarveout,
+                             cudaSharedmemCarveoutMaxShared) != cudaSuccess)
+      (void)cudaGetLastError();  // only a hint: the launch works without it
+    return true;
+  }();
+  (void)carveout;
+  return allow_dynamic_smem<decode_mma_kernel_persistent<T, DP>>(persist_smem_bytes<DP>(kMmaHeads)) == cudaSuccess
+             ? (const void*)decode_mma_kernel_persistent<T, DP>
+             : nullptr;
+}
+const void* persist_kernel_for(DType dt, int D) {
+  if (dt == DType::BF16) return D == 64 ? persist_kernel<__nv_bfloat16, 64>() : persist_kernel<__nv_bfloat16, 128>();
+  return D == 64 ? persist_kernel<__half, 64>() : persist_kernel<__half, 128>();
+}
+int persist_smem(int D, int nrp) { return D == 64 ? persist_smem_bytes<64>(nrp) : persist_smem_bytes<128>(nrp); }
 
 // RP: query heads per block; the head groups of a kv head are ceil(R / RP).
 int heads_per_block(int R) { return (R == 1 || R == 2 || R == 4) ? R : R == 3 ? 4 : 8; }
@@ -653,7 +1095,20 @@ DecodePlan decode_attention_plan(DType dt, int B, int Hq, int Hk, int S, int D, 
   const int forced = int_from_env("FW_DECODE_SPLITS", 0);  // a fixed split count, for sweeps (read per call)
   const int64_t base = (int64_t)B * Hk * groups;
   const int64_t s = forced > 0 ? forced : mma ? sm_count / base : (3LL * sm_count + base - 1) / base;
-  return {mma, groups, (int)(s < 1 ? 1 : s > most ? most : s)};
+  const DecodePlan plan{mma, groups, (int)(s < 1 ? 1 : s > most ? most : s)};
+  const void* f = mma && use_persist() && base * kPMaxChunks < (1 << 30) ? persist_kernel_for(dt, D) : nullptr;
+  if (!f) return plan;
+  // The persistent kernel: as many blocks as are co-resident, but no more than there can be items (chunks of at
+  // least 2 tiles, or FW_DECODE_CHUNK, and at most kPMaxChunks a row). Its chunk size makes about `items` items a
+  // warp (FW_DECODE_ITEMS, for sweeps), so at most items * blocks + one a (b, g, head group): the workspace slots.
+  const int chunk = std::max(0, int_from_env("FW_DECODE_CHUNK", 0));
+  const int items = std::max(1, int_from_env("FW_DECODE_ITEMS", kPItems));
+  const int64_t tiles = (S + 15) / 16, lo = chunk > 0 ? chunk : 2;
+  const int64_t upper = base * std::min<int64_t>(kPMaxChunks, (tiles + lo - 1) / lo);
+  const int64_t resident = (int64_t)sm_count * resident_blocks(f, 32, persist_smem(D, std::min(kMmaHeads, R)));
+  const int64_t blocks = std::min(resident, upper);
+  const int64_t slots = chunk > 0 ? upper : std::min(upper, items * blocks + base);
+  return {mma, groups, 1, true, (int)blocks, (int)slots, chunk, items};
 }
 
 cudaError_t decode_attention(DType dt, const void* q, const void* k, const void* v, const int64_t* lengths,
@@ -667,6 +1122,16 @@ cudaError_t decode_attention(DType dt, const void* q, const void* k, const void*
     return cudaErrorInvalidValue;
   const int R = Hq / Hk;
   DecodeArgs a{q, k, v, lengths, out, ws, Hq, Hk, R, RG, S, D, sb, sh, ss, splits, scale, table};
+  if (plan.persist) {
+    if (!plan.mma || splits != 1 || plan.blocks < 1 || plan.slots < 1 || plan.items < 1 || !ws.o || !ws.count)
+      return cudaErrorInvalidValue;
+    const int nrp = std::min(kMmaHeads, R);
+    PersistArgs pa{a, B, nrp, plan.slots, plan.chunk, plan.items};
+    void* pargs[] = {&pa};
+    const void* pf = persist_kernel_for(dt, D);
+    if (!pf) return cudaErrorInvalidValue;
+    return cudaLaunchKernel(pf, dim3((unsigned)plan.blocks), dim3(32), pargs, persist_smem(D, nrp), stream);
+  }
   const dim3 grid((unsigned)((int64_t)B * Hk * RG), (unsigned)splits);
   void* args[] = {&a};
   const void* f = nullptr;
@@ -690,10 +1155,11 @@ namespace {
 
 // ------------------------------------------------------------------ decode attention
 // Split counters: one int per (b, kv head, head group), zero between launches because the last block of
-// each group resets its own. One zeroed buffer per device is kept (never freed: graphs captured earlier
-// hold its address) and grown outside captures; a capture that needs more than it has gets its own zeroed
-// buffer (the memset becomes part of the graph). The shared buffer assumes decode calls on one device do
-// not run concurrently on two streams.
+// each group resets its own; for the persistent kernel its item and warps-done counters (reset by its last warp)
+// ahead of its arrival counters (reset by each group's last chunk). One zeroed buffer per device is kept (never
+// freed: graphs captured earlier hold its address) and grown outside captures; a capture that needs more than it
+// has gets its own zeroed buffer (the memset becomes part of the graph). The shared buffer assumes decode calls on
+// one device do not run concurrently on two streams.
 int* decode_counters(int64_t n, const Tensor& like, cudaStream_t stream, Tensor& local) {
   static std::mutex mu;
   // leaked on purpose: no tensor destructor may run at exit, after the CUDA runtime is gone
@@ -758,7 +1224,13 @@ Tensor run_decode(const Tensor& q, const Tensor& kc, const Tensor& vc, const Ten
   auto stream = at::cuda::getCurrentCUDAStream();
   fw::DecodeWorkspace w{nullptr, nullptr, nullptr, nullptr};
   Tensor ws, local_counters;
-  if (splits > 1) {
+  if (plan.persist) {
+    const int64_t parts = (int64_t)plan.slots * std::min<int64_t>(16, Hq / Hk);
+    ws = at::empty({parts * D + 2 * parts}, q.options().dtype(at::kFloat));
+    float* base = ws.data_ptr<float>();
+    w = {base, base + parts * D, base + parts * D + parts,
+         decode_counters(fw::kDecodeCounterHead + B * Hk * plan.groups, q, stream, local_counters)};
+  } else if (splits > 1) {
     const int64_t parts = B * Hq * splits;
     ws = at::empty({parts * D + 2 * parts}, q.options().dtype(at::kFloat));
     float* base = ws.data_ptr<float>();
