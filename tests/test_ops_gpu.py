@@ -3,6 +3,7 @@ awkward shapes, freed memory poisoned with NaN before each call (an unwritten ou
 thresholds in TOL below; opcheck and torch.compile(fullgraph) on CUDA."""
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -855,7 +856,7 @@ def test_decode_persistent(monkeypatch, dtype, D, Hq, Hk, kind, paged):
     """The persistent kernel against float64: many short rows (B=256, some of length 0, which give exact zeros),
     a few long rows (B=3, up to 4096) and a mix (B=64, up to 2048), contiguous and paged caches (shuffled
     16-position blocks, a table twice as wide as needed)."""
-    monkeypatch.setenv("FW_DECODE_PERSIST", "1")
+    monkeypatch.setenv("FW_DECODE_PERSIST", "2")
     gen = torch.Generator().manual_seed(D + Hq + Hk)
     lengths = _persist_lengths(kind, gen)
     B, S = len(lengths), int(lengths.max())
@@ -886,7 +887,7 @@ def test_decode_persistent(monkeypatch, dtype, D, Hq, Hk, kind, paged):
 @pytest.mark.parametrize("bs", [8, 32, 64])
 def test_decode_persistent_block_sizes(monkeypatch, bs):
     """Blocks of under 16 positions (a tile reads several table entries) and of more (tiles share an entry)."""
-    monkeypatch.setenv("FW_DECODE_PERSIST", "1")
+    monkeypatch.setenv("FW_DECODE_PERSIST", "2")
     gen = torch.Generator().manual_seed(bs)
     lengths = torch.tensor([0, 1, 15, 16, 17, 100, 1000, 999, 513, 64])
     B, S, Hq, Hk, D = len(lengths), 1000, 32, 8, 128
@@ -907,7 +908,7 @@ def test_decode_persistent_graph_replays(monkeypatch, Hq, Hk, D):
     replay matches float64, so the kernel leaves its item, warps-done and arrival counters at zero. The lengths
     change how the rows are chunked (one chunk a row, many, rows of length 0), and eager calls of other shapes run
     between the replays on the shared counters."""
-    monkeypatch.setenv("FW_DECODE_PERSIST", "1")
+    monkeypatch.setenv("FW_DECODE_PERSIST", "2")
     gen = torch.Generator().manual_seed(7)
     B, S, dtype = 48, 1024, torch.bfloat16
     q = torch.randn(B, Hq, D, device=DEV, dtype=dtype)
@@ -941,7 +942,7 @@ def test_decode_persistent_graph_replays(monkeypatch, Hq, Hk, D):
 @pytest.mark.parametrize("dtype,Hq,Hk,D", [(torch.bfloat16, 16, 8, 128), (torch.float16, 32, 8, 64),
                                            (torch.bfloat16, 48, 2, 128)])
 def test_decode_persist_env_agrees(monkeypatch, dtype, Hq, Hk, D):
-    """FW_DECODE_PERSIST=0 runs decode_mma_kernel, 1 the persistent kernel (profiler): their outputs agree within
+    """FW_DECODE_PERSIST=0 runs decode_mma_kernel, 2 the persistent kernel (profiler): their outputs agree within
     rounding and match float64, at many rows and at few (the other kernel's splits); the persistent kernel's
     chunk and items overrides (FW_DECODE_CHUNK, FW_DECODE_ITEMS) change no more than rounding either."""
     gen = torch.Generator().manual_seed(3)
@@ -957,19 +958,39 @@ def test_decode_persist_env_agrees(monkeypatch, dtype, Hq, Hk, D):
             return ops_cuda.decode_attention(*args)
 
         outs = {}
-        for persist in ("0", "1"):
+        for persist in ("0", "2"):
             monkeypatch.setenv("FW_DECODE_PERSIST", persist)
             names = launched_kernels(run, "decode")
-            assert any("decode_mma_kernel_persistent" in n for n in names) == (persist == "1"), names
+            assert any("decode_mma_kernel_persistent" in n for n in names) == (persist == "2"), names
             assert any("decode_mma_kernel<" in n for n in names) == (persist == "0"), names
             outs[persist] = run()
             assert rel(outs[persist], expected) < TOL[dtype], (B, persist)
-        assert rel(outs["1"], outs["0"].double()) < TOL[dtype], B
+        assert rel(outs["2"], outs["0"].double()) < TOL[dtype], B
         for name, value in (("FW_DECODE_CHUNK", "2"), ("FW_DECODE_CHUNK", "3"), ("FW_DECODE_CHUNK", "1000"),
                             ("FW_DECODE_ITEMS", "1"), ("FW_DECODE_ITEMS", "64")):
             monkeypatch.setenv(name, value)
             assert rel(run(), expected) < TOL[dtype], (B, name, value)
             monkeypatch.delenv(name)
+
+
+def test_decode_persistent_serves_paged_caches_of_many_rows(monkeypatch):
+    """By default the persistent kernel runs on a paged cache with a (row, kv head) per SM or more, and
+    decode_mma_kernel on contiguous caches and on few rows, where it is the faster one."""
+    monkeypatch.delenv("FW_DECODE_PERSIST", raising=False)
+    gen = torch.Generator().manual_seed(4)
+    sms = torch.cuda.get_device_properties(DEV).multi_processor_count
+    for B, paged, persistent in ((-(-sms // 8), True, True), (256, False, False), (2, True, False)):
+        lengths = torch.randint(1, 300, (B,), generator=gen).to(DEV)
+        q = torch.randn(B, 16, 128, device=DEV, dtype=torch.bfloat16)
+        kc, vc = (torch.randn(B, 8, 300, 128, device=DEV, dtype=torch.bfloat16) for _ in range(2))
+        if paged:
+            run = functools.partial(ops_cuda.paged_decode_attention, q, *_paged(kc, vc, 16, gen, spare=2), lengths, 0.1)
+        else:
+            run = functools.partial(ops_cuda.decode_attention, q, kc, vc, lengths, 0.1)
+        names = launched_kernels(run, "decode")
+        assert any("decode_mma_kernel_persistent" in n for n in names) == persistent, (B, paged, names)
+        expected = decode_attention_reference(q.double(), kc.double(), vc.double(), lengths, 0.1)
+        assert rel(run(), expected) < TOL[torch.bfloat16], (B, paged)
 
 
 def _child(code: str) -> subprocess.CompletedProcess:

@@ -16,11 +16,12 @@
 //
 // Three kernels: the tensor-core kernel for 16-bit caches with head_dim 64 or 128 at 2 or more query heads a kv
 // head, where the ring kernel's maths on the CUDA cores bounded it (use_mma); the ring kernel above for the rest.
-// The tensor-core maths runs in a persistent kernel by default (decode_mma_kernel_persistent: co-resident one-warp
-// workers that take (row, kv head, head group, chunk) items from a self-resetting counter, each streaming its tiles
-// through one ring across items, the last chunk of a row to finish combining the row), or with FW_DECODE_PERSIST=0
-// in decode_mma_kernel (a block per (row, kv head, head group, split)). decode_kernel and decode_mma_kernel share the
-// end of a block's work (decode_finish); each has its own split count (decode_attention_plan).
+// The tensor-core maths runs in decode_mma_kernel (a block per (row, kv head, head group, split)) or, on a paged
+// cache with many rows, in a persistent kernel (decode_mma_kernel_persistent: co-resident one-warp workers that take
+// (row, kv head, head group, chunk) items from a self-resetting counter, each streaming its tiles through one ring
+// across items, the last chunk of a row to finish combining the row; use_persist). decode_kernel and
+// decode_mma_kernel share the end of a block's work (decode_finish); each has its own split count
+// (decode_attention_plan).
 #include <algorithm>
 #include <cstdlib>
 #include <map>
@@ -67,7 +68,7 @@ struct DecodeTable {
   int shift;
   int64_t sblk;
 };
-DecodePlan decode_attention_plan(DType dt, int B, int Hq, int Hk, int S, int D, int sm_count);
+DecodePlan decode_attention_plan(DType dt, int B, int Hq, int Hk, int S, int D, int sm_count, bool paged);
 cudaError_t decode_attention(DType dt, const void* q, const void* k, const void* v, const int64_t* lengths,
                              void* out, DecodeWorkspace ws, int B, int Hq, int Hk, int S, int D, int64_t sb,
                              int64_t sh, int64_t ss, DecodePlan plan, float scale, cudaStream_t stream,
@@ -423,6 +424,83 @@ template <typename T> __device__ __forceinline__ uint32_t pack2(float lo, float 
   return *reinterpret_cast<const uint32_t*>(&v);
 }
 
+// Swizzled byte offset of 16-byte chunk c of row r of a ring tile of rows of DP 16-bit elements.
+template <int DP> __device__ __forceinline__ int swz(int r, int c) { return r * DP * 2 + ((c ^ (r & 7)) << 4); }
+
+// One 16-row K/V tile (K at ks, V at vs in shared memory, swizzled) into a warp's online-softmax state, in the mma
+// fragments' layout: S = Q K^T, scores of positions p0 + row at or past `end` masked, the running max / sum (m, l:
+// this lane's rows only) and O rescaled, O += P V. qscale: the softmax scale times log2(e) (scores in base 2).
+template <typename T, int DP>
+__device__ __forceinline__ void mma_tile(const uint32_t (&qa)[DP / 16][4], uint32_t ks, uint32_t vs, int64_t p0,
+                                         int64_t end, float qscale, float (&o)[DP / 8][4], float (&m)[2],
+                                         float (&l)[2]) {
+  constexpr int KS = DP / 16, NT = DP / 8;
+  const int lane = threadIdx.x & 31, tq = lane & 3, mt = lane >> 3, mr = lane & 7;
+  // S = Q K^T: n-tile h holds K rows 8h..8h+7; x4 matrices (rows 0-7, chunk 2k), (0-7, 2k+1), (8-15, 2k),
+  // (8-15, 2k+1)
+  float sc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+#pragma unroll
+  for (int k = 0; k < KS; ++k) {
+    uint32_t kf[4];
+    ldsm_x4(kf, ks + swz<DP>((mt >> 1) * 8 + mr, 2 * k + (mt & 1)));
+    mma16816<T>(sc[0], qa[k], kf[0], kf[1]);
+    mma16816<T>(sc[1], qa[k], kf[2], kf[3]);
+  }
+  // online softmax per head over the tile's 16 rows; a quad (lanes 4gq..4gq+3) shares a head's rows
+  float c2[2];
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    float mx = m[hh];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const bool valid = p0 + h * 8 + 2 * tq + j < end;
+        float& x = sc[h][2 * hh + j];
+        x = valid ? x * qscale : -INFINITY;
+        mx = fmaxf(mx, x);
+      }
+    }
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    const float ms = mx == -INFINITY ? 0.f : mx;  // no valid row yet: keep exp2 away from inf - inf
+    c2[hh] = exp2f(m[hh] - ms);
+    m[hh] = mx;
+    float sum = 0.f;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        float& x = sc[h][2 * hh + j];
+        x = exp2f(x - ms);  // 0 for an invalid row
+        sum += x;
+      }
+    }
+    l[hh] = l[hh] * c2[hh] + sum;  // this lane's rows only; the quad's lanes are summed at the end
+  }
+  // P as the A operand of O += P V: the two score n-tiles are its two k halves
+  uint32_t pa[4];
+  pa[0] = pack2<T>(sc[0][0], sc[0][1]);
+  pa[1] = pack2<T>(sc[0][2], sc[0][3]);
+  pa[2] = pack2<T>(sc[1][0], sc[1][1]);
+  pa[3] = pack2<T>(sc[1][2], sc[1][3]);
+  // V^T fragments with ldmatrix.trans: x4 matrices (rows 0-7, chunk 2t), (8-15, 2t), (0-7, 2t+1), (8-15, 2t+1)
+#pragma unroll
+  for (int t = 0; t < NT / 2; ++t) {
+    uint32_t vf[4];
+    ldsm_x4_trans(vf, vs + swz<DP>((mt & 1) * 8 + mr, 2 * t + (mt >> 1)));
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+      float (&on)[4] = o[2 * t + u];
+      on[0] *= c2[0];
+      on[1] *= c2[0];
+      on[2] *= c2[1];
+      on[3] *= c2[1];
+      mma16816<T>(on, pa, vf[2 * u], vf[2 * u + 1]);
+    }
+  }
+}
+
 // Block (b, kv head g, group of kMmaHeads query heads, split); thread (warp, lane) with gq = lane / 4, tq = lane % 4
 // holds, in the mma fragments' layout, query heads gq and gq + 8 of the group: their scores for K rows 2tq, 2tq + 1
 // of each 8-row half of a tile, and their outputs for columns 8n + 2tq, 8n + 2tq + 1.
@@ -449,8 +527,6 @@ __global__ void __launch_bounds__(kThreads, 2) decode_mma_kernel(DecodeArgs a) {
   const T* vb = (const T*)a.v + b * a.sb + g * a.sh;
   unsigned char* ring = smem + warp * kMmaStages * kStageBytes;
   const uint32_t ring_s = (uint32_t)__cvta_generic_to_shared(ring);
-  // swizzled byte offset of chunk c of row r of a tile
-  auto at = [](int r, int c) { return r * DP * 2 + ((c ^ (r & 7)) << 4); };
   // this warp's i-th tile into stage i % kMmaStages; rows past s_end are zero-filled
   auto issue = [&](int i) {
     if (i < my_tiles) {
@@ -461,8 +537,8 @@ __global__ void __launch_bounds__(kThreads, 2) decode_mma_kernel(DecodeArgs a) {
         const int idx = lane + 32 * j, r = idx / CH, c = idx - r * CH;
         const bool ok = p0 + r < s_end;
         const int64_t off = ok ? row_offset(a, b, p0 + r) + c * 8 : 0;
-        cp_async16(st + at(r, c), kb + off, ok);
-        cp_async16(st + kTileBytes + at(r, c), vb + off, ok);
+        cp_async16(st + swz<DP>(r, c), kb + off, ok);
+        cp_async16(st + kTileBytes + swz<DP>(r, c), vb + off, ok);
       }
     }
     cp_async_commit();
@@ -488,78 +564,11 @@ __global__ void __launch_bounds__(kThreads, 2) decode_mma_kernel(DecodeArgs a) {
 #pragma unroll
   for (int n = 0; n < NT; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
 
-  // ldmatrix lanes: matrix mt = lane / 8 takes the address of its row lane % 8
-  const int mt = lane >> 3, mr = lane & 7;
   for (int i = 0; i < my_tiles; ++i) {
     cp_async_wait<kMmaStages - 2>();  // this lane's copies of tile i have landed
     __syncwarp();                     // and every lane's
-    const uint32_t ks = ring_s + (i % kMmaStages) * kStageBytes, vs = ks + kTileBytes;
-    // S = Q K^T: n-tile h holds K rows 8h..8h+7;
-    // x4 matrices (rows 0-7, chunk 2k), (0-7, 2k+1), (8-15, 2k), (8-15, 2k+1)
-    float sc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
-#pragma unroll
-    for (int k = 0; k < KS; ++k) {
-      uint32_t kf[4];
-      const int r = (mt >> 1) * 8 + mr;
-      ldsm_x4(kf, ks + at(r, 2 * k + (mt & 1)));
-      mma16816<T>(sc[0], qa[k], kf[0], kf[1]);
-      mma16816<T>(sc[1], qa[k], kf[2], kf[3]);
-    }
-    // online softmax per head over the tile's 16 rows; a quad (lanes 4gq..4gq+3) shares a head's rows
-    const int64_t p0 = s_begin + (int64_t)(warp + i * kWarps) * 16;
-    float c2[2];
-#pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-      float mx = m[hh];
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-#pragma unroll
-        for (int j = 0; j < 2; ++j) {
-          const bool valid = p0 + h * 8 + 2 * tq + j < s_end;
-          float& x = sc[h][2 * hh + j];
-          x = valid ? x * qscale : -INFINITY;
-          mx = fmaxf(mx, x);
-        }
-      }
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      const float ms = mx == -INFINITY ? 0.f : mx;  // no valid row yet: keep exp2 away from inf - inf
-      c2[hh] = exp2f(m[hh] - ms);
-      m[hh] = mx;
-      float sum = 0.f;
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-#pragma unroll
-        for (int j = 0; j < 2; ++j) {
-          float& x = sc[h][2 * hh + j];
-          x = exp2f(x - ms);  // 0 for an invalid row
-          sum += x;
-        }
-      }
-      l[hh] = l[hh] * c2[hh] + sum;  // this lane's rows only; the quad's lanes are summed at the end
-    }
-    // P as the A operand of O += P V: the two score n-tiles are its two k halves
-    uint32_t pa[4];
-    pa[0] = pack2<T>(sc[0][0], sc[0][1]);
-    pa[1] = pack2<T>(sc[0][2], sc[0][3]);
-    pa[2] = pack2<T>(sc[1][0], sc[1][1]);
-    pa[3] = pack2<T>(sc[1][2], sc[1][3]);
-    // V^T fragments with ldmatrix.trans: x4 matrices (rows 0-7, chunk 2t), (8-15, 2t), (0-7, 2t+1), (8-15, 2t+1)
-#pragma unroll
-    for (int t = 0; t < NT / 2; ++t) {
-      uint32_t vf[4];
-      const int r = (mt & 1) * 8 + mr;
-      ldsm_x4_trans(vf, vs + at(r, 2 * t + (mt >> 1)));
-#pragma unroll
-      for (int u = 0; u < 2; ++u) {
-        float (&on)[4] = o[2 * t + u];
-        on[0] *= c2[0];
-        on[1] *= c2[0];
-        on[2] *= c2[1];
-        on[3] *= c2[1];
-        mma16816<T>(on, pa, vf[2 * u], vf[2 * u + 1]);
-      }
-    }
+    const uint32_t ks = ring_s + (i % kMmaStages) * kStageBytes;
+    mma_tile<T, DP>(qa, ks, ks + kTileBytes, s_begin + (int64_t)(warp + i * kWarps) * 16, s_end, qscale, o, m, l);
     __syncwarp();  // every lane has read the stage before it is refilled
     issue(i + kMmaStages - 1);
   }
@@ -673,7 +682,6 @@ __global__ void __launch_bounds__(32) decode_mma_kernel_persistent(PersistArgs p
   int* const done_ctr = a.ws.count + 1;
   int* const grp_ctr = a.ws.count + kDecodeCounterHead;
   const float qscale = a.scale * 1.4426950408889634f;  // scores in base 2
-  auto at = [](int r, int c) { return r * DP * 2 + ((c ^ (r & 7)) << 4); };
   auto len_of = [&](int b) {
     const int64_t n = __ldg(a.lengths + b);
     return (int)(n < 0 ? 0 : n > a.S ? a.S : n);
@@ -782,15 +790,15 @@ __global__ void __launch_bounds__(32) decode_mma_kernel_persistent(PersistArgs p
       const bool ok = p0 + r < len;  // rows past the length are zero-filled
       int64_t off = 0;
       if (ok) off = (a.tbl.table == nullptr || tiled ? tile + r * a.ss : row_offset(a, b, p0 + r)) + c * 8;
-      cp_async16(st + at(r, c), kb + off, ok);
-      cp_async16(st + kTileBytes + at(r, c), vb + off, ok);
+      cp_async16(st + swz<DP>(r, c), kb + off, ok);
+      cp_async16(st + kTileBytes + swz<DP>(r, c), vb + off, ok);
     }
     if (t == t0) {
       const T* qb = (const T*)a.q + (int64_t)hq0 * DP;
       unsigned char* qs = qring + s * qslot;
       for (int idx = lane; idx < nr * CH; idx += 32) {
         const int r = idx / CH, c = idx - r * CH;
-        cp_async16(qs + at(r, c), qb + (int64_t)r * DP + c * 8, true);
+        cp_async16(qs + swz<DP>(r, c), qb + (int64_t)r * DP + c * 8, true);
       }
     }
     if (lane == 0)
@@ -912,7 +920,7 @@ __global__ void __launch_bounds__(32) decode_mma_kernel_persistent(PersistArgs p
       const bool on0 = gq < rec.nr, on1 = gq + 8 < rec.nr;
 #pragma unroll
       for (int kk = 0; kk < KS; ++kk) {
-        ldsm_x4(qa[kk], qs + at(qr, 2 * kk + (mt >> 1)));
+        ldsm_x4(qa[kk], qs + swz<DP>(qr, 2 * kk + (mt >> 1)));
         qa[kk][0] = on0 ? qa[kk][0] : 0u;
         qa[kk][1] = on1 ? qa[kk][1] : 0u;
         qa[kk][2] = on0 ? qa[kk][2] : 0u;
@@ -923,65 +931,8 @@ __global__ void __launch_bounds__(32) decode_mma_kernel_persistent(PersistArgs p
       m[0] = m[1] = -INFINITY;
       l[0] = l[1] = 0.f;
     }
-    const uint32_t ks = ring_s + s * kStageBytes, vs = ks + kTileBytes;
-    float sc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
-#pragma unroll
-    for (int kk = 0; kk < KS; ++kk) {
-      uint32_t kf[4];
-      ldsm_x4(kf, ks + at((mt >> 1) * 8 + mr, 2 * kk + (mt & 1)));
-      mma16816<T>(sc[0], qa[kk], kf[0], kf[1]);
-      mma16816<T>(sc[1], qa[kk], kf[2], kf[3]);
-    }
-    float c2[2];
-#pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-      float mx = m[hh];
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-#pragma unroll
-        for (int j = 0; j < 2; ++j) {
-          const bool valid = rec.p0 + h * 8 + 2 * tq + j < rec.len;
-          float& x = sc[h][2 * hh + j];
-          x = valid ? x * qscale : -INFINITY;
-          mx = fmaxf(mx, x);
-        }
-      }
-      mx = fmaxf(mx, __shfl_xor_sync(kAll, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(kAll, mx, 2));
-      const float ms = mx == -INFINITY ? 0.f : mx;  // no valid row yet: keep exp2 away from inf - inf
-      c2[hh] = exp2f(m[hh] - ms);
-      m[hh] = mx;
-      float sum = 0.f;
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-#pragma unroll
-        for (int j = 0; j < 2; ++j) {
-          float& x = sc[h][2 * hh + j];
-          x = exp2f(x - ms);  // 0 for an invalid row
-          sum += x;
-        }
-      }
-      l[hh] = l[hh] * c2[hh] + sum;
-    }
-    uint32_t pf[4];
-    pf[0] = pack2<T>(sc[0][0], sc[0][1]);
-    pf[1] = pack2<T>(sc[0][2], sc[0][3]);
-    pf[2] = pack2<T>(sc[1][0], sc[1][1]);
-    pf[3] = pack2<T>(sc[1][2], sc[1][3]);
-#pragma unroll
-    for (int tt = 0; tt < NT / 2; ++tt) {
-      uint32_t vf[4];
-      ldsm_x4_trans(vf, vs + at((mt & 1) * 8 + mr, 2 * tt + (mt >> 1)));
-#pragma unroll
-      for (int u = 0; u < 2; ++u) {
-        float (&on)[4] = o[2 * tt + u];
-        on[0] *= c2[0];
-        on[1] *= c2[0];
-        on[2] *= c2[1];
-        on[3] *= c2[1];
-        mma16816<T>(on, pf, vf[2 * u], vf[2 * u + 1]);
-      }
-    }
+    const uint32_t ks = ring_s + s * kStageBytes;
+    mma_tile<T, DP>(qa, ks, ks + kTileBytes, rec.p0, rec.len, qscale, o, m, l);
     issue(i + kPStages - 1);  // into stage i - 1's slots, which every lane is past (the __syncwarp above)
     if (rec.flags & kPLast) finish(rec);
   }
@@ -1013,10 +964,16 @@ template <typename T, int DP> const void* mma_kernel() {
              : nullptr;
 }
 
-// Whether decode_mma_kernel_persistent runs where the tensor-core kernel does: FW_DECODE_PERSIST (read per call), 0
-// no (decode_mma_kernel, which `python -m benchmarks.ops.decode_splits --columns FW_DECODE_PERSIST=0
-// FW_DECODE_PERSIST=1 --gbps` compares it with), any other value is the default.
-bool use_persist() { return int_from_env("FW_DECODE_PERSIST", 1) != 0; }
+// Whether decode_mma_kernel_persistent runs where the tensor-core kernel does. By default on a paged cache with at
+// least one (row, kv head, head group) per SM, where it beats decode_mma_kernel (its table window saves the per-row
+// table reads); on a contiguous cache, and where decode_mma_kernel splits the context over few rows, it is the
+// slower one (`python -m benchmarks.ops.decode_splits --columns FW_DECODE_PERSIST=0 FW_DECODE_PERSIST=2 --gbps`
+// times contiguous caches, `python -m benchmarks.rollout_profile --kernels 3` the engine's paged decode).
+// FW_DECODE_PERSIST (read per call): 0 never, 2 always, any other value the default.
+bool use_persist(bool paged, int64_t groups, int sm_count) {
+  const int mode = int_from_env("FW_DECODE_PERSIST", 1);
+  return mode == 2 || (mode != 0 && paged && groups >= sm_count);
+}
 
 // The persistent kernel, allowed the dynamic shared memory of its largest q slots and the most shared memory per SM
 // (its warps' rings set how many fit); null if that fails. Not stream work, so a first call under capture is fine.
@@ -1079,7 +1036,7 @@ const void* kernel_for(DType dt, int D, int R) {
 
 }  // namespace
 
-DecodePlan decode_attention_plan(DType dt, int B, int Hq, int Hk, int S, int D, int sm_count) {
+DecodePlan decode_attention_plan(DType dt, int B, int Hq, int Hk, int S, int D, int sm_count, bool paged) {
   if (B <= 0 || Hq <= 0 || Hk <= 0 || S <= 0 || Hq % Hk != 0) return {false, 1, 1};
   const int R = Hq / Hk;
   const bool mma = use_mma(dt, R, D);
@@ -1096,7 +1053,9 @@ DecodePlan decode_attention_plan(DType dt, int B, int Hq, int Hk, int S, int D, 
   const int64_t base = (int64_t)B * Hk * groups;
   const int64_t s = forced > 0 ? forced : mma ? sm_count / base : (3LL * sm_count + base - 1) / base;
   const DecodePlan plan{mma, groups, (int)(s < 1 ? 1 : s > most ? most : s)};
-  const void* f = mma && use_persist() && base * kPMaxChunks < (1 << 30) ? persist_kernel_for(dt, D) : nullptr;
+  const void* f = mma && use_persist(paged, base, sm_count) && base * kPMaxChunks < (1 << 30)
+                      ? persist_kernel_for(dt, D)
+                      : nullptr;
   if (!f) return plan;
   // The persistent kernel: as many blocks as are co-resident, but no more than there can be items (chunks of at
   // least 2 tiles, or FW_DECODE_CHUNK, and at most kPMaxChunks a row). Its chunk size makes about `items` items a
@@ -1219,7 +1178,8 @@ Tensor run_decode(const Tensor& q, const Tensor& kc, const Tensor& vc, const Ten
   auto len = lengths.to(at::kLong).contiguous();
   auto out = at::empty({B, Hq, D}, q.options());
   if (B == 0 || Hq == 0) return out;  // nothing to attend (and no blocks to split over)
-  const fw::DecodePlan plan = fw::decode_attention_plan(dt, (int)B, (int)Hq, (int)Hk, (int)S, (int)D, sm_count());
+  const fw::DecodePlan plan = fw::decode_attention_plan(dt, (int)B, (int)Hq, (int)Hk, (int)S, (int)D, sm_count(),
+                                                         table.table != nullptr);
   const int splits = plan.splits;
   auto stream = at::cuda::getCurrentCUDAStream();
   fw::DecodeWorkspace w{nullptr, nullptr, nullptr, nullptr};
