@@ -10,7 +10,8 @@ is the run's largest `memory/peak_gib` (torch.cuda.max_memory_allocated) and `me
 metrics.jsonl, beside `framework.memory_plan.estimate(cfg)`'s total in torch's allocator.
 
 With --rollout-timeline an RL run's rollout engine carries a `framework.rollout.timeline.Timeline` each step
-(`RolloutTimeline` below, written to <run_dir>/rollout_timeline.json): where the rollout's wall time goes.
+(`RolloutTimeline` below, written to <run_dir>/rollout_timeline.json): where the rollout's wall time goes;
+`--rollout-kernels K` adds the kernels of batch K's rollout under torch.profiler.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import argparse
 import json
 import statistics
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -25,26 +27,55 @@ from framework.callbacks import Callback
 from framework.rollout.timeline import Timeline
 
 
+class ProfiledTimeline(Timeline):
+    """A Timeline that also runs torch.profiler over each generate call it sees (CUDA kernels only)."""
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__(device)
+        self.prof: Any = None
+
+    def enter(self) -> None:
+        self.prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
+        self.prof.__enter__()
+        super().enter()
+
+    def exit(self) -> None:
+        super().exit()
+        torch.cuda.synchronize()
+        self.prof.__exit__(None, None, None)
+
+
 class RolloutTimeline(Callback):
     """A fresh Timeline on the recipe's rollout engine for every training batch; each batch's summary goes to
-    <run_dir>/rollout_timeline.json."""
+    <run_dir>/rollout_timeline.json. With `kernels_at` (a batch index) that batch's rollout also runs under
+    torch.profiler and its kernels, per decode step, go to <run_dir>/rollout_kernels.md."""
 
-    def __init__(self) -> None:
+    def __init__(self, kernels_at: int = -1) -> None:
         self.summaries: list[dict] = []
         self.timeline: Timeline | None = None
+        self.kernels_at = kernels_at
 
     def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
         engine_of = getattr(module.recipe, "rollout_engine", None)
         if engine_of is not None:
-            self.timeline = Timeline(module.device)
+            kind = ProfiledTimeline if batch_idx == self.kernels_at and module.device.type == "cuda" else Timeline
+            self.timeline = kind(module.device)
             engine_of(module.policy).timeline = self.timeline
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
         if self.timeline is None:
             return
-        self.summaries.append(self.timeline.summary())
+        summary = self.timeline.summary()
+        self.summaries.append(summary)
         out = Path(trainer.default_root_dir) / "rollout_timeline.json"
         out.write_text(json.dumps(self.summaries, default=str))
+        if isinstance(self.timeline, ProfiledTimeline) and self.timeline.prof is not None:
+            from benchmarks.rollout_profile import kernel_table
+
+            steps = max(summary["decode"]["steps"], 1)
+            lines = kernel_table(self.timeline.prof, steps, f"batch {batch_idx}'s rollout, per decode step (the "
+                                 f"prefill's kernels spread over its {steps} decode steps)", "a step")
+            (Path(trainer.default_root_dir) / "rollout_kernels.md").write_text("\n".join(lines) + "\n")
 
 
 def timeline_lines(summaries: list[dict]) -> list[str]:
@@ -110,6 +141,9 @@ def report(cfg: dict, plan_gib: float | None = None) -> str:
     timeline = run_dir / "rollout_timeline.json"
     if timeline.exists() and (summaries := json.loads(timeline.read_text())):
         lines += timeline_lines(summaries)
+    kernels = run_dir / "rollout_kernels.md"
+    if kernels.exists():
+        lines += ["  " + line for line in kernels.read_text().splitlines()]
     return "\n".join(lines)
 
 
@@ -121,11 +155,14 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", action="append", required=True)
     ap.add_argument("--rollout-timeline", action="store_true", help="time the rollout's steps (RL recipes)")
+    ap.add_argument("--rollout-kernels", type=int, default=-1, metavar="BATCH",
+                    help="with --rollout-timeline: profile the kernels of this batch's rollout (CUDA)")
     args, overrides = ap.parse_known_args(argv)
     cfg = load_config(args.config, overrides)
     cfg["callbacks"] = [*cfg["callbacks"], {"class_path": "examples.step_timer.StepTimer", "init_args": {}}]
     if args.rollout_timeline:
-        cfg["callbacks"].append({"class_path": "benchmarks.fit_timing.RolloutTimeline", "init_args": {}})
+        cfg["callbacks"].append({"class_path": "benchmarks.fit_timing.RolloutTimeline",
+                                 "init_args": {"kernels_at": args.rollout_kernels}})
     plan = estimate(cfg)
     fit(cfg)
     print("\n" + report(cfg, plan.allocated_bytes / GIB), flush=True)
