@@ -320,6 +320,42 @@ def test_bf16_model_and_autocast(model, prompts):
     assert (rb.logprobs.double() - full_forward_logprobs(half, rb, 1.0)).abs().max() < 0.1
 
 
+def test_autocast_without_its_cache_gives_the_same_rollout(model, prompts):
+    """Lightning's bf16-mixed region turns autocast's weight cache off; generate caches the casts for its call
+    anyway (so decode graphs read them instead of casting at every replay): same tokens and logprobs as under a
+    caching region, and the caller's setting is back afterwards."""
+    params = SamplingParams(max_new_tokens=6, temperature=1.0)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        cached = generate(model, prompts, params, seed=3)
+    with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
+        uncached = generate(model, prompts, params, seed=3)
+        assert not torch.is_autocast_cache_enabled()
+    assert uncached.completion_ids == cached.completion_ids
+    assert torch.equal(uncached.logprobs, cached.logprobs)
+
+
+@pytest.mark.gpu
+def test_cuda_decode_graphs_do_not_cast_the_weights_at_each_step(model, prompts):
+    """fp32 weights under an autocast region without its cache (Lightning's bf16-mixed): the weights are cast
+    once in the call, not again at every decode step the graphs replay."""
+    from framework.rollout import RolloutEngine
+
+    m = Qwen3ForCausalLM(model.config)
+    m.load_state_dict(model.state_dict())
+    m = m.to("cuda").eval()
+    weights = sum(1 for p in m.parameters() if p.dim() == 2)
+    engine = RolloutEngine(m)
+    params = SamplingParams(max_new_tokens=40, temperature=1.0)
+    with torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False):
+        engine.generate(prompts, params, seed=1)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            engine.generate(prompts, params, seed=1)
+            torch.cuda.synchronize()
+    casts = sum(e.count for e in prof.key_averages() if "bfloat16_copy" in e.key)
+    engine.release()
+    assert 0 < casts <= 2 * weights, (casts, weights)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-4), (torch.bfloat16, 0.2)])
 def test_cuda_greedy_and_logprobs(model, prompts, dtype, tol):

@@ -21,6 +21,7 @@ under the unscaled softmax.
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -177,15 +178,21 @@ class RolloutEngine:
         dtype = torch.get_autocast_dtype(device.type) if autocast else model.lm_head_weight.dtype
         was_training = model.training
         model.eval()
+        # Under autocast the weights' casts are cached for the call, whatever the caller's region says (Lightning's
+        # turns the cache off): the first step of a bucket casts them, and the graphs captured after it read the
+        # casts instead of casting every weight again at each replay.
+        region = torch.autocast(device.type, dtype, cache_enabled=True) if autocast else contextlib.nullcontext()
         try:
-            self._ensure_cache(seqs, dtype, device)
-            _Run(self, seqs, params, set(eos_ids), tokenizer, seed, device).run()
+            with region:
+                self._ensure_cache(seqs, dtype, device)
+                _Run(self, seqs, params, set(eos_ids), tokenizer, seed, device).run()
         finally:
             model.train(was_training)
             if autocast:
-                # The graphs read autocast's casts of the weights, which live only as long as this autocast
-                # region: captured again in the next call.
+                # The graphs read this call's casts of the weights, which may change before the next call:
+                # captured again then, and the casts dropped now (the enclosing region keeps its cache otherwise).
                 self._drop_graphs()
+                torch.clear_autocast_cache()
         result = _result(seqs, prompts, pad_id, tokenizer, params.stop, device, policy_version)
         if self.timeline is not None:
             self.timeline.exit()
