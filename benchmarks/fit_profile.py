@@ -10,7 +10,8 @@ Without --config it runs recipes/sft.yaml as the sft-bf16 workload (`SFT_BF16`: 
 callbacks. It profiles `--steps` policy steps after `--warmup` ones (CPU and CUDA activity) and prints one
 markdown table: per step the wall time, the GPU's kernel time and idle fraction, the host's
 cudaStreamSynchronize / cudaDeviceSynchronize calls and device-to-host copies, and the host ops of most
-self CPU time; with `--stacks`, where each synchronisation comes from. `--trace` receives the chrome trace
+self CPU time; with `--stacks`, where each synchronisation (stream, device or event) comes from: the profiler ranges
+around it on its thread and its Python frames. `--trace` receives the chrome trace
 (chrome://tracing, ui.perfetto.dev).
 
 A step's window runs from one synchronisation at the start of its first batch to the next one (the
@@ -33,10 +34,22 @@ from framework.callbacks import Callback
 SFT_BF16 = ["--trainer.precision=bf16-mixed", "--model.policy.preset=qwen3-0.6b", "--data.max_seq_len=2048",
             "--data.batch_size=8", "--trainer.log_every_n_steps=1", "--checkpoint.every_n_steps=1000"]
 BOUNDARY = "fw_profile_boundary"
-SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize")
+SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
 TOP_OPS = 12
 STACK_FRAMES = 4   # Python frames shown per synchronisation site (--stacks)
 NO_STACK = "(no Python stack: another thread, or C++ alone)"
+OP_FRAMES = 4      # enclosing profiler ranges shown per synchronisation site (--stacks)
+
+
+def enclosing_ops(event: Any) -> str:
+    """The profiler ranges (ops, record_function) around `event` on its own thread, innermost first: where a
+    synchronisation without a Python stack (the autograd engine's thread, C++) comes from."""
+    names, parent = [], event.cpu_parent
+    while parent is not None and len(names) < OP_FRAMES:
+        if ".py(" not in parent.name and not parent.name.startswith("<built-in"):
+            names.append(parent.name)
+        parent = parent.cpu_parent
+    return " < ".join(names) or "(no enclosing op)"
 
 
 class StepProfiler(Callback):
@@ -118,7 +131,8 @@ class StepProfiler(Callback):
                 if e.name in SYNCS:
                     w[e.name] += 1
                     if self.stacks:
-                        w["sync_sites"][" < ".join(e.stack[:STACK_FRAMES]) or NO_STACK] += 1
+                        where = " < ".join(e.stack[:STACK_FRAMES]) or NO_STACK
+                        w["sync_sites"][f"{e.name} in {enclosing_ops(e)}; {where}"] += 1
                 if ".py(" in e.name or e.name.startswith("<built-in"):   # Python frames of --stacks, not ops
                     continue
                 w["self_cpu_us"][e.name] += e.self_cpu_time_total
@@ -161,7 +175,7 @@ def table(windows: list[dict[str, Any]], cuda: bool, first_step: int = 1) -> str
         for site, count in w["sync_sites"].items():
             sites[site] += count
     if sites:
-        lines += ["", "| synchronisations a step | where (innermost Python frames first) |", "|---|---|"]
+        lines += ["", "| synchronisations a step | which, in which ops; where (innermost first) |", "|---|---|"]
         lines += [f"| {sites[k] / max(n, 1):g} | `{k}` |" for k in sorted(sites, key=sites.get, reverse=True)]
     return "\n".join(lines)
 

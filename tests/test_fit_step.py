@@ -169,12 +169,14 @@ def test_fit_profile_names_where_each_synchronisation_comes_from(tmp_path):
     lines = out.splitlines()
     syncs = next(ln for ln in lines if ln.startswith("| cudaStreamSynchronize calls"))
     mean_syncs = float(syncs.strip().strip("|").split("|")[-1])
-    device_syncs = next(ln for ln in lines if ln.startswith("| cudaDeviceSynchronize calls"))
-    mean_syncs += float(device_syncs.strip().strip("|").split("|")[-1])
-    start = lines.index("| synchronisations a step | where (innermost Python frames first) |")
+    for name in ("cudaDeviceSynchronize", "cudaEventSynchronize"):
+        row = next(ln for ln in lines if ln.startswith(f"| {name} calls"))
+        mean_syncs += float(row.strip().strip("|").split("|")[-1])
+    start = lines.index("| synchronisations a step | which, in which ops; where (innermost first) |")
     sites = lines[start + 2:]
     assert mean_syncs >= 1 and sites, out   # fw's own read at least
     assert sum(float(ln.strip("|").split("|")[0]) for ln in sites) == pytest.approx(mean_syncs), out
+    assert all(" in " in ln for ln in sites), out   # each names its synchronisation and its enclosing ops
 
 
 @pytest.mark.gpu
@@ -238,3 +240,17 @@ def test_fit_profile_prints_its_table_and_writes_a_trace(tmp_path, capsys, stack
     events = json.loads(trace.read_text())["traceEvents"]
     assert sum(e.get("name") == "fw_profile_boundary" for e in events) == 4   # 3 windows: 4 boundaries
     assert out in capsys.readouterr().out
+
+
+def test_enclosing_ops_names_the_ranges_around_an_event_innermost_first():
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from benchmarks.fit_profile import enclosing_ops
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        with record_function("outer"), record_function("inner"):
+            torch.ones(4, 4) @ torch.ones(4, 4)
+    mm = next(e for e in prof.events() if e.name == "aten::mm")
+    assert enclosing_ops(mm).startswith("aten::matmul < inner < outer")
+    top = next(e for e in prof.events() if e.name == "outer")
+    assert enclosing_ops(top) == "(no enclosing op)"
