@@ -247,9 +247,8 @@ def test_enclosing_ops_names_the_ranges_around_an_event_innermost_first():
 
     from benchmarks.fit_profile import enclosing_ops
 
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        with record_function("outer"), record_function("inner"):
-            torch.ones(4, 4) @ torch.ones(4, 4)
+    with profile(activities=[ProfilerActivity.CPU]) as prof, record_function("outer"), record_function("inner"):
+        torch.ones(4, 4) @ torch.ones(4, 4)
     mm = next(e for e in prof.events() if e.name == "aten::mm")
     assert enclosing_ops(mm).startswith("aten::matmul < inner < outer")
     top = next(e for e in prof.events() if e.name == "outer")
