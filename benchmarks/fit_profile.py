@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import re
 import tempfile
 from collections import defaultdict
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -39,16 +41,34 @@ TOP_OPS = 12
 STACK_FRAMES = 4   # Python frames shown per synchronisation site (--stacks)
 NO_STACK = "(no Python stack: another thread, or C++ alone)"
 OP_FRAMES = 4      # enclosing profiler ranges shown per synchronisation site (--stacks)
+PY_FRAME = re.compile(r"\(\d+\): ")   # a Python call as with_stack's tracer names it: "file.py(12): f"
+
+
+def _python_frame(name: str) -> bool:
+    """Whether a profiler event is a Python call of with_stack's tracer ("file.py(12): f", "<built-in ...>")."""
+    return PY_FRAME.search(name) is not None or name.startswith("<built-in")
+
+
+def _parents(event: Any) -> Iterator[Any]:
+    parent = event.cpu_parent
+    while parent is not None:
+        yield parent
+        parent = parent.cpu_parent
+
+
+def python_stack(event: Any) -> list[str]:
+    """The Python frames `event` ran under, innermost first: its recorded stack where torch keeps one, else the
+    Python calls among the ranges around it (torch's tracer records them as events of their own, and CUDA runtime
+    calls such as cudaStreamSynchronize have no stack of their own)."""
+    if event.stack:
+        return list(event.stack)
+    return [p.name for p in _parents(event) if PY_FRAME.search(p.name)]
 
 
 def enclosing_ops(event: Any) -> str:
-    """The profiler ranges (ops, record_function) around `event` on its own thread, innermost first: where a
-    synchronisation without a Python stack (the autograd engine's thread, C++) comes from."""
-    names, parent = [], event.cpu_parent
-    while parent is not None and len(names) < OP_FRAMES:
-        if ".py(" not in parent.name and not parent.name.startswith("<built-in"):
-            names.append(parent.name)
-        parent = parent.cpu_parent
+    """The profiler ranges (ops, record_function) around `event` on its own thread, innermost first, without the
+    Python calls: where a synchronisation comes from, also on the autograd engine's thread."""
+    names = [p.name for p in _parents(event) if not _python_frame(p.name)][:OP_FRAMES]
     return " < ".join(names) or "(no enclosing op)"
 
 
@@ -131,9 +151,9 @@ class StepProfiler(Callback):
                 if e.name in SYNCS:
                     w[e.name] += 1
                     if self.stacks:
-                        where = " < ".join(e.stack[:STACK_FRAMES]) or NO_STACK
+                        where = " < ".join(python_stack(e)[:STACK_FRAMES]) or NO_STACK
                         w["sync_sites"][f"{e.name} in {enclosing_ops(e)}; {where}"] += 1
-                if ".py(" in e.name or e.name.startswith("<built-in"):   # Python frames of --stacks, not ops
+                if _python_frame(e.name):   # Python calls of --stacks, not ops
                     continue
                 w["self_cpu_us"][e.name] += e.self_cpu_time_total
                 w["calls"][e.name] += 1

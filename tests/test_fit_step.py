@@ -253,3 +253,20 @@ def test_enclosing_ops_names_the_ranges_around_an_event_innermost_first():
     assert enclosing_ops(mm).startswith("aten::matmul < inner < outer")
     top = next(e for e in prof.events() if e.name == "outer")
     assert enclosing_ops(top) == "(no enclosing op)"
+
+
+def test_python_stack_comes_from_the_nearest_range_that_has_one():
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from benchmarks.fit_profile import python_stack
+
+    def here():
+        with record_function("site"):
+            torch.ones(3) + 1
+
+    with profile(activities=[ProfilerActivity.CPU], with_stack=True) as prof:
+        here()
+    add = next(e for e in prof.events() if e.name == "aten::add")
+    fill = next(e for e in prof.events() if e.name == "aten::fill_")   # inside aten::ones: a stack of its own or not
+    assert any("here" in frame for frame in python_stack(add))
+    assert any("here" in frame for frame in python_stack(fill))
