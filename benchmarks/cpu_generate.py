@@ -1,13 +1,14 @@
 """fw's `generate` against HF `generate` on CPU: a 10M-parameter Qwen3 (hidden 64, 2 layers) with the real
 151,936-token vocabulary, 128 prompts x 32 new tokens, sampling at temperature 1, EOS ignored. Prints the
 seconds of each and the time of fw's sampler alone on one step's logits against `torch.multinomial`
-(best of 3).
+(best of 3), and the process's peak resident memory after each (fw runs first, so its figure is its own).
 
     python -m benchmarks.cpu_generate [--rows 128] [--new 32] [--prompt-len 16] [--threads N]
 """
 from __future__ import annotations
 
 import argparse
+import resource
 import time
 from collections.abc import Callable
 
@@ -25,6 +26,11 @@ def model_config() -> Qwen3Config:
     return Qwen3Config.from_hf({"vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 192,
                                 "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
                                 "head_dim": 16, "tie_word_embeddings": True, "max_position_embeddings": 512})
+
+
+def peak_rss_gib() -> float:
+    """The process's peak resident set so far (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
 def best_of(n: int, fn: Callable[[], object]) -> float:
@@ -59,6 +65,7 @@ def main() -> None:
     t0 = time.perf_counter()
     generate(model, prompts.tolist(), params, seed=0)
     fw_s = time.perf_counter() - t0
+    fw_rss = peak_rss_gib()
 
     hf = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**model.config.to_hf()))
     hf.load_state_dict(model.hf_state_dict(), strict=False)   # tied head: lm_head comes from the embedding
@@ -69,6 +76,7 @@ def main() -> None:
                     top_k=0, top_p=1.0, max_new_tokens=args.new, min_new_tokens=args.new, eos_token_id=None,
                     pad_token_id=0)
     hf_s = time.perf_counter() - t0
+    hf_rss = peak_rss_gib()
 
     logits = torch.randn(args.rows, VOCAB, generator=g) * 3
     counters = torch.stack([torch.arange(args.rows), torch.zeros(args.rows, dtype=torch.long)], 1)
@@ -76,8 +84,8 @@ def main() -> None:
     multinomial_s = best_of(3, lambda: torch.multinomial(torch.softmax(logits, -1), 1))
     print(f"{params_m:.1f}M parameters, vocab {VOCAB}, {args.rows} x {args.new} new tokens, "
           f"{torch.get_num_threads()} threads")
-    print(f"fw generate  {fw_s:8.2f} s")
-    print(f"HF generate  {hf_s:8.2f} s")
+    print(f"fw generate  {fw_s:8.2f} s   peak RSS {fw_rss:.2f} GiB")
+    print(f"HF generate  {hf_s:8.2f} s   peak RSS {hf_rss:.2f} GiB (the process so far)")
     print(f"fw sampler   {sampler_s:8.3f} s a step   torch.multinomial {multinomial_s:8.3f} s")
 
 
