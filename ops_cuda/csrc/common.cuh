@@ -91,14 +91,21 @@ __device__ __forceinline__ float rsqrt_approx_ftz(float x) {
   return r;
 }
 
-__device__ __forceinline__ float warp_sum(float v) {
+// Sum / max over a warp, every lane getting the result: floats, and the integer counts a warp agrees on.
+template <typename V> __device__ __forceinline__ V warp_sum(V v) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
   return v;
 }
-__device__ __forceinline__ float warp_max(float v) {
+template <typename V> __device__ __forceinline__ V warp_max(V v) {
 #pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  for (int o = 16; o > 0; o >>= 1) {
+    const V w = __shfl_xor_sync(0xffffffffu, v, o);
+    if constexpr (std::is_floating_point_v<V>)
+      v = fmaxf(v, w);
+    else
+      v = max(v, w);
+  }
   return v;
 }
 

@@ -642,16 +642,6 @@ template <int DP> constexpr int persist_smem_bytes(int nrp) {
   return kPStages * (2 * 16 * DP * 2 + nrp * DP * 2 + (int)sizeof(PStage));
 }
 
-__device__ __forceinline__ int64_t warp_sum_i64(int64_t v) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
-}
-__device__ __forceinline__ int warp_max_int(int v) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v = max(v, __shfl_xor_sync(0xffffffffu, v, o));
-  return v;
-}
 __device__ __forceinline__ int warp_incl_scan(int v) {
   const int lane = threadIdx.x & 31;
 #pragma unroll
@@ -700,8 +690,8 @@ __global__ void __launch_bounds__(32) decode_mma_kernel_persistent(PersistArgs p
       tmax = max(tmax, n);
     }
   }
-  tsum = warp_sum_i64(tsum) * HR;
-  tmax = warp_max_int(tmax);
+  tsum = warp_sum(tsum) * HR;
+  tmax = warp_max(tmax);
   int ct = pa.chunk;
   if (ct <= 0) {
     const int64_t target = (int64_t)pa.items * W;
