@@ -634,6 +634,49 @@ def test_linear_logprob_gemm_choice_changes_no_value():
     assert bad.returncode != 0 and "FW_GEMM must be tuned, heuristic or ex, got 'fastest'" in bad.stderr
 
 
+# SFT's loss-token count N changes at every step; the GEMMs whose n or k is N belong to one family of shapes
+# (each dimension rounded up to three significant bits) and are tuned once: N = 7000 tunes, 7013 and 7100 (the
+# same family, 6144 < N <= 7168) run the family's choice untimed, with values still right against float64.
+GEMM_FAMILY_CODE = (
+    "import sys, torch, ops_cuda\nfrom ops_cuda import library\n"
+    "assert library.activate_cuda() == 'kernels'\n"
+    "d, V = 1024, 8192 + 4100\n"
+    "g = torch.Generator(device='cuda').manual_seed(0)\n"
+    "w = (torch.randn(V, d, device='cuda', generator=g) / 8).bfloat16().requires_grad_(True)\n"
+    "for N in (7000, 7013, 7100):\n"
+    "    print(f'fw gemm test: N {N}', file=sys.stderr, flush=True)\n"
+    "    h = torch.randn(N, d, device='cuda', generator=g).bfloat16().requires_grad_(True)\n"
+    "    t = torch.randint(0, V, (N,), device='cuda', generator=g)\n"
+    "    for save in (False, True):\n"
+    "        lp = ops_cuda.linear_logprob(h, w, t, save_logits=save)[0]\n"
+    "        gh, gw = torch.autograd.grad(lp.sum(), (h, w))\n"
+    "        torch.cuda.synchronize()\n"
+    "h64, w64 = h.double().detach().requires_grad_(True), w.double().detach().requires_grad_(True)\n"
+    "lp64 = (h64 @ w64.T).log_softmax(-1).gather(1, t[:, None]).squeeze(1)\n"
+    "g64 = torch.autograd.grad(lp64.sum(), (h64, w64))\n"
+    "rel = lambda a, b: float((a.double() - b).norm() / b.norm())\n"
+    "print(rel(lp, lp64), rel(gh, g64[0]), rel(gw, g64[1]))\n")
+
+
+def test_linear_logprob_gemm_tunes_a_family_of_shapes_once():
+    r = subprocess.run([sys.executable, "-c", GEMM_FAMILY_CODE], capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "FW_GEMM": "tuned", "FW_GEMM_LOG": "1"}, check=False)
+    assert r.returncode == 0, r.stderr[-3000:]
+    runs, current = {}, None
+    for ln in r.stderr.splitlines():
+        if ln.startswith("fw gemm test: N "):
+            current = runs.setdefault(int(ln.split()[-1]), [])
+        elif ln.startswith("fw gemm") and current is not None:
+            current.append(ln)
+    timed = {n: [ln for ln in log if " same bits " in ln or "chose candidate" in ln] for n, log in runs.items()}
+    family = {n: [ln for ln in log if "its family's choice" in ln] for n, log in runs.items()}
+    assert timed[7000] and not family[7000], "\n".join(runs[7000])
+    for n in (7013, 7100):   # shapes with N in them: their family's choice; none is timed
+        assert family[n] and not timed[n], "\n".join(runs[n])
+    rel_lp, rel_gh, rel_gw = map(float, r.stdout.split())
+    assert rel_lp < 1e-5 and rel_gh < TOL[torch.bfloat16] * 2 and rel_gw < TOL[torch.bfloat16] * 2, r.stdout
+
+
 @pytest.mark.parametrize("save", [False, True])
 def test_linear_logprob_on_a_user_stream_and_in_a_cuda_graph(save):
     """On a stream of the caller's that is still busy writing the inputs, the op waits for them and its outputs

@@ -12,7 +12,13 @@
 // cuBLASLt offers no algorithm without split-K, cublasGemmEx. For A/B runs and tests,
 // FW_GEMM (read once a process) = heuristic keeps the heuristic's first, = ex takes cublasGemmEx; = tuned is the
 // default. Tuning synchronises the stream and holds a scratch copy of C (two more when C is read) for its
-// duration, once a shape.
+// duration.
+//
+// Shapes come in families: each of m, n, k and the leading dimensions rounded up to three significant bits (the
+// octave [2^p, 2^(p+1)) split into four), the rest of the key exact. Only the first shape of a family is tuned;
+// a later one runs the family's choice where cuBLASLt's AlgoCheck accepts it for that shape, else the heuristic's
+// first, untimed. SFT's loss rows (n or k of the logprob GEMMs) change at every step: tuning each new count would
+// synchronise the stream dozens of times a step and never end.
 #include "gemm.h"
 
 #include <ATen/ATen.h>
@@ -182,6 +188,22 @@ Tuned tune(const std::vector<cublasLtMatmulAlgo_t>& cand, Run& run, void* C, cud
   return {best_i, true};
 }
 
+// x rounded up to three significant bits: a family of shapes shares its tuned algorithm.
+int64_t family_dim(int64_t x) {
+  if (x <= 16) return x;
+  int64_t p = 1;
+  while (p <= x / 2) p *= 2;
+  const int64_t step = p / 4;
+  return (x + step - 1) / step * step;
+}
+
+// Whether cuBLASLt can run `algo` on the shape of `d` within the workspace.
+bool accepts(cublasLtHandle_t h, const LtDescs& d, const cublasLtMatmulAlgo_t& algo, size_t ws_bytes) {
+  cublasLtMatmulHeuristicResult_t res{};
+  return cublasLtMatmulAlgoCheck(h, d.op, d.a, d.b, d.c, d.c, &algo, &res) == CUBLAS_STATUS_SUCCESS &&
+         res.state == CUBLAS_STATUS_SUCCESS && res.workspaceSize <= ws_bytes;
+}
+
 bool capturing(cudaStream_t s) {
   cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
   return cudaStreamIsCapturing(s, &st) == cudaSuccess && st != cudaStreamCaptureStatusNone;
@@ -220,7 +242,8 @@ void gemm(cublasOperation_t ta, cublasOperation_t tb, int64_t m, int64_t n, int6
     return gemm_ex();
   }
   static std::mutex mu;
-  static std::map<GemmKey, Choice> chosen;
+  static std::map<GemmKey, Choice> chosen;    // by exact shape
+  static std::map<GemmKey, Choice> families;  // by family_key: the tuned choice of the family's first shape
 
   cublasLtHandle_t h = at::cuda::getCurrentCUDABlasLtHandle();
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
@@ -229,12 +252,18 @@ void gemm(cublasOperation_t ta, cublasOperation_t tb, int64_t m, int64_t n, int6
   const unsigned al_a = alignment(A), al_b = alignment(B), al_c = alignment(C);
   const GemmKey key{(int)c10::cuda::current_device(), (int)ta, (int)tb, m, n, k, lda, ldb, ldc, (int)a_t, (int)b_t,
                     (int)c_t, beta != 0.f, al_a, al_b, al_c, ws_bytes};
-  Choice choice;
-  bool have = false;
+  GemmKey family_key = key;
+  std::get<3>(family_key) = family_dim(m), std::get<4>(family_key) = family_dim(n);
+  std::get<5>(family_key) = family_dim(k), std::get<6>(family_key) = family_dim(lda);
+  std::get<7>(family_key) = family_dim(ldb), std::get<8>(family_key) = family_dim(ldc);
+  Choice choice, family;
+  bool have = false, have_family = false;
   {
     std::lock_guard<std::mutex> g(mu);
     auto it = chosen.find(key);
     if (it != chosen.end()) choice = it->second, have = true;
+    auto f = families.find(family_key);
+    if (!have && f != families.end()) family = f->second, have_family = true;
   }
   if (have && !choice.lt) return gemm_ex();
   LtDescs d;
@@ -242,10 +271,16 @@ void gemm(cublasOperation_t ta, cublasOperation_t tb, int64_t m, int64_t n, int6
   auto run = [&](const cublasLtMatmulAlgo_t& algo, void* out) {
     return cublasLtMatmul(h, d.op, &alpha, A, d.a, B, d.b, &beta, out, d.c, out, d.c, &algo, ws, ws_bytes, stream);
   };
+  char what[96];  // the shape, for the log
+  snprintf(what, sizeof(what), "%c%c m %lld n %lld k %lld beta %d", ta == CUBLAS_OP_N ? 'N' : 'T',
+           tb == CUBLAS_OP_N ? 'N' : 'T', (long long)m, (long long)n, (long long)k, beta != 0.f);
+  if (!have && have_family && accepts(h, d, family.algo, ws_bytes)) {
+    if (log) fprintf(stderr, "fw gemm %s: its family's choice, not timed\n", what);
+    choice = family, have = true;
+    std::lock_guard<std::mutex> g(mu);
+    chosen.emplace(key, choice);
+  }
   if (!have) {
-    char what[96];  // the shape, for the log
-    snprintf(what, sizeof(what), "%c%c m %lld n %lld k %lld beta %d", ta == CUBLAS_OP_N ? 'N' : 'T',
-             tb == CUBLAS_OP_N ? 'N' : 'T', (long long)m, (long long)n, (long long)k, beta != 0.f);
     const auto cand = candidates(h, d, ws_bytes, al_a, al_b, al_c);
     if (cand.empty()) {  // small GEMMs such as 64 x 40 x 8192 can have no algorithm without split-K
       if (log) fprintf(stderr, "fw gemm %s: no cuBLASLt algorithm without split-K, cublasGemmEx\n", what);
@@ -254,7 +289,7 @@ void gemm(cublasOperation_t ta, cublasOperation_t tb, int64_t m, int64_t n, int6
       return gemm_ex();
     }
     choice = Choice{true, cand[0]};
-    if (cand.size() == 1 || mode == kHeuristic) {
+    if (cand.size() == 1 || mode == kHeuristic || have_family) {
       if (log) fprintf(stderr, "fw gemm %s: the heuristic's first of %zu, not timed\n", what, cand.size());
       std::lock_guard<std::mutex> g(mu);
       chosen.emplace(key, choice);
@@ -264,6 +299,7 @@ void gemm(cublasOperation_t ta, cublasOperation_t tb, int64_t m, int64_t n, int6
       if (t.conclusive) {
         std::lock_guard<std::mutex> g(mu);
         chosen.emplace(key, choice);
+        families.emplace(family_key, choice);
       }
     }
   }
