@@ -15,9 +15,10 @@
 // duration.
 //
 // Shapes come in families: each of m, n, k and the leading dimensions rounded up to three significant bits (the
-// octave [2^p, 2^(p+1)) split into four), the rest of the key exact. Only the first shape of a family is tuned;
-// a later one runs the family's choice where cuBLASLt's AlgoCheck accepts it for that shape, else the heuristic's
-// first, untimed. SFT's loss rows (n or k of the logprob GEMMs) change at every step: tuning each new count would
+// octave [2^p, 2^(p+1)) split into four), the rest of the key exact. Only the first shape of a family is tuned.
+// A later one runs, untimed, the family's choice where the heuristic's first for it is the algorithm the family's
+// choice matched bit for bit (and cuBLASLt's AlgoCheck accepts the choice for this shape), else the heuristic's
+// first. SFT's loss rows (n or k of the logprob GEMMs) change at every step: tuning each new count would
 // synchronise the stream dozens of times a step and never end.
 #include "gemm.h"
 
@@ -122,6 +123,13 @@ struct Choice {
   cublasLtMatmulAlgo_t algo{};
 };
 
+// A tuned family: the heuristic's first algorithm on the shape it was tuned with, and the choice, which gave
+// that algorithm's bits there.
+struct Family {
+  cublasLtMatmulAlgo_t first{};
+  Choice tuned;
+};
+
 struct Tuned {
   size_t index;     // into the candidates
   bool conclusive;  // false: the operands could not tell candidates apart; tune again on a later call
@@ -188,13 +196,31 @@ Tuned tune(const std::vector<cublasLtMatmulAlgo_t>& cand, Run& run, void* C, cud
   return {best_i, true};
 }
 
-// x rounded up to three significant bits: a family of shapes shares its tuned algorithm.
+// x rounded up to three significant bits: a family of shapes shares its tuning.
 int64_t family_dim(int64_t x) {
   if (x <= 16) return x;
   int64_t p = 1;
   while (p <= x / 2) p *= 2;
   const int64_t step = p / 4;
   return (x + step - 1) / step * step;
+}
+
+// Whether two algorithms are one configuration (id, tile, stages, split-K, reduction, swizzle, custom option,
+// inner and cluster shapes): the same arithmetic in the same order.
+bool same_config(const cublasLtMatmulAlgo_t& x, const cublasLtMatmulAlgo_t& y) {
+  static const cublasLtMatmulAlgoConfigAttributes_t attrs[] = {
+      CUBLASLT_ALGO_CONFIG_ID,           CUBLASLT_ALGO_CONFIG_TILE_ID,       CUBLASLT_ALGO_CONFIG_STAGES_ID,
+      CUBLASLT_ALGO_CONFIG_SPLITK_NUM,   CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME, CUBLASLT_ALGO_CONFIG_CTA_SWIZZLING,
+      CUBLASLT_ALGO_CONFIG_CUSTOM_OPTION, CUBLASLT_ALGO_CONFIG_INNER_SHAPE_ID, CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID};
+  for (const auto a : attrs) {
+    size_t n = 0, w = 0;  // the attribute's size, which a read must give exactly
+    if (cublasLtMatmulAlgoConfigGetAttribute(&x, a, nullptr, 0, &n) != CUBLAS_STATUS_SUCCESS || n > 8) return false;
+    int64_t u = 0, v = 0;
+    if (cublasLtMatmulAlgoConfigGetAttribute(&x, a, &u, n, &w) != CUBLAS_STATUS_SUCCESS ||
+        cublasLtMatmulAlgoConfigGetAttribute(&y, a, &v, n, &w) != CUBLAS_STATUS_SUCCESS || u != v)
+      return false;
+  }
+  return true;
 }
 
 // Whether cuBLASLt can run `algo` on the shape of `d` within the workspace.
@@ -243,7 +269,7 @@ void gemm(cublasOperation_t ta, cublasOperation_t tb, int64_t m, int64_t n, int6
   }
   static std::mutex mu;
   static std::map<GemmKey, Choice> chosen;    // by exact shape
-  static std::map<GemmKey, Choice> families;  // by family_key: the tuned choice of the family's first shape
+  static std::map<GemmKey, Family> families;  // by family_key: the tuning of the family's first shape
 
   cublasLtHandle_t h = at::cuda::getCurrentCUDABlasLtHandle();
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
@@ -256,7 +282,8 @@ void gemm(cublasOperation_t ta, cublasOperation_t tb, int64_t m, int64_t n, int6
   std::get<3>(family_key) = family_dim(m), std::get<4>(family_key) = family_dim(n);
   std::get<5>(family_key) = family_dim(k), std::get<6>(family_key) = family_dim(lda);
   std::get<7>(family_key) = family_dim(ldb), std::get<8>(family_key) = family_dim(ldc);
-  Choice choice, family;
+  Choice choice;
+  Family family;
   bool have = false, have_family = false;
   {
     std::lock_guard<std::mutex> g(mu);
@@ -271,16 +298,10 @@ void gemm(cublasOperation_t ta, cublasOperation_t tb, int64_t m, int64_t n, int6
   auto run = [&](const cublasLtMatmulAlgo_t& algo, void* out) {
     return cublasLtMatmul(h, d.op, &alpha, A, d.a, B, d.b, &beta, out, d.c, out, d.c, &algo, ws, ws_bytes, stream);
   };
-  char what[96];  // the shape, for the log
-  snprintf(what, sizeof(what), "%c%c m %lld n %lld k %lld beta %d", ta == CUBLAS_OP_N ? 'N' : 'T',
-           tb == CUBLAS_OP_N ? 'N' : 'T', (long long)m, (long long)n, (long long)k, beta != 0.f);
-  if (!have && have_family && accepts(h, d, family.algo, ws_bytes)) {
-    if (log) fprintf(stderr, "fw gemm %s: its family's choice, not timed\n", what);
-    choice = family, have = true;
-    std::lock_guard<std::mutex> g(mu);
-    chosen.emplace(key, choice);
-  }
   if (!have) {
+    char what[96];  // the shape, for the log
+    snprintf(what, sizeof(what), "%c%c m %lld n %lld k %lld beta %d", ta == CUBLAS_OP_N ? 'N' : 'T',
+             tb == CUBLAS_OP_N ? 'N' : 'T', (long long)m, (long long)n, (long long)k, beta != 0.f);
     const auto cand = candidates(h, d, ws_bytes, al_a, al_b, al_c);
     if (cand.empty()) {  // small GEMMs such as 64 x 40 x 8192 can have no algorithm without split-K
       if (log) fprintf(stderr, "fw gemm %s: no cuBLASLt algorithm without split-K, cublasGemmEx\n", what);
@@ -289,7 +310,15 @@ void gemm(cublasOperation_t ta, cublasOperation_t tb, int64_t m, int64_t n, int6
       return gemm_ex();
     }
     choice = Choice{true, cand[0]};
-    if (cand.size() == 1 || mode == kHeuristic || have_family) {
+    if (have_family) {
+      const bool same = same_config(cand[0], family.first) && accepts(h, d, family.tuned.algo, ws_bytes);
+      if (same) choice = family.tuned;
+      if (log)
+        fprintf(stderr, "fw gemm %s: %s, not timed\n", what,
+                same ? "its family's choice" : "the heuristic's first (not its family's)");
+      std::lock_guard<std::mutex> g(mu);
+      chosen.emplace(key, choice);
+    } else if (cand.size() == 1 || mode == kHeuristic) {
       if (log) fprintf(stderr, "fw gemm %s: the heuristic's first of %zu, not timed\n", what, cand.size());
       std::lock_guard<std::mutex> g(mu);
       chosen.emplace(key, choice);
@@ -299,7 +328,7 @@ void gemm(cublasOperation_t ta, cublasOperation_t tb, int64_t m, int64_t n, int6
       if (t.conclusive) {
         std::lock_guard<std::mutex> g(mu);
         chosen.emplace(key, choice);
-        families.emplace(family_key, choice);
+        families.emplace(family_key, Family{cand[0], choice});
       }
     }
   }
