@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
+from benchmarks.profiling import kernel_table
 from framework.callbacks import Callback
 
 SFT_BF16 = ["--trainer.precision=bf16-mixed", "--model.policy.preset=qwen3-0.6b", "--data.max_seq_len=2048",
@@ -210,6 +211,8 @@ def main(argv: list[str] | None = None) -> str:
     ap.add_argument("--trace", required=True, help="where the chrome trace goes")
     ap.add_argument("--warmup", type=int, default=3, help="policy steps before the profiled ones")
     ap.add_argument("--steps", type=int, default=3, help="policy steps profiled")
+    ap.add_argument("--kernels", type=int, default=0, metavar="N",
+                    help="also print the N kernels (ops on a CPU) of most device time over the profiled steps")
     ap.add_argument("--stacks", action="store_true",
                     help="record Python stacks and list where each stream / device synchronisation comes from")
     args, overrides = ap.parse_known_args(argv)
@@ -231,6 +234,9 @@ def main(argv: list[str] | None = None) -> str:
     out = (f"fw fit profile: recipe {cfg['recipe']}, model {policy['preset'] or policy['path']}, "
            f"{cfg['trainer']['precision']}, {cfg['data']['batch_size']} x {cfg['data']['max_seq_len']}, {device}; "
            f"{args.warmup} warm-up steps\n\n" + table(profiler.windows(), cuda, args.warmup + 1))
+    if args.kernels:
+        out += f"\n\nTop {args.kernels} kernels over the {args.steps} profiled steps\n" + kernel_table(profiler.done,
+                                                                                                   args.kernels)
     print(out, flush=True)
     return out
 

@@ -10,7 +10,7 @@ Prints the median of --rounds updates per layout, its time per real token, peak 
 and how far the packed loss and gradients are from the padded ones; --equal adds the share of tokens packing
 must remove to pay, --profile the kernels that take the most device time in one update of each layout.
 
-    python -m benchmarks.packed_update [--preset qwen3-0.6b] [--micro 4] [--rounds 3] [--equal] [--profile]
+    python -m benchmarks.packed_update [--preset qwen3-0.6b] [--micro 4] [--rounds 3] [--equal] [--profile N]
 """
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ import time
 
 import torch
 
+from benchmarks.profiling import top_kernels
 from framework.allocator import to_device
 from framework.config import resolve
 from framework.models import Qwen3ForCausalLM
@@ -61,18 +62,6 @@ def update(model, batch, micro, old_logp, adv, mask, loss_fn, packed: bool | Non
     return total
 
 
-def top_kernels(run, count: int = 12) -> str:
-    """The kernels of one `run()` that take the most device time (CPU: host time), as a table."""
-    from torch.profiler import ProfilerActivity, profile
-
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if CUDA else [])
-    with profile(activities=activities) as prof:
-        run()
-        sync()
-    key = "self_device_time_total" if CUDA else "self_cpu_time_total"
-    return prof.key_averages().table(sort_by=key, row_limit=count)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--preset", default="qwen3-0.6b")
@@ -86,7 +75,8 @@ def main() -> None:
                     help="micro-batches of even token counts (the recipes'), of even row counts, or of the "
                          "length-sorted rows in order (buckets of similar lengths: the least padding)")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--profile", action="store_true", help="print the top kernels of each layout")
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="print the N kernels of most device time in one update of each layout")
     args = ap.parse_args()
     cfg = preset_config(args.preset, PRESETS[args.preset]["vocab_size"] or 256)
     torch.manual_seed(0)
@@ -128,7 +118,8 @@ def main() -> None:
                          "reserved": torch.cuda.max_memory_reserved() / 2**30 if CUDA else float("nan")}
         if args.profile:
             model.zero_grad(set_to_none=True)
-            profiles[name] = top_kernels(lambda p=packed: update(model, batch, micro, old_logp, adv, mask, loss_fn, p))
+            profiles[name] = top_kernels(lambda p=packed: update(model, batch, micro, old_logp, adv, mask, loss_fn, p),
+                                         args.profile)
         model.zero_grad(set_to_none=True)
         CUDA and torch.cuda.empty_cache()
     real = int(lens.sum())

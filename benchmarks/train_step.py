@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 import ops_cuda
+from benchmarks.profiling import top_kernels
 from framework.models import Qwen3ForCausalLM
 from framework.models.presets import PRESETS, preset_config
 
@@ -56,28 +57,34 @@ def hf_loss(model, ids):
     return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
 
 
-def run(name, model, loss_fn, batch, seq, steps, vocab):
+def run(name, model, loss_fn, batch, seq, steps, vocab, profile=0):
     model.to(DEVICE).train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=CUDA)
     gen = torch.Generator(device=DEVICE).manual_seed(0)
     times = []
     CUDA and torch.cuda.reset_peak_memory_stats()
-    for i in range(steps + 3):
-        ids = torch.randint(0, vocab, (batch, seq + 1), device=DEVICE, generator=gen)
-        sync()
-        t0 = time.perf_counter()
+
+    def step(ids):
         with torch.autocast(DEVICE, dtype=torch.bfloat16):
             loss = loss_fn(model, ids)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
+        return loss
+
+    for i in range(steps + 3):
+        ids = torch.randint(0, vocab, (batch, seq + 1), device=DEVICE, generator=gen)
+        sync()
+        t0 = time.perf_counter()
+        loss = step(ids)
         sync()
         if i >= 3:
             times.append(time.perf_counter() - t0)
     peak = (torch.cuda.max_memory_allocated() / 2**30 if CUDA else 0.0)
     med = statistics.median(times)
-    del opt
+    if profile:
+        print(f"{name}: one step's top {profile} kernels\n" + top_kernels(lambda: step(ids), profile), flush=True)
     return {"impl": name, "median_s": med, "tok_s": batch * seq / med, "peak_gib": peak, "loss": float(loss)}
 
 
@@ -95,6 +102,8 @@ def main() -> None:
     ap.add_argument("--doc-len", type=int, default=0,
                     help="fw-packed: tokens per packed document (0: one document a row)")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="after timing, print the N kernels of most device time in one more step of each impl")
     args = ap.parse_args()
     cfg = preset_config(args.preset, PRESETS[args.preset]["vocab_size"] or 256)
     fpt = flops_per_token(cfg, args.seq)
@@ -120,7 +129,7 @@ def main() -> None:
             model = transformers.Qwen3ForCausalLM(hf_cfg)
             loss_fn = hf_loss
         try:
-            row = run(impl, model, loss_fn, args.batch, args.seq, args.steps, cfg.vocab_size)
+            row = run(impl, model, loss_fn, args.batch, args.seq, args.steps, cfg.vocab_size, args.profile)
         except torch.cuda.OutOfMemoryError as e:
             row = {"impl": impl, "error": f"OOM: {str(e).splitlines()[0]}"}
         del model

@@ -1,0 +1,26 @@
+"""The kernels that take the most device time in a piece of work, as torch.profiler's table."""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+
+def kernel_table(prof: Any, count: int = 12) -> str:
+    """The top `count` rows of a finished profile by self device time (CPU: self host time)."""
+    cuda = any(e.device_type == torch.autograd.DeviceType.CUDA for e in prof.events())
+    key = "self_device_time_total" if cuda else "self_cpu_time_total"
+    return prof.key_averages().table(sort_by=key, row_limit=count)
+
+
+def top_kernels(run: Callable[[], Any], count: int = 12) -> str:
+    """`run()` once under torch.profiler (CPU and, where there is one, CUDA activity); its `kernel_table`."""
+    cuda = torch.cuda.is_available()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        run()
+        if cuda:
+            torch.cuda.synchronize()
+    return kernel_table(prof, count)
