@@ -4,8 +4,9 @@
 torchao's (the `lean` extra, imported only when asked for): `AdamW8bit` keeps both moments in 8 bits
 with block-wise scales, `_AdamW(bf16_stochastic_round=True)` (or `AdamW8bit` with it) computes the AdamW
 step in float32 and rounds it into the bfloat16 weights stochastically, and `CPUOffloadOptimizer` keeps
-the chosen optimizer's states and step on the CPU. Every variant gets the same parameter groups (no
-weight decay on 1-D parameters), betas, eps, lr and weight decay.
+the chosen optimizer's states and step on the CPU. Unless offloaded, the first two step through
+`ops_cuda.adamw_step`: torchao's states and arithmetic, one CUDA launch for many parameters. Every variant
+gets the same parameter groups (no weight decay on 1-D parameters), betas, eps, lr and weight decay.
 """
 
 from __future__ import annotations
@@ -73,7 +74,8 @@ def optimizer_problems(cfg: dict, world_size: int | None = None) -> list[str]:
                         "bf16-true")
     if o["fused"] is True and _uses_torchao_step(o):
         problems.append("optimizer.fused: true selects torch AdamW's fused kernel, but optimizer.name: adamw8bit "
-                        "and optimizer.stochastic_rounding: true run torchao's own compiled step; use auto or false")
+                        "and optimizer.stochastic_rounding: true step torchao's states with fw's own kernel; use auto "
+                        "or false")
     if o["cpu_offload"]:
         if not _cuda(t):
             problems.append("optimizer.cpu_offload: true moves the optimizer states from a CUDA GPU to the CPU, "
@@ -125,6 +127,8 @@ def build_optimizer(model: torch.nn.Module, settings: dict, cfg: dict) -> torch.
         optim = _torchao_optim()
         cls = optim.AdamW8bit if o["name"] == "adamw8bit" else optim._AdamW
         kwargs["bf16_stochastic_round"] = o["stochastic_rounding"]
+        if not o["cpu_offload"]:   # the offloaded step runs on the CPU through torchao's own compiled step
+            cls = _fused_class(cls)
     else:
         cls = torch.optim.AdamW
         kwargs["fused"] = _fused(o["fused"], params, cfg)
@@ -173,6 +177,65 @@ def _torchao_optim() -> Any:
         raise FwError(f"torchao does not import ({e}); the lean optimizers need it: {LEAN_INSTALL}") from e
     warnings.filterwarnings("ignore", message=r".*does not implement _stable_hash_for_caching", category=UserWarning)
     return torchao.optim
+
+
+@functools.cache
+def _fused_class(base: type) -> type:
+    """torchao's `base` optimizer (AdamW8bit or _AdamW: their states, state dict and arithmetic) whose step runs
+    `ops_cuda.adamw_step` over all parameters of a group at once, instead of torchao's compiled call per parameter
+    (one host round trip each: on a 0.6B model, host time longer than the update's own device time)."""
+    import ops_cuda
+
+    class FusedStep(base):
+        @torch.no_grad()
+        def step(self, closure: Any = None) -> Any:
+            loss = None
+            if closure is not None:
+                with torch.enable_grad():
+                    loss = closure()
+            for index, group in enumerate(self.param_groups):
+                if group.get("amsgrad"):
+                    raise FwError("fw's fused AdamW step has no amsgrad")
+                # parameters at the same step count go together (a parameter without a gradient skips a step)
+                by_step: dict[int, list[torch.Tensor]] = {}
+                for p in group["params"]:
+                    if p.grad is None:
+                        continue
+                    if p.grad.is_sparse:
+                        raise FwError("fw's fused AdamW step takes dense gradients only")
+                    state = self.state[p]
+                    if not state:
+                        state["step"] = torch.tensor(0.0)
+                        state["exp_avg"] = self._new_buffer(p, True)
+                        state["exp_avg_sq"] = self._new_buffer(p, False)
+                    state["step"] += 1
+                    by_step.setdefault(int(state["step"]), []).append(p)
+                for step, params in by_step.items():
+                    self._fused_update(group, params, step, index)
+            return loss
+
+        def _fused_update(self, group: dict, params: list[torch.Tensor], step: int, index: int) -> None:
+            moments = [(self.state[p]["exp_avg"], self.state[p]["exp_avg_sq"]) for p in params]
+            empty = params[0].new_empty(0, dtype=torch.float32)
+            # 8-bit moments carry their code maps; every state of a kind holds the same one
+            qmaps = next(((m.qmap, v.qmap) for m, v in moments if hasattr(m, "codes")), (empty, empty))
+
+            def parts(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                return (t.codes, t.scale) if hasattr(t, "codes") else (t, empty)
+
+            m_parts = [parts(m) for m, _ in moments]
+            v_parts = [parts(v) for _, v in moments]
+            # Stochastic rounding's noise: a function of the run's seed, the group and the step, so that a resumed
+            # run rounds as the uninterrupted one did.
+            seed = (torch.initial_seed() * 1_000_003 + index * 7_919 + step) % 2**63
+            ops_cuda.adamw_step(params, [p.grad for p in params], [m for m, _ in m_parts], [s for _, s in m_parts],
+                                [v for v, _ in v_parts], [s for _, s in v_parts], *qmaps,
+                                lr=float(group["lr"]), betas=group["betas"], weight_decay=group["weight_decay"],
+                                eps=group["eps"], step=step,
+                                stochastic_round=self.bf16_stochastic_round, seed=seed)
+
+    FusedStep.__name__ = FusedStep.__qualname__ = base.__name__
+    return FusedStep
 
 
 @functools.cache

@@ -11,6 +11,7 @@ import torch
 
 from ops_cuda import extension as _extension
 from ops_cuda import library as _library
+from ops_cuda.adamw_step import adamw_step
 from ops_cuda.add_rms_norm import add_rms_norm
 from ops_cuda.attention import attention
 from ops_cuda.decode_attention import decode_attention
@@ -23,8 +24,9 @@ from ops_cuda.sample import sample
 from ops_cuda.swiglu import swiglu
 from ops_cuda.varlen_attention import packed_sequences, varlen_attention, varlen_suffix_attention
 
-__all__ = ["SAVED_LOGITS_CHUNK", "add_rms_norm", "attention", "build", "cuda_backend", "decode_attention", "doctor",
-           "linear_logprob", "packed_sequences", "paged_decode_attention", "paged_prefill_attention",
+__all__ = ["SAVED_LOGITS_CHUNK", "adamw_step", "add_rms_norm", "attention", "build", "cuda_backend",
+           "decode_attention", "doctor", "linear_logprob", "packed_sequences", "paged_decode_attention",
+           "paged_prefill_attention",
            "qk_norm_rope_write", "rms_norm", "rope", "sample", "swiglu", "varlen_attention",
            "varlen_suffix_attention"]
 

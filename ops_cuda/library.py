@@ -50,12 +50,13 @@ def need_long(op: str, name: str, t: Tensor) -> None:
 
 
 def _contiguous_outputs(fn: Callable) -> Callable:
-    """The reference with contiguous outputs, matching the fake kernels and the CUDA kernels."""
+    """The reference with contiguous outputs, matching the fake kernels and the CUDA kernels (None: an op that
+    only mutates its arguments)."""
     def wrapped(*args):
         out = fn(*args)
         if isinstance(out, tuple):
             return tuple(o.contiguous() for o in out)
-        return out.contiguous()
+        return None if out is None else out.contiguous()
 
     wrapped.__name__ = fn.__name__
     return wrapped

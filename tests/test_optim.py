@@ -284,7 +284,7 @@ def test_ppo_critic_gets_the_same_kind_of_optimizer():
     ({"stochastic_rounding": True}, {"model": {"policy": {"preset": "tiny", "dtype": "bfloat16"}},
                                      "trainer": {"precision": "16-true"}}, "optimizer.stochastic_rounding: true",
      "but they are float16"),
-    ({"name": "adamw8bit", "fused": True}, {}, "optimizer.fused: true", "torchao's own compiled step"),
+    ({"name": "adamw8bit", "fused": True}, {}, "optimizer.fused: true", "fw's own kernel"),
     ({"cpu_offload": True}, {"trainer": {"accelerator": "cpu"}}, "optimizer.cpu_offload: true", "no CUDA GPU"),
     ({"cpu_offload": True}, {"trainer": {"accelerator": "cpu", "precision": "16-mixed"}},
      "optimizer.cpu_offload: true", "trainer.precision: 16-mixed"),
