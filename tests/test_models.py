@@ -203,7 +203,7 @@ def test_return_hidden_and_lm_head_weight(tied):
 
 
 def test_every_norm_rope_activation_and_attention_goes_through_ops_cuda(monkeypatch):
-    calls = {name: 0 for name in ("rms_norm", "rope", "swiglu", "attention", "decode_attention")}
+    calls = {name: 0 for name in ("rms_norm", "add_rms_norm", "rope", "swiglu", "attention", "decode_attention")}
     for name in calls:
         real = getattr(ops_cuda, name)
 
@@ -215,9 +215,10 @@ def test_every_norm_rope_activation_and_attention_goes_through_ops_cuda(monkeypa
     with torch.no_grad():
         model(torch.randint(0, 110, (1, 4)))
     layers = model.config.num_hidden_layers
-    # per layer: input, post-attention, q and k norms; plus the final norm
-    assert calls == {"rms_norm": 4 * layers + 1, "rope": layers, "swiglu": layers, "attention": layers,
-                     "decode_attention": 0}
+    # per layer: input, post-attention, q and k norms; plus the final norm. Each residual add but the last runs
+    # with the norm after it.
+    assert calls == {"rms_norm": 2 * layers + 2, "add_rms_norm": 2 * layers - 1, "rope": layers, "swiglu": layers,
+                     "attention": layers, "decode_attention": 0}
     cache = model.new_kv_cache(1, 8)
     model.prefill(torch.randint(0, 110, (1, 4)), torch.tensor([4]), cache)
     model.decode(torch.tensor([3]), cache)
@@ -231,7 +232,7 @@ def test_gradient_checkpointing_recomputes_layers_with_equal_gradients():
         model = tiny_model().train()
         model.gradient_checkpointing = ckpt
         runs = []
-        model.model.layers[0].register_forward_pre_hook(lambda *_, runs=runs: runs.append(1))
+        model.model.layers[0].self_attn.register_forward_pre_hook(lambda *_, runs=runs: runs.append(1))
         F.cross_entropy(model(ids)[:, :-1].reshape(-1, 110), ids[:, 1:].reshape(-1)).backward()
         assert len(runs) == (2 if ckpt else 1)   # recomputed once in the backward pass
         grads.append([p.grad.clone() for p in model.parameters()])

@@ -74,6 +74,10 @@ def op_args():
         "add_rms_norm": [(torch.randn(3, 16), torch.randn(3, 16), torch.randn(16), 1e-6),
                          (torch.randn(2, 3, 16).bfloat16(), torch.randn(2, 3, 16), torch.randn(16), 1e-5),
                          (torch.randn(3, 16).bfloat16(), torch.randn(3, 16), torch.randn(16), 1e-5, torch.bfloat16)],
+        "add_rms_norm_backward": [(torch.randn(3, 16), torch.randn(3, 16).bfloat16(), torch.randn(3, 16),
+                                   torch.randn(16), 1e-6, torch.bfloat16),
+                                  (torch.randn(3, 16), torch.randn(3, 16), torch.randn(3, 16), torch.randn(16), 1e-6,
+                                   torch.float32)],
         "qk_norm_rope_write": [(torch.randn(5, (4 + 2 * 2) * 8), torch.tensor([0, 3, 9, 1, 40]), torch.randn(8),
                                 torch.randn(8), 1e-6, 1e4, torch.zeros(6, 2, 4, 8), torch.zeros(6, 2, 4, 8),
                                 torch.tensor([1, 1, 2, 5, 0]), torch.tensor([0, 3, 1, 2, 0]))],
@@ -159,6 +163,26 @@ def test_add_rms_norm_matches_the_formula_and_the_separate_ops():
     assert h.dtype == torch.float32 and yb.dtype == torch.bfloat16 and torch.equal(yb, y.bfloat16())
     with pytest.raises(ValueError, match="out_dtype must be x's"):
         ops_cuda.add_rms_norm(xb, r32, w.float(), 1e-6, torch.float16)
+
+
+def test_add_rms_norm_gradients_are_those_of_the_separate_add_and_norm():
+    """gradcheck in float64, and the gradients of both outputs against autograd through `r + x` and the norm's
+    formula."""
+    x, r = torch.randn(4, 3, 24, dtype=D64, requires_grad=True), torch.randn(4, 3, 24, dtype=D64, requires_grad=True)
+    w = torch.randn(24, dtype=D64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda a, b, c: ops_cuda.add_rms_norm(a, b, c, 1e-6), (x, r, w))
+    gh, gy = torch.randn(4, 3, 24, dtype=D64), torch.randn(4, 3, 24, dtype=D64)
+    h, y = ops_cuda.add_rms_norm(x, r, w, 1e-6)
+    got = torch.autograd.grad((h * gh).sum() + (y * gy).sum(), (x, r, w))
+    s = r + x
+    y_ref = s / (s.square().mean(-1, keepdim=True) + 1e-6).sqrt() * w
+    want = torch.autograd.grad((s * gh).sum() + (y_ref * gy).sum(), (x, r, w))
+    for a, b in zip(got, want, strict=True):
+        assert rel(a, b) < 1e-13
+    # only the sum used: the norm's weight gets a zero gradient, x and r the sum's
+    h, _ = ops_cuda.add_rms_norm(x, r, w, 1e-6)
+    gx, gr, gw = torch.autograd.grad((h * gh).sum(), (x, r, w), allow_unused=True)
+    assert torch.equal(gx, gh) and torch.equal(gr, gh) and not gw.any()
 
 
 @pytest.mark.parametrize("dtype", [D64, torch.float32])

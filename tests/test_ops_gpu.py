@@ -240,6 +240,33 @@ def test_add_rms_norm(xdtype, rdtype, wdtype, shape, ydtype):
     assert rel(y, y64) < TOL[out]
 
 
+@pytest.mark.parametrize("xdtype,rdtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                           (torch.bfloat16, torch.float32)])
+@pytest.mark.parametrize("wdtype", ["same", "fp32"])
+@pytest.mark.parametrize("shape", [(1, 1024), (16384, 1024), (7, 1000), (3, 5, 2560), (2, 4096), (3, 16)])
+def test_add_rms_norm_backward(xdtype, rdtype, wdtype, shape):
+    """The gradients of h and of the norm (in x's dtype, as under autocast) against float64 autograd through the
+    add and the norm's formula, from the float32 sum the forward rounded."""
+    x = torch.randn(shape, device=DEV, dtype=xdtype, requires_grad=True)
+    r = (3 * torch.randn(shape, device=DEV)).to(rdtype).requires_grad_(True)
+    w = torch.randn(shape[-1], device=DEV, dtype=xdtype if wdtype == "same" else torch.float32, requires_grad=True)
+    gh = torch.randn(shape, device=DEV).to(rdtype)
+    gy = torch.randn(shape, device=DEV).to(xdtype)
+    h, y = ops_cuda.add_rms_norm(x, r, w, 1e-6, xdtype)
+    poison()
+    gx, gr, gw = torch.autograd.grad([h, y], [x, r, w], [gh, gy])
+    assert gx.dtype == xdtype and gr.dtype == rdtype and gw.dtype == w.dtype
+    h64 = h.detach().double().requires_grad_(True)
+    w64 = w.detach().double().requires_grad_(True)
+    y64 = h64 * (h64.square().mean(-1, keepdim=True) + 1e-6).rsqrt() * w64
+    gh64, gw64 = torch.autograd.grad(y64, [h64, w64], gy.double())
+    want = gh64 + gh.double()
+    assert rel(gr, want) < TOL[rdtype] and rel(gx, want) < TOL[xdtype]
+    assert rel(gw, gw64) < TOL[w.dtype] * 4   # a sum over every row
+    again = torch.autograd.grad(ops_cuda.add_rms_norm(x, r, w, 1e-6, xdtype), [x, r, w], [gh, gy])
+    assert all(torch.equal(a, b) for a, b in zip(again, (gx, gr, gw)))   # the same bits every run
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("wdtype", ["same", "fp32"])
 @pytest.mark.parametrize("N,Hq,Hk,D", [(1, 16, 8, 128), (256, 16, 8, 128), (37, 32, 8, 128), (5, 8, 4, 64),
@@ -1251,6 +1278,8 @@ def _op_args():
         "sample": (torch.randn(3, 50, device=DEV), 0.8, 5, 0.9, 0.05, 3),
         "add_rms_norm": (torch.randn(3, 64, device=DEV).bfloat16(), torch.randn(3, 64, device=DEV),
                          torch.randn(64, device=DEV), 1e-6),
+        "add_rms_norm_backward": (torch.randn(3, 64, device=DEV), torch.randn(3, 64, device=DEV).bfloat16(),
+                                  torch.randn(3, 64, device=DEV), torch.randn(64, device=DEV), 1e-6, torch.bfloat16),
         "qk_norm_rope_write": (torch.randn(5, 8 * 64, device=DEV), pos[0], torch.randn(64, device=DEV),
                                torch.randn(64, device=DEV), 1e-6, 1e4, torch.zeros(4, 2, 16, 64, device=DEV),
                                torch.zeros(4, 2, 16, 64, device=DEV), torch.tensor([1, 1, 2, 3, 0], device=DEV),
@@ -1259,7 +1288,8 @@ def _op_args():
 
 
 @pytest.mark.parametrize("name", ["rms_norm", "rms_norm_backward", "rope", "swiglu", "swiglu_backward", "attention",
-                          "decode_attention", "linear_logprob", "sample", "add_rms_norm", "qk_norm_rope_write"])
+                          "decode_attention", "linear_logprob", "sample", "add_rms_norm", "add_rms_norm_backward",
+                          "qk_norm_rope_write"])
 def test_opcheck_cuda(name):
     torch.library.opcheck(getattr(torch.ops.fw, name).default, _op_args()[name])
 
