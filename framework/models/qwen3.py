@@ -306,7 +306,8 @@ class Qwen3Model(nn.Module):
     def _fused_adds(self, h: Tensor, positions: Tensor, packed: Packing | None, cache: KVCache | None) -> Tensor:
         """The layers with each residual add run together with the norm after it (the layer's second norm, or the
         next layer's first), forward and backward (ops_cuda.add_rms_norm): the same maths as the layers' own
-        forwards, with three memory passes over the residual stream fewer per add."""
+        forwards, with three memory passes over the residual stream fewer per add. The decoder layers' own
+        `forward` (and hooks on the layers themselves) do not run here; their attention and MLP modules' do."""
         first = self.layers[0]
         x = _normed(first.input_layernorm, h, first.self_attn.qkv_proj)
         for i, layer in enumerate(self.layers):
