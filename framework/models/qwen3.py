@@ -247,6 +247,20 @@ def _add_norm(x: Tensor, h: Tensor, norm: RMSNorm) -> tuple[Tensor, Tensor]:
     return ops_cuda.add_rms_norm(x, h, norm.weight, norm.eps, out if out in (x.dtype, h.dtype) else None)
 
 
+def _norm_of_sum(h: Tensor, weight: Tensor, eps: float, dtype: torch.dtype) -> Tensor:
+    """The norm output that `add_rms_norm` gave with the sum h: the same kernel on h + 0, which is h exactly."""
+    return ops_cuda.add_rms_norm(h.new_zeros(h.shape, dtype=dtype), h, weight, eps, dtype)[1]
+
+
+def _add_then_norm(x: Tensor, h: Tensor, norm: RMSNorm) -> tuple[Tensor, Tensor]:
+    """`_add_norm` in the training forward: under selective recomputation the norm's output is recomputed in the
+    backward from the sum, which the add's backward keeps anyway."""
+    h, y = _add_norm(x, h, norm)
+    if recompute.active() and torch.promote_types(x.dtype, h.dtype) == h.dtype:   # the fused kernel ran
+        recompute.recomputed_as(y, _norm_of_sum, h, norm.weight, norm.eps, y.dtype)
+    return h, y
+
+
 def checkpointing_mode(mode: bool | str) -> bool | str:
     """`mode` if it is one of model.policy.gradient_checkpointing's values (False, True, "selective")."""
     if mode is not False and mode is not True and mode != "selective":
@@ -286,8 +300,9 @@ class Qwen3Model(nn.Module):
         mode = self.gradient_checkpointing if self.training and torch.is_grad_enabled() else False
         # under torch.compile the partitioner chooses what to recompute itself
         selective = mode == "selective" and not torch.compiler.is_compiling()
-        if mode is False and self._fuses_adds():
-            return self._fused_adds(h, position_ids, packed, cache)
+        if (mode is False or selective) and self._fuses_adds():
+            with recompute.SelectiveRecompute() if selective else nullcontext():
+                return self._fused_adds(h, position_ids, packed, cache)
         with recompute.SelectiveRecompute() if selective else nullcontext():
             for i, layer in enumerate(self.layers):
                 layer_cache = (cache.k[i], cache.v[i]) if cache is not None else None
@@ -312,9 +327,10 @@ class Qwen3Model(nn.Module):
         x = _normed(first.input_layernorm, h, first.self_attn.qkv_proj)
         for i, layer in enumerate(self.layers):
             layer_cache = (cache.k[i], cache.v[i]) if cache is not None else None
-            h, x = _add_norm(layer.self_attn(x, positions, packed, layer_cache), h, layer.post_attention_layernorm)
+            h, x = _add_then_norm(layer.self_attn(x, positions, packed, layer_cache), h,
+                                  layer.post_attention_layernorm)
             if i + 1 < len(self.layers):
-                h, x = _add_norm(layer.mlp(x), h, self.layers[i + 1].input_layernorm)
+                h, x = _add_then_norm(layer.mlp(x), h, self.layers[i + 1].input_layernorm)
             else:
                 h = h + layer.mlp(x)
         return self.norm(h)

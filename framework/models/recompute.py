@@ -114,9 +114,16 @@ def cheap(fn: Callable, *args: Any) -> Any:
     deterministic and independent of autocast (the backward runs outside it), with tensor outputs whose
     strides a second call reproduces."""
     out = fn(*args)
+    recomputed_as(out, fn, *args)
+    return out
+
+
+def recomputed_as(out: Tensor | tuple[Tensor, ...], fn: Callable, *args: Any) -> None:
+    """Mark ``out``, already computed, for recomputation by ``fn(*args)`` when a `SelectiveRecompute` is active:
+    for one output of an op whose other outputs are kept. ``fn(*args)`` must give ``out``'s bits (as for
+    `cheap`)."""
     if torch.compiler.is_compiling():
-        return out
+        return
     recorder = _ACTIVE.get()
     if recorder is not None and torch.is_grad_enabled():
         recorder.mark(out, fn, args)
-    return out
