@@ -26,8 +26,7 @@ from ops_cuda.varlen_attention import packed_sequences, varlen_attention, varlen
 
 __all__ = ["SAVED_LOGITS_CHUNK", "adamw_step", "add_rms_norm", "attention", "build", "cuda_backend",
            "decode_attention", "doctor", "linear_logprob", "packed_sequences", "paged_decode_attention",
-           "paged_prefill_attention",
-           "qk_norm_rope_write", "rms_norm", "rope", "sample", "swiglu", "varlen_attention",
+           "paged_prefill_attention", "qk_norm_rope_write", "rms_norm", "rope", "sample", "swiglu", "varlen_attention",
            "varlen_suffix_attention"]
 
 

@@ -49,7 +49,8 @@ __device__ __forceinline__ float load_as_f(const void* base, int64_t i, int bf16
   return bf16 ? __bfloat162float(static_cast<const __nv_bfloat16*>(base)[i]) : static_cast<const float*>(base)[i];
 }
 
-// 32 random bits for element i of a step: a counter-based hash (splitmix64's finalizer) of the seed and the element.
+// 32 random bits for element i of a launch (its chunks numbered across the launch's tensors, so no two elements
+// share them): a counter-based hash (splitmix64's finalizer) of the seed and the element.
 __device__ __forceinline__ uint32_t random_bits(uint64_t seed, uint64_t i) {
   uint64_t z = seed + (i + 1) * 0x9E3779B97F4A7C15ull;
   z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
@@ -132,7 +133,8 @@ adamw_step_kernel(const __grid_constant__ Launch L, const __grid_constant__ Hype
     p = p - h.lr * (m / h.bias_correction1) / denom;
     if (t.p_bf16) {
       static_cast<__nv_bfloat16*>(t.p)[i] =
-          h.stochastic_round ? bf16_stochastic(p, random_bits(h.seed, (uint64_t)i)) : __float2bfloat16_rn(p);
+          h.stochastic_round ? bf16_stochastic(p, random_bits(h.seed, (uint64_t)(chunk * kChunk + (i - first))))
+                             : __float2bfloat16_rn(p);
     } else {
       static_cast<float*>(t.p)[i] = p;
     }
