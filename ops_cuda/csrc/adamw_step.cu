@@ -93,8 +93,8 @@ adamw_step_kernel(const __grid_constant__ Launch L, const __grid_constant__ Hype
   int k = 0;
   while (k + 1 < L.count && L.t[k + 1].chunk0 <= chunk) ++k;
   const TensorArgs& t = L.t[k];
-  const int64_t first = (chunk - t.chunk0) * kChunk;
   const int64_t local_chunk = chunk - t.chunk0;
+  const int64_t first = local_chunk * kChunk;   // the chunk's first element in its tensor
 
   float m_old[kPerLane], v_old[kPerLane];
   if (t.quantized) {
@@ -133,7 +133,7 @@ adamw_step_kernel(const __grid_constant__ Launch L, const __grid_constant__ Hype
     p = p - h.lr * (m / h.bias_correction1) / denom;
     if (t.p_bf16) {
       static_cast<__nv_bfloat16*>(t.p)[i] =
-          h.stochastic_round ? bf16_stochastic(p, random_bits(h.seed, (uint64_t)(chunk * kChunk + (i - first))))
+          h.stochastic_round ? bf16_stochastic(p, random_bits(h.seed, (uint64_t)(chunk * kChunk + j * 32 + lane)))
                              : __float2bfloat16_rn(p);
     } else {
       static_cast<float*>(t.p)[i] = p;
