@@ -255,12 +255,12 @@ def layer_saved_bytes(m: Qwen3Config, seq_len: int, packed: bool, residual_bytes
     """
     d, q, kv, inter = m.hidden_size, m.q_size, m.kv_size, m.intermediate_size
     residual = 2 * d                 # the layer's input (input_layernorm) and its mid-point (post_attention_layernorm)
-    compute = (q + 2 * kv            # qkv_proj's output: q_norm and k_norm keep views of it, attention keeps v
+    compute = (q + 2 * kv            # qkv_proj's output (QK-norm's backward reads it)
                + q                   # attention's output, o_proj's input
                + 2 * inter)          # gate_up_proj's output (swiglu)
     if not selective:
         compute += (d                # qkv_proj's input, the normed hidden state
-                    + q + kv         # q and k after QK-norm and RoPE (attention)
+                    + q + 2 * kv     # q and k after QK-norm and RoPE, and v's copy (attention)
                     + d              # gate_up_proj's input, the normed mid-point
                     + inter)         # swiglu's output, down_proj's input
     elif lora is not None:           # a norm's output feeding adapters is kept (framework/models/qwen3.py _normed)
@@ -276,10 +276,10 @@ def layer_saved_bytes(m: Qwen3Config, seq_len: int, packed: bool, residual_bytes
     return residual * residual_bytes + compute * compute_bytes + lse + adapters
 
 
-def model_saved_bytes(m: Qwen3Config, residual_bytes: int, packed: bool) -> int:
-    """Bytes per token kept outside the layers: the input ids (embedding), the positions (RoPE, when packed) and
+def model_saved_bytes(m: Qwen3Config, residual_bytes: int) -> int:
+    """Bytes per token kept outside the layers: the input ids (embedding), the positions (QK-norm with RoPE) and
     the final norm's input."""
-    return 8 + (8 if packed else 0) + m.hidden_size * residual_bytes
+    return 8 + 8 + m.hidden_size * residual_bytes
 
 
 def no_grad_peak_bytes(m: Qwen3Config, residual_bytes: int, compute_bytes: int) -> int:
@@ -483,7 +483,7 @@ def _batch_rows(rows: list[Row], cfg: dict, model: Qwen3Config, shapes: BatchSha
     selective = policy_cfg["gradient_checkpointing"] == "selective"
     lora = policy_cfg["lora"]
     per_layer = layer_saved_bytes(model, shapes.seq_len, shapes.packed, pb, cb, backend, lora, selective)
-    extra = model_saved_bytes(model, pb, shapes.packed)
+    extra = model_saved_bytes(model, pb)
     # the activations' gradients have the shapes of everything a layer keeps, recomputed or not
     in_flight = BACKWARD_IN_FLIGHT_LAYERS * (layer_saved_bytes(model, shapes.seq_len, shapes.packed, pb, cb, backend,
                                                                lora) if selective else per_layer)
@@ -506,7 +506,7 @@ def _batch_rows(rows: list[Row], cfg: dict, model: Qwen3Config, shapes: BatchSha
         v_full = layer_saved_bytes(value, shapes.seq_len, shapes.packed, pb, cb, backend)
         v_tokens = (value.num_hidden_layers * (value.hidden_size * pb if ckpt else v_layer)
                     + (v_layer if ckpt else 0) + BACKWARD_IN_FLIGHT_LAYERS * v_full
-                    + model_saved_bytes(value, pb, shapes.packed))
+                    + model_saved_bytes(value, pb))
         rows.append(Row("critic update", value_grads + tokens * v_tokens, ("critic",),
                         f"the value model's gradients + its activations of {tokens:,} tokens "
                         "(the policy's gradients are freed by then)"))

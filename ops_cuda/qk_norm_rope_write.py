@@ -5,7 +5,7 @@ reference, fake; no autograd.
 From the fused qkv projection's output, q and k are RMS-normalised per head (their norm weights), rotated (NeoX
 split-half RoPE at the tokens' positions), k and the untouched v are written into the pools at (block, offset)
 and q is returned. The norm's output is rounded to the input's dtype before the rotation, as the separate ops
-round it. CUDA kernel: csrc/qk_norm_rope_write.cu.
+round it. CUDA kernel: csrc/qk_norm_rope.cu (the training op's forward kernel, writing into the pools).
 """
 from __future__ import annotations
 
@@ -13,23 +13,16 @@ import torch
 from torch import Tensor
 
 from ops_cuda.library import define, fail, need_dim, need_long
-from ops_cuda.rms_norm import rms_norm_reference
-from ops_cuda.rope import rope_reference
+from ops_cuda.qk_norm_rope import qk_norm_rope_reference
 
 
 def qk_norm_rope_write_reference(qkv: Tensor, positions: Tensor, q_weight: Tensor, k_weight: Tensor, eps: float,
                                  theta: float, k_pool: Tensor, v_pool: Tensor, write_blocks: Tensor,
                                  write_offsets: Tensor) -> Tensor:
-    N = qkv.shape[0]
-    Hk, D = k_pool.shape[1], k_pool.shape[3]
-    Hq = qkv.shape[1] // D - 2 * Hk
-    q, k, v = qkv.view(N, Hq + 2 * Hk, D).split([Hq, Hk, Hk], dim=1)
-    q = rms_norm_reference(q, q_weight, eps)
-    k = rms_norm_reference(k, k_weight, eps)
-    q, k = rope_reference(q[None], k[None], positions[None], theta)
-    k_pool[write_blocks, :, write_offsets] = k[0]
+    q, k, v = qk_norm_rope_reference(qkv, positions, q_weight, k_weight, eps, theta, k_pool.shape[1])
+    k_pool[write_blocks, :, write_offsets] = k
     v_pool[write_blocks, :, write_offsets] = v
-    return q[0].contiguous()
+    return q.contiguous()
 
 
 def _fake(qkv, positions, q_weight, k_weight, eps, theta, k_pool, v_pool, write_blocks, write_offsets):

@@ -203,7 +203,8 @@ def test_return_hidden_and_lm_head_weight(tied):
 
 
 def test_every_norm_rope_activation_and_attention_goes_through_ops_cuda(monkeypatch):
-    calls = {name: 0 for name in ("rms_norm", "add_rms_norm", "rope", "swiglu", "attention", "decode_attention")}
+    calls = {name: 0 for name in ("rms_norm", "add_rms_norm", "qk_norm_rope", "swiglu", "attention",
+                                  "decode_attention")}
     for name in calls:
         real = getattr(ops_cuda, name)
 
@@ -215,9 +216,9 @@ def test_every_norm_rope_activation_and_attention_goes_through_ops_cuda(monkeypa
     with torch.no_grad():
         model(torch.randint(0, 110, (1, 4)))
     layers = model.config.num_hidden_layers
-    # per layer: input, post-attention, q and k norms; plus the final norm. Each residual add but the last runs
-    # with the norm after it.
-    assert calls == {"rms_norm": 2 * layers + 2, "add_rms_norm": 2 * layers - 1, "rope": layers, "swiglu": layers,
+    # the first layer's input norm and the final norm; each residual add but the last runs with the norm after it;
+    # QK-norm with RoPE is one op a layer
+    assert calls == {"rms_norm": 2, "add_rms_norm": 2 * layers - 1, "qk_norm_rope": layers, "swiglu": layers,
                      "attention": layers, "decode_attention": 0}
     cache = model.new_kv_cache(1, 8)
     model.prefill(torch.randint(0, 110, (1, 4)), torch.tensor([4]), cache)

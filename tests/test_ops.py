@@ -78,6 +78,13 @@ def op_args():
                                    torch.randn(16), 1e-6, torch.bfloat16),
                                   (torch.randn(3, 16), torch.randn(3, 16), torch.randn(3, 16), torch.randn(16), 1e-6,
                                    torch.float32)],
+        "qk_norm_rope": [(torch.randn(5, (4 + 2 * 2) * 8, requires_grad=True), torch.tensor([0, 3, 9, 1, 40]),
+                          torch.randn(8, requires_grad=True), torch.randn(8, requires_grad=True), 1e-6, 1e4, 2),
+                         (torch.randn(3, (2 + 2 * 1) * 8).bfloat16(), torch.tensor([0, 1, 2]), torch.randn(8),
+                          torch.randn(8), 1e-6, 1e6, 1)],
+        "qk_norm_rope_backward": [(torch.randn(5, 4, 8), torch.randn(5, 2, 8), torch.randn(5, 2, 8),
+                                   torch.randn(5, (4 + 2 * 2) * 8), torch.tensor([0, 3, 9, 1, 40]), torch.randn(8),
+                                   torch.randn(8), 1e-6, 1e4)],
         "qk_norm_rope_write": [(torch.randn(5, (4 + 2 * 2) * 8), torch.tensor([0, 3, 9, 1, 40]), torch.randn(8),
                                 torch.randn(8), 1e-6, 1e4, torch.zeros(6, 2, 4, 8), torch.zeros(6, 2, 4, 8),
                                 torch.tensor([1, 1, 2, 5, 0]), torch.tensor([0, 3, 1, 2, 0]))],
@@ -111,6 +118,10 @@ def test_gradcheck():
     kv, vv = torch.randn(9, 2, 4, dtype=D64, requires_grad=True), torch.randn(9, 2, 4, dtype=D64, requires_grad=True)
     cu = torch.tensor([0, 4, 4, 5, 9], dtype=torch.int32)
     assert torch.autograd.gradcheck(lambda a, b, c: ops_cuda.varlen_attention(a, b, c, cu, 4, 0.6), (qv, kv, vv))
+    qkv = torch.randn(5, (4 + 2 * 2) * 6, dtype=D64, requires_grad=True)
+    qw, kw = torch.randn(6, dtype=D64, requires_grad=True), torch.randn(6, dtype=D64, requires_grad=True)
+    p5 = torch.tensor([0, 1, 7, 2, 40000])
+    assert torch.autograd.gradcheck(lambda a, b, c: ops_cuda.qk_norm_rope(a, p5, b, c, 1e-6, 1e6, 2), (qkv, qw, kw))
 
 
 # ------------------------------------------------------------------ agreement with independent references
@@ -185,12 +196,25 @@ def test_add_rms_norm_gradients_are_those_of_the_separate_add_and_norm():
     assert torch.equal(gx, gh) and torch.equal(gr, gh) and not gw.any()
 
 
+def hf_qk_norm_rope(Hq: int, Hk: int, D: int, theta: float, q_weight, k_weight):
+    """transformers' q_norm and k_norm in float64 with the given weights, and its rotary embedding."""
+    from transformers import Qwen3Config
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, Qwen3RotaryEmbedding
+
+    cfg = Qwen3Config(head_dim=D, rope_theta=theta, hidden_size=D * Hq, num_attention_heads=Hq,
+                      num_key_value_heads=Hk, max_position_embeddings=4096)
+    norm_q, norm_k = Qwen3RMSNorm(D, 1e-6).double(), Qwen3RMSNorm(D, 1e-6).double()
+    with torch.no_grad():
+        norm_q.weight.copy_(q_weight)
+        norm_k.weight.copy_(k_weight)
+    return norm_q, norm_k, Qwen3RotaryEmbedding(cfg)
+
+
 @pytest.mark.parametrize("dtype", [D64, torch.float32])
 def test_qk_norm_rope_write_matches_the_separate_ops(dtype):
     """Against transformers' QK-norm and rotary embedding, and bit for bit the separate fw ops the rollout's
     forward ran before the fusion, with only the addressed pool entries written."""
-    from transformers import Qwen3Config
-    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, Qwen3RotaryEmbedding, apply_rotary_pos_emb
+    from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb
 
     N, Hq, Hk, D, theta = 7, 4, 2, 16, 1e6
     qkv = torch.randn(N, (Hq + 2 * Hk) * D, dtype=dtype)
@@ -201,13 +225,8 @@ def test_qk_norm_rope_write_matches_the_separate_ops(dtype):
     q = ops_cuda.qk_norm_rope_write(qkv, pos, qw, kw, 1e-6, theta, k_pool, v_pool, blocks, offsets)
     q_in, k_in, v_in = qkv.view(N, Hq + 2 * Hk, D).split([Hq, Hk, Hk], 1)
     # transformers, in float64
-    cfg = Qwen3Config(head_dim=D, rope_theta=theta, hidden_size=D * Hq, num_attention_heads=Hq,
-                      num_key_value_heads=Hk, max_position_embeddings=4096)
-    norm_q, norm_k = Qwen3RMSNorm(D, 1e-6).double(), Qwen3RMSNorm(D, 1e-6).double()
-    with torch.no_grad():
-        norm_q.weight.copy_(qw)
-        norm_k.weight.copy_(kw)
-    cos, sin = Qwen3RotaryEmbedding(cfg)(q_in.double(), pos[None])
+    norm_q, norm_k, rotary = hf_qk_norm_rope(Hq, Hk, D, theta, qw, kw)
+    cos, sin = rotary(q_in.double(), pos[None])
     q_hf, k_hf = apply_rotary_pos_emb(norm_q(q_in.double())[None].transpose(1, 2),
                                       norm_k(k_in.double())[None].transpose(1, 2), cos, sin)
     assert rel(q, q_hf.transpose(1, 2)[0]) < 1e-6
@@ -220,6 +239,57 @@ def test_qk_norm_rope_write_matches_the_separate_ops(dtype):
     q_sep, k_sep = ops_cuda.rope(ops_cuda.rms_norm(q_in, qw, 1e-6)[None], ops_cuda.rms_norm(k_in, kw, 1e-6)[None],
                                  pos[None], theta)
     assert torch.equal(q, q_sep[0]) and torch.equal(k_pool[blocks, :, offsets], k_sep[0])
+
+
+def test_qk_norm_rope_matches_transformers_forward_and_backward():
+    """The training op against transformers' QK-norm and rotary embedding in float64: q, k, v and the gradients
+    of qkv and both norm weights (autograd through transformers' modules); a gradient left out counts as zero."""
+    from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb
+
+    N, Hq, Hk, D, theta = 9, 4, 2, 16, 1e6
+    qkv = torch.randn(N, (Hq + 2 * Hk) * D, dtype=D64, requires_grad=True)
+    pos = torch.tensor([0, 1, 2, 0, 1, 9, 300, 4095, 17])
+    qw = torch.randn(D, dtype=D64, requires_grad=True)
+    kw = torch.randn(D, dtype=D64, requires_grad=True)
+    q, k, v = ops_cuda.qk_norm_rope(qkv, pos, qw, kw, 1e-6, theta, Hk)
+    assert q.shape == (N, Hq, D) and k.shape == v.shape == (N, Hk, D)
+    norm_q, norm_k, rotary = hf_qk_norm_rope(Hq, Hk, D, theta, qw, kw)
+    x = qkv.detach().clone().requires_grad_(True)
+    q_in, k_in, v_in = x.view(N, Hq + 2 * Hk, D).split([Hq, Hk, Hk], 1)
+    cos, sin = rotary(x, pos[None])
+    q_hf, k_hf = apply_rotary_pos_emb(norm_q(q_in)[None].transpose(1, 2), norm_k(k_in)[None].transpose(1, 2), cos, sin)
+    q_hf, k_hf = q_hf.transpose(1, 2)[0], k_hf.transpose(1, 2)[0]
+    assert rel(q, q_hf) < 1e-6 and rel(k, k_hf) < 1e-6 and torch.equal(v, v_in)
+    # transformers computes the angles in float32, as fw does: the gradients are compared with its forward's
+    gq, gk, gv = torch.randn_like(q), torch.randn_like(k), torch.randn_like(v)
+    got = torch.autograd.grad((q * gq).sum() + (k * gk).sum() + (v * gv).sum(), (qkv, qw, kw))
+    want = torch.autograd.grad((q_hf * gq).sum() + (k_hf * gk).sum() + (v_in * gv).sum(),
+                               (x, norm_q.weight, norm_k.weight))
+    for a, b in zip(got, want, strict=True):
+        assert rel(a, b) < 1e-6
+    # v unused: its part of d(qkv) is zero
+    q, k, _ = ops_cuda.qk_norm_rope(qkv, pos, qw, kw, 1e-6, theta, Hk)
+    (g,) = torch.autograd.grad((q * gq).sum() + (k * gk).sum(), (qkv,))
+    assert not g[:, (Hq + Hk) * D:].any() and g[:, :(Hq + Hk) * D].abs().min() > 0
+
+
+def test_qk_norm_rope_is_the_separate_ops_bit_for_bit():
+    """In float32 and bf16 the op's outputs are those of rms_norm then rope on views of qkv, the path it replaces;
+    head sizes without a CUDA kernel run that path, and bad shapes get one clear error."""
+    N, Hq, Hk, D = 6, 4, 2, 32
+    pos = torch.tensor([3, 0, 1, 2, 50, 7])
+    for dtype in (torch.float32, torch.bfloat16):
+        qkv = torch.randn(N, (Hq + 2 * Hk) * D).to(dtype)
+        qw, kw = torch.randn(D), torch.randn(D)
+        q, k, v = ops_cuda.qk_norm_rope(qkv, pos, qw, kw, 1e-6, 1e6, Hk)
+        q_in, k_in, v_in = qkv.view(N, Hq + 2 * Hk, D).split([Hq, Hk, Hk], 1)
+        q_sep, k_sep = ops_cuda.rope(ops_cuda.rms_norm(q_in, qw, 1e-6)[None], ops_cuda.rms_norm(k_in, kw, 1e-6)[None],
+                                     pos[None], 1e6)
+        assert q.dtype == dtype and torch.equal(q, q_sep[0]) and torch.equal(k, k_sep[0]) and torch.equal(v, v_in)
+    with pytest.raises(ValueError, match="shapes disagree"):
+        ops_cuda.qk_norm_rope(qkv[:, :-1], pos, qw, kw, 1e-6, 1e6, Hk)
+    with pytest.raises(ValueError, match="`positions` has 5 entries for 6 tokens"):
+        ops_cuda.qk_norm_rope(qkv, pos[:5], qw, kw, 1e-6, 1e6, Hk)
 
 
 def test_swiglu_matches_formula():

@@ -269,6 +269,51 @@ def test_add_rms_norm_backward(xdtype, rdtype, wdtype, shape):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("wdtype", ["same", "fp32"])
+@pytest.mark.parametrize("N,Hq,Hk,D,strided", [(1, 16, 8, 128, False), (16384, 16, 8, 128, False),
+                                               (37, 32, 8, 128, True), (5, 8, 4, 64, False), (9, 4, 2, 256, True),
+                                               (3001, 16, 8, 128, True), (0, 16, 8, 128, False)])
+def test_qk_norm_rope_forward_and_backward(dtype, wdtype, N, Hq, Hk, D, strided):
+    """The training op against float64 autograd through the norm's formula and the rotation (float32 angles, as
+    transformers computes them), from qkv rows that may be strided (a slice of a wider buffer); v's gradient is
+    the one given, bit for bit; a rerun gives the same bits."""
+    W = (Hq + 2 * Hk) * D
+    wide = torch.randn(N, W + (3 * D if strided else 0), device=DEV, dtype=dtype)
+    qkv = (wide[:, 2 * D:2 * D + W] if strided else wide).requires_grad_(True)
+    pos = torch.randint(0, 40960, (N,), device=DEV)
+    wd = dtype if wdtype == "same" else torch.float32
+    qw = (1 + 0.3 * torch.randn(D, device=DEV)).to(wd).requires_grad_(True)
+    kw = (1 + 0.3 * torch.randn(D, device=DEV)).to(wd).requires_grad_(True)
+    poison()
+    q, k, v = ops_cuda.qk_norm_rope(qkv, pos, qw, kw, 1e-6, 1e6, Hk)
+    gq, gk, gv = torch.randn_like(q), torch.randn_like(k), torch.randn_like(v)
+    poison()
+    got = torch.autograd.grad((q, k, v), (qkv, qw, kw), (gq, gk, gv))
+    assert got[0].dtype == dtype and got[1].dtype == got[2].dtype == wd
+    x = qkv.detach().double().requires_grad_(True)
+    qw64, kw64 = qw.detach().double().requires_grad_(True), kw.detach().double().requires_grad_(True)
+    q_in, k_in, v_in = x.view(N, Hq + 2 * Hk, D).split([Hq, Hk, Hk], 1)
+
+    def norm(t, w):
+        return t * (t.square().mean(-1, keepdim=True) + 1e-6).rsqrt() * w
+
+    cos, sin = rope_cos_sin(pos[None], D, 1e6)
+    q64 = rope_rotate(norm(q_in, qw64)[None], cos.double(), sin.double())[0]
+    k64 = rope_rotate(norm(k_in, kw64)[None], cos.double(), sin.double())[0]
+    assert torch.equal(v, qkv.detach().view(N, Hq + 2 * Hk, D)[:, Hq + Hk:])
+    want = torch.autograd.grad((q64, k64, v_in), (x, qw64, kw64), (gq.double(), gk.double(), gv.double()))
+    if N == 0:
+        assert q.shape == (0, Hq, D) and got[0].shape == (0, W) and not got[1].any() and not got[2].any()
+        return
+    assert rel(q, q64) < TOL[dtype] * 2 and rel(k, k64) < TOL[dtype] * 2
+    assert torch.equal(got[0][:, (Hq + Hk) * D:], gv.reshape(N, -1))
+    assert rel(got[0][:, :(Hq + Hk) * D], want[0][:, :(Hq + Hk) * D]) < TOL[dtype] * 2
+    assert rel(got[1], want[1]) < TOL[wd] * 4 and rel(got[2], want[2]) < TOL[wd] * 4   # sums over every token
+    again = torch.autograd.grad(ops_cuda.qk_norm_rope(qkv, pos, qw, kw, 1e-6, 1e6, Hk), (qkv, qw, kw), (gq, gk, gv))
+    assert all(torch.equal(a, b) for a, b in zip(again, got))   # the same bits every run
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("wdtype", ["same", "fp32"])
 @pytest.mark.parametrize("N,Hq,Hk,D", [(1, 16, 8, 128), (256, 16, 8, 128), (37, 32, 8, 128), (5, 8, 4, 64),
                                        (9, 4, 2, 256), (3000, 16, 8, 128)])
 def test_qk_norm_rope_write(dtype, wdtype, N, Hq, Hk, D):
@@ -1280,6 +1325,12 @@ def _op_args():
                          torch.randn(64, device=DEV), 1e-6),
         "add_rms_norm_backward": (torch.randn(3, 64, device=DEV), torch.randn(3, 64, device=DEV).bfloat16(),
                                   torch.randn(3, 64, device=DEV), torch.randn(64, device=DEV), 1e-6, torch.bfloat16),
+        "qk_norm_rope": (torch.randn(5, 8 * 64, device=DEV).bfloat16().requires_grad_(True), pos[0],
+                         torch.randn(64, device=DEV, requires_grad=True),
+                         torch.randn(64, device=DEV, requires_grad=True), 1e-6, 1e4, 2),
+        "qk_norm_rope_backward": (torch.randn(5, 4, 64, device=DEV), torch.randn(5, 2, 64, device=DEV),
+                                  torch.randn(5, 2, 64, device=DEV), torch.randn(5, 8 * 64, device=DEV), pos[0],
+                                  torch.randn(64, device=DEV), torch.randn(64, device=DEV), 1e-6, 1e4),
         "qk_norm_rope_write": (torch.randn(5, 8 * 64, device=DEV), pos[0], torch.randn(64, device=DEV),
                                torch.randn(64, device=DEV), 1e-6, 1e4, torch.zeros(4, 2, 16, 64, device=DEV),
                                torch.zeros(4, 2, 16, 64, device=DEV), torch.tensor([1, 1, 2, 3, 0], device=DEV),
@@ -1289,7 +1340,7 @@ def _op_args():
 
 @pytest.mark.parametrize("name", ["rms_norm", "rms_norm_backward", "rope", "swiglu", "swiglu_backward", "attention",
                           "decode_attention", "linear_logprob", "sample", "add_rms_norm", "add_rms_norm_backward",
-                          "qk_norm_rope_write"])
+                          "qk_norm_rope", "qk_norm_rope_backward", "qk_norm_rope_write"])
 def test_opcheck_cuda(name):
     torch.library.opcheck(getattr(torch.ops.fw, name).default, _op_args()[name])
 

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 import ops_cuda
 from ops_cuda import library
 from ops_cuda.add_rms_norm import add_rms_norm_reference
+from ops_cuda.qk_norm_rope import qk_norm_rope_reference
 from ops_cuda.qk_norm_rope_write import qk_norm_rope_write_reference
 from ops_cuda.rope import rope_reference
 
@@ -246,6 +247,34 @@ def main() -> None:
     nb = 2 * (q.numel() + k.numel()) * es
     row("rope fwd (q+k)", f"q[{B},{T},{Hq},{D}] k[..{Hk}..]", ops_cuda.rope, rope_torch, compiled(rope_torch),
         (q, k, pos, 1e6), nbytes=nb)
+
+    # QK-norm + RoPE from the fused qkv (training): against the torch maths, and against the separate fw ops on views
+    # of qkv that the model ran before (their backward: the norms', the rotation's, and the split's cat)
+    W = (Hq + 2 * Hk) * D
+    qkv_t = torch.randn(N, W, device=DEV, dtype=BF).requires_grad_(True)
+    wq, wk = torch.ones(D, device=DEV, requires_grad=True), torch.ones(D, device=DEV, requires_grad=True)
+    pos_t = pos.reshape(-1)[:N].contiguous()
+    grads = (torch.randn(N, Hq, D, device=DEV, dtype=BF), torch.randn(N, Hk, D, device=DEV, dtype=BF),
+             torch.randn(N, Hk, D, device=DEV, dtype=BF))
+
+    def separate(a, b, c):
+        qs, ks, vs = a.view(N, Hq + 2 * Hk, D).split([Hq, Hk, Hk], 1)
+        qr, kr = ops_cuda.rope(ops_cuda.rms_norm(qs, b, 1e-6)[None], ops_cuda.rms_norm(ks, c, 1e-6)[None],
+                               pos_t[None], 1e6)
+        return qr[0], kr[0], vs
+
+    def reference(a, b, c):
+        return qk_norm_rope_reference(a, pos_t, b, c, 1e-6, 1e6, Hk)
+
+    qk_bytes = N * (4 * W + (Hq + Hk) * D) * es
+    row("qk_norm_rope fwd+bwd", f"[{N}, {W}] ({Hq}+{Hk}+{Hk} heads)",
+        fwd_bwd(lambda a, b, c: ops_cuda.qk_norm_rope(a, pos_t, b, c, 1e-6, 1e6, Hk), (qkv_t, wq, wk), grads),
+        fwd_bwd(reference, (qkv_t, wq, wk), grads), fwd_bwd(compiled(reference), (qkv_t, wq, wk), grads),
+        nbytes=qk_bytes)
+    row("qk_norm_rope fwd+bwd, vs the separate fw ops", f"[{N}, {W}] ({Hq}+{Hk}+{Hk} heads)",
+        fwd_bwd(lambda a, b, c: ops_cuda.qk_norm_rope(a, pos_t, b, c, 1e-6, 1e6, Hk), (qkv_t, wq, wk), grads),
+        fwd_bwd(separate, (qkv_t, wq, wk), grads), fwd_bwd(compiled(separate), (qkv_t, wq, wk), grads),
+        nbytes=qk_bytes)
 
     # swiglu
     gu = torch.randn(N, 2 * I, device=DEV, dtype=BF)

@@ -52,12 +52,6 @@ def _normed(norm: RMSNorm, h: Tensor, consumer: nn.Module) -> Tensor:
     return cheap(_norm_cast, h, norm.weight, norm.eps, dtype)
 
 
-def _qk_norm_rope(q: Tensor, k: Tensor, positions: Tensor, q_weight: Tensor, k_weight: Tensor, eps: float,
-                  theta: float) -> tuple[Tensor, Tensor]:
-    """QK-norm then RoPE: q [B, T, Hq, D], k [B, T, Hk, D]."""
-    return ops_cuda.rope(ops_cuda.rms_norm(q, q_weight, eps), ops_cuda.rms_norm(k, k_weight, eps), positions, theta)
-
-
 @dataclass
 class KVCache:
     """Keys/values of every layer for a batch of right-padded rows; row b holds `lengths[b]` tokens."""
@@ -146,11 +140,11 @@ class Qwen3Attention(nn.Module):
     def _qkv(self, x: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """x [B, T, d] -> q [B, T, Hq, D], k, v [B, T, Hk, D] with QK-norm then RoPE applied."""
         B, T, _ = x.shape
-        q, k, v = self.qkv_proj(x).split([self.config.q_size, self.config.kv_size, self.config.kv_size], -1)
-        q, k = cheap(_qk_norm_rope, q.view(B, T, self.num_heads, self.head_dim),
-                     k.view(B, T, self.num_kv_heads, self.head_dim), positions, self.q_norm.weight,
-                     self.k_norm.weight, self.q_norm.eps, self.config.rope_theta)
-        return q, k, v.view(B, T, self.num_kv_heads, self.head_dim)
+        q, k, v = cheap(ops_cuda.qk_norm_rope, self.qkv_proj(x).reshape(B * T, -1), positions.reshape(B * T),
+                        self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, self.config.rope_theta,
+                        self.num_kv_heads)
+        return (q.view(B, T, self.num_heads, self.head_dim), k.view(B, T, self.num_kv_heads, self.head_dim),
+                v.view(B, T, self.num_kv_heads, self.head_dim))
 
     def forward(self, x: Tensor, positions: Tensor, packed: Packing | None,
                 cache: tuple[Tensor, Tensor] | None = None) -> Tensor:
@@ -296,6 +290,8 @@ class Qwen3Model(nn.Module):
                           f"{tuple(input_ids.shape)}")
         else:
             packed = packing if packing is not None else Packing(*ops_cuda.packed_sequences(position_ids))
+        # one [B * T] copy, saved once, that every layer's QK-norm with RoPE reads as its view
+        position_ids = position_ids.contiguous()
         h = self.embed_tokens(input_ids)
         mode = self.gradient_checkpointing if self.training and torch.is_grad_enabled() else False
         # under torch.compile the partitioner chooses what to recompute itself

@@ -5,7 +5,7 @@
 // the forward's rstd recomputed from h by the same reduction), in the residual's dtype, and grad_x = the same values
 // in x's dtype: one pass instead of a cast of grad_y, the norm's backward, the add of the two gradients and a cast.
 // Its blocks (one wave) loop over rows and keep their columns' grad_weight terms in registers; a second kernel sums
-// the blocks' partial rows in a fixed order, so grad_weight is the same from run to run.
+// the blocks' partial rows in a fixed order (sum_partial_rows), so grad_weight is the same from run to run.
 #include "common.cuh"
 #include "torch_utils.h"
 
@@ -111,19 +111,6 @@ add_rms_norm_bwd_kernel(const R* __restrict__ grad_h, const Y* __restrict__ grad
   }
 }
 
-// grad_w[i] = the blocks' partial rows summed in block order.
-template <typename W>
-__global__ void __launch_bounds__(kThreads)
-sum_partial_rows_kernel(const float* __restrict__ partial, W* __restrict__ grad_w, int blocks, int D,
-                        unsigned trigger_from) {
-  pdl_begin(trigger_from);
-  const int i = blockIdx.x * kThreads + threadIdx.x;
-  if (i >= D) return;
-  float s = 0.f;
-  for (int b = 0; b < blocks; ++b) s += partial[(int64_t)b * D + i];
-  grad_w[i] = from_f<W>(s);
-}
-
 // f(std::integral_constant<int, EPT>) with the smallest EPT in 1, 2, 4, 8, 16 that covers D (D <= kThreads * 16).
 template <typename F> cudaError_t with_ept(int D, F&& f) {
   if (D <= kThreads) return f(std::integral_constant<int, 1>{});
@@ -200,8 +187,7 @@ cudaError_t add_rms_norm_bwd(DType xdt, DType rdt, DType wdt, DType ydt, const v
                                           partial, rows, D, eps);
       if (e != cudaSuccess) return e;
     }
-    return launch_kernel(sum_partial_rows_kernel<W>, (unsigned)((D + kThreads - 1) / kThreads), kThreads, 0, stream,
-                         (const float*)partial, (W*)grad_w, rows > 0 ? blocks : 0, D);
+    return sum_partial_rows(partial, (W*)grad_w, (W*)nullptr, D, rows > 0 ? blocks : 0, D, stream);
   });
 }
 

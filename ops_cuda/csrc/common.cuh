@@ -229,4 +229,37 @@ cudaError_t launch_kernel(void (*kernel)(P...), dim3 grid, dim3 block, size_t sm
   return e != cudaSuccess ? e : last;
 }
 
+// The deterministic second half of a weight gradient whose blocks each left one float32 partial row: out[c] = the
+// sum over rows b of partial[b * cols + c] in a fixed order. Thread (x, y) of a 32 x 8 block sums rows y, y + 8, ...
+// of column blockIdx.x * 32 + x, then the 8 sums are added in y order: 8 independent chains of coalesced loads a
+// column instead of one. Columns below `split` go to out0, the others to out1 (two weights' gradients in one launch).
+template <typename W>
+__global__ void __launch_bounds__(256)
+sum_partial_rows_kernel(const float* __restrict__ partial, W* __restrict__ out0, W* __restrict__ out1, int split,
+                        int rows, int cols, unsigned trigger_from) {
+  pdl_begin(trigger_from);
+  __shared__ float part[8][33];
+  const int x = threadIdx.x & 31, y = threadIdx.x >> 5, c = blockIdx.x * 32 + x;
+  float s = 0.f;
+  if (c < cols)
+    for (int b = y; b < rows; b += 8) s += partial[(int64_t)b * cols + c];
+  part[y][x] = s;
+  __syncthreads();
+  if (y != 0 || c >= cols) return;
+  float t = 0.f;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) t += part[j][x];
+  if (c < split)
+    out0[c] = from_f<W>(t);
+  else
+    out1[c - split] = from_f<W>(t);
+}
+
+template <typename W>
+cudaError_t sum_partial_rows(const float* partial, W* out0, W* out1, int split, int rows, int cols,
+                             cudaStream_t stream) {
+  return launch_kernel(sum_partial_rows_kernel<W>, (unsigned)((cols + 31) / 32), 256, 0, stream, partial, out0, out1,
+                       split, rows, cols);
+}
+
 }  // namespace fw

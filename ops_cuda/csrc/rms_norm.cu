@@ -534,26 +534,6 @@ template <typename L> cudaError_t by_shape(int vecs, int pref, L&& launch) {
   }
 }
 
-// grad_weight[c] = sum over the partial rows of column c, in a fixed order; 32 columns a block, 8 row slices.
-template <typename W>
-__global__ void __launch_bounds__(256) rms_norm_gw_kernel(const float* __restrict__ part, int blocks, int D,
-                                                          W* __restrict__ gw, unsigned trigger_from) {
-  pdl_begin(trigger_from);
-  __shared__ float acc[8][33];
-  const int lane = threadIdx.x & 31, slice = threadIdx.x >> 5, col = blockIdx.x * 32 + lane;
-  float a = 0.f;
-  if (col < D)
-    for (int b = slice; b < blocks; b += 8) a += part[(int64_t)b * D + col];
-  acc[slice][lane] = a;
-  __syncthreads();
-  if (slice == 0 && col < D) {
-    float t = 0.f;
-#pragma unroll
-    for (int k = 0; k < 8; ++k) t += acc[k][lane];
-    gw[col] = from_f<W>(t);
-  }
-}
-
 // Vectors a thread of the rows kernel has in flight, as RPT = this / NV rows (at least 1, at most 4 / NV): 2 is
 // the fastest for QK-norm (hidden 1024 runs its 4 vectors of one row in every case). FW_RMS_ROWS_VECS overrides it
 // for sweeps (`bash benchmarks/ops/sweep.sh rms`).
@@ -669,8 +649,7 @@ constexpr int kBwdRowsMin = 4;
 
 // grad_weight = the column sums of the `blocks` partial rows, in the weight's dtype.
 template <typename W> cudaError_t launch_gw(const float* part, int64_t blocks, int D, void* gw, cudaStream_t s) {
-  return launch_kernel(rms_norm_gw_kernel<W>, (unsigned)((D + 31) / 32), 256, 0, s, (const float*)part, (int)blocks, D,
-                       (W*)gw);
+  return sum_partial_rows(part, (W*)gw, (W*)nullptr, D, (int)blocks, D, s);
 }
 
 template <typename T, typename W, int VEC>
