@@ -38,7 +38,7 @@ from framework.models.lora import (
     has_adapters,
     peft_targets,
 )
-from framework.optim import build_optimizer, optimizer_problems
+from framework.optim import build_optimizer, float32_default_dtype, optimizer_problems
 from framework.recipe import OptimizerRole, recipe_class
 from framework.rng import choose_rng_state, gather_rng_states, rng_state, set_rng_state
 from framework.schedule import LRSchedule
@@ -242,13 +242,15 @@ class FwModule(lightning.LightningModule):
         if raw is None:
             raise FwError(f"step: no optimizer role {role!r}; recipe {self.cfg['recipe']} declares "
                           f"{', '.join(self._optimizer_of)}")
-        if role == "policy":
-            wrapped = next(o for o in self._lightning_optimizers() if o.optimizer is raw)
-            wrapped.step()   # precision plugin -> on_before_optimizer_step -> raw.step()
-            self.policy_version += 1
-        else:
-            self._before_step(raw)
-            raw.step()
+        # this runs inside training_step, under the precision plugin's forward context (see float32_default_dtype)
+        with float32_default_dtype():
+            if role == "policy":
+                wrapped = next(o for o in self._lightning_optimizers() if o.optimizer is raw)
+                wrapped.step()   # precision plugin -> on_before_optimizer_step -> raw.step()
+                self.policy_version += 1
+            else:
+                self._before_step(raw)
+                raw.step()
         fire(self.trainer, self, "after_optimizer_step", raw)
         raw.zero_grad(set_to_none=True)   # after the hook: it sees the gradients, as in automatic mode
         if role == "policy":

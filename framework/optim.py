@@ -44,6 +44,19 @@ def _weights_dtype(cfg: dict) -> str:
     return converted.get(cfg["trainer"]["precision"], cfg["model"]["policy"]["dtype"] or "float32")
 
 
+@contextlib.contextmanager
+def float32_default_dtype() -> Iterator[None]:
+    """torch's default dtype set to float32 for the block: the optimizer states a step creates take it (torchao's
+    step counters and 8-bit block scales), and bf16-true precision's forward context, in which manual optimization
+    steps, sets it to bfloat16. A bfloat16 step counter stops counting at 256."""
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float32)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(default)
+
+
 def _cuda(t: dict) -> bool:
     return t["accelerator"] in ("gpu", "cuda") or (t["accelerator"] == "auto" and torch.cuda.is_available())
 
@@ -179,6 +192,17 @@ def _torchao_optim() -> Any:
     return torchao.optim
 
 
+def _float32_counts(state: dict) -> None:
+    """A state made where torch's default dtype was bfloat16 (a checkpoint of an earlier run): its step counter and
+    8-bit block scales in float32, as the kernel takes them."""
+    if state["step"].dtype != torch.float32:
+        state["step"] = state["step"].float()
+    for key in ("exp_avg", "exp_avg_sq"):
+        moment = state[key]
+        if hasattr(moment, "codes") and moment.scale.dtype != torch.float32:
+            moment.scale = moment.scale.float()
+
+
 @functools.cache
 def _fused_class(base: type) -> type:
     """torchao's `base` optimizer (AdamW8bit or _AdamW: their states, state dict and arithmetic) whose step runs
@@ -205,9 +229,11 @@ def _fused_class(base: type) -> type:
                         raise FwError("fw's fused AdamW step takes dense gradients only")
                     state = self.state[p]
                     if not state:
-                        state["step"] = torch.tensor(0.0)
-                        state["exp_avg"] = self._new_buffer(p, True)
-                        state["exp_avg_sq"] = self._new_buffer(p, False)
+                        with float32_default_dtype():
+                            state["step"] = torch.tensor(0.0)
+                            state["exp_avg"] = self._new_buffer(p, True)
+                            state["exp_avg_sq"] = self._new_buffer(p, False)
+                    _float32_counts(state)
                     state["step"] += 1
                     by_step.setdefault(int(state["step"]), []).append(p)
                 for step, params in by_step.items():

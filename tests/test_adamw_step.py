@@ -2,6 +2,7 @@
 fused optimizer against torchao's own per-parameter step (the arithmetic it claims to share), opcheck, and on a GPU
 the CUDA kernel against the torch reference and against torchao's step there."""
 
+import io
 import math
 
 import pytest
@@ -108,6 +109,51 @@ def test_fused_step_equals_torchaos_adamw_on_bfloat16_weights(device):
         p, q = p.detach().float(), q.detach().float()
         assert float((p - q).abs().max()) <= 2**-7 * float(q.abs().max())
         assert float((p != q).float().mean()) < 0.01
+
+
+def saved(state_dict: dict) -> dict:
+    """The state dict through torch.save and torch.load, as a checkpoint holds it (loading one into an optimizer
+    keeps its 8-bit state objects, which would then be shared)."""
+    buffer = io.BytesIO()
+    torch.save(state_dict, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=False)
+
+
+def test_fused_step_makes_float32_states_under_a_bfloat16_default_and_converts_loaded_ones():
+    """Under a bfloat16 default dtype (bf16-true's forward context) the fused step's new states are float32; a
+    state dict whose counters and scales are bfloat16 (torchao's own step made it there) loads and steps as the
+    float32 one does."""
+    kwargs = {"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.0}
+    a, b = _models(torch.float32, "cpu")
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        fused = _fused_class(torchao_optim.AdamW8bit)(a, **kwargs)
+        plain = torchao_optim.AdamW8bit(b, **kwargs)
+        _steps(fused, plain, a, b, 2)
+    finally:
+        torch.set_default_dtype(default)
+    for opt, p, dtype in ((fused, a[0], torch.float32), (plain, b[0], torch.bfloat16)):
+        assert opt.state[p]["step"].dtype == dtype and opt.state[p]["exp_avg"].scale.dtype == dtype
+    c, _ = _models(torch.float32, "cpu")
+    for p, q in zip(c, b, strict=True):
+        p.data.copy_(q.detach())
+    loaded = _fused_class(torchao_optim.AdamW8bit)(c, **kwargs)
+    loaded.load_state_dict(saved(plain.state_dict()))
+    reference = _fused_class(torchao_optim.AdamW8bit)([torch.nn.Parameter(q.detach().clone()) for q in b], **kwargs)
+    state = saved(plain.state_dict())
+    for s in state["state"].values():   # the same values in float32
+        s["step"] = s["step"].float()
+        for key in ("exp_avg", "exp_avg_sq"):
+            if isinstance(s[key], OptimState8bit):
+                s[key].scale = s[key].scale.float()
+    reference.load_state_dict(state)
+    _steps(loaded, reference, c, reference.param_groups[0]["params"], 1)
+    assert loaded.state[c[0]]["step"].dtype == torch.float32 and float(loaded.state[c[0]]["step"]) == 3.0
+    assert loaded.state[c[0]]["exp_avg"].scale.dtype == torch.float32
+    for p, q in zip(c, reference.param_groups[0]["params"], strict=True):
+        assert torch.equal(p, q)
 
 
 def _op_inputs(device, dtype=torch.float32, count=3, seed=0):

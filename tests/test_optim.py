@@ -259,6 +259,25 @@ def test_bf16_sft_with_8bit_moments_and_stochastic_rounding_learns(tmp_path, cha
     assert abs(lean_loss[-1] - fp32_loss[-1]) < 0.1 * fp32_loss[-1], (lean_loss, fp32_loss)
 
 
+def test_manual_optimization_under_bf16_true_keeps_float32_step_counts_and_scales(tmp_path):
+    """GRPO steps inside training_step, where bf16-true precision makes bfloat16 torch's default dtype: the states
+    the first step creates (step counters, 8-bit block scales) are float32 all the same. A bfloat16 counter stops
+    at 256 and misplaces every later bias correction."""
+    run = tmp_path / "grpo"
+    fit(resolve({"recipe": "grpo", "seed": 5, "run_dir": str(run),
+                 "model": {"policy": {"preset": "tiny", "dtype": "bfloat16"}},
+                 "data": {"task": {"name": "digits"}}, "reward": {"name": "numeric_match"},
+                 "rollout": {"prompts_per_step": 2, "max_new_tokens": 2}, "grpo": {"group_size": 2},
+                 "optimizer": {"name": "adamw8bit", "lr": 1e-3},
+                 "trainer": {"accelerator": "cpu", "max_steps": 2, "precision": "bf16-true",
+                             "enable_progress_bar": False},
+                 "checkpoint": {"every_n_steps": 2}, "logging": {"csv": False, "tensorboard": False}}))
+    states = read_checkpoint_dir(run / "checkpoints/step-000002")["optimizer_states"][0]["state"].values()
+    assert {s["step"].dtype for s in states} == {torch.float32} and {float(s["step"]) for s in states} == {2.0}
+    scales = {s[k].scale.dtype for s in states for k in ("exp_avg", "exp_avg_sq") if isinstance(s[k], OptimState8bit)}
+    assert scales == {torch.float32}
+
+
 def test_ppo_critic_gets_the_same_kind_of_optimizer():
     from framework.module import FwModule
 
