@@ -20,10 +20,15 @@ from ops_cuda.rope import rope, rope_cos_sin, rope_reference, rope_rotate
 KERNEL_HEAD_DIMS = (64, 128, 256)
 
 
+def _shapes(qkv: Tensor, head_dim: int, num_kv_heads: int) -> tuple[tuple[int, ...], ...]:
+    """The shapes of q [N, Hq, D], k and v [N, Hk, D] for qkv [N, (Hq + 2 Hk) D]."""
+    N, Hq = qkv.shape[0], qkv.shape[1] // head_dim - 2 * num_kv_heads
+    return (N, Hq, head_dim), (N, num_kv_heads, head_dim), (N, num_kv_heads, head_dim)
+
+
 def _heads(qkv: Tensor, head_dim: int, num_kv_heads: int) -> tuple[Tensor, Tensor, Tensor]:
-    """Views q [N, Hq, D], k and v [N, Hk, D] of qkv [N, (Hq + 2 Hk) D]."""
-    N = qkv.shape[0]
-    Hq = qkv.shape[1] // head_dim - 2 * num_kv_heads
+    """q [N, Hq, D], k and v [N, Hk, D] of qkv [N, (Hq + 2 Hk) D]: views where qkv's rows allow."""
+    (N, Hq, _), _, _ = _shapes(qkv, head_dim, num_kv_heads)
     return qkv.reshape(N, Hq + 2 * num_kv_heads, head_dim).split([Hq, num_kv_heads, num_kv_heads], dim=1)
 
 
@@ -32,7 +37,7 @@ def qk_norm_rope_reference(qkv: Tensor, positions: Tensor, q_weight: Tensor, k_w
     q, k, v = _heads(qkv, q_weight.shape[0], num_kv_heads)
     q, k = rope_reference(rms_norm_reference(q, q_weight, eps)[None], rms_norm_reference(k, k_weight, eps)[None],
                           positions[None], theta)
-    return q[0], k[0], v
+    return q[0], k[0], v.clone()   # a copy, as the kernel's: a view of qkv may already be contiguous (one token)
 
 
 def qk_norm_rope_backward_reference(grad_q: Tensor, grad_k: Tensor, grad_v: Tensor, qkv: Tensor, positions: Tensor,
@@ -53,8 +58,7 @@ def qk_norm_rope_backward_reference(grad_q: Tensor, grad_k: Tensor, grad_v: Tens
 
 
 def _fake(qkv, positions, q_weight, k_weight, eps, theta, num_kv_heads):
-    q, k, v = _heads(qkv, q_weight.shape[0], num_kv_heads)
-    return qkv.new_empty(q.shape), qkv.new_empty(k.shape), qkv.new_empty(v.shape)
+    return tuple(qkv.new_empty(shape) for shape in _shapes(qkv, q_weight.shape[0], num_kv_heads))
 
 
 def _fake_backward(grad_q, grad_k, grad_v, qkv, positions, q_weight, k_weight, eps, theta):
@@ -76,14 +80,22 @@ def _setup(ctx, inputs, output):
 
 def _backward(ctx, grad_q, grad_k, grad_v):
     qkv, positions, q_weight, k_weight = ctx.saved_tensors
-    heads = _heads(qkv, q_weight.shape[0], ctx.num_kv_heads)
-    grads = [qkv.new_zeros(h.shape) if g is None else g for g, h in zip((grad_q, grad_k, grad_v), heads)]
+    shapes = _shapes(qkv, q_weight.shape[0], ctx.num_kv_heads)
+    grads = [qkv.new_zeros(shape) if g is None else g for g, shape in zip((grad_q, grad_k, grad_v), shapes)]
     grad_qkv, grad_qw, grad_kw = torch.ops.fw.qk_norm_rope_backward(*grads, qkv, positions, q_weight, k_weight,
                                                                     ctx.eps, ctx.theta)
     return grad_qkv, None, grad_qw, grad_kw, None, None, None
 
 
 torch.library.register_autograd("fw::qk_norm_rope", _backward, setup_context=_setup)
+
+
+def kernel_weights(qkv: Tensor, q_weight: Tensor, k_weight: Tensor) -> tuple[Tensor, Tensor]:
+    """The norm weights as the kernels take them: float32 or qkv's dtype. Others (bf16 weights under 16-mixed's fp16
+    activations) are cast to float32, differentiably, as rms_norm casts them."""
+    if q_weight.dtype in (torch.float32, qkv.dtype) and k_weight.dtype == q_weight.dtype:
+        return q_weight, k_weight
+    return q_weight.float(), k_weight.float()
 
 
 def _separate_ops(qkv: Tensor, positions: Tensor, q_weight: Tensor, k_weight: Tensor, eps: float, theta: float,
@@ -110,6 +122,7 @@ def qk_norm_rope(qkv: Tensor, positions: Tensor, q_weight: Tensor, k_weight: Ten
         fail(op, f"shapes disagree: qkv {tuple(qkv.shape)}, q_weight {tuple(q_weight.shape)}, k_weight "
                  f"{tuple(k_weight.shape)}, {num_kv_heads} kv heads (expected qkv's width (Hq + 2 Hk) * D with Hq > 0, "
                  "D even)")
+    q_weight, k_weight = kernel_weights(qkv, q_weight, k_weight)
     if qkv.is_cuda and D not in KERNEL_HEAD_DIMS:
         return _separate_ops(qkv, positions, q_weight, k_weight, eps, theta, num_kv_heads)
     return torch.ops.fw.qk_norm_rope(qkv, positions, q_weight, k_weight, float(eps), float(theta), int(num_kv_heads))

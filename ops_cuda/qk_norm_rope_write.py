@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from ops_cuda.library import define, fail, need_dim, need_long
-from ops_cuda.qk_norm_rope import qk_norm_rope_reference
+from ops_cuda.qk_norm_rope import kernel_weights, qk_norm_rope_reference
 
 
 def qk_norm_rope_write_reference(qkv: Tensor, positions: Tensor, q_weight: Tensor, k_weight: Tensor, eps: float,
@@ -55,5 +55,6 @@ def qk_norm_rope_write(qkv: Tensor, positions: Tensor, q_weight: Tensor, k_weigh
         fail(op, f"q_weight {tuple(q_weight.shape)} and k_weight {tuple(k_weight.shape)} must be [{D}]")
     if qkv.dtype != k_pool.dtype or v_pool.dtype != k_pool.dtype:
         fail(op, f"qkv ({qkv.dtype}) and the pools ({k_pool.dtype}, {v_pool.dtype}) must share a dtype")
+    q_weight, k_weight = kernel_weights(qkv, q_weight, k_weight)
     return torch.ops.fw.qk_norm_rope_write(qkv, positions, q_weight, k_weight, float(eps), float(theta), k_pool,
                                            v_pool, write_blocks, write_offsets)

@@ -81,7 +81,9 @@ def op_args():
         "qk_norm_rope": [(torch.randn(5, (4 + 2 * 2) * 8, requires_grad=True), torch.tensor([0, 3, 9, 1, 40]),
                           torch.randn(8, requires_grad=True), torch.randn(8, requires_grad=True), 1e-6, 1e4, 2),
                          (torch.randn(3, (2 + 2 * 1) * 8).bfloat16(), torch.tensor([0, 1, 2]), torch.randn(8),
-                          torch.randn(8), 1e-6, 1e6, 1)],
+                          torch.randn(8), 1e-6, 1e6, 1),
+                         (torch.randn(1, (4 + 2 * 2) * 8), torch.tensor([3]), torch.randn(8), torch.randn(8), 1e-6,
+                          1e4, 2)],   # one token: v's rows are contiguous in qkv, and still a copy
         "qk_norm_rope_backward": [(torch.randn(5, 4, 8), torch.randn(5, 2, 8), torch.randn(5, 2, 8),
                                    torch.randn(5, (4 + 2 * 2) * 8), torch.tensor([0, 3, 9, 1, 40]), torch.randn(8),
                                    torch.randn(8), 1e-6, 1e4)],
@@ -273,23 +275,23 @@ def test_qk_norm_rope_matches_transformers_forward_and_backward():
     assert not g[:, (Hq + Hk) * D:].any() and g[:, :(Hq + Hk) * D].abs().min() > 0
 
 
-def test_qk_norm_rope_is_the_separate_ops_bit_for_bit():
-    """In float32 and bf16 the op's outputs are those of rms_norm then rope on views of qkv, the path it replaces;
-    head sizes without a CUDA kernel run that path, and bad shapes get one clear error."""
+def test_qk_norm_rope_arguments():
+    """Bad shapes get one clear error; norm weights in neither float32 nor qkv's dtype (bf16 weights under fp16
+    activations) are used as float32, and their gradients come back in their own dtype."""
     N, Hq, Hk, D = 6, 4, 2, 32
     pos = torch.tensor([3, 0, 1, 2, 50, 7])
-    for dtype in (torch.float32, torch.bfloat16):
-        qkv = torch.randn(N, (Hq + 2 * Hk) * D).to(dtype)
-        qw, kw = torch.randn(D), torch.randn(D)
-        q, k, v = ops_cuda.qk_norm_rope(qkv, pos, qw, kw, 1e-6, 1e6, Hk)
-        q_in, k_in, v_in = qkv.view(N, Hq + 2 * Hk, D).split([Hq, Hk, Hk], 1)
-        q_sep, k_sep = ops_cuda.rope(ops_cuda.rms_norm(q_in, qw, 1e-6)[None], ops_cuda.rms_norm(k_in, kw, 1e-6)[None],
-                                     pos[None], 1e6)
-        assert q.dtype == dtype and torch.equal(q, q_sep[0]) and torch.equal(k, k_sep[0]) and torch.equal(v, v_in)
+    qkv = torch.randn(N, (Hq + 2 * Hk) * D, dtype=torch.float16, requires_grad=True)
+    qw = torch.randn(D).bfloat16().requires_grad_(True)
+    kw = torch.randn(D).bfloat16().requires_grad_(True)
     with pytest.raises(ValueError, match="shapes disagree"):
         ops_cuda.qk_norm_rope(qkv[:, :-1], pos, qw, kw, 1e-6, 1e6, Hk)
     with pytest.raises(ValueError, match="`positions` has 5 entries for 6 tokens"):
         ops_cuda.qk_norm_rope(qkv, pos[:5], qw, kw, 1e-6, 1e6, Hk)
+    q, k, _ = ops_cuda.qk_norm_rope(qkv, pos, qw, kw, 1e-6, 1e6, Hk)
+    q32, k32, _ = ops_cuda.qk_norm_rope(qkv, pos, qw.float(), kw.float(), 1e-6, 1e6, Hk)
+    assert q.dtype == torch.float16 and torch.equal(q, q32) and torch.equal(k, k32)
+    gq, gk = torch.autograd.grad((q.float().sum() + k.float().square().sum()), (qw, kw))
+    assert gq.dtype == gk.dtype == torch.bfloat16 and gq.abs().sum() > 0
 
 
 def test_swiglu_matches_formula():

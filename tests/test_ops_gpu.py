@@ -267,20 +267,23 @@ def test_add_rms_norm_backward(xdtype, rdtype, wdtype, shape):
     assert all(torch.equal(a, b) for a, b in zip(again, (gx, gr, gw)))   # the same bits every run
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("wdtype", ["same", "fp32"])
-@pytest.mark.parametrize("N,Hq,Hk,D,strided", [(1, 16, 8, 128, False), (16384, 16, 8, 128, False),
-                                               (37, 32, 8, 128, True), (5, 8, 4, 64, False), (9, 4, 2, 256, True),
-                                               (3001, 16, 8, 128, True), (0, 16, 8, 128, False)])
-def test_qk_norm_rope_forward_and_backward(dtype, wdtype, N, Hq, Hk, D, strided):
+@pytest.mark.parametrize("dtype,wdtype", [(d, w) for d in DTYPES for w in ("same", "fp32")]
+                         + [(torch.float16, "bf16")])
+@pytest.mark.parametrize("N,Hq,Hk,D,offset", [(1, 16, 8, 128, None), (16384, 16, 8, 128, None),
+                                              (37, 32, 8, 128, 256), (5, 8, 4, 64, None), (9, 4, 2, 256, 512),
+                                              (3001, 16, 8, 128, 256), (0, 16, 8, 128, None), (33, 16, 8, 128, 1),
+                                              (7, 4, 2, 32, 3)])
+def test_qk_norm_rope_forward_and_backward(dtype, wdtype, N, Hq, Hk, D, offset):
     """The training op against float64 autograd through the norm's formula and the rotation (float32 angles, as
-    transformers computes them), from qkv rows that may be strided (a slice of a wider buffer); v's gradient is
-    the one given, bit for bit; a rerun gives the same bits."""
+    transformers computes them), from qkv rows that may be strided (a slice of a wider buffer at `offset`: an odd
+    offset is copied to aligned rows first); v's gradient is the one given, bit for bit; a rerun gives the same
+    bits. Head size 32 has no kernel: rms_norm and rope on views serve it. "bf16" weights under float16 qkv are
+    neither float32 nor qkv's dtype: they are used as float32."""
     W = (Hq + 2 * Hk) * D
-    wide = torch.randn(N, W + (3 * D if strided else 0), device=DEV, dtype=dtype)
-    qkv = (wide[:, 2 * D:2 * D + W] if strided else wide).requires_grad_(True)
+    wide = torch.randn(N, W + (3 * D if offset is not None else 0), device=DEV, dtype=dtype)
+    qkv = (wide[:, offset:offset + W] if offset is not None else wide).requires_grad_(True)
     pos = torch.randint(0, 40960, (N,), device=DEV)
-    wd = dtype if wdtype == "same" else torch.float32
+    wd = {"same": dtype, "fp32": torch.float32, "bf16": torch.bfloat16}[wdtype]
     qw = (1 + 0.3 * torch.randn(D, device=DEV)).to(wd).requires_grad_(True)
     kw = (1 + 0.3 * torch.randn(D, device=DEV)).to(wd).requires_grad_(True)
     poison()

@@ -357,6 +357,9 @@ Tensor qk_norm_rope_write(const Tensor& qkv, const Tensor& positions, const Tens
               "fw::", op, ": qkv and the pools must share a dtype");
   for (const Tensor* t : {&k_pool, &v_pool, &write_blocks, &write_offsets})
     TORCH_CHECK(t->device() == qkv.device(), "fw::", op, ": every tensor must be on qkv's device");
+  for (const Tensor* t : {&write_blocks, &write_offsets})
+    TORCH_CHECK(t->dim() == 1 && t->size(0) == h.N && t->scalar_type() == at::kLong, "fw::", op,
+                ": write_blocks and write_offsets must be int64 [N]");
   TORCH_CHECK(k_pool.size(3) == h.D, "fw::", op, ": the pools' head_dim differs from the norm weights'");
   TORCH_CHECK(k_pool.strides() == v_pool.strides() && k_pool.stride(3) == 1 &&
                   k_pool.stride(1) % (h.D / 64) == 0 && k_pool.stride(2) % (h.D / 64) == 0 &&
