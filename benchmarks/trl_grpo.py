@@ -7,6 +7,10 @@ The model is a random Qwen3 of fw's preset shape, written by transformers' `save
 tokens at temperature 1.0, one update on all 256 completions in 4 micro-batches of 64. Prints one JSON
 line: seconds per optimizer step (median after the first), peak allocated and reserved GiB. Needs trl,
 datasets (and peft with --lora-rank), which are not fw dependencies.
+
+--prompts, --reward and --init switch one part of the setup at a time to the other TRL harness's choices
+(addition problems in filler words, a length reward, a float32 model made on the CPU and cast): on the same
+workload the two harnesses time TRL differently, and these find which part does it.
 """
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ import random
 import statistics
 import string
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -34,15 +39,36 @@ def lora_targets() -> list[str]:
     return list(lora["properties"]["targets"]["default"])
 
 
-def bench_prompts(n: int = 32) -> list[str]:
-    """n prompts of PROMPT_TOKENS single-letter words: one Qwen3 token each, as fw's prompts are one
-    token per character with its built-in tokenizer."""
+FILLER = ("apples", "boxes", "trains", "numbers", "carefully", "then", "add", "the", "total")
+
+
+def bench_prompts(n: int = 32, kind: str = "letters", count: Callable[[str], int] | None = None) -> list[str]:
+    """n prompts of PROMPT_TOKENS tokens. "letters": single-letter words, one Qwen3 token each, as fw's prompts are
+    one token per character with its built-in tokenizer. "arithmetic": an addition problem in filler words, padded
+    to PROMPT_TOKENS by `count` (the tokens of a text)."""
     rng = random.Random("bench:trl")
-    return [" ".join(rng.choice(string.ascii_lowercase) for _ in range(PROMPT_TOKENS)) for _ in range(n)]
+    if kind == "letters":
+        return [" ".join(rng.choice(string.ascii_lowercase) for _ in range(PROMPT_TOKENS)) for _ in range(n)]
+    if count is None:
+        raise ValueError("arithmetic prompts need the tokenizer's count")
+    prompts = []
+    for i in range(n):
+        a, b = rng.randint(100, 999), rng.randint(100, 999)
+        head, tail, words = f"Problem {i}: ", f". What is {a} + {b}? Think step by step and give the answer.", []
+        while count(head + " ".join(words) + tail) < PROMPT_TOKENS:
+            words.append(rng.choice(FILLER))
+        prompts.append(head + " ".join(words) + tail)
+    return prompts
 
 
-def write_random_model(preset: str, model_dir: Path, vocab_size: int = 151936) -> None:
-    """A random-init bf16 Qwen3 of `preset`'s shape in HF layout, built on the GPU (fast init)."""
+def length_reward(prompt: str, completion: str, metadata: dict) -> float:
+    """The completion's length in characters / 1000 (the other harness's reward)."""
+    return len(completion) / 1000.0
+
+
+def write_random_model(preset: str, model_dir: Path, vocab_size: int = 151936, init: str = "gpu-bf16") -> None:
+    """A random-init bf16 Qwen3 of `preset`'s shape in HF layout: built on the GPU in bf16 (fast), or with init
+    "cpu-fp32" in float32 on the CPU and then cast."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     if (model_dir / "config.json").is_file():
@@ -50,8 +76,11 @@ def write_random_model(preset: str, model_dir: Path, vocab_size: int = 151936) -
     hf = preset_config(preset, vocab_size, eos_token_id=151645, pad_token_id=151643).to_hf("bfloat16")
     config = Qwen3Config(**{k: v for k, v in hf.items() if k not in ("architectures", "model_type")})
     torch.manual_seed(0)
-    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
-        model = Qwen3ForCausalLM._from_config(config, torch_dtype=torch.bfloat16)
+    if init == "cpu-fp32":
+        model = Qwen3ForCausalLM(config).to(torch.bfloat16)
+    else:
+        with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+            model = Qwen3ForCausalLM._from_config(config, torch_dtype=torch.bfloat16)
     model.save_pretrained(str(model_dir), max_shard_size="5GB")
     del model
     torch.cuda.empty_cache()
@@ -65,6 +94,10 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--lora-rank", type=int, default=0, help="LoRA rank on all seven projections (0 = full)")
     ap.add_argument("--gradient-checkpointing", action="store_true")
     ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--prompts", choices=("letters", "arithmetic"), default="letters")
+    ap.add_argument("--reward", choices=("random", "length"), default="random")
+    ap.add_argument("--init", choices=("gpu-bf16", "cpu-fp32"), default="gpu-bf16",
+                    help="how the random model is made (a --model-dir holding a model is used as it is)")
     ap.add_argument("--json", type=Path, help="also write the result here")
     args = ap.parse_args(argv)
 
@@ -73,13 +106,13 @@ def main(argv: list[str] | None = None) -> dict:
     from transformers import PreTrainedTokenizerFast, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    write_random_model(args.preset, args.model_dir)
+    write_random_model(args.preset, args.model_dir, init=args.init)
     tok = PreTrainedTokenizerFast(tokenizer_file=str(args.tokenizer / "tokenizer.json"),
                                   eos_token="<|im_end|>", pad_token="<|endoftext|>")
     tok.padding_side = "left"
     tok.save_pretrained(str(args.model_dir))
-    prompts = bench_prompts()
-    reward = RandomReward()
+    prompts = bench_prompts(kind=args.prompts, count=lambda text: len(tok(text).input_ids))
+    reward = RandomReward() if args.reward == "random" else length_reward
 
     def reward_fn(prompts: list, completions: list, **_: object) -> list[float]:
         return [reward(p, c, {}) for p, c in zip(prompts, completions)]
@@ -111,7 +144,8 @@ def main(argv: list[str] | None = None) -> dict:
     steps = [b - a for a, b in zip(timer.marks, timer.marks[1:])]
     result = {"peer": f"trl {trl.__version__}", "preset": args.preset, "lora_rank": args.lora_rank,
               "prompt_tokens": sorted({len(tok(p).input_ids) for p in prompts}),
-              "gradient_checkpointing": args.gradient_checkpointing, "step_s": [round(s, 2) for s in steps],
+              "gradient_checkpointing": args.gradient_checkpointing, "prompts": args.prompts, "reward": args.reward,
+              "init": args.init, "step_s": [round(s, 2) for s in steps],
               "median_step_s": statistics.median(steps[1:] or steps),
               "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
               "reserved_gib": torch.cuda.max_memory_reserved() / 2**30}
