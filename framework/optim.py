@@ -193,8 +193,8 @@ def _torchao_optim() -> Any:
 
 
 def _float32_counts(state: dict) -> None:
-    """A state made where torch's default dtype was bfloat16 (a checkpoint of an earlier run): its step counter and
-    8-bit block scales in float32, as the kernel takes them."""
+    """A loaded state made where torch's default dtype was bfloat16 (a checkpoint of an earlier run): its step
+    counter and 8-bit block scales in float32, as the kernel takes them."""
     if state["step"].dtype != torch.float32:
         state["step"] = state["step"].float()
     for key in ("exp_avg", "exp_avg_sq"):
@@ -233,12 +233,17 @@ def _fused_class(base: type) -> type:
                             state["step"] = torch.tensor(0.0)
                             state["exp_avg"] = self._new_buffer(p, True)
                             state["exp_avg_sq"] = self._new_buffer(p, False)
-                    _float32_counts(state)
                     state["step"] += 1
                     by_step.setdefault(int(state["step"]), []).append(p)
                 for step, params in by_step.items():
                     self._fused_update(group, params, step, index)
             return loss
+
+        def load_state_dict(self, state_dict: dict) -> None:
+            super().load_state_dict(state_dict)
+            for state in self.state.values():
+                if state:
+                    _float32_counts(state)
 
         def _fused_update(self, group: dict, params: list[torch.Tensor], step: int, index: int) -> None:
             moments = [(self.state[p]["exp_avg"], self.state[p]["exp_avg_sq"]) for p in params]
