@@ -9,8 +9,8 @@ line: seconds per optimizer step (median after the first), peak allocated and re
 datasets (and peft with --lora-rank), which are not fw dependencies.
 
 --prompts, --reward and --init switch one part of the setup at a time to the other TRL harness's choices
-(addition problems in filler words, a length reward, a float32 model made on the CPU and cast): on the same
-workload the two harnesses time TRL differently, and these find which part does it.
+(its addition problems in filler words, whose lengths differ by a token; a length reward; a float32 model made on
+the CPU and cast): the two harnesses time TRL differently, and these find which part does it.
 """
 from __future__ import annotations
 
@@ -21,7 +21,6 @@ import random
 import statistics
 import string
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -42,22 +41,18 @@ def lora_targets() -> list[str]:
 FILLER = ("apples", "boxes", "trains", "numbers", "carefully", "then", "add", "the", "total")
 
 
-def bench_prompts(n: int = 32, kind: str = "letters", count: Callable[[str], int] | None = None) -> list[str]:
-    """n prompts of PROMPT_TOKENS tokens. "letters": single-letter words, one Qwen3 token each, as fw's prompts are
-    one token per character with its built-in tokenizer. "arithmetic": an addition problem in filler words, padded
-    to PROMPT_TOKENS by `count` (the tokens of a text)."""
+def bench_prompts(n: int = 32, kind: str = "letters") -> list[str]:
+    """n prompts. "letters": PROMPT_TOKENS single-letter words, one Qwen3 token each, as fw's prompts are one token
+    per character with its built-in tokenizer. "arithmetic": the other harness's wording, an addition problem after
+    90 filler words (116 or 117 Qwen3 tokens, so TRL left-pads some rows by one token)."""
     rng = random.Random("bench:trl")
     if kind == "letters":
         return [" ".join(rng.choice(string.ascii_lowercase) for _ in range(PROMPT_TOKENS)) for _ in range(n)]
-    if count is None:
-        raise ValueError("arithmetic prompts need the tokenizer's count")
     prompts = []
     for i in range(n):
         a, b = rng.randint(100, 999), rng.randint(100, 999)
-        head, tail, words = f"Problem {i}: ", f". What is {a} + {b}? Think step by step and give the answer.", []
-        while count(head + " ".join(words) + tail) < PROMPT_TOKENS:
-            words.append(rng.choice(FILLER))
-        prompts.append(head + " ".join(words) + tail)
+        words = " ".join(rng.choice(FILLER) for _ in range(90))
+        prompts.append(f"Problem {i}: {words}. What is {a} + {b}? Think step by step and give the answer.")
     return prompts
 
 
@@ -111,7 +106,7 @@ def main(argv: list[str] | None = None) -> dict:
                                   eos_token="<|im_end|>", pad_token="<|endoftext|>")
     tok.padding_side = "left"
     tok.save_pretrained(str(args.model_dir))
-    prompts = bench_prompts(kind=args.prompts, count=lambda text: len(tok(text).input_ids))
+    prompts = bench_prompts(kind=args.prompts)
     reward = RandomReward() if args.reward == "random" else length_reward
 
     def reward_fn(prompts: list, completions: list, **_: object) -> list[float]:
