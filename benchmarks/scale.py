@@ -52,6 +52,11 @@ ROWS = [
         goal_peak_gib=24, goal_step_s=2.4),
     Row("grpo-4b", GRPO, ("--model.policy.preset=qwen3-4b", *LEAN, "--trainer.accumulate_grad_batches=16"),
         goal_peak_gib=80, goal_step_s=8, peer={"preset": "qwen3-4b", "gradient_checkpointing": True}),
+    # The other TRL harness's prompts are 116 or 117 tokens, so TRL left-pads some rows; fw lays out ragged prompts
+    # without padding, and 117-token prompts bound its cost on that workload from above.
+    Row("grpo-4b-117", GRPO, ("--model.policy.preset=qwen3-4b", *LEAN, "--trainer.accumulate_grad_batches=16",
+                              "--data.task.init_args={length: 117}"), goal_peak_gib=80, goal_step_s=8,
+        peer={"preset": "qwen3-4b", "gradient_checkpointing": True, "prompts": "arithmetic"}),
     Row("grpo-4b-selective", GRPO, ("--model.policy.preset=qwen3-4b", *LEAN, SELECTIVE,
                                     "--trainer.accumulate_grad_batches=8"), goal_peak_gib=80, goal_step_s=8),
     Row("grpo-8b", GRPO, ("--model.policy.preset=qwen3-8b", *LEAN, "--trainer.accumulate_grad_batches=16"),
@@ -128,6 +133,8 @@ def run_peer(row: Row, tokenizer: Path, out: Path, timeout_s: int) -> dict:
         args += ["--lora-rank", str(p["lora_rank"])]
     if p.get("gradient_checkpointing"):
         args.append("--gradient-checkpointing")
+    if p.get("prompts"):
+        args += ["--prompts", p["prompts"]]
     try:
         proc = subprocess.run([sys.executable, "-m", "benchmarks.trl_grpo", *args], check=False, capture_output=True,
                               text=True,

@@ -8,9 +8,8 @@ tokens at temperature 1.0, one update on all 256 completions in 4 micro-batches 
 line: seconds per optimizer step (median after the first), peak allocated and reserved GiB. Needs trl,
 datasets (and peft with --lora-rank), which are not fw dependencies.
 
---prompts, --reward and --init switch one part of the setup at a time to the other TRL harness's choices
-(its addition problems in filler words, whose lengths differ by a token; a length reward; a float32 model made on
-the CPU and cast): the two harnesses time TRL differently, and these find which part does it.
+--prompts arithmetic takes the other TRL harness's prompts: addition problems in filler words, 116 or 117
+tokens, so TRL left-pads some rows by one token (which makes its step much slower; docs/PERFORMANCE.md).
 """
 from __future__ import annotations
 
@@ -56,14 +55,8 @@ def bench_prompts(n: int = 32, kind: str = "letters") -> list[str]:
     return prompts
 
 
-def length_reward(prompt: str, completion: str, metadata: dict) -> float:
-    """The completion's length in characters / 1000 (the other harness's reward)."""
-    return len(completion) / 1000.0
-
-
-def write_random_model(preset: str, model_dir: Path, vocab_size: int = 151936, init: str = "gpu-bf16") -> None:
-    """A random-init bf16 Qwen3 of `preset`'s shape in HF layout: built on the GPU in bf16 (fast), or with init
-    "cpu-fp32" in float32 on the CPU and then cast."""
+def write_random_model(preset: str, model_dir: Path, vocab_size: int = 151936) -> None:
+    """A random-init bf16 Qwen3 of `preset`'s shape in HF layout, built on the GPU in bf16 (fast)."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     if (model_dir / "config.json").is_file():
@@ -71,11 +64,8 @@ def write_random_model(preset: str, model_dir: Path, vocab_size: int = 151936, i
     hf = preset_config(preset, vocab_size, eos_token_id=151645, pad_token_id=151643).to_hf("bfloat16")
     config = Qwen3Config(**{k: v for k, v in hf.items() if k not in ("architectures", "model_type")})
     torch.manual_seed(0)
-    if init == "cpu-fp32":
-        model = Qwen3ForCausalLM(config).to(torch.bfloat16)
-    else:
-        with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
-            model = Qwen3ForCausalLM._from_config(config, torch_dtype=torch.bfloat16)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        model = Qwen3ForCausalLM._from_config(config, torch_dtype=torch.bfloat16)
     model.save_pretrained(str(model_dir), max_shard_size="5GB")
     del model
     torch.cuda.empty_cache()
@@ -90,9 +80,6 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--gradient-checkpointing", action="store_true")
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--prompts", choices=("letters", "arithmetic"), default="letters")
-    ap.add_argument("--reward", choices=("random", "length"), default="random")
-    ap.add_argument("--init", choices=("gpu-bf16", "cpu-fp32"), default="gpu-bf16",
-                    help="how the random model is made (a --model-dir holding a model is used as it is)")
     ap.add_argument("--json", type=Path, help="also write the result here")
     args = ap.parse_args(argv)
 
@@ -101,13 +88,13 @@ def main(argv: list[str] | None = None) -> dict:
     from transformers import PreTrainedTokenizerFast, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    write_random_model(args.preset, args.model_dir, init=args.init)
+    write_random_model(args.preset, args.model_dir)
     tok = PreTrainedTokenizerFast(tokenizer_file=str(args.tokenizer / "tokenizer.json"),
                                   eos_token="<|im_end|>", pad_token="<|endoftext|>")
     tok.padding_side = "left"
     tok.save_pretrained(str(args.model_dir))
     prompts = bench_prompts(kind=args.prompts)
-    reward = RandomReward() if args.reward == "random" else length_reward
+    reward = RandomReward()
 
     def reward_fn(prompts: list, completions: list, **_: object) -> list[float]:
         return [reward(p, c, {}) for p, c in zip(prompts, completions)]
@@ -139,8 +126,8 @@ def main(argv: list[str] | None = None) -> dict:
     steps = [b - a for a, b in zip(timer.marks, timer.marks[1:])]
     result = {"peer": f"trl {trl.__version__}", "preset": args.preset, "lora_rank": args.lora_rank,
               "prompt_tokens": sorted({len(tok(p).input_ids) for p in prompts}),
-              "gradient_checkpointing": args.gradient_checkpointing, "prompts": args.prompts, "reward": args.reward,
-              "init": args.init, "step_s": [round(s, 2) for s in steps],
+              "gradient_checkpointing": args.gradient_checkpointing, "prompts": args.prompts,
+              "step_s": [round(s, 2) for s in steps],
               "median_step_s": statistics.median(steps[1:] or steps),
               "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
               "reserved_gib": torch.cuda.max_memory_reserved() / 2**30}

@@ -344,6 +344,21 @@ def test_fw_fit_refuses_a_job_over_the_memory_limit_before_writing_anything(tmp_
     assert sorted(p.name for p in run_dir.iterdir()) == ["notes.txt"]
 
 
+def test_every_scaling_row_is_a_valid_config_that_the_plan_fits_on_one_h200(monkeypatch):
+    """benchmarks/scale.py's rows, as `fw fit` reads their overrides: schema-valid, and planned for CUDA within an
+    H200's memory and within the row's own peak goal (the plan is within 2% of the measured peaks there)."""
+    monkeypatch.syspath_prepend(str(ROOT))
+    from benchmarks.scale import ROWS
+
+    assert {"grpo-4b", "grpo-4b-117", "grpo-8b-lora16", "sft-8b"} <= {row.name for row in ROWS}
+    for row in ROWS:
+        cfg = load_config([str(ROOT / row.config)], [*row.overrides, "--trainer.accelerator=gpu"])
+        plan = mp.estimate(cfg, gpu_gib=139)
+        assert plan.fits, (row.name, plan.table())
+        if row.goal_peak_gib is not None:
+            assert plan.allocated_bytes <= row.goal_peak_gib * mp.GIB, (row.name, plan.table())
+
+
 # ------------------------------------------------------------------------------------------ GPU
 
 @pytest.mark.gpu

@@ -16,6 +16,7 @@ import ops_cuda
 from ops_cuda import library
 from ops_cuda.decode_attention import decode_attention_reference
 from ops_cuda.linear_logprob import linear_logprob_reference
+from ops_cuda.qk_norm_rope import KERNEL_HEAD_DIMS
 from ops_cuda.rms_norm import rms_norm_reference
 from ops_cuda.rope import rope_cos_sin, rope_rotate
 from ops_cuda.sample import sample_reference, sampling_mask
@@ -277,8 +278,9 @@ def test_qk_norm_rope_forward_and_backward(dtype, wdtype, N, Hq, Hk, D, offset):
     """The training op against float64 autograd through the norm's formula and the rotation (float32 angles, as
     transformers computes them), from qkv rows that may be strided (a slice of a wider buffer at `offset`: an odd
     offset is copied to aligned rows first); v's gradient is the one given, bit for bit; a rerun gives the same
-    bits. Head size 32 has no kernel: rms_norm and rope on views serve it. "bf16" weights under float16 qkv are
-    neither float32 nor qkv's dtype: they are used as float32."""
+    bits. Head size 32 has no kernel: rms_norm and rope on views serve it, and the gradient between the two is
+    rounded to qkv's dtype, so its weight gradients are as exact as that dtype allows, not as float32 weights'.
+    "bf16" weights under float16 qkv are neither float32 nor qkv's dtype: they are used as float32."""
     W = (Hq + 2 * Hk) * D
     wide = torch.randn(N, W + (3 * D if offset is not None else 0), device=DEV, dtype=dtype)
     qkv = (wide[:, offset:offset + W] if offset is not None else wide).requires_grad_(True)
@@ -310,7 +312,8 @@ def test_qk_norm_rope_forward_and_backward(dtype, wdtype, N, Hq, Hk, D, offset):
     assert rel(q, q64) < TOL[dtype] * 2 and rel(k, k64) < TOL[dtype] * 2
     assert torch.equal(got[0][:, (Hq + Hk) * D:], gv.reshape(N, -1))
     assert rel(got[0][:, :(Hq + Hk) * D], want[0][:, :(Hq + Hk) * D]) < TOL[dtype] * 2
-    assert rel(got[1], want[1]) < TOL[wd] * 4 and rel(got[2], want[2]) < TOL[wd] * 4   # sums over every token
+    wtol = 4 * (TOL[wd] if D in KERNEL_HEAD_DIMS else max(TOL[wd], TOL[dtype]))   # sums over every token
+    assert rel(got[1], want[1]) < wtol and rel(got[2], want[2]) < wtol
     again = torch.autograd.grad(ops_cuda.qk_norm_rope(qkv, pos, qw, kw, 1e-6, 1e6, Hk), (qkv, qw, kw), (gq, gk, gv))
     assert all(torch.equal(a, b) for a, b in zip(again, got))   # the same bits every run
 
