@@ -24,30 +24,52 @@ from torch import nn
 from framework.errors import FwError
 
 
-class _Unchecked:
-    """An aggregator whose update casts without looking for NaN: torchmetrics' check waits for the device at
-    every update; StepMetrics.compute looks at the reduced values instead."""
+class _Float64:
+    """A torchmetrics aggregator whose states are float64 and stay so, and whose update casts without looking for
+    NaN (torchmetrics' check waits for the device at every update; StepMetrics.compute looks at the reduced values
+    instead).
+
+    torchmetrics makes its states in torch's default dtype and converts them with the module around them. The
+    -true precisions set that default to a 16-bit type inside training_step, where metrics are first logged, and
+    convert the module, with the metrics a checkpoint restored, to it: a bfloat16 mean keeps three significant
+    digits and a bfloat16 sum stops growing at 256. So the states follow the module's device moves only."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        for key, default in self._defaults.items():
+            self._defaults[key] = default.to(torch.float64)
+            setattr(self, key, getattr(self, key).to(torch.float64))
+        self._dtype = torch.float64
+
+    def _apply(self, fn: Any, exclude_state: Sequence[str] = ()) -> _Float64:
+        device = fn(torch.zeros((), dtype=torch.float64, device=self.device)).device
+        for key, default in self._defaults.items():
+            self._defaults[key] = default.to(device)
+            setattr(self, key, getattr(self, key).to(device))
+        self._device = device
+        self._computed = None
+        return self
 
     def _cast_and_nan_check_input(self, x: torch.Tensor | float,
                                   weight: torch.Tensor | float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        x = torch.as_tensor(x, dtype=self.dtype, device=self.device)
-        w = torch.ones_like(x) if weight is None else torch.as_tensor(weight, dtype=self.dtype, device=self.device)
+        x = torch.as_tensor(x, dtype=torch.float64, device=self.device)
+        w = torch.ones_like(x) if weight is None else torch.as_tensor(weight, dtype=torch.float64, device=self.device)
         return x, w
 
 
-class _Mean(_Unchecked, torchmetrics.MeanMetric):
+class _Mean(_Float64, torchmetrics.MeanMetric):
     pass
 
 
-class _Sum(_Unchecked, torchmetrics.SumMetric):
+class _Sum(_Float64, torchmetrics.SumMetric):
     pass
 
 
-class _Max(_Unchecked, torchmetrics.MaxMetric):
+class _Max(_Float64, torchmetrics.MaxMetric):
     pass
 
 
-class _Min(_Unchecked, torchmetrics.MinMetric):
+class _Min(_Float64, torchmetrics.MinMetric):
     pass
 
 
@@ -190,8 +212,8 @@ class StepMetrics(nn.Module):
             metric = self.metrics[key]
             metric.reset()
             if holder:
-                for k, v in saved["state"].items():
-                    setattr(metric, k, v.to(metric.device))
+                for k, v in saved["state"].items():   # float64 also for a state saved in another dtype
+                    setattr(metric, k, v.to(metric.device, metric.dtype))
             metric._update_count = saved["update_count"]
 
 

@@ -186,6 +186,56 @@ def test_step_metrics_weighted_mean_sum_max_last_and_state():
         m.update("loss", 1.0, reduce="median")
 
 
+@pytest.mark.parametrize("precision", ["bf16-true", "16-true"])
+def test_step_metrics_accumulate_in_float64_under_a_16_bit_default_dtype(precision):
+    """Lightning's -true precisions make a 16-bit type torch's default dtype inside training_step, where metrics
+    are first logged, and convert the module, with the metrics a checkpoint restored, to that type: the sums,
+    means and extremes are float64 all the same, and so is a state saved by an older run in bfloat16 once
+    loaded."""
+    from lightning.pytorch.plugins.precision import HalfPrecision
+
+    m = StepMetrics()
+    with HalfPrecision(precision).forward_context():
+        assert torch.get_default_dtype() in (torch.bfloat16, torch.float16)
+        for _ in range(301):
+            m.update("count", 1.0, reduce="sum")
+            m.update("tokens", 70_001.0, reduce="sum")   # past float16's largest value
+        m.update("loss", 0.123456789, weight=1)
+        m.update("loss", 2.5, weight=3)
+        m.update("peak", 16_790.25, reduce="max")
+        m.update("low", 0.987654321, reduce="min")
+        saved = m.state()
+    assert m.compute() == {"count": 301.0, "tokens": 301 * 70_001.0, "loss": pytest.approx((0.123456789 + 7.5) / 4,
+                                                                                            rel=1e-15),
+                           "peak": 16_790.25, "low": 0.987654321}
+    saved["metrics"]["loss"]["state"] = {k: v.to(torch.bfloat16) for k, v in saved["metrics"]["loss"]["state"].items()}
+    restored = StepMetrics()
+    restored.load_state(saved)
+    restored.to(torch.bfloat16)   # the precision plugin's convert_module, which runs after the restore
+    restored.update("loss", 0.1, weight=1)
+    restored.update("peak", 16_790.25, reduce="max")
+    assert restored.compute()["peak"] == 16_790.25
+    restored.load_state(saved)
+    restored.update("loss", 0.1, weight=1)
+    bf16_weighted_sum = float(torch.tensor(0.123456789 + 7.5, dtype=torch.bfloat16))
+    assert restored.compute()["loss"] == pytest.approx((bf16_weighted_sum + 0.1) / 5, rel=1e-15)
+
+
+def test_grpo_under_bf16_true_logs_metrics_at_full_precision(tmp_path):
+    """A real GRPO fit under bf16-true on the CPU: the logged rollout time is the measured float, not one of the
+    values a bfloat16 can hold."""
+    fit(resolve({"recipe": "grpo", "seed": 3, "run_dir": str(tmp_path / "run"),
+                 "model": {"policy": {"preset": "tiny", "dtype": "bfloat16"}},
+                 "data": {"task": {"name": "digits"}}, "reward": {"name": "numeric_match"},
+                 "rollout": {"prompts_per_step": 2, "max_new_tokens": 2}, "grpo": {"group_size": 2},
+                 "trainer": {"accelerator": "cpu", "max_steps": 3, "precision": "bf16-true",
+                             "enable_progress_bar": False, "log_every_n_steps": 1},
+                 "checkpoint": {"every_n_steps": 1000}, "logging": {"csv": False, "tensorboard": False}}))
+    seconds = [r["rollout/seconds"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl")]
+    assert len(seconds) == 3
+    assert all(float(torch.tensor(v, dtype=torch.bfloat16)) != v for v in seconds), seconds
+
+
 def test_metrics_logged_every_n_steps_and_at_the_end(tmp_path):
     fit(sft_cfg(tmp_path, trainer={"max_steps": 5, "log_every_n_steps": 2}))
     metrics = read_metrics(tmp_path / "run" / "metrics.jsonl")
