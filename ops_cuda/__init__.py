@@ -56,7 +56,12 @@ def doctor() -> str:
     d = _extension.cache_dir()
     so = d / f"{_extension.EXTENSION_NAME}.so"
     lines.append(f"cache: {d}")
-    lines.append(f"extension built: {'yes, ' + str(so) if so.exists() else 'no'}")
+    if so.exists():
+        same = _extension.built_from(so, _extension.build_key(_extension.build_inputs(), _extension.build_flags()))
+        origin = "from these sources" if same else "from other sources or by an older fw: the next build compiles"
+        lines.append(f"extension built: yes, {so} ({origin})")
+    else:
+        lines.append("extension built: no")
     lines.append(f"extension loaded: {'yes' if _extension.loaded_path() else 'no'}")
     served = {None: "not decided yet (built on first CUDA call)", "kernels": "the CUDA kernels",
               "reference": f"the torch references ({_library.cuda_state['error']})"}

@@ -1,13 +1,16 @@
 """Build and load the CUDA extension (csrc/) that gives `torch.ops.fw.*` their CUDA kernels.
 
 The extension is compiled with ninja by `torch.utils.cpp_extension.load` into a cache directory:
-`$FW_OPS_CACHE`, else `~/.cache/fw/ops`, one subdirectory per torch/CUDA version. A build killed
-mid-way leaves torch's `lock` file there, which makes every later build wait forever (torch does not clear it);
-we record the building process in `owner` next to it, and report a lock whose owner is gone (or, with
+`$FW_OPS_CACHE`, else `~/.cache/fw/ops`, one subdirectory per torch/CUDA version. Each build stamps the library
+with a key of its sources' bytes and flags (`fw_ops.sha256`), and a library whose stamp matches the current files
+loads as it is, with no toolkit or ninja: ninja compares file times, which differ between copies of the same files.
+A build killed mid-way leaves torch's `lock` file there, which makes every later build wait forever (torch does not
+clear it); we record the building process in `owner` next to it, and report a lock whose owner is gone (or, with
 no owner record, that is older than STALE_LOCK_AGE_S) instead of waiting on it.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -15,6 +18,7 @@ import re
 import socket
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -61,6 +65,43 @@ def cache_dir() -> Path:
 
 def sources() -> list[str]:
     return sorted(str(p) for p in CSRC.iterdir() if p.suffix in (".cu", ".cpp"))
+
+
+def build_inputs() -> list[Path]:
+    """Every file the build reads from csrc/: the sources and the headers they include."""
+    return sorted(p for p in CSRC.iterdir() if p.suffix in (".cu", ".cpp", ".cuh", ".h"))
+
+
+def build_key(files: list[Path], flags: list[str]) -> str:
+    """sha256 over what a build makes its library from: each file's name and bytes, the flags, and torch's and
+    CUDA's versions. Unlike the file times ninja compares, it holds across copies and checkouts of the same files."""
+    h = hashlib.sha256()
+    for part in (torch.__version__, str(torch.version.cuda), *flags):
+        h.update(part.encode() + b"\0")
+    for f in files:
+        h.update(f.name.encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+def built_from(library: Path, key: str) -> bool:
+    """Whether `library` exists and its last build stamped `key` beside it."""
+    stamp = library.with_suffix(".sha256")
+    return library.is_file() and stamp.is_file() and stamp.read_text().strip() == key
+
+
+def load_or_compile(library: Path, key: str, compile_library: Callable[[], object]) -> str:
+    """The path of `library` loaded into torch: as it is when the key stamped beside it at its last build is `key`,
+    else after `compile_library()` makes it again (and the new key is stamped). The old stamp goes before the
+    compile starts, so that a build killed mid-way leaves no stamp beside a half-written library."""
+    if built_from(library, key):
+        torch.ops.load_library(str(library))
+        return str(library)
+    stamp = library.with_suffix(".sha256")
+    stamp.unlink(missing_ok=True)
+    path = Path(str(compile_library() or library))
+    if path == library:   # torch names a second build of other sources in one process <name>_v1.so
+        stamp.write_text(key + "\n")
+    return str(path)
 
 
 def pid_alive(pid: int) -> bool:
@@ -187,10 +228,17 @@ def build(verbose: bool = False) -> str:
     cpp_extension = _cpp_extension()
     if torch.version.cuda is None:
         raise RuntimeError(f"torch {torch.__version__} is a CPU-only build; the CUDA kernels need a CUDA torch")
+    d = cache_dir()
+    library = d / f"{EXTENSION_NAME}.so"
+    key = build_key(build_inputs(), build_flags())
+    if built_from(library, key) and lock_status(d)[0] == "none":
+        # built from these very files (in another checkout or copy of them, say): no toolkit or compile needed
+        torch.ops.load_library(str(library))
+        _loaded["path"] = str(library)
+        return str(library)
     problem = nvcc_problem()
     if problem:
         raise RuntimeError(problem)
-    d = cache_dir()
     d.mkdir(parents=True, exist_ok=True)
     state, detail = lock_status(d)
     if state == "stale":
@@ -200,7 +248,7 @@ def build(verbose: bool = False) -> str:
     if state == "none":
         owner_file.write_text(json.dumps(mine))
     try:
-        path = _compile(cpp_extension, verbose)
+        path = load_or_compile(library, key, lambda: _compile(cpp_extension, verbose))
     finally:
         if state == "none" and owner_file.exists():
             try:
@@ -208,8 +256,21 @@ def build(verbose: bool = False) -> str:
                     owner_file.unlink()
             except (OSError, ValueError):
                 pass
-    _loaded["path"] = str(path) if path else str(d / f"{EXTENSION_NAME}.so")
-    return _loaded["path"]
+    _loaded["path"] = path
+    return path
+
+
+def _ldflags() -> list[str]:
+    # Linked against the libstdc++.so that torch runs with: a compiler that links libstdc++ statically by default
+    # copies libstdc++ into fw_ops.so, and that copy's iostreams crash (SIGSEGV) formatting any TORCH_CHECK message:
+    # a bad argument kills the process instead of raising. Resolved against the shared library first, nothing is
+    # taken from the static archive (tests/test_ops.py::test_extension_links_the_running_libstdcxx shows it).
+    return ["-lcublas", "-lcublasLt", *running_libstdcxx()]
+
+
+def build_flags() -> list[str]:
+    """The compiler and linker flags of a build, as its key counts them."""
+    return ["-O3", *NVCC_FLAGS, *_ldflags()]
 
 
 def _compile(cpp_extension, verbose: bool):
@@ -218,13 +279,7 @@ def _compile(cpp_extension, verbose: bool):
     try:
         return cpp_extension.load(
             name=EXTENSION_NAME, sources=sources(), build_directory=str(d), verbose=verbose,
-            is_python_module=False, extra_cflags=["-O3"], extra_cuda_cflags=NVCC_FLAGS,
-            # Linked against the libstdc++.so that torch runs with: a compiler that links libstdc++ statically by
-            # default copies libstdc++ into fw_ops.so, and that copy's iostreams crash (SIGSEGV) formatting any
-            # TORCH_CHECK message: a bad argument kills the process instead of raising. Resolved against the
-            # shared library first, nothing is taken from the static archive
-            # (tests/test_ops.py::test_extension_links_the_running_libstdcxx shows it).
-            extra_ldflags=["-lcublas", "-lcublasLt", *running_libstdcxx()],
+            is_python_module=False, extra_cflags=["-O3"], extra_cuda_cflags=NVCC_FLAGS, extra_ldflags=_ldflags(),
         )
     except RuntimeError as e:
         if verbose:

@@ -721,6 +721,67 @@ def test_doctor_and_build_on_this_machine(tmp_path, monkeypatch):
             ops_cuda.build()
 
 
+def test_build_key_follows_the_files_bytes_not_their_times(tmp_path):
+    """The key of a build: the same for a copy of the same files with other times (another checkout), different
+    when a header's bytes, a file's name or a flag change."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    for d in (a, b):
+        d.mkdir()
+    for name in ("op.cu", "common.cuh"):
+        (a / name).write_text(f"// {name}\n")
+    key = fw_build.build_key([a / "common.cuh", a / "op.cu"], ["-O3"])
+    for name in ("op.cu", "common.cuh"):
+        (b / name).write_text((a / name).read_text())
+        os.utime(b / name, (1e9, 1e9))
+    assert fw_build.build_key([b / "common.cuh", b / "op.cu"], ["-O3"]) == key
+    assert fw_build.build_key([b / "common.cuh", b / "op.cu"], ["-O2"]) != key
+    (b / "common.cuh").write_text("// common.cuh \n")
+    assert fw_build.build_key([b / "common.cuh", b / "op.cu"], ["-O3"]) != key
+    (b / "other.cuh").write_text((a / "common.cuh").read_text())
+    assert fw_build.build_key([b / "other.cuh", b / "op.cu"], ["-O3"]) != key
+    assert {p.suffix for p in fw_build.build_inputs()} == {".cu", ".cpp", ".cuh", ".h"}
+
+
+@pytest.mark.slow
+def test_a_library_stamped_with_the_same_key_loads_without_a_compile(tmp_path):
+    """load_or_compile on a real (CPU) torch extension: the first call compiles and stamps; a fresh process whose
+    copy of the source has new times loads the library as it is; changed bytes compile again. The compile runs in
+    the child process, which says whether it ran."""
+    import shutil
+
+    if shutil.which(os.environ.get("CXX", "c++")) is None:
+        pytest.skip("no C++ compiler")
+    code = ("import sys, torch\nfrom pathlib import Path\nfrom torch.utils import cpp_extension\n"
+            "from ops_cuda.extension import build_key, load_or_compile\n"
+            "src, build = Path(sys.argv[1]), Path(sys.argv[2])\nran = []\n"
+            "def compile_library():\n    ran.append(1)\n"
+            "    return cpp_extension.load(name='fwtest_cached', sources=[str(src)], build_directory=str(build),\n"
+            "                              is_python_module=False)\n"
+            "load_or_compile(build / 'fwtest_cached.so', build_key([src], []), compile_library)\n"
+            "print(bool(ran), int(torch.ops.fwtest_cached.twice(torch.ones(3)).sum()))\n")
+
+    def run(src):
+        r = subprocess.run([sys.executable, "-c", code, str(src), str(tmp_path / "build")], check=False,
+                           capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stderr[-2000:]
+        return r.stdout.split()
+
+    op = ("#include <torch/library.h>\n#include <ATen/ATen.h>\n"
+          "at::Tensor twice(const at::Tensor& x) { return x * %d; }\n"
+          "TORCH_LIBRARY(fwtest_cached, m) { m.def(\"twice(Tensor x) -> Tensor\"); }\n"
+          "TORCH_LIBRARY_IMPL(fwtest_cached, CPU, m) { m.impl(\"twice\", &twice); }\n")
+    (tmp_path / "build").mkdir()
+    first, copy = tmp_path / "one" / "op.cpp", tmp_path / "two" / "op.cpp"
+    for f in (first, copy):
+        f.parent.mkdir()
+        f.write_text(op % 2)
+    os.utime(first, (1e9, 1e9))   # the copy is newer: ninja would compile it again
+    assert run(first) == ["True", "6"]
+    assert run(copy) == ["False", "6"]
+    copy.write_text(op % 3)
+    assert run(copy) == ["True", "9"]
+
+
 @pytest.mark.slow
 def test_extension_links_the_running_libstdcxx(tmp_path):
     """A torch extension linked with a static libstdc++ (the default of some compilers) carries its own

@@ -72,6 +72,22 @@ def test_doctor_reports_built_extension():
     assert "extension loaded: yes" in text and "CUDA ops served by: the CUDA kernels" in text
 
 
+def test_a_fresh_process_loads_the_built_extension_without_compiling():
+    """The library this session built is stamped with its sources' key: another process loads it as it is, with
+    no compile (its _compile fails if called) and no toolkit check."""
+    ops_cuda.build()
+    code = ("import ops_cuda.extension as e\n"
+            "def refuse(*_): raise AssertionError('compiled again')\n"
+            "e._compile = e.nvcc_problem = refuse\n"
+            "import ops_cuda, torch\nprint(ops_cuda.build())\n"
+            "x = torch.randn(4, 64, device='cuda')\n"
+            "print(ops_cuda.cuda_backend(), float((ops_cuda.rms_norm(x, torch.ones(64, device='cuda'), 1e-6)"
+            " - x * x.square().mean(-1, keepdim=True).add(1e-6).rsqrt()).abs().max()) < 1e-5)\n")
+    r = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.split()[-2:] == ["kernels", "True"], r.stdout
+
+
 # ------------------------------------------------------------------ rms_norm
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(1, 1024), (7, 1000), (3, 5, 16, 128), (2048, 1024), (4, 13), (3, 2048),
