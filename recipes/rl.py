@@ -82,7 +82,7 @@ class MicroBatch:
 
 
 # Packing must remove at least this share of a micro-batch's tokens for packed=None to pack. On equal rows both
-# layouts do the same math and the packed one costs more a token (varlen attention and its bookkeeping), so a
+# layouts do the same math and the packed one costs more per token (varlen attention and its bookkeeping), so a
 # saving smaller than that extra cost makes the update slower: this is the share at which the two break even on
 # an H200 with Qwen3-0.6B, which `python -m benchmarks.packed_update --equal` prints.
 PACK_MIN_SAVING = 0.08
