@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> None:
         cfg["callbacks"].append({"class_path": "benchmarks.fit_timing.RolloutTimeline",
                                  "init_args": {"kernels_at": args.rollout_kernels}})
     plan = estimate(cfg)
-    fit(cfg)
+    fit(cfg, keep_on_device=True)   # as `fw fit` runs it: the process ends after the report
     print("\n" + report(cfg, plan.allocated_bytes / GIB), flush=True)
 
 

@@ -135,7 +135,8 @@ def _run(args: argparse.Namespace, overrides: list[str]) -> int:
         else:
             from framework.trainer import fit
 
-            fit(cfg, resume=args.resume, skip_damaged=args.skip_damaged)  # writes config.yaml into run_dir
+            # the process ends after fit: the models and optimizer states need not be copied to host memory first
+            fit(cfg, resume=args.resume, skip_damaged=args.skip_damaged, keep_on_device=True)  # writes config.yaml
     elif cmd == "plan":
         if not args.config:
             raise FwError("fw plan needs --config FILE")

@@ -12,6 +12,7 @@ from pathlib import Path
 import lightning
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.strategies import SingleDeviceStrategy
 from lightning.pytorch.utilities import rank_zero_only
 
 from framework.allocator import configure_allocator
@@ -52,17 +53,53 @@ def _check_precision(cfg: dict, requirements: Requirements) -> None:
         raise FwError(f"trainer.precision: {t['precision']} is not supported by recipe {cfg['recipe']} ({why})")
 
 
-def _strategy(cfg: dict, requirements: Requirements) -> str:
-    """`trainer.strategy`, with DDP told to look for unused parameters when the recipe needs it."""
+class KeepOnDevice(SingleDeviceStrategy):
+    """Lightning's one-device strategy, except that the end of `fit` leaves the models and the optimizer states
+    where they trained. Lightning's teardown copies them into host memory, which takes time and host memory in
+    proportion to their size, for a process that exits next, as `fw fit` does."""
+
+    def teardown(self) -> None:
+        # Strategy.teardown without its two moves to the CPU
+        self.precision_plugin.teardown()
+        assert self.accelerator is not None
+        self.accelerator.teardown()
+        self.checkpoint_io.teardown()
+
+
+def _one_device(cfg: dict) -> torch.device | None:
+    """The device of a job that runs as one process on a CPU or CUDA device, or None (several processes, another
+    accelerator, or a strategy named in the config)."""
+    from framework.memory_plan import world_size
+
+    t = cfg["trainer"]
+    if t["strategy"] != "auto":
+        return None
+    if t["accelerator"] == "cpu" or (t["accelerator"] == "auto" and not torch.cuda.is_available()):
+        backend = "cpu"
+    elif t["accelerator"] in ("gpu", "cuda", "auto"):
+        backend = "cuda"
+    else:
+        return None
+    if world_size(cfg, backend) != 1:
+        return None
+    if backend == "cpu":
+        return torch.device("cpu")
+    return torch.device("cuda", t["devices"][0] if isinstance(t["devices"], list) else 0)
+
+
+def _strategy(cfg: dict, requirements: Requirements, keep_on_device: bool = False) -> str | SingleDeviceStrategy:
+    """`trainer.strategy`, with DDP told to look for unused parameters when the recipe needs it; with
+    `keep_on_device`, a one-process job's strategy is KeepOnDevice."""
     strategy = cfg["trainer"]["strategy"]
     if requirements.find_unused_parameters and strategy == "ddp":
         return "ddp_find_unused_parameters_true"
-    return strategy
+    device = _one_device(cfg) if keep_on_device else None
+    return KeepOnDevice(device) if device is not None else strategy
 
 
-def build_trainer(cfg: dict, stop: StopSignals | None = None) -> lightning.Trainer:
+def build_trainer(cfg: dict, stop: StopSignals | None = None, keep_on_device: bool = False) -> lightning.Trainer:
     """A `lightning.Trainer` for `cfg`: `trainer:` settings, loggers, built-in + user callbacks, checkpoints;
-    with `stop`, a signal ends training at the end of the step in progress.
+    with `stop`, a signal ends training at the end of the step in progress; `keep_on_device`: see `fit`.
 
     Gradient accumulation is Lightning's only under automatic optimization; manual recipes accumulate
     over their own micro-batches. Clipping is done by the module (`optimizer.max_grad_norm`) in both modes.
@@ -83,7 +120,7 @@ def build_trainer(cfg: dict, stop: StopSignals | None = None) -> lightning.Train
         accelerator=t["accelerator"],
         devices=t["devices"],
         num_nodes=t["num_nodes"],
-        strategy=_strategy(cfg, requirements),
+        strategy=_strategy(cfg, requirements, keep_on_device),
         precision=t["precision"],
         max_steps=t["max_steps"],
         max_epochs=-1,
@@ -105,7 +142,7 @@ def build_trainer(cfg: dict, stop: StopSignals | None = None) -> lightning.Train
 def build_device(trainer: lightning.Trainer) -> torch.device:
     """Where the models are built: this process's accelerator when the strategy keeps a whole model per
     device (one device, DDP), the CPU when it shards (FSDP wraps and moves a CPU model itself)."""
-    from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+    from lightning.pytorch.strategies import DDPStrategy
 
     strategy = trainer.strategy
     return strategy.root_device if isinstance(strategy, (SingleDeviceStrategy, DDPStrategy)) else torch.device("cpu")
@@ -136,7 +173,8 @@ def refuse_earlier_metrics(run_dir: str | Path) -> None:
                       "choose another run_dir, or delete the file to start over")
 
 
-def fit(cfg: dict, resume: str | None = None, skip_damaged: bool = False) -> lightning.Trainer:
+def fit(cfg: dict, resume: str | None = None, skip_damaged: bool = False,
+        keep_on_device: bool = False) -> lightning.Trainer:
     """Train `cfg` (a resolved config): lock run_dir, check its memory plan, seed, write
     `<run_dir>/config.yaml`, build, fit.
 
@@ -144,7 +182,8 @@ def fit(cfg: dict, resume: str | None = None, skip_damaged: bool = False) -> lig
     or a checkpoint directory; `skip_damaged` passes over damaged newest checkpoints (reported on stderr)
     instead of refusing. A changed setting that a resume cannot apply is refused before anything is written.
     SIGTERM / SIGINT finish the current step, publish its checkpoint and raise `framework.signals.Stopped`
-    (framework/signals.py has the rules).
+    (framework/signals.py has the rules). `keep_on_device`: a one-process job leaves its models and optimizer
+    states on the device at the end instead of copying them to host memory (for a caller that exits next).
     """
     from framework.checkpoint import find_latest, resolve_resume
     from framework.config import save_resolved
@@ -170,7 +209,8 @@ def fit(cfg: dict, resume: str | None = None, skip_damaged: bool = False) -> lig
             print(plan.table(), file=sys.stderr, flush=True)
             save_resolved(cfg, run_dir / "config.yaml")
         stack.enter_context(quiet_lightning())
-        trainer = build_trainer(cfg, stop)   # first: it refuses unsupported settings before the models are built
+        # first: it refuses unsupported settings before the models are built
+        trainer = build_trainer(cfg, stop, keep_on_device)
         module = FwModule(cfg, device=build_device(trainer))
         log_config(trainer.loggers, cfg)
         trainer.fit(module, ckpt_path=ckpt_path)

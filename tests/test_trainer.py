@@ -1,11 +1,14 @@
 """build_trainer: the `trainer:` section becomes a Lightning Trainer; unsupported settings are refused."""
 
+from pathlib import Path
+
 import pytest
-from lightning.pytorch.strategies import DDPStrategy
+import torch
+from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 
 from framework.config import resolve
 from framework.errors import FwError
-from framework.trainer import build_trainer
+from framework.trainer import KeepOnDevice, build_trainer, fit
 
 
 def _cfg(tmp_path, recipe, **trainer):
@@ -32,3 +35,51 @@ def test_fp16_loss_scaling_combinations_that_would_clip_scaled_gradients_are_ref
         build_trainer(resolve({**_cfg(tmp_path, "sft", precision="16-mixed"), "optimizer": {"fused": True}}))
     with pytest.raises(FwError, match="16-mixed is not supported by recipe ppo"):
         build_trainer(_cfg(tmp_path, "ppo", precision="16-mixed"))
+
+
+def test_keep_on_device_only_for_one_process_jobs(tmp_path):
+    """keep_on_device gives a one-process job (CPU, or CUDA with one device) the strategy that leaves its state
+    where it trained; several processes and a strategy the config names keep Lightning's; without it nothing
+    changes."""
+    assert type(build_trainer(_cfg(tmp_path, "sft")).strategy) is SingleDeviceStrategy
+    kept = build_trainer(_cfg(tmp_path, "sft"), keep_on_device=True).strategy
+    assert isinstance(kept, KeepOnDevice) and kept.root_device == torch.device("cpu")
+    assert not isinstance(build_trainer(_cfg(tmp_path, "grpo", strategy="ddp"), keep_on_device=True).strategy,
+                          KeepOnDevice)
+    two = _cfg(tmp_path, "sft", devices=2)
+    assert isinstance(build_trainer(two, keep_on_device=True).strategy, DDPStrategy)
+
+
+def _grpo(run_dir, accelerator):
+    return resolve({"recipe": "grpo", "seed": 2, "run_dir": str(run_dir), "model": {"policy": {"preset": "tiny"}},
+                    "data": {"task": {"name": "digits"}}, "reward": {"name": "numeric_match"},
+                    "rollout": {"prompts_per_step": 2, "max_new_tokens": 2}, "grpo": {"group_size": 2},
+                    "trainer": {"accelerator": accelerator, "devices": 1, "max_steps": 2,
+                                "enable_progress_bar": False},
+                    "checkpoint": {"every_n_steps": 1000}, "logging": {"csv": False, "tensorboard": False}})
+
+
+def test_a_fit_that_keeps_its_state_on_the_device_ends_and_saves_as_any_other(tmp_path):
+    """A real GRPO fit through KeepOnDevice (`fw fit`'s path): it ends, publishes its last checkpoint, and its
+    models are on the device where they trained."""
+    from framework.checkpoint import find_latest
+
+    trainer = fit(_grpo(tmp_path / "run", "cpu"), keep_on_device=True)
+    assert isinstance(trainer.strategy, KeepOnDevice)
+    assert Path(find_latest(tmp_path / "run")).name == "step-000002"
+    assert {p.device.type for p in trainer.lightning_module.parameters()} == {"cpu"}
+
+
+@pytest.mark.gpu
+def test_keep_on_device_leaves_the_state_on_the_gpu_and_lightning_moves_it(tmp_path):
+    """On CUDA, Lightning's teardown copies the module and the optimizer states to host memory; KeepOnDevice, which
+    `fw fit` runs, leaves both on the GPU."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    where = {}
+    for keep in (False, True):
+        trainer = fit(_grpo(tmp_path / f"run-{keep}", "gpu"), keep_on_device=keep)
+        states = [t for s in trainer.optimizers[0].state.values() for t in s.values() if torch.is_tensor(t)]
+        where[keep] = ({p.device.type for p in trainer.lightning_module.parameters()},
+                       {t.device.type for t in states if t.dim()})
+    assert where == {False: ({"cpu"}, {"cpu"}), True: ({"cuda"}, {"cuda"})}
