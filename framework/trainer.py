@@ -74,11 +74,12 @@ def _one_device(cfg: dict) -> torch.device | None:
     t = cfg["trainer"]
     if t["strategy"] != "auto":
         return None
-    if t["accelerator"] == "cpu" or (t["accelerator"] == "auto" and not torch.cuda.is_available()):
-        backend = "cpu"
-    elif t["accelerator"] in ("gpu", "cuda", "auto"):
+    auto = t["accelerator"] == "auto"
+    if t["accelerator"] in ("gpu", "cuda") or (auto and torch.cuda.is_available()):
         backend = "cuda"
-    else:
+    elif t["accelerator"] == "cpu" or (auto and not torch.backends.mps.is_available()):
+        backend = "cpu"
+    else:   # another accelerator, or one that "auto" picks
         return None
     if world_size(cfg, backend) != 1:
         return None
