@@ -43,6 +43,7 @@ step fit-syncs 90 examples.log python3 -m benchmarks.fit_profile --trace "$OUT/f
 step train-bench-selective 120 train_bench.log python3 -m benchmarks.train_step --batch 8 --seq 2048 --steps 10 --impls fw-packed,fw-selective --doc-len 512
 step train-yaml 60 examples.log python3 -m benchmarks.fit_timing --config train.yaml --run_dir=/tmp/runs/train-yaml
 step decode-splits 90 ops_bench.log python3 -m benchmarks.ops.decode_splits
+step decode-gemm 120 ops_bench.log python3 -m benchmarks.ops.decode_gemm
 # Big models (docs/PERFORMANCE.md "Scaling"): ROWS picks rows of benchmarks/scale.py; TOKENIZER is a
 # directory with Qwen3's tokenizer.json for the TRL rows.
 step scale 560 scale.log python3 -m benchmarks.scale --rows "${ROWS:-grpo-0.6b,grpo-4b,grpo-4b-117,grpo-8b,grpo-8b-lora16,sft-8b}" --out "$OUT/scale"

@@ -1,0 +1,90 @@
+"""The decode step's projections at a rollout's batch sizes: how close cuBLAS comes to reading the weights once.
+
+At M = 256 rows a decode GEMM is bound by the weight bytes, but its output has few tiles (256 x 1024 is 16 tiles of
+128 x 128 on 132 SMs), so most SMs idle unless the K loop is split. Per preset and projection this times
+`F.linear` (what the model runs) against splitting K by hand into s batched GEMMs whose partial products are
+summed (`split_k_linear`), each as CUDA-graph replays, with the weights' bytes read per second and its share
+of --gbps.
+
+    python -m benchmarks.ops.decode_gemm [--presets qwen3-0.6b,qwen3-4b,qwen3-8b] [--rows 64,256] [--splits 2,3,4]
+"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from framework.models.presets import PRESETS
+
+
+def projections(preset: str) -> dict[str, tuple[int, int]]:
+    """(in, out) features of a layer's four projections and of the LM head."""
+    p = PRESETS[preset]
+    d, heads, kv, hd, ffn = (p["hidden_size"], p["num_attention_heads"], p["num_key_value_heads"], p["head_dim"],
+                             p["intermediate_size"])
+    return {"qkv": (d, (heads + 2 * kv) * hd), "o": (heads * hd, d), "gate_up": (d, 2 * ffn),
+            "down": (ffn, d), "lm_head": (d, p["vocab_size"])}
+
+
+def split_k_linear(x: Tensor, w: Tensor, splits: int) -> Tensor:
+    """x [M, K] @ w[N, K]^T as `splits` GEMMs over slices of K in one batched call, then their sum (float32
+    partials): more thread blocks for an output with few tiles."""
+    M, K = x.shape
+    k = K // splits
+    xs = x[:, : k * splits].reshape(M, splits, k).transpose(0, 1)       # [s, M, k]
+    ws = w[:, : k * splits].reshape(w.shape[0], splits, k).permute(1, 2, 0)   # [s, k, N]
+    try:   # float32 partials where this torch's bmm writes them, else the GEMMs' own dtype
+        out = torch.bmm(xs, ws, out_dtype=torch.float32)
+    except (TypeError, RuntimeError):
+        out = torch.bmm(xs, ws).float()
+    out = out.sum(0)
+    if k * splits < K:   # the remainder of K
+        out += F.linear(x[:, k * splits:], w[:, k * splits:]).float()
+    return out.to(x.dtype)
+
+
+def row(w: Tensor, M: int, splits: list[int], gbps: float) -> list[str]:
+    """The table cells of one projection at M rows: F.linear's time (GB/s of weights, % of gbps), each split's,
+    and the largest error of the splits and of F.linear against float64, relative to the output's largest value."""
+    from benchmarks.ops.bench_ops import bench_graph
+
+    x = torch.randn(M, w.shape[1], device=w.device, dtype=w.dtype)
+    ref = x.double() @ w.double().T
+
+    def err(y: Tensor) -> float:
+        return float((y.double() - ref).abs().max() / ref.abs().max())
+
+    base_ms, _ = bench_graph(lambda: F.linear(x, w), reps_ms=50)
+    rate = w.numel() * w.element_size() / (base_ms * 1e-3) / 1e9
+    cells = [f"{base_ms * 1e3:.1f} ({rate:.0f}, {100 * rate / gbps:.0f}%)"]
+    for s in splits:
+        ms, _ = bench_graph(lambda s=s: split_k_linear(x, w, s), reps_ms=50)
+        cells.append(f"{ms * 1e3:.1f}")
+    worst = max(err(split_k_linear(x, w, s)) for s in splits)
+    return [*cells, f"{worst:.1e} (F.linear {err(F.linear(x, w)):.1e})"]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--presets", default="qwen3-0.6b,qwen3-4b,qwen3-8b")
+    ap.add_argument("--rows", default="64,256")
+    ap.add_argument("--splits", default="2,3,4")
+    ap.add_argument("--gbps", type=float, default=4260.0, help="the GPU's measured copy bandwidth, GB/s")
+    args = ap.parse_args()
+    splits = [int(s) for s in args.splits.split(",")]
+    print("| preset | projection | M x K x N | F.linear us (GB/s, %) | "
+          + " | ".join(f"split {s} us" for s in splits) + " | max rel. diff |")
+    print("|---|---|---|---|" + "---|" * len(splits) + "---|")
+    torch.manual_seed(0)
+    for preset in args.presets.split(","):
+        for name, (K, N) in projections(preset).items():
+            w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * K ** -0.5
+            for M in (int(m) for m in args.rows.split(",")):
+                print(f"| {preset} | {name} | {M} x {K} x {N} | " + " | ".join(row(w, M, splits, args.gbps)) + " |",
+                      flush=True)
+
+
+if __name__ == "__main__":
+    main()
