@@ -25,23 +25,23 @@ from framework.errors import FwError
 
 
 class _Float64:
-    """A torchmetrics aggregator whose states are float64 and stay so, and whose update casts without looking for
-    NaN (torchmetrics' check waits for the device at every update; StepMetrics.compute looks at the reduced values
-    instead).
-
-    torchmetrics makes its states in torch's default dtype and converts them with the module around them. The
-    -true precisions set that default to a 16-bit type inside training_step, where metrics are first logged, and
-    convert the module, with the metrics a checkpoint restored, to it: a bfloat16 mean keeps three significant
-    digits and a bfloat16 sum stops growing at 256. So the states follow the module's device moves only."""
+    """A torchmetrics aggregator whose states are float64 whatever the dtypes around it, and whose update casts
+    without looking for NaN (torchmetrics' check waits for the device at every update; StepMetrics.compute looks
+    at the reduced values instead)."""
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
+        # torchmetrics makes its states in torch's default dtype, which the -true precisions set to a 16-bit type
+        # inside training_step, where metrics are first logged: a bfloat16 mean keeps three significant digits and
+        # a bfloat16 sum stops growing at 256
         for key, default in self._defaults.items():
             self._defaults[key] = default.to(torch.float64)
             setattr(self, key, getattr(self, key).to(torch.float64))
         self._dtype = torch.float64
 
     def _apply(self, fn: Any, exclude_state: Sequence[str] = ()) -> _Float64:
+        # device moves only: the -true precisions convert the module, with the metrics a checkpoint restored, to
+        # their 16-bit dtype
         device = fn(torch.zeros((), dtype=torch.float64, device=self.device)).device
         for key, default in self._defaults.items():
             self._defaults[key] = default.to(device)

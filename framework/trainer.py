@@ -67,19 +67,18 @@ class KeepOnDevice(SingleDeviceStrategy):
 
 
 def _one_device(cfg: dict) -> torch.device | None:
-    """The device of a job that runs as one process on a CPU or CUDA device, or None (several processes, another
-    accelerator, or a strategy named in the config)."""
+    """The device of a job that runs as one process on the CPU or one CUDA device, or None (several processes,
+    another accelerator, or a strategy named in the config)."""
     from framework.memory_plan import world_size
 
     t = cfg["trainer"]
     if t["strategy"] != "auto":
         return None
-    auto = t["accelerator"] == "auto"
-    if t["accelerator"] in ("gpu", "cuda") or (auto and torch.cuda.is_available()):
-        backend = "cuda"
-    elif t["accelerator"] == "cpu" or (auto and not torch.backends.mps.is_available()):
+    if t["accelerator"] == "cpu":
         backend = "cpu"
-    else:   # another accelerator, or one that "auto" picks
+    elif t["accelerator"] in ("gpu", "cuda", "auto") and torch.cuda.is_available():
+        backend = "cuda"
+    else:   # another accelerator, or the one Lightning picks for "gpu" or "auto" without CUDA (Apple's, XLA's)
         return None
     if world_size(cfg, backend) != 1:
         return None

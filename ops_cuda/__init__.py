@@ -53,15 +53,11 @@ def doctor() -> str:
             lines.append(f"GPU {i}: {torch.cuda.get_device_name(i)} (capability {cap[0]}.{cap[1]})")
     else:
         lines.append("GPU: none visible (CPU: the operators run the torch references)")
-    d = _extension.cache_dir()
-    so = d / f"{_extension.EXTENSION_NAME}.so"
-    lines.append(f"cache: {d}")
-    if so.exists():
-        same = _extension.built_from(so, _extension.build_key(_extension.build_inputs(), _extension.build_flags()))
-        origin = "from these sources" if same else "from other sources or by an older fw: the next build compiles"
-        lines.append(f"extension built: yes, {so} ({origin})")
-    else:
-        lines.append("extension built: no")
+    key = _extension.build_key(_extension.build_inputs(), _extension.build_flags())
+    d = _extension.build_dir(key)
+    lines.append(f"cache: {d} (the build of these sources)")
+    built = _extension.built(d, _extension.EXTENSION_NAME, key)
+    lines.append(f"extension built: {'yes, ' + str(d / (_extension.EXTENSION_NAME + '.so')) if built else 'no'}")
     lines.append(f"extension loaded: {'yes' if _extension.loaded_path() else 'no'}")
     served = {None: "not decided yet (built on first CUDA call)", "kernels": "the CUDA kernels",
               "reference": f"the torch references ({_library.cuda_state['error']})"}

@@ -1,20 +1,23 @@
 """Build and load the CUDA extension (csrc/) that gives `torch.ops.fw.*` their CUDA kernels.
 
 The extension is compiled with ninja by `torch.utils.cpp_extension.load` into a cache directory:
-`$FW_OPS_CACHE`, else `~/.cache/fw/ops`, one subdirectory per torch/CUDA version. Each build stamps the library
-with a key of its sources' bytes and flags (`fw_ops.sha256`), and a library whose stamp matches the current files
-loads as it is, with no toolkit or ninja: ninja compares file times, which differ between copies of the same files.
-A build killed mid-way leaves torch's `lock` file there, which makes every later build wait forever (torch does not
-clear it); we record the building process in `owner` next to it, and report a lock whose owner is gone (or, with
+`$FW_OPS_CACHE`, else `~/.cache/fw/ops`, one subdirectory per torch/CUDA version and in it one per build key, a
+sha256 of the csrc files' bytes and the flags (`build_dir`). A finished build marks its directory (`built`), and a
+marked library loads as it is, with no toolkit or ninja: ninja compares file times, which differ between copies of
+the same files, and a directory per key never holds a library of other sources. A build killed
+mid-way leaves torch's `lock` file there, which makes every later build wait forever (torch does not clear it);
+we record the building process in `owner` next to it, and report a lock whose owner is gone (or, with
 no owner record, that is older than STALE_LOCK_AGE_S) instead of waiting on it.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import os
 import re
+import shutil
 import socket
 import subprocess
 import time
@@ -69,38 +72,43 @@ def sources() -> list[str]:
 
 def build_inputs() -> list[Path]:
     """Every file the build reads from csrc/: the sources and the headers they include."""
-    return sorted(p for p in CSRC.iterdir() if p.suffix in (".cu", ".cpp", ".cuh", ".h"))
+    return sorted(p for p in CSRC.rglob("*") if p.suffix in (".cu", ".cpp", ".cuh", ".h"))
 
 
-def build_key(files: list[Path], flags: list[str]) -> str:
-    """sha256 over what a build makes its library from: each file's name and bytes, the flags, and torch's and
-    CUDA's versions. Unlike the file times ninja compares, it holds across copies and checkouts of the same files."""
+def build_key(files: list[Path], flags: list[str], root: Path = CSRC) -> str:
+    """sha256 over what a build makes its library from: each file's path under `root` and bytes, the flags, and
+    torch's and CUDA's versions; unlike file times, the same for every copy of the same files."""
     h = hashlib.sha256()
     for part in (torch.__version__, str(torch.version.cuda), *flags):
         h.update(part.encode() + b"\0")
     for f in files:
-        h.update(f.name.encode() + b"\0" + f.read_bytes() + b"\0")
+        h.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
     return h.hexdigest()
 
 
-def built_from(library: Path, key: str) -> bool:
-    """Whether `library` exists and its last build stamped `key` beside it."""
-    stamp = library.with_suffix(".sha256")
-    return library.is_file() and stamp.is_file() and stamp.read_text().strip() == key
+def build_dir(key: str) -> Path:
+    """Where the build of `key` lives: a directory of its own in the cache."""
+    return cache_dir() / key[:16]
 
 
-def load_or_compile(library: Path, key: str, compile_library: Callable[[], object]) -> str:
-    """The path of `library` loaded into torch: as it is when the key stamped beside it at its last build is `key`,
-    else after `compile_library()` makes it again (and the new key is stamped). The old stamp goes before the
-    compile starts, so that a build killed mid-way leaves no stamp beside a half-written library."""
-    if built_from(library, key):
+def built(directory: Path, name: str, key: str) -> bool:
+    """Whether `directory` holds a finished build of `name` for `key`."""
+    marker = directory / "built"
+    return (directory / f"{name}.so").is_file() and marker.is_file() and marker.read_text().strip() == key
+
+
+def load_or_compile(directory: Path, name: str, key: str, compile_library: Callable[[], object]) -> str:
+    """The path of `<directory>/<name>.so` loaded into torch: as it is when the directory is marked as a finished
+    build of `key`, else after `compile_library()` builds it there (and the mark is written)."""
+    library = directory / f"{name}.so"
+    if built(directory, name, key):
         torch.ops.load_library(str(library))
+        with contextlib.suppress(OSError):   # the mark's time says when the build was last used (prune_builds)
+            os.utime(directory / "built")
         return str(library)
-    stamp = library.with_suffix(".sha256")
-    stamp.unlink(missing_ok=True)
     path = Path(str(compile_library() or library))
     if path == library:   # torch names a second build of other sources in one process <name>_v1.so
-        stamp.write_text(key + "\n")
+        (directory / "built").write_text(key + "\n")
     return str(path)
 
 
@@ -228,14 +236,13 @@ def build(verbose: bool = False) -> str:
     cpp_extension = _cpp_extension()
     if torch.version.cuda is None:
         raise RuntimeError(f"torch {torch.__version__} is a CPU-only build; the CUDA kernels need a CUDA torch")
-    d = cache_dir()
-    library = d / f"{EXTENSION_NAME}.so"
     key = build_key(build_inputs(), build_flags())
-    if built_from(library, key) and lock_status(d)[0] == "none":
+    d = build_dir(key)
+    if built(d, EXTENSION_NAME, key) and lock_status(d)[0] == "none":
         # built from these very files (in another checkout or copy of them, say): no toolkit or compile needed
-        torch.ops.load_library(str(library))
-        _loaded["path"] = str(library)
-        return str(library)
+        path = load_or_compile(d, EXTENSION_NAME, key, _compile_nothing)
+        _loaded["path"] = path
+        return path
     problem = nvcc_problem()
     if problem:
         raise RuntimeError(problem)
@@ -248,7 +255,7 @@ def build(verbose: bool = False) -> str:
     if state == "none":
         owner_file.write_text(json.dumps(mine))
     try:
-        path = load_or_compile(library, key, lambda: _compile(cpp_extension, verbose))
+        path = load_or_compile(d, EXTENSION_NAME, key, lambda: _compile(cpp_extension, verbose, d))
     finally:
         if state == "none" and owner_file.exists():
             try:
@@ -256,8 +263,28 @@ def build(verbose: bool = False) -> str:
                     owner_file.unlink()
             except (OSError, ValueError):
                 pass
+    prune_builds(d)
     _loaded["path"] = path
     return path
+
+
+def _compile_nothing() -> None:
+    raise AssertionError("a finished build was to be loaded, not compiled")
+
+
+KEEP_BUILDS = 3
+
+
+def prune_builds(current: Path, keep: int = KEEP_BUILDS) -> list[Path]:
+    """Delete the cache's builds of other keys beyond the `keep` - 1 most recently finished, except those a build
+    holds the lock of; returns what went. Each change of the sources builds into a new directory."""
+    others = [b for b in current.parent.iterdir() if b.is_dir() and b != current and (b / "built").is_file()
+              and lock_status(b)[0] == "none"]
+    others.sort(key=lambda b: (b / "built").stat().st_mtime, reverse=True)
+    gone = others[keep - 1:]
+    for b in gone:
+        shutil.rmtree(b, ignore_errors=True)
+    return gone
 
 
 def _ldflags() -> list[str]:
@@ -273,9 +300,8 @@ def build_flags() -> list[str]:
     return ["-O3", *NVCC_FLAGS, *_ldflags()]
 
 
-def _compile(cpp_extension, verbose: bool):
-    """cpp_extension.load; a failed compile is one line (its first error), the full output under verbose."""
-    d = cache_dir()
+def _compile(cpp_extension, verbose: bool, d: Path):
+    """cpp_extension.load into `d`; a failed compile is one line (its first error), the full output under verbose."""
     try:
         return cpp_extension.load(
             name=EXTENSION_NAME, sources=sources(), build_directory=str(d), verbose=verbose,

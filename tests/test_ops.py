@@ -729,39 +729,57 @@ def test_build_key_follows_the_files_bytes_not_their_times(tmp_path):
         d.mkdir()
     for name in ("op.cu", "common.cuh"):
         (a / name).write_text(f"// {name}\n")
-    key = fw_build.build_key([a / "common.cuh", a / "op.cu"], ["-O3"])
+    key = fw_build.build_key([a / "common.cuh", a / "op.cu"], ["-O3"], root=a)
     for name in ("op.cu", "common.cuh"):
         (b / name).write_text((a / name).read_text())
         os.utime(b / name, (1e9, 1e9))
-    assert fw_build.build_key([b / "common.cuh", b / "op.cu"], ["-O3"]) == key
-    assert fw_build.build_key([b / "common.cuh", b / "op.cu"], ["-O2"]) != key
+    assert fw_build.build_key([b / "common.cuh", b / "op.cu"], ["-O3"], root=b) == key
+    assert fw_build.build_key([b / "common.cuh", b / "op.cu"], ["-O2"], root=b) != key
     (b / "common.cuh").write_text("// common.cuh \n")
-    assert fw_build.build_key([b / "common.cuh", b / "op.cu"], ["-O3"]) != key
+    assert fw_build.build_key([b / "common.cuh", b / "op.cu"], ["-O3"], root=b) != key
     (b / "other.cuh").write_text((a / "common.cuh").read_text())
-    assert fw_build.build_key([b / "other.cuh", b / "op.cu"], ["-O3"]) != key
+    assert fw_build.build_key([b / "other.cuh", b / "op.cu"], ["-O3"], root=b) != key
     assert {p.suffix for p in fw_build.build_inputs()} == {".cu", ".cpp", ".cuh", ".h"}
+    assert fw_build.build_dir(key).parent == fw_build.cache_dir()
+
+
+def test_prune_builds_keeps_the_newest_and_the_locked(tmp_path):
+    """Builds of other keys beyond the newest few go; a build that holds its lock stays, as does the current one."""
+    builds = []
+    for i in range(5):
+        b = tmp_path / f"key{i}"
+        b.mkdir()
+        (b / "built").write_text(f"key{i}\n")
+        os.utime(b / "built", (1e9 + i, 1e9 + i))
+        builds.append(b)
+    (tmp_path / "unfinished").mkdir()   # a build without its mark: in progress or killed, not this function's
+    (builds[0] / "lock").touch()        # held: a build in progress (no owner record, fresh)
+    gone = fw_build.prune_builds(builds[1], keep=3)
+    assert sorted(gone) == [builds[2]]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["key0", "key1", "key3", "key4", "unfinished"]
 
 
 @pytest.mark.slow
-def test_a_library_stamped_with_the_same_key_loads_without_a_compile(tmp_path):
-    """load_or_compile on a real (CPU) torch extension: the first call compiles and stamps; a fresh process whose
-    copy of the source has new times loads the library as it is; changed bytes compile again. The compile runs in
-    the child process, which says whether it ran."""
+def test_a_library_marked_for_the_same_key_loads_without_a_compile(tmp_path):
+    """load_or_compile on a real (CPU) torch extension, as `build` runs it (one directory per key): the first call
+    compiles and marks; a fresh process whose copy of the source has new times loads the library as it is; changed
+    bytes build into another directory. The compile runs in the child process, which says whether it ran."""
     import shutil
 
     if shutil.which(os.environ.get("CXX", "c++")) is None:
         pytest.skip("no C++ compiler")
     code = ("import sys, torch\nfrom pathlib import Path\nfrom torch.utils import cpp_extension\n"
             "from ops_cuda.extension import build_key, load_or_compile\n"
-            "src, build = Path(sys.argv[1]), Path(sys.argv[2])\nran = []\n"
+            "src, cache = Path(sys.argv[1]), Path(sys.argv[2])\nkey = build_key([src], [], root=src.parent)\n"
+            "build = cache / key[:16]\nbuild.mkdir(parents=True, exist_ok=True)\nran = []\n"
             "def compile_library():\n    ran.append(1)\n"
             "    return cpp_extension.load(name='fwtest_cached', sources=[str(src)], build_directory=str(build),\n"
             "                              is_python_module=False)\n"
-            "load_or_compile(build / 'fwtest_cached.so', build_key([src], []), compile_library)\n"
+            "load_or_compile(build, 'fwtest_cached', key, compile_library)\n"
             "print(bool(ran), int(torch.ops.fwtest_cached.twice(torch.ones(3)).sum()))\n")
 
     def run(src):
-        r = subprocess.run([sys.executable, "-c", code, str(src), str(tmp_path / "build")], check=False,
+        r = subprocess.run([sys.executable, "-c", code, str(src), str(tmp_path / "cache")], check=False,
                            capture_output=True, text=True, timeout=600)
         assert r.returncode == 0, r.stderr[-2000:]
         return r.stdout.split()
@@ -770,7 +788,6 @@ def test_a_library_stamped_with_the_same_key_loads_without_a_compile(tmp_path):
           "at::Tensor twice(const at::Tensor& x) { return x * %d; }\n"
           "TORCH_LIBRARY(fwtest_cached, m) { m.def(\"twice(Tensor x) -> Tensor\"); }\n"
           "TORCH_LIBRARY_IMPL(fwtest_cached, CPU, m) { m.impl(\"twice\", &twice); }\n")
-    (tmp_path / "build").mkdir()
     first, copy = tmp_path / "one" / "op.cpp", tmp_path / "two" / "op.cpp"
     for f in (first, copy):
         f.parent.mkdir()
@@ -780,6 +797,7 @@ def test_a_library_stamped_with_the_same_key_loads_without_a_compile(tmp_path):
     assert run(copy) == ["False", "6"]
     copy.write_text(op % 3)
     assert run(copy) == ["True", "9"]
+    assert len(list((tmp_path / "cache").iterdir())) == 2
 
 
 @pytest.mark.slow

@@ -73,8 +73,8 @@ def test_doctor_reports_built_extension():
 
 
 def test_a_fresh_process_loads_the_built_extension_without_compiling():
-    """The library this session built is stamped with its sources' key: another process loads it as it is, with
-    no compile (its _compile fails if called) and no toolkit check."""
+    """The library this session built is marked as the build of its sources' key: another process loads it as it
+    is, with no compile (its _compile fails if called) and no toolkit check."""
     ops_cuda.build()
     code = ("import ops_cuda.extension as e\n"
             "def refuse(*_): raise AssertionError('compiled again')\n"

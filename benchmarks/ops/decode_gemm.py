@@ -56,12 +56,13 @@ def row(w: Tensor, M: int, splits: list[int], gbps: float) -> list[str]:
     def err(y: Tensor) -> float:
         return float((y.double() - ref).abs().max() / ref.abs().max())
 
-    base_ms, _ = bench_graph(lambda: F.linear(x, w), reps_ms=50)
+    base_ms, graphed = bench_graph(lambda: F.linear(x, w), reps_ms=50)
     rate = w.numel() * w.element_size() / (base_ms * 1e-3) / 1e9
-    cells = [f"{base_ms * 1e3:.1f} ({rate:.0f}, {100 * rate / gbps:.0f}%)"]
+    mark = "" if graphed else " (no graph)"
+    cells = [f"{base_ms * 1e3:.1f} ({rate:.0f}, {100 * rate / gbps:.0f}%){mark}"]
     for s in splits:
-        ms, _ = bench_graph(lambda s=s: split_k_linear(x, w, s), reps_ms=50)
-        cells.append(f"{ms * 1e3:.1f}")
+        ms, graphed = bench_graph(lambda s=s: split_k_linear(x, w, s), reps_ms=50)
+        cells.append(f"{ms * 1e3:.1f}" + ("" if graphed else " (no graph)"))
     worst = max(err(split_k_linear(x, w, s)) for s in splits)
     return [*cells, f"{worst:.1e} (F.linear {err(F.linear(x, w)):.1e})"]
 
