@@ -152,9 +152,15 @@ class Plan:
         for s in self.suggestions:
             lines.append(f"  {s.text:<{width}}  -> {s.total_bytes / GIB:.1f} GiB{' (fits)' if s.fits else ''}")
         if self.together is not None:
-            lines.append(f"together: {self.together.text}  -> {self.together.total_bytes / GIB:.1f} GiB"
-                         f"{' (fits)' if self.together.fits else ''}")
+            lines.append(f"{self._together_label()}: {self.together.text}  -> "
+                         f"{self.together.total_bytes / GIB:.1f} GiB{' (fits)' if self.together.fits else ''}")
         return "\n".join(lines)
+
+    def _together_label(self) -> str:
+        """"together", said to keep full fine-tuning when it does and a LoRA suggestion is listed beside it."""
+        lora = any("--model.policy.lora" in s.text for s in self.suggestions)
+        full = self.together is not None and "--model.policy.lora" not in self.together.text
+        return "together, full fine-tuning" if lora and full else "together"
 
     def refusal(self) -> str:
         """One line: why the job does not fit and what to try first."""
@@ -165,6 +171,9 @@ class Plan:
         first = self.suggestions[0] if self.suggestions else self.together
         if first is not None:
             line += f"; try {first.text} ({_gib(first.total_bytes)} GiB)"
+        if self.together is not None and self.together is not first and self.together.fits:
+            keeps = ", keeping full fine-tuning," if self._together_label() != "together" else ""
+            line += f"; or{keeps} all of {self.together.text} ({_gib(self.together.total_bytes)} GiB)"
         return line + "; `fw plan --config ...` prints the whole plan"
 
 
@@ -729,20 +738,46 @@ def suggest(planner: _Planner, cfg: dict, plan: Plan, shapes: BatchShapes | None
     ranked = sorted(range(len(found)), key=lambda i: (not found[i][1].fits, i))
     plan.suggestions = [Suggestion(_overrides(found[i][0]), found[i][1].total_bytes, found[i][1].fits)
                         for i in ranked]
-    if len(found) > 1 and not any(trial.fits for _, trial in found):
-        merged: dict[str, Any] = {}
-        best = None
-        for changes, _ in found:
-            merged.update(changes)
-            try:
-                new = planner.variant(cfg, merged)
-                best = (dict(merged), planner.plan(new, planner.shapes(new)))
-            except FwError:
-                continue
-            if best[1].fits:
-                break
+    # no full fine-tuning change fits alone: the fewest of them that fit together, LoRA last if they never do
+    full = [changes for changes, trial in found if "model.policy.lora" not in changes]
+    if not any(trial.fits for changes, trial in found if "model.policy.lora" not in changes) and len(found) > 1:
+        best = _combine(planner, cfg, full)
+        if (best is None or not best[1].fits) and len(full) < len(found):
+            best = _combine(planner, cfg, [changes for changes, _ in found])
         if best is not None:
             plan.together = Suggestion(_overrides(best[0]), best[1].total_bytes, best[1].fits)
+
+
+def _combine(planner: _Planner, cfg: dict, pool: list[dict[str, Any]]) -> tuple[dict[str, Any], Plan] | None:
+    """The changes of `pool` applied one after another until the job fits, then each dropped that the fit does not
+    need, the first applied first: (the changes, their plan), or the last combination that does not fit."""
+    def trial(used: list[dict[str, Any]]) -> Plan | None:
+        merged = {k: v for changes in used for k, v in changes.items()}
+        try:
+            new = planner.variant(cfg, merged)
+            return planner.plan(new, planner.shapes(new))
+        except FwError:
+            return None
+
+    used: list[dict[str, Any]] = []
+    best = None
+    for changes in pool:
+        result = trial([*used, changes])
+        if result is None:
+            continue
+        used.append(changes)
+        best = result
+        if result.fits:
+            break
+    if best is None:
+        return None
+    if best.fits:
+        for changes in list(used):
+            rest = [c for c in used if c is not changes]
+            result = trial(rest) if rest else None
+            if result is not None and result.fits:
+                used, best = rest, result
+    return {k: v for changes in used for k, v in changes.items()}, best
 
 
 def estimate(cfg: dict, gpu_gib: float | None = None) -> Plan:

@@ -310,6 +310,37 @@ def test_fw_plan_that_does_not_fit_lists_overrides_that_do(capsys):
         assert fw(capsys, *args, *overrides, "--gpu-gib", f"{limit:.3f}")[0] == 0, overrides
 
 
+def test_a_job_that_fits_only_with_lora_alone_is_also_shown_the_full_fine_tuning_settings_that_fit_together():
+    """Qwen3-8B GRPO against 80 GiB: LoRA fits alone and no full fine-tuning change does, so the plan also gives the
+    fewest full fine-tuning changes that fit together: applied, the job fits, and without any one of them it does
+    not. The refusal line names both."""
+    cfg = load_config([str(ROOT / "recipes" / "grpo.yaml")], ["--model.policy.preset=qwen3-8b",
+                                                              "--trainer.accelerator=gpu"])
+    plan = mp.estimate(cfg, gpu_gib=80)
+    assert plan.fits is False
+    assert any(s.fits and "--model.policy.lora" in s.text for s in plan.suggestions)
+    assert not any(s.fits for s in plan.suggestions if "--model.policy.lora" not in s.text)
+    together = plan.together
+    assert together is not None and together.fits and "--model.policy.lora" not in together.text
+    overrides = together.text.split()
+
+    def fits(extra):
+        return mp.estimate(load_config([str(ROOT / "recipes" / "grpo.yaml")],
+                                       ["--model.policy.preset=qwen3-8b", "--trainer.accelerator=gpu", *extra]),
+                           gpu_gib=80).fits
+
+    assert fits(overrides)
+    groups = [[o] for o in overrides if not o.startswith(("--model.policy.dtype", "--trainer.precision",
+                                                         "--optimizer.stochastic_rounding"))]
+    lean = [o for o in overrides if o.startswith(("--model.policy.dtype", "--trainer.precision",
+                                                  "--optimizer.stochastic_rounding"))]
+    groups += [lean] if lean else []
+    for group in groups:   # each change (bf16 weights, bf16-true and stochastic rounding go as one) is needed
+        assert not fits([o for o in overrides if o not in group]), group
+    assert "together, full fine-tuning: " + together.text in plan.table()
+    assert "; or, keeping full fine-tuning, all of " + together.text in plan.refusal()
+
+
 def test_fw_plan_usage_errors(capsys):
     code, _, err = fw(capsys, "plan", "--config", TRAIN, "--gpu-gib", "0")
     assert code == 2 and err == "fw: error: --gpu-gib must be > 0, got 0\n"
