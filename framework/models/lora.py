@@ -6,11 +6,11 @@ B zero: the adapted model starts equal to the base). The fused weights hold seve
 (qkv_proj = q, k, v rows; gate_up_proj = gate, up rows): their `LoraLinear` adds each adapter's output
 to that projection's output columns only, so the others see the plain base weight.
 
-The base weights stay frozen (requires_grad False) in `model.policy.dtype` (bf16 is the intended
-dtype for big models: frozen weights need neither an fp32 master copy nor optimizer state); the adapters are float32 and
-compute in float32 outside autocast, as PEFT does. Rollouts run the adapters as extra low-rank matmuls
-(no merge: the base weights are never rewritten, so a bf16 base cannot drift); `merged_copy` builds a
-separate merged model for export and for measuring merged decoding.
+The base weights stay frozen (requires_grad False) in `model.policy.dtype` (bf16 is the intended dtype for big
+models: frozen weights need neither an fp32 master copy nor optimizer state); the adapters are float32 (unless a
+`-true` precision converts the whole module) and compute in their own dtype outside autocast, as PEFT does. Rollouts
+run the adapters as extra low-rank matmuls (no merge: the base weights are never rewritten, so a bf16 base cannot
+drift); `merged_copy` builds a separate merged model for export and for measuring merged decoding.
 """
 
 from __future__ import annotations
