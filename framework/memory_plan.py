@@ -739,9 +739,9 @@ def suggest(planner: _Planner, cfg: dict, plan: Plan, shapes: BatchShapes | None
     plan.suggestions = [Suggestion(_overrides(found[i][0]), found[i][1].total_bytes, found[i][1].fits)
                         for i in ranked]
     # no full fine-tuning change fits alone: the fewest of them that fit together, LoRA last if they never do
-    full = [changes for changes, trial in found if "model.policy.lora" not in changes]
-    if not any(trial.fits for changes, trial in found if "model.policy.lora" not in changes) and len(found) > 1:
-        best = _combine(planner, cfg, full)
+    full = [(changes, trial) for changes, trial in found if "model.policy.lora" not in changes]
+    if not any(trial.fits for _, trial in full) and len(found) > 1:
+        best = _combine(planner, cfg, [changes for changes, _ in full])
         if (best is None or not best[1].fits) and len(full) < len(found):
             best = _combine(planner, cfg, [changes for changes, _ in found])
         if best is not None:
@@ -751,10 +751,12 @@ def suggest(planner: _Planner, cfg: dict, plan: Plan, shapes: BatchShapes | None
 def _combine(planner: _Planner, cfg: dict, pool: list[dict[str, Any]]) -> tuple[dict[str, Any], Plan] | None:
     """The changes of `pool` applied one after another until the job fits, then each dropped that the fit does not
     need, the first applied first: (the changes, their plan), or the last combination that does not fit."""
+    def merged(used: list[dict[str, Any]]) -> dict[str, Any]:
+        return {k: v for changes in used for k, v in changes.items()}
+
     def trial(used: list[dict[str, Any]]) -> Plan | None:
-        merged = {k: v for changes in used for k, v in changes.items()}
         try:
-            new = planner.variant(cfg, merged)
+            new = planner.variant(cfg, merged(used))
             return planner.plan(new, planner.shapes(new))
         except FwError:
             return None
@@ -777,7 +779,7 @@ def _combine(planner: _Planner, cfg: dict, pool: list[dict[str, Any]]) -> tuple[
             result = trial(rest) if rest else None
             if result is not None and result.fits:
                 used, best = rest, result
-    return {k: v for changes in used for k, v in changes.items()}, best
+    return merged(used), best
 
 
 def estimate(cfg: dict, gpu_gib: float | None = None) -> Plan:

@@ -102,14 +102,18 @@ def load_or_compile(directory: Path, name: str, key: str, compile_library: Calla
     build of `key`, else after `compile_library()` builds it there (and the mark is written)."""
     library = directory / f"{name}.so"
     if built(directory, name, key):
-        torch.ops.load_library(str(library))
-        with contextlib.suppress(OSError):   # the mark's time says when the build was last used (prune_builds)
-            os.utime(directory / "built")
-        return str(library)
+        return _load_built(library)
     path = Path(str(compile_library() or library))
     if path == library:   # torch names a second build of other sources in one process <name>_v1.so
         (directory / "built").write_text(key + "\n")
     return str(path)
+
+
+def _load_built(library: Path) -> str:
+    torch.ops.load_library(str(library))
+    with contextlib.suppress(OSError):   # the mark's time says when the build was last used (prune_builds)
+        os.utime(library.parent / "built")
+    return str(library)
 
 
 def pid_alive(pid: int) -> bool:
@@ -240,9 +244,8 @@ def build(verbose: bool = False) -> str:
     d = build_dir(key)
     if built(d, EXTENSION_NAME, key) and lock_status(d)[0] == "none":
         # built from these very files (in another checkout or copy of them, say): no toolkit or compile needed
-        path = load_or_compile(d, EXTENSION_NAME, key, _compile_nothing)
-        _loaded["path"] = path
-        return path
+        _loaded["path"] = _load_built(d / f"{EXTENSION_NAME}.so")
+        return _loaded["path"]
     problem = nvcc_problem()
     if problem:
         raise RuntimeError(problem)
@@ -266,10 +269,6 @@ def build(verbose: bool = False) -> str:
     prune_builds(d)
     _loaded["path"] = path
     return path
-
-
-def _compile_nothing() -> None:
-    raise AssertionError("a finished build was to be loaded, not compiled")
 
 
 KEEP_BUILDS = 3
