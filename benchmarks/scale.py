@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import subprocess
 import sys
@@ -78,8 +79,10 @@ def _records(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in file.read_text().splitlines() if line.strip()] if file.is_file() else []
 
 
-def run_fw(row: Row, steps: int, out: Path, timeout_s: int) -> dict:
-    """One fw row in a fresh process: median step time of the steps after the first, peaks, plan."""
+def run_fw(row: Row, steps: int, out: Path, timeout_s: int, keep_checkpoints: bool = False) -> dict:
+    """One fw row in a fresh process: median step time of the steps after the first, peaks, plan. The row's
+    checkpoints are deleted once measured unless ``keep_checkpoints``: an 8B row writes 31 GiB, and the next
+    row's final save must find the disk free."""
     from framework.config import load_config
     from framework.memory_plan import estimate
 
@@ -117,9 +120,13 @@ def run_fw(row: Row, steps: int, out: Path, timeout_s: int) -> dict:
         result.update(step_s=round(statistics.median(later), 3), rounds=len(later),
                       peak_gib=round(times["peak_gib"], 1), reserved_gib=round(times["reserved_gib"], 1))
         result["plan_error"] = round(result["plan_gib"] / times["peak_gib"] - 1, 3)
-    tokens = [r["tokens_per_s"] for r in _records(run_dir) if "tokens_per_s" in r][1:]
-    if tokens:
-        result["tokens_per_s"] = round(statistics.median(tokens))
+    records = _records(run_dir)
+    for key, name, digits in (("tokens_per_s", "tokens_per_s", None), ("rollout/seconds", "rollout_s", 3)):
+        values = [r[key] for r in records if key in r][1:]
+        if values:
+            result[name] = round(statistics.median(values), digits)
+    if not keep_checkpoints:
+        shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
     if result["rc"] != 0:
         result["error"] = " | ".join(tail)
     return result
@@ -170,13 +177,15 @@ def _save(r: dict) -> str:
 
 def table(results: list[dict]) -> str:
     rows = {r.name: r for r in ROWS}
-    lines = ["| job | s/step | tokens/s | peak GiB | reserved GiB | plan GiB (error) | goal | final save | settings |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    head = ("job", "s/step", "of which rollout", "tokens/s", "peak GiB", "reserved GiB", "plan GiB (error)", "goal",
+            "final save", "settings")
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in results:
         if "rc" not in r:
             continue
         plan = f"{r['plan_gib']} ({r['plan_error']:+.0%})" if "plan_error" in r else f"{r['plan_gib']}"
-        lines.append(f"| {r['row']} | {r.get('step_s', r.get('error', '-'))} | {r.get('tokens_per_s', '-')} | "
+        lines.append(f"| {r['row']} | {r.get('step_s', r.get('error', '-'))} | {r.get('rollout_s', '-')} | "
+                     f"{r.get('tokens_per_s', '-')} | "
                      f"{r.get('peak_gib', '-')} | {r.get('reserved_gib', '-')} | {plan} | "
                      f"{_goal(rows[r['row']], r)} | {_save(r)} | `{r['overrides']}` |")
     return "\n".join(lines)
@@ -188,6 +197,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--steps", type=int, default=3, help="timed steps after the warm-up step")
     ap.add_argument("--out", type=Path, default=Path("/tmp/scale"))
     ap.add_argument("--timeout", type=int, default=300, help="seconds per row")
+    ap.add_argument("--keep-checkpoints", action="store_true", help="keep each row's checkpoints (deleted once "
+                    "the row is measured)")
     ap.add_argument("--peers", action="store_true", help="run TRL on the rows that name a peer workload")
     ap.add_argument("--tokenizer", type=Path, help="directory with Qwen3's tokenizer.json (for --peers)")
     args = ap.parse_args(argv)
@@ -204,7 +215,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             if row.peer:
                 results.append(run_peer(row, args.tokenizer, args.out, args.timeout))
         else:
-            results.append(run_fw(row, args.steps, args.out, args.timeout))
+            results.append(run_fw(row, args.steps, args.out, args.timeout, args.keep_checkpoints))
         print(json.dumps(results[-1]) if results else "", flush=True)
     (args.out / ("peers.json" if args.peers else "scale.json")).write_text(json.dumps(results, indent=1) + "\n")
     if not args.peers:
