@@ -1,10 +1,10 @@
 """The decode step's projections at a rollout's batch sizes: how close cuBLAS comes to reading the weights once.
 
-At M = 256 rows a decode GEMM is bound by the weight bytes, but its output has few tiles (256 x 1024 is 16 tiles of
-128 x 128 on 132 SMs), so most SMs idle unless the K loop is split. Per preset and projection this times
-`F.linear` (what the model runs) against splitting K by hand into s batched GEMMs whose partial products are
-summed (`split_k_linear`), each as CUDA-graph replays, with the weights' bytes read per second and its share
-of --gbps.
+A decode GEMM's output has few tiles (256 x 1024 is 16 tiles of 128 x 128 on 132 SMs), so most SMs could idle
+unless the K loop is split. Per preset and projection this times `F.linear` (what the model runs) against
+splitting K by hand into s batched GEMMs whose partial products are summed (`split_k_linear`), each as CUDA-graph
+replays, with the weights' bytes read per second and its share of --gbps. Whether the weights' bytes bound the
+GEMM depends on M: 2 * M FLOP per 2-byte weight against the GPU's FLOP per byte of bandwidth.
 
     python -m benchmarks.ops.decode_gemm [--presets qwen3-0.6b,qwen3-4b,qwen3-8b] [--rows 64,256] [--splits 2,3,4]
 """
