@@ -9,9 +9,10 @@ Backends, all on the same q, k, v (bf16, Qwen3-0.6B's 16 query and 8 key/value h
 - `sdpa-rows`: the documents as equal rows [docs, H, T, D] through scaled_dot_product_attention, causal, with
   torch's own backend choice (what a padded layout without padding gets);
 - `sdpa-flash`, `sdpa-cudnn`, `sdpa-efficient`: the same, one SDPA backend forced;
-- `cudnn-varlen`: aten._cudnn_attention_forward / _backward over cu_seqlens, where this torch has them (k and v
-  expanded to the query heads: the cuDNN path takes no grouped heads);
+- `cudnn-varlen`: aten._cudnn_attention_forward over cu_seqlens through ATen's autograd, where this torch has it
+  (the nested-tensor path); `cudnn-varlen-expanded`: the same with k and v expanded to the query heads first;
 - `flex`: FlexAttention, compiled, over the packed tokens as one row with a causal document block mask.
+Before timing, each cu_seqlens backend runs once on documents of unequal lengths against the float64 reference.
 Times are CUDA-event medians of `--reps` calls after a warm-up, each row in turn, `--rounds` rounds; equal-length
 documents so that every backend computes the same thing.
 """
@@ -25,6 +26,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import ops_cuda
+from ops_cuda.varlen_attention import varlen_attention_reference
 
 HQ, HK, D = 16, 8, 128
 
@@ -75,23 +77,59 @@ def backends(q, k, v, cu, doc: int, n_docs: int, scale: float) -> dict:
 
     rows = {"fw": fw, "sdpa-rows": sdpa(), "sdpa-flash": sdpa(SDPBackend.FLASH_ATTENTION),
             "sdpa-cudnn": sdpa(SDPBackend.CUDNN_ATTENTION), "sdpa-efficient": sdpa(SDPBackend.EFFICIENT_ATTENTION)}
-    if hasattr(torch.ops.aten, "_cudnn_attention_forward") and hasattr(torch.ops.aten, "_cudnn_attention_backward"):
-        rep = HQ // HK
-        ke, ve = k.detach().repeat_interleave(rep, 1), v.detach().repeat_interleave(rep, 1)
-        qd, no_bias = q.detach(), torch.empty(0, device="cuda")
-
-        def cudnn_varlen():
-            res = torch.ops.aten._cudnn_attention_forward(qd, ke, ve, None, cu, cu, doc, doc, True, 0.0, True, False,
-                                                          scale=scale)
-            out, lse, seed, offset = res[0], res[1], res[6], res[7]
-            torch.ops.aten._cudnn_attention_backward(g, qd, ke, ve, out, lse, seed, offset, no_bias, cu, cu, doc, doc,
-                                                     0.0, True, scale=scale)
-        rows["cudnn-varlen"] = cudnn_varlen
+    if hasattr(torch.ops.aten, "_cudnn_attention_forward"):
+        for name, gqa in (("cudnn-varlen", True), ("cudnn-varlen-expanded", False)):
+            rows[name] = cudnn_varlen_run(q, k, v, g, cu, doc, scale, gqa)
     try:
         rows["flex"] = flex_document(q, k, v, g, doc, n_docs, scale)
     except Exception as e:  # noqa: BLE001 (a torch without FlexAttention, or whose mask building fails here)
         print(f"  flex: {type(e).__name__}: {str(e).splitlines()[0][:160]}")
     return rows
+
+
+def cudnn_varlen(q, k, v, cu, max_len: int, scale: float, gqa: bool = True) -> torch.Tensor:
+    """cuDNN's varlen attention over cu_seqlens (aten._cudnn_attention_forward, the nested-tensor path), through
+    ATen's autograd: its backward takes no bias from Python. gqa=False expands k and v to the query heads first."""
+    if not gqa:
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    return torch.ops.aten._cudnn_attention_forward(q, k, v, None, cu, cu, max_len, max_len, True, 0.0, True, False,
+                                                   scale=scale)[0]
+
+
+def cudnn_varlen_run(q, k, v, g, cu, doc: int, scale: float, gqa: bool):
+    def run():
+        out = cudnn_varlen(q, k, v, cu, doc, scale, gqa)
+        torch.autograd.grad(out, (q, k, v), g)
+    return run
+
+
+def check_ragged(scale: float) -> None:
+    """Each cu_seqlens backend against the float64 reference on documents of unequal lengths: output and
+    gradients, the largest error relative to the reference's largest magnitude."""
+    torch.manual_seed(1)
+    lens = [1, 37, 372, 116, 255, 64, 300]
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device="cuda", dtype=torch.int32)
+    N = int(cu[-1])
+    q, k, v = (torch.randn(N, h, D, device="cuda", dtype=torch.float64, requires_grad=True) for h in (HQ, HK, HK))
+    g = torch.randn(N, HQ, D, device="cuda", dtype=torch.float64)
+    ref = varlen_attention_reference(q, k, v, cu.cpu(), max(lens), scale)[0]
+    want = (ref, *torch.autograd.grad(ref, (q, k, v), g))
+    candidates = {"fw": lambda a, b, c: ops_cuda.varlen_attention(a, b, c, cu, max(lens), scale)}
+    if hasattr(torch.ops.aten, "_cudnn_attention_forward"):
+        candidates["cudnn-varlen"] = lambda a, b, c: cudnn_varlen(a, b, c, cu, max(lens), scale, True)
+        candidates["cudnn-varlen-expanded"] = lambda a, b, c: cudnn_varlen(a, b, c, cu, max(lens), scale, False)
+    for name, fn in candidates.items():
+        try:
+            x = [t.detach().bfloat16().requires_grad_() for t in (q, k, v)]
+            out = fn(*x)
+            got = (out, *torch.autograd.grad(out, x, g.bfloat16()))
+            errs = [float((a.detach().double() - b.detach()).abs().max() / b.detach().abs().max())
+                    for a, b in zip(got, want)]
+            print(f"  ragged check {name}: relative max error out {errs[0]:.1e}, dq {errs[1]:.1e}, dk {errs[2]:.1e}, "
+                  f"dv {errs[3]:.1e}")
+        except Exception as e:  # noqa: BLE001 (a backend that does not take these inputs: say so and go on)
+            print(f"  ragged check {name}: {type(e).__name__}: {str(e).splitlines()[0][:160]}")
 
 
 def flex_document(q, k, v, g, doc: int, n_docs: int, scale: float):
@@ -129,6 +167,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     per_row = max(1, args.seq // args.docs)
     q, k, v, cu, n_docs = make(args.rows, args.docs, per_row)
     scale = D ** -0.5
+    check_ragged(scale)
     runs = backends(q, k, v, cu, args.docs, n_docs, scale)
     times: dict[str, list[float]] = {name: [] for name in runs}
     for _ in range(args.rounds):
