@@ -1,8 +1,8 @@
 """varlen_attention: causal GQA attention within each sequence of packed [N, H, D] tensors (cu_seqlens,
-no mask tensor), and its backward; varlen_suffix_attention: its inference-only form whose queries are the
-last tokens of each sequence (a prefill over cached context). Schemas, argument checks, torch references,
-fakes, autograd, autocast rules and the CUDA kernels, which are PyTorch's own varlen flash attention (the
-kernels behind `torch.nn.attention.varlen.varlen_attn`), so there is no csrc file.
+no mask tensor), and its backward; varlen_suffix_attention: its form whose queries are the last tokens of each
+sequence (a prefill over cached context, or completions over a prompt they share), with its backward. Schemas,
+argument checks, torch references, fakes, autograd, autocast rules and the CUDA kernels, which are PyTorch's own
+varlen flash attention (the kernels behind `torch.nn.attention.varlen.varlen_attn`), so there is no csrc file.
 """
 from __future__ import annotations
 
@@ -28,40 +28,45 @@ def packed_sequences(positions: Tensor) -> tuple[Tensor, int]:
     return cu, int((cu[1:] - cu[:-1]).max()) if B * T else 0
 
 
-def _causal_scores(q: Tensor, k: Tensor, scale: float) -> Tensor:
-    """[Hq, L, L] scaled scores of one sequence (q [L, Hq, D], k [L, Hk, D]) in the accumulation dtype,
-    -inf above the diagonal."""
+def _suffix_scores(q: Tensor, k: Tensor, scale: float) -> Tensor:
+    """[Hq, n, L] scaled scores of one sequence's last n queries (q [n, Hq, D]) over its L keys (k [L, Hk, D]) in
+    the accumulation dtype; query i sits at key position L - n + i and sees the keys up to it (-inf after)."""
     rep = q.shape[1] // k.shape[1]
     acc = acc_dtype(q.dtype)
     s = torch.einsum("qhd,khd->hqk", q.to(acc), k.to(acc).repeat_interleave(rep, dim=1)) * scale
-    L = q.shape[0]
-    above = torch.ones(L, L, dtype=torch.bool, device=q.device).triu(1)
-    return s.masked_fill(above, float("-inf"))
+    n, L = q.shape[0], k.shape[0]
+    later = torch.arange(L, device=q.device)[None, :] > torch.arange(L - n, L, device=q.device)[:, None]
+    return s.masked_fill(later, float("-inf"))
 
 
-def varlen_attention_reference(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int,
-                               scale: float) -> tuple[Tensor, Tensor]:
-    """(out [N, Hq, D] in q's dtype, logsumexp [Hq, N] in the accumulation dtype): each sequence
-    cu_seqlens[i]..cu_seqlens[i+1] attends causally to itself alone, one [L, L] score block at a time."""
+def _spans(cu_q: Tensor, cu_k: Tensor):
+    """(qs, qe, ks, ke) of each sequence with at least one query."""
+    for (qs, qe), (ks, ke) in zip(itertools.pairwise(cu_q.tolist()), itertools.pairwise(cu_k.tolist())):
+        if qe > qs:
+            yield qs, qe, ks, ke
+
+
+def varlen_suffix_attention_reference(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, max_q: int,
+                                      max_k: int, scale: float) -> tuple[Tensor, Tensor]:
+    """(out [Nq, Hq, D] in q's dtype, logsumexp [Hq, Nq] in the accumulation dtype): the queries cu_q[i]..cu_q[i+1]
+    are the last tokens of sequence i, whose keys are cu_k[i]..cu_k[i+1]; query j of n sits at key position
+    len_k - n + j and sees the keys up to it. Query tokens past cu_q[-1] give zeros."""
     acc = acc_dtype(q.dtype)
     rep = q.shape[1] // k.shape[1]
     out = torch.zeros(q.shape, dtype=acc, device=q.device)
     lse = torch.zeros(q.shape[1], q.shape[0], dtype=acc, device=q.device)
-    bounds = cu_seqlens.tolist()
-    for s, e in itertools.pairwise(bounds):
-        if e <= s:
-            continue
-        scores = _causal_scores(q[s:e], k[s:e], scale)
+    for qs, qe, ks, ke in _spans(cu_q, cu_k):
+        scores = _suffix_scores(q[qs:qe], k[ks:ke], scale)
         m = scores.logsumexp(-1)
-        p = (scores - m[..., None]).exp()
-        out[s:e] = torch.einsum("hqk,khd->qhd", p, v[s:e].to(acc).repeat_interleave(rep, dim=1))
-        lse[:, s:e] = m
+        out[qs:qe] = torch.einsum("hqk,khd->qhd", (scores - m[..., None]).exp(),
+                                  v[ks:ke].to(acc).repeat_interleave(rep, dim=1))
+        lse[:, qs:qe] = m
     return out.to(q.dtype), lse
 
 
-def varlen_attention_backward_reference(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
-                                        lse: Tensor, cu_seqlens: Tensor, max_seqlen: int,
-                                        scale: float) -> tuple[Tensor, Tensor, Tensor]:
+def varlen_suffix_attention_backward_reference(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
+                                               lse: Tensor, cu_q: Tensor, cu_k: Tensor, max_q: int, max_k: int,
+                                               scale: float) -> tuple[Tensor, Tensor, Tensor]:
     """(grad_q, grad_k, grad_v) from the forward's out and logsumexp, as flash attention's backward:
     p = exp(s - lse), dS = p (dP - rowsum(dO * O)); the query heads of a kv head add into its gradients."""
     acc = acc_dtype(q.dtype)
@@ -70,22 +75,33 @@ def varlen_attention_backward_reference(grad_out: Tensor, q: Tensor, k: Tensor, 
     gq = torch.zeros(q.shape, dtype=acc, device=q.device)
     gk = torch.zeros(k.shape, dtype=acc, device=q.device)
     gv = torch.zeros(v.shape, dtype=acc, device=q.device)
-    bounds = cu_seqlens.tolist()
-    for s, e in itertools.pairwise(bounds):
-        if e <= s:
-            continue
-        L = e - s
-        p = (_causal_scores(q[s:e], k[s:e], scale) - lse[:, s:e, None].to(acc)).exp()   # [Hq, L, L]
-        do = grad_out[s:e].to(acc)
-        vv = v[s:e].to(acc).repeat_interleave(rep, dim=1)
-        kk = k[s:e].to(acc).repeat_interleave(rep, dim=1)
-        delta = (do * out[s:e].to(acc)).sum(-1).T                                       # [Hq, L]
-        dp = torch.einsum("qhd,khd->hqk", do, vv)
-        ds = p * (dp - delta[..., None])
-        gq[s:e] = torch.einsum("hqk,khd->qhd", ds, kk) * scale
-        gk[s:e] = (torch.einsum("hqk,qhd->khd", ds, q[s:e].to(acc)) * scale).reshape(L, Hk, rep, D).sum(2)
-        gv[s:e] = torch.einsum("hqk,qhd->khd", p, do).reshape(L, Hk, rep, D).sum(2)
+    for qs, qe, ks, ke in _spans(cu_q, cu_k):
+        L = ke - ks
+        p = (_suffix_scores(q[qs:qe], k[ks:ke], scale) - lse[:, qs:qe, None].to(acc)).exp()   # [Hq, n, L]
+        do = grad_out[qs:qe].to(acc)
+        vv = v[ks:ke].to(acc).repeat_interleave(rep, dim=1)
+        kk = k[ks:ke].to(acc).repeat_interleave(rep, dim=1)
+        delta = (do * out[qs:qe].to(acc)).sum(-1).T                                           # [Hq, n]
+        ds = p * (torch.einsum("qhd,khd->hqk", do, vv) - delta[..., None])
+        gq[qs:qe] = torch.einsum("hqk,khd->qhd", ds, kk) * scale
+        gk[ks:ke] = (torch.einsum("hqk,qhd->khd", ds, q[qs:qe].to(acc)) * scale).reshape(L, Hk, rep, D).sum(2)
+        gv[ks:ke] = torch.einsum("hqk,qhd->khd", p, do).reshape(L, Hk, rep, D).sum(2)
     return gq.to(q.dtype), gk.to(k.dtype), gv.to(v.dtype)
+
+
+def varlen_attention_reference(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int,
+                               scale: float) -> tuple[Tensor, Tensor]:
+    """(out [N, Hq, D] in q's dtype, logsumexp [Hq, N] in the accumulation dtype): each sequence
+    cu_seqlens[i]..cu_seqlens[i+1] - 1 attends causally to itself alone, one [L, L] score block at a time."""
+    return varlen_suffix_attention_reference(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, scale)
+
+
+def varlen_attention_backward_reference(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
+                                        lse: Tensor, cu_seqlens: Tensor, max_seqlen: int,
+                                        scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    """varlen_attention's (grad_q, grad_k, grad_v): varlen_suffix_attention's backward with every key a query."""
+    return varlen_suffix_attention_backward_reference(grad_out, q, k, v, out, lse, cu_seqlens, cu_seqlens,
+                                                      max_seqlen, max_seqlen, scale)
 
 
 # ---------------------------------------------------------------- CUDA: PyTorch's varlen flash attention
@@ -128,32 +144,26 @@ def _varlen_attention_backward_cuda(grad_out, q, k, v, out, lse, cu_seqlens, max
     return dq, dk, dv
 
 
-def varlen_suffix_attention_reference(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, max_q: int,
-                                      max_k: int, scale: float) -> Tensor:
-    """out [Nq, Hq, D] in q's dtype: the queries cu_q[i]..cu_q[i+1] are the last tokens of sequence i, whose keys
-    are cu_k[i]..cu_k[i+1]; query j of n sits at key position len_k - n + j and sees the keys up to it. Query
-    tokens past cu_q[-1] give zeros."""
-    acc = acc_dtype(q.dtype)
-    rep = q.shape[1] // k.shape[1]
-    out = torch.zeros(q.shape, dtype=acc, device=q.device)
-    for (qs, qe), (ks, ke) in zip(itertools.pairwise(cu_q.tolist()), itertools.pairwise(cu_k.tolist())):
-        n, L = qe - qs, ke - ks
-        if n <= 0:
-            continue
-        s = torch.einsum("qhd,khd->hqk", q[qs:qe].to(acc), k[ks:ke].to(acc).repeat_interleave(rep, dim=1)) * scale
-        later = torch.arange(L, device=q.device)[None, :] > torch.arange(L - n, L, device=q.device)[:, None]
-        p = torch.softmax(s.masked_fill(later, float("-inf")), -1)
-        out[qs:qe] = torch.einsum("hqk,khd->qhd", p, v[ks:ke].to(acc).repeat_interleave(rep, dim=1))
-    return out.to(q.dtype)
-
-
 def _varlen_suffix_attention_cuda(q, k, v, cu_q, cu_k, max_q, max_k, scale):
     if not flash_serves(q):
         return varlen_suffix_attention_reference(q, k, v, cu_q.cpu(), cu_k.cpu(), max_q, max_k, scale)
     # flash's causal mask is aligned to the bottom right of each sequence's [n, L] block: the suffix rule
-    return torch.ops.aten._flash_attention_forward(
+    out, lse, *_ = torch.ops.aten._flash_attention_forward(
         _last_dim_dense(q), _last_dim_dense(k), _last_dim_dense(v), cu_q, cu_k, max_q, max_k, 0.0, True, False,
-        scale=scale)[0]
+        scale=scale)
+    return out, lse
+
+
+def _varlen_suffix_attention_backward_cuda(grad_out, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale):
+    if not flash_serves(q):
+        return varlen_suffix_attention_backward_reference(grad_out, q, k, v, out, lse, cu_q.cpu(), cu_k.cpu(), max_q,
+                                                          max_k, scale)
+    rng_state = torch.zeros(2, dtype=torch.uint64, device=q.device)   # read only under dropout
+    unused = torch.empty(0, device=q.device)
+    dq, dk, dv = torch.ops.aten._flash_attention_backward(
+        grad_out.contiguous(), _last_dim_dense(q), _last_dim_dense(k), _last_dim_dense(v), out, lse, cu_q, cu_k,
+        max_q, max_k, 0.0, True, rng_state, unused, scale=scale)
+    return dq, dk, dv
 
 
 def _fake(q, k, v, cu_seqlens, max_seqlen, scale):
@@ -171,8 +181,15 @@ define("varlen_attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v,
        varlen_attention_backward_reference, fake=_backward_fake, cuda=_varlen_attention_backward_cuda)
 
 define("varlen_suffix_attention(Tensor q, Tensor k, Tensor v, Tensor cu_q, Tensor cu_k, SymInt max_q, SymInt max_k, "
-       "float scale) -> Tensor", varlen_suffix_attention_reference,
-       fake=lambda q, k, v, cu_q, cu_k, max_q, max_k, scale: q.new_empty(q.shape), cuda=_varlen_suffix_attention_cuda)
+       "float scale) -> (Tensor, Tensor)", varlen_suffix_attention_reference,
+       fake=lambda q, k, v, cu_q, cu_k, max_q, max_k, scale: _fake(q, k, v, cu_q, max_q, scale),
+       cuda=_varlen_suffix_attention_cuda)
+define("varlen_suffix_attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
+       "Tensor cu_q, Tensor cu_k, SymInt max_q, SymInt max_k, float scale) -> (Tensor, Tensor, Tensor)",
+       varlen_suffix_attention_backward_reference,
+       fake=lambda grad_out, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale: _backward_fake(
+           grad_out, q, k, v, out, lse, cu_q, max_q, scale),
+       cuda=_varlen_suffix_attention_backward_cuda)
 
 
 def _setup(ctx, inputs, output):
@@ -191,6 +208,23 @@ def _backward(ctx, grad_out, grad_lse):
 
 
 torch.library.register_autograd("fw::varlen_attention", _backward, setup_context=_setup)
+
+
+def _suffix_setup(ctx, inputs, output):
+    q, k, v, cu_q, cu_k, max_q, max_k, scale = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
+    ctx.max_q, ctx.max_k, ctx.scale = max_q, max_k, scale
+
+
+def _suffix_backward(ctx, grad_out, grad_lse):
+    q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
+    dq, dk, dv = torch.ops.fw.varlen_suffix_attention_backward(grad_out, q, k, v, out, lse, cu_q, cu_k, ctx.max_q,
+                                                               ctx.max_k, ctx.scale)
+    return dq, dk, dv, None, None, None, None, None
+
+
+torch.library.register_autograd("fw::varlen_suffix_attention", _suffix_backward, setup_context=_suffix_setup)
 
 # Under autocast the attention runs in bf16, as scaled_dot_product_attention does (flash takes 16-bit only).
 for _device in ("cuda", "cpu"):
@@ -220,7 +254,8 @@ def varlen_suffix_attention(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k:
     packed k, v [Nk, Hk, D] holding the sequences' every token: the queries cu_q[i]..cu_q[i+1] - 1 of sequence
     i attend to its keys cu_k[i]..cu_k[i+1] - 1 up to their own positions (each sequence has at least as many
     keys as queries). cu_q, cu_k: int32 [S + 1]; max_q, max_k: at least the most queries / keys of a sequence.
-    Inference only (no autograd). With cu_q == cu_k it is varlen_attention."""
+    With cu_q == cu_k it is varlen_attention. Differentiable; keys gathered from one tensor for several sequences
+    (a prompt they share) get their gradients summed by the gather's backward."""
     need_dim("varlen_suffix_attention", "q", q, 3, "[Nq, Hq, D]")
     need_dim("varlen_suffix_attention", "k", k, 3, "[Nk, Hk, D]")
     need_dim("varlen_suffix_attention", "v", v, 3, "[Nk, Hk, D]")
@@ -235,4 +270,4 @@ def varlen_suffix_attention(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k:
         fail("varlen_suffix_attention", f"shapes disagree: q {tuple(q.shape)}, k {tuple(k.shape)}, "
                                         f"v {tuple(v.shape)} (expected k == v shapes, the same D, and Hq a multiple "
                                         "of Hk)")
-    return torch.ops.fw.varlen_suffix_attention(q, k, v, cu_q, cu_k, max_q, max_k, float(scale))
+    return torch.ops.fw.varlen_suffix_attention(q, k, v, cu_q, cu_k, max_q, max_k, float(scale))[0]

@@ -192,6 +192,44 @@ def test_varlen_suffix_attention_matches_naive_and_opcheck():
         ops_cuda.varlen_suffix_attention(q, k, v[:, :1], cu_q, cu_k, 5, 8, 0.35)
 
 
+def test_varlen_suffix_attention_gradients_match_numerical_ones():
+    """Completions over a prompt they share: each completion's keys are the prompt's, gathered from one tensor,
+    then its own. Float64 gradients against finite differences (gradcheck), and autograd's registration
+    (opcheck)."""
+    g = torch.Generator().manual_seed(6)
+    prompt, comps = 4, [3, 1, 5]
+    n = prompt + sum(comps)
+    q, k, v = (torch.randn(n, h, 8, generator=g, dtype=torch.float64, requires_grad=True) for h in (4, 2, 2))
+    index, cu_k, start = [], [0], prompt
+    for c in comps:
+        index += list(range(prompt)) + list(range(start, start + c))
+        cu_k.append(cu_k[-1] + prompt + c)
+        start += c
+    index = torch.tensor(index)
+    cu_q = torch.tensor([0, *torch.tensor(comps).cumsum(0).tolist()], dtype=torch.int32)
+    cu_k = torch.tensor(cu_k, dtype=torch.int32)
+
+    def completions(q, k, v):
+        return ops_cuda.varlen_suffix_attention(q[prompt:], k[index], v[index], cu_q, cu_k, 5, 9, 0.35)
+
+    assert torch.autograd.gradcheck(completions, (q, k, v))
+    # each completion alone, prompt and all, gives the same rows
+    alone = []
+    for i, c in enumerate(comps):
+        rows = torch.cat([torch.arange(prompt), torch.arange(prompt + sum(comps[:i]), prompt + sum(comps[:i + 1]))])
+        cu = torch.tensor([0, prompt + c], dtype=torch.int32)
+        alone.append(ops_cuda.varlen_attention(q[rows], k[rows], v[rows], cu, prompt + c, 0.35)[prompt:])
+    torch.testing.assert_close(completions(q, k, v), torch.cat(alone), atol=1e-12, rtol=0)
+    torch.library.opcheck(torch.ops.fw.varlen_suffix_attention.default,
+                          (q[prompt:].detach().requires_grad_(), k[index].detach().requires_grad_(),
+                           v[index].detach().requires_grad_(), cu_q, cu_k, 5, 9, 0.35))
+    out, lse = torch.ops.fw.varlen_suffix_attention(q[prompt:].detach(), k[index].detach(), v[index].detach(), cu_q,
+                                                    cu_k, 5, 9, 0.35)
+    torch.library.opcheck(torch.ops.fw.varlen_suffix_attention_backward.default,
+                          (torch.randn_like(out), q[prompt:].detach(), k[index].detach(), v[index].detach(), out, lse,
+                           cu_q, cu_k, 5, 9, 0.35))
+
+
 def flash_prefill_run(model, device, dtype, contexts, cached, bs=4):
     """Rows of `contexts` random tokens in shuffled blocks of a paged cache. run(flash) writes each row's first
     `cached` tokens by the reference path, then prefills the rest and returns the last tokens' logits, with
@@ -281,9 +319,34 @@ def test_varlen_suffix_attention_on_cuda_against_float64(dtype, tol):
     out = ops_cuda.varlen_suffix_attention(q, k, v, cu_q.cuda(), cu_k.cuda(), max(lens_q), max(lens_k), 128 ** -0.5)
     from ops_cuda.varlen_attention import varlen_suffix_attention_reference
     want = varlen_suffix_attention_reference(q.double().cpu(), k.double().cpu(), v.double().cpu(), cu_q, cu_k,
-                                             max(lens_q), max(lens_k), 128 ** -0.5)
+                                             max(lens_q), max(lens_k), 128 ** -0.5)[0]
     err = (out.double().cpu() - want).norm() / want.norm()
     assert err < tol, err
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype, tol", [(torch.bfloat16, 3e-2), (torch.float16, 5e-3)])
+def test_varlen_suffix_attention_backward_on_cuda_against_float64(dtype, tol):
+    """The flash backward over uneven query and key spans (completions after their prompt) against autograd
+    through the float64 reference, whose gradients test_varlen_suffix_attention_gradients_match_numerical_ones
+    holds to finite differences."""
+    from ops_cuda.varlen_attention import flash_serves
+
+    lens_k, lens_q = [117, 372, 300, 1, 2048], [1, 256, 184, 1, 1000]
+    cu_k = torch.tensor([0] + lens_k).cumsum(0).int()
+    cu_q = torch.tensor([0] + lens_q).cumsum(0).int()
+    q = torch.randn(int(cu_q[-1]), 32, 128, device="cuda", dtype=dtype, requires_grad=True)
+    k, v = (torch.randn(int(cu_k[-1]), 8, 128, device="cuda", dtype=dtype, requires_grad=True) for _ in range(2))
+    assert flash_serves(q)
+    out = ops_cuda.varlen_suffix_attention(q, k, v, cu_q.cuda(), cu_k.cuda(), max(lens_q), max(lens_k), 128 ** -0.5)
+    grad = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v), grad)
+    x64 = [t.detach().double().cpu().requires_grad_(True) for t in (q, k, v)]
+    out64 = ops_cuda.varlen_suffix_attention(*x64, cu_q, cu_k, max(lens_q), max(lens_k), 128 ** -0.5)
+    want = torch.autograd.grad(out64, x64, grad.double().cpu())
+    for a, b in zip(got, want, strict=True):
+        err = (a.double().cpu() - b).norm() / b.norm()
+        assert err < 2 * tol, err
 
 
 @pytest.mark.gpu
