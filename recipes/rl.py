@@ -31,7 +31,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from framework.allocator import to_device
 from framework.errors import FwError
-from framework.models import Packing
+from framework.models import Packing, SharedPrompts
 from framework.recipe import BatchShapes, StepContext
 from framework.rollout import SamplingParams
 from recipes.advantages import all_reduce_sum, batch_reward_std
@@ -110,7 +110,7 @@ class ResponseLayout:
 
     input_ids: Tensor            # [1, N] packed, [B, longest] padded
     position_ids: Tensor | None  # [1, N] packed, None padded
-    packing: Packing | None      # packed: cu_seqlens (on the device) and the longest sequence
+    packing: Packing | SharedPrompts | None   # packed: the sequence bounds (on the device); None padded
     rows: Tensor                 # [M] the batch row of each completion token
     cols: Tensor                 # [M] its completion column
     source: Tensor               # [M] flat index (into input_ids.reshape(-1)) of the state predicting it
@@ -118,14 +118,17 @@ class ResponseLayout:
 
 
 def response_layout(tokens: Tensor, prompt_lens: Tensor, completion_lens: Tensor, width: int,
-                    packed: bool | None = None) -> ResponseLayout:
+                    packed: bool | None = None, groups: Tensor | None = None) -> ResponseLayout:
     """The model input of rows ``tokens`` [B, T] (prompt + completion, right-padded) and the completion tokens.
 
     Completion token ``j`` of row ``b`` sits at ``prompt_lens[b] + j`` of its sequence and is predicted from
     the state at ``prompt_lens[b] + j - 1``. The indices are built on the host from the lengths (host
     tensors cost no sync; device ones one copy) and reach ``tokens``' device in one non-blocking copy.
-    ``packed``: True packs, False pads, None packs when ``packs`` says it pays.
+    ``packed``: True packs, False pads, None packs when ``packs`` says it pays. ``groups`` (host, one id a
+    row): rows with the same id have the same prompt, which is then laid out once (``shared_prompt_layout``).
     """
+    if groups is not None:
+        return shared_prompt_layout(tokens, prompt_lens, completion_lens, width, groups)
     p, c = prompt_lens.cpu().long(), completion_lens.cpu().long()
     lens = p + c
     B = len(lens)
@@ -149,19 +152,69 @@ def response_layout(tokens: Tensor, prompt_lens: Tensor, completion_lens: Tensor
                           rows_d, cols_d, source, tokens[rows_d, at_d])
 
 
+def _longest(lengths: Tensor) -> int:
+    return int(lengths.max()) if len(lengths) else 0
+
+
+def shared_prompt_layout(tokens: Tensor, prompt_lens: Tensor, completion_lens: Tensor, width: int,
+                         groups: Tensor) -> ResponseLayout:
+    """``response_layout`` with each group's prompt once: rows with the same ``groups`` id (host) share their
+    prompt, read from the group's first row. One packed row holds every group's prompt, then every row's
+    completion (SharedPrompts); a completion's first token is predicted from its prompt's last state.
+    Raises FwError when rows of one group differ in prompt length."""
+    p, c, groups = prompt_lens.cpu().long(), completion_lens.cpu().long(), groups.cpu().long()
+    B = len(p)
+    _, inverse = torch.unique(groups, return_inverse=True)
+    G = int(inverse.max()) + 1 if B else 0
+    first = torch.full((G,), B, dtype=torch.long).scatter_reduce(0, inverse, torch.arange(B), "amin")
+    pg = p[first]
+    if not torch.equal(pg[inverse], p):
+        raise FwError("shared_prompt: rows of one group have prompts of different lengths; a group's rows must "
+                      "hold the same prompt")
+    n = int(pg.sum())
+    p_start = pg.cumsum(0) - pg
+    # the prompts: group g's tokens from its first row
+    p_group = torch.repeat_interleave(torch.arange(G), pg, output_size=n)
+    p_cols = torch.arange(n) - p_start[p_group]
+    # the completions, row after row: token j of row b at column p[b] + j, n + c_start[b] + j in the packed row
+    rows, cols = (torch.arange(width)[None, :] < c[:, None]).nonzero(as_tuple=True)
+    m = len(rows)
+    c_start = c.cumsum(0) - c
+    # each completion's keys: its group's prompt, then itself (none for an empty completion)
+    lens_k = torch.where(c > 0, pg[inverse] + c, 0)
+    nk = int(lens_k.sum())
+    k_row = torch.repeat_interleave(torch.arange(B), lens_k, output_size=nk)
+    t = torch.arange(nk) - (lens_k.cumsum(0) - lens_k)[k_row]
+    k_prompt = pg[inverse][k_row]
+    context = torch.where(t < k_prompt, p_start[inverse][k_row] + t, n + c_start[k_row] + t - k_prompt)
+    g_rows = inverse[rows]
+    source = torch.where(cols == 0, p_start[g_rows] + pg[g_rows] - 1, n + c_start[rows] + cols - 1)
+    zero = torch.zeros(1, dtype=torch.long)
+    cu_p, cu_q, cu_k = (torch.cat([zero, x.cumsum(0)]) for x in (pg, c, lens_k))
+    seq = torch.cat([first[p_group], rows])
+    pos = torch.cat([p_cols, p[rows] + cols])
+    idx = to_device(torch.cat([seq, pos, rows, cols, source, context, cu_p, cu_q, cu_k]), tokens.device)
+    seq_d, pos_d, rows_d, cols_d, source_d, context_d, cu_p_d, cu_q_d, cu_k_d = idx.split(
+        [n + m, n + m, m, m, m, nk, G + 1, B + 1, B + 1])
+    packing = SharedPrompts(n, cu_p_d.to(torch.int32), _longest(pg), cu_q_d.to(torch.int32), _longest(c), context_d,
+                            cu_k_d.to(torch.int32), _longest(lens_k))
+    return ResponseLayout(tokens[seq_d, pos_d][None], pos_d[None], packing, rows_d, cols_d, source_d,
+                          tokens[rows_d, pos_d[n:]])
+
+
 def completion_logprobs(model: Any, tokens: Tensor, prompt_lens: Tensor, completion_lens: Tensor, width: int,
-                        temperature: float, with_entropy: bool = False,
-                        packed: bool | None = None) -> tuple[Tensor, Tensor | None]:
+                        temperature: float, with_entropy: bool = False, packed: bool | None = None,
+                        groups: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
     """Per-token logprobs ``[B, width]`` (and entropies) of the completion tokens under ``model``.
 
     Uses the model's hidden states and the fused ``ops_cuda.linear_logprob`` on the response
     positions only, at the rollout's temperature, so the values are comparable with the behaviour
-    logprobs. 0 past each row's end. ``packed``: see ``response_layout``; the values are the same.
-    Lengths on the host keep the whole forward free of device syncs.
+    logprobs. 0 past each row's end. ``packed``, ``groups``: see ``response_layout``; the values are the
+    same. Lengths on the host keep the whole forward free of device syncs.
     """
     import ops_cuda
 
-    x = response_layout(tokens, prompt_lens, completion_lens, width, packed)
+    x = response_layout(tokens, prompt_lens, completion_lens, width, packed, groups)
     hidden = model(x.input_ids, position_ids=x.position_ids, return_hidden=True, packing=x.packing)
     # The logits are kept for the backward (when there is one) as model.policy.keep_logits says.
     logp, entropy = ops_cuda.linear_logprob(hidden.reshape(-1, hidden.shape[-1])[x.source], model.lm_head_weight,
@@ -176,9 +229,9 @@ def completion_logprobs(model: Any, tokens: Tensor, prompt_lens: Tensor, complet
 
 
 def completion_values(value_model: Any, tokens: Tensor, prompt_lens: Tensor, completion_lens: Tensor,
-                      width: int, packed: bool | None = None) -> Tensor:
+                      width: int, packed: bool | None = None, groups: Tensor | None = None) -> Tensor:
     """Critic values ``[B, width]`` of the states before each completion token; 0 past each row's end."""
-    x = response_layout(tokens, prompt_lens, completion_lens, width, packed)
+    x = response_layout(tokens, prompt_lens, completion_lens, width, packed, groups)
     values = value_model(x.input_ids, position_ids=x.position_ids, packing=x.packing).reshape(-1)
     out = values.new_zeros(tokens.shape[0], width, dtype=torch.float32)
     return out.index_put((x.rows, x.cols), values[x.source].float())
@@ -387,12 +440,14 @@ class RLRecipe:
         lengths: no device sync."""
         tokens, prompt_lens, completion_lens = self._rows(batch, rows)
         return completion_logprobs(model, tokens, prompt_lens, completion_lens, batch.mask.shape[1],
-                                   self.cfg["rollout"]["temperature"], with_entropy)
+                                   self.cfg["rollout"]["temperature"], with_entropy,
+                                   groups=self._groups(batch, rows))
 
     def values(self, value_model: Any, batch: ScoredRollout, rows: MicroBatch | None = None) -> Tensor:
         """``completion_values`` of the micro-batch ``rows`` (None: every row); no device sync."""
         tokens, prompt_lens, completion_lens = self._rows(batch, rows)
-        return completion_values(value_model, tokens, prompt_lens, completion_lens, batch.mask.shape[1])
+        return completion_values(value_model, tokens, prompt_lens, completion_lens, batch.mask.shape[1],
+                                 groups=self._groups(batch, rows))
 
     @staticmethod
     def _rows(batch: ScoredRollout, rows: MicroBatch | None) -> tuple[Tensor, Tensor, Tensor]:
@@ -401,14 +456,32 @@ class RLRecipe:
             return batch.tokens, prompt_lens, completion_lens
         return batch.tokens[rows.rows], prompt_lens[rows.host_rows], completion_lens[rows.host_rows]
 
+    def _shares_prompts(self) -> bool:
+        return bool(self.cfg[self.section]["shared_prompt"]) and self.cfg[self.section][self.samples_key] > 1
+
+    def _groups(self, batch: ScoredRollout, rows: MicroBatch | None) -> Tensor | None:
+        """The prompt group of each row (host) under ``shared_prompt``, else None. A rollout batch holds its
+        groups' rows together, ``samples`` rows a group (``collect``; dynamic sampling keeps whole groups)."""
+        if not self._shares_prompts():
+            return None
+        index = torch.arange(batch.mask.shape[0]) if rows is None else rows.host_rows
+        return index // self.cfg[self.section][self.samples_key]
+
     def minibatches(self, batch_size: int, epoch: int, lengths: Tensor | None = None) -> list[list[Tensor]]:
         """Seeded shuffled split of ``range(batch_size)``: ``minibatches`` lists of micro-batch index sets
         (host tensors). With ``lengths`` (each row's tokens, host) a minibatch's micro-batches hold even
         token counts (``balanced_split``), else even row counts."""
         sec = self.cfg[self.section]
         gen = torch.Generator().manual_seed(((self.cfg["seed"] * 1_000_003 + self.rollout_step) * 101 + epoch) % 2**63)
-        perm = torch.randperm(batch_size, generator=gen)
         micro = self.cfg["trainer"]["accumulate_grad_batches"]
+        if self._shares_prompts():
+            # whole groups shuffled, then cut in order: a group's rows stay together, so its prompt is laid out
+            # once per micro-batch it reaches (one, unless a cut falls inside it)
+            samples = sec[self.samples_key]
+            groups = torch.randperm(batch_size // samples, generator=gen)
+            perm = (groups[:, None] * samples + torch.arange(samples)).reshape(-1)
+            return [list(torch.tensor_split(mb, micro)) for mb in torch.tensor_split(perm, sec["minibatches"])]
+        perm = torch.randperm(batch_size, generator=gen)
         split = (lambda mb: list(torch.tensor_split(mb, micro))) if lengths is None else (
             lambda mb: balanced_split(mb, lengths, micro))
         return [split(mb) for mb in torch.tensor_split(perm, sec["minibatches"])]

@@ -80,6 +80,23 @@ class Packing(NamedTuple):
     max_seqlen: int
 
 
+class SharedPrompts(NamedTuple):
+    """Sequences in groups that share a prompt, each prompt's tokens once: the prompts of all groups first, then
+    every sequence's own tokens (its completion), in one packed row. A prompt attends causally to itself
+    (ops_cuda.varlen_attention); a completion attends to its group's prompt and to itself up to each token
+    (ops_cuda.varlen_suffix_attention over the keys that `context` gathers). The same states as each sequence
+    laid out whole, for fewer tokens."""
+
+    prompt_tokens: int   # the prompts' tokens, first in the row
+    cu_prompts: Tensor   # int32 [G + 1] over them
+    max_prompt: int
+    cu_q: Tensor         # int32 [S + 1] over the completions' tokens, which follow the prompts
+    max_q: int
+    context: Tensor      # int64 [Nk]: the token index of each key of each completion: its prompt's, then its own
+    cu_k: Tensor         # int32 [S + 1] over context
+    max_k: int
+
+
 @dataclass
 class PagedKVCache:
     """Keys/values of every layer in fixed-size blocks of one pool; a row's positions live in the blocks its
@@ -146,10 +163,11 @@ class Qwen3Attention(nn.Module):
         return (q.view(B, T, self.num_heads, self.head_dim), k.view(B, T, self.num_kv_heads, self.head_dim),
                 v.view(B, T, self.num_kv_heads, self.head_dim))
 
-    def forward(self, x: Tensor, positions: Tensor, packed: Packing | None,
+    def forward(self, x: Tensor, positions: Tensor, packed: Packing | SharedPrompts | None,
                 cache: tuple[Tensor, Tensor] | None = None) -> Tensor:
         """Causal attention over the rows of x; `packed` rows hold several sequences, each attending
-        only to itself through ops_cuda.varlen_attention (no [T, T] mask).
+        only to itself through ops_cuda.varlen_attention (no [T, T] mask), or groups of sequences that
+        share a prompt (SharedPrompts).
 
         With `cache` = (k_cache, v_cache) of this layer, [B, Hk, S, D], the new keys/values are also
         written at cache positions 0..T-1 (prefill).
@@ -162,10 +180,18 @@ class Qwen3Attention(nn.Module):
         if packed is None:
             out = ops_cuda.attention(q, k, v, None, self.scale)
         else:
-            out = ops_cuda.varlen_attention(q.reshape(B * T, self.num_heads, self.head_dim),
-                                            k.reshape(B * T, self.num_kv_heads, self.head_dim),
-                                            v.reshape(B * T, self.num_kv_heads, self.head_dim),
-                                            packed.cu_seqlens, packed.max_seqlen, self.scale)
+            q = q.reshape(B * T, self.num_heads, self.head_dim)
+            k = k.reshape(B * T, self.num_kv_heads, self.head_dim)
+            v = v.reshape(B * T, self.num_kv_heads, self.head_dim)
+            if isinstance(packed, SharedPrompts):
+                n = packed.prompt_tokens
+                prompts = ops_cuda.varlen_attention(q[:n], k[:n], v[:n], packed.cu_prompts, packed.max_prompt,
+                                                    self.scale)
+                own = ops_cuda.varlen_suffix_attention(q[n:], k[packed.context], v[packed.context], packed.cu_q,
+                                                       packed.cu_k, packed.max_q, packed.max_k, self.scale)
+                out = torch.cat([prompts, own])
+            else:
+                out = ops_cuda.varlen_attention(q, k, v, packed.cu_seqlens, packed.max_seqlen, self.scale)
         return self.o_proj(out.reshape(B, T, self.config.q_size))
 
     def decode(self, x: Tensor, step: DecodeStep, k_cache: Tensor, v_cache: Tensor) -> Tensor:
@@ -220,7 +246,7 @@ class Qwen3DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = Qwen3MLP(config)
 
-    def forward(self, h: Tensor, positions: Tensor, packed: Packing | None,
+    def forward(self, h: Tensor, positions: Tensor, packed: Packing | SharedPrompts | None,
                 cache: tuple[Tensor, Tensor] | None = None) -> Tensor:
         h = h + self.self_attn(_normed(self.input_layernorm, h, self.self_attn.qkv_proj), positions, packed, cache)
         return h + self.mlp(_normed(self.post_attention_layernorm, h, self.mlp.gate_up_proj))
@@ -274,11 +300,11 @@ class Qwen3Model(nn.Module):
         self.gradient_checkpointing: bool | str = False   # model.policy.gradient_checkpointing
 
     def forward(self, input_ids: Tensor, position_ids: Tensor | None = None,
-                cache: KVCache | None = None, packing: Packing | None = None) -> Tensor:
+                cache: KVCache | None = None, packing: Packing | SharedPrompts | None = None) -> Tensor:
         """Final normalised hidden states [B, T, d]. position_ids given = rows may be packed: a position
         that is not previous+1 starts a new sequence (the sequence bounds are found once, for all layers,
         with two device syncs). `packing` gives those bounds instead, e.g. from a packer that knows them on
-        the host, so the forward does not sync."""
+        the host, so the forward does not sync, or lays out groups that share a prompt (SharedPrompts)."""
         B, T = input_ids.shape
         packed = None
         if position_ids is None:
@@ -314,7 +340,8 @@ class Qwen3Model(nn.Module):
         return all(type(layer.self_attn.qkv_proj) is nn.Linear and type(layer.mlp.gate_up_proj) is nn.Linear
                    for layer in self.layers)
 
-    def _fused_adds(self, h: Tensor, positions: Tensor, packed: Packing | None, cache: KVCache | None) -> Tensor:
+    def _fused_adds(self, h: Tensor, positions: Tensor, packed: Packing | SharedPrompts | None,
+                    cache: KVCache | None) -> Tensor:
         """The layers with each residual add run together with the norm after it (the layer's second norm, or the
         next layer's first), forward and backward (ops_cuda.add_rms_norm): the same maths as the layers' own
         forwards, with three memory passes over the residual stream fewer per add. The decoder layers' own
@@ -453,7 +480,7 @@ class Qwen3ForCausalLM(nn.Module):
         return self.gradient_checkpointing is False if self.keep_logits is None else self.keep_logits
 
     def forward(self, input_ids: Tensor, position_ids: Tensor | None = None,
-                return_hidden: bool = False, packing: Packing | None = None) -> Tensor:
+                return_hidden: bool = False, packing: Packing | SharedPrompts | None = None) -> Tensor:
         """Logits [B, T, V], or the final normalised hidden states [B, T, d] with return_hidden
         (`packing`: see Qwen3Model.forward)."""
         h = self.model(input_ids, position_ids, packing=packing)

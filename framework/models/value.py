@@ -11,6 +11,7 @@ from framework.models.qwen3 import (
     Packing,
     Qwen3ForCausalLM,
     Qwen3Model,
+    SharedPrompts,
     checkpointing_mode,
     init_weights,
     load_targets,
@@ -42,7 +43,7 @@ class Qwen3ValueModel(nn.Module):
         self.model.gradient_checkpointing = checkpointing_mode(mode)
 
     def forward(self, input_ids: Tensor, position_ids: Tensor | None = None,
-                packing: Packing | None = None) -> Tensor:
+                packing: Packing | SharedPrompts | None = None) -> Tensor:
         """Values fp32 [B, T] (the head runs in fp32 whatever the trunk's dtype; `packing`: see
         Qwen3Model.forward)."""
         h = self.model(input_ids, position_ids, packing=packing)

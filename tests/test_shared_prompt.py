@@ -1,0 +1,190 @@
+"""The update with each group's prompt laid out once (`grpo.shared_prompt` / `ppo.shared_prompt`,
+recipes/rl.py `shared_prompt_layout`): in float64 its logprobs, entropies, values, losses and gradients equal those
+of every sequence run alone and of the right-padded layout; a fit with it trains like one without."""
+import math
+
+import pytest
+import torch
+from test_grpo import TIMING, config
+from test_ppo import config as ppo_config
+from test_rl_packing import TEMPERATURE, VOCAB, alone_logprobs, tiny_policy, value_model
+
+from framework.config import resolve
+from framework.errors import FwError
+from framework.metrics import read_metrics
+from framework.trainer import fit
+from recipes.losses import ClippedValueLoss, build_policy_loss
+from recipes.rl import completion_logprobs, completion_values, response_layout
+
+PROMPTS = {0: 5, 1: 2, 2: 7}                 # group -> prompt length
+GROUPS = torch.tensor([2, 0, 1, 2, 0, 2, 1, 0, 2])   # a micro-batch's rows, groups interleaved
+COMPLETIONS = torch.tensor([8, 3, 0, 1, 6, 8, 2, 5, 4])   # an empty completion, full-width ones
+WIDTH = 8
+
+
+def grouped_batch(seed: int = 0):
+    """Rows whose group's prompt tokens are the same, completions of their own, right-padded with random tokens
+    that no layout may read."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = {k: torch.randint(0, VOCAB, (n,), generator=g) for k, n in PROMPTS.items()}
+    prompt_lens = torch.tensor([PROMPTS[int(k)] for k in GROUPS])
+    tokens = torch.randint(0, VOCAB, (len(GROUPS), max(PROMPTS.values()) + WIDTH + 2), generator=g)
+    for b, k in enumerate(GROUPS.tolist()):
+        tokens[b, :PROMPTS[k]] = prompts[k]
+    return tokens, prompt_lens, COMPLETIONS.clone()
+
+
+def test_layout_holds_each_prompt_once_then_the_completions():
+    tokens, prompt_lens, completion_lens = grouped_batch()
+    x = response_layout(tokens, prompt_lens, completion_lens, WIDTH, groups=GROUPS)
+    n = sum(PROMPTS.values())
+    assert x.packing.prompt_tokens == n and x.input_ids.shape == (1, n + int(completion_lens.sum()))
+    # the prompts in group order, each from one of its rows, positions from 0
+    first = {k: GROUPS.tolist().index(k) for k in PROMPTS}
+    assert torch.equal(x.input_ids[0, :n], torch.cat([tokens[first[k], :PROMPTS[k]] for k in sorted(PROMPTS)]))
+    assert x.position_ids[0, :n].tolist() == [i for k in sorted(PROMPTS) for i in range(PROMPTS[k])]
+    # then each row's completion at its own positions
+    own = torch.cat([tokens[b, p:p + c] for b, (p, c) in enumerate(zip(prompt_lens.tolist(),
+                                                                         completion_lens.tolist()))])
+    assert torch.equal(x.input_ids[0, n:], own)
+    assert x.position_ids[0, n:].tolist() == [p + j for p, c in zip(prompt_lens.tolist(), completion_lens.tolist())
+                                              for j in range(c)]
+    # each completion token is predicted from the token before it in its own sequence
+    assert torch.equal(x.targets, tokens[x.rows, prompt_lens[x.rows] + x.cols])
+    assert torch.equal(x.input_ids[0, x.source], tokens[x.rows, prompt_lens[x.rows] + x.cols - 1])
+    # a completion's keys: its prompt, then itself; an empty completion has none
+    keys = x.input_ids[0, x.packing.context]
+    cu_k = x.packing.cu_k.tolist()
+    for b, (p, c) in enumerate(zip(prompt_lens.tolist(), completion_lens.tolist())):
+        assert torch.equal(keys[cu_k[b]:cu_k[b + 1]], tokens[b, :p + c] if c else tokens[b, :0])
+    assert x.packing.cu_prompts.dtype == x.packing.cu_q.dtype == x.packing.cu_k.dtype == torch.int32
+
+
+def test_logprobs_entropies_and_values_equal_each_sequence_alone():
+    model = tiny_policy(1)
+    tokens, prompt_lens, completion_lens = grouped_batch(1)
+    with torch.no_grad():
+        shared, ent_s = completion_logprobs(model, tokens, prompt_lens, completion_lens, WIDTH, TEMPERATURE, True,
+                                            groups=GROUPS)
+        alone, ent_a = alone_logprobs(model, tokens, prompt_lens, completion_lens, WIDTH)
+    assert shared.dtype == torch.float64 and shared.abs().max() > 0.5 and (shared[2] == 0).all()
+    assert (shared - alone).abs().max() <= 1e-12 and (ent_s - ent_a).abs().max() <= 1e-12
+    critic = value_model(model)
+    with torch.no_grad():
+        v_shared = completion_values(critic, tokens, prompt_lens, completion_lens, WIDTH, groups=GROUPS)
+        v_padded = completion_values(critic, tokens, prompt_lens, completion_lens, WIDTH, packed=False)
+    # the critic's head runs in float32 on a float64 trunk: equal to float32 rounding
+    assert v_shared.abs().max() > 0.1 and (v_shared - v_padded).abs().max() <= 1e-5
+
+
+def _grads(loss, model):
+    return torch.autograd.grad(loss, [p for p in model.parameters() if p.requires_grad])
+
+
+@pytest.mark.parametrize("recipe,loss_agg", [("grpo", "token-mean"), ("ppo", "seq-mean-token-mean")])
+def test_losses_and_gradients_equal_the_padded_layout(recipe, loss_agg):
+    """The policy loss (and PPO's value loss) with the prompts shared against the right-padded layout, float64:
+    equal losses and equal gradients of every parameter, the prompts' included (each prompt's tokens get the
+    gradients of all its group's completions)."""
+    section = resolve({"recipe": recipe, "model": {"policy": {"preset": "tiny"}},
+                       recipe: {"loss_agg": loss_agg, "clip_eps_low": 0.05, "clip_eps_high": 0.05}})[recipe]
+    tokens, prompt_lens, completion_lens = grouped_batch(2)
+    mask = (torch.arange(WIDTH)[None, :] < completion_lens[:, None]).float()
+    g = torch.Generator().manual_seed(3)
+    model = tiny_policy(4)
+    with torch.no_grad():
+        ref, _ = completion_logprobs(model, tokens, prompt_lens, completion_lens, WIDTH, TEMPERATURE, packed=False)
+    old_logp = (ref + 0.1 * torch.randn(ref.shape, generator=g)) * mask
+    adv = torch.randn(ref.shape, generator=g) if recipe == "ppo" else torch.randn(len(GROUPS), generator=g)
+    policy_loss = build_policy_loss(section, WIDTH)
+    results = []
+    for layout in ({"groups": GROUPS}, {"packed": False}):
+        logp, _ = completion_logprobs(model, tokens, prompt_lens, completion_lens, WIDTH, TEMPERATURE, **layout)
+        pl = policy_loss(logp, old_logp, adv, mask)
+        results.append((pl.loss.detach(), _grads(pl.loss, model)))
+    (loss_s, grads_s), (loss_d, grads_d) = results
+    assert abs(loss_s.item() - loss_d.item()) <= 1e-12
+    assert max(b.abs().max() for b in grads_d) > 1e-3
+    for a, b in zip(grads_s, grads_d, strict=True):
+        assert (a - b).abs().max() <= 1e-10 * max(1.0, b.abs().max())
+    if recipe != "ppo":
+        return
+    critic = value_model(model)
+    value_loss = ClippedValueLoss.from_section(section, WIDTH)
+    returns = torch.randn(ref.shape, generator=g) * mask
+    out = []
+    for layout in ({"groups": GROUPS}, {"packed": False}):
+        values = completion_values(critic, tokens, prompt_lens, completion_lens, WIDTH, **layout)
+        vl = value_loss(values, returns + 0.2 * mask, returns, mask)
+        out.append((vl.loss.detach(), _grads(vl.loss, critic)))
+    assert abs(float(out[0][0]) - float(out[1][0])) <= 1e-6
+    for a, b in zip(out[0][1], out[1][1], strict=True):
+        assert (a - b).abs().max() <= 1e-5 * max(1.0, b.abs().max())
+
+
+def test_a_group_with_prompts_of_different_lengths_is_refused():
+    tokens, prompt_lens, completion_lens = grouped_batch()
+    prompt_lens[3] += 1   # a row of group 2
+    with pytest.raises(FwError, match="shared_prompt: rows of one group have prompts of different lengths"):
+        response_layout(tokens, prompt_lens, completion_lens, WIDTH, groups=GROUPS)
+
+
+def test_micro_batches_keep_whole_groups():
+    from framework.tokenizer import Tokenizer
+    from recipes.grpo import GRPORecipe
+
+    cfg = config("/tmp/unused", grpo={"group_size": 4, "shared_prompt": True, "minibatches": 2},
+                 rollout={"prompts_per_step": 6}, trainer={"accumulate_grad_batches": 3})
+    recipe = GRPORecipe(cfg, Tokenizer.builtin())
+    parts = recipe.minibatches(24, 0)
+    rows = [r for mb in parts for m in mb for r in m.tolist()]
+    assert sorted(rows) == list(range(24)) and len(parts) == 2 and all(len(mb) == 3 for mb in parts)
+    for mb in parts:
+        for m in mb:   # 12 rows a minibatch in 3 micro-batches of 4: each one group
+            assert len(m) == 4 and len({r // 4 for r in m.tolist()}) == 1
+    assert rows != list(range(24))   # the groups are shuffled
+
+
+def test_a_fit_with_shared_prompts_trains_like_one_without(tmp_path):
+    """GRPO and PPO fits on the tiny preset: every logged metric of two steps equals the usual layout's, to
+    float32 rounding (the micro-batches hold other rows, and the sums run in another order)."""
+    runs = {}
+    for recipe, samples in (("grpo", "group_size"), ("ppo", "samples_per_prompt")):
+        for shared in (False, True):
+            run = tmp_path / f"{recipe}-{shared}"
+            make = config if recipe == "grpo" else ppo_config
+            fit(make(run, **{recipe: {samples: 4, "shared_prompt": shared}}, trainer={"accumulate_grad_batches": 2}))
+            runs[recipe, shared] = [{k: v for k, v in r.items() if k not in TIMING}
+                                    for r in read_metrics(run / "metrics.jsonl")]
+    for recipe in ("grpo", "ppo"):
+        base, shared = runs[recipe, False], runs[recipe, True]
+        assert len(base) == len(shared) == 2
+        for a, b in zip(base, shared, strict=True):
+            assert a.keys() == b.keys()
+            for key in a:
+                assert math.isclose(a[key], b[key], rel_tol=1e-4, abs_tol=1e-6), (recipe, key, a[key], b[key])
+
+
+@pytest.mark.gpu
+def test_shared_prompts_on_cuda_match_the_padded_layout():
+    """Under bf16 autocast on CUDA (flash attention, the suffix backward's kernel): logprobs and gradients with
+    the prompts shared against the right-padded layout, both against the float64 CPU run."""
+    tokens, prompt_lens, completion_lens = grouped_batch(3)
+    model64 = tiny_policy(5)
+    logp64, _ = completion_logprobs(model64, tokens, prompt_lens, completion_lens, WIDTH, TEMPERATURE, packed=False)
+    want = _grads(logp64.sum(), model64)
+    model = tiny_policy(5).float().cuda()
+    results = {}
+    for name, layout in (("shared", {"groups": GROUPS}), ("padded", {"packed": False})):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            logp, _ = completion_logprobs(model, tokens.cuda(), prompt_lens, completion_lens, WIDTH, TEMPERATURE,
+                                          **layout)
+        results[name] = (logp.detach().double().cpu(), [g.double().cpu() for g in _grads(logp.sum(), model)])
+    errors = {}
+    for name, (logp, grads) in results.items():
+        errors[name] = (float((logp - logp64.detach()).abs().max()),
+                        max(float((g - w).norm() / w.norm()) for g, w in zip(grads, want, strict=True)))
+    # bf16 autocast rounds both layouts; the shared one is no further from float64 than the padded one
+    assert errors["padded"][0] < 0.1 and errors["padded"][1] < 0.05, errors
+    assert errors["shared"][0] <= 2 * errors["padded"][0] + 1e-3, errors
+    assert errors["shared"][1] <= 2 * errors["padded"][1] + 1e-3, errors
