@@ -45,6 +45,8 @@ class Row:
 ROWS = [
     Row("grpo-0.6b", GRPO, (*LEAN, HAND_BACK, "--trainer.accumulate_grad_batches=8"), goal_peak_gib=24,
         goal_step_s=2.4),
+    Row("grpo-0.6b-shared", GRPO, (*LEAN, HAND_BACK, "--trainer.accumulate_grad_batches=8",
+                                   "--grpo.shared_prompt=true"), goal_peak_gib=24, goal_step_s=2.4),
     # keep_engine auto: the KV cache and decode graphs kept from one rollout to the next, when the job fits so
     Row("grpo-0.6b-kept", GRPO, (*LEAN, "--trainer.accumulate_grad_batches=8")),
     Row("grpo-0.6b-fp32-master", GRPO, ()),   # the benchmark's own config: float32 weights, bf16-mixed
