@@ -137,7 +137,7 @@ def response_layout(tokens: Tensor, prompt_lens: Tensor, completion_lens: Tensor
     longest = int(lens.max()) if B else 0
     if not packs(p, c, packed):
         idx = to_device(torch.cat([rows, cols, rows * longest + at - 1, at]), tokens.device)
-        rows_d, cols_d, source, at_d = idx.split(len(rows))
+        rows_d, cols_d, source, at_d = idx.split([len(rows)] * 4)
         return ResponseLayout(tokens[:, :longest], None, None, rows_d, cols_d, source, tokens[rows_d, at_d])
     ends = lens.cumsum(0)
     starts = ends - lens
@@ -180,22 +180,25 @@ def shared_prompt_layout(tokens: Tensor, prompt_lens: Tensor, completion_lens: T
     rows, cols = (torch.arange(width)[None, :] < c[:, None]).nonzero(as_tuple=True)
     m = len(rows)
     c_start = c.cumsum(0) - c
-    # each completion's keys: its group's prompt, then itself (none for an empty completion)
-    lens_k = torch.where(c > 0, pg[inverse] + c, 0)
+    # each non-empty completion is a sequence of the suffix attention: its keys are its group's prompt, then itself
+    # (an empty one is left out: a zero-length query span breaks flash's one-query path)
+    live = (c > 0).nonzero().flatten()
+    lens_k = pg[inverse[live]] + c[live]
     nk = int(lens_k.sum())
-    k_row = torch.repeat_interleave(torch.arange(B), lens_k, output_size=nk)
-    t = torch.arange(nk) - (lens_k.cumsum(0) - lens_k)[k_row]
-    k_prompt = pg[inverse][k_row]
-    context = torch.where(t < k_prompt, p_start[inverse][k_row] + t, n + c_start[k_row] + t - k_prompt)
+    k_seq = torch.repeat_interleave(torch.arange(len(live)), lens_k, output_size=nk)
+    k_row = live[k_seq]
+    t = torch.arange(nk) - (lens_k.cumsum(0) - lens_k)[k_seq]
+    k_prompt = pg[inverse[k_row]]
+    context = torch.where(t < k_prompt, p_start[inverse[k_row]] + t, n + c_start[k_row] + t - k_prompt)
     g_rows = inverse[rows]
     source = torch.where(cols == 0, p_start[g_rows] + pg[g_rows] - 1, n + c_start[rows] + cols - 1)
     zero = torch.zeros(1, dtype=torch.long)
-    cu_p, cu_q, cu_k = (torch.cat([zero, x.cumsum(0)]) for x in (pg, c, lens_k))
+    cu_p, cu_q, cu_k = (torch.cat([zero, x.cumsum(0)]) for x in (pg, c[live], lens_k))
     seq = torch.cat([first[p_group], rows])
     pos = torch.cat([p_cols, p[rows] + cols])
     idx = to_device(torch.cat([seq, pos, rows, cols, source, context, cu_p, cu_q, cu_k]), tokens.device)
     seq_d, pos_d, rows_d, cols_d, source_d, context_d, cu_p_d, cu_q_d, cu_k_d = idx.split(
-        [n + m, n + m, m, m, m, nk, G + 1, B + 1, B + 1])
+        [n + m, n + m, m, m, m, nk, G + 1, len(live) + 1, len(live) + 1])
     packing = SharedPrompts(n, cu_p_d.to(torch.int32), _longest(pg), cu_q_d.to(torch.int32), _longest(c), context_d,
                             cu_k_d.to(torch.int32), _longest(lens_k))
     return ResponseLayout(tokens[seq_d, pos_d][None], pos_d[None], packing, rows_d, cols_d, source_d,
@@ -475,8 +478,9 @@ class RLRecipe:
         gen = torch.Generator().manual_seed(((self.cfg["seed"] * 1_000_003 + self.rollout_step) * 101 + epoch) % 2**63)
         micro = self.cfg["trainer"]["accumulate_grad_batches"]
         if self._shares_prompts():
-            # whole groups shuffled, then cut in order: a group's rows stay together, so its prompt is laid out
-            # once per micro-batch it reaches (one, unless a cut falls inside it)
+            # whole groups shuffled, then cut in order into micro-batches of the usual row counts (what the memory
+            # plan bounds): a group's prompt is laid out once per micro-batch it reaches, twice where a cut falls
+            # inside it
             samples = sec[self.samples_key]
             groups = torch.randperm(batch_size // samples, generator=gen)
             perm = (groups[:, None] * samples + torch.arange(samples)).reshape(-1)

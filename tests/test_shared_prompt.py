@@ -52,11 +52,13 @@ def test_layout_holds_each_prompt_once_then_the_completions():
     # each completion token is predicted from the token before it in its own sequence
     assert torch.equal(x.targets, tokens[x.rows, prompt_lens[x.rows] + x.cols])
     assert torch.equal(x.input_ids[0, x.source], tokens[x.rows, prompt_lens[x.rows] + x.cols - 1])
-    # a completion's keys: its prompt, then itself; an empty completion has none
+    # a non-empty completion's keys: its prompt, then itself; an empty completion is no sequence of the attention
     keys = x.input_ids[0, x.packing.context]
-    cu_k = x.packing.cu_k.tolist()
-    for b, (p, c) in enumerate(zip(prompt_lens.tolist(), completion_lens.tolist())):
-        assert torch.equal(keys[cu_k[b]:cu_k[b + 1]], tokens[b, :p + c] if c else tokens[b, :0])
+    live = [(p, c, b) for b, (p, c) in enumerate(zip(prompt_lens.tolist(), completion_lens.tolist())) if c]
+    cu_k, cu_q = x.packing.cu_k.tolist(), x.packing.cu_q.tolist()
+    assert len(cu_k) == len(cu_q) == len(live) + 1 and cu_q[-1] == int(completion_lens.sum())
+    for i, (p, c, b) in enumerate(live):
+        assert torch.equal(keys[cu_k[i]:cu_k[i + 1]], tokens[b, :p + c]) and cu_q[i + 1] - cu_q[i] == c
     assert x.packing.cu_prompts.dtype == x.packing.cu_q.dtype == x.packing.cu_k.dtype == torch.int32
 
 
@@ -122,6 +124,17 @@ def test_losses_and_gradients_equal_the_padded_layout(recipe, loss_agg):
         assert (a - b).abs().max() <= 1e-5 * max(1.0, b.abs().max())
 
 
+@pytest.mark.parametrize("layout", [{"groups": torch.tensor([0, 0, 1])}, {"packed": False}, {"packed": True}])
+def test_a_micro_batch_without_completion_tokens_gives_zeros(layout):
+    model = tiny_policy(2)
+    tokens = torch.randint(0, VOCAB, (3, 6), generator=torch.Generator().manual_seed(4))
+    tokens[1, :3] = tokens[0, :3]
+    with torch.no_grad():
+        logp, _ = completion_logprobs(model, tokens, torch.tensor([3, 3, 2]), torch.zeros(3, dtype=torch.long), 2,
+                                      TEMPERATURE, **layout)
+    assert logp.shape == (3, 2) and (logp == 0).all()
+
+
 def test_a_group_with_prompts_of_different_lengths_is_refused():
     tokens, prompt_lens, completion_lens = grouped_batch()
     prompt_lens[3] += 1   # a row of group 2
@@ -129,7 +142,7 @@ def test_a_group_with_prompts_of_different_lengths_is_refused():
         response_layout(tokens, prompt_lens, completion_lens, WIDTH, groups=GROUPS)
 
 
-def test_micro_batches_keep_whole_groups():
+def test_micro_batches_are_cut_from_shuffled_whole_groups():
     from framework.tokenizer import Tokenizer
     from recipes.grpo import GRPORecipe
 
@@ -143,6 +156,13 @@ def test_micro_batches_keep_whole_groups():
         for m in mb:   # 12 rows a minibatch in 3 micro-batches of 4: each one group
             assert len(m) == 4 and len({r // 4 for r in m.tolist()}) == 1
     assert rows != list(range(24))   # the groups are shuffled
+    # 5 micro-batches of 10 or 9 rows over 6 groups of 8: the cuts fall inside groups, in row order
+    cfg = config("/tmp/unused", grpo={"group_size": 8, "shared_prompt": True},
+                 rollout={"prompts_per_step": 6}, trainer={"accumulate_grad_batches": 5})
+    (micro,) = GRPORecipe(cfg, Tokenizer.builtin()).minibatches(48, 0)
+    assert [len(m) for m in micro] == [10, 10, 10, 9, 9]
+    order = torch.cat(micro)
+    assert all(len({int(r) // 8 for r in order[i:i + 8]}) == 1 for i in range(0, 48, 8))
 
 
 def test_a_fit_with_shared_prompts_trains_like_one_without(tmp_path):
@@ -180,6 +200,15 @@ def test_shared_prompts_on_cuda_match_the_padded_layout():
             logp, _ = completion_logprobs(model, tokens.cuda(), prompt_lens, completion_lens, WIDTH, TEMPERATURE,
                                           **layout)
         results[name] = (logp.detach().double().cpu(), [g.double().cpu() for g in _grads(logp.sum(), model)])
+    # the longest completion one token and another empty: flash's one-query path serves the suffix attention
+    short = (tokens[:3], prompt_lens[:3], torch.tensor([1, 0, 1]), WIDTH, TEMPERATURE)
+    one64 = completion_logprobs(model64, *short, packed=False)[0].detach()
+    one = {}
+    for name, layout in (("shared", {"groups": GROUPS[:3]}), ("padded", {"packed": False})):
+        with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+            one[name] = float((completion_logprobs(model, short[0].cuda(), *short[1:], **layout)[0].double().cpu()
+                               - one64).abs().max())
+    assert one["shared"] <= 2 * one["padded"] + 1e-3, one
     errors = {}
     for name, (logp, grads) in results.items():
         errors[name] = (float((logp - logp64.detach()).abs().max()),

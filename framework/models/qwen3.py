@@ -90,7 +90,7 @@ class SharedPrompts(NamedTuple):
     prompt_tokens: int   # the prompts' tokens, first in the row
     cu_prompts: Tensor   # int32 [G + 1] over them
     max_prompt: int
-    cu_q: Tensor         # int32 [S + 1] over the completions' tokens, which follow the prompts
+    cu_q: Tensor         # int32 [S + 1] over the non-empty completions' tokens, which follow the prompts
     max_q: int
     context: Tensor      # int64 [Nk]: the token index of each key of each completion: its prompt's, then its own
     cu_k: Tensor         # int32 [S + 1] over context
