@@ -187,8 +187,10 @@ class Qwen3Attention(nn.Module):
                 n = packed.prompt_tokens
                 prompts = ops_cuda.varlen_attention(q[:n], k[:n], v[:n], packed.cu_prompts, packed.max_prompt,
                                                     self.scale)
-                own = ops_cuda.varlen_suffix_attention(q[n:], k[packed.context], v[packed.context], packed.cu_q,
-                                                       packed.cu_k, packed.max_q, packed.max_k, self.scale)
+                own = q[n:]   # no completion token: nothing for the suffix attention's kernel
+                if own.shape[0]:
+                    own = ops_cuda.varlen_suffix_attention(own, k[packed.context], v[packed.context], packed.cu_q,
+                                                           packed.cu_k, packed.max_q, packed.max_k, self.scale)
                 out = torch.cat([prompts, own])
             else:
                 out = ops_cuda.varlen_attention(q, k, v, packed.cu_seqlens, packed.max_seqlen, self.scale)
