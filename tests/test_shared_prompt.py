@@ -7,7 +7,7 @@ import pytest
 import torch
 from test_grpo import TIMING, config
 from test_ppo import config as ppo_config
-from test_rl_packing import TEMPERATURE, VOCAB, alone_logprobs, tiny_policy, value_model
+from test_rl_packing import TEMPERATURE, VOCAB, _grads, alone_logprobs, tiny_policy, value_model
 
 from framework.config import resolve
 from framework.errors import FwError
@@ -77,10 +77,6 @@ def test_logprobs_entropies_and_values_equal_each_sequence_alone():
         v_padded = completion_values(critic, tokens, prompt_lens, completion_lens, WIDTH, packed=False)
     # the critic's head runs in float32 on a float64 trunk: equal to float32 rounding
     assert v_shared.abs().max() > 0.1 and (v_shared - v_padded).abs().max() <= 1e-5
-
-
-def _grads(loss, model):
-    return torch.autograd.grad(loss, [p for p in model.parameters() if p.requires_grad])
 
 
 @pytest.mark.parametrize("recipe,loss_agg", [("grpo", "token-mean"), ("ppo", "seq-mean-token-mean")])
