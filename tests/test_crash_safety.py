@@ -123,6 +123,28 @@ def test_sigkill_writer_many_times(tmp_path):
     assert log.kills_mid_save >= 5, f"only {log.kills_mid_save} of 32 kills landed during a save"
 
 
+def test_a_listed_checkpoint_between_the_two_renames_of_a_replace_is_read_once_back(tmp_path):
+    """A replace without RENAME_EXCHANGE renames the old copy aside, then the new one in. A reader that listed the
+    directory and finds it absent waits for the new copy instead of calling it damaged (or the run empty)."""
+    import threading
+
+    from framework.checkpoint.store import _settled_damage
+
+    run_dir = tmp_path / "run"
+    ckpt_dir = ck.checkpoints_dir(run_dir)
+    cfg = make_cfg(str(run_dir))
+    ck.write_checkpoint_dir(expected(14, 0, 1), ckpt_dir / "step-000014", cfg)
+    ck.write_checkpoint_dir(expected(14, 1, 1), tmp_path / "new", cfg)
+    listed = ck.step_dirs(run_dir)
+    os.rename(listed[-1], tmp_path / "aside")
+    threading.Timer(0.01, os.rename, (tmp_path / "new", listed[-1])).start()
+    assert _settled_damage(listed[-1], verify=True) is None
+    assert ck.read_checkpoint_dir(str(listed[-1]))["recipe_state"]["version"] == 1
+    # gone for good (pruned): it stays absent, and the reader moves on
+    os.rename(listed[-1], tmp_path / "pruned")
+    assert "missing" in _settled_damage(listed[-1], verify=False)
+
+
 @pytest.mark.slow
 def test_sigkill_writer_many_more_times(tmp_path):
     log = _kill_cycles(tmp_path / "run", kills=200, seed=1)

@@ -6,6 +6,7 @@ import os
 import re
 import shutil
 import sys
+import time
 from pathlib import Path
 
 from framework.checkpoint.directory import MANIFEST, Verifier, is_complete, read_complete_manifest
@@ -88,16 +89,23 @@ def _inode(path: Path) -> int | None:
         return None
 
 
-def _settled_damage(path: Path, verify: bool, attempts: int = 20) -> str | None:
+def _settled_damage(path: Path, verify: bool, attempts: int = 20, wait_s: float = 0.002) -> str | None:
     """`damage(path)` of one and the same directory: a running writer that replaces `path` (an exchange, or two
     renames) while it is read makes the manifest and the files come from different directories, so the check
-    is repeated until `path` names the same directory before and after it."""
+    is repeated until `path` names the same directory before and after it. A listed `path` that is absent is
+    either pruned (it stays absent) or between the two renames of a replace (its new copy appears at once), so it
+    is looked at again for up to `attempts` x `wait_s` seconds before it counts as gone."""
+    problem = None
     for _ in range(attempts):
         before = _inode(path)
+        if before is None:
+            problem = None
+            time.sleep(wait_s)
+            continue
         problem = damage(path, verify)
         if problem is None or _inode(path) == before:
             return problem
-    return problem
+    return problem if problem is not None else damage(path, verify)
 
 
 def find_latest(run_dir: str | os.PathLike, skip_damaged: bool = False, verify: bool = False) -> str | None:
