@@ -160,8 +160,8 @@ def shared_prompt_layout(tokens: Tensor, prompt_lens: Tensor, completion_lens: T
                          groups: Tensor) -> ResponseLayout:
     """``response_layout`` with each group's prompt once: rows with the same ``groups`` id (host) share their
     prompt, read from the group's first row. One packed row holds every group's prompt, then every row's
-    completion (SharedPrompts); a completion's first token is predicted from its prompt's last state.
-    Raises FwError when rows of one group differ in prompt length."""
+    completion, group after group (SharedPrompts); a completion's first token is predicted from its prompt's last
+    state. Raises FwError when rows of one group differ in prompt length."""
     p, c, groups = prompt_lens.cpu().long(), completion_lens.cpu().long(), groups.cpu().long()
     B = len(p)
     _, inverse = torch.unique(groups, return_inverse=True)
@@ -176,31 +176,29 @@ def shared_prompt_layout(tokens: Tensor, prompt_lens: Tensor, completion_lens: T
     # the prompts: group g's tokens from its first row
     p_group = torch.repeat_interleave(torch.arange(G), pg, output_size=n)
     p_cols = torch.arange(n) - p_start[p_group]
-    # the completions, row after row: token j of row b at column p[b] + j, n + c_start[b] + j in the packed row
-    rows, cols = (torch.arange(width)[None, :] < c[:, None]).nonzero(as_tuple=True)
+    # the completions, group after group (a group's rows in batch order), so that each group's tokens are one span
+    # of the attention's queries: token t is column cols[t] of row rows[t], at n + t in the packed row
+    order = torch.sort(inverse, stable=True).indices
+    c_order = c[order]
+    c_start = torch.empty(B, dtype=torch.long)
+    c_start[order] = c_order.cumsum(0) - c_order
+    rows, cols = (torch.arange(width)[None, :] < c_order[:, None]).nonzero(as_tuple=True)
+    rows = order[rows]
     m = len(rows)
-    c_start = c.cumsum(0) - c
-    # each non-empty completion is a sequence of the suffix attention: its keys are its group's prompt, then itself
-    # (an empty one is left out: a zero-length query span breaks flash's one-query path)
-    live = (c > 0).nonzero().flatten()
-    lens_k = pg[inverse[live]] + c[live]
-    nk = int(lens_k.sum())
-    k_seq = torch.repeat_interleave(torch.arange(len(live)), lens_k, output_size=nk)
-    k_row = live[k_seq]
-    t = torch.arange(nk) - (lens_k.cumsum(0) - lens_k)[k_seq]
-    k_prompt = pg[inverse[k_row]]
-    context = torch.where(t < k_prompt, p_start[inverse[k_row]] + t, n + c_start[k_row] + t - k_prompt)
     g_rows = inverse[rows]
     source = torch.where(cols == 0, p_start[g_rows] + pg[g_rows] - 1, n + c_start[rows] + cols - 1)
+    # an empty completion forms no sequence: flash's one-query path breaks on a zero-length span
+    live = c_order[c_order > 0]
+    per_group = torch.zeros(G, dtype=torch.long).index_add_(0, inverse, c)
     zero = torch.zeros(1, dtype=torch.long)
-    cu_p, cu_q, cu_k = (torch.cat([zero, x.cumsum(0)]) for x in (pg, c[live], lens_k))
+    cu_p, cu_g, cu_s = (torch.cat([zero, x.cumsum(0)]) for x in (pg, per_group, torch.cat([pg, live])))
     seq = torch.cat([first[p_group], rows])
     pos = torch.cat([p_cols, p[rows] + cols])
-    idx = to_device(torch.cat([seq, pos, rows, cols, source, context, cu_p, cu_q, cu_k]), tokens.device)
-    seq_d, pos_d, rows_d, cols_d, source_d, context_d, cu_p_d, cu_q_d, cu_k_d = idx.split(
-        [n + m, n + m, m, m, m, nk, G + 1, len(live) + 1, len(live) + 1])
-    packing = SharedPrompts(n, cu_p_d.to(torch.int32), _longest(pg), cu_q_d.to(torch.int32), _longest(c), context_d,
-                            cu_k_d.to(torch.int32), _longest(lens_k))
+    idx = to_device(torch.cat([seq, pos, rows, cols, source, cu_p, cu_g, cu_s]), tokens.device)
+    seq_d, pos_d, rows_d, cols_d, source_d, cu_p_d, cu_g_d, cu_s_d = idx.split(
+        [n + m, n + m, m, m, m, G + 1, G + 1, G + len(live) + 1])
+    packing = SharedPrompts(n, cu_p_d.to(torch.int32), _longest(pg), cu_g_d.to(torch.int32), _longest(per_group),
+                            cu_s_d.to(torch.int32), max(_longest(pg), _longest(live)))
     return ResponseLayout(tokens[seq_d, pos_d][None], pos_d[None], packing, rows_d, cols_d, source_d,
                           tokens[rows_d, pos_d[n:]])
 

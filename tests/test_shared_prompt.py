@@ -43,23 +43,24 @@ def test_layout_holds_each_prompt_once_then_the_completions():
     first = {k: GROUPS.tolist().index(k) for k in PROMPTS}
     assert torch.equal(x.input_ids[0, :n], torch.cat([tokens[first[k], :PROMPTS[k]] for k in sorted(PROMPTS)]))
     assert x.position_ids[0, :n].tolist() == [i for k in sorted(PROMPTS) for i in range(PROMPTS[k])]
-    # then each row's completion at its own positions
-    own = torch.cat([tokens[b, p:p + c] for b, (p, c) in enumerate(zip(prompt_lens.tolist(),
-                                                                         completion_lens.tolist()))])
+    # then the completions group after group, a group's rows in batch order, each at its own positions
+    order = sorted(range(len(GROUPS)), key=lambda b: (int(GROUPS[b]), b))
+    lens = completion_lens.tolist()
+    own = torch.cat([tokens[b, prompt_lens[b]:prompt_lens[b] + lens[b]] for b in order])
     assert torch.equal(x.input_ids[0, n:], own)
-    assert x.position_ids[0, n:].tolist() == [p + j for p, c in zip(prompt_lens.tolist(), completion_lens.tolist())
-                                              for j in range(c)]
+    assert x.position_ids[0, n:].tolist() == [int(prompt_lens[b]) + j for b in order for j in range(lens[b])]
     # each completion token is predicted from the token before it in its own sequence
     assert torch.equal(x.targets, tokens[x.rows, prompt_lens[x.rows] + x.cols])
     assert torch.equal(x.input_ids[0, x.source], tokens[x.rows, prompt_lens[x.rows] + x.cols - 1])
-    # a non-empty completion's keys: its prompt, then itself; an empty completion is no sequence of the attention
-    keys = x.input_ids[0, x.packing.context]
-    live = [(p, c, b) for b, (p, c) in enumerate(zip(prompt_lens.tolist(), completion_lens.tolist())) if c]
-    cu_k, cu_q = x.packing.cu_k.tolist(), x.packing.cu_q.tolist()
-    assert len(cu_k) == len(cu_q) == len(live) + 1 and cu_q[-1] == int(completion_lens.sum())
-    for i, (p, c, b) in enumerate(live):
-        assert torch.equal(keys[cu_k[i]:cu_k[i + 1]], tokens[b, :p + c]) and cu_q[i + 1] - cu_q[i] == c
-    assert x.packing.cu_prompts.dtype == x.packing.cu_q.dtype == x.packing.cu_k.dtype == torch.int32
+    # the attention's spans: group g's completion tokens, and each prompt and non-empty completion (an empty one is
+    # none)
+    per_group = [sum(lens[b] for b in order if GROUPS[b] == k) for k in sorted(PROMPTS)]
+    assert x.packing.cu_groups.tolist() == [0, *torch.tensor(per_group).cumsum(0).tolist()]
+    assert x.packing.cu_prompts.tolist() == [0, *torch.tensor([PROMPTS[k] for k in sorted(PROMPTS)]).cumsum(0).tolist()]
+    seqs = [PROMPTS[k] for k in sorted(PROMPTS)] + [lens[b] for b in order if lens[b]]
+    assert x.packing.cu_seqs.tolist() == [0, *torch.tensor(seqs).cumsum(0).tolist()]
+    assert (x.packing.max_prompt, x.packing.max_group, x.packing.max_seq) == (7, max(per_group), 8)
+    assert x.packing.cu_prompts.dtype == x.packing.cu_groups.dtype == x.packing.cu_seqs.dtype == torch.int32
 
 
 def test_logprobs_entropies_and_values_equal_each_sequence_alone():

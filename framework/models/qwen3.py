@@ -82,19 +82,17 @@ class Packing(NamedTuple):
 
 class SharedPrompts(NamedTuple):
     """Sequences in groups that share a prompt, each prompt's tokens once: the prompts of all groups first, then
-    every sequence's own tokens (its completion), in one packed row. A prompt attends causally to itself
-    (ops_cuda.varlen_attention); a completion attends to its group's prompt and to itself up to each token
-    (ops_cuda.varlen_suffix_attention over the keys that `context` gathers). The same states as each sequence
-    laid out whole, for fewer tokens."""
+    every sequence's own tokens (its completion), group after group, in one packed row. A prompt attends causally
+    to itself; a completion attends to its group's prompt and to itself up to each token
+    (ops_cuda.shared_prompt_attention). The same states as each sequence laid out whole, for fewer tokens."""
 
     prompt_tokens: int   # the prompts' tokens, first in the row
     cu_prompts: Tensor   # int32 [G + 1] over them
     max_prompt: int
-    cu_q: Tensor         # int32 [S + 1] over the non-empty completions' tokens, which follow the prompts
-    max_q: int
-    context: Tensor      # int64 [Nk]: the token index of each key of each completion: its prompt's, then its own
-    cu_k: Tensor         # int32 [S + 1] over context
-    max_k: int
+    cu_groups: Tensor    # int32 [G + 1] over the completions' tokens (counted from the first): group g's
+    max_group: int
+    cu_seqs: Tensor      # int32 [S + 1] over the row: each prompt, then each non-empty completion
+    max_seq: int
 
 
 @dataclass
@@ -184,14 +182,9 @@ class Qwen3Attention(nn.Module):
             k = k.reshape(B * T, self.num_kv_heads, self.head_dim)
             v = v.reshape(B * T, self.num_kv_heads, self.head_dim)
             if isinstance(packed, SharedPrompts):
-                n = packed.prompt_tokens
-                prompts = ops_cuda.varlen_attention(q[:n], k[:n], v[:n], packed.cu_prompts, packed.max_prompt,
-                                                    self.scale)
-                own = q[n:]   # no completion token: nothing for the suffix attention's kernel
-                if own.shape[0]:
-                    own = ops_cuda.varlen_suffix_attention(own, k[packed.context], v[packed.context], packed.cu_q,
-                                                           packed.cu_k, packed.max_q, packed.max_k, self.scale)
-                out = torch.cat([prompts, own])
+                out = ops_cuda.shared_prompt_attention(q, k, v, packed.prompt_tokens, packed.cu_prompts,
+                                                       packed.cu_groups, packed.cu_seqs, packed.max_prompt,
+                                                       packed.max_group, packed.max_seq, self.scale)
             else:
                 out = ops_cuda.varlen_attention(q, k, v, packed.cu_seqlens, packed.max_seqlen, self.scale)
         return self.o_proj(out.reshape(B, T, self.config.q_size))
