@@ -487,7 +487,9 @@ def _batch_rows(rows: list[Row], cfg: dict, model: Qwen3Config, shapes: BatchSha
                         f"no-grad forward of {shapes.scoring_rows} rows x {shapes.seq_len} tokens (reference or "
                         "values): its widest point and the hidden states"))
 
-    tokens = shapes.rows * shapes.seq_len
+    tokens = shapes.tokens or shapes.rows * shapes.seq_len
+    what = (f"{shapes.rows} rows of at most {shapes.seq_len}, each group's prompt once" if shapes.tokens
+            else f"{shapes.rows} rows x {shapes.seq_len}")
     ckpt = policy_cfg["gradient_checkpointing"] is True
     selective = policy_cfg["gradient_checkpointing"] == "selective"
     lora = policy_cfg["lora"]
@@ -498,11 +500,11 @@ def _batch_rows(rows: list[Row], cfg: dict, model: Qwen3Config, shapes: BatchSha
                                                                lora) if selective else per_layer)
     if ckpt:
         per_token = layers * model.hidden_size * pb + per_layer + in_flight + extra
-        how = (f"{tokens:,} tokens ({shapes.rows} rows x {shapes.seq_len}) x ({layers} layer inputs x "
+        how = (f"{tokens:,} tokens ({what}) x ({layers} layer inputs x "
                f"{_kib(model.hidden_size * pb)} + one layer's recompute {_kib(per_layer)} + in flight)")
     else:
         per_token = layers * per_layer + in_flight + extra
-        how = (f"{tokens:,} tokens ({shapes.rows} rows x {shapes.seq_len}) x ({layers} layers x "
+        how = (f"{tokens:,} tokens ({what}) x ({layers} layers x "
                f"{_kib(per_layer)}{', cheap ops recomputed' if selective else ''} + in flight)")
     rows.append(Row("activations", tokens * per_token, ("train",), how))
     keep = policy_cfg["keep_logits"]

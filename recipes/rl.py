@@ -152,6 +152,12 @@ def response_layout(tokens: Tensor, prompt_lens: Tensor, completion_lens: Tensor
                           rows_d, cols_d, source, tokens[rows_d, at_d])
 
 
+def _split_sizes(n: int, parts: int) -> list[int]:
+    """The section sizes of torch.tensor_split(range(n), parts)."""
+    q, r = divmod(n, parts)
+    return [q + 1] * r + [q] * (parts - r)
+
+
 def _longest(lengths: Tensor) -> int:
     return int(lengths.max()) if len(lengths) else 0
 
@@ -187,7 +193,7 @@ def shared_prompt_layout(tokens: Tensor, prompt_lens: Tensor, completion_lens: T
     m = len(rows)
     g_rows = inverse[rows]
     source = torch.where(cols == 0, p_start[g_rows] + pg[g_rows] - 1, n + c_start[rows] + cols - 1)
-    # an empty completion forms no sequence: flash's one-query path breaks on a zero-length span
+    # the attention's sequences: each prompt, then each non-empty completion (an empty one has no token)
     live = c_order[c_order > 0]
     per_group = torch.zeros(G, dtype=torch.long).index_add_(0, inverse, c)
     zero = torch.zeros(1, dtype=torch.long)
@@ -311,10 +317,22 @@ class RLRecipe:
         rows = -(-per_minibatch // cfg["trainer"]["accumulate_grad_batches"])
         new = SamplingParams.from_config(cfg["rollout"]).longest
         prompt = longest_prompt(cfg, tokenizer)
+        tokens = 0
+        samples = sec[cls.samples_key]
+        if sec["shared_prompt"] and samples > 1:
+            # minibatches() cuts the rows, group after group, as torch.tensor_split does: each micro-batch lays out
+            # its completions and the prompt of every group it reaches once
+            start = 0
+            for mb in _split_sizes(batch, sec["minibatches"]):
+                for m in _split_sizes(mb, cfg["trainer"]["accumulate_grad_batches"]):
+                    if m:
+                        groups = (start + m - 1) // samples - start // samples + 1
+                        tokens = max(tokens, m * new + groups * prompt)
+                    start += m
         # packed=True: the micro-batch's sequences are packed (response_layout), so the positions are kept
         return BatchShapes(rows=rows, seq_len=prompt + new, loss_tokens=rows * new, packed=True, rollout_rows=batch,
                            prompt_len=prompt, new_tokens=new,
-                           scoring_rows=batch if cls.scores_whole_batch(cfg) else 0)
+                           scoring_rows=batch if cls.scores_whole_batch(cfg) else 0, tokens=tokens)
 
     def __init__(self, cfg: dict, tokenizer: Any):
         from framework.rewards import build_reward

@@ -202,6 +202,31 @@ def test_recipes_declare_their_micro_batch_shapes(tmp_path):
     assert (shapes.rollout_rows, shapes.loss_tokens, shapes.scoring_rows) == (6, 10, 0)
 
 
+@pytest.mark.parametrize("group, micro, minibatches", [(8, 2, 1), (8, 3, 1), (4, 3, 2)])
+def test_shared_prompts_count_each_reached_groups_prompt_once(tmp_path, group, micro, minibatches):
+    """The activations cover the micro-batch of most tokens that minibatches() forms: its completions, and each
+    group's prompt once (twice where a cut divides the group)."""
+    from recipes.grpo import GRPORecipe
+
+    tok = Tokenizer.builtin()
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": "x" * n, "answer": "1"}) + "\n" for n in (7, 30, 12)))
+    base = {"data": {"path": str(prompts), "chat_template": False},
+            "rollout": {"prompts_per_step": 3, "max_new_tokens": 5}, "trainer": {"accumulate_grad_batches": micro}}
+    cfg = tiny("grpo", grpo={"group_size": group, "minibatches": minibatches, "shared_prompt": True}, **base)
+    shapes = GRPORecipe.batch_shapes(cfg, tok)
+    recipe = GRPORecipe(cfg, tok)
+    micro_batches = [m for mb in recipe.minibatches(3 * group, 0) for m in mb]
+    most = max(len(m) * 5 + len(torch.unique(m // group)) * 30 for m in micro_batches)
+    assert shapes.tokens == most < shapes.rows * shapes.seq_len
+    plain = tiny("grpo", grpo={"group_size": group, "minibatches": minibatches}, **base)
+    plain_shapes = GRPORecipe.batch_shapes(plain, tok)
+    assert plain_shapes.tokens == 0
+    shared, whole = row(plan_of(cfg, shapes), "activations"), row(plan_of(plain, plain_shapes), "activations")
+    assert shared.bytes / whole.bytes == pytest.approx(most / (shapes.rows * shapes.seq_len))
+    assert f"{most:,} tokens ({shapes.rows} rows of at most {shapes.seq_len}, each group's prompt once)" in shared.how
+
+
 # ------------------------------------------------------------------------------------------ real saved bytes
 
 def _saved_bytes(model, ids, positions, autocast: bool) -> tuple[int, int]:
