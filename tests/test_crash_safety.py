@@ -137,12 +137,15 @@ def test_a_listed_checkpoint_between_the_two_renames_of_a_replace_is_read_once_b
     ck.write_checkpoint_dir(expected(14, 1, 1), tmp_path / "new", cfg)
     listed = ck.step_dirs(run_dir)
     os.rename(listed[-1], tmp_path / "aside")
-    threading.Timer(0.01, os.rename, (tmp_path / "new", listed[-1])).start()
+    # the writer fsyncs the directory between its two renames, which can take a while on a busy disk
+    threading.Timer(0.1, os.rename, (tmp_path / "new", listed[-1])).start()
     assert _settled_damage(listed[-1], verify=True) is None
     assert ck.read_checkpoint_dir(str(listed[-1]))["recipe_state"]["version"] == 1
-    # gone for good (pruned): it stays absent, and the reader moves on
+    # gone for good (pruned): it stays absent, and the reader moves on once the wait is over
     os.rename(listed[-1], tmp_path / "pruned")
-    assert "missing" in _settled_damage(listed[-1], verify=False)
+    start = time.monotonic()
+    assert "missing" in _settled_damage(listed[-1], verify=False, absent_wait_s=0.05)
+    assert time.monotonic() - start < 1.0
 
 
 @pytest.mark.slow

@@ -89,19 +89,25 @@ def _inode(path: Path) -> int | None:
         return None
 
 
-def _settled_damage(path: Path, verify: bool, attempts: int = 20, wait_s: float = 0.002) -> str | None:
+def _settled_damage(path: Path, verify: bool, attempts: int = 20, absent_wait_s: float = 1.0) -> str | None:
     """`damage(path)` of one and the same directory: a running writer that replaces `path` (an exchange, or two
     renames) while it is read makes the manifest and the files come from different directories, so the check
     is repeated until `path` names the same directory before and after it. A listed `path` that is absent is
-    either pruned (it stays absent) or between the two renames of a replace (its new copy appears at once), so it
-    is looked at again for up to `attempts` x `wait_s` seconds before it counts as gone."""
+    either pruned (it stays absent) or between the two renames of a replace, which fsync the directory in between
+    (its new copy appears once that returns), so it is looked at again for up to `absent_wait_s` before it counts
+    as gone."""
+    deadline = time.monotonic() + absent_wait_s
     problem = None
-    for _ in range(attempts):
+    tries = 0
+    while tries < attempts:
         before = _inode(path)
         if before is None:
+            if time.monotonic() > deadline:
+                break
             problem = None
-            time.sleep(wait_s)
+            time.sleep(0.002)
             continue
+        tries += 1
         problem = damage(path, verify)
         if problem is None or _inode(path) == before:
             return problem
