@@ -81,7 +81,8 @@ class BatchShapes:
     prompt_len: int = 0      # the longest prompt, in tokens (the KV cache holds prompt_len + new_tokens)
     new_tokens: int = 0      # the longest completion, in tokens
     scoring_rows: int = 0    # rows of a no-grad forward over the rollout batch at once (reference, old values)
-    tokens: int = 0          # the micro-batch's tokens where fewer than rows x seq_len (shared prompts); 0: that
+    tokens: int = 0          # the micro-batch's tokens where fewer than rows x seq_len (shared prompts);
+                             # 0: rows x seq_len
 
     def __post_init__(self) -> None:
         if min(self.rows, self.seq_len) < 1 or min(self.loss_tokens, self.rollout_rows, self.prompt_len,

@@ -176,13 +176,15 @@ def shared_prompt_attention(q: Tensor, k: Tensor, v: Tensor, prompt_tokens: int,
     each completion (its values include every cu_prompts value, and prompt_tokens + every cu_groups value). A
     prompt token attends causally within its prompt; token j of a completion attends to its group's whole prompt
     and to the completion's tokens 0..j. cu_*: int32, 0 first; max_*: at least the longest prompt, group (its
-    completions' tokens together) and sequence. Differentiable in q, k and v."""
+    completions' tokens together) and sequence. The checks read shapes only: cu values that break these rules give
+    wrong results, not an error. Differentiable in q, k and v."""
     op = "shared_prompt_attention"
     need_dim(op, "q", q, 3, "[T, Hq, D]")
     need_dim(op, "k", k, 3, "[T, Hk, D]")
     need_dim(op, "v", v, 3, "[T, Hk, D]")
-    for name, cu in (("cu_prompts", cu_prompts), ("cu_groups", cu_groups), ("cu_seqs", cu_seqs)):
-        need_dim(op, name, cu, 1, "[S + 1]")
+    for name, cu, layout in (("cu_prompts", cu_prompts, "[G + 1]"), ("cu_groups", cu_groups, "[G + 1]"),
+                             ("cu_seqs", cu_seqs, "[S + 1]")):
+        need_dim(op, name, cu, 1, layout)
         if cu.dtype != torch.int32:
             fail(op, f"`{name}` must be int32, got {cu.dtype}")
     if cu_prompts.shape != cu_groups.shape:

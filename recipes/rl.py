@@ -306,7 +306,8 @@ class RLRecipe:
     @classmethod
     def batch_shapes(cls, cfg: dict, tokenizer: Any) -> BatchShapes:
         # update(): the batch splits into `minibatches` (torch.tensor_split), each into accumulate_grad_batches
-        # micro-batches of at most ceil(rows / micro) rows (balanced_split); a row is its prompt + its completion.
+        # micro-batches of at most ceil(rows / micro) rows (balanced_split, or under shared_prompt tensor_split of
+        # the group-ordered rows); a row is its prompt + its completion.
         sec = cfg[cls.section]
         batch = cfg["rollout"]["prompts_per_step"] * sec[cls.samples_key]
         if sec["minibatches"] * cfg["trainer"]["accumulate_grad_batches"] > batch:   # as _check_batch_split

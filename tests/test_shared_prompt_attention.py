@@ -1,6 +1,7 @@
 """ops_cuda.shared_prompt_attention: completions attend to their group's prompt (stored once) and causally to
 themselves. Checked against each whole sequence's attention computed naively in float64, finite differences, opcheck,
 and on CUDA (two flash calls merged by logsumexp, two flash backwards) against the float64 reference."""
+import importlib
 import itertools
 
 import pytest
@@ -49,10 +50,16 @@ def naive(q, k, v, prompts, groups, scale):
 PROMPTS, GROUPS = [4, 2, 5, 3], [[3, 0, 2], [], [1, 4], [2]]
 
 
-def test_matches_each_sequence_alone_and_opcheck():
-    (q, k, v), n, cu, sizes = layout(PROMPTS, GROUPS)
+EDGES = {"ragged": (PROMPTS, GROUPS), "an empty prompt": ([0, 3], [[2, 1], [4]]),
+         "no prompt token": ([0, 0], [[3], [2]]), "no completion token": ([4, 2], [[], [0, 0]])}
+
+
+@pytest.mark.parametrize("case", EDGES)
+def test_matches_each_sequence_alone_and_opcheck(case):
+    prompts, groups = EDGES[case]
+    (q, k, v), n, cu, sizes = layout(prompts, groups)
     out = ops_cuda.shared_prompt_attention(q, k, v, n, *cu, *sizes, 0.3)
-    torch.testing.assert_close(out, naive(q, k, v, PROMPTS, GROUPS, 0.3), atol=1e-12, rtol=0)
+    torch.testing.assert_close(out, naive(q, k, v, prompts, groups, 0.3), atol=1e-12, rtol=0)
     torch.library.opcheck(torch.ops.fw.shared_prompt_attention.default, (q, k, v, n, *cu, *sizes, 0.3))
     out, lse = torch.ops.fw.shared_prompt_attention(q, k, v, n, *cu, *sizes, 0.3)
     torch.library.opcheck(torch.ops.fw.shared_prompt_attention_backward.default,
@@ -65,6 +72,69 @@ def test_gradients_match_numerical_ones():
     inputs = [t.requires_grad_() for t in (q, k, v)]
     assert torch.autograd.gradcheck(lambda *x: ops_cuda.shared_prompt_attention(*x, n, *cu, *sizes, 0.3), inputs)
     torch.library.opcheck(torch.ops.fw.shared_prompt_attention.default, (*inputs, n, *cu, *sizes, 0.3))
+
+
+def _flash_forward(q, k, v, cu_q, cu_k, max_q, max_k, dropout, causal, debug, scale):
+    """float64 stand-in for flash's varlen forward: the causal mask aligned bottom right; a query without keys gets
+    out 0 and logsumexp +inf, as flash gives."""
+    rep, out = q.shape[1] // k.shape[1], torch.zeros_like(q)
+    lse = torch.zeros(q.shape[1], q.shape[0], dtype=torch.float64)
+    for (qs, qe), (ks, ke) in zip(itertools.pairwise(cu_q.tolist()), itertools.pairwise(cu_k.tolist()), strict=True):
+        assert qe - qs <= max_q and ke - ks <= max_k and max_q >= 2   # never flash's one-query path
+        if ke == ks:
+            lse[:, qs:qe] = float("inf")
+            continue
+        s = torch.einsum("qhd,khd->hqk", q[qs:qe], k[ks:ke].repeat_interleave(rep, 1)) * scale
+        if causal:
+            n, L = qe - qs, ke - ks
+            s = s.masked_fill(torch.arange(L)[None, :] > (L - n + torch.arange(n))[:, None], float("-inf"))
+        lse[:, qs:qe] = s.logsumexp(-1)
+        out[qs:qe] = torch.einsum("hqk,khd->qhd", s.softmax(-1), v[ks:ke].repeat_interleave(rep, 1))
+    return out, lse, None, None, None
+
+
+def _flash_backward(grad_out, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, dropout, causal, rng, unused, scale):
+    """float64 stand-in for flash's varlen backward from the given out and logsumexp."""
+    # flash's formula from the given (merged) out and lse: dS = P (dP - rowsum(dO * O)), P = exp(S - lse)
+    rep, hk, d = q.shape[1] // k.shape[1], k.shape[1], k.shape[2]
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    for (qs, qe), (ks, ke) in zip(itertools.pairwise(cu_q.tolist()), itertools.pairwise(cu_k.tolist()), strict=True):
+        if qe == qs or ke == ks:
+            continue
+        kk, vv = (x[ks:ke].repeat_interleave(rep, 1) for x in (k, v))
+        s = torch.einsum("qhd,khd->hqk", q[qs:qe], kk) * scale
+        if causal:
+            n, L = qe - qs, ke - ks
+            s = s.masked_fill(torch.arange(L)[None, :] > (L - n + torch.arange(n))[:, None], float("-inf"))
+        p = (s - lse[:, qs:qe, None]).exp()
+        do = grad_out[qs:qe]
+        ds = p * (torch.einsum("qhd,khd->hqk", do, vv) - (do * out[qs:qe]).sum(-1).T[..., None])
+        dq[qs:qe] = torch.einsum("hqk,khd->qhd", ds, kk) * scale
+        dk[ks:ke] = (torch.einsum("hqk,qhd->khd", ds, q[qs:qe]) * scale).reshape(ke - ks, hk, rep, d).sum(2)
+        dv[ks:ke] = torch.einsum("hqk,qhd->khd", p, do).reshape(ke - ks, hk, rep, d).sum(2)
+    return dq, dk, dv
+
+
+@pytest.mark.parametrize("case", EDGES)
+def test_the_cuda_paths_merge_and_split_on_a_float64_flash(case, monkeypatch):
+    """The CUDA forward's merge of its two flash calls and its backward's split into two flash backwards, run with
+    a float64 stand-in for flash: they give the reference's output, logsumexp and gradients."""
+    # the module, which ops_cuda's function of the same name hides as an attribute
+    spa = importlib.import_module("ops_cuda.shared_prompt_attention")
+    prompts, groups = EDGES[case]
+    (q, k, v), n, cu, sizes = layout(prompts, groups, seed=2)
+    monkeypatch.setattr(spa, "flash_serves", lambda q: True)
+    monkeypatch.setattr(torch.ops.aten, "_flash_attention_forward", _flash_forward)
+    monkeypatch.setattr(torch.ops.aten, "_flash_attention_backward", _flash_backward)
+    out, lse = spa._shared_prompt_attention_cuda(q, k, v, n, *cu, *sizes, 0.3)
+    want_out, want_lse = shared_prompt_attention_reference(q, k, v, n, *cu, *sizes, 0.3)
+    torch.testing.assert_close(out, want_out, atol=1e-12, rtol=0)
+    torch.testing.assert_close(lse, want_lse, atol=1e-12, rtol=0)
+    grad = torch.randn_like(out)
+    got = spa._shared_prompt_attention_backward_cuda(grad, q, k, v, out, lse, n, *cu, *sizes, 0.3)
+    want = spa.shared_prompt_attention_backward_reference(grad, q, k, v, want_out, want_lse, n, *cu, *sizes, 0.3)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=0)
 
 
 def test_bad_arguments_name_the_argument():

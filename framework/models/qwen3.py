@@ -89,7 +89,7 @@ class SharedPrompts(NamedTuple):
     prompt_tokens: int   # the prompts' tokens, first in the row
     cu_prompts: Tensor   # int32 [G + 1] over them
     max_prompt: int
-    cu_groups: Tensor    # int32 [G + 1] over the completions' tokens (counted from the first): group g's
+    cu_groups: Tensor    # int32 [G + 1] over the completions' tokens, counted from the first: each group's
     max_group: int
     cu_seqs: Tensor      # int32 [S + 1] over the row: each prompt, then each non-empty completion
     max_seq: int
