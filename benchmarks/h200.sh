@@ -35,6 +35,7 @@ step rollout-kv4 180 rollout_bench.log python3 -m benchmarks.rollout --num-seqs 
 step train-bench-packed 150 train_bench.log python3 -m benchmarks.train_step --batch 8 --seq 2048 --steps 10 --impls fw,fw-packed,hf --doc-len 512
 step packed-update 150 train_bench.log python3 -m benchmarks.packed_update
 step shared-update 150 train_bench.log python3 -m benchmarks.packed_update --equal --split groups
+step shared-update-ragged 150 train_bench.log python3 -m benchmarks.packed_update --split groups
 step rollout-vs-hf 150 rollout_bench.log python3 -m benchmarks.rollout --num-seqs 64 --lo 100 --hi 256 --impls fw,fw-longest,hf
 step sft-bf16 60 examples.log python3 -m benchmarks.fit_timing --config recipes/sft.yaml --trainer.precision=bf16-mixed --model.policy.preset=qwen3-0.6b --data.max_seq_len=2048 --data.batch_size=8 --trainer.max_steps=12 --trainer.log_every_n_steps=1 --checkpoint.every_n_steps=1000 --run_dir=/tmp/runs/sft-0.6b
 step sft-bf16-selective 60 examples.log python3 -m benchmarks.fit_timing --config recipes/sft.yaml --trainer.precision=bf16-mixed --model.policy.preset=qwen3-0.6b --data.max_seq_len=2048 --data.batch_size=8 --trainer.max_steps=12 --trainer.log_every_n_steps=1 --checkpoint.every_n_steps=1000 --model.policy.gradient_checkpointing=selective --run_dir=/tmp/runs/sft-0.6b-selective
