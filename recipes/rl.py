@@ -152,12 +152,6 @@ def response_layout(tokens: Tensor, prompt_lens: Tensor, completion_lens: Tensor
                           rows_d, cols_d, source, tokens[rows_d, at_d])
 
 
-def _split_sizes(n: int, parts: int) -> list[int]:
-    """The section sizes of torch.tensor_split(range(n), parts)."""
-    q, r = divmod(n, parts)
-    return [q + 1] * r + [q] * (parts - r)
-
-
 def _longest(lengths: Tensor) -> int:
     return int(lengths.max()) if len(lengths) else 0
 
@@ -321,15 +315,13 @@ class RLRecipe:
         tokens = 0
         samples = sec[cls.samples_key]
         if sec["shared_prompt"] and samples > 1:
-            # minibatches() cuts the rows, group after group, as torch.tensor_split does: each micro-batch lays out
-            # its completions and the prompt of every group it reaches once
-            start = 0
-            for mb in _split_sizes(batch, sec["minibatches"]):
-                for m in _split_sizes(mb, cfg["trainer"]["accumulate_grad_batches"]):
-                    if m:
-                        groups = (start + m - 1) // samples - start // samples + 1
-                        tokens = max(tokens, m * new + groups * prompt)
-                    start += m
+            # the cuts minibatches() makes in the group-ordered rows: each micro-batch lays out its completions and
+            # the prompt of every group it reaches once
+            for mb in torch.tensor_split(torch.arange(batch), sec["minibatches"]):
+                for m in torch.tensor_split(mb, cfg["trainer"]["accumulate_grad_batches"]):
+                    if len(m):
+                        groups = int(m[-1]) // samples - int(m[0]) // samples + 1
+                        tokens = max(tokens, len(m) * new + groups * prompt)
         # packed=True: the micro-batch's sequences are packed (response_layout), so the positions are kept
         return BatchShapes(rows=rows, seq_len=prompt + new, loss_tokens=rows * new, packed=True, rollout_rows=batch,
                            prompt_len=prompt, new_tokens=new,

@@ -94,6 +94,13 @@ def test_packed_logprobs_and_values_equal_padded_and_alone():
         assert (v_packed[b, c:] == 0).all()
 
 
+def assert_same_gradients(grads, want) -> None:
+    """Every gradient equals the padded layout's `want` (float64), and `want` is not all zero."""
+    assert max(b.abs().max() for b in want) > 1e-3
+    for a, b in zip(grads, want, strict=True):
+        assert (a - b).abs().max() <= 1e-10 * max(1.0, b.abs().max())
+
+
 def _grads(loss, model):
     return torch.autograd.grad(loss, [p for p in model.parameters() if p.requires_grad])
 
@@ -122,9 +129,7 @@ def test_losses_and_gradients_equal_the_padded_path(recipe, loss_agg):
     (loss_p, clip_p, grads_p), (loss_d, clip_d, grads_d) = results
     assert 0 < float(clip_p) < 1 and clip_p == clip_d
     assert abs(loss_p.item() - loss_d.item()) <= 1e-12
-    assert max(b.abs().max() for b in grads_d) > 1e-3
-    for a, b in zip(grads_p, grads_d, strict=True):
-        assert (a - b).abs().max() <= 1e-10 * max(1.0, b.abs().max())
+    assert_same_gradients(grads_p, grads_d)
     if recipe != "ppo":
         return
     critic = value_model(model)
