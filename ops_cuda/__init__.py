@@ -16,6 +16,7 @@ from ops_cuda.add_rms_norm import add_rms_norm
 from ops_cuda.attention import attention
 from ops_cuda.decode_attention import decode_attention
 from ops_cuda.linear_logprob import SAVED_LOGITS_CHUNK, linear_logprob
+from ops_cuda.merge_attention import merge_attention_states
 from ops_cuda.paged_attention import paged_decode_attention, paged_prefill_attention
 from ops_cuda.qk_norm_rope import qk_norm_rope
 from ops_cuda.qk_norm_rope_write import qk_norm_rope_write
@@ -27,9 +28,9 @@ from ops_cuda.swiglu import swiglu
 from ops_cuda.varlen_attention import packed_sequences, varlen_attention, varlen_suffix_attention
 
 __all__ = ["SAVED_LOGITS_CHUNK", "adamw_step", "add_rms_norm", "attention", "build", "cuda_backend",
-           "decode_attention", "doctor", "linear_logprob", "packed_sequences", "paged_decode_attention",
-           "paged_prefill_attention", "qk_norm_rope", "qk_norm_rope_write", "rms_norm", "rope", "sample",
-           "shared_prompt_attention", "swiglu", "varlen_attention", "varlen_suffix_attention"]
+           "decode_attention", "doctor", "linear_logprob", "merge_attention_states", "packed_sequences",
+           "paged_decode_attention", "paged_prefill_attention", "qk_norm_rope", "qk_norm_rope_write", "rms_norm",
+           "rope", "sample", "shared_prompt_attention", "swiglu", "varlen_attention", "varlen_suffix_attention"]
 
 
 def build(verbose: bool = False) -> str:

@@ -4,9 +4,10 @@ prompt and to its own completion's tokens 0..j, as if each sequence (prompt, the
 
 On CUDA it is two calls of PyTorch's varlen flash attention and a merge: every sequence over itself (causal), then
 each group's completion tokens over the group's prompt (no mask), folded into the first result by the two
-logsumexps. The backward runs flash's backward on each part with the merged output and logsumexp, which gives each
-part's exact share of the gradients, so no key is gathered per completion and no gradient is scattered back. Schemas,
-checks, the float64-capable reference, fakes, autograd and autocast rules; no csrc file.
+logsumexps (ops_cuda.merge_attention_states, one kernel). The backward runs flash's backward on each part with the
+merged output and logsumexp, which gives each part's exact share of the gradients, so no key is gathered per
+completion and no gradient is scattered back. Schemas, checks, the float64-capable reference, fakes, autograd and
+autocast rules; no csrc file of its own.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import itertools
 import torch
 from torch import Tensor
 
+import ops_cuda.merge_attention  # noqa: F401 (defines fw::merge_attention_states, which the CUDA forward calls)
 from ops_cuda.library import LIB, acc_dtype, define, fail, need_dim
 from ops_cuda.varlen_attention import (
     _last_dim_dense,
@@ -93,12 +95,7 @@ def _shared_prompt_attention_cuda(q, k, v, prompt_tokens, cu_prompts, cu_groups,
         o_p, lse_p, *_ = torch.ops.aten._flash_attention_forward(
             q[P:], k[:P], v[:P], cu_groups, cu_prompts, _flash_max(max_group), max_prompt, 0.0, False, False,
             scale=scale)
-        lse_p.masked_fill_(lse_p == float("inf"), float("-inf"))   # flash's mark of a query without keys
-        own_lse, own = lse[:, P:], out[P:]
-        merged = torch.logaddexp(own_lse, lse_p)
-        weight = (lse_p - merged).exp_()
-        own += (o_p - own) * weight.T[..., None]
-        own_lse.copy_(merged)
+        torch.ops.fw.merge_attention_states(out[P:], lse[:, P:], o_p, lse_p)
     return out, lse
 
 

@@ -95,6 +95,14 @@ def paged_sdpa(q, k_pool, v_pool, tables, lengths, scale):
     return decode_sdpa(q, kc, vc, lengths, scale)
 
 
+def merge_torch(out, lse, other, other_lse):
+    other_lse = other_lse.masked_fill(other_lse == float("inf"), float("-inf"))
+    merged = torch.logaddexp(lse, other_lse)
+    weight = (other_lse - merged).exp_()
+    out += (other - out) * weight.T[..., None]
+    lse.copy_(merged)
+
+
 def linear_logprob_unfused(h, w, t, temperature):
     logits = (h @ w.T).float() / temperature
     logp = logits.log_softmax(-1)
@@ -369,6 +377,15 @@ def main() -> None:
     row("varlen_attention fwd+bwd", f"[{B}x{T}, {Hq}/{Hk}, {D}] {len(doc_lens)} docs",
         fwd_bwd(varlen_fw, (qa, ka, va), ga), fwd_bwd(masked_sdpa, (qa, ka, va), ga),
         fwd_bwd(compiled(masked_sdpa), (qa, ka, va), ga), flops=3.5 * 2 * sum(n * n for n in doc_lens) * Hq * D)
+
+    # the merge of two attention parts by their logsumexps (shared_prompt_attention's forward: the completions' own
+    # part and their prompt's), in place over N tokens; the baseline is the torch maths the op replaced
+    out_m = torch.randn(N, Hq, D, device=DEV, dtype=BF)
+    lse_m = torch.randn(Hq, N, device=DEV)
+    other_m = torch.randn(N, Hq, D, device=DEV, dtype=BF)
+    other_lse_m = torch.randn(Hq, N, device=DEV)
+    row("merge_attention_states", f"[{N}, {Hq}, {D}]", ops_cuda.merge_attention_states, merge_torch,
+        compiled(merge_torch), (out_m, lse_m, other_m, other_lse_m), nbytes=3 * N * Hq * D * es + 3 * N * Hq * 4)
 
     # decode attention over a context of 1024 (Qwen3-0.6B: 16 q heads, 8 kv heads, head_dim 128)
     S = 1024
