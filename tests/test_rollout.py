@@ -364,6 +364,30 @@ def test_cuda_decode_graphs_do_not_cast_the_weights_at_each_step(model, prompts)
 
 
 @pytest.mark.gpu
+def test_cuda_decode_graph_copies_no_input_per_layer(model, prompts):
+    """A replay of a decode graph copies the fed positions (a strided column of its inputs) once, not once per layer
+    in the QK-norm kernel's wrapper."""
+    from framework.rollout import RolloutEngine
+
+    m = Qwen3ForCausalLM(model.config)
+    m.load_state_dict(model.state_dict())
+    m = m.to("cuda").eval()
+    layers = m.config.num_hidden_layers
+    assert layers >= 2
+    engine = RolloutEngine(m)
+    engine.generate(prompts, SamplingParams(max_new_tokens=8, temperature=1.0), seed=1)
+    graph = next(iter(engine.graphs.values()))
+    graph(graph.inputs, graph.tables)
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        graph(graph.inputs, graph.tables)
+        torch.cuda.synchronize()
+    engine.release()
+    copies = sum(e.count for e in prof.key_averages() if "direct_copy" in e.key)
+    assert copies < layers, copies
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-4), (torch.bfloat16, 0.2)])
 def test_cuda_greedy_and_logprobs(model, prompts, dtype, tol):
     cuda = Qwen3ForCausalLM(model.config)

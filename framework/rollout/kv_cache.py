@@ -76,7 +76,8 @@ def batch_bucket(rows: int, max_num_seqs: int, cpu: bool) -> int:
 def decode_step(model: Any, cache: Any, inputs: Tensor, tables: Tensor) -> Tensor:
     """One decode forward: inputs [B, 2] (the token fed, its position), tables [B, M]; logits [B, V]. All on
     the device, nothing read back, so that it can be captured in a CUDA graph."""
-    tokens, positions = inputs[:, 0], inputs[:, 1]
+    # positions made contiguous once: every layer's QK-norm kernel would otherwise copy the strided column itself
+    tokens, positions = inputs[:, 0], inputs[:, 1].contiguous()
     bs = cache.block_size
     blk = tables.gather(1, (positions // bs)[:, None]).squeeze(1)
     batch = PagedBatch(positions=positions, write_blocks=blk, write_offsets=positions % bs, block_tables=tables,
