@@ -11,7 +11,7 @@ shared: each micro-batch's prompts laid out once per group of --group rows, whic
 Prints the median of --rounds updates per layout, its time per real token, peak allocated and reserved GiB,
 and how far the packed loss and gradients are from the padded ones; --equal adds the share of tokens packing
 must remove to pay, --profile the kernels that take the most device time in one update of each layout (and
---profile-host the ops of most host time).
+--profile-host the ops of most host time, --trace their chrome traces).
 
     python -m benchmarks.packed_update [--preset qwen3-0.6b] [--micro 4] [--rounds 3] [--equal] [--profile N]
     python -m benchmarks.packed_update --equal --split groups      # grpo-bench's update, prompts shared or not
@@ -88,6 +88,8 @@ def main() -> None:
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="print the N kernels of most device time in one update of each layout")
     ap.add_argument("--profile-host", action="store_true", help="with --profile, also the N ops of most host time")
+    ap.add_argument("--trace", default=None, metavar="DIR",
+                    help="with --profile, write each layout's profiled update as DIR/<layout>.json (chrome trace)")
     args = ap.parse_args()
     cfg = preset_config(args.preset, PRESETS[args.preset]["vocab_size"] or 256)
     torch.manual_seed(0)
@@ -131,7 +133,7 @@ def main() -> None:
             model.zero_grad(set_to_none=True)
             profiles[name] = top_kernels(
                 lambda p=packed: update(model, batch, micro, old_logp, adv, mask, loss_fn, p, args.group), args.profile,
-                args.profile_host)
+                args.profile_host, args.trace and f"{args.trace}/{name}.json")
         model.zero_grad(set_to_none=True)
         CUDA and torch.cuda.empty_cache()
     real = int(lens.sum())

@@ -15,14 +15,16 @@ def kernel_table(prof: Any, count: int = 12, host: bool = False) -> str:
     return prof.key_averages().table(sort_by=key, row_limit=count)
 
 
-def top_kernels(run: Callable[[], Any], count: int = 12, host: bool = False) -> str:
+def top_kernels(run: Callable[[], Any], count: int = 12, host: bool = False, trace: str | None = None) -> str:
     """`run()` once under torch.profiler (CPU and, where there is one, CUDA activity); its `kernel_table`, and
-    with `host` the table of the ops of most self host time after it."""
+    with `host` the table of the ops of most self host time after it; `trace`: where its chrome trace goes."""
     cuda = torch.cuda.is_available()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=activities) as prof:
         run()
         if cuda:
             torch.cuda.synchronize()
+    if trace:
+        prof.export_chrome_trace(trace)
     table = kernel_table(prof, count)
     return table + ("\nby self host time:\n" + kernel_table(prof, count, host=True) if host and cuda else "")
