@@ -1,8 +1,11 @@
 // merge_attention_states: folds a second part of one softmax attention into the first, in place, by the two parts'
 // logsumexps. Row (n, h) of out [N, H, D] becomes (out * e^lse + other * e^other_lse) / (e^lse + e^other_lse) and
 // lse[h, n] their logaddexp; a logsumexp of +-inf marks a part without keys, which adds nothing (flash writes +inf
-// for a query without keys). Memory-bound: each (n, h) row is read twice and written once; a row whose second
-// part is empty is left as it is. A warp holds 32 / lanes rows, each lane VEC elements (16 bytes) of a row.
+// for a query without keys); a NaN logsumexp counts as a part with keys, so the NaN reaches the result.
+// Memory-bound: each (n, h) row is read twice and written once; a row whose second part is empty is left as it is.
+// A warp holds 32 / lanes rows; each lane moves VEC elements of a row at a time (16 bytes on the vector path).
+#include <ATen/MemoryOverlap.h>
+
 #include "common.cuh"
 #include "torch_utils.h"
 
@@ -57,7 +60,8 @@ __global__ void __launch_bounds__(kThreads) merge_kernel(MergeArgs a, int lanes,
     const Vec<T, VEC> va = load_vec<T, VEC>(o + d), vb = load_vec<T, VEC>(x + d);
     float r[VEC];
 #pragma unroll
-    for (int j = 0; j < VEC; ++j) r[j] = (wa == 0.f ? 0.f : to_f(va.v[j]) * wa) + (wb == 0.f ? 0.f : to_f(vb.v[j]) * wb);
+    for (int j = 0; j < VEC; ++j)
+      r[j] = (wa == 0.f ? 0.f : to_f(va.v[j]) * wa) + (wb == 0.f ? 0.f : to_f(vb.v[j]) * wb);
     store_vec<T, VEC>(o + d, vec_from_f<T, VEC>(r));
   }
   if (lane == 0) a.lse[h * a.sl_h + n * a.sl_n] = merged;
@@ -66,18 +70,20 @@ __global__ void __launch_bounds__(kThreads) merge_kernel(MergeArgs a, int lanes,
 }  // namespace
 
 cudaError_t merge_attention_states(DType dt, MergeArgs a, cudaStream_t stream) {
-  if (a.N * a.H == 0 || a.D == 0) return cudaSuccess;
+  if (a.N * a.H == 0) return cudaSuccess;  // D == 0 still merges the logsumexps
   return dispatch(dt, [&](auto t) -> cudaError_t {
     using T = decltype(t);
     constexpr int V16 = 16 / sizeof(T);
     const bool vec = a.D % V16 == 0 && a.so_n % V16 == 0 && a.so_h % V16 == 0 && a.sx_n % V16 == 0 &&
                      a.sx_h % V16 == 0 && aligned16(a.out) && aligned16(a.other);
     const int v = vec ? V16 : 1;
-    int lanes = 1;  // the fewest lanes (a power of two up to 32) that cover a row in one pass
+    int lanes = 1;  // the fewest lanes (a power of two up to 32) that cover a row in one pass, or 32 lanes looping
     while (lanes < 32 && lanes * v < a.D) lanes *= 2;
     const int64_t rows_per_block = kThreads / lanes;
-    const unsigned blocks = (unsigned)((a.N * a.H + rows_per_block - 1) / rows_per_block);
-    return launch_kernel(vec ? merge_kernel<T, V16> : merge_kernel<T, 1>, blocks, kThreads, 0, stream, a, lanes);
+    const int64_t blocks = (a.N * a.H + rows_per_block - 1) / rows_per_block;
+    if (blocks > (int64_t)INT_MAX) return cudaErrorInvalidValue;
+    return launch_kernel(vec ? merge_kernel<T, V16> : merge_kernel<T, 1>, (unsigned)blocks, kThreads, 0, stream, a,
+                         lanes);
   });
 }
 
@@ -91,6 +97,9 @@ void merge_attention_states(const Tensor& out, const Tensor& lse, const Tensor& 
   check_cuda(lse, op, "lse");
   check_cuda(other, op, "other");
   check_cuda(other_lse, op, "other_lse");
+  TORCH_CHECK(lse.device() == out.device() && other.device() == out.device() && other_lse.device() == out.device(),
+              "fw::", op, ": out, lse, other and other_lse must be on one device, got ", out.device(), ", ",
+              lse.device(), ", ", other.device(), " and ", other_lse.device());
   TORCH_CHECK(out.dim() == 3 && other.sizes() == out.sizes(), "fw::", op, ": out ", out.sizes(), " and other ",
               other.sizes(), " must be the same [N, H, D]");
   TORCH_CHECK(lse.dim() == 2 && lse.size(0) == out.size(1) && lse.size(1) == out.size(0) &&
@@ -104,6 +113,13 @@ void merge_attention_states(const Tensor& out, const Tensor& lse, const Tensor& 
               other_lse.scalar_type());
   TORCH_CHECK(out.stride(2) == 1 && other.stride(2) == 1, "fw::", op,
               ": out and other need a contiguous last dimension");
+  TORCH_CHECK(out.size(1) <= INT_MAX && out.size(2) <= INT_MAX, "fw::", op, ": H and D must fit an int, got ",
+              out.sizes());
+  // the kernel writes out and lse from many threads and reads other and other_lse while it does
+  at::assert_no_internal_overlap(out);
+  at::assert_no_internal_overlap(lse);
+  at::assert_no_partial_overlap(out, other);
+  at::assert_no_partial_overlap(lse, other_lse);
   const auto dt = dtype_of(out, op, "out");
   c10::cuda::CUDAGuard guard(out.device());
   fw::MergeArgs a{out.data_ptr(), lse.data_ptr<float>(), other.data_ptr(), other_lse.data_ptr<float>(),
