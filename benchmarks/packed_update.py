@@ -19,6 +19,7 @@ must remove to pay, --profile the kernels that take the most device time in one 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
@@ -91,6 +92,10 @@ def main() -> None:
     ap.add_argument("--trace", default=None, metavar="DIR",
                     help="with --profile, write each layout's profiled update as DIR/<layout>.json (chrome trace)")
     args = ap.parse_args()
+    if args.trace:
+        if not args.profile:
+            ap.error("--trace needs --profile N: it keeps the profiled update's trace")
+        os.makedirs(args.trace, exist_ok=True)
     cfg = preset_config(args.preset, PRESETS[args.preset]["vocab_size"] or 256)
     torch.manual_seed(0)
     with torch.device(DEVICE):
