@@ -19,7 +19,8 @@ from torch import Tensor
 import ops_cuda.merge_attention  # noqa: F401 (defines fw::merge_attention_states, which the CUDA forward calls)
 from ops_cuda.library import LIB, acc_dtype, define, fail, need_dim
 from ops_cuda.varlen_attention import (
-    _last_dim_dense,
+    flash_backward,
+    flash_forward,
     flash_serves,
     varlen_suffix_attention_backward_reference,
     varlen_suffix_attention_reference,
@@ -85,16 +86,13 @@ def _shared_prompt_attention_cuda(q, k, v, prompt_tokens, cu_prompts, cu_groups,
     if not flash_serves(q):
         return shared_prompt_attention_reference(q, k, v, prompt_tokens, cu_prompts, cu_groups, cu_seqs, max_prompt,
                                                  max_group, max_seq, scale)
-    q, k, v = (_last_dim_dense(t) for t in (q, k, v))
     m = _flash_max(max_seq)
-    out, lse, *_ = torch.ops.aten._flash_attention_forward(q, k, v, cu_seqs, cu_seqs, m, m, 0.0, True, False,
-                                                           scale=scale)
+    out, lse = flash_forward(q, k, v, cu_seqs, cu_seqs, m, m, True, scale)
     P = prompt_tokens
     if q.shape[0] > P > 0:
         # the completions over their group's prompt, merged into their own part by the two logsumexps
-        o_p, lse_p, *_ = torch.ops.aten._flash_attention_forward(
-            q[P:], k[:P], v[:P], cu_groups, cu_prompts, _flash_max(max_group), max_prompt, 0.0, False, False,
-            scale=scale)
+        o_p, lse_p = flash_forward(q[P:], k[:P], v[:P], cu_groups, cu_prompts, _flash_max(max_group), max_prompt,
+                                   False, scale)
         torch.ops.fw.merge_attention_states(out[P:], lse[:, P:], o_p, lse_p)
     return out, lse
 
@@ -104,20 +102,14 @@ def _shared_prompt_attention_backward_cuda(grad_out, q, k, v, out, lse, prompt_t
     if not flash_serves(q):
         return shared_prompt_attention_backward_reference(grad_out, q, k, v, out, lse, prompt_tokens, cu_prompts,
                                                           cu_groups, cu_seqs, max_prompt, max_group, max_seq, scale)
-    rng_state = torch.zeros(2, dtype=torch.uint64, device=q.device)   # read only under dropout
-    unused = torch.empty(0, device=q.device)
-    grad_out = grad_out.contiguous()
-    q, k, v = (_last_dim_dense(t) for t in (q, k, v))
     m = _flash_max(max_seq)
     # With the merged out and logsumexp each part's backward gives its exact share: p = exp(s - lse) is the
     # probability under the whole softmax, and rowsum(dO * O) is the whole output's.
-    dq, dk, dv = torch.ops.aten._flash_attention_backward(grad_out, q, k, v, out, lse, cu_seqs, cu_seqs, m, m, 0.0,
-                                                          True, rng_state, unused, scale=scale)
+    dq, dk, dv = flash_backward(grad_out, q, k, v, out, lse, cu_seqs, cu_seqs, m, m, True, scale)
     P = prompt_tokens
     if q.shape[0] > P > 0:
-        dq_p, dk_p, dv_p = torch.ops.aten._flash_attention_backward(
-            grad_out[P:], q[P:], k[:P], v[:P], out[P:], lse[:, P:].contiguous(), cu_groups, cu_prompts,
-            _flash_max(max_group), max_prompt, 0.0, False, rng_state, unused, scale=scale)
+        dq_p, dk_p, dv_p = flash_backward(grad_out[P:], q[P:], k[:P], v[:P], out[P:], lse[:, P:], cu_groups,
+                                          cu_prompts, _flash_max(max_group), max_prompt, False, scale)
         dq[P:] += dq_p
         dk[:P] += dk_p
         dv[:P] += dv_p

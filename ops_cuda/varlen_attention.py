@@ -122,48 +122,53 @@ def _last_dim_dense(t: Tensor) -> Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
+def flash_forward(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, max_q: int, max_k: int, causal: bool,
+                  scale: float) -> tuple[Tensor, Tensor]:
+    """(out, logsumexp [Hq, Nq]) of PyTorch's varlen flash attention, no dropout; causal aligns the mask to the bottom
+    right of each sequence's [n, L] block."""
+    # The aten op rather than the public varlen_attn wrapper: its arguments changed between torch releases
+    # (is_causal, then window_size), the aten schema did not, and the backward needs the logsumexp.
+    out, lse, *_ = torch.ops.aten._flash_attention_forward(
+        _last_dim_dense(q), _last_dim_dense(k), _last_dim_dense(v), cu_q, cu_k, max_q, max_k, 0.0, causal, False,
+        scale=scale)
+    return out, lse
+
+
+def flash_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, cu_q: Tensor,
+                   cu_k: Tensor, max_q: int, max_k: int, causal: bool, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    """(grad_q, grad_k, grad_v) of `flash_forward` given its out and logsumexp."""
+    rng_state = torch.zeros(2, dtype=torch.uint64, device=q.device)   # read only under dropout
+    unused = torch.empty(0, device=q.device)
+    dq, dk, dv = torch.ops.aten._flash_attention_backward(
+        grad_out.contiguous(), _last_dim_dense(q), _last_dim_dense(k), _last_dim_dense(v), out, lse.contiguous(),
+        cu_q, cu_k, max_q, max_k, 0.0, causal, rng_state, unused, scale=scale)
+    return dq, dk, dv
+
+
 def _varlen_attention_cuda(q, k, v, cu_seqlens, max_seqlen, scale):
     if not flash_serves(q):
         return varlen_attention_reference(q, k, v, cu_seqlens.cpu(), max_seqlen, scale)
-    # The aten op rather than the public varlen_attn wrapper: its arguments changed between torch releases
-    # (is_causal, then window_size), the aten schema did not, and the backward below needs the logsumexp.
-    out, lse, *_ = torch.ops.aten._flash_attention_forward(
-        _last_dim_dense(q), _last_dim_dense(k), _last_dim_dense(v), cu_seqlens, cu_seqlens, max_seqlen,
-        max_seqlen, 0.0, True, False, scale=scale)
-    return out, lse
+    return flash_forward(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, True, scale)
 
 
 def _varlen_attention_backward_cuda(grad_out, q, k, v, out, lse, cu_seqlens, max_seqlen, scale):
     if not flash_serves(q):
         return varlen_attention_backward_reference(grad_out, q, k, v, out, lse, cu_seqlens.cpu(), max_seqlen, scale)
-    rng_state = torch.zeros(2, dtype=torch.uint64, device=q.device)   # read only under dropout
-    unused = torch.empty(0, device=q.device)
-    dq, dk, dv = torch.ops.aten._flash_attention_backward(
-        grad_out.contiguous(), _last_dim_dense(q), _last_dim_dense(k), _last_dim_dense(v), out, lse,
-        cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, 0.0, True, rng_state, unused, scale=scale)
-    return dq, dk, dv
+    return flash_backward(grad_out, q, k, v, out, lse, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, True, scale)
 
 
 def _varlen_suffix_attention_cuda(q, k, v, cu_q, cu_k, max_q, max_k, scale):
     if not flash_serves(q):
         return varlen_suffix_attention_reference(q, k, v, cu_q.cpu(), cu_k.cpu(), max_q, max_k, scale)
     # flash's causal mask is aligned to the bottom right of each sequence's [n, L] block: the suffix rule
-    out, lse, *_ = torch.ops.aten._flash_attention_forward(
-        _last_dim_dense(q), _last_dim_dense(k), _last_dim_dense(v), cu_q, cu_k, max_q, max_k, 0.0, True, False,
-        scale=scale)
-    return out, lse
+    return flash_forward(q, k, v, cu_q, cu_k, max_q, max_k, True, scale)
 
 
 def _varlen_suffix_attention_backward_cuda(grad_out, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale):
     if not flash_serves(q):
         return varlen_suffix_attention_backward_reference(grad_out, q, k, v, out, lse, cu_q.cpu(), cu_k.cpu(), max_q,
                                                           max_k, scale)
-    rng_state = torch.zeros(2, dtype=torch.uint64, device=q.device)   # read only under dropout
-    unused = torch.empty(0, device=q.device)
-    dq, dk, dv = torch.ops.aten._flash_attention_backward(
-        grad_out.contiguous(), _last_dim_dense(q), _last_dim_dense(k), _last_dim_dense(v), out, lse, cu_q, cu_k,
-        max_q, max_k, 0.0, True, rng_state, unused, scale=scale)
-    return dq, dk, dv
+    return flash_backward(grad_out, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, True, scale)
 
 
 def _fake(q, k, v, cu_seqlens, max_seqlen, scale):
