@@ -17,8 +17,8 @@ host time queueing it, the device's idle time between steps (it waited for the h
 on the device, and the graphs captured. Per decode bucket: steps, rows, context and the bytes a step must read
 (the weights once and every row's keys and values) against its forward time. `--kernels N` profiles N replays
 of the largest bucket's decode graph with the sampler and lists the kernels of one step; `--trace` writes
-that profile's chrome trace. `--prefill-kernels R` lists the kernels of a call that only prefills the first R
-prompts (one new token each).
+that profile's chrome trace. `--prefill-kernels R` lists the kernels and the host operators (self CPU time) of
+a call that only prefills the first R prompts (one new token each).
 """
 from __future__ import annotations
 
@@ -129,14 +129,25 @@ def prefill_report(engine: RolloutEngine, prompts: list[list[int]], rows: int, r
     with region():
         engine.generate(prompts[:rows], params, seed=1)
         torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             t0 = time.perf_counter()
             engine.generate(prompts[:rows], params, seed=1)
             torch.cuda.synchronize()
             wall = time.perf_counter() - t0
     tokens = sum(map(len, prompts[:rows]))
-    return kernel_table(prof, 1, f"a prefill-only call of {rows} prompts ({tokens} prompt tokens; wall "
-                                 f"{1e3 * wall:.1f} ms under the profiler)", "in all")
+    return (kernel_table(prof, 1, f"a prefill-only call of {rows} prompts ({tokens} prompt tokens; wall "
+                                  f"{1e3 * wall:.1f} ms under the profiler)", "in all") + host_table(prof))
+
+
+def host_table(prof: Any) -> list[str]:
+    """The profile's host operators by self CPU time (where a host-bound step spends it)."""
+    ops = [e for e in prof.key_averages() if e.self_cpu_time_total > 0]
+    total = sum(e.self_cpu_time_total for e in ops)
+    lines = ["", f"host operators: {total / 1e3:.3f} ms of self CPU time in all", "",
+             "| operator | self CPU µs | calls |", "|---|---|---|"]
+    for e in sorted(ops, key=lambda e: e.self_cpu_time_total, reverse=True)[:2 * TOP_KERNELS]:
+        lines.append(f"| `{e.key[:100]}` | {e.self_cpu_time_total:.0f} | {e.count} |")
+    return lines
 
 
 def main(argv: list[str] | None = None) -> str:
@@ -150,6 +161,7 @@ def main(argv: list[str] | None = None) -> str:
     ap.add_argument("--group", type=int, default=1, help="each prompt repeated this many times, as a GRPO group")
     ap.add_argument("--temperature", type=float, default=0.6)
     ap.add_argument("--kv-cache-gib", type=float, default=None)
+    ap.add_argument("--admit-batch", type=int, default=None, help="rows joining at once (default: the schema's)")
     ap.add_argument("--mixed", action="store_true", help="float32 weights under bf16 autocast (fw fit's bf16-mixed)")
     ap.add_argument("--fresh", action="store_true",
                     help="time a call on a new engine, as each GRPO/PPO rollout under bf16-mixed is: its pool "
@@ -167,7 +179,8 @@ def main(argv: list[str] | None = None) -> str:
     model = Qwen3ForCausalLM(cfg).to(dtype).to(device).eval()
     prompts, outs = prompts_and_lengths(args, cfg.vocab_size)
     base = CacheSettings.from_config(None)
-    engine = RolloutEngine(model, CacheSettings(args.kv_cache_gib, base.max_num_seqs, base.block_size))
+    engine = RolloutEngine(model, CacheSettings(args.kv_cache_gib, base.max_num_seqs, base.block_size,
+                                                args.admit_batch or base.admit_batch))
     params = SamplingParams(max_new_tokens=outs, temperature=args.temperature)
 
     def region():
