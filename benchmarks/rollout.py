@@ -82,6 +82,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3, help="timed rounds of each fw impl; the median is reported")
     ap.add_argument("--kv-cache-gib", type=float, default=None, help="the KV budget (default: the GPU's free memory)")
     ap.add_argument("--max-num-seqs", type=int, default=None, help="rows decoding together (default: the schema's)")
+    ap.add_argument("--admit-batch", type=int, default=None, help="rows joining at once (default: the schema's)")
     args = ap.parse_args()
     cfg = preset_config(args.preset, PRESETS[args.preset]["vocab_size"] or 256)
     torch.manual_seed(0)
@@ -89,7 +90,8 @@ def main() -> None:
     prompts, outs = workload(args.num_seqs, args.lo, args.hi, cfg.vocab_size)
     useful = sum(outs)
     base = CacheSettings.from_config(None)
-    settings = CacheSettings(args.kv_cache_gib, args.max_num_seqs or base.max_num_seqs, base.block_size)
+    settings = CacheSettings(args.kv_cache_gib, args.max_num_seqs or base.max_num_seqs, base.block_size,
+                             args.admit_batch or base.admit_batch)
     engine = RolloutEngine(model, settings)
     # Warm-up: kernels, allocator, cuBLAS handles; the engine keeps its pool and graphs for the timed call.
     engine.generate(prompts[:4], SamplingParams(max_new_tokens=8, temperature=args.temperature), seed=1)

@@ -1,5 +1,6 @@
 """The rollout engine against independent references: a cache-free greedy loop over full forwards,
 log_softmax of full-forward logits, the filtered softmax for sampling statistics, and transformers."""
+import dataclasses
 import math
 from collections import Counter
 
@@ -612,19 +613,20 @@ def test_rollout_profile_on_cuda_times_the_device_and_lists_the_decode_kernels()
     assert re.search(r"^\| `[^`]*sample[^`]*` \| [\d.]+ \| \d+ \|$", report, re.MULTILINE)   # a kernel row
 
 
-@pytest.mark.parametrize("block_size, blocks", [(4, 24), (8, 14)])
-def test_preemption_gives_the_unbounded_tokens_and_logprobs(model, tok, block_size, blocks):
-    """fp32 on CPU, budgets that preempt rows again and again: exactly the tokens and logprobs of an unbounded
-    pool. The rows: a group of 8 identical prompts (prefilled once), a prompt sharing their first full block
-    (a prefix-cache hit), others of their own, limits per row, and EOS ids that end some rows mid-way. A
-    readmitted row's next token comes from the prefill's logits, which equal those of the decode step it
-    replaces bit for bit (matmuls of row counts padded to 16, `_batched_attention` summing in position
-    order). Every block goes back, and none is released more often than taken (that would raise)."""
+@pytest.mark.parametrize("block_size, blocks, admit_batch", [(4, 24, 1), (8, 14, 1), (4, 24, 2)])
+def test_preemption_gives_the_unbounded_tokens_and_logprobs(model, tok, block_size, blocks, admit_batch):
+    """fp32 on CPU, budgets that preempt rows again and again: exactly the tokens and logprobs of an unbounded pool,
+    also when rows are admitted two at a time while two or more run (admit_batch 2). The rows: a group of 8
+    identical prompts (prefilled once), a prompt sharing their first full block (a prefix-cache hit), others of
+    their own, limits per row, and EOS ids that end some rows mid-way. A readmitted row's next token comes from the
+    prefill's logits, which equal those of the decode step it replaces bit for bit (matmuls of row counts padded to
+    16, `_batched_attention` summing in position order). Every block goes back, and none is released more often than
+    taken (that would raise)."""
     group = tok.encode("what is 12+34? ")                       # 15 tokens
     prompts = [group] * 8 + [group[:8] + tok.encode("5*5=")] + [tok.encode(t) for t in ("7=", "hello world, ", "a")]
     limits = [24, 24, 20, 24, 24, 16, 24, 24, 24, 9, 24, 5]
     params = SamplingParams(max_new_tokens=limits, temperature=1.0, top_p=0.95)
-    settings = CacheSettings(kv_cache_gib=None, max_num_seqs=256, block_size=block_size)
+    settings = CacheSettings(kv_cache_gib=None, max_num_seqs=256, block_size=block_size, admit_batch=1)
     plain = RolloutEngine(model, settings).generate(prompts, params, seed=5, tokenizer=tok).completion_ids
     eos = [plain[0][6], plain[10][11]]   # tokens this draw emits mid-way: rows stop there
     counting = CountingModel(model.config)
@@ -635,7 +637,8 @@ def test_preemption_gives_the_unbounded_tokens_and_logprobs(model, tok, block_si
     assert unbounded.prefill_tokens == len(group) + 4 + sum(map(len, prompts[9:]))   # once a group, one cached block
     counting.calls.clear()
     gib = (blocks + 0.5) * block_bytes(model.config, torch.float32, block_size) / (1 << 30)
-    tight = RolloutEngine(counting, CacheSettings(kv_cache_gib=gib, max_num_seqs=256, block_size=block_size))
+    tight = RolloutEngine(counting, CacheSettings(kv_cache_gib=gib, max_num_seqs=256, block_size=block_size,
+                                                  admit_batch=admit_batch))
     r = tight.generate(prompts, params, seed=5, eos_ids=eos, tokenizer=tok)
     assert tight.cache.num_blocks == blocks and tight.preemptions >= 5
     prefills = [c for c in counting.calls if c[0] == "prefill"]
@@ -644,6 +647,12 @@ def test_preemption_gives_the_unbounded_tokens_and_logprobs(model, tok, block_si
     assert r.completion_ids == free.completion_ids and r.finish_reasons == free.finish_reasons
     assert torch.equal(r.logprobs, free.logprobs)
     assert all(n == 0 for n in tight.blocks.refs) and tight.blocks.num_free == blocks - 1
+    if admit_batch > 1:   # fewer prefills than when every row joins as soon as it fits
+        counting.calls.clear()
+        one = RolloutEngine(counting, dataclasses.replace(tight.settings, admit_batch=1)).generate(
+            prompts, params, seed=5, eos_ids=eos, tokenizer=tok)
+        assert one.completion_ids == r.completion_ids
+        assert len([c for c in counting.calls if c[0] == "prefill"]) > len(prefills)
 
 
 @pytest.mark.gpu
@@ -658,7 +667,7 @@ def test_cuda_preemption_keeps_greedy_tokens(model, prompts):
     params = SamplingParams(max_new_tokens=40, temperature=0.0)
     free = generate(cuda, many, params)
     gib = 12.5 * block_bytes(cuda.config, torch.float32, 8) / (1 << 30)
-    engine = RolloutEngine(cuda, CacheSettings(kv_cache_gib=gib, max_num_seqs=256, block_size=8))
+    engine = RolloutEngine(cuda, CacheSettings(kv_cache_gib=gib, max_num_seqs=256, block_size=8, admit_batch=8))
     tight = engine.generate(many, params)
     assert engine.cache.num_blocks == 12 and engine.preemptions > 0 and engine.graphs
     assert tight.completion_ids == free.completion_ids

@@ -61,6 +61,34 @@ def test_scheduler_admits_as_blocks_free_up():
         Scheduler([RowState(row=0, prompt=[1] * 40, limit=8)], BlockManager(4, 4), 8)
 
 
+def test_while_enough_rows_run_admission_waits_for_a_batch():
+    """admit_batch 2: with two rows or more running, waiting rows join only two at a time, counting the blocks
+    a group's second row shares with its leader; with fewer running they join one by one, as with batch 1."""
+    def setup(admit_batch):
+        bm = BlockManager(1 + 8, 4)   # 8 blocks: four rows of 5 + 4 tokens (2 blocks each)
+        rows = [RowState(row=i, prompt=[i + 1] * 5, limit=4) for i in range(4)]
+        rows += [RowState(row=4 + i, prompt=[9] * 8, limit=4) for i in range(2)]   # a group: 3 blocks, 1 + 2 shared
+        rows.append(RowState(row=6, prompt=[7] * 5, limit=4))
+        return rows, bm, Scheduler(rows, bm, max_num_seqs=8, admit_batch=admit_batch)
+
+    rows, bm, sched = setup(1)
+    assert sched.admit() == rows[:4]
+    sched.finish(rows[0], "length")
+    assert sched.admit() == []   # the group's leader takes 3 blocks; 2 are free
+    rows, bm, sched = setup(2)
+    assert sched.admit() == rows[:4] and bm.num_free == 0   # an empty batch admits whatever fits
+    sched.finish(rows[0], "length")
+    assert sched.admit() == []                               # 3 rows run: the group needs 4 free blocks
+    sched.finish(rows[1], "length")
+    assert bm.num_free == 4 and sched.admit() == rows[4:6]   # 3 for the leader, 1 for the follower
+    assert rows[5].leader is rows[4] and rows[5].blocks[:2] == rows[4].blocks[:2]
+    for r in rows[2:6]:
+        sched.finish(r, "eos")
+    assert sched.admit() == [rows[6]]                        # none run: one row joins alone
+    sched.finish(rows[6], "eos")
+    assert sched.done and all(n == 0 for n in bm.refs)
+
+
 @pytest.mark.parametrize("sampling", [{"temperature": 1.0}, {"temperature": 0.8, "top_k": 8, "top_p": 0.9}])
 def test_small_budget_gives_the_unbounded_tokens_and_logprobs(model, tok, sampling):
     """fp32 on CPU: a budget of 4 blocks (2 to 4 rows at a time) and max_num_seqs 3, against an unbounded pool:
@@ -69,11 +97,11 @@ def test_small_budget_gives_the_unbounded_tokens_and_logprobs(model, tok, sampli
     prompts.append(prompts[1])   # a repeated prompt: a group of two in the unbounded run
     params = SamplingParams(max_new_tokens=[12, 9, 12, 5, 12, 12, 7, 12], **sampling)
     eos = [tok.eos_id]
-    unbounded = RolloutEngine(model, CacheSettings(kv_cache_gib=None, max_num_seqs=256, block_size=16))
+    unbounded = RolloutEngine(model, CacheSettings(kv_cache_gib=None, max_num_seqs=256, block_size=16, admit_batch=8))
     free = unbounded.generate(prompts, params, seed=3, eos_ids=eos, tokenizer=tok)
     assert unbounded.peak_rows == len(prompts)
     small = RolloutEngine(model, CacheSettings(kv_cache_gib=gib_for_blocks(model, 5.5), max_num_seqs=3,
-                                               block_size=16))
+                                               block_size=16, admit_batch=8))
     tight = small.generate(prompts, params, seed=3, eos_ids=eos, tokenizer=tok)
     assert small.cache.num_blocks == 5 and small.peak_rows <= 3
     assert tight.completion_ids == free.completion_ids and tight.finish_reasons == free.finish_reasons
@@ -83,7 +111,7 @@ def test_small_budget_gives_the_unbounded_tokens_and_logprobs(model, tok, sampli
 
 def test_a_group_prefills_its_prompt_once(model, tok):
     prompt = tok.encode("what is 12+34? ")           # 15 tokens: a full block of 8 and a partial one
-    engine = RolloutEngine(model, CacheSettings(kv_cache_gib=None, max_num_seqs=64, block_size=8))
+    engine = RolloutEngine(model, CacheSettings(kv_cache_gib=None, max_num_seqs=64, block_size=8, admit_batch=8))
     group = engine.generate([prompt] * 8, SamplingParams(max_new_tokens=6, temperature=1.0), seed=1)
     assert engine.prefill_tokens == len(prompt)
     assert all(n == 0 for n in engine.blocks.refs)
@@ -100,7 +128,7 @@ def test_prefix_cache_reuses_a_shared_system_prompt(model, tok):
     questions = [tok.encode(q) for q in ("1+1=", "22*3=", "9-4=")]
     prompts = [system + q for q in questions]
     engine = RolloutEngine(model, CacheSettings(kv_cache_gib=gib_for_blocks(model, 7.5), max_num_seqs=1,
-                                                block_size=16))
+                                                block_size=16, admit_batch=8))
     params = SamplingParams(max_new_tokens=4, temperature=0.0)
     r = engine.generate(prompts, params)
     full_blocks = len(system) // 16
@@ -123,7 +151,7 @@ def test_lazy_admission_runs_more_rows_than_reserving(model):
     prompts = [[3 + i, 4, 5, 6] for i in range(6)]
     params = SamplingParams(max_new_tokens=8, temperature=1.0)
     engine = RolloutEngine(model, CacheSettings(kv_cache_gib=gib_for_blocks(model, 13.5, 4), max_num_seqs=8,
-                                                block_size=4))
+                                                block_size=4, admit_batch=8))
     lazy = engine.generate(prompts, params, seed=2)
     assert engine.cache.num_blocks == 13
     assert engine.peak_rows == 5 and engine.preemptions == 1

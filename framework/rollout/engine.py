@@ -235,7 +235,7 @@ class _Run:
         longest = max(len(s.prompt) + s.limit for s in seqs)
         # block-table width: a power of two, so that calls of similar lengths share their decode graphs
         self.width = 1 << max(0, (-(-longest // self.bs) - 1).bit_length())
-        self.sched = Scheduler(seqs, engine.blocks, engine.settings.max_num_seqs)
+        self.sched = Scheduler(seqs, engine.blocks, engine.settings.max_num_seqs, engine.settings.admit_batch)
         self.cpu = device.type == "cpu"
         # every row's block table, written at admission and extended on the device as the row grows; the last
         # row, all scratch, serves the padding rows of a batch. On CPU the device's table is the host's itself.
@@ -469,7 +469,7 @@ def generate(model: Any, prompts: list[list[int]], params: SamplingParams, *, eo
     """Sample completions of ``prompts`` (token id lists) as ``params`` says, on a fresh engine.
 
     Same (model, prompts, params, seed) give the same tokens, whatever the KV budget (``cache``: the
-    `rollout` section's kv_cache_gib, max_num_seqs, block_size; the schema's defaults when None).
+    `rollout` section's kv_cache_gib, max_num_seqs, block_size, admit_batch; the schema's defaults when None).
     ``tokenizer`` (for ``texts``, stop strings and the pad id; pad id 0 without one) is optional. The model
     runs in eval mode and gets its previous mode back. ``cuda_graph=False`` runs every CUDA decode step
     eagerly (same tokens). The KV pool and the graphs go back before this returns.

@@ -1,10 +1,10 @@
 """The paged KV cache's size and the decode step's CUDA graphs.
 
-`CacheSettings` are the `rollout` section's kv_cache_gib, max_num_seqs and block_size. The pool holds as many
-blocks as the budget pays for (kv_cache_gib null: what the GPU has free, less `FREE_MARGIN_BYTES` for the
-step's activations and logits; on CPU `CPU_KV_CACHE_GIB`), and never more than the call's rows could all use
-at once. A smaller budget runs fewer rows at a time and preempts more (framework/rollout/scheduler.py): same
-tokens, more steps and more recomputation.
+`CacheSettings` are the `rollout` section's kv_cache_gib, max_num_seqs, block_size and admit_batch. The pool holds
+as many blocks as the budget pays for (kv_cache_gib null: what the GPU has free, less `FREE_MARGIN_BYTES` for the
+step's activations and logits; on CPU `CPU_KV_CACHE_GIB`), and never more than the call's rows could all use at
+once. A smaller budget runs fewer rows at a time and preempts more (framework/rollout/scheduler.py): same tokens,
+more steps and more recomputation.
 """
 from __future__ import annotations
 
@@ -26,11 +26,12 @@ GRAPH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
 
 @dataclass(frozen=True)
 class CacheSettings:
-    """How large the paged cache is and how many rows decode together."""
+    """How large the paged cache is, how many rows decode together and how many join at once."""
 
     kv_cache_gib: float | None
     max_num_seqs: int
     block_size: int
+    admit_batch: int
 
     @classmethod
     def from_config(cls, rollout: dict | None) -> CacheSettings:
@@ -39,7 +40,7 @@ class CacheSettings:
             from framework.config import defaults
 
             rollout = defaults("grpo")["rollout"]
-        return cls(rollout["kv_cache_gib"], rollout["max_num_seqs"], rollout["block_size"])
+        return cls(rollout["kv_cache_gib"], rollout["max_num_seqs"], rollout["block_size"], rollout["admit_batch"])
 
 
 def block_bytes(config: Any, dtype: torch.dtype, block_size: int) -> int:

@@ -2,13 +2,16 @@
 
 Lazy allocation: a row is admitted in the order of the waiting queue (the longest limit first, rows of equal
 limits in their given order), while the batch has fewer than `max_num_seqs` rows and the pool has the blocks of
-its context (prompt, plus the tokens it produced before a preemption) and of the position its first sampled
-token is written at, with blocks to spare for the running rows' next writes, so that an admission does not at
-once preempt a running row: `watermark`, 5% of the pool (at least one block), or what the running rows and the
-row itself can still take at most (`outstanding` and its own rest) when that is less. A pool that holds every
-row's prompt and limit thus admits as many rows at once as reserving them would. Each later block
-is allocated by `grow` when the host queues the decode step whose KV write crosses into it. A finished row gives
-its blocks back at once, and the next waiting row joins the batch at the next step.
+its context (prompt, plus the tokens it produced before a preemption) and of the position its first sampled token
+is written at, with blocks to spare for the running rows' next writes, so that an admission does not at once
+preempt a running row: `watermark`, 5% of the pool (at least one block), or what the running rows and the row
+itself can still take at most (`outstanding` and its own rest) when that is less. A pool that holds every row's
+prompt and limit thus admits as many rows at once as reserving them would. While `admit_batch` rows or more run
+(rollout.admit_batch), rows join in batches of that many: each prefill stalls the running rows while the host
+launches it, eagerly and for about as long at 100 tokens as at 5,000, so fewer and larger prefills cost less
+(`python -m benchmarks.rollout_schedule --admit-batches 1 8` counts them). Each later block is allocated by `grow`
+when the host queues the decode step whose KV write crosses into it. A finished row gives its blocks back at once,
+and the waiting rows they make room for join the batch at the next step.
 
 Preemption by recomputation: when a running row needs a block and none is free, the most recently admitted
 running row is preempted: its blocks go back (one reference each: blocks shared with its group and cached
@@ -21,11 +24,11 @@ blocks went back, so they are computed from its intact context, and they are kep
 any other (`finish` takes it out of the waiting queue when such a token ends it) and is not readmitted
 while a token of it is in flight.
 
-No deadlock: one row's every block fits the pool (checked up front), an empty batch admits its first waiting
-row whatever the watermark (or at the next step, once its tokens in flight are in), and the oldest running
-row always gets its next block: while none is free, rows admitted after it are preempted (the newest first),
-and once it runs alone every block it does not hold is free. It never preempts itself, so it finishes, and so
-does every row after it.
+No deadlock: one row's every block fits the pool (checked up front), a batch of fewer than `admit_batch` rows
+admits rows one by one, an empty batch admits its first waiting row whatever the watermark (or at the next step,
+once its tokens in flight are in), and the oldest running row always gets its next block: while none is free, rows
+admitted after it are preempted (the newest first), and once it runs alone every block it does not hold is free.
+It never preempts itself, so it finishes, and so does every row after it.
 
 Prompt sharing: rows admitted together with the same context form a group whose first row (the leader) is
 prefilled; the others reference the leader's full blocks, get a copy of its last, partial block and its
@@ -34,6 +37,7 @@ last-token logits, and compute nothing. Across groups and steps, full blocks are
 """
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -84,8 +88,8 @@ def admission_blocks(seq: RowState, block_size: int) -> int:
 class Scheduler:
     """Waiting and running rows over one `BlockManager`."""
 
-    def __init__(self, seqs: list[RowState], blocks: BlockManager, max_num_seqs: int) -> None:
-        self.blocks, self.max_num_seqs = blocks, max_num_seqs
+    def __init__(self, seqs: list[RowState], blocks: BlockManager, max_num_seqs: int, admit_batch: int = 1) -> None:
+        self.blocks, self.max_num_seqs, self.admit_batch = blocks, max_num_seqs, admit_batch
         # the longest limit first (rows of equal limits in their order): the rows that run last decide how many
         # steps the call takes, with few rows each; started first, long rows overlap the short ones
         self.waiting: deque[RowState] = deque(sorted(seqs, key=lambda s: -s.limit))
@@ -102,7 +106,11 @@ class Scheduler:
                           "rollout.kv_cache_gib or lower rollout.max_new_tokens")
 
     def admit(self) -> list[RowState]:
-        """The waiting rows that join the batch now, in order (their first blocks allocated)."""
+        """The waiting rows that join the batch now, in order (their first blocks allocated). While `admit_batch`
+        rows or more run, none joins until the next `admit_batch` waiting rows (all of them, when fewer wait) can
+        join together, so that one prefill takes them."""
+        if len(self.running) >= self.admit_batch and not self._fit(min(self.admit_batch, len(self.waiting))):
+            return []
         bm, bs = self.blocks, self.blocks.block_size
         new: list[RowState] = []
         leaders: dict[tuple[int, ...], RowState] = {}
@@ -110,34 +118,64 @@ class Scheduler:
             seq = self.waiting[0]
             if seq.issued > len(seq.tokens):   # preempted with tokens in flight: readmitted once they are in
                 break
-            context = seq.prompt + seq.tokens
-            n = len(context)
-            total = admission_blocks(seq, bs)
-            # what the running rows, and this one, may still take: no more need stay free
-            spare = min(self.watermark, self.outstanding + blocks_for(len(seq.prompt), seq.limit, bs) - total)
-            leader = leaders.get(tuple(context))
-            if leader is not None:   # the leader's full blocks, own blocks for the rest
-                shared = leader.blocks[:n // bs]
-                if bm.num_free < total - len(shared) + spare:
-                    break
-                seq.blocks = [bm.take(b) for b in shared] + [bm.allocate() for _ in range(total - len(shared))]
-                seq.cached, seq.leader = n, leader
-            else:   # cached prefix blocks, keeping at least one context token to compute the logits from
-                hashes = seq.hashes = block_hashes(context, bs, seq.hashes)
-                hits = bm.cached_prefix(hashes[:(n - 1) // bs])
-                if bm.num_free < bm.blocks_needed(hits, total) + spare:
-                    break
-                seq.blocks = [bm.take(b) for b in hits] + [bm.allocate() for _ in range(total - len(hits))]
-                seq.cached = len(hits) * bs
-                for i in range(len(hits), len(hashes)):
-                    bm.register(seq.blocks[i], hashes[i])
-                leaders[tuple(context)] = seq
+            leader = leaders.get(tuple(seq.prompt + seq.tokens))
+            total, need, reused = self._claim(seq, leader)
+            if bm.num_free < need + self._spare(seq, total, self.outstanding):
+                break
+            seq.blocks = [bm.take(b) for b in reused] + [bm.allocate() for _ in range(total - len(reused))]
+            seq.cached = seq.context if leader is not None else len(reused) * bs
+            if leader is not None:
+                seq.leader = leader
+            else:
+                for i in range(len(reused), len(seq.hashes)):
+                    bm.register(seq.blocks[i], seq.hashes[i])
+                leaders[tuple(seq.prompt + seq.tokens)] = seq
             seq.room = len(seq.blocks) * bs - len(seq.prompt)
             self.outstanding += blocks_for(len(seq.prompt), seq.limit, bs) - len(seq.blocks)
             self.waiting.popleft()
             self.running.append(seq)
             new.append(seq)
         return new
+
+    def _claim(self, seq: RowState, leader: RowState | None) -> tuple[int, int, list[int]]:
+        """(total, need, reused) of admitting `seq` now: the blocks it takes, how many of them come off the free
+        list, and the blocks it reuses: its group leader's full blocks (same context, admitted in the same step),
+        or else the cached blocks of its prefix, keeping at least one context token to compute the logits from."""
+        bm, bs = self.blocks, self.blocks.block_size
+        total = admission_blocks(seq, bs)
+        if leader is not None:
+            reused = leader.blocks[:seq.context // bs]
+            return total, total - len(reused), reused
+        seq.hashes = block_hashes(seq.prompt + seq.tokens, bs, seq.hashes)
+        hits = bm.cached_prefix(seq.hashes[:(seq.context - 1) // bs])
+        return total, bm.blocks_needed(hits, total), hits
+
+    def _spare(self, seq: RowState, total: int, outstanding: int) -> int:
+        """Free blocks to keep after admitting `seq` with `total` blocks: the watermark, or what the running rows
+        (`outstanding`) and `seq` itself may still take, when that is less."""
+        return min(self.watermark, outstanding + blocks_for(len(seq.prompt), seq.limit, self.blocks.block_size)
+                   - total)
+
+    def _fit(self, count: int) -> bool:
+        """Whether the first `count` waiting rows can all be admitted now: `admit`'s arithmetic, nothing allocated.
+        Two of them that reuse one free cached block both count it, so the answer errs on the side of waiting."""
+        if len(self.running) + count > self.max_num_seqs:
+            return False
+        free, outstanding = self.blocks.num_free, self.outstanding
+        leaders: dict[tuple[int, ...], RowState] = {}
+        for seq in itertools.islice(self.waiting, count):
+            if seq.issued > len(seq.tokens):
+                return False
+            context = tuple(seq.prompt + seq.tokens)
+            leader = leaders.get(context)
+            total, need, _ = self._claim(seq, leader)
+            if free < need + self._spare(seq, total, outstanding):
+                return False
+            if leader is None:   # a stand-in with the blocks the leader would hold, for its group's later rows
+                leaders[context] = RowState(row=-1, prompt=[], limit=0, blocks=[-1] * total)
+            free -= need
+            outstanding += blocks_for(len(seq.prompt), seq.limit, self.blocks.block_size) - total
+        return True
 
     def grow(self, rows: list[RowState]) -> tuple[list[RowState], list[tuple[int, int, int]]]:
         """Before a decode step of `rows` (running, in admission order): each row whose KV write crosses into a
