@@ -118,7 +118,8 @@ class Scheduler:
             seq = self.waiting[0]
             if seq.issued > len(seq.tokens):   # preempted with tokens in flight: readmitted once they are in
                 break
-            leader = leaders.get(tuple(seq.prompt + seq.tokens))
+            context = tuple(seq.prompt + seq.tokens)
+            leader = leaders.get(context)
             total, need, reused = self._claim(seq, leader)
             if bm.num_free < need + self._spare(seq, total, self.outstanding):
                 break
@@ -129,7 +130,7 @@ class Scheduler:
             else:
                 for i in range(len(reused), len(seq.hashes)):
                     bm.register(seq.blocks[i], seq.hashes[i])
-                leaders[tuple(seq.prompt + seq.tokens)] = seq
+                leaders[context] = seq
             seq.room = len(seq.blocks) * bs - len(seq.prompt)
             self.outstanding += blocks_for(len(seq.prompt), seq.limit, bs) - len(seq.blocks)
             self.waiting.popleft()
