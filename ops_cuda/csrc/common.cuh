@@ -83,6 +83,30 @@ template <typename T, int N> __device__ __forceinline__ void store_vec(T* p, con
   *reinterpret_cast<Vec<T, N>*>(p) = v;
 }
 
+// d += a b for one m16n8k16 tile, 16-bit operands of type T, fp32 accumulators.
+template <typename T>
+__device__ __forceinline__ void mma16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+}
+// Two floats as a pair of T in one register, lo in the low half.
+template <typename T> __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
+  const float f[2] = {lo, hi};
+  const Vec<T, 2> v = vec_from_f<T, 2>(f);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+
 // 1/sqrt(x) with subnormal x flushed to zero: rsqrtf's value for normal x, without the scaling rsqrtf (no
 // --use_fast_math here) wraps around the approximation for subnormal ones.
 __device__ __forceinline__ float rsqrt_approx_ftz(float x) {

@@ -400,29 +400,6 @@ __device__ __forceinline__ void ldsm_x4_trans(uint32_t (&r)[4], uint32_t addr) {
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(addr));
 }
-// d += a b for one m16n8k16 tile, 16-bit operands of type T, fp32 accumulators.
-template <typename T>
-__device__ __forceinline__ void mma16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  } else {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
-}
-// Two floats as a pair of T in one register, lo in the low half.
-template <typename T> __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
-  const float f[2] = {lo, hi};
-  const Vec<T, 2> v = vec_from_f<T, 2>(f);
-  return *reinterpret_cast<const uint32_t*>(&v);
-}
 
 // Swizzled byte offset of 16-byte chunk c of row r of a ring tile of rows of DP 16-bit elements.
 template <int DP> __device__ __forceinline__ int swz(int r, int c) { return r * DP * 2 + ((c ^ (r & 7)) << 4); }
@@ -1103,31 +1080,6 @@ cudaError_t decode_attention(DType dt, const void* q, const void* k, const void*
 namespace {
 
 // ------------------------------------------------------------------ decode attention
-// Split counters: one int per (b, kv head, head group), zero between launches because the last block of
-// each group resets its own; for the persistent kernel its item and warps-done counters (reset by its last warp)
-// ahead of its arrival counters (reset by each group's last chunk). One zeroed buffer per device is kept (never
-// freed: graphs captured earlier hold its address) and grown outside captures; a capture that needs more than it
-// has gets its own zeroed buffer (the memset becomes part of the graph). The shared buffer assumes decode calls on
-// one device do not run concurrently on two streams.
-int* decode_counters(int64_t n, const Tensor& like, cudaStream_t stream, Tensor& local) {
-  static std::mutex mu;
-  // leaked on purpose: no tensor destructor may run at exit, after the CUDA runtime is gone
-  static auto* bufs = new std::map<int, Tensor>();
-  static auto* retired = new std::vector<Tensor>();
-  std::lock_guard<std::mutex> lock(mu);
-  Tensor& buf = (*bufs)[like.get_device()];
-  if (buf.defined() && buf.numel() >= n) return buf.data_ptr<int>();
-  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-  C10_CUDA_CHECK(cudaStreamIsCapturing(stream, &status));
-  if (status != cudaStreamCaptureStatusNone) {
-    local = at::zeros({n}, like.options().dtype(at::kInt));
-    return local.data_ptr<int>();
-  }
-  if (buf.defined()) retired->push_back(buf);
-  buf = at::zeros({std::max<int64_t>(n, 4096)}, like.options().dtype(at::kInt));
-  return buf.data_ptr<int>();
-}
-
 Tensor run_decode(const Tensor& q, const Tensor& kc, const Tensor& vc, const Tensor& lengths, int64_t S, int64_t sb,
                   int64_t sh, int64_t ss, fw::DecodeTable table, double scale);
 
@@ -1173,19 +1125,21 @@ Tensor run_decode(const Tensor& q, const Tensor& kc, const Tensor& vc, const Ten
   const int splits = plan.splits;
   auto stream = at::cuda::getCurrentCUDAStream();
   fw::DecodeWorkspace w{nullptr, nullptr, nullptr, nullptr};
+  // Split counters: one int per (b, kv head, head group), reset by the last block of each group; for the persistent
+  // kernel its item and warps-done counters (reset by its last warp) ahead of them.
   Tensor ws, local_counters;
   if (plan.persist) {
     const int64_t parts = (int64_t)plan.slots * std::min<int64_t>(16, Hq / Hk);
     ws = at::empty({parts * D + 2 * parts}, q.options().dtype(at::kFloat));
     float* base = ws.data_ptr<float>();
     w = {base, base + parts * D, base + parts * D + parts,
-         decode_counters(fw::kDecodeCounterHead + B * Hk * plan.groups, q, stream, local_counters)};
+         zeroed_counters(fw::kDecodeCounterHead + B * Hk * plan.groups, q, stream, local_counters)};
   } else if (splits > 1) {
     const int64_t parts = B * Hq * splits;
     ws = at::empty({parts * D + 2 * parts}, q.options().dtype(at::kFloat));
     float* base = ws.data_ptr<float>();
     w = {base, base + parts * D, base + parts * D + parts,
-         decode_counters(B * Hk * plan.groups, q, stream, local_counters)};
+         zeroed_counters(B * Hk * plan.groups, q, stream, local_counters)};
   }
   check_launch(fw::decode_attention(dt, qc.data_ptr(), kc.data_ptr(), vc.data_ptr(), len.data_ptr<int64_t>(),
                                     out.data_ptr(), w, (int)B, (int)Hq, (int)Hk, (int)S, (int)D, sb, sh, ss, plan,
