@@ -4,7 +4,8 @@ A decode GEMM's output has few tiles (256 x 1024 is 16 tiles of 128 x 128 on 132
 unless the K loop is split. Per preset and projection this times `F.linear` (what the model runs) against
 splitting K by hand into s batched GEMMs whose partial products are summed (`split_k_linear`), each as CUDA-graph
 replays, with the weights' bytes read per second and its share of --gbps. Whether the weights' bytes bound the
-GEMM depends on M: 2 * M FLOP per 2-byte weight against the GPU's FLOP per byte of bandwidth.
+GEMM depends on M: 2 * M FLOP per 2-byte weight against the GPU's FLOP per byte of bandwidth. Up to 64 rows it
+also times `ops_cuda.skinny_linear` (a split-K kernel over every SM; `FW_SKINNY_SPLITS` overrides its split count).
 
     python -m benchmarks.ops.decode_gemm [--presets qwen3-0.6b,qwen3-4b,qwen3-8b] [--rows 64,256] [--splits 2,3,4]
 """
@@ -16,7 +17,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+import ops_cuda
 from framework.models.presets import PRESETS
+from ops_cuda.skinny_linear import MAX_ROWS
 
 
 def projections(preset: str) -> dict[str, tuple[int, int]]:
@@ -57,14 +60,20 @@ def row(w: Tensor, M: int, splits: list[int], gbps: float) -> list[str]:
         return float((y.double() - ref).abs().max() / ref.abs().max())
 
     base_ms, graphed = bench_graph(lambda: F.linear(x, w), reps_ms=50)
-    rate = w.numel() * w.element_size() / (base_ms * 1e-3) / 1e9
-    mark = "" if graphed else " (no graph)"
-    cells = [f"{base_ms * 1e3:.1f} ({rate:.0f}, {100 * rate / gbps:.0f}%){mark}"]
+    def timed(ms: float, graphed: bool) -> str:
+        rate = w.numel() * w.element_size() / (ms * 1e-3) / 1e9
+        return f"{ms * 1e3:.1f} ({rate:.0f}, {100 * rate / gbps:.0f}%)" + ("" if graphed else " (no graph)")
+
+    cells = [timed(base_ms, graphed)]
+    skinny = M <= MAX_ROWS and w.shape[0] % 64 == 0 and w.shape[1] % 64 == 0
+    cells.append(timed(*bench_graph(lambda: ops_cuda.skinny_linear(x, w), reps_ms=50)) if skinny else "-")
     for s in splits:
         ms, graphed = bench_graph(lambda s=s: split_k_linear(x, w, s), reps_ms=50)
         cells.append(f"{ms * 1e3:.1f}" + ("" if graphed else " (no graph)"))
     worst = max(err(split_k_linear(x, w, s)) for s in splits)
-    return [*cells, f"{worst:.1e} (F.linear {err(F.linear(x, w)):.1e})"]
+    others = f"F.linear {err(F.linear(x, w)):.1e}" + (f", skinny {err(ops_cuda.skinny_linear(x, w)):.1e}" if skinny
+                                                       else "")
+    return [*cells, f"{worst:.1e} ({others})"]
 
 
 def main() -> None:
@@ -75,9 +84,9 @@ def main() -> None:
     ap.add_argument("--gbps", type=float, default=4260.0, help="the GPU's measured copy bandwidth, GB/s")
     args = ap.parse_args()
     splits = [int(s) for s in args.splits.split(",")]
-    print("| preset | projection | M x K x N | F.linear us (GB/s, %) | "
-          + " | ".join(f"split {s} us" for s in splits) + " | max rel. diff |")
-    print("|---|---|---|---|" + "---|" * len(splits) + "---|")
+    print("| preset | projection | M x K x N | F.linear us (GB/s, %) | skinny_linear us (GB/s, %) | "
+          + " | ".join(f"split {s} us" for s in splits) + " | max rel. diff of the splits |")
+    print("|---|---|---|---|---|" + "---|" * len(splits) + "---|")
     torch.manual_seed(0)
     for preset in args.presets.split(","):
         for name, (K, N) in projections(preset).items():
