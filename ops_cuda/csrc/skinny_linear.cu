@@ -112,15 +112,22 @@ skinny_linear_kernel(SkinnyArgs a, unsigned trigger_from) {
   __syncthreads();
   if (!last) return;
   __threadfence();  // the other splits' partials after their arrivals
-  for (int i = threadIdx.x; i < a.M * (kTileN / 2); i += blockDim.x) {
-    const int64_t off = (int64_t)(i / (kTileN / 2)) * a.N + tile * kTileN + 2 * (i % (kTileN / 2));
-    float2 sum = make_float2(0.f, 0.f);
+  // four columns a thread, the splits' loads unrolled so that several are in flight at once
+  for (int i = threadIdx.x; i < a.M * (kTileN / 4); i += blockDim.x) {
+    const int64_t off = (int64_t)(i / (kTileN / 4)) * a.N + tile * kTileN + 4 * (i % (kTileN / 4));
+    float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 4
     for (int sp = 0; sp < a.splits; ++sp) {  // in split order: the same sum at every launch
-      const float2 v = __ldcg(reinterpret_cast<const float2*>(a.partial + sp * plane + off));
+      const float4 v = __ldcg(reinterpret_cast<const float4*>(a.partial + sp * plane + off));
       sum.x += v.x;
       sum.y += v.y;
+      sum.z += v.z;
+      sum.w += v.w;
     }
-    *reinterpret_cast<uint32_t*>(static_cast<T*>(a.out) + off) = pack2<T>(sum.x, sum.y);
+    uint2 packed;
+    packed.x = pack2<T>(sum.x, sum.y);
+    packed.y = pack2<T>(sum.z, sum.w);
+    *reinterpret_cast<uint2*>(static_cast<T*>(a.out) + off) = packed;
   }
   if (threadIdx.x == 0) a.counters[tile] = 0;  // for the next launch or graph replay
 }
