@@ -1,10 +1,10 @@
 // skinny_linear: out [M, N] = x [M, K] @ weight [N, K]^T for the few rows of a decode step (1 <= M <= 64), 16-bit
 // operands, float32 accumulation. A decode step's projections onto the hidden state (`o`, `down`: N = hidden, K
-// larger) have few output tiles, and cuBLAS reads their weights at a fifth to a quarter of the copy rate there
-// (docs/PERFORMANCE.md, "Decode GEMMs"). Here a block computes 64 columns over a slice of K (split-K): about two
-// blocks an SM whatever N is, every weight byte read once, by 16-byte loads that keep it out of L1 and mark it
-// evict-first in L2. The split blocks of a tile leave float32 partials; the last to arrive (a counter per tile, which
-// it resets) adds them in split order and writes the tile, so the result is deterministic.
+// larger) have few output tiles, and cuBLAS reads their weights far below the copy rate there (`python -m
+// benchmarks.ops.decode_gemm`). Here a block computes 64 columns over a slice of K (split-K): about two blocks an SM
+// whatever N is, every weight byte read once, by 16-byte loads marked evict-first in L1 and L2. The split blocks of a
+// tile leave float32 partials; the last to arrive (a counter per tile, which it resets) adds them in split order and
+// writes the tile, so the result is deterministic.
 #include "common.cuh"
 #include "torch_utils.h"
 
