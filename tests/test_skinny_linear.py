@@ -70,10 +70,10 @@ def test_cuda_against_float64(dtype, k, n, m):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("splits", ["1", "3", "48"])
+@pytest.mark.parametrize("splits", ["1", "5", "48"])
 def test_cuda_any_split_count_gives_the_product(splits, monkeypatch):
-    """FW_SKINNY_SPLITS (the benchmark's override) is read per call: unsplit, uneven splits of K, one chunk a
-    split."""
+    """FW_SKINNY_SPLITS (the benchmark's override) is read per call: unsplit, five uneven splits of K's 48 chunks,
+    one chunk a split."""
     monkeypatch.setenv("FW_SKINNY_SPLITS", splits)
     x, w = operands(20, 3072, 1024, torch.bfloat16, "cuda")
     got = ops_cuda.skinny_linear(x, w)
