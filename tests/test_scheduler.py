@@ -89,6 +89,20 @@ def test_while_enough_rows_run_admission_waits_for_a_batch():
     assert sched.done and all(n == 0 for n in bm.refs)
 
 
+def test_a_batch_counts_the_prefix_blocks_its_rows_share_once():
+    """admit_batch 2, two rows running: two waiting prompts that share their first two full blocks need 3 + 1 free
+    blocks together (the second reuses the first's), as `admit` allocates them; the batch joins with exactly 4 free."""
+    bm = BlockManager(1 + 3 * 2 + 3, 4)
+    running = [RowState(row=i, prompt=[i + 1] * 5, limit=8) for i in range(3)]   # the longest limits: admitted first
+    shared = [9] * 8
+    waiting = [RowState(row=3, prompt=shared + [7], limit=4), RowState(row=4, prompt=shared + [8], limit=4)]
+    sched = Scheduler(running + waiting, bm, max_num_seqs=8, admit_batch=2)
+    assert sched.admit() == running and bm.num_free == 3   # the first waiting row would leave no watermark
+    sched.finish(running[0], "length")
+    assert bm.num_free == 5 and sched.admit() == waiting
+    assert waiting[1].blocks[:2] == waiting[0].blocks[:2] and waiting[1].cached == 8 and bm.num_free == 1
+
+
 @pytest.mark.parametrize("sampling", [{"temperature": 1.0}, {"temperature": 0.8, "top_k": 8, "top_p": 0.9}])
 def test_small_budget_gives_the_unbounded_tokens_and_logprobs(model, tok, sampling):
     """fp32 on CPU: a budget of 4 blocks (2 to 4 rows at a time) and max_num_seqs 3, against an unbounded pool:

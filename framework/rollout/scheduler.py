@@ -159,23 +159,38 @@ class Scheduler:
 
     def _fit(self, count: int) -> bool:
         """Whether the first `count` waiting rows can all be admitted now: `admit`'s arithmetic, nothing allocated.
-        Two of them that reuse one free cached block both count it, so the answer errs on the side of waiting."""
+        As in `admit`, a row reuses the cached blocks of its prefix and the full blocks of the rows walked before it."""
         if len(self.running) + count > self.max_num_seqs:
             return False
-        free, outstanding = self.blocks.num_free, self.outstanding
-        leaders: dict[tuple[int, ...], RowState] = {}
+        bm, bs = self.blocks, self.blocks.block_size
+        free, outstanding = bm.num_free, self.outstanding
+        leaders: set[tuple[int, ...]] = set()
+        registered: set[int] = set()   # hashes of the full blocks the rows walked so far would hold
         for seq in itertools.islice(self.waiting, count):
             if seq.issued > len(seq.tokens):
                 return False
             context = tuple(seq.prompt + seq.tokens)
-            leader = leaders.get(context)
-            total, need, _ = self._claim(seq, leader)
+            total = admission_blocks(seq, bs)
+            if context in leaders:   # its group leader's full blocks
+                need = total - seq.context // bs
+            else:
+                seq.hashes = block_hashes(seq.prompt + seq.tokens, bs, seq.hashes)
+                need = total
+                for h in seq.hashes[:(seq.context - 1) // bs]:   # the cached run, as `cached_prefix` finds it
+                    if h in registered:   # a block an earlier row of the walk holds: shared, no free block
+                        need -= 1
+                        continue
+                    b = bm.cached.get(h)
+                    if b is None:
+                        break
+                    if bm.refs[b]:   # a running row's block: shared; a free cached one comes off the free list
+                        need -= 1
+                registered.update(seq.hashes)
+                leaders.add(context)
             if free < need + self._spare(seq, total, outstanding):
                 return False
-            if leader is None:   # a stand-in with the blocks the leader would hold, for its group's later rows
-                leaders[context] = RowState(row=-1, prompt=[], limit=0, blocks=[-1] * total)
             free -= need
-            outstanding += blocks_for(len(seq.prompt), seq.limit, self.blocks.block_size) - total
+            outstanding += blocks_for(len(seq.prompt), seq.limit, bs) - total
         return True
 
     def grow(self, rows: list[RowState]) -> tuple[list[RowState], list[tuple[int, int, int]]]:
