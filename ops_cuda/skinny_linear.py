@@ -24,8 +24,8 @@ define("skinny_linear(Tensor x, Tensor weight) -> Tensor", skinny_linear_referen
 
 def skinny_linear(x: Tensor, weight: Tensor) -> Tensor:
     """x [M, K] @ weight [N, K]^T, as F.linear without a bias, float32 accumulation. On CUDA: bfloat16 or float16
-    operands of one dtype, 1 <= M <= MAX_ROWS, K and N multiples of 64; every weight byte is read once across the
-    GPU's SMs whatever N is (split-K, reduced in a fixed order: the same result at every call)."""
+    operands of one dtype, 1 <= M <= MAX_ROWS, K and N multiples of 64; every weight byte is read once, by a wave of
+    blocks whatever N is (an output of few tiles splits K, reduced in a fixed order: the same result at every call)."""
     op = "skinny_linear"
     need_dim(op, "x", x, 2, "[M, K]")
     need_dim(op, "weight", weight, 2, "[N, K]")

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import ops_cuda
+from ops_cuda import library
 from ops_cuda.skinny_linear import MAX_ROWS
 
 
@@ -43,6 +44,13 @@ def test_bad_arguments_name_the_argument():
         ops_cuda.skinny_linear(x, w.double())
 
 
+@pytest.fixture()
+def kernels():
+    """The CUDA tests are the kernel's only if the extension loaded: otherwise the reference serves CUDA too."""
+    backend = library.activate_cuda()
+    assert backend == "kernels", f"the CUDA extension did not load: {library.cuda_state['error']}"
+
+
 SHAPES = [
     (64, 64),        # one chunk of K: one split whatever the row count
     (2048, 1024),    # Qwen3-0.6B's o projection
@@ -57,7 +65,7 @@ SHAPES = [
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("k, n", SHAPES)
 @pytest.mark.parametrize("m", [1, 7, 16, 17, 33, 48, MAX_ROWS])
-def test_cuda_against_float64(dtype, k, n, m):
+def test_cuda_against_float64(dtype, k, n, m, kernels):
     x, w = operands(m, k, n, dtype, "cuda", seed=m)
     got = ops_cuda.skinny_linear(x, w)
     assert got.dtype == dtype and got.shape == (m, n) and got.is_contiguous()
@@ -71,7 +79,7 @@ def test_cuda_against_float64(dtype, k, n, m):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("splits", ["1", "5", "48"])
-def test_cuda_any_split_count_gives_the_product(splits, monkeypatch):
+def test_cuda_any_split_count_gives_the_product(splits, monkeypatch, kernels):
     """FW_SKINNY_SPLITS (the benchmark's override) is read per call: unsplit, five uneven splits of K's 48 chunks,
     one chunk a split."""
     monkeypatch.setenv("FW_SKINNY_SPLITS", splits)
@@ -82,8 +90,9 @@ def test_cuda_any_split_count_gives_the_product(splits, monkeypatch):
 
 
 @pytest.mark.gpu
-def test_cuda_graph_replays_give_the_eager_result():
-    """The counters the last block of a tile resets, so every replay starts from zero."""
+def test_cuda_graph_replays_give_the_eager_result(kernels):
+    """The counters the last block of a tile resets, so every replay starts from zero: each replay writes the whole
+    output again (it is NaN before each)."""
     x, w = operands(48, 3072, 1024, torch.bfloat16, "cuda")
     eager = ops_cuda.skinny_linear(x, w)
     graph = torch.cuda.CUDAGraph()
@@ -95,18 +104,20 @@ def test_cuda_graph_replays_give_the_eager_result():
             out = ops_cuda.skinny_linear(x, w)
     torch.cuda.current_stream().wait_stream(stream)
     for _ in range(3):
+        out.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, eager)
     x2, _ = operands(48, 3072, 1024, torch.bfloat16, "cuda", seed=9)
     x.copy_(x2)
+    out.fill_(float("nan"))
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, ops_cuda.skinny_linear(x2, w))
 
 
 @pytest.mark.gpu
-def test_cuda_opcheck_and_refusals():
+def test_cuda_opcheck_and_refusals(kernels):
     x, w = operands(9, 1024, 2048, torch.bfloat16, "cuda")
     torch.library.opcheck(torch.ops.fw.skinny_linear.default, (x, w))
     with pytest.raises(RuntimeError, match="takes 1 to 64 rows"):

@@ -1,7 +1,7 @@
 // skinny_linear: out [M, N] = x [M, K] @ weight [N, K]^T for the few rows of a decode step (1 <= M <= 64), 16-bit
 // operands, float32 accumulation. A decode step's projections onto the hidden state (`o`, `down`: N = hidden, K
 // larger) have few output tiles, and cuBLAS reads their weights far below the copy rate there (`python -m
-// benchmarks.ops.decode_gemm`). Here a block computes 64 columns over a slice of K (split-K): about two blocks an SM
+// benchmarks.ops.decode_gemm`). Here a block computes 64 columns over a slice of K (split-K): a wave of blocks
 // whatever N is, every weight byte read once, by 16-byte loads marked evict-first in L1 and L2. The split blocks of a
 // tile leave float32 partials; the last to arrive (a counter per tile, which it resets) adds them in split order and
 // writes the tile, so the result is deterministic.
@@ -20,7 +20,7 @@ struct SkinnyArgs {
 };
 
 cudaError_t skinny_linear(DType dt, const SkinnyArgs& a, cudaStream_t stream);
-int skinny_linear_splits(int M, int N, int K, int sms);
+int skinny_linear_splits(DType dt, int M, int N, int K, int sms);
 
 }  // namespace fw
 
@@ -132,22 +132,31 @@ skinny_linear_kernel(SkinnyArgs a, unsigned trigger_from) {
   if (threadIdx.x == 0) a.counters[tile] = 0;  // for the next launch or graph replay
 }
 
-template <typename T, int MT> cudaError_t launch(const SkinnyArgs& a, cudaStream_t stream) {
-  return launch_kernel(skinny_linear_kernel<T, MT>, dim3((unsigned)(a.N / kTileN), (unsigned)a.splits), kWarps * 32,
-                       0, stream, a);
+// The kernel for M rows (1 to 64): its m16 tiles.
+template <typename T> void (*kernel_for(int M))(SkinnyArgs, unsigned) {
+  switch ((M + 15) / 16) {
+    case 1: return skinny_linear_kernel<T, 1>;
+    case 2: return skinny_linear_kernel<T, 2>;
+    case 3: return skinny_linear_kernel<T, 3>;
+    default: return skinny_linear_kernel<T, 4>;
+  }
 }
 
 }  // namespace
 
-// About two blocks an SM, with the float32 partials (4 splits M N bytes, written and read once) at most half the
-// weights' bytes (2 N K), and at least one chunk of K a split. FW_SKINNY_SPLITS overrides it (read per call: the
-// benchmark's sweeps).
-int skinny_linear_splits(int M, int N, int K, int sms) {
+// As many blocks as are resident on the GPU at once (one wave), with the float32 partials (4 splits M N bytes,
+// written and read once) at most half the weights' bytes (2 N K), and at least one chunk of K a split.
+// FW_SKINNY_SPLITS overrides it (read per call: the benchmark's sweeps).
+int skinny_linear_splits(DType dt, int M, int N, int K, int sms) {
+  const void* kernel = dt == DType::BF16  ? (const void*)kernel_for<__nv_bfloat16>(M)
+                       : dt == DType::F16 ? (const void*)kernel_for<__half>(M)
+                                          : nullptr;
+  if (kernel == nullptr) return 1;  // no kernel: the launch refuses the dtype
   const int tiles = N / kTileN, chunks = K / kChunk, rows = (M + 15) / 16 * 16;
-  int s = (2 * sms + tiles - 1) / tiles;
+  int s = std::max(1, resident_blocks(kernel, kWarps * 32, 0) * sms / tiles);
   s = std::min(s, std::max(1, K / (4 * rows)));
   s = int_from_env("FW_SKINNY_SPLITS", s);
-  return std::max(1, std::min(s, chunks));
+  return std::max(1, std::min({s, chunks, 65535}));  // 65535: the grid's y limit
 }
 
 cudaError_t skinny_linear(DType dt, const SkinnyArgs& a, cudaStream_t stream) {
@@ -156,13 +165,8 @@ cudaError_t skinny_linear(DType dt, const SkinnyArgs& a, cudaStream_t stream) {
     if constexpr (std::is_same_v<T, float>) {
       return cudaErrorInvalidValue;  // tensor cores take the 16-bit types only
     } else {
-      switch ((a.M + 15) / 16) {
-        case 1: return launch<T, 1>(a, stream);
-        case 2: return launch<T, 2>(a, stream);
-        case 3: return launch<T, 3>(a, stream);
-        case 4: return launch<T, 4>(a, stream);
-      }
-      return cudaErrorInvalidValue;
+      return launch_kernel(kernel_for<T>(a.M), dim3((unsigned)(a.N / kTileN), (unsigned)a.splits), kWarps * 32, 0,
+                           stream, a);
     }
   });
 }
@@ -193,7 +197,8 @@ Tensor skinny_linear(const Tensor& x, const Tensor& weight) {
   if (reinterpret_cast<uintptr_t>(wc.data_ptr()) % 16 != 0) wc = wc.clone(at::MemoryFormat::Contiguous);
   auto out = at::empty({M, N}, x.options());
   auto stream = at::cuda::getCurrentCUDAStream();
-  const int splits = fw::skinny_linear_splits((int)M, (int)N, (int)K, sm_count());
+  const auto dt = dtype_of(x, op, "x");
+  const int splits = fw::skinny_linear_splits(dt, (int)M, (int)N, (int)K, sm_count());
   Tensor partial, local_counters;
   fw::SkinnyArgs a{xc.data_ptr(), wc.data_ptr(), out.data_ptr(), nullptr, nullptr, (int)M, (int)N, (int)K, splits};
   if (splits > 1) {
@@ -201,7 +206,7 @@ Tensor skinny_linear(const Tensor& x, const Tensor& weight) {
     a.partial = partial.data_ptr<float>();
     a.counters = zeroed_counters(N / 64, x, stream, local_counters);
   }
-  check_launch(fw::skinny_linear(dtype_of(x, op, "x"), a, stream), op);
+  check_launch(fw::skinny_linear(dt, a, stream), op);
   return out;
 }
 
