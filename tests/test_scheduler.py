@@ -61,9 +61,30 @@ def test_scheduler_admits_as_blocks_free_up():
         Scheduler([RowState(row=0, prompt=[1] * 40, limit=8)], BlockManager(4, 4), 8)
 
 
+def test_admission_batch_holds_back_a_row_that_fits_alone():
+    """Four rows run on 8 blocks of 4; the first to finish frees 2 blocks, room for the next waiting row alone. With
+    admit_batch 1 it joins at once; with admit_batch 2 it waits while two or more rows run, and joins with the rows
+    after it once fewer do."""
+    def setup(admit_batch):
+        bm = BlockManager(1 + 8, 4)
+        rows = [RowState(row=i, prompt=[i + 1] * 5, limit=4) for i in range(5)]   # 2 blocks each
+        rows.append(RowState(row=5, prompt=[9] * 5, limit=4))
+        sched = Scheduler(rows, bm, max_num_seqs=8, admit_batch=admit_batch)
+        assert sched.admit() == rows[:4] and bm.num_free == 0
+        sched.finish(rows[0], "length")
+        return rows, sched
+
+    rows, sched = setup(1)
+    assert sched.admit() == [rows[4]]
+    rows, sched = setup(2)
+    assert sched.admit() == []                     # 3 rows run; the next two need 4 blocks, 2 are free
+    sched.finish(rows[1], "length")
+    assert sched.admit() == rows[4:]               # 4 free: both join in one prefill
+
+
 def test_while_enough_rows_run_admission_waits_for_a_batch():
-    """admit_batch 2: with two rows or more running, waiting rows join only two at a time, counting the blocks
-    a group's second row shares with its leader; with fewer running they join one by one, as with batch 1."""
+    """admit_batch 2: a group of two joins once its leader's 3 blocks and its second row's 1 fit together (the
+    second shares the leader's full blocks); with no row running, a row joins alone."""
     def setup(admit_batch):
         bm = BlockManager(1 + 8, 4)   # 8 blocks: four rows of 5 + 4 tokens (2 blocks each)
         rows = [RowState(row=i, prompt=[i + 1] * 5, limit=4) for i in range(4)]

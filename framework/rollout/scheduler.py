@@ -7,11 +7,11 @@ is written at, with blocks to spare for the running rows' next writes, so that a
 preempt a running row: `watermark`, 5% of the pool (at least one block), or what the running rows and the row
 itself can still take at most (`outstanding` and its own rest) when that is less. A pool that holds every row's
 prompt and limit thus admits as many rows at once as reserving them would. While `admit_batch` rows or more run
-(rollout.admit_batch), rows join in batches of that many: each prefill stalls the running rows while the host
-launches it, eagerly and for about as long at 100 tokens as at 5,000, so fewer and larger prefills cost less
-(`python -m benchmarks.rollout_schedule --admit-batches 1 8` counts them). Each later block is allocated by `grow`
-when the host queues the decode step whose KV write crosses into it. A finished row gives its blocks back at once,
-and the waiting rows they make room for join the batch at the next step.
+(rollout.admit_batch), waiting rows join only once that many of them fit at once: each prefill stalls the running
+rows while the host launches it, eagerly and for about as long at 100 tokens as at 5,000, so fewer and larger
+prefills cost less (`python -m benchmarks.rollout_schedule --admit-batches 1 8` counts them). Each later block is
+allocated by `grow` when the host queues the decode step whose KV write crosses into it. A finished row gives its
+blocks back at once, and the waiting rows they make room for join the batch at the next step.
 
 Preemption by recomputation: when a running row needs a block and none is free, the most recently admitted
 running row is preempted: its blocks go back (one reference each: blocks shared with its group and cached
@@ -25,10 +25,10 @@ any other (`finish` takes it out of the waiting queue when such a token ends it)
 while a token of it is in flight.
 
 No deadlock: one row's every block fits the pool (checked up front), a batch of fewer than `admit_batch` rows
-admits rows one by one, an empty batch admits its first waiting row whatever the watermark (or at the next step,
-once its tokens in flight are in), and the oldest running row always gets its next block: while none is free, rows
-admitted after it are preempted (the newest first), and once it runs alone every block it does not hold is free.
-It never preempts itself, so it finishes, and so does every row after it.
+admits rows as soon as they fit, an empty batch admits its first waiting row whatever the watermark (or at the
+next step, once its tokens in flight are in), and the oldest running row always gets its next block: while none is
+free, rows admitted after it are preempted (the newest first), and once it runs alone every block it does not hold
+is free. It never preempts itself, so it finishes, and so does every row after it.
 
 Prompt sharing: rows admitted together with the same context form a group whose first row (the leader) is
 prefilled; the others reference the leader's full blocks, get a copy of its last, partial block and its
@@ -108,7 +108,7 @@ class Scheduler:
     def admit(self) -> list[RowState]:
         """The waiting rows that join the batch now, in order (their first blocks allocated). While `admit_batch`
         rows or more run, none joins until the next `admit_batch` waiting rows (all of them, when fewer wait) can
-        join together, so that one prefill takes them."""
+        join together; then as many as fit join, so that one prefill takes them."""
         if len(self.running) >= self.admit_batch and not self._fit(min(self.admit_batch, len(self.waiting))):
             return []
         bm, bs = self.blocks, self.blocks.block_size
@@ -159,13 +159,16 @@ class Scheduler:
 
     def _fit(self, count: int) -> bool:
         """Whether the first `count` waiting rows can all be admitted now: `admit`'s arithmetic, nothing allocated.
-        As in `admit`, a row reuses the cached blocks of its prefix and the full blocks of the rows walked before it."""
+        As in `admit`, a row reuses the cached blocks of its prefix and the full blocks of the rows walked before it.
+        Not simulated: a block an earlier row allocates may evict a free cached block of a later row's prefix, so the
+        answer may be yes where `admit` then takes fewer rows (it checks each one itself)."""
         if len(self.running) + count > self.max_num_seqs:
             return False
         bm, bs = self.blocks, self.blocks.block_size
         free, outstanding = bm.num_free, self.outstanding
         leaders: set[tuple[int, ...]] = set()
         registered: set[int] = set()   # hashes of the full blocks the rows walked so far would hold
+        held: set[int] = set()         # the cached blocks among them
         for seq in itertools.islice(self.waiting, count):
             if seq.issued > len(seq.tokens):
                 return False
@@ -177,14 +180,15 @@ class Scheduler:
                 seq.hashes = block_hashes(seq.prompt + seq.tokens, bs, seq.hashes)
                 need = total
                 for h in seq.hashes[:(seq.context - 1) // bs]:   # the cached run, as `cached_prefix` finds it
-                    if h in registered:   # a block an earlier row of the walk holds: shared, no free block
+                    b = bm.cached.get(h)
+                    if (b is None and h in registered) or b in held:   # an earlier row's block: shared
                         need -= 1
                         continue
-                    b = bm.cached.get(h)
                     if b is None:
                         break
                     if bm.refs[b]:   # a running row's block: shared; a free cached one comes off the free list
                         need -= 1
+                    held.add(b)
                 registered.update(seq.hashes)
                 leaders.add(context)
             if free < need + self._spare(seq, total, outstanding):
