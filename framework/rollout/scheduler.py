@@ -177,7 +177,7 @@ class Scheduler:
             if context in leaders:   # its group leader's full blocks
                 need = total - seq.context // bs
             else:
-                seq.hashes = block_hashes(seq.prompt + seq.tokens, bs, seq.hashes)
+                seq.hashes = block_hashes(context, bs, seq.hashes)
                 need = total
                 for h in seq.hashes[:(seq.context - 1) // bs]:   # the cached run, as `cached_prefix` finds it
                     b = bm.cached.get(h)
