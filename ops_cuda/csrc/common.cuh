@@ -83,6 +83,17 @@ template <typename T, int N> __device__ __forceinline__ void store_vec(T* p, con
   *reinterpret_cast<Vec<T, N>*>(p) = v;
 }
 
+// 16 bytes from global to shared memory without passing through registers (cp.async, sm_80+), in commit groups
+// that cp_async_wait<N> waits for until at most N are in flight.
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool pred) {
+  const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+  const int n = pred ? 16 : 0;  // 0: no global read, the 16 bytes are zero-filled
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(n) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N> __device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
 // d += a b for one m16n8k16 tile, 16-bit operands of type T, fp32 accumulators.
 template <typename T>
 __device__ __forceinline__ void mma16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
@@ -223,9 +234,11 @@ inline int resident_blocks(const void* kernel, int threads, size_t smem) {
 }
 
 // kernel<<<grid, block, smem, stream>>>(args..., trigger_from), with PDL on Hopper (the kernel starts with
-// pdl_begin(trigger_from)). Without PDL no block lets dependents launch. Returns the launch's error.
+// pdl_begin(trigger_from)) and, where `cluster` is more than one block, thread block clusters of that shape (sm_90).
+// Without PDL no block lets dependents launch. Returns the launch's error.
 template <typename... P, typename... A>
-cudaError_t launch_kernel(void (*kernel)(P...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream, A&&... args) {
+cudaError_t launch_cluster_kernel(void (*kernel)(P...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                                  dim3 cluster, A&&... args) {
   // PDL where the device has compute capability 9.x and FW_PDL is not 0 (read every call: the benchmark's A/B)
   int dev = 0;
   const bool pdl = cudaGetDevice(&dev) == cudaSuccess &&
@@ -238,19 +251,32 @@ cudaError_t launch_kernel(void (*kernel)(P...), dim3 grid, dim3 block, size_t sm
                          resident_blocks((const void*)kernel, threads, smem);
     trigger_from = blocks > wave ? (unsigned)(blocks - wave) : 0u;
   }
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchAttribute attr[2];
+  unsigned n = 0;
+  if (pdl) {
+    attr[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[n++].val.programmaticStreamSerializationAllowed = 1;
+  }
+  if (cluster.x * cluster.y * cluster.z > 1) {
+    attr[n].id = cudaLaunchAttributeClusterDimension;
+    attr[n].val.clusterDim.x = cluster.x;
+    attr[n].val.clusterDim.y = cluster.y;
+    attr[n++].val.clusterDim.z = cluster.z;
+  }
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = grid;
   cfg.blockDim = block;
   cfg.dynamicSmemBytes = smem;
   cfg.stream = stream;
   cfg.attrs = attr;
-  cfg.numAttrs = pdl ? 1 : 0;
+  cfg.numAttrs = n;
   const cudaError_t e = cudaLaunchKernelEx(&cfg, kernel, std::forward<A>(args)..., trigger_from);
   const cudaError_t last = cudaGetLastError();  // clears the error a failed launch also leaves behind
   return e != cudaSuccess ? e : last;
+}
+template <typename... P, typename... A>
+cudaError_t launch_kernel(void (*kernel)(P...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream, A&&... args) {
+  return launch_cluster_kernel(kernel, grid, block, smem, stream, dim3(1, 1, 1), std::forward<A>(args)...);
 }
 
 // The deterministic second half of a weight gradient whose blocks each left one float32 partial row: out[c] = the

@@ -1,10 +1,12 @@
 // skinny_linear: out [M, N] = x [M, K] @ weight [N, K]^T for the few rows of a decode step (1 <= M <= 64), 16-bit
 // operands, float32 accumulation. A decode step's projections onto the hidden state (`o`, `down`: N = hidden, K
 // larger) have few output tiles, and cuBLAS reads their weights far below the copy rate there (`python -m
-// benchmarks.ops.decode_gemm`). Here a block computes 64 columns over a slice of K (split-K): a wave of blocks
-// whatever N is, every weight byte read once, by 16-byte loads marked evict-first in L1 and L2. The split blocks of a
-// tile leave float32 partials; the last to arrive (a counter per tile, which it resets) adds them in split order and
-// writes the tile, so the result is deterministic.
+// benchmarks.ops.decode_gemm`). Here a block computes 64 columns over a slice of K (split-K), the splits of a tile
+// forming one thread block cluster (sm_90): weights and x stream through a ring of shared-memory stages by
+// cp.async, the tensor cores take them by ldmatrix, and the splits' float32 tiles are summed in rank order through
+// distributed shared memory, so the result is deterministic and no partials go through global memory.
+#include <cooperative_groups.h>
+
 #include "common.cuh"
 #include "torch_utils.h"
 
@@ -14,8 +16,6 @@ struct SkinnyArgs {
   const void* x;    // [M, K]
   const void* w;    // [N, K]
   void* out;        // [M, N]
-  float* partial;   // [splits, M, N] when splits > 1
-  int* counters;    // [N / 64], zero at launch, when splits > 1
   int M, N, K, splits;
 };
 
@@ -27,98 +27,131 @@ int skinny_linear_splits(DType dt, int M, int N, int K, int sms);
 namespace fw {
 namespace {
 
-constexpr int kTileN = 64;  // columns of a block: one n8 tile a warp
-constexpr int kWarps = 8;
-constexpr int kChunk = 64;  // elements of K a lane quad loads at once: 16 a lane, the operands of 4 mma k-steps
+constexpr int kTileN = 64;   // columns of a block: 16 a warp, two n8 tiles
+constexpr int kWarps = 4;
+constexpr int kChunk = 64;   // elements of K a stage holds: 128 bytes a row, eight 16-byte pieces
+constexpr int kStages = 4;   // kStages - 1 chunks in flight while one is multiplied
+constexpr int kMaxSplits = 8;  // the portable cluster size
 
-// Block (tile, split): columns 64 tile .. 64 tile + 63, K chunks [split chunks / splits, (split + 1) chunks / splits).
-// Warp w computes the n8 tile of columns 64 tile + 8 w .. + 7 over the block's K range for MT m16 tiles of rows.
-// Lane (g = lane / 4, t = lane % 4) loads, per 64-element chunk of K at kc, the 16 elements kc + 16 t .. + 15 of
-// weight row 64 tile + 8 w + g and of x rows g and g + 8 of each m tile. K-step s of the chunk takes elements
-// 4 s .. 4 s + 3 of them as the k slots 2t, 2t + 1, 2t + 8, 2t + 9 of its A and B fragments: each k-step covers 16
-// of the chunk's k values, the same ones in A and B, and the four k-steps cover all 64, which is all a dot product
-// needs. Rows past M load row M - 1 and are not written.
+// Shared memory of one stage for MT m16 tiles of x: the weights' 64 rows, then x's 16 MT rows, 128 bytes each.
+template <int MT> constexpr int stage_elems() { return (kTileN + 16 * MT) * kChunk; }
+template <int MT> constexpr int smem_bytes() { return kStages * stage_elems<MT>() * 2; }
+// The split tile's float32 sums, a padded row of 64 columns a row of x (inside the ring, once it is drained).
+constexpr int kRedPitch = kTileN + 4;
+static_assert(kRedPitch * 4 * 64 <= smem_bytes<4>(), "the float32 tile fits in the ring");
+
+// Row r's 16-byte piece j of a stage lives at piece j ^ (r % 8) of its 128-byte row, so that the eight rows an
+// ldmatrix phase reads fall in eight different bank groups.
+__device__ __forceinline__ int swz(int r, int j) { return r * kChunk + ((j ^ (r & 7)) << 3); }
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* p) {
+  const unsigned s = (unsigned)__cvta_generic_to_shared(p);
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(s));
+}
+
+// Block (tile, split): columns 64 tile .. + 63 over K chunks [split chunks / splits, (split + 1) chunks / splits).
+// Warp w computes columns 64 tile + 16 w .. + 15 for the MT m16 tiles of x's rows (rows past M are zeros).
 template <typename T, int MT>
 __global__ void __launch_bounds__(kWarps * 32)
 skinny_linear_kernel(SkinnyArgs a, unsigned trigger_from) {
   pdl_begin(trigger_from);
-  __shared__ int last;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  T* ring = reinterpret_cast<T*>(smem_raw);
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int tile = blockIdx.x, split = blockIdx.y;
   const int chunks = a.K / kChunk;
   const int c0 = (int)((int64_t)split * chunks / a.splits), c1 = (int)((int64_t)(split + 1) * chunks / a.splits);
-  const T* wrow = static_cast<const T*>(a.w) + (int64_t)(tile * kTileN + warp * 8 + g) * a.K + 16 * t;
-  const T* xrow[MT][2];
+  const int n = c1 - c0;
+  const T* w = static_cast<const T*>(a.w) + (int64_t)tile * kTileN * a.K;
+  const T* x = static_cast<const T*>(a.x);
+
+  // chunk c into stage st: the weights' 64 rows x 8 pieces and x's 16 MT rows x 8 pieces over 128 threads
+  auto load = [&](int st, int c) {
+    T* base = ring + st * stage_elems<MT>();
+    const int64_t k0 = (int64_t)c * kChunk;
 #pragma unroll
-  for (int m = 0; m < MT; ++m)
-#pragma unroll
-    for (int h = 0; h < 2; ++h)
-      xrow[m][h] = static_cast<const T*>(a.x) + (int64_t)min(16 * m + 8 * h + g, a.M - 1) * a.K + 16 * t;
-  const uint64_t pol = l2_evict_first_policy();
-  float acc[MT][4] = {};
-  // the next chunk's weights are in flight while this chunk's products run
-  Vec<T, 8> wv[2], wn[2];
-  if (c0 < c1) {
-    wv[0] = load_vec_evict_first<T, 8>(wrow + (int64_t)c0 * kChunk, pol);
-    wv[1] = load_vec_evict_first<T, 8>(wrow + (int64_t)c0 * kChunk + 8, pol);
-  }
-  for (int c = c0; c < c1; ++c) {
-    if (c + 1 < c1) {
-      wn[0] = load_vec_evict_first<T, 8>(wrow + (int64_t)(c + 1) * kChunk, pol);
-      wn[1] = load_vec_evict_first<T, 8>(wrow + (int64_t)(c + 1) * kChunk + 8, pol);
+    for (int i = tid; i < kTileN * 8; i += kWarps * 32) {
+      const int r = i >> 3, j = i & 7;
+      cp_async16(base + swz(r, j), w + r * (int64_t)a.K + k0 + 8 * j, true);
     }
-    Vec<T, 8> xv[MT][2][2];
+#pragma unroll
+    for (int i = tid; i < 16 * MT * 8; i += kWarps * 32) {
+      const int r = i >> 3, j = i & 7;
+      const bool in = r < a.M;
+      cp_async16(base + swz(kTileN + r, j), x + (in ? r : 0) * (int64_t)a.K + k0 + 8 * j, in);
+    }
+  };
+
+#pragma unroll
+  for (int st = 0; st < kStages - 1; ++st) {
+    if (st < n) load(st, c0 + st);
+    cp_async_commit();
+  }
+  float acc[MT][2][4] = {};
+  // ldmatrix addresses: lane l gives row l % 8 of matrix l / 8
+  const int q = lane >> 3, r8 = lane & 7;
+  for (int i = 0; i < n; ++i) {
+    cp_async_wait<kStages - 2>();
+    __syncthreads();  // chunk i is in for every thread; the stage refilled next was read by all warps at i - 1
+    if (i + kStages - 1 < n) load((i + kStages - 1) % kStages, c0 + i + kStages - 1);
+    cp_async_commit();
+    const T* base = ring + (i % kStages) * stage_elems<MT>();
+#pragma unroll
+    for (int s = 0; s < kChunk / 16; ++s) {
+      uint32_t b[4];  // b[0], b[1]: the first n8 tile's k halves; b[2], b[3]: the second's
+      ldmatrix_x4(b, base + swz(16 * warp + 8 * (q >> 1) + r8, 2 * s + (q & 1)));
+#pragma unroll
+      for (int m = 0; m < MT; ++m) {
+        uint32_t af[4];
+        ldmatrix_x4(af, base + swz(kTileN + 16 * m + 8 * (q & 1) + r8, 2 * s + (q >> 1)));
+        mma16816<T>(acc[m][0], af, b[0], b[1]);
+        mma16816<T>(acc[m][1], af, b[2], b[3]);
+      }
+    }
+  }
+
+  // acc[m][j][2h], acc[m][j][2h + 1]: row 16 m + 8 h + g, columns 16 warp + 8 j + 2 t (+ 1) of the tile
+  const int g = lane >> 2, t = lane & 3;
+  if (a.splits == 1) {
 #pragma unroll
     for (int m = 0; m < MT; ++m)
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        xv[m][h][0] = load_vec<T, 8>(xrow[m][h] + (int64_t)c * kChunk);
-        xv[m][h][1] = load_vec<T, 8>(xrow[m][h] + (int64_t)c * kChunk + 8);
-      }
-    const uint32_t* wu = reinterpret_cast<const uint32_t*>(wv);  // the lane's 16 weights as 8 pairs
+        const int row = 16 * m + 8 * h + g;
+        if (row >= a.M) continue;
 #pragma unroll
-    for (int s = 0; s < 4; ++s) {
-#pragma unroll
-      for (int m = 0; m < MT; ++m) {
-        const uint32_t* r0 = reinterpret_cast<const uint32_t*>(xv[m][0]);
-        const uint32_t* r1 = reinterpret_cast<const uint32_t*>(xv[m][1]);
-        const uint32_t af[4] = {r0[2 * s], r1[2 * s], r0[2 * s + 1], r1[2 * s + 1]};
-        mma16816<T>(acc[m], af, wu[2 * s], wu[2 * s + 1]);
+        for (int j = 0; j < 2; ++j) {
+          const int64_t off = (int64_t)row * a.N + tile * kTileN + 16 * warp + 8 * j + 2 * t;
+          *reinterpret_cast<uint32_t*>(static_cast<T*>(a.out) + off) = pack2<T>(acc[m][j][2 * h], acc[m][j][2 * h + 1]);
+        }
       }
-    }
-    wv[0] = wn[0];
-    wv[1] = wn[1];
+    return;
   }
-
-  // acc[m][2h], acc[m][2h + 1]: row 16 m + 8 h + g, columns col and col + 1; unsplit, the output, else a partial
-  const int col = tile * kTileN + warp * 8 + 2 * t;
-  const int64_t plane = (int64_t)a.M * a.N;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  namespace cg = cooperative_groups;
+  cp_async_wait<0>();
+  __syncthreads();  // the ring is drained and read: it holds the float32 tile now
+  float* red = reinterpret_cast<float*>(smem_raw);
 #pragma unroll
   for (int m = 0; m < MT; ++m)
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int row = 16 * m + 8 * h + g;
-      if (row >= a.M) continue;
-      const int64_t off = (int64_t)row * a.N + col;
-      if (a.splits == 1)
-        *reinterpret_cast<uint32_t*>(static_cast<T*>(a.out) + off) = pack2<T>(acc[m][2 * h], acc[m][2 * h + 1]);
-      else
-        *reinterpret_cast<float2*>(a.partial + split * plane + off) = make_float2(acc[m][2 * h], acc[m][2 * h + 1]);
-    }
-  if (a.splits == 1) return;
-  __threadfence();  // this block's partials before its arrival
-  __syncthreads();
-  if (threadIdx.x == 0) last = atomicAdd(a.counters + tile, 1) == a.splits - 1;
-  __syncthreads();
-  if (!last) return;
-  __threadfence();  // the other splits' partials after their arrivals
-  // four columns a thread, the splits' loads unrolled so that several are in flight at once
-  for (int i = threadIdx.x; i < a.M * (kTileN / 4); i += blockDim.x) {
-    const int64_t off = (int64_t)(i / (kTileN / 4)) * a.N + tile * kTileN + 4 * (i % (kTileN / 4));
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int j = 0; j < 2; ++j)
+        *reinterpret_cast<float2*>(red + (16 * m + 8 * h + g) * kRedPitch + 16 * warp + 8 * j + 2 * t) =
+            make_float2(acc[m][j][2 * h], acc[m][j][2 * h + 1]);
+  cg::cluster_group cluster = cg::this_cluster();
+  cluster.sync();  // every split's tile is in its shared memory
+  // split r writes rows r, r + splits, ...: four columns a thread, the splits' tiles summed in rank order
+  for (int i = tid; i < a.M * (kTileN / 4); i += kWarps * 32) {
+    const int row = split + a.splits * (i / (kTileN / 4));
+    if (row >= a.M) break;
+    const int col = 4 * (i % (kTileN / 4));
     float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll 4
-    for (int sp = 0; sp < a.splits; ++sp) {  // in split order: the same sum at every launch
-      const float4 v = __ldcg(reinterpret_cast<const float4*>(a.partial + sp * plane + off));
+    for (int rank = 0; rank < a.splits; ++rank) {
+      const float4 v = *reinterpret_cast<const float4*>(cluster.map_shared_rank(red, rank) + row * kRedPitch + col);
       sum.x += v.x;
       sum.y += v.y;
       sum.z += v.z;
@@ -127,9 +160,12 @@ skinny_linear_kernel(SkinnyArgs a, unsigned trigger_from) {
     uint2 packed;
     packed.x = pack2<T>(sum.x, sum.y);
     packed.y = pack2<T>(sum.z, sum.w);
-    *reinterpret_cast<uint2*>(static_cast<T*>(a.out) + off) = packed;
+    *reinterpret_cast<uint2*>(static_cast<T*>(a.out) + (int64_t)row * a.N + tile * kTileN + col) = packed;
   }
-  if (threadIdx.x == 0) a.counters[tile] = 0;  // for the next launch or graph replay
+  cluster.sync();  // no block leaves while another reads its shared memory
+#else
+  __trap();  // split K without the cluster reduction: the host never launches it (skinny_linear_splits)
+#endif
 }
 
 // The kernel for M rows (1 to 64): its m16 tiles.
@@ -141,22 +177,41 @@ template <typename T> void (*kernel_for(int M))(SkinnyArgs, unsigned) {
     default: return skinny_linear_kernel<T, 4>;
   }
 }
+int smem_for(int M) {
+  switch ((M + 15) / 16) {
+    case 1: return smem_bytes<1>();
+    case 2: return smem_bytes<2>();
+    case 3: return smem_bytes<3>();
+    default: return smem_bytes<4>();
+  }
+}
+template <typename T> cudaError_t allow_smem(int M) {
+  switch ((M + 15) / 16) {
+    case 1: return allow_dynamic_smem<skinny_linear_kernel<T, 1>>(smem_bytes<1>());
+    case 2: return allow_dynamic_smem<skinny_linear_kernel<T, 2>>(smem_bytes<2>());
+    case 3: return allow_dynamic_smem<skinny_linear_kernel<T, 3>>(smem_bytes<3>());
+    default: return allow_dynamic_smem<skinny_linear_kernel<T, 4>>(smem_bytes<4>());
+  }
+}
 
 }  // namespace
 
-// As many blocks as are resident on the GPU at once (one wave), with the float32 partials (4 splits M N bytes,
-// written and read once) at most half the weights' bytes (2 N K), and at least one chunk of K a split.
-// FW_SKINNY_SPLITS overrides it (read per call: the benchmark's sweeps).
+// As many splits of K (a cluster of blocks a tile, at most 8) as fill the blocks resident at once, each of at least
+// one chunk; one split on GPUs other than compute capability 9. FW_SKINNY_SPLITS overrides it (read per call: the
+// benchmark's sweeps), within those limits.
 int skinny_linear_splits(DType dt, int M, int N, int K, int sms) {
+  int dev = 0;
+  // the cluster reduction is compiled for sm_90 only: other GPUs run the compute_80 code, unsplit
+  if (cudaGetDevice(&dev) != cudaSuccess || device_attribute<cudaDevAttrComputeCapabilityMajor>(dev) != 9) return 1;
   const void* kernel = dt == DType::BF16  ? (const void*)kernel_for<__nv_bfloat16>(M)
                        : dt == DType::F16 ? (const void*)kernel_for<__half>(M)
                                           : nullptr;
   if (kernel == nullptr) return 1;  // no kernel: the launch refuses the dtype
-  const int tiles = N / kTileN, chunks = K / kChunk, rows = (M + 15) / 16 * 16;
-  int s = std::max(1, resident_blocks(kernel, kWarps * 32, 0) * sms / tiles);
-  s = std::min(s, std::max(1, K / (4 * rows)));
+  if ((dt == DType::BF16 ? allow_smem<__nv_bfloat16>(M) : allow_smem<__half>(M)) != cudaSuccess) return 1;
+  const int tiles = N / kTileN, chunks = K / kChunk;
+  int s = std::max(1, resident_blocks(kernel, kWarps * 32, smem_for(M)) * sms / tiles);
   s = int_from_env("FW_SKINNY_SPLITS", s);
-  return std::max(1, std::min({s, chunks, 65535}));  // 65535: the grid's y limit
+  return std::max(1, std::min({s, chunks, kMaxSplits}));
 }
 
 cudaError_t skinny_linear(DType dt, const SkinnyArgs& a, cudaStream_t stream) {
@@ -165,8 +220,10 @@ cudaError_t skinny_linear(DType dt, const SkinnyArgs& a, cudaStream_t stream) {
     if constexpr (std::is_same_v<T, float>) {
       return cudaErrorInvalidValue;  // tensor cores take the 16-bit types only
     } else {
-      return launch_kernel(kernel_for<T>(a.M), dim3((unsigned)(a.N / kTileN), (unsigned)a.splits), kWarps * 32, 0,
-                           stream, a);
+      const cudaError_t e = allow_smem<T>(a.M);
+      if (e != cudaSuccess) return e;
+      return launch_cluster_kernel(kernel_for<T>(a.M), dim3((unsigned)(a.N / kTileN), (unsigned)a.splits),
+                                   kWarps * 32, smem_for(a.M), stream, dim3(1, (unsigned)a.splits, 1), a);
     }
   });
 }
@@ -199,13 +256,7 @@ Tensor skinny_linear(const Tensor& x, const Tensor& weight) {
   auto stream = at::cuda::getCurrentCUDAStream();
   const auto dt = dtype_of(x, op, "x");
   const int splits = fw::skinny_linear_splits(dt, (int)M, (int)N, (int)K, sm_count());
-  Tensor partial, local_counters;
-  fw::SkinnyArgs a{xc.data_ptr(), wc.data_ptr(), out.data_ptr(), nullptr, nullptr, (int)M, (int)N, (int)K, splits};
-  if (splits > 1) {
-    partial = at::empty({splits, M, N}, x.options().dtype(at::kFloat));
-    a.partial = partial.data_ptr<float>();
-    a.counters = zeroed_counters(N / 64, x, stream, local_counters);
-  }
+  fw::SkinnyArgs a{xc.data_ptr(), wc.data_ptr(), out.data_ptr(), (int)M, (int)N, (int)K, splits};
   check_launch(fw::skinny_linear(dt, a, stream), op);
   return out;
 }
