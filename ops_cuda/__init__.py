@@ -24,12 +24,12 @@ from ops_cuda.rms_norm import rms_norm
 from ops_cuda.rope import rope
 from ops_cuda.sample import sample
 from ops_cuda.shared_prompt_attention import shared_prompt_attention
-from ops_cuda.skinny_linear import skinny_linear
+from ops_cuda.skinny_linear import linear, skinny_linear
 from ops_cuda.swiglu import swiglu
 from ops_cuda.varlen_attention import packed_sequences, varlen_attention, varlen_suffix_attention
 
 __all__ = ["SAVED_LOGITS_CHUNK", "adamw_step", "add_rms_norm", "attention", "build", "cuda_backend",
-           "decode_attention", "doctor", "linear_logprob", "merge_attention_states", "packed_sequences",
+           "decode_attention", "doctor", "linear", "linear_logprob", "merge_attention_states", "packed_sequences",
            "paged_decode_attention", "paged_prefill_attention", "qk_norm_rope", "qk_norm_rope_write", "rms_norm",
            "rope", "sample", "shared_prompt_attention", "skinny_linear", "swiglu", "varlen_attention",
            "varlen_suffix_attention"]

@@ -4,13 +4,16 @@ bfloat16 or float16 with K and N multiples of 64.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ops_cuda.library import acc_dtype, define, fail, need_dim
+from ops_cuda.library import acc_dtype, cuda_state, define, fail, need_dim
 
-MAX_ROWS = 64   # the most rows of x the CUDA kernel takes
+MAX_ROWS = 64      # the most rows of x the CUDA kernel takes
+ROUTED_ROWS = 16   # the most rows `linear` sends to it
 
 
 def skinny_linear_reference(x: Tensor, weight: Tensor) -> Tensor:
@@ -24,8 +27,9 @@ define("skinny_linear(Tensor x, Tensor weight) -> Tensor", skinny_linear_referen
 
 def skinny_linear(x: Tensor, weight: Tensor) -> Tensor:
     """x [M, K] @ weight [N, K]^T, as F.linear without a bias, float32 accumulation. On CUDA: bfloat16 or float16
-    operands of one dtype, 1 <= M <= MAX_ROWS, K and N multiples of 64; every weight byte is read once, by a wave of
-    blocks whatever N is (an output of few tiles splits K, reduced in a fixed order: the same result at every call)."""
+    operands of one dtype, 1 <= M <= MAX_ROWS, K and N multiples of 64; every weight byte is read once. An output of
+    few tiles splits K over a cluster of up to 8 blocks (sm_90), summed in a fixed order: the same result at every
+    call."""
     op = "skinny_linear"
     need_dim(op, "x", x, 2, "[M, K]")
     need_dim(op, "weight", weight, 2, "[N, K]")
@@ -34,3 +38,29 @@ def skinny_linear(x: Tensor, weight: Tensor) -> Tensor:
     if x.dtype != weight.dtype:
         fail(op, f"x and weight must share a dtype, got {x.dtype} and {weight.dtype}")
     return torch.ops.fw.skinny_linear(x, weight)
+
+
+def skinny_fits(x: Tensor, weight: Tensor) -> bool:
+    """Whether `skinny_linear`'s CUDA kernel takes x @ weight.T: CUDA operands of one 16-bit dtype, x [M, K] with
+    M <= MAX_ROWS, K and N multiples of 64, no gradient wanted, and the kernels loaded (or not tried yet)."""
+    return (x.is_cuda and x.dim() == 2 and weight.dim() == 2 and 1 <= x.shape[0] <= MAX_ROWS
+            and x.dtype == weight.dtype and x.dtype in (torch.bfloat16, torch.float16)
+            and x.shape[1] == weight.shape[1] and x.shape[1] % 64 == 0 and weight.shape[0] % 64 == 0
+            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+            and cuda_state["backend"] != "reference")
+
+
+def takes_skinny(x: Tensor, weight: Tensor) -> bool:
+    """Whether `linear` sends x @ weight.T to `skinny_linear`: where it fits, for up to ROUTED_ROWS rows of a
+    projection whose output is no wider than its input (onto the hidden state: few output tiles, which cuBLAS
+    spreads over few SMs). There it is the faster of the two; elsewhere cuBLAS is (`python -m
+    benchmarks.ops.decode_gemm`). FW_SKINNY_LINEAR=0 never (the benchmarks' cuBLAS baseline), =all wherever it fits."""
+    mode = os.environ.get("FW_SKINNY_LINEAR", "1")
+    if mode == "0" or not skinny_fits(x, weight):
+        return False
+    return mode == "all" or (x.shape[0] <= ROUTED_ROWS and weight.shape[0] <= weight.shape[1])
+
+
+def linear(x: Tensor, weight: Tensor) -> Tensor:
+    """F.linear(x, weight) without a bias: through `skinny_linear` where `takes_skinny`, else cuBLAS."""
+    return torch.ops.fw.skinny_linear(x, weight) if takes_skinny(x, weight) else F.linear(x, weight)

@@ -2,6 +2,7 @@ import os
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 # The suite's models are tiny and CI has 2 cores: intra-op threads only contend with each other (and
 # with the subprocesses some tests start, which inherit OMP_NUM_THREADS). One thread is faster and
@@ -60,3 +61,15 @@ def peaked_tiny_model(tok, seed: int = 0):
 def model(tok):
     """The rollout engine tests' model."""
     return peaked_tiny_model(tok)
+
+
+class OpLog(TorchDispatchMode):
+    """The operators a block of code dispatches."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func.overloadpacket))
+        return func(*args, **(kwargs or {}))

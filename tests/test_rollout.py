@@ -6,7 +6,7 @@ from collections import Counter
 
 import pytest
 import torch
-from conftest import peaked_tiny_model
+from conftest import OpLog, peaked_tiny_model
 
 from framework.errors import FwError
 from framework.models import Qwen3ForCausalLM, save_pretrained
@@ -721,3 +721,40 @@ def test_cpu_prefill_logits_are_the_decode_logits_bit_for_bit(model, tok):
         # the keys/values the two paths wrote for the last position agree too
         b, o = (n - 1) // bs, (n - 1) % bs
         assert torch.equal(cache.k[:, mine[b], :, o], cache.k[:, other[b], :, o])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 16, 37, 64])
+def test_cuda_decode_step_projections_run_fws_gemm(model, rows, monkeypatch):
+    """A bf16 decode step's projections go through fw::skinny_linear (ops_cuda.linear): the `o` and `down` ones at up
+    to 16 rows by default, all four a layer at up to 64 with FW_SKINNY_LINEAR=all. Its logits are as close to a
+    float32 step on the same cache as those of the step through cuBLAS (FW_SKINNY_LINEAR=0)."""
+    from framework.models.qwen3 import PagedKVCache
+    from framework.rollout.kv_cache import decode_step
+
+    g = torch.Generator().manual_seed(rows)
+    L, Hk, D = model.config.num_hidden_layers, model.config.num_key_value_heads, model.config.head_dim
+    blocks, bs, width = 4 * rows + 1, 16, 4
+    pool = torch.randn(2, L, blocks, Hk, bs, D, generator=g)
+    tables = torch.randperm(blocks - 1, generator=g)[: rows * width].reshape(rows, width).cuda()
+    positions = torch.randint(0, bs * width, (rows,), generator=g)
+    tokens = torch.randint(0, model.config.vocab_size, (rows,), generator=g)
+    inputs = torch.stack([tokens, positions], 1).cuda()
+
+    def step(dtype, mode):
+        monkeypatch.setenv("FW_SKINNY_LINEAR", mode)
+        m = Qwen3ForCausalLM(model.config)
+        m.load_state_dict(model.state_dict())
+        m = m.to("cuda", dtype).eval()
+        cache = PagedKVCache(k=pool[0].to("cuda", dtype), v=pool[1].to("cuda", dtype))
+        with OpLog() as log:
+            logits = decode_step(m, cache, inputs, tables)
+        return logits.double(), log.ops.count("fw.skinny_linear")
+
+    want, none = step(torch.float32, "all")
+    cublas, zero = step(torch.bfloat16, "0")
+    assert none == 0 and zero == 0
+    for mode, calls in (("1", 2 * L if rows <= 16 else 0), ("all", 4 * L)):
+        fw, n = step(torch.bfloat16, mode)
+        assert n == calls, (mode, n)
+        assert (fw - want).abs().max() <= 1.5 * (cublas - want).abs().max() + 1e-2

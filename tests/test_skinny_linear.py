@@ -3,10 +3,11 @@ kernel at every row count it takes (1, 2, 3 and 4 m16 tiles, rows past M), split
 Qwen3's projections, bitwise the same result at every call and under a CUDA graph, and its refusals."""
 import pytest
 import torch
+from conftest import OpLog
 
 import ops_cuda
 from ops_cuda import library
-from ops_cuda.skinny_linear import MAX_ROWS
+from ops_cuda.skinny_linear import MAX_ROWS, ROUTED_ROWS
 
 
 def operands(m, k, n, dtype, device="cpu", seed=0):
@@ -78,10 +79,10 @@ def test_cuda_against_float64(dtype, k, n, m, kernels):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("splits", ["1", "5", "48"])
+@pytest.mark.parametrize("splits", ["1", "5", "8", "40"])
 def test_cuda_any_split_count_gives_the_product(splits, monkeypatch, kernels):
-    """FW_SKINNY_SPLITS (the benchmark's override) is read per call: unsplit, five uneven splits of K's 48 chunks,
-    one chunk a split."""
+    """FW_SKINNY_SPLITS (the benchmark's override) is read per call: unsplit, a cluster of five uneven splits of K's
+    48 chunks, the largest cluster, and a count above it (clamped to 8)."""
     monkeypatch.setenv("FW_SKINNY_SPLITS", splits)
     x, w = operands(20, 3072, 1024, torch.bfloat16, "cuda")
     got = ops_cuda.skinny_linear(x, w)
@@ -91,8 +92,7 @@ def test_cuda_any_split_count_gives_the_product(splits, monkeypatch, kernels):
 
 @pytest.mark.gpu
 def test_cuda_graph_replays_give_the_eager_result(kernels):
-    """The counters the last block of a tile resets, so every replay starts from zero: each replay writes the whole
-    output again (it is NaN before each)."""
+    """Each replay writes the whole output again (it is NaN before each), from the inputs' current values."""
     x, w = operands(48, 3072, 1024, torch.bfloat16, "cuda")
     eager = ops_cuda.skinny_linear(x, w)
     graph = torch.cuda.CUDAGraph()
@@ -128,3 +128,46 @@ def test_cuda_opcheck_and_refusals(kernels):
         torch.ops.fw.skinny_linear(x.float(), w.float())
     with pytest.raises(RuntimeError, match="must be a CUDA tensor"):
         torch.ops.fw.skinny_linear(x, w.cpu())
+
+
+def test_linear_is_f_linear_off_cuda():
+    """`ops_cuda.linear` (the paged forward's projections) takes cuBLAS's or the CPU's F.linear wherever the kernel
+    does not apply: the same bits."""
+    from ops_cuda.skinny_linear import skinny_fits
+
+    x, w = operands(4, 128, 64, torch.bfloat16)
+    assert not skinny_fits(x, w)
+    assert torch.equal(ops_cuda.linear(x, w), torch.nn.functional.linear(x, w))
+
+
+def routed(x, w):
+    with OpLog() as log:
+        out = ops_cuda.linear(x, w)
+    return "fw.skinny_linear" in log.ops, out
+
+
+@pytest.mark.gpu
+def test_cuda_linear_routes_a_few_rows_onto_the_hidden_state_to_the_kernel(kernels, monkeypatch):
+    """Up to ROUTED_ROWS rows of one 16-bit dtype, K and N multiples of 64, no gradient, an output no wider than the
+    input: fw's kernel; anything else: F.linear, which also takes a gradient and autocast's casts."""
+    x, w = operands(ROUTED_ROWS, 2048, 1024, torch.bfloat16, "cuda")
+    took, out = routed(x, w)
+    assert took and torch.equal(out, ops_cuda.skinny_linear(x, w))
+    assert routed(x[:1], w)[0] and routed(x.half(), w.half())[0]
+    assert not routed(torch.cat([x, x[:1]]), w)[0]              # one row more
+    assert not routed(x.float(), w.float())[0]                   # float32
+    with torch.autocast("cuda", dtype=torch.bfloat16):           # mixed dtypes: autocast's F.linear casts them
+        assert not routed(x, w.float())[0]
+    assert not routed(x[:, :1000], w[:, :1000])[0]               # K not a multiple of 64
+    assert not routed(x, w[:1000])[0]                            # N not a multiple of 64
+    _, wide = operands(1, 1024, 2048, torch.bfloat16, "cuda")   # [2048, 1024]: N > K
+    assert not routed(x[:, :1024].contiguous(), wide)[0]
+    w.requires_grad_(True)
+    assert not routed(x, w)[0]                                   # a gradient is wanted
+    with torch.no_grad():
+        assert routed(x, w)[0]
+    w.requires_grad_(False)
+    monkeypatch.setenv("FW_SKINNY_LINEAR", "all")                # wherever the kernel fits
+    assert routed(x[:, :1024].contiguous(), wide)[0] and routed(torch.cat([x] * 4), w)[0]
+    monkeypatch.setenv("FW_SKINNY_LINEAR", "0")                  # the benchmarks' cuBLAS baseline
+    assert not routed(x, w)[0]

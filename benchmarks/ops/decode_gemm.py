@@ -5,7 +5,8 @@ unless the K loop is split. Per preset and projection this times `F.linear` (wha
 splitting K by hand into s batched GEMMs whose partial products are summed (`split_k_linear`), each as CUDA-graph
 replays, with the weights' bytes read per second and its share of --gbps. Whether the weights' bytes bound the
 GEMM depends on M: 2 * M FLOP per 2-byte weight against the GPU's FLOP per byte of bandwidth. Up to 64 rows it
-also times `ops_cuda.skinny_linear` (a split-K kernel over every SM; `FW_SKINNY_SPLITS` overrides its split count).
+also times `ops_cuda.skinny_linear` (K split over a thread block cluster; `FW_SKINNY_SPLITS` overrides the split
+count).
 
     python -m benchmarks.ops.decode_gemm [--presets qwen3-0.6b,qwen3-4b,qwen3-8b] [--rows 64,256] [--splits 2,3,4]
 """

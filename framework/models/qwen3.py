@@ -52,6 +52,12 @@ def _normed(norm: RMSNorm, h: Tensor, consumer: nn.Module) -> Tensor:
     return cheap(_norm_cast, h, norm.weight, norm.eps, dtype)
 
 
+def _project(proj: nn.Module, x: Tensor) -> Tensor:
+    """proj(x) in a paged forward: a plain nn.Linear's weight through ops_cuda.linear, which takes a decode step's few
+    rows to fw's split-K GEMM. Adapters (LoRA) keep their own forward."""
+    return ops_cuda.linear(x, proj.weight) if type(proj) is nn.Linear and proj.bias is None else proj(x)
+
+
 @dataclass
 class KVCache:
     """Keys/values of every layer for a batch of right-padded rows; row b holds `lengths[b]` tokens."""
@@ -201,9 +207,10 @@ class Qwen3Attention(nn.Module):
         """Packed tokens x [N, d]: writes their k/v into the pools, then attends over each row's context."""
         f = batch.flash
         if f is None or f.context_blocks is not None:   # QK-norm, RoPE and the writes in one op
-            q = ops_cuda.qk_norm_rope_write(self.qkv_proj(x).to(k_pool.dtype), batch.positions, self.q_norm.weight,
-                                            self.k_norm.weight, self.q_norm.eps, self.config.rope_theta, k_pool,
-                                            v_pool, batch.write_blocks, batch.write_offsets)
+            qkv = _project(self.qkv_proj, x).to(k_pool.dtype)
+            q = ops_cuda.qk_norm_rope_write(qkv, batch.positions, self.q_norm.weight, self.k_norm.weight,
+                                            self.q_norm.eps, self.config.rope_theta, k_pool, v_pool,
+                                            batch.write_blocks, batch.write_offsets)
         else:   # the new tokens are the whole contexts: their k/v serve the attention as they are
             q, k, v = (t[0] for t in self._qkv(x[None], batch.positions[None]))
             k_pool[batch.write_blocks, :, batch.write_offsets] = k.to(k_pool.dtype)
@@ -220,7 +227,7 @@ class Qwen3Attention(nn.Module):
         else:
             out = ops_cuda.paged_prefill_attention(q, k_pool, v_pool, batch.block_tables, batch.cu_seqlens,
                                                    batch.lengths, self.scale)
-        return self.o_proj(out.reshape(x.shape[0], self.config.q_size).to(x.dtype))
+        return _project(self.o_proj, out.reshape(x.shape[0], self.config.q_size).to(x.dtype))
 
 
 class Qwen3MLP(nn.Module):
@@ -231,6 +238,10 @@ class Qwen3MLP(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return self.down_proj(cheap(ops_cuda.swiglu, self.gate_up_proj(x)))
+
+    def paged(self, x: Tensor) -> Tensor:
+        """`forward` of a paged forward's packed tokens x [N, d] (no gradients)."""
+        return _project(self.down_proj, ops_cuda.swiglu(_project(self.gate_up_proj, x)))
 
 
 class Qwen3DecoderLayer(nn.Module):
@@ -375,7 +386,7 @@ class Qwen3Model(nn.Module):
         x = self.layers[0].input_layernorm(h) if len(self.layers) else self.norm(h)
         for i, (layer, next_norm) in enumerate(zip(self.layers, norms)):
             h, x = _add_norm(layer.self_attn.paged(x, batch, cache.k[i], cache.v[i]), h, layer.post_attention_layernorm)
-            h, x = _add_norm(layer.mlp(x), h, next_norm)
+            h, x = _add_norm(layer.mlp.paged(x), h, next_norm)
         return x
 
     def hf_targets(self, prefix: str = "model.") -> HfTargets:
@@ -505,7 +516,7 @@ class Qwen3ForCausalLM(nn.Module):
         """Runs packed new tokens [N] through the paged cache; returns the logits [len(last), V] at the token
         indices `last` (each row's last new token, for sampling)."""
         h = self.model.paged(tokens, batch, cache)
-        return F.linear(h[last], self.lm_head_weight)
+        return ops_cuda.linear(h[last], self.lm_head_weight)
 
     @torch.no_grad()
     def prefill(self, input_ids: Tensor, lengths: Tensor, cache: KVCache) -> Tensor:
