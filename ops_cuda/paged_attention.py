@@ -5,10 +5,11 @@ indirection); the prefill op runs its reference on CUDA too (a gather per row, t
 rollout engine's CUDA prefill gathers the contexts once and calls varlen_suffix_attention instead.
 
 Pool layout: k_pool, v_pool [num_blocks, Hk, block_size, D]; position p of row b lives in block
-block_tables[b, p // block_size] at offset p % block_size. A row's result does not depend on which other
-rows share its batch: on CPU every query is batched over the longest context of its call, with reductions
-whose order does not depend on that length (`_batched_attention`); elsewhere the references run one row at
-a time.
+block_tables[b, p // block_size] at offset p % block_size. The pools hold q's dtype or float8_e4m3fn, whose values
+the attention reads exactly (the CUDA decode kernel as float16, which represents every e4m3 value). A row's result
+does not depend on which other rows share its batch: on CPU every query is batched over the longest context of its
+call, with reductions whose order does not depend on that length (`_batched_attention`); elsewhere the references
+run one row at a time.
 """
 from __future__ import annotations
 
@@ -120,7 +121,7 @@ def paged_prefill_attention_reference(q: Tensor, k_pool: Tensor, v_pool: Tensor,
             k = gather_context(k_pool, block_tables[r], n)
             v = gather_context(v_pool, block_tables[r], n)
             if q.device.type == "cuda":   # flash / memory-efficient SDPA, bottom-right aligned causal mask
-                out[lo:hi] = _row_sdpa(q[lo:hi], k, v, scale)
+                out[lo:hi] = _row_sdpa(q[lo:hi], k.to(q.dtype), v.to(q.dtype), scale)
             else:
                 out[lo:hi] = _row_attention(q[lo:hi], k, v, scale)
     return out
@@ -156,6 +157,9 @@ def _check_pools(op: str, q: Tensor, k_pool: Tensor, v_pool: Tensor, block_table
     need_dim(op, "lengths", lengths, 1, "[B]")
     need_long(op, "block_tables", block_tables)
     need_long(op, "lengths", lengths)
+    if v_pool.dtype != k_pool.dtype or k_pool.dtype not in (q.dtype, torch.float8_e4m3fn):
+        fail(op, f"k_pool and v_pool must be float8_e4m3fn or q's dtype ({q.dtype}), got {k_pool.dtype} and "
+                 f"{v_pool.dtype}")
     if (k_pool.shape != v_pool.shape or k_pool.shape[3] != q.shape[2] or q.shape[1] % k_pool.shape[1]
             or block_tables.shape[0] != lengths.shape[0]):
         fail(op, f"shapes disagree: q {tuple(q.shape)}, k_pool {tuple(k_pool.shape)}, v_pool {tuple(v_pool.shape)}, "

@@ -243,6 +243,78 @@ def test_qk_norm_rope_write_matches_the_separate_ops(dtype):
     assert torch.equal(q, q_sep[0]) and torch.equal(k_pool[blocks, :, offsets], k_sep[0])
 
 
+def nearest_e4m3(x: torch.Tensor) -> torch.Tensor:
+    """x (finite) clamped to +-448 and rounded to the nearest float8_e4m3fn value, ties to the even code, in float64:
+    from the table of e4m3's values, without torch's cast."""
+    codes = torch.arange(127, dtype=torch.uint8)   # the non-negative values; code 127 is NaN
+    table = codes.view(torch.float8_e4m3fn).double()
+    a = x.double().abs().clamp(max=448.0)[..., None]
+    dist = (a - table).abs()
+    nearest = dist == dist.min(-1, keepdim=True).values
+    even = nearest & (codes % 2 == 0)   # a tie is between neighbouring codes: one of them is even
+    pick = torch.where(nearest.sum(-1) > 1, even.int().argmax(-1), nearest.int().argmax(-1))
+    return table[pick] * x.double().sign()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_qk_norm_rope_write_rounds_into_fp8_pools(dtype):
+    """float8_e4m3fn pools: each k and v is the separate ops' value in qkv's dtype, rounded to nearest e4m3 and
+    saturated at +-448 (torch's clamp-and-cast bit for bit, and the nearest value of e4m3's table), NaN stays NaN;
+    q is the separate ops' in qkv's dtype; only the addressed entries are written."""
+    fp8 = torch.float8_e4m3fn
+    N, Hq, Hk, D, theta = 7, 4, 2, 16, 1e6
+    qkv = torch.randn(N, (Hq + 2 * Hk) * D).to(dtype)
+    qkv[2] *= 1000   # this token's v beyond 448
+    qkv[4, -1] = float("nan")   # the last element of the last v head
+    pos = torch.tensor([0, 5, 17, 3, 100, 2, 64])
+    kw = 100 * torch.randn(D)
+    kw[0] = 1e4   # every head's k beyond 448 at pair 0, others below
+    qw, kw = torch.randn(D).to(dtype), kw.to(dtype)
+    blocks, offsets = torch.tensor([3, 3, 1, 4, 2, 1, 0]), torch.tensor([0, 1, 7, 2, 3, 0, 5])
+    fill = torch.full((5, Hk, 8, D), 7.0).to(fp8)
+    k_pool, v_pool = fill.clone(), fill.clone()
+    q = ops_cuda.qk_norm_rope_write(qkv, pos, qw, kw, 1e-6, theta, k_pool, v_pool, blocks, offsets)
+    q_in, k_in, v_in = qkv.view(N, Hq + 2 * Hk, D).split([Hq, Hk, Hk], 1)
+    q_sep, k_sep = ops_cuda.rope(ops_cuda.rms_norm(q_in, qw, 1e-6)[None], ops_cuda.rms_norm(k_in, kw, 1e-6)[None],
+                                 pos[None], theta)
+    assert q.dtype == dtype and torch.equal(q, q_sep[0])
+    for pool, x in ((k_pool, k_sep[0]), (v_pool, v_in)):
+        got = pool[blocks, :, offsets]
+        assert (x.abs() > 448).any() and (x.abs() < 448).any()   # saturated and rounded values both
+        assert torch.equal(got.view(torch.uint8), x.clamp(-448, 448).to(fp8).view(torch.uint8))
+        finite = ~x.isnan()
+        assert torch.equal(got.double()[finite], nearest_e4m3(x[finite]))
+    assert v_pool[blocks[4], -1, offsets[4], -1].isnan() and (~v_pool.isnan()).sum() == v_pool.numel() - 1
+    written = torch.zeros(5, 8, dtype=torch.bool)
+    written[blocks, offsets] = True
+    for pool in (k_pool, v_pool):
+        assert (pool.transpose(1, 2)[~written].view(torch.uint8) == fill.view(torch.uint8)[0, 0, 0, 0]).all()
+
+
+def test_qk_norm_rope_write_fp8_pools_opcheck():
+    """opcheck with float8_e4m3fn pools, but for test_schema: its mutation check compares the pools with a kernel
+    torch has no float8 version of."""
+    for dtype in (torch.float32, torch.bfloat16):
+        args = (torch.randn(5, (4 + 2 * 2) * 8).to(dtype), torch.tensor([0, 3, 9, 1, 40]), torch.randn(8),
+                torch.randn(8), 1e-6, 1e4, torch.zeros(6, 2, 4, 8, dtype=torch.float8_e4m3fn),
+                torch.zeros(6, 2, 4, 8, dtype=torch.float8_e4m3fn), torch.tensor([1, 1, 2, 5, 0]),
+                torch.tensor([0, 3, 1, 2, 0]))
+        torch.library.opcheck(torch.ops.fw.qk_norm_rope_write.default, args,
+                              test_utils=("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"))
+
+
+def test_qk_norm_rope_write_refuses_pools_of_a_third_dtype():
+    """Pools must be qkv's dtype or float8_e4m3fn, both the same; the message names both options."""
+    qkv, pos, w = torch.randn(3, (2 + 2 * 1) * 8), torch.tensor([0, 1, 2]), torch.randn(8)
+    idx = torch.tensor([0, 1, 2])
+    msg = r"must both be qkv's dtype \(torch.float32\) or torch.float8_e4m3fn"
+    for k_dtype, v_dtype in ((torch.float16, torch.float16), (torch.float8_e4m3fn, torch.float32),
+                             (torch.float32, torch.float8_e4m3fn)):
+        k_pool, v_pool = torch.zeros(3, 1, 4, 8, dtype=k_dtype), torch.zeros(3, 1, 4, 8, dtype=v_dtype)
+        with pytest.raises(ValueError, match=msg):
+            ops_cuda.qk_norm_rope_write(qkv, pos, w, w, 1e-6, 1e4, k_pool, v_pool, idx, idx)
+
+
 def test_qk_norm_rope_matches_transformers_forward_and_backward():
     """The training op against transformers' QK-norm and rotary embedding in float64: q, k, v and the gradients
     of qkv and both norm weights (autograd through transformers' modules); a gradient left out counts as zero."""

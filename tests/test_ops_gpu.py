@@ -367,6 +367,73 @@ def test_qk_norm_rope_write(dtype, wdtype, N, Hq, Hk, D):
     assert v_pool.transpose(1, 2).reshape(nb * bs, Hk, D)[untouched].isnan().all()
 
 
+def e4m3_steps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """How many values of e4m3's ordered value line lie between float8_e4m3fn tensors a and b, elementwise (+0 and
+    -0 count as one value)."""
+    def ordinal(t):
+        c = t.view(torch.uint8).long()
+        return torch.where(c >= 128, 128 - c, c)
+
+    return (ordinal(a) - ordinal(b)).abs()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("wdtype", ["same", "fp32"])
+@pytest.mark.parametrize("N,Hq,Hk,D", [(5, 8, 4, 64), (300, 16, 8, 128), (9, 4, 2, 256)])
+def test_qk_norm_rope_write_fp8_pools(dtype, wdtype, N, Hq, Hk, D):
+    """float8_e4m3fn pools against the CPU reference on the same inputs, with values on both sides of 448 (rows
+    scaled up; k weights spread over decades, one large enough to saturate every head): v bit for bit, k within
+    one e4m3 step, q as the non-float8 test compares it; the entries not addressed stay as they were (NaN)."""
+    fp8 = torch.float8_e4m3fn
+    nb, bs = N // 4 + 3, 16
+    qkv = torch.randn(N, (Hq + 2 * Hk) * D, device=DEV, dtype=dtype)
+    qkv[::3] *= 500   # v beyond 448 (the norm makes q and k scale-free)
+    pos = torch.randint(0, 40960, (N,), device=DEV)
+    wd = dtype if wdtype == "same" else torch.float32
+    spread = torch.logspace(-2, 2.5, D, device=DEV)[torch.randperm(D, device=DEV)]
+    kw = torch.randn(D, device=DEV) * spread
+    kw[0] = 1e4
+    qw, kw = (1 + 0.3 * torch.randn(D, device=DEV)).to(wd), kw.to(wd)
+    slots = torch.randperm(nb * bs, device=DEV)[:N]   # distinct (block, offset) per token
+    blocks, offsets = slots // bs, slots % bs
+    k_pool = torch.full((nb, Hk, bs, D), 0x7F, device=DEV, dtype=torch.uint8).view(fp8)   # NaN
+    v_pool = k_pool.clone()
+    k_ref, v_ref = k_pool.cpu(), v_pool.cpu()
+    poison()
+    q = ops_cuda.qk_norm_rope_write(qkv, pos, qw, kw, 1e-6, 1e6, k_pool, v_pool, blocks, offsets)
+    q_ref = ops_cuda.qk_norm_rope_write(qkv.cpu(), pos.cpu(), qw.cpu(), kw.cpu(), 1e-6, 1e6, k_ref, v_ref,
+                                        blocks.cpu(), offsets.cpu())
+    assert q.dtype == dtype and rel(q, q_ref.to(DEV)) < TOL[dtype] * 2
+    v_in = qkv.view(N, Hq + 2 * Hk, D)[:, Hq + Hk:]
+    assert (v_in.abs() > 448).any() and (v_in.abs() < 448).any()
+    assert torch.equal(v_pool.view(torch.uint8).cpu(), v_ref.view(torch.uint8))
+    # k: the kernel's norm and rotation (rsqrtf, sincosf) may differ from the reference's in T's last bit, and two
+    # neighbouring T values can round to neighbouring e4m3 values when they straddle a rounding midpoint; that is
+    # at most one step, on few elements (a tie-break or a bug in the conversion moves many, or by more)
+    got, want = k_pool.cpu()[blocks.cpu(), :, offsets.cpu()], k_ref[blocks.cpu(), :, offsets.cpu()]
+    assert (want.float().abs() == 448).any() and (want.float().abs() < 448).any()
+    steps = e4m3_steps(got, want)
+    assert steps.max() <= 1 and steps.float().mean() <= 0.01
+    untouched = torch.ones(nb * bs, dtype=torch.bool, device=DEV)
+    untouched[slots] = False
+    for pool in (k_pool, v_pool):
+        assert (pool.view(torch.uint8).transpose(1, 2).reshape(nb * bs, Hk, D)[untouched] == 0x7F).all()
+        written = pool.view(torch.uint8)[blocks, :, offsets]
+        assert not (written == 0x7F).any() and not (written == 0xFF).any()   # every addressed entry written
+
+
+def test_opcheck_cuda_qk_norm_rope_write_fp8_pools():
+    """opcheck with float8_e4m3fn pools (a case of its own: _op_args holds one per op), but for test_schema: its
+    mutation check compares the pools with a kernel torch has no float8 version of."""
+    fp8 = torch.float8_e4m3fn
+    args = (torch.randn(5, 8 * 64, device=DEV).bfloat16(), torch.arange(5, device=DEV), torch.randn(64, device=DEV),
+            torch.randn(64, device=DEV), 1e-6, 1e4, torch.zeros(4, 2, 16, 64, device=DEV, dtype=fp8),
+            torch.zeros(4, 2, 16, 64, device=DEV, dtype=fp8), torch.tensor([1, 1, 2, 3, 0], device=DEV),
+            torch.tensor([0, 5, 1, 15, 0], device=DEV))
+    torch.library.opcheck(torch.ops.fw.qk_norm_rope_write.default, args,
+                          test_utils=("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"))
+
+
 # ------------------------------------------------------------------ linear + logprob
 @pytest.mark.parametrize("dtype,save", [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True),
                                         (torch.float16, True)])

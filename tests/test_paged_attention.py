@@ -98,27 +98,94 @@ def test_sample_counters_key_each_rows_noise():
 def test_paged_decode_kernel_against_float64(dtype, tol, Hq, Hk, D, bs):
     lengths = [1, 37, 300, 0, 1024, 17]
     k_pool, v_pool, tables = paged_problem(lengths, Hq, Hk, D, bs, dtype, "cuda")
+    kernel_against_float64(lengths, Hq, dtype, tol, k_pool, v_pool, tables)
+
+
+def kernel_against_float64(lengths, Hq, dtype, tol, k_pool, v_pool, tables):
+    """The CUDA kernel's output for a random q of `dtype` against the float64 reference over the pools' values; the
+    row of length 0 (index 3) gives zeros."""
+    from ops_cuda.paged_attention import paged_decode_attention_reference
+
+    D = k_pool.shape[3]
     q = torch.randn(len(lengths), Hq, D, device="cuda", dtype=dtype)
     lens = torch.tensor(lengths, device="cuda")
     out = ops_cuda.paged_decode_attention(q, k_pool, v_pool, tables, lens, D ** -0.5)
-    from ops_cuda.paged_attention import paged_decode_attention_reference
+    assert out.dtype == dtype
     want = paged_decode_attention_reference(q.double(), k_pool.double(), v_pool.double(), tables, lens, D ** -0.5)
-    err = (out.double() - want).norm() / want.norm()
-    assert err < tol
+    assert (out.double() - want).norm() / want.norm() < tol
     assert (out[3] == 0).all()
 
 
 @pytest.mark.gpu
-def test_paged_decode_kernel_in_a_cuda_graph():
-    k_pool, v_pool, tables = paged_problem([40, 90], 16, 8, 128, 16, torch.bfloat16, "cuda")
+@pytest.mark.parametrize("pool", ["bf16", "fp8"])
+def test_paged_decode_kernel_in_a_cuda_graph(pool):
+    """A replay writes the eager result (the output is NaN before it), on bf16 pools and on float8 ones."""
+    if pool == "fp8":
+        k_pool, v_pool, tables = fp8_problem([40, 90], 16, 8, 128, 16, "cuda")
+    else:
+        k_pool, v_pool, tables = paged_problem([40, 90], 16, 8, 128, 16, torch.bfloat16, "cuda")
     q = torch.randn(2, 16, 128, device="cuda", dtype=torch.bfloat16)
     lens = torch.tensor([40, 90], device="cuda")
     eager = ops_cuda.paged_decode_attention(q, k_pool, v_pool, tables, lens, 0.1)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = ops_cuda.paged_decode_attention(q, k_pool, v_pool, tables, lens, 0.1)
+    out.fill_(float("nan"))
     graph.replay()
     assert torch.equal(out, eager)
+
+
+def fp8_problem(lengths, Hq=4, Hk=2, D=8, bs=4, device="cpu", seed=0):
+    """paged_problem's pools rounded to float8_e4m3fn (values within its range: no saturation)."""
+    k_pool, v_pool, tables = paged_problem(lengths, Hq, Hk, D, bs, torch.float32, device, seed)
+    return k_pool.to(torch.float8_e4m3fn), v_pool.to(torch.float8_e4m3fn), tables
+
+
+def test_fp8_pools_are_read_as_their_exact_values():
+    """float8_e4m3fn pools: the same result as the float32 pools of their exact values, and the float64 naive
+    reference over those values; pools of a third dtype are refused."""
+    lengths = [5, 1, 9, 0, 12]
+    k8, v8, tables = fp8_problem(lengths)
+    q = torch.randn(len(lengths), 4, 8, generator=torch.Generator().manual_seed(1))
+    lens = torch.tensor(lengths)
+    out = ops_cuda.paged_decode_attention(q, k8, v8, tables, lens, 0.3)
+    assert torch.equal(out, ops_cuda.paged_decode_attention(q, k8.float(), v8.float(), tables, lens, 0.3))
+    for b, n in enumerate(lengths):
+        want = naive(q[b:b + 1], k8.float(), v8.float(), tables[b], n, n - 1, 0.3)[0] if n else torch.zeros(4, 8)
+        torch.testing.assert_close(out[b].double(), want.double(), atol=1e-5, rtol=0)
+    cu = torch.tensor([0, 5, 6, 15, 15, 27])
+    qp = torch.randn(27, 4, 8, generator=torch.Generator().manual_seed(2))
+    prefill = ops_cuda.paged_prefill_attention(qp, k8, v8, tables, cu, lens, 0.3)
+    assert torch.equal(prefill, ops_cuda.paged_prefill_attention(qp, k8.float(), v8.float(), tables, cu, lens, 0.3))
+    # opcheck's schema test compares inputs with allclose, which torch does not implement for float8
+    torch.library.opcheck(torch.ops.fw.paged_decode_attention.default, (q, k8, v8, tables, lens, 0.5),
+                          test_utils=("test_faketensor", "test_autograd_registration"))
+    with pytest.raises(ValueError, match="must be float8_e4m3fn or q's dtype"):
+        ops_cuda.paged_decode_attention(q, k8.half(), v8.half(), tables, lens, 0.3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype, tol", [(torch.bfloat16, 2e-2), (torch.float16, 2e-3)])
+@pytest.mark.parametrize("Hq, Hk, D, bs", [(4, 2, 64, 16), (16, 8, 128, 16), (32, 8, 128, 16), (14, 2, 64, 8)])
+@pytest.mark.parametrize("rows", [6, 48])
+def test_paged_decode_kernel_reads_fp8_pools_against_float64(dtype, tol, Hq, Hk, D, bs, rows):
+    """The tensor-core kernel on float8_e4m3fn pools (converted to float16 in shared memory) against float64 over the
+    pools' exact values; 6 rows split their contexts over blocks, 48 do not."""
+    lengths = ([1, 37, 300, 0, 1024, 17] * 8)[:rows]
+    k8, v8, tables = fp8_problem(lengths, Hq, Hk, D, bs, "cuda", seed=rows)
+    kernel_against_float64(lengths, Hq, dtype, tol, k8, v8, tables)
+
+
+@pytest.mark.gpu
+def test_paged_decode_kernel_refuses_fp8_pools_it_cannot_read():
+    k8, v8, tables = fp8_problem([40, 90], 16, 8, 128, 16, "cuda")
+    q = torch.randn(2, 16, 128, device="cuda", dtype=torch.bfloat16)
+    lens = torch.tensor([40, 90], device="cuda")
+    with pytest.raises(RuntimeError, match="float8_e4m3fn pools take a bfloat16 or float16 q"):
+        ops_cuda.paged_decode_attention(q.float(), k8, v8, tables, lens, 0.1)
+    k1, v1, t1 = fp8_problem([40, 90], 8, 8, 128, 16, "cuda")   # one query head a kv head
+    with pytest.raises(RuntimeError, match="2 or more query heads a kv head"):
+        ops_cuda.paged_decode_attention(q[:, :8], k1, v1, t1, lens, 0.1)
 
 
 @pytest.mark.parametrize("D, bs", [(8, 4), (16, 16), (128, 16)])

@@ -15,13 +15,16 @@
 // D copy zeros and write nothing).
 //
 // Three kernels: the tensor-core kernel for 16-bit caches with head_dim 64 or 128 at 2 or more query heads a kv
-// head, where the ring kernel's maths on the CUDA cores bounded it (use_mma); the ring kernel above for the rest.
+// head, where the ring kernel's maths on the CUDA cores bounded it (use_mma), and for every float8 cache (kv8); the
+// ring kernel above for the rest.
 // The tensor-core maths runs in decode_mma_kernel (a block per (row, kv head, head group, split)) or, on a paged
 // cache with many rows, in a persistent kernel (decode_mma_kernel_persistent: co-resident one-warp workers that take
 // (row, kv head, head group, chunk) items from a self-resetting counter, each streaming its tiles through one ring
 // across items, the last chunk of a row to finish combining the row; use_persist). decode_kernel and
 // decode_mma_kernel share the end of a block's work (decode_finish); each has its own split count
 // (decode_attention_plan).
+#include <cuda_fp8.h>
+
 #include <algorithm>
 #include <cstdlib>
 #include <map>
@@ -68,11 +71,13 @@ struct DecodeTable {
   int shift;
   int64_t sblk;
 };
-DecodePlan decode_attention_plan(DType dt, int B, int Hq, int Hk, int S, int D, int sm_count, bool paged);
+// kv8: the caches hold float8_e4m3 values (read as exact float16 by the tensor-core kernel, which alone takes them).
+DecodePlan decode_attention_plan(DType dt, int B, int Hq, int Hk, int S, int D, int sm_count, bool paged,
+                                 bool kv8 = false);
 cudaError_t decode_attention(DType dt, const void* q, const void* k, const void* v, const int64_t* lengths,
                              void* out, DecodeWorkspace ws, int B, int Hq, int Hk, int S, int D, int64_t sb,
                              int64_t sh, int64_t ss, DecodePlan plan, float scale, cudaStream_t stream,
-                             DecodeTable table = {nullptr, 0, 0, 0});
+                             DecodeTable table = {nullptr, 0, 0, 0}, bool kv8 = false);
 
 }  // namespace fw
 
@@ -376,9 +381,42 @@ __global__ void __launch_bounds__(kThreads, min_blocks<T, DP, RP>()) decode_kern
 // reads of one chunk column fall in distinct banks.
 constexpr int kMmaHeads = 16, kMmaStages = 3;
 
+// A float8 cache (KV = __nv_fp8_e4m3): each warp converts a landed tile into a float16 one in its staging area, which
+// the tensor cores read as they read a 16-bit cache's ring, with float16 maths (e4m3 values are exact in float16;
+// q is rounded to it). Its tiles are half the bytes, so the ring holds one stage more.
+template <typename KV> constexpr bool is_f8() { return std::is_same_v<KV, __nv_fp8_e4m3>; }
+template <typename KV> constexpr int mma_stages() { return is_f8<KV>() ? kMmaStages + 1 : kMmaStages; }
+// A warp's ring of K/V tile pairs, then (float8) its float16 staging pair.
+template <typename KV, int DP> constexpr int mma_warp_bytes() {
+  return mma_stages<KV>() * 2 * 16 * DP * (int)sizeof(KV) + (is_f8<KV>() ? 2 * 16 * DP * 2 : 0);
+}
 // the warps' rings, which the reduction area (decode_finish's layout) overlays after the loop
-template <int DP> constexpr int mma_smem_bytes() {
-  return std::max(kWarps * kMmaStages * 2 * 16 * DP * 2, kWarps * kMmaHeads * (DP + 2) * 4);
+template <typename KV, int DP> constexpr int mma_smem_bytes() {
+  return std::max(kWarps * mma_warp_bytes<KV, DP>(), kWarps * kMmaHeads * (DP + 2) * 4);
+}
+
+// 16 float8_e4m3 values (16 bytes) as 16 float16 ones (two 16-byte chunks), exactly.
+__device__ __forceinline__ void f8x16_to_half(const uint4& in, uint4& lo, uint4& hi) {
+  const uint32_t w[4] = {in.x, in.y, in.z, in.w};
+  uint32_t h[8];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const __half2_raw a = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(w[i] & 0xffffu), __NV_E4M3);
+    const __half2_raw b = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(w[i] >> 16), __NV_E4M3);
+    h[2 * i] = (uint32_t)a.x | ((uint32_t)a.y << 16);
+    h[2 * i + 1] = (uint32_t)b.x | ((uint32_t)b.y << 16);
+  }
+  lo = make_uint4(h[0], h[1], h[2], h[3]);
+  hi = make_uint4(h[4], h[5], h[6], h[7]);
+}
+// A pair of 16-bit values of type T as a pair of type M (the same bits when they are one type).
+template <typename T, typename M> __device__ __forceinline__ uint32_t as_pair(uint32_t v) {
+  if constexpr (std::is_same_v<T, M>) {
+    return v;
+  } else {
+    const Vec<T, 2> in = *reinterpret_cast<const Vec<T, 2>*>(&v);
+    return pack2<M>(to_f(in.v[0]), to_f(in.v[1]));
+  }
 }
 
 __device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], uint32_t addr) {
@@ -472,10 +510,14 @@ __device__ __forceinline__ void mma_tile(const uint32_t (&qa)[DP / 16][4], uint3
 // Block (b, kv head g, group of kMmaHeads query heads, split); thread (warp, lane) with gq = lane / 4, tq = lane % 4
 // holds, in the mma fragments' layout, query heads gq and gq + 8 of the group: their scores for K rows 2tq, 2tq + 1
 // of each 8-row half of a tile, and their outputs for columns 8n + 2tq, 8n + 2tq + 1.
-template <typename T, int DP>
+template <typename T, typename KV, int DP>
 __global__ void __launch_bounds__(kThreads, 2) decode_mma_kernel(DecodeArgs a) {
-  constexpr int CH = DP / 8, KS = DP / 16, NT = DP / 8;  // 16-byte chunks a row; k-steps of q.k; n-tiles of p.v
-  constexpr int kTileBytes = 16 * DP * 2, kStageBytes = 2 * kTileBytes;  // 16 rows of K, then of V
+  // M: the tensor cores' type (float16 for a float8 cache); EC: cache elements a 16-byte chunk
+  using M = std::conditional_t<is_f8<KV>(), __half, T>;
+  constexpr int NS = mma_stages<KV>(), EC = 16 / (int)sizeof(KV);
+  constexpr int CH = DP / EC, KS = DP / 16, NT = DP / 8;  // 16-byte chunks a row; k-steps of q.k; n-tiles of p.v
+  constexpr int kTileBytes = 16 * DP * (int)sizeof(KV), kStageBytes = 2 * kTileBytes;  // 16 rows of K, then of V
+  constexpr int kHalfTileBytes = 16 * DP * 2;                                        // a staged float16 tile
   extern __shared__ __align__(128) unsigned char smem[];
   __shared__ float sm_scale[kMmaHeads][kMaxSplits];
   __shared__ int sm_last;
@@ -491,28 +533,30 @@ __global__ void __launch_bounds__(kThreads, 2) decode_mma_kernel(DecodeArgs a) {
   const int my_tiles = tiles > warp ? (tiles - warp + kWarps - 1) / kWarps : 0;  // tiles warp, warp + kWarps, ...
   const float qscale = a.scale * 1.4426950408889634f;  // scores in base 2
 
-  const T* kb = (const T*)a.k + b * a.sb + g * a.sh;
-  const T* vb = (const T*)a.v + b * a.sb + g * a.sh;
-  unsigned char* ring = smem + warp * kMmaStages * kStageBytes;
+  const KV* kb = (const KV*)a.k + b * a.sb + g * a.sh;
+  const KV* vb = (const KV*)a.v + b * a.sb + g * a.sh;
+  unsigned char* ring = smem + warp * mma_warp_bytes<KV, DP>();
   const uint32_t ring_s = (uint32_t)__cvta_generic_to_shared(ring);
-  // this warp's i-th tile into stage i % kMmaStages; rows past s_end are zero-filled
+  // a float8 cache's rows land unswizzled (only this warp's conversion reads them, a row's chunks side by side)
+  auto at = [](int r, int c) { return is_f8<KV>() ? r * DP + c * 16 : swz<DP>(r, c); };
+  // this warp's i-th tile into stage i % NS; rows past s_end are zero-filled
   auto issue = [&](int i) {
     if (i < my_tiles) {
-      unsigned char* st = ring + (i % kMmaStages) * kStageBytes;
+      unsigned char* st = ring + (i % NS) * kStageBytes;
       const int64_t p0 = s_begin + (int64_t)(warp + i * kWarps) * 16;
 #pragma unroll
       for (int j = 0; j < 16 * CH / 32; ++j) {
         const int idx = lane + 32 * j, r = idx / CH, c = idx - r * CH;
         const bool ok = p0 + r < s_end;
-        const int64_t off = ok ? row_offset(a, b, p0 + r) + c * 8 : 0;
-        cp_async16(st + swz<DP>(r, c), kb + off, ok);
-        cp_async16(st + kTileBytes + swz<DP>(r, c), vb + off, ok);
+        const int64_t off = ok ? row_offset(a, b, p0 + r) + c * EC : 0;
+        cp_async16(st + at(r, c), kb + off, ok);
+        cp_async16(st + kTileBytes + at(r, c), vb + off, ok);
       }
     }
     cp_async_commit();
   };
 #pragma unroll
-  for (int i = 0; i < kMmaStages - 1; ++i) issue(i);
+  for (int i = 0; i < NS - 1; ++i) issue(i);
 
   // q as the A operand: rows gq and gq + 8 (query heads r0 + gq, r0 + gq + 8), columns 16k + 2tq (+1) and + 8
   uint32_t qa[KS][4];
@@ -522,10 +566,10 @@ __global__ void __launch_bounds__(kThreads, 2) decode_mma_kernel(DecodeArgs a) {
 #pragma unroll
     for (int k = 0; k < KS; ++k) {
       const int c = 16 * k + 2 * tq;
-      qa[k][0] = on0 ? *reinterpret_cast<const uint32_t*>(q0 + gq * DP + c) : 0u;
-      qa[k][1] = on1 ? *reinterpret_cast<const uint32_t*>(q0 + (gq + 8) * DP + c) : 0u;
-      qa[k][2] = on0 ? *reinterpret_cast<const uint32_t*>(q0 + gq * DP + c + 8) : 0u;
-      qa[k][3] = on1 ? *reinterpret_cast<const uint32_t*>(q0 + (gq + 8) * DP + c + 8) : 0u;
+      qa[k][0] = on0 ? as_pair<T, M>(*reinterpret_cast<const uint32_t*>(q0 + gq * DP + c)) : 0u;
+      qa[k][1] = on1 ? as_pair<T, M>(*reinterpret_cast<const uint32_t*>(q0 + (gq + 8) * DP + c)) : 0u;
+      qa[k][2] = on0 ? as_pair<T, M>(*reinterpret_cast<const uint32_t*>(q0 + gq * DP + c + 8)) : 0u;
+      qa[k][3] = on1 ? as_pair<T, M>(*reinterpret_cast<const uint32_t*>(q0 + (gq + 8) * DP + c + 8)) : 0u;
     }
   }
   float o[NT][4], m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};  // [0]: head gq, [1]: head gq + 8
@@ -533,12 +577,27 @@ __global__ void __launch_bounds__(kThreads, 2) decode_mma_kernel(DecodeArgs a) {
   for (int n = 0; n < NT; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
 
   for (int i = 0; i < my_tiles; ++i) {
-    cp_async_wait<kMmaStages - 2>();  // this lane's copies of tile i have landed
-    __syncwarp();                     // and every lane's
-    const uint32_t ks = ring_s + (i % kMmaStages) * kStageBytes;
-    mma_tile<T, DP>(qa, ks, ks + kTileBytes, s_begin + (int64_t)(warp + i * kWarps) * 16, s_end, qscale, o, m, l);
-    __syncwarp();  // every lane has read the stage before it is refilled
-    issue(i + kMmaStages - 1);
+    cp_async_wait<NS - 2>();  // this lane's copies of tile i have landed
+    __syncwarp();             // and every lane's
+    uint32_t ks = ring_s + (i % NS) * kStageBytes, vs = ks + kTileBytes;
+    if constexpr (is_f8<KV>()) {  // the tile pair as float16 in the staging area, swizzled as a 16-bit ring's
+      const unsigned char* src = ring + (i % NS) * kStageBytes;
+      unsigned char* dst = ring + NS * kStageBytes;
+#pragma unroll
+      for (int j = 0; j < 2 * 16 * CH / 32; ++j) {
+        const int idx = lane + 32 * j, kv = idx / (16 * CH), rc = idx - kv * 16 * CH, r = rc / CH, c = rc - r * CH;
+        uint4 lo, hi;
+        f8x16_to_half(*reinterpret_cast<const uint4*>(src + kv * kTileBytes + r * DP + c * 16), lo, hi);
+        *reinterpret_cast<uint4*>(dst + kv * kHalfTileBytes + swz<DP>(r, 2 * c)) = lo;
+        *reinterpret_cast<uint4*>(dst + kv * kHalfTileBytes + swz<DP>(r, 2 * c + 1)) = hi;
+      }
+      __syncwarp();  // every lane's conversions are in
+      ks = ring_s + NS * kStageBytes;
+      vs = ks + kHalfTileBytes;
+    }
+    mma_tile<M, DP>(qa, ks, vs, s_begin + (int64_t)(warp + i * kWarps) * 16, s_end, qscale, o, m, l);
+    __syncwarp();  // every lane has read the stage (and the staging area) before they are refilled
+    issue(i + NS - 1);
   }
   cp_async_wait<0>();
 
@@ -916,10 +975,14 @@ bool use_mma(DType dt, int R, int D) {
 }
 
 // The kernel, allowed its dynamic shared memory; null if that fails.
-template <typename T, int DP> const void* mma_kernel() {
-  return allow_dynamic_smem<decode_mma_kernel<T, DP>>(mma_smem_bytes<DP>()) == cudaSuccess
-             ? (const void*)decode_mma_kernel<T, DP>
+template <typename T, typename KV, int DP> const void* mma_kernel() {
+  return allow_dynamic_smem<decode_mma_kernel<T, KV, DP>>(mma_smem_bytes<KV, DP>()) == cudaSuccess
+             ? (const void*)decode_mma_kernel<T, KV, DP>
              : nullptr;
+}
+template <typename T> const void* mma_kernel_for(int D, bool kv8) {
+  if (kv8) return D == 64 ? mma_kernel<T, __nv_fp8_e4m3, 64>() : mma_kernel<T, __nv_fp8_e4m3, 128>();
+  return D == 64 ? mma_kernel<T, T, 64>() : mma_kernel<T, T, 128>();
 }
 
 // Whether decode_mma_kernel_persistent runs where the tensor-core kernel does. By default on a paged cache with at
@@ -994,10 +1057,11 @@ const void* kernel_for(DType dt, int D, int R) {
 
 }  // namespace
 
-DecodePlan decode_attention_plan(DType dt, int B, int Hq, int Hk, int S, int D, int sm_count, bool paged) {
+DecodePlan decode_attention_plan(DType dt, int B, int Hq, int Hk, int S, int D, int sm_count, bool paged,
+                                 bool kv8) {
   if (B <= 0 || Hq <= 0 || Hk <= 0 || S <= 0 || Hq % Hk != 0) return {false, 1, 1};
   const int R = Hq / Hk;
-  const bool mma = use_mma(dt, R, D);
+  const bool mma = kv8 || use_mma(dt, R, D);  // a float8 cache: the tensor-core kernel (the wrapper checks its shapes)
   const int RP = mma ? kMmaHeads : heads_per_block(R), groups = (R + RP - 1) / RP;
   // The ring kernel splits only to reach about 3 blocks per SM: that many keep enough K/V copies in flight to
   // saturate HBM, and every further split adds partials to combine and a shorter pipeline per block. The
@@ -1011,7 +1075,7 @@ DecodePlan decode_attention_plan(DType dt, int B, int Hq, int Hk, int S, int D, 
   const int64_t base = (int64_t)B * Hk * groups;
   const int64_t s = forced > 0 ? forced : mma ? sm_count / base : (3LL * sm_count + base - 1) / base;
   const DecodePlan plan{mma, groups, (int)(s < 1 ? 1 : s > most ? most : s)};
-  const void* f = mma && use_persist(paged, base, sm_count) && base * kPMaxChunks < (1 << 30)
+  const void* f = mma && !kv8 && use_persist(paged, base, sm_count) && base * kPMaxChunks < (1 << 30)
                       ? persist_kernel_for(dt, D)
                       : nullptr;
   if (!f) return plan;
@@ -1031,11 +1095,11 @@ DecodePlan decode_attention_plan(DType dt, int B, int Hq, int Hk, int S, int D, 
 cudaError_t decode_attention(DType dt, const void* q, const void* k, const void* v, const int64_t* lengths,
                              void* out, DecodeWorkspace ws, int B, int Hq, int Hk, int S, int D, int64_t sb,
                              int64_t sh, int64_t ss, DecodePlan plan, float scale, cudaStream_t stream,
-                             DecodeTable table) {
+                             DecodeTable table, bool kv8) {
   if (B == 0 || Hq == 0) return cudaSuccess;
   const int splits = plan.splits, RG = plan.groups;
   if (Hk <= 0 || Hq % Hk != 0 || D <= 0 || D > 256 || D % 8 != 0 || splits < 1 || splits > kMaxSplits || RG < 1 ||
-      (plan.mma && (dt == DType::F32 || (D != 64 && D != 128))))
+      (plan.mma && (dt == DType::F32 || (D != 64 && D != 128))) || (kv8 && (!plan.mma || plan.persist)))
     return cudaErrorInvalidValue;
   const int R = Hq / Hk;
   DecodeArgs a{q, k, v, lengths, out, ws, Hq, Hk, R, RG, S, D, sb, sh, ss, splits, scale, table};
@@ -1054,11 +1118,10 @@ cudaError_t decode_attention(DType dt, const void* q, const void* k, const void*
   const void* f = nullptr;
   size_t smem = 0;
   if (plan.mma) {
-    smem = D == 64 ? mma_smem_bytes<64>() : mma_smem_bytes<128>();
-    if (dt == DType::BF16)
-      f = D == 64 ? mma_kernel<__nv_bfloat16, 64>() : mma_kernel<__nv_bfloat16, 128>();
-    else
-      f = D == 64 ? mma_kernel<__half, 64>() : mma_kernel<__half, 128>();
+    // a 16-bit cache's ring has the same bytes for bfloat16 and float16
+    smem = kv8 ? (D == 64 ? mma_smem_bytes<__nv_fp8_e4m3, 64>() : mma_smem_bytes<__nv_fp8_e4m3, 128>())
+               : (D == 64 ? mma_smem_bytes<__half, 64>() : mma_smem_bytes<__half, 128>());
+    f = dt == DType::BF16 ? mma_kernel_for<__nv_bfloat16>(D, kv8) : mma_kernel_for<__half>(D, kv8);
   } else {
     f = kernel_for(dt, D, R);
   }
@@ -1072,7 +1135,7 @@ namespace {
 
 // ------------------------------------------------------------------ decode attention
 Tensor run_decode(const Tensor& q, const Tensor& kc, const Tensor& vc, const Tensor& lengths, int64_t S, int64_t sb,
-                  int64_t sh, int64_t ss, fw::DecodeTable table, double scale);
+                  int64_t sh, int64_t ss, fw::DecodeTable table, double scale, bool kv8 = false);
 
 Tensor decode_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, const Tensor& lengths,
                         double scale) {
@@ -1103,7 +1166,7 @@ Tensor decode_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_
 
 // The launch shared by the contiguous and the paged cache: q [B, Hq, D], K/V addressed as described at DecodeTable.
 Tensor run_decode(const Tensor& q, const Tensor& kc, const Tensor& vc, const Tensor& lengths, int64_t S, int64_t sb,
-                  int64_t sh, int64_t ss, fw::DecodeTable table, double scale) {
+                  int64_t sh, int64_t ss, fw::DecodeTable table, double scale, bool kv8) {
   const auto dt = dtype_of(q, "decode_attention", "q");
   const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2), Hk = kc.size(1);
   auto qc = q.contiguous();
@@ -1112,7 +1175,7 @@ Tensor run_decode(const Tensor& q, const Tensor& kc, const Tensor& vc, const Ten
   auto out = at::empty({B, Hq, D}, q.options());
   if (B == 0 || Hq == 0) return out;  // nothing to attend (and no blocks to split over)
   const fw::DecodePlan plan = fw::decode_attention_plan(dt, (int)B, (int)Hq, (int)Hk, (int)S, (int)D, sm_count(),
-                                                         table.table != nullptr);
+                                                         table.table != nullptr, kv8);
   const int splits = plan.splits;
   auto stream = at::cuda::getCurrentCUDAStream();
   fw::DecodeWorkspace w{nullptr, nullptr, nullptr, nullptr};
@@ -1134,7 +1197,7 @@ Tensor run_decode(const Tensor& q, const Tensor& kc, const Tensor& vc, const Ten
   }
   check_launch(fw::decode_attention(dt, qc.data_ptr(), kc.data_ptr(), vc.data_ptr(), len.data_ptr<int64_t>(),
                                     out.data_ptr(), w, (int)B, (int)Hq, (int)Hk, (int)S, (int)D, sb, sh, ss, plan,
-                                    (float)scale, stream, table),
+                                    (float)scale, stream, table, kv8),
                "decode_attention");
   return out;
 }
@@ -1147,9 +1210,15 @@ Tensor paged_decode_attention(const Tensor& q, const Tensor& k_pool, const Tenso
   check_cuda(q, "paged_decode_attention", "q");
   c10::cuda::CUDAGuard guard(q.device());
   (void)dtype_of(q, "paged_decode_attention", "q");
-  TORCH_CHECK(k_pool.scalar_type() == q.scalar_type() && v_pool.scalar_type() == q.scalar_type(),
-              "fw::paged_decode_attention: q, k_pool and v_pool must share a dtype");
+  const bool kv8 = k_pool.scalar_type() == at::kFloat8_e4m3fn;
+  TORCH_CHECK(v_pool.scalar_type() == k_pool.scalar_type() && (kv8 || k_pool.scalar_type() == q.scalar_type()),
+              "fw::paged_decode_attention: k_pool and v_pool must be float8_e4m3fn or q's dtype, got ",
+              k_pool.scalar_type(), " and ", v_pool.scalar_type(), " for q ", q.scalar_type());
   const int64_t D = q.size(2), Hq = q.size(1), Hk = k_pool.size(1), bs = k_pool.size(2);
+  TORCH_CHECK(!kv8 || ((q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf) && (D == 64 || D == 128) &&
+                       Hk > 0 && Hq % Hk == 0 && Hq / Hk >= 2),
+              "fw::paged_decode_attention: float8_e4m3fn pools take a bfloat16 or float16 q, head_dim 64 or 128 and 2 "
+              "or more query heads a kv head; got ", q.scalar_type(), ", head_dim ", D, ", ", Hq, " / ", Hk, " heads");
   TORCH_CHECK(D > 0 && D <= 256 && D % 8 == 0,
               "fw::paged_decode_attention: the CUDA kernel takes a head_dim that is a multiple of 8 up to 256, got ", D);
   TORCH_CHECK(Hk > 0 && Hq % Hk == 0, "fw::paged_decode_attention: Hq must be a multiple of Hk, got ", Hq, " / ", Hk);
@@ -1169,7 +1238,7 @@ Tensor paged_decode_attention(const Tensor& q, const Tensor& k_pool, const Tenso
   while ((1LL << shift) < bs) ++shift;
   const fw::DecodeTable table{tables.data_ptr<int64_t>(), tables.size(1), shift, k_pool.stride(0)};
   return run_decode(q, k_pool, v_pool, lengths, tables.size(1) * bs, 0, k_pool.stride(1), k_pool.stride(2), table,
-                    scale);
+                    scale, kv8);
 }
 
 }  // namespace

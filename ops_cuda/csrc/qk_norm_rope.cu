@@ -5,26 +5,31 @@
 // in fp32 as csrc/rope.cu does; v heads are copied. The destinations are either the training outputs q, k, v
 // [N, H, D] (qk_norm_rope) or, for the rollout, q and the paged KV pools at (block, offset) (qk_norm_rope_write).
 // A lane holds P = D / 64 consecutive elements of each half of a head, so both elements of every rotated pair
-// (i, i + D/2) are in the lane and each half moves as one vector a lane.
+// (i, i + D/2) are in the lane and each half moves as one vector a lane. The pools hold the input's dtype, or
+// float8_e4m3 (an fp8 KV cache): each k and v element is the one a 16-bit or float32 pool would hold, rounded to
+// nearest e4m3 and saturated at +-448, as torch's x.clamp(-448, 448).to(torch.float8_e4m3fn) rounds it.
 //
 // Backward: the gradients of q and k are rotated back (the rotation is orthogonal: its transpose is the inverse),
 // then go through the norm's backward with rstd recomputed from qkv by the forward's own reduction; the gradient of
 // v is copied. All three land in one d(qkv) buffer, so the split of qkv needs no cat in its backward. The blocks
 // (one wave) loop over tokens and keep the two weights' gradient terms in registers; sum_partial_rows adds the
 // blocks' partial rows in a fixed order, so the weight gradients are the same from run to run.
+#include <cuda_fp8.h>
+
 #include "common.cuh"
 #include "torch_utils.h"
 
 namespace fw {
 
 // Where k and v go: base + token * s0 + head * s1 (+ d) when `blocks` is null, else base + blocks[token] * s0 +
-// offsets[token] * s2 + head * s1.
+// offsets[token] * s2 + head * s1, in elements of the input's dtype, or of float8_e4m3 when `fp8`.
 struct KVDest {
   void* k;
   void* v;
   const int64_t* blocks;
   const int64_t* offsets;
   int64_t s0, s1, s2;
+  bool fp8 = false;
 };
 // qkv [N, (Hq + 2 Hk) D] with row stride `qkv_stride`; q_out [N, Hq, D].
 cudaError_t qk_norm_rope_fwd(DType dt, DType wdt, const void* qkv, int64_t qkv_stride, const int64_t* positions,
@@ -64,8 +69,29 @@ __device__ __forceinline__ void load_halves(const T* head, int first, float (&a)
   }
 }
 
-// P: elements of each half of a head a lane holds (D = 64 P).
-template <typename T, typename W, int P>
+// P elements of T (already in T's rounding) into a k or v destination of element type KV: T, or __nv_fp8_e4m3
+// (rounded to nearest, saturating: the T value rounded again, as the reference rounds the stored T value).
+template <typename KV, typename T, int P> __device__ __forceinline__ void store_kv(KV* dst, const Vec<T, P>& x) {
+  if constexpr (std::is_same_v<KV, T>) {
+    store_vec(dst, x);
+  } else {
+    static_assert(std::is_same_v<KV, __nv_fp8_e4m3>, "k and v are stored as T or float8_e4m3");
+    Vec<__nv_fp8_storage_t, P> o;
+    if constexpr (P % 2 == 0) {
+#pragma unroll
+      for (int j = 0; j < P; j += 2)   // one cvt.rn.satfinite.e4m3x2.f32 a pair on sm_89+; element j in the low byte
+        *reinterpret_cast<__nv_fp8x2_storage_t*>(&o.v[j]) =
+            __nv_cvt_float2_to_fp8x2(make_float2(to_f(x.v[j]), to_f(x.v[j + 1])), __NV_SATFINITE, __NV_E4M3);
+    } else {
+#pragma unroll
+      for (int j = 0; j < P; ++j) o.v[j] = __nv_cvt_float_to_fp8(to_f(x.v[j]), __NV_SATFINITE, __NV_E4M3);
+    }
+    store_vec(reinterpret_cast<__nv_fp8_storage_t*>(dst), o);
+  }
+}
+
+// P: elements of each half of a head a lane holds (D = 64 P); KV: the pools' element type (T or __nv_fp8_e4m3).
+template <typename T, typename W, typename KV, int P>
 __global__ void __launch_bounds__(kThreads)
 qk_norm_rope_kernel(const T* __restrict__ qkv, int64_t qkv_stride, const int64_t* __restrict__ positions,
                     const float* __restrict__ inv_freq, const W* __restrict__ qw, const W* __restrict__ kw,
@@ -81,9 +107,9 @@ qk_norm_rope_kernel(const T* __restrict__ qkv, int64_t qkv_stride, const int64_t
   for (int head = warp; head < Hq + 2 * Hk; head += kWarps) {
     const T* src = row + (int64_t)head * D;
     if (head >= Hq + Hk) {   // v: copied as it is
-      T* dst = (T*)kv.v + at + (int64_t)(head - Hq - Hk) * kv.s1;
-      store_vec(dst + first, load_vec<T, P>(src + first));
-      store_vec(dst + HALF + first, load_vec<T, P>(src + HALF + first));
+      KV* dst = (KV*)kv.v + at + (int64_t)(head - Hq - Hk) * kv.s1;
+      store_kv(dst + first, load_vec<T, P>(src + first));
+      store_kv(dst + HALF + first, load_vec<T, P>(src + HALF + first));
       continue;
     }
     const bool is_q = head < Hq;
@@ -103,9 +129,16 @@ qk_norm_rope_kernel(const T* __restrict__ qkv, int64_t qkv_stride, const int64_t
       y1[p] = n1 * c[p] - n2 * s[p];
       y2[p] = n2 * c[p] + n1 * s[p];
     }
-    T* dst = is_q ? q_out + (tok * Hq + head) * D : (T*)kv.k + at + (int64_t)(head - Hq) * kv.s1;
-    store_vec(dst + first, vec_from_f<T, P>(y1));
-    store_vec(dst + HALF + first, vec_from_f<T, P>(y2));
+    const Vec<T, P> o1 = vec_from_f<T, P>(y1), o2 = vec_from_f<T, P>(y2);
+    if (is_q || std::is_same_v<KV, T>) {   // a pool of T: one store path for q and k
+      T* dst = is_q ? q_out + (tok * Hq + head) * D : (T*)kv.k + at + (int64_t)(head - Hq) * kv.s1;
+      store_vec(dst + first, o1);
+      store_vec(dst + HALF + first, o2);
+    } else {
+      KV* dst = (KV*)kv.k + at + (int64_t)(head - Hq) * kv.s1;
+      store_kv(dst + first, o1);
+      store_kv(dst + HALF + first, o2);
+    }
   }
 }
 
@@ -217,9 +250,13 @@ cudaError_t qk_norm_rope_fwd(DType dt, DType wdt, const void* qkv, int64_t qkv_s
   return dispatch_types(dt, wdt, D, [&](auto tv, auto wv, auto p) {
     using T = decltype(tv);
     using W = decltype(wv);
-    return launch_kernel(qk_norm_rope_kernel<T, W, decltype(p)::value>, (unsigned)tokens, kThreads, 0, stream,
-                         (const T*)qkv, qkv_stride, positions, inv_freq, (const W*)q_weight, (const W*)k_weight,
-                         (T*)q_out, kv, Hq, Hk, eps);
+    auto launch = [&](auto* kv_type) {
+      using KV = std::remove_pointer_t<decltype(kv_type)>;
+      return launch_kernel(qk_norm_rope_kernel<T, W, KV, decltype(p)::value>, (unsigned)tokens, kThreads, 0, stream,
+                           (const T*)qkv, qkv_stride, positions, inv_freq, (const W*)q_weight, (const W*)k_weight,
+                           (T*)q_out, kv, Hq, Hk, eps);
+    };
+    return kv.fp8 ? launch((__nv_fp8_e4m3*)nullptr) : launch((T*)nullptr);
   });
 }
 
@@ -353,14 +390,17 @@ Tensor qk_norm_rope_write(const Tensor& qkv, const Tensor& positions, const Tens
   TORCH_CHECK(k_pool.dim() == 4, "fw::", op, ": the pools must be [num_blocks, Hk, block_size, D]");
   const Heads h = check_qkv(qkv, positions, q_weight, k_weight, k_pool.size(1), op);
   c10::cuda::CUDAGuard guard(qkv.device());
-  TORCH_CHECK(k_pool.scalar_type() == qkv.scalar_type() && v_pool.scalar_type() == qkv.scalar_type(),
-              "fw::", op, ": qkv and the pools must share a dtype");
+  const bool fp8 = k_pool.scalar_type() == at::kFloat8_e4m3fn;
+  TORCH_CHECK((fp8 || k_pool.scalar_type() == qkv.scalar_type()) && v_pool.scalar_type() == k_pool.scalar_type(),
+              "fw::", op, ": the pools must both be qkv's dtype (", qkv.scalar_type(), ") or float8_e4m3fn, got ",
+              k_pool.scalar_type(), " and ", v_pool.scalar_type());
   for (const Tensor* t : {&k_pool, &v_pool, &write_blocks, &write_offsets})
     TORCH_CHECK(t->device() == qkv.device(), "fw::", op, ": every tensor must be on qkv's device");
   for (const Tensor* t : {&write_blocks, &write_offsets})
     TORCH_CHECK(t->dim() == 1 && t->size(0) == h.N && t->scalar_type() == at::kLong, "fw::", op,
                 ": write_blocks and write_offsets must be int64 [N]");
   TORCH_CHECK(k_pool.size(3) == h.D, "fw::", op, ": the pools' head_dim differs from the norm weights'");
+  // a lane stores P = D / 64 pool elements as one vector (P * element_size bytes): strides in whole vectors
   TORCH_CHECK(k_pool.strides() == v_pool.strides() && k_pool.stride(3) == 1 &&
                   k_pool.stride(1) % (h.D / 64) == 0 && k_pool.stride(2) % (h.D / 64) == 0 &&
                   k_pool.stride(0) % (h.D / 64) == 0,
@@ -374,7 +414,7 @@ Tensor qk_norm_rope_write(const Tensor& qkv, const Tensor& positions, const Tens
   auto q = at::empty({h.N, h.Hq, h.D}, qkv.options());
   auto inv = fw::rope_inv_freq(h.D, theta, qkv.device());
   const fw::KVDest dest{k_pool.data_ptr(), v_pool.data_ptr(), blk.data_ptr<int64_t>(), off.data_ptr<int64_t>(),
-                        k_pool.stride(0), k_pool.stride(1), k_pool.stride(2)};
+                        k_pool.stride(0), k_pool.stride(1), k_pool.stride(2), fp8};
   check_launch(fw::qk_norm_rope_fwd(dtype_of(x, op, "qkv"), dtype_of(qw, op, "q_weight"), x.data_ptr(), x.stride(0),
                                     pos.data_ptr<int64_t>(), inv.data_ptr<float>(), qw.data_ptr(), kw.data_ptr(),
                                     q.data_ptr(), dest, h.N, (int)h.Hq, (int)h.Hk, (int)h.D, (float)eps,
