@@ -34,6 +34,8 @@ step rollout-kv16 150 rollout_bench.log python3 -m benchmarks.rollout --num-seqs
 step rollout-kv16-admit1 150 rollout_bench.log python3 -m benchmarks.rollout --num-seqs 256 --lo 100 --hi 1024 --impls fw --kv-cache-gib 16 --admit-batch 1
 step rollout-kv4 180 rollout_bench.log python3 -m benchmarks.rollout --num-seqs 256 --lo 100 --hi 1024 --impls fw --kv-cache-gib 4
 step rollout-kv4-admit1 180 rollout_bench.log python3 -m benchmarks.rollout --num-seqs 256 --lo 100 --hi 1024 --impls fw --kv-cache-gib 4 --admit-batch 1
+step rollout-kv16-fp8 150 rollout_bench.log python3 -m benchmarks.rollout --num-seqs 256 --lo 100 --hi 1024 --impls fw --kv-cache-gib 16 --kv-cache-dtype float8_e4m3
+step rollout-kv4-fp8 180 rollout_bench.log python3 -m benchmarks.rollout --num-seqs 256 --lo 100 --hi 1024 --impls fw --kv-cache-gib 4 --kv-cache-dtype float8_e4m3
 step train-bench-packed 150 train_bench.log python3 -m benchmarks.train_step --batch 8 --seq 2048 --steps 10 --impls fw,fw-packed,hf --doc-len 512
 step packed-update 150 train_bench.log python3 -m benchmarks.packed_update
 step shared-update 150 train_bench.log python3 -m benchmarks.packed_update --equal --split groups

@@ -5,7 +5,8 @@ Random prompt ids, prompt and output lengths uniform in [lo, hi] (seed 0), EOS i
 output length (generate's per-row max_new_tokens; a finished row leaves the batch and frees its KV blocks), as the
 workload's floor assumes; `fw-longest` and HF `generate` (which has no per-row limit) run every row to
 the longest output, so both are charged the same padding; `fw-eager` is `fw` without the CUDA graph of
-the decode step. `--kv-cache-gib` is the paged cache's budget (rows wait for blocks beyond it); the table
+the decode step. `--kv-cache-gib` is the paged cache's budget (rows wait for blocks beyond it) and
+`--kv-cache-dtype` the dtype it holds (`float8_e4m3`: twice the positions a budget holds); the table
 reports the peak allocated and reserved memory and the most rows that decoded together. Each fw impl runs
 `--rounds` times on the one engine (the first round captures the decode graphs of the buckets it meets) and
 reports the median round; HF runs once.
@@ -27,6 +28,7 @@ import torch
 from framework.models import Qwen3ForCausalLM
 from framework.models.presets import PRESETS, preset_config
 from framework.rollout import CacheSettings, RolloutEngine, SamplingParams
+from framework.rollout.kv_cache import KV_CACHE_DTYPES
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -83,6 +85,8 @@ def main() -> None:
     ap.add_argument("--kv-cache-gib", type=float, default=None, help="the KV budget (default: the GPU's free memory)")
     ap.add_argument("--max-num-seqs", type=int, default=None, help="rows decoding together (default: the schema's)")
     ap.add_argument("--admit-batch", type=int, default=None, help="rows joining at once (default: the schema's)")
+    ap.add_argument("--kv-cache-dtype", choices=list(KV_CACHE_DTYPES), default=None,
+                    help="the KV pool's dtype (default: the schema's)")
     args = ap.parse_args()
     cfg = preset_config(args.preset, PRESETS[args.preset]["vocab_size"] or 256)
     torch.manual_seed(0)
@@ -91,7 +95,7 @@ def main() -> None:
     useful = sum(outs)
     base = CacheSettings.from_config(None)
     settings = CacheSettings(args.kv_cache_gib, args.max_num_seqs or base.max_num_seqs, base.block_size,
-                             args.admit_batch or base.admit_batch)
+                             args.admit_batch or base.admit_batch, args.kv_cache_dtype or base.kv_cache_dtype)
     engine = RolloutEngine(model, settings)
     # Warm-up: kernels, allocator, cuBLAS handles; the engine keeps its pool and graphs for the timed call.
     engine.generate(prompts[:4], SamplingParams(max_new_tokens=8, temperature=args.temperature), seed=1)
@@ -114,7 +118,7 @@ def main() -> None:
         rows.append({"impl": impl, "seconds": secs, "rounds": rounds, "useful_tokens": useful, "tok_s": useful / secs,
                      "peak_gib": (torch.cuda.max_memory_allocated() / 2**30 if CUDA else 0.0),
                      "reserved_gib": (torch.cuda.max_memory_reserved() / 2**30 if CUDA else 0.0),
-                     "kv_cache_gib": args.kv_cache_gib,
+                     "kv_cache_gib": args.kv_cache_gib, "kv_cache_dtype": settings.kv_cache_dtype,
                      "kv_blocks": engine.cache.num_blocks if engine.cache is not None else 0,
                      "peak_rows": engine.peak_rows, "preemptions": engine.preemptions})
         print(json.dumps(rows[-1]), flush=True)
@@ -122,7 +126,7 @@ def main() -> None:
     hf_row = next((r for r in rows if r["impl"] == "hf"), None)
     print(f"\nRollout, {args.preset} bf16, {args.num_seqs} seqs, prompt/output uniform [{args.lo}, {args.hi}], "
           f"T={args.temperature}, {useful} useful output tokens, {(torch.cuda.get_device_name() if CUDA else 'CPU')}")
-    print(f"KV budget: {args.kv_cache_gib or 'free memory'} GiB")
+    print(f"KV budget: {args.kv_cache_gib or 'free memory'} GiB, KV dtype {settings.kv_cache_dtype}")
     print(f"{'impl':<11}{'seconds':>10}{'tok/s':>10}{'peak GiB':>10}{'rsvd GiB':>10}{'vs HF':>8}")
     if hf_row:
         print("(vs HF: fw-longest does HF's work, every row to the longest output; fw stops rows at their lengths)")

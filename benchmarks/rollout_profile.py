@@ -35,6 +35,7 @@ from benchmarks.rollout import workload
 from framework.models import Qwen3ForCausalLM
 from framework.models.presets import PRESETS, preset_config
 from framework.rollout import CacheSettings, RolloutEngine, SamplingParams
+from framework.rollout.kv_cache import KV_CACHE_DTYPES
 from framework.rollout.sampling import draw
 from framework.rollout.timeline import Timeline
 
@@ -55,12 +56,12 @@ def prompts_and_lengths(args: argparse.Namespace, vocab: int) -> tuple[list[list
     return prompts, outs
 
 
-def step_bytes(model: torch.nn.Module, dtype: torch.dtype) -> tuple[int, int]:
-    """(bytes of the weights a decode step reads once, bytes of keys and values per context position)."""
+def step_bytes(model: torch.nn.Module, dtype: torch.dtype, kv_dtype: torch.dtype) -> tuple[int, int]:
+    """(bytes of the weights a decode step reads once, in the compute `dtype`; bytes of keys and values per context
+    position, in the pool's `kv_dtype`)."""
     c = model.config
-    elem = torch.empty((), dtype=dtype).element_size()
-    weights = sum(p.numel() for p in model.parameters() if p.dim() == 2) * elem   # the tied LM head once
-    return weights, 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * elem
+    weights = sum(p.numel() for p in model.parameters() if p.dim() == 2) * dtype.itemsize   # the tied LM head once
+    return weights, 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * kv_dtype.itemsize
 
 
 def timeline_report(s: dict, wall: float, tokens: int, weight_bytes: int, kv_bytes: int) -> list[str]:
@@ -162,6 +163,8 @@ def main(argv: list[str] | None = None) -> str:
     ap.add_argument("--temperature", type=float, default=0.6)
     ap.add_argument("--kv-cache-gib", type=float, default=None)
     ap.add_argument("--admit-batch", type=int, default=None, help="rows joining at once (default: the schema's)")
+    ap.add_argument("--kv-cache-dtype", choices=list(KV_CACHE_DTYPES), default=None,
+                    help="the KV pool's dtype (default: the schema's)")
     ap.add_argument("--mixed", action="store_true", help="float32 weights under bf16 autocast (fw fit's bf16-mixed)")
     ap.add_argument("--fresh", action="store_true",
                     help="time a call on a new engine, as each GRPO/PPO rollout under bf16-mixed is: its pool "
@@ -180,7 +183,8 @@ def main(argv: list[str] | None = None) -> str:
     prompts, outs = prompts_and_lengths(args, cfg.vocab_size)
     base = CacheSettings.from_config(None)
     engine = RolloutEngine(model, CacheSettings(args.kv_cache_gib, base.max_num_seqs, base.block_size,
-                                                args.admit_batch or base.admit_batch))
+                                                args.admit_batch or base.admit_batch,
+                                                args.kv_cache_dtype or base.kv_cache_dtype))
     params = SamplingParams(max_new_tokens=outs, temperature=args.temperature)
 
     def region():
@@ -203,10 +207,11 @@ def main(argv: list[str] | None = None) -> str:
         wall = time.perf_counter() - t0
     summary = engine.timeline.summary()
     engine.timeline = None
-    weight_bytes, kv_bytes = step_bytes(model, engine.cache.k.dtype)
+    weight_bytes, kv_bytes = step_bytes(model, torch.bfloat16 if args.mixed else dtype, engine.cache.k.dtype)
     lines = [(f"{args.preset}, {'float32 weights under bf16 autocast' if args.mixed else str(dtype)}, "
              f"{len(prompts)} rows ({len(prompts) // args.group} prompts x {args.group}), "
-             f"{sum(outs)} output tokens, {'a fresh engine' if args.fresh else 'a warm engine'}")]
+             f"{sum(outs)} output tokens, KV cache {engine.settings.kv_cache_dtype} ({engine.cache.k.dtype}), "
+             f"{'a fresh engine' if args.fresh else 'a warm engine'}")]
     lines += timeline_report(summary, wall, sum(outs), weight_bytes, kv_bytes)
     lines.append(f"\npeak rows {engine.peak_rows}, preemptions {engine.preemptions - before}, "
                  f"KV blocks {engine.cache.num_blocks}")

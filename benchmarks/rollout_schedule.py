@@ -1,11 +1,13 @@
 """What the rollout scheduler does with a KV budget, without a model: decode steps, prefills, preemptions, prefill
 tokens (the prompts once, and what preempted rows recompute) and rows a step for the rollout workload
-(`benchmarks.rollout`'s prompts and per-row output lengths), by admission watermark and admission batch. It runs
-framework/rollout/scheduler.py's real `Scheduler` over a pool sized as the engine sizes it, each step growing every
-running row by one token, as the engine does.
+(`benchmarks.rollout`'s prompts and per-row output lengths), by admission watermark, admission batch and KV dtype.
+It runs framework/rollout/scheduler.py's real `Scheduler` over a pool sized as the engine sizes it (a bf16 model's:
+`--kv-cache-dtypes float8_e4m3` fits twice the blocks in a budget), each step growing every running row by one
+token, as the engine does.
 
     python -m benchmarks.rollout_schedule --kv-cache-gib 16 4 --watermarks 0.01 0.05 0.1
     python -m benchmarks.rollout_schedule --admit-batches 1 8 --step-ms 1.7 --prefill-ms 14
+    python -m benchmarks.rollout_schedule --kv-cache-gib 16 4 --kv-cache-dtypes auto float8_e4m3
 
 `--step-ms` and `--prefill-ms` add an estimate of the wall time from assumed costs (per decode step besides the
 KV reads, per prefill stall) and a KV read bandwidth, to compare policies; it is arithmetic, not a measurement.
@@ -21,7 +23,7 @@ from framework.config import defaults
 from framework.models.presets import PRESETS, preset_config
 from framework.rollout import scheduler as sched
 from framework.rollout.block_manager import BlockManager
-from framework.rollout.kv_cache import block_bytes
+from framework.rollout.kv_cache import KV_CACHE_DTYPES, block_bytes, pool_dtype
 
 
 def simulate(num_blocks: int, block_size: int, prompts: list[list[int]], outs: list[int], watermark: float,
@@ -73,6 +75,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--kv-cache-gib", type=float, nargs="+", default=[16.0, 4.0])
     ap.add_argument("--watermarks", type=float, nargs="+", default=[0.01, sched.WATERMARK_FRACTION, 0.2])
     ap.add_argument("--admit-batches", type=int, nargs="+", default=[defaults("grpo")["rollout"]["admit_batch"]])
+    ap.add_argument("--kv-cache-dtypes", nargs="+", choices=list(KV_CACHE_DTYPES),
+                    default=[defaults("grpo")["rollout"]["kv_cache_dtype"]])
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--step-ms", type=float, default=0.0, help="assumed cost of a decode step besides its KV reads")
@@ -80,19 +84,20 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--bandwidth-tbs", type=float, default=3.7, help="assumed KV read bandwidth, TB/s")
     args = ap.parse_args(argv)
     cfg = preset_config(args.preset, PRESETS[args.preset]["vocab_size"] or 256)
-    per_block = block_bytes(cfg, torch.bfloat16, args.block_size)
     prompts, outs = workload(args.num_seqs, args.lo, args.hi, cfg.vocab_size)
     results = []
     for gib in args.kv_cache_gib:
-        blocks = int(gib * (1 << 30)) // per_block
-        for wm in args.watermarks:
-            for batch in args.admit_batches:
-                r = {"kv_cache_gib": gib, "blocks": blocks,
-                     **simulate(blocks, args.block_size, prompts, outs, wm, args.max_num_seqs,
-                                per_block // args.block_size, args.step_ms / 1e3, args.prefill_ms / 1e3,
-                                args.bandwidth_tbs * 1e12, batch)}
-                print(r, flush=True)
-                results.append(r)
+        for kv_dtype in args.kv_cache_dtypes:
+            per_block = block_bytes(cfg, pool_dtype(kv_dtype, torch.bfloat16), args.block_size)
+            blocks = int(gib * (1 << 30)) // per_block
+            for wm in args.watermarks:
+                for batch in args.admit_batches:
+                    r = {"kv_cache_gib": gib, "kv_cache_dtype": kv_dtype, "blocks": blocks,
+                         **simulate(blocks, args.block_size, prompts, outs, wm, args.max_num_seqs,
+                                    per_block // args.block_size, args.step_ms / 1e3, args.prefill_ms / 1e3,
+                                    args.bandwidth_tbs * 1e12, batch)}
+                    print(r, flush=True)
+                    results.append(r)
     return results
 
 

@@ -73,9 +73,12 @@ def generate_text(cfg: dict | None, prompt: str, checkpoint: str | None = None, 
                   temperature: float | None = None, seed: int | None = None, skip_damaged: bool = False) -> str:
     """The completion of ``prompt`` (the user message; rendered with the chat template when
     ``data.chat_template``). Unset options come from ``rollout.max_new_tokens``, ``rollout.temperature``
-    (0 = greedy) and ``seed``; top-k/top-p/min-p/stop strings from ``rollout``. ``checkpoint`` is a
-    checkpoint directory or a run directory (its newest checkpoint; ``skip_damaged`` as in ``fw fit``)."""
-    from framework.rollout import SamplingParams, generate, stop_token_ids
+    (0 = greedy) and ``seed``; top-k/top-p/min-p/stop strings and the KV cache's settings from ``rollout``; on
+    CUDA under the run's autocast (`trainer.precision` *-mixed), as its rollouts sample.
+    ``checkpoint`` is a checkpoint directory or a run directory (its newest checkpoint; ``skip_damaged`` as in
+    ``fw fit``)."""
+    from framework.evaluation import autocast_context
+    from framework.rollout import CacheSettings, SamplingParams, generate, stop_token_ids
     from framework.tasks import render_prompt
 
     if seed is not None and seed < 0:
@@ -96,6 +99,10 @@ def generate_text(cfg: dict | None, prompt: str, checkpoint: str | None = None, 
     ids = tokenizer.encode(text)
     if not ids:
         raise FwError("fw generate: the prompt is empty")
-    result = generate(policy, [ids], params, eos_ids=stop_token_ids(tokenizer, policy.config), tokenizer=tokenizer,
-                      seed=cfg["seed"] if seed is None else seed)
+    # as the run's rollouts sample: its cache settings (rollout.kv_cache_dtype changes what is sampled) and, on CUDA,
+    # its autocast (a float8 pool needs 16-bit compute there)
+    with autocast_context(cfg, _device(cfg)):
+        result = generate(policy, [ids], params, eos_ids=stop_token_ids(tokenizer, policy.config),
+                          tokenizer=tokenizer, seed=cfg["seed"] if seed is None else seed,
+                          cache=CacheSettings.from_config(cfg["rollout"]))
     return result.texts[0]

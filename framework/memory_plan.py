@@ -459,16 +459,20 @@ def _batch_rows(rows: list[Row], cfg: dict, model: Qwen3Config, shapes: BatchSha
     policy_cfg = cfg["model"]["policy"]
     layers = model.num_hidden_layers
     if shapes.rollout_rows:
+        from framework.rollout.kv_cache import KV_CACHE_DTYPES
+
         # framework/rollout/kv_cache.py: a pool of blocks of block_size positions, in autocast's dtype under
-        # *-mixed, else the model's: what every row of the rollout could use at once (its prompt + its limit,
-        # block-rounded, and the scratch block), capped by rollout.kv_cache_gib
+        # *-mixed, else the model's, or float8 (rollout.kv_cache_dtype): what every row of the rollout could use at
+        # once (its prompt + its limit, block-rounded, and the scratch block), capped by rollout.kv_cache_gib
         ro = cfg["rollout"]
         bs = ro["block_size"]
+        stored = KV_CACHE_DTYPES[ro["kv_cache_dtype"]]
+        kb = cb if stored is None else stored.itemsize
         per_row = -(-(shapes.prompt_len + shapes.new_tokens - 1) // bs)
         blocks = shapes.rollout_rows * per_row + 1
-        block = 2 * layers * model.kv_size * bs * cb
+        block = 2 * layers * model.kv_size * bs * kb
         how = (f"{blocks} blocks ({shapes.rollout_rows} rows x {per_row} + scratch) x {bs} positions x 2 x {layers} "
-               f"layers x {model.num_key_value_heads} kv heads x {model.head_dim} x {cb} B")
+               f"layers x {model.num_key_value_heads} kv heads x {model.head_dim} x {kb} B")
         if ro["kv_cache_gib"] is not None and ro["kv_cache_gib"] * (1 << 30) < blocks * block:
             blocks = max(2, int(ro["kv_cache_gib"] * (1 << 30)) // block)
             how = f"rollout.kv_cache_gib {ro['kv_cache_gib']}: {blocks} blocks of {bs} positions x {block} B"

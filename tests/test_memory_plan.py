@@ -99,6 +99,22 @@ def test_keep_engine_holds_the_kv_cache_through_every_phase_when_it_fits():
     assert plan_of(tiny("sft"), SFT_SHAPES).keeps_engine is None   # nothing generates
 
 
+def test_a_float8_kv_cache_counts_one_byte_an_element():
+    """rollout.kv_cache_dtype float8_e4m3 under bf16-mixed: the KV cache row is half the bfloat16 one (8 rows of one
+    16-position block and the scratch block, 1 byte an element), and a kv_cache_gib budget holds twice the blocks."""
+    shapes = BatchShapes(rows=4, seq_len=10 + 6, loss_tokens=4 * 6, rollout_rows=8, prompt_len=10, new_tokens=6)
+
+    def kv(dtype, **rollout):
+        cfg = tiny("grpo", trainer={"precision": "bf16-mixed"}, rollout={"kv_cache_dtype": dtype, **rollout})
+        return row(plan_of(cfg, shapes, backend="cuda"), "KV cache")
+
+    assert kv("float8_e4m3").bytes == 2 * LAYERS * (8 + 1) * 2 * 16 * 64 * 1 == kv("auto").bytes // 2
+    budget = {"kv_cache_gib": 4 * 2 * LAYERS * 2 * 16 * 64 * 2 / (1 << 30)}   # 4 bfloat16 blocks
+    fp8, bf16 = kv("float8_e4m3", **budget), kv("auto", **budget)
+    assert fp8.bytes == bf16.bytes == 4 * 2 * LAYERS * 2 * 16 * 64 * 2
+    assert ": 8 blocks of 16 positions" in fp8.how and ": 4 blocks of 16 positions" in bf16.how
+
+
 def test_grpo_kv_cache_reference_and_cuda_rows_by_hand():
     cfg = tiny("grpo", grpo={"kl_coef": 0.1}, trainer={"precision": "bf16-mixed"})
     shapes = BatchShapes(rows=4, seq_len=10 + 6, loss_tokens=4 * 6, rollout_rows=8, prompt_len=10, new_tokens=6,

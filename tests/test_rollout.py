@@ -11,7 +11,7 @@ from conftest import OpLog, peaked_tiny_model
 from framework.errors import FwError
 from framework.models import Qwen3ForCausalLM, save_pretrained
 from framework.rollout import CacheSettings, Rollout, RolloutEngine, SamplingParams, generate
-from framework.rollout.kv_cache import block_bytes
+from framework.rollout.kv_cache import block_bytes, pool_dtype
 from framework.tokenizer import Tokenizer
 
 
@@ -626,7 +626,8 @@ def test_preemption_gives_the_unbounded_tokens_and_logprobs(model, tok, block_si
     prompts = [group] * 8 + [group[:8] + tok.encode("5*5=")] + [tok.encode(t) for t in ("7=", "hello world, ", "a")]
     limits = [24, 24, 20, 24, 24, 16, 24, 24, 24, 9, 24, 5]
     params = SamplingParams(max_new_tokens=limits, temperature=1.0, top_p=0.95)
-    settings = CacheSettings(kv_cache_gib=None, max_num_seqs=256, block_size=block_size, admit_batch=1)
+    settings = CacheSettings(kv_cache_gib=None, max_num_seqs=256, block_size=block_size, admit_batch=1,
+                             kv_cache_dtype="auto")
     plain = RolloutEngine(model, settings).generate(prompts, params, seed=5, tokenizer=tok).completion_ids
     eos = [plain[0][6], plain[10][11]]   # tokens this draw emits mid-way: rows stop there
     counting = CountingModel(model.config)
@@ -638,7 +639,7 @@ def test_preemption_gives_the_unbounded_tokens_and_logprobs(model, tok, block_si
     counting.calls.clear()
     gib = (blocks + 0.5) * block_bytes(model.config, torch.float32, block_size) / (1 << 30)
     tight = RolloutEngine(counting, CacheSettings(kv_cache_gib=gib, max_num_seqs=256, block_size=block_size,
-                                                  admit_batch=admit_batch))
+                                                  admit_batch=admit_batch, kv_cache_dtype="auto"))
     r = tight.generate(prompts, params, seed=5, eos_ids=eos, tokenizer=tok)
     assert tight.cache.num_blocks == blocks and tight.preemptions >= 5
     prefills = [c for c in counting.calls if c[0] == "prefill"]
@@ -667,7 +668,8 @@ def test_cuda_preemption_keeps_greedy_tokens(model, prompts):
     params = SamplingParams(max_new_tokens=40, temperature=0.0)
     free = generate(cuda, many, params)
     gib = 12.5 * block_bytes(cuda.config, torch.float32, 8) / (1 << 30)
-    engine = RolloutEngine(cuda, CacheSettings(kv_cache_gib=gib, max_num_seqs=256, block_size=8, admit_batch=8))
+    engine = RolloutEngine(cuda, CacheSettings(kv_cache_gib=gib, max_num_seqs=256, block_size=8, admit_batch=8,
+                                               kv_cache_dtype="auto"))
     tight = engine.generate(many, params)
     assert engine.cache.num_blocks == 12 and engine.preemptions > 0 and engine.graphs
     assert tight.completion_ids == free.completion_ids
@@ -758,3 +760,176 @@ def test_cuda_decode_step_projections_run_fws_gemm(model, rows, monkeypatch):
         fw, n = step(torch.bfloat16, mode)
         assert n == calls, (mode, n)
         assert (fw - want).abs().max() <= 1.5 * (cublas - want).abs().max() + 1e-2
+
+
+# ------------------------------------------------------------------ rollout.kv_cache_dtype float8_e4m3
+
+FP8 = torch.float8_e4m3fn
+
+
+def e4m3(t):
+    """t as a float8 pool holds it (rounded to nearest e4m3, saturating at +-448), back in t's dtype."""
+    return t.clamp(-448, 448).to(FP8).to(t.dtype)
+
+
+def fp8_settings(**changes):
+    """The schema's cache settings with a float8 pool, and `changes`."""
+    return dataclasses.replace(CacheSettings.from_config(None), **{"kv_cache_dtype": "float8_e4m3", **changes})
+
+
+def rounded_kv_reference(model):
+    """A copy of `model` whose full forwards round every layer's keys and values as a float8 pool holds them."""
+    ref = Qwen3ForCausalLM(model.config)
+    ref.load_state_dict(model.state_dict())
+    for layer in ref.model.layers:
+        def qkv(x, positions, inner=layer.self_attn._qkv):
+            q, k, v = inner(x, positions)
+            return q, e4m3(k), e4m3(v)
+
+        layer.self_attn._qkv = qkv
+    return ref.eval()
+
+
+@pytest.mark.parametrize("block_size, blocks, admit_batch", [(4, 24, 1), (8, 14, 2)])
+def test_fp8_preemption_gives_the_unbounded_fp8_tokens_and_logprobs(model, tok, block_size, blocks, admit_batch):
+    """kv_cache_dtype float8_e4m3, float32 compute on CPU, budgets that preempt rows again and again: exactly the
+    tokens and logprobs of an unbounded float8 pool (a readmitted row's prefill reads the rounded keys and values its
+    decode steps would have), which are not the float32 pool's. The rows of the float32 preemption test."""
+    group = tok.encode("what is 12+34? ")
+    prompts = [group] * 8 + [group[:8] + tok.encode("5*5=")] + [tok.encode(t) for t in ("7=", "hello world, ", "a")]
+    limits = [24, 24, 20, 24, 24, 16, 24, 24, 24, 9, 24, 5]
+    params = SamplingParams(max_new_tokens=limits, temperature=1.0, top_p=0.95)
+    settings = fp8_settings(kv_cache_gib=None, block_size=block_size, admit_batch=1)
+    unbounded = RolloutEngine(model, settings)
+    free = unbounded.generate(prompts, params, seed=5, tokenizer=tok)
+    assert unbounded.cache.k.dtype == FP8 and unbounded.preemptions == 0
+    exact = RolloutEngine(model, dataclasses.replace(settings, kv_cache_dtype="auto")).generate(
+        prompts, params, seed=5, tokenizer=tok)
+    assert not torch.equal(exact.logprobs, free.logprobs)   # the rounding shows
+    gib = (blocks + 0.5) * block_bytes(model.config, FP8, block_size) / (1 << 30)
+    tight = RolloutEngine(model, dataclasses.replace(settings, kv_cache_gib=gib, admit_batch=admit_batch))
+    r = tight.generate(prompts, params, seed=5, tokenizer=tok)
+    assert tight.cache.num_blocks == blocks and tight.preemptions >= 5
+    assert r.completion_ids == free.completion_ids and r.finish_reasons == free.finish_reasons
+    assert torch.equal(r.logprobs, free.logprobs)
+    assert all(n == 0 for n in tight.blocks.refs) and tight.blocks.num_free == blocks - 1
+
+
+def test_fp8_greedy_equals_full_forwards_over_rounded_keys_and_values(model, prompts):
+    """kv_cache_dtype float8_e4m3, float32 compute on CPU: the greedy tokens and logprobs are those of a cache-free
+    loop of full forwards whose attention rounds k and v to e4m3 (saturating) before using them, and far from those
+    of the unrounded model: the pool holds the rounded values, and the prefill and every decode step read them."""
+    r = generate(model, prompts, SamplingParams(max_new_tokens=12, temperature=0.0), cache=fp8_settings())
+    ref = rounded_kv_reference(model)
+    for b, prompt in enumerate(prompts):
+        tokens, logprobs, _ = naive_greedy(ref, prompt, 12)
+        assert r.completion_ids[b] == tokens
+        # float32 sums in another order, before the rounding: a little more than the float32 paths' 1e-5 apart
+        torch.testing.assert_close(r.logprobs[b].double(), torch.tensor(logprobs, dtype=torch.float64), atol=1e-4,
+                                   rtol=0)
+    assert (r.logprobs.double() - full_forward_logprobs(model, r, 1.0)).abs().max() > 1e-2
+
+
+def test_fp8_flash_prefill_attends_over_the_values_the_pool_holds(model):
+    """Qwen3Attention.paged's flash branch (a CUDA prefill of whole contexts; here on CPU through the ops'
+    references) into a float8 pool: it writes k and v rounded to nearest e4m3 and saturated at +-448 (inputs large
+    enough that v passes it), exactly a float32 pool's values rounded, and attends over those rounded values, as
+    the pool-reading prefill (the CPU's, and a readmitted row's on CUDA) does."""
+    from framework.models.qwen3 import FlashPrefill, PagedBatch
+
+    attn, c, bs = model.model.layers[0].self_attn, model.config, 4
+    lens = [5, 11]
+    x = torch.randn(sum(lens), c.hidden_size, generator=torch.Generator().manual_seed(0)) * 300
+    positions = torch.cat([torch.arange(n) for n in lens])
+    tables = torch.tensor([[1, 2, 0], [3, 4, 5]])
+    blk = tables[torch.repeat_interleave(torch.arange(2), torch.tensor(lens)), positions // bs]
+    cu = torch.tensor([0, lens[0], sum(lens)])
+
+    def prefill(dtype, flash):
+        k_pool = torch.zeros(6, c.num_key_value_heads, bs, c.head_dim, dtype=dtype)
+        v_pool = torch.zeros_like(k_pool)
+        batch = PagedBatch(positions=positions, write_blocks=blk, write_offsets=positions % bs, block_tables=tables,
+                           lengths=torch.tensor(lens), cu_seqlens=cu, flash=flash)
+        with torch.no_grad():
+            return attn.paged(x, batch, k_pool, v_pool), k_pool.float(), v_pool.float()
+
+    whole = FlashPrefill(cu.int(), max(lens), cu.int(), max(lens))
+    out32, k32, v32 = prefill(torch.float32, whole)
+    out8, k8, v8 = prefill(FP8, whole)
+    pooled, _, _ = prefill(FP8, None)
+    assert v32.abs().max() > 448 and v8.abs().max() == 448
+    assert torch.equal(k8, e4m3(k32)) and torch.equal(v8, e4m3(v32))
+    scale = out32.abs().max()
+    assert (out8 - pooled).abs().max() < 1e-5 * scale < (out8 - out32).abs().max()
+
+
+def test_fp8_pool_takes_half_the_bytes_of_bf16_and_computes_in_bf16(model, prompts, monkeypatch):
+    """A float8 block takes one byte an element, half a bfloat16 one; under bf16 autocast and one kv_cache_gib an
+    engine with kv_cache_dtype float8_e4m3 gets twice the blocks of an "auto" one (its pool bfloat16) in the same
+    bytes, and attends in bfloat16 over them; a float32 model's attends in float32. rollout.kv_cache_dtype reaches
+    the settings."""
+    import ops_cuda
+    from framework.config import resolve
+
+    bs = 4
+    half = block_bytes(model.config, torch.bfloat16, bs)
+    assert 2 * block_bytes(model.config, FP8, bs) == half == block_bytes(model.config, torch.float32, bs) // 2
+    assert pool_dtype("auto", torch.bfloat16) is torch.bfloat16 and pool_dtype("float8_e4m3", torch.float32) is FP8
+    seen = set()
+
+    def decode_attention(q, k_pool, *args):
+        seen.add((q.dtype, k_pool.dtype))
+        return real(q, k_pool, *args)
+
+    real = ops_cuda.paged_decode_attention
+    monkeypatch.setattr(ops_cuda, "paged_decode_attention", decode_attention)
+    params = SamplingParams(max_new_tokens=12, temperature=1.0)   # the rows could use 23 blocks at once
+    pools = {}
+    for kv in ("auto", "float8_e4m3"):
+        engine = RolloutEngine(model, fp8_settings(kv_cache_gib=8.25 * half / (1 << 30), block_size=bs,
+                                                   kv_cache_dtype=kv))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            engine.generate(prompts, params, seed=2)
+        pools[kv] = engine.cache
+    assert (pools["auto"].k.dtype, pools["auto"].num_blocks) == (torch.bfloat16, 8)
+    assert (pools["float8_e4m3"].k.dtype, pools["float8_e4m3"].num_blocks) == (FP8, 16)
+    assert pools["auto"].k.nbytes == pools["float8_e4m3"].k.nbytes
+    assert seen == {(torch.bfloat16, torch.bfloat16), (torch.bfloat16, FP8)}
+    seen.clear()
+    generate(model, prompts, params, seed=2, cache=fp8_settings())
+    assert seen == {(torch.float32, FP8)}
+    cfg = resolve({"recipe": "grpo", "model": {"policy": {"preset": "tiny"}},
+                   "rollout": {"kv_cache_dtype": "float8_e4m3"}})
+    assert CacheSettings.from_config(cfg["rollout"]) == fp8_settings()
+    assert CacheSettings.from_config(None).kv_cache_dtype == "auto"
+
+
+@pytest.mark.gpu
+def test_cuda_fp8_pool_under_a_tight_budget_preempts_and_completes(model, prompts):
+    """CUDA, bfloat16 compute (the float8 decode kernel takes 16-bit queries), float8 pool, decode graphs on: a budget
+    of 12 blocks preempts rows and the call completes with every row's tokens, finite logprobs, and every block
+    back. Token equality with an unbounded float8 pool is checked on CPU in float32; on CUDA in bfloat16 it is not
+    claimed."""
+    cuda = Qwen3ForCausalLM(model.config)
+    cuda.load_state_dict(model.state_dict())
+    cuda = cuda.to("cuda", torch.bfloat16).eval()
+    many = prompts * 4
+    params = SamplingParams(max_new_tokens=40, temperature=0.0)
+    gib = 12.5 * block_bytes(cuda.config, FP8, 8) / (1 << 30)
+    engine = RolloutEngine(cuda, fp8_settings(kv_cache_gib=gib, block_size=8, admit_batch=8))
+    tight = engine.generate(many, params)
+    assert engine.cache.k.dtype == FP8 and engine.cache.num_blocks == 12 and engine.preemptions > 0 and engine.graphs
+    assert all(len(c) > 0 for c in tight.completion_ids) and torch.isfinite(tight.logprobs).all()
+    assert all(n == 0 for n in engine.blocks.refs)
+    engine.release()
+
+
+@pytest.mark.gpu
+def test_cuda_fp8_pool_refuses_a_float32_rollout(model, prompts):
+    """The float8 decode kernel takes 16-bit queries: a float32 rollout on CUDA is refused before any step, naming
+    the setting."""
+    cuda = Qwen3ForCausalLM(model.config)
+    cuda.load_state_dict(model.state_dict())
+    cuda = cuda.to("cuda").eval()
+    with pytest.raises(FwError, match="rollout.kv_cache_dtype: float8_e4m3 needs a bfloat16 or float16 rollout"):
+        generate(cuda, prompts, SamplingParams(max_new_tokens=4, temperature=0.0), cache=fp8_settings())

@@ -132,11 +132,12 @@ def test_small_budget_gives_the_unbounded_tokens_and_logprobs(model, tok, sampli
     prompts.append(prompts[1])   # a repeated prompt: a group of two in the unbounded run
     params = SamplingParams(max_new_tokens=[12, 9, 12, 5, 12, 12, 7, 12], **sampling)
     eos = [tok.eos_id]
-    unbounded = RolloutEngine(model, CacheSettings(kv_cache_gib=None, max_num_seqs=256, block_size=16, admit_batch=8))
+    unbounded = RolloutEngine(model, CacheSettings(kv_cache_gib=None, max_num_seqs=256, block_size=16, admit_batch=8,
+                                                   kv_cache_dtype="auto"))
     free = unbounded.generate(prompts, params, seed=3, eos_ids=eos, tokenizer=tok)
     assert unbounded.peak_rows == len(prompts)
     small = RolloutEngine(model, CacheSettings(kv_cache_gib=gib_for_blocks(model, 5.5), max_num_seqs=3,
-                                               block_size=16, admit_batch=8))
+                                               block_size=16, admit_batch=8, kv_cache_dtype="auto"))
     tight = small.generate(prompts, params, seed=3, eos_ids=eos, tokenizer=tok)
     assert small.cache.num_blocks == 5 and small.peak_rows <= 3
     assert tight.completion_ids == free.completion_ids and tight.finish_reasons == free.finish_reasons
@@ -146,7 +147,8 @@ def test_small_budget_gives_the_unbounded_tokens_and_logprobs(model, tok, sampli
 
 def test_a_group_prefills_its_prompt_once(model, tok):
     prompt = tok.encode("what is 12+34? ")           # 15 tokens: a full block of 8 and a partial one
-    engine = RolloutEngine(model, CacheSettings(kv_cache_gib=None, max_num_seqs=64, block_size=8, admit_batch=8))
+    engine = RolloutEngine(model, CacheSettings(kv_cache_gib=None, max_num_seqs=64, block_size=8, admit_batch=8,
+                                                kv_cache_dtype="auto"))
     group = engine.generate([prompt] * 8, SamplingParams(max_new_tokens=6, temperature=1.0), seed=1)
     assert engine.prefill_tokens == len(prompt)
     assert all(n == 0 for n in engine.blocks.refs)
@@ -163,7 +165,7 @@ def test_prefix_cache_reuses_a_shared_system_prompt(model, tok):
     questions = [tok.encode(q) for q in ("1+1=", "22*3=", "9-4=")]
     prompts = [system + q for q in questions]
     engine = RolloutEngine(model, CacheSettings(kv_cache_gib=gib_for_blocks(model, 7.5), max_num_seqs=1,
-                                                block_size=16, admit_batch=8))
+                                                block_size=16, admit_batch=8, kv_cache_dtype="auto"))
     params = SamplingParams(max_new_tokens=4, temperature=0.0)
     r = engine.generate(prompts, params)
     full_blocks = len(system) // 16
@@ -186,7 +188,7 @@ def test_lazy_admission_runs_more_rows_than_reserving(model):
     prompts = [[3 + i, 4, 5, 6] for i in range(6)]
     params = SamplingParams(max_new_tokens=8, temperature=1.0)
     engine = RolloutEngine(model, CacheSettings(kv_cache_gib=gib_for_blocks(model, 13.5, 4), max_num_seqs=8,
-                                                block_size=4, admit_batch=8))
+                                                block_size=4, admit_batch=8, kv_cache_dtype="auto"))
     lazy = engine.generate(prompts, params, seed=2)
     assert engine.cache.num_blocks == 13
     assert engine.peak_rows == 5 and engine.preemptions == 1

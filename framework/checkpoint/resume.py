@@ -66,6 +66,7 @@ RESUME_RULES: dict[str, tuple[str, str]] = {
     "rollout.kv_cache_gib": (APPLIES, "sizes the KV pool of each rollout; the tokens do not depend on it"),
     "rollout.max_num_seqs": (APPLIES, "rows decoding together; the tokens do not depend on it"),
     "rollout.block_size": (APPLIES, "the KV pool's block size; the tokens do not depend on it"),
+    "rollout.kv_cache_dtype": (APPLIES, "the KV pool's dtype, read at every rollout, as a sampling setting is"),
     "rollout.admit_batch": (APPLIES, "how many waiting rows join at once; the tokens do not depend on it"),
     "rollout.keep_engine": (APPLIES, "whether the KV pool outlives a rollout; the tokens do not depend on it"),
     "reward.name": (APPLIES, "the reward is built from the config"),

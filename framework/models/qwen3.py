@@ -21,6 +21,7 @@ from framework.errors import FwError
 from framework.models import recompute
 from framework.models.qwen3_config import Qwen3Config
 from framework.models.recompute import cheap
+from ops_cuda.qk_norm_rope_write import as_pool
 
 # HF name -> (tensor in our module, first row, last row) of a fused weight; rows None = whole tensor.
 HfTargets = dict[str, tuple[Tensor, int | None, int | None]]
@@ -56,6 +57,12 @@ def _project(proj: nn.Module, x: Tensor) -> Tensor:
     """proj(x) in a paged forward: a plain nn.Linear's weight through ops_cuda.linear, which takes a decode step's few
     rows to fw's split-K GEMM. Adapters (LoRA) keep their own forward."""
     return ops_cuda.linear(x, proj.weight) if type(proj) is nn.Linear and proj.bias is None else proj(x)
+
+
+def _paged_compute_dtype(t: Tensor, pool: Tensor) -> torch.dtype:
+    """The dtype a paged forward's attention computes in: the pool's, or for a float8 pool (rollout.kv_cache_dtype)
+    that of `t`, the projection's output (autocast's or the model's)."""
+    return t.dtype if pool.dtype == torch.float8_e4m3fn else pool.dtype
 
 
 @dataclass
@@ -207,15 +214,19 @@ class Qwen3Attention(nn.Module):
         """Packed tokens x [N, d]: writes their k/v into the pools, then attends over each row's context."""
         f = batch.flash
         if f is None or f.context_blocks is not None:   # QK-norm, RoPE and the writes in one op
-            qkv = _project(self.qkv_proj, x).to(k_pool.dtype)
+            qkv = _project(self.qkv_proj, x)
+            qkv = qkv.to(_paged_compute_dtype(qkv, k_pool))
             q = ops_cuda.qk_norm_rope_write(qkv, batch.positions, self.q_norm.weight, self.k_norm.weight,
                                             self.q_norm.eps, self.config.rope_theta, k_pool, v_pool,
                                             batch.write_blocks, batch.write_offsets)
-        else:   # the new tokens are the whole contexts: their k/v serve the attention as they are
+        else:   # the new tokens are the whole contexts: their k/v serve the attention as the pool holds them
             q, k, v = (t[0] for t in self._qkv(x[None], batch.positions[None]))
-            k_pool[batch.write_blocks, :, batch.write_offsets] = k.to(k_pool.dtype)
-            v_pool[batch.write_blocks, :, batch.write_offsets] = v.to(v_pool.dtype)
-            q = q.to(k_pool.dtype)
+            q = q.to(_paged_compute_dtype(q, k_pool))
+            # the attention reads the values the pool holds (float8: rounded), as the decode steps and a prefill
+            # that recomputes a preempted row do, so that every path sees the same keys and values
+            k, v = as_pool(k, k_pool), as_pool(v, v_pool)
+            k_pool[batch.write_blocks, :, batch.write_offsets] = k
+            v_pool[batch.write_blocks, :, batch.write_offsets] = v
         if batch.cu_seqlens is None:
             out = ops_cuda.paged_decode_attention(q, k_pool, v_pool, batch.block_tables, batch.lengths, self.scale)
         elif f is not None:

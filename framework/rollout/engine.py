@@ -3,10 +3,10 @@ and take blocks as they grow (the newest row is preempted and recomputed later w
 a group are prefilled once, and one forward per step decodes every running row.
 
 A `RolloutEngine` holds the pool of KV blocks (`framework/rollout/kv_cache.py` sizes it from
-`rollout.kv_cache_gib`), its bookkeeping (`block_manager.py`), and on CUDA one decode graph per batch-size
-bucket, captured once and replayed by every later step and call of that bucket. `generate` runs one call on a
-fresh engine and hands its memory back; the RL recipes keep one engine across rollouts when
-`rollout.keep_engine` says so (recipes/rl.py).
+`rollout.kv_cache_gib`; it holds the compute dtype, or float8 e4m3 as `rollout.kv_cache_dtype` says), its
+bookkeeping (`block_manager.py`), and on CUDA one decode graph per batch-size bucket, captured once and replayed
+by every later step and call of that bucket. `generate` runs one call on a fresh engine and hands its memory back;
+the RL recipes keep one engine across rollouts when `rollout.keep_engine` says so (recipes/rl.py).
 
 Stopping, per row: an EOS id (the EOS token is kept as the row's last completion token, with its logprob, so
 the trainer learns to emit it; it is left out of the text), a stop string (the token whose text completes it is
@@ -36,7 +36,7 @@ from framework.allocator import release_cached, to_device
 from framework.errors import FwError
 from framework.models.qwen3 import FlashPrefill, PagedBatch
 from framework.rollout.block_manager import BlockManager
-from framework.rollout.kv_cache import CacheSettings, DecodeGraph, batch_bucket, decode_step, pool_blocks
+from framework.rollout.kv_cache import CacheSettings, DecodeGraph, batch_bucket, decode_step, pool_blocks, pool_dtype
 from framework.rollout.sampling import SamplingParams, draw
 from framework.rollout.scheduler import RowState, Scheduler
 from framework.rollout.timeline import Timeline
@@ -145,9 +145,19 @@ class RolloutEngine:
         self.warm.clear()
         self.graph_pool = None
 
-    def _ensure_cache(self, seqs: list[RowState], dtype: torch.dtype, device: torch.device) -> None:
+    def _ensure_cache(self, seqs: list[RowState], compute: torch.dtype, device: torch.device) -> None:
         c = self.model.config
         bs = self.settings.block_size
+        dtype = pool_dtype(self.settings.kv_cache_dtype, compute)
+        if dtype == torch.float8_e4m3fn and device.type == "cuda":
+            # what the CUDA decode kernel reads a float8 pool with (ops_cuda.paged_decode_attention)
+            if compute not in (torch.bfloat16, torch.float16):
+                raise FwError(f"rollout.kv_cache_dtype: float8_e4m3 needs a bfloat16 or float16 rollout on CUDA "
+                              f"(trainer.precision bf16-mixed, or a bfloat16 model); this one computes in {compute}")
+            if c.head_dim not in (64, 128) or c.num_attention_heads < 2 * c.num_key_value_heads:
+                raise FwError(f"rollout.kv_cache_dtype: float8_e4m3 needs head_dim 64 or 128 and 2 or more query "
+                              f"heads a kv head on CUDA; this model has head_dim {c.head_dim}, "
+                              f"{c.num_attention_heads} / {c.num_key_value_heads} heads")
         n = pool_blocks(self.settings, c, dtype, device, seqs)
         # a pool smaller than this call could use grows (the graphs read the old one, so they go too)
         if self.cache is None or self.cache.k.dtype != dtype or self.cache.num_blocks < n:
@@ -174,7 +184,7 @@ class RolloutEngine:
         pad_id = tokenizer.pad_id if tokenizer is not None and tokenizer.pad_id is not None else 0
         autocast = torch.is_autocast_enabled(device.type)
         # Under autocast (e.g. Lightning's bf16-mixed) keys/values come out in the autocast dtype: the cache
-        # takes it, as the computation that fills it does.
+        # takes it, as the computation that fills it does, unless rollout.kv_cache_dtype rounds them to float8.
         dtype = torch.get_autocast_dtype(device.type) if autocast else model.lm_head_weight.dtype
         was_training = model.training
         model.eval()
@@ -468,8 +478,9 @@ def generate(model: Any, prompts: list[list[int]], params: SamplingParams, *, eo
              cache: CacheSettings | None = None) -> Rollout:
     """Sample completions of ``prompts`` (token id lists) as ``params`` says, on a fresh engine.
 
-    Same (model, prompts, params, seed) give the same tokens, whatever the KV budget (``cache``: the
-    `rollout` section's kv_cache_gib, max_num_seqs, block_size, admit_batch; the schema's defaults when None).
+    Same (model, prompts, params, seed) give the same tokens, whatever the KV budget (``cache``: the `rollout`
+    section's kv_cache_gib, max_num_seqs, block_size, admit_batch and kv_cache_dtype; the schema's defaults when
+    None). Of these only kv_cache_dtype changes the tokens: float8_e4m3 rounds the keys and values to e4m3.
     ``tokenizer`` (for ``texts``, stop strings and the pad id; pad id 0 without one) is optional. The model
     runs in eval mode and gets its previous mode back. ``cuda_graph=False`` runs every CUDA decode step
     eagerly (same tokens). The KV pool and the graphs go back before this returns.

@@ -1,6 +1,7 @@
 """The paged KV cache's size and the decode step's CUDA graphs.
 
-`CacheSettings` are the `rollout` section's kv_cache_gib, max_num_seqs, block_size and admit_batch. The pool holds
+`CacheSettings` are the `rollout` section's kv_cache_gib, max_num_seqs, block_size, admit_batch and kv_cache_dtype.
+The pool holds keys and values in the rollout's compute dtype, or rounded to float8_e4m3fn (`pool_dtype`), and
 as many blocks as the budget pays for (kv_cache_gib null: what the GPU has free, less `FREE_MARGIN_BYTES` for the
 step's activations and logits; on CPU `CPU_KV_CACHE_GIB`), and never more than the call's rows could all use at
 once. A smaller budget runs fewer rows at a time and preempts more (framework/rollout/scheduler.py): same tokens,
@@ -15,6 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from framework.errors import FwError
 from framework.models.qwen3 import PagedBatch
 from framework.rollout.scheduler import blocks_for
 
@@ -26,12 +28,13 @@ GRAPH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
 
 @dataclass(frozen=True)
 class CacheSettings:
-    """How large the paged cache is, how many rows decode together and how many join at once."""
+    """How large the paged cache is, how many rows decode together, how many join at once, and the pool's dtype."""
 
     kv_cache_gib: float | None
     max_num_seqs: int
     block_size: int
     admit_batch: int
+    kv_cache_dtype: str
 
     @classmethod
     def from_config(cls, rollout: dict | None) -> CacheSettings:
@@ -40,18 +43,32 @@ class CacheSettings:
             from framework.config import defaults
 
             rollout = defaults("grpo")["rollout"]
-        return cls(rollout["kv_cache_gib"], rollout["max_num_seqs"], rollout["block_size"], rollout["admit_batch"])
+        return cls(rollout["kv_cache_gib"], rollout["max_num_seqs"], rollout["block_size"], rollout["admit_batch"],
+                   rollout["kv_cache_dtype"])
+
+
+# rollout.kv_cache_dtype -> the pool's dtype; None: the compute dtype
+KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {"auto": None, "float8_e4m3": torch.float8_e4m3fn}
+
+
+def pool_dtype(kv_cache_dtype: str, compute: torch.dtype) -> torch.dtype:
+    """The dtype the pool stores keys and values in under rollout.kv_cache_dtype, for a rollout computing in
+    `compute` (autocast's dtype or the model's)."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise FwError(f"rollout.kv_cache_dtype: expected one of {', '.join(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
+    return KV_CACHE_DTYPES[kv_cache_dtype] or compute
 
 
 def block_bytes(config: Any, dtype: torch.dtype, block_size: int) -> int:
-    """Bytes of one block: keys and values of every layer."""
+    """Bytes of one block of a pool of `dtype`: keys and values of every layer."""
     elem = torch.empty((), dtype=dtype).element_size()
     return 2 * config.num_hidden_layers * config.num_key_value_heads * block_size * config.head_dim * elem
 
 
 def pool_blocks(settings: CacheSettings, config: Any, dtype: torch.dtype, device: torch.device,
                 rows: Sequence[Any]) -> int:
-    """Blocks of the pool for a call over `rows` (each with .prompt and .limit), the scratch block included."""
+    """Blocks of a pool of `dtype` (the pool's own) for a call over `rows` (each with .prompt and .limit), the scratch
+    block included."""
     per_block = block_bytes(config, dtype, settings.block_size)
     if settings.kv_cache_gib is not None:
         budget = int(settings.kv_cache_gib * (1 << 30))
