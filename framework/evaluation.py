@@ -289,14 +289,6 @@ def preserved_rng() -> Iterator[None]:
         set_rng_state(state)
 
 
-def autocast_context(cfg: dict, device: torch.device) -> contextlib.AbstractContextManager:
-    """The autocast training used (`trainer.precision` *-mixed on CUDA), for `fw eval` outside Lightning."""
-    precision = cfg["trainer"]["precision"]
-    if device.type == "cuda" and precision in ("bf16-mixed", "16-mixed"):
-        return torch.autocast("cuda", dtype=torch.bfloat16 if precision == "bf16-mixed" else torch.float16)
-    return contextlib.nullcontext()
-
-
 class EvalCallback(lightning.Callback):
     """Evaluates every `eval.every_n_steps` policy steps (and at step 0 with `eval.at_start`), logging the
     metrics at that step: with the step's training metrics when the step is logged (the trainer puts this
@@ -360,7 +352,7 @@ def evaluate_checkpoint(checkpoint: str | Path, cfg: dict | None = None, out: st
     checkpoint's own config.yaml (e.g. other eval settings)."""
     from framework.checkpoint import resolve_checkpoint
     from framework.checkpoint.directory import read_complete_manifest
-    from framework.generate import _device, load_policy, run_config
+    from framework.generate import _device, autocast_context, load_policy, run_config
 
     path = resolve_checkpoint(checkpoint, skip_damaged=skip_damaged, verify=skip_damaged)
     cfg = run_config(cfg, path)

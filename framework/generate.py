@@ -1,6 +1,7 @@
 """``fw generate``: one completion from a config's policy or from a checkpoint, to sanity-check a model."""
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,15 @@ def _device(cfg: dict) -> torch.device:
     if accelerator in ("auto", "gpu", "cuda") and torch.cuda.is_available():
         return torch.device("cuda")
     return torch.device("cpu")
+
+
+def autocast_context(cfg: dict, device: torch.device) -> contextlib.AbstractContextManager:
+    """The autocast training used (`trainer.precision` *-mixed on CUDA), for `fw eval` and `fw generate` outside
+    Lightning."""
+    precision = cfg["trainer"]["precision"]
+    if device.type == "cuda" and precision in ("bf16-mixed", "16-mixed"):
+        return torch.autocast("cuda", dtype=torch.bfloat16 if precision == "bf16-mixed" else torch.float16)
+    return contextlib.nullcontext()
 
 
 def run_config(cfg: dict | None, checkpoint: str | os.PathLike | None) -> dict:
@@ -77,7 +87,6 @@ def generate_text(cfg: dict | None, prompt: str, checkpoint: str | None = None, 
     CUDA under the run's autocast (`trainer.precision` *-mixed), as its rollouts sample.
     ``checkpoint`` is a checkpoint directory or a run directory (its newest checkpoint; ``skip_damaged`` as in
     ``fw fit``)."""
-    from framework.evaluation import autocast_context
     from framework.rollout import CacheSettings, SamplingParams, generate, stop_token_ids
     from framework.tasks import render_prompt
 
