@@ -933,3 +933,15 @@ def test_cuda_fp8_pool_refuses_a_float32_rollout(model, prompts):
     cuda = cuda.to("cuda").eval()
     with pytest.raises(FwError, match="rollout.kv_cache_dtype: float8_e4m3 needs a bfloat16 or float16 rollout"):
         generate(cuda, prompts, SamplingParams(max_new_tokens=4, temperature=0.0), cache=fp8_settings())
+
+
+def test_kv_cache_dtypes_are_the_schemas():
+    """The engine maps every value the schema allows for rollout.kv_cache_dtype, and no other."""
+    import json
+
+    from framework.config import schema_text
+    from framework.rollout.kv_cache import KV_CACHE_DTYPES
+
+    schema = json.loads(schema_text())
+    assert sorted(schema["properties"]["rollout"]["properties"]["kv_cache_dtype"]["enum"]) == sorted(KV_CACHE_DTYPES)
+
