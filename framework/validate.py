@@ -351,4 +351,24 @@ class _Checks:
         except Exception as e:  # noqa: BLE001 (Lightning's refusals come as several exception types)
             first = re.sub(r"\s+", " ", str(e)).strip()
             self.add(("trainer",), f"Lightning cannot run these trainer settings on this machine: {first}", key=True)
+            return
+        if self.recipe in RL_RECIPES and accelerator in ("auto", "gpu", "cuda") and torch.cuda.is_available():
+            self.fp8_rollout()
+
+    def fp8_rollout(self) -> None:
+        """A float8 KV cache on CUDA needs a 16-bit rollout (the decode kernel's queries): refused before the run."""
+        import torch
+
+        from framework.rollout.kv_cache import fp8_cuda_problem
+
+        cfg = self.cfg
+        if cfg["rollout"]["kv_cache_dtype"] != "float8_e4m3":
+            return
+        precision = cfg["trainer"]["precision"]
+        weights = cfg["model"]["policy"]["dtype"] or "float32"
+        compute = (torch.bfloat16 if precision.startswith("bf16") else torch.float16 if precision.startswith("16")
+                   else getattr(torch, weights))
+        problem = fp8_cuda_problem(compute)
+        if problem:
+            self.add(("rollout", "kv_cache_dtype"), problem)
 

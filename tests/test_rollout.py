@@ -945,3 +945,14 @@ def test_kv_cache_dtypes_are_the_schemas():
     schema = json.loads(schema_text())
     assert sorted(schema["properties"]["rollout"]["properties"]["kv_cache_dtype"]["enum"]) == sorted(KV_CACHE_DTYPES)
 
+
+
+def test_fp8_cuda_problem_names_what_the_decode_kernel_takes(model):
+    """The rule the engine and fw fit's check share: 16-bit compute, head_dim 64 or 128, 2+ query heads a kv head."""
+    from framework.rollout.kv_cache import fp8_cuda_problem
+
+    c = model.config   # the tiny preset: head_dim 64, 4 / 2 heads
+    assert fp8_cuda_problem(torch.bfloat16, c) is None and fp8_cuda_problem(torch.float16) is None
+    assert "computes in float32" in fp8_cuda_problem(torch.float32, c)
+    assert "head_dim 96" in fp8_cuda_problem(torch.bfloat16, dataclasses.replace(c, head_dim=96))
+    assert "2 / 2 heads" in fp8_cuda_problem(torch.bfloat16, dataclasses.replace(c, num_attention_heads=2))

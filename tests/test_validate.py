@@ -296,3 +296,28 @@ def test_ops_build_without_cuda_is_one_line(tmp_path):
         pytest.skip("a machine with CUDA builds the ops")
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert proc.stderr.startswith("fw: error: cannot build the CUDA ops: ")
+
+
+@pytest.mark.parametrize("settings, problem", [
+    ([], "computes in float32"),                                              # 32-true, float32 weights
+    (["--trainer.precision=bf16-mixed"], None),
+    (["--trainer.precision=16-mixed"], None),
+    (["--model.policy.dtype=bfloat16"], None),
+    (["--rollout.kv_cache_dtype=auto"], None),
+])
+def test_fp8_kv_cache_needs_a_16_bit_rollout_on_cuda(tmp_path, settings, problem):
+    """The check fw fit runs where CUDA is visible (here called directly): a float8 KV cache with a float32 rollout
+    is one problem at rollout.kv_cache_dtype, before anything runs; 16-bit compute by autocast or weights is not."""
+    from framework.config import load_located
+    from framework.validate import _Checks
+
+    located = load_located(["train.yaml"], [f"--run_dir={tmp_path}/run", "--trainer.precision=32-true",
+                                            "--rollout.kv_cache_dtype=float8_e4m3", *settings])
+    checks = _Checks(located)
+    checks.fp8_rollout()
+    lines = [str(p) for p in checks.problems]
+    if problem is None:
+        assert lines == []
+    else:
+        assert len(lines) == 1 and "rollout.kv_cache_dtype" in lines[0] and problem in lines[0], lines
+        assert "needs a bfloat16 or float16 rollout on CUDA" in lines[0]

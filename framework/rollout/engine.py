@@ -36,7 +36,15 @@ from framework.allocator import release_cached, to_device
 from framework.errors import FwError
 from framework.models.qwen3 import FlashPrefill, PagedBatch
 from framework.rollout.block_manager import BlockManager
-from framework.rollout.kv_cache import CacheSettings, DecodeGraph, batch_bucket, decode_step, pool_blocks, pool_dtype
+from framework.rollout.kv_cache import (
+    CacheSettings,
+    DecodeGraph,
+    batch_bucket,
+    decode_step,
+    fp8_cuda_problem,
+    pool_blocks,
+    pool_dtype,
+)
 from framework.rollout.sampling import SamplingParams, draw
 from framework.rollout.scheduler import RowState, Scheduler
 from framework.rollout.timeline import Timeline
@@ -150,14 +158,9 @@ class RolloutEngine:
         bs = self.settings.block_size
         dtype = pool_dtype(self.settings.kv_cache_dtype, compute)
         if dtype == torch.float8_e4m3fn and device.type == "cuda":
-            # what the CUDA decode kernel reads a float8 pool with (ops_cuda.paged_decode_attention)
-            if compute not in (torch.bfloat16, torch.float16):
-                raise FwError(f"rollout.kv_cache_dtype: float8_e4m3 needs a bfloat16 or float16 rollout on CUDA "
-                              f"(trainer.precision bf16-mixed, or a bfloat16 model); this one computes in {compute}")
-            if c.head_dim not in (64, 128) or c.num_attention_heads < 2 * c.num_key_value_heads:
-                raise FwError(f"rollout.kv_cache_dtype: float8_e4m3 needs head_dim 64 or 128 and 2 or more query "
-                              f"heads a kv head on CUDA; this model has head_dim {c.head_dim}, "
-                              f"{c.num_attention_heads} / {c.num_key_value_heads} heads")
+            problem = fp8_cuda_problem(compute, c)
+            if problem:
+                raise FwError(f"rollout.kv_cache_dtype: {problem}")
         n = pool_blocks(self.settings, c, dtype, device, seqs)
         # a pool smaller than this call could use grows (the graphs read the old one, so they go too)
         if self.cache is None or self.cache.k.dtype != dtype or self.cache.num_blocks < n:

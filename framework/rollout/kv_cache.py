@@ -59,6 +59,19 @@ def pool_dtype(kv_cache_dtype: str, compute: torch.dtype) -> torch.dtype:
     return KV_CACHE_DTYPES[kv_cache_dtype] or compute
 
 
+def fp8_cuda_problem(compute: torch.dtype, config: Any = None) -> str | None:
+    """Why a float8 pool cannot be decoded on CUDA by a rollout computing in `compute` (with `config`'s heads, when
+    given), or None: the decode kernel takes 16-bit queries, head_dim 64 or 128, 2 or more query heads a kv head."""
+    if compute not in (torch.bfloat16, torch.float16):
+        return (f"float8_e4m3 needs a bfloat16 or float16 rollout on CUDA (trainer.precision bf16-mixed, or bfloat16 "
+                f"policy weights); this one computes in {str(compute).removeprefix('torch.')}")
+    if config is not None and (config.head_dim not in (64, 128)
+                               or config.num_attention_heads < 2 * config.num_key_value_heads):
+        return (f"float8_e4m3 needs head_dim 64 or 128 and 2 or more query heads a kv head on CUDA; this model has "
+                f"head_dim {config.head_dim}, {config.num_attention_heads} / {config.num_key_value_heads} heads")
+    return None
+
+
 def block_bytes(config: Any, dtype: torch.dtype, block_size: int) -> int:
     """Bytes of one block of a pool of `dtype`: keys and values of every layer."""
     elem = torch.empty((), dtype=dtype).element_size()
