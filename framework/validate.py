@@ -359,16 +359,12 @@ class _Checks:
         """A float8 KV cache on CUDA needs a 16-bit rollout (the decode kernel's queries): refused before the run."""
         import torch
 
+        from framework.memory_plan import compute_dtype
         from framework.rollout.kv_cache import fp8_cuda_problem
 
-        cfg = self.cfg
-        if cfg["rollout"]["kv_cache_dtype"] != "float8_e4m3":
+        if self.cfg["rollout"]["kv_cache_dtype"] != "float8_e4m3":
             return
-        precision = cfg["trainer"]["precision"]
-        weights = cfg["model"]["policy"]["dtype"] or "float32"
-        compute = (torch.bfloat16 if precision.startswith("bf16") else torch.float16 if precision.startswith("16")
-                   else getattr(torch, weights))
-        problem = fp8_cuda_problem(compute)
+        problem = fp8_cuda_problem(getattr(torch, compute_dtype(self.cfg)))
         if problem:
             self.add(("rollout", "kv_cache_dtype"), problem)
 

@@ -55,10 +55,10 @@ def takes_skinny(x: Tensor, weight: Tensor) -> bool:
     projection whose output is no wider than its input (onto the hidden state: few output tiles, which cuBLAS
     spreads over few SMs). There it is the faster of the two; elsewhere cuBLAS is (`python -m
     benchmarks.ops.decode_gemm`). FW_SKINNY_LINEAR=0 never (the benchmarks' cuBLAS baseline), =all wherever it fits."""
-    mode = os.environ.get("FW_SKINNY_LINEAR", "1")
-    if mode == "0" or not skinny_fits(x, weight):
+    if not skinny_fits(x, weight):
         return False
-    return mode == "all" or (x.shape[0] <= ROUTED_ROWS and weight.shape[0] <= weight.shape[1])
+    mode = os.environ.get("FW_SKINNY_LINEAR", "1")
+    return mode == "all" or (mode != "0" and x.shape[0] <= ROUTED_ROWS and weight.shape[0] <= weight.shape[1])
 
 
 def linear(x: Tensor, weight: Tensor) -> Tensor:

@@ -168,30 +168,26 @@ skinny_linear_kernel(SkinnyArgs a, unsigned trigger_from) {
 #endif
 }
 
-// The kernel for M rows (1 to 64): its m16 tiles.
-template <typename T> void (*kernel_for(int M))(SkinnyArgs, unsigned) {
+// f(std::integral_constant<int, MT>) for the m16 tiles of M rows (1 to 64).
+template <typename F> auto with_tiles(int M, F&& f) {
   switch ((M + 15) / 16) {
-    case 1: return skinny_linear_kernel<T, 1>;
-    case 2: return skinny_linear_kernel<T, 2>;
-    case 3: return skinny_linear_kernel<T, 3>;
-    default: return skinny_linear_kernel<T, 4>;
+    case 1: return f(std::integral_constant<int, 1>{});
+    case 2: return f(std::integral_constant<int, 2>{});
+    case 3: return f(std::integral_constant<int, 3>{});
+    default: return f(std::integral_constant<int, 4>{});
   }
+}
+template <typename T> void (*kernel_for(int M))(SkinnyArgs, unsigned) {
+  return with_tiles(M, [](auto mt) { return skinny_linear_kernel<T, decltype(mt)::value>; });
 }
 int smem_for(int M) {
-  switch ((M + 15) / 16) {
-    case 1: return smem_bytes<1>();
-    case 2: return smem_bytes<2>();
-    case 3: return smem_bytes<3>();
-    default: return smem_bytes<4>();
-  }
+  return with_tiles(M, [](auto mt) { return smem_bytes<decltype(mt)::value>(); });
 }
 template <typename T> cudaError_t allow_smem(int M) {
-  switch ((M + 15) / 16) {
-    case 1: return allow_dynamic_smem<skinny_linear_kernel<T, 1>>(smem_bytes<1>());
-    case 2: return allow_dynamic_smem<skinny_linear_kernel<T, 2>>(smem_bytes<2>());
-    case 3: return allow_dynamic_smem<skinny_linear_kernel<T, 3>>(smem_bytes<3>());
-    default: return allow_dynamic_smem<skinny_linear_kernel<T, 4>>(smem_bytes<4>());
-  }
+  return with_tiles(M, [](auto mt) {
+    constexpr int MT = decltype(mt)::value;
+    return allow_dynamic_smem<skinny_linear_kernel<T, MT>>(smem_bytes<MT>());
+  });
 }
 
 }  // namespace
