@@ -166,11 +166,13 @@ def test_fp8_pools_are_read_as_their_exact_values():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype, tol", [(torch.bfloat16, 2e-2), (torch.float16, 2e-3)])
-@pytest.mark.parametrize("Hq, Hk, D, bs", [(4, 2, 64, 16), (16, 8, 128, 16), (32, 8, 128, 16), (14, 2, 64, 8)])
+@pytest.mark.parametrize("Hq, Hk, D, bs", [(4, 2, 64, 16), (16, 8, 128, 16), (32, 8, 128, 64), (14, 2, 64, 8),
+                                          (12, 4, 128, 4)])
 @pytest.mark.parametrize("rows", [6, 48])
 def test_paged_decode_kernel_reads_fp8_pools_against_float64(dtype, tol, Hq, Hk, D, bs, rows):
-    """The tensor-core kernel on float8_e4m3fn pools (converted to float16 in shared memory) against float64 over the
-    pools' exact values; 6 rows split their contexts over blocks, 48 do not."""
+    """The tensor-core kernel on float8_e4m3fn pools (converted to float16 in registers, in a permuted head
+    dimension) against float64 over the pools' exact values; 6 rows split their contexts over blocks, 48 do not.
+    Blocks of 16 positions or more hold whole tiles, smaller ones do not."""
     lengths = ([1, 37, 300, 0, 1024, 17] * 8)[:rows]
     k8, v8, tables = fp8_problem(lengths, Hq, Hk, D, bs, "cuda", seed=rows)
     kernel_against_float64(lengths, Hq, dtype, tol, k8, v8, tables)

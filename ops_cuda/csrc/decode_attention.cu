@@ -136,7 +136,7 @@ template <typename T, int DP, int RP> constexpr int min_blocks() {
 // pattern). hq0: the group's first query head; nr: its heads. sm_scale and sm_last are the kernel's own shared
 // variables: declared here instead, they change how the compiler schedules the ring kernel's main loop, which is
 // then slower at large batches (`python -m benchmarks.ops.decode_splits`).
-template <typename T, int RP, int DP>
+template <typename T, int RP, int DP, bool kPermuted = false>
 __device__ __forceinline__ void decode_finish(const DecodeArgs& a, const float* red, float (&sm_scale)[RP][kMaxSplits],
                                               int& sm_last, int grp, int split, int64_t hq0, int nr, int D) {
   const float* red_m = red;
@@ -144,7 +144,9 @@ __device__ __forceinline__ void decode_finish(const DecodeArgs& a, const float* 
   const float* red_acc = red_l + kWarps * RP;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, splits = a.splits;
   for (int idx = tid; idx < nr * D; idx += kThreads) {
-    const int r = idx / D, d = idx - r * D;
+    // red's column c is output dimension d; kPermuted (a float8 cache's tensor-core kernel, D == DP): c = 8j + n holds
+    // dimension n * DP / 8 + j (see is_f8), so red is read in order and the outputs are written permuted
+    const int r = idx / D, c = idx - r * D, d = kPermuted ? (c & 7) * (DP / 8) + (c >> 3) : c;
     float M = -INFINITY;
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) M = fmaxf(M, red_m[w * RP + r]);
@@ -152,9 +154,9 @@ __device__ __forceinline__ void decode_finish(const DecodeArgs& a, const float* 
     float O = 0.f, L = 0.f;
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) {
-      const float c = exp2f(red_m[w * RP + r] - Ms);
-      O += red_acc[(w * RP + r) * DP + d] * c;
-      L += red_l[w * RP + r] * c;
+      const float f = exp2f(red_m[w * RP + r] - Ms);
+      O += red_acc[(w * RP + r) * DP + c] * f;
+      L += red_l[w * RP + r] * f;
     }
     const int64_t hq = hq0 + r;
     if (splits == 1) {
@@ -381,33 +383,49 @@ __global__ void __launch_bounds__(kThreads, min_blocks<T, DP, RP>()) decode_kern
 // reads of one chunk column fall in distinct banks.
 constexpr int kMmaHeads = 16, kMmaStages = 3;
 
-// A float8 cache (KV = __nv_fp8_e4m3): each warp converts a landed tile into a float16 one in its staging area, which
-// the tensor cores read as they read a 16-bit cache's ring, with float16 maths (e4m3 values are exact in float16;
-// q is rounded to it). Its tiles are half the bytes, so the ring holds one stage more.
+// A float8 cache (KV = __nv_fp8_e4m3): its tiles land as float8 and each lane converts the bytes of its own mma
+// fragments to float16 in registers (e4m3 values are exact in float16; q is rounded to it), so the tile takes one
+// shared-memory read and no staging copy. Its tiles are half the bytes, so its ring holds one stage more in less
+// memory.
+//
+// The fragments read whole 16-byte runs of a row because the head dimension is permuted, which neither dot product
+// sees as long as both of its operands share the permutation:
+// - S = Q K^T: logical column kk of k-step s is physical dimension (kk % 8) / 2 * DP / 4 + 4 s + (kk / 8) * 2 + kk % 2,
+//   so lane tq's B fragments over all the k-steps of one position are the DP / 4 bytes from tq * DP / 4, and q's A
+//   fragments are read through the same map;
+// - O = P V: logical output column n of n-tile j is physical dimension n * DP / 8 + j, so lane gq's B fragments of a
+//   position are the DP / 8 bytes from gq * DP / 8; the outputs are written back through the same map.
 template <typename KV> constexpr bool is_f8() { return std::is_same_v<KV, __nv_fp8_e4m3>; }
 template <typename KV> constexpr int mma_stages() { return is_f8<KV>() ? kMmaStages + 1 : kMmaStages; }
-// A warp's ring of K/V tile pairs, then (float8) its float16 staging pair.
+// Blocks an SM holds: a float8 cache's smaller ring and registers leave room for a third.
+template <typename KV> constexpr int mma_blocks() { return is_f8<KV>() ? 3 : 2; }
+// A warp's ring of K/V tile pairs.
 template <typename KV, int DP> constexpr int mma_warp_bytes() {
-  return mma_stages<KV>() * 2 * 16 * DP * (int)sizeof(KV) + (is_f8<KV>() ? 2 * 16 * DP * 2 : 0);
+  return mma_stages<KV>() * 2 * 16 * DP * (int)sizeof(KV);
 }
 // the warps' rings, which the reduction area (decode_finish's layout) overlays after the loop
 template <typename KV, int DP> constexpr int mma_smem_bytes() {
   return std::max(kWarps * mma_warp_bytes<KV, DP>(), kWarps * kMmaHeads * (DP + 2) * 4);
 }
 
-// 16 float8_e4m3 values (16 bytes) as 16 float16 ones (two 16-byte chunks), exactly.
-__device__ __forceinline__ void f8x16_to_half(const uint4& in, uint4& lo, uint4& hi) {
-  const uint32_t w[4] = {in.x, in.y, in.z, in.w};
-  uint32_t h[8];
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const __half2_raw a = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(w[i] & 0xffffu), __NV_E4M3);
-    const __half2_raw b = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(w[i] >> 16), __NV_E4M3);
-    h[2 * i] = (uint32_t)a.x | ((uint32_t)a.y << 16);
-    h[2 * i + 1] = (uint32_t)b.x | ((uint32_t)b.y << 16);
-  }
-  lo = make_uint4(h[0], h[1], h[2], h[3]);
-  hi = make_uint4(h[4], h[5], h[6], h[7]);
+// Byte offsets of 16-byte chunk c of row r of a float8 ring tile (rows of DP bytes), swizzled so that the fragment
+// reads of a quarter warp fall in distinct banks: K's lanes read chunks 2tq, 2tq + 1 of rows gq and gq + 8 (the
+// chunk XORed with the row's parity), V's read chunk gq of rows 2tq (+1, +8, +9) (XORed with 2 (r / 2 % 4)). A row
+// of 64 bytes needs no swizzle for K and leaves V's reads 2-way conflicted.
+template <int DP> __device__ __forceinline__ int f8_k_at(int r, int c) {
+  return r * DP + ((DP == 128 ? c ^ (r & 1) : c) << 4);
+}
+template <int DP> __device__ __forceinline__ int f8_v_at(int r, int c) {
+  return r * DP + ((DP == 128 ? c ^ (((r >> 1) & 3) << 1) : c) << 4);
+}
+// Two float8_e4m3 values (the low or high 16 bits of w) as a float16 pair, exactly.
+__device__ __forceinline__ uint32_t f8x2_to_half2(uint32_t w, bool high) {
+  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(high ? w >> 16 : w & 0xffffu), __NV_E4M3);
+  return (uint32_t)h.x | ((uint32_t)h.y << 16);
+}
+// Bytes i and i + 1 of a, interleaved with those of b: {a_i, b_i, a_i+1, b_i+1} (i = 0 or 2).
+__device__ __forceinline__ uint32_t interleave_bytes(uint32_t a, uint32_t b, int i) {
+  return __byte_perm(a, b, i == 0 ? 0x5140 : 0x7362);
 }
 // A pair of 16-bit values of type T as a pair of type M (the same bits when they are one type).
 template <typename T, typename M> __device__ __forceinline__ uint32_t as_pair(uint32_t v) {
@@ -433,27 +451,16 @@ __device__ __forceinline__ void ldsm_x4_trans(uint32_t (&r)[4], uint32_t addr) {
 // Swizzled byte offset of 16-byte chunk c of row r of a ring tile of rows of DP 16-bit elements.
 template <int DP> __device__ __forceinline__ int swz(int r, int c) { return r * DP * 2 + ((c ^ (r & 7)) << 4); }
 
-// One 16-row K/V tile (K at ks, V at vs in shared memory, swizzled) into a warp's online-softmax state, in the mma
-// fragments' layout: S = Q K^T, scores of positions p0 + row at or past `end` masked, the running max / sum (m, l:
-// this lane's rows only) and O rescaled, O += P V. qscale: the softmax scale times log2(e) (scores in base 2).
-template <typename T, int DP>
-__device__ __forceinline__ void mma_tile(const uint32_t (&qa)[DP / 16][4], uint32_t ks, uint32_t vs, int64_t p0,
-                                         int64_t end, float qscale, float (&o)[DP / 8][4], float (&m)[2],
-                                         float (&l)[2]) {
-  constexpr int KS = DP / 16, NT = DP / 8;
-  const int lane = threadIdx.x & 31, tq = lane & 3, mt = lane >> 3, mr = lane & 7;
-  // S = Q K^T: n-tile h holds K rows 8h..8h+7; x4 matrices (rows 0-7, chunk 2k), (0-7, 2k+1), (8-15, 2k),
-  // (8-15, 2k+1)
-  float sc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
-#pragma unroll
-  for (int k = 0; k < KS; ++k) {
-    uint32_t kf[4];
-    ldsm_x4(kf, ks + swz<DP>((mt >> 1) * 8 + mr, 2 * k + (mt & 1)));
-    mma16816<T>(sc[0], qa[k], kf[0], kf[1]);
-    mma16816<T>(sc[1], qa[k], kf[2], kf[3]);
-  }
-  // online softmax per head over the tile's 16 rows; a quad (lanes 4gq..4gq+3) shares a head's rows
-  float c2[2];
+// The online softmax of one 16-row tile's scores sc (S = Q K^T in the mma C fragments' layout: [n-tile][c]): scores
+// of positions p0 + row at or past `end` masked, the running max / sum (m, l: this lane's rows only) updated, c2 the
+// factors that rescale O. Returns P as the A operand of O += P V (the two score n-tiles are its two k halves).
+// qscale: the softmax scale times log2(e) (scores in base 2).
+template <typename T>
+__device__ __forceinline__ void tile_softmax(float (&sc)[2][4], int64_t p0, int64_t end, float qscale, float (&m)[2],
+                                             float (&l)[2], float (&c2)[2], uint32_t (&pa)[4]) {
+  const int tq = threadIdx.x & 3;
+  const int rows = (int)min(end - p0, (int64_t)16);  // the tile's valid rows
+  // a quad (lanes 4gq..4gq+3) shares a head's rows
 #pragma unroll
   for (int hh = 0; hh < 2; ++hh) {
     float mx = m[hh];
@@ -461,7 +468,7 @@ __device__ __forceinline__ void mma_tile(const uint32_t (&qa)[DP / 16][4], uint3
     for (int h = 0; h < 2; ++h) {
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
-        const bool valid = p0 + h * 8 + 2 * tq + j < end;
+        const bool valid = h * 8 + 2 * tq + j < rows;
         float& x = sc[h][2 * hh + j];
         x = valid ? x * qscale : -INFINITY;
         mx = fmaxf(mx, x);
@@ -484,12 +491,33 @@ __device__ __forceinline__ void mma_tile(const uint32_t (&qa)[DP / 16][4], uint3
     }
     l[hh] = l[hh] * c2[hh] + sum;  // this lane's rows only; the quad's lanes are summed at the end
   }
-  // P as the A operand of O += P V: the two score n-tiles are its two k halves
-  uint32_t pa[4];
   pa[0] = pack2<T>(sc[0][0], sc[0][1]);
   pa[1] = pack2<T>(sc[0][2], sc[0][3]);
   pa[2] = pack2<T>(sc[1][0], sc[1][1]);
   pa[3] = pack2<T>(sc[1][2], sc[1][3]);
+}
+
+// One 16-row K/V tile (K at ks, V at vs in shared memory, swizzled) into a warp's online-softmax state, in the mma
+// fragments' layout: S = Q K^T, the online softmax (tile_softmax), O rescaled, O += P V.
+template <typename T, int DP>
+__device__ __forceinline__ void mma_tile(const uint32_t (&qa)[DP / 16][4], uint32_t ks, uint32_t vs, int64_t p0,
+                                         int64_t end, float qscale, float (&o)[DP / 8][4], float (&m)[2],
+                                         float (&l)[2]) {
+  constexpr int KS = DP / 16, NT = DP / 8;
+  const int lane = threadIdx.x & 31, mt = lane >> 3, mr = lane & 7;
+  // S = Q K^T: n-tile h holds K rows 8h..8h+7; x4 matrices (rows 0-7, chunk 2k), (0-7, 2k+1), (8-15, 2k),
+  // (8-15, 2k+1)
+  float sc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+#pragma unroll
+  for (int k = 0; k < KS; ++k) {
+    uint32_t kf[4];
+    ldsm_x4(kf, ks + swz<DP>((mt >> 1) * 8 + mr, 2 * k + (mt & 1)));
+    mma16816<T>(sc[0], qa[k], kf[0], kf[1]);
+    mma16816<T>(sc[1], qa[k], kf[2], kf[3]);
+  }
+  float c2[2];
+  uint32_t pa[4];
+  tile_softmax<T>(sc, p0, end, qscale, m, l, c2, pa);
   // V^T fragments with ldmatrix.trans: x4 matrices (rows 0-7, chunk 2t), (8-15, 2t), (0-7, 2t+1), (8-15, 2t+1)
 #pragma unroll
   for (int t = 0; t < NT / 2; ++t) {
@@ -507,17 +535,89 @@ __device__ __forceinline__ void mma_tile(const uint32_t (&qa)[DP / 16][4], uint3
   }
 }
 
+// mma_tile for a float8 tile pair (K at kt, V at vt: a warp's ring stage, laid out by f8_k_at / f8_v_at), with float16
+// maths on fragments converted in registers, in the permuted head dimension (see is_f8). O is rescaled only when a
+// lane's running max moved, which after a row's first tiles is rare.
+template <int DP>
+__device__ __forceinline__ void mma_tile_f8(const uint32_t (&qa)[DP / 16][4], const unsigned char* kt,
+                                            const unsigned char* vt, int64_t p0, int64_t end, float qscale,
+                                            float (&o)[DP / 8][4], float (&m)[2], float (&l)[2]) {
+  constexpr int KS = DP / 16, NT = DP / 8, KW = DP / 16, VW = DP / 32;  // 32-bit words of a lane's K / V run
+  const int lane = threadIdx.x & 31, gq = lane >> 2, tq = lane & 3;
+  // K: rows gq and gq + 8, the DP / 4 bytes from tq * DP / 4 (chunks tq * DP / 64 ...)
+  uint32_t kw[2][KW];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+#pragma unroll
+    for (int c = 0; c < KW / 4; ++c) {
+      const uint4 x = *reinterpret_cast<const uint4*>(kt + f8_k_at<DP>(gq + 8 * h, tq * (KW / 4) + c));
+      kw[h][4 * c] = x.x;
+      kw[h][4 * c + 1] = x.y;
+      kw[h][4 * c + 2] = x.z;
+      kw[h][4 * c + 3] = x.w;
+    }
+  }
+  // V: rows 2tq, 2tq + 1, 2tq + 8, 2tq + 9, the DP / 8 bytes from gq * DP / 8
+  uint32_t vw[4][VW];
+#pragma unroll
+  for (int r = 0; r < 4; ++r) {
+    const int row = 2 * tq + (r & 1) + 8 * (r >> 1);
+    if constexpr (VW == 4) {
+      const uint4 x = *reinterpret_cast<const uint4*>(vt + f8_v_at<DP>(row, gq));
+      vw[r][0] = x.x;
+      vw[r][1] = x.y;
+      vw[r][2] = x.z;
+      vw[r][3] = x.w;
+    } else {
+      const uint2 x = *reinterpret_cast<const uint2*>(vt + f8_v_at<DP>(row, gq >> 1) + 8 * (gq & 1));
+      vw[r][0] = x.x;
+      vw[r][1] = x.y;
+    }
+  }
+  float sc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+#pragma unroll
+  for (int k = 0; k < KS; ++k) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+      mma16816<__half>(sc[h], qa[k], f8x2_to_half2(kw[h][k], false), f8x2_to_half2(kw[h][k], true));
+  }
+  float c2[2];
+  uint32_t pa[4];
+  tile_softmax<__half>(sc, p0, end, qscale, m, l, c2, pa);
+  if (__any_sync(0xffffffffu, c2[0] != 1.f || c2[1] != 1.f)) {
+#pragma unroll
+    for (int n = 0; n < NT; ++n) {
+      o[n][0] *= c2[0];
+      o[n][1] *= c2[0];
+      o[n][2] *= c2[1];
+      o[n][3] *= c2[1];
+    }
+  }
+  // n-tile j = 4w + 2i + e takes byte 2i + e of word w of each row, the rows' pairs (2tq, 2tq + 1) and (2tq + 8, +9)
+  // interleaved so that one conversion gives a B register
+#pragma unroll
+  for (int w = 0; w < VW; ++w) {
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const uint32_t lo = interleave_bytes(vw[0][w], vw[1][w], 2 * i);
+      const uint32_t hi = interleave_bytes(vw[2][w], vw[3][w], 2 * i);
+#pragma unroll
+      for (int e = 0; e < 2; ++e)
+        mma16816<__half>(o[4 * w + 2 * i + e], pa, f8x2_to_half2(lo, e == 1), f8x2_to_half2(hi, e == 1));
+    }
+  }
+}
+
 // Block (b, kv head g, group of kMmaHeads query heads, split); thread (warp, lane) with gq = lane / 4, tq = lane % 4
 // holds, in the mma fragments' layout, query heads gq and gq + 8 of the group: their scores for K rows 2tq, 2tq + 1
 // of each 8-row half of a tile, and their outputs for columns 8n + 2tq, 8n + 2tq + 1.
 template <typename T, typename KV, int DP>
-__global__ void __launch_bounds__(kThreads, 2) decode_mma_kernel(DecodeArgs a) {
+__global__ void __launch_bounds__(kThreads, mma_blocks<KV>()) decode_mma_kernel(DecodeArgs a) {
   // M: the tensor cores' type (float16 for a float8 cache); EC: cache elements a 16-byte chunk
   using M = std::conditional_t<is_f8<KV>(), __half, T>;
   constexpr int NS = mma_stages<KV>(), EC = 16 / (int)sizeof(KV);
   constexpr int CH = DP / EC, KS = DP / 16, NT = DP / 8;  // 16-byte chunks a row; k-steps of q.k; n-tiles of p.v
   constexpr int kTileBytes = 16 * DP * (int)sizeof(KV), kStageBytes = 2 * kTileBytes;  // 16 rows of K, then of V
-  constexpr int kHalfTileBytes = 16 * DP * 2;                                        // a staged float16 tile
   extern __shared__ __align__(128) unsigned char smem[];
   __shared__ float sm_scale[kMmaHeads][kMaxSplits];
   __shared__ int sm_last;
@@ -526,31 +626,51 @@ __global__ void __launch_bounds__(kThreads, 2) decode_mma_kernel(DecodeArgs a) {
   const int bg = grp / a.RG, rg = grp - bg * a.RG, b = bg / a.Hk, g = bg - b * a.Hk;
   const int r0 = rg * kMmaHeads, nr = min(kMmaHeads, a.R - r0);
   const int64_t len = min((int64_t)a.S, a.lengths[b]);
-  const int chunk = (a.S + splits - 1) / splits;
+  // a float8 cache's splits start on a multiple of 16, so that a tile lies in one block of 16 or more positions
+  const int chunk = is_f8<KV>() ? ((a.S + splits - 1) / splits + 15) / 16 * 16 : (a.S + splits - 1) / splits;
   const int64_t s_begin = (int64_t)split * chunk;
   const int64_t s_end = min(len, s_begin + chunk);
   const int tiles = s_end > s_begin ? (int)((s_end - s_begin + 15) / 16) : 0;
   const int my_tiles = tiles > warp ? (tiles - warp + kWarps - 1) / kWarps : 0;  // tiles warp, warp + kWarps, ...
   const float qscale = a.scale * 1.4426950408889634f;  // scores in base 2
+  // a tile's rows are consecutive in memory: one table read a tile (a float8 cache only; a 16-bit one reads per row)
+  const bool one_block = is_f8<KV>() && (a.tbl.table == nullptr || a.tbl.shift >= 4);
 
   const KV* kb = (const KV*)a.k + b * a.sb + g * a.sh;
   const KV* vb = (const KV*)a.v + b * a.sb + g * a.sh;
   unsigned char* ring = smem + warp * mma_warp_bytes<KV, DP>();
   const uint32_t ring_s = (uint32_t)__cvta_generic_to_shared(ring);
-  // a float8 cache's rows land unswizzled (only this warp's conversion reads them, a row's chunks side by side)
-  auto at = [](int r, int c) { return is_f8<KV>() ? r * DP + c * 16 : swz<DP>(r, c); };
   // this warp's i-th tile into stage i % NS; rows past s_end are zero-filled
   auto issue = [&](int i) {
     if (i < my_tiles) {
       unsigned char* st = ring + (i % NS) * kStageBytes;
       const int64_t p0 = s_begin + (int64_t)(warp + i * kWarps) * 16;
+      if (one_block) {  // a float8 cache's tile in one block: its rows at ss strides from the tile's first
+        const int64_t tile = row_offset(a, b, p0);
+        const KV *kt = kb + tile, *vt = vb + tile;
+        const int rows = (int)min(s_end - p0, (int64_t)16), ss = (int)a.ss;
 #pragma unroll
-      for (int j = 0; j < 16 * CH / 32; ++j) {
-        const int idx = lane + 32 * j, r = idx / CH, c = idx - r * CH;
-        const bool ok = p0 + r < s_end;
-        const int64_t off = ok ? row_offset(a, b, p0 + r) + c * EC : 0;
-        cp_async16(st + at(r, c), kb + off, ok);
-        cp_async16(st + kTileBytes + at(r, c), vb + off, ok);
+        for (int j = 0; j < 16 * CH / 32; ++j) {
+          const int idx = lane + 32 * j, r = idx / CH, c = idx - r * CH;
+          const bool ok = r < rows;
+          const int off = ok ? r * ss + c * EC : 0;
+          cp_async16(st + f8_k_at<DP>(r, c), kt + off, ok);
+          cp_async16(st + kTileBytes + f8_v_at<DP>(r, c), vt + off, ok);
+        }
+      } else {
+#pragma unroll
+        for (int j = 0; j < 16 * CH / 32; ++j) {
+          const int idx = lane + 32 * j, r = idx / CH, c = idx - r * CH;
+          const bool ok = p0 + r < s_end;
+          const int64_t off = ok ? row_offset(a, b, p0 + r) + c * EC : 0;
+          if constexpr (is_f8<KV>()) {
+            cp_async16(st + f8_k_at<DP>(r, c), kb + off, ok);
+            cp_async16(st + kTileBytes + f8_v_at<DP>(r, c), vb + off, ok);
+          } else {
+            cp_async16(st + swz<DP>(r, c), kb + off, ok);
+            cp_async16(st + kTileBytes + swz<DP>(r, c), vb + off, ok);
+          }
+        }
       }
     }
     cp_async_commit();
@@ -558,18 +678,19 @@ __global__ void __launch_bounds__(kThreads, 2) decode_mma_kernel(DecodeArgs a) {
 #pragma unroll
   for (int i = 0; i < NS - 1; ++i) issue(i);
 
-  // q as the A operand: rows gq and gq + 8 (query heads r0 + gq, r0 + gq + 8), columns 16k + 2tq (+1) and + 8
+  // q as the A operand: rows gq and gq + 8 (query heads r0 + gq, r0 + gq + 8), columns 16k + 2tq (+1) and + 8,
+  // which a float8 cache maps to physical dimensions tq * DP / 4 + 4k (+1) and + 2 (see is_f8)
   uint32_t qa[KS][4];
   {
     const T* q0 = (const T*)a.q + ((int64_t)b * a.Hq + (int64_t)g * a.R + r0) * DP;
     const bool on0 = gq < nr, on1 = gq + 8 < nr;
 #pragma unroll
     for (int k = 0; k < KS; ++k) {
-      const int c = 16 * k + 2 * tq;
+      const int c = is_f8<KV>() ? tq * (DP / 4) + 4 * k : 16 * k + 2 * tq, c8 = is_f8<KV>() ? c + 2 : c + 8;
       qa[k][0] = on0 ? as_pair<T, M>(*reinterpret_cast<const uint32_t*>(q0 + gq * DP + c)) : 0u;
       qa[k][1] = on1 ? as_pair<T, M>(*reinterpret_cast<const uint32_t*>(q0 + (gq + 8) * DP + c)) : 0u;
-      qa[k][2] = on0 ? as_pair<T, M>(*reinterpret_cast<const uint32_t*>(q0 + gq * DP + c + 8)) : 0u;
-      qa[k][3] = on1 ? as_pair<T, M>(*reinterpret_cast<const uint32_t*>(q0 + (gq + 8) * DP + c + 8)) : 0u;
+      qa[k][2] = on0 ? as_pair<T, M>(*reinterpret_cast<const uint32_t*>(q0 + gq * DP + c8)) : 0u;
+      qa[k][3] = on1 ? as_pair<T, M>(*reinterpret_cast<const uint32_t*>(q0 + (gq + 8) * DP + c8)) : 0u;
     }
   }
   float o[NT][4], m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};  // [0]: head gq, [1]: head gq + 8
@@ -579,24 +700,15 @@ __global__ void __launch_bounds__(kThreads, 2) decode_mma_kernel(DecodeArgs a) {
   for (int i = 0; i < my_tiles; ++i) {
     cp_async_wait<NS - 2>();  // this lane's copies of tile i have landed
     __syncwarp();             // and every lane's
-    uint32_t ks = ring_s + (i % NS) * kStageBytes, vs = ks + kTileBytes;
-    if constexpr (is_f8<KV>()) {  // the tile pair as float16 in the staging area, swizzled as a 16-bit ring's
-      const unsigned char* src = ring + (i % NS) * kStageBytes;
-      unsigned char* dst = ring + NS * kStageBytes;
-#pragma unroll
-      for (int j = 0; j < 2 * 16 * CH / 32; ++j) {
-        const int idx = lane + 32 * j, kv = idx / (16 * CH), rc = idx - kv * 16 * CH, r = rc / CH, c = rc - r * CH;
-        uint4 lo, hi;
-        f8x16_to_half(*reinterpret_cast<const uint4*>(src + kv * kTileBytes + r * DP + c * 16), lo, hi);
-        *reinterpret_cast<uint4*>(dst + kv * kHalfTileBytes + swz<DP>(r, 2 * c)) = lo;
-        *reinterpret_cast<uint4*>(dst + kv * kHalfTileBytes + swz<DP>(r, 2 * c + 1)) = hi;
-      }
-      __syncwarp();  // every lane's conversions are in
-      ks = ring_s + NS * kStageBytes;
-      vs = ks + kHalfTileBytes;
+    const int64_t p0 = s_begin + (int64_t)(warp + i * kWarps) * 16;
+    if constexpr (is_f8<KV>()) {
+      const unsigned char* st = ring + (i % NS) * kStageBytes;
+      mma_tile_f8<DP>(qa, st, st + kTileBytes, p0, s_end, qscale, o, m, l);
+    } else {
+      const uint32_t ks = ring_s + (i % NS) * kStageBytes;
+      mma_tile<M, DP>(qa, ks, ks + kTileBytes, p0, s_end, qscale, o, m, l);
     }
-    mma_tile<M, DP>(qa, ks, vs, s_begin + (int64_t)(warp + i * kWarps) * 16, s_end, qscale, o, m, l);
-    __syncwarp();  // every lane has read the stage (and the staging area) before they are refilled
+    __syncwarp();  // every lane has read the stage before it is refilled
     issue(i + NS - 1);
   }
   cp_async_wait<0>();
@@ -617,15 +729,17 @@ __global__ void __launch_bounds__(kThreads, 2) decode_mma_kernel(DecodeArgs a) {
       red_m[warp * kMmaHeads + r] = m[hh];
       red_l[warp * kMmaHeads + r] = l[hh];
     }
+    if (r < nr) {  // the rows of heads past the group's hold nothing decode_finish reads
 #pragma unroll
-    for (int n = 0; n < NT; ++n) {
-      red_acc[(warp * kMmaHeads + r) * DP + 8 * n + 2 * tq] = o[n][2 * hh];
-      red_acc[(warp * kMmaHeads + r) * DP + 8 * n + 2 * tq + 1] = o[n][2 * hh + 1];
+      for (int n = 0; n < NT; ++n) {
+        red_acc[(warp * kMmaHeads + r) * DP + 8 * n + 2 * tq] = o[n][2 * hh];
+        red_acc[(warp * kMmaHeads + r) * DP + 8 * n + 2 * tq + 1] = o[n][2 * hh + 1];
+      }
     }
   }
   __syncthreads();
-  decode_finish<T, kMmaHeads, DP>(a, red, sm_scale, sm_last, grp, split, (int64_t)b * a.Hq + (int64_t)g * a.R + r0,
-                                  nr, DP);
+  decode_finish<T, kMmaHeads, DP, is_f8<KV>()>(a, red, sm_scale, sm_last, grp, split,
+                                                (int64_t)b * a.Hq + (int64_t)g * a.R + r0, nr, DP);
 }
 
 // ------------------------------------------------------------------ persistent tensor-core path
