@@ -536,8 +536,8 @@ __device__ __forceinline__ void mma_tile(const uint32_t (&qa)[DP / 16][4], uint3
 }
 
 // mma_tile for a float8 tile pair (K at kt, V at vt: a warp's ring stage, laid out by f8_k_at / f8_v_at), with float16
-// maths on fragments converted in registers, in the permuted head dimension (see is_f8). O is rescaled only when a
-// lane's running max moved, which after a row's first tiles is rare.
+// maths on fragments converted in registers, in the permuted head dimension (see is_f8). The warp skips O's rescale
+// when no lane's running max moved (every factor is then exactly 1).
 template <int DP>
 __device__ __forceinline__ void mma_tile_f8(const uint32_t (&qa)[DP / 16][4], const unsigned char* kt,
                                             const unsigned char* vt, int64_t p0, int64_t end, float qscale,
