@@ -86,8 +86,9 @@ def _batched_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor, tables: Tensor
 
 
 def paged_decode_attention_reference(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_tables: Tensor,
-                                     lengths: Tensor, scale: float) -> Tensor:
-    """q [B, Hq, D] attends to positions 0..lengths[b]-1 of row b; a row of length 0 gives zeros."""
+                                     lengths: Tensor, scale: float, packs: Tensor | None = None) -> Tensor:
+    """q [B, Hq, D] attends to positions 0..lengths[b]-1 of row b; a row of length 0 gives zeros. `packs` says only
+    where rows share positions, which the result does not depend on: the reference reads every row's own."""
     if q.device.type == "cpu":
         return _batched_attention(q, k_pool, v_pool, block_tables, lengths, scale)
     out = torch.zeros_like(q)
@@ -141,8 +142,8 @@ def _row_sdpa(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
 
 
 define("paged_decode_attention(Tensor q, Tensor k_pool, Tensor v_pool, Tensor block_tables, Tensor lengths, "
-       "float scale) -> Tensor", paged_decode_attention_reference,
-       fake=lambda q, k_pool, v_pool, block_tables, lengths, scale: q.new_empty(q.shape))
+       "float scale, Tensor? packs=None) -> Tensor", paged_decode_attention_reference,
+       fake=lambda q, k_pool, v_pool, block_tables, lengths, scale, packs=None: q.new_empty(q.shape))
 define("paged_prefill_attention(Tensor q, Tensor k_pool, Tensor v_pool, Tensor block_tables, Tensor cu_seqlens, "
        "Tensor lengths, float scale) -> Tensor", paged_prefill_attention_reference,
        fake=lambda q, k_pool, v_pool, block_tables, cu_seqlens, lengths, scale: q.new_empty(q.shape),
@@ -167,13 +168,23 @@ def _check_pools(op: str, q: Tensor, k_pool: Tensor, v_pool: Tensor, block_table
 
 
 def paged_decode_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_tables: Tensor, lengths: Tensor,
-                           scale: float) -> Tensor:
+                           scale: float, packs: Tensor | None = None) -> Tensor:
     """q [B, Hq, D] (one query a row) attends to the first lengths[b] positions of row b in the pools
-    [num_blocks, Hk, block_size, D] through block_tables [B, M] (int64); length 0 gives zeros."""
+    [num_blocks, Hk, block_size, D] through block_tables [B, M] (int64); length 0 gives zeros.
+
+    packs [B, 3] int64 (optional), row b's (first row of its pack, rows of the pack, shared positions): a pack's rows
+    are consecutive and their first `shared` positions, the same number for all of them, are the same blocks of the
+    pools. The CUDA kernel then reads those positions once for several rows (the CPU reads each row's own); any
+    row may be a pack of its own. Packs that break these rules give wrong results on CUDA."""
     _check_pools("paged_decode_attention", q, k_pool, v_pool, block_tables, lengths)
     if q.shape[0] != lengths.shape[0]:
         fail("paged_decode_attention", f"q has {q.shape[0]} rows, lengths {lengths.shape[0]}")
-    return torch.ops.fw.paged_decode_attention(q, k_pool, v_pool, block_tables, lengths, float(scale))
+    if packs is not None:
+        need_dim("paged_decode_attention", "packs", packs, 2, "[B, 3]")
+        need_long("paged_decode_attention", "packs", packs)
+        if packs.shape != (q.shape[0], 3):
+            fail("paged_decode_attention", f"packs {tuple(packs.shape)} for {q.shape[0]} rows: expected [B, 3]")
+    return torch.ops.fw.paged_decode_attention(q, k_pool, v_pool, block_tables, lengths, float(scale), packs)
 
 
 def paged_prefill_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_tables: Tensor, cu_seqlens: Tensor,

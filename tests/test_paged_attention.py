@@ -190,6 +190,102 @@ def test_paged_decode_kernel_refuses_fp8_pools_it_cannot_read():
         ops_cuda.paged_decode_attention(q[:, :8], k1, v1, t1, lens, 0.1)
 
 
+def packed_problem(groups, prompt, Hq, Hk, D, bs, device="cpu", seed=0):
+    """Rows in packs: the rows of group i (groups[i] of them, consecutive) share the blocks of their prompt's full
+    blocks (prompt // bs of them, the same block ids) and own the rest, each row with its own number of positions
+    past the prompt (1 to 300); a last row of length 0 is a pack of its own. Returns float32 pools (values fixed
+    by the seed), tables, lengths, and packs [B, 3] (first row, rows, shared positions)."""
+    g = torch.Generator().manual_seed(seed)
+    rows = sum(groups) + 1
+    suffix = torch.randint(1, 301, (rows,), generator=g).tolist()
+    lengths = [prompt + n for n in suffix[:-1]] + [0]
+    n_shared = prompt // bs
+    need = len(groups) * n_shared + sum(math.ceil(n / bs) - n_shared for n in lengths[:-1]) + 1
+    order = (torch.randperm(need, generator=g) + 1).tolist()
+    width = max(math.ceil(n / bs) for n in lengths)
+    tables = torch.zeros(rows, width, dtype=torch.long)
+    packs = []
+    b = 0
+    for size in groups:
+        head = [order.pop() for _ in range(n_shared)]
+        for _ in range(size):
+            tables[b, :n_shared] = torch.tensor(head, dtype=torch.long)
+            own = math.ceil(lengths[b] / bs) - n_shared
+            tables[b, n_shared:n_shared + own] = torch.tensor([order.pop() for _ in range(own)], dtype=torch.long)
+            b += 1
+        first = b - size
+        packs += [(first, size, n_shared * bs)] * size
+    packs.append((b, 1, 0))
+    k_pool = torch.randn(need + 1, Hk, bs, D, generator=g)
+    v_pool = torch.randn(need + 1, Hk, bs, D, generator=g)
+    dev = torch.device(device)
+    return (k_pool.to(dev), v_pool.to(dev), tables.to(dev), torch.tensor(lengths, device=dev),
+            torch.tensor(packs, dtype=torch.long, device=dev))
+
+
+def test_packs_leave_the_cpu_result_unchanged_and_are_checked():
+    """On CPU packs only say where rows share positions: the result is bitwise the one without them; opcheck with
+    packs; packs of the wrong shape or dtype are refused with the argument's name."""
+    k_pool, v_pool, tables, lens, packs = packed_problem([3, 2], 10, 4, 2, 8, 4, seed=5)
+    q = torch.randn(len(lens), 4, 8, generator=torch.Generator().manual_seed(6))
+    plain = ops_cuda.paged_decode_attention(q, k_pool, v_pool, tables, lens, 0.3)
+    assert torch.equal(ops_cuda.paged_decode_attention(q, k_pool, v_pool, tables, lens, 0.3, packs), plain)
+    torch.library.opcheck(torch.ops.fw.paged_decode_attention.default, (q, k_pool, v_pool, tables, lens, 0.5, packs))
+    with pytest.raises(ValueError, match=r"packs \(6, 2\) for 6 rows: expected \[B, 3\]"):
+        ops_cuda.paged_decode_attention(q, k_pool, v_pool, tables, lens, 0.3, packs[:, :2])
+    with pytest.raises(ValueError, match="`packs` must be int64"):
+        ops_cuda.paged_decode_attention(q, k_pool, v_pool, tables, lens, 0.3, packs.int())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pool", ["bf16", "fp8"])
+@pytest.mark.parametrize("Hq, Hk, D, bs", [(16, 8, 128, 16), (32, 8, 128, 32), (8, 8, 64, 4), (64, 4, 128, 16),
+                                          (12, 4, 64, 16)])
+@pytest.mark.parametrize("groups", [[8, 11, 3, 1], [3]])
+def test_paged_decode_kernel_with_packs_against_float64(pool, Hq, Hk, D, bs, groups, monkeypatch):
+    """Packs (a group's rows reading their shared prompt blocks once, as the rows of one tensor-core tile): the CUDA
+    kernel against float64 over each row's own table, for 1 to 16 query heads a kv head (a tile holds 16 / R rows,
+    so a pack of 11 takes several tiles), a 116-token prompt whose shared part is not a multiple of 16 positions at
+    4-position blocks, split as the plan says and unsplit (FW_DECODE_SPLITS=1), each row also as a pack of its own;
+    the same again in a second call (the arrival counters reset) and in a CUDA graph's replay. FW_DECODE_PACKS=2 reads
+    the packs at these sizes, where by default they are left unread (too few pack blocks for the SMs, or a float8
+    pool): then the result is bitwise the one without packs."""
+    from ops_cuda.paged_attention import paged_decode_attention_reference
+
+    if pool == "fp8" and Hq == Hk:
+        pytest.skip("float8 pools take 2 or more query heads a kv head")
+    k_pool, v_pool, tables, lens, packs = packed_problem(groups, 116, Hq, Hk, D, bs, "cuda", seed=len(groups) + D)
+    dtype = torch.float8_e4m3fn if pool == "fp8" else torch.bfloat16
+    k_pool, v_pool = k_pool.to(dtype), v_pool.to(dtype)
+    q = torch.randn(len(lens), Hq, D, device="cuda", dtype=torch.bfloat16)
+    scale = D ** -0.5
+    want = paged_decode_attention_reference(q.double(), k_pool.double(), v_pool.double(), tables, lens, scale)
+
+    def close(out):
+        for b in range(len(lens) - 1):
+            err = (out[b].double() - want[b]).norm() / want[b].norm()
+            assert err < 2e-2, (b, float(err))
+        assert (out[-1] == 0).all()
+
+    plain = ops_cuda.paged_decode_attention(q, k_pool, v_pool, tables, lens, scale)
+    assert torch.equal(ops_cuda.paged_decode_attention(q, k_pool, v_pool, tables, lens, scale, packs), plain)
+    monkeypatch.setenv("FW_DECODE_PACKS", "2")
+    out = ops_cuda.paged_decode_attention(q, k_pool, v_pool, tables, lens, scale, packs)
+    close(out)
+    assert torch.equal(ops_cuda.paged_decode_attention(q, k_pool, v_pool, tables, lens, scale, packs), out)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = ops_cuda.paged_decode_attention(q, k_pool, v_pool, tables, lens, scale, packs)
+    replayed.fill_(float("nan"))
+    graph.replay()
+    assert torch.equal(replayed, out)
+    alone = packs.clone()
+    alone[:, 0], alone[:, 1] = torch.arange(len(lens), device="cuda"), 1
+    monkeypatch.setenv("FW_DECODE_SPLITS", "1")
+    close(ops_cuda.paged_decode_attention(q, k_pool, v_pool, tables, lens, scale, packs))
+    close(ops_cuda.paged_decode_attention(q, k_pool, v_pool, tables, lens, scale, alone))
+
+
 @pytest.mark.parametrize("D, bs", [(8, 4), (16, 16), (128, 16)])
 def test_cpu_rows_are_bitwise_independent_of_their_batch(D, bs, monkeypatch):
     """fp32 on CPU: a row's decode and prefill outputs are bitwise the same alone, next to rows of longer

@@ -22,7 +22,9 @@
 // (row, kv head, head group, chunk) items from a self-resetting counter, each streaming its tiles through one ring
 // across items, the last chunk of a row to finish combining the row; use_persist). decode_kernel and
 // decode_mma_kernel share the end of a block's work (decode_finish); each has its own split count
-// (decode_attention_plan).
+// (decode_attention_plan). With packs (rows of one GRPO group, whose prompt blocks are the same blocks), the
+// tensor-core kernel reads a pack's shared positions once for up to 16 query heads of several rows
+// (decode_mma_kernel<..., kPacked>).
 #include <cuda_fp8.h>
 
 #include <algorithm>
@@ -62,6 +64,7 @@ struct DecodePlan {
   int slots;     // the work items its workspace holds
   int chunk;     // 16-position tiles a chunk when forced, else 0 (the kernel picks)
   int items;     // the work items a warp it aims for
+  bool packs;    // the tensor-core kernel reads the call's packs
 };
 // A paged cache: position p of row b is at block table[b * stride + (p >> shift)], offset p & (2^shift - 1);
 // a block starts sblk elements after the previous one. table null: the cache is contiguous per row (base + b*sb).
@@ -72,12 +75,14 @@ struct DecodeTable {
   int64_t sblk;
 };
 // kv8: the caches hold float8_e4m3 values (read as exact float16 by the tensor-core kernel, which alone takes them).
+// packed: the call comes with packs (see DecodeArgs), which the tensor-core kernel alone reads.
 DecodePlan decode_attention_plan(DType dt, int B, int Hq, int Hk, int S, int D, int sm_count, bool paged,
-                                 bool kv8 = false);
+                                 bool kv8 = false, bool packed = false);
 cudaError_t decode_attention(DType dt, const void* q, const void* k, const void* v, const int64_t* lengths,
                              void* out, DecodeWorkspace ws, int B, int Hq, int Hk, int S, int D, int64_t sb,
                              int64_t sh, int64_t ss, DecodePlan plan, float scale, cudaStream_t stream,
-                             DecodeTable table = {nullptr, 0, 0, 0}, bool kv8 = false);
+                             DecodeTable table = {nullptr, 0, 0, 0}, bool kv8 = false,
+                             const int64_t* packs = nullptr);
 
 }  // namespace fw
 
@@ -114,6 +119,10 @@ struct DecodeArgs {
   int splits;
   float scale;
   DecodeTable tbl;
+  // Packs of rows that share the start of their contexts (the tensor-core kernel; null elsewhere): [B, 3] int64, row
+  // b's (first row of its pack, the pack's rows, shared positions). A pack's rows are consecutive, and their first
+  // `shared` positions (the same for all of them) are the same blocks of the pool. See decode_mma_kernel.
+  const int64_t* packs;
 };
 
 // Element offset of K/V position p of row b from the row's base (b * sb + head * sh): through the block
@@ -133,15 +142,17 @@ template <typename T, int DP, int RP> constexpr int min_blocks() {
 // The end of a block's work. The warps' states are in red, as [warp][head] maxima, [warp][head] sums and
 // [warp][head][DP] unnormalised outputs, and the block is synchronised. With one split the block writes its heads'
 // outputs, otherwise its partials; the last block of the group to arrive combines the splits (threadFenceReduction
-// pattern). hq0: the group's first query head; nr: its heads. sm_scale and sm_last are the kernel's own shared
+// pattern). hq0: the group's first query head; nr: its heads; roff: red's row of its
+// first head (a pack's shared part holds several rows' heads). sm_scale and sm_last are the kernel's own shared
 // variables: declared here instead, they change how the compiler schedules the ring kernel's main loop, which is
 // then slower at large batches (`python -m benchmarks.ops.decode_splits`).
 template <typename T, int RP, int DP, bool kPermuted = false>
 __device__ __forceinline__ void decode_finish(const DecodeArgs& a, const float* red, float (&sm_scale)[RP][kMaxSplits],
-                                              int& sm_last, int grp, int split, int64_t hq0, int nr, int D) {
-  const float* red_m = red;
-  const float* red_l = red + kWarps * RP;
-  const float* red_acc = red_l + kWarps * RP;
+                                              int& sm_last, int grp, int split, int64_t hq0, int nr, int D,
+                                              int roff = 0) {
+  const float* red_m = red + roff;
+  const float* red_l = red + kWarps * RP + roff;
+  const float* red_acc = red + 2 * kWarps * RP + roff * DP;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, splits = a.splits;
   for (int idx = tid; idx < nr * D; idx += kThreads) {
     // red's column c is output dimension d; kPermuted (a float8 cache's tensor-core kernel, D == DP): c = 8j + n holds
@@ -454,10 +465,11 @@ template <int DP> __device__ __forceinline__ int swz(int r, int c) { return r * 
 // The online softmax of one 16-row tile's scores sc (S = Q K^T in the mma C fragments' layout: [n-tile][c]): scores
 // of positions p0 + row at or past `end` masked, the running max / sum (m, l: this lane's rows only) updated, c2 the
 // factors that rescale O. Returns P as the A operand of O += P V (the two score n-tiles are its two k halves).
-// qscale: the softmax scale times log2(e) (scores in base 2).
+// qscale: the softmax scale times log2(e) (scores in base 2). on: bit hh says whether query row gq + 8 hh reads the
+// tile (a pack's block masks the rows of the pack's other rows on a row's own positions).
 template <typename T>
 __device__ __forceinline__ void tile_softmax(float (&sc)[2][4], int64_t p0, int64_t end, float qscale, float (&m)[2],
-                                             float (&l)[2], float (&c2)[2], uint32_t (&pa)[4]) {
+                                             float (&l)[2], float (&c2)[2], uint32_t (&pa)[4], unsigned on = 3u) {
   const int tq = threadIdx.x & 3;
   const int rows = (int)min(end - p0, (int64_t)16);  // the tile's valid rows
   // a quad (lanes 4gq..4gq+3) shares a head's rows
@@ -468,7 +480,7 @@ __device__ __forceinline__ void tile_softmax(float (&sc)[2][4], int64_t p0, int6
     for (int h = 0; h < 2; ++h) {
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
-        const bool valid = h * 8 + 2 * tq + j < rows;
+        const bool valid = h * 8 + 2 * tq + j < rows && (on >> hh & 1u);
         float& x = sc[h][2 * hh + j];
         x = valid ? x * qscale : -INFINITY;
         mx = fmaxf(mx, x);
@@ -502,7 +514,7 @@ __device__ __forceinline__ void tile_softmax(float (&sc)[2][4], int64_t p0, int6
 template <typename T, int DP>
 __device__ __forceinline__ void mma_tile(const uint32_t (&qa)[DP / 16][4], uint32_t ks, uint32_t vs, int64_t p0,
                                          int64_t end, float qscale, float (&o)[DP / 8][4], float (&m)[2],
-                                         float (&l)[2]) {
+                                         float (&l)[2], unsigned on = 3u) {
   constexpr int KS = DP / 16, NT = DP / 8;
   const int lane = threadIdx.x & 31, mt = lane >> 3, mr = lane & 7;
   // S = Q K^T: n-tile h holds K rows 8h..8h+7; x4 matrices (rows 0-7, chunk 2k), (0-7, 2k+1), (8-15, 2k),
@@ -517,7 +529,7 @@ __device__ __forceinline__ void mma_tile(const uint32_t (&qa)[DP / 16][4], uint3
   }
   float c2[2];
   uint32_t pa[4];
-  tile_softmax<T>(sc, p0, end, qscale, m, l, c2, pa);
+  tile_softmax<T>(sc, p0, end, qscale, m, l, c2, pa, on);
   // V^T fragments with ldmatrix.trans: x4 matrices (rows 0-7, chunk 2t), (8-15, 2t), (0-7, 2t+1), (8-15, 2t+1)
 #pragma unroll
   for (int t = 0; t < NT / 2; ++t) {
@@ -541,7 +553,7 @@ __device__ __forceinline__ void mma_tile(const uint32_t (&qa)[DP / 16][4], uint3
 template <int DP>
 __device__ __forceinline__ void mma_tile_f8(const uint32_t (&qa)[DP / 16][4], const unsigned char* kt,
                                             const unsigned char* vt, int64_t p0, int64_t end, float qscale,
-                                            float (&o)[DP / 8][4], float (&m)[2], float (&l)[2]) {
+                                            float (&o)[DP / 8][4], float (&m)[2], float (&l)[2], unsigned on = 3u) {
   constexpr int KS = DP / 16, NT = DP / 8, KW = DP / 16, VW = DP / 32;  // 32-bit words of a lane's K / V run
   const int lane = threadIdx.x & 31, gq = lane >> 2, tq = lane & 3;
   // K: rows gq and gq + 8, the DP / 4 bytes from tq * DP / 4 (chunks tq * DP / 64 ...)
@@ -583,7 +595,7 @@ __device__ __forceinline__ void mma_tile_f8(const uint32_t (&qa)[DP / 16][4], co
   }
   float c2[2];
   uint32_t pa[4];
-  tile_softmax<__half>(sc, p0, end, qscale, m, l, c2, pa);
+  tile_softmax<__half>(sc, p0, end, qscale, m, l, c2, pa, on);
   if (__any_sync(0xffffffffu, c2[0] != 1.f || c2[1] != 1.f)) {
 #pragma unroll
     for (int n = 0; n < NT; ++n) {
@@ -611,44 +623,108 @@ __device__ __forceinline__ void mma_tile_f8(const uint32_t (&qa)[DP / 16][4], co
 // Block (b, kv head g, group of kMmaHeads query heads, split); thread (warp, lane) with gq = lane / 4, tq = lane % 4
 // holds, in the mma fragments' layout, query heads gq and gq + 8 of the group: their scores for K rows 2tq, 2tq + 1
 // of each 8-row half of a tile, and their outputs for columns 8n + 2tq, 8n + 2tq + 1.
-template <typename T, typename KV, int DP>
+//
+// kPacked (a.packs): the tile's rows are the heads of up to kMmaHeads / nr rows of one pack, which share their first
+// positions: tile row i is query head r0 + i % nr of row b + i / nr. Block b reads for rows b .. b + cnt - 1 (b a
+// multiple of kMmaHeads / nr rows into its pack; the pack's other rows' blocks return at once) a list of segments:
+// the shared positions once, through b's table, for all of them, then each row's own positions through its own
+// table, the other rows' scores masked. The splits divide the list's tiles, and each split writes a partial (or,
+// alone, the output) for each of its rows.
+template <typename T, typename KV, int DP, bool kPacked>
 __global__ void __launch_bounds__(kThreads, mma_blocks<KV>()) decode_mma_kernel(DecodeArgs a) {
   // M: the tensor cores' type (float16 for a float8 cache); EC: cache elements a 16-byte chunk
   using M = std::conditional_t<is_f8<KV>(), __half, T>;
   constexpr int NS = mma_stages<KV>(), EC = 16 / (int)sizeof(KV);
   constexpr int CH = DP / EC, KS = DP / 16, NT = DP / 8;  // 16-byte chunks a row; k-steps of q.k; n-tiles of p.v
   constexpr int kTileBytes = 16 * DP * (int)sizeof(KV), kStageBytes = 2 * kTileBytes;  // 16 rows of K, then of V
+  constexpr int kSegs = kPacked ? kMmaHeads + 1 : 1;
   extern __shared__ __align__(128) unsigned char smem[];
   __shared__ float sm_scale[kMmaHeads][kMaxSplits];
   __shared__ int sm_last;
+  // kPacked: segment k's positions [seg_p0, seg_end) of row seg_row, its tiles from seg_t0[k] in the block's list
+  __shared__ int64_t seg_p0[kSegs], seg_end[kSegs];
+  __shared__ int seg_row[kSegs], seg_t0[kSegs + 1];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, gq = lane >> 2, tq = lane & 3;
   const int grp = blockIdx.x, split = blockIdx.y, splits = a.splits;
   const int bg = grp / a.RG, rg = grp - bg * a.RG, b = bg / a.Hk, g = bg - b * a.Hk;
   const int r0 = rg * kMmaHeads, nr = min(kMmaHeads, a.R - r0);
   const int64_t len = min((int64_t)a.S, a.lengths[b]);
-  // a float8 cache's splits start on a multiple of 16, so that a tile lies in one block of 16 or more positions
-  const int chunk = is_f8<KV>() ? ((a.S + splits - 1) / splits + 15) / 16 * 16 : (a.S + splits - 1) / splits;
-  const int64_t s_begin = (int64_t)split * chunk;
-  const int64_t s_end = min(len, s_begin + chunk);
-  const int tiles = s_end > s_begin ? (int)((s_end - s_begin + 15) / 16) : 0;
+  int cnt = 1;  // rows whose heads the tile holds
+  int64_t s_begin, s_end;  // kPacked: the split's tiles in the block's list; otherwise its positions
+  if constexpr (kPacked) {
+    const int64_t* pk = a.packs + 3 * (int64_t)b;
+    const int per_tile = kMmaHeads / nr;
+    if ((b - pk[0]) % per_tile != 0) return;  // the pack's block of an earlier row reads for this one
+    cnt = (int)max((int64_t)1, min((int64_t)per_tile, pk[0] + pk[1] - b));
+    // shared positions rounded down to a multiple of 16, so that every tile starts on one (the positions left out
+    // are read by each row through its own table)
+    const int64_t shared = max((int64_t)0, min(len, pk[2])) & ~(int64_t)15;
+    if (warp == 0) {  // lane k: segment k, its tiles counted, then their prefix sum across the lanes
+      int tiles = 0;
+      if (lane <= cnt) {
+        const int row = lane == 0 ? b : b + lane - 1;
+        const int64_t n = lane == 0 ? len : min((int64_t)a.S, a.lengths[row]);
+        const int64_t p0 = lane == 0 ? 0 : min(shared, n), e = lane == 0 ? shared : n;
+        seg_p0[lane] = p0;
+        seg_end[lane] = e;
+        seg_row[lane] = row;
+        tiles = e > p0 ? (int)((e - p0 + 15) / 16) : 0;
+      }
+      int sum = tiles;
+#pragma unroll
+      for (int o = 1; o < 32; o <<= 1) {
+        const int x = __shfl_up_sync(0xffffffffu, sum, o);
+        if (lane >= o) sum += x;
+      }
+      if (lane <= cnt) seg_t0[lane + 1] = sum;
+      if (lane == 0) seg_t0[0] = 0;
+    }
+    __syncthreads();
+    const int total = seg_t0[cnt + 1], per = (total + splits - 1) / splits;
+    s_begin = min((int64_t)total, (int64_t)split * per);
+    s_end = min((int64_t)total, s_begin + per);
+  } else {
+    // a float8 cache's splits start on a multiple of 16, so that a tile lies in one block of 16 or more positions
+    const int chunk = is_f8<KV>() ? ((a.S + splits - 1) / splits + 15) / 16 * 16 : (a.S + splits - 1) / splits;
+    s_begin = (int64_t)split * chunk;
+    s_end = min(len, s_begin + chunk);
+  }
+  const int tiles = s_end > s_begin ? (int)(kPacked ? s_end - s_begin : (s_end - s_begin + 15) / 16) : 0;
   const int my_tiles = tiles > warp ? (tiles - warp + kWarps - 1) / kWarps : 0;  // tiles warp, warp + kWarps, ...
   const float qscale = a.scale * 1.4426950408889634f;  // scores in base 2
   // a tile's rows are consecutive in memory: one table read a tile (a float8 cache only; a 16-bit one reads per row)
   const bool one_block = is_f8<KV>() && (a.tbl.table == nullptr || a.tbl.shift >= 4);
+  // This warp's i-th tile: its first position, the end of its segment, its row and segment. kPacked: found from a
+  // cursor into the segments that only moves forward, as i does.
+  struct Tile {
+    int64_t p0, end;
+    int row, seg;
+  };
+  auto tile_at = [&](int i, int& k) -> Tile {
+    if constexpr (kPacked) {
+      const int t = (int)s_begin + warp + i * kWarps;
+      while (t >= seg_t0[k + 1]) ++k;
+      return {seg_p0[k] + (int64_t)(t - seg_t0[k]) * 16, seg_end[k], seg_row[k], k};
+    } else {
+      return {s_begin + (int64_t)(warp + i * kWarps) * 16, s_end, b, 0};
+    }
+  };
 
-  const KV* kb = (const KV*)a.k + b * a.sb + g * a.sh;
-  const KV* vb = (const KV*)a.v + b * a.sb + g * a.sh;
   unsigned char* ring = smem + warp * mma_warp_bytes<KV, DP>();
   const uint32_t ring_s = (uint32_t)__cvta_generic_to_shared(ring);
-  // this warp's i-th tile into stage i % NS; rows past s_end are zero-filled
+  int k_issue = 0, k_use = 0;  // the segment cursors of the copies and of the maths
+  // this warp's i-th tile into stage i % NS; rows past its segment's end are zero-filled
   auto issue = [&](int i) {
     if (i < my_tiles) {
       unsigned char* st = ring + (i % NS) * kStageBytes;
-      const int64_t p0 = s_begin + (int64_t)(warp + i * kWarps) * 16;
+      const Tile t = tile_at(i, k_issue);
+      const int64_t p0 = t.p0;
+      const KV* kb = (const KV*)a.k + t.row * a.sb + g * a.sh;
+      const KV* vb = (const KV*)a.v + t.row * a.sb + g * a.sh;
       if (one_block) {  // a float8 cache's tile in one block: its rows at ss strides from the tile's first
-        const int64_t tile = row_offset(a, b, p0);
+        const int64_t tile = row_offset(a, t.row, p0);
         const KV *kt = kb + tile, *vt = vb + tile;
-        const int rows = (int)min(s_end - p0, (int64_t)16), ss = (int)a.ss;
+        const int rows = (int)min(t.end - p0, (int64_t)16), ss = (int)a.ss;
 #pragma unroll
         for (int j = 0; j < 16 * CH / 32; ++j) {
           const int idx = lane + 32 * j, r = idx / CH, c = idx - r * CH;
@@ -661,8 +737,8 @@ __global__ void __launch_bounds__(kThreads, mma_blocks<KV>()) decode_mma_kernel(
 #pragma unroll
         for (int j = 0; j < 16 * CH / 32; ++j) {
           const int idx = lane + 32 * j, r = idx / CH, c = idx - r * CH;
-          const bool ok = p0 + r < s_end;
-          const int64_t off = ok ? row_offset(a, b, p0 + r) + c * EC : 0;
+          const bool ok = p0 + r < t.end;
+          const int64_t off = ok ? row_offset(a, t.row, p0 + r) + c * EC : 0;
           if constexpr (is_f8<KV>()) {
             cp_async16(st + f8_k_at<DP>(r, c), kb + off, ok);
             cp_async16(st + kTileBytes + f8_v_at<DP>(r, c), vb + off, ok);
@@ -678,35 +754,45 @@ __global__ void __launch_bounds__(kThreads, mma_blocks<KV>()) decode_mma_kernel(
 #pragma unroll
   for (int i = 0; i < NS - 1; ++i) issue(i);
 
-  // q as the A operand: rows gq and gq + 8 (query heads r0 + gq, r0 + gq + 8), columns 16k + 2tq (+1) and + 8,
-  // which a float8 cache maps to physical dimensions tq * DP / 4 + 4k (+1) and + 2 (see is_f8)
+  // q as the A operand: tile rows gq and gq + 8 (query heads r0 + gq, r0 + gq + 8 of row b, or of the pack's rows),
+  // columns 16k + 2tq (+1) and + 8, which a float8 cache maps to physical dimensions tq * DP / 4 + 4k (+1) and + 2
+  // (see is_f8)
+  const int rows_on = cnt * nr;
   uint32_t qa[KS][4];
   {
-    const T* q0 = (const T*)a.q + ((int64_t)b * a.Hq + (int64_t)g * a.R + r0) * DP;
-    const bool on0 = gq < nr, on1 = gq + 8 < nr;
+    const bool on0 = gq < rows_on, on1 = gq + 8 < rows_on;
+    auto q_row = [&](int i) {
+      return (const T*)a.q + ((int64_t)(b + i / nr) * a.Hq + (int64_t)g * a.R + r0 + i % nr) * DP;
+    };
+    const T* q0 = q_row(on0 ? gq : 0);
+    const T* q1 = q_row(on1 ? gq + 8 : 0);
 #pragma unroll
     for (int k = 0; k < KS; ++k) {
       const int c = is_f8<KV>() ? tq * (DP / 4) + 4 * k : 16 * k + 2 * tq, c8 = is_f8<KV>() ? c + 2 : c + 8;
-      qa[k][0] = on0 ? as_pair<T, M>(*reinterpret_cast<const uint32_t*>(q0 + gq * DP + c)) : 0u;
-      qa[k][1] = on1 ? as_pair<T, M>(*reinterpret_cast<const uint32_t*>(q0 + (gq + 8) * DP + c)) : 0u;
-      qa[k][2] = on0 ? as_pair<T, M>(*reinterpret_cast<const uint32_t*>(q0 + gq * DP + c8)) : 0u;
-      qa[k][3] = on1 ? as_pair<T, M>(*reinterpret_cast<const uint32_t*>(q0 + (gq + 8) * DP + c8)) : 0u;
+      qa[k][0] = on0 ? as_pair<T, M>(*reinterpret_cast<const uint32_t*>(q0 + c)) : 0u;
+      qa[k][1] = on1 ? as_pair<T, M>(*reinterpret_cast<const uint32_t*>(q1 + c)) : 0u;
+      qa[k][2] = on0 ? as_pair<T, M>(*reinterpret_cast<const uint32_t*>(q0 + c8)) : 0u;
+      qa[k][3] = on1 ? as_pair<T, M>(*reinterpret_cast<const uint32_t*>(q1 + c8)) : 0u;
     }
   }
   float o[NT][4], m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};  // [0]: head gq, [1]: head gq + 8
 #pragma unroll
   for (int n = 0; n < NT; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
+  // kPacked: the segment (1 + the row of the tile) each of this lane's two tile rows reads besides the shared one
+  const int seg0 = 1 + gq / nr, seg1 = 1 + (gq + 8) / nr;
 
   for (int i = 0; i < my_tiles; ++i) {
     cp_async_wait<NS - 2>();  // this lane's copies of tile i have landed
     __syncwarp();             // and every lane's
-    const int64_t p0 = s_begin + (int64_t)(warp + i * kWarps) * 16;
+    const Tile t = tile_at(i, k_use);
+    // the query rows the tile's scores count for: all of them in the shared segment, else its row's heads
+    const unsigned on = !kPacked || t.seg == 0 ? 3u : (unsigned)(seg0 == t.seg) | (unsigned)(seg1 == t.seg) << 1;
     if constexpr (is_f8<KV>()) {
       const unsigned char* st = ring + (i % NS) * kStageBytes;
-      mma_tile_f8<DP>(qa, st, st + kTileBytes, p0, s_end, qscale, o, m, l);
+      mma_tile_f8<DP>(qa, st, st + kTileBytes, t.p0, t.end, qscale, o, m, l, on);
     } else {
       const uint32_t ks = ring_s + (i % NS) * kStageBytes;
-      mma_tile<M, DP>(qa, ks, ks + kTileBytes, p0, s_end, qscale, o, m, l);
+      mma_tile<M, DP>(qa, ks, ks + kTileBytes, t.p0, t.end, qscale, o, m, l, on);
     }
     __syncwarp();  // every lane has read the stage before it is refilled
     issue(i + NS - 1);
@@ -729,7 +815,7 @@ __global__ void __launch_bounds__(kThreads, mma_blocks<KV>()) decode_mma_kernel(
       red_m[warp * kMmaHeads + r] = m[hh];
       red_l[warp * kMmaHeads + r] = l[hh];
     }
-    if (r < nr) {  // the rows of heads past the group's hold nothing decode_finish reads
+    if (r < rows_on) {  // the rows past the tile's heads hold nothing decode_finish reads
 #pragma unroll
       for (int n = 0; n < NT; ++n) {
         red_acc[(warp * kMmaHeads + r) * DP + 8 * n + 2 * tq] = o[n][2 * hh];
@@ -738,8 +824,10 @@ __global__ void __launch_bounds__(kThreads, mma_blocks<KV>()) decode_mma_kernel(
     }
   }
   __syncthreads();
-  decode_finish<T, kMmaHeads, DP, is_f8<KV>()>(a, red, sm_scale, sm_last, grp, split,
-                                                (int64_t)b * a.Hq + (int64_t)g * a.R + r0, nr, DP);
+  // each row of the tile: its output, or its split's partial
+  for (int i = 0; i < cnt; ++i)
+    decode_finish<T, kMmaHeads, DP, is_f8<KV>()>(a, red, sm_scale, sm_last, grp + i * a.Hk * a.RG, split,
+                                                  (int64_t)(b + i) * a.Hq + (int64_t)g * a.R + r0, nr, DP, i * nr);
 }
 
 // ------------------------------------------------------------------ persistent tensor-core path
@@ -1089,14 +1177,17 @@ bool use_mma(DType dt, int R, int D) {
 }
 
 // The kernel, allowed its dynamic shared memory; null if that fails.
-template <typename T, typename KV, int DP> const void* mma_kernel() {
-  return allow_dynamic_smem<decode_mma_kernel<T, KV, DP>>(mma_smem_bytes<KV, DP>()) == cudaSuccess
-             ? (const void*)decode_mma_kernel<T, KV, DP>
+template <typename T, typename KV, int DP, bool kPacked> const void* mma_kernel() {
+  return allow_dynamic_smem<decode_mma_kernel<T, KV, DP, kPacked>>(mma_smem_bytes<KV, DP>()) == cudaSuccess
+             ? (const void*)decode_mma_kernel<T, KV, DP, kPacked>
              : nullptr;
 }
-template <typename T> const void* mma_kernel_for(int D, bool kv8) {
-  if (kv8) return D == 64 ? mma_kernel<T, __nv_fp8_e4m3, 64>() : mma_kernel<T, __nv_fp8_e4m3, 128>();
-  return D == 64 ? mma_kernel<T, T, 64>() : mma_kernel<T, T, 128>();
+template <typename T, typename KV, bool kPacked> const void* mma_kernel_d(int D) {
+  return D == 64 ? mma_kernel<T, KV, 64, kPacked>() : mma_kernel<T, KV, 128, kPacked>();
+}
+template <typename T> const void* mma_kernel_for(int D, bool kv8, bool packed) {
+  if (kv8) return packed ? mma_kernel_d<T, __nv_fp8_e4m3, true>(D) : mma_kernel_d<T, __nv_fp8_e4m3, false>(D);
+  return packed ? mma_kernel_d<T, T, true>(D) : mma_kernel_d<T, T, false>(D);
 }
 
 // Whether decode_mma_kernel_persistent runs where the tensor-core kernel does. By default on a paged cache with at
@@ -1172,24 +1263,35 @@ const void* kernel_for(DType dt, int D, int R) {
 }  // namespace
 
 DecodePlan decode_attention_plan(DType dt, int B, int Hq, int Hk, int S, int D, int sm_count, bool paged,
-                                 bool kv8) {
+                                 bool kv8, bool packed) {
   if (B <= 0 || Hq <= 0 || Hk <= 0 || S <= 0 || Hq % Hk != 0) return {false, 1, 1};
   const int R = Hq / Hk;
-  const bool mma = kv8 || use_mma(dt, R, D);  // a float8 cache: the tensor-core kernel (the wrapper checks its shapes)
+  // Packs are read on 16-bit caches where every pack's block (counted as if each pack filled its tiles) has an SM:
+  // there, unsplit, the shared reads beat the persistent kernel; with fewer blocks, or split, or on a float8 cache,
+  // they lose to the kernels that read each row's own positions (`python -m benchmarks.ops.paged_decode --group 8`).
+  // FW_DECODE_PACKS (read per call): 0 never, 2 wherever the tensor-core kernel can, any other value the default.
+  const int per_tile = kMmaHeads / std::min(kMmaHeads, R);
+  const int64_t working = ((int64_t)B + per_tile - 1) / per_tile * Hk * ((R + kMmaHeads - 1) / kMmaHeads);
+  const int pmode = packed ? int_from_env("FW_DECODE_PACKS", 1) : 0;
+  const bool packs_read = pmode != 0 && dt != DType::F32 && (D == 64 || D == 128) &&
+                          (pmode == 2 || (!kv8 && working >= sm_count));
+  // a float8 cache, or packs: the tensor-core kernel (the wrapper checks a float8 cache's shapes)
+  const bool mma = kv8 || use_mma(dt, R, D) || packs_read;
   const int RP = mma ? kMmaHeads : heads_per_block(R), groups = (R + RP - 1) / RP;
   // The ring kernel splits only to reach about 3 blocks per SM: that many keep enough K/V copies in flight to
   // saturate HBM, and every further split adds partials to combine and a shorter pipeline per block. The
   // tensor-core kernel's 4 warps each keep 2 tiles of 16 K/V rows in flight (3 ring stages), so it splits only to
   // reach about one block per SM, rounding down: more splits cost more than they hide. `python -m
   // benchmarks.ops.decode_splits` times every split count by batch. At least 64 positions a split, at most
-  // kMaxSplits.
-  int most = (S + 63) / 64;
-  most = most < 1 ? 1 : most > kMaxSplits ? kMaxSplits : most;
+  // kMaxSplits. With packs only the pack's blocks work (on a list of its rows' positions).
+  int most = (int)std::min<int64_t>(kMaxSplits, ((int64_t)S * (packs_read ? per_tile : 1) + 63) / 64);
+  most = most < 1 ? 1 : most;
   const int forced = int_from_env("FW_DECODE_SPLITS", 0);  // a fixed split count, for sweeps (read per call)
-  const int64_t base = (int64_t)B * Hk * groups;
-  const int64_t s = forced > 0 ? forced : mma ? sm_count / base : (3LL * sm_count + base - 1) / base;
-  const DecodePlan plan{mma, groups, (int)(s < 1 ? 1 : s > most ? most : s)};
-  const void* f = mma && !kv8 && use_persist(paged, base, sm_count) && base * kPMaxChunks < (1 << 30)
+  const int64_t base = (int64_t)B * Hk * groups, blocks_working = packs_read ? working : base;
+  const int64_t s = forced > 0 ? forced : mma ? sm_count / blocks_working : (3LL * sm_count + base - 1) / base;
+  DecodePlan plan{mma, groups, (int)(s < 1 ? 1 : s > most ? most : s)};
+  plan.packs = packs_read;
+  const void* f = mma && !kv8 && !packs_read && use_persist(paged, base, sm_count) && base * kPMaxChunks < (1 << 30)
                       ? persist_kernel_for(dt, D)
                       : nullptr;
   if (!f) return plan;
@@ -1209,14 +1311,15 @@ DecodePlan decode_attention_plan(DType dt, int B, int Hq, int Hk, int S, int D, 
 cudaError_t decode_attention(DType dt, const void* q, const void* k, const void* v, const int64_t* lengths,
                              void* out, DecodeWorkspace ws, int B, int Hq, int Hk, int S, int D, int64_t sb,
                              int64_t sh, int64_t ss, DecodePlan plan, float scale, cudaStream_t stream,
-                             DecodeTable table, bool kv8) {
+                             DecodeTable table, bool kv8, const int64_t* packs) {
   if (B == 0 || Hq == 0) return cudaSuccess;
   const int splits = plan.splits, RG = plan.groups;
+  if (!plan.packs) packs = nullptr;  // the plan's kernel reads every row's own positions
   if (Hk <= 0 || Hq % Hk != 0 || D <= 0 || D > 256 || D % 8 != 0 || splits < 1 || splits > kMaxSplits || RG < 1 ||
       (plan.mma && (dt == DType::F32 || (D != 64 && D != 128))) || (kv8 && (!plan.mma || plan.persist)))
     return cudaErrorInvalidValue;
   const int R = Hq / Hk;
-  DecodeArgs a{q, k, v, lengths, out, ws, Hq, Hk, R, RG, S, D, sb, sh, ss, splits, scale, table};
+  DecodeArgs a{q, k, v, lengths, out, ws, Hq, Hk, R, RG, S, D, sb, sh, ss, splits, scale, table, packs};
   if (plan.persist) {
     if (!plan.mma || splits != 1 || plan.blocks < 1 || plan.slots < 1 || plan.items < 1 || !ws.o || !ws.count)
       return cudaErrorInvalidValue;
@@ -1235,7 +1338,8 @@ cudaError_t decode_attention(DType dt, const void* q, const void* k, const void*
     // a 16-bit cache's ring has the same bytes for bfloat16 and float16
     smem = kv8 ? (D == 64 ? mma_smem_bytes<__nv_fp8_e4m3, 64>() : mma_smem_bytes<__nv_fp8_e4m3, 128>())
                : (D == 64 ? mma_smem_bytes<__half, 64>() : mma_smem_bytes<__half, 128>());
-    f = dt == DType::BF16 ? mma_kernel_for<__nv_bfloat16>(D, kv8) : mma_kernel_for<__half>(D, kv8);
+    f = dt == DType::BF16 ? mma_kernel_for<__nv_bfloat16>(D, kv8, packs != nullptr)
+                          : mma_kernel_for<__half>(D, kv8, packs != nullptr);
   } else {
     f = kernel_for(dt, D, R);
   }
@@ -1249,7 +1353,8 @@ namespace {
 
 // ------------------------------------------------------------------ decode attention
 Tensor run_decode(const Tensor& q, const Tensor& kc, const Tensor& vc, const Tensor& lengths, int64_t S, int64_t sb,
-                  int64_t sh, int64_t ss, fw::DecodeTable table, double scale, bool kv8 = false);
+                  int64_t sh, int64_t ss, fw::DecodeTable table, double scale, bool kv8 = false,
+                  const int64_t* packs = nullptr);
 
 Tensor decode_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, const Tensor& lengths,
                         double scale) {
@@ -1280,7 +1385,7 @@ Tensor decode_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_
 
 // The launch shared by the contiguous and the paged cache: q [B, Hq, D], K/V addressed as described at DecodeTable.
 Tensor run_decode(const Tensor& q, const Tensor& kc, const Tensor& vc, const Tensor& lengths, int64_t S, int64_t sb,
-                  int64_t sh, int64_t ss, fw::DecodeTable table, double scale, bool kv8) {
+                  int64_t sh, int64_t ss, fw::DecodeTable table, double scale, bool kv8, const int64_t* packs) {
   const auto dt = dtype_of(q, "decode_attention", "q");
   const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2), Hk = kc.size(1);
   auto qc = q.contiguous();
@@ -1289,7 +1394,8 @@ Tensor run_decode(const Tensor& q, const Tensor& kc, const Tensor& vc, const Ten
   auto out = at::empty({B, Hq, D}, q.options());
   if (B == 0 || Hq == 0) return out;  // nothing to attend (and no blocks to split over)
   const fw::DecodePlan plan = fw::decode_attention_plan(dt, (int)B, (int)Hq, (int)Hk, (int)S, (int)D, sm_count(),
-                                                         table.table != nullptr, kv8);
+                                                         table.table != nullptr, kv8, packs != nullptr);
+  if (!plan.packs) packs = nullptr;  // the plan's kernel reads every row's own positions
   const int splits = plan.splits;
   auto stream = at::cuda::getCurrentCUDAStream();
   fw::DecodeWorkspace w{nullptr, nullptr, nullptr, nullptr};
@@ -1311,7 +1417,7 @@ Tensor run_decode(const Tensor& q, const Tensor& kc, const Tensor& vc, const Ten
   }
   check_launch(fw::decode_attention(dt, qc.data_ptr(), kc.data_ptr(), vc.data_ptr(), len.data_ptr<int64_t>(),
                                     out.data_ptr(), w, (int)B, (int)Hq, (int)Hk, (int)S, (int)D, sb, sh, ss, plan,
-                                    (float)scale, stream, table, kv8),
+                                    (float)scale, stream, table, kv8, packs),
                "decode_attention");
   return out;
 }
@@ -1320,7 +1426,7 @@ Tensor run_decode(const Tensor& q, const Tensor& kc, const Tensor& vc, const Ten
 // p is in block block_tables[b, p / block_size]. The pools are used in place (never copied): they must be
 // contiguous in their last three dimensions and 16-byte aligned.
 Tensor paged_decode_attention(const Tensor& q, const Tensor& k_pool, const Tensor& v_pool, const Tensor& block_tables,
-                              const Tensor& lengths, double scale) {
+                              const Tensor& lengths, double scale, const std::optional<Tensor>& packs) {
   check_cuda(q, "paged_decode_attention", "q");
   c10::cuda::CUDAGuard guard(q.device());
   (void)dtype_of(q, "paged_decode_attention", "q");
@@ -1348,11 +1454,18 @@ Tensor paged_decode_attention(const Tensor& q, const Tensor& k_pool, const Tenso
   TORCH_CHECK(block_tables.device() == q.device() && lengths.device() == q.device(),
               "fw::paged_decode_attention: block_tables and lengths must be on q's device");
   auto tables = block_tables.to(at::kLong).contiguous();
+  Tensor pk;
+  if (packs.has_value() && packs->numel() > 0) {
+    TORCH_CHECK(packs->device() == q.device() && packs->scalar_type() == at::kLong && packs->dim() == 2 &&
+                    packs->size(0) == q.size(0) && packs->size(1) == 3,
+                "fw::paged_decode_attention: packs must be int64 [B, 3] on q's device, got ", packs->sizes());
+    pk = packs->contiguous();
+  }
   int shift = 0;
   while ((1LL << shift) < bs) ++shift;
   const fw::DecodeTable table{tables.data_ptr<int64_t>(), tables.size(1), shift, k_pool.stride(0)};
   return run_decode(q, k_pool, v_pool, lengths, tables.size(1) * bs, 0, k_pool.stride(1), k_pool.stride(2), table,
-                    scale, kv8);
+                    scale, kv8, pk.defined() ? pk.data_ptr<int64_t>() : nullptr);
 }
 
 }  // namespace
