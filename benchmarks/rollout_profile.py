@@ -90,8 +90,8 @@ def timeline_report(s: dict, wall: float, tokens: int, weight_bytes: int, kv_byt
 
 def kernel_report(engine: RolloutEngine, params: SamplingParams, steps: int, trace: str | None) -> list[str]:
     """The kernels of `steps` replays of the largest bucket's decode graph, each with its sampler."""
-    bucket, width = max(engine.graphs)
-    graph = engine.graphs[(bucket, width)]
+    key = max(engine.graphs)   # (bucket, table width, packs)
+    (bucket, width, _), graph = key, engine.graphs[key]
     counters = torch.zeros(bucket, 2, dtype=torch.long, device=graph.inputs.device)
 
     def one() -> None:

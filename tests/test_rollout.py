@@ -414,6 +414,31 @@ def test_cuda_greedy_and_logprobs(model, prompts, dtype, tol):
 
 
 @pytest.mark.gpu
+def test_cuda_groups_decode_with_packs(model, tok, monkeypatch):
+    """bfloat16 (the tensor-core decode kernel, which reads packs; FW_DECODE_PACKS=2 at this model's size): a call
+    of 3 prompts x 8 samples and a lone prompt decodes in graphs whose inputs carry packs, and its logprobs match a
+    full forward's as closely as the same call's without packs (FW_DECODE_SHARED=0)."""
+    monkeypatch.setenv("FW_DECODE_PACKS", "2")
+    cuda = Qwen3ForCausalLM(model.config)
+    cuda.load_state_dict(model.state_dict())
+    cuda = cuda.to("cuda", torch.bfloat16).eval()
+    texts = ("what is 12+34? think step by step. ", "and 5*6 is how much, exactly? ", "count: 1 2 3 4 5 6 7 8 9 ")
+    prompts = [tok.encode(t) for t in texts] * 8 + [tok.encode("a")]
+    params = SamplingParams(max_new_tokens=24, temperature=0.9)
+    errors = {}
+    for shared in ("1", "0"):
+        monkeypatch.setenv("FW_DECODE_SHARED", shared)
+        engine = RolloutEngine(cuda)
+        r = engine.generate(prompts, params, seed=3)
+        assert engine.graphs and {key[2] for key in engine.graphs} == {shared == "1"}
+        assert engine.graphs[max(engine.graphs)].inputs.shape[1] == (5 if shared == "1" else 2)
+        engine.release()
+        assert len({tuple(c) for c in r.completion_ids[:24:3]}) > 1   # a group's samples differ
+        errors[shared] = float((r.logprobs.double() - full_forward_logprobs(cuda, r, 0.9).to("cuda")).abs().max())
+    assert errors["1"] < 0.2 and errors["0"] < 0.2, errors
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("setup", ["fp32", "bf16", "fp32 weights under bf16 autocast"])
 def test_cuda_graph_decode_gives_the_eager_tokens(model, prompts, tok, setup, monkeypatch):
     """The replayed decode graphs run the same kernels on the same data as eager decode steps: same tokens

@@ -160,6 +160,38 @@ def test_a_group_prefills_its_prompt_once(model, tok):
         torch.testing.assert_close(alone.logprobs[b], group.logprobs[b], atol=1e-5, rtol=0)
 
 
+def test_decode_packs_group_the_rows_that_share_prompt_blocks():
+    """Hand-computed, blocks of 8: rows 0, 2 and 5 hold the same two full prompt blocks (a group), row 4 the same
+    prompt in other blocks (readmitted after a preemption), row 1 a prompt under one block, row 3 another prompt
+    whose first block only is the group's. The batch lists each pack's rows together; every row's shared positions
+    are its prompt's full blocks."""
+    from framework.rollout.engine import decode_packs
+
+    def row(i, prompt_len, blocks):
+        return RowState(row=i, prompt=[7] * prompt_len, limit=4, blocks=blocks)
+
+    rows = [row(5, 20, [3, 4, 12]), row(1, 6, [9]), row(4, 20, [10, 11, 14]), row(0, 20, [3, 4, 8]),
+            row(3, 17, [3, 13, 15]), row(2, 20, [3, 4, 16])]
+    ordered, packs = decode_packs(rows, 8)
+    assert [s.row for s in ordered] == [1, 0, 2, 5, 3, 4]   # by their full prompt blocks: [], [3, 4], [3, 13], ...
+    assert packs == [(0, 1, 0), (1, 3, 16), (1, 3, 16), (1, 3, 16), (4, 1, 16), (5, 1, 16)]
+
+
+@pytest.mark.parametrize("shared", ["0", "1"])
+def test_group_results_do_not_depend_on_decoding_with_packs(model, tok, shared, monkeypatch):
+    """CPU, float32: a call of repeated prompts decodes its rows in pack order (FW_DECODE_SHARED=1) or as admitted
+    (=0): the same tokens and logprobs as each row's prompt generated on its own among unrelated rows."""
+    monkeypatch.setenv("FW_DECODE_SHARED", shared)
+    prompts = [tok.encode("what is 12+34? "), tok.encode("and 5*6 is "), tok.encode("x")] * 3
+    params = SamplingParams(max_new_tokens=5, temperature=1.0)
+    group = generate(model, prompts, params, seed=4, cache=CacheSettings(
+        kv_cache_gib=None, max_num_seqs=64, block_size=4, admit_batch=8, kv_cache_dtype="auto"))
+    for b in (1, 4, 8):
+        alone = generate(model, [[5 + i] for i in range(b)] + [prompts[b]], params, seed=4)
+        assert alone.completion_ids[b] == group.completion_ids[b]
+        torch.testing.assert_close(alone.logprobs[b], group.logprobs[b], atol=1e-5, rtol=0)
+
+
 def test_prefix_cache_reuses_a_shared_system_prompt(model, tok):
     system = tok.encode("You are a careful calculator. Answer with digits only. ")   # 55 tokens
     questions = [tok.encode(q) for q in ("1+1=", "22*3=", "9-4=")]

@@ -150,6 +150,7 @@ class PagedBatch(NamedTuple):
     lengths: Tensor         # [R] each row's context length after the writes
     cu_seqlens: Tensor | None  # [R + 1]: row r's tokens (prefill); None: one token a row, N == R (decode)
     flash: FlashPrefill | None = None   # a prefill on CUDA; None: the reference (the CPU's exact path)
+    packs: Tensor | None = None   # decode: [R, 3] rows sharing their first positions (ops_cuda.paged_decode_attention)
 
 
 class Qwen3Attention(nn.Module):
@@ -228,7 +229,8 @@ class Qwen3Attention(nn.Module):
             k_pool[batch.write_blocks, :, batch.write_offsets] = k
             v_pool[batch.write_blocks, :, batch.write_offsets] = v
         if batch.cu_seqlens is None:
-            out = ops_cuda.paged_decode_attention(q, k_pool, v_pool, batch.block_tables, batch.lengths, self.scale)
+            out = ops_cuda.paged_decode_attention(q, k_pool, v_pool, batch.block_tables, batch.lengths, self.scale,
+                                                  batch.packs)
         elif f is not None:
             if f.context_blocks is not None:   # cached prefix and new tokens, packed row after row
                 k = k_pool[f.context_blocks, :, f.context_offsets]

@@ -22,6 +22,7 @@ under the unscaled softmax.
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -99,6 +100,32 @@ def context_positions(rows: list[RowState], tables: Tensor, block_size: int) -> 
     owner = torch.repeat_interleave(torch.tensor([s.row for s in rows], dtype=torch.long), counts)
     pos = torch.arange(int(cu[-1])) - torch.repeat_interleave(cu[:-1], counts)
     return tables[owner, pos // block_size], pos % block_size, cu
+
+
+def shared_decode() -> bool:
+    """Whether a call whose prompts repeat decodes with packs (FW_DECODE_SHARED=0 turns it off, to compare)."""
+    return os.environ.get("FW_DECODE_SHARED", "1") != "0"
+
+
+def decode_packs(rows: list[RowState], block_size: int) -> tuple[list[RowState], list[tuple[int, int, int]]]:
+    """The decode batch's order and each row's pack (first row, rows, shared positions), as
+    ops_cuda.paged_decode_attention takes them: rows whose full prompt blocks are the same blocks of the pool (a
+    group's samples) are consecutive and one pack. A row's shared positions are its prompt's full blocks, whatever
+    its pack."""
+    def shared_blocks(s: RowState) -> list[int]:
+        return s.blocks[:len(s.prompt) // block_size]
+
+    ordered = sorted(rows, key=lambda s: (shared_blocks(s), s.row))
+    packs: list[tuple[int, int, int]] = []
+    i = 0
+    while i < len(ordered):
+        head = shared_blocks(ordered[i])
+        j = i + 1
+        while j < len(ordered) and head and shared_blocks(ordered[j]) == head:
+            j += 1
+        packs += [(i, j - i, len(head) * block_size)] * (j - i)
+        i = j
+    return ordered, packs
 
 
 def _check_prompts(prompts: list[list[int]], params: SamplingParams, tokenizer: Any) -> None:
@@ -256,6 +283,10 @@ class _Run:
         self.tables_dev = self.tables if self.cpu else torch.zeros_like(self.tables, device=device)
         self.last_dev = torch.zeros(len(seqs) + 1, dtype=torch.long, device=device)   # each row's last token
         self.window = 4 * max(map(len, params.stop), default=0) + 4
+        # a call whose prompts repeat (a group's samples) decodes with packs, whose rows read their shared prompt
+        # blocks once
+        self.share = shared_decode() and len({tuple(s.prompt) for s in seqs}) < len(seqs)
+        self.packed: tuple[tuple[int, ...], list[RowState], list[tuple[int, int, int]]] = ((), [], [])
 
     def run(self) -> None:
         try:
@@ -371,10 +402,20 @@ class _Run:
         new blocks filled in."""
         B = len(rows)
         bucket = batch_bucket(B, self.e.settings.max_num_seqs, self.cpu)
-        # per row: its id, the tokens queued so far (the sampler's counter), the fed token's position; then the
-        # new table entries, in the same transfer
-        meta = torch.tensor([[s.row, s.issued, len(s.prompt) + s.issued - 1] for s in rows]
-                            + [[len(self.seqs), 0, 0]] * (bucket - B) + changed, dtype=torch.long)
+        # per row: its id, the tokens queued so far (the sampler's counter), the fed token's position (and its pack);
+        # then the new table entries, in the same transfer
+        if self.share:
+            # the order holds while the batch keeps its rows (a row's blocks change only when it leaves and returns)
+            ident = tuple(map(id, rows))
+            if ident != self.packed[0]:
+                self.packed = (ident, *decode_packs(rows, self.bs))
+            _, rows, packs = self.packed
+            meta = torch.tensor([[s.row, s.issued, len(s.prompt) + s.issued - 1, *p] for s, p in zip(rows, packs)]
+                                + [[len(self.seqs), 0, 0, i, 1, 0] for i in range(B, bucket)]
+                                + [[*c, 0, 0, 0] for c in changed], dtype=torch.long)
+        else:
+            meta = torch.tensor([[s.row, s.issued, len(s.prompt) + s.issued - 1] for s in rows]
+                                + [[len(self.seqs), 0, 0]] * (bucket - B) + changed, dtype=torch.long)
         if self.e.timeline is not None:
             self.e.timeline.begin("decode", B, sum(len(s.prompt) + s.issued for s in rows), bucket)
         meta = to_device(meta, self.device)
@@ -383,9 +424,9 @@ class _Run:
             self.tables_dev[entries[:, 0], entries[:, 1]] = entries[:, 2]
         meta = meta[:bucket]
         ids = meta[:, 0]
-        inputs = torch.stack([self.last_dev[ids], meta[:, 2]], 1)
+        inputs = torch.cat([self.last_dev[ids, None], meta[:, 2:]], 1)
         tables = self.tables_dev[ids]
-        key = (bucket, self.width)
+        key = (bucket, self.width, self.share)
         graphed = (self.e.cuda_graph and not self.cpu and ops_cuda.cuda_backend() == "kernels")
         if graphed and key in self.e.graphs:
             logits = self.e.graphs[key](inputs, tables)

@@ -105,14 +105,16 @@ def batch_bucket(rows: int, max_num_seqs: int, cpu: bool) -> int:
 
 
 def decode_step(model: Any, cache: Any, inputs: Tensor, tables: Tensor) -> Tensor:
-    """One decode forward: inputs [B, 2] (the token fed, its position), tables [B, M]; logits [B, V]. All on
-    the device, nothing read back, so that it can be captured in a CUDA graph."""
-    # positions made contiguous once: every layer's QK-norm kernel would otherwise copy the strided column itself
+    """One decode forward: inputs [B, 2] (the token fed, its position) or [B, 5] (and the row's pack, as
+    ops_cuda.paged_decode_attention takes it), tables [B, M]; logits [B, V]. All on the device, nothing read back,
+    so that it can be captured in a CUDA graph."""
+    # positions (and packs) made contiguous once: every layer's kernels would otherwise copy the strided columns
     tokens, positions = inputs[:, 0], inputs[:, 1].contiguous()
+    packs = inputs[:, 2:].contiguous() if inputs.shape[1] > 2 else None
     bs = cache.block_size
     blk = tables.gather(1, (positions // bs)[:, None]).squeeze(1)
     batch = PagedBatch(positions=positions, write_blocks=blk, write_offsets=positions % bs, block_tables=tables,
-                       lengths=positions + 1, cu_seqlens=None)
+                       lengths=positions + 1, cu_seqlens=None, packs=packs)
     return model.forward_paged(tokens, batch, cache, torch.arange(len(tokens), device=tokens.device))
 
 
