@@ -1,6 +1,7 @@
 """Generation over a paged KV cache with continuous batching: rows join the running batch as blocks free up
 and take blocks as they grow (the newest row is preempted and recomputed later when none is free), prompts of
-a group are prefilled once, and one forward per step decodes every running row.
+a group are prefilled once, and one forward per step decodes every running row, the rows of a group side by side so
+that the decode attention can read their shared prompt blocks once (`decode_packs`).
 
 A `RolloutEngine` holds the pool of KV blocks (`framework/rollout/kv_cache.py` sizes it from
 `rollout.kv_cache_gib`; it holds the compute dtype, or float8 e4m3 as `rollout.kv_cache_dtype` says), its

@@ -52,9 +52,9 @@ struct DecodeWorkspace {
 };
 // The persistent kernel's own counters (its item counter and its warps done) ahead of its arrival counters.
 constexpr int kDecodeCounterHead = 32;
-// How one call runs, decided once (the overrides FW_DECODE_MMA, FW_DECODE_PERSIST, FW_DECODE_SPLITS,
-// FW_DECODE_CHUNK and FW_DECODE_ITEMS are read here, per call): the kernel, the head groups a kv head and the
-// splits of the context, or the persistent kernel's grid and work items. The workspace is sized from it.
+// How one call runs, decided once (the overrides FW_DECODE_MMA, FW_DECODE_PERSIST, FW_DECODE_PACKS,
+// FW_DECODE_SPLITS, FW_DECODE_CHUNK and FW_DECODE_ITEMS are read here, per call): the kernel, the head groups a kv
+// head and the splits of the context, or the persistent kernel's grid and work items. The workspace is sized from it.
 struct DecodePlan {
   bool mma;    // the tensor-core kernel, else the ring kernel
   int groups;  // query-head groups a kv head, a block each
@@ -142,8 +142,8 @@ template <typename T, int DP, int RP> constexpr int min_blocks() {
 // The end of a block's work. The warps' states are in red, as [warp][head] maxima, [warp][head] sums and
 // [warp][head][DP] unnormalised outputs, and the block is synchronised. With one split the block writes its heads'
 // outputs, otherwise its partials; the last block of the group to arrive combines the splits (threadFenceReduction
-// pattern). hq0: the group's first query head; nr: its heads; roff: red's row of its
-// first head (a pack's shared part holds several rows' heads). sm_scale and sm_last are the kernel's own shared
+// pattern). hq0: the group's first query head; nr: its heads; roff: red's row of its first head (a pack's tile holds
+// several rows' heads). sm_scale and sm_last are the kernel's own shared
 // variables: declared here instead, they change how the compiler schedules the ring kernel's main loop, which is
 // then slower at large batches (`python -m benchmarks.ops.decode_splits`).
 template <typename T, int RP, int DP, bool kPermuted = false>
