@@ -192,6 +192,22 @@ def test_group_results_do_not_depend_on_decoding_with_packs(model, tok, shared, 
         torch.testing.assert_close(alone.logprobs[b], group.logprobs[b], atol=1e-5, rtol=0)
 
 
+def test_groups_under_a_budget_that_preempts_give_the_unbounded_results(model, tok):
+    """CPU, float32, blocks of 4: two prompts of 3 and 2 full blocks, 4 samples each, decoded in pack order. A pool of
+    14 blocks preempts rows of the groups (readmitted into other blocks, so into packs of their own), and every row
+    gets the tokens and logprobs of an unbounded pool."""
+    prompts = [tok.encode("what is 12+34? "), tok.encode("and 5*6 is ")] * 4
+    params = SamplingParams(max_new_tokens=10, temperature=1.0)
+    free = generate(model, prompts, params, seed=2, cache=CacheSettings(
+        kv_cache_gib=None, max_num_seqs=64, block_size=4, admit_batch=8, kv_cache_dtype="auto"))
+    engine = RolloutEngine(model, CacheSettings(kv_cache_gib=gib_for_blocks(model, 14.5, 4), max_num_seqs=64,
+                                                block_size=4, admit_batch=8, kv_cache_dtype="auto"))
+    tight = engine.generate(prompts, params, seed=2)
+    assert engine.cache.num_blocks == 14 and engine.preemptions > 0
+    assert tight.completion_ids == free.completion_ids and torch.equal(tight.logprobs, free.logprobs)
+    assert all(n == 0 for n in engine.blocks.refs)
+
+
 def test_prefix_cache_reuses_a_shared_system_prompt(model, tok):
     system = tok.encode("You are a careful calculator. Answer with digits only. ")   # 55 tokens
     questions = [tok.encode(q) for q in ("1+1=", "22*3=", "9-4=")]

@@ -406,8 +406,9 @@ class _Run:
         # per row: its id, the tokens queued so far (the sampler's counter), the fed token's position (and its pack);
         # then the new table entries, in the same transfer
         if self.share:
-            # the order holds while the batch keeps its rows (a row's blocks change only when it leaves and returns)
-            ident = tuple(map(id, rows))
+            # the order holds while the batch keeps its rows and no row was preempted: a row's blocks change only
+            # when a preemption takes them and a readmission gives it others
+            ident = (self.sched.preemptions, *map(id, rows))
             if ident != self.packed[0]:
                 self.packed = (ident, *decode_packs(rows, self.bs))
             _, rows, packs = self.packed
