@@ -175,7 +175,8 @@ def paged_decode_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_tabl
     packs [B, 3] int64 (optional), row b's (first row of its pack, rows of the pack, shared positions): a pack's rows
     are consecutive and their first `shared` positions, the same number for all of them, are the same blocks of the
     pools. The CUDA kernel then reads those positions once for several rows (the CPU reads each row's own); any
-    row may be a pack of its own. Packs that break these rules give wrong results on CUDA."""
+    row may be a pack of its own. The kernel trusts them (checking them would read them back from the device): packs
+    that break these rules give wrong results on CUDA, or make it read rows past the batch."""
     _check_pools("paged_decode_attention", q, k_pool, v_pool, block_tables, lengths)
     if q.shape[0] != lengths.shape[0]:
         fail("paged_decode_attention", f"q has {q.shape[0]} rows, lengths {lengths.shape[0]}")
