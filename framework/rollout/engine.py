@@ -23,6 +23,7 @@ under the unscaled softmax.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import time
 from collections.abc import Sequence
@@ -118,14 +119,10 @@ def decode_packs(rows: list[RowState], block_size: int) -> tuple[list[RowState],
 
     ordered = sorted(rows, key=lambda s: (shared_blocks(s), s.row))
     packs: list[tuple[int, int, int]] = []
-    i = 0
-    while i < len(ordered):
-        head = shared_blocks(ordered[i])
-        j = i + 1
-        while j < len(ordered) and head and shared_blocks(ordered[j]) == head:
-            j += 1
-        packs += [(i, j - i, len(head) * block_size)] * (j - i)
-        i = j
+    for head, members in itertools.groupby(ordered, key=shared_blocks):
+        n = len(list(members))
+        for size in [n] if head else [1] * n:   # rows without a full prompt block share nothing
+            packs += [(len(packs), size, len(head) * block_size)] * size
     return ordered, packs
 
 
@@ -405,6 +402,7 @@ class _Run:
         bucket = batch_bucket(B, self.e.settings.max_num_seqs, self.cpu)
         # per row: its id, the tokens queued so far (the sampler's counter), the fed token's position (and its pack);
         # then the new table entries, in the same transfer
+        packs: list[tuple[int, ...]] = [()] * bucket
         if self.share:
             # the order holds while the batch keeps its rows and no row was preempted: a row's blocks change only
             # when a preemption takes them and a readmission gives it others
@@ -412,12 +410,11 @@ class _Run:
             if ident != self.packed[0]:
                 self.packed = (ident, *decode_packs(rows, self.bs))
             _, rows, packs = self.packed
-            meta = torch.tensor([[s.row, s.issued, len(s.prompt) + s.issued - 1, *p] for s, p in zip(rows, packs)]
-                                + [[len(self.seqs), 0, 0, i, 1, 0] for i in range(B, bucket)]
-                                + [[*c, 0, 0, 0] for c in changed], dtype=torch.long)
-        else:
-            meta = torch.tensor([[s.row, s.issued, len(s.prompt) + s.issued - 1] for s in rows]
-                                + [[len(self.seqs), 0, 0]] * (bucket - B) + changed, dtype=torch.long)
+            packs = packs + [(i, 1, 0) for i in range(B, bucket)]   # padding rows: packs of their own
+        blank = [0] * len(packs[0])
+        meta = torch.tensor([[s.row, s.issued, len(s.prompt) + s.issued - 1, *p] for s, p in zip(rows, packs)]
+                            + [[len(self.seqs), 0, 0, *p] for p in packs[B:]]
+                            + [[*c, *blank] for c in changed], dtype=torch.long)
         if self.e.timeline is not None:
             self.e.timeline.begin("decode", B, sum(len(s.prompt) + s.issued for s in rows), bucket)
         meta = to_device(meta, self.device)

@@ -1395,7 +1395,6 @@ Tensor run_decode(const Tensor& q, const Tensor& kc, const Tensor& vc, const Ten
   if (B == 0 || Hq == 0) return out;  // nothing to attend (and no blocks to split over)
   const fw::DecodePlan plan = fw::decode_attention_plan(dt, (int)B, (int)Hq, (int)Hk, (int)S, (int)D, sm_count(),
                                                          table.table != nullptr, kv8, packs != nullptr);
-  if (!plan.packs) packs = nullptr;  // the plan's kernel reads every row's own positions
   const int splits = plan.splits;
   auto stream = at::cuda::getCurrentCUDAStream();
   fw::DecodeWorkspace w{nullptr, nullptr, nullptr, nullptr};
