@@ -60,7 +60,8 @@ struct DecodePlan {
   int groups;  // query-head groups a kv head, a block each
   int splits;
   bool persist;  // mma as decode_mma_kernel_persistent (splits 1)
-  int blocks;    // its grid: one-warp blocks, those co-resident at most
+  int blocks;    // its grid: one-warp blocks, those co-resident at most; with packs, the tensor-core kernel's blocks
+                 // a split (0: one a (row, kv head, head group))
   int slots;     // the work items its workspace holds
   int chunk;     // 16-position tiles a chunk when forced, else 0 (the kernel picks)
   int items;     // the work items a warp it aims for
@@ -123,6 +124,7 @@ struct DecodeArgs {
   // b's (first row of its pack, the pack's rows, shared positions). A pack's rows are consecutive, and their first
   // `shared` positions (the same for all of them) are the same blocks of the pool. See decode_mma_kernel.
   const int64_t* packs;
+  int B;  // the rows
 };
 
 // Element offset of K/V position p of row b from the row's base (b * sb + head * sh): through the block
@@ -625,11 +627,12 @@ __device__ __forceinline__ void mma_tile_f8(const uint32_t (&qa)[DP / 16][4], co
 // of each 8-row half of a tile, and their outputs for columns 8n + 2tq, 8n + 2tq + 1.
 //
 // kPacked (a.packs): the tile's rows are the heads of up to kMmaHeads / nr rows of one pack, which share their first
-// positions: tile row i is query head r0 + i % nr of row b + i / nr. Block b reads for rows b .. b + cnt - 1 (b a
-// multiple of kMmaHeads / nr rows into its pack; the pack's other rows' blocks return at once) a list of segments:
-// the shared positions once, through b's table, for all of them, then each row's own positions through its own
-// table, the other rows' scores masked. The splits divide the list's tiles, and each split writes a partial (or,
-// alone, the output) for each of its rows.
+// positions: tile row i is query head r0 + i % nr of row b + i / nr, b a multiple of kMmaHeads / nr rows into its pack
+// (a tile leader). The item (b, g, head group) reads for rows b .. b + cnt - 1 a list of segments: the shared positions
+// once, through b's table, for all of them, then each row's own positions through its own table, the other rows'
+// scores masked. The splits divide the list's tiles, and each split writes a partial (or, alone, the output) for each
+// of its rows. The grid is about the co-resident blocks a split, each taking items in turn and finding each item's
+// leader by a scan of the packs.
 template <typename T, typename KV, int DP, bool kPacked>
 __global__ void __launch_bounds__(kThreads, mma_blocks<KV>()) decode_mma_kernel(DecodeArgs a) {
   // M: the tensor cores' type (float16 for a float8 cache); EC: cache elements a 16-byte chunk
@@ -638,107 +641,139 @@ __global__ void __launch_bounds__(kThreads, mma_blocks<KV>()) decode_mma_kernel(
   constexpr int CH = DP / EC, KS = DP / 16, NT = DP / 8;  // 16-byte chunks a row; k-steps of q.k; n-tiles of p.v
   constexpr int kTileBytes = 16 * DP * (int)sizeof(KV), kStageBytes = 2 * kTileBytes;  // 16 rows of K, then of V
   constexpr int kSegs = kPacked ? kMmaHeads + 1 : 1;
+  constexpr unsigned kAll = 0xffffffffu;
   extern __shared__ __align__(128) unsigned char smem[];
   __shared__ float sm_scale[kMmaHeads][kMaxSplits];
   __shared__ int sm_last;
   // kPacked: segment k's positions [seg_p0, seg_end) of row seg_row, its tiles from seg_t0[k] in the block's list
   __shared__ int64_t seg_p0[kSegs], seg_end[kSegs];
   __shared__ int seg_row[kSegs], seg_t0[kSegs + 1];
+  // kPacked: the leaders each warp found in the rows being scanned, and the row of the one sought
+  __shared__ int sm_leads[kWarps], sm_row;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, gq = lane >> 2, tq = lane & 3;
-  const int grp = blockIdx.x, split = blockIdx.y, splits = a.splits;
-  const int bg = grp / a.RG, rg = grp - bg * a.RG, b = bg / a.Hk, g = bg - b * a.Hk;
-  const int r0 = rg * kMmaHeads, nr = min(kMmaHeads, a.R - r0);
-  const int64_t len = min((int64_t)a.S, a.lengths[b]);
-  int cnt = 1;  // rows whose heads the tile holds
-  int64_t s_begin, s_end;  // kPacked: the split's tiles in the block's list; otherwise its positions
-  if constexpr (kPacked) {
-    const int64_t* pk = a.packs + 3 * (int64_t)b;
-    const int per_tile = kMmaHeads / nr;
-    if ((b - pk[0]) % per_tile != 0) return;  // the pack's block of an earlier row reads for this one
-    cnt = (int)max((int64_t)1, min((int64_t)per_tile, pk[0] + pk[1] - b));
-    // shared positions rounded down to a multiple of 16, so that every tile starts on one (the positions left out
-    // are read by each row through its own table)
-    const int64_t shared = max((int64_t)0, min(len, pk[2])) & ~(int64_t)15;
-    if (warp == 0) {  // lane k: segment k, its tiles counted, then their prefix sum across the lanes
-      int tiles = 0;
-      if (lane <= cnt) {
-        const int row = lane == 0 ? b : b + lane - 1;
-        const int64_t n = lane == 0 ? len : min((int64_t)a.S, a.lengths[row]);
-        const int64_t p0 = lane == 0 ? 0 : min(shared, n), e = lane == 0 ? shared : n;
-        seg_p0[lane] = p0;
-        seg_end[lane] = e;
-        seg_row[lane] = row;
-        tiles = e > p0 ? (int)((e - p0 + 15) / 16) : 0;
-      }
-      int sum = tiles;
-#pragma unroll
-      for (int o = 1; o < 32; o <<= 1) {
-        const int x = __shfl_up_sync(0xffffffffu, sum, o);
-        if (lane >= o) sum += x;
-      }
-      if (lane <= cnt) seg_t0[lane + 1] = sum;
-      if (lane == 0) seg_t0[0] = 0;
-    }
-    __syncthreads();
-    const int total = seg_t0[cnt + 1], per = (total + splits - 1) / splits;
-    s_begin = min((int64_t)total, (int64_t)split * per);
-    s_end = min((int64_t)total, s_begin + per);
-  } else {
-    // a float8 cache's splits start on a multiple of 16, so that a tile lies in one block of 16 or more positions
-    const int chunk = is_f8<KV>() ? ((a.S + splits - 1) / splits + 15) / 16 * 16 : (a.S + splits - 1) / splits;
-    s_begin = (int64_t)split * chunk;
-    s_end = min(len, s_begin + chunk);
-  }
-  const int tiles = s_end > s_begin ? (int)(kPacked ? s_end - s_begin : (s_end - s_begin + 15) / 16) : 0;
-  const int my_tiles = tiles > warp ? (tiles - warp + kWarps - 1) / kWarps : 0;  // tiles warp, warp + kWarps, ...
+  const int split = blockIdx.y, splits = a.splits, HR = a.Hk * a.RG;
+  // rows whose heads one tile holds (the same for every head group, so that a row leads a tile in all of them)
+  const int per_tile = kMmaHeads / min(kMmaHeads, a.R);
   const float qscale = a.scale * 1.4426950408889634f;  // scores in base 2
-  // a tile's rows are consecutive in memory: one table read a tile (a float8 cache only; a 16-bit one reads per row)
-  const bool one_block = is_f8<KV>() && (a.tbl.table == nullptr || a.tbl.shift >= 4);
-  // This warp's i-th tile: its first position, the end of its segment, its row and segment. kPacked: found from a
-  // cursor into the segments that only moves forward, as i does.
-  struct Tile {
-    int64_t p0, end;
-    int row, seg;
-  };
-  auto tile_at = [&](int i, int& k) -> Tile {
-    if constexpr (kPacked) {
-      const int t = (int)s_begin + warp + i * kWarps;
-      while (t >= seg_t0[k + 1]) ++k;
-      return {seg_p0[k] + (int64_t)(t - seg_t0[k]) * 16, seg_end[k], seg_row[k], k};
-    } else {
-      return {s_begin + (int64_t)(warp + i * kWarps) * 16, s_end, b, 0};
+  // K/V addressed a tile at a time: one table entry a tile, the warp's next 32 entries read ahead into its lanes.
+  // Tiles start on a multiple of 16 with packs and on a float8 cache (see below), so a tile lies in one block of 16
+  // or more positions.
+  const bool tiled = a.tbl.table == nullptr || (a.tbl.shift >= 4 && (kPacked || is_f8<KV>()));
+
+  // kPacked: the row of the li-th pack tile leader (a pack's first row, then every per_tile-th), -1 past the last.
+  // The scan moves forward over the rows, as li does from item to item.
+  int scan_b0 = 0, scan_n0 = 0;
+  auto leader = [&](int li) -> int {
+    for (;;) {
+      if (scan_b0 >= a.B) return -1;
+      const int row = scan_b0 + tid;
+      const bool lead = row < a.B && (row - __ldg(a.packs + 3 * (int64_t)row)) % per_tile == 0;
+      const unsigned bal = __ballot_sync(kAll, lead);
+      if (lane == 0) sm_leads[warp] = __popc(bal);
+      __syncthreads();
+      int before = scan_n0 + __popc(bal & ((1u << lane) - 1)), total = 0;
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) {
+        const int n = sm_leads[w];
+        total += n;
+        before += w < warp ? n : 0;
+      }
+      if (lead && before == li) sm_row = row;
+      __syncthreads();
+      const bool here = li < scan_n0 + total;
+      const int found = sm_row;
+      __syncthreads();  // every thread has read sm_leads and sm_row before the next scan writes them
+      if (here) return found;
+      scan_b0 += kThreads;
+      scan_n0 += total;
     }
   };
 
-  unsigned char* ring = smem + warp * mma_warp_bytes<KV, DP>();
-  const uint32_t ring_s = (uint32_t)__cvta_generic_to_shared(ring);
-  int k_issue = 0, k_use = 0;  // the segment cursors of the copies and of the maths
-  // this warp's i-th tile into stage i % NS; rows past its segment's end are zero-filled
-  auto issue = [&](int i) {
-    if (i < my_tiles) {
-      unsigned char* st = ring + (i % NS) * kStageBytes;
-      const Tile t = tile_at(i, k_issue);
-      const int64_t p0 = t.p0;
-      const KV* kb = (const KV*)a.k + t.row * a.sb + g * a.sh;
-      const KV* vb = (const KV*)a.v + t.row * a.sb + g * a.sh;
-      if (one_block) {  // a float8 cache's tile in one block: its rows at ss strides from the tile's first
-        const int64_t tile = row_offset(a, t.row, p0);
-        const KV *kt = kb + tile, *vt = vb + tile;
-        const int rows = (int)min(t.end - p0, (int64_t)16), ss = (int)a.ss;
-#pragma unroll
-        for (int j = 0; j < 16 * CH / 32; ++j) {
-          const int idx = lane + 32 * j, r = idx / CH, c = idx - r * CH;
-          const bool ok = r < rows;
-          const int off = ok ? r * ss + c * EC : 0;
-          cp_async16(st + f8_k_at<DP>(r, c), kt + off, ok);
-          cp_async16(st + kTileBytes + f8_v_at<DP>(r, c), vt + off, ok);
+  // One item: (b, kv head g, head group rg), with packs b leading a tile of its pack's rows.
+  auto item = [&](const int grp) {
+    const int bg = grp / a.RG, rg = grp - bg * a.RG, b = bg / a.Hk, g = bg - b * a.Hk;
+    const int r0 = rg * kMmaHeads, nr = min(kMmaHeads, a.R - r0);
+    const int64_t len = min((int64_t)a.S, a.lengths[b]);
+    int cnt = 1;  // rows whose heads the tile holds
+    int64_t s_begin, s_end;  // kPacked: the split's tiles in the block's list; otherwise its positions
+    if constexpr (kPacked) {
+      const int64_t* pk = a.packs + 3 * (int64_t)b;
+      cnt = (int)max((int64_t)1, min((int64_t)per_tile, pk[0] + pk[1] - b));
+      // shared positions rounded down to a multiple of 16, so that every tile starts on one (the positions left out
+      // are read by each row through its own table)
+      const int64_t shared = max((int64_t)0, min(len, pk[2])) & ~(int64_t)15;
+      if (warp == 0) {  // lane k: segment k, its tiles counted, then their prefix sum across the lanes
+        int tiles = 0;
+        if (lane <= cnt) {
+          const int row = lane == 0 ? b : b + lane - 1;
+          const int64_t n = lane == 0 ? len : min((int64_t)a.S, a.lengths[row]);
+          const int64_t p0 = lane == 0 ? 0 : min(shared, n), e = lane == 0 ? shared : n;
+          seg_p0[lane] = p0;
+          seg_end[lane] = e;
+          seg_row[lane] = row;
+          tiles = e > p0 ? (int)((e - p0 + 15) / 16) : 0;
         }
-      } else {
+        int sum = tiles;
 #pragma unroll
-        for (int j = 0; j < 16 * CH / 32; ++j) {
-          const int idx = lane + 32 * j, r = idx / CH, c = idx - r * CH;
-          const bool ok = p0 + r < t.end;
-          const int64_t off = ok ? row_offset(a, t.row, p0 + r) + c * EC : 0;
+        for (int o = 1; o < 32; o <<= 1) {
+          const int x = __shfl_up_sync(kAll, sum, o);
+          if (lane >= o) sum += x;
+        }
+        if (lane <= cnt) seg_t0[lane + 1] = sum;
+        if (lane == 0) seg_t0[0] = 0;
+      }
+      __syncthreads();
+      const int total = seg_t0[cnt + 1], per = (total + splits - 1) / splits;
+      s_begin = min((int64_t)total, (int64_t)split * per);
+      s_end = min((int64_t)total, s_begin + per);
+    } else {
+      // a float8 cache's splits start on a multiple of 16, so that a tile lies in one block of 16 or more positions
+      const int chunk = is_f8<KV>() ? ((a.S + splits - 1) / splits + 15) / 16 * 16 : (a.S + splits - 1) / splits;
+      s_begin = (int64_t)split * chunk;
+      s_end = min(len, s_begin + chunk);
+    }
+    const int tiles = s_end > s_begin ? (int)(kPacked ? s_end - s_begin : (s_end - s_begin + 15) / 16) : 0;
+    const int my_tiles = tiles > warp ? (tiles - warp + kWarps - 1) / kWarps : 0;  // tiles warp, warp + kWarps, ...
+    // This warp's i-th tile: its first position, the end of its segment, its row and segment. kPacked: found from a
+    // cursor into the segments that only moves forward, as i does.
+    struct Tile {
+      int64_t p0, end;
+      int row, seg;
+    };
+    auto tile_at = [&](int i, int& k) -> Tile {
+      if constexpr (kPacked) {
+        const int t = (int)s_begin + warp + i * kWarps;
+        while (t >= seg_t0[k + 1]) ++k;
+        return {seg_p0[k] + (int64_t)(t - seg_t0[k]) * 16, seg_end[k], seg_row[k], k};
+      } else {
+        return {s_begin + (int64_t)(warp + i * kWarps) * 16, s_end, b, 0};
+      }
+    };
+    // tiled: lane j holds the table entry of the warp's tile win + j
+    int64_t ent = 0;
+    int win = 0, k_win = 0;
+    auto window = [&](int from) {
+      win = from;
+      const int i = from + lane;
+      if (a.tbl.table != nullptr && tiled && i < my_tiles) {
+        const Tile t = tile_at(i, k_win);
+        ent = __ldg(a.tbl.table + (int64_t)t.row * a.tbl.stride + (t.p0 >> a.tbl.shift));
+      }
+    };
+    window(0);
+
+    unsigned char* ring = smem + warp * mma_warp_bytes<KV, DP>();
+    const uint32_t ring_s = (uint32_t)__cvta_generic_to_shared(ring);
+    int k_issue = 0, k_use = 0;  // the segment cursors of the copies and of the maths
+    // this warp's i-th tile into stage i % NS; rows past its segment's end are zero-filled
+    auto issue = [&](int i) {
+      if (i < my_tiles) {
+        unsigned char* st = ring + (i % NS) * kStageBytes;
+        const Tile t = tile_at(i, k_issue);
+        const int64_t p0 = t.p0;
+        const KV* kb = (const KV*)a.k + t.row * a.sb + g * a.sh;
+        const KV* vb = (const KV*)a.v + t.row * a.sb + g * a.sh;
+        auto copy = [&](int r, int c, int64_t off, bool ok) {  // chunk c of tile row r, at off from kb and vb
           if constexpr (is_f8<KV>()) {
             cp_async16(st + f8_k_at<DP>(r, c), kb + off, ok);
             cp_async16(st + kTileBytes + f8_v_at<DP>(r, c), vb + off, ok);
@@ -746,88 +781,122 @@ __global__ void __launch_bounds__(kThreads, mma_blocks<KV>()) decode_mma_kernel(
             cp_async16(st + swz<DP>(r, c), kb + off, ok);
             cp_async16(st + kTileBytes + swz<DP>(r, c), vb + off, ok);
           }
+        };
+        if (tiled) {  // the tile's rows at ss strides from its first
+          if (i - win == 32) window(i);
+          const int64_t e = __shfl_sync(kAll, ent, (i - win) & 31);
+          const int64_t tile = a.tbl.table == nullptr
+                                   ? p0 * a.ss
+                                   : e * a.tbl.sblk + (p0 & ((1LL << a.tbl.shift) - 1)) * a.ss;
+          const int rows = (int)min(t.end - p0, (int64_t)16);
+#pragma unroll
+          for (int j = 0; j < 16 * CH / 32; ++j) {
+            const int idx = lane + 32 * j, r = idx / CH, c = idx - r * CH;
+            const bool ok = r < rows;
+            copy(r, c, ok ? tile + r * a.ss + c * EC : 0, ok);
+          }
+        } else {  // each row through the table
+#pragma unroll
+          for (int j = 0; j < 16 * CH / 32; ++j) {
+            const int idx = lane + 32 * j, r = idx / CH, c = idx - r * CH;
+            const bool ok = p0 + r < t.end;
+            copy(r, c, ok ? row_offset(a, t.row, p0 + r) + c * EC : 0, ok);
+          }
+        }
+      }
+      cp_async_commit();
+    };
+#pragma unroll
+    for (int i = 0; i < NS - 1; ++i) issue(i);
+
+    // q as the A operand: tile rows gq and gq + 8 (query heads r0 + gq, r0 + gq + 8 of row b, or of the pack's
+    // rows), columns 16k + 2tq (+1) and + 8, which a float8 cache maps to physical dimensions tq * DP / 4 + 4k (+1)
+    // and + 2 (see is_f8)
+    const int rows_on = cnt * nr;
+    uint32_t qa[KS][4];
+    {
+      const bool on0 = gq < rows_on, on1 = gq + 8 < rows_on;
+      auto q_row = [&](int i) {
+        return (const T*)a.q + ((int64_t)(b + i / nr) * a.Hq + (int64_t)g * a.R + r0 + i % nr) * DP;
+      };
+      const T* q0 = q_row(on0 ? gq : 0);
+      const T* q1 = q_row(on1 ? gq + 8 : 0);
+#pragma unroll
+      for (int k = 0; k < KS; ++k) {
+        const int c = is_f8<KV>() ? tq * (DP / 4) + 4 * k : 16 * k + 2 * tq, c8 = is_f8<KV>() ? c + 2 : c + 8;
+        qa[k][0] = on0 ? as_pair<T, M>(*reinterpret_cast<const uint32_t*>(q0 + c)) : 0u;
+        qa[k][1] = on1 ? as_pair<T, M>(*reinterpret_cast<const uint32_t*>(q1 + c)) : 0u;
+        qa[k][2] = on0 ? as_pair<T, M>(*reinterpret_cast<const uint32_t*>(q0 + c8)) : 0u;
+        qa[k][3] = on1 ? as_pair<T, M>(*reinterpret_cast<const uint32_t*>(q1 + c8)) : 0u;
+      }
+    }
+    float o[NT][4], m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};  // [0]: head gq, [1]: head gq + 8
+#pragma unroll
+    for (int n = 0; n < NT; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
+    // kPacked: the segment (1 + the row of the tile) each of this lane's two tile rows reads besides the shared one
+    const int seg0 = 1 + gq / nr, seg1 = 1 + (gq + 8) / nr;
+
+    for (int i = 0; i < my_tiles; ++i) {
+      cp_async_wait<NS - 2>();  // this lane's copies of tile i have landed
+      __syncwarp();             // and every lane's
+      const Tile t = tile_at(i, k_use);
+      // the query rows the tile's scores count for: all of them in the shared segment, else its row's heads
+      const unsigned on = !kPacked || t.seg == 0 ? 3u : (unsigned)(seg0 == t.seg) | (unsigned)(seg1 == t.seg) << 1;
+      if constexpr (is_f8<KV>()) {
+        const unsigned char* st = ring + (i % NS) * kStageBytes;
+        mma_tile_f8<DP>(qa, st, st + kTileBytes, t.p0, t.end, qscale, o, m, l, on);
+      } else {
+        const uint32_t ks = ring_s + (i % NS) * kStageBytes;
+        mma_tile<M, DP>(qa, ks, ks + kTileBytes, t.p0, t.end, qscale, o, m, l, on);
+      }
+      __syncwarp();  // every lane has read the stage before it is refilled
+      issue(i + NS - 1);
+    }
+    cp_async_wait<0>();
+
+    // the warps' states through shared memory, as decode_finish reads them
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      l[hh] += __shfl_xor_sync(kAll, l[hh], 1);
+      l[hh] += __shfl_xor_sync(kAll, l[hh], 2);
+    }
+    __syncthreads();  // every warp is done with its ring, which the reduction area overlays
+    float* red = reinterpret_cast<float*>(smem);
+    float *red_m = red, *red_l = red + kWarps * kMmaHeads, *red_acc = red_l + kWarps * kMmaHeads;
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const int r = gq + 8 * hh;
+      if (tq == 0) {
+        red_m[warp * kMmaHeads + r] = m[hh];
+        red_l[warp * kMmaHeads + r] = l[hh];
+      }
+      if (r < rows_on) {  // the rows past the tile's heads hold nothing decode_finish reads
+#pragma unroll
+        for (int n = 0; n < NT; ++n) {
+          red_acc[(warp * kMmaHeads + r) * DP + 8 * n + 2 * tq] = o[n][2 * hh];
+          red_acc[(warp * kMmaHeads + r) * DP + 8 * n + 2 * tq + 1] = o[n][2 * hh + 1];
         }
       }
     }
-    cp_async_commit();
+    __syncthreads();
+    // each row of the tile: its output, or its split's partial
+    for (int i = 0; i < cnt; ++i)
+      decode_finish<T, kMmaHeads, DP, is_f8<KV>()>(a, red, sm_scale, sm_last, grp + i * HR, split,
+                                                    (int64_t)(b + i) * a.Hq + (int64_t)g * a.R + r0, nr, DP, i * nr);
   };
-#pragma unroll
-  for (int i = 0; i < NS - 1; ++i) issue(i);
 
-  // q as the A operand: tile rows gq and gq + 8 (query heads r0 + gq, r0 + gq + 8 of row b, or of the pack's rows),
-  // columns 16k + 2tq (+1) and + 8, which a float8 cache maps to physical dimensions tq * DP / 4 + 4k (+1) and + 2
-  // (see is_f8)
-  const int rows_on = cnt * nr;
-  uint32_t qa[KS][4];
-  {
-    const bool on0 = gq < rows_on, on1 = gq + 8 < rows_on;
-    auto q_row = [&](int i) {
-      return (const T*)a.q + ((int64_t)(b + i / nr) * a.Hq + (int64_t)g * a.R + r0 + i % nr) * DP;
-    };
-    const T* q0 = q_row(on0 ? gq : 0);
-    const T* q1 = q_row(on1 ? gq + 8 : 0);
-#pragma unroll
-    for (int k = 0; k < KS; ++k) {
-      const int c = is_f8<KV>() ? tq * (DP / 4) + 4 * k : 16 * k + 2 * tq, c8 = is_f8<KV>() ? c + 2 : c + 8;
-      qa[k][0] = on0 ? as_pair<T, M>(*reinterpret_cast<const uint32_t*>(q0 + c)) : 0u;
-      qa[k][1] = on1 ? as_pair<T, M>(*reinterpret_cast<const uint32_t*>(q1 + c)) : 0u;
-      qa[k][2] = on0 ? as_pair<T, M>(*reinterpret_cast<const uint32_t*>(q0 + c8)) : 0u;
-      qa[k][3] = on1 ? as_pair<T, M>(*reinterpret_cast<const uint32_t*>(q1 + c8)) : 0u;
+  if constexpr (!kPacked) {
+    item(blockIdx.x);
+  } else {
+    // items (pack tile leader li, kv head, head group) numbered li * HR + ..., blockIdx.x, + gridDim.x, ...: a grid
+    // of about the co-resident blocks instead of one block a row, most of which would find their row led by another
+    for (int it = blockIdx.x;; it += gridDim.x) {
+      const int b = leader(it / HR);
+      if (b < 0) break;
+      item(b * HR + it % HR);
+      __syncthreads();  // the block's shared memory (ring, reduction, segments) is free for the next item
     }
   }
-  float o[NT][4], m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};  // [0]: head gq, [1]: head gq + 8
-#pragma unroll
-  for (int n = 0; n < NT; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
-  // kPacked: the segment (1 + the row of the tile) each of this lane's two tile rows reads besides the shared one
-  const int seg0 = 1 + gq / nr, seg1 = 1 + (gq + 8) / nr;
-
-  for (int i = 0; i < my_tiles; ++i) {
-    cp_async_wait<NS - 2>();  // this lane's copies of tile i have landed
-    __syncwarp();             // and every lane's
-    const Tile t = tile_at(i, k_use);
-    // the query rows the tile's scores count for: all of them in the shared segment, else its row's heads
-    const unsigned on = !kPacked || t.seg == 0 ? 3u : (unsigned)(seg0 == t.seg) | (unsigned)(seg1 == t.seg) << 1;
-    if constexpr (is_f8<KV>()) {
-      const unsigned char* st = ring + (i % NS) * kStageBytes;
-      mma_tile_f8<DP>(qa, st, st + kTileBytes, t.p0, t.end, qscale, o, m, l, on);
-    } else {
-      const uint32_t ks = ring_s + (i % NS) * kStageBytes;
-      mma_tile<M, DP>(qa, ks, ks + kTileBytes, t.p0, t.end, qscale, o, m, l, on);
-    }
-    __syncwarp();  // every lane has read the stage before it is refilled
-    issue(i + NS - 1);
-  }
-  cp_async_wait<0>();
-
-  // the warps' states through shared memory, as decode_finish reads them
-#pragma unroll
-  for (int hh = 0; hh < 2; ++hh) {
-    l[hh] += __shfl_xor_sync(0xffffffffu, l[hh], 1);
-    l[hh] += __shfl_xor_sync(0xffffffffu, l[hh], 2);
-  }
-  __syncthreads();  // every warp is done with its ring, which the reduction area overlays
-  float* red = reinterpret_cast<float*>(smem);
-  float *red_m = red, *red_l = red + kWarps * kMmaHeads, *red_acc = red_l + kWarps * kMmaHeads;
-#pragma unroll
-  for (int hh = 0; hh < 2; ++hh) {
-    const int r = gq + 8 * hh;
-    if (tq == 0) {
-      red_m[warp * kMmaHeads + r] = m[hh];
-      red_l[warp * kMmaHeads + r] = l[hh];
-    }
-    if (r < rows_on) {  // the rows past the tile's heads hold nothing decode_finish reads
-#pragma unroll
-      for (int n = 0; n < NT; ++n) {
-        red_acc[(warp * kMmaHeads + r) * DP + 8 * n + 2 * tq] = o[n][2 * hh];
-        red_acc[(warp * kMmaHeads + r) * DP + 8 * n + 2 * tq + 1] = o[n][2 * hh + 1];
-      }
-    }
-  }
-  __syncthreads();
-  // each row of the tile: its output, or its split's partial
-  for (int i = 0; i < cnt; ++i)
-    decode_finish<T, kMmaHeads, DP, is_f8<KV>()>(a, red, sm_scale, sm_last, grp + i * a.Hk * a.RG, split,
-                                                  (int64_t)(b + i) * a.Hq + (int64_t)g * a.R + r0, nr, DP, i * nr);
 }
 
 // ------------------------------------------------------------------ persistent tensor-core path
@@ -1185,9 +1254,17 @@ template <typename T, typename KV, int DP, bool kPacked> const void* mma_kernel(
 template <typename T, typename KV, bool kPacked> const void* mma_kernel_d(int D) {
   return D == 64 ? mma_kernel<T, KV, 64, kPacked>() : mma_kernel<T, KV, 128, kPacked>();
 }
-template <typename T> const void* mma_kernel_for(int D, bool kv8, bool packed) {
+template <typename T> const void* mma_kernel_t(int D, bool kv8, bool packed) {
   if (kv8) return packed ? mma_kernel_d<T, __nv_fp8_e4m3, true>(D) : mma_kernel_d<T, __nv_fp8_e4m3, false>(D);
   return packed ? mma_kernel_d<T, T, true>(D) : mma_kernel_d<T, T, false>(D);
+}
+const void* mma_kernel_for(DType dt, int D, bool kv8, bool packed) {
+  return dt == DType::BF16 ? mma_kernel_t<__nv_bfloat16>(D, kv8, packed) : mma_kernel_t<__half>(D, kv8, packed);
+}
+// its dynamic shared memory (a 16-bit cache's ring has the same bytes for bfloat16 and float16)
+int mma_smem(int D, bool kv8) {
+  return kv8 ? (D == 64 ? mma_smem_bytes<__nv_fp8_e4m3, 64>() : mma_smem_bytes<__nv_fp8_e4m3, 128>())
+             : (D == 64 ? mma_smem_bytes<__half, 64>() : mma_smem_bytes<__half, 128>());
 }
 
 // Whether decode_mma_kernel_persistent runs where the tensor-core kernel does. By default on a paged cache with at
@@ -1291,6 +1368,14 @@ DecodePlan decode_attention_plan(DType dt, int B, int Hq, int Hk, int S, int D, 
   const int64_t s = forced > 0 ? forced : mma ? sm_count / blocks_working : (3LL * sm_count + base - 1) / base;
   DecodePlan plan{mma, groups, (int)(s < 1 ? 1 : s > most ? most : s)};
   plan.packs = packs_read;
+  if (packs_read) {
+    // about the co-resident blocks a split, each taking the items (pack tile, kv head, head group) in turn: a block a
+    // row would leave most blocks to find their row led by another one's, and hold resident slots doing so
+    const void* pf = mma_kernel_for(dt, D, kv8, true);
+    const int64_t resident = pf ? (int64_t)sm_count * resident_blocks(pf, kThreads, mma_smem(D, kv8)) : base;
+    plan.blocks = (int)std::min<int64_t>(base, std::max<int64_t>(1, resident / plan.splits));
+    return plan;
+  }
   const void* f = mma && !kv8 && !packs_read && use_persist(paged, base, sm_count) && base * kPMaxChunks < (1 << 30)
                       ? persist_kernel_for(dt, D)
                       : nullptr;
@@ -1319,7 +1404,7 @@ cudaError_t decode_attention(DType dt, const void* q, const void* k, const void*
       (plan.mma && (dt == DType::F32 || (D != 64 && D != 128))) || (kv8 && (!plan.mma || plan.persist)))
     return cudaErrorInvalidValue;
   const int R = Hq / Hk;
-  DecodeArgs a{q, k, v, lengths, out, ws, Hq, Hk, R, RG, S, D, sb, sh, ss, splits, scale, table, packs};
+  DecodeArgs a{q, k, v, lengths, out, ws, Hq, Hk, R, RG, S, D, sb, sh, ss, splits, scale, table, packs, B};
   if (plan.persist) {
     if (!plan.mma || splits != 1 || plan.blocks < 1 || plan.slots < 1 || plan.items < 1 || !ws.o || !ws.count)
       return cudaErrorInvalidValue;
@@ -1330,16 +1415,14 @@ cudaError_t decode_attention(DType dt, const void* q, const void* k, const void*
     if (!pf) return cudaErrorInvalidValue;
     return cudaLaunchKernel(pf, dim3((unsigned)plan.blocks), dim3(32), pargs, persist_smem(D, nrp), stream);
   }
-  const dim3 grid((unsigned)((int64_t)B * Hk * RG), (unsigned)splits);
+  const int64_t per_split = packs != nullptr && plan.blocks > 0 ? plan.blocks : (int64_t)B * Hk * RG;
+  const dim3 grid((unsigned)per_split, (unsigned)splits);
   void* args[] = {&a};
   const void* f = nullptr;
   size_t smem = 0;
   if (plan.mma) {
-    // a 16-bit cache's ring has the same bytes for bfloat16 and float16
-    smem = kv8 ? (D == 64 ? mma_smem_bytes<__nv_fp8_e4m3, 64>() : mma_smem_bytes<__nv_fp8_e4m3, 128>())
-               : (D == 64 ? mma_smem_bytes<__half, 64>() : mma_smem_bytes<__half, 128>());
-    f = dt == DType::BF16 ? mma_kernel_for<__nv_bfloat16>(D, kv8, packs != nullptr)
-                          : mma_kernel_for<__half>(D, kv8, packs != nullptr);
+    smem = mma_smem(D, kv8);
+    f = mma_kernel_for(dt, D, kv8, packs != nullptr);
   } else {
     f = kernel_for(dt, D, R);
   }
