@@ -773,34 +773,40 @@ __global__ void __launch_bounds__(kThreads, mma_blocks<KV>()) decode_mma_kernel(
         const int64_t p0 = t.p0;
         const KV* kb = (const KV*)a.k + t.row * a.sb + g * a.sh;
         const KV* vb = (const KV*)a.v + t.row * a.sb + g * a.sh;
-        auto copy = [&](int r, int c, int64_t off, bool ok) {  // chunk c of tile row r, at off from kb and vb
-          if constexpr (is_f8<KV>()) {
-            cp_async16(st + f8_k_at<DP>(r, c), kb + off, ok);
-            cp_async16(st + kTileBytes + f8_v_at<DP>(r, c), vb + off, ok);
-          } else {
-            cp_async16(st + swz<DP>(r, c), kb + off, ok);
-            cp_async16(st + kTileBytes + swz<DP>(r, c), vb + off, ok);
-          }
-        };
         if (tiled) {  // the tile's rows at ss strides from its first
           if (i - win == 32) window(i);
           const int64_t e = __shfl_sync(kAll, ent, (i - win) & 31);
           const int64_t tile = a.tbl.table == nullptr
                                    ? p0 * a.ss
                                    : e * a.tbl.sblk + (p0 & ((1LL << a.tbl.shift) - 1)) * a.ss;
+          const KV *kt = kb + tile, *vt = vb + tile;
           const int rows = (int)min(t.end - p0, (int64_t)16);
 #pragma unroll
           for (int j = 0; j < 16 * CH / 32; ++j) {
             const int idx = lane + 32 * j, r = idx / CH, c = idx - r * CH;
             const bool ok = r < rows;
-            copy(r, c, ok ? tile + r * a.ss + c * EC : 0, ok);
+            const int64_t off = ok ? r * a.ss + c * EC : 0;
+            if constexpr (is_f8<KV>()) {
+              cp_async16(st + f8_k_at<DP>(r, c), kt + off, ok);
+              cp_async16(st + kTileBytes + f8_v_at<DP>(r, c), vt + off, ok);
+            } else {
+              cp_async16(st + swz<DP>(r, c), kt + off, ok);
+              cp_async16(st + kTileBytes + swz<DP>(r, c), vt + off, ok);
+            }
           }
         } else {  // each row through the table
 #pragma unroll
           for (int j = 0; j < 16 * CH / 32; ++j) {
             const int idx = lane + 32 * j, r = idx / CH, c = idx - r * CH;
             const bool ok = p0 + r < t.end;
-            copy(r, c, ok ? row_offset(a, t.row, p0 + r) + c * EC : 0, ok);
+            const int64_t off = ok ? row_offset(a, t.row, p0 + r) + c * EC : 0;
+            if constexpr (is_f8<KV>()) {
+              cp_async16(st + f8_k_at<DP>(r, c), kb + off, ok);
+              cp_async16(st + kTileBytes + f8_v_at<DP>(r, c), vb + off, ok);
+            } else {
+              cp_async16(st + swz<DP>(r, c), kb + off, ok);
+              cp_async16(st + kTileBytes + swz<DP>(r, c), vb + off, ok);
+            }
           }
         }
       }
