@@ -1,6 +1,8 @@
 // Qwen3's QK-norm and RoPE read straight from the fused qkv projection's output, forward and backward.
 //
-// Forward: one block per token, one warp per head. q and k heads are RMS-normalised (the sum of squares reduced over
+// Forward: blocks of 4 warps, a warp per head. A token's heads go to one block, or where the tokens are too few
+// to fill the device (decode steps) to a column of blocks (gridDim.y), so that a warp walks one head or a few instead
+// of a quarter of them one after the other. q and k heads are RMS-normalised (the sum of squares reduced over
 // the warp), rounded to the input's dtype as rms_norm's output is, and rotated by angle = float(position) * inv_freq
 // in fp32 as csrc/rope.cu does; v heads are copied. The destinations are either the training outputs q, k, v
 // [N, H, D] (qk_norm_rope) or, for the rollout, q and the paged KV pools at (block, offset) (qk_norm_rope_write).
@@ -15,6 +17,8 @@
 // (one wave) loop over tokens and keep the two weights' gradient terms in registers; sum_partial_rows adds the
 // blocks' partial rows in a fixed order, so the weight gradients are the same from run to run.
 #include <cuda_fp8.h>
+
+#include <algorithm>
 
 #include "common.cuh"
 #include "torch_utils.h"
@@ -104,7 +108,7 @@ qk_norm_rope_kernel(const T* __restrict__ qkv, int64_t qkv_stride, const int64_t
   token_angles<P>((float)positions[tok], inv_freq, first, c, s);
   const T* row = qkv + tok * qkv_stride;
   const int64_t at = kv.blocks ? kv.blocks[tok] * kv.s0 + kv.offsets[tok] * kv.s2 : tok * kv.s0;
-  for (int head = warp; head < Hq + 2 * Hk; head += kWarps) {
+  for (int head = blockIdx.y * kWarps + warp; head < Hq + 2 * Hk; head += kWarps * gridDim.y) {
     const T* src = row + (int64_t)head * D;
     if (head >= Hq + Hk) {   // v: copied as it is
       KV* dst = (KV*)kv.v + at + (int64_t)(head - Hq - Hk) * kv.s1;
@@ -252,9 +256,15 @@ cudaError_t qk_norm_rope_fwd(DType dt, DType wdt, const void* qkv, int64_t qkv_s
     using W = decltype(wv);
     auto launch = [&](auto* kv_type) {
       using KV = std::remove_pointer_t<decltype(kv_type)>;
-      return launch_kernel(qk_norm_rope_kernel<T, W, KV, decltype(p)::value>, (unsigned)tokens, kThreads, 0, stream,
-                           (const T*)qkv, qkv_stride, positions, inv_freq, (const W*)q_weight, (const W*)k_weight,
-                           (T*)q_out, kv, Hq, Hk, eps);
+      auto kernel = qk_norm_rope_kernel<T, W, KV, decltype(p)::value>;
+      // blocks enough for one full wave where the tokens allow it, at most a warp per head
+      int dev = 0;
+      const int sms = cudaGetDevice(&dev) == cudaSuccess ? device_attribute<cudaDevAttrMultiProcessorCount>(dev) : 0;
+      const int64_t wave = (int64_t)std::max(sms, 1) * resident_blocks((const void*)kernel, kThreads, 0);
+      const int64_t groups = (Hq + 2 * Hk + kWarps - 1) / kWarps;
+      const unsigned y = (unsigned)std::clamp<int64_t>((wave + tokens - 1) / tokens, 1, groups);
+      return launch_kernel(kernel, dim3((unsigned)tokens, y), kThreads, 0, stream, (const T*)qkv, qkv_stride,
+                           positions, inv_freq, (const W*)q_weight, (const W*)k_weight, (T*)q_out, kv, Hq, Hk, eps);
     };
     return kv.fp8 ? launch((__nv_fp8_e4m3*)nullptr) : launch((T*)nullptr);
   });
