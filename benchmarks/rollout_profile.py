@@ -2,15 +2,16 @@
 kernels of its decode step under torch.profiler.
 
     python -m benchmarks.rollout_profile --num-seqs 256 --lo 100 --hi 1024 --kv-cache-gib 16 --kernels 5
-    python -m benchmarks.rollout_profile --num-seqs 256 --group 8 --prompt-len 116 --new-tokens 256 --mixed --fresh
+    python -m benchmarks.rollout_profile --num-seqs 256 --group 8 --prompt-len 116 --new-tokens 256 --mixed
     python -m benchmarks.rollout_profile --preset tiny --num-seqs 16 --lo 8 --hi 32     # CPU too
 
 The workload is `benchmarks.rollout`'s (random prompts and per-row output lengths, EOS ignored), or with
 `--prompt-len` / `--new-tokens` fixed lengths, and with `--group G` each prompt repeated G times in a row, as a
 GRPO group is (the second line is grpo-bench-v1's rollout: 32 prompts x 8). `--mixed` keeps float32 weights and
 runs under bf16 autocast, as `fw fit` with bf16-mixed does. One untimed call first (the decode graphs of the
-buckets it meets are captured and kept), then the timed call on the same engine, or with `--fresh` on a new
-one, as each GRPO/PPO rollout under bf16-mixed is (pool allocated and graphs captured inside the call).
+buckets it meets are captured and kept), then the timed call on the same engine, as a GRPO/PPO rollout of a
+kept engine runs (`rollout.keep_engine`), or with `--fresh` on a new one, as a rollout whose engine is handed back
+after each call runs (pool allocated and graphs captured inside the call).
 
 The timed call carries a `framework.rollout.timeline.Timeline`: device time of each step's forward and sampler,
 host time queueing it, the device's idle time between steps (it waited for the host), the host's time blocked
@@ -167,8 +168,8 @@ def main(argv: list[str] | None = None) -> str:
                     help="the KV pool's dtype (default: the schema's)")
     ap.add_argument("--mixed", action="store_true", help="float32 weights under bf16 autocast (fw fit's bf16-mixed)")
     ap.add_argument("--fresh", action="store_true",
-                    help="time a call on a new engine, as each GRPO/PPO rollout under bf16-mixed is: its pool "
-                         "allocated and its decode graphs captured inside the call")
+                    help="time a call on a new engine, as a GRPO/PPO rollout whose engine is not kept is: its "
+                         "pool allocated and its decode graphs captured inside the call")
     ap.add_argument("--kernels", type=int, default=0, help="profile this many decode-graph replays (CUDA)")
     ap.add_argument("--trace", default=None, help="where the --kernels profile's chrome trace goes")
     ap.add_argument("--prefill-kernels", type=int, default=0,

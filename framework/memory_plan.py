@@ -48,6 +48,7 @@ SAVED_LOGITS_CHUNK = 256
 REFERENCE_LOGITS_TILE_BYTES = 1 << 28
 REFERENCE_LOGITS_TILES = 3   # the reference's logits, log-probabilities and probabilities of one tile
 PHASES = ("rollout", "score", "train", "critic", "step")
+ENGINE_CASTS = "rollout weight casts"   # the plan row of a kept rollout engine's compute-dtype weights
 
 _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
 # Lightning's *-true precisions convert the whole module (policy, adapters, value and reference) to their dtype.
@@ -419,6 +420,12 @@ def build_plan(cfg: dict, model: Qwen3Config, requirements: Requirements, shapes
                         f"not counted: recipe {cfg['recipe']} declares no batch_shapes (framework.recipe.Recipe)"))
     else:
         _batch_rows(rows, cfg, model, shapes, backend, pb, cb, grad_bytes, value_grads, value or model)
+        if casts and lora is None and shapes.rollout_rows:
+            # framework/rollout/engine.py: under autocast the engine multiplies by its own copies of the weights,
+            # which a kept engine holds through the update (its decode graphs read them at the next rollout); in the
+            # rollout itself they stand in for the autocast casts above
+            rows.append(Row(ENGINE_CASTS, counts.matmul * cb, ("train", "step"),
+                            f"{_count(counts.matmul)} matmul weights x {cb} B ({cdt}), the rollout engine's copies"))
 
     if backend == "cuda":
         context = CUDA_CONTEXT_BYTES + (CUDA_CONTEXT_BYTES_DDP if world_size > 1 else 0)
@@ -435,8 +442,8 @@ def build_plan(cfg: dict, model: Qwen3Config, requirements: Requirements, shapes
 
 
 def _keep_engine(plan: Plan, setting: bool | str) -> Plan:
-    """rollout.keep_engine applied: a kept engine holds its KV cache through every phase. "auto" keeps it when the
-    plan still fits so, or when no limit is known."""
+    """rollout.keep_engine applied: a kept engine holds its KV cache (and under autocast its weight casts) through
+    every phase. "auto" keeps it when the plan still fits so, or when no limit is known."""
     i = next((i for i, r in enumerate(plan.rows) if r.name == "KV cache"), None)
     if i is None:
         return plan
@@ -446,6 +453,8 @@ def _keep_engine(plan: Plan, setting: bool | str) -> Plan:
     kept = replace(plan, rows=plan.rows[:i] + [held] + plan.rows[i + 1:], keeps_engine=True)
     if setting is True or (setting == "auto" and kept.fits is not False):
         return kept
+    plan.rows = [r for r in plan.rows if r.name != ENGINE_CASTS]   # a released engine drops its copies too
+    i = next(i for i, r in enumerate(plan.rows) if r.name == "KV cache")
     plan.keeps_engine = False
     if setting == "auto":
         plan.rows[i] = replace(row, how=f"{row.how}; handed back after each rollout (rollout.keep_engine auto: "

@@ -99,6 +99,29 @@ def test_keep_engine_holds_the_kv_cache_through_every_phase_when_it_fits():
     assert plan_of(tiny("sft"), SFT_SHAPES).keeps_engine is None   # nothing generates
 
 
+
+def test_a_kept_engine_under_autocast_holds_its_weight_casts_through_the_update():
+    """float32 weights under bf16-mixed: the rollout engine multiplies by its own bf16 copies of the matmul weights
+    (the projections and the tied embedding, 2 bytes each, by hand). Kept, they add their bytes to the update's
+    phases; handed back, or without autocast, or with LoRA (whose layers autocast casts), there is no such row."""
+    shapes = BatchShapes(rows=4, seq_len=10 + 6, loss_tokens=4 * 6, rollout_rows=8, prompt_len=10, new_tokens=6)
+    matmul = V * D + LAYERS * (D * (Q + 2 * KV) + Q * D + D * 2 * INTER + INTER * D)
+    mixed = {"precision": "bf16-mixed"}
+    kept = plan_of(tiny("grpo", trainer=mixed, rollout={"keep_engine": True}), shapes)
+    assert row(kept, mp.ENGINE_CASTS).bytes == matmul * 2 and row(kept, mp.ENGINE_CASTS).phases == ("train", "step")
+    back = plan_of(tiny("grpo", trainer=mixed, rollout={"keep_engine": False}), shapes)
+    assert kept.phase_bytes("train") == back.phase_bytes("train") + matmul * 2
+    assert kept.phase_bytes("rollout") == back.phase_bytes("rollout") - row(back, "KV cache").bytes   # now held
+    for cfg in (tiny("grpo", trainer=mixed, rollout={"keep_engine": False}),
+                tiny("grpo", rollout={"keep_engine": True}),
+                tiny("grpo", trainer=mixed, rollout={"keep_engine": True},
+                     model={"policy": {"preset": "tiny", "lora": {"rank": 4, "targets": ["q_proj"]}}})):
+        assert not any(r.name == mp.ENGINE_CASTS for r in plan_of(cfg, shapes).rows)
+    # "auto" that cannot keep the engine drops both the held KV cache and the casts
+    tight = plan_of(tiny("grpo", trainer=mixed), shapes, limit_bytes=kept.total_bytes - 1)
+    assert tight.keeps_engine is False and not any(r.name == mp.ENGINE_CASTS for r in tight.rows)
+    assert tight.total_bytes == back.total_bytes
+
 def test_a_float8_kv_cache_counts_one_byte_an_element():
     """rollout.kv_cache_dtype float8_e4m3 under bf16-mixed: the KV cache row is half the bfloat16 one (8 rows of one
     16-position block and the scratch block, 1 byte an element), and a kv_cache_gib budget holds twice the blocks."""

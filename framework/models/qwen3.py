@@ -53,10 +53,17 @@ def _normed(norm: RMSNorm, h: Tensor, consumer: nn.Module) -> Tensor:
     return cheap(_norm_cast, h, norm.weight, norm.eps, dtype)
 
 
-def _project(proj: nn.Module, x: Tensor) -> Tensor:
-    """proj(x) in a paged forward: a plain nn.Linear's weight through ops_cuda.linear, which takes a decode step's few
-    rows to fw's split-K GEMM. Adapters (LoRA) keep their own forward."""
-    return ops_cuda.linear(x, proj.weight) if type(proj) is nn.Linear and proj.bias is None else proj(x)
+def _project(proj: nn.Module, x: Tensor, batch: PagedBatch) -> Tensor:
+    """proj(x) in a paged forward: a plain nn.Linear's weight (or its copy in batch.casts) through ops_cuda.linear,
+    which takes a decode step's few rows to fw's split-K GEMM. Adapters (LoRA) keep their own forward."""
+    if type(proj) is not nn.Linear or proj.bias is not None:
+        return proj(x)
+    return ops_cuda.linear(x, _weight(proj.weight, batch))
+
+
+def _weight(w: Tensor, batch: PagedBatch) -> Tensor:
+    """The tensor a paged forward multiplies by for weight `w`: its compute-dtype copy where the batch carries one."""
+    return w if batch.casts is None else batch.casts.get(w, w)
 
 
 def _paged_compute_dtype(t: Tensor, pool: Tensor) -> torch.dtype:
@@ -151,6 +158,9 @@ class PagedBatch(NamedTuple):
     cu_seqlens: Tensor | None  # [R + 1]: row r's tokens (prefill); None: one token a row, N == R (decode)
     flash: FlashPrefill | None = None   # a prefill on CUDA; None: the reference (the CPU's exact path)
     packs: Tensor | None = None   # decode: [R, 3] rows sharing their first positions (ops_cuda.paged_decode_attention)
+    # matmul weight -> its copy in the compute dtype, which the rollout engine keeps across calls under autocast
+    # (Qwen3ForCausalLM.paged_matmul_weights), so that its decode graphs read the same copies at every call
+    casts: dict[Tensor, Tensor] | None = None
 
 
 class Qwen3Attention(nn.Module):
@@ -215,7 +225,7 @@ class Qwen3Attention(nn.Module):
         """Packed tokens x [N, d]: writes their k/v into the pools, then attends over each row's context."""
         f = batch.flash
         if f is None or f.context_blocks is not None:   # QK-norm, RoPE and the writes in one op
-            qkv = _project(self.qkv_proj, x)
+            qkv = _project(self.qkv_proj, x, batch)
             qkv = qkv.to(_paged_compute_dtype(qkv, k_pool))
             q = ops_cuda.qk_norm_rope_write(qkv, batch.positions, self.q_norm.weight, self.k_norm.weight,
                                             self.q_norm.eps, self.config.rope_theta, k_pool, v_pool,
@@ -240,7 +250,7 @@ class Qwen3Attention(nn.Module):
         else:
             out = ops_cuda.paged_prefill_attention(q, k_pool, v_pool, batch.block_tables, batch.cu_seqlens,
                                                    batch.lengths, self.scale)
-        return _project(self.o_proj, out.reshape(x.shape[0], self.config.q_size).to(x.dtype))
+        return _project(self.o_proj, out.reshape(x.shape[0], self.config.q_size).to(x.dtype), batch)
 
 
 class Qwen3MLP(nn.Module):
@@ -252,9 +262,9 @@ class Qwen3MLP(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         return self.down_proj(cheap(ops_cuda.swiglu, self.gate_up_proj(x)))
 
-    def paged(self, x: Tensor) -> Tensor:
+    def paged(self, x: Tensor, batch: PagedBatch) -> Tensor:
         """`forward` of a paged forward's packed tokens x [N, d] (no gradients)."""
-        return _project(self.down_proj, ops_cuda.swiglu(_project(self.gate_up_proj, x)))
+        return _project(self.down_proj, ops_cuda.swiglu(_project(self.gate_up_proj, x, batch)), batch)
 
 
 class Qwen3DecoderLayer(nn.Module):
@@ -399,7 +409,7 @@ class Qwen3Model(nn.Module):
         x = self.layers[0].input_layernorm(h) if len(self.layers) else self.norm(h)
         for i, (layer, next_norm) in enumerate(zip(self.layers, norms)):
             h, x = _add_norm(layer.self_attn.paged(x, batch, cache.k[i], cache.v[i]), h, layer.post_attention_layernorm)
-            h, x = _add_norm(layer.mlp.paged(x), h, next_norm)
+            h, x = _add_norm(layer.mlp.paged(x, batch), h, next_norm)
         return x
 
     def hf_targets(self, prefix: str = "model.") -> HfTargets:
@@ -529,7 +539,16 @@ class Qwen3ForCausalLM(nn.Module):
         """Runs packed new tokens [N] through the paged cache; returns the logits [len(last), V] at the token
         indices `last` (each row's last new token, for sampling)."""
         h = self.model.paged(tokens, batch, cache)
-        return ops_cuda.linear(h[last], self.lm_head_weight)
+        return ops_cuda.linear(h[last], _weight(self.lm_head_weight, batch))
+
+    def paged_matmul_weights(self) -> list[Tensor] | None:
+        """The weights a paged forward multiplies by (each layer's four projections, then the LM head), or None where
+        an adapter (LoRA) wraps a projection: its own forward does that projection's matmuls."""
+        projs = [p for layer in self.model.layers for p in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                                            layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+        if any(type(p) is not nn.Linear or p.bias is not None for p in projs):
+            return None
+        return [p.weight for p in projs] + [self.lm_head_weight]
 
     @torch.no_grad()
     def prefill(self, input_ids: Tensor, lengths: Tensor, cache: KVCache) -> Tensor:

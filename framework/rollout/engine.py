@@ -6,8 +6,10 @@ that the decode attention can read their shared prompt blocks once (`decode_pack
 A `RolloutEngine` holds the pool of KV blocks (`framework/rollout/kv_cache.py` sizes it from
 `rollout.kv_cache_gib`; it holds the compute dtype, or float8 e4m3 as `rollout.kv_cache_dtype` says), its
 bookkeeping (`block_manager.py`), and on CUDA one decode graph per batch-size bucket, captured once and replayed
-by every later step and call of that bucket. `generate` runs one call on a fresh engine and hands its memory back;
-the RL recipes keep one engine across rollouts when `rollout.keep_engine` says so (recipes/rl.py).
+by every later step and call of that bucket (under autocast the matmuls read the engine's copies of the weights in
+the compute dtype, refreshed at each call, so that the graphs stay valid). `generate` runs one call on a fresh engine
+and hands its memory back; the RL recipes keep one engine across rollouts when `rollout.keep_engine` says so
+(recipes/rl.py).
 
 Stopping, per row: an EOS id (the EOS token is kept as the row's last completion token, with its logprob, so
 the trainer learns to emit it; it is left out of the text), a stop string (the token whose text completes it is
@@ -147,7 +149,7 @@ class RolloutEngine:
 
     The pool is allocated on the first call, sized by `settings` (and by what that call can use at most); a
     later call that could use more blocks grows it, within the budget.
-    `release()` hands the pool and the graphs back.
+    `release()` hands the pool, the graphs and the weights' copies (`_weight_casts`) back.
     """
 
     def __init__(self, model: Any, settings: CacheSettings | None = None, cuda_graph: bool = True) -> None:
@@ -159,6 +161,10 @@ class RolloutEngine:
         self.graphs: dict[tuple, DecodeGraph] = {}
         self.warm: set[tuple] = set()
         self.graph_pool = None
+        # under autocast: the matmul weights' copies in the compute dtype, refreshed at each call, which the
+        # graphs read (PagedBatch.casts); `graph_casts` is the dict the graphs were captured with
+        self.casts: dict[Tensor, Tensor] | None = None
+        self.graph_casts: dict[Tensor, Tensor] | None = None
         self.prefill_tokens = 0     # context tokens computed by prefill (all calls): group sharing shows here
         self.peak_rows = 0          # most rows decoding together (all calls)
         self.preemptions = 0        # rows preempted for want of a block, to be recomputed (all calls)
@@ -167,7 +173,7 @@ class RolloutEngine:
     def release(self) -> None:
         """Drop the pool, the graphs and their memory."""
         device = self.model.lm_head_weight.device
-        self.cache, self.blocks = None, None
+        self.cache, self.blocks, self.casts = None, None, None
         self._drop_graphs()
         release_cached(device)
 
@@ -177,6 +183,24 @@ class RolloutEngine:
         self.graphs.clear()
         self.warm.clear()
         self.graph_pool = None
+        self.graph_casts = None
+
+    def _weight_casts(self, dtype: torch.dtype) -> dict[Tensor, Tensor] | None:
+        """Under autocast to `dtype`: the copies of the model's matmul weights in `dtype`, made at the first call and
+        refreshed in place at each later one (the weights change between rollouts, the copies' memory does not), or
+        None where autocast's own casts serve (adapters wrap a projection, or no weight needs a cast)."""
+        weights = self.model.paged_matmul_weights()
+        if weights is None or all(w.dtype == dtype for w in weights):
+            self.casts = None
+            return None
+        old = self.casts
+        if (old is None or len(old) != len(weights) or any(a is not b for a, b in zip(old, weights))
+                or any(c.dtype != dtype for c in old.values())):
+            self._drop_graphs()   # they read the old copies, whose memory goes before the new ones are made
+            self.casts = None
+            self.casts = {w: torch.empty_like(w, dtype=dtype) for w in weights}
+        torch._foreach_copy_(list(self.casts.values()), weights)
+        return self.casts
 
     def _ensure_cache(self, seqs: list[RowState], compute: torch.dtype, device: torch.device) -> None:
         c = self.model.config
@@ -216,21 +240,27 @@ class RolloutEngine:
         dtype = torch.get_autocast_dtype(device.type) if autocast else model.lm_head_weight.dtype
         was_training = model.training
         model.eval()
-        # Under autocast the weights' casts are cached for the call, whatever the caller's region says (Lightning's
-        # turns the cache off): the first step of a bucket casts them, and the graphs captured after it read the
-        # casts instead of casting every weight again at each replay.
+        # Under autocast the matmuls read the engine's copies of the weights in the compute dtype, refreshed at each
+        # call (`_weight_casts`), so that the decode graphs captured in one call replay in the next ones, reading the
+        # same copies. Where adapters wrap a projection, autocast's casts serve instead, cached for the call whatever
+        # the caller's region says (Lightning's turns the cache off): the graphs captured after a bucket's first step
+        # read those casts instead of casting every weight again at each replay, and go at the end of the call.
         region = torch.autocast(device.type, dtype, cache_enabled=True) if autocast else contextlib.nullcontext()
+        casts = None
         try:
             with region:
+                casts = self._weight_casts(dtype) if autocast else None
                 self._ensure_cache(seqs, dtype, device)
-                _Run(self, seqs, params, set(eos_ids), tokenizer, seed, device).run()
+                if casts is not self.graph_casts:   # the graphs read other copies, or autocast's casts
+                    self._drop_graphs()
+                self.graph_casts = casts
+                _Run(self, seqs, params, set(eos_ids), tokenizer, seed, device, casts).run()
         finally:
             model.train(was_training)
             if autocast:
-                # The graphs read this call's casts of the weights, which may change before the next call:
-                # captured again then, and the casts dropped now (the enclosing region keeps its cache otherwise).
-                self._drop_graphs()
-                torch.clear_autocast_cache()
+                if casts is None:   # the graphs read this call's casts, which the next call makes anew
+                    self._drop_graphs()
+                torch.clear_autocast_cache()   # the enclosing region keeps its cache otherwise
         result = _result(seqs, prompts, pad_id, tokenizer, params.stop, device, policy_version)
         if self.timeline is not None:
             self.timeline.exit()
@@ -265,8 +295,9 @@ class _Run:
     """
 
     def __init__(self, engine: RolloutEngine, seqs: list[RowState], params: SamplingParams, eos: set[int],
-                 tokenizer: Any, seed: int, device: torch.device) -> None:
+                 tokenizer: Any, seed: int, device: torch.device, casts: dict[Tensor, Tensor] | None) -> None:
         self.e, self.seqs, self.params, self.eos, self.tok = engine, seqs, params, eos, tokenizer
+        self.casts = casts
         self.device = device
         self.key = step_seed(seed, 0)
         self.bs = engine.settings.block_size
@@ -382,7 +413,8 @@ class _Run:
             flash = (FlashPrefill(cu_q, max_q, cu_q, max_k) if fresh
                      else FlashPrefill(cu_q, max_q, cuda_d[2].int(), max_k, cuda_d[3], cuda_d[4]))
         batch = PagedBatch(positions=pos_d, write_blocks=blk_d, write_offsets=off_d,
-                           block_tables=self.tables_dev[rows_d], lengths=len_d, cu_seqlens=cu_d, flash=flash)
+                           block_tables=self.tables_dev[rows_d], lengths=len_d, cu_seqlens=cu_d, flash=flash,
+                           casts=self.casts)
         logits = self.e.model.forward_paged(tok_d, batch, self.e.cache, last_d)
         if copies:
             dst, src = copy_d.view(2, -1)
@@ -434,7 +466,7 @@ class _Run:
                 self.e.graph_pool = torch.cuda.graph_pool_handle()
             t = time.perf_counter()
             with record_function("fw.rollout.capture"):
-                graph = DecodeGraph(self.e.model, self.e.cache, inputs, tables, self.e.graph_pool)
+                graph = DecodeGraph(self.e.model, self.e.cache, inputs, tables, self.e.graph_pool, self.casts)
             if self.e.timeline is not None:
                 self.e.timeline.captured += time.perf_counter() - t
                 self.e.timeline.captures += 1
@@ -443,7 +475,7 @@ class _Run:
         else:
             # the first step of a bucket runs eagerly: it does the lazy set-up (cuBLAS handles, the
             # decode-attention counters, autocast's casts) that a capture must not record
-            logits = decode_step(self.e.model, self.e.cache, inputs, tables)
+            logits = decode_step(self.e.model, self.e.cache, inputs, tables, self.casts)
             self.e.warm.add(key)
         return self._sample(rows, logits[:B], meta[:B])
 

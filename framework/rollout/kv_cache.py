@@ -104,17 +104,18 @@ def batch_bucket(rows: int, max_num_seqs: int, cpu: bool) -> int:
     return -(-rows // 64) * 64
 
 
-def decode_step(model: Any, cache: Any, inputs: Tensor, tables: Tensor) -> Tensor:
+def decode_step(model: Any, cache: Any, inputs: Tensor, tables: Tensor,
+                casts: dict[Tensor, Tensor] | None = None) -> Tensor:
     """One decode forward: inputs [B, 2] (the token fed, its position) or [B, 5] (and the row's pack, as
-    ops_cuda.paged_decode_attention takes it), tables [B, M]; logits [B, V]. All on the device, nothing read back,
-    so that it can be captured in a CUDA graph."""
+    ops_cuda.paged_decode_attention takes it), tables [B, M]; logits [B, V]; `casts`: PagedBatch.casts. All on the
+    device, nothing read back, so that it can be captured in a CUDA graph."""
     # positions (and packs) made contiguous once: every layer's kernels would otherwise copy the strided columns
     tokens, positions = inputs[:, 0], inputs[:, 1].contiguous()
     packs = inputs[:, 2:].contiguous() if inputs.shape[1] > 2 else None
     bs = cache.block_size
     blk = tables.gather(1, (positions // bs)[:, None]).squeeze(1)
     batch = PagedBatch(positions=positions, write_blocks=blk, write_offsets=positions % bs, block_tables=tables,
-                       lengths=positions + 1, cu_seqlens=None, packs=packs)
+                       lengths=positions + 1, cu_seqlens=None, packs=packs, casts=casts)
     return model.forward_paged(tokens, batch, cache, torch.arange(len(tokens), device=tokens.device))
 
 
@@ -129,7 +130,8 @@ class DecodeGraph:
     All graphs of an engine share one memory pool.
     """
 
-    def __init__(self, model: Any, cache: Any, inputs: Tensor, tables: Tensor, pool: Any) -> None:
+    def __init__(self, model: Any, cache: Any, inputs: Tensor, tables: Tensor, pool: Any,
+                 casts: dict[Tensor, Tensor] | None = None) -> None:
         self.device = inputs.device
         self.inputs, self.tables = inputs.clone(), tables.clone()
         self.graph = torch.cuda.CUDAGraph()
@@ -141,7 +143,7 @@ class DecodeGraph:
                 # writer) stay legal during the capture; only this thread's are restricted.
                 self.graph.capture_begin(pool=pool, capture_error_mode="thread_local")
                 try:
-                    self.logits = decode_step(model, cache, self.inputs, self.tables)   # recorded, not run
+                    self.logits = decode_step(model, cache, self.inputs, self.tables, casts)   # recorded, not run
                 finally:
                     self.graph.capture_end()
             current.wait_stream(stream)
