@@ -535,17 +535,21 @@ def _result(seqs: list[RowState], prompts: list[list[int]], pad_id: int, tokeniz
         for s in seqs:
             text = tokenizer.decode(s.tokens[:-1] if s.reason == "eos" else s.tokens)
             texts.append(text[:_find_stop(text, stop)] if s.reason == "stop" else text)
-    B, width = len(seqs), max(lens)
-    seq = torch.full((B, max(len(p) + n for p, n in zip(prompts, lens))), pad_id, dtype=torch.long)
-    logprobs = torch.zeros(B, width, dtype=torch.float32)
-    for b, s in enumerate(seqs):
-        seq[b, :len(s.prompt) + len(s.tokens)] = torch.as_tensor(s.prompt + s.tokens, dtype=torch.long)
-        logprobs[b, :len(s.tokens)] = torch.tensor(s.logprobs, dtype=torch.float64)
+    # every row's ids (and logprobs) in one tensor made from one flat list, laid into the padded rows through a mask
+    # of their lengths (row-major, as the list runs): a tensor made per row costs several times more
+    total = torch.tensor([len(p) + n for p, n in zip(prompts, lens)])
+    n_tokens = torch.tensor(lens)
+    seq = torch.full((len(seqs), int(total.max())), pad_id, dtype=torch.long)
+    seq[torch.arange(seq.shape[1]) < total[:, None]] = torch.tensor(
+        list(itertools.chain.from_iterable(s.prompt + s.tokens for s in seqs)), dtype=torch.long)
+    logprobs = torch.zeros(len(seqs), max(lens), dtype=torch.float32)
+    logprobs[torch.arange(logprobs.shape[1]) < n_tokens[:, None]] = torch.tensor(
+        list(itertools.chain.from_iterable(s.logprobs for s in seqs)), dtype=torch.float64).float()
     return Rollout(
         prompt_ids=[list(map(int, p)) for p in prompts], completion_ids=completion_ids,
         tokens=seq.to(device), prompt_lens=torch.tensor([len(p) for p in prompts], device=device),
-        completion_lens=torch.tensor(lens, device=device), logprobs=logprobs.to(device), finish_reasons=reasons,
-        texts=texts, policy_version=int(policy_version))
+        completion_lens=n_tokens.to(device), logprobs=logprobs.to(device),
+        finish_reasons=reasons, texts=texts, policy_version=int(policy_version))
 
 
 def generate(model: Any, prompts: list[list[int]], params: SamplingParams, *, eos_ids: Sequence[int] = (),
