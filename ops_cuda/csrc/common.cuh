@@ -233,6 +233,12 @@ inline int resident_blocks(const void* kernel, int threads, size_t smem) {
   return n;
 }
 
+// Blocks of `kernel` one wave of device `dev` holds: its multiprocessors times resident_blocks (0 where the device
+// cannot be asked).
+inline int64_t wave_blocks(int dev, const void* kernel, int threads, size_t smem) {
+  return (int64_t)device_attribute<cudaDevAttrMultiProcessorCount>(dev) * resident_blocks(kernel, threads, smem);
+}
+
 // kernel<<<grid, block, smem, stream>>>(args..., trigger_from), with PDL on Hopper (the kernel starts with
 // pdl_begin(trigger_from)) and, where `cluster` is more than one block, thread block clusters of that shape (sm_90).
 // Without PDL no block lets dependents launch. Returns the launch's error.
@@ -247,8 +253,7 @@ cudaError_t launch_cluster_kernel(void (*kernel)(P...), dim3 grid, dim3 block, s
   const int64_t blocks = (int64_t)grid.x * grid.y * grid.z;
   if (pdl && blocks <= UINT_MAX) {
     const int threads = (int)(block.x * block.y * block.z);
-    const int64_t wave = (int64_t)device_attribute<cudaDevAttrMultiProcessorCount>(dev) *
-                         resident_blocks((const void*)kernel, threads, smem);
+    const int64_t wave = wave_blocks(dev, (const void*)kernel, threads, smem);
     trigger_from = blocks > wave ? (unsigned)(blocks - wave) : 0u;
   }
   cudaLaunchAttribute attr[2];
