@@ -364,6 +364,29 @@ def test_an_engine_under_autocast_refreshes_its_weight_casts_at_each_call(model,
     assert engine.casts is None
 
 
+def test_an_engine_keeps_its_decode_buckets_under_autocast_unless_adapters_cast_per_call(model, prompts):
+    """bf16 weights under bf16 autocast need no cast: a kept engine keeps the buckets it ran (on CUDA their graphs,
+    which read the weights themselves) from one call to the next. With adapters, whose matmuls read autocast's casts
+    made for the call, it forgets them at the end of each call."""
+    from framework.models.lora import add_adapters
+
+    params = SamplingParams(max_new_tokens=4, temperature=1.0)
+    for adapters in (False, True):
+        m = Qwen3ForCausalLM(model.config)
+        m.load_state_dict(model.state_dict())
+        if adapters:
+            add_adapters(m, {"rank": 2, "alpha": 4, "dropout": 0.0, "targets": ["q_proj"]})
+        m = m.to(torch.bfloat16).eval()
+        with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
+            engine = RolloutEngine(m)
+            engine.generate(prompts, params, seed=1)
+            assert engine.casts is None
+            assert (not engine.warm) == adapters, adapters
+            warm = set(engine.warm)
+            engine.generate(prompts, params, seed=1)
+            assert engine.warm == warm
+
+
 @pytest.mark.gpu
 def test_cuda_graphs_kept_across_calls_under_autocast_read_the_updated_weights(model, prompts):
     """float32 weights under bf16 autocast (fw fit's bf16-mixed) on CUDA: the later calls of a kept engine replay the
@@ -510,12 +533,14 @@ def test_cuda_groups_decode_with_packs(model, tok, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("setup", ["fp32", "bf16", "fp32 weights under bf16 autocast"])
+@pytest.mark.parametrize("setup", ["fp32", "bf16", "fp32 weights under bf16 autocast",
+                                   "bf16 weights under bf16 autocast"])
 def test_cuda_graph_decode_gives_the_eager_tokens(model, prompts, tok, setup, monkeypatch):
     """The replayed decode graphs run the same kernels on the same data as eager decode steps: same tokens
     and logprobs, also under autocast (the trainer's bf16-mixed); rows ending on EOS or at their own limit
     leave the batch, which moves through smaller buckets. An engine captures each bucket once and replays it
-    in later calls, under autocast too, whose graphs read the engine's copies of the weights."""
+    in later calls, under autocast too, whose graphs read the engine's copies of fp32 weights, or bf16 weights
+    themselves."""
     from framework.rollout import RolloutEngine, kv_cache
 
     captures = []
@@ -530,7 +555,7 @@ def test_cuda_graph_decode_gives_the_eager_tokens(model, prompts, tok, setup, mo
     monkeypatch.setattr(engine_module, "DecodeGraph", CountingGraph)
     m = Qwen3ForCausalLM(model.config)
     m.load_state_dict(model.state_dict())
-    m = m.to("cuda", torch.bfloat16 if setup == "bf16" else torch.float32).eval()
+    m = m.to("cuda", torch.bfloat16 if setup.startswith("bf16") else torch.float32).eval()
     params = SamplingParams(max_new_tokens=[24, 24, 24, 11, 24], temperature=0.9, top_k=20, top_p=0.95)
     kw = {"seed": 7, "tokenizer": tok}
     autocast = setup.endswith("autocast")

@@ -245,21 +245,24 @@ class RolloutEngine:
         # same copies. Where adapters wrap a projection, autocast's casts serve instead, cached for the call whatever
         # the caller's region says (Lightning's turns the cache off): the graphs captured after a bucket's first step
         # read those casts instead of casting every weight again at each replay, and go at the end of the call.
+        # Weights already in the compute dtype need no cast: the graphs read the weights themselves, as without
+        # autocast, and stay valid across calls.
         region = torch.autocast(device.type, dtype, cache_enabled=True) if autocast else contextlib.nullcontext()
+        per_call = autocast and model.paged_matmul_weights() is None   # the graphs read this call's casts
         casts = None
         try:
             with region:
                 casts = self._weight_casts(dtype) if autocast else None
                 self._ensure_cache(seqs, dtype, device)
-                if casts is not self.graph_casts:   # the graphs read other copies, or autocast's casts
+                if casts is not self.graph_casts:   # the graphs read other copies, or the weights themselves
                     self._drop_graphs()
                 self.graph_casts = casts
                 _Run(self, seqs, params, set(eos_ids), tokenizer, seed, device, casts).run()
         finally:
             model.train(was_training)
+            if per_call:   # autocast's casts, made anew by the next call
+                self._drop_graphs()
             if autocast:
-                if casts is None:   # the graphs read this call's casts, which the next call makes anew
-                    self._drop_graphs()
                 torch.clear_autocast_cache()   # the enclosing region keeps its cache otherwise
         result = _result(seqs, prompts, pad_id, tokenizer, params.stop, device, policy_version)
         if self.timeline is not None:
