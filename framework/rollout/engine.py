@@ -185,11 +185,11 @@ class RolloutEngine:
         self.graph_pool = None
         self.graph_casts = None
 
-    def _weight_casts(self, dtype: torch.dtype) -> dict[Tensor, Tensor] | None:
-        """Under autocast to `dtype`: the copies of the model's matmul weights in `dtype`, made at the first call and
-        refreshed in place at each later one (the weights change between rollouts, the copies' memory does not), or
-        None where autocast's own casts serve (adapters wrap a projection, or no weight needs a cast)."""
-        weights = self.model.paged_matmul_weights()
+    def _weight_casts(self, weights: list[Tensor] | None, dtype: torch.dtype) -> dict[Tensor, Tensor] | None:
+        """Under autocast to `dtype`: the copies of the model's matmul `weights` (`paged_matmul_weights`) in `dtype`,
+        made at the first call and refreshed in place at each later one (the weights change between rollouts, the
+        copies' memory does not), or None where autocast's own casts serve (adapters wrap a projection: `weights` is
+        None) or no weight needs a cast."""
         if weights is None or all(w.dtype == dtype for w in weights):
             self.casts = None
             return None
@@ -248,11 +248,12 @@ class RolloutEngine:
         # Weights already in the compute dtype need no cast: the graphs read the weights themselves, as without
         # autocast, and stay valid across calls.
         region = torch.autocast(device.type, dtype, cache_enabled=True) if autocast else contextlib.nullcontext()
-        per_call = autocast and model.paged_matmul_weights() is None   # the graphs read this call's casts
+        weights = model.paged_matmul_weights() if autocast else None
+        per_call = autocast and weights is None   # the graphs read this call's casts
         casts = None
         try:
             with region:
-                casts = self._weight_casts(dtype) if autocast else None
+                casts = self._weight_casts(weights, dtype) if autocast else None
                 self._ensure_cache(seqs, dtype, device)
                 if casts is not self.graph_casts:   # the graphs read other copies, or the weights themselves
                     self._drop_graphs()
