@@ -387,6 +387,49 @@ def test_an_engine_keeps_its_decode_buckets_under_autocast_unless_adapters_cast_
             assert engine.warm == warm
 
 
+def test_an_engine_forgets_its_decode_buckets_when_the_autocast_state_changes(model, prompts):
+    """bf16 weights read no cast with autocast on or off, but the kernels a bucket ran (on CUDA its graph) were chosen
+    under the first call's autocast state: a call under another state starts its buckets again. The first call's
+    20 rows run in a wider bucket than the second's 5, so a bucket kept from the first call shows."""
+    m = Qwen3ForCausalLM(model.config)
+    m.load_state_dict(model.state_dict())
+    m = m.to(torch.bfloat16).eval()
+    params = SamplingParams(max_new_tokens=3, temperature=1.0)
+    many = (prompts * 4)[:20]
+    for first_autocast in (True, False):
+        engine = RolloutEngine(m)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=first_autocast):
+            engine.generate(many, params, seed=1)
+        wide = {key[0] for key in engine.warm}
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=not first_autocast):
+            engine.generate(prompts, params, seed=1)
+        narrow = {key[0] for key in engine.warm}
+        assert max(wide) > max(narrow), (first_autocast, wide, narrow)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=not first_autocast):
+            engine.generate(many, params, seed=1)
+        assert {key[0] for key in engine.warm} == wide | narrow   # the same state again: its buckets kept
+
+
+@pytest.mark.gpu
+def test_cuda_graphs_captured_under_autocast_are_not_replayed_without_it(model, prompts):
+    """bf16 weights on CUDA: a call without autocast after one under it captures its own graphs, and gives a fresh
+    engine's tokens and logprobs without autocast."""
+    m = Qwen3ForCausalLM(model.config)
+    m.load_state_dict(model.state_dict())
+    m = m.to("cuda", torch.bfloat16).eval()
+    params = SamplingParams(max_new_tokens=12, temperature=1.0)
+    engine = RolloutEngine(m)
+    with torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False):
+        engine.generate(prompts, params, seed=5)
+    under = dict(engine.graphs)
+    assert under
+    plain = engine.generate(prompts, params, seed=5)
+    assert engine.graphs and not {id(g) for g in engine.graphs.values()} & {id(g) for g in under.values()}
+    fresh = generate(m, prompts, params, seed=5)
+    engine.release()
+    assert plain.completion_ids == fresh.completion_ids and torch.equal(plain.logprobs, fresh.logprobs)
+
+
 @pytest.mark.gpu
 def test_cuda_graphs_kept_across_calls_under_autocast_read_the_updated_weights(model, prompts):
     """float32 weights under bf16 autocast (fw fit's bf16-mixed) on CUDA: the later calls of a kept engine replay the

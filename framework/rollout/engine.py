@@ -165,6 +165,8 @@ class RolloutEngine:
         # graphs read (PagedBatch.casts); `graph_casts` is the dict the graphs were captured with
         self.casts: dict[Tensor, Tensor] | None = None
         self.graph_casts: dict[Tensor, Tensor] | None = None
+        # the autocast state (on, dtype) the graphs were captured under: a call under another one drops them
+        self.graph_region: tuple[bool, torch.dtype] | None = None
         self.prefill_tokens = 0     # context tokens computed by prefill (all calls): group sharing shows here
         self.peak_rows = 0          # most rows decoding together (all calls)
         self.preemptions = 0        # rows preempted for want of a block, to be recomputed (all calls)
@@ -184,6 +186,7 @@ class RolloutEngine:
         self.warm.clear()
         self.graph_pool = None
         self.graph_casts = None
+        self.graph_region = None
 
     def _weight_casts(self, weights: list[Tensor] | None, dtype: torch.dtype) -> dict[Tensor, Tensor] | None:
         """Under autocast to `dtype`: the copies of the model's matmul `weights` (`paged_matmul_weights`) in `dtype`,
@@ -255,9 +258,11 @@ class RolloutEngine:
             with region:
                 casts = self._weight_casts(weights, dtype) if autocast else None
                 self._ensure_cache(seqs, dtype, device)
-                if casts is not self.graph_casts:   # the graphs read other copies, or the weights themselves
+                # the graphs read other copies (or the weights themselves), or ran their kernels under another
+                # autocast state: in and out dtypes of the ops autocast routes
+                if casts is not self.graph_casts or self.graph_region != (autocast, dtype):
                     self._drop_graphs()
-                self.graph_casts = casts
+                self.graph_casts, self.graph_region = casts, (autocast, dtype)
                 _Run(self, seqs, params, set(eos_ids), tokenizer, seed, device, casts).run()
         finally:
             model.train(was_training)
