@@ -587,6 +587,15 @@ def resolve(d: dict) -> dict:
     return _finish(copy.deepcopy(d), {}, Mark("<config>"), [], {})
 
 
+def uses_cuda(trainer: dict) -> bool:
+    """Whether the `trainer:` section runs the job on CUDA GPUs: accelerator gpu or cuda, or auto where torch sees
+    one."""
+    import torch
+
+    accelerator = trainer["accelerator"]
+    return accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available())
+
+
 def dump_config(cfg: dict) -> str:
     """The config as YAML 1.2 text (what `fw print-config` shows)."""
     return yaml12.dump(cfg)

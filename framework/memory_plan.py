@@ -21,6 +21,7 @@ import sys
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from framework.config import uses_cuda
 from framework.errors import FwError
 from framework.models.qwen3_config import Qwen3Config
 from framework.recipe import BatchShapes, Requirements
@@ -539,11 +540,7 @@ def _batch_rows(rows: list[Row], cfg: dict, model: Qwen3Config, shapes: BatchSha
 # ------------------------------------------------------------------------------------------ gathering
 
 def _backend(cfg: dict) -> str:
-    import torch
-
-    accelerator = cfg["trainer"]["accelerator"]
-    cuda = accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available())
-    return "cuda" if cuda else "cpu"
+    return "cuda" if uses_cuda(cfg["trainer"]) else "cpu"
 
 
 def world_size(cfg: dict, backend: str) -> int:

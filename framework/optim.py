@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from framework.config import uses_cuda
 from framework.errors import FwError
 
 LEAN_INSTALL = "pip install 'fw[lean]'"
@@ -57,17 +58,13 @@ def float32_default_dtype() -> Iterator[None]:
         torch.set_default_dtype(default)
 
 
-def _cuda(t: dict) -> bool:
-    return t["accelerator"] in ("gpu", "cuda") or (t["accelerator"] == "auto" and torch.cuda.is_available())
-
-
 def _processes(t: dict) -> int:
     """How many training processes the `trainer:` section asks for (Lightning's count for CUDA)."""
     devices = t["devices"]
     if isinstance(devices, list):
         per_node = len(devices)
     elif devices in ("auto", -1):
-        per_node = torch.cuda.device_count() if _cuda(t) else 1
+        per_node = torch.cuda.device_count() if uses_cuda(t) else 1
     else:
         per_node = int(devices)
     return per_node * t["num_nodes"]
@@ -90,7 +87,7 @@ def optimizer_problems(cfg: dict, world_size: int | None = None) -> list[str]:
                         "and optimizer.stochastic_rounding: true step torchao's states with fw's own kernel; use auto "
                         "or false")
     if o["cpu_offload"]:
-        if not _cuda(t):
+        if not uses_cuda(t):
             problems.append("optimizer.cpu_offload: true moves the optimizer states from a CUDA GPU to the CPU, "
                             "but this run has no CUDA GPU (trainer.accelerator: "
                             f"{t['accelerator']}{'' if t['accelerator'] == 'cpu' else ', none visible'})")

@@ -17,6 +17,7 @@ from lightning.pytorch.utilities import rank_zero_only
 
 from framework.allocator import configure_allocator
 from framework.callbacks import builtin_callbacks, user_callbacks
+from framework.config import uses_cuda
 from framework.errors import FwError
 from framework.evaluation import EvalCallback, eval_enabled
 from framework.loggers import build_loggers, log_config
@@ -41,8 +42,7 @@ QUIET_LOGGERS = ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.util
 def _check_precision(cfg: dict, requirements: Requirements) -> None:
     """Refuse precision settings that would run but compute the wrong thing."""
     t = cfg["trainer"]
-    cuda = t["accelerator"] in ("gpu", "cuda") or (t["accelerator"] == "auto" and torch.cuda.is_available())
-    if cuda and t["precision"] == "64-true":
+    if uses_cuda(t) and t["precision"] == "64-true":
         raise FwError("trainer.precision: 64-true runs on the CPU only (the CUDA kernels take bf16, fp16 and "
                       "fp32); set trainer.accelerator: cpu or another precision")
     if t["precision"] == "16-mixed" and cfg["optimizer"]["fused"] is True:

@@ -30,7 +30,9 @@ from torch import Tensor
 from torch.utils.data import DataLoader, IterableDataset
 
 from framework.allocator import to_device
+from framework.config import uses_cuda
 from framework.errors import FwError
+from framework.memory_plan import compute_dtype, estimate
 from framework.models import Packing, SharedPrompts
 from framework.recipe import BatchShapes, StepContext
 from framework.rollout import SamplingParams
@@ -286,6 +288,19 @@ class Phase:
     loss: MicroLoss
 
 
+def shares_prompts(cfg: dict, section: str, samples_key: str) -> bool:
+    """Whether the update lays each group's prompt out once (`<section>.shared_prompt`): with several completions a
+    prompt, where the setting is true, or "auto" on CUDA with bf16 matmuls. There flash attention serves the layout
+    in the compute dtype; on CPU and in float32 its reference attention gathers every completion's keys, which costs
+    more than it saves, and under fp16 autocast the attention ops cast to bf16, copies the memory plan leaves out."""
+    sec = cfg[section]
+    if sec[samples_key] < 2:
+        return False
+    if sec["shared_prompt"] == "auto":
+        return uses_cuda(cfg["trainer"]) and compute_dtype(cfg) == "bfloat16"
+    return bool(sec["shared_prompt"])
+
+
 class RLRecipe:
     """Base of the manual-optimization RL recipes: data position, rollouts, rewards, the update loop, logging."""
 
@@ -314,7 +329,7 @@ class RLRecipe:
         prompt = longest_prompt(cfg, tokenizer)
         tokens = 0
         samples = sec[cls.samples_key]
-        if sec["shared_prompt"] and samples > 1:
+        if shares_prompts(cfg, cls.section, cls.samples_key):
             # the cuts minibatches() makes in the group-ordered rows: each micro-batch lays out its completions and
             # the prompt of every group it reaches once
             for mb in torch.tensor_split(torch.arange(batch), sec["minibatches"]):
@@ -372,8 +387,6 @@ class RLRecipe:
         if self.keep_engine is None:
             keep = self.cfg["rollout"]["keep_engine"]
             if keep == "auto":
-                from framework.memory_plan import estimate
-
                 keep = bool(estimate(self.cfg).keeps_engine)
             self.keep_engine = keep
         if self.engine is None or self.engine.model is not policy:
@@ -469,7 +482,7 @@ class RLRecipe:
         return batch.tokens[rows.rows], prompt_lens[rows.host_rows], completion_lens[rows.host_rows]
 
     def _shares_prompts(self) -> bool:
-        return bool(self.cfg[self.section]["shared_prompt"]) and self.cfg[self.section][self.samples_key] > 1
+        return shares_prompts(self.cfg, self.section, self.samples_key)
 
     def _groups(self, batch: ScoredRollout, rows: MicroBatch | None) -> Tensor | None:
         """The prompt group of each row (host) under ``shared_prompt``, else None. A rollout batch holds its

@@ -168,6 +168,34 @@ def test_micro_batches_are_cut_from_shuffled_whole_groups():
     assert all(len({int(r) // 8 for r in order[i:i + 8]}) == 1 for i in range(0, 48, 8))
 
 
+@pytest.mark.parametrize("recipe, samples", [("grpo", "group_size"), ("ppo", "samples_per_prompt")])
+def test_shared_prompt_auto_lays_prompts_out_once_on_cuda_with_bf16_matmuls(recipe, samples):
+    """The default, "auto": on where flash attention serves the layout in the compute dtype (CUDA, bf16 matmuls), off
+    on CPU, in float32 and under fp16; true and false hold anywhere; one completion a prompt has nothing to share.
+    The memory plan's micro-batch of most tokens follows the same choice."""
+    from framework.tokenizer import Tokenizer
+    from recipes.grpo import GRPORecipe
+    from recipes.ppo import PPORecipe
+    from recipes.rl import shares_prompts
+
+    cls = GRPORecipe if recipe == "grpo" else PPORecipe
+    make = config if recipe == "grpo" else ppo_config
+    cases = [("cpu", "bf16-mixed", "auto", 4, False), ("gpu", "bf16-mixed", "auto", 4, True),
+             ("cuda", "16-mixed", "auto", 4, False), ("gpu", "bf16-true", "auto", 4, True),
+             ("gpu", "32-true", "auto", 4, False), ("cpu", "32-true", True, 4, True),
+             ("gpu", "bf16-mixed", False, 4, False)]
+    if recipe == "ppo":   # GRPO's groups hold 2 completions or more
+        cases += [("gpu", "bf16-mixed", "auto", 1, False), ("gpu", "bf16-mixed", True, 1, False)]
+    for accelerator, precision, setting, n, want in cases:
+        cfg = make("/tmp/unused", **{recipe: {samples: n, "shared_prompt": setting}})
+        assert cfg[recipe]["shared_prompt"] == setting
+        cfg["trainer"].update(accelerator=accelerator, precision=precision)   # a GPU job, planned anywhere
+        assert shares_prompts(cfg, recipe, samples) is want, (accelerator, precision, setting, n)
+        shapes = cls.batch_shapes(cfg, Tokenizer.builtin())
+        assert (shapes.tokens > 0) is want   # the plan counts each group's prompt once only when shared
+    assert make("/tmp/unused")[recipe]["shared_prompt"] == "auto"
+
+
 def test_a_fit_with_shared_prompts_trains_like_one_without(tmp_path):
     """GRPO and PPO fits on the tiny preset: every logged metric of two steps equals the usual layout's, to
     float32 rounding (the micro-batches hold other rows, and the sums run in another order)."""
