@@ -253,7 +253,6 @@ class RolloutEngine:
         region = torch.autocast(device.type, dtype, cache_enabled=True) if autocast else contextlib.nullcontext()
         weights = model.paged_matmul_weights() if autocast else None
         per_call = autocast and weights is None   # the graphs read this call's casts
-        casts = None
         try:
             with region:
                 casts = self._weight_casts(weights, dtype) if autocast else None
