@@ -5,7 +5,8 @@ every machine, with or without a compiler, and the reference is the CPU kernel. 
 the C++ extension (each csrc/<op>.cu has its own `TORCH_LIBRARY_IMPL(fw, CUDA, m)`), built on the first call
 with a CUDA tensor: until then each CUDA key holds a small Python shim that builds and loads the extension,
 removes itself and redispatches. If the build fails, the references are registered for CUDA instead, with
-one warning. This module imports no op module, and ops_cuda/extension.py does not import it.
+one warning. `register_autocast` gives an op autocast's rule for aten's 16-bit ops (matmul, attention). This module
+imports no op module, and ops_cuda/extension.py does not import it.
 """
 from __future__ import annotations
 
@@ -86,6 +87,41 @@ def define(schema: str, reference: Callable, fake: Callable | None = None, compo
     LIB.impl(name, REFERENCES[name], "CPU")
     _CUDA_SHIMS.impl(name, _make_shim(name), "CUDA")
     return name
+
+
+# ---------------------------------------------------------------- autocast
+# The dtypes that autocast casts for its lower-precision ops; float64 and integer tensors keep theirs.
+_AUTOCAST_CASTS = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _autocast_cast(x, device_type: str, dtype: torch.dtype):
+    if isinstance(x, Tensor):
+        return x.to(dtype) if x.dtype in _AUTOCAST_CASTS and x.device.type == device_type else x
+    if isinstance(x, (list, tuple)):  # a Tensor[] argument
+        return type(x)(_autocast_cast(t, device_type, dtype) for t in x)
+    return x
+
+
+def register_autocast(name: str) -> None:
+    """Under autocast `fw::<name>` runs in the region's dtype, as aten's matmuls and attention do: its
+    float16/bfloat16/float32 tensor arguments on the region's device are cast to the dtype in effect at the call
+    (`torch.get_autocast_dtype`), then the op runs with that autocast key excluded. torch.library.register_autocast
+    fixes the dtype when it registers, which under fp16 autocast would cast to the wrong 16-bit type."""
+    op = getattr(torch.ops.fw, name).default
+    for device_type in ("cuda", "cpu"):
+        key = "Autocast" + torch._C._dispatch_key_for_device(device_type)
+        LIB.impl(name, _autocast_kernel(op, device_type, getattr(torch._C.DispatchKey, key)), key)
+
+
+def _autocast_kernel(op: Callable, device_type: str, key: torch._C.DispatchKey) -> Callable:
+    excluded = torch._C.DispatchKeySet(key)
+
+    def kernel(*args):
+        dtype = torch.get_autocast_dtype(device_type)  # the region's, read at each call
+        with torch._C._ExcludeDispatchKeyGuard(excluded):  # the op's own kernels run, not this one again
+            return op(*(_autocast_cast(a, device_type, dtype) for a in args))
+
+    return kernel
 
 
 # ---------------------------------------------------------------- CUDA: build on first use

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ops_cuda.library import LIB, acc_dtype, define, fail, need_dim, need_long
+from ops_cuda.library import acc_dtype, define, fail, need_dim, need_long, register_autocast
 
 # Vocabulary columns per offset of the saved logits (linear_logprob with save_logits): the chunk that the CUDA
 # forward reduces, a warp's in the row kernels and a column block of the Hopper kernel (kLogprobChunk in
@@ -152,10 +152,10 @@ def _backward(ctx, grad_logprob, grad_entropy, grad_lse, grad_saved, grad_offset
 
 torch.library.register_autograd("fw::linear_logprob", _backward, setup_context=_setup)
 
-# Under autocast (e.g. Lightning bf16-mixed) the lm_head GEMM runs in bf16 like any matmul: the hidden states
-# reaching it are fp32 (the residual stream), and an fp32 GEMM over a Qwen3-sized vocabulary is many times slower.
-for _device in ("cuda", "cpu"):
-    torch.library.register_autocast("fw::linear_logprob", _device, torch.bfloat16, lib=LIB)
+# Under autocast (e.g. Lightning bf16-mixed or 16-mixed) the lm_head GEMM runs in the region's 16-bit dtype like any
+# matmul: the hidden states reaching it are fp32 (the residual stream), and an fp32 GEMM over a Qwen3-sized
+# vocabulary is many times slower.
+register_autocast("linear_logprob")
 
 
 def linear_logprob(hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float = 1.0,

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 import ops_cuda.merge_attention  # noqa: F401 (defines fw::merge_attention_states, which the CUDA forward calls)
-from ops_cuda.library import LIB, acc_dtype, define, fail, need_dim
+from ops_cuda.library import acc_dtype, define, fail, need_dim, register_autocast
 from ops_cuda.varlen_attention import (
     flash_backward,
     flash_forward,
@@ -149,9 +149,9 @@ def _backward(ctx, grad_out, grad_lse):
 
 
 torch.library.register_autograd("fw::shared_prompt_attention", _backward, setup_context=_setup)
-# Under autocast the attention runs in bf16, as scaled_dot_product_attention does (flash takes 16-bit only).
-for _device in ("cuda", "cpu"):
-    torch.library.register_autocast("fw::shared_prompt_attention", _device, torch.bfloat16, lib=LIB)
+# Under autocast the attention runs in the region's 16-bit dtype, as scaled_dot_product_attention does (flash
+# takes 16-bit only).
+register_autocast("shared_prompt_attention")
 
 
 def shared_prompt_attention(q: Tensor, k: Tensor, v: Tensor, prompt_tokens: int, cu_prompts: Tensor,

@@ -12,7 +12,7 @@ import itertools
 import torch
 from torch import Tensor
 
-from ops_cuda.library import LIB, acc_dtype, define, fail, need_dim
+from ops_cuda.library import acc_dtype, define, fail, need_dim, register_autocast
 
 
 def packed_sequences(positions: Tensor) -> tuple[Tensor, int]:
@@ -231,10 +231,10 @@ def _suffix_backward(ctx, grad_out, grad_lse):
 
 torch.library.register_autograd("fw::varlen_suffix_attention", _suffix_backward, setup_context=_suffix_setup)
 
-# Under autocast the attention runs in bf16, as scaled_dot_product_attention does (flash takes 16-bit only).
-for _device in ("cuda", "cpu"):
-    for _op in ("fw::varlen_attention", "fw::varlen_suffix_attention"):
-        torch.library.register_autocast(_op, _device, torch.bfloat16, lib=LIB)
+# Under autocast the attention runs in the region's 16-bit dtype, as scaled_dot_product_attention does (flash
+# takes 16-bit only).
+register_autocast("varlen_attention")
+register_autocast("varlen_suffix_attention")
 
 
 def varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int, scale: float) -> Tensor:

@@ -57,8 +57,8 @@ class SFTRecipe:
         # mask would make the host wait for the GPU to learn how many there are.
         index = batch["loss_index"]
         h, t = hidden.flatten(0, 1)[index], targets.flatten()[index]
-        # Under autocast, fw::linear_logprob's autocast rule casts both operands to bf16. The logits are kept
-        # for the backward (one GEMM fewer) unless model.policy.keep_logits says otherwise.
+        # Under autocast, fw::linear_logprob's autocast rule casts both operands to the region's dtype. The logits
+        # are kept for the backward (one GEMM fewer) unless model.policy.keep_logits says otherwise.
         logprob, _ = ops_cuda.linear_logprob(h, policy.lm_head_weight, t, save_logits=policy.saves_logits)
         n_local = (targets != IGNORE).sum()
         nll = -logprob.sum()

@@ -759,6 +759,138 @@ def test_compile_fullgraph_every_op():
     assert all(rel(a, b) < 1e-6 for a, b in zip(g_c, g_e))
 
 
+# ------------------------------------------------------------------ autocast: the region's dtype
+def autocast_cases(device: str = "cpu") -> dict:
+    """op -> (fn, inputs): float32 inputs on `device` (small on the CPU; on CUDA the shapes flash and the Hopper
+    logprob kernel take) and fn(*inputs), the op's differentiable outputs; its cu tensors and targets follow the
+    inputs' device, so that fn also runs on the inputs' float64 copies on the CPU."""
+    from test_shared_prompt_attention import GROUPS, PROMPTS, layout
+
+    g = torch.Generator().manual_seed(0)
+    big = device != "cpu"
+    hq, hk, d = (16, 8, 128) if big else (4, 2, 8)
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g) * scale).to(device)
+
+    def cu_of(lens):
+        return torch.tensor([0, *lens], dtype=torch.int32).cumsum(0).int()
+
+    lens = [1, 300, 0, 77, 512] if big else [3, 2, 0, 5]
+    cu, n = cu_of(lens), sum(lens)
+    lens_q, lens_k = ([1, 17, 300, 1], [1, 300, 300, 64]) if big else ([3, 1, 5, 0], [3, 8, 5, 2])
+    cu_q, cu_k = cu_of(lens_q), cu_of(lens_k)
+    prompts, groups = ([37, 100, 5], [[20, 0, 64], [1, 130], [9]]) if big else (PROMPTS, GROUPS)
+    (q_s, k_s, v_s), p, cus, sizes = layout(prompts, groups, hq=hq, hk=hk, d=d, dtype=torch.float32, device=device)
+    N, dh, V = (300, 128, 9000) if big else (11, 16, 50)
+    t = torch.randint(0, V, (N,), generator=g)
+    t[::4] = -100
+
+    def varlen(q, k, v):
+        return (ops_cuda.varlen_attention(q, k, v, cu.to(q.device), max(lens), 0.3),)
+
+    def suffix(q, k, v):
+        return (ops_cuda.varlen_suffix_attention(q, k, v, cu_q.to(q.device), cu_k.to(q.device), max(lens_q),
+                                                 max(lens_k), 0.3),)
+
+    def shared(q, k, v):
+        return (ops_cuda.shared_prompt_attention(q, k, v, p, *(c.to(q.device) for c in cus), *sizes, 0.3),)
+
+    def logprob(h, w):   # the recipes' call: logits kept for the backward when the operands are 16-bit
+        return ops_cuda.linear_logprob(h, w, t.to(h.device), 0.8, return_entropy=True, save_logits=True)
+
+    return {"varlen_attention": (varlen, [randn(n, hq, d), randn(n, hk, d), randn(n, hk, d)]),
+            "varlen_suffix_attention": (suffix, [randn(sum(lens_q), hq, d), randn(sum(lens_k), hk, d),
+                                                 randn(sum(lens_k), hk, d)]),
+            "shared_prompt_attention": (shared, [q_s, k_s, v_s]),
+            "linear_logprob": (logprob, [randn(N, dh), randn(V, dh, scale=dh ** -0.5)])}
+
+
+def run_under_autocast(fn, inputs, device: str, dtype: torch.dtype):
+    """fn on leaf copies of inputs under torch.autocast(device, dtype), then its backward (outside the region) for
+    fixed random weights of the outputs: (outputs, grads, the dtype aten's attention and matmul give in the region,
+    the (dtype, shape) of every tensor saved for the backward)."""
+    x = [t.detach().requires_grad_(True) for t in inputs]
+    a = torch.randn(1, 2, 3, 8, device=device)
+    kept = []
+    with torch.autocast(device, dtype=dtype):
+        like = {"attention": F.scaled_dot_product_attention(a, a, a).dtype, "matmul": (a @ a.mT).dtype}
+        with torch.autograd.graph.saved_tensors_hooks(lambda s: kept.append((s.dtype, tuple(s.shape))) or s,
+                                                      lambda s: s):
+            outs = fn(*x)
+    return outs, autocast_grads(outs, x), like, kept
+
+
+def autocast_grads(outs, inputs) -> tuple:
+    """Gradients of sum_i <outs[i], weights_i> w.r.t. inputs, the weights random (seeded by the output shapes)."""
+    g = torch.Generator().manual_seed(1)
+    weights = [torch.randn(o.shape, generator=g, dtype=D64) for o in outs]
+    loss = sum((o.double() * w.to(o.device)).sum() for o, w in zip(outs, weights, strict=True))
+    return torch.autograd.grad(loss, inputs)
+
+
+AUTOCAST_OPS = ["varlen_attention", "varlen_suffix_attention", "shared_prompt_attention", "linear_logprob"]
+
+
+def check_region_dtype(op: str, fn, inputs, device: str, dtype: torch.dtype, tol: float):
+    """`fn` under autocast(device, dtype) against float64 on the CPU: aten's attention and matmul give `dtype` there;
+    attention outputs come in it; linear_logprob's logprobs and entropies stay float32, from operands rounded to
+    it (its saved GEMM operands); outputs within `tol` and float32 gradients within 2 tol. Returns (float64 inputs,
+    their outputs)."""
+    outs, grads, like, kept = run_under_autocast(fn, inputs, device, dtype)
+    assert like == {"attention": dtype, "matmul": dtype}
+    x64 = [t.detach().double().cpu().requires_grad_(True) for t in inputs]
+    outs64 = fn(*x64)
+    grads64 = autocast_grads(outs64, x64)
+    if op == "linear_logprob":
+        h, w = inputs
+        assert (dtype, tuple(h.shape)) in kept and (dtype, tuple(w.shape)) in kept   # the GEMM's operands
+        assert all(o.dtype == torch.float32 for o in outs)
+        rounded = fn(*(t.detach().to(dtype).double().cpu() for t in inputs))   # float64 on the rounded operands
+        assert all(rel(o.cpu(), r) < 1e-5 for o, r in zip(outs, rounded, strict=True))
+    else:
+        assert outs[0].dtype == like["attention"]
+    assert all(rel(o.cpu(), o64) < tol for o, o64 in zip(outs, outs64, strict=True))
+    for gr, g64, x in zip(grads, grads64, inputs, strict=True):
+        assert gr.dtype == x.dtype and rel(gr.cpu(), g64) < 2 * tol
+    return x64, outs64
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("op", AUTOCAST_OPS)
+def test_autocast_runs_the_op_in_the_region_dtype(op, dtype):
+    """float32 inputs under CPU autocast: the op runs in the region's dtype (float16 under fp16 autocast, not
+    bfloat16), as aten's attention and matmul do there (`check_region_dtype`); float64 inputs are left alone."""
+    fn, inputs = autocast_cases()[op]
+    tol = {torch.float16: 1.5e-3, torch.bfloat16: 8e-3}[dtype]   # rounding to dtype (2^-11 or 2^-8 a value)
+    x64, outs64 = check_region_dtype(op, fn, inputs, "cpu", dtype, tol)
+    with torch.autocast("cpu", dtype=dtype):
+        same = fn(*x64)
+    assert all(o.dtype == D64 and torch.equal(o, o64) for o, o64 in zip(same, outs64, strict=True))
+
+
+def test_autocast_rule_compiles_fullgraph():
+    """Under fp16 autocast the four ops compile without a graph break and give eager's outputs and gradients."""
+    cases = autocast_cases()
+
+    def f(*xs):
+        outs, i = [], 0
+        for op in AUTOCAST_OPS:
+            fn, inputs = cases[op]
+            outs += fn(*xs[i:i + len(inputs)])
+            i += len(inputs)
+        return outs
+
+    x = [t.requires_grad_(True) for op in AUTOCAST_OPS for t in cases[op][1]]
+    torch._dynamo.reset()
+    with torch.autocast("cpu", dtype=torch.float16):
+        eager = f(*x)
+        compiled = torch.compile(f, fullgraph=True, backend="aot_eager")(*x)
+    assert [o.dtype for o in compiled] == [o.dtype for o in eager] == [torch.float16] * 3 + [torch.float32] * 2
+    assert all(rel(c, e) < 1e-6 for c, e in zip(compiled, eager, strict=True))
+    assert all(rel(c, e) < 1e-6 for c, e in zip(autocast_grads(compiled, x), autocast_grads(eager, x), strict=True))
+
+
 # ------------------------------------------------------------------ build lock and doctor
 def test_lock_status_detects_stale_locks(tmp_path):
     assert fw_build.lock_status(tmp_path)[0] == "none"

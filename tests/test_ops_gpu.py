@@ -11,6 +11,7 @@ import sys
 
 import pytest
 import torch
+from test_ops import AUTOCAST_OPS, autocast_cases, check_region_dtype, run_under_autocast
 
 import ops_cuda
 from ops_cuda import library
@@ -1590,3 +1591,23 @@ def test_packed_model_on_cuda_matches_each_sequence_alone():
             alone = model(s[None])[0]
             assert rel(packed[start:start + len(s)].float(), alone.float()) < 2e-2
             start += len(s)
+
+
+# ------------------------------------------------------------------ autocast: the region's dtype
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("op", AUTOCAST_OPS)
+def test_autocast_runs_the_op_in_the_region_dtype(op, dtype):
+    """tests/test_ops.py's autocast test on CUDA, at shapes the kernels take: float32 inputs under CUDA autocast run
+    the op in the region's dtype (float16 under fp16 autocast, not bfloat16), as aten's attention and matmul do
+    there, on flash attention and (compute capability 9.0) the Hopper logprob kernel; outputs and float32 gradients
+    against float64 on the CPU."""
+    fn, inputs = autocast_cases(DEV)[op]
+    part = "logprob" if op == "linear_logprob" else "flash"
+    names = launched_kernels(lambda: run_under_autocast(fn, inputs, DEV, dtype), part)
+    if op == "linear_logprob":
+        assert not SM90 or any("linear_logprob_sm90_kernel" in n for n in names), names
+    else:
+        assert flash_serves(inputs[0].to(dtype)) and names, names
+    poison()
+    tol = {torch.float16: 5e-3, torch.bfloat16: 3e-2}[dtype]   # tests/test_shared_prompt_attention.py's bounds
+    check_region_dtype(op, fn, inputs, DEV, dtype, tol)
