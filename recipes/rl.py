@@ -290,14 +290,14 @@ class Phase:
 
 def shares_prompts(cfg: dict, section: str, samples_key: str) -> bool:
     """Whether the update lays each group's prompt out once (`<section>.shared_prompt`): with several completions a
-    prompt, where the setting is true, or "auto" on CUDA with bf16 matmuls. There flash attention serves the layout
-    in the compute dtype; on CPU and in float32 its reference attention gathers every completion's keys, which costs
-    more than it saves, and under fp16 autocast the attention ops cast to bf16, copies the memory plan leaves out."""
+    prompt, where the setting is true, or "auto" on CUDA with 16-bit matmuls (bf16 or fp16). There flash attention
+    serves the layout in the compute dtype; on CPU and in float32 its reference attention gathers every completion's
+    keys, which costs more than it saves."""
     sec = cfg[section]
     if sec[samples_key] < 2:
         return False
     if sec["shared_prompt"] == "auto":
-        return uses_cuda(cfg["trainer"]) and compute_dtype(cfg) == "bfloat16"
+        return uses_cuda(cfg["trainer"]) and compute_dtype(cfg) in ("bfloat16", "float16")
     return bool(sec["shared_prompt"])
 
 

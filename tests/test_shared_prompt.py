@@ -169,9 +169,9 @@ def test_micro_batches_are_cut_from_shuffled_whole_groups():
 
 
 @pytest.mark.parametrize("recipe, samples", [("grpo", "group_size"), ("ppo", "samples_per_prompt")])
-def test_shared_prompt_auto_lays_prompts_out_once_on_cuda_with_bf16_matmuls(recipe, samples):
-    """The default, "auto": on where flash attention serves the layout in the compute dtype (CUDA, bf16 matmuls), off
-    on CPU, in float32 and under fp16; true and false hold anywhere; one completion a prompt has nothing to share.
+def test_shared_prompt_auto_lays_prompts_out_once_on_cuda_with_16_bit_matmuls(recipe, samples):
+    """The default, "auto": on where flash attention serves the layout in the compute dtype (CUDA, bf16 or fp16
+    matmuls), off on CPU and in float32; true and false hold anywhere; one completion a prompt has nothing to share.
     The memory plan's micro-batch of most tokens follows the same choice."""
     from framework.tokenizer import Tokenizer
     from recipes.grpo import GRPORecipe
@@ -181,7 +181,8 @@ def test_shared_prompt_auto_lays_prompts_out_once_on_cuda_with_bf16_matmuls(reci
     cls = GRPORecipe if recipe == "grpo" else PPORecipe
     make = config if recipe == "grpo" else ppo_config
     cases = [("cpu", "bf16-mixed", "auto", 4, False), ("gpu", "bf16-mixed", "auto", 4, True),
-             ("cuda", "16-mixed", "auto", 4, False), ("gpu", "bf16-true", "auto", 4, True),
+             ("cuda", "16-mixed", "auto", 4, True), ("gpu", "bf16-true", "auto", 4, True),
+             ("cpu", "16-mixed", "auto", 4, False),
              ("gpu", "32-true", "auto", 4, False), ("cpu", "32-true", True, 4, True),
              ("gpu", "bf16-mixed", False, 4, False)]
     if recipe == "ppo":   # GRPO's groups hold 2 completions or more
