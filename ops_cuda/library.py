@@ -103,10 +103,9 @@ def _autocast_cast(x, device_type: str, dtype: torch.dtype):
 
 
 def register_autocast(name: str) -> None:
-    """Under autocast `fw::<name>` runs in the region's dtype, as aten's matmuls and attention do: its
-    float16/bfloat16/float32 tensor arguments on the region's device are cast to the dtype in effect at the call
-    (`torch.get_autocast_dtype`), then the op runs with that autocast key excluded. torch.library.register_autocast
-    fixes the dtype when it registers, which under fp16 autocast would cast to the wrong 16-bit type."""
+    """Under autocast `fw::<name>` computes in the region's dtype, read at each call, as aten's matmuls do."""
+    # torch.library.register_autocast fixes the dtype when it registers: under fp16 autocast a bf16 rule would cast
+    # to the other 16-bit type. Like it, this keeps no cast cache: each call casts its float32 operands anew.
     op = getattr(torch.ops.fw, name).default
     for device_type in ("cuda", "cpu"):
         key = "Autocast" + torch._C._dispatch_key_for_device(device_type)
@@ -116,10 +115,12 @@ def register_autocast(name: str) -> None:
 def _autocast_kernel(op: Callable, device_type: str, key: torch._C.DispatchKey) -> Callable:
     excluded = torch._C.DispatchKeySet(key)
 
-    def kernel(*args):
-        dtype = torch.get_autocast_dtype(device_type)  # the region's, read at each call
+    def kernel(*args, **kwargs):
+        dtype = torch.get_autocast_dtype(device_type)
+        args = [_autocast_cast(a, device_type, dtype) for a in args]
+        kwargs = {k: _autocast_cast(v, device_type, dtype) for k, v in kwargs.items()}
         with torch._C._ExcludeDispatchKeyGuard(excluded):  # the op's own kernels run, not this one again
-            return op(*(_autocast_cast(a, device_type, dtype) for a in args))
+            return op(*args, **kwargs)
 
     return kernel
 

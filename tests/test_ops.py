@@ -867,6 +867,20 @@ def test_autocast_runs_the_op_in_the_region_dtype(op, dtype):
     with torch.autocast("cpu", dtype=dtype):
         same = fn(*x64)
     assert all(o.dtype == D64 and torch.equal(o, o64) for o, o64 in zip(same, outs64, strict=True))
+    # nested regions: the innermost one's dtype holds, and a disabled one leaves float32 alone
+    x = [t.detach() for t in inputs]
+    with torch.no_grad():
+        with torch.autocast("cpu", dtype=dtype):
+            alone = fn(*x)
+        plain = fn(*x)
+        other = torch.bfloat16 if dtype == torch.float16 else torch.float16
+        with torch.autocast("cpu", dtype=other):
+            with torch.autocast("cpu", dtype=dtype):
+                inner = fn(*x)
+            with torch.autocast("cpu", enabled=False):
+                off = fn(*x)
+    assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(inner, alone, strict=True))
+    assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(off, plain, strict=True))
 
 
 def test_autocast_rule_compiles_fullgraph():

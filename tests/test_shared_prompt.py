@@ -182,7 +182,7 @@ def test_shared_prompt_auto_lays_prompts_out_once_on_cuda_with_16_bit_matmuls(re
     make = config if recipe == "grpo" else ppo_config
     cases = [("cpu", "bf16-mixed", "auto", 4, False), ("gpu", "bf16-mixed", "auto", 4, True),
              ("cuda", "16-mixed", "auto", 4, True), ("gpu", "bf16-true", "auto", 4, True),
-             ("cpu", "16-mixed", "auto", 4, False),
+             ("cpu", "16-mixed", "auto", 4, False), ("gpu", "16-true", "auto", 4, True),
              ("gpu", "32-true", "auto", 4, False), ("cpu", "32-true", True, 4, True),
              ("gpu", "bf16-mixed", False, 4, False)]
     if recipe == "ppo":   # GRPO's groups hold 2 completions or more
@@ -218,8 +218,9 @@ def test_a_fit_with_shared_prompts_trains_like_one_without(tmp_path):
 
 
 @pytest.mark.gpu
-def test_shared_prompts_on_cuda_match_the_padded_layout():
-    """Under bf16 autocast on CUDA (flash attention, the suffix backward's kernel): logprobs and gradients with
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_shared_prompts_on_cuda_match_the_padded_layout(dtype):
+    """Under 16-bit autocast on CUDA (flash attention, the suffix backward's kernel): logprobs and gradients with
     the prompts shared against the right-padded layout, both against the float64 CPU run."""
     tokens, prompt_lens, completion_lens = grouped_batch(3)
     model64 = tiny_policy(5)
@@ -228,7 +229,7 @@ def test_shared_prompts_on_cuda_match_the_padded_layout():
     model = tiny_policy(5).float().cuda()
     results = {}
     for name, layout in (("shared", {"groups": GROUPS}), ("padded", {"packed": False})):
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        with torch.autocast("cuda", dtype=dtype):
             logp, _ = completion_logprobs(model, tokens.cuda(), prompt_lens, completion_lens, WIDTH, TEMPERATURE,
                                           **layout)
         results[name] = (logp.detach().double().cpu(), [g.double().cpu() for g in _grads(logp.sum(), model)])
@@ -237,7 +238,7 @@ def test_shared_prompts_on_cuda_match_the_padded_layout():
     one64 = completion_logprobs(model64, *short, packed=False)[0].detach()
     one = {}
     for name, layout in (("shared", {"groups": GROUPS[:3]}), ("padded", {"packed": False})):
-        with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        with torch.no_grad(), torch.autocast("cuda", dtype=dtype):
             one[name] = float((completion_logprobs(model, short[0].cuda(), *short[1:], **layout)[0].double().cpu()
                                - one64).abs().max())
     assert one["shared"] <= 2 * one["padded"] + 1e-3, one
@@ -245,7 +246,7 @@ def test_shared_prompts_on_cuda_match_the_padded_layout():
     for name, (logp, grads) in results.items():
         errors[name] = (float((logp - logp64.detach()).abs().max()),
                         max(float((g - w).norm() / w.norm()) for g, w in zip(grads, want, strict=True)))
-    # bf16 autocast rounds both layouts; the shared one is no further from float64 than the padded one
+    # 16-bit autocast rounds both layouts; the shared one is no further from float64 than the padded one
     assert errors["padded"][0] < 0.1 and errors["padded"][1] < 0.05, errors
     assert errors["shared"][0] <= 2 * errors["padded"][0] + 1e-3, errors
     assert errors["shared"][1] <= 2 * errors["padded"][1] + 1e-3, errors
