@@ -17,6 +17,7 @@ import argparse
 import functools
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -71,7 +72,8 @@ def torch_layers(shape: dict, layers: list[dict[str, Tensor]], h: Tensor, x: Ten
     return h
 
 
-def graphed_ms(fn, args: tuple, rounds: int = 3, replays: int = 100) -> tuple[float, list[float], Tensor]:
+def graphed_ms(fn: Callable[..., Tensor], args: tuple, rounds: int = 3, replays: int = 100
+               ) -> tuple[float, list[float], Tensor]:
     """(median ms of a replay over `rounds` rounds, each round's, the output) of fn(*args) captured in a CUDA graph
     after warm-up calls on a side stream."""
     side = torch.cuda.Stream()
@@ -101,12 +103,15 @@ def main() -> None:
     ap.add_argument("--preset", default="qwen3-0.6b")
     ap.add_argument("--rows", default="256,64")
     ap.add_argument("--modes", default="fw,default,max-autotune-no-cudagraphs",
-                    help="fw, eager (the plain torch maths) or a torch.compile mode")
+                    help="fw, eager (the plain torch maths) or a torch.compile mode without CUDA graphs of its own")
     args = ap.parse_args()
+    # these modes capture CUDA graphs themselves, which cannot happen inside the capture that times each side
+    for mode in {"reduce-overhead", "max-autotune"} & set(args.modes.split(",")):
+        ap.error(f"--modes: {mode} captures its own CUDA graphs; use default or max-autotune-no-cudagraphs")
     torch.manual_seed(0)
     shape, layers = layer_weights(args.preset)
     print(f"| mode | M | µs a step of {len(layers)} layers | µs a layer | rounds | max abs. diff of h from fw's | "
-          "setup s |")
+          "wall s (compile, capture, timing) |")
     print("|---|---|---|---|---|---|---|")
     for M in (int(m) for m in args.rows.split(",")):
         h = torch.randn(M, shape["d"], device="cuda")
