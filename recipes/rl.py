@@ -359,6 +359,7 @@ class RLRecipe:
         self.last_rollout: ScoredRollout | None = None  # the latest batch, for callbacks and inspection
         self.engine: Any = None   # the policy's RolloutEngine, kept from one rollout to the next if keep_engine
         self.keep_engine: bool | None = None   # rollout.keep_engine resolved at the first rollout
+        self.shares_prompts = shares_prompts(cfg, self.section, self.samples_key)   # the update's layout
 
     # ---- protocol
     def train_dataloader(self, ctx: StepContext) -> DataLoader:
@@ -481,13 +482,10 @@ class RLRecipe:
             return batch.tokens, prompt_lens, completion_lens
         return batch.tokens[rows.rows], prompt_lens[rows.host_rows], completion_lens[rows.host_rows]
 
-    def _shares_prompts(self) -> bool:
-        return shares_prompts(self.cfg, self.section, self.samples_key)
-
     def _groups(self, batch: ScoredRollout, rows: MicroBatch | None) -> Tensor | None:
         """The prompt group of each row (host) under ``shared_prompt``, else None. A rollout batch holds its
         groups' rows together, ``samples`` rows a group (``collect``; dynamic sampling keeps whole groups)."""
-        if not self._shares_prompts():
+        if not self.shares_prompts:
             return None
         index = torch.arange(batch.mask.shape[0]) if rows is None else rows.host_rows
         return index // self.cfg[self.section][self.samples_key]
@@ -499,7 +497,7 @@ class RLRecipe:
         sec = self.cfg[self.section]
         gen = torch.Generator().manual_seed(((self.cfg["seed"] * 1_000_003 + self.rollout_step) * 101 + epoch) % 2**63)
         micro = self.cfg["trainer"]["accumulate_grad_batches"]
-        if self._shares_prompts():
+        if self.shares_prompts:
             # whole groups shuffled, then cut in order into micro-batches of the usual row counts (what the memory
             # plan bounds): a group's prompt is laid out once per micro-batch it reaches, twice where a cut falls
             # inside it
