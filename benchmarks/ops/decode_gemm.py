@@ -9,6 +9,7 @@ also times `ops_cuda.skinny_linear` (K split over a thread block cluster; `FW_SK
 count).
 
     python -m benchmarks.ops.decode_gemm [--presets qwen3-0.6b,qwen3-4b,qwen3-8b] [--rows 64,256] [--splits 2,3,4]
+        [--projections qkv,o,gate_up,down,lm_head]
 """
 from __future__ import annotations
 
@@ -71,7 +72,7 @@ def row(w: Tensor, M: int, splits: list[int], gbps: float) -> list[str]:
     for s in splits:
         ms, graphed = bench_graph(lambda s=s: split_k_linear(x, w, s), reps_ms=50)
         cells.append(f"{ms * 1e3:.1f}" + ("" if graphed else " (no graph)"))
-    worst = max(err(split_k_linear(x, w, s)) for s in splits)
+    worst = max((err(split_k_linear(x, w, s)) for s in splits), default=float("nan"))
     others = f"F.linear {err(F.linear(x, w)):.1e}" + (f", skinny {err(ops_cuda.skinny_linear(x, w)):.1e}" if skinny
                                                        else "")
     return [*cells, f"{worst:.1e} ({others})"]
@@ -81,16 +82,20 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--presets", default="qwen3-0.6b,qwen3-4b,qwen3-8b")
     ap.add_argument("--rows", default="64,256")
-    ap.add_argument("--splits", default="2,3,4")
+    ap.add_argument("--splits", default="2,3,4", help="hand splits of K to time; empty for none")
+    ap.add_argument("--projections", default="qkv,o,gate_up,down,lm_head")
     ap.add_argument("--gbps", type=float, default=4260.0, help="the GPU's measured copy bandwidth, GB/s")
     args = ap.parse_args()
-    splits = [int(s) for s in args.splits.split(",")]
+    splits = [int(s) for s in args.splits.split(",") if s]
+    only = args.projections.split(",")
     print("| preset | projection | M x K x N | F.linear us (GB/s, %) | skinny_linear us (GB/s, %) | "
           + " | ".join(f"split {s} us" for s in splits) + " | max rel. diff of the splits |")
     print("|---|---|---|---|---|" + "---|" * len(splits) + "---|")
     torch.manual_seed(0)
     for preset in args.presets.split(","):
         for name, (K, N) in projections(preset).items():
+            if name not in only:
+                continue
             w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * K ** -0.5
             for M in (int(m) for m in args.rows.split(",")):
                 print(f"| {preset} | {name} | {M} x {K} x {N} | " + " | ".join(row(w, M, splits, args.gbps)) + " |",
