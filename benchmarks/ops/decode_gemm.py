@@ -88,6 +88,9 @@ def main() -> None:
     args = ap.parse_args()
     splits = [int(s) for s in args.splits.split(",") if s]
     only = args.projections.split(",")
+    known = list(projections(args.presets.split(",")[0]))
+    if set(only) - set(known):
+        ap.error(f"--projections: unknown {sorted(set(only) - set(known))}; choose from {','.join(known)}")
     print("| preset | projection | M x K x N | F.linear us (GB/s, %) | skinny_linear us (GB/s, %) | "
           + " | ".join(f"split {s} us" for s in splits) + " | max rel. diff of the splits |")
     print("|---|---|---|---|---|" + "---|" * len(splits) + "---|")
