@@ -40,43 +40,6 @@ template <int MT> constexpr int smem_bytes() { return kStages * stage_elems<MT>(
 constexpr int kRedPitch = kTileN + 4;
 static_assert(kRedPitch * 4 * 64 <= smem_bytes<4>(), "the float32 tile fits in the ring");
 
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-// Once every block of the cluster has its split's float32 tile in `red` (kRedPitch floats a row), block `split`
-// writes rows split, split + splits, ... of out's 64 columns at col0: four columns a thread, the splits' tiles
-// summed in rank order. Every rank's four columns are loaded before any is added, so that the remote reads overlap
-// instead of queueing one behind the other.
-template <typename T>
-__device__ __forceinline__ void sum_splits(const float* red, const SkinnyArgs& a, int split, int col0, int threads) {
-  namespace cg = cooperative_groups;
-  cg::cluster_group cluster = cg::this_cluster();
-  cluster.sync();  // every split's tile is in its shared memory
-  for (int i = threadIdx.x; i < a.M * (kTileN / 4); i += threads) {
-    const int row = split + a.splits * (i / (kTileN / 4));
-    if (row >= a.M) break;
-    const int col = 4 * (i % (kTileN / 4));
-    float4 v[kMaxSplits];
-#pragma unroll
-    for (int rank = 0; rank < kMaxSplits; ++rank)
-      if (rank < a.splits)
-        v[rank] = *reinterpret_cast<const float4*>(cluster.map_shared_rank(red, rank) + row * kRedPitch + col);
-    float4 sum = v[0];
-#pragma unroll
-    for (int rank = 1; rank < kMaxSplits; ++rank)
-      if (rank < a.splits) {
-        sum.x += v[rank].x;
-        sum.y += v[rank].y;
-        sum.z += v[rank].z;
-        sum.w += v[rank].w;
-      }
-    uint2 packed;
-    packed.x = pack2<T>(sum.x, sum.y);
-    packed.y = pack2<T>(sum.z, sum.w);
-    *reinterpret_cast<uint2*>(static_cast<T*>(a.out) + (int64_t)row * a.N + col0 + col) = packed;
-  }
-  cluster.sync();  // no block leaves while another reads its shared memory
-}
-#endif
-
 // Row r's 16-byte piece j of a stage lives at piece j ^ (r % 8) of its 128-byte row, so that the eight rows an
 // ldmatrix phase reads fall in eight different bank groups.
 __device__ __forceinline__ int swz(int r, int j) { return r * kChunk + ((j ^ (r & 7)) << 3); }
@@ -167,6 +130,7 @@ skinny_linear_kernel(SkinnyArgs a, unsigned trigger_from) {
     return;
   }
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  namespace cg = cooperative_groups;
   cp_async_wait<0>();
   __syncthreads();  // the ring is drained and read: it holds the float32 tile now
   float* red = reinterpret_cast<float*>(smem_raw);
@@ -178,7 +142,35 @@ skinny_linear_kernel(SkinnyArgs a, unsigned trigger_from) {
       for (int j = 0; j < 2; ++j)
         *reinterpret_cast<float2*>(red + (16 * m + 8 * h + g) * kRedPitch + 16 * warp + 8 * j + 2 * t) =
             make_float2(acc[m][j][2 * h], acc[m][j][2 * h + 1]);
-  sum_splits<T>(red, a, split, tile * kTileN, kWarps * 32);
+  cg::cluster_group cluster = cg::this_cluster();
+  cluster.sync();  // every split's tile is in its shared memory
+  // split r writes rows r, r + splits, ...: four columns a thread, the splits' tiles summed in rank order. Every
+  // rank's four columns are loaded before any is added, so that the remote reads overlap instead of queueing one
+  // behind the other.
+  for (int i = tid; i < a.M * (kTileN / 4); i += kWarps * 32) {
+    const int row = split + a.splits * (i / (kTileN / 4));
+    if (row >= a.M) break;
+    const int col = 4 * (i % (kTileN / 4));
+    float4 v[kMaxSplits];
+#pragma unroll
+    for (int rank = 0; rank < kMaxSplits; ++rank)
+      if (rank < a.splits)
+        v[rank] = *reinterpret_cast<const float4*>(cluster.map_shared_rank(red, rank) + row * kRedPitch + col);
+    float4 sum = v[0];
+#pragma unroll
+    for (int rank = 1; rank < kMaxSplits; ++rank)
+      if (rank < a.splits) {
+        sum.x += v[rank].x;
+        sum.y += v[rank].y;
+        sum.z += v[rank].z;
+        sum.w += v[rank].w;
+      }
+    uint2 packed;
+    packed.x = pack2<T>(sum.x, sum.y);
+    packed.y = pack2<T>(sum.z, sum.w);
+    *reinterpret_cast<uint2*>(static_cast<T*>(a.out) + (int64_t)row * a.N + tile * kTileN + col) = packed;
+  }
+  cluster.sync();  // no block leaves while another reads its shared memory
 #else
   __trap();  // split K without the cluster reduction: the host never launches it (skinny_linear_splits)
 #endif
