@@ -22,6 +22,7 @@ from typing import Any
 import lightning
 import torch
 from lightning.pytorch.core.optimizer import LightningOptimizer
+from torch.profiler import record_function
 
 from framework.cadence import crossed
 from framework.callbacks import fire
@@ -84,10 +85,12 @@ class ModuleContext:
         return max_steps is None or max_steps < 0 or self._module.policy_version < max_steps
 
     def backward(self, loss: torch.Tensor) -> None:
-        self._module.manual_backward(loss)
+        with record_function("fw.backward"):
+            self._module.manual_backward(loss)
 
     def step(self, role: str) -> None:
-        self._module.step_optimizer(role)
+        with record_function("fw.optimizer_step"):
+            self._module.step_optimizer(role)
 
     def log(self, name: str, value: torch.Tensor | float, weight: torch.Tensor | float | None = None,
             reduce: str = "mean") -> None:
@@ -284,6 +287,10 @@ class FwModule(lightning.LightningModule):
 
     def flush_metrics(self) -> dict[str, float]:
         """Reduce the interval's metrics (on every rank), add tokens/s, send them to every logger."""
+        with record_function("fw.metrics.flush"):
+            return self._flush_metrics()
+
+    def _flush_metrics(self) -> dict[str, float]:
         metrics = self.step_metrics.compute()
         now = time.perf_counter()
         if "tokens" in metrics:
@@ -302,7 +309,10 @@ class FwModule(lightning.LightningModule):
         return self.recipe.train_dataloader(self.context)
 
     def training_step(self, batch: Any, batch_idx: int):
-        return self.recipe.training_step(self.context, batch, batch_idx)
+        # named ranges for torch.profiler (benchmarks/fit_profile.py, benchmarks/trace_gaps.py): the step, and inside
+        # it the recipe's phases, the backward and the optimizer step
+        with record_function("fw.training_step"):
+            return self.recipe.training_step(self.context, batch, batch_idx)
 
     def on_train_start(self) -> None:
         self._flush_time = time.perf_counter()

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.profiler import record_function
 from torch.utils.data import DataLoader, IterableDataset
 
 from framework.allocator import to_device
@@ -414,35 +415,38 @@ class RLRecipe:
         cfg, tok = self.cfg, self.tokenizer
         n_prompts = cfg["rollout"]["prompts_per_step"]
         first = self.prompt_position + (round_index * ctx.world_size + ctx.rank) * n_prompts
-        samples = [self.task.sample(first + i) for i in range(n_prompts)]
-        texts = [render_prompt(s["prompt"], tok, cfg["data"]["chat_template"], cfg["tokenizer"]["enable_thinking"])
-                 for s in samples]
-        ids = [tok.encode(t) for t in texts]
+        with record_function("fw.rl.prompts"):
+            samples = [self.task.sample(first + i) for i in range(n_prompts)]
+            texts = [render_prompt(s["prompt"], tok, cfg["data"]["chat_template"],
+                                   cfg["tokenizer"]["enable_thinking"]) for s in samples]
+            ids = [tok.encode(t) for t in texts]
         prompts = [p for p in ids for _ in range(samples_per_prompt)]
         seed = (cfg["seed"] * 1_000_003 + first // n_prompts) % (2**31 - 1)
         start = time.perf_counter()
         engine = self.rollout_engine(ctx.policy)
         try:
-            ro = engine.generate(prompts, self.sampling, eos_ids=stop_token_ids(tok, ctx.policy.config),
-                                 tokenizer=tok, seed=seed, policy_version=int(ctx.policy_version))
+            with record_function("fw.rl.generate"):
+                ro = engine.generate(prompts, self.sampling, eos_ids=stop_token_ids(tok, ctx.policy.config),
+                                     tokenizer=tok, seed=seed, policy_version=int(ctx.policy_version))
         finally:
             if not self.keep_engine:   # its memory is the update's
                 self.engine.release()
         gen_seconds = time.perf_counter() - start
-        rep_texts = [t for t in texts for _ in range(samples_per_prompt)]
-        metadatas = [s["metadata"] for s in samples for _ in range(samples_per_prompt)]
-        rewards, n_err = score_rollout(self.reward_fn, rep_texts, ro.texts, metadatas, cfg["reward"])
-        device = ctx.device
-        width = ro.logprobs.shape[1]
-        clens = ro.completion_lens.to(device)
-        mask = (torch.arange(width, device=device)[None, :] < clens[:, None]).float()
-        return ScoredRollout(
-            tokens=ro.tokens.to(device), prompt_lens=ro.prompt_lens.to(device), completion_lens=clens,
-            old_logp=ro.logprobs.to(device=device, dtype=torch.float32), mask=mask, rewards=rewards.to(device),
-            correct=(rewards >= 1.0).to(device), n_reward_errors=n_err,
-            eos_frac=sum(r != "length" for r in ro.finish_reasons) / len(ro.finish_reasons),
-            truncated=torch.tensor([r == "length" for r in ro.finish_reasons], device=device),
-            gen_seconds=gen_seconds, texts=list(ro.texts))
+        with record_function("fw.rl.reward"):
+            rep_texts = [t for t in texts for _ in range(samples_per_prompt)]
+            metadatas = [s["metadata"] for s in samples for _ in range(samples_per_prompt)]
+            rewards, n_err = score_rollout(self.reward_fn, rep_texts, ro.texts, metadatas, cfg["reward"])
+            device = ctx.device
+            width = ro.logprobs.shape[1]
+            clens = ro.completion_lens.to(device)
+            mask = (torch.arange(width, device=device)[None, :] < clens[:, None]).float()
+            return ScoredRollout(
+                tokens=ro.tokens.to(device), prompt_lens=ro.prompt_lens.to(device), completion_lens=clens,
+                old_logp=ro.logprobs.to(device=device, dtype=torch.float32), mask=mask, rewards=rewards.to(device),
+                correct=(rewards >= 1.0).to(device), n_reward_errors=n_err,
+                eos_frac=sum(r != "length" for r in ro.finish_reasons) / len(ro.finish_reasons),
+                truncated=torch.tensor([r == "length" for r in ro.finish_reasons], device=device),
+                gen_seconds=gen_seconds, texts=list(ro.texts))
 
     def finish_rollout(self, ctx: StepContext, rounds: int = 1) -> None:
         """Advance the data position past this step's ``rounds`` rollout rounds of every rank (end of a
@@ -534,7 +538,8 @@ class RLRecipe:
                                             mb_tokens)
                 for phase in phases:
                     for m, weight in zip(micro, weights, strict=True):
-                        loss, logged = phase.loss(m, first)
+                        with record_function("fw.rl.loss"):   # the micro-batch's forward and loss
+                            loss, logged = phase.loss(m, first)
                         # Logged before the backward is queued: a metric that reads the device then waits
                         # for the forward only, and the next micro-batch's layout is built while the
                         # device runs this backward.

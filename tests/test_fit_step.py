@@ -270,3 +270,82 @@ def test_python_stack_comes_from_the_nearest_range_that_has_one():
     fill = next(e for e in prof.events() if e.name == "aten::fill_")   # inside aten::ones: a stack of its own or not
     assert any("here" in frame for frame in python_stack(add))
     assert any("here" in frame for frame in python_stack(fill))
+
+
+def _x(cat, name, ts, dur, tid=1, **args):
+    return {"ph": "X", "cat": cat, "name": name, "pid": 7, "tid": tid, "ts": ts, "dur": dur, "args": args}
+
+
+def test_trace_gaps_charges_each_idle_stretch_to_the_launch_that_ends_it(tmp_path):
+    from benchmarks.trace_gaps import analyse, load, main
+
+    # one window, 100..200 µs (boundaries end at 100 and 200; the second starts at 190). Kernels: 100-110 and
+    # 105-120 (two streams, overlapping), 150-160, 170-185. Idle: 120-150 (30 µs, ended by the copy that
+    # aten::item queued in recipes/losses.py), 160-170 (10 µs, ended by a graph launch under a record_function
+    # range) and 185-190 (5 µs, the window's end).
+    events = [
+        _x("user_annotation", "fw_profile_boundary", 90, 10), _x("user_annotation", "fw_profile_boundary", 190, 10),
+        _x("kernel", "k0", 100, 10, tid=50, correlation=1), _x("kernel", "k1", 105, 15, tid=51, correlation=2),
+        _x("kernel", "k2", 150, 10, tid=50, correlation=3), _x("gpu_memcpy", "copy", 170, 15, tid=50, correlation=4),
+        _x("python_function", "lightning/pytorch/loops/loop.py(10): run", 95, 95),
+        _x("python_function", "/repo/recipes/rl.py(581): on_batch", 112, 45),
+        _x("python_function", "/repo/recipes/losses.py(88): reduce", 120, 30),
+        _x("cpu_op", "aten::item", 125, 20),
+        _x("cuda_runtime", "cudaLaunchKernel", 140, 2, correlation=3),
+        _x("python_function", "/repo/framework/rollout/engine.py(459): _decode", 158, 14),
+        _x("user_annotation", "fw.rollout.decode", 159, 12),
+        _x("cuda_runtime", "cudaGraphLaunch", 165, 3, correlation=4),
+        _x("cuda_runtime", "cudaLaunchKernel", 96, 2, correlation=1),
+        _x("cuda_runtime", "cudaLaunchKernel", 99, 2, correlation=2),
+    ]
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"traceEvents": events + [{"ph": "M", "name": "process_name", "pid": 7}]}))
+    report = analyse(load(path))
+    assert report["windows"] == [{"wall_us": 100.0, "idle_us": 45.0}]
+    by_launch = {k: tuple(v) for k, v in report["by_launch"].items()}
+    assert by_launch == {
+        "recipes/losses.py(88): reduce < recipes/rl.py(581): on_batch; op aten::item": (30.0, 1),
+        "framework/rollout/engine.py(459): _decode; ranges fw.rollout.decode": (10.0, 1),
+        "(window's end: the host's last work)": (5.0, 1)}
+    by_host = {k: tuple(v) for k, v in report["by_host"].items()}
+    assert by_host == {"recipes/losses.py(88): reduce < recipes/rl.py(581): on_batch": (30.0, 1),
+                       "framework/rollout/engine.py(459): _decode": (10.0, 1),
+                       "lightning/pytorch/loops/loop.py(10): run": (5.0, 1)}
+    out = main([str(path), "--min-us", "8"])   # the 5 µs gap counts in the total only
+    assert out.splitlines()[0] == "1 window(s): wall 0.10 ms, GPU idle 0.04 ms a window (45.0%)"
+    assert "| 0.03 | 1 | `recipes/losses.py(88): reduce < recipes/rl.py(581): on_batch; op aten::item` |" in out
+    assert "| 0.01 | 1 | `framework/rollout/engine.py(459): _decode; ranges fw.rollout.decode` |" in out
+    assert "window's end" not in out
+    # without --stacks' Python frames the main thread's ranges and innermost op say what it was doing
+    bare = [e for e in events if e["cat"] != "python_function"]
+    by_host = {k: tuple(v) for k, v in analyse(bare)["by_host"].items()}
+    assert by_host == {"op aten::item": (30.0, 1), "ranges fw.rollout.decode; op cudaGraphLaunch": (10.0, 1),
+                       "(outside every range and op)": (5.0, 1)}
+
+
+def test_an_rl_step_names_its_phases_for_the_profiler(tmp_path):
+    from benchmarks.fit_profile import main as profile_main
+    from benchmarks.trace_gaps import Thread, load
+    from benchmarks.trace_gaps import main as gaps_main
+
+    trace = tmp_path / "t.json"
+    profile_main(["--config", "train.yaml", "--trace", str(trace), "--trainer.accelerator=cpu",
+                  "--trainer.log_every_n_steps=1", "--logging.tensorboard=false", "--warmup", "1", "--steps", "1"])
+    events = load(trace)
+    main_thread = Thread()
+    main_thread.events = [e for e in events if e.get("cat") == "user_annotation"]
+    main_thread.index()
+
+    def inside(name: str) -> set[str]:   # the ranges around each range called `name`
+        return {p["name"] for e in main_thread.events if e["name"] == name
+                for p in main_thread.around(e["ts"] + e["dur"] / 2) if p is not e}
+
+    step = {"fw.training_step"}
+    for name in ("fw.rl.prompts", "fw.rl.generate", "fw.rl.reward", "fw.rl.loss", "fw.backward",
+                 "fw.optimizer_step"):
+        assert step <= inside(name), name
+    assert {"fw.rl.generate", "fw.training_step"} <= inside("fw.rollout.result")
+    assert {"fw.rl.generate"} <= inside("fw.rollout.decode")
+    assert "fw.metrics.flush" in {e["name"] for e in main_thread.events}
+    out = gaps_main([str(trace)])   # no device here: the window is one stretch with nothing queued
+    assert out.startswith("1 window(s): wall ") and "| 1 | `(window's end: the host's last work)` |" in out

@@ -269,7 +269,8 @@ class RolloutEngine:
                 self._drop_graphs()
             if autocast:
                 torch.clear_autocast_cache()   # the enclosing region keeps its cache otherwise
-        result = _result(seqs, prompts, pad_id, tokenizer, params.stop, device, policy_version)
+        with record_function("fw.rollout.result"):
+            result = _result(seqs, prompts, pad_id, tokenizer, params.stop, device, policy_version)
         if self.timeline is not None:
             self.timeline.exit()
         return result
