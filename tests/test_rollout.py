@@ -1118,3 +1118,26 @@ def test_fp8_cuda_problem_names_what_the_decode_kernel_takes(model):
     assert "computes in float32" in fp8_cuda_problem(torch.float32, c)
     assert "head_dim 96" in fp8_cuda_problem(torch.bfloat16, dataclasses.replace(c, head_dim=96))
     assert "2 / 2 heads" in fp8_cuda_problem(torch.bfloat16, dataclasses.replace(c, num_attention_heads=2))
+
+
+def test_padded_rows_lays_each_row_left_aligned_then_the_pad():
+    from framework.rollout.engine import padded_rows
+
+    ids = padded_rows([[5, 6, 7], [], [2**40, -1]], -9, torch.long)
+    assert ids.dtype == torch.long
+    assert ids.tolist() == [[5, 6, 7], [-9, -9, -9], [2**40, -1, -9]]
+    values = [[0.1, -1e-8], [1 / 3], []]
+    logp = padded_rows(values, 0.0, torch.float32)
+    # each value rounded once from its float64, as torch.tensor(float64 values).float() rounds it
+    expected = [[torch.tensor(v, dtype=torch.float64).float().item() for v in row] + [0.0] * (2 - len(row))
+                for row in values]
+    assert logp.dtype == torch.float32 and logp.tolist() == expected
+    assert padded_rows([], 0, torch.long).shape == (0, 0)
+    assert padded_rows([[], []], 0.0, torch.float32).shape == (2, 0)
+
+
+def test_rollout_result_benchmark_times_the_assembly_of_finished_rows():
+    from benchmarks.rollout_result import main
+
+    out = main(["--rows", "8", "--prompt-len", "5", "--new-tokens", "3", "--rounds", "2"])
+    assert out.startswith("rollout result of 8 rows x (5 + 3) tokens: median ") and out.endswith(")")

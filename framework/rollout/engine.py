@@ -24,6 +24,7 @@ under the unscaled softmax.
 """
 from __future__ import annotations
 
+import array
 import contextlib
 import itertools
 import os
@@ -534,6 +535,26 @@ class _Run:
                 self.sched.finish(s, "length")
 
 
+def padded_rows(rows: list[list], pad: float, dtype: torch.dtype) -> Tensor:
+    """Python rows of ints (int64 ``dtype``) or floats (read as float64, then rounded once to ``dtype``) laid
+    left-aligned into one [len(rows), longest] tensor, ``pad`` after each row's end. One buffer holds every
+    value and one index_copy_ places them: a tensor made per row, from a list, or through a boolean mask costs
+    several times more at a rollout's size."""
+    lens = torch.tensor([len(r) for r in rows], dtype=torch.long)
+    width = int(lens.max()) if len(rows) else 0
+    out = torch.full((len(rows), width), pad, dtype=dtype)
+    flat = array.array("q" if dtype == torch.long else "d")
+    for r in rows:
+        flat.fromlist(r)
+    if flat:
+        values = torch.frombuffer(flat, dtype=torch.long if dtype == torch.long else torch.float64)
+        # each value's slot: its row's first slot, plus its place after its row's first value
+        shift = torch.arange(len(rows)) * width - (torch.cumsum(lens, 0) - lens)
+        # index_copy_, not an indexed assignment: on the CPU index_put_ takes tens of times longer for these sizes
+        out.view(-1).index_copy_(0, torch.arange(len(flat)) + torch.repeat_interleave(shift, lens), values.to(dtype))
+    return out
+
+
 def _result(seqs: list[RowState], prompts: list[list[int]], pad_id: int, tokenizer: Any, stop: tuple[str, ...],
             device: torch.device, policy_version: int) -> Rollout:
     lens = [len(s.tokens) for s in seqs]
@@ -544,16 +565,9 @@ def _result(seqs: list[RowState], prompts: list[list[int]], pad_id: int, tokeniz
         for s in seqs:
             text = tokenizer.decode(s.tokens[:-1] if s.reason == "eos" else s.tokens)
             texts.append(text[:_find_stop(text, stop)] if s.reason == "stop" else text)
-    # every row's ids (and logprobs) in one tensor made from one flat list, laid into the padded rows through a mask
-    # of their lengths (row-major, as the list runs): a tensor made per row costs several times more
-    total = torch.tensor([len(p) + n for p, n in zip(prompts, lens)])
+    seq = padded_rows([s.prompt + s.tokens for s in seqs], pad_id, torch.long)
+    logprobs = padded_rows([s.logprobs for s in seqs], 0.0, torch.float32)
     n_tokens = torch.tensor(lens)
-    seq = torch.full((len(seqs), int(total.max())), pad_id, dtype=torch.long)
-    seq[torch.arange(seq.shape[1]) < total[:, None]] = torch.tensor(
-        list(itertools.chain.from_iterable(s.prompt + s.tokens for s in seqs)), dtype=torch.long)
-    logprobs = torch.zeros(len(seqs), max(lens), dtype=torch.float32)
-    logprobs[torch.arange(logprobs.shape[1]) < n_tokens[:, None]] = torch.tensor(
-        list(itertools.chain.from_iterable(s.logprobs for s in seqs)), dtype=torch.float64).float()
     return Rollout(
         prompt_ids=[list(map(int, p)) for p in prompts], completion_ids=completion_ids,
         tokens=seq.to(device), prompt_lens=torch.tensor([len(p) for p in prompts], device=device),
