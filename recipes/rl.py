@@ -583,11 +583,12 @@ class RLRecipe:
                          rows: Tensor) -> None:
         """Rollout-vs-trainer logprob mismatch and entropy, on the first minibatch before any update."""
         mask = batch.mask[rows]
-        n_tokens = float(mask.sum())
         diff = (logp.detach() - batch.old_logp[rows]).abs() * mask
-        ctx.log("mismatch/mean", float(diff.sum()) / max(n_tokens, 1.0), weight=n_tokens)
+        # one read of the three sums: the host waits for this micro-batch's forward once
+        n_tokens, diff_sum, entropy_sum = torch.stack([mask.sum(), diff.sum(), (entropy * mask).sum()]).tolist()
+        ctx.log("mismatch/mean", diff_sum / max(n_tokens, 1.0), weight=n_tokens)
         ctx.log("mismatch/max", diff.max(), reduce="max")
-        ctx.log("policy/entropy", float((entropy * mask).sum()) / max(n_tokens, 1.0), weight=n_tokens)
+        ctx.log("policy/entropy", entropy_sum / max(n_tokens, 1.0), weight=n_tokens)
 
     @staticmethod
     def log_weighted(ctx: StepContext, prefix: str, values: dict[str, Tensor], weight: float) -> None:

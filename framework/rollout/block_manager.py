@@ -36,7 +36,7 @@ class BlockManager:
             raise FwError(f"rollout: the KV cache needs at least 2 blocks, got {num_blocks}")
         self.num_blocks, self.block_size = num_blocks, block_size
         self.refs = [0] * num_blocks
-        self.free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(1, num_blocks))
+        self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, num_blocks))
         self.cached: dict[int, int] = {}       # prefix hash -> block holding it
         self.hash_of: dict[int, int] = {}      # block -> its prefix hash
 
