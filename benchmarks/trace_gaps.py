@@ -141,8 +141,8 @@ def busy_with(stack: list[dict]) -> str:
 
 
 def analyse(events: list[dict], min_us: float = 0.0) -> dict[str, Any]:
-    """Per window: wall µs and idle µs; over all windows, idle µs and gap counts by launch site and by the main
-    thread's frames at each gap's middle. Gaps shorter than `min_us` count in the totals only."""
+    """Per window: wall µs and idle µs; over all windows, idle µs and gap counts by launch site and by what the main
+    thread was doing at each gap's middle (`busy_with`). Gaps shorter than `min_us` count in the totals only."""
     busy = sorted((e for e in events if e.get("cat") in GPU_CATS), key=lambda e: e["ts"])
     launches = {e["args"]["correlation"]: e for e in events
                 if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
