@@ -23,13 +23,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from benchmarks.fit_profile import BOUNDARY, PY_FRAME
+
 GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 HOST_CATS = ("cpu_op", "user_annotation", "python_function", "cuda_runtime", "cuda_driver")
-BOUNDARY = "fw_profile_boundary"
 # Python frames of the code under study; library frames (torch, lightning, the standard library) are skipped
 # in a site's name unless nothing else is there
 OWN_FRAME = re.compile(r"(^|/)(framework|recipes|ops_cuda|benchmarks)/[\w/]+\.py\(\d+\)")
-PY_FRAME = re.compile(r"\.py\(\d+\): ")
 FRAMES = 3   # own Python frames per site, innermost first
 
 
@@ -117,9 +117,14 @@ def _short(frame: str) -> str:
     return frame[m.start(2):] if m else frame
 
 
+def _ranges(stack: list[dict]) -> list[str]:
+    """The record_function ranges among `stack`'s, innermost first, without fit_profile's step boundaries."""
+    return [e["name"] for e in stack if e.get("cat") == "user_annotation" and e["name"] != BOUNDARY][::-1]
+
+
 def site(stack: list[dict]) -> str:
     """A launch's place: its Python frames, its record_function ranges (innermost first) and its outermost op."""
-    ranges = [e["name"] for e in stack if e.get("cat") == "user_annotation" and e["name"] != BOUNDARY][::-1]
+    ranges = _ranges(stack)
     ops = [e["name"] for e in stack if e.get("cat") == "cpu_op"]
     parts = [" < ".join(frames(stack)) or "(no Python frame)"]
     if ranges:
@@ -134,7 +139,7 @@ def busy_with(stack: list[dict]) -> str:
     py = frames(stack)
     if py:
         return " < ".join(py)
-    ranges = [e["name"] for e in stack if e.get("cat") == "user_annotation" and e["name"] != BOUNDARY][::-1]
+    ranges = _ranges(stack)
     ops = [e["name"] for e in stack if e.get("cat") in ("cpu_op", "cuda_runtime", "cuda_driver")]
     parts = (["ranges " + " < ".join(ranges[:2])] if ranges else []) + (["op " + ops[-1]] if ops else [])
     return "; ".join(parts) or "(outside every range and op)"

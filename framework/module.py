@@ -285,12 +285,9 @@ class FwModule(lightning.LightningModule):
         step = self.trainer.global_step + 1
         return crossed(step - 1, step, self.cfg["trainer"]["log_every_n_steps"]) or step >= self.trainer.max_steps
 
+    @record_function("fw.metrics.flush")
     def flush_metrics(self) -> dict[str, float]:
         """Reduce the interval's metrics (on every rank), add tokens/s, send them to every logger."""
-        with record_function("fw.metrics.flush"):
-            return self._flush_metrics()
-
-    def _flush_metrics(self) -> dict[str, float]:
         metrics = self.step_metrics.compute()
         now = time.perf_counter()
         if "tokens" in metrics:
