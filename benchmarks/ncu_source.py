@@ -27,11 +27,17 @@ class Profile:
     """One kernel's source page, summed."""
 
     kernel: str
-    executed: int = 0
-    samples: int = 0
     by_opcode: dict[str, list[int]] = field(default_factory=dict)   # opcode -> [executed, samples]
     by_stall: Counter = field(default_factory=Counter)              # reason -> samples
     by_count: Counter = field(default_factory=Counter)              # times run -> distinct instructions
+
+    @property
+    def executed(self) -> int:
+        return sum(e for e, _ in self.by_opcode.values())
+
+    @property
+    def samples(self) -> int:
+        return sum(n for _, n in self.by_opcode.values())
 
 
 def opcode(source: str) -> str:
@@ -72,8 +78,6 @@ def read(path: str | Path) -> Profile:
         entry = prof.by_opcode.setdefault(opcode(row[col["Source"]]), [0, 0])
         entry[0] += executed
         entry[1] += samples
-        prof.executed += executed
-        prof.samples += samples
         prof.by_count[executed] += 1
         for c in stalls:
             prof.by_stall[c[len(STALL):]] += _number(row[col[c]])
@@ -84,11 +88,12 @@ def report(prof: Profile, top: int = 15) -> str:
     def share(part: int, whole: int) -> str:
         return f"{100 * part / whole:.1f}%" if whole else "-"
 
-    out = [f"{prof.kernel}", f"instructions executed {prof.executed:,}, stall samples {prof.samples:,}", "",
+    executed = prof.executed
+    out = [prof.kernel, f"instructions executed {executed:,}, stall samples {prof.samples:,}", "",
            "| opcode | executed | share | samples | share |", "|---|---|---|---|---|"]
     ranked = sorted(prof.by_opcode.items(), key=lambda kv: (-kv[1][1], -kv[1][0], kv[0]))
-    for op, (executed, samples) in ranked[:top]:
-        out.append(f"| {op} | {executed:,} | {share(executed, prof.executed)} | {samples:,} | "
+    for op, (n_exec, samples) in ranked[:top]:
+        out.append(f"| {op} | {n_exec:,} | {share(n_exec, executed)} | {samples:,} | "
                    f"{share(samples, prof.samples)} |")
     stall_total = sum(prof.by_stall.values())
     out += ["", "| stall reason | samples | share |", "|---|---|---|"]
@@ -96,7 +101,7 @@ def report(prof: Profile, top: int = 15) -> str:
         out.append(f"| {reason} | {n:,} | {share(n, stall_total)} |")
     out += ["", "| times run | instructions | executed | share |", "|---|---|---|---|"]
     for times, n in sorted(prof.by_count.items(), key=lambda kv: (-kv[0] * kv[1], -kv[0]))[:top]:
-        out.append(f"| {times:,} | {n} | {times * n:,} | {share(times * n, prof.executed)} |")
+        out.append(f"| {times:,} | {n} | {times * n:,} | {share(times * n, executed)} |")
     return "\n".join(out)
 
 
