@@ -1,5 +1,5 @@
-"""sample: Gumbel-max sampling with top-k / top-p / min-p from a batch of logits, and its logprob. Schema,
-shape checks, torch reference (Philox4x32 noise, the sampling mask), fake (inference only: no autograd).
+"""sample: sampling with top-k / top-p / min-p from a batch of logits, and its logprob. Schema, shape checks,
+torch reference (Philox4x32 noise, the inverse CDF, the sampling mask), fake (inference only: no autograd).
 CUDA kernels: csrc/sample.cu.
 """
 from __future__ import annotations
@@ -48,6 +48,49 @@ def gumbel_noise(batch: int, vocab: int, seed: int, device: torch.device | str =
     return -torch.log(-torch.log(u))
 
 
+def row_uniform53(seed: int, counters: Tensor) -> Tensor:
+    """float64 [B] in (0, 1]: one uniform a row from Philox4x32-10 keyed by `seed`, counter (c1, c2, 1, 0) with
+    (c1, c2) = counters[b] (int64 [B, 2], low 32 bits of each): 32 + 21 bits of the first two words, a stream apart
+    from gumbel_noise's, whose counters end in (.., 0, 0)."""
+    c = counters.to(torch.int64)
+    one = torch.ones_like(c[:, 0])
+    w = philox4x32(c[:, 0], c[:, 1], one, torch.zeros_like(one), seed & _MASK32, (seed >> 32) & _MASK32)
+    bits = ((w[0] << 21) | (w[1] >> 11)) & ((1 << 53) - 1)
+    return (bits.double() + 0.5) * 2.0 ** -53
+
+
+_CHUNK = 128   # columns a chunk of inverse_cdf's two-level scan
+
+
+def inverse_cdf(p: Tensor, u: Tensor) -> Tensor:
+    """The first column whose cumulative mass exceeds u x the row's mass, for p [B, V] >= 0 and u [B]: the chunk by
+    the float64 running sums of the chunks' sums, then the column within it (two small scans instead of one over
+    V). A chunk sum may round above its columns' running sum; the pick then falls back to the last column (chunk)
+    before it with mass, so a column of zero mass is never drawn."""
+    B, V = p.shape
+    pad = -V % _CHUNK
+    if pad:
+        p = torch.nn.functional.pad(p, (0, pad))
+    sums = p.view(B, -1, _CHUNK).sum(-1).double().cumsum(-1)
+    target = (u.to(sums.device) * sums[:, -1])[:, None]
+    chunk = torch.searchsorted(sums, target, right=True).clamp_(max=sums.shape[1] - 1)
+    chunk = torch.searchsorted(sums, sums.gather(1, chunk))       # the last chunk with mass at or before
+    before = torch.where(chunk > 0, sums.gather(1, (chunk - 1).clamp(min=0)), 0.0)
+    cols = chunk * _CHUNK + torch.arange(_CHUNK, device=p.device)[None, :]
+    inner = p.gather(1, cols).cumsum(-1, dtype=torch.float64)
+    j = torch.searchsorted(inner, target - before, right=True).clamp_(max=_CHUNK - 1)
+    j = torch.searchsorted(inner, inner.gather(1, j))             # the last column with mass at or before
+    return (chunk * _CHUNK + j).squeeze(1)
+
+
+def row_counters(batch: int, counters: Tensor | None, device: torch.device | str) -> Tensor:
+    """int64 [batch, 2]: the rows' `counters`, or (b, 0) for row b without them."""
+    if counters is not None:
+        return counters.to(device=device, dtype=torch.int64)
+    rows = torch.arange(batch, device=device, dtype=torch.int64)
+    return torch.stack([rows, torch.zeros_like(rows)], 1)
+
+
 def sampling_mask(z: Tensor, top_k: int, top_p: float, min_p: float) -> Tensor:
     """Tokens that may be drawn from scaled logits z [B, V] (float32): z >= max(tau_k, tau_p, tau_min).
     tau_k = the k-th largest z; tau_p = the largest value whose tail {z >= tau} (within top-k) holds at
@@ -69,14 +112,24 @@ def sampling_mask(z: Tensor, top_k: int, top_p: float, min_p: float) -> Tensor:
     return z >= tau[:, None]
 
 
+def is_plain(vocab: int, top_k: int, top_p: float, min_p: float) -> bool:
+    """Whether top-k, top-p and min-p leave every token allowed (the kernels' "plain" sampling)."""
+    return (top_k <= 0 or top_k >= vocab) and top_p >= 1.0 and min_p <= 0.0
+
+
 def sample_reference(logits: Tensor, temperature: float, top_k: int, top_p: float, min_p: float,
                      seed: int, counters: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """(tokens int64 [B], logprob float32 [B]). Gumbel-max over the allowed tokens of logits/temperature;
-    logprob under the temperature-scaled FULL softmax. temperature 0: greedy (first maximum), logprob
-    under the unscaled softmax."""
+    """(tokens int64 [B], logprob float32 [B]). Plain sampling (no top-k / top-p / min-p): the inverse CDF of
+    softmax(logits / temperature) at one Philox uniform a row (row_uniform53). Otherwise Gumbel-max over the
+    allowed tokens of logits / temperature (gumbel_noise). logprob under the temperature-scaled FULL softmax.
+    temperature 0: greedy (first maximum), logprob under the unscaled softmax."""
     z = logits.to(acc_dtype(logits.dtype))
     if temperature == 0.0:
         tokens = z.argmax(-1)
+    elif is_plain(z.shape[1], top_k, top_p, min_p):
+        z = z / temperature
+        u = row_uniform53(seed, row_counters(z.shape[0], counters, z.device))
+        tokens = inverse_cdf(torch.softmax(z, -1), u)
     else:
         z = z / temperature
         keep = sampling_mask(z, top_k, top_p, min_p)
@@ -97,11 +150,11 @@ define("sample(Tensor logits, float temperature, int top_k, float top_p, float m
 
 def sample(logits: Tensor, temperature: float, top_k: int, top_p: float, min_p: float,
            seed: int, counters: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """(tokens int64 [B], logprob fp32 [B]). Draws by Gumbel-max (Philox, keyed by `seed`) among the
-    tokens top-k / top-p / min-p allow; logprob is under the temperature-scaled FULL softmax.
-    temperature 0 is greedy, its logprob under the unscaled softmax. `counters` (int64 [B, 2]) gives each
-    row its own noise stream, e.g. (sequence id, decode step), so a row's draw does not depend on its slot
-    in the batch; without it row b's stream is (b, 0).
+    """(tokens int64 [B], logprob fp32 [B]). Draws by the inverse CDF at one Philox uniform a row (keyed by `seed`)
+    where top-k / top-p / min-p are off, else by Gumbel-max (Philox noise of every column) among the tokens they
+    allow; logprob is under the temperature-scaled FULL softmax. temperature 0 is greedy, its logprob under the
+    unscaled softmax. `counters` (int64 [B, 2]) gives each row its own random stream, e.g. (sequence id, decode
+    step), so a row's draw does not depend on its slot in the batch; without it row b's stream is (b, 0).
 
     Valid ranges (not checked here; the caller's sampling parameters check them): temperature >= 0,
     top_k >= 0 (0 = off), top_p in (0, 1] (1 = off), min_p in [0, 1) (0 = off)."""

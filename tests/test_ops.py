@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 import ops_cuda
 from ops_cuda import extension as fw_build
-from ops_cuda.sample import gumbel_noise, philox4x32, sampling_mask
+from ops_cuda.sample import gumbel_noise, inverse_cdf, philox4x32, row_uniform53, sample_reference, sampling_mask
 
 D64 = torch.float64
 
@@ -654,6 +654,51 @@ def test_gumbel_noise_stream_layout():
         word = int(philox4x32(one(c // 4), one(r), one(0), one(0), 123, 7)[c % 4])
         u = ((word >> 9) + 0.5) * 2.0**-23
         assert abs(float(g[r, c]) - (-math.log(-math.log(u)))) < 1e-5
+
+
+def test_row_uniform53_stream_layout():
+    """Row b's uniform: ((w0 << 21) | (w1 >> 11) + 0.5) * 2^-53 from the first two words of Philox(counter (c1, c2,
+    1, 0), key = the 64-bit seed), (c1, c2) its counters."""
+    seed = (9 << 32) | 77
+    counters = torch.tensor([[0, 0], [5, 3], [2**32 + 4, 1]])
+    u = row_uniform53(seed, counters)
+    for b, (c1, c2) in enumerate([(0, 0), (5, 3), (4, 1)]):
+        w = [int(x) for x in philox4x32(*(torch.tensor([v]) for v in (c1, c2, 1, 0)), 77, 9)]
+        bits = ((w[0] << 21) | (w[1] >> 11)) & ((1 << 53) - 1)
+        assert float(u[b]) == (bits + 0.5) * 2.0**-53
+
+
+@pytest.mark.parametrize("with_counters", [False, True])
+def test_plain_sampling_is_the_inverse_cdf_at_the_rows_uniform(with_counters):
+    """Without top-k / top-p / min-p the reference draws the first column whose running mass, summed here in
+    Python, exceeds u x the row's mass, u the row's uniform ((b, 0) without counters)."""
+    B, V, T, seed = 6, 1000, 0.8, 31
+    logits = 2 * torch.randn(B, V, dtype=D64)
+    counters = torch.randint(0, 2**40, (B, 2)) if with_counters else None
+    tok, lp = sample_reference(logits, T, 0, 1.0, 0.0, seed, counters)
+    rows = torch.stack([torch.arange(B), torch.zeros(B, dtype=torch.long)], 1)   # (b, 0): row b's stream
+    u = row_uniform53(seed, counters if with_counters else rows)
+    for b in range(B):
+        z = [float(v) / T for v in logits[b]]
+        m = max(z)
+        mass = [math.exp(v - m) for v in z]
+        target, run = float(u[b]) * math.fsum(mass), 0.0
+        want = next(j for j, e in enumerate(mass) if (run := run + e) > target)
+        assert int(tok[b]) == want
+        assert abs(float(lp[b]) - (z[want] - m - math.log(math.fsum(mass)))) < 1e-6
+
+
+def test_inverse_cdf_draws_only_columns_with_mass():
+    """inverse_cdf over hand-made rows of 300 columns (3 chunks, the last padded): the first column whose running
+    mass passes u x the total; at u = 1 (the total itself) the last column with mass, never a zero column after it
+    or a padding column."""
+    p = torch.zeros(6, 300)
+    p[:3, [1, 3, 4]] = torch.tensor([0.25, 0.5, 0.25])   # running mass 0.25, 0.75, 1 at columns 1, 3, 4
+    p[3, 200] = 1.0
+    p[4, [127, 128]] = torch.tensor([0.5, 0.5])           # the two sides of a chunk boundary
+    p[5, [127, 128]] = torch.tensor([0.5, 0.5])
+    u = torch.tensor([0.3, 0.1, 1.0, 1.0, 0.6, 0.4], dtype=torch.float64)
+    assert inverse_cdf(p, u).tolist() == [3, 1, 4, 200, 128, 127]
 
 
 def test_sampling_sets_hand_computed():

@@ -143,21 +143,6 @@ def test_first_token_distribution_matches_filtered_softmax(model, tok, temperatu
     assert len(cells) >= 2  # the distribution is not degenerate: the test has power
 
 
-def test_cpu_inverse_cdf_draws_only_columns_with_mass():
-    """The CPU sampler's scan over hand-made rows of 300 columns (3 chunks, the last padded): the first column
-    whose running mass passes u x the total; at u = 1 (the total itself) the last column with mass, never a
-    zero column after it or a padding column."""
-    from framework.rollout.sampling import _inverse_cdf
-
-    p = torch.zeros(6, 300)
-    p[:3, [1, 3, 4]] = torch.tensor([0.25, 0.5, 0.25])   # running mass 0.25, 0.75, 1 at columns 1, 3, 4
-    p[3, 200] = 1.0
-    p[4, [127, 128]] = torch.tensor([0.5, 0.5])           # the two sides of a chunk boundary
-    p[5, [127, 128]] = torch.tensor([0.5, 0.5])
-    u = torch.tensor([0.3, 0.1, 1.0, 1.0, 0.6, 0.4], dtype=torch.float64)
-    assert _inverse_cdf(p, u).tolist() == [3, 1, 4, 200, 128, 127]
-
-
 def test_top_k_one_is_greedy(model, prompts):
     greedy = generate(model, prompts, SamplingParams(max_new_tokens=8, temperature=0.0))
     topk1 = generate(model, prompts, SamplingParams(max_new_tokens=8, temperature=0.9, top_k=1), seed=123)

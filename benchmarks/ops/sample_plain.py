@@ -1,6 +1,7 @@
-"""Plain sampling (temperature 1, no top-k / top-p: the split kernel) at V 151,936 with bf16 logits: the share of
-rows whose token equals the float64 reference's draw from the same Philox stream, the logprob's largest relative
-error, and fw's time (CUDA-graph replay medians in us, three rounds), against torch.compile of the reference maths at
+"""Plain sampling (temperature 1, no top-k / top-p: the split kernel and the inverse-CDF draw) at V 151,936 with
+bf16 logits: the share of rows whose token equals the float64 reference's draw at the same Philox uniform (a target
+within float32 rounding of a column's edge may take its neighbour), the logprob's largest relative error, and fw's
+time (CUDA-graph replay medians in us, three rounds), against torch.compile of softmax and `torch.multinomial` at
 the last batch size.
 
     python -m benchmarks.ops.sample_plain 1,64,256      (needs a CUDA GPU)
@@ -27,7 +28,7 @@ def main(batches: list[int]) -> None:
         tok, lp = fw_sample(lg, 1.0, 0, 1.0)
         tok_ref, _ = sample_reference(lg.double(), 1.0, 0, 1.0, 0.0, 1)
         full = lg.double().log_softmax(-1).gather(1, tok[:, None]).squeeze(1)
-        print(f"B={B}: tokens equal to the float64 reference stream {(tok == tok_ref).float().mean().item():.4f}, "
+        print(f"B={B}: tokens equal to the float64 reference draw {(tok == tok_ref).float().mean().item():.4f}, "
               f"max rel logprob err {((lp - full).abs() / full.abs()).max().item():.2e}", flush=True)
         fw_us, comp_us = [], []
         for _ in range(3):

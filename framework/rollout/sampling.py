@@ -13,7 +13,7 @@ from torch import Tensor
 
 import ops_cuda
 from framework.errors import FwError
-from ops_cuda.sample import philox4x32, sampling_mask
+from ops_cuda.sample import inverse_cdf, row_uniform53, sampling_mask
 
 
 @dataclass(frozen=True)
@@ -77,17 +77,15 @@ class SamplingParams:
         return list(self.max_new_tokens)
 
 
-_CHUNK = 128   # columns a chunk of the CPU sampler's two-level scan
-
-
 def draw(logits: Tensor, params: SamplingParams, key: int, counters: Tensor) -> tuple[Tensor, Tensor]:
     """(tokens int64 [B], behaviour logprobs float32 [B]) for logits [B, V]; row b's randomness is keyed by
     (key, counters[b]) only (counters int64 [B, 2]: sequence id, decode step), never by its slot in the batch.
 
-    CUDA: ``ops_cuda.sample`` (Gumbel-max over Philox noise of every column). CPU: inverse-CDF sampling with
-    one Philox uniform per row (53 bits) over the row's softmax, which draws from the same filtered
-    distribution at a fraction of the cost of per-column noise; the logprob is the log of the drawn token's
-    full-softmax probability.
+    Both draw by the inverse CDF at one Philox uniform a row (53 bits) where top-k / top-p / min-p are off, so
+    CPU and CUDA pick the same token but where rounding moves the target across a column's edge. CUDA:
+    ``ops_cuda.sample``, whose filtered draw is Gumbel-max over Philox noise of every column. CPU: the inverse CDF
+    over the filtered softmax too, the same distribution at a fraction of the cost of per-column noise; the
+    logprob is the log of the drawn token's full-softmax probability.
     """
     T = params.temperature
     if logits.device.type != "cpu":
@@ -101,37 +99,6 @@ def draw(logits: Tensor, params: SamplingParams, key: int, counters: Tensor) -> 
     p = torch.softmax(z, -1)   # one fused pass a row: max, exp, sum, scale
     if params.top_k or params.top_p < 1.0 or params.min_p > 0.0:
         p.masked_fill_(~sampling_mask(z, params.top_k, params.top_p, params.min_p), 0.0)
-    tokens = _inverse_cdf(p, _uniform53(key, counters))
+    tokens = inverse_cdf(p, row_uniform53(key, counters))
     # masking keeps the drawn token's probability, which is under the full softmax
     return tokens, p.gather(1, tokens[:, None]).squeeze(1).double().log().float()
-
-
-def _inverse_cdf(p: Tensor, u: Tensor) -> Tensor:
-    """The first column whose cumulative mass exceeds u x the row's mass, for p [B, V] >= 0: the chunk by the
-    float64 running sums of the chunks' (float32) sums, then the column within it (two small scans instead of
-    one over V). A chunk sum may round above its columns' float64 running sum; the pick then falls back to
-    the last column (chunk) before it with mass, so a column of zero mass is never drawn."""
-    B, V = p.shape
-    pad = -V % _CHUNK
-    if pad:
-        p = torch.nn.functional.pad(p, (0, pad))
-    sums = p.view(B, -1, _CHUNK).sum(-1).double().cumsum(-1)
-    target = (u * sums[:, -1])[:, None]
-    chunk = torch.searchsorted(sums, target, right=True).clamp_(max=sums.shape[1] - 1)
-    chunk = torch.searchsorted(sums, sums.gather(1, chunk))       # the last chunk with mass at or before
-    before = torch.where(chunk > 0, sums.gather(1, (chunk - 1).clamp(min=0)), 0.0)
-    cols = chunk * _CHUNK + torch.arange(_CHUNK)[None, :]
-    inner = p.gather(1, cols).cumsum(-1, dtype=torch.float64)
-    j = torch.searchsorted(inner, target - before, right=True).clamp_(max=_CHUNK - 1)
-    j = torch.searchsorted(inner, inner.gather(1, j))             # the last column with mass at or before
-    return (chunk * _CHUNK + j).squeeze(1)
-
-
-def _uniform53(key: int, counters: Tensor) -> Tensor:
-    """float64 [B] in (0, 1] from Philox4x32-10 keyed by `key`, counter (c1, c2, 1, 0) of each row: a stream
-    apart from the sampler's Gumbel noise, whose counters end in (.., 0, 0)."""
-    c = counters.to(torch.int64)
-    one = torch.ones_like(c[:, 0])
-    w = philox4x32(c[:, 0], c[:, 1], one, torch.zeros_like(one), key & 0xFFFFFFFF, (key >> 32) & 0xFFFFFFFF)
-    bits = ((w[0] << 21) | (w[1] >> 11)) & ((1 << 53) - 1)   # 32 + 21 bits
-    return (bits.double() + 0.5) * 2.0 ** -53

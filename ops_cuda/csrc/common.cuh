@@ -144,15 +144,22 @@ template <typename V> __device__ __forceinline__ V warp_max(V v) {
   return v;
 }
 
-// Sum over the block; `smem` holds 32 floats; every thread gets the result.
-__device__ __forceinline__ float block_sum(float v, float* smem) {
+// A warp reduction `op` (warp_sum, warp_max) over the block; `smem` holds 32 values; `none` is the identity of
+// the reduction; every thread gets the result.
+template <typename V, typename Op> __device__ __forceinline__ V block_reduce(V v, V* smem, V none, Op op) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = (blockDim.x + 31) >> 5;
-  v = warp_sum(v);
+  v = op(v);
   __syncthreads();
   if (lane == 0) smem[warp] = v;
   __syncthreads();
-  v = lane < warps ? smem[lane] : 0.f;
-  return warp_sum(v);
+  v = lane < warps ? smem[lane] : none;
+  return op(v);
+}
+__device__ __forceinline__ float block_sum(float v, float* smem) {
+  return block_reduce(v, smem, 0.f, [](float x) { return warp_sum(x); });
+}
+__device__ __forceinline__ float block_max(float v, float* smem) {
+  return block_reduce(v, smem, -INFINITY, [](float x) { return warp_max(x); });
 }
 
 // dtype dispatch for launchers: F is called with a value of the element type (only its type matters).

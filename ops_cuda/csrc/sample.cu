@@ -12,7 +12,10 @@
 //  counters (the same stream as gumbel_noise in ops_cuda/sample.py).
 // temperature 0: greedy (first maximum), logprob under the unscaled softmax.
 // Without top-k / top-p / min-p (and for greedy) no threshold is needed: the row is split over several
-// blocks (one pass) and a small kernel combines them, which keeps the GPU busy at batch 1.
+// blocks (one pass, no noise) that write each part's max and sum of exp (and greedy's argmax). Greedy merges
+// them in a small kernel; plain sampling draws by inverse CDF with one Philox uniform a row (counter
+// (c1, c2, 1, 0), 53 bits, as row_uniform53 in ops_cuda/sample.py): the part whose running mass passes u times
+// the row's mass, then the column within it, rescanning that part only.
 #include <cmath>
 
 #include "common.cuh"
@@ -27,7 +30,7 @@ struct SampleSplitWorkspace {
   float* part_f;     // [B, P, 3]
   int64_t* part_i;   // [B, P]
 };
-int sample_split_parts(int B, int64_t V, int sm_count);
+int sample_split_parts(int B, int64_t V, int sm_count, bool draw);
 cudaError_t sample(DType dt, const void* logits, int64_t row_stride, int64_t* tokens, float* logprob, int B,
                    int64_t V, float temperature, int64_t top_k, float top_p, float log_min_p, bool use_min_p,
                    uint64_t seed, const int64_t* counters, SampleSplitWorkspace split_ws, cudaStream_t stream);
@@ -66,14 +69,6 @@ __device__ __forceinline__ float gumbel(uint32_t x) {
   const float u = ((float)(x >> 9) + 0.5f) * (1.0f / 8388608.0f);
   return -logf(-logf(u));
 }
-// The same noise with the fast outer log (the plain-sampling split kernel, bound by its arithmetic a column). Its
-// argument -log(u) lies in [6e-8, 16.6], where __logf's error is at most 2^-21.4 absolute or 3 ulp. The inner log
-// stays exact: near u = 1 the fast one's absolute error would exceed -log(u) itself.
-__device__ __forceinline__ float gumbel_fast(uint32_t x) {
-  const float u = ((float)(x >> 9) + 0.5f) * (1.0f / 8388608.0f);
-  return -__logf(-logf(u));
-}
-
 struct ArgMax {
   float v;
   int64_t i;
@@ -443,27 +438,41 @@ sample_kernel(const T* __restrict__ logits, int64_t row_stride, int64_t* __restr
 }
 
 // Plain sampling (no top-k / top-p / min-p) and greedy need no row-wide threshold, so a row is split over
-// P blocks: each writes a partial (max, sum of exp, best z + g, its index); sample_combine_kernel merges.
-// The loop computes more than it loads (a Philox draw per 4 columns, two logs and an exp per column), so a thread
-// takes 8 columns at a time: one or two 16-byte loads where the row start is 16-byte aligned, one rescale of the
-// running sum per 8 columns, the fast exp (its argument z - max is <= 0; its error, 2 + floor(1.173 |x|) ulp in
-// CUDA's table, grows only as the term shrinks against the max's 1) and gumbel_fast: about 75 SASS instructions a
-// column on the aligned path against about 120 with exact expf, logf and division, 4 columns a thread (sm_90).
-// z = x * (1 / T) is within an ulp of the x / T that sample_combine_kernel and the reference (ops_cuda/sample.py)
-// compute. A group whose columns are all -inf is skipped, so a NaN logit among seven -inf ones is dropped; any other NaN makes the sum NaN.
+// P blocks: each writes its part's max and sum of exp(z - max) (and greedy's argmax); sample_combine_kernel
+// merges greedy's parts, sample_icdf_kernel draws from plain sampling's. A thread takes 8 columns at a time: one
+// or two 16-byte loads where the row start is 16-byte aligned, one rescale of the running sum per 8 columns, the
+// fast exp (its argument z - max is <= 0; its error, 2 + floor(1.173 |x|) ulp in CUDA's table, grows only as the
+// term shrinks against the max's 1). z = x * (1 / T) is within an ulp of the x / T that the logprob and the
+// reference (ops_cuda/sample.py) compute. A group whose columns are all -inf is skipped, so a NaN logit among
+// seven -inf ones is dropped; any other NaN makes the sum NaN.
 constexpr int kSplitThreads = 256, kSplitCols = 8;
+
+// The 8 columns of group c0 (c0 a multiple of kSplitCols) as z = x * inv_t, -inf past c_end: the split kernel
+// and the draw's rescan of one part read a column the same way, so they compute the same terms.
+template <typename T>
+__device__ __forceinline__ void load_group(const T* __restrict__ x, int64_t c0, int64_t c_end, bool aligned,
+                                           float inv_t, float (&z)[kSplitCols]) {
+  constexpr int N = 16 / sizeof(T), NV = kSplitCols / N;  // columns a 16-byte load, loads a group
+  if (aligned && c0 + kSplitCols <= c_end) {
+#pragma unroll
+    for (int n = 0; n < NV; ++n) {
+      const Vec<T, N> v = load_vec<T, N>(x + c0 + n * N);
+#pragma unroll
+      for (int j = 0; j < N; ++j) z[n * N + j] = to_f(v.v[j]) * inv_t;
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < kSplitCols; ++j) z[j] = c0 + j < c_end ? to_f(x[c0 + j]) * inv_t : -INFINITY;
+  }
+}
 
 template <typename T>
 __global__ void __launch_bounds__(kSplitThreads)
-sample_split_kernel(const T* __restrict__ logits, int64_t row_stride, int64_t V, float temperature, uint32_t k0,
-                    uint32_t k1, const int64_t* __restrict__ counters, int64_t cols_per_block, float* __restrict__ part_f,
-                    int64_t* __restrict__ part_i) {
-  constexpr int N = 16 / sizeof(T), NV = kSplitCols / N;  // columns a 16-byte load, loads a group
+sample_split_kernel(const T* __restrict__ logits, int64_t row_stride, int64_t V, float temperature,
+                    int64_t cols_per_block, float* __restrict__ part_f, int64_t* __restrict__ part_i) {
   __shared__ RowStats red[32];
   const int64_t row = blockIdx.x, P = gridDim.y;  // rows on x: up to 2^31 - 1 of them
   const T* x = logits + row * row_stride;
-  const uint32_t c1 = counters ? (uint32_t)counters[2 * row] : (uint32_t)row;  // the row's noise stream
-  const uint32_t c2 = counters ? (uint32_t)counters[2 * row + 1] : 0u;
   const bool greedy = temperature == 0.f, aligned = (reinterpret_cast<uintptr_t>(x) & 15u) == 0;
   const float inv_t = greedy ? 1.f : 1.f / temperature;
   // cols_per_block is a multiple of kSplitCols, so every group lies in one block's columns
@@ -472,17 +481,7 @@ sample_split_kernel(const T* __restrict__ logits, int64_t row_stride, int64_t V,
   for (int64_t g = c_begin / kSplitCols + threadIdx.x; g * kSplitCols < c_end; g += kSplitThreads) {
     const int64_t c0 = g * kSplitCols;
     float z[kSplitCols];
-    if (aligned && c0 + kSplitCols <= c_end) {
-#pragma unroll
-      for (int n = 0; n < NV; ++n) {
-        const Vec<T, N> v = load_vec<T, N>(x + c0 + n * N);
-#pragma unroll
-        for (int j = 0; j < N; ++j) z[n * N + j] = to_f(v.v[j]) * inv_t;
-      }
-    } else {
-#pragma unroll
-      for (int j = 0; j < kSplitCols; ++j) z[j] = c0 + j < c_end ? to_f(x[c0 + j]) * inv_t : -INFINITY;
-    }
+    load_group(x, c0, c_end, aligned, inv_t, z);
     // -inf (a banned token, or a column past the end) carries no mass and is never picked
     float mx = z[0];
 #pragma unroll
@@ -498,17 +497,6 @@ sample_split_kernel(const T* __restrict__ logits, int64_t row_stride, int64_t V,
 #pragma unroll
       for (int j = 0; j < kSplitCols; ++j)
         if (z[j] != -INFINITY) st.a = better(st.a, ArgMax{z[j], c0 + j});
-    } else {
-#pragma unroll
-      for (int h = 0; h < kSplitCols / 4; ++h) {
-        const uint4 r = philox4x32_10(make_uint4((uint32_t)(c0 / 4 + h), c1, c2, 0u), k0, k1);
-        const uint32_t w[4] = {r.x, r.y, r.z, r.w};
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const int c = 4 * h + j;
-          if (z[c] != -INFINITY) st.a = better(st.a, ArgMax{z[c] + gumbel_fast(w[j]), c0 + c});
-        }
-      }
     }
   }
   st = block_reduce_stats(st, red, V);
@@ -542,16 +530,120 @@ __global__ void sample_combine_kernel(const T* __restrict__ logits, int64_t row_
   out_logprob[row] = (temperature == 0.f ? x : x / temperature) - (M + logf(S));
 }
 
+// The draw of plain sampling, one block a row, after sample_split_kernel (P <= kSplitThreads parts: thread p
+// holds part p). The parts' sums, rescaled to the row's max, are scanned in float64; the part whose running
+// mass passes u x the row's mass is drawn from: the block rescans its columns in tiles of kSplitThreads x
+// kSplitCols, a float64 block scan of the threads' sums a tile, for the first column whose running mass (in the
+// part's own scale exp(z - m_p)) exceeds what is left of the target. The running sums are float64 so that a
+// column's share of the draw is its own float32 mass however much precedes it: a float32 running sum would drop
+// the mass of columns below its rounding step. Rounding between the two passes' orders can leave
+// the target past the rescanned part's mass: its last column with mass is drawn then, as a target past the
+// row's mass takes the last part with mass. A row without mass (all -inf or NaN) draws column 0.
+template <typename T>
+__global__ void __launch_bounds__(kSplitThreads)
+sample_icdf_kernel(const T* __restrict__ logits, int64_t row_stride, int64_t V, float temperature, uint32_t k0,
+                   uint32_t k1, const int64_t* __restrict__ counters, int P, int64_t cols_per_block,
+                   const float* __restrict__ part_f, int64_t* __restrict__ tokens, float* __restrict__ out_logprob) {
+  __shared__ float scan[32];
+  __shared__ double dscan[32];
+  __shared__ int s_part, s_last_part;
+  __shared__ float s_mp, s_lse;
+  __shared__ double s_r;
+  __shared__ unsigned long long s_tok, s_last;
+  const int64_t row = blockIdx.x;
+  const T* x = logits + row * row_stride;
+  const int t = threadIdx.x;
+  const float inv_t = 1.f / temperature;
+  if (t == 0) {
+    s_part = 0x7fffffff;
+    s_last_part = -1;
+    s_tok = ~0ull;
+    s_last = 0ull;
+  }
+  const float* pf = part_f + 3 * row * P;
+  const float mp = t < P ? pf[3 * t] : -INFINITY, sp = t < P ? pf[3 * t + 1] : 0.f;
+  const float M = block_max(mp, scan);
+  const double scale = sp > 0.f ? (double)expf(mp - M) : 0.0;  // NaN sums carry no mass
+  const double wp = (double)sp * scale;
+  double S;
+  const double before = block_exclusive_scan(wp, dscan, &S);
+  const uint32_t c1 = counters ? (uint32_t)counters[2 * row] : (uint32_t)row;  // the row's stream
+  const uint32_t c2 = counters ? (uint32_t)counters[2 * row + 1] : 0u;
+  const uint4 w = philox4x32_10(make_uint4(c1, c2, 1u, 0u), k0, k1);
+  const uint64_t bits = (((uint64_t)w.x << 21) | (w.y >> 11)) & ((1ull << 53) - 1);  // 32 + 21 bits
+  const double target = ((double)bits + 0.5) * 0x1p-53 * S;
+  if (wp > 0.0) {
+    if (before <= target && target < before + wp) atomicMin(&s_part, t);
+    atomicMax(&s_last_part, t);
+  }
+  __syncthreads();
+  const int chosen = s_part != 0x7fffffff ? s_part : s_last_part;
+  if (t == chosen) {
+    s_mp = mp;
+    s_r = (target - before) / scale;   // what is left of the target, in the part's scale
+    s_lse = M + (float)log(S);
+  }
+  if (chosen < 0 && t == 0) s_lse = M + (float)log(S);
+  __syncthreads();
+  const int part = chosen;
+  int64_t tok = 0;
+  if (part >= 0) {
+    const bool aligned = (reinterpret_cast<uintptr_t>(x) & 15u) == 0;
+    const float mp = s_mp;
+    const double r = s_r;
+    const int64_t c_begin = part * cols_per_block, c_end = min(V, c_begin + cols_per_block);
+    double done = 0.0;   // the mass of the part's tiles before this one
+    int64_t mine = -1;   // this thread's last column with mass, for the fallback
+    for (int64_t base = c_begin; base < c_end; base += (int64_t)kSplitThreads * kSplitCols) {
+      const int64_t c0 = base + (int64_t)t * kSplitCols;
+      float e[kSplitCols], z[kSplitCols];
+      double local = 0.0;
+      load_group(x, c0, c_end, aligned, inv_t, z);
+#pragma unroll
+      for (int j = 0; j < kSplitCols; ++j) {
+        e[j] = z[j] == -INFINITY ? 0.f : __expf(z[j] - mp);
+        local += e[j];
+        if (e[j] > 0.f) mine = c0 + j;
+      }
+      double tile;
+      const double excl = block_exclusive_scan(local, dscan, &tile);
+      const double rest = r - done;
+      if (local > 0.0 && excl <= rest && rest < excl + local) {
+        double run = 0.0;
+#pragma unroll
+        for (int j = 0; j < kSplitCols; ++j) {
+          run += e[j];
+          if (e[j] > 0.f && excl + run > rest) {
+            atomicMin(&s_tok, (unsigned long long)(c0 + j));
+            break;
+          }
+        }
+      }
+      __syncthreads();
+      if (s_tok != ~0ull) break;  // block-uniform: read after the barrier
+      done += tile;
+    }
+    if (s_tok == ~0ull) {  // block-uniform
+      if (mine >= 0) atomicMax(&s_last, (unsigned long long)(mine + 1));
+      __syncthreads();
+    }
+    tok = s_tok != ~0ull ? (int64_t)s_tok : (s_last > 0ull ? (int64_t)s_last - 1 : c_begin);
+  }
+  if (t == 0) {
+    tokens[row] = tok;
+    out_logprob[row] = to_f(x[tok]) / temperature - s_lse;
+  }
+}
+
 }  // namespace
 
-int sample_split_parts(int B, int64_t V, int sm_count) {
-  // a grid of about 8 blocks per SM (at 48 registers a thread, 5 are resident): the loop computes more
-  // than it loads (a Philox draw per 4 columns, two logs and an exp per column) and needs every SM full of
-  // warps; with 2 blocks per SM a large batch runs far below the copy bandwidth (`python -m
-  // benchmarks.ops.sample_plain 1,64,256`)
-  int64_t P = (8 * (int64_t)sm_count + B - 1) / B;
+int sample_split_parts(int B, int64_t V, int sm_count, bool draw) {
   const int64_t most = (V + 4095) / 4096;  // at least 4096 columns per block
+  // Plain sampling: parts of about 4096 columns, so that the draw rescans few columns a row. Greedy: a grid of
+  // about 8 blocks per SM, fewer parts a row as rows grow.
+  int64_t P = draw ? most : (8 * (int64_t)sm_count + B - 1) / B;
   if (P > most) P = most;
+  if (draw && P > kSplitThreads) P = kSplitThreads;  // sample_icdf_kernel holds a part a thread
   if (P > 65535) P = 65535;
   return (int)(P < 1 ? 1 : P);
 }
@@ -565,15 +657,20 @@ cudaError_t sample(DType dt, const void* logits, int64_t row_stride, int64_t* to
   if (plain && split_ws.part_f != nullptr) {
     return dispatch(dt, [&](auto t) -> cudaError_t {
       using T = decltype(t);
-      // whole groups of kSplitCols columns a block (two Philox draws, one or two 16-byte loads each)
+      // whole groups of kSplitCols columns a block
       const int64_t cols = ((V + split_ws.P - 1) / split_ws.P + kSplitCols - 1) / kSplitCols * kSplitCols;
       sample_split_kernel<T><<<dim3((unsigned)B, (unsigned)split_ws.P), kSplitThreads, 0, stream>>>(
-          (const T*)logits, row_stride, V, temperature, k0, k1, counters, cols, split_ws.part_f, split_ws.part_i);
+          (const T*)logits, row_stride, V, temperature, cols, split_ws.part_f, split_ws.part_i);
       cudaError_t e = cudaGetLastError();
       if (e != cudaSuccess) return e;
-      sample_combine_kernel<T><<<(unsigned)((B + 127) / 128), 128, 0, stream>>>(
-          (const T*)logits, row_stride, B, V, temperature, split_ws.P, split_ws.part_f, split_ws.part_i, tokens,
-          logprob);
+      if (temperature == 0.f)
+        sample_combine_kernel<T><<<(unsigned)((B + 127) / 128), 128, 0, stream>>>(
+            (const T*)logits, row_stride, B, V, temperature, split_ws.P, split_ws.part_f, split_ws.part_i, tokens,
+            logprob);
+      else
+        sample_icdf_kernel<T><<<(unsigned)B, kSplitThreads, 0, stream>>>(
+            (const T*)logits, row_stride, V, temperature, k0, k1, counters, split_ws.P, cols, split_ws.part_f,
+            tokens, logprob);
       return cudaGetLastError();
     });
   }
@@ -604,7 +701,7 @@ std::tuple<Tensor, Tensor> sample(const Tensor& logits, double temperature, int6
   const bool use_min_p = min_p > 0.0;
   const float log_min_p = use_min_p ? (float)std::log(min_p) : 0.f;
   if (B == 0) return {tokens, lp};
-  const int P = fw::sample_split_parts((int)B, V, sm_count());
+  const int P = fw::sample_split_parts((int)B, V, sm_count(), temperature > 0.0);
   auto part_f = at::empty({B * P * 3}, x.options().dtype(at::kFloat));
   auto part_i = at::empty({B * P}, x.options().dtype(at::kLong));
   fw::SampleSplitWorkspace ws{P, part_f.data_ptr<float>(), part_i.data_ptr<int64_t>()};
