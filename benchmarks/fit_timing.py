@@ -85,12 +85,16 @@ def timeline_lines(summaries: list[dict]) -> list[str]:
     def m(key: str, kind: str | None = None) -> float:
         return statistics.median((s[kind] if kind else s)[key] for s in later)
 
+    def parts(key: str) -> str:
+        names = dict.fromkeys(n for s in later for n in s.get(key, {}))
+        return ", ".join(f"{n} {statistics.median(s.get(key, {}).get(n, 0.0) for s in later):.3f}" for n in names)
+
     sampler = statistics.median(s["decode"]["sample_s"] + s["prefill"]["sample_s"] for s in later)
     return [f"  rollout timeline (median of {len(later)} later steps, seconds):",
             f"    generate wall           {m('call_s'):.3f}",
-            f"    host before 1st step    {m('setup_s'):.3f}",
+            f"    host before 1st step    {m('setup_s'):.3f} ({parts('setup_parts')})",
             f"    device span of steps    {m('span_s'):.3f} (idle in it {m('idle_s'):.3f})",
-            f"    host after last step    {m('finish_s'):.3f}",
+            f"    host after last step    {m('finish_s'):.3f} ({parts('finish_parts')})",
             f"    prefill forward         {m('forward_s', 'prefill'):.3f} over {m('steps', 'prefill'):.0f} steps",
             (f"    decode forward          {m('forward_s', 'decode'):.3f} over {m('steps', 'decode'):.0f} steps; "
              f"sampler {sampler:.3f}"),

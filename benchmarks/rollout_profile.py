@@ -69,8 +69,9 @@ def timeline_report(s: dict, wall: float, tokens: int, weight_bytes: int, kv_byt
     lines = [(f"wall {wall:.3f} s, {tokens / wall:.0f} output tokens/s; device span of the steps {s['span_s']:.3f} s, "
              f"idle between steps {s['idle_s']:.3f} s ({s['idle_s'] / max(wall, 1e-9):.1%} of the wall time)"),
              (f"host: blocked on the device {s['waited_s']:.3f} s; {s['captures']} decode graphs captured in "
-             f"{s['captured_s']:.3f} s; outside the steps: {s['setup_s']:.3f} s before the first (pool, scheduler, "
-             f"tables), {s['finish_s']:.3f} s after the last (its tokens, the rollout's tensors)"), "",
+             f"{s['captured_s']:.3f} s; outside the steps: {s['setup_s']:.3f} s before the first ("
+             + ", ".join(f"{n} {v:.3f}" for n, v in s["setup_parts"].items()) + f"), {s['finish_s']:.3f} s after the "
+             "last (" + ", ".join(f"{n} {v:.3f}" for n, v in s["finish_parts"].items()) + ")"), "",
              ("| phase | steps | rows a step | device forward s | device sampler s | host queueing s | "
              "device ms a step | host ms a step |"), "|---|---|---|---|---|---|---|---|"]
     for kind in ("prefill", "decode"):

@@ -1,6 +1,7 @@
 """The examples are real code: examples/step_timer.py times every policy step of a real `fw fit`."""
 
 import json
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -33,3 +34,5 @@ def test_rollout_timeline_accounts_for_each_rollout(tmp_path, capsys, monkeypatc
         assert 0 < s["setup_s"] + s["span_s"] + s["finish_s"] <= s["call_s"] * 1.001
     out = capsys.readouterr().out
     assert "rollout timeline (median of 2 later steps" in out and "host before 1st step" in out
+    assert re.search(r"host before 1st step +[\d.]+ \(weight copies [\d.]+, pool [\d.]+, admission [\d.]+\)", out)
+    assert re.search(r"host after last step +[\d.]+ \(drain [\d.]+, restore [\d.]+, result [\d.]+\)", out)

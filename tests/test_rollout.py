@@ -741,6 +741,11 @@ def test_timeline_counts_each_step_and_the_context_it_reads(model, tok):
     parts = [s[k][f] for k in ("prefill", "decode") for f in ("forward_s", "sample_s")] + [s["idle_s"]]
     assert min(parts) >= 0 and sum(parts) <= s["span_s"] + 1e-6
     assert s["captures"] == 0 and s["waited_s"] == 0.0   # CPU: no graphs, nothing to wait for
+    # the host time outside the steps, split where the engine marks its parts, in the order they run
+    assert list(s["setup_parts"]) == ["weight copies", "pool", "admission"]
+    assert list(s["finish_parts"]) == ["drain", "restore", "result"]
+    for key, total in (("setup_parts", "setup_s"), ("finish_parts", "finish_s")):
+        assert min(s[key].values()) >= 0 and abs(sum(s[key].values()) - s[total]) < 1e-9
 
 
 @pytest.mark.gpu

@@ -189,6 +189,10 @@ class RolloutEngine:
         self.graph_casts = None
         self.graph_region = None
 
+    def _mark(self, part: str) -> None:
+        if self.timeline is not None:
+            self.timeline.host(part)
+
     def _weight_casts(self, weights: list[Tensor] | None, dtype: torch.dtype) -> dict[Tensor, Tensor] | None:
         """Under autocast to `dtype`: the copies of the model's matmul `weights` (`paged_matmul_weights`) in `dtype`,
         made at the first call and refreshed in place at each later one (the weights change between rollouts, the
@@ -257,19 +261,23 @@ class RolloutEngine:
         try:
             with region:
                 casts = self._weight_casts(weights, dtype) if autocast else None
+                self._mark("weight copies")
                 self._ensure_cache(seqs, dtype, device)
+                self._mark("pool")
                 # the graphs read other copies (or the weights themselves), or ran their kernels under another
                 # autocast state: in and out dtypes of the ops autocast routes
                 if casts is not self.graph_casts or self.graph_region != (autocast, dtype):
                     self._drop_graphs()
                 self.graph_casts, self.graph_region = casts, (autocast, dtype)
                 _Run(self, seqs, params, set(eos_ids), tokenizer, seed, device, casts).run()
+                self._mark("drain")   # the last steps' tokens read back
         finally:
             model.train(was_training)
             if per_call:   # autocast's casts, made anew by the next call
                 self._drop_graphs()
             if autocast:
                 torch.clear_autocast_cache()   # the enclosing region keeps its cache otherwise
+        self._mark("restore")
         with record_function("fw.rollout.result"):
             result = _result(seqs, prompts, pad_id, tokenizer, params.stop, device, policy_version)
         if self.timeline is not None:

@@ -30,10 +30,12 @@ class Step:
 
 @dataclass
 class Call:
-    """One `generate` call: host clock at its entry and exit, and the index of its first step."""
+    """One `generate` call: host clock at its entry and exit, the index of its first step, and the host clock where
+    each named part of its work outside the steps ended (`Timeline.host`)."""
 
     first: int
     host: list[float] = field(default_factory=list)
+    parts: list[tuple[str, float]] = field(default_factory=list)
 
 
 class Timeline:
@@ -63,6 +65,12 @@ class Timeline:
     def exit(self) -> None:
         """At its return, the rollout's tensors built."""
         self.calls[-1].host.append(time.perf_counter())
+
+    def host(self, part: str) -> None:
+        """Where the call's host work named `part` ends, before its first step or after its last: the summary splits
+        the host seconds outside the steps by these (what is left before the first step counts as "admission", what
+        is left after the last mark as "result")."""
+        self.calls[-1].parts.append((part, time.perf_counter()))
 
     def begin(self, kind: str, rows: int, tokens: int, bucket: int) -> None:
         """Before the step's first device op: the device's wait for the host falls before this mark."""
@@ -108,14 +116,24 @@ class Timeline:
         if done:
             out["span_s"] = self._seconds(done[0].marks[0], done[-1].marks[2])
         # host seconds of the calls outside their steps: before the first step is queued (the pool, the
-        # scheduler, the tables), and after the last one (reading back its tokens, building the rollout)
-        out.update(calls=0, call_s=0.0, setup_s=0.0, finish_s=0.0)
+        # scheduler, the tables), and after the last one (reading back its tokens, building the rollout), each split
+        # by the parts the engine marks
+        out.update(calls=0, call_s=0.0, setup_s=0.0, finish_s=0.0, setup_parts={}, finish_parts={})
         ends = [c.first for c in self.calls[1:]] + [len(self.steps)]
         for c, end in zip(self.calls, ends):
             if len(c.host) < 2 or end <= c.first or len(self.steps[end - 1].host) < 3:
                 continue
+            first, last = self.steps[c.first].host[0], self.steps[end - 1].host[2]
             out["calls"] += 1
             out["call_s"] += c.host[1] - c.host[0]
-            out["setup_s"] += self.steps[c.first].host[0] - c.host[0]
-            out["finish_s"] += c.host[1] - self.steps[end - 1].host[2]
+            out["setup_s"] += first - c.host[0]
+            out["finish_s"] += c.host[1] - last
+            for key, start, stop, rest in (("setup_parts", c.host[0], first, "admission"),
+                                           ("finish_parts", last, c.host[1], "result")):
+                t, parts = start, out[key]
+                for name, at in c.parts:
+                    if start <= at <= stop:
+                        parts[name] = parts.get(name, 0.0) + at - t
+                        t = at
+                parts[rest] = parts.get(rest, 0.0) + stop - t
         return out
