@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from framework.callbacks import Callback
-from framework.rollout.timeline import Timeline
+from framework.rollout.timeline import Timeline, parts_text
 
 
 class ProfiledTimeline(Timeline):
@@ -87,7 +87,7 @@ def timeline_lines(summaries: list[dict]) -> list[str]:
 
     def parts(key: str) -> str:
         names = dict.fromkeys(n for s in later for n in s.get(key, {}))
-        return ", ".join(f"{n} {statistics.median(s.get(key, {}).get(n, 0.0) for s in later):.3f}" for n in names)
+        return parts_text({n: statistics.median(s.get(key, {}).get(n, 0.0) for s in later) for n in names})
 
     sampler = statistics.median(s["decode"]["sample_s"] + s["prefill"]["sample_s"] for s in later)
     return [f"  rollout timeline (median of {len(later)} later steps, seconds):",

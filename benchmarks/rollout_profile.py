@@ -38,7 +38,7 @@ from framework.models.presets import PRESETS, preset_config
 from framework.rollout import CacheSettings, RolloutEngine, SamplingParams
 from framework.rollout.kv_cache import KV_CACHE_DTYPES
 from framework.rollout.sampling import draw
-from framework.rollout.timeline import Timeline
+from framework.rollout.timeline import Timeline, parts_text
 
 TOP_KERNELS = 14
 
@@ -69,9 +69,10 @@ def timeline_report(s: dict, wall: float, tokens: int, weight_bytes: int, kv_byt
     lines = [(f"wall {wall:.3f} s, {tokens / wall:.0f} output tokens/s; device span of the steps {s['span_s']:.3f} s, "
              f"idle between steps {s['idle_s']:.3f} s ({s['idle_s'] / max(wall, 1e-9):.1%} of the wall time)"),
              (f"host: blocked on the device {s['waited_s']:.3f} s; {s['captures']} decode graphs captured in "
-             f"{s['captured_s']:.3f} s; outside the steps: {s['setup_s']:.3f} s before the first ("
-             + ", ".join(f"{n} {v:.3f}" for n, v in s["setup_parts"].items()) + f"), {s['finish_s']:.3f} s after the "
-             "last (" + ", ".join(f"{n} {v:.3f}" for n, v in s["finish_parts"].items()) + ")"), "",
+             f"{s['captured_s']:.3f} s; outside the steps: {s['setup_s']:.3f} s before the first "
+             f"({parts_text(s['setup_parts'])}), {s['finish_s']:.3f} s after the last "
+             f"({parts_text(s['finish_parts'])})"),
+             "",
              ("| phase | steps | rows a step | device forward s | device sampler s | host queueing s | "
              "device ms a step | host ms a step |"), "|---|---|---|---|---|---|---|---|"]
     for kind in ("prefill", "decode"):

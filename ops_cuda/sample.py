@@ -29,6 +29,14 @@ def philox4x32(c0: Tensor, c1: Tensor, c2: Tensor, c3: Tensor, k0: int, k1: int,
     return c
 
 
+def row_counters(batch: int, counters: Tensor | None, device: torch.device | str) -> Tensor:
+    """int64 [batch, 2]: the rows' `counters`, or (b, 0) for row b without them."""
+    if counters is not None:
+        return counters.to(device=device, dtype=torch.int64)
+    rows = torch.arange(batch, device=device, dtype=torch.int64)
+    return torch.stack([rows, torch.zeros_like(rows)], 1)
+
+
 def gumbel_noise(batch: int, vocab: int, seed: int, device: torch.device | str = "cpu",
                  counters: Tensor | None = None) -> Tensor:
     """float32 [batch, vocab] Gumbel(0, 1) noise from Philox4x32-10 with key = seed (64 bit) and
@@ -36,12 +44,8 @@ def gumbel_noise(batch: int, vocab: int, seed: int, device: torch.device | str =
     counters[b] (int64 [batch, 2], low 32 bits of each), or (b, 0) without counters."""
     groups = (vocab + 3) // 4
     c0 = torch.arange(groups, device=device, dtype=torch.int64)[None, :].expand(batch, groups)
-    if counters is None:
-        c1 = torch.arange(batch, device=device, dtype=torch.int64)[:, None].expand(batch, groups)
-        c2 = torch.zeros_like(c0)
-    else:
-        c1 = counters[:, 0:1].to(device=device, dtype=torch.int64).expand(batch, groups)
-        c2 = counters[:, 1:2].to(device=device, dtype=torch.int64).expand(batch, groups)
+    c = row_counters(batch, counters, device)
+    c1, c2 = c[:, 0:1].expand(batch, groups), c[:, 1:2].expand(batch, groups)
     words = philox4x32(c0, c1, c2, torch.zeros_like(c0), seed & _MASK32, (seed >> 32) & _MASK32)
     x = torch.stack(words, dim=-1).reshape(batch, 4 * groups)[:, :vocab]  # column 4g + j = word j of group g
     u = ((x >> 9).to(torch.float32) + 0.5) * (2.0 ** -23)
@@ -81,14 +85,6 @@ def inverse_cdf(p: Tensor, u: Tensor) -> Tensor:
     j = torch.searchsorted(inner, target - before, right=True).clamp_(max=_CHUNK - 1)
     j = torch.searchsorted(inner, inner.gather(1, j))             # the last column with mass at or before
     return (chunk * _CHUNK + j).squeeze(1)
-
-
-def row_counters(batch: int, counters: Tensor | None, device: torch.device | str) -> Tensor:
-    """int64 [batch, 2]: the rows' `counters`, or (b, 0) for row b without them."""
-    if counters is not None:
-        return counters.to(device=device, dtype=torch.int64)
-    rows = torch.arange(batch, device=device, dtype=torch.int64)
-    return torch.stack([rows, torch.zeros_like(rows)], 1)
 
 
 def sampling_mask(z: Tensor, top_k: int, top_p: float, min_p: float) -> Tensor:

@@ -15,6 +15,11 @@ from typing import Any
 import torch
 
 
+def parts_text(parts: dict[str, float]) -> str:
+    """A summary's `setup_parts` or `finish_parts` as "name seconds, ..." in their order."""
+    return ", ".join(f"{name} {seconds:.3f}" for name, seconds in parts.items())
+
+
 @dataclass
 class Step:
     """One queued step: its kind, its rows and its size in tokens."""
