@@ -6,12 +6,17 @@ On CUDA it is two calls of PyTorch's varlen flash attention and a merge: every s
 each group's completion tokens over the group's prompt (no mask), folded into the first result by the two
 logsumexps (ops_cuda.merge_attention_states, one kernel). The backward runs flash's backward on each part with the
 merged output and logsumexp, which gives each part's exact share of the gradients, so no key is gathered per
-completion and no gradient is scattered back. Schemas, checks, the float64-capable reference, fakes, autograd and
-autocast rules; no csrc file of its own.
+completion and no gradient is scattered back. Where every completion has one length, no shorter than any prompt,
+the completions' part runs as equal rows through cuDNN's attention (as is the part over the prompts where every
+prompt, and every group's completion tokens, have one length too): on Hopper it takes about two thirds of flash's
+time there. Schemas, checks, the float64-capable reference, fakes, autograd and autocast rules; no csrc file of its
+own.
 """
 from __future__ import annotations
 
+import functools
 import itertools
+import os
 
 import torch
 from torch import Tensor
@@ -81,14 +86,81 @@ def _flash_max(m: int) -> int:
     return max(int(m), 2)
 
 
+@functools.cache
+def _cudnn_capable(device_index: int) -> bool:
+    return (torch.backends.cudnn.is_available() and torch.cuda.get_device_capability(device_index) >= (9, 0)
+            and hasattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention_backward"))
+
+
+def dense_rows(tokens: int, prompt_tokens: int, groups: int, seqs: int, max_prompt: int, max_group: int,
+               max_seq: int) -> tuple[int, bool]:
+    """(the completions' length, or 0 where they are not equal rows; whether the part over the prompts is equal rows
+    too) of a layout, from its sizes alone. The completions are equal rows where their tokens are their count times
+    `max_seq`: none is longer, so each is that long. The part over the prompts is where, besides, every prompt is
+    `max_prompt` tokens long and every group's completions `max_group` (so each group holds as many)."""
+    completions, n = seqs - groups, tokens - prompt_tokens
+    if completions <= 0 or n != completions * max_seq:
+        return 0, False
+    return max_seq, bool(prompt_tokens) and prompt_tokens == groups * max_prompt and n == groups * max_group
+
+
+def _cudnn_serves(q: Tensor) -> bool:
+    """Whether cuDNN's attention takes q's equal rows: 16-bit, head_dim a multiple of 8 up to 128, Hopper or later,
+    no strict determinism (its backward is not deterministic); FW_CUDNN_ATTENTION=0 turns it off, to compare."""
+    return (q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] % 8 == 0 and q.shape[-1] <= 128
+            and os.environ.get("FW_CUDNN_ATTENTION", "1") != "0" and not torch.are_deterministic_algorithms_enabled()
+            and _cudnn_capable(q.device.index if q.device.index is not None else torch.cuda.current_device()))
+
+
+def _rows(t: Tensor, rows: int) -> Tensor:
+    """[T, H, D] tokens as [rows, T / rows, H, D] and then cuDNN's [rows, H, T / rows, D] view: no copy."""
+    return t.view(rows, -1, *t.shape[1:]).transpose(1, 2)
+
+
+def _cudnn_forward(q: Tensor, k: Tensor, v: Tensor, rows: int, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
+    """(out [T, Hq, D], logsumexp [Hq, T] float32) of q's `rows` equal rows over k's and v's (top-left causal)."""
+    out, lse, *_ = torch.ops.aten._scaled_dot_product_cudnn_attention(
+        _rows(q, rows), _rows(k, rows), _rows(v, rows), None, True, 0.0, causal, False, scale=scale)
+    return out.transpose(1, 2).reshape(q.shape), lse.reshape(rows, q.shape[1], -1).transpose(0, 1).reshape(
+        q.shape[1], -1)
+
+
+def _cudnn_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, rows: int,
+                    causal: bool, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    """(grad_q, grad_k, grad_v) of `_cudnn_forward`, from the given out and logsumexp [Hq, T]."""
+    stats = lse.reshape(q.shape[1], rows, -1).transpose(0, 1).contiguous().unsqueeze(-1)
+    seed = torch.zeros((), dtype=torch.int64, device=q.device)   # read only under dropout
+    grads = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+        _rows(grad_out, rows), _rows(q, rows), _rows(k, rows), _rows(v, rows), _rows(out, rows), stats, seed, seed,
+        None, None, None, q.shape[0] // rows, k.shape[0] // rows, 0.0, causal, scale=scale)
+    return tuple(g.transpose(1, 2).reshape(x.shape) for g, x in zip(grads, (q, k, v), strict=True))
+
+
 def _shared_prompt_attention_cuda(q, k, v, prompt_tokens, cu_prompts, cu_groups, cu_seqs, max_prompt, max_group,
                                   max_seq, scale):
     if not flash_serves(q):
         return shared_prompt_attention_reference(q, k, v, prompt_tokens, cu_prompts, cu_groups, cu_seqs, max_prompt,
                                                  max_group, max_seq, scale)
+    P = prompt_tokens
+    G = cu_prompts.shape[0] - 1
+    length, cross_rows = dense_rows(q.shape[0], P, G, cu_seqs.shape[0] - 1, max_prompt, max_group, max_seq)
+    if length and _cudnn_serves(q):
+        # the prompts over themselves (flash: they may differ in length), the completions as equal rows (cuDNN)
+        C = (q.shape[0] - P) // length
+        o_c, lse_c = _cudnn_forward(q[P:], k[P:], v[P:], C, True, scale)
+        if P:
+            if cross_rows:
+                o_x, lse_x = _cudnn_forward(q[P:], k[:P], v[:P], G, False, scale)
+            else:
+                o_x, lse_x = flash_forward(q[P:], k[:P], v[:P], cu_groups, cu_prompts, _flash_max(max_group),
+                                           max_prompt, False, scale)
+            torch.ops.fw.merge_attention_states(o_c, lse_c, o_x, lse_x)
+            m = _flash_max(max_prompt)
+            o_p, lse_p = flash_forward(q[:P], k[:P], v[:P], cu_prompts, cu_prompts, m, m, True, scale)
+            return torch.cat([o_p, o_c]), torch.cat([lse_p, lse_c], 1)
+        return o_c, lse_c
     m = _flash_max(max_seq)
     out, lse = flash_forward(q, k, v, cu_seqs, cu_seqs, m, m, True, scale)
-    P = prompt_tokens
     if q.shape[0] > P > 0:
         # the completions over their group's prompt, merged into their own part by the two logsumexps
         o_p, lse_p = flash_forward(q[P:], k[:P], v[:P], cu_groups, cu_prompts, _flash_max(max_group), max_prompt,
@@ -102,11 +174,34 @@ def _shared_prompt_attention_backward_cuda(grad_out, q, k, v, out, lse, prompt_t
     if not flash_serves(q):
         return shared_prompt_attention_backward_reference(grad_out, q, k, v, out, lse, prompt_tokens, cu_prompts,
                                                           cu_groups, cu_seqs, max_prompt, max_group, max_seq, scale)
-    m = _flash_max(max_seq)
     # With the merged out and logsumexp each part's backward gives its exact share: p = exp(s - lse) is the
     # probability under the whole softmax, and rowsum(dO * O) is the whole output's.
-    dq, dk, dv = flash_backward(grad_out, q, k, v, out, lse, cu_seqs, cu_seqs, m, m, True, scale)
     P = prompt_tokens
+    G = cu_prompts.shape[0] - 1
+    length, cross_rows = dense_rows(q.shape[0], P, G, cu_seqs.shape[0] - 1, max_prompt, max_group, max_seq)
+    grad_out = grad_out.contiguous()
+    if length and _cudnn_serves(q):
+        C = (q.shape[0] - P) // length
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        dq_c, dk[P:], dv[P:] = _cudnn_backward(grad_out[P:], q[P:], k[P:], v[P:], out[P:], lse[:, P:], C, True,
+                                               scale)
+        if not P:
+            return dq_c, dk, dv
+        m = _flash_max(max_prompt)
+        dq[:P], dk[:P], dv[:P] = flash_backward(grad_out[:P], q[:P], k[:P], v[:P], out[:P], lse[:, :P], cu_prompts,
+                                                cu_prompts, m, m, True, scale)
+        if cross_rows:
+            dq_x, dk_x, dv_x = _cudnn_backward(grad_out[P:], q[P:], k[:P], v[:P], out[P:], lse[:, P:], G, False,
+                                               scale)
+        else:
+            dq_x, dk_x, dv_x = flash_backward(grad_out[P:], q[P:], k[:P], v[:P], out[P:], lse[:, P:], cu_groups,
+                                              cu_prompts, _flash_max(max_group), max_prompt, False, scale)
+        torch.add(dq_c, dq_x, out=dq[P:])
+        dk[:P] += dk_x
+        dv[:P] += dv_x
+        return dq, dk, dv
+    m = _flash_max(max_seq)
+    dq, dk, dv = flash_backward(grad_out, q, k, v, out, lse, cu_seqs, cu_seqs, m, m, True, scale)
     if q.shape[0] > P > 0:
         dq_p, dk_p, dv_p = flash_backward(grad_out[P:], q[P:], k[:P], v[:P], out[P:], lse[:, P:], cu_groups,
                                           cu_prompts, _flash_max(max_group), max_prompt, False, scale)
@@ -161,8 +256,9 @@ def shared_prompt_attention(q: Tensor, k: Tensor, v: Tensor, prompt_tokens: int,
     once (its first `prompt_tokens` tokens), then the groups' completions.
 
     cu_prompts [G + 1] splits the prompts into groups; cu_groups [G + 1] splits the completion tokens (counted from
-    the first of them) into the same groups; cu_seqs [S + 1] splits the row into sequences, the prompts and then
-    each completion (its values include every cu_prompts value, and prompt_tokens + every cu_groups value). A
+    the first of them) into the same groups; cu_seqs [S + 1] splits the row into sequences: each prompt (an empty
+    one too), then each non-empty completion (its values include every cu_prompts value, and prompt_tokens + every
+    cu_groups value). A
     prompt token attends causally within its prompt; token j of a completion attends to its group's whole prompt
     and to the completion's tokens 0..j. cu_*: int32, 0 first; max_*: at least the longest prompt, group (its
     completions' tokens together) and sequence. The checks read shapes only: cu values that break these rules give
