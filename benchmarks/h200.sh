@@ -26,6 +26,7 @@ step ops-bench 330 ops_bench.log python3 -m benchmarks.ops.bench_ops
 step ops-bench-pdl-off 90 ops_bench.log env FW_PDL=0 python3 -m benchmarks.ops.bench_ops --only rms_norm,rope,swiglu
 step varlen-backends 90 ops_bench.log python3 -m benchmarks.ops.varlen_backends
 step varlen-backends-grpo 60 ops_bench.log python3 -m benchmarks.ops.varlen_backends --rows 64 --seq 372 --docs 372
+step shared-prompt-op 60 ops_bench.log python3 -m benchmarks.ops.shared_prompt
 step ops-profile 60 ops_bench.log python3 -m benchmarks.ops.profile_ops rms_norm qk_norm swiglu linear_logprob linear_logprob_recomp
 step train-bench 120 train_bench.log python3 -m benchmarks.train_step --batch 8 --seq 2048 --steps 10 --impls fw,fw-recomp,hf
 step grpo-bench 100 grpo_bench.log python3 -m benchmarks.grpo_step --run_dir=/tmp/runs/grpo-bench
