@@ -6,8 +6,10 @@ prompt (the padded layout's attention, torch's own backend choice) as the plain-
     python -m benchmarks.ops.shared_prompt                 # grpo-bench's micro-batch: 8 groups of 8 x 256 after 116
     python -m benchmarks.ops.shared_prompt --ragged        # completions of U[1, 256] tokens: flash serves
 
-bf16, Qwen3-0.6B's 16 query and 8 key/value heads of 128; ms are medians of --reps calls (CUDA events), one value a
-round; peak memory over each mode's rounds. Needs a CUDA GPU.
+bf16, Qwen3-0.6B's 16 query and 8 key/value heads of 128. Wall ms: medians of --reps back-to-back calls (CUDA
+events), one value a round, so a call whose host work outlasts its kernels shows its host time; device ms: its
+kernels' time a call (torch.profiler, over --reps calls), what it costs inside a step whose host runs ahead of the
+GPU. Peak memory over each mode's rounds. Needs a CUDA GPU.
 """
 from __future__ import annotations
 
@@ -36,6 +38,17 @@ def time_ms(fn, reps: int) -> float:
         b.synchronize()
         times.append(a.elapsed_time(b))
     return statistics.median(times)
+
+
+def device_ms(fn, reps: int) -> float:
+    """The CUDA kernels' time of one call of fn, averaged over reps calls."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    return sum(e.device_time for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA) / reps / 1e3
 
 
 def layout(groups: int, size: int, prompt: int, completion: int, ragged: bool, seed: int = 0):
@@ -95,17 +108,21 @@ def main(argv: list[str] | None = None) -> None:
           f"{args.prompt}-token prompts: {T} tokens; the baseline's rows {len(rows)} x {width}; "
           f"{torch.cuda.get_device_name()}; gradients of the two fw paths differ by {diff:.2e} (relative)")
     # memory: the peak above what the mode's rounds start with (both layouts' inputs and gradients are held)
-    print("| mode | ms (rounds) | median ms | peak allocated above the start, GiB | peak reserved GiB |")
-    print("|---|---|---|---|---|")
+    print("| mode | wall ms (rounds) | median | device ms (rounds) | median | peak allocated above the start, GiB | "
+          "peak reserved GiB |")
+    print("|---|---|---|---|---|---|---|")
     for name, (flag, fn) in modes.items():
         os.environ["FW_CUDNN_ATTENTION"] = flag
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         start = torch.cuda.memory_allocated()
-        times = [time_ms(fn, args.reps) for _ in range(args.rounds)]
+        times, dev = [], []
+        for _ in range(args.rounds):
+            times.append(time_ms(fn, args.reps))
+            dev.append(device_ms(fn, args.reps))
         above, reserved = (torch.cuda.max_memory_allocated() - start) / 2**30, torch.cuda.max_memory_reserved() / 2**30
-        print(f"| {name} | {', '.join(f'{t:.3f}' for t in times)} | {statistics.median(times):.3f} | {above:.2f} | "
-              f"{reserved:.2f} |", flush=True)
+        cells = [f"{', '.join(f'{t:.3f}' for t in x)} | {statistics.median(x):.3f}" for x in (times, dev)]
+        print(f"| {name} | {' | '.join(cells)} | {above:.2f} | {reserved:.2f} |", flush=True)
     os.environ.pop("FW_CUDNN_ATTENTION")
 
 
