@@ -543,24 +543,26 @@ class _Run:
                 self.sched.finish(s, "length")
 
 
+# the array typecodes whose C values are the tensor dtype's, so that the buffer becomes the tensor as it is
+_TYPECODES = {torch.long: "q", torch.float32: "f", torch.float64: "d"}
+
+
 def padded_rows(rows: list[list], pad: float, dtype: torch.dtype) -> Tensor:
-    """Python rows of ints (int64 ``dtype``) or floats (read as float64, then rounded once to ``dtype``) laid
-    left-aligned into one [len(rows), longest] tensor, ``pad`` after each row's end. One buffer holds every
-    value and one index_copy_ places them: a tensor made per row, from a list, or through a boolean mask costs
-    several times more at a rollout's size."""
-    lens = torch.tensor([len(r) for r in rows], dtype=torch.long)
-    width = int(lens.max()) if len(rows) else 0
-    out = torch.full((len(rows), width), pad, dtype=dtype)
-    flat = array.array("q" if dtype == torch.long else "d")
+    """Python rows of ints (int64 ``dtype``) or floats (each rounded once from its float64 to ``dtype``) laid
+    left-aligned into one [len(rows), longest] tensor, ``pad`` after each row's end. The rows and their pads go
+    into one C array, which the tensor then shares: no torch kernel runs on the CPU, so none waits on a pool of
+    threads that other work on the host keeps busy (the index_copy_ this replaces did, inside training runs)."""
+    code = _TYPECODES.get(dtype, "d")
+    width = max(map(len, rows), default=0)
+    flat = array.array(code)
+    fill = array.array(code, [pad]) * width
     for r in rows:
         flat.fromlist(r)
-    if flat:
-        values = torch.frombuffer(flat, dtype=torch.long if dtype == torch.long else torch.float64)
-        # each value's slot: its row's first slot, plus its place after its row's first value
-        shift = torch.arange(len(rows)) * width - (torch.cumsum(lens, 0) - lens)
-        # index_copy_, not an indexed assignment: on the CPU index_put_ takes tens of times longer for these sizes
-        out.view(-1).index_copy_(0, torch.arange(len(flat)) + torch.repeat_interleave(shift, lens), values.to(dtype))
-    return out
+        flat.extend(fill[:width - len(r)])
+    if not flat:
+        return torch.full((len(rows), width), pad, dtype=dtype)
+    out = torch.frombuffer(flat, dtype=torch.long if code == "q" else torch.float32 if code == "f" else torch.float64)
+    return out.view(len(rows), width).to(dtype)
 
 
 def _result(seqs: list[RowState], prompts: list[list[int]], pad_id: int, tokenizer: Any, stop: tuple[str, ...],
