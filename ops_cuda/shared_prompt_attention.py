@@ -7,9 +7,9 @@ each group's completion tokens over the group's prompt (no mask), folded into th
 logsumexps (ops_cuda.merge_attention_states, one kernel). The backward runs flash's backward on each part with the
 merged output and logsumexp, which gives each part's exact share of the gradients, so no key is gathered per
 completion and no gradient is scattered back. Where every completion has one length, no shorter than any prompt,
-the completions' part runs as equal rows through cuDNN's attention (as is the part over the prompts where every
-prompt, and every group's completion tokens, have one length too): on Hopper it takes about two thirds of flash's
-time there. Schemas, checks, the float64-capable reference, fakes, autograd and autocast rules; no csrc file of its
+the completions' part runs as equal rows through cuDNN's attention, whose Hopper kernel is faster than flash's on
+equal rows (and so does the part over the prompts where every prompt, and every group's completion tokens, have one
+length too). Schemas, checks, the float64-capable reference, fakes, autograd and autocast rules; no csrc file of its
 own.
 """
 from __future__ import annotations
