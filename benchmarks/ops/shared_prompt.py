@@ -22,22 +22,7 @@ import torch
 import torch.nn.functional as F
 
 import ops_cuda
-
-HQ, HK, D = 16, 8, 128
-
-
-def time_ms(fn, reps: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+from benchmarks.ops.varlen_backends import HK, HQ, D, time_ms
 
 
 def device_ms(fn, reps: int) -> float:
