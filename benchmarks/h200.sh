@@ -4,8 +4,8 @@
 # examples in bf16. Logs go to $OUT (default ./h200-logs). Each step has its own time limit so that a
 # slow or failing step still leaves the others' results; steps run in order of importance.
 # STEPS="build gpu-tests ops-bench" (names as below) runs a subset, when device time is short. Where one
-# call is limited to 600 s, run the steps in two calls, e.g. STEPS="build gpu-tests ops-bench ops-profile
-# train-bench grpo-bench rollout-full" then STEPS="build rollout-vs-hf sft-bf16 train-yaml decode-splits";
+# call is limited to 600 s, the GPU tests take a call of their own (STEPS="build gpu-tests"), and the rest
+# go in the calls after it, e.g. STEPS="build ops-bench ops-profile train-bench grpo-bench rollout-full";
 # each step's own line in summary.log gives its time.
 set -u
 STEPS=${STEPS:-}
@@ -21,7 +21,7 @@ step() {  # step NAME LIMIT_S LOG CMD...
 }
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; python3 -c "import torch; print(torch.__version__)"; git log -1 --format='commit %h %s' 2>/dev/null; } | tee -a "$OUT/summary.log"
 step build 300 summary.log python3 -c "import ops_cuda; print(ops_cuda.build()); print(ops_cuda.doctor())"
-step gpu-tests 420 gpu_tests.log python3 -m pytest -m gpu -q -p no:cacheprovider --continue-on-collection-errors --durations=10
+step gpu-tests 560 gpu_tests.log python3 -m pytest -m gpu -q -p no:cacheprovider --continue-on-collection-errors --durations=10
 step ops-bench 330 ops_bench.log python3 -m benchmarks.ops.bench_ops
 step ops-bench-pdl-off 90 ops_bench.log env FW_PDL=0 python3 -m benchmarks.ops.bench_ops --only rms_norm,rope,swiglu
 step varlen-backends 90 ops_bench.log python3 -m benchmarks.ops.varlen_backends
