@@ -182,11 +182,12 @@ def _shared_prompt_attention_backward_cuda(grad_out, q, k, v, out, lse, prompt_t
     grad_out = grad_out.contiguous()
     if length and _cudnn_serves(q):
         C = (q.shape[0] - P) // length
-        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        dk, dv = torch.empty_like(k), torch.empty_like(v)
         dq_c, dk[P:], dv[P:] = _cudnn_backward(grad_out[P:], q[P:], k[P:], v[P:], out[P:], lse[:, P:], C, True,
                                                scale)
         if not P:
             return dq_c, dk, dv
+        dq = torch.empty_like(q)
         m = _flash_max(max_prompt)
         dq[:P], dk[:P], dv[:P] = flash_backward(grad_out[:P], q[:P], k[:P], v[:P], out[:P], lse[:, :P], cu_prompts,
                                                 cu_prompts, m, m, True, scale)

@@ -552,17 +552,16 @@ def padded_rows(rows: list[list], pad: float, dtype: torch.dtype) -> Tensor:
     left-aligned into one [len(rows), longest] tensor, ``pad`` after each row's end. The rows and their pads go
     into one C array, which the tensor then shares: no torch kernel runs on the CPU, so none waits on a pool of
     threads that other work on the host keeps busy (the index_copy_ this replaces did, inside training runs)."""
-    code = _TYPECODES.get(dtype, "d")
+    held = dtype if dtype in _TYPECODES else torch.float64   # the array's dtype; other dtypes round from it
     width = max(map(len, rows), default=0)
-    flat = array.array(code)
-    fill = array.array(code, [pad]) * width
+    flat = array.array(_TYPECODES[held])
+    fill = array.array(_TYPECODES[held], [pad]) * width
     for r in rows:
         flat.fromlist(r)
         flat.extend(fill[:width - len(r)])
     if not flat:
         return torch.full((len(rows), width), pad, dtype=dtype)
-    out = torch.frombuffer(flat, dtype=torch.long if code == "q" else torch.float32 if code == "f" else torch.float64)
-    return out.view(len(rows), width).to(dtype)
+    return torch.frombuffer(flat, dtype=held).view(len(rows), width).to(dtype)
 
 
 def _result(seqs: list[RowState], prompts: list[list[int]], pad_id: int, tokenizer: Any, stop: tuple[str, ...],
