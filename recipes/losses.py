@@ -41,7 +41,8 @@ def _token_mean(masked: Tensor, m: Tensor, max_len: int | None) -> Tensor:
 
 
 def _seq_mean_token_mean(masked: Tensor, m: Tensor, max_len: int | None) -> Tensor:
-    return (masked.sum(dim=1) / m.sum(dim=1).clamp(min=1)).mean()
+    lengths = m.sum(dim=1)
+    return (masked.sum(dim=1) / lengths.clamp(min=1)).sum() / (lengths > 0).sum().clamp(min=1)
 
 
 def _seq_mean_token_sum_norm(masked: Tensor, m: Tensor, max_len: int | None) -> Tensor:
@@ -57,37 +58,51 @@ def aggregate(per_token: Tensor, mask: Tensor, mode: str, max_len: int | None = 
     """Reduce a per-token loss ``[B, T]`` to a scalar over the mask.
 
     - ``token-mean``: sum over all masked tokens / number of masked tokens;
-    - ``seq-mean-token-mean``: each sequence's token mean, then the mean over sequences;
+    - ``seq-mean-token-mean``: each sequence's token mean, then the mean over the sequences with a token
+      in the mask (a completion dropped from the loss is not one of them);
     - ``seq-mean-token-sum-norm`` (Dr.GRPO): each sequence's token sum / ``max_len``, then the mean
-      over sequences (``max_len`` defaults to T).
+      over all sequences, dropped ones included: Dr.GRPO's denominator is a constant (``max_len``
+      defaults to T).
     """
     m = mask.to(per_token.dtype)
     return AGGREGATIONS[mode](per_token * m, m, max_len)
 
 
-def aggregate_weight(mask: Tensor, full_mask: Tensor, mode: str, full_tokens: float | None = None) -> float:
+def aggregate_weight(mask: Tensor, full_mask: Tensor, mode: str, full_count: float | None = None) -> float:
     """Share of a micro-batch (``mask``) in its minibatch (``full_mask``) under ``mode``.
 
     ``sum(aggregate(micro) * aggregate_weight(micro))`` over a minibatch's micro-batches equals
     ``aggregate(minibatch)``, so gradient accumulation reproduces the un-split loss exactly.
 
-    With several processes (DDP averages gradients over ranks) pass ``full_tokens``, the minibatch's
-    token count averaged over ranks (``global tokens / world size``): token-mean is then the exact
-    mean over the tokens of every rank's minibatch, however unevenly the ranks' completions ran. The
-    sequence-mean modes need nothing: every rank holds the same number of sequences.
+    With several processes (DDP averages gradients over ranks) pass ``full_count``, what the minibatch's
+    loss divides by, averaged over ranks (``minibatch_count``: token-mean's tokens, seq-mean-token-mean's
+    completions with a token in the mask, over all ranks / world size): the loss is then the exact mean
+    over every rank's minibatch, however unevenly the ranks' completions ran or were dropped.
+    seq-mean-token-sum-norm needs nothing: every rank holds the same number of sequences.
     """
-    return aggregate_weights([mask], full_mask, mode, full_tokens)[0]
+    return aggregate_weights([mask], full_mask, mode, full_count)[0]
+
+
+def minibatch_count(mask: Tensor, mode: str) -> Tensor | None:
+    """What ``mode`` divides a minibatch's (or micro-batch's) loss by, as a float64 scalar on ``mask``'s
+    device: token-mean its tokens, seq-mean-token-mean its completions with a token in the mask; None for
+    seq-mean-token-sum-norm, which divides by its rows."""
+    if mode == "token-mean":
+        return mask.sum().to(torch.float64)
+    if mode == "seq-mean-token-mean":
+        return (mask.sum(dim=1) > 0).sum().to(torch.float64)
+    return None
 
 
 def aggregate_weights(masks: list[Tensor], full_mask: Tensor, mode: str,
-                      full_tokens: float | None = None) -> list[float]:
+                      full_count: float | None = None) -> list[float]:
     """``aggregate_weight`` of each micro-batch mask of one minibatch, read from the device at once
-    (token-mean: one sync for all of them; the sequence-mean modes: none)."""
-    if mode != "token-mean":
+    (token-mean and seq-mean-token-mean: one sync for all of them; seq-mean-token-sum-norm: none)."""
+    if minibatch_count(full_mask, mode) is None:
         return [m.shape[0] / full_mask.shape[0] for m in masks]
-    sums = torch.stack([m.sum() for m in masks] + [full_mask.sum()]).tolist()
-    total = sums[-1] if full_tokens is None else float(full_tokens)
-    return [s / total if total > 0 else 0.0 for s in sums[:-1]]
+    counts = torch.stack([minibatch_count(m, mode) for m in masks] + [minibatch_count(full_mask, mode)]).tolist()
+    total = counts[-1] if full_count is None else float(full_count)
+    return [c / total if total > 0 else 0.0 for c in counts[:-1]]
 
 
 @dataclass

@@ -38,7 +38,7 @@ from framework.models import Packing, SharedPrompts
 from framework.recipe import BatchShapes, StepContext
 from framework.rollout import SamplingParams
 from recipes.advantages import all_reduce_sum, batch_reward_std
-from recipes.losses import LossInputs, aggregate_weights, loss_inputs
+from recipes.losses import LossInputs, aggregate_weights, loss_inputs, minibatch_count
 
 
 class _Ticks(IterableDataset):
@@ -456,13 +456,15 @@ class RLRecipe:
         ctx.log("policy_version", ctx.policy_version, reduce="last")
 
     @staticmethod
-    def minibatch_tokens(ctx: StepContext, mb_mask: Tensor, mode: str) -> float | None:
-        """``aggregate_weight``'s ``full_tokens`` for token-mean under several processes: the minibatch's
-        response tokens summed over ranks and divided by the world size (DDP averages gradients); None
-        otherwise (no communication). A collective under DDP: call it on every rank for every minibatch."""
-        if mode != "token-mean" or ctx.world_size == 1:
+    def full_count(ctx: StepContext, mb_mask: Tensor, mode: str) -> float | None:
+        """``aggregate_weight``'s ``full_count`` under several processes: what the minibatch's loss divides by
+        (``recipes.losses.minibatch_count``), summed over ranks and divided by the world size (DDP averages
+        gradients); None otherwise (no communication). A collective under DDP: call it on every rank for
+        every minibatch."""
+        count = minibatch_count(mb_mask, mode)
+        if count is None or ctx.world_size == 1:
             return None
-        return float(all_reduce_sum(mb_mask.sum().to(torch.float64))) / ctx.world_size
+        return float(all_reduce_sum(count)) / ctx.world_size
 
     def logprobs(self, model: Any, batch: ScoredRollout, rows: MicroBatch | None = None,
                  with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
@@ -533,9 +535,9 @@ class RLRecipe:
                 first = epoch == 0 and mb_index == 0
                 micro = [MicroBatch(to_device(rows, device), rows) for rows in host_rows]
                 mb_mask = batch.mask[torch.cat([m.rows for m in micro])]
-                mb_tokens = self.minibatch_tokens(ctx, mb_mask, sec["loss_agg"])
+                mb_count = self.full_count(ctx, mb_mask, sec["loss_agg"])
                 weights = aggregate_weights([batch.mask[m.rows] for m in micro], mb_mask, sec["loss_agg"],
-                                            mb_tokens)
+                                            mb_count)
                 for phase in phases:
                     for m, weight in zip(micro, weights, strict=True):
                         with record_function("fw.rl.loss"):   # the micro-batch's forward and loss

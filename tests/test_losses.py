@@ -13,9 +13,11 @@ from recipes.losses import (
     ClippedValueLoss,
     aggregate,
     aggregate_weight,
+    aggregate_weights,
     build_policy_loss,
     explained_variance,
     kl_estimate,
+    minibatch_count,
 )
 
 
@@ -59,6 +61,50 @@ def test_aggregate_weight_splits_exactly(mode):
     parts = sum(aggregate(x[i:i + 2], m[i:i + 2], mode, max_len=7) * aggregate_weight(m[i:i + 2], m, mode)
                 for i in range(0, 6, 2))
     assert float(parts) == pytest.approx(float(whole), abs=1e-6)
+
+
+def test_seq_mean_leaves_out_completions_dropped_from_the_loss_hand_computed():
+    x = torch.tensor([[1.0, 2.0, 3.0], [10.0, 20.0, 0.0], [7.0, 7.0, 7.0]])
+    m = torch.tensor([[1, 1, 1], [1, 0, 0], [0, 0, 0]])   # the last completion dropped (mask_truncated, say)
+    assert float(aggregate(x, m, "seq-mean-token-mean")) == pytest.approx((2.0 + 10.0) / 2)
+    assert float(aggregate(x, m, "token-mean")) == pytest.approx((1 + 2 + 3 + 10) / 4)
+    # Dr.GRPO's denominator is a constant: the dropped completion still counts in it
+    assert float(aggregate(x, m, "seq-mean-token-sum-norm", max_len=4)) == pytest.approx((6 / 4 + 10 / 4) / 3)
+    for mode in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"):
+        assert float(aggregate(x, torch.zeros_like(m), mode)) == 0.0
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_aggregate_weight_splits_exactly_with_dropped_completions(mode):
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(6, 5, generator=g)
+    m = (torch.rand(6, 5, generator=g) > 0.3).long()
+    m[1] = 0        # one completion of the first micro-batch dropped
+    m[4:] = 0       # the whole last micro-batch dropped
+    whole = aggregate(x, m, mode, max_len=7)
+    weights = aggregate_weights([m[i:i + 2] for i in range(0, 6, 2)], m, mode)
+    parts = sum(aggregate(x[i:i + 2], m[i:i + 2], mode, max_len=7) * w for i, w in zip(range(0, 6, 2), weights))
+    assert float(parts) == pytest.approx(float(whole), abs=1e-6)
+    assert weights[2] == (1 / 3 if mode == "seq-mean-token-sum-norm" else 0.0)
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
+def test_ranks_weighted_by_the_count_over_ranks_give_the_one_process_loss(mode):
+    """What DDP computes (each rank's micro-batches weighted by RLRecipe.full_count, the gradients averaged over
+    the ranks) equals the loss of one process holding both ranks' minibatches, however unevenly the ranks'
+    completions were dropped."""
+    g = torch.Generator().manual_seed(3)
+    x = [torch.randn(4, 5, generator=g) for _ in range(2)]
+    m = [(torch.rand(4, 5, generator=g) > 0.2).long() for _ in range(2)]
+    m[0][3] = 0      # rank 0 drops one completion, rank 1 three
+    m[1][:3] = 0
+    full_count = float(sum(minibatch_count(r, mode) for r in m)) / 2   # all-reduce sum / world size
+    ranks = []
+    for xr, mr in zip(x, m):
+        weights = aggregate_weights([mr[:2], mr[2:]], mr, mode, full_count)
+        ranks.append(sum(aggregate(xr[i:i + 2], mr[i:i + 2], mode) * w for i, w in zip((0, 2), weights)))
+    one_process = aggregate(torch.cat(x), torch.cat(m), mode)
+    assert float(sum(ranks) / 2) == pytest.approx(float(one_process), abs=1e-6)
 
 
 def test_policy_loss_hand_computed():

@@ -224,8 +224,10 @@ def test_aggregate_weights_read_once_equal_hand_shares():
     full = torch.tensor([[1.0, 1, 0], [1, 0, 0], [1, 1, 1], [0, 0, 0]])
     micro = [full[:1], full[1:3], full[3:]]
     assert aggregate_weights(micro, full, "token-mean") == [2 / 6, 4 / 6, 0.0]
-    assert aggregate_weights(micro, full, "token-mean", full_tokens=8.0) == [2 / 8, 4 / 8, 0.0]
-    assert aggregate_weights(micro, full, "seq-mean-token-mean") == [1 / 4, 2 / 4, 1 / 4]
+    assert aggregate_weights(micro, full, "token-mean", full_count=8.0) == [2 / 8, 4 / 8, 0.0]
+    # seq-mean-token-mean counts the completions left in the loss (the last row has no token in it)
+    assert aggregate_weights(micro, full, "seq-mean-token-mean") == [1 / 3, 2 / 3, 0.0]
+    assert aggregate_weights(micro, full, "seq-mean-token-sum-norm") == [1 / 4, 2 / 4, 1 / 4]
     assert [aggregate_weight(m, full, "token-mean") for m in micro] == [2 / 6, 4 / 6, 0.0]
 
 
