@@ -133,6 +133,16 @@ def test_errors_point_at_the_file_that_set_the_value(tmp_path):
     assert problems(e) == [f"{top}:4:22: trainer.log_every_n_steps: must be >= 1, got -3"]
 
 
+def test_a_temperature_between_greedy_and_its_floor_is_refused_at_its_line(tmp_path):
+    path = write(tmp_path, "t.yaml", MINIMAL + "rollout:\n  temperature: 1.0e-6\n")
+    with pytest.raises(ConfigError) as e:
+        load_config([path], [])
+    assert problems(e) == [f"{path}:{len(MINIMAL.splitlines()) + 2}:16: rollout.temperature: the number 1e-06 is not "
+                           "allowed here: Sampling temperature: 0 = greedy (fw generate only: GRPO/PPO need > 0), else "
+                           "at least 1e-5."]
+    load_config([write(tmp_path, "z.yaml", MINIMAL + "rollout:\n  temperature: 0\n")], [])   # greedy is fine
+
+
 def test_a_mapping_replaced_by_a_scalar_takes_the_new_position(tmp_path):
     base = write(tmp_path, "base.yaml", MINIMAL + "data:\n  task: {name: arithmetic}\n")
     top = write(tmp_path, "top.yaml", "data:\n  task: 5\n")

@@ -168,6 +168,9 @@ def test_eos_ends_rows_individually(model, prompts):
                                    dtype=torch.float64), atol=1e-5, rtol=0)
     assert r.finish_reasons[0] == "eos" and len(r.completion_ids[0]) <= 4
     assert "length" in r.finish_reasons  # some rows ran on to max_new_tokens past row 0's end
+    # EOS ids as a tensor (a config's eos_token_id read from a checkpoint, say) end the same rows
+    t = generate(model, prompts, SamplingParams(max_new_tokens=10, temperature=0.0), eos_ids=torch.tensor([eos]))
+    assert t.completion_ids == r.completion_ids and t.finish_reasons == r.finish_reasons
 
 
 def test_per_row_token_limits(model, prompts):
@@ -240,6 +243,8 @@ def test_model_mode_is_restored(model, prompts):
 
 @pytest.mark.parametrize("kwargs, message", [
     ({"prompts": [[1], []]}, "prompt 1 is empty"),
+    ({"prompts": [[1], [2, 10**9]]}, r"prompt 1 holds token id 1000000000, outside the model's vocabulary \[0, "),
+    ({"prompts": [[-1, 2]]}, r"prompt 0 holds token id -1, outside the model's vocabulary"),
     ({"prompts": []}, "no prompts"),
     ({"max_new_tokens": [2, 3]}, r"max_new_tokens has 2 limits for 1 prompts"),
     ({"stop": ["x"]}, "stop strings need a tokenizer"),
@@ -255,8 +260,9 @@ def test_bad_arguments(model, kwargs, message):
     ({"max_new_tokens": 0}, "max_new_tokens must be an int >= 1"),
     ({"max_new_tokens": [2, 0]}, "max_new_tokens must be an int >= 1"),
     ({"max_new_tokens": "3"}, "max_new_tokens must be an int >= 1"),
-    ({"temperature": -1.0}, "temperature must be a finite number >= 0"),
-    ({"temperature": float("nan")}, "temperature must be a finite number >= 0"),
+    ({"temperature": -1.0}, r"temperature must be 0 \(greedy\) or a finite number >= 1e-05, got -1.0"),
+    ({"temperature": float("nan")}, r"temperature must be 0 \(greedy\) or a finite number >= 1e-05"),
+    ({"temperature": 1e-38}, r"temperature must be 0 \(greedy\) or a finite number >= 1e-05, got 1e-38"),
     ({"top_k": -1}, r"top_k must be an int >= 0 \(0 = off\), got -1"),
     ({"top_p": 0.0}, r"top_p must be in \(0, 1\] \(1 = off\), got 0.0"),
     ({"top_p": 1.5}, r"top_p must be in \(0, 1\]"),
@@ -267,6 +273,20 @@ def test_bad_arguments(model, kwargs, message):
 def test_sampling_params_are_checked_once_when_built(kwargs, message):
     with pytest.raises(FwError, match=message):
         SamplingParams(**{"max_new_tokens": 2, "temperature": 1.0, **kwargs})
+
+
+def test_the_smallest_temperature_is_the_schemas():
+    import json
+
+    from framework.config import schema_text
+    from framework.rollout.sampling import MIN_TEMPERATURE
+
+    schema = json.loads(schema_text())
+    nodes = [schema["properties"]["rollout"]["properties"]["temperature"],
+             schema["properties"]["eval"]["properties"]["temperature"]]
+    for node in nodes:
+        assert node["anyOf"] == [{"const": 0}, {"minimum": MIN_TEMPERATURE}]
+    SamplingParams(max_new_tokens=1, temperature=MIN_TEMPERATURE)   # the bound itself is allowed
 
 
 def test_sampling_params_from_config_is_frozen_and_takes_changes():

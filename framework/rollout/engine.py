@@ -129,12 +129,17 @@ def decode_packs(rows: list[RowState], block_size: int) -> tuple[list[RowState],
     return ordered, packs
 
 
-def _check_prompts(prompts: list[list[int]], params: SamplingParams, tokenizer: Any) -> None:
+def _check_prompts(prompts: list[list[int]], params: SamplingParams, tokenizer: Any, vocab_size: int) -> None:
     if not prompts:
         raise FwError("generate: no prompts")
     for i, prompt in enumerate(prompts):
         if len(prompt) == 0:
             raise FwError(f"generate: prompt {i} is empty (a prompt needs at least one token)")
+        # an id past the embedding fails deep inside it on CPU, and poisons the CUDA context on a GPU
+        lo, hi = min(prompt), max(prompt)
+        if lo < 0 or hi >= vocab_size:
+            raise FwError(f"generate: prompt {i} holds token id {int(lo if lo < 0 else hi)}, outside the model's "
+                          f"vocabulary [0, {vocab_size})")
     if params.stop and tokenizer is None:
         raise FwError("generate: stop strings need a tokenizer to decode the completions")
 
@@ -236,8 +241,8 @@ class RolloutEngine:
         """Sample completions of ``prompts`` (token id lists) as ``params`` says; see `generate`."""
         if self.timeline is not None:
             self.timeline.enter()
-        _check_prompts(prompts, params, tokenizer)
         model = self.model
+        _check_prompts(prompts, params, tokenizer, model.config.vocab_size)
         device = model.lm_head_weight.device
         row_limits = params.row_limits(len(prompts)) or [params.longest] * len(prompts)
         seqs = [RowState(row=b, prompt=list(map(int, p)), limit=n) for b, (p, n) in enumerate(zip(prompts, row_limits))]
@@ -269,7 +274,7 @@ class RolloutEngine:
                 if casts is not self.graph_casts or self.graph_region != (autocast, dtype):
                     self._drop_graphs()
                 self.graph_casts, self.graph_region = casts, (autocast, dtype)
-                _Run(self, seqs, params, set(eos_ids), tokenizer, seed, device, casts).run()
+                _Run(self, seqs, params, {int(e) for e in eos_ids}, tokenizer, seed, device, casts).run()
                 self._mark("drain")   # the last steps' tokens read back
         finally:
             model.train(was_training)

@@ -15,6 +15,10 @@ import ops_cuda
 from framework.errors import FwError
 from ops_cuda.sample import inverse_cdf, row_uniform53, sampling_mask
 
+# The smallest temperature above greedy, as the schema's rollout.temperature says (a test holds them equal): below
+# it a draw is greedy in all but name, and logits divided by it can overflow float32.
+MIN_TEMPERATURE = 1e-5
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -44,8 +48,9 @@ class SamplingParams:
         if not values or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in values):
             raise FwError(f"sampling: max_new_tokens must be an int >= 1 or one such int per prompt, "
                           f"got {self.max_new_tokens!r}")
-        if not (math.isfinite(self.temperature) and self.temperature >= 0):
-            raise FwError(f"sampling: temperature must be a finite number >= 0, got {self.temperature}")
+        if not (math.isfinite(self.temperature) and (self.temperature == 0 or self.temperature >= MIN_TEMPERATURE)):
+            raise FwError(f"sampling: temperature must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE:g}, got "
+                          f"{self.temperature}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
             raise FwError(f"sampling: top_k must be an int >= 0 (0 = off), got {self.top_k!r}")
         if not 0.0 < self.top_p <= 1.0:
