@@ -93,6 +93,24 @@ def test_interrupted_and_resumed_run_equals_uninterrupted(tmp_path, data, log_ev
         assert comparable(read_metrics(straight / "metrics.jsonl")) == expected
 
 
+def test_resume_from_an_older_checkpoint_into_its_run_dir_is_refused(tmp_path, data):
+    """A run holding step-4 and step-8: resuming step-4 there would train steps 5.. beside the other timeline's
+    step-8, which `--resume last` would then pick and pruning by step would keep. Refused; nothing changes."""
+    run = tmp_path / "run"
+    fit(config(run, data, 1) | {"trainer": config(run, data, 1)["trainer"] | {"max_steps": 8}})
+    before = sorted(p.name for p in (run / "checkpoints").iterdir())
+    metrics = (run / "metrics.jsonl").read_bytes()
+    assert before == ["step-000004", "step-000008"]
+    with pytest.raises(FwError, match=r"--resume .*step-000004: .*checkpoints holds checkpoints past step 4 "
+                                      r"\(step-000008\); a run resumed there would mix its steps"):
+        fit(config(run, data, 1), resume=str(run / "checkpoints" / "step-000004"))
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == before
+    assert (run / "metrics.jsonl").read_bytes() == metrics
+    # into another run_dir it resumes
+    trainer = fit(config(tmp_path / "branch", data, 1), resume=str(run / "checkpoints" / "step-000004"))
+    assert trainer.global_step == 9
+
+
 def test_resume_last_without_checkpoint_is_an_error(tmp_path, data):
     with pytest.raises(FwError, match="no complete checkpoint"):
         fit(config(tmp_path / "empty", data, 1), resume="last")

@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from framework.checkpoint.directory import MANIFEST, Verifier, is_complete, read_complete_manifest
+from framework.checkpoint.directory import MANIFEST, Verifier, is_complete, read_complete_manifest, read_manifest
 from framework.checkpoint.files import dead_leftovers, fsync_dir, remove_tree
 from framework.errors import FwError
 
@@ -164,6 +164,20 @@ def refuse_existing_checkpoints(run_dir: str | os.PathLike) -> None:
                       "newest): resume with --resume last, or choose another run_dir")
 
 
+def refuse_newer_checkpoints(run_dir: str | os.PathLike, checkpoint: str | os.PathLike, resume: str) -> None:
+    """FwError if `run_dir` holds complete checkpoints of later steps than `checkpoint`: a run resumed there would
+    write its own steps beside another timeline's, `--resume last` would pick theirs, and `prune` (by step)
+    would delete the run's newest checkpoints instead of theirs."""
+    step = read_manifest(checkpoint).get("step")
+    newer = [Path(p) for p in list_checkpoints(run_dir)
+             if step is not None and int(_STEP_DIR.match(Path(p).name).group(1)) > step]
+    if newer:
+        names = ", ".join(p.name for p in newer)
+        raise FwError(f"--resume {resume}: {checkpoints_dir(run_dir)} holds checkpoints past step {step} ({names}); a "
+                      "run resumed there would mix its steps with theirs and prune its own: resume into another "
+                      "run_dir, or move them out of this one first")
+
+
 def resolve_resume(resume: str | None, cfg: dict, skip_damaged: bool = False) -> str | None:
     """`--resume` value -> checkpoint dir: None stays None (after refusing a run_dir that holds checkpoints),
     "last" -> the newest under `find_latest`'s rules (FwError if none), a path -> that checkpoint (which must
@@ -182,6 +196,7 @@ def resolve_resume(resume: str | None, cfg: dict, skip_damaged: bool = False) ->
     else:
         latest = str(resolve_checkpoint(resume, skip_damaged, skip_damaged and cfg["checkpoint"]["verify"],
                                         option="--resume"))
+    refuse_newer_checkpoints(run_dir, latest, resume)
     changes = check_resume_config(latest, cfg)
     if os.environ.get("LOCAL_RANK", "0") == "0" and os.environ.get("NODE_RANK", "0") == "0":
         changed = ", ".join(f"{k} {a!r} -> {b!r}" for k, a, b in changes)
