@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -226,3 +227,18 @@ def test_a_second_fit_into_a_run_dir_in_use_is_refused_naming_the_holder(tmp_pat
     third = Run(sft_argv(run_dir, "--resume", "last", max_steps=2), tmp_path / "third.log")
     assert third.wait() == 0, third.output()
     assert newest(run_dir) == ck.step_dir_name(2)
+
+
+def test_a_grace_past_what_a_timer_can_wait_is_refused_by_the_schema():
+    """A grace beyond threading.TIMEOUT_MAX kills the watchdog's thread at the first signal (OverflowError); the
+    schema caps it at a year, far below that, and says so at the setting."""
+    from framework.config import load_config
+    from framework.errors import ConfigError
+
+    assert 31536000 < threading.TIMEOUT_MAX
+    train = str(Path(__file__).resolve().parents[1] / "train.yaml")
+    with pytest.raises(ConfigError) as e:
+        load_config([train], ["--trainer.stop_grace_s=1e300"])
+    assert [str(p) for p in e.value.problems] == [
+        "override '--trainer.stop_grace_s=1e300': trainer.stop_grace_s: must be <= 31536000, got 1e+300"]
+    assert load_config([train], ["--trainer.stop_grace_s=31536000"])["trainer"]["stop_grace_s"] == 31536000
