@@ -84,10 +84,13 @@ def _eval_cfg(cfg: dict) -> dict:
     return {**cfg, "data": {**cfg["data"], "path": cfg["eval"]["path"], "task": None}}
 
 
+SOURCE_PROBLEM = ("the training data is a JSONL file (data.path), whose records the training stream visits again "
+                  "and again; set eval.path to a held-out JSONL file")
+
+
 def _check_source(cfg: dict) -> None:
     if cfg["eval"]["path"] is None and not cfg["data"]["task"]:
-        raise FwError("eval: the training data is a JSONL file (data.path), whose records the training stream "
-                      "visits again and again; set eval.path to a held-out JSONL file")
+        raise FwError(f"eval: {SOURCE_PROBLEM}")
 
 
 class Evaluation:

@@ -45,6 +45,7 @@ def check(located: LocatedConfig, *, machine: bool = False) -> list[Problem]:
     checks.run_dir()
     checks.models()
     checks.data()
+    checks.evaluation()
     checks.plugins()
     checks.combinations()
     checks.trainer(machine)
@@ -175,7 +176,20 @@ class _Checks:
         for i, path in enumerate([paths] if isinstance(paths, str) else paths or []):
             self.jsonl(("data", "path") if isinstance(paths, str) else ("data", "path", i), path)
 
-    def jsonl(self, where: tuple, path: str) -> None:
+    def evaluation(self) -> None:
+        """eval.path's files, read as the training data's are, where training evaluates (`fw eval` checks its own
+        source when it runs)."""
+        from framework.evaluation import SOURCE_PROBLEM, eval_enabled
+
+        if not eval_enabled(self.cfg):
+            return
+        paths = self.cfg["eval"]["path"]
+        if paths is None and not self.cfg["data"]["task"]:
+            self.add(("eval", "path"), SOURCE_PROBLEM)
+        for i, path in enumerate([paths] if isinstance(paths, str) else paths or []):
+            self.jsonl(("eval", "path") if isinstance(paths, str) else ("eval", "path", i), path, "eval.path")
+
+    def jsonl(self, where: tuple, path: str, key: str = "data.path") -> None:
         from framework.data import record_problem
         from framework.jsonl import NotUtf8, rows
         from framework.tasks import prompt_record_problem
@@ -196,9 +210,9 @@ class _Checks:
                 if problem:
                     bad += 1
                     if bad <= MAX_ROW_PROBLEMS:
-                        self.problems.append(Problem(path, row.line, row.col, "data.path", problem))
+                        self.problems.append(Problem(path, row.line, row.col, key, problem))
         except NotUtf8 as e:
-            self.problems.append(Problem(e.path, e.line, e.col, "data.path", e.reason))
+            self.problems.append(Problem(e.path, e.line, e.col, key, e.reason))
             return
         except FwError as e:   # unreadable
             self.add(where, str(e).removeprefix("data.path: "))

@@ -121,6 +121,32 @@ def test_run_dir_below_a_file(tmp_path, capsys):
         2, [f"{config}:7:10: run_dir: cannot create {tmp_path}/taken/run: {tmp_path}/taken is a file"])
 
 
+def test_eval_files_are_checked_where_training_evaluates(tmp_path, capsys):
+    """fw validate (and fit, before anything is written) reads eval.path as it reads data.path, naming eval.path;
+    a run whose training data is a JSONL file needs one."""
+    bad = tmp_path / "eval.jsonl"
+    bad.write_text('{"prompt": "1+1", "answer": "2"}\n[1, 2]\n')
+    config = tmp_path / "train.yaml"
+    config.write_text(GRPO + "eval:\n  every_n_steps: 5\n")
+    assert run_fw(["validate", "--config", str(config), f"--eval.path={tmp_path}/none.jsonl"], capsys) == (
+        2, [f"override '--eval.path={tmp_path}/none.jsonl': eval.path: no such file: {tmp_path}/none.jsonl"])
+    assert run_fw(["validate", "--config", str(config), f"--eval.path={bad}"], capsys) == (
+        2, [f"{bad}:2:1: eval.path: expected a JSON object, got list"])
+    assert run_fw(["fit", "--config", str(config), f"--eval.path={bad}", f"--run_dir={tmp_path}/run"], capsys) == (
+        2, [f"{bad}:2:1: eval.path: expected a JSON object, got list"])
+    assert not (tmp_path / "run").exists()
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "1+1", "answer": "2"}\n')
+    config.write_text(GRPO.replace("  task: {name: digits}\n", f"  path: {prompts}\n") + "eval:\n  every_n_steps: 5\n")
+    code, lines = run_fw(["validate", "--config", str(config)], capsys)
+    assert (code, lines) == (2, [(f"{config}:8:3: eval.path: the training data is a JSONL file (data.path), whose "
+                                  "records the training stream visits again and again; set eval.path to a held-out "
+                                  "JSONL file")])
+    # without evaluation nothing reads eval.path
+    assert run_fw(["validate", "--config", str(config), "--eval.every_n_steps=null",
+                   f"--eval.path={tmp_path}/none.jsonl"], capsys)[0] == 0
+
+
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only directories")
 def test_run_dir_not_writable(tmp_path, capsys):
     locked = tmp_path / "locked"
