@@ -431,13 +431,40 @@ def _read_file(path: str) -> tuple[Any, dict, list[Problem]]:
 
 # ------------------------------------------------------------------------------------------ overrides
 
+def _holds_mapping(sub: dict) -> bool:
+    """Whether a key with schema `sub` can take a mapping (a section, or a free-form one like init_args)."""
+    if "properties" in sub or "object" in _types(sub):
+        return True
+    if "type" in sub:
+        return False
+    if "enum" in sub or "const" in sub:
+        return any(isinstance(v, dict) for v in sub.get("enum", [sub.get("const")]))
+    branches = sub.get("anyOf", []) + sub.get("oneOf", [])
+    return not branches or any(_holds_mapping(b) for b in branches)
+
+
+def _expected_words(sub: dict) -> str:
+    """What a key with schema `sub` takes, in words: 'an integer', 'a string or null', 'a choice (one of a, b)'."""
+    if "type" in sub:
+        return " or ".join(_TYPE_WORDS.get(t, t) for t in _types(sub))
+    if "enum" in sub:  # the parentheses keep the choices apart from the rest of a sentence
+        return f"a choice (one of {_choice_text(sub['enum'])})"
+    if "const" in sub:
+        return _choice_text([sub["const"]])
+    branches = sub.get("anyOf", []) + sub.get("oneOf", [])
+    return " or ".join(_expected_words(b) for b in branches) if branches else "a value"
+
+
 def _schema_at(keys: list[str], recipe: Any = None) -> tuple[dict | None, str | None]:
-    """(subschema at `keys` or None when inside a free-form mapping, error text for an unknown key)."""
+    """(subschema at `keys` or None when inside a free-form mapping, error text for a key that cannot be there)."""
     sub: dict | None = _schema()
     for i, key in enumerate(keys):
         props = sub.get("properties")
         if props is None:
-            return None, None
+            if not _holds_mapping(sub) and "array" not in _types(sub):
+                # a key below a scalar: the override is at fault, not the file that sets the scalar
+                return None, f"{'.'.join(keys[:i])} is {_expected_words(sub)}, not a section"
+            return None, None  # free-form, or a list: _apply_override says it cannot reach inside a list
         if key not in props:
             if sub.get("additionalProperties") is False:
                 return None, _unknown_key_message(key, list(props), tuple(keys[:i]), recipe)
@@ -454,9 +481,9 @@ def _apply_override(data: dict, marks: dict, arg: str) -> list[Problem]:
     if not sep or not all(k.strip() == k and k for k in keys):
         return [Problem(label, None, None, "", "malformed override: expected --key.path=value, "
                                                "e.g. --trainer.max_steps=10")]
-    sub, unknown = _schema_at(keys, data.get("recipe"))
-    if unknown:
-        return [Problem(label, None, None, key, unknown)]
+    sub, wrong = _schema_at(keys, data.get("recipe"))
+    if wrong:
+        return [Problem(label, None, None, key, wrong)]
     value, _ = yaml12.parse_scalar(raw)  # not one flow value: the text itself
     if sub is not None and not Draft202012Validator(sub).is_valid(value) and Draft202012Validator(sub).is_valid(raw):
         value = raw  # e.g. --name=123 for a string key: typed by the schema

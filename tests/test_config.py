@@ -137,9 +137,9 @@ def test_a_temperature_between_greedy_and_its_floor_is_refused_at_its_line(tmp_p
     path = write(tmp_path, "t.yaml", MINIMAL + "rollout:\n  temperature: 1.0e-6\n")
     with pytest.raises(ConfigError) as e:
         load_config([path], [])
-    assert problems(e) == [f"{path}:{len(MINIMAL.splitlines()) + 2}:16: rollout.temperature: the number 1e-06 is not "
-                           "allowed here: Sampling temperature: 0 = greedy (fw generate only: GRPO/PPO need > 0), else "
-                           "at least 1e-5."]
+    assert problems(e) == [(f"{path}:{len(MINIMAL.splitlines()) + 2}:16: rollout.temperature: the number 1e-06 is "
+                            "not allowed here: Sampling temperature: 0 = greedy (fw generate only: GRPO/PPO need > 0), "
+                            "else at least 1e-5.")]
     load_config([write(tmp_path, "z.yaml", MINIMAL + "rollout:\n  temperature: 0\n")], [])   # greedy is fine
 
 
@@ -211,6 +211,31 @@ def test_override_errors_name_the_override(tmp_path):
         "override '--=1': malformed override: expected --key.path=value, e.g. --trainer.max_steps=10",
         "override '--a..b=1': malformed override: expected --key.path=value, e.g. --trainer.max_steps=10",
     ]
+
+
+def test_override_below_a_scalar_key_names_the_override_not_the_file(tmp_path):
+    # the file sets these keys correctly: the override that reaches below them is at fault
+    path = write(tmp_path, "c.yaml", MINIMAL + "seed: 0\noptimizer:\n  lr: 3.0e-3\ntrainer:\n  devices: 1\n")
+    with pytest.raises(ConfigError) as e:
+        load_config([path], ["--seed.x=1", "--optimizer.lr.value=1", "--name.first.second=a",
+                             "--data.task.class_path.x=1", "--model.policy.preset.size=1", "--trainer.devices.n=2"])
+    assert problems(e) == [
+        "override '--seed.x=1': seed.x: seed is an integer, not a section",
+        "override '--optimizer.lr.value=1': optimizer.lr.value: optimizer.lr is a number, not a section",
+        "override '--name.first.second=a': name.first.second: name is a string, not a section",
+        ("override '--data.task.class_path.x=1': data.task.class_path.x: data.task.class_path is a string or null, "
+         "not a section"),
+        ("override '--model.policy.preset.size=1': model.policy.preset.size: model.policy.preset is a choice "
+         "(one of tiny, small, qwen3-0.6b, qwen3-1.7b, qwen3-4b, qwen3-8b, null), not a section"),
+        ("override '--trainer.devices.n=2': trainer.devices.n: trainer.devices is auto or an integer or a list, "
+         "not a section"),
+    ]
+
+
+def test_override_below_a_free_form_key_written_in_the_file_adds_to_it(tmp_path):
+    path = write(tmp_path, "c.yaml", MINIMAL + "data:\n  task:\n    name: arithmetic\n    init_args: {digits: 2}\n")
+    cfg = load_config([path], ["--data.task.init_args.allow_negative=false"])
+    assert cfg["data"]["task"]["init_args"] == {"digits": 2, "allow_negative": False}
 
 
 def test_override_fixes_an_error_in_a_file(tmp_path):
