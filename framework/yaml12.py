@@ -10,9 +10,11 @@ own implicit-resolver table with only the 1.2 core schema:
 - float: `1.5`, `.5`, `2e-5`, `1e3`, `-1.5E+3`, `.inf`, `-.inf`, `.nan`
 - everything else is a string (`12:30`, `2024-01-01`, `1_000`)
 
-No timestamps, no `<<` merge keys (both are 1.1 only). Duplicate keys are errors. Loading returns the
-data plus the position of every value (and key) by path, so later errors can say FILE:LINE:COL.
-PyYAML's global loaders and dumpers are left untouched.
+An explicit `!!bool`, `!!int`, `!!float` or `!!null` takes only the spellings above (`!!bool yes` is an
+error, not false). No timestamps, no `<<` merge keys (both are 1.1 only). Duplicate keys are errors, and so
+is an alias inside the node it refers to (`&a [*a]`). Loading returns the data plus the position of every
+value (and key) by path, so later errors can say FILE:LINE:COL. PyYAML's global loaders and dumpers are
+left untouched.
 
 A config is small, so loading refuses documents that are not: more than MAX_DEPTH levels of nesting,
 MAX_ALIASES aliases, or MAX_NODES values counting every alias expansion (an alias bomb). Each limit is
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import math
 import re
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -72,15 +75,52 @@ def _core_resolver_table() -> dict:
     return table
 
 
-def _construct_int(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> int:
+_CORE_PATTERNS = {tag: re.compile(pattern) for tag, pattern, _ in _CORE_RESOLVERS}
+_CORE_EXPECTED = {  # tag: (what it takes, examples or a hint)
+    "tag:yaml.org,2002:bool": ("true or false", " (YAML 1.2 reads on/off/yes/no as strings)"),
+    "tag:yaml.org,2002:null": ("null, ~ or nothing", ""),
+    "tag:yaml.org,2002:int": ("an integer", " (e.g. 42, -7, 0o17, 0x1F)"),
+    "tag:yaml.org,2002:float": ("a number", " (e.g. 1.5, 2e-5, 1e3, .inf, .nan)"),
+}
+
+
+def _shown(text: str) -> str:
+    """`text` quoted and cut short, so that a long scalar still gives a one-line message."""
+    return repr(text if len(text) <= 40 else text[:40] + "…")
+
+
+def _core_text(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> str:
+    """The scalar's text, refused unless the core schema reads it as the node's tag.
+
+    Untagged scalars only get these tags when they match, so this refuses explicit tags such as `!!int abc`.
+    """
     text = loader.construct_scalar(node)
+    if not _CORE_PATTERNS[node.tag].fullmatch(text):
+        what, hint = _CORE_EXPECTED[node.tag]
+        raise yaml.constructor.ConstructorError(
+            None, None, f"expected {what} after !!{node.tag.rsplit(':', 1)[1]}, got {_shown(text)}{hint}",
+            node.start_mark)
+    return text
+
+
+def _construct_null(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> None:
+    _core_text(loader, node)
+
+
+def _construct_int(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> int:
+    text = _core_text(loader, node)
     if text.startswith(("0x", "0o")):
         return int(text, 0)
-    return int(text, 10)  # leading zeros are decimal in the 1.2 core schema
+    try:
+        return int(text, 10)  # leading zeros are decimal in the 1.2 core schema
+    except ValueError:  # Python refuses to convert decimal strings over sys.get_int_max_str_digits() digits
+        raise yaml.constructor.ConstructorError(
+            None, None, f"expected an integer of at most {sys.get_int_max_str_digits()} digits, "
+                        f"got one of {len(text.lstrip('+-'))}", node.start_mark) from None
 
 
 def _construct_float(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> float:
-    text = loader.construct_scalar(node).lower()
+    text = _core_text(loader, node).lower()
     if text.endswith(".inf"):
         return -math.inf if text.startswith("-") else math.inf
     if text == ".nan":
@@ -88,8 +128,15 @@ def _construct_float(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> float:
     return float(text)
 
 
+def _construct_timestamp(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> None:
+    # PyYAML's own constructor fails with an AttributeError on text that is not a date
+    raise yaml.constructor.ConstructorError(
+        None, None, f"!!timestamp is YAML 1.1 only, got {_shown(loader.construct_scalar(node))}; a config takes "
+                    "dates as strings", node.start_mark)
+
+
 def _construct_bool(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> bool:
-    return loader.construct_scalar(node).lower() == "true"
+    return _core_text(loader, node).lower() == "true"
 
 
 class Yaml12Loader(yaml.SafeLoader):
@@ -101,6 +148,7 @@ class Yaml12Loader(yaml.SafeLoader):
     def __init__(self, stream: str):
         super().__init__(stream)
         self._depth = self._aliases = self._nodes = 0
+        self._open: dict[str, yaml.Mark] = {}  # anchors of the collections being composed
 
     def compose_node(self, parent: yaml.Node | None, index: Any) -> yaml.Node:
         event = self.peek_event()
@@ -108,6 +156,11 @@ class Yaml12Loader(yaml.SafeLoader):
             self._aliases += 1
             if self._aliases > MAX_ALIASES:
                 raise _limit(f"has more than {MAX_ALIASES} aliases", event.start_mark)
+            if event.anchor in self._open:  # the node would contain itself: walking it never ends
+                m = self._open[event.anchor]
+                raise _Cycle(None, None, f"the alias *{event.anchor} refers to a node that contains it "
+                                         f"(&{event.anchor} at line {m.line + 1}, column {m.column + 1}); "
+                                         "expected an alias to a node outside it", event.start_mark)
         else:
             self._nodes += 1
             if self._nodes > MAX_NODES:
@@ -115,10 +168,15 @@ class Yaml12Loader(yaml.SafeLoader):
         self._depth += 1
         if self._depth > MAX_DEPTH:
             raise _limit(f"is nested more than {MAX_DEPTH} levels deep", event.start_mark)
+        anchor = event.anchor if isinstance(event, (yaml.SequenceStartEvent, yaml.MappingStartEvent)) else None
+        if anchor is not None:
+            self._open[anchor] = event.start_mark
         try:
             return super().compose_node(parent, index)
         finally:
             self._depth -= 1
+            if anchor is not None:
+                self._open.pop(anchor, None)
 
 
 class _TooBig(yaml.composer.ComposerError):
@@ -129,9 +187,15 @@ def _limit(what: str, mark: yaml.Mark) -> _TooBig:
     return _TooBig(None, None, f"the document {what}; a config is much smaller", mark)
 
 
+class _Cycle(yaml.composer.ComposerError):
+    """An alias inside the node it refers to (`&a [*a]`): valid YAML, but no config is infinite."""
+
+
 Yaml12Loader.add_constructor("tag:yaml.org,2002:int", _construct_int)  # copies the table for this class only
 Yaml12Loader.add_constructor("tag:yaml.org,2002:float", _construct_float)
 Yaml12Loader.add_constructor("tag:yaml.org,2002:bool", _construct_bool)
+Yaml12Loader.add_constructor("tag:yaml.org,2002:null", _construct_null)
+Yaml12Loader.add_constructor("tag:yaml.org,2002:timestamp", _construct_timestamp)
 
 
 class Yaml12Dumper(yaml.SafeDumper):
@@ -151,7 +215,7 @@ def _syntax_problem(file: str, e: yaml.MarkedYAMLError) -> Problem:
         text = f"{e.context}, {text}"
     if "'\\t'" in text:
         text += " (indent YAML with spaces, not tabs)"
-    what = "YAML" if isinstance(e, _TooBig) else "YAML syntax error"
+    what = "YAML" if isinstance(e, (_TooBig, _Cycle)) else "YAML syntax error"
     return Problem(file, mark.line + 1 if mark else None, mark.column + 1 if mark else None, "",
                    f"{what}: {text}")
 

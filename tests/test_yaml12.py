@@ -182,3 +182,88 @@ def test_too_many_values_stop_the_reading_where_the_limit_is_crossed():
     text = "".join(f"k{i}: 1\n" for i in range(200_000))
     # each entry is a key and a value: the limit is crossed at entry MAX_NODES / 2
     assert _one_problem(text).startswith(f"f.yaml:{yaml12.MAX_NODES // 2}:")
+
+
+# ---------------------------------------------------------------- explicit tags
+
+@pytest.mark.parametrize("text,expected", [
+    ("!!int 42", 42), ("!!int -7", -7), ("!!int 0755", 755), ("!!int 0o17", 15), ("!!int 0x1F", 31),
+    ("!!float 1", 1.0), ("!!float 2e-5", 2e-5), ("!!float -.inf", -math.inf), ("!!float '1.5'", 1.5),
+    ("!!bool true", True), ("!!bool FALSE", False), ("!!bool 'True'", True),
+    ("!!null ~", None), ("!!null NULL", None), ("!!null", None),
+])
+def test_explicit_tags_take_the_core_schema_spellings(text, expected):
+    value = yaml12.load(f"v: {text}\n")["v"]
+    assert value == expected and type(value) is type(expected)
+
+
+INT_EXAMPLES = "(e.g. 42, -7, 0o17, 0x1F)"
+FLOAT_EXAMPLES = "(e.g. 1.5, 2e-5, 1e3, .inf, .nan)"
+BOOL_HINT = "(YAML 1.2 reads on/off/yes/no as strings)"
+
+
+@pytest.mark.parametrize("text,message", [
+    ("!!int abc", f"expected an integer after !!int, got 'abc' {INT_EXAMPLES}"),
+    ("!!int 0x", f"expected an integer after !!int, got '0x' {INT_EXAMPLES}"),
+    ("!!int 1.5", f"expected an integer after !!int, got '1.5' {INT_EXAMPLES}"),
+    ("!!int 1_000", f"expected an integer after !!int, got '1_000' {INT_EXAMPLES}"),
+    ("!!float abc", f"expected a number after !!float, got 'abc' {FLOAT_EXAMPLES}"),
+    ("!!float 0x1F", f"expected a number after !!float, got '0x1F' {FLOAT_EXAMPLES}"),
+    ("!!bool yes", f"expected true or false after !!bool, got 'yes' {BOOL_HINT}"),
+    ("!!bool on", f"expected true or false after !!bool, got 'on' {BOOL_HINT}"),
+    ("!!bool tRUE", f"expected true or false after !!bool, got 'tRUE' {BOOL_HINT}"),
+    ("!!bool |\n  true\n", f"expected true or false after !!bool, got 'true\\n' {BOOL_HINT}"),
+    ("!!null abc", "expected null, ~ or nothing after !!null, got 'abc'"),
+    ("!!timestamp abc", "!!timestamp is YAML 1.1 only, got 'abc'; a config takes dates as strings"),
+    ("!!timestamp 2024-01-01", "!!timestamp is YAML 1.1 only, got '2024-01-01'; a config takes dates as strings"),
+    ("!!int " + "7" * 60 + "x", f"expected an integer after !!int, got '{'7' * 40}…' {INT_EXAMPLES}"),
+])
+def test_an_explicit_tag_on_a_value_it_cannot_take_is_a_positioned_error(text, message):
+    # the position is the tag's, where the value starts
+    assert _one_problem(f"a: 1\nv: {text}\n") == f"f.yaml:2:4: YAML syntax error: {message}"
+
+
+def test_an_explicit_tag_on_a_key_it_cannot_take():
+    assert _one_problem("a: 1\n!!int abc: 2\n") == (
+        f"f.yaml:2:1: YAML syntax error: expected an integer after !!int, got 'abc' {INT_EXAMPLES}")
+
+
+def test_an_integer_too_long_for_python_is_a_positioned_error():
+    assert _one_problem("v: " + "9" * 5000 + "\n") == (
+        "f.yaml:1:4: YAML syntax error: expected an integer of at most 4300 digits, got one of 5000")
+
+
+@pytest.mark.parametrize("text", ["!!int abc", "!!int 0x", "!!float abc", "!!bool yes", "!!bool on", "!!null x"])
+def test_parse_scalar_of_a_tag_it_cannot_take_is_the_text_itself(text):
+    assert yaml12.parse_scalar(text) == (text, False)
+
+
+# ---------------------------------------------------------------- recursive aliases
+
+@pytest.mark.parametrize("text,col,anchor_col", [
+    ("x: &a [*a]\n", 8, 4),
+    ("x: &a {k: *a}\n", 11, 4),
+    ("x: &a [1, {k: [2, *a]}]\n", 19, 4),
+    ("x: [0, &a [1, &b [*a]]]\n", 19, 8),
+])
+def test_an_alias_inside_the_node_it_refers_to_is_a_problem_not_a_recursion_error(text, col, anchor_col):
+    assert _one_problem(text) == (f"f.yaml:1:{col}: YAML: the alias *a refers to a node that contains it "
+                                  f"(&a at line 1, column {anchor_col}); expected an alias to a node outside it")
+
+
+def test_a_block_alias_inside_its_node():
+    text = "base: &b\n  lr: 1\n  again: *b\n"
+    assert _one_problem(text) == ("f.yaml:3:10: YAML: the alias *b refers to a node that contains it "
+                                  "(&b at line 1, column 7); expected an alias to a node outside it")
+
+
+def test_parse_scalar_of_a_recursive_alias_is_the_text_itself():
+    assert yaml12.parse_scalar("&a [*a]") == ("&a [*a]", False)
+
+
+def test_aliases_to_complete_nodes_still_load():
+    # the same anchor used twice, nested anchors, and an alias beside (not inside) its node
+    text = "a: &a [1, &b [2]]\nb: *a\nc: *b\nd: [*b, *a]\ne: [&c {k: 1}, *c]\nf: &f {x: &x 3, y: *x}\n"
+    assert yaml12.load(text) == {"a": [1, [2]], "b": [1, [2]], "c": [2], "d": [[2], [1, [2]]],
+                                 "e": [{"k": 1}, {"k": 1}], "f": {"x": 3, "y": 3}}
+    assert yaml12.parse_scalar("[&a [1], *a]") == ([[1], [1]], True)
