@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -358,6 +359,10 @@ def evaluate_checkpoint(checkpoint: str | Path, cfg: dict | None = None, out: st
     from framework.generate import _device, autocast_context, load_policy, run_config
 
     path = resolve_checkpoint(checkpoint, skip_damaged=skip_damaged, verify=skip_damaged)
+    if out is None:
+        out = (path.parent.parent / "eval" if path.parent.name == "checkpoints" else Path.cwd()) / f"{path.name}.json"
+    out = Path(out)
+    _check_report_path(out)   # before the evaluation, which may take long
     cfg = run_config(cfg, path)
     step = read_complete_manifest(path).get("step")
     tokenizer, policy = load_policy(cfg, path)
@@ -367,12 +372,23 @@ def evaluate_checkpoint(checkpoint: str | Path, cfg: dict | None = None, out: st
     with autocast_context(cfg, device):
         metrics = evaluation.run(policy)
     report = {"checkpoint": str(path), "step": step, "recipe": cfg["recipe"], "metrics": metrics}
-    if out is None:
-        out = (path.parent.parent / "eval" if path.parent.name == "checkpoints" else Path.cwd()) / f"{path.name}.json"
-    out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
     return report, out
+
+
+def _check_report_path(out: Path) -> None:
+    """FwError if the report cannot be written at `out`: a directory there, a file where a folder of it must be,
+    or a folder that is not writable."""
+    if out.is_dir():
+        raise FwError(f"--out {out}: a directory; give the JSON report's file path, e.g. {out / 'report.json'}")
+    parent = out.parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise FwError(f"--out {out}: cannot create its folder: {parent} is a file")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise FwError(f"--out {out}: {parent} is not writable")
 
 
 def format_table(report: dict[str, Any]) -> str:

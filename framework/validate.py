@@ -92,12 +92,21 @@ class _Checks:
 
     # ------------------------------------------------------------------ paths
     def run_dir(self) -> None:
+        from framework.run_lock import LOCK_FILE
+
         path = self.cfg["run_dir"]
         if os.path.exists(path):
             if not os.path.isdir(path):
                 self.add(("run_dir",), f"{path} is a file; run_dir must be a directory")
             elif not os.access(path, os.W_OK | os.X_OK):
                 self.add(("run_dir",), f"{path} is not writable")
+            # what fit writes there, by kind: one of the other kind in its place fails the run midway
+            for name, directory in (("checkpoints", True), ("logs", True), (LOCK_FILE, False),
+                                    ("metrics.jsonl", False), ("config.yaml", False)):
+                child = os.path.join(path, name)
+                if os.path.exists(child) and os.path.isdir(child) != directory:
+                    self.add(("run_dir",), f"{child} is a {'file' if directory else 'directory'}; fit writes "
+                                           f"{'a directory' if directory else 'a file'} there: move it away")
             return
         parent = path
         while not os.path.exists(parent):

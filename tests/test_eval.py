@@ -222,6 +222,15 @@ def test_eval_leaves_training_untouched_and_resumes_exactly(tmp_path, capsys):
     # a run directory: its newest checkpoint, the report under <run_dir>/eval/
     assert main(["eval", "--checkpoint", str(evaluated)]) == 0
     assert json.loads((evaluated / "eval" / "step-000004.json").read_text())["metrics"] == report["metrics"]
+    # a report path that cannot be written: one line, before the evaluation (no table printed)
+    capsys.readouterr()
+    assert main(["eval", "--checkpoint", str(evaluated), "--out", str(tmp_path)]) == 2
+    shown = capsys.readouterr()
+    assert shown.err.splitlines() == [(f"fw: error: --out {tmp_path}: a directory; give the JSON report's file path, "
+                                      f"e.g. {tmp_path / 'report.json'}")] and shown.out == ""
+    assert main(["eval", "--checkpoint", str(evaluated), "--out", str(out / "sub" / "r.json")]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"fw: error: --out {out / 'sub' / 'r.json'}: cannot create its folder: {out} is a file"]
 
 
 def test_fw_eval_errors_are_one_line(tmp_path, capsys):

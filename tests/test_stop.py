@@ -242,3 +242,15 @@ def test_a_grace_past_what_a_timer_can_wait_is_refused_by_the_schema():
     assert [str(p) for p in e.value.problems] == [
         "override '--trainer.stop_grace_s=1e300': trainer.stop_grace_s: must be <= 31536000, got 1e+300"]
     assert load_config([train], ["--trainer.stop_grace_s=31536000"])["trainer"]["stop_grace_s"] == 31536000
+
+
+def test_a_lock_that_cannot_be_created_is_one_line(tmp_path):
+    """Where the run directory cannot be made (validate's access() check can pass as root on special file systems):
+    an FwError naming the lock, not an OSError's traceback."""
+    from framework.errors import FwError
+    from framework.run_lock import RunLock
+
+    (tmp_path / "file").write_text("x\n")
+    run_dir = tmp_path / "file" / "run"
+    with pytest.raises(FwError, match=rf"^run_dir {run_dir}: cannot create {run_dir}/\.lock: "), RunLock(run_dir):
+        pass

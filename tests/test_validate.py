@@ -121,6 +121,21 @@ def test_run_dir_below_a_file(tmp_path, capsys):
         2, [f"{config}:7:10: run_dir: cannot create {tmp_path}/taken/run: {tmp_path}/taken is a file"])
 
 
+@pytest.mark.parametrize("name, make", [("checkpoints", "file"), ("logs", "file"), (".lock", "dir"),
+                                        ("metrics.jsonl", "dir"), ("config.yaml", "dir")])
+def test_run_dir_entries_of_the_wrong_kind(tmp_path, capsys, name, make):
+    """A file where fit writes a directory (or the reverse) would fail the run midway: refused up front."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / name).mkdir() if make == "dir" else (run / name).write_text("x\n")
+    config = tmp_path / "train.yaml"
+    config.write_text(GRPO + f"run_dir: {run}\n")
+    want = "a directory" if make == "file" else "a file"
+    assert run_fw(["fit", "--config", str(config)], capsys) == (
+        2, [(f"{config}:7:10: run_dir: {run / name} is a {make.replace('dir', 'directory')}; fit writes {want} "
+            "there: move it away")])
+
+
 def test_eval_files_are_checked_where_training_evaluates(tmp_path, capsys):
     """fw validate (and fit, before anything is written) reads eval.path as it reads data.path, naming eval.path;
     a run whose training data is a JSONL file needs one."""
