@@ -98,9 +98,10 @@ def aggregate_weights(masks: list[Tensor], full_mask: Tensor, mode: str,
                       full_count: float | None = None) -> list[float]:
     """``aggregate_weight`` of each micro-batch mask of one minibatch, read from the device at once
     (token-mean and seq-mean-token-mean: one sync for all of them; seq-mean-token-sum-norm: none)."""
-    if minibatch_count(full_mask, mode) is None:
+    full = minibatch_count(full_mask, mode)
+    if full is None:
         return [m.shape[0] / full_mask.shape[0] for m in masks]
-    counts = torch.stack([minibatch_count(m, mode) for m in masks] + [minibatch_count(full_mask, mode)]).tolist()
+    counts = torch.stack([minibatch_count(m, mode) for m in masks] + [full]).tolist()
     total = counts[-1] if full_count is None else float(full_count)
     return [c / total if total > 0 else 0.0 for c in counts[:-1]]
 
