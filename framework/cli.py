@@ -9,6 +9,7 @@ after saving its step (framework/signals.py). Each command imports only what it 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import traceback
@@ -140,8 +141,8 @@ def _run(args: argparse.Namespace, overrides: list[str]) -> int:
     elif cmd == "plan":
         if not args.config:
             raise FwError("fw plan needs --config FILE")
-        if args.gpu_gib is not None and not args.gpu_gib > 0:
-            raise FwError(f"--gpu-gib must be > 0, got {args.gpu_gib:g}")
+        if args.gpu_gib is not None and not 0 < args.gpu_gib < math.inf:
+            raise FwError(f"--gpu-gib must be a finite number > 0, got {args.gpu_gib:g}")
         from framework.memory_plan import estimate
 
         plan = estimate(load_config(args.config, overrides), gpu_gib=args.gpu_gib)

@@ -407,7 +407,10 @@ def test_a_job_that_fits_only_with_lora_alone_is_also_shown_the_full_fine_tuning
 
 def test_fw_plan_usage_errors(capsys):
     code, _, err = fw(capsys, "plan", "--config", TRAIN, "--gpu-gib", "0")
-    assert code == 2 and err == "fw: error: --gpu-gib must be > 0, got 0\n"
+    assert code == 2 and err == "fw: error: --gpu-gib must be a finite number > 0, got 0\n"
+    for value in ("inf", "nan"):   # "fits: inf GiB to spare" says nothing
+        code, _, err = fw(capsys, "plan", "--config", TRAIN, "--gpu-gib", value)
+        assert code == 2 and err == f"fw: error: --gpu-gib must be a finite number > 0, got {value}\n"
     code, _, err = fw(capsys, "plan")
     assert code == 2 and err == "fw: error: fw plan needs --config FILE\n"
 
