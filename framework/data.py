@@ -30,6 +30,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from framework.errors import FwError
 from framework.jsonl import read_jsonl
 from framework.tasks import build_task, render_prompt
+from framework.tokenizer import messages_problem
 
 IGNORE = -100
 ASSISTANT_HEADER = "<|im_start|>assistant\n"
@@ -66,10 +67,16 @@ def record_problem(record: dict, fmt: str) -> tuple[str | None, str | None]:
                 return None, f"messages[{i}].role is {m['role']!r}; expected system, user or assistant"
         if not any(m["role"] == "assistant" for m in messages):
             return None, "'messages' has no assistant turn, so there is nothing to train on"
+        problem = messages_problem(messages)
+        if problem:
+            return None, problem
     else:
         prompt, completion = record.get("prompt"), record.get("completion")
         if not (isinstance(prompt, (str, list)) and isinstance(completion, str)):
             return None, "expected string 'prompt' (or a messages list) and string 'completion'"
+        problem = messages_problem(prompt) if isinstance(prompt, list) else None
+        if problem:
+            return None, f"prompt: {problem}"
     return fmt, None
 
 
@@ -126,6 +133,8 @@ def encode_record(record: dict, fmt: str, tokenizer: Any, cfg: dict, where: str,
         return _segments_to_example(chat_segments(rendered, where), tokenizer, train_on_prompt)
     prompt = render_prompt(record["prompt"], tokenizer, cfg["data"]["chat_template"], thinking)
     example = _segments_to_example([(prompt, False), (record["completion"], True)], tokenizer, train_on_prompt)
+    if not example.ids:   # eos alone: no token precedes it to predict it
+        raise FwError(f"{where}: the prompt and the completion are both empty: nothing to train on")
     # The completion ends with eos so the model learns to stop; eos is a target of the last real token.
     return Example(example.ids + [tokenizer.eos_id], example.targets[:-1] + [tokenizer.eos_id, IGNORE])
 

@@ -45,7 +45,9 @@ def _text(path: str | Path) -> str:
 
 def rows(path: str | Path) -> Iterator[Row]:
     """Every non-blank line of a JSONL file, parsed; FwError if the file cannot be read as UTF-8 text."""
-    for lineno, line in enumerate(_text(path).splitlines(), 1):
+    # JSON strings may hold U+2028, U+2029 and U+0085 raw, which str.splitlines() would also split at
+    for lineno, line in enumerate(_text(path).split("\n"), 1):
+        line = line.removesuffix("\r")
         if not line.strip():
             continue
         try:

@@ -29,6 +29,7 @@ from typing import Any
 
 from framework.errors import FwError
 from framework.jsonl import read_jsonl
+from framework.tokenizer import messages_problem
 
 Sample = dict[str, Any]
 OPERATORS = {"+": operator.add, "-": operator.sub, "*": operator.mul, "/": operator.truediv}
@@ -113,7 +114,7 @@ class Arithmetic(Task):
         if not isinstance(digits, int) or not 1 <= digits <= 18:
             raise FwError(f"arithmetic task: digits must be an int in 1..18, got {digits!r}")
         ops = list(ops)
-        if not ops or any(op not in "+-*" for op in ops):
+        if not ops or any(op not in ("+", "-", "*") for op in ops):
             raise FwError(f"arithmetic task: ops must be a non-empty selection of '+-*', got {ops!r}")
         _check_template("arithmetic", template, {"a", "op", "b"})
         self.digits, self.ops, self.allow_negative, self.template = digits, ops, allow_negative, template
@@ -200,11 +201,7 @@ def _check_prompt(prompt: Any) -> str | None:
     if isinstance(prompt, str):
         return None if prompt else "is an empty string"
     if isinstance(prompt, list) and prompt:
-        for i, message in enumerate(prompt):
-            if not (isinstance(message, dict) and isinstance(message.get("role"), str)
-                    and isinstance(message.get("content"), str)):
-                return f"message {i} is not an object with string 'role' and 'content'"
-        return None
+        return messages_problem(prompt)
     return "must be a non-empty string or a non-empty list of {role, content} messages"
 
 

@@ -11,6 +11,7 @@ import os
 import tempfile
 import warnings
 from pathlib import Path
+from typing import Any
 
 from tokenizers import Tokenizer as _HfTokenizer
 
@@ -143,21 +144,29 @@ def _token(value) -> str | None:
     return value.get("content") if isinstance(value, dict) else value
 
 
-def _check_messages(messages: list[dict]) -> None:
+def messages_problem(messages: Any) -> str | None:
+    """Why `messages` is not a chat the Qwen3 template renders (a non-empty list of {role, content} with roles
+    system, user or assistant, no tool calls), or None."""
     if not isinstance(messages, list) or not messages:
-        raise FwError("chat messages: expected a non-empty list of {role, content} dicts")
+        return "messages: expected a non-empty list of {role, content} dicts"
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or m.get("role") not in _ROLES:
             role = m.get("role") if isinstance(m, dict) else m
-            raise FwError(f"chat messages[{i}]: role {role!r} is not supported; expected one of {_ROLES}")
+            return f"messages[{i}]: role {role!r} is not supported; expected one of {_ROLES}"
         if not isinstance(m.get("content"), str):
-            raise FwError(f"chat messages[{i}] ({m['role']}): content must be a string, "
-                          f"got {type(m.get('content')).__name__}")
+            return f"messages[{i}] ({m['role']}): content must be a string, got {type(m.get('content')).__name__}"
         if m.get("tool_calls"):
-            raise FwError(f"chat messages[{i}]: tool_calls are not supported")
+            return f"messages[{i}]: tool_calls are not supported"
         reasoning = m.get("reasoning_content")
         if reasoning is not None and not isinstance(reasoning, str):
-            raise FwError(f"chat messages[{i}]: reasoning_content must be a string")
+            return f"messages[{i}]: reasoning_content must be a string"
+    return None
+
+
+def _check_messages(messages: list[dict]) -> None:
+    problem = messages_problem(messages)
+    if problem:
+        raise FwError(f"chat {problem}")
 
 
 def build_tokenizer(cfg: dict) -> Tokenizer:

@@ -51,6 +51,13 @@ def trained_text(tok, example):
     ('{"messages": [{"role": "user", "content": 3}]}', "messages[0] must be an object with string"),
     ('{"messages": [{"role": "user", "content": "hi"}]}', "no assistant turn"),
     ('{"prompt": "a", "completion": 5}', "string 'completion'"),
+    ('{"prompt": [{"role": "tool", "content": "x"}], "completion": "b"}',
+     "prompt: messages[0]: role 'tool' is not supported"),
+    ('{"prompt": [], "completion": "b"}', "prompt: messages: expected a non-empty list"),
+    (('{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", '
+     '"tool_calls": [{"name": "f"}]}]}'), "messages[1]: tool_calls are not supported"),
+    ('{"messages": [{"role": "assistant", "content": "a", "reasoning_content": 3}]}',
+     "messages[0]: reasoning_content must be a string"),
 ])
 def test_malformed_line_names_file_and_line(tmp_path, tok, line, message):
     good = {"prompt": "1+1=", "completion": "2"}
@@ -59,6 +66,27 @@ def test_malformed_line_names_file_and_line(tmp_path, tok, line, message):
         ExampleStream(cfg_for(path), tok, train_on_prompt=False)
     assert f"{path}:3: " in str(e.value)
     assert message in str(e.value)
+
+
+def test_an_empty_prompt_and_completion_without_a_template_is_an_error(tmp_path, tok):
+    """Rendered to nothing, the record would be eos alone with two targets (a crash at collation)."""
+    path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "1+1=", "completion": "2"}, {"prompt": "", "completion": ""}])
+    with pytest.raises(FwError, match=r"d.jsonl:2: the prompt and the completion are both empty"):
+        ExampleStream(cfg_for(path, chat_template=False), tok, train_on_prompt=False)
+
+
+def test_records_may_hold_unicode_line_separators(tmp_path, tok):
+    """JSON strings may hold U+2028, U+2029 and U+0085 raw (json.dumps(ensure_ascii=False) writes them): one record
+    a line, and the line numbers after it stay right."""
+    lines = [json.dumps({"prompt": f"a{c}b", "completion": "c"}, ensure_ascii=False) for c in "\u2028\u2029\x85"]
+    path = tmp_path / "d.jsonl"
+    path.write_text("\n".join(lines + ["[1]"]) + "\n", encoding="utf-8")
+    with pytest.raises(FwError, match=r"d.jsonl:4: expected a JSON object"):
+        read_jsonl(str(path))
+    path.write_text("\r\n".join(lines) + "\r\n", encoding="utf-8")
+    records = read_jsonl(str(path))
+    assert [where.rsplit(":", 1)[1] for where, _ in records] == ["1", "2", "3"]
+    assert [r["prompt"] for _, r in records] == ["a\u2028b", "a\u2029b", "a\x85b"]
 
 
 def test_forced_format_mismatch_is_an_error(tmp_path, tok):

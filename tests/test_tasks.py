@@ -106,6 +106,8 @@ def test_sft_example_is_prompt_and_answer():
     (Digits, {"rule": "mul"}, "rule must be one of copy, last, next, sum, max"),
     (Digits, {"template": "{x}"}, "may only use the fields {digits}"),
     (Arithmetic, {"ops": "+/"}, "ops must be a non-empty selection"),
+    (Arithmetic, {"ops": ["+-"]}, "ops must be a non-empty selection"),
+    (Arithmetic, {"ops": [""]}, "ops must be a non-empty selection"),
     (Arithmetic, {"digits": 0}, "digits must be an int in 1..18"),
     (Countdown, {"num_numbers": 1}, "num_numbers must be an int in 2..8"),
 ])
@@ -155,7 +157,9 @@ def test_jsonl_messages_prompt_and_several_files(tmp_path):
     ('["p", "a"]', "expected a JSON object, got list"),
     ('{"prompt": "p"}', "missing key 'answer'"),
     ('{"prompt": "", "answer": "a"}', "'prompt' is an empty string"),
-    ('{"prompt": [{"role": "user"}], "answer": "a"}', "message 0 is not an object"),
+    ('{"prompt": [{"role": "user"}], "answer": "a"}',
+     r"messages\[0\] \(user\): content must be a string, got NoneType"),
+    ('{"prompt": [{"role": "tool", "content": "x"}], "answer": "a"}', r"messages\[0\]: role 'tool' is not supported"),
     ('{"prompt": "p", "answer": null}', "'answer' must be a string or a number"),
 ])
 def test_jsonl_malformed_line_names_file_and_line(tmp_path, line, message):
