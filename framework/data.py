@@ -35,7 +35,8 @@ from framework.tokenizer import messages_problem
 IGNORE = -100
 ASSISTANT_HEADER = "<|im_start|>assistant\n"
 TURN_END = "<|im_end|>"
-# With thinking disabled the generation prompt already ends in this block, so it is prompt, not target.
+# With thinking disabled the generation prompt already ends in this block, so it is prompt, not target; with
+# thinking enabled the generation prompt stops at the header, and the block is what the model must write next.
 EMPTY_THINK = "<think>\n\n</think>\n\n"
 
 
@@ -103,13 +104,14 @@ def _segments_to_example(segments: list[tuple[str, bool]], tokenizer: Any, train
     return Example(ids, targets)
 
 
-def chat_segments(rendered: str, where: str) -> list[tuple[str, bool]]:
-    """Split a rendered Qwen3 chat into (text, trainable): each assistant turn's content + `<|im_end|>`."""
+def chat_segments(rendered: str, where: str, thinking: bool = False) -> list[tuple[str, bool]]:
+    """Split a rendered Qwen3 chat into (text, trainable): each assistant turn's content + `<|im_end|>`, its
+    empty think block too where `thinking` (tokenizer.enable_thinking) leaves it out of the generation prompt."""
     segments: list[tuple[str, bool]] = []
     pos = 0
     while (start := rendered.find(ASSISTANT_HEADER, pos)) != -1:
         body = start + len(ASSISTANT_HEADER)
-        if rendered.startswith(EMPTY_THINK, body):
+        if not thinking and rendered.startswith(EMPTY_THINK, body):
             body += len(EMPTY_THINK)
         end = rendered.find(TURN_END, body)
         if end == -1:
@@ -130,7 +132,7 @@ def encode_record(record: dict, fmt: str, tokenizer: Any, cfg: dict, where: str,
     if fmt == "messages":
         rendered = tokenizer.apply_chat_template(record["messages"], add_generation_prompt=False,
                                                  enable_thinking=thinking)
-        return _segments_to_example(chat_segments(rendered, where), tokenizer, train_on_prompt)
+        return _segments_to_example(chat_segments(rendered, where, thinking), tokenizer, train_on_prompt)
     prompt = render_prompt(record["prompt"], tokenizer, cfg["data"]["chat_template"], thinking)
     example = _segments_to_example([(prompt, False), (record["completion"], True)], tokenizer, train_on_prompt)
     if not example.ids:   # eos alone: no token precedes it to predict it

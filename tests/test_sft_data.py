@@ -127,6 +127,22 @@ def test_chat_loss_covers_assistant_content_and_im_end(tmp_path, tok):
     assert ex.targets[-1] == IGNORE
 
 
+def test_with_thinking_enabled_the_last_turns_empty_think_block_is_trained(tmp_path, tok):
+    """enable_thinking: the generation prompt stops at the assistant header, so the empty think block the template
+    writes before the last turn's content is what the model must learn to write (it is prompt when thinking is
+    off, whose generation prompt ends with it)."""
+    cfg = resolve({"recipe": "sft", "model": {"policy": {"preset": "tiny"}}, "tokenizer": {"enable_thinking": True},
+                   "data": {"path": str(tmp_path / "unused.jsonl")}})
+    record = {"messages": [{"role": "user", "content": "What is 1 + 2?"}, {"role": "assistant", "content": "It is 3."},
+                           {"role": "user", "content": "And 2 + 2?"}, {"role": "assistant", "content": "4"}]}
+    ex = encode_record(record, "auto", tok, cfg, "x", train_on_prompt=False)
+    assert tok.apply_chat_template(record["messages"][:3], add_generation_prompt=True,
+                                   enable_thinking=True).endswith("<|im_start|>assistant\n")
+    assert trained_text(tok, ex) == "It is 3.<|im_end|><think>\n\n</think>\n\n4<|im_end|>"
+    off = encode_record(record, "auto", tok, cfg_for(tmp_path / "unused.jsonl"), "x", train_on_prompt=False)
+    assert off.ids == ex.ids and trained_text(tok, off) == "It is 3.<|im_end|>4<|im_end|>"
+
+
 def test_prompt_completion_loss_covers_completion_and_eos(tmp_path, tok):
     cfg = cfg_for(tmp_path / "unused.jsonl")
     ex = encode_record({"prompt": "2 * 3 =", "completion": " 6"}, "auto", tok, cfg, "x", train_on_prompt=False)
