@@ -10,6 +10,7 @@ the result is written in HF layout.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -19,7 +20,7 @@ from typing import Any
 
 from framework.checkpoint import CONFIG_FILE, resolve_checkpoint
 from framework.checkpoint.directory import read_complete_manifest
-from framework.checkpoint.files import fsync_dir, hidden_sibling, publish_dir
+from framework.checkpoint.files import fsync_dir, hidden_sibling
 from framework.checkpoint.tensors import DiskFull, is_disk_full
 from framework.errors import FwError
 from framework.models.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS
@@ -54,9 +55,12 @@ def export_checkpoint(checkpoint: str | os.PathLike, out: str | os.PathLike, mer
     merged model), every file checked against the manifest's sha256. `out` must not exist or be empty.
     Returns `out`."""
     source = resolve_checkpoint(checkpoint, skip_damaged=skip_damaged, verify=skip_damaged)
-    out = Path(out)
+    given, out = out, Path(out).resolve()   # a link's target (staged beside it), "." a named directory
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise FwError(f"--out {out}: already exists and is not an empty directory; choose a new one")
+        raise FwError(f"--out {given}: already exists and is not an empty directory; choose a new one")
+    if Path.cwd().resolve().is_relative_to(out):
+        raise FwError(f"--out {given}: the working directory (or one above it), which the export would replace; "
+                      "choose a new directory")
     manifest = read_complete_manifest(source)
     if POLICY not in manifest["components"]:
         raise FwError(f"{source}: the checkpoint holds no {POLICY}/ component")
@@ -76,7 +80,14 @@ def export_checkpoint(checkpoint: str | os.PathLike, out: str | os.PathLike, mer
             for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
                 (staging / name).unlink()
         fsync_dir(staging)
-        publish_dir(staging, out)
+        try:   # replaces an empty directory only: whatever another process wrote there meanwhile stays
+            os.rename(staging, out)
+        except OSError as e:
+            if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                raise
+            raise FwError(f"--out {given}: another process wrote into it during the export; it is left as it "
+                          "was, and nothing was exported there") from None
+        fsync_dir(out.parent)
     except BaseException as e:
         shutil.rmtree(staging, ignore_errors=True)
         if isinstance(e, Exception) and is_disk_full(e):

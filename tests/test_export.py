@@ -98,6 +98,49 @@ def test_export_refuses_bad_input(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_export_into_a_link_to_an_empty_directory_fills_the_target(tmp_path):
+    ckpt = _write(tmp_path / "run", _policy(True))
+    target = tmp_path / "models" / "target"
+    target.mkdir(parents=True)
+    link = tmp_path / "link"
+    link.symlink_to(target)
+    out = export_checkpoint(ckpt, link)
+    assert Path(out) == target and link.is_symlink() and link.resolve() == target
+    assert "config.json" in os.listdir(target)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link", "models", "run", "tok"]   # no staging left
+
+
+def test_export_refuses_the_working_directory(tmp_path, monkeypatch):
+    ckpt = _write(tmp_path / "run", _policy(True))
+    here = tmp_path / "here"
+    here.mkdir()
+    monkeypatch.chdir(here)
+    with pytest.raises(FwError, match=r"^--out \.: the working directory \(or one above it\)"):
+        export_checkpoint(ckpt, ".")
+    assert os.listdir(here) == [] and here.is_dir()
+
+
+def test_export_leaves_what_another_process_wrote_during_it(tmp_path, monkeypatch):
+    """The emptiness check runs before the copy; a file that lands in --out meanwhile (a second export, say) is
+    kept, and the export says so instead of deleting it."""
+    from framework import export
+
+    ckpt = _write(tmp_path / "run", _policy(True))
+    out = tmp_path / "out"
+    out.mkdir()
+    copy = export._copy_checked
+
+    def copy_then_another_writer(*args):
+        copy(*args)
+        (out / "precious.txt").write_text("another writer's file")
+
+    monkeypatch.setattr(export, "_copy_checked", copy_then_another_writer)
+    with pytest.raises(FwError, match="another process wrote into it during the export; it is left as it was"):
+        export_checkpoint(ckpt, out)
+    assert os.listdir(out) == ["precious.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "run", "tok"]   # the staging copy is gone
+
+
 def test_fw_export_command(tmp_path, capsys):
     from framework.cli import main
 
