@@ -19,6 +19,8 @@ the same position with the new global batch size (no example skipped or repeated
 
 from __future__ import annotations
 
+import os
+import sys
 from array import array
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -152,7 +154,19 @@ def load_examples(cfg: dict, tokenizer: Any, *, train_on_prompt: bool) -> list[E
                                           train_on_prompt=train_on_prompt))
     if not examples:
         raise FwError(f"data.path: no examples in {', '.join(map(str, paths))}")
+    _say_truncated(examples, cfg["data"]["max_seq_len"])
     return examples
+
+
+def _say_truncated(examples: list[Example], max_len: int) -> None:
+    """Say (on the first process) how many examples `truncate` will cut, and how many of those keep no target."""
+    long = [e for e in examples if len(e.ids) > max_len]
+    if not long or os.environ.get("LOCAL_RANK", "0") != "0" or os.environ.get("NODE_RANK", "0") != "0":
+        return
+    empty = sum(all(t == IGNORE for t in truncate(e, max_len).targets) for e in long)
+    cut = f"; {empty} of them {'keeps' if empty == 1 else 'keep'} no token to train on" if empty else ""
+    print(f"fw: data.path: {len(long)} of {len(examples)} examples are longer than data.max_seq_len ({max_len}) "
+          f"and are cut to it{cut}", file=sys.stderr)
 
 
 class ExampleStream:

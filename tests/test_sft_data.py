@@ -89,6 +89,19 @@ def test_records_may_hold_unicode_line_separators(tmp_path, tok):
     assert [r["prompt"] for _, r in records] == ["a\u2028b", "a\u2029b", "a\x85b"]
 
 
+def test_examples_longer_than_max_seq_len_are_counted_when_loaded(tmp_path, tok, capsys):
+    """truncate cuts them silently at batch time: the load says how many, and how many keep no target."""
+    path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "1+1=", "completion": "2"},
+                                              {"prompt": "x" * 200, "completion": "y"},
+                                              {"prompt": "1+1=", "completion": "z" * 200}])
+    ExampleStream(cfg_for(path, max_seq_len=64), tok, train_on_prompt=False)
+    assert capsys.readouterr().err.splitlines() == [
+        ("fw: data.path: 2 of 3 examples are longer than data.max_seq_len (64) and are cut to it; 1 of them keeps "
+        "no token to train on")]
+    ExampleStream(cfg_for(path, max_seq_len=512), tok, train_on_prompt=False)
+    assert capsys.readouterr().err == ""
+
+
 def test_forced_format_mismatch_is_an_error(tmp_path, tok):
     path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "a", "completion": "b"}])
     with pytest.raises(FwError, match=r"d.jsonl:1: 'messages' must be a non-empty list"):
