@@ -276,6 +276,9 @@ def test_config_round_trip_and_transformers_format():
     ({"num_key_value_heads": 3}, "multiple of num_key_value_heads"),
     ({"head_dim": 15}, "head_dim must be even"),
     ({"vocab_size": 0}, "vocab_size must be a positive integer"),
+    ({"rms_norm_eps": "1e-5"}, "rms_norm_eps must be a finite number, got '1e-5'"),
+    ({"rope_theta": "big"}, "rope_theta must be a number, got 'big'"),
+    ({"tie_word_embeddings": "false"}, "tie_word_embeddings must be true or false, got 'false'"),
 ])
 def test_unsupported_configs_are_rejected(tmp_path, change, match):
     d = {k: v for k, v in {**TINY, **change}.items() if v is not None}
@@ -340,6 +343,16 @@ def test_checkpoint_directory_errors(tmp_path):
         load_pretrained(tmp_path)
     with pytest.raises(FwError, match="max_shard_size 'lots'"):
         save_pretrained(tiny_model(), tmp_path, max_shard_size="lots")
+
+
+@pytest.mark.parametrize("damage", ["truncate", "garbage"])
+def test_a_damaged_shard_is_named(tmp_path, damage):
+    save_pretrained(tiny_model(), tmp_path, max_shard_size="20KB")
+    shard = tmp_path / min(json.loads((tmp_path / "model.safetensors.index.json").read_text())["weight_map"].values())
+    data = shard.read_bytes()
+    shard.write_bytes(data[:len(data) // 2] if damage == "truncate" else b"\x07" * 64)
+    with pytest.raises(FwError, match=f"^{shard}: not a readable safetensors file"):
+        load_pretrained(tmp_path)
 
 
 def test_saving_again_replaces_old_shards(tmp_path):

@@ -12,7 +12,7 @@ import re
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
@@ -100,17 +100,20 @@ def stream_load(targets: HfTargets, path: str | os.PathLike, tied: bool = False)
     seen: set[str] = set()
     lm_head = None
     for file in checkpoint_files(path):
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            for name in f.keys():  # noqa: SIM118 (a safe_open handle is not iterable)
-                if name in seen:
-                    raise FwError(f"{file}: tensor {name} appears in more than one shard")
-                seen.add(name)
-                if tied and name == "lm_head.weight":
-                    lm_head = f.get_tensor(name)
-                elif name not in targets:
-                    raise FwError(f"{file}: unexpected tensor {name} (not part of this Qwen3 model)")
-                else:
-                    copy_into(targets, name, f.get_tensor(name), str(file))
+        try:   # a truncated or garbled shard: the error names the file, which safetensors' own does not
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                for name in f.keys():  # noqa: SIM118 (a safe_open handle is not iterable)
+                    if name in seen:
+                        raise FwError(f"{file}: tensor {name} appears in more than one shard")
+                    seen.add(name)
+                    if tied and name == "lm_head.weight":
+                        lm_head = f.get_tensor(name)
+                    elif name not in targets:
+                        raise FwError(f"{file}: unexpected tensor {name} (not part of this Qwen3 model)")
+                    else:
+                        copy_into(targets, name, f.get_tensor(name), str(file))
+        except SafetensorError as e:
+            raise FwError(f"{file}: not a readable safetensors file ({e})") from None
     missing = sorted(set(targets) - seen)
     if missing:
         more = f" and {len(missing) - 8} more" if len(missing) > 8 else ""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, fields
 
 from framework.errors import FwError
@@ -39,6 +40,13 @@ class Qwen3Config:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise FwError(f"Qwen3 config: {name} must be a positive integer, got {value!r}")
+        for name in ("rms_norm_eps", "rope_theta", "initializer_range"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise FwError(f"Qwen3 config: {name} must be a finite number, got {value!r}")
+        if not isinstance(self.tie_word_embeddings, bool):   # the string "false" would read as true
+            raise FwError(f"Qwen3 config: tie_word_embeddings must be true or false, got "
+                          f"{self.tie_word_embeddings!r}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise FwError(f"Qwen3 config: num_attention_heads ({self.num_attention_heads}) must be a multiple "
                           f"of num_key_value_heads ({self.num_key_value_heads})")
@@ -94,6 +102,8 @@ class Qwen3Config:
         known = {f.name for f in fields(cls)}
         kwargs = {k: d[k] for k in known if d.get(k) is not None and k != "rope_theta"}
         if rope_theta is not None:
+            if isinstance(rope_theta, bool) or not isinstance(rope_theta, (int, float)):
+                raise FwError(f"{where} rope_theta must be a number, got {rope_theta!r}")
             kwargs["rope_theta"] = float(rope_theta)
         # transformers' Qwen3Config defaults head_dim to 128 (not hidden_size // heads) when config.json
         # leaves it out; the model must be the one HF would build from the same file.
