@@ -115,6 +115,7 @@ class StepMetrics(nn.Module):
         self.register_buffer("_anchor", torch.empty(0), persistent=False)
         self.metrics = nn.ModuleDict()
         self.reductions: dict[str, str] = {}
+        self.names: dict[str, str] = {}   # key -> the name it was logged under
         self.last: dict[str, torch.Tensor | float] = {}
         self.nan_seen: dict[str, torch.Tensor] = {}   # per metric: a NaN value was logged (on the device)
         self._ahead: tuple[list[float], list[float]] | None = None   # read_ahead's (NaN flags, values)
@@ -123,12 +124,18 @@ class StepMetrics(nn.Module):
                reduce: str = "mean") -> None:
         self._ahead = None   # a value read ahead no longer holds the interval
         if reduce == "last":
+            if isinstance(value, torch.Tensor) and value.numel() != 1:
+                raise ValueError(f"log_metric({name!r}): reduce='last' takes one value, got a tensor of shape "
+                                 f"{tuple(value.shape)}")
             self.last[name] = value.detach().clone() if isinstance(value, torch.Tensor) else float(value)
             return
         if reduce not in REDUCTIONS:
             raise ValueError(f"log_metric({name!r}): reduce must be 'last' or one of {sorted(REDUCTIONS)}, "
                              f"got {reduce!r}")
         key = name.replace(".", "__")  # ModuleDict keys cannot hold dots
+        if self.names.setdefault(key, name) != name:
+            raise ValueError(f"log_metric({name!r}): {self.names[key]!r} is logged too, and the two cannot be told "
+                             "apart ('.' is stored as '__'); rename one of them")
         if key not in self.metrics:
             self.metrics[key] = REDUCTIONS[reduce](nan_strategy="error").to(self._anchor.device)
             self.reductions[key] = reduce
@@ -152,8 +159,14 @@ class StepMetrics(nn.Module):
     def _read(self, extra: Sequence[torch.Tensor]) -> tuple[list[float], tuple[list[float], list[float]]]:
         """`extra`'s values and (NaN flags, values of the metrics and tensor `last` values), in one read."""
         names, keys, last = self._pending()
-        tensors = [*extra, *(self.nan_seen[n] for n in names), *(self.metrics[k].compute() for k in keys),
-                   *(self.last[n] for n in last)]
+        flags = [self.nan_seen[n] for n in names]
+        if flags and torch.distributed.is_available() and torch.distributed.is_initialized() \
+                and torch.distributed.get_world_size() > 1:
+            # a NaN on one rank stops every rank at the same step, not only the one that logged it
+            stacked = torch.stack([f.to(self._anchor.device, torch.float32) for f in flags])
+            torch.distributed.all_reduce(stacked, op=torch.distributed.ReduceOp.MAX)
+            flags = list(stacked)
+        tensors = [*extra, *flags, *(self.metrics[k].compute() for k in keys), *(self.last[n] for n in last)]
         values = read_scalars(tensors)
         n = len(extra)
         return values[:n], (values[n:n + len(names)], values[n + len(names):])
@@ -176,7 +189,7 @@ class StepMetrics(nn.Module):
             if nan:
                 raise FwError(f"metric {name!r} is NaN: the run has diverged (lower optimizer.lr, keep "
                               "optimizer.max_grad_norm set, or use bf16 instead of fp16)")
-        out = dict(zip((k.replace("__", ".") for k in keys), values[:len(keys)], strict=True))
+        out = dict(zip((self.names[k] for k in keys), values[:len(keys)], strict=True))
         for metric in self.metrics.values():
             metric.reset()
         read_last = dict(zip(last, values[len(keys):], strict=True))
@@ -196,7 +209,8 @@ class StepMetrics(nn.Module):
                 continue
             with m.sync_context(should_sync=True, should_unsync=True):
                 values = {k: v.detach().cpu().clone() for k, v in m.metric_state.items()}
-            metrics[key] = {"reduce": self.reductions[key], "update_count": m.update_count, "state": values}
+            metrics[key] = {"reduce": self.reductions[key], "update_count": m.update_count, "state": values,
+                            "name": self.names[key]}
         return {"metrics": metrics, "last": {name: float(v) for name, v in self.last.items()}}
 
     def load_state(self, state: dict[str, Any], holder: bool = True) -> None:
@@ -209,6 +223,8 @@ class StepMetrics(nn.Module):
             if key not in self.metrics:
                 self.metrics[key] = REDUCTIONS[saved["reduce"]](nan_strategy="error").to(self._anchor.device)
                 self.reductions[key] = saved["reduce"]
+            # checkpoints written before the name was kept: a name without '__' reads back from its key
+            self.names[key] = saved.get("name", key.replace("__", "."))
             metric = self.metrics[key]
             metric.reset()
             if holder:
@@ -302,5 +318,16 @@ def _step_of(line: str) -> float:
 
 
 def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
-    """The records of a metrics.jsonl file, in order."""
-    return [json.loads(ln) for ln in Path(path).read_text(encoding="utf-8").splitlines() if ln.strip()]
+    """The records of a metrics.jsonl file, in order. A torn last line (a run killed mid-write, which its resume
+    drops) is left out; a bad line before it is an FwError naming the file and line."""
+    lines = Path(path).read_text(encoding="utf-8").split("\n")
+    numbered = [(i, ln) for i, ln in enumerate(lines, 1) if ln.strip()]
+    records = []
+    for i, ln in numbered:
+        try:
+            records.append(json.loads(ln))
+        except json.JSONDecodeError as e:
+            if i == len(lines):
+                break   # the last line, with no newline after it: a write cut short
+            raise FwError(f"{path}:{i}: not a metrics record ({e.msg} at column {e.colno})") from None
+    return records

@@ -3,6 +3,7 @@ checkpoint components in HF layout, and the metrics aggregation."""
 
 import copy
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -317,6 +318,58 @@ def test_a_nan_metric_stops_the_run_naming_it():
         metrics.update(name, torch.tensor([float("nan")]).sum(), reduce=reduce)
         with pytest.raises(FwError, match=f"metric '{name}' is NaN: the run has diverged"):
             metrics.compute()
+
+
+def _nan_on_one_rank(rank: int, init: str, out: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    metrics = StepMetrics()
+    metrics.update("loss", float("nan") if rank == 1 else 1.0)
+    try:
+        metrics.compute()
+        result = "no error"
+    except FwError as e:
+        result = str(e)
+    with open(f"{out}.{rank}", "w") as f:
+        f.write(result)
+    dist.destroy_process_group()
+
+
+def test_a_nan_on_one_rank_stops_every_rank(tmp_path):
+    """The NaN flags are reduced over the ranks with the values: the rank that saw none stops at the same step
+    instead of writing the diverged step's record and then dying in the next collective."""
+    import torch.multiprocessing as mp
+
+    out = str(tmp_path / "result")
+    mp.spawn(_nan_on_one_rank, args=(f"file://{tmp_path / 'init'}", out), nprocs=2, join=True)
+    for rank in (0, 1):
+        text = Path(f"{out}.{rank}").read_text()
+        assert text.startswith("metric 'loss' is NaN: the run has diverged"), (rank, text)
+
+
+def test_metric_names_come_back_as_logged():
+    metrics = StepMetrics()
+    metrics.update("reward/format.score", 1.0)
+    metrics.update("my__metric", 2.0)
+    assert metrics.compute() == {"reward/format.score": 1.0, "my__metric": 2.0}
+    metrics.update("loss.a", 1.0)
+    with pytest.raises(ValueError, match=r"log_metric\('loss__a'\): 'loss.a' is logged too, and the two cannot"):
+        metrics.update("loss__a", 3.0)
+    restored = StepMetrics()
+    restored.load_state(metrics.state())   # a checkpoint mid-interval keeps the name
+    assert restored.compute() == {"loss.a": 1.0}
+    with pytest.raises(ValueError, match=r"log_metric\('v'\): reduce='last' takes one value, got a tensor of shape"):
+        metrics.update("v", torch.ones(3), reduce="last")
+
+
+def test_read_metrics_leaves_out_a_torn_last_line_and_names_a_bad_one(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "lo')   # killed mid-write
+    assert read_metrics(path) == [{"step": 1, "loss": 2.0}]
+    path.write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "lo\n{"step": 3}\n')
+    with pytest.raises(FwError, match=rf"^{path}:2: not a metrics record"):
+        read_metrics(path)
 
 
 @pytest.mark.parametrize("roles, value_model, automatic, message", [
