@@ -297,6 +297,8 @@ class FwModule(lightning.LightningModule):
             metrics["memory/peak_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
             metrics["memory/reserved_gib"] = torch.cuda.max_memory_reserved(self.device) / 2**30
         self.last_metrics = metrics
+        # Lightning callbacks that monitor a metric (ModelCheckpoint, EarlyStopping) read it from here
+        self.trainer.callback_metrics.update({k: torch.tensor(v) for k, v in metrics.items()})
         for logger in self.trainer.loggers:
             logger.log_metrics(metrics, step=self.trainer.global_step)
         return metrics

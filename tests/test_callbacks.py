@@ -3,7 +3,9 @@ automatic (with and without accumulation) and manual optimization, loaded from `
 
 import json
 from pathlib import Path
+from typing import ClassVar
 
+import lightning
 import pytest
 import torch
 
@@ -218,3 +220,26 @@ def test_the_non_finite_guard_stops_on_an_infinite_loss_gradient_or_weight(tmp_p
     with pytest.raises(FwError, match=r"^a policy weight is not finite after 0 policy steps"):
         guard.check()
     assert guard.pending == []
+
+
+class MonitorReader(lightning.Callback):
+    """A plain Lightning callback that reads a monitored metric, as ModelCheckpoint(monitor=...) does."""
+
+    seen: ClassVar[list] = []
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        MonitorReader.seen.append((trainer.global_step, float(trainer.callback_metrics["loss"])
+                                   if "loss" in trainer.callback_metrics else None))
+
+
+def test_lightning_callbacks_see_the_logged_metrics_in_callback_metrics(tmp_path):
+    from framework.metrics import read_metrics
+
+    MonitorReader.seen = []
+    cfg = base_cfg(tmp_path, log_every_n_steps=2)
+    cfg["callbacks"] = [{"class_path": "test_callbacks.MonitorReader"}]
+    fit(resolve(cfg))
+    logged = {r["step"]: r["loss"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl")}
+    assert sorted(logged) == [2, 3]
+    # nothing before the first record, then each record's value until the next one
+    assert MonitorReader.seen == [(1, None), (2, pytest.approx(logged[2])), (3, pytest.approx(logged[3]))]
