@@ -133,6 +133,7 @@ class FwModule(lightning.LightningModule):
         self.grad_norms: dict[str, torch.Tensor] = {}
         self._pending_rng: dict | None = None
         self._flush_time = time.perf_counter()
+        self._resumed_interval_s = 0.0   # the checkpoint's open logging interval, seconds so far (tokens/s)
         self._tokenizer_files = tokenizer_files(self.tokenizer)
         self._layouts = {"policy": HfLayout(self.policy, "policy.", peft_targets(self.policy) if lora else None)}
         if self.value is not None:
@@ -314,7 +315,9 @@ class FwModule(lightning.LightningModule):
             return self.recipe.training_step(self.context, batch, batch_idx)
 
     def on_train_start(self) -> None:
-        self._flush_time = time.perf_counter()
+        # a resumed interval's tokens include the steps before the checkpoint: so does its time
+        self._flush_time = time.perf_counter() - self._resumed_interval_s
+        self._resumed_interval_s = 0.0
         if self.trainer.ckpt_path is not None:
             # Lightning has restored the checkpoint's lr, betas, ... and LambdaLR's base_lrs: the config's stand
             from framework.checkpoint.resume import reset_optimizers
@@ -364,6 +367,7 @@ class FwModule(lightning.LightningModule):
         checkpoint["fw_rng"] = rng_state()
         checkpoint["fw_rng_ranks"] = gather_rng_states()   # None on one process
         checkpoint["fw_step_metrics"] = self.step_metrics.state()   # reduced over ranks
+        checkpoint["fw_interval_s"] = time.perf_counter() - self._flush_time
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Rebuild the weights' state-dict entries from `fw_components` for Lightning to load.
@@ -392,6 +396,7 @@ class FwModule(lightning.LightningModule):
         self._pending_rng = choose_rng_state(checkpoint, rank, world)
         self.step_metrics.load_state(checkpoint.get("fw_step_metrics") or {"metrics": {}, "last": {}},
                                      holder=rank == 0)
+        self._resumed_interval_s = float(checkpoint.get("fw_interval_s", 0.0))
 
     def _check_policy_kind(self, component: dict) -> None:
         """A LoRA run resumes from adapters saved with the same settings, a full run from full weights."""

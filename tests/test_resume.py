@@ -111,6 +111,25 @@ def test_resume_from_an_older_checkpoint_into_its_run_dir_is_refused(tmp_path, d
     assert trainer.global_step == 9
 
 
+def test_tokens_per_s_after_a_resume_counts_the_restored_steps_time(tmp_path, data):
+    """A logging interval open at the checkpoint (steps 1-6 of 8) continues after the resume with its tokens; its
+    time must continue too, or the first record after the resume divides 8 steps' tokens by 2 steps' time."""
+    def run(run_dir, callbacks=()):
+        cfg = config(run_dir, data, 8, callbacks)
+        cfg["trainer"]["max_steps"] = 8
+        cfg["checkpoint"]["every_n_steps"] = 6
+        return cfg
+
+    fit(run(tmp_path / "straight"))
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        fit(run(tmp_path / "broken", [{"class_path": "test_resume.CrashAt", "init_args": {"step": 7}}]))
+    fit(run(tmp_path / "broken"), resume="last")
+    [a] = read_metrics(tmp_path / "straight" / "metrics.jsonl")
+    [b] = read_metrics(tmp_path / "broken" / "metrics.jsonl")
+    assert a["step"] == b["step"] == 8 and a["tokens"] == b["tokens"]
+    assert b["tokens_per_s"] < 2 * a["tokens_per_s"], (a["tokens_per_s"], b["tokens_per_s"])
+
+
 def test_resume_last_without_checkpoint_is_an_error(tmp_path, data):
     with pytest.raises(FwError, match="no complete checkpoint"):
         fit(config(tmp_path / "empty", data, 1), resume="last")
