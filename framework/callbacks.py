@@ -123,9 +123,13 @@ class MetricsLogger(lightning.Callback):
     def on_train_batch_end(self, trainer: lightning.Trainer, module: lightning.LightningModule, outputs: Any,
                            batch: Any, batch_idx: int) -> None:
         if self.due(trainer):
-            self.truncate_once(trainer)
-            module.flush_metrics()
-            self.logged_step = trainer.global_step
+            self.flush(trainer, module)
+
+    def flush(self, trainer: lightning.Trainer, module: lightning.LightningModule) -> None:
+        """Send the open interval's metrics to the loggers now, as a record of the current step."""
+        self.truncate_once(trainer)
+        module.flush_metrics()
+        self.logged_step = trainer.global_step
 
     def due(self, trainer: lightning.Trainer) -> bool:
         """Whether this batch's end logs the metrics (an optimizer step landed on the logging cadence)."""
@@ -140,6 +144,26 @@ class MetricsLogger(lightning.Callback):
                 if hasattr(logger, "truncate_after"):
                     logger.truncate_after(self.start_step)
             self.truncated = True
+
+
+class FlushOnEarlyStop(lightning.Callback):
+    """Logs the last steps of a run that a user callback (or Lightning's EarlyStopping) stops early.
+
+    It comes after the user callbacks, which set `trainer.should_stop` in their batch end after the metrics
+    logger ran, and before the checkpoint callback, which saves that step: the checkpoint then holds no part of
+    an interval already written. A stop by signal keeps its interval open instead: its resume continues it, as
+    the uninterrupted run would.
+    """
+
+    def __init__(self, metrics: MetricsLogger, stop: StopSignals | None = None):
+        self.metrics = metrics
+        self.stop = stop
+
+    def on_train_batch_end(self, trainer: lightning.Trainer, module: lightning.LightningModule, outputs: Any,
+                           batch: Any, batch_idx: int) -> None:
+        signalled = self.stop is not None and self.stop.signum is not None
+        if trainer.should_stop and not signalled and trainer.global_step != self.metrics.logged_step:
+            self.metrics.flush(trainer, module)
 
 
 class StopOnSignal(lightning.Callback):

@@ -16,7 +16,7 @@ from lightning.pytorch.strategies import SingleDeviceStrategy
 from lightning.pytorch.utilities import rank_zero_only
 
 from framework.allocator import configure_allocator
-from framework.callbacks import builtin_callbacks, user_callbacks
+from framework.callbacks import FlushOnEarlyStop, MetricsLogger, builtin_callbacks, user_callbacks
 from framework.config import uses_cuda
 from framework.errors import FwError
 from framework.evaluation import EvalCallback, eval_enabled
@@ -115,7 +115,9 @@ def build_trainer(cfg: dict, stop: StopSignals | None = None, keep_on_device: bo
     # misses one; the non-finite check ahead of all three, so a diverged step is neither evaluated, logged
     # nor saved.
     evaluation = [EvalCallback(cfg)] if eval_enabled(cfg) else []
-    callbacks = [*builtin_callbacks(cfg, stop, evaluation), *user_callbacks(cfg), CheckpointCallback(cfg)]
+    builtin = builtin_callbacks(cfg, stop, evaluation)
+    metrics = next(cb for cb in builtin if isinstance(cb, MetricsLogger))
+    callbacks = [*builtin, *user_callbacks(cfg), FlushOnEarlyStop(metrics, stop), CheckpointCallback(cfg)]
     return lightning.Trainer(
         accelerator=t["accelerator"],
         devices=t["devices"],

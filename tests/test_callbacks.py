@@ -243,3 +243,37 @@ def test_lightning_callbacks_see_the_logged_metrics_in_callback_metrics(tmp_path
     assert sorted(logged) == [2, 3]
     # nothing before the first record, then each record's value until the next one
     assert MonitorReader.seen == [(1, None), (2, pytest.approx(logged[2])), (3, pytest.approx(logged[3]))]
+
+
+class StopAt(Callback):
+    """Ends the run after policy step `step`, as an early-stopping rule would (in its batch end)."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        if trainer.global_step >= self.step:
+            trainer.should_stop = True
+
+
+def test_a_run_a_callback_stops_logs_its_last_steps_and_resumes_without_counting_them_twice(tmp_path):
+    from framework.metrics import read_metrics
+
+    def cfg(run, max_steps, callbacks=()):
+        c = base_cfg(tmp_path, max_steps=max_steps, log_every_n_steps=3)
+        c["run_dir"] = str(tmp_path / run)
+        c["callbacks"] = list(callbacks)
+        return resolve(c)
+
+    fit(cfg("straight", 9))
+    stop = {"class_path": "test_callbacks.StopAt", "init_args": {"step": 5}}
+    fit(cfg("stopped", 9, [stop]))
+    stopped = read_metrics(tmp_path / "stopped" / "metrics.jsonl")
+    assert [r["step"] for r in stopped] == [3, 5]   # steps 4 and 5 are logged, not lost
+    assert (tmp_path / "stopped" / "checkpoints" / "step-000005").is_dir()
+    fit(cfg("stopped", 9), resume="last")
+    resumed = read_metrics(tmp_path / "stopped" / "metrics.jsonl")
+    straight = read_metrics(tmp_path / "straight" / "metrics.jsonl")
+    assert [r["step"] for r in resumed] == [3, 5, 6, 9] and [r["step"] for r in straight] == [3, 6, 9]
+    # every step's tokens counted once: the checkpoint at 5 held no part of the interval written at 5
+    assert sum(r["tokens"] for r in resumed) == sum(r["tokens"] for r in straight)
