@@ -89,7 +89,7 @@ class Digits(Task):
             raise FwError(f"digits task: num_digits must be an int >= 1, got {num_digits!r}")
         if rule not in DIGIT_RULES:
             raise FwError(f"digits task: rule must be one of {', '.join(DIGIT_RULES)}, got {rule!r}")
-        _check_template("digits", template, {"digits"})
+        _check_template("digits", template, {"digits": "1234"})
         self.num_digits, self.rule, self.template = num_digits, rule, template
 
     def sample(self, index: int) -> Sample:
@@ -116,7 +116,7 @@ class Arithmetic(Task):
         ops = list(ops)
         if not ops or any(op not in ("+", "-", "*") for op in ops):
             raise FwError(f"arithmetic task: ops must be a non-empty selection of '+-*', got {ops!r}")
-        _check_template("arithmetic", template, {"a", "op", "b"})
+        _check_template("arithmetic", template, {"a": 12, "op": "+", "b": 34})
         self.digits, self.ops, self.allow_negative, self.template = digits, ops, allow_negative, template
 
     def sample(self, index: int) -> Sample:
@@ -154,7 +154,7 @@ class Countdown(Task):
             raise FwError(f"countdown task: max_number must be an int >= 2, got {max_number!r}")
         if not isinstance(max_target, int) or max_target < 1:
             raise FwError(f"countdown task: max_target must be an int >= 1, got {max_target!r}")
-        _check_template("countdown", template, {"numbers", "target"})
+        _check_template("countdown", template, {"numbers": "1, 2", "target": 3})
         self.num_numbers, self.max_number, self.max_target = num_numbers, max_number, max_target
         self.template = template
 
@@ -186,14 +186,15 @@ class Countdown(Task):
         return {"prompt": sample["prompt"], "completion": f"<answer>{sample['answer']}</answer>"}
 
 
-def _check_template(task: str, template: Any, fields: set[str]) -> None:
+def _check_template(task: str, template: Any, fields: dict[str, Any]) -> None:
+    """FwError unless `template` formats with `fields`, values of the types its task fills in."""
     if not isinstance(template, str):
         raise FwError(f"{task} task: template must be a string, got {template!r}")
     try:
-        template.format(**{field: "" for field in fields})
-    except (KeyError, IndexError, ValueError) as exc:
+        template.format(**fields)
+    except (KeyError, IndexError, ValueError, AttributeError, TypeError) as exc:
         raise FwError(f"{task} task: template {template!r} may only use the fields "
-                      f"{', '.join('{' + f + '}' for f in sorted(fields))} ({exc})") from exc
+                      f"{', '.join('{' + f + '}' for f in sorted(fields))} ({type(exc).__name__}: {exc})") from exc
 
 
 def _check_prompt(prompt: Any) -> str | None:

@@ -105,6 +105,8 @@ def test_sft_example_is_prompt_and_answer():
     (Digits, {"num_digits": 0}, "num_digits must be an int >= 1"),
     (Digits, {"rule": "mul"}, "rule must be one of copy, last, next, sum, max"),
     (Digits, {"template": "{x}"}, "may only use the fields {digits}"),
+    (Digits, {"template": "{digits.x}"}, "AttributeError: 'str' object has no attribute 'x'"),
+    (Arithmetic, {"template": "{a[0]}"}, "TypeError: 'int' object is not subscriptable"),
     (Arithmetic, {"ops": "+/"}, "ops must be a non-empty selection"),
     (Arithmetic, {"ops": ["+-"]}, "ops must be a non-empty selection"),
     (Arithmetic, {"ops": [""]}, "ops must be a non-empty selection"),
@@ -114,6 +116,13 @@ def test_sft_example_is_prompt_and_answer():
 def test_bad_init_args(cls, kwargs, message):
     with pytest.raises(FwError, match=message.replace("{", "\\{").replace("}", "\\}")):
         cls(**kwargs)
+
+
+def test_templates_index_and_format_their_fields_as_the_task_fills_them():
+    # digits is a string of digits, a and b are ints: what works on those works in the template
+    assert Digits(template="first {digits[0]} of {digits}", seed=1).sample(0)["prompt"].startswith("first ")
+    prompt = Arithmetic(template="{a:06d}{op}{b:06d}=", seed=1).sample(0)["prompt"]
+    assert len(prompt) == 14 and prompt.endswith("=")
 
 
 def test_negative_index_rejected():
