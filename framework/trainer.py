@@ -113,7 +113,7 @@ def build_trainer(cfg: dict, stop: StopSignals | None = None, keep_on_device: bo
     # Metrics first so they reach the loggers before the checkpoint callback flushes them and saves; the
     # evaluation of a step ahead of both, so its metrics join the step's record and a resumed run never
     # misses one; the non-finite check ahead of all three, so a diverged step is neither evaluated, logged
-    # nor saved.
+    # nor saved; after the user callbacks, which may stop the run, its last steps' record before the save.
     evaluation = [EvalCallback(cfg)] if eval_enabled(cfg) else []
     builtin = builtin_callbacks(cfg, stop, evaluation)
     metrics = next(cb for cb in builtin if isinstance(cb, MetricsLogger))
