@@ -19,7 +19,6 @@ the same position with the new global batch size (no example skipped or repeated
 
 from __future__ import annotations
 
-import os
 import sys
 from array import array
 from collections.abc import Iterator
@@ -161,7 +160,11 @@ def load_examples(cfg: dict, tokenizer: Any, *, train_on_prompt: bool) -> list[E
 def _say_truncated(examples: list[Example], max_len: int) -> None:
     """Say (on the first process) how many examples `truncate` will cut, and how many of those keep no target."""
     long = [e for e in examples if len(e.ids) > max_len]
-    if not long or os.environ.get("LOCAL_RANK", "0") != "0" or os.environ.get("NODE_RANK", "0") != "0":
+    if not long:
+        return
+    from lightning.pytorch.utilities import rank_zero_only
+
+    if rank_zero_only.rank != 0:
         return
     empty = sum(all(t == IGNORE for t in truncate(e, max_len).targets) for e in long)
     cut = f"; {empty} of them {'keeps' if empty == 1 else 'keep'} no token to train on" if empty else ""
