@@ -169,3 +169,20 @@ def test_cli_generate_prints_the_completion(checkpoint):
         weights.write_bytes(original)
     assert out.returncode == 2 and out.stdout == ""
     assert out.stderr.startswith(f"fw: error: {weights}: sha256 ") and out.stderr.count("\n") == 1
+
+
+def test_base_checkpoint_stops_at_the_chat_turn_end():
+    """A base checkpoint names <|endoftext|> as eos in tokenizer_config.json and config.json, but the chat
+    template closes each assistant turn with <|im_end|>: generation must stop there too, or a chat-trained base
+    model writes on into the next turn."""
+    from tokenizers import Tokenizer as HfTokenizer
+
+    from framework.rollout.engine import stop_token_ids
+    from framework.tokenizer import BUILTIN_FILE
+
+    hf = HfTokenizer.from_file(str(BUILTIN_FILE))
+    base = Tokenizer(hf, eos_token="<|endoftext|>")
+    endoftext, im_end = hf.token_to_id("<|endoftext|>"), hf.token_to_id("<|im_end|>")
+    config = preset_config("tiny", base.vocab_size, endoftext, base.pad_id)
+    assert config.eos_token_id == endoftext
+    assert stop_token_ids(base, config) == sorted({endoftext, im_end})

@@ -54,6 +54,7 @@ from framework.rollout.kv_cache import (
 from framework.rollout.sampling import SamplingParams, draw
 from framework.rollout.scheduler import RowState, Scheduler
 from framework.rollout.timeline import Timeline
+from framework.tokenizer import TURN_END
 
 FINISH_REASONS = ("eos", "stop", "length")
 _MASK63 = (1 << 63) - 1
@@ -81,11 +82,12 @@ class Rollout:
 
 
 def stop_token_ids(tokenizer: Any, model_config: Any) -> list[int]:
-    """The tokenizer's EOS and the model's own (config.json's eos_token_id: one id or a list; Qwen3
-    lists <|im_end|> and <|endoftext|>): a row ends on any of them."""
+    """The tokenizer's EOS, the chat template's turn end and the model's own (config.json's eos_token_id: one id
+    or a list): a row ends on any of them. The turn end counts because it closes every assistant turn the
+    template renders, also under a base checkpoint, whose tokenizer and config name only <|endoftext|>."""
     model_eos = model_config.eos_token_id
     ids = model_eos if isinstance(model_eos, list) else [] if model_eos is None else [model_eos]
-    return sorted({tokenizer.eos_id, *ids} - {None})
+    return sorted({tokenizer.eos_id, tokenizer.token_to_id(TURN_END), *ids} - {None})
 
 
 def step_seed(seed: int, step: int) -> int:
