@@ -1,5 +1,9 @@
 """The run's loggers: metrics.jsonl always, CSV and TensorBoard when enabled, and `logging.loggers`.
 
+CSV and TensorBoard share one folder, `<run_dir>/logs/version_0`, which a resume continues: the CSV rows
+a crashed run wrote past the checkpoint are dropped as metrics.jsonl's lines are, and TensorBoard's new
+event file starts with a purge at the step after the checkpoint, which hides the stale points.
+
 A user logger is any `lightning.pytorch.loggers.Logger` named by `class_path` and built with `init_args`
 (W&B, MLflow, Comet, ...). When its class takes a `save_dir` and `init_args` sets none, it writes under
 `<run_dir>/logs/<name>` (`WandbLogger` -> `logs/wandb`), with the run's other logs instead of the working
@@ -8,13 +12,171 @@ directory. Every logger receives the resolved config as hyperparameters (`log_co
 
 from __future__ import annotations
 
+import csv
 import inspect
+import math
+import os
+import time
+from argparse import Namespace
 from pathlib import Path
+from typing import Any
 
+from lightning.fabric.loggers.logger import rank_zero_experiment
+from lightning.pytorch.core.saving import save_hparams_to_yaml
 from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger
+from lightning.pytorch.loggers.csv_logs import ExperimentWriter
+from lightning.pytorch.utilities import rank_zero_only
 
 from framework.errors import FwError
 from framework.metrics import JsonlLogger
+
+LOG_DIR = ("logs", 0)   # CSV and TensorBoard: <run_dir>/logs/version_0
+
+
+def _write_hparams(log_dir: str, hparams: dict[str, Any] | Namespace) -> None:
+    """`<log_dir>/hparams.yaml`, replaced in one rename: a crash mid-write leaves the previous file."""
+    path = Path(log_dir) / "hparams.yaml"
+    tmp = path.with_name(path.name + ".tmp")
+    save_hparams_to_yaml(tmp, hparams)
+    os.replace(tmp, path)
+
+
+def _csv_step(row: dict[str, str | None]) -> float:
+    """A metrics.csv row's step; a row without a readable one counts as past every step."""
+    try:
+        return float(row.get("step") or "inf")
+    except ValueError:
+        return math.inf
+
+
+class _CsvWriter(ExperimentWriter):
+    """Lightning's CSV writer, except that it continues an existing metrics.csv (Lightning's deletes it) and
+    writes it safely: rows are appended and fsynced; a new column rewrites the file into a temporary one,
+    renamed over it."""
+
+    def __init__(self, log_dir: str) -> None:
+        super().__init__(log_dir)
+        self.metrics_keys = self._read()[0]   # appended rows follow the file's own header
+
+    def _check_log_dir_exists(self) -> None:
+        pass   # Lightning's removes metrics.csv; a resumed run continues it
+
+    def log_hparams(self, params: dict[str, Any]) -> None:
+        self.hparams.update(params)
+        _write_hparams(self.log_dir, self.hparams)
+
+    def _read(self) -> tuple[list[str], list[dict[str, str | None]], bool]:
+        """The file's header and rows, and whether its last row was cut short (a run killed mid-write; left
+        out)."""
+        path = Path(self.metrics_file_path)
+        if not path.is_file():
+            return [], [], False
+        with open(path, newline="", encoding="utf-8") as f:
+            lines = f.read().splitlines(keepends=True)
+        torn = bool(lines) and not lines[-1].endswith(("\n", "\r"))
+        reader = csv.DictReader(lines[:-1] if torn else lines)
+        rows = list(reader)
+        return list(reader.fieldnames or []), rows, torn
+
+    def _replace(self, keys: list[str], rows: list[dict[str, Any]]) -> None:
+        path = Path(self.metrics_file_path)
+        tmp = path.with_name(path.name + ".tmp")
+        with open(tmp, "w", newline="", encoding="utf-8") as f:
+            if keys:   # else no header survived (a first line cut short): an empty file
+                writer = csv.DictWriter(f, fieldnames=keys, extrasaction="ignore")
+                writer.writeheader()
+                writer.writerows(rows)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        self.metrics_keys = keys
+
+    def save(self) -> None:
+        """Write the rows logged since the last save."""
+        if not self.metrics:
+            return
+        path = Path(self.metrics_file_path)
+        new = set().union(*self.metrics) - set(self.metrics_keys)
+        if new or not path.is_file():
+            header, rows, _ = self._read()
+            self._replace(sorted({*header, *self.metrics_keys, *new}), rows + self.metrics)
+        else:
+            with open(path, "a", newline="", encoding="utf-8") as f:
+                csv.DictWriter(f, fieldnames=self.metrics_keys).writerows(self.metrics)
+                f.flush()
+                os.fsync(f.fileno())
+        self.metrics = []
+
+    def truncate_after(self, step: int) -> None:
+        """Drop rows with `step` > `step` (written after the checkpoint a run resumes from), and a torn last row."""
+        header, rows, torn = self._read()
+        keep = [r for r in rows if _csv_step(r) <= step]
+        if torn or len(keep) < len(rows):
+            self._replace(header, keep)
+
+
+class RunCSVLogger(CSVLogger):
+    """Lightning's CSVLogger in `<run_dir>/logs/version_0`, continued by a resumed run."""
+
+    def __init__(self, run_dir: str | os.PathLike) -> None:
+        super().__init__(save_dir=run_dir, name=LOG_DIR[0], version=LOG_DIR[1])
+
+    @property
+    @rank_zero_experiment
+    def experiment(self) -> _CsvWriter:
+        if self._experiment is None:
+            os.makedirs(self.root_dir, exist_ok=True)
+            self._experiment = _CsvWriter(log_dir=self.log_dir)
+        return self._experiment
+
+    @rank_zero_only
+    def truncate_after(self, step: int) -> None:
+        """Drop the rows a resumed run writes again (see `JsonlLogger.truncate_after`)."""
+        self.experiment.truncate_after(step)
+
+
+class RunTensorBoardLogger(TensorBoardLogger):
+    """Lightning's TensorBoardLogger in `<run_dir>/logs/version_0`, continued by a resumed run.
+
+    The event writer opens at the first metrics, after `truncate_after(step)`, with `purge_step=step + 1`:
+    TensorBoard then hides the points past `step` that earlier event files hold. Each writer's file name
+    ends in the time in nanoseconds: tensorboardX names a file by the whole second, so a second writer within
+    one second would overwrite the first one's file, and files of one second would not sort in the order they
+    were written, which the purge needs.
+    """
+
+    def __init__(self, run_dir: str | os.PathLike) -> None:
+        super().__init__(save_dir=run_dir, name=LOG_DIR[0], version=LOG_DIR[1], default_hp_metric=False)
+
+    @property
+    @rank_zero_experiment
+    def experiment(self) -> Any:
+        if self._experiment is None:
+            self._kwargs["filename_suffix"] = f".{time.time_ns()}"
+        return TensorBoardLogger.experiment.fget(self)
+
+    @rank_zero_only
+    def log_hyperparams(self, params: dict[str, Any] | Namespace, metrics: dict[str, Any] | None = None,
+                        step: int | None = None) -> None:
+        super().log_hyperparams(params, metrics, step)
+        # Lightning's writes hparams.yaml only where there is none; a resumed run records its own config,
+        # as config.yaml does
+        os.makedirs(self.log_dir, exist_ok=True)
+        _write_hparams(self.log_dir, self.hparams)
+
+    @rank_zero_only
+    def save(self) -> None:
+        """Flush the event file; opening one here would be before `truncate_after` sets the purge."""
+        if self._experiment is not None:
+            self._experiment.flush()
+
+    @rank_zero_only
+    def truncate_after(self, step: int) -> None:
+        """Hide the points a resumed run writes again: the next event file starts with a purge past `step`."""
+        self._kwargs["purge_step"] = step + 1
+        if self._experiment is not None:   # opened early (a user's callback): the purge needs a new file
+            self._experiment.close()
+            self._experiment = None
 
 
 def _default_save_dir(cls: type, run_dir: Path) -> Path:
@@ -43,13 +205,13 @@ def user_loggers(cfg: dict) -> list[Logger]:
 
 
 def build_loggers(cfg: dict) -> list[Logger]:
-    """metrics.jsonl always; CSV and TensorBoard under `<run_dir>/logs/` when enabled; then the user's."""
+    """metrics.jsonl always; CSV and TensorBoard in `<run_dir>/logs/version_0` when enabled; then the user's."""
     run_dir = Path(cfg["run_dir"])
     loggers: list[Logger] = [JsonlLogger(run_dir / "metrics.jsonl", name=cfg["name"])]
     if cfg["logging"]["csv"]:
-        loggers.append(CSVLogger(save_dir=run_dir, name="logs", version=None))
+        loggers.append(RunCSVLogger(run_dir))
     if cfg["logging"]["tensorboard"]:
-        loggers.append(TensorBoardLogger(save_dir=run_dir, name="logs", version=None, default_hp_metric=False))
+        loggers.append(RunTensorBoardLogger(run_dir))
     return loggers + user_loggers(cfg)
 
 

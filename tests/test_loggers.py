@@ -1,18 +1,25 @@
 """logging.loggers with real Lightning loggers offline: W&B (WANDB_MODE=offline, its run file read back
 record by record) and MLflow (a file store read back with MLflow's client) get every metric of
-metrics.jsonl and the resolved config; a class that is not a logger is refused."""
+metrics.jsonl and the resolved config; a class that is not a logger is refused. The built-in CSV and
+TensorBoard logs of a run crashed and resumed are one folder holding each step once, with the values of
+the uninterrupted run (the CSV read with the csv module, the event files with TensorBoard's reader or,
+without tensorboard installed, record by record)."""
 
+import csv
 import glob
 import json
+import os
 import struct
 import time
 from pathlib import Path
 
 import pytest
+import yaml
 
+from framework.callbacks import Callback
 from framework.config import resolve
 from framework.errors import FwError
-from framework.loggers import user_loggers
+from framework.loggers import build_loggers, user_loggers
 from framework.metrics import read_metrics
 from framework.trainer import fit
 
@@ -127,3 +134,167 @@ def test_fw_fit_reports_a_bad_logger_in_one_line(tmp_path, capsys):
     assert main(["fit", "--config", str(config)]) == 2
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("fw: error:")]
     assert len(errors) == 1 and "is not a lightning.pytorch.loggers.Logger subclass" in errors[0]
+
+
+class CrashAt(Callback):
+    """Simulates a crash right after optimizer step `step` (the steps before it are logged, and flushed by
+    Lightning's handling of the error)."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def after_optimizer_step(self, trainer, module, optimizer):
+        if module.policy_version == self.step:
+            raise RuntimeError(f"simulated crash after step {self.step}")
+
+
+def tb_points(log_dir, tag):
+    """(step, value) of the scalar `tag` as TensorBoard shows the event files of `log_dir`: read with its own
+    EventAccumulator where tensorboard is installed; else record by record (TFRecord: u64 length, u32 crc,
+    the Event, u32 crc), files in name order, each SessionLog.START at step s hiding the points read before
+    it with step >= s, as TensorBoard's accumulator does."""
+    try:
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    except ImportError:
+        EventAccumulator = None
+    if EventAccumulator is not None:
+        accumulator = EventAccumulator(str(log_dir))
+        accumulator.Reload()
+        return [(e.step, e.value) for e in accumulator.Scalars(tag)] if tag in accumulator.Tags()["scalars"] else []
+    from tensorboardX.proto.event_pb2 import Event, SessionLog
+
+    points = []
+    for path in sorted(Path(log_dir).glob("events.out.tfevents.*")):
+        data, pos = path.read_bytes(), 0
+        while pos + 12 <= len(data):
+            (length,) = struct.unpack("<Q", data[pos:pos + 8])
+            record = data[pos + 12:pos + 12 + length]
+            if len(record) < length:
+                break   # a record cut short by a kill
+            pos += 12 + length + 4
+            event = Event.FromString(record)
+            if event.HasField("session_log") and event.session_log.status == SessionLog.START:
+                points = [p for p in points if p[0] < event.step]
+            points += [(event.step, v.simple_value) for v in event.summary.value if v.tag == tag]
+    return points
+
+
+def float32(x):
+    return struct.unpack("<f", struct.pack("<f", x))[0]
+
+
+def resume_config(run_dir, name, callbacks=()):
+    cfg = sft_config(run_dir, [], csv=True)
+    cfg["name"] = name
+    cfg["logging"]["tensorboard"] = True
+    cfg["trainer"].update(max_steps=7, log_every_n_steps=1)
+    cfg["checkpoint"].update(every_n_steps=4, keep_last=None)
+    cfg["callbacks"] = list(callbacks)
+    return cfg
+
+
+def test_a_resumed_run_continues_one_csv_and_one_tensorboard_run(tmp_path):
+    straight, broken = tmp_path / "straight", tmp_path / "broken"
+    fit(resume_config(straight, "first"))
+    expected = read_metrics(straight / "metrics.jsonl")
+    assert [r["step"] for r in expected] == [1, 2, 3, 4, 5, 6, 7]
+
+    crash = {"class_path": "test_loggers.CrashAt", "init_args": {"step": 6}}
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        fit(resume_config(broken, "first", [crash]))
+    logs = broken / "logs"
+    assert [p.name for p in logs.iterdir()] == ["version_0"]   # CSV and TensorBoard in one folder
+    log_dir = logs / "version_0"
+    # steps 5 (past the checkpoint of step 4) is on disk in both: the resume logs it again
+    with open(log_dir / "metrics.csv", newline="") as f:
+        assert [r["step"] for r in csv.DictReader(f)] == ["1", "2", "3", "4", "5"]
+    assert [s for s, _ in tb_points(log_dir, "loss")] == [1, 2, 3, 4, 5]
+
+    fit(resume_config(broken, "second"), resume="last")
+    assert [p.name for p in logs.iterdir()] == ["version_0"]
+    keys = [k for k in expected[0] if k not in ("step", "tokens_per_s")]   # tokens_per_s: wall-clock
+    assert {"loss", "lr", "grad_norm"} <= set(keys)
+    with open(log_dir / "metrics.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert [int(r["step"]) for r in rows] == [1, 2, 3, 4, 5, 6, 7]
+    for row, ref in zip(rows, expected, strict=True):
+        assert {k: float(row[k]) for k in keys} == {k: ref[k] for k in keys}, row["step"]
+    for key in keys:   # TensorBoard keeps float32
+        assert tb_points(log_dir, key) == [(r["step"], float32(r[key])) for r in expected], key
+    # hparams.yaml: the config of the resumed run, as config.yaml
+    hparams = yaml.safe_load((log_dir / "hparams.yaml").read_text())
+    assert hparams["name"] == "second" and hparams["trainer"] == resume_config(broken, "second")["trainer"]
+
+
+def csv_rows(path):
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def test_a_resumed_csv_keeps_earlier_rows_and_columns_and_drops_a_torn_row(tmp_path):
+    """Rows up to the resume step stay as written, with a column that only they have; the new run's column
+    joins the header; a row past the step and a last row cut short by a kill go."""
+    cfg = {"run_dir": str(tmp_path), "name": "fw", "logging": {"csv": True, "tensorboard": False, "loggers": []}}
+    (_, first) = build_loggers(cfg)
+    first.log_metrics({"loss": 1.5}, step=1)
+    first.log_metrics({"loss": 0.5, "eval/acc": 0.25}, step=2)
+    first.log_metrics({"loss": 0.375}, step=3)
+    first.finalize("failed")
+    path = tmp_path / "logs" / "version_0" / "metrics.csv"
+    with open(path, "a") as f:
+        f.write("0.1")   # step 4's row, cut short
+    (_, second) = build_loggers(cfg)
+    second.truncate_after(2)
+    second.log_metrics({"loss": 0.25, "grad_norm": 2.0}, step=3)
+    second.finalize("success")
+    assert [p.name for p in (tmp_path / "logs").iterdir()] == ["version_0"]
+    assert csv_rows(path) == [
+        {"step": "1", "loss": "1.5", "eval/acc": "", "grad_norm": ""},
+        {"step": "2", "loss": "0.5", "eval/acc": "0.25", "grad_norm": ""},
+        {"step": "3", "loss": "0.25", "eval/acc": "", "grad_norm": "2.0"}]
+
+
+def test_dropping_rows_never_loses_the_csv(tmp_path, monkeypatch):
+    """The rows kept are written to a new file renamed over the old: a crash before the rename leaves the old
+    file whole."""
+    cfg = {"run_dir": str(tmp_path), "name": "fw", "logging": {"csv": True, "tensorboard": False, "loggers": []}}
+    (_, first) = build_loggers(cfg)
+    for step in (1, 2, 3):
+        first.log_metrics({"loss": 1.0 / step}, step=step)
+    first.finalize("failed")
+    path = tmp_path / "logs" / "version_0" / "metrics.csv"
+    before = path.read_bytes()
+
+    def crash(*args):
+        raise OSError("simulated crash before the rename")
+
+    monkeypatch.setattr(os, "replace", crash)
+    (_, second) = build_loggers(cfg)
+    with pytest.raises(OSError, match="simulated crash"):
+        second.truncate_after(1)
+    assert path.read_bytes() == before
+
+
+@pytest.mark.parametrize("opened_early", [False, True])
+def test_tensorboard_resume_in_the_same_second_keeps_and_purges(tmp_path, monkeypatch, opened_early):
+    """Event writers opened within one second (tensorboardX names files by the whole second, and a second
+    writer's file of the same name would overwrite the first's): the earlier points stay, the resume's follow
+    them, and the stale point past the resume step is hidden, also when something opened the writer before
+    the resume's first metrics."""
+    monkeypatch.setattr(time, "time", lambda: 1_700_000_000.0)
+    cfg = {"run_dir": str(tmp_path), "name": "fw", "logging": {"csv": False, "tensorboard": True, "loggers": []}}
+    (_, first) = build_loggers(cfg)
+    for step in (1, 2, 3):
+        first.log_metrics({"loss": float(step)}, step=step)
+    first.finalize("failed")
+    (_, second) = build_loggers(cfg)
+    if opened_early:
+        second.experiment.add_scalar("other", 5.0, 0)
+    second.truncate_after(2)
+    second.log_metrics({"loss": 30.0}, step=3)
+    second.log_metrics({"loss": 40.0}, step=4)
+    second.finalize("success")
+    assert [p.name for p in (tmp_path / "logs").iterdir()] == ["version_0"]
+    log_dir = tmp_path / "logs" / "version_0"
+    assert tb_points(log_dir, "loss") == [(1, 1.0), (2, 2.0), (3, 30.0), (4, 40.0)]
+    assert tb_points(log_dir, "other") == ([(0, 5.0)] if opened_early else [])
