@@ -9,13 +9,14 @@ policy optimizer step (clipped surrogate) and one critic step (clipped value los
 clipped to ``ppo.critic.max_grad_norm``). ``trainer.max_steps`` counts policy steps only: the
 module steps the critic's optimizer without advancing Lightning's global step.
 
-With several processes (DDP) the whitening uses the mean and variance of every rank's response tokens
+With several processes (DDP) the whitening uses the mean and variance of every rank's tokens in the loss
 and token-mean losses divide by the minibatch's token count over all ranks (recipes/rl.py).
 
 Options (all off by default): ``ppo.overlong`` adds DAPO's soft length penalty to the sequence reward
 before GAE and can drop truncated completions from both losses; ``ppo.off_policy_correction`` and
 ``ppo.clip_ratio_c`` change the policy loss (recipes/losses.py). Rows and tokens a correction or the
-overlong mask drops leave the critic's loss too: one loss mask weighs both phases' micro-batches.
+overlong mask drops leave the critic's loss and the whitening's statistics too: one loss mask weighs both
+phases' micro-batches and is the set the advantages are whitened over (0 outside it).
 """
 from __future__ import annotations
 
@@ -94,10 +95,6 @@ class PPORecipe(RLRecipe):
             has_tokens = data.completion_lens > 0
             token_rewards[everything[has_tokens], last[has_tokens]] += rewards[has_tokens]
             advantages, returns = gae(token_rewards, old_values, data.mask, p["gamma"], p["lam"])
-            self.last_advantages_raw = advantages
-            if p["whiten_advantages"]:   # over the tokens of every rank's batch
-                advantages = whiten(advantages, data.mask, across_ranks=True)
-            self.last_advantages = advantages
         self.log_rollout(ctx, data)
         for name, value in shaping_metrics.items():
             ctx.log(name, value, weight=n_seq)
@@ -109,6 +106,13 @@ class PPORecipe(RLRecipe):
                 return self.logprobs(ctx.policy, data)[0]
 
         inputs, train = self.loss_batch(ctx, p, data, trainer_logprobs)
+        self.last_advantages_raw = advantages
+        if p["whiten_advantages"]:
+            # over the tokens the loss keeps (train.mask), of every rank's batch: a completion the overlong mask or
+            # the correction drops moves neither the mean nor the variance the kept tokens are whitened with
+            with torch.no_grad():
+                advantages = whiten(advantages, train.mask, across_ranks=True)
+        self.last_advantages = advantages
         ev = explained_variance(old_values, returns, data.mask)
         # Undefined (NaN) when every return is equal (e.g. all rewards 0 and no KL): logged with weight 0,
         # never skipped, because every rank must log the same metrics (they are reduced collectively).
@@ -116,7 +120,7 @@ class PPORecipe(RLRecipe):
         ctx.log("value/explained_variance", 0.0 if undefined else ev, weight=0.0 if undefined else None)
         ctx.log("value/mean", masked_mean(old_values, data.mask))
         ctx.log("value/returns", masked_mean(returns, data.mask))
-        ctx.log("policy/adv_abs", masked_mean(advantages.abs(), data.mask))
+        ctx.log("policy/adv_abs", masked_mean(advantages.abs(), train.mask))   # what the loss weighs
         if kl_metric is not None:
             ctx.log("policy/ref_kl", kl_metric)
 

@@ -166,3 +166,70 @@ def test_reward_kl_is_zero_while_the_policy_equals_the_reference(tmp_path):
     fit(cfg)
     first = read_metrics(tmp_path / "run" / "metrics.jsonl")[0]
     assert first["policy/ref_kl"] == 0.0
+
+
+class _Ctx:
+    """The StepContext of a training step that takes no optimizer step: a rollout batch's advantages only."""
+
+    policy = value = reference = None
+    device = torch.device("cpu")
+    rank, world_size, policy_version = 0, 1, 0
+
+    def __init__(self):
+        self.logged = {}
+
+    def log(self, name, value, weight=None, reduce="mean"):
+        self.logged[name] = float(value)
+
+    def steps_left(self):
+        return False
+
+
+@pytest.mark.parametrize("dropped_by", ["mask_truncated", "sequence_is_mask", "token_is_mask"])
+def test_whitening_statistics_cover_only_the_tokens_in_the_loss(tmp_path, dropped_by):
+    """Row 2 leaves the loss (cut at max_new_tokens, or its logprob ratio outside [low, high]): the whitening's
+    mean and variance are those of the other rows' tokens, as the loss's mask and denominators are."""
+    from framework.tokenizer import Tokenizer
+    from recipes.ppo import PPORecipe
+    from recipes.rl import ScoredRollout
+
+    ppo = {"samples_per_prompt": 2, "gamma": 1.0, "lam": 1.0, "kl_coef": 0.0, "whiten_advantages": True,
+           "critic": {"lr": 1e-2, "max_grad_norm": None}}
+    if dropped_by == "mask_truncated":
+        ppo["overlong"] = {"mask_truncated": True}
+    else:
+        ppo["off_policy_correction"] = {"name": "mask", "low": 0.5, "high": 2.0,
+                                        "level": "sequence" if dropped_by == "sequence_is_mask" else "token"}
+    cfg = config(tmp_path / "run", rollout={"prompts_per_step": 2, "max_new_tokens": 4, "temperature": 1.0}, ppo=ppo)
+    recipe = PPORecipe(cfg, Tokenizer.builtin())
+    lens = torch.tensor([2, 3, 4, 3])
+    mask = (torch.arange(4)[None, :] < lens[:, None]).float()
+    old_logp = -1.0 * mask
+    data = ScoredRollout(
+        tokens=torch.full((4, 5), 7), prompt_lens=torch.ones(4, dtype=torch.long), completion_lens=lens,
+        old_logp=old_logp, mask=mask, rewards=torch.tensor([1.0, 0.0, 5.0, 2.0]),
+        correct=torch.tensor([True, False, True, True]), n_reward_errors=0, eos_frac=0.75,
+        truncated=torch.tensor([False, False, True, False]), gen_seconds=1.0, texts=["a", "b", "c", "d"])
+    # the trainer's logprobs: row 2's ratio is e per token (e^4 for the row), outside [0.5, 2]; the others' are 1
+    trainer_logp = old_logp + torch.tensor([0.0, 0.0, 1.0, 0.0])[:, None] * mask
+    recipe.collect = lambda ctx, samples: data
+    recipe.values = lambda model, batch, rows=None: torch.zeros_like(batch.mask)   # critic: V = 0
+    recipe.logprobs = lambda model, batch, rows=None, with_entropy=False: (trainer_logp, None)
+    ctx = _Ctx()
+    recipe.training_step(ctx, 0, 0)
+
+    # gamma = lam = 1, V = 0: each token's advantage is its row's reward. The kept tokens (rows 0, 1, 3) are
+    # 1, 1, 0, 0, 0, 2, 2, 2: mean 8 / 8 = 1, population variance (0 + 0 + 1 + 1 + 1 + 1 + 1 + 1) / 8 = 0.75.
+    kept = [1.0, 1.0, 0.0, 0.0, 0.0, 2.0, 2.0, 2.0]
+    mean = math.fsum(kept) / len(kept)
+    var = math.fsum((a - mean) ** 2 for a in kept) / len(kept)
+    assert (mean, var) == (1.0, 0.75)
+    scale = 1.0 / math.sqrt(var + 1e-8)   # whiten's eps
+    expected = torch.tensor([[0.0, 0.0, 0.0, 0.0],
+                             [-scale, -scale, -scale, 0.0],
+                             [0.0, 0.0, 0.0, 0.0],   # out of the loss: 0, as past a row's end
+                             [scale, scale, scale, 0.0]], dtype=torch.float64)
+    got = recipe.last_advantages.double()
+    assert torch.allclose(got, expected, rtol=0, atol=1e-6), got
+    # the logged mean |A| is over the same tokens: 6 of the 8 kept ones at |A| = scale
+    assert ctx.logged["policy/adv_abs"] == pytest.approx(6 * scale / 8, abs=1e-6)
