@@ -5,7 +5,8 @@ completions each, scored; group advantages; then ``grpo.epochs`` x ``grpo.miniba
 optimizer steps (each minibatch split into ``trainer.accumulate_grad_batches`` micro-batches whose
 gradients accumulate). The rollout's behaviour logprobs are pi_old: there is no second old-policy
 forward. ``trainer.max_steps`` counts policy optimizer steps; the last rollout stops updating once
-it is reached.
+it is reached, and a run resumed from there with a larger ``max_steps`` trains that batch's remaining steps
+first (recipes/rl.py: the cut batch).
 
 About "loss is 0": on the first update of a rollout the ratio is 1, so the surrogate equals
 ``-mean(A)``, which is ~0 because group advantages are centred; the gradient is not 0. The logged
@@ -90,7 +91,9 @@ class GRPORecipe(RLRecipe):
                 break
         return concat_rollouts(rounds, self.tokenizer.pad_id or 0), torch.cat(shaped), len(rounds)
 
-    def training_step(self, ctx: StepContext, batch: Any, batch_idx: int) -> None:
+    def new_batch(self, ctx: StepContext) -> tuple[dict[str, Any], int]:
+        """A new rollout batch drawn, scored and logged, with what its update reads pinned (``RLRecipe.pin``), and
+        the number of rollout rounds drawn."""
         g = self.cfg["grpo"]
         size, wanted = g["group_size"], self.cfg["rollout"]["prompts_per_step"]
         drawn, rewards, rounds = self.draw(ctx)
@@ -104,9 +107,8 @@ class GRPORecipe(RLRecipe):
             ctx.log("rollout/groups_drawn", rounds * ctx.world_size * wanted)
         # groups trained on with advantage 0: the share dynamic sampling would replace
         ctx.log("rollout/uninformative_frac", tied_groups(rewards, size).float().mean())
-        self.last_rollout = data
         batch_std = batch_reward_std(rewards) if g["scale_rewards"] == "batch" else None
-        adv = self.last_advantages = grpo_advantages(rewards, size, g["scale_rewards"], g["adv_eps"], batch_std)
+        adv = grpo_advantages(rewards, size, g["scale_rewards"], g["adv_eps"], batch_std)
 
         def trainer_logprobs() -> Tensor:
             with torch.no_grad():
@@ -114,10 +116,20 @@ class GRPORecipe(RLRecipe):
 
         inputs, train = self.loss_batch(ctx, g, data, trainer_logprobs)
         ctx.log("policy/adv_abs", _token_weighted_abs_mean(adv, train.mask))
-        ref_logp = None
-        if g["kl_coef"] > 0:
+        return self.pin(data, inputs, advantages=adv, ref_logp=None), rounds
+
+    def training_step(self, ctx: StepContext, batch: Any, batch_idx: int) -> None:
+        g = self.cfg["grpo"]
+        cut = self.resume_cut(ctx)
+        pinned, rounds = self.new_batch(ctx) if cut is None else (cut.pinned, 0)
+        data = self.last_rollout = pinned["rollout"]
+        adv = self.last_advantages = pinned["advantages"]
+        inputs, train = self.pinned_loss(pinned)
+        if g["kl_coef"] > 0 and pinned["ref_logp"] is None:
+            # the frozen reference's logprobs: once a batch (a continued batch's when it began without a KL term)
             with torch.no_grad():
-                ref_logp, _ = self.logprobs(ctx.reference, data)
+                pinned["ref_logp"] = self.logprobs(ctx.reference, data)[0]
+        ref_logp = pinned["ref_logp"] if g["kl_coef"] > 0 else None
 
         def policy_micro(mb: MicroBatch, first: bool) -> tuple[Tensor, dict[str, Tensor]]:
             rows = mb.rows
@@ -140,8 +152,7 @@ class GRPORecipe(RLRecipe):
                 self.log_first_update(ctx, logp, entropy, data, rows)
             return loss, logged
 
-        self.update(ctx, train, [Phase("policy", "policy", policy_micro)])
-        self.finish_rollout(ctx, rounds)
+        self.train_batch(ctx, train, [Phase("policy", "policy", policy_micro)], pinned, cut, rounds)
 
 
 def informative_groups(rewards: Tensor, group_size: int, wanted: int) -> Tensor:

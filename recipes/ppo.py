@@ -7,7 +7,8 @@ advantages and returns come from GAE(gamma, lam) with the critic's pre-update va
 rollout, and stay pinned for every replayed epoch (optionally whitened). Each minibatch takes one
 policy optimizer step (clipped surrogate) and one critic step (clipped value loss x ``vf_coef``,
 clipped to ``ppo.critic.max_grad_norm``). ``trainer.max_steps`` counts policy steps only: the
-module steps the critic's optimizer without advancing Lightning's global step.
+module steps the critic's optimizer without advancing Lightning's global step. A batch that ``max_steps`` stops
+inside keeps its pinned advantages, old values and returns for a resumed run (recipes/rl.py: the cut batch).
 
 With several processes (DDP) the whitening uses the mean and variance of every rank's tokens in the loss
 and token-mean losses divide by the minibatch's token count over all ranks (recipes/rl.py).
@@ -72,9 +73,11 @@ class PPORecipe(RLRecipe):
         self.last_advantages_raw: Tensor | None = None   # [B, Tc] GAE advantages of the latest rollout
         self.last_advantages: Tensor | None = None       # the same, whitened when whiten_advantages
 
-    def training_step(self, ctx: StepContext, batch: Any, batch_idx: int) -> None:
+    def new_batch(self, ctx: StepContext) -> dict[str, Any]:
+        """A new rollout batch drawn, scored, valued and logged, with what its update reads pinned
+        (``RLRecipe.pin``): advantages (whitened when set), the critic's old values and the returns."""
         p = self.cfg["ppo"]
-        data = self.last_rollout = self.collect(ctx, p["samples_per_prompt"])
+        data = self.collect(ctx, p["samples_per_prompt"])
         n_seq = data.mask.shape[0]
         everything = torch.arange(n_seq, device=data.mask.device)
         with torch.no_grad():
@@ -106,13 +109,12 @@ class PPORecipe(RLRecipe):
                 return self.logprobs(ctx.policy, data)[0]
 
         inputs, train = self.loss_batch(ctx, p, data, trainer_logprobs)
-        self.last_advantages_raw = advantages
+        raw = advantages
         if p["whiten_advantages"]:
             # over the tokens the loss keeps (train.mask), of every rank's batch: a completion the overlong mask or
             # the correction drops moves neither the mean nor the variance the kept tokens are whitened with
             with torch.no_grad():
                 advantages = whiten(advantages, train.mask, across_ranks=True)
-        self.last_advantages = advantages
         ev = explained_variance(old_values, returns, data.mask)
         # Undefined (NaN) when every return is equal (e.g. all rewards 0 and no KL): logged with weight 0,
         # never skipped, because every rank must log the same metrics (they are reduced collectively).
@@ -123,6 +125,18 @@ class PPORecipe(RLRecipe):
         ctx.log("policy/adv_abs", masked_mean(advantages.abs(), train.mask))   # what the loss weighs
         if kl_metric is not None:
             ctx.log("policy/ref_kl", kl_metric)
+        return self.pin(data, inputs, advantages=advantages, advantages_raw=raw, old_values=old_values,
+                        returns=returns)
+
+    def training_step(self, ctx: StepContext, batch: Any, batch_idx: int) -> None:
+        p = self.cfg["ppo"]
+        cut = self.resume_cut(ctx)
+        pinned = self.new_batch(ctx) if cut is None else cut.pinned
+        data = self.last_rollout = pinned["rollout"]
+        advantages = self.last_advantages = pinned["advantages"]
+        self.last_advantages_raw = pinned["advantages_raw"]
+        old_values, returns = pinned["old_values"], pinned["returns"]
+        inputs, train = self.pinned_loss(pinned)
 
         def policy_micro(mb: MicroBatch, first: bool) -> tuple[Tensor, dict[str, Tensor]]:
             rows = mb.rows
@@ -143,5 +157,5 @@ class PPORecipe(RLRecipe):
             vl = self.value_loss(values, old_values[rows], returns[rows], train.mask[rows])
             return p["vf_coef"] * vl.loss, {"loss": vl.loss, "clip_frac": vl.clip_frac, "error": vl.error}
 
-        self.update(ctx, train, [Phase("policy", "policy", policy_micro), Phase("critic", "value", critic_micro)])
-        self.finish_rollout(ctx)
+        self.train_batch(ctx, train, [Phase("policy", "policy", policy_micro), Phase("critic", "value", critic_micro)],
+                         pinned, cut)

@@ -13,6 +13,17 @@ tokens differ). A step of GRPO's dynamic sampling draws rounds of ``W * P`` samp
 implies are all a resume needs. Lightning is fed an endless stream of placeholder batches; the recipe
 picks the prompts itself, so Lightning's one-batch prefetch can never move the data position.
 
+A rollout batch trains for ``epochs x minibatches`` policy steps. When ``trainer.max_steps`` stops a run inside
+them, the batch is cut (``CutBatch``): the checkpoint keeps each rank's rows and what the loss reads of them, pinned
+before the batch's first update (advantages, the loss mask, old and reference logprobs, importance weights, the
+critic's old values and returns), and how many of its steps were taken. A run resumed from it with a larger
+``max_steps`` trains the rest of that batch first, in the order the uninterrupted run would have, then draws the
+next; it continues as that run would, provided the learning-rate schedule does not depend on ``max_steps``. The
+rest of a cut batch reads its pinned tensors, and the settings read at every step (clipping, ``loss_agg``,
+coefficients) as configured. Resumed on another number of processes, or with other ``epochs``, ``minibatches``
+or ``shared_prompt``, the rest of the cut batch is dropped (with a line on stderr) and the run continues with a
+new rollout batch. A checkpoint without a cut batch holds the data position only, as before.
+
 Statistics over the rollout batch are global: the ``scale_rewards: batch`` std and ``reward/std`` come
 from one all-reduce of (count, sum, sum of squares), token-mean losses divide by the minibatch's token
 count over all ranks, and metrics go through torchmetrics, which reduces over ranks.
@@ -20,6 +31,7 @@ count over all ranks, and metrics go through torchmetrics, which reduces over ra
 from __future__ import annotations
 
 import dataclasses
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -82,6 +94,51 @@ class MicroBatch:
 
     rows: Tensor       # [b] int64 on the batch's device: indexes the batch's tensors
     host_rows: Tensor  # [b] the same on the host: lays the micro-batch out without a device sync
+
+
+@dataclass
+class CutBatch:
+    """A rollout batch whose update ``trainer.max_steps`` cut short: what the rest of it trains on."""
+
+    rollout_step: int           # the batch's index: it seeds the batch's minibatch shuffles
+    taken: int                  # its minibatch steps taken, over its epochs
+    layout: dict[str, Any]      # what split the batch into those steps (``RLRecipe.update_layout``)
+    pinned: dict[str, Any]      # this rank's share: "rollout" (a ScoredRollout) and the tensors its loss reads
+
+
+def _on(x: Any, device: torch.device | str) -> Any:
+    """``x`` (a tensor, or a dict or list of them and plain values) with its tensors on ``device``."""
+    if isinstance(x, Tensor):
+        return x.to(device)
+    if isinstance(x, dict):
+        return {k: _on(v, device) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_on(v, device) for v in x]
+    return x
+
+
+def pinned_state(pinned: dict[str, Any]) -> dict[str, Any]:
+    """A rank's pinned tensors as a checkpoint holds them: on the CPU, the rollout as a dict of its fields."""
+    rollout = pinned["rollout"]
+    fields = {f.name: getattr(rollout, f.name) for f in dataclasses.fields(rollout) if f.init}
+    return _on({**pinned, "rollout": fields}, "cpu")
+
+
+def pinned_from_state(state: dict[str, Any], device: torch.device | str) -> dict[str, Any]:
+    """``pinned_state``'s inverse, on ``device``."""
+    state = _on(state, device)
+    return {**state, "rollout": ScoredRollout(**state["rollout"])}
+
+
+def _all_ranks(obj: Any) -> list[Any]:
+    """Every rank's ``obj`` in rank order (a collective) under torch.distributed; ``[obj]`` on one process."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
 
 
 # Packing must remove at least this share of a micro-batch's tokens for packed=None to pack. On equal rows both
@@ -355,23 +412,36 @@ class RLRecipe:
         self.sampling = SamplingParams.from_config(cfg["rollout"])
         self.task = build_task(cfg["data"], seed=cfg["seed"])
         self.reward_fn = build_reward(cfg["reward"], self.task)
-        self.rollout_step = 0  # rollout batches done so far (seeds the minibatch shuffle)
+        self.rollout_step = 0  # rollout batches drawn so far (a batch's index seeds its minibatch shuffles)
         self.prompt_position = 0  # task samples consumed by all ranks: the data position
         self.last_rollout: ScoredRollout | None = None  # the latest batch, for callbacks and inspection
         self.engine: Any = None   # the policy's RolloutEngine, kept from one rollout to the next if keep_engine
         self.keep_engine: bool | None = None   # rollout.keep_engine resolved at the first rollout
         self.shares_prompts = shares_prompts(cfg, self.section, self.samples_key)   # the update's layout
+        self.cut: CutBatch | None = None   # the batch max_steps stopped this run inside, this rank's share
+        self._saved_cut: dict | None = None   # a checkpoint's cut batch, every rank's, until the first step
 
     # ---- protocol
     def train_dataloader(self, ctx: StepContext) -> DataLoader:
         return DataLoader(_Ticks(), batch_size=None)
 
     def state_dict(self) -> dict:
-        return {"rollout_step": self.rollout_step, "prompt_position": self.prompt_position}
+        """The data position and, when max_steps cut a rollout batch, that batch (``"cut"``: every rank's share,
+        gathered: a collective under several processes, which every rank's checkpoint hook runs)."""
+        state: dict[str, Any] = {"rollout_step": self.rollout_step, "prompt_position": self.prompt_position}
+        if self.cut is not None:
+            c = self.cut
+            state["cut"] = {"rollout_step": c.rollout_step, "taken": c.taken, "layout": dict(c.layout),
+                            "ranks": _all_ranks(pinned_state(c.pinned))}
+        elif self._saved_cut is not None:   # restored and not trained yet
+            state["cut"] = self._saved_cut
+        return state
 
     def load_state_dict(self, d: dict) -> None:
         self.rollout_step = int(d["rollout_step"])
         self.prompt_position = int(d["prompt_position"])
+        self.cut = None
+        self._saved_cut = d.get("cut")   # absent from the checkpoints of runs that ended between batches
 
     def release(self) -> None:
         """Hand the rollout engine's KV cache and decode graphs back (the end of a fit)."""
@@ -402,6 +472,62 @@ class RLRecipe:
         if sec["minibatches"] * micro > batch_size:
             raise FwError(f"{self.section}.minibatches ({sec['minibatches']}) x trainer.accumulate_grad_batches "
                           f"({micro}) exceeds the {batch_size} sequences of one rollout batch")
+
+    def update_layout(self) -> dict[str, Any]:
+        """What splits a rollout batch into its policy steps; a cut batch continues only under the same."""
+        sec = self.cfg[self.section]
+        return {"epochs": sec["epochs"], "minibatches": sec["minibatches"], "shared_prompt": self.shares_prompts}
+
+    def resume_cut(self, ctx: StepContext) -> CutBatch | None:
+        """The rollout batch the checkpoint's run was cut inside, this rank's share on its device, when this run
+        continues it (the first step after a resume); else None."""
+        saved, self._saved_cut = self._saved_cut, None
+        if saved is None:
+            return None
+        layout = self.update_layout()
+        why = None
+        if len(saved["ranks"]) != ctx.world_size:
+            why = f"it was drawn by {len(saved['ranks'])} processes and this run has {ctx.world_size}"
+        elif saved["layout"] != layout:
+            changed = [f"{self.section}.{k} was {saved['layout'].get(k)!r}, now {v!r}" for k, v in layout.items()
+                       if saved["layout"].get(k) != v]
+            why = "its steps were counted in another split (" + "; ".join(changed) + ")"
+        if why is not None:
+            if ctx.rank == 0:
+                print(f"fw: warning: the checkpoint's run stopped after {saved['taken']} policy steps of rollout batch "
+                      f"{saved['rollout_step']}; {why}, so the rest of that batch is dropped and training continues "
+                      "with a new rollout batch", file=sys.stderr, flush=True)
+            return None
+        return CutBatch(int(saved["rollout_step"]), int(saved["taken"]), layout,
+                        pinned_from_state(saved["ranks"][ctx.rank], ctx.device))
+
+    @staticmethod
+    def pin(data: ScoredRollout, inputs: LossInputs, **tensors: Tensor | None) -> dict[str, Any]:
+        """What a rollout batch's update reads, fixed before its first step: the rollout, the loss inputs and the
+        recipe's ``tensors`` (advantages, ...). A cut batch's checkpoint holds exactly this."""
+        return {"rollout": data, "old_logp": inputs.old_logp, "loss_mask": inputs.mask, "weight": inputs.weight,
+                **tensors}
+
+    @staticmethod
+    def pinned_loss(pinned: dict[str, Any]) -> tuple[LossInputs, ScoredRollout]:
+        """``loss_batch``'s pair from pinned tensors: the loss inputs and the rollout with the loss's mask."""
+        data = pinned["rollout"]
+        train = dataclasses.replace(data, mask=pinned["loss_mask"])
+        train._host_lens = data._host_lens
+        return LossInputs(pinned["old_logp"], pinned["loss_mask"], pinned["weight"], {}), train
+
+    def train_batch(self, ctx: StepContext, train: ScoredRollout, phases: Sequence[Phase], pinned: dict[str, Any],
+                    cut: CutBatch | None, rounds: int = 1) -> None:
+        """The rollout batch's update, or the rest of ``cut``'s, then the end of the training step: a new batch
+        advances the data position past its ``rounds`` (``finish_rollout``; a continued one did so in its first
+        run), and a batch that max_steps stops inside is kept as ``self.cut`` for the checkpoint."""
+        rollout_step = self.rollout_step if cut is None else cut.rollout_step
+        taken = self.update(ctx, train, phases, rollout_step=rollout_step, start=0 if cut is None else cut.taken)
+        self.cut = None if taken is None else CutBatch(rollout_step, taken, self.update_layout(), pinned)
+        if cut is None:
+            self.finish_rollout(ctx, rounds)
+        else:
+            ctx.log("policy_version", ctx.policy_version, reduce="last")
 
     def collect(self, ctx: StepContext, samples_per_prompt: int, round_index: int = 0) -> ScoredRollout:
         """Generate ``samples_per_prompt`` completions for each prompt of this step and score them.
@@ -496,12 +622,15 @@ class RLRecipe:
         index = torch.arange(batch.mask.shape[0]) if rows is None else rows.host_rows
         return index // self.cfg[self.section][self.samples_key]
 
-    def minibatches(self, batch_size: int, epoch: int, lengths: Tensor | None = None) -> list[list[Tensor]]:
+    def minibatches(self, batch_size: int, epoch: int, lengths: Tensor | None = None,
+                    rollout_step: int | None = None) -> list[list[Tensor]]:
         """Seeded shuffled split of ``range(batch_size)``: ``minibatches`` lists of micro-batch index sets
         (host tensors). With ``lengths`` (each row's tokens, host) a minibatch's micro-batches hold even
-        token counts (``balanced_split``), else even row counts."""
+        token counts (``balanced_split``), else even row counts. The seed is the batch's index ``rollout_step``
+        (None: the current one) and the epoch."""
         sec = self.cfg[self.section]
-        gen = torch.Generator().manual_seed(((self.cfg["seed"] * 1_000_003 + self.rollout_step) * 101 + epoch) % 2**63)
+        step = self.rollout_step if rollout_step is None else rollout_step
+        gen = torch.Generator().manual_seed(((self.cfg["seed"] * 1_000_003 + step) * 101 + epoch) % 2**63)
         micro = self.cfg["trainer"]["accumulate_grad_batches"]
         if self.shares_prompts:
             # whole groups shuffled, then cut in order into micro-batches of the usual row counts (what the memory
@@ -516,10 +645,15 @@ class RLRecipe:
             lambda mb: balanced_split(mb, lengths, micro))
         return [split(mb) for mb in torch.tensor_split(perm, sec["minibatches"])]
 
-    def update(self, ctx: StepContext, batch: ScoredRollout, phases: Sequence[Phase]) -> None:
+    def update(self, ctx: StepContext, batch: ScoredRollout, phases: Sequence[Phase], rollout_step: int | None = None,
+               start: int = 0) -> int | None:
         """``epochs`` x ``minibatches`` over the rollout batch; in each minibatch every phase accumulates its
         micro-batch losses (each weighted by its share of the minibatch under ``loss_agg``) and then steps
         its optimizer once. Stops as soon as ``trainer.max_steps`` policy steps are done.
+
+        ``rollout_step``: the batch's index, which seeds its shuffles (None: the current one); ``start``: its
+        minibatch steps already taken (a cut batch continued), skipped. Returns None when the batch's last step
+        is taken, else the number of its steps taken when max_steps stopped it.
 
         The micro-batches of a minibatch hold even token counts; their row indices reach the device in
         non-blocking copies and their weights in one host read, so the only device syncs per minibatch are
@@ -527,11 +661,15 @@ class RLRecipe:
         sec = self.cfg[self.section]
         device = batch.mask.device
         prompt_lens, completion_lens = batch.host_lengths()
+        taken = 0
         for epoch in range(sec["epochs"]):
             for mb_index, host_rows in enumerate(self.minibatches(batch.mask.shape[0], epoch,
-                                                                  prompt_lens + completion_lens)):
+                                                                  prompt_lens + completion_lens, rollout_step)):
+                if taken < start:
+                    taken += 1
+                    continue
                 if not ctx.steps_left():
-                    return
+                    return taken
                 first = epoch == 0 and mb_index == 0
                 micro = [MicroBatch(to_device(rows, device), rows) for rows in host_rows]
                 mb_mask = batch.mask[torch.cat([m.rows for m in micro])]
@@ -548,6 +686,8 @@ class RLRecipe:
                         self.log_weighted(ctx, phase.prefix, logged, weight)
                         ctx.backward(loss * weight)
                     ctx.step(phase.role)
+                taken += 1
+        return None
 
     @staticmethod
     def loss_batch(ctx: StepContext, section: dict, data: ScoredRollout,
