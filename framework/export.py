@@ -6,6 +6,10 @@ checking it against the manifest, and publishes the copy atomically. `merge=True
 turns a LoRA checkpoint into the merged model: the base is rebuilt from the checkpoint's config.yaml
 (`model.policy.path`, or the preset from the seed), the checked copy of the adapters is folded in, and
 the result is written in HF layout.
+
+A model (not an adapter directory) gets a generation_config.json, which transformers' `generate` reads for
+its stop tokens and sampling defaults: the one of the model the run started from (config.yaml's
+`model.policy.path`) when that directory has one, else one made from config.json and the exported tokenizer.
 """
 
 from __future__ import annotations
@@ -20,9 +24,19 @@ from typing import Any
 
 from framework.checkpoint import CONFIG_FILE, resolve_checkpoint
 from framework.checkpoint.directory import read_complete_manifest
-from framework.checkpoint.files import fsync_dir, hidden_sibling
 from framework.checkpoint.tensors import DiskFull, is_disk_full
+from framework.durable import fsync_dir, hidden_sibling
 from framework.errors import FwError
+from framework.models.hf_io import (
+    GENERATION_CONFIG,
+    MODEL_CONFIG,
+    default_generation_config,
+    read_config,
+    read_generation_config,
+    recover_leftovers,
+    tokenizer_in,
+    write_json,
+)
 from framework.models.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 
 POLICY = "policy"
@@ -56,6 +70,7 @@ def export_checkpoint(checkpoint: str | os.PathLike, out: str | os.PathLike, mer
     Returns `out`."""
     source = resolve_checkpoint(checkpoint, skip_damaged=skip_damaged, verify=skip_damaged)
     given, out = out, Path(out).resolve()   # a link's target (staged beside it), "." a named directory
+    recover_leftovers(out)   # a killed export's staging copy; a model that a killed save_pretrained set aside
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise FwError(f"--out {given}: already exists and is not an empty directory; choose a new one")
     if Path.cwd().resolve().is_relative_to(out):
@@ -79,6 +94,8 @@ def export_checkpoint(checkpoint: str | os.PathLike, out: str | os.PathLike, mer
             _write_merged(source, staging)
             for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
                 (staging / name).unlink()
+        elif MODEL_CONFIG in files and GENERATION_CONFIG not in files:
+            write_json(staging / GENERATION_CONFIG, _generation_config(source, staging))
         fsync_dir(staging)
         try:   # replaces an empty directory only: whatever another process wrote there meanwhile stays
             os.rename(staging, out)
@@ -126,10 +143,35 @@ def adapted_policy(source: Path, adapter_dir: Path) -> tuple[Any, Any]:
 
 
 def _write_merged(source: Path, staging: Path) -> None:
-    """The merged policy of LoRA checkpoint `source` as config.json + safetensors in `staging`, from the
-    adapter files already copied (and checked) there."""
-    from framework.models import save_pretrained
+    """The merged policy of LoRA checkpoint `source` as config.json, generation_config.json and safetensors in
+    `staging`, from the adapter files already copied (and checked) there."""
+    from framework.models.hf_io import write_model
     from framework.models.lora import merged_copy
 
     _, policy = adapted_policy(source, staging)
-    save_pretrained(merged_copy(policy), staging)
+    write_model(merged_copy(policy), staging, generation_config=_source_generation_config(source))
+
+
+def _source_generation_config(source: Path) -> dict | None:
+    """The generation_config.json of the model directory run `source` started from (its config.yaml's
+    `model.policy.path`); None for a preset, or a directory without one."""
+    from framework import yaml12
+
+    file = source / CONFIG_FILE
+    try:
+        cfg = yaml12.load(file.read_text(encoding="utf-8"), str(file))
+    except (OSError, UnicodeDecodeError) as e:
+        raise FwError(f"{file}: cannot read the checkpoint's config ({e})") from None
+    path = cfg
+    for key in ("model", "policy", "path"):
+        path = path.get(key) if isinstance(path, dict) else None
+    return read_generation_config(path) if isinstance(path, str) and Path(path).is_dir() else None
+
+
+def _generation_config(source: Path, staging: Path) -> dict:
+    """generation_config.json of the full model checkpoint `source` exported to `staging`: the source model's,
+    else one from the config.json and tokenizer copied there."""
+    carried = _source_generation_config(source)
+    if carried is not None:
+        return carried
+    return default_generation_config(read_config(staging)[1], tokenizer_in(staging))

@@ -17,8 +17,8 @@ from safetensors import safe_open
 from scripts.ckpt_writer import assert_same, expected, make_cfg
 
 from framework import checkpoint as ck
-from framework.checkpoint.files import exchange
 from framework.checkpoint.tensors import TensorRef
+from framework.durable import exchange
 from framework.errors import FwError
 
 

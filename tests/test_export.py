@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -45,7 +46,8 @@ def test_export_loads_in_transformers_with_same_logits(tmp_path, tied):
     ckpt = _write(tmp_path / "run", model)
     out = tmp_path / "export"
     assert export_checkpoint(ckpt, out) == str(out)
-    assert sorted(os.listdir(out)) == ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
+    assert sorted(os.listdir(out)) == ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
+                                       "tokenizer_config.json"]
     assert [n for n in os.listdir(tmp_path) if n.startswith(".")] == []  # staging published, nothing left
 
     hf, info = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32,
@@ -175,3 +177,80 @@ def test_export_of_a_run_dir_with_a_damaged_newest_checkpoint(tmp_path, capsys):
     assert err.startswith(f"fw: warning: skipping damaged checkpoint {newest}: {weights}: sha256 ")
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "b"), dtype=torch.float32)
     assert hf.config.tie_word_embeddings is True   # step 3's model
+
+
+def _write_cfg(run_dir, model: Qwen3ForCausalLM, cfg: dict, step: int = 3) -> str:
+    checkpoint = policy_checkpoint(model, Tokenizer.builtin(), step, run_dir.parent / "tok")
+    path = ck.checkpoints_dir(run_dir) / ck.step_dir_name(step)
+    ck.AtomicCheckpointIO(cfg).save_checkpoint(checkpoint, path)
+    return str(path)
+
+
+def test_export_writes_a_generation_config_with_which_generate_stops_at_im_end(tmp_path):
+    """config.json's eos is <|endoftext|>; transformers' generate must still stop at the chat turn's end."""
+    from test_save_pretrained import bigram_model, generated
+
+    tok = Tokenizer.builtin()
+    im_end, endoftext = tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")
+    model, a = bigram_model(tok)
+    out = export_checkpoint(_write(tmp_path / "run", model), tmp_path / "export")
+    gen = transformers.GenerationConfig.from_pretrained(out)
+    assert sorted(gen.eos_token_id) == sorted([im_end, endoftext]) and gen.pad_token_id == tok.pad_id
+    prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": "hi"}]))
+    assert generated(Path(out), prompt, eos_token_id=endoftext) == [a, im_end] * 4
+    assert generated(Path(out), prompt) == [a, im_end]
+
+
+def test_export_carries_the_generation_config_of_the_model_the_run_started_from(tmp_path):
+    from framework.config import resolve
+    from framework.models import save_pretrained
+
+    base = tmp_path / "Qwen3-tiny"
+    model = _policy(False)
+    save_pretrained(model, base)
+    Tokenizer.builtin().save_pretrained(base)
+    qwen3 = transformers.GenerationConfig(bos_token_id=151643, eos_token_id=[151645, 151643], pad_token_id=151643,
+                                          do_sample=True, temperature=0.6, top_k=20, top_p=0.95)
+    qwen3.save_pretrained(str(base))
+    run_dir = tmp_path / "run"
+    cfg = resolve({"recipe": "sft", "run_dir": str(run_dir), "model": {"policy": {"path": str(base)}}})
+    out = export_checkpoint(_write_cfg(run_dir, model, cfg), tmp_path / "export")
+    assert (Path(out) / "generation_config.json").read_bytes() == (base / "generation_config.json").read_bytes()
+    gen = transformers.GenerationConfig.from_pretrained(out)
+    assert (gen.do_sample, gen.temperature, gen.top_k, gen.top_p) == (True, 0.6, 20, 0.95)
+
+    (base / "generation_config.json").unlink()   # a source without one: made from config.json and the tokenizer
+    out = export_checkpoint(_write_cfg(tmp_path / "run2", model, cfg), tmp_path / "export2")
+    tok = Tokenizer.builtin()
+    assert json.loads((Path(out) / "generation_config.json").read_text()) == {
+        "eos_token_id": tok.eos_id, "pad_token_id": tok.pad_id}
+
+
+def test_a_merged_export_carries_the_generation_config_of_its_base(tmp_path):
+    from framework.config import resolve
+    from framework.models import build_policy, save_pretrained
+    from framework.models.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter_config, peft_targets
+    from framework.tokenizer import tokenizer_files
+
+    tok = Tokenizer.builtin()
+    base = tmp_path / "base"
+    save_pretrained(_policy(False), base)
+    tok.save_pretrained(base)
+    transformers.GenerationConfig(eos_token_id=[151645, 151643], do_sample=True, temperature=0.7,
+                                  top_k=20, top_p=0.8).save_pretrained(str(base))
+    cfg = resolve({"recipe": "sft", "run_dir": str(tmp_path / "run"),
+                   "model": {"policy": {"path": str(base), "lora": {"rank": 4}}}})
+    policy = build_policy(cfg["model"]["policy"], tok, seed=cfg["seed"])
+    files = {**tokenizer_files(tok), ADAPTER_CONFIG: json.dumps(adapter_config(policy, str(base))).encode()}
+    adapters = {name: t.detach().clone() for name, (t, _, _) in peft_targets(policy).items()}
+    checkpoint = {"global_step": 3, "policy_version": 3, "state_dict": {},   # as FwModule hands over a LoRA run's
+                  "fw_components": {"policy": {"config": None, "weights_file": ADAPTER_WEIGHTS,
+                                               "state_dict": adapters, "files": files}}}
+    path = ck.checkpoints_dir(tmp_path / "run") / ck.step_dir_name(3)
+    ck.AtomicCheckpointIO(cfg).save_checkpoint(checkpoint, path)
+
+    out = Path(export_checkpoint(path, tmp_path / "merged", merge=True))
+    assert sorted(os.listdir(out)) == ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
+                                       "tokenizer_config.json"]
+    assert (out / "generation_config.json").read_bytes() == (base / "generation_config.json").read_bytes()
+    assert transformers.GenerationConfig.from_pretrained(str(out)).temperature == 0.7

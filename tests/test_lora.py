@@ -76,6 +76,39 @@ def test_adapters_add_their_rows_only_as_a_float64_merge_by_hand():
         assert (got - plain(ids)).abs().max() > 0.05   # the adapters do change the output
 
 
+def test_dropout_draws_one_mask_per_adapter_as_peft_does(tmp_path):
+    """In training, PEFT's lora_dropout is a module per adapter (q_proj, k_proj, ... each draw their own mask):
+    from the same seed, the fused layers' adapters give PEFT's logits on transformers' Qwen3, and in eval neither
+    drops."""
+    from peft import PeftModel
+    from safetensors.torch import save_file
+
+    from framework.models.lora import adapter_config
+
+    policy = build_policy(_lora(rank=4, alpha=8, dropout=0.3), Tokenizer.builtin(), seed=1).double()
+    _randomize_adapters(policy, 2)
+    with adapters_detached(policy):
+        save_pretrained(policy, tmp_path / "base")
+    (tmp_path / "adapters").mkdir()
+    (tmp_path / "adapters" / "adapter_config.json").write_text(json.dumps(adapter_config(policy, None)))
+    save_file({k: t.detach().contiguous() for k, (t, _, _) in peft_targets(policy).items()},
+              str(tmp_path / "adapters" / "adapter_model.safetensors"))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "base"), dtype=torch.float64)
+    peft_model = PeftModel.from_pretrained(hf, str(tmp_path / "adapters"), is_trainable=True)
+    ids = torch.randint(0, policy.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        policy.train(), peft_model.train()
+        torch.manual_seed(4)
+        got = policy(ids)
+        torch.manual_seed(4)
+        want = peft_model(input_ids=ids).logits
+        assert (got - want).abs().max() < 1e-5
+        torch.manual_seed(5)
+        assert (policy(ids) - got).abs().max() > 0.05   # the masks do change the output
+        policy.eval(), peft_model.eval()
+        assert (policy(ids) - peft_model(input_ids=ids).logits).abs().max() < 1e-5
+
+
 def test_bf16_base_keeps_float32_adapters():
     policy = build_policy({**_lora(rank=2), "dtype": "bfloat16"}, Tokenizer.builtin(), seed=0)
     dtypes = {n.split(".lora_")[0] == n: p.dtype for n, p in policy.named_parameters()}
@@ -211,8 +244,8 @@ def test_export_writes_the_adapters_or_with_merge_the_merged_model(sft_run, tmp_
         assert (Path(plain) / name).read_bytes() == (ckpt / "policy" / name).read_bytes()
 
     assert main(["export", "--checkpoint", str(cfg["run_dir"]), "--out", str(tmp_path / "merged"), "--merge"]) == 0
-    assert sorted(os.listdir(tmp_path / "merged")) == ["config.json", "model.safetensors", "tokenizer.json",
-                                                       "tokenizer_config.json"]
+    assert sorted(os.listdir(tmp_path / "merged")) == ["config.json", "generation_config.json", "model.safetensors",
+                                                       "tokenizer.json", "tokenizer_config.json"]
     hf, info = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged"), dtype=torch.float32,
                                                                  output_loading_info=True)
     assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys"))

@@ -360,5 +360,5 @@ def test_saving_again_replaces_old_shards(tmp_path):
     save_pretrained(model, tmp_path, max_shard_size="10KB")
     assert len(list(tmp_path.glob("model-*.safetensors"))) > 1
     save_pretrained(model, tmp_path)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "generation_config.json", "model.safetensors"]
     assert torch.equal(load_pretrained(tmp_path).lm_head_weight, model.lm_head_weight)

@@ -39,7 +39,6 @@ from framework.checkpoint.directory import (
     verify_checkpoint,
     write_checkpoint_dir,
 )
-from framework.checkpoint.files import exchange_supported, fsync_dir, hash_and_fsync, hidden_sibling, publish_dir
 from framework.checkpoint.store import (
     checkpoints_dir,
     clean_leftovers,
@@ -54,6 +53,7 @@ from framework.checkpoint.store import (
     step_dir_name,
     step_dirs,
 )
+from framework.durable import exchange_supported, fsync_dir, hash_and_fsync, hidden_sibling, publish_dir
 
 
 def __getattr__(name: str) -> object:

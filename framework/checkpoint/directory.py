@@ -15,7 +15,6 @@ from typing import Any
 
 import torch
 
-from framework.checkpoint.files import fsync_dir, hash_and_fsync, hidden_sibling, publish_dir, sha256
 from framework.checkpoint.tensors import (
     TRAINER_TENSORS_PREFIX,
     DiskFull,
@@ -31,6 +30,7 @@ from framework.checkpoint.tensors import (
     write_safetensors,
 )
 from framework.config import save_resolved
+from framework.durable import fsync_dir, hash_and_fsync, hidden_sibling, publish_dir, sha256
 from framework.errors import FwError
 from framework.models.hf_io import INDEX_FILE, parse_size, plan_shards
 

@@ -12,7 +12,6 @@ from lightning.pytorch.plugins.io import CheckpointIO
 
 from framework.cadence import crossed
 from framework.checkpoint.directory import read_checkpoint_dir, write_checkpoint_dir
-from framework.checkpoint.files import remove_tree
 from framework.checkpoint.store import (
     checkpoints_dir,
     clean_leftovers,
@@ -20,6 +19,7 @@ from framework.checkpoint.store import (
     refuse_existing_checkpoints,
     step_dir_name,
 )
+from framework.durable import remove_tree
 from framework.optim import allow_optimizer_states
 
 # Saves of at least this many bytes are reported on stderr (size, the write's speed, the whole save's time);

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 from framework.checkpoint.directory import MANIFEST, Verifier, is_complete, read_complete_manifest, read_manifest
-from framework.checkpoint.files import dead_leftovers, fsync_dir, remove_tree
+from framework.durable import dead_leftovers, fsync_dir, remove_tree
 from framework.errors import FwError
 
 SKIP_DAMAGED_FLAG = "--skip-damaged"

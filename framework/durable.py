@@ -1,4 +1,5 @@
-"""Durable file operations: fsync, hashing while fsyncing, hidden staging siblings, atomic publish, removal."""
+"""Durable file operations: fsync, hashing while fsyncing, files replaced whole, hidden staging siblings, atomic
+publish of a directory, removal. Checkpoints, exported models and the run's logs share them."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import os
 import re
 import secrets
 import shutil
+import stat
 from pathlib import Path
 from typing import BinaryIO
 
@@ -18,12 +20,60 @@ _HIDDEN = re.compile(r"^\.(staging|replaced|trash)-(.+)-(\d+)-([0-9a-f]+)$")
 _HASH_CHUNK = 8 << 20
 
 
-def fsync_dir(path: Path) -> None:
+def fsync_dir(path: str | os.PathLike) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def fsync_file(path: str | os.PathLike) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def fsync_tree(root: Path) -> None:
+    """fsync every regular file and directory under `root`, `root` included."""
+    for folder, _, files in os.walk(root):
+        for name in files:
+            file = os.path.join(folder, name)
+            if stat.S_ISREG(os.lstat(file).st_mode):
+                fsync_file(file)
+        fsync_dir(Path(folder))
+
+
+def write_new_file(path: Path, data: bytes) -> None:
+    """`data` as a new file at `path`, fsynced. An existing file there is unlinked first, never written through:
+    it may be a hard link shared with a published directory."""
+    path.unlink(missing_ok=True)
+    with open(path, "xb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def replace_file(path: str | os.PathLike, data: str | bytes) -> None:
+    """Replace the file `path` with `data` in one rename of a fsynced temporary sibling: a crash leaves the old
+    file or the new one, never a part."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        write_new_file(tmp, data.encode("utf-8") if isinstance(data, str) else data)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+
+
+def link_or_copy(src: str, dst: str) -> None:
+    """`shutil.copytree`'s copy function that hard-links where it can (instant; safe where every later write
+    is a new file, as `write_new_file` makes it) and copies elsewhere."""
+    try:
+        os.link(src, dst, follow_symlinks=False)
+    except OSError:
+        shutil.copy2(src, dst, follow_symlinks=False)
 
 
 def _size_and_sha256(f: BinaryIO) -> tuple[int, str]:
