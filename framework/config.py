@@ -30,6 +30,7 @@ from jsonschema import Draft202012Validator, ValidationError
 from jsonschema.exceptions import best_match
 
 from framework import yaml12
+from framework.durable import replace_file
 from framework.errors import ConfigError, FwError, Problem
 from framework.imports import add_search_paths, check_init_args, import_object
 from framework.yaml12 import Located, Mark
@@ -635,6 +636,4 @@ def save_resolved(cfg: dict, path: str | os.PathLike) -> None:
     schema_ref = os.path.relpath(os.path.realpath(schema_path()), os.path.realpath(path.parent))
     text = (f"{MODELINE}{Path(schema_ref).as_posix()}\n"
             "# Resolved by fw: every default filled in.\n" + dump_config(cfg))
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
+    replace_file(path, text)

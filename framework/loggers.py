@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import csv
 import inspect
+import io
 import math
 import os
 import time
@@ -27,6 +28,7 @@ from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 from lightning.pytorch.utilities import rank_zero_only
 
+from framework.durable import replace_file
 from framework.errors import FwError
 from framework.metrics import JsonlLogger
 
@@ -79,16 +81,12 @@ class _CsvWriter(ExperimentWriter):
         return list(reader.fieldnames or []), rows, torn
 
     def _replace(self, keys: list[str], rows: list[dict[str, Any]]) -> None:
-        path = Path(self.metrics_file_path)
-        tmp = path.with_name(path.name + ".tmp")
-        with open(tmp, "w", newline="", encoding="utf-8") as f:
-            if keys:   # else no header survived (a first line cut short): an empty file
-                writer = csv.DictWriter(f, fieldnames=keys, extrasaction="ignore")
-                writer.writeheader()
-                writer.writerows(rows)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        text = io.StringIO(newline="")
+        if keys:   # else no header survived (a first line cut short): an empty file
+            writer = csv.DictWriter(text, fieldnames=keys, extrasaction="ignore")
+            writer.writeheader()
+            writer.writerows(rows)
+        replace_file(self.metrics_file_path, text.getvalue())
         self.metrics_keys = keys
 
     def save(self) -> None:

@@ -21,6 +21,7 @@ from lightning.pytorch.loggers import Logger
 from lightning.pytorch.utilities import rank_zero_only
 from torch import nn
 
+from framework.durable import replace_file
 from framework.errors import FwError
 
 
@@ -300,12 +301,7 @@ class JsonlLogger(Logger):
         keep = [ln for ln in lines if ln.strip() and _step_of(ln) <= step]
         if len(keep) == len(lines):
             return
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.writelines(keep)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.path)
+        replace_file(self.path, "".join(keep))
 
 
 def _step_of(line: str) -> float:
