@@ -96,18 +96,25 @@ class LoraLinear(nn.Module):
     def delta(self, x: Tensor) -> Tensor:
         """The adapters' contribution to the output, zero in the rows no adapter covers."""
         names = list(self.rows)
-        h = self.dropout(x)
-        if not torch.is_autocast_enabled(x.device.type):   # under autocast the matmuls pick their own dtype
-            h = h.to(self.lora_A[names[0]].dtype)
-        # One matmul for every A of this layer (they share the input), then one per B.
-        a = self.lora_A[names[0]] if len(names) == 1 else torch.cat([self.lora_A[n] for n in names])
-        u = F.linear(h, a)
+        autocast = torch.is_autocast_enabled(x.device.type)   # under autocast the matmuls pick their own dtype
+
+        def dropped(a: Tensor) -> Tensor:
+            h = self.dropout(x)
+            return h if autocast else h.to(a.dtype)
+
+        if self.training and self.dropout_p > 0 and len(names) > 1:
+            # each adapter draws its own dropout mask, as PEFT's separate modules (q_proj, k_proj, ...) do
+            us = [F.linear(dropped(self.lora_A[n]), self.lora_A[n]) for n in names]
+        else:
+            # One matmul for every A of this layer (they share the input), then one per B.
+            a = self.lora_A[names[0]] if len(names) == 1 else torch.cat([self.lora_A[n] for n in names])
+            us = F.linear(dropped(a), a).split(self.rank, dim=-1)
         parts, row = [], 0
-        for i, name in enumerate(names):
+        for u, name in zip(us, names, strict=True):
             lo, hi = self.rows[name]
             if lo > row:
                 parts.append(u.new_zeros(*u.shape[:-1], lo - row))
-            parts.append(F.linear(u[..., i * self.rank:(i + 1) * self.rank], self.lora_B[name]))
+            parts.append(F.linear(u, self.lora_B[name]))
             row = hi
         if row < self.out_features:
             parts.append(u.new_zeros(*u.shape[:-1], self.out_features - row))
