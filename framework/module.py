@@ -28,6 +28,7 @@ from framework.cadence import crossed
 from framework.callbacks import fire
 from framework.errors import FwError
 from framework.metrics import StepMetrics
+from framework.models.build import vocabulary_problem
 from framework.models.hf_layout import HfLayout
 from framework.models.lora import (
     ADAPTER_CONFIG,
@@ -144,26 +145,44 @@ class FwModule(lightning.LightningModule):
         from framework.models import Qwen3ValueModel, load_pretrained, load_value_model
         from framework.models.hf_io import VALUE_ARCHITECTURE, read_config, resolve_dtype
 
+        policy_cfg = self.cfg["model"]["policy"]
+        # The critic trains every weight. Under LoRA it is float32, as the adapters are (a -true precision converts
+        # both), not the frozen base's dtype: AdamW's updates would round away in bfloat16 weights
+        # (framework/optim.py trained_dtype).
+        dtype = resolve_dtype(None if policy_cfg["lora"] is not None else policy_cfg["dtype"])
         path = self.cfg["model"]["value"]["path"]
         if path is None:
             with adapters_detached(self.policy):   # under LoRA the critic is a full model on the base weights
-                return Qwen3ValueModel.from_policy(self.policy)
-        dtype = resolve_dtype(self.cfg["model"]["policy"]["dtype"])
-        if VALUE_ARCHITECTURE in (read_config(path)[1].get("architectures") or []):
-            return load_value_model(path, dtype, self._build_device)
-        # warm start from another LM
-        return Qwen3ValueModel.from_policy(load_pretrained(path, dtype, self._build_device))
+                value = Qwen3ValueModel.from_policy(self.policy, dtype)
+        else:
+            config, raw = read_config(path)
+            self._check_vocabulary(config, "model.value.path")
+            if VALUE_ARCHITECTURE in (raw.get("architectures") or []):
+                value = load_value_model(path, dtype, self._build_device)
+            else:   # warm start from another LM
+                value = Qwen3ValueModel.from_policy(load_pretrained(path, dtype, self._build_device))
+        value.gradient_checkpointing = policy_cfg["gradient_checkpointing"]   # what fw plan counts for the critic
+        return value
 
     def _build_reference(self):
         from framework.models import load_pretrained
+        from framework.models.hf_io import read_config
 
         path = self.cfg["model"]["reference"]["path"]
         if path is None and has_adapters(self.policy):
             return AdaptersOff(self.policy)   # the base itself: no second copy of the weights
+        if path is not None:
+            self._check_vocabulary(read_config(path)[0], "model.reference.path")
         ref = copy.deepcopy(self.policy) if path is None else load_pretrained(
             path, self.cfg["model"]["policy"]["dtype"], self._build_device)
         ref.requires_grad_(False)
         return ref.eval()
+
+    def _check_vocabulary(self, config: Any, key: str) -> None:
+        """Refuse a model directory whose vocabulary does not hold every token id of the tokenizer."""
+        problem = vocabulary_problem(self.tokenizer.vocab_size, config)
+        if problem is not None:
+            raise FwError(f"{key}: {problem}")
 
     def train(self, mode: bool = True):
         super().train(mode)

@@ -7,6 +7,10 @@ step in float32 and rounds it into the bfloat16 weights stochastically, and `CPU
 the chosen optimizer's states and step on the CPU. Unless offloaded, the first two step through
 `ops_cuda.adamw_step`: torchao's states and arithmetic, one CUDA launch for many parameters. Every variant
 gets the same parameter groups (no weight decay on 1-D parameters), betas, eps, lr and weight decay.
+
+The trained weights (`trained_dtype`) decide what may step them: bfloat16 ones only with stochastic rounding, float16
+ones only with a step that computes in float32 (torch's fused AdamW, or torchao's); `optimizer_problems` refuses
+the rest before the run.
 """
 
 from __future__ import annotations
@@ -38,11 +42,23 @@ def _uses_torchao_step(o: dict) -> bool:
     return o["name"] == "adamw8bit" or o["stochastic_rounding"]
 
 
-def _weights_dtype(cfg: dict) -> str:
-    """The dtype the trained weights have when the optimizer steps (Lightning's `-true` precisions
-    convert the module; the others keep `model.policy.dtype`)."""
-    converted = {"bf16-true": "bfloat16", "16-true": "float16", "64-true": "float64"}
-    return converted.get(cfg["trainer"]["precision"], cfg["model"]["policy"]["dtype"] or "float32")
+# Lightning's -true precisions convert the whole module (policy, adapters, critic) to their dtype.
+_CONVERTED = {"bf16-true": "bfloat16", "16-true": "float16", "64-true": "float64"}
+
+
+def trained_dtype(cfg: dict) -> str:
+    """The dtype of every weight the optimizers step: a `-true` precision's, else float32 under LoRA (the adapters,
+    and PPO's critic, which framework/module.py builds in float32 then), else `model.policy.dtype`."""
+    p = cfg["model"]["policy"]
+    converted = _CONVERTED.get(cfg["trainer"]["precision"])
+    return converted or ("float32" if p["lora"] is not None else p["dtype"] or "float32")
+
+
+def _trained_by(cfg: dict) -> str:
+    """The setting that makes the trained weights 16-bit, for a message."""
+    precision = cfg["trainer"]["precision"]
+    return f"trainer.precision: {precision}" if precision in _CONVERTED else \
+        f"model.policy.dtype: {cfg['model']['policy']['dtype']}"
 
 
 @contextlib.contextmanager
@@ -78,10 +94,36 @@ def optimizer_problems(cfg: dict, world_size: int | None = None) -> list[str]:
     lean = _lean_keys(o)
     if lean and importlib.util.find_spec("torchao") is None:
         problems.append(f"{lean[0]} needs torchao: {LEAN_INSTALL}")
-    if o["stochastic_rounding"] and _weights_dtype(cfg) != "bfloat16":
-        problems.append(f"optimizer.stochastic_rounding: true rounds bfloat16 weights, but they are "
-                        f"{_weights_dtype(cfg)} here; set model.policy.dtype: bfloat16 or trainer.precision: "
-                        "bf16-true")
+    dtype = trained_dtype(cfg)
+    if o["stochastic_rounding"] and dtype != "bfloat16":
+        if cfg["model"]["policy"]["lora"] is not None:
+            problems.append(f"optimizer.stochastic_rounding: true rounds bfloat16 weights, but the trained weights "
+                            f"(LoRA's adapters, and under PPO the critic) are {dtype} here; set trainer.precision: "
+                            "bf16-true (it converts them to bfloat16) or stochastic_rounding: false")
+        else:
+            problems.append(f"optimizer.stochastic_rounding: true rounds bfloat16 weights, but they are {dtype} "
+                            "here; set model.policy.dtype: bfloat16 or trainer.precision: bf16-true")
+    if dtype == "bfloat16" and not o["stochastic_rounding"]:
+        # Adam moves a weight by about lr a step; nearest rounding drops any change below half a bfloat16 step
+        # (2^-9 to 2^-8 of the weight), which at the usual learning rates is most of them. Stochastic rounding moves
+        # the weights by the update on average.
+        if cfg["trainer"]["precision"] not in _CONVERTED:
+            fp32 = "model.policy.dtype: null (float32 weights; trainer.precision: bf16-mixed computes in bfloat16)"
+        elif cfg["model"]["policy"]["lora"] is not None:
+            fp32 = "trainer.precision: bf16-mixed (float32 adapters and critic, bfloat16 compute)"
+        else:
+            fp32 = "trainer.precision: bf16-mixed with model.policy.dtype: null (float32 weights, bfloat16 compute)"
+        problems.append(f"{_trained_by(cfg)} makes the trained weights bfloat16, and AdamW without a float32 master "
+                        "copy rounds most of their updates away; set optimizer.stochastic_rounding: true (torchao), "
+                        f"or {fp32}")
+    if dtype == "float16" and o["fused"] is False and not _uses_torchao_step(o):
+        problems.append("optimizer.fused: false steps float16 weights with torch's unfused AdamW, which computes in "
+                        "float16: eps rounds to 0 and a gradient of 0 makes the weight NaN at the first step; use auto "
+                        "or true (the fused step computes in float32)")
+    if dtype == "float16" and t["precision"] == "16-mixed":
+        problems.append(f"{_trained_by(cfg)} makes the trained weights float16, whose gradients trainer.precision: "
+                        "16-mixed cannot unscale (its loss scaler refuses float16 gradients); use "
+                        "model.policy.dtype: null or trainer.precision: 16-true")
     if o["fused"] is True and _uses_torchao_step(o):
         problems.append("optimizer.fused: true selects torch AdamW's fused kernel, but optimizer.name: adamw8bit "
                         "and optimizer.stochastic_rounding: true step torchao's states with fw's own kernel; use auto "
@@ -152,6 +194,10 @@ def _fused(fused: bool | str, params: list[torch.Tensor], cfg: dict) -> bool:
         return bool(fused)
     if cfg["optimizer"]["cpu_offload"]:
         return True   # the offloaded step runs on the CPU, where torch has a fused AdamW too
+    if any(p.dtype == torch.float16 for p in params):
+        # the unfused step computes in float16, where eps (1e-8) is 0: a zero gradient gives 0 / 0; the fused one
+        # computes in float32, on the CPU too
+        return True
     # Not under 16-mixed: Lightning leaves unscaling to a fused optimizer's step, which comes after fw's
     # clipping and grad-norm metric (they need unscaled gradients).
     return all(p.device.type == "cuda" for p in params) and cfg["trainer"]["precision"] != "16-mixed"

@@ -151,25 +151,27 @@ class _Checks:
 
     def models(self) -> None:
         model = self.cfg["model"]
-        policy_config = self.model_dir(("model", "policy", "path")) if model["policy"]["path"] else None
-        tokenizer_at = ("tokenizer", "path") if self.cfg["tokenizer"]["path"] else ("model", "policy", "path")
-        tokenizer_path = self.cfg["tokenizer"]["path"] or model["policy"]["path"]
-        if tokenizer_path and (tokenizer_at[0] == "tokenizer" or policy_config is not None):
-            from framework.tokenizer import Tokenizer
+        configs = {("model", role, "path"): self.model_dir(("model", role, "path"), value=role == "value")
+                   for role in ("policy", "value", "reference") if model[role]["path"]}
+        policy_at = ("model", "policy", "path")
+        tokenizer_at = ("tokenizer", "path") if self.cfg["tokenizer"]["path"] else policy_at
+        if tokenizer_at == policy_at and policy_at in configs and configs[policy_at] is None:
+            return   # the policy directory's problem is reported; its tokenizer cannot be read
+        from framework.models.build import vocabulary_problem
+        from framework.tokenizer import Tokenizer
 
-            try:
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore")   # a differing chat template is fit's warning to give
-                    tokenizer = Tokenizer.from_pretrained(tokenizer_path)
-            except FwError as e:
-                self.add(tokenizer_at, str(e))
-            else:
-                if policy_config is not None and tokenizer.vocab_size > policy_config.vocab_size:
-                    self.add(tokenizer_at, f"the tokenizer has {tokenizer.vocab_size} tokens but the model's "
-                                           f"vocab_size is {policy_config.vocab_size}")
-        for role in ("value", "reference"):
-            if model[role]["path"]:
-                self.model_dir(("model", role, "path"), value=role == "value")
+        tokenizer_path = self.cfg["tokenizer"]["path"] or model["policy"]["path"]
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")   # a differing chat template is fit's warning to give
+                tokenizer = Tokenizer.from_pretrained(tokenizer_path) if tokenizer_path else Tokenizer.builtin()
+        except FwError as e:
+            self.add(tokenizer_at, str(e))
+            return
+        for where, config in configs.items():
+            problem = None if config is None else vocabulary_problem(tokenizer.vocab_size, config)
+            if problem is not None:
+                self.add(tokenizer_at if where == policy_at else where, problem)
 
     # ------------------------------------------------------------------ data
     def data(self) -> None:

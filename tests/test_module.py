@@ -22,6 +22,15 @@ from recipes.sft import SFTRecipe
 DATA = "recipes/data/arithmetic_chat.jsonl"
 
 
+def ppo_cfg(tmp_path, **over):
+    cfg = {"recipe": "ppo", "run_dir": str(tmp_path / "run"), "model": {"policy": {"preset": "tiny"}},
+           "data": {"task": {"name": "digits", "init_args": {"num_digits": 1}}, "chat_template": False},
+           "trainer": {"accelerator": "cpu", "max_steps": 2, "enable_progress_bar": False}}
+    for k, v in over.items():
+        cfg[k] = {**cfg.get(k, {}), **v}
+    return resolve(cfg)
+
+
 def sft_cfg(tmp_path, **over):
     cfg = {"recipe": "sft", "run_dir": str(tmp_path / "run"), "model": {"policy": {"preset": "tiny"}},
            "data": {"path": DATA, "max_seq_len": 96, "batch_size": 3},
@@ -80,6 +89,126 @@ def test_optimizer_groups_and_fused_auto(tmp_path):
     assert opt.defaults["fused"] is False   # auto: fused only on CUDA
     assert opt.defaults["betas"] == (0.8, 0.9) and opt.defaults["lr"] == 2e-3
     assert scheds[0]["interval"] == "step"
+
+
+def test_float16_weights_take_the_fused_step_which_matches_float64_adamw(tmp_path):
+    """model.policy.dtype: float16. AdamW's eps (1e-8) is 0 in float16, so torch's unfused step makes 0 / 0 of every
+    weight whose gradient is 0 (the embedding rows of tokens a batch lacks); `auto` takes the fused step, which
+    computes in float32, on the CPU too. Its first step equals float64 AdamW's to float16 rounding."""
+    module = FwModule(sft_cfg(tmp_path, model={"policy": {"preset": "tiny", "dtype": "float16"}},
+                              optimizer={"lr": 1e-2, "weight_decay": 0.1}))
+    (opt,), _ = module.configure_optimizers()
+    assert opt.defaults["fused"] is True
+    g = torch.Generator().manual_seed(0)
+    params, ref_groups = [], []
+    for group in opt.param_groups:
+        params += group["params"]
+        ref_groups.append({"params": [p.detach().double() for p in group["params"]],
+                           **{k: group[k] for k in ("lr", "betas", "eps", "weight_decay")}})
+    ref_opt = torch.optim.AdamW(ref_groups)
+    reference = [r for group in ref_groups for r in group["params"]]
+    assert params[0] is module.policy.model.embed_tokens.weight
+    for i, (p, r) in enumerate(zip(params, reference, strict=True)):
+        p.grad = torch.randn(p.shape, generator=g).half()
+        if i == 0:
+            p.grad[: len(p) // 2] = 0   # embedding rows of tokens the batch does not hold
+        r.grad = p.grad.double()
+    opt.step()
+    ref_opt.step()
+    for p, r in zip(params, reference, strict=True):
+        assert torch.isfinite(p).all()
+        torch.testing.assert_close(p.double(), r, rtol=2**-10, atol=2**-24)
+
+
+def test_float16_weights_train_without_nan(tmp_path):
+    fit(sft_cfg(tmp_path, model={"policy": {"preset": "tiny", "dtype": "float16"}}, trainer={"max_steps": 3}))
+    metrics = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert len(metrics) == 3 and all(math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"]) for m in metrics)
+
+
+def test_lora_critic_trains_in_float32_on_a_bfloat16_base(tmp_path):
+    """PPO with LoRA on a bfloat16 base under bf16-mixed: the critic, which trains every weight, holds the base's
+    weights in float32, as the adapters are float32, so the first AdamW step at lr 1e-5 moves every weight by
+    lr * sign(gradient) (Adam's first step), which bfloat16 weights of the critic would mostly round away."""
+    from framework.models.lora import adapters_detached
+
+    module = FwModule(ppo_cfg(tmp_path, model={"policy": {"preset": "tiny", "dtype": "bfloat16", "lora": {}}},
+                              trainer={"precision": "bf16-mixed"}, ppo={"critic": {"lr": 1e-5}}))
+    with adapters_detached(module.policy):
+        base = module.policy.model.state_dict()
+    assert {p.dtype for p in module.value.parameters()} == {torch.float32}
+    trunk = module.value.model.state_dict()
+    assert trunk.keys() == base.keys() and all(torch.equal(trunk[k], base[k].float()) for k in base)
+    (_, critic_opt), _ = module.configure_optimizers()
+    before = {n: p.detach().clone() for n, p in module.value.named_parameters()}
+    g = torch.Generator().manual_seed(0)
+    for p in module.value.parameters():
+        p.grad = torch.randn(p.shape, generator=g).to(p.dtype)
+    critic_opt.step()
+    for n, p in module.value.named_parameters():
+        torch.testing.assert_close(before[n] - p.detach(), 1e-5 * p.grad.sign(), rtol=0, atol=1e-7, msg=n)
+
+
+def saved_numel(model: torch.nn.Module, ids: torch.Tensor) -> int:
+    """Elements the autograd graph of one training forward keeps for the backward."""
+    count = 0
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        nonlocal count
+        count += t.numel()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(ids)
+    return count
+
+
+@pytest.mark.parametrize("mode", [True, "selective"])
+def test_the_critic_recomputes_as_the_policy_does_whatever_its_source(tmp_path, mode):
+    """model.policy.gradient_checkpointing applies to the critic (fw plan counts it so) whether the critic starts
+    from the policy's trunk, from a value model directory or from another language model's directory: its training
+    forward keeps fewer values for the backward than the same critic without recomputation."""
+    from framework.models import save_pretrained, save_value_model
+
+    policy = {"preset": "tiny", "gradient_checkpointing": mode}
+    first = FwModule(ppo_cfg(tmp_path, model={"policy": policy}))
+    save_value_model(first.value, tmp_path / "critic")
+    save_pretrained(first.policy, tmp_path / "lm")
+    ids = torch.randint(0, 100, (2, 24), generator=torch.Generator().manual_seed(0))
+    for source in (None, tmp_path / "critic", tmp_path / "lm"):
+        module = first if source is None else FwModule(ppo_cfg(tmp_path, model={"policy": policy,
+                                                                                "value": {"path": str(source)}}))
+        critic = module.value.train()
+        kept = saved_numel(critic, ids)
+        critic.gradient_checkpointing = False
+        assert kept < saved_numel(critic, ids), source
+
+
+@pytest.mark.parametrize("key, kind", [("model.reference.path", "lm"), ("model.value.path", "lm"),
+                                       ("model.value.path", "critic")])
+def test_a_reference_or_critic_smaller_than_the_tokenizer_is_refused(tmp_path, key, kind):
+    """A model whose embedding holds fewer ids than the tokenizer has (20 against the built-in tokenizer's) would
+    fail with an IndexError after the first rollout: refused when the module is built, naming the key."""
+    from framework.models import Qwen3Config, Qwen3ForCausalLM, Qwen3ValueModel, save_pretrained, save_value_model
+    from framework.tokenizer import Tokenizer
+
+    small = Qwen3Config.from_hf({"vocab_size": 20, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1,
+                                 "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+                                 "tie_word_embeddings": True})
+    path = tmp_path / "model"
+    if kind == "critic":
+        save_value_model(Qwen3ValueModel(small), path)
+    else:
+        save_pretrained(Qwen3ForCausalLM(small), path)
+    if key == "model.reference.path":
+        cfg = resolve({"recipe": "grpo", "model": {"policy": {"preset": "tiny"}, "reference": {"path": str(path)}},
+                       "data": {"task": {"name": "digits"}}, "grpo": {"kl_coef": 0.1}})
+    else:
+        cfg = ppo_cfg(tmp_path, model={"policy": {"preset": "tiny"}, "value": {"path": str(path)}})
+    with pytest.raises(FwError) as e:
+        FwModule(cfg)
+    tokens = Tokenizer.builtin().vocab_size
+    assert str(e.value) == f"{key}: the tokenizer has {tokens} tokens but the model's vocab_size is 20"
 
 
 # ------------------------------------------------- loss and clipping vs reference
@@ -225,8 +354,10 @@ def test_step_metrics_accumulate_in_float64_under_a_16_bit_default_dtype(precisi
 def test_grpo_under_bf16_true_logs_metrics_at_full_precision(tmp_path):
     """A real GRPO fit under bf16-true on the CPU: the logged rollout time is the measured float, not one of the
     values a bfloat16 can hold."""
+    pytest.importorskip("torchao")   # bfloat16 weights train with stochastic rounding
     fit(resolve({"recipe": "grpo", "seed": 3, "run_dir": str(tmp_path / "run"),
                  "model": {"policy": {"preset": "tiny", "dtype": "bfloat16"}},
+                 "optimizer": {"stochastic_rounding": True},
                  "data": {"task": {"name": "digits"}}, "reward": {"name": "numeric_match"},
                  "rollout": {"prompts_per_step": 2, "max_new_tokens": 2}, "grpo": {"group_size": 2},
                  "trainer": {"accelerator": "cpu", "max_steps": 3, "precision": "bf16-true",

@@ -268,7 +268,7 @@ def test_manual_optimization_under_bf16_true_keeps_float32_step_counts_and_scale
                  "model": {"policy": {"preset": "tiny", "dtype": "bfloat16"}},
                  "data": {"task": {"name": "digits"}}, "reward": {"name": "numeric_match"},
                  "rollout": {"prompts_per_step": 2, "max_new_tokens": 2}, "grpo": {"group_size": 2},
-                 "optimizer": {"name": "adamw8bit", "lr": 1e-3},
+                 "optimizer": {"name": "adamw8bit", "stochastic_rounding": True, "lr": 1e-3},
                  "trainer": {"accelerator": "cpu", "max_steps": 2, "precision": "bf16-true",
                              "enable_progress_bar": False},
                  "checkpoint": {"every_n_steps": 2}, "logging": {"csv": False, "tensorboard": False}}))
@@ -313,10 +313,71 @@ def test_problems_name_the_key(optimizer, sections, key, says):
     assert any(p.startswith(key) and says in p for p in problems), problems
 
 
+@pytest.mark.parametrize("name", ["adamw", "adamw8bit"])
+@pytest.mark.parametrize("sections, key", [
+    ({"model": {"policy": {"preset": "tiny", "dtype": "bfloat16"}}, "trainer": {"precision": "bf16-mixed"}},
+     "model.policy.dtype: bfloat16"),
+    ({"trainer": {"precision": "bf16-true"}}, "trainer.precision: bf16-true"),
+    ({"model": {"policy": {"preset": "tiny", "lora": {}}}, "trainer": {"precision": "bf16-true"}},
+     "trainer.precision: bf16-true")])
+def test_bfloat16_trained_weights_need_stochastic_rounding(sections, key, name):
+    """Weights trained in bfloat16 (the policy's, or under bf16-true LoRA's adapters and PPO's critic too) lose most
+    AdamW updates to nearest rounding (see test_stochastic_rounding_is_unbiased_where_nearest_rounding_does_not_move):
+    refused at the key that makes them bfloat16, naming stochastic rounding, with which the settings run."""
+    cfg = cfg_with({"name": name}, **sections)
+    (problem,) = optimizer_problems(cfg)
+    assert problem.startswith(f"{key} makes the trained weights bfloat16") and \
+        "set optimizer.stochastic_rounding: true" in problem, problem
+    cfg["optimizer"]["stochastic_rounding"] = True
+    assert optimizer_problems(cfg) == []
+
+
+def test_stochastic_rounding_under_lora_is_refused_unless_bf16_true_converts_the_adapters():
+    """LoRA on a bfloat16 base under bf16-mixed trains float32 adapters (and a float32 critic), which stochastic
+    rounding would not touch: refused; bf16-true converts them to bfloat16, where it applies."""
+    from framework.models import build_policy
+    from framework.tokenizer import Tokenizer
+
+    lora = {"model": {"policy": {"preset": "tiny", "dtype": "bfloat16", "lora": {}}}}
+    cfg = cfg_with({"stochastic_rounding": True}, **lora, trainer={"precision": "bf16-mixed"})
+    trained = {p.dtype for p in build_policy(cfg["model"]["policy"], Tokenizer.builtin(), seed=0).parameters()
+               if p.requires_grad}
+    assert trained == {torch.float32}
+    (problem,) = optimizer_problems(cfg)
+    assert problem.startswith("optimizer.stochastic_rounding: true rounds bfloat16 weights, but the trained weights")
+    assert "float32" in problem and "trainer.precision: bf16-true" in problem
+    assert optimizer_problems(cfg_with({"stochastic_rounding": True}, **lora, trainer={"precision": "bf16-true"})) == []
+
+
+@pytest.mark.parametrize("sections", [{"trainer": {"precision": "16-true"}},
+                                      {"model": {"policy": {"preset": "tiny", "dtype": "float16"}}},
+                                      {"model": {"policy": {"preset": "tiny", "lora": {}}},
+                                       "trainer": {"precision": "16-true"}}])
+def test_float16_trained_weights_refuse_the_unfused_adamw(sections):
+    """torch's unfused AdamW computes in the weights' dtype, where eps 1e-8 is 0: float16 weights whose gradient is 0
+    turn NaN on the first step (test_module.py shows the fused step's); fused: false is refused, auto and true are
+    not, and 16-mixed, whose loss scaler refuses float16 gradients, is refused with float16 weights."""
+    assert torch.tensor(1e-8, dtype=torch.float16).item() == 0.0
+    p = torch.nn.Parameter(torch.ones(2, dtype=torch.float16))
+    p.grad = torch.tensor([1.0, 0.0], dtype=torch.float16)
+    torch.optim.AdamW([p], lr=1e-3, fused=False).step()
+    assert torch.isnan(p[1])   # what fused: false would do
+    (problem,) = optimizer_problems(cfg_with({"fused": False}, **sections))
+    assert problem.startswith("optimizer.fused: false steps float16 weights"), problem
+    assert optimizer_problems(cfg_with({"fused": "auto"}, **sections)) == []
+    assert optimizer_problems(cfg_with({"fused": True}, **sections)) == []
+    if "model" in sections and sections["model"]["policy"].get("dtype") == "float16":
+        mixed = cfg_with({}, **sections, trainer={"precision": "16-mixed"})
+        (problem,) = optimizer_problems(mixed)
+        assert problem.startswith("model.policy.dtype: float16 makes the trained weights float16"), problem
+
+
 @pytest.mark.parametrize("optimizer, sections", [
     ({}, {}), ({"name": "adamw8bit"}, {}), ({"name": "adamw8bit", "stochastic_rounding": True}, BF16),
     ({"stochastic_rounding": True}, {"model": {"policy": {"preset": "tiny"}}, "trainer": {"precision": "bf16-true"}}),
-    ({"stochastic_rounding": True}, {"model": {"policy": {"preset": "tiny", "dtype": "bfloat16"}}})])
+    ({"stochastic_rounding": True}, {"model": {"policy": {"preset": "tiny", "dtype": "bfloat16"}}}),
+    ({}, {"model": {"policy": {"preset": "tiny", "dtype": "bfloat16", "lora": {}}},
+          "trainer": {"precision": "bf16-mixed"}})])
 def test_runnable_settings_have_no_problems(optimizer, sections):
     assert optimizer_problems(cfg_with(optimizer, **sections)) == []
 

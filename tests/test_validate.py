@@ -240,6 +240,37 @@ def test_truncated_weights_and_a_reference_that_is_a_file(tmp_path, model_dir, c
     assert lines[1].startswith(f"{config}:6:11: model.reference.path: {tmp_path}/x.txt is a file")
 
 
+@pytest.mark.parametrize("policy", ["preset: tiny", "path: MODEL"])
+def test_a_reference_or_critic_smaller_than_the_tokenizer_is_named(tmp_path, model_dir, capsys, policy):
+    """A reference or value model whose embedding holds fewer ids than the tokenizer (the policy directory's, or the
+    preset's built-in one) has tokens is one line at its key, as a policy's is; fit would fail after a rollout."""
+    from framework.models import Qwen3Config, Qwen3ForCausalLM, Qwen3ValueModel, save_pretrained, save_value_model
+    from framework.tokenizer import Tokenizer
+
+    small = Qwen3Config.from_hf({"vocab_size": 20, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1,
+                                 "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+                                 "tie_word_embeddings": True})
+    save_pretrained(Qwen3ForCausalLM(small), tmp_path / "lm")
+    save_value_model(Qwen3ValueModel(small), tmp_path / "critic")
+    config = tmp_path / "train.yaml"
+    config.write_text(f"recipe: ppo\nmodel:\n  policy:\n    {policy.replace('MODEL', str(model_dir))}\n  reference:\n"
+                      f"    path: {tmp_path / 'lm'}\n  value:\n    path: {tmp_path / 'critic'}\n"
+                      "data:\n  task: {name: digits}\n")
+    code, lines = run_fw(["validate", "--config", str(config)], capsys)
+    says = f"the tokenizer has {Tokenizer.builtin().vocab_size} tokens but the model's vocab_size is 20"
+    assert (code, lines) == (2, [f"{config}:6:11: model.reference.path: {says}",
+                                 f"{config}:8:11: model.value.path: {says}"])
+
+
+def test_bfloat16_weights_without_stochastic_rounding_are_named_at_their_key(tmp_path, capsys):
+    config = tmp_path / "train.yaml"
+    config.write_text(GRPO.replace("preset: tiny\n", "preset: tiny\n    dtype: bfloat16\n"))
+    code, lines = run_fw(["validate", "--config", str(config)], capsys)
+    assert code == 2 and len(lines) == 1, lines
+    assert lines[0].startswith(f"{config}:5:12: model.policy.dtype: bfloat16 makes the trained weights bfloat16")
+    assert "set optimizer.stochastic_rounding: true" in lines[0]
+
+
 def test_grpo_math_as_shipped_says_where_the_model_should_be(capsys):
     code, lines = run_fw(["validate", "--config", str(ROOT / "recipes" / "grpo_math.yaml")], capsys)
     if (ROOT / "models" / "Qwen3-0.6B").is_dir():

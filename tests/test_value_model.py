@@ -78,6 +78,33 @@ def test_head_reads_the_policy_hidden_states():
         assert torch.allclose(critic(ids), hidden @ critic.v_head.weight[0] + critic.v_head.bias[0], atol=1e-6)
 
 
+def test_head_runs_in_float32_under_autocast():
+    """Under bf16 autocast (bf16-mixed) the trunk computes in bfloat16 but the head does not: the values are the
+    trunk's hidden states through the head in float64, to float32 rounding."""
+    critic = Qwen3ValueModel.from_policy(policy())
+    with torch.no_grad():
+        critic.v_head.weight.normal_(0.0, 1.0, generator=torch.Generator().manual_seed(1))
+        critic.v_head.bias.fill_(3.3)
+    ids = torch.randint(0, 60, (2, 8), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        hidden = critic.model(ids)
+        values = critic(ids)
+    want = hidden.double() @ critic.v_head.weight[0].double() + critic.v_head.bias[0].double()
+    assert values.dtype == torch.float32
+    assert (values.double() - want).abs().max() < 1e-5 * want.abs().max()
+
+
+def test_warm_start_in_another_dtype_copies_the_trunk_exactly():
+    """A critic in float32 from a bfloat16 policy (LoRA's critic on a bfloat16 base) holds the same values."""
+    pol = policy().to(torch.bfloat16)
+    critic = Qwen3ValueModel.from_policy(pol, torch.float32)
+    theirs = pol.model.state_dict()
+    for name, tensor in critic.state_dict().items():
+        assert tensor.dtype == torch.float32, name
+        if name.startswith("model."):
+            assert torch.equal(tensor, theirs[name.removeprefix("model.")].float()), name
+
+
 def test_policy_class_is_not_bent():
     pol = policy()
     assert not hasattr(pol, "v_head")

@@ -15,6 +15,7 @@ from framework.models.hf_io import load_pretrained, resolve_dtype
 from framework.models.lora import add_adapters
 from framework.models.presets import preset_config
 from framework.models.qwen3 import Qwen3ForCausalLM, RMSNorm
+from framework.models.qwen3_config import Qwen3Config
 
 
 def build_policy(model_cfg: dict, tokenizer, seed: int | None = None,
@@ -56,10 +57,18 @@ def _base(path: str | None, preset: str | None, dtype: torch.dtype, tokenizer, s
         model = model.to(dtype).to_empty(device=device or "cpu")
         seeded_init(model, config.initializer_range,
                     int(torch.randint(0, 2**62, ()).item()) if seed is None else seed)
-    if tokenizer.vocab_size > model.config.vocab_size:
-        raise FwError(f"model.policy: the tokenizer has {tokenizer.vocab_size} tokens but the model's "
-                      f"vocab_size is {model.config.vocab_size}")
+    problem = vocabulary_problem(tokenizer.vocab_size, model.config)
+    if problem is not None:
+        raise FwError(f"model.policy: {problem}")
     return model
+
+
+def vocabulary_problem(tokenizer_size: int, config: Qwen3Config) -> str | None:
+    """Why a model of `config` cannot embed every id of a tokenizer of `tokenizer_size` tokens, or None (the
+    policy's, the reference's and the critic's check, in `fw validate` and when fit builds them)."""
+    if tokenizer_size > config.vocab_size:
+        return f"the tokenizer has {tokenizer_size} tokens but the model's vocab_size is {config.vocab_size}"
+    return None
 
 
 def _tensor_seed(seed: int, name: str) -> int:

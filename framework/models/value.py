@@ -44,23 +44,24 @@ class Qwen3ValueModel(nn.Module):
 
     def forward(self, input_ids: Tensor, position_ids: Tensor | None = None,
                 packing: Packing | SharedPrompts | None = None) -> Tensor:
-        """Values fp32 [B, T] (the head runs in fp32 whatever the trunk's dtype; `packing`: see
+        """Values fp32 [B, T] (the head runs in fp32 whatever the trunk's dtype, also under autocast; `packing`: see
         Qwen3Model.forward)."""
         h = self.model(input_ids, position_ids, packing=packing)
-        return F.linear(h.float(), self.v_head.weight.float(), self.v_head.bias.float()).squeeze(-1)
+        with torch.autocast(h.device.type, enabled=False):   # autocast would run the head's matmul in 16 bits
+            return F.linear(h.float(), self.v_head.weight.float(), self.v_head.bias.float()).squeeze(-1)
 
     @classmethod
-    def from_policy(cls, policy: Qwen3ForCausalLM) -> Qwen3ValueModel:
-        """A critic whose trunk is an exact copy of the policy's (same dtype and device), head zero."""
+    def from_policy(cls, policy: Qwen3ForCausalLM, dtype: torch.dtype | None = None) -> Qwen3ValueModel:
+        """A critic whose trunk is a copy of the policy's (in `dtype`, None = the policy's; same device), head
+        zero. Gradient checkpointing is off: the caller sets it."""
         ref = policy.lm_head_weight
         with torch.device("meta"):
             value = cls(policy.config)
-        value = value.to(ref.dtype).to_empty(device=ref.device)
+        value = value.to(dtype or ref.dtype).to_empty(device=ref.device)
         value.model.load_state_dict(policy.model.state_dict())
         with torch.no_grad():
             value.v_head.weight.zero_()
             value.v_head.bias.zero_()
-        value.model.gradient_checkpointing = policy.model.gradient_checkpointing
         return value
 
     def hf_targets(self) -> HfTargets:
