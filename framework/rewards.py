@@ -9,9 +9,11 @@ Built-ins (``REWARDS``, selected by ``reward.name``, constructed with ``reward.i
 
 - ``exact_match``: 1.0 when the extracted answer equals ``metadata["answer"]`` after normalisation
   (strip, collapse whitespace, case-fold, drop one trailing period), else 0.0.
-- ``numeric_match``: 1.0 when the extracted number equals the numeric answer within tolerance.
-  The number is the content of the last ``\\boxed{...}`` when there is one, else the last number
-  in the completion (``-1,234.5``, ``3/4`` and ``\\frac{3}{4}`` are understood).
+- ``numeric_match``: 1.0 when the extracted number equals the numeric answer within tolerance
+  (``rel_tol`` 0 and ``abs_tol`` 1e-9 by default), compared as exact fractions. The number is the
+  content of the last ``\\boxed{...}`` when there is one, else the last number in the completion
+  (``-1,234.5``, ``1.5e-07``, ``3/4``, ``\\frac{3}{4}``, ``2\\frac{1}{2}`` and ``10,\\!000`` are
+  understood); the reference must be one number (``parse_reference``).
 - ``format``: 1.0 when the completion carries its final answer in the required form: ``boxed``
   (a non-empty ``\\boxed{...}``), ``answer_tag`` (a non-empty ``<answer>...</answer>``) or
   ``think_answer`` (``<think>...</think>`` then ``<answer>...</answer>`` and nothing else).
@@ -43,19 +45,29 @@ log = logging.getLogger(__name__)
 
 # ---------------------------------------------------------------- answer extraction
 
+_BOXED = re.compile(r"\\boxed\{")
+_BRACE = re.compile(r"[{}]")
+
+
 def last_boxed(text: str) -> str | None:
-    """Content of the last ``\\boxed{...}`` in ``text`` (nested braces balanced), or None."""
-    start = text.rfind("\\boxed{")
-    while start != -1:
-        i = start + len("\\boxed{")
-        depth = 1
-        j = i
-        while j < len(text) and depth:
-            depth += {"{": 1, "}": -1}.get(text[j], 0)
-            j += 1
-        if depth == 0:
-            return text[i:j - 1]
-        start = text.rfind("\\boxed{", 0, start)  # unbalanced (truncated) box: try an earlier one
+    """Content of the last ``\\boxed{...}`` in ``text`` (nested braces balanced), or None.
+
+    A box whose braces never close (a truncated completion) is skipped for an earlier one. One pass
+    pairs every brace, so a completion of many unclosed boxes costs no more than its length.
+    """
+    starts = [m.end() - 1 for m in _BOXED.finditer(text)]   # each box's opening brace
+    if not starts:
+        return None
+    closing: dict[int, int] = {}
+    open_braces: list[int] = []
+    for m in _BRACE.finditer(text):
+        if m.group() == "{":
+            open_braces.append(m.start())
+        elif open_braces:
+            closing[open_braces.pop()] = m.start()
+    for brace in reversed(starts):
+        if brace in closing:
+            return text[brace + 1:closing[brace]]
     return None
 
 
@@ -82,32 +94,127 @@ def normalize_text(text: str) -> str:
     return text[:-1].rstrip() if text.endswith(".") else text
 
 
-_NUMBER = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:\s*/\s*-?\d+(?!\.\d))?|-?\.\d+")
-_FRAC = re.compile(r"\\[dt]?frac\{\s*(-?[\d.]+)\s*\}\{\s*(-?[\d.]+)\s*\}")
+# Longer numbers are no answer: int() refuses thousands of digits, and 10 ** exponent must stay cheap.
+MAX_NUMBER_DIGITS = 500
+MAX_EXPONENT = 1000
 
 
-def _to_number(token: str) -> float | None:
-    token = token.replace(",", "").replace(" ", "")
-    try:
-        if "/" in token:
-            num, den = token.split("/")
-            return float(Fraction(num) / Fraction(den)) if float(den) != 0 else None
-        return float(token)
-    except (ValueError, ZeroDivisionError):
+def _frac_arg(name: str) -> str:
+    """One argument of ``\\frac``: a braced number or, LaTeX-style, one bare digit (``\\frac12``)."""
+    return rf"(?:\{{\s*(?P<{name}>[-+]?\d+(?:\.\d+)?)\s*\}}|(?P<{name}_digit>\d))"
+
+
+_DECIMAL = r"(?:(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?|\.\d+)"   # thousands commas optional
+_TIMES_TEN = r"\s*(?:\\times|\\cdot|×)\s*10\s*\^\s*(?:\{\s*(?P<pow>[-+]?\d+)\s*\}|(?P<pow_bare>[-+]?\d+))"
+_NUMBER = re.compile(
+    # a mixed number: 2\frac{1}{2} is 2 + 1/2
+    rf"(?P<whole>[-+]?\d+)[ \t]*\\frac\s*{_frac_arg('mixed_num')}\s*{_frac_arg('mixed_den')}"
+    rf"|(?P<frac_sign>[-+]?)\\frac\s*{_frac_arg('frac_num')}\s*{_frac_arg('frac_den')}"
+    # 1,234.5 / -.5 / 1.5e-07 / 1.5 \times 10^{-7}, optionally over an integer: 3/4
+    rf"|(?P<decimal>[-+]?{_DECIMAL}(?:[eE][-+]?\d+)?)(?:{_TIMES_TEN})?"
+    r"(?:\s*/\s*(?P<den>[-+]?\d+)(?!\d|\.\d))?",
+    re.ASCII)
+_LATEX_SPACING = [
+    (re.compile(r"\\[dt]frac"), r"\\frac"),       # \dfrac and \tfrac are \frac in another size
+    (re.compile(r"\\!"), ""),                      # 10,\!000: a negative thin space after the comma
+    (re.compile(r"\{,\}"), ","),                   # 1{,}000: a comma set as an ordinary symbol
+    (re.compile(r"(?<=\d)\\[,;: ](?=\d)"), ""),    # 1\,000: a thin space between digit groups
+    (re.compile("\u2212"), "-"),                   # the Unicode minus sign
+]
+
+
+def _plain(text: str) -> str:
+    """``text`` with the LaTeX spacing and spellings of numbers reduced to the forms ``_NUMBER`` reads."""
+    for pattern, replacement in _LATEX_SPACING:
+        text = pattern.sub(replacement, text)
+    return text
+
+
+def _value(match: re.Match) -> Fraction | None:
+    """The exact value of a ``_NUMBER`` match, or None (zero denominator, too many digits, huge exponent)."""
+    if sum(c.isdigit() for c in match.group(0)) > MAX_NUMBER_DIGITS:
         return None
 
+    def arg(name: str) -> Fraction:
+        return Fraction(match.group(name) or match.group(name + "_digit"))
 
-def parse_number(text: str) -> float | None:
-    """The last number in ``text`` (thousands commas, decimals, ``a/b``, ``\\frac{a}{b}``), or None."""
-    text = _FRAC.sub(lambda m: f"{m.group(1)}/{m.group(2)}", str(text))
-    found = _NUMBER.findall(text)
-    return _to_number(found[-1]) if found else None
+    g = match.group
+    if g("whole") is not None:
+        num, den = arg("mixed_num"), arg("mixed_den")
+        if den == 0:
+            return None
+        whole = Fraction(g("whole"))
+        sign = -1 if g("whole").startswith("-") else 1
+        return whole + sign * num / den
+    if g("frac_sign") is not None:
+        num, den = arg("frac_num"), arg("frac_den")
+        return None if den == 0 else (-num if g("frac_sign") == "-" else num) / den
+    mantissa, _, exponent = g("decimal").replace(",", "").lower().partition("e")
+    power = int(exponent or 0) + int(g("pow") or g("pow_bare") or 0)
+    if abs(power) > MAX_EXPONENT:
+        return None
+    value = Fraction(mantissa) * Fraction(10) ** power
+    if g("den") is not None:
+        den = int(g("den"))
+        return None if den == 0 else value / den
+    return value
 
 
-def extract_number(completion: str) -> float | None:
+def parse_number(text: str) -> Fraction | None:
+    """The exact value of the last number in ``text``, or None.
+
+    Understood: thousands commas, decimals, exponents (``1.5e-07``, ``1.5 \\times 10^{-7}``), ``a/b``,
+    ``\\frac{a}{b}`` (also ``\\dfrac``, ``\\tfrac``, ``\\frac12``), mixed numbers (``2\\frac{1}{2}``) and
+    the LaTeX digit-group spacing ``10,\\!000``, ``1{,}000``, ``1\\,000``.
+    """
+    found = None
+    for found in _NUMBER.finditer(_plain(str(text))):
+        pass
+    return _value(found) if found else None
+
+
+def extract_number(completion: str) -> Fraction | None:
     """The completion's numeric answer: from the last ``\\boxed{}`` when present, else its last number."""
     boxed = last_boxed(completion)
     return parse_number(boxed if boxed is not None else completion)
+
+
+# Marks around a reference's number that carry no value; the completions' reading skips them too.
+_REFERENCE_MARKS = re.compile(r"^\\?\$\s*|\s*(?:\\?%|\^\s*\\circ|\^\s*\{\s*\\circ\s*\}|°)$")
+
+
+def _exact(number: numbers.Real) -> Fraction:
+    """A finite real number as a fraction; a float as the shortest decimal that prints as it (0.1 is 1/10)."""
+    if isinstance(number, numbers.Rational):
+        return Fraction(int(number.numerator), int(number.denominator))
+    return Fraction(repr(float(number)))
+
+
+def parse_reference(answer: Any) -> Fraction:
+    """The reference answer ``answer`` as an exact number; ValueError unless it is one number.
+
+    A real number is taken as is (a float as the decimal it prints as); text must be one number as
+    ``parse_number`` reads them and nothing else, optionally inside ``$...$`` or ``\\boxed{}``, with a
+    leading ``\\$`` or a trailing ``%`` / ``^\\circ``.
+    """
+    if isinstance(answer, numbers.Real) and not isinstance(answer, bool):
+        if not math.isfinite(answer):
+            raise ValueError(f"the reference answer {answer!r} is not a finite number")
+        return _exact(answer)
+    text = str(answer).strip()
+    while len(text) > 1 and text[0] == text[-1] == "$":   # $...$ and $$...$$
+        text = text[1:-1].strip()
+    if text.startswith("\\boxed{") and last_boxed(text) == text[len("\\boxed{"):-1]:   # one box, all of it
+        text = text[len("\\boxed{"):-1].strip()
+    match = _NUMBER.fullmatch(_REFERENCE_MARKS.sub("", _plain(text)).strip())
+    if match is None:
+        raise ValueError(f"the reference answer {answer!r} is not one number (numeric_match reads integers, "
+                         "decimals, exponents, a/b, \\frac{a}{b} and mixed numbers)")
+    value = _value(match)
+    if value is None:
+        raise ValueError(f"the reference answer {answer!r} has a zero denominator, more than {MAX_NUMBER_DIGITS} "
+                         f"digits or an exponent beyond {MAX_EXPONENT}")
+    return value
 
 
 # ---------------------------------------------------------------- built-in rewards
@@ -138,24 +245,27 @@ class ExactMatch:
 
 
 class NumericMatch:
-    """1.0 when ``extract_number(completion)`` is within tolerance of the numeric answer.
+    """1.0 when ``extract_number(completion)`` equals the reference answer within tolerance, else 0.0.
 
-    Equal when ``|got - want| <= abs_tol + rel_tol * |want|``.
+    Both sides are exact rationals; equal when ``|got - want| <= abs_tol + rel_tol * |want|``. The
+    defaults (``rel_tol=0``, ``abs_tol=1e-9``) tell every two integers apart, however long, and forgive
+    only the float noise of a decimal (``0.30000000000000004`` for ``0.3``). The reference must be one
+    number (``parse_reference``); a completion's answer is its last ``\\boxed{}`` or last number.
     """
 
-    def __init__(self, rel_tol: float = 1e-6, abs_tol: float = 1e-6):
-        if rel_tol < 0 or abs_tol < 0:
-            raise FwError(f"numeric_match: rel_tol and abs_tol must be >= 0, got {rel_tol}, {abs_tol}")
-        self.rel_tol = rel_tol
-        self.abs_tol = abs_tol
+    def __init__(self, rel_tol: float = 0.0, abs_tol: float = 1e-9):
+        for name, tol in (("rel_tol", rel_tol), ("abs_tol", abs_tol)):
+            if isinstance(tol, bool) or not isinstance(tol, numbers.Real) or not 0 <= tol < math.inf:
+                raise FwError(f"numeric_match: {name} must be a finite number >= 0, got {tol!r}")
+        self.rel_tol, self.abs_tol = _exact(rel_tol), _exact(abs_tol)
 
     def __call__(self, prompt: str, completion: str, metadata: dict) -> float:
-        reference = _reference(metadata)
-        want = float(reference) if isinstance(reference, numbers.Real) else parse_number(str(reference))
-        if want is None:
-            raise ValueError(f"the reference answer {reference!r} holds no number")
+        try:
+            want = parse_reference(_reference(metadata))
+        except ValueError as exc:   # name the record where the task says where it came from (JSONL)
+            raise ValueError(f"{metadata['source']}: {exc}" if "source" in metadata else str(exc)) from None
         got = extract_number(completion)
-        if got is None or not math.isfinite(got):
+        if got is None:
             return 0.0
         return float(abs(got - want) <= self.abs_tol + self.rel_tol * abs(want))
 
@@ -191,22 +301,34 @@ class ExpressionError(ValueError):
 
 _ARITHMETIC = {"+": operator.add, "-": operator.sub, "*": operator.mul, "/": operator.truediv}
 _EXPR_TOKEN = re.compile(r"\s*(?:(\d+)|(.))")
+# Bounds on what a completion may ask of the parser: each level of parentheses costs a few Python
+# frames (deep nests would exhaust the recursion limit), and int() refuses thousands of digits.
+# Countdown needs far less: a handful of numbers, each a few digits.
+MAX_PAREN_DEPTH = 32
+MAX_LITERAL_DIGITS = 100
 
 
 def evaluate_expression(text: str) -> tuple[Fraction, list[int]]:
     """Value and integer literals of ``text``: integers, ``+ - * /`` (also ``× ÷``) and parentheses.
 
-    Exact rational arithmetic; no unary operators; division by zero and anything else raise
-    ``ExpressionError``. Never uses ``eval``.
+    Exact rational arithmetic; no unary operators. Division by zero, parentheses nested deeper than
+    ``MAX_PAREN_DEPTH``, a literal of more than ``MAX_LITERAL_DIGITS`` digits and anything else not
+    well formed raise ``ExpressionError``. Never uses ``eval``.
     """
     tokens: list[str | int] = []
+    depth = 0
     for number, char in _EXPR_TOKEN.findall(text):
         if number:
+            if len(number) > MAX_LITERAL_DIGITS:
+                raise ExpressionError(f"a number of {len(number)} digits (at most {MAX_LITERAL_DIGITS})")
             tokens.append(int(number))
         elif char.strip():
             char = {"×": "*", "÷": "/", "x": "*"}.get(char, char)
             if char not in "+-*/()":
                 raise ExpressionError(f"unexpected character {char!r}")
+            depth += {"(": 1, ")": -1}.get(char, 0)
+            if depth > MAX_PAREN_DEPTH:
+                raise ExpressionError(f"parentheses nested deeper than {MAX_PAREN_DEPTH}")
             tokens.append(char)
     if not tokens:
         raise ExpressionError("empty expression")
@@ -329,7 +451,27 @@ def build_reward(reward_cfg: dict, task: Any = None) -> Callable[..., float] | A
     if not callable(reward) and not callable(getattr(reward, "batch", None)):
         raise FwError(f"{where}: a reward must be callable (prompt, completion, metadata) -> float "
                       "or have a batch(prompts, completions, metadatas) -> list[float] method")
+    if isinstance(reward, NumericMatch):
+        check_references(task)
     return reward
+
+
+def check_references(task: Any) -> None:
+    """FwError naming the first record of a JSONL task whose answer is not one number, as ``numeric_match`` needs
+    (``build_reward`` checks the task it is given; other tasks pass)."""
+    from framework.tasks import JsonlPrompts
+
+    if not isinstance(task, JsonlPrompts):   # procedural tasks make their answers; JSONL answers are data
+        return
+    bad = []
+    for record in task.records:
+        try:
+            parse_reference(record["answer"])
+        except ValueError as exc:
+            bad.append(f"{record['metadata']['source']}: {exc}")
+    if bad:
+        more = {1: "", 2: " (and 1 more record)"}.get(len(bad), f" (and {len(bad) - 1} more records)")
+        raise FwError(f"{bad[0]}{more}; fix the data, or score it with another reward (reward.name)")
 
 
 def _shorten(text: Any, limit: int = 300) -> str:

@@ -1,10 +1,12 @@
 """Built-in rewards, the countdown expression checker, user rewards and the on_error policy."""
+import json
 import logging
-import math
+import random
 import re
 import sys
 import threading
 import time
+from fractions import Fraction
 from pathlib import Path
 
 import pytest
@@ -22,6 +24,7 @@ from framework.rewards import (
     evaluate_expression,
     extract_number,
     last_boxed,
+    parse_reference,
     score_rollout,
 )
 
@@ -55,19 +58,53 @@ def test_exact_match_without_normalisation_is_case_sensitive():
 
 
 @pytest.mark.parametrize("text, number", [
-    ("so 3 apples and 5 pears: 8", 8.0),
-    ("total -12.5 dollars", -12.5),
-    ("1,234,567 people", 1234567.0),
-    ("the ratio is 3/4", 0.75),
-    ("\\boxed{\\frac{3}{4}} and 9 later", 0.75),
-    ("first 12 then \\boxed{7} then 99", 7.0),
-    ("\\boxed{x = {2}} 5", 2.0),          # nested braces inside the box
+    ("so 3 apples and 5 pears: 8", 8),
+    ("total -12.5 dollars", Fraction(-25, 2)),
+    ("1,234,567 people", 1234567),
+    ("the ratio is 3/4", Fraction(3, 4)),
+    ("the ratio is 3/4.", Fraction(3, 4)),          # a full stop is no decimal point
+    ("\\boxed{\\frac{3}{4}} and 9 later", Fraction(3, 4)),
+    ("first 12 then \\boxed{7} then 99", 7),
+    ("\\boxed{x = {2}} 5", 2),          # nested braces inside the box
     ("no digits here", None),
-    ("value .5", 0.5),
+    ("value .5", Fraction(1, 2)),
+    ("1/25.5", Fraction(51, 2)),                   # a decimal is no denominator: the last number is 25.5
+    # exponents, and the LaTeX forms of numbers
+    ("it is 5e-05", Fraction(1, 20000)),
+    ("\\boxed{1e+21}", 10 ** 21),
+    ("\\boxed{1.5E-7}", Fraction(15, 10 ** 8)),
+    ("\\boxed{1.5 \\times 10^{-7}}", Fraction(15, 10 ** 8)),
+    ("\\boxed{2\\frac{1}{2}}", Fraction(5, 2)),     # a mixed number: 2 + 1/2, not 21/2
+    ("\\boxed{-2\\frac{1}{2}}", Fraction(-5, 2)),
+    ("\\boxed{\\frac12}", Fraction(1, 2)),         # brace-less arguments are one digit each
+    ("\\boxed{\\dfrac{7}{4}}", Fraction(7, 4)),
+    ("\\boxed{-\\tfrac{7}{4}}", Fraction(-7, 4)),
+    ("\\boxed{1{,}000}", 1000),
+    ("\\boxed{10,\\!000}", 10000),
+    ("\\boxed{1\\,000\\,000}", 10 ** 6),
+    pytest.param("\\boxed{1" + "0" * 600 + "}", None, id="600 digits"),   # more than any answer has: no number
+    ("\\boxed{1e99999999}", None),                   # 10 ** 99999999 is too big to build
 ])
 def test_extract_number(text, number):
-    got = extract_number(text)
-    assert got == number if number is None else math.isclose(got, number)
+    assert extract_number(text) == number
+
+
+@pytest.mark.parametrize("answer, value", [
+    ("10,\\!000", 10000), ("1{,}000", 1000), ("2\\frac{1}{2}", Fraction(5, 2)), ("\\frac12", Fraction(1, 2)),
+    ("5e-05", Fraction(1, 20000)), ("1e+21", 10 ** 21), (" -3/4 ", Fraction(-3, 4)),
+    ("$\\frac{14}{3}$", Fraction(14, 3)),
+    ("\\boxed{0.25}", Fraction(1, 4)), ("25\\%", 25), ("90^\\circ", 90), ("\\$18.90", Fraction(189, 10)),
+    (0.1, Fraction(1, 10)), (5e-05, Fraction(1, 20000)), (12345678901234567890, 12345678901234567890),
+])
+def test_parse_reference_reads_one_number(answer, value):
+    assert parse_reference(answer) == value
+
+
+@pytest.mark.parametrize("answer", ["x = 5", "3 or 4", "1,2345", "\\sqrt{2}", "2 apples", "1/0", "", "three",
+                                    pytest.param("1" * 600, id="600 digits"), float("nan"), True])
+def test_parse_reference_refuses_anything_but_one_number(answer):
+    with pytest.raises(ValueError, match="reference answer"):
+        parse_reference(answer)
 
 
 def test_last_boxed_balances_braces_and_skips_truncated_box():
@@ -76,9 +113,33 @@ def test_last_boxed_balances_braces_and_skips_truncated_box():
     assert last_boxed("nothing") is None
 
 
+def _last_boxed_by_scanning(text):
+    """The plain definition: from the last box backwards, the first whose braces close."""
+    for start in reversed([i for i in range(len(text)) if text.startswith("\\boxed{", i)]):
+        depth, j = 1, start + len("\\boxed{")
+        while j < len(text) and depth:
+            depth += {"{": 1, "}": -1}.get(text[j], 0)
+            j += 1
+        if depth == 0:
+            return text[start + len("\\boxed{"):j - 1]
+    return None
+
+
+def test_last_boxed_agrees_with_its_definition_and_stays_linear():
+    rng = random.Random(1)
+    parts = ["\\boxed{", "{", "}", "a", "7", " "]
+    for _ in range(5000):
+        text = "".join(rng.choice(parts) for _ in range(rng.randint(0, 30)))
+        assert last_boxed(text) == _last_boxed_by_scanning(text), text
+    start = time.monotonic()
+    assert last_boxed("\\boxed{" * 5000) is None and last_boxed("\\boxed{1}" + "\\boxed{" * 5000) == "1"
+    assert time.monotonic() - start < 2           # a scan from every unclosed box would be quadratic
+
+
 @pytest.mark.parametrize("completion, answer, expected", [
     ("12*12 = 144", "144", 1.0),
-    ("It is \\boxed{144.0000001}", "144", 1.0),       # within rel_tol 1e-6
+    ("It is \\boxed{144.0000000001}", "144", 1.0),    # within abs_tol 1e-9
+    ("It is \\boxed{144.0000001}", "144", 0.0),
     ("\\boxed{144} and then 150", "144", 1.0),          # the box wins over the last number
     ("144 ... wait, 145", "144", 0.0),                  # last number
     ("-3", "-3", 1.0),
@@ -93,10 +154,102 @@ def test_numeric_match(completion, answer, expected):
 def test_numeric_match_tolerance_and_numeric_reference():
     assert NumericMatch(rel_tol=0.01, abs_tol=0)("p", "101", meta(100)) == 1.0
     assert NumericMatch(rel_tol=0.01, abs_tol=0)("p", "102", meta(100)) == 0.0
-    with pytest.raises(ValueError, match="holds no number"):
+    with pytest.raises(ValueError, match="'three' is not one number"):
         NumericMatch()("p", "3", meta("three"))
     with pytest.raises(FwError, match="rel_tol"):
         NumericMatch(rel_tol=-1)
+
+
+# ---------------------------------------------------------------- numeric_match tells integers apart
+
+@pytest.mark.parametrize("want", [1_000_000, 15_240_680, 82_407_175_850, 84_964_651_349_707_900,
+                                  371043028371043028 * 228988675228988675])
+def test_numeric_match_rewards_no_wrong_integer(want):
+    reward = NumericMatch()
+    assert reward("p", f"\\boxed{{{want}}}", meta(str(want))) == 1.0
+    for wrong in (want - 1, want + 1, want + 5, want + 10 ** (len(str(want)) // 2)):
+        assert reward("p", f"\\boxed{{{wrong}}}", meta(str(want))) == 0.0, wrong
+        assert reward("p", str(wrong), meta(want)) == 0.0, wrong          # an int reference too
+    # beyond 2**53 a float comparison sees no difference even with no tolerance at all
+    assert NumericMatch(rel_tol=0, abs_tol=0)("p", "84964651349707901", meta("84964651349707900")) == 0.0
+
+
+def test_arithmetic_tasks_reward_only_the_exact_answer():
+    from framework.tasks import build_task
+
+    data = {"path": None, "prompt_key": "prompt", "answer_key": "answer", "shuffle": True}
+    for digits in (4, 9, 18):
+        task = build_task({**data, "task": {"name": "arithmetic", "init_args": {"digits": digits}}}, seed=0)
+        reward = build_reward({"name": None, "class_path": None, "init_args": {}}, task)   # the task's own
+        for i in range(100):
+            md = task.sample(i)["metadata"]
+            right = {"+": md["a"] + md["b"], "-": md["a"] - md["b"], "*": md["a"] * md["b"]}[md["op"]]
+            assert reward("", f"so \\boxed{{{right}}}", md) == 1.0
+            assert reward("", f"so \\boxed{{{right + 1}}}", md) == 0.0, (digits, i)
+
+
+def test_numeric_match_tolerances_are_exact():
+    # 0.4 - 0.1 is 0.30000000000000004 in floats, which would miss a tolerance of exactly 0.3
+    assert NumericMatch(rel_tol=0, abs_tol=0.3)("p", "0.4", meta("0.1")) == 1.0
+    assert NumericMatch(rel_tol=0, abs_tol=0.3)("p", "0.41", meta("0.1")) == 0.0
+    assert NumericMatch(rel_tol=0.1, abs_tol=0)("p", "1.1", meta("1")) == 1.0
+    # no relative tolerance by default: 1e-6 of a million would forgive a wrong answer
+    assert NumericMatch()("p", "1000001", meta("1000000")) == 0.0
+    for bad in ({"abs_tol": float("nan")}, {"rel_tol": float("inf")}, {"abs_tol": "0.1"}):
+        with pytest.raises(FwError, match="must be a finite number >= 0"):
+            NumericMatch(**bad)
+
+
+# ---------------------------------------------------------------- numeric_match reads references as written
+
+def test_jsonl_float_answers_are_read_as_written(tmp_path):
+    from framework.tasks import build_task
+
+    path = tmp_path / "sci.jsonl"
+    answers = [1 / 20000, 1e21, 1.5e-7]     # json.dumps writes 5e-05, 1e+21, 1.5e-07
+    path.write_text("".join(json.dumps({"prompt": f"q{i}", "answer": a}) + "\n" for i, a in enumerate(answers)))
+    data = {"task": None, "path": str(path), "prompt_key": "prompt", "answer_key": "answer", "shuffle": False}
+    task = build_task(data)
+    reward = build_reward({"name": None, "class_path": None, "init_args": {}}, task)
+    right = ["\\boxed{0.00005}", "\\boxed{1000000000000000000000}", "\\boxed{0.00000015}"]
+    wrong = [["\\boxed{-5}", "\\boxed{0.0005}"], ["\\boxed{21}", "\\boxed{1e20}"], ["\\boxed{-7}", "\\boxed{0}"]]
+    for i in range(3):
+        md = task.sample(i)["metadata"]
+        assert reward("", right[i], md) == 1.0, md
+        assert [reward("", w, md) for w in wrong[i]] == [0.0, 0.0], md
+
+
+@pytest.mark.parametrize("completion, reference, expected", [
+    ("\\boxed{2\\frac{1}{2}}", "2.5", 1.0),
+    ("\\boxed{2.5}", "2\\frac{1}{2}", 1.0),
+    ("\\boxed{10.5}", "2\\frac{1}{2}", 0.0),
+    ("\\boxed{10000}", "10,\\!000", 1.0),
+    ("\\boxed{0}", "10,\\!000", 0.0),
+    ("\\boxed{1{,}000}", "1000", 1.0),
+    ("\\boxed{\\frac12}", "0.5", 1.0),
+    ("\\boxed{12}", "\\frac12", 0.0),
+])
+def test_numeric_match_reads_latex_numbers(completion, reference, expected):
+    assert NumericMatch()("p", completion, meta(reference)) == expected
+
+
+def test_a_jsonl_reference_that_is_not_one_number_is_refused_naming_its_line(tmp_path):
+    from framework.tasks import build_task
+
+    path = tmp_path / "math.jsonl"
+    rows = [{"prompt": "1+1?", "answer": "2"}, {"prompt": "area?", "answer": "12 square units"},
+            {"prompt": "root?", "answer": "\\sqrt{2}"}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    data = {"task": None, "path": str(path), "prompt_key": "prompt", "answer_key": "answer", "shuffle": False}
+    task = build_task(data)
+    base = {"name": None, "class_path": None, "init_args": {}}
+    with pytest.raises(FwError, match=re.escape(f"{path}:2: the reference answer '12 square units' is not one "
+                                                "number") + r" .*\(and 1 more record\); fix the data"):
+        build_reward(base, task)                  # numeric_match, the JSONL task's own reward
+    assert isinstance(build_reward({**base, "name": "exact_match"}, task), ExactMatch)   # text answers are fine there
+    # a reference met only while scoring (another task's) names its record too
+    with pytest.raises(ValueError, match=re.escape(f"{path}:2: the reference answer")):
+        NumericMatch()("p", "12", task.sample(1)["metadata"])
 
 
 @pytest.mark.parametrize("style, completion, expected", [
@@ -130,7 +283,9 @@ def test_evaluate_expression(text, value, literals):
     assert got == value and used == literals
 
 
-@pytest.mark.parametrize("text", ["", "1+", "(1+2", "1+2)", "2**3", "-1+2", "3/0", "__import__('os')", "1 2"])
+@pytest.mark.parametrize("text", ["", "1+", "(1+2", "1+2)", "2**3", "-1+2", "3/0", "__import__('os')", "1 2",
+                                  pytest.param("(" * 200 + "3" + ")" * 200, id="200 nested parentheses"),
+                                  pytest.param("1" * 5000, id="5000 digits"), "2/(3-3)"])
 def test_evaluate_expression_rejects(text):
     with pytest.raises(ExpressionError):
         evaluate_expression(text)
@@ -157,6 +312,44 @@ def test_countdown_use_all_and_format_score():
     assert CountdownReward(use_all=True)("p", "<answer>(6+4)*5</answer>", md) == 0.0
     assert CountdownReward(format_score=0.1)("p", "<answer>6+4</answer>", md) == 0.1
     assert CountdownReward(format_score=0.1)("p", "<answer>6+</answer>", md) == 0.0
+
+
+def _fraction_eval(text: str) -> Fraction:
+    """Python's own evaluation of an expression the countdown parser accepted, over exact fractions."""
+    text = text.replace("×", "*").replace("÷", "/").replace("x", "*")
+    return eval(re.sub(r"\d+", lambda m: f"F('{m.group()}')", text), {"F": Fraction, "__builtins__": {}})
+
+
+def test_countdown_reward_scores_any_text_without_raising():
+    md = {"numbers": [3, 5, 7, 9], "target": 24, "answer": "(3+5)*(9-7)-..."}
+    reward = CountdownReward()
+    rng = random.Random(0)
+    alphabet = "0123456789+-*/()×÷x .="
+    fuzz = ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 40))) for _ in range(3000)]
+    accepted = 0
+    for text in fuzz:
+        try:
+            value, _ = evaluate_expression(text.split("=")[0])
+        except ExpressionError:
+            value = None
+        else:                       # what the parser accepts, Python reads the same way
+            accepted += 1
+            assert value == _fraction_eval(text.split("=")[0]), text
+        score = reward("p", f"<answer>{text}</answer>", md)
+        assert score in (0.0, 1.0) and (score == 1.0) <= (value == 24), text
+    assert accepted > 100                         # the fuzz reaches the arithmetic, not only the rejections
+    extremes = ["(" * n + "3" + ")" * n for n in (33, 200, 5000)] + [
+        "(" * 3000, ")" * 3000, "9" * 101, "1" * 5000, "9" * 4301 + "+3", "3/0", "3/(5-5)", "0/0", "2**3**99999999"]
+    for text in extremes:
+        with pytest.raises(ExpressionError):
+            evaluate_expression(text)
+    assert evaluate_expression("9*" * 3000 + "9")[0] == 9 ** 3001       # long chains are loops, not recursion
+    assert evaluate_expression("3/" * 3000 + "5")[0] == Fraction(1, 3 ** 2998 * 5)
+    texts = fuzz + extremes
+    rewards, errors = score_rollout(reward, ["p"] * len(texts), [f"<answer>{t}</answer>" for t in texts],
+                                    [md] * len(texts), RAISE)
+    assert errors == 0 and set(rewards.tolist()) <= {0.0, 1.0}
+    assert reward("p", "<answer>" + "(" * 32 + "3*5+9" + ")" * 32 + "</answer>", md) == 1.0   # as deep as allowed
 
 
 def test_build_reward_builtins_and_errors():
