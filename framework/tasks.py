@@ -130,6 +130,14 @@ class Arithmetic(Task):
         return self._make(self.template.format(a=a, op=op, b=b), answer, a=a, b=b, op=op)
 
 
+# A countdown sample is a random expression over random numbers, drawn again until its value is at
+# most max_target. The constructor draws up to COUNTDOWN_PROBE_DRAWS expressions (the same ones whatever
+# the seed) and refuses parameters under which fewer than COUNTDOWN_PROBE_HITS land in range: sampling
+# would crawl. A sample that finds no target in COUNTDOWN_MAX_DRAWS draws is an error, not an endless loop.
+COUNTDOWN_PROBE_DRAWS = 2000
+COUNTDOWN_PROBE_HITS = 4
+COUNTDOWN_MAX_DRAWS = 100_000
+
 COUNTDOWN_TEMPLATE = ("Using the numbers {numbers}, write an expression equal to {target}. "
                       "Use + - * / and parentheses, each number at most once. "
                       "Put the expression in <answer></answer>.")
@@ -140,7 +148,8 @@ class Countdown(Task):
 
     The target is the value of a random expression over all the numbers (exact divisions only,
     no negative intermediate results), between 1 and ``max_target``, so every sample is solvable;
-    that expression is the answer. Verified by the ``countdown`` reward.
+    that expression is the answer. Verified by the ``countdown`` reward. Parameters under which
+    few random expressions come out at most ``max_target`` are refused (``FwError``).
     """
 
     reward_name = "countdown"
@@ -157,6 +166,15 @@ class Countdown(Task):
         _check_template("countdown", template, {"numbers": "1, 2", "target": 3})
         self.num_numbers, self.max_number, self.max_target = num_numbers, max_number, max_target
         self.template = template
+        rng, hits, draws = random.Random("countdown-probe"), 0, 0
+        while hits < COUNTDOWN_PROBE_HITS and draws < COUNTDOWN_PROBE_DRAWS:
+            hits += self._build(rng)[1] <= max_target   # values are >= 1: no negatives, exact divisions
+            draws += 1
+        if hits < COUNTDOWN_PROBE_HITS:
+            raise FwError(f"countdown task: with num_numbers = {num_numbers}, max_number = {max_number} and "
+                          f"max_target = {max_target}, only {hits} of {draws} random expressions come out at most "
+                          "max_target, so drawing samples would take too long; raise max_target, or lower "
+                          "max_number or num_numbers")
 
     def _build(self, rng: random.Random) -> tuple[list[int], int, str]:
         numbers = [rng.randint(1, self.max_number) for _ in range(self.num_numbers)]
@@ -173,10 +191,15 @@ class Countdown(Task):
 
     def sample(self, index: int) -> Sample:
         rng = _rng(self.seed, _check_index(index), "countdown")
-        while True:  # a few draws at most: most expressions land in range
+        for _ in range(COUNTDOWN_MAX_DRAWS):   # the constructor's probe makes a long search unlikely
             numbers, target, expression = self._build(rng)
             if 1 <= target <= self.max_target:
                 break
+        else:
+            raise FwError(f"countdown task: with num_numbers = {self.num_numbers}, max_number = {self.max_number} "
+                          f"and max_target = {self.max_target}, none of {COUNTDOWN_MAX_DRAWS} random expressions "
+                          f"for sample {index} comes out at most max_target; raise max_target, or lower max_number "
+                          "or num_numbers")
         prompt = self.template.format(numbers=", ".join(map(str, numbers)), target=target)
         return self._make(prompt, expression, numbers=numbers, target=target)
 
@@ -272,10 +295,21 @@ class JsonlPrompts(Task):
 TASKS: dict[str, type] = {"digits": Digits, "arithmetic": Arithmetic, "countdown": Countdown}
 
 
+def _takes_seed(target: Any) -> bool:
+    """Whether calling ``target`` accepts a ``seed`` keyword (a ``Task`` subclass does, by the base class)."""
+    try:
+        parameters = inspect.signature(target).parameters.values()
+    except (TypeError, ValueError):   # no signature to read: pass nothing it may not take
+        return False
+    return any(p.kind is p.VAR_KEYWORD or (p.name == "seed" and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
+               for p in parameters)
+
+
 def build_task(data_cfg: dict, seed: int = 0) -> Task:
     """The prompt source of ``cfg["data"]``: ``task`` ({name|class_path, init_args}) or ``path`` (JSONL).
 
-    ``seed`` (recipes pass ``cfg["seed"]``) seeds built-in tasks unless ``init_args`` sets one.
+    ``seed`` (recipes pass ``cfg["seed"]``, evaluation its ``eval.seed``) seeds the task unless
+    ``init_args`` sets one: a built-in, or a ``class_path`` class whose constructor takes ``seed``.
     """
     task_cfg, path = data_cfg["task"], data_cfg["path"]
     if task_cfg and path:
@@ -286,9 +320,11 @@ def build_task(data_cfg: dict, seed: int = 0) -> Task:
         raise FwError("data: RL needs prompts: set data.task (e.g. {name: digits}) or data.path (JSONL)")
     init_args = dict(task_cfg.get("init_args") or {})
     if task_cfg.get("class_path"):
-        from framework.imports import instantiate
+        from framework.imports import import_object, instantiate
 
         cls_path = task_cfg["class_path"]
+        if _takes_seed(import_object(cls_path)):
+            init_args.setdefault("seed", seed)
         task = instantiate({"class_path": cls_path, "init_args": init_args})
         if not callable(getattr(task, "sample", None)):
             raise FwError(f"data.task.class_path {cls_path!r}: a task needs a sample(index) -> "

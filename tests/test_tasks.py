@@ -1,14 +1,17 @@
 """Procedural tasks (seeded, pure in the index), JSONL prompts, build_task, render_prompt."""
 import json
+import random
 import subprocess
 import sys
+import time
 from collections import Counter
 
 import pytest
 
+from framework import tasks
 from framework.errors import FwError
 from framework.rewards import REWARDS, evaluate_expression
-from framework.tasks import TASKS, Arithmetic, Countdown, Digits, JsonlPrompts, build_task, render_prompt
+from framework.tasks import TASKS, Arithmetic, Countdown, Digits, JsonlPrompts, Task, build_task, render_prompt
 
 
 def data_cfg(**over):
@@ -204,6 +207,74 @@ def test_build_task_errors(cfg, message):
         build_task(cfg)
 
 
+class Squares(Task):
+    """A user task as the README describes one: no constructor of its own, a pure function of (seed, index)."""
+
+    def sample(self, index):
+        n = random.Random(f"{self.seed}:{index}").randint(10, 10 ** 6)
+        return self._make(f"{n}^2=", str(n * n))
+
+
+class KeywordsTask(Squares):
+    """A user task that forwards its keyword arguments to the base class."""
+
+    def __init__(self, size=1, **kwargs):
+        super().__init__(**kwargs)
+        self.size = size
+
+
+class SeedlessTask:
+    """A task-like class with no seed parameter: fw must not pass one."""
+
+    def __init__(self, size=1):
+        self.size = size
+
+    def sample(self, index):
+        return {"prompt": "p", "answer": "a", "metadata": {"answer": "a"}}
+
+
+def test_class_path_tasks_get_the_runs_seed():
+    def build(class_path, run_seed, **init_args):
+        return build_task(data_cfg(task={"class_path": class_path, "init_args": init_args}), seed=run_seed)
+
+    for class_path in ("tests.test_tasks.Squares", "tests.test_tasks.KeywordsTask"):
+        one, two = build(class_path, 1), build(class_path, 2)
+        assert (one.seed, two.seed) == (1, 2), class_path
+        assert [one.sample(i)["prompt"] for i in range(5)] != [two.sample(i)["prompt"] for i in range(5)]
+        assert build(class_path, 1, seed=9).seed == 9          # init_args wins
+    assert build("tests.test_tasks.KeywordsTask", 3, size=4).size == 4
+    assert build("tests.test_tasks.SeedlessTask", 3, size=2).size == 2
+
+
+def test_hopeless_countdown_parameters_are_refused_at_once():
+    start = time.monotonic()
+    for kwargs in ({"num_numbers": 8, "max_number": 1000, "max_target": 1},
+                   {"num_numbers": 8, "max_number": 1000, "max_target": 10}):
+        with pytest.raises(FwError, match="countdown task: with num_numbers = 8, max_number = 1000 and max_target = "
+                                          r"1.*raise max_target, or lower max_number or num_numbers"):
+            Countdown(**kwargs)
+        with pytest.raises(FwError, match="max_target"):
+            build_task(data_cfg(task={"name": "countdown", "init_args": kwargs}))
+    assert time.monotonic() - start < 10
+    Countdown(num_numbers=6, max_number=100, max_target=100).sample(0)     # slow-ish but fine: accepted
+
+
+def test_countdown_sampling_gives_up_with_an_error(monkeypatch):
+    task = Countdown(seed=1)
+    draws = []
+
+    def out_of_range(rng):
+        draws.append(1)
+        assert len(draws) < 10_000, "the sample kept drawing"
+        return [50, 50, 50, 50], 50 ** 4, "50*50*50*50"
+
+    monkeypatch.setattr(tasks, "COUNTDOWN_MAX_DRAWS", 20)
+    monkeypatch.setattr(task, "_build", out_of_range)
+    with pytest.raises(FwError, match="none of 20 random expressions for sample 3 comes out at most max_target"):
+        task.sample(3)
+    assert len(draws) == 20
+
+
 def test_build_task_from_class_path():
     task = build_task(data_cfg(task={"class_path": "framework.tasks.Digits", "init_args": {"rule": "next"}}))
     assert isinstance(task, Digits) and task.rule == "next"
@@ -226,3 +297,15 @@ def test_render_prompt():
     assert render_prompt(msgs, Template(), True, enable_thinking=True) == "<system>s<user>u<assistant><think>"
     with pytest.raises(FwError, match="chat_template is false but the prompt is a list of messages"):
         render_prompt(msgs, None, chat_template=False)
+
+
+def test_fw_validate_names_hopeless_countdown_parameters(tmp_path, monkeypatch):
+    from framework.config import ConfigError
+    from framework.validate import validate_config
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.yaml").write_text("recipe: grpo\nmodel:\n  policy:\n    preset: tiny\ndata:\n"
+                                         "  task: {name: countdown, init_args: {num_numbers: 8, max_number: 1000, "
+                                         "max_target: 1}}\n")
+    with pytest.raises(ConfigError, match=r"train.yaml:6:\d+: data.task.init_args: countdown task: .*max_target = 1"):
+        validate_config(["train.yaml"])
