@@ -203,12 +203,16 @@ class _Checks:
     def jsonl(self, where: tuple, path: str, key: str = "data.path") -> None:
         from framework.data import record_problem
         from framework.jsonl import NotUtf8, rows
-        from framework.tasks import prompt_record_problem
+        from framework.rewards import parse_reference
+        from framework.tasks import JsonlPrompts, prompt_record_problem
 
         if not os.path.isfile(path):
             self.add(where, f"no such file: {path}" if not os.path.exists(path) else f"{path} is not a file")
             return
         data = self.cfg["data"]
+        reward = self.cfg["reward"]
+        # numeric_match (named, or JSONL prompts' own reward) needs each answer to be one number
+        numeric = not reward["class_path"] and (reward["name"] or JsonlPrompts.reward_name) == "numeric_match"
         bad = n = 0
         try:
             for row in rows(path):
@@ -218,6 +222,11 @@ class _Checks:
                     problem = record_problem(row.record, data["format"])[1]
                 elif problem is None and self.recipe in RL_RECIPES:
                     problem = prompt_record_problem(row.record, data["prompt_key"], data["answer_key"])
+                    if problem is None and numeric:
+                        try:
+                            parse_reference(row.record[data["answer_key"]])
+                        except ValueError as e:
+                            problem = f"{data['answer_key']}: {e}"
                 if problem:
                     bad += 1
                     if bad <= MAX_ROW_PROBLEMS:

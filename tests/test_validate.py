@@ -393,3 +393,19 @@ def test_fp8_kv_cache_needs_a_16_bit_rollout_on_cuda(tmp_path, settings, problem
     else:
         assert len(lines) == 1 and "rollout.kv_cache_dtype" in lines[0] and problem in lines[0], lines
         assert "needs a bfloat16 or float16 rollout on CUDA" in lines[0]
+
+
+def test_answers_that_numeric_match_cannot_read_are_named_at_their_line(tmp_path, capsys):
+    """JSONL prompts are scored by numeric_match (their own reward) unless another reward is named: fw validate
+    names each answer that is not one number at its line, as fit would refuse it later; another reward reads
+    them as text."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "1+1", "answer": "2"}\n{"prompt": "x", "answer": "about 5 or 6"}\n'
+                       '{"prompt": "y", "answer": 5e-05}\n')
+    config = tmp_path / "train.yaml"
+    config.write_text(GRPO.replace("  task: {name: digits}\n", f"  path: {prompts}\n"))
+    code, lines = run_fw(["validate", "--config", str(config)], capsys)
+    assert code == 2 and len(lines) == 1
+    assert lines[0].startswith(f"{prompts}:2:1: data.path: answer: the reference answer 'about 5 or 6' is not one "
+                               "number")
+    assert run_fw(["validate", "--config", str(config), "--reward.name=exact_match"], capsys)[0] == 0
