@@ -13,8 +13,9 @@ from pathlib import Path
 from framework.errors import FwError
 from framework.metrics import read_metrics
 
-DEFAULT_METRICS = ("loss", "reward/mean", "reward/accuracy", "eval/loss", "eval/token_accuracy",
-                   "eval/reward_mean", "eval/accuracy", "eval/pass@k")
+# the losses (SFT's `loss`, GRPO's and PPO's `policy/loss`, PPO's critic `value/loss`), rewards and eval metrics
+DEFAULT_METRICS = ("loss", "policy/loss", "value/loss", "reward/mean", "reward/accuracy", "eval/loss",
+                   "eval/token_accuracy", "eval/reward_mean", "eval/accuracy", "eval/pass@k")
 PANEL_INCHES = (5.0, 3.5)   # width, height of one panel
 DPI = 100
 COLUMNS = 2

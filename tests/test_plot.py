@@ -53,6 +53,16 @@ def test_plot_defaults_to_the_run_dir_and_known_metrics(tmp_path):
     assert png_size(tmp_path / "a" / "metrics.png") == (1000, 700)
 
 
+def test_plot_defaults_show_the_losses_of_rl_runs(tmp_path):
+    run = tmp_path / "ppo"
+    run.mkdir()
+    lines = [{"step": s, "policy/loss": 0.1 / s, "value/loss": 1 / s, "reward/mean": s / 10} for s in range(1, 6)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    assert main(["plot", "--run", str(run)]) == 0
+    # policy/loss, value/loss and reward/mean: 3 panels in 2 columns
+    assert png_size(run / "metrics.png") == (1000, 700)
+
+
 def test_plot_errors_are_one_line(tmp_path, capsys):
     write_run(tmp_path / "a", 0.0)
     assert main(["plot", "--run", str(tmp_path / "a"), "--metrics", "nope"]) == 2
