@@ -97,7 +97,8 @@ def _parser() -> argparse.ArgumentParser:
              "only --checkpoint, the checkpoint's own config.yaml is used. " + overrides)
     ev.add_argument("--checkpoint", required=True, metavar="DIR",
                     help="checkpoint directory, or a run directory for its newest checkpoint")
-    ev.add_argument("--out", metavar="FILE", help="the JSON report (default: <run_dir>/eval/<checkpoint>.json)")
+    ev.add_argument("--out", metavar="FILE", help="the JSON report (default: <run_dir>/eval/<checkpoint>.json, "
+                    "<checkpoint>-<config hash>.json under settings other than the checkpoint's)")
     ev.add_argument("--skip-damaged", action="store_true", help=skip_help)
 
     plot = add("plot", "draw runs' metrics.jsonl curves into a PNG (needs matplotlib: pip install 'fw[plot]')",

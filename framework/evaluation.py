@@ -351,19 +351,40 @@ class EvalCallback(lightning.Callback):
 
 def evaluate_checkpoint(checkpoint: str | Path, cfg: dict | None = None, out: str | Path | None = None,
                         skip_damaged: bool = False) -> tuple[dict[str, Any], Path]:
-    """Evaluate a checkpoint (or a run directory's newest) as training does; write the JSON report to `out`
-    (default `<run_dir>/eval/<checkpoint>.json`) and return (report, path). `cfg` replaces the
-    checkpoint's own config.yaml (e.g. other eval settings)."""
+    """Evaluate a checkpoint (or a run directory's newest) as training does; write the JSON report to `out` and
+    return (report, path).
+
+    `cfg` replaces the checkpoint's own config.yaml (e.g. other eval settings). The report holds the eval and
+    reward settings and the config keys that differ from the checkpoint's. Its default path is
+    `<run_dir>/eval/<checkpoint>.json` under the checkpoint's own config, `<checkpoint>-<hash>.json` under
+    another (the first 8 hex digits of its sha256), and a report there of other settings is never replaced."""
     from framework.checkpoint import resolve_checkpoint
-    from framework.checkpoint.directory import read_complete_manifest
-    from framework.generate import _device, autocast_context, load_policy, run_config
+    from framework.checkpoint.directory import CONFIG_FILE, config_sha256, read_complete_manifest
+    from framework.config import load_config
+    from framework.durable import replace_file
+    from framework.generate import _device, autocast_context, load_policy
 
     path = resolve_checkpoint(checkpoint, skip_damaged=skip_damaged, verify=skip_damaged)
-    if out is None:
-        out = (path.parent.parent / "eval" if path.parent.name == "checkpoints" else Path.cwd()) / f"{path.name}.json"
+    own_file = str(path / CONFIG_FILE)
+    given = cfg is not None
+    if not given:
+        cfg = load_config([own_file])
+    own: dict | None = cfg
+    if given:
+        try:
+            own = load_config([own_file])
+        except FwError:   # made valid by the given config: what changed is not known
+            own = None
+    changes = None if own is None else config_changes(own, cfg)
+    settings = {"eval": cfg["eval"], "reward": cfg["reward"], "changes": changes}
+    default = out is None
+    if default:
+        name = path.name if changes == {} else f"{path.name}-{config_sha256(cfg)[:8]}"
+        out = (path.parent.parent / "eval" if path.parent.name == "checkpoints" else Path.cwd()) / f"{name}.json"
     out = Path(out)
     _check_report_path(out)   # before the evaluation, which may take long
-    cfg = run_config(cfg, path)
+    if default:
+        _check_replace(out, settings)
     step = read_complete_manifest(path).get("step")
     tokenizer, policy = load_policy(cfg, path)
     device = _device(cfg)
@@ -371,10 +392,36 @@ def evaluate_checkpoint(checkpoint: str | Path, cfg: dict | None = None, out: st
     evaluation = Evaluation(cfg, tokenizer)
     with autocast_context(cfg, device):
         metrics = evaluation.run(policy)
-    report = {"checkpoint": str(path), "step": step, "recipe": cfg["recipe"], "metrics": metrics}
+    report = {"checkpoint": str(path), "step": step, "recipe": cfg["recipe"], **settings, "metrics": metrics}
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    replace_file(out, json.dumps(report, indent=2) + "\n")   # whole or not at all
     return report, out
+
+
+def config_changes(before: dict, after: dict, prefix: str = "") -> dict[str, Any]:
+    """`{dotted key: value in after}` of every key whose value differs between two resolved configs."""
+    out: dict[str, Any] = {}
+    for k in sorted(set(before) | set(after), key=str):
+        a, b = before.get(k), after.get(k)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out.update(config_changes(a, b, f"{prefix}{k}."))
+        elif a != b:
+            out[f"{prefix}{k}"] = b
+    return out
+
+
+def _check_replace(out: Path, settings: dict[str, Any]) -> None:
+    """FwError if `out` holds a report of settings other than `settings` (or one that records none)."""
+    if not out.exists():
+        return
+    try:
+        earlier = json.loads(out.read_text(encoding="utf-8"))
+        same = all(earlier.get(k) == v for k, v in settings.items())
+    except (OSError, ValueError, AttributeError):
+        same = False
+    if not same:
+        raise FwError(f"{out} holds the report of an evaluation with other settings (or of an fw that did not "
+                      "record them); move it away, or give --out FILE for this one")
 
 
 def _check_report_path(out: Path) -> None:

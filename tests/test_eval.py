@@ -1,9 +1,11 @@
 """Evaluation on held-out data: pass@k against hand counts, held-out prompts, RL and SFT metrics against
 independent computations, training untouched by evaluation, exact resume with evaluation on, fw eval."""
 
+import hashlib
 import itertools
 import json
 import math
+import shutil
 from pathlib import Path
 
 import pytest
@@ -11,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from framework.cli import main
-from framework.config import resolve
+from framework.config import load_config, resolve
 from framework.errors import FwError
 from framework.evaluation import EvalCallback, Evaluation, pass_at_k
 from framework.metrics import read_metrics
@@ -239,6 +241,52 @@ def test_fw_eval_errors_are_one_line(tmp_path, capsys):
     assert len(err) == 1 and err[0].startswith("fw: error: ")
 
 
+@pytest.fixture(scope="module")
+def small_run(tmp_path_factory):
+    """A 2-step GRPO run that evaluates, its checkpoint at step 2."""
+    run = tmp_path_factory.mktemp("small") / "run"
+    fit(grpo_config(run, {**EVAL, "at_start": False}, trainer={"accelerator": "cpu", "max_steps": 2,
+                                                               "enable_progress_bar": False}))
+    return run
+
+
+def test_fw_eval_reports_record_their_settings_and_never_replace_other_settings(small_run, tmp_path, capsys):
+    run = tmp_path / "run"
+    shutil.copytree(small_run, run)
+    reports = run / "eval"
+    own = reports / "step-000002.json"
+    assert main(["eval", "--checkpoint", str(run)]) == 0
+    first = own.read_bytes()
+    report = json.loads(first)
+    assert report["eval"] == load_config([str(run / "config.yaml")])["eval"]
+    assert report["eval"]["samples_per_prompt"] == 3
+    assert report["reward"]["name"] == "numeric_match" and report["changes"] == {}
+    # other settings (a config file and overrides): a report of their own, named by the config's sha256
+    argv = ["eval", "--checkpoint", str(run), "--config", str(run / "config.yaml"), "--eval.samples_per_prompt=1",
+            "--eval.temperature=0"]
+    assert main(argv) == 0
+    assert own.read_bytes() == first
+    cfg = load_config([str(run / "config.yaml")], argv[-2:])
+    digest = hashlib.sha256(json.dumps(cfg, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode())
+    other = reports / f"step-000002-{digest.hexdigest()[:8]}.json"
+    second = json.loads(other.read_text())
+    assert second["eval"]["samples_per_prompt"] == 1 and second["eval"]["temperature"] == 0
+    assert second["changes"] == {"eval.samples_per_prompt": 1, "eval.temperature": 0}
+    assert second["metrics"]["eval/pass@k"] == second["metrics"]["eval/pass@1"]   # k = 1
+    # the same settings again replace their own report; nothing else is left in the folder
+    assert main(argv) == 0
+    assert sorted(reports.iterdir()) == sorted([own, other])
+    # a report at the default path that records no settings (an older fw's) is not replaced
+    legacy = json.dumps({"checkpoint": "x", "step": 2, "recipe": "grpo", "metrics": {"eval/accuracy": 0.5}})
+    own.write_text(legacy)
+    capsys.readouterr()
+    assert main(["eval", "--checkpoint", str(run)]) == 2
+    assert own.read_text() == legacy
+    assert capsys.readouterr().err.splitlines() == [
+        (f"fw: error: {own} holds the report of an evaluation with other settings (or of an fw that did not record "
+         "them); move it away, or give --out FILE for this one")]
+
+
 # ---------------------------------------------------------------- SFT
 
 
@@ -297,8 +345,6 @@ def test_sft_fit_logs_eval_every_step(tmp_path):
 
 @pytest.mark.parametrize("path", ["train.yaml", "recipes/grpo.yaml", "recipes/ppo.yaml", "recipes/sft.yaml"])
 def test_shipped_configs_evaluate(path):
-    from framework.config import load_config
-
     cfg = load_config([str(ROOT / path)])
     assert cfg["eval"]["every_n_steps"] is not None
     evaluation = Evaluation(cfg, build_tokenizer(cfg))   # held-out data, or a task with held-out prompts
