@@ -93,8 +93,8 @@ def _parser() -> argparse.ArgumentParser:
 
     ev = add("eval", "evaluate a checkpoint on held-out data as training does; print a table, write JSON",
              [common, configs], "Evaluate a checkpoint's policy with the eval: settings (RL: reward, accuracy, "
-             "pass@k of eval.samples_per_prompt samples per prompt; SFT: loss, perplexity, token accuracy). With "
-             "only --checkpoint, the checkpoint's own config.yaml is used. " + overrides)
+             "pass@k of eval.samples_per_prompt samples per prompt; SFT: loss, perplexity, token accuracy). Without "
+             "--config, the checkpoint's own config.yaml is used, with the overrides on top. " + overrides)
     ev.add_argument("--checkpoint", required=True, metavar="DIR",
                     help="checkpoint directory, or a run directory for its newest checkpoint")
     ev.add_argument("--out", metavar="FILE", help="the JSON report (default: <run_dir>/eval/<checkpoint>.json, "
@@ -170,13 +170,12 @@ def _run(args: argparse.Namespace, overrides: list[str]) -> int:
         print(generate_text(cfg, args.prompt, checkpoint=args.checkpoint, max_new_tokens=args.max_new_tokens,
                             temperature=temperature, seed=args.seed, skip_damaged=args.skip_damaged))
     elif cmd == "eval":
-        if overrides and not args.config:
-            raise FwError(f"overrides ({' '.join(overrides)}) need --config FILE; with only --checkpoint the "
-                          "checkpoint's config.yaml is used as it is")
         from framework.evaluation import evaluate_checkpoint, format_table
 
+        # without --config, the overrides apply on top of the checkpoint's own config.yaml
         cfg = load_config(args.config, overrides) if args.config else None
-        report, out = evaluate_checkpoint(args.checkpoint, cfg, out=args.out, skip_damaged=args.skip_damaged)
+        report, out = evaluate_checkpoint(args.checkpoint, cfg, out=args.out, skip_damaged=args.skip_damaged,
+                                          overrides=None if args.config else overrides)
         print(format_table(report))
         print(f"wrote {out}")
     elif cmd == "plot":

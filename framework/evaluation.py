@@ -350,12 +350,12 @@ class EvalCallback(lightning.Callback):
 
 
 def evaluate_checkpoint(checkpoint: str | Path, cfg: dict | None = None, out: str | Path | None = None,
-                        skip_damaged: bool = False) -> tuple[dict[str, Any], Path]:
+                        skip_damaged: bool = False, overrides: list[str] | None = None) -> tuple[dict[str, Any], Path]:
     """Evaluate a checkpoint (or a run directory's newest) as training does; write the JSON report to `out` and
     return (report, path).
 
-    `cfg` replaces the checkpoint's own config.yaml (e.g. other eval settings). The report holds the eval and
-    reward settings and the config keys that differ from the checkpoint's. Its default path is
+    `cfg` replaces the checkpoint's own config.yaml, else `overrides` (`--a.b=v`) apply on top of it. The report
+    holds the eval and reward settings and the config keys that differ from the checkpoint's. Its default path is
     `<run_dir>/eval/<checkpoint>.json` under the checkpoint's own config, `<checkpoint>-<hash>.json` under
     another (the first 8 hex digits of its sha256), and a report there of other settings is never replaced."""
     from framework.checkpoint import resolve_checkpoint
@@ -368,12 +368,12 @@ def evaluate_checkpoint(checkpoint: str | Path, cfg: dict | None = None, out: st
     own_file = str(path / CONFIG_FILE)
     given = cfg is not None
     if not given:
-        cfg = load_config([own_file])
+        cfg = load_config([own_file], overrides)   # every problem of it, the overrides' too
     own: dict | None = cfg
-    if given:
+    if given or overrides:
         try:
             own = load_config([own_file])
-        except FwError:   # made valid by the given config: what changed is not known
+        except FwError:   # made valid by the given config or the overrides: what changed is not known
             own = None
     changes = None if own is None else config_changes(own, cfg)
     settings = {"eval": cfg["eval"], "reward": cfg["reward"], "changes": changes}

@@ -287,6 +287,20 @@ def test_fw_eval_reports_record_their_settings_and_never_replace_other_settings(
          "them); move it away, or give --out FILE for this one")]
 
 
+def test_fw_eval_overrides_apply_to_the_checkpoints_own_config(small_run, tmp_path, capsys):
+    out = tmp_path / "r.json"
+    assert main(["eval", "--checkpoint", str(small_run), "--eval.samples_per_prompt=1", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["eval"]["samples_per_prompt"] == 1 and report["changes"] == {"eval.samples_per_prompt": 1}
+    m = report["metrics"]
+    assert m["eval/pass@k"] == m["eval/pass@1"] == m["eval/accuracy"]   # one 0/1 sample a prompt
+    # a bad override: its own line, as fw fit prints it
+    capsys.readouterr()
+    assert main(["eval", "--checkpoint", str(small_run), "--eval.samples_per_prompt=0"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "override '--eval.samples_per_prompt=0': eval.samples_per_prompt: must be >= 1, got 0"]
+
+
 # ---------------------------------------------------------------- SFT
 
 
