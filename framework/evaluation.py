@@ -65,12 +65,16 @@ def is_rl(cfg: dict) -> bool:
 def training_draws(cfg: dict, world_size: int) -> int:
     """An upper bound on the training samples a run of `trainer.max_steps` policy steps consumes.
 
-    RL: one rollout batch per step at most (`rollout.prompts_per_step` per rank). SFT: every micro-batch
-    row holds at most `data.max_seq_len // 2` packed examples (each at least two tokens), one unpacked.
+    RL: one rollout batch per step at most (`rollout.prompts_per_step` per rank and round; GRPO's dynamic
+    sampling draws up to `grpo.dynamic_sampling_max_rounds` rounds a step). SFT: every micro-batch row holds at
+    most `data.max_seq_len // 2` packed examples (each at least two tokens), one unpacked.
     """
     steps = cfg["trainer"]["max_steps"]
     if is_rl(cfg):
-        return steps * cfg["rollout"]["prompts_per_step"] * world_size
+        rounds = 1
+        if cfg["recipe"] == "grpo" and cfg["grpo"]["dynamic_sampling"]:
+            rounds = cfg["grpo"]["dynamic_sampling_max_rounds"]
+        return steps * cfg["rollout"]["prompts_per_step"] * world_size * rounds
     d = cfg["data"]
     per_row = max(d["max_seq_len"] // 2, 1) if d["pack"] else 1
     return steps * cfg["trainer"]["accumulate_grad_batches"] * d["batch_size"] * world_size * per_row

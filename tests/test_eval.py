@@ -7,6 +7,7 @@ import json
 import math
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -54,6 +55,9 @@ def grpo_config(run_dir, eval_cfg=None, callbacks=(), reward=None, **changes):
 
 
 EVAL = {"every_n_steps": 2, "at_start": True, "max_prompts": 6, "samples_per_prompt": 3}
+# 2-digit prompts: 100 of them, so that a few dozen training draws hold many of the eval candidates
+TWO_DIGITS = {"task": {"name": "digits", "init_args": {"num_digits": 2, "rule": "next"}}, "chat_template": False}
+ONE_TOKEN = {"prompts_per_step": 4, "max_new_tokens": 1}
 
 
 # ---------------------------------------------------------------- pass@k
@@ -138,6 +142,31 @@ def test_eval_prompts_are_never_training_prompts(tmp_path):
     # the same seed as training draws the training prompts first: all of those are skipped
     same = Evaluation({**cfg, "eval": {**cfg["eval"], "seed": cfg["seed"]}}, build_tokenizer(cfg))
     assert not set(same.texts) & trained
+
+
+@pytest.fixture(scope="module")
+def dynamic_run(tmp_path_factory):
+    """A 5-step GRPO run with dynamic sampling (up to 10 rounds a step) that does not evaluate: its directory,
+    config, the prompts it scored and the number of prompts it drew (from its metrics)."""
+    base = tmp_path_factory.mktemp("dynamic")
+    log = base / "rewards.jsonl"
+    reward = {"class_path": "test_eval.RecordingReward", "init_args": {"path": str(log)}}
+    cfg = grpo_config(base / "run", reward=reward, data=TWO_DIGITS, rollout=ONE_TOKEN,
+                      grpo={"group_size": 4, "dynamic_sampling": True, "dynamic_sampling_max_rounds": 10},
+                      trainer={"accelerator": "cpu", "max_steps": 5, "enable_progress_bar": False})
+    fit(cfg)
+    trained = {json.loads(line)[0] for line in log.read_text().splitlines()}
+    log.write_text("")
+    metrics = read_metrics(base / "run" / "metrics.jsonl")
+    drawn = sum(r["rollout/groups_drawn"] for r in metrics if "rollout/groups_drawn" in r)
+    assert drawn > 5 * 4 and len(trained) > 5 * 4   # steps of several rounds: more than one batch a step
+    return SimpleNamespace(run=base / "run", cfg=cfg, trained=trained, drawn=drawn, log=log)
+
+
+def test_dynamic_sampling_rounds_are_left_out_of_the_eval_set(dynamic_run):
+    cfg = {**dynamic_run.cfg, "eval": {**dynamic_run.cfg["eval"], "max_prompts": 30}}
+    texts = Evaluation(cfg, build_tokenizer(cfg)).texts
+    assert texts and not set(texts) & dynamic_run.trained
 
 
 def test_a_task_without_held_out_prompts_is_refused(tmp_path):
