@@ -2,8 +2,11 @@
 
 The eval data is `eval.path` (JSONL in the training data's format) or samples of the training task drawn
 with `eval.seed`; with `eval.held_out` a sample the run can train on is left out, so no eval prompt is a
-training prompt. The training stream's first `training_draws(cfg, world_size)` samples bound what a run of
-`trainer.max_steps` steps consumes, and any eval sample among them is skipped.
+training prompt. The run can train on the first `training_draws(...)` samples of its training stream (RL: every
+step drawing its most prompts, GRPO's dynamic-sampling rounds included; SFT from a task: exactly the examples
+its packed rows take), and an eval sample equal to one of them is skipped. The first eval candidates are
+compared with the training samples in one pass that holds only the candidates; the training samples' keys,
+which may be many, are held only when most of those candidates are training samples.
 
 RL: `eval.samples_per_prompt` completions per prompt from the rollout engine (batches of
 `rollout.prompts_per_step` prompts), scored by the run's reward. SFT: the token-mean loss of the
@@ -33,6 +36,8 @@ EVAL_PREFIX = "eval/"
 # Order of the summed statistics: RL (prompts, samples, reward, correct, pass@k, pass@1, mean@k, tokens).
 _RL_SUMS = 8
 ACCURACY_CHUNK = 4096   # SFT target tokens per logits chunk for eval/token_accuracy
+PACK_CHUNK = 256        # packed SFT rows filled per call when counting what training draws
+POOL = 4               # eval candidates compared with the training samples in the first pass, per wanted one
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -62,22 +67,43 @@ def is_rl(cfg: dict) -> bool:
     return not recipe_class(cfg["recipe"]).requirements(cfg).automatic_optimization
 
 
-def training_draws(cfg: dict, world_size: int) -> int:
-    """An upper bound on the training samples a run of `trainer.max_steps` policy steps consumes.
-
-    RL: one rollout batch per step at most (`rollout.prompts_per_step` per rank and round; GRPO's dynamic
-    sampling draws up to `grpo.dynamic_sampling_max_rounds` rounds a step). SFT: every micro-batch row holds at
-    most `data.max_seq_len // 2` packed examples (each at least two tokens), one unpacked.
-    """
-    steps = cfg["trainer"]["max_steps"]
+def step_draws(cfg: dict, world_size: int) -> int:
+    """The most training-stream units one policy step takes over `world_size` processes: RL prompts
+    (`rollout.prompts_per_step` per rank and round, GRPO's dynamic sampling drawing up to
+    `grpo.dynamic_sampling_max_rounds` rounds), SFT rows of its micro-batches (one example each unpacked)."""
     if is_rl(cfg):
         rounds = 1
         if cfg["recipe"] == "grpo" and cfg["grpo"]["dynamic_sampling"]:
             rounds = cfg["grpo"]["dynamic_sampling_max_rounds"]
-        return steps * cfg["rollout"]["prompts_per_step"] * world_size * rounds
-    d = cfg["data"]
-    per_row = max(d["max_seq_len"] // 2, 1) if d["pack"] else 1
-    return steps * cfg["trainer"]["accumulate_grad_batches"] * d["batch_size"] * world_size * per_row
+        return cfg["rollout"]["prompts_per_step"] * world_size * rounds
+    return cfg["trainer"]["accumulate_grad_batches"] * cfg["data"]["batch_size"] * world_size
+
+
+def training_draws(cfg: dict, world_size: int, tokenizer: Any = None) -> int:
+    """The training-stream samples a run of `trainer.max_steps` policy steps draws: an upper bound for RL (every
+    step at its most rounds), exact for SFT, whose packed rows are filled here as training fills them (from the
+    tokenized examples: `tokenizer`, default the config's)."""
+    units = cfg["trainer"]["max_steps"] * step_draws(cfg, world_size)
+    if is_rl(cfg) or not cfg["data"]["pack"]:
+        return units
+    from framework.data import ExampleStream, global_batch
+    from framework.tokenizer import build_tokenizer
+
+    # the rows are filled in stream order whatever the micro-batch they belong to, so any split of them into
+    # calls gives the same position
+    stream = ExampleStream(cfg, tokenizer or build_tokenizer(cfg), train_on_prompt=False)
+    position = 0
+    while units > 0:
+        rows = min(units, PACK_CHUNK)
+        position = global_batch(stream, position, rows, cfg["data"]["max_seq_len"], True)[1]
+        units -= rows
+    return position
+
+
+def needs_draws(cfg: dict) -> bool:
+    """Whether the held-out set depends on how many training samples the run draws: held out from a task's
+    stream or RL prompts (an SFT run on a JSONL file never sees an eval example of that file's records)."""
+    return bool(cfg["eval"]["held_out"]) and (is_rl(cfg) or bool(cfg["data"]["task"]))
 
 
 def _key(value: Any) -> str:
@@ -99,15 +125,19 @@ def _check_source(cfg: dict) -> None:
 
 
 class Evaluation:
-    """The held-out data of `cfg` and how to evaluate a policy on it (`run`)."""
+    """The held-out data of `cfg` and how to evaluate a policy on it (`run`).
 
-    def __init__(self, cfg: dict, tokenizer: Any, world_size: int = 1):
+    `draws`: the training samples to leave out (default: what a run on `world_size` processes draws)."""
+
+    def __init__(self, cfg: dict, tokenizer: Any, world_size: int = 1, *, draws: int | None = None):
         _check_source(cfg)
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.rl = is_rl(cfg)
         self.seed = eval_seed(cfg)
-        draws = training_draws(cfg, world_size)
+        if draws is None:
+            draws = training_draws(cfg, world_size, tokenizer) if needs_draws(cfg) else 0
+        self.draws = draws
         if self.rl:
             self._build_rl(draws)
         else:
@@ -121,9 +151,9 @@ class Evaluation:
         cfg, e = self.cfg, self.cfg["eval"]
         train = build_task(cfg["data"], seed=cfg["seed"])
         self.reward_fn = build_reward(cfg["reward"], train)
-        seen = {_key(train.sample(i)["prompt"]) for i in range(_bounded(train, draws) if e["held_out"] else 0)}
         source = build_task(_eval_cfg(cfg)["data"] if e["path"] else cfg["data"], seed=self.seed)
-        samples = self._held_out(source.sample, _length(source), lambda s: _key(s["prompt"]), seen)
+        samples = self._held_out(source.sample, _length(source), lambda s: _key(s["prompt"]),
+                                 lambda i: _key(train.sample(i)["prompt"]), _bounded(train, draws))
         template, thinking = cfg["data"]["chat_template"], cfg["tokenizer"]["enable_thinking"]
         self.texts = [render_prompt(s["prompt"], self.tokenizer, template, thinking) for s in samples]
         self.ids = [self.tokenizer.encode(t) for t in self.texts]
@@ -140,45 +170,65 @@ class Evaluation:
             return [r for p in ([paths] if isinstance(paths, str) else paths) for _, r in read_jsonl(p)]
 
         if not e["held_out"]:
-            seen: set[str] = set()
-        elif cfg["data"]["path"]:
-            seen = {_key(r) for r in records(cfg["data"]["path"])}
+            train_key, count = None, 0
+        elif cfg["data"]["path"]:   # every record of the file, which training visits again and again
+            keys = [_key(r) for r in records(cfg["data"]["path"])]
+            train_key, count = keys.__getitem__, len(keys)
         else:
             train = build_task(cfg["data"], seed=cfg["seed"])
-            seen = {_key(train.sft_example(i)) for i in range(_bounded(train, draws))}
+            train_key, count = (lambda i: _key(train.sft_example(i))), draws
         if e["path"]:
             items = records(e["path"])
-            fmt, get, count = cfg["data"]["format"], items.__getitem__, len(items)
+            fmt, get, n = cfg["data"]["format"], items.__getitem__, len(items)
         else:
             source = build_task(cfg["data"], seed=self.seed)
-            fmt, get, count = "prompt_completion", source.sft_example, _length(source)
-        chosen = self._held_out(get, count, _key, seen)
+            fmt, get, n = "prompt_completion", source.sft_example, _length(source)
+        chosen = self._held_out(get, n, _key, train_key, count)
         self.examples = [encode_record(r, fmt, self.tokenizer, cfg, f"eval example {i}", train_on_prompt=False)
                          for i, r in enumerate(chosen)]
 
-    def _held_out(self, get: Any, count: int | None, key: Any, seen: set[str]) -> list[Any]:
-        """The first `eval.max_prompts` samples `get(i)` (i < `count`; None = endless) whose key is not
-        in `seen`. An endless source is read up to 100 samples per wanted prompt past the training ones.
-        """
+    def _held_out(self, get: Any, count: int | None, key: Any, train_key: Any, draws: int) -> list[Any]:
+        """The first `eval.max_prompts` distinct samples `get(i)` (i < `count`; None = endless) whose key is none
+        of the training samples' `train_key(j)`, j < `draws`. An endless source is read up to 100 samples per
+        wanted prompt (past the training ones when many of its samples are training samples).
+
+        The first candidates are compared with the training samples in one pass that holds only them; only when
+        too many of them are training samples are the training samples' keys held, and more candidates read."""
         wanted = self.cfg["eval"]["max_prompts"]
-        limit = 100 * wanted + len(seen)
-        limit = limit if count is None else min(count, limit)
-        out, keys = [], set()
-        for i in range(limit):
-            sample = get(i)
-            k = key(sample)
-            if k in seen or k in keys:   # a duplicate would weigh one prompt twice
-                continue
-            out.append(sample)
-            keys.add(k)
-            if len(out) == wanted:
-                break
-        if not out:
+        candidates: dict[str, Any] = {}   # distinct, in the order read
+        first: dict[str, int] = {}   # key -> the index of the first training sample that has it
+        read = 0
+
+        def fill(limit: int, enough: int, held_out: bool) -> None:
+            """Read candidates until `enough` distinct ones (`held_out`: ones no training sample has)."""
+            nonlocal read
+            limit = limit if count is None else min(count, limit)
+            found = len(_pick(candidates, first, draws, enough) if held_out else candidates)
+            while read < limit and found < enough:
+                k = key(sample := get(read))
+                read += 1
+                if k not in candidates:
+                    candidates[k] = sample
+                    found += not held_out or first.get(k, draws) >= draws
+
+        fill(100 * wanted, POOL * wanted if draws else wanted, held_out=False)
+        for j in range(draws):
+            k = train_key(j)
+            if k in candidates and k not in first:
+                first[k] = j
+        chosen = _pick(candidates, first, draws, wanted)
+        if len(chosen) < wanted and (count is None or read < count):
+            first = {}
+            for j in range(draws):
+                first.setdefault(train_key(j), j)
+            fill(100 * wanted + len(first), wanted, held_out=True)
+            chosen = _pick(candidates, first, draws, wanted)
+        if not chosen:
             where = "eval.path" if self.cfg["eval"]["path"] else "the training task drawn with eval.seed"
             raise FwError(f"eval: every sample of {where} is also a training sample of this run (a task with few "
                           "distinct prompts); set eval.path to held-out data, use a task with more prompts, or set "
                           "eval.held_out: false to evaluate on training prompts")
-        return out
+        return [candidates[k] for k in chosen]
 
     # ----------------------------------------------------------------- running
     def run(self, policy: Any, rank: int = 0, world_size: int = 1, engine: Any = None) -> dict[str, float]:
@@ -285,6 +335,17 @@ def _bounded(source: Any, limit: int) -> int:
     """`limit`, or the length of a finite source when it is shorter (later indices repeat its records)."""
     n = _length(source)
     return limit if n is None else min(n, limit)
+
+
+def _pick(candidates: dict[str, Any], first: dict[str, int], draws: int, wanted: int) -> list[str]:
+    """The keys of the first `wanted` candidates that none of the first `draws` training samples has."""
+    out = []
+    for k in candidates:
+        if first.get(k, draws) >= draws:
+            out.append(k)
+            if len(out) == wanted:
+                break
+    return out
 
 
 @contextlib.contextmanager

@@ -16,9 +16,9 @@ from safetensors.torch import load_file
 from framework.cli import main
 from framework.config import load_config, resolve
 from framework.errors import FwError
-from framework.evaluation import EvalCallback, Evaluation, pass_at_k
+from framework.evaluation import EvalCallback, Evaluation, pass_at_k, training_draws
 from framework.metrics import read_metrics
-from framework.tasks import Digits
+from framework.tasks import Digits, build_task
 from framework.tokenizer import build_tokenizer
 from framework.trainer import fit
 
@@ -142,6 +142,24 @@ def test_eval_prompts_are_never_training_prompts(tmp_path):
     # the same seed as training draws the training prompts first: all of those are skipped
     same = Evaluation({**cfg, "eval": {**cfg["eval"], "seed": cfg["seed"]}}, build_tokenizer(cfg))
     assert not set(same.texts) & trained
+
+
+@pytest.mark.parametrize(("max_steps", "wanted"), [(10, 40), (50, 10), (50, 60)])
+def test_the_held_out_set_is_the_first_eval_prompts_no_training_draw_has(tmp_path, max_steps, wanted):
+    # (10, 40): few of the first candidates are training prompts; (50, 10): most are, so more are read;
+    # (50, 60): fewer than 60 prompts are left, and every one of them is taken
+    cfg = grpo_config(tmp_path / "run", {**EVAL, "max_prompts": wanted}, data=TWO_DIGITS, rollout=ONE_TOKEN,
+                      trainer={"accelerator": "cpu", "max_steps": max_steps})
+    train, source = build_task(cfg["data"], seed=cfg["seed"]), build_task(cfg["data"], seed=cfg["seed"] + 1)
+    trained = {train.sample(i)["prompt"] for i in range(max_steps * 4)}   # 4 prompts a step, one process
+    expected = []
+    for i in range(100 * wanted + len(trained)):
+        prompt = source.sample(i)["prompt"]
+        if prompt not in trained and prompt not in expected:
+            expected.append(prompt)
+            if len(expected) == wanted:
+                break
+    assert Evaluation(cfg, build_tokenizer(cfg)).texts == expected
 
 
 @pytest.fixture(scope="module")
@@ -384,6 +402,31 @@ def test_sft_fit_logs_eval_every_step(tmp_path):
     assert [r["step"] for r in evals] == [1, 2]
     assert all(set(r) == {"step", "eval/loss", "eval/perplexity", "eval/token_accuracy", "eval/tokens"} for r in evals)
     assert evals[1]["eval/loss"] != evals[0]["eval/loss"]   # the weights changed in between
+
+
+def test_sft_task_leaves_out_exactly_the_examples_training_packs(tmp_path):
+    cfg = resolve({
+        "recipe": "sft", "seed": 3, "run_dir": str(tmp_path / "run"), "model": {"policy": {"preset": "tiny"}},
+        "data": {"task": {"name": "arithmetic", "init_args": {"digits": 2}}, "chat_template": False,
+                 "max_seq_len": 64, "batch_size": 2},
+        "trainer": {"accelerator": "cpu", "max_steps": 3, "accumulate_grad_batches": 2, "enable_progress_bar": False},
+        "logging": {"csv": False, "tensorboard": False}, "eval": {"every_n_steps": 3, "max_prompts": 8}})
+    trainer = fit(cfg)
+    position = trainer.lightning_module.recipe.position   # the examples the run's packed rows took
+    assert 3 * 2 * 2 < position < 3 * 2 * 2 * 64 // 2   # several a row, far fewer than 2-token examples
+    assert training_draws(cfg, 1) == position
+    callback = next(cb for cb in trainer.callbacks if isinstance(cb, EvalCallback))
+    assert callback.evaluation.draws == position
+    train = build_task(cfg["data"], seed=cfg["seed"])
+    trained = {json.dumps(train.sft_example(i), sort_keys=True) for i in range(position)}
+    source = build_task(cfg["data"], seed=cfg["seed"] + 1)
+    evaluated = [source.sft_example(i) for i in range(200)]
+    tokenizer = build_tokenizer(cfg)
+    from framework.data import encode_record
+
+    expected = [encode_record(r, "prompt_completion", tokenizer, cfg, "ref", train_on_prompt=False).ids
+                for r in evaluated if json.dumps(r, sort_keys=True) not in trained][:8]
+    assert [e.ids for e in callback.evaluation.examples] == expected
 
 
 @pytest.mark.parametrize("path", ["train.yaml", "recipes/grpo.yaml", "recipes/ppo.yaml", "recipes/sft.yaml"])
