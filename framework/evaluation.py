@@ -8,6 +8,11 @@ its packed rows take), and an eval sample equal to one of them is skipped. The f
 compared with the training samples in one pass that holds only the candidates; the training samples' keys,
 which may be many, are held only when most of those candidates are training samples.
 
+The bound is fixed at a run's first start and kept in its checkpoints (`HELD_OUT_ENTRY`): a resumed
+run keeps it, and raises it only when it can draw more than that start allowed for (a larger
+`trainer.max_steps` or global batch); `fw eval` uses the bound of the checkpoint's run, or, for a run that
+did not evaluate, the checkpoint's data position (what its policy trained on).
+
 RL: `eval.samples_per_prompt` completions per prompt from the rollout engine (batches of
 `rollout.prompts_per_step` prompts), scored by the run's reward. SFT: the token-mean loss of the
 examples' targets. Generation uses seeds of its own (the eval seed and the batch's index, the same at
@@ -21,6 +26,7 @@ import contextlib
 import json
 import math
 import os
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -38,6 +44,8 @@ _RL_SUMS = 8
 ACCURACY_CHUNK = 4096   # SFT target tokens per logits chunk for eval/token_accuracy
 PACK_CHUNK = 256        # packed SFT rows filled per call when counting what training draws
 POOL = 4               # eval candidates compared with the training samples in the first pass, per wanted one
+POSITION_KEYS = ("prompt_position", "position")   # the data position in the RL and SFT recipes' state
+HELD_OUT_ENTRY = "fw_held_out"   # the checkpoint entry of the held-out bound (`held_out_record`)
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -79,20 +87,19 @@ def step_draws(cfg: dict, world_size: int) -> int:
     return cfg["trainer"]["accumulate_grad_batches"] * cfg["data"]["batch_size"] * world_size
 
 
-def training_draws(cfg: dict, world_size: int, tokenizer: Any = None) -> int:
-    """The training-stream samples a run of `trainer.max_steps` policy steps draws: an upper bound for RL (every
-    step at its most rounds), exact for SFT, whose packed rows are filled here as training fills them (from the
-    tokenized examples: `tokenizer`, default the config's)."""
-    units = cfg["trainer"]["max_steps"] * step_draws(cfg, world_size)
+def training_draws(cfg: dict, world_size: int, tokenizer: Any = None, step: int = 0, position: int = 0) -> int:
+    """The training-stream samples a run at policy step `step` and data position `position` has drawn by
+    `trainer.max_steps`: an upper bound for RL (every step at its most rounds), exact for SFT, whose packed rows
+    are filled here as training fills them (from the tokenized examples: `tokenizer`, default the config's)."""
+    units = max(cfg["trainer"]["max_steps"] - step, 0) * step_draws(cfg, world_size)
     if is_rl(cfg) or not cfg["data"]["pack"]:
-        return units
+        return position + units
     from framework.data import ExampleStream, global_batch
     from framework.tokenizer import build_tokenizer
 
     # the rows are filled in stream order whatever the micro-batch they belong to, so any split of them into
     # calls gives the same position
     stream = ExampleStream(cfg, tokenizer or build_tokenizer(cfg), train_on_prompt=False)
-    position = 0
     while units > 0:
         rows = min(units, PACK_CHUNK)
         position = global_batch(stream, position, rows, cfg["data"]["max_seq_len"], True)[1]
@@ -104,6 +111,21 @@ def needs_draws(cfg: dict) -> bool:
     """Whether the held-out set depends on how many training samples the run draws: held out from a task's
     stream or RL prompts (an SFT run on a JSONL file never sees an eval example of that file's records)."""
     return bool(cfg["eval"]["held_out"]) and (is_rl(cfg) or bool(cfg["data"]["task"]))
+
+
+def held_out_record(cfg: dict, tokenizer: Any, world_size: int, step: int = 0, position: int | None = None,
+                    saved: dict | None = None) -> dict[str, int]:
+    """`{"draws", "step_draws", "max_steps"}`: the training draws a run starting at `step` (data `position`) on
+    `world_size` processes leaves out of its eval data. `saved`: the record of the run's earlier start, whose
+    bound is kept, and raised only when this start can draw more (another max_steps or global batch)."""
+    record = {"step_draws": step_draws(cfg, world_size), "max_steps": cfg["trainer"]["max_steps"]}
+    earlier = saved.get("draws") if saved else None
+    if earlier is not None and all(saved.get(k) == v for k, v in record.items()):
+        return {**record, "draws": earlier}   # the same steps as the start that chose it: nothing more to draw
+    if position is None:   # a recipe that states no data position: as if it started over
+        step, position = 0, 0
+    draws = training_draws(cfg, world_size, tokenizer, step, position)
+    return {**record, "draws": draws if earlier is None else max(draws, earlier)}
 
 
 def _key(value: Any) -> str:
@@ -127,9 +149,12 @@ def _check_source(cfg: dict) -> None:
 class Evaluation:
     """The held-out data of `cfg` and how to evaluate a policy on it (`run`).
 
-    `draws`: the training samples to leave out (default: what a run on `world_size` processes draws)."""
+    `draws`: the training samples to leave out (default: what a fresh run on `world_size` processes draws);
+    `earlier`: the bound an earlier start of the run used, for `changed` (whether the larger `draws` changed
+    the eval set)."""
 
-    def __init__(self, cfg: dict, tokenizer: Any, world_size: int = 1, *, draws: int | None = None):
+    def __init__(self, cfg: dict, tokenizer: Any, world_size: int = 1, *, draws: int | None = None,
+                 earlier: int | None = None):
         _check_source(cfg)
         self.cfg = cfg
         self.tokenizer = tokenizer
@@ -138,6 +163,8 @@ class Evaluation:
         if draws is None:
             draws = training_draws(cfg, world_size, tokenizer) if needs_draws(cfg) else 0
         self.draws = draws
+        self.changed = False
+        self._earlier = earlier if earlier is not None and earlier < draws else None
         if self.rl:
             self._build_rl(draws)
         else:
@@ -228,6 +255,8 @@ class Evaluation:
             raise FwError(f"eval: every sample of {where} is also a training sample of this run (a task with few "
                           "distinct prompts); set eval.path to held-out data, use a task with more prompts, or set "
                           "eval.held_out: false to evaluate on training prompts")
+        if self._earlier is not None:
+            self.changed = _pick(candidates, first, self._earlier, wanted) != chosen
         return [candidates[k] for k in chosen]
 
     # ----------------------------------------------------------------- running
@@ -348,6 +377,16 @@ def _pick(candidates: dict[str, Any], first: dict[str, int], draws: int, wanted:
     return out
 
 
+def data_position(state: Any) -> int | None:
+    """The data position (training-stream samples consumed by all ranks) in a recipe's state: a recipe, or the
+    dict its `state_dict` gave; None for a recipe that states none."""
+    for name in POSITION_KEYS:
+        value = state.get(name) if isinstance(state, dict) else getattr(state, name, None)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return None
+
+
 @contextlib.contextmanager
 def preserved_rng() -> Iterator[None]:
     """Every global generator (torch, CUDA, Python, NumPy) as it was before the block."""
@@ -362,7 +401,8 @@ class EvalCallback(lightning.Callback):
     """Evaluates every `eval.every_n_steps` policy steps (and at step 0 with `eval.at_start`), logging the
     metrics at that step: with the step's training metrics when the step is logged (the trainer puts this
     callback ahead of `MetricsLogger`), else in a record of their own. Either way before the step's
-    checkpoint is saved, so a checkpoint of step k comes after step k's eval."""
+    checkpoint is saved, so a checkpoint of step k comes after step k's eval. It keeps the held-out bound
+    (`held_out_record`) in the checkpoints, for a resumed run and for `fw eval`."""
 
     def __init__(self, cfg: dict):
         _check_source(cfg)
@@ -371,9 +411,35 @@ class EvalCallback(lightning.Callback):
         self.evaluation: Evaluation | None = None
         self._step = 0
         self.history: list[tuple[int, dict[str, float]]] = []   # (step, metrics) of this process's evals
+        self.held_out: dict[str, int] | None = None   # held_out_record of this run
+        self._saved: dict[str, int] | None = None   # the checkpoint's, until training starts
+
+    # A checkpoint entry of its own rather than Lightning's callback state, which a run resumed without evaluation
+    # would be warned about.
+    def on_save_checkpoint(self, trainer: lightning.Trainer, module: lightning.LightningModule,
+                           checkpoint: dict[str, Any]) -> None:
+        if self.held_out:
+            checkpoint[HELD_OUT_ENTRY] = dict(self.held_out)
+
+    def on_load_checkpoint(self, trainer: lightning.Trainer, module: lightning.LightningModule,
+                           checkpoint: dict[str, Any]) -> None:
+        self._saved = checkpoint.get(HELD_OUT_ENTRY)
 
     def on_train_start(self, trainer: lightning.Trainer, module: lightning.LightningModule) -> None:
-        self.evaluation = Evaluation(self.cfg, module.tokenizer, trainer.world_size)
+        saved, self._saved = self._saved, None
+        earlier = saved.get("draws") if saved else None
+        if needs_draws(self.cfg):
+            self.held_out = held_out_record(self.cfg, module.tokenizer, trainer.world_size, trainer.global_step,
+                                            data_position(getattr(module, "recipe", None)), saved)
+            draws = self.held_out["draws"]
+        else:   # kept for a later start that holds out again
+            self.held_out, draws = saved, 0
+        self.evaluation = Evaluation(self.cfg, module.tokenizer, trainer.world_size, draws=draws, earlier=earlier)
+        if self.evaluation.changed and trainer.is_global_zero:
+            print(f"fw: warning: eval: this run can draw {draws} training samples, more than the {earlier} its eval "
+                  "set was chosen against (a larger trainer.max_steps or global batch), and some eval samples are "
+                  "among them; they are replaced by others, so the eval metrics from here on are not comparable "
+                  "with the earlier ones", file=sys.stderr, flush=True)
         self._step = trainer.global_step
         if self.cfg["eval"]["at_start"] and trainer.global_step == 0:
             self._evaluate(trainer, module)
@@ -416,12 +482,12 @@ class EvalCallback(lightning.Callback):
 
 def evaluate_checkpoint(checkpoint: str | Path, cfg: dict | None = None, out: str | Path | None = None,
                         skip_damaged: bool = False, overrides: list[str] | None = None) -> tuple[dict[str, Any], Path]:
-    """Evaluate a checkpoint (or a run directory's newest) as training does; write the JSON report to `out` and
-    return (report, path).
+    """Evaluate a checkpoint (or a run directory's newest) as training does, leaving out the training samples
+    of the checkpoint's run (`checkpoint_draws`); write the JSON report to `out` and return (report, path).
 
     `cfg` replaces the checkpoint's own config.yaml, else `overrides` (`--a.b=v`) apply on top of it. The report
-    holds the eval and reward settings and the config keys that differ from the checkpoint's. Its default path is
-    `<run_dir>/eval/<checkpoint>.json` under the checkpoint's own config, `<checkpoint>-<hash>.json` under
+    holds the eval and reward settings and the config keys that differ from the checkpoint's. Its default path
+    is `<run_dir>/eval/<checkpoint>.json` under the checkpoint's own config, `<checkpoint>-<hash>.json` under
     another (the first 8 hex digits of its sha256), and a report there of other settings is never replaced."""
     from framework.checkpoint import resolve_checkpoint
     from framework.checkpoint.directory import CONFIG_FILE, config_sha256, read_complete_manifest
@@ -454,10 +520,11 @@ def evaluate_checkpoint(checkpoint: str | Path, cfg: dict | None = None, out: st
     tokenizer, policy = load_policy(cfg, path)
     device = _device(cfg)
     policy.to(device)
-    evaluation = Evaluation(cfg, tokenizer)
+    evaluation = Evaluation(cfg, tokenizer, draws=checkpoint_draws(path, cfg) if needs_draws(cfg) else 0)
     with autocast_context(cfg, device):
         metrics = evaluation.run(policy)
-    report = {"checkpoint": str(path), "step": step, "recipe": cfg["recipe"], **settings, "metrics": metrics}
+    report = {"checkpoint": str(path), "step": step, "recipe": cfg["recipe"], **settings,
+              "held_out_draws": evaluation.draws, "metrics": metrics}
     out.parent.mkdir(parents=True, exist_ok=True)
     replace_file(out, json.dumps(report, indent=2) + "\n")   # whole or not at all
     return report, out
@@ -473,6 +540,28 @@ def config_changes(before: dict, after: dict, prefix: str = "") -> dict[str, Any
         elif a != b:
             out[f"{prefix}{k}"] = b
     return out
+
+
+def checkpoint_draws(path: Path, cfg: dict) -> int | None:
+    """The training samples left out of the eval data of checkpoint `path`: the bound its run evaluated
+    against (the same eval set), else its data position (what its policy trained on); None when its trainer
+    state holds neither (a recipe that states no data position)."""
+    from framework.checkpoint.directory import TRAINER_STATE, verify_checkpoint
+    from framework.checkpoint.tensors import SubclassRef, TensorRef
+    from framework.optim import allow_optimizer_states
+
+    if cfg["checkpoint"]["verify"]:
+        verify_checkpoint(path, [TRAINER_STATE])
+    allow_optimizer_states(cfg)
+    try:
+        with open(path / TRAINER_STATE, "rb") as f, torch.serialization.safe_globals([TensorRef, SubclassRef]):
+            state = torch.load(f, map_location="cpu", weights_only=True)
+    except (OSError, RuntimeError, EOFError, ValueError) as e:
+        raise FwError(f"{path / TRAINER_STATE}: unreadable trainer state ({str(e).splitlines()[0]})") from None
+    saved = state.get(HELD_OUT_ENTRY) or {}
+    if isinstance(saved.get("draws"), int):
+        return saved["draws"]
+    return data_position(state.get("fw_recipe") or {})
 
 
 def _check_replace(out: Path, settings: dict[str, Any]) -> None:

@@ -1,5 +1,7 @@
-"""Evaluation on held-out data: pass@k against hand counts, held-out prompts, RL and SFT metrics against
-independent computations, training untouched by evaluation, exact resume with evaluation on, fw eval."""
+"""Evaluation on held-out data: pass@k against hand counts, held-out prompts (against the prompts real runs
+drew: dynamic sampling, 2 processes, resumes on fewer processes or to more steps, SFT's packed rows), RL and
+SFT metrics against independent computations, training untouched by evaluation, exact resume with evaluation
+on, fw eval (overrides, the settings in its report, reports of other settings kept)."""
 
 import hashlib
 import itertools
@@ -185,6 +187,92 @@ def test_dynamic_sampling_rounds_are_left_out_of_the_eval_set(dynamic_run):
     cfg = {**dynamic_run.cfg, "eval": {**dynamic_run.cfg["eval"], "max_prompts": 30}}
     texts = Evaluation(cfg, build_tokenizer(cfg)).texts
     assert texts and not set(texts) & dynamic_run.trained
+
+
+def test_fw_eval_of_a_run_that_did_not_evaluate_leaves_out_what_it_drew(dynamic_run, tmp_path):
+    out = tmp_path / "report.json"
+    dynamic_run.log.write_text("")
+    assert main(["eval", "--checkpoint", str(dynamic_run.run), "--eval.max_prompts=30", "--eval.samples_per_prompt=1",
+                 "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["held_out_draws"] == dynamic_run.drawn   # the checkpoint's data position
+    evaluated = {json.loads(line)[0] for line in dynamic_run.log.read_text().splitlines()}
+    assert len(evaluated) == report["metrics"]["eval/prompts"] and not evaluated & dynamic_run.trained
+
+
+def eval_start(cfg, tokenizer, world_size, step=0, position=0, saved=None):
+    """An EvalCallback started as `fit` starts it, on `world_size` processes at `step` and data `position`
+    (a resumed run restores `saved`, the callback's state in the checkpoint, first)."""
+    callback = EvalCallback(cfg)
+    trainer = SimpleNamespace(world_size=world_size, global_step=step, is_global_zero=True)
+    module = SimpleNamespace(tokenizer=tokenizer, recipe=SimpleNamespace(prompt_position=position))
+    if saved is not None:
+        callback.on_load_checkpoint(trainer, module, saved)
+    callback.on_train_start(trainer, module)
+    return callback
+
+
+def saved_checkpoint(callback):
+    """The entries `callback` puts in a checkpoint."""
+    checkpoint = {}
+    callback.on_save_checkpoint(SimpleNamespace(), SimpleNamespace(), checkpoint)
+    return checkpoint
+
+
+def test_a_run_resumed_on_fewer_processes_keeps_its_eval_set(tmp_path):
+    cfg = grpo_config(tmp_path / "run", {**EVAL, "at_start": False, "max_prompts": 30}, data=TWO_DIGITS,
+                      rollout=ONE_TOKEN, trainer={"accelerator": "cpu", "max_steps": 5})
+    tokenizer = build_tokenizer(cfg)
+    first = eval_start(cfg, tokenizer, world_size=2)
+    train = build_task(cfg["data"], seed=cfg["seed"])
+    trained = {train.sample(i)["prompt"] for i in range(5 * 4 * 2)}   # 5 steps of 4 prompts on each of 2 ranks
+    assert not set(first.evaluation.texts) & trained
+    # resumed at step 2 (16 prompts drawn) on 1 process: the 2-process run's eval set still
+    resumed = eval_start(cfg, tokenizer, world_size=1, step=2, position=16, saved=saved_checkpoint(first))
+    assert resumed.evaluation.texts == first.evaluation.texts
+    assert Evaluation(cfg, tokenizer).texts != first.evaluation.texts   # what a 1-process run leaves out
+
+
+def test_a_longer_resume_raises_the_held_out_bound_and_says_so(tmp_path, capsys):
+    run = tmp_path / "run"
+    eval_cfg = {**EVAL, "at_start": False, "max_prompts": 30, "samples_per_prompt": 1}
+    fit(grpo_config(run, eval_cfg, data=TWO_DIGITS, rollout=ONE_TOKEN,
+                    trainer={"accelerator": "cpu", "max_steps": 2, "enable_progress_bar": False}))
+    out = tmp_path / "two.json"
+    assert main(["eval", "--checkpoint", str(run), "--out", str(out)]) == 0
+    assert json.loads(out.read_text())["held_out_draws"] == 2 * 4
+    capsys.readouterr()
+    cfg = grpo_config(run, eval_cfg, data=TWO_DIGITS, rollout=ONE_TOKEN,
+                      trainer={"accelerator": "cpu", "max_steps": 10, "enable_progress_bar": False})
+    fit(cfg, resume="last")
+    assert "fw: warning: eval: this run can draw 40 training samples, more than the 8" in capsys.readouterr().err
+    assert main(["eval", "--checkpoint", str(run), "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["step"] == 10 and report["held_out_draws"] == 10 * 4
+    train = build_task(cfg["data"], seed=cfg["seed"])
+    trained = {train.sample(i)["prompt"] for i in range(10 * 4)}
+    assert not set(Evaluation(cfg, build_tokenizer(cfg), draws=report["held_out_draws"]).texts) & trained
+
+
+@pytest.mark.slow   # two Lightning process start-ups: long on a 2-core machine
+def test_fw_eval_of_a_two_process_run_leaves_out_both_ranks_prompts(tmp_path):
+    from test_ddp import fit_in_subprocess
+
+    log = tmp_path / "rewards.jsonl"
+    run = tmp_path / "run"
+    cfg = grpo_config(run, reward={"class_path": "test_eval.RecordingReward", "init_args": {"path": str(log)}},
+                      data=TWO_DIGITS, rollout=ONE_TOKEN,
+                      trainer={"accelerator": "cpu", "devices": 2, "strategy": "ddp", "max_steps": 5,
+                               "enable_progress_bar": False})
+    fit_in_subprocess(tmp_path, cfg)
+    trained = {json.loads(line)[0] for line in log.read_text().splitlines()}
+    assert len(trained) > 5 * 4   # both ranks' prompts
+    log.write_text("")
+    assert main(["eval", "--checkpoint", str(run), "--eval.max_prompts=30", "--eval.samples_per_prompt=1",
+                 "--out", str(tmp_path / "report.json")]) == 0
+    evaluated = {json.loads(line)[0] for line in log.read_text().splitlines()}
+    assert evaluated and not evaluated & trained
+    assert json.loads((tmp_path / "report.json").read_text())["held_out_draws"] == 5 * 4 * 2
 
 
 def test_a_task_without_held_out_prompts_is_refused(tmp_path):
