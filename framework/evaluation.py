@@ -172,13 +172,15 @@ class Evaluation:
 
     # ----------------------------------------------------------------- data
     def _build_rl(self, draws: int) -> None:
-        from framework.rewards import build_reward
+        from framework.rewards import NumericMatch, build_reward, check_references
         from framework.tasks import build_task, render_prompt
 
         cfg, e = self.cfg, self.cfg["eval"]
         train = build_task(cfg["data"], seed=cfg["seed"])
         self.reward_fn = build_reward(cfg["reward"], train)
         source = build_task(_eval_cfg(cfg)["data"] if e["path"] else cfg["data"], seed=self.seed)
+        if e["path"] and isinstance(self.reward_fn, NumericMatch):
+            check_references(source)   # the eval file's answers, as build_reward checked the training file's
         samples = self._held_out(source.sample, _length(source), lambda s: _key(s["prompt"]),
                                  lambda i: _key(train.sample(i)["prompt"]), _bounded(train, draws))
         template, thinking = cfg["data"]["chat_template"], cfg["tokenizer"]["enable_thinking"]

@@ -294,6 +294,19 @@ def test_jsonl_eval_file_leaves_out_training_records(tmp_path):
     assert sorted(texts) == [f"{i}+1=" for i in range(5, 9)]
 
 
+def test_an_eval_file_answer_numeric_match_cannot_read_is_named_before_the_run(tmp_path):
+    """The eval file's answers are checked as the training file's are, naming the file and line, before any
+    training; not met mid-run while scoring."""
+    train = tmp_path / "train.jsonl"
+    held = tmp_path / "held.jsonl"
+    train.write_text(json.dumps({"prompt": "1+1=", "answer": "2"}) + "\n")
+    held.write_text(json.dumps({"prompt": "2+2=", "answer": "4"}) + "\n"
+                    + json.dumps({"prompt": "3+3=", "answer": "six"}) + "\n")
+    cfg = grpo_config(tmp_path / "run", {**EVAL, "path": str(held)}, data={"path": str(train), "chat_template": False})
+    with pytest.raises(FwError, match=f"^{held}:2: the reference answer 'six' is not one number"):
+        Evaluation(cfg, build_tokenizer(cfg))
+
+
 def test_jsonl_training_data_needs_an_eval_path(tmp_path):
     train = tmp_path / "train.jsonl"
     train.write_text(json.dumps({"prompt": "1+1=", "answer": "2"}) + "\n")
