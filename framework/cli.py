@@ -78,7 +78,8 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("--skip-damaged", action="store_true", help=skip_help)
 
     gen = add("generate", "generate text from a config's model or a checkpoint", [common, configs],
-              "Generate a completion. With only --checkpoint, the checkpoint's own config.yaml is used; "
+              "Generate a completion. With only --checkpoint, the checkpoint's own config.yaml is used, with the "
+              "overrides on top; "
               "options left out come from the config (rollout.max_new_tokens, rollout.temperature, seed). "
               + overrides)
     gen.add_argument("--checkpoint", metavar="DIR",
@@ -160,15 +161,14 @@ def _run(args: argparse.Namespace, overrides: list[str]) -> int:
     elif cmd == "generate":
         if not args.config and not args.checkpoint:
             raise FwError("fw generate needs --config FILE or --checkpoint DIR")
-        if overrides and not args.config:
-            raise FwError(f"overrides ({' '.join(overrides)}) need --config FILE; with only --checkpoint the "
-                          "checkpoint's config.yaml is used as it is")
+        # without --config, the overrides apply on top of the checkpoint's own config.yaml
         cfg = load_config(args.config, overrides) if args.config else None
         from framework.generate import generate_text
 
         temperature = 0.0 if args.greedy else args.temperature
         print(generate_text(cfg, args.prompt, checkpoint=args.checkpoint, max_new_tokens=args.max_new_tokens,
-                            temperature=temperature, seed=args.seed, skip_damaged=args.skip_damaged))
+                            temperature=temperature, seed=args.seed, skip_damaged=args.skip_damaged,
+                            overrides=None if args.config else overrides))
     elif cmd == "eval":
         from framework.evaluation import evaluate_checkpoint, format_table
 

@@ -32,9 +32,9 @@ def autocast_context(cfg: dict, device: torch.device) -> contextlib.AbstractCont
     return contextlib.nullcontext()
 
 
-def run_config(cfg: dict | None, checkpoint: str | os.PathLike | None) -> dict:
+def run_config(cfg: dict | None, checkpoint: str | os.PathLike | None, overrides: list[str] | None = None) -> dict:
     """The config to generate with: ``cfg``, else the ``config.yaml`` of ``checkpoint`` (a checkpoint
-    directory, as ``resolve_checkpoint`` returns it)."""
+    directory, as ``resolve_checkpoint`` returns it) with ``overrides`` (``--a.b=v``) on top."""
     if checkpoint is None:
         if cfg is None:
             raise FwError("fw generate needs a config or a checkpoint")
@@ -43,7 +43,7 @@ def run_config(cfg: dict | None, checkpoint: str | os.PathLike | None) -> dict:
         return cfg
     from framework.config import load_config
 
-    return load_config([str(Path(checkpoint) / CONFIG_FILE)])
+    return load_config([str(Path(checkpoint) / CONFIG_FILE)], overrides or [])
 
 
 def load_policy(cfg: dict, checkpoint: str | os.PathLike | None) -> tuple[Any, Any]:
@@ -80,13 +80,14 @@ def load_policy(cfg: dict, checkpoint: str | os.PathLike | None) -> tuple[Any, A
 
 
 def generate_text(cfg: dict | None, prompt: str, checkpoint: str | None = None, max_new_tokens: int | None = None,
-                  temperature: float | None = None, seed: int | None = None, skip_damaged: bool = False) -> str:
+                  temperature: float | None = None, seed: int | None = None, skip_damaged: bool = False,
+                  overrides: list[str] | None = None) -> str:
     """The completion of ``prompt`` (the user message; rendered with the chat template when
     ``data.chat_template``). Unset options come from ``rollout.max_new_tokens``, ``rollout.temperature``
     (0 = greedy) and ``seed``; top-k/top-p/min-p/stop strings and the KV cache's settings from ``rollout``; on
     CUDA under the run's autocast (`trainer.precision` *-mixed), as its rollouts sample.
     ``checkpoint`` is a checkpoint directory or a run directory (its newest checkpoint; ``skip_damaged`` as in
-    ``fw fit``)."""
+    ``fw fit``); without ``cfg``, ``overrides`` apply on top of its config.yaml."""
     from framework.rollout import CacheSettings, SamplingParams, generate, stop_token_ids
     from framework.tasks import render_prompt
 
@@ -94,7 +95,7 @@ def generate_text(cfg: dict | None, prompt: str, checkpoint: str | None = None, 
         raise FwError(f"fw generate: --seed must be >= 0, got {seed}")
     if checkpoint is not None:
         checkpoint = resolve_checkpoint(checkpoint, skip_damaged=skip_damaged, verify=skip_damaged)
-    cfg = run_config(cfg, checkpoint)
+    cfg = run_config(cfg, checkpoint, overrides)
     changes = {k: v for k, v in (("max_new_tokens", max_new_tokens), ("temperature", temperature)) if v is not None}
     try:   # checked before any weights load
         params = SamplingParams.from_config(cfg["rollout"], **changes)

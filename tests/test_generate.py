@@ -80,6 +80,22 @@ def test_checkpoint_with_overriding_config(checkpoint):
     assert generate_text(cfg, "2+2=", checkpoint=str(ckpt), max_new_tokens=7, temperature=0.0) == longer
 
 
+def test_cli_overrides_apply_on_top_of_the_checkpoints_config(checkpoint, capsys):
+    """`fw generate --checkpoint DIR --a.b=v`: the checkpoint's config.yaml with the override; a bad override is
+    named as fw fit names it."""
+    from framework.cli import main
+
+    ckpt, model, tok = checkpoint
+    rendered = tok.apply_chat_template([{"role": "user", "content": "2+2="}], add_generation_prompt=True)
+    expected = naive_greedy_text(model, tok, tok.encode(rendered), 3)
+    assert main(["generate", "--checkpoint", str(ckpt), "--prompt", "2+2=", "--greedy",
+                 "--rollout.max_new_tokens=3"]) == 0
+    assert capsys.readouterr().out == expected + "\n"
+    assert main(["generate", "--checkpoint", str(ckpt), "--prompt", "2+2=", "--rollout.max_new_tokens=0"]) == 2
+    assert capsys.readouterr().err == ("override '--rollout.max_new_tokens=0': rollout.max_new_tokens: must be >= 1, "
+                                       "got 0\n")
+
+
 def test_sampling_is_seeded(checkpoint):
     ckpt, _, _ = checkpoint
     a = generate_text(None, "hi", checkpoint=str(ckpt), temperature=1.0, seed=5)
