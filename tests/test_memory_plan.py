@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from scripts.qwen_tokenizer import qwen_tokenizer_dir
 
 import ops_cuda
 from framework import memory_plan as mp
@@ -239,6 +240,69 @@ def test_recipes_declare_their_micro_batch_shapes(tmp_path):
     # the built-in tokenizer has one token per character: the longest prompt is 34 tokens
     assert (shapes.prompt_len, shapes.new_tokens, shapes.seq_len) == (len(texts[1]), 5, len(texts[1]) + 5)
     assert (shapes.rollout_rows, shapes.loss_tokens, shapes.scoring_rows) == (6, 10, 0)
+
+
+def test_the_longest_prompt_of_a_dataset_counts_wherever_it_lies(tmp_path):
+    """RL prompts are never truncated, so the plan's prompt length is the dataset's longest prompt, here the last
+    of 5,000 rows (not shuffled: the last drawn), 3,000 characters: 3,000 tokens of the built-in tokenizer."""
+    from recipes.grpo import GRPORecipe
+
+    prompts = tmp_path / "p.jsonl"
+    rows = ["ab"] * 4999 + ["x" * 3000]
+    prompts.write_text("".join(json.dumps({"prompt": t, "answer": "1"}) + "\n" for t in rows))
+    cfg = tiny("grpo", data={"path": str(prompts), "chat_template": False, "shuffle": False},
+               rollout={"max_new_tokens": 5})
+    shapes = GRPORecipe.batch_shapes(cfg, Tokenizer.builtin())
+    assert (shapes.prompt_len, shapes.seq_len) == (3000, 3005)
+    # a file rewritten in place is read again
+    prompts.write_text("".join(json.dumps({"prompt": t, "answer": "1"}) + "\n" for t in rows[:-1] + ["y" * 3001]))
+    assert GRPORecipe.batch_shapes(cfg, Tokenizer.builtin()).prompt_len == 3001
+
+
+def _byte_bpe(merges: list[tuple[str, str]], normalizer: str = "NFC") -> Tokenizer:
+    """A byte-level BPE under NFC (Qwen3's tokenizer's normalizer) or another normalizer, with Qwen3's chat tokens
+    and the given merges."""
+    from tokenizers import AddedToken, models, normalizers, pre_tokenizers
+    from tokenizers import Tokenizer as HfTokenizer
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {c: i for i, c in enumerate(sorted(alphabet))}
+    for a, b in merges:
+        vocab[a + b] = len(vocab)
+    tk = HfTokenizer(models.BPE(vocab=vocab, merges=merges))
+    tk.normalizer = getattr(normalizers, normalizer)()
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                           for t in ("<|endoftext|>", "<|im_start|>", "<|im_end|>")])
+    return Tokenizer(tk, source="test byte-level BPE")
+
+
+@pytest.mark.parametrize("tokenizer", ["builtin", "qwen3", "byte-bpe", "byte-bpe-merges", "byte-bpe-nfkc"])
+@pytest.mark.parametrize("chat_template", [False, True])
+def test_the_longest_prompt_equals_the_most_tokens_of_any_prompt(tmp_path, tokenizer, chat_template):
+    """longest_prompt tokenizes only the prompts whose bound on their tokens can still beat the longest found: its
+    answer is the most tokens the tokenizer gives any prompt of the file. Among them: U+0958, which NFC turns from 3
+    bytes into 6 (a bound on the raw bytes would stop at the 700 z's before it), special tokens (many bytes, one
+    token), letters that the merges pack up to four to a token, and characters the built-in tokenizer does not know
+    (one <unk> each). Under NFKC, which gives no bound, U+FDFA is 18 characters, 33 bytes: every prompt is
+    tokenized."""
+    from recipes.rl import longest_prompt
+
+    tok = {"builtin": Tokenizer.builtin, "qwen3": lambda: Tokenizer.from_pretrained(qwen_tokenizer_dir()),
+           "byte-bpe": lambda: _byte_bpe([]),
+           "byte-bpe-merges": lambda: _byte_bpe([("a", "a"), ("aa", "aa")]),
+           "byte-bpe-nfkc": lambda: _byte_bpe([], "NFKC")}[tokenizer]()
+    texts = ["z" * 700, "\u0958" * 200 + "b", "a" * 650, "<|im_end|>" * 70, "e\u0301" * 60, "\u00e9" * 130, "ab " * 90,
+             "\ufdfa" * 40]
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": t, "answer": "1"}) + "\n" for t in texts))
+    cfg = tiny("grpo", data={"path": str(prompts), "chat_template": chat_template})
+    render = (lambda t: tok.apply_chat_template([{"role": "user", "content": t}])) if chat_template else str
+    assert longest_prompt(cfg, tok) == max(len(tok.encode(render(t))) for t in texts)
+    if tokenizer == "byte-bpe":   # NFC's 6 bytes a character, one token each
+        assert longest_prompt(cfg, tok) == 1201 + (len(tok.encode(render(""))) if chat_template else 0)
+    if tokenizer == "byte-bpe-nfkc":
+        assert longest_prompt(cfg, tok) == 40 * 33 + (len(tok.encode(render(""))) if chat_template else 0)
 
 
 @pytest.mark.parametrize("group, micro, minibatches", [(8, 2, 1), (8, 3, 1), (4, 3, 2)])
