@@ -645,6 +645,16 @@ class _Planner:
             _set(new, key, value)
         return new
 
+    def refuses(self, cfg: dict) -> bool:
+        """Whether `fw fit` refuses `cfg` for a setting a suggestion changes: the optimizer's settings with the
+        trained weights' dtype (framework/optim.py, on this job's processes) or a precision the recipe does not
+        support. A missing torchao is no refusal here: installing it is part of the advice, which fit gives."""
+        from framework.optim import LEAN_INSTALL, optimizer_problems
+
+        if any(not problem.endswith(LEAN_INSTALL) for problem in optimizer_problems(cfg, self.world)):
+            return True
+        return cfg["trainer"]["precision"] in self.recipe.requirements(cfg).unsupported_precisions
+
 
 def _lora_defaults() -> dict:
     """model.policy.lora's defaults, from the schema."""
@@ -738,8 +748,11 @@ def suggest(planner: _Planner, cfg: dict, plan: Plan, shapes: BatchShapes | None
             options = [(changes, shapes)]
         best = None
         for option, option_shapes in options:
+            new = planner.variant(cfg, option)
+            if planner.refuses(new):
+                continue
             try:
-                trial = planner.plan(planner.variant(cfg, option), option_shapes)
+                trial = planner.plan(new, option_shapes)
             except FwError:
                 continue
             best = (option, trial)
@@ -767,8 +780,10 @@ def _combine(planner: _Planner, cfg: dict, pool: list[dict[str, Any]]) -> tuple[
         return {k: v for changes in used for k, v in changes.items()}
 
     def trial(used: list[dict[str, Any]]) -> Plan | None:
+        new = planner.variant(cfg, merged(used))
+        if planner.refuses(new):
+            return None
         try:
-            new = planner.variant(cfg, merged(used))
             return planner.plan(new, planner.shapes(new))
         except FwError:
             return None

@@ -469,6 +469,29 @@ def test_a_job_that_fits_only_with_lora_alone_is_also_shown_the_full_fine_tuning
     assert "; or, keeping full fine-tuning, all of " + together.text in plan.refusal()
 
 
+@pytest.mark.parametrize("job, gib", [
+    (["--trainer.devices=2", "--trainer.strategy=ddp"], 80),   # the offloaded step runs in one process only
+    (["--trainer.precision=16-mixed"], 80),                     # the loss scaler would unscale offloaded gradients
+    (["--optimizer.fused=true"], 80),                           # torch's fused AdamW does not step torchao's states
+    (["--model.policy.dtype=bfloat16", "--optimizer.stochastic_rounding=true", "--trainer.precision=bf16-mixed"], 30)])
+def test_every_change_the_plan_suggests_passes_fws_checks(tmp_path, job, gib):
+    """Qwen3-4B GRPO under settings that rule some changes out (the comments; the last: LoRA's float32 adapters,
+    which stochastic rounding cannot step): every suggestion and the combined one, applied, pass `fw validate`'s
+    checks, which `fw fit` runs, and the first is in the refusal."""
+    from framework.optim import optimizer_problems
+    from framework.validate import validate_config
+
+    base = [f"--run_dir={tmp_path}", "--model.policy.preset=qwen3-4b", "--trainer.accelerator=gpu", *job]
+    grpo = str(ROOT / "recipes" / "grpo.yaml")
+    validate_config([grpo], base)   # the job itself is valid
+    plan = mp.estimate(load_config([grpo], base), gpu_gib=gib)
+    assert plan.fits is False and plan.suggestions
+    for suggestion in plan.suggestions + ([plan.together] if plan.together else []):
+        cfg = validate_config([grpo], base + list(suggestion.overrides))
+        assert optimizer_problems(cfg) == [], suggestion.text
+    assert "; try " + plan.suggestions[0].text + " (" in plan.refusal()
+
+
 def test_fw_plan_usage_errors(capsys):
     code, _, err = fw(capsys, "plan", "--config", TRAIN, "--gpu-gib", "0")
     assert code == 2 and err == "fw: error: --gpu-gib must be a finite number > 0, got 0\n"
