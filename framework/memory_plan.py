@@ -253,6 +253,17 @@ def lora_params(m: Qwen3Config, lora: dict) -> int:
     return m.num_hidden_layers * lora["rank"] * sum(sum(dims[t]) for t in lora["targets"])
 
 
+# The fused modules that adapters sit on (framework/models/lora.py projections), by the PEFT targets each holds.
+_LORA_MODULES = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",),
+                 "gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
+
+
+def _adapted(lora: dict) -> dict[str, list[str]]:
+    """The fused modules with adapters, each with its targets."""
+    return {module: [t for t in names if t in lora["targets"]] for module, names in _LORA_MODULES.items()
+            if set(names) & set(lora["targets"])}
+
+
 def layer_saved_bytes(m: Qwen3Config, seq_len: int, packed: bool, residual_bytes: int, compute_bytes: int,
                       backend: str = "cuda", lora: dict | None = None, selective: bool = False) -> float:
     """Bytes per token that one decoder layer's forward keeps for the backward (framework/models/qwen3.py).
@@ -262,7 +273,9 @@ def layer_saved_bytes(m: Qwen3Config, seq_len: int, packed: bool, residual_bytes
     Packed rows (ops_cuda.varlen_attention) keep the same tensors as plain causal rows, plus the sequence
     bounds that every layer shares (4 bytes a sequence, left out). selective: gradient_checkpointing
     "selective", under which the outputs of the norms, of QK-norm with RoPE and of SwiGLU are recomputed
-    (framework/models/recompute.py).
+    (framework/models/recompute.py). Under LoRA the frozen projections keep nothing of their inputs (their weights
+    need no gradient): an input is kept where an adapter's A multiplies it. This is a layer whose input needs a
+    gradient: under LoRA every layer but the first (`first_layer_unsaved_bytes`).
     """
     d, q, kv, inter = m.hidden_size, m.q_size, m.kv_size, m.intermediate_size
     residual = 2 * d                 # the layer's input (input_layernorm) and its mid-point (post_attention_layernorm)
@@ -270,27 +283,92 @@ def layer_saved_bytes(m: Qwen3Config, seq_len: int, packed: bool, residual_bytes
                + q                   # attention's output, o_proj's input
                + 2 * inter)          # gate_up_proj's output (swiglu)
     if not selective:
-        compute += (d                # qkv_proj's input, the normed hidden state
-                    + q + 2 * kv     # q and k after QK-norm and RoPE, and v's copy (attention)
-                    + d              # gate_up_proj's input, the normed mid-point
-                    + inter)         # swiglu's output, down_proj's input
-    elif lora is not None:           # a norm's output feeding adapters is kept (framework/models/qwen3.py _normed)
-        targets = set(lora["targets"])
-        compute += d * bool(targets & {"q_proj", "k_proj", "v_proj"}) + d * bool(targets & {"gate_proj", "up_proj"})
+        compute += q + 2 * kv        # q and k after QK-norm and RoPE, and v's copy (attention)
+        if lora is None:
+            compute += (d            # qkv_proj's input, the normed hidden state
+                        + d          # gate_up_proj's input, the normed mid-point
+                        + inter)     # swiglu's output, down_proj's input
     lse = 4 * m.num_attention_heads  # attention's float32 logsumexp per head
-    adapters = 0
-    if lora is not None:             # each adapter's B keeps A's output; dropout keeps its mask and output
-        dims = lora_dims(m)
-        adapters = len(lora["targets"]) * lora["rank"] * compute_bytes
-        if lora["dropout"] > 0:
-            adapters += sum(dims[t][0] for t in lora["targets"]) * (compute_bytes + 1)
+    adapters = 0.0 if lora is None else _adapter_saved_bytes(m, lora, residual_bytes, compute_bytes, backend, selective)
     return residual * residual_bytes + compute * compute_bytes + lse + adapters
 
 
-def model_saved_bytes(m: Qwen3Config, residual_bytes: int) -> int:
-    """Bytes per token kept outside the layers: the input ids (embedding), the positions (QK-norm with RoPE) and
-    the final norm's input."""
-    return 8 + 8 + m.hidden_size * residual_bytes
+def _adapter_saved_bytes(m: Qwen3Config, lora: dict, residual_bytes: int, compute_bytes: int, backend: str,
+                         selective: bool) -> float:
+    """Bytes per token that one layer's adapters keep (framework/models/lora.py LoraLinear.delta): each B keeps A's
+    output; A keeps its module's input, or under dropout each adapter's dropped input, and the dropout its mask. The
+    attention keeps its output, o_proj's input, itself; under selective recomputation SwiGLU's output, down_proj's
+    input, is recomputed, while a norm's output feeding adapters is kept (framework/models/qwen3.py _normed)."""
+    dims = lora_dims(m)
+    saved = 0.0
+    for module, targets in _adapted(lora).items():
+        width = dims[targets[0]][0]
+        saved += len(targets) * lora["rank"] * compute_bytes
+        if lora["dropout"] > 0:
+            mask = _mask_bytes(module, residual_bytes, compute_bytes, backend)
+            saved += len(targets) * width * (compute_bytes + mask)
+        elif module != "o_proj" and not (module == "down_proj" and selective):
+            saved += width * compute_bytes
+    return saved
+
+
+def _mask_bytes(module: str, residual_bytes: int, compute_bytes: int, backend: str) -> int:
+    """Bytes per element of a dropout's mask on `module`'s input: CUDA's fused dropout keeps a bool mask, the CPU's
+    the scaled noise it multiplies by, in the input's dtype (the norms' outputs keep the residual stream's)."""
+    if backend == "cuda":
+        return 1
+    return residual_bytes if module in ("qkv_proj", "gate_up_proj") else compute_bytes
+
+
+def first_layer_unsaved_bytes(m: Qwen3Config, residual_bytes: int, compute_bytes: int, lora: dict,
+                              selective: bool = False, backend: str = "cuda") -> float:
+    """Bytes per token that the first layer keeps less than `layer_saved_bytes` under LoRA, where the frozen
+    embedding gives its input no gradient: its input, and before the first adapter of the layer the attention's
+    tensors (no adapter on q, k or v) and the mid-point with gate_up's output (none on o_proj either), and the
+    dropout masks of inputs that need no gradient."""
+    d, q, kv = m.hidden_size, m.q_size, m.kv_size
+    adapted = _adapted(lora)
+    unsaved = d * residual_bytes
+    if "qkv_proj" not in adapted:
+        unsaved += (q + 2 * kv) * compute_bytes * (1 if selective else 2) + 4 * m.num_attention_heads
+        if "o_proj" not in adapted or lora["dropout"] > 0:   # else A keeps the attention's output in its place
+            unsaved += q * compute_bytes
+        if "o_proj" not in adapted:
+            unsaved += d * residual_bytes
+            # gate_up's output, unless an adapter needs it: gate_up's own, or under selective recomputation
+            # down_proj's, whose A keeps SwiGLU's output as the recipe that recomputes it from gate_up's output
+            keeps = "gate_up_proj" in adapted or (selective and "down_proj" in adapted and lora["dropout"] == 0)
+            unsaved += 0 if keeps else 2 * m.intermediate_size * compute_bytes
+    if lora["dropout"] > 0:
+        dims, graded = lora_dims(m), False   # graded: whether the module's input needs a gradient
+        for module in _LORA_MODULES:
+            if module in adapted and not graded:
+                targets = adapted[module]
+                unsaved += len(targets) * dims[targets[0]][0] * _mask_bytes(module, residual_bytes, compute_bytes,
+                                                                           backend)
+            graded |= module in adapted
+    return unsaved
+
+
+def lora_weight_copies_bytes(m: Qwen3Config, lora: dict, compute_bytes: int, one_layer: bool = False) -> float:
+    """Bytes a forward keeps of the A matrices concatenated for one matmul in a module with several adapters (none
+    under dropout, where each adapter multiplies on its own), in the layers where the module's input needs a
+    gradient; `one_layer`: in a layer whose input does (a recomputed layer under gradient checkpointing)."""
+    if lora["dropout"] > 0:
+        return 0.0
+    dims, adapted = lora_dims(m), _adapted(lora)
+    per_layer = {module: len(targets) * lora["rank"] * dims[targets[0]][0] * compute_bytes
+                 for module, targets in adapted.items() if len(targets) > 1}
+    if one_layer:
+        return sum(per_layer.values())
+    first = per_layer.get("gate_up_proj", 0) if {"qkv_proj", "o_proj"} & set(adapted) else 0
+    return (m.num_hidden_layers - 1) * sum(per_layer.values()) + first
+
+
+def model_saved_bytes(m: Qwen3Config, residual_bytes: int, trains_embedding: bool = True) -> int:
+    """Bytes per token kept outside the layers: the input ids (the embedding's, unless it is frozen), the positions
+    (QK-norm with RoPE) and the final norm's input."""
+    return 8 * trains_embedding + 8 + m.hidden_size * residual_bytes
 
 
 def no_grad_peak_bytes(m: Qwen3Config, residual_bytes: int, compute_bytes: int) -> int:
@@ -508,7 +586,7 @@ def _batch_rows(rows: list[Row], cfg: dict, model: Qwen3Config, shapes: BatchSha
     selective = policy_cfg["gradient_checkpointing"] == "selective"
     lora = policy_cfg["lora"]
     per_layer = layer_saved_bytes(model, shapes.seq_len, shapes.packed, pb, cb, backend, lora, selective)
-    extra = model_saved_bytes(model, pb)
+    extra = model_saved_bytes(model, pb, trains_embedding=lora is None)
     # the activations' gradients have the shapes of everything a layer keeps, recomputed or not
     in_flight = BACKWARD_IN_FLIGHT_LAYERS * (layer_saved_bytes(model, shapes.seq_len, shapes.packed, pb, cb, backend,
                                                                lora) if selective else per_layer)
@@ -517,10 +595,14 @@ def _batch_rows(rows: list[Row], cfg: dict, model: Qwen3Config, shapes: BatchSha
         how = (f"{tokens:,} tokens ({what}) x ({layers} layer inputs x "
                f"{_kib(model.hidden_size * pb)} + one layer's recompute {_kib(per_layer)} + in flight)")
     else:
-        per_token = layers * per_layer + in_flight + extra
+        first = 0.0 if lora is None else first_layer_unsaved_bytes(model, pb, cb, lora, selective, backend)
+        per_token = layers * per_layer - first + in_flight + extra
         how = (f"{tokens:,} tokens ({what}) x ({layers} layers x "
-               f"{_kib(per_layer)}{', cheap ops recomputed' if selective else ''} + in flight)")
-    rows.append(Row("activations", tokens * per_token, ("train",), how))
+               f"{_kib(per_layer)}{', cheap ops recomputed' if selective else ''}"
+               f"{', less in the first' if first else ''} + in flight)")
+    copies = 0.0 if lora is None else lora_weight_copies_bytes(model, lora, cb, one_layer=ckpt)
+    rows.append(Row("activations", tokens * per_token + copies, ("train",),
+                    how + (f" + {_kib(copies)} of LoRA's concatenated A" if copies else "")))
     keep = policy_cfg["keep_logits"]
     keep = (policy_cfg["gradient_checkpointing"] is False if keep is None else keep) and cb == 2
     logits, how = _logits_rows(model, shapes.loss_tokens, "bfloat16" if cb == 2 else "float32", keep, backend,

@@ -2,13 +2,17 @@
 activation formula against the bytes a real forward saves, `fw plan`, `fw fit`'s refusal, and on a GPU the
 estimate against torch.cuda.max_memory_allocated."""
 
+import gc
 import json
 import sys
+import weakref
 from pathlib import Path
 
 import pytest
 import torch
 from scripts.qwen_tokenizer import qwen_tokenizer_dir
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 import ops_cuda
 from framework import memory_plan as mp
@@ -332,22 +336,32 @@ def test_shared_prompts_count_each_reached_groups_prompt_once(tmp_path, group, m
 
 # ------------------------------------------------------------------------------------------ real saved bytes
 
+def _is_param_cast(t: torch.Tensor, frozen: list[torch.Tensor]) -> bool:
+    """Whether `t` (or its transpose, as nn.Linear saves it) is autocast's cast of a parameter: a trained one's,
+    recorded by autograd, or a frozen one's (LoRA's base), equal to it in the lower precision."""
+    grad_fn = t.grad_fn
+    if type(grad_fn).__name__ == "TBackward0":   # nn.Linear saves the transposed weight
+        grad_fn = grad_fn.next_functions[0][0]
+    if grad_fn is not None:
+        return type(grad_fn).__name__ == "ToCopyBackward0" and any(
+            type(f).__name__ == "AccumulateGrad" for f, _ in grad_fn.next_functions if f is not None)
+    views = (t, t.t()) if t.dim() == 2 else (t,)
+    return any(x.shape == p.shape and x.dtype != p.dtype and torch.equal(x, p.to(x.dtype))
+               for x in views for p in frozen)
+
+
 def _saved_bytes(model, ids, positions, autocast: bool) -> tuple[int, int]:
     """(bytes of the distinct storages a forward saves for backward, excluding parameters and their autocast
     casts; bytes of those casts)."""
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    frozen = [p for p in model.parameters() if not p.requires_grad]
     seen: dict[int, int] = {}
     casts: dict[int, int] = {}
 
     def pack(t):
         key = t.untyped_storage().data_ptr()
-        grad_fn = t.grad_fn
-        if type(grad_fn).__name__ == "TBackward0":   # nn.Linear saves the transposed weight
-            grad_fn = grad_fn.next_functions[0][0]
-        is_cast = type(grad_fn).__name__ == "ToCopyBackward0" and any(   # a cast of a parameter
-            type(f).__name__ == "AccumulateGrad" for f, _ in grad_fn.next_functions if f is not None)
         if key not in params:
-            (casts if is_cast else seen)[key] = t.untyped_storage().nbytes()
+            (casts if _is_param_cast(t, frozen) else seen)[key] = t.untyped_storage().nbytes()
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
@@ -356,25 +370,96 @@ def _saved_bytes(model, ids, positions, autocast: bool) -> tuple[int, int]:
     return sum(seen.values()), sum(casts.values())
 
 
-@pytest.mark.parametrize("dtype,autocast,packed", [
-    (torch.float32, False, False), (torch.float32, False, True), (torch.bfloat16, False, False),
-    (torch.float32, True, False), (torch.float32, True, True)])
-def test_activation_formula_equals_the_bytes_a_forward_saves(dtype, autocast, packed):
+ALL = list(mp.LORA_TARGETS)
+
+
+@pytest.mark.parametrize("dtype,autocast,packed,targets,dropout", [
+    (torch.float32, False, False, None, 0), (torch.float32, False, True, None, 0),
+    (torch.bfloat16, False, False, None, 0), (torch.float32, True, False, None, 0),
+    (torch.float32, True, True, None, 0),
+    # LoRA: frozen projections keep nothing of their inputs, and the first layer, with no gradient into it, keeps
+    # nothing before its first adapter
+    (torch.float32, False, False, ALL, 0), (torch.float32, False, True, ["q_proj", "v_proj"], 0),
+    (torch.float32, False, False, ["down_proj"], 0), (torch.float32, True, False, ["gate_proj"], 0),
+    (torch.float32, True, True, ["o_proj", "down_proj"], 0.1),
+    (torch.float32, False, False, ["k_proj", "up_proj"], 0.1)])
+def test_activation_formula_equals_the_bytes_a_forward_saves(dtype, autocast, packed, targets, dropout):
+    from framework.models.lora import add_adapters
+
     config = preset_config("small", V)
     torch.manual_seed(0)
     model = Qwen3ForCausalLM(config).to(dtype)
+    lora = None if targets is None else {"rank": 8, "alpha": 16, "dropout": dropout, "targets": targets}
+    if lora is not None:
+        add_adapters(model, lora)
     B, T = 2, 24
     ids = torch.randint(0, V, (B, T))
     positions = torch.cat([torch.arange(10), torch.arange(T - 10)]).expand(B, T).contiguous() if packed else None
     saved, casts = _saved_bytes(model, ids, positions, autocast)
     res = torch.finfo(dtype).bits // 8
     comp = 2 if autocast else res
-    per_layer = mp.layer_saved_bytes(config, T, packed, res, comp, backend="cpu")
-    outside = mp.model_saved_bytes(config, res)
+    per_layer = mp.layer_saved_bytes(config, T, packed, res, comp, backend="cpu", lora=lora)
+    outside = mp.model_saved_bytes(config, res, trains_embedding=lora is None)
     bounds = 4 * (2 * B + 1) if packed else 0   # cu_seqlens of the 2 B sequences, shared by every layer
-    assert saved == pytest.approx(B * T * (config.num_hidden_layers * per_layer + outside) + bounds, rel=0, abs=0.5)
-    counts = mp.param_counts(config)
-    assert casts == (counts.matmul - counts.embed) * 2 * autocast   # the LM head is cast by the loss, below
+    first = copies = 0.0
+    if lora is not None:
+        first = mp.first_layer_unsaved_bytes(config, res, comp, lora, backend="cpu")
+        copies = mp.lora_weight_copies_bytes(config, lora, comp)
+    expected = B * T * (config.num_hidden_layers * per_layer - first + outside) + copies + bounds
+    assert saved == pytest.approx(expected, rel=0, abs=0.5)
+    if lora is None:
+        counts = mp.param_counts(config)
+        assert casts == (counts.matmul - counts.embed) * 2 * autocast   # the LM head is cast by the loss, below
+
+
+class _Made(TorchDispatchMode):
+    """Every tensor an op makes inside the mode, by weak reference, and whether it is a cast of a parameter."""
+
+    def __init__(self, params: list[torch.Tensor]) -> None:
+        super().__init__()
+        self.params = {id(p) for p in params}
+        self.made: list[tuple[weakref.ref, int, int, bool]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        cast = func is torch.ops.aten._to_copy.default and id(args[0]) in self.params
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                s = t.untyped_storage()
+                self.made.append((weakref.ref(t), s.data_ptr(), s.nbytes(), cast))
+        return out
+
+
+@pytest.mark.parametrize("autocast,targets,dropout", [
+    (True, ALL, 0), (False, ["down_proj"], 0), (True, ["q_proj", "v_proj"], 0), (False, ["o_proj"], 0.1),
+    (True, ["gate_proj", "up_proj", "down_proj"], 0)])
+def test_selective_recomputation_under_lora_keeps_the_bytes_the_formula_counts(autocast, targets, dropout):
+    """gradient_checkpointing selective with adapters (whose saved tensors the recomputation's hooks take over, so
+    they are measured as the storages the forward leaves alive, less the parameters, their casts and the output):
+    a norm's output feeding an adapter is kept, SwiGLU's output is recomputed, and the first layer keeps nothing
+    before its first adapter but what a recomputation needs."""
+    from framework.models.lora import add_adapters
+
+    config = preset_config("small", V)
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(config)
+    lora = {"rank": 8, "alpha": 16, "dropout": dropout, "targets": targets}
+    add_adapters(model, lora)
+    model.gradient_checkpointing = "selective"
+    B, T = 2, 24
+    ids = torch.randint(0, V, (B, T))
+    params = list(model.parameters())
+    with torch.autocast("cpu", torch.bfloat16, enabled=autocast), _Made(params) as made:
+        h = model(ids, return_hidden=True)
+    gc.collect()
+    skip = {p.untyped_storage().data_ptr() for p in params} | {h.untyped_storage().data_ptr()}
+    skip |= {ptr for ref, ptr, n, cast in made.made if ref() is not None and cast}   # a cast, or a view of one
+    alive = {ptr: n for ref, ptr, n, cast in made.made if ref() is not None and ptr not in skip}
+    comp = 2 if autocast else 4
+    expected = B * T * (config.num_hidden_layers * mp.layer_saved_bytes(config, T, False, 4, comp, "cpu", lora, True)
+                        - mp.first_layer_unsaved_bytes(config, 4, comp, lora, True, "cpu")
+                        + mp.model_saved_bytes(config, 4, trains_embedding=False))
+    assert sum(alive.values()) == pytest.approx(expected + mp.lora_weight_copies_bytes(config, lora, comp), abs=0.5)
 
 
 def test_kept_logits_formula_equals_what_linear_logprob_saves():
