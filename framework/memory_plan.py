@@ -265,7 +265,8 @@ def _adapted(lora: dict) -> dict[str, list[str]]:
 
 
 def layer_saved_bytes(m: Qwen3Config, seq_len: int, packed: bool, residual_bytes: int, compute_bytes: int,
-                      backend: str = "cuda", lora: dict | None = None, selective: bool = False) -> float:
+                      backend: str = "cuda", lora: dict | None = None, selective: bool = False,
+                      adapter_bytes: int | None = None) -> float:
     """Bytes per token that one decoder layer's forward keeps for the backward (framework/models/qwen3.py).
 
     residual_bytes: the residual stream's dtype (the parameters'); compute_bytes: the matmuls' (autocast's
@@ -274,8 +275,9 @@ def layer_saved_bytes(m: Qwen3Config, seq_len: int, packed: bool, residual_bytes
     bounds that every layer shares (4 bytes a sequence, left out). selective: gradient_checkpointing
     "selective", under which the outputs of the norms, of QK-norm with RoPE and of SwiGLU are recomputed
     (framework/models/recompute.py). Under LoRA the frozen projections keep nothing of their inputs (their weights
-    need no gradient): an input is kept where an adapter's A multiplies it. This is a layer whose input needs a
-    gradient: under LoRA every layer but the first (`first_layer_unsaved_bytes`).
+    need no gradient): an input is kept where an adapter's A multiplies it, in adapter_bytes (`adapter_bytes`; None:
+    compute_bytes). This is a layer whose input needs a gradient: under LoRA every layer but the first
+    (`first_layer_unsaved_bytes`).
     """
     d, q, kv, inter = m.hidden_size, m.q_size, m.kv_size, m.intermediate_size
     residual = 2 * d                 # the layer's input (input_layernorm) and its mid-point (post_attention_layernorm)
@@ -289,26 +291,30 @@ def layer_saved_bytes(m: Qwen3Config, seq_len: int, packed: bool, residual_bytes
                         + d          # gate_up_proj's input, the normed mid-point
                         + inter)     # swiglu's output, down_proj's input
     lse = 4 * m.num_attention_heads  # attention's float32 logsumexp per head
-    adapters = 0.0 if lora is None else _adapter_saved_bytes(m, lora, residual_bytes, compute_bytes, backend, selective)
+    adapters = 0.0 if lora is None else _adapter_saved_bytes(m, lora, residual_bytes, compute_bytes, backend,
+                                                             selective, adapter_bytes or compute_bytes)
     return residual * residual_bytes + compute * compute_bytes + lse + adapters
 
 
 def _adapter_saved_bytes(m: Qwen3Config, lora: dict, residual_bytes: int, compute_bytes: int, backend: str,
-                         selective: bool) -> float:
-    """Bytes per token that one layer's adapters keep (framework/models/lora.py LoraLinear.delta): each B keeps A's
-    output; A keeps its module's input, or under dropout each adapter's dropped input, and the dropout its mask. The
-    attention keeps its output, o_proj's input, itself; under selective recomputation SwiGLU's output, down_proj's
-    input, is recomputed, while a norm's output feeding adapters is kept (framework/models/qwen3.py _normed)."""
+                         selective: bool, adapter_bytes: int) -> float:
+    """Bytes per token that one layer's adapters keep (framework/models/lora.py LoraLinear.delta), in the dtype they
+    multiply in (adapter_bytes: autocast's, else the adapters' own, into which delta casts a module's input): each B
+    keeps A's output; A keeps its module's input, or under dropout each adapter's dropped input, and the dropout its
+    mask. The attention keeps its output, o_proj's input, itself: A keeps a second copy in another dtype. Under
+    selective recomputation SwiGLU's output, down_proj's input, is recomputed (a copy in another dtype is not), while
+    a norm's output feeding adapters is kept (framework/models/qwen3.py _normed)."""
     dims = lora_dims(m)
     saved = 0.0
+    cast = adapter_bytes != compute_bytes
     for module, targets in _adapted(lora).items():
         width = dims[targets[0]][0]
-        saved += len(targets) * lora["rank"] * compute_bytes
+        saved += len(targets) * lora["rank"] * adapter_bytes
         if lora["dropout"] > 0:
             mask = _mask_bytes(module, residual_bytes, compute_bytes, backend)
-            saved += len(targets) * width * (compute_bytes + mask)
-        elif module != "o_proj" and not (module == "down_proj" and selective):
-            saved += width * compute_bytes
+            saved += len(targets) * width * (adapter_bytes + mask)
+        elif cast or (module != "o_proj" and not (module == "down_proj" and selective)):
+            saved += width * adapter_bytes
     return saved
 
 
@@ -321,23 +327,25 @@ def _mask_bytes(module: str, residual_bytes: int, compute_bytes: int, backend: s
 
 
 def first_layer_unsaved_bytes(m: Qwen3Config, residual_bytes: int, compute_bytes: int, lora: dict,
-                              selective: bool = False, backend: str = "cuda") -> float:
+                              selective: bool = False, backend: str = "cuda",
+                              adapter_bytes: int | None = None) -> float:
     """Bytes per token that the first layer keeps less than `layer_saved_bytes` under LoRA, where the frozen
     embedding gives its input no gradient: its input, and before the first adapter of the layer the attention's
     tensors (no adapter on q, k or v) and the mid-point with gate_up's output (none on o_proj either), and the
     dropout masks of inputs that need no gradient."""
     d, q, kv = m.hidden_size, m.q_size, m.kv_size
     adapted = _adapted(lora)
+    same = (adapter_bytes or compute_bytes) == compute_bytes and lora["dropout"] == 0   # A keeps the input itself
     unsaved = d * residual_bytes
     if "qkv_proj" not in adapted:
         unsaved += (q + 2 * kv) * compute_bytes * (1 if selective else 2) + 4 * m.num_attention_heads
-        if "o_proj" not in adapted or lora["dropout"] > 0:   # else A keeps the attention's output in its place
+        if "o_proj" not in adapted or not same:   # else A keeps the attention's output in its place
             unsaved += q * compute_bytes
         if "o_proj" not in adapted:
             unsaved += d * residual_bytes
             # gate_up's output, unless an adapter needs it: gate_up's own, or under selective recomputation
             # down_proj's, whose A keeps SwiGLU's output as the recipe that recomputes it from gate_up's output
-            keeps = "gate_up_proj" in adapted or (selective and "down_proj" in adapted and lora["dropout"] == 0)
+            keeps = "gate_up_proj" in adapted or (selective and "down_proj" in adapted and same)
             unsaved += 0 if keeps else 2 * m.intermediate_size * compute_bytes
     if lora["dropout"] > 0:
         dims, graded = lora_dims(m), False   # graded: whether the module's input needs a gradient
@@ -350,14 +358,15 @@ def first_layer_unsaved_bytes(m: Qwen3Config, residual_bytes: int, compute_bytes
     return unsaved
 
 
-def lora_weight_copies_bytes(m: Qwen3Config, lora: dict, compute_bytes: int, one_layer: bool = False) -> float:
-    """Bytes a forward keeps of the A matrices concatenated for one matmul in a module with several adapters (none
-    under dropout, where each adapter multiplies on its own), in the layers where the module's input needs a
-    gradient; `one_layer`: in a layer whose input does (a recomputed layer under gradient checkpointing)."""
+def lora_weight_copies_bytes(m: Qwen3Config, lora: dict, adapter_bytes: int, one_layer: bool = False) -> float:
+    """Bytes a forward keeps of the A matrices concatenated, in the adapters' compute dtype (adapter_bytes), for one
+    matmul in a module with several adapters (none under dropout, where each adapter multiplies on its own), in the
+    layers where the module's input needs a gradient; `one_layer`: in a layer whose input does (a recomputed layer
+    under gradient checkpointing)."""
     if lora["dropout"] > 0:
         return 0.0
     dims, adapted = lora_dims(m), _adapted(lora)
-    per_layer = {module: len(targets) * lora["rank"] * dims[targets[0]][0] * compute_bytes
+    per_layer = {module: len(targets) * lora["rank"] * dims[targets[0]][0] * adapter_bytes
                  for module, targets in adapted.items() if len(targets) > 1}
     if one_layer:
         return sum(per_layer.values())
@@ -585,22 +594,25 @@ def _batch_rows(rows: list[Row], cfg: dict, model: Qwen3Config, shapes: BatchSha
     ckpt = policy_cfg["gradient_checkpointing"] is True
     selective = policy_cfg["gradient_checkpointing"] == "selective"
     lora = policy_cfg["lora"]
-    per_layer = layer_saved_bytes(model, shapes.seq_len, shapes.packed, pb, cb, backend, lora, selective)
+    # the adapters multiply in autocast's dtype, else in their own (float32 unless a -true precision converts them)
+    ab = cb if cfg["trainer"]["precision"] in _AUTOCAST_TO else _bytes(_CONVERTS_TO.get(cfg["trainer"]["precision"],
+                                                                                         "float32"))
+    per_layer = layer_saved_bytes(model, shapes.seq_len, shapes.packed, pb, cb, backend, lora, selective, ab)
     extra = model_saved_bytes(model, pb, trains_embedding=lora is None)
     # the activations' gradients have the shapes of everything a layer keeps, recomputed or not
     in_flight = BACKWARD_IN_FLIGHT_LAYERS * (layer_saved_bytes(model, shapes.seq_len, shapes.packed, pb, cb, backend,
-                                                               lora) if selective else per_layer)
+                                                               lora, adapter_bytes=ab) if selective else per_layer)
     if ckpt:
         per_token = layers * model.hidden_size * pb + per_layer + in_flight + extra
         how = (f"{tokens:,} tokens ({what}) x ({layers} layer inputs x "
                f"{_kib(model.hidden_size * pb)} + one layer's recompute {_kib(per_layer)} + in flight)")
     else:
-        first = 0.0 if lora is None else first_layer_unsaved_bytes(model, pb, cb, lora, selective, backend)
+        first = 0.0 if lora is None else first_layer_unsaved_bytes(model, pb, cb, lora, selective, backend, ab)
         per_token = layers * per_layer - first + in_flight + extra
         how = (f"{tokens:,} tokens ({what}) x ({layers} layers x "
                f"{_kib(per_layer)}{', cheap ops recomputed' if selective else ''}"
                f"{', less in the first' if first else ''} + in flight)")
-    copies = 0.0 if lora is None else lora_weight_copies_bytes(model, lora, cb, one_layer=ckpt)
+    copies = 0.0 if lora is None else lora_weight_copies_bytes(model, lora, ab, one_layer=ckpt)
     rows.append(Row("activations", tokens * per_token + copies, ("train",),
                     how + (f" + {_kib(copies)} of LoRA's concatenated A" if copies else "")))
     keep = policy_cfg["keep_logits"]

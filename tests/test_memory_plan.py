@@ -382,7 +382,11 @@ ALL = list(mp.LORA_TARGETS)
     (torch.float32, False, False, ALL, 0), (torch.float32, False, True, ["q_proj", "v_proj"], 0),
     (torch.float32, False, False, ["down_proj"], 0), (torch.float32, True, False, ["gate_proj"], 0),
     (torch.float32, True, True, ["o_proj", "down_proj"], 0.1),
-    (torch.float32, False, False, ["k_proj", "up_proj"], 0.1)])
+    (torch.float32, False, False, ["k_proj", "up_proj"], 0.1),
+    # LoRA on a bfloat16 base without autocast: the adapters multiply float32 copies of their inputs, and o_proj's
+    # input is kept twice (the attention's bfloat16 output and A's float32 copy)
+    (torch.bfloat16, False, False, ALL, 0), (torch.bfloat16, False, True, ["q_proj", "o_proj", "down_proj"], 0),
+    (torch.bfloat16, False, False, ["gate_proj", "up_proj"], 0.1)])
 def test_activation_formula_equals_the_bytes_a_forward_saves(dtype, autocast, packed, targets, dropout):
     from framework.models.lora import add_adapters
 
@@ -398,13 +402,14 @@ def test_activation_formula_equals_the_bytes_a_forward_saves(dtype, autocast, pa
     saved, casts = _saved_bytes(model, ids, positions, autocast)
     res = torch.finfo(dtype).bits // 8
     comp = 2 if autocast else res
-    per_layer = mp.layer_saved_bytes(config, T, packed, res, comp, backend="cpu", lora=lora)
+    adapter = comp if autocast else 4   # the adapters are float32 (add_adapters), as under the default precision
+    per_layer = mp.layer_saved_bytes(config, T, packed, res, comp, backend="cpu", lora=lora, adapter_bytes=adapter)
     outside = mp.model_saved_bytes(config, res, trains_embedding=lora is None)
     bounds = 4 * (2 * B + 1) if packed else 0   # cu_seqlens of the 2 B sequences, shared by every layer
     first = copies = 0.0
     if lora is not None:
-        first = mp.first_layer_unsaved_bytes(config, res, comp, lora, backend="cpu")
-        copies = mp.lora_weight_copies_bytes(config, lora, comp)
+        first = mp.first_layer_unsaved_bytes(config, res, comp, lora, backend="cpu", adapter_bytes=adapter)
+        copies = mp.lora_weight_copies_bytes(config, lora, adapter)
     expected = B * T * (config.num_hidden_layers * per_layer - first + outside) + copies + bounds
     assert saved == pytest.approx(expected, rel=0, abs=0.5)
     if lora is None:
@@ -430,10 +435,13 @@ class _Made(TorchDispatchMode):
         return out
 
 
-@pytest.mark.parametrize("autocast,targets,dropout", [
-    (True, ALL, 0), (False, ["down_proj"], 0), (True, ["q_proj", "v_proj"], 0), (False, ["o_proj"], 0.1),
-    (True, ["gate_proj", "up_proj", "down_proj"], 0)])
-def test_selective_recomputation_under_lora_keeps_the_bytes_the_formula_counts(autocast, targets, dropout):
+@pytest.mark.parametrize("dtype,autocast,targets,dropout", [
+    (torch.float32, True, ALL, 0), (torch.float32, False, ["down_proj"], 0),
+    (torch.float32, True, ["q_proj", "v_proj"], 0), (torch.float32, False, ["o_proj"], 0.1),
+    (torch.float32, True, ["gate_proj", "up_proj", "down_proj"], 0),
+    # a bfloat16 base without autocast: A's float32 copy of SwiGLU's output is kept, not recomputed
+    (torch.bfloat16, False, ALL, 0), (torch.bfloat16, False, ["down_proj"], 0)])
+def test_selective_recomputation_under_lora_keeps_the_bytes_the_formula_counts(dtype, autocast, targets, dropout):
     """gradient_checkpointing selective with adapters (whose saved tensors the recomputation's hooks take over, so
     they are measured as the storages the forward leaves alive, less the parameters, their casts and the output):
     a norm's output feeding an adapter is kept, SwiGLU's output is recomputed, and the first layer keeps nothing
@@ -442,7 +450,7 @@ def test_selective_recomputation_under_lora_keeps_the_bytes_the_formula_counts(a
 
     config = preset_config("small", V)
     torch.manual_seed(0)
-    model = Qwen3ForCausalLM(config)
+    model = Qwen3ForCausalLM(config).to(dtype)
     lora = {"rank": 8, "alpha": 16, "dropout": dropout, "targets": targets}
     add_adapters(model, lora)
     model.gradient_checkpointing = "selective"
@@ -455,11 +463,13 @@ def test_selective_recomputation_under_lora_keeps_the_bytes_the_formula_counts(a
     skip = {p.untyped_storage().data_ptr() for p in params} | {h.untyped_storage().data_ptr()}
     skip |= {ptr for ref, ptr, n, cast in made.made if ref() is not None and cast}   # a cast, or a view of one
     alive = {ptr: n for ref, ptr, n, cast in made.made if ref() is not None and ptr not in skip}
-    comp = 2 if autocast else 4
-    expected = B * T * (config.num_hidden_layers * mp.layer_saved_bytes(config, T, False, 4, comp, "cpu", lora, True)
-                        - mp.first_layer_unsaved_bytes(config, 4, comp, lora, True, "cpu")
-                        + mp.model_saved_bytes(config, 4, trains_embedding=False))
-    assert sum(alive.values()) == pytest.approx(expected + mp.lora_weight_copies_bytes(config, lora, comp), abs=0.5)
+    res = torch.finfo(dtype).bits // 8
+    comp, adapter = (2, 2) if autocast else (res, 4)
+    expected = B * T * (config.num_hidden_layers * mp.layer_saved_bytes(config, T, False, res, comp, "cpu", lora, True,
+                                                                         adapter)
+                        - mp.first_layer_unsaved_bytes(config, res, comp, lora, True, "cpu", adapter)
+                        + mp.model_saved_bytes(config, res, trains_embedding=False))
+    assert sum(alive.values()) == pytest.approx(expected + mp.lora_weight_copies_bytes(config, lora, adapter), abs=0.5)
 
 
 def test_kept_logits_formula_equals_what_linear_logprob_saves():
