@@ -4,8 +4,9 @@
 or config.json, the recipe's `batch_shapes`, the world size, the device's memory) and calls `build_plan`, a
 pure function of those. Each row is one kind of memory and the phase of a training step in which it is live:
 `held` through the whole step, or one of `rollout` (generation), `score` (no-grad forwards over the whole
-rollout batch), `train` (the policy's forward and backward), `critic` (PPO's value update) and `step` (the
-optimizer step). The total is what is held plus the largest phase.
+rollout batch), `train` (the policy's forward and backward), `backward` (the end of the policy's backward, where a
+manual-optimization recipe with one micro-batch a step holds its gradients but no longer its activations), `critic`
+(PPO's value update) and `step` (the optimizer step). The total is what is held plus the largest phase.
 
 The activation count follows what each op saves for its backward (ops_cuda/*.py's autograd registrations,
 scaled_dot_product_attention, nn.Linear) in framework/models/qwen3.py's layer; `layer_saved_bytes` spells it
@@ -48,7 +49,7 @@ LOGPROB_TILE_COLS = 8192
 SAVED_LOGITS_CHUNK = 256
 REFERENCE_LOGITS_TILE_BYTES = 1 << 28
 REFERENCE_LOGITS_TILES = 3   # the reference's logits, log-probabilities and probabilities of one tile
-PHASES = ("rollout", "score", "train", "critic", "step")
+PHASES = ("rollout", "score", "train", "backward", "critic", "step")
 ENGINE_CASTS = "rollout weight casts"   # the plan row of a kept rollout engine's compute-dtype weights
 
 _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
@@ -461,8 +462,14 @@ def build_plan(cfg: dict, model: Qwen3Config, requirements: Requirements, shapes
                         f"{_count(counts.matmul)} matmul weights x {cb} B ({cdt}) "
                         + ("kept by the backward" if lora is not None else "cached by autocast")))
     grad_bytes = trainable * _bytes(tdt)
-    rows.append(Row("gradients", grad_bytes, ("train", "step"),
-                    f"{_count(trainable)} trainable params x {_bytes(tdt)} B ({tdt})"))
+    # Manual optimization (framework/module.py step_optimizer) sets the gradients to None after each step: with one
+    # micro-batch a step none are live in the forward, and the backward frees each layer's activations as it makes
+    # that layer's gradients. Else a micro-batch's forward runs beside the gradients of those before it (or, under
+    # automatic optimization, of the previous step, which Lightning sets to None only before the backward).
+    one_micro = not requirements.automatic_optimization and t["accumulate_grad_batches"] == 1 and shapes is not None
+    rows.append(Row("gradients", grad_bytes, ("backward", "step") if one_micro else ("train", "step"),
+                    f"{_count(trainable)} trainable params x {_bytes(tdt)} B ({tdt})"
+                    + ("; none in the forward: set to None after each step of one micro-batch" if one_micro else "")))
     per_param, how = _optimizer_state_bytes(o, trainable, tdt)
     states = trainable * per_param
     if o["cpu_offload"]:
@@ -507,12 +514,21 @@ def build_plan(cfg: dict, model: Qwen3Config, requirements: Requirements, shapes
         rows.append(Row("activations", 0.0, ("train",),
                         f"not counted: recipe {cfg['recipe']} declares no batch_shapes (framework.recipe.Recipe)"))
     else:
-        _batch_rows(rows, cfg, model, shapes, backend, pb, cb, grad_bytes, value_grads, value or model)
+        grads = None
+        if one_micro:   # the backward's first gradients (the LM head's, and one layer's), and a tied embedding's
+            if lora is None:
+                head = (counts.embed if model.tie_word_embeddings else counts.lm_head) + counts.final_norm
+                grads = _BackwardGrads((head + counts.layer_linear + counts.layer_norm) * _bytes(tdt),
+                                       counts.embed * _bytes(tdt) if model.tie_word_embeddings else 0.0)
+            else:
+                grads = _BackwardGrads(trainable / model.num_hidden_layers * _bytes(tdt), 0.0)
+        _batch_rows(rows, cfg, model, shapes, backend, pb, cb, value_grads, value or model, grads)
         if casts and lora is None and shapes.rollout_rows:
             # framework/rollout/engine.py: under autocast the engine multiplies by its own copies of the weights,
             # which a kept engine holds through the update (its decode graphs read them at the next rollout); in the
             # rollout itself they stand in for the autocast casts above
-            rows.append(Row(ENGINE_CASTS, counts.matmul * cb, ("train", "step"),
+            rows.append(Row(ENGINE_CASTS, counts.matmul * cb, ("train", "backward", "step") if one_micro else
+                            ("train", "step"),
                             f"{_count(counts.matmul)} matmul weights x {cb} B ({cdt}), the rollout engine's copies"))
 
     if backend == "cuda":
@@ -550,9 +566,20 @@ def _keep_engine(plan: Plan, setting: bool | str) -> Plan:
     return plan
 
 
+@dataclass(frozen=True)
+class _BackwardGrads:
+    """Gradients that the backward of one micro-batch a step makes beside the activations it holds: at its start
+    (`first`: the LM head's, the final norm's and one layer's), and at its end (`embedding`: a tied embedding's dense
+    gradient, made before it adds into the LM head's)."""
+
+    first: float
+    embedding: float
+
+
 def _batch_rows(rows: list[Row], cfg: dict, model: Qwen3Config, shapes: BatchShapes, backend: str, pb: int,
-                cb: int, grad_bytes: float, value_grads: float, value: Qwen3Config) -> None:
-    """The rows that depend on the recipe's batch: KV cache, no-grad scoring, activations, logits."""
+                cb: int, value_grads: float, value: Qwen3Config, grads: _BackwardGrads | None) -> None:
+    """The rows that depend on the recipe's batch: KV cache, no-grad scoring, activations, logits; with `grads`
+    (one micro-batch a step of a manual-optimization recipe) the backward's gradients beside its activations."""
     policy_cfg = cfg["model"]["policy"]
     layers = model.num_hidden_layers
     if shapes.rollout_rows:
@@ -620,15 +647,35 @@ def _batch_rows(rows: list[Row], cfg: dict, model: Qwen3Config, shapes: BatchSha
     logits, how = _logits_rows(model, shapes.loss_tokens, "bfloat16" if cb == 2 else "float32", keep, backend,
                                weight_grad=lora is None)
     rows.append(Row("logits buffers", logits, ("train",), how))
+    if grads is not None:
+        made = "one layer's adapters' gradients" if lora is not None else "the LM head's and one layer's gradients"
+        rows.append(Row("first gradients", grads.first, ("train",),
+                        made + ", made while the forward's activations are held"))
+        # at the backward's end: the first layer's activations and those in flight, or a tied embedding's gradient
+        last = (model.hidden_size * pb if ckpt else 0) + per_layer + in_flight + extra
+        end = max(tokens * last, tokens * (extra + model.hidden_size * pb) + grads.embedding)
+        rows.append(Row("last activations", end, ("backward",),
+                        f"{tokens:,} tokens x the first layer's activations and those in flight"
+                        + (", or the embedding's gradient" if grads.embedding else "") + ", beside every gradient"))
     if value_grads:
         v_layer = layer_saved_bytes(value, shapes.seq_len, shapes.packed, pb, cb, backend, selective=selective)
         v_full = layer_saved_bytes(value, shapes.seq_len, shapes.packed, pb, cb, backend)
         v_tokens = (value.num_hidden_layers * (value.hidden_size * pb if ckpt else v_layer)
                     + (v_layer if ckpt else 0) + BACKWARD_IN_FLIGHT_LAYERS * v_full
                     + model_saved_bytes(value, pb))
-        rows.append(Row("critic update", value_grads + tokens * v_tokens, ("critic",),
-                        f"the value model's gradients + its activations of {tokens:,} tokens "
-                        "(the policy's gradients are freed by then)"))
+        update = value_grads + tokens * v_tokens
+        how = (f"the value model's gradients + its activations of {tokens:,} tokens (the policy's gradients are freed "
+               "by then)")
+        if grads is not None:   # as the policy's: the larger of the backward's start and its end
+            v = param_counts(value)
+            per_param = value_grads / (v.trunk + value.hidden_size + 1)
+            first = (v.layer_linear + v.layer_norm + v.final_norm + value.hidden_size + 1) * per_param
+            last = ((value.hidden_size * pb if ckpt else 0) + v_layer + BACKWARD_IN_FLIGHT_LAYERS * v_full
+                    + model_saved_bytes(value, pb))
+            update = max(tokens * v_tokens + first, value_grads + tokens * last)
+            how = (f"the larger of its activations of {tokens:,} tokens with one layer's gradients, and all its "
+                   "gradients with the first layer's activations (the policy's gradients are freed by then)")
+        rows.append(Row("critic update", update, ("critic",), how))
 
 
 # ------------------------------------------------------------------------------------------ gathering
