@@ -202,6 +202,14 @@ def compute_dtype(cfg: dict) -> str:
     return _AUTOCAST_TO.get(cfg["trainer"]["precision"]) or param_dtype(cfg)
 
 
+def value_dtype(cfg: dict) -> str:
+    """The critic's parameter dtype in training (framework/module.py _build_value): a *-true precision's, else
+    float32 under LoRA (it trains every weight, in the adapters' dtype), else model.policy.dtype (null = float32)."""
+    policy = cfg["model"]["policy"]
+    return (_CONVERTS_TO.get(cfg["trainer"]["precision"])
+            or ("float32" if policy["lora"] is not None else policy["dtype"] or "float32"))
+
+
 @dataclass(frozen=True)
 class ParamCounts:
     """Parameters of a Qwen3 model by kind."""
@@ -493,18 +501,20 @@ def build_plan(cfg: dict, model: Qwen3Config, requirements: Requirements, shapes
         rows.append(Row("reference model", ref.total * _bytes(rdt), ("held",),
                         f"{_count(ref.total)} params x {_bytes(rdt)} B ({rdt}), frozen"))
     value_grads = 0.0
+    vdt = value_dtype(cfg)
+    vb = _bytes(vdt)
     if requirements.value_model:
         val = param_counts(value or model)
-        vparams = val.trunk + model.hidden_size + 1
-        vstate, vhow = _optimizer_state_bytes(o, vparams, pdt)
-        value_grads = vparams * pb
+        vparams = val.trunk + (value or model).hidden_size + 1
+        vstate, vhow = _optimizer_state_bytes(o, vparams, vdt)
+        value_grads = vparams * vb
         on_gpu = 0.0 if o["cpu_offload"] else vparams * vstate
-        value_casts = val.layers * val.layer_linear * cb if casts else 0
-        rows.append(Row("value model", vparams * pb + on_gpu + value_casts, ("held",),
-                        f"{_count(vparams)} params x {pb} B ({pdt}) + " + (f"states on the host ({vhow})"
+        value_casts = val.layers * val.layer_linear * cb if vdt == "float32" and t["precision"] in _AUTOCAST_TO else 0
+        rows.append(Row("value model", vparams * vb + on_gpu + value_casts, ("held",),
+                        f"{_count(vparams)} params x {vb} B ({vdt}) + " + (f"states on the host ({vhow})"
                                                                             if o["cpu_offload"] else vhow)
                         + (" + autocast casts" if value_casts else ""),
-                        host_bytes=vparams * (vstate + 2 * pb) if o["cpu_offload"] else 0.0))
+                        host_bytes=vparams * (vstate + 2 * vb) if o["cpu_offload"] else 0.0))
 
     if world_size > 1 and not t["strategy"].startswith(("fsdp", "deepspeed")):
         rows.append(Row("DDP gradient buckets", grad_bytes + value_grads, ("held",),
@@ -522,7 +532,7 @@ def build_plan(cfg: dict, model: Qwen3Config, requirements: Requirements, shapes
                                        counts.embed * _bytes(tdt) if model.tie_word_embeddings else 0.0)
             else:
                 grads = _BackwardGrads(trainable / model.num_hidden_layers * _bytes(tdt), 0.0)
-        _batch_rows(rows, cfg, model, shapes, backend, pb, cb, value_grads, value or model, grads)
+        _batch_rows(rows, cfg, model, shapes, backend, pb, cb, value_grads, value or model, grads, vb)
         if casts and lora is None and shapes.rollout_rows:
             # framework/rollout/engine.py: under autocast the engine multiplies by its own copies of the weights,
             # which a kept engine holds through the update (its decode graphs read them at the next rollout); in the
@@ -577,9 +587,10 @@ class _BackwardGrads:
 
 
 def _batch_rows(rows: list[Row], cfg: dict, model: Qwen3Config, shapes: BatchShapes, backend: str, pb: int,
-                cb: int, value_grads: float, value: Qwen3Config, grads: _BackwardGrads | None) -> None:
+                cb: int, value_grads: float, value: Qwen3Config, grads: _BackwardGrads | None, vb: int) -> None:
     """The rows that depend on the recipe's batch: KV cache, no-grad scoring, activations, logits; with `grads`
-    (one micro-batch a step of a manual-optimization recipe) the backward's gradients beside its activations."""
+    (one micro-batch a step of a manual-optimization recipe) the backward's gradients beside its activations.
+    vb: the bytes of the critic's parameters, whose forwards run in its dtype (or autocast's)."""
     policy_cfg = cfg["model"]["policy"]
     layers = model.num_hidden_layers
     if shapes.rollout_rows:
@@ -611,6 +622,9 @@ def _batch_rows(rows: list[Row], cfg: dict, model: Qwen3Config, shapes: BatchSha
         n = shapes.scoring_rows * shapes.new_tokens
         score = tokens * (no_grad_peak_bytes(model, pb, cb) + model.hidden_size * pb) + n * (model.hidden_size * cb + 8)
         score += min(n, LOGPROB_TILE_ROWS) * min(model.vocab_size, LOGPROB_TILE_COLS) * 4
+        if value_grads:   # the critic's values of every row, in its own dtype, one forward after the other
+            vcb = cb if cfg["trainer"]["precision"] in _AUTOCAST_TO else vb
+            score = max(score, tokens * (no_grad_peak_bytes(value, vb, vcb) + value.hidden_size * vb + 4))
         rows.append(Row("scoring forward", score, ("score",),
                         f"no-grad forward of {shapes.scoring_rows} rows x {shapes.seq_len} tokens (reference or "
                         "values): its widest point and the hidden states"))
@@ -658,21 +672,21 @@ def _batch_rows(rows: list[Row], cfg: dict, model: Qwen3Config, shapes: BatchSha
                         f"{tokens:,} tokens x the first layer's activations and those in flight"
                         + (", or the embedding's gradient" if grads.embedding else "") + ", beside every gradient"))
     if value_grads:
-        v_layer = layer_saved_bytes(value, shapes.seq_len, shapes.packed, pb, cb, backend, selective=selective)
-        v_full = layer_saved_bytes(value, shapes.seq_len, shapes.packed, pb, cb, backend)
-        v_tokens = (value.num_hidden_layers * (value.hidden_size * pb if ckpt else v_layer)
+        vcb = cb if cfg["trainer"]["precision"] in _AUTOCAST_TO else vb
+        v_layer = layer_saved_bytes(value, shapes.seq_len, shapes.packed, vb, vcb, backend, selective=selective)
+        v_full = layer_saved_bytes(value, shapes.seq_len, shapes.packed, vb, vcb, backend)
+        v_tokens = (value.num_hidden_layers * (value.hidden_size * vb if ckpt else v_layer)
                     + (v_layer if ckpt else 0) + BACKWARD_IN_FLIGHT_LAYERS * v_full
-                    + model_saved_bytes(value, pb))
+                    + model_saved_bytes(value, vb))
         update = value_grads + tokens * v_tokens
         how = (f"the value model's gradients + its activations of {tokens:,} tokens (the policy's gradients are freed "
                "by then)")
         if grads is not None:   # as the policy's: the larger of the backward's start and its end
             v = param_counts(value)
-            per_param = value_grads / (v.trunk + value.hidden_size + 1)
-            first = (v.layer_linear + v.layer_norm + v.final_norm + value.hidden_size + 1) * per_param
-            last = ((value.hidden_size * pb if ckpt else 0) + v_layer + BACKWARD_IN_FLIGHT_LAYERS * v_full
-                    + model_saved_bytes(value, pb))
-            update = max(tokens * v_tokens + first, value_grads + tokens * last)
+            v_first = (v.layer_linear + v.layer_norm + v.final_norm + value.hidden_size + 1) * vb   # and the head's
+            v_last = ((value.hidden_size * vb if ckpt else 0) + v_layer + BACKWARD_IN_FLIGHT_LAYERS * v_full
+                      + model_saved_bytes(value, vb))
+            update = max(tokens * v_tokens + v_first, value_grads + tokens * v_last)
             how = (f"the larger of its activations of {tokens:,} tokens with one layer's gradients, and all its "
                    "gradients with the first layer's activations (the policy's gradients are freed by then)")
         rows.append(Row("critic update", update, ("critic",), how))

@@ -32,8 +32,8 @@ LAYER_PARAMS = D * (Q + 2 * KV) + Q * D + D * 2 * INTER + INTER * D + 2 * D + 2 
 PARAMS = V * D + LAYERS * LAYER_PARAMS + D
 
 
-def tiny(recipe: str = "sft", **sections) -> dict:
-    cfg = {"recipe": recipe, "model": {"policy": {"preset": "tiny"}}}
+def tiny(recipe: str = "sft", run_dir: str | None = None, **sections) -> dict:
+    cfg = {"recipe": recipe, "model": {"policy": {"preset": "tiny"}}, **({"run_dir": run_dir} if run_dir else {})}
     for key, value in sections.items():
         cfg.setdefault(key, {}).update(value)
     return resolve(cfg)
@@ -203,6 +203,24 @@ def test_lora_trains_only_the_adapters_and_drops_the_reference_copy():
     assert row(adapted, "policy weights").bytes == row(full, "policy weights").bytes == PARAMS * 4
     assert row(full, "reference model").bytes == PARAMS * 4
     assert not any(r.name == "reference model" for r in adapted.rows)   # the base with the adapters off
+
+
+@pytest.mark.parametrize("lora", [None, {"rank": 4, "targets": ["q_proj"]}])
+def test_the_critic_is_counted_in_the_dtype_fit_builds_it(tmp_path, lora):
+    """PPO on a bfloat16 policy: the critic that FwModule builds is bfloat16 with full fine-tuning, float32 under
+    LoRA (it trains every weight, as the adapters do): the plan's value model row is its parameters' bytes, as built,
+    and AdamW's two moments in the same dtype."""
+    from framework.module import FwModule
+
+    optimizer = {"stochastic_rounding": True} if lora is None else {}   # bf16 weights need it to train
+    cfg = tiny("ppo", run_dir=str(tmp_path), model={"policy": {"preset": "tiny", "dtype": "bfloat16", "lora": lora}},
+               trainer={"accelerator": "cpu"}, optimizer=optimizer, data={"task": {"name": "digits"}})
+    value = FwModule(cfg).value
+    built = sum(p.numel() * p.element_size() for p in value.parameters())
+    assert {p.dtype for p in value.parameters()} == {torch.float32 if lora else torch.bfloat16}
+    plan = mp.build_plan(cfg, preset_config("tiny", V), Requirements(automatic_optimization=False, value_model=True),
+                         None, backend="cpu")
+    assert row(plan, "value model").bytes == built + 2 * built
 
 
 def test_gradient_checkpointing_keeps_layer_inputs_and_one_recompute():
