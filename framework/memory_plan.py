@@ -726,7 +726,10 @@ def _device_memory(cfg: dict) -> tuple[float, str] | None:
     return float(props.total_memory), f"{props.name} (GPU {index})"
 
 
-def _model_configs(cfg: dict, tokenizer: Any) -> tuple[Qwen3Config, Qwen3Config | None, Qwen3Config | None]:
+def _model_configs(cfg: dict, tokenizer: Any, requirements: Requirements,
+                   ) -> tuple[Qwen3Config, Qwen3Config | None, Qwen3Config | None]:
+    """The shapes of the policy, and of the reference and value models that the recipe builds from their paths (None:
+    from the policy, or not at all). A path the recipe does not read is not read here either."""
     from framework.models.hf_io import read_config
     from framework.models.presets import preset_config
 
@@ -737,7 +740,8 @@ def _model_configs(cfg: dict, tokenizer: Any) -> tuple[Qwen3Config, Qwen3Config 
         model = preset_config(policy["preset"], tokenizer.vocab_size, tokenizer.eos_id, tokenizer.pad_id)
     else:
         raise FwError("model.policy: set exactly one of path (an HF checkpoint directory) or preset")
-    ref_path, value_path = cfg["model"]["reference"]["path"], cfg["model"]["value"]["path"]
+    ref_path = cfg["model"]["reference"]["path"] if requirements.reference_model else None
+    value_path = cfg["model"]["value"]["path"] if requirements.value_model else None
     return (model, read_config(ref_path)[0] if ref_path else None,
             read_config(value_path)[0] if value_path else None)
 
@@ -779,7 +783,7 @@ class _Planner:
 
         self.recipe = recipe_class(cfg["recipe"])
         self.tokenizer = build_tokenizer(cfg)
-        self.model, self.reference, self.value = _model_configs(cfg, self.tokenizer)
+        self.model, self.reference, self.value = _model_configs(cfg, self.tokenizer, self.recipe.requirements(cfg))
         self.backend = _backend(cfg)
         self.world = world_size(cfg, self.backend)
         self.limit, self.source = _limit(cfg, self.backend, gpu_gib)

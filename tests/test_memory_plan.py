@@ -657,6 +657,17 @@ def test_every_change_the_plan_suggests_passes_fws_checks(tmp_path, job, gib):
     assert "; try " + plan.suggestions[0].text + " (" in plan.refusal()
 
 
+def test_fw_plan_reads_only_the_models_the_recipe_builds(tmp_path, capsys):
+    """GRPO builds no critic, and no reference without a KL term: a stale model.value.path or model.reference.path
+    leaves its plan alone, while PPO, which builds its critic, reads the path and names it."""
+    stale = str(tmp_path / "gone")
+    code, out, err = fw(capsys, "plan", "--config", TRAIN, f"--model.value.path={stale}",
+                        f"--model.reference.path={stale}", "--grpo.kl_coef=0")
+    assert (code, err) == (0, "") and out.startswith("fw plan: recipe grpo")
+    code, _, err = fw(capsys, "plan", "--config", str(ROOT / "recipes" / "ppo.yaml"), f"--model.value.path={stale}")
+    assert code == 2 and stale in err
+
+
 def test_fw_plan_usage_errors(capsys):
     code, _, err = fw(capsys, "plan", "--config", TRAIN, "--gpu-gib", "0")
     assert code == 2 and err == "fw: error: --gpu-gib must be a finite number > 0, got 0\n"
