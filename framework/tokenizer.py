@@ -6,10 +6,14 @@
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
 import os
 import tempfile
+import unicodedata
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +30,10 @@ TURN_END = "<|im_end|>"
 EOS_TOKEN = TURN_END          # Qwen3's eos and pad tokens, used when tokenizer_config.json names none
 PAD_TOKEN = "<|endoftext|>"
 _ROLES = ("system", "user", "assistant")
+# Pre-tokenizers that only split or drop characters, and ByteLevel (one character per byte), under which a model in
+# _BOUNDED_MODELS makes at most one token per character (a byte under byte-level BPE or BPE's byte fallback).
+_SPLITTING = {"Split", "Digits", "Punctuation", "Whitespace", "WhitespaceSplit", "ByteLevel"}
+_BOUNDED_MODELS = {"BPE", "WordLevel"}
 
 
 def qwen3_chat_template() -> str:
@@ -92,6 +100,67 @@ class Tokenizer:
         character share its span."""
         enc = self._tk.encode(text, add_special_tokens=False)
         return enc.ids, enc.offsets
+
+    def token_counts(self, texts: list[str]) -> list[int]:
+        """`len(encode(t))` of each of `texts`, encoded in one batch (on the tokenizers library's threads)."""
+        return [len(e.ids) for e in self._tk.encode_batch(texts, add_special_tokens=False)]
+
+    @functools.cached_property
+    def fingerprint(self) -> str:
+        """sha256 of the tokenizer's whole pipeline: equal fingerprints tokenize alike."""
+        return hashlib.sha256(self._tk.to_str().encode()).hexdigest()
+
+    @functools.cached_property
+    def token_bound(self) -> Callable[[str], int] | None:
+        """A function giving an upper bound on the tokens of a text from the text alone, or None where the
+        pipeline gives none.
+
+        Added and special tokens are matched whole: one token for one or more characters. The rest is split into
+        pieces, which a word-level model makes one token each, and BPE one token or fewer per character of the
+        piece: per byte under ByteLevel (a character per byte) or byte fallback. So the bound is the characters
+        of the normalized text, or its UTF-8 bytes. NFC normalizes each piece between added tokens, and an NFC
+        form has at most the characters and bytes of the NFD form, which decomposes each character on its own.
+        Other normalizers (NFKC makes up to 18 characters of one) and pipelines that add characters (a prefix
+        space, Metaspace) or pad get no bound.
+        """
+        tk = self._tk
+        if tk.padding is not None or type(tk.model).__name__ not in _BOUNDED_MODELS:
+            return None
+        steps = [json.loads(tk.pre_tokenizer.__getstate__())] if tk.pre_tokenizer is not None else []
+        per_byte = type(tk.model).__name__ == "BPE" and bool(tk.model.byte_fallback)
+        while steps:
+            step = steps.pop()
+            if step["type"] == "Sequence":
+                steps.extend(step["pretokenizers"])
+            elif step["type"] not in _SPLITTING or step.get("add_prefix_space"):
+                return None
+            per_byte |= step["type"] == "ByteLevel"
+        normalizer = None if tk.normalizer is None else json.loads(tk.normalizer.__getstate__())["type"]
+        if normalizer not in (None, "NFC"):
+            return None
+
+        def bound(text: str) -> int:
+            if text.isascii():   # a byte a character, which every normal form leaves as it is
+                return len(text)
+            text = unicodedata.normalize("NFD", text) if normalizer else text
+            return len(text.encode("utf-8")) if per_byte else len(text)
+
+        return bound
+
+    def most_tokens(self, texts: set[str] | list[str]) -> int:
+        """The most tokens of any of `texts`: by decreasing `token_bound`, in batches of 1, 2, 4, ... texts (the
+        first often decides), until no bound is above the most found; every text where there is no bound."""
+        bound = self.token_bound
+        ranked = sorted(((bound(t), t) for t in texts), key=lambda pair: pair[0], reverse=True) if bound else \
+            [(None, t) for t in texts]
+        best, start, size = 0, 0, 1
+        while start < len(ranked):
+            batch = [t for most, t in ranked[start:start + size] if most is None or most > best]
+            if not batch:   # neither these texts nor any after them can have more tokens
+                break
+            best = max(best, *self.token_counts(batch))
+            start, size = start + size, min(2 * size, 8192)
+        return best
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         return self._tk.decode(list(ids), skip_special_tokens=skip_special_tokens)

@@ -33,8 +33,6 @@ from __future__ import annotations
 import dataclasses
 import sys
 import time
-import unicodedata
-import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -302,15 +300,11 @@ def completion_values(value_model: Any, tokens: Tensor, prompt_lens: Tensor, com
 
 # Samples of a procedural task (one without a length) whose prompts stand for its prompt length in the memory plan.
 PLAN_PROMPTS = 256
-# Pre-tokenizers that only split or drop characters, and ByteLevel (one character per byte), under which a model in
-# _BOUNDED_MODELS makes at most one token per character (a byte under byte-level BPE or BPE's byte fallback).
-_SPLITTING = {"Split", "Digits", "Punctuation", "Whitespace", "WhitespaceSplit", "ByteLevel"}
-_BOUNDED_MODELS = {"BPE", "WordLevel"}
 
 
 def longest_prompt(cfg: dict, tokenizer: Any) -> int:
     """The longest prompt in tokens, rendered as ``RLRecipe.collect`` renders them: RL prompts are never truncated,
-    so only the task bounds them. A task with a length (a dataset) is measured whole (`_most_tokens`), once per
+    so only the task bounds them. A task with a length (a dataset) is measured whole (`Tokenizer.most_tokens`), once per
     process for the same JSONL files, rendering and tokenizer. A procedural task, which declares no bound, by its
     first ``PLAN_PROMPTS`` samples."""
     from framework.tasks import build_task, render_prompt
@@ -326,7 +320,7 @@ def longest_prompt(cfg: dict, tokenizer: Any) -> int:
 
     if not hasattr(task, "__len__"):
         return max(len(tokenizer.encode(text(i))) for i in range(PLAN_PROMPTS))
-    longest = _most_tokens({text(i) for i in range(len(task))}, tokenizer)
+    longest = tokenizer.most_tokens({text(i) for i in range(len(task))})
     if key is not None:
         _LONGEST[key] = longest
     return longest
@@ -334,89 +328,25 @@ def longest_prompt(cfg: dict, tokenizer: Any) -> int:
 
 # longest_prompt's results for JSONL prompt files: the memory plan asks again for each change it tries
 _LONGEST: dict[tuple, int] = {}
-_TOKENIZER_KEYS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _dataset_key(cfg: dict, tokenizer: Any) -> tuple | None:
     """What longest_prompt's result depends on for JSONL prompts (each file's path, size and modification time, the
     keys read, the rendering, the tokenizer's contents), or None where it cannot say (a task, a tokenizer of
     another kind, a file it cannot stat: the task reports that)."""
-    import hashlib
     import os
 
     data = cfg["data"]
-    tk = getattr(tokenizer, "_tk", None)
-    if not data["path"] or data["task"] or tk is None:
+    fingerprint = getattr(tokenizer, "fingerprint", None)
+    if not data["path"] or data["task"] or fingerprint is None:
         return None
     try:
         files = tuple((os.path.realpath(f), os.stat(f).st_mtime_ns, os.stat(f).st_size)
                       for f in ([data["path"]] if isinstance(data["path"], str) else data["path"]))
-        if tokenizer not in _TOKENIZER_KEYS:
-            _TOKENIZER_KEYS[tokenizer] = hashlib.sha256(tk.to_str().encode()).hexdigest()
     except (OSError, TypeError):
         return None
     return (files, data["prompt_key"], data["answer_key"], data["chat_template"], cfg["tokenizer"]["enable_thinking"],
-            _TOKENIZER_KEYS[tokenizer])
-
-
-def _most_tokens(texts: set[str], tokenizer: Any) -> int:
-    """The most tokens of any of `texts`: by decreasing upper bound on their token counts (`_token_bound`), in
-    batches of 1, 2, 4, ... texts (the first often decides), until no bound is above the most found; every text
-    where the tokenizer gives no bound."""
-    tk = getattr(tokenizer, "_tk", None)
-
-    def counts(batch: list[str]) -> list[int]:
-        if tk is None:
-            return [len(tokenizer.encode(t)) for t in batch]
-        return [len(e.ids) for e in tk.encode_batch(batch, add_special_tokens=False)]   # as tokenizer.encode
-
-    bound = _token_bound(tokenizer)
-    ranked = sorted(((bound(t), t) for t in texts), key=lambda pair: pair[0], reverse=True) if bound else \
-        [(None, t) for t in texts]
-    best, start, size = 0, 0, 1
-    while start < len(ranked):
-        batch = [t for most, t in ranked[start:start + size] if most is None or most > best]
-        if not batch:   # neither these texts nor any after them can have more tokens
-            break
-        best = max(best, *counts(batch))
-        start, size = start + size, min(2 * size, 8192)
-    return best
-
-
-def _token_bound(tokenizer: Any) -> Callable[[str], int] | None:
-    """A function giving an upper bound on the tokens of a text from the text alone, or None where the tokenizer's
-    pipeline gives none. Added and special tokens are matched whole: one token for one or more characters. The rest
-    is split into pieces, which a word-level model makes one token each, and BPE one token or fewer per character
-    of the piece: per byte under ByteLevel (a character per byte) or byte fallback. So the bound is the characters
-    of the normalized text, or its UTF-8 bytes. NFC normalizes each piece between added tokens, and an NFC form has
-    at most the characters and bytes of the NFD form, which decomposes each character on its own. Other normalizers
-    (NFKC makes up to 18 characters of one) and pipelines that add characters (a prefix space, Metaspace) or pad
-    get no bound."""
-    import json
-
-    tk = getattr(tokenizer, "_tk", None)
-    if tk is None or tk.padding is not None or type(tk.model).__name__ not in _BOUNDED_MODELS:
-        return None
-    steps = [json.loads(tk.pre_tokenizer.__getstate__())] if tk.pre_tokenizer is not None else []
-    per_byte = type(tk.model).__name__ == "BPE" and bool(tk.model.byte_fallback)
-    while steps:
-        step = steps.pop()
-        if step["type"] == "Sequence":
-            steps.extend(step["pretokenizers"])
-        elif step["type"] not in _SPLITTING or step.get("add_prefix_space"):
-            return None
-        per_byte |= step["type"] == "ByteLevel"
-    normalizer = None if tk.normalizer is None else json.loads(tk.normalizer.__getstate__())["type"]
-    if normalizer not in (None, "NFC"):
-        return None
-
-    def bound(text: str) -> int:
-        if text.isascii():   # a byte a character, which every normal form leaves as it is
-            return len(text)
-        text = unicodedata.normalize("NFD", text) if normalizer else text
-        return len(text.encode("utf-8")) if per_byte else len(text)
-
-    return bound
+            fingerprint)
 
 
 # A micro-batch's loss: (its rows of the rollout batch, first minibatch of the rollout?) -> (the loss to
