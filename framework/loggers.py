@@ -51,6 +51,18 @@ def _csv_step(row: dict[str, str | None]) -> float:
         return math.inf
 
 
+def earlier_logs(run_dir: str | os.PathLike) -> Path | None:
+    """A file in `<run_dir>/logs/version_0` that holds points an earlier run logged (a CSV row, a TensorBoard
+    event file), or None. A fresh run would continue it, so it is refused (framework/trainer.py)."""
+    folder = Path(run_dir, LOG_DIR[0], f"version_{LOG_DIR[1]}")
+    csv_file = folder / ExperimentWriter.NAME_METRICS_FILE
+    if csv_file.is_file():
+        with open(csv_file, encoding="utf-8", errors="replace") as f:
+            if sum(1 for line in f if line.strip()) > 1:   # a header alone holds no point
+                return csv_file
+    return next(iter(sorted(folder.glob("events.out.tfevents.*"))), None) if folder.is_dir() else None
+
+
 class _CsvWriter(ExperimentWriter):
     """Lightning's CSV writer, except that it continues an existing metrics.csv (Lightning's deletes it) and
     writes it safely: rows are appended and fsynced; a new column rewrites the file into a temporary one,

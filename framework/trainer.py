@@ -20,7 +20,7 @@ from framework.callbacks import FlushOnEarlyStop, MetricsLogger, builtin_callbac
 from framework.config import uses_cuda
 from framework.errors import FwError
 from framework.evaluation import EvalCallback, eval_enabled
-from framework.loggers import build_loggers, log_config
+from framework.loggers import build_loggers, earlier_logs, log_config
 from framework.recipe import Requirements, recipe_class
 from framework.run_lock import RunLock
 from framework.signals import Stopped, StopSignals, signal_name
@@ -167,12 +167,17 @@ def quiet_lightning() -> Iterator[None]:
 
 
 def refuse_earlier_metrics(run_dir: str | Path) -> None:
-    """FwError if a fresh run would write into the metrics.jsonl of an earlier one (which left no
-    checkpoint: a run_dir with checkpoints is refused before this, with --resume last as the way on)."""
+    """FwError if a fresh run would write into the metrics.jsonl or the CSV / TensorBoard logs of an earlier one
+    (which left no checkpoint: a run_dir with checkpoints is refused before this, with --resume last as the way
+    on)."""
     path = Path(run_dir) / "metrics.jsonl"
     if path.is_file() and path.read_text(encoding="utf-8", errors="replace").strip():
         raise FwError(f"{path} holds the metrics of an earlier run, which left no checkpoint to resume from; "
                       "choose another run_dir, or delete the file to start over")
+    logged = earlier_logs(run_dir)   # the CSV and TensorBoard logs a resume continues, a fresh run must not
+    if logged is not None:
+        raise FwError(f"{logged} holds the logs of an earlier run, which left no checkpoint to resume from; "
+                      f"choose another run_dir, or delete {logged.parent} to start over")
 
 
 def fit(cfg: dict, resume: str | None = None, skip_damaged: bool = False,

@@ -266,6 +266,23 @@ def test_a_fresh_fit_does_not_overwrite_the_metrics_of_an_earlier_run(capsys, tm
     assert fw(capsys, *_fit_argv(run_dir, "--trainer.enable_progress_bar=false"))[0] == 0
 
 
+def test_a_fresh_fit_does_not_continue_the_csv_log_of_an_earlier_run(capsys, tmp_path):
+    """logs/version_0 is the one folder a resume continues; a fresh run would append to an earlier run's rows."""
+    run_dir = tmp_path / "run"
+    logs = run_dir / "logs" / "version_0"
+    logs.mkdir(parents=True)
+    (logs / "metrics.csv").write_text("step,loss\n")   # a header alone: no point logged yet
+    earlier = "step,loss\n1,2.5\n"
+    assert fw(capsys, *_fit_argv(tmp_path / "other", "--trainer.enable_progress_bar=false"))[0] == 0
+    (logs / "metrics.csv").write_text(earlier)
+    code, _, err = fw(capsys, *_fit_argv(run_dir, "--trainer.enable_progress_bar=false"))
+    assert (code, err) == (2, (f"fw: error: {logs / 'metrics.csv'} holds the logs of an earlier run, which left no "
+                               f"checkpoint to resume from; choose another run_dir, or delete {logs} to start over\n"))
+    assert (logs / "metrics.csv").read_text() == earlier and not (run_dir / "config.yaml").exists()
+    (logs / "metrics.csv").write_text("step,loss\n")
+    assert fw(capsys, *_fit_argv(run_dir, "--trainer.enable_progress_bar=false"))[0] == 0
+
+
 # ------------------------------------------------------------------------------------------ shipping
 
 def _ci_test_command() -> str:
