@@ -25,6 +25,7 @@ from typing import Any
 from framework.config import uses_cuda
 from framework.errors import FwError
 from framework.models.qwen3_config import Qwen3Config
+from framework.precision import AUTOCAST_TO, CONVERTS_TO, trained_dtype
 from framework.recipe import BatchShapes, Requirements
 
 GIB = 2**30
@@ -53,9 +54,6 @@ PHASES = ("rollout", "score", "train", "backward", "critic", "step")
 ENGINE_CASTS = "rollout weight casts"   # the plan row of a kept rollout engine's compute-dtype weights
 
 _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
-# Lightning's *-true precisions convert the whole module (policy, adapters, value and reference) to their dtype.
-_CONVERTS_TO = {"bf16-true": "bfloat16", "16-true": "float16", "64-true": "float64"}
-_AUTOCAST_TO = {"bf16-mixed": "bfloat16", "16-mixed": "float16"}
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -194,20 +192,12 @@ def _bytes(dtype: str) -> int:
 def param_dtype(cfg: dict) -> str:
     """The policy's parameter dtype in training: model.policy.dtype (null = float32) unless a *-true
     precision converts the module."""
-    return _CONVERTS_TO.get(cfg["trainer"]["precision"]) or cfg["model"]["policy"]["dtype"] or "float32"
+    return CONVERTS_TO.get(cfg["trainer"]["precision"]) or cfg["model"]["policy"]["dtype"] or "float32"
 
 
 def compute_dtype(cfg: dict) -> str:
     """The dtype of the matmuls' operands: autocast's under a *-mixed precision, else the parameters'."""
-    return _AUTOCAST_TO.get(cfg["trainer"]["precision"]) or param_dtype(cfg)
-
-
-def value_dtype(cfg: dict) -> str:
-    """The critic's parameter dtype in training (framework/module.py _build_value): a *-true precision's, else
-    float32 under LoRA (it trains every weight, in the adapters' dtype), else model.policy.dtype (null = float32)."""
-    policy = cfg["model"]["policy"]
-    return (_CONVERTS_TO.get(cfg["trainer"]["precision"])
-            or ("float32" if policy["lora"] is not None else policy["dtype"] or "float32"))
+    return AUTOCAST_TO.get(cfg["trainer"]["precision"]) or param_dtype(cfg)
 
 
 @dataclass(frozen=True)
@@ -451,7 +441,7 @@ def build_plan(cfg: dict, model: Qwen3Config, requirements: Requirements, shapes
     lora = policy_cfg["lora"]
     rows: list[Row] = []
     # adapters are float32 unless a *-true precision converts them with the rest of the module
-    adt = _CONVERTS_TO.get(t["precision"], "float32")
+    adt = CONVERTS_TO.get(t["precision"], "float32")
     trainable = lora_params(model, lora) if lora is not None else counts.total
     tdt = adt if lora is not None else pdt
 
@@ -462,7 +452,7 @@ def build_plan(cfg: dict, model: Qwen3Config, requirements: Requirements, shapes
         rows.append(Row("LoRA adapters", trainable * _bytes(adt), ("held",),
                         f"{_count(trainable)} params (rank {lora['rank']} x {len(lora['targets'])} targets x "
                         f"{model.num_hidden_layers} layers) x {_bytes(adt)} B ({adt})"))
-    casts = pdt == "float32" and t["precision"] in _AUTOCAST_TO
+    casts = pdt == "float32" and t["precision"] in AUTOCAST_TO
     if casts:
         # autocast caches the casts of trainable weights for its whole region (the training step); frozen
         # weights (LoRA's base) are cast again at each use, and the backward keeps those casts
@@ -497,11 +487,11 @@ def build_plan(cfg: dict, model: Qwen3Config, requirements: Requirements, shapes
 
     if requirements.reference_model and (lora is None or cfg["model"]["reference"]["path"] is not None):
         ref = param_counts(reference or model)
-        rdt = _CONVERTS_TO.get(t["precision"]) or policy_cfg["dtype"] or "float32"
+        rdt = CONVERTS_TO.get(t["precision"]) or policy_cfg["dtype"] or "float32"
         rows.append(Row("reference model", ref.total * _bytes(rdt), ("held",),
                         f"{_count(ref.total)} params x {_bytes(rdt)} B ({rdt}), frozen"))
     value_grads = 0.0
-    vdt = value_dtype(cfg)
+    vdt = trained_dtype(cfg)   # the critic trains every weight: in the dtype of what the optimizers step
     vb = _bytes(vdt)
     if requirements.value_model:
         val = param_counts(value or model)
@@ -509,7 +499,7 @@ def build_plan(cfg: dict, model: Qwen3Config, requirements: Requirements, shapes
         vstate, vhow = _optimizer_state_bytes(o, vparams, vdt)
         value_grads = vparams * vb
         on_gpu = 0.0 if o["cpu_offload"] else vparams * vstate
-        value_casts = val.layers * val.layer_linear * cb if vdt == "float32" and t["precision"] in _AUTOCAST_TO else 0
+        value_casts = val.layers * val.layer_linear * cb if vdt == "float32" and t["precision"] in AUTOCAST_TO else 0
         rows.append(Row("value model", vparams * vb + on_gpu + value_casts, ("held",),
                         f"{_count(vparams)} params x {vb} B ({vdt}) + " + (f"states on the host ({vhow})"
                                                                             if o["cpu_offload"] else vhow)
@@ -623,7 +613,7 @@ def _batch_rows(rows: list[Row], cfg: dict, model: Qwen3Config, shapes: BatchSha
         score = tokens * (no_grad_peak_bytes(model, pb, cb) + model.hidden_size * pb) + n * (model.hidden_size * cb + 8)
         score += min(n, LOGPROB_TILE_ROWS) * min(model.vocab_size, LOGPROB_TILE_COLS) * 4
         if value_grads:   # the critic's values of every row, in its own dtype, one forward after the other
-            vcb = cb if cfg["trainer"]["precision"] in _AUTOCAST_TO else vb
+            vcb = cb if cfg["trainer"]["precision"] in AUTOCAST_TO else vb
             score = max(score, tokens * (no_grad_peak_bytes(value, vb, vcb) + value.hidden_size * vb + 4))
         rows.append(Row("scoring forward", score, ("score",),
                         f"no-grad forward of {shapes.scoring_rows} rows x {shapes.seq_len} tokens (reference or "
@@ -636,7 +626,7 @@ def _batch_rows(rows: list[Row], cfg: dict, model: Qwen3Config, shapes: BatchSha
     selective = policy_cfg["gradient_checkpointing"] == "selective"
     lora = policy_cfg["lora"]
     # the adapters multiply in autocast's dtype, else in their own (float32 unless a -true precision converts them)
-    ab = cb if cfg["trainer"]["precision"] in _AUTOCAST_TO else _bytes(_CONVERTS_TO.get(cfg["trainer"]["precision"],
+    ab = cb if cfg["trainer"]["precision"] in AUTOCAST_TO else _bytes(CONVERTS_TO.get(cfg["trainer"]["precision"],
                                                                                          "float32"))
     per_layer = layer_saved_bytes(model, shapes.seq_len, shapes.packed, pb, cb, backend, lora, selective, ab)
     extra = model_saved_bytes(model, pb, trains_embedding=lora is None)
@@ -672,7 +662,7 @@ def _batch_rows(rows: list[Row], cfg: dict, model: Qwen3Config, shapes: BatchSha
                         f"{tokens:,} tokens x the first layer's activations and those in flight"
                         + (", or the embedding's gradient" if grads.embedding else "") + ", beside every gradient"))
     if value_grads:
-        vcb = cb if cfg["trainer"]["precision"] in _AUTOCAST_TO else vb
+        vcb = cb if cfg["trainer"]["precision"] in AUTOCAST_TO else vb
         v_layer = layer_saved_bytes(value, shapes.seq_len, shapes.packed, vb, vcb, backend, selective=selective)
         v_full = layer_saved_bytes(value, shapes.seq_len, shapes.packed, vb, vcb, backend)
         v_tokens = (value.num_hidden_layers * (value.hidden_size * vb if ckpt else v_layer)

@@ -148,7 +148,7 @@ class FwModule(lightning.LightningModule):
         policy_cfg = self.cfg["model"]["policy"]
         # The critic trains every weight. Under LoRA it is float32, as the adapters are (a -true precision converts
         # both), not the frozen base's dtype: AdamW's updates would round away in bfloat16 weights
-        # (framework/optim.py trained_dtype).
+        # (framework/precision.py trained_dtype).
         dtype = resolve_dtype(None if policy_cfg["lora"] is not None else policy_cfg["dtype"])
         path = self.cfg["model"]["value"]["path"]
         if path is None:

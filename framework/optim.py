@@ -27,6 +27,7 @@ import torch
 
 from framework.config import uses_cuda
 from framework.errors import FwError
+from framework.precision import CONVERTS_TO, trained_dtype
 
 LEAN_INSTALL = "pip install 'fw[lean]'"
 
@@ -42,22 +43,10 @@ def _uses_torchao_step(o: dict) -> bool:
     return o["name"] == "adamw8bit" or o["stochastic_rounding"]
 
 
-# Lightning's -true precisions convert the whole module (policy, adapters, critic) to their dtype.
-_CONVERTED = {"bf16-true": "bfloat16", "16-true": "float16", "64-true": "float64"}
-
-
-def trained_dtype(cfg: dict) -> str:
-    """The dtype of every weight the optimizers step: a `-true` precision's, else float32 under LoRA (the adapters,
-    and PPO's critic, which framework/module.py builds in float32 then), else `model.policy.dtype`."""
-    p = cfg["model"]["policy"]
-    converted = _CONVERTED.get(cfg["trainer"]["precision"])
-    return converted or ("float32" if p["lora"] is not None else p["dtype"] or "float32")
-
-
 def _trained_by(cfg: dict) -> str:
     """The setting that makes the trained weights 16-bit, for a message."""
     precision = cfg["trainer"]["precision"]
-    return f"trainer.precision: {precision}" if precision in _CONVERTED else \
+    return f"trainer.precision: {precision}" if precision in CONVERTS_TO else \
         f"model.policy.dtype: {cfg['model']['policy']['dtype']}"
 
 
@@ -107,7 +96,7 @@ def optimizer_problems(cfg: dict, world_size: int | None = None) -> list[str]:
         # Adam moves a weight by about lr a step; nearest rounding drops any change below half a bfloat16 step
         # (2^-9 to 2^-8 of the weight), which at the usual learning rates is most of them. Stochastic rounding moves
         # the weights by the update on average.
-        if cfg["trainer"]["precision"] not in _CONVERTED:
+        if cfg["trainer"]["precision"] not in CONVERTS_TO:
             fp32 = "model.policy.dtype: null (float32 weights; trainer.precision: bf16-mixed computes in bfloat16)"
         elif cfg["model"]["policy"]["lora"] is not None:
             fp32 = "trainer.precision: bf16-mixed (float32 adapters and critic, bfloat16 compute)"
