@@ -39,13 +39,12 @@ from framework.models.qwen3 import HfTargets, Qwen3ForCausalLM, check_tied_head,
 from framework.models.qwen3_config import Qwen3Config
 from framework.models.value import ARCHITECTURE as VALUE_ARCHITECTURE
 from framework.models.value import Qwen3ValueModel
-from framework.tokenizer import Tokenizer, tokenizer_files
+from framework.tokenizer import TURN_END, Tokenizer, tokenizer_files
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 GENERATION_CONFIG = "generation_config.json"
 MODEL_CONFIG = "config.json"
-CHAT_TURN_END = "<|im_end|>"   # ends every chat turn; generation stops there even when config.json's eos differs
 _SHARD_RE = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
@@ -181,7 +180,7 @@ def default_generation_config(config: dict, tokenizer: Tokenizer | None) -> dict
     eos = config.get("eos_token_id")
     ids = list(eos) if isinstance(eos, list) else [] if eos is None else [eos]
     if tokenizer is not None:
-        ids += [tokenizer.eos_id, tokenizer.token_to_id(CHAT_TURN_END)]
+        ids += [tokenizer.eos_id, tokenizer.token_to_id(TURN_END)]
     ids = list(dict.fromkeys(i for i in ids if i is not None))
     pad = tokenizer.pad_id if tokenizer is not None else config.get("pad_token_id")
     out = {"bos_token_id": config.get("bos_token_id"), "eos_token_id": ids[0] if len(ids) == 1 else ids or None,
