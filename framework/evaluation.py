@@ -177,7 +177,7 @@ class Evaluation:
 
         cfg, e = self.cfg, self.cfg["eval"]
         train = build_task(cfg["data"], seed=cfg["seed"])
-        self.reward_fn = build_reward(cfg["reward"], train)
+        self.reward_fn = build_reward(cfg["reward"], train, check=False)   # the recipe's reward checked them
         source = build_task(_eval_cfg(cfg)["data"] if e["path"] else cfg["data"], seed=self.seed)
         if e["path"] and isinstance(self.reward_fn, NumericMatch):
             check_references(source)   # the eval file's answers, as build_reward checked the training file's

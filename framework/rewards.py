@@ -425,9 +425,10 @@ REWARDS: dict[str, type] = {
 
 # ---------------------------------------------------------------- building and scoring
 
-def build_reward(reward_cfg: dict, task: Any = None) -> Callable[..., float] | Any:
+def build_reward(reward_cfg: dict, task: Any = None, check: bool = True) -> Callable[..., float] | Any:
     """The reward object of ``cfg["reward"]``: ``class_path`` + ``init_args``, else ``REWARDS[name]``;
-    a null ``name`` means the task's own reward (``task.reward_name``), the one that verifies it."""
+    a null ``name`` means the task's own reward (``task.reward_name``), the one that verifies it. With ``check``,
+    a JSONL task's answers are checked for ``numeric_match`` (``check_references``)."""
     init_args = reward_cfg["init_args"] or {}
     if reward_cfg["class_path"]:
         from framework.imports import instantiate
@@ -451,7 +452,7 @@ def build_reward(reward_cfg: dict, task: Any = None) -> Callable[..., float] | A
     if not callable(reward) and not callable(getattr(reward, "batch", None)):
         raise FwError(f"{where}: a reward must be callable (prompt, completion, metadata) -> float "
                       "or have a batch(prompts, completions, metadatas) -> list[float] method")
-    if isinstance(reward, NumericMatch):
+    if check and isinstance(reward, NumericMatch):
         check_references(task)
     return reward
 
