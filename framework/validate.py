@@ -151,8 +151,15 @@ class _Checks:
 
     def models(self) -> None:
         model = self.cfg["model"]
+        roles = ["policy"]
+        if self.recipe in BUILTIN_RECIPES or self._recipe_imports():   # the models the recipe builds, as fit does
+            from framework.recipe import recipe_class
+
+            needs = recipe_class(self.recipe).requirements(self.cfg)
+            roles += [role for role, built in (("value", needs.value_model), ("reference", needs.reference_model))
+                      if built]
         configs = {("model", role, "path"): self.model_dir(("model", role, "path"), value=role == "value")
-                   for role in ("policy", "value", "reference") if model[role]["path"]}
+                   for role in roles if model[role]["path"]}
         policy_at = ("model", "policy", "path")
         tokenizer_at = ("tokenizer", "path") if self.cfg["tokenizer"]["path"] else policy_at
         if tokenizer_at == policy_at and policy_at in configs and configs[policy_at] is None:

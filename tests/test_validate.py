@@ -232,7 +232,7 @@ def test_truncated_weights_and_a_reference_that_is_a_file(tmp_path, model_dir, c
         (copy / f.name).write_bytes(f.read_bytes()[:40] if f.name == "model.safetensors" else f.read_bytes())
     config = tmp_path / "train.yaml"
     config.write_text(f"recipe: grpo\nmodel:\n  policy:\n    path: {copy}\n  reference:\n    path: x.txt\n"
-                      "data:\n  task: {name: digits}\n")
+                      "data:\n  task: {name: digits}\ngrpo:\n  kl_coef: 0.01\n")   # a KL term: the reference is built
     (tmp_path / "x.txt").write_text("not a model\n")
     code, lines = run_fw(["validate", "--config", str(config)], capsys)
     assert code == 2 and len(lines) == 2, lines
@@ -409,3 +409,14 @@ def test_answers_that_numeric_match_cannot_read_are_named_at_their_line(tmp_path
     assert lines[0].startswith(f"{prompts}:2:1: data.path: answer: the reference answer 'about 5 or 6' is not one "
                                "number")
     assert run_fw(["validate", "--config", str(config), "--reward.name=exact_match"], capsys)[0] == 0
+
+
+def test_only_the_models_the_recipe_builds_are_read(tmp_path, capsys):
+    """GRPO builds no critic, so a stale model.value.path is no problem of its run; PPO's is."""
+    config = tmp_path / "train.yaml"
+    config.write_text(GRPO)
+    missing = tmp_path / "gone"
+    assert run_fw(["validate", "--config", str(config), f"--model.value.path={missing}"], capsys)[0] == 0
+    code, lines = run_fw(["validate", "--config", str(config), "--recipe=ppo", f"--model.value.path={missing}"],
+                         capsys)
+    assert code == 2 and len(lines) == 1 and "model.value.path" in lines[0] and str(missing) in lines[0]
