@@ -78,12 +78,14 @@ class Tokenizer:
                 config = json.loads(config_file.read_text())
             except json.JSONDecodeError as e:
                 raise FwError(f"{config_file}: invalid JSON: {e}") from None
+            if not isinstance(config, dict):
+                raise FwError(f"{config_file}: expected a JSON object, got {_json_type(config)}")
             template = config.get("chat_template")
             if isinstance(template, str) and template.strip() != qwen3_chat_template().strip():
                 warnings.warn(f"{config_file}: its chat_template differs from Qwen3's; fw renders chat "
                               "prompts with Qwen3's template", stacklevel=2)
-        return cls(tk, _token(config.get("eos_token")) or EOS_TOKEN, _token(config.get("pad_token")) or PAD_TOKEN,
-                   source=str(file), config=config)
+        eos, pad = (_token(config, key, config_file) for key in ("eos_token", "pad_token"))
+        return cls(tk, eos or EOS_TOKEN, pad or PAD_TOKEN, source=str(file), config=config)
 
     @classmethod
     def builtin(cls) -> Tokenizer:
@@ -206,20 +208,35 @@ class Tokenizer:
         return "".join(out)
 
     def save_pretrained(self, path: str | os.PathLike) -> None:
-        """Write tokenizer.json and tokenizer_config.json (with Qwen3's chat template) for transformers."""
+        """Write tokenizer.json and tokenizer_config.json for transformers, with Qwen3's chat template: the one
+        fw renders prompts with, whichever template the directory it was read from had."""
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
         self._tk.save(str(path / "tokenizer.json"))
         config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": None, "unk_token": None,
                   "clean_up_tokenization_spaces": False, "model_max_length": 131072, **self.config,
                   "eos_token": self.eos_token, "pad_token": self.pad_token,
-                  "chat_template": self.config.get("chat_template") or qwen3_chat_template()}
+                  "chat_template": qwen3_chat_template()}
         (path / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
 
 
-def _token(value) -> str | None:
-    """A token named in tokenizer_config.json: a string or an AddedToken dict {"content": ...}."""
-    return value.get("content") if isinstance(value, dict) else value
+def _json_type(value: Any) -> str:
+    """How JSON spells the type of a parsed value."""
+    if value is None or isinstance(value, bool):
+        return json.dumps(value)
+    names = {dict: "an object", list: "an array", str: "a string", int: "a number", float: "a number"}
+    return names.get(type(value), type(value).__name__)
+
+
+def _token(config: dict, key: str, file: Path) -> str | None:
+    """The token `config[key]` names in tokenizer_config.json: a string or an AddedToken {"content": string};
+    None where the key is absent or null."""
+    value = config.get(key)
+    content = value.get("content") if isinstance(value, dict) else value
+    if value is not None and not isinstance(content, str):
+        got = 'an object without a string "content"' if isinstance(value, dict) else _json_type(value)
+        raise FwError(f'{file}: {key}: expected a string or {{"content": string}}, got {got}')
+    return content
 
 
 def messages_problem(messages: Any) -> str | None:

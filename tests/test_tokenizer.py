@@ -170,6 +170,50 @@ def test_warns_when_a_checkpoint_brings_another_chat_template(tmp_path):
         Tokenizer.from_pretrained(tmp_path)
 
 
+def test_save_pretrained_writes_the_template_fw_renders_with(tmp_path):
+    Tokenizer.builtin().save_pretrained(tmp_path / "src")
+    cfg = json.loads((tmp_path / "src" / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = "{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}"
+    cfg["eos_token"], cfg["pad_token"] = {"content": "<|im_end|>", "special": True}, None   # an AddedToken, unset
+    (tmp_path / "src" / "tokenizer_config.json").write_text(json.dumps(cfg))
+    with pytest.warns(UserWarning, match="differs from Qwen3's"):
+        tok = Tokenizer.from_pretrained(tmp_path / "src")
+    assert (tok.eos_token, tok.pad_token) == ("<|im_end|>", "<|endoftext|>")
+    tok.save_pretrained(tmp_path / "out")
+    saved = json.loads((tmp_path / "out" / "tokenizer_config.json").read_text())
+    assert saved["chat_template"] == qwen3_chat_template()
+    hf = AutoTokenizer.from_pretrained(str(tmp_path / "out"))
+    for msgs in CONVERSATIONS:
+        assert hf.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True,
+                                      enable_thinking=False) == tok.apply_chat_template(msgs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")   # the saved directory carries Qwen3's template: no warning
+        Tokenizer.from_pretrained(tmp_path / "out")
+
+
+@pytest.mark.parametrize("text,message", [
+    ("[]", "expected a JSON object, got an array"),
+    ("null", "expected a JSON object, got null"),
+    ('"eos"', "expected a JSON object, got a string"),
+    ('{"eos_token": 5}', 'eos_token: expected a string or {"content": string}, got a number'),
+    ('{"pad_token": ["<|endoftext|>"]}', 'pad_token: expected a string or {"content": string}, got an array'),
+    ('{"eos_token": {"content": 5}}',
+     'eos_token: expected a string or {"content": string}, got an object without a string "content"'),
+])
+def test_a_tokenizer_config_of_the_wrong_shape_is_a_one_line_error_in_fw_validate(tmp_path, capsys, text, message):
+    from framework.cli import main
+
+    Tokenizer.builtin().save_pretrained(tmp_path / "tk")
+    (tmp_path / "tk" / "tokenizer_config.json").write_text(text)
+    config = tmp_path / "c.yaml"
+    config.write_text("recipe: grpo\nmodel:\n  policy:\n    preset: tiny\ndata:\n  task: {name: digits}\n"
+                      "tokenizer:\n  path: tk\n")
+    assert main(["validate", "--config", str(config)]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and "Traceback" not in err
+    assert err == f"{config}:8:9: tokenizer.path: {tmp_path / 'tk' / 'tokenizer_config.json'}: {message}\n"
+
+
 def test_from_pretrained_errors(tmp_path):
     with pytest.raises(FwError, match="no tokenizer.json"):
         Tokenizer.from_pretrained(tmp_path)
