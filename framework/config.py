@@ -323,12 +323,29 @@ def _check_finite(data: Any, marks: dict, fallback: Mark, path: tuple = ()) -> l
     return problems
 
 
+def _recipe_unknown(recipe: Any) -> bool:
+    """Whether `recipe` is reported as no recipe at all: not a string, or a name no package installs."""
+    from framework.recipe import installed_recipes
+
+    if not isinstance(recipe, str):
+        return True
+    try:
+        return recipe not in installed_recipes()
+    except FwError:
+        return False   # _check_recipe reports the broken installation; the recipe may well be right
+
+
 def _validate(data: Any, marks: dict, fallback: Mark) -> list[Problem]:
     recipe = data.get("recipe") if isinstance(data, dict) else None
+    # under a misspelt recipe (`GRPO`) the right section would be reported as not allowed with it
+    sections_unjudged = isinstance(data, dict) and "recipe" in data and _recipe_unknown(recipe)
     problems: list[Problem] = _check_finite(data, marks, fallback)
     for error in _validator().iter_errors(data):
         if tuple(error.absolute_path) == ("recipe",) and error.validator == "anyOf":
             continue   # a string that names no recipe: _check_recipe says which ones are installed
+        if sections_unjudged and error.validator == "not" and len(error.absolute_path) == 1 \
+                and error.absolute_path[0] in recipe_sections():
+            continue   # the recipe's own problem is reported; which sections it allows is moot
         if isinstance(error.instance, float) and not math.isfinite(error.instance):
             continue   # _check_finite has said it
         problems += _problems_for(error, marks, fallback, recipe)
@@ -347,11 +364,17 @@ def _types(sub: dict) -> list:
 
 
 def _fill(sub: dict, value: Any, recipe: Any, top: bool = False) -> Any:
-    """`value` with the defaults filled in below it; integral floats become ints for integer keys."""
+    """`value` with the defaults filled in below it; integral floats become ints for integer keys, also in the
+    anyOf / oneOf branch the value matches."""
     if isinstance(value, float) and value.is_integer() and "integer" in _types(sub) and "number" not in _types(sub):
         return int(value)  # `max_steps: 1e3` is valid as an integer in JSON Schema; code wants an int
     if isinstance(value, list) and isinstance(sub.get("items"), dict):
         return [_fill(sub["items"], item, recipe) for item in value]
+    if not isinstance(value, dict):
+        # `devices: 1.0` matches the integer branch of `devices` and `devices: [0.0]` its list of integers
+        for branch in sub.get("anyOf", []) + sub.get("oneOf", []):
+            if Draft202012Validator(branch).is_valid(value):
+                return _fill(branch, value, recipe)
     if not isinstance(value, dict) or "properties" not in sub:
         return value
     out = {}  # keys in schema order, so printed configs read like the reference

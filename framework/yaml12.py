@@ -199,22 +199,61 @@ Yaml12Loader.add_constructor("tag:yaml.org,2002:timestamp", _construct_timestamp
 
 
 class Yaml12Dumper(yaml.SafeDumper):
-    """SafeDumper that quotes exactly the strings the 1.2 core schema would read as something else."""
+    """SafeDumper that quotes exactly the strings the 1.2 core schema would read as something else, and writes
+    strings holding U+0085, U+2028 or U+2029 double-quoted."""
 
     yaml_implicit_resolvers = _core_resolver_table()
+
+
+# PyYAML reads these as line breaks, which a plain or single-quoted scalar folds (NEL becomes a space); escaped
+# in double quotes (\N, \L, \P) they read back as themselves, also in YAML 1.2 readers.
+_FOLDED_BREAKS = ("\x85", "\u2028", "\u2029")
+
+
+def _represent_str(dumper: Yaml12Dumper, data: str) -> yaml.ScalarNode:
+    style = '"' if any(ch in data for ch in _FOLDED_BREAKS) else None
+    return dumper.represent_scalar("tag:yaml.org,2002:str", data, style=style)
+
+
+Yaml12Dumper.add_representer(str, _represent_str)  # copies the table for this class only
 
 
 def _mark(file: str, m: yaml.Mark) -> Mark:
     return Mark(file, m.line + 1, m.column + 1)
 
 
+def _at(m: yaml.Mark) -> str:
+    return f"line {m.line + 1}, column {m.column + 1}"
+
+
+def _tab_hint(m: yaml.Mark | None) -> str:
+    """Why a tab at `m` cannot be there: indentation, a key's separator or another place between tokens."""
+    if m is None or m.buffer is None:
+        return " (use spaces, not tabs, outside quoted values)"
+    start = max(m.buffer.rfind(br, 0, m.pointer) for br in ("\n", "\r", *_FOLDED_BREAKS)) + 1  # PyYAML's breaks
+    before = m.buffer[start:m.pointer]
+    if not before.strip(" \t\ufeff"):
+        return " (indent YAML with spaces, not tabs)"
+    if before.rstrip(" \t").endswith(":"):
+        return " (a tab cannot separate a key from its value in this reader; use a space)"
+    return " (this reader takes no tab between YAML tokens; use a space, or quote a value that holds a tab)"
+
+
 def _syntax_problem(file: str, e: yaml.MarkedYAMLError) -> Problem:
     mark = e.problem_mark or e.context_mark
     text = e.problem or "invalid YAML"
-    if e.context:
-        text = f"{e.context}, {text}"
+    elsewhere = e.context_mark is not None and e.problem_mark is not None and \
+        (e.context_mark.line, e.context_mark.column) != (e.problem_mark.line, e.problem_mark.column)
+    context = e.context or ""
+    if elsewhere and context.startswith("found duplicate anchor"):
+        text = f"{context.removesuffix('; first occurrence')} (first defined at {_at(e.context_mark)})"
+    elif elsewhere and context.startswith("while "):
+        # an unclosed quote or bracket is found at the end of the file: say where it opened
+        text = f"{context} (started at {_at(e.context_mark)}), {text}"
+    elif context:
+        text = f"{context}, {text}"
     if "'\\t'" in text:
-        text += " (indent YAML with spaces, not tabs)"
+        text += _tab_hint(e.problem_mark)
     what = "YAML" if isinstance(e, (_TooBig, _Cycle)) else "YAML syntax error"
     return Problem(file, mark.line + 1 if mark else None, mark.column + 1 if mark else None, "",
                    f"{what}: {text}")
@@ -302,17 +341,19 @@ def load(text: str, file: str = "<string>") -> Any:
 def parse_scalar(text: str) -> tuple[Any, bool]:
     """Parse a command-line value as a YAML 1.2 scalar or flow collection.
 
-    Returns (value, ok); ok is False when the text is not one flow value (e.g. `a: b` or `- x`),
-    in which case value is the text itself.
+    Returns (value, ok); ok is False when the text is not one flow value (e.g. `a: b`, `- x`, or `exp #3`,
+    where a comment would drop text), in which case value is the text itself.
     """
     try:
         node, loader = _compose(text, "<value>")
     except ConfigError:
         return text, False
     try:
-        if node is None:
-            return None, True
+        if node is None:   # nothing, or only a comment (`#3`)
+            return (None, True) if not text.strip() else (text, False)
         if isinstance(node, (yaml.MappingNode, yaml.SequenceNode)) and not node.flow_style:
+            return text, False
+        if text[node.end_mark.index:].strip():   # a comment after the value
             return text, False
         return loader.construct_document(node), True
     except yaml.YAMLError:

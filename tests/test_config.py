@@ -84,6 +84,24 @@ def test_integral_floats_become_ints_for_integer_keys():
     assert type(cfg["optimizer"]["lr"]) is float
 
 
+def test_integral_floats_become_ints_in_the_any_of_branch_they_match(tmp_path, capsys):
+    from framework.cli import main
+    from framework.validate import validate_config
+
+    path = write(tmp_path, "c.yaml", MINIMAL + "data: {task: {name: digits}}\n"
+                 "trainer: {accelerator: cpu, devices: 1.0}\nrollout: {temperature: 1.0}\n")
+    cfg = load_config([path])
+    assert cfg["trainer"]["devices"] == 1 and type(cfg["trainer"]["devices"]) is int
+    assert type(cfg["rollout"]["temperature"]) is float   # a number key keeps its float
+    devices = load_config([path], ["--trainer.devices=[0.0, 2.0]"])["trainer"]["devices"]
+    assert devices == [0, 2] and all(type(d) is int for d in devices)
+    # what `fw fit` checks: Lightning's own accelerator connector takes the resolved devices
+    assert validate_config([path], machine=True)["trainer"]["devices"] == 1
+    assert main(["validate", "--config", path]) == 0
+    assert main(["print-config", "--config", path]) == 0
+    assert yaml12.load(capsys.readouterr().out)["trainer"]["devices"] == 1
+
+
 def test_resolve_reports_every_problem_without_positions():
     with pytest.raises(ConfigError) as e:
         resolve({"recipe": "grpo", "model": {"policy": {"preset": "tiny"}}, "trainer": {"max_steps": 0},
@@ -177,6 +195,20 @@ def test_overrides_are_typed_by_the_schema(tmp_path):
     assert cfg["logging"]["tensorboard"] is False and cfg["optimizer"]["max_grad_norm"] is None
     assert cfg["trainer"]["devices"] == 2 and cfg["rollout"]["stop"] == []
     assert cfg["tokenizer"]["path"] == os.path.abspath("true")
+
+
+def test_an_override_value_keeps_the_text_after_a_hash_through_the_cli(tmp_path, monkeypatch, capsys):
+    from framework.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    path = write(tmp_path, "c.yaml", MINIMAL + "data: {task: {name: digits}}\n")
+    assert main(["print-config", "--config", path, "--name=exp #3", "--run_dir=runs/exp #3", "--seed=4 # c"]) == 2
+    assert capsys.readouterr().err == "override '--seed=4 # c': seed: expected an integer, got the string '4 # c'\n"
+    assert main(["print-config", "--config", path, "--name=exp #3", "--run_dir=runs/exp #3",
+                 "--optimizer.betas=[0.8, 0.9]"]) == 0
+    cfg = yaml12.load(capsys.readouterr().out)
+    assert cfg["name"] == "exp #3" and cfg["run_dir"] == str(Path.cwd() / "runs" / "exp #3")
+    assert cfg["optimizer"]["betas"] == [0.8, 0.9]
 
 
 def test_overrides_apply_after_all_files_in_order(tmp_path):

@@ -1,6 +1,7 @@
 """The YAML 1.2 core loader: scalars, duplicate keys, positions, syntax errors, dumping, isolation."""
 
 import math
+import random
 
 import pytest
 import yaml
@@ -99,6 +100,35 @@ def test_tab_indentation_hint():
     assert "spaces, not tabs" in problem.message
 
 
+TAB_FOUND = "YAML syntax error: while scanning for the next token, found character '\\t' that cannot start any token"
+
+
+@pytest.mark.parametrize("text,where,hint", [
+    ("a:\n\tb: 1\n", "2:1", "indent YAML with spaces, not tabs"),
+    ("a:\n  b: 1\n \tc: 2\n", "3:2", "indent YAML with spaces, not tabs"),
+    ("seed:\t0\n", "1:6", "a tab cannot separate a key from its value in this reader; use a space"),
+    ("a: {b:\t1}\n", "1:7", "a tab cannot separate a key from its value in this reader; use a space"),
+    ("a: [1,\t2]\n", "1:7",
+     "this reader takes no tab between YAML tokens; use a space, or quote a value that holds a tab"),
+])
+def test_a_tab_is_called_indentation_only_where_it_indents(text, where, hint):
+    assert _one_problem(text) == f"f.yaml:{where}: {TAB_FOUND} ({hint})"
+
+
+@pytest.mark.parametrize("text,where,message", [
+    ("a: 1\nb: 'x\n\nc: 2\n", "5:1",
+     "while scanning a quoted scalar (started at line 2, column 4), found unexpected end of stream"),
+    ('a: "x\n', "2:1", "while scanning a quoted scalar (started at line 1, column 4), found unexpected end of stream"),
+    ("a: [1, 2\nb: 3\n", "2:2",
+     "while parsing a flow sequence (started at line 1, column 4), expected ',' or ']', but got ':'"),
+    ("a: &x 1\nb: &x 2\n", "2:4", "found duplicate anchor 'x' (first defined at line 1, column 4)"),
+    ("a: {[1]: 2}\n", "1:5", "while constructing a mapping (started at line 1, column 4), found unhashable key"),
+    ("a: 1\n---\nb: 2\n", "2:1", "expected a single document in the stream, but found another document"),
+])
+def test_a_syntax_error_names_where_the_unclosed_node_opened(text, where, message):
+    assert _one_problem(text) == f"f.yaml:{where}: YAML syntax error: {message}"
+
+
 def test_two_documents_are_an_error():
     with pytest.raises(ConfigError, match="expected a single document"):
         yaml12.load("a: 1\n---\nb: 2\n")
@@ -113,6 +143,23 @@ def test_empty_document_is_none():
                                    "'q'", "multi\nline", " lead", "[1]"])
 def test_dump_round_trip_of_strings(value):
     assert yaml12.load(yaml12.dump({"v": value})) == {"v": value}
+
+
+@pytest.mark.parametrize("value", ["END\x85", "\x85", "a\u2028b", "\u2029", "x\x85\n\u2028 \u2029y"])
+def test_dump_round_trip_of_unicode_line_breaks(value):
+    text = yaml12.dump({"v": value, value: 1})
+    assert yaml12.load(text) == {"v": value, value: 1}
+    assert yaml.safe_load(text) == {"v": value, value: 1}   # PyYAML's own reader reads the escapes alike
+
+
+def test_dump_round_trip_fuzz():
+    rng = random.Random(0)
+    alphabet = list("ab 0:#-?,[]{}!&*|>'\"%@`~\t\n\r\\e.") + ["\x85", "\u2028", "\u2029", "\ufeff", "é", "\x7f",
+                                                               "null", "true", "on", ".inf", "0x1", "1e5", "<<"]
+    for _ in range(1500):
+        value = "".join(rng.choice(alphabet) for _ in range(rng.randint(1, 6)))
+        data = {"k": value, value: [value]}
+        assert yaml12.load(yaml12.dump(data)) == data, repr(value)
 
 
 def test_dump_quotes_only_what_yaml12_would_misread():
@@ -130,6 +177,10 @@ def test_dump_round_trip_of_numbers_and_order():
     ("10", (10, True)), ("1e-4", (1e-4, True)), ("[1, 2]", ([1, 2], True)), ("{a: 1}", ({"a": 1}, True)),
     ("", (None, True)), ("hello world", ("hello world", True)), ("a: b", ("a: b", False)),
     ("- x", ("- x", False)), ("[1, 2", ("[1, 2", False)), ("yes", ("yes", True)),
+    # a comment would drop text from one command-line value: the value is the text
+    ("exp #3", ("exp #3", False)), ("#3", ("#3", False)), ("x\t#3", ("x\t#3", False)),
+    ("'a' # c", ("'a' # c", False)), ("[1, 2] # x", ("[1, 2] # x", False)), ("a#b", ("a#b", True)),
+    (" 'a b'  ", ("a b", True)), ("  ", (None, True)),
 ])
 def test_parse_scalar(text, expected):
     assert yaml12.parse_scalar(text) == expected
