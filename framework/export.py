@@ -8,8 +8,9 @@ turns a LoRA checkpoint into the merged model: the base is rebuilt from the chec
 the result is written in HF layout.
 
 A model (not an adapter directory) gets a generation_config.json, which transformers' `generate` reads for
-its stop tokens and sampling defaults: the one of the model the run started from (config.yaml's
-`model.policy.path`) when that directory has one, else one made from config.json and the exported tokenizer.
+its stop tokens and sampling defaults: the one of the model the run started from, which the checkpoint keeps
+(checked against the manifest like the rest); for a checkpoint without that copy, the one `model.policy.path`
+of its config.yaml holds now; else one made from config.json and the exported tokenizer.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from framework.checkpoint import CONFIG_FILE, resolve_checkpoint
-from framework.checkpoint.directory import read_complete_manifest
+from framework.checkpoint.directory import read_complete_manifest, verify_checkpoint
 from framework.checkpoint.tensors import DiskFull, is_disk_full
 from framework.durable import fsync_dir, hidden_sibling
 from framework.errors import FwError
@@ -91,11 +92,15 @@ def export_checkpoint(checkpoint: str | os.PathLike, out: str | os.PathLike, mer
         for name in files:
             _copy_checked(source / POLICY / name, staging / name, manifest["files"][f"{POLICY}/{name}"])
         if merge:   # from the checked copies of the adapters, which then make way for the merged model
-            _write_merged(source, staging)
+            _write_merged(source, staging, manifest)
             for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
                 (staging / name).unlink()
         elif MODEL_CONFIG in files and GENERATION_CONFIG not in files:
-            write_json(staging / GENERATION_CONFIG, _generation_config(source, staging))
+            if GENERATION_CONFIG in manifest["files"]:   # the source model's, as the run started from it
+                _copy_checked(source / GENERATION_CONFIG, staging / GENERATION_CONFIG,
+                              manifest["files"][GENERATION_CONFIG])
+            else:
+                write_json(staging / GENERATION_CONFIG, _generation_config(source, staging))
         fsync_dir(staging)
         try:   # replaces an empty directory only: whatever another process wrote there meanwhile stays
             os.rename(staging, out)
@@ -142,36 +147,40 @@ def adapted_policy(source: Path, adapter_dir: Path) -> tuple[Any, Any]:
     return tokenizer, policy
 
 
-def _write_merged(source: Path, staging: Path) -> None:
+def _write_merged(source: Path, staging: Path, manifest: dict) -> None:
     """The merged policy of LoRA checkpoint `source` as config.json, generation_config.json and safetensors in
     `staging`, from the adapter files already copied (and checked) there."""
     from framework.models.hf_io import write_model
     from framework.models.lora import merged_copy
 
     _, policy = adapted_policy(source, staging)
-    write_model(merged_copy(policy), staging, generation_config=_source_generation_config(source))
+    write_model(merged_copy(policy), staging, generation_config=_source_generation_config(source, manifest))
 
 
-def _source_generation_config(source: Path) -> dict | None:
-    """The generation_config.json of the model directory run `source` started from (its config.yaml's
-    `model.policy.path`); None for a preset, or a directory without one."""
-    from framework import yaml12
+def _source_generation_config(source: Path, manifest: dict) -> dict | None:
+    """The generation_config.json of the model directory run `source` started from: the checkpoint's copy
+    (its sha256 checked against `manifest`), else `_generation_config_at_path`."""
+    if GENERATION_CONFIG in manifest["files"]:
+        verify_checkpoint(source, [GENERATION_CONFIG])
+        return read_generation_config(source)
+    return _generation_config_at_path(source)
 
-    file = source / CONFIG_FILE
-    try:
-        cfg = yaml12.load(file.read_text(encoding="utf-8"), str(file))
-    except (OSError, UnicodeDecodeError) as e:
-        raise FwError(f"{file}: cannot read the checkpoint's config ({e})") from None
-    path = cfg
-    for key in ("model", "policy", "path"):
-        path = path.get(key) if isinstance(path, dict) else None
-    return read_generation_config(path) if isinstance(path, str) and Path(path).is_dir() else None
+
+def _generation_config_at_path(source: Path) -> dict | None:
+    """For a checkpoint written without the source model's copy: the generation_config.json that the directory
+    named by its config.yaml's `model.policy.path` holds now; None for a preset, or a directory without one."""
+    from framework.config import load_config
+
+    # read as every fw command reads config.yaml: relative paths from its directory, `~` expanded
+    path = load_config([str(source / CONFIG_FILE)])["model"]["policy"]["path"]
+    return read_generation_config(path) if path is not None and Path(path).is_dir() else None
 
 
 def _generation_config(source: Path, staging: Path) -> dict:
-    """generation_config.json of the full model checkpoint `source` exported to `staging`: the source model's,
-    else one from the config.json and tokenizer copied there."""
-    carried = _source_generation_config(source)
+    """generation_config.json of the full model checkpoint `source`, written without the source model's copy,
+    exported to `staging`: `_generation_config_at_path`, else one from the config.json and tokenizer copied
+    there."""
+    carried = _generation_config_at_path(source)
     if carried is not None:
         return carried
     return default_generation_config(read_config(staging)[1], tokenizer_in(staging))

@@ -248,9 +248,106 @@ def test_a_merged_export_carries_the_generation_config_of_its_base(tmp_path):
                                                "state_dict": adapters, "files": files}}}
     path = ck.checkpoints_dir(tmp_path / "run") / ck.step_dir_name(3)
     ck.AtomicCheckpointIO(cfg).save_checkpoint(checkpoint, path)
+    original = (base / "generation_config.json").read_bytes()
+    # the base's changes after the run started: the merged model has the one the run started from
+    transformers.GenerationConfig(eos_token_id=151643, temperature=1.5, do_sample=True).save_pretrained(str(base))
 
     out = Path(export_checkpoint(path, tmp_path / "merged", merge=True))
     assert sorted(os.listdir(out)) == ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
                                        "tokenizer_config.json"]
-    assert (out / "generation_config.json").read_bytes() == (base / "generation_config.json").read_bytes()
+    assert (out / "generation_config.json").read_bytes() == original
     assert transformers.GenerationConfig.from_pretrained(str(out)).temperature == 0.7
+
+
+# ---------------------------------------------------------------- the source model's generation_config.json
+
+ROOT = Path(__file__).resolve().parent.parent
+QWEN3_GENERATION = {"bos_token_id": 151643, "eos_token_id": [151645, 151643], "pad_token_id": 151643,
+                    "do_sample": True, "temperature": 0.6, "top_k": 20, "top_p": 0.95}
+
+
+def _hf_base(path: Path, **generation) -> bytes:
+    """An HF model directory (the tiny preset, the built-in tokenizer) with the generation_config.json that
+    transformers writes for `generation`; returns that file's bytes."""
+    from framework.models import save_pretrained
+
+    save_pretrained(_policy(False), path)
+    Tokenizer.builtin().save_pretrained(path)
+    transformers.GenerationConfig(**generation).save_pretrained(str(path))
+    return (path / "generation_config.json").read_bytes()
+
+
+def _sft_from(base: Path, run_dir: Path, max_steps: int) -> dict:
+    from framework.config import resolve
+
+    return resolve({
+        "recipe": "sft", "seed": 1, "run_dir": str(run_dir), "model": {"policy": {"path": str(base)}},
+        "data": {"path": str(ROOT / "recipes" / "data" / "arithmetic_chat.jsonl"), "max_seq_len": 64,
+                 "batch_size": 2},
+        "trainer": {"accelerator": "cpu", "max_steps": max_steps, "enable_progress_bar": False},
+        "checkpoint": {"every_n_steps": 2, "keep_last": None},
+        "logging": {"csv": False, "tensorboard": False}})
+
+
+def test_a_run_keeps_the_generation_config_it_started_from(tmp_path):
+    """fw fit from an HF directory; its generation_config.json then changes (a resumed run keeps the original
+    all the same) and the directory goes: every checkpoint of the run exports the original, byte for byte. A
+    checkpoint written without the copy (as before checkpoints kept one) exports what the directory holds."""
+    import shutil
+
+    from framework.trainer import fit
+
+    base = tmp_path / "Qwen3-tiny"
+    original = _hf_base(base, **QWEN3_GENERATION)
+    run_dir = tmp_path / "run"
+    cfg = _sft_from(base, run_dir, 2)
+    fit(cfg)
+    first = ck.checkpoints_dir(run_dir) / "step-000002"
+    assert (first / "generation_config.json").read_bytes() == original
+    assert "generation_config.json" in ck.read_manifest(first)["files"]
+    ck.verify_checkpoint(first, ["generation_config.json"])   # its sha256 is the manifest's
+
+    changed = _hf_base(base, eos_token_id=151643, do_sample=True, temperature=1.5)
+    fit(_sft_from(base, run_dir, 4), resume="last")
+    second = ck.checkpoints_dir(run_dir) / "step-000004"
+    assert (second / "generation_config.json").read_bytes() == original
+
+    # as the writer wrote it before: the same checkpoint without the copy
+    from framework.checkpoint.directory import SOURCE_GENERATION_CONFIG
+
+    old = ck.read_checkpoint_dir(first)
+    old.pop(SOURCE_GENERATION_CONFIG)
+    ck.write_checkpoint_dir(old, tmp_path / "old" / "step-000002", cfg)
+    assert not (tmp_path / "old" / "step-000002" / "generation_config.json").exists()
+    export_checkpoint(tmp_path / "old" / "step-000002", tmp_path / "from-old")
+    assert (tmp_path / "from-old" / "generation_config.json").read_bytes() == changed
+
+    shutil.rmtree(base)
+    for ckpt, out in ((first, tmp_path / "a"), (second, tmp_path / "b")):
+        export_checkpoint(ckpt, out)
+        assert (out / "generation_config.json").read_bytes() == original
+    gen = transformers.GenerationConfig.from_pretrained(str(tmp_path / "b"))
+    assert (gen.do_sample, gen.temperature, gen.top_k, gen.top_p, gen.eos_token_id) == (
+        True, 0.6, 20, 0.95, [151645, 151643])
+
+
+def test_export_reads_config_yaml_as_fw_does(tmp_path, monkeypatch):
+    """A checkpoint without the source's copy, whose config.yaml gives model.policy.path relative to the
+    checkpoint (as `load_config`, and so fw generate, fw eval and --merge, read it): export finds the model
+    directory there, not under the working directory."""
+    from framework.config import load_config
+
+    base = tmp_path / "models" / "Qwen3-tiny"
+    original = _hf_base(base, **QWEN3_GENERATION)
+    ckpt = ck.checkpoints_dir(tmp_path / "run") / ck.step_dir_name(3)
+    cfg = _sft_from(base, tmp_path / "run", 3)
+    cfg["model"]["policy"]["path"] = os.path.relpath(base, ckpt)
+    ck.write_checkpoint_dir(policy_checkpoint(_policy(False), Tokenizer.builtin(), 3, tmp_path / "tok"), ckpt, cfg)
+    assert "path: ../../../models/Qwen3-tiny\n" in (ckpt / "config.yaml").read_text()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    assert load_config([str(ckpt / "config.yaml")])["model"]["policy"]["path"] == str(base)
+
+    out = Path(export_checkpoint(ckpt, tmp_path / "export"))
+    assert (out / "generation_config.json").read_bytes() == original

@@ -9,6 +9,8 @@ A checkpoint is a directory `<run_dir>/checkpoints/step-000123/`:
                          its tensors replaced by `TensorRef` names
     trainer_state.safetensors (or -00001-of-0000N shards)  those tensors (optimizer moments, ...)
     config.yaml          the resolved config
+    generation_config.json  the one of the model directory the run started from, as it was then (only when that
+                         directory has one); `fw export` writes it with the model
 
 It is built in a hidden staging sibling, every file and directory fsynced, then published by one rename
 (or, when the step already exists, one `renameat2(RENAME_EXCHANGE)` swap), and the parent fsynced. A

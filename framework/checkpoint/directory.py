@@ -32,7 +32,7 @@ from framework.checkpoint.tensors import (
 from framework.config import save_resolved
 from framework.durable import fsync_dir, hash_and_fsync, hidden_sibling, publish_dir, sha256
 from framework.errors import FwError
-from framework.models.hf_io import INDEX_FILE, parse_size, plan_shards
+from framework.models.hf_io import GENERATION_CONFIG, INDEX_FILE, parse_size, plan_shards
 
 FORMAT = "fw.checkpoint"
 FORMAT_VERSION = 2
@@ -41,6 +41,8 @@ MANIFEST = "manifest.json"
 TRAINER_STATE = "trainer_state.pt"
 CONFIG_FILE = "config.yaml"
 HF_CONFIG_FILE = "config.json"
+# the generation_config.json of the model directory the run started from, as its bytes: written beside config.yaml
+SOURCE_GENERATION_CONFIG = "fw_generation_config"
 
 _COMPONENT_NAME = re.compile(r"^[A-Za-z0-9_]+$")
 # the trainer state's shards are cut smaller than the weights' for a large state, but no smaller than this
@@ -212,7 +214,8 @@ def write_checkpoint_dir(
     max_shard_size: int | str = "5GB",
 ) -> dict:
     """Write `checkpoint` (a Lightning checkpoint dict, with weights under "fw_components") as the directory
-    `final`, atomically. Pops "fw_components". Returns the manifest. Components are sharded like HF's
+    `final`, atomically. Pops "fw_components", and SOURCE_GENERATION_CONFIG (bytes, written as the top-level
+    generation_config.json when not None). Returns the manifest. Components are sharded like HF's
     save_pretrained (5 GB shards by default); the trainer state's tensors go to safetensors shards no larger
     (smaller for a large state, to spread it over the writing threads) beside the pickled rest. A full disk
     raises DiskFull (an FwError) after removing the staging directory; earlier checkpoints are never
@@ -220,6 +223,7 @@ def write_checkpoint_dir(
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
     components = checkpoint.pop("fw_components", None) or {}
+    generation_config = checkpoint.pop(SOURCE_GENERATION_CONFIG, None)
     limit = parse_size(max_shard_size)
     staging = hidden_sibling(final, "staging")
     staging.mkdir()
@@ -234,6 +238,8 @@ def write_checkpoint_dir(
         with open(staging / TRAINER_STATE, "wb") as f:
             torch.save(skeleton, f)
         save_resolved(cfg, staging / CONFIG_FILE)
+        if generation_config is not None:   # hashed and fsynced with the other small files below
+            (staging / GENERATION_CONFIG).write_bytes(bytes(generation_config))
 
         jobs.sort(key=lambda job: -job[0])   # largest first: the threads finish together
         sums = dict(zip([rel for _, rel, _ in jobs], run_parallel([job for _, _, job in jobs], io_threads())))
@@ -308,9 +314,10 @@ def read_checkpoint_dir(
     path: str | os.PathLike, map_location: Any = None, weights_only: bool | None = None, verify: bool = False
 ) -> dict:
     """Rebuild the checkpoint dict from directory `path`; weights come back under "fw_components" as
-    {name: {"config": dict (None without config.json), "state_dict": {hf name: tensor}, "files": {name: bytes}}}.
-    Sizes are always
-    checked; `verify` also checks every sha256, hashing on other threads while the files are read."""
+    {name: {"config": dict (None without config.json), "state_dict": {hf name: tensor}, "files": {name: bytes}}},
+    the source model's generation_config.json (when the checkpoint keeps one) under SOURCE_GENERATION_CONFIG as
+    bytes. Sizes are always checked; `verify` also checks every sha256, hashing on other threads while the
+    files are read."""
     path = Path(path)
     manifest = read_complete_manifest(path)
     with verifying(Verifier(path, manifest) if verify else None):
@@ -355,4 +362,6 @@ def _read(path: Path, manifest: dict, map_location: Any, weights_only: bool | No
             "files": {f: (folder / f).read_bytes() for f in names if not _is_model_file(f)},
         }
     checkpoint["fw_components"] = components
+    if GENERATION_CONFIG in manifest["files"]:
+        checkpoint[SOURCE_GENERATION_CONFIG] = (path / GENERATION_CONFIG).read_bytes()
     return checkpoint

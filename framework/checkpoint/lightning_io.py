@@ -11,7 +11,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.plugins.io import CheckpointIO
 
 from framework.cadence import crossed
-from framework.checkpoint.directory import read_checkpoint_dir, write_checkpoint_dir
+from framework.checkpoint.directory import SOURCE_GENERATION_CONFIG, read_checkpoint_dir, write_checkpoint_dir
 from framework.checkpoint.store import (
     checkpoints_dir,
     clean_leftovers,
@@ -20,6 +20,7 @@ from framework.checkpoint.store import (
     step_dir_name,
 )
 from framework.durable import remove_tree
+from framework.models.hf_io import GENERATION_CONFIG
 from framework.optim import allow_optimizer_states
 
 # Saves of at least this many bytes are reported on stderr (size, the write's speed, the whole save's time);
@@ -27,25 +28,47 @@ from framework.optim import allow_optimizer_states
 REPORT_BYTES = 1 << 30
 
 
+def read_source_generation_config(path: str | None) -> bytes | None:
+    """The bytes of the generation_config.json of model directory `path`; None for a preset (no path) or a
+    directory without one."""
+    if path is None:
+        return None
+    try:
+        return (Path(path) / GENERATION_CONFIG).read_bytes()
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+
+
 class AtomicCheckpointIO(CheckpointIO):
-    """Lightning CheckpointIO writing fw checkpoint directories (the format: `framework.checkpoint`)."""
+    """Lightning CheckpointIO writing fw checkpoint directories (the format: `framework.checkpoint`).
+
+    Every checkpoint it writes keeps the generation_config.json of the model directory the run started from
+    (`model.policy.path`), read when the run starts, or on a resume taken from the checkpoint it resumes: the
+    directory may change or go before a later checkpoint is written or exported."""
 
     def __init__(self, cfg: dict) -> None:
         self.cfg = cfg
         self.last_write: tuple[int, float] | None = None   # (bytes, seconds) of the newest write
+        self.generation_config = read_source_generation_config(cfg["model"]["policy"]["path"])
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
         if storage_options is not None:
             raise TypeError(f"AtomicCheckpointIO.save_checkpoint takes no storage_options, got {storage_options!r}")
         start = time.perf_counter()
+        if self.generation_config is not None:
+            checkpoint[SOURCE_GENERATION_CONFIG] = self.generation_config
         manifest = write_checkpoint_dir(checkpoint, path, self.cfg)
         self.last_write = (sum(f["size"] for f in manifest["files"].values()), time.perf_counter() - start)
 
     def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: bool | None = None) -> dict:
         allow_optimizer_states(self.cfg)   # torchao's 8-bit state tensors, for a weights-only load
-        return read_checkpoint_dir(
+        checkpoint = read_checkpoint_dir(
             path, map_location=map_location, weights_only=weights_only, verify=self.cfg["checkpoint"]["verify"]
         )
+        carried = checkpoint.pop(SOURCE_GENERATION_CONFIG, None)
+        if carried is not None:   # the source as the resumed run found it; without a copy, what it holds now
+            self.generation_config = carried
+        return checkpoint
 
     def remove_checkpoint(self, path: Any) -> None:
         remove_tree(Path(path))
