@@ -17,16 +17,22 @@ import inspect
 import io
 import math
 import os
+import struct
 import time
+import warnings
 from argparse import Namespace
+from copy import deepcopy
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
+import yaml
 from lightning.fabric.loggers.logger import rank_zero_experiment
-from lightning.pytorch.core.saving import save_hparams_to_yaml
+from lightning.fabric.utilities.data import AttributeDict
 from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 from lightning.pytorch.utilities import rank_zero_only
+from lightning.pytorch.utilities.imports import _OMEGACONF_AVAILABLE
 
 from framework.durable import replace_file
 from framework.errors import FwError
@@ -35,12 +41,44 @@ from framework.metrics import JsonlLogger
 LOG_DIR = ("logs", 0)   # CSV and TensorBoard: <run_dir>/logs/version_0
 
 
+def hparams_yaml(hparams: dict[str, Any] | Namespace) -> str:
+    """The text Lightning's `save_hparams_to_yaml` writes for `hparams`: OmegaConf's YAML where OmegaConf is
+    installed and takes the values, else PyYAML's `yaml.dump` of the values it can represent (Enum members by
+    name; any other value is left out with a warning)."""
+    if isinstance(hparams, Namespace):
+        hparams = vars(hparams)
+    elif isinstance(hparams, AttributeDict):
+        hparams = dict(hparams)
+    if _OMEGACONF_AVAILABLE:
+        from lightning_utilities.core.apply_func import apply_to_collection
+        from omegaconf import OmegaConf
+        from omegaconf.dictconfig import DictConfig
+        from omegaconf.errors import UnsupportedValueType, ValidationError
+
+        # a copy: resolving the interpolations must not change the logger's own hparams
+        container = apply_to_collection(deepcopy(hparams), DictConfig, OmegaConf.to_container, resolve=True)
+        try:
+            return OmegaConf.to_yaml(container)
+        except (UnsupportedValueType, ValidationError):
+            pass
+    if not isinstance(hparams, dict):
+        raise TypeError("hparams must be dictionary")
+    allowed = {}
+    for key, value in hparams.items():
+        try:
+            value = value.name if isinstance(value, Enum) else value
+            yaml.dump(value)
+        except (TypeError, ValueError):
+            warnings.warn(f"Skipping '{key}' parameter because it is not possible to safely dump to YAML.")
+        else:
+            allowed[key] = value
+    return yaml.dump(allowed)
+
+
 def _write_hparams(log_dir: str, hparams: dict[str, Any] | Namespace) -> None:
-    """`<log_dir>/hparams.yaml`, replaced in one rename: a crash mid-write leaves the previous file."""
-    path = Path(log_dir) / "hparams.yaml"
-    tmp = path.with_name(path.name + ".tmp")
-    save_hparams_to_yaml(tmp, hparams)
-    os.replace(tmp, path)
+    """`<log_dir>/hparams.yaml` as Lightning writes it, rendered first and then replaced in one rename
+    (`replace_file`): a crash or a value that cannot be written leaves the previous file."""
+    replace_file(Path(log_dir) / "hparams.yaml", hparams_yaml(hparams))
 
 
 def _csv_step(row: dict[str, str | None]) -> float:
@@ -60,7 +98,37 @@ def earlier_logs(run_dir: str | os.PathLike) -> Path | None:
         with open(csv_file, encoding="utf-8", errors="replace") as f:
             if sum(1 for line in f if line.strip()) > 1:   # a header alone holds no point
                 return csv_file
-    return next(iter(sorted(folder.glob("events.out.tfevents.*"))), None) if folder.is_dir() else None
+    if not folder.is_dir():
+        return None
+    return next((f for f in sorted(folder.glob("events.out.tfevents.*")) if _holds_events(f)), None)
+
+
+def _holds_events(event_file: Path) -> bool:
+    """Whether a TensorBoard event file holds anything beyond the file-version record its writer opens it with.
+
+    Lightning opens the writer at setup, so a run that fails before it logs leaves a file holding only that
+    record, which is no earlier run. A record cut short (a run killed mid-write) counts as a point."""
+    from google.protobuf.message import DecodeError
+    from tensorboardX.proto.event_pb2 import Event
+
+    data = event_file.read_bytes()
+    pos = 0
+    while pos < len(data):
+        # a TFRecord: the data's length (uint64), its masked CRC (uint32), the data, the data's masked CRC
+        if pos + 12 > len(data):
+            return True
+        (length,) = struct.unpack_from("<Q", data, pos)
+        start, end = pos + 12, pos + 12 + length
+        if end + 4 > len(data):
+            return True
+        try:
+            event = Event.FromString(data[start:end])
+        except DecodeError:   # a record no writer finished
+            return True
+        if event.WhichOneof("what") != "file_version":
+            return True
+        pos = end + 4
+    return False
 
 
 class _CsvWriter(ExperimentWriter):

@@ -6,15 +6,19 @@ the uninterrupted run (the CSV read with the csv module, the event files with Te
 without tensorboard installed, record by record)."""
 
 import csv
+import enum
 import glob
 import json
 import os
 import struct
+import threading
 import time
+from argparse import Namespace
 from pathlib import Path
 
 import pytest
 import yaml
+from lightning.pytorch.utilities.imports import _OMEGACONF_AVAILABLE
 
 from framework.callbacks import Callback
 from framework.config import resolve
@@ -298,3 +302,104 @@ def test_tensorboard_resume_in_the_same_second_keeps_and_purges(tmp_path, monkey
     log_dir = tmp_path / "logs" / "version_0"
     assert tb_points(log_dir, "loss") == [(1, 1.0), (2, 2.0), (3, 30.0), (4, 40.0)]
     assert tb_points(log_dir, "other") == ([(0, 5.0)] if opened_early else [])
+
+
+class Precision(enum.Enum):
+    BF16 = "bf16-mixed"
+
+
+def test_hparams_yaml_is_the_file_lightnings_writer_writes(tmp_path):
+    """hparams.yaml of the CSV logger, byte for byte the file Lightning's `save_hparams_to_yaml` writes for the
+    same values: a resolved config with values PyYAML writes in other styles (a tuple, non-ASCII text, a
+    multi-line string, an Enum member, a tiny float, an int key); and from a Namespace."""
+    from lightning.pytorch.core.saving import save_hparams_to_yaml
+
+    from framework.loggers import RunCSVLogger, hparams_yaml
+
+    def values():
+        return {**sft_config(tmp_path / "run", []), "shape": (2, 3), "note": "héllo – ✓\nsecond line",
+                "precision": Precision.BF16, "eps": 1e-12, 7: ["int key"]}
+
+    RunCSVLogger(tmp_path / "run").log_hyperparams(values())
+    written = (tmp_path / "run" / "logs" / "version_0" / "hparams.yaml").read_bytes()
+    save_hparams_to_yaml(tmp_path / "lightning.yaml", values())
+    assert written == (tmp_path / "lightning.yaml").read_bytes()
+    assert [p.name for p in written_dir(tmp_path)] == ["hparams.yaml"]
+
+    namespace = Namespace(lr=0.5, name="run-ä", layers=[1, 2])
+    save_hparams_to_yaml(tmp_path / "namespace.yaml", namespace)
+    assert hparams_yaml(namespace).encode() == (tmp_path / "namespace.yaml").read_bytes()
+
+
+@pytest.mark.skipif(_OMEGACONF_AVAILABLE, reason="Lightning's OmegaConf path copies the values first, which a "
+                                                 "lock refuses")
+def test_hparams_yaml_leaves_out_a_value_pyyaml_cannot_write_as_lightning_does(tmp_path):
+    from lightning.pytorch.core.saving import save_hparams_to_yaml
+
+    from framework.loggers import hparams_yaml
+
+    def values():
+        return {"lr": 0.5, "lock": threading.Lock(), "shape": (2, 3), "name": "ü"}
+
+    with pytest.warns(UserWarning, match="Skipping 'lock' parameter"):
+        text = hparams_yaml(values())
+    with pytest.warns(UserWarning, match="Skipping 'lock' parameter"):
+        save_hparams_to_yaml(tmp_path / "lightning.yaml", values())
+    assert text.encode() == (tmp_path / "lightning.yaml").read_bytes()
+    assert yaml.full_load(text) == {"lr": 0.5, "shape": (2, 3), "name": "ü"}
+
+
+def written_dir(tmp_path):
+    return sorted((tmp_path / "run" / "logs" / "version_0").iterdir())
+
+
+def test_an_hparams_write_that_fails_leaves_the_previous_file_alone(tmp_path):
+    """Values that Lightning's writer fails on partway (a key PyYAML cannot represent) raise as they did, and
+    leave the previous hparams.yaml as it was, with no temporary file beside it."""
+    from framework.loggers import RunCSVLogger
+
+    logger = RunCSVLogger(tmp_path / "run")
+    logger.log_hyperparams({"lr": 0.1})
+    before = (tmp_path / "run" / "logs" / "version_0" / "hparams.yaml").read_bytes()
+    assert yaml.safe_load(before) == {"lr": 0.1}
+    with pytest.raises(TypeError, match="cannot pickle"):
+        logger.log_hyperparams({"lr": 0.2, threading.Lock(): 1})
+    assert [p.name for p in written_dir(tmp_path)] == ["hparams.yaml"]
+    assert (tmp_path / "run" / "logs" / "version_0" / "hparams.yaml").read_bytes() == before
+
+
+class FailAtFirstStep(Callback):
+    """A failure before the first point is logged (an out-of-memory error, a reward that raises)."""
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx):
+        raise RuntimeError("simulated failure in the first step")
+
+
+def test_a_run_that_failed_before_logging_can_be_started_again(tmp_path):
+    """Lightning opens TensorBoard's writer at setup, so a run that fails before its first point leaves an event
+    file holding only the file-version record; that is no earlier run, and the same command runs again."""
+    from framework.loggers import earlier_logs
+
+    run_dir = tmp_path / "run"
+    cfg = resume_config(run_dir, "first", [{"class_path": "test_loggers.FailAtFirstStep"}])
+    with pytest.raises(RuntimeError, match="simulated failure"):
+        fit(cfg)
+    log_dir = run_dir / "logs" / "version_0"
+    assert list(log_dir.glob("events.out.tfevents.*"))   # the writer did open a file
+    assert earlier_logs(run_dir) is None
+    fit(resume_config(run_dir, "again"))
+    assert [s for s, _ in tb_points(log_dir, "loss")] == [1, 2, 3, 4, 5, 6, 7]
+    # that run's points make its folder an earlier run's logs; of the event files, the one holding them is named
+    assert earlier_logs(run_dir) == log_dir / "metrics.csv"
+    (log_dir / "metrics.csv").unlink()
+    named = earlier_logs(run_dir)
+    assert named is not None and named.name.startswith("events.out.tfevents.")
+    assert len(list(log_dir.glob("events.out.tfevents.*"))) > 1 and named.stat().st_size > 40
+    for f in log_dir.glob("events.out.tfevents.*"):   # a file cut short inside its first point counts too
+        data = f.read_bytes()
+        if len(data) > 60:
+            f.write_bytes(data[:60])
+        else:
+            f.unlink()
+    named = earlier_logs(run_dir)
+    assert named is not None and len(named.read_bytes()) == 60
