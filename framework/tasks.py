@@ -5,7 +5,8 @@ Every task is an endless, indexable stream: ``task.sample(index)`` returns
 (the task's seed, index), so a run that resumes at index k sees exactly the prompts it would have
 seen. ``metadata`` always holds ``"answer"`` too (rewards read it there, see framework/rewards.py).
 ``task.sft_example(index)`` gives the same sample as an SFT pair (prompt -> the correct answer).
-``task.reward_name`` names the built-in reward that verifies the task.
+``task.reward_name`` names the built-in reward that verifies the task. Optionally,
+``task.widest_prompts()`` bounds the prompt length (see ``Task``).
 
 Built-ins (``TASKS``, chosen by ``data.task.name`` with ``data.task.init_args``):
 
@@ -47,7 +48,16 @@ def _check_index(index: int) -> int:
 
 
 class Task:
-    """Common interface: ``sample(index)``, ``sft_example(index)``, ``reward_name``, ``seed``."""
+    """Common interface: ``sample(index)``, ``sft_example(index)``, ``reward_name``, ``seed``.
+
+    Optional, for any task (a ``class_path`` one too): ``widest_prompts() -> list[prompt]``, prompts of which the
+    longest, rendered as a sample's prompt is, has at least as many tokens as any sample's prompt. The memory plan
+    (``recipes.rl.longest_prompt``) takes the prompt length from them; a task without a length (``__len__``) that
+    does not state them is measured by its first samples, which may miss its widest ones. The built-ins state
+    theirs for tokenizers that make each digit one token (the built-in character tokenizer, and Qwen3's, whose
+    pre-tokenizer splits numbers into single digits): there a prompt's tokens depend on its numbers only through
+    their digit counts, so each number at its most digits gives the most tokens.
+    """
 
     reward_name = "exact_match"
 
@@ -99,6 +109,10 @@ class Digits(Task):
         prompt = self.template.format(digits="".join(map(str, digits)))
         return self._make(prompt, answer, digits=digits, rule=self.rule)
 
+    def widest_prompts(self) -> list[str]:
+        """Every prompt has ``num_digits`` digits in the same template: any such prompt is the widest."""
+        return [self.template.format(digits="9" * self.num_digits)]
+
 
 class Arithmetic(Task):
     """``{a}{op}{b}=`` with ``digits``-digit operands and ``op`` drawn from ``ops``; integer answer.
@@ -128,6 +142,12 @@ class Arithmetic(Task):
             a, b = b, a
         answer = str(OPERATORS[op](a, b))
         return self._make(self.template.format(a=a, op=op, b=b), answer, a=a, b=b, op=op)
+
+    def widest_prompts(self) -> list[str]:
+        """Both operands have ``digits`` digits in every sample; one prompt per operator, since an operator may
+        merge with the template's text into tokens of its own."""
+        top = 10 ** self.digits - 1
+        return [self.template.format(a=top, op=op, b=top) for op in self.ops]
 
 
 # A countdown sample is a random expression over random numbers, drawn again until its value is at
@@ -202,6 +222,12 @@ class Countdown(Task):
                           "or num_numbers")
         prompt = self.template.format(numbers=", ".join(map(str, numbers)), target=target)
         return self._make(prompt, expression, numbers=numbers, target=target)
+
+    def widest_prompts(self) -> list[str]:
+        """Every number at ``max_number`` and the target at ``max_target``: the most digits each can have, in the
+        same text (values never change a sample's characters other than digits)."""
+        return [self.template.format(numbers=", ".join([str(self.max_number)] * self.num_numbers),
+                                     target=self.max_target)]
 
     def sft_example(self, index: int) -> dict[str, Any]:
         """The solution wrapped in ``<answer></answer>``, as the default template asks."""

@@ -31,6 +31,7 @@ count over all ranks, and metrics go through torchmetrics, which reduces over ra
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -298,31 +299,43 @@ def completion_values(value_model: Any, tokens: Tensor, prompt_lens: Tensor, com
     return out.index_put((x.rows, x.cols), values[x.source].float())
 
 
-# Samples of a procedural task (one without a length) whose prompts stand for its prompt length in the memory plan.
+# The first samples of a procedural task that states no widest prompts: their prompts stand for its prompt length.
 PLAN_PROMPTS = 256
+# In the environment: a dataset's longest prompt as the process measured it, with what the figure depends on
+# (``_dataset_key``), for the processes it starts (the other ranks of a multi-process job).
+LONGEST_PROMPT_ENV = "FW_LONGEST_PROMPT"
 
 
 def longest_prompt(cfg: dict, tokenizer: Any) -> int:
     """The longest prompt in tokens, rendered as ``RLRecipe.collect`` renders them: RL prompts are never truncated,
-    so only the task bounds them. A task with a length (a dataset) is measured whole (`Tokenizer.most_tokens`), once per
-    process for the same JSONL files, rendering and tokenizer. A procedural task, which declares no bound, by its
-    first ``PLAN_PROMPTS`` samples."""
+    so only the task bounds them. A task with a length (a dataset) is measured whole (`Tokenizer.most_tokens`), once
+    per process for the same JSONL files, rendering and tokenizer, and once per multi-process job (``_shared``). A
+    procedural task by the prompts its ``widest_prompts()`` states (framework.tasks.Task), else by its first
+    ``PLAN_PROMPTS`` samples."""
     from framework.tasks import build_task, render_prompt
 
     key = _dataset_key(cfg, tokenizer)
-    if key is not None and key in _LONGEST:
-        return _LONGEST[key]
+    if key is not None:
+        if key not in _LONGEST:
+            found = _shared(key)
+            if found is not None:
+                _LONGEST[key] = found
+        if key in _LONGEST:
+            return _LONGEST[key]
     task = build_task(cfg["data"], seed=cfg["seed"])
     template, thinking = cfg["data"]["chat_template"], cfg["tokenizer"]["enable_thinking"]
 
-    def text(i: int) -> str:
-        return render_prompt(task.sample(i)["prompt"], tokenizer, template, thinking)
+    def render(prompt: Any) -> str:
+        return render_prompt(prompt, tokenizer, template, thinking)
 
     if not hasattr(task, "__len__"):
-        return max(len(tokenizer.encode(text(i))) for i in range(PLAN_PROMPTS))
-    longest = tokenizer.most_tokens({text(i) for i in range(len(task))})
+        widest = getattr(task, "widest_prompts", None)
+        prompts = widest() if callable(widest) else [task.sample(i)["prompt"] for i in range(PLAN_PROMPTS)]
+        return max(len(tokenizer.encode(render(p))) for p in prompts)
+    longest = tokenizer.most_tokens({render(task.sample(i)["prompt"]) for i in range(len(task))})
     if key is not None:
         _LONGEST[key] = longest
+        _share(key, longest)
     return longest
 
 
@@ -347,6 +360,33 @@ def _dataset_key(cfg: dict, tokenizer: Any) -> tuple | None:
         return None
     return (files, data["prompt_key"], data["answer_key"], data["chat_template"], cfg["tokenizer"]["enable_thinking"],
             fingerprint)
+
+
+def _shared(key: tuple) -> int | None:
+    """The longest prompt for ``key`` that the process which started this one measured (``_share``), or None.
+
+    The memory plan first runs in ``fw fit`` before torch.distributed is initialised (``check_fits``), so no
+    collective can carry the figure. Lightning's ``ddp`` launcher starts the other processes from rank 0, after its
+    plan, with its environment: the figure travels there. Under a launcher that starts every process at once
+    (torchrun, SLURM) each process measures the data itself. The plan's later runs inside the fit
+    (``rollout.keep_engine: auto``) find the figure in the process's cache; a collective there would hang wherever
+    ranks ask a different number of times (a plan that does not fit a rank's device asks again for each
+    suggestion)."""
+    import json
+
+    try:
+        saved = json.loads(os.environ.get(LONGEST_PROMPT_ENV, ""))
+        found = saved["longest"] if saved["key"] == json.loads(json.dumps(key)) else None
+    except (ValueError, TypeError, KeyError):   # none, or a value this code did not set
+        return None
+    return found if isinstance(found, int) and not isinstance(found, bool) else None
+
+
+def _share(key: tuple, longest: int) -> None:
+    """Hand ``longest`` for ``key`` to the processes this one starts (``_shared``)."""
+    import json
+
+    os.environ[LONGEST_PROMPT_ENV] = json.dumps({"key": key, "longest": longest})
 
 
 # A micro-batch's loss: (its rows of the rollout batch, first minibatch of the rollout?) -> (the loss to
