@@ -131,14 +131,18 @@ def pinned_from_state(state: dict[str, Any], device: torch.device | str) -> dict
     return {**state, "rollout": ScoredRollout(**state["rollout"])}
 
 
-def _all_ranks(obj: Any) -> list[Any]:
-    """Every rank's ``obj`` in rank order (a collective) under torch.distributed; ``[obj]`` on one process."""
+def _on_rank_zero(obj: Any) -> list[Any] | None:
+    """Every rank's ``obj`` in rank order on rank 0, None on the other ranks (a collective under torch.distributed:
+    every rank calls it); ``[obj]`` on one process."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return [obj]
+    if dist.get_rank() != 0:
+        dist.gather_object(obj, None, dst=0)
+        return None
     out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
+    dist.gather_object(obj, out, dst=0)
     return out
 
 
@@ -498,13 +502,14 @@ class RLRecipe:
         return DataLoader(_Ticks(), batch_size=None)
 
     def state_dict(self) -> dict:
-        """The data position and, when max_steps cut a rollout batch, that batch (``"cut"``: every rank's share,
-        gathered: a collective under several processes, which every rank's checkpoint hook runs)."""
+        """The data position and, when max_steps cut a rollout batch, that batch (``"cut"``). Its ``"ranks"``: on
+        rank 0, whose checkpoint is the one written, every rank's share, gathered there (a collective under several
+        processes, which every rank's checkpoint hook runs); on the other ranks None."""
         state: dict[str, Any] = {"rollout_step": self.rollout_step, "prompt_position": self.prompt_position}
         if self.cut is not None:
             c = self.cut
             state["cut"] = {"rollout_step": c.rollout_step, "taken": c.taken, "layout": dict(c.layout),
-                            "ranks": _all_ranks(pinned_state(c.pinned))}
+                            "ranks": _on_rank_zero(pinned_state(c.pinned))}
         elif self._saved_cut is not None:   # restored and not trained yet
             state["cut"] = self._saved_cut
         return state
@@ -583,10 +588,15 @@ class RLRecipe:
     @staticmethod
     def pinned_loss(pinned: dict[str, Any]) -> tuple[LossInputs, ScoredRollout]:
         """``loss_batch``'s pair from pinned tensors: the loss inputs and the rollout with the loss's mask."""
-        data = pinned["rollout"]
-        train = dataclasses.replace(data, mask=pinned["loss_mask"])
-        train._host_lens = data._host_lens
-        return LossInputs(pinned["old_logp"], pinned["loss_mask"], pinned["weight"], {}), train
+        return RLRecipe.loss_pair(pinned["rollout"],
+                                  LossInputs(pinned["old_logp"], pinned["loss_mask"], pinned["weight"], {}))
+
+    @staticmethod
+    def loss_pair(data: ScoredRollout, inputs: LossInputs) -> tuple[LossInputs, ScoredRollout]:
+        """``inputs`` and the rollout ``data`` with the loss's mask, which the loss weighting also sees."""
+        train = dataclasses.replace(data, mask=inputs.mask)
+        train._host_lens = data._host_lens   # the same lengths: no second copy
+        return inputs, train
 
     def train_batch(self, ctx: StepContext, train: ScoredRollout, phases: Sequence[Phase], pinned: dict[str, Any],
                     cut: CutBatch | None, rounds: int = 1) -> None:
@@ -769,9 +779,7 @@ class RLRecipe:
         inputs = loss_inputs(section, data.old_logp, data.mask, data.truncated, trainer_logprobs)
         for name, value in inputs.metrics.items():
             ctx.log(name, value)
-        train = dataclasses.replace(data, mask=inputs.mask)
-        train._host_lens = data._host_lens   # the same lengths: no second copy
-        return inputs, train
+        return RLRecipe.loss_pair(data, inputs)
 
     def log_rollout(self, ctx: StepContext, batch: ScoredRollout) -> None:
         """Reward and rollout metrics of one rollout batch (averaged over the logging interval)."""

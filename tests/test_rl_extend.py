@@ -141,3 +141,78 @@ def test_a_cut_batch_holds_every_ranks_share_and_another_world_size_drops_it(tmp
     # a new batch (samples 8..11) for step 4, itself cut after its first step
     assert (state["rollout_step"], state["prompt_position"]) == (3, 12)
     assert state["cut"]["rollout_step"] == 2 and state["cut"]["taken"] == 1 and len(state["cut"]["ranks"]) == 1
+
+
+GATHER = """
+import json, sys
+import torch
+import torch.distributed as dist
+from framework.tokenizer import Tokenizer
+from recipes.grpo import GRPORecipe
+from recipes.rl import CutBatch
+from test_rl_extend import cut_share
+
+rank = int(sys.argv[2])
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{sys.argv[3]}", rank=rank, world_size=2)
+recipe = GRPORecipe(json.loads(sys.argv[1]), Tokenizer.builtin())
+recipe.cut = CutBatch(1, 3, recipe.update_layout(), cut_share(rank))
+state = recipe.state_dict()
+torch.save(state, f"{sys.argv[4]}/state-rank{rank}.pt")
+dist.destroy_process_group()
+"""
+
+
+def cut_share(rank):
+    """A rank's pinned share of a cut batch, its values set by the rank (the layout ``RLRecipe.pin`` makes)."""
+    from recipes.rl import ScoredRollout
+
+    r = float(rank)
+    rollout = ScoredRollout(
+        tokens=torch.full((2, 5), rank + 3), prompt_lens=torch.tensor([2, 3]), completion_lens=torch.tensor([3, rank]),
+        old_logp=torch.full((2, 3), -r - 0.5), mask=torch.ones(2, 3), rewards=torch.tensor([r, 1.0]),
+        correct=torch.tensor([False, True]), n_reward_errors=rank, eos_frac=0.5,
+        truncated=torch.tensor([rank == 1, False]), gen_seconds=1.5 + r, texts=[f"rank {rank} a", f"rank {rank} b"])
+    return {"rollout": rollout, "old_logp": torch.full((2, 3), -r), "loss_mask": torch.ones(2, 3), "weight": None,
+            "advantages": torch.tensor([r, -r]), "ref_logp": None}
+
+
+def test_a_cut_batch_is_gathered_on_rank_zero_only(tmp_path):
+    """2 gloo processes, each with its own share of a cut batch: rank 0's recipe state (the checkpoint rank 0
+    writes) holds both shares in rank order, exactly as each rank pinned them; rank 1's, which no checkpoint
+    keeps, receives none."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    from recipes.rl import pinned_state
+
+    root = Path(__file__).resolve().parents[1]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cfg = json.dumps(config(tmp_path / "run", "grpo", 4))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{root / 'tests'}{os.pathsep}{root}"}
+    procs = [subprocess.Popen([sys.executable, "-c", GATHER, cfg, str(rank), str(port), str(tmp_path)], cwd=root,
+                              env=env, stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
+    for proc in procs:
+        assert proc.wait(timeout=300) == 0, proc.stderr.read()[-3000:]
+    states = [torch.load(tmp_path / f"state-rank{rank}.pt", weights_only=False) for rank in (0, 1)]
+    for state in states:
+        assert {k: v for k, v in state["cut"].items() if k != "ranks"} == {
+            "rollout_step": 1, "taken": 3, "layout": {"epochs": 2, "minibatches": 2, "shared_prompt": False}}
+    assert states[1]["cut"]["ranks"] is None
+    gathered = states[0]["cut"]["ranks"]
+    assert len(gathered) == 2
+    for rank, share in enumerate(gathered):
+        got, want = flat(share), flat(pinned_state(cut_share(rank)))
+        assert got.keys() == want.keys(), rank
+        for key, expected in want.items():
+            assert (torch.equal(got[key], expected) if isinstance(expected, torch.Tensor) else got[key] == expected), (
+                rank, key)
+
+
+def flat(state):
+    """A pinned share as {name: value}, the rollout's fields as "rollout.<field>"."""
+    return {**{k: v for k, v in state.items() if k != "rollout"},
+            **{f"rollout.{k}": v for k, v in state["rollout"].items()}}
