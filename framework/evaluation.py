@@ -2,16 +2,20 @@
 
 The eval data is `eval.path` (JSONL in the training data's format) or samples of the training task drawn
 with `eval.seed`; with `eval.held_out` a sample the run can train on is left out, so no eval prompt is a
-training prompt. The run can train on the first `training_draws(...)` samples of its training stream (RL: every
-step drawing its most prompts, GRPO's dynamic-sampling rounds included; SFT from a task: exactly the examples
-its packed rows take), and an eval sample equal to one of them is skipped. The first eval candidates are
-compared with the training samples in one pass that holds only the candidates; the training samples' keys,
-which may be many, are held only when most of those candidates are training samples.
+training prompt. The run can train on the first `training_draws(...)` samples of its training stream (RL: one
+rollout batch per `epochs` x `minibatches` policy steps, exact but for GRPO's dynamic sampling, whose rounds are
+bounded by their most; SFT from a task: exactly the examples its packed rows take), and an eval sample equal to
+one of them is skipped; under several processes global rank 0 alone counts them and gives the count to the
+others. The first eval candidates are compared with the training samples in one pass that holds only the
+candidates; the training samples' keys, which may be many, are held only when most of those candidates are
+training samples.
 
 The bound is fixed at a run's first start and kept in its checkpoints (`HELD_OUT_ENTRY`): a resumed
 run keeps it, and raises it only when it can draw more than that start allowed for (a larger
-`trainer.max_steps` or global batch); `fw eval` uses the bound of the checkpoint's run, or, for a run that
-did not evaluate, the checkpoint's data position (what its policy trained on).
+`trainer.max_steps`, global batch or split of a rollout batch into policy steps); a checkpoint without it (an
+older fw's, or a run's that did not hold out) gets a new one, with a warning. `fw eval` uses the bound of the
+checkpoint's run, or, for a run that did not evaluate, the checkpoint's data position (what its policy trained
+on).
 
 RL: `eval.samples_per_prompt` completions per prompt from the rollout engine (batches of
 `rollout.prompts_per_step` prompts), scored by the run's reward. SFT: the token-mean loss of the
@@ -27,9 +31,9 @@ import json
 import math
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import lightning
 import torch
@@ -46,6 +50,7 @@ PACK_CHUNK = 256        # packed SFT rows filled per call when counting what tra
 POOL = 4               # eval candidates compared with the training samples in the first pass, per wanted one
 POSITION_KEYS = ("prompt_position", "position")   # the data position in the RL and SFT recipes' state
 HELD_OUT_ENTRY = "fw_held_out"   # the checkpoint entry of the held-out bound (`held_out_record`)
+T = TypeVar("T")
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -76,9 +81,10 @@ def is_rl(cfg: dict) -> bool:
 
 
 def step_draws(cfg: dict, world_size: int) -> int:
-    """The most training-stream units one policy step takes over `world_size` processes: RL prompts
-    (`rollout.prompts_per_step` per rank and round, GRPO's dynamic sampling drawing up to
-    `grpo.dynamic_sampling_max_rounds` rounds), SFT rows of its micro-batches (one example each unpacked)."""
+    """The most training-stream units one new batch takes over `world_size` processes: RL prompts of a rollout
+    batch (`rollout.prompts_per_step` per rank and round, GRPO's dynamic sampling drawing up to
+    `grpo.dynamic_sampling_max_rounds` rounds), SFT rows of a policy step's micro-batches (one example each
+    unpacked)."""
     if is_rl(cfg):
         rounds = 1
         if cfg["recipe"] == "grpo" and cfg["grpo"]["dynamic_sampling"]:
@@ -87,12 +93,35 @@ def step_draws(cfg: dict, world_size: int) -> int:
     return cfg["trainer"]["accumulate_grad_batches"] * cfg["data"]["batch_size"] * world_size
 
 
-def training_draws(cfg: dict, world_size: int, tokenizer: Any = None, step: int = 0, position: int = 0) -> int:
+def batch_steps(cfg: dict) -> int:
+    """The policy steps one new batch of training samples trains for: the recipe's ``steps_per_batch`` (RL: a
+    rollout batch's `epochs` x `minibatches`); 1 for a recipe that states none (SFT: a new batch every step)."""
+    from framework.recipe import recipe_class
+
+    steps = getattr(recipe_class(cfg["recipe"]), "steps_per_batch", None)
+    return int(steps(cfg)) if callable(steps) else 1
+
+
+def continued_steps(recipe: Any, world_size: int) -> int:
+    """The policy steps a resumed run first spends finishing the batch its checkpoint's run was cut inside, drawing
+    no samples: the recipe's ``continuing_steps``; 0 for a recipe that states none."""
+    steps = getattr(recipe, "continuing_steps", None)
+    return int(steps(world_size)) if callable(steps) else 0
+
+
+def training_draws(cfg: dict, world_size: int, tokenizer: Any = None, step: int = 0, position: int = 0,
+                   continued: int = 0) -> int:
     """The training-stream samples a run at policy step `step` and data position `position` has drawn by
-    `trainer.max_steps`: an upper bound for RL (every step at its most rounds), exact for SFT, whose packed rows
-    are filled here as training fills them (from the tokenized examples: `tokenizer`, default the config's)."""
-    units = max(cfg["trainer"]["max_steps"] - step, 0) * step_draws(cfg, world_size)
-    if is_rl(cfg) or not cfg["data"]["pack"]:
+    `trainer.max_steps`. RL: a new rollout batch every `batch_steps` policy steps after the `continued` ones that
+    finish a cut batch; exact, but an upper bound under GRPO's dynamic sampling (every batch at its most rounds).
+    SFT: exact, its packed rows filled here as training fills them (from the tokenized examples: `tokenizer`,
+    default the config's)."""
+    steps = max(cfg["trainer"]["max_steps"] - step, 0)
+    if is_rl(cfg):
+        batches = -(-max(steps - continued, 0) // batch_steps(cfg))
+        return position + batches * step_draws(cfg, world_size)
+    units = steps * step_draws(cfg, world_size)
+    if not cfg["data"]["pack"]:
         return position + units
     from framework.data import ExampleStream, global_batch
     from framework.tokenizer import build_tokenizer
@@ -114,18 +143,46 @@ def needs_draws(cfg: dict) -> bool:
 
 
 def held_out_record(cfg: dict, tokenizer: Any, world_size: int, step: int = 0, position: int | None = None,
-                    saved: dict | None = None) -> dict[str, int]:
-    """`{"draws", "step_draws", "max_steps"}`: the training draws a run starting at `step` (data `position`) on
-    `world_size` processes leaves out of its eval data. `saved`: the record of the run's earlier start, whose
-    bound is kept, and raised only when this start can draw more (another max_steps or global batch)."""
-    record = {"step_draws": step_draws(cfg, world_size), "max_steps": cfg["trainer"]["max_steps"]}
+                    saved: dict | None = None, continued: int = 0) -> dict[str, int]:
+    """`{"draws", "step_draws", "batch_steps", "max_steps"}`: the training draws a run starting at `step` (data
+    `position`, `continued` steps finishing a cut rollout batch) on `world_size` processes leaves out of its eval
+    data. `saved`: the record of the run's earlier start, whose bound is kept, and raised only when this start can
+    draw more (another max_steps, global batch or number of steps a batch trains for; a record without one of
+    these, an older fw's, counts as another)."""
+    record = {"step_draws": step_draws(cfg, world_size), "batch_steps": batch_steps(cfg),
+              "max_steps": cfg["trainer"]["max_steps"]}
     earlier = saved.get("draws") if saved else None
     if earlier is not None and all(saved.get(k) == v for k, v in record.items()):
         return {**record, "draws": earlier}   # the same steps as the start that chose it: nothing more to draw
     if position is None:   # a recipe that states no data position: as if it started over
-        step, position = 0, 0
-    draws = training_draws(cfg, world_size, tokenizer, step, position)
+        step, position, continued = 0, 0, 0
+    draws = training_draws(cfg, world_size, tokenizer, step, position, continued)
     return {**record, "draws": draws if earlier is None else max(draws, earlier)}
+
+
+def from_rank_zero(compute: Callable[[], T]) -> T:
+    """`compute()` on global rank 0 alone, its result given to every rank: a collective when a process group of
+    several processes is initialised (call it on every rank); else `compute()` here."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return compute()
+    box: list[Any] = [None]
+    if dist.get_rank() == 0:
+        try:
+            box[0] = ("ok", compute())
+        except Exception as e:
+            # the other ranks raise too rather than wait for a result that never comes
+            box[0] = ("fw", str(e)) if isinstance(e, FwError) else ("error", f"{type(e).__name__}: {e}")
+            dist.broadcast_object_list(box, src=0)
+            raise
+    dist.broadcast_object_list(box, src=0)
+    kind, value = box[0]
+    if kind == "fw":
+        raise FwError(value)
+    if kind == "error":
+        raise RuntimeError(f"global rank 0 failed: {value}")
+    return value
 
 
 def _key(value: Any) -> str:
@@ -415,6 +472,7 @@ class EvalCallback(lightning.Callback):
         self.history: list[tuple[int, dict[str, float]]] = []   # (step, metrics) of this process's evals
         self.held_out: dict[str, int] | None = None   # held_out_record of this run
         self._saved: dict[str, int] | None = None   # the checkpoint's, until training starts
+        self._resumed = False   # whether a checkpoint was loaded, until training starts
 
     # A checkpoint entry of its own rather than Lightning's callback state, which a run resumed without evaluation
     # would be warned about.
@@ -426,13 +484,24 @@ class EvalCallback(lightning.Callback):
     def on_load_checkpoint(self, trainer: lightning.Trainer, module: lightning.LightningModule,
                            checkpoint: dict[str, Any]) -> None:
         self._saved = checkpoint.get(HELD_OUT_ENTRY)
+        self._resumed = True
 
     def on_train_start(self, trainer: lightning.Trainer, module: lightning.LightningModule) -> None:
         saved, self._saved = self._saved, None
+        resumed, self._resumed = self._resumed, False
         earlier = saved.get("draws") if saved else None
         if needs_draws(self.cfg):
-            self.held_out = held_out_record(self.cfg, module.tokenizer, trainer.world_size, trainer.global_step,
-                                            data_position(getattr(module, "recipe", None)), saved)
+            if resumed and not saved and trainer.is_global_zero:
+                print("fw: warning: eval: the checkpoint records no held-out bound (written by an older fw, or by a "
+                      "run that did not hold out eval data), so the eval set is chosen anew for this run; the eval "
+                      "metrics from here on are not comparable with the earlier ones", file=sys.stderr, flush=True)
+            recipe = getattr(module, "recipe", None)
+            world_size, step = trainer.world_size, trainer.global_step
+            # every rank reaches the collective (the same config on each); rank 0 alone counts the draws (SFT from a
+            # task: packs every row the run trains on)
+            self.held_out = from_rank_zero(lambda: held_out_record(
+                self.cfg, module.tokenizer, world_size, step, data_position(recipe), saved,
+                continued_steps(recipe, world_size)))
             draws = self.held_out["draws"]
         else:   # kept for a later start that holds out again
             self.held_out, draws = saved, 0

@@ -151,6 +151,15 @@ class Recipe(Protocol):
     def batch_shapes(cls, cfg: dict, tokenizer: Any) -> BatchShapes:
         """The step's shapes under `cfg` (read before any model is built), for the memory plan."""
 
+    # Optional: without it every policy step counts as drawing a new batch (for the held-out eval bound).
+    @classmethod
+    def steps_per_batch(cls, cfg: dict) -> int:
+        """The policy steps one batch of drawn training samples trains for (RL: a rollout batch's steps)."""
+
+    # Optional: without it a resumed run counts as drawing a new batch at its first step.
+    def continuing_steps(self, world_size: int) -> int:
+        """The policy steps a resumed run first spends finishing the batch its checkpoint's run was cut inside."""
+
     def train_dataloader(self, ctx: StepContext) -> DataLoader: ...
 
     def training_step(self, ctx: StepContext, batch: Any, batch_idx: int) -> torch.Tensor | None: ...

@@ -555,27 +555,45 @@ class RLRecipe:
         sec = self.cfg[self.section]
         return {"epochs": sec["epochs"], "minibatches": sec["minibatches"], "shared_prompt": self.shares_prompts}
 
+    @classmethod
+    def steps_per_batch(cls, cfg: dict) -> int:
+        """The policy steps one rollout batch trains for: its ``epochs`` x ``minibatches``."""
+        sec = cfg[cls.section]
+        return sec["epochs"] * sec["minibatches"]
+
+    def continuing_steps(self, world_size: int) -> int:
+        """The policy steps this run first spends on the rest of the rollout batch its checkpoint's run was cut
+        inside (``resume_cut`` continues it), drawing no prompts; 0 when it starts with a new batch."""
+        saved = self._saved_cut
+        if saved is None or self._cut_mismatch(saved, world_size) is not None:
+            return 0
+        return max(self.steps_per_batch(self.cfg) - int(saved["taken"]), 0)
+
+    def _cut_mismatch(self, saved: dict, world_size: int) -> str | None:
+        """Why the restored cut batch ``saved`` cannot be continued by this run, or None when it can."""
+        layout = self.update_layout()
+        if len(saved["ranks"]) != world_size:
+            return f"it was drawn by {len(saved['ranks'])} processes and this run has {world_size}"
+        if saved["layout"] != layout:
+            changed = [f"{self.section}.{k} was {saved['layout'].get(k)!r}, now {v!r}" for k, v in layout.items()
+                       if saved["layout"].get(k) != v]
+            return "its steps were counted in another split (" + "; ".join(changed) + ")"
+        return None
+
     def resume_cut(self, ctx: StepContext) -> CutBatch | None:
         """The rollout batch the checkpoint's run was cut inside, this rank's share on its device, when this run
         continues it (the first step after a resume); else None."""
         saved, self._saved_cut = self._saved_cut, None
         if saved is None:
             return None
-        layout = self.update_layout()
-        why = None
-        if len(saved["ranks"]) != ctx.world_size:
-            why = f"it was drawn by {len(saved['ranks'])} processes and this run has {ctx.world_size}"
-        elif saved["layout"] != layout:
-            changed = [f"{self.section}.{k} was {saved['layout'].get(k)!r}, now {v!r}" for k, v in layout.items()
-                       if saved["layout"].get(k) != v]
-            why = "its steps were counted in another split (" + "; ".join(changed) + ")"
+        why = self._cut_mismatch(saved, ctx.world_size)
         if why is not None:
             if ctx.rank == 0:
                 print(f"fw: warning: the checkpoint's run stopped after {saved['taken']} policy steps of rollout batch "
                       f"{saved['rollout_step']}; {why}, so the rest of that batch is dropped and training continues "
                       "with a new rollout batch", file=sys.stderr, flush=True)
             return None
-        return CutBatch(int(saved["rollout_step"]), int(saved["taken"]), layout,
+        return CutBatch(int(saved["rollout_step"]), int(saved["taken"]), self.update_layout(),
                         pinned_from_state(saved["ranks"][ctx.rank], ctx.device))
 
     @staticmethod
