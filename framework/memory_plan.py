@@ -20,6 +20,7 @@ import copy
 import os
 import sys
 from dataclasses import dataclass, field, replace
+from itertools import pairwise
 from typing import Any
 
 from framework.config import uses_cuda
@@ -38,6 +39,17 @@ CUDA_CONTEXT_BYTES_DDP = 0.5 * GIB   # added per process when several processes 
 ALLOCATOR_WORKSPACE_BYTES = 0.25 * GIB
 # torchao's AdamW8bit: per moment an 8-bit code per element and a float32 scale per block of 256.
 ADAMW8BIT_BYTES_PER_MOMENT = 1 + 4 / 256
+# torchao's AdamW8bit quantizes a moment only of a tensor this large, whose size the block divides.
+ADAMW8BIT_MIN_ELEMENTS = 4096
+ADAMW8BIT_BLOCK = 256
+# ops_cuda.adamw_step's torch reference, the CPU kernel of fw's step for torchao's optimizers: the most bytes it holds
+# per element of the tensor it steps (one tensor at a time), from the profiler's memory timeline. Plain moments of
+# float32 weights: the weight after decay, both new moments and the update's quotients; other dtypes add float32
+# copies of the weight, the gradient and both moments, stochastic rounding (bfloat16) its noise and masks; 8-bit
+# moments add quantize's int64 codes and float32 lookups, and the new block scales (2 x 4 / 256).
+REFERENCE_STEP_BYTES = {(False, False, False): 24, (False, True, False): 36, (False, True, True): 41,
+                        (True, False, False): 61 + 8 / 256, (True, True, False): 65 + 8 / 256,
+                        (True, True, True): 65 + 8 / 256}   # (8-bit moments, weights not float32, rounded)
 # Gradients of the activations in flight during the backward, in layers' worth of saved activations.
 BACKWARD_IN_FLIGHT_LAYERS = 1.0
 # The loss's own float32 tensors per loss token (logprobs scattered to [rows, width], ratios, masks, advantages).
@@ -233,10 +245,17 @@ def param_counts(m: Qwen3Config) -> ParamCounts:
                        final_norm=d)
 
 
-def _largest_tensor(m: Qwen3Config) -> int:
-    """Elements of the model's largest parameter tensor (the fused projections count as one)."""
-    d, inter = m.hidden_size, m.intermediate_size
-    return max(m.vocab_size * d, d * (m.q_size + 2 * m.kv_size), m.q_size * d, d * 2 * inter, inter * d)
+def _step_order(m: Qwen3Config, lora: dict | None) -> list[list[int]]:
+    """Elements of the trainable tensors by parameter group (framework/optim.py param_groups: the matrices, then the
+    norms' gains), each in the model's order (the fused projections count as one); under LoRA the adapters' (A:
+    rank x in, B: out x rank, for each target of each layer) in one group, in no particular order."""
+    if lora is not None:
+        dims = lora_dims(m)
+        return [[lora["rank"] * n for target in lora["targets"] for n in dims[target]] * m.num_hidden_layers]
+    d, inter, embed = m.hidden_size, m.intermediate_size, m.vocab_size * m.hidden_size
+    layer = [d * (m.q_size + 2 * m.kv_size), m.q_size * d, d * 2 * inter, inter * d]
+    matrices = [embed] + layer * m.num_hidden_layers + ([] if m.tie_word_embeddings else [embed])
+    return [matrices, [d, m.head_dim, m.head_dim, d] * m.num_hidden_layers + [d]]
 
 
 def lora_dims(m: Qwen3Config) -> dict[str, tuple[int, int]]:
@@ -398,8 +417,55 @@ def _optimizer_state_bytes(o: dict, params: int, dtype: str) -> tuple[float, str
     """(bytes per parameter of the optimizer's states, how) for `params` trainable parameters of `dtype`."""
     if o["name"] == "adamw8bit":
         return 2 * ADAMW8BIT_BYTES_PER_MOMENT, f"2 moments x {_count(params)} params x 8 bits + block scales"
+    if dtype == "float16" and not o["stochastic_rounding"]:
+        # framework/optim.py Float32StateAdamW: float16 moments underflow and nearest rounding drops small updates
+        return 3 * 4, f"2 moments + a master copy x {_count(params)} params x 4 B (float32)"
     # torch's and torchao's AdamW keep both moments in the parameters' dtype
     return 2 * _bytes(dtype), f"2 moments x {_count(params)} params x {_bytes(dtype)} B ({dtype})"
+
+
+def _step_buffer_bytes(cfg: dict, backend: str, dtype: str, model: Qwen3Config, params: int) -> tuple[float, str]:
+    """(bytes, how) of what the optimizer step allocates on the process's device beside the gradients, for the
+    `params` trainable parameters of `model` in `dtype`."""
+    from framework.optim import uses_fused_adamw
+
+    o, lora = cfg["optimizer"], cfg["model"]["policy"]["lora"]
+    order = _step_order(model, lora)
+    sizes = [n for group in order for n in group]
+    if o["cpu_offload"]:
+        return 0.0, "none on the GPU: the step runs on the host"
+    if o["name"] == "adamw8bit" or o["stochastic_rounding"]:
+        if backend == "cuda":
+            return 0.0, "none: fw's fused kernel updates in place"
+
+        def reference(n: int) -> float:
+            quantized = (o["name"] == "adamw8bit" and n >= ADAMW8BIT_MIN_ELEMENTS and n % ADAMW8BIT_BLOCK == 0)
+            rounded = o["stochastic_rounding"] and dtype == "bfloat16"
+            return REFERENCE_STEP_BYTES[quantized, dtype != "float32", rounded] * n
+
+        return max(map(reference, sizes)), "the CPU reference of fw's AdamW kernel, one tensor at a time"
+    largest, b = max(sizes), _bytes(dtype)
+    fused = uses_fused_adamw(cfg, dtype == "float16", backend == "cuda")
+    if dtype == "float16":   # Float32StateAdamW: one parameter at a time from a float32 copy of its gradient
+        return largest * 4 * (1 if fused else 3), ("one parameter's gradient in float32" +
+                                                   ("" if fused else ", and sqrt(v) and its quotient"))
+    if fused:
+        return 0.0, "none: torch's fused AdamW updates in place"
+    if backend == "cuda":   # torch's foreach AdamW: sqrt(v) of every tensor at once
+        return params * b, "AdamW's intermediate sqrt(v) of every parameter (foreach)"
+    return _loop_buffer_elements(lora, sizes, order) * b, \
+        "sqrt(v) and its quotient of one parameter, beside the previous one's quotient (CPU AdamW's loop)"
+
+
+def _loop_buffer_elements(lora: dict | None, sizes: list[int], order: list[list[int]]) -> int:
+    """The most elements torch's single-tensor AdamW (the CPU's) holds beside the states: sqrt(v) of the tensor it
+    steps and its quotient by the bias correction, while its loop variable still holds the previous tensor's
+    quotient. `order`: each parameter group's tensor sizes in the order the optimizer steps them. Under LoRA, whose
+    adapters step in their ParameterDicts' order, the largest tensor twice and the second largest, a bound."""
+    if lora is not None:
+        first, second = (sorted(sizes, reverse=True) + [0])[:2]
+        return 2 * first + second
+    return max(max([2 * group[0]] + [a + 2 * b for a, b in pairwise(group)]) for group in order if group)
 
 
 def _logits_rows(m: Qwen3Config, n: int, compute: str, keep: bool, backend: str,
@@ -478,12 +544,9 @@ def build_plan(cfg: dict, model: Qwen3Config, requirements: Requirements, shapes
     else:
         rows.append(Row("optimizer states", states, ("held",),
                         how + ("; no float32 master copy (stochastic rounding)" if o["stochastic_rounding"] else "")))
-    fused = o["fused"] is True or (o["fused"] == "auto" and backend == "cuda" and t["precision"] != "16-mixed")
-    if o["name"] == "adamw" and not o["stochastic_rounding"] and not o["cpu_offload"] and not fused:
-        # torch's foreach AdamW (CUDA) holds one state-sized intermediate; the CPU loop one parameter's
-        largest = trainable if backend == "cuda" else _largest_tensor(model) if lora is None else 0
-        rows.append(Row("optimizer step buffers", largest * _bytes(tdt), ("step",),
-                        "AdamW's intermediate (not fused)"))
+    buffers, how = _step_buffer_bytes(cfg, backend, tdt, model, trainable)
+    if buffers:
+        rows.append(Row("optimizer step buffers", buffers, ("step",), how))
 
     if requirements.reference_model and (lora is None or cfg["model"]["reference"]["path"] is not None):
         ref = param_counts(reference or model)

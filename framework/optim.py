@@ -10,7 +10,9 @@ gets the same parameter groups (no weight decay on 1-D parameters), betas, eps, 
 
 The trained weights (`trained_dtype`) decide what may step them: bfloat16 ones only with stochastic rounding, float16
 ones only with a step that computes in float32 (torch's fused AdamW, or torchao's); `optimizer_problems` refuses
-the rest before the run.
+the rest before the run. torch's AdamW steps float16 weights through `Float32StateAdamW`: float32 moments and a
+float32 master copy of each weight (a float16 second moment is 0 for gradients below about 5e-3, and nearest
+rounding into float16 drops updates below half a float16 step, as it does bfloat16's).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+from torch.optim.adamw import adamw
 
 from framework.config import uses_cuda
 from framework.errors import FwError
@@ -171,7 +174,8 @@ def build_optimizer(model: torch.nn.Module, settings: dict, cfg: dict) -> torch.
         if not o["cpu_offload"]:   # the offloaded step runs on the CPU through torchao's own compiled step
             cls = _fused_class(cls)
     else:
-        cls = torch.optim.AdamW
+        # the offloaded optimizer steps host copies of the parameters in their dtype, so the class applies there too
+        cls = Float32StateAdamW if any(p.dtype == torch.float16 for p in params) else torch.optim.AdamW
         kwargs["fused"] = _fused(o["fused"], params, cfg)
     if o["cpu_offload"]:
         return _offloaded_class()(groups, optimizer_class=cls, **kwargs)
@@ -179,17 +183,102 @@ def build_optimizer(model: torch.nn.Module, settings: dict, cfg: dict) -> torch.
 
 
 def _fused(fused: bool | str, params: list[torch.Tensor], cfg: dict) -> bool:
+    return uses_fused_adamw(cfg, any(p.dtype == torch.float16 for p in params),
+                            all(p.device.type == "cuda" for p in params)) if fused == "auto" else bool(fused)
+
+
+def uses_fused_adamw(cfg: dict, float16: bool, on_cuda: bool) -> bool:
+    """Whether torch's AdamW built for `cfg` takes its fused kernel: `optimizer.fused`, or under auto the choice for
+    parameters that are (`float16`) float16 and (`on_cuda`) on CUDA. The memory plan counts the step's buffers by
+    it."""
+    fused = cfg["optimizer"]["fused"]
     if fused != "auto":
         return bool(fused)
     if cfg["optimizer"]["cpu_offload"]:
         return True   # the offloaded step runs on the CPU, where torch has a fused AdamW too
-    if any(p.dtype == torch.float16 for p in params):
-        # the unfused step computes in float16, where eps (1e-8) is 0: a zero gradient gives 0 / 0; the fused one
-        # computes in float32, on the CPU too
-        return True
+    if float16:
+        return True   # the float32 master copies step through the fused kernel, as float16 weights always have
     # Not under 16-mixed: Lightning leaves unscaling to a fused optimizer's step, which comes after fw's
     # clipping and grad-norm metric (they need unscaled gradients).
-    return all(p.device.type == "cuda" for p in params) and cfg["trainer"]["precision"] != "16-mixed"
+    return on_cuda and cfg["trainer"]["precision"] != "16-mixed"
+
+
+class Float32StateAdamW(torch.optim.AdamW):
+    """torch's AdamW whose float16 parameters keep float32 moments and a float32 master copy in their state.
+
+    In float16 the second moment underflows: its first value, (1 - beta2) g^2, is below half float16's smallest
+    value (2^-25) for gradients below about 5e-3 at beta2 0.999, so it stays 0 and the update is m / eps, about
+    lr * g / 1e-8. And nearest rounding into float16 drops every update below half a float16 step (2^-11 of the
+    weight, 4.9e-4 for the norms' gains of 1), which at the usual learning rates is most of them.
+
+    Each parameter steps alone: a float32 copy of its gradient, torch's AdamW arithmetic (the fused kernel under
+    `fused`) on its master copy and moments, then the master rounded into the weight, so the step's only buffer is
+    one parameter's gradient in float32. Parameters of other dtypes step in place, with moments
+    of their own dtype, as torch's AdamW does."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # a loss scaler must unscale the gradients itself: this step reads none of its scale or inf flags
+        self._step_supports_amp_scaling = False
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            if group["amsgrad"] or group["differentiable"]:
+                raise FwError("fw's float16 AdamW step has no amsgrad and is not differentiable")
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise FwError("fw's float16 AdamW step takes dense gradients only")
+                state = self.state[p]
+                master = self._master(p, state, group)
+                grad = p.grad if master is p else p.grad.float()
+                adamw([master], [grad], [state["exp_avg"]], [state["exp_avg_sq"]], [], [state["step"]],
+                      foreach=False, capturable=group["capturable"], fused=group["fused"], amsgrad=False,
+                      beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"],
+                      eps=group["eps"], maximize=group["maximize"])
+                del grad   # before the next parameter's copy: the step holds one parameter's at a time
+                if master is not p:
+                    p.copy_(master)
+        return loss
+
+    @staticmethod
+    def _master(p: torch.Tensor, state: dict, group: dict) -> torch.Tensor:
+        """The tensor the step updates (a float16 parameter's float32 master copy, else the parameter), with the
+        state created on the first step, and a master copy added to a state loaded without one."""
+        wide = p.dtype == torch.float16
+        if not state:
+            on_device = group["fused"] or group["capturable"]   # where torch's AdamW keeps its step counter
+            state["step"] = torch.zeros((), dtype=torch.float32, device=p.device if on_device else "cpu")
+            moments = torch.float32 if wide else p.dtype
+            state["exp_avg"] = torch.zeros_like(p, dtype=moments, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, dtype=moments, memory_format=torch.preserve_format)
+        if not wide:
+            return p
+        if "master" not in state:
+            state["master"] = p.detach().float()
+        return state["master"]
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """torch's load, which casts every floating state tensor to its parameter's dtype, with the float32 moments
+        and master copies of float16 parameters taken from `state_dict` instead (float16 moments of a state saved
+        before fw kept float32 ones are widened)."""
+        super().load_state_dict(state_dict)
+        saved = state_dict["state"]
+        ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        params = [p for g in self.param_groups for p in g["params"]]
+        for i, p in zip(ids, params, strict=True):
+            if p.dtype != torch.float16 or i not in saved:
+                continue
+            for key in ("exp_avg", "exp_avg_sq", "master"):
+                if key in saved[i]:
+                    self.state[p][key] = saved[i][key].to(device=p.device, dtype=torch.float32)
 
 
 @contextlib.contextmanager

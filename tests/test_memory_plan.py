@@ -6,6 +6,7 @@ import gc
 import json
 import sys
 import weakref
+from itertools import pairwise
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,7 @@ from framework.cli import main
 from framework.config import load_config, resolve
 from framework.models.presets import preset_config
 from framework.models.qwen3 import Qwen3ForCausalLM
+from framework.models.qwen3_config import Qwen3Config
 from framework.recipe import BatchShapes, Requirements
 from framework.tokenizer import Tokenizer
 
@@ -74,9 +76,13 @@ def test_tiny_sft_plan_matches_a_hand_count():
     logits = (32 * (D * 4 + 8 + 4 + 4 + 16) + 32 * mp.LOSS_BYTES_PER_TOKEN
               + mp.REFERENCE_LOGITS_TILES * 32 * V * 4 + V * D * 4)
     assert row(plan, "logits buffers").bytes == logits
-    # CPU: AdamW's loop over parameters holds one tensor's intermediate in the step: the largest is qkv_proj
-    assert max(V * D, D * (Q + 2 * KV), Q * D, D * 2 * INTER, INTER * D) == D * (Q + 2 * KV)
-    assert row(plan, "optimizer step buffers").bytes == D * (Q + 2 * KV) * 4
+    # CPU: AdamW's loop over parameters holds sqrt(v) and its quotient of one tensor beside the previous tensor's
+    # quotient; in the matrices' order (the tied embedding, then each layer's qkv, o, gate_up and down) the most is
+    # the first layer's down_proj quotient beside the second's qkv_proj's two
+    matrices = [V * D] + [D * (Q + 2 * KV), Q * D, D * 2 * INTER, INTER * D] * LAYERS
+    loop = max([2 * matrices[0]] + [a + 2 * b for a, b in pairwise(matrices)])
+    assert loop == INTER * D + 2 * D * (Q + 2 * KV)
+    assert row(plan, "optimizer step buffers").bytes == loop * 4
     held = PARAMS * 4 + 2 * 4 * PARAMS
     assert plan.total_bytes == held + PARAMS * 4 + expected + logits
     assert not any(r.name == "CUDA context" for r in plan.rows)
@@ -184,6 +190,13 @@ def test_each_optimizer_option_moves_the_states_row_by_its_bytes():
     states = row(offload, "optimizer states")
     assert states.bytes == 0 and states.host_bytes == 8 * PARAMS + 2 * 4 * PARAMS
     assert offload.host_bytes == states.host_bytes
+    # float16 weights: float32 moments and master copy (framework/optim.py Float32StateAdamW), fused, with one
+    # parameter's gradient in float32 in the step
+    half = plan_of(tiny(trainer={"precision": "16-true"}))
+    assert row(half, "optimizer states").bytes == 12 * PARAMS and row(half, "gradients").bytes == 2 * PARAMS
+    assert row(half, "optimizer step buffers").bytes == 4 * D * (Q + 2 * KV)
+    half_offload = plan_of(tiny(trainer={"precision": "16-true"}, optimizer={"cpu_offload": True}), backend="cuda")
+    assert row(half_offload, "optimizer states").host_bytes == 12 * PARAMS + 2 * 2 * PARAMS
     # bfloat16 weights with stochastic rounding: weights, gradients and 8-bit moments at 2 + 2 + 2.03 B/param
     lean = plan_of(tiny(model={"policy": {"preset": "tiny", "dtype": "bfloat16"}}, trainer={"precision": "bf16-true"},
                         optimizer={"name": "adamw8bit", "stochastic_rounding": True}))
@@ -540,6 +553,60 @@ def test_a_manual_update_peaks_where_the_plan_says(micro):
     planned = max(plan.phase_bytes(phase) for phase in mp.PHASES)
     in_flight = rows * (prompt + new) * mp.layer_saved_bytes(config, prompt + new, True, 4, 4, "cpu")
     assert planned - in_flight <= measured <= planned, (measured, plan.table())
+
+
+STEP_SHAPES = {"tiny": preset_config("tiny", V),   # the tied embedding and qkv_proj of one size, side by side
+               "wide-mlp": Qwen3Config(vocab_size=256, hidden_size=128, intermediate_size=2048, num_hidden_layers=2,
+                                       num_attention_heads=2, num_key_value_heads=1, head_dim=64,
+                                       tie_word_embeddings=True),   # gate_up and down dominate
+               "big-vocab": Qwen3Config(vocab_size=8192, hidden_size=128, intermediate_size=256, num_hidden_layers=1,
+                                        num_attention_heads=2, num_key_value_heads=1, head_dim=64)}   # untied
+STEP_SETTINGS = {
+    "float32": ({}, {}, {}),
+    "float32 fused": ({}, {}, {"fused": True}),
+    "float32 lora": ({"lora": {"rank": 8}}, {}, {}),
+    "16-true": ({}, {"precision": "16-true"}, {}),
+    "16-true lora": ({"lora": {"rank": 8}}, {"precision": "16-true"}, {}),
+    "adamw8bit": ({}, {}, {"name": "adamw8bit"}),
+    "bf16 rounded": ({"dtype": "bfloat16"}, {"precision": "bf16-true"}, {"stochastic_rounding": True}),
+}
+
+
+@pytest.mark.parametrize("shape", list(STEP_SHAPES))
+@pytest.mark.parametrize("setting", list(STEP_SETTINGS))
+def test_the_cpu_step_phase_is_the_measured_peak_of_an_optimizer_step(shape, setting):
+    """fw's optimizer (build_optimizer) over a model's trainable tensors on CPU: the allocator's peak while the
+    gradients are made and the step runs, its states made by an earlier step, against the plan's step phase (the
+    gradients and the step's buffers). The plan counts tensors; the step's scalars (its counters, 12 bytes) are
+    below that resolution."""
+    pytest.importorskip("torchao")
+    from framework.models.lora import add_adapters
+    from framework.optim import build_optimizer
+
+    policy, trainer, optimizer = STEP_SETTINGS[setting]
+    cfg = tiny(model={"policy": {"preset": "tiny", **policy}}, trainer={"accelerator": "cpu", **trainer},
+               optimizer={"weight_decay": 0.01, **optimizer})
+    config = STEP_SHAPES[shape]
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(config)
+    if policy.get("lora"):
+        add_adapters(model, cfg["model"]["policy"]["lora"])
+    if "precision" in trainer:   # what Lightning's -true precisions do to the whole module
+        model = model.to(getattr(torch, mp.CONVERTS_TO[trainer["precision"]]))
+    opt = build_optimizer(model, cfg["optimizer"], cfg)
+    trained = [p for p in model.parameters() if p.requires_grad]
+
+    def step():
+        for p in trained:
+            p.grad = torch.empty_like(p).normal_(0.0, 1e-3)   # in place: no temporary beside the gradient
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step()
+    measured = _allocated_peak(step)
+    plan = mp.build_plan(cfg, config, Requirements(automatic_optimization=True), None, backend="cpu")
+    planned = plan.phase_bytes("step")
+    assert measured - 1024 <= planned <= 1.15 * measured, (measured, plan.table())
 
 
 def test_kept_logits_formula_equals_what_linear_logprob_saves():

@@ -131,12 +131,14 @@ def test_stochastic_rounding_is_unbiased_where_nearest_rounding_does_not_move(na
 
 
 @pytest.mark.parametrize("name, stochastic, dtype, per_value", [
-    ("adamw", False, torch.float32, 8), ("adamw", True, torch.bfloat16, 4),
+    ("adamw", False, torch.float32, 8), ("adamw", True, torch.bfloat16, 4), ("adamw", False, torch.float16, 12),
     ("adamw8bit", False, torch.float32, 2), ("adamw8bit", True, torch.bfloat16, 2)])
 def test_state_bytes_per_parameter(name, stochastic, dtype, per_value):
-    """Two moments of 4 (float32) / 2 (bfloat16) bytes a value; 8-bit moments take 1 byte a value plus one
-    float32 scale per block of 256 and a 256-entry float32 code map each. Small tensors keep full ones."""
-    extra = dict(BF16) if dtype == torch.bfloat16 else {}
+    """Two moments of 4 (float32) / 2 (bfloat16) bytes a value, float16 weights' float32 moments and master copy;
+    8-bit moments take 1 byte a value plus one float32 scale per block of 256 and a 256-entry float32 code map
+    each. Small tensors keep full ones."""
+    extra = dict(BF16) if dtype == torch.bfloat16 else {"trainer": {"precision": "16-true"}} \
+        if dtype == torch.float16 else {}
     cfg = cfg_with({"name": name, "stochastic_rounding": stochastic}, **extra)
     model = Pair(dtype)
     opt = build_optimizer(model, cfg["optimizer"], cfg)
@@ -150,6 +152,87 @@ def test_state_bytes_per_parameter(name, stochastic, dtype, per_value):
         assert state_bytes({k: v for k, v in opt.state[model.gain].items() if k != "step"}) == 2 * 64 * dtype.itemsize
     else:
         assert moments == per_value * n
+
+
+def adamw_float64(p, m, v, g, t, lr, betas, eps, weight_decay):
+    """One AdamW step in float64, by its definition: decoupled decay, bias-corrected moments."""
+    b1, b2 = betas
+    p = p * (1 - lr * weight_decay)
+    m = b1 * m + (1 - b1) * g
+    v = b2 * v + (1 - b2) * g * g
+    p = p - lr * (m / (1 - b1**t)) / ((v / (1 - b2**t)).sqrt() + eps)
+    return p, m, v
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_float16_weights_follow_float64_adamw_from_small_gradients(device):
+    """trainer.precision: 16-true, torch's AdamW (fused, as auto picks for float16): 5 steps on gradients of 1e-4 to
+    1e-3 with random signs. In float16 the second moment, 1e-3 g^2 at the first step, would be 0 (below 2^-25), and
+    the update lr * g / eps; the float32 moments and master copy follow float64 AdamW instead. The master copy is
+    within float32 rounding of the reference, so the float16 weight is the reference rounded to float16, or where
+    the reference lies within that rounding of a midpoint between two float16 values, its neighbour: one float16
+    step at most, and nearly everywhere none."""
+    cfg = cfg_with({"lr": 1e-3, "weight_decay": 0.1}, trainer={"precision": "16-true"})
+    model = Pair(torch.float32, 0.5, 1.5).half().to(device)   # gains near 1, where a float16 step is 2^-10
+    opt = build_optimizer(model, cfg["optimizer"], cfg)
+    assert opt.defaults["fused"] is True
+    assert torch.tensor(1e-3 * 1e-3**2, dtype=torch.float16).item() == 0.0
+    g = torch.Generator().manual_seed(1)
+    params = [model.weight, model.gain]
+    ref = {p: [p.detach().double().cpu(), torch.zeros(p.shape, dtype=torch.float64),
+               torch.zeros(p.shape, dtype=torch.float64)] for p in params}
+    for t in range(1, 6):
+        for p in params:
+            size = torch.rand(p.shape, generator=g) * 9e-4 + 1e-4
+            sign = torch.randint(0, 2, p.shape, generator=g) * 2 - 1
+            p.grad = (size * sign).half().to(device)
+            decay = 0.1 if p.ndim == 2 else 0.0   # param_groups: no decay on 1-D parameters
+            ref[p] = list(adamw_float64(*ref[p], p.grad.double().cpu(), t, 1e-3, (0.9, 0.999), 1e-8, decay))
+        opt.step()
+    for p in params:
+        exact, m, v = ref[p]
+        state = opt.state[p]
+        assert {state[k].dtype for k in ("exp_avg", "exp_avg_sq", "master")} == {torch.float32}
+        torch.testing.assert_close(state["exp_avg_sq"].double().cpu(), v, rtol=1e-5, atol=0)
+        torch.testing.assert_close(state["exp_avg"].double().cpu(), m, rtol=1e-5, atol=1e-9)   # sums of terms <= 1e-3
+        torch.testing.assert_close(state["master"].double().cpu(), exact, rtol=2**-20, atol=0)   # 16 float32 roundings
+        rounded = exact.half().double()
+        step = 2.0 ** (torch.floor(torch.log2(rounded.abs())) - 10)   # a float16 step there (all normal values)
+        off = (p.detach().double().cpu() - rounded).abs() / step
+        assert off.max() <= 1, off.max()
+        assert (off == 0).double().mean() >= 0.99
+    start = Pair(torch.float32, 0.5, 1.5).gain.half()
+    assert (model.gain.detach().cpu() != start).double().mean() > 0.5   # the gains moved by float16 steps
+
+
+def test_float16_state_loads_as_saved():
+    """A state dict of float16 weights' AdamW through torch.save: torch's Optimizer.load_state_dict casts every state
+    tensor to its parameter's dtype, which would round the float32 moments and master copy to float16. They load
+    as saved, and the next steps equal the uninterrupted run's bit for bit."""
+    cfg = cfg_with({"lr": 1e-3}, trainer={"precision": "16-true"})
+
+    def run(model, opt, steps, seed):
+        g = torch.Generator().manual_seed(seed)
+        for _ in range(steps):
+            for p in model.parameters():
+                p.grad = (torch.randn(p.shape, generator=g) * 1e-3).half()
+            opt.step()
+
+    straight, resumed = Pair().half(), Pair().half()
+    opt = build_optimizer(straight, cfg["optimizer"], cfg)
+    run(straight, opt, 2, 0)
+    buffer = io.BytesIO()
+    torch.save(opt.state_dict(), buffer)
+    with torch.no_grad():
+        for a, b in zip(resumed.parameters(), straight.parameters(), strict=True):
+            a.copy_(b)
+    reopened = build_optimizer(resumed, cfg["optimizer"], cfg)
+    reopened.load_state_dict(torch.load(io.BytesIO(buffer.getvalue())))
+    assert same_state(reopened.state_dict(), opt.state_dict())
+    run(straight, opt, 2, 1)
+    run(resumed, reopened, 2, 1)
+    assert all(torch.equal(a, b) for a, b in zip(resumed.parameters(), straight.parameters(), strict=True))
+    assert same_state(reopened.state_dict(), opt.state_dict())
 
 
 # ---------------------------------------------------------------------------------- fit and resume
@@ -200,19 +283,23 @@ def same_state(a, b) -> bool:
     return a == b
 
 
-@pytest.mark.parametrize("optimizer, bf16", [
-    pytest.param({"name": "adamw8bit"}, False, marks=pytest.mark.slow, id="adamw8bit"),
-    pytest.param({"stochastic_rounding": True}, True, id="adamw-sr"),
-    pytest.param({"name": "adamw8bit", "stochastic_rounding": True}, True, id="adamw8bit-sr")])
-def test_resumed_run_equals_uninterrupted(tmp_path, chats, optimizer, bf16):
+@pytest.mark.parametrize("optimizer, precision", [
+    pytest.param({"name": "adamw8bit"}, "32-true", marks=pytest.mark.slow, id="adamw8bit"),
+    pytest.param({"stochastic_rounding": True}, "bf16-true", id="adamw-sr"),
+    pytest.param({"name": "adamw8bit", "stochastic_rounding": True}, "bf16-true", id="adamw8bit-sr"),
+    pytest.param({}, "16-true", id="adamw-16-true")])
+def test_resumed_run_equals_uninterrupted(tmp_path, chats, optimizer, precision):
     """6 steps straight vs 3 steps (a crash after step 4) + resume from step 3: the same final weights
-    and metrics, and the optimizer state loaded at the resume is the one saved, 8-bit codes included."""
-    fit(sft(tmp_path / "straight", chats, optimizer, 6, bf16=bf16))
+    and metrics, and the optimizer state loaded at the resume is the one saved, 8-bit codes and float16 weights'
+    float32 moments and master copies included."""
+    bf16 = precision == "bf16-true"
+    fit(sft(tmp_path / "straight", chats, optimizer, 6, bf16=bf16, precision=precision))
     crash = {"class_path": "test_resume.CrashAt", "init_args": {"step": 4}}
     with pytest.raises(RuntimeError, match="simulated crash"):
-        fit(sft(tmp_path / "broken", chats, optimizer, 6, [crash], bf16=bf16))
+        fit(sft(tmp_path / "broken", chats, optimizer, 6, [crash], bf16=bf16, precision=precision))
     probe = {"class_path": "test_optim.LoadedState"}
-    trainer = fit(sft(tmp_path / "broken", chats, optimizer, 6, [probe], bf16=bf16), resume="last")
+    trainer = fit(sft(tmp_path / "broken", chats, optimizer, 6, [probe], bf16=bf16, precision=precision),
+                  resume="last")
     assert trainer.global_step == 6
 
     saved = read_checkpoint_dir(tmp_path / "broken/checkpoints/step-000003")   # weights_only, as a resume
@@ -220,6 +307,9 @@ def test_resumed_run_equals_uninterrupted(tmp_path, chats, optimizer, bf16):
     assert same_state(saved["optimizer_states"][0], loaded)
     kinds = {type(s["exp_avg"]).__name__ for s in loaded["state"].values()}
     assert kinds == ({"OptimState8bit", "Tensor"} if "name" in optimizer else {"Tensor"})
+    if precision == "16-true":
+        assert {s[k].dtype for s in loaded["state"].values() for k in ("exp_avg", "exp_avg_sq", "master")} == {
+            torch.float32}
     if "name" in optimizer:
         # `fw fit --resume` in a fresh process loads the checkpoint before torchao is imported: the loader
         # itself allows the 8-bit state class for the weights-only torch.load.
