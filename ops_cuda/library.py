@@ -50,14 +50,38 @@ def need_long(op: str, name: str, t: Tensor) -> None:
         fail(op, f"`{name}` must be int64 (LongTensor), got {t.dtype}")
 
 
-def _contiguous_outputs(fn: Callable) -> Callable:
-    """The reference with contiguous outputs, matching the fake kernels and the CUDA kernels (None: an op that
-    only mutates its arguments)."""
+def _storages(args: tuple) -> set[int]:
+    """The data pointers of the storages of the tensor arguments (Tensor[] included)."""
+    ptrs = set()
+    for a in args:
+        for t in a if isinstance(a, (list, tuple)) else (a,):
+            if isinstance(t, Tensor) and t.numel():
+                ptrs.add(t.untyped_storage().data_ptr())
+    return ptrs
+
+
+def _owned(out: Tensor, taken: set[int]) -> Tensor:
+    """`out` contiguous in a storage of its own, as the CUDA kernels allocate theirs. A view (of a temporary, an
+    input or another output) or an input itself is copied: code that tracks an output by its tensor
+    (framework/models/recompute.py) must not lose it behind a view whose base is the tensor that stays alive."""
+    shared = out.numel() > 0 and out.untyped_storage().data_ptr() in taken
+    out = out.clone(memory_format=torch.contiguous_format) if out._is_view() or shared else out.contiguous()
+    if out.numel():
+        taken.add(out.untyped_storage().data_ptr())
+    return out
+
+
+def _owned_outputs(fn: Callable) -> Callable:
+    """The reference with contiguous outputs that own their storage, matching the fake kernels and the CUDA
+    kernels (None: an op that only mutates its arguments)."""
     def wrapped(*args):
         out = fn(*args)
+        if out is None:
+            return None
+        taken = _storages(args)
         if isinstance(out, tuple):
-            return tuple(o.contiguous() for o in out)
-        return None if out is None else out.contiguous()
+            return tuple(_owned(o, taken) for o in out)
+        return _owned(out, taken)
 
     wrapped.__name__ = fn.__name__
     return wrapped
@@ -80,10 +104,10 @@ def define(schema: str, reference: Callable, fake: Callable | None = None, compo
     if fake is not None:
         torch.library.register_fake(f"fw::{name}", fake)
     if cuda is not None:
-        LIB.impl(name, _contiguous_outputs(reference), "CPU")
-        LIB.impl(name, _contiguous_outputs(cuda), "CUDA")
+        LIB.impl(name, _owned_outputs(reference), "CPU")
+        LIB.impl(name, _owned_outputs(cuda), "CUDA")
         return name
-    REFERENCES[name] = _contiguous_outputs(reference)
+    REFERENCES[name] = _owned_outputs(reference)
     LIB.impl(name, REFERENCES[name], "CPU")
     _CUDA_SHIMS.impl(name, _make_shim(name), "CUDA")
     return name

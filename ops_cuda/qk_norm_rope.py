@@ -37,7 +37,9 @@ def qk_norm_rope_reference(qkv: Tensor, positions: Tensor, q_weight: Tensor, k_w
     q, k, v = _heads(qkv, q_weight.shape[0], num_kv_heads)
     q, k = rope_reference(rms_norm_reference(q, q_weight, eps)[None], rms_norm_reference(k, k_weight, eps)[None],
                           positions[None], theta)
-    return q[0], k[0], v.clone()   # a copy, as the kernel's: a view of qkv may already be contiguous (one token)
+    # views of rope's [1, N, H, D] outputs and of qkv: the library copies each into a storage of its own, as the
+    # kernel allocates its outputs
+    return q[0], k[0], v
 
 
 def qk_norm_rope_backward_reference(grad_q: Tensor, grad_k: Tensor, grad_v: Tensor, qkv: Tensor, positions: Tensor,
@@ -100,10 +102,12 @@ def kernel_weights(qkv: Tensor, q_weight: Tensor, k_weight: Tensor) -> tuple[Ten
 
 def _separate_ops(qkv: Tensor, positions: Tensor, q_weight: Tensor, k_weight: Tensor, eps: float, theta: float,
                   num_kv_heads: int) -> tuple[Tensor, Tensor, Tensor]:
-    """The same maths by rms_norm and rope on views of qkv: the head sizes the CUDA kernel does not take."""
+    """The same maths by rms_norm and rope on views of qkv: the head sizes the CUDA kernel does not take. Each output
+    is copied into a storage of its own, as the kernel allocates its outputs: selective recomputation tracks an
+    output by its tensor, and would lose a view of rope's [1, N, H, D] output behind that base."""
     q, k, v = _heads(qkv, q_weight.shape[0], num_kv_heads)
     q, k = rope(rms_norm(q, q_weight, eps)[None], rms_norm(k, k_weight, eps)[None], positions[None], theta)
-    return q[0], k[0], v
+    return q[0].clone(), k[0].clone(), v.clone()
 
 
 def qk_norm_rope(qkv: Tensor, positions: Tensor, q_weight: Tensor, k_weight: Tensor, eps: float, theta: float,

@@ -1,48 +1,61 @@
 """Selective recomputation (`gradient_checkpointing: selective`, framework/models/recompute.py): the same
 gradients bit for bit as keeping every activation, and the activation bytes the memory plan counts, measured
-by the storages that stay alive after the forward."""
+by the storages the autograd graph saves for the backward."""
 from __future__ import annotations
 
-import gc
 import json
-import weakref
+from typing import Self
 
 import pytest
 import torch
 from test_fit_step import DATA
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
+import ops_cuda
 from framework.config import resolve
 from framework.errors import FwError
 from framework.memory_plan import layer_saved_bytes, model_saved_bytes
-from framework.models import Qwen3ForCausalLM
+from framework.models import Qwen3ForCausalLM, recompute
 from framework.models.lora import add_adapters
 from framework.models.presets import preset_config
 from framework.models.value import Qwen3ValueModel
 from framework.trainer import fit
+from ops_cuda.qk_norm_rope import _separate_ops
 
 
-class LiveStorages(TorchDispatchMode):
-    """Every storage an op creates inside the mode, by weak reference to its tensor: what is still alive
-    afterwards is what the autograd graph (or the caller) keeps."""
+class SavedStorages:
+    """The storages the autograd graph keeps for the backward, seen where it saves them: each tensor a saved-tensor
+    hook packs as itself (under selective recomputation, each that SelectiveRecompute._pack keeps, and the inputs of
+    the recipes it packs instead), by storage: the views of one storage count once, with the storage's bytes."""
 
     def __init__(self) -> None:
-        super().__init__()
-        self.made: list[tuple[weakref.ref, int, int]] = []
+        self.kept: dict[int, tuple[int, torch.dtype]] = {}
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._keep, lambda t: t)
+        self._pack = recompute.SelectiveRecompute._pack
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor):
-                s = t.untyped_storage()
-                self.made.append((weakref.ref(t), s.data_ptr(), s.nbytes()))
+    def _keep(self, t: torch.Tensor) -> torch.Tensor:
+        s = t.untyped_storage()
+        self.kept[s.data_ptr()] = (s.nbytes(), t.dtype)
+        return t
+
+    def _selective_pack(self, recorder: recompute.SelectiveRecompute, t: torch.Tensor) -> object:
+        out = self._pack(recorder, t)
+        for kept in out.recipe.args if isinstance(out, recompute._Saved) else (out,):
+            if isinstance(kept, torch.Tensor):
+                self._keep(kept)
         return out
 
-    def live_bytes(self, exclude: set[int]) -> int:
-        gc.collect()
-        alive = {ptr: n for ref, ptr, n in self.made if ref() is not None and ptr not in exclude}
-        return sum(alive.values())
+    def __enter__(self) -> Self:
+        # SelectiveRecompute's own hooks replace these inside the layers: observe what its _pack keeps there
+        recompute.SelectiveRecompute._pack = lambda recorder, t: self._selective_pack(recorder, t)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._hooks.__exit__(*exc)
+        recompute.SelectiveRecompute._pack = self._pack
+
+    def kept_bytes(self, exclude: set[int]) -> int:
+        return sum(n for ptr, (n, _) in self.kept.items() if ptr not in exclude)
 
 
 def _grads(model, ids, positions, autocast: bool) -> list[torch.Tensor]:
@@ -99,8 +112,9 @@ def test_selective_with_lora_and_the_value_model():
 @pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
 def test_activation_bytes_are_what_the_memory_plan_counts(autocast):
     """Measured on Qwen3-0.6B's layer shapes (two layers, packed rows, a small vocabulary): the bytes per token
-    each mode keeps alive after the forward, against layer_saved_bytes. Under autocast the weights' bf16 casts
-    (autocast's cache) are left out: the plan counts them apart."""
+    the autograd graph keeps for the backward in each mode, against layer_saved_bytes (under gradient checkpointing
+    the layers' inputs). Under autocast the weights' bf16 casts (autocast's cache) are left out: the plan counts
+    them apart."""
     cfg = preset_config("qwen3-0.6b", 512)
     cfg.num_hidden_layers = 2
     T = 128
@@ -109,28 +123,68 @@ def test_activation_bytes_are_what_the_memory_plan_counts(autocast):
     positions[:, T // 2:] -= T // 2
     torch.manual_seed(0)
     model = Qwen3ForCausalLM(cfg).train()
-    exclude = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    casts = {p.numel() * 2 for p in model.parameters()}
     residual, compute = 4, (2 if autocast else 4)
     measured = {}
-    for mode in (False, "selective"):
+    for mode in (False, True, "selective"):
         model.gradient_checkpointing = mode
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast), LiveStorages() as live:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast), SavedStorages() as saved:
             h = model(ids, positions, return_hidden=True)
-            casts = set()
-            if autocast:   # autocast's cached bf16 copies of the weights, alive in its cache
-                casts = {ptr for ref, ptr, n in live.made
-                         if ref() is not None and any(n == p.numel() * 2 for p in model.parameters())}
-            measured[mode] = (live.live_bytes(exclude | casts) - h.untyped_storage().nbytes()) / T
-        del h
+        exclude = params | {h.untyped_storage().data_ptr()}
+        if autocast:   # autocast's cached bf16 copies of the weights
+            exclude |= {ptr for ptr, (n, dtype) in saved.kept.items() if dtype == torch.bfloat16 and n in casts}
+        measured[mode] = saved.kept_bytes(exclude) / T
+        del h, saved
+    outside = model_saved_bytes(cfg, residual)
     for mode, selective in ((False, False), ("selective", True)):
-        plan = (cfg.num_hidden_layers * layer_saved_bytes(cfg, T, True, residual, compute, "cpu",
-                                                          selective=selective)
-                + model_saved_bytes(cfg, residual))
+        plan = cfg.num_hidden_layers * layer_saved_bytes(cfg, T, True, residual, compute, "cpu",
+                                                         selective=selective) + outside
         assert measured[mode] == pytest.approx(plan, abs=16), (mode, measured, plan)
+    assert measured[True] == pytest.approx(cfg.num_hidden_layers * cfg.hidden_size * residual + outside, abs=16)
     # by hand: the norms' outputs (2 x hidden), q and k after RoPE with v's copy (q_size + 2 kv_size) and SwiGLU's
     # output
     by_hand = (2 * cfg.hidden_size + cfg.q_size + 2 * cfg.kv_size + cfg.intermediate_size) * compute
     assert measured[False] - measured["selective"] == pytest.approx(cfg.num_hidden_layers * by_hand, abs=16)
+
+
+def _qk_norm_rope_by_hand(qkv, positions, q_weight, k_weight, eps, theta, num_kv_heads):
+    """Qwen3's QK-norm then NeoX RoPE, float64 throughout."""
+    D = q_weight.shape[0]
+    q, k, v = qkv.view(qkv.shape[0], -1, D).split([qkv.shape[1] // D - 2 * num_kv_heads, num_kv_heads,
+                                                     num_kv_heads], dim=1)
+    angle = positions[:, None, None].double() / theta ** (torch.arange(0, D, 2, dtype=torch.float64) / D)
+    cos, sin = angle.cos(), angle.sin()
+
+    def rotated(x, w):
+        x = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps) * w
+        x1, x2 = x[..., :D // 2], x[..., D // 2:]
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+    return rotated(q, q_weight), rotated(k, k_weight), v
+
+
+@pytest.mark.parametrize("fn", [ops_cuda.qk_norm_rope, _separate_ops], ids=["op", "separate-ops"])
+def test_qk_norm_rope_outputs_are_recomputed_through_the_callers_views(fn):
+    """q, k and v own their storage (the op's CPU kernel, also the CUDA fallback, and the separate ops of the head
+    sizes the CUDA kernel does not take), so selective recomputation finds them behind the views the attention
+    takes: the graph keeps none of them, and the values and gradients are the float64 maths by hand."""
+    N, Hk, D, eps, theta = 5, 1, 6, 1e-6, 1e4
+    g = torch.Generator().manual_seed(0)
+    qkv = torch.randn(N, (3 + 2 * Hk) * D, dtype=torch.float64, generator=g, requires_grad=True)
+    positions = torch.tensor([0, 1, 2, 0, 1])
+    q_weight, k_weight = (1 + 0.2 * torch.randn(2, D, dtype=torch.float64, generator=g)).requires_grad_().unbind(0)
+    w = [torch.randn(N, H, D, dtype=torch.float64, generator=g) for H in (3, Hk, Hk)]
+    with SavedStorages() as saved, recompute.SelectiveRecompute():
+        out = recompute.cheap(fn, qkv, positions, q_weight, k_weight, eps, theta, Hk)
+        # as Qwen3Attention._qkv hands them on; the products save the views
+        loss = sum((t.view(1, N, -1, D) * t.view(1, N, -1, D) * wt[None]).sum() for t, wt in zip(out, w))
+    assert not {t.untyped_storage().data_ptr() for t in out} & saved.kept.keys()
+    grads = torch.autograd.grad(loss, (qkv, q_weight, k_weight))
+    ref = _qk_norm_rope_by_hand(qkv, positions, q_weight, k_weight, eps, theta, Hk)
+    ref_grads = torch.autograd.grad(sum((t * t * wt).sum() for t, wt in zip(ref, w)), (qkv, q_weight, k_weight))
+    for a, b in zip(out + grads, ref + ref_grads):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
 
 
 def test_an_input_changed_in_place_after_the_forward_is_an_error():
