@@ -84,8 +84,8 @@ def test_logprobs_entropies_and_values_equal_each_sequence_alone():
     with torch.no_grad():
         v_shared = completion_values(critic, tokens, prompt_lens, completion_lens, WIDTH, groups=GROUPS)
         v_padded = completion_values(critic, tokens, prompt_lens, completion_lens, WIDTH, packed=False)
-    # the critic's head runs in float32 on a float64 trunk: equal to float32 rounding
-    assert v_shared.abs().max() > 0.1 and (v_shared - v_padded).abs().max() <= 1e-5
+    # the float64 critic's values, which the rollout keeps in float32: equal to float32 rounding
+    assert v_shared.abs().max() > 0.1 and (v_shared - v_padded).abs().max() <= 1e-6
 
 
 @pytest.mark.parametrize("recipe,loss_agg", [("grpo", "token-mean"), ("ppo", "seq-mean-token-mean")])

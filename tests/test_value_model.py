@@ -94,6 +94,25 @@ def test_head_runs_in_float32_under_autocast():
     assert (values.double() - want).abs().max() < 1e-5 * want.abs().max()
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_head_computes_in_float32_or_the_float64_trunks_dtype(dtype):
+    """A float64 critic (precision 64-true) gets float64 values: the trunk's hidden states through the head by hand in
+    float64, to float64 rounding. A bf16 trunk without autocast (bf16-true) still gets float32 values, to float32
+    rounding of the same float64 maths."""
+    critic = Qwen3ValueModel.from_policy(policy(), dtype=dtype)
+    with torch.no_grad():
+        critic.v_head.weight.normal_(0.0, 1.0, generator=torch.Generator().manual_seed(1))
+        critic.v_head.bias.fill_(1 / 3)
+    ids = torch.randint(0, 60, (2, 8), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        hidden = critic.model(ids).double()
+        values = critic(ids)
+    want = hidden @ critic.v_head.weight[0].double() + critic.v_head.bias[0].double()
+    assert values.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    tol = 1e-13 if dtype == torch.float64 else 1e-6
+    torch.testing.assert_close(values.double(), want, rtol=tol, atol=tol * want.abs().max().item())
+
+
 def test_warm_start_in_another_dtype_copies_the_trunk_exactly():
     """A critic in float32 from a bfloat16 policy (LoRA's critic on a bfloat16 base) holds the same values."""
     pol = policy().to(torch.bfloat16)

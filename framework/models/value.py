@@ -44,11 +44,12 @@ class Qwen3ValueModel(nn.Module):
 
     def forward(self, input_ids: Tensor, position_ids: Tensor | None = None,
                 packing: Packing | SharedPrompts | None = None) -> Tensor:
-        """Values fp32 [B, T] (the head runs in fp32 whatever the trunk's dtype, also under autocast; `packing`: see
-        Qwen3Model.forward)."""
+        """Values [B, T] in float32, or float64 for a float64 trunk (the head runs in at least fp32 whatever the
+        trunk's dtype, also under autocast; `packing`: see Qwen3Model.forward)."""
         h = self.model(input_ids, position_ids, packing=packing)
+        dtype = torch.promote_types(h.dtype, torch.float32)
         with torch.autocast(h.device.type, enabled=False):   # autocast would run the head's matmul in 16 bits
-            return F.linear(h.float(), self.v_head.weight.float(), self.v_head.bias.float()).squeeze(-1)
+            return F.linear(h.to(dtype), self.v_head.weight.to(dtype), self.v_head.bias.to(dtype)).squeeze(-1)
 
     @classmethod
     def from_policy(cls, policy: Qwen3ForCausalLM, dtype: torch.dtype | None = None) -> Qwen3ValueModel:
