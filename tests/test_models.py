@@ -288,6 +288,30 @@ def test_unsupported_configs_are_rejected(tmp_path, change, match):
     assert str(tmp_path / "config.json") in str(e.value)
 
 
+@pytest.mark.parametrize("key", ["vocab_size", "num_attention_heads"])
+def test_a_null_required_key_is_a_missing_key(tmp_path, key):
+    (tmp_path / "config.json").write_text(json.dumps({**TINY, key: None}))
+    with pytest.raises(FwError, match=rf"missing required keys \['{key}'\]") as e:
+        load_pretrained(tmp_path)
+    assert str(tmp_path / "config.json") in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_null_num_key_value_heads_is_one_per_attention_head_as_in_transformers(tmp_path):
+    """A config.json with "num_key_value_heads": null: the model transformers builds from the same directory (its
+    Qwen3Config reads null as num_attention_heads), the same logits."""
+    torch.manual_seed(0)
+    ref = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**{**TINY, "num_key_value_heads": None})).eval()
+    ref.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "num_key_value_heads": None}))
+    ref = transformers.Qwen3ForCausalLM.from_pretrained(tmp_path).eval()
+    ours = load_pretrained(tmp_path).eval()
+    assert ours.config.num_key_value_heads == ref.config.num_key_value_heads == TINY["num_attention_heads"]
+    ids = torch.randint(0, TINY["vocab_size"], (2, 7), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids), ref(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
+
+
 # ---------------------------------------------------------------- strict loading
 
 

@@ -96,11 +96,14 @@ class Qwen3Config:
             rope_theta = params.get("rope_theta", rope_theta)
         if unsupported:
             raise FwError(f"{where} unsupported Qwen3 configuration: " + "; ".join(unsupported))
-        missing = [k for k in _REQUIRED if k not in d]
+        # a null num_key_value_heads means one kv head per attention head (multi-head attention), as transformers'
+        # Qwen3Config reads it; any other required key that is null is as good as missing
+        missing = [k for k in _REQUIRED if d.get(k) is None and not (k == "num_key_value_heads" and k in d)]
         if missing:
-            raise FwError(f"{where} missing required keys {missing}")
+            raise FwError(f"{where} missing required keys {missing} (absent or null)")
         known = {f.name for f in fields(cls)}
         kwargs = {k: d[k] for k in known if d.get(k) is not None and k != "rope_theta"}
+        kwargs.setdefault("num_key_value_heads", d["num_attention_heads"])
         if rope_theta is not None:
             if isinstance(rope_theta, bool) or not isinstance(rope_theta, (int, float)):
                 raise FwError(f"{where} rope_theta must be a number, got {rope_theta!r}")
