@@ -2,8 +2,10 @@
 
 Commands that read a config take `--config FILE` (repeatable, merged left to right) and dotted
 overrides `--section.key=value`. User errors print one line each on stderr and exit with code 2;
-`--debug` (or FW_DEBUG=1) adds the traceback. `fw fit` stopped by SIGTERM / SIGINT exits with 143 / 130
-after saving its step (framework/signals.py). Each command imports only what it needs.
+`--debug` (or FW_DEBUG=1) adds the traceback. An error that every process of a multi-process `fw fit`
+raises together (`FwError.quiet` on ranks other than global rank 0) is printed by global rank 0 alone.
+`fw fit` stopped by SIGTERM / SIGINT exits with 143 / 130 after saving its step (framework/signals.py).
+Each command imports only what it needs.
 """
 
 from __future__ import annotations
@@ -221,6 +223,8 @@ def main(argv: list[str] | None = None) -> int:
     except FwError as e:
         if debug:
             traceback.print_exc()
+        if e.quiet:   # every rank raised it, and global rank 0 prints it
+            return 2
         if isinstance(e, ConfigError):
             for problem in e.problems:
                 print(problem, file=sys.stderr)

@@ -6,7 +6,12 @@ from dataclasses import dataclass
 
 
 class FwError(Exception):
-    """A problem caused by the user's input (config, paths, arguments); its message is the whole story."""
+    """A problem caused by the user's input (config, paths, arguments); its message is the whole story.
+
+    `quiet`: every process of a multi-process job raised it together, and this one leaves the line to global
+    rank 0 (the CLI exits 2 without printing it)."""
+
+    quiet: bool = False
 
 
 @dataclass(frozen=True)

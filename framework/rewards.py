@@ -536,8 +536,32 @@ def _timed(work: Callable[[], Any], calls: _Calls, timeout_s: float | None, desc
     return outcome["value"]
 
 
+def _raise_on_every_rank(error: FwError | None, collective: bool) -> None:
+    """Raise ``error`` (when not None). With ``collective`` under several processes a collective instead: every rank
+    raises the failure of the lowest rank that failed, naming it, so that no rank is left waiting in a collective
+    the failed one never reaches; on ranks other than global rank 0 the error is ``quiet`` (cli.main leaves the
+    line to rank 0)."""
+    import torch.distributed as dist
+
+    if not (collective and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        if error is not None:
+            raise error
+        return
+    found: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(found, None if error is None else str(error))
+    failed = [rank for rank, message in enumerate(found) if message is not None]
+    if not failed:
+        return
+    also = ""
+    if len(failed) > 1:
+        also = f" (global rank{'s' if len(failed) > 2 else ''} {', '.join(map(str, failed[1:]))} too)"
+    shared = FwError(f"global rank {failed[0]}{also}: {found[failed[0]]}")
+    shared.quiet = dist.get_rank() != 0
+    raise shared from error
+
+
 def score_rollout(reward_fn: Any, prompts: list[str], completions: list[str], metadatas: list[dict],
-                  settings: dict) -> tuple[torch.Tensor, int]:
+                  settings: dict, collective: bool = False) -> tuple[torch.Tensor, int]:
     """Rewards fp32 ``[N]`` for N samples and the number of samples whose reward failed.
 
     ``settings`` is the resolved ``reward:`` section (``on_error``, ``max_error_fraction``, ``timeout_s``).
@@ -546,7 +570,9 @@ def score_rollout(reward_fn: Any, prompts: list[str], completions: list[str], me
     logs a warning and scores the sample 0, unless more than ``max_error_fraction`` of the samples
     failed, which raises ``FwError``. A failing ``batch`` call is retried per sample when the reward is
     also callable, so only the offending samples are zeroed; otherwise the whole batch is. A call that
-    takes longer than ``timeout_s`` raises ``FwError`` whatever ``on_error`` says.
+    takes longer than ``timeout_s`` raises ``FwError`` whatever ``on_error`` says. ``collective``: every process
+    of a multi-process job calls this at the same point (the training step's rollouts; not evaluation, whose ranks
+    may score different numbers of batches), so such an error on one rank is raised on every rank.
     """
     n = len(prompts)
     if not len(completions) == len(metadatas) == n:
@@ -557,19 +583,27 @@ def score_rollout(reward_fn: Any, prompts: list[str], completions: list[str], me
     def sample(i: int) -> str:
         return f"sample {i}: prompt={_shorten(prompts[i])} completion={_shorten(completions[i])}"
 
-    failures, values = _timed(lambda: _score(reward_fn, prompts, completions, metadatas, calls), calls,
-                              settings["timeout_s"], sample)
+    error: FwError | None = None
+    failures: list[tuple[int, str]] = []
+    values = [0.0] * n
+    try:
+        failures, values = _timed(lambda: _score(reward_fn, prompts, completions, metadatas, calls), calls,
+                                  settings["timeout_s"], sample)
+    except FwError as exc:   # a call past reward.timeout_s, a batch() of the wrong length
+        error = exc
     if failures:
-        i, error = failures[0]
-        report = (f"reward failed on {len(failures)} of {n} samples; first: sample {i}: {error}; "
+        i, first = failures[0]
+        report = (f"reward failed on {len(failures)} of {n} samples; first: sample {i}: {first}; "
                   f"prompt={_shorten(prompts[i])} completion={_shorten(completions[i])}")
         if on_error == "raise":
-            raise FwError(report + " (set reward.on_error: zero to count and zero such samples)")
-        if len(failures) > settings["max_error_fraction"] * n:
-            raise FwError(f"{report}: more than reward.max_error_fraction = {settings['max_error_fraction']:g} of "
-                          "the rollout batch failed, so the reward is taken to be broken (fix it, or raise "
-                          "reward.max_error_fraction)")
-        log.warning("%s; scored 0 (reward.on_error: zero)", report)
+            error = FwError(report + " (set reward.on_error: zero to count and zero such samples)")
+        elif len(failures) > settings["max_error_fraction"] * n:
+            error = FwError(f"{report}: more than reward.max_error_fraction = {settings['max_error_fraction']:g} of "
+                            "the rollout batch failed, so the reward is taken to be broken (fix it, or raise "
+                            "reward.max_error_fraction)")
+        else:
+            log.warning("%s; scored 0 (reward.on_error: zero)", report)
+    _raise_on_every_rank(error, collective)
     return torch.tensor(values, dtype=torch.float32), len(failures)
 
 

@@ -661,7 +661,9 @@ class RLRecipe:
         with record_function("fw.rl.reward"):
             rep_texts = [t for t in texts for _ in range(samples_per_prompt)]
             metadatas = [s["metadata"] for s in samples for _ in range(samples_per_prompt)]
-            rewards, n_err = score_rollout(self.reward_fn, rep_texts, ro.texts, metadatas, cfg["reward"])
+            # every rank scores its rollouts here: a reward's failure on one of them stops them all
+            rewards, n_err = score_rollout(self.reward_fn, rep_texts, ro.texts, metadatas, cfg["reward"],
+                                           collective=True)
             device = ctx.device
             width = ro.logprobs.shape[1]
             clens = ro.completion_lens.to(device)
