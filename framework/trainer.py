@@ -8,6 +8,7 @@ import sys
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import lightning
 import torch
@@ -66,6 +67,27 @@ class KeepOnDevice(SingleDeviceStrategy):
         self.checkpoint_io.teardown()
 
 
+class SaveConfig(lightning.Callback):
+    """Writes the resolved config to `<run_dir>/config.yaml` (global rank 0, atomically) as the first step begins:
+    after everything that can refuse the run at start-up (the loggers, the processes' start, the models, the
+    checkpoint's restore, the callbacks' and the data's set-up), so that a refused run leaves the config.yaml of
+    the run before it as it was."""
+
+    def __init__(self, cfg: dict):
+        self.cfg = cfg
+        self.saved = False
+
+    def on_train_batch_start(self, trainer: lightning.Trainer, module: lightning.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        if self.saved:
+            return
+        self.saved = True
+        if trainer.is_global_zero:
+            from framework.config import save_resolved
+
+            save_resolved(self.cfg, Path(self.cfg["run_dir"]) / "config.yaml")
+
+
 def _one_device(cfg: dict) -> torch.device | None:
     """The device of a job that runs as one process on the CPU or one CUDA device, or None (several processes,
     another accelerator, or a strategy named in the config)."""
@@ -117,7 +139,8 @@ def build_trainer(cfg: dict, stop: StopSignals | None = None, keep_on_device: bo
     evaluation = [EvalCallback(cfg)] if eval_enabled(cfg) else []
     builtin = builtin_callbacks(cfg, stop, evaluation)
     metrics = next(cb for cb in builtin if isinstance(cb, MetricsLogger))
-    callbacks = [*builtin, *user_callbacks(cfg), FlushOnEarlyStop(metrics, stop), CheckpointCallback(cfg)]
+    callbacks = [SaveConfig(cfg), *builtin, *user_callbacks(cfg), FlushOnEarlyStop(metrics, stop),
+                 CheckpointCallback(cfg)]
     return lightning.Trainer(
         accelerator=t["accelerator"],
         devices=t["devices"],
@@ -182,8 +205,8 @@ def refuse_earlier_metrics(run_dir: str | Path) -> None:
 
 def fit(cfg: dict, resume: str | None = None, skip_damaged: bool = False,
         keep_on_device: bool = False) -> lightning.Trainer:
-    """Train `cfg` (a resolved config): lock run_dir, check its memory plan, seed, write
-    `<run_dir>/config.yaml`, build, fit.
+    """Train `cfg` (a resolved config): lock run_dir, check its memory plan, seed, build, fit; `<run_dir>/config.yaml`
+    is written as the first step begins (`SaveConfig`), so a run refused at start-up leaves it as it was.
 
     `resume`: None (fresh run), "last" (the newest complete checkpoint under run_dir; FwError if none)
     or a checkpoint directory; `skip_damaged` passes over damaged newest checkpoints (reported on stderr)
@@ -193,7 +216,6 @@ def fit(cfg: dict, resume: str | None = None, skip_damaged: bool = False,
     states on the device at the end instead of copying them to host memory (for a caller that exits next).
     """
     from framework.checkpoint import find_latest, resolve_resume
-    from framework.config import save_resolved
     from framework.memory_plan import check_fits
     from framework.module import FwModule
 
@@ -214,7 +236,6 @@ def fit(cfg: dict, resume: str | None = None, skip_damaged: bool = False,
             refuse_earlier_metrics(run_dir)   # on every rank, so that all of them stop together
         if rank0:
             print(plan.table(), file=sys.stderr, flush=True)
-            save_resolved(cfg, run_dir / "config.yaml")
         stack.enter_context(quiet_lightning())
         # first: it refuses unsupported settings before the models are built
         trainer = build_trainer(cfg, stop, keep_on_device)

@@ -4,9 +4,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from lightning.pytorch import Callback
+from lightning.pytorch.loggers import Logger
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 
-from framework.config import resolve
+from framework.config import load_config, resolve
 from framework.errors import FwError
 from framework.trainer import KeepOnDevice, build_trainer, fit
 
@@ -101,3 +103,50 @@ def test_keep_on_device_leaves_the_state_on_the_gpu_and_lightning_moves_it(tmp_p
         where[keep] = ({p.device.type for p in trainer.lightning_module.parameters()},
                        {t.device.type for t in states if t.dim()})
     assert where == {False: ({"cpu"}, {"cpu"}), True: ({"cuda"}, {"cuda"})}
+
+
+# ------------------------------------------------------------------------------------------ config.yaml
+
+
+class LoggerThatCannotStart(Logger):
+    """A logger whose service is out of reach: it fails as the run hands it the config (as W&B's init does)."""
+
+    name, version = "unreachable", "0"
+
+    def log_hyperparams(self, params, *args, **kwargs):
+        raise ConnectionError("cannot reach the logging service")
+
+    def log_metrics(self, metrics, step=None):
+        pass
+
+
+class FailsAtTrainStart(Callback):
+    """Fails as training starts, after the checkpoint's restore."""
+
+    def on_train_start(self, trainer, module):
+        raise RuntimeError("a start-up failure")
+
+
+def _sft(run_dir, lr, max_steps, **extra):
+    return resolve({"recipe": "sft", "seed": 0, "run_dir": str(run_dir), "model": {"policy": {"preset": "tiny"}},
+                    "data": {"path": str(Path("recipes/data/arithmetic_chat.jsonl").resolve()), "max_seq_len": 64,
+                             "batch_size": 2},
+                    "optimizer": {"lr": lr},
+                    "trainer": {"accelerator": "cpu", "max_steps": max_steps, "enable_progress_bar": False},
+                    "checkpoint": {"every_n_steps": 1}, "logging": {"tensorboard": False}, **extra})
+
+
+@pytest.mark.parametrize("failure", [
+    {"logging": {"tensorboard": False, "loggers": [{"class_path": "test_trainer.LoggerThatCannotStart"}]}},
+    {"callbacks": [{"class_path": "test_trainer.FailsAtTrainStart"}]},
+], ids=["logger", "callback"])
+def test_a_resume_that_fails_at_start_up_leaves_config_yaml_as_it_was(tmp_path, failure):
+    run = tmp_path / "run"
+    fit(_sft(run, 1e-3, 1))
+    saved = (run / "config.yaml").read_bytes()
+    assert load_config([str(run / "config.yaml")])["optimizer"]["lr"] == 1e-3
+    with pytest.raises((ConnectionError, RuntimeError), match="logging service|start-up failure"):
+        fit(_sft(run, 5e-4, 2, **failure), resume="last")
+    assert (run / "config.yaml").read_bytes() == saved   # nothing ran: it still records the first run
+    fit(_sft(run, 5e-4, 2), resume="last")   # the resume that runs records its own settings
+    assert load_config([str(run / "config.yaml")])["optimizer"]["lr"] == 5e-4
