@@ -14,17 +14,40 @@ import os
 
 import torch
 
-ENV = "PYTORCH_CUDA_ALLOC_CONF"
+ENV = "PYTORCH_CUDA_ALLOC_CONF"   # read by every torch fw runs on
+ENV_ALL = "PYTORCH_ALLOC_CONF"    # read too from torch 2.9, for every accelerator
 DEFAULT = "expandable_segments:True"
 
 
+def _reads_env_all() -> bool:
+    """Whether this torch reads PYTORCH_ALLOC_CONF (its accelerator-wide allocator settings, from 2.9)."""
+    major, minor = (int(part) for part in torch.__version__.split(".")[:2])
+    return (major, minor) >= (2, 9)
+
+
+def user_setting() -> str | None:
+    """The allocator settings the user gave in PYTORCH_ALLOC_CONF or PYTORCH_CUDA_ALLOC_CONF, as this torch takes
+    them, or None."""
+    cuda, every = os.environ.get(ENV), os.environ.get(ENV_ALL)
+    if every is None or not _reads_env_all():
+        return cuda
+    if cuda is None:
+        return every
+    # both: which one wins differs between torch versions (2.9 reads PYTORCH_ALLOC_CONF first, later ones the
+    # other), so torch says where it can. Asking makes torch read the environment, which it does once per process:
+    # safe here, where fw adds nothing to it
+    in_force = getattr(torch._C, "_accelerator_getAllocatorSettings", None)
+    return in_force() if in_force is not None else every
+
+
 def configure_allocator() -> str:
-    """Use expandable segments unless the user set PYTORCH_CUDA_ALLOC_CONF; returns the setting in force.
+    """Use expandable segments unless the user set the allocator's settings (PYTORCH_ALLOC_CONF or
+    PYTORCH_CUDA_ALLOC_CONF, where this torch reads it); returns the setting in force.
 
     Before CUDA starts the environment variable is enough; once it has, the setting is applied to the
     live allocator (it governs the segments allocated from then on).
     """
-    user = os.environ.get(ENV)
+    user = user_setting()
     if user is not None:
         return user
     os.environ[ENV] = DEFAULT

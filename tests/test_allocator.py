@@ -7,18 +7,28 @@ import sys
 import pytest
 import torch
 
-from framework.allocator import DEFAULT, ENV
+from framework.allocator import DEFAULT, ENV, ENV_ALL
 
 _PROBE = ("import os; from framework.allocator import configure_allocator; "
           "print(configure_allocator()); print(os.environ.get('PYTORCH_CUDA_ALLOC_CONF'))")
+# What torch itself takes from the environment (torch 2.9 and later), after fw's configure_allocator
+_IN_FORCE = ("import os, torch; from framework.allocator import configure_allocator; "
+             "print(configure_allocator()); print(os.environ.get('PYTORCH_CUDA_ALLOC_CONF')); "
+             "print(torch._C._accelerator_getAllocatorSettings())")
+_TORCH_ONLY = "import torch; print(torch._C._accelerator_getAllocatorSettings())"
+needs_env_all = pytest.mark.skipif(not hasattr(torch._C, "_accelerator_getAllocatorSettings"),
+                                   reason="a torch that reads PYTORCH_ALLOC_CONF and reports its settings")
+
+
+def _run(code: str, **values: str) -> list[str]:
+    env = {k: v for k, v in os.environ.items() if k not in (ENV, ENV_ALL)}
+    env.update(values)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    return out.stdout.split()
 
 
 def _probe(env_value: str | None) -> list[str]:
-    env = {k: v for k, v in os.environ.items() if k != ENV}
-    if env_value is not None:
-        env[ENV] = env_value
-    out = subprocess.run([sys.executable, "-c", _PROBE], env=env, capture_output=True, text=True, check=True)
-    return out.stdout.split()
+    return _run(_PROBE, **({} if env_value is None else {ENV: env_value}))
 
 
 def test_expandable_segments_by_default():
@@ -27,6 +37,21 @@ def test_expandable_segments_by_default():
 
 def test_the_users_setting_wins():
     assert _probe("max_split_size_mb:128") == ["max_split_size_mb:128", "max_split_size_mb:128"]
+
+
+@needs_env_all
+def test_a_setting_in_pytorch_alloc_conf_is_the_users_and_stays_in_force():
+    # fw adds no PYTORCH_CUDA_ALLOC_CONF of its own, and torch keeps the user's setting
+    assert _run(_IN_FORCE, PYTORCH_ALLOC_CONF="max_split_size_mb:64") == \
+        ["max_split_size_mb:64", "None", "max_split_size_mb:64"]
+
+
+@needs_env_all
+def test_with_both_variables_fw_reports_the_one_torch_uses():
+    both = {ENV_ALL: "max_split_size_mb:64", ENV: "garbage_collection_threshold:0.5"}
+    (used,) = _run(_TORCH_ONLY, **both)   # torch alone, without fw
+    assert used in both.values()
+    assert _run(_IN_FORCE, **both) == [used, both[ENV], used]
 
 
 @pytest.mark.gpu
