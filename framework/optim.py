@@ -203,6 +203,14 @@ def uses_fused_adamw(cfg: dict, float16: bool, on_cuda: bool) -> bool:
     return on_cuda and cfg["trainer"]["precision"] != "16-mixed"
 
 
+def _closure_loss(closure: Any) -> Any:
+    """The loss of an optimizer step's `closure` (re-evaluated with gradients on), or None without one."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
+
+
 class Float32StateAdamW(torch.optim.AdamW):
     """torch's AdamW whose float16 parameters keep float32 moments and a float32 master copy in their state.
 
@@ -223,10 +231,7 @@ class Float32StateAdamW(torch.optim.AdamW):
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = _closure_loss(closure)
         for group in self.param_groups:
             if group["amsgrad"] or group["differentiable"]:
                 raise FwError("fw's float16 AdamW step has no amsgrad and is not differentiable")
@@ -334,10 +339,7 @@ def _fused_class(base: type) -> type:
     class FusedStep(base):
         @torch.no_grad()
         def step(self, closure: Any = None) -> Any:
-            loss = None
-            if closure is not None:
-                with torch.enable_grad():
-                    loss = closure()
+            loss = _closure_loss(closure)
             for index, group in enumerate(self.param_groups):
                 if group.get("amsgrad"):
                     raise FwError("fw's fused AdamW step has no amsgrad")
