@@ -8,11 +8,10 @@ the chosen optimizer's states and step on the CPU. Unless offloaded, the first t
 `ops_cuda.adamw_step`: torchao's states and arithmetic, one CUDA launch for many parameters. Every variant
 gets the same parameter groups (no weight decay on 1-D parameters), betas, eps, lr and weight decay.
 
-The trained weights (`trained_dtype`) decide what may step them: bfloat16 ones only with stochastic rounding, float16
-ones only with a step that computes in float32 (torch's fused AdamW, or torchao's); `optimizer_problems` refuses
-the rest before the run. torch's AdamW steps float16 weights through `Float32StateAdamW`: float32 moments and a
-float32 master copy of each weight (a float16 second moment is 0 for gradients below about 5e-3, and nearest
-rounding into float16 drops updates below half a float16 step, as it does bfloat16's).
+The trained weights (`trained_dtype`) decide what may step them: bfloat16 ones only with stochastic rounding, which
+`optimizer_problems` checks before the run. torch's AdamW steps float16 weights through `Float32StateAdamW`, fused or
+not: float32 moments and a float32 master copy of each weight (in float16, eps is 0, the second moment is 0 for
+gradients below about 5e-3, and nearest rounding drops updates below half a float16 step, as it does bfloat16's).
 """
 
 from __future__ import annotations
@@ -108,10 +107,6 @@ def optimizer_problems(cfg: dict, world_size: int | None = None) -> list[str]:
         problems.append(f"{_trained_by(cfg)} makes the trained weights bfloat16, and AdamW without a float32 master "
                         "copy rounds most of their updates away; set optimizer.stochastic_rounding: true (torchao), "
                         f"or {fp32}")
-    if dtype == "float16" and o["fused"] is False and not _uses_torchao_step(o):
-        problems.append("optimizer.fused: false steps float16 weights with torch's unfused AdamW, which computes in "
-                        "float16: eps rounds to 0 and a gradient of 0 makes the weight NaN at the first step; use auto "
-                        "or true (the fused step computes in float32)")
     if dtype == "float16" and t["precision"] == "16-mixed":
         problems.append(f"{_trained_by(cfg)} makes the trained weights float16, whose gradients trainer.precision: "
                         "16-mixed cannot unscale (its loss scaler refuses float16 gradients); use "
