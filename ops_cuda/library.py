@@ -61,11 +61,21 @@ def _storages(args: tuple) -> set[int]:
 
 
 def _owned(out: Tensor, taken: set[int]) -> Tensor:
-    """`out` contiguous in a storage of its own, as the CUDA kernels allocate theirs. A view (of a temporary, an
-    input or another output) or an input itself is copied: code that tracks an output by its tensor
-    (framework/models/recompute.py) must not lose it behind a view whose base is the tensor that stays alive."""
-    shared = out.numel() > 0 and out.untyped_storage().data_ptr() in taken
-    out = out.clone(memory_format=torch.contiguous_format) if out._is_view() or shared else out.contiguous()
+    """`out` contiguous in a storage of its own, as the CUDA kernels allocate theirs: never a view, since code that
+    tracks an output by its tensor (framework/models/recompute.py) must not lose it behind a view whose base is the
+    tensor that stays alive. A view that spans the whole storage of a temporary (`q[0]` of a `[1, N, H, D]`
+    result) becomes a tensor of that storage, no copy; a view of part of one, or of an input's or another
+    output's storage, or an input itself, is copied."""
+    storage = out.untyped_storage() if out.numel() else None
+    shared = storage is not None and storage.data_ptr() in taken
+    whole = (storage is not None and out.is_contiguous() and out.storage_offset() == 0
+             and out.numel() * out.element_size() == storage.nbytes())
+    if out._is_view() and whole and not shared:
+        out = torch.empty(0, dtype=out.dtype, device=out.device).set_(storage, 0, out.shape, out.stride())
+    elif out._is_view() or shared:
+        out = out.clone(memory_format=torch.contiguous_format)
+    else:
+        out = out.contiguous()
     if out.numel():
         taken.add(out.untyped_storage().data_ptr())
     return out
