@@ -197,10 +197,60 @@ def test_skip_damaged_falls_back_and_says_so(run_dir, capsys):
         ck.resolve_resume("last", cfg)
     assert ck.resolve_resume("last", cfg, skip_damaged=True) == str(old)
     err = capsys.readouterr().err
+    aside = newest.with_name("step-000004.damaged")
     assert err == (f"fw: warning: skipping damaged checkpoint {newest}: {newest / 'trainer_state.pt'}: missing from "
-                   f"checkpoint {newest} (listed in its manifest)\nfw: resuming {old}\n")
-    assert ck.prune(run_dir, 1) == []   # the damaged one is left for inspection, never pruned as the newest
-    assert newest.exists() and old.exists()
+                   f"checkpoint {newest} (listed in its manifest)\nfw: moved the damaged checkpoint {newest} aside "
+                   f"to {aside}, where no --resume or pruning reads it\nfw: resuming {old}\n")
+    # kept for inspection under a name that discovery and pruning pass over
+    assert sorted(os.listdir(ck.checkpoints_dir(run_dir))) == ["step-000002", "step-000004.damaged"]
+    assert (aside / "manifest.json").is_file() and not (aside / "trainer_state.pt").exists()
+    assert ck.prune(run_dir, 1) == [] and ck.find_latest(run_dir) == str(old)
+
+
+def _flip(file: Path) -> None:
+    """One flipped bit in the middle of `file`: its size stays, its sha256 changes."""
+    data = bytearray(file.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    file.write_bytes(bytes(data))
+
+
+def test_a_corrupt_newest_checkpoint_is_named_up_front_and_skipped_like_a_truncated_one(run_dir, capsys):
+    """A flipped bit keeps every size, so only the sha256 shows it: `--resume last` names it before anything is
+    loaded, with the same advice as for a truncated file, and `--skip-damaged` resumes the older checkpoint
+    instead of refusing the corrupt one as a newer checkpoint of another timeline."""
+    old = _save(run_dir, 2)
+    newest = _save(run_dir, 4)
+    weights = newest / "policy" / "model.safetensors"
+    _flip(weights)
+    digest = hashlib.sha256(weights.read_bytes()).hexdigest()
+    cfg = make_cfg(str(run_dir))   # checkpoint.verify: true
+    with pytest.raises(FwError) as e:
+        ck.resolve_resume("last", cfg)
+    assert str(e.value) == (f"the newest checkpoint {newest} is damaged: {weights}: sha256 {digest} does not match the "
+                            f"manifest's {ck.read_manifest(newest)['files']['policy/model.safetensors']['sha256']}: "
+                            "the file is corrupt; --skip-damaged uses the newest intact older one instead")
+    assert ck.resolve_resume(str(run_dir), cfg, skip_damaged=True) == str(old)   # a run directory as the path
+    err = capsys.readouterr().err.splitlines()
+    aside = newest.with_name("step-000004.damaged")
+    assert err[0].startswith(f"fw: warning: skipping damaged checkpoint {newest}: {weights}: sha256 {digest}")
+    moved = f"fw: moved the damaged checkpoint {newest} aside to {aside}, where no --resume or pruning reads it"
+    assert err[1:] == [moved, f"fw: resuming {old}"]
+    assert hashlib.sha256((aside / "policy" / "model.safetensors").read_bytes()).hexdigest() == digest
+    # the resumed run's own step 4 is published where the corrupt one was; a second corrupt one is kept too
+    _save(run_dir, 4)
+    _flip(weights)
+    assert ck.resolve_resume("last", cfg, skip_damaged=True) == str(old)
+    assert sorted(os.listdir(ck.checkpoints_dir(run_dir))) == ["step-000002", "step-000004.damaged",
+                                                                 "step-000004.damaged-2"]
+    assert ck.prune(run_dir, 1) == [] and ck.list_checkpoints(run_dir) == [str(old)]
+
+    # resuming into a new run_dir from this run's directory skips its corrupt newest checkpoint but never moves
+    # it: it is not the new run's to tidy
+    _save(run_dir, 4)
+    _flip(weights)
+    capsys.readouterr()
+    assert ck.resolve_resume(str(run_dir), make_cfg(str(run_dir.parent / "new")), skip_damaged=True) == str(old)
+    assert "moved" not in capsys.readouterr().err and newest.is_dir()
 
 
 @pytest.mark.parametrize("use_exchange", [True, False])

@@ -388,10 +388,10 @@ def test_fw_fit_resume_names_a_corrupt_checkpoint(tmp_path, capsys, quiet_lightn
     capsys.readouterr()
 
     resume = ["fit", "--config", train, "--checkpoint.keep_last=2", "--trainer.max_steps=8", "--resume", "last"]
-    assert main(resume) == 2   # verify is on by default: the flipped bit is found, nothing trains
-    notice, error = fw_lines(capsys.readouterr().err)
-    assert notice.endswith("with changed settings: trainer.max_steps 6 -> 8")
-    assert error.startswith(f"fw: error: {weights}: sha256 ")
+    assert main(resume) == 2   # verify is on by default: the flipped bit is found before anything loads
+    [error] = fw_lines(capsys.readouterr().err)
+    assert error.startswith(f"fw: error: the newest checkpoint {ckpts / 'step-000006'} is damaged: {weights}: sha256 ")
+    assert error.endswith("; --skip-damaged uses the newest intact older one instead")
 
     header = bytearray(original)
     header[0:8] = (len(original) * 2).to_bytes(8, "little")   # a header longer than the file

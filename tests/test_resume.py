@@ -57,8 +57,8 @@ def comparable(records):
     return [{k: v for k, v in r.items() if k not in TIMING} for r in records]
 
 
-def final_weights(run_dir):
-    return load_file(str(Path(run_dir) / "checkpoints" / "step-000009" / "policy" / "model.safetensors"))
+def final_weights(run_dir, step=9):
+    return load_file(str(Path(run_dir) / "checkpoints" / f"step-{step:06d}" / "policy" / "model.safetensors"))
 
 
 @pytest.mark.parametrize("log_every, crash_at", [(1, 6), (3, 5)])
@@ -109,6 +109,61 @@ def test_resume_from_an_older_checkpoint_into_its_run_dir_is_refused(tmp_path, d
     # into another run_dir it resumes
     trainer = fit(config(tmp_path / "branch", data, 1), resume=str(run / "checkpoints" / "step-000004"))
     assert trainer.global_step == 9
+
+
+@pytest.mark.parametrize("damage", ["corrupt", "truncated"])
+def test_fw_fit_skip_damaged_resumes_past_a_damaged_newest_checkpoint(tmp_path, data, damage, capsys):
+    """`fw fit --resume last` on a run whose newest checkpoint (step 8) has a flipped bit (sizes intact) or a cut
+    file: named before anything loads, with the advice to skip it; `--skip-damaged` resumes step 4 and moves
+    step 8 aside, so pruning (`keep_last: 1` at step 6) keeps the resumed run's own checkpoint and a later plain
+    `--resume last` continues it to step 8 with the weights of the uninterrupted run."""
+    from framework.cli import main
+    from framework.config import dump_config
+
+    run = tmp_path / "run"
+    cfg = config(run, data, 1)
+    cfg["scheduler"]["name"] = "constant"   # the lr of a step does not depend on trainer.max_steps
+    cfg["trainer"]["max_steps"] = 8
+    train = tmp_path / "train.yaml"
+    train.write_text(dump_config(cfg))
+    assert main(["fit", "--config", str(train)]) == 0
+    ckpts = run / "checkpoints"
+    step8 = ckpts / "step-000008"
+    straight = {k: v.clone() for k, v in final_weights(run, 8).items()}   # copies: the file is mapped
+    weights = step8 / "policy" / "model.safetensors"
+    original = weights.read_bytes()
+    if damage == "corrupt":
+        flipped = bytearray(original)
+        flipped[len(flipped) // 2] ^= 0x01
+        weights.write_bytes(bytes(flipped))
+        why = f"{weights}: sha256 "
+    else:
+        weights.write_bytes(original[:-1])
+        why = f"{weights}: size {len(original) - 1} bytes"
+    damaged = weights.read_bytes()
+    capsys.readouterr()
+
+    resume = ["fit", "--config", str(train), "--resume", "last"]
+    assert main(resume) == 2
+    [error] = [line for line in capsys.readouterr().err.splitlines() if line.startswith("fw:")]
+    assert error.startswith(f"fw: error: the newest checkpoint {step8} is damaged: {why}")
+    assert error.endswith("the file is corrupt; --skip-damaged uses the newest intact older one instead")
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step-000004", "step-000008"]
+
+    assert main([*resume, "--skip-damaged", "--trainer.max_steps=6", "--checkpoint.keep_last=1"]) == 0
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("fw:")]
+    aside = ckpts / "step-000008.damaged"
+    assert err[0].startswith(f"fw: warning: skipping damaged checkpoint {step8}: {why}")
+    assert err[1] == f"fw: moved the damaged checkpoint {step8} aside to {aside}, where no --resume or pruning reads it"
+    assert err[2].startswith(f"fw: resuming {ckpts / 'step-000004'} with changed settings: trainer.max_steps 8 -> 6")
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step-000006", "step-000008.damaged"]
+    assert (aside / "policy" / "model.safetensors").read_bytes() == damaged   # kept as it was, for inspection
+
+    assert main(resume) == 0
+    assert f"fw: resuming {ckpts / 'step-000006'}" in capsys.readouterr().err
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step-000006", "step-000008", "step-000008.damaged"]
+    resumed = final_weights(run, 8)
+    assert resumed.keys() == straight.keys() and all(torch.equal(resumed[k], straight[k]) for k in straight)
 
 
 def test_tokens_per_s_after_a_resume_counts_the_restored_steps_time(tmp_path, data):

@@ -120,36 +120,48 @@ def find_latest(run_dir: str | os.PathLike, skip_damaged: bool = False, verify: 
 
     A damaged newest checkpoint (see `damage`; `verify` adds the sha256 check) is an FwError naming it and
     the reason, unless `skip_damaged`: then each damaged one is reported on stderr and skipped."""
+    return _newest(run_dir, skip_damaged, verify)[0]
+
+
+def _newest(run_dir: str | os.PathLike, skip_damaged: bool, verify: bool) -> tuple[str | None, list[Path]]:
+    """`find_latest`, and the damaged checkpoints it skipped, newest first."""
     recover(checkpoints_dir(run_dir))
+    skipped = []
     for path in reversed(step_dirs(run_dir)):
         problem = _settled_damage(path, verify)
         if problem is None:
-            return str(path)
+            return str(path), skipped
         if not path.exists():
             continue   # pruned while it was read (a writer is running): not damaged, gone
         if not skip_damaged:
             raise FwError(f"the newest checkpoint {path} is damaged: {problem}; {SKIP_DAMAGED_FLAG} uses the newest "
                           "intact older one instead")
         print(f"fw: warning: skipping damaged checkpoint {path}: {problem}", file=sys.stderr)
-    return None
+        skipped.append(path)
+    return None, skipped
 
 
 def resolve_checkpoint(path: str | os.PathLike, skip_damaged: bool = False, verify: bool = False,
                        option: str = "--checkpoint") -> Path:
     """A checkpoint directory as given (which must be complete), or a run directory's newest checkpoint under
     `find_latest`'s rules."""
+    return _resolve(path, skip_damaged, verify, option)[0]
+
+
+def _resolve(path: str | os.PathLike, skip_damaged: bool, verify: bool, option: str) -> tuple[Path, list[Path]]:
+    """`resolve_checkpoint`, and the damaged checkpoints it skipped."""
     path = Path(path)
     if checkpoints_dir(path).is_dir():
-        latest = find_latest(path, skip_damaged, verify)
+        latest, skipped = _newest(path, skip_damaged, verify)
         if latest is None:
             raise FwError(f"{option} {path}: a run directory without a usable checkpoint under "
                           f"{checkpoints_dir(path)}")
-        return Path(latest)
+        return Path(latest), skipped
     if path.is_dir() and ((path / MANIFEST).exists() or _STEP_DIR.match(path.name)):
         problem = damage(path)
         if problem is not None:
             raise FwError(f"{option} {path}: the checkpoint is damaged: {problem}")
-        return path
+        return path, []
     if not path.exists():
         raise FwError(f"{option} {path}: no such directory")
     raise FwError(f"{option} {path}: not a checkpoint (no {MANIFEST}) nor a run directory (no checkpoints/)")
@@ -164,13 +176,17 @@ def refuse_existing_checkpoints(run_dir: str | os.PathLike) -> None:
                       "newest): resume with --resume last, or choose another run_dir")
 
 
-def refuse_newer_checkpoints(run_dir: str | os.PathLike, checkpoint: str | os.PathLike, resume: str) -> None:
+def refuse_newer_checkpoints(run_dir: str | os.PathLike, checkpoint: str | os.PathLike, resume: str,
+                             skipped: list[Path] | tuple[Path, ...] = ()) -> None:
     """FwError if `run_dir` holds complete checkpoints of later steps than `checkpoint`: a run resumed there would
     write its own steps beside another timeline's, `--resume last` would pick theirs, and `prune` (by step)
-    would delete the run's newest checkpoints instead of theirs."""
+    would delete the run's newest checkpoints instead of theirs. The damaged ones in `skipped` do not count
+    (`resolve_resume` moves them aside)."""
     step = read_manifest(checkpoint).get("step")
+    passed = {p.resolve() for p in skipped}
     newer = [Path(p) for p in list_checkpoints(run_dir)
-             if step is not None and int(_STEP_DIR.match(Path(p).name).group(1)) > step]
+             if step is not None and int(_STEP_DIR.match(Path(p).name).group(1)) > step
+             and Path(p).resolve() not in passed]
     if newer:
         names = ", ".join(p.name for p in newer)
         raise FwError(f"--resume {resume}: {checkpoints_dir(run_dir)} holds checkpoints past step {step} ({names}); a "
@@ -178,26 +194,61 @@ def refuse_newer_checkpoints(run_dir: str | os.PathLike, checkpoint: str | os.Pa
                       "run_dir, or move them out of this one first")
 
 
+def move_aside(path: Path) -> Path | None:
+    """Rename the damaged checkpoint `path` to `<name>.damaged` (or `.damaged-2`, ...) beside it, a name that
+    neither discovery nor pruning nor the leftover cleanup reads, and say so on stderr; None when it is gone
+    already (another process of the run moved it)."""
+    n = 1
+    while True:
+        target = path.with_name(f"{path.name}.damaged" + (f"-{n}" if n > 1 else ""))
+        if not target.exists():
+            break
+        n += 1
+    try:
+        os.rename(path, target)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        if not path.exists():
+            return None
+        raise FwError(f"cannot move the damaged checkpoint {path} aside to {target}: {e}") from None
+    fsync_dir(path.parent)
+    print(f"fw: moved the damaged checkpoint {path} aside to {target}, where no --resume or pruning reads it",
+          file=sys.stderr)
+    return target
+
+
 def resolve_resume(resume: str | None, cfg: dict, skip_damaged: bool = False) -> str | None:
     """`--resume` value -> checkpoint dir: None stays None (after refusing a run_dir that holds checkpoints),
     "last" -> the newest under `find_latest`'s rules (FwError if none), a path -> that checkpoint (which must
-    be complete) or that run directory's newest. The new config `cfg` is then checked against the
-    checkpoint's (`resume.check_resume_config`)."""
+    be complete) or that run directory's newest. The newest is verified with `checkpoint.verify`, so a corrupt
+    one is named here, as a truncated one is, with the advice to skip it. The new config `cfg` is then checked
+    against the checkpoint's (`resume.check_resume_config`).
+
+    The damaged checkpoints of this run_dir skipped on the way (`skip_damaged`) are moved aside (`move_aside`)
+    once the resume is sure to go ahead: left in place, one whose sizes are right (a corrupt file) would count
+    as complete to a later `--resume last` and to pruning, which could delete the resumed run's own newer
+    checkpoints."""
     from framework.checkpoint.resume import check_resume_config
 
     run_dir = cfg["run_dir"]
     if resume is None:
         refuse_existing_checkpoints(run_dir)
         return None
+    verify = cfg["checkpoint"]["verify"]
     if resume == "last":
-        latest = find_latest(run_dir, skip_damaged, verify=skip_damaged and cfg["checkpoint"]["verify"])
+        latest, skipped = _newest(run_dir, skip_damaged, verify)
         if latest is None:
             raise FwError(f"--resume last: no complete checkpoint under {checkpoints_dir(run_dir)}")
     else:
-        latest = str(resolve_checkpoint(resume, skip_damaged, skip_damaged and cfg["checkpoint"]["verify"],
-                                        option="--resume"))
-    refuse_newer_checkpoints(run_dir, latest, resume)
+        found, skipped = _resolve(resume, skip_damaged, verify, option="--resume")
+        latest = str(found)
+    own = checkpoints_dir(run_dir).resolve()
+    skipped = [p for p in skipped if p.parent.resolve() == own]   # another run's are left alone
+    refuse_newer_checkpoints(run_dir, latest, resume, skipped)
     changes = check_resume_config(latest, cfg)
+    for path in skipped:
+        move_aside(path)
     if os.environ.get("LOCAL_RANK", "0") == "0" and os.environ.get("NODE_RANK", "0") == "0":
         changed = ", ".join(f"{k} {a!r} -> {b!r}" for k, a, b in changes)
         print(f"fw: resuming {latest}" + (f" with changed settings: {changed}" if changes else ""), file=sys.stderr)
