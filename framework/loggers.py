@@ -20,6 +20,7 @@ import os
 import struct
 import time
 import warnings
+import weakref
 from argparse import Namespace
 from copy import deepcopy
 from enum import Enum
@@ -262,8 +263,18 @@ def _default_save_dir(cls: type, run_dir: Path) -> Path:
     return run_dir / "logs" / name
 
 
+def _raised(e: Exception) -> str:
+    return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+
+
+# user logger -> "logging.loggers[i]: class_path", for naming it when its first use fails (`log_config`)
+_USER_LOGGERS: weakref.WeakKeyDictionary[Logger, str] = weakref.WeakKeyDictionary()
+
+
 def user_loggers(cfg: dict) -> list[Logger]:
-    """`logging.loggers: [{class_path, init_args}]` instantiated; each must be a Lightning `Logger`."""
+    """`logging.loggers: [{class_path, init_args}]` instantiated; each must be a Lightning `Logger`. A constructor
+    that raises (a missing package, a tracking URI its store cannot serve, ...) is an FwError naming the entry,
+    its class and the exception: a config problem, one line."""
     from framework.imports import import_object
 
     out = []
@@ -276,9 +287,14 @@ def user_loggers(cfg: dict) -> list[Logger]:
         if "save_dir" in inspect.signature(cls).parameters and "save_dir" not in init_args:
             init_args["save_dir"] = str(_default_save_dir(cls, Path(cfg["run_dir"])))
         try:
-            out.append(cls(**init_args))
-        except ImportError as e:   # e.g. WandbLogger without wandb installed
-            raise FwError(f"logging.loggers[{i}]: {spec['class_path']}: {e}") from e
+            logger = cls(**init_args)
+        except Exception as e:   # user code; an interrupt or exit goes through
+            raise FwError(f"logging.loggers[{i}]: building {spec['class_path']} raised {_raised(e)}") from e
+        try:
+            _USER_LOGGERS[logger] = f"logging.loggers[{i}]: {spec['class_path']}"
+        except TypeError:   # not weakly referenceable: a failure at its first use is named by its class
+            pass
+        out.append(logger)
     return out
 
 
@@ -294,6 +310,21 @@ def build_loggers(cfg: dict) -> list[Logger]:
 
 
 def log_config(loggers: list[Logger], cfg: dict) -> None:
-    """The resolved config as every logger's hyperparameters (metrics.jsonl: it is config.yaml already)."""
+    """The resolved config as every logger's hyperparameters (metrics.jsonl: it is config.yaml already). This is
+    fw's first use of a user logger, where most open their run (an MLflow or W&B client): an exception there is
+    an FwError naming the `logging.loggers` entry, its class and the exception."""
+    builtin = (JsonlLogger, RunCSVLogger, RunTensorBoardLogger)
     for logger in loggers:
-        logger.log_hyperparams(cfg)
+        if type(logger) in builtin:
+            logger.log_hyperparams(cfg)
+            continue
+        try:
+            logger.log_hyperparams(cfg)
+        except Exception as e:   # user code; an interrupt or exit goes through
+            try:
+                name = _USER_LOGGERS.get(logger)
+            except TypeError:
+                name = None
+            name = name or f"logging.loggers: {type(logger).__module__}.{type(logger).__qualname__}"
+            raise FwError(f"{name} raised {_raised(e)} when given the run's config (its first use, "
+                          "log_hyperparams)") from e

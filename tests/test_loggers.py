@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from lightning.pytorch.loggers import Logger
 from lightning.pytorch.utilities.imports import _OMEGACONF_AVAILABLE
 
 from framework.callbacks import Callback
@@ -403,3 +404,106 @@ def test_a_run_that_failed_before_logging_can_be_started_again(tmp_path):
             f.unlink()
     named = earlier_logs(run_dir)
     assert named is not None and len(named.read_bytes()) == 60
+
+
+class QuietLogger(Logger):
+    """A Lightning logger that records nothing: the base of the failing ones below."""
+
+    @property
+    def name(self):
+        return "quiet"
+
+    @property
+    def version(self):
+        return 0
+
+    def log_metrics(self, metrics, step=None):
+        pass
+
+    def log_hyperparams(self, params, *args, **kwargs):
+        pass
+
+
+class FailsToBuild(QuietLogger):
+    """Refuses its tracking URI in its constructor, as MLflow's client does a sqlite store without SQLAlchemy."""
+
+    def __init__(self, tracking_uri="sqlite:///mlflow.db"):
+        raise ValueError(f"unsupported URI {tracking_uri!r} for model registry data storage")
+
+
+class FailsToOpen(QuietLogger):
+    """Builds, then fails when its run is first opened (`experiment`), as a W&B or MLflow logger whose server
+    refuses it does."""
+
+    @property
+    def experiment(self):
+        raise ConnectionError("tracking server refused the run")
+
+    def log_hyperparams(self, params, *args, **kwargs):
+        self.experiment.log(params)
+
+
+class InterruptedWhileBuilding(QuietLogger):
+    def __init__(self, exit_code=None):
+        raise KeyboardInterrupt if exit_code is None else SystemExit(exit_code)
+
+
+def test_a_logger_that_raises_while_set_up_is_one_config_error_line(tmp_path, capsys):
+    """A logger whose constructor, or whose first use (the config logged as hyperparameters), raises ends
+    `fw fit` with exit code 2 and one line naming logging.loggers[i], the class and the exception; the traceback
+    only with --debug; an interrupt or exit still goes through as one. The run_dir is left ready for the same
+    command without that logger."""
+    from framework.cli import main
+
+    def run(name, spec, *extra):
+        config = tmp_path / f"{name}.yaml"
+        config.write_text(json.dumps(sft_config(tmp_path / name, [spec], csv=True)))
+        code = main(["fit", "--config", str(config), *extra])
+        return code, capsys.readouterr().err
+
+    build = {"class_path": "test_loggers.FailsToBuild", "init_args": {"tracking_uri": "sqlite:///x.db"}}
+    code, err = run("build", build)
+    assert code == 2 and "Traceback" not in err
+    assert [line for line in err.splitlines() if line.startswith("fw:") and "fw plan" not in line] == [
+        ("fw: error: logging.loggers[0]: building test_loggers.FailsToBuild raised ValueError: unsupported URI "
+         "'sqlite:///x.db' for model registry data storage")]
+    code, err = run("build", build, "--debug")
+    assert code == 2 and "Traceback" in err and "raise ValueError(" in err
+
+    code, err = run("open", {"class_path": "test_loggers.FailsToOpen"})
+    assert code == 2 and "Traceback" not in err
+    assert err.splitlines()[-1] == ("fw: error: logging.loggers[0]: test_loggers.FailsToOpen raised ConnectionError: "
+                                    "tracking server refused the run when given the run's config (its first use, "
+                                    "log_hyperparams)")
+    # nothing was trained or logged: the same run_dir takes the command again without that logger
+    config = tmp_path / "again.yaml"
+    config.write_text(json.dumps(sft_config(tmp_path / "open", [], csv=True)))
+    assert main(["fit", "--config", str(config)]) == 0
+    assert [r["step"] for r in read_metrics(tmp_path / "open" / "metrics.jsonl")] == [1, 2, 3]
+
+    assert run("interrupted", {"class_path": "test_loggers.InterruptedWhileBuilding"})[0] == 130
+    with pytest.raises(SystemExit) as e:
+        run("exited", {"class_path": "test_loggers.InterruptedWhileBuilding", "init_args": {"exit_code": 3}})
+    assert e.value.code == 3
+
+
+def test_readme_mlflow_sqlite_example_without_sqlalchemy_is_one_line(tmp_path, capsys):
+    """The README's MLflow logger with a sqlite tracking URI, where mlflow-skinny is installed without SQLAlchemy:
+    MLflow's client refuses the URI in the logger's constructor; fw says so in one line, exit code 2."""
+    pytest.importorskip("mlflow")
+    try:
+        import sqlalchemy  # noqa: F401
+        pytest.skip("SQLAlchemy is installed: MLflow serves a sqlite store")
+    except ImportError:
+        pass
+    from framework.cli import main
+
+    spec = {"class_path": "lightning.pytorch.loggers.MLFlowLogger",
+            "init_args": {"experiment_name": "fw", "tracking_uri": f"sqlite:///{tmp_path / 'mlflow.db'}"}}
+    config = tmp_path / "train.yaml"
+    config.write_text(json.dumps(sft_config(tmp_path / "run", [spec])))
+    assert main(["fit", "--config", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert err.splitlines()[-1].startswith("fw: error: logging.loggers[0]: building "
+                                           "lightning.pytorch.loggers.MLFlowLogger raised ")
