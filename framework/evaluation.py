@@ -126,14 +126,25 @@ def training_draws(cfg: dict, world_size: int, tokenizer: Any = None, step: int 
     from framework.data import ExampleStream, global_batch
     from framework.tokenizer import build_tokenizer
 
+    tokenizer = tokenizer or build_tokenizer(cfg)
+    # `fw fit` counts a fresh run's draws twice in one process: its validation, then its first start
+    key = (json.dumps(cfg, sort_keys=True, default=str), world_size, step, position,
+           getattr(tokenizer, "fingerprint", None) or id(tokenizer))
+    if key in _PACKED_DRAWS:
+        return _PACKED_DRAWS[key]
     # the rows are filled in stream order whatever the micro-batch they belong to, so any split of them into
     # calls gives the same position
-    stream = ExampleStream(cfg, tokenizer or build_tokenizer(cfg), train_on_prompt=False)
+    stream = ExampleStream(cfg, tokenizer, train_on_prompt=False)
     while units > 0:
         rows = min(units, PACK_CHUNK)
         position = global_batch(stream, position, rows, cfg["data"]["max_seq_len"], True)[1]
         units -= rows
+    _PACKED_DRAWS[key] = position
     return position
+
+
+# training_draws's packed SFT counts in this process, by config, processes, start and tokenizer
+_PACKED_DRAWS: dict[tuple, int] = {}
 
 
 def needs_draws(cfg: dict) -> bool:
@@ -203,18 +214,28 @@ def _check_source(cfg: dict) -> None:
         raise FwError(f"eval: {SOURCE_PROBLEM}")
 
 
+def check_held_out(cfg: dict, world_size: int = 1) -> None:
+    """The FwError a fresh run's first evaluation raises when holding out the samples it can train on leaves no
+    eval sample, raised here without a model: the eval samples are chosen and nothing is tokenized (but an SFT
+    task's packed examples, to count the draws, with the config's tokenizer). `fw validate` runs it."""
+    if eval_enabled(cfg) and cfg["eval"]["held_out"]:
+        Evaluation(cfg, None, world_size, choose_only=True)
+
+
 class Evaluation:
     """The held-out data of `cfg` and how to evaluate a policy on it (`run`).
 
     `draws`: the training samples to leave out (default: what a fresh run on `world_size` processes draws);
     `earlier`: the bound an earlier start of the run used, for `changed` (whether the larger `draws` changed
-    the eval set)."""
+    the eval set); `choose_only`: stop once the eval samples are chosen, building no reward and encoding
+    nothing (`tokenizer` may be None: `check_held_out`)."""
 
     def __init__(self, cfg: dict, tokenizer: Any, world_size: int = 1, *, draws: int | None = None,
-                 earlier: int | None = None):
+                 earlier: int | None = None, choose_only: bool = False):
         _check_source(cfg)
         self.cfg = cfg
         self.tokenizer = tokenizer
+        self.choose_only = choose_only
         self.rl = is_rl(cfg)
         self.seed = eval_seed(cfg)
         if draws is None:
@@ -234,12 +255,15 @@ class Evaluation:
 
         cfg, e = self.cfg, self.cfg["eval"]
         train = build_task(cfg["data"], seed=cfg["seed"])
-        self.reward_fn = build_reward(cfg["reward"], train, check=False)   # the recipe's reward checked them
+        if not self.choose_only:
+            self.reward_fn = build_reward(cfg["reward"], train, check=False)   # the recipe's reward checked them
         source = build_task(_eval_cfg(cfg)["data"] if e["path"] else cfg["data"], seed=self.seed)
-        if e["path"] and isinstance(self.reward_fn, NumericMatch):
+        if e["path"] and not self.choose_only and isinstance(self.reward_fn, NumericMatch):
             check_references(source)   # the eval file's answers, as build_reward checked the training file's
         samples = self._held_out(source.sample, _length(source), lambda s: _key(s["prompt"]),
                                  lambda i: _key(train.sample(i)["prompt"]), _bounded(train, draws))
+        if self.choose_only:
+            return
         template, thinking = cfg["data"]["chat_template"], cfg["tokenizer"]["enable_thinking"]
         self.texts = [render_prompt(s["prompt"], self.tokenizer, template, thinking) for s in samples]
         self.ids = [self.tokenizer.encode(t) for t in self.texts]
@@ -270,6 +294,8 @@ class Evaluation:
             source = build_task(cfg["data"], seed=self.seed)
             fmt, get, n = "prompt_completion", source.sft_example, _length(source)
         chosen = self._held_out(get, n, _key, train_key, count)
+        if self.choose_only:
+            return
         self.examples = [encode_record(r, fmt, self.tokenizer, cfg, f"eval example {i}", train_on_prompt=False)
                          for i, r in enumerate(chosen)]
 

@@ -17,7 +17,7 @@ import re
 import warnings
 from typing import Any
 
-from framework.config import LocatedConfig, all_key_paths, load_located
+from framework.config import LocatedConfig, all_key_paths, load_located, uses_cuda
 from framework.errors import FwError, Problem
 
 BUILTIN_RECIPES = ("sft", "grpo", "ppo")
@@ -49,6 +49,7 @@ def check(located: LocatedConfig, *, machine: bool = False) -> list[Problem]:
     checks.plugins()
     checks.combinations()
     checks.trainer(machine)
+    checks.held_out()
     return checks.problems
 
 
@@ -248,6 +249,28 @@ class _Checks:
             self.add(where, f"{path}: {bad - MAX_ROW_PROBLEMS} more bad rows not shown")
         if n == 0:
             self.add(where, f"{path} holds no records (every line is empty)")
+
+    def held_out(self) -> None:
+        """The eval set that is left once the samples the run can train on are held out must not be empty: fit
+        refuses it at its first evaluation, so the same check (`check_held_out`, no model built) runs here, for
+        the run's number of processes (`trainer.devices` x `trainer.num_nodes`). It reads the task and data the
+        checks above looked at, so it runs only when they found nothing: their problem is the one to fix first."""
+        from framework.evaluation import check_held_out, eval_enabled
+        from framework.memory_plan import world_size
+
+        if not (eval_enabled(self.cfg) and self.cfg["eval"]["held_out"]) or self.problems:
+            return
+        from lightning.fabric.utilities.rank_zero import rank_zero_only
+
+        if rank_zero_only.rank != 0:
+            return   # a process that global rank 0 of a multi-process fit started, after rank 0 checked it
+        try:
+            check_held_out(self.cfg, world_size(self.cfg, "cuda" if uses_cuda(self.cfg["trainer"]) else "cpu"))
+        except (Exception, SystemExit) as e:  # noqa: BLE001 (user code, the task's: any failure is a config problem)
+            if isinstance(e, FwError) and str(e).startswith("eval: "):
+                self.add(("eval", "held_out"), str(e).removeprefix("eval: "))
+            else:
+                self.add_error(e, ("eval",), "choosing the held-out eval set")
 
     # ------------------------------------------------------------------ class_path parts
     def plugins(self) -> None:

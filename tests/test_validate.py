@@ -420,3 +420,68 @@ def test_only_the_models_the_recipe_builds_are_read(tmp_path, capsys):
     code, lines = run_fw(["validate", "--config", str(config), "--recipe=ppo", f"--model.value.path={missing}"],
                          capsys)
     assert code == 2 and len(lines) == 1 and "model.value.path" in lines[0] and str(missing) in lines[0]
+
+
+# ------------------------------------------------------------------ the held-out eval set (fit's first evaluation)
+
+def test_validate_refuses_the_held_out_eval_set_that_fit_refuses(tmp_path, capsys):
+    """train.yaml with eval.held_out: true: the digits task has 10 prompts and training draws all of them, so
+    fit's first evaluation finds no eval prompt; validate says so, in the same words, and fit says so before
+    anything is built or written."""
+    from framework.errors import FwError
+    from framework.evaluation import Evaluation
+    from framework.tasks import Digits
+    from framework.tokenizer import build_tokenizer
+
+    train = str(ROOT / "train.yaml")
+    override = "--eval.held_out=true"
+    cfg = load_config([train], [override])
+    draws = cfg["trainer"]["max_steps"] * cfg["rollout"]["prompts_per_step"]   # a rollout batch per step
+    assert {Digits(rule="next", seed=cfg["seed"]).sample(i)["prompt"] for i in range(draws)} == {
+        f"{d}=" for d in range(10)}
+    with pytest.raises(FwError) as e:   # what fit's first evaluation (EvalCallback) runs
+        Evaluation(cfg, build_tokenizer(cfg))
+    fit_message = str(e.value)
+    assert fit_message.startswith("eval: every sample of the training task drawn with eval.seed is also a training")
+
+    code, lines = run_fw(["validate", "--config", train, override], capsys)
+    assert (code, lines) == (2, [f"override '{override}': eval.held_out: {fit_message.removeprefix('eval: ')}"])
+    run_dir = tmp_path / "run"
+    assert run_fw(["fit", "--config", train, override, f"--run_dir={run_dir}"], capsys) == (2, lines)
+    assert not run_dir.exists()
+    # the shipped configs as they are still validate (grpo_math.yaml names a model directory to download)
+    for name in ["train.yaml", "recipes/grpo.yaml", "recipes/ppo.yaml", "recipes/sft.yaml"]:
+        assert run_fw(["validate", "--config", str(ROOT / name)], capsys) == (0, []), name
+
+
+def test_validate_counts_the_training_draws_as_fit_does(tmp_path, capsys):
+    """Two-digit prompts (100 of them): the eval set is empty exactly when the rollout batches of
+    trainer.max_steps steps on trainer.devices processes draw every prompt; found by hand from the task's
+    samples, the boundary is one rollout batch wide."""
+    from framework.tasks import Digits
+
+    per_batch = 8
+    seen, n = set(), 0
+    while len(seen) < 100:   # the index of the training sample that draws the last unseen prompt
+        seen.add(Digits(num_digits=2, seed=0).sample(n)["prompt"])
+        n += 1
+    last = n - 1
+    # the eval source's first 1000 samples (the least fit reads for 10 prompts) hold every prompt
+    assert len({Digits(num_digits=2, seed=1).sample(i)["prompt"] for i in range(1000)}) == 100
+    config = tmp_path / "train.yaml"
+    config.write_text(
+        "recipe: grpo\nseed: 0\nmodel: {policy: {preset: tiny}}\n"
+        "data: {task: {name: digits, init_args: {num_digits: 2}}, chat_template: false}\n"
+        f"rollout: {{prompts_per_step: {per_batch}, max_new_tokens: 2}}\n"
+        "grpo: {group_size: 2, epochs: 1, minibatches: 1}\n"
+        "trainer: {accelerator: cpu}\n"
+        "eval: {every_n_steps: 10, held_out: true, max_prompts: 10, seed: 1}\n"
+        f"run_dir: {tmp_path / 'run'}\n")
+
+    def validate(steps: int, devices: int) -> int:
+        return run_fw(["validate", "--config", str(config), f"--trainer.max_steps={steps}",
+                       f"--trainer.devices={devices}"], capsys)[0]
+
+    batches = last // per_batch + 1   # the first number of rollout batches that draws every prompt
+    assert (validate(batches - 1, 1), validate(batches, 1)) == (0, 2)
+    assert (validate(last // (2 * per_batch), 2), validate(-(-batches // 2), 2)) == (0, 2)
