@@ -71,7 +71,7 @@ class SaveConfig(lightning.Callback):
     """Writes the resolved config to `<run_dir>/config.yaml` (global rank 0, atomically) as the first step begins:
     after everything that can refuse the run at start-up (the loggers, the processes' start, the models, the
     checkpoint's restore, the callbacks' and the data's set-up), so that a refused run leaves the config.yaml of
-    the run before it as it was."""
+    the run before it as it was. A run that takes no step (resumed at `trainer.max_steps`) writes it as it ends."""
 
     def __init__(self, cfg: dict):
         self.cfg = cfg
@@ -79,6 +79,12 @@ class SaveConfig(lightning.Callback):
 
     def on_train_batch_start(self, trainer: lightning.Trainer, module: lightning.LightningModule, batch: Any,
                              batch_idx: int) -> None:
+        self._save(trainer)
+
+    def on_fit_end(self, trainer: lightning.Trainer, module: lightning.LightningModule) -> None:
+        self._save(trainer)
+
+    def _save(self, trainer: lightning.Trainer) -> None:
         if self.saved:
             return
         self.saved = True

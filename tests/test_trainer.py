@@ -150,3 +150,11 @@ def test_a_resume_that_fails_at_start_up_leaves_config_yaml_as_it_was(tmp_path, 
     assert (run / "config.yaml").read_bytes() == saved   # nothing ran: it still records the first run
     fit(_sft(run, 5e-4, 2), resume="last")   # the resume that runs records its own settings
     assert load_config([str(run / "config.yaml")])["optimizer"]["lr"] == 5e-4
+
+
+def test_a_resume_that_takes_no_step_still_records_its_config(tmp_path):
+    """A run resumed at its trainer.max_steps starts, restores and ends without a step; config.yaml records it."""
+    run = tmp_path / "run"
+    fit(_sft(run, 1e-3, 1))
+    fit(_sft(run, 5e-4, 1), resume="last")
+    assert load_config([str(run / "config.yaml")])["optimizer"]["lr"] == 5e-4
