@@ -253,6 +253,28 @@ def test_a_corrupt_newest_checkpoint_is_named_up_front_and_skipped_like_a_trunca
     assert "moved" not in capsys.readouterr().err and newest.is_dir()
 
 
+def test_a_resume_hashes_each_file_of_its_checkpoint_once(run_dir, monkeypatch):
+    """`--resume last` verifies the newest checkpoint before it loads it; the load does not hash the same files
+    again. A file written after that verification is hashed again at the load, which refuses it."""
+    from framework.checkpoint import directory
+
+    newest = _save(run_dir, 4)
+    for file in newest.rglob("*"):   # written a minute ago, as a checkpoint resumed is (see SETTLED_NS)
+        os.utime(file, ns=(file.stat().st_atime_ns, file.stat().st_mtime_ns - 60 * 10**9))
+    hashed = []
+    real = directory.sha256
+    monkeypatch.setattr(directory, "sha256", lambda path: hashed.append(Path(path)) or real(path))
+    cfg = make_cfg(str(run_dir))   # checkpoint.verify: true
+    assert ck.resolve_resume("last", cfg) == str(newest)
+    listed = sorted(newest / rel for rel in ck.read_manifest(newest)["files"])
+    assert sorted(hashed) == listed
+    ck.AtomicCheckpointIO(cfg).load_checkpoint(newest)
+    assert sorted(hashed) == listed   # loaded without a second hash
+    _flip(newest / "policy" / "model.safetensors")   # in place: the same inode and size, a new modification time
+    with pytest.raises(FwError, match="the file is corrupt"):
+        ck.AtomicCheckpointIO(cfg).load_checkpoint(newest)
+
+
 @pytest.mark.parametrize("use_exchange", [True, False])
 def test_republish_replaces_the_step(run_dir, use_exchange):
     assert ck.exchange_supported()

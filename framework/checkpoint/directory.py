@@ -8,6 +8,7 @@ import json
 import os
 import re
 import shutil
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -101,12 +102,43 @@ def is_complete(path: str | os.PathLike) -> bool:
     return True
 
 
+# Checkpoints whose every file this process hashed and found as listed, by directory, with each file's hash and
+# what it was on disk then (inode, size, modification time): `fw fit --resume` verifies the newest checkpoint
+# before it loads it, and the load does not hash the same, unchanged files again (on an 8B run, tens of GB).
+_VERIFIED: dict[str, dict[str, tuple]] = {}
+SETTLED_NS = 2_000_000_000   # how long before its hashing a file must have been written to be remembered
+
+
+def _on_disk(path: Path, rels: list[str]) -> dict[str, tuple] | None:
+    """(inode, size, modification time) of each file `rels` of `path`, or None when one is missing."""
+    try:
+        return {rel: (st.st_ino, st.st_size, st.st_mtime_ns) for rel in rels for st in [(path / rel).stat()]}
+    except FileNotFoundError:
+        return None
+
+
+def verified(path: Path, manifest: dict) -> bool:
+    """Whether this process already verified every file of checkpoint `path` against `manifest`'s hashes, and
+    none of them changed on disk since."""
+    checked = _VERIFIED.get(str(path.resolve()))
+    if checked is None or set(checked) != set(manifest["files"]):
+        return False
+    now = _on_disk(path, sorted(checked))
+    return now is not None and all(checked[rel] == (manifest["files"][rel]["sha256"], *now[rel]) for rel in checked)
+
+
 class Verifier:
     """sha256 of checkpoint files computed on background threads while the caller reads the same files (the
     page cache serves both), checked against the manifest at the end."""
 
     def __init__(self, path: Path, manifest: dict, rels: list[str] | None = None):
         self.path = path
+        # the files as they are before they are hashed: a file changed while hashed is not remembered as verified.
+        # Only files last written a while before are remembered, so that a later write, whose modification time
+        # can fall in the same tick of a coarse file-system clock, still changes it.
+        seen = _on_disk(path, sorted(manifest["files"])) if rels is None else None
+        settled = time.time_ns() - SETTLED_NS
+        self.seen = seen if seen is not None and all(mtime < settled for *_, mtime in seen.values()) else None
         self.expected = {rel: manifest["files"][rel]["sha256"] for rel in (rels or sorted(manifest["files"]))}
         # largest first, so the threads finish together
         order = sorted(self.expected, key=lambda rel: -manifest["files"][rel]["size"])
@@ -124,6 +156,8 @@ class Verifier:
             if digest != self.expected[rel]:
                 return (f"{self.path / rel}: sha256 {digest} does not match the manifest's {self.expected[rel]}: "
                         "the file is corrupt")
+        if self.seen is not None:
+            _VERIFIED[str(self.path.resolve())] = {rel: (self.expected[rel], *self.seen[rel]) for rel in self.seen}
         return None
 
     def check(self) -> None:
@@ -320,6 +354,7 @@ def read_checkpoint_dir(
     files are read."""
     path = Path(path)
     manifest = read_complete_manifest(path)
+    verify = verify and not verified(path, manifest)
     with verifying(Verifier(path, manifest) if verify else None):
         checkpoint = _read(path, manifest, map_location, weights_only)
     return checkpoint
