@@ -20,7 +20,6 @@ import os
 import struct
 import time
 import warnings
-import weakref
 from argparse import Namespace
 from copy import deepcopy
 from enum import Enum
@@ -267,10 +266,6 @@ def _raised(e: Exception) -> str:
     return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
 
 
-# user logger -> "logging.loggers[i]: class_path", for naming it when its first use fails (`log_config`)
-_USER_LOGGERS: weakref.WeakKeyDictionary[Logger, str] = weakref.WeakKeyDictionary()
-
-
 def user_loggers(cfg: dict) -> list[Logger]:
     """`logging.loggers: [{class_path, init_args}]` instantiated; each must be a Lightning `Logger`. A constructor
     that raises (a missing package, a tracking URI its store cannot serve, ...) is an FwError naming the entry,
@@ -287,14 +282,9 @@ def user_loggers(cfg: dict) -> list[Logger]:
         if "save_dir" in inspect.signature(cls).parameters and "save_dir" not in init_args:
             init_args["save_dir"] = str(_default_save_dir(cls, Path(cfg["run_dir"])))
         try:
-            logger = cls(**init_args)
+            out.append(cls(**init_args))
         except Exception as e:   # user code; an interrupt or exit goes through
             raise FwError(f"logging.loggers[{i}]: building {spec['class_path']} raised {_raised(e)}") from e
-        try:
-            _USER_LOGGERS[logger] = f"logging.loggers[{i}]: {spec['class_path']}"
-        except TypeError:   # not weakly referenceable: a failure at its first use is named by its class
-            pass
-        out.append(logger)
     return out
 
 
@@ -310,21 +300,19 @@ def build_loggers(cfg: dict) -> list[Logger]:
 
 
 def log_config(loggers: list[Logger], cfg: dict) -> None:
-    """The resolved config as every logger's hyperparameters (metrics.jsonl: it is config.yaml already). This is
-    fw's first use of a user logger, where most open their run (an MLflow or W&B client): an exception there is
-    an FwError naming the `logging.loggers` entry, its class and the exception."""
-    builtin = (JsonlLogger, RunCSVLogger, RunTensorBoardLogger)
-    for logger in loggers:
-        if type(logger) in builtin:
+    """The resolved config as every logger's hyperparameters (metrics.jsonl: it is config.yaml already). `loggers`
+    are `build_loggers(cfg)`'s, the user's last. This is fw's first use of a user logger, where most open their run
+    (an MLflow or W&B client): an exception there is an FwError naming the `logging.loggers` entry, its class and
+    the exception."""
+    specs = cfg["logging"]["loggers"]
+    first_user = len(loggers) - len(specs)
+    for k, logger in enumerate(loggers):
+        if k < first_user:
             logger.log_hyperparams(cfg)
             continue
+        i = k - first_user
         try:
             logger.log_hyperparams(cfg)
         except Exception as e:   # user code; an interrupt or exit goes through
-            try:
-                name = _USER_LOGGERS.get(logger)
-            except TypeError:
-                name = None
-            name = name or f"logging.loggers: {type(logger).__module__}.{type(logger).__qualname__}"
-            raise FwError(f"{name} raised {_raised(e)} when given the run's config (its first use, "
-                          "log_hyperparams)") from e
+            raise FwError(f"logging.loggers[{i}]: {specs[i]['class_path']} raised {_raised(e)} when given the run's "
+                          "config (its first use, log_hyperparams)") from e
