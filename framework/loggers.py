@@ -19,20 +19,14 @@ import math
 import os
 import struct
 import time
-import warnings
 from argparse import Namespace
-from copy import deepcopy
-from enum import Enum
 from pathlib import Path
 from typing import Any
 
-import yaml
 from lightning.fabric.loggers.logger import rank_zero_experiment
-from lightning.fabric.utilities.data import AttributeDict
 from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 from lightning.pytorch.utilities import rank_zero_only
-from lightning.pytorch.utilities.imports import _OMEGACONF_AVAILABLE
 
 from framework.durable import replace_file
 from framework.errors import FwError
@@ -42,37 +36,23 @@ LOG_DIR = ("logs", 0)   # CSV and TensorBoard: <run_dir>/logs/version_0
 
 
 def hparams_yaml(hparams: dict[str, Any] | Namespace) -> str:
-    """The text Lightning's `save_hparams_to_yaml` writes for `hparams`: OmegaConf's YAML where OmegaConf is
-    installed and takes the values, else PyYAML's `yaml.dump` of the values it can represent (Enum members by
-    name; any other value is left out with a warning)."""
-    if isinstance(hparams, Namespace):
-        hparams = vars(hparams)
-    elif isinstance(hparams, AttributeDict):
-        hparams = dict(hparams)
-    if _OMEGACONF_AVAILABLE:
-        from lightning_utilities.core.apply_func import apply_to_collection
-        from omegaconf import OmegaConf
-        from omegaconf.dictconfig import DictConfig
-        from omegaconf.errors import UnsupportedValueType, ValidationError
+    """The text Lightning's `save_hparams_to_yaml` writes for `hparams` (a copy: Lightning's writer replaces a value
+    it leaves out by its type's name). The writer takes a path, so it writes into fsspec's in-memory file system,
+    and `_write_hparams` puts the text on disk in one rename."""
+    import uuid
 
-        # a copy: resolving the interpolations must not change the logger's own hparams
-        container = apply_to_collection(deepcopy(hparams), DictConfig, OmegaConf.to_container, resolve=True)
-        try:
-            return OmegaConf.to_yaml(container)
-        except (UnsupportedValueType, ValidationError):
-            pass
-    if not isinstance(hparams, dict):
-        raise TypeError("hparams must be dictionary")
-    allowed = {}
-    for key, value in hparams.items():
-        try:
-            value = value.name if isinstance(value, Enum) else value
-            yaml.dump(value)
-        except (TypeError, ValueError):
-            warnings.warn(f"Skipping '{key}' parameter because it is not possible to safely dump to YAML.")
-        else:
-            allowed[key] = value
-    return yaml.dump(allowed)
+    import fsspec
+    from lightning.pytorch.core.saving import save_hparams_to_yaml
+
+    memory = fsspec.filesystem("memory")
+    folder = f"/fw-hparams-{uuid.uuid4().hex}"
+    memory.makedirs(folder, exist_ok=True)
+    try:
+        save_hparams_to_yaml(f"memory://{folder}/hparams.yaml", dict(vars(hparams) if isinstance(hparams, Namespace)
+                                                                     else hparams))
+        return memory.cat_file(f"{folder}/hparams.yaml").decode("utf-8")
+    finally:
+        memory.rm(folder, recursive=True)
 
 
 def _write_hparams(log_dir: str, hparams: dict[str, Any] | Namespace) -> None:
