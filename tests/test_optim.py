@@ -193,7 +193,8 @@ def test_float16_weights_follow_float64_adamw_from_small_gradients(device):
         exact, m, v = ref[p]
         state = opt.state[p]
         assert {state[k].dtype for k in ("exp_avg", "exp_avg_sq", "master")} == {torch.float32}
-        torch.testing.assert_close(state["exp_avg_sq"].double().cpu(), v, rtol=1e-5, atol=0)
+        # torch's CUDA kernel rounds beta2 to float32 before taking 1 - beta2: 0.00099998713, 1.29e-5 under 1e-3
+        torch.testing.assert_close(state["exp_avg_sq"].double().cpu(), v, rtol=2e-5, atol=0)
         torch.testing.assert_close(state["exp_avg"].double().cpu(), m, rtol=1e-5, atol=1e-9)   # sums of terms <= 1e-3
         torch.testing.assert_close(state["master"].double().cpu(), exact, rtol=2**-20, atol=0)   # 16 float32 roundings
         rounded = exact.half().double()
