@@ -8,10 +8,11 @@ the chosen optimizer's states and step on the CPU. Unless offloaded, the first t
 `ops_cuda.adamw_step`: torchao's states and arithmetic, one CUDA launch for many parameters. Every variant
 gets the same parameter groups (no weight decay on 1-D parameters), betas, eps, lr and weight decay.
 
-The trained weights (`trained_dtype`) decide what may step them: bfloat16 ones only with stochastic rounding, which
-`optimizer_problems` checks before the run. torch's AdamW steps float16 weights through `Float32StateAdamW`, fused or
-not: float32 moments and a float32 master copy of each weight (in float16, eps is 0, the second moment is 0 for
-gradients below about 5e-3, and nearest rounding drops updates below half a float16 step, as it does bfloat16's).
+The trained weights (`trained_dtype`) decide what may step them: bfloat16 ones only with stochastic rounding, float16
+ones only with torch's AdamW (`adamw8bit` keeps no master copy), which `optimizer_problems` checks before the run.
+torch's AdamW steps float16 weights through `Float32StateAdamW`, fused or not: float32 moments and a float32 master
+copy of each weight (in float16, eps is 0, the second moment is 0 for gradients below about 5e-3, and nearest
+rounding drops updates below half a float16 step, as it does bfloat16's).
 """
 
 from __future__ import annotations
@@ -107,6 +108,13 @@ def optimizer_problems(cfg: dict, world_size: int | None = None) -> list[str]:
         problems.append(f"{_trained_by(cfg)} makes the trained weights bfloat16, and AdamW without a float32 master "
                         "copy rounds most of their updates away; set optimizer.stochastic_rounding: true (torchao), "
                         f"or {fp32}")
+    if dtype == "float16" and o["name"] == "adamw8bit":
+        # Float32StateAdamW's float32 master copy is torch's AdamW's; torchao's 8-bit step updates the float16
+        # weight itself, where nearest rounding drops every change below half a float16 step (2^-11 of the weight)
+        problems.append(f"optimizer.name: adamw8bit keeps no float32 master copy, and {_trained_by(cfg)} makes the "
+                        "trained weights float16, whose rounding drops most AdamW updates; use optimizer.name: "
+                        "adamw (float32 moments and master copy, 12 B a parameter), or trainer.precision: bf16-true "
+                        "with optimizer.stochastic_rounding: true")
     if dtype == "float16" and t["precision"] == "16-mixed":
         problems.append(f"{_trained_by(cfg)} makes the trained weights float16, whose gradients trainer.precision: "
                         "16-mixed cannot unscale (its loss scaler refuses float16 gradients); use "

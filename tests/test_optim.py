@@ -475,6 +475,24 @@ def test_float16_trained_weights_step_unfused_in_float32(sections):
         assert problem.startswith("model.policy.dtype: float16 makes the trained weights float16"), problem
 
 
+@pytest.mark.parametrize("sections, key", [
+    ({"trainer": {"precision": "16-true"}}, "trainer.precision: 16-true"),
+    ({"model": {"policy": {"preset": "tiny", "dtype": "float16"}}}, "model.policy.dtype: float16"),
+    ({"model": {"policy": {"preset": "tiny", "lora": {}}}, "trainer": {"precision": "16-true"}},
+     "trainer.precision: 16-true")])
+def test_adamw8bit_refuses_float16_trained_weights(sections, key):
+    """torchao's 8-bit AdamW writes each update into the float16 weight itself: at lr 1e-4 Adam moves a weight of 1
+    by about 1e-4 a step, under half a float16 step there (2^-11), so nearest rounding keeps it at 1 for ever.
+    Refused at the key that makes the weights float16, naming the settings that keep the updates."""
+    one = torch.tensor(1.0, dtype=torch.float16)
+    assert one - 1e-4 == one and one + 1e-4 == one
+    cfg = cfg_with({"name": "adamw8bit"}, **sections)
+    (problem,) = optimizer_problems(cfg)
+    assert problem.startswith("optimizer.name: adamw8bit keeps no float32 master copy") and key in problem, problem
+    assert "optimizer.name: adamw" in problem and "optimizer.stochastic_rounding: true" in problem
+    assert optimizer_problems(cfg_with({"name": "adamw"}, **sections)) == []
+
+
 @pytest.mark.parametrize("optimizer, sections", [
     ({}, {}), ({"name": "adamw8bit"}, {}), ({"name": "adamw8bit", "stochastic_rounding": True}, BF16),
     ({"stochastic_rounding": True}, {"model": {"policy": {"preset": "tiny"}}, "trainer": {"precision": "bf16-true"}}),
