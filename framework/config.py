@@ -647,6 +647,23 @@ def uses_cuda(trainer: dict) -> bool:
     return accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available())
 
 
+def world_size(cfg: dict, backend: str | None = None) -> int:
+    """Processes the job runs on: trainer.devices (auto = every GPU of this machine, one process on CPU) x
+    trainer.num_nodes. `backend`: "cuda" or "cpu", default the one `uses_cuda` says the trainer runs on."""
+    import torch
+
+    if backend is None:
+        backend = "cuda" if uses_cuda(cfg["trainer"]) else "cpu"
+    devices = cfg["trainer"]["devices"]
+    if isinstance(devices, list):
+        n = len(devices)
+    elif devices in ("auto", -1):
+        n = max(torch.cuda.device_count(), 1) if backend == "cuda" else 1
+    else:
+        n = int(devices)
+    return n * cfg["trainer"]["num_nodes"]
+
+
 def dump_config(cfg: dict) -> str:
     """The config as YAML 1.2 text (what `fw print-config` shows)."""
     return yaml12.dump(cfg)

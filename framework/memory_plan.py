@@ -23,7 +23,7 @@ from dataclasses import dataclass, field, replace
 from itertools import pairwise
 from typing import Any
 
-from framework.config import uses_cuda
+from framework.config import uses_cuda, world_size
 from framework.errors import FwError
 from framework.models.qwen3_config import Qwen3Config
 from framework.precision import AUTOCAST_TO, CONVERTS_TO, trained_dtype
@@ -749,20 +749,6 @@ def _batch_rows(rows: list[Row], cfg: dict, model: Qwen3Config, shapes: BatchSha
 
 def _backend(cfg: dict) -> str:
     return "cuda" if uses_cuda(cfg["trainer"]) else "cpu"
-
-
-def world_size(cfg: dict, backend: str) -> int:
-    """Processes the job runs on: trainer.devices (auto = every GPU, one process on CPU) x trainer.num_nodes."""
-    import torch
-
-    devices = cfg["trainer"]["devices"]
-    if isinstance(devices, list):
-        n = len(devices)
-    elif devices in ("auto", -1):
-        n = max(torch.cuda.device_count(), 1) if backend == "cuda" else 1
-    else:
-        n = int(devices)
-    return n * cfg["trainer"]["num_nodes"]
 
 
 def _device_memory(cfg: dict) -> tuple[float, str] | None:

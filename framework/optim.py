@@ -29,6 +29,7 @@ import torch
 from torch.optim.adamw import adamw
 
 from framework.config import uses_cuda
+from framework.config import world_size as job_processes
 from framework.errors import FwError
 from framework.precision import CONVERTS_TO, trained_dtype
 
@@ -64,18 +65,6 @@ def float32_default_dtype() -> Iterator[None]:
         yield
     finally:
         torch.set_default_dtype(default)
-
-
-def _processes(t: dict) -> int:
-    """How many training processes the `trainer:` section asks for (Lightning's count for CUDA)."""
-    devices = t["devices"]
-    if isinstance(devices, list):
-        per_node = len(devices)
-    elif devices in ("auto", -1):
-        per_node = torch.cuda.device_count() if uses_cuda(t) else 1
-    else:
-        per_node = int(devices)
-    return per_node * t["num_nodes"]
 
 
 def optimizer_problems(cfg: dict, world_size: int | None = None) -> list[str]:
@@ -128,7 +117,7 @@ def optimizer_problems(cfg: dict, world_size: int | None = None) -> list[str]:
             problems.append("optimizer.cpu_offload: true moves the optimizer states from a CUDA GPU to the CPU, "
                             "but this run has no CUDA GPU (trainer.accelerator: "
                             f"{t['accelerator']}{'' if t['accelerator'] == 'cpu' else ', none visible'})")
-        elif (world_size if world_size is not None else _processes(t)) > 1:
+        elif (world_size if world_size is not None else job_processes(cfg)) > 1:
             problems.append("optimizer.cpu_offload: true runs in a single process only (the offloaded step reads "
                             "each GPU's own gradients, before they are averaged over processes); set "
                             "trainer.devices: 1 and trainer.num_nodes: 1")
