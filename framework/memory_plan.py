@@ -667,7 +667,8 @@ def _batch_rows(rows: list[Row], cfg: dict, model: Qwen3Config, shapes: BatchSha
         rows.append(Row("KV cache", blocks * block, ("rollout",), how))
         prefill = shapes.rollout_rows * shapes.prompt_len * no_grad_peak_bytes(model, pb, cb)
         at_once = min(shapes.rollout_rows, ro["max_num_seqs"])
-        decode = at_once * model.vocab_size * (cb + 8)   # the step's logits and sampling's float32
+        # the step's logits (float32: framework/models/qwen3.py's _head_logits, or float64) and sampling's float32
+        decode = at_once * model.vocab_size * (max(cb, 4) + 8)
         rows.append(Row("rollout buffers", prefill + decode, ("rollout",),
                         f"prefill of {shapes.rollout_rows} x {shapes.prompt_len} prompt tokens + decode logits"))
     if shapes.scoring_rows:

@@ -326,6 +326,32 @@ def test_bf16_model_and_autocast(model, prompts):
     assert (rb.logprobs.double() - full_forward_logprobs(half, rb, 1.0)).abs().max() < 0.1
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("setup", ["bfloat16 weights", "float32 weights under bfloat16 autocast"])
+def test_16bit_sampling_logits_are_float32_sums_of_16bit_products(tok, setup, device):
+    """The logits a 16-bit paged forward hands the sampler (the behaviour logprobs' source) are the trainer's kind
+    (ops_cuda.linear_logprob): the 16-bit final hidden state times the 16-bit LM head, summed and kept in float32.
+    Against a float64 product of the same 16-bit operands they agree to float32 rounding; logits rounded to
+    bfloat16 would be off by up to 2^-9 of their size (about 0.03 at this model's logits of 15)."""
+    from framework.models.qwen3 import PagedBatch
+
+    m = peaked_tiny_model(tok)
+    m = (m.to(torch.bfloat16) if setup == "bfloat16 weights" else m).to(device)
+    ids = torch.tensor(tok.encode("hello world, 12+34="), device=device)
+    n, bs = len(ids), 8
+    table = torch.arange(-(-n // bs), device=device)[None]
+    pos = torch.arange(n, device=device)
+    batch = PagedBatch(positions=pos, write_blocks=table[0, pos // bs], write_offsets=pos % bs, block_tables=table,
+                       lengths=torch.tensor([n], device=device), cu_seqlens=torch.tensor([0, n], device=device))
+    with torch.autocast(device, dtype=torch.bfloat16, enabled=setup != "bfloat16 weights"):
+        logits = m.forward_paged(ids, batch, m.new_paged_kv_cache(table.shape[1], bs), pos)
+        hidden = m.model.paged(ids, batch, m.new_paged_kv_cache(table.shape[1], bs))
+    assert hidden.dtype == torch.bfloat16 and logits.dtype == torch.float32
+    exact = hidden.double() @ m.lm_head_weight.to(torch.bfloat16).double().T
+    assert exact.abs().max() > 8
+    torch.testing.assert_close(logits.double(), exact, rtol=0, atol=exact.abs().max().item() * 2**-20)
+
+
 def test_autocast_without_its_cache_gives_the_same_rollout(model, prompts):
     """Lightning's bf16-mixed region turns autocast's weight cache off; generate caches the casts for its call
     anyway (so decode graphs read them instead of casting at every replay): same tokens and logprobs as under a

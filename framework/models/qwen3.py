@@ -66,6 +66,23 @@ def _weight(w: Tensor, batch: PagedBatch) -> Tensor:
     return w if batch.casts is None else batch.casts.get(w, w)
 
 
+def _head_logits(h: Tensor, w: Tensor) -> Tensor:
+    """h @ w.T for sampling: the operands in the dtype the matmul computes in (autocast's for float32 weights in an
+    autocast region, else the weight's), 16-bit products accumulated in float32 and returned in float32, as the
+    trainer's logprob operator (ops_cuda.linear_logprob) forms its logits; rounded to 16 bits first, the
+    behaviour logprobs would differ from the trainer's by that rounding of every logit."""
+    device = h.device.type
+    autocast = w.dtype == torch.float32 and torch.is_autocast_enabled(device)
+    dtype = torch.get_autocast_dtype(device) if autocast else w.dtype
+    if dtype not in (torch.bfloat16, torch.float16):
+        return ops_cuda.linear(h.to(dtype), w)
+    with torch.autocast(device, enabled=False):
+        h, w = h.to(dtype), w.to(dtype)
+        if h.is_cuda:   # cuBLAS writes its float32 accumulators without rounding them to 16 bits
+            return torch.mm(h, w.t(), out_dtype=torch.float32)
+        return F.linear(h.float(), w.float())   # exact products of 16-bit values, summed in float32
+
+
 def _paged_compute_dtype(t: Tensor, pool: Tensor) -> torch.dtype:
     """The dtype a paged forward's attention computes in: the pool's, or for a float8 pool (rollout.kv_cache_dtype)
     that of `t`, the projection's output (autocast's or the model's)."""
@@ -537,9 +554,9 @@ class Qwen3ForCausalLM(nn.Module):
     @torch.no_grad()
     def forward_paged(self, tokens: Tensor, batch: PagedBatch, cache: PagedKVCache, last: Tensor) -> Tensor:
         """Runs packed new tokens [N] through the paged cache; returns the logits [len(last), V] at the token
-        indices `last` (each row's last new token, for sampling)."""
+        indices `last` (each row's last new token, for sampling), in float32 for a 16-bit model (`_head_logits`)."""
         h = self.model.paged(tokens, batch, cache)
-        return ops_cuda.linear(h[last], _weight(self.lm_head_weight, batch))
+        return _head_logits(h[last], _weight(self.lm_head_weight, batch))
 
     def paged_matmul_weights(self) -> list[Tensor] | None:
         """The weights a paged forward multiplies by (each layer's four projections, then the LM head), or None where
