@@ -30,6 +30,19 @@ def test_kl_estimators_hand_computed():
     assert kl_estimate(logp, ref, "k3").tolist() == pytest.approx(k3, abs=1e-6)
 
 
+def test_k3_keeps_its_gradient_where_the_policy_drifted_far_above_the_reference():
+    """k3 = e^l - l - 1 with l = log pi_ref - log pi, so d k3 / d log pi = 1 - e^l: about 1 for a token the policy
+    has raised far above the reference (l = -30), the pull back that a KL penalty is for; the value is 29. Above
+    l = 20 the estimator is capped (e^l overflows float32 near 89), and stays finite."""
+    logp = torch.tensor([-0.25, -1.0, -5.0, -100.25], dtype=torch.float64, requires_grad=True)
+    ref = torch.tensor([-30.25, -1.0, -7.0, -0.25], dtype=torch.float64)   # l = -30, 0, -2, 100
+    k3 = kl_estimate(logp, ref, "k3")
+    k3.sum().backward()
+    assert k3[:3].tolist() == pytest.approx([29.0, 0.0, math.exp(-2.0) + 1.0], rel=1e-6)
+    assert logp.grad[:3].tolist() == pytest.approx([1.0 - math.exp(-30.0), 0.0, 1.0 - math.exp(-2.0)], rel=1e-6)
+    assert math.isfinite(k3[3].item()) and k3[3].item() == pytest.approx(math.exp(20.0) - 21.0, rel=1e-6)
+
+
 def test_kl_estimators_are_unbiased_or_biased_as_documented():
     # exact KL(p || q) of two categoricals vs the Monte-Carlo mean of k1 and k3 under samples of p
     p = torch.tensor([0.5, 0.3, 0.2], dtype=torch.float64)
