@@ -5,10 +5,11 @@ One Lightning training step = one rollout batch: ``rollout.prompts_per_step`` pr
 reference on every response token plus the sequence reward at the last one, folded in before GAE;
 advantages and returns come from GAE(gamma, lam) with the critic's pre-update values, once per
 rollout, and stay pinned for every replayed epoch (optionally whitened). Each minibatch takes one
-policy optimizer step (clipped surrogate) and one critic step (clipped value loss x ``vf_coef``,
-clipped to ``ppo.critic.max_grad_norm``). ``trainer.max_steps`` counts policy steps only: the
-module steps the critic's optimizer without advancing Lightning's global step. A batch that ``max_steps`` stops
-inside keeps its pinned advantages, old values and returns for a resumed run (recipes/rl.py: the cut batch).
+policy optimizer step (clipped surrogate) and one critic step (clipped value loss x ``vf_coef``, clipped to
+``ppo.critic.max_grad_norm``; the critic's own AdamW is blind to the scale but for that clip).
+``trainer.max_steps`` counts policy steps only: the module steps the critic's optimizer without advancing
+Lightning's global step. A batch that ``max_steps`` stops inside keeps its pinned advantages, old values and
+returns for a resumed run (recipes/rl.py: the cut batch).
 
 With several processes (DDP) the whitening uses the mean and variance of every rank's tokens in the loss
 and token-mean losses divide by the minibatch's token count over all ranks (recipes/rl.py).
