@@ -46,6 +46,11 @@ class Tokenizer:
 
     def __init__(self, tokenizer: _HfTokenizer, eos_token: str = EOS_TOKEN, pad_token: str = PAD_TOKEN,
                  source: str = "tokenizer", config: dict | None = None):
+        # a tokenizer.json may carry padding or truncation settings (saved with them); transformers applies
+        # neither unless a call asks for it, and fw encodes whole texts: a truncated prompt or a padded batch count
+        # would be silently wrong
+        tokenizer.no_padding()
+        tokenizer.no_truncation()
         self._tk = tokenizer
         self.source = source
         self.config = dict(config or {})   # tokenizer_config.json contents, written back by save_pretrained
@@ -126,7 +131,7 @@ class Tokenizer:
         space, Metaspace) or pad get no bound.
         """
         tk = self._tk
-        if tk.padding is not None or type(tk.model).__name__ not in _BOUNDED_MODELS:
+        if type(tk.model).__name__ not in _BOUNDED_MODELS:
             return None
         steps = [json.loads(tk.pre_tokenizer.__getstate__())] if tk.pre_tokenizer is not None else []
         per_byte = type(tk.model).__name__ == "BPE" and bool(tk.model.byte_fallback)

@@ -269,3 +269,23 @@ def test_byte_level_bpe_with_qwen3_pre_tokenizer(tmp_path):
     assert [i for i in ids if i < len(SPECIALS)] == [1, 2, 1, 3, 4]   # specials whole, in order
     digits = tok.encode("12345")   # Qwen's \p{N} rule: one pre-token per digit
     assert len(digits) == 5 and tok.decode(digits[:1]) == "1"
+
+
+def test_a_tokenizer_json_saved_with_padding_and_truncation_encodes_whole_texts(tmp_path):
+    """A tokenizer.json may hold padding and truncation settings (the tokenizers library saves them). transformers'
+    fast tokenizer applies neither unless a call asks for it; fw's encode, its batched token counts (the memory
+    plan's longest prompt, the held-out count) and its offsets must not either: each is the text's whole length."""
+    spec = json.loads(BUILTIN_FILE.read_text())
+    spec["truncation"] = {"direction": "Right", "max_length": 4, "strategy": "LongestFirst", "stride": 0}
+    spec["padding"] = {"strategy": {"Fixed": 16}, "direction": "Right", "pad_to_multiple_of": None, "pad_id": 0,
+                       "pad_type_id": 0, "pad_token": "<|endoftext|>"}
+    (tmp_path / "tokenizer.json").write_text(json.dumps(spec))
+    texts = ["hello world", "7=", "a much longer text than sixteen characters"]
+    hf = PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "tokenizer.json"))
+    expected = [len(hf(t, add_special_tokens=False)["input_ids"]) for t in texts]
+    assert expected == [len(t) for t in texts]   # the character vocabulary: one token a character
+    tok = Tokenizer.from_pretrained(tmp_path)
+    assert [len(tok.encode(t)) for t in texts] == expected
+    assert tok.token_counts(texts) == expected
+    assert tok.most_tokens(texts) == max(expected)
+    assert [len(tok.encode_with_offsets(t)[0]) for t in texts] == expected
