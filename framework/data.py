@@ -143,26 +143,33 @@ def encode_record(record: dict, fmt: str, tokenizer: Any, cfg: dict, where: str,
     the completion as the assistant turn after them, which ends as the template ends it (`<|im_end|>` and a
     newline), whatever eos the tokenizer names (a base checkpoint's is <|endoftext|>). A plain pair ends with eos.
     """
+    text, spans, end = render_record(record, fmt, tokenizer, cfg, where)
+    return _spans_to_example(text, spans, tokenizer, train_on_prompt, end=end)
+
+
+def render_record(record: dict, fmt: str, tokenizer: Any, cfg: dict,
+                  where: str) -> tuple[str, list[tuple[int, int]], list[int]]:
+    """What `encode_record` tokenizes of one SFT record: (the text, the character spans its loss covers, the ids
+    that follow the text), with every check and error of `encode_record`; an example has `len(encode(text)) +
+    len(ids)` tokens."""
     fmt = record_format(record, fmt, where)
     thinking = cfg["tokenizer"]["enable_thinking"]
     if fmt == "messages":
         rendered = tokenizer.apply_chat_template(record["messages"], add_generation_prompt=False,
                                                  enable_thinking=thinking)
-        return _spans_to_example(rendered, assistant_spans(rendered, where, thinking), tokenizer, train_on_prompt)
+        return rendered, assistant_spans(rendered, where, thinking), []
     prompt, completion = record["prompt"], record["completion"]
     if cfg["data"]["chat_template"]:
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
         rendered = tokenizer.apply_chat_template(messages + [{"role": "assistant", "content": completion}],
                                                  add_generation_prompt=False, enable_thinking=thinking)
         # Only the last assistant turn is the completion; those of a messages prompt are context.
-        spans = assistant_spans(rendered, where, thinking)[-1:]
-        return _spans_to_example(rendered, spans, tokenizer, train_on_prompt)
+        return rendered, assistant_spans(rendered, where, thinking)[-1:], []
     text = render_prompt(prompt, tokenizer, False) + completion
     if not text:   # eos alone: no token precedes it to predict it
         raise FwError(f"{where}: the prompt and the completion are both empty: nothing to train on")
     # The completion ends with eos so the model learns to stop; eos is a target of the last real token.
-    return _spans_to_example(text, [(len(text) - len(completion), len(text))], tokenizer, train_on_prompt,
-                             end=[tokenizer.eos_id])
+    return text, [(len(text) - len(completion), len(text))], [tokenizer.eos_id]
 
 
 def load_examples(cfg: dict, tokenizer: Any, *, train_on_prompt: bool) -> list[Example]:
@@ -234,6 +241,24 @@ class ExampleStream:
             self._perm_epoch = epoch
         return self.examples[self._perm[i]]
 
+    def lengths(self, position: int, count: int) -> tuple[list[int], Exception | None]:
+        """The token counts of the `count` examples from `position`, as `self[p]` has them, with no ids or targets
+        built (a task's texts are tokenized in one batch); and the error of the first example that fails, which
+        ends the counts there: the caller raises it once it reaches that example, as reading it would."""
+        if self.examples is not None:
+            return [len(self[p].ids) for p in range(position, position + count)], None
+        texts: list[str] = []
+        ends: list[int] = []
+        for p in range(position, position + count):
+            try:
+                text, _, end = render_record(self.task.sft_example(p), "prompt_completion", self.tokenizer, self.cfg,
+                                             f"data.task example {p}")
+            except Exception as e:  # noqa: BLE001 (the task's code: whatever `self[p]` would raise)
+                return [n + k for n, k in zip(self.tokenizer.token_counts(texts), ends)], e
+            texts.append(text)
+            ends.append(len(end))
+        return [n + k for n, k in zip(self.tokenizer.token_counts(texts), ends)], None
+
 
 def truncate(example: Example, max_len: int) -> Example:
     """The first `max_len` tokens; the last kept token predicts nothing (its next token is cut)."""
@@ -242,32 +267,72 @@ def truncate(example: Example, max_len: int) -> Example:
     return Example(example.ids[:max_len], example.targets[: max_len - 1] + [IGNORE])
 
 
+class RowFiller:
+    """The packing rule, the one place that decides where a packed row ends: examples fill `rows` rows of
+    `max_len` tokens in stream order; one that does not fit in the current row starts the next, and the rows are
+    full when one does not fit in the last. `global_batch` packs examples by it, `packed_position` counts by it
+    from the examples' lengths alone, so the count is where packing leaves the stream."""
+
+    def __init__(self, rows: int, max_len: int):
+        self.rows = rows
+        self.max_len = max_len
+        self.row = 0
+        self.used = 0
+
+    def place(self, length: int) -> int | None:
+        """The row an example of `length` tokens (truncated: at most `max_len`) goes into, or None, placing
+        nothing, when it does not fit in the last row."""
+        if self.used + length > self.max_len:
+            if self.row + 1 >= self.rows:
+                return None
+            self.row += 1
+            self.used = 0
+        self.used += length
+        return self.row
+
+
 def global_batch(stream: ExampleStream, position: int, rows: int, max_len: int,
                  pack: bool) -> tuple[list[list[Example]], int]:
     """The rows of the global micro-batch starting at `position`, and the position after it.
 
-    Packed: examples fill rows in stream order; one that does not fit in the current row starts the
-    next; the batch ends when an example does not fit in the last row. Unpacked: one example per row.
+    Packed: examples fill rows by `RowFiller`'s rule; the batch ends when an example does not fit in the last row.
+    Unpacked: one example per row.
     """
-    out: list[list[Example]] = [[]]
-    used = 0
+    if not pack:
+        return [[truncate(stream[p], max_len)] for p in range(position, position + rows)], position + rows
+    out: list[list[Example]] = []
+    filler = RowFiller(rows, max_len)
     while True:
         example = truncate(stream[position], max_len)
-        if not pack:
-            out[-1].append(example)
-            position += 1
-            if len(out) == rows:
-                return out, position
+        row = filler.place(len(example.ids))
+        if row is None:
+            return out, position
+        if row == len(out):
             out.append([])
-            continue
-        if used + len(example.ids) > max_len:
-            if len(out) == rows:
-                return out, position
-            out.append([])
-            used = 0
-        out[-1].append(example)
-        used += len(example.ids)
+        out[row].append(example)
         position += 1
+
+
+LENGTH_CHUNK = 1024   # the most examples `packed_position` counts in one batch (it reads at most this many past)
+
+
+def packed_position(stream: ExampleStream, position: int, rows: int, max_len: int) -> int:
+    """The stream position after `rows` packed rows filled from `position`: where `global_batch` leaves it, however
+    those rows are split into batches (the example that ends a batch starts the next one's first row); from the
+    examples' token counts (`ExampleStream.lengths`), building none of them."""
+    if rows <= 0:
+        return position
+    filler = RowFiller(rows, max_len)
+    size = 64   # a short run reads few examples past its last one; a long one counts in large batches
+    while True:
+        lengths, error = stream.lengths(position, size)
+        for length in lengths:
+            if filler.place(min(length, max_len)) is None:   # min: the length `truncate` leaves
+                return position
+            position += 1
+        if error is not None:
+            raise error
+        size = min(2 * size, LENGTH_CHUNK)
 
 
 def collate(rows: list[list[Example]], pad_id: int, length: int | None) -> dict[str, Any]:

@@ -46,7 +46,6 @@ EVAL_PREFIX = "eval/"
 # Order of the summed statistics: RL (prompts, samples, reward, correct, pass@k, pass@1, mean@k, tokens).
 _RL_SUMS = 8
 ACCURACY_CHUNK = 4096   # SFT target tokens per logits chunk for eval/token_accuracy
-PACK_CHUNK = 256        # packed SFT rows filled per call when counting what training draws
 POOL = 4               # eval candidates compared with the training samples in the first pass, per wanted one
 POSITION_KEYS = ("prompt_position", "position")   # the data position in the RL and SFT recipes' state
 HELD_OUT_ENTRY = "fw_held_out"   # the checkpoint entry of the held-out bound (`held_out_record`)
@@ -114,8 +113,8 @@ def training_draws(cfg: dict, world_size: int, tokenizer: Any = None, step: int 
     """The training-stream samples a run at policy step `step` and data position `position` has drawn by
     `trainer.max_steps`. RL: a new rollout batch every `batch_steps` policy steps after the `continued` ones that
     finish a cut batch; exact, but an upper bound under GRPO's dynamic sampling (every batch at its most rounds).
-    SFT: exact, its packed rows filled here as training fills them (from the tokenized examples: `tokenizer`,
-    default the config's)."""
+    SFT: exact, its packed rows filled here by training's packing rule from the examples' token counts
+    (`tokenizer`, default the config's)."""
     steps = max(cfg["trainer"]["max_steps"] - step, 0)
     if is_rl(cfg):
         batches = -(-max(steps - continued, 0) // batch_steps(cfg))
@@ -123,7 +122,7 @@ def training_draws(cfg: dict, world_size: int, tokenizer: Any = None, step: int 
     units = steps * step_draws(cfg, world_size)
     if not cfg["data"]["pack"]:
         return position + units
-    from framework.data import ExampleStream, global_batch
+    from framework.data import ExampleStream, packed_position
     from framework.tokenizer import build_tokenizer
 
     tokenizer = tokenizer or build_tokenizer(cfg)
@@ -132,13 +131,9 @@ def training_draws(cfg: dict, world_size: int, tokenizer: Any = None, step: int 
            getattr(tokenizer, "fingerprint", None) or id(tokenizer))
     if key in _PACKED_DRAWS:
         return _PACKED_DRAWS[key]
-    # the rows are filled in stream order whatever the micro-batch they belong to, so any split of them into
-    # calls gives the same position
+    # the rows are filled in stream order whatever the micro-batch they belong to: all of them at once
     stream = ExampleStream(cfg, tokenizer, train_on_prompt=False)
-    while units > 0:
-        rows = min(units, PACK_CHUNK)
-        position = global_batch(stream, position, rows, cfg["data"]["max_seq_len"], True)[1]
-        units -= rows
+    position = packed_position(stream, position, units, cfg["data"]["max_seq_len"])
     _PACKED_DRAWS[key] = position
     return position
 
@@ -217,7 +212,8 @@ def _check_source(cfg: dict) -> None:
 def check_held_out(cfg: dict, world_size: int = 1) -> None:
     """The FwError a fresh run's first evaluation raises when holding out the samples it can train on leaves no
     eval sample, raised here without a model: the eval samples are chosen and nothing is tokenized (but an SFT
-    task's packed examples, to count the draws, with the config's tokenizer). `fw validate` runs it."""
+    task's examples are counted in tokens, to count the draws, with the config's tokenizer). `fw validate` runs
+    it."""
     if eval_enabled(cfg) and cfg["eval"]["held_out"]:
         Evaluation(cfg, None, world_size, choose_only=True)
 
