@@ -258,8 +258,9 @@ def test_bad_arguments(model, kwargs, message):
 
 @pytest.mark.parametrize("kwargs, message", [
     ({"max_new_tokens": 0}, "max_new_tokens must be an int >= 1"),
-    ({"max_new_tokens": [2, 0]}, "max_new_tokens must be an int >= 1"),
-    ({"max_new_tokens": "3"}, "max_new_tokens must be an int >= 1"),
+    ({"max_new_tokens": [2, 0]}, r"max_new_tokens must be an int >= 1 or one such int per prompt, got \[2, 0\]"),
+    ({"max_new_tokens": "3"}, "max_new_tokens must be an int >= 1 or one such int per prompt, got '3'"),
+    ({"max_new_tokens": 32.0}, "max_new_tokens must be an int >= 1 or one such int per prompt, got 32.0"),
     ({"temperature": -1.0}, r"temperature must be 0 \(greedy\) or a finite number >= 1e-05, got -1.0"),
     ({"temperature": float("nan")}, r"temperature must be 0 \(greedy\) or a finite number >= 1e-05"),
     ({"temperature": 1e-38}, r"temperature must be 0 \(greedy\) or a finite number >= 1e-05, got 1e-38"),
@@ -273,6 +274,13 @@ def test_bad_arguments(model, kwargs, message):
 def test_sampling_params_are_checked_once_when_built(kwargs, message):
     with pytest.raises(FwError, match=message):
         SamplingParams(**{"max_new_tokens": 2, "temperature": 1.0, **kwargs})
+
+
+def test_sampling_params_take_integers_of_other_types():
+    """A numpy integer is an integer (operator.index), as the elements of a per-prompt sequence already were."""
+    np = pytest.importorskip("numpy")
+    assert SamplingParams(max_new_tokens=np.int64(32), temperature=1.0).max_new_tokens == 32
+    assert SamplingParams(max_new_tokens=np.array([3, 4]), temperature=1.0).max_new_tokens == (3, 4)
 
 
 def test_the_smallest_temperature_is_the_schemas():

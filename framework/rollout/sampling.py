@@ -37,17 +37,20 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        limits = self.max_new_tokens
+        given = limits = self.max_new_tokens
         if not isinstance(limits, int):
-            try:   # any sequence of integers, numpy's too; stored as a tuple so the object stays hashable
-                limits = tuple(n if isinstance(n, bool) else operator.index(n) for n in limits)
+            try:   # an integer of another type (numpy's)
+                limits = operator.index(limits)
             except TypeError:
-                limits = None
+                try:   # any sequence of integers, numpy's too; stored as a tuple so the object stays hashable
+                    limits = tuple(n if isinstance(n, bool) else operator.index(n) for n in limits)
+                except TypeError:
+                    limits = None
             object.__setattr__(self, "max_new_tokens", limits)
         values = [limits] if isinstance(limits, int) else limits
         if not values or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in values):
             raise FwError(f"sampling: max_new_tokens must be an int >= 1 or one such int per prompt, "
-                          f"got {self.max_new_tokens!r}")
+                          f"got {given!r}")
         if not (math.isfinite(self.temperature) and (self.temperature == 0 or self.temperature >= MIN_TEMPERATURE)):
             raise FwError(f"sampling: temperature must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE:g}, got "
                           f"{self.temperature}")
