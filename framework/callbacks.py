@@ -11,9 +11,16 @@ that order.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import math
+import os
+import sys
+import threading
+import time
 from collections.abc import Sequence
-from typing import Any
+from datetime import timedelta
+from typing import Any, NoReturn
 
 import lightning
 import torch
@@ -21,7 +28,7 @@ from lightning.pytorch.callbacks import TQDMProgressBar
 from lightning.pytorch.callbacks.progress.tqdm_progress import convert_inf
 
 from framework.cadence import crossed
-from framework.errors import FwError
+from framework.errors import ConfigError, FwError
 from framework.metrics import StepMetrics, read_scalars
 from framework.signals import StopSignals
 
@@ -84,10 +91,215 @@ class ProgressBar(TQDMProgressBar):
 
     def on_exception(self, trainer: lightning.Trainer, module: lightning.LightningModule,
                      exception: BaseException) -> None:
-        # tqdm leaves its line open; closing it ends the line, so the error that follows starts its own
+        self.end_line()
+
+    def end_line(self) -> None:
+        """Close the bar: tqdm leaves its line open, and closing it ends the line, so an error that follows starts
+        its own."""
         bar = self._train_progress_bar
         if bar is not None:
             bar.close()
+
+
+EXIT_FW_ERROR = 2   # the CLI's exit code for a FwError
+EXIT_ERROR = 1      # Python's for an exception nothing catches
+FAILURE_POLL_S = 0.1       # how often each rank looks for another rank's failure
+FAILURE_ACK_S = 10.0       # the longest the failed rank waits for every other rank to have seen its failure
+FAILURE_REPORT_S = 30.0    # the longest the other ranks wait for the failed rank to print its report
+DEPARTURE_S = 30.0         # the longest global rank 0 waits for the other ranks' last use of its store
+LAUNCHER_EXIT_S = 10.0     # the longest a process of Lightning's launcher waits for the launcher to end
+STORE_TIMEOUT_S = 10.0     # a TCP store operation that takes longer fails
+
+
+class StopEveryRankOnError(lightning.Callback):
+    """Under several processes, one rank's failure ends every process within moments, and only the failed rank
+    reports it: its `fw: error: global rank N: ...` line (a FwError, exit code 2) or its traceback (anything else,
+    exit code 1).
+
+    Otherwise the other ranks wait for the failed one in their next collective: gloo then fails them with its own
+    traceback; under NCCL they wait until Lightning's launcher kills them all (exit code 137, no line from the
+    launcher's process) or, when the failed rank was the launcher's, until NCCL's timeout. The first rank to fail
+    claims the failure in the process group's TCP store (`on_exception`); every other rank has a thread that watches
+    for the claim and acknowledges it (the failed rank waits for that before it prints, so that no other rank's
+    exception comes first), waits until the failed rank has printed its report, and ends its process with the same
+    exit code, printing nothing, even when it is blocked in a collective. A rank whose own exception comes after the
+    claim (often its consequence, a collective's connection closed) ends the same way; a rank whose part of a
+    `raise_on_every_rank` error is `quiet` ends through the CLI, after global rank 0 has reported it.
+    KeyboardInterrupt is left to Lightning, which ends every process on it.
+
+    The order of the ends: global rank 0 hosts the store, and a store operation after its end fails with a warning
+    and a C++ stack on stderr, so it ends after every other rank's last one; Lightning's launcher (local rank 0) kills
+    every process as soon as one that it started ends with a non-zero exit code, so such a process ends after it.
+    """
+
+    def __init__(self) -> None:
+        self._store: Any = None
+        self._keys = ""
+        self._rank = 0
+        self._world_size = 1
+        self._trainer: lightning.Trainer | None = None
+        self._child = False   # started by Lightning's launcher, the process of local rank 0
+        self._parent = 0
+        self._watcher: threading.Thread | None = None
+        self._done = threading.Event()   # the watcher stops
+        self._failed_here = False
+        self._acked = False
+        self._departed = False
+        self._once = threading.Lock()   # held by the thread that ends this process as the failed rank did
+        self._lock = threading.Lock()
+
+    def setup(self, trainer: lightning.Trainer, module: lightning.LightningModule, stage: str) -> None:
+        if trainer.world_size < 2 or self._store is not None:
+            return
+        import torch.distributed as dist
+        from lightning.fabric.plugins.environments import LightningEnvironment
+
+        try:   # a connection of its own: the process group's is blocked while one of its own waits lasts
+            self._store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                                        timeout=timedelta(seconds=STORE_TIMEOUT_S), wait_for_workers=False)
+        except (KeyError, ValueError, RuntimeError):   # no store to reach: the failure stays Lightning's to handle
+            return
+        # torchrun keeps its store when it restarts the job, so each attempt has keys of its own
+        self._keys = f"fw/failure/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+        self._rank, self._world_size, self._trainer = trainer.global_rank, trainer.world_size, trainer
+        self._child = trainer.local_rank != 0 and isinstance(trainer.strategy.cluster_environment,
+                                                             LightningEnvironment)
+        self._parent = os.getppid()
+        self._watcher = threading.Thread(target=self._watch, name="fw-failure-watch", daemon=True)
+        self._watcher.start()
+
+    def teardown(self, trainer: lightning.Trainer, module: lightning.LightningModule, stage: str) -> None:
+        """The end of a run this rank finished: when another rank failed meanwhile, this one ends as it does."""
+        if self._store is None or self._failed_here:
+            return
+        self._done.set()
+        if self._watcher is not None:
+            self._watcher.join()   # forever when it follows a failure: it ends the process
+        try:
+            claim = self._claim()
+        except RuntimeError:   # the store is gone
+            return
+        if claim is not None:
+            self._follow(claim)
+        if self._rank == 0:
+            atexit.register(self._await_departures)
+        else:
+            self._acknowledge()   # nothing more to report: a failed rank need not wait for this one
+            self._depart()
+
+    def on_exception(self, trainer: lightning.Trainer, module: lightning.LightningModule,
+                     exception: BaseException) -> None:
+        if self._store is None or not isinstance(exception, Exception):
+            return
+        if self._once.locked():   # the watcher ends this process already
+            threading.Event().wait()
+        self._failed_here = True   # before the claim: this rank's watcher leaves its own claim alone
+        self._done.set()
+        if isinstance(exception, FwError) and exception.quiet:   # global rank 0 raises it too, and reports it
+            self._acknowledge()
+            atexit.register(self._await_report)   # the CLI exits 2 without a line (with --debug, a traceback)
+            return
+        mine = f"{self._rank}:{EXIT_FW_ERROR if isinstance(exception, FwError) else EXIT_ERROR}"
+        try:
+            claim = self._store.compare_set(self._keys + "claim", "", mine).decode()
+        except RuntimeError:   # the store is gone: the failure stays Lightning's to handle
+            return
+        if claim != mine:   # another rank failed first
+            self._follow(claim)
+        if isinstance(exception, FwError) and not exception.every_rank and not isinstance(exception, ConfigError):
+            exception.args = (f"global rank {self._rank}: {exception}",)
+        self._wait(lambda: self._store.add(self._keys + "acks", 0) >= self._world_size - 1, FAILURE_ACK_S)
+        atexit.register(self._reported)   # after the CLI's line or Python's traceback is printed
+
+    def _claim(self) -> str | None:
+        """The failure claimed ("rank:exit code"), or None; RuntimeError when the store is gone."""
+        key = self._keys + "claim"
+        return self._store.get(key).decode() if self._store.check([key]) else None
+
+    def _watch(self) -> None:
+        while not self._done.wait(FAILURE_POLL_S):
+            try:
+                claim = self._claim()
+            except RuntimeError:   # the store is gone
+                return
+            if claim is not None and not self._failed_here:
+                self._follow(claim)
+
+    def _follow(self, claim: str) -> NoReturn:
+        """End this process with the exit code of the failure `claim`, once the failed rank reported it; print
+        nothing."""
+        if not self._once.acquire(blocking=False):   # the other thread ends the process
+            threading.Event().wait()
+        self._done.set()
+        self._acknowledge()
+        self._await_report()
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        os._exit(int(claim.split(":")[1]))
+
+    def _acknowledge(self) -> None:
+        """Tell the failed rank that this one has seen its failure (once)."""
+        with self._lock:
+            if self._acked:
+                return
+            self._acked = True
+        trainer = self._trainer
+        if trainer is not None and trainer.is_global_zero:   # the failed rank's report starts a line
+            for bar in trainer.callbacks:
+                if isinstance(bar, ProgressBar):
+                    bar.end_line()
+        with contextlib.suppress(RuntimeError):
+            self._store.add(self._keys + "acks", 1)
+
+    def _await_report(self) -> None:
+        """Until the failed rank has printed its report; then depart."""
+        self._wait(lambda: self._store.check([self._keys + "reported"]), FAILURE_REPORT_S)
+        self._depart()
+        self._await_launcher()
+
+    def _reported(self) -> None:
+        """At the exit of the failed rank, its report printed: the other ranks may end."""
+        with contextlib.suppress(RuntimeError):
+            self._store.set(self._keys + "reported", "1")
+        self._depart()
+        self._await_launcher()
+
+    def _await_departures(self) -> None:
+        """At the exit of global rank 0 after a run it finished: the others' departures, or a late failure."""
+        deadline = time.monotonic() + DEPARTURE_S
+        with contextlib.suppress(RuntimeError):
+            while time.monotonic() < deadline:
+                claim = self._claim()
+                if claim is not None:
+                    self._follow(claim)
+                if self._store.add(self._keys + "departed", 0) >= self._world_size - 1:
+                    return
+                time.sleep(FAILURE_POLL_S / 2)
+
+    def _depart(self) -> None:
+        """This process's last use of the store; global rank 0, its host, waits for every other one's."""
+        with self._lock:
+            if self._departed:
+                return
+            self._departed = True
+        if self._rank == 0:
+            self._wait(lambda: self._store.add(self._keys + "departed", 0) >= self._world_size - 1, DEPARTURE_S)
+        else:
+            with contextlib.suppress(RuntimeError):
+                self._store.add(self._keys + "departed", 1)
+
+    def _await_launcher(self) -> None:
+        """Until the launcher that started this process has ended (which hands the process to another parent)."""
+        if self._child:
+            self._wait(lambda: os.getppid() != self._parent, LAUNCHER_EXIT_S)
+
+    @staticmethod
+    def _wait(done: Any, limit_s: float) -> None:
+        """Until `done()` is true, `limit_s` passed or the store is gone (`done()` raises)."""
+        deadline = time.monotonic() + limit_s
+        with contextlib.suppress(RuntimeError):
+            while not done() and time.monotonic() < deadline:
+                time.sleep(FAILURE_POLL_S / 2)
 
 
 class LearningRateMonitor(Callback):

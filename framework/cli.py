@@ -3,7 +3,9 @@
 Commands that read a config take `--config FILE` (repeatable, merged left to right) and dotted
 overrides `--section.key=value`. User errors print one line each on stderr and exit with code 2;
 `--debug` (or FW_DEBUG=1) adds the traceback. An error that every process of a multi-process `fw fit`
-raises together (`FwError.quiet` on ranks other than global rank 0) is printed by global rank 0 alone.
+raises together (`FwError.quiet` on ranks other than global rank 0) is printed by global rank 0 alone; one that a
+single process raises, by that process alone, as `global rank N: ...`, the others ending at once with the same exit
+code (framework.callbacks.StopEveryRankOnError).
 `fw fit` stopped by SIGTERM / SIGINT exits with 143 / 130 after saving its step (framework/signals.py).
 Each command imports only what it needs.
 """

@@ -8,10 +8,37 @@ from dataclasses import dataclass
 class FwError(Exception):
     """A problem caused by the user's input (config, paths, arguments); its message is the whole story.
 
-    `quiet`: every process of a multi-process job raised it together, and this one leaves the line to global
-    rank 0 (the CLI exits 2 without printing it)."""
+    `every_rank`: every process of a multi-process job raised it together (`raise_on_every_rank`), its message
+    naming the rank that failed. `quiet`: such an error on a process other than global rank 0, which leaves the
+    line to global rank 0 (the CLI exits 2 without printing it)."""
 
+    every_rank: bool = False
     quiet: bool = False
+
+
+def raise_on_every_rank(error: FwError | None, collective: bool) -> None:
+    """Raise `error` (when not None). With `collective` under several processes a collective instead (call it at
+    the same point on every rank): every rank raises the failure of the lowest rank that failed, naming it, so that
+    no rank is left waiting in a collective the failed one never reaches; on ranks other than global rank 0 the
+    error is `quiet`."""
+    import torch.distributed as dist
+
+    if not (collective and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        if error is not None:
+            raise error
+        return
+    found: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(found, None if error is None else str(error))
+    failed = [rank for rank, message in enumerate(found) if message is not None]
+    if not failed:
+        return
+    also = ""
+    if len(failed) > 1:
+        also = f" (global rank{'s' if len(failed) > 2 else ''} {', '.join(map(str, failed[1:]))} too)"
+    shared = FwError(f"global rank {failed[0]}{also}: {found[failed[0]]}")
+    shared.every_rank = True
+    shared.quiet = dist.get_rank() != 0
+    raise shared from error
 
 
 @dataclass(frozen=True)

@@ -345,23 +345,33 @@ class Evaluation:
         """The eval metrics of `policy` (`eval/...` names); under several processes each rank evaluates
         every `world_size`-th sample and the sums are all-reduced (a collective: call it on every rank).
         `engine`: a RolloutEngine of `policy` to generate on (the training run's kept one, whose KV cache
-        would otherwise sit beside a second one); else each chunk runs on a fresh engine."""
+        would otherwise sit beside a second one); else each chunk runs on a fresh engine. A reward that fails
+        (FwError) on some ranks fails every rank, once each has scored its share: the ranks score different numbers
+        of batches, so they meet only here."""
         was_training = policy.training
         policy.eval()
+        error: FwError | None = None
         try:
             with preserved_rng(), torch.no_grad():
-                sums = (self._rl_sums(policy, rank, world_size, engine) if self.rl
-                        else self._sft_sums(policy, rank, world_size))
+                if self.rl:
+                    sums, error = self._rl_sums(policy, rank, world_size, engine)
+                else:
+                    sums = self._sft_sums(policy, rank, world_size)
         finally:
             policy.train(was_training)
         import torch.distributed as dist
 
+        from framework.errors import raise_on_every_rank
+
+        raise_on_every_rank(error, collective=world_size > 1)
         if world_size > 1 and dist.is_available() and dist.is_initialized():
             dist.all_reduce(sums)
         sums = sums.tolist()
         return self._rl_metrics(sums) if self.rl else self._sft_metrics(sums)
 
-    def _rl_sums(self, policy: Any, rank: int, world_size: int, engine: Any = None) -> torch.Tensor:
+    def _rl_sums(self, policy: Any, rank: int, world_size: int,
+                 engine: Any = None) -> tuple[torch.Tensor, FwError | None]:
+        """This rank's sums, and the scoring failure that stopped it early (None when every batch was scored)."""
         from framework.rewards import score_rollout
         from framework.rollout import SamplingParams, generate, stop_token_ids
         from framework.rollout.kv_cache import CacheSettings
@@ -385,15 +395,19 @@ class Evaluation:
             else:
                 ro = generate(policy, prompts, params, eos_ids=eos, tokenizer=self.tokenizer, seed=seed,
                               cache=CacheSettings.from_config(cfg["rollout"]))
-            rewards, _ = score_rollout(self.reward_fn, [self.texts[i] for i in part for _ in range(k)], ro.texts,
-                                       [self.metadatas[i] for i in part for _ in range(k)], cfg["reward"])
+            try:
+                rewards, _ = score_rollout(self.reward_fn, [self.texts[i] for i in part for _ in range(k)],
+                                           ro.texts, [self.metadatas[i] for i in part for _ in range(k)],
+                                           cfg["reward"])
+            except FwError as exc:   # raised on every rank by `run`, which all of them reach
+                return sums.to(policy.lm_head_weight.device), exc
             rewards = rewards.double().view(len(part), k)
             correct = (rewards >= 1.0).sum(dim=1).tolist()
             sums += torch.tensor([
                 len(part), rewards.numel(), float(rewards.sum()), float(sum(correct)),
                 sum(pass_at_k(k, c, k) for c in correct), sum(pass_at_k(k, c, 1) for c in correct),
                 float(rewards.mean(dim=1).sum()), float(ro.completion_lens.sum())], dtype=torch.float64)
-        return sums.to(policy.lm_head_weight.device)
+        return sums.to(policy.lm_head_weight.device), None
 
     @staticmethod
     def _rl_metrics(s: list[float]) -> dict[str, float]:

@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from framework.errors import FwError
+from framework.errors import FwError, raise_on_every_rank
 
 log = logging.getLogger(__name__)
 
@@ -536,30 +536,6 @@ def _timed(work: Callable[[], Any], calls: _Calls, timeout_s: float | None, desc
     return outcome["value"]
 
 
-def _raise_on_every_rank(error: FwError | None, collective: bool) -> None:
-    """Raise ``error`` (when not None). With ``collective`` under several processes a collective instead: every rank
-    raises the failure of the lowest rank that failed, naming it, so that no rank is left waiting in a collective
-    the failed one never reaches; on ranks other than global rank 0 the error is ``quiet`` (cli.main leaves the
-    line to rank 0)."""
-    import torch.distributed as dist
-
-    if not (collective and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
-        if error is not None:
-            raise error
-        return
-    found: list[str | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(found, None if error is None else str(error))
-    failed = [rank for rank, message in enumerate(found) if message is not None]
-    if not failed:
-        return
-    also = ""
-    if len(failed) > 1:
-        also = f" (global rank{'s' if len(failed) > 2 else ''} {', '.join(map(str, failed[1:]))} too)"
-    shared = FwError(f"global rank {failed[0]}{also}: {found[failed[0]]}")
-    shared.quiet = dist.get_rank() != 0
-    raise shared from error
-
-
 def score_rollout(reward_fn: Any, prompts: list[str], completions: list[str], metadatas: list[dict],
                   settings: dict, collective: bool = False) -> tuple[torch.Tensor, int]:
     """Rewards fp32 ``[N]`` for N samples and the number of samples whose reward failed.
@@ -572,7 +548,8 @@ def score_rollout(reward_fn: Any, prompts: list[str], completions: list[str], me
     also callable, so only the offending samples are zeroed; otherwise the whole batch is. A call that
     takes longer than ``timeout_s`` raises ``FwError`` whatever ``on_error`` says. ``collective``: every process
     of a multi-process job calls this at the same point (the training step's rollouts; not evaluation, whose ranks
-    may score different numbers of batches), so such an error on one rank is raised on every rank.
+    may score different numbers of batches and raise together once all are scored), so such an error on one rank
+    is raised on every rank (``framework.errors.raise_on_every_rank``).
     """
     n = len(prompts)
     if not len(completions) == len(metadatas) == n:
@@ -603,7 +580,7 @@ def score_rollout(reward_fn: Any, prompts: list[str], completions: list[str], me
                             "reward.max_error_fraction)")
         else:
             log.warning("%s; scored 0 (reward.on_error: zero)", report)
-    _raise_on_every_rank(error, collective)
+    raise_on_every_rank(error, collective)
     return torch.tensor(values, dtype=torch.float32), len(failures)
 
 

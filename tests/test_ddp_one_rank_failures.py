@@ -1,0 +1,134 @@
+"""One rank of a 2-process `fw fit` (CPU, gloo) fails alone: a user callback, a step, an eval reward. The job ends
+within moments with the failed rank's report only: one `fw: error: global rank N: ...` line and exit code 2 for a
+FwError, that rank's traceback alone and exit code 1 for any other exception; no other rank's traceback, no process
+left behind (the output is read to its end, which comes when the last process has ended)."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from framework.callbacks import Callback
+from framework.errors import FwError
+
+ROOT = Path(__file__).resolve().parents[1]
+LATE_S = 20   # from the failure to the last process's end: moments, not a collective's timeout (minutes)
+
+
+class FailOnRank(Callback):
+    """Raises on global rank `rank` at its `call`-th `hook` (`on_train_batch_end`, or `before_optimizer_step`,
+    inside the training step) a FwError (`error: fw`) or a ValueError, writing the time first to `stamp`."""
+
+    def __init__(self, rank: int, hook: str, stamp: str, error: str = "fw", call: int = 2):
+        self.rank, self.hook, self.stamp, self.error, self.call = rank, hook, stamp, error, call
+        self.calls = 0
+
+    def _maybe_fail(self, trainer, hook: str) -> None:
+        if hook != self.hook or trainer.global_rank != self.rank:
+            return
+        self.calls += 1
+        if self.calls == self.call:
+            Path(self.stamp).write_text(str(time.time()))
+            if self.error == "fw":
+                raise FwError(f"my_callback.threshold: must be below 1 on rank {self.rank}")
+            raise ValueError(f"a bug in my_callback on rank {self.rank}")
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        self._maybe_fail(trainer, "on_train_batch_end")
+
+    def before_optimizer_step(self, trainer, module, optimizer):
+        self._maybe_fail(trainer, "before_optimizer_step")
+
+
+class EvalRankReward:
+    """0.0 for every sample, except on global rank `rank`, where it raises (writing the time first to `stamp`)."""
+
+    def __init__(self, rank: int, stamp: str):
+        self.rank, self.stamp = rank, stamp
+
+    def __call__(self, prompt, completion, metadata):
+        if dist.get_rank() == self.rank:
+            Path(self.stamp).write_text(str(time.time()))
+            raise ValueError(f"eval reward broken on rank {self.rank}")
+        return 0.0
+
+
+def fw_fit(tmp_path: Path, cfg: dict) -> tuple[int, str, float]:
+    """`python -m framework fit` of `cfg`: (exit code, stderr, seconds from the failure's stamp to the end)."""
+    path = tmp_path / "config.yaml"
+    path.write_text(json.dumps(cfg))   # JSON is YAML
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT / 'tests'}{os.pathsep}{ROOT}"}
+    env.pop("FW_DEBUG", None)
+    proc = subprocess.run([sys.executable, "-m", "framework", "fit", "--config", str(path)], check=False, cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=300)
+    end = time.time()
+    stamp = tmp_path / "failed_at"
+    assert stamp.exists(), proc.stderr[-3000:]   # the failure happened
+    return proc.returncode, proc.stderr, end - float(stamp.read_text())
+
+
+def sft_config(tmp_path: Path, **callback) -> dict:
+    return {"recipe": "sft", "seed": 5, "run_dir": str(tmp_path / "run"), "model": {"policy": {"preset": "tiny"}},
+            "data": {"path": str(ROOT / "recipes" / "data" / "arithmetic_chat.jsonl"), "max_seq_len": 96,
+                     "batch_size": 2},
+            "trainer": {"accelerator": "cpu", "devices": 2, "strategy": "ddp", "max_steps": 4,
+                        "enable_progress_bar": False},
+            "callbacks": [{"class_path": "test_ddp_one_rank_failures.FailOnRank",
+                           "init_args": {"stamp": str(tmp_path / "failed_at"), **callback}}],
+            "checkpoint": {"every_n_steps": 100}, "logging": {"csv": False, "tensorboard": False}}
+
+
+def reported(stderr: str) -> list[str]:
+    """The lines of `stderr` after the memory plan's table, which global rank 0 prints as the run starts."""
+    lines = stderr.splitlines()
+    assert lines[0].startswith("fw plan: "), stderr[-3000:]
+    return [line for line in lines[1:] if line and not line.startswith("  ")]
+
+
+@pytest.mark.slow   # a 2-process Lightning start-up
+@pytest.mark.parametrize("rank, hook", [(1, "on_train_batch_end"), (0, "before_optimizer_step")])
+def test_a_fw_error_on_one_rank_ends_every_rank_with_its_one_line(tmp_path, rank, hook):
+    code, err, late = fw_fit(tmp_path, sft_config(tmp_path, rank=rank, hook=hook))
+    assert code == 2, err[-3000:]
+    line = f"fw: error: global rank {rank}: my_callback.threshold: must be below 1 on rank {rank}"
+    assert reported(err) == [line], err[-3000:]   # no traceback, nothing from the other rank
+    assert late < LATE_S, err[-3000:]
+
+
+@pytest.mark.slow   # a 2-process Lightning start-up
+def test_another_exception_on_one_rank_shows_that_ranks_traceback_alone(tmp_path):
+    code, err, late = fw_fit(tmp_path, sft_config(tmp_path, rank=1, hook="on_train_batch_end", error="value"))
+    assert code == 1, err[-3000:]
+    lines = reported(err)
+    assert lines[0] == "[rank1]: Traceback (most recent call last):", err[-3000:]
+    assert lines[-1] == "[rank1]: ValueError: a bug in my_callback on rank 1", err[-3000:]
+    assert all(line.startswith("[rank1]: ") for line in lines), err[-3000:]   # rank 1's traceback alone
+    assert err.count("Traceback") == 1, err[-3000:]
+    assert late < LATE_S, err[-3000:]
+
+
+@pytest.mark.slow   # a 2-process Lightning start-up
+def test_an_eval_reward_failing_on_one_rank_ends_every_rank_with_one_line(tmp_path):
+    # 5 eval prompts in chunks of 2: rank 0 scores 2 batches, rank 1 fails on its only one
+    cfg = {"recipe": "grpo", "seed": 0, "run_dir": str(tmp_path / "run"), "model": {"policy": {"preset": "tiny"}},
+           "data": {"task": {"name": "digits"}, "chat_template": False},
+           "rollout": {"prompts_per_step": 2, "max_new_tokens": 2},
+           "reward": {"class_path": "test_ddp_one_rank_failures.EvalRankReward",
+                      "init_args": {"rank": 1, "stamp": str(tmp_path / "failed_at")}, "on_error": "raise"},
+           "grpo": {"group_size": 2},
+           "eval": {"at_start": True, "max_prompts": 5, "samples_per_prompt": 2, "held_out": False},
+           "trainer": {"accelerator": "cpu", "devices": 2, "strategy": "ddp", "max_steps": 2,
+                       "enable_progress_bar": False},
+           "logging": {"csv": False, "tensorboard": False}}
+    code, err, late = fw_fit(tmp_path, cfg)
+    assert code == 2, err[-3000:]
+    (line,) = reported(err)   # no traceback, nothing from the other rank
+    assert line.startswith("fw: error: global rank 1: reward failed on 4 of 4 samples; first: sample 0: raised "
+                           "ValueError: eval reward broken on rank 1; prompt="), err[-3000:]
+    assert line.endswith("(set reward.on_error: zero to count and zero such samples)"), err[-3000:]
+    assert late < LATE_S, err[-3000:]
