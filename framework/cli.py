@@ -136,7 +136,10 @@ def _run(args: argparse.Namespace, overrides: list[str]) -> int:
 
             cfg = validate_config(args.config, overrides, machine=cmd == "fit")
         if cmd == "validate":
-            print(f"{', '.join(args.config)}: valid (recipe {cfg['recipe']})")
+            from framework.validate import process_assumption
+
+            assumed = process_assumption(cfg)
+            print(f"{', '.join(args.config)}: valid (recipe {cfg['recipe']}{'; ' + assumed if assumed else ''})")
         elif cmd == "print-config":
             sys.stdout.write(dump_config(cfg))
         else:

@@ -97,7 +97,7 @@ class SaveConfig(lightning.Callback):
 def _one_device(cfg: dict) -> torch.device | None:
     """The device of a job that runs as one process on the CPU or one CUDA device, or None (several processes,
     another accelerator, or a strategy named in the config)."""
-    from framework.memory_plan import world_size
+    from framework.config import world_size
 
     t = cfg["trainer"]
     if t["strategy"] != "auto":

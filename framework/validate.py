@@ -17,7 +17,7 @@ import re
 import warnings
 from typing import Any
 
-from framework.config import LocatedConfig, all_key_paths, load_located, uses_cuda
+from framework.config import LocatedConfig, all_key_paths, load_located, world_size
 from framework.errors import FwError, Problem
 
 BUILTIN_RECIPES = ("sft", "grpo", "ppo")
@@ -256,7 +256,6 @@ class _Checks:
         the run's number of processes (`trainer.devices` x `trainer.num_nodes`). It reads the task and data the
         checks above looked at, so it runs only when they found nothing: their problem is the one to fix first."""
         from framework.evaluation import check_held_out, eval_enabled
-        from framework.memory_plan import world_size
 
         if not (eval_enabled(self.cfg) and self.cfg["eval"]["held_out"]) or self.problems:
             return
@@ -265,7 +264,7 @@ class _Checks:
         if rank_zero_only.rank != 0:
             return   # a process that global rank 0 of a multi-process fit started, after rank 0 checked it
         try:
-            check_held_out(self.cfg, world_size(self.cfg, "cuda" if uses_cuda(self.cfg["trainer"]) else "cpu"))
+            check_held_out(self.cfg, world_size(self.cfg))
         except (Exception, SystemExit) as e:  # noqa: BLE001 (user code, the task's: any failure is a config problem)
             if isinstance(e, FwError) and str(e).startswith("eval: "):
                 self.add(("eval", "held_out"), str(e).removeprefix("eval: "))
@@ -432,3 +431,17 @@ class _Checks:
         if problem:
             self.add(("rollout", "kv_cache_dtype"), problem)
 
+
+def process_assumption(cfg: dict) -> str | None:
+    """What `fw validate` assumed of the run's processes where a check depends on their number and the config
+    leaves it to the machine that runs it (`trainer.devices: auto` or -1): the held-out eval set, whose training
+    draws grow with the processes, so that it may pass here and fail on a machine of more GPUs (a refusal here
+    holds for more processes too). None where nothing did."""
+    from framework.evaluation import eval_enabled, needs_draws
+
+    devices = cfg["trainer"]["devices"]
+    if not (devices in ("auto", -1) and eval_enabled(cfg) and needs_draws(cfg)):
+        return None
+    n = world_size(cfg)
+    return (f"held-out eval set checked for {n} process{'es' if n > 1 else ''}, trainer.devices: {devices} on this "
+            "machine: --trainer.devices=N checks N")

@@ -485,3 +485,19 @@ def test_validate_counts_the_training_draws_as_fit_does(tmp_path, capsys):
     batches = last // per_batch + 1   # the first number of rollout batches that draws every prompt
     assert (validate(batches - 1, 1), validate(batches, 1)) == (0, 2)
     assert (validate(last // (2 * per_batch), 2), validate(-(-batches // 2), 2)) == (0, 2)
+
+
+def test_validate_names_the_process_count_its_held_out_check_assumed(capsys):
+    """trainer.devices: auto leaves the number of processes to the machine that runs the job, and the more
+    processes draw training prompts, the fewer eval samples are held out: fw validate says for how many it checked
+    (this machine's: its GPUs under CUDA, else one), and how to check another count; nothing with an explicit one."""
+    config = str(ROOT / "recipes" / "grpo.yaml")
+    args = ["validate", "--config", config, "--eval.every_n_steps=10", "--eval.held_out=true",
+            "--data.task={name: arithmetic}"]
+    assert main(args) == 0
+    n = max(torch.cuda.device_count(), 1) if torch.cuda.is_available() else 1
+    assert capsys.readouterr().out.strip() == (
+        f"{config}: valid (recipe grpo; held-out eval set checked for {n} process{'es' if n > 1 else ''}, "
+        "trainer.devices: auto on this machine: --trainer.devices=N checks N)")
+    assert main([*args, "--trainer.devices=1"]) == 0
+    assert capsys.readouterr().out.strip() == f"{config}: valid (recipe grpo)"
