@@ -27,6 +27,7 @@ would draw without evaluation, and a resumed run evaluates exactly as the uninte
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import math
 import os
@@ -140,6 +141,9 @@ def training_draws(cfg: dict, world_size: int, tokenizer: Any = None, step: int 
 
 # training_draws's packed SFT counts in this process, by config, processes, start and tokenizer
 _PACKED_DRAWS: dict[tuple, int] = {}
+# Evaluation's held-out samples in this process (and whether an earlier bound chose others), by config, kind, bound
+# and earlier bound
+_CHOSEN: dict[tuple, tuple[list[Any], bool]] = {}
 
 
 def needs_draws(cfg: dict) -> bool:
@@ -302,6 +306,14 @@ class Evaluation:
 
         The first candidates are compared with the training samples in one pass that holds only them; only when
         too many of them are training samples are the training samples' keys held, and more candidates read."""
+        memo = (json.dumps(self.cfg, sort_keys=True, default=str), self.rl, draws, self._earlier)
+        if memo not in _CHOSEN:   # `fw fit` chooses twice in one process: its validation, then its evaluation
+            _CHOSEN[memo] = self._choose(get, count, key, train_key, draws)
+        chosen, self.changed = _CHOSEN[memo]
+        return copy.deepcopy(chosen)   # the samples' metadata goes to user code (the reward)
+
+    def _choose(self, get: Any, count: int | None, key: Any, train_key: Any, draws: int) -> tuple[list[Any], bool]:
+        """`_held_out`'s samples, and whether the bound of an earlier start chose others."""
         wanted = self.cfg["eval"]["max_prompts"]
         candidates: dict[str, Any] = {}   # distinct, in the order read
         first: dict[str, int] = {}   # key -> the index of the first training sample that has it
@@ -336,9 +348,8 @@ class Evaluation:
             raise FwError(f"eval: every sample of {where} is also a training sample of this run (a task with few "
                           "distinct prompts); set eval.path to held-out data, use a task with more prompts, or set "
                           "eval.held_out: false to evaluate on training prompts")
-        if self._earlier is not None:
-            self.changed = _pick(candidates, first, self._earlier, wanted) != chosen
-        return [candidates[k] for k in chosen]
+        changed = self._earlier is not None and _pick(candidates, first, self._earlier, wanted) != chosen
+        return [candidates[k] for k in chosen], changed
 
     # ----------------------------------------------------------------- running
     def run(self, policy: Any, rank: int = 0, world_size: int = 1, engine: Any = None) -> dict[str, float]:

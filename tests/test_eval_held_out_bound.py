@@ -265,3 +265,34 @@ def test_rank_zero_computes_and_its_error_reaches_every_rank(tmp_path):
     assert zero["calls"] == [0] and one["calls"] == []
     assert zero["got"] == one["got"] == {"draws": 100}
     assert zero["error"] == one["error"] == "data.task: cannot count"
+
+
+def test_fit_chooses_the_held_out_set_once_for_its_validation_and_its_evaluation(tmp_path, monkeypatch):
+    """`fw fit` checks the held-out set before it builds anything (fw validate's check), then its evaluation
+    chooses it: one choice serves both (the fallback that holds every training sample's key takes seconds on a large
+    run), and it is the set a fresh process chooses."""
+    import yaml
+
+    from framework import evaluation
+    from framework.cli import main
+
+    choices = []
+    real = evaluation.Evaluation._choose
+
+    def counted(self, *args):
+        choices.append(args[-1])
+        return real(self, *args)
+
+    monkeypatch.setattr(evaluation.Evaluation, "_choose", counted)
+    monkeypatch.setattr(evaluation, "_CHOSEN", {})
+    cfg = rl_config(tmp_path / "run", max_steps=2, eval_cfg={**EVAL, "every_n_steps": 1, "held_out": True},
+                    data={"task": {"class_path": "test_eval_held_out_bound.IndexDigits",
+                                   "init_args": {"num_digits": 3}}})
+    (tmp_path / "fit.yaml").write_text(yaml.safe_dump(cfg))
+    assert main(["fit", "--config", str(tmp_path / "fit.yaml")]) == 0
+    assert choices == [2 * P]   # one choice, for the 2 rollout batches of P prompts the run draws
+    (chosen,) = evaluation._CHOSEN.values()
+    evaluation._CHOSEN.clear()   # as in a fresh process
+    evaluation.Evaluation(cfg, None, draws=2 * P, choose_only=True)
+    assert len(choices) == 2 and list(evaluation._CHOSEN.values()) == [chosen]
+    assert len(chosen[0]) == EVAL["max_prompts"]
