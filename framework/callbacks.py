@@ -30,7 +30,7 @@ from lightning.pytorch.callbacks.progress.tqdm_progress import convert_inf
 from framework.cadence import crossed
 from framework.errors import ConfigError, FwError
 from framework.metrics import StepMetrics, read_scalars
-from framework.signals import StopSignals
+from framework.signals import Stopped, StopSignals
 
 
 class Callback(lightning.Callback):
@@ -109,12 +109,16 @@ FAILURE_REPORT_S = 30.0    # the longest the other ranks wait for the failed ran
 DEPARTURE_S = 30.0         # the longest global rank 0 waits for the other ranks' last use of its store
 LAUNCHER_EXIT_S = 10.0     # the longest a process of Lightning's launcher waits for the launcher to end
 STORE_TIMEOUT_S = 10.0     # a TCP store operation that takes longer fails
+# Under torchrun, how long the other ranks outlive their departure: its agent names the first process to end as the
+# failure's root cause, so the failed rank, which departs last, must end first
+TORCHRUN_GRACE_S = 2.0
 
 
 class StopEveryRankOnError(lightning.Callback):
     """Under several processes, one rank's failure ends every process within moments, and only the failed rank
     reports it: its `fw: error: global rank N: ...` line (a FwError, exit code 2) or its traceback (anything else,
-    exit code 1).
+    exit code 1). A signal's stop before the first step (framework.signals.Stopped) ends them the same way, with
+    its exit code (143 for SIGTERM) and its one line.
 
     Otherwise the other ranks wait for the failed one in their next collective: gloo then fails them with its own
     traceback; under NCCL they wait until Lightning's launcher kills them all (exit code 137, no line from the
@@ -187,6 +191,15 @@ class StopEveryRankOnError(lightning.Callback):
             self._acknowledge()   # nothing more to report: a failed rank need not wait for this one
             self._depart()
 
+    def __getstate__(self) -> dict[str, Any]:
+        # ddp_spawn pickles the trainer, callbacks included, into each process: the thread state is made there
+        return {k: v for k, v in self.__dict__.items() if k not in ("_done", "_once", "_lock", "_watcher")}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._watcher = None
+        self._done, self._once, self._lock = threading.Event(), threading.Lock(), threading.Lock()
+
     def on_exception(self, trainer: lightning.Trainer, module: lightning.LightningModule,
                      exception: BaseException) -> None:
         if self._store is None or not isinstance(exception, Exception):
@@ -199,7 +212,9 @@ class StopEveryRankOnError(lightning.Callback):
             self._acknowledge()
             atexit.register(self._await_report)   # the CLI exits 2 without a line (with --debug, a traceback)
             return
-        mine = f"{self._rank}:{EXIT_FW_ERROR if isinstance(exception, FwError) else EXIT_ERROR}"
+        code = exception.exit_code if isinstance(exception, Stopped) else \
+            EXIT_FW_ERROR if isinstance(exception, FwError) else EXIT_ERROR
+        mine = f"{self._rank}:{code}"
         try:
             claim = self._store.compare_set(self._keys + "claim", "", mine).decode()
         except RuntimeError:   # the store is gone: the failure stays Lightning's to handle
@@ -235,6 +250,8 @@ class StopEveryRankOnError(lightning.Callback):
         self._await_report()
         for stream in (sys.stdout, sys.stderr):
             stream.flush()
+        if "TORCHELASTIC_RUN_ID" in os.environ:
+            time.sleep(TORCHRUN_GRACE_S)
         os._exit(int(claim.split(":")[1]))
 
     def _acknowledge(self) -> None:

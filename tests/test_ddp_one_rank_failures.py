@@ -90,8 +90,8 @@ def reported(stderr: str) -> list[str]:
     return [line for line in lines[1:] if line and not line.startswith("  ")]
 
 
-@pytest.mark.slow   # a 2-process Lightning start-up
-@pytest.mark.parametrize("rank, hook", [(1, "on_train_batch_end"), (0, "before_optimizer_step")])
+@pytest.mark.parametrize("rank, hook", [(1, "on_train_batch_end"),   # the suite's one failing 2-process fit
+                                        pytest.param(0, "before_optimizer_step", marks=pytest.mark.slow)])
 def test_a_fw_error_on_one_rank_ends_every_rank_with_its_one_line(tmp_path, rank, hook):
     code, err, late = fw_fit(tmp_path, sft_config(tmp_path, rank=rank, hook=hook))
     assert code == 2, err[-3000:]
@@ -132,3 +132,73 @@ def test_an_eval_reward_failing_on_one_rank_ends_every_rank_with_one_line(tmp_pa
                            "ValueError: eval reward broken on rank 1; prompt="), err[-3000:]
     assert line.endswith("(set reward.on_error: zero to count and zero such samples)"), err[-3000:]
     assert late < LATE_S, err[-3000:]
+
+
+class SleepInSetup(Callback):
+    """Writes `<stamp>.<rank>` in setup, then sleeps there: every rank waits before its first step."""
+
+    def __init__(self, stamp: str):
+        self.stamp = stamp
+
+    def setup(self, trainer, module, stage):
+        Path(f"{self.stamp}.{trainer.global_rank}").write_text("1")
+        time.sleep(60)
+
+
+def plain_sft(tmp_path: Path, **trainer) -> dict:
+    cfg = sft_config(tmp_path, rank=0, hook="none")
+    cfg["trainer"].update(trainer)
+    cfg["callbacks"] = []
+    return cfg
+
+
+def launch(tmp_path: Path, cfg: dict, *launcher: str) -> subprocess.Popen:
+    path = tmp_path / "config.yaml"
+    path.write_text(json.dumps(cfg))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT / 'tests'}{os.pathsep}{ROOT}"}
+    env.pop("FW_DEBUG", None)
+    return subprocess.Popen([sys.executable, *launcher, "-m", "framework", "fit", "--config", str(path)], cwd=ROOT,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+
+
+@pytest.mark.slow   # a 2-process Lightning start-up
+def test_a_sigterm_before_the_first_step_ends_every_rank_with_143_and_one_line(tmp_path):
+    """SIGTERM to the whole job while its ranks set up (as `timeout`, Ctrl+C or a scheduler sends it): the README's
+    exit code 143 and its one line, from one rank; not a crash's exit code 1."""
+    import signal
+
+    stamp = tmp_path / "setup"
+    cfg = plain_sft(tmp_path)
+    cfg["callbacks"] = [{"class_path": "test_ddp_one_rank_failures.SleepInSetup", "init_args": {"stamp": str(stamp)}}]
+    proc = launch(tmp_path, cfg)
+    deadline = time.time() + 240
+    while not all(Path(f"{stamp}.{r}").exists() for r in (0, 1)) and time.time() < deadline:
+        time.sleep(0.2)
+    time.sleep(1.0)
+    os.killpg(proc.pid, signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, err[-3000:]
+    assert reported(err) == ["fw: stopped by SIGTERM before the first step; nothing to save"], err[-3000:]
+
+
+def test_ddp_spawn_pickles_the_trainer_and_runs(tmp_path):
+    """ddp_spawn hands the trainer, callbacks included, to its processes by pickling it."""
+    proc = launch(tmp_path, plain_sft(tmp_path, strategy="ddp_spawn", max_steps=2))
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+
+
+@pytest.mark.slow   # a 2-process torchrun start-up
+def test_torchrun_names_the_failed_rank_as_the_root_cause(tmp_path):
+    """torchrun's agent reports the first process to end as the root cause of a failed job: the failed rank ends
+    first, its one line printed, the other rank after it."""
+    cfg = sft_config(tmp_path, rank=1, hook="on_train_batch_end")
+    proc = launch(tmp_path, cfg, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                  "--master_port", str(29400 + os.getpid() % 500))
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode != 0, err[-3000:]
+    assert err.count("fw: error: global rank 1: my_callback.threshold: must be below 1 on rank 1") == 1, err[-3000:]
+    root = err[err.index("Root Cause (first observed failure):"):]
+    assert "rank      : 1 (local_rank: 1)" in root.splitlines()[4], root
+    assert "exitcode  : 2" in root.splitlines()[5], root
