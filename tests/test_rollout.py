@@ -277,10 +277,13 @@ def test_sampling_params_are_checked_once_when_built(kwargs, message):
 
 
 def test_sampling_params_take_integers_of_other_types():
-    """A numpy integer is an integer (operator.index), as the elements of a per-prompt sequence already were."""
+    """A numpy integer is an integer (operator.index), as the elements of a per-prompt sequence already were; a
+    sequence stays a sequence, even of one integer."""
     np = pytest.importorskip("numpy")
     assert SamplingParams(max_new_tokens=np.int64(32), temperature=1.0).max_new_tokens == 32
     assert SamplingParams(max_new_tokens=np.array([3, 4]), temperature=1.0).max_new_tokens == (3, 4)
+    # a sequence of one is a limit per prompt, not one limit for all
+    assert SamplingParams(max_new_tokens=torch.tensor([5]), temperature=1.0).max_new_tokens == (5,)
 
 
 def test_the_smallest_temperature_is_the_schemas():

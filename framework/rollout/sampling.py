@@ -39,11 +39,11 @@ class SamplingParams:
     def __post_init__(self) -> None:
         given = limits = self.max_new_tokens
         if not isinstance(limits, int):
-            try:   # an integer of another type (numpy's)
-                limits = operator.index(limits)
+            try:   # any sequence of integers, numpy's too; stored as a tuple so the object stays hashable
+                limits = tuple(n if isinstance(n, bool) else operator.index(n) for n in limits)
             except TypeError:
-                try:   # any sequence of integers, numpy's too; stored as a tuple so the object stays hashable
-                    limits = tuple(n if isinstance(n, bool) else operator.index(n) for n in limits)
+                try:   # an integer of another type that is no sequence (numpy's)
+                    limits = operator.index(limits)
                 except TypeError:
                     limits = None
             object.__setattr__(self, "max_new_tokens", limits)
