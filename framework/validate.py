@@ -439,9 +439,9 @@ def process_assumption(cfg: dict) -> str | None:
     holds for more processes too). None where nothing did."""
     from framework.evaluation import eval_enabled, needs_draws
 
-    devices = cfg["trainer"]["devices"]
-    if not (devices in ("auto", -1) and eval_enabled(cfg) and needs_draws(cfg)):
-        return None
+    t = cfg["trainer"]
+    if not (t["devices"] in ("auto", -1) and t["accelerator"] != "cpu" and eval_enabled(cfg) and needs_draws(cfg)):
+        return None   # on the CPU, auto is one process a node on any machine
     n = world_size(cfg)
-    return (f"held-out eval set checked for {n} process{'es' if n > 1 else ''}, trainer.devices: {devices} on this "
-            "machine: --trainer.devices=N checks N")
+    return (f"held-out eval set checked for {n} process{'es' if n > 1 else ''}, trainer.devices: {t['devices']} "
+            "counting this machine's GPUs: --trainer.devices=N checks N a node")

@@ -483,7 +483,7 @@ def test_float16_trained_weights_step_unfused_in_float32(sections):
 def test_adamw8bit_refuses_float16_trained_weights(sections, key):
     """torchao's 8-bit AdamW writes each update into the float16 weight itself: at lr 1e-4 Adam moves a weight of 1
     by about 1e-4 a step, under half a float16 step there (2^-11), so nearest rounding keeps it at 1 for ever.
-    Refused at the key that makes the weights float16, naming the settings that keep the updates."""
+    Refused at optimizer.name, naming the key that makes the weights float16 and the settings that keep the updates."""
     one = torch.tensor(1.0, dtype=torch.float16)
     assert one - 1e-4 == one and one + 1e-4 == one
     cfg = cfg_with({"name": "adamw8bit"}, **sections)

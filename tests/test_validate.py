@@ -498,6 +498,7 @@ def test_validate_names_the_process_count_its_held_out_check_assumed(capsys):
     n = max(torch.cuda.device_count(), 1) if torch.cuda.is_available() else 1
     assert capsys.readouterr().out.strip() == (
         f"{config}: valid (recipe grpo; held-out eval set checked for {n} process{'es' if n > 1 else ''}, "
-        "trainer.devices: auto on this machine: --trainer.devices=N checks N)")
-    assert main([*args, "--trainer.devices=1"]) == 0
-    assert capsys.readouterr().out.strip() == f"{config}: valid (recipe grpo)"
+        "trainer.devices: auto counting this machine's GPUs: --trainer.devices=N checks N a node)")
+    for explicit in ("--trainer.devices=1", "--trainer.accelerator=cpu"):   # on the CPU, auto is one process
+        assert main([*args, explicit]) == 0
+        assert capsys.readouterr().out.strip() == f"{config}: valid (recipe grpo)"
