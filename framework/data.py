@@ -249,15 +249,17 @@ class ExampleStream:
             return [len(self[p].ids) for p in range(position, position + count)], None
         texts: list[str] = []
         ends: list[int] = []
+        error: Exception | None = None
         for p in range(position, position + count):
             try:
                 text, _, end = render_record(self.task.sft_example(p), "prompt_completion", self.tokenizer, self.cfg,
                                              f"data.task example {p}")
             except Exception as e:  # noqa: BLE001 (the task's code: whatever `self[p]` would raise)
-                return [n + k for n, k in zip(self.tokenizer.token_counts(texts), ends)], e
+                error = e
+                break
             texts.append(text)
             ends.append(len(end))
-        return [n + k for n, k in zip(self.tokenizer.token_counts(texts), ends)], None
+        return [n + k for n, k in zip(self.tokenizer.token_counts(texts), ends)], error
 
 
 def truncate(example: Example, max_len: int) -> Example:

@@ -128,7 +128,7 @@ def training_draws(cfg: dict, world_size: int, tokenizer: Any = None, step: int 
 
     tokenizer = tokenizer or build_tokenizer(cfg)
     # `fw fit` counts a fresh run's draws twice in one process: its validation, then its first start
-    key = (json.dumps(cfg, sort_keys=True, default=str), world_size, step, position,
+    key = (_config_key(cfg), world_size, step, position,
            getattr(tokenizer, "fingerprint", None) or id(tokenizer))
     if key in _PACKED_DRAWS:
         return _PACKED_DRAWS[key]
@@ -137,6 +137,11 @@ def training_draws(cfg: dict, world_size: int, tokenizer: Any = None, step: int 
     position = packed_position(stream, position, units, cfg["data"]["max_seq_len"])
     _PACKED_DRAWS[key] = position
     return position
+
+
+def _config_key(cfg: dict) -> str:
+    """A resolved config as a key of this process's memos below."""
+    return json.dumps(cfg, sort_keys=True, default=str)
 
 
 # training_draws's packed SFT counts in this process, by config, processes, start and tokenizer
@@ -306,7 +311,7 @@ class Evaluation:
 
         The first candidates are compared with the training samples in one pass that holds only them; only when
         too many of them are training samples are the training samples' keys held, and more candidates read."""
-        memo = (json.dumps(self.cfg, sort_keys=True, default=str), self.rl, draws, self._earlier)
+        memo = (_config_key(self.cfg), self.rl, draws, self._earlier)
         if memo not in _CHOSEN:   # `fw fit` chooses twice in one process: its validation, then its evaluation
             _CHOSEN[memo] = self._choose(get, count, key, train_key, draws)
         chosen, self.changed = _CHOSEN[memo]
