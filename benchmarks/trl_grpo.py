@@ -9,7 +9,7 @@ line: seconds per optimizer step (median after the first), peak allocated and re
 datasets (and peft with --lora-rank), which are not fw dependencies.
 
 --prompts arithmetic takes the other TRL harness's prompts: addition problems in filler words, 116 or 117
-tokens, so TRL left-pads some rows by one token (which makes its step much slower; docs/PERFORMANCE.md).
+tokens, so TRL left-pads some rows by one token (which makes its step much slower; docs/PROFILES.md).
 """
 from __future__ import annotations
 

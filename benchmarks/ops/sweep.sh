@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The launch-shape sweeps behind two kernels' defaults (GPU only; results and the rejected variants are in
-# docs/PERFORMANCE.md). Each setting runs in its own process, since the overrides are read once per process;
-# fw times only (CUDA-graph replay): compare the "fw ms" column.
+# The launch-shape sweeps behind two kernels' defaults (GPU only; results and the rejected variants are in the
+# git history of docs/PERFORMANCE.md). Each setting runs in its own process, since the overrides are read once
+# per process; fw times only (CUDA-graph replay): compare the "fw ms" column.
 #   FW_RMS_ROWS_VECS                   vectors in flight per thread in rms_norm's rows kernel (1, 2 or 4;
 #                                      default 2; rms_norm.cu)
 #   FW_RMS_ROWS_THREADS                its block size (32, 64 or 128; default 64)
