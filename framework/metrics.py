@@ -59,7 +59,11 @@ class _Float64:
 
 
 class _Mean(_Float64, torchmetrics.MeanMetric):
-    pass
+    def compute(self) -> torch.Tensor:
+        # torchmetrics calls this with the states summed over ranks: their total weight is kept beside the mean,
+        # since a mean of no weight (0 / 0) is no value and StepMetrics leaves it out of the record
+        self.total_weight = self.weight.clone()
+        return self.mean_value / self.weight
 
 
 class _Sum(_Float64, torchmetrics.SumMetric):
@@ -102,6 +106,7 @@ class StepMetrics(nn.Module):
     """Named torchmetrics aggregators, created on first use; `compute()` returns floats and resets.
 
     `reduce="last"` keeps the latest value without any reduction (for values equal on every rank, e.g. lr).
+    A mean whose weights sum to 0 over the interval and the ranks is left out of `compute()`'s result.
     A NaN value logged stops the run with an FwError naming the metric at the next `compute()` (a NaN loss or
     gradient norm means the run has diverged); infinities pass (an fp16 step skipped by loss scaling has an
     infinite grad norm). `update` never waits for the GPU: values stay on the device until `compute()`, the
@@ -167,7 +172,9 @@ class StepMetrics(nn.Module):
             stacked = torch.stack([f.to(self._anchor.device, torch.float32) for f in flags])
             torch.distributed.all_reduce(stacked, op=torch.distributed.ReduceOp.MAX)
             flags = list(stacked)
-        tensors = [*extra, *flags, *(self.metrics[k].compute() for k in keys), *(self.last[n] for n in last)]
+        means = [self.metrics[k].compute() for k in keys]
+        weights = [self.metrics[k].total_weight for k in keys if self.reductions[k] == "mean"]
+        tensors = [*extra, *flags, *means, *(self.last[n] for n in last), *weights]
         values = read_scalars(tensors)
         n = len(extra)
         return values[:n], (values[n:n + len(names)], values[n + len(names):])
@@ -190,10 +197,13 @@ class StepMetrics(nn.Module):
             if nan:
                 raise FwError(f"metric {name!r} is NaN: the run has diverged (lower optimizer.lr, keep "
                               "optimizer.max_grad_norm set, or use bf16 instead of fp16)")
-        out = dict(zip((self.names[k] for k in keys), values[:len(keys)], strict=True))
+        weights = iter(values[len(keys) + len(last):])
+        # a mean whose weights summed to 0 over the interval and the ranks (no loss token in it) is left out
+        out = {self.names[k]: v for k, v in zip(keys, values[:len(keys)], strict=True)
+               if self.reductions[k] != "mean" or next(weights) != 0}
         for metric in self.metrics.values():
             metric.reset()
-        read_last = dict(zip(last, values[len(keys):], strict=True))
+        read_last = dict(zip(last, values[len(keys):len(keys) + len(last)], strict=True))
         out.update({name: read_last[name] if name in read_last else float(v) for name, v in self.last.items()})
         self.last = {}
         return out

@@ -442,8 +442,10 @@ def test_a_nan_metric_stops_the_run_naming_it():
     metrics.update("grad_norm", float("inf"))   # an fp16 step skipped by loss scaling: not an error
     assert metrics.compute() == {"grad_norm": float("inf")}
     # found at the logging step's compute(): update() does not wait for the device
-    metrics.update("undefined", 0.0, weight=0.0)   # 0 / 0 is NaN, but no NaN was logged
-    assert math.isnan(metrics.compute()["undefined"])
+    metrics.update("undefined", 0.0, weight=0.0)   # a mean of no weight is no value: left out, not NaN
+    metrics.update("share", 3.0, weight=0.0)
+    metrics.update("share", 5.0, weight=2.0)
+    assert metrics.compute() == {"share": 5.0}
     for name, reduce in (("loss", "mean"), ("tokens", "sum"), ("mismatch/max", "max")):
         metrics.update("ok", 1.0)
         metrics.update(name, torch.tensor([float("nan")]).sum(), reduce=reduce)
