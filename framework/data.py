@@ -38,6 +38,7 @@ ASSISTANT_HEADER = "<|im_start|>assistant\n"
 # With thinking disabled the generation prompt already ends in this block, so it is prompt, not target; with
 # thinking enabled the generation prompt stops at the header, and the block is what the model must write next.
 EMPTY_THINK = "<think>\n\n</think>\n\n"
+MARKERS = ("<|im_start|>", TURN_END)   # the chat template's turn markers, which `assistant_spans` searches for
 
 
 @dataclass(frozen=True)
@@ -48,8 +49,9 @@ class Example:
     targets: list[int]
 
 
-def record_problem(record: dict, fmt: str) -> tuple[str | None, str | None]:
-    """(the record's format, None) or (None, what is wrong with it) under `data.format` `fmt`."""
+def record_problem(record: dict, fmt: str, chat_template: bool) -> tuple[str | None, str | None]:
+    """(the record's format, None) or (None, what is wrong with it) under `data.format` `fmt` and
+    `data.chat_template` `chat_template`: every problem `encode_record` would meet, so that `fw validate` names it."""
     if fmt == "auto":
         if "messages" in record:
             fmt = "messages"
@@ -78,12 +80,17 @@ def record_problem(record: dict, fmt: str) -> tuple[str | None, str | None]:
         problem = messages_problem(prompt) if isinstance(prompt, list) else None
         if problem:
             return None, f"prompt: {problem}"
+        if not chat_template and isinstance(prompt, list):
+            return None, ("'prompt' is a list of messages but data.chat_template is false; set data.chat_template: "
+                          "true or give a plain-string prompt")
+        if not chat_template and not prompt and not completion:   # eos alone: no token precedes it to predict it
+            return None, "the prompt and the completion are both empty: nothing to train on"
     return fmt, None
 
 
-def record_format(record: dict, fmt: str, where: str) -> str:
+def record_format(record: dict, fmt: str, chat_template: bool, where: str) -> str:
     """`messages` or `prompt_completion` for this record, checking it has what `data.format` asks for."""
-    found, problem = record_problem(record, fmt)
+    found, problem = record_problem(record, fmt, chat_template)
     if problem:
         raise FwError(f"{where}: {problem}")
     return found
@@ -118,7 +125,8 @@ def _spans_to_example(text: str, spans: list[tuple[int, int]], tokenizer: Any, t
 def assistant_spans(rendered: str, where: str, thinking: bool = False) -> list[tuple[int, int]]:
     """The character spans of a rendered Qwen3 chat that the loss covers: each assistant turn's content and its
     `<|im_end|>` (not the newline after it, which the model never writes: generation stops at `<|im_end|>`), and
-    its empty think block too where `thinking` (tokenizer.enable_thinking) leaves it out of the generation prompt."""
+    its empty think block too where `thinking` (tokenizer.enable_thinking) leaves it out of the generation prompt.
+    The chat's contents must not hold the template's markers (`render_chat` masks them)."""
     spans: list[tuple[int, int]] = []
     pos = 0
     while (start := rendered.find(ASSISTANT_HEADER, pos)) != -1:
@@ -131,6 +139,34 @@ def assistant_spans(rendered: str, where: str, thinking: bool = False) -> list[t
         pos = end + len(TURN_END)
         spans.append((body, pos))
     return spans
+
+
+def _mask(text: str) -> str:
+    """`text` with each template marker replaced by as many NUL characters: same length, no marker left."""
+    for marker in MARKERS:
+        text = text.replace(marker, "\0" * len(marker))
+    return text
+
+
+def render_chat(messages: list[dict], tokenizer: Any, thinking: bool, where: str) -> tuple[str, list[tuple[int, int]]]:
+    """A chat rendered by the template with no generation prompt, and its `assistant_spans`.
+
+    A message may quote the markers (a user asking about chat templates): found by searching the rendered text,
+    such a quote would open or close an assistant span inside another turn. So the spans are found in the chat
+    rendered again with every marker in the messages masked: the template puts contents in verbatim (only
+    newlines at their edges and around a think block are trimmed, which masking leaves as they are), so the masked
+    text has the turns' markers at the same offsets and none inside a content."""
+    rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=False, enable_thinking=thinking)
+    fields = ("content", "reasoning_content")
+    if not any(isinstance(m.get(f), str) and marker in m[f] for m in messages for f in fields for marker in MARKERS):
+        return rendered, assistant_spans(rendered, where, thinking)
+    masked = tokenizer.apply_chat_template(
+        [{**m, **{f: _mask(m[f]) for f in fields if isinstance(m.get(f), str)}} for m in messages],
+        add_generation_prompt=False, enable_thinking=thinking)
+    if len(masked) != len(rendered):   # a template that changes a content's length by what it holds
+        raise FwError(f"{where}: a message quotes {' or '.join(MARKERS)}, and the chat template does not keep "
+                      "contents verbatim, so its assistant turns cannot be told apart from the quote; remove it")
+    return rendered, assistant_spans(masked, where, thinking)
 
 
 def encode_record(record: dict, fmt: str, tokenizer: Any, cfg: dict, where: str, *,
@@ -152,24 +188,29 @@ def render_record(record: dict, fmt: str, tokenizer: Any, cfg: dict,
     """What `encode_record` tokenizes of one SFT record: (the text, the character spans its loss covers, the ids
     that follow the text), with every check and error of `encode_record`; an example has `len(encode(text)) +
     len(ids)` tokens."""
-    fmt = record_format(record, fmt, where)
+    fmt = record_format(record, fmt, cfg["data"]["chat_template"], where)
     thinking = cfg["tokenizer"]["enable_thinking"]
     if fmt == "messages":
-        rendered = tokenizer.apply_chat_template(record["messages"], add_generation_prompt=False,
-                                                 enable_thinking=thinking)
-        return rendered, assistant_spans(rendered, where, thinking), []
+        rendered, spans = render_chat(record["messages"], tokenizer, thinking, where)
+        return rendered, spans, []
     prompt, completion = record["prompt"], record["completion"]
     if cfg["data"]["chat_template"]:
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
-        rendered = tokenizer.apply_chat_template(messages + [{"role": "assistant", "content": completion}],
-                                                 add_generation_prompt=False, enable_thinking=thinking)
+        rendered, spans = render_chat(messages + [{"role": "assistant", "content": completion}], tokenizer, thinking,
+                                      where)
         # Only the last assistant turn is the completion; those of a messages prompt are context.
-        return rendered, assistant_spans(rendered, where, thinking)[-1:], []
+        return rendered, spans[-1:], []
     text = render_prompt(prompt, tokenizer, False) + completion
-    if not text:   # eos alone: no token precedes it to predict it
-        raise FwError(f"{where}: the prompt and the completion are both empty: nothing to train on")
     # The completion ends with eos so the model learns to stop; eos is a target of the last real token.
     return text, [(len(text) - len(completion), len(text))], [tokenizer.eos_id]
+
+
+def record_prompt(record: dict, fmt: str, tokenizer: Any, cfg: dict, where: str) -> str:
+    """The prompt of one SFT record, as the model reads it: its rendered text (`render_record`) up to where the
+    last span its loss covers starts, so a pair and a `messages` chat that render to the same text have the same
+    prompt, whatever their keys' order or their answers."""
+    text, spans, _ = render_record(record, fmt, tokenizer, cfg, where)
+    return text[:spans[-1][0]]
 
 
 def load_examples(cfg: dict, tokenizer: Any, *, train_on_prompt: bool) -> list[Example]:

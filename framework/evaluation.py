@@ -4,11 +4,11 @@ The eval data is `eval.path` (JSONL in the training data's format) or samples of
 with `eval.seed`; with `eval.held_out` a sample the run can train on is left out, so no eval prompt is a
 training prompt. The run can train on the first `training_draws(...)` samples of its training stream (RL: one
 rollout batch per `epochs` x `minibatches` policy steps, exact but for GRPO's dynamic sampling, whose rounds are
-bounded by their most; SFT from a task: exactly the examples its packed rows take), and an eval sample equal to
-one of them is skipped; under several processes global rank 0 alone counts them and gives the count to the
-others. The first eval candidates are compared with the training samples in one pass that holds only the
-candidates; the training samples' keys, which may be many, are held only when most of those candidates are
-training samples.
+bounded by their most; SFT from a task: exactly the examples its packed rows take), and an eval sample whose
+prompt, rendered as the policy reads it, is one of theirs is skipped; under several processes global rank 0 alone
+counts them and gives the count to the others. The first eval candidates are compared with the training samples in
+one pass that holds only the candidates; the training samples' prompts, which may be many, are held only when most
+of those candidates are training samples.
 
 The bound is fixed at a run's first start and kept in its checkpoints (`HELD_OUT_ENTRY`): a resumed
 run keeps it, and raises it only when it can draw more than that start allowed for (a larger
@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import json
 import math
 import os
@@ -204,6 +205,16 @@ def _key(value: Any) -> str:
     return json.dumps(value, sort_keys=True, ensure_ascii=False)
 
 
+@functools.cache
+def _renderer() -> Any:
+    """The tokenizer the held-out prompts are rendered with: the chat template is the `Tokenizer` class's own, the
+    same whatever the vocabulary, so the prompts (and the memo `_CHOSEN`, keyed by the config) do not depend on
+    which tokenizer, if any, an `Evaluation` is given."""
+    from framework.tokenizer import Tokenizer
+
+    return Tokenizer.builtin()
+
+
 def _eval_cfg(cfg: dict) -> dict:
     """`cfg` with `data.path` set to `eval.path` (for the readers of JSONL data)."""
     return {**cfg, "data": {**cfg["data"], "path": cfg["eval"]["path"], "task": None}}
@@ -265,49 +276,64 @@ class Evaluation:
         source = build_task(_eval_cfg(cfg)["data"] if e["path"] else cfg["data"], seed=self.seed)
         if e["path"] and not self.choose_only and isinstance(self.reward_fn, NumericMatch):
             check_references(source)   # the eval file's answers, as build_reward checked the training file's
-        samples = self._held_out(source.sample, _length(source), lambda s: _key(s["prompt"]),
-                                 lambda i: _key(train.sample(i)["prompt"]), _bounded(train, draws))
+        template, thinking = cfg["data"]["chat_template"], cfg["tokenizer"]["enable_thinking"]
+
+        def prompt(sample: dict) -> str:   # what the policy reads: a string and its one-user-turn chat are one prompt
+            return render_prompt(sample["prompt"], _renderer(), template, thinking)
+
+        samples = self._held_out(source.sample, _length(source), lambda s: (prompt(s),) * 2,
+                                 lambda i: prompt(train.sample(i)), _bounded(train, draws))
         if self.choose_only:
             return
-        template, thinking = cfg["data"]["chat_template"], cfg["tokenizer"]["enable_thinking"]
         self.texts = [render_prompt(s["prompt"], self.tokenizer, template, thinking) for s in samples]
         self.ids = [self.tokenizer.encode(t) for t in self.texts]
         self.metadatas = [s["metadata"] for s in samples]
 
     def _build_sft(self, draws: int) -> None:
-        from framework.data import encode_record
+        from framework.data import encode_record, record_prompt
         from framework.jsonl import read_jsonl
         from framework.tasks import build_task
 
         cfg, e = self.cfg, self.cfg["eval"]
+        fmt = cfg["data"]["format"] if e["path"] else "prompt_completion"
 
-        def records(paths: str | list[str]) -> list[dict]:
-            return [r for p in ([paths] if isinstance(paths, str) else paths) for _, r in read_jsonl(p)]
+        def records(paths: str | list[str]) -> list[tuple[str, dict]]:   # (FILE:LINE, record)
+            return [item for p in ([paths] if isinstance(paths, str) else paths) for item in read_jsonl(p)]
+
+        def prompt(item: tuple[str, dict], fmt: str) -> str:
+            return record_prompt(item[1], fmt, _renderer(), cfg, item[0])
 
         if not e["held_out"]:
             train_key, count = None, 0
         elif cfg["data"]["path"]:   # every record of the file, which training visits again and again
-            keys = [_key(r) for r in records(cfg["data"]["path"])]
+            keys = [prompt(item, cfg["data"]["format"]) for item in records(cfg["data"]["path"])]
             train_key, count = keys.__getitem__, len(keys)
         else:
             train = build_task(cfg["data"], seed=cfg["seed"])
-            train_key, count = (lambda i: _key(train.sft_example(i))), draws
+
+            def train_key(i: int) -> str:
+                return prompt((f"data.task example {i}", train.sft_example(i)), "prompt_completion")
+
+            count = draws
         if e["path"]:
             items = records(e["path"])
-            fmt, get, n = cfg["data"]["format"], items.__getitem__, len(items)
+            get, n = items.__getitem__, len(items)
         else:
             source = build_task(cfg["data"], seed=self.seed)
-            fmt, get, n = "prompt_completion", source.sft_example, _length(source)
-        chosen = self._held_out(get, n, _key, train_key, count)
+            get, n = (lambda i: (f"eval.seed sample {i} of data.task", source.sft_example(i))), _length(source)
+        # an example is told apart by its whole record (SFT evaluates examples, some of one prompt), held out by its
+        # prompt
+        chosen = self._held_out(get, n, lambda item: (prompt(item, fmt), _key(item[1])), train_key, count)
         if self.choose_only:
             return
-        self.examples = [encode_record(r, fmt, self.tokenizer, cfg, f"eval example {i}", train_on_prompt=False)
-                         for i, r in enumerate(chosen)]
+        self.examples = [encode_record(r, fmt, self.tokenizer, cfg, where, train_on_prompt=False)
+                         for where, r in chosen]
 
     def _held_out(self, get: Any, count: int | None, key: Any, train_key: Any, draws: int) -> list[Any]:
-        """The first `eval.max_prompts` distinct samples `get(i)` (i < `count`; None = endless) whose key is none
-        of the training samples' `train_key(j)`, j < `draws`. An endless source is read up to 100 samples per
-        wanted prompt (past the training ones when many of its samples are training samples).
+        """The first `eval.max_prompts` distinct samples `get(i)` (i < `count`; None = endless) whose prompt is none
+        of the training samples' prompts `train_key(j)`, j < `draws`; `key(sample)` is (its prompt, what tells it
+        apart from other samples). An endless source is read up to 100 samples per wanted prompt (past the training
+        ones when many of its samples are training samples).
 
         The first candidates are compared with the training samples in one pass that holds only them; only when
         too many of them are training samples are the training samples' keys held, and more candidates read."""
@@ -320,8 +346,9 @@ class Evaluation:
     def _choose(self, get: Any, count: int | None, key: Any, train_key: Any, draws: int) -> tuple[list[Any], bool]:
         """`_held_out`'s samples, and whether the bound of an earlier start chose others."""
         wanted = self.cfg["eval"]["max_prompts"]
-        candidates: dict[str, Any] = {}   # distinct, in the order read
-        first: dict[str, int] = {}   # key -> the index of the first training sample that has it
+        candidates: dict[tuple[str, str], Any] = {}   # distinct, in the order read, by (prompt, identity)
+        prompts: set[str] = set()   # the candidates' prompts
+        first: dict[str, int] = {}   # prompt -> the index of the first training sample that has it
         read = 0
 
         def fill(limit: int, enough: int, held_out: bool) -> None:
@@ -334,12 +361,13 @@ class Evaluation:
                 read += 1
                 if k not in candidates:
                     candidates[k] = sample
-                    found += not held_out or first.get(k, draws) >= draws
+                    prompts.add(k[0])
+                    found += not held_out or first.get(k[0], draws) >= draws
 
         fill(100 * wanted, POOL * wanted if draws else wanted, held_out=False)
         for j in range(draws):
             k = train_key(j)
-            if k in candidates and k not in first:
+            if k in prompts and k not in first:
                 first[k] = j
         chosen = _pick(candidates, first, draws, wanted)
         if len(chosen) < wanted and (count is None or read < count):
@@ -477,11 +505,12 @@ def _bounded(source: Any, limit: int) -> int:
     return limit if n is None else min(n, limit)
 
 
-def _pick(candidates: dict[str, Any], first: dict[str, int], draws: int, wanted: int) -> list[str]:
-    """The keys of the first `wanted` candidates that none of the first `draws` training samples has."""
+def _pick(candidates: dict[tuple[str, str], Any], first: dict[str, int], draws: int,
+          wanted: int) -> list[tuple[str, str]]:
+    """The keys of the first `wanted` candidates whose prompt none of the first `draws` training samples has."""
     out = []
     for k in candidates:
-        if first.get(k, draws) >= draws:
+        if first.get(k[0], draws) >= draws:
             out.append(k)
             if len(out) == wanted:
                 break

@@ -227,7 +227,7 @@ class _Checks:
                 n += 1
                 problem = row.problem
                 if problem is None and self.recipe == "sft":
-                    problem = record_problem(row.record, data["format"])[1]
+                    problem = record_problem(row.record, data["format"], data["chat_template"])[1]
                 elif problem is None and self.recipe in RL_RECIPES:
                     problem = prompt_record_problem(row.record, data["prompt_key"], data["answer_key"])
                     if problem is None and numeric:
