@@ -233,11 +233,17 @@ def _say_truncated(examples: list[Example], max_len: int) -> None:
     long = [e for e in examples if len(e.ids) > max_len]
     if not long:
         return
+    empty = sum(all(t == IGNORE for t in truncate(e, max_len).targets) for e in long)
+    if empty == len(examples):   # every step would train on nothing
+        # a target at position i is kept when i < max_len - 1 (truncate): the least length that keeps one
+        least = min(next((i for i, t in enumerate(e.targets) if t != IGNORE), len(e.ids)) for e in examples) + 2
+        raise FwError(f"data.max_seq_len: all {len(examples)} examples of data.path are longer than "
+                      f"data.max_seq_len ({max_len}), and cut to it none keeps a token to train on; raise it to at "
+                      f"least {least}")
     from lightning.pytorch.utilities import rank_zero_only
 
     if rank_zero_only.rank != 0:
         return
-    empty = sum(all(t == IGNORE for t in truncate(e, max_len).targets) for e in long)
     cut = f"; {empty} of them {'keeps' if empty == 1 else 'keep'} no token to train on" if empty else ""
     print(f"fw: data.path: {len(long)} of {len(examples)} examples are longer than data.max_seq_len ({max_len}) "
           f"and are cut to it{cut}", file=sys.stderr)

@@ -36,3 +36,31 @@ def test_an_interval_without_targets_logs_no_loss_and_no_nan(tmp_path, capsys):
     # the third example alone makes step 3: its prompt fills the row, so no token of it is a target
     assert not {"loss", "token_accuracy"} & set(steps[3]), steps[3]
     assert steps[3]["tokens"] == 64
+
+
+def test_data_that_keeps_no_target_is_refused_with_the_length_that_would(tmp_path, capsys):
+    """Every example cut to data.max_seq_len keeps no target: fit refuses before training, naming the key and
+    the least length that keeps one; at that length the run trains and logs a loss."""
+    data = tmp_path / "data.jsonl"
+    records = [_chat("What is 1 + 1? " * 6, "2"), _chat("Tell me the sum of 2 and 3, please.", "5")]
+    data.write_text("".join(json.dumps(r) + "\n" for r in records))
+
+    def fit(max_len: int, run: str) -> int:
+        return main(["fit", "--config", str(ROOT / "recipes" / "sft.yaml"), f"--run_dir={tmp_path / run}",
+                     f"--data.path={data}", "--data.shuffle=false", "--data.pack=false", "--data.batch_size=2",
+                     f"--data.max_seq_len={max_len}", "--trainer.max_steps=1", "--trainer.log_every_n_steps=1",
+                     "--trainer.accumulate_grad_batches=1", "--trainer.accelerator=cpu",
+                     "--eval.every_n_steps=null", "--logging.tensorboard=false",
+                     "--trainer.enable_progress_bar=false"])
+
+    assert fit(12, "short") == 2
+    err = capsys.readouterr().err
+    line = next(x for x in err.splitlines() if x.startswith("fw: error:"))
+    assert line.startswith("fw: error: data.max_seq_len: all 2 examples of data.path are longer than "
+                           "data.max_seq_len (12)"), line
+    least = int(line.rsplit(" ", 1)[1])
+    assert not (tmp_path / "short" / "metrics.jsonl").exists()
+    assert fit(least - 1, "below") == 2
+    assert fit(least, "enough") == 0, capsys.readouterr().err[-2000:]
+    (record,) = read_metrics(tmp_path / "enough" / "metrics.jsonl")
+    assert record["loss"] > 0 and record["token_accuracy"] >= 0
