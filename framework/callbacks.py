@@ -4,9 +4,10 @@ Order around each optimizer step (automatic and manual optimization, every optim
 gradients final -> clipped -> `before_optimizer_step` -> `optimizer.step()` -> `after_optimizer_step`
 -> LR scheduler stepped (policy). Accumulation micro-steps fire nothing. At the end of the batch that
 completes a step, the step's non-finite checks are read and raise (`StopOnNonFinite`), the evaluation
-runs when due, a stop request is taken (`StopOnSignal`), the metrics are logged (`MetricsLogger`, every
-`log_every_n_steps`), then user callbacks' and the checkpoint callback's `on_train_batch_end` run, in
-that order.
+runs when due, the metrics are logged (`MetricsLogger`, every `log_every_n_steps`), user callbacks'
+`on_train_batch_end` run, a stop request (a signal's, or `trainer.should_stop` set by a callback on any
+rank) is taken by every rank (`StopOnSignal`), the last steps of an early stop are logged
+(`FlushOnEarlyStop`), then the checkpoint callback's `on_train_batch_end` runs, in that order.
 """
 
 from __future__ import annotations
@@ -379,9 +380,9 @@ class FlushOnEarlyStop(lightning.Callback):
     """Logs the last steps of a run that a user callback (or Lightning's EarlyStopping) stops early.
 
     It comes after the user callbacks, which set `trainer.should_stop` in their batch end after the metrics
-    logger ran, and before the checkpoint callback, which saves that step: the checkpoint then holds no part of
-    an interval already written. A stop by signal keeps its interval open instead: its resume continues it, as
-    the uninterrupted run would.
+    logger ran, and after `StopOnSignal`, which makes one rank's request every rank's, and before the checkpoint
+    callback, which saves that step: the checkpoint then holds no part of an interval already written. A stop by
+    signal keeps its interval open instead: its resume continues it, as the uninterrupted run would.
     """
 
     def __init__(self, metrics: MetricsLogger, stop: StopSignals | None = None):
@@ -396,34 +397,45 @@ class FlushOnEarlyStop(lightning.Callback):
 
 
 class StopOnSignal(lightning.Callback):
-    """Ends training at the end of the step in progress once a signal asked to stop (framework/signals.py).
+    """Ends training on every rank at the end of the step in progress once a signal (framework/signals.py) or a
+    callback (`trainer.should_stop = True`) on any rank asked to stop.
 
-    It sets `trainer.should_stop` only in a batch where the policy step advanced, never in the middle of
-    gradient accumulation, so the checkpoint callback, which runs later in the same batch, saves a step
-    an uninterrupted run also passes through. Under several processes the request of any rank stops
-    every rank at the same step (one small all-reduce per step).
+    It comes after the user callbacks, which may set `trainer.should_stop` on one rank only (an early-stopping rule
+    that reads a rank-local value, say), and before the last steps' record and the checkpoint callback. It decides
+    only in a batch where the policy step advanced: a request made in the middle of gradient accumulation waits for
+    the end of that step, so the checkpoint callback, which runs later in the same batch, saves a step an
+    uninterrupted run also passes through. Under several processes the signal and the callbacks' request of every
+    rank are combined in one small all-reduce per step, so that no rank leaves the loop while another waits for it
+    in the next step's collectives.
     """
 
-    def __init__(self, stop: StopSignals):
+    def __init__(self, stop: StopSignals | None = None):
         self.stop = stop
         self._step = 0
+        self._asked = False   # a callback asked to stop within the step in progress
 
     def on_train_start(self, trainer: lightning.Trainer, module: lightning.LightningModule) -> None:
-        self.stop.start_training()   # after Lightning installed its SIGTERM handler, which this replaces
+        if self.stop is not None:
+            self.stop.start_training()   # after Lightning installed its SIGTERM handler, which this replaces
         self._step = trainer.global_step
+        self._asked = False
 
     def on_train_batch_end(self, trainer: lightning.Trainer, module: lightning.LightningModule, outputs: Any,
                            batch: Any, batch_idx: int) -> None:
+        self._asked = self._asked or bool(trainer.should_stop)
         if trainer.global_step == self._step:
+            trainer.should_stop = False   # within an accumulation window: the request waits for the step's end
             return
         self._step = trainer.global_step
-        signum = self.stop.signum or 0
+        signum = (self.stop.signum if self.stop is not None else None) or 0
+        asked = int(self._asked)
         if trainer.world_size > 1:
-            flag = torch.tensor(signum, device=trainer.strategy.root_device)
-            signum = int(trainer.strategy.reduce(flag, reduce_op="max"))
-        if signum:
+            flags = torch.tensor([signum, asked], device=trainer.strategy.root_device)
+            signum, asked = (int(v) for v in trainer.strategy.reduce(flags, reduce_op="max").tolist())
+        if signum and self.stop is not None:
             self.stop.request(signum)
-            trainer.should_stop = True
+        self._asked = False
+        trainer.should_stop = bool(signum or asked)
 
 
 def _by_device(tensors: list[torch.Tensor]) -> dict[torch.device, list[torch.Tensor]]:
@@ -545,14 +557,12 @@ class StopOnNonFinite(Callback):
                               "optimizer.max_grad_norm set, or use bf16 instead of fp16)")
 
 
-def builtin_callbacks(cfg: dict, stop: StopSignals | None = None,
-                      evaluation: Sequence[lightning.Callback] = ()) -> list[lightning.Callback]:
-    """The non-finite check, the `evaluation` callbacks, the stop request (when `stop` is given), metrics
-    logging, learning-rate monitor and the progress bar (when enabled), in that order; the trainer adds user
-    callbacks and checkpointing after these. The non-finite check reads the step's checks at the end of
-    its batch, so it comes before anything that evaluates, logs or saves the step."""
+def builtin_callbacks(cfg: dict, evaluation: Sequence[lightning.Callback] = ()) -> list[lightning.Callback]:
+    """The non-finite check, the `evaluation` callbacks, metrics logging, learning-rate monitor and the progress
+    bar (when enabled), in that order; the trainer adds user callbacks, the stop request (`StopOnSignal`) and
+    checkpointing after these. The non-finite check reads the step's checks at the end of its batch, so it comes
+    before anything that evaluates, logs or saves the step."""
     out: list[lightning.Callback] = [StopOnNonFinite(cfg["trainer"]["precision"]), *evaluation]
-    out += [] if stop is None else [StopOnSignal(stop)]
     out += [MetricsLogger(cfg["trainer"]["log_every_n_steps"]), LearningRateMonitor()]
     if cfg["trainer"]["enable_progress_bar"]:
         out.append(ProgressBar())

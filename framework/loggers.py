@@ -7,7 +7,10 @@ event file starts with a purge at the step after the checkpoint, which hides the
 A user logger is any `lightning.pytorch.loggers.Logger` named by `class_path` and built with `init_args`
 (W&B, MLflow, Comet, ...). When its class takes a `save_dir` and `init_args` sets none, it writes under
 `<run_dir>/logs/<name>` (`WandbLogger` -> `logs/wandb`), with the run's other logs instead of the working
-directory. Every logger receives the resolved config as hyperparameters (`log_config`).
+directory. Every logger receives the resolved config as hyperparameters (`log_config`). A FwError that a user
+logger's `log_metrics`, `log_graph`, `save` or `finalize` raises names its entry and the method; any other exception
+is the logger's bug and keeps its traceback, except in `finalize("failed")`, which Lightning calls while another
+exception ends the run: that one is reported in one line and the run's own exception stays the run's.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import io
 import math
 import os
 import struct
+import sys
 import time
 from argparse import Namespace
 from pathlib import Path
@@ -246,10 +250,48 @@ def _raised(e: Exception) -> str:
     return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
 
 
+GUARDED = ("log_metrics", "log_graph", "save", "finalize")   # a user logger's methods that fw and Lightning call
+
+
+class _Guarded:
+    """A user logger's `method`, set on the instance in place of its class's: a FwError it raises names the
+    `logging.loggers` entry (`where`) and the method; an exception of `finalize("failed")` is one line on stderr
+    instead of replacing the exception that ends the run. Picklable with its logger (ddp_spawn pickles the trainer)."""
+
+    def __init__(self, logger: Logger, method: str, where: str) -> None:
+        self.logger, self.method, self.where = logger, method, where
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        # the class's method: the instance's attribute is this object
+        call = getattr(type(self.logger), self.method).__get__(self.logger)
+        try:
+            return call(*args, **kwargs)
+        except FwError as e:
+            if self._failing(args, kwargs):
+                self._say(e)
+                return None
+            error = FwError(f"{self.where}.{self.method} raised: {e}")
+            error.every_rank, error.quiet = e.every_rank, e.quiet
+            raise error from e
+        except Exception as e:   # user code; an interrupt or exit goes through
+            if self._failing(args, kwargs):
+                self._say(e)
+                return None
+            raise
+
+    def _failing(self, args: tuple, kwargs: dict) -> bool:
+        """Whether this is Lightning's `finalize("failed")`: the run ends on another exception already."""
+        return self.method == "finalize" and (args[0] if args else kwargs.get("status")) == "failed"
+
+    def _say(self, e: Exception) -> None:
+        print(f"fw: warning: {self.where}.finalize raised {_raised(e)} while the run ended on an earlier error, "
+              "reported below", file=sys.stderr, flush=True)
+
+
 def user_loggers(cfg: dict) -> list[Logger]:
     """`logging.loggers: [{class_path, init_args}]` instantiated; each must be a Lightning `Logger`. A constructor
     that raises (a missing package, a tracking URI its store cannot serve, ...) is an FwError naming the entry,
-    its class and the exception: a config problem, one line."""
+    its class and the exception: a config problem, one line. The methods of `GUARDED` are guarded (`_Guarded`)."""
     from framework.imports import import_object
 
     out = []
@@ -262,9 +304,12 @@ def user_loggers(cfg: dict) -> list[Logger]:
         if "save_dir" in inspect.signature(cls).parameters and "save_dir" not in init_args:
             init_args["save_dir"] = str(_default_save_dir(cls, Path(cfg["run_dir"])))
         try:
-            out.append(cls(**init_args))
+            logger = cls(**init_args)
         except Exception as e:   # user code; an interrupt or exit goes through
             raise FwError(f"logging.loggers[{i}]: building {spec['class_path']} raised {_raised(e)}") from e
+        for method in GUARDED:
+            setattr(logger, method, _Guarded(logger, method, f"logging.loggers[{i}]: {spec['class_path']}"))
+        out.append(logger)
     return out
 
 

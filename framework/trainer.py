@@ -17,7 +17,14 @@ from lightning.pytorch.strategies import SingleDeviceStrategy
 from lightning.pytorch.utilities import rank_zero_only
 
 from framework.allocator import configure_allocator
-from framework.callbacks import FlushOnEarlyStop, MetricsLogger, StopEveryRankOnError, builtin_callbacks, user_callbacks
+from framework.callbacks import (
+    FlushOnEarlyStop,
+    MetricsLogger,
+    StopEveryRankOnError,
+    StopOnSignal,
+    builtin_callbacks,
+    user_callbacks,
+)
 from framework.config import uses_cuda
 from framework.errors import FwError
 from framework.evaluation import EvalCallback, eval_enabled
@@ -141,13 +148,14 @@ def build_trainer(cfg: dict, stop: StopSignals | None = None, keep_on_device: bo
     # Metrics first so they reach the loggers before the checkpoint callback flushes them and saves; the
     # evaluation of a step ahead of both, so its metrics join the step's record and a resumed run never
     # misses one; the non-finite check ahead of all three, so a diverged step is neither evaluated, logged
-    # nor saved; after the user callbacks, which may stop the run, its last steps' record before the save. A
-    # failure of one rank is told to the others first, while nothing else has run on its way out.
+    # nor saved; after the user callbacks, which may stop the run (on one rank only), every rank's agreement
+    # to stop, then its last steps' record, then the save. A failure of one rank is told to the others first,
+    # while nothing else has run on its way out.
     evaluation = [EvalCallback(cfg)] if eval_enabled(cfg) else []
-    builtin = builtin_callbacks(cfg, stop, evaluation)
+    builtin = builtin_callbacks(cfg, evaluation)
     metrics = next(cb for cb in builtin if isinstance(cb, MetricsLogger))
     callbacks = [StopEveryRankOnError(), SaveConfig(cfg), *builtin, *user_callbacks(cfg),
-                 FlushOnEarlyStop(metrics, stop), CheckpointCallback(cfg)]
+                 StopOnSignal(stop), FlushOnEarlyStop(metrics, stop), CheckpointCallback(cfg)]
     return lightning.Trainer(
         accelerator=t["accelerator"],
         devices=t["devices"],

@@ -277,3 +277,33 @@ def test_a_run_a_callback_stops_logs_its_last_steps_and_resumes_without_counting
     assert [r["step"] for r in resumed] == [3, 5, 6, 9] and [r["step"] for r in straight] == [3, 6, 9]
     # every step's tokens counted once: the checkpoint at 5 held no part of the interval written at 5
     assert sum(r["tokens"] for r in resumed) == sum(r["tokens"] for r in straight)
+
+
+class StopInBatch(Callback):
+    """Asks to stop in the batch end of batch `batch` (0-based); counts the batches run and records
+    (global_step, policy_version) as training ends."""
+
+    def __init__(self, batch: int):
+        self.batch = batch
+        self.batches = 0
+        self.ended = None
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        self.batches += 1
+        if batch_idx == self.batch:
+            trainer.should_stop = True
+
+    def on_train_end(self, trainer, module):
+        self.ended = (trainer.global_step, module.policy_version)
+
+
+def test_a_stop_asked_within_an_accumulation_window_ends_the_run_at_that_steps_end(tmp_path):
+    from framework.checkpoint import find_latest
+
+    cfg = base_cfg(tmp_path, max_steps=5, accumulate_grad_batches=3)
+    # batch 3 is the first micro-batch of step 2 (batches 3, 4, 5)
+    cfg["callbacks"] = [{"class_path": "test_callbacks.StopInBatch", "init_args": {"batch": 3}}]
+    trainer = fit(resolve(cfg))
+    stopper = next(c for c in trainer.callbacks if isinstance(c, StopInBatch))
+    assert stopper.batches == 6 and stopper.ended == (2, 2)   # step 2 completed, nothing after it
+    assert Path(find_latest(tmp_path / "run")).name == "step-000002"

@@ -1,7 +1,8 @@
 """One rank of a 2-process `fw fit` (CPU, gloo) fails alone: a user callback, a step, an eval reward. The job ends
 within moments with the failed rank's report only: one `fw: error: global rank N: ...` line and exit code 2 for a
 FwError, that rank's traceback alone and exit code 1 for any other exception; no other rank's traceback, no process
-left behind (the output is read to its end, which comes when the last process has ended)."""
+left behind (the output is read to its end, which comes when the last process has ended). A callback that stops one
+rank alone stops every rank at the same step, exit code 0."""
 
 import json
 import os
@@ -202,3 +203,50 @@ def test_torchrun_names_the_failed_rank_as_the_root_cause(tmp_path):
     root = err[err.index("Root Cause (first observed failure):"):]
     assert "rank      : 1 (local_rank: 1)" in root.splitlines()[4], root
     assert "exitcode  : 2" in root.splitlines()[5], root
+
+
+class StopOnOneRank(Callback):
+    """Sets `trainer.should_stop` on global rank `rank` alone in the batch end of its batch `batch` (0-based), as an
+    early-stopping rule that reads a rank-local value would; every rank writes the step it ended at to
+    `<out>.<rank>`."""
+
+    def __init__(self, rank: int, batch: int, out: str):
+        self.rank, self.batch, self.out = rank, batch, out
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        if trainer.global_rank == self.rank and batch_idx == self.batch:
+            trainer.should_stop = True
+
+    def on_train_end(self, trainer, module):
+        Path(f"{self.out}.{trainer.global_rank}").write_text(json.dumps([trainer.global_step, module.policy_version]))
+
+
+@pytest.mark.parametrize("accumulate, batch", [
+    pytest.param(1, 1, marks=pytest.mark.slow),   # the step's own batch end
+    pytest.param(2, 2, marks=pytest.mark.slow),   # the first micro-batch of step 2: the stop waits for its end
+])   # slow: a 2-process Lightning start-up each
+def test_a_callback_stopping_one_rank_stops_every_rank_at_the_same_step(tmp_path, accumulate, batch):
+    import signal
+
+    from framework.checkpoint import find_latest, verify_checkpoint
+    from framework.metrics import read_metrics
+
+    end = tmp_path / "ended"
+    cfg = plain_sft(tmp_path, max_steps=6, accumulate_grad_batches=accumulate, log_every_n_steps=4)
+    cfg["callbacks"] = [{"class_path": "test_ddp_one_rank_failures.StopOnOneRank",
+                         "init_args": {"rank": 1, "batch": batch, "out": str(end)}}]
+    proc = launch(tmp_path, cfg)
+    try:
+        _, err = proc.communicate(timeout=240)
+    except subprocess.TimeoutExpired:   # the other rank waits in a collective the stopped one never joins
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        pytest.fail("the job did not end: a rank waits for the one that stopped")
+    assert proc.returncode == 0, err[-3000:]
+    assert reported(err) == [], err[-3000:]   # no traceback, no error line
+    assert [json.loads(Path(f"{end}.{r}").read_text()) for r in (0, 1)] == [[2, 2], [2, 2]]
+    run = Path(cfg["run_dir"])
+    latest = find_latest(run)
+    assert Path(latest).name == "step-000002"   # the step the run stopped at
+    verify_checkpoint(latest)   # every file whole
+    assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == [2]   # its last steps logged
