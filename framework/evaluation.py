@@ -613,7 +613,7 @@ class EvalCallback(lightning.Callback):
         for bar in bars:
             bar.show_phase("eval")
         try:
-            with trainer.precision_plugin.forward_context():
+            with trainer.precision_plugin.forward_context(), module.off_the_clock():
                 # the run's rollout engine when it is kept between rollouts (its cache is allocated anyway)
                 engine = module.recipe.engine if getattr(module.recipe, "keep_engine", None) else None
                 metrics = self.evaluation.run(module.policy, trainer.global_rank, trainer.world_size, engine)

@@ -13,6 +13,7 @@ One optimizer-step path for both optimization modes (see framework/callbacks.py 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import math
@@ -304,6 +305,15 @@ class FwModule(lightning.LightningModule):
         """Whether the optimizer step in progress will be logged (for metrics too costly for every step)."""
         step = self.trainer.global_step + 1
         return crossed(step - 1, step, self.cfg["trainer"]["log_every_n_steps"]) or step >= self.trainer.max_steps
+
+    @contextlib.contextmanager
+    def off_the_clock(self) -> Any:
+        """The time spent inside (an evaluation, a checkpoint's save) does not count toward `tokens_per_s`."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._flush_time += time.perf_counter() - start
 
     @record_function("fw.metrics.flush")
     def flush_metrics(self) -> dict[str, float]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 from pathlib import Path
@@ -130,6 +131,11 @@ class CheckpointCallback(pl.Callback):
             self.save(trainer, step)
 
     def save(self, trainer: pl.Trainer, step: int) -> None:
+        # a save's time is not training time: FwModule leaves it out of tokens_per_s
+        with getattr(trainer.lightning_module, "off_the_clock", contextlib.nullcontext)():
+            self._save(trainer, step)
+
+    def _save(self, trainer: pl.Trainer, step: int) -> None:
         for logger in trainer.loggers:
             logger.save()
         start = time.perf_counter()
