@@ -204,9 +204,12 @@ def test_exact_resume(tmp_path):
     settings = {"grpo": {"group_size": 4, "minibatches": 2},
                 "trainer": {"accelerator": "cpu", "max_steps": 8, "enable_progress_bar": False,
                             "log_every_n_steps": 1},
-                "checkpoint": {"every_n_steps": 2, "keep_last": None}}
+                "checkpoint": {"every_n_steps": 3, "keep_last": None}}
     straight = tmp_path / "straight"
     fit(config(straight, **settings))
+    # saves come between rollout batches (2 policy steps each): at the end of the batch a multiple of 3 falls in
+    assert sorted(p.name for p in (straight / "checkpoints").iterdir()) == [
+        "step-000004", "step-000006", "step-000008"]
     broken = tmp_path / "broken"
     crash = {"class_path": "test_resume.CrashAt", "init_args": {"step": 5}}
     with pytest.raises(RuntimeError, match="simulated crash"):
