@@ -11,7 +11,6 @@ from __future__ import annotations
 import gc
 import json
 import logging
-import multiprocessing
 import os
 import random
 import signal
@@ -23,6 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 from scripts.ckpt_writer import assert_same, expected, make_cfg, write_forever
+from scripts.preloaded import forkserver
 
 from framework import checkpoint as ck
 from framework.errors import FwError
@@ -86,14 +86,7 @@ class KillLog:
 
 
 # One forkserver per test session (multiprocessing keeps a single one), preloaded for every test here.
-PRELOAD = ["torch", "lightning.pytorch", "framework.checkpoint", "framework.cli", "framework.trainer",
-           "framework.module", "recipes", "scripts.ckpt_writer", "scripts.fw_cli"]
-
-
-def _forkserver():
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(PRELOAD)
-    return ctx
+_forkserver = forkserver
 
 
 def _kill_cycles(run_dir: Path, kills: int, seed: int) -> KillLog:

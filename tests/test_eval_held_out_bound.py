@@ -211,56 +211,41 @@ def test_two_processes_count_the_sft_draws_on_rank_zero_only(tmp_path):
     assert zero["examples"] == one["examples"]   # one eval set
 
 
-RANK_SCRIPT = """
-import json, sys
-import torch.distributed as dist
-from framework.errors import FwError
-from framework.evaluation import from_rank_zero
+def _from_rank_zero_on(rank: int, store: str, out_dir: str) -> None:
+    """One of two gloo ranks: `from_rank_zero` of a count, then of a computation that raises; what it got goes to
+    `rank<rank>.json` in `out_dir`."""
+    import torch.distributed as dist
 
-rank, store, out = int(sys.argv[1]), sys.argv[2], sys.argv[3]
-dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
-calls = []
+    from framework.errors import FwError
+    from framework.evaluation import from_rank_zero
 
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    calls = []
 
-def compute():
-    calls.append(rank)
-    return {"draws": 100 + rank}
+    def compute():
+        calls.append(rank)
+        return {"draws": 100 + rank}
 
+    def fails():
+        raise FwError("data.task: cannot count")
 
-def fails():
-    raise FwError("data.task: cannot count")
-
-
-got = from_rank_zero(compute)
-try:
-    from_rank_zero(fails)
-    error = None
-except FwError as e:
-    error = str(e)
-with open(out, "w") as f:
-    json.dump({"calls": calls, "got": got, "error": error}, f)
-dist.destroy_process_group()
-"""
+    got = from_rank_zero(compute)
+    try:
+        from_rank_zero(fails)
+        error = None
+    except FwError as e:
+        error = str(e)
+    with open(Path(out_dir) / f"rank{rank}.json", "w") as f:
+        json.dump({"calls": calls, "got": got, "error": error}, f)
+    dist.destroy_process_group()
 
 
 def test_rank_zero_computes_and_its_error_reaches_every_rank(tmp_path):
     """Two gloo processes: rank 0 alone computes, both get its result; rank 0's error is raised on rank 1 too,
     which would otherwise wait for a result forever."""
-    script = tmp_path / "ranks.py"
-    script.write_text(RANK_SCRIPT)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    procs = [subprocess.Popen([sys.executable, str(script), str(rank), str(tmp_path / "store"),
-                               str(tmp_path / f"rank{rank}.json")], cwd=ROOT, env=env, stderr=subprocess.PIPE,
-                              text=True) for rank in (0, 1)]
-    try:
-        for proc in procs:
-            _, err = proc.communicate(timeout=300)
-            assert proc.returncode == 0, err[-3000:]
-    finally:   # a rank left waiting in the collective
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+    from scripts.preloaded import run_ranks
+
+    run_ranks(_from_rank_zero_on, str(tmp_path / "store"), str(tmp_path))
     zero, one = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
     assert zero["calls"] == [0] and one["calls"] == []
     assert zero["got"] == one["got"] == {"draws": 100}

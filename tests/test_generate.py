@@ -162,7 +162,9 @@ def test_corrupt_weights_are_found(tmp_path):
         generate_text(cfg, "x", checkpoint=str(path), temperature=0.0)
 
 
-def test_cli_generate_prints_the_completion(checkpoint):
+def test_cli_generate_prints_the_completion(checkpoint, capsys):
+    from framework.cli import main
+
     ckpt, model, tok = checkpoint
     rendered = tok.apply_chat_template([{"role": "user", "content": "abc"}], add_generation_prompt=True)
     expected = naive_greedy_text(model, tok, tok.encode(rendered), 5)
@@ -173,18 +175,19 @@ def test_cli_generate_prints_the_completion(checkpoint):
     assert out.returncode == 0, out.stderr
     assert out.stdout == expected + "\n"
 
-    run_dir = ckpt.parent.parent   # the run directory works the same; a corrupt newest one is one line
+    # the run directory works the same; a corrupt newest one is one line (in this process: the real process above
+    # shows the command's output)
+    run_dir = ckpt.parent.parent
     weights = ckpt / "policy" / "model.safetensors"
     original = weights.read_bytes()
     try:
         _corrupt(weights, 3, 0xFF)
-        out = subprocess.run([sys.executable, "-m", "framework", "generate", "--checkpoint", str(run_dir),
-                              "--prompt", "abc", "--greedy"], check=False, capture_output=True, text=True,
-                             env=env, timeout=120)
+        code = main(["generate", "--checkpoint", str(run_dir), "--prompt", "abc", "--greedy"])
     finally:
         weights.write_bytes(original)
-    assert out.returncode == 2 and out.stdout == ""
-    assert out.stderr.startswith(f"fw: error: {weights}: sha256 ") and out.stderr.count("\n") == 1
+    out = capsys.readouterr()
+    assert code == 2 and out.out == ""
+    assert out.err.startswith(f"fw: error: {weights}: sha256 ") and out.err.count("\n") == 1
 
 
 def test_base_checkpoint_stops_at_the_chat_turn_end():

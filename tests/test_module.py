@@ -472,10 +472,10 @@ def _nan_on_one_rank(rank: int, init: str, out: str) -> None:
 def test_a_nan_on_one_rank_stops_every_rank(tmp_path):
     """The NaN flags are reduced over the ranks with the values: the rank that saw none stops at the same step
     instead of writing the diverged step's record and then dying in the next collective."""
-    import torch.multiprocessing as mp
+    from scripts.preloaded import run_ranks
 
     out = str(tmp_path / "result")
-    mp.spawn(_nan_on_one_rank, args=(f"file://{tmp_path / 'init'}", out), nprocs=2, join=True)
+    run_ranks(_nan_on_one_rank, f"file://{tmp_path / 'init'}", out)
     for rank in (0, 1):
         text = Path(f"{out}.{rank}").read_text()
         assert text.startswith("metric 'loss' is NaN: the run has diverged"), (rank, text)

@@ -143,23 +143,19 @@ def test_a_cut_batch_holds_every_ranks_share_and_another_world_size_drops_it(tmp
     assert state["cut"]["rollout_step"] == 2 and state["cut"]["taken"] == 1 and len(state["cut"]["ranks"]) == 1
 
 
-GATHER = """
-import json, sys
-import torch
-import torch.distributed as dist
-from framework.tokenizer import Tokenizer
-from recipes.grpo import GRPORecipe
-from recipes.rl import CutBatch
-from test_rl_extend import cut_share
+def _gather_on(rank: int, cfg: dict, port: int, out_dir: str) -> None:
+    """One of two gloo ranks: a GRPO recipe holding this rank's share of a cut batch saves its state_dict."""
+    import torch.distributed as dist
 
-rank = int(sys.argv[2])
-dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{sys.argv[3]}", rank=rank, world_size=2)
-recipe = GRPORecipe(json.loads(sys.argv[1]), Tokenizer.builtin())
-recipe.cut = CutBatch(1, 3, recipe.update_layout(), cut_share(rank))
-state = recipe.state_dict()
-torch.save(state, f"{sys.argv[4]}/state-rank{rank}.pt")
-dist.destroy_process_group()
-"""
+    from framework.tokenizer import Tokenizer
+    from recipes.grpo import GRPORecipe
+    from recipes.rl import CutBatch
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    recipe = GRPORecipe(cfg, Tokenizer.builtin())
+    recipe.cut = CutBatch(1, 3, recipe.update_layout(), cut_share(rank))
+    torch.save(recipe.state_dict(), Path(out_dir) / f"state-rank{rank}.pt")
+    dist.destroy_process_group()
 
 
 def cut_share(rank):
@@ -180,23 +176,17 @@ def test_a_cut_batch_is_gathered_on_rank_zero_only(tmp_path):
     """2 gloo processes, each with its own share of a cut batch: rank 0's recipe state (the checkpoint rank 0
     writes) holds both shares in rank order, exactly as each rank pinned them; rank 1's, which no checkpoint
     keeps, receives none."""
-    import os
     import socket
-    import subprocess
-    import sys
+
+    from scripts.preloaded import run_ranks
 
     from recipes.rl import pinned_state
 
-    root = Path(__file__).resolve().parents[1]
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cfg = json.dumps(config(tmp_path / "run", "grpo", 4))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{root / 'tests'}{os.pathsep}{root}"}
-    procs = [subprocess.Popen([sys.executable, "-c", GATHER, cfg, str(rank), str(port), str(tmp_path)], cwd=root,
-                              env=env, stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
-    for proc in procs:
-        assert proc.wait(timeout=300) == 0, proc.stderr.read()[-3000:]
+    # through JSON, as a config reaches a process
+    run_ranks(_gather_on, json.loads(json.dumps(config(tmp_path / "run", "grpo", 4))), port, str(tmp_path))
     states = [torch.load(tmp_path / f"state-rank{rank}.pt", weights_only=False) for rank in (0, 1)]
     for state in states:
         assert {k: v for k, v in state["cut"].items() if k != "ranks"} == {

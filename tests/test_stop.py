@@ -8,7 +8,6 @@ so each costs its model build and steps, not a fresh interpreter's imports; one 
 from __future__ import annotations
 
 import json
-import multiprocessing
 import os
 import signal
 import subprocess
@@ -20,13 +19,11 @@ from pathlib import Path
 import pytest
 import torch
 from scripts.fw_logged import run_logged
+from scripts.preloaded import forkserver
 
 from framework import checkpoint as ck
 
 REPO = Path(__file__).parents[1]
-# the same modules as test_crash_safety's: multiprocessing keeps one forkserver per session
-PRELOAD = ["torch", "lightning.pytorch", "framework.checkpoint", "framework.cli", "framework.trainer",
-           "framework.module", "recipes", "scripts.ckpt_writer", "scripts.fw_cli"]
 # Lightning lines that a user of fw cannot act on (framework/trainer.py silences them)
 NOISE = ["GPU available", "TPU available", "Tip:", "LeafSpec", "eval mode", "`Trainer.fit` stopped",
          "does not have many workers"]
@@ -49,8 +46,7 @@ class Run:
     """One `fw` process forked from the forkserver, logging to `log`."""
 
     def __init__(self, argv: list[str], log: Path):
-        ctx = multiprocessing.get_context("forkserver")
-        ctx.set_forkserver_preload(PRELOAD)
+        ctx = forkserver()   # the session's one forkserver, fw preloaded
         self.log = log
         self.proc = ctx.Process(target=run_logged, args=(argv, str(log)))
         self.proc.start()
