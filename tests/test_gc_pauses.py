@@ -17,7 +17,7 @@ class CollectInBatch(lightning.Callback):
 
 def tiny_sft(tmp_path, callbacks):
     return resolve({"recipe": "sft", "run_dir": str(tmp_path / "run"), "model": {"policy": {"preset": "tiny"}},
-                    "data": {"path": "recipes/data/arithmetic_chat.jsonl", "max_seq_len": 32, "batch_size": 2},
+                    "data": {"path": "recipes/data/arithmetic_chat.jsonl", "max_seq_len": 64, "batch_size": 2},
                     "trainer": {"accelerator": "cpu", "max_steps": 3, "enable_progress_bar": False},
                     "checkpoint": {"every_n_steps": 100}, "logging": {"csv": False, "tensorboard": False},
                     "callbacks": callbacks})
