@@ -45,6 +45,14 @@ def need_dim(op: str, name: str, t: Tensor, ndim: int, layout: str) -> None:
         fail(op, f"`{name}` must be {layout}, got shape {tuple(t.shape)}")
 
 
+def need_device(op: str, anchor: str, x: Tensor, **others: Tensor | None) -> None:
+    """Every tensor of `others` on `x`'s device: a CUDA kernel handed a host (or another GPU's) pointer faults,
+    and the fault ends the process's CUDA context rather than naming the argument."""
+    for name, t in others.items():
+        if t is not None and t.device != x.device:
+            fail(op, f"`{name}` is on {t.device}, `{anchor}` on {x.device}: every tensor must be on one device")
+
+
 def need_long(op: str, name: str, t: Tensor) -> None:
     if t.dtype != torch.int64:
         fail(op, f"`{name}` must be int64 (LongTensor), got {t.dtype}")

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ops_cuda.library import acc_dtype, define, fail, need_dim, need_long, register_autocast
+from ops_cuda.library import acc_dtype, define, fail, need_device, need_dim, need_long, register_autocast
 
 # Vocabulary columns per offset of the saved logits (linear_logprob with save_logits): the chunk that the CUDA
 # forward reduces, a warp's in the row kernels and a column block of the Hopper kernel (kLogprobChunk in
@@ -178,6 +178,7 @@ def linear_logprob(hidden: Tensor, weight: Tensor, targets: Tensor, temperature:
         fail("linear_logprob", f"temperature must be > 0, got {temperature}")
     if weight.shape[0] == 0:
         fail("linear_logprob", "`weight` has no rows: the vocabulary must hold at least one token")
+    need_device("linear_logprob", "hidden", hidden, weight=weight, targets=targets)
     save = save_logits and torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     lp, ent, *_ = torch.ops.fw.linear_logprob(hidden, weight, targets, float(temperature),
                                               SAVED_LOGITS_CHUNK if save else 0)

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ops_cuda.library import acc_dtype, define, fail, need_dim, need_long
+from ops_cuda.library import acc_dtype, define, fail, need_device, need_dim, need_long
 
 
 def gather_context(pool: Tensor, table: Tensor, length: int) -> Tensor:
@@ -165,6 +165,7 @@ def _check_pools(op: str, q: Tensor, k_pool: Tensor, v_pool: Tensor, block_table
             or block_tables.shape[0] != lengths.shape[0]):
         fail(op, f"shapes disagree: q {tuple(q.shape)}, k_pool {tuple(k_pool.shape)}, v_pool {tuple(v_pool.shape)}, "
                  f"block_tables {tuple(block_tables.shape)}, lengths {tuple(lengths.shape)}")
+    need_device(op, "q", q, k_pool=k_pool, v_pool=v_pool, block_tables=block_tables, lengths=lengths)
 
 
 def paged_decode_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_tables: Tensor, lengths: Tensor,
@@ -185,6 +186,7 @@ def paged_decode_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_tabl
         need_long("paged_decode_attention", "packs", packs)
         if packs.shape != (q.shape[0], 3):
             fail("paged_decode_attention", f"packs {tuple(packs.shape)} for {q.shape[0]} rows: expected [B, 3]")
+        need_device("paged_decode_attention", "q", q, packs=packs)
     return torch.ops.fw.paged_decode_attention(q, k_pool, v_pool, block_tables, lengths, float(scale), packs)
 
 
@@ -197,4 +199,5 @@ def paged_prefill_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_tab
     need_long("paged_prefill_attention", "cu_seqlens", cu_seqlens)
     if cu_seqlens.shape[0] != lengths.shape[0] + 1:
         fail("paged_prefill_attention", f"cu_seqlens {tuple(cu_seqlens.shape)} for {lengths.shape[0]} rows")
+    need_device("paged_prefill_attention", "q", q, cu_seqlens=cu_seqlens)
     return torch.ops.fw.paged_prefill_attention(q, k_pool, v_pool, block_tables, cu_seqlens, lengths, float(scale))
