@@ -92,10 +92,16 @@ def checkpoint_files(path: str | os.PathLike) -> list[Path]:
     """The safetensors files of a checkpoint: those named by the index, or the single model.safetensors."""
     path = Path(path)
     if (path / INDEX_FILE).is_file():
+        if (path / SINGLE_FILE).is_file():   # transformers would read the single file, fw the shards
+            raise FwError(f"{path}: holds both {SINGLE_FILE} and {INDEX_FILE}, which may hold different weights; "
+                          "remove the one another tool left behind")
         try:
             weight_map = json.loads((path / INDEX_FILE).read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError) as e:
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
             raise FwError(f"{path / INDEX_FILE}: not a safetensors index ({e})") from None
+        if not isinstance(weight_map, dict) or not all(
+                isinstance(f, str) and f and Path(f).name == f and f not in (".", "..") for f in weight_map.values()):
+            raise FwError(f"{path / INDEX_FILE}: weight_map must map tensor names to shard files of this directory")
         files = [path / f for f in sorted(set(weight_map.values()))]
         absent = [str(f) for f in files if not f.is_file()]
         if absent:

@@ -76,13 +76,23 @@ class Qwen3Config:
             unsupported.append("attention_bias: true (Qwen3 has no attention biases)")
         if d.get("mlp_bias"):
             unsupported.append("mlp_bias: true")
-        if d.get("use_sliding_window"):
-            unsupported.append("use_sliding_window: true (sliding-window attention is not implemented)")
         layer_types = d.get("layer_types")
+        # transformers windows the layers from max_window_layers on, when use_sliding_window sets a window
+        windowed = (d.get("use_sliding_window") and d.get("sliding_window") is not None
+                    and (d.get("max_window_layers") or 0) < (d.get("num_hidden_layers") or 0))
+        if layer_types is None and windowed:
+            unsupported.append("use_sliding_window: true (sliding-window attention is not implemented)")
         if layer_types is not None and any(t != "full_attention" for t in layer_types):
             unsupported.append(f"layer_types other than full_attention: {sorted(set(layer_types))}")
-        if d.get("hidden_act", "silu") != "silu":
+        if d.get("hidden_act", "silu") not in ("silu", "swish"):   # transformers' two names of one function
             unsupported.append(f"hidden_act: {d['hidden_act']!r} (only 'silu' is implemented)")
+        if d.get("attention_dropout"):
+            unsupported.append(f"attention_dropout: {d['attention_dropout']!r} (attention has no dropout here)")
+        if d.get("quantization_config") is not None:
+            method = d["quantization_config"].get("quant_method") if isinstance(d["quantization_config"], dict) \
+                else None
+            unsupported.append(f"quantization_config ({method or 'present'}: quantised weights are not supported; "
+                               "give a bf16, fp16 or fp32 checkpoint)")
         for key in _MOE_KEYS:
             if d.get(key):
                 unsupported.append(f"{key}: {d[key]!r} (mixture-of-experts models are not supported)")
