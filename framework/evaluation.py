@@ -426,7 +426,7 @@ class Evaluation:
         if e["max_new_tokens"] is not None:
             changes["max_new_tokens"] = e["max_new_tokens"]
         params = SamplingParams.from_config(cfg["rollout"], **changes)
-        eos = stop_token_ids(self.tokenizer, policy.config)
+        eos = stop_token_ids(self.tokenizer, policy)
         mine = list(range(rank, len(self.ids), world_size))
         chunk = cfg["rollout"]["prompts_per_step"]
         sums = torch.zeros(_RL_SUMS, dtype=torch.float64)

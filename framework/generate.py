@@ -112,7 +112,7 @@ def generate_text(cfg: dict | None, prompt: str, checkpoint: str | None = None, 
     # as the run's rollouts sample: its cache settings (rollout.kv_cache_dtype changes what is sampled) and, on CUDA,
     # its autocast (a float8 pool needs 16-bit compute there)
     with autocast_context(cfg, _device(cfg)):
-        result = generate(policy, [ids], params, eos_ids=stop_token_ids(tokenizer, policy.config),
+        result = generate(policy, [ids], params, eos_ids=stop_token_ids(tokenizer, policy),
                           tokenizer=tokenizer, seed=cfg["seed"] if seed is None else seed,
                           cache=CacheSettings.from_config(cfg["rollout"]))
     return result.texts[0]

@@ -652,7 +652,7 @@ class RLRecipe:
         engine = self.rollout_engine(ctx.policy)
         try:
             with record_function("fw.rl.generate"):
-                ro = engine.generate(prompts, self.sampling, eos_ids=stop_token_ids(tok, ctx.policy.config),
+                ro = engine.generate(prompts, self.sampling, eos_ids=stop_token_ids(tok, ctx.policy),
                                      tokenizer=tok, seed=seed, policy_version=int(ctx.policy_version))
         finally:
             if not self.keep_engine:   # its memory is the update's

@@ -204,4 +204,37 @@ def test_base_checkpoint_stops_at_the_chat_turn_end():
     endoftext, im_end = hf.token_to_id("<|endoftext|>"), hf.token_to_id("<|im_end|>")
     config = preset_config("tiny", base.vocab_size, endoftext, base.pad_id)
     assert config.eos_token_id == endoftext
-    assert stop_token_ids(base, config) == sorted({endoftext, im_end})
+    with torch.device("meta"):
+        model = Qwen3ForCausalLM(config)
+    assert stop_token_ids(base, model) == sorted({endoftext, im_end})
+
+
+def test_generation_config_eos_ids_stop_as_in_transformers(tmp_path):
+    """Qwen3's released directories name <|im_end|> as eos in config.json and add <|endoftext|> in
+    generation_config.json, which transformers' generate stops on. A model made to emit <|endoftext|> greedily
+    stops at once in transformers' generate and in fw's."""
+    transformers = pytest.importorskip("transformers")
+    tok = Tokenizer.builtin()
+    eot, im_end = tok.token_to_id("<|endoftext|>"), tok.token_to_id("<|im_end|>")
+    torch.manual_seed(0)
+    config = transformers.Qwen3Config(vocab_size=tok.vocab_size, hidden_size=64, intermediate_size=128,
+                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                      tie_word_embeddings=False, bos_token_id=eot, eos_token_id=im_end,
+                                      pad_token_id=eot)
+    hf = transformers.Qwen3ForCausalLM(config)
+    with torch.no_grad():   # the residual stream is the embedding, whose column 0 makes <|endoftext|> win
+        for layer in hf.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        hf.model.embed_tokens.weight[:, 0] = 10.0
+        hf.lm_head.weight.zero_()
+        hf.lm_head.weight[eot, 0] = 5.0
+    hf.generation_config.eos_token_id = [im_end, eot]
+    hf.save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    prompt = tok.encode("1+1=")
+    new = hf.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False)[0, len(prompt):].tolist()
+    assert new == [eot]   # transformers stops on the generation config's second eos id
+    cfg = resolve({"recipe": "grpo", "model": {"policy": {"path": str(tmp_path)}},
+                   "data": {"task": {"name": "digits"}, "chat_template": False}, "rollout": {"max_new_tokens": 8}})
+    assert generate_text(cfg, "1+1=", temperature=0.0) == ""

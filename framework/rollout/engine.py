@@ -81,12 +81,15 @@ class Rollout:
         return steps[None, :] < self.completion_lens[:, None]
 
 
-def stop_token_ids(tokenizer: Any, model_config: Any) -> list[int]:
-    """The tokenizer's EOS, the chat template's turn end and the model's own (config.json's eos_token_id: one id
-    or a list): a row ends on any of them. The turn end counts because it closes every assistant turn the
-    template renders, also under a base checkpoint, whose tokenizer and config name only <|endoftext|>."""
-    model_eos = model_config.eos_token_id
-    ids = model_eos if isinstance(model_eos, list) else [] if model_eos is None else [model_eos]
+def stop_token_ids(tokenizer: Any, model: Any) -> list[int]:
+    """The tokenizer's EOS, the chat template's turn end and the model's own: config.json's eos_token_id and its
+    generation_config.json's (one id or a list each; Qwen3's releases name <|endoftext|> in the second only, as
+    transformers' `generate` reads it). A row ends on any of them. The turn end counts because it closes every
+    assistant turn the template renders, also under a base checkpoint, whose tokenizer and config name only
+    <|endoftext|>."""
+    generation = getattr(model, "generation_config", None) or {}
+    ids = [i for eos in (model.config.eos_token_id, generation.get("eos_token_id"))
+           for i in (eos if isinstance(eos, list) else [eos])]
     return sorted({tokenizer.eos_id, tokenizer.token_to_id(TURN_END), *ids} - {None})
 
 
