@@ -271,8 +271,14 @@ def _check_messages(messages: list[dict]) -> None:
 
 def build_tokenizer(cfg: dict) -> Tokenizer:
     """`tokenizer.path`, else the policy directory's tokenizer, else the built-in character tokenizer."""
+    key = "tokenizer.path" if cfg["tokenizer"]["path"] else "model.policy.path"
     path = cfg["tokenizer"]["path"] or cfg["model"]["policy"]["path"]
-    return Tokenizer.from_pretrained(path) if path else Tokenizer.builtin()
+    if not path:
+        return Tokenizer.builtin()
+    try:
+        return Tokenizer.from_pretrained(path)
+    except FwError as e:   # the commands that run without `fw validate` (generate, eval) name the key too
+        raise FwError(f"{key}: {e}") from None
 
 
 def tokenizer_files(tokenizer: Tokenizer) -> dict[str, bytes]:

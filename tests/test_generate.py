@@ -238,3 +238,20 @@ def test_generation_config_eos_ids_stop_as_in_transformers(tmp_path):
     cfg = resolve({"recipe": "grpo", "model": {"policy": {"path": str(tmp_path)}},
                    "data": {"task": {"name": "digits"}, "chat_template": False}, "rollout": {"max_new_tokens": 8}})
     assert generate_text(cfg, "1+1=", temperature=0.0) == ""
+
+
+def test_a_missing_tokenizer_names_the_key_it_came_from(tmp_path):
+    """fw generate and fw eval run without fw validate: a model directory without tokenizer.json, or a
+    tokenizer.path without one, is named by its key."""
+    tok = Tokenizer.builtin()
+    model = Qwen3ForCausalLM(preset_config("tiny", tok.vocab_size, tok.eos_id, tok.pad_id))
+    save_pretrained(model, tmp_path / "model")   # no tokenizer given: config.json and weights only
+    assert not (tmp_path / "model" / "tokenizer.json").exists()
+    base = {"recipe": "grpo", "data": {"task": {"name": "digits"}}, "rollout": {"max_new_tokens": 2}}
+    cases = [({"model": {"policy": {"path": str(tmp_path / "model")}}}, "model.policy.path", tmp_path / "model"),
+             ({"model": {"policy": {"preset": "tiny"}}, "tokenizer": {"path": str(tmp_path / "none")}},
+              "tokenizer.path", tmp_path / "none")]
+    for settings, key, where in cases:
+        with pytest.raises(FwError) as e:
+            generate_text(resolve({**base, **settings}), "hi", temperature=0.0)
+        assert str(e.value).startswith(f"{key}: {where}: no tokenizer.json"), str(e.value)
