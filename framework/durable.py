@@ -152,8 +152,13 @@ def publish_dir(staging: Path, final: Path, use_exchange: bool = True) -> None:
 
 
 def remove_tree(path: Path) -> None:
-    """Delete a directory so that a crash midway leaves only a hidden `.trash-*` leftover."""
+    """Delete a directory so that a crash midway leaves only a hidden `.trash-*` leftover. A symbolic link (a
+    directory moved to other storage and linked back) is unlinked, its target kept: the link is what stood here."""
     path = Path(path)
+    if path.is_symlink():
+        path.unlink()
+        fsync_dir(path.parent)
+        return
     if not path.exists():
         return
     if not _HIDDEN.match(path.name):
@@ -162,6 +167,38 @@ def remove_tree(path: Path) -> None:
         fsync_dir(path.parent)
         path = trash
     shutil.rmtree(path)
+
+
+def disk_full_cause(exc: BaseException | None) -> OSError | None:
+    """The ENOSPC / EDQUOT OSError in `exc`'s chain (itself, its cause or context), or None."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            return exc
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+def free_space(directory: str | os.PathLike) -> str:
+    """The space left to this user in the file system of `directory`, for a message."""
+    try:
+        st = os.statvfs(directory)
+    except OSError:
+        return "unknown space"
+    return f"{st.f_bavail * st.f_frsize / 1e6:.1f} MB"
+
+
+def disk_full(path: str | os.PathLike, what: str, key: str | None = None) -> Exception:
+    """The one-line DiskFull (an FwError) for a run file `path` that a full disk or quota stopped: it names the
+    config `key` that writes it (if any), the file, `what` it holds and the space left. It is met before a
+    checkpoint's write starts or after one is published, so the published checkpoints are intact."""
+    # imported here: the checkpoint package imports this module
+    from framework.checkpoint.tensors import DiskFull
+
+    where = f"{key}: " if key else ""
+    return DiskFull(f"{where}{path}: no space left on device while writing {what} "
+                    f"({free_space(Path(path).parent)} free); the run stopped, its published checkpoints are intact")
 
 
 def _other_process_alive(pid: int) -> bool:

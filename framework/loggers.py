@@ -15,15 +15,18 @@ exception ends the run: that one is reported in one line and the run's own excep
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import inspect
 import io
 import math
 import os
+import queue
 import struct
 import sys
 import time
 from argparse import Namespace
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +35,7 @@ from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 from lightning.pytorch.utilities import rank_zero_only
 
-from framework.durable import replace_file
+from framework.durable import disk_full, disk_full_cause, replace_file
 from framework.errors import FwError
 from framework.metrics import JsonlLogger
 
@@ -115,6 +118,32 @@ def _holds_events(event_file: Path) -> bool:
     return False
 
 
+@contextlib.contextmanager
+def _full_disk_stops(key: str, path: Callable[[], str | os.PathLike], what: str) -> Iterator[None]:
+    """A full disk (ENOSPC / EDQUOT anywhere in an exception's chain: Lightning wraps some in a ValueError) as
+    `disk_full`'s one-line error naming `key` and the file `path()`, the OSError kept as its cause."""
+    try:
+        yield
+    except FwError:
+        raise
+    except Exception as e:
+        cause = disk_full_cause(e)
+        if cause is None:
+            raise
+        raise disk_full(path(), what, key) from cause
+
+
+def _finalize_failed(finalize: Callable[[], None]) -> None:
+    """A logger's `finalize("failed")`, which Lightning calls while another exception ends the run: a full disk
+    there is left to that exception (often the same full disk), so that the run still ends on its one line. What
+    it loses was logged past the newest checkpoint, which a resume writes again."""
+    try:
+        finalize()
+    except Exception as e:
+        if disk_full_cause(e) is None:
+            raise
+
+
 class _CsvWriter(ExperimentWriter):
     """Lightning's CSV writer, except that it continues an existing metrics.csv (Lightning's deletes it) and
     writes it safely: rows are appended and fsynced; a new column rewrites the file into a temporary one,
@@ -191,10 +220,126 @@ class RunCSVLogger(CSVLogger):
             self._experiment = _CsvWriter(log_dir=self.log_dir)
         return self._experiment
 
+    def _full_disk_stops(self) -> contextlib.AbstractContextManager[None]:
+        return _full_disk_stops("logging.csv", lambda: self.experiment.metrics_file_path, "the CSV metrics")
+
+    @rank_zero_only
+    def log_hyperparams(self, params: dict[str, Any] | Namespace) -> None:
+        with _full_disk_stops("logging.csv", lambda: Path(self.log_dir) / "hparams.yaml", "the run's config"):
+            super().log_hyperparams(params)
+
+    @rank_zero_only
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        with self._full_disk_stops():   # Lightning's saves every flush_logs_every_n_steps
+            super().log_metrics(metrics, step)
+
+    @rank_zero_only
+    def save(self) -> None:
+        with self._full_disk_stops():
+            super().save()
+
+    @rank_zero_only
+    def finalize(self, status: str) -> None:
+        if status == "failed":
+            _finalize_failed(lambda: self.save() if self._experiment is not None else None)
+            return
+        super().finalize(status)
+
     @rank_zero_only
     def truncate_after(self, step: int) -> None:
         """Drop the rows a resumed run writes again (see `JsonlLogger.truncate_after`)."""
         self.experiment.truncate_after(step)
+
+
+_PUT_WAIT_S = 0.5   # how long a queued event waits for room before the writer thread is looked at again
+
+
+class _EventWriterGuard:
+    """Keeps tensorboardX's event writer from hanging the run when its file cannot be written.
+
+    tensorboardX queues each event (a bounded queue) for a thread that writes the file. An OSError there (a full
+    disk) would end that thread, and the next event queued once the queue is full would wait for it forever. So
+    the record writer's `write_event`, `flush` and `close` are wrapped on the instance: the first OSError is kept
+    and every later write dropped, the thread living on to drain the queue; and `add_event` queues with a timeout,
+    looking at the kept error and at the thread between tries, so `check()` raises in the caller. Writers of
+    another layout (torch.utils.tensorboard, whose own thread hands its error to the caller) are left as they are:
+    `active` is False."""
+
+    def __init__(self, experiment: Any) -> None:
+        self.failure: OSError | None = None
+        self.abandoned = False   # closed by `abandon`: the thread had ended, what it had not written is lost
+        self.file_writer = getattr(experiment, "file_writer", None)
+        self.events = getattr(self.file_writer, "event_writer", None)   # tensorboardX's EventFileWriter
+        self.records = getattr(self.events, "_ev_writer", None)   # its EventsWriter, which the thread writes with
+        needed = ("_event_queue", "_worker", "_closed", "add_event")
+        self.active = (self.records is not None and all(hasattr(self.events, a) for a in needed)
+                       and all(callable(getattr(self.records, m, None)) for m in ("write_event", "flush", "close")))
+        if not self.active:
+            return
+        self.file = getattr(self.records, "_file_name", None)
+        for method in ("write_event", "flush"):
+            setattr(self.records, method, self._kept(getattr(self.records, method)))
+        close = self.records.close
+
+        def close_file() -> None:
+            try:   # the file is closed even where its last flush fails
+                close()
+            except OSError as e:
+                self.failure = self.failure or e
+
+        self.records.close = close_file
+        self.events.add_event = self._add_event
+
+    def _kept(self, method: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if self.failure is not None:   # past a failed write the file holds a torn record: nothing more
+                return None
+            try:
+                return method(*args, **kwargs)
+            except OSError as e:
+                self.failure = e
+                return None
+        return call
+
+    def _add_event(self, event: Any) -> None:
+        """tensorboardX's `EventFileWriter.add_event`, whose put waits for room a while at a time."""
+        while not self.events._closed:
+            self.check()
+            try:
+                self.events._event_queue.put(event, timeout=_PUT_WAIT_S)
+                return
+            except queue.Full:
+                continue
+
+    def thread_gone(self) -> bool:
+        """Whether the writer thread has ended while its writer was open (an exception other than an OSError)."""
+        if self.abandoned:
+            return True
+        worker = getattr(self.events, "_worker", None)
+        return self.active and not self.events._closed and worker is not None and not worker.is_alive()
+
+    def check(self) -> None:
+        """Raise the kept write error as a one-line error naming `logging.tensorboard` and the file."""
+        file = self.file or getattr(self.events, "get_logdir", lambda: "the TensorBoard log")()
+        if self.failure is not None:
+            if disk_full_cause(self.failure) is not None:
+                raise disk_full(file, "TensorBoard's events", "logging.tensorboard") from self.failure
+            raise FwError(f"logging.tensorboard: {file}: writing TensorBoard's events failed: {self.failure}; the run "
+                          "stopped, its published checkpoints are intact") from self.failure
+        if self.thread_gone():
+            raise FwError(f"logging.tensorboard: the thread writing {file} has ended (its error is above); the run "
+                          "stopped, its published checkpoints are intact")
+
+    def abandon(self) -> None:
+        """Close a writer whose thread has ended without the thread: tensorboardX's close would queue a stop for it
+        and wait for its end, forever once the queue is full."""
+        if self.abandoned:
+            return
+        self.abandoned = True
+        self.events._closed = True
+        with contextlib.suppress(Exception):
+            self.events._event_queue.cancel_join_thread()   # nothing reads the queue at exit
+        self.records.close()
 
 
 class RunTensorBoardLogger(TensorBoardLogger):
@@ -205,32 +350,77 @@ class RunTensorBoardLogger(TensorBoardLogger):
     ends in the time in nanoseconds: tensorboardX names a file by the whole second, so a second writer within
     one second would overwrite the first one's file, and files of one second would not sort in the order they
     were written, which the purge needs.
+
+    A file that cannot be written (a full disk) stops the run with one line naming `logging.tensorboard` and the
+    event file, at the next metrics, save or finalize, instead of leaving it waiting for a writer thread that has
+    ended (`_EventWriterGuard`).
     """
 
     def __init__(self, run_dir: str | os.PathLike) -> None:
         super().__init__(save_dir=run_dir, name=LOG_DIR[0], version=LOG_DIR[1], default_hp_metric=False)
+        self._guard: _EventWriterGuard | None = None
 
     @property
     @rank_zero_experiment
     def experiment(self) -> Any:
         if self._experiment is None:
             self._kwargs["filename_suffix"] = f".{time.time_ns()}"
-        return TensorBoardLogger.experiment.fget(self)
+        experiment = TensorBoardLogger.experiment.fget(self)
+        guard = getattr(self, "_guard", None)
+        if guard is None or guard.file_writer is not getattr(experiment, "file_writer", None):
+            self._guard = _EventWriterGuard(experiment)
+        return experiment
+
+    def _event_file(self) -> str:
+        guard = getattr(self, "_guard", None)
+        return (guard.file if guard is not None and guard.file else None) or self.log_dir
+
+    @contextlib.contextmanager
+    def _checked(self) -> Iterator[None]:
+        """Run a call on the writer, then raise its write error (`_EventWriterGuard.check`); a full disk met in
+        the call itself (another writer's layout) is the same one-line error."""
+        try:
+            with _full_disk_stops("logging.tensorboard", self._event_file, "TensorBoard's events"):
+                yield
+        except Exception:
+            if self._guard is not None:   # the kept error says more than Lightning's ValueError around it
+                self._guard.check()
+            raise
+        if self._guard is not None:
+            self._guard.check()
+
+    @rank_zero_only
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        with self._checked():
+            super().log_metrics(metrics, step)
 
     @rank_zero_only
     def log_hyperparams(self, params: dict[str, Any] | Namespace, metrics: dict[str, Any] | None = None,
                         step: int | None = None) -> None:
-        super().log_hyperparams(params, metrics, step)
+        with self._checked():
+            super().log_hyperparams(params, metrics, step)
         # Lightning's writes hparams.yaml only where there is none; a resumed run records its own config,
         # as config.yaml does
         os.makedirs(self.log_dir, exist_ok=True)
-        _write_hparams(self.log_dir, self.hparams)
+        with _full_disk_stops("logging.tensorboard", lambda: Path(self.log_dir) / "hparams.yaml", "the run's config"):
+            _write_hparams(self.log_dir, self.hparams)
 
     @rank_zero_only
     def save(self) -> None:
         """Flush the event file; opening one here would be before `truncate_after` sets the purge."""
         if self._experiment is not None:
-            self._experiment.flush()
+            with self._checked():
+                self._experiment.flush()
+
+    @rank_zero_only
+    def finalize(self, status: str) -> None:
+        if self._guard is not None and self._guard.thread_gone():
+            self._guard.abandon()
+        if status == "failed":
+            _finalize_failed(lambda: super(RunTensorBoardLogger, self).finalize(status))
+            return
+        with self._checked():
+            super().finalize(status)
 
     @rank_zero_only
     def truncate_after(self, step: int) -> None:

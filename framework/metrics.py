@@ -7,6 +7,7 @@ token-weighted loss is the exact token mean of the global batch, accumulation in
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -21,7 +22,7 @@ from lightning.pytorch.loggers import Logger
 from lightning.pytorch.utilities import rank_zero_only
 from torch import nn
 
-from framework.durable import replace_file
+from framework.durable import disk_full, disk_full_cause, replace_file
 from framework.errors import FwError
 
 
@@ -279,26 +280,51 @@ class JsonlLogger(Logger):
             self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 (kept open across calls; closed in finalize)
         return self._file
 
+    def _full(self) -> Exception:
+        """The one-line DiskFull of a full disk met writing the file (the caller keeps the OSError as its cause)."""
+        return disk_full(self.path, "the run's metrics")
+
     @rank_zero_only
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
         record = {"step": step}
         for k, v in metrics.items():
             v = v.item() if isinstance(v, torch.Tensor) else v
             record[k] = v if isinstance(v, (int, str)) or math.isfinite(v) else str(v)
-        self._open().write(json.dumps(record) + "\n")
+        try:
+            self._open().write(json.dumps(record) + "\n")   # a full buffer is written here
+        except OSError as e:
+            if disk_full_cause(e) is None:
+                raise
+            raise self._full() from e
 
     @rank_zero_only
     def save(self) -> None:
         if self._file is not None:
-            self._file.flush()
-            os.fsync(self._file.fileno())
+            try:
+                self._file.flush()
+                os.fsync(self._file.fileno())
+            except OSError as e:
+                if disk_full_cause(e) is None:
+                    raise
+                raise self._full() from e
 
     @rank_zero_only
     def finalize(self, status: str) -> None:
-        if self._file is not None:
+        """Flush, fsync and close the file. With `status` "failed" (another exception ends the run) a full disk is
+        left to that exception: the lines it loses are past the newest checkpoint, which a resume drops anyway."""
+        if self._file is None:
+            return
+        try:
             self.save()
-            self._file.close()
-            self._file = None
+        except FwError:   # save's full disk
+            file, self._file = self._file, None
+            with contextlib.suppress(OSError):   # closes the file even though its flush fails again
+                file.close()
+            if status != "failed":
+                raise
+            return
+        file, self._file = self._file, None
+        file.close()
 
     @rank_zero_only
     def truncate_after(self, step: int) -> None:

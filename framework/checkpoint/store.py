@@ -31,7 +31,7 @@ def recover(ckpt_dir: str | os.PathLike) -> None:
     ckpt_dir = Path(ckpt_dir)
     for entry, kind, name in dead_leftovers(ckpt_dir):
         final = ckpt_dir / name
-        if kind == "replaced" and not final.exists() and is_complete(entry):
+        if kind == "replaced" and not os.path.lexists(final) and is_complete(entry):
             try:
                 os.rename(entry, final)
             except OSError:  # gone or target exists: another rank (same shared run_dir) recovered it first
@@ -41,14 +41,16 @@ def recover(ckpt_dir: str | os.PathLike) -> None:
 
 
 def clean_leftovers(ckpt_dir: str | os.PathLike) -> list[str]:
-    """Recover, then delete hidden leftovers of dead processes (staging, replaced, trash); return their names."""
+    """Recover, then delete hidden leftovers of dead processes (staging, replaced, trash); return their names.
+    A leftover that is a symbolic link (a linked checkpoint whose removal was cut short) is unlinked, its target
+    kept."""
     ckpt_dir = Path(ckpt_dir)
     recover(ckpt_dir)
     removed = []
     for entry, _, _ in dead_leftovers(ckpt_dir):
-        if entry.is_dir():
+        if entry.is_dir() and not entry.is_symlink():
             shutil.rmtree(entry)
-        else:
+        elif os.path.lexists(entry):
             entry.unlink()
         removed.append(entry.name)
     return removed
@@ -256,12 +258,18 @@ def resolve_resume(resume: str | None, cfg: dict, skip_damaged: bool = False) ->
 
 
 def prune(run_dir: str | os.PathLike, keep_last: int | None) -> list[str]:
-    """Delete all but the newest `keep_last` complete checkpoints (None keeps all); return the deleted paths."""
+    """Delete all but the newest `keep_last` complete checkpoints (None keeps all); return the deleted paths.
+    A checkpoint that is a symbolic link (moved to other storage and linked back) loses the link alone, which
+    is said on stderr: its target is the user's copy."""
     if keep_last is None:
         return []
     if keep_last < 1:
         raise FwError(f"checkpoint.keep_last: {keep_last} is not allowed, expected an integer >= 1 or null")
     old = list_checkpoints(run_dir)[:-keep_last]
     for path in old:
+        target = os.readlink(path) if os.path.islink(path) else None
         remove_tree(Path(path))
+        if target is not None:
+            print(f"fw: pruned {path}, a link: removed the link, kept its target {target}", file=sys.stderr,
+                  flush=True)
     return old

@@ -1,0 +1,115 @@
+"""A checkpoint moved to other storage and linked back (checkpoints/step-N -> elsewhere): pruning and the leftover
+cleanup remove the link and keep its target, and a run resumed beside such a link goes on."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+from scripts.ckpt_writer import assert_same, expected, make_cfg
+
+from framework import checkpoint as ck
+from framework.durable import remove_tree
+
+REPO = Path(__file__).parents[1]
+
+
+def _three_checkpoints(tmp_path: Path) -> tuple[Path, Path]:
+    """A run with steps 1, 2, 3 whose step 1 lives in `archive/` and is linked back; (run_dir, archived copy)."""
+    run_dir = tmp_path / "run"
+    cfg = make_cfg(str(run_dir))
+    for step in (1, 2, 3):
+        ck.write_checkpoint_dir(expected(step, 0, 1), ck.checkpoints_dir(run_dir) / ck.step_dir_name(step), cfg)
+    archive = tmp_path / "archive"
+    archive.mkdir()
+    linked = ck.checkpoints_dir(run_dir) / ck.step_dir_name(1)
+    shutil.move(linked, archive / linked.name)
+    linked.symlink_to(archive / linked.name)
+    return run_dir, archive / linked.name
+
+
+def test_pruning_a_linked_checkpoint_removes_the_link_and_keeps_its_target(tmp_path, capsys):
+    run_dir, target = _three_checkpoints(tmp_path)
+    link = ck.checkpoints_dir(run_dir) / "step-000001"
+    assert ck.list_checkpoints(run_dir)[0] == str(link)   # a linked checkpoint is one of the run's
+
+    assert ck.prune(run_dir, keep_last=2) == [str(link)]
+
+    assert sorted(os.listdir(ck.checkpoints_dir(run_dir))) == ["step-000002", "step-000003"]   # no .trash-*
+    assert_same(expected(1, 0, 1), ck.read_checkpoint_dir(target, verify=True))
+    err = capsys.readouterr().err.splitlines()
+    assert err == [f"fw: pruned {link}, a link: removed the link, kept its target {target}"]
+
+
+def test_leftover_links_are_unlinked_and_their_targets_kept(tmp_path):
+    """A `.trash-*` link (a removal cut short) and a `.staging-*` link that points nowhere, both of a dead process
+    (this process counts as dead to the cleanup), go; the directory a link points to stays whole."""
+    run_dir, target = _three_checkpoints(tmp_path)
+    ckpts = ck.checkpoints_dir(run_dir)
+    trash = ckpts / f".trash-step-000001-{os.getpid()}-0123abcd"
+    os.rename(ckpts / "step-000001", trash)
+    dangling = ckpts / f".staging-step-000004-{os.getpid()}-4567cdef"
+    dangling.symlink_to(tmp_path / "nowhere")
+
+    assert sorted(ck.clean_leftovers(ckpts)) == sorted([trash.name, dangling.name])
+
+    assert sorted(os.listdir(ckpts)) == ["step-000002", "step-000003"]
+    assert_same(expected(1, 0, 1), ck.read_checkpoint_dir(target, verify=True))
+
+
+def test_remove_tree_unlinks_a_link_to_a_directory_and_a_dangling_one(tmp_path):
+    target = tmp_path / "target"
+    (target / "sub").mkdir(parents=True)
+    (target / "sub" / "f").write_bytes(b"x")
+    link, dangling = tmp_path / "link", tmp_path / "dangling"
+    link.symlink_to(target)
+    dangling.symlink_to(tmp_path / "nowhere")
+
+    remove_tree(link)
+    remove_tree(dangling)
+
+    assert sorted(os.listdir(tmp_path)) == ["target"]
+    assert (target / "sub" / "f").read_bytes() == b"x"
+
+
+@pytest.fixture
+def quiet_lightning():
+    """Lightning's INFO lines off: with fw run in-process, its log handler may hold an earlier test's stderr."""
+    import logging
+
+    loggers = [logging.getLogger(name) for name in ("lightning.pytorch", "lightning.fabric")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    yield
+    for lg, level in zip(loggers, levels, strict=True):
+        lg.setLevel(level)
+
+
+def test_fw_fit_resumed_beside_a_linked_checkpoint_prunes_the_link_and_resumes_again(tmp_path, capsys,
+                                                                                     quiet_lightning):
+    from framework.cli import main
+
+    run_dir = tmp_path / "run"
+    argv = ["fit", "--config", str(REPO / "recipes" / "sft.yaml"), f"--run_dir={run_dir}",
+            f"--data.path={REPO / 'recipes' / 'data' / 'arithmetic_chat.jsonl'}", "--data.max_seq_len=64",
+            "--data.batch_size=2", "--trainer.enable_progress_bar=false", "--checkpoint.every_n_steps=2",
+            "--checkpoint.keep_last=2", "--logging.tensorboard=false", "--logging.csv=false"]
+    assert main([*argv, "--trainer.max_steps=4"]) == 0
+    archive = tmp_path / "archive"
+    archive.mkdir()
+    link = ck.checkpoints_dir(run_dir) / "step-000002"
+    shutil.move(link, archive / link.name)
+    link.symlink_to(archive / link.name)
+    capsys.readouterr()
+
+    assert main([*argv, "--trainer.max_steps=6", "--resume", "last"]) == 0   # saves step 6, prunes the link
+    assert f"fw: pruned {link}, a link: removed the link, kept its target {archive / link.name}" in \
+        capsys.readouterr().err
+    assert sorted(os.listdir(ck.checkpoints_dir(run_dir))) == ["step-000004", "step-000006"]
+    ck.verify_checkpoint(archive / link.name)
+
+    assert main([*argv, "--trainer.max_steps=8", "--resume", "last"]) == 0
+    assert sorted(os.listdir(ck.checkpoints_dir(run_dir))) == ["step-000006", "step-000008"]
