@@ -14,6 +14,8 @@ import stat
 from pathlib import Path
 from typing import BinaryIO
 
+from framework.errors import DiskFull
+
 # hidden siblings: .staging-<name>-<pid>-<hex> (being built, or an old dir swapped out),
 # .replaced-<name>-<pid>-<hex> (set aside by the fallback replace), .trash-<name>-<pid>-<hex> (being deleted)
 _HIDDEN = re.compile(r"^\.(staging|replaced|trash)-(.+)-(\d+)-([0-9a-f]+)$")
@@ -193,9 +195,6 @@ def disk_full(path: str | os.PathLike, what: str, key: str | None = None) -> Exc
     """The one-line DiskFull (an FwError) for a run file `path` that a full disk or quota stopped: it names the
     config `key` that writes it (if any), the file, `what` it holds and the space left. It is met before a
     checkpoint's write starts or after one is published, so the published checkpoints are intact."""
-    # imported here: the checkpoint package imports this module
-    from framework.checkpoint.tensors import DiskFull
-
     where = f"{key}: " if key else ""
     return DiskFull(f"{where}{path}: no space left on device while writing {what} "
                     f"({free_space(Path(path).parent)} free); the run stopped, its published checkpoints are intact")

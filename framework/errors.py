@@ -16,6 +16,10 @@ class FwError(Exception):
     quiet: bool = False
 
 
+class DiskFull(FwError):
+    """The file system ran out of space (or quota) while a run file (a checkpoint's, a log's) was written."""
+
+
 def raise_on_every_rank(error: FwError | None, collective: bool) -> None:
     """Raise `error` (when not None). With `collective` under several processes a collective instead (call it at
     the same point on every rank): every rank raises the failure of the lowest rank that failed, naming it, so that

@@ -24,7 +24,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from framework.errors import FwError
+from framework.errors import DiskFull, FwError
 
 SAFETENSORS_DTYPES = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -39,10 +39,6 @@ _MAX_HEADER = 100 << 20      # what safetensors itself accepts
 _MIN_SPLIT_BYTES = 64 << 10
 _TRAINER_TENSORS = re.compile(r"^trainer_state(-\d{5}-of-\d{5})?\.safetensors$")
 TRAINER_TENSORS_PREFIX = "trainer_state"
-
-
-class DiskFull(FwError):
-    """The file system ran out of space (or quota) while a checkpoint file was written."""
 
 
 def is_disk_full(exc: BaseException | None) -> bool:
