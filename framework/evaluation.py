@@ -641,38 +641,46 @@ def evaluate_checkpoint(checkpoint: str | Path, cfg: dict | None = None, out: st
     holds the eval and reward settings and the config keys that differ from the checkpoint's. Its default path
     is `<run_dir>/eval/<checkpoint>.json` under the checkpoint's own config, `<checkpoint>-<hash>.json` under
     another (the first 8 hex digits of its sha256), and a report there of other settings is never replaced."""
-    from framework.checkpoint import resolve_checkpoint
+    from framework.checkpoint import read_resolved
     from framework.checkpoint.directory import CONFIG_FILE, config_sha256, read_complete_manifest
     from framework.config import load_config
     from framework.durable import replace_file
     from framework.generate import _device, autocast_context, load_policy
 
-    path = resolve_checkpoint(checkpoint, skip_damaged=skip_damaged, verify=skip_damaged)
-    own_file = str(path / CONFIG_FILE)
-    given = cfg is not None
-    if not given:
-        cfg = load_config([own_file], overrides)   # every problem of it, the overrides' too
-    own: dict | None = cfg
-    if given or overrides:
-        try:
-            own = load_config([own_file])
-        except FwError:   # made valid by the given config or the overrides: what changed is not known
-            own = None
-    changes = None if own is None else config_changes(own, cfg)
-    settings = {"eval": cfg["eval"], "reward": cfg["reward"], "changes": changes}
-    default = out is None
-    if default:
-        name = path.name if changes == {} else f"{path.name}-{config_sha256(cfg)[:8]}"
-        out = (path.parent.parent / "eval" if path.parent.name == "checkpoints" else Path.cwd()) / f"{name}.json"
-    out = Path(out)
-    _check_report_path(out)   # before the evaluation, which may take long
-    if default:
-        _check_replace(out, settings)
-    step = read_complete_manifest(path).get("step")
-    tokenizer, policy = load_policy(cfg, path)
+    given, given_cfg, report_path = cfg is not None, cfg, out
+
+    def prepare(path: Path) -> tuple:
+        """Everything the evaluation reads of checkpoint `path`, before it runs."""
+        own_file = str(path / CONFIG_FILE)
+        # every problem of the checkpoint's config, the overrides' too
+        run_cfg = given_cfg if given_cfg is not None else load_config([own_file], overrides)
+        own: dict | None = run_cfg
+        if given or overrides:
+            try:
+                own = load_config([own_file])
+            except FwError:   # made valid by the given config or the overrides: what changed is not known
+                own = None
+        changes = None if own is None else config_changes(own, run_cfg)
+        settings = {"eval": run_cfg["eval"], "reward": run_cfg["reward"], "changes": changes}
+        default = report_path is None
+        if default:
+            name = path.name if changes == {} else f"{path.name}-{config_sha256(run_cfg)[:8]}"
+            where = (path.parent.parent / "eval" if path.parent.name == "checkpoints" else Path.cwd()) / f"{name}.json"
+        else:
+            where = Path(report_path)
+        _check_report_path(where)   # before the evaluation, which may take long
+        if default:
+            _check_replace(where, settings)
+        step = read_complete_manifest(path).get("step")
+        tokenizer, policy = load_policy(run_cfg, path)
+        draws = checkpoint_draws(path, run_cfg) if needs_draws(run_cfg) else 0
+        return path, run_cfg, settings, where, step, tokenizer, policy, draws
+
+    # a run directory's newest checkpoint, read again if the fit writing the run prunes it meanwhile
+    path, cfg, settings, out, step, tokenizer, policy, draws = read_resolved(checkpoint, prepare, skip_damaged)
     device = _device(cfg)
     policy.to(device)
-    evaluation = Evaluation(cfg, tokenizer, draws=checkpoint_draws(path, cfg) if needs_draws(cfg) else 0)
+    evaluation = Evaluation(cfg, tokenizer, draws=draws)
     with autocast_context(cfg, device):
         metrics = evaluation.run(policy)
     report = {"checkpoint": str(path), "step": step, "recipe": cfg["recipe"], **settings,

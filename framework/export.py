@@ -2,7 +2,8 @@
 
 The checkpoint's `policy/` already is HF layout (config.json, safetensors, tokenizer files), or PEFT's
 adapter directory for a LoRA run, so export copies that directory, hashing each file as it copies it and
-checking it against the manifest, and publishes the copy atomically. `merge=True` (`fw export --merge`)
+checking it against the manifest, and publishes the copy atomically (see `export_checkpoint` for an `--out` that
+is an existing empty mount point). `merge=True` (`fw export --merge`)
 turns a LoRA checkpoint into the merged model: the base is rebuilt from the checkpoint's config.yaml
 (`model.policy.path`, or the preset from the seed), the checked copy of the adapters is folded in, and
 the result is written in HF layout.
@@ -23,10 +24,10 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from framework.checkpoint import CONFIG_FILE, resolve_checkpoint
+from framework.checkpoint import CONFIG_FILE, read_resolved
 from framework.checkpoint.directory import read_complete_manifest, verify_checkpoint
 from framework.checkpoint.tensors import DiskFull, is_disk_full
-from framework.durable import fsync_dir, hidden_sibling
+from framework.durable import dead_leftovers, fsync_dir, hidden_sibling
 from framework.errors import FwError
 from framework.models.hf_io import (
     GENERATION_CONFIG,
@@ -68,15 +69,34 @@ def export_checkpoint(checkpoint: str | os.PathLike, out: str | os.PathLike, mer
     `skip_damaged` its newest intact one) to `out` in HF layout, loadable by transformers'
     `AutoModelForCausalLM.from_pretrained` (a LoRA checkpoint: PEFT's adapter directory, or with `merge` the
     merged model), every file checked against the manifest's sha256. `out` must not exist or be empty.
-    Returns `out`."""
-    source = resolve_checkpoint(checkpoint, skip_damaged=skip_damaged, verify=skip_damaged)
+    Returns `out`.
+
+    The copy is staged in a hidden sibling of `out` and renamed into place, so `out` appears whole or not at
+    all. An existing empty `out` that a rename cannot replace (a mount point, another file system than its
+    parent's, or a parent this user cannot write) gets the staging directory inside it instead, whose files
+    are then renamed into it one by one, config.json (adapter_config.json) last: it holds a loadable model
+    only once every file is in, and a killed export leaves it without one, its partial copy refused by the
+    next export into it."""
     given, out = out, Path(out).resolve()   # a link's target (staged beside it), "." a named directory
-    recover_leftovers(out)   # a killed export's staging copy; a model that a killed save_pretrained set aside
+    try:
+        recover_leftovers(out)   # a killed export's staging copy; a model that a killed save_pretrained set aside
+        killed = [entry for entry, _, name in dead_leftovers(out) if name == out.name] if out.is_dir() else []
+        for entry in killed:   # a killed export's staging inside `out`
+            shutil.rmtree(entry)
+    except OSError as e:
+        raise _out_error(given, e) from None
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise FwError(f"--out {given}: already exists and is not an empty directory; choose a new one")
+        hint = ", holding the files a killed export moved in: empty it" if killed else "; choose a new one"
+        raise FwError(f"--out {given}: already exists and is not an empty directory{hint}")
     if Path.cwd().resolve().is_relative_to(out):
         raise FwError(f"--out {given}: the working directory (or one above it), which the export would replace; "
                       "choose a new directory")
+    read_resolved(checkpoint, lambda source: _export(source, given, out, merge), skip_damaged, settled=False)
+    return str(out)
+
+
+def _export(source: Path, given: str | os.PathLike, out: Path, merge: bool) -> None:
+    """`export_checkpoint` of the resolved checkpoint directory `source`."""
     manifest = read_complete_manifest(source)
     if POLICY not in manifest["components"]:
         raise FwError(f"{source}: the checkpoint holds no {POLICY}/ component")
@@ -85,10 +105,13 @@ def export_checkpoint(checkpoint: str | os.PathLike, out: str | os.PathLike, mer
         raise FwError(f"--merge: {source} holds a full model, not LoRA adapters (no {POLICY}/{ADAPTER_CONFIG}); "
                       "export it without --merge")
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = hidden_sibling(out, "staging")
-    staging.mkdir()
+    staging = None
     try:
+        inside = _stage_inside(out)
+        if not inside:
+            out.parent.mkdir(parents=True, exist_ok=True)
+        staging = hidden_sibling(out / out.name if inside else out, "staging")
+        staging.mkdir()
         for name in files:
             _copy_checked(source / POLICY / name, staging / name, manifest["files"][f"{POLICY}/{name}"])
         if merge:   # from the checked copies of the adapters, which then make way for the merged model
@@ -102,21 +125,72 @@ def export_checkpoint(checkpoint: str | os.PathLike, out: str | os.PathLike, mer
             else:
                 write_json(staging / GENERATION_CONFIG, _generation_config(source, staging))
         fsync_dir(staging)
-        try:   # replaces an empty directory only: whatever another process wrote there meanwhile stays
-            os.rename(staging, out)
-        except OSError as e:
-            if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
-                raise
-            raise FwError(f"--out {given}: another process wrote into it during the export; it is left as it "
-                          "was, and nothing was exported there") from None
-        fsync_dir(out.parent)
+        if inside:
+            _move_into(staging, out, given)
+        else:
+            try:   # replaces an empty directory only: whatever another process wrote there meanwhile stays
+                os.rename(staging, out)
+            except OSError as e:
+                if e.errno == errno.EBUSY and out.is_dir():   # a mount point of the parent's file system
+                    _move_into(staging, out, given)
+                elif e.errno in (errno.ENOTEMPTY, errno.EEXIST):
+                    raise _written_meanwhile(given) from None
+                else:
+                    raise
+            fsync_dir(out.parent)
     except BaseException as e:
-        shutil.rmtree(staging, ignore_errors=True)
+        if staging is not None:
+            shutil.rmtree(staging, ignore_errors=True)
         if isinstance(e, Exception) and is_disk_full(e):
             raise DiskFull(f"--out {out}: no space left on device while exporting {source}; nothing was "
                            "written") from None
+        if isinstance(e, OSError) and e.errno in _OUT_ERRORS and not _names(e, source):
+            raise _out_error(given, e) from None
         raise
-    return str(out)
+
+
+# what writing to `--out` can meet that the user fixes by choosing another place (or permissions)
+_OUT_ERRORS = (errno.EACCES, errno.EPERM, errno.EROFS, errno.EBUSY, errno.EXDEV)
+
+
+def _names(e: OSError, source: Path) -> bool:
+    """Whether `e` is about a file of checkpoint `source` (not of `--out`)."""
+    return any(isinstance(f, (str, bytes)) and Path(os.fsdecode(f)).is_relative_to(source)
+               for f in (e.filename, e.filename2))
+
+
+def _out_error(given: str | os.PathLike, e: OSError) -> FwError:
+    where = f" ({e.filename})" if e.filename is not None else ""
+    return FwError(f"--out {given}: {e.strerror or e}{where}; nothing was exported there: choose a directory "
+                   "this user can write")
+
+
+def _written_meanwhile(given: str | os.PathLike) -> FwError:
+    return FwError(f"--out {given}: another process wrote into it during the export; it is left as it was, and "
+                   "nothing was exported there")
+
+
+def _stage_inside(out: Path) -> bool:
+    """Whether the staging directory goes inside `out`: `out` is an existing empty directory that a rename of
+    a sibling cannot replace (a mount point, on another file system than its parent) or whose parent this
+    user cannot write."""
+    if not out.is_dir():
+        return False
+    return (os.path.ismount(out) or out.stat().st_dev != out.parent.stat().st_dev
+            or not os.access(out.parent, os.W_OK | os.X_OK))
+
+
+def _move_into(staging: Path, out: Path, given: str | os.PathLike) -> None:
+    """Rename the files of `staging` (inside `out`, or beside it on the same file system) into the empty `out`,
+    the model's config last, so that `out` holds a loadable model only once it is complete."""
+    if any(entry != staging for entry in out.iterdir()):
+        raise _written_meanwhile(given)
+    names = sorted(os.listdir(staging), key=lambda name: (name in (MODEL_CONFIG, ADAPTER_CONFIG), name))
+    for name in names:
+        os.rename(staging / name, out / name)
+    fsync_dir(out)
+    staging.rmdir()
+    fsync_dir(out)
 
 
 def adapted_policy(source: Path, adapter_dir: Path) -> tuple[Any, Any]:

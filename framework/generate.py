@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from framework.checkpoint import CONFIG_FILE, resolve_checkpoint
+from framework.checkpoint import CONFIG_FILE
 from framework.checkpoint.directory import Verifier, component_weight_files, read_complete_manifest, verifying
 from framework.checkpoint.tensors import check_header
 from framework.errors import FwError
@@ -88,22 +88,28 @@ def generate_text(cfg: dict | None, prompt: str, checkpoint: str | None = None, 
     CUDA under the run's autocast (`trainer.precision` *-mixed), as its rollouts sample.
     ``checkpoint`` is a checkpoint directory or a run directory (its newest checkpoint; ``skip_damaged`` as in
     ``fw fit``); without ``cfg``, ``overrides`` apply on top of its config.yaml."""
+    from framework.checkpoint import read_resolved
     from framework.rollout import CacheSettings, SamplingParams, generate, stop_token_ids
     from framework.tasks import render_prompt
 
     if seed is not None and seed < 0:
         raise FwError(f"fw generate: --seed must be >= 0, got {seed}")
-    if checkpoint is not None:
-        checkpoint = resolve_checkpoint(checkpoint, skip_damaged=skip_damaged, verify=skip_damaged)
-    cfg = run_config(cfg, checkpoint, overrides)
     changes = {k: v for k, v in (("max_new_tokens", max_new_tokens), ("temperature", temperature)) if v is not None}
-    try:   # checked before any weights load
-        params = SamplingParams.from_config(cfg["rollout"], **changes)
-    except FwError as e:
-        key = str(e).removeprefix("sampling: ").split(" ", 1)[0]
-        where = f"--{key.replace('_', '-')}" if key in changes else f"rollout.{key}"
-        raise FwError(f"{where}: {str(e).removeprefix('sampling: ')}") from None
-    tokenizer, policy = load_policy(cfg, checkpoint)
+    given = cfg
+
+    def prepare(path: Path | None) -> tuple[dict, SamplingParams, Any, Any]:
+        run_cfg = run_config(given, path, overrides)
+        try:   # checked before any weights load
+            params = SamplingParams.from_config(run_cfg["rollout"], **changes)
+        except FwError as e:
+            key = str(e).removeprefix("sampling: ").split(" ", 1)[0]
+            where = f"--{key.replace('_', '-')}" if key in changes else f"rollout.{key}"
+            raise FwError(f"{where}: {str(e).removeprefix('sampling: ')}") from None
+        return (run_cfg, params, *load_policy(run_cfg, path))
+
+    # a run directory's newest checkpoint, read again if the fit writing the run prunes it meanwhile
+    cfg, params, tokenizer, policy = (prepare(None) if checkpoint is None
+                                      else read_resolved(checkpoint, prepare, skip_damaged))
     policy.to(_device(cfg))
     text = render_prompt(prompt, tokenizer, cfg["data"]["chat_template"], cfg["tokenizer"]["enable_thinking"])
     ids = tokenizer.encode(text)

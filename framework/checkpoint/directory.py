@@ -245,7 +245,7 @@ def _tensor_job(file: Path, rel: str, tensors: dict, metadata: dict | None) -> t
 
 def write_checkpoint_dir(
     checkpoint: dict, final: str | os.PathLike, cfg: dict, use_exchange: bool = True,
-    max_shard_size: int | str = "5GB",
+    max_shard_size: int | str = "5GB", sources: dict | None = None,
 ) -> dict:
     """Write `checkpoint` (a Lightning checkpoint dict, with weights under "fw_components") as the directory
     `final`, atomically. Pops "fw_components", and SOURCE_GENERATION_CONFIG (bytes, written as the top-level
@@ -253,7 +253,8 @@ def write_checkpoint_dir(
     save_pretrained (5 GB shards by default); the trainer state's tensors go to safetensors shards no larger
     (smaller for a large state, to spread it over the writing threads) beside the pickled rest. A full disk
     raises DiskFull (an FwError) after removing the staging directory; earlier checkpoints are never
-    touched."""
+    touched. `sources`: what the config's data and model paths hold (resume.py `source_fingerprints`), kept in
+    the manifest."""
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
     components = checkpoint.pop("fw_components", None) or {}
@@ -290,6 +291,8 @@ def write_checkpoint_dir(
             "policy_version": policy_version,
             "global_step": checkpoint.get("global_step"),
             "config_sha256": config_sha256(cfg),
+            # what the config's data and model paths held, so a resume accepts them moved, not changed
+            "sources": sources or {},
             "components": sorted(components),
             "files": {rel: {"size": size, "sha256": digest} for rel, (size, digest) in sorted(sums.items())},
         }

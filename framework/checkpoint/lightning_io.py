@@ -13,6 +13,7 @@ from lightning.pytorch.plugins.io import CheckpointIO
 
 from framework.cadence import crossed
 from framework.checkpoint.directory import SOURCE_GENERATION_CONFIG, read_checkpoint_dir, write_checkpoint_dir
+from framework.checkpoint.resume import source_fingerprints
 from framework.checkpoint.store import (
     checkpoints_dir,
     clean_leftovers,
@@ -58,7 +59,8 @@ class AtomicCheckpointIO(CheckpointIO):
         start = time.perf_counter()
         if self.generation_config is not None:
             checkpoint[SOURCE_GENERATION_CONFIG] = self.generation_config
-        manifest = write_checkpoint_dir(checkpoint, path, self.cfg)
+        # what the config's data and model paths hold, hashed once per process (resume.py)
+        manifest = write_checkpoint_dir(checkpoint, path, self.cfg, sources=source_fingerprints(self.cfg))
         self.last_write = (sum(f["size"] for f in manifest["files"].values()), time.perf_counter() - start)
 
     def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: bool | None = None) -> dict:

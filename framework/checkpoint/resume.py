@@ -8,18 +8,25 @@ A key's rule is one of
 - REFUSED: the checkpoint's state depends on it (shapes, data stream, recipe, ...): a resume with another
   value stops before anything runs, naming the key.
 The run's `config.yaml` is the new config, so it always records what runs.
+
+A REFUSED key whose value is a path (`data.path`, `model.policy.path`, ...) depends on what the path holds,
+not on its spelling: each checkpoint's manifest records, under "sources", the size and sha256 of every file
+such a path named when it was written (`source_fingerprints`), so a resume accepts the same content at
+another path (a moved project, a per-job scratch copy, another cache home) and refuses other content.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from framework.checkpoint.directory import CONFIG_FILE
+from framework.checkpoint.directory import CONFIG_FILE, read_manifest
+from framework.durable import sha256
 from framework.errors import FwError
 
 APPLIES, RESET, REFUSED = "applies", "reset", "refused"
@@ -208,7 +215,8 @@ def config_changes(old: dict, new: dict) -> list[tuple[str, Any, Any]]:
 
 def check_resume_config(checkpoint: str | os.PathLike, cfg: dict) -> list[tuple[str, Any, Any]]:
     """Compare `cfg` with the checkpoint's config.yaml: FwError naming every changed key that a resume cannot
-    apply; else the changes that apply, for the caller to report."""
+    apply; else the changes that apply, for the caller to report. A refused path key whose new path holds what
+    the checkpoint recorded for it (`source_fingerprints`) is a move: said on stderr, not refused."""
     from framework.config import load_config
 
     file = Path(checkpoint) / CONFIG_FILE
@@ -217,12 +225,137 @@ def check_resume_config(checkpoint: str | os.PathLike, cfg: dict) -> list[tuple[
     unclassified = [key for key, _, _ in changes if key not in RESUME_RULES]
     if unclassified:   # tests/test_resume.py keeps the table complete; this guards a plugin's schema edit
         raise FwError(f"--resume: config key {unclassified[0]} has no resume rule in framework/checkpoint/resume.py")
-    refused = [(k, a, b) for k, a, b in changes if RESUME_RULES[k][0] == REFUSED]
+    recorded = read_manifest(checkpoint).get("sources") or {}
+    movable = set(moved_path_keys())
+    refused, moved = [], []
+    for k, a, b in changes:
+        if RESUME_RULES[k][0] != REFUSED:
+            continue
+        why = RESUME_RULES[k][1]
+        if k in movable and a is not None and b is not None:
+            problem = _move_problem(k, a, b, recorded.get(k))
+            if problem is None:
+                moved.append((k, a, b))
+                continue
+            why = f"{why}; {problem}"
+        refused.append(f"{k} changed from {a!r} to {b!r} ({why})")
     if refused:
-        what = "; ".join(f"{k} changed from {a!r} to {b!r} ({RESUME_RULES[k][1]})" for k, a, b in refused)
-        raise FwError(f"--resume {checkpoint}: a resume cannot apply: {what}; keep the value of {file} or start a "
-                      "new run_dir")
-    return changes
+        raise FwError(f"--resume {checkpoint}: a resume cannot apply: {'; '.join(refused)}; keep the value of {file} "
+                      "or start a new run_dir")
+    if os.environ.get("LOCAL_RANK", "0") == "0" and os.environ.get("NODE_RANK", "0") == "0":
+        for k, a, b in moved:
+            print(f"fw: {k} moved from {a!r} to {b!r}, which holds the same content (size and sha256 of every "
+                  "file); resuming with it", file=sys.stderr)
+    return [change for change in changes if change[0] not in {k for k, _, _ in moved}]
+
+
+def moved_path_keys() -> list[str]:
+    """The REFUSED keys whose value is a path (`"format": "path"` in the schema): a resume compares what they
+    hold, not how they are spelled."""
+    from framework.config import path_keys
+
+    paths = {".".join(keys) for keys in path_keys()}
+    return [key for key, (rule, _) in RESUME_RULES.items() if rule == REFUSED and key in paths]
+
+
+# path -> (what its files were on disk when hashed, its fingerprint): a run hashes its data and model files
+# once, not at every checkpoint, and a checkpoint written after they are gone still records what they held
+_FINGERPRINTS: dict[str, tuple[list[tuple], dict]] = {}
+
+
+def _files_of(path: Path) -> list[Path]:
+    """The files whose content a path key names: the file itself, or a directory's top-level regular files
+    (hidden ones left out: caches, staging leftovers)."""
+    if path.is_dir():
+        return sorted(p for p in path.iterdir() if not p.name.startswith(".") and p.is_file())
+    if path.is_file():
+        return [path]
+    raise FileNotFoundError(2, "No such file or directory", str(path))
+
+
+def path_fingerprint(path: str | os.PathLike, remembered: bool = False) -> dict:
+    """What `path` holds: a file as {"size", "sha256"}, a directory as {"files": {name: {"size", "sha256"}}}
+    of its top-level files. The whole of each file is hashed (about 1 s per GB on one core), once per process
+    while the files stay as they are. OSError when the path cannot be read, unless `remembered` and this
+    process hashed it before: then what it held then."""
+    path = Path(path)
+    key = str(path.absolute())
+    try:
+        single = path.is_file()
+        files = _files_of(path)
+        signature = [(f.name, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns) for f in files for st in [f.stat()]]
+    except OSError:
+        if remembered and key in _FINGERPRINTS:
+            return _FINGERPRINTS[key][1]
+        raise
+    cached = _FINGERPRINTS.get(key)
+    if cached is not None and cached[0] == signature:
+        return cached[1]
+    sums = {f.name: {"size": size, "sha256": sha256(f)} for f, (_, _, _, size, _) in zip(files, signature)}
+    found = next(iter(sums.values())) if single else {"files": sums}
+    _FINGERPRINTS[key] = (signature, found)
+    return found
+
+
+def source_fingerprints(cfg: dict) -> dict[str, Any]:
+    """{key: fingerprint} of every `moved_path_keys` key that `cfg` sets (a list of paths: a list of
+    fingerprints), for the manifest's "sources"; a path that cannot be read is left out (a resume from this
+    checkpoint then refuses a change of that key, as it refuses any change of a key without a record)."""
+    out: dict[str, Any] = {}
+    for key in moved_path_keys():
+        value = _value(cfg, key)
+        if value is None or value is _ABSENT:
+            continue
+        try:
+            out[key] = ([path_fingerprint(v, remembered=True) for v in value] if isinstance(value, list)
+                        else path_fingerprint(value, remembered=True))
+        except OSError:
+            continue
+    return out
+
+
+def _move_problem(key: str, old: Any, new: Any, recorded: Any) -> str | None:
+    """None when `new` (a path or a list of paths) holds what the checkpoint `recorded` for `key`, or, for a
+    checkpoint without a record, what `old` holds now; else why the change counts as another content."""
+    olds, news = (v if isinstance(v, list) else [v] for v in (old, new))
+    if len(olds) != len(news):
+        return "another number of files"
+    if recorded is not None:
+        wanted = recorded if isinstance(recorded, list) else [recorded]
+        if len(wanted) != len(news):
+            return "another number of files"
+        for want, path in zip(wanted, news):
+            problem = _differs(want, path)
+            if problem is not None:
+                return f"{problem} from what the checkpoint recorded"
+        return None
+    for was, path in zip(olds, news):
+        try:
+            want = path_fingerprint(was)
+        except OSError:
+            return (f"the checkpoint records no fingerprint of what {was} held and it is gone, so the move cannot be "
+                    f"checked: restore {was} (a symlink to {path} will do) and set {key} to {old!r} again")
+        problem = _differs(want, path)
+        if problem is not None:
+            return f"{problem} from what {was} holds now"
+    return None
+
+
+def _differs(want: dict, path: str) -> str | None:
+    """How what `path` holds differs from fingerprint `want`, or None when it is the same."""
+    try:
+        have = path_fingerprint(path)
+    except OSError as e:
+        return f"{path} cannot be read ({e.strerror})"
+    if have == want:
+        return None
+    if "files" in want and "files" in have:
+        names = sorted(set(want["files"]) ^ set(have["files"]))
+        if names:
+            return f"{path} holds other files ({', '.join(names)})"
+        changed = sorted(n for n in want["files"] if want["files"][n] != have["files"][n])
+        return f"{Path(path) / changed[0]} differs in content"
+    return f"{path} differs in content"
 
 
 def reset_optimizers(module: Any) -> None:

@@ -7,7 +7,9 @@ import re
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 from framework.checkpoint.directory import MANIFEST, Verifier, is_complete, read_complete_manifest, read_manifest
 from framework.durable import dead_leftovers, fsync_dir, remove_tree
@@ -273,3 +275,38 @@ def prune(run_dir: str | os.PathLike, keep_last: int | None) -> list[str]:
             print(f"fw: pruned {path}, a link: removed the link, kept its target {target}", file=sys.stderr,
                   flush=True)
     return old
+
+
+T = TypeVar("T")
+
+
+def read_resolved(checkpoint: str | os.PathLike, read: Callable[[Path], T], skip_damaged: bool = False,
+                  settled: bool = True, option: str = "--checkpoint") -> T:
+    """`read(path)` of the checkpoint directory that `checkpoint` resolves to (`resolve_checkpoint`).
+
+    One resolved from a run directory may be pruned by the fit writing that run while it is read: then the
+    run directory is resolved again (its newer checkpoint) and read once more, and a second loss is a
+    one-line FwError. A read that fails, or with `settled` (a read that may pass over a missing file, such
+    as an optional tokenizer) one that succeeds, counts as lost when the directory is gone or replaced."""
+    for _ in range(2):
+        path = resolve_checkpoint(checkpoint, skip_damaged=skip_damaged, verify=skip_damaged, option=option)
+        if path == Path(checkpoint):   # named itself: nothing newer to turn to
+            return read(path)
+        before = _inode(path)
+        try:
+            result = read(path)
+        except Exception:
+            if before is not None and _inode(path) == before:
+                raise
+        else:
+            if not settled or (before is not None and _inode(path) == before):
+                return result
+    raise FwError(f"{option} {checkpoint}: {path.name} was pruned by the run writing it while it was read; "
+                  "run again")
+
+
+def _inode(path: Path) -> int | None:
+    try:
+        return path.stat().st_ino
+    except FileNotFoundError:
+        return None
