@@ -289,6 +289,24 @@ def _sft_from(base: Path, run_dir: Path, max_steps: int) -> dict:
         "logging": {"csv": False, "tensorboard": False}})
 
 
+def test_a_run_from_a_checkpoints_policy_keeps_the_source_generation_config(tmp_path):
+    """A checkpoint's policy/ is a whole HF directory: a next run started from it (and an export of that run,
+    and transformers) reads the generation_config.json of the model the first run started from."""
+    from framework.trainer import fit
+
+    base = tmp_path / "Qwen3-tiny"
+    original = _hf_base(base, **QWEN3_GENERATION)
+    fit(_sft_from(base, tmp_path / "first", 2))
+    policy = ck.checkpoints_dir(tmp_path / "first") / "step-000002" / "policy"
+    assert (policy / "generation_config.json").read_bytes() == original
+    ck.verify_checkpoint(policy.parent, ["policy/generation_config.json"])
+    fit(_sft_from(policy, tmp_path / "second", 2))
+    export_checkpoint(ck.checkpoints_dir(tmp_path / "second") / "step-000002", tmp_path / "out")
+    assert (tmp_path / "out" / "generation_config.json").read_bytes() == original
+    gen = transformers.GenerationConfig.from_pretrained(str(policy))
+    assert gen.eos_token_id == [151645, 151643]
+
+
 def test_a_run_keeps_the_generation_config_it_started_from(tmp_path):
     """fw fit from an HF directory; its generation_config.json then changes (a resumed run keeps the original
     all the same) and the directory goes: every checkpoint of the run exports the original, byte for byte. A
@@ -317,6 +335,7 @@ def test_a_run_keeps_the_generation_config_it_started_from(tmp_path):
 
     old = ck.read_checkpoint_dir(first)
     old.pop(SOURCE_GENERATION_CONFIG)
+    assert old["fw_components"]["policy"]["files"].pop("generation_config.json") == original   # policy/'s copy
     ck.write_checkpoint_dir(old, tmp_path / "old" / "step-000002", cfg)
     assert not (tmp_path / "old" / "step-000002" / "generation_config.json").exists()
     export_checkpoint(tmp_path / "old" / "step-000002", tmp_path / "from-old")

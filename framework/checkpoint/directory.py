@@ -275,6 +275,9 @@ def write_checkpoint_dir(
         save_resolved(cfg, staging / CONFIG_FILE)
         if generation_config is not None:   # hashed and fsynced with the other small files below
             (staging / GENERATION_CONFIG).write_bytes(bytes(generation_config))
+            if (components.get("policy") or {}).get("config") is not None:
+                # and in policy/, a whole HF directory that a next run, fw generate or transformers may load
+                (staging / "policy" / GENERATION_CONFIG).write_bytes(bytes(generation_config))
 
         jobs.sort(key=lambda job: -job[0])   # largest first: the threads finish together
         sums = dict(zip([rel for _, rel, _ in jobs], run_parallel([job for _, _, job in jobs], io_threads())))
