@@ -73,3 +73,17 @@ class OpLog(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.ops.append(str(func.overloadpacket))
         return func(*args, **(kwargs or {}))
+
+
+@pytest.fixture
+def quiet_lightning():
+    """Lightning's INFO lines off: with fw run in-process, its log handler may hold an earlier test's stderr."""
+    import logging
+
+    loggers = [logging.getLogger(name) for name in ("lightning.pytorch", "lightning.fabric")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    yield
+    for lg, level in zip(loggers, levels, strict=True):
+        lg.setLevel(level)

@@ -7,7 +7,6 @@ import os
 import shutil
 from pathlib import Path
 
-import pytest
 from scripts.ckpt_writer import assert_same, expected, make_cfg
 
 from framework import checkpoint as ck
@@ -72,20 +71,6 @@ def test_remove_tree_unlinks_a_link_to_a_directory_and_a_dangling_one(tmp_path):
 
     assert sorted(os.listdir(tmp_path)) == ["target"]
     assert (target / "sub" / "f").read_bytes() == b"x"
-
-
-@pytest.fixture
-def quiet_lightning():
-    """Lightning's INFO lines off: with fw run in-process, its log handler may hold an earlier test's stderr."""
-    import logging
-
-    loggers = [logging.getLogger(name) for name in ("lightning.pytorch", "lightning.fabric")]
-    levels = [lg.level for lg in loggers]
-    for lg in loggers:
-        lg.setLevel(logging.ERROR)
-    yield
-    for lg, level in zip(loggers, levels, strict=True):
-        lg.setLevel(level)
 
 
 def test_fw_fit_resumed_beside_a_linked_checkpoint_prunes_the_link_and_resumes_again(tmp_path, capsys,

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import gc
 import json
-import logging
 import os
 import random
 import signal
@@ -295,18 +294,6 @@ def _sft_config(tmp_path, run_dir, **trainer):
     path = tmp_path / "train.yaml"
     path.write_text(json.dumps(cfg))   # JSON is YAML
     return str(path)
-
-
-@pytest.fixture
-def quiet_lightning():
-    """Lightning's INFO lines off: with fw run in-process, its log handler may hold an earlier test's stderr."""
-    loggers = [logging.getLogger(name) for name in ("lightning.pytorch", "lightning.fabric")]
-    levels = [lg.level for lg in loggers]
-    for lg in loggers:
-        lg.setLevel(logging.ERROR)
-    yield
-    for lg, level in zip(loggers, levels):
-        lg.setLevel(level)
 
 
 def fw_lines(err: str) -> list[str]:
