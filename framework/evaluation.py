@@ -51,6 +51,9 @@ ACCURACY_CHUNK = 4096   # SFT target tokens per logits chunk for eval/token_accu
 POOL = 4               # eval candidates compared with the training samples in the first pass, per wanted one
 POSITION_KEYS = ("prompt_position", "position")   # the data position in the RL and SFT recipes' state
 HELD_OUT_ENTRY = "fw_held_out"   # the checkpoint entry of the held-out bound (`held_out_record`)
+# how an eval sample is told apart from the training samples, kept in that entry: an older fw compared whole
+# records, so a run it started may now evaluate on another set
+HELD_OUT_KEY = "prompt"
 T = TypeVar("T")
 
 
@@ -159,14 +162,14 @@ def needs_draws(cfg: dict) -> bool:
 
 
 def held_out_record(cfg: dict, tokenizer: Any, world_size: int, step: int = 0, position: int | None = None,
-                    saved: dict | None = None, continued: int = 0) -> dict[str, int]:
+                    saved: dict | None = None, continued: int = 0) -> dict[str, Any]:
     """`{"draws", "step_draws", "batch_steps", "max_steps"}`: the training draws a run starting at `step` (data
     `position`, `continued` steps finishing a cut rollout batch) on `world_size` processes leaves out of its eval
     data. `saved`: the record of the run's earlier start, whose bound is kept, and raised only when this start can
     draw more (another max_steps, global batch or number of steps a batch trains for; a record without one of
     these, an older fw's, counts as another)."""
     record = {"step_draws": step_draws(cfg, world_size), "batch_steps": batch_steps(cfg),
-              "max_steps": cfg["trainer"]["max_steps"]}
+              "max_steps": cfg["trainer"]["max_steps"], "key": HELD_OUT_KEY}
     earlier = saved.get("draws") if saved else None
     if earlier is not None and all(saved.get(k) == v for k, v in record.items()):
         return {**record, "draws": earlier}   # the same steps as the start that chose it: nothing more to draw
@@ -585,7 +588,15 @@ class EvalCallback(lightning.Callback):
                 continued_steps(recipe, world_size)))
             draws = self.held_out["draws"]
         else:   # kept for a later start that holds out again
-            self.held_out, draws = saved, 0
+            held_out = self.cfg["eval"]["held_out"]
+            self.held_out, draws = ({**(saved or {}), "key": HELD_OUT_KEY} if held_out else saved), 0
+        # a record without the key is an older fw's (a run without one at all was warned about above)
+        older = (saved or {}).get("key") != HELD_OUT_KEY and not (needs_draws(self.cfg) and not saved)
+        if resumed and older and self.cfg["eval"]["held_out"] and trainer.is_global_zero:
+            print("fw: warning: eval: the checkpoint was written by an older fw, which held eval samples out by their "
+                  "whole record; they are now held out by prompt (an eval sample whose prompt the run trains on is "
+                  "left out), so the eval set may differ and the eval metrics from here on may not be comparable "
+                  "with the earlier ones", file=sys.stderr, flush=True)
         self.evaluation = Evaluation(self.cfg, module.tokenizer, trainer.world_size, draws=draws, earlier=earlier)
         if self.evaluation.changed and trainer.is_global_zero:
             print(f"fw: warning: eval: this run can draw {draws} training samples, more than the {earlier} its eval "

@@ -157,6 +157,38 @@ def test_a_resume_from_a_checkpoint_without_a_bound_warns_once(tmp_path, capsys)
     assert saved_record(old, 4)["draws"] == saved_record(kept, 4)["draws"]   # a new bound, written on
 
 
+OLDER = ("fw: warning: eval: the checkpoint was written by an older fw, which held eval samples out by their whole "
+         "record; they are now held out by prompt (an eval sample whose prompt the run trains on is left out), so the "
+         "eval set may differ and the eval metrics from here on may not be comparable with the earlier ones")
+
+
+def test_a_bound_recorded_by_an_fw_that_compared_whole_records_is_named_on_resume(tmp_path, capsys):
+    """A held-out record without `key` comes from an fw that held eval samples out by whole record: a resume says
+    once that they are now held out by prompt, and writes the key on; a record with it says nothing."""
+    eval_cfg = {**EVAL, "every_n_steps": 2}
+    checkpoints = {"every_n_steps": 2, "keep_last": None, "verify": True}
+    new, old = tmp_path / "new", tmp_path / "old"
+    fit(rl_config(new, max_steps=2, eval_cfg=eval_cfg, checkpoint=checkpoints))
+    assert saved_record(new, 2)["key"] == "prompt"
+    shutil.copytree(new, old)
+    state_file = old / "checkpoints" / "step-000002" / "trainer_state.pt"
+    state = torch.load(state_file, weights_only=False)
+    del state[HELD_OUT_ENTRY]["key"]
+    torch.save(state, state_file)
+    data = state_file.read_bytes()
+    manifest = json.loads((state_file.parent / "manifest.json").read_text())
+    manifest["files"]["trainer_state.pt"] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (state_file.parent / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    capsys.readouterr()
+
+    fit(rl_config(new, max_steps=4, eval_cfg=eval_cfg, checkpoint=checkpoints), resume="last")
+    assert OLDER not in capsys.readouterr().err
+    fit(rl_config(old, max_steps=4, eval_cfg=eval_cfg, checkpoint=checkpoints), resume="last")
+    err = capsys.readouterr().err
+    assert err.splitlines().count(OLDER) == 1 and WARNING not in err
+    assert saved_record(old, 4) == saved_record(new, 4)   # the same bound, with the key written on
+
+
 # ---------------------------------------------------------------- 2 processes: rank 0 counts, both ranks know
 
 
