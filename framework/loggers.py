@@ -360,6 +360,12 @@ class RunTensorBoardLogger(TensorBoardLogger):
         super().__init__(save_dir=run_dir, name=LOG_DIR[0], version=LOG_DIR[1], default_hp_metric=False)
         self._guard: _EventWriterGuard | None = None
 
+    def __getstate__(self) -> dict[str, Any]:
+        # Lightning's drops the open writer (ddp_spawn pickles the trainer); its guard holds the writer's queue
+        state = super().__getstate__()
+        state["_guard"] = None
+        return state
+
     @property
     @rank_zero_experiment
     def experiment(self) -> Any:

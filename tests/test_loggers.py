@@ -507,3 +507,17 @@ def test_readme_mlflow_sqlite_example_without_sqlalchemy_is_one_line(tmp_path, c
     assert "Traceback" not in err
     assert err.splitlines()[-1].startswith("fw: error: logging.loggers[0]: building "
                                            "lightning.pytorch.loggers.MLFlowLogger raised ")
+
+
+def test_the_run_tensorboard_logger_pickles_with_its_writer_open(tmp_path):
+    """ddp_spawn pickles the trainer with its loggers: an open event writer (its queue and thread, and the guard
+    that holds them) stays behind, as Lightning's own TensorBoardLogger leaves its writer."""
+    import pickle
+
+    from framework.loggers import RunTensorBoardLogger
+
+    logger = RunTensorBoardLogger(tmp_path)
+    logger.log_metrics({"loss": 1.0}, step=1)   # opens the writer
+    copy = pickle.loads(pickle.dumps(logger))
+    assert copy._experiment is None and copy._guard is None
+    logger.finalize("success")

@@ -56,11 +56,13 @@ class AtomicCheckpointIO(CheckpointIO):
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
         if storage_options is not None:
             raise TypeError(f"AtomicCheckpointIO.save_checkpoint takes no storage_options, got {storage_options!r}")
+        # what the config's data and model paths hold, hashed once per process (resume.py): before the clock of
+        # the write's speed starts
+        sources = source_fingerprints(self.cfg)
         start = time.perf_counter()
         if self.generation_config is not None:
             checkpoint[SOURCE_GENERATION_CONFIG] = self.generation_config
-        # what the config's data and model paths hold, hashed once per process (resume.py)
-        manifest = write_checkpoint_dir(checkpoint, path, self.cfg, sources=source_fingerprints(self.cfg))
+        manifest = write_checkpoint_dir(checkpoint, path, self.cfg, sources=sources)
         self.last_write = (sum(f["size"] for f in manifest["files"].values()), time.perf_counter() - start)
 
     def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: bool | None = None) -> dict:
