@@ -123,17 +123,18 @@ def test_a_run_resumed_inside_a_cut_rollout_batch_is_bounded_exactly(tmp_path, r
 # ---------------------------------------------------------------- a checkpoint that records no bound
 
 
-def strip_held_out(checkpoint: Path) -> None:
-    """Remove the held-out entry from a checkpoint on disk, as an fw without it wrote it (the manifest's size and
-    sha256 of the trainer state follow)."""
+def edit_trainer_state(checkpoint: Path, edit):
+    """`edit(state)` on a checkpoint's trainer state on disk, as another fw would have written it (the manifest's
+    size and sha256 of the trainer state follow); returns what `edit` returns."""
     state_file = checkpoint / "trainer_state.pt"
     state = torch.load(state_file, weights_only=False)
-    assert state.pop(HELD_OUT_ENTRY)["draws"] > 0
+    out = edit(state)
     torch.save(state, state_file)
     data = state_file.read_bytes()
     manifest = json.loads((checkpoint / "manifest.json").read_text())
     manifest["files"]["trainer_state.pt"] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
     (checkpoint / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    return out
 
 
 def test_a_resume_from_a_checkpoint_without_a_bound_warns_once(tmp_path, capsys):
@@ -143,7 +144,8 @@ def test_a_resume_from_a_checkpoint_without_a_bound_warns_once(tmp_path, capsys)
     fit(rl_config(kept, max_steps=2, eval_cfg=eval_cfg, checkpoint=checkpoints))
     assert WARNING not in capsys.readouterr().err   # a fresh start
     shutil.copytree(kept, old)
-    strip_held_out(old / "checkpoints" / "step-000002")
+    # as an fw without the entry wrote it
+    assert edit_trainer_state(old / "checkpoints" / "step-000002", lambda s: s.pop(HELD_OUT_ENTRY))["draws"] > 0
     plain = tmp_path / "plain"   # held_out off: the eval set does not depend on the draws
     shutil.copytree(old, plain)
 
@@ -171,14 +173,7 @@ def test_a_bound_recorded_by_an_fw_that_compared_whole_records_is_named_on_resum
     fit(rl_config(new, max_steps=2, eval_cfg=eval_cfg, checkpoint=checkpoints))
     assert saved_record(new, 2)["key"] == "prompt"
     shutil.copytree(new, old)
-    state_file = old / "checkpoints" / "step-000002" / "trainer_state.pt"
-    state = torch.load(state_file, weights_only=False)
-    del state[HELD_OUT_ENTRY]["key"]
-    torch.save(state, state_file)
-    data = state_file.read_bytes()
-    manifest = json.loads((state_file.parent / "manifest.json").read_text())
-    manifest["files"]["trainer_state.pt"] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-    (state_file.parent / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    edit_trainer_state(old / "checkpoints" / "step-000002", lambda state: state[HELD_OUT_ENTRY].pop("key"))
     capsys.readouterr()
 
     fit(rl_config(new, max_steps=4, eval_cfg=eval_cfg, checkpoint=checkpoints), resume="last")
