@@ -11,6 +11,7 @@ import re
 import secrets
 import shutil
 import stat
+from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
 
@@ -171,15 +172,26 @@ def remove_tree(path: Path) -> None:
     shutil.rmtree(path)
 
 
-def disk_full_cause(exc: BaseException | None) -> OSError | None:
-    """The ENOSPC / EDQUOT OSError in `exc`'s chain (itself, its cause or context), or None."""
+def _chain(exc: BaseException | None) -> Iterator[BaseException]:
+    """`exc`, its cause or context, theirs, and so on, each once."""
     seen = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
-        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
-            return exc
+        yield exc
         exc = exc.__cause__ or exc.__context__
-    return None
+
+
+def disk_full_cause(exc: BaseException | None) -> OSError | None:
+    """The ENOSPC / EDQUOT OSError in `exc`'s chain, or None."""
+    return next((e for e in _chain(exc) if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)),
+                None)
+
+
+def is_disk_full(exc: BaseException | None) -> bool:
+    """Whether `exc`'s chain holds a full disk or quota: its OSError, or only its message where torch and
+    safetensors wrap it."""
+    return disk_full_cause(exc) is not None or any(
+        "No space left on device" in str(e) or "StorageFull" in str(e) for e in _chain(exc))
 
 
 def free_space(directory: str | os.PathLike) -> str:

@@ -26,8 +26,8 @@ from typing import Any
 
 from framework.checkpoint import CONFIG_FILE, read_resolved
 from framework.checkpoint.directory import read_complete_manifest, verify_checkpoint
-from framework.checkpoint.tensors import DiskFull, is_disk_full
-from framework.durable import dead_leftovers, fsync_dir, hidden_sibling
+from framework.checkpoint.tensors import DiskFull
+from framework.durable import dead_leftovers, fsync_dir, hidden_sibling, is_disk_full
 from framework.errors import FwError
 from framework.models.hf_io import (
     GENERATION_CONFIG,

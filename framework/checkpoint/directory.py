@@ -31,7 +31,7 @@ from framework.checkpoint.tensors import (
     write_safetensors,
 )
 from framework.config import save_resolved
-from framework.durable import fsync_dir, hash_and_fsync, hidden_sibling, publish_dir, sha256
+from framework.durable import free_space, fsync_dir, hash_and_fsync, hidden_sibling, publish_dir, sha256
 from framework.errors import FwError
 from framework.models.hf_io import GENERATION_CONFIG, INDEX_FILE, parse_size, plan_shards
 
@@ -308,11 +308,11 @@ def write_checkpoint_dir(
     except BaseException as e:
         shutil.rmtree(staging, ignore_errors=True)
         if isinstance(e, DiskFull):   # named by its published path: the staging directory is gone
-            raise DiskFull(f"{str(e).replace(str(staging), str(final))} ({_free(final.parent)} free); the checkpoint "
-                           f"{final.name} was not written, the earlier checkpoints are intact") from None
+            raise DiskFull(f"{str(e).replace(str(staging), str(final))} ({free_space(final.parent)} free); the "
+                           f"checkpoint {final.name} was not written, the earlier checkpoints are intact") from None
         if isinstance(e, Exception) and is_disk_full(e):
             raise DiskFull(f"{final.parent}: no space left on device while writing the checkpoint {final.name} "
-                           f"({_free(final.parent)} free); the earlier checkpoints are intact") from None
+                           f"({free_space(final.parent)} free); the earlier checkpoints are intact") from None
         raise
     return manifest
 
@@ -328,14 +328,6 @@ def _trainer_shard_limit(tensors: dict[str, torch.Tensor], limit: int, workers: 
     optimizer states, the bulk of a save, must not sit in one or two files. Only fw reads these files."""
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     return min(limit, max(MIN_TRAINER_SHARD, -(-total // workers)))
-
-
-def _free(directory: Path) -> str:
-    try:
-        st = os.statvfs(directory)
-    except OSError:
-        return "unknown space"
-    return f"{st.f_bavail * st.f_frsize / 1e6:.1f} MB"
 
 
 def _safetensors_device(map_location: Any) -> str:

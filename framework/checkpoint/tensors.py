@@ -24,6 +24,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
+from framework.durable import is_disk_full
 from framework.errors import DiskFull, FwError
 
 SAFETENSORS_DTYPES = {
@@ -39,19 +40,6 @@ _MAX_HEADER = 100 << 20      # what safetensors itself accepts
 _MIN_SPLIT_BYTES = 64 << 10
 _TRAINER_TENSORS = re.compile(r"^trainer_state(-\d{5}-of-\d{5})?\.safetensors$")
 TRAINER_TENSORS_PREFIX = "trainer_state"
-
-
-def is_disk_full(exc: BaseException | None) -> bool:
-    """Whether `exc` or an exception in its chain is ENOSPC / EDQUOT (torch and safetensors wrap it)."""
-    seen = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
-            return True
-        if "No space left on device" in str(exc) or "StorageFull" in str(exc):
-            return True
-        exc = exc.__cause__ or exc.__context__
-    return False
 
 
 def shard_names(stem: str, count: int) -> list[str]:
