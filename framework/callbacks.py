@@ -406,7 +406,8 @@ class StopOnSignal(lightning.Callback):
     the end of that step, so the checkpoint callback, which runs later in the same batch, saves a step an
     uninterrupted run also passes through. Under several processes the signal and the callbacks' request of every
     rank are combined in one small all-reduce per step, so that no rank leaves the loop while another waits for it
-    in the next step's collectives.
+    in the next step's collectives. A request made before the first step (in `setup`, `on_fit_start` or
+    `on_train_start`) is agreed on the same way, before Lightning reads it.
     """
 
     def __init__(self, stop: StopSignals | None = None):
@@ -414,7 +415,11 @@ class StopOnSignal(lightning.Callback):
         self._step = 0
         self._asked = False   # a callback asked to stop within the step in progress
 
+    def on_fit_start(self, trainer: lightning.Trainer, module: lightning.LightningModule) -> None:
+        _agree_on_stop(trainer)   # a request from `setup` or `on_fit_start`: Lightning skips the training loop
+
     def on_train_start(self, trainer: lightning.Trainer, module: lightning.LightningModule) -> None:
+        _agree_on_stop(trainer)   # a request from `on_train_start`: Lightning leaves the loop before the first batch
         if self.stop is not None:
             self.stop.start_training()   # after Lightning installed its SIGTERM handler, which this replaces
         self._step = trainer.global_step
@@ -436,6 +441,13 @@ class StopOnSignal(lightning.Callback):
             self.stop.request(signum)
         self._asked = False
         trainer.should_stop = bool(signum or asked)
+
+
+def _agree_on_stop(trainer: lightning.Trainer) -> None:
+    """Sets `trainer.should_stop` on every rank when any rank set it, so that all leave or all enter the loop."""
+    if trainer.world_size > 1:
+        flag = torch.tensor([int(bool(trainer.should_stop))], device=trainer.strategy.root_device)
+        trainer.should_stop = bool(trainer.strategy.reduce(flag, reduce_op="max").item())
 
 
 def _by_device(tensors: list[torch.Tensor]) -> dict[torch.device, list[torch.Tensor]]:

@@ -206,35 +206,38 @@ def test_torchrun_names_the_failed_rank_as_the_root_cause(tmp_path):
 
 
 class StopOnOneRank(Callback):
-    """Sets `trainer.should_stop` on global rank `rank` alone in the batch end of its batch `batch` (0-based), as an
-    early-stopping rule that reads a rank-local value would; every rank writes the step it ended at to
-    `<out>.<rank>`."""
+    """Sets `trainer.should_stop` on global rank `rank` alone, as an early-stopping rule that reads a rank-local value
+    would: in the batch end of its batch `batch` (0-based), or in `hook` (`setup`, `on_fit_start`, `on_train_start`)
+    before any step; every rank writes the step it ended at to `<out>.<rank>`."""
 
-    def __init__(self, rank: int, batch: int, out: str):
-        self.rank, self.batch, self.out = rank, batch, out
+    def __init__(self, rank: int, batch: int, out: str, hook: str = "on_train_batch_end"):
+        self.rank, self.batch, self.out, self.hook = rank, batch, out, hook
 
-    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
-        if trainer.global_rank == self.rank and batch_idx == self.batch:
+    def _stop(self, trainer, hook: str) -> None:
+        if trainer.global_rank == self.rank and hook == self.hook:
             trainer.should_stop = True
 
-    def on_train_end(self, trainer, module):
+    def setup(self, trainer, module, stage):
+        self._stop(trainer, "setup")
+
+    def on_fit_start(self, trainer, module):
+        self._stop(trainer, "on_fit_start")
+
+    def on_train_start(self, trainer, module):
+        self._stop(trainer, "on_train_start")
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        if batch_idx == self.batch:
+            self._stop(trainer, "on_train_batch_end")
+
+    def on_fit_end(self, trainer, module):   # Lightning skips `on_train_end` when the loop never starts
         Path(f"{self.out}.{trainer.global_rank}").write_text(json.dumps([trainer.global_step, module.policy_version]))
 
 
-@pytest.mark.parametrize("accumulate, batch", [
-    pytest.param(1, 1, marks=pytest.mark.slow),   # the step's own batch end
-    pytest.param(2, 2, marks=pytest.mark.slow),   # the first micro-batch of step 2: the stop waits for its end
-])   # slow: a 2-process Lightning start-up each
-def test_a_callback_stopping_one_rank_stops_every_rank_at_the_same_step(tmp_path, accumulate, batch):
+def run_stopped_on_one_rank(tmp_path: Path, cfg: dict) -> str:
+    """Runs `cfg` to its end (a hang is a failure) and returns its stderr, after checking exit code 0 and no report."""
     import signal
 
-    from framework.checkpoint import find_latest, verify_checkpoint
-    from framework.metrics import read_metrics
-
-    end = tmp_path / "ended"
-    cfg = plain_sft(tmp_path, max_steps=6, accumulate_grad_batches=accumulate, log_every_n_steps=4)
-    cfg["callbacks"] = [{"class_path": "test_ddp_one_rank_failures.StopOnOneRank",
-                         "init_args": {"rank": 1, "batch": batch, "out": str(end)}}]
     proc = launch(tmp_path, cfg)
     try:
         _, err = proc.communicate(timeout=240)
@@ -244,9 +247,39 @@ def test_a_callback_stopping_one_rank_stops_every_rank_at_the_same_step(tmp_path
         pytest.fail("the job did not end: a rank waits for the one that stopped")
     assert proc.returncode == 0, err[-3000:]
     assert reported(err) == [], err[-3000:]   # no traceback, no error line
+    return err
+
+
+@pytest.mark.parametrize("accumulate, batch", [
+    pytest.param(1, 1, marks=pytest.mark.slow),   # the step's own batch end
+    pytest.param(2, 2, marks=pytest.mark.slow),   # the first micro-batch of step 2: the stop waits for its end
+])   # slow: a 2-process Lightning start-up each
+def test_a_callback_stopping_one_rank_stops_every_rank_at_the_same_step(tmp_path, accumulate, batch):
+    from framework.checkpoint import find_latest, verify_checkpoint
+    from framework.metrics import read_metrics
+
+    end = tmp_path / "ended"
+    cfg = plain_sft(tmp_path, max_steps=6, accumulate_grad_batches=accumulate, log_every_n_steps=4)
+    cfg["callbacks"] = [{"class_path": "test_ddp_one_rank_failures.StopOnOneRank",
+                         "init_args": {"rank": 1, "batch": batch, "out": str(end)}}]
+    run_stopped_on_one_rank(tmp_path, cfg)
     assert [json.loads(Path(f"{end}.{r}").read_text()) for r in (0, 1)] == [[2, 2], [2, 2]]
     run = Path(cfg["run_dir"])
     latest = find_latest(run)
     assert Path(latest).name == "step-000002"   # the step the run stopped at
     verify_checkpoint(latest)   # every file whole
     assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == [2]   # its last steps logged
+
+
+@pytest.mark.slow   # a 2-process Lightning start-up each
+@pytest.mark.parametrize("hook", ["setup", "on_train_start"])   # agreed before the loop and at its start
+def test_a_callback_stopping_one_rank_before_the_first_step_stops_every_rank(tmp_path, hook):
+    from framework.checkpoint import list_checkpoints
+
+    end = tmp_path / "ended"
+    cfg = plain_sft(tmp_path, max_steps=6)
+    cfg["callbacks"] = [{"class_path": "test_ddp_one_rank_failures.StopOnOneRank",
+                         "init_args": {"rank": 1, "batch": -1, "out": str(end), "hook": hook}}]
+    run_stopped_on_one_rank(tmp_path, cfg)
+    assert [json.loads(Path(f"{end}.{r}").read_text()) for r in (0, 1)] == [[0, 0], [0, 0]]
+    assert list_checkpoints(cfg["run_dir"]) == []   # no step, nothing saved
