@@ -107,6 +107,7 @@ class Plan:
     suggestions: list[Suggestion] = field(default_factory=list)
     together: Suggestion | None = None   # the suggestions applied one after another until the job fits
     keeps_engine: bool | None = None     # rollout.keep_engine resolved (None: the job does not generate)
+    warnings: list[str] = field(default_factory=list)   # what fits but may not do what the user meant
 
     def phase_bytes(self, phase: str) -> float:
         return sum(r.bytes for r in self.rows if phase in r.phases)
@@ -139,7 +140,11 @@ class Plan:
         return max(self.rows, key=lambda r: r.bytes)
 
     def table(self) -> str:
-        """The plan as aligned text: one row per kind of memory, the total against the limit, suggestions."""
+        """The plan as aligned text: one row per kind of memory, the total against the limit, suggestions,
+        then the warnings."""
+        return "\n".join(self._table_lines() + [f"warning: {w}" for w in self.warnings])
+
+    def _table_lines(self) -> list[str]:
         name_w = max(len(r.name) for r in self.rows)
         phase_w = max(len("+".join(r.phases)) for r in self.rows)
         lines = [self.title, f"  {'':<{name_w}}  {'GiB':>7}  {'phase':<{phase_w}}  counted as"]
@@ -154,11 +159,11 @@ class Plan:
                          "pinned CPU memory (optimizer.cpu_offload)")
         if self.limit_bytes is None:
             lines.append(f"  {'limit':<{name_w}}  {'-':>7}  {'':<{phase_w}}  {self.limit_source}")
-            return "\n".join(lines)
+            return lines
         lines.append(f"  {'limit':<{name_w}}  {self.limit_bytes / GIB:7.1f}  {'':<{phase_w}}  {self.limit_source}")
         if self.fits:
             lines.append(f"fits: {(self.limit_bytes - self.total_bytes) / GIB:.1f} GiB to spare")
-            return "\n".join(lines)
+            return lines
         verdict = f"does not fit: {_gib(self.total_bytes)} GiB > {_gib(self.limit_bytes)} GiB"
         lines.append(verdict + ("; try one of:" if self.suggestions else ""))
         width = max([len(s.text) for s in self.suggestions] + [0])
@@ -167,7 +172,7 @@ class Plan:
         if self.together is not None:
             lines.append(f"{self._together_label()}: {self.together.text}  -> "
                          f"{self.together.total_bytes / GIB:.1f} GiB{' (fits)' if self.together.fits else ''}")
-        return "\n".join(lines)
+        return lines
 
     def _together_label(self) -> str:
         """"together", said to keep full fine-tuning when it does and a LoRA suggestion is listed beside it."""
@@ -1015,9 +1020,25 @@ def estimate(cfg: dict, gpu_gib: float | None = None) -> Plan:
     planner = _Planner(cfg, gpu_gib)
     shapes = planner.shapes(cfg)
     plan = planner.plan(cfg, shapes)
+    plan.warnings.extend(position_warnings(planner.model, shapes))
     if plan.fits is False:
         suggest(planner, cfg, plan, shapes)
     return plan
+
+
+def position_warnings(model: Qwen3Config, shapes: BatchShapes | None) -> list[str]:
+    """A line when the longest row the job can form passes the policy's `max_position_embeddings`: the
+    model computes there (RoPE has no table to run out of) but was not trained there."""
+    if shapes is None or shapes.seq_len <= model.max_position_embeddings:
+        return []
+    if shapes.rollout_rows:
+        what = (f"the longest prompt ({shapes.prompt_len:,} tokens) plus rollout.max_new_tokens "
+                f"({shapes.new_tokens:,})")
+    else:
+        what = "data.max_seq_len"
+    line = (f"{what} allows rows of {shapes.seq_len:,} tokens, more than the policy's max_position_embeddings "
+            f"({model.max_position_embeddings:,}), the positions it is made for; fw applies no RoPE scaling")
+    return [line]
 
 
 def check_fits(cfg: dict, rank: int = 0, show: bool = True) -> Plan:

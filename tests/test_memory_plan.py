@@ -825,3 +825,28 @@ def test_fw_plan_suggests_auto_when_a_kept_engine_does_not_fit(capsys):
     assert code == 2
     line = next(ln for ln in out.splitlines() if ln.startswith("  --rollout.keep_engine=auto"))
     assert float(line.split("->")[1].split()[0]) <= limit
+
+
+# ------------------------------------------------------------------------------------------ positions
+
+def test_rows_longer_than_the_models_positions_are_warned_of_in_the_plan():
+    # the tiny preset: max_position_embeddings 4096 (framework/models/presets.py)
+    assert mp.estimate(tiny("sft", data={"max_seq_len": 4096})).warnings == []
+    plan = mp.estimate(tiny("sft", data={"max_seq_len": 4097}))
+    line = ("data.max_seq_len allows rows of 4,097 tokens, more than the policy's max_position_embeddings (4,096), "
+            "the positions it is made for; fw applies no RoPE scaling")
+    assert plan.warnings == [line]
+    assert plan.table().splitlines()[-1] == "warning: " + line
+
+
+def test_fw_plan_warns_of_a_completion_that_passes_the_models_positions(capsys):
+    code, out, err = fw(capsys, "plan", "--config", TRAIN, "--rollout.max_new_tokens=4095")
+    assert (code, err) == (0, "")
+    warning = out.splitlines()[-1]
+    prompt = int(warning.split("the longest prompt (")[1].split(" tokens)")[0])
+    assert prompt == 2   # "3=": so that prompt + 4,095 passes 4,096
+    assert warning == (f"warning: the longest prompt ({prompt} tokens) plus rollout.max_new_tokens (4,095) allows rows "
+                       f"of {prompt + 4095:,} tokens, more than the policy's max_position_embeddings (4,096), the "
+                       "positions it is made for; fw applies no RoPE scaling")
+    code, out, _ = fw(capsys, "plan", "--config", TRAIN, f"--rollout.max_new_tokens={4096 - prompt}")
+    assert code == 0 and "warning:" not in out
