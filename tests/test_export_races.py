@@ -1,5 +1,7 @@
 """`fw export`, `fw generate` and `fw eval` given the run directory of a live fit: a checkpoint pruned by the run
-while it is read is resolved again (the run's newer one) and read once more; a second loss is one line.
+while it is read is resolved again (the run's newer one) and read once more; a second loss is one line. A
+`fit --resume` from it lists the run again when its newest goes while verified, and says in one line that it went
+while loaded.
 `fw export --out DIR` into an existing empty mount point (also under a read-only parent) exports there; a
 read-only parent without DIR is one line naming --out; a killed export's staging inside DIR is cleaned up.
 
@@ -65,6 +67,11 @@ try:
     elif what == "generate":
         from framework.generate import generate_text
         out = generate_text(None, "123", checkpoint=str(run))
+    elif what == "resume":   # a new run resuming from the live run's newest: argv[6] its config as JSON
+        from framework.config import resolve
+        from framework.trainer import fit
+        fit(resolve(json.loads(sys.argv[6])), resume=str(run))
+        out = "resumed"
     else:
         from framework.evaluation import evaluate_checkpoint
         report, _ = evaluate_checkpoint(run)
@@ -79,16 +86,20 @@ except Exception as e:
 def live_run(tmp_path_factory):
     """A GRPO run with checkpoints at steps 1, 2 and 3, as a fit that saves every step writes them."""
     run = tmp_path_factory.mktemp("live") / "run"
-    fit(resolve({
+    fit(resolve(live_config(run, max_steps=3)))
+    return run
+
+
+def live_config(run: Path, max_steps: int) -> dict:
+    return {
         "recipe": "grpo", "seed": 5, "run_dir": str(run), "model": {"policy": {"preset": "tiny"}},
         "data": {"task": {"name": "digits", "init_args": {"num_digits": 3, "rule": "next"}}, "chat_template": False},
         "rollout": {"prompts_per_step": 4, "max_new_tokens": 2}, "reward": {"name": "numeric_match"},
         # weight decay moves the weights at every step, whatever the rewards: each checkpoint differs
         "grpo": {"group_size": 4}, "optimizer": {"lr": 3e-3, "weight_decay": 0.1},
         "eval": {"max_prompts": 4, "samples_per_prompt": 2},
-        "trainer": {"accelerator": "cpu", "max_steps": 3, "enable_progress_bar": False},
-        "checkpoint": {"every_n_steps": 1, "keep_last": None}, "logging": {"csv": False, "tensorboard": False}}))
-    return run
+        "trainer": {"accelerator": "cpu", "max_steps": max_steps, "enable_progress_bar": False},
+        "checkpoint": {"every_n_steps": 1, "keep_last": None}, "logging": {"csv": False, "tensorboard": False}}
 
 
 def _staged(live_run: Path, tmp_path: Path) -> tuple[Path, Path]:
@@ -249,3 +260,27 @@ def test_a_killed_exports_staging_inside_out_is_removed_and_its_partial_copy_ref
     assert export_checkpoint(live_run, out) == str(out)
     want = _policy_files(live_run / "checkpoints" / "step-000003")
     assert {name: _sha256s(out)[name] for name in want} == want
+
+
+def test_a_resume_from_a_live_run_whose_newest_is_pruned_while_verified_takes_the_newer_one(live_run, tmp_path):
+    """Another run resumes from the live run's directory; the live run publishes step 2 and prunes step 1 while
+    the resume verifies step 1's files: the resume lists the run again and goes on from step 2."""
+    run, side = _staged(live_run, tmp_path)
+    new = tmp_path / "new"
+    assert _read(run, side, 1, 1, "resume", json.dumps(live_config(new, max_steps=4))) == {"ok": "resumed"}
+    assert sorted(p.name for p in (new / "checkpoints").iterdir()) == ["step-000003", "step-000004"]   # none before 3
+
+
+def test_a_resume_from_a_live_runs_checkpoint_pruned_while_loaded_is_one_line(live_run, tmp_path):
+    """The same without verification: the pruning comes while the resume loads step 1's policy. One line naming
+    the checkpoint and what happened, no step taken in the new run."""
+    run, side = _staged(live_run, tmp_path)
+    new = tmp_path / "new"
+    cfg = live_config(new, max_steps=4)
+    cfg["checkpoint"]["verify"] = False
+    got = _read(run, side, 1, 1, "resume", json.dumps(cfg))
+    assert got == {"error": "FwError", "message": (
+        f"--resume {run / 'checkpoints' / 'step-000001'}: the checkpoint was deleted while this run read it, pruned "
+        "by the run writing it; no step was taken: run again, naming a checkpoint that run keeps or its run "
+        "directory (its newest)")}
+    assert not (new / "checkpoints").exists() or not any((new / "checkpoints").iterdir())

@@ -22,6 +22,7 @@ from framework.checkpoint.store import (
     step_dir_name,
 )
 from framework.durable import remove_tree
+from framework.errors import FwError
 from framework.models.hf_io import GENERATION_CONFIG
 from framework.optim import allow_optimizer_states
 
@@ -67,9 +68,18 @@ class AtomicCheckpointIO(CheckpointIO):
 
     def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: bool | None = None) -> dict:
         allow_optimizer_states(self.cfg)   # torchao's 8-bit state tensors, for a weights-only load
-        checkpoint = read_checkpoint_dir(
-            path, map_location=map_location, weights_only=weights_only, verify=self.cfg["checkpoint"]["verify"]
-        )
+        try:
+            checkpoint = read_checkpoint_dir(
+                path, map_location=map_location, weights_only=weights_only, verify=self.cfg["checkpoint"]["verify"]
+            )
+        except Exception:
+            # resolve_resume found it complete: gone since, it was pruned by the run that wrote it (a resume from
+            # another, live run), which no damage message would say
+            if not Path(path).is_dir():
+                raise FwError(f"--resume {path}: the checkpoint was deleted while this run read it, pruned by the "
+                              "run writing it; no step was taken: run again, naming a checkpoint that run keeps "
+                              "or its run directory (its newest)") from None
+            raise
         carried = checkpoint.pop(SOURCE_GENERATION_CONFIG, None)
         if carried is not None:   # the source as the resumed run found it; without a copy, what it holds now
             self.generation_config = carried

@@ -130,13 +130,20 @@ def find_latest(run_dir: str | os.PathLike, skip_damaged: bool = False, verify: 
 def _newest(run_dir: str | os.PathLike, skip_damaged: bool, verify: bool) -> tuple[str | None, list[Path]]:
     """`find_latest`, and the damaged checkpoints it skipped, newest first."""
     recover(checkpoints_dir(run_dir))
-    skipped = []
-    for path in reversed(step_dirs(run_dir)):
+    skipped: list[Path] = []
+    gone: set[Path] = set()   # pruned while read, or a link whose target is gone
+    listed = reversed(step_dirs(run_dir))
+    while (path := next(listed, None)) is not None:
+        if path in skipped or path in gone:
+            continue
         problem = _settled_damage(path, verify)
         if problem is None:
             return str(path), skipped
         if not path.exists():
-            continue   # pruned while it was read (a writer is running): not damaged, gone
+            # pruned while it was read: a writer is running, and it published a newer checkpoint first
+            gone.add(path)
+            listed = reversed(step_dirs(run_dir))
+            continue
         if not skip_damaged:
             raise FwError(f"the newest checkpoint {path} is damaged: {problem}; {SKIP_DAMAGED_FLAG} uses the newest "
                           "intact older one instead")
