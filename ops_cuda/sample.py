@@ -87,6 +87,16 @@ def inverse_cdf(p: Tensor, u: Tensor) -> Tensor:
     return (chunk * _CHUNK + j).squeeze(1)
 
 
+def plain_mass(z: Tensor) -> Tensor:
+    """The mass plain sampling draws from, for scaled logits z [B, V]: softmax(z) over the columns whose z is not
+    NaN. A NaN logit carries no mass, as -inf does, so a row with NaN among finite logits is still drawn from by its
+    own uniform (its seed and counters). A row whose NaN-free maximum is not finite (every z -inf or NaN, or a +inf,
+    where exp(inf - inf) is NaN) has no mass at all: zeros, which inverse_cdf draws as column 0. The CPU rollout's
+    draw (framework/rollout/sampling.py) takes it for rows whose softmax is NaN."""
+    p = torch.softmax(torch.where(z.isnan(), float("-inf"), z), -1)
+    return torch.where(p.isnan(), 0.0, p)
+
+
 def sampling_mask(z: Tensor, top_k: int, top_p: float, min_p: float) -> Tensor:
     """Tokens that may be drawn from scaled logits z [B, V] (float32): z >= max(tau_k, tau_p, tau_min).
     tau_k = the k-th largest z; tau_p = the largest value whose tail {z >= tau} (within top-k) holds at
@@ -116,8 +126,9 @@ def is_plain(vocab: int, top_k: int, top_p: float, min_p: float) -> bool:
 def sample_reference(logits: Tensor, temperature: float, top_k: int, top_p: float, min_p: float,
                      seed: int, counters: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """(tokens int64 [B], logprob float32 [B]). Plain sampling (no top-k / top-p / min-p): the inverse CDF of
-    softmax(logits / temperature) at one Philox uniform a row (row_uniform53). Otherwise Gumbel-max over the
-    allowed tokens of logits / temperature (gumbel_noise). logprob under the temperature-scaled FULL softmax.
+    softmax(logits / temperature) at one Philox uniform a row (row_uniform53), NaN logits carrying no mass and a row
+    without mass drawing column 0 (plain_mass). Otherwise Gumbel-max over the allowed tokens of logits / temperature
+    (gumbel_noise). logprob under the temperature-scaled FULL softmax (NaN for a row with a NaN logit).
     temperature 0: greedy (first maximum), logprob under the unscaled softmax."""
     z = logits.to(acc_dtype(logits.dtype))
     if temperature == 0.0:
@@ -125,7 +136,7 @@ def sample_reference(logits: Tensor, temperature: float, top_k: int, top_p: floa
     elif is_plain(z.shape[1], top_k, top_p, min_p):
         z = z / temperature
         u = row_uniform53(seed, row_counters(z.shape[0], counters, z.device))
-        tokens = inverse_cdf(torch.softmax(z, -1), u)
+        tokens = inverse_cdf(plain_mass(z), u)
     else:
         z = z / temperature
         keep = sampling_mask(z, top_k, top_p, min_p)

@@ -171,6 +171,32 @@ def test_a_diverging_run_exits_2_keeping_the_last_good_checkpoint(tmp_path, caps
     assert [json.loads(ln)["step"] for ln in (run_dir / "metrics.jsonl").read_text().splitlines()] == [1]
 
 
+class NanWeightAtStart(Callback):
+    """Makes one policy weight NaN before the first step, as a broken checkpoint would hold it."""
+
+    def on_train_start(self, trainer, module):
+        with torch.no_grad():
+            next(module.policy.parameters()).view(-1)[0] = float("nan")
+
+
+def test_a_policy_with_a_nan_weight_stops_grpo_with_one_line(tmp_path, capsys):
+    """Its rollout's logits are NaN (CPU): the draw goes on (NaN rows draw as the CUDA op does, logprob NaN) and
+    the non-finite guard stops the run with its line, exit 2, nothing saved; the draw used to raise IndexError."""
+    from framework import checkpoint as ck
+    from framework.cli import main
+
+    run_dir = tmp_path / "run"
+    code = main(["fit", "--config", "train.yaml", f"--run_dir={run_dir}", "--trainer.max_steps=2",
+                 "--trainer.enable_progress_bar=false", "--logging.tensorboard=false", "--eval.every_n_steps=null",
+                 "--callbacks=[{class_path: test_callbacks.NanWeightAtStart}]"])
+    err = capsys.readouterr().err
+    assert code == 2, err[-3000:]
+    (line,) = [ln for ln in err.splitlines() if ln.startswith("fw: error: ")]
+    assert line.startswith("fw: error: the loss is nan after 0 policy steps: the run has diverged"), line
+    assert "Traceback" not in err
+    assert ck.list_checkpoints(run_dir) == []
+
+
 def test_the_non_finite_guard_stops_on_an_infinite_loss_gradient_or_weight(tmp_path):
     # infinities pass the NaN check of the metrics (an fp16 step skipped by loss scaling has an infinite
     # gradient norm); outside 16-mixed they mean divergence. The guard reads its checks at the batch end.

@@ -701,6 +701,38 @@ def test_inverse_cdf_draws_only_columns_with_mass():
     assert inverse_cdf(p, u).tolist() == [3, 1, 4, 200, 128, 127]
 
 
+def test_plain_sample_nan_logits_hand_computed():
+    """Plain sampling's reference with NaN logits (plain_mass): a NaN carries no mass, as -inf does. A row of 300
+    columns (three chunks of inverse_cdf) holds masses 1 : 3 : 4 at columns 1, 4 and 200 and NaN in every chunk, so
+    its uniform u draws column 1 below 1/8, column 4 below 1/2 and column 200 above, for each row's own counters in
+    any batch slot, and the same as with -inf for the NaN; its logprob is NaN, as the full softmax's is. Rows without
+    mass draw column 0: all NaN, NaN among -inf, all -inf, a +inf among finite logits (exp(inf - inf) is NaN)."""
+    nan, inf, V, B = float("nan"), float("inf"), 300, 48
+    row = torch.full((V,), -inf, dtype=D64)
+    row[[1, 4, 200]] = torch.tensor([0.0, math.log(3.0), math.log(4.0)], dtype=D64)
+    row[[0, 2, 130, 299]] = nan
+    counters = torch.stack([torch.arange(B) * 5 + 1, torch.full((B,), 3)], 1)
+    for seed in (0, 9):
+        u = row_uniform53(seed, counters)
+        expected = torch.where(u < 1 / 8, 1, torch.where(u < 1 / 2, 4, 200))
+        tok, lp = ops_cuda.sample(row.expand(B, V), 1.0, 0, 1.0, 0.0, seed, counters)
+        assert torch.equal(tok, expected) and set(tok.tolist()) == {1, 4, 200}
+        assert lp.isnan().all()
+        perm = torch.randperm(B)
+        assert torch.equal(ops_cuda.sample(row.expand(B, V), 1.0, 0, 1.0, 0.0, seed, counters[perm])[0], tok[perm])
+        no_nan = torch.where(row.isnan(), -inf, row)
+        assert torch.equal(ops_cuda.sample(no_nan.expand(B, V), 1.0, 0, 1.0, 0.0, seed, counters)[0], tok)
+    massless = torch.full((4, V), -inf, dtype=D64)
+    massless[0] = nan
+    massless[1, 150] = nan
+    massless[3] = torch.linspace(-1.0, 1.0, V, dtype=D64)
+    massless[3, 77] = inf
+    for seed in range(4):
+        tok, lp = sample_reference(massless, 0.7, 0, 1.0, 0.0, seed)
+        assert tok.tolist() == [0, 0, 0, 0]
+        assert lp[:3].isnan().all() and lp[3] == -inf   # the +inf row: finite column 0 against logsumexp inf
+
+
 def test_sampling_sets_hand_computed():
     z = torch.tensor([[math.log(0.5), math.log(0.3), math.log(0.15), math.log(0.05)]], dtype=D64)
     def keep(k, p, m):

@@ -1188,3 +1188,29 @@ def test_rollout_result_benchmark_times_the_assembly_of_finished_rows():
 
     out = main(["--rows", "8", "--prompt-len", "5", "--new-tokens", "3", "--rounds", "2"])
     assert out.startswith("rollout result of 8 rows x (5 + 3) tokens: median ") and out.endswith(")")
+
+
+def test_the_cpu_draw_of_rows_with_nan_or_inf_logits_is_the_reference_draw():
+    """The CPU rollout draws a row holding a NaN logit (or a +inf) as the sampler's reference does (plain_mass:
+    a NaN carries no mass, a row without mass draws column 0), with the full softmax's logprob (NaN, -inf); the
+    other rows of the batch draw as they would alone."""
+    from framework.rollout.sampling import SamplingParams, draw
+    from ops_cuda.sample import sample_reference
+
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(5, 300, generator=g) * 3
+    logits[1, [0, 7, 250]] = float("nan")
+    logits[2, 5] = float("inf")
+    logits[3] = float("nan")
+    counters = torch.tensor([[10, 2], [11, 2], [12, 2], [13, 2], [14, 2]])
+    params = SamplingParams(max_new_tokens=1, temperature=0.8)
+    tokens, logprob = draw(logits, params, 9, counters)
+    ref_tokens, _ = sample_reference(logits.double(), 0.8, 0, 1.0, 0.0, 9, counters)
+    assert tokens.tolist() == ref_tokens.tolist()
+    assert tokens[1] not in (0, 7, 250) and tokens[2] == 0 and tokens[3] == 0
+    assert logprob[1].isnan() and logprob[2] == float("-inf") and logprob[3].isnan()
+    for row in (0, 4):   # as alone
+        alone = draw(logits[row:row + 1], params, 9, counters[row:row + 1])
+        assert alone[0].item() == tokens[row].item() and alone[1].item() == logprob[row].item()
+        full = torch.log_softmax(logits[row].double() / 0.8, -1)[tokens[row]]
+        assert abs(logprob[row].item() - full.item()) < 1e-5

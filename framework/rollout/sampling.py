@@ -13,7 +13,7 @@ from torch import Tensor
 
 import ops_cuda
 from framework.errors import FwError
-from ops_cuda.sample import inverse_cdf, row_uniform53, sampling_mask
+from ops_cuda.sample import inverse_cdf, plain_mass, row_uniform53, sampling_mask
 
 # The smallest temperature above greedy, as the schema's rollout.temperature says (a test holds them equal): below
 # it a draw is greedy in all but name, and logits divided by it can overflow float32.
@@ -105,8 +105,16 @@ def draw(logits: Tensor, params: SamplingParams, key: int, counters: Tensor) -> 
     if T != 1.0:
         z = z / T
     p = torch.softmax(z, -1)   # one fused pass a row: max, exp, sum, scale
+    # a NaN logit (or a +inf) makes its whole row NaN: such rows draw from plain_mass, as the CUDA op does, so a
+    # diverged policy reaches the trainer's non-finite checks instead of failing inside the draw
+    broken = p[:, 0].isnan()
+    if bool(broken.any()):
+        p[broken] = plain_mass(z[broken])
     if params.top_k or params.top_p < 1.0 or params.min_p > 0.0:
         p.masked_fill_(~sampling_mask(z, params.top_k, params.top_p, params.min_p), 0.0)
     tokens = inverse_cdf(p, row_uniform53(key, counters))
     # masking keeps the drawn token's probability, which is under the full softmax
-    return tokens, p.gather(1, tokens[:, None]).squeeze(1).double().log().float()
+    logprob = p.gather(1, tokens[:, None]).squeeze(1).double().log().float()
+    if bool(broken.any()):   # the full softmax's: NaN for a NaN logit, -inf beside a +inf one
+        logprob[broken] = z[broken].gather(1, tokens[broken, None]).squeeze(1) - z[broken].logsumexp(-1)
+    return tokens, logprob
