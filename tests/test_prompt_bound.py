@@ -52,15 +52,17 @@ def test_no_sample_of_a_built_in_task_outgrows_its_widest_prompt(tokenizers, tas
     tokenizer and Qwen3's (which splits numbers into single digits); digits and arithmetic, whose prompts all have
     the same digit counts, reach it exactly. The first PLAN_PROMPTS samples miss countdown's widest (a run's
     prompts would outgrow the plan)."""
+    # one resolved config: its data section is the same whatever the seed, which build_task takes on its own
+    cfg = task_cfg(task, chat_template)
     prompts = []
     for seed in SEEDS:
-        sampled = build_task(task_cfg(task, chat_template, seed)["data"], seed=seed)
+        sampled = build_task(cfg["data"], seed=seed)
         prompts += [sampled.sample(i)["prompt"] for i in range(SAMPLES // len(SEEDS))]
     # the most tokens of the distinct prompts are the most of all: a narrow task repeats most of its prompts
     prompts = list(dict.fromkeys(prompts))
     for name, tok in tokenizers.items():
         counts = tok.token_counts([render_prompt(p, tok, chat_template) for p in prompts])
-        bound = longest_prompt(task_cfg(task, chat_template), tok)
+        bound = longest_prompt(cfg, tok)
         assert max(counts) <= bound, name
         if task["name"] != "countdown":
             assert max(counts) == bound, name
