@@ -111,6 +111,24 @@ def test_resume_from_an_older_checkpoint_into_its_run_dir_is_refused(tmp_path, d
     assert trainer.global_step == 9
 
 
+def test_a_resume_past_max_steps_is_refused_and_one_at_it_says_so(tmp_path, data, capsys):
+    """A resume only trains further: a checkpoint past trainer.max_steps is refused before anything changes (its
+    config.yaml would record a max_steps the run never kept); one at it trains nothing and says so."""
+    run = tmp_path / "run"
+    cfg = config(run, data, 1)
+    fit(cfg | {"trainer": cfg["trainer"] | {"max_steps": 4}})
+    written = (run / "config.yaml").read_bytes()
+    capsys.readouterr()
+    with pytest.raises(FwError, match=r"^--resume last: step-000004 is past trainer.max_steps \(4 > 3\); a resume "
+                                      r"only trains further: set --trainer.max_steps above 4$"):
+        fit(cfg | {"trainer": cfg["trainer"] | {"max_steps": 3}}, resume="last")
+    assert (run / "config.yaml").read_bytes() == written
+    trainer = fit(cfg | {"trainer": cfg["trainer"] | {"max_steps": 4}}, resume="last")
+    assert trainer.global_step == 4
+    assert ("fw: step-000004 is at trainer.max_steps (4) already: nothing to train; raise --trainer.max_steps to "
+            "continue") in capsys.readouterr().err.splitlines()
+
+
 @pytest.mark.parametrize("damage", ["corrupt", "truncated"])
 def test_fw_fit_skip_damaged_resumes_past_a_damaged_newest_checkpoint(tmp_path, data, damage, capsys):
     """`fw fit --resume last` on a run whose newest checkpoint (step 8) has a flipped bit (sizes intact) or a cut

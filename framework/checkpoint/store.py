@@ -258,11 +258,19 @@ def resolve_resume(resume: str | None, cfg: dict, skip_damaged: bool = False) ->
     skipped = [p for p in skipped if p.parent.resolve() == own]   # another run's are left alone
     refuse_newer_checkpoints(run_dir, latest, resume, skipped)
     changes = check_resume_config(latest, cfg)
+    step_dir = _STEP_DIR.match(Path(latest).name)
+    step, max_steps = (int(step_dir.group(1)) if step_dir else None), cfg["trainer"]["max_steps"]
+    if step is not None and step > max_steps:   # nothing can train, and config.yaml would record a max_steps
+        raise FwError(f"--resume {resume}: {Path(latest).name} is past trainer.max_steps ({step} > {max_steps}); "
+                      f"a resume only trains further: set --trainer.max_steps above {step}")
     for path in skipped:
         move_aside(path)
     if os.environ.get("LOCAL_RANK", "0") == "0" and os.environ.get("NODE_RANK", "0") == "0":
         changed = ", ".join(f"{k} {a!r} -> {b!r}" for k, a, b in changes)
         print(f"fw: resuming {latest}" + (f" with changed settings: {changed}" if changes else ""), file=sys.stderr)
+        if step == max_steps:
+            print(f"fw: {Path(latest).name} is at trainer.max_steps ({max_steps}) already: nothing to train; "
+                  "raise --trainer.max_steps to continue", file=sys.stderr)
     return latest
 
 
