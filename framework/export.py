@@ -21,6 +21,7 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -91,12 +92,16 @@ def export_checkpoint(checkpoint: str | os.PathLike, out: str | os.PathLike, mer
     if Path.cwd().resolve().is_relative_to(out):
         raise FwError(f"--out {given}: the working directory (or one above it), which the export would replace; "
                       "choose a new directory")
-    read_resolved(checkpoint, lambda source: _export(source, given, out, merge), skip_damaged, settled=False)
+    source = read_resolved(checkpoint, lambda source: _export(source, given, out, merge), skip_damaged,
+                           settled=False)
+    if source != Path(checkpoint):   # a run directory: say which of its checkpoints this is
+        print(f"fw: exported {source}, the newest {'intact ' if skip_damaged else ''}checkpoint of {checkpoint}",
+              file=sys.stderr)
     return str(out)
 
 
-def _export(source: Path, given: str | os.PathLike, out: Path, merge: bool) -> None:
-    """`export_checkpoint` of the resolved checkpoint directory `source`."""
+def _export(source: Path, given: str | os.PathLike, out: Path, merge: bool) -> Path:
+    """`export_checkpoint` of the resolved checkpoint directory `source`; returns `source`."""
     manifest = read_complete_manifest(source)
     if POLICY not in manifest["components"]:
         raise FwError(f"{source}: the checkpoint holds no {POLICY}/ component")
@@ -147,6 +152,7 @@ def _export(source: Path, given: str | os.PathLike, out: Path, merge: bool) -> N
         if isinstance(e, OSError) and e.errno in _OUT_ERRORS and not _names(e, source):
             raise _out_error(given, e) from None
         raise
+    return source
 
 
 # what writing to `--out` can meet that the user fixes by choosing another place (or permissions)

@@ -66,12 +66,16 @@ def test_export_loads_in_transformers_with_same_logits(tmp_path, tied):
     assert hf_tok.encode(text, add_special_tokens=False) == Tokenizer.builtin().encode(text)
 
 
-def test_export_of_a_run_dir_takes_its_newest_checkpoint(tmp_path):
+def test_export_of_a_run_dir_takes_its_newest_checkpoint(tmp_path, capsys):
     run_dir = tmp_path / "run"
     _write(run_dir, _policy(True), step=3)
     newest = _policy(False)
     _write(run_dir, newest, step=8)
     out = export_checkpoint(run_dir, tmp_path / "export")
+    assert capsys.readouterr().err == (f"fw: exported {ck.checkpoints_dir(run_dir) / ck.step_dir_name(8)}, the newest "
+                                       f"checkpoint of {run_dir}\n")   # which one, where the run dir does not say
+    export_checkpoint(ck.checkpoints_dir(run_dir) / ck.step_dir_name(3), tmp_path / "named")
+    assert capsys.readouterr().err == ""   # named itself
     hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     assert hf.config.tie_word_embeddings is False  # step 8's model, not step 3's
 
@@ -175,6 +179,7 @@ def test_export_of_a_run_dir_with_a_damaged_newest_checkpoint(tmp_path, capsys):
     assert main(["export", "--checkpoint", str(run_dir), "--out", str(tmp_path / "b"), "--skip-damaged"]) == 0
     err = capsys.readouterr().err
     assert err.startswith(f"fw: warning: skipping damaged checkpoint {newest}: {weights}: sha256 ")
+    assert err.endswith(f"fw: exported {newest.parent / 'step-000003'}, the newest intact checkpoint of {run_dir}\n")
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "b"), dtype=torch.float32)
     assert hf.config.tie_word_embeddings is True   # step 3's model
 
