@@ -170,6 +170,16 @@ def _bool_hint(value: Any, wants_bool: bool) -> str:
     return ""
 
 
+def _null_hint(schema: dict) -> str:
+    """' (or null: what null means)' for a nullable key whose description says it (`eval.every_n_steps: 0` meant
+    as 'off'), else ''."""
+    types = schema.get("type")
+    if not (isinstance(types, list) and "null" in types):
+        return ""
+    m = re.search(r"`?null`? = ([^.;]+)", schema.get("description") or "")
+    return f" (or null: {m.group(1).strip()})" if m else ""
+
+
 def _choice_text(values: list) -> str:
     return ", ".join("null" if v is None else str(v).lower() if isinstance(v, bool) else str(v) for v in values)
 
@@ -227,7 +237,7 @@ def _problems_for(error: ValidationError, marks: dict, fallback: Mark, recipe: A
         return [at(path, f"{_describe(error.instance)} is not a dotted import path like 'package.module.Class'")]
     if v in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"):
         op = {"minimum": ">=", "maximum": "<=", "exclusiveMinimum": ">", "exclusiveMaximum": "<"}[v]
-        return [at(path, f"must be {op} {error.validator_value}, got {error.instance!r}")]
+        return [at(path, f"must be {op} {error.validator_value}, got {error.instance!r}" + _null_hint(error.schema))]
     if v == "minLength" and error.validator_value == 1:
         return [at(path, "must not be empty")]
     if v in ("minItems", "maxItems"):

@@ -410,3 +410,15 @@ def test_builtin_names_are_checked_against_the_registries(tmp_path):
     assert got[0].endswith("did you mean 'numeric_match'?")
     assert got[1].startswith(f"{path}:7:16: data.task.name: unknown built-in 'arithmetc'")
     assert got[1].endswith("did you mean 'arithmetic'?")
+
+
+def test_a_range_error_on_a_key_that_takes_null_says_what_null_means(tmp_path):
+    """0 is the usual "off" elsewhere; these keys take null for it, which the line says in the schema's words."""
+    path = write(tmp_path, "c.yaml", MINIMAL + "eval:\n  every_n_steps: 0\ncheckpoint:\n  keep_last: 0\n"
+                 "optimizer:\n  max_grad_norm: -1\n")
+    with pytest.raises(ConfigError) as e:
+        load_config([path])
+    assert problems(e) == [
+        f"{path}:6:18: eval.every_n_steps: must be >= 1, got 0 (or null: not during training)",
+        f"{path}:8:14: checkpoint.keep_last: must be >= 1, got 0 (or null: keep all)",
+        f"{path}:10:18: optimizer.max_grad_norm: must be > 0, got -1 (or null: no clipping)"]
