@@ -62,6 +62,8 @@ def plot_runs(runs: list[str | Path], out: str | Path | None = None, metrics: li
     its path (default `<first run>/metrics.png`)."""
     if not 0 <= smoothing < 1:
         raise FwError(f"--smooth must be in [0, 1), got {smoothing:g}")
+    if out is not None and Path(out).suffix.lower() != ".png":   # the bytes written are a PNG's whatever the name
+        raise FwError(f"--out {out}: fw plot writes PNG images; give a path ending in .png")
     files = [_metrics_file(r) for r in runs]
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg

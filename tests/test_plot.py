@@ -67,9 +67,12 @@ def test_plot_errors_are_one_line(tmp_path, capsys):
     write_run(tmp_path / "a", 0.0)
     assert main(["plot", "--run", str(tmp_path / "a"), "--metrics", "nope"]) == 2
     assert main(["plot", "--run", str(tmp_path / "missing")]) == 2
+    assert main(["plot", "--run", str(tmp_path / "a"), "--out", str(tmp_path / "a.jpg")]) == 2
     errors = capsys.readouterr().err.strip().splitlines()
-    assert len(errors) == 2 and all(e.startswith("fw: error: ") for e in errors)
+    assert len(errors) == 3 and all(e.startswith("fw: error: ") for e in errors)
     assert "nope not in any run" in errors[0] and "no metrics.jsonl" in errors[1]
+    assert errors[2] == f"fw: error: --out {tmp_path / 'a.jpg'}: fw plot writes PNG images; give a path ending in .png"
+    assert not (tmp_path / "a.jpg").exists()   # PNG bytes under a .jpg name, before
 
 
 def test_series_and_smoothing():
