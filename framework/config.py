@@ -32,7 +32,7 @@ from jsonschema.exceptions import best_match
 from framework import yaml12
 from framework.durable import replace_file
 from framework.errors import ConfigError, FwError, Problem
-from framework.imports import add_search_paths, check_init_args, import_object
+from framework.imports import SEARCH_PATHS, add_search_paths, check_init_args, import_object
 from framework.yaml12 import Located, Mark
 
 SCHEMA_FILE = "train.schema.json"
@@ -611,6 +611,7 @@ def load_located(paths: list[str], overrides: list[str] | None = None) -> Locate
         raise FwError("no config file given: pass --config FILE")
     # class_path modules next to a config or in the working directory import also under the console script
     add_search_paths([os.getcwd(), *(os.path.dirname(os.path.abspath(p)) for p in paths)])
+    add_search_paths([d for p in paths for d in _recorded_search_paths(p)])
     data: dict = {}
     marks: dict = {}
     problems: list[Problem] = []
@@ -679,11 +680,33 @@ def dump_config(cfg: dict) -> str:
     return yaml12.dump(cfg)
 
 
+SEARCH_PATHS_LINE = "# fw: class_path modules also import from: "
+
+
+def _recorded_search_paths(path: str) -> list[str]:
+    """The directories a resolved config.yaml records on its `SEARCH_PATHS_LINE` (none for another file)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            head = [f.readline() for _ in range(3)]
+    except (OSError, UnicodeDecodeError):
+        return []   # _read_file reports it
+    for line in head:
+        if line.startswith(SEARCH_PATHS_LINE):
+            try:
+                dirs = json.loads(line[len(SEARCH_PATHS_LINE):])
+            except ValueError:
+                return []
+            return [d for d in dirs if isinstance(d, str)] if isinstance(dirs, list) else []
+    return []
+
+
 def save_resolved(cfg: dict, path: str | os.PathLike) -> None:
-    """Write `cfg` as YAML with the schema modeline, atomically (a temp file renamed into place)."""
+    """Write `cfg` as YAML with the schema modeline, atomically (a temp file renamed into place); the directories
+    class_path modules were imported from in this process are recorded for the commands that read it back."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     schema_ref = os.path.relpath(os.path.realpath(schema_path()), os.path.realpath(path.parent))
+    searched = f"{SEARCH_PATHS_LINE}{json.dumps(SEARCH_PATHS)}\n" if SEARCH_PATHS else ""
     text = (f"{MODELINE}{Path(schema_ref).as_posix()}\n"
-            "# Resolved by fw: every default filled in.\n" + dump_config(cfg))
+            "# Resolved by fw: every default filled in.\n" + searched + dump_config(cfg))
     replace_file(path, text)

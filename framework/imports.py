@@ -54,6 +54,11 @@ def import_object(class_path: str) -> Any:
     raise FwError(f"cannot import '{class_path}': no module named '{missing_module}'")
 
 
+# Every directory `add_search_paths` was given in this process, in order: a resolved config.yaml records them, so
+# that `fw eval` / `fw generate` of a checkpoint import the run's class_path modules from any working directory.
+SEARCH_PATHS: list[str] = []
+
+
 def add_search_paths(directories: list[str]) -> None:
     """Make modules in `directories` importable by `class_path`, after everything already on sys.path.
 
@@ -63,6 +68,8 @@ def add_search_paths(directories: list[str]) -> None:
     """
     for d in directories:
         d = os.path.abspath(d)
+        if d not in SEARCH_PATHS:
+            SEARCH_PATHS.append(d)
         if d not in (os.path.abspath(p or os.curdir) for p in sys.path):
             sys.path.append(d)
 

@@ -3,6 +3,7 @@ greedy loop over full forwards of the same weights; the real CLI in a subprocess
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,6 +16,8 @@ from framework.generate import generate_text
 from framework.models import Qwen3ForCausalLM, save_pretrained
 from framework.models.presets import preset_config
 from framework.tokenizer import Tokenizer
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def make_cfg(chat_template: bool, **rollout):
@@ -255,3 +258,30 @@ def test_a_missing_tokenizer_names_the_key_it_came_from(tmp_path):
         with pytest.raises(FwError) as e:
             generate_text(resolve({**base, **settings}), "hi", temperature=0.0)
         assert str(e.value).startswith(f"{key}: {where}: no tokenizer.json"), str(e.value)
+
+
+def test_a_checkpoints_config_imports_the_runs_modules_from_any_working_directory(tmp_path):
+    """The README: class_path modules import from the working directory and the config file's directory. A
+    checkpoint's config.yaml lies elsewhere, so it records those directories, and `fw generate --checkpoint` (which
+    reads it whole, reward included) run from a third directory finds the run's own reward module."""
+    from framework.config import load_config
+    from framework.trainer import fit
+
+    project, elsewhere, run = tmp_path / "project", tmp_path / "elsewhere", tmp_path / "run"
+    project.mkdir()
+    elsewhere.mkdir()
+    (project / "gen_walk_reward.py").write_text(
+        "class Zero:\n    def __call__(self, prompt, completion, metadata):\n        return 0.0\n")
+    (project / "c.yaml").write_text(
+        f"recipe: grpo\nrun_dir: {run}\nmodel: {{policy: {{preset: tiny}}}}\n"
+        "data: {task: {name: digits}, chat_template: false}\n"
+        "rollout: {prompts_per_step: 2, max_new_tokens: 2}\ngrpo: {group_size: 2}\n"
+        "reward: {class_path: gen_walk_reward.Zero}\neval: {every_n_steps: null}\n"
+        "trainer: {accelerator: cpu, max_steps: 1, enable_progress_bar: false}\n"
+        "logging: {csv: false, tensorboard: false}\n")
+    fit(load_config([str(project / "c.yaml")]))
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    done = subprocess.run([sys.executable, "-m", "framework", "generate", "--checkpoint", str(run), "--prompt", "3=",
+                           "--greedy"], check=False, cwd=elsewhere, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
