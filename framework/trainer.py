@@ -262,4 +262,9 @@ def fit(cfg: dict, resume: str | None = None, skip_damaged: bool = False,
             saved = f"checkpoint {latest}; continue with --resume last" if latest else "no checkpoint"
             raise Stopped(stop.signum, f"stopped by {signal_name(stop.signum)} after step {module.policy_version}; "
                                        f"{saved}")
+        if module.policy_version < trainer.max_steps and rank0:   # a callback set trainer.should_stop: exit 0
+            latest = find_latest(run_dir)
+            saved = f"checkpoint {latest}; --resume last continues" if latest else "no checkpoint"
+            print(f"fw: stopped at step {module.policy_version} of trainer.max_steps {trainer.max_steps}: a callback "
+                  f"asked to (trainer.should_stop); {saved}", file=sys.stderr, flush=True)
     return trainer

@@ -282,7 +282,7 @@ class StopAt(Callback):
             trainer.should_stop = True
 
 
-def test_a_run_a_callback_stops_logs_its_last_steps_and_resumes_without_counting_them_twice(tmp_path):
+def test_a_run_a_callback_stops_logs_its_last_steps_and_resumes_without_counting_them_twice(tmp_path, capsys):
     from framework.metrics import read_metrics
 
     def cfg(run, max_steps, callbacks=()):
@@ -293,7 +293,12 @@ def test_a_run_a_callback_stops_logs_its_last_steps_and_resumes_without_counting
 
     fit(cfg("straight", 9))
     stop = {"class_path": "test_callbacks.StopAt", "init_args": {"step": 5}}
+    capsys.readouterr()
     fit(cfg("stopped", 9, [stop]))
+    last = tmp_path / "stopped" / "checkpoints" / "step-000005"
+    assert capsys.readouterr().err.splitlines()[-1] == (   # said, though it exits 0
+        f"fw: stopped at step 5 of trainer.max_steps 9: a callback asked to (trainer.should_stop); checkpoint {last}; "
+        "--resume last continues")
     stopped = read_metrics(tmp_path / "stopped" / "metrics.jsonl")
     assert [r["step"] for r in stopped] == [3, 5]   # steps 4 and 5 are logged, not lost
     assert (tmp_path / "stopped" / "checkpoints" / "step-000005").is_dir()

@@ -234,8 +234,9 @@ class StopOnOneRank(Callback):
         Path(f"{self.out}.{trainer.global_rank}").write_text(json.dumps([trainer.global_step, module.policy_version]))
 
 
-def run_stopped_on_one_rank(tmp_path: Path, cfg: dict) -> str:
-    """Runs `cfg` to its end (a hang is a failure) and returns its stderr, after checking exit code 0 and no report."""
+def run_stopped_on_one_rank(tmp_path: Path, cfg: dict, step: int) -> str:
+    """Runs `cfg` to its end (a hang is a failure) and returns its stderr, after checking exit code 0 and that its
+    one report is the early stop's at `step`, from rank 0 alone."""
     import signal
 
     proc = launch(tmp_path, cfg)
@@ -246,7 +247,11 @@ def run_stopped_on_one_rank(tmp_path: Path, cfg: dict) -> str:
         proc.communicate()
         pytest.fail("the job did not end: a rank waits for the one that stopped")
     assert proc.returncode == 0, err[-3000:]
-    assert reported(err) == [], err[-3000:]   # no traceback, no error line
+    latest = Path(cfg["run_dir"]) / "checkpoints" / f"step-{step:06d}"
+    saved = f"checkpoint {latest}; --resume last continues" if step else "no checkpoint"
+    line = (f"fw: stopped at step {step} of trainer.max_steps {cfg['trainer']['max_steps']}: a callback asked to "
+            f"(trainer.should_stop); {saved}")
+    assert reported(err) == [line], err[-3000:]   # no traceback, no error line
     return err
 
 
@@ -262,7 +267,7 @@ def test_a_callback_stopping_one_rank_stops_every_rank_at_the_same_step(tmp_path
     cfg = plain_sft(tmp_path, max_steps=6, accumulate_grad_batches=accumulate, log_every_n_steps=4)
     cfg["callbacks"] = [{"class_path": "test_ddp_one_rank_failures.StopOnOneRank",
                          "init_args": {"rank": 1, "batch": batch, "out": str(end)}}]
-    run_stopped_on_one_rank(tmp_path, cfg)
+    run_stopped_on_one_rank(tmp_path, cfg, 2)
     assert [json.loads(Path(f"{end}.{r}").read_text()) for r in (0, 1)] == [[2, 2], [2, 2]]
     run = Path(cfg["run_dir"])
     latest = find_latest(run)
@@ -280,6 +285,6 @@ def test_a_callback_stopping_one_rank_before_the_first_step_stops_every_rank(tmp
     cfg = plain_sft(tmp_path, max_steps=6)
     cfg["callbacks"] = [{"class_path": "test_ddp_one_rank_failures.StopOnOneRank",
                          "init_args": {"rank": 1, "batch": -1, "out": str(end), "hook": hook}}]
-    run_stopped_on_one_rank(tmp_path, cfg)
+    run_stopped_on_one_rank(tmp_path, cfg, 0)
     assert [json.loads(Path(f"{end}.{r}").read_text()) for r in (0, 1)] == [[0, 0], [0, 0]]
     assert list_checkpoints(cfg["run_dir"]) == []   # no step, nothing saved
