@@ -15,6 +15,7 @@ import difflib
 import os
 import re
 import warnings
+from pathlib import Path
 from typing import Any
 
 from framework.config import LocatedConfig, all_key_paths, load_located, world_size
@@ -63,6 +64,27 @@ def _what_raised(e: BaseException) -> str:
         return f"called sys.exit({e.code!r})"
     return f"raised {type(e).__name__}: {e}"
 
+
+
+def _fw_directory(path: str) -> str | None:
+    """What to set instead when `path` is an fw directory with no config.json: LoRA adapters, a checkpoint, a run
+    directory; None otherwise (read_config then says what is missing)."""
+    from framework.export import POLICY
+    from framework.models.hf_io import MODEL_CONFIG
+    from framework.models.lora import ADAPTER_CONFIG
+
+    p = Path(path)
+    if (p / MODEL_CONFIG).is_file():
+        return None
+    if (p / ADAPTER_CONFIG).is_file():
+        return (f"{path} holds LoRA adapters, not a whole model: set the directory of the model they adapt, or write "
+                "one with `fw export --merge --checkpoint <their checkpoint>`")
+    if (p / POLICY / MODEL_CONFIG).is_file() or (p / POLICY / ADAPTER_CONFIG).is_file():
+        return f"{path} is an fw checkpoint: its policy's model directory is {p / POLICY}"
+    if (p / "checkpoints").is_dir():
+        return (f"{path} is an fw run directory: its models are under checkpoints/step-*/policy "
+                f"(`fw export --checkpoint {path} --out DIR` writes its newest as a model directory)")
+    return None
 
 class _Checks:
     def __init__(self, located: LocatedConfig):
@@ -129,6 +151,10 @@ class _Checks:
             return None
         if not os.path.isdir(path):
             self.add(where, f"{path} is a file; expected {MODEL_DIR}")
+            return None
+        other = _fw_directory(path)
+        if other is not None:
+            self.add(where, other)
             return None
         try:
             config, raw = read_config(path)

@@ -226,6 +226,31 @@ def test_a_model_directory_missing_a_file(tmp_path, model_dir, capsys, remove, m
     assert message in lines[0]
 
 
+def test_an_fw_directory_given_as_the_model_says_what_to_set_instead(tmp_path, model_dir, capsys):
+    """A checkpoint, its run directory or a LoRA checkpoint's adapters (no config.json of their own): the line
+    names what to set instead, not only the missing config.json."""
+    run = tmp_path / "run"
+    checkpoint = run / "checkpoints" / "step-000004"
+    (checkpoint / "policy").mkdir(parents=True)
+    for f in model_dir.iterdir():
+        (checkpoint / "policy" / f.name).write_bytes(f.read_bytes())
+    adapters = tmp_path / "lora" / "policy"
+    adapters.mkdir(parents=True)
+    (adapters / "adapter_config.json").write_text('{"peft_type": "LORA", "r": 8}')
+    expected = {
+        checkpoint: f"{checkpoint} is an fw checkpoint: its policy's model directory is {checkpoint / 'policy'}",
+        run: (f"{run} is an fw run directory: its models are under checkpoints/step-*/policy (`fw export --checkpoint "
+              f"{run} --out DIR` writes its newest as a model directory)"),
+        adapters: (f"{adapters} holds LoRA adapters, not a whole model: set the directory of the model they adapt, "
+                   "or write one with `fw export --merge --checkpoint <their checkpoint>`")}
+    for path, message in expected.items():
+        config = policy_config(tmp_path, path)
+        line = f"{config}:4:11: model.policy.path: {message}"
+        assert run_fw(["validate", "--config", str(config)], capsys) == (2, [line])
+    config = policy_config(tmp_path, checkpoint / "policy")   # what the line says to set
+    assert run_fw(["validate", "--config", str(config)], capsys) == (0, [])
+
+
 def test_truncated_weights_and_a_reference_that_is_a_file(tmp_path, model_dir, capsys):
     copy = tmp_path / "model"
     copy.mkdir()
