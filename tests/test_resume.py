@@ -317,6 +317,22 @@ def test_resume_applies_new_lr_schedule_and_weight_decay(tmp_path, data):
     assert load_config([str(run / "checkpoints" / "step-000007" / "config.yaml")])["optimizer"]["lr"] == 1e-2
 
 
+def test_a_resume_into_another_recipe_names_the_recipe_alone(tmp_path, data):
+    """Every section and default of the other recipe differs too; the refusal names the one change that matters."""
+    run = tmp_path / "run"
+    cfg = config(run, data, 1)
+    cfg["trainer"]["max_steps"] = 1
+    fit(cfg)
+    grpo = resolve({"recipe": "grpo", "seed": 3, "run_dir": str(tmp_path / "other"),
+                    "model": {"policy": {"preset": "tiny"}}, "data": {"task": {"name": "digits"}}})
+    with pytest.raises(FwError) as e:
+        fit(grpo, resume=str(run))
+    message = str(e.value)
+    assert message.startswith(f"--resume {run / 'checkpoints' / 'step-000001'}: a resume cannot apply: recipe "
+                              "changed from 'sft' to 'grpo' (")
+    assert message.count("changed from") == 1, message
+
+
 @pytest.mark.parametrize("key, value, message", [
     ("data.max_seq_len", 64, "data.max_seq_len changed from 96 to 64"),
     ("seed", 4, "seed changed from 3 to 4"),

@@ -238,10 +238,12 @@ def check_resume_config(checkpoint: str | os.PathLike, cfg: dict) -> list[tuple[
                 moved.append((k, a, b))
                 continue
             why = f"{why}; {problem}"
-        refused.append(f"{k} changed from {a!r} to {b!r} ({why})")
+        refused.append((k, f"{k} changed from {a!r} to {b!r} ({why})"))
+    if any(k == "recipe" for k, _ in refused):   # the other recipe's sections and defaults differ as a consequence
+        refused = [(k, text) for k, text in refused if k == "recipe"]
     if refused:
-        raise FwError(f"--resume {checkpoint}: a resume cannot apply: {'; '.join(refused)}; keep the value of {file} "
-                      "or start a new run_dir")
+        raise FwError(f"--resume {checkpoint}: a resume cannot apply: {'; '.join(text for _, text in refused)}; keep "
+                      f"the value of {file} or start a new run_dir")
     if os.environ.get("LOCAL_RANK", "0") == "0" and os.environ.get("NODE_RANK", "0") == "0":
         for k, a, b in moved:
             print(f"fw: {k} moved from {a!r} to {b!r}, which holds the same content (size and sha256 of every "
