@@ -105,8 +105,8 @@ def draw(logits: Tensor, params: SamplingParams, key: int, counters: Tensor) -> 
     if T != 1.0:
         z = z / T
     p = torch.softmax(z, -1)   # one fused pass a row: max, exp, sum, scale
-    # a NaN logit (or a +inf) makes its whole row NaN: such rows draw from plain_mass, as the CUDA op does, so a
-    # diverged policy reaches the trainer's non-finite checks instead of failing inside the draw
+    # a NaN logit (or a +inf) makes its whole row NaN: such rows draw from plain_mass, as the sampler's reference
+    # does, so a diverged policy reaches the trainer's non-finite checks instead of failing inside the draw
     broken = p[:, 0].isnan()
     if bool(broken.any()):
         p[broken] = plain_mass(z[broken])
