@@ -176,7 +176,8 @@ def _null_hint(schema: dict) -> str:
     types = schema.get("type")
     if not (isinstance(types, list) and "null" in types):
         return ""
-    m = re.search(r"`?null`? = ([^.;]+)", schema.get("description") or "")
+    # up to the sentence's end: a '.' followed by a space or the end, or a ';' (not the '.' of 3.0 or a.b)
+    m = re.search(r"`?null`? = (.+?)(?:\.(?=\s|$)|;|$)", schema.get("description") or "")
     return f" (or null: {m.group(1).strip()})" if m else ""
 
 

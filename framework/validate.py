@@ -79,11 +79,14 @@ def _fw_directory(path: str) -> str | None:
     if (p / ADAPTER_CONFIG).is_file():
         return (f"{path} holds LoRA adapters, not a whole model: set the directory of the model they adapt, or write "
                 "one with `fw export --merge --checkpoint <their checkpoint>`")
-    if (p / POLICY / MODEL_CONFIG).is_file() or (p / POLICY / ADAPTER_CONFIG).is_file():
+    if (p / POLICY / MODEL_CONFIG).is_file():
         return f"{path} is an fw checkpoint: its policy's model directory is {p / POLICY}"
+    if (p / POLICY / ADAPTER_CONFIG).is_file():   # its policy/ is adapters: that directory is refused too
+        return (f"{path} is an fw LoRA checkpoint, whose {POLICY}/ holds adapters, not a whole model: set the "
+                f"directory of the model they adapt, or write one with `fw export --merge --checkpoint {path}`")
     if (p / "checkpoints").is_dir():
-        return (f"{path} is an fw run directory: its models are under checkpoints/step-*/policy "
-                f"(`fw export --checkpoint {path} --out DIR` writes its newest as a model directory)")
+        return (f"{path} is an fw run directory: `fw export --checkpoint {path} --out DIR` writes its newest "
+                "checkpoint as a model directory (with --merge where it trained LoRA adapters)")
     return None
 
 class _Checks:

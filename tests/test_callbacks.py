@@ -180,8 +180,9 @@ class NanWeightAtStart(Callback):
 
 
 def test_a_policy_with_a_nan_weight_stops_grpo_with_one_line(tmp_path, capsys):
-    """Its rollout's logits are NaN (CPU): the draw goes on (NaN rows draw as the CUDA op does, logprob NaN) and
-    the non-finite guard stops the run with its line, exit 2, nothing saved; the draw used to raise IndexError."""
+    """Its rollout's logits are NaN (CPU): the draw goes on (NaN rows draw as the sampler's reference does, logprob
+    NaN) and the non-finite guard stops the run with its line, exit 2, nothing saved; the draw used to index past
+    the vocabulary (a RuntimeError traceback)."""
     from framework import checkpoint as ck
     from framework.cli import main
 

@@ -415,10 +415,11 @@ def test_builtin_names_are_checked_against_the_registries(tmp_path):
 def test_a_range_error_on_a_key_that_takes_null_says_what_null_means(tmp_path):
     """0 is the usual "off" elsewhere; these keys take null for it, which the line says in the schema's words."""
     path = write(tmp_path, "c.yaml", MINIMAL + "eval:\n  every_n_steps: 0\ncheckpoint:\n  keep_last: 0\n"
-                 "optimizer:\n  max_grad_norm: -1\n")
+                 "optimizer:\n  max_grad_norm: -1\ngrpo:\n  clip_ratio_c: 0\n")
     with pytest.raises(ConfigError) as e:
         load_config([path])
     assert problems(e) == [
         f"{path}:6:18: eval.every_n_steps: must be >= 1, got 0 (or null: not during training)",
         f"{path}:8:14: checkpoint.keep_last: must be >= 1, got 0 (or null: keep all)",
-        f"{path}:10:18: optimizer.max_grad_norm: must be > 0, got -1 (or null: no clipping)"]
+        f"{path}:10:18: optimizer.max_grad_norm: must be > 0, got -1 (or null: no clipping)",
+        f"{path}:12:17: grpo.clip_ratio_c: must be > 1, got 0 (or null: off (verl uses 3.0))"]   # whole, past "3."

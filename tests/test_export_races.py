@@ -280,7 +280,7 @@ def test_a_resume_from_a_live_runs_checkpoint_pruned_while_loaded_is_one_line(li
     cfg["checkpoint"]["verify"] = False
     got = _read(run, side, 1, 1, "resume", json.dumps(cfg))
     assert got == {"error": "FwError", "message": (
-        f"--resume {run / 'checkpoints' / 'step-000001'}: the checkpoint was deleted while this run read it, pruned "
+        f"--resume: the checkpoint {run / 'checkpoints' / 'step-000001'} was deleted while this run read it, pruned "
         "by the run writing it; no step was taken: run again, naming a checkpoint that run keeps or its run "
         "directory (its newest)")}
     assert not (new / "checkpoints").exists() or not any((new / "checkpoints").iterdir())

@@ -4,6 +4,7 @@ ends with the same weights, as an uninterrupted run."""
 
 import json
 import math
+import shutil
 from pathlib import Path
 
 import pytest
@@ -123,6 +124,10 @@ def test_a_resume_past_max_steps_is_refused_and_one_at_it_says_so(tmp_path, data
                                       r"only trains further: set --trainer.max_steps above 4$"):
         fit(cfg | {"trainer": cfg["trainer"] | {"max_steps": 3}}, resume="last")
     assert (run / "config.yaml").read_bytes() == written
+    best = tmp_path / "best"   # a copy under another name: its manifest's step counts, not its name
+    shutil.copytree(run / "checkpoints" / "step-000004", best)
+    with pytest.raises(FwError, match=r"^--resume .*best: best is past trainer.max_steps \(4 > 3\)"):
+        fit(cfg | {"run_dir": str(tmp_path / "other"), "trainer": cfg["trainer"] | {"max_steps": 3}}, resume=str(best))
     trainer = fit(cfg | {"trainer": cfg["trainer"] | {"max_steps": 4}}, resume="last")
     assert trainer.global_step == 4
     assert ("fw: step-000004 is at trainer.max_steps (4) already: nothing to train; raise --trainer.max_steps to "

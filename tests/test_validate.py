@@ -234,13 +234,16 @@ def test_an_fw_directory_given_as_the_model_says_what_to_set_instead(tmp_path, m
     (checkpoint / "policy").mkdir(parents=True)
     for f in model_dir.iterdir():
         (checkpoint / "policy" / f.name).write_bytes(f.read_bytes())
-    adapters = tmp_path / "lora" / "policy"
+    lora = tmp_path / "lora"
+    adapters = lora / "policy"
     adapters.mkdir(parents=True)
     (adapters / "adapter_config.json").write_text('{"peft_type": "LORA", "r": 8}')
     expected = {
         checkpoint: f"{checkpoint} is an fw checkpoint: its policy's model directory is {checkpoint / 'policy'}",
-        run: (f"{run} is an fw run directory: its models are under checkpoints/step-*/policy (`fw export --checkpoint "
-              f"{run} --out DIR` writes its newest as a model directory)"),
+        run: (f"{run} is an fw run directory: `fw export --checkpoint {run} --out DIR` writes its newest checkpoint "
+              "as a model directory (with --merge where it trained LoRA adapters)"),
+        lora: (f"{lora} is an fw LoRA checkpoint, whose policy/ holds adapters, not a whole model: set the directory "
+               f"of the model they adapt, or write one with `fw export --merge --checkpoint {lora}`"),
         adapters: (f"{adapters} holds LoRA adapters, not a whole model: set the directory of the model they adapt, "
                    "or write one with `fw export --merge --checkpoint <their checkpoint>`")}
     for path, message in expected.items():

@@ -76,7 +76,7 @@ class AtomicCheckpointIO(CheckpointIO):
             # resolve_resume found it complete: gone since, it was pruned by the run that wrote it (a resume from
             # another, live run), which no damage message would say
             if not Path(path).is_dir():
-                raise FwError(f"--resume {path}: the checkpoint was deleted while this run read it, pruned by the "
+                raise FwError(f"--resume: the checkpoint {path} was deleted while this run read it, pruned by the "
                               "run writing it; no step was taken: run again, naming a checkpoint that run keeps "
                               "or its run directory (its newest)") from None
             raise

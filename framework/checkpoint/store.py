@@ -258,8 +258,8 @@ def resolve_resume(resume: str | None, cfg: dict, skip_damaged: bool = False) ->
     skipped = [p for p in skipped if p.parent.resolve() == own]   # another run's are left alone
     refuse_newer_checkpoints(run_dir, latest, resume, skipped)
     changes = check_resume_config(latest, cfg)
-    step_dir = _STEP_DIR.match(Path(latest).name)
-    step, max_steps = (int(step_dir.group(1)) if step_dir else None), cfg["trainer"]["max_steps"]
+    # the manifest's step, as refuse_newer_checkpoints reads it: a checkpoint given by path may have any name
+    step, max_steps = read_manifest(latest).get("step"), cfg["trainer"]["max_steps"]
     if step is not None and step > max_steps:   # nothing can train, and config.yaml would record a max_steps
         raise FwError(f"--resume {resume}: {Path(latest).name} is past trainer.max_steps ({step} > {max_steps}); "
                       f"a resume only trains further: set --trainer.max_steps above {step}")
