@@ -271,6 +271,7 @@ def test_a_resume_from_a_live_run_whose_newest_is_pruned_while_verified_takes_th
     assert sorted(p.name for p in (new / "checkpoints").iterdir()) == ["step-000003", "step-000004"]   # none before 3
 
 
+@pytest.mark.slow   # a subprocess fit; its neighbour above covers the relisting in the CPU suite
 def test_a_resume_from_a_live_runs_checkpoint_pruned_while_loaded_is_one_line(live_run, tmp_path):
     """The same without verification: the pruning comes while the resume loads step 1's policy. One line naming
     the checkpoint and what happened, no step taken in the new run."""
