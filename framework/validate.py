@@ -65,7 +65,6 @@ def _what_raised(e: BaseException) -> str:
     return f"raised {type(e).__name__}: {e}"
 
 
-
 def _fw_directory(path: str) -> str | None:
     """What to set instead when `path` is an fw directory with no config.json: LoRA adapters, a checkpoint, a run
     directory; None otherwise (read_config then says what is missing)."""
@@ -88,6 +87,7 @@ def _fw_directory(path: str) -> str | None:
         return (f"{path} is an fw run directory: `fw export --checkpoint {path} --out DIR` writes its newest "
                 "checkpoint as a model directory (with --merge where it trained LoRA adapters)")
     return None
+
 
 class _Checks:
     def __init__(self, located: LocatedConfig):
