@@ -68,6 +68,7 @@ def _what_raised(e: BaseException) -> str:
 def _fw_directory(path: str) -> str | None:
     """What to set instead when `path` is an fw directory with no config.json: LoRA adapters, a checkpoint, a run
     directory; None otherwise (read_config then says what is missing)."""
+    from framework.checkpoint import checkpoints_dir
     from framework.export import POLICY
     from framework.models.hf_io import MODEL_CONFIG
     from framework.models.lora import ADAPTER_CONFIG
@@ -83,7 +84,7 @@ def _fw_directory(path: str) -> str | None:
     if (p / POLICY / ADAPTER_CONFIG).is_file():   # its policy/ is adapters: that directory is refused too
         return (f"{path} is an fw LoRA checkpoint, whose {POLICY}/ holds adapters, not a whole model: set the "
                 f"directory of the model they adapt, or write one with `fw export --merge --checkpoint {path}`")
-    if (p / "checkpoints").is_dir():
+    if checkpoints_dir(p).is_dir():
         return (f"{path} is an fw run directory: `fw export --checkpoint {path} --out DIR` writes its newest "
                 "checkpoint as a model directory (with --merge where it trained LoRA adapters)")
     return None

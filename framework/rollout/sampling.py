@@ -108,13 +108,14 @@ def draw(logits: Tensor, params: SamplingParams, key: int, counters: Tensor) -> 
     # a NaN logit (or a +inf) makes its whole row NaN: such rows draw from plain_mass, as the sampler's reference
     # does, so a diverged policy reaches the trainer's non-finite checks instead of failing inside the draw
     broken = p[:, 0].isnan()
-    if bool(broken.any()):
+    any_broken = bool(broken.any())
+    if any_broken:
         p[broken] = plain_mass(z[broken])
     if params.top_k or params.top_p < 1.0 or params.min_p > 0.0:
         p.masked_fill_(~sampling_mask(z, params.top_k, params.top_p, params.min_p), 0.0)
     tokens = inverse_cdf(p, row_uniform53(key, counters))
     # masking keeps the drawn token's probability, which is under the full softmax
     logprob = p.gather(1, tokens[:, None]).squeeze(1).double().log().float()
-    if bool(broken.any()):   # the full softmax's: NaN for a NaN logit, -inf beside a +inf one
+    if any_broken:   # the full softmax's: NaN for a NaN logit, -inf beside a +inf one
         logprob[broken] = z[broken].gather(1, tokens[broken, None]).squeeze(1) - z[broken].logsumexp(-1)
     return tokens, logprob
