@@ -154,7 +154,7 @@ def _run(args: argparse.Namespace, overrides: list[str]) -> int:
             raise FwError(f"--gpu-gib must be a finite number > 0, got {args.gpu_gib:g}")
         from framework.memory_plan import estimate
 
-        plan = estimate(load_config(args.config, overrides), gpu_gib=args.gpu_gib)
+        plan = estimate(load_config(args.config, overrides, imports=()), gpu_gib=args.gpu_gib)
         print(plan.table())
         if plan.fits is False:
             raise FwError(plan.refusal())
@@ -169,7 +169,7 @@ def _run(args: argparse.Namespace, overrides: list[str]) -> int:
         if not args.config and not args.checkpoint:
             raise FwError("fw generate needs --config FILE or --checkpoint DIR")
         # without --config, the overrides apply on top of the checkpoint's own config.yaml
-        cfg = load_config(args.config, overrides) if args.config else None
+        cfg = load_config(args.config, overrides, imports=()) if args.config else None
         from framework.generate import generate_text
 
         temperature = 0.0 if args.greedy else args.temperature
@@ -177,10 +177,10 @@ def _run(args: argparse.Namespace, overrides: list[str]) -> int:
                             temperature=temperature, seed=args.seed, skip_damaged=args.skip_damaged,
                             overrides=None if args.config else overrides))
     elif cmd == "eval":
-        from framework.evaluation import evaluate_checkpoint, format_table
+        from framework.evaluation import EVAL_IMPORTS, evaluate_checkpoint, format_table
 
         # without --config, the overrides apply on top of the checkpoint's own config.yaml
-        cfg = load_config(args.config, overrides) if args.config else None
+        cfg = load_config(args.config, overrides, imports=EVAL_IMPORTS) if args.config else None
         report, out = evaluate_checkpoint(args.checkpoint, cfg, out=args.out, skip_damaged=args.skip_damaged,
                                           overrides=None if args.config else overrides)
         print(format_table(report))

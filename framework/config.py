@@ -21,6 +21,7 @@ import json
 import math
 import os
 import re
+from collections.abc import Collection
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -247,8 +248,10 @@ def _problems_for(error: ValidationError, marks: dict, fallback: Mark, recipe: A
     return [at(path, error.message)]
 
 
-def _check_class_paths(data: Any, marks: dict, fallback: Mark, path: tuple = ()) -> list[Problem]:
-    """Import every `class_path` written in the config; check its `init_args` names against the signature."""
+def _check_class_paths(data: Any, marks: dict, fallback: Mark, path: tuple = (),
+                       sections: Collection[str] | None = None) -> list[Problem]:
+    """Import every `class_path` written in the config (under the top-level `sections`, None: all); check its
+    `init_args` names against the signature."""
     problems: list[Problem] = []
     if isinstance(data, list):
         for i, item in enumerate(data):
@@ -269,6 +272,8 @@ def _check_class_paths(data: Any, marks: dict, fallback: Mark, path: tuple = ())
             m = _locate(marks, where, False, fallback)
             problems.append(Problem(m.file, m.line, m.col, _dotted(where), str(e)))
     for key, value in data.items():
+        if path == () and sections is not None and key not in sections:
+            continue
         if key != "init_args":  # what init_args holds belongs to the user's class
             problems += _check_class_paths(value, marks, fallback, path + (key,))
     return problems
@@ -346,7 +351,7 @@ def _recipe_unknown(recipe: Any) -> bool:
         return False   # _check_recipe reports the broken installation; the recipe may well be right
 
 
-def _validate(data: Any, marks: dict, fallback: Mark) -> list[Problem]:
+def _validate(data: Any, marks: dict, fallback: Mark, imports: Collection[str] | None = None) -> list[Problem]:
     recipe = data.get("recipe") if isinstance(data, dict) else None
     # under a misspelt recipe (`GRPO`) the right section would be reported as not allowed with it
     sections_unjudged = isinstance(data, dict) and "recipe" in data and _recipe_unknown(recipe)
@@ -361,7 +366,7 @@ def _validate(data: Any, marks: dict, fallback: Mark) -> list[Problem]:
             continue   # _check_finite has said it
         problems += _problems_for(error, marks, fallback, recipe)
     if isinstance(data, dict):
-        problems += _check_class_paths(data, marks, fallback)
+        problems += _check_class_paths(data, marks, fallback, sections=imports)
         problems += _check_registry_names(data, marks, fallback)
         problems += _check_recipe(data, marks, fallback)
     return problems
@@ -579,8 +584,9 @@ def _sorted_problems(problems: list[Problem], order: dict) -> list[Problem]:
     return unique
 
 
-def _finish(data: Any, marks: dict, fallback: Mark, problems: list[Problem], order: dict) -> dict:
-    problems = problems + _validate(data, marks, fallback)
+def _finish(data: Any, marks: dict, fallback: Mark, problems: list[Problem], order: dict,
+            imports: Collection[str] | None = None) -> dict:
+    problems = problems + _validate(data, marks, fallback, imports)
     if problems:
         raise ConfigError(_sorted_problems(problems, order))
     cfg = _fill(_schema(), data, data["recipe"], top=True)
@@ -606,7 +612,8 @@ class LocatedConfig:
         return ConfigError(_sorted_problems(problems, self.order))
 
 
-def load_located(paths: list[str], overrides: list[str] | None = None) -> LocatedConfig:
+def load_located(paths: list[str], overrides: list[str] | None = None, *,
+                 imports: Collection[str] | None = None) -> LocatedConfig:
     """`load_config`, keeping the positions for checks that come after the schema's (framework/validate.py)."""
     if not paths:
         raise FwError("no config file given: pass --config FILE")
@@ -632,15 +639,18 @@ def load_located(paths: list[str], overrides: list[str] | None = None) -> Locate
         order[f"override '{arg}'"] = len(paths) + i
         problems += _apply_override(data, marks, arg)
     fallback = marks[()].value if () in marks else Mark(paths[-1])
-    return LocatedConfig(_finish(data, marks, fallback, problems, order), marks, fallback, order)
+    return LocatedConfig(_finish(data, marks, fallback, problems, order, imports), marks, fallback, order)
 
 
-def load_config(paths: list[str], overrides: list[str] | None = None) -> dict:
+def load_config(paths: list[str], overrides: list[str] | None = None, *,
+                imports: Collection[str] | None = None) -> dict:
     """Read YAML files (merged left to right), apply `--key.path=value` overrides, validate, fill defaults.
+    `imports`: the top-level sections whose `class_path` modules are imported and checked (None: every one); a
+    command that never builds a section's objects leaves it out, so a module it does not use cannot stop it.
 
     Raises ConfigError listing every problem as `FILE:LINE:COL: key.path: message`.
     """
-    return load_located(paths, overrides).cfg
+    return load_located(paths, overrides, imports=imports).cfg
 
 
 def resolve(d: dict) -> dict:

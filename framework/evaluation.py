@@ -50,6 +50,7 @@ _RL_SUMS = 8
 ACCURACY_CHUNK = 4096   # SFT target tokens per logits chunk for eval/token_accuracy
 POOL = 4               # eval candidates compared with the training samples in the first pass, per wanted one
 POSITION_KEYS = ("prompt_position", "position")   # the data position in the RL and SFT recipes' state
+EVAL_IMPORTS = ("data", "reward")   # the config sections whose class_path objects `fw eval` builds
 HELD_OUT_ENTRY = "fw_held_out"   # the checkpoint entry of the held-out bound (`held_out_record`)
 # how an eval sample is told apart from the training samples, kept in that entry: an older fw compared whole
 # records, so a run it started may now evaluate on another set
@@ -664,11 +665,11 @@ def evaluate_checkpoint(checkpoint: str | Path, cfg: dict | None = None, out: st
         """Everything the evaluation reads of checkpoint `path`, before it runs."""
         own_file = str(path / CONFIG_FILE)
         # every problem of the checkpoint's config, the overrides' too
-        run_cfg = given_cfg if given_cfg is not None else load_config([own_file], overrides)
+        run_cfg = given_cfg if given_cfg is not None else load_config([own_file], overrides, imports=EVAL_IMPORTS)
         own: dict | None = run_cfg
         if given or overrides:
             try:
-                own = load_config([own_file])
+                own = load_config([own_file], imports=())
             except FwError:   # made valid by the given config or the overrides: what changed is not known
                 own = None
         changes = None if own is None else config_changes(own, run_cfg)

@@ -211,7 +211,7 @@ def adapted_policy(source: Path, adapter_dir: Path) -> tuple[Any, Any]:
     from framework.models.qwen3 import load_targets
     from framework.tokenizer import Tokenizer, build_tokenizer
 
-    cfg = load_config([str(source / CONFIG_FILE)])
+    cfg = load_config([str(source / CONFIG_FILE)], imports=())
     lora = cfg["model"]["policy"]["lora"]
     if lora is None:
         raise FwError(f"{source / CONFIG_FILE}: model.policy.lora is null, but {POLICY}/ holds adapters")
@@ -252,7 +252,7 @@ def _generation_config_at_path(source: Path) -> dict | None:
     from framework.config import load_config
 
     # read as every fw command reads config.yaml: relative paths from its directory, `~` expanded
-    path = load_config([str(source / CONFIG_FILE)])["model"]["policy"]["path"]
+    path = load_config([str(source / CONFIG_FILE)], imports=())["model"]["policy"]["path"]
     return read_generation_config(path) if path is not None and Path(path).is_dir() else None
 
 

@@ -43,7 +43,7 @@ def run_config(cfg: dict | None, checkpoint: str | os.PathLike | None, overrides
         return cfg
     from framework.config import load_config
 
-    return load_config([str(Path(checkpoint) / CONFIG_FILE)], overrides or [])
+    return load_config([str(Path(checkpoint) / CONFIG_FILE)], overrides or [], imports=())
 
 
 def load_policy(cfg: dict, checkpoint: str | os.PathLike | None) -> tuple[Any, Any]:

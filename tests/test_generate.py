@@ -285,3 +285,34 @@ def test_a_checkpoints_config_imports_the_runs_modules_from_any_working_director
                            "--greedy"], check=False, cwd=elsewhere, env=env, capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_a_module_only_training_uses_cannot_stop_generate_or_export(tmp_path, checkpoint):
+    """A checkpoint taken to another machine without the run's reward and callback modules: `fw generate` and
+    `fw export` build neither, so they work; `fw eval` scores with the reward and names the key it cannot import."""
+    _, model, tok = checkpoint
+    run = tmp_path / "run"
+    ckpt = policy_checkpoint(model, tok, 4, tmp_path / "tok")
+    cfg = make_cfg(chat_template=True)
+    cfg["run_dir"] = str(run)
+    cfg["reward"]["class_path"] = "fw_gone_reward_module.Reward"
+    cfg["callbacks"] = [{"class_path": "fw_gone_callback_module.Callback", "init_args": {}}]
+    path = ck.checkpoints_dir(run) / ck.step_dir_name(4)
+    ck.write_checkpoint_dir(ckpt, path, cfg)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+
+    def fw(*args):
+        return subprocess.run([sys.executable, "-m", "framework", *args], check=False, cwd=tmp_path, env=env,
+                              capture_output=True, text=True, timeout=300)
+
+    rendered = tok.apply_chat_template([{"role": "user", "content": "2+2="}], add_generation_prompt=True)
+    done = fw("generate", "--checkpoint", str(path), "--prompt", "2+2=", "--greedy")
+    assert (done.returncode, done.stdout) == (0, naive_greedy_text(model, tok, tok.encode(rendered), 9) + "\n"), \
+        done.stderr[-2000:]
+    done = fw("export", "--checkpoint", str(path), "--out", str(tmp_path / "hf"))
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert (tmp_path / "hf" / "config.json").is_file()
+    done = fw("eval", "--checkpoint", str(path))
+    assert done.returncode == 2
+    assert "reward.class_path" in done.stderr and "fw_gone_reward_module" in done.stderr, done.stderr
+    assert "callbacks" not in done.stderr and "Traceback" not in done.stderr, done.stderr

@@ -220,7 +220,7 @@ def check_resume_config(checkpoint: str | os.PathLike, cfg: dict) -> list[tuple[
     from framework.config import load_config
 
     file = Path(checkpoint) / CONFIG_FILE
-    old = load_config([str(file)])
+    old = load_config([str(file)], imports=())   # the new config's modules are the ones this run imports
     changes = config_changes(old, cfg)
     unclassified = [key for key, _, _ in changes if key not in RESUME_RULES]
     if unclassified:   # tests/test_resume.py keeps the table complete; this guards a plugin's schema edit
