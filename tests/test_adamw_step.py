@@ -19,6 +19,14 @@ from framework.optim import _fused_class
 CUDA = torch.cuda.is_available()
 
 
+@pytest.fixture(autouse=True)
+def eager_torchao():
+    """torchao's reference steps run eagerly: the same arithmetic as its per-shape compiled calls, without a cold
+    inductor compile of each shape (which would dominate this file's time on a CPU)."""
+    with torch.compiler.set_stance("force_eager"):
+        yield
+
+
 def qmaps(device="cpu"):
     z = OptimState8bit.zeros((BLOCK,), signed=True, device=device), OptimState8bit.zeros((BLOCK,), signed=False,
                                                                                         device=device)
