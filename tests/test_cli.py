@@ -294,7 +294,7 @@ def _ci_test_command() -> str:
 def test_readme_quickstart_and_ci_run_the_same_test_command():
     readme = (ROOT / "README.md").read_text()
     command = _ci_test_command()
-    assert command == 'python -m pytest -q -m "not slow"'
+    assert command == 'python -m pytest -q -m "not slow" -n 2'
     assert command in readme
     for text in ['pip install -e ".[dev]"', "fw fit --config train.yaml", "## Callbacks",
                  "schemas/train.schema.json", "yaml-language-server"]:
