@@ -230,7 +230,7 @@ def fit(cfg: dict, resume: str | None = None, skip_damaged: bool = False,
     (framework/signals.py has the rules). `keep_on_device`: a one-process job leaves its models and optimizer
     states on the device at the end instead of copying them to host memory (for a caller that exits next).
     """
-    from framework.checkpoint import find_latest, resolve_resume
+    from framework.checkpoint import find_latest, pin_resume, resolve_resume
     from framework.memory_plan import check_fits
     from framework.module import FwModule
 
@@ -246,6 +246,7 @@ def fit(cfg: dict, resume: str | None = None, skip_damaged: bool = False,
         if rank0:   # the other processes of a multi-process run share it with rank 0
             stack.enter_context(RunLock(run_dir))
         ckpt_path = resolve_resume(resume, cfg, skip_damaged)
+        stack.enter_context(pin_resume(cfg["run_dir"], resume, ckpt_path))
         lightning.seed_everything(cfg["seed"], workers=True, verbose=False)
         if ckpt_path is None:
             refuse_earlier_metrics(run_dir)   # on every rank, so that all of them stop together

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from framework.callbacks import Callback
 from framework.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -54,3 +55,44 @@ def test_two_processes_match_one_on_the_same_global_batch(tmp_path):
         for key in ("loss", "token_accuracy", "grad_norm"):
             assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), (a["step"], key)
         assert b["lr"] == a["lr"]
+
+
+class PublishNewer(Callback):
+    """In the process that launches the others (no LOCAL_RANK yet) moves checkpoint `held` back into `into`, as a
+    run still writing there publishes a newer checkpoint while the resume starts; on every rank writes the
+    checkpoint the trainer resumed from to `<out>.<rank>`."""
+
+    def __init__(self, held: str, into: str, out: str):
+        self.out = out
+        if "LOCAL_RANK" not in os.environ:
+            os.rename(held, Path(into) / Path(held).name)
+
+    def on_train_start(self, trainer, module):
+        Path(f"{self.out}.{trainer.global_rank}").write_text(str(trainer.ckpt_path))
+
+
+@pytest.mark.slow   # a 1-process and a 2-process Lightning start-up
+def test_every_rank_resumes_from_the_checkpoint_the_launching_process_resolved(tmp_path):
+    """`--resume` at another run's directory on 2 processes: Lightning starts rank 1 by running the command again,
+    after the other run has published a newer checkpoint; rank 1 still loads the one rank 0 resolved and loads."""
+    from framework import checkpoint as ck
+
+    source = tmp_path / "source"
+    cfg = {"recipe": "sft", "seed": 5, "run_dir": str(source), "model": {"policy": {"preset": "tiny"}},
+           "data": {"path": str(ROOT / "recipes" / "data" / "arithmetic_chat.jsonl"), "max_seq_len": 96,
+                    "batch_size": 2},
+           "trainer": {"accelerator": "cpu", "max_steps": 2, "enable_progress_bar": False},
+           "checkpoint": {"every_n_steps": 1, "keep_last": None}, "logging": {"csv": False, "tensorboard": False}}
+    fit_in_subprocess(tmp_path, cfg)
+    held = tmp_path / ck.step_dir_name(2)
+    os.rename(ck.checkpoints_dir(source) / held.name, held)   # published once the resume has resolved step 1
+    out = tmp_path / "resumed_from"
+    cfg.update(run_dir=str(tmp_path / "two"),
+               callbacks=[{"class_path": "test_ddp.PublishNewer",
+                           "init_args": {"held": str(held), "into": str(ck.checkpoints_dir(source)),
+                                         "out": str(out)}}])
+    cfg["trainer"].update(devices=2, strategy="ddp", max_steps=3)
+    fit_in_subprocess(tmp_path, cfg, resume=str(source))
+    first = str(ck.checkpoints_dir(source) / ck.step_dir_name(1))
+    assert (ck.checkpoints_dir(source) / held.name).is_dir()   # the newer one was there when rank 1 started
+    assert [Path(f"{out}.{rank}").read_text() for rank in (0, 1)] == [first, first]

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import re
 import shutil
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TypeVar
 
@@ -16,6 +18,8 @@ from framework.durable import dead_leftovers, fsync_dir, remove_tree
 from framework.errors import FwError
 
 SKIP_DAMAGED_FLAG = "--skip-damaged"
+# [run_dir, --resume value, the checkpoint it resolved to], for the processes Lightning launches (`pin_resume`)
+RESUME_PIN = "FW_RESUME_PIN"
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
@@ -243,6 +247,7 @@ def resolve_resume(resume: str | None, cfg: dict, skip_damaged: bool = False) ->
     from framework.checkpoint.resume import check_resume_config
 
     run_dir = cfg["run_dir"]
+    resume = _pinned(run_dir, resume)
     if resume is None:
         refuse_existing_checkpoints(run_dir)
         return None
@@ -272,6 +277,38 @@ def resolve_resume(resume: str | None, cfg: dict, skip_damaged: bool = False) ->
             print(f"fw: {Path(latest).name} is at trainer.max_steps ({max_steps}) already: nothing to train; "
                   "raise --trainer.max_steps to continue", file=sys.stderr)
     return latest
+
+
+@contextlib.contextmanager
+def pin_resume(run_dir: str, resume: str | None, checkpoint: str | None) -> Iterator[None]:
+    """While inside: the processes that Lightning launches on this node (which run the command again and resolve
+    `--resume` themselves) resolve it to `checkpoint`, the one this process resolved. A run directory that another
+    run is writing may publish a newer checkpoint meanwhile, and every rank must load the same one."""
+    if checkpoint is None or os.environ.get("LOCAL_RANK", "0") != "0":
+        yield
+        return
+    before = os.environ.get(RESUME_PIN)
+    os.environ[RESUME_PIN] = json.dumps([str(run_dir), resume, str(checkpoint)])
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(RESUME_PIN, None)
+        else:
+            os.environ[RESUME_PIN] = before
+
+
+def _pinned(run_dir: str, resume: str | None) -> str | None:
+    """`resume`, or in a process launched under `pin_resume` for the same run and `--resume` value, the checkpoint
+    its launcher resolved."""
+    pin = os.environ.get(RESUME_PIN)
+    if resume is None or not pin or os.environ.get("LOCAL_RANK", "0") == "0":
+        return resume
+    try:
+        pinned_run, pinned_resume, checkpoint = json.loads(pin)
+    except ValueError:
+        return resume
+    return checkpoint if (pinned_run, pinned_resume) == (str(run_dir), resume) else resume
 
 
 def prune(run_dir: str | os.PathLike, keep_last: int | None) -> list[str]:
