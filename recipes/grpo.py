@@ -8,8 +8,9 @@ forward. ``trainer.max_steps`` counts policy optimizer steps; the last rollout s
 it is reached, and a run resumed from there with a larger ``max_steps`` trains that batch's remaining steps
 first (recipes/rl.py: the cut batch).
 
-About "loss is 0": on the first update of a rollout the ratio is 1, so the surrogate equals
-``-mean(A)``, which is ~0 because group advantages are centred; the gradient is not 0. The logged
+About the first update's loss: the ratio is 1, so the surrogate is ``-A`` averaged as ``loss_agg`` weighs
+tokens: ~0 under seq-mean-token-mean (group advantages are centred), but under the token-weighted modes it
+follows how length goes with reward. The gradient is not 0 either way. The logged
 ``policy/adv_abs`` (mean |A|) and ``grad_norm`` show the signal, and ``policy/objective``
 is the advantage-weighted ratio the update climbs.
 

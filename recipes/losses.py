@@ -24,7 +24,8 @@ def kl_estimate(logp: Tensor, ref_logp: Tensor, estimator: str) -> Tensor:
 
 
 def _k3(log_ratio: Tensor) -> Tensor:
-    # exp of a huge log-ratio overflows to inf, so l is capped at 20 (k3 = e^20 - 21 there). Below, exp(l) only
+    # l is capped at 20 (k3 = e^20 - 21 there, no gradient past it) so that the penalty of a token the policy has
+    # pushed far below the reference, and its gradient, stay finite, as verl clamps it. Below, exp(l) only
     # vanishes and k3 = -l - 1 stays finite: no floor, whose clamp would stop the gradient (1 - e^l) on exactly the
     # tokens the policy has pushed furthest above the reference
     log_ratio = log_ratio.clamp(max=20.0)
