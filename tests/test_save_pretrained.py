@@ -299,3 +299,17 @@ def test_an_unreadable_generation_config_is_named(tmp_path):
     (tmp_path / "generation_config.json").write_text("{temperature: 0.6")
     with pytest.raises(FwError, match=f"^{tmp_path / 'generation_config.json'}: invalid JSON"):
         load_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027])
+def test_every_file_gets_the_mode_the_umask_gives(tmp_path, umask):
+    """A saved model is read by other users' processes (a server, an evaluation job): its weight shards get the
+    mode a new file gets under the umask, as its JSON files do, not the owner-only mode safetensors creates."""
+    before = os.umask(umask)
+    try:
+        save_pretrained(tiny_model(0), tmp_path / "m", max_shard_size=SHARD)
+    finally:
+        os.umask(before)
+    modes = {p.name: oct(p.stat().st_mode & 0o777) for p in (tmp_path / "m").iterdir()}
+    assert sum(name.endswith(".safetensors") for name in modes) > 1
+    assert set(modes.values()) == {oct(0o666 & ~umask)}, modes

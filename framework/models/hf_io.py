@@ -15,6 +15,7 @@ import json
 import os
 import re
 import shutil
+import stat
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -278,16 +279,20 @@ def write_weights(config: dict, tensors: dict[str, Tensor], directory: str | os.
     shards = plan_shards(tensors, limit)
     names = [SINGLE_FILE] if len(shards) == 1 else [
         f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    write_json(directory / MODEL_CONFIG, config)
+    # safetensors creates its files readable by their owner alone; a model is read by other users' processes
+    # (serving, evaluation), so the shards get the mode this umask gives config.json
+    mode = stat.S_IMODE((directory / MODEL_CONFIG).stat().st_mode)
     for file, shard in zip(names, shards):
         # One shard at a time on the CPU: memory beyond the model is bounded by max_shard_size.
         save_file({n: tensors[n].detach().to("cpu").contiguous() for n in shard}, str(directory / file),
                   metadata={"format": "pt"})
+        os.chmod(directory / file, mode)
         fsync_file(directory / file)
     if len(shards) > 1:
         index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
                  "weight_map": {n: file for file, shard in zip(names, shards) for n in shard}}
         write_json(directory / INDEX_FILE, index)
-    write_json(directory / MODEL_CONFIG, config)
 
 
 # ------------------------------------------------------------------ atomic publishing
