@@ -617,9 +617,12 @@ def load_located(paths: list[str], overrides: list[str] | None = None, *,
     """`load_config`, keeping the positions for checks that come after the schema's (framework/validate.py)."""
     if not paths:
         raise FwError("no config file given: pass --config FILE")
-    # class_path modules next to a config or in the working directory import also under the console script
-    add_search_paths([os.getcwd(), *(os.path.dirname(os.path.abspath(p)) for p in paths)])
-    add_search_paths([d for p in paths for d in _recorded_search_paths(p)])
+    if imports is None or imports:
+        # class_path modules next to a config or in the working directory import also under the console script;
+        # a read that imports none (a checkpoint's config.yaml, compared at a resume) leaves the directories, which
+        # a run records, as they are
+        add_search_paths([os.getcwd(), *(os.path.dirname(os.path.abspath(p)) for p in paths)])
+        add_search_paths([d for p in paths for d in _recorded_search_paths(p)])
     data: dict = {}
     marks: dict = {}
     problems: list[Problem] = []

@@ -262,8 +262,8 @@ def test_a_missing_tokenizer_names_the_key_it_came_from(tmp_path):
 
 def test_a_checkpoints_config_imports_the_runs_modules_from_any_working_directory(tmp_path):
     """The README: class_path modules import from the working directory and the config file's directory. A
-    checkpoint's config.yaml lies elsewhere, so it records those directories, and `fw generate --checkpoint` (which
-    reads it whole, reward included) run from a third directory finds the run's own reward module."""
+    checkpoint's config.yaml lies elsewhere, so it records those directories, and `fw eval --checkpoint` (which
+    scores with the reward) run from a third directory finds the run's own reward module."""
     from framework.config import load_config
     from framework.trainer import fit
 
@@ -276,15 +276,16 @@ def test_a_checkpoints_config_imports_the_runs_modules_from_any_working_director
         f"recipe: grpo\nrun_dir: {run}\nmodel: {{policy: {{preset: tiny}}}}\n"
         "data: {task: {name: digits}, chat_template: false}\n"
         "rollout: {prompts_per_step: 2, max_new_tokens: 2}\ngrpo: {group_size: 2}\n"
-        "reward: {class_path: gen_walk_reward.Zero}\neval: {every_n_steps: null}\n"
+        "reward: {class_path: gen_walk_reward.Zero}\n"
+        "eval: {every_n_steps: null, max_prompts: 2, samples_per_prompt: 1, held_out: false}\n"
         "trainer: {accelerator: cpu, max_steps: 1, enable_progress_bar: false}\n"
         "logging: {csv: false, tensorboard: false}\n")
     fit(load_config([str(project / "c.yaml")]))
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    done = subprocess.run([sys.executable, "-m", "framework", "generate", "--checkpoint", str(run), "--prompt", "3=",
-                           "--greedy"], check=False, cwd=elsewhere, env=env, capture_output=True, text=True,
-                          timeout=300)
+    done = subprocess.run([sys.executable, "-m", "framework", "eval", "--checkpoint", str(run)], check=False,
+                          cwd=elsewhere, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
+    assert "gen_walk_reward.Zero" in done.stdout + (run / "eval" / "step-000001.json").read_text()
 
 
 def test_a_module_only_training_uses_cannot_stop_generate_or_export(tmp_path, checkpoint):

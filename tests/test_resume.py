@@ -383,3 +383,26 @@ def test_ppo_resume_resets_the_critic_lr(tmp_path):
         lr, decay = (2e-3, 0.0) if role == "policy" else (3e-4, 0.1)
         assert [g[0] for g in groups] == pytest.approx([lr] * len(groups), rel=1e-12)
         assert groups[0][1] == decay
+
+
+def test_resumes_add_no_checkpoint_directory_to_the_recorded_import_directories(tmp_path, data):
+    """A resume reads the checkpoint's config.yaml to compare it with the new config; that adds nothing to the
+    directories class_path modules import from, which the run's config.yaml records for fw eval and fw generate:
+    resumes do not pile up (later pruned) checkpoint directories there."""
+    from framework.config import SEARCH_PATHS_LINE
+
+    cfg = config(tmp_path / "run", data, 1)
+    cfg["trainer"]["max_steps"] = 1
+    cfg["checkpoint"].update(every_n_steps=1, keep_last=1)
+
+    def recorded() -> list[str]:
+        text = (tmp_path / "run" / "config.yaml").read_text()
+        return [line for line in text.splitlines() if line.startswith(SEARCH_PATHS_LINE)]
+
+    fit(cfg)
+    first = recorded()
+    for steps in (2, 3):
+        cfg["trainer"]["max_steps"] = steps
+        fit(cfg, resume="last")
+    assert recorded() == first
+    assert "checkpoints" not in "".join(recorded())
