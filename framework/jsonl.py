@@ -29,6 +29,14 @@ class Row:
     problem: str | None
 
 
+def json_type_name(value: object) -> str:
+    """What a parsed JSON value is, in JSON's words (`an array`, `a string`, `null`), for messages about data."""
+    if value is None or isinstance(value, bool):
+        return json.dumps(value)
+    names = {dict: "an object", list: "an array", str: "a string", int: "a number", float: "a number"}
+    return names.get(type(value), type(value).__name__)
+
+
 def _text(path: str | Path) -> str:
     """The file as text; FwError at the line and column of the first byte that is not UTF-8."""
     try:
@@ -56,7 +64,7 @@ def rows(path: str | Path) -> Iterator[Row]:
             yield Row(lineno, e.colno, None, f"not valid JSON ({e.msg} at column {e.colno})")
             continue
         if not isinstance(record, dict):
-            yield Row(lineno, 1, None, f"expected a JSON object, got {type(record).__name__}")
+            yield Row(lineno, 1, None, f"expected a JSON object, got {json_type_name(record)}")
             continue
         yield Row(lineno, 1, record, None)
 

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from framework.errors import FwError
-from framework.jsonl import read_jsonl
+from framework.jsonl import json_type_name, read_jsonl
 from framework.tokenizer import messages_problem
 
 Sample = dict[str, Any]
@@ -266,7 +266,7 @@ def prompt_record_problem(record: dict, prompt_key: str, answer_key: str) -> str
         return f"{prompt_key!r} {problem}"
     answer = record[answer_key]
     if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
-        return f"{answer_key!r} must be a string or a number, got {type(answer).__name__}"
+        return f"{answer_key!r} must be a string or a number, got {json_type_name(answer)}"
     return None
 
 

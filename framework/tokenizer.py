@@ -20,6 +20,7 @@ from typing import Any
 from tokenizers import Tokenizer as _HfTokenizer
 
 from framework.errors import FwError
+from framework.jsonl import json_type_name
 
 ASSETS = Path(__file__).parent / "assets"
 BUILTIN_FILE = ASSETS / "char_tokenizer.json"
@@ -254,7 +255,7 @@ def messages_problem(messages: Any) -> str | None:
             role = m.get("role") if isinstance(m, dict) else m
             return f"messages[{i}]: role {role!r} is not supported; expected one of {_ROLES}"
         if not isinstance(m.get("content"), str):
-            return f"messages[{i}] ({m['role']}): content must be a string, got {type(m.get('content')).__name__}"
+            return f"messages[{i}] ({m['role']}): content must be a string, got {json_type_name(m.get('content'))}"
         if m.get("tool_calls"):
             return f"messages[{i}]: tool_calls are not supported"
         reasoning = m.get("reasoning_content")

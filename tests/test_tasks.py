@@ -166,11 +166,13 @@ def test_jsonl_messages_prompt_and_several_files(tmp_path):
 
 @pytest.mark.parametrize("line, message", [
     ('{"prompt": "p", "answer": "a"', "not valid JSON"),
-    ('["p", "a"]', "expected a JSON object, got list"),
+    ('["p", "a"]', "expected a JSON object, got an array"),
+    ('"p"', "expected a JSON object, got a string"),
+    ('{"prompt": "p", "answer": {"a": 1}}', "'answer' must be a string or a number, got an object"),
     ('{"prompt": "p"}', "missing key 'answer'"),
     ('{"prompt": "", "answer": "a"}', "'prompt' is an empty string"),
     ('{"prompt": [{"role": "user"}], "answer": "a"}',
-     r"messages\[0\] \(user\): content must be a string, got NoneType"),
+     r"messages\[0\] \(user\): content must be a string, got null"),
     ('{"prompt": [{"role": "tool", "content": "x"}], "answer": "a"}', r"messages\[0\]: role 'tool' is not supported"),
     ('{"prompt": "p", "answer": null}', "'answer' must be a string or a number"),
 ])

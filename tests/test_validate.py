@@ -147,9 +147,9 @@ def test_eval_files_are_checked_where_training_evaluates(tmp_path, capsys):
     assert run_fw(["validate", "--config", str(config), f"--eval.path={tmp_path}/none.jsonl"], capsys) == (
         2, [f"override '--eval.path={tmp_path}/none.jsonl': eval.path: no such file: {tmp_path}/none.jsonl"])
     assert run_fw(["validate", "--config", str(config), f"--eval.path={bad}"], capsys) == (
-        2, [f"{bad}:2:1: eval.path: expected a JSON object, got list"])
+        2, [f"{bad}:2:1: eval.path: expected a JSON object, got an array"])
     assert run_fw(["fit", "--config", str(config), f"--eval.path={bad}", f"--run_dir={tmp_path}/run"], capsys) == (
-        2, [f"{bad}:2:1: eval.path: expected a JSON object, got list"])
+        2, [f"{bad}:2:1: eval.path: expected a JSON object, got an array"])
     assert not (tmp_path / "run").exists()
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"prompt": "1+1", "answer": "2"}\n')
