@@ -69,7 +69,9 @@ def _parser() -> argparse.ArgumentParser:
                "models, KV cache, activations and logits per GPU, against the GPU's memory, trainer.memory_limit_gib "
                "or --gpu-gib; when it does not fit, the overrides to try. Exit 0 when it fits, 2 when it does not. "
                + overrides)
-    plan.add_argument("--gpu-gib", type=float, metavar="N", help="GiB of memory per GPU to plan against")
+    plan.add_argument("--gpu-gib", type=float, metavar="N",
+                      help="GiB of memory per GPU to plan against; under trainer.accelerator auto the plan is a GPU's "
+                      "on a machine without one too")
     add("schema", "print the config's JSON Schema", [common])
 
     export = add("export", "write a checkpoint's policy as a Hugging Face model directory", [common])

@@ -753,7 +753,11 @@ def _batch_rows(rows: list[Row], cfg: dict, model: Qwen3Config, shapes: BatchSha
 
 # ------------------------------------------------------------------------------------------ gathering
 
-def _backend(cfg: dict) -> str:
+def _backend(cfg: dict, gpu_gib: float | None = None) -> str:
+    """The device the plan is for: the trainer's, and with `--gpu-gib` under `trainer.accelerator: auto` a GPU (a
+    job planned against a GPU's memory is a GPU job, on a machine without one too)."""
+    if gpu_gib is not None and cfg["trainer"]["accelerator"] == "auto":
+        return "cuda"
     return "cuda" if uses_cuda(cfg["trainer"]) else "cpu"
 
 
@@ -829,7 +833,7 @@ class _Planner:
         self.recipe = recipe_class(cfg["recipe"])
         self.tokenizer = build_tokenizer(cfg)
         self.model, self.reference, self.value = _model_configs(cfg, self.tokenizer, self.recipe.requirements(cfg))
-        self.backend = _backend(cfg)
+        self.backend = _backend(cfg, gpu_gib)
         self.world = world_size(cfg, self.backend)
         self.limit, self.source = _limit(cfg, self.backend, gpu_gib)
 

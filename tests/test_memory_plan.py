@@ -650,7 +650,7 @@ def test_fw_plan_prints_an_aligned_table_and_exits_0(capsys):
 def test_fw_plan_that_does_not_fit_lists_overrides_that_do(capsys):
     # the engine handed back after each rollout: with no limit, "auto" would keep it, and the totals would differ
     args = ["plan", "--config", TRAIN, "--data.task.init_args={num_digits: 40}", "--rollout.max_new_tokens=64",
-            "--rollout.keep_engine=false"]
+            "--rollout.keep_engine=false", "--trainer.accelerator=gpu"]
     code, out, _ = fw(capsys, *args)
     assert code == 0
     total = float(next(ln for ln in out.splitlines() if ln.startswith("  total")).split()[1])
@@ -668,6 +668,15 @@ def test_fw_plan_that_does_not_fit_lists_overrides_that_do(capsys):
     assert fitting, out
     for overrides in fitting:   # each override said to fit does fit when applied
         assert fw(capsys, *args, *overrides, "--gpu-gib", f"{limit:.3f}")[0] == 0, overrides
+
+
+def test_gpu_gib_plans_for_a_gpu_under_accelerator_auto(capsys):
+    """`fw plan --gpu-gib N` asks whether the job fits a GPU of N GiB: under `trainer.accelerator: auto` that is a
+    GPU plan (its CUDA context counted) on any machine, one without a GPU too; an explicit `cpu` keeps the CPU's."""
+    code, out, _ = fw(capsys, "plan", "--config", TRAIN, "--gpu-gib", "80")
+    assert code == 0 and out.splitlines()[0].endswith("; memory per GPU") and "\n  CUDA context " in out
+    code, out, _ = fw(capsys, "plan", "--config", TRAIN, "--gpu-gib", "80", "--trainer.accelerator=cpu")
+    assert code == 0 and out.splitlines()[0].endswith("; memory per process (CPU)")
 
 
 def test_a_job_that_fits_only_with_lora_alone_is_also_shown_the_full_fine_tuning_settings_that_fit_together():
@@ -750,7 +759,7 @@ def test_a_recipe_without_batch_shapes_gets_a_plan_without_activations(install_r
     try:
         install_recipe({"copy": "fw_copy_recipe:CopyRecipe"})
         cfg = resolve({"recipe": "copy", "model": {"policy": {"preset": "tiny"}}})
-        plan = mp.estimate(cfg, gpu_gib=1.0)
+        plan = mp.estimate(cfg, gpu_gib=4.0)
     finally:
         sys.path.remove(str(ROOT / "tests" / "plugins"))
     assert "declares no batch_shapes" in row(plan, "activations").how and plan.fits
@@ -815,7 +824,8 @@ def test_plan_is_within_15_percent_of_the_measured_peak(tmp_path, job):
 def test_fw_plan_suggests_auto_when_a_kept_engine_does_not_fit(capsys):
     """keep_engine true on a GPU that holds the job only with the KV cache handed back: refused, and the
     suggestion to let "auto" hand it back is listed and fits."""
-    big = ["--data.task.init_args={num_digits: 40}", "--rollout.max_new_tokens=64"]   # a KV cache worth a GiB digit
+    # a KV cache worth a GiB digit; planned for a GPU, as --gpu-gib plans
+    big = ["--data.task.init_args={num_digits: 40}", "--rollout.max_new_tokens=64", "--trainer.accelerator=gpu"]
     totals = {keep: mp.estimate(load_config([TRAIN], [*big, f"--rollout.keep_engine={keep}"])).total_bytes / 2**30
               for keep in ("true", "false")}
     assert totals["true"] > totals["false"] + 0.01
