@@ -186,12 +186,20 @@ class Plan:
         line = (f"memory plan: the job needs {_gib(self.total_bytes)} GiB per process, more than the "
                 f"{_gib(self.limit_bytes)} GiB limit ({self.limit_source}); the biggest row is {b.name} "
                 f"({_gib(b.bytes)} GiB)")
-        first = self.suggestions[0] if self.suggestions else self.together
-        if first is not None:
-            line += f"; try {first.text} ({_gib(first.total_bytes)} GiB)"
-        if self.together is not None and self.together is not first and self.together.fits:
+        together = self.together
+        if not any(s.fits for s in self.suggestions) and not (together is not None and together.fits):
+            # a change that does not fit is no advice: say how far the most that fw can change gets
+            closest = together or min(self.suggestions, key=lambda s: s.total_bytes, default=None)
+            if closest is not None:
+                line += (f"; no change fw knows fits, {'all of ' if closest is together else ''}{closest.text} "
+                         f"still needs {_gib(closest.total_bytes)} GiB")
+            return line + ("; shorten the sequences or shrink the batch, or give each process more memory; "
+                           "`fw plan --config ...` prints the whole plan")
+        first = self.suggestions[0] if self.suggestions and self.suggestions[0].fits else together
+        line += f"; try {'all of ' if first is together else ''}{first.text} ({_gib(first.total_bytes)} GiB)"
+        if together is not None and together is not first and together.fits:
             keeps = ", keeping full fine-tuning," if self._together_label() != "together" else ""
-            line += f"; or{keeps} all of {self.together.text} ({_gib(self.together.total_bytes)} GiB)"
+            line += f"; or{keeps} all of {together.text} ({_gib(together.total_bytes)} GiB)"
         return line + "; `fw plan --config ...` prints the whole plan"
 
 
@@ -968,7 +976,9 @@ def suggest(planner: _Planner, cfg: dict, plan: Plan, shapes: BatchShapes | None
                 break
         if best is not None and best[1].total_bytes < plan.total_bytes:
             found.append(best)
-    ranked = sorted(range(len(found)), key=lambda i: (not found[i][1].fits, i))
+    # the ones that fit in the order of the candidates (the least intrusive first), then the closest to fitting
+    ranked = sorted(range(len(found)), key=lambda i: (not found[i][1].fits,
+                                                      0.0 if found[i][1].fits else found[i][1].total_bytes, i))
     plan.suggestions = [Suggestion(_overrides(found[i][0]), found[i][1].total_bytes, found[i][1].fits)
                         for i in ranked]
     # no full fine-tuning change fits alone: the fewest of them that fit together, LoRA last if they never do
