@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import signal
 import sys
 import traceback
 
@@ -248,3 +249,9 @@ def main(argv: list[str] | None = None) -> int:
             traceback.print_exc()
         print("fw: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:   # the reader of the output went away (`fw schema | head`), as it may
+        if debug:
+            traceback.print_exc()
+        # the interpreter flushes stdout at exit: into the void, not into the closed pipe again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE

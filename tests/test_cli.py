@@ -187,6 +187,16 @@ def test_console_script_outside_the_repo(tmp_path):
                            "got the string 'x'\n")
 
 
+def test_a_reader_that_stops_reading_ends_fw_quietly():
+    """`fw plan ... | head -1`: the reader has closed the pipe when fw writes; fw ends as a command killed by
+    SIGPIPE does (128 + 13), saying nothing, instead of two tracebacks."""
+    proc = subprocess.Popen([sys.executable, "-m", "framework", "plan", "--config", TRAIN], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()   # before fw writes: its first write meets a pipe without a reader
+    err = proc.stderr.read().decode()
+    assert (proc.wait(timeout=60), err) == (128 + signal.SIGPIPE, "")
+
+
 def test_sigint_exits_130(tmp_path):
     marker = tmp_path / "started"
     (tmp_path / "slow_fw_mod.py").write_text(
