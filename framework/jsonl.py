@@ -38,13 +38,14 @@ def json_type_name(value: object) -> str:
 
 
 def _text(path: str | Path) -> str:
-    """The file as text; FwError at the line and column of the first byte that is not UTF-8."""
+    """The file as text, without the byte-order mark some editors begin UTF-8 files with; FwError at the line and
+    column of the first byte that is not UTF-8."""
     try:
         raw = Path(path).read_bytes()
     except OSError as e:
         raise FwError(f"data.path: cannot read {path}: {e.strerror or e}") from None
     try:
-        return raw.decode("utf-8")
+        return raw.decode("utf-8").removeprefix("\ufeff")
     except UnicodeDecodeError as e:
         line = raw.count(b"\n", 0, e.start) + 1
         col = e.start - (raw.rfind(b"\n", 0, e.start) + 1) + 1

@@ -10,6 +10,7 @@ import pytest
 
 from framework import tasks
 from framework.errors import FwError
+from framework.jsonl import read_jsonl
 from framework.rewards import REWARDS, evaluate_expression
 from framework.tasks import TASKS, Arithmetic, Countdown, Digits, JsonlPrompts, Task, build_task, render_prompt
 
@@ -180,6 +181,17 @@ def test_jsonl_malformed_line_names_file_and_line(tmp_path, line, message):
     path = write_jsonl(tmp_path / "bad.jsonl", ['{"prompt": "ok", "answer": "1"}', "", line])
     with pytest.raises(FwError, match=f"bad.jsonl:3: .*{message}"):
         JsonlPrompts(path)
+
+
+def test_a_jsonl_file_saved_with_a_byte_order_mark_reads_as_without(tmp_path):
+    """Windows editors save UTF-8 with a byte-order mark; the file's records are the same as without one."""
+    lines = ['{"prompt": "2+2", "answer": "4"}', '{"prompt": "3+3", "answer": "6"}']
+    plain = tmp_path / "plain.jsonl"
+    plain.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    marked = tmp_path / "marked.jsonl"
+    marked.write_text("\n".join(lines) + "\n", encoding="utf-8-sig")
+    assert marked.read_bytes().startswith(b"\xef\xbb\xbf")
+    assert [r for _, r in read_jsonl(marked)] == [r for _, r in read_jsonl(plain)] == [json.loads(x) for x in lines]
 
 
 def test_jsonl_missing_and_empty_files(tmp_path):
