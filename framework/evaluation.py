@@ -381,10 +381,13 @@ class Evaluation:
             fill(100 * wanted + len(first), wanted, held_out=True)
             chosen = _pick(candidates, first, draws, wanted)
         if not chosen:
-            where = "eval.path" if self.cfg["eval"]["path"] else "the training task drawn with eval.seed"
-            raise FwError(f"eval: every sample of {where} is also a training sample of this run (a task with few "
-                          "distinct prompts); set eval.path to held-out data, use a task with more prompts, or set "
-                          "eval.held_out: false to evaluate on training prompts")
+            if self.cfg["eval"]["path"]:
+                raise FwError("eval: every sample of eval.path is also a training sample of this run (it holds the "
+                              "training data's prompts); set eval.path to held-out data, or set eval.held_out: false "
+                              "to evaluate on training prompts")
+            raise FwError("eval: every sample of the training task drawn with eval.seed is also a training sample of "
+                          "this run (a task with few distinct prompts); set eval.path to held-out data, use a task "
+                          "with more prompts, or set eval.held_out: false to evaluate on training prompts")
         changed = self._earlier is not None and _pick(candidates, first, self._earlier, wanted) != chosen
         return [candidates[k] for k in chosen], changed
 

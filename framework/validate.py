@@ -297,7 +297,9 @@ class _Checks:
             check_held_out(self.cfg, world_size(self.cfg))
         except (Exception, SystemExit) as e:  # noqa: BLE001 (user code, the task's: any failure is a config problem)
             if isinstance(e, FwError) and str(e).startswith("eval: "):
-                self.add(("eval", "held_out"), str(e).removeprefix("eval: "))
+                # shown where the eval samples come from when a file does: the key a user changes
+                self.add(("eval", "path") if self.cfg["eval"]["path"] else ("eval", "held_out"),
+                         str(e).removeprefix("eval: "))
             else:
                 self.add_error(e, ("eval",), "choosing the held-out eval set")
 

@@ -483,6 +483,22 @@ def test_validate_refuses_the_held_out_eval_set_that_fit_refuses(tmp_path, capsy
         assert run_fw(["validate", "--config", str(ROOT / name)], capsys) == (0, []), name
 
 
+def test_an_eval_file_of_training_prompts_is_refused_at_eval_path(tmp_path, capsys):
+    """GRPO on JSONL prompts evaluated on the training file itself (given as an override): the problem is shown at
+    eval.path, where the eval samples come from, and says that the file holds the training data's prompts."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(f'{{"prompt": "{a} + {a} =", "answer": "{2 * a}"}}\n' for a in range(4)))
+    config = tmp_path / "c.yaml"
+    config.write_text(f"recipe: grpo\nmodel: {{policy: {{preset: tiny}}}}\ndata: {{path: {prompts}}}\n"
+                      "rollout: {prompts_per_step: 2, max_new_tokens: 4}\ngrpo: {group_size: 2}\n"
+                      "eval: {every_n_steps: 2}\ntrainer: {max_steps: 4}\n")
+    override = f"--eval.path={prompts}"
+    assert run_fw(["validate", "--config", str(config), override], capsys) == (2, [
+        f"override '{override}': eval.path: every sample of eval.path is also a training sample of this run (it "
+        "holds the training data's prompts); set eval.path to held-out data, or set eval.held_out: false to evaluate "
+        "on training prompts"])
+
+
 def test_validate_counts_the_training_draws_as_fit_does(tmp_path, capsys):
     """Two-digit prompts (100 of them): the eval set is empty exactly when the rollout batches of
     trainer.max_steps steps on trainer.devices processes draw every prompt; found by hand from the task's
