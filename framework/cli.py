@@ -157,7 +157,7 @@ def _run(args: argparse.Namespace, overrides: list[str]) -> int:
             raise FwError(f"--gpu-gib must be a finite number > 0, got {args.gpu_gib:g}")
         from framework.memory_plan import estimate
 
-        plan = estimate(load_config(args.config, overrides, imports=()), gpu_gib=args.gpu_gib)
+        plan = estimate(load_config(args.config, overrides, imports=("data",)), gpu_gib=args.gpu_gib)
         print(plan.table())
         if plan.fits is False:
             raise FwError(plan.refusal())

@@ -4,6 +4,7 @@ estimate against torch.cuda.max_memory_allocated."""
 
 import gc
 import json
+import subprocess
 import sys
 import weakref
 from itertools import pairwise
@@ -668,6 +669,27 @@ def test_fw_plan_that_does_not_fit_lists_overrides_that_do(capsys):
     assert fitting, out
     for overrides in fitting:   # each override said to fit does fit when applied
         assert fw(capsys, *args, *overrides, "--gpu-gib", f"{limit:.3f}")[0] == 0, overrides
+
+
+def test_fw_plan_imports_a_task_module_next_to_the_config(tmp_path):
+    """The RL plan reads the task's widest prompt, so `fw plan` (the console script, whose sys.path holds no working
+    directory) imports a `data.task` class_path module next to the config, as `fw fit` does."""
+    script = Path(sys.executable).parent / "fw"
+    if not script.exists():
+        pytest.skip("the fw console script is not installed next to this Python")
+    (tmp_path / "plan_walk_task.py").write_text(
+        "from framework.tasks import Task\n\n"
+        "class Echo(Task):\n"
+        "    def sample(self, index):\n"
+        "        return {'prompt': f'say {index % 7}', 'answer': str(index % 7)}\n")
+    config = tmp_path / "c.yaml"
+    config.write_text("recipe: grpo\nmodel: {policy: {preset: tiny}}\n"
+                      "data: {task: {class_path: plan_walk_task.Echo}, chat_template: false}\n"
+                      "reward: {name: exact_match}\nrollout: {prompts_per_step: 2, max_new_tokens: 4}\n")
+    done = subprocess.run([str(script), "plan", "--config", str(config)], cwd=tmp_path / "..", capture_output=True,
+                          text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("fw plan: recipe grpo, tiny")
 
 
 def test_gpu_gib_plans_for_a_gpu_under_accelerator_auto(capsys):
