@@ -151,6 +151,11 @@ class Recipe(Protocol):
     def batch_shapes(cls, cfg: dict, tokenizer: Any) -> BatchShapes:
         """The step's shapes under `cfg` (read before any model is built), for the memory plan."""
 
+    # Optional: `fw validate` and `fw fit` report these (besides the schema's) before anything is built.
+    @classmethod
+    def config_problems(cls, cfg: dict) -> list[str]:
+        """What the schema cannot check of `cfg`'s settings for this recipe, one line each starting with the key."""
+
     # Optional: without it every policy step counts as drawing a new batch (for the held-out eval bound).
     @classmethod
     def steps_per_batch(cls, cfg: dict) -> int:

@@ -348,10 +348,15 @@ class _Checks:
     # ------------------------------------------------------------------ combinations
     def combinations(self) -> None:
         from framework.optim import optimizer_problems
+        from framework.recipe import recipe_class
 
         cfg = self.cfg
-        for problem in optimizer_problems(cfg):   # each line starts with the key it names
-            key, _, message = problem.partition(": ")
+        try:
+            own = getattr(recipe_class(cfg["recipe"]), "config_problems", None)
+        except FwError:   # a recipe that cannot be loaded: the config stage has said why
+            own = None
+        for problem in [*optimizer_problems(cfg), *(own(cfg) if callable(own) else [])]:
+            key, _, message = problem.partition(": ")   # each line starts with the key it names
             self.add(tuple(key.split(".")), message)
         if self.recipe not in RL_RECIPES:
             return
@@ -367,15 +372,6 @@ class _Checks:
                      f"{section['minibatches']} minibatches x trainer.accumulate_grad_batches ({micro}) exceeds the "
                      f"{samples} samples of one rollout batch (rollout.prompts_per_step x "
                      f"{self.recipe}.{RL_RECIPES[self.recipe]})")
-        buffer = section["overlong"]["buffer"]
-        if buffer is not None and buffer > cfg["rollout"]["max_new_tokens"]:
-            self.add((self.recipe, "overlong", "buffer"), f"{buffer} exceeds rollout.max_new_tokens "
-                     f"({cfg['rollout']['max_new_tokens']}); the penalty ramps over the last `buffer` tokens a "
-                     "completion may have")
-        correction = section["off_policy_correction"]
-        if correction["name"] == "mask" and not correction["low"] < correction["high"]:
-            self.add((self.recipe, "off_policy_correction", "low"),
-                     f"{correction['low']} must be below high ({correction['high']}), else every token is dropped")
 
     # ------------------------------------------------------------------ trainer
     def trainer(self, machine: bool) -> None:

@@ -57,10 +57,14 @@ class GRPORecipe(RLRecipe):
     def requirements(cls, cfg: dict) -> Requirements:
         return Requirements(automatic_optimization=False, reference_model=cfg["grpo"]["kl_coef"] > 0)
 
+    @classmethod
+    def config_problems(cls, cfg: dict) -> list[str]:
+        return option_problems("grpo", cfg["grpo"], cfg["rollout"]["max_new_tokens"])
+
     def __init__(self, cfg: dict, tokenizer: Any):
         super().__init__(cfg, tokenizer)
         self._check_batch_split(cfg["rollout"]["prompts_per_step"] * cfg["grpo"]["group_size"])
-        problems = option_problems("grpo", cfg["grpo"], cfg["rollout"]["max_new_tokens"])
+        problems = self.config_problems(cfg)
         if problems:
             raise FwError(problems[0])
         self.policy_loss = build_policy_loss(cfg["grpo"], cfg["rollout"]["max_new_tokens"])

@@ -298,6 +298,10 @@ def option_problems(name: str, section: dict, max_new_tokens: int) -> list[str]:
     if c["name"] == "mask" and not c["low"] < c["high"]:
         problems.append(f"{name}.off_policy_correction.low: {c['low']} must be below high ({c['high']}), "
                         "else every token is dropped")
+    if c["name"] == "none" and c["level"] == "sequence":
+        problems.append(f"{name}.off_policy_correction.level: sequence changes nothing while "
+                        f"{name}.off_policy_correction.name is none; set name: tis or mask to weigh each completion "
+                        "by one ratio")
     return problems
 
 

@@ -62,11 +62,15 @@ class PPORecipe(RLRecipe):
             find_unused_parameters=True,
             unsupported_precisions={"16-mixed": "the critic steps outside Lightning's loss scaler; use bf16-mixed"})
 
+    @classmethod
+    def config_problems(cls, cfg: dict) -> list[str]:
+        return option_problems("ppo", cfg["ppo"], cfg["rollout"]["max_new_tokens"])
+
     def __init__(self, cfg: dict, tokenizer: Any):
         super().__init__(cfg, tokenizer)
         self._check_batch_split(cfg["rollout"]["prompts_per_step"] * cfg["ppo"]["samples_per_prompt"])
         max_len = cfg["rollout"]["max_new_tokens"]
-        problems = option_problems("ppo", cfg["ppo"], max_len)
+        problems = self.config_problems(cfg)
         if problems:
             raise FwError(problems[0])
         self.policy_loss = build_policy_loss(cfg["ppo"], max_len)

@@ -430,6 +430,13 @@ def test_option_combinations_are_refused_at_their_keys(tmp_path, capsys):
         (f"{path}:10:22: grpo.overlong.buffer: 9 exceeds rollout.max_new_tokens (8); the penalty ramps over "
          "the last `buffer` tokens a completion may have"),
         f"{path}:11:44: grpo.off_policy_correction.low: 2.0 must be below high (1.5), else every token is dropped"]
+    # a level that changes nothing without a correction to apply it to
+    assert main(["validate", "--config", str(path), "--grpo.off_policy_correction.name=none",
+                 "--grpo.off_policy_correction.level=sequence", "--grpo.overlong.buffer=null"]) == 2
+    line = ("override '--grpo.off_policy_correction.level=sequence': grpo.off_policy_correction.level: sequence "
+            "changes nothing while grpo.off_policy_correction.name is none; set name: tis or mask to weigh each "
+            "completion by one ratio")
+    assert capsys.readouterr().err.splitlines() == [line]
     cfg = config(tmp_path / "run", grpo={"overlong": {"buffer": 9}})   # Python configs skip validate: the recipe checks
     with pytest.raises(FwError, match="grpo.overlong.buffer: 9 exceeds rollout.max_new_tokens"):
         FwModule(cfg)

@@ -493,10 +493,10 @@ def test_an_eval_file_of_training_prompts_is_refused_at_eval_path(tmp_path, caps
                       "rollout: {prompts_per_step: 2, max_new_tokens: 4}\ngrpo: {group_size: 2}\n"
                       "eval: {every_n_steps: 2}\ntrainer: {max_steps: 4}\n")
     override = f"--eval.path={prompts}"
-    assert run_fw(["validate", "--config", str(config), override], capsys) == (2, [
-        f"override '{override}': eval.path: every sample of eval.path is also a training sample of this run (it "
-        "holds the training data's prompts); set eval.path to held-out data, or set eval.held_out: false to evaluate "
-        "on training prompts"])
+    line = (f"override '{override}': eval.path: every sample of eval.path is also a training sample of this run (it "
+            "holds the training data's prompts); set eval.path to held-out data, or set eval.held_out: false to "
+            "evaluate on training prompts")
+    assert run_fw(["validate", "--config", str(config), override], capsys) == (2, [line])
 
 
 def test_validate_counts_the_training_draws_as_fit_does(tmp_path, capsys):
