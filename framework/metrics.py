@@ -103,6 +103,9 @@ def read_scalars(tensors: Sequence[torch.Tensor]) -> list[float]:
     return out
 
 
+RESERVED_NAMES = ("step",)   # keys a metrics.jsonl record sets itself
+
+
 class StepMetrics(nn.Module):
     """Named torchmetrics aggregators, created on first use; `compute()` returns floats and resets.
 
@@ -130,6 +133,9 @@ class StepMetrics(nn.Module):
     def update(self, name: str, value: torch.Tensor | float, weight: torch.Tensor | float = 1.0,
                reduce: str = "mean") -> None:
         self._ahead = None   # a value read ahead no longer holds the interval
+        if not isinstance(name, str) or not name or name in RESERVED_NAMES:
+            raise ValueError(f"log_metric({name!r}): a metric needs a non-empty name other than "
+                             f"{', '.join(map(repr, RESERVED_NAMES))} (the key of each metrics.jsonl record's step)")
         if reduce == "last":
             if isinstance(value, torch.Tensor) and value.numel() != 1:
                 raise ValueError(f"log_metric({name!r}): reduce='last' takes one value, got a tensor of shape "

@@ -531,3 +531,15 @@ def test_an_optimizer_role_needs_its_config_section(install_recipe):
     with pytest.raises(FwError, match="optimizer role 'critic' reads lr, weight_decay and max_grad_norm from "
                                       "config section critic_settings, which this config does not hold"):
         FwModule(cfg)
+
+
+@pytest.mark.parametrize("name", ["step", ""])
+def test_a_metric_cannot_take_the_records_step_key_or_no_name(name):
+    """metrics.jsonl keys each record by "step" (a resume truncates the file after the checkpoint's step): a metric
+    of that name would overwrite it, and a resume would then delete the records it mislabelled."""
+    m = StepMetrics()
+    for reduce in ("mean", "last"):
+        with pytest.raises(ValueError, match=r"log_metric\(.*\): a metric needs a non-empty name other than 'step'"):
+            m.update(name, 1.0, reduce=reduce)
+    m.update("steps", 1.0)
+    assert m.compute() == {"steps": 1.0}
