@@ -32,7 +32,8 @@ import re
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from collections.abc import Set as AbstractSet
 from fractions import Fraction
 from typing import Any
 
@@ -486,7 +487,10 @@ def _check_value(value: Any) -> float:
         value = value.item()
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"returned {type(value).__name__} {value!r}, expected a float")
-    value = float(value)
+    try:
+        value = float(value)
+    except OverflowError:   # an int or Fraction beyond the float range
+        raise ValueError(f"returned {_shorten(value, 60)}, too large for a float") from None
     if not math.isfinite(value):
         raise ValueError(f"returned {value}, expected a finite float")
     return value
@@ -595,11 +599,16 @@ def _score(reward_fn: Any, prompts: list[str], completions: list[str], metadatas
     if callable(batch):
         calls.enter("batch()", None)
         try:
-            result = list(batch(prompts, completions, metadatas))
+            result = batch(prompts, completions, metadatas)
+            if isinstance(result, (Mapping, AbstractSet)):   # no sample order: a dict would score its keys
+                raise TypeError(f"returned a {type(result).__name__}, expected a sequence of one value per sample")
+            result = list(result)
         except Exception as exc:  # noqa: BLE001 - user code: any failure is reported, then retried per sample
             if not callable(reward_fn):
                 failures = [(i, f"batch() raised {type(exc).__name__}: {exc}") for i in range(n)]
             else:
+                log.warning("reward batch() raised %s: %s; scoring the %d samples one call each instead",
+                            type(exc).__name__, exc, n)
                 per_sample = True
         else:
             if len(result) != n:

@@ -443,6 +443,36 @@ def test_score_rollout_accepts_numpy_like_and_tensor_scalars():
     assert rewards.tolist() == [0.25, 3.0] and errors == 0
 
 
+def test_a_huge_integer_reward_is_a_failed_sample_not_a_crash():
+    def reward(prompt, completion, metadata):
+        return 10**400 if completion == "big" else 1
+
+    rewards, errors = score_rollout(reward, ["a", "b"], ["big", "ok"], [{}] * 2, ZERO)
+    assert rewards.tolist() == [0.0, 1.0] and errors == 1
+    with pytest.raises(FwError, match="sample 0: returned 1000.*too large for a float"):
+        score_rollout(reward, ["a"], ["big"], [{}], RAISE)
+
+
+def test_a_batch_returning_a_mapping_is_refused_not_read_by_its_keys(caplog):
+    """A dict has no sample order: {0: 0.0, 1: 0.0} would otherwise score its keys 0 and 1."""
+    class Keyed:
+        def batch(self, prompts, completions, metadatas):
+            return {i: 0.0 for i in range(len(completions))}
+
+    with pytest.raises(FwError, match="batch\\(\\) raised TypeError: returned a dict, expected a sequence"):
+        score_rollout(Keyed(), ["a", "b"], ["x", "y"], [{}] * 2, RAISE)
+
+    class KeyedButCallable(Keyed):
+        def __call__(self, prompt, completion, metadata):
+            return 0.25
+
+    with caplog.at_level(logging.WARNING, logger="framework.rewards"):
+        rewards, errors = score_rollout(KeyedButCallable(), ["a", "b"], ["x", "y"], [{}] * 2, RAISE)
+    assert rewards.tolist() == [0.25, 0.25] and errors == 0
+    assert "reward batch() raised TypeError: returned a dict, expected a sequence of one value per sample; " \
+           "scoring the 2 samples one call each instead" in caplog.text
+
+
 def test_score_rollout_batched_nan_and_failures():
     rewards, errors = score_rollout(BatchedReward(bad_index=1), ["a"] * 3, ["x", "yy", "zzz"], [{}] * 3, ZERO)
     assert rewards.tolist() == [1.0, 0.0, 3.0] and errors == 1
