@@ -581,15 +581,33 @@ def builtin_callbacks(cfg: dict, evaluation: Sequence[lightning.Callback] = ()) 
     return out
 
 
+def callback_problems(built: list[tuple[str, Any]]) -> list[tuple[int, str]]:
+    """(index, problem) of the user's callbacks, each (class_path, the object built): one that is not a Lightning
+    callback, or one that keeps a state under another's `state_key` (a checkpoint holds one state per key, so
+    Lightning refuses the second)."""
+    from lightning.pytorch.utilities.model_helpers import is_overridden
+
+    problems, keys = [], {}
+    for i, (class_path, cb) in enumerate(built):
+        if not isinstance(cb, lightning.Callback):
+            problem = (f"{class_path} is a {type(cb).__name__}, not a lightning.Callback (subclass "
+                       "framework.callbacks.Callback)")
+            problems.append((i, problem))
+        elif is_overridden("state_dict", instance=cb, parent=lightning.Callback):
+            first = keys.setdefault(cb.state_key, i)
+            if first != i:
+                problem = (f"{class_path} keeps its state under the state_key of callbacks[{first}] ({cb.state_key}), "
+                           "and a checkpoint holds one state per key: give the class a state_key property that "
+                           "tells its instances apart")
+                problems.append((i, problem))
+    return problems
+
+
 def user_callbacks(cfg: dict) -> list[lightning.Callback]:
-    """`callbacks: [{class_path, init_args}]` instantiated; each must be a Lightning callback."""
+    """`callbacks: [{class_path, init_args}]` instantiated; FwError at the first `callback_problems`."""
     from framework.imports import instantiate
 
-    out = []
-    for i, spec in enumerate(cfg["callbacks"]):
-        cb = instantiate(spec)
-        if not isinstance(cb, lightning.Callback):
-            raise FwError(f"callbacks[{i}]: {spec['class_path']} is a {type(cb).__name__}, not a "
-                          "lightning.Callback (subclass framework.callbacks.Callback)")
-        out.append(cb)
-    return out
+    built = [(spec["class_path"], instantiate(spec)) for spec in cfg["callbacks"]]
+    for i, problem in callback_problems(built):
+        raise FwError(f"callbacks[{i}]: {problem}")
+    return [cb for _, cb in built]

@@ -484,6 +484,19 @@ class _Guarded:
               "reported below", file=sys.stderr, flush=True)
 
 
+def logger_class_problem(class_path: str) -> str | None:
+    """Why the class `class_path` names cannot serve in `logging.loggers` (not a Lightning `Logger`, or abstract),
+    or None; checked before anything is built, as a logger's constructor may create runs and directories."""
+    from framework.imports import import_object
+
+    cls = import_object(class_path)
+    if not (isinstance(cls, type) and issubclass(cls, Logger)):
+        return f"{class_path} is not a lightning.pytorch.loggers.Logger subclass"
+    if inspect.isabstract(cls):
+        return f"{class_path} is abstract: it does not implement {', '.join(sorted(cls.__abstractmethods__))}"
+    return None
+
+
 def user_loggers(cfg: dict) -> list[Logger]:
     """`logging.loggers: [{class_path, init_args}]` instantiated; each must be a Lightning `Logger`. A constructor
     that raises (a missing package, a tracking URI its store cannot serve, ...) is an FwError naming the entry,
@@ -492,11 +505,11 @@ def user_loggers(cfg: dict) -> list[Logger]:
 
     out = []
     for i, spec in enumerate(cfg["logging"]["loggers"]):
+        problem = logger_class_problem(spec["class_path"])
+        if problem is not None:
+            raise FwError(f"logging.loggers[{i}]: {problem}")
         cls = import_object(spec["class_path"])
         init_args = dict(spec.get("init_args") or {})
-        if not (isinstance(cls, type) and issubclass(cls, Logger)):
-            raise FwError(f"logging.loggers[{i}]: {spec['class_path']} is not a lightning.pytorch.loggers.Logger "
-                          "subclass")
         if "save_dir" in inspect.signature(cls).parameters and "save_dir" not in init_args:
             init_args["save_dir"] = str(_default_save_dir(cls, Path(cfg["run_dir"])))
         try:

@@ -183,10 +183,8 @@ class _Checks:
     def models(self) -> None:
         model = self.cfg["model"]
         roles = ["policy"]
-        if self.recipe in BUILTIN_RECIPES or self._recipe_imports():   # the models the recipe builds, as fit does
-            from framework.recipe import recipe_class
-
-            needs = recipe_class(self.recipe).requirements(self.cfg)
+        needs = self._requirements()
+        if needs is not None:   # the models the recipe builds, as fit does
             roles += [role for role, built in (("value", needs.value_model), ("reference", needs.reference_model))
                       if built]
         configs = {("model", role, "path"): self.model_dir(("model", role, "path"), value=role == "value")
@@ -333,17 +331,22 @@ class _Checks:
             except (Exception, SystemExit) as e:  # noqa: BLE001 (user code: any failure is a config problem)
                 self.add_error(e, ("reward", "class_path") if self.cfg["reward"]["class_path"] else ("reward",),
                                "building the reward")
-        for i, spec in enumerate(self.cfg["callbacks"]):
-            import lightning
+        from framework.callbacks import callback_problems
+        from framework.loggers import logger_class_problem
 
+        built, where = [], []
+        for i, spec in enumerate(self.cfg["callbacks"]):
             try:
-                callback = instantiate(spec)
+                built.append((spec["class_path"], instantiate(spec)))
+                where.append(i)
             except (Exception, SystemExit) as e:  # noqa: BLE001 (user code: any failure is a config problem)
                 self.add_error(e, ("callbacks", i, "class_path"), "building the callback")
-                continue
-            if not isinstance(callback, lightning.Callback):
-                self.add(("callbacks", i, "class_path"), f"{spec['class_path']} is a {type(callback).__name__}, "
-                         "not a lightning.Callback (subclass framework.callbacks.Callback)")
+        for j, problem in callback_problems(built):
+            self.add(("callbacks", where[j], "class_path"), problem)
+        for i, spec in enumerate(self.cfg["logging"]["loggers"]):
+            problem = logger_class_problem(spec["class_path"])
+            if problem is not None:
+                self.add(("logging", "loggers", i, "class_path"), problem)
 
     # ------------------------------------------------------------------ combinations
     def combinations(self) -> None:
@@ -393,25 +396,33 @@ class _Checks:
                      f"{', '.join(usable)}" + (f"; did you mean '{close[0]}'?" if close else ""))
         else:
             strategy_ok = True
-        if self.recipe in BUILTIN_RECIPES or self._recipe_imports():
-            from framework.recipe import recipe_class
+        needs = self._requirements()
+        if needs is not None:
             from framework.trainer import _check_precision
 
             try:
-                _check_precision(self.cfg, recipe_class(self.recipe).requirements(self.cfg))
+                _check_precision(self.cfg, needs)
             except FwError as e:
                 self.add_error(e, ("trainer", "precision"))
         if machine and strategy_ok:
             self.machine()
 
-    def _recipe_imports(self) -> bool:
+    def _requirements(self) -> Any:
+        """The recipe's `requirements(cfg)`; None where the recipe cannot be loaded (the schema checks have said
+        why) or its own code raises (said here, once)."""
         from framework.recipe import recipe_class
 
-        try:
-            recipe_class(self.recipe)
-        except FwError:
-            return False   # the schema checks have reported it
-        return True
+        if not hasattr(self, "_needs"):
+            self._needs = None
+            try:
+                recipe = recipe_class(self.recipe)
+            except FwError:
+                return None
+            try:
+                self._needs = recipe.requirements(self.cfg)
+            except (Exception, SystemExit) as e:  # noqa: BLE001 (user code: any failure is a config problem)
+                self.add_error(e, ("recipe",), f"{self.recipe}'s requirements(cfg)")
+        return self._needs
 
     def machine(self) -> None:
         """The accelerator, devices, strategy and precision must be available on this machine."""

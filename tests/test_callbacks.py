@@ -339,3 +339,36 @@ def test_a_stop_asked_within_an_accumulation_window_ends_the_run_at_that_steps_e
     stopper = next(c for c in trainer.callbacks if isinstance(c, StopInBatch))
     assert stopper.batches == 6 and stopper.ended == (2, 2)   # step 2 completed, nothing after it
     assert Path(find_latest(tmp_path / "run")).name == "step-000002"
+
+
+class Counting(Callback):
+    """Keeps a count in checkpoints (state_dict) under the default state_key: its class name."""
+
+    def __init__(self, start: int = 0):
+        self.count = start
+
+    def state_dict(self):
+        return {"count": self.count}
+
+    def load_state_dict(self, state):
+        self.count = state["count"]
+
+
+def test_two_stateful_callbacks_of_one_state_key_are_refused_at_the_second(tmp_path, capsys):
+    """A checkpoint holds one callback state per state_key, and Lightning refuses a second stateful callback of the
+    same key with a traceback: fw validate and fw fit name the second entry, before anything is written."""
+    from framework.cli import main
+
+    config = tmp_path / "c.yaml"
+    config.write_text(f"recipe: sft\nrun_dir: {tmp_path / 'run'}\nmodel: {{policy: {{preset: tiny}}}}\n"
+                      "data: {task: {name: digits}}\ntrainer: {max_steps: 1}\ncallbacks:\n"
+                      "  - {class_path: test_callbacks.Counting}\n"
+                      "  - {class_path: test_callbacks.Counting, init_args: {start: 5}}\n"
+                      "  - {class_path: test_callbacks.Recorder}\n")
+    line = (f"{config}:8:18: callbacks[1].class_path: test_callbacks.Counting keeps its state under the state_key of "
+            "callbacks[0] (Counting), and a checkpoint holds one state per key: give the class a state_key property "
+            "that tells its instances apart")
+    for command in ("validate", "fit"):
+        assert main([command, "--config", str(config)]) == 2
+        assert capsys.readouterr().err.splitlines() == [line], command
+    assert not (tmp_path / "run").exists()

@@ -10,6 +10,7 @@ import enum
 import glob
 import json
 import os
+import re
 import struct
 import threading
 import time
@@ -130,15 +131,27 @@ def test_a_class_that_is_not_a_logger_is_refused(tmp_path):
         user_loggers(cfg)
 
 
-def test_fw_fit_reports_a_bad_logger_in_one_line(tmp_path, capsys):
+class Unfinished(Logger):
+    """A Logger subclass that implements none of Logger's abstract methods."""
+
+
+def test_fw_validate_and_fit_report_a_bad_logger_at_its_key_before_building_anything(tmp_path, capsys):
+    """A class that is no Logger, or an abstract one: one line each at the entry's class_path, from fw validate
+    and from fw fit before anything is built or written (a logger's constructor may create runs)."""
     from framework.cli import main
 
     config = tmp_path / "train.yaml"
     config.write_text(json.dumps({**sft_config(tmp_path / "run", []), "logging": {
-        "loggers": [{"class_path": "framework.metrics.StepMetrics"}]}}))
-    assert main(["fit", "--config", str(config)]) == 2
-    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("fw: error:")]
-    assert len(errors) == 1 and "is not a lightning.pytorch.loggers.Logger subclass" in errors[0]
+        "loggers": [{"class_path": "framework.metrics.StepMetrics"}, {"class_path": "test_loggers.Unfinished"}]}}))
+    abstract = ", ".join(sorted(Logger.__abstractmethods__))   # in this Lightning: log_metrics, name, version, ...
+    lines = [f"{config}:1:COL: logging.loggers[{i}].class_path: {problem}" for i, problem in [
+        (0, "framework.metrics.StepMetrics is not a lightning.pytorch.loggers.Logger subclass"),
+        (1, f"test_loggers.Unfinished is abstract: it does not implement {abstract}")]]
+    for command in ("validate", "fit"):
+        assert main([command, "--config", str(config)]) == 2
+        err = capsys.readouterr().err
+        assert re.sub(r":1:\d+: ", ":1:COL: ", err).splitlines() == lines, (command, err)
+    assert not (tmp_path / "run").exists()
 
 
 class CrashAt(Callback):

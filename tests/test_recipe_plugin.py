@@ -80,3 +80,21 @@ def test_a_recipe_that_does_not_import_or_is_not_a_recipe_fails_validation(tmp_p
     done = fw("validate", "--config", str(write_config(tmp_path)), path=[site])
     assert done.returncode == 2 and "recipe: 'copy' (collections:OrderedDict) is not a recipe: it has no " \
         "requirements, train_dataloader, training_step" in done.stderr, done.stderr
+
+
+def test_a_recipe_whose_requirements_raise_is_a_config_problem(tmp_path, monkeypatch, capsys):
+    """The recipe's own requirements(cfg) is user code: what it raises is reported at `recipe` (exit 2), as a
+    reward's or a callback's constructor is, not as a traceback."""
+    (tmp_path / "fw_bad_requirements.py").write_text(
+        "from fw_copy_recipe import CopyRecipe\n\n"
+        "class BadRequirements(CopyRecipe):\n"
+        "    @classmethod\n"
+        "    def requirements(cls, cfg):\n"
+        "        raise ValueError('needs a model.value section')\n")
+    site = site_with(tmp_path, {"copy": "fw_bad_requirements:BadRequirements"})
+    config = write_config(tmp_path)
+    for path in (PLUGINS, tmp_path, site):
+        monkeypatch.syspath_prepend(str(path))
+    assert main(["validate", "--config", str(config)]) == 2
+    assert capsys.readouterr().err == (f"{config}:1:9: recipe: copy's requirements(cfg) raised ValueError: needs a "
+                                       "model.value section\n")
