@@ -264,7 +264,10 @@ class NumericMatch:
         try:
             want = parse_reference(_reference(metadata))
         except ValueError as exc:   # name the record where the task says where it came from (JSONL)
-            raise ValueError(f"{metadata['source']}: {exc}" if "source" in metadata else str(exc)) from None
+            from framework.tasks import LOCATION_KEY
+
+            where = metadata.get(LOCATION_KEY)
+            raise ValueError(f"{where}: {exc}" if where else str(exc)) from None
         got = extract_number(completion)
         if got is None:
             return 0.0
@@ -461,7 +464,7 @@ def build_reward(reward_cfg: dict, task: Any = None, check: bool = True) -> Call
 def check_references(task: Any) -> None:
     """FwError naming the first record of a JSONL task whose answer is not one number, as ``numeric_match`` needs
     (``build_reward`` checks the task it is given; other tasks pass)."""
-    from framework.tasks import JsonlPrompts
+    from framework.tasks import LOCATION_KEY, JsonlPrompts
 
     if not isinstance(task, JsonlPrompts):   # procedural tasks make their answers; JSONL answers are data
         return
@@ -470,7 +473,7 @@ def check_references(task: Any) -> None:
         try:
             parse_reference(record["answer"])
         except ValueError as exc:
-            bad.append(f"{record['metadata']['source']}: {exc}")
+            bad.append(f"{record['metadata'][LOCATION_KEY]}: {exc}")
     if bad:
         more = {1: "", 2: " (and 1 more record)"}.get(len(bad), f" (and {len(bad) - 1} more records)")
         raise FwError(f"{bad[0]}{more}; fix the data, or score it with another reward (reward.name)")

@@ -32,6 +32,8 @@ from framework.errors import FwError
 from framework.jsonl import json_type_name, read_jsonl
 from framework.tokenizer import messages_problem
 
+LOCATION_KEY = "fw_location"   # a JSONL prompt's `FILE:LINE`, in its sample's metadata
+
 Sample = dict[str, Any]
 OPERATORS = {"+": operator.add, "-": operator.sub, "*": operator.mul, "/": operator.truediv}
 
@@ -299,8 +301,10 @@ class JsonlPrompts(Task):
             if problem:
                 raise FwError(f"{where}: {problem}")
             answer = record[self.answer_key]
+            # the record's own fields as written (a `source` of a mixed dataset included), the reference answer
+            # under "answer" as for every task, and where the record is under a key of fw's own
             metadata = {k: v for k, v in record.items() if k not in (self.prompt_key, self.answer_key)}
-            metadata.update(source=where, answer=str(answer))
+            metadata.update({"answer": str(answer), LOCATION_KEY: where})
             records.append({"prompt": record[self.prompt_key], "answer": str(answer), "metadata": metadata})
         return records
 

@@ -152,9 +152,17 @@ def test_jsonl_prompts_epochs_and_metadata(tmp_path):
     assert [again.sample(i)["prompt"] for i in (9, 3, 7)] == [epoch1[4], epoch0[3], epoch1[2]]
     s = next(task.sample(i) for i in range(5) if task.sample(i)["prompt"] == "q4")
     assert s["answer"] == "40"
-    assert s["metadata"] == {"level": 0, "answer": "40", "source": f"{path}:6"}  # line 4 is blank
+    assert s["metadata"] == {"level": 0, "answer": "40", "fw_location": f"{path}:6"}  # line 4 is blank
     ordered = JsonlPrompts(path, "question", "solution", shuffle=False)
     assert [ordered.sample(i)["prompt"] for i in range(7)] == ["q0", "q1", "q2", "q3", "q4", "q0", "q1"]
+
+
+def test_a_jsonl_records_own_fields_reach_the_reward_as_written(tmp_path):
+    """A mixed dataset routes its rewards by a field such as `source`: the record's fields arrive in the metadata
+    unchanged; fw adds the reference answer under "answer" (as README says) and the record's place as fw_location."""
+    path = write_jsonl(tmp_path / "mixed.jsonl", [{"prompt": "2+2", "solution": 4, "source": "gsm8k", "id": 7}])
+    (sample,) = [JsonlPrompts(path, answer_key="solution", shuffle=False).sample(0)]
+    assert sample["metadata"] == {"source": "gsm8k", "id": 7, "answer": "4", "fw_location": f"{path}:1"}
 
 
 def test_jsonl_messages_prompt_and_several_files(tmp_path):
@@ -162,7 +170,7 @@ def test_jsonl_messages_prompt_and_several_files(tmp_path):
     b = write_jsonl(tmp_path / "b.jsonl", [{"prompt": "p", "answer": "y", "answer_extra": 1}])
     task = build_task(data_cfg(path=[a, b], shuffle=False))
     assert task.sample(0)["prompt"] == [{"role": "user", "content": "hi"}]
-    assert task.sample(1)["metadata"]["answer_extra"] == 1 and task.sample(1)["metadata"]["source"] == f"{b}:1"
+    assert task.sample(1)["metadata"]["answer_extra"] == 1 and task.sample(1)["metadata"]["fw_location"] == f"{b}:1"
 
 
 @pytest.mark.parametrize("line, message", [
