@@ -271,7 +271,7 @@ class Evaluation:
     # ----------------------------------------------------------------- data
     def _build_rl(self, draws: int) -> None:
         from framework.rewards import NumericMatch, build_reward, check_references
-        from framework.tasks import build_task, render_prompt
+        from framework.tasks import build_task, checked_sample, render_prompt
 
         cfg, e = self.cfg, self.cfg["eval"]
         train = build_task(cfg["data"], seed=cfg["seed"])
@@ -285,8 +285,8 @@ class Evaluation:
         def prompt(sample: dict) -> str:   # what the policy reads: a string and its one-user-turn chat are one prompt
             return render_prompt(sample["prompt"], _renderer(), template, thinking)
 
-        samples = self._held_out(source.sample, _length(source), lambda s: (prompt(s),) * 2,
-                                 lambda i: prompt(train.sample(i)), _bounded(train, draws))
+        samples = self._held_out(lambda i: checked_sample(source, i), _length(source), lambda s: (prompt(s),) * 2,
+                                 lambda i: prompt(checked_sample(train, i)), _bounded(train, draws))
         if self.choose_only:
             return
         self.texts = [render_prompt(s["prompt"], self.tokenizer, template, thinking) for s in samples]

@@ -372,6 +372,23 @@ def build_task(data_cfg: dict, seed: int = 0) -> Task:
     return cls(**init_args)
 
 
+def checked_sample(task: Any, index: int) -> Sample:
+    """`task.sample(index)`, checked to be what the recipes read of it (a user's task class returns anything): a
+    dict whose `prompt` is a string or a list of messages and whose `metadata` is a dict; FwError otherwise."""
+    sample = task.sample(index)
+    name = f"data.task: {type(task).__name__}.sample({index})"
+    if not isinstance(sample, dict):
+        raise FwError(f"{name} returned a {type(sample).__name__}, expected a dict with prompt, answer and metadata")
+    prompt = sample.get("prompt")
+    if not isinstance(prompt, (str, list)):
+        raise FwError(f"{name}: prompt must be a string or a list of {{role, content}} messages, got "
+                      f"{type(prompt).__name__} {prompt!r:.80}")
+    if not isinstance(sample.get("metadata"), dict):
+        raise FwError(f"{name}: metadata must be a dict (what the reward gets as its third argument), got "
+                      f"{type(sample.get('metadata')).__name__}")
+    return sample
+
+
 def render_prompt(prompt: str | list[dict], tokenizer: Any, chat_template: bool,
                   enable_thinking: bool = False) -> str:
     """The text the policy continues: the chat template (a string becomes one user turn) or the raw prompt."""

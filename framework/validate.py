@@ -307,7 +307,7 @@ class _Checks:
 
         data = self.cfg["data"]
         if data["task"] and not data["path"]:
-            from framework.tasks import build_task
+            from framework.tasks import build_task, checked_sample
 
             try:
                 self.task = build_task(data, seed=self.cfg["seed"])
@@ -316,6 +316,12 @@ class _Checks:
                 at = ("data", "task", "init_args") if ("data", "task", "init_args") in self.located.marks else \
                     ("data", "task")
                 self.add_error(e, at, "building the task")
+            else:
+                try:   # its first sample, as training reads it
+                    checked_sample(self.task, 0)
+                except (Exception, SystemExit) as e:  # noqa: BLE001 (user code: any failure is a config problem)
+                    self.task_failed = True
+                    self.add_error(e, ("data", "task"), f"{type(self.task).__name__}.sample(0)")
         elif data["path"] and self.recipe in RL_RECIPES:
             from framework.tasks import JsonlPrompts
 

@@ -316,7 +316,7 @@ def longest_prompt(cfg: dict, tokenizer: Any) -> int:
     per process for the same JSONL files, rendering and tokenizer, and once per multi-process job (``_shared``). A
     procedural task by the prompts its ``widest_prompts()`` states (framework.tasks.Task), else by its first
     ``PLAN_PROMPTS`` samples."""
-    from framework.tasks import build_task, render_prompt
+    from framework.tasks import build_task, checked_sample, render_prompt
 
     key = _dataset_key(cfg, tokenizer)
     if key is not None:
@@ -334,9 +334,9 @@ def longest_prompt(cfg: dict, tokenizer: Any) -> int:
 
     if not hasattr(task, "__len__"):
         widest = getattr(task, "widest_prompts", None)
-        prompts = widest() if callable(widest) else [task.sample(i)["prompt"] for i in range(PLAN_PROMPTS)]
+        prompts = widest() if callable(widest) else [checked_sample(task, i)["prompt"] for i in range(PLAN_PROMPTS)]
         return max(len(tokenizer.encode(render(p))) for p in prompts)
-    longest = tokenizer.most_tokens({render(task.sample(i)["prompt"]) for i in range(len(task))})
+    longest = tokenizer.most_tokens({render(checked_sample(task, i)["prompt"]) for i in range(len(task))})
     if key is not None:
         _LONGEST[key] = longest
         _share(key, longest)
@@ -636,13 +636,13 @@ class RLRecipe:
         those of every rank's earlier rounds, which ``finish_rollout(ctx, rounds)`` then skips."""
         from framework.rewards import score_rollout
         from framework.rollout import stop_token_ids
-        from framework.tasks import render_prompt
+        from framework.tasks import checked_sample, render_prompt
 
         cfg, tok = self.cfg, self.tokenizer
         n_prompts = cfg["rollout"]["prompts_per_step"]
         first = self.prompt_position + (round_index * ctx.world_size + ctx.rank) * n_prompts
         with record_function("fw.rl.prompts"):
-            samples = [self.task.sample(first + i) for i in range(n_prompts)]
+            samples = [checked_sample(self.task, first + i) for i in range(n_prompts)]
             texts = [render_prompt(s["prompt"], tok, cfg["data"]["chat_template"],
                                    cfg["tokenizer"]["enable_thinking"]) for s in samples]
             ids = [tok.encode(t) for t in texts]

@@ -547,3 +547,22 @@ def test_validate_names_the_process_count_its_held_out_check_assumed(capsys):
     for explicit in ("--trainer.devices=1", "--trainer.accelerator=cpu"):   # on the CPU, auto is one process
         assert main([*args, explicit]) == 0
         assert capsys.readouterr().out.strip() == f"{config}: valid (recipe grpo)"
+
+
+@pytest.mark.parametrize("returned, problem", [
+    ("('say 1', '1')", "Odd.sample(0) returned a tuple, expected a dict with prompt, answer and metadata"),
+    ("{'prompt': 12, 'answer': '1', 'metadata': {}}",
+     "Odd.sample(0): prompt must be a string or a list of {role, content} messages, got int 12"),
+    ("{'prompt': 'say 1', 'answer': '1'}",
+     "Odd.sample(0): metadata must be a dict (what the reward gets as its third argument), got NoneType"),
+])
+def test_a_task_class_whose_samples_training_cannot_read_is_a_config_problem(tmp_path, capsys, returned, problem):
+    """A user's task class returns anything from sample(): what the recipes read of it is checked, at data.task,
+    by fw validate (and so by fw fit before anything is built) and on every draw, instead of a traceback."""
+    module = f"odd_task_{abs(hash(returned))}"
+    (tmp_path / f"{module}.py").write_text("from framework.tasks import Task\n\nclass Odd(Task):\n"
+                                           f"    def sample(self, index):\n        return {returned}\n")
+    config = tmp_path / "c.yaml"
+    config.write_text(f"recipe: grpo\nmodel: {{policy: {{preset: tiny}}}}\ndata:\n"
+                      f"  task: {{class_path: {module}.Odd}}\nreward: {{name: exact_match}}\n")
+    assert run_fw(["validate", "--config", str(config)], capsys) == (2, [f"{config}:4:9: data.task: {problem}"])
