@@ -20,6 +20,13 @@ class DiskFull(FwError):
     """The file system ran out of space (or quota) while a run file (a checkpoint's, a log's) was written."""
 
 
+def what_raised(e: BaseException) -> str:
+    """What user code did, for a message that names the call: `raised ValueError: ...` or `called sys.exit(7)`."""
+    if isinstance(e, SystemExit):
+        return f"called sys.exit({e.code!r})"
+    return f"raised {type(e).__name__}: {e}"
+
+
 def raise_on_every_rank(error: FwError | None, collective: bool) -> None:
     """Raise `error` (when not None). With `collective` under several processes a collective instead (call it at
     the same point on every rank): every rank raises the failure of the lowest rank that failed, naming it, so that

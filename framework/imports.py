@@ -8,7 +8,7 @@ import os
 import sys
 from typing import Any
 
-from framework.errors import FwError
+from framework.errors import FwError, what_raised
 
 
 def _is_prefix(name: str | None, dotted: str) -> bool:
@@ -117,5 +117,4 @@ def instantiate(spec: dict, **extra: Any) -> Any:
     except FwError:
         raise
     except (Exception, SystemExit) as e:  # the user's constructor: one line, the traceback under --debug
-        what = f"called sys.exit({e.code!r})" if isinstance(e, SystemExit) else f"raised {type(e).__name__}: {e}"
-        raise FwError(f"{class_path}(**init_args) {what}") from e
+        raise FwError(f"{class_path}(**init_args) {what_raised(e)}") from e

@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from framework.errors import FwError, raise_on_every_rank
+from framework.errors import FwError, raise_on_every_rank, what_raised
 
 log = logging.getLogger(__name__)
 
@@ -606,12 +606,11 @@ def _score(reward_fn: Any, prompts: list[str], completions: list[str], metadatas
             if isinstance(result, (Mapping, AbstractSet)):   # no sample order: a dict would score its keys
                 raise TypeError(f"returned a {type(result).__name__}, expected a sequence of one value per sample")
             result = list(result)
-        except Exception as exc:  # noqa: BLE001 - user code: any failure is reported, then retried per sample
+        except (Exception, SystemExit) as exc:  # noqa: BLE001 - user code: any failure is reported, then retried
             if not callable(reward_fn):
-                failures = [(i, f"batch() raised {type(exc).__name__}: {exc}") for i in range(n)]
+                failures = [(i, f"batch() {what_raised(exc)}") for i in range(n)]
             else:
-                log.warning("reward batch() raised %s: %s; scoring the %d samples one call each instead",
-                            type(exc).__name__, exc, n)
+                log.warning("reward batch() %s; scoring the %d samples one call each instead", what_raised(exc), n)
                 per_sample = True
         else:
             if len(result) != n:
@@ -626,8 +625,8 @@ def _score(reward_fn: Any, prompts: list[str], completions: list[str], metadatas
             calls.enter("call", i)
             try:
                 value = reward_fn(prompts[i], completions[i], metadatas[i])
-            except Exception as exc:  # noqa: BLE001 - user code: any failure is reported with its sample
-                failures.append((i, f"raised {type(exc).__name__}: {exc}"))
+            except (Exception, SystemExit) as exc:  # noqa: BLE001 - user code: a failure is reported with its sample
+                failures.append((i, what_raised(exc)))
                 continue
             try:
                 values[i] = _check_value(value)

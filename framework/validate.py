@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from framework.config import LocatedConfig, all_key_paths, load_located, world_size
-from framework.errors import FwError, Problem
+from framework.errors import FwError, Problem, what_raised
 
 BUILTIN_RECIPES = ("sft", "grpo", "ppo")
 RL_RECIPES = {"grpo": "group_size", "ppo": "samples_per_prompt"}  # section -> its samples-per-prompt key
@@ -57,12 +57,6 @@ def check(located: LocatedConfig, *, machine: bool = False) -> list[Problem]:
 def _keys() -> list[str]:
     """Every dotted key, longest first (so `data.task.init_args` wins over `data.task`)."""
     return sorted((".".join(p) for p in all_key_paths()), key=len, reverse=True)
-
-
-def _what_raised(e: BaseException) -> str:
-    if isinstance(e, SystemExit):
-        return f"called sys.exit({e.code!r})"
-    return f"raised {type(e).__name__}: {e}"
 
 
 def _fw_directory(path: str) -> str | None:
@@ -107,7 +101,7 @@ class _Checks:
         """An error from a builder: at the key its message starts with (`data.task.init_args: ...`), else
         at `default`; an exception that is not an FwError is shown as what raised it."""
         if not isinstance(e, FwError):
-            self.add(default, f"{what} {_what_raised(e)}".strip())
+            self.add(default, f"{what} {what_raised(e)}".strip())
             return
         text = str(e)
         for dotted in _keys():

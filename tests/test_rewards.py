@@ -453,6 +453,22 @@ def test_a_huge_integer_reward_is_a_failed_sample_not_a_crash():
         score_rollout(reward, ["a"], ["big"], [{}], RAISE)
 
 
+def test_a_reward_calling_sys_exit_is_a_failed_sample_not_the_end_of_fit():
+    """A reward is user code: its sys.exit(7) fails its sample (named, one line) instead of ending the run with
+    exit code 7 and no word, under a timeout's helper thread as without one."""
+    def reward(prompt, completion, metadata):
+        if completion == "quit":
+            sys.exit(7)
+        return 1.0
+
+    for timeout_s in (None, 30):
+        settings = {**ZERO, "timeout_s": timeout_s}
+        rewards, errors = score_rollout(reward, ["a", "b", "c"], ["ok", "quit", "ok"], [{}] * 3, settings)
+        assert rewards.tolist() == [1.0, 0.0, 1.0] and errors == 1
+        with pytest.raises(FwError, match=r"sample 1: called sys.exit\(7\)"):
+            score_rollout(reward, ["a", "b"], ["ok", "quit"], [{}] * 2, {**RAISE, "timeout_s": timeout_s})
+
+
 def test_a_batch_returning_a_mapping_is_refused_not_read_by_its_keys(caplog):
     """A dict has no sample order: {0: 0.0, 1: 0.0} would otherwise score its keys 0 and 1."""
     class Keyed:
