@@ -51,6 +51,8 @@ def check(located: LocatedConfig, *, machine: bool = False) -> list[Problem]:
     checks.combinations()
     checks.trainer(machine)
     checks.held_out()
+    if not machine:   # fw fit tokenizes its data as it builds its dataloader, before any step
+        checks.sft_lengths()
     return checks.problems
 
 
@@ -294,6 +296,20 @@ class _Checks:
                          str(e).removeprefix("eval: "))
             else:
                 self.add_error(e, ("eval",), "choosing the held-out eval set")
+
+    def sft_lengths(self) -> None:
+        """SFT data tokenized as training tokenizes it: the examples that data.max_seq_len cuts are said on stderr,
+        as fit says them, and data that keeps no token to train on is a problem. Runs only when the checks above
+        found nothing."""
+        if self.recipe != "sft" or not self.cfg["data"]["path"] or self.problems:
+            return
+        from framework.data import load_examples
+        from framework.tokenizer import build_tokenizer
+
+        try:
+            load_examples(self.cfg, build_tokenizer(self.cfg), train_on_prompt=self.cfg["sft"]["train_on_prompt"])
+        except FwError as e:
+            self.add_error(e, ("data", "path"))
 
     # ------------------------------------------------------------------ class_path parts
     def plugins(self) -> None:

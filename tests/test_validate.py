@@ -566,3 +566,17 @@ def test_a_task_class_whose_samples_training_cannot_read_is_a_config_problem(tmp
     config.write_text(f"recipe: grpo\nmodel: {{policy: {{preset: tiny}}}}\ndata:\n"
                       f"  task: {{class_path: {module}.Odd}}\nreward: {{name: exact_match}}\n")
     assert run_fw(["validate", "--config", str(config)], capsys) == (2, [f"{config}:4:9: data.task: {problem}"])
+
+
+def test_validate_tokenizes_sft_data_as_fit_does(tmp_path, capsys):
+    """SFT rows longer than data.max_seq_len: fw validate says how many fit cuts, as fit says it, and refuses data
+    that keeps no token to train on, which fit refuses as it builds its data."""
+    config = tmp_path / "sft.yaml"
+    config.write_text(f"recipe: sft\nmodel: {{policy: {{preset: tiny}}}}\n"
+                      f"data: {{path: {ROOT / 'recipes' / 'data' / 'arithmetic_chat.jsonl'}, max_seq_len: 8}}\n")
+    code, lines = run_fw(["validate", "--config", str(config)], capsys)
+    assert code == 2 and len(lines) == 1, lines
+    assert lines[0].startswith(f"{config}:3:") and (": data.max_seq_len: all 400 examples of data.path are longer "
+                                                     "than data.max_seq_len (8), and cut to it none keeps") in lines[0]
+    assert run_fw(["validate", "--config", str(config), "--data.max_seq_len=48"], capsys) == (0, [
+        "fw: data.path: 400 of 400 examples are longer than data.max_seq_len (48) and are cut to it"])
