@@ -581,14 +581,14 @@ def builtin_callbacks(cfg: dict, evaluation: Sequence[lightning.Callback] = ()) 
     return out
 
 
-def callback_problems(built: list[tuple[str, Any]]) -> list[tuple[int, str]]:
-    """(index, problem) of the user's callbacks, each (class_path, the object built): one that is not a Lightning
-    callback, or one that keeps a state under another's `state_key` (a checkpoint holds one state per key, so
-    Lightning refuses the second)."""
+def callback_problems(built: list[tuple[int, str, Any]]) -> list[tuple[int, str]]:
+    """(index, problem) of the user's callbacks, each (its index in `callbacks`, class_path, the object built): one
+    that is not a Lightning callback, or one that keeps a state under another's `state_key` (a checkpoint holds one
+    state per key, so Lightning refuses the second)."""
     from lightning.pytorch.utilities.model_helpers import is_overridden
 
     problems, keys = [], {}
-    for i, (class_path, cb) in enumerate(built):
+    for i, class_path, cb in built:
         if not isinstance(cb, lightning.Callback):
             problem = (f"{class_path} is a {type(cb).__name__}, not a lightning.Callback (subclass "
                        "framework.callbacks.Callback)")
@@ -607,7 +607,7 @@ def user_callbacks(cfg: dict) -> list[lightning.Callback]:
     """`callbacks: [{class_path, init_args}]` instantiated; FwError at the first `callback_problems`."""
     from framework.imports import instantiate
 
-    built = [(spec["class_path"], instantiate(spec)) for spec in cfg["callbacks"]]
+    built = [(i, spec["class_path"], instantiate(spec)) for i, spec in enumerate(cfg["callbacks"])]
     for i, problem in callback_problems(built):
         raise FwError(f"callbacks[{i}]: {problem}")
-    return [cb for _, cb in built]
+    return [cb for _, _, cb in built]

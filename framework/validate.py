@@ -350,15 +350,14 @@ class _Checks:
         from framework.callbacks import callback_problems
         from framework.loggers import logger_class_problem
 
-        built, where = [], []
+        built = []
         for i, spec in enumerate(self.cfg["callbacks"]):
             try:
-                built.append((spec["class_path"], instantiate(spec)))
-                where.append(i)
+                built.append((i, spec["class_path"], instantiate(spec)))
             except (Exception, SystemExit) as e:  # noqa: BLE001 (user code: any failure is a config problem)
                 self.add_error(e, ("callbacks", i, "class_path"), "building the callback")
-        for j, problem in callback_problems(built):
-            self.add(("callbacks", where[j], "class_path"), problem)
+        for i, problem in callback_problems(built):
+            self.add(("callbacks", i, "class_path"), problem)
         for i, spec in enumerate(self.cfg["logging"]["loggers"]):
             problem = logger_class_problem(spec["class_path"])
             if problem is not None:
@@ -374,7 +373,13 @@ class _Checks:
             own = getattr(recipe_class(cfg["recipe"]), "config_problems", None)
         except FwError:   # a recipe that cannot be loaded: the config stage has said why
             own = None
-        for problem in [*optimizer_problems(cfg), *(own(cfg) if callable(own) else [])]:
+        recipe_problems: list[str] = []
+        if callable(own):
+            try:
+                recipe_problems = list(own(cfg))
+            except (Exception, SystemExit) as e:  # noqa: BLE001 (a plugin recipe's code: a config problem)
+                self.add_error(e, ("recipe",), f"{self.recipe}'s config_problems(cfg)")
+        for problem in [*optimizer_problems(cfg), *recipe_problems]:
             key, _, message = problem.partition(": ")   # each line starts with the key it names
             self.add(tuple(key.split(".")), message)
         if self.recipe not in RL_RECIPES:
