@@ -71,7 +71,7 @@ class Task:
 
     def sft_example(self, index: int) -> dict[str, Any]:
         """``{"prompt": ..., "completion": answer}`` for sample ``index``: SFT data from the task."""
-        sample = self.sample(index)
+        sample = checked_sample(self, index)
         return {"prompt": sample["prompt"], "completion": sample["answer"]}
 
     def _make(self, prompt: Any, answer: str, **metadata: Any) -> Sample:
@@ -374,7 +374,8 @@ def build_task(data_cfg: dict, seed: int = 0) -> Task:
 
 def checked_sample(task: Any, index: int) -> Sample:
     """`task.sample(index)`, checked to be what the recipes read of it (a user's task class returns anything): a
-    dict whose `prompt` is a string or a list of messages and whose `metadata` is a dict; FwError otherwise."""
+    dict whose `prompt` is a string or a list of messages, whose `answer` is a string and whose `metadata` is a dict;
+    FwError otherwise."""
     sample = task.sample(index)
     name = f"data.task: {type(task).__name__}.sample({index})"
     if not isinstance(sample, dict):
@@ -383,6 +384,9 @@ def checked_sample(task: Any, index: int) -> Sample:
     if not isinstance(prompt, (str, list)):
         raise FwError(f"{name}: prompt must be a string or a list of {{role, content}} messages, got "
                       f"{type(prompt).__name__} {prompt!r:.80}")
+    if not isinstance(sample.get("answer"), str):
+        raise FwError(f"{name}: answer must be a string (the completion SFT trains on, the reference of the "
+                      f"built-in rewards), got {type(sample.get('answer')).__name__}")
     if not isinstance(sample.get("metadata"), dict):
         raise FwError(f"{name}: metadata must be a dict (what the reward gets as its third argument), got "
                       f"{type(sample.get('metadata')).__name__}")

@@ -555,6 +555,9 @@ def test_validate_names_the_process_count_its_held_out_check_assumed(capsys):
      "Odd.sample(0): prompt must be a string or a list of {role, content} messages, got int 12"),
     ("{'prompt': 'say 1', 'answer': '1'}",
      "Odd.sample(0): metadata must be a dict (what the reward gets as its third argument), got NoneType"),
+    ("{'prompt': 'say 1', 'metadata': {'answer': '1'}}",
+     "Odd.sample(0): answer must be a string (the completion SFT trains on, the reference of the built-in "
+     "rewards), got NoneType"),
 ])
 def test_a_task_class_whose_samples_training_cannot_read_is_a_config_problem(tmp_path, capsys, returned, problem):
     """A user's task class returns anything from sample(): what the recipes read of it is checked, at data.task,
@@ -566,6 +569,9 @@ def test_a_task_class_whose_samples_training_cannot_read_is_a_config_problem(tmp
     config.write_text(f"recipe: grpo\nmodel: {{policy: {{preset: tiny}}}}\ndata:\n"
                       f"  task: {{class_path: {module}.Odd}}\nreward: {{name: exact_match}}\n")
     assert run_fw(["validate", "--config", str(config)], capsys) == (2, [f"{config}:4:9: data.task: {problem}"])
+    # and for SFT, which trains on each sample's answer
+    assert run_fw(["validate", "--config", str(config), "--recipe=sft", "--reward.name=null"], capsys) == (
+        2, [f"{config}:4:9: data.task: {problem}"])
 
 
 def test_validate_tokenizes_sft_data_as_fit_does(tmp_path, capsys):
