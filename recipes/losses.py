@@ -301,7 +301,7 @@ def option_problems(name: str, section: dict, max_new_tokens: int) -> list[str]:
     if c["name"] == "none" and c["level"] == "sequence":
         problems.append(f"{name}.off_policy_correction.level: sequence changes nothing while "
                         f"{name}.off_policy_correction.name is none; set name: tis or mask to weigh each completion "
-                        "by one ratio")
+                        "by one ratio, or leave level at token")
     return problems
 
 

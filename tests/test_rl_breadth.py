@@ -435,7 +435,7 @@ def test_option_combinations_are_refused_at_their_keys(tmp_path, capsys):
                  "--grpo.off_policy_correction.level=sequence", "--grpo.overlong.buffer=null"]) == 2
     line = ("override '--grpo.off_policy_correction.level=sequence': grpo.off_policy_correction.level: sequence "
             "changes nothing while grpo.off_policy_correction.name is none; set name: tis or mask to weigh each "
-            "completion by one ratio")
+            "completion by one ratio, or leave level at token")
     assert capsys.readouterr().err.splitlines() == [line]
     cfg = config(tmp_path / "run", grpo={"overlong": {"buffer": 9}})   # Python configs skip validate: the recipe checks
     with pytest.raises(FwError, match="grpo.overlong.buffer: 9 exceeds rollout.max_new_tokens"):
