@@ -1297,6 +1297,47 @@ def test_plain_sample_distribution_across_parts():
     assert float((freq - p).abs().sum()) / 2 < 0.015  # total variation; sampling noise is about 0.005 here
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_plain_sample_nan_and_inf_rows_match_reference(dtype, temperature):
+    """Plain sampling (rows of 4 parts) against sample_reference, whose plain_mass gives a NaN logit no mass, as
+    -inf: rows with a few NaN columns (one at the row's max), a part all NaN, all NaN but one column, all NaN, NaN
+    among -inf, all -inf, a +inf among finite logits, a +inf and a NaN, between rows without either. The same
+    tokens; logprobs NaN on the same rows (every row with a NaN, and the row all -inf), -inf on the +inf row, close
+    elsewhere. Peaked logits, so that float32 sums do not move a target across a column's edge."""
+    nan, inf = float("nan"), float("inf")
+    B, V = 24, 3 * 4096 + 1000
+    gen = torch.Generator(device=DEV).manual_seed(11)
+    logits = 8 * torch.randn(B, V, device=DEV, generator=gen)
+    for r in range(4):
+        logits[r, torch.randint(0, V, (5 + r,), device=DEV, generator=gen)] = nan
+    logits[3, logits[3].nan_to_num(-inf).argmax()] = nan
+    logits[4, 4096:8192] = nan
+    logits[5] = nan
+    logits[5, 9000] = 0.0
+    logits[6] = nan
+    logits[7] = -inf
+    logits[7, [5, 6000, V - 1]] = nan
+    logits[8] = -inf
+    logits[9, 7777] = inf
+    logits[10, [3, 12000]] = torch.tensor([inf, nan], device=DEV)
+    logits = logits.to(dtype)
+    nan_rows = logits.isnan().any(-1)
+    assert nan_rows.sum() == 9
+    nan_lp = nan_rows.clone()
+    nan_lp[8] = True   # all -inf: -inf against a logsumexp of -inf
+    for seed in (0, 1, 77, 2**40 + 5):
+        counters = torch.randint(0, 2**40, (B, 2), device=DEV, generator=gen)
+        poison()
+        tok, lp = ops_cuda.sample(logits, temperature, 0, 1.0, 0.0, seed, counters)
+        tok_ref, lp_ref = sample_reference(logits, temperature, 0, 1.0, 0.0, seed, counters)
+        assert torch.equal(tok, tok_ref), (seed, tok.tolist(), tok_ref.tolist())
+        assert tok[5] == 9000 and (tok[6:11] == 0).all()
+        assert torch.equal(lp.isnan(), nan_lp) and torch.equal(lp_ref.isnan(), nan_lp)
+        assert lp[9] == -inf
+        torch.testing.assert_close(lp, lp_ref, rtol=1e-5, atol=1e-5, equal_nan=True)
+
+
 @pytest.mark.parametrize("temperature,top_k,top_p,min_p", CONFIGS)
 def test_sample_distribution(temperature, top_k, top_p, min_p):
     V, n = 60, 200_000

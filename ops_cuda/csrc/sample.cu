@@ -15,7 +15,8 @@
 // blocks (one pass, no noise) that write each part's max and sum of exp (and greedy's argmax). Greedy merges
 // them in a small kernel; plain sampling draws by inverse CDF with one Philox uniform a row (counter
 // (c1, c2, 1, 0), 53 bits, as row_uniform53 in ops_cuda/sample.py): the part whose running mass passes u times
-// the row's mass, then the column within it, rescanning that part only.
+// the row's mass, then the column within it, rescanning that part only. A NaN logit carries no mass in either
+// pass, as -inf does (plain_mass in ops_cuda/sample.py), and makes the row's logprob NaN.
 #include <cmath>
 
 #include "common.cuh"
@@ -24,10 +25,10 @@
 namespace fw {
 
 // logits [B, V] (row stride in elements) -> tokens int64 [B], logprob fp32 [B]. Plain sampling and greedy
-// split each row over P blocks; the workspace holds 3 floats and 1 int64 per (row, part).
+// split each row over P blocks; the workspace holds 4 floats and 1 int64 per (row, part).
 struct SampleSplitWorkspace {
   int P;
-  float* part_f;     // [B, P, 3]
+  float* part_f;     // [B, P, 4]: max, sum of exp, greedy's best value, whether the part holds a NaN
   int64_t* part_i;   // [B, P]
 };
 int sample_split_parts(int B, int64_t V, int sm_count, bool draw);
@@ -443,9 +444,17 @@ sample_kernel(const T* __restrict__ logits, int64_t row_stride, int64_t* __restr
 // or two 16-byte loads where the row start is 16-byte aligned, one rescale of the running sum per 8 columns, the
 // fast exp (its argument z - max is <= 0; its error, 2 + floor(1.173 |x|) ulp in CUDA's table, grows only as the
 // term shrinks against the max's 1). z = x * (1 / T) is within an ulp of the x / T that the logprob and the
-// reference (ops_cuda/sample.py) compute. A group whose columns are all -inf is skipped, so a NaN logit among
-// seven -inf ones is dropped; any other NaN makes the sum NaN.
+// reference (ops_cuda/sample.py) compute. A NaN logit adds no mass (col_mass) and is never the max; the part
+// records that it saw one, which makes the row's logprob NaN.
 constexpr int kSplitThreads = 256, kSplitCols = 8;
+
+// Column z's mass against the running max m, the one definition of the split kernel and of the draw's rescan:
+// exp(z - m), and none for -inf (a banned token, or a column past the end) or NaN, as plain_mass in
+// ops_cuda/sample.py gives them none. A finite z gives the same bits as a plain __expf(z - m), and -inf the same
+// 0, so rows without NaN sum as they would without the check.
+__device__ __forceinline__ float col_mass(float z, float m) {
+  return z == -INFINITY || isnan(z) ? 0.f : __expf(z - m);
+}
 
 // The 8 columns of group c0 (c0 a multiple of kSplitCols) as z = x * inv_t, -inf past c_end: the split kernel
 // and the draw's rescan of one part read a column the same way, so they compute the same terms.
@@ -478,21 +487,25 @@ sample_split_kernel(const T* __restrict__ logits, int64_t row_stride, int64_t V,
   // cols_per_block is a multiple of kSplitCols, so every group lies in one block's columns
   const int64_t c_begin = blockIdx.y * cols_per_block, c_end = min(V, c_begin + cols_per_block);
   RowStats st{-INFINITY, 0.f, {-INFINITY, V}};
+  bool has_nan = false;  // whether this thread's columns hold a NaN
   for (int64_t g = c_begin / kSplitCols + threadIdx.x; g * kSplitCols < c_end; g += kSplitThreads) {
     const int64_t c0 = g * kSplitCols;
     float z[kSplitCols];
     load_group(x, c0, c_end, aligned, inv_t, z);
-    // -inf (a banned token, or a column past the end) carries no mass and is never picked
+    // -inf (a banned token, or a column past the end) and NaN carry no mass and are never picked; fmaxf
+    // leaves NaN out of the max, which is NaN only when every column is
     float mx = z[0];
 #pragma unroll
     for (int j = 1; j < kSplitCols; ++j) mx = fmaxf(mx, z[j]);
-    if (mx == -INFINITY) continue;
+#pragma unroll
+    for (int j = 0; j < kSplitCols; ++j) has_nan |= isnan(z[j]);
+    if (!(mx > -INFINITY)) continue;  // every column -inf or NaN
     if (mx > st.m) {
       st.s *= __expf(st.m - mx);  // 0 while st.m is still -inf
       st.m = mx;
     }
 #pragma unroll
-    for (int j = 0; j < kSplitCols; ++j) st.s += __expf(z[j] - st.m);
+    for (int j = 0; j < kSplitCols; ++j) st.s += col_mass(z[j], st.m);
     if (greedy) {
 #pragma unroll
       for (int j = 0; j < kSplitCols; ++j)
@@ -500,11 +513,13 @@ sample_split_kernel(const T* __restrict__ logits, int64_t row_stride, int64_t V,
     }
   }
   st = block_reduce_stats(st, red, V);
+  has_nan = __syncthreads_or(has_nan);
   if (threadIdx.x == 0) {
     const int64_t k = row * P + blockIdx.y;
-    part_f[3 * k] = st.m;
-    part_f[3 * k + 1] = st.s;
-    part_f[3 * k + 2] = st.a.v;
+    part_f[4 * k] = st.m;
+    part_f[4 * k + 1] = st.s;
+    part_f[4 * k + 2] = st.a.v;
+    part_f[4 * k + 3] = has_nan ? 1.f : 0.f;
     part_i[k] = st.a.i;
   }
 }
@@ -517,17 +532,19 @@ __global__ void sample_combine_kernel(const T* __restrict__ logits, int64_t row_
   const int64_t row = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
   if (row >= B) return;
   float M = -INFINITY, S = 0.f;
+  bool has_nan = false;  // a NaN logit makes the full softmax, and so the logprob, NaN
   ArgMax b{-INFINITY, V};
-  for (int p = 0; p < P; ++p) M = fmaxf(M, part_f[3 * (row * P + p)]);
+  for (int p = 0; p < P; ++p) M = fmaxf(M, part_f[4 * (row * P + p)]);
   for (int p = 0; p < P; ++p) {
     const int64_t k = row * P + p;
-    if (part_f[3 * k + 1] > 0.f) S += part_f[3 * k + 1] * expf(part_f[3 * k] - M);
-    if (part_i[k] < V) b = better(b, ArgMax{part_f[3 * k + 2], part_i[k]});
+    if (part_f[4 * k + 1] > 0.f) S += part_f[4 * k + 1] * expf(part_f[4 * k] - M);
+    if (part_i[k] < V) b = better(b, ArgMax{part_f[4 * k + 2], part_i[k]});
+    has_nan |= part_f[4 * k + 3] != 0.f;
   }
   const int64_t tok = b.i < V ? b.i : 0;
   const float x = to_f(logits[row * row_stride + tok]);
   tokens[row] = tok;
-  out_logprob[row] = (temperature == 0.f ? x : x / temperature) - (M + logf(S));
+  out_logprob[row] = has_nan ? NAN : (temperature == 0.f ? x : x / temperature) - (M + logf(S));
 }
 
 // The draw of plain sampling, one block a row, after sample_split_kernel (P <= kSplitThreads parts: thread p
@@ -538,7 +555,9 @@ __global__ void sample_combine_kernel(const T* __restrict__ logits, int64_t row_
 // column's share of the draw is its own float32 mass however much precedes it: a float32 running sum would drop
 // the mass of columns below its rounding step. Rounding between the two passes' orders can leave
 // the target past the rescanned part's mass: its last column with mass is drawn then, as a target past the
-// row's mass takes the last part with mass. A row without mass (all -inf or NaN) draws column 0.
+// row's mass takes the last part with mass. A row without mass (all -inf or NaN, or a +inf, where exp(inf - inf)
+// is NaN) draws column 0. The logprob is the full softmax's: NaN where the row holds a NaN, and against a
+// logsumexp of +inf where it holds a +inf.
 template <typename T>
 __global__ void __launch_bounds__(kSplitThreads)
 sample_icdf_kernel(const T* __restrict__ logits, int64_t row_stride, int64_t V, float temperature, uint32_t k0,
@@ -547,7 +566,7 @@ sample_icdf_kernel(const T* __restrict__ logits, int64_t row_stride, int64_t V, 
   __shared__ float scan[32];
   __shared__ double dscan[32];
   __shared__ int s_part, s_last_part;
-  __shared__ float s_mp, s_lse;
+  __shared__ float s_mp;
   __shared__ double s_r;
   __shared__ unsigned long long s_tok, s_last;
   const int64_t row = blockIdx.x;
@@ -560,13 +579,16 @@ sample_icdf_kernel(const T* __restrict__ logits, int64_t row_stride, int64_t V, 
     s_tok = ~0ull;
     s_last = 0ull;
   }
-  const float* pf = part_f + 3 * row * P;
-  const float mp = t < P ? pf[3 * t] : -INFINITY, sp = t < P ? pf[3 * t + 1] : 0.f;
+  const float* pf = part_f + 4 * row * P;
+  const float mp = t < P ? pf[4 * t] : -INFINITY, sp = t < P ? pf[4 * t + 1] : 0.f;
+  const bool has_nan = __syncthreads_or(t < P && pf[4 * t + 3] != 0.f);
   const float M = block_max(mp, scan);
-  const double scale = sp > 0.f ? (double)expf(mp - M) : 0.0;  // NaN sums carry no mass
-  const double wp = (double)sp * scale;
+  // a row whose max is +inf has no mass: its part's sum is NaN (exp(inf - inf)), the others' scale 0
+  const double scale = sp > 0.f && M != INFINITY ? (double)expf(mp - M) : 0.0;
+  const double wp = scale > 0.0 ? (double)sp * scale : 0.0;
   double S;
   const double before = block_exclusive_scan(wp, dscan, &S);
+  const float lse = has_nan ? NAN : (M == INFINITY ? INFINITY : M + (float)log(S));
   const uint32_t c1 = counters ? (uint32_t)counters[2 * row] : (uint32_t)row;  // the row's stream
   const uint32_t c2 = counters ? (uint32_t)counters[2 * row + 1] : 0u;
   const uint4 w = philox4x32_10(make_uint4(c1, c2, 1u, 0u), k0, k1);
@@ -581,9 +603,7 @@ sample_icdf_kernel(const T* __restrict__ logits, int64_t row_stride, int64_t V, 
   if (t == chosen) {
     s_mp = mp;
     s_r = (target - before) / scale;   // what is left of the target, in the part's scale
-    s_lse = M + (float)log(S);
   }
-  if (chosen < 0 && t == 0) s_lse = M + (float)log(S);
   __syncthreads();
   const int part = chosen;
   int64_t tok = 0;
@@ -601,7 +621,7 @@ sample_icdf_kernel(const T* __restrict__ logits, int64_t row_stride, int64_t V, 
       load_group(x, c0, c_end, aligned, inv_t, z);
 #pragma unroll
       for (int j = 0; j < kSplitCols; ++j) {
-        e[j] = z[j] == -INFINITY ? 0.f : __expf(z[j] - mp);
+        e[j] = col_mass(z[j], mp);
         local += e[j];
         if (e[j] > 0.f) mine = c0 + j;
       }
@@ -631,7 +651,7 @@ sample_icdf_kernel(const T* __restrict__ logits, int64_t row_stride, int64_t V, 
   }
   if (t == 0) {
     tokens[row] = tok;
-    out_logprob[row] = to_f(x[tok]) / temperature - s_lse;
+    out_logprob[row] = to_f(x[tok]) / temperature - lse;
   }
 }
 
@@ -702,7 +722,7 @@ std::tuple<Tensor, Tensor> sample(const Tensor& logits, double temperature, int6
   const float log_min_p = use_min_p ? (float)std::log(min_p) : 0.f;
   if (B == 0) return {tokens, lp};
   const int P = fw::sample_split_parts((int)B, V, sm_count(), temperature > 0.0);
-  auto part_f = at::empty({B * P * 3}, x.options().dtype(at::kFloat));
+  auto part_f = at::empty({B * P * 4}, x.options().dtype(at::kFloat));
   auto part_i = at::empty({B * P}, x.options().dtype(at::kLong));
   fw::SampleSplitWorkspace ws{P, part_f.data_ptr<float>(), part_i.data_ptr<int64_t>()};
   Tensor ctr;
