@@ -195,21 +195,40 @@ constexpr int kCand = 4 * kThreads;  // 4 sorted candidates per thread for the t
 constexpr int kBinBits = 11, kBins = 1 << kBinBits;
 static_assert(kBins == 2 * kThreads, "the bin search gives each thread two bins");
 
+// sample_kernel's shared memory, in one place so that its size is checked: static shared memory cannot pass
+// 48 KiB, and some toolkits do not say so at compile time. cand (8 bytes a candidate) and bins hold most of it.
+struct SampleShared {
+  RowStats red[32];
+  float red_f[32];
+  uint32_t red_u[32];
+  uint32_t hist[256];
+  float hmass[256];
+  uint32_t sel_prefix, sel_mask;
+  float sel_remaining;
+  uint32_t bins[kBins];
+  unsigned long long cand[kCand];  // key << 32 | column
+  uint32_t s_bin, s_n, s_fill, s_nk, s_idx;
+};
+static_assert(sizeof(SampleShared) <= 48 * 1024,
+              "sample_kernel's static shared memory passes 48 KiB: lower kCand (or kThreads, which sets it and "
+              "kBins), or move SampleShared to dynamic shared memory with cudaFuncAttributeMaxDynamicSharedMemorySize");
+
 template <typename T>
 __global__ void __launch_bounds__(kThreads, 1)
 sample_kernel(const T* __restrict__ logits, int64_t row_stride, int64_t* __restrict__ tokens,
               float* __restrict__ out_logprob, int64_t V, float temperature, int64_t top_k, float top_p,
               float log_min_p, bool use_min_p, uint32_t k0, uint32_t k1, const int64_t* __restrict__ counters) {
-  __shared__ RowStats red[32];
-  __shared__ float red_f[32];
-  __shared__ uint32_t red_u[32];
-  __shared__ uint32_t hist[256];
-  __shared__ float hmass[256];
-  __shared__ uint32_t sel_prefix, sel_mask;
-  __shared__ float sel_remaining;
-  __shared__ uint32_t bins[kBins];
-  __shared__ unsigned long long cand[kCand];  // key << 32 | column
-  __shared__ uint32_t s_bin, s_n, s_fill, s_nk, s_idx;
+  __shared__ SampleShared sh;
+  RowStats* red = sh.red;
+  float* red_f = sh.red_f;
+  uint32_t* red_u = sh.red_u;
+  uint32_t* hist = sh.hist;
+  float* hmass = sh.hmass;
+  uint32_t* bins = sh.bins;
+  unsigned long long* cand = sh.cand;
+  uint32_t &sel_prefix = sh.sel_prefix, &sel_mask = sh.sel_mask, &s_bin = sh.s_bin, &s_n = sh.s_n,
+           &s_fill = sh.s_fill, &s_nk = sh.s_nk, &s_idx = sh.s_idx;
+  float& sel_remaining = sh.sel_remaining;
   const int64_t row = blockIdx.x;
   const T* x = logits + row * row_stride;
   const int t = threadIdx.x;
