@@ -842,6 +842,67 @@ def test_linear_logprob_gemm_tunes_a_family_of_shapes_once():
     assert rel_lp < 1e-5 and rel_gh < TOL[torch.bfloat16] * 2 and rel_gw < TOL[torch.bfloat16] * 2, r.stdout
 
 
+# The GEMM choices are kept for at most FW_GEMM_CACHE shapes (and as many families), least recently used out
+# first. Forwards through the cuBLAS tiles (one GEMM a call: N <= the row tile, V <= the column tile) of a hot N
+# between 12 others, each in a family of its own; FW_GEMM_LOG prints a line for each shape the maps do not hold.
+GEMM_CACHE_CODE = (
+    "import json, sys, torch, ops_cuda\nfrom ops_cuda import library\n"
+    "assert library.activate_cuda() == 'kernels'\n"
+    "d, V, hot = 256, 1000, 300\n"
+    "others = [40, 56, 80, 112, 160, 224, 384, 512, 768, 1024, 1536, 2048]\n"
+    "g = torch.Generator(device='cuda').manual_seed(0)\n"
+    "w = (torch.randn(V, d, device='cuda', generator=g) / 8).bfloat16()\n"
+    "worst = 0.0\n"
+    "def call(name, N):\n"
+    "    global worst\n"
+    "    print(f'fw gemm test: {name} {N}', file=sys.stderr, flush=True)\n"
+    "    h = torch.randn(N, d, device='cuda', generator=g).bfloat16()\n"
+    "    t = torch.randint(0, V, (N,), device='cuda', generator=g)\n"
+    "    lp = ops_cuda.linear_logprob(h, w, t)[0]\n"
+    "    lp64 = (h.double() @ w.double().T).log_softmax(-1).gather(1, t[:, None]).squeeze(1)\n"
+    "    worst = max(worst, float((lp.double() - lp64).norm() / lp64.norm()))\n"
+    "    torch.cuda.synchronize()\n"
+    "call('hot', hot)\n"
+    "for N in others:\n"
+    "    call('other', N)\n"
+    "    call('hot', hot)\n"
+    "call('again', others[0])\n"
+    "print(json.dumps(worst))\n")
+
+
+def gemm_cache_run(**env: str) -> tuple[list[tuple[str, list[str]]], float]:
+    """GEMM_CACHE_CODE's calls, each with the gemm log lines it printed, and its worst error against float64."""
+    r = subprocess.run([sys.executable, "-c", GEMM_CACHE_CODE], capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "FW_GEMM": "tuned", "FW_GEMM_LOG": "1", "FW_LOGPROB_SM90": "0", **env},
+                       check=False)
+    assert r.returncode == 0, r.stderr[-3000:]
+    calls: list[tuple[str, list[str]]] = []
+    for ln in r.stderr.splitlines():
+        if ln.startswith("fw gemm test: "):
+            calls.append((ln.split()[3], []))
+        elif ln.startswith("fw gemm") and calls:
+            calls[-1][1].append(ln)
+    return calls, json.loads(r.stdout.splitlines()[-1])
+
+
+def test_linear_logprob_gemm_choices_are_a_bounded_cache():
+    for cache, evicted in (("4", True), ("", False)):
+        calls, worst = gemm_cache_run(FW_GEMM_CACHE=cache)
+        assert len(calls) == 26 and worst < 1e-5, (cache, worst)
+        assert calls[0][1] and all(log for name, log in calls if name == "other"), calls
+        # the hot shape stays chosen: no line (no tuning, no new choice) after its first call
+        assert not [log for name, log in calls[1:] if name == "hot" and log], calls
+        # the first other shape is chosen again once 12 shapes came after it, only in a cache of 4
+        assert bool(calls[-1][1]) == evicted, (cache, calls[-1])
+    tiny = ("import torch, ops_cuda\nh = torch.randn(2, 8, device='cuda')\n"
+            "ops_cuda.linear_logprob(h, torch.randn(5, 8, device='cuda'), torch.tensor([1, 2], device='cuda'))\n")
+    for bad_value in ("0", "lots"):
+        bad = subprocess.run([sys.executable, "-c", tiny], capture_output=True, text=True, timeout=600,
+                             env={**os.environ, "FW_GEMM_CACHE": bad_value}, check=False)
+        assert bad.returncode != 0 and f"FW_GEMM_CACHE must be a whole number of entries >= 1, got '{bad_value}'" \
+            in bad.stderr, bad.stderr[-2000:]
+
+
 @pytest.mark.parametrize("save", [False, True])
 def test_linear_logprob_on_a_user_stream_and_in_a_cuda_graph(save):
     """On a stream of the caller's that is still busy writing the inputs, the op waits for them and its outputs

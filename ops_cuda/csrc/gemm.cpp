@@ -20,6 +20,10 @@
 // choice matched bit for bit (and cuBLASLt's AlgoCheck accepts the choice for this shape), else the heuristic's
 // first. SFT's loss rows (n or k of the logprob GEMMs) change at every step: tuning each new count would
 // synchronise the stream dozens of times a step and never end.
+//
+// The choices by shape and the tuned families are each kept for at most FW_GEMM_CACHE (read once a process,
+// default 1024) keys, the least recently used going first: a long run meets ever new shapes, and the maps must
+// not grow with it. A lookup that finds a key makes it the most recent, so a shape in use is never tuned again.
 #include "gemm.h"
 
 #include <ATen/ATen.h>
@@ -28,12 +32,15 @@
 #include <c10/cuda/CUDAStream.h>
 #include <cublasLt.h>
 
+#include <cerrno>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <list>
 #include <map>
 #include <mutex>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 namespace fw {
@@ -230,6 +237,49 @@ bool accepts(cublasLtHandle_t h, const LtDescs& d, const cublasLtMatmulAlgo_t& a
          res.state == CUBLAS_STATUS_SUCCESS && res.workspaceSize <= ws_bytes;
 }
 
+// A map of at most `cap` keys that drops the least recently used key to make room; not thread-safe (the
+// caller's mutex guards it).
+template <typename K, typename V>
+class LruMap {
+ public:
+  explicit LruMap(size_t cap) : cap_(cap) {}
+  // The value of `key`, now the most recently used, or nullptr.
+  const V* find(const K& key) {
+    auto it = index_.find(key);
+    if (it == index_.end()) return nullptr;
+    order_.splice(order_.begin(), order_, it->second);
+    return &it->second->second;
+  }
+  // Adds `key` unless it is there (a value found first stays, as std::map::emplace keeps it); either way it
+  // becomes the most recently used.
+  void emplace(const K& key, const V& value) {
+    if (find(key)) return;
+    order_.emplace_front(key, value);
+    index_.emplace(key, order_.begin());
+    while (index_.size() > cap_) {
+      index_.erase(order_.back().first);
+      order_.pop_back();
+    }
+  }
+
+ private:
+  size_t cap_;
+  std::list<std::pair<K, V>> order_;  // most recently used first
+  std::map<K, typename std::list<std::pair<K, V>>::iterator> index_;
+};
+
+// FW_GEMM_CACHE: how many keys each of the choice maps keeps (default 1024).
+size_t cache_capacity() {
+  const char* v = getenv("FW_GEMM_CACHE");
+  if (!v || !*v) return 1024;
+  char* end = nullptr;
+  errno = 0;
+  const long long n = strtoll(v, &end, 10);
+  TORCH_CHECK(errno == 0 && *end == '\0' && n >= 1, "FW_GEMM_CACHE must be a whole number of entries >= 1, got '",
+              v, "'");
+  return (size_t)n;
+}
+
 bool capturing(cudaStream_t s) {
   cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
   return cudaStreamIsCapturing(s, &st) == cudaSuccess && st != cudaStreamCaptureStatusNone;
@@ -267,9 +317,10 @@ void gemm(cublasOperation_t ta, cublasOperation_t tb, int64_t m, int64_t n, int6
     (void)said;
     return gemm_ex();
   }
+  static const size_t cap = cache_capacity();
   static std::mutex mu;
-  static std::map<GemmKey, Choice> chosen;    // by exact shape
-  static std::map<GemmKey, Family> families;  // by family_key: the tuning of the family's first shape
+  static LruMap<GemmKey, Choice> chosen(cap);    // by exact shape
+  static LruMap<GemmKey, Family> families(cap);  // by family_key: the tuning of the family's first shape
 
   cublasLtHandle_t h = at::cuda::getCurrentCUDABlasLtHandle();
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
@@ -287,10 +338,11 @@ void gemm(cublasOperation_t ta, cublasOperation_t tb, int64_t m, int64_t n, int6
   bool have = false, have_family = false;
   {
     std::lock_guard<std::mutex> g(mu);
-    auto it = chosen.find(key);
-    if (it != chosen.end()) choice = it->second, have = true;
-    auto f = families.find(family_key);
-    if (!have && f != families.end()) family = f->second, have_family = true;
+    if (const Choice* c = chosen.find(key)) {
+      choice = *c, have = true;
+    } else if (const Family* f = families.find(family_key)) {
+      family = *f, have_family = true;
+    }
   }
   if (have && !choice.lt) return gemm_ex();
   LtDescs d;
