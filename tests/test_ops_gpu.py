@@ -221,6 +221,60 @@ def test_rope(dtype, B, T, Hq, Hk, D):
     assert rel(dq, dq64) < TOL[dtype] and rel(dk, dk64) < TOL[dtype]
 
 
+# rope and qk_norm_rope with a theta the process has not met before, first inside a CUDA-graph capture (the
+# inverse frequencies are built on a theta's first call), replayed on new inputs: against float64 rotations of
+# float32 angles, and bit for bit the eager op's outputs. In a child process: no theta was met there before, and a
+# failing capture ends that process only.
+ROPE_CAPTURE_CODE = (
+    "import json, torch, ops_cuda\nfrom ops_cuda import library\n"
+    "from ops_cuda.rope import rope_cos_sin, rope_rotate\n"
+    "assert library.activate_cuda() == 'kernels'\n"
+    "rel = lambda a, b: float((a.double() - b).norm() / b.norm())\n"
+    "out = []\n"
+    "for dtype, theta_rope, theta_qk in ((torch.bfloat16, 271828.0, 314159.0), (torch.float32, 161803.0, 141421.0)):\n"
+    "    B, T, Hq, Hk, D, N = 2, 9, 4, 2, 64, 21\n"
+    "    q = torch.empty(B, T, Hq, D, device='cuda', dtype=dtype)\n"
+    "    k = torch.empty(B, T, Hk, D, device='cuda', dtype=dtype)\n"
+    "    pos = torch.zeros(B, T, device='cuda', dtype=torch.long)\n"
+    "    qkv = torch.empty(N, (8 + 2 * 2) * 128, device='cuda', dtype=dtype)\n"
+    "    pos1 = torch.zeros(N, device='cuda', dtype=torch.long)\n"
+    "    qw = (1 + 0.3 * torch.randn(128, device='cuda')).to(dtype)\n"
+    "    kw = (1 + 0.3 * torch.randn(128, device='cuda')).to(dtype)\n"
+    "    ops_cuda.rope(q, k, pos, 1e4)   # the kernels loaded, with another theta\n"
+    "    ops_cuda.qk_norm_rope(qkv, pos1, qw, kw, 1e-6, 1e4, 2)\n"
+    "    torch.cuda.synchronize()\n"
+    "    g = torch.cuda.CUDAGraph()\n"
+    "    with torch.cuda.graph(g):\n"
+    "        qo, ko = ops_cuda.rope(q, k, pos, theta_rope)\n"
+    "        q2, k2, v2 = ops_cuda.qk_norm_rope(qkv, pos1, qw, kw, 1e-6, theta_qk, 2)\n"
+    "    for _ in range(2):\n"
+    "        for x in (q, k, qkv):\n"
+    "            x.copy_(torch.randn(x.shape, device='cuda'))\n"
+    "        pos.copy_(torch.randint(0, 40960, pos.shape, device='cuda'))\n"
+    "        pos1.copy_(torch.randint(0, 40960, pos1.shape, device='cuda'))\n"
+    "        g.replay()\n"
+    "        torch.cuda.synchronize()\n"
+    "        cos, sin = rope_cos_sin(pos, D, theta_rope)\n"
+    "        q64 = rope_rotate(q.double(), cos.double(), sin.double())\n"
+    "        k64 = rope_rotate(k.double(), cos.double(), sin.double())\n"
+    "        x = qkv.double().view(N, 12, 128)\n"
+    "        norm = lambda t, w: t * (t.square().mean(-1, keepdim=True) + 1e-6).rsqrt() * w.double()\n"
+    "        cos, sin = rope_cos_sin(pos1[None], 128, theta_qk)\n"
+    "        q264 = rope_rotate(norm(x[:, :8], qw)[None], cos.double(), sin.double())[0]\n"
+    "        k264 = rope_rotate(norm(x[:, 8:10], kw)[None], cos.double(), sin.double())[0]\n"
+    "        eager = (*ops_cuda.rope(q, k, pos, theta_rope),\n"
+    "                 *ops_cuda.qk_norm_rope(qkv, pos1, qw, kw, 1e-6, theta_qk, 2))\n"
+    "        same = all(torch.equal(a, b) for a, b in zip((qo, ko, q2, k2, v2), eager))\n"
+    "        out.append([str(dtype), rel(qo, q64), rel(ko, k64), rel(q2, q264), rel(k2, k264), same])\n"
+    "print(json.dumps(out))\n")
+
+
+def test_rope_inv_freq_first_built_inside_a_cuda_graph_capture():
+    for dtype, *errors, same in child_json(ROPE_CAPTURE_CODE):
+        tol = TOL[getattr(torch, dtype.split(".")[1])] * 2
+        assert all(e < tol for e in errors) and same, (dtype, errors, same)
+
+
 # ------------------------------------------------------------------ swiglu
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(1, 16), (5, 6144), (3, 7, 26), (16384, 6144),

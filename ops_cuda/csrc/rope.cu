@@ -1,6 +1,7 @@
 // NeoX split-half RoPE of q and k in one launch: one block per token, cos/sin computed once per token
 // into shared memory (angle = float(position) * inv_freq in fp32, as transformers computes it), then
 // every head of q and k rotated with 16-byte accesses when aligned.
+#include <algorithm>
 #include <map>
 #include <mutex>
 #include <tuple>
@@ -93,9 +94,26 @@ cudaError_t rope_fwd(DType dt, const void* q, const void* k, void* q_out, void* 
 }  // namespace fw
 
 namespace fw {
+namespace {
 
-// inv_freq computed by the same ATen CPU ops as transformers (1 / theta ** (arange(0, D, 2) / D) in fp32),
-// cached on each device.
+// Inverse frequencies one fill launch carries as its argument.
+constexpr int kFreqChunk = 64;
+struct FreqChunk {
+  float v[kFreqChunk];
+};
+
+__global__ void fill_inv_freq_kernel(float* __restrict__ out, int n, FreqChunk c) {
+  if ((int)threadIdx.x < n) out[threadIdx.x] = c.v[threadIdx.x];
+}
+
+}  // namespace
+
+// inv_freq computed by the same ATen CPU ops as transformers (1 / theta ** (arange(0, D, 2) / D) in fp32): the
+// values themselves, bit for bit, whichever CPU kernels (vectorised pow or not) this machine runs; a device
+// computation would round some of them otherwise. Outside CUDA-graph capture the values are copied to the device and
+// cached there. Under capture, where a pageable copy is an error (it synchronises the capturing stream), they reach
+// the device as kernel arguments, which the graph keeps and replays, in a buffer of the graph's memory pool, which is
+// not cached: that pool goes with the graph. So a (device, D, theta) first met inside a capture works too.
 at::Tensor rope_inv_freq(int64_t D, double theta, const at::Device& device) {
   static std::mutex mu;
   static std::map<std::tuple<int, int64_t, double>, Tensor> cache;
@@ -104,9 +122,25 @@ at::Tensor rope_inv_freq(int64_t D, double theta, const at::Device& device) {
   auto it = cache.find(key);
   if (it != cache.end()) return it->second;
   auto e = at::arange(0, D, 2, at::TensorOptions().dtype(at::kLong)).to(at::kFloat).div(D);
-  auto inv = at::reciprocal(at::pow(theta, e)).to(device);
-  cache.emplace(key, inv);
-  return inv;
+  const auto inv = at::reciprocal(at::pow(theta, e)).contiguous();
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream(device.index());
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  C10_CUDA_CHECK(cudaStreamIsCapturing(stream, &status));
+  if (status == cudaStreamCaptureStatusNone) {
+    auto on_device = inv.to(device);
+    cache.emplace(key, on_device);
+    return on_device;
+  }
+  auto on_device = at::empty({inv.numel()}, at::TensorOptions().dtype(at::kFloat).device(device));
+  const float* src = inv.data_ptr<float>();
+  for (int64_t i0 = 0; i0 < inv.numel(); i0 += kFreqChunk) {
+    const int n = (int)std::min<int64_t>(kFreqChunk, inv.numel() - i0);
+    FreqChunk c{};
+    std::copy(src + i0, src + i0 + n, c.v);
+    fill_inv_freq_kernel<<<1, kFreqChunk, 0, stream>>>(on_device.data_ptr<float>() + i0, n, c);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+  return on_device;
 }
 
 }  // namespace fw
