@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 from framework.errors import FwError, raise_on_every_rank, what_raised
+from framework.signals import Interrupted
 
 log = logging.getLogger(__name__)
 
@@ -556,7 +557,8 @@ def score_rollout(reward_fn: Any, prompts: list[str], completions: list[str], me
     takes longer than ``timeout_s`` raises ``FwError`` whatever ``on_error`` says. ``collective``: every process
     of a multi-process job calls this at the same point (the training step's rollouts; not evaluation, whose ranks
     may score different numbers of batches and raise together once all are scored), so such an error on one rank
-    is raised on every rank (``framework.errors.raise_on_every_rank``).
+    is raised on every rank (``framework.errors.raise_on_every_rank``). A KeyboardInterrupt in the reward raises
+    ``framework.signals.Interrupted``: the run ends as Ctrl+C ends it (exit code 130), whatever ``on_error`` says.
     """
     n = len(prompts)
     if not len(completions) == len(metadatas) == n:
@@ -575,6 +577,9 @@ def score_rollout(reward_fn: Any, prompts: list[str], completions: list[str], me
                                   settings["timeout_s"], sample)
     except FwError as exc:   # a call past reward.timeout_s, a batch() of the wrong length
         error = exc
+    except KeyboardInterrupt:   # Ctrl+C's meaning, not a failed sample's: the run stops as on SIGINT
+        what, i, _ = calls.current
+        raise Interrupted(f"the reward {what}" + (f" on sample {i}" if i is not None else ""))
     if failures:
         i, first = failures[0]
         report = (f"reward failed on {len(failures)} of {n} samples; first: sample {i}: {first}; "

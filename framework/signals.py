@@ -38,6 +38,16 @@ class Stopped(Exception):
         return 128 + self.signum
 
 
+class Interrupted(Stopped):
+    """User code (a reward) raised KeyboardInterrupt: the run ends as Ctrl+C ends it, with exit code 130 and one
+    line. An Exception, not a KeyboardInterrupt, so that Lightning's handling of the latter (exit code 1, no line)
+    is not met and every process of a multi-process job ends on it (framework.callbacks.StopEveryRankOnError)."""
+
+    def __init__(self, what: str):
+        super().__init__(signal.SIGINT, f"interrupted: {what} raised KeyboardInterrupt")
+        self.what = what
+
+
 def _say(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 

@@ -31,7 +31,7 @@ from framework.evaluation import EvalCallback, eval_enabled
 from framework.loggers import build_loggers, earlier_logs, log_config
 from framework.recipe import Requirements, recipe_class
 from framework.run_lock import RunLock
-from framework.signals import Stopped, StopSignals, signal_name
+from framework.signals import Interrupted, Stopped, StopSignals, signal_name
 
 # Lightning's messages a user of fw cannot act on: fw picks the Trainer's settings itself, keeps the
 # frozen reference model in eval mode on purpose, and reads its data from an endless stream.
@@ -257,7 +257,13 @@ def fit(cfg: dict, resume: str | None = None, skip_damaged: bool = False,
         trainer = build_trainer(cfg, stop, keep_on_device)
         module = FwModule(cfg, device=build_device(trainer))
         log_config(trainer.loggers, cfg)
-        trainer.fit(module, ckpt_path=ckpt_path)
+        try:
+            trainer.fit(module, ckpt_path=ckpt_path)
+        except Interrupted as e:   # user code's KeyboardInterrupt: the step in progress cannot finish
+            latest = find_latest(run_dir)
+            saved = f"checkpoint {latest}; continue with --resume last" if latest else "no checkpoint"
+            raise Stopped(e.signum, f"interrupted after step {module.policy_version}: {e.what} raised "
+                                    f"KeyboardInterrupt, so the step in progress is not saved; {saved}") from e
         if stop.signum is not None and module.policy_version < trainer.max_steps:
             latest = find_latest(run_dir)
             saved = f"checkpoint {latest}; continue with --resume last" if latest else "no checkpoint"

@@ -206,6 +206,45 @@ def test_a_hanging_reward_is_ended_by_reward_timeout(tmp_path):
     assert "Traceback" not in out and not [n for n in NOISE if n in out], out   # grpo.kl_coef: an eval-mode model
 
 
+def _interrupting_reward_run(tmp_path: Path, how: str, *extra: str) -> tuple[Run, Path]:
+    """A GRPO run of 3 steps, a checkpoint each, whose reward is interrupted in its 6th call: step 2's (4 a step)."""
+    reward = json.dumps({"class_path": "scripts.stalls.InterruptingReward", "init_args": {"at_call": 6, "how": how}})
+    run_dir = tmp_path / "run"
+    argv = ["fit", "--config", str(REPO / "train.yaml"), f"--run_dir={run_dir}", "--trainer.max_steps=3",
+            "--rollout.prompts_per_step=2", "--grpo.group_size=2", "--logging.tensorboard=false",
+            "--checkpoint.every_n_steps=1", "--trainer.log_every_n_steps=1", "--eval.every_n_steps=null",
+            f"--reward={reward}", *extra]
+    return Run(argv, tmp_path / "fit.log"), run_dir
+
+
+@pytest.mark.parametrize("timeout", [[], ["--reward.timeout_s=60"]], ids=["same-thread", "timed-thread"])
+def test_a_keyboard_interrupt_in_the_reward_stops_the_run_as_ctrl_c_does(tmp_path, timeout):
+    """Not a failed sample, and not Lightning's silent exit 1: exit 130 with one line, the published checkpoints and
+    metrics kept, and --resume last continues."""
+    run, run_dir = _interrupting_reward_run(tmp_path, "raise", *timeout)
+    assert run.wait() == 130, run.output()
+    out = run.output()
+    assert out.splitlines()[-1] == (
+        "fw: interrupted after step 1: the reward call on sample 1 raised KeyboardInterrupt, so the step in progress "
+        f"is not saved; checkpoint {ck.checkpoints_dir(run_dir) / ck.step_dir_name(1)}; continue with --resume last")
+    assert "Traceback" not in out and "reward failed" not in out and not [n for n in NOISE if n in out], out
+    assert newest(run_dir) == ck.step_dir_name(1) and metric_steps(run_dir) == [1]
+    resumed = Run(["fit", "--config", str(run_dir / "config.yaml"), "--resume", "last",
+                   "--reward={name: numeric_match}"], tmp_path / "resume.log")
+    assert resumed.wait() == 0, resumed.output()
+    assert newest(run_dir) == ck.step_dir_name(3) and metric_steps(run_dir) == [1, 2, 3]
+
+
+def test_ctrl_c_while_the_reward_runs_finishes_the_step(tmp_path):
+    """The reference the test above matches: SIGINT during a reward call is a stop request; the step finishes."""
+    run, run_dir = _interrupting_reward_run(tmp_path, "signal")
+    assert run.wait() == 130, run.output()
+    assert run.output().splitlines()[-1] == (
+        f"fw: stopped by SIGINT after step 2; checkpoint {ck.checkpoints_dir(run_dir) / ck.step_dir_name(2)}; "
+        "continue with --resume last")
+    assert newest(run_dir) == ck.step_dir_name(2) and metric_steps(run_dir) == [1, 2]
+
+
 # ------------------------------------------------------------------------------------------ one run per run_dir
 
 def test_a_second_fit_into_a_run_dir_in_use_is_refused_naming_the_holder(tmp_path):

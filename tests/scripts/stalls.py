@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import time
 from pathlib import Path
 
@@ -47,4 +48,23 @@ class HangingReward:
     def __call__(self, prompt: str, completion: str, metadata: dict) -> float:
         _write(self.marker, "")
         time.sleep(3600)
+        return 0.0
+
+
+class InterruptingReward:
+    """Scores 0 until its call number `at_call` (from 1), which raises KeyboardInterrupt (`how`: "raise", as a
+    `raise KeyboardInterrupt` or a library's own SIGINT handling does) or sends SIGINT to its process ("signal", as
+    Ctrl+C does while the reward runs) and scores 0."""
+
+    def __init__(self, at_call: int, how: str = "raise"):
+        self.at_call = at_call
+        self.how = how
+        self.calls = 0
+
+    def __call__(self, prompt: str, completion: str, metadata: dict) -> float:
+        self.calls += 1
+        if self.calls == self.at_call:
+            if self.how == "raise":
+                raise KeyboardInterrupt
+            os.kill(os.getpid(), signal.SIGINT)
         return 0.0
