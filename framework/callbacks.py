@@ -330,7 +330,7 @@ class LearningRateMonitor(Callback):
     def before_optimizer_step(self, trainer: lightning.Trainer, module: lightning.LightningModule,
                               optimizer: Any) -> None:
         name = "lr" if module.optimizer_role(optimizer) == "policy" else f"{module.optimizer_role(optimizer)}_lr"
-        module.log_metric(name, optimizer.param_groups[0]["lr"], reduce="last")
+        module.log_fw_metric(name, optimizer.param_groups[0]["lr"], reduce="last")
 
 
 class MetricsLogger(lightning.Callback):

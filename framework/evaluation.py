@@ -638,7 +638,7 @@ class EvalCallback(lightning.Callback):
         metrics_logger = next(cb for cb in trainer.callbacks if isinstance(cb, MetricsLogger))
         if metrics_logger.due(trainer):   # logged with the step's training metrics, in the same record
             for name, value in metrics.items():
-                module.log_metric(name, value, reduce="last")
+                module.log_fw_metric(name, value, reduce="last")
         else:   # step 0, or a step the logging cadence skips: a record of its own
             metrics_logger.truncate_once(trainer)   # a resumed run drops a crashed run's lines first
             for logger in trainer.loggers:

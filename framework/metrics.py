@@ -1,6 +1,7 @@
 """Per-step metrics: torchmetrics aggregation over micro-batches and ranks, and the metrics.jsonl logger.
 
-Recipes record values with `FwModule.log_metric(name, value, weight, reduce)`; they accumulate in
+Recipes record values with `ctx.log` (`FwModule.log_fw_metric`), user code with `FwModule.log_metric(name, value,
+weight, reduce)`, which refuses fw's names; they accumulate in
 `StepMetrics` until a logged optimizer step, where `compute()` reduces them across ranks (so a
 token-weighted loss is the exact token mean of the global batch, accumulation included).
 """
@@ -104,12 +105,24 @@ def read_scalars(tensors: Sequence[torch.Tensor]) -> list[float]:
 
 
 RESERVED_NAMES = ("step",)   # keys a metrics.jsonl record sets itself
+# What fw writes into a record besides what it logs through StepMetrics: FwModule.flush_metrics's values, and the
+# evaluation's, which it writes only at its steps (under EVAL_PREFIX, framework/evaluation.py)
+FW_RECORD_NAMES = ("tokens_per_s", "memory/peak_gib", "memory/reserved_gib")
+FW_PREFIXES = ("eval/",)
+
+
+def fw_writes(name: str) -> bool:
+    """Whether fw writes `name` into metrics.jsonl whatever it logs through StepMetrics."""
+    return name in FW_RECORD_NAMES or name.startswith(FW_PREFIXES)
 
 
 class StepMetrics(nn.Module):
     """Named torchmetrics aggregators, created on first use; `compute()` returns floats and resets.
 
     `reduce="last"` keeps the latest value without any reduction (for values equal on every rank, e.g. lr).
+    A name belongs to whoever logs it first in the run, fw (`update`) or user code (`update(user=True)`,
+    `FwModule.log_metric`); the other's value would be merged into it, so its `update` is refused with a ValueError
+    (and user code's of a name `fw_writes`).
     A mean whose weights sum to 0 over the interval and the ranks is left out of `compute()`'s result.
     A NaN value logged stops the run with an FwError naming the metric at the next `compute()` (a NaN loss or
     gradient norm means the run has diverged); infinities pass (an fp16 step skipped by loss scaling has an
@@ -129,22 +142,33 @@ class StepMetrics(nn.Module):
         self.last: dict[str, torch.Tensor | float] = {}
         self.nan_seen: dict[str, torch.Tensor] = {}   # per metric: a NaN value was logged (on the device)
         self._ahead: tuple[list[float], list[float]] | None = None   # read_ahead's (NaN flags, values)
+        # name -> whether user code logged it first in this run; kept across compute(), unlike the values
+        self.by_user: dict[str, bool] = {}
 
     def update(self, name: str, value: torch.Tensor | float, weight: torch.Tensor | float = 1.0,
-               reduce: str = "mean") -> None:
+               reduce: str = "mean", user: bool = False) -> None:
+        """Add a value of `name` to the interval: fw's own (`user=False`), or user code's (`FwModule.log_metric`)."""
         self._ahead = None   # a value read ahead no longer holds the interval
         if not isinstance(name, str) or not name or name in RESERVED_NAMES:
             raise ValueError(f"log_metric({name!r}): a metric needs a non-empty name other than "
                              f"{', '.join(map(repr, RESERVED_NAMES))} (the key of each metrics.jsonl record's step)")
+        if user and (fw_writes(name) or self.by_user.get(name) is False):
+            raise ValueError(f"log_metric({name!r}): fw writes {name!r} itself, and a value logged under its name "
+                             f"would be merged into fw's; log yours under a name of its own, e.g. 'user/{name}'")
+        if not user and self.by_user.get(name):
+            raise ValueError(f"log_metric({name!r}): fw writes {name!r}, and user code (module.log_metric) logged "
+                             f"it earlier in the run, so the two values would be merged; log yours under a name of "
+                             f"its own, e.g. 'user/{name}'")
+        if reduce != "last" and reduce not in REDUCTIONS:
+            raise ValueError(f"log_metric({name!r}): reduce must be 'last' or one of {sorted(REDUCTIONS)}, "
+                             f"got {reduce!r}")
         if reduce == "last":
             if isinstance(value, torch.Tensor) and value.numel() != 1:
                 raise ValueError(f"log_metric({name!r}): reduce='last' takes one value, got a tensor of shape "
                                  f"{tuple(value.shape)}")
+            self.by_user.setdefault(name, user)
             self.last[name] = value.detach().clone() if isinstance(value, torch.Tensor) else float(value)
             return
-        if reduce not in REDUCTIONS:
-            raise ValueError(f"log_metric({name!r}): reduce must be 'last' or one of {sorted(REDUCTIONS)}, "
-                             f"got {reduce!r}")
         key = name.replace(".", "__")  # ModuleDict keys cannot hold dots
         if self.names.setdefault(key, name) != name:
             raise ValueError(f"log_metric({name!r}): {self.names[key]!r} is logged too, and the two cannot be told "
@@ -155,6 +179,7 @@ class StepMetrics(nn.Module):
         elif self.reductions[key] != reduce:
             raise ValueError(f"log_metric({name!r}): logged with reduce={self.reductions[key]!r} before, "
                              f"now {reduce!r}")
+        self.by_user.setdefault(name, user)
         metric = self.metrics[key]
         value = on_device(value, metric.device)
         seen = torch.isnan(value).any()

@@ -96,7 +96,7 @@ class ModuleContext:
 
     def log(self, name: str, value: torch.Tensor | float, weight: torch.Tensor | float | None = None,
             reduce: str = "mean") -> None:
-        self._module.log_metric(name, value, weight, reduce)
+        self._module.log_fw_metric(name, value, weight, reduce)
 
     def logging_this_step(self) -> bool:
         return self._module.logging_this_step()
@@ -241,7 +241,7 @@ class FwModule(lightning.LightningModule):
         role = self.optimizer_role(optimizer)
         norm = self._clip(optimizer, self._settings[role]["max_grad_norm"])
         self.grad_norms[role] = norm
-        self.log_metric("grad_norm" if role == "policy" else f"{role}_grad_norm", norm)
+        self.log_fw_metric("grad_norm" if role == "policy" else f"{role}_grad_norm", norm)
         fire(self.trainer, self, "before_optimizer_step", optimizer)
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
@@ -296,10 +296,23 @@ class FwModule(lightning.LightningModule):
         `weight` defaults to 1 / world size: each rank's value is one vote and each call site one vote per
         step in all, so a logging interval that a resume on another number of processes cut in two still
         weighs its steps equally. Weights that count something global (tokens, sequences) need no care.
+
+        A name that fw writes itself (`loss`, `lr`, `reward/mean`, `eval/...`, `tokens_per_s`, ...) is refused with a
+        ValueError: its value would be merged into fw's. fw's own metrics go through `log_fw_metric`.
         """
+        self._log(name, value, weight, reduce, user=True)
+
+    def log_fw_metric(self, name: str, value: torch.Tensor | float, weight: torch.Tensor | float | None = None,
+                      reduce: str = "mean") -> None:
+        """`log_metric` for fw's own metrics (the recipe's `ctx.log`, the built-in callbacks): user code that logs
+        one of their names through `log_metric` is refused, whichever of the two logs it first."""
+        self._log(name, value, weight, reduce, user=False)
+
+    def _log(self, name: str, value: torch.Tensor | float, weight: torch.Tensor | float | None, reduce: str,
+             user: bool) -> None:
         if weight is None:
             weight = 1.0 / (self.trainer.world_size if self._trainer is not None else 1)
-        self.step_metrics.update(name, value, weight, reduce)
+        self.step_metrics.update(name, value, weight, reduce, user=user)
 
     def logging_this_step(self) -> bool:
         """Whether the optimizer step in progress will be logged (for metrics too costly for every step)."""

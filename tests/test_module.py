@@ -4,11 +4,13 @@ checkpoint components in HF layout, and the metrics aggregation."""
 import copy
 import math
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from framework.callbacks import Callback
 from framework.config import resolve
 from framework.data import IGNORE, sft_dataloader
 from framework.errors import FwError
@@ -543,3 +545,77 @@ def test_a_metric_cannot_take_the_records_step_key_or_no_name(name):
             m.update(name, 1.0, reduce=reduce)
     m.update("steps", 1.0)
     assert m.compute() == {"steps": 1.0}
+
+
+def test_user_code_cannot_log_under_a_name_fw_writes():
+    """A user value under one of fw's names would be merged into fw's value (a mean of the two, a sum, the later of
+    two `last` values) with no word: it is refused, with the name and what to do, at whichever write comes second,
+    and fw's value stays as fw logged it."""
+    m = StepMetrics()
+    m.update("loss", 2.0)
+    m.update("lr", 0.5, reduce="last")
+    for name, reduce in (("loss", "mean"), ("loss", "sum"), ("lr", "last")):
+        with pytest.raises(ValueError, match=rf"^log_metric\('{name}'\): fw writes '{name}' itself, and a value "
+                                             rf"logged under its name would be merged into fw's; log yours under a "
+                                             rf"name of its own, e.g. 'user/{name}'$"):
+            m.update(name, 100.0, reduce=reduce, user=True)
+    # what fw writes into a record outside StepMetrics, and the evaluation's metrics, before fw writes them
+    for name in ("tokens_per_s", "memory/peak_gib", "eval/accuracy", "eval/my_metric"):
+        with pytest.raises(ValueError, match=rf"fw writes '{name}' itself"):
+            m.update(name, 1.0, user=True)
+    m.update("user/loss", 7.0, user=True)
+    m.update("user/loss", 9.0, user=True)
+    m.update("evaluation", 3.0, user=True)
+    assert m.compute() == {"loss": 2.0, "lr": 0.5, "user/loss": 8.0, "evaluation": 3.0}
+    # the names stay fw's and the user's for the rest of the run: here user code logs first
+    with pytest.raises(ValueError, match=r"fw writes 'loss' itself"):
+        m.update("loss", 1.0, user=True)
+    with pytest.raises(ValueError, match=r"^log_metric\('user/loss'\): fw writes 'user/loss', and user code "
+                                         r"\(module.log_metric\) logged it earlier in the run"):
+        m.update("user/loss", 1.0)
+    m.update("loss", 4.0)
+    assert m.compute() == {"loss": 4.0}
+
+
+class LogsUnderFwNames(Callback):
+    """Before every policy step after the first, logs a value under each name of fw's latest record and latest eval,
+    and one of its own; keeps the names that were not refused."""
+
+    accepted: ClassVar[list] = []
+    tried: ClassVar[set] = set()
+
+    def before_optimizer_step(self, trainer, module, optimizer):
+        for name in [*module.last_metrics, *module.last_eval_metrics]:
+            if name == "user/probe":
+                continue
+            self.tried.add(name)
+            try:
+                module.log_metric(name, -1e9)
+            except ValueError as e:
+                assert f"fw writes '{name}' itself" in str(e)
+            else:
+                self.accepted.append(name)
+        module.log_metric("user/probe", 7.0)
+
+
+def test_a_callback_is_refused_every_name_fw_writes_in_a_real_run(tmp_path):
+    """A GRPO run with eval: fw's own metrics (the recipe's, lr, grad_norm, tokens_per_s, eval/*) pass, and a
+    callback's log_metric of any name fw wrote is refused, so no record holds its value."""
+    cfg = resolve({"recipe": "grpo", "seed": 2, "run_dir": str(tmp_path / "run"),
+                   "model": {"policy": {"preset": "tiny"}}, "data": {"task": {"name": "digits"}},
+                   "reward": {"name": "numeric_match"},
+                   "rollout": {"prompts_per_step": 2, "max_new_tokens": 2}, "grpo": {"group_size": 2},
+                   "trainer": {"accelerator": "cpu", "devices": 1, "max_steps": 3, "enable_progress_bar": False,
+                               "log_every_n_steps": 1},
+                   "eval": {"every_n_steps": 1, "held_out": False, "max_prompts": 2, "samples_per_prompt": 2},
+                   "checkpoint": {"every_n_steps": 1000}, "logging": {"csv": False, "tensorboard": False},
+                   "callbacks": [{"class_path": "test_module.LogsUnderFwNames"}]})
+    LogsUnderFwNames.accepted, LogsUnderFwNames.tried = [], set()
+    fit(cfg)
+    assert LogsUnderFwNames.accepted == []
+    assert {"policy/loss", "lr", "grad_norm", "reward/mean", "tokens_per_s",
+            "eval/accuracy"} <= LogsUnderFwNames.tried
+    records = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert [r.get("user/probe") for r in records] == [7.0, 7.0, 7.0]
+    assert not [(r["step"], k) for r in records for k, v in r.items() if v == -1e9]
