@@ -218,14 +218,46 @@ def load_examples(cfg: dict, tokenizer: Any, *, train_on_prompt: bool) -> list[E
     paths = cfg["data"]["path"]
     paths = [paths] if isinstance(paths, str) else list(paths)
     examples = []
+    empty: list[str] = []   # where each example with an empty reply is, and its key
     for path in paths:
         for where, record in read_jsonl(path):
-            examples.append(encode_record(record, cfg["data"]["format"], tokenizer, cfg, where,
-                                          train_on_prompt=train_on_prompt))
+            text, spans, end = render_record(record, cfg["data"]["format"], tokenizer, cfg, where)
+            examples.append(_spans_to_example(text, spans, tokenizer, train_on_prompt, end=end))
+            key = empty_reply(record, cfg, text, spans, where)
+            if key is not None:
+                empty.append(f"{where}: {key}")
     if not examples:
         raise FwError(f"data.path: no examples in {', '.join(map(str, paths))}")
     _say_truncated(examples, cfg["data"]["max_seq_len"])
+    _say_empty(empty, len(examples))
     return examples
+
+
+def empty_reply(record: dict, cfg: dict, text: str, spans: list[tuple[int, int]], where: str) -> str | None:
+    """The key of the first empty reply among what the loss of one record covers (`render_record`'s `text` and
+    `spans`), e.g. `messages[1].content` or `completion`; None when every reply holds text. An empty reply trains on
+    its end token alone (`<|im_end|>`, or eos without a chat template), an empty think block aside."""
+    chat = cfg["data"]["chat_template"]
+    if record_format(record, cfg["data"]["format"], chat, where) == "prompt_completion":
+        keys = ["completion"]   # its one span
+    else:   # a span per assistant turn
+        keys = [f"messages[{i}].content" for i, m in enumerate(record["messages"]) if m["role"] == "assistant"]
+    for key, (a, b) in zip(keys, spans, strict=False):
+        reply = text[a:b].removesuffix(TURN_END).removeprefix(EMPTY_THINK) if chat else text[a:b]
+        if reply == "":
+            return key
+    return None
+
+
+def _say_empty(empty: list[str], total: int) -> None:
+    """Say (on the first process) how many examples have an empty reply, and where the first is."""
+    from lightning.pytorch.utilities import rank_zero_only
+
+    if not empty or rank_zero_only.rank != 0:
+        return
+    print(f"fw: data.path: {len(empty)} of {total} examples {'has' if len(empty) == 1 else 'have'} an empty reply "
+          f"(the first: {empty[0]} is \"\"), which trains on its end token alone and teaches the model to answer "
+          "with nothing", file=sys.stderr)
 
 
 def _say_truncated(examples: list[Example], max_len: int) -> None:

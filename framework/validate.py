@@ -298,9 +298,9 @@ class _Checks:
                 self.add_error(e, ("eval",), "choosing the held-out eval set")
 
     def sft_lengths(self) -> None:
-        """SFT data tokenized as training tokenizes it: the examples that data.max_seq_len cuts are said on stderr,
-        as fit says them, and data that keeps no token to train on is a problem. Runs only when the checks above
-        found nothing."""
+        """SFT data tokenized as training tokenizes it: the examples that data.max_seq_len cuts, and those with an empty
+        reply, are said on stderr, as fit says them, and data that keeps no token to train on is a problem. Runs only
+        when the checks above found nothing."""
         if self.recipe != "sft" or not self.cfg["data"]["path"] or self.problems:
             return
         from framework.data import load_examples

@@ -102,6 +102,42 @@ def test_examples_longer_than_max_seq_len_are_counted_when_loaded(tmp_path, tok,
     assert capsys.readouterr().err == ""
 
 
+EMPTY_REPLY = "which trains on its end token alone and teaches the model to answer with nothing"
+
+
+@pytest.mark.parametrize("data, thinking", [({}, False), ({}, True), ({"chat_template": False}, False)],
+                         ids=["chat", "thinking", "plain"])
+def test_examples_with_an_empty_reply_are_counted_when_loaded(tmp_path, tok, capsys, data, thinking):
+    """An empty assistant reply trains on its end token alone: the load says how many examples have one and where the
+    first is. A reply of reasoning only, or a context turn of a prompt (not trained), is not one."""
+    chat = data.get("chat_template", True)
+    q, a = {"role": "user", "content": "1+1="}, {"role": "assistant", "content": "2"}
+    records = [{"prompt": "1+1=", "completion": "2"}, {"prompt": "2+2=", "completion": ""}]
+    if chat:
+        records += [{"prompt": [q, {"role": "assistant", "content": ""}, q], "completion": "2"},
+                    {"messages": [q, a, q, {"role": "assistant", "content": ""}]},
+                    {"messages": [q, {"role": "assistant", "content": "", "reasoning_content": "two"}]}]
+    path = write_jsonl(tmp_path / "d.jsonl", records)
+    cfg = resolve({"recipe": "sft", "model": {"policy": {"preset": "tiny"}}, "tokenizer": {"enable_thinking": thinking},
+                   "data": {"path": str(path), **data}})
+    ExampleStream(cfg, tok, train_on_prompt=False)
+    n = 2 if chat else 1
+    assert capsys.readouterr().err.splitlines() == [
+        (f"fw: data.path: {n} of {len(records)} examples {'have' if n > 1 else 'has'} an empty reply (the first: "
+         f'{path}:2: completion is ""), {EMPTY_REPLY}')]
+    # what the empty reply of line 2 trains on, by the template: its end token (after the empty think block that
+    # enable_thinking leaves to the reply)
+    example = encode_record(records[1], "auto", tok, cfg, "d.jsonl:2", train_on_prompt=False)
+    end = "<|im_end|>" if chat else tok.decode([tok.eos_id])
+    assert trained_text(tok, example) == ("<think>\n\n</think>\n\n" if thinking else "") + end
+    if chat:
+        path = write_jsonl(tmp_path / "d.jsonl", [records[0], records[3]])
+        ExampleStream(cfg_for(path), tok, train_on_prompt=False)
+        assert capsys.readouterr().err.splitlines() == [
+            (f'fw: data.path: 1 of 2 examples has an empty reply (the first: {path}:2: messages[3].content is ""), '
+             f"{EMPTY_REPLY}")]
+
+
 def test_forced_format_mismatch_is_an_error(tmp_path, tok):
     path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "a", "completion": "b"}])
     with pytest.raises(FwError, match=r"d.jsonl:1: 'messages' must be a non-empty list"):

@@ -586,3 +586,16 @@ def test_validate_tokenizes_sft_data_as_fit_does(tmp_path, capsys):
                                                      "than data.max_seq_len (8), and cut to it none keeps") in lines[0]
     assert run_fw(["validate", "--config", str(config), "--data.max_seq_len=48"], capsys) == (0, [
         "fw: data.path: 400 of 400 examples are longer than data.max_seq_len (48) and are cut to it"])
+
+
+def test_validate_says_how_many_sft_examples_have_an_empty_reply_as_fit_does(tmp_path, capsys):
+    """An empty assistant reply trains on its end token alone: fw validate says it in the line fit's data loading
+    says (tests/test_sft_data.py), and the config stays valid."""
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"prompt": "1+1=", "completion": "2"}\n'
+                    '{"messages": [{"role": "user", "content": "2+2="}, {"role": "assistant", "content": ""}]}\n')
+    config = tmp_path / "sft.yaml"
+    config.write_text(f"recipe: sft\nmodel: {{policy: {{preset: tiny}}}}\ndata: {{path: {data}}}\n")
+    assert run_fw(["validate", "--config", str(config)], capsys) == (0, [
+        (f'fw: data.path: 1 of 2 examples has an empty reply (the first: {data}:2: messages[1].content is ""), '
+         "which trains on its end token alone and teaches the model to answer with nothing")])
