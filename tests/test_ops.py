@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib
 import math
 import os
+import re
 import subprocess
 import sys
 import time
@@ -1036,6 +1037,18 @@ def test_build_key_follows_the_files_bytes_not_their_times(tmp_path):
     assert fw_build.build_key([b / "other.cuh", b / "op.cu"], ["-O3"], root=b) != key
     assert {p.suffix for p in fw_build.build_inputs()} == {".cu", ".cpp", ".cuh", ".h"}
     assert fw_build.build_dir(key).parent == fw_build.cache_dir()
+
+
+def test_kernel_launches_are_checked_by_their_own_error():
+    """A failed CUDA runtime call leaves its error in the thread's last-error state until cudaGetLastError reads it,
+    so a launch checked through that state (<<<>>> then cudaGetLastError) reports an error that an earlier call
+    left unread as its own. The sources launch through calls that return the launch's error, and only cleared()
+    (common.cuh) reads the state."""
+    for path in fw_build.build_inputs():
+        code = re.sub(r"//[^\n]*", "", path.read_text())  # comments may name them
+        assert "<<<" not in code, f"{path.name} launches a kernel with <<<>>>"
+        reads = len(re.findall(r"cudaGetLastError|cudaPeekAtLastError|KERNEL_LAUNCH_CHECK", code))
+        assert reads == (path.name == "common.cuh"), f"{path.name} reads CUDA's last error"
 
 
 def test_prune_builds_keeps_the_newest_and_the_locked(tmp_path):

@@ -3,9 +3,11 @@ awkward shapes, freed memory poisoned with NaN before each call (an unwritten ou
 thresholds in TOL below; opcheck and torch.compile(fullgraph) on CUDA."""
 from __future__ import annotations
 
+import ctypes
 import functools
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -1822,3 +1824,115 @@ def test_autocast_runs_the_op_in_the_region_dtype(op, dtype):
     poison()
     tol = {torch.float16: 5e-3, torch.bfloat16: 3e-2}[dtype]   # tests/test_shared_prompt_attention.py's bounds
     check_region_dtype(op, fn, inputs, DEV, dtype, tol)
+
+
+# ------------------------------------------------------------------ CUDA's last-error state
+INVALID_DEVICE = 101  # cudaErrorInvalidDevice: an error that leaves the context usable (not sticky)
+
+
+def cuda_runtimes() -> list[ctypes.CDLL]:
+    """The CUDA runtime libraries mapped into this process once torch has initialised CUDA (torch's, which the
+    extension resolves its libcudart to, and any other copy), each a handle on the loaded library."""
+    torch.cuda.init()
+    with open("/proc/self/maps") as f:
+        paths = {line.split()[-1] for line in f if re.search(r"/libcudart\.so[.0-9]*$", line.rstrip())}
+    libs = [ctypes.CDLL(p) for p in sorted(paths)]
+    for lib in libs:
+        lib.cudaDeviceGetAttribute.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_int, ctypes.c_int]
+    return libs
+
+
+def _last_error_add_rms_norm():
+    x, r, w = torch.randn(37, 1000, device=DEV), torch.randn(37, 1000, device=DEV), torch.randn(1000, device=DEV)
+
+    def check(out):
+        h64 = r.double() + x.double()
+        y64 = h64 * (h64.square().mean(-1, keepdim=True) + 1e-6).rsqrt() * w.double()
+        assert rel(out[0], h64) < TOL[torch.float32] and rel(out[1], y64) < TOL[torch.float32]
+    return lambda: torch.ops.fw.add_rms_norm(x, r, w, 1e-6, None), check
+
+
+def _last_error_sample(temperature: float):
+    """temperature 0: the split kernels (greedy); else top_k = 1, the one-block-a-row kernel, which draws the
+    maximum too."""
+    logits = torch.randn(9, 20_000, device=DEV)
+
+    def check(out):
+        z = logits.double() / (temperature or 1.0)  # greedy: logprob under the unscaled softmax
+        assert torch.equal(out[0], logits.argmax(-1))
+        assert rel(out[1], z.gather(1, out[0][:, None]).squeeze(1) - z.logsumexp(-1)) < 1e-5
+    return lambda: torch.ops.fw.sample(logits, temperature, 0 if temperature == 0 else 1, 1.0, 0.0, 7, None), check
+
+
+def _last_error_linear_logprob(dtype: torch.dtype):
+    """float32: cuBLAS logits and the chunk kernels; 16-bit on compute capability 9.0: the Hopper kernel."""
+    h = torch.randn(37, 128, device=DEV).to(dtype)
+    w = (torch.randn(5003, 128, device=DEV) / 128**0.5).to(dtype)
+    t = torch.randint(0, 5003, (37,), device=DEV)
+
+    def check(out):
+        lp64, ent64 = logprob_entropy64((h.double() @ w.double().T) / 0.7, t)
+        assert rel(out[0], lp64) < 1e-5 and rel(out[1], ent64) < 1e-5
+    return lambda: torch.ops.fw.linear_logprob(h, w, t, 0.7, 0), check
+
+
+def _last_error_adamw_step():
+    params = [torch.randn(1000, device=DEV), torch.randn(3, 257, device=DEV)]
+    grads, ms = [torch.randn_like(p) for p in params], [torch.randn_like(p) for p in params]
+    vs = [torch.rand_like(p) for p in params]
+    before = [[t.double() for t in ts] for ts in (params, ms, vs)]
+    lr, b1, b2, wd, eps, step = 1e-2, 0.9, 0.95, 0.1, 1e-8, 3
+    empty = torch.empty(0, device=DEV)
+
+    def call():
+        torch.ops.fw.adamw_step(params, grads, ms, [empty, empty], vs, [empty, empty], empty, empty, lr, b1, b2, wd,
+                                eps, 1 - b1**step, 1 - b2**step, False, 0)
+        return params, ms, vs
+
+    def check(out):
+        for i, g in enumerate(grads):
+            p, m, v = (ts[i] for ts in before)
+            m = b1 * m + (1 - b1) * g.double()
+            v = b2 * v + (1 - b2) * g.double().square()
+            p = p * (1 - lr * wd) - lr * (m / (1 - b1**step)) / ((v / (1 - b2**step)).sqrt() + eps)
+            assert rel(out[0][i], p) < 1e-5 and rel(out[1][i], m) < 1e-6 and rel(out[2][i], v) < 1e-6
+    return call, check
+
+
+LAST_ERROR_OPS = {
+    "add_rms_norm": _last_error_add_rms_norm,  # launch_kernel
+    "sample_greedy": lambda: _last_error_sample(0.0),
+    "sample_top_k": lambda: _last_error_sample(0.5),
+    "linear_logprob_fp32": lambda: _last_error_linear_logprob(torch.float32),
+    "linear_logprob_bf16": lambda: _last_error_linear_logprob(torch.bfloat16),
+    "adamw_step": _last_error_adamw_step,
+}
+
+
+@pytest.mark.parametrize("op", list(LAST_ERROR_OPS))
+def test_an_earlier_unread_cuda_error_is_not_the_ops(op):
+    """A failed CUDA runtime call records its error in the thread's last-error state until cudaGetLastError reads
+    it. An fw op called while such an error (not sticky) is unread runs and reports success, and leaves the error
+    for its owner to read: its launches are checked by the value their launch call returns, never by that state
+    (common.cuh, at cleared())."""
+    libs = cuda_runtimes()
+    if not libs:
+        pytest.skip("no libcudart.so is mapped into this process (a CUDA runtime linked statically)")
+    call, _ = LAST_ERROR_OPS[op]()
+    call()  # the first call's one-off work (GEMM tuning, cached buffers) may run torch's kernels, which read it
+    torch.cuda.synchronize()
+    call, check = LAST_ERROR_OPS[op]()
+    torch.cuda.synchronize()
+    try:
+        value = ctypes.c_int()
+        for lib in libs:
+            assert lib.cudaDeviceGetAttribute(ctypes.byref(value), 16, 10_000) == INVALID_DEVICE  # 16: SM count
+            assert lib.cudaPeekAtLastError() == INVALID_DEVICE
+        out = call()
+        left = [lib.cudaGetLastError() for lib in libs]
+    finally:
+        for lib in libs:
+            lib.cudaGetLastError()
+    assert left == [INVALID_DEVICE] * len(libs), "the op read (or replaced) the earlier error"
+    torch.cuda.synchronize()
+    check(out)

@@ -195,8 +195,8 @@ void adamw_step(at::TensorList params, at::TensorList grads, at::TensorList exp_
     if (L.count == 0) return;
     const int64_t blocks = (L.chunks + fw::kWarps - 1) / fw::kWarps;
     TORCH_CHECK(blocks <= INT32_MAX, "fw::adamw_step: too many elements for one launch");
-    fw::adamw_step_kernel<<<(unsigned)blocks, fw::kWarps * 32, 0, stream>>>(L, h, qs, qu);
-    check_launch(cudaGetLastError(), "adamw_step");
+    check_launch(fw::launch_plain(fw::adamw_step_kernel, (unsigned)blocks, fw::kWarps * 32, 0, stream, L, h, qs, qu),
+                 "adamw_step");
     L = fw::Launch{};
     h.seed += 0x632BE59BD9B4E019ull;   // each launch its own random bits
   };

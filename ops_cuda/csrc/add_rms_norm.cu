@@ -165,7 +165,8 @@ cudaError_t add_rms_norm_fwd(DType xdt, DType rdt, DType wdt, DType ydt, const v
 // The backward's blocks: at most one wave, at most 2048 / kThreads resident a multiprocessor.
 int add_rms_norm_bwd_max_blocks() {
   int dev = 0;
-  const int sms = cudaGetDevice(&dev) == cudaSuccess ? device_attribute<cudaDevAttrMultiProcessorCount>(dev) : 0;
+  const int sms =
+      cleared(cudaGetDevice(&dev)) == cudaSuccess ? device_attribute<cudaDevAttrMultiProcessorCount>(dev) : 0;
   return (sms > 0 ? sms : 132) * (2048 / kThreads);
 }
 

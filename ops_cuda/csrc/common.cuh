@@ -14,8 +14,9 @@
 
 namespace fw {
 
-// The element types of the kernels. Every launcher returns the launch's cudaError_t (cudaGetLastError after the
-// launch); its host wrapper (at the end of its csrc/<op>.cu) turns a failure into a TORCH_CHECK.
+// The element types of the kernels. Every launcher returns the launch's cudaError_t (the value its launch call
+// returns: see cleared() below); its host wrapper (at the end of its csrc/<op>.cu) turns a failure into a
+// TORCH_CHECK.
 enum class DType : int { F32 = 0, BF16 = 1, F16 = 2 };
 
 __device__ __forceinline__ float to_f(float x) { return x; }
@@ -174,14 +175,29 @@ template <typename F> cudaError_t dispatch(DType dt, F&& f) {
 
 inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
+// CUDA errors. Besides returning its error, a runtime call that fails records it in the calling thread's last-error
+// state, which stays until cudaGetLastError reads it (a sticky error, one that leaves the context unusable, stays
+// for good). So fw code reads that state only to take out an error of its own, never to learn a launch's outcome:
+// - every kernel launch goes through a call that returns the launch's own error (cudaLaunchKernelEx in
+//   launch_kernel / launch_plain, cudaLaunchKernel), never through <<<>>> and cudaGetLastError, which would
+//   report an error that an earlier failed call (torch's, a user's) left unread as this launch's failure;
+// - every runtime call of ours that fails has its error taken out with cleared(), whether that error is returned,
+//   raised or ignored for a fallback, so that none is left for a later reader to blame on its own call.
+// An op that succeeds leaves the state as it found it; one whose call fails replaces an earlier unread error with
+// its own (the state holds one error) and then clears it, on the failure path only. No extra host call on success.
+inline cudaError_t cleared(cudaError_t e) {
+  if (e != cudaSuccess) (void)cudaGetLastError();
+  return e;
+}
+
 // Lets kernel K launch with `bytes` of dynamic shared memory (more than 48 KB must be asked for), asking once per
 // device (the attribute is not stream work).
 template <auto K> cudaError_t allow_dynamic_smem(int bytes) {
   static bool asked[64] = {};
   int dev = 0;
-  cudaError_t e = cudaGetDevice(&dev);
+  cudaError_t e = cleared(cudaGetDevice(&dev));
   if (e != cudaSuccess || (dev < 64 && asked[dev])) return e;
-  e = cudaFuncSetAttribute(K, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+  e = cleared(cudaFuncSetAttribute(K, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
   if (e == cudaSuccess && dev < 64) asked[dev] = true;
   return e;
 }
@@ -223,7 +239,7 @@ __device__ __forceinline__ void pdl_begin(unsigned trigger_from) {
 template <cudaDeviceAttr A> int device_attribute(int dev) {
   static int known[64] = {};
   int v = dev < 64 ? known[dev] : 0;
-  if (v == 0 && cudaDeviceGetAttribute(&v, A, dev) != cudaSuccess) v = 0;
+  if (v == 0 && cleared(cudaDeviceGetAttribute(&v, A, dev)) != cudaSuccess) v = 0;
   if (dev < 64) known[dev] = v;
   return v;
 }
@@ -235,7 +251,8 @@ inline int resident_blocks(const void* kernel, int threads, size_t smem) {
   static std::map<std::tuple<const void*, int, size_t>, int> known;
   const std::lock_guard<std::mutex> lock(mu);
   int& n = known[{kernel, threads, smem}];
-  if (n == 0 && (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, threads, smem) != cudaSuccess || n < 1))
+  if (n == 0 &&
+      (cleared(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, threads, smem)) != cudaSuccess || n < 1))
     n = 1;
   return n;
 }
@@ -246,6 +263,27 @@ inline int64_t wave_blocks(int dev, const void* kernel, int threads, size_t smem
   return (int64_t)device_attribute<cudaDevAttrMultiProcessorCount>(dev) * resident_blocks(kernel, threads, smem);
 }
 
+// kernel<<<grid, block, smem, stream>>>(args...) with the `n` launch attributes `attrs`, through cudaLaunchKernelEx:
+// returns the launch's own error (the rule at cleared()).
+template <typename... P, typename... A>
+cudaError_t launch_with(void (*kernel)(P...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                        cudaLaunchAttribute* attrs, unsigned n, A&&... args) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cfg.attrs = attrs;
+  cfg.numAttrs = n;
+  return cleared(cudaLaunchKernelEx(&cfg, kernel, std::forward<A>(args)...));
+}
+// kernel<<<grid, block, smem, stream>>>(args...), for kernels without PDL (no trigger_from parameter).
+template <typename... P, typename... A>
+cudaError_t launch_plain(void (*kernel)(P...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                         A&&... args) {
+  return launch_with(kernel, grid, block, smem, stream, nullptr, 0, std::forward<A>(args)...);
+}
+
 // kernel<<<grid, block, smem, stream>>>(args..., trigger_from), with PDL on Hopper (the kernel starts with
 // pdl_begin(trigger_from)) and, where `cluster` is more than one block, thread block clusters of that shape (sm_90).
 // Without PDL no block lets dependents launch. Returns the launch's error.
@@ -254,7 +292,7 @@ cudaError_t launch_cluster_kernel(void (*kernel)(P...), dim3 grid, dim3 block, s
                                   dim3 cluster, A&&... args) {
   // PDL where the device has compute capability 9.x and FW_PDL is not 0 (read every call: the benchmark's A/B)
   int dev = 0;
-  const bool pdl = cudaGetDevice(&dev) == cudaSuccess &&
+  const bool pdl = cleared(cudaGetDevice(&dev)) == cudaSuccess &&
                    device_attribute<cudaDevAttrComputeCapabilityMajor>(dev) == 9 && int_from_env("FW_PDL", 1) != 0;
   unsigned trigger_from = UINT_MAX;
   const int64_t blocks = (int64_t)grid.x * grid.y * grid.z;
@@ -275,16 +313,7 @@ cudaError_t launch_cluster_kernel(void (*kernel)(P...), dim3 grid, dim3 block, s
     attr[n].val.clusterDim.y = cluster.y;
     attr[n++].val.clusterDim.z = cluster.z;
   }
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = grid;
-  cfg.blockDim = block;
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = stream;
-  cfg.attrs = attr;
-  cfg.numAttrs = n;
-  const cudaError_t e = cudaLaunchKernelEx(&cfg, kernel, std::forward<A>(args)..., trigger_from);
-  const cudaError_t last = cudaGetLastError();  // clears the error a failed launch also leaves behind
-  return e != cudaSuccess ? e : last;
+  return launch_with(kernel, grid, block, smem, stream, attr, n, std::forward<A>(args)..., trigger_from);
 }
 template <typename... P, typename... A>
 cudaError_t launch_kernel(void (*kernel)(P...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream, A&&... args) {

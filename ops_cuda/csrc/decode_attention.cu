@@ -1288,9 +1288,9 @@ bool use_persist(bool paged, int64_t groups, int sm_count) {
 // (its warps' rings set how many fit); null if that fails. Not stream work, so a first call under capture is fine.
 template <typename T, int DP> const void* persist_kernel() {
   static const bool carveout = [] {
-    if (cudaFuncSetAttribute(decode_mma_kernel_persistent<T, DP>, cudaFuncAttributePreferredSharedMemoryCarveout,
-                             cudaSharedmemCarveoutMaxShared) != cudaSuccess)
-      (void)cudaGetLastError();  // only a hint: the launch works without it
+    // only a hint: the launch works without it
+    (void)cleared(cudaFuncSetAttribute(decode_mma_kernel_persistent<T, DP>,
+                                       cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared));
     return true;
   }();
   (void)carveout;
@@ -1312,9 +1312,9 @@ int padded_dim(int D) { return D <= 64 ? 64 : D <= 128 ? 128 : 256; }
 // L2), so 8 blocks of ~25 KB fit. Not stream work, so a first call under graph capture is fine.
 template <typename T, int DP, int RP, bool kFullD> const void* kernel() {
   static const bool carveout = [] {
-    if (cudaFuncSetAttribute(decode_kernel<T, DP, RP, kFullD>, cudaFuncAttributePreferredSharedMemoryCarveout,
-                             cudaSharedmemCarveoutMaxShared) != cudaSuccess)
-      (void)cudaGetLastError();  // only a hint: the launch works without it
+    // only a hint: the launch works without it
+    (void)cleared(cudaFuncSetAttribute(decode_kernel<T, DP, RP, kFullD>,
+                                       cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared));
     return true;
   }();
   (void)carveout;
@@ -1419,7 +1419,7 @@ cudaError_t decode_attention(DType dt, const void* q, const void* k, const void*
     void* pargs[] = {&pa};
     const void* pf = persist_kernel_for(dt, D);
     if (!pf) return cudaErrorInvalidValue;
-    return cudaLaunchKernel(pf, dim3((unsigned)plan.blocks), dim3(32), pargs, persist_smem(D, nrp), stream);
+    return cleared(cudaLaunchKernel(pf, dim3((unsigned)plan.blocks), dim3(32), pargs, persist_smem(D, nrp), stream));
   }
   const int64_t per_split = packs != nullptr && plan.blocks > 0 ? plan.blocks : (int64_t)B * Hk * RG;
   const dim3 grid((unsigned)per_split, (unsigned)splits);
@@ -1433,7 +1433,7 @@ cudaError_t decode_attention(DType dt, const void* q, const void* k, const void*
     f = kernel_for(dt, D, R);
   }
   if (!f) return cudaErrorInvalidValue;
-  return cudaLaunchKernel(f, grid, dim3(kThreads), args, smem, stream);
+  return cleared(cudaLaunchKernel(f, grid, dim3(kThreads), args, smem, stream));
 }
 
 }  // namespace fw

@@ -280,9 +280,13 @@ size_t cache_capacity() {
   return (size_t)n;
 }
 
+// Whether `s` is capturing; false where that cannot be asked, whose error is cleared (the rule at fw::cleared in
+// common.cuh).
 bool capturing(cudaStream_t s) {
   cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
-  return cudaStreamIsCapturing(s, &st) == cudaSuccess && st != cudaStreamCaptureStatusNone;
+  const cudaError_t e = cudaStreamIsCapturing(s, &st);
+  C10_CUDA_IGNORE_ERROR(e);
+  return e == cudaSuccess && st != cudaStreamCaptureStatusNone;
 }
 
 }  // namespace

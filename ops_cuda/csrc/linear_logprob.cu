@@ -283,21 +283,18 @@ cudaError_t logprob_chunks_fwd(const float* z, int64_t n, int64_t vc, int64_t v0
   const int64_t warps = n * ((vc + kLogprobChunk - 1) / kLogprobChunk);
   const unsigned blocks = (unsigned)((warps + kChunkWarps - 1) / kChunkWarps);
   auto launch = [&](auto kernel) {
-    kernel<<<blocks, kChunkWarps * 32, 0, stream>>>(z, n, vc, v0, targets, parts, static_cast<__half*>(z16), z16_ld,
-                                                    z16_vec);
+    return launch_plain(kernel, blocks, kChunkWarps * 32, 0, stream, z, n, vc, v0, targets, parts,
+                        static_cast<__half*>(z16), z16_ld, z16_vec);
   };
-  if (save)
-    vec4 ? launch(logprob_chunk_fwd_kernel<4, true>) : launch(logprob_chunk_fwd_kernel<1, true>);
-  else
-    vec4 ? launch(logprob_chunk_fwd_kernel<4, false>) : launch(logprob_chunk_fwd_kernel<1, false>);
-  return cudaGetLastError();
+  if (save) return vec4 ? launch(logprob_chunk_fwd_kernel<4, true>) : launch(logprob_chunk_fwd_kernel<1, true>);
+  return vec4 ? launch(logprob_chunk_fwd_kernel<4, false>) : launch(logprob_chunk_fwd_kernel<1, false>);
 }
 
 cudaError_t logprob_merge(LogprobParts parts, int64_t n, int64_t V, const int64_t* targets, float* logprob,
                           float* entropy, float* lse, cudaStream_t stream) {
   if (n == 0) return cudaSuccess;
-  logprob_merge_kernel<<<(unsigned)((n + 7) / 8), 256, 0, stream>>>(parts, n, V, targets, logprob, entropy, lse);
-  return cudaGetLastError();
+  return launch_plain(logprob_merge_kernel, (unsigned)((n + 7) / 8), 256, 0, stream, parts, n, V, targets, logprob,
+                      entropy, lse);
 }
 
 cudaError_t logprob_tile_bwd(DType dt, const float* z, SavedLogits saved, int64_t n, int64_t vc, int64_t v0,
@@ -307,8 +304,8 @@ cudaError_t logprob_tile_bwd(DType dt, const float* z, SavedLogits saved, int64_
   return dispatch(dt, [&](auto t) -> cudaError_t {
     using T = decltype(t);
     auto launch = [&](auto kernel, auto zp, int64_t ld, const float* off) {
-      kernel<<<(unsigned)n, kThreads, 0, stream>>>(zp, ld, off, saved.off_ld, vc, v0, targets, lse, entropy,
-                                                   grad_logprob, grad_entropy, (T*)g);
+      return launch_plain(kernel, (unsigned)n, kThreads, 0, stream, zp, ld, off, saved.off_ld, vc, v0, targets, lse,
+                          entropy, grad_logprob, grad_entropy, (T*)g);
     };
     // 16 bytes a load and a store where aligned (g's rows are vc elements of T)
     if (saved.z16) {
@@ -316,14 +313,12 @@ cudaError_t logprob_tile_bwd(DType dt, const float* z, SavedLogits saved, int64_
       bool vec8 = false;  // 8 fp16 in, 8 T out: 16-byte accesses when T is 16-bit (the only kind that keeps logits)
       if constexpr (sizeof(T) == 2) vec8 = vc % 8 == 0 && saved.ld % 8 == 0 && aligned16(zh) && aligned16(g);
       if constexpr (sizeof(T) == 2)
-        if (vec8) launch(logprob_tile_bwd_kernel<__half, T, 8>, zh, saved.ld, saved.off);
-      if (!vec8) launch(logprob_tile_bwd_kernel<__half, T, 1>, zh, saved.ld, saved.off);
-    } else if (vc % 4 == 0 && aligned16(z) && aligned16(g)) {
-      launch(logprob_tile_bwd_kernel<float, T, 4>, z, vc, nullptr);
-    } else {
-      launch(logprob_tile_bwd_kernel<float, T, 1>, z, vc, nullptr);
+        if (vec8) return launch(logprob_tile_bwd_kernel<__half, T, 8>, zh, saved.ld, saved.off);
+      return launch(logprob_tile_bwd_kernel<__half, T, 1>, zh, saved.ld, saved.off);
     }
-    return cudaGetLastError();
+    if (vc % 4 == 0 && aligned16(z) && aligned16(g))
+      return launch(logprob_tile_bwd_kernel<float, T, 4>, z, vc, nullptr);
+    return launch(logprob_tile_bwd_kernel<float, T, 1>, z, vc, nullptr);
   });
 }
 

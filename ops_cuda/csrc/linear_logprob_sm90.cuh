@@ -298,11 +298,9 @@ PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
   static const PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
     void* p = nullptr;
     cudaDriverEntryPointQueryResult q{};
-    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &q) != cudaSuccess ||
-        q != cudaDriverEntryPointSuccess) {
-      (void)cudaGetLastError();
-      p = nullptr;
-    }
+    const cudaError_t e =
+        cleared(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &q));
+    if (e != cudaSuccess || q != cudaDriverEntryPointSuccess) p = nullptr;
     return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(p);
   }();
   return fn;
@@ -335,8 +333,7 @@ cudaError_t launch(DType dt, const void* h, const void* w, FusedArgs a, int sm_c
       constexpr auto kernel = linear_logprob_sm90_kernel<T, kBwd, kSave>;
       const cudaError_t e = allow_dynamic_smem<kernel>(kSmemBytes);
       if (e != cudaSuccess) return e;
-      kernel<<<grid, kFusedThreads, kSmemBytes, stream>>>(th, tw, a);
-      return cudaGetLastError();
+      return launch_plain(kernel, grid, kFusedThreads, kSmemBytes, stream, th, tw, a);
     }
   });
 }

@@ -259,7 +259,8 @@ cudaError_t qk_norm_rope_fwd(DType dt, DType wdt, const void* qkv, int64_t qkv_s
       auto kernel = qk_norm_rope_kernel<T, W, KV, decltype(p)::value>;
       // blocks enough for one full wave where the tokens allow it, at most a warp per head
       int dev = 0;
-      const int64_t wave = cudaGetDevice(&dev) == cudaSuccess ? wave_blocks(dev, (const void*)kernel, kThreads, 0) : 0;
+      const int64_t wave =
+          cleared(cudaGetDevice(&dev)) == cudaSuccess ? wave_blocks(dev, (const void*)kernel, kThreads, 0) : 0;
       const int64_t groups = (Hq + 2 * Hk + kWarps - 1) / kWarps;
       const unsigned y = (unsigned)std::clamp<int64_t>((wave + tokens - 1) / tokens, 1, groups);
       return launch_kernel(kernel, dim3((unsigned)tokens, y), kThreads, 0, stream, (const T*)qkv, qkv_stride,
@@ -272,7 +273,8 @@ cudaError_t qk_norm_rope_fwd(DType dt, DType wdt, const void* qkv, int64_t qkv_s
 // The backward's blocks: at most one wave, at most 2048 / kThreads resident a multiprocessor.
 int qk_norm_rope_bwd_max_blocks() {
   int dev = 0;
-  const int sms = cudaGetDevice(&dev) == cudaSuccess ? device_attribute<cudaDevAttrMultiProcessorCount>(dev) : 0;
+  const int sms =
+      cleared(cudaGetDevice(&dev)) == cudaSuccess ? device_attribute<cudaDevAttrMultiProcessorCount>(dev) : 0;
   return (sms > 0 ? sms : 132) * (2048 / kThreads);
 }
 

@@ -702,7 +702,7 @@ cudaError_t launch_bwd(const void* g, const void* x, const void* w, void* gx, vo
     constexpr int VEC = decltype(vec_c)::value, LANES = decltype(lanes)::value, NV = decltype(nv)::value;
     auto kernel = rms_norm_bwd_kernel<T, W, VEC, LANES, NV>;
     if (smem + sizeof(float2) * 2 * kWarps > 48 * 1024) {  // dynamic + the static reduction buffer
-      cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+      cudaError_t e = cleared(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
       if (e != cudaSuccess) return e;
     }
     // one wave of resident blocks, each taking at least 8 rows (fewer partial rows for the caller to sum)

@@ -137,8 +137,8 @@ at::Tensor rope_inv_freq(int64_t D, double theta, const at::Device& device) {
     const int n = (int)std::min<int64_t>(kFreqChunk, inv.numel() - i0);
     FreqChunk c{};
     std::copy(src + i0, src + i0 + n, c.v);
-    fill_inv_freq_kernel<<<1, kFreqChunk, 0, stream>>>(on_device.data_ptr<float>() + i0, n, c);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    check_launch(launch_plain(fill_inv_freq_kernel, 1, kFreqChunk, 0, stream, on_device.data_ptr<float>() + i0, n, c),
+                 "rope");
   }
   return on_device;
 }

@@ -698,27 +698,22 @@ cudaError_t sample(DType dt, const void* logits, int64_t row_stride, int64_t* to
       using T = decltype(t);
       // whole groups of kSplitCols columns a block
       const int64_t cols = ((V + split_ws.P - 1) / split_ws.P + kSplitCols - 1) / kSplitCols * kSplitCols;
-      sample_split_kernel<T><<<dim3((unsigned)B, (unsigned)split_ws.P), kSplitThreads, 0, stream>>>(
-          (const T*)logits, row_stride, V, temperature, cols, split_ws.part_f, split_ws.part_i);
-      cudaError_t e = cudaGetLastError();
+      const cudaError_t e = launch_plain(sample_split_kernel<T>, dim3((unsigned)B, (unsigned)split_ws.P),
+                                         kSplitThreads, 0, stream, (const T*)logits, row_stride, V, temperature, cols,
+                                         split_ws.part_f, split_ws.part_i);
       if (e != cudaSuccess) return e;
       if (temperature == 0.f)
-        sample_combine_kernel<T><<<(unsigned)((B + 127) / 128), 128, 0, stream>>>(
-            (const T*)logits, row_stride, B, V, temperature, split_ws.P, split_ws.part_f, split_ws.part_i, tokens,
-            logprob);
-      else
-        sample_icdf_kernel<T><<<(unsigned)B, kSplitThreads, 0, stream>>>(
-            (const T*)logits, row_stride, V, temperature, k0, k1, counters, split_ws.P, cols, split_ws.part_f,
-            tokens, logprob);
-      return cudaGetLastError();
+        return launch_plain(sample_combine_kernel<T>, (unsigned)((B + 127) / 128), 128, 0, stream, (const T*)logits,
+                            row_stride, B, V, temperature, split_ws.P, split_ws.part_f, split_ws.part_i, tokens,
+                            logprob);
+      return launch_plain(sample_icdf_kernel<T>, (unsigned)B, kSplitThreads, 0, stream, (const T*)logits, row_stride,
+                          V, temperature, k0, k1, counters, split_ws.P, cols, split_ws.part_f, tokens, logprob);
     });
   }
   return dispatch(dt, [&](auto t) -> cudaError_t {
     using T = decltype(t);
-    sample_kernel<T><<<(unsigned)B, kThreads, 0, stream>>>((const T*)logits, row_stride, tokens, logprob, V,
-                                                          temperature, top_k, top_p, log_min_p, use_min_p, k0, k1,
-                                                          counters);
-    return cudaGetLastError();
+    return launch_plain(sample_kernel<T>, (unsigned)B, kThreads, 0, stream, (const T*)logits, row_stride, tokens,
+                        logprob, V, temperature, top_k, top_p, log_min_p, use_min_p, k0, k1, counters);
   });
 }
 

@@ -206,7 +206,8 @@ template <typename T> cudaError_t allow_smem(int M) {
 int skinny_linear_splits(DType dt, int M, int N, int K, int sms) {
   int dev = 0;
   // the cluster reduction is compiled for sm_90 only: other GPUs run the compute_80 code, unsplit
-  if (cudaGetDevice(&dev) != cudaSuccess || device_attribute<cudaDevAttrComputeCapabilityMajor>(dev) != 9) return 1;
+  if (cleared(cudaGetDevice(&dev)) != cudaSuccess || device_attribute<cudaDevAttrComputeCapabilityMajor>(dev) != 9)
+    return 1;
   const void* kernel = dt == DType::BF16  ? (const void*)kernel_for<__nv_bfloat16>(M)
                        : dt == DType::F16 ? (const void*)kernel_for<__half>(M)
                                           : nullptr;
