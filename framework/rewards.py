@@ -569,17 +569,22 @@ def score_rollout(reward_fn: Any, prompts: list[str], completions: list[str], me
     def sample(i: int) -> str:
         return f"sample {i}: prompt={_shorten(prompts[i])} completion={_shorten(completions[i])}"
 
+    def score() -> tuple[list[tuple[int, str]], list[float]]:
+        try:
+            return _score(reward_fn, prompts, completions, metadatas, calls)
+        except KeyboardInterrupt:   # Ctrl+C's meaning, not a failed sample's: the run stops as on SIGINT
+            what, i, _ = calls.current
+            raise Interrupted(f"the reward {what}" + (f" on sample {i}" if i is not None else ""))
+
     error: FwError | None = None
     failures: list[tuple[int, str]] = []
     values = [0.0] * n
     try:
-        failures, values = _timed(lambda: _score(reward_fn, prompts, completions, metadatas, calls), calls,
-                                  settings["timeout_s"], sample)
+        # the reward's own KeyboardInterrupt becomes Interrupted where it runs; one raised in this thread while it
+        # waits for a timed call is the process's SIGINT (`fw eval` has no stop handler), not the reward's
+        failures, values = _timed(score, calls, settings["timeout_s"], sample)
     except FwError as exc:   # a call past reward.timeout_s, a batch() of the wrong length
         error = exc
-    except KeyboardInterrupt:   # Ctrl+C's meaning, not a failed sample's: the run stops as on SIGINT
-        what, i, _ = calls.current
-        raise Interrupted(f"the reward {what}" + (f" on sample {i}" if i is not None else ""))
     if failures:
         i, first = failures[0]
         report = (f"reward failed on {len(failures)} of {n} samples; first: sample {i}: {first}; "

@@ -1,8 +1,10 @@
 """Built-in rewards, the countdown expression checker, user rewards and the on_error policy."""
 import json
 import logging
+import os
 import random
 import re
+import signal
 import sys
 import threading
 import time
@@ -27,6 +29,7 @@ from framework.rewards import (
     parse_reference,
     score_rollout,
 )
+from framework.signals import Interrupted
 
 # reward sections as the schema resolves them; no timeout, and no failure share stops a run
 RAISE = {"on_error": "raise", "max_error_fraction": 1.0, "timeout_s": None}
@@ -624,3 +627,36 @@ def test_the_readme_reward_example_scores_a_rollout(tmp_path, monkeypatch):
         sys.modules.pop("my_readme_reward", None)
     rewards, errors = score_rollout(reward, ["3="] * 3, ["4", "5", "4   "], [meta("4")] * 3, RAISE)
     assert errors == 0 and rewards.tolist() == pytest.approx([1.0, 0.0, 1.0 - 0.01 * 2])   # "4   ": 2 past the budget
+
+
+@pytest.mark.parametrize("timeout_s", [None, 30.0], ids=["same-thread", "timed-thread"])
+def test_a_keyboard_interrupt_the_reward_raises_is_named_with_its_sample(timeout_s):
+    def reward(prompt, completion, metadata):
+        if completion == "stop":
+            raise KeyboardInterrupt
+        return 1.0
+
+    with pytest.raises(Interrupted) as info:
+        score_rollout(reward, ["p"] * 3, ["ok", "stop", "ok"], [{}] * 3, {**ZERO, "timeout_s": timeout_s})
+    assert str(info.value) == "interrupted: the reward call on sample 1 raised KeyboardInterrupt"
+    assert info.value.exit_code == 130
+
+
+def test_ctrl_c_while_a_timed_reward_runs_is_not_the_rewards_keyboard_interrupt():
+    """Without fw fit's stop handler (`fw eval`), SIGINT raises KeyboardInterrupt in the thread that waits for the
+    timed reward call: it stays a KeyboardInterrupt (the CLI's plain "interrupted"), not the reward's."""
+    release = threading.Event()
+
+    def reward(prompt, completion, metadata):
+        os.kill(os.getpid(), signal.SIGINT)
+        release.wait(30)
+        return 1.0
+
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt) as info:
+            score_rollout(reward, ["p"], ["c"], [{}], {**ZERO, "timeout_s": 30.0})
+    finally:
+        release.set()
+        signal.signal(signal.SIGINT, previous)
+    assert not isinstance(info.value, Interrupted) and type(info.value) is KeyboardInterrupt
