@@ -121,8 +121,8 @@ class StepMetrics(nn.Module):
 
     `reduce="last"` keeps the latest value without any reduction (for values equal on every rank, e.g. lr).
     A name belongs to whoever logs it first in the run, fw (`update`) or user code (`update(user=True)`,
-    `FwModule.log_metric`); the other's value would be merged into it, so its `update` is refused with a ValueError
-    (and user code's of a name `fw_writes`).
+    `FwModule.log_metric`); the other's value would be merged into it, so its `update` is refused: user code's with a
+    ValueError (and of any name `fw_writes`), fw's with an FwError naming the user's first call.
     A mean whose weights sum to 0 over the interval and the ranks is left out of `compute()`'s result.
     A NaN value logged stops the run with an FwError naming the metric at the next `compute()` (a NaN loss or
     gradient norm means the run has diverged); infinities pass (an fp16 step skipped by loss scaling has an
@@ -144,10 +144,13 @@ class StepMetrics(nn.Module):
         self._ahead: tuple[list[float], list[float]] | None = None   # read_ahead's (NaN flags, values)
         # name -> whether user code logged it first in this run; kept across compute(), unlike the values
         self.by_user: dict[str, bool] = {}
+        self.user_sites: dict[str, str] = {}   # name -> where user code logged it first, for fw's refusal
 
     def update(self, name: str, value: torch.Tensor | float, weight: torch.Tensor | float = 1.0,
-               reduce: str = "mean", user: bool = False) -> None:
-        """Add a value of `name` to the interval: fw's own (`user=False`), or user code's (`FwModule.log_metric`)."""
+               reduce: str = "mean", user: bool = False, site: str | None = None) -> None:
+        """Add a value of `name` to the interval: fw's own (`user=False`), or user code's (`FwModule.log_metric`,
+        `site` the FILE:LINE of its call). fw's value of a name user code logged first is refused with an FwError:
+        the fault is the user code's, which a traceback of fw's call would not show."""
         self._ahead = None   # a value read ahead no longer holds the interval
         if not isinstance(name, str) or not name or name in RESERVED_NAMES:
             raise ValueError(f"log_metric({name!r}): a metric needs a non-empty name other than "
@@ -156,9 +159,10 @@ class StepMetrics(nn.Module):
             raise ValueError(f"log_metric({name!r}): fw writes {name!r} itself, and a value logged under its name "
                              f"would be merged into fw's; log yours under a name of its own, e.g. 'user/{name}'")
         if not user and self.by_user.get(name):
-            raise ValueError(f"log_metric({name!r}): fw writes {name!r}, and user code (module.log_metric) logged "
-                             f"it earlier in the run, so the two values would be merged; log yours under a name of "
-                             f"its own, e.g. 'user/{name}'")
+            where = f" at {self.user_sites[name]}" if name in self.user_sites else ""
+            raise FwError(f"metrics: fw writes {name!r} itself, and user code logged it earlier in the run "
+                          f"(module.log_metric{where}), so the two values would be merged; log yours under a "
+                          f"name of its own, e.g. 'user/{name}'")
         if reduce != "last" and reduce not in REDUCTIONS:
             raise ValueError(f"log_metric({name!r}): reduce must be 'last' or one of {sorted(REDUCTIONS)}, "
                              f"got {reduce!r}")
@@ -166,7 +170,7 @@ class StepMetrics(nn.Module):
             if isinstance(value, torch.Tensor) and value.numel() != 1:
                 raise ValueError(f"log_metric({name!r}): reduce='last' takes one value, got a tensor of shape "
                                  f"{tuple(value.shape)}")
-            self.by_user.setdefault(name, user)
+            self._first(name, user, site)
             self.last[name] = value.detach().clone() if isinstance(value, torch.Tensor) else float(value)
             return
         key = name.replace(".", "__")  # ModuleDict keys cannot hold dots
@@ -179,7 +183,7 @@ class StepMetrics(nn.Module):
         elif self.reductions[key] != reduce:
             raise ValueError(f"log_metric({name!r}): logged with reduce={self.reductions[key]!r} before, "
                              f"now {reduce!r}")
-        self.by_user.setdefault(name, user)
+        self._first(name, user, site)
         metric = self.metrics[key]
         value = on_device(value, metric.device)
         seen = torch.isnan(value).any()
@@ -217,6 +221,13 @@ class StepMetrics(nn.Module):
         unless a value is logged in between."""
         values, self._ahead = self._read(extra)
         return values
+
+    def _first(self, name: str, user: bool, site: str | None) -> None:
+        """Record who logged `name` first in the run (and where, for user code)."""
+        if name not in self.by_user:
+            self.by_user[name] = user
+            if user and site is not None:
+                self.user_sites[name] = site
 
     def compute(self) -> dict[str, float]:
         """Every metric updated since the last call, reduced over ranks (collective: call on all ranks), read

@@ -17,6 +17,7 @@ import contextlib
 import copy
 import json
 import math
+import sys
 import time
 from typing import Any
 
@@ -300,19 +301,24 @@ class FwModule(lightning.LightningModule):
         A name that fw writes itself (`loss`, `lr`, `reward/mean`, `eval/...`, `tokens_per_s`, ...) is refused with a
         ValueError: its value would be merged into fw's. fw's own metrics go through `log_fw_metric`.
         """
-        self._log(name, value, weight, reduce, user=True)
+        site = None
+        if isinstance(name, str) and name not in self.step_metrics.by_user:   # its first write: where, for a refusal
+            caller = sys._getframe(1)
+            site = f"{caller.f_code.co_filename}:{caller.f_lineno}"
+        self._log(name, value, weight, reduce, user=True, site=site)
 
     def log_fw_metric(self, name: str, value: torch.Tensor | float, weight: torch.Tensor | float | None = None,
                       reduce: str = "mean") -> None:
         """`log_metric` for fw's own metrics (the recipe's `ctx.log`, the built-in callbacks): user code that logs
-        one of their names through `log_metric` is refused, whichever of the two logs it first."""
+        one of their names through `log_metric` is refused (ValueError); when it logged the name first, fw's write is
+        (FwError, naming the user's call)."""
         self._log(name, value, weight, reduce, user=False)
 
     def _log(self, name: str, value: torch.Tensor | float, weight: torch.Tensor | float | None, reduce: str,
-             user: bool) -> None:
+             user: bool, site: str | None = None) -> None:
         if weight is None:
             weight = 1.0 / (self.trainer.world_size if self._trainer is not None else 1)
-        self.step_metrics.update(name, value, weight, reduce, user=user)
+        self.step_metrics.update(name, value, weight, reduce, user=user, site=site)
 
     def logging_this_step(self) -> bool:
         """Whether the optimizer step in progress will be logged (for metrics too costly for every step)."""

@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from framework import checkpoint as ck
 from framework.callbacks import Callback
 from framework.config import resolve
 from framework.data import IGNORE, sft_dataloader
@@ -20,6 +21,8 @@ from framework.recipe import POLICY, OptimizerRole, Requirements
 from framework.schedule import LRSchedule
 from framework.trainer import fit
 from recipes.sft import SFTRecipe
+
+ROOT = Path(__file__).parents[1]
 
 DATA = "recipes/data/arithmetic_chat.jsonl"
 
@@ -570,11 +573,14 @@ def test_user_code_cannot_log_under_a_name_fw_writes():
     # the names stay fw's and the user's for the rest of the run: here user code logs first
     with pytest.raises(ValueError, match=r"fw writes 'loss' itself"):
         m.update("loss", 1.0, user=True)
-    with pytest.raises(ValueError, match=r"^log_metric\('user/loss'\): fw writes 'user/loss', and user code "
-                                         r"\(module.log_metric\) logged it earlier in the run"):
-        m.update("user/loss", 1.0)
+    m.update("user/acc", 1.0, user=True, site="my_callbacks.py:12")
+    with pytest.raises(FwError, match=r"^metrics: fw writes 'user/acc' itself, and user code logged it "
+                                      r"earlier in the run \(module.log_metric at my_callbacks.py:12\), so the two "
+                                      r"values would be merged; log yours under a name of its own, e.g. "
+                                      r"'user/user/acc'$"):
+        m.update("user/acc", 1.0)
     m.update("loss", 4.0)
-    assert m.compute() == {"loss": 4.0}
+    assert m.compute() == {"loss": 4.0, "user/acc": 1.0}
 
 
 class LogsUnderFwNames(Callback):
@@ -619,3 +625,32 @@ def test_a_callback_is_refused_every_name_fw_writes_in_a_real_run(tmp_path):
     assert [r["step"] for r in records] == [1, 2, 3]
     assert [r.get("user/probe") for r in records] == [7.0, 7.0, 7.0]
     assert not [(r["step"], k) for r in records for k, v in r.items() if v == -1e9]
+
+
+class LogsTokenAccuracy(Callback):
+    """Logs `token_accuracy`, a name the SFT recipe writes only at the steps it logs, after every policy step."""
+
+    def before_optimizer_step(self, trainer, module, optimizer):
+        module.log_metric("token_accuracy", 0.5)
+
+
+def test_fw_refuses_its_later_write_of_a_name_user_code_logged_first_with_one_line(tmp_path):
+    """The SFT recipe first writes token_accuracy at step 3 (log_every_n_steps 3), after the callback's steps 1 and 2:
+    the run stops there with an FwError (one line, exit code 2) that names the callback's call, the code at fault,
+    not with a traceback through fw's recipe."""
+    cfg = resolve({"recipe": "sft", "seed": 5, "run_dir": str(tmp_path / "run"),
+                   "model": {"policy": {"preset": "tiny"}},
+                   "data": {"path": str(ROOT / "recipes" / "data" / "arithmetic_chat.jsonl"), "max_seq_len": 96,
+                            "batch_size": 2},
+                   "trainer": {"accelerator": "cpu", "devices": 1, "max_steps": 6, "enable_progress_bar": False,
+                               "log_every_n_steps": 3},
+                   "checkpoint": {"every_n_steps": 2}, "logging": {"csv": False, "tensorboard": False},
+                   "callbacks": [{"class_path": "test_module.LogsTokenAccuracy"}]})
+    with pytest.raises(FwError) as info:
+        fit(cfg)
+    line = LogsTokenAccuracy.before_optimizer_step.__code__.co_firstlineno + 1
+    assert str(info.value) == (
+        "metrics: fw writes 'token_accuracy' itself, and user code logged it earlier in the run "
+        f"(module.log_metric at {__file__}:{line}), so the two values would be merged; log yours under a name of its "
+        "own, e.g. 'user/token_accuracy'")
+    assert sorted(p.name for p in ck.checkpoints_dir(tmp_path / "run").iterdir()) == [ck.step_dir_name(2)]
