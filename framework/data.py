@@ -19,6 +19,7 @@ the same position with the new global batch size (no example skipped or repeated
 
 from __future__ import annotations
 
+import json
 import sys
 from array import array
 from collections.abc import Iterator
@@ -234,18 +235,20 @@ def load_examples(cfg: dict, tokenizer: Any, *, train_on_prompt: bool) -> list[E
 
 
 def empty_reply(record: dict, cfg: dict, text: str, spans: list[tuple[int, int]], where: str) -> str | None:
-    """The key of the first empty reply among what the loss of one record covers (`render_record`'s `text` and
-    `spans`), e.g. `messages[1].content` or `completion`; None when every reply holds text. An empty reply trains on
-    its end token alone (`<|im_end|>`, or eos without a chat template), an empty think block aside."""
+    """The first empty or blank reply among what the loss of one record covers (`render_record`'s `text` and
+    `spans`), as its key and the record's own value, e.g. `completion is " "`; None when every reply holds text. Such
+    a reply trains on its end token (`<|im_end|>`, or eos without a chat template) and whitespace alone, an empty
+    think block aside."""
     chat = cfg["data"]["chat_template"]
     if record_format(record, cfg["data"]["format"], chat, where) == "prompt_completion":
-        keys = ["completion"]   # its one span
+        replies = [("completion", record["completion"])]   # its one span
     else:   # a span per assistant turn
-        keys = [f"messages[{i}].content" for i, m in enumerate(record["messages"]) if m["role"] == "assistant"]
-    for key, (a, b) in zip(keys, spans, strict=False):
+        replies = [(f"messages[{i}].content", m["content"]) for i, m in enumerate(record["messages"])
+                   if m["role"] == "assistant"]
+    for (key, value), (a, b) in zip(replies, spans, strict=False):
         reply = text[a:b].removesuffix(TURN_END).removeprefix(EMPTY_THINK) if chat else text[a:b]
-        if reply == "":
-            return key
+        if not reply.strip():
+            return f"{key} is {json.dumps(value, ensure_ascii=False)}"
     return None
 
 
@@ -255,8 +258,8 @@ def _say_empty(empty: list[str], total: int) -> None:
 
     if not empty or rank_zero_only.rank != 0:
         return
-    print(f"fw: data.path: {len(empty)} of {total} examples {'has' if len(empty) == 1 else 'have'} an empty reply "
-          f"(the first: {empty[0]} is \"\"), which trains on its end token alone and teaches the model to answer "
+    print(f"fw: data.path: {len(empty)} of {total} examples {'has' if len(empty) == 1 else 'have'} an empty or "
+          f"blank reply (the first: {empty[0]}), which trains on its end token alone and teaches the model to answer "
           "with nothing", file=sys.stderr)
 
 

@@ -105,10 +105,11 @@ def read_scalars(tensors: Sequence[torch.Tensor]) -> list[float]:
 
 
 RESERVED_NAMES = ("step",)   # keys a metrics.jsonl record sets itself
-# What fw writes into a record besides what it logs through StepMetrics: FwModule.flush_metrics's values, and the
-# evaluation's, which it writes only at its steps (under EVAL_PREFIX, framework/evaluation.py)
-FW_RECORD_NAMES = ("tokens_per_s", "memory/peak_gib", "memory/reserved_gib")
-FW_PREFIXES = ("eval/",)
+# What fw writes into a record besides what it logs through StepMetrics: FwModule.flush_metrics's values (its
+# memory figures under memory/), and the evaluation's, which it writes only at its steps (under EVAL_PREFIX,
+# framework/evaluation.py)
+FW_RECORD_NAMES = ("tokens_per_s",)
+FW_PREFIXES = ("eval/", "memory/")
 
 
 def fw_writes(name: str) -> bool:

@@ -563,7 +563,7 @@ def test_user_code_cannot_log_under_a_name_fw_writes():
                                              rf"name of its own, e.g. 'user/{name}'$"):
             m.update(name, 100.0, reduce=reduce, user=True)
     # what fw writes into a record outside StepMetrics, and the evaluation's metrics, before fw writes them
-    for name in ("tokens_per_s", "memory/peak_gib", "eval/accuracy", "eval/my_metric"):
+    for name in ("tokens_per_s", "memory/peak_gib", "memory/mine", "eval/accuracy", "eval/my_metric"):
         with pytest.raises(ValueError, match=rf"fw writes '{name}' itself"):
             m.update(name, 1.0, user=True)
     m.update("user/loss", 7.0, user=True)

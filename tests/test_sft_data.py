@@ -123,8 +123,8 @@ def test_examples_with_an_empty_reply_are_counted_when_loaded(tmp_path, tok, cap
     ExampleStream(cfg, tok, train_on_prompt=False)
     n = 2 if chat else 1
     assert capsys.readouterr().err.splitlines() == [
-        (f"fw: data.path: {n} of {len(records)} examples {'have' if n > 1 else 'has'} an empty reply (the first: "
-         f'{path}:2: completion is ""), {EMPTY_REPLY}')]
+        (f"fw: data.path: {n} of {len(records)} examples {'have' if n > 1 else 'has'} an empty or blank reply "
+         f'(the first: {path}:2: completion is ""), {EMPTY_REPLY}')]
     # what the empty reply of line 2 trains on, by the template: its end token (after the empty think block that
     # enable_thinking leaves to the reply)
     example = encode_record(records[1], "auto", tok, cfg, "d.jsonl:2", train_on_prompt=False)
@@ -134,8 +134,21 @@ def test_examples_with_an_empty_reply_are_counted_when_loaded(tmp_path, tok, cap
         path = write_jsonl(tmp_path / "d.jsonl", [records[0], records[3]])
         ExampleStream(cfg_for(path), tok, train_on_prompt=False)
         assert capsys.readouterr().err.splitlines() == [
-            (f'fw: data.path: 1 of 2 examples has an empty reply (the first: {path}:2: messages[3].content is ""), '
-             f"{EMPTY_REPLY}")]
+            (f"fw: data.path: 1 of 2 examples has an empty or blank reply (the first: {path}:2: "
+             f'messages[3].content is ""), {EMPTY_REPLY}')]
+
+
+def test_a_blank_reply_is_counted_and_quoted_as_the_record_holds_it(tmp_path, tok, capsys):
+    """A reply of whitespace alone trains on little but its end token, as an empty one does: it is counted, and the
+    line quotes the record's own value (the template may strip it)."""
+    q = {"role": "user", "content": "1+1="}
+    records = [{"prompt": "1+1=", "completion": "2"}, {"messages": [q, {"role": "assistant", "content": "\n"}]},
+               {"prompt": "2+2=", "completion": " "}]
+    path = write_jsonl(tmp_path / "d.jsonl", records)
+    ExampleStream(cfg_for(path), tok, train_on_prompt=False)
+    assert capsys.readouterr().err.splitlines() == [
+        (f'fw: data.path: 2 of 3 examples have an empty or blank reply (the first: {path}:2: messages[1].content is '
+         f'"\\n"), {EMPTY_REPLY}')]
 
 
 def test_forced_format_mismatch_is_an_error(tmp_path, tok):

@@ -597,5 +597,6 @@ def test_validate_says_how_many_sft_examples_have_an_empty_reply_as_fit_does(tmp
     config = tmp_path / "sft.yaml"
     config.write_text(f"recipe: sft\nmodel: {{policy: {{preset: tiny}}}}\ndata: {{path: {data}}}\n")
     assert run_fw(["validate", "--config", str(config)], capsys) == (0, [
-        (f'fw: data.path: 1 of 2 examples has an empty reply (the first: {data}:2: messages[1].content is ""), '
-         "which trains on its end token alone and teaches the model to answer with nothing")])
+        (f"fw: data.path: 1 of 2 examples has an empty or blank reply (the first: {data}:2: "
+         'messages[1].content is ""), which trains on its end token alone and teaches the model to answer with '
+         "nothing")])
