@@ -259,11 +259,13 @@ def fit(cfg: dict, resume: str | None = None, skip_damaged: bool = False,
         log_config(trainer.loggers, cfg)
         try:
             trainer.fit(module, ckpt_path=ckpt_path)
-        except Interrupted as e:   # user code's KeyboardInterrupt: the step in progress cannot finish
+        except Interrupted as e:   # user code's KeyboardInterrupt: what the run did since its newest checkpoint
+            # is lost (a training step's scoring, or an evaluation after a step whose checkpoint comes after it)
             latest = find_latest(run_dir)
-            saved = f"checkpoint {latest}; continue with --resume last" if latest else "no checkpoint"
-            raise Stopped(e.signum, f"interrupted after step {module.policy_version}: {e.what} raised "
-                                    f"KeyboardInterrupt, so the step in progress is not saved; {saved}") from e
+            saved = (f"the newest checkpoint is {latest}, and what came after it is not saved; continue with "
+                     "--resume last" if latest else "no checkpoint is saved")
+            raise Stopped(e.signum, f"interrupted at step {module.policy_version}: {e.what} raised "
+                                    f"KeyboardInterrupt; {saved}") from e
         if stop.signum is not None and module.policy_version < trainer.max_steps:
             latest = find_latest(run_dir)
             saved = f"checkpoint {latest}; continue with --resume last" if latest else "no checkpoint"

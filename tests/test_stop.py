@@ -225,8 +225,9 @@ def test_a_keyboard_interrupt_in_the_reward_stops_the_run_as_ctrl_c_does(tmp_pat
     assert run.wait() == 130, run.output()
     out = run.output()
     assert out.splitlines()[-1] == (
-        "fw: interrupted after step 1: the reward call on sample 1 raised KeyboardInterrupt, so the step in progress "
-        f"is not saved; checkpoint {ck.checkpoints_dir(run_dir) / ck.step_dir_name(1)}; continue with --resume last")
+        "fw: interrupted at step 1: the reward call on sample 1 raised KeyboardInterrupt; the newest checkpoint is "
+        f"{ck.checkpoints_dir(run_dir) / ck.step_dir_name(1)}, and what came after it is not saved; continue with "
+        "--resume last")
     assert "Traceback" not in out and "reward failed" not in out and not [n for n in NOISE if n in out], out
     assert newest(run_dir) == ck.step_dir_name(1) and metric_steps(run_dir) == [1]
     resumed = Run(["fit", "--config", str(run_dir / "config.yaml"), "--resume", "last",
