@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import signal
 import sys
+import traceback
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -259,13 +261,17 @@ def fit(cfg: dict, resume: str | None = None, skip_damaged: bool = False,
         log_config(trainer.loggers, cfg)
         try:
             trainer.fit(module, ckpt_path=ckpt_path)
-        except Interrupted as e:   # user code's KeyboardInterrupt: what the run did since its newest checkpoint
-            # is lost (a training step's scoring, or an evaluation after a step whose checkpoint comes after it)
-            latest = find_latest(run_dir)
-            saved = (f"the newest checkpoint is {latest}, and what came after it is not saved; continue with "
-                     "--resume last" if latest else "no checkpoint is saved")
-            raise Stopped(e.signum, f"interrupted at step {module.policy_version}: {e.what} raised "
-                                    f"KeyboardInterrupt; {saved}") from e
+        except Interrupted as e:   # a reward's KeyboardInterrupt (framework/rewards.py), named by its sample
+            raise _interrupted(module.policy_version, find_latest(run_dir), f"{e.what} raised KeyboardInterrupt") from e
+        except SystemExit as e:
+            # Lightning ends a fit that meets a KeyboardInterrupt with sys.exit(1) and no line; one raised by other
+            # user code (a callback, a task) is reported as a reward's is, with where it was raised
+            if not isinstance(e.__context__, KeyboardInterrupt):
+                raise
+            frames = traceback.extract_tb(e.__context__.__traceback__)
+            where = f" at {frames[-1].filename}:{frames[-1].lineno}" if frames else ""
+            raise _interrupted(module.policy_version, find_latest(run_dir),
+                               f"KeyboardInterrupt raised{where}") from e.__context__
         if stop.signum is not None and module.policy_version < trainer.max_steps:
             latest = find_latest(run_dir)
             saved = f"checkpoint {latest}; continue with --resume last" if latest else "no checkpoint"
@@ -277,3 +283,12 @@ def fit(cfg: dict, resume: str | None = None, skip_damaged: bool = False,
             print(f"fw: stopped at step {module.policy_version} of trainer.max_steps {trainer.max_steps}: a callback "
                   f"asked to (trainer.should_stop); {saved}", file=sys.stderr, flush=True)
     return trainer
+
+
+def _interrupted(step: int, latest: str | Path | None, what: str) -> Stopped:
+    """The stop of a fit that user code's KeyboardInterrupt ended at `step`: what the run did since its newest
+    checkpoint `latest` is lost (the step in progress, or an evaluation after a step whose checkpoint comes after
+    it)."""
+    saved = (f"the newest checkpoint is {latest}, and what came after it is not saved; continue with --resume last"
+             if latest else "no checkpoint is saved")
+    return Stopped(signal.SIGINT, f"interrupted at step {step}: {what}; {saved}")

@@ -7,6 +7,7 @@ so each costs its model build and steps, not a fresh interpreter's imports; one 
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import signal
@@ -204,6 +205,27 @@ def test_a_hanging_reward_is_ended_by_reward_timeout(tmp_path):
     last = out.split("\n")[-2]   # the progress bar's line was ended: the error is a line of its own
     assert last.startswith("fw: error: reward call did not return within reward.timeout_s = 1 s; sample 0: "), out
     assert "Traceback" not in out and not [n for n in NOISE if n in out], out   # grpo.kl_coef: an eval-mode model
+
+
+def test_a_keyboard_interrupt_in_a_callback_stops_the_run_in_one_line(tmp_path):
+    """Lightning ends a fit that meets a KeyboardInterrupt with exit 1 and no word; one that user code raises outside
+    a reward (here a callback) ends it as Ctrl+C does: exit 130, one line naming where it was raised and the newest
+    checkpoint, which stays as it was."""
+    import scripts.stalls
+
+    run_dir = tmp_path / "run"
+    run = Run(sft_argv(run_dir, callbacks(("InterruptAtStep", {"step": 2})), "--checkpoint.every_n_steps=1"),
+              tmp_path / "fit.log")
+    assert run.wait() == 130, run.output()
+    out = run.output()
+    lines, first = inspect.getsourcelines(scripts.stalls.InterruptAtStep.on_train_batch_start)
+    raised = first + next(i for i, line in enumerate(lines) if "raise KeyboardInterrupt" in line)
+    assert out.splitlines()[-1] == (
+        f"fw: interrupted at step 2: KeyboardInterrupt raised at {scripts.stalls.__file__}:{raised}; the newest "
+        f"checkpoint is {ck.checkpoints_dir(run_dir) / ck.step_dir_name(2)}, and what came after it is not saved; "
+        "continue with --resume last")
+    assert "Traceback" not in out and not [n for n in NOISE if n in out], out
+    assert newest(run_dir) == ck.step_dir_name(2) and metric_steps(run_dir) == [1, 2]
 
 
 def _interrupting_reward_run(tmp_path: Path, how: str, *extra: str) -> tuple[Run, Path]:

@@ -39,6 +39,17 @@ class HangAtStep(lightning.Callback):
             time.sleep(3600)
 
 
+class InterruptAtStep(lightning.Callback):
+    """Raises KeyboardInterrupt at the start of the batch that follows policy step `step`, as user code may."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx):
+        if module.policy_version == self.step:
+            raise KeyboardInterrupt
+
+
 class HangingReward:
     """A reward whose first call touches `marker` and never returns."""
 
