@@ -39,12 +39,14 @@ class Stopped(Exception):
 
 
 class Interrupted(Stopped):
-    """User code (a reward) raised KeyboardInterrupt: the run ends as Ctrl+C ends it, with exit code 130 and one
-    line. An Exception, not a KeyboardInterrupt, so that Lightning's handling of the latter (exit code 1, no line)
-    is not met and every process of a multi-process job ends on it (framework.callbacks.StopEveryRankOnError)."""
+    """A KeyboardInterrupt in user code (a reward): the run ends as Ctrl+C ends it, with exit code 130 and one line,
+    which says "in" the call, not "raised by" it: without fit's stop handler (`fw eval`) a Ctrl+C during the call
+    raises it there too. An Exception, not a KeyboardInterrupt, so that Lightning's handling of the latter (exit
+    code 1, no line) is not met and every process of a multi-process job ends on it
+    (framework.callbacks.StopEveryRankOnError)."""
 
     def __init__(self, what: str):
-        super().__init__(signal.SIGINT, f"interrupted: {what} raised KeyboardInterrupt")
+        super().__init__(signal.SIGINT, f"interrupted: KeyboardInterrupt in {what}")
         self.what = what
 
 

@@ -262,7 +262,7 @@ def fit(cfg: dict, resume: str | None = None, skip_damaged: bool = False,
         try:
             trainer.fit(module, ckpt_path=ckpt_path)
         except Interrupted as e:   # a reward's KeyboardInterrupt (framework/rewards.py), named by its sample
-            raise _interrupted(module.policy_version, find_latest(run_dir), f"{e.what} raised KeyboardInterrupt") from e
+            raise _interrupted(module.policy_version, find_latest(run_dir), f"KeyboardInterrupt in {e.what}") from e
         except SystemExit as e:
             # Lightning ends a fit that meets a KeyboardInterrupt with sys.exit(1) and no line; one raised by other
             # user code (a callback, a task) is reported as a reward's is, with where it was raised

@@ -638,7 +638,7 @@ def test_a_keyboard_interrupt_the_reward_raises_is_named_with_its_sample(timeout
 
     with pytest.raises(Interrupted) as info:
         score_rollout(reward, ["p"] * 3, ["ok", "stop", "ok"], [{}] * 3, {**ZERO, "timeout_s": timeout_s})
-    assert str(info.value) == "interrupted: the reward call on sample 1 raised KeyboardInterrupt"
+    assert str(info.value) == "interrupted: KeyboardInterrupt in the reward call on sample 1"
     assert info.value.exit_code == 130
 
 

@@ -247,7 +247,7 @@ def test_a_keyboard_interrupt_in_the_reward_stops_the_run_as_ctrl_c_does(tmp_pat
     assert run.wait() == 130, run.output()
     out = run.output()
     assert out.splitlines()[-1] == (
-        "fw: interrupted at step 1: the reward call on sample 1 raised KeyboardInterrupt; the newest checkpoint is "
+        "fw: interrupted at step 1: KeyboardInterrupt in the reward call on sample 1; the newest checkpoint is "
         f"{ck.checkpoints_dir(run_dir) / ck.step_dir_name(1)}, and what came after it is not saved; continue with "
         "--resume last")
     assert "Traceback" not in out and "reward failed" not in out and not [n for n in NOISE if n in out], out
