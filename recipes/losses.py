@@ -319,7 +319,7 @@ class ClippedValueLoss:
     """``0.5 * max((V - R)^2, (clip(V, V_old - c, V_old + c) - R)^2)`` with ``c = ppo.value_clip``."""
 
     clip: float
-    loss_agg: str = "token-mean"
+    loss_agg: str
     max_len: int | None = None
 
     @classmethod

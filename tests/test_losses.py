@@ -159,14 +159,15 @@ def test_value_loss_hand_computed():
     old = torch.tensor([[0.5, 0.1, 2.0]])
     ret = torch.tensor([[0.0, 1.0, 3.0]])
     m = torch.ones(1, 3)
-    out = ClippedValueLoss(clip=0.2)(v, old, ret, m)
+    loss_fn = ClippedValueLoss(clip=0.2, loss_agg="token-mean")
+    out = loss_fn(v, old, ret, m)
     # t0: err 1.0, clipped V = 0.7 -> 0.49 ; max 1.0
     # t1: err 1.0, clipped V = max(0.0, -0.1) = 0.0 -> 1.0 ; max 1.0 (not strictly larger)
     # t2: err 1.0, clipped V = 2.0 -> 1.0
     assert float(out.loss.detach()) == pytest.approx(0.5 * (1.0 + 1.0 + 1.0) / 3)
     assert float(out.clip_frac) == 0.0
     v2 = torch.tensor([[0.0]])
-    out2 = ClippedValueLoss(clip=0.2)(v2, torch.tensor([[1.0]]), torch.tensor([[0.0]]), torch.ones(1, 1))
+    out2 = loss_fn(v2, torch.tensor([[1.0]]), torch.tensor([[0.0]]), torch.ones(1, 1))
     # err 0, clipped V = 0.8 -> 0.64: the clipped term wins
     assert float(out2.loss) == pytest.approx(0.5 * 0.64, abs=1e-6)
     assert float(out2.clip_frac) == 1.0 and float(out2.error) == 0.0
