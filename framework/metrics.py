@@ -292,10 +292,10 @@ class JsonlLogger(Logger):
     """`<run_dir>/metrics.jsonl`: one JSON object per `log_metrics` call with its `step`.
 
     `save()` flushes and fsyncs, so lines up to a published checkpoint survive a crash;
-    `truncate_after(step)` drops lines a resumed run will write again.
+    `truncate_after(step)` drops lines a resumed run will write again. `name` is the run's (the config's `name`).
     """
 
-    def __init__(self, path: str | os.PathLike, name: str = "fw"):
+    def __init__(self, path: str | os.PathLike, name: str):
         super().__init__()
         self.path = Path(path)
         self._name = name
