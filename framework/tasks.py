@@ -278,13 +278,13 @@ class JsonlPrompts(Task):
     Verified by ``numeric_match`` unless ``reward.name`` says otherwise (math data is the common case).
 
     Index ``i`` is record ``perm_e[i % n]`` of epoch ``e = i // n``. A line that is not a JSON object
-    with a valid prompt and an answer is an ``FwError`` naming the file and line.
+    with a valid prompt and an answer is an ``FwError`` naming the file and line. ``prompt_key``, ``answer_key``
+    and ``shuffle`` are the ``data`` section's, which ``build_task`` passes.
     """
 
     reward_name = "numeric_match"
 
-    def __init__(self, path: str | list[str], prompt_key: str = "prompt", answer_key: str = "answer",
-                 shuffle: bool = True, seed: int = 0):
+    def __init__(self, path: str | list[str], prompt_key: str, answer_key: str, shuffle: bool, seed: int = 0):
         super().__init__(seed)
         self.prompt_key, self.answer_key, self.shuffle = prompt_key, answer_key, shuffle
         self.records: list[Sample] = []
@@ -335,7 +335,7 @@ def _takes_seed(target: Any) -> bool:
                for p in parameters)
 
 
-def build_task(data_cfg: dict, seed: int = 0) -> Task:
+def build_task(data_cfg: dict, seed: int) -> Task:
     """The prompt source of ``cfg["data"]``: ``task`` ({name|class_path, init_args}) or ``path`` (JSONL).
 
     ``seed`` (recipes pass ``cfg["seed"]``, evaluation its ``eval.seed``) seeds the task unless

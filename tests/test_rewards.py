@@ -212,7 +212,7 @@ def test_jsonl_float_answers_are_read_as_written(tmp_path):
     answers = [1 / 20000, 1e21, 1.5e-7]     # json.dumps writes 5e-05, 1e+21, 1.5e-07
     path.write_text("".join(json.dumps({"prompt": f"q{i}", "answer": a}) + "\n" for i, a in enumerate(answers)))
     data = {"task": None, "path": str(path), "prompt_key": "prompt", "answer_key": "answer", "shuffle": False}
-    task = build_task(data)
+    task = build_task(data, seed=0)
     reward = build_reward({"name": None, "class_path": None, "init_args": {}}, task)
     right = ["\\boxed{0.00005}", "\\boxed{1000000000000000000000}", "\\boxed{0.00000015}"]
     wrong = [["\\boxed{-5}", "\\boxed{0.0005}"], ["\\boxed{21}", "\\boxed{1e20}"], ["\\boxed{-7}", "\\boxed{0}"]]
@@ -244,7 +244,7 @@ def test_a_jsonl_reference_that_is_not_one_number_is_refused_naming_its_line(tmp
             {"prompt": "root?", "answer": "\\sqrt{2}"}]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     data = {"task": None, "path": str(path), "prompt_key": "prompt", "answer_key": "answer", "shuffle": False}
-    task = build_task(data)
+    task = build_task(data, seed=0)
     base = {"name": None, "class_path": None, "init_args": {}}
     with pytest.raises(FwError, match=re.escape(f"{path}:2: the reference answer '12 square units' is not one "
                                                 "number") + r" .*\(and 1 more record\); fix the data"):
@@ -374,11 +374,11 @@ def test_unset_reward_name_takes_the_tasks_own_reward(tmp_path):
     data = {"path": None, "prompt_key": "prompt", "answer_key": "answer", "shuffle": True}
     expected = {"digits": ExactMatch, "arithmetic": NumericMatch, "countdown": CountdownReward}
     for name, cls in expected.items():
-        task = build_task({**data, "task": {"name": name, "init_args": {}}})
+        task = build_task({**data, "task": {"name": name, "init_args": {}}}, seed=0)
         assert type(build_reward(base, task)) is cls, name
     jsonl = tmp_path / "math.jsonl"
     jsonl.write_text('{"prompt": "1+1?", "answer": "2"}\n')
-    assert type(build_reward(base, build_task({**data, "path": str(jsonl), "task": None}))) is NumericMatch
+    assert type(build_reward(base, build_task({**data, "path": str(jsonl), "task": None}, seed=0))) is NumericMatch
     with pytest.raises(FwError, match="reward.name: not set, and the task .object. names no reward"):
         build_reward(base, object())
 

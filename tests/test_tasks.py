@@ -142,13 +142,13 @@ def write_jsonl(path, rows):
 def test_jsonl_prompts_epochs_and_metadata(tmp_path):
     rows = [{"question": f"q{i}", "solution": i * 10, "level": i % 2} for i in range(5)]
     path = write_jsonl(tmp_path / "math.jsonl", rows[:3] + [""] + rows[3:])
-    task = JsonlPrompts(path, prompt_key="question", answer_key="solution", seed=7)
+    task = JsonlPrompts(path, prompt_key="question", answer_key="solution", shuffle=True, seed=7)
     assert len(task) == 5
     epoch0 = [task.sample(i)["prompt"] for i in range(5)]
     epoch1 = [task.sample(i)["prompt"] for i in range(5, 10)]
     assert sorted(epoch0) == sorted(epoch1) == [f"q{i}" for i in range(5)]
     assert epoch0 != epoch1                         # reshuffled per epoch
-    again = JsonlPrompts(path, prompt_key="question", answer_key="solution", seed=7)
+    again = JsonlPrompts(path, prompt_key="question", answer_key="solution", shuffle=True, seed=7)
     assert [again.sample(i)["prompt"] for i in (9, 3, 7)] == [epoch1[4], epoch0[3], epoch1[2]]
     s = next(task.sample(i) for i in range(5) if task.sample(i)["prompt"] == "q4")
     assert s["answer"] == "40"
@@ -161,14 +161,14 @@ def test_a_jsonl_records_own_fields_reach_the_reward_as_written(tmp_path):
     """A mixed dataset routes its rewards by a field such as `source`: the record's fields arrive in the metadata
     unchanged; fw adds the reference answer under "answer" (as README says) and the record's place as fw_location."""
     path = write_jsonl(tmp_path / "mixed.jsonl", [{"prompt": "2+2", "solution": 4, "source": "gsm8k", "id": 7}])
-    (sample,) = [JsonlPrompts(path, answer_key="solution", shuffle=False).sample(0)]
+    (sample,) = [JsonlPrompts(path, prompt_key="prompt", answer_key="solution", shuffle=False).sample(0)]
     assert sample["metadata"] == {"source": "gsm8k", "id": 7, "answer": "4", "fw_location": f"{path}:1"}
 
 
 def test_jsonl_messages_prompt_and_several_files(tmp_path):
     a = write_jsonl(tmp_path / "a.jsonl", [{"prompt": [{"role": "user", "content": "hi"}], "answer": "x"}])
     b = write_jsonl(tmp_path / "b.jsonl", [{"prompt": "p", "answer": "y", "answer_extra": 1}])
-    task = build_task(data_cfg(path=[a, b], shuffle=False))
+    task = build_task(data_cfg(path=[a, b], shuffle=False), seed=0)
     assert task.sample(0)["prompt"] == [{"role": "user", "content": "hi"}]
     assert task.sample(1)["metadata"]["answer_extra"] == 1 and task.sample(1)["metadata"]["fw_location"] == f"{b}:1"
 
@@ -188,7 +188,7 @@ def test_jsonl_messages_prompt_and_several_files(tmp_path):
 def test_jsonl_malformed_line_names_file_and_line(tmp_path, line, message):
     path = write_jsonl(tmp_path / "bad.jsonl", ['{"prompt": "ok", "answer": "1"}', "", line])
     with pytest.raises(FwError, match=f"bad.jsonl:3: .*{message}"):
-        JsonlPrompts(path)
+        JsonlPrompts(path, "prompt", "answer", True)
 
 
 def test_a_jsonl_file_saved_with_a_byte_order_mark_reads_as_without(tmp_path):
@@ -204,10 +204,10 @@ def test_a_jsonl_file_saved_with_a_byte_order_mark_reads_as_without(tmp_path):
 
 def test_jsonl_missing_and_empty_files(tmp_path):
     with pytest.raises(FwError, match="cannot read .*nope.jsonl"):
-        JsonlPrompts(str(tmp_path / "nope.jsonl"))
+        JsonlPrompts(str(tmp_path / "nope.jsonl"), "prompt", "answer", True)
     (tmp_path / "empty.jsonl").write_text("\n\n")
     with pytest.raises(FwError, match="no records"):
-        JsonlPrompts(str(tmp_path / "empty.jsonl"))
+        JsonlPrompts(str(tmp_path / "empty.jsonl"), "prompt", "answer", True)
 
 
 def test_build_task_builtin_and_seed():
@@ -226,7 +226,7 @@ def test_build_task_builtin_and_seed():
 ])
 def test_build_task_errors(cfg, message):
     with pytest.raises(FwError, match=message):
-        build_task(cfg)
+        build_task(cfg, seed=0)
 
 
 class Squares(Task):
@@ -276,7 +276,7 @@ def test_hopeless_countdown_parameters_are_refused_at_once():
                                           r"1.*raise max_target, or lower max_number or num_numbers"):
             Countdown(**kwargs)
         with pytest.raises(FwError, match="max_target"):
-            build_task(data_cfg(task={"name": "countdown", "init_args": kwargs}))
+            build_task(data_cfg(task={"name": "countdown", "init_args": kwargs}), seed=0)
     assert time.monotonic() - start < 10
     Countdown(num_numbers=6, max_number=100, max_target=100).sample(0)     # slow-ish but fine: accepted
 
@@ -298,10 +298,10 @@ def test_countdown_sampling_gives_up_with_an_error(monkeypatch):
 
 
 def test_build_task_from_class_path():
-    task = build_task(data_cfg(task={"class_path": "framework.tasks.Digits", "init_args": {"rule": "next"}}))
+    task = build_task(data_cfg(task={"class_path": "framework.tasks.Digits", "init_args": {"rule": "next"}}), seed=0)
     assert isinstance(task, Digits) and task.rule == "next"
     with pytest.raises(FwError, match="needs a sample"):
-        build_task(data_cfg(task={"class_path": "collections.Counter", "init_args": {}}))
+        build_task(data_cfg(task={"class_path": "collections.Counter", "init_args": {}}), seed=0)
 
 
 class Template:
