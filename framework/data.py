@@ -123,7 +123,7 @@ def _spans_to_example(text: str, spans: list[tuple[int, int]], tokenizer: Any, t
     return Example(ids, targets)
 
 
-def assistant_spans(rendered: str, where: str, thinking: bool = False) -> list[tuple[int, int]]:
+def assistant_spans(rendered: str, where: str, thinking: bool) -> list[tuple[int, int]]:
     """The character spans of a rendered Qwen3 chat that the loss covers: each assistant turn's content and its
     `<|im_end|>` (not the newline after it, which the model never writes: generation stops at `<|im_end|>`), and
     its empty think block too where `thinking` (tokenizer.enable_thinking) leaves it out of the generation prompt.
@@ -201,7 +201,7 @@ def render_record(record: dict, fmt: str, tokenizer: Any, cfg: dict,
                                       where)
         # Only the last assistant turn is the completion; those of a messages prompt are context.
         return rendered, spans[-1:], []
-    text = render_prompt(prompt, tokenizer, False) + completion
+    text = render_prompt(prompt, tokenizer, False, thinking) + completion
     # The completion ends with eos so the model learns to stop; eos is a target of the last real token.
     return text, [(len(text) - len(completion), len(text))], [tokenizer.eos_id]
 

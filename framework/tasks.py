@@ -393,9 +393,9 @@ def checked_sample(task: Any, index: int) -> Sample:
     return sample
 
 
-def render_prompt(prompt: str | list[dict], tokenizer: Any, chat_template: bool,
-                  enable_thinking: bool = False) -> str:
-    """The text the policy continues: the chat template (a string becomes one user turn) or the raw prompt."""
+def render_prompt(prompt: str | list[dict], tokenizer: Any, chat_template: bool, enable_thinking: bool) -> str:
+    """The text the policy continues: the chat template (a string becomes one user turn) or the raw prompt.
+    `chat_template` and `enable_thinking` are data.chat_template and tokenizer.enable_thinking."""
     if not chat_template:
         if isinstance(prompt, str):
             return prompt

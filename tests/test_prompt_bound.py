@@ -60,8 +60,9 @@ def test_no_sample_of_a_built_in_task_outgrows_its_widest_prompt(tokenizers, tas
         prompts += [sampled.sample(i)["prompt"] for i in range(SAMPLES // len(SEEDS))]
     # the most tokens of the distinct prompts are the most of all: a narrow task repeats most of its prompts
     prompts = list(dict.fromkeys(prompts))
+    thinking = cfg["tokenizer"]["enable_thinking"]
     for name, tok in tokenizers.items():
-        counts = tok.token_counts([render_prompt(p, tok, chat_template) for p in prompts])
+        counts = tok.token_counts([render_prompt(p, tok, chat_template, thinking) for p in prompts])
         bound = longest_prompt(cfg, tok)
         assert max(counts) <= bound, name
         if task["name"] != "countdown":

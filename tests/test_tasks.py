@@ -313,12 +313,12 @@ class Template:
 
 
 def test_render_prompt():
-    assert render_prompt("7=", None, chat_template=False) == "7="
-    assert render_prompt("7=", Template(), chat_template=True) == "<user>7=<assistant>"
+    assert render_prompt("7=", None, chat_template=False, enable_thinking=False) == "7="
+    assert render_prompt("7=", Template(), chat_template=True, enable_thinking=False) == "<user>7=<assistant>"
     msgs = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]
     assert render_prompt(msgs, Template(), True, enable_thinking=True) == "<system>s<user>u<assistant><think>"
     with pytest.raises(FwError, match="chat_template is false but the prompt is a list of messages"):
-        render_prompt(msgs, None, chat_template=False)
+        render_prompt(msgs, None, chat_template=False, enable_thinking=False)
 
 
 def test_fw_validate_names_hopeless_countdown_parameters(tmp_path, monkeypatch):
