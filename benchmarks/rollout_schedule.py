@@ -67,6 +67,7 @@ def simulate(num_blocks: int, block_size: int, prompts: list[list[int]], outs: l
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
+    rollout = defaults("grpo")["rollout"]
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="qwen3-0.6b")
     ap.add_argument("--num-seqs", type=int, default=256)
@@ -74,11 +75,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--hi", type=int, default=1024)
     ap.add_argument("--kv-cache-gib", type=float, nargs="+", default=[16.0, 4.0])
     ap.add_argument("--watermarks", type=float, nargs="+", default=[0.01, sched.WATERMARK_FRACTION, 0.2])
-    ap.add_argument("--admit-batches", type=int, nargs="+", default=[defaults("grpo")["rollout"]["admit_batch"]])
+    ap.add_argument("--admit-batches", type=int, nargs="+", default=[rollout["admit_batch"]])
     ap.add_argument("--kv-cache-dtypes", nargs="+", choices=list(KV_CACHE_DTYPES),
-                    default=[defaults("grpo")["rollout"]["kv_cache_dtype"]])
-    ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--max-num-seqs", type=int, default=256)
+                    default=[rollout["kv_cache_dtype"]])
+    ap.add_argument("--block-size", type=int, default=rollout["block_size"])
+    ap.add_argument("--max-num-seqs", type=int, default=rollout["max_num_seqs"])
     ap.add_argument("--step-ms", type=float, default=0.0, help="assumed cost of a decode step besides its KV reads")
     ap.add_argument("--prefill-ms", type=float, default=0.0, help="assumed GPU idle time a prefill costs")
     ap.add_argument("--bandwidth-tbs", type=float, default=3.7, help="assumed KV read bandwidth, TB/s")
