@@ -36,12 +36,14 @@ def design_defaults() -> dict:
 
 # ------------------------------------------------------------------------------------------ defaults
 
-def assert_contains(actual: dict, expected: dict, where: str = "") -> None:
-    """Every key of `expected` is in `actual` with the same value (the schema may add keys of its own)."""
+def assert_same(actual: dict, expected: dict, where: str = "") -> None:
+    """`actual` has the keys of `expected`, no others, with the same values: the reference lists every default."""
+    extra = sorted(set(actual) - set(expected))
+    assert not extra, f"{where}{extra[0]} is not in the reference"
     for key, value in expected.items():
         assert key in actual, f"{where}{key} is missing"
         if isinstance(value, dict) and value:
-            assert_contains(actual[key], value, f"{where}{key}.")
+            assert_same(actual[key], value, f"{where}{key}.")
         else:
             assert actual[key] == value and type(actual[key]) is type(value), f"{where}{key}: {actual[key]!r}"
 
@@ -56,7 +58,7 @@ def test_resolved_defaults_match_the_design_contract(recipe):
         if other != recipe:
             del expected[other]  # only the selected recipe's section exists in a resolved config
     cfg = resolve({"recipe": recipe, "model": {"policy": {"preset": "tiny"}}})
-    assert_contains(cfg, expected)
+    assert_same(cfg, expected)
     assert list(cfg) == list(expected)  # the same sections, in the order of the reference
 
 
