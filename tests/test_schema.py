@@ -1,5 +1,6 @@
 """The schema itself, the files that point editors at it, and the copy shipped inside the package."""
 
+import ast
 import json
 import os
 import re
@@ -60,6 +61,93 @@ def test_every_key_is_documented_and_has_a_valid_default(path, sub):
         assert len(sub.get("enumDescriptions", [])) == len(sub["enum"])
         if "default" in sub:
             assert sub["default"] in sub["enum"]
+
+
+# Code defaults that share a schema key's name and default but not its meaning: the values that turn a sampling
+# filter off, the seed of a task or a generate call built without a config (fw always passes one), the flag of a
+# tokenizer method that stands in for Hugging Face's (fw always passes it), and whitening's epsilon.
+_TASK_CLASSES = ("Task", "Digits", "Arithmetic", "Countdown", "JsonlPrompts")
+OTHER_CONCEPTS = {
+    *(("framework/rollout/sampling.py", "SamplingParams", key) for key in ("top_k", "top_p", "min_p", "stop")),
+    *(("framework/tasks.py", f"{task}.__init__", "seed") for task in _TASK_CLASSES),
+    ("framework/rollout/engine.py", "RolloutEngine.generate", "seed"),
+    ("framework/rollout/engine.py", "generate", "seed"),
+    ("framework/tokenizer.py", "Tokenizer.apply_chat_template", "enable_thinking"),
+    ("recipes/advantages.py", "whiten", "eps"),
+}
+
+
+def _literal(node: ast.AST):
+    """The value of a literal default (tuples as lists, as the schema writes them), else None."""
+    try:
+        value = ast.literal_eval(node)
+    except ValueError:
+        return None
+    return list(value) if isinstance(value, tuple) else value
+
+
+def _same(a, b) -> bool:
+    return a == b and isinstance(a, bool) == isinstance(b, bool) and isinstance(a, str) == isinstance(b, str)
+
+
+def repeated_defaults(path: Path) -> list[tuple[str, str, object]]:
+    """(owner, key, value) of each parameter, class field or `.get(key, value)` of `path` named as a schema key and
+    defaulting to a non-null default of that key (owner: the enclosing function or class, dotted)."""
+    by_name: dict[str, list] = {}
+    for p, sub in PROPS:
+        if sub.get("default") is not None:
+            by_name.setdefault(p[-1], []).append(sub["default"])
+    found = []
+
+    def check(owner: str, key: object, node: ast.AST) -> None:
+        value = _literal(node)
+        if isinstance(key, str) and value is not None and any(_same(value, d) for d in by_name.get(key, [])):
+            found.append((owner, key, value))
+
+    def visit(node: ast.AST, owner: str) -> None:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            owner = f"{owner}.{node.name}" if owner else node.name
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            a = node.args
+            positional = a.posonlyargs + a.args
+            for arg, default in zip(positional[len(positional) - len(a.defaults):], a.defaults):
+                check(owner, arg.arg, default)
+            for arg, default in zip(a.kwonlyargs, a.kw_defaults):
+                if default is not None:
+                    check(owner, arg.arg, default)
+        if isinstance(node, ast.ClassDef):
+            for field in node.body:
+                if isinstance(field, ast.AnnAssign) and isinstance(field.target, ast.Name) and field.value:
+                    check(owner, field.target.id, field.value)
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get" \
+                and len(node.args) == 2 and isinstance(node.args[0], ast.Constant):
+            check(owner, node.args[0].value, node.args[1])
+        for child in ast.iter_child_nodes(node):
+            visit(child, owner)
+
+    visit(ast.parse(path.read_text()), "")
+    return found
+
+
+def test_code_takes_defaults_from_the_schema_and_never_repeats_them():
+    """DESIGN.md: a key's default lives in the schema only. A parameter, field or `.get` named as a key and defaulting
+    to its value is a second copy, which drifts when the schema changes: read the resolved config instead (or
+    `framework.config.defaults` where there is no config)."""
+    repeats = [(path.relative_to(ROOT).as_posix(), owner, key, value)
+               for package in ("framework", "recipes", "examples") for path in sorted((ROOT / package).rglob("*.py"))
+               for owner, key, value in repeated_defaults(path)]
+    assert [r for r in repeats if r[:3] not in OTHER_CONCEPTS] == []
+    assert {r[:3] for r in repeats} == OTHER_CONCEPTS   # an exception that is gone leaves this list
+
+
+def test_the_check_for_repeated_defaults_sees_each_form(tmp_path):
+    """A field, a positional and a keyword-only parameter and a `.get`; not another value, a bool for 1, or null."""
+    code = tmp_path / "code.py"
+    code.write_text("class Loss:\n    loss_agg: str = 'token-mean'\n    clip: float = 0.3\n\n"
+                    "def build(cfg, seed=0, *, top_p=1, shuffle=1, name=None):\n"
+                    "    return cfg['data'].get('max_seq_len', 512), cfg.get('batch_size', 9)\n")
+    assert repeated_defaults(code) == [("Loss", "loss_agg", "token-mean"), ("build", "seed", 0),
+                                       ("build", "top_p", 1), ("build", "max_seq_len", 512)]
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
