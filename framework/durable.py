@@ -70,6 +70,15 @@ def replace_file(path: str | os.PathLike, data: str | bytes) -> None:
     fsync_dir(path.parent)
 
 
+def file_in_the_way(path: str | os.PathLike) -> Path | None:
+    """The nearest existing ancestor of `path` when it is not a directory (a file where a folder of `path` must
+    be created), else None."""
+    parent = Path(path).parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    return None if parent.is_dir() else parent
+
+
 def link_or_copy(src: str, dst: str) -> None:
     """`shutil.copytree`'s copy function that hard-links where it can (instant; safe where every later write
     is a new file, as `write_new_file` makes it) and copies elsewhere."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from framework.durable import file_in_the_way
 from framework.errors import FwError
 from framework.metrics import read_metrics
 
@@ -65,6 +66,9 @@ def plot_runs(runs: list[str | Path], out: str | Path | None = None, metrics: li
     if out is not None and Path(out).suffix.lower() != ".png":   # the bytes written are a PNG's whatever the name
         raise FwError(f"--out {out}: fw plot writes PNG images; give a path ending in .png")
     files = [_metrics_file(r) for r in runs]
+    out = Path(out) if out is not None else Path(runs[0]) / "metrics.png" if Path(runs[0]).is_dir() else \
+        Path(runs[0]).with_suffix(".png")
+    _check_out(out)   # before the drawing
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
@@ -103,8 +107,18 @@ def plot_runs(runs: list[str | Path], out: str | Path | None = None, metrics: li
         ax.grid(alpha=0.3)
         if len(data) > 1:
             ax.legend(fontsize="small")
-    out = Path(out) if out is not None else Path(runs[0]) / "metrics.png" if Path(runs[0]).is_dir() else \
-        Path(runs[0]).with_suffix(".png")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=DPI, format="png")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(out, dpi=DPI, format="png")
+    except OSError as e:
+        raise FwError(f"--out {out}: cannot write it: {e.strerror or e}") from None
     return out
+
+
+def _check_out(out: Path) -> None:
+    """FwError if the PNG cannot go to `out`: a directory there, or a file where a folder of it must be."""
+    if out.is_dir():
+        raise FwError(f"--out {out}: a directory; give the image's file path, e.g. {out / 'metrics.png'}")
+    blocking = file_in_the_way(out)
+    if blocking is not None:
+        raise FwError(f"--out {out}: cannot create its folder: {blocking} is a file")

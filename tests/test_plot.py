@@ -75,6 +75,21 @@ def test_plot_errors_are_one_line(tmp_path, capsys):
     assert not (tmp_path / "a.jpg").exists()   # PNG bytes under a .jpg name, before
 
 
+def test_an_out_that_cannot_be_written_is_one_line(tmp_path, capsys):
+    """--out under a file, or a directory named like a PNG: one line each, exit 2, no traceback."""
+    write_run(tmp_path / "a", 0.0)
+    (tmp_path / "f").write_text("x")
+    (tmp_path / "d.png").mkdir()
+    for out in (tmp_path / "f" / "x.png", tmp_path / "f" / "sub" / "x.png", tmp_path / "d.png"):
+        assert main(["plot", "--run", str(tmp_path / "a"), "--out", str(out)]) == 2
+    errors = capsys.readouterr().err.strip().splitlines()
+    blocked = f"cannot create its folder: {tmp_path / 'f'} is a file"
+    assert errors == [f"fw: error: --out {tmp_path / 'f' / 'x.png'}: {blocked}",
+                      f"fw: error: --out {tmp_path / 'f' / 'sub' / 'x.png'}: {blocked}",
+                      (f"fw: error: --out {tmp_path / 'd.png'}: a directory; give the image's file path, e.g. "
+                       f"{tmp_path / 'd.png' / 'metrics.png'}")]
+
+
 def test_series_and_smoothing():
     records = [{"step": 2, "x": 1.0}, {"step": 1, "x": 3.0}, {"step": 2, "x": 5.0}, {"step": 3, "x": "nan"}]
     assert series(records, "x") == ([1, 2], [3.0, 5.0])   # the later line of a step wins
