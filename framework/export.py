@@ -28,7 +28,7 @@ from typing import Any
 from framework.checkpoint import CONFIG_FILE, read_resolved
 from framework.checkpoint.directory import read_complete_manifest, verify_checkpoint
 from framework.checkpoint.tensors import DiskFull
-from framework.durable import dead_leftovers, fsync_dir, hidden_sibling, is_disk_full
+from framework.durable import dead_leftovers, file_in_the_way, fsync_dir, hidden_sibling, is_disk_full
 from framework.errors import FwError
 from framework.models.hf_io import (
     GENERATION_CONFIG,
@@ -89,6 +89,9 @@ def export_checkpoint(checkpoint: str | os.PathLike, out: str | os.PathLike, mer
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         hint = ", holding the files a killed export moved in: empty it" if killed else "; choose a new one"
         raise FwError(f"--out {given}: already exists and is not an empty directory{hint}")
+    blocking = file_in_the_way(given)
+    if blocking is not None:
+        raise FwError(f"--out {given}: cannot create its folder: {blocking} is a file")
     if Path.cwd().resolve().is_relative_to(out):
         raise FwError(f"--out {given}: the working directory (or one above it), which the export would replace; "
                       "choose a new directory")

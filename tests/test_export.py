@@ -160,6 +160,19 @@ def test_fw_export_command(tmp_path, capsys):
     assert "already exists and is not an empty directory" in err and "Traceback" not in err
 
 
+def test_export_under_a_file_is_one_line(tmp_path, capsys):
+    """--out below a file (a typo'd parent): one line naming the file, exit 2, nothing left beside it."""
+    from framework.cli import main
+
+    ckpt = _write(tmp_path / "run", _policy(True))
+    (tmp_path / "f").write_text("x")
+    for out in (tmp_path / "f" / "hf", tmp_path / "f" / "sub" / "hf"):
+        assert main(["export", "--checkpoint", ckpt, "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert err == f"fw: error: --out {out}: cannot create its folder: {tmp_path / 'f'} is a file\n"
+    assert (tmp_path / "f").read_text() == "x" and not [p for p in os.listdir(tmp_path) if p.startswith(".")]
+
+
 def test_export_of_a_run_dir_with_a_damaged_newest_checkpoint(tmp_path, capsys):
     from framework.cli import main
 
