@@ -228,6 +228,19 @@ SOURCE_PROBLEM = ("the training data is a JSONL file (data.path), whose records 
                   "and again; set eval.path to a held-out JSONL file")
 
 
+@contextlib.contextmanager
+def _reading_eval_path() -> Iterator[None]:
+    """Errors of reading eval.path's files name eval.path: its readers are the training data's, whose errors say
+    data.path."""
+    try:
+        yield
+    except FwError as e:
+        text = str(e)
+        if not text.startswith("data.path"):
+            raise
+        raise FwError("eval.path" + text.removeprefix("data.path")) from None
+
+
 def _check_source(cfg: dict) -> None:
     if cfg["eval"]["path"] is None and not cfg["data"]["task"]:
         raise FwError(f"eval: {SOURCE_PROBLEM}")
@@ -277,7 +290,8 @@ class Evaluation:
         train = build_task(cfg["data"], seed=cfg["seed"])
         if not self.choose_only:
             self.reward_fn = build_reward(cfg["reward"], train, check=False)   # the recipe's reward checked them
-        source = build_task(_eval_cfg(cfg)["data"] if e["path"] else cfg["data"], seed=self.seed)
+        with _reading_eval_path() if e["path"] else contextlib.nullcontext():
+            source = build_task(_eval_cfg(cfg)["data"] if e["path"] else cfg["data"], seed=self.seed)
         if e["path"] and not self.choose_only and isinstance(self.reward_fn, NumericMatch):
             check_references(source)   # the eval file's answers, as build_reward checked the training file's
         template, thinking = cfg["data"]["chat_template"], cfg["tokenizer"]["enable_thinking"]
@@ -320,7 +334,10 @@ class Evaluation:
 
             count = draws
         if e["path"]:
-            items = records(e["path"])
+            with _reading_eval_path():
+                items = records(e["path"])
+            if not items:   # else every sample would count as held out, as if the file held the training data
+                raise FwError(f"eval.path {e['path']}: no records (every line is empty)")
             get, n = items.__getitem__, len(items)
         else:
             source = build_task(cfg["data"], seed=self.seed)

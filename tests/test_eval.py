@@ -505,6 +505,26 @@ def test_sft_fit_logs_eval_every_step(tmp_path):
     assert evals[1]["eval/loss"] != evals[0]["eval/loss"]   # the weights changed in between
 
 
+def test_fw_eval_names_eval_path_when_it_cannot_use_it(small_run, tmp_path, capsys):
+    """An --eval.path that is missing, a directory or empty is reported as eval.path (its readers are the training
+    data's), for SFT and RL; an empty SFT file is not said to hold the training data."""
+    lines = (ROOT / "recipes" / "data" / "arithmetic_chat.jsonl").read_text().splitlines()
+    train, held = tmp_path / "train.jsonl", tmp_path / "held.jsonl"
+    train.write_text("\n".join(lines[:8]) + "\n")
+    held.write_text("\n".join(lines[8:12]) + "\n")
+    fit(sft_config(tmp_path / "sft", train, held))
+    missing, empty = tmp_path / "missing.jsonl", tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    wanted = [f"fw: error: eval.path: cannot read {missing}: No such file or directory",
+              f"fw: error: eval.path: cannot read {tmp_path}: Is a directory",
+              f"fw: error: eval.path {empty}: no records (every line is empty)"]
+    for run in (tmp_path / "sft", small_run):
+        capsys.readouterr()
+        for path in (missing, tmp_path, empty):
+            assert main(["eval", "--checkpoint", str(run), f"--eval.path={path}"]) == 2
+        assert capsys.readouterr().err.splitlines() == wanted, run
+
+
 def test_sft_task_leaves_out_exactly_the_examples_training_packs(tmp_path):
     cfg = resolve({
         "recipe": "sft", "seed": 3, "run_dir": str(tmp_path / "run"), "model": {"policy": {"preset": "tiny"}},
