@@ -223,6 +223,12 @@ def adapted_policy(source: Path, adapter_dir: Path) -> tuple[Any, Any]:
     # The vocabulary of a preset comes from the tokenizer the run trained with, which policy/ carries.
     tokenizer = Tokenizer.from_pretrained(adapter_dir) if (adapter_dir / "tokenizer.json").is_file() \
         else build_tokenizer(cfg)
+    base = cfg["model"]["policy"]["path"]
+    if base is not None and not (Path(base) / MODEL_CONFIG).is_file():
+        found = "no config.json there" if Path(base).is_dir() else "no such directory"
+        raise FwError(f"{source}: the base model of its LoRA adapters, model.policy.path of its {CONFIG_FILE}, is "
+                      f"{base}: {found}; put that model back there (fw generate, fw eval and fw export --merge "
+                      "rebuild the base from the checkpoint's own config, whatever the overrides say)")
     model_cfg = {**cfg["model"]["policy"], "compile": False, "gradient_checkpointing": False}
     policy = build_policy(model_cfg, tokenizer, seed=cfg["seed"])
     load_targets(peft_targets(policy), load_file(str(adapter_dir / ADAPTER_WEIGHTS)),

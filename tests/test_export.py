@@ -388,3 +388,29 @@ def test_export_reads_config_yaml_as_fw_does(tmp_path, monkeypatch):
 
     out = Path(export_checkpoint(ckpt, tmp_path / "export"))
     assert (out / "generation_config.json").read_bytes() == original
+
+
+def test_a_lora_checkpoint_whose_base_is_gone_says_which_key_and_where(tmp_path, capsys):
+    """fw export --merge, fw generate and fw eval of a LoRA checkpoint whose base directory moved away: one line
+    naming the checkpoint, model.policy.path and the missing directory, whatever --model.policy.path says."""
+    from framework.cli import main
+    from framework.trainer import fit
+
+    base = tmp_path / "base"
+    _hf_base(base, eos_token_id=[151645, 151643])
+    cfg = _sft_from(base, tmp_path / "run", 2)
+    cfg["model"]["policy"]["lora"] = {"rank": 4, "alpha": 8, "dropout": 0.0, "targets": ["q_proj", "v_proj"]}
+    fit(cfg)
+    ckpt = ck.checkpoints_dir(tmp_path / "run") / ck.step_dir_name(2)
+    moved = tmp_path / "moved"
+    base.rename(moved)
+    held = ROOT / "recipes" / "data" / "arithmetic_chat_heldout.jsonl"
+    capsys.readouterr()
+    assert main(["export", "--checkpoint", str(ckpt), "--out", str(tmp_path / "merged"), "--merge"]) == 2
+    assert main(["generate", "--checkpoint", str(ckpt), "--prompt", "1+1=", f"--model.policy.path={moved}"]) == 2
+    assert main(["eval", "--checkpoint", str(ckpt), f"--eval.path={held}"]) == 2
+    line = (f"fw: error: {ckpt}: the base model of its LoRA adapters, model.policy.path of its config.yaml, is "
+            f"{base}: no such directory; put that model back there (fw generate, fw eval and fw export --merge "
+            "rebuild the base from the checkpoint's own config, whatever the overrides say)")
+    assert capsys.readouterr().err.splitlines() == [line] * 3
+    assert not (tmp_path / "merged").exists()
