@@ -202,10 +202,11 @@ def _move_into(staging: Path, out: Path, given: str | os.PathLike) -> None:
     fsync_dir(out)
 
 
-def adapted_policy(source: Path, adapter_dir: Path) -> tuple[Any, Any]:
+def adapted_policy(source: Path, adapter_dir: Path, policy_cfg: dict | None = None) -> tuple[Any, Any]:
     """(tokenizer, policy with adapters) of LoRA checkpoint `source`: the base rebuilt from its config.yaml
-    (`model.policy.path`, or the preset from the seed), the adapters of `adapter_dir` (checked copies, or
-    the checkpoint's own `policy/` once its files were checked) loaded into it."""
+    (`model.policy.path`, or the preset from the seed; `policy_cfg` in place of its model.policy, from
+    `framework.generate.checkpoint_policy_config`), the adapters of `adapter_dir` (checked copies, or the
+    checkpoint's own `policy/` once its files were checked) loaded into it."""
     from safetensors.torch import load_file
 
     from framework.config import load_config
@@ -215,6 +216,8 @@ def adapted_policy(source: Path, adapter_dir: Path) -> tuple[Any, Any]:
     from framework.tokenizer import Tokenizer, build_tokenizer
 
     cfg = load_config([str(source / CONFIG_FILE)], imports=())
+    if policy_cfg is not None:
+        cfg["model"]["policy"] = policy_cfg
     lora = cfg["model"]["policy"]["lora"]
     if lora is None:
         raise FwError(f"{source / CONFIG_FILE}: model.policy.lora is null, but {POLICY}/ holds adapters")
@@ -227,8 +230,8 @@ def adapted_policy(source: Path, adapter_dir: Path) -> tuple[Any, Any]:
     if base is not None and not (Path(base) / MODEL_CONFIG).is_file():
         found = "no config.json there" if Path(base).is_dir() else "no such directory"
         raise FwError(f"{source}: the base model of its LoRA adapters, model.policy.path of its {CONFIG_FILE}, is "
-                      f"{base}: {found}; put that model back there (fw generate, fw eval and fw export --merge "
-                      "rebuild the base from the checkpoint's own config, whatever the overrides say)")
+                      f"{base}: {found}; put that model back there (fw generate and fw eval also take "
+                      "--model.policy.path=DIR of a copy, checked against the checkpoint's record of its files)")
     model_cfg = {**cfg["model"]["policy"], "compile": False, "gradient_checkpointing": False}
     policy = build_policy(model_cfg, tokenizer, seed=cfg["seed"])
     load_targets(peft_targets(policy), load_file(str(adapter_dir / ADAPTER_WEIGHTS)),

@@ -46,6 +46,49 @@ def run_config(cfg: dict | None, checkpoint: str | os.PathLike | None, overrides
     return load_config([str(Path(checkpoint) / CONFIG_FILE)], overrides or [], imports=())
 
 
+# model.policy keys a config may set to other values than the checkpoint's own when it reads the checkpoint's policy:
+# they change how the same weights load or run. Every other key fixes which weights and shapes the policy has.
+_POLICY_KEYS_THAT_APPLY = ("dtype", "compile", "gradient_checkpointing", "keep_logits")
+
+
+def checkpoint_policy_config(cfg: dict, checkpoint: Path) -> dict:
+    """The model.policy config that reads `checkpoint`'s policy under `cfg`: the checkpoint's own (its
+    config.yaml), with `cfg`'s dtype. `cfg` may name the base model at another path that holds the same files
+    (checked against the manifest's record, as a resume checks a move); any other change of the policy (preset,
+    base model, LoRA settings) is refused, naming the key."""
+    from framework.checkpoint.resume import RESUME_RULES, move_problem
+    from framework.config import load_config
+
+    own = load_config([str(checkpoint / CONFIG_FILE)], imports=())["model"]["policy"]
+    new = cfg["model"]["policy"]
+    out = {**own, **{k: new[k] for k in _POLICY_KEYS_THAT_APPLY}}
+
+    def refuse(key: str, was: Any, now: Any, why: str) -> FwError:
+        return FwError(f"{key} is {now!r} here, but the policy of {checkpoint} has {was!r} ({why}); leave {key} "
+                       "as the checkpoint's config.yaml has it")
+
+    if (own["lora"] is None) != (new["lora"] is None):
+        kind = "a full model" if own["lora"] is None else "LoRA adapters"
+        raise refuse("model.policy.lora", own["lora"], new["lora"], f"the checkpoint holds {kind}")
+    for key in [k for k in own if k not in _POLICY_KEYS_THAT_APPLY and k != "lora"] + \
+            [f"lora.{k}" for k in (own["lora"] or {})]:
+        sub = key.removeprefix("lora.")
+        was, now = (own, new) if sub == key else (own["lora"], new["lora"])
+        was, now, full = was[sub], now[sub], f"model.policy.{key}"
+        if was == now:
+            continue
+        why = RESUME_RULES[full][1]
+        if key == "path" and was is not None and now is not None:
+            recorded = (read_complete_manifest(checkpoint).get("sources") or {}).get(full)
+            problem = move_problem(full, was, now, recorded)
+            if problem is None:   # the same base model, copied or moved
+                out["path"] = now
+                continue
+            why = f"{why}; {problem}"
+        raise refuse(full, was, now, why)
+    return out
+
+
 def load_policy(cfg: dict, checkpoint: str | os.PathLike | None) -> tuple[Any, Any]:
     """(tokenizer, policy): from ``checkpoint``'s ``policy/`` (a checkpoint directory, its sizes checked;
     with ``checkpoint.verify`` every file read is hashed while it loads), else built from ``cfg`` (random
@@ -63,19 +106,20 @@ def load_policy(cfg: dict, checkpoint: str | os.PathLike | None) -> tuple[Any, A
     manifest = read_complete_manifest(path)
     if POLICY not in manifest["components"]:
         raise FwError(f"--checkpoint {path}: the checkpoint holds no {POLICY}/ component")
+    policy_cfg = checkpoint_policy_config(cfg, path)   # refused changes stop before any weights load
     rels = [rel for rel in manifest["files"] if rel.startswith(POLICY + "/") or rel == CONFIG_FILE]
     policy_dir = path / POLICY
     with verifying(Verifier(path, manifest, rels) if cfg["checkpoint"]["verify"] else None):
         for fname in component_weight_files(manifest, POLICY):
             check_header(policy_dir / fname)
         if f"{POLICY}/{ADAPTER_CONFIG}" in manifest["files"]:
-            # LoRA: the base from the checkpoint's own config, the adapters folded in for plain decoding
-            tokenizer, policy = adapted_policy(path, policy_dir)
+            # LoRA: the base the checkpoint's config names, the adapters folded in for plain decoding
+            tokenizer, policy = adapted_policy(path, policy_dir, policy_cfg)
             return tokenizer, merged_copy(policy)
         # A checkpoint's policy/ carries the tokenizer the run trained with; fall back to the config's.
         has_tokenizer = (policy_dir / "tokenizer.json").is_file()
         tokenizer = Tokenizer.from_pretrained(policy_dir) if has_tokenizer else build_tokenizer(cfg)
-        policy = load_pretrained(policy_dir, cfg["model"]["policy"]["dtype"])
+        policy = load_pretrained(policy_dir, policy_cfg["dtype"])
     return tokenizer, policy
 
 

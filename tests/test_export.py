@@ -390,10 +390,8 @@ def test_export_reads_config_yaml_as_fw_does(tmp_path, monkeypatch):
     assert (out / "generation_config.json").read_bytes() == original
 
 
-def test_a_lora_checkpoint_whose_base_is_gone_says_which_key_and_where(tmp_path, capsys):
-    """fw export --merge, fw generate and fw eval of a LoRA checkpoint whose base directory moved away: one line
-    naming the checkpoint, model.policy.path and the missing directory, whatever --model.policy.path says."""
-    from framework.cli import main
+def _lora_run(tmp_path: Path) -> tuple[Path, Path]:
+    """(base model directory, step-2 checkpoint) of a 2-step LoRA SFT run on an HF base directory."""
     from framework.trainer import fit
 
     base = tmp_path / "base"
@@ -401,16 +399,80 @@ def test_a_lora_checkpoint_whose_base_is_gone_says_which_key_and_where(tmp_path,
     cfg = _sft_from(base, tmp_path / "run", 2)
     cfg["model"]["policy"]["lora"] = {"rank": 4, "alpha": 8, "dropout": 0.0, "targets": ["q_proj", "v_proj"]}
     fit(cfg)
-    ckpt = ck.checkpoints_dir(tmp_path / "run") / ck.step_dir_name(2)
+    return base, ck.checkpoints_dir(tmp_path / "run") / ck.step_dir_name(2)
+
+
+def test_a_lora_checkpoint_whose_base_is_gone_says_which_key_and_where(tmp_path, capsys):
+    """fw export --merge, fw generate and fw eval of a LoRA checkpoint whose base directory moved away: one line
+    naming the checkpoint, model.policy.path and the missing directory; fw generate then reads the base from
+    --model.policy.path at its new place, the same completion as before the move."""
+    from framework.cli import main
+
+    base, ckpt = _lora_run(tmp_path)
+    held = ROOT / "recipes" / "data" / "arithmetic_chat_heldout.jsonl"
+    generate = ["generate", "--checkpoint", str(ckpt), "--prompt", "1+1=", "--greedy", "--max-new-tokens", "6"]
+    assert main(generate) == 0
+    before = capsys.readouterr().out
     moved = tmp_path / "moved"
     base.rename(moved)
-    held = ROOT / "recipes" / "data" / "arithmetic_chat_heldout.jsonl"
-    capsys.readouterr()
     assert main(["export", "--checkpoint", str(ckpt), "--out", str(tmp_path / "merged"), "--merge"]) == 2
-    assert main(["generate", "--checkpoint", str(ckpt), "--prompt", "1+1=", f"--model.policy.path={moved}"]) == 2
+    assert main(generate) == 2
     assert main(["eval", "--checkpoint", str(ckpt), f"--eval.path={held}"]) == 2
     line = (f"fw: error: {ckpt}: the base model of its LoRA adapters, model.policy.path of its config.yaml, is "
-            f"{base}: no such directory; put that model back there (fw generate, fw eval and fw export --merge "
-            "rebuild the base from the checkpoint's own config, whatever the overrides say)")
+            f"{base}: no such directory; put that model back there (fw generate and fw eval also take "
+            "--model.policy.path=DIR of a copy, checked against the checkpoint's record of its files)")
     assert capsys.readouterr().err.splitlines() == [line] * 3
     assert not (tmp_path / "merged").exists()
+    assert main([*generate, f"--model.policy.path={moved}"]) == 0
+    assert capsys.readouterr().out == before
+
+
+def test_a_checkpoints_policy_takes_no_other_model_from_the_config(tmp_path, capsys):
+    """fw generate / fw eval read the checkpoint's policy: a config or override that names another base model,
+    other LoRA settings or no LoRA is refused in one line naming the key (before, the base came from the
+    checkpoint's config.yaml whatever the override said, and fw eval's report listed the override as applied)."""
+    from framework.cli import main
+
+    base, ckpt = _lora_run(tmp_path)
+    other = tmp_path / "other"
+    _hf_base(other, eos_token_id=151643)   # another generation_config.json: other content
+    generate = ["generate", "--checkpoint", str(ckpt), "--prompt", "1+1=", "--greedy", "--max-new-tokens", "2"]
+    held = ROOT / "recipes" / "data" / "arithmetic_chat_heldout.jsonl"
+    capsys.readouterr()
+    assert main([*generate, f"--model.policy.path={other}"]) == 2
+    assert main([*generate, "--model.policy.lora.rank=8"]) == 2
+    assert main(["eval", "--checkpoint", str(ckpt), f"--eval.path={held}", "--model.policy.lora=null"]) == 2
+    lora = {"rank": 4, "alpha": 8, "dropout": 0.0, "targets": ["q_proj", "v_proj"]}
+    assert capsys.readouterr().err.splitlines() == [
+        (f"fw: error: model.policy.path is {str(other)!r} here, but the policy of {ckpt} has {str(base)!r} (the "
+        f"weights and their shapes come from the checkpoint; {other / 'generation_config.json'} differs in content "
+        "from what the checkpoint recorded); leave model.policy.path as the checkpoint's config.yaml has it"),
+        (f"fw: error: model.policy.lora.rank is 8 here, but the policy of {ckpt} has 4 (the adapters' shapes are in "
+        "the checkpoint); leave model.policy.lora.rank as the checkpoint's config.yaml has it"),
+        (f"fw: error: model.policy.lora is None here, but the policy of {ckpt} has {lora!r} (the checkpoint holds "
+        "LoRA adapters); leave model.policy.lora as the checkpoint's config.yaml has it")]
+
+
+def test_a_checkpoints_policy_loads_in_the_configs_dtype(tmp_path):
+    """model.policy.dtype applies to a checkpoint's policy, full or LoRA (the LoRA base was rebuilt in the
+    checkpoint's dtype whatever the config said); a copy of the base at another path reads as the base."""
+    import shutil
+
+    from framework.generate import load_policy, run_config
+
+    base, ckpt = _lora_run(tmp_path)
+    copy = tmp_path / "copy"
+    shutil.copytree(base, copy)
+    bf16 = "--model.policy.dtype=bfloat16"
+    for overrides in ([bf16], [bf16, f"--model.policy.path={copy}"]):
+        _, policy = load_policy(run_config(None, ckpt, overrides), ckpt)
+        assert {p.dtype for p in policy.parameters()} == {torch.bfloat16}
+    _, policy = load_policy(run_config(None, ckpt, []), ckpt)
+    assert {p.dtype for p in policy.parameters()} == {torch.float32}
+    full = tmp_path / "full" / "step-000003"
+    cfg = _sft_from(base, tmp_path / "full", 3)
+    ck.write_checkpoint_dir(policy_checkpoint(_policy(False), Tokenizer.builtin(), 3, tmp_path / "tok"), full, cfg)
+    _, policy = load_policy(run_config(None, full, ["--model.policy.dtype=bfloat16"]), full)
+    assert {p.dtype for p in policy.parameters()} == {torch.bfloat16}
+    with pytest.raises(FwError, match=r"^model.policy.lora is \{'rank': 4.*the checkpoint holds a full model"):
+        load_policy(run_config(None, full, ["--model.policy.lora.rank=4"]), full)

@@ -233,7 +233,7 @@ def check_resume_config(checkpoint: str | os.PathLike, cfg: dict) -> list[tuple[
             continue
         why = RESUME_RULES[k][1]
         if k in movable and a is not None and b is not None:
-            problem = _move_problem(k, a, b, recorded.get(k))
+            problem = move_problem(k, a, b, recorded.get(k))
             if problem is None:
                 moved.append((k, a, b))
                 continue
@@ -316,7 +316,7 @@ def source_fingerprints(cfg: dict) -> dict[str, Any]:
     return out
 
 
-def _move_problem(key: str, old: Any, new: Any, recorded: Any) -> str | None:
+def move_problem(key: str, old: Any, new: Any, recorded: Any) -> str | None:
     """None when `new` (a path or a list of paths) holds what the checkpoint `recorded` for `key`, or, for a
     checkpoint without a record, what `old` holds now; else why the change counts as another content."""
     olds, news = (v if isinstance(v, list) else [v] for v in (old, new))
