@@ -228,19 +228,6 @@ SOURCE_PROBLEM = ("the training data is a JSONL file (data.path), whose records 
                   "and again; set eval.path to a held-out JSONL file")
 
 
-@contextlib.contextmanager
-def _reading_eval_path() -> Iterator[None]:
-    """Errors of reading eval.path's files name eval.path: its readers are the training data's, whose errors say
-    data.path."""
-    try:
-        yield
-    except FwError as e:
-        text = str(e)
-        if not text.startswith("data.path"):
-            raise
-        raise FwError("eval.path" + text.removeprefix("data.path")) from None
-
-
 def _check_source(cfg: dict) -> None:
     if cfg["eval"]["path"] is None and not cfg["data"]["task"]:
         raise FwError(f"eval: {SOURCE_PROBLEM}")
@@ -290,8 +277,8 @@ class Evaluation:
         train = build_task(cfg["data"], seed=cfg["seed"])
         if not self.choose_only:
             self.reward_fn = build_reward(cfg["reward"], train, check=False)   # the recipe's reward checked them
-        with _reading_eval_path() if e["path"] else contextlib.nullcontext():
-            source = build_task(_eval_cfg(cfg)["data"] if e["path"] else cfg["data"], seed=self.seed)
+        source = (build_task(_eval_cfg(cfg)["data"], seed=self.seed, path_key="eval.path") if e["path"]
+                  else build_task(cfg["data"], seed=self.seed))
         if e["path"] and not self.choose_only and isinstance(self.reward_fn, NumericMatch):
             check_references(source)   # the eval file's answers, as build_reward checked the training file's
         template, thinking = cfg["data"]["chat_template"], cfg["tokenizer"]["enable_thinking"]
@@ -315,8 +302,8 @@ class Evaluation:
         cfg, e = self.cfg, self.cfg["eval"]
         fmt = cfg["data"]["format"] if e["path"] else "prompt_completion"
 
-        def records(paths: str | list[str]) -> list[tuple[str, dict]]:   # (FILE:LINE, record)
-            return [item for p in ([paths] if isinstance(paths, str) else paths) for item in read_jsonl(p)]
+        def records(paths: str | list[str], key: str) -> list[tuple[str, dict]]:   # (FILE:LINE, record)
+            return [item for p in ([paths] if isinstance(paths, str) else paths) for item in read_jsonl(p, key)]
 
         def prompt(item: tuple[str, dict], fmt: str) -> str:
             return record_prompt(item[1], fmt, _renderer(), cfg, item[0])
@@ -324,7 +311,7 @@ class Evaluation:
         if not e["held_out"]:
             train_key, count = None, 0
         elif cfg["data"]["path"]:   # every record of the file, which training visits again and again
-            keys = [prompt(item, cfg["data"]["format"]) for item in records(cfg["data"]["path"])]
+            keys = [prompt(item, cfg["data"]["format"]) for item in records(cfg["data"]["path"], "data.path")]
             train_key, count = keys.__getitem__, len(keys)
         else:
             train = build_task(cfg["data"], seed=cfg["seed"])
@@ -334,8 +321,7 @@ class Evaluation:
 
             count = draws
         if e["path"]:
-            with _reading_eval_path():
-                items = records(e["path"])
+            items = records(e["path"], "eval.path")
             if not items:   # else every sample would count as held out, as if the file held the training data
                 raise FwError(f"eval.path {e['path']}: no records (every line is empty)")
             get, n = items.__getitem__, len(items)

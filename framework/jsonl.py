@@ -37,13 +37,13 @@ def json_type_name(value: object) -> str:
     return names.get(type(value), type(value).__name__)
 
 
-def _text(path: str | Path) -> str:
+def _text(path: str | Path, key: str) -> str:
     """The file as text, without the byte-order mark some editors begin UTF-8 files with; FwError at the line and
-    column of the first byte that is not UTF-8."""
+    column of the first byte that is not UTF-8, or naming config key `key` when the file cannot be read."""
     try:
         raw = Path(path).read_bytes()
     except OSError as e:
-        raise FwError(f"data.path: cannot read {path}: {e.strerror or e}") from None
+        raise FwError(f"{key}: cannot read {path}: {e.strerror or e}") from None
     try:
         return raw.decode("utf-8").removeprefix("\ufeff")
     except UnicodeDecodeError as e:
@@ -52,10 +52,11 @@ def _text(path: str | Path) -> str:
         raise NotUtf8(path, line, col, raw[e.start]) from None
 
 
-def rows(path: str | Path) -> Iterator[Row]:
-    """Every non-blank line of a JSONL file, parsed; FwError if the file cannot be read as UTF-8 text."""
+def rows(path: str | Path, key: str = "data.path") -> Iterator[Row]:
+    """Every non-blank line of a JSONL file, parsed; FwError if the file cannot be read as UTF-8 text (naming `key`,
+    the config key that named the file, when it cannot be read at all)."""
     # JSON strings may hold U+2028, U+2029 and U+0085 raw, which str.splitlines() would also split at
-    for lineno, line in enumerate(_text(path).split("\n"), 1):
+    for lineno, line in enumerate(_text(path, key).split("\n"), 1):
         line = line.removesuffix("\r")
         if not line.strip():
             continue
@@ -70,10 +71,11 @@ def rows(path: str | Path) -> Iterator[Row]:
         yield Row(lineno, 1, record, None)
 
 
-def read_jsonl(path: str | Path) -> list[tuple[str, dict]]:
-    """Every record of a JSONL file with its `FILE:LINE` location; blank lines are skipped."""
+def read_jsonl(path: str | Path, key: str = "data.path") -> list[tuple[str, dict]]:
+    """Every record of a JSONL file with its `FILE:LINE` location; blank lines are skipped. `key` is the config key
+    that named the file, for the error when it cannot be read."""
     records = []
-    for row in rows(path):
+    for row in rows(path, key):
         where = f"{path}:{row.line}"
         if row.problem:
             raise FwError(f"{where}: {row.problem}")

@@ -284,19 +284,20 @@ class JsonlPrompts(Task):
 
     reward_name = "numeric_match"
 
-    def __init__(self, path: str | list[str], prompt_key: str, answer_key: str, shuffle: bool, seed: int = 0):
+    def __init__(self, path: str | list[str], prompt_key: str, answer_key: str, shuffle: bool, seed: int = 0,
+                 key: str = "data.path"):
         super().__init__(seed)
         self.prompt_key, self.answer_key, self.shuffle = prompt_key, answer_key, shuffle
         self.records: list[Sample] = []
         for file in [path] if isinstance(path, (str, Path)) else list(path):
-            self.records.extend(self._read(Path(file)))
+            self.records.extend(self._read(Path(file), key))
         if not self.records:
-            raise FwError(f"data.path {path}: no records (every line is empty)")
+            raise FwError(f"{key} {path}: no records (every line is empty)")
         self._order: tuple[int, list[int]] | None = None
 
-    def _read(self, file: Path) -> list[Sample]:
+    def _read(self, file: Path, key: str) -> list[Sample]:
         records = []
-        for where, record in read_jsonl(file):
+        for where, record in read_jsonl(file, key):
             problem = prompt_record_problem(record, self.prompt_key, self.answer_key)
             if problem:
                 raise FwError(f"{where}: {problem}")
@@ -335,17 +336,19 @@ def _takes_seed(target: Any) -> bool:
                for p in parameters)
 
 
-def build_task(data_cfg: dict, seed: int) -> Task:
+def build_task(data_cfg: dict, seed: int, path_key: str = "data.path") -> Task:
     """The prompt source of ``cfg["data"]``: ``task`` ({name|class_path, init_args}) or ``path`` (JSONL).
 
     ``seed`` (recipes pass ``cfg["seed"]``, evaluation its ``eval.seed``) seeds the task unless
     ``init_args`` sets one: a built-in, or a ``class_path`` class whose constructor takes ``seed``.
+    ``path_key`` is the config key that set ``path``, for the errors of reading it.
     """
     task_cfg, path = data_cfg["task"], data_cfg["path"]
     if task_cfg and path:
         raise FwError("data: set either data.task or data.path (JSONL prompts), not both")
     if path:
-        return JsonlPrompts(path, data_cfg["prompt_key"], data_cfg["answer_key"], data_cfg["shuffle"], seed)
+        return JsonlPrompts(path, data_cfg["prompt_key"], data_cfg["answer_key"], data_cfg["shuffle"], seed,
+                            key=path_key)
     if not task_cfg:
         raise FwError("data: RL needs prompts: set data.task (e.g. {name: digits}) or data.path (JSONL)")
     init_args = dict(task_cfg.get("init_args") or {})
