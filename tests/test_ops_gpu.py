@@ -1521,6 +1521,24 @@ def test_sample_top_k_ties(V, top_k, top_p):
         assert (keep.sum(-1) > top_k).all()  # the ties were kept
 
 
+def test_full_row_top_p_is_the_same_every_run():
+    """Top-p without top-k (the full-row path) with top_p at a token's exact cumulative mass: the masses per digit
+    are added in whatever order the threads' atomics land, so float adds could put the edge token in or out from
+    run to run; the draws of 20 calls are one. Every row holds the same values, placed at its own columns."""
+    B, V, n = 16, 151936, 4096
+    values = torch.full((V,), -10.0, dtype=torch.float64)
+    values[:n] = -1e-4 * torch.arange(n, dtype=torch.float64)   # distinct keys, masses near 1
+    mass = values.exp()
+    top_p = float(mass[:3000].sum() / mass.sum())   # the edge at the 3000th largest token
+    g = torch.Generator().manual_seed(5)
+    logits = torch.stack([values[torch.randperm(V, generator=g)] for _ in range(B)]).float().to(DEV)
+    first, _ = ops_cuda.sample(logits, 1.0, 0, top_p, 0.0, 99)
+    for _ in range(19):
+        assert torch.equal(ops_cuda.sample(logits, 1.0, 0, top_p, 0.0, 99)[0], first)
+    drawn = logits.gather(1, first[:, None]).squeeze(1).double()
+    assert (drawn >= values[3001].item() - 1e-7).all(), "a token past the top-p edge was drawn"
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_sample_unaligned_rows(dtype):
     """Rows starting off a 16-byte boundary take the scalar loads."""

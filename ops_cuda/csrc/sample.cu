@@ -195,6 +195,14 @@ constexpr int kCand = 4 * kThreads;  // 4 sorted candidates per thread for the t
 constexpr int kBinBits = 11, kBins = 1 << kBinBits;
 static_assert(kBins == 2 * kThreads, "the bin search gives each thread two bins");
 
+// The full-row top-p adds token masses (exp(z - max) <= 1) in fixed point, in units of 2^-40: integer adds
+// give the same sums in any order, so a draw does not depend on which thread's atomic lands first (float adds
+// would). A row's whole mass stays under 2^64 units up to 2^24 columns; a token under 2^-40 adds nothing.
+constexpr double kMassUnit = 1099511627776.0;  // 2^40
+__device__ __forceinline__ unsigned long long fixed_mass(float m) {
+  return __double2ull_rn((double)m * kMassUnit);
+}
+
 // sample_kernel's shared memory, in one place so that its size is checked: static shared memory cannot pass
 // 48 KiB, and some toolkits do not say so at compile time. cand (8 bytes a candidate) and bins hold most of it.
 struct SampleShared {
@@ -202,9 +210,9 @@ struct SampleShared {
   float red_f[32];
   uint32_t red_u[32];
   uint32_t hist[256];
-  float hmass[256];
+  unsigned long long hmass[256];  // top-p's mass per digit, in kMassUnit units
+  unsigned long long sel_remaining, mass_total;
   uint32_t sel_prefix, sel_mask;
-  float sel_remaining;
   uint32_t bins[kBins];
   unsigned long long cand[kCand];  // key << 32 | column
   uint32_t s_bin, s_n, s_fill, s_nk, s_idx;
@@ -223,12 +231,12 @@ sample_kernel(const T* __restrict__ logits, int64_t row_stride, int64_t* __restr
   float* red_f = sh.red_f;
   uint32_t* red_u = sh.red_u;
   uint32_t* hist = sh.hist;
-  float* hmass = sh.hmass;
+  unsigned long long* hmass = sh.hmass;
   uint32_t* bins = sh.bins;
   unsigned long long* cand = sh.cand;
   uint32_t &sel_prefix = sh.sel_prefix, &sel_mask = sh.sel_mask, &s_bin = sh.s_bin, &s_n = sh.s_n,
            &s_fill = sh.s_fill, &s_nk = sh.s_nk, &s_idx = sh.s_idx;
-  float& sel_remaining = sh.sel_remaining;
+  unsigned long long &sel_remaining = sh.sel_remaining, &mass_total = sh.mass_total;
   const int64_t row = blockIdx.x;
   const T* x = logits + row * row_stride;
   const int t = threadIdx.x;
@@ -367,7 +375,7 @@ sample_kernel(const T* __restrict__ logits, int64_t row_stride, int64_t* __restr
     if (t == 0) {
       sel_prefix = 0u;
       sel_mask = 0u;
-      sel_remaining = 0.f;
+      sel_remaining = 0ull;
     }
     int64_t remaining = top_k;
     for (int shift = 24; shift >= 0; shift -= 8) {
@@ -395,36 +403,40 @@ sample_kernel(const T* __restrict__ logits, int64_t row_stride, int64_t* __restr
     tau = key_to_float(sel_prefix);
   }
   if (top_p < 1.f) {
-    float part = 0.f;  // mass of the tokens top-k keeps
+    if (t == 0) mass_total = 0ull;
+    __syncthreads();
+    unsigned long long part = 0ull;  // mass of the tokens top-k keeps, each term as the digit passes add it
     for_row<kThreads>(x, V, [&](int64_t, float v) {
       const float z = v / temperature;
-      if (z >= tau) part += expf(z - zmax);
+      if (z >= tau) part += fixed_mass(expf(z - zmax));
     });
-    const float total = block_sum(part, red_f);
+    atomicAdd(&mass_total, part);
+    __syncthreads();
     if (t == 0) {
       sel_prefix = 0u;
       sel_mask = 0u;
-      sel_remaining = top_p * total;
+      // at least one unit, so the digit search stops only at a digit that holds mass
+      sel_remaining = max(1ull, __double2ull_rn((double)top_p * (double)mass_total));
     }
     for (int shift = 24; shift >= 0; shift -= 8) {
-      for (int i = t; i < 256; i += kThreads) hmass[i] = 0.f;
+      for (int i = t; i < 256; i += kThreads) hmass[i] = 0ull;
       __syncthreads();
       const uint32_t prefix = sel_prefix, mask = sel_mask;
       for_row<kThreads>(x, V, [&](int64_t, float v) {
         const float z = v / temperature;
         const uint32_t key = ordered_key(z);
-        if (z >= tau && (key & mask) == prefix) atomicAdd(&hmass[(key >> shift) & 255u], expf(z - zmax));
+        if (z >= tau && (key & mask) == prefix) atomicAdd(&hmass[(key >> shift) & 255u], fixed_mass(expf(z - zmax)));
       });
       __syncthreads();
       if (t == 0) {
-        float cum = 0.f;
-        int d = 255, last_nonzero = 255;
-        for (; d >= 0; --d) {
-          if (hmass[d] > 0.f) last_nonzero = d;
+        // The digits' masses sum exactly to what the prefix holds, which is at least sel_remaining (the row's
+        // total at the first digit, the chosen digit's mass after it), so the search stops at some d >= 0.
+        unsigned long long cum = 0ull;
+        int d = 255;
+        for (; d > 0; --d) {
           if (cum + hmass[d] >= sel_remaining) break;
           cum += hmass[d];
         }
-        if (d < 0) d = last_nonzero;  // rounding left the target just out of reach: take the smallest digit
         sel_remaining -= cum;
         sel_prefix = prefix | ((uint32_t)d << shift);
         sel_mask = mask | (255u << shift);
