@@ -51,16 +51,23 @@ def run_config(cfg: dict | None, checkpoint: str | os.PathLike | None, overrides
 _POLICY_KEYS_THAT_APPLY = ("dtype", "compile", "gradient_checkpointing", "keep_logits")
 
 
-def checkpoint_policy_config(cfg: dict, checkpoint: Path) -> dict:
-    """The model.policy config that reads `checkpoint`'s policy under `cfg`: the checkpoint's own (its
-    config.yaml), with `cfg`'s dtype. `cfg` may name the base model at another path that holds the same files
-    (checked against the manifest's record, as a resume checks a move); any other change of the policy (preset,
-    base model, LoRA settings) is refused, naming the key."""
+def checkpoint_policy_config(cfg: dict, checkpoint: Path, adapters: bool) -> dict:
+    """The model.policy config that reads `checkpoint`'s policy (LoRA `adapters` or a full model) under `cfg`: the
+    checkpoint's own (its config.yaml), with `cfg`'s dtype. `cfg` may name the base model at another path that
+    holds the same files (checked against the manifest's record, as a resume checks a move); any other change of
+    the policy (preset, base model, LoRA settings) is refused, naming the key."""
     from framework.checkpoint.resume import RESUME_RULES, move_problem
     from framework.config import load_config
 
-    own = load_config([str(checkpoint / CONFIG_FILE)], imports=())["model"]["policy"]
     new = cfg["model"]["policy"]
+    try:
+        own = load_config([str(checkpoint / CONFIG_FILE)], imports=())["model"]["policy"]
+    except FwError:
+        if adapters:   # the base model is named there alone
+            raise
+        # a full model's weights and shapes are the checkpoint's: a config.yaml that this fw cannot read (keys of
+        # another version, or none) leaves nothing to check
+        return new
     out = {**own, **{k: new[k] for k in _POLICY_KEYS_THAT_APPLY}}
 
     def refuse(key: str, was: Any, now: Any, why: str) -> FwError:
@@ -106,13 +113,14 @@ def load_policy(cfg: dict, checkpoint: str | os.PathLike | None) -> tuple[Any, A
     manifest = read_complete_manifest(path)
     if POLICY not in manifest["components"]:
         raise FwError(f"--checkpoint {path}: the checkpoint holds no {POLICY}/ component")
-    policy_cfg = checkpoint_policy_config(cfg, path)   # refused changes stop before any weights load
+    adapters = f"{POLICY}/{ADAPTER_CONFIG}" in manifest["files"]
+    policy_cfg = checkpoint_policy_config(cfg, path, adapters)   # refused changes stop before any weights load
     rels = [rel for rel in manifest["files"] if rel.startswith(POLICY + "/") or rel == CONFIG_FILE]
     policy_dir = path / POLICY
     with verifying(Verifier(path, manifest, rels) if cfg["checkpoint"]["verify"] else None):
         for fname in component_weight_files(manifest, POLICY):
             check_header(policy_dir / fname)
-        if f"{POLICY}/{ADAPTER_CONFIG}" in manifest["files"]:
+        if adapters:
             # LoRA: the base the checkpoint's config names, the adapters folded in for plain decoding
             tokenizer, policy = adapted_policy(path, policy_dir, policy_cfg)
             return tokenizer, merged_copy(policy)

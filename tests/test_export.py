@@ -476,3 +476,11 @@ def test_a_checkpoints_policy_loads_in_the_configs_dtype(tmp_path):
     assert {p.dtype for p in policy.parameters()} == {torch.bfloat16}
     with pytest.raises(FwError, match=r"^model.policy.lora is \{'rank': 4.*the checkpoint holds a full model"):
         load_policy(run_config(None, full, ["--model.policy.lora.rank=4"]), full)
+    # a full checkpoint whose config.yaml this fw cannot read (another version's keys) still loads under a given
+    # config: its weights and shapes are its own
+    other = tmp_path / "other" / "step-000003"
+    ck.write_checkpoint_dir(policy_checkpoint(_policy(False), Tokenizer.builtin(), 3, tmp_path / "tok"), other,
+                            {**cfg, "a_later_key": 1})
+    given = {**cfg, "model": {**cfg["model"], "policy": {**cfg["model"]["policy"], "dtype": "bfloat16"}}}
+    _, policy = load_policy(given, other)
+    assert {p.dtype for p in policy.parameters()} == {torch.bfloat16}
