@@ -267,6 +267,7 @@ class _EventWriterGuard:
 
     def __init__(self, experiment: Any) -> None:
         self.failure: OSError | None = None
+        self.file: str | None = None   # the event file, where the layout names it
         self.abandoned = False   # closed by `abandon`: the thread had ended, what it had not written is lost
         self.file_writer = getattr(experiment, "file_writer", None)
         self.events = getattr(self.file_writer, "event_writer", None)   # tensorboardX's EventFileWriter

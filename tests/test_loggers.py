@@ -534,3 +534,29 @@ def test_the_run_tensorboard_logger_pickles_with_its_writer_open(tmp_path):
     copy = pickle.loads(pickle.dumps(logger))
     assert copy._experiment is None and copy._guard is None
     logger.finalize("success")
+
+
+def test_a_writer_of_another_layout_is_left_alone_and_checks_clean(tmp_path):
+    """Where the `tensorboard` package is installed, Lightning writes through torch.utils.tensorboard, whose writer
+    the guard does not wrap (it hands its own errors to the caller): the guard's checks then pass, and a run logs
+    through it (before, its check read an attribute set only for tensorboardX's writer: every run with
+    `tensorboard` installed stopped at its first logged value)."""
+    from types import SimpleNamespace
+
+    from framework.loggers import _EventWriterGuard
+
+    guard = _EventWriterGuard(SimpleNamespace(file_writer=SimpleNamespace()))   # no tensorboardX event writer
+    assert not guard.active and not guard.thread_gone()
+    guard.check()
+
+
+def test_the_run_tensorboard_logger_writes_through_torch_utils_tensorboard(tmp_path):
+    """The other layout itself, where the `tensorboard` package is installed (Lightning then prefers it)."""
+    pytest.importorskip("tensorboard")
+    from framework.loggers import RunTensorBoardLogger
+
+    logger = RunTensorBoardLogger(tmp_path)
+    logger.log_hyperparams({"lr": 0.1})
+    logger.log_metrics({"loss": 1.0}, step=1)
+    logger.finalize("success")
+    assert list(tmp_path.rglob("events.out.tfevents.*"))
