@@ -343,6 +343,19 @@ class _EventWriterGuard:
         self.records.close()
 
 
+def _after_the_second_of(folder: Path) -> None:
+    """Wait, where `folder` holds an event file opened in the current second, until the next one.
+
+    TensorBoard reads a folder's event files in name order, and both writers begin a file's name with the second
+    it is opened in. tensorboardX's name then ends in the suffix fw gives (the time in ns), which orders files of
+    one second; torch.utils.tensorboard's (used where the tensorboard package is installed) has the process id
+    and a counter before it, so a resume's file of that second could sort before the earlier run's and its points
+    show first. The wait is bounded by the monotonic clock, whatever the wall clock does."""
+    deadline = time.monotonic() + 1.05
+    while any(folder.glob(f"events.out.tfevents.{int(time.time()):010d}.*")) and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
 class RunTensorBoardLogger(TensorBoardLogger):
     """Lightning's TensorBoardLogger in `<run_dir>/logs/version_0`, continued by a resumed run.
 
@@ -371,6 +384,7 @@ class RunTensorBoardLogger(TensorBoardLogger):
     @rank_zero_experiment
     def experiment(self) -> Any:
         if self._experiment is None:
+            _after_the_second_of(Path(self.log_dir))
             self._kwargs["filename_suffix"] = f".{time.time_ns()}"
         experiment = TensorBoardLogger.experiment.fget(self)
         guard = getattr(self, "_guard", None)

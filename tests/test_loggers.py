@@ -298,7 +298,13 @@ def test_tensorboard_resume_in_the_same_second_keeps_and_purges(tmp_path, monkey
     """Event writers opened within one second (tensorboardX names files by the whole second, and a second
     writer's file of the same name would overwrite the first's): the earlier points stay, the resume's follow
     them, and the stale point past the resume step is hidden, also when something opened the writer before
-    the resume's first metrics."""
+    the resume's first metrics. tensorboardX's writer alone: torch.utils.tensorboard's file names put the process
+    id and a counter before fw's suffix, so under a frozen clock their order is the counter's (in real time a
+    resume's file waits for a later second: the next test)."""
+    from lightning.pytorch.loggers.tensorboard import _TENSORBOARD_AVAILABLE
+
+    if _TENSORBOARD_AVAILABLE:
+        pytest.skip("Lightning writes through torch.utils.tensorboard where the tensorboard package is installed")
     monkeypatch.setattr(time, "time", lambda: 1_700_000_000.0)
     cfg = {"run_dir": str(tmp_path), "name": "fw", "logging": {"csv": False, "tensorboard": True, "loggers": []}}
     (_, first) = build_loggers(cfg)
@@ -316,6 +322,21 @@ def test_tensorboard_resume_in_the_same_second_keeps_and_purges(tmp_path, monkey
     log_dir = tmp_path / "logs" / "version_0"
     assert tb_points(log_dir, "loss") == [(1, 1.0), (2, 2.0), (3, 30.0), (4, 40.0)]
     assert tb_points(log_dir, "other") == ([(0, 5.0)] if opened_early else [])
+
+
+def test_a_new_event_file_waits_for_a_later_second_than_the_folders_files(tmp_path):
+    """TensorBoard reads event files in name order, which begins with the second a file was opened in: a writer
+    opening in the second of a file already there waits for the next second (so a resume's points follow the
+    crashed run's under either writer's names)."""
+    from framework.loggers import _after_the_second_of
+
+    start = time.monotonic()
+    _after_the_second_of(tmp_path)   # nothing there: no wait
+    assert time.monotonic() - start < 0.05
+    now = int(time.time())
+    (tmp_path / f"events.out.tfevents.{now:010d}.host.1.2.3").write_bytes(b"")
+    _after_the_second_of(tmp_path)
+    assert int(time.time()) > now
 
 
 class Precision(enum.Enum):
