@@ -251,9 +251,12 @@ def messages_problem(messages: Any) -> str | None:
     if not isinstance(messages, list) or not messages:
         return "messages: expected a non-empty list of {role, content} dicts"
     for i, m in enumerate(messages):
-        if not isinstance(m, dict) or m.get("role") not in _ROLES:
-            role = m.get("role") if isinstance(m, dict) else m
-            return f"messages[{i}]: role {role!r} is not supported; expected one of {_ROLES}"
+        if not isinstance(m, dict):
+            return f"messages[{i}]: expected a {{role, content}} object, got {json_type_name(m)}"
+        if "role" not in m:
+            return f"messages[{i}]: missing 'role' (one of system, user, assistant)"
+        if m["role"] not in _ROLES:
+            return f"messages[{i}]: role {m['role']!r} is not supported; expected system, user or assistant"
         if not isinstance(m.get("content"), str):
             return f"messages[{i}] ({m['role']}): content must be a string, got {json_type_name(m.get('content'))}"
         if m.get("tool_calls"):

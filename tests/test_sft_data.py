@@ -54,6 +54,8 @@ def trained_text(tok, example):
     ('{"prompt": [{"role": "tool", "content": "x"}], "completion": "b"}',
      "prompt: messages[0]: role 'tool' is not supported"),
     ('{"prompt": [], "completion": "b"}', "prompt: messages: expected a non-empty list"),
+    ('{"prompt": ["hi"], "completion": "b"}', "prompt: messages[0]: expected a {role, content} object, got a string"),
+    ('{"prompt": [{"content": "hi"}], "completion": "b"}', "prompt: messages[0]: missing 'role'"),
     (('{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", '
      '"tool_calls": [{"name": "f"}]}]}'), "messages[1]: tool_calls are not supported"),
     ('{"messages": [{"role": "assistant", "content": "a", "reasoning_content": 3}]}',

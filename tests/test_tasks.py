@@ -183,6 +183,8 @@ def test_jsonl_messages_prompt_and_several_files(tmp_path):
     ('{"prompt": [{"role": "user"}], "answer": "a"}',
      r"messages\[0\] \(user\): content must be a string, got null"),
     ('{"prompt": [{"role": "tool", "content": "x"}], "answer": "a"}', r"messages\[0\]: role 'tool' is not supported"),
+    ('{"prompt": [["user", "x"]], "answer": "a"}', r"messages\[0\]: expected a \{role, content\} object, got an array"),
+    ('{"prompt": [{"content": "x"}], "answer": "a"}', r"messages\[0\]: missing 'role'"),
     ('{"prompt": "p", "answer": null}', "'answer' must be a string or a number"),
 ])
 def test_jsonl_malformed_line_names_file_and_line(tmp_path, line, message):
