@@ -6,6 +6,7 @@ import importlib
 import inspect
 import os
 import sys
+import traceback
 from typing import Any
 
 from framework.errors import FwError, what_raised
@@ -13,6 +14,15 @@ from framework.errors import FwError, what_raised
 
 def _is_prefix(name: str | None, dotted: str) -> bool:
     return name is not None and (dotted == name or dotted.startswith(name + "."))
+
+
+def _raised_at(e: BaseException) -> str:
+    """` (at FILE:LINE)`: the line of a module body that raised `e` while it was imported (the innermost, when one
+    user module imports another), or the line a SyntaxError names; "" when there is none."""
+    if isinstance(e, SyntaxError) and e.filename and e.lineno:
+        return f" (at {e.filename}:{e.lineno})"
+    bodies = [f for f in traceback.extract_tb(e.__traceback__) if f.name == "<module>"]
+    return f" (at {bodies[-1].filename}:{bodies[-1].lineno})" if bodies else ""
 
 
 def import_object(class_path: str) -> Any:
@@ -30,12 +40,14 @@ def import_object(class_path: str) -> Any:
             obj = importlib.import_module(module_name)
         except ModuleNotFoundError as e:
             if not _is_prefix(e.name, module_name):  # the module exists but imports something missing
-                raise FwError(f"cannot import '{class_path}': importing module '{module_name}' failed: {e}") from e
+                raise FwError(f"cannot import '{class_path}': importing module '{module_name}' failed: {e}"
+                              f"{_raised_at(e)}") from e
             missing_module = missing_module or e.name
             continue
         except Exception as e:  # the user's module itself is broken (SyntaxError, error at import time, ...)
+            text = e.msg if isinstance(e, SyntaxError) and e.filename else e   # the file is named below
             raise FwError(f"cannot import '{class_path}': importing module '{module_name}' failed: "
-                          f"{type(e).__name__}: {e}") from e
+                          f"{type(e).__name__}: {text}{_raised_at(e)}") from e
         except SystemExit as e:  # sys.exit() at import would end fw with the module's exit code
             raise FwError(f"cannot import '{class_path}': module '{module_name}' called sys.exit({e.code!r}) "
                           "while being imported") from e

@@ -347,6 +347,23 @@ def test_import_errors_say_what_is_missing(user_modules, class_path, message):
     assert message in str(e.value)
 
 
+def test_an_import_error_names_the_line_that_raised(user_modules, tmp_path):
+    """A module that fails while it is imported is named with the line that raised, the innermost module's when one
+    user module imports another."""
+    pkg = tmp_path / "userpkg"
+    (pkg / "imports_raises.py").write_text("import os\n\nfrom userpkg import raises\n")
+    (pkg / "late_dep.py").write_text("import os\nimport nosuchdep_for_fw_tests\n")
+    expected = {"userpkg.raises.X": f"RuntimeError: boom at import (at {pkg / 'raises.py'}:1)",
+                "userpkg.imports_raises.X": f"RuntimeError: boom at import (at {pkg / 'raises.py'}:1)",
+                "userpkg.late_dep.X": f"No module named 'nosuchdep_for_fw_tests' (at {pkg / 'late_dep.py'}:2)",
+                "userpkg.broken.X": f"(at {pkg / 'broken.py'}:1)"}
+    for class_path, message in expected.items():
+        with pytest.raises(FwError) as e:
+            import_object(class_path)
+        assert str(e.value).endswith(message), str(e.value)
+        assert str(e.value).count("broken.py") <= 1   # a SyntaxError's own text names the file too
+
+
 def test_instantiate(user_modules):
     obj = instantiate({"class_path": "userpkg.good.Scale", "init_args": {"factor": 2}}, offset=1.5)
     assert (obj.factor, obj.offset) == (2, 1.5)
