@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import inspect
 import os
@@ -57,9 +58,11 @@ def import_object(class_path: str) -> Any:
                 # `pkg.nosuchmod.Cls`: the missing piece is the module, not an attribute of `pkg`
                 raise FwError(f"cannot import '{class_path}': no module named '{missing_module}'")
             if not hasattr(obj, attr):
+                close = difflib.get_close_matches(attr, [n for n in dir(obj) if not n.startswith("_")], n=1)
+                hint = f"; did you mean '{owner}.{close[0]}'?" if close else ""
                 raise FwError(f"cannot import '{class_path}': module '{module_name}' has no attribute "
-                              f"'{attr}'" if owner == module_name else
-                              f"cannot import '{class_path}': '{owner}' has no attribute '{attr}'")
+                              f"'{attr}'{hint}" if owner == module_name else
+                              f"cannot import '{class_path}': '{owner}' has no attribute '{attr}'{hint}")
             obj = getattr(obj, attr)
             owner = f"{owner}.{attr}"
         return obj

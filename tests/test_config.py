@@ -334,6 +334,9 @@ def test_import_object_and_class(user_modules):
     ("userpkg.good.Nope", "cannot import 'userpkg.good.Nope': module 'userpkg.good' has no attribute 'Nope'"),
     ("userpkg.good.Scale.Nope",
      "cannot import 'userpkg.good.Scale.Nope': 'userpkg.good.Scale' has no attribute 'Nope'"),
+    ("userpkg.good.Scal", "module 'userpkg.good' has no attribute 'Scal'; did you mean 'userpkg.good.Scale'?"),
+    ("userpkg.good.Scale.Iner",
+     "'userpkg.good.Scale' has no attribute 'Iner'; did you mean 'userpkg.good.Scale.Inner'?"),
     ("userpkg.needs_dep.X", ("cannot import 'userpkg.needs_dep.X': importing module 'userpkg.needs_dep' failed: "
                             "No module named 'nosuchdep_for_fw_tests'")),
     ("userpkg.broken.X", "cannot import 'userpkg.broken.X': importing module 'userpkg.broken' failed: SyntaxError"),
