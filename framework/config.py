@@ -576,7 +576,11 @@ def _resolve_paths(data: Any, base: str) -> None:
 
 def _sorted_problems(problems: list[Problem], order: dict) -> list[Problem]:
     unique = list(dict.fromkeys(problems))
-    unique.sort(key=lambda p: (order.get(p.file, len(order)), p.line or 0, p.col or 0))
+    files = dict(order)   # the config files, then the files they name (data files) in the order they were checked
+    for p in unique:
+        files.setdefault(p.file, len(files))
+    # a problem without a line (a file's summary) after the file's rows
+    unique.sort(key=lambda p: (files[p.file], p.line is None, p.line or 0, p.col or 0))
     if len(unique) > MAX_PROBLEMS:
         last = unique[MAX_PROBLEMS - 1]
         unique = unique[:MAX_PROBLEMS] + [Problem(last.file, None, None, "", f"{len(unique) - MAX_PROBLEMS} "

@@ -270,7 +270,7 @@ class _Checks:
             self.add(where, str(e).removeprefix("data.path: "))
             return
         if bad > MAX_ROW_PROBLEMS:
-            self.add(where, f"{path}: {bad - MAX_ROW_PROBLEMS} more bad rows not shown")
+            self.problems.append(Problem(path, None, None, key, f"{bad - MAX_ROW_PROBLEMS} more bad rows not shown"))
         if n == 0:
             self.add(where, f"{path} holds no records (every line is empty)")
 

@@ -12,6 +12,7 @@ import torch
 
 from framework.cli import main
 from framework.config import MAX_PROBLEMS, load_config
+from framework.validate import MAX_ROW_PROBLEMS
 
 ROOT = Path(__file__).resolve().parents[1]
 GRPO = "recipe: grpo\nmodel:\n  policy:\n    preset: tiny\ndata:\n  task: {name: digits}\n"
@@ -161,6 +162,24 @@ def test_eval_files_are_checked_where_training_evaluates(tmp_path, capsys):
     # without evaluation nothing reads eval.path
     assert run_fw(["validate", "--config", str(config), "--eval.every_n_steps=null",
                    f"--eval.path={tmp_path}/none.jsonl"], capsys)[0] == 0
+
+
+def test_the_bad_rows_of_each_data_file_are_listed_together_and_their_count_after_them(tmp_path, capsys):
+    """Rows of several files are reported file by file, each in line order, as they are in the file; the rows past
+    the shown ones are counted after them, at their file."""
+    good = '{"prompt": "1+1=", "completion": "2"}'
+    a, b, c = tmp_path / "a.jsonl", tmp_path / "b.jsonl", tmp_path / "c.jsonl"
+    a.write_text(f"{good}\n[1]\n{good}\n[2]\n")
+    b.write_text(f"[3]\n{good}\n[4]\n")
+    c.write_text("[5]\n" * (MAX_ROW_PROBLEMS + 2))
+    config = tmp_path / "train.yaml"
+    config.write_text(f"recipe: sft\nmodel:\n  policy: {{preset: tiny}}\ndata:\n  path: [{a}, {b}, {c}]\n")
+    code, lines = run_fw(["validate", "--config", str(config)], capsys)
+    array = "data.path: expected a JSON object, got an array"
+    assert code == 2
+    assert lines == ([f"{a}:2:1: {array}", f"{a}:4:1: {array}", f"{b}:1:1: {array}", f"{b}:3:1: {array}"]
+                     + [f"{c}:{n}:1: {array}" for n in range(1, MAX_ROW_PROBLEMS + 1)]
+                     + [f"{c}: data.path: 2 more bad rows not shown"])
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only directories")
