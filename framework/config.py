@@ -88,11 +88,7 @@ def _class_path_pattern() -> str:
 
 # ------------------------------------------------------------------------------------------ helpers
 
-def _dotted(path: tuple) -> str:
-    out = ""
-    for p in path:
-        out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else str(p))
-    return out
+_dotted = yaml12.dotted_path
 
 
 def _locate(marks: dict, path: tuple, key: bool, fallback: Mark) -> Mark:
@@ -524,7 +520,11 @@ def _apply_override(data: dict, marks: dict, arg: str) -> list[Problem]:
     sub, wrong = _schema_at(keys, data.get("recipe"))
     if wrong:
         return [Problem(label, None, None, key, wrong)]
-    value, _ = yaml12.parse_scalar(raw)  # not one flow value: the text itself
+    try:
+        value, _ = yaml12.parse_scalar(raw)  # not one flow value: the text itself
+    except ConfigError as e:   # a key written twice in the value
+        return [Problem(label, None, None, key + ("" if p.key_path.startswith("[") else ".") + p.key_path, p.message)
+                for p in e.problems]
     if sub is not None and not Draft202012Validator(sub).is_valid(value) and Draft202012Validator(sub).is_valid(raw):
         value = raw  # e.g. --name=123 for a string key: typed by the schema
     node = data

@@ -265,6 +265,14 @@ def _key_text(loader: Yaml12Loader, node: yaml.Node) -> Any:
     return None  # complex keys cannot be config keys; schema validation reports them
 
 
+def dotted_path(path: Path) -> str:
+    """`path` as the config's messages write it: `callbacks[0].class_path`."""
+    out = ""
+    for p in path:
+        out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else str(p))
+    return out
+
+
 class _Budget:
     """Values left to visit: aliases make a small node graph expand to an exponentially large tree."""
 
@@ -289,9 +297,9 @@ def _walk(loader: Yaml12Loader, node: yaml.Node, file: str, path: Path, marks: d
             except TypeError:  # unhashable keys are reported by PyYAML when constructing
                 first = None
             if first is not None:
-                dotted = ".".join(str(p) for p in path + (key,))
-                problems.append(Problem(file, kmark.line, kmark.col, dotted,
-                                        f"duplicate key '{key}' (first defined at line {first.line})"))
+                at = f"column {first.col}" if first.line == kmark.line else f"line {first.line}"
+                problems.append(Problem(file, kmark.line, kmark.col, dotted_path(path + (key,)),
+                                        f"duplicate key '{key}' (first defined at {at})"))
                 continue
             if key is not None:
                 seen[key] = kmark
@@ -342,7 +350,8 @@ def parse_scalar(text: str) -> tuple[Any, bool]:
     """Parse a command-line value as a YAML 1.2 scalar or flow collection.
 
     Returns (value, ok); ok is False when the text is not one flow value (e.g. `a: b`, `- x`, or `exp #3`,
-    where a comment would drop text), in which case value is the text itself.
+    where a comment would drop text), in which case value is the text itself. A key written twice in a flow
+    mapping (`{a: 1, a: 2}`) raises ConfigError, as it does in a file; its problems are at their path in the value.
     """
     try:
         node, loader = _compose(text, "<value>")
@@ -355,6 +364,10 @@ def parse_scalar(text: str) -> tuple[Any, bool]:
             return text, False
         if text[node.end_mark.index:].strip():   # a comment after the value
             return text, False
+        problems: list[Problem] = []
+        _walk(loader, node, "<value>", (), {}, problems, None, _Budget(MAX_NODES))
+        if problems:
+            raise ConfigError(problems)
         return loader.construct_document(node), True
     except yaml.YAMLError:
         return text, False

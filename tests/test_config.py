@@ -247,6 +247,19 @@ def test_override_errors_name_the_override(tmp_path):
     ]
 
 
+def test_a_key_written_twice_in_an_override_value_is_an_error_as_in_a_file(tmp_path):
+    path = write(tmp_path, "c.yaml", MINIMAL)
+    with pytest.raises(ConfigError) as e:
+        load_config([path], ["--model.policy={preset: tiny, preset: small}",
+                             "--callbacks=[{class_path: a.B, class_path: c.D}]"])
+    assert problems(e) == [
+        ("override '--model.policy={preset: tiny, preset: small}': model.policy.preset: duplicate key 'preset' "
+         "(first defined at column 2)"),
+        ("override '--callbacks=[{class_path: a.B, class_path: c.D}]': callbacks[0].class_path: duplicate key "
+         "'class_path' (first defined at column 3)"),
+    ]
+
+
 def test_override_below_a_scalar_key_names_the_override_not_the_file(tmp_path):
     # the file sets these keys correctly: the override that reaches below them is at fault
     path = write(tmp_path, "c.yaml", MINIMAL + "seed: 0\noptimizer:\n  lr: 3.0e-3\ntrainer:\n  devices: 1\n")

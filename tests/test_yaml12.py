@@ -69,13 +69,22 @@ def test_positions_of_keys_and_values():
 
 
 def test_every_duplicate_key_is_reported():
-    text = "a: 1\nb:\n  c: 1\n  c: 2\na: 3\n"
+    text = "a: 1\nb:\n  c: 1\n  c: 2\na: 3\nl:\n  - x: 1\n    x: 2\n  - {k: 1, k: 2}\n"
     with pytest.raises(ConfigError) as e:
         yaml12.load(text, "d.yaml")
     assert [str(p) for p in e.value.problems] == [
         "d.yaml:4:3: b.c: duplicate key 'c' (first defined at line 3)",
         "d.yaml:5:1: a: duplicate key 'a' (first defined at line 1)",
+        "d.yaml:8:5: l[0].x: duplicate key 'x' (first defined at line 7)",
+        "d.yaml:9:12: l[1].k: duplicate key 'k' (first defined at column 6)",
     ]
+
+
+def test_parse_scalar_of_a_flow_mapping_with_a_key_written_twice_is_an_error():
+    with pytest.raises(ConfigError) as e:
+        yaml12.parse_scalar("[{a: 1, b: 2, a: 3}]")
+    assert [(p.key_path, p.col, p.message) for p in e.value.problems] == [
+        ("[0].a", 15, "duplicate key 'a' (first defined at column 3)")]
 
 
 def test_duplicate_keys_differing_only_in_spelling_of_the_same_value():
