@@ -161,6 +161,11 @@ def _type_message(error: ValidationError) -> str:
     return msg + _bool_hint(error.instance, "boolean" in types)
 
 
+# Lightning's short precision names, and what it reads them as: the closest spelling of `bf16` (bf16-true) would
+# change what trains
+_PRECISION_ALIASES = {"64": "64-true", "32": "32-true", "16": "16-mixed", "bf16": "bf16-mixed"}
+
+
 def _bool_hint(value: Any, wants_bool: bool) -> str:
     if wants_bool and isinstance(value, str) and value.lower() in YAML11_BOOLEANS:
         return " (YAML 1.2 reads on/off/yes/no as strings: write true or false)"
@@ -224,8 +229,10 @@ def _problems_for(error: ValidationError, marks: dict, fallback: Mark, recipe: A
         return [at(path, _type_message(error))]
     if v == "enum":
         choices = error.validator_value
+        alias = _PRECISION_ALIASES.get(str(error.instance)) if path == ("trainer", "precision") else None
+        hint = f"; did you mean '{alias}', which Lightning's {error.instance!r} stands for?" if alias else ""
         return [at(path, f"expected one of {_choice_text(choices)}; got {_describe(error.instance)}"
-                         + (_bool_hint(error.instance, True in choices) or _suggest(error.instance, choices)))]
+                         + (hint or _bool_hint(error.instance, True in choices) or _suggest(error.instance, choices)))]
     if v == "not" and error.schema.get("description"):
         return [at(path, f"{error.schema['description'].rstrip('.')} (this config has recipe: {recipe})", key=True)]
     if v in ("oneOf", "anyOf"):
