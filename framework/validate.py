@@ -12,6 +12,7 @@ devices, strategy and precision must be available here.
 from __future__ import annotations
 
 import difflib
+import json
 import os
 import re
 import warnings
@@ -29,6 +30,20 @@ UNSUPPORTED_STRATEGIES = {"fsdp": "FSDP is not supported yet (docs/MULTI_GPU.md)
                           "deepspeed": "DeepSpeed is not supported", "xla": "XLA/TPU is not supported",
                           "single_xla": "XLA/TPU is not supported", "single_tpu": "XLA/TPU is not supported"}
 MODEL_DIR = "a Hugging Face Qwen3 directory with config.json and model.safetensors"
+
+
+def _one_json_document(path: str) -> str | None:
+    """What a file that is one JSON value over several lines holds (`an array`), else None: a `.json` file given
+    where JSON Lines are read, whose every line would be reported on its own."""
+    from framework.jsonl import json_type_name
+
+    try:
+        with open(path, encoding="utf-8-sig") as f:
+            if f.readline().strip() not in ("[", "{"):   # how an indented document starts (json.dump(indent=2))
+                return None
+        return json_type_name(json.loads(Path(path).read_text(encoding="utf-8-sig")))
+    except (OSError, ValueError):   # unreadable, not UTF-8, or not one JSON value: the rows say what is wrong
+        return None
 
 
 def validate_config(paths: list[str], overrides: list[str] | None = None, *, machine: bool = False) -> dict:
@@ -261,6 +276,11 @@ class _Checks:
                             problem = f"{data['answer_key']}: {e}"
                 if problem:
                     bad += 1
+                    whole = _one_json_document(path) if n == 1 and row.record is None else None
+                    if whole:
+                        self.add(where, f"{path} is one JSON document ({whole}) over several lines, not JSON Lines: "
+                                        "write each record as one JSON object on a line of its own")
+                        return
                     if bad <= MAX_ROW_PROBLEMS:
                         self.problems.append(Problem(path, row.line, row.col, key, problem))
         except NotUtf8 as e:

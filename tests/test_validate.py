@@ -1,6 +1,7 @@
 """`fw validate` / `fw fit` deep checks through real processes and real files: exit codes, one line per
 problem at its position, the console script's imports, paths relative to the config file."""
 
+import json
 import os
 import subprocess
 import sys
@@ -180,6 +181,21 @@ def test_the_bad_rows_of_each_data_file_are_listed_together_and_their_count_afte
     assert lines == ([f"{a}:2:1: {array}", f"{a}:4:1: {array}", f"{b}:1:1: {array}", f"{b}:3:1: {array}"]
                      + [f"{c}:{n}:1: {array}" for n in range(1, MAX_ROW_PROBLEMS + 1)]
                      + [f"{c}: data.path: 2 more bad rows not shown"])
+
+
+def test_a_json_file_over_several_lines_is_one_problem_that_says_what_jsonl_is(tmp_path, capsys):
+    """A `.json` file (an indented array of records, or one indented record) is named once, not line by line."""
+    records = [{"prompt": "1+1=", "completion": "2"}, {"prompt": "2+2=", "completion": "4"}]
+    for name, value, kind in (("a.json", records, "an array"), ("o.json", records[0], "an object")):
+        data = tmp_path / name
+        data.write_text(json.dumps(value, indent=2) + "\n")
+        config = tmp_path / "train.yaml"
+        config.write_text(f"recipe: sft\nmodel:\n  policy: {{preset: tiny}}\ndata:\n  path: {data}\n")
+        assert run_fw(["validate", "--config", str(config)], capsys) == (2, [
+            (f"{config}:5:9: data.path: {data} is one JSON document ({kind}) over several lines, not JSON Lines: "
+             "write each record as one JSON object on a line of its own")])
+    data.write_text("\n".join(json.dumps(r) for r in records) + "\n")   # the same records as JSON Lines
+    assert run_fw(["validate", "--config", str(config)], capsys)[0] == 0
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only directories")
