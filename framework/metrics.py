@@ -238,6 +238,10 @@ class StepMetrics(nn.Module):
         self._ahead = None
         self.nan_seen = {}
         for name, nan in zip(names, flags, strict=True):
+            if nan and self.by_user.get(name):   # user code's value: what fw trains may be fine
+                where = f" at {self.user_sites[name]}" if name in self.user_sites else ""
+                raise FwError(f"metric {name!r} is NaN, a value user code logged (module.log_metric{where}); "
+                              "log finite values only")
             if nan:
                 raise FwError(f"metric {name!r} is NaN: the run has diverged (lower optimizer.lr, keep "
                               "optimizer.max_grad_norm set, or use bf16 instead of fp16)")

@@ -458,6 +458,19 @@ def test_a_nan_metric_stops_the_run_naming_it():
             metrics.compute()
 
 
+def test_a_nan_that_user_code_logged_names_its_call_not_a_divergence():
+    """A NaN of user code's own metric says nothing about the training: the error names the call that logged it."""
+    metrics = StepMetrics()
+    metrics.update("user/ratio", 0.5, user=True, site="my_cb.py:12")
+    assert metrics.compute() == {"user/ratio": 0.5}
+    metrics.update("loss", 1.0)
+    metrics.update("user/ratio", float("nan"), user=True)
+    with pytest.raises(FwError) as e:
+        metrics.compute()
+    assert str(e.value) == ("metric 'user/ratio' is NaN, a value user code logged (module.log_metric at "
+                            "my_cb.py:12); log finite values only")
+
+
 def _nan_on_one_rank(rank: int, init: str, out: str) -> None:
     import torch.distributed as dist
 
