@@ -211,10 +211,11 @@ def refuse_earlier_metrics(run_dir: str | Path) -> None:
     (which left no checkpoint: a run_dir with checkpoints is refused before this, with --resume last as the way
     on)."""
     path = Path(run_dir) / "metrics.jsonl"
-    if path.is_file() and path.read_text(encoding="utf-8", errors="replace").strip():
-        raise FwError(f"{path} holds the metrics of an earlier run, which left no checkpoint to resume from; "
-                      "choose another run_dir, or delete the file to start over")
     logged = earlier_logs(run_dir)   # the CSV and TensorBoard logs a resume continues, a fresh run must not
+    if path.is_file() and path.read_text(encoding="utf-8", errors="replace").strip():
+        also = f" and {logged.parent}" if logged is not None else ""   # all that a fresh start needs gone, at once
+        raise FwError(f"{path} holds the metrics of an earlier run, which left no checkpoint to resume from; "
+                      f"choose another run_dir, or delete the file{also} to start over")
     if logged is not None:
         raise FwError(f"{logged} holds the logs of an earlier run, which left no checkpoint to resume from; "
                       f"choose another run_dir, or delete {logged.parent} to start over")

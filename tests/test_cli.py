@@ -2,6 +2,7 @@
 
 import os
 import re
+import shutil
 import signal
 import stat
 import subprocess
@@ -290,6 +291,23 @@ def test_a_fresh_fit_does_not_continue_the_csv_log_of_an_earlier_run(capsys, tmp
                                f"checkpoint to resume from; choose another run_dir, or delete {logs} to start over\n"))
     assert (logs / "metrics.csv").read_text() == earlier and not (run_dir / "config.yaml").exists()
     (logs / "metrics.csv").write_text("step,loss\n")
+    assert fw(capsys, *_fit_argv(run_dir, "--trainer.enable_progress_bar=false"))[0] == 0
+
+
+def test_the_refusal_of_an_earlier_runs_metrics_names_its_logs_too(capsys, tmp_path):
+    """What a failed run leaves, metrics.jsonl and logs/version_0, is named in one line: deleting the file alone
+    would only meet the next refusal."""
+    run_dir = tmp_path / "run"
+    logs = run_dir / "logs" / "version_0"
+    logs.mkdir(parents=True)
+    (run_dir / "metrics.jsonl").write_text('{"step": 1, "loss": 2.5}\n')
+    (logs / "metrics.csv").write_text("step,loss\n1,2.5\n")
+    code, _, err = fw(capsys, *_fit_argv(run_dir, "--trainer.enable_progress_bar=false"))
+    assert (code, err) == (2, (f"fw: error: {run_dir / 'metrics.jsonl'} holds the metrics of an earlier run, which "
+                               "left no checkpoint to resume from; choose another run_dir, or delete the file and "
+                               f"{logs} to start over\n"))
+    (run_dir / "metrics.jsonl").unlink()
+    shutil.rmtree(logs)
     assert fw(capsys, *_fit_argv(run_dir, "--trainer.enable_progress_bar=false"))[0] == 0
 
 
