@@ -6,6 +6,7 @@ import difflib
 import importlib
 import inspect
 import os
+import pkgutil
 import sys
 import traceback
 from typing import Any
@@ -24,6 +25,11 @@ def _raised_at(e: BaseException) -> str:
         return f" (at {e.filename}:{e.lineno})"
     bodies = [f for f in traceback.extract_tb(e.__traceback__) if f.name == "<module>"]
     return f" (at {bodies[-1].filename}:{bodies[-1].lineno})" if bodies else ""
+
+
+def _submodules(package: Any) -> list[str]:
+    """The names of a package's modules and subpackages (none for a module that is not a package)."""
+    return [m.name for m in pkgutil.iter_modules(getattr(package, "__path__", None) or [])]
 
 
 def import_object(class_path: str) -> Any:
@@ -56,7 +62,11 @@ def import_object(class_path: str) -> Any:
         for attr in parts[i:]:
             if not hasattr(obj, attr) and owner == module_name and missing_module:
                 # `pkg.nosuchmod.Cls`: the missing piece is the module, not an attribute of `pkg`
-                raise FwError(f"cannot import '{class_path}': no module named '{missing_module}'")
+                hint = ""
+                if missing_module == f"{module_name}.{attr}":
+                    close = difflib.get_close_matches(attr, _submodules(obj), n=1)
+                    hint = f"; did you mean '{'.'.join([*parts[:i], close[0], *parts[i + 1:]])}'?" if close else ""
+                raise FwError(f"cannot import '{class_path}': no module named '{missing_module}'{hint}")
             if not hasattr(obj, attr):
                 close = difflib.get_close_matches(attr, [n for n in dir(obj) if not n.startswith("_")], n=1)
                 hint = f"; did you mean '{owner}.{close[0]}'?" if close else ""

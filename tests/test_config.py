@@ -348,6 +348,7 @@ def test_import_object_and_class(user_modules):
     ("userpkg.good.Scale.Nope",
      "cannot import 'userpkg.good.Scale.Nope': 'userpkg.good.Scale' has no attribute 'Nope'"),
     ("userpkg.good.Scal", "module 'userpkg.good' has no attribute 'Scal'; did you mean 'userpkg.good.Scale'?"),
+    ("userpkg.god.Scale", "no module named 'userpkg.god'; did you mean 'userpkg.good.Scale'?"),
     ("userpkg.good.Scale.Iner",
      "'userpkg.good.Scale' has no attribute 'Iner'; did you mean 'userpkg.good.Scale.Inner'?"),
     ("userpkg.needs_dep.X", ("cannot import 'userpkg.needs_dep.X': importing module 'userpkg.needs_dep' failed: "
