@@ -158,6 +158,8 @@ def _type_message(error: ValidationError) -> str:
     types = error.validator_value if isinstance(error.validator_value, list) else [error.validator_value]
     expected = " or ".join(_TYPE_WORDS.get(t, t) for t in types)
     msg = f"expected {expected}, got {_describe(error.instance)}"
+    if error.instance is None and error.schema.get("default") == []:   # `callbacks:` with its items commented out
+        return msg + " (a key with nothing after it is null: write [] for none, or remove the key)"
     return msg + _bool_hint(error.instance, "boolean" in types)
 
 
