@@ -512,6 +512,31 @@ def logger_class_problem(class_path: str) -> str | None:
     return None
 
 
+def _init_args(cls: type, spec: dict, run_dir: Path) -> dict:
+    """`spec`'s init_args, with `save_dir` under `run_dir` where the class takes one and they set none."""
+    init_args = dict(spec.get("init_args") or {})
+    if "save_dir" in inspect.signature(cls).parameters and "save_dir" not in init_args:
+        init_args["save_dir"] = str(_default_save_dir(cls, run_dir))
+    return init_args
+
+
+def logger_args_problem(spec: dict, run_dir: str | Path) -> str | None:
+    """Why the class of a `logging.loggers` entry cannot be called with its init_args (and the `save_dir` fw gives):
+    a required argument missing, which `fw validate` names without building the logger; or None."""
+    from framework.imports import import_object
+
+    cls = import_object(spec["class_path"])
+    try:
+        sig = inspect.signature(cls)
+    except (TypeError, ValueError):   # no signature to read: the constructor decides
+        return None
+    try:
+        sig.bind(**_init_args(cls, spec, Path(run_dir)))
+    except TypeError as e:
+        return f"init_args do not fit {spec['class_path']}{sig}: {e}"
+    return None
+
+
 def user_loggers(cfg: dict) -> list[Logger]:
     """`logging.loggers: [{class_path, init_args}]` instantiated; each must be a Lightning `Logger`. A constructor
     that raises (a missing package, a tracking URI its store cannot serve, ...) is an FwError naming the entry,
@@ -524,9 +549,7 @@ def user_loggers(cfg: dict) -> list[Logger]:
         if problem is not None:
             raise FwError(f"logging.loggers[{i}]: {problem}")
         cls = import_object(spec["class_path"])
-        init_args = dict(spec.get("init_args") or {})
-        if "save_dir" in inspect.signature(cls).parameters and "save_dir" not in init_args:
-            init_args["save_dir"] = str(_default_save_dir(cls, Path(cfg["run_dir"])))
+        init_args = _init_args(cls, spec, Path(cfg["run_dir"]))
         try:
             logger = cls(**init_args)
         except Exception as e:   # user code; an interrupt or exit goes through

@@ -368,7 +368,7 @@ class _Checks:
                 self.add_error(e, ("reward", "class_path") if self.cfg["reward"]["class_path"] else ("reward",),
                                "building the reward")
         from framework.callbacks import callback_problems
-        from framework.loggers import logger_class_problem
+        from framework.loggers import logger_args_problem, logger_class_problem
 
         built = []
         for i, spec in enumerate(self.cfg["callbacks"]):
@@ -382,6 +382,8 @@ class _Checks:
             problem = logger_class_problem(spec["class_path"])
             if problem is not None:
                 self.add(("logging", "loggers", i, "class_path"), problem)
+            elif problem := logger_args_problem(spec, self.cfg["run_dir"]):
+                self.add(("logging", "loggers", i, "init_args"), problem)
 
     # ------------------------------------------------------------------ combinations
     def combinations(self) -> None:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from lightning.pytorch.loggers import Logger
+from lightning.pytorch.loggers import CSVLogger, Logger
 from lightning.pytorch.utilities.imports import _OMEGACONF_AVAILABLE
 
 from framework.callbacks import Callback
@@ -151,6 +151,28 @@ def test_fw_validate_and_fit_report_a_bad_logger_at_its_key_before_building_anyt
         assert main([command, "--config", str(config)]) == 2
         err = capsys.readouterr().err
         assert re.sub(r":1:\d+: ", ":1:COL: ", err).splitlines() == lines, (command, err)
+    assert not (tmp_path / "run").exists()
+
+
+class NeedsProject(CSVLogger):
+    """A logger with a required argument besides the save_dir fw gives it."""
+
+    def __init__(self, save_dir, project):
+        raise AssertionError("fw validate builds no logger")
+
+
+def test_a_required_logger_argument_missing_from_init_args_is_named_before_anything_is_built(tmp_path, capsys):
+    """fw validate names it at the entry's init_args, as fit then would only when building the logger."""
+    from framework.cli import main
+
+    config = tmp_path / "train.yaml"
+    config.write_text(json.dumps({**sft_config(tmp_path / "run", []), "logging": {
+        "loggers": [{"class_path": "test_loggers.NeedsProject", "init_args": {}}]}}))
+    line = ("logging.loggers[0].init_args: init_args do not fit test_loggers.NeedsProject(save_dir, project): "
+            "missing a required argument: 'project'")
+    for command in ("validate", "fit"):
+        assert main([command, "--config", str(config)]) == 2
+        assert re.sub(r"^.*:1:\d+: ", "", capsys.readouterr().err).splitlines() == [line], command
     assert not (tmp_path / "run").exists()
 
 
