@@ -125,6 +125,9 @@ def _key_paths(node: dict, prefix: tuple = ()) -> list[tuple]:
 def _unknown_key_message(key: Any, allowed: list, where: tuple, recipe: Any) -> str:
     """Unknown key: a close spelling here, else the place the key belongs, else what is allowed here."""
     message = f"unknown key '{key}'" + _suggest(key, allowed)
+    if key == "<<":   # YAML 1.1's merge key
+        return message + (" (YAML 1.2 has no merge key: write the keys out, or put the shared ones in a file of "
+                          "their own and pass it first with another --config)")
     if message.endswith("?"):
         return message
     other_recipes = [r for r in recipe_sections() if r != recipe]
