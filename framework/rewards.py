@@ -28,9 +28,13 @@ import logging
 import math
 import numbers
 import operator
+import os
 import re
+import sys
+import sysconfig
 import threading
 import time
+import traceback
 from collections import Counter
 from collections.abc import Callable, Mapping
 from collections.abc import Set as AbstractSet
@@ -500,6 +504,27 @@ def _check_value(value: Any) -> float:
     return value
 
 
+# Python's own and installed libraries: a reward's failure is placed at the innermost frame outside them (the
+# reward's line that called json or socket, not the line in json or socket)
+_LIBRARY_DIRS = tuple({os.path.join(path, "") for key in ("stdlib", "platstdlib", "purelib", "platlib")
+                       if (path := sysconfig.get_paths().get(key))})
+
+
+def _user_line(frames: list[traceback.FrameSummary]) -> str:
+    """`FILE:LINE` of the reward code in `frames` (outermost first): the innermost frame neither of this module nor
+    of a library, else the innermost not of this module; "" when every frame is this module's (a built-in reward)."""
+    own = [f for f in frames if f.filename != __file__]
+    user = [f for f in own if not f.filename.startswith(_LIBRARY_DIRS) and not f.filename.startswith("<")]
+    frame = (user or own or [None])[-1]
+    return f"{frame.filename}:{frame.lineno}" if frame else ""
+
+
+def _raised(exc: BaseException) -> str:
+    """`what_raised(exc)` and where in the reward's code: `raised ValueError: ... (at my_rewards.py:12)`."""
+    where = _user_line(traceback.extract_tb(exc.__traceback__))
+    return what_raised(exc) + (f" (at {where})" if where else "")
+
+
 class _Calls:
     """Which reward call the scoring thread is in and since when (what the timeout measures)."""
 
@@ -529,13 +554,17 @@ def _timed(work: Callable[[], Any], calls: _Calls, timeout_s: float | None, desc
         finally:
             done.set()
 
-    threading.Thread(target=run, name="fw-reward", daemon=True).start()
+    thread = threading.Thread(target=run, name="fw-reward", daemon=True)
+    thread.start()
     while True:
         what, sample, started = calls.current
         if done.wait(max(started + timeout_s - time.monotonic(), 0.0) + 0.01):
             break
         if calls.current[2] == started and time.monotonic() - started >= timeout_s:
             where = f"; {describe(sample)}" if sample is not None else ""
+            frame = sys._current_frames().get(thread.ident)   # where the call is stuck
+            stuck = _user_line(traceback.extract_stack(frame)) if frame is not None else ""
+            where += f"; it is at {stuck}" if stuck else ""
             raise FwError(f"reward {what} did not return within reward.timeout_s = {timeout_s:g} s{where} "
                           "(a reward call cannot be cancelled, so the run stops; fix the reward or raise "
                           "reward.timeout_s)")
@@ -569,7 +598,7 @@ def score_rollout(reward_fn: Any, prompts: list[str], completions: list[str], me
     def sample(i: int) -> str:
         return f"sample {i}: prompt={_shorten(prompts[i])} completion={_shorten(completions[i])}"
 
-    def score() -> tuple[list[tuple[int, str]], list[float]]:
+    def score() -> tuple[list[tuple[int, str, BaseException | None]], list[float]]:
         try:
             return _score(reward_fn, prompts, completions, metadatas, calls)
         except KeyboardInterrupt:   # Ctrl+C's meaning, not a failed sample's: the run stops as on SIGINT
@@ -577,7 +606,7 @@ def score_rollout(reward_fn: Any, prompts: list[str], completions: list[str], me
             raise Interrupted(f"the reward {what}" + (f" on sample {i}" if i is not None else ""))
 
     error: FwError | None = None
-    failures: list[tuple[int, str]] = []
+    failures: list[tuple[int, str, BaseException | None]] = []
     values = [0.0] * n
     try:
         # the reward's own KeyboardInterrupt becomes Interrupted where it runs; one raised in this thread while it
@@ -586,7 +615,7 @@ def score_rollout(reward_fn: Any, prompts: list[str], completions: list[str], me
     except FwError as exc:   # a call past reward.timeout_s, a batch() of the wrong length
         error = exc
     if failures:
-        i, first = failures[0]
+        i, first, cause = failures[0]
         report = (f"reward failed on {len(failures)} of {n} samples; first: sample {i}: {first}; "
                   f"prompt={_shorten(prompts[i])} completion={_shorten(completions[i])}")
         if on_error == "raise":
@@ -597,15 +626,18 @@ def score_rollout(reward_fn: Any, prompts: list[str], completions: list[str], me
                             "reward.max_error_fraction)")
         else:
             log.warning("%s; scored 0 (reward.on_error: zero)", report)
+        if error is not None:
+            error.__cause__ = cause   # --debug prints the reward's own traceback
     raise_on_every_rank(error, collective)
     return torch.tensor(values, dtype=torch.float32), len(failures)
 
 
 def _score(reward_fn: Any, prompts: list[str], completions: list[str], metadatas: list[dict],
-           calls: _Calls) -> tuple[list[tuple[int, str]], list[float]]:
-    """The failures (index, error) and values of every sample, failed ones 0; `calls` tracks each call."""
+           calls: _Calls) -> tuple[list[tuple[int, str, BaseException | None]], list[float]]:
+    """The failures (index, error, the reward's exception or None for a bad value) and values of every sample, failed
+    ones 0; `calls` tracks each call."""
     n = len(prompts)
-    failures: list[tuple[int, str]] = []
+    failures: list[tuple[int, str, BaseException | None]] = []
     values: list[float] = [0.0] * n
     batch = getattr(reward_fn, "batch", None)
     per_sample = not callable(batch)
@@ -618,9 +650,9 @@ def _score(reward_fn: Any, prompts: list[str], completions: list[str], metadatas
             result = list(result)
         except (Exception, SystemExit) as exc:  # noqa: BLE001 - user code: any failure is reported, then retried
             if not callable(reward_fn):
-                failures = [(i, f"batch() {what_raised(exc)}") for i in range(n)]
+                failures = [(i, f"batch() {_raised(exc)}", exc) for i in range(n)]
             else:
-                log.warning("reward batch() %s; scoring the %d samples one call each instead", what_raised(exc), n)
+                log.warning("reward batch() %s; scoring the %d samples one call each instead", _raised(exc), n)
                 per_sample = True
         else:
             if len(result) != n:
@@ -629,19 +661,19 @@ def _score(reward_fn: Any, prompts: list[str], completions: list[str], metadatas
                 try:
                     values[i] = _check_value(value)
                 except (TypeError, ValueError) as exc:
-                    failures.append((i, f"batch() {exc}"))
+                    failures.append((i, f"batch() {exc}", None))
     if per_sample:
         for i in range(n):
             calls.enter("call", i)
             try:
                 value = reward_fn(prompts[i], completions[i], metadatas[i])
             except (Exception, SystemExit) as exc:  # noqa: BLE001 - user code: a failure is reported with its sample
-                failures.append((i, what_raised(exc)))
+                failures.append((i, _raised(exc), exc))
                 continue
             try:
                 values[i] = _check_value(value)
             except (TypeError, ValueError) as exc:
-                failures.append((i, str(exc)))
-    for i, _ in failures:
+                failures.append((i, str(exc), None))
+    for i, _, _ in failures:
         values[i] = 0.0
     return failures, values

@@ -59,6 +59,9 @@ class EvalRankReward:
         return 0.0
 
 
+EVAL_RAISE_LINE = EvalRankReward.__call__.__code__.co_firstlineno + 3
+
+
 def fw_fit(tmp_path: Path, cfg: dict) -> tuple[int, str, float]:
     """`python -m framework fit` of `cfg`: (exit code, stderr, seconds from the failure's stamp to the end)."""
     path = tmp_path / "config.yaml"
@@ -130,7 +133,8 @@ def test_an_eval_reward_failing_on_one_rank_ends_every_rank_with_one_line(tmp_pa
     assert code == 2, err[-3000:]
     (line,) = reported(err)   # no traceback, nothing from the other rank
     assert line.startswith("fw: error: global rank 1: reward failed on 4 of 4 samples; first: sample 0: raised "
-                           "ValueError: eval reward broken on rank 1; prompt="), err[-3000:]
+                           f"ValueError: eval reward broken on rank 1 (at {__file__}:{EVAL_RAISE_LINE}); prompt="), \
+        err[-3000:]
     assert line.endswith("(set reward.on_error: zero to count and zero such samples)"), err[-3000:]
     assert late < LATE_S, err[-3000:]
 

@@ -28,6 +28,9 @@ class RankedReward:
         return 0.0
 
 
+RAISE_AT = f"{__file__}:{RankedReward.__call__.__code__.co_firstlineno + 5}"   # the line of its raise
+
+
 def fw_fit_two_ranks(tmp_path, reward_args: dict, **reward) -> tuple[int, str, float]:
     """`python -m framework fit` of a 2-rank GRPO run: (exit code, stderr, seconds)."""
     cfg = {"recipe": "grpo", "seed": 0, "run_dir": str(tmp_path / "run"), "model": {"policy": {"preset": "tiny"}},
@@ -59,7 +62,7 @@ def test_a_reward_failing_on_one_rank_stops_every_rank_with_one_line(tmp_path):
     assert code == 2, err
     (line,) = error_lines(err)
     assert line.startswith("fw: error: global rank 1: reward failed on 4 of 4 samples; first: sample 0: raised "
-                           "ValueError: cannot parse the completion on rank 1; prompt="), err
+                           f"ValueError: cannot parse the completion on rank 1 (at {RAISE_AT}); prompt="), err
     assert line.endswith("(set reward.on_error: zero to count and zero such samples)"), err
     assert "Traceback" not in err and "[rank" not in err, err
 
@@ -71,6 +74,7 @@ def test_a_reward_failing_on_one_rank_and_hanging_on_the_other_is_reported_once(
     assert code == 2, err
     (line,) = error_lines(err)
     assert line.startswith("fw: error: global rank 0 (global rank 1 too): reward failed on 4 of 4 samples; "
-                           "first: sample 0: raised ValueError: cannot parse the completion on rank 0; "), err
+                           "first: sample 0: raised ValueError: cannot parse the completion on rank 0 "
+                           f"(at {RAISE_AT}); "), err
     assert "Traceback" not in err and "[rank" not in err, err
     assert seconds < 300

@@ -587,8 +587,58 @@ def test_the_timeout_is_per_call_and_a_batch_call_is_one_call():
             time.sleep(2)
             return [1.0] * len(prompts)
 
-    with pytest.raises(FwError, match=r"^reward batch\(\) did not return within reward.timeout_s = 0.2 s \("):
+    with pytest.raises(FwError, match=r"^reward batch\(\) did not return within reward.timeout_s = 0.2 s; it is at "):
         score_rollout(Stuck(), ["p"], ["c"], [{}], {**ZERO, "timeout_s": 0.2})
+
+
+def test_a_failing_reward_is_placed_at_its_own_line_and_debug_shows_its_traceback():
+    """The one line names the file and line of the reward's code that failed (the reward's call into json, not
+    json's own line), and the reward's exception is the FwError's cause, which --debug prints."""
+    def reward(prompt, completion, metadata):
+        if completion == "quit":
+            sys.exit(7)
+        return json.loads(completion)["score"]
+
+    quit_line = reward.__code__.co_firstlineno + 2
+    loads_line = reward.__code__.co_firstlineno + 3
+    for timeout_s in (None, 30):
+        with pytest.raises(FwError) as info:
+            score_rollout(reward, ["a", "b"], ['{"score": 1}', "not json"], [{}] * 2, {**RAISE, "timeout_s": timeout_s})
+        assert f"sample 1: raised JSONDecodeError: Expecting value: line 1 column 1 (char 0) (at {__file__}:" \
+               f"{loads_line}); prompt='b'" in str(info.value)
+        assert isinstance(info.value.__cause__, json.JSONDecodeError)
+        with pytest.raises(FwError, match=re.escape(f"sample 0: called sys.exit(7) (at {__file__}:{quit_line});")):
+            score_rollout(reward, ["a"], ["quit"], [{}], {**RAISE, "timeout_s": timeout_s})
+
+    class Broken:
+        def batch(self, prompts, completions, metadatas):
+            return [float(c) for c in completions]
+
+    batch_line = Broken.batch.__code__.co_firstlineno + 1
+    with pytest.raises(FwError, match=re.escape(f"sample 0: batch() raised ValueError: could not convert string to "
+                                                f"float: 'x' (at {__file__}:{batch_line}); ")):
+        score_rollout(Broken(), ["a"], ["x"], [{}], RAISE)
+    # a built-in's failure is fw's to place: no line of fw's is named
+    with pytest.raises(FwError, match=r"raised KeyError: .*no 'answer'.*\"; prompt='a'") as info:
+        score_rollout(ExactMatch(), ["a"], ["b"], [{}], RAISE)
+    assert "(at " not in str(info.value)
+
+
+def test_a_hanging_reward_is_named_at_the_line_it_is_stuck_at():
+    release = threading.Event()
+
+    def reward(prompt, completion, metadata):
+        release.wait(30)
+        return 1.0
+
+    try:
+        with pytest.raises(FwError) as info:
+            score_rollout(reward, ["p"], ["c"], [{}], {**ZERO, "timeout_s": 0.2})
+    finally:
+        release.set()
+    # the reward's own line, not threading's inside Event.wait
+    assert f"sample 0: prompt='p' completion='c'; it is at {__file__}:{reward.__code__.co_firstlineno + 1} (a " \
+           "reward call cannot be cancelled" in str(info.value)
 
 
 def test_rewards_run_on_a_helper_thread_only_when_timed():
