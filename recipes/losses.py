@@ -298,6 +298,12 @@ def option_problems(name: str, section: dict, max_new_tokens: int) -> list[str]:
     if c["name"] == "mask" and not c["low"] < c["high"]:
         problems.append(f"{name}.off_policy_correction.low: {c['low']} must be below high ({c['high']}), "
                         "else every token is dropped")
+    elif c["name"] == "mask" and not c["low"] < 1 < c["high"]:
+        # the ratio of a token on which the trainer and the rollout agree is 1, as nearly every token's is
+        key = "low" if c["low"] >= 1 else "high"
+        problems.append(f"{name}.off_policy_correction.{key}: [low, high] = [{c['low']}, {c['high']}] must hold 1, "
+                        "the ratio of a token on which the trainer and the rollout agree, else nearly every token is "
+                        "dropped (verl's low is 1 / high)")
     if c["name"] == "none" and c["level"] == "sequence":
         problems.append(f"{name}.off_policy_correction.level: sequence changes nothing while "
                         f"{name}.off_policy_correction.name is none; set name: tis or mask to weigh each completion "

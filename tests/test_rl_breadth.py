@@ -437,6 +437,16 @@ def test_option_combinations_are_refused_at_their_keys(tmp_path, capsys):
             "changes nothing while grpo.off_policy_correction.name is none; set name: tis or mask to weigh each "
             "completion by one ratio, or leave level at token")
     assert capsys.readouterr().err.splitlines() == [line]
+    # a mask window without 1 in it drops the tokens on which trainer and rollout agree: nearly all of them
+    for low, high, key in ((1.5, 2.0, "low"), (1.0, 2.0, "low"), (0.2, 0.9, "high"), (0.5, 1, "high")):
+        assert main(["validate", "--config", str(path), "--grpo.overlong.buffer=null",
+                     f"--grpo.off_policy_correction.low={low}", f"--grpo.off_policy_correction.high={high}"]) == 2
+        assert capsys.readouterr().err.splitlines() == [
+            (f"override '--grpo.off_policy_correction.{key}={low if key == 'low' else high}': "
+              f"grpo.off_policy_correction.{key}: [low, high] = [{low}, {high}] must hold 1, the ratio of a token on "
+             "which the trainer and the rollout agree, else nearly every token is dropped (verl's low is 1 / high)")]
+    assert main(["validate", "--config", str(path), "--grpo.overlong.buffer=null",
+                 "--grpo.off_policy_correction.low=0.99", "--grpo.off_policy_correction.high=1.01"]) == 0
     cfg = config(tmp_path / "run", grpo={"overlong": {"buffer": 9}})   # Python configs skip validate: the recipe checks
     with pytest.raises(FwError, match="grpo.overlong.buffer: 9 exceeds rollout.max_new_tokens"):
         FwModule(cfg)
