@@ -451,7 +451,11 @@ def build_reward(reward_cfg: dict, task: Any = None, check: bool = True) -> Call
             if name is None:
                 raise FwError(f"reward.name: not set, and the task ({type(task).__name__}) names no reward of its "
                               "own (reward_name); set reward.name to a built-in or reward.class_path")
-        if name not in REWARDS:
+        if not isinstance(name, str) or name not in REWARDS:
+            if reward_cfg["name"] is None:   # the task's reward_name: the task's code is what to fix, not reward.name
+                raise FwError(f"data.task: {type(task).__name__}.reward_name is {name!r}, not a built-in reward "
+                              f"({', '.join(sorted(REWARDS))}); fix the task's reward_name, or set reward.name or "
+                              "reward.class_path")
             raise FwError(f"reward.name: unknown reward {name!r}; built-ins are {', '.join(sorted(REWARDS))}")
         try:
             reward = REWARDS[name](**init_args)

@@ -383,6 +383,31 @@ def test_unset_reward_name_takes_the_tasks_own_reward(tmp_path):
         build_reward(base, object())
 
 
+def test_a_tasks_unknown_reward_name_is_the_tasks_error_not_reward_names(tmp_path, capsys):
+    """A null reward.name takes the task's reward_name: a misspelt one is the task's to fix, and fw validate says so
+    at data.task (the config has no reward.name to point at)."""
+    from framework.cli import main
+
+    (tmp_path / "spelt_tasks.py").write_text(
+        "from framework.tasks import Task\n\n\n"
+        "class Spelt(Task):\n"
+        "    reward_name = 'exactmatch'\n\n"
+        "    def sample(self, index):\n"
+        "        return {'prompt': '1=', 'answer': '2', 'metadata': {'answer': '2'}}\n\n\n"
+        "class Listed(Spelt):\n"
+        "    reward_name = ['exact_match']\n")
+    config = tmp_path / "train.yaml"
+    config.write_text(f"recipe: grpo\nrun_dir: {tmp_path / 'run'}\nmodel:\n  policy: {{preset: tiny}}\n"
+                      "data:\n  task: {class_path: spelt_tasks.Spelt}\n")
+    assert main(["validate", "--config", str(config)]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        (f"{config}:6:9: data.task: Spelt.reward_name is 'exactmatch', not a built-in reward (countdown, "
+         "exact_match, format, numeric_match); fix the task's reward_name, or set reward.name or reward.class_path")]
+    assert main(["validate", "--config", str(config), "--data.task.class_path=spelt_tasks.Listed"]) == 2
+    assert "data.task: Listed.reward_name is ['exact_match'], not a built-in reward" in capsys.readouterr().err
+    assert main(["validate", "--config", str(config), "--reward.name=exact_match"]) == 0
+
+
 class LengthPenalty:
     """A user reward written as a test fixture: importable by class_path."""
 
