@@ -46,6 +46,15 @@ def _one_json_document(path: str) -> str | None:
         return None
 
 
+def _messages_without_template(prompt: object, what: str) -> str | None:
+    """The problem of an RL prompt that is a list of messages under `data.chat_template: false`, which rollouts
+    cannot render (they continue plain text), or None."""
+    if isinstance(prompt, list):
+        return (f"{what} is a list of messages but data.chat_template is false; set data.chat_template: true or give "
+                "plain-string prompts")
+    return None
+
+
 def validate_config(paths: list[str], overrides: list[str] | None = None, *, machine: bool = False) -> dict:
     """Load and resolve the config, then run every check below; ConfigError lists all problems."""
     located = load_located(paths, overrides)
@@ -269,6 +278,8 @@ class _Checks:
                     problem = record_problem(row.record, data["format"], data["chat_template"])[1]
                 elif problem is None and self.recipe in RL_RECIPES:
                     problem = prompt_record_problem(row.record, data["prompt_key"], data["answer_key"])
+                    if problem is None and not data["chat_template"]:
+                        problem = _messages_without_template(row.record[data["prompt_key"]], repr(data["prompt_key"]))
                     if problem is None and numeric:
                         try:
                             parse_reference(row.record[data["answer_key"]])
@@ -348,10 +359,15 @@ class _Checks:
                 self.add_error(e, at, "building the task")
             else:
                 try:   # its first sample, as training reads it
-                    checked_sample(self.task, 0)
+                    prompt = checked_sample(self.task, 0)["prompt"]
                 except (Exception, SystemExit) as e:  # noqa: BLE001 (user code: any failure is a config problem)
                     self.task_failed = True
                     self.add_error(e, ("data", "task"), f"{type(self.task).__name__}.sample(0)")
+                else:
+                    problem = None if data["chat_template"] or self.recipe not in RL_RECIPES else \
+                        _messages_without_template(prompt, f"{type(self.task).__name__}.sample(0)'s prompt")
+                    if problem:
+                        self.add(("data", "task"), problem)
         elif data["path"] and self.recipe in RL_RECIPES:
             from framework.tasks import JsonlPrompts
 

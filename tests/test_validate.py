@@ -475,6 +475,29 @@ def test_answers_that_numeric_match_cannot_read_are_named_at_their_line(tmp_path
     assert run_fw(["validate", "--config", str(config), "--reward.name=exact_match"], capsys)[0] == 0
 
 
+def test_message_prompts_without_the_chat_template_are_named_where_they_are(tmp_path, capsys):
+    """A rollout continues plain text: a prompt that is a list of messages needs data.chat_template, which fw validate
+    (and so fw fit, before anything is built) says at the JSONL line or at data.task, not fit midway without a place."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "1+1", "answer": "2"}\n{"prompt": [{"role": "user", "content": "2+2"}], '
+                       '"answer": "4"}\n')
+    config = tmp_path / "train.yaml"
+    config.write_text(GRPO.replace("  task: {name: digits}\n", f"  path: {prompts}\n  chat_template: false\n"))
+    assert run_fw(["validate", "--config", str(config)], capsys) == (2, [
+        (f"{prompts}:2:1: data.path: 'prompt' is a list of messages but data.chat_template is false; set "
+         "data.chat_template: true or give plain-string prompts")])
+    assert run_fw(["validate", "--config", str(config), "--data.chat_template=true"], capsys)[0] == 0
+    (tmp_path / "chat_task.py").write_text(
+        "from framework.tasks import Task\n\nclass Chat(Task):\n    def sample(self, index):\n"
+        "        return {'prompt': [{'role': 'user', 'content': '1='}], 'answer': '2', 'metadata': {'answer': '2'}}\n")
+    config.write_text(GRPO.replace("  task: {name: digits}\n", "  task: {class_path: chat_task.Chat}\n"
+                                   "  chat_template: false\n"))
+    assert run_fw(["validate", "--config", str(config)], capsys) == (2, [
+        (f"{config}:6:9: data.task: Chat.sample(0)'s prompt is a list of messages but data.chat_template is "
+         "false; set data.chat_template: true or give plain-string prompts")])
+    assert run_fw(["validate", "--config", str(config), "--data.chat_template=true"], capsys)[0] == 0
+
+
 def test_only_the_models_the_recipe_builds_are_read(tmp_path, capsys):
     """GRPO builds no critic, so a stale model.value.path is no problem of its run; PPO's is."""
     config = tmp_path / "train.yaml"
