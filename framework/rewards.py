@@ -24,6 +24,7 @@ Built-ins (``REWARDS``, selected by ``reward.name``, constructed with ``reward.i
 """
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 import numbers
@@ -440,7 +441,12 @@ def build_reward(reward_cfg: dict, task: Any = None, check: bool = True) -> Call
     a JSONL task's answers are checked for ``numeric_match`` (``check_references``)."""
     init_args = reward_cfg["init_args"] or {}
     if reward_cfg["class_path"]:
-        from framework.imports import instantiate
+        from framework.imports import import_object, instantiate
+
+        if _is_reward_function(import_object(reward_cfg["class_path"])):   # would be called with init_args alone
+            raise FwError(f"reward.class_path: {reward_cfg['class_path']!r} is a function of (prompt, completion, "
+                          "metadata), a reward itself, but class_path names what fw calls with reward.init_args to "
+                          "build the reward: a class whose instances are called so (its __call__), or a factory")
 
         reward = instantiate({"class_path": reward_cfg["class_path"], "init_args": init_args})
         where = f"reward.class_path {reward_cfg['class_path']!r}"
@@ -468,6 +474,22 @@ def build_reward(reward_cfg: dict, task: Any = None, check: bool = True) -> Call
     if check and isinstance(reward, NumericMatch):
         check_references(task)
     return reward
+
+
+def _is_reward_function(target: Any) -> bool:
+    """Whether `target` is a plain function that needs exactly the three arguments of a reward call."""
+    if not inspect.isfunction(target):
+        return False
+    signature = inspect.signature(target)
+    try:
+        signature.bind("prompt", "completion", {})
+    except TypeError:
+        return False
+    try:
+        signature.bind()
+    except TypeError:
+        return True
+    return False
 
 
 def check_references(task: Any) -> None:

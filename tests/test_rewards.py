@@ -434,6 +434,30 @@ def test_build_reward_from_class_path():
     assert rewards.tolist() == [-6.0, 0.0] and errors == 0
 
 
+def length_reward(prompt, completion, metadata):
+    """A reward written as a function, as other frameworks take them."""
+    return float(len(completion))
+
+
+def make_length_penalty(scale: float = 1.0):
+    """A factory: what class_path may name besides a class."""
+    return LengthPenalty(scale)
+
+
+def test_a_reward_function_named_by_class_path_is_told_apart_from_a_class():
+    """class_path names what fw builds the reward from with init_args: a reward function itself would be called with
+    init_args alone and fail on its missing (prompt, completion, metadata), so it is named as such instead."""
+    cfg = {"name": None, "class_path": "tests.test_rewards.length_reward", "init_args": {}, "on_error": "raise"}
+    with pytest.raises(FwError) as info:
+        build_reward(cfg)
+    assert str(info.value) == (
+        "reward.class_path: 'tests.test_rewards.length_reward' is a function of (prompt, completion, metadata), a "
+        "reward itself, but class_path names what fw calls with reward.init_args to build the reward: a class whose "
+        "instances are called so (its __call__), or a factory")
+    factory = build_reward({**cfg, "class_path": "tests.test_rewards.make_length_penalty", "init_args": {"scale": 3}})
+    assert type(factory).__name__ == "LengthPenalty" and factory.scale == 3
+
+
 def test_score_rollout_batched_form_is_used():
     rewards, errors = score_rollout(BatchedReward(), ["a", "b", "c"], ["x", "yy", ""], [{}] * 3, RAISE)
     assert rewards.dtype == torch.float32 and rewards.tolist() == [1.0, 2.0, 0.0] and errors == 0
