@@ -63,7 +63,8 @@ def rows(path: str | Path, key: str = "data.path") -> Iterator[Row]:
         try:
             record = json.loads(line)
         except json.JSONDecodeError as e:
-            yield Row(lineno, e.colno, None, f"not valid JSON ({e.msg} at column {e.colno})")
+            # some messages end in "at", which the column completes ("Unterminated string starting at")
+            yield Row(lineno, e.colno, None, f"not valid JSON ({e.msg.removesuffix(' at')} at column {e.colno})")
             continue
         if not isinstance(record, dict):
             yield Row(lineno, 1, None, f"expected a JSON object, got {json_type_name(record)}")

@@ -45,6 +45,8 @@ def trained_text(tok, example):
 # ---------------------------------------------------------------- JSONL errors
 @pytest.mark.parametrize("line, message", [
     ('{"messages": [', "not valid JSON"),
+    ('{"prompt": "1+1=, "completion": "2"}', "not valid JSON (Expecting ',' delimiter at column 20)"),
+    ('{"prompt": "1+1=', "not valid JSON (Unterminated string starting at column 12)"),
     ('[1, 2]', "expected a JSON object"),
     ('{"text": "hi"}', "expected a 'messages' list or 'prompt' and 'completion'"),
     ('{"messages": [{"role": "bot", "content": "x"}]}', "messages[0].role is 'bot'"),
