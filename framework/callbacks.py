@@ -193,7 +193,8 @@ class StopEveryRankOnError(lightning.Callback):
             self._depart()
 
     def __getstate__(self) -> dict[str, Any]:
-        # ddp_spawn pickles the trainer, callbacks included, into each process: the thread state is made there
+        # picklable as Lightning's callbacks are (a copy of the trainer, callbacks included): the thread state is
+        # made afresh in the copy
         return {k: v for k, v in self.__dict__.items() if k not in ("_done", "_once", "_lock", "_watcher")}
 
     def __setstate__(self, state: dict[str, Any]) -> None:

@@ -375,7 +375,7 @@ class RunTensorBoardLogger(TensorBoardLogger):
         self._guard: _EventWriterGuard | None = None
 
     def __getstate__(self) -> dict[str, Any]:
-        # Lightning's drops the open writer (ddp_spawn pickles the trainer); its guard holds the writer's queue
+        # Lightning's drops the open writer when a logger is pickled; its guard holds the writer's queue
         state = super().__getstate__()
         state["_guard"] = None
         return state
@@ -467,7 +467,7 @@ GUARDED = ("log_metrics", "log_graph", "save", "finalize")   # a user logger's m
 class _Guarded:
     """A user logger's `method`, set on the instance in place of its class's: a FwError it raises names the
     `logging.loggers` entry (`where`) and the method; an exception of `finalize("failed")` is one line on stderr
-    instead of replacing the exception that ends the run. Picklable with its logger (ddp_spawn pickles the trainer)."""
+    instead of replacing the exception that ends the run. Picklable with its logger, as Lightning's loggers are."""
 
     def __init__(self, logger: Logger, method: str, where: str) -> None:
         self.logger, self.method, self.where = logger, method, where

@@ -29,6 +29,12 @@ MAX_ROW_PROBLEMS = 20  # per JSONL file
 UNSUPPORTED_STRATEGIES = {"fsdp": "FSDP is not supported yet (docs/MULTI_GPU.md)",
                           "deepspeed": "DeepSpeed is not supported", "xla": "XLA/TPU is not supported",
                           "single_xla": "XLA/TPU is not supported", "single_tpu": "XLA/TPU is not supported"}
+# The launching process of these trains nothing: a signal to it leaves the processes it started training, and it
+# reports an end it did not see. `ddp` trains in every process it starts, the launching one included.
+_LAUNCHER_ONLY = ("the process fw fit runs in would start the training processes and train in none of them, so a "
+                  "SIGTERM or Ctrl+C to it would not stop them; use ddp (the same training, one process a device)")
+UNSUPPORTED_STRATEGIES.update({"ddp_spawn": _LAUNCHER_ONLY, "ddp_fork": _LAUNCHER_ONLY,
+                               "ddp_notebook": _LAUNCHER_ONLY})
 MODEL_DIR = "a Hugging Face Qwen3 directory with config.json and model.safetensors"
 
 

@@ -6,6 +6,7 @@ rank alone stops every rank at the same step, exit code 0."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -187,11 +188,18 @@ def test_a_sigterm_before_the_first_step_ends_every_rank_with_143_and_one_line(t
     assert reported(err) == ["fw: stopped by SIGTERM before the first step; nothing to save"], err[-3000:]
 
 
-def test_ddp_spawn_pickles_the_trainer_and_runs(tmp_path):
-    """ddp_spawn hands the trainer, callbacks included, to its processes by pickling it."""
-    proc = launch(tmp_path, plain_sft(tmp_path, strategy="ddp_spawn", max_steps=2))
+@pytest.mark.parametrize("strategy", ["ddp_spawn", "ddp_fork", "ddp_spawn_find_unused_parameters_true"])
+def test_strategies_whose_launcher_trains_nothing_are_refused(tmp_path, strategy):
+    """ddp_spawn / ddp_fork train in processes the launching one starts and never joins: a SIGTERM to `fw fit` left
+    them training, and its end line ("stopped at step 0") was false. fw refuses them before anything starts."""
+    proc = launch(tmp_path, plain_sft(tmp_path, strategy=strategy, max_steps=2))
     _, err = proc.communicate(timeout=300)
-    assert proc.returncode == 0, err[-3000:]
+    assert proc.returncode == 2, err[-3000:]
+    (line,) = err.splitlines()
+    assert re.fullmatch(rf"{re.escape(str(tmp_path / 'config.yaml'))}:1:\d+: trainer.strategy: '{strategy}' is not "
+                        "supported by fw: the process fw fit runs in would start the training processes and train in "
+                        r"none of them, so a SIGTERM or Ctrl\+C to it would not stop them; use ddp \(the same "
+                        r"training, one process a device\)", line), line
 
 
 @pytest.mark.slow   # a 2-process torchrun start-up

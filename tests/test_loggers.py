@@ -566,8 +566,9 @@ def test_readme_mlflow_sqlite_example_without_sqlalchemy_is_one_line(tmp_path, c
 
 
 def test_the_run_tensorboard_logger_pickles_with_its_writer_open(tmp_path):
-    """ddp_spawn pickles the trainer with its loggers: an open event writer (its queue and thread, and the guard
-    that holds them) stays behind, as Lightning's own TensorBoardLogger leaves its writer."""
+    """A logger pickles as Lightning's own do (a copy of the trainer with its loggers): an open event writer (its
+    queue and thread, and the guard that holds them) stays behind, as Lightning's own TensorBoardLogger leaves its
+    writer."""
     import pickle
 
     from framework.loggers import RunTensorBoardLogger
