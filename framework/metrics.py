@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import numbers
 import os
 from argparse import Namespace
 from collections.abc import Sequence
@@ -117,6 +118,22 @@ def fw_writes(name: str) -> bool:
     return name in FW_RECORD_NAMES or name.startswith(FW_PREFIXES)
 
 
+def _check_user_value(name: str, value: Any) -> None:
+    """An error naming the metric unless `value` is one real number, a Python number or a one-element tensor of a
+    real dtype: TypeError for another type, ValueError for a longer tensor (which would be reduced element by
+    element, as if logged once for each) or a complex one."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"log_metric({name!r}): one value a call, got a tensor of shape {tuple(value.shape)}; "
+                             f"log its mean (value.mean()) or each element under a name of its own")
+        if value.is_complex():
+            raise ValueError(f"log_metric({name!r}): expected a real number, got a {value.dtype} tensor")
+        return
+    if not isinstance(value, numbers.Real):
+        raise TypeError(f"log_metric({name!r}): expected a number or a one-element tensor, got "
+                        f"{type(value).__name__} {value!r:.60}")
+
+
 class StepMetrics(nn.Module):
     """Named torchmetrics aggregators, created on first use; `compute()` returns floats and resets.
 
@@ -156,6 +173,8 @@ class StepMetrics(nn.Module):
         if not isinstance(name, str) or not name or name in RESERVED_NAMES:
             raise ValueError(f"log_metric({name!r}): a metric needs a non-empty name other than "
                              f"{', '.join(map(repr, RESERVED_NAMES))} (the key of each metrics.jsonl record's step)")
+        if user:
+            _check_user_value(name, value)
         if user and (fw_writes(name) or self.by_user.get(name) is False):
             raise ValueError(f"log_metric({name!r}): fw writes {name!r} itself, and a value logged under its name "
                              f"would be merged into fw's; log yours under a name of its own, e.g. 'user/{name}'")

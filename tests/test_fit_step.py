@@ -209,6 +209,23 @@ def test_metrics_read_ahead_with_other_values_in_one_transfer():
         m.compute()
 
 
+def test_a_user_value_that_is_not_one_number_is_refused_naming_the_metric():
+    """User code's log_metric takes one real number a call: a string, None or a list names the metric (it was
+    float()'s own error), a tensor of 3 values is refused rather than reduced element by element; one-element
+    tensors of any shape, Python and numpy numbers, and bools stay accepted."""
+    import numpy as np
+
+    m = StepMetrics()
+    for bad, error, text in (("0.5", TypeError, "got str '0.5'"), (None, TypeError, "got NoneType None"),
+                             ([1.0, 2.0], TypeError, "got list"), (torch.ones(3), ValueError, "shape \\(3,\\)"),
+                             (torch.tensor(1j), ValueError, "complex64")):
+        with pytest.raises(error, match=f"log_metric\\('user/x'\\): .*{text}"):
+            m.update("user/x", bad, user=True, site="here.py:1")
+    for good in (torch.tensor([[2.0]]), 3, np.float32(4.0), True):
+        m.update("user/y", good, user=True, site="here.py:2")
+    assert m.compute() == {"user/y": 2.5}   # (2 + 3 + 4 + 1) / 4
+
+
 def test_read_scalars_keeps_order_across_devices():
     values = [torch.tensor(1.5), torch.tensor(3, dtype=torch.long), torch.tensor([False]), torch.tensor(-2.0)]
     if torch.cuda.is_available():
