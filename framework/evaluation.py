@@ -270,7 +270,7 @@ class Evaluation:
 
     # ----------------------------------------------------------------- data
     def _build_rl(self, draws: int) -> None:
-        from framework.rewards import NumericMatch, build_reward, check_references
+        from framework.rewards import NumericMatch, build_reward, check_metadata, check_references
         from framework.tasks import build_task, checked_sample, render_prompt
 
         cfg, e = self.cfg, self.cfg["eval"]
@@ -286,7 +286,13 @@ class Evaluation:
         def prompt(sample: dict) -> str:   # what the policy reads: a string and its one-user-turn chat are one prompt
             return render_prompt(sample["prompt"], _renderer(), template, thinking)
 
-        samples = self._held_out(lambda i: checked_sample(source, i), _length(source), lambda s: (prompt(s),) * 2,
+        def sample(i: int) -> dict:   # with what the reward reads of its metadata, when there is one
+            chosen = checked_sample(source, i)
+            if not self.choose_only:
+                check_metadata(source, i, chosen, self.reward_fn)
+            return chosen
+
+        samples = self._held_out(sample, _length(source), lambda s: (prompt(s),) * 2,
                                  lambda i: prompt(checked_sample(train, i)), _bounded(train, draws))
         if self.choose_only:
             return

@@ -239,6 +239,8 @@ class ExactMatch:
     ``normalize``: apply ``normalize_text`` to both sides (else compare stripped strings).
     """
 
+    metadata_keys = ("answer",)   # what every call reads of a sample's metadata (see check_metadata)
+
     def __init__(self, extract: bool = True, normalize: bool = True):
         self.extract = extract
         self.normalize = normalize
@@ -259,6 +261,8 @@ class NumericMatch:
     only the float noise of a decimal (``0.30000000000000004`` for ``0.3``). The reference must be one
     number (``parse_reference``); a completion's answer is its last ``\\boxed{}`` or last number.
     """
+
+    metadata_keys = ("answer",)
 
     def __init__(self, rel_tol: float = 0.0, abs_tol: float = 1e-9):
         for name, tol in (("rel_tol", rel_tol), ("abs_tol", abs_tol)):
@@ -410,6 +414,8 @@ class CountdownReward:
     given for a well-formed expression that misses.
     """
 
+    metadata_keys = ("numbers", "target")
+
     def __init__(self, use_all: bool = False, format_score: float = 0.0):
         self.use_all = use_all
         self.format_score = float(format_score)
@@ -431,6 +437,24 @@ REWARDS: dict[str, type] = {
     "format": FormatReward,
     "countdown": CountdownReward,
 }
+
+
+def check_metadata(task: Any, index: int, sample: dict, reward: Any) -> None:
+    """FwError naming the task's sample `index` (a ``tasks.checked_sample``) when its metadata lacks a key that
+    `reward` reads on every call (its ``metadata_keys``, which the built-ins state); a reward that states none is
+    not checked (a user's may read no key at all)."""
+    keys = getattr(reward, "metadata_keys", None)
+    if not isinstance(keys, (tuple, list)):
+        return
+    metadata = sample["metadata"]
+    missing = [key for key in keys if key not in metadata]
+    if missing:
+        from framework.tasks import sample_name
+
+        name = next((n for n, cls in REWARDS.items() if type(reward) is cls), type(reward).__name__)
+        held = f"its keys: {', '.join(map(repr, metadata))}" if metadata else "it is empty"
+        raise FwError(f"{sample_name(task, index)}: metadata has no {', '.join(map(repr, missing))}, which the reward "
+                      f"{name!r} reads ({held})")
 
 
 # ---------------------------------------------------------------- building and scoring
@@ -600,7 +624,7 @@ def _timed(work: Callable[[], Any], calls: _Calls, timeout_s: float | None, desc
 
 
 def score_rollout(reward_fn: Any, prompts: list[str], completions: list[str], metadatas: list[dict],
-                  settings: dict, collective: bool = False) -> tuple[torch.Tensor, int]:
+                  settings: dict, collective: bool = False, failed: FwError | None = None) -> tuple[torch.Tensor, int]:
     """Rewards fp32 ``[N]`` for N samples and the number of samples whose reward failed.
 
     ``settings`` is the resolved ``reward:`` section (``on_error``, ``max_error_fraction``, ``timeout_s``).
@@ -614,10 +638,14 @@ def score_rollout(reward_fn: Any, prompts: list[str], completions: list[str], me
     may score different numbers of batches and raise together once all are scored), so such an error on one rank
     is raised on every rank (``framework.errors.raise_on_every_rank``). A KeyboardInterrupt in the reward raises
     ``framework.signals.Interrupted``: the run ends as Ctrl+C ends it (exit code 130), whatever ``on_error`` says.
+    ``failed``: a problem of the samples found before they were generated (a key the reward reads missing from
+    their metadata), raised in place of scoring them, as a failed reward is.
     """
     n = len(prompts)
     if not len(completions) == len(metadatas) == n:
         raise FwError(f"score_rollout: {n} prompts, {len(completions)} completions, {len(metadatas)} metadatas")
+    if failed is not None:
+        raise_on_every_rank(failed, collective)
     on_error = settings["on_error"]
     calls = _Calls()
 

@@ -251,7 +251,8 @@ def _check_template(task: str, template: Any, fields: dict[str, Any]) -> None:
 def _check_prompt(prompt: Any) -> str | None:
     """Why ``prompt`` is not a non-empty string or a list of {role, content} messages, or None."""
     if isinstance(prompt, str):
-        return None if prompt else "is an empty string"
+        # a blank prompt gives the policy nothing to answer (and an empty one no token to continue)
+        return None if prompt.strip() else "is an empty string" if not prompt else "is whitespace only"
     if isinstance(prompt, list) and prompt:
         return messages_problem(prompt)
     return "must be a non-empty string or a non-empty list of {role, content} messages"
@@ -377,16 +378,20 @@ def build_task(data_cfg: dict, seed: int, path_key: str = "data.path") -> Task:
 
 def checked_sample(task: Any, index: int) -> Sample:
     """`task.sample(index)`, checked to be what the recipes read of it (a user's task class returns anything): a
-    dict whose `prompt` is a string or a list of messages, whose `answer` is a string and whose `metadata` is a dict;
-    FwError otherwise."""
+    dict whose `prompt` is a non-blank string or a list of {role, content} messages, whose `answer` is a string and
+    whose `metadata` is a dict; FwError otherwise, naming the task and the index. What the reward reads of the
+    metadata is `rewards.check_metadata`'s."""
     sample = task.sample(index)
-    name = f"data.task: {type(task).__name__}.sample({index})"
+    name = sample_name(task, index)
     if not isinstance(sample, dict):
         raise FwError(f"{name} returned a {type(sample).__name__}, expected a dict with prompt, answer and metadata")
     prompt = sample.get("prompt")
     if not isinstance(prompt, (str, list)):
         raise FwError(f"{name}: prompt must be a string or a list of {{role, content}} messages, got "
                       f"{type(prompt).__name__} {prompt!r:.80}")
+    problem = _check_prompt(prompt)
+    if problem:   # here, not at generation or chat rendering, which know neither the task nor the index
+        raise FwError(f"{name}: prompt {problem}")
     if not isinstance(sample.get("answer"), str):
         raise FwError(f"{name}: answer must be a string (the completion SFT trains on, the reference of the "
                       f"built-in rewards), got {type(sample.get('answer')).__name__}")
@@ -394,6 +399,11 @@ def checked_sample(task: Any, index: int) -> Sample:
         raise FwError(f"{name}: metadata must be a dict (what the reward gets as its third argument), got "
                       f"{type(sample.get('metadata')).__name__}")
     return sample
+
+
+def sample_name(task: Any, index: int) -> str:
+    """How errors name sample `index` of `task`: at data.task, the key that chose it."""
+    return f"data.task: {type(task).__name__}.sample({index})"
 
 
 def render_prompt(prompt: str | list[dict], tokenizer: Any, chat_template: bool, enable_thinking: bool) -> str:

@@ -353,6 +353,7 @@ class _Checks:
         from framework.imports import instantiate
 
         data = self.cfg["data"]
+        sample = None   # a class_path or built-in task's first sample, checked
         if data["task"] and not data["path"]:
             from framework.tasks import build_task, checked_sample
 
@@ -365,7 +366,8 @@ class _Checks:
                 self.add_error(e, at, "building the task")
             else:
                 try:   # its first sample, as training reads it
-                    prompt = checked_sample(self.task, 0)["prompt"]
+                    sample = checked_sample(self.task, 0)
+                    prompt = sample["prompt"]
                 except (Exception, SystemExit) as e:  # noqa: BLE001 (user code: any failure is a config problem)
                     self.task_failed = True
                     self.add_error(e, ("data", "task"), f"{type(self.task).__name__}.sample(0)")
@@ -385,10 +387,18 @@ class _Checks:
             from framework.rewards import build_reward
 
             try:
-                build_reward(self.cfg["reward"], self.task)
+                reward = build_reward(self.cfg["reward"], self.task)
             except (Exception, SystemExit) as e:  # noqa: BLE001 (user code: any failure is a config problem)
                 self.add_error(e, ("reward", "class_path") if self.cfg["reward"]["class_path"] else ("reward",),
                                "building the reward")
+            else:
+                if sample is not None:   # the task's first sample holds what the reward reads of it
+                    from framework.rewards import check_metadata
+
+                    try:
+                        check_metadata(self.task, 0, sample, reward)
+                    except FwError as e:
+                        self.add_error(e, ("data", "task"))
         from framework.callbacks import callback_problems
         from framework.loggers import logger_args_problem, logger_class_problem
 

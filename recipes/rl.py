@@ -634,7 +634,7 @@ class RLRecipe:
 
         ``round_index`` > 0 draws the step's further rounds (GRPO's dynamic sampling): the prompts after
         those of every rank's earlier rounds, which ``finish_rollout(ctx, rounds)`` then skips."""
-        from framework.rewards import score_rollout
+        from framework.rewards import check_metadata, score_rollout
         from framework.rollout import stop_token_ids
         from framework.tasks import checked_sample, render_prompt
 
@@ -643,6 +643,12 @@ class RLRecipe:
         first = self.prompt_position + (round_index * ctx.world_size + ctx.rank) * n_prompts
         with record_function("fw.rl.prompts"):
             samples = [checked_sample(self.task, first + i) for i in range(n_prompts)]
+            try:   # raised at scoring, on every rank as a failed reward is: one rank alone would leave the rest waiting
+                for i, sample in enumerate(samples):
+                    check_metadata(self.task, first + i, sample, self.reward_fn)
+                unread = None
+            except FwError as exc:
+                unread = exc
             texts = [render_prompt(s["prompt"], tok, cfg["data"]["chat_template"],
                                    cfg["tokenizer"]["enable_thinking"]) for s in samples]
             ids = [tok.encode(t) for t in texts]
@@ -663,7 +669,7 @@ class RLRecipe:
             metadatas = [s["metadata"] for s in samples for _ in range(samples_per_prompt)]
             # every rank scores its rollouts here: a reward's failure on one of them stops them all
             rewards, n_err = score_rollout(self.reward_fn, rep_texts, ro.texts, metadatas, cfg["reward"],
-                                           collective=True)
+                                           collective=True, failed=unread)
             device = ctx.device
             width = ro.logprobs.shape[1]
             clens = ro.completion_lens.to(device)

@@ -146,6 +146,24 @@ def test_eval_prompts_are_never_training_prompts(tmp_path):
     assert not set(same.texts) & trained
 
 
+class Unanswered(Digits):
+    """Digits whose samples keep no reference answer in their metadata."""
+
+    def sample(self, index):
+        return {**super().sample(index), "metadata": {}}
+
+
+def test_a_held_out_sample_without_the_metadata_its_reward_reads_is_named(tmp_path):
+    """The eval set's samples are checked for what the reward reads of them, as training's are, when it is built to
+    be scored; choosing them alone (fw validate's check of the held-out set) reads no reward."""
+    cfg = grpo_config(tmp_path / "run", EVAL, data={"task": {"class_path": "test_eval.Unanswered"},
+                                                    "chat_template": False}, rollout=ONE_TOKEN)
+    with pytest.raises(FwError, match=r"^data\.task: Unanswered\.sample\(\d+\): metadata has no 'answer', which the "
+                                      r"reward 'numeric_match' reads \(it is empty\)$"):
+        Evaluation(cfg, build_tokenizer(cfg))
+    Evaluation(cfg, None, choose_only=True)
+
+
 @pytest.mark.parametrize(("max_steps", "wanted"), [(10, 40), (50, 10), (50, 60)])
 def test_the_held_out_set_is_the_first_eval_prompts_no_training_draw_has(tmp_path, max_steps, wanted):
     # (10, 40): few of the first candidates are training prompts; (50, 10): most are, so more are read;

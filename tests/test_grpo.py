@@ -198,6 +198,34 @@ def test_bad_settings_are_reported(tmp_path):
         FwModule(config(tmp_path / "b", grpo={"group_size": 2, "minibatches": 16}))
 
 
+class LateFlaw:
+    """A user's task whose samples from index 5 on are `flaw` over a good one: fw validate's sample(0) passes."""
+
+    def __init__(self, flaw: dict, seed: int = 0):
+        self.flaw = flaw
+
+    def sample(self, index):
+        good = {"prompt": f"{index % 10}=", "answer": "1", "metadata": {"answer": "1"}}
+        return {**good, **self.flaw} if index >= 5 else good
+
+    def widest_prompts(self):
+        return ["9="]
+
+
+@pytest.mark.parametrize("flaw, problem", [
+    ({"prompt": ""}, "prompt is an empty string"),
+    ({"metadata": {}}, "metadata has no 'answer', which the reward 'numeric_match' reads (it is empty)"),
+])
+def test_fit_names_the_first_task_sample_it_cannot_use(tmp_path, flaw, problem):
+    """Past the sample fw validate draws, fit stops at the first bad one with the task and its index (the second
+    step's prompts are samples 4 to 7), not at generation ("prompt 4 is empty") or inside the reward."""
+    cfg = config(tmp_path / "run", data={"task": {"class_path": "tests.test_grpo.LateFlaw",
+                                                  "init_args": {"flaw": flaw}}, "chat_template": False})
+    with pytest.raises(FwError) as caught:
+        fit(cfg)
+    assert str(caught.value) == f"data.task: LateFlaw.sample(5): {problem}"
+
+
 def test_exact_resume(tmp_path):
     """Crash mid-rollout (after policy step 5 of 2 per rollout), resume from step 4: identical metrics
     for every step and identical final weights."""

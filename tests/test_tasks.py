@@ -180,6 +180,7 @@ def test_jsonl_messages_prompt_and_several_files(tmp_path):
     ('{"prompt": "p", "answer": {"a": 1}}', "'answer' must be a string or a number, got an object"),
     ('{"prompt": "p"}', "missing key 'answer'"),
     ('{"prompt": "", "answer": "a"}', "'prompt' is an empty string"),
+    ('{"prompt": " \\n\\t", "answer": "a"}', "'prompt' is whitespace only"),
     ('{"prompt": [{"role": "user"}], "answer": "a"}',
      r"messages\[0\] \(user\): content must be a string, got null"),
     ('{"prompt": [{"role": "tool", "content": "x"}], "answer": "a"}', r"messages\[0\]: role 'tool' is not supported"),
@@ -304,6 +305,60 @@ def test_build_task_from_class_path():
     assert isinstance(task, Digits) and task.rule == "next"
     with pytest.raises(FwError, match="needs a sample"):
         build_task(data_cfg(task={"class_path": "collections.Counter", "init_args": {}}), seed=0)
+
+
+class Given(Task):
+    """A user task whose sample(index) is `samples[index]`."""
+
+    def __init__(self, samples):
+        super().__init__()
+        self.samples = samples
+
+    def sample(self, index):
+        return self.samples[index]
+
+
+@pytest.mark.parametrize("prompt, problem", [
+    ("", "prompt is an empty string"),
+    (" \n", "prompt is whitespace only"),
+    ([], "prompt must be a non-empty string or a non-empty list of {role, content} messages"),
+    ([{"role": "user"}], "prompt messages[0] (user): content must be a string, got null"),
+    ([{"role": "system", "content": "s"}, {"role": "user", "content": ["u"]}],
+     "prompt messages[1] (user): content must be a string, got an array"),
+    ([{"content": "u"}], "prompt messages[0]: missing 'role' (one of system, user, assistant)"),
+])
+def test_checked_sample_names_the_task_and_index_of_a_prompt_that_cannot_be_generated_from(prompt, problem):
+    """An empty prompt (no token to continue) or a chat the template cannot render fails at generation or rendering,
+    which knows neither the task nor the sample; checked_sample says both, as for its other problems."""
+    good = {"prompt": "1=", "answer": "1", "metadata": {"answer": "1"}}
+    task = Given([good, {**good, "prompt": prompt}])
+    assert tasks.checked_sample(task, 0) is good
+    with pytest.raises(FwError) as caught:
+        tasks.checked_sample(task, 1)
+    assert str(caught.value) == f"data.task: Given.sample(1): {problem}"
+
+
+def test_a_sample_without_the_metadata_keys_its_reward_reads_is_named():
+    """exact_match and numeric_match read metadata["answer"] on every call, countdown its numbers and target: a sample
+    without them is refused at data.task with its index. The format reward and a user's reward state no key they
+    read, so the same sample passes."""
+    from framework.rewards import CountdownReward, ExactMatch, FormatReward, NumericMatch, check_metadata
+
+    sample = {"prompt": "1=", "answer": "1", "metadata": {"numbers": [1, 2]}}
+    task = Given([sample] * 4)
+    for reward, name, missing in ((ExactMatch(), "exact_match", "'answer'"),
+                                  (NumericMatch(), "numeric_match", "'answer'"),
+                                  (CountdownReward(), "countdown", "'target'")):
+        with pytest.raises(FwError) as caught:
+            check_metadata(task, 3, tasks.checked_sample(task, 3), reward)
+        assert str(caught.value) == (f"data.task: Given.sample(3): metadata has no {missing}, which the reward "
+                                     f"{name!r} reads (its keys: 'numbers')")
+    for reward in (FormatReward(), lambda prompt, completion, metadata: 1.0):
+        check_metadata(task, 3, sample, reward)
+    with pytest.raises(FwError, match=r"^data.task: Given.sample\(0\): metadata has no 'answer', which the reward "
+                                      r"'exact_match' reads \(it is empty\)$"):
+        check_metadata(task, 0, {**sample, "metadata": {}}, ExactMatch())
+    check_metadata(task, 0, {**sample, "metadata": {"answer": "1"}}, NumericMatch())
 
 
 class Template:

@@ -632,6 +632,46 @@ def test_a_task_class_whose_samples_training_cannot_read_is_a_config_problem(tmp
         2, [f"{config}:4:9: data.task: {problem}"])
 
 
+@pytest.mark.parametrize("prompt, problem", [
+    ("''", "prompt is an empty string"),
+    ("'  '", "prompt is whitespace only"),
+    ("[{'role': 'user'}]", "prompt messages[0] (user): content must be a string, got null"),
+    ("[{'role': 'user', 'content': 12}]", "prompt messages[0] (user): content must be a string, got a number"),
+])
+def test_a_task_class_whose_prompt_cannot_be_generated_from_is_a_config_problem(tmp_path, capsys, prompt, problem):
+    """An empty prompt (no token to continue) or a chat that data.chat_template cannot render: fw validate says it at
+    data.task with the sample, not fit at generation ("generate: prompt 0 is empty") or chat rendering, which name
+    neither."""
+    module = f"blank_task_{abs(hash(prompt))}"
+    (tmp_path / f"{module}.py").write_text(
+        "from framework.tasks import Task\n\nclass Blank(Task):\n    def sample(self, index):\n"
+        f"        return {{'prompt': {prompt}, 'answer': '1', 'metadata': {{'answer': '1'}}}}\n")
+    config = tmp_path / "c.yaml"
+    config.write_text(f"recipe: grpo\nmodel: {{policy: {{preset: tiny}}}}\ndata:\n"
+                      f"  task: {{class_path: {module}.Blank}}\n  chat_template: true\n")
+    assert run_fw(["validate", "--config", str(config)], capsys) == (
+        2, [f"{config}:4:9: data.task: Blank.sample(0): {problem}"])
+
+
+def test_a_task_without_the_metadata_its_reward_reads_is_a_config_problem(tmp_path, capsys):
+    """exact_match (a Task's own reward) and numeric_match read metadata["answer"] on every call: a sample without
+    it is a problem at data.task that fw validate says, not the first reward call of fit. A reward that does not
+    read it (format, or a user's) takes the same task."""
+    (tmp_path / "unanswered.py").write_text(
+        "from framework.tasks import Task\n\nclass Unanswered(Task):\n    def sample(self, index):\n"
+        "        return {'prompt': '1=', 'answer': '1', 'metadata': {'level': 1}}\n\n\n"
+        "class Length:\n    def __call__(self, prompt, completion, metadata):\n        return len(completion)\n")
+    config = tmp_path / "c.yaml"
+    config.write_text("recipe: grpo\nmodel: {policy: {preset: tiny}}\ndata:\n"
+                      "  task: {class_path: unanswered.Unanswered}\n")
+    for args, name in (([], "exact_match"), (["--reward.name=numeric_match"], "numeric_match")):
+        assert run_fw(["validate", "--config", str(config), *args], capsys) == (2, [
+            (f"{config}:4:9: data.task: Unanswered.sample(0): metadata has no 'answer', which the reward "
+             f"{name!r} reads (its keys: 'level')")])
+    for args in (["--reward.name=format"], ["--reward.class_path=unanswered.Length"], ["--recipe=sft"]):
+        assert run_fw(["validate", "--config", str(config), *args], capsys)[0] == 0, args
+
+
 def test_validate_tokenizes_sft_data_as_fit_does(tmp_path, capsys):
     """SFT rows longer than data.max_seq_len: fw validate says how many fit cuts, as fit says it, and refuses data
     that keeps no token to train on, which fit refuses as it builds its data."""
