@@ -681,7 +681,8 @@ def test_fw_plan_imports_a_task_module_next_to_the_config(tmp_path):
         "from framework.tasks import Task\n\n"
         "class Echo(Task):\n"
         "    def sample(self, index):\n"
-        "        return {'prompt': f'say {index % 7}', 'answer': str(index % 7), 'metadata': {}}\n")
+        "        answer = str(index % 7)\n"
+        "        return {'prompt': f'say {answer}', 'answer': answer, 'metadata': {'answer': answer}}\n")
     config = tmp_path / "c.yaml"
     config.write_text("recipe: grpo\nmodel: {policy: {preset: tiny}}\n"
                       "data: {task: {class_path: plan_walk_task.Echo}, chat_template: false}\n"
