@@ -71,7 +71,7 @@ class Task:
 
     def sft_example(self, index: int) -> dict[str, Any]:
         """``{"prompt": ..., "completion": answer}`` for sample ``index``: SFT data from the task."""
-        sample = checked_sample(self, index)
+        sample = checked_sample(self, index, sft=True)
         return {"prompt": sample["prompt"], "completion": sample["answer"]}
 
     def _make(self, prompt: Any, answer: str, **metadata: Any) -> Sample:
@@ -251,8 +251,7 @@ def _check_template(task: str, template: Any, fields: dict[str, Any]) -> None:
 def _check_prompt(prompt: Any) -> str | None:
     """Why ``prompt`` is not a non-empty string or a list of {role, content} messages, or None."""
     if isinstance(prompt, str):
-        # a blank prompt gives the policy nothing to answer (and an empty one no token to continue)
-        return None if prompt.strip() else "is an empty string" if not prompt else "is whitespace only"
+        return None if prompt else "is an empty string"   # no token for the policy to continue
     if isinstance(prompt, list) and prompt:
         return messages_problem(prompt)
     return "must be a non-empty string or a non-empty list of {role, content} messages"
@@ -376,11 +375,12 @@ def build_task(data_cfg: dict, seed: int, path_key: str = "data.path") -> Task:
     return cls(**init_args)
 
 
-def checked_sample(task: Any, index: int) -> Sample:
+def checked_sample(task: Any, index: int, sft: bool = False) -> Sample:
     """`task.sample(index)`, checked to be what the recipes read of it (a user's task class returns anything): a
-    dict whose `prompt` is a non-blank string or a list of {role, content} messages, whose `answer` is a string and
-    whose `metadata` is a dict; FwError otherwise, naming the task and the index. What the reward reads of the
-    metadata is `rewards.check_metadata`'s."""
+    dict whose `prompt` is a non-empty string (empty too for `sft`, which trains on the answer after it, as an SFT
+    record may) or a list of {role, content} messages, whose `answer` is a string and whose `metadata` is a dict;
+    FwError otherwise, naming the task and the index. What the reward reads of the metadata is
+    `rewards.check_metadata`'s."""
     sample = task.sample(index)
     name = sample_name(task, index)
     if not isinstance(sample, dict):
@@ -389,7 +389,7 @@ def checked_sample(task: Any, index: int) -> Sample:
     if not isinstance(prompt, (str, list)):
         raise FwError(f"{name}: prompt must be a string or a list of {{role, content}} messages, got "
                       f"{type(prompt).__name__} {prompt!r:.80}")
-    problem = _check_prompt(prompt)
+    problem = None if sft and prompt == "" else _check_prompt(prompt)
     if problem:   # here, not at generation or chat rendering, which know neither the task nor the index
         raise FwError(f"{name}: prompt {problem}")
     if not isinstance(sample.get("answer"), str):

@@ -180,7 +180,6 @@ def test_jsonl_messages_prompt_and_several_files(tmp_path):
     ('{"prompt": "p", "answer": {"a": 1}}', "'answer' must be a string or a number, got an object"),
     ('{"prompt": "p"}', "missing key 'answer'"),
     ('{"prompt": "", "answer": "a"}', "'prompt' is an empty string"),
-    ('{"prompt": " \\n\\t", "answer": "a"}', "'prompt' is whitespace only"),
     ('{"prompt": [{"role": "user"}], "answer": "a"}',
      r"messages\[0\] \(user\): content must be a string, got null"),
     ('{"prompt": [{"role": "tool", "content": "x"}], "answer": "a"}', r"messages\[0\]: role 'tool' is not supported"),
@@ -320,7 +319,6 @@ class Given(Task):
 
 @pytest.mark.parametrize("prompt, problem", [
     ("", "prompt is an empty string"),
-    (" \n", "prompt is whitespace only"),
     ([], "prompt must be a non-empty string or a non-empty list of {role, content} messages"),
     ([{"role": "user"}], "prompt messages[0] (user): content must be a string, got null"),
     ([{"role": "system", "content": "s"}, {"role": "user", "content": ["u"]}],
@@ -336,6 +334,15 @@ def test_checked_sample_names_the_task_and_index_of_a_prompt_that_cannot_be_gene
     with pytest.raises(FwError) as caught:
         tasks.checked_sample(task, 1)
     assert str(caught.value) == f"data.task: Given.sample(1): {problem}"
+
+
+def test_an_sft_example_may_have_an_empty_prompt_or_a_blank_one():
+    """SFT trains on the answer after the prompt, which may be empty, as an SFT record's may; a blank prompt is one
+    token, for generation as for SFT."""
+    task = Given([{"prompt": "", "answer": "1", "metadata": {}}, {"prompt": " ", "answer": "2", "metadata": {}}])
+    assert [task.sft_example(i) for i in (0, 1)] == [{"prompt": "", "completion": "1"},
+                                                      {"prompt": " ", "completion": "2"}]
+    assert tasks.checked_sample(task, 1)["prompt"] == " "
 
 
 def test_a_sample_without_the_metadata_keys_its_reward_reads_is_named():

@@ -634,7 +634,6 @@ def test_a_task_class_whose_samples_training_cannot_read_is_a_config_problem(tmp
 
 @pytest.mark.parametrize("prompt, problem", [
     ("''", "prompt is an empty string"),
-    ("'  '", "prompt is whitespace only"),
     ("[{'role': 'user'}]", "prompt messages[0] (user): content must be a string, got null"),
     ("[{'role': 'user', 'content': 12}]", "prompt messages[0] (user): content must be a string, got a number"),
 ])
