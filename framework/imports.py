@@ -8,6 +8,7 @@ import inspect
 import os
 import pkgutil
 import sys
+import sysconfig
 import traceback
 from typing import Any
 
@@ -30,6 +31,20 @@ def _raised_at(e: BaseException) -> str:
 def _submodules(package: Any) -> list[str]:
     """The names of a package's modules and subpackages (none for a module that is not a package)."""
     return [m.name for m in pkgutil.iter_modules(getattr(package, "__path__", None) or [])]
+
+
+def _in_stdlib(module: Any) -> bool:
+    """Whether `module` is one of Python's standard library (a user's file of its name is shadowed by it)."""
+    file = getattr(module, "__file__", None)
+    if module.__name__.split(".")[0] in sys.builtin_module_names:
+        return True
+    if not file:
+        return False
+    stdlib = [sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib")]
+    site = [sysconfig.get_paths()[k] for k in ("purelib", "platlib")]
+    path = os.path.realpath(file)
+    return any(path.startswith(os.path.join(os.path.realpath(d), "")) for d in stdlib) and not any(
+        path.startswith(os.path.join(os.path.realpath(d), "")) for d in site)
 
 
 def import_object(class_path: str) -> Any:
@@ -70,6 +85,9 @@ def import_object(class_path: str) -> Any:
             if not hasattr(obj, attr):
                 close = difflib.get_close_matches(attr, [n for n in dir(obj) if not n.startswith("_")], n=1)
                 hint = f"; did you mean '{owner}.{close[0]}'?" if close else ""
+                if not close and owner == module_name and "." not in module_name and _in_stdlib(obj):
+                    hint = (f"; '{module_name}' is Python's own module ({obj.__file__}), which a file of yours of "
+                            "that name does not replace: rename your file")
                 raise FwError(f"cannot import '{class_path}': module '{module_name}' has no attribute "
                               f"'{attr}'{hint}" if owner == module_name else
                               f"cannot import '{class_path}': '{owner}' has no attribute '{attr}'{hint}")

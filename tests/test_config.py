@@ -341,6 +341,22 @@ def test_import_object_and_class(user_modules):
         import_class("userpkg.good.helper")
 
 
+def test_a_user_file_named_like_a_standard_module_is_told_to_be_renamed(user_modules, tmp_path):
+    """A user's code.py beside the config: `code` is Python's own module, imported before it (here, or by anything
+    earlier in the process), so `code.Good` names a missing attribute of the standard module; the error says which
+    file was imported and to rename the user's. A near miss of a real attribute keeps its suggestion."""
+    import code
+
+    (tmp_path / "code.py").write_text("class Good:\n    pass\n")
+    with pytest.raises(FwError) as e:
+        import_object("code.Good")
+    assert str(e.value) == (f"cannot import 'code.Good': module 'code' has no attribute 'Good'; 'code' is Python's own "
+                            f"module ({code.__file__}), which a file of yours of that name does not replace: rename "
+                            "your file")
+    with pytest.raises(FwError, match=r"did you mean 'code.InteractiveConsole'\?$"):
+        import_object("code.InteractiveConsol")
+
+
 @pytest.mark.parametrize("class_path,message", [
     ("nosuchpkg_fw.mod.Cls", "cannot import 'nosuchpkg_fw.mod.Cls': no module named 'nosuchpkg_fw'"),
     ("userpkg.nosuchmod.Cls", "cannot import 'userpkg.nosuchmod.Cls': no module named 'userpkg.nosuchmod'"),
