@@ -129,6 +129,15 @@ class _Checks:
     def add(self, path: tuple, message: str, key: bool = False) -> None:
         self.problems.append(self.located.problem(path, message, key))
 
+    def _overridden(self, paths: list[tuple]) -> tuple:
+        """Of the keys one check relates, the first that a command-line override set (the value the user changed
+        last, so where the problem shows), else the first."""
+        for path in paths:
+            located = self.located.marks.get(path)
+            if located is not None and located.value.line is None and located.value.file.startswith("override "):
+                return path
+        return paths[0]
+
     def add_error(self, e: BaseException, default: tuple, what: str = "") -> None:
         """An error from a builder: at the key its message starts with (`data.task.init_args: ...`), else
         at `default`; an exception that is not an FwError is shown as what raised it."""
@@ -446,7 +455,9 @@ class _Checks:
         samples = cfg["rollout"]["prompts_per_step"] * section[RL_RECIPES[self.recipe]]
         micro = cfg["trainer"]["accumulate_grad_batches"]
         if section["minibatches"] * micro > samples:
-            self.add((self.recipe, "minibatches"),
+            related = [(self.recipe, "minibatches"), ("trainer", "accumulate_grad_batches"),
+                       ("rollout", "prompts_per_step"), (self.recipe, RL_RECIPES[self.recipe])]
+            self.add(self._overridden(related),
                      f"{section['minibatches']} minibatches x trainer.accumulate_grad_batches ({micro}) exceeds the "
                      f"{samples} samples of one rollout batch (rollout.prompts_per_step x "
                      f"{self.recipe}.{RL_RECIPES[self.recipe]})")

@@ -697,3 +697,20 @@ def test_validate_says_how_many_sft_examples_have_an_empty_reply_as_fit_does(tmp
         (f"fw: data.path: 1 of 2 examples has an empty or blank reply (the first: {data}:2: "
          'messages[1].content is ""), which trains on its end token alone and teaches the model to answer with '
          "nothing")])
+
+
+def test_a_check_of_several_keys_shows_at_the_one_an_override_changed(tmp_path, capsys):
+    """minibatches x accumulate_grad_batches against the rollout batch relates four keys: the problem shows at the
+    override that broke it (a file's key it was reported at before, under a key the user had not touched), and at
+    grpo.minibatches when none of them is overridden."""
+    config = tmp_path / "c.yaml"
+    config.write_text("recipe: grpo\nmodel: {policy: {preset: tiny}}\ndata: {task: {name: digits}}\n"
+                      "grpo: {minibatches: 4}\n")
+    tail = ("4 minibatches x trainer.accumulate_grad_batches (64) exceeds the 64 samples of one rollout batch "
+            "(rollout.prompts_per_step x grpo.group_size)")
+    assert main(["validate", "--config", str(config), "--trainer.accumulate_grad_batches=64"]) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"override '--trainer.accumulate_grad_batches=64': trainer.accumulate_grad_batches: {tail}")
+    config.write_text(config.read_text() + "trainer: {accumulate_grad_batches: 64}\n")
+    assert main(["validate", "--config", str(config)]) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == f"{config}:4:21: grpo.minibatches: {tail}"
