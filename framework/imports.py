@@ -86,7 +86,8 @@ def import_object(class_path: str) -> Any:
                 close = difflib.get_close_matches(attr, [n for n in dir(obj) if not n.startswith("_")], n=1)
                 hint = f"; did you mean '{owner}.{close[0]}'?" if close else ""
                 if not close and owner == module_name and "." not in module_name and _in_stdlib(obj):
-                    hint = (f"; '{module_name}' is Python's own module ({obj.__file__}), which a file of yours of "
+                    where = getattr(obj, "__file__", None) or "built into the interpreter"
+                    hint = (f"; '{module_name}' is Python's own module ({where}), which a file of yours of "
                             "that name does not replace: rename your file")
                 raise FwError(f"cannot import '{class_path}': module '{module_name}' has no attribute "
                               f"'{attr}'{hint}" if owner == module_name else

@@ -355,6 +355,8 @@ def test_a_user_file_named_like_a_standard_module_is_told_to_be_renamed(user_mod
                             "your file")
     with pytest.raises(FwError, match=r"did you mean 'code.InteractiveConsole'\?$"):
         import_object("code.InteractiveConsol")
+    with pytest.raises(FwError, match=r"'sys' is Python's own module \(built into the interpreter\)"):
+        import_object("sys.Good")   # a module without a file
 
 
 @pytest.mark.parametrize("class_path,message", [
