@@ -521,8 +521,20 @@ def _schema_at(keys: list[str], recipe: Any = None) -> tuple[dict | None, str | 
     return sub, None
 
 
+_OVERRIDE = "override "   # the marks of the keys an override sets name it as their file: override '--a.b=v'
+
+
+def _override_label(arg: str) -> str:
+    return f"{_OVERRIDE}'{arg}'"
+
+
+def is_override(mark: Mark) -> bool:
+    """Whether `mark` is where a command-line override (not a config file) set a key."""
+    return mark.line is None and mark.file.startswith(_OVERRIDE)
+
+
 def _apply_override(data: dict, marks: dict, arg: str) -> list[Problem]:
-    label = f"override '{arg}'"
+    label = _override_label(arg)
     text = arg.removeprefix("--")
     key, sep, raw = text.partition("=")
     keys = key.split(".")
@@ -655,7 +667,7 @@ def load_located(paths: list[str], overrides: list[str] | None = None, *,
         raise ConfigError(problems)
     order = {p: i for i, p in enumerate(paths)}
     for i, arg in enumerate(overrides or []):
-        order[f"override '{arg}'"] = len(paths) + i
+        order[_override_label(arg)] = len(paths) + i
         problems += _apply_override(data, marks, arg)
     fallback = marks[()].value if () in marks else Mark(paths[-1])
     return LocatedConfig(_finish(data, marks, fallback, problems, order, imports), marks, fallback, order)

@@ -19,7 +19,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from framework.config import LocatedConfig, all_key_paths, load_located, world_size
+from framework.config import LocatedConfig, all_key_paths, is_override, load_located, world_size
 from framework.errors import FwError, Problem, what_raised
 
 BUILTIN_RECIPES = ("sft", "grpo", "ppo")
@@ -134,7 +134,7 @@ class _Checks:
         last, so where the problem shows), else the first."""
         for path in paths:
             located = self.located.marks.get(path)
-            if located is not None and located.value.line is None and located.value.file.startswith("override "):
+            if located is not None and is_override(located.value):
                 return path
         return paths[0]
 
