@@ -33,6 +33,21 @@ def _submodules(package: Any) -> list[str]:
     return [m.name for m in pkgutil.iter_modules(getattr(package, "__path__", None) or [])]
 
 
+def _dirs(*names: str) -> tuple[str, ...]:
+    """sysconfig's directories of these names, resolved, each ending in a separator (for prefix tests)."""
+    return tuple({os.path.join(os.path.realpath(path), "") for name in names
+                  if (path := sysconfig.get_paths().get(name))})
+
+
+STDLIB_DIRS = _dirs("stdlib", "platstdlib")   # Python's own modules
+SITE_DIRS = _dirs("purelib", "platlib")   # installed packages (inside the stdlib directory on some layouts)
+
+
+def in_library(file: str) -> bool:
+    """Whether source file `file` belongs to Python's own modules or an installed package, not to user code."""
+    return os.path.realpath(file).startswith(STDLIB_DIRS + SITE_DIRS)
+
+
 def _in_stdlib(module: Any) -> bool:
     """Whether `module` is one of Python's standard library (a user's file of its name is shadowed by it)."""
     file = getattr(module, "__file__", None)
@@ -40,11 +55,8 @@ def _in_stdlib(module: Any) -> bool:
         return True
     if not file:
         return False
-    stdlib = [sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib")]
-    site = [sysconfig.get_paths()[k] for k in ("purelib", "platlib")]
     path = os.path.realpath(file)
-    return any(path.startswith(os.path.join(os.path.realpath(d), "")) for d in stdlib) and not any(
-        path.startswith(os.path.join(os.path.realpath(d), "")) for d in site)
+    return path.startswith(STDLIB_DIRS) and not path.startswith(SITE_DIRS)
 
 
 def import_object(class_path: str) -> Any:

@@ -29,10 +29,8 @@ import logging
 import math
 import numbers
 import operator
-import os
 import re
 import sys
-import sysconfig
 import threading
 import time
 import traceback
@@ -554,17 +552,14 @@ def _check_value(value: Any) -> float:
     return value
 
 
-# Python's own and installed libraries: a reward's failure is placed at the innermost frame outside them (the
-# reward's line that called json or socket, not the line in json or socket)
-_LIBRARY_DIRS = tuple({os.path.join(path, "") for key in ("stdlib", "platstdlib", "purelib", "platlib")
-                       if (path := sysconfig.get_paths().get(key))})
-
-
 def _user_line(frames: list[traceback.FrameSummary]) -> str:
     """`FILE:LINE` of the reward code in `frames` (outermost first): the innermost frame neither of this module nor
-    of a library, else the innermost not of this module; "" when every frame is this module's (a built-in reward)."""
+    of a library (the reward's line that called json or socket, not the line in json or socket), else the innermost
+    not of this module; "" when every frame is this module's (a built-in reward)."""
+    from framework.imports import in_library
+
     own = [f for f in frames if f.filename != __file__]
-    user = [f for f in own if not f.filename.startswith(_LIBRARY_DIRS) and not f.filename.startswith("<")]
+    user = [f for f in own if not f.filename.startswith("<") and not in_library(f.filename)]
     frame = (user or own or [None])[-1]
     return f"{frame.filename}:{frame.lineno}" if frame else ""
 
