@@ -545,10 +545,15 @@ def _apply_override(data: dict, marks: dict, arg: str) -> list[Problem]:
     if wrong:
         return [Problem(label, None, None, key, wrong)]
     try:
-        value, _ = yaml12.parse_scalar(raw)  # not one flow value: the text itself
+        value, ok = yaml12.parse_scalar(raw)  # not one flow value: the text itself
     except ConfigError as e:   # a key written twice in the value
         return [Problem(label, None, None, key + ("" if p.key_path.startswith("[") else ".") + p.key_path, p.message)
                 for p in e.problems]
+    opener = raw.lstrip()[:1]
+    if not ok and opener in ("{", "["):   # as in a file, a flow collection that does not close is an error
+        kind = "mapping, e.g. {preset: tiny}" if opener == "{" else "list, e.g. [a, b]"
+        return [Problem(label, None, None, key, f"a value starting with '{opener}' must be one whole YAML flow {kind}; "
+                                                f"got {raw!r} (quote it, '...', for a string)")]
     if sub is not None and not Draft202012Validator(sub).is_valid(value) and Draft202012Validator(sub).is_valid(raw):
         value = raw  # e.g. --name=123 for a string key: typed by the schema
     node = data

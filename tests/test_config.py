@@ -260,6 +260,21 @@ def test_a_key_written_twice_in_an_override_value_is_an_error_as_in_a_file(tmp_p
     ]
 
 
+def test_an_unclosed_flow_value_in_an_override_is_an_error_as_in_a_file(tmp_path):
+    """`{preset: tiny` is no YAML value (a file saying it fails to parse): never the string it spells. Quoted, a
+    string may start with a bracket."""
+    path = write(tmp_path, "c.yaml", MINIMAL)
+    with pytest.raises(ConfigError) as e:
+        load_config([path], ["--model.policy={preset: tiny", "--trainer.max_steps=[3"])
+    assert problems(e) == [
+        ("override '--model.policy={preset: tiny': model.policy: a value starting with '{' must be one whole YAML "
+         "flow mapping, e.g. {preset: tiny}; got '{preset: tiny' (quote it, '...', for a string)"),
+        ("override '--trainer.max_steps=[3': trainer.max_steps: a value starting with '[' must be one whole YAML "
+         "flow list, e.g. [a, b]; got '[3' (quote it, '...', for a string)"),
+    ]
+    assert load_config([path], ["--name='[exp'"])["name"] == "[exp"
+
+
 def test_override_below_a_scalar_key_names_the_override_not_the_file(tmp_path):
     # the file sets these keys correctly: the override that reaches below them is at fault
     path = write(tmp_path, "c.yaml", MINIMAL + "seed: 0\noptimizer:\n  lr: 3.0e-3\ntrainer:\n  devices: 1\n")
