@@ -250,7 +250,8 @@ class _Checks:
         if self.recipe in BUILTIN_RECIPES:
             if data["path"] and data["task"]:
                 self.add(("data", "task"), "set either data.task or data.path (JSONL), not both", key=True)
-            elif not data["path"] and not data["task"]:
+                return   # which one the run is to read is the user's choice: no report on the rows of either
+            if not data["path"] and not data["task"]:
                 need = "examples" if self.recipe == "sft" else "prompts"
                 self.add(("data",), f"recipe {self.recipe} needs {need}: set data.path (JSONL) or data.task "
                                     "(e.g. {name: digits})", key=True)

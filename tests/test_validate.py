@@ -183,6 +183,18 @@ def test_the_bad_rows_of_each_data_file_are_listed_together_and_their_count_afte
                      + [f"{c}: data.path: 2 more bad rows not shown"])
 
 
+def test_data_task_and_data_path_both_set_is_the_one_problem_reported_about_the_data(tmp_path, capsys):
+    """Which of the two the run reads is for the user to choose: the rows of a file it may never read are not
+    reported beside that choice."""
+    rows = tmp_path / "p.jsonl"
+    rows.write_text("[1]\n[2]\n")
+    config = tmp_path / "train.yaml"
+    config.write_text(GRPO + f"  path: {rows}\n")
+    code, lines = run_fw(["validate", "--config", str(config)], capsys)
+    assert code == 2
+    assert lines == [f"{config}:6:3: data.task: set either data.task or data.path (JSONL), not both"]
+
+
 def test_a_json_file_over_several_lines_is_one_problem_that_says_what_jsonl_is(tmp_path, capsys):
     """A `.json` file (an indented array of records, or one indented record) is named once, not line by line."""
     records = [{"prompt": "1+1=", "completion": "2"}, {"prompt": "2+2=", "completion": "4"}]
