@@ -242,7 +242,13 @@ def _problems_for(error: ValidationError, marks: dict, fallback: Mark, recipe: A
         return [at(path, f"{error.schema['description'].rstrip('.')} (this config has recipe: {recipe})", key=True)]
     if v in ("oneOf", "anyOf"):
         message = _alternatives_message(error)
-        return [at(path, message)] if message else []
+        if not message:
+            return []
+        # two keys of which one may be set: shown at the one an override set, the value changed last
+        keys = [k for b in error.validator_value if isinstance(b, dict) for k in b.get("required", [])[:1]]
+        chosen = [path + (k,) for k in keys if isinstance(error.instance, dict) and k in error.instance
+                  and path + (k,) in marks and is_override(marks[path + (k,)].value)]
+        return [at(chosen[0], message) if chosen and message.startswith("set only one") else at(path, message)]
     if v == "pattern" and path and path[-1] == "class_path":
         return [at(path, f"{_describe(error.instance)} is not a dotted import path like 'package.module.Class'")]
     if v in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"):

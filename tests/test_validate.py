@@ -726,3 +726,16 @@ def test_a_check_of_several_keys_shows_at_the_one_an_override_changed(tmp_path, 
     config.write_text(config.read_text() + "trainer: {accumulate_grad_batches: 64}\n")
     assert main(["validate", "--config", str(config)]) == 2
     assert capsys.readouterr().err.splitlines()[-1] == f"{config}:4:21: grpo.minibatches: {tail}"
+
+
+def test_name_and_class_path_together_show_at_the_one_an_override_added(tmp_path, capsys):
+    """A task of the file chosen by class_path, then --data.task.name from the command line: the problem is the
+    override's; both written in the file, it is at data.task."""
+    (tmp_path / "mytask.py").write_text("class T:\n    def sample(self, i):\n        return {'prompt': 'x'}\n")
+    config = tmp_path / "c.yaml"
+    config.write_text("recipe: grpo\nmodel: {policy: {preset: tiny}}\ndata:\n  task:\n    class_path: mytask.T\n")
+    message = "set only one of 'name' or 'class_path', not 'name' and 'class_path'"
+    assert run_fw(["validate", "--config", str(config), "--data.task.name=digits"], capsys) == (2, [
+        f"override '--data.task.name=digits': data.task.name: {message}"])
+    config.write_text(config.read_text() + "    name: digits\n")
+    assert run_fw(["validate", "--config", str(config)], capsys) == (2, [f"{config}:4:3: data.task: {message}"])
