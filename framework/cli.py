@@ -155,9 +155,15 @@ def _run(args: argparse.Namespace, overrides: list[str]) -> int:
             raise FwError("fw plan needs --config FILE")
         if args.gpu_gib is not None and not 0 < args.gpu_gib < math.inf:
             raise FwError(f"--gpu-gib must be a finite number > 0, got {args.gpu_gib:g}")
+        from framework.config import load_located
         from framework.memory_plan import estimate
+        from framework.validate import model_problems
 
-        plan = estimate(load_config(args.config, overrides, imports=("data",)), gpu_gib=args.gpu_gib)
+        located = load_located(args.config, overrides, imports=("data",))
+        problems = model_problems(located)   # at their keys, as fw validate says them
+        if problems:
+            raise located.error(problems)
+        plan = estimate(located.cfg, gpu_gib=args.gpu_gib)
         print(plan.table())
         if plan.fits is False:
             raise FwError(plan.refusal())

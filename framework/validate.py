@@ -86,6 +86,14 @@ def check(located: LocatedConfig, *, machine: bool = False) -> list[Problem]:
     return checks.problems
 
 
+def model_problems(located: LocatedConfig) -> list[Problem]:
+    """The problems of the model directories and the tokenizer a config names, for the models its recipe builds:
+    what `fw plan` reads before it counts."""
+    checks = _Checks(located)
+    checks.models()
+    return checks.problems
+
+
 def _keys() -> list[str]:
     """Every dotted key, longest first (so `data.task.init_args` wins over `data.task`)."""
     return sorted((".".join(p) for p in all_key_paths()), key=len, reverse=True)

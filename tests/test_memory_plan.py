@@ -767,6 +767,18 @@ def test_fw_plan_reads_only_the_models_the_recipe_builds(tmp_path, capsys):
     assert code == 2 and stale in err
 
 
+def test_fw_plan_reports_a_model_directory_at_its_key_as_validate_does(tmp_path, capsys):
+    """A model directory that is not there is one line at the key that names it, saying so, not a tokenizer's
+    missing file."""
+    config = tmp_path / "c.yaml"
+    config.write_text("recipe: sft\nmodel:\n  policy: {path: gone}\ndata: {task: {name: digits}}\n")
+    code, out, err = fw(capsys, "plan", "--config", str(config))
+    assert (code, out) == (2, "")
+    gone = tmp_path / "gone"
+    assert err.splitlines() == [(f"{config}:3:18: model.policy.path: no such directory: {gone} (expected a Hugging "
+                                 "Face Qwen3 directory with config.json and model.safetensors)")]
+
+
 def test_fw_plan_usage_errors(capsys):
     code, _, err = fw(capsys, "plan", "--config", TRAIN, "--gpu-gib", "0")
     assert code == 2 and err == "fw: error: --gpu-gib must be a finite number > 0, got 0\n"
