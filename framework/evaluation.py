@@ -695,6 +695,9 @@ def evaluate_checkpoint(checkpoint: str | Path, cfg: dict | None = None, out: st
         _check_report_path(where)   # before the evaluation, which may take long
         if default:
             _check_replace(where, settings)
+        elif where.exists() and not _is_report(where):
+            raise FwError(f"--out {where}: the file there is not an fw eval report, which is all --out replaces; "
+                          "give another path, or move it away")
         step = read_complete_manifest(path).get("step")
         tokenizer, policy = load_policy(run_cfg, path)
         draws = checkpoint_draws(path, run_cfg) if needs_draws(run_cfg) else 0
@@ -760,6 +763,15 @@ def _check_replace(out: Path, settings: dict[str, Any]) -> None:
     if not same:
         raise FwError(f"{out} holds the report of an evaluation with other settings (or of an fw that did not "
                       "record them); move it away, or give --out FILE for this one")
+
+
+def _is_report(path: Path) -> bool:
+    """Whether the file at `path` is a JSON report `fw eval` wrote."""
+    try:
+        report = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(report, dict) and {"checkpoint", "metrics"} <= report.keys()
 
 
 def _check_report_path(out: Path) -> None:

@@ -453,6 +453,20 @@ def test_fw_eval_reports_record_their_settings_and_never_replace_other_settings(
          "them); move it away, or give --out FILE for this one")]
 
 
+def test_fw_eval_out_replaces_an_earlier_report_but_no_other_file(small_run, tmp_path, capsys):
+    config = tmp_path / "train.yaml"   # --out given the config meant for --config
+    config.write_text("recipe: grpo\n")
+    assert main(["eval", "--checkpoint", str(small_run), "--out", str(config)]) == 2
+    shown = capsys.readouterr()
+    assert config.read_text() == "recipe: grpo\n" and shown.out == ""
+    assert shown.err.splitlines() == [(f"fw: error: --out {config}: the file there is not an fw eval report, which "
+                                       "is all --out replaces; give another path, or move it away")]
+    out = tmp_path / "r.json"
+    assert main(["eval", "--checkpoint", str(small_run), "--out", str(out)]) == 0
+    assert main(["eval", "--checkpoint", str(small_run), "--out", str(out), "--eval.samples_per_prompt=1"]) == 0
+    assert json.loads(out.read_text())["eval"]["samples_per_prompt"] == 1
+
+
 def test_fw_eval_overrides_apply_to_the_checkpoints_own_config(small_run, tmp_path, capsys):
     out = tmp_path / "r.json"
     assert main(["eval", "--checkpoint", str(small_run), "--eval.samples_per_prompt=1", "--out", str(out)]) == 0
