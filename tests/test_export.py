@@ -96,6 +96,17 @@ def test_export_refuses_bad_input(tmp_path):
     with pytest.raises(FwError, match="not a checkpoint"):
         export_checkpoint(busy, tmp_path / "out")
 
+    # a file, a folder inside the checkpoint, the run's checkpoints/ folder: each said as what it is
+    run = tmp_path / "run"
+    in_run = (f"the checkpoints/ folder of run directory {run}; give the run directory (for its newest checkpoint) "
+              "or one of the checkpoints in it")
+    for given, said in [(weights, "a file; expected a checkpoint directory or a run directory"),
+                        (weights.parent, f"a folder inside checkpoint {ckpt}; give the checkpoint itself"),
+                        (run / "checkpoints", in_run)]:
+        with pytest.raises(FwError) as e:
+            export_checkpoint(given, tmp_path / "out")
+        assert str(e.value) == f"--checkpoint {given}: {said}"
+
     data = bytearray(weights.read_bytes())
     data[-3] ^= 0xFF
     weights.write_bytes(bytes(data))

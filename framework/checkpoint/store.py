@@ -179,6 +179,13 @@ def _resolve(path: str | os.PathLike, skip_damaged: bool, verify: bool, option: 
         return path, []
     if not path.exists():
         raise FwError(f"{option} {path}: no such directory")
+    if not path.is_dir():
+        raise FwError(f"{option} {path}: a file; expected a checkpoint directory or a run directory")
+    if (path.parent / MANIFEST).exists():   # policy/ or value/ of a checkpoint
+        raise FwError(f"{option} {path}: a folder inside checkpoint {path.parent}; give the checkpoint itself")
+    if path == checkpoints_dir(path.parent):
+        raise FwError(f"{option} {path}: the checkpoints/ folder of run directory {path.parent}; give the run "
+                      "directory (for its newest checkpoint) or one of the checkpoints in it")
     raise FwError(f"{option} {path}: not a checkpoint (no {MANIFEST}) nor a run directory (no checkpoints/)")
 
 
