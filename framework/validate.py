@@ -99,9 +99,10 @@ def _keys() -> list[str]:
     return sorted((".".join(p) for p in all_key_paths()), key=len, reverse=True)
 
 
-def _fw_directory(path: str) -> str | None:
+def _fw_directory(path: str, value: bool = False) -> str | None:
     """What to set instead when `path` is an fw directory with no config.json: LoRA adapters, a checkpoint, a run
-    directory; None otherwise (read_config then says what is missing)."""
+    directory; None otherwise (read_config then says what is missing). `value`: the path of a value model, which a
+    PPO checkpoint holds in its value/."""
     from framework.checkpoint import checkpoints_dir
     from framework.export import POLICY
     from framework.models.hf_io import MODEL_CONFIG
@@ -113,6 +114,8 @@ def _fw_directory(path: str) -> str | None:
     if (p / ADAPTER_CONFIG).is_file():
         return (f"{path} holds LoRA adapters, not a whole model: set the directory of the model they adapt, or write "
                 "one with `fw export --merge --checkpoint <their checkpoint>`")
+    if value and (p / "value" / MODEL_CONFIG).is_file():   # the critic, saved under its component's name
+        return f"{path} is an fw checkpoint: its value model's directory is {p / 'value'}"
     if (p / POLICY / MODEL_CONFIG).is_file():
         return f"{path} is an fw checkpoint: its policy's model directory is {p / POLICY}"
     if (p / POLICY / ADAPTER_CONFIG).is_file():   # its policy/ is adapters: that directory is refused too
@@ -199,7 +202,7 @@ class _Checks:
         if not os.path.isdir(path):
             self.add(where, f"{path} is a file; expected {MODEL_DIR}")
             return None
-        other = _fw_directory(path)
+        other = _fw_directory(path, value)
         if other is not None:
             self.add(where, other)
             return None

@@ -301,6 +301,21 @@ def test_an_fw_directory_given_as_the_model_says_what_to_set_instead(tmp_path, m
     assert run_fw(["validate", "--config", str(config)], capsys) == (0, [])
 
 
+def test_a_ppo_checkpoint_given_as_the_critic_names_its_value_model(tmp_path, model_dir, capsys):
+    """model.value.path at a PPO checkpoint: the line names the checkpoint's critic (value/), not its policy."""
+    checkpoint = tmp_path / "run" / "checkpoints" / "step-000004"
+    for part in ("policy", "value"):
+        (checkpoint / part).mkdir(parents=True)
+        for f in model_dir.iterdir():
+            (checkpoint / part / f.name).write_bytes(f.read_bytes())
+    config = tmp_path / "train.yaml"
+    config.write_text(f"recipe: ppo\nmodel:\n  policy: {{preset: tiny}}\n  value:\n    path: {checkpoint}\n"
+                      "data:\n  task: {name: digits}\n")
+    line = (f"{config}:5:11: model.value.path: {checkpoint} is an fw checkpoint: its value model's directory is "
+            f"{checkpoint / 'value'}")
+    assert run_fw(["validate", "--config", str(config)], capsys) == (2, [line])
+
+
 def test_truncated_weights_and_a_reference_that_is_a_file(tmp_path, model_dir, capsys):
     copy = tmp_path / "model"
     copy.mkdir()
