@@ -10,6 +10,7 @@ import pkgutil
 import sys
 import sysconfig
 import traceback
+import types
 from typing import Any
 
 from framework.errors import FwError, what_raised
@@ -59,6 +60,9 @@ def _in_stdlib(module: Any) -> bool:
     return path.startswith(STDLIB_DIRS) and not path.startswith(SITE_DIRS)
 
 
+_MODULE = "'{0}' is a module; class_path names a class in it, such as '{0}.ClassName'"
+
+
 def import_object(class_path: str) -> Any:
     """Return the object at `pkg.module.Name` (nested attributes allowed: `pkg.mod.Outer.Inner`).
 
@@ -94,6 +98,8 @@ def import_object(class_path: str) -> Any:
                     close = difflib.get_close_matches(attr, _submodules(obj), n=1)
                     hint = f"; did you mean '{'.'.join([*parts[:i], close[0], *parts[i + 1:]])}'?" if close else ""
                 raise FwError(f"cannot import '{class_path}': no module named '{missing_module}'{hint}")
+            if not hasattr(obj, attr) and owner == module_name and attr == parts[-1] and attr in _submodules(obj):
+                raise FwError(_MODULE.format(class_path))   # a module not imported yet is no attribute of its package
             if not hasattr(obj, attr):
                 close = difflib.get_close_matches(attr, [n for n in dir(obj) if not n.startswith("_")], n=1)
                 hint = f"; did you mean '{owner}.{close[0]}'?" if close else ""
@@ -106,6 +112,8 @@ def import_object(class_path: str) -> Any:
                               f"cannot import '{class_path}': '{owner}' has no attribute '{attr}'{hint}")
             obj = getattr(obj, attr)
             owner = f"{owner}.{attr}"
+        if isinstance(obj, types.ModuleType):
+            raise FwError(_MODULE.format(class_path))
         return obj
     raise FwError(f"cannot import '{class_path}': no module named '{missing_module}'")
 

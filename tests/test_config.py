@@ -388,6 +388,9 @@ def test_a_user_file_named_like_a_standard_module_is_told_to_be_renamed(user_mod
                             "No module named 'nosuchdep_for_fw_tests'")),
     ("userpkg.broken.X", "cannot import 'userpkg.broken.X': importing module 'userpkg.broken' failed: SyntaxError"),
     ("userpkg.raises.X", "importing module 'userpkg.raises' failed: RuntimeError: boom at import"),
+    # a module, not imported before or imported already: no attribute missing, but no class named either
+    ("userpkg.good", "'userpkg.good' is a module; class_path names a class in it, such as 'userpkg.good.ClassName'"),
+    ("os.path", "'os.path' is a module; class_path names a class in it, such as 'os.path.ClassName'"),
     ("Scale", "'Scale' is not a dotted path like 'package.module.ClassName'"),
     ("a..b", "'a..b' is not a dotted path"),
 ])
