@@ -107,6 +107,14 @@ def test_export_refuses_bad_input(tmp_path):
             export_checkpoint(given, tmp_path / "out")
         assert str(e.value) == f"--checkpoint {given}: {said}"
 
+    # the run directory of a fit that stopped before its first checkpoint
+    failed = tmp_path / "failed"
+    failed.mkdir()
+    (failed / ".lock").touch()
+    with pytest.raises(FwError) as e:
+        export_checkpoint(failed, tmp_path / "out")
+    assert str(e.value) == f"--checkpoint {failed}: a run directory whose run has saved no checkpoint (no checkpoints/)"
+
     data = bytearray(weights.read_bytes())
     data[-3] ^= 0xFF
     weights.write_bytes(bytes(data))

@@ -16,6 +16,7 @@ from typing import TypeVar
 from framework.checkpoint.directory import MANIFEST, Verifier, is_complete, read_complete_manifest, read_manifest
 from framework.durable import dead_leftovers, fsync_dir, remove_tree
 from framework.errors import FwError
+from framework.run_lock import LOCK_FILE
 
 SKIP_DAMAGED_FLAG = "--skip-damaged"
 # [run_dir, --resume value, the checkpoint it resolved to], for the processes Lightning launches (`pin_resume`)
@@ -183,6 +184,8 @@ def _resolve(path: str | os.PathLike, skip_damaged: bool, verify: bool, option: 
         raise FwError(f"{option} {path}: a file; expected a checkpoint directory or a run directory")
     if (path.parent / MANIFEST).exists():   # policy/ or value/ of a checkpoint
         raise FwError(f"{option} {path}: a folder inside checkpoint {path.parent}; give the checkpoint itself")
+    if (path / LOCK_FILE).exists():   # every fit takes its run_dir's lock before it trains
+        raise FwError(f"{option} {path}: a run directory whose run has saved no checkpoint (no checkpoints/)")
     if path == checkpoints_dir(path.parent):
         raise FwError(f"{option} {path}: the checkpoints/ folder of run directory {path.parent}; give the run "
                       "directory (for its newest checkpoint) or one of the checkpoints in it")
