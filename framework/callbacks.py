@@ -570,30 +570,42 @@ class StopOnNonFinite(Callback):
                               "optimizer.max_grad_norm set, or use bf16 instead of fp16)")
 
 
-def builtin_callbacks(cfg: dict, evaluation: Sequence[lightning.Callback] = ()) -> list[lightning.Callback]:
+def builtin_callbacks(cfg: dict, evaluation: Sequence[lightning.Callback] = (),
+                      progress_bar: bool = True) -> list[lightning.Callback]:
     """The non-finite check, the `evaluation` callbacks, metrics logging, learning-rate monitor and the progress
-    bar (when enabled), in that order; the trainer adds user callbacks, the stop request (`StopOnSignal`) and
-    checkpointing after these. The non-finite check reads the step's checks at the end of its batch, so it comes
-    before anything that evaluates, logs or saves the step."""
+    bar (when enabled, unless `progress_bar` is false: a user's bar replaces it), in that order; the trainer adds
+    user callbacks, the stop request (`StopOnSignal`) and checkpointing after these. The non-finite check reads the
+    step's checks at the end of its batch, so it comes before anything that evaluates, logs or saves the step."""
     out: list[lightning.Callback] = [StopOnNonFinite(cfg["trainer"]["precision"]), *evaluation]
     out += [MetricsLogger(cfg["trainer"]["log_every_n_steps"]), LearningRateMonitor()]
-    if cfg["trainer"]["enable_progress_bar"]:
+    if cfg["trainer"]["enable_progress_bar"] and progress_bar:
         out.append(ProgressBar())
     return out
 
 
-def callback_problems(built: list[tuple[int, str, Any]]) -> list[tuple[int, str]]:
+def callback_problems(built: list[tuple[int, str, Any]], progress_bar: bool = True) -> list[tuple[int, str]]:
     """(index, problem) of the user's callbacks, each (its index in `callbacks`, class_path, the object built): one
-    that is not a Lightning callback, or one that keeps a state under another's `state_key` (a checkpoint holds one
-    state per key, so Lightning refuses the second)."""
+    that is not a Lightning callback, one that keeps a state under another's `state_key` (a checkpoint holds one
+    state per key, so Lightning refuses the second), or a progress bar that Lightning refuses: a second one, or one
+    while `progress_bar` (trainer.enable_progress_bar) is false. A single bar replaces fw's own."""
+    from lightning.pytorch.callbacks.progress import ProgressBar as LightningProgressBar
     from lightning.pytorch.utilities.model_helpers import is_overridden
 
-    problems, keys = [], {}
+    problems, keys, bars = [], {}, []
     for i, class_path, cb in built:
         if not isinstance(cb, lightning.Callback):
             problem = (f"{class_path} is a {type(cb).__name__}, not a lightning.Callback (subclass "
                        "framework.callbacks.Callback)")
             problems.append((i, problem))
+        elif isinstance(cb, LightningProgressBar):
+            bars.append(i)
+            if not progress_bar:
+                problem = (f"{class_path} is a progress bar, but trainer.enable_progress_bar is false; set it to true "
+                           "to show this bar instead of fw's")
+                problems.append((i, problem))
+            elif len(bars) > 1:
+                problem = f"{class_path} is a progress bar, as callbacks[{bars[0]}] is, and a run shows one: keep one"
+                problems.append((i, problem))
         elif is_overridden("state_dict", instance=cb, parent=lightning.Callback):
             first = keys.setdefault(cb.state_key, i)
             if first != i:
@@ -609,6 +621,6 @@ def user_callbacks(cfg: dict) -> list[lightning.Callback]:
     from framework.imports import instantiate
 
     built = [(i, spec["class_path"], instantiate(spec)) for i, spec in enumerate(cfg["callbacks"])]
-    for i, problem in callback_problems(built):
+    for i, problem in callback_problems(built, cfg["trainer"]["enable_progress_bar"]):
         raise FwError(f"callbacks[{i}]: {problem}")
     return [cb for _, _, cb in built]

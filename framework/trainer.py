@@ -15,6 +15,7 @@ from typing import Any
 import lightning
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks.progress import ProgressBar as LightningProgressBar
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from lightning.pytorch.utilities import rank_zero_only
 
@@ -154,9 +155,11 @@ def build_trainer(cfg: dict, stop: StopSignals | None = None, keep_on_device: bo
     # to stop, then its last steps' record, then the save. A failure of one rank is told to the others first,
     # while nothing else has run on its way out.
     evaluation = [EvalCallback(cfg)] if eval_enabled(cfg) else []
-    builtin = builtin_callbacks(cfg, evaluation)
+    user = user_callbacks(cfg)
+    own_bar = not any(isinstance(cb, LightningProgressBar) for cb in user)   # a user's bar replaces fw's
+    builtin = builtin_callbacks(cfg, evaluation, progress_bar=own_bar)
     metrics = next(cb for cb in builtin if isinstance(cb, MetricsLogger))
-    callbacks = [StopEveryRankOnError(), SaveConfig(cfg), *builtin, *user_callbacks(cfg),
+    callbacks = [StopEveryRankOnError(), SaveConfig(cfg), *builtin, *user,
                  StopOnSignal(stop), FlushOnEarlyStop(metrics, stop), CheckpointCallback(cfg)]
     return lightning.Trainer(
         accelerator=t["accelerator"],

@@ -429,7 +429,7 @@ class _Checks:
                 built.append((i, spec["class_path"], instantiate(spec)))
             except (Exception, SystemExit) as e:  # noqa: BLE001 (user code: any failure is a config problem)
                 self.add_error(e, ("callbacks", i, "class_path"), "building the callback")
-        for i, problem in callback_problems(built):
+        for i, problem in callback_problems(built, self.cfg["trainer"]["enable_progress_bar"]):
             self.add(("callbacks", i, "class_path"), problem)
         for i, spec in enumerate(self.cfg["logging"]["loggers"]):
             problem = logger_class_problem(spec["class_path"])

@@ -372,3 +372,37 @@ def test_two_stateful_callbacks_of_one_state_key_are_refused_at_the_second(tmp_p
         assert main([command, "--config", str(config)]) == 2
         assert capsys.readouterr().err.splitlines() == [line], command
     assert not (tmp_path / "run").exists()
+
+
+def test_a_progress_bar_of_the_users_replaces_fws_and_a_second_one_is_refused(tmp_path, capsys):
+    """Lightning runs one progress bar and none under enable_progress_bar=False, refusing either with a traceback:
+    a user's bar replaces fw's own, and the bars it cannot run are named, one line each, before anything is written."""
+    from lightning.pytorch.callbacks import TQDMProgressBar
+
+    from framework.callbacks import ProgressBar
+    from framework.cli import main
+
+    cfg = base_cfg(tmp_path, enable_progress_bar=True)
+    cfg["callbacks"] = [{"class_path": "lightning.pytorch.callbacks.TQDMProgressBar", "init_args": {"refresh_rate": 2}}]
+    trainer = fit(resolve(cfg))
+    bars = [cb for cb in trainer.callbacks if isinstance(cb, TQDMProgressBar)]
+    assert len(bars) == 1 and not isinstance(bars[0], ProgressBar) and bars[0].refresh_rate == 2
+    assert trainer.lightning_module.policy_version == 3
+    capsys.readouterr()
+
+    config = tmp_path / "c.yaml"
+    config.write_text(f"recipe: sft\nrun_dir: {tmp_path / 'run2'}\nmodel: {{policy: {{preset: tiny}}}}\n"
+                      "data: {task: {name: digits}}\ntrainer: {max_steps: 1}\ncallbacks:\n"
+                      "  - {class_path: lightning.pytorch.callbacks.TQDMProgressBar}\n"
+                      "  - {class_path: lightning.pytorch.callbacks.TQDMProgressBar, init_args: {refresh_rate: 5}}\n")
+    line = (f"{config}:8:18: callbacks[1].class_path: lightning.pytorch.callbacks.TQDMProgressBar is a progress bar, "
+            "as callbacks[0] is, and a run shows one: keep one")
+    for command in ("validate", "fit"):
+        assert main([command, "--config", str(config)]) == 2
+        assert capsys.readouterr().err.splitlines() == [line], command
+    one_bar = "--callbacks=[{class_path: lightning.pytorch.callbacks.TQDMProgressBar}]"
+    assert main(["fit", "--config", str(config), "--trainer.enable_progress_bar=false", one_bar]) == 2
+    off = (f"override '{one_bar}': callbacks[0].class_path: lightning.pytorch.callbacks.TQDMProgressBar is a progress "
+           "bar, but trainer.enable_progress_bar is false; set it to true to show this bar instead of fw's")
+    assert capsys.readouterr().err.splitlines() == [off]
+    assert not (tmp_path / "run2").exists()
