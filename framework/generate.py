@@ -145,13 +145,17 @@ def generate_text(cfg: dict | None, prompt: str, checkpoint: str | None = None, 
     from framework.tasks import render_prompt
 
     if seed is not None and seed < 0:
-        raise FwError(f"fw generate: --seed must be >= 0, got {seed}")
+        raise FwError(f"--seed must be >= 0, got {seed}")
     changes = {k: v for k, v in (("max_new_tokens", max_new_tokens), ("temperature", temperature)) if v is not None}
     given = cfg
 
     def prepare(path: Path | None) -> tuple[dict, SamplingParams, Any, Any]:
         run_cfg = run_config(given, path, overrides)
-        try:   # checked before any weights load
+        # the arguments are checked before any weights load
+        if not prompt and not run_cfg["data"]["chat_template"]:
+            raise FwError("--prompt is empty, and data.chat_template is false, so the model would read no token; "
+                          "give the text to continue")
+        try:
             params = SamplingParams.from_config(run_cfg["rollout"], **changes)
         except FwError as e:
             key = str(e).removeprefix("sampling: ").split(" ", 1)[0]
@@ -166,7 +170,7 @@ def generate_text(cfg: dict | None, prompt: str, checkpoint: str | None = None, 
     text = render_prompt(prompt, tokenizer, cfg["data"]["chat_template"], cfg["tokenizer"]["enable_thinking"])
     ids = tokenizer.encode(text)
     if not ids:
-        raise FwError("fw generate: the prompt is empty")
+        raise FwError(f"--prompt {prompt!r} encodes to no token; give text the tokenizer keeps")
     # as the run's rollouts sample: its cache settings (rollout.kv_cache_dtype changes what is sampled) and, on CUDA,
     # its autocast (a float8 pool needs 16-bit compute there)
     with autocast_context(cfg, _device(cfg)):

@@ -130,9 +130,23 @@ def test_generate_argument_errors(capsys):
     assert (code, err) == (2, ("fw: error: --max-new-tokens: max_new_tokens must be an int >= 1 or one such int "
                                "per prompt, got 0\n"))
     code, _, err = fw(capsys, "generate", "--config", TRAIN, "--prompt", "hi", "--seed", "-1")
-    assert (code, err) == (2, "fw: error: fw generate: --seed must be >= 0, got -1\n")
+    assert (code, err) == (2, "fw: error: --seed must be >= 0, got -1\n")
     code, _, err = fw(capsys, "generate", "--config", TRAIN, "--prompt", "hi", "--temperature", "warm")
     assert code == 2 and "argument --temperature: invalid float value: 'warm'" in err
+
+
+def test_generate_refuses_an_empty_prompt_before_loading_the_model(capsys, monkeypatch):
+    """train.yaml renders no chat template: an empty --prompt leaves the model nothing to read, which is said
+    before any weights load (minutes for a big model)."""
+    import framework.generate
+
+    def no_load(*args):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(framework.generate, "load_policy", no_load)
+    assert fw(capsys, "generate", "--config", TRAIN, "--prompt", "") == (
+        2, "", ("fw: error: --prompt is empty, and data.chat_template is false, so the model would read no token; "
+                "give the text to continue\n"))
 
 
 def test_export_of_a_missing_checkpoint_is_a_user_error(capsys, tmp_path):
