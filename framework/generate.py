@@ -146,6 +146,10 @@ def generate_text(cfg: dict | None, prompt: str, checkpoint: str | None = None, 
 
     if seed is not None and seed < 0:
         raise FwError(f"--seed must be >= 0, got {seed}")
+    # one limit for the one prompt (SamplingParams, for many prompts, takes one a prompt too)
+    if max_new_tokens is not None and (isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int)
+                                       or max_new_tokens < 1):
+        raise FwError(f"--max-new-tokens must be an int >= 1, got {max_new_tokens!r}")
     changes = {k: v for k, v in (("max_new_tokens", max_new_tokens), ("temperature", temperature)) if v is not None}
     given = cfg
 
@@ -157,10 +161,11 @@ def generate_text(cfg: dict | None, prompt: str, checkpoint: str | None = None, 
                           "give the text to continue")
         try:
             params = SamplingParams.from_config(run_cfg["rollout"], **changes)
-        except FwError as e:
-            key = str(e).removeprefix("sampling: ").split(" ", 1)[0]
+        except FwError as e:   # "sampling: KEY must be ...", said of the option or the config key that set KEY
+            message = str(e).removeprefix("sampling: ")
+            key = message.split(" ", 1)[0]
             where = f"--{key.replace('_', '-')}" if key in changes else f"rollout.{key}"
-            raise FwError(f"{where}: {str(e).removeprefix('sampling: ')}") from None
+            raise FwError(where + message[len(key):]) from None
         return (run_cfg, params, *load_policy(run_cfg, path))
 
     # a run directory's newest checkpoint, read again if the fit writing the run prunes it meanwhile

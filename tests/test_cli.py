@@ -127,8 +127,9 @@ def test_generate_argument_errors(capsys):
     code, _, err = fw(capsys, "generate", "--config", TRAIN, "--prompt", "hi", "--greedy", "--temperature", "1")
     assert code == 2 and "not allowed with argument" in err
     code, _, err = fw(capsys, "generate", "--config", TRAIN, "--prompt", "hi", "--max-new-tokens", "0")
-    assert (code, err) == (2, ("fw: error: --max-new-tokens: max_new_tokens must be an int >= 1 or one such int "
-                               "per prompt, got 0\n"))
+    assert (code, err) == (2, "fw: error: --max-new-tokens must be an int >= 1, got 0\n")
+    code, _, err = fw(capsys, "generate", "--config", TRAIN, "--prompt", "hi", "--temperature", "-1")
+    assert (code, err) == (2, "fw: error: --temperature must be 0 (greedy) or a finite number >= 1e-05, got -1.0\n")
     code, _, err = fw(capsys, "generate", "--config", TRAIN, "--prompt", "hi", "--seed", "-1")
     assert (code, err) == (2, "fw: error: --seed must be >= 0, got -1\n")
     code, _, err = fw(capsys, "generate", "--config", TRAIN, "--prompt", "hi", "--temperature", "warm")
