@@ -669,7 +669,7 @@ def evaluate_checkpoint(checkpoint: str | Path, cfg: dict | None = None, out: st
     from framework.checkpoint.directory import CONFIG_FILE, config_sha256, read_complete_manifest
     from framework.config import load_config
     from framework.durable import replace_file
-    from framework.generate import _device, autocast_context, load_policy
+    from framework.generate import _device, autocast_context, checkpoint_config, load_policy
 
     given, given_cfg, report_path = cfg is not None, cfg, out
 
@@ -677,7 +677,7 @@ def evaluate_checkpoint(checkpoint: str | Path, cfg: dict | None = None, out: st
         """Everything the evaluation reads of checkpoint `path`, before it runs."""
         own_file = str(path / CONFIG_FILE)
         # every problem of the checkpoint's config, the overrides' too
-        run_cfg = given_cfg if given_cfg is not None else load_config([own_file], overrides, imports=EVAL_IMPORTS)
+        run_cfg = given_cfg if given_cfg is not None else checkpoint_config(path, overrides, EVAL_IMPORTS)
         own: dict | None = run_cfg
         if given or overrides:
             try:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -11,7 +12,7 @@ import torch
 from framework.checkpoint import CONFIG_FILE
 from framework.checkpoint.directory import Verifier, component_weight_files, read_complete_manifest, verifying
 from framework.checkpoint.tensors import check_header
-from framework.errors import FwError
+from framework.errors import ConfigError, FwError, Problem
 
 POLICY = "policy"
 
@@ -41,9 +42,41 @@ def run_config(cfg: dict | None, checkpoint: str | os.PathLike | None, overrides
         return cfg
     if cfg is not None:
         return cfg
+    return checkpoint_config(checkpoint, overrides, imports=())
+
+
+def checkpoint_config(checkpoint: str | os.PathLike, overrides: list[str] | None,
+                      imports: Collection[str]) -> dict:
+    """The ``config.yaml`` of ``checkpoint`` with ``overrides`` (``--a.b=v``) on top (``imports`` as in
+    ``load_config``). An override of ``recipe`` is refused at the override: the file holds its own recipe's
+    section (``sft:``, ``grpo:``, ...), which another recipe does not allow and no override removes."""
+    from framework import yaml12
     from framework.config import load_config
 
-    return load_config([str(Path(checkpoint) / CONFIG_FILE)], overrides or [], imports=())
+    own_file = str(Path(checkpoint) / CONFIG_FILE)
+    try:
+        return load_config([own_file], overrides or [], imports=imports)
+    except ConfigError as e:
+        arg = next((a for a in reversed(overrides or []) if a.removeprefix("--").partition("=")[0] == "recipe"), None)
+        label = f"override '{arg}'"   # where framework.config shows an override's problems
+        in_file = [p for p in e.problems if p.file == own_file]
+        if arg is None or not in_file or any(p.file == label for p in e.problems):
+            raise
+        try:
+            own = load_config([own_file], imports=imports)["recipe"]
+        except FwError:   # the file has problems of its own
+            raise e from None
+        new = yaml12.parse_scalar(arg.partition("=")[2])[0]
+        if new == own:
+            raise
+        held = ", ".join(dict.fromkeys(f"{p.key_path}:" for p in in_file))
+        problem = Problem(label, None, None, "recipe",
+                          f"the checkpoint's config.yaml is of recipe {own} and holds {held}, which recipe {new} does "
+                          f"not allow; to read the checkpoint under recipe {new}, give a config of that recipe with "
+                          "--config FILE")
+        order = {f"override '{a}'": i for i, a in enumerate(overrides)}   # as load_config lists them
+        problems = [p for p in e.problems if p.file != own_file] + [problem]
+        raise ConfigError(sorted(problems, key=lambda p: order.get(p.file, -1))) from None
 
 
 # model.policy keys a config may set to other values than the checkpoint's own when it reads the checkpoint's policy:

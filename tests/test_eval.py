@@ -481,6 +481,20 @@ def test_fw_eval_overrides_apply_to_the_checkpoints_own_config(small_run, tmp_pa
         "override '--eval.samples_per_prompt=0': eval.samples_per_prompt: must be >= 1, got 0"]
 
 
+
+def test_fw_eval_names_an_override_that_changes_the_checkpoints_recipe(small_run, capsys):
+    """The checkpoint's config.yaml holds its recipe's grpo: section, which recipe sft refuses: the refusal is
+    the override's, with the way that works (a config of that recipe), not a line of the file the user never
+    wrote; the other overrides' problems keep their places."""
+    capsys.readouterr()
+    assert main(["eval", "--checkpoint", str(small_run), "--eval.samples_per_prompt=0", "--recipe=sft"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "override '--eval.samples_per_prompt=0': eval.samples_per_prompt: must be >= 1, got 0",
+        ("override '--recipe=sft': recipe: the checkpoint's config.yaml is of recipe grpo and holds grpo:, which "
+         "recipe sft does not allow; to read the checkpoint under recipe sft, give a config of that recipe with "
+         "--config FILE")]
+
+
 # ---------------------------------------------------------------- SFT
 
 

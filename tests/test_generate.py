@@ -144,6 +144,20 @@ def test_run_dir_means_its_newest_checkpoint(tmp_path, checkpoint):
         [{"role": "user", "content": "2+2="}], add_generation_prompt=True)), 9)
 
 
+def test_an_override_of_the_recipe_is_named(checkpoint):
+    """The checkpoint's config.yaml (recipe grpo) holds grpo:, which recipe sft refuses: said of the override that
+    changes the recipe, not of the file's line."""
+    path, _, _ = checkpoint
+    with pytest.raises(FwError) as e:
+        generate_text(None, "x", checkpoint=str(path), overrides=["--recipe=sft"])
+    assert str(e.value) == (
+        "override '--recipe=sft': recipe: the checkpoint's config.yaml is of recipe grpo and holds grpo:, which "
+        "recipe sft does not allow; to read the checkpoint under recipe sft, give a config of that recipe with "
+        "--config FILE")
+    same = generate_text(None, "2+2=", checkpoint=str(path), overrides=["--recipe=grpo"], temperature=0.0)
+    assert same == generate_text(None, "2+2=", checkpoint=str(path), temperature=0.0)
+
+
 def _corrupt(file, at, value):
     data = bytearray(file.read_bytes())
     data[at] = value
