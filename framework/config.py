@@ -530,7 +530,8 @@ def _schema_at(keys: list[str], recipe: Any = None) -> tuple[dict | None, str | 
 _OVERRIDE = "override "   # the marks of the keys an override sets name it as their file: override '--a.b=v'
 
 
-def _override_label(arg: str) -> str:
+def override_label(arg: str) -> str:
+    """The name under which the problems of command-line override `arg` (`--a.b=v`) are shown, as a file's."""
     return f"{_OVERRIDE}'{arg}'"
 
 
@@ -540,7 +541,7 @@ def is_override(mark: Mark) -> bool:
 
 
 def _apply_override(data: dict, marks: dict, arg: str) -> list[Problem]:
-    label = _override_label(arg)
+    label = override_label(arg)
     text = arg.removeprefix("--")
     key, sep, raw = text.partition("=")
     keys = key.split(".")
@@ -678,7 +679,7 @@ def load_located(paths: list[str], overrides: list[str] | None = None, *,
         raise ConfigError(problems)
     order = {p: i for i, p in enumerate(paths)}
     for i, arg in enumerate(overrides or []):
-        order[_override_label(arg)] = len(paths) + i
+        order[override_label(arg)] = len(paths) + i
         problems += _apply_override(data, marks, arg)
     fallback = marks[()].value if () in marks else Mark(paths[-1])
     return LocatedConfig(_finish(data, marks, fallback, problems, order, imports), marks, fallback, order)

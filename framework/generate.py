@@ -51,14 +51,14 @@ def checkpoint_config(checkpoint: str | os.PathLike, overrides: list[str] | None
     ``load_config``). An override of ``recipe`` is refused at the override: the file holds its own recipe's
     section (``sft:``, ``grpo:``, ...), which another recipe does not allow and no override removes."""
     from framework import yaml12
-    from framework.config import load_config
+    from framework.config import load_config, override_label
 
     own_file = str(Path(checkpoint) / CONFIG_FILE)
     try:
         return load_config([own_file], overrides or [], imports=imports)
     except ConfigError as e:
         arg = next((a for a in reversed(overrides or []) if a.removeprefix("--").partition("=")[0] == "recipe"), None)
-        label = f"override '{arg}'"   # where framework.config shows an override's problems
+        label = override_label(arg) if arg is not None else None
         in_file = [p for p in e.problems if p.file == own_file]
         if arg is None or not in_file or any(p.file == label for p in e.problems):
             raise
@@ -74,7 +74,7 @@ def checkpoint_config(checkpoint: str | os.PathLike, overrides: list[str] | None
                           f"the checkpoint's config.yaml is of recipe {own} and holds {held}, which recipe {new} does "
                           f"not allow; to read the checkpoint under recipe {new}, give a config of that recipe with "
                           "--config FILE")
-        order = {f"override '{a}'": i for i, a in enumerate(overrides)}   # as load_config lists them
+        order = {override_label(a): i for i, a in enumerate(overrides)}   # as load_config lists them
         problems = [p for p in e.problems if p.file != own_file] + [problem]
         raise ConfigError(sorted(problems, key=lambda p: order.get(p.file, -1))) from None
 
