@@ -79,7 +79,7 @@ def plot_runs(runs: list[str | Path], out: str | Path | None = None, metrics: li
     if metrics is None:
         metrics = [m for m in DEFAULT_METRICS if m in present]
         if not metrics:
-            raise FwError(f"fw plot: none of {', '.join(DEFAULT_METRICS)} is in the runs; name some with --metrics")
+            raise FwError(f"none of {', '.join(DEFAULT_METRICS)} is in the runs; name some with --metrics")
     missing = [m for m in metrics if m not in present]
     if missing:
         raise FwError(f"--metrics: {', '.join(missing)} not in any run (they have: "

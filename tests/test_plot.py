@@ -75,6 +75,15 @@ def test_plot_errors_are_one_line(tmp_path, capsys):
     assert not (tmp_path / "a.jpg").exists()   # PNG bytes under a .jpg name, before
 
 
+def test_runs_without_a_default_metric_name_the_option_once(tmp_path, capsys):
+    run = tmp_path / "r"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 1, "user/x": 0.5}) + "\n")
+    assert main(["plot", "--run", str(run)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("fw: error: none of loss, ") and err.endswith("is in the runs; name some with --metrics\n")
+
+
 def test_an_out_that_cannot_be_written_is_one_line(tmp_path, capsys):
     """--out under a file, or a directory named like a PNG: one line each, exit 2, no traceback."""
     write_run(tmp_path / "a", 0.0)
