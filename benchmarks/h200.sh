@@ -37,6 +37,8 @@ step rollout-kv4 180 rollout_bench.log python3 -m benchmarks.rollout --num-seqs 
 step rollout-kv4-admit1 180 rollout_bench.log python3 -m benchmarks.rollout --num-seqs 256 --lo 100 --hi 1024 --impls fw --kv-cache-gib 4 --admit-batch 1
 step rollout-kv16-fp8 150 rollout_bench.log python3 -m benchmarks.rollout --num-seqs 256 --lo 100 --hi 1024 --impls fw --kv-cache-gib 16 --kv-cache-dtype float8_e4m3
 step rollout-kv4-fp8 180 rollout_bench.log python3 -m benchmarks.rollout --num-seqs 256 --lo 100 --hi 1024 --impls fw --kv-cache-gib 4 --kv-cache-dtype float8_e4m3
+# the persistent decode kernel against the per-block one on the budgeted workloads (docs/PROFILES.md), three rounds each
+step rollout-persist 420 rollout_bench.log bash -c 'for g in 4 16; do for p in 1 0; do FW_DECODE_PERSIST=$p python3 -m benchmarks.rollout --num-seqs 256 --lo 100 --hi 1024 --impls fw --kv-cache-gib $g --rounds 3 || exit; done; done'
 step train-bench-packed 150 train_bench.log python3 -m benchmarks.train_step --batch 8 --seq 2048 --steps 10 --impls fw,fw-packed,hf --doc-len 512
 step packed-update 150 train_bench.log python3 -m benchmarks.packed_update
 step shared-update 150 train_bench.log python3 -m benchmarks.packed_update --equal --split groups
