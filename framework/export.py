@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from framework.checkpoint import CONFIG_FILE, read_resolved
-from framework.checkpoint.directory import read_complete_manifest, verify_checkpoint
+from framework.checkpoint.directory import DamagedFile, read_complete_manifest, verify_checkpoint
 from framework.checkpoint.tensors import DiskFull
 from framework.durable import dead_leftovers, file_in_the_way, fsync_dir, hidden_sibling, is_disk_full
 from framework.errors import FwError
@@ -58,10 +58,10 @@ def _copy_checked(src: Path, dst: Path, meta: dict) -> None:
         g.flush()
         os.fsync(g.fileno())
     if size != meta["size"]:
-        raise FwError(f"{src}: size {size} bytes, the manifest says {meta['size']}: the file is corrupt")
+        raise DamagedFile(f"{src}: size {size} bytes, the manifest says {meta['size']}: the file is corrupt", src)
     if digest.hexdigest() != meta["sha256"]:
-        raise FwError(f"{src}: sha256 {digest.hexdigest()} does not match the manifest's {meta['sha256']}: "
-                      "the file is corrupt")
+        raise DamagedFile(f"{src}: sha256 {digest.hexdigest()} does not match the manifest's {meta['sha256']}: "
+                          "the file is corrupt", src)
 
 
 def export_checkpoint(checkpoint: str | os.PathLike, out: str | os.PathLike, merge: bool = False,

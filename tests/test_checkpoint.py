@@ -253,6 +253,27 @@ def test_a_corrupt_newest_checkpoint_is_named_up_front_and_skipped_like_a_trunca
     assert "moved" not in capsys.readouterr().err and newest.is_dir()
 
 
+def test_a_file_found_corrupt_while_a_run_directory_is_read_gets_the_skip_damaged_advice(run_dir):
+    """fw eval, generate and export of a run directory hash its newest checkpoint while they read it: a corrupt file
+    found then is refused as a missing one is, with the option that passes over it; a checkpoint named itself has
+    no older one to turn to, so its refusal is the bare mismatch."""
+    old = _save(run_dir, 2)
+    newest = _save(run_dir, 4)
+    weights = newest / "policy" / "model.safetensors"
+    _flip(weights)
+    digest = hashlib.sha256(weights.read_bytes()).hexdigest()
+    mismatch = (f"{weights}: sha256 {digest} does not match the manifest's "
+                f"{ck.read_manifest(newest)['files']['policy/model.safetensors']['sha256']}: the file is corrupt")
+    with pytest.raises(FwError) as e:
+        ck.read_resolved(run_dir, ck.verify_checkpoint)
+    assert str(e.value) == (f"the newest checkpoint {newest} is damaged: {mismatch}; --skip-damaged uses the newest "
+                            "intact older one instead")
+    with pytest.raises(FwError) as e:
+        ck.read_resolved(newest, ck.verify_checkpoint)
+    assert str(e.value) == mismatch
+    assert ck.read_resolved(run_dir, lambda path: path, skip_damaged=True) == old
+
+
 def test_a_resume_hashes_each_file_of_its_checkpoint_once(run_dir, monkeypatch):
     """`--resume last` verifies the newest checkpoint before it loads it; the load does not hash the same files
     again. A file written after that verification is hashed again at the load, which refuses it."""

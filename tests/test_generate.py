@@ -204,7 +204,9 @@ def test_cli_generate_prints_the_completion(checkpoint, capsys):
         weights.write_bytes(original)
     out = capsys.readouterr()
     assert code == 2 and out.out == ""
-    assert out.err.startswith(f"fw: error: {weights}: sha256 ") and out.err.count("\n") == 1
+    assert out.err.startswith(f"fw: error: the newest checkpoint {ckpt} is damaged: {weights}: sha256 ")
+    assert out.err.endswith("; --skip-damaged uses the newest intact older one instead\n")
+    assert out.err.count("\n") == 1
 
 
 def test_base_checkpoint_stops_at_the_chat_turn_end():

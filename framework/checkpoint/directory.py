@@ -56,6 +56,14 @@ def config_sha256(cfg: dict) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
+class DamagedFile(FwError):
+    """A file of a checkpoint found missing or corrupt while it is read; `file` names it."""
+
+    def __init__(self, message: str, file: Path):
+        super().__init__(message)
+        self.file = file
+
+
 def read_manifest(path: str | os.PathLike) -> dict:
     """The manifest of checkpoint `path`; FwError when it is missing or unreadable."""
     file = Path(path) / MANIFEST
@@ -144,6 +152,7 @@ class Verifier:
         order = sorted(self.expected, key=lambda rel: -manifest["files"][rel]["size"])
         self.pool = ThreadPoolExecutor(max_workers=min(io_threads(), max(1, len(order))))
         self.futures: dict[str, Future] = {rel: self.pool.submit(sha256, path / rel) for rel in order}
+        self.bad: Path | None = None   # the file `problem` names
 
     def problem(self) -> str | None:
         """Wait for every hash; the first mismatching file (in path order) as a message, or None."""
@@ -152,8 +161,10 @@ class Verifier:
             try:
                 digest = self.futures[rel].result()
             except FileNotFoundError:
+                self.bad = self.path / rel
                 return f"{self.path / rel}: missing from checkpoint {self.path} (listed in its manifest)"
             if digest != self.expected[rel]:
+                self.bad = self.path / rel
                 return (f"{self.path / rel}: sha256 {digest} does not match the manifest's {self.expected[rel]}: "
                         "the file is corrupt")
         if self.seen is not None:
@@ -163,7 +174,7 @@ class Verifier:
     def check(self) -> None:
         problem = self.problem()
         if problem is not None:
-            raise FwError(problem)
+            raise DamagedFile(problem, self.bad)
 
     def explain(self, error: BaseException) -> None:
         """After `error` while reading the files: raise the hash mismatch instead when there is one (a corrupt
@@ -173,7 +184,7 @@ class Verifier:
             return
         problem = self.problem()
         if problem is not None:
-            raise FwError(problem) from None
+            raise DamagedFile(problem, self.bad) from None
 
 
 

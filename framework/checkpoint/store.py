@@ -13,7 +13,14 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TypeVar
 
-from framework.checkpoint.directory import MANIFEST, Verifier, is_complete, read_complete_manifest, read_manifest
+from framework.checkpoint.directory import (
+    MANIFEST,
+    DamagedFile,
+    Verifier,
+    is_complete,
+    read_complete_manifest,
+    read_manifest,
+)
 from framework.durable import dead_leftovers, fsync_dir, remove_tree
 from framework.errors import FwError
 from framework.run_lock import LOCK_FILE
@@ -150,11 +157,16 @@ def _newest(run_dir: str | os.PathLike, skip_damaged: bool, verify: bool) -> tup
             listed = reversed(step_dirs(run_dir))
             continue
         if not skip_damaged:
-            raise FwError(f"the newest checkpoint {path} is damaged: {problem}; {SKIP_DAMAGED_FLAG} uses the newest "
-                          "intact older one instead")
+            raise FwError(_damaged_newest(path, problem))
         print(f"fw: warning: skipping damaged checkpoint {path}: {problem}", file=sys.stderr)
         skipped.append(path)
     return None, skipped
+
+
+def _damaged_newest(path: Path, problem: str) -> str:
+    """The refusal of a run directory's damaged newest checkpoint `path`, with the option that passes over it."""
+    return (f"the newest checkpoint {path} is damaged: {problem}; {SKIP_DAMAGED_FLAG} uses the newest intact older "
+            "one instead")
 
 
 def resolve_checkpoint(path: str | os.PathLike, skip_damaged: bool = False, verify: bool = False,
@@ -357,8 +369,11 @@ def read_resolved(checkpoint: str | os.PathLike, read: Callable[[Path], T], skip
         before = _inode(path)
         try:
             result = read(path)
-        except Exception:
+        except Exception as e:
             if before is not None and _inode(path) == before:
+                ours = isinstance(e, DamagedFile) and e.file.absolute().is_relative_to(path.absolute())
+                if ours and not skip_damaged:
+                    raise FwError(_damaged_newest(path, str(e))) from None
                 raise
         else:
             if not settled or (before is not None and _inode(path) == before):
