@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from framework.checkpoint import CONFIG_FILE, read_resolved
+from framework.checkpoint import CONFIG_FILE, MANIFEST, read_resolved, step_dirs
 from framework.checkpoint.directory import DamagedFile, read_complete_manifest, verify_checkpoint
 from framework.checkpoint.tensors import DiskFull
 from framework.durable import dead_leftovers, file_in_the_way, fsync_dir, hidden_sibling, is_disk_full
@@ -41,6 +41,7 @@ from framework.models.hf_io import (
     write_json,
 )
 from framework.models.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+from framework.run_lock import LOCK_FILE
 
 POLICY = "policy"
 _CHUNK = 16 << 20
@@ -79,6 +80,9 @@ def export_checkpoint(checkpoint: str | os.PathLike, out: str | os.PathLike, mer
     only once every file is in, and a killed export leaves it without one, its partial copy refused by the
     next export into it."""
     given, out = out, Path(out).resolve()   # a link's target (staged beside it), "." a named directory
+    inside = _checkpoint_around(out)
+    if inside is not None:
+        raise FwError(f"--out {given}: {inside}")
     try:
         recover_leftovers(out)   # a killed export's staging copy; a model that a killed save_pretrained set aside
         killed = [entry for entry, _, name in dead_leftovers(out) if name == out.name] if out.is_dir() else []
@@ -101,6 +105,26 @@ def export_checkpoint(checkpoint: str | os.PathLike, out: str | os.PathLike, mer
         print(f"fw: exported {source}, the newest {'intact ' if skip_damaged else ''}checkpoint of {checkpoint}",
               file=sys.stderr)
     return str(out)
+
+
+def _checkpoint_around(out: Path) -> str | None:
+    """Why `out` (resolved) is no place for an export, or None: it lies in a checkpoint directory, whose files are
+    the ones its manifest lists and which a prune deletes whole, or in a run's checkpoints/ folder, where fw reads
+    a `step-*` folder as a checkpoint (one without a manifest passes for the run's damaged newest)."""
+    folders = (out, *out.parents)
+    checkpoint = next((f for f in folders if (f / MANIFEST).is_file()), None)
+    run = next((f.parent for f in folders if f.name == "checkpoints"
+                and ((f.parent / LOCK_FILE).exists() or step_dirs(f.parent))), None)
+    if run is not None:
+        if checkpoint is not None:
+            why = f"inside checkpoint {checkpoint}, which a prune deletes whole"
+        else:
+            where = "" if out == run / "checkpoints" else "inside "
+            why = f"{where}the checkpoints/ folder of run directory {run}, where fw reads step-* folders as checkpoints"
+        return f"{why}; give a directory outside {run / 'checkpoints'}, such as {run / 'export'}"
+    if checkpoint is not None:
+        return f"inside checkpoint {checkpoint}, whose files are those its manifest lists; give a directory outside it"
+    return None
 
 
 def _export(source: Path, given: str | os.PathLike, out: Path, merge: bool) -> Path:

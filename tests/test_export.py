@@ -218,6 +218,37 @@ def test_export_of_a_run_dir_with_a_damaged_newest_checkpoint(tmp_path, capsys):
     assert hf.config.tie_word_embeddings is True   # step 3's model
 
 
+def test_export_refuses_an_out_inside_checkpoints(tmp_path, capsys):
+    """An export inside a checkpoint is deleted with it by a prune and lies beside the files its manifest lists; a
+    step-* folder in checkpoints/ passes for the run's damaged newest checkpoint: both are refused, nothing written."""
+    import shutil
+
+    from framework.cli import main
+
+    run_dir = tmp_path / "run"
+    step3 = Path(_write(run_dir, _policy(True), step=3))
+    ckpts = ck.checkpoints_dir(run_dir)
+    copy = tmp_path / "copy"
+    shutil.copytree(step3, copy)   # a checkpoint outside any run
+    beside = f"give a directory outside {ckpts}, such as {run_dir / 'export'}"
+    cases = {
+        step3 / "exported": f"inside checkpoint {step3}, which a prune deletes whole; {beside}",
+        ckpts / "step-000009": (f"inside the checkpoints/ folder of run directory {run_dir}, where fw reads step-* "
+                                f"folders as checkpoints; {beside}"),
+        ckpts: (f"the checkpoints/ folder of run directory {run_dir}, where fw reads step-* folders as checkpoints; "
+                f"{beside}"),
+        copy / "policy" / "out": (f"inside checkpoint {copy}, whose files are those its manifest lists; give a "
+                                  "directory outside it"),
+    }
+    for out, why in cases.items():
+        assert main(["export", "--checkpoint", str(run_dir), "--out", str(out)]) == 2
+        assert capsys.readouterr().err == f"fw: error: --out {out}: {why}\n"
+    assert os.listdir(ckpts) == ["step-000003"] and sorted(os.listdir(step3)) == sorted(os.listdir(copy))
+    assert sorted(os.listdir(copy / "policy")) == sorted(os.listdir(step3 / "policy"))
+    ck.verify_checkpoint(step3)
+    assert main(["export", "--checkpoint", str(run_dir), "--out", str(run_dir / "export")]) == 0
+
+
 def _write_cfg(run_dir, model: Qwen3ForCausalLM, cfg: dict, step: int = 3) -> str:
     checkpoint = policy_checkpoint(model, Tokenizer.builtin(), step, run_dir.parent / "tok")
     path = ck.checkpoints_dir(run_dir) / ck.step_dir_name(step)
