@@ -236,7 +236,7 @@ def fit(cfg: dict, resume: str | None = None, skip_damaged: bool = False,
     (framework/signals.py has the rules). `keep_on_device`: a one-process job leaves its models and optimizer
     states on the device at the end instead of copying them to host memory (for a caller that exits next).
     """
-    from framework.checkpoint import find_latest, pin_resume, resolve_resume
+    from framework.checkpoint import find_latest, pin_resume, refuse_missing_run_dir, resolve_resume
     from framework.memory_plan import check_fits
     from framework.module import FwModule
 
@@ -249,6 +249,7 @@ def fit(cfg: dict, resume: str | None = None, skip_damaged: bool = False,
     rank0 = rank_zero_only.rank == 0
     with contextlib.ExitStack() as stack:
         stop = stack.enter_context(StopSignals(cfg["trainer"]["stop_grace_s"]))
+        refuse_missing_run_dir(resume, run_dir)   # before the lock creates it
         if rank0:   # the other processes of a multi-process run share it with rank 0
             stack.enter_context(RunLock(run_dir))
         ckpt_path = resolve_resume(resume, cfg, skip_damaged)

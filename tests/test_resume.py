@@ -4,6 +4,7 @@ ends with the same weights, as an uninterrupted run."""
 
 import json
 import math
+import os
 import shutil
 from pathlib import Path
 
@@ -209,8 +210,23 @@ def test_tokens_per_s_after_a_resume_counts_the_restored_steps_time(tmp_path, da
 
 
 def test_resume_last_without_checkpoint_is_an_error(tmp_path, data):
+    (tmp_path / "empty").mkdir()
     with pytest.raises(FwError, match="no complete checkpoint"):
         fit(config(tmp_path / "empty", data, 1), resume="last")
+
+
+def test_resume_last_of_a_run_dir_that_does_not_exist_says_so_and_leaves_nothing(tmp_path, data, capsys):
+    from test_crash_safety import fw_lines
+
+    from framework.cli import main
+
+    typo = tmp_path / "typo"
+    (tmp_path / "train.yaml").write_text(json.dumps(config(tmp_path / "run", data, 1)))
+    assert main(["fit", "--config", str(tmp_path / "train.yaml"), f"--run_dir={typo}", "--resume", "last"]) == 2
+    assert fw_lines(capsys.readouterr().err) == [
+        (f"fw: error: --resume last: run_dir {typo} does not exist, so it holds no checkpoint to resume; give the "
+         "run_dir of the run to continue, or leave out --resume to start a new run there")]
+    assert os.listdir(tmp_path) == ["train.yaml"]
 
 
 def test_config_written_to_run_dir(tmp_path, data):

@@ -213,6 +213,14 @@ def refuse_existing_checkpoints(run_dir: str | os.PathLike) -> None:
                       "newest): resume with --resume last, or choose another run_dir")
 
 
+def refuse_missing_run_dir(resume: str | None, run_dir: str | os.PathLike) -> None:
+    """FwError when `--resume last` names a run_dir that does not exist (a typo, most often): it holds no
+    checkpoint. Called before the run lock, which would create it."""
+    if resume == "last" and not Path(run_dir).is_dir():
+        raise FwError(f"--resume last: run_dir {run_dir} does not exist, so it holds no checkpoint to resume; give "
+                      "the run_dir of the run to continue, or leave out --resume to start a new run there")
+
+
 def refuse_newer_checkpoints(run_dir: str | os.PathLike, checkpoint: str | os.PathLike, resume: str,
                              skipped: list[Path] | tuple[Path, ...] = ()) -> None:
     """FwError if `run_dir` holds complete checkpoints of later steps than `checkpoint`: a run resumed there would
@@ -273,6 +281,7 @@ def resolve_resume(resume: str | None, cfg: dict, skip_damaged: bool = False) ->
     if resume is None:
         refuse_existing_checkpoints(run_dir)
         return None
+    refuse_missing_run_dir(resume, run_dir)
     verify = cfg["checkpoint"]["verify"]
     if resume == "last":
         latest, skipped = _newest(run_dir, skip_damaged, verify)
