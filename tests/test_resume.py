@@ -350,14 +350,23 @@ def test_a_resume_into_another_recipe_names_the_recipe_alone(tmp_path, data):
         fit(grpo, resume=str(run))
     message = str(e.value)
     assert message.startswith(f"--resume {run / 'checkpoints' / 'step-000001'}: a resume cannot apply: recipe "
-                              "changed from 'sft' to 'grpo' (")
+                              "changed from sft to grpo (")
     assert message.count("changed from") == 1, message
+
+
+def test_values_in_resume_messages_are_written_as_in_a_config_file():
+    from framework.checkpoint.resume import shown
+
+    values = [None, True, False, 3, 1e-5, "32-true", "", "null", "a\nb", [1, "x"], {"rank": 8, "targets": None}]
+    assert [shown(v) for v in values] == ["null", "true", "false", "3", "1.0e-05", "32-true", "''", "'null'",
+                                          '"a\\nb"', "[1, x]", "{rank: 8, targets: null}"]
 
 
 @pytest.mark.parametrize("key, value, message", [
     ("data.max_seq_len", 64, "data.max_seq_len changed from 96 to 64"),
     ("seed", 4, "seed changed from 3 to 4"),
-    ("trainer.precision", "64-true", "trainer.precision changed from '32-true' to '64-true'"),
+    ("trainer.precision", "64-true", "trainer.precision changed from 32-true to 64-true"),
+    ("data.shuffle", False, "data.shuffle changed from true to false"),   # as YAML writes them, not Python
 ])
 def test_resume_refuses_a_change_it_cannot_apply(tmp_path, data, key, value, message, capsys):
     from test_crash_safety import fw_lines

@@ -24,10 +24,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import yaml
 
 from framework.checkpoint.directory import CONFIG_FILE, read_manifest
 from framework.durable import sha256
 from framework.errors import FwError
+from framework.yaml12 import Yaml12Dumper
 
 APPLIES, RESET, REFUSED = "applies", "reset", "refused"
 
@@ -198,6 +200,14 @@ def _value(cfg: dict, key: str) -> Any:
     return node
 
 
+def shown(value: Any) -> str:
+    """`value` as a config file writes it, on one line: null, true, 32-true, [a, b], {rank: 8}."""
+    text = yaml.dump(value, Dumper=Yaml12Dumper, default_flow_style=True, width=sys.maxsize, allow_unicode=True)
+    text = text.removesuffix("\n...\n").removesuffix("\n")
+    # a multi-line string: JSON, which YAML reads too, escapes its line breaks
+    return text if "\n" not in text else json.dumps(value, ensure_ascii=False)
+
+
 def config_changes(old: dict, new: dict) -> list[tuple[str, Any, Any]]:
     """(key, old value, new value) for every schema key whose value differs, in schema order. A key the old
     config lacks (a section of another recipe, or a key the schema gained) counts as its default."""
@@ -238,7 +248,7 @@ def check_resume_config(checkpoint: str | os.PathLike, cfg: dict) -> list[tuple[
                 moved.append((k, a, b))
                 continue
             why = f"{why}; {problem}"
-        refused.append((k, f"{k} changed from {a!r} to {b!r} ({why})"))
+        refused.append((k, f"{k} changed from {shown(a)} to {shown(b)} ({why})"))
     if any(k == "recipe" for k, _ in refused):   # the other recipe's sections and defaults differ as a consequence
         refused = [(k, text) for k, text in refused if k == "recipe"]
     if refused:
@@ -246,8 +256,8 @@ def check_resume_config(checkpoint: str | os.PathLike, cfg: dict) -> list[tuple[
                       f"the value of {file} or start a new run_dir")
     if os.environ.get("LOCAL_RANK", "0") == "0" and os.environ.get("NODE_RANK", "0") == "0":
         for k, a, b in moved:
-            print(f"fw: {k} moved from {a!r} to {b!r}, which holds the same content (size and sha256 of every "
-                  "file); resuming with it", file=sys.stderr)
+            print(f"fw: {k} moved from {shown(a)} to {shown(b)}, which holds the same content (size and sha256 of "
+                  "every file); resuming with it", file=sys.stderr)
     return [change for change in changes if change[0] not in {k for k, _, _ in moved}]
 
 
@@ -336,7 +346,7 @@ def move_problem(key: str, old: Any, new: Any, recorded: Any) -> str | None:
             want = path_fingerprint(was)
         except OSError:
             return (f"the checkpoint records no fingerprint of what {was} held and it is gone, so the move cannot be "
-                    f"checked: restore {was} (a symlink to {path} will do) and set {key} to {old!r} again")
+                    f"checked: restore {was} (a symlink to {path} will do) and set {key} to {shown(old)} again")
         problem = _differs(want, path)
         if problem is not None:
             return f"{problem} from what {was} holds now"

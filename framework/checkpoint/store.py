@@ -274,7 +274,7 @@ def resolve_resume(resume: str | None, cfg: dict, skip_damaged: bool = False) ->
     once the resume is sure to go ahead: left in place, one whose sizes are right (a corrupt file) would count
     as complete to a later `--resume last` and to pruning, which could delete the resumed run's own newer
     checkpoints."""
-    from framework.checkpoint.resume import check_resume_config
+    from framework.checkpoint.resume import check_resume_config, shown
 
     run_dir = cfg["run_dir"]
     resume = _pinned(run_dir, resume)
@@ -302,7 +302,7 @@ def resolve_resume(resume: str | None, cfg: dict, skip_damaged: bool = False) ->
     for path in skipped:
         move_aside(path)
     if os.environ.get("LOCAL_RANK", "0") == "0" and os.environ.get("NODE_RANK", "0") == "0":
-        changed = ", ".join(f"{k} {a!r} -> {b!r}" for k, a, b in changes)
+        changed = ", ".join(f"{k} {shown(a)} -> {shown(b)}" for k, a, b in changes)
         print(f"fw: resuming {latest}" + (f" with changed settings: {changed}" if changes else ""), file=sys.stderr)
         if step == max_steps:
             print(f"fw: {Path(latest).name} is at trainer.max_steps ({max_steps}) already: nothing to train; "
