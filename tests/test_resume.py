@@ -255,14 +255,17 @@ def test_fresh_run_over_existing_checkpoints_is_refused_before_writing(tmp_path,
 # ---------------------------------------------------------------- what a resume may change
 
 
-def schema_leaf_keys():
-    """Every leaf key of the schema, walked here independently of framework code."""
+def schema_leaf_keys(nullable_sections=False):
+    """Every leaf key of the schema, walked here independently of framework code; with `nullable_sections` also
+    the sections that may be null (`model.policy.lora`), which a resume compares whole when one side is null."""
     schema = json.loads((Path(__file__).parents[1] / "schemas" / "train.schema.json").read_text())
     keys = []
 
     def walk(node, prefix):
         for key, sub in node.get("properties", {}).items():
             if "properties" in sub:
+                if nullable_sections and "null" in sub.get("type", []):
+                    keys.append(f"{prefix}{key}")
                 walk(sub, f"{prefix}{key}.")
             else:
                 keys.append(f"{prefix}{key}")
@@ -274,7 +277,8 @@ def schema_leaf_keys():
 def test_every_schema_key_has_a_resume_rule():
     from framework.checkpoint.resume import APPLIES, REFUSED, RESET, RESUME_RULES
 
-    keys = schema_leaf_keys()
+    keys = schema_leaf_keys(nullable_sections=True)
+    assert {"model.policy.lora", "data.task"} <= set(keys)
     unclassified = [k for k in keys if k not in RESUME_RULES]
     assert unclassified == [], f"add these keys to RESUME_RULES in framework/checkpoint/resume.py: {unclassified}"
     assert sorted(set(RESUME_RULES) - set(keys)) == []   # no rule for a key the schema does not have
@@ -390,6 +394,32 @@ def test_resume_refuses_a_change_it_cannot_apply(tmp_path, data, key, value, mes
     assert main(["fit", "--config", str(tmp_path / "train.yaml"), f"--{key}={value}", "--resume", "last"]) == 2
     (error,) = [line for line in fw_lines(capsys.readouterr().err) if not line.startswith("INFO:")]
     assert message in error and error.startswith("fw: error: --resume ")
+
+
+def test_turning_lora_on_or_off_at_a_resume_is_refused_at_its_key(tmp_path, data, capsys):
+    """A run without LoRA holds a full model, one with LoRA adapters: a resume that sets or clears
+    model.policy.lora is refused at that key before anything runs, not taken as the adapters' defaults."""
+    for before, after in ((None, {}), ({"rank": 4}, None)):
+        run = tmp_path / f"run-{before is None}"
+        cfg = config(run, data, 1)
+        cfg["trainer"]["max_steps"] = 1
+        cfg["model"]["policy"]["lora"] = before
+        cfg = resolve(cfg)
+        fit(cfg)
+        changed = resolve({**cfg, "model": {**cfg["model"], "policy": {**cfg["model"]["policy"], "lora": after}}})
+        was, now = cfg["model"]["policy"]["lora"], changed["model"]["policy"]["lora"]
+        assert (was is None) != (now is None)
+        with pytest.raises(FwError) as e:   # at max_steps already: refused before "nothing to train" too
+            fit(changed, resume="last")
+        lora = ("{rank: 4, alpha: 32, dropout: 0.0, targets: [q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, "
+                "down_proj]}")
+        shown = ("null", lora.replace("rank: 4", "rank: 16")) if before is None else (lora, "null")
+        assert str(e.value) == (
+            f"--resume {run / 'checkpoints' / 'step-000001'}: a resume cannot apply: model.policy.lora changed from "
+            f"{shown[0]} to {shown[1]} (the checkpoint holds a full model where it is null, LoRA adapters where set); "
+            f"keep the value of {run / 'checkpoints' / 'step-000001' / 'config.yaml'} or start a new run_dir")
+        assert sorted(os.listdir(run / "checkpoints")) == ["step-000001"]
+        assert "nothing to train" not in capsys.readouterr().err
 
 
 def test_ppo_resume_resets_the_critic_lr(tmp_path):

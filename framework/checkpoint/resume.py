@@ -44,6 +44,7 @@ RESUME_RULES: dict[str, tuple[str, str]] = {
     "model.policy.dtype": (REFUSED, "the checkpoint's weights and optimizer state have their dtype"),
     "model.policy.gradient_checkpointing": (APPLIES, "recomputation only, the same numbers"),
     "model.policy.keep_logits": (APPLIES, "a memory setting of the forward pass"),
+    "model.policy.lora": (REFUSED, "the checkpoint holds a full model where it is null, LoRA adapters where set"),
     "model.policy.lora.rank": (REFUSED, "the adapters' shapes are in the checkpoint"),
     "model.policy.lora.alpha": (REFUSED, "the adapters were trained with this scale"),
     "model.policy.lora.dropout": (REFUSED, "part of the adapter setup the checkpoint was trained with"),
@@ -54,6 +55,7 @@ RESUME_RULES: dict[str, tuple[str, str]] = {
     "tokenizer.path": (REFUSED, "the model was trained with the checkpoint's tokenizer"),
     "tokenizer.enable_thinking": (REFUSED, "it changes how the data stream renders prompts"),
     "data.path": (REFUSED, "the saved data position indexes this data"),
+    "data.task": (REFUSED, "the saved data position indexes this task's prompts"),
     "data.task.name": (REFUSED, "the saved data position indexes this task's prompts"),
     "data.task.class_path": (REFUSED, "the saved data position indexes this task's prompts"),
     "data.task.init_args": (REFUSED, "the saved data position indexes this task's prompts"),
@@ -202,19 +204,39 @@ def _value(cfg: dict, key: str) -> Any:
 
 def shown(value: Any) -> str:
     """`value` as a config file writes it, on one line: null, true, 32-true, [a, b], {rank: 8}."""
-    text = yaml.dump(value, Dumper=Yaml12Dumper, default_flow_style=True, width=sys.maxsize, allow_unicode=True)
+    text = yaml.dump(value, Dumper=Yaml12Dumper, default_flow_style=True, sort_keys=False, width=sys.maxsize,
+                     allow_unicode=True)
     text = text.removesuffix("\n...\n").removesuffix("\n")
     # a multi-line string: JSON, which YAML reads too, escapes its line breaks
     return text if "\n" not in text else json.dumps(value, ensure_ascii=False)
 
 
+def _null_above(old: dict, new: dict, key: str) -> str | None:
+    """The dotted key of the object above `key` that is null in one config and set in the other (a nullable
+    section such as `model.policy.lora`), or None."""
+    parts = key.split(".")
+    for i in range(1, len(parts)):
+        above = ".".join(parts[:i])
+        a, b = _value(old, above), _value(new, above)
+        if a is not _ABSENT and b is not _ABSENT and (a is None) != (b is None):
+            return above
+    return None
+
+
 def config_changes(old: dict, new: dict) -> list[tuple[str, Any, Any]]:
     """(key, old value, new value) for every schema key whose value differs, in schema order. A key the old
-    config lacks (a section of another recipe, or a key the schema gained) counts as its default."""
+    config lacks (a section of another recipe, or a key the schema gained) counts as its default. A nullable
+    section set in one config and null in the other is one change, of the section's key: the keys under a null
+    one have no value, not their defaults."""
     from framework.config import schema_text
 
     changes = []
     for key, node in _schema_leaves(json.loads(schema_text())).items():
+        above = _null_above(old, new, key)
+        if above is not None:
+            if above not in [k for k, _, _ in changes]:
+                changes.append((above, _value(old, above), _value(new, above)))
+            continue
         a, b = _value(old, key), _value(new, key)
         if a is _ABSENT and b is not _ABSENT:
             a = node.get("default", _ABSENT)
