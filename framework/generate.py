@@ -103,9 +103,11 @@ def checkpoint_policy_config(cfg: dict, checkpoint: Path, adapters: bool) -> dic
         return new
     out = {**own, **{k: new[k] for k in _POLICY_KEYS_THAT_APPLY}}
 
+    from framework.checkpoint.resume import shown
+
     def refuse(key: str, was: Any, now: Any, why: str) -> FwError:
-        return FwError(f"{key} is {now!r} here, but the policy of {checkpoint} has {was!r} ({why}); leave {key} "
-                       "as the checkpoint's config.yaml has it")
+        return FwError(f"{key} is {shown(now)} here, but the policy of {checkpoint} has {shown(was)} ({why}); leave "
+                       f"{key} as the checkpoint's config.yaml has it")
 
     if (own["lora"] is None) != (new["lora"] is None):
         kind = "a full model" if own["lora"] is None else "LoRA adapters"

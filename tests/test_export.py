@@ -494,14 +494,14 @@ def test_a_checkpoints_policy_takes_no_other_model_from_the_config(tmp_path, cap
     assert main([*generate, f"--model.policy.path={other}"]) == 2
     assert main([*generate, "--model.policy.lora.rank=8"]) == 2
     assert main(["eval", "--checkpoint", str(ckpt), f"--eval.path={held}", "--model.policy.lora=null"]) == 2
-    lora = {"rank": 4, "alpha": 8, "dropout": 0.0, "targets": ["q_proj", "v_proj"]}
     assert capsys.readouterr().err.splitlines() == [
-        (f"fw: error: model.policy.path is {str(other)!r} here, but the policy of {ckpt} has {str(base)!r} (the "
+        (f"fw: error: model.policy.path is {other} here, but the policy of {ckpt} has {base} (the "
         f"weights and their shapes come from the checkpoint; {other / 'generation_config.json'} differs in content "
         "from what the checkpoint recorded); leave model.policy.path as the checkpoint's config.yaml has it"),
         (f"fw: error: model.policy.lora.rank is 8 here, but the policy of {ckpt} has 4 (the adapters' shapes are in "
         "the checkpoint); leave model.policy.lora.rank as the checkpoint's config.yaml has it"),
-        (f"fw: error: model.policy.lora is None here, but the policy of {ckpt} has {lora!r} (the checkpoint holds "
+        (f"fw: error: model.policy.lora is null here, but the policy of {ckpt} has {{rank: 4, alpha: 8, dropout: 0.0, "
+         "targets: [q_proj, v_proj]} (the checkpoint holds "
         "LoRA adapters); leave model.policy.lora as the checkpoint's config.yaml has it")]
 
 
@@ -526,7 +526,7 @@ def test_a_checkpoints_policy_loads_in_the_configs_dtype(tmp_path):
     ck.write_checkpoint_dir(policy_checkpoint(_policy(False), Tokenizer.builtin(), 3, tmp_path / "tok"), full, cfg)
     _, policy = load_policy(run_config(None, full, ["--model.policy.dtype=bfloat16"]), full)
     assert {p.dtype for p in policy.parameters()} == {torch.bfloat16}
-    with pytest.raises(FwError, match=r"^model.policy.lora is \{'rank': 4.*the checkpoint holds a full model"):
+    with pytest.raises(FwError, match=r"^model.policy.lora is \{rank: 4, .* has null \(the checkpoint holds a full"):
         load_policy(run_config(None, full, ["--model.policy.lora.rank=4"]), full)
     # a full checkpoint whose config.yaml this fw cannot read (another version's keys) still loads under a given
     # config: its weights and shapes are its own
