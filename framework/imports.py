@@ -49,6 +49,19 @@ def in_library(file: str) -> bool:
     return os.path.realpath(file).startswith(STDLIB_DIRS + SITE_DIRS)
 
 
+FW_DIR = os.path.join(os.path.dirname(os.path.realpath(__file__)), "")   # fw's own modules, wherever installed
+
+
+def user_line(e: BaseException) -> str:
+    """` (at FILE:LINE)`: the innermost line of `e`'s traceback in the user's code, not fw's, Python's or an
+    installed package's (the line of a user's constructor that called json, not json's); "" when there is none."""
+    for frame in reversed(traceback.extract_tb(e.__traceback__)):
+        file = frame.filename
+        if not file.startswith("<") and not in_library(file) and not os.path.realpath(file).startswith(FW_DIR):
+            return f" (at {file}:{frame.lineno})"
+    return ""
+
+
 def _in_stdlib(module: Any) -> bool:
     """Whether `module` is one of Python's standard library (a user's file of its name is shadowed by it)."""
     file = getattr(module, "__file__", None)
@@ -181,4 +194,4 @@ def instantiate(spec: dict, **extra: Any) -> Any:
     except FwError:
         raise
     except (Exception, SystemExit) as e:  # the user's constructor: one line, the traceback under --debug
-        raise FwError(f"{class_path}(**init_args) {what_raised(e)}") from e
+        raise FwError(f"{class_path}(**init_args) {what_raised(e)}{user_line(e)}") from e

@@ -541,7 +541,7 @@ def user_loggers(cfg: dict) -> list[Logger]:
     """`logging.loggers: [{class_path, init_args}]` instantiated; each must be a Lightning `Logger`. A constructor
     that raises (a missing package, a tracking URI its store cannot serve, ...) is an FwError naming the entry,
     its class and the exception: a config problem, one line. The methods of `GUARDED` are guarded (`_Guarded`)."""
-    from framework.imports import import_object
+    from framework.imports import import_object, user_line
 
     out = []
     for i, spec in enumerate(cfg["logging"]["loggers"]):
@@ -553,7 +553,8 @@ def user_loggers(cfg: dict) -> list[Logger]:
         try:
             logger = cls(**init_args)
         except Exception as e:   # user code; an interrupt or exit goes through
-            raise FwError(f"logging.loggers[{i}]: building {spec['class_path']} raised {_raised(e)}") from e
+            raise FwError(f"logging.loggers[{i}]: building {spec['class_path']} raised {_raised(e)}"
+                          f"{user_line(e)}") from e
         for method in GUARDED:
             setattr(logger, method, _Guarded(logger, method, f"logging.loggers[{i}]: {spec['class_path']}"))
         out.append(logger)

@@ -436,6 +436,29 @@ def test_instantiate(user_modules):
         instantiate({"class_path": "math.pi"})
 
 
+def test_a_constructor_that_raises_names_the_users_line(user_modules, tmp_path):
+    # the innermost line of the user's code: not json's, nor fw's or Python's under the user's call
+    (tmp_path / "userpkg" / "ctor.py").write_text(
+        "import json\nimport sys\n\nfrom framework.imports import in_library\n\n\n"
+        "def check(n):\n    raise ValueError(f'bad n {n}')\n\n\n"
+        "class Helper:\n    def __init__(self, n=-1):\n        check(n)\n\n\n"
+        "class Json:\n    def __init__(self):\n        json.loads('')\n\n\n"
+        "class Fw:\n    def __init__(self):\n        in_library(None)\n\n\n"
+        "class Exits:\n    def __init__(self):\n        sys.exit(3)\n")
+    file = tmp_path / "userpkg" / "ctor.py"
+    for name, message in [
+            ("Helper", "raised ValueError: bad n -1 (at {}:8)"),
+            ("Json", "raised JSONDecodeError: Expecting value: line 1 column 1 (char 0) (at {}:18)"),
+            ("Fw", "raised TypeError: expected str, bytes or os.PathLike object, not NoneType (at {}:23)"),
+            ("Exits", "called sys.exit(3) (at {}:28)")]:
+        with pytest.raises(FwError) as e:
+            instantiate({"class_path": f"userpkg.ctor.{name}"})
+        assert str(e.value) == f"userpkg.ctor.{name}(**init_args) {message.format(file)}"
+    with pytest.raises(FwError) as e:   # no line of the user's to name: Python's own class raised
+        instantiate({"class_path": "fractions.Fraction", "init_args": {"numerator": "abc"}})
+    assert str(e.value) == "fractions.Fraction(**init_args) raised ValueError: Invalid literal for Fraction: 'abc'"
+
+
 def test_class_paths_are_checked_when_validating(tmp_path, user_modules):
     path = write(tmp_path, "c.yaml", MINIMAL + """\
 callbacks:

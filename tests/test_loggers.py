@@ -522,7 +522,8 @@ def test_a_logger_that_raises_while_set_up_is_one_config_error_line(tmp_path, ca
     assert code == 2 and "Traceback" not in err
     assert [line for line in err.splitlines() if line.startswith("fw:") and "fw plan" not in line] == [
         ("fw: error: logging.loggers[0]: building test_loggers.FailsToBuild raised ValueError: unsupported URI "
-         "'sqlite:///x.db' for model registry data storage")]
+         f"'sqlite:///x.db' for model registry data storage (at {__file__}:"
+         f"{FailsToBuild.__init__.__code__.co_firstlineno + 1})")]
     code, err = run("build", build, "--debug")
     assert code == 2 and "Traceback" in err and "raise ValueError(" in err
 

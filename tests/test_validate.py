@@ -86,7 +86,7 @@ def test_a_reward_constructor_that_raises_stops_fit_before_anything_is_written(t
     config.write_text(GRPO + "run_dir: run\nreward:\n  class_path: bad_reward.Reward\n")
     line = one_error_line(run_script(tmp_path, tmp_path, "fit", "--config", str(config)))
     assert line == (f"{config}:9:15: reward.class_path: bad_reward.Reward(**init_args) raised RuntimeError: "
-                    "no scale today")
+                    f"no scale today (at {tmp_path / 'bad_reward.py'}:3)")
     assert not (tmp_path / "run").exists()
 
 
