@@ -19,7 +19,9 @@ import contextlib
 import csv
 import inspect
 import io
+import logging
 import math
+import numbers
 import os
 import queue
 import struct
@@ -34,6 +36,7 @@ from lightning.fabric.loggers.logger import rank_zero_experiment
 from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 from lightning.pytorch.utilities import rank_zero_only
+from torch import Tensor
 
 from framework.durable import disk_full, disk_full_cause, replace_file
 from framework.errors import FwError
@@ -343,6 +346,27 @@ class _EventWriterGuard:
         self.records.close()
 
 
+class _NoAnonymousNonFinite(logging.Filter):
+    """Drops tensorboardX's `NaN or Inf found in input tensor.`, which it logs for every non-finite scalar without
+    naming it; `RunTensorBoardLogger.log_metrics` names the metric instead, once."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("NaN or Inf found")
+
+
+_NAN_CHECK = logging.getLogger("tensorboardX.x2num")   # the logger of tensorboardX's check
+
+
+@contextlib.contextmanager
+def _no_anonymous_non_finite() -> Iterator[None]:
+    quiet = _NoAnonymousNonFinite()
+    _NAN_CHECK.addFilter(quiet)
+    try:
+        yield
+    finally:
+        _NAN_CHECK.removeFilter(quiet)
+
+
 def _after_the_second_of(folder: Path) -> None:
     """Wait, where `folder` holds an event file opened in the current second, until the next one.
 
@@ -368,11 +392,16 @@ class RunTensorBoardLogger(TensorBoardLogger):
     A file that cannot be written (a full disk) stops the run with one line naming `logging.tensorboard` and the
     event file, at the next metrics, save or finalize, instead of leaving it waiting for a writer thread that has
     ended (`_EventWriterGuard`).
+
+    An infinite or NaN value (a user's metric, fp16's grad_norm on a step its loss scaler skipped) is written as it
+    is, which TensorBoard's events hold; the first one of each metric is named in one line on stderr, in place of
+    tensorboardX's warning for each such value, which names none.
     """
 
     def __init__(self, run_dir: str | os.PathLike) -> None:
         super().__init__(save_dir=run_dir, name=LOG_DIR[0], version=LOG_DIR[1], default_hp_metric=False)
         self._guard: _EventWriterGuard | None = None
+        self._non_finite: set[str] = set()   # the metrics named on stderr for a non-finite value
 
     def __getstate__(self) -> dict[str, Any]:
         # Lightning's drops the open writer when a logger is pickled; its guard holds the writer's queue
@@ -412,7 +441,13 @@ class RunTensorBoardLogger(TensorBoardLogger):
 
     @rank_zero_only
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
-        with self._checked():
+        for key, value in metrics.items():
+            value = value.item() if isinstance(value, Tensor) and value.numel() == 1 else value
+            if isinstance(value, numbers.Real) and not math.isfinite(value) and key not in self._non_finite:
+                self._non_finite.add(key)
+                print(f"fw: warning: metric {key!r} is {value} at step {step}; TensorBoard records it as logged "
+                      "(said once per metric)", file=sys.stderr, flush=True)
+        with self._checked(), _no_anonymous_non_finite():
             super().log_metrics(metrics, step)
 
     @rank_zero_only

@@ -9,6 +9,8 @@ import csv
 import enum
 import glob
 import json
+import logging
+import math
 import os
 import re
 import struct
@@ -579,6 +581,34 @@ def test_the_run_tensorboard_logger_pickles_with_its_writer_open(tmp_path):
     copy = pickle.loads(pickle.dumps(logger))
     assert copy._experiment is None and copy._guard is None
     logger.finalize("success")
+
+
+def test_a_non_finite_value_is_recorded_and_named_once_per_metric(tmp_path, capsys, caplog):
+    """tensorboardX warns `NaN or Inf found in input tensor.` for every non-finite scalar and names none: the run's
+    logger names each such metric once on stderr instead, and TensorBoard's events hold the values as logged."""
+    import torch
+    from tensorboardX.x2num import make_np
+
+    from framework.loggers import RunTensorBoardLogger
+
+    logger = RunTensorBoardLogger(tmp_path)
+    with caplog.at_level(logging.WARNING):
+        logger.log_metrics({"grad_norm": math.inf, "loss": 1.0, "mine": torch.tensor(math.nan)}, step=1)
+        logger.log_metrics({"grad_norm": -math.inf, "loss": 2.0, "mine": math.nan}, step=2)
+        logger.log_metrics({"grad_norm": 0.5, "loss": 3.0, "mine": 1.0}, step=3)
+        assert not caplog.records
+        make_np(math.nan)   # tensorboardX's check itself is left as it is outside the logger
+    assert [r.getMessage() for r in caplog.records] == ["NaN or Inf found in input tensor."]
+    logger.finalize("success")
+    assert capsys.readouterr().err.splitlines() == [
+        "fw: warning: metric 'grad_norm' is inf at step 1; TensorBoard records it as logged (said once per metric)",
+        "fw: warning: metric 'mine' is nan at step 1; TensorBoard records it as logged (said once per metric)"]
+    log_dir = tmp_path / "logs" / "version_0"
+    assert tb_points(log_dir, "grad_norm") == [(1, math.inf), (2, -math.inf), (3, 0.5)]
+    assert tb_points(log_dir, "loss") == [(1, 1.0), (2, 2.0), (3, 3.0)]
+    mine = tb_points(log_dir, "mine")
+    assert [step for step, _ in mine] == [1, 2, 3] and math.isnan(mine[0][1]) and math.isnan(mine[1][1])
+    assert mine[2][1] == 1.0
 
 
 def test_a_writer_of_another_layout_is_left_alone_and_checks_clean(tmp_path):
