@@ -21,6 +21,7 @@ from typing import Any
 
 from framework.config import LocatedConfig, all_key_paths, is_override, load_located, world_size
 from framework.errors import FwError, Problem, what_raised
+from framework.imports import user_line
 
 BUILTIN_RECIPES = ("sft", "grpo", "ppo")
 RL_RECIPES = {"grpo": "group_size", "ppo": "samples_per_prompt"}  # section -> its samples-per-prompt key
@@ -153,7 +154,7 @@ class _Checks:
         """An error from a builder: at the key its message starts with (`data.task.init_args: ...`), else
         at `default`; an exception that is not an FwError is shown as what raised it."""
         if not isinstance(e, FwError):
-            self.add(default, f"{what} {what_raised(e)}".strip())
+            self.add(default, f"{what} {what_raised(e)}{user_line(e)}".strip())
             return
         text = str(e)
         for dotted in _keys():

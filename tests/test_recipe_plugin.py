@@ -97,4 +97,4 @@ def test_a_recipe_whose_requirements_raise_is_a_config_problem(tmp_path, monkeyp
         monkeypatch.syspath_prepend(str(path))
     assert main(["validate", "--config", str(config)]) == 2
     assert capsys.readouterr().err == (f"{config}:1:9: recipe: copy's requirements(cfg) raised ValueError: needs a "
-                                       "model.value section\n")
+                                       f"model.value section (at {tmp_path / 'fw_bad_requirements.py'}:6)\n")

@@ -659,6 +659,17 @@ def test_a_task_class_whose_samples_training_cannot_read_is_a_config_problem(tmp
         2, [f"{config}:4:9: data.task: {problem}"])
 
 
+def test_a_task_whose_first_sample_raises_names_the_users_line(tmp_path, capsys):
+    (tmp_path / "raising_task.py").write_text("class Task:\n    def sample(self, index):\n"
+                                              "        return {'prompt': [][index]}\n")
+    config = tmp_path / "c.yaml"
+    config.write_text("recipe: grpo\nmodel: {policy: {preset: tiny}}\ndata:\n"
+                      "  task: {class_path: raising_task.Task}\nreward: {name: exact_match}\n")
+    line = (f"{config}:4:9: data.task: Task.sample(0) raised IndexError: list index out of range "
+            f"(at {tmp_path / 'raising_task.py'}:3)")
+    assert run_fw(["validate", "--config", str(config)], capsys) == (2, [line])
+
+
 @pytest.mark.parametrize("prompt, problem", [
     ("''", "prompt is an empty string"),
     ("[{'role': 'user'}]", "prompt messages[0] (user): content must be a string, got null"),
