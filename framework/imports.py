@@ -11,6 +11,7 @@ import sys
 import sysconfig
 import traceback
 import types
+from collections.abc import Callable
 from typing import Any
 
 from framework.errors import FwError, what_raised
@@ -52,14 +53,21 @@ def in_library(file: str) -> bool:
 FW_DIR = os.path.join(os.path.dirname(os.path.realpath(__file__)), "")   # fw's own modules, wherever installed
 
 
+def user_frame(frames: list[traceback.FrameSummary], ours: Callable[[str], bool]) -> traceback.FrameSummary | None:
+    """The innermost of `frames` (outermost first) in the user's code: of a file neither `ours` nor Python's or an
+    installed package's (the line of a user's code that called json, not json's); None when there is none."""
+    for frame in reversed(frames):
+        file = frame.filename
+        if not file.startswith("<") and not in_library(file) and not ours(file):
+            return frame
+    return None
+
+
 def user_line(e: BaseException) -> str:
     """` (at FILE:LINE)`: the innermost line of `e`'s traceback in the user's code, not fw's, Python's or an
-    installed package's (the line of a user's constructor that called json, not json's); "" when there is none."""
-    for frame in reversed(traceback.extract_tb(e.__traceback__)):
-        file = frame.filename
-        if not file.startswith("<") and not in_library(file) and not os.path.realpath(file).startswith(FW_DIR):
-            return f" (at {file}:{frame.lineno})"
-    return ""
+    installed package's; "" when there is none."""
+    frame = user_frame(traceback.extract_tb(e.__traceback__), lambda file: os.path.realpath(file).startswith(FW_DIR))
+    return f" (at {frame.filename}:{frame.lineno})" if frame else ""
 
 
 def _in_stdlib(module: Any) -> bool:

@@ -556,11 +556,10 @@ def _user_line(frames: list[traceback.FrameSummary]) -> str:
     """`FILE:LINE` of the reward code in `frames` (outermost first): the innermost frame neither of this module nor
     of a library (the reward's line that called json or socket, not the line in json or socket), else the innermost
     not of this module; "" when every frame is this module's (a built-in reward)."""
-    from framework.imports import in_library
+    from framework.imports import user_frame
 
     own = [f for f in frames if f.filename != __file__]
-    user = [f for f in own if not f.filename.startswith("<") and not in_library(f.filename)]
-    frame = (user or own or [None])[-1]
+    frame = user_frame(own, lambda file: False) or (own[-1] if own else None)
     return f"{frame.filename}:{frame.lineno}" if frame else ""
 
 
