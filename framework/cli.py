@@ -218,12 +218,24 @@ def _one_line(message: str) -> str:
     return "; ".join(line.strip() for line in message.splitlines() if line.strip())
 
 
+def _joined(rest: list[str]) -> list[str]:
+    """Overrides as `--a.b=v`: one written `--a.b v` (two arguments, as options take their values) joined."""
+    out: list[str] = []
+    for arg in rest:
+        if out and out[-1].startswith("--") and "=" not in out[-1] and not arg.startswith("--"):
+            out[-1] = f"{out[-1]}={arg}"
+        else:
+            out.append(arg)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run `fw` with `argv` (default: sys.argv[1:]); returns the exit code."""
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = _parser()
     try:
         args, rest = parser.parse_known_args(argv)
+        rest = _joined(rest)
         if rest and args.command not in _WITH_CONFIG:
             parser.error(f"unrecognized arguments: {' '.join(rest)}")
     except SystemExit as e:  # --help, or a usage error already printed by argparse

@@ -82,6 +82,17 @@ def test_print_config_is_the_resolved_config(capsys):
     assert printed["scheduler"] == {"name": "constant", "warmup_steps": 0, "min_lr_ratio": 0.0}  # defaults shown
 
 
+def test_an_override_may_give_its_value_as_the_next_argument(capsys):
+    """`--trainer.max_steps 3`, as options take their values, is `--trainer.max_steps=3`; a value may start with a
+    single dash. An override without any value is still refused."""
+    code, out, err = fw(capsys, "print-config", "--config", TRAIN, "--trainer.max_steps", "3", "--name", "-run1",
+                        "--optimizer.lr=2e-5")
+    assert (code, err) == (0, "")
+    assert yaml12.load(out) == load_config([TRAIN], ["--trainer.max_steps=3", "--name=-run1", "--optimizer.lr=2e-5"])
+    code, _, err = fw(capsys, "validate", "--config", TRAIN, "--trainer.max_steps")
+    assert code == 2 and "malformed override: expected --key.path=value" in err
+
+
 def test_print_config_output_is_itself_a_valid_config(capsys, tmp_path):
     _, out, _ = fw(capsys, "print-config", "--config", TRAIN)
     saved = tmp_path / "resolved.yaml"
