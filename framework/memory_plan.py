@@ -1032,6 +1032,10 @@ def estimate(cfg: dict, gpu_gib: float | None = None) -> Plan:
     the recipe's batch shapes, the world size and the limit (`gpu_gib`, else trainer.memory_limit_gib, else the
     CUDA device's memory, else none); with suggestions when it does not fit."""
     planner = _Planner(cfg, gpu_gib)
+    if planner.backend == "cuda" and not uses_cuda(cfg["trainer"]):
+        # a GPU plan on a machine without one (`--gpu-gib` under accelerator auto): the recipe's shapes (shared
+        # prompts) and the optimizer's checks (cpu_offload) see the GPU that `fw fit` will run on
+        cfg = planner.variant(cfg, {"trainer.accelerator": "gpu"})
     shapes = planner.shapes(cfg)
     plan = planner.plan(cfg, shapes)
     plan.warnings.extend(position_warnings(planner.model, shapes))

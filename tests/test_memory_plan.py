@@ -897,3 +897,15 @@ def test_fw_plan_warns_of_a_completion_that_passes_the_models_positions(capsys):
                        "positions it is made for; fw applies no RoPE scaling")
     code, out, _ = fw(capsys, "plan", "--config", TRAIN, f"--rollout.max_new_tokens={4096 - prompt}")
     assert code == 0 and "warning:" not in out
+
+
+def test_gpu_gib_under_accelerator_auto_gives_the_plan_of_a_gpu_machine(capsys):
+    """`fw plan --gpu-gib N` under `trainer.accelerator: auto` counts what `fw fit` does on a GPU, on a machine without
+    one too: bf16 GRPO lays each group's prompt out once there (shared_prompt auto) and may offload the optimizer, so
+    the table and the suggestions are those of `--trainer.accelerator=gpu`."""
+    args = ["plan", "--config", str(ROOT / "benchmarks" / "grpo_bench.yaml"), "--model.policy.preset=qwen3-4b",
+            "--gpu-gib", "40"]
+    code, on_gpu, _ = fw(capsys, *args, "--trainer.accelerator=gpu")
+    assert code == 2 and "each group's prompt once" in on_gpu and "--optimizer.cpu_offload=true" in on_gpu
+    code, auto, _ = fw(capsys, *args)
+    assert (code, auto) == (2, on_gpu)
