@@ -164,7 +164,7 @@ class Plan:
         if self.fits:
             lines.append(f"fits: {(self.limit_bytes - self.total_bytes) / GIB:.1f} GiB to spare")
             return lines
-        verdict = f"does not fit: {_gib(self.total_bytes)} GiB > {_gib(self.limit_bytes)} GiB"
+        verdict = "does not fit: {} GiB > {} GiB".format(*_gib_apart(self.total_bytes, self.limit_bytes))
         lines.append(verdict + ("; try one of:" if self.suggestions else ""))
         width = max([len(s.text) for s in self.suggestions] + [0])
         for s in self.suggestions:
@@ -183,8 +183,9 @@ class Plan:
     def refusal(self) -> str:
         """One line: why the job does not fit and what to try first."""
         b = self.biggest
-        line = (f"memory plan: the job needs {_gib(self.total_bytes)} GiB per process, more than the "
-                f"{_gib(self.limit_bytes)} GiB limit ({self.limit_source}); the biggest row is {b.name} "
+        total, limit = _gib_apart(self.total_bytes, self.limit_bytes)
+        line = (f"memory plan: the job needs {total} GiB per process, more than the "
+                f"{limit} GiB limit ({self.limit_source}); the biggest row is {b.name} "
                 f"({_gib(b.bytes)} GiB)")
         together = self.together
         if not any(s.fits for s in self.suggestions) and not (together is not None and together.fits):
@@ -208,6 +209,17 @@ class Plan:
 def _gib(n: float) -> str:
     """GiB with one decimal; small amounts with two significant digits, so a tiny limit reads as itself."""
     return f"{n / GIB:.1f}" if n >= 0.05 * GIB else f"{n / GIB:.2g}"
+
+
+def _gib_apart(more: float, less: float) -> tuple[str, str]:
+    """`_gib` of a total and the smaller limit it passes, with as many decimals as they need to read apart (a job
+    over its limit by less than 0.05 GiB would read "80.0 GiB > 80.0 GiB")."""
+    a, b = _gib(more), _gib(less)
+    for digits in range(2, 10):
+        if a != b:
+            break
+        a, b = f"{more / GIB:.{digits}f}", f"{less / GIB:.{digits}f}"
+    return a, b
 
 
 def _bytes(dtype: str) -> int:

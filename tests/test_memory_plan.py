@@ -909,3 +909,16 @@ def test_gpu_gib_under_accelerator_auto_gives_the_plan_of_a_gpu_machine(capsys):
     assert code == 2 and "each group's prompt once" in on_gpu and "--optimizer.cpu_offload=true" in on_gpu
     code, auto, _ = fw(capsys, *args)
     assert (code, auto) == (2, on_gpu)
+
+
+@pytest.mark.parametrize("total, limit, said", [(80.04, 80.0, ("80.04", "80.00")), (80.2, 80.0, ("80.2", "80.0")),
+                                                (0.001236, 0.001234, ("0.00124", "0.00123"))])
+def test_a_job_just_over_its_limit_reads_over_it(total, limit, said):
+    """A total that passes the limit by less than the table's rounding is said with the decimals that tell them apart,
+    in the table's verdict and in the refusal, rather than as "80.0 GiB > 80.0 GiB"."""
+    plan = mp.Plan("t", [mp.Row("weights", total * mp.GIB, ("held",), "")], limit_bytes=limit * mp.GIB,
+                   limit_source="--gpu-gib")
+    assert plan.fits is False
+    assert f"does not fit: {said[0]} GiB > {said[1]} GiB" in plan.table()
+    assert plan.refusal().startswith(f"memory plan: the job needs {said[0]} GiB per process, more than the {said[1]} "
+                                     "GiB limit (--gpu-gib); ")
