@@ -833,6 +833,13 @@ def _limit(cfg: dict, backend: str, gpu_gib: float | None) -> tuple[float | None
     return None, "none on CPU (set trainer.memory_limit_gib or pass --gpu-gib to check against one)"
 
 
+def _get(cfg: dict, dotted: str) -> Any:
+    node = cfg
+    for key in dotted.split("."):
+        node = node[key]
+    return node
+
+
 def _set(cfg: dict, dotted: str, value: Any) -> None:
     node = cfg
     *parents, last = dotted.split(".")
@@ -918,9 +925,15 @@ def _candidates(cfg: dict, plan: Plan, shapes: BatchShapes | None, backend: str)
         out.append({"optimizer.cpu_offload": True})
     if o["name"] == "adamw":
         out.append({"optimizer.name": "adamw8bit"})
-    if param_dtype(cfg) == "float32" and p["lora"] is None:
-        out.append({"model.policy.dtype": "bfloat16", "trainer.precision": "bf16-true",
-                    "optimizer.stochastic_rounding": True})
+    if p["lora"] is not None and param_dtype(cfg) == "float32" and cfg["trainer"]["precision"] in AUTOCAST_TO:
+        # LoRA's frozen base in bfloat16 under autocast: the adapters (and a critic) stay float32, so no rounding
+        out.append({"model.policy.dtype": "bfloat16"})
+    if param_dtype(cfg) == "float32" or trained_dtype(cfg) == "float32":
+        # every weight in bfloat16, the trained ones too (under LoRA the adapters and a critic): what is already so
+        # is left out of the overrides
+        lean = {"model.policy.dtype": "bfloat16", "trainer.precision": "bf16-true",
+                "optimizer.stochastic_rounding": True}
+        out.append({k: v for k, v in lean.items() if _get(cfg, k) != v})
     if p["lora"] is None:
         out.append({"model.policy.lora": _lora_defaults()})
     if shapes is not None and shapes.rollout_rows and plan.peak_phase == "rollout" and prompts > 1:

@@ -922,3 +922,28 @@ def test_a_job_just_over_its_limit_reads_over_it(total, limit, said):
     assert f"does not fit: {said[0]} GiB > {said[1]} GiB" in plan.table()
     assert plan.refusal().startswith(f"memory plan: the job needs {said[0]} GiB per process, more than the {said[1]} "
                                      "GiB limit (--gpu-gib); ")
+
+
+def test_lora_jobs_are_offered_bfloat16_for_their_frozen_base_and_their_critic(tmp_path):
+    """Under LoRA the float32 weights are the frozen base and, under PPO, the critic: the plan offers bfloat16 for the
+    base alone (the adapters stay float32 under bf16-mixed, so no rounding is needed) and every weight in bfloat16
+    with stochastic rounding. Qwen3-8B PPO with LoRA in 80 GiB fits only with the critic in bfloat16 too."""
+    from framework.validate import validate_config
+
+    bench = ROOT / "benchmarks"
+    base = [f"--run_dir={tmp_path}", "--model.policy.preset=qwen3-8b", "--model.policy.lora.rank=16",
+            "--trainer.accelerator=gpu", "--rollout.max_new_tokens=1024"]
+    grpo = [str(bench / "grpo_bench.yaml")]
+    plan = mp.estimate(load_config(grpo, base), gpu_gib=40)
+    alone = next(s for s in plan.suggestions if s.overrides == ("--model.policy.dtype=bfloat16",))
+    cfg = validate_config(grpo, base + list(alone.overrides))   # fw fit's checks pass: no rounding needed
+    halved = mp.estimate(cfg, gpu_gib=40)
+    assert halved.total_bytes == alone.total_bytes
+    assert 2 * row(halved, "policy weights").bytes == row(plan, "policy weights").bytes
+
+    ppo = [str(bench / "ppo_bench.yaml")]
+    plan = mp.estimate(load_config(ppo, base), gpu_gib=80)
+    assert plan.together is not None and plan.together.fits, plan.table()
+    assert "--trainer.precision=bf16-true" in plan.together.overrides
+    cfg = validate_config(ppo, base + list(plan.together.overrides))
+    assert mp.estimate(cfg, gpu_gib=80).fits
