@@ -62,6 +62,9 @@ LOGPROB_TILE_COLS = 8192
 SAVED_LOGITS_CHUNK = 256
 REFERENCE_LOGITS_TILE_BYTES = 1 << 28
 REFERENCE_LOGITS_TILES = 3   # the reference's logits, log-probabilities and probabilities of one tile
+# A suggestion that does not fit on its own must save at least this share of what the job needs beyond its limit
+# (8-bit states of LoRA's adapters save a tenth of a GiB of a job tens of GiB over).
+USEFUL_SHARE = 0.01
 PHASES = ("rollout", "score", "train", "backward", "critic", "step")
 ENGINE_CASTS = "rollout weight casts"   # the plan row of a kept rollout engine's compute-dtype weights
 
@@ -982,6 +985,7 @@ def _fewer_rows(planner: _Planner, cfg: dict, shapes: BatchShapes) -> list[tuple
 def suggest(planner: _Planner, cfg: dict, plan: Plan, shapes: BatchShapes | None) -> None:
     """Fill `plan.suggestions` (fitting ones first) and `plan.together` when the plan does not fit."""
     found: list[tuple[dict[str, Any], Plan]] = []
+    gap = plan.total_bytes - plan.limit_bytes
     for changes in _candidates(cfg, plan, shapes, planner.backend):
         if _SPLIT_ROWS in changes:
             options = _fewer_rows(planner, cfg, shapes)
@@ -999,7 +1003,8 @@ def suggest(planner: _Planner, cfg: dict, plan: Plan, shapes: BatchShapes | None
             best = (option, trial)
             if trial.fits:
                 break
-        if best is not None and best[1].total_bytes < plan.total_bytes:
+        # a change that does not fit is advice only if it closes a share of the gap worth the change
+        if best is not None and (best[1].fits or plan.total_bytes - best[1].total_bytes >= USEFUL_SHARE * gap):
             found.append(best)
     # the ones that fit in the order of the candidates (the least intrusive first), then the closest to fitting
     ranked = sorted(range(len(found)), key=lambda i: (not found[i][1].fits,
