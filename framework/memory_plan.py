@@ -17,6 +17,7 @@ adjusting them.
 from __future__ import annotations
 
 import copy
+import math
 import os
 import sys
 from dataclasses import dataclass, field, replace
@@ -657,6 +658,17 @@ def _keep_engine(plan: Plan, setting: bool | str) -> Plan:
     return plan
 
 
+def _kv_block(cfg: dict, model: Qwen3Config, cb: int) -> tuple[int, int]:
+    """(bytes per element, bytes per block) of the rollout's KV pool: autocast's dtype or the model's (`cb`), or
+    rollout.kv_cache_dtype's."""
+    from framework.rollout.kv_cache import KV_CACHE_DTYPES
+
+    ro = cfg["rollout"]
+    stored = KV_CACHE_DTYPES[ro["kv_cache_dtype"]]
+    kb = cb if stored is None else stored.itemsize
+    return kb, 2 * model.num_hidden_layers * model.kv_size * ro["block_size"] * kb
+
+
 @dataclass(frozen=True)
 class _BackwardGrads:
     """Gradients that the backward of one micro-batch a step makes beside the activations it holds: at its start
@@ -675,18 +687,14 @@ def _batch_rows(rows: list[Row], cfg: dict, model: Qwen3Config, shapes: BatchSha
     policy_cfg = cfg["model"]["policy"]
     layers = model.num_hidden_layers
     if shapes.rollout_rows:
-        from framework.rollout.kv_cache import KV_CACHE_DTYPES
-
         # framework/rollout/kv_cache.py: a pool of blocks of block_size positions, in autocast's dtype under
         # *-mixed, else the model's, or float8 (rollout.kv_cache_dtype): what every row of the rollout could use at
         # once (its prompt + its limit, block-rounded, and the scratch block), capped by rollout.kv_cache_gib
         ro = cfg["rollout"]
         bs = ro["block_size"]
-        stored = KV_CACHE_DTYPES[ro["kv_cache_dtype"]]
-        kb = cb if stored is None else stored.itemsize
+        kb, block = _kv_block(cfg, model, cb)
         per_row = -(-(shapes.prompt_len + shapes.new_tokens - 1) // bs)
         blocks = shapes.rollout_rows * per_row + 1
-        block = 2 * layers * model.kv_size * bs * kb
         how = (f"{blocks} blocks ({shapes.rollout_rows} rows x {per_row} + scratch) x {bs} positions x 2 x {layers} "
                f"layers x {model.num_key_value_heads} kv heads x {model.head_dim} x {kb} B")
         if ro["kv_cache_gib"] is not None and ro["kv_cache_gib"] * (1 << 30) < blocks * block:
@@ -907,7 +915,26 @@ def _lora_defaults() -> dict:
 _SPLIT_ROWS = "fewer rows per micro-batch"
 
 
-def _candidates(cfg: dict, plan: Plan, shapes: BatchShapes | None, backend: str) -> list[dict[str, Any]]:
+def _kv_cap(cfg: dict, model: Qwen3Config, plan: Plan, shapes: BatchShapes | None) -> dict[str, Any] | None:
+    """A smaller rollout.kv_cache_gib (the same tokens in more decode steps) that brings the plan to its limit, where
+    the KV pool is held through the step or lives in its largest phase; never one that admits fewer than
+    rollout.admit_batch of the longest rows at once. None when no smaller pool helps."""
+    kv = next((r for r in plan.rows if r.name == "KV cache"), None)
+    if kv is None or shapes is None or plan.limit_bytes is None:
+        return None
+    if "held" not in kv.phases and plan.peak_phase not in kv.phases:
+        return None
+    ro = cfg["rollout"]
+    block = _kv_block(cfg, model, _bytes(compute_dtype(cfg)))[1]
+    per_row = -(-(shapes.prompt_len + shapes.new_tokens - 1) // ro["block_size"])
+    least = (min(shapes.rollout_rows, ro["admit_batch"]) * per_row + 1) * block
+    want = kv.bytes - (plan.total_bytes - plan.limit_bytes)
+    gib = max(math.floor(want / GIB * 100), math.ceil(least / GIB * 100)) / 100
+    return {"rollout.kv_cache_gib": gib} if gib * GIB < kv.bytes else None
+
+
+def _candidates(cfg: dict, plan: Plan, shapes: BatchShapes | None, backend: str,
+                model: Qwen3Config) -> list[dict[str, Any]]:
     """Changes that shrink the plan, those that keep the update's maths first."""
     p, o = cfg["model"]["policy"], cfg["optimizer"]
     prompts = cfg["rollout"]["prompts_per_step"]
@@ -923,6 +950,9 @@ def _candidates(cfg: dict, plan: Plan, shapes: BatchShapes | None, backend: str)
         out.append({"model.policy.keep_logits": False})
     if shapes is not None and shapes.rows > 1:
         out.append({_SPLIT_ROWS: True})   # which keys split the micro-batch: `_fewer_rows` asks the recipe
+    cap = _kv_cap(cfg, model, plan, shapes)
+    if cap is not None:
+        out.append(cap)
     states = next(r.bytes for r in plan.rows if r.name == "optimizer states")
     if backend == "cuda" and not o["cpu_offload"] and states > 0:
         out.append({"optimizer.cpu_offload": True})
@@ -986,7 +1016,7 @@ def suggest(planner: _Planner, cfg: dict, plan: Plan, shapes: BatchShapes | None
     """Fill `plan.suggestions` (fitting ones first) and `plan.together` when the plan does not fit."""
     found: list[tuple[dict[str, Any], Plan]] = []
     gap = plan.total_bytes - plan.limit_bytes
-    for changes in _candidates(cfg, plan, shapes, planner.backend):
+    for changes in _candidates(cfg, plan, shapes, planner.backend, planner.model):
         if _SPLIT_ROWS in changes:
             options = _fewer_rows(planner, cfg, shapes)
         else:
@@ -1048,6 +1078,13 @@ def _combine(planner: _Planner, cfg: dict, pool: list[dict[str, Any]]) -> tuple[
             break
     if best is None:
         return None
+    if not best.fits:   # what is left may be the KV pool: a smaller one sized to what the other changes leave
+        new = planner.variant(cfg, merged(used))
+        cap = _kv_cap(new, planner.model, best, planner.shapes(new))
+        result = trial([*used, cap]) if cap is not None else None
+        if result is not None and result.total_bytes < best.total_bytes:
+            used.append(cap)
+            best = result
     if best.fits:
         for changes in list(used):
             rest = [c for c in used if c is not changes]

@@ -962,3 +962,27 @@ def test_no_suggestion_saves_a_negligible_share_of_what_the_job_lacks():
     assert plan.suggestions and all("adamw8bit" not in s.text for s in plan.suggestions)
     assert plan.together is None or "adamw8bit" not in plan.together.text
     assert all(s.fits or plan.total_bytes - s.total_bytes >= 0.01 * gap for s in plan.suggestions)
+
+
+def test_a_kv_pool_that_does_not_fit_is_offered_a_smaller_budget(tmp_path):
+    """A rollout-bound job (Qwen3-0.6B, 256 completions of up to 2048 tokens, 40 GiB) is offered the
+    rollout.kv_cache_gib that brings it to the limit (the same tokens in more decode steps): the KV row less the
+    excess, in hundredths of a GiB rounded down. For Qwen3-4B, whose activations also pass the limit, the changes
+    together end with the pool sized to what the others leave. Applied, each passes fw's checks and fits."""
+    from framework.validate import validate_config
+
+    grpo = [str(ROOT / "benchmarks" / "grpo_bench.yaml")]
+    base = [f"--run_dir={tmp_path}", "--trainer.accelerator=gpu", "--rollout.max_new_tokens=2048",
+            "--model.policy.gradient_checkpointing=true", "--trainer.accumulate_grad_batches=16"]
+    plan = mp.estimate(load_config(grpo, base), gpu_gib=40)
+    kv = row(plan, "KV cache").bytes
+    gib = int((kv - (plan.total_bytes - 40 * mp.GIB)) / mp.GIB * 100) / 100
+    assert plan.suggestions[0].overrides == (f"--rollout.kv_cache_gib={gib}",) and plan.suggestions[0].fits
+    assert mp.estimate(validate_config(grpo, base + [f"--rollout.kv_cache_gib={gib}"]), gpu_gib=40).fits
+
+    base = [f"--run_dir={tmp_path}", "--trainer.accelerator=gpu", "--rollout.max_new_tokens=1024",
+            "--model.policy.preset=qwen3-4b"]
+    plan = mp.estimate(load_config(grpo, base), gpu_gib=40)
+    assert plan.together is not None and plan.together.fits, plan.table()
+    assert plan.together.overrides[-1].startswith("--rollout.kv_cache_gib=")
+    assert mp.estimate(validate_config(grpo, base + list(plan.together.overrides)), gpu_gib=40).fits
