@@ -1020,14 +1020,15 @@ def suggest(planner: _Planner, cfg: dict, plan: Plan, shapes: BatchShapes | None
         if _SPLIT_ROWS in changes:
             options = _fewer_rows(planner, cfg, shapes)
         else:
-            options = [(changes, shapes)]
+            options = [(changes, None)]
         best = None
         for option, option_shapes in options:
             new = planner.variant(cfg, option)
             if planner.refuses(new):
                 continue
             try:
-                trial = planner.plan(new, option_shapes)
+                # the shapes of the changed config: fewer prompts, or a dtype that lays prompts out once
+                trial = planner.plan(new, option_shapes or planner.shapes(new))
             except FwError:
                 continue
             best = (option, trial)

@@ -986,3 +986,17 @@ def test_a_kv_pool_that_does_not_fit_is_offered_a_smaller_budget(tmp_path):
     assert plan.together is not None and plan.together.fits, plan.table()
     assert plan.together.overrides[-1].startswith("--rollout.kv_cache_gib=")
     assert mp.estimate(validate_config(grpo, base + list(plan.together.overrides)), gpu_gib=40).fits
+
+
+def test_each_suggestion_is_counted_with_the_batch_it_makes(tmp_path):
+    """A suggestion that changes the batch is recounted with the batch it makes: halving rollout.prompts_per_step
+    halves the rollout's rows of a job whose KV pool passes the limit, and its total is what `fw plan` says of the job
+    with it (the original batch's shapes counted it as saving nothing, so it was never offered)."""
+    grpo = [str(ROOT / "benchmarks" / "grpo_bench.yaml")]
+    base = [f"--run_dir={tmp_path}", "--trainer.accelerator=gpu", "--rollout.max_new_tokens=2048",
+            "--model.policy.gradient_checkpointing=true", "--trainer.accumulate_grad_batches=16"]
+    plan = mp.estimate(load_config(grpo, base), gpu_gib=40)
+    fewer = next(s for s in plan.suggestions if s.overrides == ("--rollout.prompts_per_step=16",))
+    recount = mp.estimate(load_config(grpo, [*base, "--rollout.prompts_per_step=16"]), gpu_gib=40)
+    assert fewer.total_bytes == recount.total_bytes and fewer.fits == recount.fits
+    assert "128 rows" in row(recount, "KV cache").how
