@@ -13,7 +13,6 @@ Each command imports only what it needs.
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import signal
 import sys
@@ -127,6 +126,10 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+# fw plan's --gpu-gib at most (a PiB, far above any GPU): 1e300 GiB is no limit in bytes (it overflows to inf)
+MAX_GPU_GIB = 1 << 20
+
+
 def _run(args: argparse.Namespace, overrides: list[str]) -> int:
     cmd = args.command
     if cmd in ("validate", "print-config", "fit"):
@@ -153,8 +156,9 @@ def _run(args: argparse.Namespace, overrides: list[str]) -> int:
     elif cmd == "plan":
         if not args.config:
             raise FwError("fw plan needs --config FILE")
-        if args.gpu_gib is not None and not 0 < args.gpu_gib < math.inf:
-            raise FwError(f"--gpu-gib must be a finite number > 0, got {args.gpu_gib:g}")
+        if args.gpu_gib is not None and not 0 < args.gpu_gib <= MAX_GPU_GIB:
+            raise FwError(f"--gpu-gib is one GPU's memory in GiB: a number > 0 and at most {MAX_GPU_GIB}, got "
+                          f"{args.gpu_gib:g}")
         from framework.config import load_located
         from framework.memory_plan import estimate
         from framework.validate import model_problems
