@@ -100,6 +100,12 @@ class Suggestion:
         return " ".join(self.overrides)
 
 
+# The keys that set a built-in recipe's sequences and batch: a refusal with no change that fits names them.
+SHAPE_KEYS = {"sft": "data.max_seq_len, data.batch_size",
+              "grpo": "rollout.max_new_tokens, rollout.prompts_per_step, grpo.group_size",
+              "ppo": "rollout.max_new_tokens, rollout.prompts_per_step, ppo.samples_per_prompt"}
+
+
 @dataclass
 class Plan:
     """The rows of one job's memory per GPU, the limit it must fit in, and what to change when it does not."""
@@ -112,6 +118,7 @@ class Plan:
     together: Suggestion | None = None   # the suggestions applied one after another until the job fits
     keeps_engine: bool | None = None     # rollout.keep_engine resolved (None: the job does not generate)
     warnings: list[str] = field(default_factory=list)   # what fits but may not do what the user meant
+    shape_keys: str = ""                 # the keys that set the job's sequences and batch (SHAPE_KEYS)
 
     def phase_bytes(self, phase: str) -> float:
         return sum(r.bytes for r in self.rows if phase in r.phases)
@@ -198,7 +205,8 @@ class Plan:
             if closest is not None:
                 line += (f"; no change fw knows fits, {'all of ' if closest is together else ''}{closest.text} "
                          f"still needs {_gib(closest.total_bytes)} GiB")
-            return line + ("; shorten the sequences or shrink the batch, or give each process more memory; "
+            keys = f" ({self.shape_keys})" if self.shape_keys else ""
+            return line + (f"; shorten the sequences or shrink the batch{keys}, or give each process more memory; "
                            "`fw plan --config ...` prints the whole plan")
         first = self.suggestions[0] if self.suggestions and self.suggestions[0].fits else together
         line += f"; try {'all of ' if first is together else ''}{first.text} ({_gib(first.total_bytes)} GiB)"
@@ -634,7 +642,8 @@ def build_plan(cfg: dict, model: Qwen3Config, requirements: Requirements, shapes
              f"{model.num_hidden_layers} layers), {t['precision']}, {pdt} weights, "
              f"{world_size} process{'es' if world_size > 1 else ''}; memory per "
              + ("GPU" if backend == "cuda" else "process (CPU)"))
-    return _keep_engine(Plan(title, rows, limit_bytes, limit_source), cfg["rollout"]["keep_engine"])
+    plan = Plan(title, rows, limit_bytes, limit_source, shape_keys=SHAPE_KEYS.get(cfg["recipe"], ""))
+    return _keep_engine(plan, cfg["rollout"]["keep_engine"])
 
 
 def _keep_engine(plan: Plan, setting: bool | str) -> Plan:

@@ -813,7 +813,8 @@ def test_fw_fit_refuses_a_job_over_the_memory_limit_before_writing_anything(tmp_
     assert "more than the 0.001 GiB limit (trainer.memory_limit_gib); the biggest row is " in errors[0]
     # nothing fits in 1 MiB: no "try", but how close the most fw can change gets, and what is left to change
     assert "; try" not in errors[0] and "; no change fw knows fits, all of --" in errors[0]
-    assert "; shorten the sequences or shrink the batch, or give each process more memory; " in errors[0]
+    assert ("; shorten the sequences or shrink the batch (rollout.max_new_tokens, rollout.prompts_per_step, "
+            "grpo.group_size), or give each process more memory; ") in errors[0]
     assert "  policy weights " in err    # the plan's table came first, on stderr
     assert sorted(p.name for p in run_dir.iterdir()) == ["notes.txt"]
 
@@ -1000,3 +1001,13 @@ def test_each_suggestion_is_counted_with_the_batch_it_makes(tmp_path):
     recount = mp.estimate(load_config(grpo, [*base, "--rollout.prompts_per_step=16"]), gpu_gib=40)
     assert fewer.total_bytes == recount.total_bytes and fewer.fits == recount.fits
     assert "128 rows" in row(recount, "KV cache").how
+
+
+def test_the_shape_keys_a_refusal_names_are_the_schemas():
+    from framework.config import all_key_paths
+    from framework.memory_plan import SHAPE_KEYS
+
+    known = {".".join(p) for p in all_key_paths()}
+    assert set(SHAPE_KEYS) == {"sft", "grpo", "ppo"}
+    for keys in SHAPE_KEYS.values():
+        assert set(keys.split(", ")) <= known, keys
