@@ -530,6 +530,14 @@ def _schema_at(keys: list[str], recipe: Any = None) -> tuple[dict | None, str | 
 _OVERRIDE = "override "   # the marks of the keys an override sets name it as their file: override '--a.b=v'
 
 
+def key_schema(dotted: str) -> dict:
+    """The schema of one key (`seed`, `rollout.temperature`): its type, bounds and description."""
+    sub, wrong = _schema_at(dotted.split("."))
+    if sub is None:
+        raise KeyError(f"{dotted}: {wrong or 'not a key of the schema'}")
+    return sub
+
+
 def override_label(arg: str) -> str:
     """The name under which the problems of command-line override `arg` (`--a.b=v`) are shown, as a file's."""
     return f"{_OVERRIDE}'{arg}'"

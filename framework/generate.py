@@ -176,11 +176,13 @@ def generate_text(cfg: dict | None, prompt: str, checkpoint: str | None = None, 
     ``checkpoint`` is a checkpoint directory or a run directory (its newest checkpoint; ``skip_damaged`` as in
     ``fw fit``); without ``cfg``, ``overrides`` apply on top of its config.yaml."""
     from framework.checkpoint import read_resolved
+    from framework.config import key_schema
     from framework.rollout import CacheSettings, SamplingParams, generate, stop_token_ids
     from framework.tasks import render_prompt
 
-    if seed is not None and seed < 0:
-        raise FwError(f"--seed must be >= 0, got {seed}")
+    top = key_schema("seed")["maximum"]   # the config's seed's bounds: the sampler's seeding takes no more
+    if seed is not None and not 0 <= seed <= top:
+        raise FwError(f"--seed must be an integer from 0 to {top}, as the config's seed is; got {seed}")
     # one limit for the one prompt (SamplingParams, for many prompts, takes one a prompt too)
     if max_new_tokens is not None and (isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int)
                                        or max_new_tokens < 1):

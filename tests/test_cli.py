@@ -141,8 +141,10 @@ def test_generate_argument_errors(capsys):
     assert (code, err) == (2, "fw: error: --max-new-tokens must be an int >= 1, got 0\n")
     code, _, err = fw(capsys, "generate", "--config", TRAIN, "--prompt", "hi", "--temperature", "-1")
     assert (code, err) == (2, "fw: error: --temperature must be 0 (greedy) or a finite number >= 1e-05, got -1.0\n")
-    code, _, err = fw(capsys, "generate", "--config", TRAIN, "--prompt", "hi", "--seed", "-1")
-    assert (code, err) == (2, "fw: error: --seed must be >= 0, got -1\n")
+    for seed in ("-1", str(2**32), str(2**70)):   # the config's seed's bounds
+        code, _, err = fw(capsys, "generate", "--config", TRAIN, "--prompt", "hi", "--seed", seed)
+        said = f"fw: error: --seed must be an integer from 0 to 4294967295, as the config's seed is; got {seed}\n"
+        assert (code, err) == (2, said)
     code, _, err = fw(capsys, "generate", "--config", TRAIN, "--prompt", "hi", "--temperature", "warm")
     assert code == 2 and "argument --temperature: invalid float value: 'warm'" in err
 
