@@ -15,6 +15,7 @@ import difflib
 import json
 import os
 import re
+import sys
 import warnings
 from pathlib import Path
 from typing import Any
@@ -236,6 +237,8 @@ class _Checks:
                       if built]
         configs = {("model", role, "path"): self.model_dir(("model", role, "path"), value=role == "value")
                    for role in roles if model[role]["path"]}
+        if needs is not None:
+            self._say_unread(needs)
         policy_at = ("model", "policy", "path")
         tokenizer_at = ("tokenizer", "path") if self.cfg["tokenizer"]["path"] else policy_at
         if tokenizer_at == policy_at and policy_at in configs and configs[policy_at] is None:
@@ -255,6 +258,22 @@ class _Checks:
             problem = None if config is None else vocabulary_problem(tokenizer.vocab_size, config)
             if problem is not None:
                 self.add(tokenizer_at if where == policy_at else where, problem)
+
+    def _say_unread(self, needs: Any) -> None:
+        """Say (on the first process, once a config) which model paths the recipe will not read: a critic's under
+        a recipe without one, a reference's where its KL coefficient is 0 (a path that still looks in use)."""
+        from lightning.pytorch.utilities import rank_zero_only
+
+        if getattr(self, "_said_unread", False) or rank_zero_only.rank != 0:
+            return
+        self._said_unread = True
+        model, kl = self.cfg["model"], (self.cfg.get(self.recipe) or {}).get("kl_coef")
+        why = {"value": f"recipe {self.recipe} trains no critic",
+               "reference": f"{self.recipe}.kl_coef is {kl}, so no reference model is built" if kl == 0
+               else f"recipe {self.recipe} builds no reference model"}
+        for role, built in (("value", needs.value_model), ("reference", needs.reference_model)):
+            if model[role]["path"] and not built:
+                print(f"fw: warning: model.{role}.path is set, but {why[role]}: it is not read", file=sys.stderr)
 
     # ------------------------------------------------------------------ data
     def data(self) -> None:

@@ -758,11 +758,15 @@ def test_every_change_the_plan_suggests_passes_fws_checks(tmp_path, job, gib):
 
 def test_fw_plan_reads_only_the_models_the_recipe_builds(tmp_path, capsys):
     """GRPO builds no critic, and no reference without a KL term: a stale model.value.path or model.reference.path
-    leaves its plan alone, while PPO, which builds its critic, reads the path and names it."""
+    leaves its plan alone (a warning says each is not read), while PPO, which builds its critic, reads the path and
+    names it."""
     stale = str(tmp_path / "gone")
     code, out, err = fw(capsys, "plan", "--config", TRAIN, f"--model.value.path={stale}",
                         f"--model.reference.path={stale}", "--grpo.kl_coef=0")
-    assert (code, err) == (0, "") and out.startswith("fw plan: recipe grpo")
+    assert code == 0 and out.startswith("fw plan: recipe grpo")
+    said = [line.split(": ")[2] for line in err.splitlines()]
+    assert said == ["model.value.path is set, but recipe grpo trains no critic",
+                    "model.reference.path is set, but grpo.kl_coef is 0, so no reference model is built"]
     code, _, err = fw(capsys, "plan", "--config", str(ROOT / "recipes" / "ppo.yaml"), f"--model.value.path={stale}")
     assert code == 2 and stale in err
 

@@ -765,3 +765,19 @@ def test_name_and_class_path_together_show_at_the_one_an_override_added(tmp_path
         f"override '--data.task.name=digits': data.task.name: {message}"])
     config.write_text(config.read_text() + "    name: digits\n")
     assert run_fw(["validate", "--config", str(config)], capsys) == (2, [f"{config}:4:3: data.task: {message}"])
+
+
+def test_model_paths_the_recipe_will_not_read_are_said_once_each(tmp_path, capsys):
+    """A critic's path under GRPO and a reference's under kl_coef 0 look in use and are not: one warning line each
+    (exit 0, nothing read); a PPO config reads both and says nothing of them."""
+    config = tmp_path / "c.yaml"
+    config.write_text(f"recipe: grpo\nmodel:\n  policy: {{preset: tiny}}\n  value: {{path: {tmp_path / 'gone'}}}\n"
+                      f"  reference: {{path: {tmp_path / 'gone2'}}}\ndata: {{task: {{name: digits}}}}\n")
+    assert main(["validate", "--config", str(config)]) == 0
+    assert capsys.readouterr().err.splitlines() == [
+        "fw: warning: model.value.path is set, but recipe grpo trains no critic: it is not read",
+        ("fw: warning: model.reference.path is set, but grpo.kl_coef is 0.0, so no reference model is built: it is "
+         "not read")]
+    assert main(["validate", "--config", str(config), "--recipe=ppo"]) == 2
+    err = capsys.readouterr().err
+    assert "warning" not in err and "model.value.path: no such directory" in err
