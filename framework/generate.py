@@ -215,8 +215,13 @@ def generate_text(cfg: dict | None, prompt: str, checkpoint: str | None = None, 
         raise FwError(f"--prompt {prompt!r} encodes to no token; give text the tokenizer keeps")
     # as the run's rollouts sample: its cache settings (rollout.kv_cache_dtype changes what is sampled) and, on CUDA,
     # its autocast (a float8 pool needs 16-bit compute there)
-    with autocast_context(cfg, _device(cfg)):
-        result = generate(policy, [ids], params, eos_ids=stop_token_ids(tokenizer, policy),
-                          tokenizer=tokenizer, seed=cfg["seed"] if seed is None else seed,
-                          cache=CacheSettings.from_config(cfg["rollout"]))
+    try:
+        with autocast_context(cfg, _device(cfg)):
+            result = generate(policy, [ids], params, eos_ids=stop_token_ids(tokenizer, policy),
+                              tokenizer=tokenizer, seed=cfg["seed"] if seed is None else seed,
+                              cache=CacheSettings.from_config(cfg["rollout"]))
+    except FwError as e:   # the engine names the config key; here the option set it
+        if "max_new_tokens" not in changes or "rollout.max_new_tokens" not in str(e):
+            raise
+        raise FwError(str(e).replace("rollout.max_new_tokens", "--max-new-tokens")) from None
     return result.texts[0]

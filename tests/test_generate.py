@@ -107,6 +107,16 @@ def test_sampling_is_seeded(checkpoint):
     assert others != {a}
 
 
+def test_a_limit_the_cache_cannot_hold_names_the_option_that_set_it(checkpoint):
+    """--max-new-tokens beyond what one row's KV blocks can hold is refused naming the option, not the config key
+    it stands in for; set in the config, the key is named."""
+    ckpt, _, _ = checkpoint
+    with pytest.raises(FwError, match=r"raise rollout.kv_cache_gib or lower --max-new-tokens$"):
+        generate_text(None, "2+2=", checkpoint=str(ckpt), max_new_tokens=10**11)
+    with pytest.raises(FwError, match=r"raise rollout.kv_cache_gib or lower rollout.max_new_tokens$"):
+        generate_text(None, "2+2=", checkpoint=str(ckpt), overrides=[f"--rollout.max_new_tokens={10**11}"])
+
+
 def test_from_config_preset_is_deterministic():
     cfg = make_cfg(chat_template=False)
     text = generate_text(cfg, "1=", temperature=0.0)
