@@ -103,7 +103,7 @@ def checkpoint_policy_config(cfg: dict, checkpoint: Path, adapters: bool) -> dic
         return new
     out = {**own, **{k: new[k] for k in _POLICY_KEYS_THAT_APPLY}}
 
-    from framework.checkpoint.resume import shown
+    from framework.yaml12 import inline as shown
 
     def refuse(key: str, was: Any, now: Any, why: str) -> FwError:
         return FwError(f"{key} is {shown(now)} here, but the policy of {checkpoint} has {shown(was)} ({why}); leave "

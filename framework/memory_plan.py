@@ -696,13 +696,15 @@ def _batch_rows(rows: list[Row], cfg: dict, model: Qwen3Config, shapes: BatchSha
     policy_cfg = cfg["model"]["policy"]
     layers = model.num_hidden_layers
     if shapes.rollout_rows:
+        from framework.rollout.scheduler import blocks_for
+
         # framework/rollout/kv_cache.py: a pool of blocks of block_size positions, in autocast's dtype under
         # *-mixed, else the model's, or float8 (rollout.kv_cache_dtype): what every row of the rollout could use at
         # once (its prompt + its limit, block-rounded, and the scratch block), capped by rollout.kv_cache_gib
         ro = cfg["rollout"]
         bs = ro["block_size"]
         kb, block = _kv_block(cfg, model, cb)
-        per_row = -(-(shapes.prompt_len + shapes.new_tokens - 1) // bs)
+        per_row = blocks_for(shapes.prompt_len, shapes.new_tokens, bs)
         blocks = shapes.rollout_rows * per_row + 1
         how = (f"{blocks} blocks ({shapes.rollout_rows} rows x {per_row} + scratch) x {bs} positions x 2 x {layers} "
                f"layers x {model.num_key_value_heads} kv heads x {model.head_dim} x {kb} B")
@@ -935,7 +937,9 @@ def _kv_cap(cfg: dict, model: Qwen3Config, plan: Plan, shapes: BatchShapes | Non
         return None
     ro = cfg["rollout"]
     block = _kv_block(cfg, model, _bytes(compute_dtype(cfg)))[1]
-    per_row = -(-(shapes.prompt_len + shapes.new_tokens - 1) // ro["block_size"])
+    from framework.rollout.scheduler import blocks_for
+
+    per_row = blocks_for(shapes.prompt_len, shapes.new_tokens, ro["block_size"])
     least = (min(shapes.rollout_rows, ro["admit_batch"]) * per_row + 1) * block
     want = kv.bytes - (plan.total_bytes - plan.limit_bytes)
     gib = max(math.floor(want / GIB * 100), math.ceil(least / GIB * 100)) / 100

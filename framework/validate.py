@@ -260,13 +260,12 @@ class _Checks:
                 self.add(tokenizer_at if where == policy_at else where, problem)
 
     def _say_unread(self, needs: Any) -> None:
-        """Say (on the first process, once a config) which model paths the recipe will not read: a critic's under
-        a recipe without one, a reference's where its KL coefficient is 0 (a path that still looks in use)."""
+        """Say (on the first process) which model paths the recipe will not read: a critic's under a recipe without
+        one, a reference's where its KL coefficient is 0 (a path that still looks in use)."""
         from lightning.pytorch.utilities import rank_zero_only
 
-        if getattr(self, "_said_unread", False) or rank_zero_only.rank != 0:
+        if rank_zero_only.rank != 0:
             return
-        self._said_unread = True
         model, kl = self.cfg["model"], (self.cfg.get(self.recipe) or {}).get("kl_coef")
         why = {"value": f"recipe {self.recipe} trains no critic",
                "reference": f"{self.recipe}.kl_coef is {kl}, so no reference model is built" if kl == 0

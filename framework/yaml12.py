@@ -23,6 +23,7 @@ checked as the document is read, so a hostile file costs time linear in its size
 
 from __future__ import annotations
 
+import json
 import math
 import re
 import sys
@@ -373,6 +374,15 @@ def parse_scalar(text: str) -> tuple[Any, bool]:
         return text, False
     finally:
         loader.dispose()
+
+
+def inline(value: Any) -> str:
+    """`value` as a config file writes it, on one line: null, true, 32-true, [a, b], {rank: 8}."""
+    text = yaml.dump(value, Dumper=Yaml12Dumper, default_flow_style=True, sort_keys=False, width=sys.maxsize,
+                     allow_unicode=True)
+    text = text.removesuffix("\n...\n").removesuffix("\n")
+    # a multi-line string: JSON, which YAML reads too, escapes its line breaks
+    return text if "\n" not in text else json.dumps(value, ensure_ascii=False)
 
 
 def dump(data: Any) -> str:

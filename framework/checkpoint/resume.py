@@ -24,12 +24,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import yaml
 
 from framework.checkpoint.directory import CONFIG_FILE, read_manifest
 from framework.durable import sha256
 from framework.errors import FwError
-from framework.yaml12 import Yaml12Dumper
+from framework.yaml12 import inline as shown
 
 APPLIES, RESET, REFUSED = "applies", "reset", "refused"
 
@@ -200,15 +199,6 @@ def _value(cfg: dict, key: str) -> Any:
             return _ABSENT
         node = node[part]
     return node
-
-
-def shown(value: Any) -> str:
-    """`value` as a config file writes it, on one line: null, true, 32-true, [a, b], {rank: 8}."""
-    text = yaml.dump(value, Dumper=Yaml12Dumper, default_flow_style=True, sort_keys=False, width=sys.maxsize,
-                     allow_unicode=True)
-    text = text.removesuffix("\n...\n").removesuffix("\n")
-    # a multi-line string: JSON, which YAML reads too, escapes its line breaks
-    return text if "\n" not in text else json.dumps(value, ensure_ascii=False)
 
 
 def _null_above(old: dict, new: dict, key: str) -> str | None:

@@ -274,7 +274,8 @@ def resolve_resume(resume: str | None, cfg: dict, skip_damaged: bool = False) ->
     once the resume is sure to go ahead: left in place, one whose sizes are right (a corrupt file) would count
     as complete to a later `--resume last` and to pruning, which could delete the resumed run's own newer
     checkpoints."""
-    from framework.checkpoint.resume import check_resume_config, shown
+    from framework.checkpoint.resume import check_resume_config
+    from framework.yaml12 import inline as shown
 
     run_dir = cfg["run_dir"]
     resume = _pinned(run_dir, resume)
