@@ -1298,13 +1298,18 @@ def test_decode_persist_env_agrees(monkeypatch, dtype, Hq, Hk, D):
             monkeypatch.delenv(name)
 
 
-def test_decode_persistent_serves_paged_caches_of_many_rows(monkeypatch):
-    """By default the persistent kernel runs on a paged cache with a (row, kv head) per SM or more, and
-    decode_mma_kernel on contiguous caches and on few rows, where it is the faster one."""
-    monkeypatch.delenv("FW_DECODE_PERSIST", raising=False)
+@pytest.mark.parametrize("mode", [None, "0", "1"])
+def test_decode_persistent_serves_paged_caches_of_many_rows_under_mode_1(monkeypatch, mode):
+    """The persistent kernel runs only when asked: unset or FW_DECODE_PERSIST=0 never; 1 on a paged cache with a
+    (row, kv head) per SM or more, and decode_mma_kernel on contiguous caches and on few rows. Every choice matches
+    float64."""
+    if mode is None:
+        monkeypatch.delenv("FW_DECODE_PERSIST", raising=False)
+    else:
+        monkeypatch.setenv("FW_DECODE_PERSIST", mode)
     gen = torch.Generator().manual_seed(4)
     sms = torch.cuda.get_device_properties(DEV).multi_processor_count
-    for B, paged, persistent in ((-(-sms // 8), True, True), (256, False, False), (2, True, False)):
+    for B, paged, rule in ((-(-sms // 8), True, True), (256, False, False), (2, True, False)):
         lengths = torch.randint(1, 300, (B,), generator=gen).to(DEV)
         q = torch.randn(B, 16, 128, device=DEV, dtype=torch.bfloat16)
         kc, vc = (torch.randn(B, 8, 300, 128, device=DEV, dtype=torch.bfloat16) for _ in range(2))
@@ -1313,9 +1318,11 @@ def test_decode_persistent_serves_paged_caches_of_many_rows(monkeypatch):
         else:
             run = functools.partial(ops_cuda.decode_attention, q, kc, vc, lengths, 0.1)
         names = launched_kernels(run, "decode")
-        assert any("decode_mma_kernel_persistent" in n for n in names) == persistent, (B, paged, names)
+        persistent = rule and mode == "1"
+        assert any("decode_mma_kernel_persistent" in n for n in names) == persistent, (mode, B, paged, names)
+        assert any("decode_mma_kernel<" in n for n in names) != persistent, (mode, B, paged, names)
         expected = decode_attention_reference(q.double(), kc.double(), vc.double(), lengths, 0.1)
-        assert rel(run(), expected) < TOL[torch.bfloat16], (B, paged)
+        assert rel(run(), expected) < TOL[torch.bfloat16], (mode, B, paged)
 
 
 def _child(code: str) -> subprocess.CompletedProcess:

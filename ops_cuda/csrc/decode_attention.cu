@@ -1273,15 +1273,15 @@ int mma_smem(int D, bool kv8) {
              : (D == 64 ? mma_smem_bytes<__half, 64>() : mma_smem_bytes<__half, 128>());
 }
 
-// Whether decode_mma_kernel_persistent runs where the tensor-core kernel does. By default on a paged cache with at
-// least one (row, kv head, head group) per SM, where it beats decode_mma_kernel (its table window saves the per-row
-// table reads); on a contiguous cache, and where decode_mma_kernel splits the context over few rows, it is the
-// slower one (`python -m benchmarks.ops.decode_splits --columns FW_DECODE_PERSIST=0 FW_DECODE_PERSIST=2 --gbps`
-// times contiguous caches, `python -m benchmarks.rollout_profile --kernels 3` the engine's paged decode).
-// FW_DECODE_PERSIST (read per call): 0 never, 2 always, any other value the default.
+// Whether decode_mma_kernel_persistent runs where the tensor-core kernel does. Not by default: on contiguous caches,
+// and where decode_mma_kernel splits the context over few rows, it is the slower one (`python -m
+// benchmarks.ops.decode_splits --columns FW_DECODE_PERSIST=0 FW_DECODE_PERSIST=2 --gbps`), and on the engine's paged
+// caches, where one launch of it can win, whole budgeted rollouts ran faster without it (`python -m benchmarks.rollout
+// --kv-cache-gib 4` and `16` under FW_DECODE_PERSIST=0 and =1). FW_DECODE_PERSIST (read per call): 0 or unset never,
+// 1 on paged caches with at least one (row, kv head, head group) per SM, 2 always.
 bool use_persist(bool paged, int64_t groups, int sm_count) {
-  const int mode = int_from_env("FW_DECODE_PERSIST", 1);
-  return mode == 2 || (mode != 0 && paged && groups >= sm_count);
+  const int mode = int_from_env("FW_DECODE_PERSIST", 0);
+  return mode == 2 || (mode == 1 && paged && groups >= sm_count);
 }
 
 // The persistent kernel, allowed the dynamic shared memory of its largest q slots and the most shared memory per SM
