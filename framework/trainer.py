@@ -104,6 +104,70 @@ class SaveConfig(lightning.Callback):
             save_resolved(self.cfg, Path(self.cfg["run_dir"]) / "config.yaml")
 
 
+class SameCheckpointOnEveryRank(lightning.Callback):
+    """Refuses a multi-process run whose processes resolved `--resume` to different checkpoints, before any is
+    restored: each node resolves it on its own (the processes Lightning starts on a node take their launcher's,
+    `pin_resume`), and a node that sees other files, or a run that publishes a newer checkpoint between two nodes'
+    starts, would otherwise train every rank from another state. Checkpoints are compared by the bytes of their
+    manifest (every file's size and sha256), so one copied alike to each node's own disk agrees."""
+
+    def __init__(self, checkpoint: str | None):
+        self.checkpoint = checkpoint
+
+    def setup(self, trainer: lightning.Trainer, module: lightning.LightningModule, stage: str) -> None:
+        import torch.distributed as dist
+
+        if trainer.world_size < 2 or not (dist.is_available() and dist.is_initialized()):
+            return
+        found: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(found, (self.checkpoint, _checkpoint_identity(self.checkpoint)))
+        others = [rank for rank, (_, ident) in enumerate(found) if ident != found[0][1]]
+        if not others:
+            return
+
+        def named(rank: int) -> str:
+            return f"global rank {rank} {found[rank][0] or 'no checkpoint (a fresh start)'}"
+
+        same = " (the same path, other content)" if found[others[0]][0] == found[0][0] else ""
+        error = FwError(f"--resume: the processes resolved different checkpoints: {named(0)}, "
+                        f"{named(others[0])}{same}; every process must start from one, so pass --resume with the path "
+                        "of a checkpoint that every node reads alike")
+        error.every_rank = True   # every rank raises it; global rank 0 says it
+        error.quiet = trainer.global_rank != 0
+        raise error
+
+
+def _checkpoint_identity(checkpoint: str | None) -> str | None:
+    """What tells one checkpoint from another across nodes: its manifest's sha256, else its resolved path."""
+    import hashlib
+
+    from framework.checkpoint import MANIFEST
+
+    if checkpoint is None:
+        return None
+    manifest = Path(checkpoint) / MANIFEST
+    if manifest.is_file():
+        return hashlib.sha256(manifest.read_bytes()).hexdigest()
+    return str(Path(checkpoint).resolve())
+
+
+def _number_this_process(cfg: dict) -> None:
+    """Give Lightning's rank_zero_only the global rank Lightning will give this process, before Lightning does.
+    A job started by hand on each node (NODE_RANK set, no launcher's RANK) has rank NODE_RANK x processes a node +
+    LOCAL_RANK, where Lightning's guess at import says 0 on every node's first process: each would lock run_dir,
+    print and write as the first process."""
+    import os
+
+    from framework.config import world_size
+
+    if any(k in os.environ for k in ("RANK", "SLURM_PROCID", "JSM_NAMESPACE_RANK")):
+        return
+    node = int(os.environ.get("NODE_RANK") or os.environ.get("GROUP_RANK") or 0)
+    if node > 0:
+        per_node = world_size(cfg) // cfg["trainer"]["num_nodes"]
+        rank_zero_only.rank = node * per_node + int(os.environ.get("LOCAL_RANK") or 0)
+
+
 def _one_device(cfg: dict) -> torch.device | None:
     """The device of a job that runs as one process on the CPU or one CUDA device, or None (several processes,
     another accelerator, or a strategy named in the config)."""
@@ -135,9 +199,11 @@ def _strategy(cfg: dict, requirements: Requirements, keep_on_device: bool = Fals
     return KeepOnDevice(device) if device is not None else strategy
 
 
-def build_trainer(cfg: dict, stop: StopSignals | None = None, keep_on_device: bool = False) -> lightning.Trainer:
+def build_trainer(cfg: dict, stop: StopSignals | None = None, keep_on_device: bool = False,
+                  checkpoint: str | None = None) -> lightning.Trainer:
     """A `lightning.Trainer` for `cfg`: `trainer:` settings, loggers, built-in + user callbacks, checkpoints;
-    with `stop`, a signal ends training at the end of the step in progress; `keep_on_device`: see `fit`.
+    with `stop`, a signal ends training at the end of the step in progress; `keep_on_device`: see `fit`;
+    `checkpoint`: the one this process resumes from, which every process of the job must agree on.
 
     Gradient accumulation is Lightning's only under automatic optimization; manual recipes accumulate
     over their own micro-batches. Clipping is done by the module (`optimizer.max_grad_norm`) in both modes.
@@ -159,7 +225,7 @@ def build_trainer(cfg: dict, stop: StopSignals | None = None, keep_on_device: bo
     own_bar = not any(isinstance(cb, LightningProgressBar) for cb in user)   # a user's bar replaces fw's
     builtin = builtin_callbacks(cfg, evaluation, progress_bar=own_bar)
     metrics = next(cb for cb in builtin if isinstance(cb, MetricsLogger))
-    callbacks = [StopEveryRankOnError(), SaveConfig(cfg), *builtin, *user,
+    callbacks = [StopEveryRankOnError(), SameCheckpointOnEveryRank(checkpoint), SaveConfig(cfg), *builtin, *user,
                  StopOnSignal(stop), FlushOnEarlyStop(metrics, stop), CheckpointCallback(cfg)]
     return lightning.Trainer(
         accelerator=t["accelerator"],
@@ -241,6 +307,7 @@ def fit(cfg: dict, resume: str | None = None, skip_damaged: bool = False,
     from framework.module import FwModule
 
     configure_allocator()   # before the first CUDA allocation: it decides how segments are mapped
+    _number_this_process(cfg)
     # before anything is written or built: a job that cannot fit is refused now, not an hour in; the table
     # of one that fits is printed once the run is sure to start (a busy run_dir or a refused resume gets
     # its one line only)
@@ -261,7 +328,7 @@ def fit(cfg: dict, resume: str | None = None, skip_damaged: bool = False,
             print(plan.table(), file=sys.stderr, flush=True)
         stack.enter_context(quiet_lightning())
         # first: it refuses unsupported settings before the models are built
-        trainer = build_trainer(cfg, stop, keep_on_device)
+        trainer = build_trainer(cfg, stop, keep_on_device, checkpoint=ckpt_path)
         module = FwModule(cfg, device=build_device(trainer))
         log_config(trainer.loggers, cfg)
         try:
