@@ -3,9 +3,10 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Collection
+import warnings
+from collections.abc import Collection, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -13,6 +14,9 @@ from framework.checkpoint import CONFIG_FILE
 from framework.checkpoint.directory import Verifier, component_weight_files, read_complete_manifest, verifying
 from framework.checkpoint.tensors import check_header
 from framework.errors import ConfigError, FwError, Problem
+
+if TYPE_CHECKING:
+    from framework.rollout import SamplingParams
 
 POLICY = "policy"
 
@@ -131,13 +135,84 @@ def checkpoint_policy_config(cfg: dict, checkpoint: Path, adapters: bool) -> dic
     return out
 
 
+def _checkpoint_policy(cfg: dict, path: Path) -> tuple[dict, bool, dict]:
+    """(manifest, whether its policy is LoRA adapters, the model.policy config that reads it) of checkpoint `path`
+    under `cfg`; refused changes of the policy stop here, before any weights load."""
+    from framework.models.lora import ADAPTER_CONFIG
+
+    manifest = read_complete_manifest(path)
+    if POLICY not in manifest["components"]:
+        raise FwError(f"--checkpoint {path}: the checkpoint holds no {POLICY}/ component")
+    adapters = f"{POLICY}/{ADAPTER_CONFIG}" in manifest["files"]
+    return manifest, adapters, checkpoint_policy_config(cfg, path, adapters)
+
+
+def _model_config(policy_cfg: dict, tokenizer: Any) -> Any:
+    """The Qwen3Config of a model.policy section's base: its path's config.json or its preset; None for
+    neither (refused where the model is built)."""
+    from framework.models.hf_io import read_config
+    from framework.models.presets import preset_config
+
+    if policy_cfg["path"] is not None:
+        return read_config(policy_cfg["path"])[0]
+    if policy_cfg["preset"] is not None:
+        return preset_config(policy_cfg["preset"], tokenizer.vocab_size, tokenizer.eos_id, tokenizer.pad_id)
+    return None
+
+
+def _policy_shapes(cfg: dict, checkpoint: Path | None) -> tuple[Any, Any, torch.dtype] | None:
+    """(tokenizer, Qwen3Config, weights' dtype) of the policy that `load_policy` loads, read without its weights;
+    None where they do not read as that load reads them (it then says why, a checkpoint's file checked against its
+    manifest)."""
+    from framework.models.hf_io import read_config, resolve_dtype
+    from framework.tokenizer import Tokenizer, build_tokenizer
+
+    policy_cfg, full, own = cfg["model"]["policy"], None, False
+    if checkpoint is not None:
+        _, adapters, policy_cfg = _checkpoint_policy(cfg, checkpoint)
+        own = (checkpoint / POLICY / "tokenizer.json").is_file()
+        if adapters and not own:
+            return None   # the tokenizer comes from the checkpoint's own config.yaml there (`adapted_policy`)
+        full = None if adapters else checkpoint / POLICY   # else the base's shapes: model.policy's path or preset
+    try:
+        with warnings.catch_warnings():   # the load that follows warns of what this read finds
+            warnings.simplefilter("ignore")
+            tokenizer = Tokenizer.from_pretrained(checkpoint / POLICY) if own else build_tokenizer(cfg)
+            config = read_config(full)[0] if full is not None else _model_config(policy_cfg, tokenizer)
+    except Exception:  # noqa: BLE001 (whatever fails here fails in the load, which explains it)
+        return None
+    return None if config is None else (tokenizer, config, resolve_dtype(policy_cfg["dtype"]))
+
+
+def _check_cache_holds(cfg: dict, checkpoint: Path | None, prompt: str, params: SamplingParams) -> None:
+    """Refuse, before any weights load, the completion of `prompt` that the rollout's KV cache cannot hold (as the
+    engine refuses it once they have loaded): the pool's size from the `rollout` section, the policy's shapes and
+    dtype and the device (`check_fresh_pool`); nothing where those do not read without the weights."""
+    from framework.rollout import CacheSettings
+    from framework.rollout.engine import check_fresh_pool, row_states
+    from framework.tasks import render_prompt
+
+    shapes = _policy_shapes(cfg, checkpoint)
+    if shapes is None:
+        return
+    tokenizer, config, weights = shapes
+    ids = tokenizer.encode(render_prompt(prompt, tokenizer, cfg["data"]["chat_template"],
+                                         cfg["tokenizer"]["enable_thinking"]))
+    if not ids:   # refused once the policy is there, naming the prompt
+        return
+    device = _device(cfg)
+    with autocast_context(cfg, device):
+        check_fresh_pool(row_states([ids], params), CacheSettings.from_config(cfg["rollout"]), config, weights,
+                         device)
+
+
 def load_policy(cfg: dict, checkpoint: str | os.PathLike | None) -> tuple[Any, Any]:
     """(tokenizer, policy): from ``checkpoint``'s ``policy/`` (a checkpoint directory, its sizes checked;
     with ``checkpoint.verify`` every file read is hashed while it loads), else built from ``cfg`` (random
     init for a preset, seeded with ``cfg["seed"]``)."""
     from framework.export import adapted_policy
     from framework.models import build_policy, load_pretrained
-    from framework.models.lora import ADAPTER_CONFIG, merged_copy
+    from framework.models.lora import merged_copy
     from framework.tokenizer import Tokenizer, build_tokenizer
 
     if checkpoint is None:
@@ -145,11 +220,7 @@ def load_policy(cfg: dict, checkpoint: str | os.PathLike | None) -> tuple[Any, A
         torch.manual_seed(cfg["seed"])
         return tokenizer, build_policy(cfg["model"]["policy"], tokenizer)
     path = Path(checkpoint)
-    manifest = read_complete_manifest(path)
-    if POLICY not in manifest["components"]:
-        raise FwError(f"--checkpoint {path}: the checkpoint holds no {POLICY}/ component")
-    adapters = f"{POLICY}/{ADAPTER_CONFIG}" in manifest["files"]
-    policy_cfg = checkpoint_policy_config(cfg, path, adapters)   # refused changes stop before any weights load
+    manifest, adapters, policy_cfg = _checkpoint_policy(cfg, path)
     rels = [rel for rel in manifest["files"] if rel.startswith(POLICY + "/") or rel == CONFIG_FILE]
     policy_dir = path / POLICY
     with verifying(Verifier(path, manifest, rels) if cfg["checkpoint"]["verify"] else None):
@@ -190,6 +261,15 @@ def generate_text(cfg: dict | None, prompt: str, checkpoint: str | None = None, 
     changes = {k: v for k, v in (("max_new_tokens", max_new_tokens), ("temperature", temperature)) if v is not None}
     given = cfg
 
+    @contextlib.contextmanager
+    def cache_limit_named() -> Iterator[None]:
+        try:
+            yield
+        except FwError as e:   # the engine names the config key; here the option set it
+            if "max_new_tokens" not in changes or "rollout.max_new_tokens" not in str(e):
+                raise
+            raise FwError(str(e).replace("rollout.max_new_tokens", "--max-new-tokens")) from None
+
     def prepare(path: Path | None) -> tuple[dict, SamplingParams, Any, Any]:
         run_cfg = run_config(given, path, overrides)
         # the arguments are checked before any weights load
@@ -203,6 +283,8 @@ def generate_text(cfg: dict | None, prompt: str, checkpoint: str | None = None, 
             key = message.split(" ", 1)[0]
             where = f"--{key.replace('_', '-')}" if key in changes else f"rollout.{key}"
             raise FwError(where + message[len(key):]) from None
+        with cache_limit_named():
+            _check_cache_holds(run_cfg, path, prompt, params)
         return (run_cfg, params, *load_policy(run_cfg, path))
 
     # a run directory's newest checkpoint, read again if the fit writing the run prunes it meanwhile
@@ -215,13 +297,9 @@ def generate_text(cfg: dict | None, prompt: str, checkpoint: str | None = None, 
         raise FwError(f"--prompt {prompt!r} encodes to no token; give text the tokenizer keeps")
     # as the run's rollouts sample: its cache settings (rollout.kv_cache_dtype changes what is sampled) and, on CUDA,
     # its autocast (a float8 pool needs 16-bit compute there)
-    try:
-        with autocast_context(cfg, _device(cfg)):
-            result = generate(policy, [ids], params, eos_ids=stop_token_ids(tokenizer, policy),
-                              tokenizer=tokenizer, seed=cfg["seed"] if seed is None else seed,
-                              cache=CacheSettings.from_config(cfg["rollout"]))
-    except FwError as e:   # the engine names the config key; here the option set it
-        if "max_new_tokens" not in changes or "rollout.max_new_tokens" not in str(e):
-            raise
-        raise FwError(str(e).replace("rollout.max_new_tokens", "--max-new-tokens")) from None
+    # the pool's budget may hang on the memory the weights leave (kv_cache_gib null on CUDA): checked again here
+    with cache_limit_named(), autocast_context(cfg, _device(cfg)):
+        result = generate(policy, [ids], params, eos_ids=stop_token_ids(tokenizer, policy),
+                          tokenizer=tokenizer, seed=cfg["seed"] if seed is None else seed,
+                          cache=CacheSettings.from_config(cfg["rollout"]))
     return result.texts[0]

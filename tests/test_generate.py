@@ -1,6 +1,8 @@
 """`fw generate`: completions from a checkpoint directory and from a config, checked against a naive
 greedy loop over full forwards of the same weights; the real CLI in a subprocess."""
 import os
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -115,6 +117,48 @@ def test_a_limit_the_cache_cannot_hold_names_the_option_that_set_it(checkpoint):
         generate_text(None, "2+2=", checkpoint=str(ckpt), max_new_tokens=10**11)
     with pytest.raises(FwError, match=r"raise rollout.kv_cache_gib or lower rollout.max_new_tokens$"):
         generate_text(None, "2+2=", checkpoint=str(ckpt), overrides=[f"--rollout.max_new_tokens={10**11}"])
+
+
+def test_a_limit_the_cache_cannot_hold_is_refused_before_any_weights_load(tmp_path, checkpoint, capsys):
+    """--max-new-tokens past what the rollout's KV cache holds is refused from the config, the policy's config.json
+    and the prompt alone: a checkpoint whose weights are damaged (files of the manifest's sizes, which the
+    checkpoint's resolution checks) gets the same one line, and so does a config whose model directory has no
+    weights. The largest limit the cache holds runs."""
+    from framework.cli import main
+
+    ckpt, model, tok = checkpoint
+    rendered = tok.apply_chat_template([{"role": "user", "content": "2+2="}], add_generation_prompt=True)
+    prompt_len = len(tok.encode(rendered))
+    bs = 16   # rollout.block_size's default
+    block = 2 * 2 * 2 * bs * 64 * 4   # keys and values x 2 layers x 2 kv heads x 16 positions x head_dim 64 x float32
+    blocks = -(-prompt_len // bs) + 3   # the pool: a scratch block and blocks - 1 that one row may use
+    gib = blocks * block / 2**30
+    largest = (blocks - 1) * bs - prompt_len + 1   # a row writes its prompt and every new token but the last
+
+    def fw(path, n):
+        code = main(["generate", "--checkpoint", str(path), "--prompt", "2+2=", "--greedy", "--max-new-tokens",
+                     str(n), f"--rollout.kv_cache_gib={gib!r}"])
+        return code, capsys.readouterr().err
+
+    refusal = (f"rollout: one row of {prompt_len} prompt + {largest + 1} new tokens needs {blocks} KV blocks of {bs} "
+               f"positions, the cache holds {blocks - 1}: raise rollout.kv_cache_gib or lower --max-new-tokens")
+    assert fw(ckpt, largest) == (0, "")
+    assert fw(ckpt, largest + 1) == (2, f"fw: error: {refusal}\n")
+    for damage, at, value in (("weight", -5, 0x7F), ("header", 7, 0x01)):   # only the hash sees a flipped weight
+        weights = tmp_path / damage / "policy" / "model.safetensors"
+        shutil.copytree(ckpt, weights.parent.parent)
+        _corrupt(weights, at, value)
+        assert fw(weights.parent.parent, largest + 1) == (2, f"fw: error: {refusal}\n"), damage
+        code, err = fw(weights.parent.parent, largest)   # a limit the cache holds reads the weights, which fail
+        assert code == 2 and str(weights) in err, (damage, err)
+
+    save_pretrained(model, tmp_path / "model")
+    tok.save_pretrained(tmp_path / "model")
+    (tmp_path / "model" / "model.safetensors").unlink()
+    cfg = resolve({"recipe": "grpo", "model": {"policy": {"path": str(tmp_path / "model")}},
+                   "data": {"task": {"name": "digits"}, "chat_template": True}, "rollout": {"kv_cache_gib": gib}})
+    with pytest.raises(FwError, match=f"^{re.escape(refusal)}$"):
+        generate_text(cfg, "2+2=", max_new_tokens=largest + 1)
 
 
 def test_from_config_preset_is_deterministic():

@@ -46,13 +46,14 @@ from framework.rollout.kv_cache import (
     CacheSettings,
     DecodeGraph,
     batch_bucket,
+    compute_dtype,
     decode_step,
     fp8_cuda_problem,
     pool_blocks,
     pool_dtype,
 )
 from framework.rollout.sampling import SamplingParams, draw
-from framework.rollout.scheduler import RowState, Scheduler
+from framework.rollout.scheduler import RowState, Scheduler, check_rows_fit
 from framework.rollout.timeline import Timeline
 from framework.tokenizer import TURN_END
 
@@ -132,6 +133,22 @@ def decode_packs(rows: list[RowState], block_size: int) -> tuple[list[RowState],
         for size in [n] if head else [1] * n:   # rows without a full prompt block share nothing
             packs += [(len(packs), size, len(head) * block_size)] * size
     return ordered, packs
+
+
+def row_states(prompts: list[list[int]], params: SamplingParams) -> list[RowState]:
+    """The rows of a `generate` call over `prompts`, each with its limit."""
+    limits = params.row_limits(len(prompts)) or [params.longest] * len(prompts)
+    return [RowState(row=b, prompt=list(map(int, p)), limit=n) for b, (p, n) in enumerate(zip(prompts, limits))]
+
+
+def check_fresh_pool(rows: list[RowState], settings: CacheSettings, config: Any, weights: torch.dtype,
+                     device: torch.device) -> None:
+    """Refuse `rows` (`row_states`) as `generate`'s fresh engine does once its pool is made, before any model is:
+    from the model's `config` (its shapes) and its `weights`' dtype, under the caller's autocast state. Where the
+    budget is what the GPU has free (kv_cache_gib null), the memory free now bounds the pool the engine makes once
+    the weights are there: a row refused here is refused there too."""
+    dtype = pool_dtype(settings.kv_cache_dtype, compute_dtype(device, weights))
+    check_rows_fit(rows, settings.block_size, pool_blocks(settings, config, dtype, device, rows))
 
 
 def _check_prompts(prompts: list[list[int]], params: SamplingParams, tokenizer: Any, vocab_size: int) -> None:
@@ -249,13 +266,12 @@ class RolloutEngine:
         model = self.model
         _check_prompts(prompts, params, tokenizer, model.config.vocab_size)
         device = model.lm_head_weight.device
-        row_limits = params.row_limits(len(prompts)) or [params.longest] * len(prompts)
-        seqs = [RowState(row=b, prompt=list(map(int, p)), limit=n) for b, (p, n) in enumerate(zip(prompts, row_limits))]
+        seqs = row_states(prompts, params)
         pad_id = tokenizer.pad_id if tokenizer is not None and tokenizer.pad_id is not None else 0
         autocast = torch.is_autocast_enabled(device.type)
         # Under autocast (e.g. Lightning's bf16-mixed) keys/values come out in the autocast dtype: the cache
         # takes it, as the computation that fills it does, unless rollout.kv_cache_dtype rounds them to float8.
-        dtype = torch.get_autocast_dtype(device.type) if autocast else model.lm_head_weight.dtype
+        dtype = compute_dtype(device, model.lm_head_weight.dtype)
         was_training = model.training
         model.eval()
         # Under autocast the matmuls read the engine's copies of the weights in the compute dtype, refreshed at each

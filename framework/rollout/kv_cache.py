@@ -59,6 +59,12 @@ def pool_dtype(kv_cache_dtype: str, compute: torch.dtype) -> torch.dtype:
     return KV_CACHE_DTYPES[kv_cache_dtype] or compute
 
 
+def compute_dtype(device: torch.device, weights: torch.dtype) -> torch.dtype:
+    """The dtype a rollout on `device` computes in, under the caller's autocast state: autocast's where it is on
+    there (keys and values come out in it), else the `weights`' own."""
+    return torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else weights
+
+
 def fp8_cuda_problem(compute: torch.dtype, config: Any = None) -> str | None:
     """Why a float8 pool cannot be decoded on CUDA by a rollout computing in `compute` (with `config`'s heads, when
     given), or None: the decode kernel takes 16-bit queries, head_dim 64 or 128, 2 or more query heads a kv head."""

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from framework.errors import FwError
@@ -78,6 +79,17 @@ def blocks_for(prompt_len: int, limit: int, block_size: int) -> int:
     return -(-(prompt_len + limit - 1) // block_size)
 
 
+def check_rows_fit(rows: Sequence[RowState], block_size: int, num_blocks: int) -> None:
+    """FwError when the row of `rows` that needs the most blocks does not fit a pool of `num_blocks` (the scratch
+    block included): every row must fit alone, or none could ever finish."""
+    worst = max(rows, key=lambda s: blocks_for(len(s.prompt), s.limit, block_size))
+    need = blocks_for(len(worst.prompt), worst.limit, block_size)
+    if need > num_blocks - 1:
+        raise FwError(f"rollout: one row of {len(worst.prompt)} prompt + {worst.limit} new tokens needs {need} "
+                      f"KV blocks of {block_size} positions, the cache holds {num_blocks - 1}: raise "
+                      "rollout.kv_cache_gib or lower rollout.max_new_tokens")
+
+
 def admission_blocks(seq: RowState, block_size: int) -> int:
     """Blocks a row takes when admitted: its context and the position its first sampled token is written at,
     unless that token is its last."""
@@ -97,13 +109,7 @@ class Scheduler:
         self.preemptions = 0
         self.outstanding = 0   # blocks the running rows may still allocate, up to their limits
         self.watermark = max(1, int(WATERMARK_FRACTION * (blocks.num_blocks - 1)))
-        bs = blocks.block_size
-        worst = max(seqs, key=lambda s: blocks_for(len(s.prompt), s.limit, bs))
-        need = blocks_for(len(worst.prompt), worst.limit, bs)
-        if need > blocks.num_blocks - 1:
-            raise FwError(f"rollout: one row of {len(worst.prompt)} prompt + {worst.limit} new tokens needs {need} "
-                          f"KV blocks of {bs} positions, the cache holds {blocks.num_blocks - 1}: raise "
-                          "rollout.kv_cache_gib or lower rollout.max_new_tokens")
+        check_rows_fit(seqs, blocks.block_size, blocks.num_blocks)
 
     def admit(self) -> list[RowState]:
         """The waiting rows that join the batch now, in order (their first blocks allocated). While `admit_batch`
