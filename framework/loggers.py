@@ -37,6 +37,7 @@ from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 from lightning.pytorch.utilities import rank_zero_only
 from torch import Tensor
+from tqdm import tqdm
 
 from framework.durable import disk_full, disk_full_cause, replace_file
 from framework.errors import FwError
@@ -69,6 +70,14 @@ def _write_hparams(log_dir: str, hparams: dict[str, Any] | Namespace) -> None:
     """`<log_dir>/hparams.yaml` as Lightning writes it, rendered first and then replaced in one rename
     (`replace_file`): a crash or a value that cannot be written leaves the previous file."""
     replace_file(Path(log_dir) / "hparams.yaml", hparams_yaml(hparams))
+
+
+def _warn(line: str) -> None:
+    """`line` on stderr as a line of its own during a fit: the progress bars of tqdm (Lightning's, on stdout, which
+    shares the terminal with stderr) are cleared while it is written and drawn again below it, instead of the line
+    following a bar's unfinished one. Without a bar it is a plain line."""
+    with tqdm.external_write_mode(file=sys.stderr):
+        print(line, file=sys.stderr, flush=True)
 
 
 def _csv_step(row: dict[str, str | None]) -> float:
@@ -264,9 +273,14 @@ class _EventWriterGuard:
     disk) would end that thread, and the next event queued once the queue is full would wait for it forever. So
     the record writer's `write_event`, `flush` and `close` are wrapped on the instance: the first OSError is kept
     and every later write dropped, the thread living on to drain the queue; and `add_event` queues with a timeout,
-    looking at the kept error and at the thread between tries, so `check()` raises in the caller. Writers of
-    another layout (torch.utils.tensorboard, whose own thread hands its error to the caller) are left as they are:
-    `active` is False."""
+    looking at the kept error and at the thread between tries, so `check()` raises in the caller. Neither
+    tensorboardX nor Lightning offers a public way to learn of that thread's end, so the guard reads the writer's
+    private attributes; a tensorboardX whose writer lacks one is left unguarded, `missing` naming what it lacks.
+    Writers of another layout (torch.utils.tensorboard, whose own thread hands its error to the caller) are left as
+    they are. Either way `active` is False."""
+
+    EVENTS = ("_event_queue", "_worker", "_closed", "_ev_writer")   # the EventFileWriter's attributes it reads
+    RECORDS = ("write_event", "flush", "close")   # the EventsWriter's methods it wraps
 
     def __init__(self, experiment: Any) -> None:
         self.failure: OSError | None = None
@@ -275,9 +289,8 @@ class _EventWriterGuard:
         self.file_writer = getattr(experiment, "file_writer", None)
         self.events = getattr(self.file_writer, "event_writer", None)   # tensorboardX's EventFileWriter
         self.records = getattr(self.events, "_ev_writer", None)   # its EventsWriter, which the thread writes with
-        needed = ("_event_queue", "_worker", "_closed", "add_event")
-        self.active = (self.records is not None and all(hasattr(self.events, a) for a in needed)
-                       and all(callable(getattr(self.records, m, None)) for m in ("write_event", "flush", "close")))
+        self.missing = self._missing(experiment)   # None: not tensorboardX's writer
+        self.active = self.missing == []
         if not self.active:
             return
         self.file = getattr(self.records, "_file_name", None)
@@ -293,6 +306,30 @@ class _EventWriterGuard:
 
         self.records.close = close_file
         self.events.add_event = self._add_event
+
+    def _missing(self, experiment: Any) -> list[str] | None:
+        """What tensorboardX's writer `experiment` lacks of what the guard reads, or None for another writer."""
+        tensorboardx = sys.modules.get("tensorboardX")   # loaded wherever the writer is a tensorboardX one
+        if tensorboardx is None or not isinstance(experiment, tensorboardx.SummaryWriter):
+            return None
+        if self.events is None:
+            return ["SummaryWriter.file_writer.event_writer"]
+        missing = [f"EventFileWriter.{a}" for a in self.EVENTS if not hasattr(self.events, a)]
+        if missing:
+            return missing
+        needed = {"EventFileWriter.add_event": getattr(self.events, "add_event", None),
+                  "EventFileWriter._event_queue.put": getattr(self.events._event_queue, "put", None),
+                  "EventFileWriter._worker.is_alive": getattr(self.events._worker, "is_alive", None),
+                  **{f"EventsWriter.{m}": getattr(self.records, m, None) for m in self.RECORDS}}
+        return [name for name, method in needed.items() if not callable(method)]
+
+    def unguarded(self) -> str:
+        """The warning for a tensorboardX writer that lacks what the guard reads (`missing`)."""
+        version = getattr(sys.modules.get("tensorboardX"), "__version__", "(version unknown)")
+        return (f"fw: warning: logging.tensorboard: tensorboardX {version}'s event writer has no "
+                f"{', '.join(self.missing or [])}, which fw reads to stop the run when the event file cannot be "
+                "written (a full disk); without it such a run may wait forever instead. With tensorboard installed, "
+                "Lightning writes through torch.utils.tensorboard, which reports that error itself")
 
     def _kept(self, method: Callable[..., Any]) -> Callable[..., Any]:
         def call(*args: Any, **kwargs: Any) -> Any:
@@ -395,13 +432,15 @@ class RunTensorBoardLogger(TensorBoardLogger):
 
     An infinite or NaN value (a user's metric, fp16's grad_norm on a step its loss scaler skipped) is written as it
     is, which TensorBoard's events hold; the first one of each metric is named in one line on stderr, in place of
-    tensorboardX's warning for each such value, which names none.
+    tensorboardX's warning for each such value, which names none. fw's lines are written above Lightning's progress
+    bar (`_warn`).
     """
 
     def __init__(self, run_dir: str | os.PathLike) -> None:
         super().__init__(save_dir=run_dir, name=LOG_DIR[0], version=LOG_DIR[1], default_hp_metric=False)
         self._guard: _EventWriterGuard | None = None
         self._non_finite: set[str] = set()   # the metrics named on stderr for a non-finite value
+        self._said_unguarded = False   # the warning of a tensorboardX writer the guard cannot read
 
     def __getstate__(self) -> dict[str, Any]:
         # Lightning's drops the open writer when a logger is pickled; its guard holds the writer's queue
@@ -418,7 +457,10 @@ class RunTensorBoardLogger(TensorBoardLogger):
         experiment = TensorBoardLogger.experiment.fget(self)
         guard = getattr(self, "_guard", None)
         if guard is None or guard.file_writer is not getattr(experiment, "file_writer", None):
-            self._guard = _EventWriterGuard(experiment)
+            self._guard = guard = _EventWriterGuard(experiment)
+            if guard.missing and not getattr(self, "_said_unguarded", False):
+                self._said_unguarded = True
+                _warn(guard.unguarded())
         return experiment
 
     def _event_file(self) -> str:
@@ -445,8 +487,8 @@ class RunTensorBoardLogger(TensorBoardLogger):
             value = value.item() if isinstance(value, Tensor) and value.numel() == 1 else value
             if isinstance(value, numbers.Real) and not math.isfinite(value) and key not in self._non_finite:
                 self._non_finite.add(key)
-                print(f"fw: warning: metric {key!r} is {value} at step {step}; TensorBoard records it as logged "
-                      "(said once per metric)", file=sys.stderr, flush=True)
+                _warn(f"fw: warning: metric {key!r} is {value} at step {step}; TensorBoard records it as logged "
+                      "(said once per metric)")
         with self._checked(), _no_anonymous_non_finite():
             super().log_metrics(metrics, step)
 
@@ -530,8 +572,8 @@ class _Guarded:
         return self.method == "finalize" and (args[0] if args else kwargs.get("status")) == "failed"
 
     def _say(self, e: Exception) -> None:
-        print(f"fw: warning: {self.where}.finalize raised {_raised(e)} while the run ended on an earlier error, "
-              "reported below", file=sys.stderr, flush=True)
+        _warn(f"fw: warning: {self.where}.finalize raised {_raised(e)} while the run ended on an earlier error, "
+              "reported below")
 
 
 def logger_class_problem(class_path: str) -> str | None:

@@ -611,6 +611,96 @@ def test_a_non_finite_value_is_recorded_and_named_once_per_metric(tmp_path, caps
     assert mine[2][1] == 1.0
 
 
+def on_screen(text):
+    """The lines a terminal shows for `text`, trailing blanks dropped: a carriage return moves to the start of the
+    line, and what follows overwrites it."""
+    lines, line, col = [], [], 0
+    for ch in text:
+        if ch == "\r":
+            col = 0
+        elif ch == "\n":
+            lines.append("".join(line).rstrip())
+            line, col = [], 0
+        else:
+            line[col:col + 1] = [ch]
+            col += 1
+    return lines + ["".join(line).rstrip()]
+
+
+def test_on_screen_overwrites_from_a_carriage_return():
+    assert on_screen("step 0|\rstep 1|\r      \rfw: warning\nstep 1|") == ["fw: warning", "step 1|"]
+    assert on_screen("step 0|fw: warning\n\rstep 1|") == ["step 0|fw: warning", "step 1|"]
+
+
+class InfiniteMetric(Callback):
+    """Logs a metric that is infinite at every step."""
+
+    def after_optimizer_step(self, trainer, module, optimizer):
+        module.log_metric("mine", math.inf)
+
+
+def test_a_non_finite_metric_is_named_on_a_line_of_its_own_above_the_progress_bar(tmp_path, monkeypatch):
+    """A terminal shows the progress bar (stdout) and fw's warnings (stderr) on one screen: the warning of a
+    non-finite metric is a line of its own, the bar drawn again below it, instead of following the bar's
+    unfinished line."""
+    import io
+    import sys
+
+    screen = io.StringIO()   # stdout and stderr, as one terminal receives them
+    monkeypatch.setattr(sys, "stdout", screen)
+    monkeypatch.setattr(sys, "stderr", screen)
+    cfg = resume_config(tmp_path / "run", "bar", [{"class_path": "test_loggers.InfiniteMetric"}])
+    cfg["trainer"].update(enable_progress_bar=True, max_steps=3)
+    fit(cfg)
+    lines = on_screen(screen.getvalue())
+    warning = "fw: warning: metric 'mine' is inf at step 1; TensorBoard records it as logged (said once per metric)"
+    assert [line for line in lines if "fw: warning" in line] == [warning]
+    after = lines[lines.index(warning) + 1:]
+    assert after and all(line.startswith("step: ") for line in after if line), after
+    assert re.match(r"step: 100%.* 3/3 ", [line for line in after if line][-1])
+    assert tb_points(tmp_path / "run" / "logs" / "version_0", "mine") == [(1, math.inf), (2, math.inf),
+                                                                          (3, math.inf)]
+
+
+def test_a_tensorboardx_writer_the_guard_cannot_read_is_named_once_and_still_written(tmp_path, capsys, monkeypatch):
+    """The guard reads private attributes of tensorboardX's event writer; a tensorboardX without one (here its
+    writer thread under another name) leaves the writer unguarded and says so once, naming tensorboardX's version
+    and what is missing, and the run's points are still written."""
+    import tensorboardX
+    from tensorboardX.event_file_writer import EventFileWriter
+
+    from framework.loggers import RunTensorBoardLogger
+
+    opened = []
+    init, close = EventFileWriter.__init__, EventFileWriter.close
+
+    def renamed(self, *args, **kwargs):   # a tensorboardX whose writer calls its thread `_thread`
+        init(self, *args, **kwargs)
+        self._thread = self.__dict__.pop("_worker")
+        opened.append(self)
+
+    def close_renamed(self):
+        self._worker = self.__dict__.pop("_thread", None)
+        close(self)
+
+    monkeypatch.setattr(EventFileWriter, "__init__", renamed)
+    monkeypatch.setattr(EventFileWriter, "close", close_renamed)
+    logger = RunTensorBoardLogger(tmp_path)
+    logger.log_metrics({"loss": 1.0}, step=1)
+    logger.log_metrics({"loss": 2.0}, step=2)
+    logger.truncate_after(1)   # a new writer, which lacks it too: not said again
+    logger.log_metrics({"loss": 3.0}, step=2)
+    logger.finalize("success")
+    warning = (f"fw: warning: logging.tensorboard: tensorboardX {tensorboardX.__version__}'s event writer has no "
+               "EventFileWriter._worker, which fw reads to stop the run when the event file cannot be written (a "
+               "full disk); without it such a run may wait forever instead. With tensorboard installed, Lightning "
+               "writes through torch.utils.tensorboard, which reports that error itself")
+    assert capsys.readouterr().err.splitlines() == [warning]
+    assert not logger._guard.active
+    assert len(opened) == 2
+    assert tb_points(tmp_path / "logs" / "version_0", "loss") == [(1, 1.0), (2, 3.0)]
+
+
 def test_a_writer_of_another_layout_is_left_alone_and_checks_clean(tmp_path):
     """Where the `tensorboard` package is installed, Lightning writes through torch.utils.tensorboard, whose writer
     the guard does not wrap (it hands its own errors to the caller): the guard's checks then pass, and a run logs
