@@ -57,8 +57,8 @@ def _parser() -> argparse.ArgumentParser:
     fit.add_argument("--resume", metavar="last|PATH",
                      help="continue from the newest checkpoint of run_dir ('last') or a checkpoint directory; "
                           "changed settings apply where a resume can apply them, else the run is refused")
-    skip_help = ("when the newest checkpoint is damaged (a file missing, truncated or, with checkpoint.verify, "
-                 "corrupt), say so and use the newest intact older one instead of stopping")
+    skip_help = ("when the newest checkpoint is damaged (a file missing, truncated or corrupt: every file's sha256 is "
+                 "checked), say so and use the newest intact older one instead of stopping")
     fit.add_argument("--skip-damaged", action="store_true", help=skip_help)
     add("validate", "check a config without running it (exit 0 when valid, 2 with every problem)",
         [common, configs], "Check a config without running it. " + overrides)

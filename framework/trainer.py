@@ -302,7 +302,7 @@ def fit(cfg: dict, resume: str | None = None, skip_damaged: bool = False,
     (framework/signals.py has the rules). `keep_on_device`: a one-process job leaves its models and optimizer
     states on the device at the end instead of copying them to host memory (for a caller that exits next).
     """
-    from framework.checkpoint import find_latest, pin_resume, refuse_missing_run_dir, resolve_resume
+    from framework.checkpoint import find_latest, pin_resume, refuse_missing_run_dir, resolve_resume, resume_refusal
     from framework.memory_plan import check_fits
     from framework.module import FwModule
 
@@ -344,6 +344,16 @@ def fit(cfg: dict, resume: str | None = None, skip_damaged: bool = False,
             where = f" at {frames[-1].filename}:{frames[-1].lineno}" if frames else ""
             raise _interrupted(module.policy_version, find_latest(run_dir),
                                f"KeyboardInterrupt raised{where}") from e.__context__
+        except Exception as e:
+            # a checkpoint that fails to load or restore (checkpoint.verify: false reads it unhashed): one line
+            # naming its damaged file, with --skip-damaged where that passes over it
+            if ckpt_path is None or isinstance(e, Stopped) or (isinstance(e, FwError) and e.quiet):
+                raise
+            restoring = getattr(trainer.strategy.checkpoint_io, "restoring", None) is not None
+            refusal = resume_refusal(e, ckpt_path, resume, skip_damaged, restoring)
+            if refusal is None:
+                raise
+            raise refusal from None
         if stop.signum is not None and module.policy_version < trainer.max_steps:
             latest = find_latest(run_dir)
             saved = f"checkpoint {latest}; continue with --resume last" if latest else "no checkpoint"

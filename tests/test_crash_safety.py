@@ -9,6 +9,7 @@ and fw preloaded, so a kill cycle costs a fraction of a second instead of a fres
 from __future__ import annotations
 
 import gc
+import hashlib
 import json
 import os
 import random
@@ -377,9 +378,12 @@ def test_fw_fit_resume_names_a_corrupt_checkpoint(tmp_path, capsys, quiet_lightn
     header[0:8] = (len(original) * 2).to_bytes(8, "little")   # a header longer than the file
     weights.write_bytes(bytes(header))
     assert main([*resume, "--checkpoint.verify=false"]) == 2
+    # unhashed, it fails to load; then hashed, it is named as the sha256 check names it, with the same advice
     error = fw_lines(capsys.readouterr().err)[1:]
-    claim = f"it claims {len(original) * 2} bytes, the file has {len(original)}"
-    assert error == [f"fw: error: {weights}: corrupt safetensors header ({claim})"]
+    digest = hashlib.sha256(bytes(header)).hexdigest()
+    assert len(error) == 1 and error[0].startswith(
+        f"fw: error: the newest checkpoint {ckpts / 'step-000006'} is damaged: {weights}: sha256 {digest} ")
+    assert error[0].endswith("the file is corrupt; --skip-damaged uses the newest intact older one instead")
 
     weights.unlink()   # a missing file: named; --skip-damaged resumes from the older checkpoint, saying so
     assert main(resume) == 2

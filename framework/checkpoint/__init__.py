@@ -55,6 +55,7 @@ from framework.checkpoint.store import (
     refuse_missing_run_dir,
     resolve_checkpoint,
     resolve_resume,
+    resume_refusal,
     step_dir_name,
     step_dirs,
 )
@@ -102,6 +103,7 @@ __all__ = [
     "refuse_missing_run_dir",
     "resolve_checkpoint",
     "resolve_resume",
+    "resume_refusal",
     "step_dir_name",
     "step_dirs",
     "verify_checkpoint",

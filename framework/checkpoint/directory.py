@@ -6,6 +6,7 @@ import contextlib
 import hashlib
 import json
 import os
+import pickle
 import re
 import shutil
 import time
@@ -57,11 +58,13 @@ def config_sha256(cfg: dict) -> str:
 
 
 class DamagedFile(FwError):
-    """A file of a checkpoint found missing or corrupt while it is read; `file` names it."""
+    """A file of a checkpoint found missing or corrupt while it is read; `file` names it, `problem` is the message
+    as raised (a multi-process run prefixes the error's own text with the rank that raised it)."""
 
     def __init__(self, message: str, file: Path):
         super().__init__(message)
         self.file = file
+        self.problem = message
 
 
 def read_manifest(path: str | os.PathLike) -> dict:
@@ -200,6 +203,30 @@ def verifying(verifier: Verifier | None) -> Iterator[None]:
         raise
     if verifier is not None:
         verifier.check()
+
+
+def mismatch(path: Path, manifest: dict, rels: list[str] | None = None) -> DamagedFile | None:
+    """The first of checkpoint `path`'s files `rels` (None: every file) whose sha256 differs from `manifest`'s, or
+    that is missing, as a DamagedFile; None when all of them are as listed."""
+    verifier = Verifier(path, manifest, rels)
+    problem = verifier.problem()
+    return None if problem is None else DamagedFile(problem, verifier.bad)
+
+
+@contextlib.contextmanager
+def explaining(path: Path, manifest: dict) -> Iterator[None]:
+    """Around a read of checkpoint `path` that does not hash its files (`checkpoint.verify: false`): an error while
+    reading becomes the hash mismatch of one of them when there is one, found by hashing them then. A corrupt
+    file fails to parse, or parses into names and values that fail later, and its hash names the root cause; a
+    read that succeeds costs no hashing."""
+    try:
+        yield
+    except Exception:
+        damaged = mismatch(path, manifest)
+        if damaged is not None:
+            raise damaged from None
+        raise
+
 
 def verify_checkpoint(path: str | os.PathLike, rels: list[str] | None = None) -> dict:
     """Check every file's size and sha256 (or only those of `rels`) against the manifest; return the manifest
@@ -360,13 +387,13 @@ def read_checkpoint_dir(
     {name: {"config": dict (None without config.json), "state_dict": {hf name: tensor}, "files": {name: bytes}}},
     the source model's generation_config.json (when the checkpoint keeps one) under SOURCE_GENERATION_CONFIG as
     bytes. Sizes are always checked; `verify` also checks every sha256, hashing on other threads while the
-    files are read."""
+    files are read; without it, a read that fails hashes them then, so that a corrupt file is named as such."""
     path = Path(path)
     manifest = read_complete_manifest(path)
-    verify = verify and not verified(path, manifest)
-    with verifying(Verifier(path, manifest) if verify else None):
-        checkpoint = _read(path, manifest, map_location, weights_only)
-    return checkpoint
+    if verified(path, manifest):   # hashed by this process already (a resume's), and unchanged since
+        return _read(path, manifest, map_location, weights_only)
+    with verifying(Verifier(path, manifest)) if verify else explaining(path, manifest):
+        return _read(path, manifest, map_location, weights_only)
 
 
 def _read(path: Path, manifest: dict, map_location: Any, weights_only: bool | None) -> dict:
@@ -377,7 +404,7 @@ def _read(path: Path, manifest: dict, map_location: Any, weights_only: bool | No
         with open(path / TRAINER_STATE, "rb") as f, torch.serialization.safe_globals([TensorRef, SubclassRef]):
             checkpoint = torch.load(f, map_location=map_location if map_location is not None else "cpu",
                                     weights_only=weights_only)
-    except (RuntimeError, EOFError, ValueError) as e:
+    except (RuntimeError, EOFError, ValueError, pickle.UnpicklingError) as e:
         raise FwError(f"{path / TRAINER_STATE}: corrupt trainer state ({str(e).splitlines()[0]})") from None
     # every tensor file at once, on several threads (safetensors reads without holding the GIL)
     trainer_files = sorted(r for r in manifest["files"] if is_trainer_tensor_file(r))

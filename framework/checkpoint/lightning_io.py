@@ -52,6 +52,9 @@ class AtomicCheckpointIO(CheckpointIO):
     def __init__(self, cfg: dict) -> None:
         self.cfg = cfg
         self.last_write: tuple[int, float] | None = None   # (bytes, seconds) of the newest write
+        # the checkpoint loaded for a resume, from its load until training starts (CheckpointCallback), while
+        # Lightning restores its states: a failure then may come of a corrupt file that read without an error
+        self.restoring: Path | None = None
         self.generation_config = read_source_generation_config(cfg["model"]["policy"]["path"])
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
@@ -83,6 +86,7 @@ class AtomicCheckpointIO(CheckpointIO):
         carried = checkpoint.pop(SOURCE_GENERATION_CONFIG, None)
         if carried is not None:   # the source as the resumed run found it; without a copy, what it holds now
             self.generation_config = carried
+        self.restoring = Path(path)
         return checkpoint
 
     def remove_checkpoint(self, path: Any) -> None:
@@ -114,6 +118,9 @@ class CheckpointCallback(pl.Callback):
         return int(version) if version is not None else int(trainer.global_step)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        io = trainer.strategy.checkpoint_io
+        if isinstance(io, AtomicCheckpointIO):   # every state is restored by now
+            io.restoring = None
         step = self.step_of(trainer, pl_module)
         self._seen_step = step
         if trainer.ckpt_path is not None:  # set by now under every strategy

@@ -18,8 +18,10 @@ from framework.checkpoint.directory import (
     DamagedFile,
     Verifier,
     is_complete,
+    mismatch,
     read_complete_manifest,
     read_manifest,
+    verified,
 )
 from framework.durable import dead_leftovers, fsync_dir, remove_tree
 from framework.errors import FwError
@@ -169,6 +171,58 @@ def _damaged_newest(path: Path, problem: str) -> str:
             "one instead")
 
 
+def found_damage(path: str | os.PathLike, error: BaseException | None = None) -> DamagedFile | None:
+    """The damage behind `error`, raised while checkpoint `path` was read without its files hashed: a file of it
+    that the error names (an FwError names the files it is about) or, for another error or none, any file of it,
+    whose sha256 differs from the manifest's or that is missing, as a DamagedFile; None when there is none, so
+    that the error stands. An FwError that names no file of the checkpoint (a user's mistake) hashes nothing."""
+    path = Path(path)
+    try:
+        manifest = read_manifest(path)
+        files = manifest["files"]
+        if isinstance(error, FwError):
+            text = str(error)
+            rels = [rel for rel in files if str(path / rel) in text]
+            if not rels:
+                return None
+        else:
+            if verified(path, manifest):   # hashed by this process, and unchanged since
+                return None
+            rels = None
+        return mismatch(path, manifest, rels)
+    except (FwError, KeyError, TypeError, AttributeError):   # no manifest to check against: the error stands
+        return None
+
+
+def resume_refusal(error: BaseException, checkpoint: str | os.PathLike, resume: str, skip_damaged: bool,
+                   restoring: bool = False) -> FwError | None:
+    """The refusal of `--resume resume` whose checkpoint failed to load or restore with `error` because a file of it
+    is damaged, naming the file and what is wrong, with `--skip-damaged` where it would pass over the checkpoint;
+    None when `error` is not such damage. `restoring`: the error came after the checkpoint was read, while its
+    states were restored (names and values that a corrupt file holds fail there), and every file is hashed to find
+    one that differs from the manifest."""
+    path = Path(checkpoint)
+    if isinstance(error, DamagedFile):
+        damaged: DamagedFile | None = error
+    elif restoring and path.is_dir():   # gone: pruned by the run writing it, which no damage explains
+        damaged = found_damage(path)
+    else:
+        return None
+    if damaged is None or not damaged.file.absolute().is_relative_to(path.absolute()):
+        return None
+    return FwError(_damaged_resume(path, damaged.problem, resume, skip_damaged))
+
+
+def _damaged_resume(path: Path, problem: str, resume: str, skip_damaged: bool) -> str:
+    """The refusal of `--resume resume` whose checkpoint `path` is damaged: the newest of a run directory gets the
+    option that passes over it (unless given already), one named itself has no older one to turn to."""
+    if not skip_damaged and (resume == "last" or checkpoints_dir(resume).is_dir()):
+        return _damaged_newest(path, problem)
+    if Path(resume) == path:
+        return f"--resume {resume}: the checkpoint is damaged: {problem}"
+    return f"--resume {resume}: its checkpoint {path} is damaged: {problem}"
+
+
 def resolve_checkpoint(path: str | os.PathLike, skip_damaged: bool = False, verify: bool = False,
                        option: str = "--checkpoint") -> Path:
     """A checkpoint directory as given (which must be complete), or a run directory's newest checkpoint under
@@ -266,9 +320,10 @@ def move_aside(path: Path) -> Path | None:
 def resolve_resume(resume: str | None, cfg: dict, skip_damaged: bool = False) -> str | None:
     """`--resume` value -> checkpoint dir: None stays None (after refusing a run_dir that holds checkpoints),
     "last" -> the newest under `find_latest`'s rules (FwError if none), a path -> that checkpoint (which must
-    be complete) or that run directory's newest. The newest is verified with `checkpoint.verify`, so a corrupt
-    one is named here, as a truncated one is, with the advice to skip it. The new config `cfg` is then checked
-    against the checkpoint's (`resume.check_resume_config`).
+    be complete) or that run directory's newest. The newest is verified with `checkpoint.verify` or
+    `skip_damaged`, so a corrupt one is named here, as a truncated one is, with the advice to skip it, and
+    skipped when asked to. The new config `cfg` is then checked against the checkpoint's
+    (`resume.check_resume_config`); a config.yaml that fails to load there is hashed, and named when corrupt.
 
     The damaged checkpoints of this run_dir skipped on the way (`skip_damaged`) are moved aside (`move_aside`)
     once the resume is sure to go ahead: left in place, one whose sizes are right (a corrupt file) would count
@@ -283,7 +338,8 @@ def resolve_resume(resume: str | None, cfg: dict, skip_damaged: bool = False) ->
         refuse_existing_checkpoints(run_dir)
         return None
     refuse_missing_run_dir(resume, run_dir)
-    verify = cfg["checkpoint"]["verify"]
+    # skipping damaged checkpoints hashes them: a corrupt file of the right size is damage it must pass over
+    verify = cfg["checkpoint"]["verify"] or skip_damaged
     if resume == "last":
         latest, skipped = _newest(run_dir, skip_damaged, verify)
         if latest is None:
@@ -294,7 +350,13 @@ def resolve_resume(resume: str | None, cfg: dict, skip_damaged: bool = False) ->
     own = checkpoints_dir(run_dir).resolve()
     skipped = [p for p in skipped if p.parent.resolve() == own]   # another run's are left alone
     refuse_newer_checkpoints(run_dir, latest, resume, skipped)
-    changes = check_resume_config(latest, cfg)
+    try:
+        changes = check_resume_config(latest, cfg)
+    except FwError as e:   # a config.yaml that does not load: corrupt (hashed now, unless verified), or not
+        damaged = found_damage(latest, e)
+        if damaged is None:
+            raise
+        raise FwError(_damaged_resume(Path(latest), damaged.problem, resume, skip_damaged)) from None
     # the manifest's step, as refuse_newer_checkpoints reads it: a checkpoint given by path may have any name
     step, max_steps = read_manifest(latest).get("step"), cfg["trainer"]["max_steps"]
     if step is not None and step > max_steps:   # nothing can train, and config.yaml would record a max_steps
@@ -374,19 +436,23 @@ def read_resolved(checkpoint: str | os.PathLike, read: Callable[[Path], T], skip
     as an optional tokenizer) one that succeeds, counts as lost when the directory is gone or replaced."""
     for _ in range(2):
         path = resolve_checkpoint(checkpoint, skip_damaged=skip_damaged, verify=skip_damaged, option=option)
-        if path == Path(checkpoint):   # named itself: nothing newer to turn to
-            return read(path)
+        named = path == Path(checkpoint)   # named itself: nothing newer to turn to
         before = _inode(path)
         try:
             result = read(path)
         except Exception as e:
-            if before is not None and _inode(path) == before:
-                ours = isinstance(e, DamagedFile) and e.file.absolute().is_relative_to(path.absolute())
-                if ours and not skip_damaged:
-                    raise FwError(_damaged_newest(path, str(e))) from None
-                raise
+            if named or (before is not None and _inode(path) == before):
+                # a read without `checkpoint.verify` fails on a corrupt file without saying so: its hash does
+                damaged = e if isinstance(e, DamagedFile) else found_damage(path, e)
+                if damaged is None or not damaged.file.absolute().is_relative_to(path.absolute()):
+                    raise
+                if not named and not skip_damaged:
+                    raise FwError(_damaged_newest(path, damaged.problem)) from None
+                if damaged is e:
+                    raise
+                raise damaged from None
         else:
-            if not settled or (before is not None and _inode(path) == before):
+            if named or not settled or (before is not None and _inode(path) == before):
                 return result
     raise FwError(f"{option} {checkpoint}: {path.name} was pruned by the run writing it while it was read; "
                   "run again")
