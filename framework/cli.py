@@ -132,6 +132,11 @@ MAX_GPU_GIB = 1 << 20
 
 def _run(args: argparse.Namespace, overrides: list[str]) -> int:
     cmd = args.command
+    # an option that would change nothing is refused rather than ignored: whoever gave it expects it to act
+    if cmd == "fit" and args.skip_damaged and args.resume is None:
+        raise FwError(_skip_damaged_alone("--resume", "last"))
+    if cmd == "generate" and args.skip_damaged and args.checkpoint is None:
+        raise FwError(_skip_damaged_alone("--checkpoint", "RUN_DIR"))
     if cmd in ("validate", "print-config", "fit"):
         if not args.config:
             raise FwError(f"fw {cmd} needs --config FILE")
@@ -215,6 +220,12 @@ def _run(args: argparse.Namespace, overrides: list[str]) -> int:
         except RuntimeError as e:  # no CUDA / no compiler / a stale build lock: the message says which
             raise FwError(f"cannot build the CUDA ops: {e}") from e
     return 0
+
+
+def _skip_damaged_alone(option: str, example: str) -> str:
+    """The refusal of --skip-damaged without `option`, the checkpoints it would choose among."""
+    return (f"--skip-damaged applies only with {option}: it passes over a run directory's damaged newest checkpoint "
+            f"for its newest intact one; add {option} {example}, or leave --skip-damaged out")
 
 
 def _one_line(message: str) -> str:

@@ -163,6 +163,20 @@ def test_generate_refuses_an_empty_prompt_before_loading_the_model(capsys, monke
                 "give the text to continue\n"))
 
 
+def test_skip_damaged_without_the_checkpoints_it_chooses_among_is_refused(capsys, tmp_path):
+    """`--skip-damaged` chooses among a run directory's checkpoints: without `--resume` (fit) or `--checkpoint`
+    (generate) there are none, and the option is refused rather than ignored, before anything runs."""
+    run_dir = tmp_path / "run"
+    assert fw(capsys, *_fit_argv(run_dir, "--skip-damaged")) == (
+        2, "", ("fw: error: --skip-damaged applies only with --resume: it passes over a run directory's damaged "
+                "newest checkpoint for its newest intact one; add --resume last, or leave --skip-damaged out\n"))
+    assert not run_dir.exists()
+    sft = str(ROOT / "recipes" / "sft.yaml")
+    assert fw(capsys, "generate", "--config", sft, "--prompt", "1+1=", "--greedy", "--skip-damaged") == (
+        2, "", ("fw: error: --skip-damaged applies only with --checkpoint: it passes over a run directory's damaged "
+                "newest checkpoint for its newest intact one; add --checkpoint RUN_DIR, or leave --skip-damaged out\n"))
+
+
 def test_export_of_a_missing_checkpoint_is_a_user_error(capsys, tmp_path):
     code, out, err = fw(capsys, "export", "--checkpoint", str(tmp_path / "nope"), "--out", str(tmp_path / "out"))
     assert (code, out) == (2, "")
