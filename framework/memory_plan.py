@@ -924,6 +924,7 @@ def _lora_defaults() -> dict:
 
 
 _SPLIT_ROWS = "fewer rows per micro-batch"
+_FEWER_PROMPTS = "fewer prompts per rollout, as many per optimizer step"
 
 
 def _kv_cap(cfg: dict, model: Qwen3Config, plan: Plan, shapes: BatchShapes | None) -> dict[str, Any] | None:
@@ -946,9 +947,10 @@ def _kv_cap(cfg: dict, model: Qwen3Config, plan: Plan, shapes: BatchShapes | Non
     return {"rollout.kv_cache_gib": gib} if gib * GIB < kv.bytes else None
 
 
-def _candidates(cfg: dict, plan: Plan, shapes: BatchShapes | None, backend: str,
-                model: Qwen3Config) -> list[dict[str, Any]]:
-    """Changes that shrink the plan, those that keep the update's maths first."""
+def _candidates(cfg: dict, plan: Plan, shapes: BatchShapes | None, backend: str, model: Qwen3Config,
+                section: str = "") -> list[dict[str, Any]]:
+    """Changes that shrink the plan, those that keep the update's maths first. `section`: an RL recipe's config
+    section (`grpo`, `ppo`), whose minibatches split the rollout batch into optimizer steps."""
     p, o = cfg["model"]["policy"], cfg["optimizer"]
     prompts = cfg["rollout"]["prompts_per_step"]
     out: list[dict[str, Any]] = []
@@ -980,6 +982,9 @@ def _candidates(cfg: dict, plan: Plan, shapes: BatchShapes | None, backend: str,
         lean = {"model.policy.dtype": "bfloat16", "trainer.precision": "bf16-true",
                 "optimizer.stochastic_rounding": True}
         out.append({k: v for k, v in lean.items() if _get(cfg, k) != v})
+    if shapes is not None and shapes.rollout_rows and _fewer_prompts(cfg, section):
+        # the same samples in each optimizer step, from smaller rollouts: which ones, `_fewer_prompts` says
+        out.append({_FEWER_PROMPTS: True})
     if p["lora"] is None:
         out.append({"model.policy.lora": _lora_defaults()})
     if shapes is not None and shapes.rollout_rows and plan.peak_phase == "rollout" and prompts > 1:
@@ -1025,13 +1030,33 @@ def _fewer_rows(planner: _Planner, cfg: dict, shapes: BatchShapes) -> list[tuple
     return out
 
 
+def _fewer_prompts(cfg: dict, section: str) -> list[dict[str, Any]]:
+    """Smaller rollout batches with as many samples in each optimizer step, the smallest change first:
+    rollout.prompts_per_step and the section's minibatches divided by the same factor. In RL,
+    trainer.accumulate_grad_batches splits each minibatch into micro-batches and leaves the samples of an optimizer
+    step as they are, so fewer prompts with more accumulation would shrink them; fewer prompts in as many fewer
+    minibatches keep each optimizer step's prompts and samples (and the micro-batches), and so the samples drawn per
+    optimizer step, trading optimizer steps a rollout for rollouts. Empty with one minibatch, where the rollout batch
+    is one optimizer step's and no smaller one keeps it."""
+    sec = cfg.get(section) if section else None
+    if not isinstance(sec, dict) or not isinstance(sec.get("minibatches"), int):
+        return []
+    prompts, minibatches = cfg["rollout"]["prompts_per_step"], sec["minibatches"]
+    common = math.gcd(prompts, minibatches)
+    return [{"rollout.prompts_per_step": prompts // k, f"{section}.minibatches": minibatches // k}
+            for k in range(2, common + 1) if common % k == 0]
+
+
 def suggest(planner: _Planner, cfg: dict, plan: Plan, shapes: BatchShapes | None) -> None:
     """Fill `plan.suggestions` (fitting ones first) and `plan.together` when the plan does not fit."""
     found: list[tuple[dict[str, Any], Plan]] = []
     gap = plan.total_bytes - plan.limit_bytes
-    for changes in _candidates(cfg, plan, shapes, planner.backend, planner.model):
+    section = getattr(planner.recipe, "section", "")
+    for changes in _candidates(cfg, plan, shapes, planner.backend, planner.model, section):
         if _SPLIT_ROWS in changes:
             options = _fewer_rows(planner, cfg, shapes)
+        elif _FEWER_PROMPTS in changes:
+            options = [(option, None) for option in _fewer_prompts(cfg, section)]
         else:
             options = [(changes, None)]
         best = None
@@ -1066,8 +1091,9 @@ def suggest(planner: _Planner, cfg: dict, plan: Plan, shapes: BatchShapes | None
 
 
 def _combine(planner: _Planner, cfg: dict, pool: list[dict[str, Any]]) -> tuple[dict[str, Any], Plan] | None:
-    """The changes of `pool` applied one after another until the job fits, then each dropped that the fit does not
-    need, the first applied first: (the changes, their plan), or the last combination that does not fit."""
+    """The changes of `pool` applied one after another until the job fits (but for one that makes it larger), then
+    each dropped that the fit does not need, the first applied first: (the changes, their plan), or the last
+    combination that does not fit."""
     def merged(used: list[dict[str, Any]]) -> dict[str, Any]:
         return {k: v for changes in used for k, v in changes.items()}
 
@@ -1084,8 +1110,8 @@ def _combine(planner: _Planner, cfg: dict, pool: list[dict[str, Any]]) -> tuple[
     best = None
     for changes in pool:
         result = trial([*used, changes])
-        if result is None:
-            continue
+        if result is None or (best is not None and result.total_bytes > best.total_bytes):
+            continue   # refused, or another value of a key changed before undoes more than it saves
         used.append(changes)
         best = result
         if result.fits:

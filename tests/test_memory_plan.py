@@ -1015,3 +1015,67 @@ def test_the_shape_keys_a_refusal_names_are_the_schemas():
     assert set(SHAPE_KEYS) == {"sft", "grpo", "ppo"}
     for keys in SHAPE_KEYS.values():
         assert set(keys.split(", ")) <= known, keys
+
+
+def test_an_rl_job_is_offered_smaller_rollouts_with_as_many_samples_in_each_optimizer_step(tmp_path, capsys):
+    """In RL, trainer.accumulate_grad_batches splits each minibatch into micro-batches, so fewer prompts with more
+    accumulation would shrink each optimizer step's batch; fewer prompts in as many fewer minibatches keep it.
+    Qwen3-1.7B PPO whose critic's values over 256 rollouts of 4212 tokens pass 75 GiB: the plan offers 8 prompts in 1
+    minibatch for 32 in 4 (8 x 8 / 1 = 32 x 8 / 4 = 64 samples an optimizer step, micro-batches of 4 rows either
+    way), the first that fits; applied, the job passes fw's checks and its own plan fits with the total the
+    suggestion said. With one minibatch no such change exists, and none is offered."""
+    from framework.validate import validate_config
+
+    ppo = str(ROOT / "benchmarks" / "ppo_bench.yaml")   # 32 prompts x 8 samples, accumulate_grad_batches 4
+    job = [f"--run_dir={tmp_path}", "--model.policy.preset=qwen3-1.7b", "--ppo.minibatches=4",
+           "--rollout.max_new_tokens=4096", "--rollout.kv_cache_gib=8", "--model.policy.gradient_checkpointing=true",
+           "--trainer.accumulate_grad_batches=16", "--trainer.accelerator=gpu"]
+    code, out, err = fw(capsys, "plan", "--config", ppo, *job, "--gpu-gib", "75")
+    assert code == 2 and "4 rows of at most 4212" in out and "no-grad forward of 256 rows" in out
+    said = [ln for ln in out.splitlines() if ln.startswith("  --rollout.prompts_per_step=")]
+    assert len(said) == 1 and said[0].split("  -> ")[0].split() == ["--rollout.prompts_per_step=8",
+                                                                      "--ppo.minibatches=1"]
+    assert said[0].endswith(" GiB (fits)")
+    assert "; try --rollout.prompts_per_step=8 --ppo.minibatches=1 (" in err   # the only change that fits alone
+    total = said[0].split("  -> ")[1].split()[0]
+    changed = [*job, "--rollout.prompts_per_step=8", "--ppo.minibatches=1"]
+    validate_config([ppo], changed)
+    code, out, _ = fw(capsys, "plan", "--config", ppo, *changed, "--gpu-gib", "75")
+    assert code == 0 and "fits: " in out
+    assert next(ln for ln in out.splitlines() if ln.startswith("  total")).split()[1] == total
+    assert "4 rows of at most 4212" in out and "no-grad forward of 64 rows" in out
+
+    one = ["--ppo.minibatches=1", "--trainer.accumulate_grad_batches=64"]   # micro-batches of 4 rows still
+    code, out, _ = fw(capsys, "plan", "--config", ppo, *job, *one, "--gpu-gib", "75")
+    assert code == 2 and "4 rows of at most 4212" in out and "minibatches" not in out
+
+
+def test_smaller_rollouts_divide_the_prompts_and_the_minibatches_by_each_common_factor():
+    cfg = {"rollout": {"prompts_per_step": 12}, "grpo": {"minibatches": 18}}
+    assert mp._fewer_prompts(cfg, "grpo") == [{"rollout.prompts_per_step": 6, "grpo.minibatches": 9},
+                                              {"rollout.prompts_per_step": 4, "grpo.minibatches": 6},
+                                              {"rollout.prompts_per_step": 2, "grpo.minibatches": 3}]
+    assert mp._fewer_prompts({"rollout": {"prompts_per_step": 12}, "grpo": {"minibatches": 1}}, "grpo") == []
+    assert mp._fewer_prompts({"rollout": {"prompts_per_step": 9}, "grpo": {"minibatches": 4}}, "grpo") == []
+    assert mp._fewer_prompts({"rollout": {"prompts_per_step": 8}, "sft": {}}, "") == []
+
+
+def test_changes_applied_together_keep_the_smaller_rollouts_that_keep_the_optimizer_steps_batch():
+    """Qwen3-0.6B GRPO of 32 prompts x 16 in 8 minibatches with completions of 8192 tokens, against 24 GiB: no change
+    fits, and the changes applied together keep 4 prompts in 1 minibatch (64 samples an optimizer step, as the job's);
+    halving rollout.prompts_per_step, a later change, would set 16 prompts in that 1 minibatch, 256 samples a step and
+    four times the rollout, and is left out. Their total is the plan of the job with them."""
+    grpo = [str(ROOT / "recipes" / "grpo.yaml")]
+    base = ["--model.policy.preset=qwen3-0.6b", "--grpo.minibatches=8", "--rollout.max_new_tokens=8192",
+            "--model.policy.gradient_checkpointing=true", "--trainer.accelerator=gpu"]
+    cfg = load_config(grpo, base)
+    assert (cfg["rollout"]["prompts_per_step"], cfg["grpo"]["group_size"]) == (32, 16)
+    plan = mp.estimate(cfg, gpu_gib=24)
+    assert not any(s.fits for s in plan.suggestions)
+    texts = [s.text for s in plan.suggestions]
+    assert "--rollout.prompts_per_step=4 --grpo.minibatches=1" in texts and "--rollout.prompts_per_step=16" in texts
+    together = plan.together
+    assert together is not None and not together.fits
+    assert "--rollout.prompts_per_step=4" in together.overrides and "--grpo.minibatches=1" in together.overrides
+    assert "--rollout.prompts_per_step=16" not in together.overrides
+    assert mp.estimate(load_config(grpo, [*base, *together.overrides]), gpu_gib=24).total_bytes == together.total_bytes
