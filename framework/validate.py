@@ -80,7 +80,7 @@ def check(located: LocatedConfig, *, machine: bool = False) -> list[Problem]:
     checks.data()
     checks.evaluation()
     checks.plugins()
-    checks.combinations()
+    checks.combinations(machine)
     checks.trainer(machine)
     checks.held_out()
     if not machine:   # fw fit tokenizes its data as it builds its dataloader, before any step
@@ -458,7 +458,7 @@ class _Checks:
                 self.add(("logging", "loggers", i, "init_args"), problem)
 
     # ------------------------------------------------------------------ combinations
-    def combinations(self) -> None:
+    def combinations(self, machine: bool = False) -> None:
         from framework.optim import optimizer_problems
         from framework.recipe import recipe_class
 
@@ -473,7 +473,8 @@ class _Checks:
                 recipe_problems = list(own(cfg))
             except (Exception, SystemExit) as e:  # noqa: BLE001 (a plugin recipe's code: a config problem)
                 self.add_error(e, ("recipe",), f"{self.recipe}'s config_problems(cfg)")
-        for problem in [*optimizer_problems(cfg), *recipe_problems]:
+        for problem in [*optimizer_problems(_on_a_gpu(cfg) if _offloads_for_a_gpu(cfg, machine) else cfg),
+                        *recipe_problems]:
             key, _, message = problem.partition(": ")   # each line starts with the key it names
             self.add(tuple(key.split(".")), message)
         if self.recipe not in RL_RECIPES:
@@ -588,16 +589,41 @@ class _Checks:
             self.add(("rollout", "kv_cache_dtype"), problem)
 
 
-def process_assumption(cfg: dict) -> str | None:
-    """What `fw validate` assumed of the run's processes where a check depends on their number and the config
-    leaves it to the machine that runs it (`trainer.devices: auto` or -1): the held-out eval set, whose training
-    draws grow with the processes, so that it may pass here and fail on a machine of more GPUs (a refusal here
-    holds for more processes too). None where nothing did."""
-    from framework.evaluation import eval_enabled, needs_draws
+def _offloads_for_a_gpu(cfg: dict, machine: bool = False) -> bool:
+    """Whether the optimizer.cpu_offload of `cfg` is checked for a GPU that this machine lacks: `fw validate` (not
+    `machine`) checks a job that leaves the device to the machine that runs it (trainer.accelerator: auto) as it runs
+    on one with a GPU, whose states cpu_offload moves, as it checks `accelerator: gpu` on any machine; `fw fit`
+    checks it on this machine."""
+    from framework.config import uses_cuda
 
     t = cfg["trainer"]
-    if not (t["devices"] in ("auto", -1) and t["accelerator"] != "cpu" and eval_enabled(cfg) and needs_draws(cfg)):
-        return None   # on the CPU, auto is one process a node on any machine
-    n = world_size(cfg)
-    return (f"held-out eval set checked for {n} process{'es' if n > 1 else ''}, trainer.devices: {t['devices']} "
-            "counting this machine's GPUs: --trainer.devices=N checks N a node")
+    return not machine and cfg["optimizer"]["cpu_offload"] and t["accelerator"] == "auto" and not uses_cuda(t)
+
+
+def _on_a_gpu(cfg: dict) -> dict:
+    """`cfg` with its trainer on a GPU (trainer.accelerator: gpu)."""
+    return {**cfg, "trainer": {**cfg["trainer"], "accelerator": "gpu"}}
+
+
+def process_assumption(cfg: dict) -> str | None:
+    """What `fw validate` assumed of the machine that runs the job where a check depends on it and the config leaves
+    it to that machine, or None where nothing did: the number of processes (`trainer.devices: auto` or -1) for the
+    held-out eval set, whose training draws grow with the processes, so that it may pass here and fail on a machine
+    of more GPUs (a refusal here holds for more processes too); a GPU for optimizer.cpu_offload under
+    `trainer.accelerator: auto` on a machine without one (`_offloads_for_a_gpu`)."""
+    from framework.evaluation import eval_enabled, needs_draws
+
+    said = []
+    t = cfg["trainer"]
+    auto_devices = t["devices"] in ("auto", -1)
+    if auto_devices and t["accelerator"] != "cpu" and eval_enabled(cfg) and needs_draws(cfg):
+        # on the CPU, auto is one process a node on any machine
+        n = world_size(cfg)
+        said.append(f"held-out eval set checked for {n} process{'es' if n > 1 else ''}, trainer.devices: "
+                    f"{t['devices']} counting this machine's GPUs: --trainer.devices=N checks N a node")
+    if _offloads_for_a_gpu(cfg):
+        said.append(f"optimizer.cpu_offload checked for {'one GPU' if auto_devices else 'a GPU'}, which "
+                    "trainer.accelerator: auto runs on where there is one (none here)"
+                    + (f"; trainer.devices: {t['devices']} would take every GPU of a machine of several, and "
+                       "cpu_offload runs in one process: --trainer.devices=1 keeps it to one" if auto_devices else ""))
+    return "; ".join(said) or None

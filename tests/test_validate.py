@@ -13,6 +13,7 @@ import torch
 
 from framework.cli import main
 from framework.config import MAX_PROBLEMS, load_config
+from framework.errors import FwError
 from framework.validate import MAX_ROW_PROBLEMS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -781,3 +782,34 @@ def test_model_paths_the_recipe_will_not_read_are_said_once_each(tmp_path, capsy
     assert main(["validate", "--config", str(config), "--recipe=ppo"]) == 2
     err = capsys.readouterr().err
     assert "warning" not in err and "model.value.path: no such directory" in err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="what a machine without a GPU checks")
+def test_cpu_offload_under_accelerator_auto_is_checked_for_the_gpu_it_is_for(tmp_path, capsys):
+    """optimizer.cpu_offload moves a GPU's optimizer states to the CPU. Under trainer.accelerator: auto the machine
+    that runs the job picks the device, so fw validate checks it as for a GPU, as it checks accelerator: gpu on any
+    machine, and says so; fw plan --gpu-gib plans it on the GPU. fw fit, here, refuses it: this machine has no GPU;
+    and an explicit CPU job is refused everywhere, as is one of several processes."""
+    from framework.validate import validate_config
+
+    bench = str(ROOT / "benchmarks" / "grpo_bench.yaml")
+    offload = [f"--run_dir={tmp_path / 'run'}", "--optimizer.cpu_offload=true"]
+    assert main(["validate", "--config", bench, *offload]) == 0
+    assert capsys.readouterr().out.strip() == (
+        f"{bench}: valid (recipe grpo; optimizer.cpu_offload checked for one GPU, which trainer.accelerator: auto runs "
+        "on where there is one (none here); trainer.devices: auto would take every GPU of a machine of several, and "
+        "cpu_offload runs in one process: --trainer.devices=1 keeps it to one)")
+    assert main(["validate", "--config", bench, *offload, "--trainer.devices=1"]) == 0
+    assert capsys.readouterr().out.strip() == (
+        f"{bench}: valid (recipe grpo; optimizer.cpu_offload checked for a GPU, which trainer.accelerator: auto runs "
+        "on where there is one (none here))")
+    code, out, err = main(["plan", "--config", bench, *offload, "--gpu-gib", "80"]), *capsys.readouterr()
+    assert (code, err) == (0, "") and "pinned CPU memory (optimizer.cpu_offload)" in out
+    for other, problem in (("--trainer.accelerator=cpu", "this run has no CUDA GPU (trainer.accelerator: cpu)"),
+                           ("--trainer.devices=2", "runs in a single process only")):
+        code, err = run_fw(["validate", "--config", bench, *offload, other], capsys)
+        assert code == 2 and len(err) == 1 and problem in err[0], err
+    with pytest.raises(FwError) as e:   # fw fit's checks: this machine's
+        validate_config([bench], offload, machine=True)
+    assert "optimizer.cpu_offload: true moves the optimizer states from a CUDA GPU to the CPU, but this run has no " \
+           "CUDA GPU (trainer.accelerator: auto, none visible)" in str(e.value)
