@@ -16,19 +16,24 @@ adjusting them.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import os
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from itertools import pairwise
+from types import FrameType
 from typing import Any
 
 from framework.config import uses_cuda, world_size
-from framework.errors import FwError
+from framework.errors import FwError, what_raised
+from framework.imports import FW_DIR, in_library
 from framework.models.qwen3_config import Qwen3Config
 from framework.precision import AUTOCAST_TO, CONVERTS_TO, trained_dtype
 from framework.recipe import BatchShapes, Requirements
+from framework.signals import Interrupted, Stopped
 
 GIB = 2**30
 
@@ -881,17 +886,25 @@ class _Planner:
 
         self.recipe = recipe_class(cfg["recipe"])
         self.tokenizer = build_tokenizer(cfg)
-        self.model, self.reference, self.value = _model_configs(cfg, self.tokenizer, self.recipe.requirements(cfg))
+        self.model, self.reference, self.value = _model_configs(cfg, self.tokenizer, self.requirements(cfg))
         self.backend = _backend(cfg, gpu_gib)
         self.world = world_size(cfg, self.backend)
         self.limit, self.source = _limit(cfg, self.backend, gpu_gib)
 
     def shapes(self, cfg: dict) -> BatchShapes | None:
+        """The recipe's batch shapes of `cfg`, which read the task's prompts (user code: `_user_code`)."""
         method = getattr(self.recipe, "batch_shapes", None)
-        return method(cfg, self.tokenizer) if callable(method) else None
+        if not callable(method):
+            return None
+        with _user_code(self.recipe):
+            return method(cfg, self.tokenizer)
+
+    def requirements(self, cfg: dict) -> Requirements:
+        with _user_code(self.recipe):
+            return self.recipe.requirements(cfg)
 
     def plan(self, cfg: dict, shapes: BatchShapes | None) -> Plan:
-        return build_plan(cfg, self.model, self.recipe.requirements(cfg), shapes, world_size=self.world,
+        return build_plan(cfg, self.model, self.requirements(cfg), shapes, world_size=self.world,
                           backend=self.backend, limit_bytes=self.limit, limit_source=self.source,
                           reference=self.reference, value=self.value)
 
@@ -910,7 +923,57 @@ class _Planner:
 
         if any(not problem.endswith(LEAN_INSTALL) for problem in optimizer_problems(cfg, self.world)):
             return True
-        return cfg["trainer"]["precision"] in self.recipe.requirements(cfg).unsupported_precisions
+        return cfg["trainer"]["precision"] in self.requirements(cfg).unsupported_precisions
+
+
+# fw's own packages, wherever installed: a line in them is not the user's
+_FW_PACKAGES = tuple(os.path.join(os.path.dirname(FW_DIR.rstrip(os.sep)), name, "")
+                     for name in ("framework", "recipes", "ops_cuda"))
+
+
+def _user_file(file: str) -> bool:
+    """Whether source file `file` is the user's: not fw's, Python's or an installed package's."""
+    return not file.startswith("<") and not in_library(file) and not os.path.realpath(file).startswith(_FW_PACKAGES)
+
+
+def _function(frame: FrameType) -> str:
+    """The name of the function `frame` runs, with its class (`Task.sample`): Python 3.11's co_qualname, else the
+    class of its `self` or `cls`."""
+    code = frame.f_code
+    if hasattr(code, "co_qualname"):
+        return code.co_qualname
+    owner = frame.f_locals.get("self", frame.f_locals.get("cls"))
+    if owner is None:
+        return code.co_name
+    return f"{(owner if isinstance(owner, type) else type(owner)).__qualname__}.{code.co_name}"
+
+
+@contextlib.contextmanager
+def _user_code(recipe: type) -> Iterator[None]:
+    """Around what the plan calls that runs user code (a task's prompts, a plugin recipe's methods): what that code
+    raises, sys.exit() too, becomes one line at the key that names it, with the call fw made and the user's line that
+    raised (the traceback under --debug), as `fw validate` says it; a KeyboardInterrupt there (Ctrl+C, or the code's
+    own) ends the plan as Ctrl+C ends fw, exit code 130, with the same call and line. What raises outside the user's
+    code (no line of it in the traceback) is fw's own failure, and passes unchanged."""
+    try:
+        yield
+    except (FwError, Stopped):
+        raise
+    except (Exception, SystemExit, KeyboardInterrupt) as e:   # user code: said as one line
+        users = []   # (file, line, function) of the user's frames, from fw's call inwards
+        tb = e.__traceback__
+        while tb is not None:
+            if _user_file(tb.tb_frame.f_code.co_filename):
+                users.append((tb.tb_frame.f_code.co_filename, tb.tb_lineno, _function(tb.tb_frame)))
+            tb = tb.tb_next
+        if not users:
+            raise
+        call = users[0][2]   # the user's function that fw called
+        at = f" (at {users[-1][0]}:{users[-1][1]})"   # the line that raised, in it or deeper
+        if isinstance(e, KeyboardInterrupt):
+            raise Interrupted(f"{call}{at}") from e
+        key = "recipe" if call.startswith(f"{recipe.__qualname__}.") else "data.task"
+        raise FwError(f"{key}: {call} {what_raised(e)}{at}") from e
 
 
 def _lora_defaults() -> dict:

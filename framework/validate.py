@@ -38,6 +38,9 @@ _LAUNCHER_ONLY = ("the process fw fit runs in would start the training processes
 UNSUPPORTED_STRATEGIES.update({"ddp_spawn": _LAUNCHER_ONLY, "ddp_fork": _LAUNCHER_ONLY,
                                "ddp_notebook": _LAUNCHER_ONLY})
 MODEL_DIR = "a Hugging Face Qwen3 directory with config.json and model.safetensors"
+# What user code that the checks call may raise: a failure, sys.exit() and Ctrl+C's KeyboardInterrupt, which
+# `_Checks.add_error` turns into a problem of the config, or for Ctrl+C into fw's end on it (exit code 130).
+USER_CODE_RAISES = (Exception, SystemExit, KeyboardInterrupt)
 
 
 def _one_json_document(path: str) -> str | None:
@@ -153,7 +156,13 @@ class _Checks:
 
     def add_error(self, e: BaseException, default: tuple, what: str = "") -> None:
         """An error from a builder: at the key its message starts with (`data.task.init_args: ...`), else
-        at `default`; an exception that is not an FwError is shown as what raised it."""
+        at `default`; an exception that is not an FwError is shown as what raised it. A KeyboardInterrupt (Ctrl+C
+        while user code ran, or its own) is no problem of the config: it ends the checks as Ctrl+C ends fw, with exit
+        code 130 and one line that names the call and the user's line it stopped at."""
+        if isinstance(e, KeyboardInterrupt):
+            from framework.signals import Interrupted
+
+            raise Interrupted(f"{what or '.'.join(map(str, default))}{user_line(e)}") from e
         if not isinstance(e, FwError):
             self.add(default, f"{what} {what_raised(e)}{user_line(e)}".strip())
             return
@@ -366,7 +375,7 @@ class _Checks:
             return   # a process that global rank 0 of a multi-process fit started, after rank 0 checked it
         try:
             check_held_out(self.cfg, world_size(self.cfg))
-        except (Exception, SystemExit) as e:  # noqa: BLE001 (user code, the task's: any failure is a config problem)
+        except USER_CODE_RAISES as e:   # user code, the task's: add_error says it
             if isinstance(e, FwError) and str(e).startswith("eval: "):
                 # shown where the eval samples come from when a file does: the key a user changes
                 self.add(("eval", "path") if self.cfg["eval"]["path"] else ("eval", "held_out"),
@@ -399,7 +408,7 @@ class _Checks:
 
             try:
                 self.task = build_task(data, seed=self.cfg["seed"])
-            except (Exception, SystemExit) as e:  # noqa: BLE001 (user code: any failure is a config problem)
+            except USER_CODE_RAISES as e:   # user code: add_error says it
                 self.task_failed = True
                 at = ("data", "task", "init_args") if ("data", "task", "init_args") in self.located.marks else \
                     ("data", "task")
@@ -408,7 +417,7 @@ class _Checks:
                 try:   # its first sample, as training reads it
                     sample = checked_sample(self.task, 0)
                     prompt = sample["prompt"]
-                except (Exception, SystemExit) as e:  # noqa: BLE001 (user code: any failure is a config problem)
+                except USER_CODE_RAISES as e:   # user code: add_error says it
                     self.task_failed = True
                     self.add_error(e, ("data", "task"), f"{type(self.task).__name__}.sample(0)")
                 else:
@@ -428,7 +437,7 @@ class _Checks:
 
             try:
                 reward = build_reward(self.cfg["reward"], self.task)
-            except (Exception, SystemExit) as e:  # noqa: BLE001 (user code: any failure is a config problem)
+            except USER_CODE_RAISES as e:   # user code: add_error says it
                 self.add_error(e, ("reward", "class_path") if self.cfg["reward"]["class_path"] else ("reward",),
                                "building the reward")
             else:
@@ -446,7 +455,7 @@ class _Checks:
         for i, spec in enumerate(self.cfg["callbacks"]):
             try:
                 built.append((i, spec["class_path"], instantiate(spec)))
-            except (Exception, SystemExit) as e:  # noqa: BLE001 (user code: any failure is a config problem)
+            except USER_CODE_RAISES as e:   # user code: add_error says it
                 self.add_error(e, ("callbacks", i, "class_path"), "building the callback")
         for i, problem in callback_problems(built, self.cfg["trainer"]["enable_progress_bar"]):
             self.add(("callbacks", i, "class_path"), problem)
@@ -471,7 +480,7 @@ class _Checks:
         if callable(own):
             try:
                 recipe_problems = list(own(cfg))
-            except (Exception, SystemExit) as e:  # noqa: BLE001 (a plugin recipe's code: a config problem)
+            except USER_CODE_RAISES as e:   # a plugin recipe's code: add_error says it
                 self.add_error(e, ("recipe",), f"{self.recipe}'s config_problems(cfg)")
         for problem in [*optimizer_problems(_on_a_gpu(cfg) if _offloads_for_a_gpu(cfg, machine) else cfg),
                         *recipe_problems]:
@@ -538,7 +547,7 @@ class _Checks:
                 return None
             try:
                 self._needs = recipe.requirements(self.cfg)
-            except (Exception, SystemExit) as e:  # noqa: BLE001 (user code: any failure is a config problem)
+            except USER_CODE_RAISES as e:   # user code: add_error says it
                 self.add_error(e, ("recipe",), f"{self.recipe}'s requirements(cfg)")
         return self._needs
 

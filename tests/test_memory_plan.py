@@ -4,8 +4,11 @@ estimate against torch.cuda.max_memory_allocated."""
 
 import gc
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 import weakref
 from itertools import pairwise
 from pathlib import Path
@@ -20,6 +23,7 @@ import ops_cuda
 from framework import memory_plan as mp
 from framework.cli import main
 from framework.config import load_config, resolve
+from framework.errors import FwError
 from framework.models.presets import preset_config
 from framework.models.qwen3 import Qwen3ForCausalLM
 from framework.models.qwen3_config import Qwen3Config
@@ -1079,3 +1083,87 @@ def test_changes_applied_together_keep_the_smaller_rollouts_that_keep_the_optimi
     assert "--rollout.prompts_per_step=4" in together.overrides and "--grpo.minibatches=1" in together.overrides
     assert "--rollout.prompts_per_step=16" not in together.overrides
     assert mp.estimate(load_config(grpo, [*base, *together.overrides]), gpu_gib=24).total_bytes == together.total_bytes
+
+
+LATE_RAISER = """import sys
+
+
+class Task:
+    def sample(self, index):
+        if index == 5:
+            self.fail()
+        return {"prompt": "1+1=", "answer": "2", "metadata": {"answer": "2"}}
+
+    def fail(self):
+        {raise_it}
+"""
+
+
+@pytest.mark.parametrize("raise_it, code, said", [
+    ("raise ValueError('no sample 5')", 2, "fw: error: data.task: Task.sample raised ValueError: no sample 5"),
+    ("sys.exit(3)", 2, "fw: error: data.task: Task.sample called sys.exit(3)"),
+    ("raise KeyboardInterrupt", 130, "fw: interrupted: KeyboardInterrupt in Task.sample"),
+])
+def test_user_code_that_raises_in_the_plan_is_one_line_naming_its_line(tmp_path, capsys, raise_it, code, said):
+    """The RL plan reads the task's first prompts (a task that states no widest ones): what the task's code raises
+    there, past the first sample that fw validate reads, is one line naming the call fw made and the user's line
+    that raised, as validate says it, from fw plan and from fw fit before anything is written; a KeyboardInterrupt
+    (Ctrl+C while the task's code runs, or its own) ends them as Ctrl+C ends fw, with exit code 130. No traceback
+    but with --debug."""
+    module = f"late_raiser_{abs(hash(raise_it))}"
+    (tmp_path / f"{module}.py").write_text(LATE_RAISER.replace("{raise_it}", raise_it))
+    config = tmp_path / "c.yaml"
+    config.write_text(f"recipe: grpo\nmodel: {{policy: {{preset: tiny}}}}\n"
+                      f"data: {{task: {{class_path: {module}.Task}}, chat_template: false}}\n"
+                      f"reward: {{name: exact_match}}\nrollout: {{prompts_per_step: 2, max_new_tokens: 4}}\n"
+                      f"trainer: {{max_steps: 1}}\nrun_dir: {tmp_path / 'run'}\n")
+    line = f"{said} (at {tmp_path / f'{module}.py'}:11)\n"   # fail()'s line, under the sample fw called
+    assert fw(capsys, "validate", "--config", str(config)) == (0, f"{config}: valid (recipe grpo)\n", "")
+    assert fw(capsys, "plan", "--config", str(config)) == (code, "", line)
+    assert fw(capsys, "fit", "--config", str(config)) == (code, "", line)
+    assert not (tmp_path / "run").exists()
+    back, _, err = fw(capsys, "--debug", "plan", "--config", str(config))
+    assert back == code and "Traceback (most recent call last)" in err and err.endswith(line)
+    sys.modules.pop(module, None)
+
+
+def test_a_plugin_recipes_batch_shapes_that_raise_are_said_at_recipe(tmp_path, install_recipe):
+    (tmp_path / "shapeless_recipe.py").write_text(
+        "from fw_copy_recipe import CopyRecipe\n\n\nclass Shapeless(CopyRecipe):\n    @classmethod\n"
+        "    def batch_shapes(cls, cfg, tokenizer):\n        return {}['rows']\n")
+    sys.path[:0] = [str(ROOT / "tests" / "plugins"), str(tmp_path)]
+    try:
+        install_recipe({"shapeless": "shapeless_recipe:Shapeless"})
+        cfg = resolve({"recipe": "shapeless", "model": {"policy": {"preset": "tiny"}}})
+        with pytest.raises(FwError) as e:
+            mp.estimate(cfg, gpu_gib=4.0)
+    finally:
+        sys.path.remove(str(ROOT / "tests" / "plugins"))
+        sys.path.remove(str(tmp_path))
+        sys.modules.pop("shapeless_recipe", None)
+    assert str(e.value) == (f"recipe: Shapeless.batch_shapes raised KeyError: 'rows' "
+                            f"(at {tmp_path / 'shapeless_recipe.py'}:7)")
+
+
+def test_ctrl_c_while_the_plan_reads_a_slow_task_exits_130_naming_where_it_was(tmp_path):
+    """A real SIGINT to `fw plan` while the task's sample() sleeps: exit code 130, one line naming the call and the
+    user's line the plan was waiting on, no traceback."""
+    marker = tmp_path / "started"
+    (tmp_path / "slow_plan_task.py").write_text(
+        "import pathlib\nimport time\n\n\nclass Task:\n    def sample(self, index):\n        if index == 3:\n"
+        f"            pathlib.Path({str(marker)!r}).touch()\n            time.sleep(60)\n"
+        "        return {'prompt': '1+1=', 'answer': '2', 'metadata': {}}\n")
+    config = tmp_path / "c.yaml"
+    config.write_text("recipe: grpo\nmodel: {policy: {preset: tiny}}\n"
+                      "data: {task: {class_path: slow_plan_task.Task}, chat_template: false}\n"
+                      "reward: {name: exact_match}\nrollout: {prompts_per_step: 2, max_new_tokens: 4}\n")
+    env = {k: v for k, v in os.environ.items() if k != "FW_DEBUG"}
+    proc = subprocess.Popen([sys.executable, "-m", "framework", "plan", "--config", str(config)], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not marker.exists() and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert (proc.returncode, out, err) == (
+        130, "", f"fw: interrupted: KeyboardInterrupt in Task.sample (at {tmp_path / 'slow_plan_task.py'}:9)\n")

@@ -784,6 +784,58 @@ def test_model_paths_the_recipe_will_not_read_are_said_once_each(tmp_path, capsy
     assert "warning" not in err and "model.value.path: no such directory" in err
 
 
+INTERRUPTING = """class Task:
+    def __init__(self, seed=0, stop_in=""):
+        self.stop_in = stop_in
+        if stop_in == "init":
+            raise KeyboardInterrupt
+
+    def sample(self, index):
+        if self.stop_in == "sample":
+            raise KeyboardInterrupt
+        return {"prompt": "1+1=", "answer": "2", "metadata": {"answer": "2"}}
+
+
+class Reward:
+    def __init__(self):
+        raise KeyboardInterrupt
+
+    def __call__(self, completion, answer, metadata):
+        return 0.0
+"""
+
+
+@pytest.mark.parametrize("stop_in, said", [
+    ("init", "building the task (at {module}:5)"),
+    ("sample", "Task.sample(0) (at {module}:9)"),
+    ("reward", "building the reward (at {module}:15)"),
+])
+def test_ctrl_c_in_user_code_ends_validate_with_130_naming_the_call_and_its_line(tmp_path, capsys, stop_in, said):
+    """A KeyboardInterrupt while fw validate runs the user's code (Ctrl+C in a slow task, or the code's own) is no
+    problem of the config: validate ends as Ctrl+C ends fw, with exit code 130 and one line, which names the call
+    and the user's line it stopped at, as it names the line of code that raised; the traceback only with --debug.
+    sys.exit() in the same code stays a problem of the config at its key (exit code 2)."""
+    name = f"interrupting_{stop_in}"
+    module = tmp_path / f"{name}.py"
+    module.write_text(INTERRUPTING)
+    config = tmp_path / "c.yaml"
+    reward = f"{{class_path: {name}.Reward}}" if stop_in == "reward" else "{name: exact_match}"
+    config.write_text(f"recipe: grpo\nmodel: {{policy: {{preset: tiny}}}}\n"
+                      f"data: {{task: {{class_path: {name}.Task, init_args: {{stop_in: {stop_in}}}}}, "
+                      f"chat_template: false}}\nreward: {reward}\n")
+    line = "fw: interrupted: KeyboardInterrupt in " + said.format(module=module)
+    try:
+        assert run_fw(["validate", "--config", str(config)], capsys) == (130, [line])
+        code, err = run_fw(["--debug", "validate", "--config", str(config)], capsys)
+        assert code == 130 and err[0] == "Traceback (most recent call last):" and err[-1] == line
+        module.write_text(INTERRUPTING.replace("raise KeyboardInterrupt", "raise SystemExit(4)"))
+        sys.modules.pop(name, None)
+        code, err = run_fw(["validate", "--config", str(config)], capsys)
+        assert code == 2 and len(err) == 1 and "called sys.exit(4) (at " in err[0] and err[0].startswith(f"{config}:")
+    finally:
+        sys.modules.pop(name, None)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="what a machine without a GPU checks")
 def test_cpu_offload_under_accelerator_auto_is_checked_for_the_gpu_it_is_for(tmp_path, capsys):
     """optimizer.cpu_offload moves a GPU's optimizer states to the CPU. Under trainer.accelerator: auto the machine
