@@ -51,22 +51,31 @@ def in_library(file: str) -> bool:
 
 
 FW_DIR = os.path.join(os.path.dirname(os.path.realpath(__file__)), "")   # fw's own modules, wherever installed
+# fw's packages (a source checkout's recipes/ and ops_cuda/ sit beside framework/, outside site-packages)
+FW_PACKAGES = tuple(os.path.join(os.path.dirname(FW_DIR.rstrip(os.sep)), name, "")
+                    for name in ("framework", "recipes", "ops_cuda"))
+
+
+def is_fw_file(file: str) -> bool:
+    """Whether source file `file` is one of fw's packages'."""
+    return os.path.realpath(file).startswith(FW_PACKAGES)
+
+
+def is_user_file(file: str, ours: Callable[[str], bool] = is_fw_file) -> bool:
+    """Whether source file `file` is the user's: neither `ours` (fw's) nor Python's or an installed package's."""
+    return not file.startswith("<") and not in_library(file) and not ours(file)
 
 
 def user_frame(frames: list[traceback.FrameSummary], ours: Callable[[str], bool]) -> traceback.FrameSummary | None:
-    """The innermost of `frames` (outermost first) in the user's code: of a file neither `ours` nor Python's or an
-    installed package's (the line of a user's code that called json, not json's); None when there is none."""
-    for frame in reversed(frames):
-        file = frame.filename
-        if not file.startswith("<") and not in_library(file) and not ours(file):
-            return frame
-    return None
+    """The innermost of `frames` (outermost first) in the user's code (`is_user_file`: the line of a user's code
+    that called json, not json's); None when there is none."""
+    return next((frame for frame in reversed(frames) if is_user_file(frame.filename, ours)), None)
 
 
 def user_line(e: BaseException) -> str:
     """` (at FILE:LINE)`: the innermost line of `e`'s traceback in the user's code, not fw's, Python's or an
     installed package's; "" when there is none."""
-    frame = user_frame(traceback.extract_tb(e.__traceback__), lambda file: os.path.realpath(file).startswith(FW_DIR))
+    frame = user_frame(traceback.extract_tb(e.__traceback__), is_fw_file)
     return f" (at {frame.filename}:{frame.lineno})" if frame else ""
 
 

@@ -29,7 +29,7 @@ from typing import Any
 
 from framework.config import uses_cuda, world_size
 from framework.errors import FwError, what_raised
-from framework.imports import FW_DIR, in_library
+from framework.imports import is_user_file
 from framework.models.qwen3_config import Qwen3Config
 from framework.precision import AUTOCAST_TO, CONVERTS_TO, trained_dtype
 from framework.recipe import BatchShapes, Requirements
@@ -926,16 +926,6 @@ class _Planner:
         return cfg["trainer"]["precision"] in self.requirements(cfg).unsupported_precisions
 
 
-# fw's own packages, wherever installed: a line in them is not the user's
-_FW_PACKAGES = tuple(os.path.join(os.path.dirname(FW_DIR.rstrip(os.sep)), name, "")
-                     for name in ("framework", "recipes", "ops_cuda"))
-
-
-def _user_file(file: str) -> bool:
-    """Whether source file `file` is the user's: not fw's, Python's or an installed package's."""
-    return not file.startswith("<") and not in_library(file) and not os.path.realpath(file).startswith(_FW_PACKAGES)
-
-
 def _function(frame: FrameType) -> str:
     """The name of the function `frame` runs, with its class (`Task.sample`): Python 3.11's co_qualname, else the
     class of its `self` or `cls`."""
@@ -963,7 +953,7 @@ def _user_code(recipe: type) -> Iterator[None]:
         users = []   # (file, line, function) of the user's frames, from fw's call inwards
         tb = e.__traceback__
         while tb is not None:
-            if _user_file(tb.tb_frame.f_code.co_filename):
+            if is_user_file(tb.tb_frame.f_code.co_filename):
                 users.append((tb.tb_frame.f_code.co_filename, tb.tb_lineno, _function(tb.tb_frame)))
             tb = tb.tb_next
         if not users:
