@@ -277,10 +277,14 @@ def main(argv: list[str] | None = None) -> int:
             traceback.print_exc()
         print(f"fw: {e}", file=sys.stderr)
         return e.exit_code
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
         if debug:
             traceback.print_exc()
-        print("fw: interrupted", file=sys.stderr)
+        from framework.imports import user_line
+
+        # where the user's code was running (a module being imported, a constructor), when it was
+        where = user_line(e)
+        print(f"fw: interrupted: KeyboardInterrupt{where}" if where else "fw: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:   # the reader of the output went away (`fw schema | head`), as it may
         if debug:

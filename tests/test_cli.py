@@ -189,7 +189,9 @@ def test_keyboard_interrupt_exits_130(capsys, tmp_path, monkeypatch):
     config = tmp_path / "c.yaml"
     config.write_text("recipe: sft\nmodel: {policy: {preset: tiny}}\n"
                       "callbacks: [{class_path: interrupting_fw_mod.Callback}]\n")
-    assert fw(capsys, "validate", "--config", str(config)) == (130, "", "fw: interrupted\n")
+    module = tmp_path / "interrupting_fw_mod.py"
+    assert fw(capsys, "validate", "--config", str(config)) == (
+        130, "", f"fw: interrupted: KeyboardInterrupt (at {module}:1)\n")
     sys.modules.pop("interrupting_fw_mod", None)
 
 
@@ -254,7 +256,7 @@ def test_sigint_exits_130(tmp_path):
         time.sleep(0.05)
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=60)
-    assert (proc.returncode, err) == (130, "fw: interrupted\n")
+    assert (proc.returncode, err) == (130, f"fw: interrupted: KeyboardInterrupt (at {tmp_path / 'slow_fw_mod.py'}:3)\n")
 
 
 # ------------------------------------------------------------------------------------------ fit, end to end
