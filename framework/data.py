@@ -20,7 +20,6 @@ the same position with the new global batch size (no example skipped or repeated
 from __future__ import annotations
 
 import json
-import sys
 from array import array
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -29,6 +28,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
+from framework.console import say
 from framework.errors import FwError
 from framework.jsonl import read_jsonl
 from framework.tasks import build_task, render_prompt
@@ -258,9 +258,9 @@ def _say_empty(empty: list[str], total: int) -> None:
 
     if not empty or rank_zero_only.rank != 0:
         return
-    print(f"fw: data.path: {len(empty)} of {total} examples {'has' if len(empty) == 1 else 'have'} an empty or "
-          f"blank reply (the first: {empty[0]}), which trains on its end token alone and teaches the model to answer "
-          "with nothing", file=sys.stderr)
+    say(f"fw: data.path: {len(empty)} of {total} examples {'has' if len(empty) == 1 else 'have'} an empty or "
+        f"blank reply (the first: {empty[0]}), which trains on its end token alone and teaches the model to answer "
+        "with nothing")
 
 
 def _say_truncated(examples: list[Example], max_len: int) -> None:
@@ -280,8 +280,8 @@ def _say_truncated(examples: list[Example], max_len: int) -> None:
     if rank_zero_only.rank != 0:
         return
     cut = f"; {empty} of them {'keeps' if empty == 1 else 'keep'} no token to train on" if empty else ""
-    print(f"fw: data.path: {len(long)} of {len(examples)} examples are longer than data.max_seq_len ({max_len}) "
-          f"and are cut to it{cut}", file=sys.stderr)
+    say(f"fw: data.path: {len(long)} of {len(examples)} examples are longer than data.max_seq_len ({max_len}) "
+        f"and are cut to it{cut}")
 
 
 class ExampleStream:

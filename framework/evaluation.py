@@ -32,7 +32,6 @@ import functools
 import json
 import math
 import os
-import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
@@ -41,6 +40,7 @@ import lightning
 import torch
 
 from framework.cadence import crossed
+from framework.console import say
 from framework.errors import FwError
 from framework.rng import rng_state, set_rng_state
 
@@ -589,9 +589,9 @@ class EvalCallback(lightning.Callback):
         earlier = saved.get("draws") if saved else None
         if needs_draws(self.cfg):
             if resumed and not saved and trainer.is_global_zero:
-                print("fw: warning: eval: the checkpoint records no held-out bound (written by an older fw, or by a "
-                      "run that did not hold out eval data), so the eval set is chosen anew for this run; the eval "
-                      "metrics from here on are not comparable with the earlier ones", file=sys.stderr, flush=True)
+                say("fw: warning: eval: the checkpoint records no held-out bound (written by an older fw, or by a "
+                    "run that did not hold out eval data), so the eval set is chosen anew for this run; the eval "
+                    "metrics from here on are not comparable with the earlier ones", flush=True)
             recipe = getattr(module, "recipe", None)
             world_size, step = trainer.world_size, trainer.global_step
             # every rank reaches the collective (the same config on each); rank 0 alone counts the draws (SFT from a
@@ -606,16 +606,16 @@ class EvalCallback(lightning.Callback):
         # a record without the key is an older fw's (a run without one at all was warned about above)
         older = (saved or {}).get("key") != HELD_OUT_KEY and not (needs_draws(self.cfg) and not saved)
         if resumed and older and self.cfg["eval"]["held_out"] and trainer.is_global_zero:
-            print("fw: warning: eval: the checkpoint was written by an older fw, which held eval samples out by their "
-                  "whole record; they are now held out by prompt (an eval sample whose prompt the run trains on is "
-                  "left out), so the eval set may differ and the eval metrics from here on may not be comparable "
-                  "with the earlier ones", file=sys.stderr, flush=True)
+            say("fw: warning: eval: the checkpoint was written by an older fw, which held eval samples out by their "
+                "whole record; they are now held out by prompt (an eval sample whose prompt the run trains on is "
+                "left out), so the eval set may differ and the eval metrics from here on may not be comparable "
+                "with the earlier ones", flush=True)
         self.evaluation = Evaluation(self.cfg, module.tokenizer, trainer.world_size, draws=draws, earlier=earlier)
         if self.evaluation.changed and trainer.is_global_zero:
-            print(f"fw: warning: eval: this run can draw {draws} training samples, more than the {earlier} its eval "
-                  "set was chosen against (a larger trainer.max_steps or global batch), and some eval samples are "
-                  "among them; they are replaced by others, so the eval metrics from here on are not comparable "
-                  "with the earlier ones", file=sys.stderr, flush=True)
+            say(f"fw: warning: eval: this run can draw {draws} training samples, more than the {earlier} its eval "
+                "set was chosen against (a larger trainer.max_steps or global batch), and some eval samples are "
+                "among them; they are replaced by others, so the eval metrics from here on are not comparable "
+                "with the earlier ones", flush=True)
         self._step = trainer.global_step
         if self.cfg["eval"]["at_start"] and trainer.global_step == 0:
             self._evaluate(trainer, module)

@@ -37,8 +37,8 @@ from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 from lightning.pytorch.utilities import rank_zero_only
 from torch import Tensor
-from tqdm import tqdm
 
+from framework.console import say
 from framework.durable import disk_full, disk_full_cause, replace_file
 from framework.errors import FwError
 from framework.metrics import JsonlLogger
@@ -70,14 +70,6 @@ def _write_hparams(log_dir: str, hparams: dict[str, Any] | Namespace) -> None:
     """`<log_dir>/hparams.yaml` as Lightning writes it, rendered first and then replaced in one rename
     (`replace_file`): a crash or a value that cannot be written leaves the previous file."""
     replace_file(Path(log_dir) / "hparams.yaml", hparams_yaml(hparams))
-
-
-def _warn(line: str) -> None:
-    """`line` on stderr as a line of its own during a fit: the progress bars of tqdm (Lightning's, on stdout, which
-    shares the terminal with stderr) are cleared while it is written and drawn again below it, instead of the line
-    following a bar's unfinished one. Without a bar it is a plain line."""
-    with tqdm.external_write_mode(file=sys.stderr):
-        print(line, file=sys.stderr, flush=True)
 
 
 def _csv_step(row: dict[str, str | None]) -> float:
@@ -433,7 +425,7 @@ class RunTensorBoardLogger(TensorBoardLogger):
     An infinite or NaN value (a user's metric, fp16's grad_norm on a step its loss scaler skipped) is written as it
     is, which TensorBoard's events hold; the first one of each metric is named in one line on stderr, in place of
     tensorboardX's warning for each such value, which names none. fw's lines are written above Lightning's progress
-    bar (`_warn`).
+    bar (`framework.console.say`).
     """
 
     def __init__(self, run_dir: str | os.PathLike) -> None:
@@ -460,7 +452,7 @@ class RunTensorBoardLogger(TensorBoardLogger):
             self._guard = guard = _EventWriterGuard(experiment)
             if guard.missing and not getattr(self, "_said_unguarded", False):
                 self._said_unguarded = True
-                _warn(guard.unguarded())
+                say(guard.unguarded(), flush=True)
         return experiment
 
     def _event_file(self) -> str:
@@ -487,8 +479,8 @@ class RunTensorBoardLogger(TensorBoardLogger):
             value = value.item() if isinstance(value, Tensor) and value.numel() == 1 else value
             if isinstance(value, numbers.Real) and not math.isfinite(value) and key not in self._non_finite:
                 self._non_finite.add(key)
-                _warn(f"fw: warning: metric {key!r} is {value} at step {step}; TensorBoard records it as logged "
-                      "(said once per metric)")
+                say(f"fw: warning: metric {key!r} is {value} at step {step}; TensorBoard records it as logged "
+                    "(said once per metric)", flush=True)
         with self._checked(), _no_anonymous_non_finite():
             super().log_metrics(metrics, step)
 
@@ -572,8 +564,8 @@ class _Guarded:
         return self.method == "finalize" and (args[0] if args else kwargs.get("status")) == "failed"
 
     def _say(self, e: Exception) -> None:
-        _warn(f"fw: warning: {self.where}.finalize raised {_raised(e)} while the run ended on an earlier error, "
-              "reported below")
+        say(f"fw: warning: {self.where}.finalize raised {_raised(e)} while the run ended on an earlier error, "
+            "reported below", flush=True)
 
 
 def logger_class_problem(class_path: str) -> str | None:

@@ -19,6 +19,8 @@ import threading
 from types import FrameType, TracebackType
 from typing import final
 
+from framework.console import say
+
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
@@ -50,7 +52,9 @@ class Interrupted(Stopped):
         self.what = what
 
 
-def _say(message: str) -> None:
+def _say_last(message: str) -> None:
+    """The line before `os._exit`, a plain print: `say` would wait for the progress bar's lock and write to stdout,
+    and a main thread stuck in the bar's write (stdout a pipe nobody reads) would keep the process from exiting."""
     print(message, file=sys.stderr, flush=True)
 
 
@@ -95,17 +99,17 @@ class StopSignals:
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         name = signal_name(signum)
         if self.signum is not None:
-            _say(f"fw: {name} again: exiting now; the checkpoints published so far are kept")
+            _say_last(f"fw: {name} again: exiting now; the checkpoints published so far are kept")
             os._exit(128 + signum)
         self.signum = signum
         if not self.training:
             raise Stopped(signum, f"stopped by {name} before the first step; nothing to save")
-        _say(f"fw: {name}: finishing the current step and saving a checkpoint (send it again to exit now)")
+        say(f"fw: {name}: finishing the current step and saving a checkpoint (send it again to exit now)", flush=True)
         self._watchdog = threading.Timer(self.grace_s, self._expire, args=(signum,))
         self._watchdog.daemon = True
         self._watchdog.start()
 
     def _expire(self, signum: int) -> None:
-        _say(f"fw: {signal_name(signum)}: the step did not finish within trainer.stop_grace_s = {self.grace_s:g} s; "
-             "exiting without its checkpoint (the checkpoints published so far are kept)")
+        _say_last(f"fw: {signal_name(signum)}: the step did not finish within trainer.stop_grace_s = "
+                  f"{self.grace_s:g} s; exiting without its checkpoint (the checkpoints published so far are kept)")
         os._exit(128 + signum)

@@ -29,6 +29,7 @@ from framework.callbacks import (
     user_callbacks,
 )
 from framework.config import uses_cuda
+from framework.console import last_resort_above_bars
 from framework.errors import FwError
 from framework.evaluation import EvalCallback, eval_enabled
 from framework.loggers import build_loggers, earlier_logs, log_config
@@ -327,6 +328,7 @@ def fit(cfg: dict, resume: str | None = None, skip_damaged: bool = False,
         if rank0:
             print(plan.table(), file=sys.stderr, flush=True)
         stack.enter_context(quiet_lightning())
+        stack.enter_context(last_resort_above_bars())   # fw's reward warnings are logging records
         # first: it refuses unsupported settings before the models are built
         trainer = build_trainer(cfg, stop, keep_on_device, checkpoint=ckpt_path)
         module = FwModule(cfg, device=build_device(trainer))

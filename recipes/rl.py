@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -45,6 +44,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from framework.allocator import to_device
 from framework.config import uses_cuda
+from framework.console import say
 from framework.errors import FwError
 from framework.memory_plan import compute_dtype, estimate
 from framework.models import Packing, SharedPrompts
@@ -589,9 +589,9 @@ class RLRecipe:
         why = self._cut_mismatch(saved, ctx.world_size)
         if why is not None:
             if ctx.rank == 0:
-                print(f"fw: warning: the checkpoint's run stopped after {saved['taken']} policy steps of rollout batch "
-                      f"{saved['rollout_step']}; {why}, so the rest of that batch is dropped and training continues "
-                      "with a new rollout batch", file=sys.stderr, flush=True)
+                say(f"fw: warning: the checkpoint's run stopped after {saved['taken']} policy steps of rollout batch "
+                    f"{saved['rollout_step']}; {why}, so the rest of that batch is dropped and training continues "
+                    "with a new rollout batch", flush=True)
             return None
         return CutBatch(int(saved["rollout_step"]), int(saved["taken"]), self.update_layout(),
                         pinned_from_state(saved["ranks"][ctx.rank], ctx.device))

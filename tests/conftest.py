@@ -87,3 +87,19 @@ def quiet_lightning():
     yield
     for lg, level in zip(loggers, levels, strict=True):
         lg.setLevel(level)
+
+
+def on_screen(text):
+    """The lines a terminal shows for `text`, trailing blanks dropped: a carriage return moves to the start of the
+    line, and what follows overwrites it."""
+    lines, line, col = [], [], 0
+    for ch in text:
+        if ch == "\r":
+            col = 0
+        elif ch == "\n":
+            lines.append("".join(line).rstrip())
+            line, col = [], 0
+        else:
+            line[col:col + 1] = [ch]
+            col += 1
+    return lines + ["".join(line).rstrip()]

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import on_screen
 from lightning.pytorch.loggers import CSVLogger, Logger
 from lightning.pytorch.utilities.imports import _OMEGACONF_AVAILABLE
 
@@ -609,22 +610,6 @@ def test_a_non_finite_value_is_recorded_and_named_once_per_metric(tmp_path, caps
     mine = tb_points(log_dir, "mine")
     assert [step for step, _ in mine] == [1, 2, 3] and math.isnan(mine[0][1]) and math.isnan(mine[1][1])
     assert mine[2][1] == 1.0
-
-
-def on_screen(text):
-    """The lines a terminal shows for `text`, trailing blanks dropped: a carriage return moves to the start of the
-    line, and what follows overwrites it."""
-    lines, line, col = [], [], 0
-    for ch in text:
-        if ch == "\r":
-            col = 0
-        elif ch == "\n":
-            lines.append("".join(line).rstrip())
-            line, col = [], 0
-        else:
-            line[col:col + 1] = [ch]
-            col += 1
-    return lines + ["".join(line).rstrip()]
 
 
 def test_on_screen_overwrites_from_a_carriage_return():

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -21,6 +20,7 @@ from framework.checkpoint.store import (
     refuse_existing_checkpoints,
     step_dir_name,
 )
+from framework.console import say
 from framework.durable import remove_tree
 from framework.errors import FwError
 from framework.models.hf_io import GENERATION_CONFIG
@@ -170,6 +170,6 @@ class CheckpointCallback(pl.Callback):
                 # the write against the whole save (which also gathers the states): where a slow save's time goes
                 size, seconds = io.last_write
                 shown = f"{size / 2**30:.2f} GiB" if size >= 2**30 else f"{size / 2**20:.1f} MiB"
-                print(f"fw: saved {step_dir_name(step)}: {shown} written in {seconds:.1f} s "
-                      f"({size / 1e9 / max(seconds, 1e-9):.2f} GB/s), {total:.1f} s with gathering the states",
-                      file=sys.stderr, flush=True)
+                say(f"fw: saved {step_dir_name(step)}: {shown} written in {seconds:.1f} s "
+                    f"({size / 1e9 / max(seconds, 1e-9):.2f} GB/s), {total:.1f} s with gathering the states",
+                    flush=True)

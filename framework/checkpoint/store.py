@@ -23,6 +23,7 @@ from framework.checkpoint.directory import (
     read_manifest,
     verified,
 )
+from framework.console import say
 from framework.durable import dead_leftovers, fsync_dir, remove_tree
 from framework.errors import FwError
 from framework.run_lock import LOCK_FILE
@@ -418,8 +419,7 @@ def prune(run_dir: str | os.PathLike, keep_last: int | None) -> list[str]:
         target = os.readlink(path) if os.path.islink(path) else None
         remove_tree(Path(path))
         if target is not None:
-            print(f"fw: pruned {path}, a link: removed the link, kept its target {target}", file=sys.stderr,
-                  flush=True)
+            say(f"fw: pruned {path}, a link: removed the link, kept its target {target}", flush=True)
     return old
 
 
