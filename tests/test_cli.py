@@ -398,7 +398,7 @@ def test_pyproject_dependencies_and_entry_point():
     specifiers = pytest.importorskip("packaging.requirements")
     deps = {specifiers.Requirement(d).name: specifiers.Requirement(d).specifier for d in project["dependencies"]}
     assert set(deps) == {"torch", "lightning", "torchmetrics", "safetensors", "tokenizers", "pyyaml", "jsonschema",
-                         "ninja", "tensorboardX"}
+                         "ninja", "tensorboardX", "tqdm"}
     for name, version in [("torch", "2.11.0"), ("lightning", "2.6.6"), ("pyyaml", "6.0.3"), ("tokenizers", "0.23.2"),
                           ("safetensors", "0.8.0"), ("torchmetrics", "1.9.0"), ("ninja", "1.13.2")]:
         assert deps[name].contains(version), f"{name} {version} (the GPU machine's) must be admitted"
