@@ -65,8 +65,15 @@ class ProgressBar(TQDMProgressBar):
 
     SHOWN = ("loss", "token_accuracy", "reward/mean", "lr", "tokens_per_s", "eval/loss", "eval/accuracy")
 
+    def on_train_start(self, trainer: lightning.Trainer, *_: Any) -> None:
+        super().on_train_start(trainer)
+        self._count_steps(trainer)   # a resume inside an epoch gets no on_train_epoch_start
+
     def on_train_epoch_start(self, trainer: lightning.Trainer, *_: Any) -> None:
         super().on_train_epoch_start(trainer)
+        self._count_steps(trainer)
+
+    def _count_steps(self, trainer: lightning.Trainer) -> None:
         bar = self.train_progress_bar
         bar.total = convert_inf(trainer.max_steps)
         bar.n = bar.initial = trainer.global_step

@@ -148,3 +148,5 @@ def test_fw_lines_during_a_fit_are_lines_of_their_own_above_the_progress_bar(tmp
         assert all(line.startswith(("fw: ", "reward failed")) for line in ours), ours
         assert re.search(r"\| \d+/", [line for line in lines if line][-1])   # the bar, drawn last
     assert re.search(r"\| 9/", last[-2])
+    # the resumed runs count optimizer steps as a fresh one does, though Lightning resumes them inside an epoch
+    assert re.match(r"step: +100%\|.*\| 9/9 ", last[-2]), last[-2]
