@@ -103,3 +103,15 @@ def on_screen(text):
             line[col:col + 1] = [ch]
             col += 1
     return lines + ["".join(line).rstrip()]
+
+
+def interrupt_once_started(proc, marker, timeout_s: float = 60.0) -> None:
+    """SIGINT to `proc` once file `marker` exists (the code to interrupt is running), or after `timeout_s`, or at
+    once if `proc` has ended."""
+    import signal
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not marker.exists() and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)

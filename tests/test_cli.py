@@ -7,10 +7,10 @@ import signal
 import stat
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
+from conftest import interrupt_once_started
 
 from framework import yaml12
 from framework.cli import main
@@ -251,10 +251,7 @@ def test_sigint_exits_130(tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "framework", "validate", "--config", str(config)],
                             cwd=ROOT, env={**os.environ, "PYTHONPATH": str(tmp_path)},
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 60
-    while not marker.exists() and time.monotonic() < deadline and proc.poll() is None:
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGINT)
+    interrupt_once_started(proc, marker)
     _, err = proc.communicate(timeout=60)
     assert (proc.returncode, err) == (130, f"fw: interrupted: KeyboardInterrupt (at {tmp_path / 'slow_fw_mod.py'}:3)\n")
 

@@ -5,16 +5,15 @@ estimate against torch.cuda.max_memory_allocated."""
 import gc
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 import weakref
 from itertools import pairwise
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import interrupt_once_started
 from scripts.qwen_tokenizer import qwen_tokenizer_dir
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
@@ -1160,10 +1159,7 @@ def test_ctrl_c_while_the_plan_reads_a_slow_task_exits_130_naming_where_it_was(t
     env = {k: v for k, v in os.environ.items() if k != "FW_DEBUG"}
     proc = subprocess.Popen([sys.executable, "-m", "framework", "plan", "--config", str(config)], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 60
-    while not marker.exists() and time.monotonic() < deadline and proc.poll() is None:
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGINT)
+    interrupt_once_started(proc, marker)
     out, err = proc.communicate(timeout=60)
     assert (proc.returncode, out, err) == (
         130, "", f"fw: interrupted: KeyboardInterrupt in Task.sample (at {tmp_path / 'slow_plan_task.py'}:9)\n")
