@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
+import os
 import signal
 import sys
 import traceback
@@ -140,8 +142,6 @@ class SameCheckpointOnEveryRank(lightning.Callback):
 
 def _checkpoint_identity(checkpoint: str | None) -> str | None:
     """What tells one checkpoint from another across nodes: its manifest's sha256, else its resolved path."""
-    import hashlib
-
     from framework.checkpoint import MANIFEST
 
     if checkpoint is None:
@@ -157,8 +157,6 @@ def _number_this_process(cfg: dict) -> None:
     A job started by hand on each node (NODE_RANK set, no launcher's RANK) has rank NODE_RANK x processes a node +
     LOCAL_RANK, where Lightning's guess at import says 0 on every node's first process: each would lock run_dir,
     print and write as the first process."""
-    import os
-
     from framework.config import world_size
 
     if any(k in os.environ for k in ("RANK", "SLURM_PROCID", "JSM_NAMESPACE_RANK")):
