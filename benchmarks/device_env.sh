@@ -1,4 +1,7 @@
 # Sourced by the device scripts (h200.sh, multi_gpu.sh): the environment every command there needs.
+# A build brought back from an earlier call (h200.sh's keep-build step writes it under $OUT/fwops; kept here as
+# .fwops/ and carried along) serves every call on the same sources, torch and CUDA, instead of compiling again.
+if [ -z "${FW_OPS_CACHE:-}" ] && [ -d .fwops ]; then FW_OPS_CACHE=$PWD/.fwops; fi
 export PYTHONUNBUFFERED=1 FW_OPS_CACHE=${FW_OPS_CACHE:-/tmp/fwops}
 if [ -d .whl ]; then   # the GPU machine has no package index: jsonschema & co. travel as wheels
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl

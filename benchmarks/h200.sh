@@ -21,6 +21,9 @@ step() {  # step NAME LIMIT_S LOG CMD...
 }
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; python3 -c "import torch; print(torch.__version__)"; git log -1 --format='commit %h %s' 2>/dev/null; } | tee -a "$OUT/summary.log"
 step build 300 summary.log python3 -c "import ops_cuda; print(ops_cuda.build()); print(ops_cuda.doctor())"
+# the built library and its marker under $OUT/fwops, laid out as FW_OPS_CACHE holds them: copied into .fwops/ of the
+# checkout and carried, they spare a later call the build (benchmarks/device_env.sh)
+step keep-build 120 summary.log env OUT="$OUT" bash -c 'so=$(python3 -c "import ops_cuda; print(ops_cuda.build())" | tail -n 1) && dir=$(dirname "$so") && rel=${dir#"$FW_OPS_CACHE"/} && mkdir -p "$OUT/fwops/$rel" && cp "$so" "$dir/built" "$OUT/fwops/$rel/" && ls -l "$OUT/fwops/$rel"'
 step gpu-tests 560 gpu_tests.log python3 -m pytest -m gpu -q -p no:cacheprovider --continue-on-collection-errors --durations=10
 step ops-bench 330 ops_bench.log python3 -m benchmarks.ops.bench_ops
 step ops-bench-pdl-off 90 ops_bench.log env FW_PDL=0 python3 -m benchmarks.ops.bench_ops --only rms_norm,rope,swiglu
