@@ -25,6 +25,9 @@ step build 300 summary.log python3 -c "import ops_cuda; print(ops_cuda.build());
 # checkout and carried, they spare a later call the build (benchmarks/device_env.sh)
 step keep-build 120 summary.log env OUT="$OUT" bash -c 'so=$(python3 -c "import ops_cuda; print(ops_cuda.build())" | tail -n 1) && dir=$(dirname "$so") && rel=${dir#"$FW_OPS_CACHE"/} && mkdir -p "$OUT/fwops/$rel" && cp "$so" "$dir/built" "$OUT/fwops/$rel/" && ls -l "$OUT/fwops/$rel"'
 step gpu-tests 560 gpu_tests.log python3 -m pytest -m gpu -q -p no:cacheprovider --continue-on-collection-errors --durations=10
+# the same tests in two parts, for calls where the build and all of them do not fit one call's limit
+step gpu-tests-ops 560 gpu_tests.log python3 -m pytest -m gpu -q -p no:cacheprovider --durations=10 tests/test_ops_gpu.py
+step gpu-tests-rest 560 gpu_tests.log python3 -m pytest -m gpu -q -p no:cacheprovider --continue-on-collection-errors --durations=10 --ignore=tests/test_ops_gpu.py
 step ops-bench 330 ops_bench.log python3 -m benchmarks.ops.bench_ops
 step ops-bench-pdl-off 90 ops_bench.log env FW_PDL=0 python3 -m benchmarks.ops.bench_ops --only rms_norm,rope,swiglu
 step varlen-backends 90 ops_bench.log python3 -m benchmarks.ops.varlen_backends
