@@ -147,23 +147,11 @@ def _checkpoint_policy(cfg: dict, path: Path) -> tuple[dict, bool, dict]:
     return manifest, adapters, checkpoint_policy_config(cfg, path, adapters)
 
 
-def _model_config(policy_cfg: dict, tokenizer: Any) -> Any:
-    """The Qwen3Config of a model.policy section's base: its path's config.json or its preset; None for
-    neither (refused where the model is built)."""
-    from framework.models.hf_io import read_config
-    from framework.models.presets import preset_config
-
-    if policy_cfg["path"] is not None:
-        return read_config(policy_cfg["path"])[0]
-    if policy_cfg["preset"] is not None:
-        return preset_config(policy_cfg["preset"], tokenizer.vocab_size, tokenizer.eos_id, tokenizer.pad_id)
-    return None
-
-
 def _policy_shapes(cfg: dict, checkpoint: Path | None) -> tuple[Any, Any, torch.dtype] | None:
     """(tokenizer, Qwen3Config, weights' dtype) of the policy that `load_policy` loads, read without its weights;
     None where they do not read as that load reads them (it then says why, a checkpoint's file checked against its
     manifest)."""
+    from framework.models.build import policy_config
     from framework.models.hf_io import read_config, resolve_dtype
     from framework.tokenizer import Tokenizer, build_tokenizer
 
@@ -178,7 +166,7 @@ def _policy_shapes(cfg: dict, checkpoint: Path | None) -> tuple[Any, Any, torch.
         with warnings.catch_warnings():   # the load that follows warns of what this read finds
             warnings.simplefilter("ignore")
             tokenizer = Tokenizer.from_pretrained(checkpoint / POLICY) if own else build_tokenizer(cfg)
-            config = read_config(full)[0] if full is not None else _model_config(policy_cfg, tokenizer)
+            config = read_config(full)[0] if full is not None else policy_config(policy_cfg, tokenizer)
     except Exception:  # noqa: BLE001 (whatever fails here fails in the load, which explains it)
         return None
     return None if config is None else (tokenizer, config, resolve_dtype(policy_cfg["dtype"]))

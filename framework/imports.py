@@ -50,10 +50,10 @@ def in_library(file: str) -> bool:
     return os.path.realpath(file).startswith(STDLIB_DIRS + SITE_DIRS)
 
 
-FW_DIR = os.path.join(os.path.dirname(os.path.realpath(__file__)), "")   # fw's own modules, wherever installed
-# fw's packages (a source checkout's recipes/ and ops_cuda/ sit beside framework/, outside site-packages)
-FW_PACKAGES = tuple(os.path.join(os.path.dirname(FW_DIR.rstrip(os.sep)), name, "")
-                    for name in ("framework", "recipes", "ops_cuda"))
+# fw's packages, wherever installed (a source checkout's recipes/ and ops_cuda/ sit beside framework/, outside
+# site-packages)
+_ROOT = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
+FW_PACKAGES = tuple(os.path.join(_ROOT, name, "") for name in ("framework", "recipes", "ops_cuda"))
 
 
 def is_fw_file(file: str) -> bool:

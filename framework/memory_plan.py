@@ -826,15 +826,11 @@ def _model_configs(cfg: dict, tokenizer: Any, requirements: Requirements,
                    ) -> tuple[Qwen3Config, Qwen3Config | None, Qwen3Config | None]:
     """The shapes of the policy, and of the reference and value models that the recipe builds from their paths (None:
     from the policy, or not at all). A path the recipe does not read is not read here either."""
+    from framework.models.build import policy_config
     from framework.models.hf_io import read_config
-    from framework.models.presets import preset_config
 
-    policy = cfg["model"]["policy"]
-    if policy["path"] is not None:
-        model = read_config(policy["path"])[0]
-    elif policy["preset"] is not None:
-        model = preset_config(policy["preset"], tokenizer.vocab_size, tokenizer.eos_id, tokenizer.pad_id)
-    else:
+    model = policy_config(cfg["model"]["policy"], tokenizer)
+    if model is None:
         raise FwError("model.policy: set exactly one of path (an HF checkpoint directory) or preset")
     ref_path = cfg["model"]["reference"]["path"] if requirements.reference_model else None
     value_path = cfg["model"]["value"]["path"] if requirements.value_model else None

@@ -203,15 +203,21 @@ def resume_refusal(error: BaseException, checkpoint: str | os.PathLike, resume: 
     states were restored (names and values that a corrupt file holds fail there), and every file is hashed to find
     one that differs from the manifest."""
     path = Path(checkpoint)
-    if isinstance(error, DamagedFile):
-        damaged: DamagedFile | None = error
-    elif restoring and path.is_dir():   # gone: pruned by the run writing it, which no damage explains
-        damaged = found_damage(path)
-    else:
+    # a checkpoint gone meanwhile was pruned by the run writing it, which no damage explains
+    if not isinstance(error, DamagedFile) and not (restoring and path.is_dir()):
         return None
+    damaged = damage_in(path, error, every_file=True)
+    return None if damaged is None else FwError(_damaged_resume(path, damaged.problem, resume, skip_damaged))
+
+
+def damage_in(path: Path, error: BaseException, every_file: bool = False) -> DamagedFile | None:
+    """The damaged file of checkpoint `path` behind `error`: `error` itself when it is a DamagedFile, else what
+    `found_damage` finds (among every file with `every_file`, else among those the error names); None when there is
+    none, or when the file lies outside `path` (another checkpoint's)."""
+    damaged = error if isinstance(error, DamagedFile) else found_damage(path, None if every_file else error)
     if damaged is None or not damaged.file.absolute().is_relative_to(path.absolute()):
         return None
-    return FwError(_damaged_resume(path, damaged.problem, resume, skip_damaged))
+    return damaged
 
 
 def _damaged_resume(path: Path, problem: str, resume: str, skip_damaged: bool) -> str:
@@ -443,8 +449,8 @@ def read_resolved(checkpoint: str | os.PathLike, read: Callable[[Path], T], skip
         except Exception as e:
             if named or (before is not None and _inode(path) == before):
                 # a read without `checkpoint.verify` fails on a corrupt file without saying so: its hash does
-                damaged = e if isinstance(e, DamagedFile) else found_damage(path, e)
-                if damaged is None or not damaged.file.absolute().is_relative_to(path.absolute()):
+                damaged = damage_in(path, e)
+                if damaged is None:
                     raise
                 if not named and not skip_damaged:
                     raise FwError(_damaged_newest(path, damaged.problem)) from None

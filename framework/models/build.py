@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from framework.errors import FwError
-from framework.models.hf_io import load_pretrained, resolve_dtype
+from framework.models.hf_io import load_pretrained, read_config, resolve_dtype
 from framework.models.lora import add_adapters
 from framework.models.presets import preset_config
 from framework.models.qwen3 import Qwen3ForCausalLM, RMSNorm
@@ -44,6 +44,16 @@ def build_policy(model_cfg: dict, tokenizer, seed: int | None = None,
     if model_cfg["compile"]:
         model.compile()   # in place: keeps the class, its methods and the state_dict keys
     return model
+
+
+def policy_config(model_cfg: dict, tokenizer) -> Qwen3Config | None:
+    """The shapes `build_policy` builds for `model_cfg`, read without its weights: its path's config.json or its
+    preset's; None when it sets neither (which `build_policy` refuses)."""
+    if model_cfg["path"] is not None:
+        return read_config(model_cfg["path"])[0]
+    if model_cfg["preset"] is not None:
+        return preset_config(model_cfg["preset"], tokenizer.vocab_size, tokenizer.eos_id, tokenizer.pad_id)
+    return None
 
 
 def _base(path: str | None, preset: str | None, dtype: torch.dtype, tokenizer, seed: int | None,
