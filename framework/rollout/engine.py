@@ -48,6 +48,7 @@ from framework.rollout.kv_cache import (
     batch_bucket,
     compute_dtype,
     decode_step,
+    first_decode_step,
     fp8_cuda_problem,
     pool_blocks,
     pool_dtype,
@@ -517,9 +518,11 @@ class _Run:
             self.e.graphs[key] = graph
             logits = graph(inputs, tables)
         else:
-            # the first step of a bucket runs eagerly: it does the lazy set-up (cuBLAS handles, the
-            # decode-attention counters, autocast's casts) that a capture must not record
-            logits = decode_step(self.e.model, self.e.cache, inputs, tables, self.casts)
+            # the first step of a bucket runs eagerly, with graphs on the stream that captures: it does the lazy
+            # set-up (cuBLAS handles and workspace, the decode-attention counters, autocast's casts) that a
+            # capture must not record
+            step = first_decode_step if graphed else decode_step
+            logits = step(self.e.model, self.e.cache, inputs, tables, self.casts)
             self.e.warm.add(key)
         return self._sample(rows, logits[:B], meta[:B])
 

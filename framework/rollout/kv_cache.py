@@ -125,15 +125,43 @@ def decode_step(model: Any, cache: Any, inputs: Tensor, tables: Tensor,
     return model.forward_paged(tokens, batch, cache, torch.arange(len(tokens), device=tokens.device))
 
 
+_CAPTURE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def capture_stream(device: torch.device) -> torch.cuda.Stream:
+    """The stream on which every decode graph of `device` is captured, and each bucket's eager first step runs.
+
+    cuBLAS keeps a workspace per stream for the life of the process, made at that stream's first matmul. Made
+    by the eager step, it lies outside the graphs' pool, which then goes back whole with the graphs; one stream
+    keeps one workspace, where a stream per capture left one in the pool of each.
+    """
+    device = torch.device(device)
+    if device not in _CAPTURE_STREAMS:
+        _CAPTURE_STREAMS[device] = torch.cuda.Stream(device=device)
+    return _CAPTURE_STREAMS[device]
+
+
+def first_decode_step(model: Any, cache: Any, inputs: Tensor, tables: Tensor,
+                      casts: dict[Tensor, Tensor] | None = None) -> Tensor:
+    """`decode_step` run eagerly on the capture stream, ordered after the current stream's work and before what
+    follows it there: the lazy set-up a capture must not record (cuBLAS handles and workspace, the
+    decode-attention counters) is then done for the stream that captures."""
+    stream, current = capture_stream(inputs.device), torch.cuda.current_stream(inputs.device)
+    stream.wait_stream(current)
+    with torch.cuda.stream(stream):
+        logits = decode_step(model, cache, inputs, tables, casts)
+    current.wait_stream(stream)
+    return logits
+
+
 class DecodeGraph:
     """The decode step captured once for one (batch bucket, table width) and replayed per step: it reads
     the fed tokens and positions and the rows' block tables from static buffers and leaves the logits in a
     static one (overwritten by the next replay).
 
-    Capture it only after an eager step of the same shapes, which did the lazy set-up (cuBLAS handles, the
-    decode-attention counters). The capture is by hand rather than ``torch.cuda.graph``, whose entry empties
-    the allocator cache: in an RL loop that would hand every training step's memory back at each rollout.
-    All graphs of an engine share one memory pool.
+    Capture it only after `first_decode_step` of the same shapes, which did the lazy set-up. The capture is by
+    hand rather than ``torch.cuda.graph``, whose entry empties the allocator cache: in an RL loop that would
+    hand every training step's memory back at each rollout. All graphs of an engine share one memory pool.
     """
 
     def __init__(self, model: Any, cache: Any, inputs: Tensor, tables: Tensor, pool: Any,
@@ -142,7 +170,7 @@ class DecodeGraph:
         self.inputs, self.tables = inputs.clone(), tables.clone()
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.device(self.device):   # the model's device, whichever one is current
-            stream, current = torch.cuda.Stream(), torch.cuda.current_stream()
+            stream, current = capture_stream(self.device), torch.cuda.current_stream()
             stream.wait_stream(current)
             with torch.cuda.stream(stream):
                 # thread_local: CUDA calls of other threads (a DataLoader's pin-memory thread, a checkpoint
