@@ -21,9 +21,10 @@ step() {  # step NAME LIMIT_S LOG CMD...
 }
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; python3 -c "import torch; print(torch.__version__)"; git log -1 --format='commit %h %s' 2>/dev/null; } | tee -a "$OUT/summary.log"
 step build 300 summary.log python3 -c "import ops_cuda; print(ops_cuda.build()); print(ops_cuda.doctor())"
-# the built library and its marker under $OUT/fwops, laid out as FW_OPS_CACHE holds them: copied into .fwops/ of the
-# checkout and carried, they spare a later call the build (benchmarks/device_env.sh)
-step keep-build 120 summary.log env OUT="$OUT" bash -c 'so=$(python3 -c "import ops_cuda; print(ops_cuda.build())" | tail -n 1) && dir=$(dirname "$so") && rel=${dir#"$FW_OPS_CACHE"/} && mkdir -p "$OUT/fwops/$rel" && cp "$so" "$dir/built" "$OUT/fwops/$rel/" && ls -l "$OUT/fwops/$rel"'
+# the built library and its marker in $OUT/fwops.tgz, laid out as FW_OPS_CACHE holds them (one file: what comes back
+# from $OUT is at most two folders deep and 16 MiB a file): put in .fwops/ of the checkout and carried, it spares a
+# later call on the same sources the build (benchmarks/device_env.sh unpacks it)
+step keep-build 120 summary.log env OUT="$OUT" bash -c 'so=$(python3 -c "import ops_cuda; print(ops_cuda.build())" | tail -n 1) && rel=$(dirname "${so#"$FW_OPS_CACHE"/}") && tar czf "$OUT/fwops.tgz" -C "$FW_OPS_CACHE" "$rel/fw_ops.so" "$rel/built" && ls -l "$OUT/fwops.tgz"'
 step gpu-tests 560 gpu_tests.log python3 -m pytest -m gpu -q -p no:cacheprovider --continue-on-collection-errors --durations=10
 # the same tests in two parts, for calls where the build and all of them do not fit one call's limit
 step gpu-tests-ops 560 gpu_tests.log python3 -m pytest -m gpu -q -p no:cacheprovider --durations=10 tests/test_ops_gpu.py
