@@ -7,6 +7,7 @@ import json
 import os
 from pathlib import Path
 
+import lightning.pytorch
 import pytest
 import torch
 import transformers
@@ -432,3 +433,28 @@ def test_grpo_with_lora_on_cuda_in_bf16(tmp_path, toy_base):
     kl = [r["policy/ref_kl"] for r in metrics]
     assert kl[0] == 0.0 and kl[-1] > 0
     _only_adapters_changed(cfg, module)
+
+
+_ALLOCATED: list[int] = []
+
+
+class AllocatedAtStepEnd(lightning.pytorch.Callback):
+    """Records the allocator's allocated bytes at the end of every training step in _ALLOCATED."""
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        torch.cuda.synchronize()
+        _ALLOCATED.append(torch.cuda.memory_allocated())
+
+
+@pytest.mark.gpu
+def test_grpo_with_lora_on_cuda_keeps_no_memory_from_one_rollout_to_the_next(tmp_path, toy_base):
+    """With adapters the engine captures its decode graphs again at every rollout (they read that call's autocast
+    casts). The captures ran on a new stream each, and cuBLAS kept a workspace of each stream for good: every
+    rollout left memory allocated."""
+    _ALLOCATED.clear()
+    _rl(tmp_path, "train.yaml", toy_base, 6, "--trainer.accelerator=gpu", "--trainer.devices=1",
+        "--trainer.precision=bf16-mixed", "--model.policy.dtype=bfloat16",
+        "--callbacks=[{class_path: test_lora.AllocatedAtStepEnd}]")
+    assert len(_ALLOCATED) == 6
+    # under 16 MiB, where a cuBLAS workspace is 32
+    assert _ALLOCATED[-1] - _ALLOCATED[1] < 2**24, [a / 2**20 for a in _ALLOCATED]
