@@ -54,8 +54,13 @@ class Interrupted(Stopped):
 
 def _say_last(message: str) -> None:
     """The line before `os._exit`, a plain print: `say` would wait for the progress bar's lock and write to stdout,
-    and a main thread stuck in the bar's write (stdout a pipe nobody reads) would keep the process from exiting."""
-    print(message, file=sys.stderr, flush=True)
+    and a main thread stuck in the bar's write (stdout a pipe nobody reads) would keep the process from exiting.
+    On a terminal it first clears the line the cursor is on, where the bar stands without its newline."""
+    try:
+        clear = "\r\x1b[2K" if sys.stderr.isatty() else ""
+    except (AttributeError, ValueError):   # a replaced or closed stream
+        clear = ""
+    print(clear + message, file=sys.stderr, flush=True)
 
 
 @final

@@ -91,10 +91,13 @@ def quiet_lightning():
 
 def on_screen(text):
     """The lines a terminal shows for `text`, trailing blanks dropped: a carriage return moves to the start of the
-    line, and what follows overwrites it."""
+    line, and what follows overwrites it; ESC [2K blanks the line."""
     lines, line, col = [], [], 0
+    text = text.replace("\x1b[2K", "\x00")
     for ch in text:
-        if ch == "\r":
+        if ch == "\x00":
+            line = [" "] * col
+        elif ch == "\r":
             col = 0
         elif ch == "\n":
             lines.append("".join(line).rstrip())

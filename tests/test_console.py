@@ -150,3 +150,49 @@ def test_fw_lines_during_a_fit_are_lines_of_their_own_above_the_progress_bar(tmp
     assert re.search(r"\| 9/", last[-2])
     # the resumed runs count optimizer steps as a fresh one does, though Lightning resumes them inside an epoch
     assert re.match(r"step: +100%\|.*\| 9/9 ", last[-2]), last[-2]
+
+
+_STOPPED_IN_A_STEP = """
+import os, signal, sys, time
+from tqdm import tqdm
+from framework.signals import StopSignals
+bar = tqdm(total=10, file=sys.stdout, ascii=True, ncols=60)   # Lightning's bar: stdout, no newline
+bar.update(3)
+bar.refresh()
+with StopSignals(grace_s=0.2) as stops:
+    stops.start_training()
+    os.kill(os.getpid(), signal.SIGTERM)   # the first signal: a stop request and the grace's watchdog
+    time.sleep(30)                         # a step that does not finish in time
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "openpty"), reason="a pseudo-terminal")
+def test_the_line_before_a_forced_exit_stands_alone_on_the_terminal(tmp_path):
+    """The grace of a stop runs out: the line written just before `os._exit`, which may not wait for the bar's lock,
+    stands on a line of its own on the terminal that shows both streams, the bar's unfinished line cleared."""
+    import fcntl
+    import struct
+    import subprocess
+    import termios
+
+    leader, follower = os.openpty()
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 80, 0, 0))   # a terminal's size: tqdm draws
+    proc = subprocess.Popen([sys.executable, "-c", _STOPPED_IN_A_STEP], stdin=subprocess.DEVNULL, stdout=follower,
+                            stderr=follower, cwd=ROOT)
+    os.close(follower)
+    out = b""
+    while True:
+        try:
+            chunk = os.read(leader, 4096)
+        except OSError:   # EIO: the child is gone and the terminal closed
+            break
+        if not chunk:
+            break
+        out += chunk
+    os.close(leader)
+    assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+    lines = [line for line in on_screen(out.decode()) if line]
+    assert lines == [
+        "fw: SIGTERM: finishing the current step and saving a checkpoint (send it again to exit now)",
+        ("fw: SIGTERM: the step did not finish within trainer.stop_grace_s = 0.2 s; exiting without its checkpoint "
+         "(the checkpoints published so far are kept)")], lines
