@@ -54,8 +54,9 @@ def test_with_both_variables_fw_reports_the_one_torch_uses():
     assert _run(_IN_FORCE, **both) == [used, both[ENV], used]
 
 
-# Rollouts of 256, 96, 24 and 5 rows (a decode graph each), twice: the first round does what a process keeps for
-# good (cuBLAS's workspace a stream, the decode-attention counters); the second must leave memory where it found it.
+# One row's two tokens (what a process keeps for good: cuBLAS's workspace a stream, the decode-attention counters),
+# then rollouts of 256, 96, 24 and 5 rows (a decode graph each), twice. The memory reserved after the first call is
+# where the rollouts must leave it, and the second round must allocate nothing the first did not.
 _ROLLOUTS = """
 import json, torch
 from framework.models.presets import preset_config
@@ -63,16 +64,17 @@ from framework.models.qwen3 import Qwen3ForCausalLM
 from framework.rollout import SamplingParams, generate
 torch.manual_seed(0)
 model = Qwen3ForCausalLM(preset_config("small", 512)).to("cuda", torch.bfloat16)
-params, prompt = SamplingParams(max_new_tokens=64, temperature=1.0), list(range(1, 200))
-def rollouts():
-    for rows in (256, 96, 24, 5):
-        generate(model, [prompt] * rows, params, seed=0)
+prompt = list(range(1, 200))
+def rollouts(rows_of_each, max_new_tokens):
+    for rows in rows_of_each:
+        generate(model, [prompt] * rows, SamplingParams(max_new_tokens=max_new_tokens, temperature=1.0), seed=0)
     torch.cuda.synchronize()
     return torch.cuda.memory_reserved(), torch.cuda.memory_allocated()
-first, second = rollouts(), rollouts()
+start = rollouts([1], 2)
+first, second = rollouts([256, 96, 24, 5], 64), rollouts([256, 96, 24, 5], 64)
 c = model.config
 kv = 2 * c.num_hidden_layers * 256 * c.num_key_value_heads * (len(prompt) + 64) * c.head_dim * 2
-grown = {"reserved": second[0] - first[0], "allocated": second[1] - first[1], "kv": kv}
+grown = {"reserved": second[0] - start[0], "allocated": second[1] - first[1], "kv": kv}
 print(json.dumps(grown, separators=(",", ":")))
 """
 
