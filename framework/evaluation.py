@@ -140,7 +140,7 @@ def training_draws(cfg: dict, world_size: int, tokenizer: Any = None, step: int 
     # the rows are filled in stream order whatever the micro-batch they belong to: all of them at once
     stream = ExampleStream(cfg, tokenizer, train_on_prompt=False)
     position = packed_position(stream, position, units, cfg["data"]["max_seq_len"])
-    _PACKED_DRAWS[key] = position
+    _remember(_PACKED_DRAWS, key, position)
     return position
 
 
@@ -154,6 +154,17 @@ _PACKED_DRAWS: dict[tuple, int] = {}
 # Evaluation's held-out samples in this process (and whether an earlier bound chose others), by config, kind, bound
 # and earlier bound
 _CHOSEN: dict[tuple, tuple[list[Any], bool]] = {}
+# How many entries each memo above keeps, the newest: what `fw fit` reuses is the one its validation made for its
+# start. Every fit's config (its run_dir too) is a key of its own, so a process that fits again and again (a
+# notebook, a sweep) would otherwise keep every run's config and eval samples until it exits.
+_MEMO_ENTRIES = 1
+
+
+def _remember(memo: dict, key: Any, value: Any) -> None:
+    """`memo[key] = value`, the oldest entries dropped to keep `_MEMO_ENTRIES`."""
+    while len(memo) >= _MEMO_ENTRIES:
+        del memo[next(iter(memo))]
+    memo[key] = value
 
 
 def needs_draws(cfg: dict) -> bool:
@@ -352,7 +363,7 @@ class Evaluation:
         too many of them are training samples are the training samples' keys held, and more candidates read."""
         memo = (_config_key(self.cfg), self.rl, draws, self._earlier)
         if memo not in _CHOSEN:   # `fw fit` chooses twice in one process: its validation, then its evaluation
-            _CHOSEN[memo] = self._choose(get, count, key, train_key, draws)
+            _remember(_CHOSEN, memo, self._choose(get, count, key, train_key, draws))
         chosen, self.changed = _CHOSEN[memo]
         return copy.deepcopy(chosen)   # the samples' metadata goes to user code (the reward)
 
