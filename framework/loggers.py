@@ -516,9 +516,17 @@ class RunTensorBoardLogger(TensorBoardLogger):
     def truncate_after(self, step: int) -> None:
         """Hide the points a resumed run writes again: the next event file starts with a purge past `step`."""
         self._kwargs["purge_step"] = step + 1
-        if self._experiment is not None:   # opened early (a user's callback): the purge needs a new file
-            self._experiment.close()
-            self._experiment = None
+        if self._experiment is None:
+            return
+        # opened early (Lightning's setup opens it at every start; a user's callback may write to it): the purge needs
+        # a new file. The closed writer's file, the one whose name ends in its suffix (`experiment`), goes when it
+        # holds nothing past its file-version record: else every start, each resume's too, would leave one behind.
+        self._experiment.close()
+        self._experiment = None
+        suffix = self._kwargs.get("filename_suffix")
+        for f in Path(self.log_dir).glob(f"events.out.tfevents.*{suffix}") if suffix else ():
+            if not _holds_events(f):
+                f.unlink(missing_ok=True)
 
 
 def _default_save_dir(cls: type, run_dir: Path) -> Path:
