@@ -154,16 +154,13 @@ _PACKED_DRAWS: dict[tuple, int] = {}
 # Evaluation's held-out samples in this process (and whether an earlier bound chose others), by config, kind, bound
 # and earlier bound
 _CHOSEN: dict[tuple, tuple[list[Any], bool]] = {}
-# How many entries each memo above keeps, the newest: what `fw fit` reuses is the one its validation made for its
-# start. Every fit's config (its run_dir too) is a key of its own, so a process that fits again and again (a
-# notebook, a sweep) would otherwise keep every run's config and eval samples until it exits.
-_MEMO_ENTRIES = 1
 
 
 def _remember(memo: dict, key: Any, value: Any) -> None:
-    """`memo[key] = value`, the oldest entries dropped to keep `_MEMO_ENTRIES`."""
-    while len(memo) >= _MEMO_ENTRIES:
-        del memo[next(iter(memo))]
+    """`memo[key] = value` as the memo's only entry: what `fw fit` reuses is the one its validation made for its
+    start. Every fit's config (its run_dir too) is a key of its own, so a process that fits again and again (a
+    notebook, a sweep) would otherwise keep every run's config and eval samples until it exits."""
+    memo.clear()
     memo[key] = value
 
 
