@@ -98,28 +98,24 @@ def _holds_events(event_file: Path) -> bool:
     """Whether a TensorBoard event file holds anything beyond the file-version record its writer opens it with.
 
     Lightning opens the writer at setup, so a run that fails before it logs leaves a file holding only that
-    record, which is no earlier run. A record cut short (a run killed mid-write) counts as a point."""
-    from google.protobuf.message import DecodeError
-    from tensorboardX.proto.event_pb2 import Event
-
+    record, which is no earlier run. A record cut short (a run killed mid-write) counts as a point. The file is read
+    as TFRecords, with no protobuf decoder: Lightning writes with torch's writer where the tensorboard package is
+    installed, else with tensorboardX's, and only the one it writes with need be installed. The first record counts
+    as the file-version one when its event holds the version string."""
     data = event_file.read_bytes()
-    pos = 0
-    while pos < len(data):
-        # a TFRecord: the data's length (uint64), its masked CRC (uint32), the data, the data's masked CRC
-        if pos + 12 > len(data):
-            return True
-        (length,) = struct.unpack_from("<Q", data, pos)
-        start, end = pos + 12, pos + 12 + length
-        if end + 4 > len(data):
-            return True
-        try:
-            event = Event.FromString(data[start:end])
-        except DecodeError:   # a record no writer finished
-            return True
-        if event.WhichOneof("what") != "file_version":
-            return True
-        pos = end + 4
-    return False
+    if not data:
+        return False
+    # a TFRecord: the data's length (uint64), its masked CRC (uint32), the data, the data's masked CRC
+    if len(data) < 12:
+        return True
+    (length,) = struct.unpack_from("<Q", data, 0)
+    end = 12 + length + 4
+    if end > len(data) or _FILE_VERSION not in data[12 : 12 + length]:
+        return True
+    return end < len(data)
+
+
+_FILE_VERSION = b"brain.Event:"   # the file_version field of a writer's first event ("brain.Event:2")
 
 
 @contextlib.contextmanager

@@ -14,6 +14,7 @@ import math
 import os
 import re
 import struct
+import sys
 import threading
 import time
 from argparse import Namespace
@@ -463,6 +464,38 @@ def test_a_run_that_failed_before_logging_can_be_started_again(tmp_path):
             f.unlink()
     named = earlier_logs(run_dir)
     assert named is not None and len(named.read_bytes()) == 60
+
+
+def test_event_files_are_read_without_tensorboardx(tmp_path, monkeypatch):
+    """Whether an event file holds points is read from its records alone: with tensorboardX not importable (Lightning
+    then writes with torch's writer), a file holding only the writer's file-version record holds none, one with a
+    scalar does, as does one cut short inside a record; an empty file holds none."""
+    from tensorboardX import SummaryWriter
+
+    from framework.loggers import _holds_events
+
+    def written(name, points):
+        writer = SummaryWriter(str(tmp_path / name))
+        for step in range(points):
+            writer.add_scalar("loss", 1.0 / (step + 1), step)
+        writer.close()
+        (f,) = (tmp_path / name).glob("events.out.tfevents.*")
+        return f
+
+    empty_run, run = written("empty", 0), written("points", 2)
+    for name in [n for n in sys.modules if n.split(".")[0] == "tensorboardX"] + ["tensorboardX"]:
+        monkeypatch.setitem(sys.modules, name, None)   # importing it, or any of its modules, now raises
+    with pytest.raises(ImportError):
+        from tensorboardX.proto.event_pb2 import Event  # noqa: F401
+    assert not _holds_events(empty_run) and _holds_events(run)
+    version_only = empty_run.read_bytes()
+    cut = tmp_path / "cut"
+    cut.write_bytes(run.read_bytes()[: len(version_only) + 5])
+    assert _holds_events(cut)
+    cut.write_bytes(version_only[:-3])   # inside the file-version record itself
+    assert _holds_events(cut)
+    cut.write_bytes(b"")
+    assert not _holds_events(cut)
 
 
 class QuietLogger(Logger):
