@@ -26,6 +26,7 @@ import os
 import queue
 import struct
 import sys
+import threading
 import time
 from argparse import Namespace
 from collections.abc import Callable, Iterator
@@ -392,6 +393,31 @@ def _no_anonymous_non_finite() -> Iterator[None]:
         _NAN_CHECK.removeFilter(quiet)
 
 
+# The module of torch.utils.tensorboard's writer thread (the tensorboard package's). An error there ends the thread,
+# which keeps the exception for the writer to raise in the caller at its next write or flush and then re-raises it
+# itself, and threading prints that again with its traceback, on top of fw's one line.
+_TORCH_WRITER_THREADS = "tensorboard.summary.writer.event_file_writer"
+
+
+@contextlib.contextmanager
+def quiet_event_writer_threads() -> Iterator[None]:
+    """For a fit's duration: the error that ends torch.utils.tensorboard's writer thread is left to the writer's
+    caller (fw's one line naming `logging.tensorboard`), not printed with its traceback; any other thread's uncaught
+    error reaches the hook that was there before, which comes back at the end (unless something set another)."""
+    before = threading.excepthook
+
+    def hook(args: threading.ExceptHookArgs) -> None:
+        if type(args.thread).__module__ != _TORCH_WRITER_THREADS:
+            before(args)
+
+    threading.excepthook = hook
+    try:
+        yield
+    finally:
+        if threading.excepthook is hook:
+            threading.excepthook = before
+
+
 def _after_the_second_of(folder: Path) -> None:
     """Wait, where `folder` holds an event file opened in the current second, until the next one.
 
@@ -452,8 +478,14 @@ class RunTensorBoardLogger(TensorBoardLogger):
         return experiment
 
     def _event_file(self) -> str:
+        """The writer's event file, for the line of a failed write: the one the guard read, else the one whose name
+        ends in this writer's suffix (torch.utils.tensorboard's writer), else the folder."""
         guard = getattr(self, "_guard", None)
-        return (guard.file if guard is not None and guard.file else None) or self.log_dir
+        if guard is not None and guard.file:
+            return guard.file
+        suffix = self._kwargs.get("filename_suffix")
+        named = sorted(Path(self.log_dir).glob(f"events.out.tfevents.*{suffix}")) if suffix else []
+        return str(named[-1]) if named else self.log_dir
 
     @contextlib.contextmanager
     def _checked(self) -> Iterator[None]:

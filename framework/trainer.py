@@ -34,7 +34,7 @@ from framework.config import uses_cuda
 from framework.console import last_resort_above_bars
 from framework.errors import FwError
 from framework.evaluation import EvalCallback, eval_enabled
-from framework.loggers import build_loggers, earlier_logs, log_config
+from framework.loggers import build_loggers, earlier_logs, log_config, quiet_event_writer_threads
 from framework.recipe import Requirements, recipe_class
 from framework.run_lock import RunLock
 from framework.signals import Interrupted, Stopped, StopSignals, signal_name
@@ -327,6 +327,7 @@ def fit(cfg: dict, resume: str | None = None, skip_damaged: bool = False,
             print(plan.table(), file=sys.stderr, flush=True)
         stack.enter_context(quiet_lightning())
         stack.enter_context(last_resort_above_bars())   # fw's reward warnings are logging records
+        stack.enter_context(quiet_event_writer_threads())
         # first: it refuses unsupported settings before the models are built
         trainer = build_trainer(cfg, stop, keep_on_device, checkpoint=ckpt_path)
         module = FwModule(cfg, device=build_device(trainer))
