@@ -35,6 +35,27 @@ def install_recipe(tmp_path, monkeypatch):
     return install
 
 
+# Lightning's TensorBoardLogger writes with torch.utils.tensorboard wherever the tensorboard package is installed,
+# else with tensorboardX (fw's own dependency): two writers whose threads, file names and errors differ.
+TENSORBOARD_WRITERS = ("tensorboardX", "torch")
+
+
+def use_tensorboard_writer(monkeypatch, writer: str) -> None:
+    """Make Lightning open `writer`'s SummaryWriter in this process (torch's needs the tensorboard package)."""
+    import lightning.fabric.loggers.tensorboard as lightning_tensorboard
+
+    if writer == "torch":
+        pytest.importorskip("tensorboard")
+    monkeypatch.setattr(lightning_tensorboard, "_TENSORBOARD_AVAILABLE", writer == "torch")
+
+
+@pytest.fixture(params=TENSORBOARD_WRITERS)
+def tensorboard_writer(request, monkeypatch):
+    """Each of Lightning's two TensorBoard writers in turn, in this process; the writer's name."""
+    use_tensorboard_writer(monkeypatch, request.param)
+    return request.param
+
+
 @pytest.fixture(scope="module")
 def tok():
     """The built-in character tokenizer."""

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import TENSORBOARD_WRITERS, use_tensorboard_writer
 
 from framework import checkpoint as ck
 from framework.errors import FwError
@@ -81,16 +82,23 @@ def _config(tmp_path: Path, run_dir: Path, tensorboard: bool, every: int) -> str
     return str(path)
 
 
-def _fw(*argv: str) -> subprocess.Popen:
+# `python -m framework`, with Lightning's TensorBoard writer chosen first (conftest.use_tensorboard_writer's choice)
+_WITH_WRITER = ("import sys, lightning.fabric.loggers.tensorboard as t; t._TENSORBOARD_AVAILABLE = {torch}; "
+                "from framework.cli import main; sys.exit(main())")
+
+
+def _fw(*argv: str, writer: str | None = None) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
-    return subprocess.Popen([sys.executable, "-m", "framework", *argv], cwd=REPO, env=env, stdout=subprocess.DEVNULL,
+    start = ["-m", "framework"] if writer is None else ["-c", _WITH_WRITER.format(torch=writer == "torch")]
+    return subprocess.Popen([sys.executable, *start, *argv], cwd=REPO, env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)
 
 
-def _fit_until_the_disk_fills(config: str, run_dir: Path, full: Path, first: int) -> tuple[int, str]:
-    """Start `fw fit`, fill the file system of `full` once step `first` is published, return (exit code,
-    stderr)."""
-    proc = _fw("fit", "--config", config)
+def _fit_until_the_disk_fills(config: str, run_dir: Path, full: Path, first: int,
+                              writer: str | None = None) -> tuple[int, str]:
+    """Start `fw fit` (TensorBoard through `writer`, or Lightning's choice), fill the file system of `full` once step
+    `first` is published, return (exit code, stderr)."""
+    proc = _fw("fit", "--config", config, writer=writer)
     published = ck.checkpoints_dir(run_dir) / ck.step_dir_name(first)
     deadline = time.monotonic() + 300
     while not published.is_dir():
@@ -125,15 +133,19 @@ def _resume_and_check(config: str, run_dir: Path, filler: Path) -> None:
     assert [r["step"] for r in read_metrics(run_dir / "metrics.jsonl")] == list(range(1, newest + 5))
 
 
-def test_tensorboard_on_a_full_disk_stops_fit_with_one_line(tmp_path, mounts):
+@pytest.mark.parametrize("writer", TENSORBOARD_WRITERS)
+def test_tensorboard_on_a_full_disk_stops_fit_with_one_line(tmp_path, mounts, writer):
     """TensorBoard's event file alone on the full file system (`logs/` is its own tmpfs): the writer thread meets
-    ENOSPC when its 8 KiB buffer fills (some 20 steps of events, before the flush at the next checkpoint, 50 steps
-    on) and the run stops with the line naming `logging.tensorboard` and the event file, instead of waiting
-    forever to queue an event for a thread that has ended."""
+    ENOSPC when its buffer fills (some 20 steps of events, before the flush at the next checkpoint, 50 steps on) and
+    the run stops with the line naming `logging.tensorboard` and the event file, instead of waiting forever to queue
+    an event for a thread that has ended, and without the traceback of torch's writer thread, which re-raises the
+    error its writer hands to fw."""
+    if writer == "torch":
+        pytest.importorskip("tensorboard")
     run_dir = tmp_path / "run"
     logs = mounts(run_dir / "logs", "1m")
     config = _config(tmp_path, run_dir, tensorboard=True, every=50)
-    rc, err = _fit_until_the_disk_fills(config, run_dir, logs, 50)
+    rc, err = _fit_until_the_disk_fills(config, run_dir, logs, 50, writer)
     assert rc == 2, err[-3000:]
     line = _error_line(err)
     assert line.startswith(f"fw: error: logging.tensorboard: {logs}/version_0/events.out.tfevents."), line
@@ -157,10 +169,12 @@ def test_metrics_jsonl_on_a_full_disk_stops_fit_with_one_line(tmp_path, mounts):
     _resume_and_check(config, run_dir, fs / "filler")
 
 
-def test_tensorboard_logger_whose_writer_thread_ended_raises_instead_of_waiting(tmp_path):
+def test_tensorboard_logger_whose_writer_thread_ended_raises_instead_of_waiting(tmp_path, monkeypatch):
     """tensorboardX queues events (10 at most) for its thread: with the thread gone, logging more than that
     raises a one-line error naming `logging.tensorboard`, and finalize returns, both without waiting for it."""
     from framework.loggers import RunTensorBoardLogger
+
+    use_tensorboard_writer(monkeypatch, "tensorboardX")
 
     logger = RunTensorBoardLogger(tmp_path)
     events = logger.experiment.file_writer.event_writer

@@ -64,7 +64,7 @@ def records(event_file: Path) -> int:
     return n
 
 
-def test_each_start_of_a_run_adds_one_event_file_with_its_points(tmp_path):
+def test_each_start_of_a_run_adds_one_event_file_with_its_points(tmp_path, tensorboard_writer):
     def config(max_steps: int) -> dict:
         return resolve({
             "recipe": "sft", "seed": 1, "run_dir": str(tmp_path / "run"), "model": {"policy": {"preset": "tiny"}},

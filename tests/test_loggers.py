@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import on_screen
+from conftest import TENSORBOARD_WRITERS, on_screen, use_tensorboard_writer
 from lightning.pytorch.loggers import CSVLogger, Logger
 from lightning.pytorch.utilities.imports import _OMEGACONF_AVAILABLE
 
@@ -237,7 +237,7 @@ def resume_config(run_dir, name, callbacks=()):
     return cfg
 
 
-def test_a_resumed_run_continues_one_csv_and_one_tensorboard_run(tmp_path):
+def test_a_resumed_run_continues_one_csv_and_one_tensorboard_run(tmp_path, tensorboard_writer):
     straight, broken = tmp_path / "straight", tmp_path / "broken"
     fit(resume_config(straight, "first"))
     expected = read_metrics(straight / "metrics.jsonl")
@@ -327,10 +327,7 @@ def test_tensorboard_resume_in_the_same_second_keeps_and_purges(tmp_path, monkey
     the resume's first metrics. tensorboardX's writer alone: torch.utils.tensorboard's file names put the process
     id and a counter before fw's suffix, so under a frozen clock their order is the counter's (in real time a
     resume's file waits for a later second: the next test)."""
-    from lightning.pytorch.loggers.tensorboard import _TENSORBOARD_AVAILABLE
-
-    if _TENSORBOARD_AVAILABLE:
-        pytest.skip("Lightning writes through torch.utils.tensorboard where the tensorboard package is installed")
+    use_tensorboard_writer(monkeypatch, "tensorboardX")
     monkeypatch.setattr(time, "time", lambda: 1_700_000_000.0)
     cfg = {"run_dir": str(tmp_path), "name": "fw", "logging": {"csv": False, "tensorboard": True, "loggers": []}}
     (_, first) = build_loggers(cfg)
@@ -436,7 +433,7 @@ class FailAtFirstStep(Callback):
         raise RuntimeError("simulated failure in the first step")
 
 
-def test_a_run_that_failed_before_logging_can_be_started_again(tmp_path):
+def test_a_run_that_failed_before_logging_can_be_started_again(tmp_path, tensorboard_writer):
     """Lightning opens TensorBoard's writer at setup, so a run that fails before its first point leaves an event
     file holding only the file-version record; that is no earlier run, and the same command runs again."""
     from framework.loggers import earlier_logs
@@ -466,11 +463,16 @@ def test_a_run_that_failed_before_logging_can_be_started_again(tmp_path):
     assert named is not None and len(named.read_bytes()) == 60
 
 
-def test_event_files_are_read_without_tensorboardx(tmp_path, monkeypatch):
+@pytest.mark.parametrize("writer", TENSORBOARD_WRITERS)
+def test_event_files_are_read_without_tensorboardx(tmp_path, monkeypatch, writer):
     """Whether an event file holds points is read from its records alone: with tensorboardX not importable (Lightning
     then writes with torch's writer), a file holding only the writer's file-version record holds none, one with a
-    scalar does, as does one cut short inside a record; an empty file holds none."""
-    from tensorboardX import SummaryWriter
+    scalar does, as does one cut short inside a record; an empty file holds none. Files of either writer."""
+    if writer == "torch":
+        pytest.importorskip("tensorboard")
+        from torch.utils.tensorboard import SummaryWriter
+    else:
+        from tensorboardX import SummaryWriter
 
     from framework.loggers import _holds_events
 
@@ -496,6 +498,49 @@ def test_event_files_are_read_without_tensorboardx(tmp_path, monkeypatch):
     assert _holds_events(cut)
     cut.write_bytes(b"")
     assert not _holds_events(cut)
+
+
+def test_during_a_fit_only_torchs_writer_thread_leaves_its_error_to_the_writer(monkeypatch):
+    """torch.utils.tensorboard's writer thread re-raises the error it keeps for its writer's caller: inside
+    `quiet_event_writer_threads` that thread's error is not printed again, another thread's still reaches the hook
+    that was set before, and that hook comes back afterwards."""
+    pytest.importorskip("tensorboard")
+    import queue as queues
+
+    from tensorboard.summary.writer.event_file_writer import _AsyncWriterThread
+
+    from framework.loggers import quiet_event_writer_threads
+
+    class FullDisk:
+        def write(self, data):
+            raise OSError(28, "No space left on device")
+
+    seen = []
+    before = seen.append   # the hook a user (or pytest) had set
+    monkeypatch.setattr(threading, "excepthook", before)
+
+    def run(thread):
+        thread.start()
+        thread.join(10)
+
+    def torch_writer_thread():
+        q = queues.Queue()
+        q.put(b"event")
+        thread = _AsyncWriterThread(q, FullDisk(), 120)
+        run(thread)
+        return thread
+
+    def failing():
+        raise ValueError("another thread's error")
+
+    with quiet_event_writer_threads():
+        writer_thread = torch_writer_thread()
+        run(threading.Thread(target=failing))
+        assert isinstance(writer_thread.exception, OSError)   # kept for the writer's caller, who raises it
+        assert [args.exc_type for args in seen] == [ValueError]
+    assert threading.excepthook is before
+    torch_writer_thread()   # outside a fit: the previous hook sees it again
+    assert [args.exc_type for args in seen] == [ValueError, OSError]
 
 
 class QuietLogger(Logger):
@@ -602,7 +647,7 @@ def test_readme_mlflow_sqlite_example_without_sqlalchemy_is_one_line(tmp_path, c
                                            "lightning.pytorch.loggers.MLFlowLogger raised ")
 
 
-def test_the_run_tensorboard_logger_pickles_with_its_writer_open(tmp_path):
+def test_the_run_tensorboard_logger_pickles_with_its_writer_open(tmp_path, tensorboard_writer):
     """A logger pickles as Lightning's own do (a copy of the trainer with its loggers): an open event writer (its
     queue and thread, and the guard that holds them) stays behind, as Lightning's own TensorBoardLogger leaves its
     writer."""
@@ -617,11 +662,13 @@ def test_the_run_tensorboard_logger_pickles_with_its_writer_open(tmp_path):
     logger.finalize("success")
 
 
-def test_a_non_finite_value_is_recorded_and_named_once_per_metric(tmp_path, capsys, caplog):
+def test_a_non_finite_value_is_recorded_and_named_once_per_metric(tmp_path, capsys, caplog, monkeypatch):
     """tensorboardX warns `NaN or Inf found in input tensor.` for every non-finite scalar and names none: the run's
     logger names each such metric once on stderr instead, and TensorBoard's events hold the values as logged."""
     import torch
     from tensorboardX.x2num import make_np
+
+    use_tensorboard_writer(monkeypatch, "tensorboardX")
 
     from framework.loggers import RunTensorBoardLogger
 
@@ -657,7 +704,8 @@ class InfiniteMetric(Callback):
         module.log_metric("mine", math.inf)
 
 
-def test_a_non_finite_metric_is_named_on_a_line_of_its_own_above_the_progress_bar(tmp_path, monkeypatch):
+def test_a_non_finite_metric_is_named_on_a_line_of_its_own_above_the_progress_bar(tmp_path, monkeypatch,
+                                                                                  tensorboard_writer):
     """A terminal shows the progress bar (stdout) and fw's warnings (stderr) on one screen: the warning of a
     non-finite metric is a line of its own, the bar drawn again below it, instead of following the bar's
     unfinished line."""
@@ -686,6 +734,8 @@ def test_a_tensorboardx_writer_the_guard_cannot_read_is_named_once_and_still_wri
     and what is missing, and the run's points are still written."""
     import tensorboardX
     from tensorboardX.event_file_writer import EventFileWriter
+
+    use_tensorboard_writer(monkeypatch, "tensorboardX")
 
     from framework.loggers import RunTensorBoardLogger
 
@@ -733,9 +783,9 @@ def test_a_writer_of_another_layout_is_left_alone_and_checks_clean(tmp_path):
     guard.check()
 
 
-def test_the_run_tensorboard_logger_writes_through_torch_utils_tensorboard(tmp_path):
+def test_the_run_tensorboard_logger_writes_through_torch_utils_tensorboard(tmp_path, monkeypatch):
     """The other layout itself, where the `tensorboard` package is installed (Lightning then prefers it)."""
-    pytest.importorskip("tensorboard")
+    use_tensorboard_writer(monkeypatch, "torch")
     from framework.loggers import RunTensorBoardLogger
 
     logger = RunTensorBoardLogger(tmp_path)
