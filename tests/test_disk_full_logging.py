@@ -121,13 +121,13 @@ def _error_line(err: str) -> str:
     return line
 
 
-def _resume_and_check(config: str, run_dir: Path, filler: Path) -> None:
-    """After freeing the space: `--resume last` to 4 steps past the newest checkpoint finishes, and metrics.jsonl
-    holds every step once, in order."""
+def _resume_and_check(config: str, run_dir: Path, filler: Path, writer: str | None = None) -> None:
+    """After freeing the space: `--resume last` to 4 steps past the newest checkpoint (TensorBoard through `writer`,
+    as the run it resumes) finishes, and metrics.jsonl holds every step once, in order."""
     filler.unlink()
     newest = ck.read_manifest(ck.find_latest(run_dir))["step"]
     ck.verify_checkpoint(ck.find_latest(run_dir))
-    proc = _fw("fit", "--config", config, "--resume", "last", f"--trainer.max_steps={newest + 4}")
+    proc = _fw("fit", "--config", config, "--resume", "last", f"--trainer.max_steps={newest + 4}", writer=writer)
     _, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, err[-3000:]
     assert [r["step"] for r in read_metrics(run_dir / "metrics.jsonl")] == list(range(1, newest + 5))
@@ -150,7 +150,7 @@ def test_tensorboard_on_a_full_disk_stops_fit_with_one_line(tmp_path, mounts, wr
     line = _error_line(err)
     assert line.startswith(f"fw: error: logging.tensorboard: {logs}/version_0/events.out.tfevents."), line
     assert "no space left on device" in line and "published checkpoints are intact" in line
-    _resume_and_check(config, run_dir, logs / "filler")
+    _resume_and_check(config, run_dir, logs / "filler", writer)
 
 
 def test_metrics_jsonl_on_a_full_disk_stops_fit_with_one_line(tmp_path, mounts):
