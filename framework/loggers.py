@@ -24,6 +24,7 @@ import math
 import numbers
 import os
 import queue
+import re
 import struct
 import sys
 import threading
@@ -101,8 +102,9 @@ def _holds_events(event_file: Path) -> bool:
     Lightning opens the writer at setup, so a run that fails before it logs leaves a file holding only that
     record, which is no earlier run. A record cut short (a run killed mid-write) counts as a point. The file is read
     as TFRecords, with no protobuf decoder: Lightning writes with torch's writer where the tensorboard package is
-    installed, else with tensorboardX's, and only the one it writes with need be installed. The first record counts
-    as the file-version one when its event holds the version string."""
+    installed, else with tensorboardX's, and tensorboardX's may then be missing (an install without fw's own
+    dependencies). The first record counts as the file-version one when its event holds the version string as
+    the event's file_version field (`_FILE_VERSION`)."""
     data = event_file.read_bytes()
     if not data:
         return False
@@ -111,12 +113,14 @@ def _holds_events(event_file: Path) -> bool:
         return True
     (length,) = struct.unpack_from("<Q", data, 0)
     end = 12 + length + 4
-    if end > len(data) or _FILE_VERSION not in data[12 : 12 + length]:
+    if end > len(data) or not _FILE_VERSION.search(data, 12, 12 + length):
         return True
     return end < len(data)
 
 
-_FILE_VERSION = b"brain.Event:"   # the file_version field of a writer's first event ("brain.Event:2")
+# An Event's file_version (field 3, a string: tag byte 0x1a, then its length) holding "brain.Event:<n>", as a writer's
+# first event does; the same text as a scalar's tag sits behind another field's tag.
+_FILE_VERSION = re.compile(rb"\x1a.brain\.Event:", re.DOTALL)
 
 
 @contextlib.contextmanager

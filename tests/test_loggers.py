@@ -485,6 +485,10 @@ def test_event_files_are_read_without_tensorboardx(tmp_path, monkeypatch, writer
         return f
 
     empty_run, run = written("empty", 0), written("points", 2)
+    writer = SummaryWriter(str(tmp_path / "tagged"))
+    writer.add_scalar("brain.Event:x", 1.0, 0)
+    writer.close()
+    (tagged,) = (tmp_path / "tagged").glob("events.out.tfevents.*")
     for name in [n for n in sys.modules if n.split(".")[0] == "tensorboardX"] + ["tensorboardX"]:
         monkeypatch.setitem(sys.modules, name, None)   # importing it, or any of its modules, now raises
     with pytest.raises(ImportError):
@@ -498,6 +502,11 @@ def test_event_files_are_read_without_tensorboardx(tmp_path, monkeypatch, writer
     assert _holds_events(cut)
     cut.write_bytes(b"")
     assert not _holds_events(cut)
+    # a first record that is a point, even one whose tag reads like the version string (where the writer keeps it)
+    data = tagged.read_bytes()
+    (length,) = struct.unpack_from("<Q", data, 0)
+    cut.write_bytes(data[12 + length + 4:])   # without its file-version record
+    assert _holds_events(cut)
 
 
 def test_during_a_fit_only_torchs_writer_thread_leaves_its_error_to_the_writer(monkeypatch):
