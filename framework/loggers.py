@@ -105,17 +105,19 @@ def _holds_events(event_file: Path) -> bool:
     installed, else with tensorboardX's, and tensorboardX's may then be missing (an install without fw's own
     dependencies). The first record counts as the file-version one when its event holds the version string as
     the event's file_version field (`_FILE_VERSION`)."""
-    data = event_file.read_bytes()
-    if not data:
-        return False
-    # a TFRecord: the data's length (uint64), its masked CRC (uint32), the data, the data's masked CRC
-    if len(data) < 12:
-        return True
-    (length,) = struct.unpack_from("<Q", data, 0)
-    end = 12 + length + 4
-    if end > len(data) or not _FILE_VERSION.search(data, 12, 12 + length):
-        return True
-    return end < len(data)
+    with open(event_file, "rb") as f:   # the first record and the file's size: a long run's file is not read
+        size = os.fstat(f.fileno()).st_size
+        if size == 0:
+            return False
+        # a TFRecord: the data's length (uint64), its masked CRC (uint32), the data, the data's masked CRC
+        head = f.read(12)
+        if len(head) < 12:
+            return True
+        (length,) = struct.unpack_from("<Q", head)
+        end = 12 + length + 4
+        if end > size or not _FILE_VERSION.search(f.read(length)):
+            return True
+    return end < size
 
 
 # An Event's file_version (field 3, a string: tag byte 0x1a, then its length) holding "brain.Event:<n>", as a writer's
@@ -487,9 +489,13 @@ class RunTensorBoardLogger(TensorBoardLogger):
         guard = getattr(self, "_guard", None)
         if guard is not None and guard.file:
             return guard.file
-        suffix = self._kwargs.get("filename_suffix")
-        named = sorted(Path(self.log_dir).glob(f"events.out.tfevents.*{suffix}")) if suffix else []
+        named = self._own_event_files()
         return str(named[-1]) if named else self.log_dir
+
+    def _own_event_files(self) -> list[Path]:
+        """The event files of this logger's writers: those whose names end in the suffix fw gives them."""
+        suffix = self._kwargs.get("filename_suffix")
+        return sorted(Path(self.log_dir).glob(f"events.out.tfevents.*{suffix}")) if suffix else []
 
     @contextlib.contextmanager
     def _checked(self) -> Iterator[None]:
@@ -555,8 +561,7 @@ class RunTensorBoardLogger(TensorBoardLogger):
         # holds nothing past its file-version record: else every start, each resume's too, would leave one behind.
         self._experiment.close()
         self._experiment = None
-        suffix = self._kwargs.get("filename_suffix")
-        for f in Path(self.log_dir).glob(f"events.out.tfevents.*{suffix}") if suffix else ():
+        for f in self._own_event_files():
             if not _holds_events(f):
                 f.unlink(missing_ok=True)
 
