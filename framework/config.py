@@ -108,6 +108,24 @@ def _suggest(word: Any, choices: list) -> str:
     return f"; did you mean '{close[0]}'?" if close else ""
 
 
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _enum_hint(value: Any, choices: list) -> str:
+    """What to write instead of `value`, not one of `choices`: a number's nearest allowed numbers (a spelling
+    suggestion would offer 128 for 12, quoted as if it were a string), a quoted number unquoted, else the closest
+    spelling."""
+    numbers = [c for c in choices if _is_number(c)]
+    if isinstance(value, str) and any(str(c) == value.strip() for c in numbers):
+        return f" (write it without quotes: {value.strip()})"
+    if _is_number(value) and numbers:
+        near = [c for c in (max((c for c in numbers if c < value), default=None),
+                            min((c for c in numbers if c > value), default=None)) if c is not None]
+        return f"; the nearest allowed {'are' if len(near) > 1 else 'is'} {' and '.join(map(str, near))}"
+    return _suggest(value, choices)
+
+
 @functools.cache
 def all_key_paths() -> tuple[tuple, ...]:
     return tuple(_key_paths(_schema()))
@@ -236,8 +254,8 @@ def _problems_for(error: ValidationError, marks: dict, fallback: Mark, recipe: A
         choices = error.validator_value
         alias = _PRECISION_ALIASES.get(str(error.instance)) if path == ("trainer", "precision") else None
         hint = f"; did you mean '{alias}', which Lightning's {error.instance!r} stands for?" if alias else ""
-        return [at(path, f"expected one of {_choice_text(choices)}; got {_describe(error.instance)}"
-                         + (hint or _bool_hint(error.instance, True in choices) or _suggest(error.instance, choices)))]
+        hint = hint or _bool_hint(error.instance, True in choices) or _enum_hint(error.instance, choices)
+        return [at(path, f"expected one of {_choice_text(choices)}; got {_describe(error.instance)}" + hint)]
     if v == "not" and error.schema.get("description"):
         return [at(path, f"{error.schema['description'].rstrip('.')} (this config has recipe: {recipe})", key=True)]
     if v in ("oneOf", "anyOf"):

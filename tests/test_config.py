@@ -494,6 +494,20 @@ def test_valid_class_paths_load(tmp_path, user_modules):
     assert instantiate(cfg["callbacks"][0]).factor == 2
 
 
+@pytest.mark.parametrize("value, hint", [
+    ("12", "got the number 12; the nearest allowed are 8 and 16"),
+    ("200", "got the number 200; the nearest allowed is 128"),
+    ("4", "got the number 4; the nearest allowed is 8"),
+    ('"16"', "got the string '16' (write it without quotes: 16)"),
+])
+def test_a_number_outside_an_enum_of_numbers_gets_the_nearest_ones(tmp_path, value, hint):
+    # a spelling match would offer '128' for 12, quoted as if a string were wanted
+    path = write(tmp_path, "c.yaml", MINIMAL + f"rollout:\n  block_size: {value}\n")
+    with pytest.raises(ConfigError) as e:
+        load_config([path], [])
+    assert f"{path}:6:15: rollout.block_size: expected one of 8, 16, 32, 64, 128; {hint}" in problems(e)
+
+
 def test_builtin_names_are_checked_against_the_registries(tmp_path):
     pytest.importorskip("framework.rewards")
     pytest.importorskip("framework.tasks")
