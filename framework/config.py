@@ -119,11 +119,11 @@ def _enum_hint(value: Any, choices: list) -> str:
     numbers = [c for c in choices if _is_number(c)]
     if isinstance(value, str) and any(str(c) == value.strip() for c in numbers):
         return f" (write it without quotes: {value.strip()})"
-    near = [c for c in (max((c for c in numbers if c < value), default=None),
-                        min((c for c in numbers if c > value), default=None)) if c is not None] \
-        if _is_number(value) else []
-    if near:   # empty unless the value and some choice are numbers
-        return f"; the nearest allowed {'are' if len(near) > 1 else 'is'} {' and '.join(map(str, near))}"
+    if _is_number(value):
+        below, above = [c for c in numbers if c < value], [c for c in numbers if c > value]
+        near = ([max(below)] if below else []) + ([min(above)] if above else [])
+        if near:
+            return f"; the nearest allowed {'are' if len(near) > 1 else 'is'} {' and '.join(map(str, near))}"
     return _suggest(value, choices)
 
 
