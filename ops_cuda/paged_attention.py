@@ -68,13 +68,16 @@ def _batched_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor, tables: Tensor
         hi = min(N, lo + step)
         blocks = tables[lo:hi, :n_blocks]
         n = hi - lo
+        past = positions[None, :] >= lengths[lo:hi, None]                      # [n, T]
         k = k_pool[blocks].to(acc)                                             # [n, n_blocks, Hk, bs, D]
-        v = v_pool[blocks].to(acc).permute(0, 2, 1, 3, 4)[:, :, None]          # [n, Hk, 1, n_blocks, bs, D]
+        # the positions past a row's length hold what earlier rows of their blocks wrote, or the padding rows':
+        # zeroed, so that a NaN or inf there (a diverged row) adds exact zeros too
+        v = v_pool[blocks].to(acc).masked_fill_(past.view(n, n_blocks, 1, bs, 1), 0.0)
+        v = v.permute(0, 2, 1, 3, 4)[:, :, None]                               # [n, Hk, 1, n_blocks, bs, D]
         qi = q[lo:hi].to(acc).reshape(n, 1, Hk, G, 1, D)
         s = (qi * k[:, :, :, None]).sum(-1)                                    # [n, n_blocks, Hk, G, bs]
         s = s.permute(0, 2, 3, 1, 4).reshape(n, Hk, G, T) * scale              # positions in order
-        masked = (positions[None, :] >= lengths[lo:hi, None])[:, None, None, :]
-        s.masked_fill_(masked, float("-inf"))
+        s.masked_fill_(past[:, None, None, :], float("-inf"))
         m = s.amax(-1, keepdim=True)
         m.masked_fill_(m == float("-inf"), 0.0)                                # rows of length 0
         e = (s - m).exp_()                                                     # exact zeros where masked

@@ -322,6 +322,34 @@ def test_cpu_rows_are_bitwise_independent_of_their_batch(D, bs, monkeypatch):
     torch.testing.assert_close(alone.double(), naive(qp[:4], k_pool, v_pool, tables[0], 5, 1, 0.4), atol=1e-5, rtol=0)
 
 
+def test_cpu_rows_read_nothing_past_their_length():
+    """CPU: a row's decode and prefill outputs are bitwise the same whatever the positions past its length hold (what
+    an earlier row of its blocks wrote, NaN or inf where that row diverged; the scratch block its table's later
+    entries name): a freed block's old contents must not reach the row that takes it."""
+    lengths = [5, 1, 7, 3]
+    k_pool, v_pool, tables = paged_problem(lengths, bs=4)
+    k_bad, v_bad = k_pool.clone(), v_pool.clone()
+    for r, n in enumerate(lengths):
+        for p in range(n, tables.shape[1] * 4):
+            b, o = int(tables[r, p // 4]), p % 4
+            k_bad[b, :, o] = float("nan") if p % 2 else float("inf")
+            v_bad[b, :, o] = float("inf") if p % 2 else float("nan")
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(len(lengths), 4, 8, generator=g)
+    lens = torch.tensor(lengths)
+    clean = ops_cuda.paged_decode_attention(q, k_pool, v_pool, tables, lens, 0.3)
+    assert torch.equal(ops_cuda.paged_decode_attention(q, k_bad, v_bad, tables, lens, 0.3), clean)
+    for b, n in enumerate(lengths):
+        torch.testing.assert_close(clean[b].double(), naive(q[b:b + 1], k_pool, v_pool, tables[b], n, n - 1, 0.3)[0],
+                                   atol=1e-5, rtol=0)
+    qp = torch.randn(2 + 1 + 3, 4, 8, generator=g)   # the last 2, 1 and 3 positions of rows 0, 1 and 3
+    cu, lens = torch.tensor([0, 2, 3, 6]), torch.tensor([5, 1, 3])
+    rows = tables[[0, 1, 3]]
+    clean = ops_cuda.paged_prefill_attention(qp, k_pool, v_pool, rows, cu, lens, 0.4)
+    assert torch.equal(ops_cuda.paged_prefill_attention(qp, k_bad, v_bad, rows, cu, lens, 0.4), clean)
+    assert clean.isfinite().all()
+
+
 def suffix_naive(q, k, v, cu_q, cu_k, scale):
     """float64: query j of sequence i's n queries sits at key position L - n + j and sees keys 0..L - n + j."""
     rep = q.shape[1] // k.shape[1]

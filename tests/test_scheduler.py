@@ -1,10 +1,13 @@
 """Continuous batching over the paged KV cache: a small budget gives the same tokens and logprobs as an
 unbounded one, groups prefill their prompt once, the hashed prefix cache reuses a shared system prompt, and
 every block goes back."""
+import dataclasses
+
 import pytest
 import torch
 
 from framework.errors import FwError
+from framework.models import Qwen3ForCausalLM
 from framework.rollout import CacheSettings, RolloutEngine, SamplingParams, generate
 from framework.rollout.block_manager import BlockManager, block_hashes
 from framework.rollout.kv_cache import block_bytes
@@ -329,3 +332,24 @@ def test_reserving_whole_limits_never_preempts():
                     sched.finish(r, "length")
         assert sum(len(r.blocks) for r in sched.running) <= 15
     assert sched.preemptions == 0
+
+
+def test_a_diverged_rows_blocks_do_not_reach_the_row_that_takes_them(model):
+    """fp32 on CPU: token 50's embedding is NaN (its LM-head row is not), so the keys/values of the first row, whose
+    prompt ends on it, are NaN at that position. A pool of one usable block runs the rows one after the other, the
+    second in the block the first wrote: it gets the unbounded pool's finite tokens and logprobs."""
+    untied = Qwen3ForCausalLM(dataclasses.replace(model.config, tie_word_embeddings=False))
+    weights = model.state_dict()
+    untied.load_state_dict({**weights, "lm_head.weight": weights["model.embed_tokens.weight"].clone()})
+    with torch.no_grad():
+        untied.model.embed_tokens.weight[50] = float("nan")
+    prompts = [[20, 21, 22, 23, 24, 25, 26, 50], [30, 31, 32]]
+    params = SamplingParams(max_new_tokens=[6, 4], temperature=1.0)
+    free = generate(untied.eval(), prompts, params, seed=1)
+    engine = RolloutEngine(untied, CacheSettings(kv_cache_gib=gib_for_blocks(model, 2.5), max_num_seqs=8,
+                                                 block_size=16, admit_batch=8, kv_cache_dtype="auto"))
+    tight = engine.generate(prompts, params, seed=1)
+    assert engine.cache.num_blocks == 2 and engine.peak_rows == 1
+    assert free.logprobs[1].isfinite().all()
+    assert tight.completion_ids == free.completion_ids
+    assert torch.equal(tight.logprobs[1], free.logprobs[1])
