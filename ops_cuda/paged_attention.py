@@ -83,7 +83,8 @@ def _batched_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor, tables: Tensor
         e = (s - m).exp_()                                                     # exact zeros where masked
         den = e.cumsum(-1)[..., -1:]                                           # [n, Hk, G, 1]
         num = (e.view(n, Hk, G, n_blocks, bs, 1) * v).view(n, Hk, G, T, D).cumsum(-2)[..., -1, :]
-        o = torch.where(den > 0, num / den, 0.0)
+        # rows of length 0 give zeros; a NaN in a row's own context stays NaN, so that a diverged row shows
+        o = torch.where(lengths[lo:hi, None, None, None] > 0, num / den, 0.0)
         out[lo:hi] = o.reshape(n, Hq, D)
     return out.to(q.dtype)
 

@@ -350,6 +350,21 @@ def test_cpu_rows_read_nothing_past_their_length():
     assert clean.isfinite().all()
 
 
+def test_cpu_a_nan_in_a_rows_own_context_stays_nan():
+    """CPU: a NaN key inside row 1's own positions makes that row's output NaN (as the float64 reference gives it),
+    not zeros that would hide a diverged row; the other rows and a row of length 0 are unchanged."""
+    lengths = [5, 6, 0, 3]
+    k_pool, v_pool, tables = paged_problem(lengths, bs=4)
+    q = torch.randn(len(lengths), 4, 8, generator=torch.Generator().manual_seed(7))
+    lens = torch.tensor(lengths)
+    clean = ops_cuda.paged_decode_attention(q, k_pool, v_pool, tables, lens, 0.3)
+    k_pool[int(tables[1, 1]), 0, 0] = float("nan")   # row 1's position 4, kv head 0
+    got = ops_cuda.paged_decode_attention(q, k_pool, v_pool, tables, lens, 0.3)
+    assert naive(q[1:2], k_pool, v_pool, tables[1], 6, 5, 0.3)[0, :2].isnan().all()
+    assert got[1, :2].isnan().all() and got[1, 2:].isfinite().all()   # kv head 0 serves q heads 0 and 1
+    assert torch.equal(got[[0, 2, 3]], clean[[0, 2, 3]]) and torch.equal(got[2], torch.zeros_like(got[2]))
+
+
 def suffix_naive(q, k, v, cu_q, cu_k, scale):
     """float64: query j of sequence i's n queries sits at key position L - n + j and sees keys 0..L - n + j."""
     rep = q.shape[1] // k.shape[1]
