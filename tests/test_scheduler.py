@@ -2,6 +2,7 @@
 unbounded one, groups prefill their prompt once, the hashed prefix cache reuses a shared system prompt, and
 every block goes back."""
 import dataclasses
+import hashlib
 
 import pytest
 import torch
@@ -26,9 +27,22 @@ def test_block_hashes_name_whole_prefixes():
     assert c[0] != a[0] and c[1] != a[1]     # the second block's hash depends on the first block too
     grown = list(range(40)) + [5] * 30       # a context that grew: only its new full blocks are hashed
     assert block_hashes(grown, 16, a) == block_hashes(grown, 16)
-    assert block_hashes(grown, 16, [111, 222]) == [111, 222, hash((222, tuple(grown[32:48]))),
-                                                   hash((hash((222, tuple(grown[32:48]))), tuple(grown[48:64])))]
+    def digest(prev: bytes, block: list[int]) -> bytes:   # BLAKE2b-128 of the hash before and the int64 tokens
+        return hashlib.blake2b(prev + b"".join(t.to_bytes(8, "little", signed=True) for t in block),
+                               digest_size=16).digest()
+
+    third = digest(b"k2", grown[32:48])
+    assert block_hashes(grown, 16, [b"k1", b"k2"]) == [b"k1", b"k2", third, digest(third, grown[48:64])]
+    assert a[0] == digest(b"", list(range(16)))
     assert block_hashes(list(range(20)), 16, a) == a[:1]   # known hashes past the tokens' full blocks go
+
+
+def test_block_hashes_do_not_collide_where_pythons_hash_does():
+    """Python's hash of an int is the int modulo 2**61 - 1, so its hash of a tuple of tokens names two different
+    blocks alike; the prefix cache's names tell them apart (a shared name would hand one prompt the other's K/V)."""
+    x, y = [5] * 16, [5 + (1 << 61) - 1] + [5] * 15
+    assert hash((0, tuple(x))) == hash((0, tuple(y)))
+    assert block_hashes(x, 16) != block_hashes(y, 16)
 
 
 def test_block_manager_refcounts_and_cache():

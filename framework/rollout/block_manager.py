@@ -3,12 +3,16 @@ hashed prefix cache of full prompt blocks.
 
 Block 0 is never handed out: padding tokens of a batch write their keys/values there. A full block of prompt
 tokens is hashed with the hash of the blocks before it (the hash names the whole prefix up to its end), so a
-later prompt that starts with the same tokens reuses the block instead of computing it again. A block whose
+later prompt that starts with the same tokens reuses the block instead of computing it again. The hash is a
+128-bit BLAKE2b digest, not Python's 64-bit `hash`, whose values for tuples of ints can be made to collide: a
+collision would hand one prompt another's keys and values without a sign. A block whose
 last reference goes is free again at once but keeps its hash until it is handed out for other content, so a
 shared system prompt stays cached while the pool has room.
 """
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 
@@ -17,13 +21,15 @@ from framework.errors import FwError
 SCRATCH_BLOCK = 0
 
 
-def block_hashes(tokens: Sequence[int], block_size: int, known: Sequence[int] = ()) -> list[int]:
-    """The chained hashes of the full blocks of `tokens`: entry i names tokens[:(i + 1) * block_size].
-    `known`: hashes computed before for a prefix of `tokens` (a row's context only grows), not computed again."""
+def block_hashes(tokens: Sequence[int], block_size: int, known: Sequence[bytes] = ()) -> list[bytes]:
+    """The chained hashes of the full blocks of `tokens`: entry i names tokens[:(i + 1) * block_size] (the digest
+    of the hash before it and the block's tokens as int64). `known`: hashes computed before for a prefix of
+    `tokens` (a row's context only grows), not computed again."""
     out = list(known[:len(tokens) // block_size])
-    h = out[-1] if out else 0
+    h = out[-1] if out else b""
     for i in range(len(out), len(tokens) // block_size):
-        h = hash((h, tuple(tokens[i * block_size:(i + 1) * block_size])))
+        h = hashlib.blake2b(h + array("q", tokens[i * block_size:(i + 1) * block_size]).tobytes(),
+                            digest_size=16).digest()
         out.append(h)
     return out
 
@@ -37,14 +43,14 @@ class BlockManager:
         self.num_blocks, self.block_size = num_blocks, block_size
         self.refs = [0] * num_blocks
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, num_blocks))
-        self.cached: dict[int, int] = {}       # prefix hash -> block holding it
-        self.hash_of: dict[int, int] = {}      # block -> its prefix hash
+        self.cached: dict[bytes, int] = {}     # prefix hash -> block holding it
+        self.hash_of: dict[int, bytes] = {}    # block -> its prefix hash
 
     @property
     def num_free(self) -> int:
         return len(self.free)
 
-    def cached_prefix(self, hashes: Sequence[int]) -> list[int]:
+    def cached_prefix(self, hashes: Sequence[bytes]) -> list[int]:
         """The blocks holding the longest cached run of `hashes` (from the first one)."""
         blocks = []
         for h in hashes:
@@ -76,7 +82,7 @@ class BlockManager:
         self.refs[block] = 1
         return block
 
-    def register(self, block: int, h: int) -> None:
+    def register(self, block: int, h: bytes) -> None:
         """`block` holds the full prefix block named `h`: later prompts may reuse it."""
         if h in self.cached or block in self.hash_of:
             return

@@ -61,7 +61,7 @@ class RowState:
     blocks: list[int] = field(default_factory=list)   # empty exactly when the row is not running
     room: int = 0                   # decode steps its blocks take: it may issue tokens up to this count
     cached: int = 0                 # context tokens whose keys/values it did not compute itself
-    hashes: list[int] = field(default_factory=list)   # prefix hashes of its full blocks computed so far
+    hashes: list[bytes] = field(default_factory=list)   # prefix hashes of its full blocks computed so far
     leader: RowState | None = None  # same context, prefilled in the same step: logits and tail block come from it
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -173,7 +173,7 @@ class Scheduler:
         bm, bs = self.blocks, self.blocks.block_size
         free, outstanding = bm.num_free, self.outstanding
         leaders: set[tuple[int, ...]] = set()
-        registered: set[int] = set()   # hashes of the full blocks the rows walked so far would hold
+        registered: set[bytes] = set()   # hashes of the full blocks the rows walked so far would hold
         held: set[int] = set()         # the cached blocks among them
         for seq in itertools.islice(self.waiting, count):
             if seq.issued > len(seq.tokens):
