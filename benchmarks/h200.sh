@@ -37,6 +37,9 @@ step shared-prompt-op 60 ops_bench.log python3 -m benchmarks.ops.shared_prompt
 step ops-profile 60 ops_bench.log python3 -m benchmarks.ops.profile_ops rms_norm qk_norm swiglu linear_logprob linear_logprob_recomp
 step train-bench 120 train_bench.log python3 -m benchmarks.train_step --batch 8 --seq 2048 --steps 10 --impls fw,fw-recomp,hf
 step grpo-bench 100 grpo_bench.log python3 -m benchmarks.grpo_step --run_dir=/tmp/runs/grpo-bench
+# issue [rollout]'s goals table in one step (docs/PERFORMANCE.md's goal rows): the two budgeted workloads (three
+# rounds each, the median reported), grpo-bench three times with its rollout timeline, and the HF generate baseline
+step rollout-goals 540 goals.log bash -c 'for g in 16 4; do python3 -m benchmarks.rollout --num-seqs 256 --lo 100 --hi 1024 --impls fw --kv-cache-gib $g --rounds 3 || exit; done; for i in 1 2 3; do python3 -m benchmarks.grpo_step --run_dir=/tmp/runs/goals-$i --rollout-timeline || exit; done; python3 -m benchmarks.rollout --num-seqs 64 --lo 100 --hi 256 --impls fw,hf'
 step rollout-full 120 rollout_bench.log python3 -m benchmarks.rollout --num-seqs 256 --lo 100 --hi 1024 --impls fw,fw-longest,fw-eager
 step rollout-kv16 150 rollout_bench.log python3 -m benchmarks.rollout --num-seqs 256 --lo 100 --hi 1024 --impls fw --kv-cache-gib 16
 step rollout-kv16-admit1 150 rollout_bench.log python3 -m benchmarks.rollout --num-seqs 256 --lo 100 --hi 1024 --impls fw --kv-cache-gib 16 --admit-batch 1
