@@ -194,6 +194,12 @@ class StopEveryRankOnError(lightning.Callback):
         if claim is not None:
             self._follow(claim)
         if self._rank == 0:
+            # the exit hook needs the store alone: without the trainer, and the module's `log` and `log_dict` that
+            # Lightning sets on every callback, a process that goes on (another fit) does not keep this run's model
+            # and optimizer state until it exits
+            self._trainer = None
+            for name in ("log", "log_dict"):
+                vars(self).pop(name, None)
             atexit.register(self._await_departures)
         else:
             self._acknowledge()   # nothing more to report: a failed rank need not wait for this one

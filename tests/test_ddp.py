@@ -18,13 +18,28 @@ from framework.config import resolve
 from framework.trainer import fit
 fit(resolve(json.loads(sys.argv[1])), resume=sys.argv[2] or None)
 """
+# the fit, then whether the process still holds its trainer and its module: kept.<rank>.json beside the run_dir
+KEPT_SCRIPT = """
+import gc, json, sys, weakref
+from pathlib import Path
+from framework.config import resolve
+from framework.trainer import fit
+cfg = json.loads(sys.argv[1])
+trainer = fit(resolve(cfg))
+rank, refs = trainer.global_rank, [weakref.ref(trainer), weakref.ref(trainer.lightning_module)]
+del trainer
+gc.collect()
+Path(cfg["run_dir"]).parent.joinpath(f"kept.{rank}.json").write_text(json.dumps([r() is not None for r in refs]))
+"""
 
 
-def fit_in_subprocess(tmp_path, cfg: dict, resume: str = "", check: bool = True) -> subprocess.CompletedProcess:
+def fit_in_subprocess(tmp_path, cfg: dict, resume: str = "", check: bool = True,
+                      source: str = SCRIPT) -> subprocess.CompletedProcess:
     """`fit(cfg)` in a fresh Python process (Lightning's DDP launcher starts rank 1 by re-running the same
-    script with the same arguments). `tests/` is importable there, for callbacks given by class_path."""
+    script with the same arguments), by the script `source`. `tests/` is importable there, for callbacks given by
+    class_path."""
     script = tmp_path / "train_script.py"
-    script.write_text(SCRIPT)
+    script.write_text(source)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT / 'tests'}{os.pathsep}{ROOT}"}
     proc = subprocess.run([sys.executable, str(script), json.dumps(cfg), resume], check=False, cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)
@@ -96,3 +111,19 @@ def test_every_rank_resumes_from_the_checkpoint_the_launching_process_resolved(t
     first = str(ck.checkpoints_dir(source) / ck.step_dir_name(1))
     assert (ck.checkpoints_dir(source) / held.name).is_dir()   # the newer one was there when rank 1 started
     assert [Path(f"{out}.{rank}").read_text() for rank in (0, 1)] == [first, first]
+
+
+@pytest.mark.slow   # a 2-process Lightning start-up
+def test_a_finished_two_process_fit_leaves_no_trainer_behind(tmp_path):
+    """Once `fit` returns, every rank's trainer and module (the model, its optimizer state) can be freed: a script
+    that fits again (a sweep) does not hold each earlier run's until it exits. Global rank 0 keeps an exit hook,
+    which waits for the other ranks' departures from its store."""
+    cfg = {"recipe": "sft", "seed": 5, "run_dir": str(tmp_path / "run"), "model": {"policy": {"preset": "tiny"}},
+           "data": {"path": str(ROOT / "recipes" / "data" / "arithmetic_chat.jsonl"), "max_seq_len": 64,
+                    "batch_size": 2},
+           "trainer": {"accelerator": "cpu", "devices": 2, "strategy": "ddp", "max_steps": 1,
+                       "enable_progress_bar": False},
+           "checkpoint": {"every_n_steps": 100}, "logging": {"csv": False, "tensorboard": False}}
+    fit_in_subprocess(tmp_path, cfg, source=KEPT_SCRIPT)
+    kept = [json.loads((tmp_path / f"kept.{rank}.json").read_text()) for rank in (0, 1)]
+    assert kept == [[False, False], [False, False]]
