@@ -5,9 +5,9 @@ Block 0 is never handed out: padding tokens of a batch write their keys/values t
 tokens is hashed with the hash of the blocks before it (the hash names the whole prefix up to its end), so a
 later prompt that starts with the same tokens reuses the block instead of computing it again. The hash is a
 128-bit BLAKE2b digest, not Python's 64-bit `hash`, whose values for tuples of ints can be made to collide: a
-collision would hand one prompt another's keys and values without a sign. A block whose
-last reference goes is free again at once but keeps its hash until it is handed out for other content, so a
-shared system prompt stays cached while the pool has room.
+collision would hand one prompt another's keys and values without a sign. A block whose last reference goes is
+free again at once but keeps its hash until it is handed out for other content, so a shared system prompt stays
+cached while the pool has room.
 """
 from __future__ import annotations
 
