@@ -9,7 +9,7 @@ import torch
 from conftest import OpLog, peaked_tiny_model
 
 from framework.errors import FwError
-from framework.models import Qwen3ForCausalLM, save_pretrained
+from framework.models import Qwen3Config, Qwen3ForCausalLM, save_pretrained
 from framework.rollout import CacheSettings, Rollout, RolloutEngine, SamplingParams, generate
 from framework.rollout.kv_cache import block_bytes, pool_dtype
 from framework.tokenizer import Tokenizer
@@ -1214,3 +1214,50 @@ def test_the_cpu_draw_of_rows_with_nan_or_inf_logits_is_the_reference_draw():
         assert alone[0].item() == tokens[row].item() and alone[1].item() == logprob[row].item()
         full = torch.log_softmax(logits[row].double() / 0.8, -1)[tokens[row]]
         assert abs(logprob[row].item() - full.item()) < 1e-5
+
+
+def successor_model(tok, successor: dict[int, int]):
+    """A tiny model whose greedy next token after token t is ``successor[t]``: its layers add nothing to the
+    residual stream (o_proj and down_proj zero), and the untied LM head's row for ``successor[t]`` is t's embedding,
+    which random 64-wide embeddings match far better than any other token's."""
+    from framework.models.presets import PRESETS
+
+    torch.manual_seed(0)
+    config = Qwen3Config.from_hf({**PRESETS["tiny"], "vocab_size": tok.vocab_size, "tie_word_embeddings": False,
+                                  "eos_token_id": tok.eos_id, "pad_token_id": tok.pad_id})
+    m = Qwen3ForCausalLM(config)
+    with torch.no_grad():
+        for layer in m.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        emb = m.model.embed_tokens.weight
+        emb.normal_()
+        m.lm_head.weight.zero_()
+        for t, nxt in successor.items():
+            m.lm_head.weight[nxt] = emb[t]
+    return m.eval()
+
+
+def test_a_stop_string_of_four_byte_characters_sampled_a_byte_a_token_is_found():
+    """The stop check decodes a window of each row's last tokens: one wide enough for the longest stop string's
+    bytes, a token each (the most tokens a byte-level vocabulary spends on a text of that many characters)."""
+    from tokenizers import Tokenizer as HfTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    hf = HfTokenizer(models.BPE())
+    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    hf.decoder = decoders.ByteLevel()
+    # bytes only, no merges: every byte of a 4-byte character is a token of its own
+    hf.train_from_iterator(["x"], trainers.BpeTrainer(vocab_size=258, special_tokens=["<|endoftext|>", "<|im_end|>"],
+                                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok = Tokenizer(hf)
+    face, stop = "\U0001F600", "\U0001F600" * 8   # 4 UTF-8 bytes; a stop string of 8 of them, 32 tokens
+    cycle = tok.encode(face)
+    assert len(cycle) == 4 and tok.decode(cycle) == face
+    prompt = tok.encode("ab")
+    model = successor_model(tok, {prompt[-1]: cycle[0], **{a: b for a, b in zip(cycle, cycle[1:] + cycle[:1])}})
+    free = generate(model, [prompt], SamplingParams(max_new_tokens=40, temperature=0.0), tokenizer=tok)
+    assert free.completion_ids[0] == (cycle * 10)[:40]   # the model emits the character byte by byte
+    r = generate(model, [prompt], SamplingParams(max_new_tokens=40, temperature=0.0, stop=[stop, "zz"]),
+                 tokenizer=tok)
+    assert r.finish_reasons == ["stop"] and r.completion_ids[0] == cycle * 8 and r.texts[0] == stop

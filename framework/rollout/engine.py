@@ -356,6 +356,9 @@ class _Run:
         self.tables = torch.zeros(len(seqs) + 1, self.width, dtype=torch.long)
         self.tables_dev = self.tables if self.cpu else torch.zeros_like(self.tables, device=device)
         self.last_dev = torch.zeros(len(seqs) + 1, dtype=torch.long, device=device)   # each row's last token
+        # the tokens whose text the stop check decodes: a stop string of n characters is at most 4n UTF-8 bytes,
+        # at least one a token; 4 more keep the window's first tokens, which decode differently alone (a
+        # character cut, a leading space dropped), off the stop string
         self.window = 4 * max(map(len, params.stop), default=0) + 4
         # a call whose prompts repeat (a group's samples) decodes with packs, whose rows read their shared prompt
         # blocks once
