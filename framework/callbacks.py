@@ -19,7 +19,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any, NoReturn
 
@@ -142,7 +142,14 @@ class StopEveryRankOnError(lightning.Callback):
     The order of the ends: global rank 0 hosts the store, and a store operation after its end fails with a warning
     and a C++ stack on stderr, so it ends after every other rank's last one; Lightning's launcher (local rank 0) kills
     every process as soon as one that it started ends with a non-zero exit code, so such a process ends after it.
+
+    Each run (`trainer.fit`, ...) has keys of its own: a script that fits several times keeps the process group, and
+    so the store, from one fit to the next.
     """
+
+    # the multi-process runs set up in this process so far: every rank runs the same ones, so each run's number, and
+    # so its keys, are the same on every rank without an exchange
+    _runs = 0
 
     def __init__(self) -> None:
         self._store: Any = None
@@ -161,18 +168,26 @@ class StopEveryRankOnError(lightning.Callback):
         self._lock = threading.Lock()
 
     def setup(self, trainer: lightning.Trainer, module: lightning.LightningModule, stage: str) -> None:
-        if trainer.world_size < 2 or self._store is not None:
+        # Lightning sets callbacks up once a run; a callback that a later run (another Trainer) reuses starts afresh,
+        # its earlier runs' exit hooks holding copies of their own state (`_at_exit`)
+        if self._watcher is not None:   # an earlier run's: stopped unless a KeyboardInterrupt ended that run
+            self._done.set()
+            self._watcher.join()
+        self.__init__()
+        if trainer.world_size < 2:
             return
         import torch.distributed as dist
         from lightning.fabric.plugins.environments import LightningEnvironment
 
+        StopEveryRankOnError._runs += 1
+        run = StopEveryRankOnError._runs
         try:   # a connection of its own: the process group's is blocked while one of its own waits lasts
             self._store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
                                         timeout=timedelta(seconds=STORE_TIMEOUT_S), wait_for_workers=False)
         except (KeyError, ValueError, RuntimeError):   # no store to reach: the failure stays Lightning's to handle
             return
-        # torchrun keeps its store when it restarts the job, so each attempt has keys of its own
-        self._keys = f"fw/failure/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+        # torchrun keeps its store when it restarts the job, so each attempt has keys of its own too
+        self._keys = f"fw/failure/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{run}/"
         self._rank, self._world_size, self._trainer = trainer.global_rank, trainer.world_size, trainer
         self._child = trainer.local_rank != 0 and isinstance(trainer.strategy.cluster_environment,
                                                              LightningEnvironment)
@@ -194,13 +209,7 @@ class StopEveryRankOnError(lightning.Callback):
         if claim is not None:
             self._follow(claim)
         if self._rank == 0:
-            # the exit hook needs the store alone: without the trainer, and the module's `log` and `log_dict` that
-            # Lightning sets on every callback, a process that goes on (another fit) does not keep this run's model
-            # and optimizer state until it exits
-            self._trainer = None
-            for name in ("log", "log_dict"):
-                vars(self).pop(name, None)
-            atexit.register(self._await_departures)
+            self._at_exit(StopEveryRankOnError._await_departures)
         else:
             self._acknowledge()   # nothing more to report: a failed rank need not wait for this one
             self._depart()
@@ -225,7 +234,7 @@ class StopEveryRankOnError(lightning.Callback):
         self._done.set()
         if isinstance(exception, FwError) and exception.quiet:   # global rank 0 raises it too, and reports it
             self._acknowledge()
-            atexit.register(self._await_report)   # the CLI exits 2 without a line (with --debug, a traceback)
+            self._at_exit(StopEveryRankOnError._await_report)   # the CLI exits 2 without a line (--debug: a traceback)
             return
         code = exception.exit_code if isinstance(exception, Stopped) else \
             EXIT_FW_ERROR if isinstance(exception, FwError) else EXIT_ERROR
@@ -239,7 +248,19 @@ class StopEveryRankOnError(lightning.Callback):
         if isinstance(exception, FwError) and not exception.every_rank and not isinstance(exception, ConfigError):
             exception.args = (f"global rank {self._rank}: {exception}",)
         self._wait(lambda: self._store.add(self._keys + "acks", 0) >= self._world_size - 1, FAILURE_ACK_S)
-        atexit.register(self._reported)   # after the CLI's line or Python's traceback is printed
+        self._at_exit(StopEveryRankOnError._reported)   # after the CLI's line or Python's traceback is printed
+
+    def _at_exit(self, hook: Callable[[StopEveryRankOnError], None]) -> None:
+        """Run `hook` at this process's exit on a copy of this run's state (store, keys, rank), which a later run of
+        this callback leaves alone. This callback and the copy let go of the trainer and of the module's `log` and
+        `log_dict` (Lightning sets them on every callback): a process that goes on (another fit, or a caller that
+        handles this run's error) does not keep this run's model and optimizer state until it exits."""
+        self._trainer = None
+        for name in ("log", "log_dict"):
+            vars(self).pop(name, None)
+        state = StopEveryRankOnError.__new__(StopEveryRankOnError)
+        state.__setstate__(self.__getstate__())
+        atexit.register(hook, state)
 
     def _claim(self) -> str | None:
         """The failure claimed ("rank:exit code"), or None; RuntimeError when the store is gone."""
