@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import re
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +39,16 @@ def json_type_name(value: object) -> str:
     return names.get(type(value), type(value).__name__)
 
 
+def decode_utf8(raw: bytes, path: str | Path) -> str:
+    """`raw` (the bytes of file `path`) as text; NotUtf8 at the line and column of the first byte that is not UTF-8."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw.count(b"\n", 0, e.start) + 1
+        col = e.start - (raw.rfind(b"\n", 0, e.start) + 1) + 1
+        raise NotUtf8(path, line, col, raw[e.start]) from None
+
+
 def _text(path: str | Path, key: str) -> str:
     """The file as text, without the byte-order mark some editors begin UTF-8 files with; FwError at the line and
     column of the first byte that is not UTF-8, or naming config key `key` when the file cannot be read."""
@@ -44,12 +56,35 @@ def _text(path: str | Path, key: str) -> str:
         raw = Path(path).read_bytes()
     except OSError as e:
         raise FwError(f"{key}: cannot read {path}: {e.strerror or e}") from None
+    return decode_utf8(raw, path).removeprefix("\ufeff")
+
+
+# A `\u` escape of half of a UTF-16 surrogate pair (after an even number of backslashes, so not the text `\\u...`):
+# json joins a high and a low half into one character, and reads a half alone into a str that is no text (no
+# encoding writes it, a tokenizer refuses it).
+_HALVES = re.compile(r"(?<!\\)(?:\\\\)*(\\u[dD][89abAB][0-9a-fA-F]{2}\\u[dD][c-fC-F][0-9a-fA-F]{2}"
+                     r"|\\u[dD][89a-fA-F][0-9a-fA-F]{2})")
+
+
+def _parse(line: str) -> tuple[object, int, str | None]:
+    """(the line's JSON value, 0, None), or (None, the 1-based column, why it cannot be read)."""
     try:
-        return raw.decode("utf-8").removeprefix("\ufeff")
-    except UnicodeDecodeError as e:
-        line = raw.count(b"\n", 0, e.start) + 1
-        col = e.start - (raw.rfind(b"\n", 0, e.start) + 1) + 1
-        raise NotUtf8(path, line, col, raw[e.start]) from None
+        value = json.loads(line)
+    except json.JSONDecodeError as e:
+        # some messages end in "at", which the column completes ("Unterminated string starting at")
+        return None, e.colno, f"not valid JSON ({e.msg.removesuffix(' at')} at column {e.colno})"
+    except RecursionError:
+        return None, 1, "not valid JSON (nested too deeply to read)"
+    except ValueError:   # int() refuses more than sys.get_int_max_str_digits() digits
+        limit = sys.get_int_max_str_digits()
+        long = re.search(rf"\d{{{limit + 1},}}", line)
+        return None, long.start() + 1 if long else 1, (f"not valid JSON (a number of more than {limit} digits, more "
+                                                       "than Python reads; write it as a string)")
+    lone = next((m for m in _HALVES.finditer(line) if len(m.group(1)) == 6), None) if "\\u" in line else None
+    if lone is not None:
+        return None, lone.start(1) + 1, (f"not valid JSON text ({lone.group(1)} is half of a UTF-16 surrogate pair, "
+                                         "without its other half: no character)")
+    return value, 0, None
 
 
 def rows(path: str | Path, key: str = "data.path") -> Iterator[Row]:
@@ -60,11 +95,9 @@ def rows(path: str | Path, key: str = "data.path") -> Iterator[Row]:
         line = line.removesuffix("\r")
         if not line.strip():
             continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as e:
-            # some messages end in "at", which the column completes ("Unterminated string starting at")
-            yield Row(lineno, e.colno, None, f"not valid JSON ({e.msg.removesuffix(' at')} at column {e.colno})")
+        record, col, problem = _parse(line)
+        if problem:
+            yield Row(lineno, col, None, problem)
             continue
         if not isinstance(record, dict):
             yield Row(lineno, 1, None, f"expected a JSON object, got {json_type_name(record)}")
