@@ -34,12 +34,14 @@ from framework import yaml12
 from framework.durable import replace_file
 from framework.errors import ConfigError, FwError, Problem
 from framework.imports import SEARCH_PATHS, add_search_paths, check_init_args, import_object
+from framework.jsonl import NotUtf8, decode_utf8
 from framework.yaml12 import Located, Mark
 
 SCHEMA_FILE = "train.schema.json"
 MODELINE = "# yaml-language-server: $schema="
 YAML11_BOOLEANS = {"on", "off", "yes", "no", "y", "n"}
 MAX_PROBLEMS = 50  # reported; the rest are counted in one more line
+MAX_SHOWN = 100   # characters of a wrong string value that a message quotes
 # Built-in names that are checked against a registry at validation time, when no class_path replaces them.
 _REGISTRIES = {("reward", "name"): ("framework.rewards", "REWARDS"),
                ("data", "task", "name"): ("framework.tasks", "TASKS")}
@@ -163,8 +165,8 @@ def _describe(value: Any) -> str:
         return "true" if value else "false"
     if isinstance(value, (int, float)):
         return f"the number {value!r}"
-    if isinstance(value, str):
-        return f"the string {value!r}"
+    if isinstance(value, str):   # cut short: a text pasted under the wrong key still gives a line that can be read
+        return f"the string {value if len(value) <= MAX_SHOWN else value[:MAX_SHOWN] + '…'!r}"
     if isinstance(value, dict):
         return "a mapping"
     if isinstance(value, list):
@@ -234,18 +236,22 @@ def _problems_for(error: ValidationError, marks: dict, fallback: Mark, recipe: A
     path = tuple(error.absolute_path)
     v = error.validator
 
-    def at(p: tuple, message: str, key: bool = False) -> Problem:
+    def at(p: tuple, message: str, key: bool = False, shown: str | None = None) -> Problem:
         # a problem with a whole mapping or list is shown at its key, where the block starts
         key = key or (p == path and isinstance(error.instance, (dict, list)))
         m = _locate(marks, p, key, fallback)
-        return Problem(m.file, m.line, m.col, _dotted(p), message)
+        return Problem(m.file, m.line, m.col, shown or _dotted(p), message)
 
     if v == "additionalProperties":
         allowed = list(error.schema.get("properties", {}))
         extra = [k for k in error.instance if k not in allowed]
+        # a key YAML reads as no string (`1:`, `true:`, `null:`) is shown as written, not as a list index ([1]) or
+        # Python's word (True, None)
+        written = [k if isinstance(k, str) else yaml12.inline(k) for k in extra]
         # suggestions cost a search over the schema each: only for the keys that will be shown
-        return [at(path + (k,), _unknown_key_message(k, allowed, path, recipe) if i < MAX_PROBLEMS
-                   else f"unknown key '{k}'", key=True) for i, k in enumerate(extra)]
+        return [at(path + (k,), _unknown_key_message(w, allowed, path, recipe) if i < MAX_PROBLEMS
+                   else f"unknown key '{w}'", key=True, shown=_dotted(path + (w,)))
+                for i, (k, w) in enumerate(zip(extra, written, strict=True))]
     if v == "required":
         return [at(path + (k,), f"missing required key '{k}'") for k in error.validator_value
                 if isinstance(error.instance, dict) and k not in error.instance]
@@ -479,22 +485,27 @@ def _replace_marks(marks: dict, new_marks: dict, prefixes: set[tuple]) -> None:
     marks.update({p: m for p, m in new_marks.items() if under(p)})
 
 
-def _read_file(path: str) -> tuple[Any, dict, list[Problem]]:
+def _read_file(path: str, later: bool = False) -> tuple[Any, dict, list[Problem]]:
+    """A config file's data and marks, or its problems. `later`: a file merged over earlier ones, which need not
+    hold recipe and model."""
     if not os.path.exists(path):
         return None, {}, [Problem(path, None, None, "", "config file not found")]
     if os.path.isdir(path):
         return None, {}, [Problem(path, None, None, "", "is a directory, expected a YAML config file")]
     try:
-        text = Path(path).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
+        text = decode_utf8(Path(path).read_bytes(), path)
+    except OSError as e:
         return None, {}, [Problem(path, None, None, "", f"cannot read the config file: {e}")]
+    except NotUtf8 as e:
+        return None, {}, [Problem(path, e.line, e.col, "", e.reason)]
     try:
         data, marks = yaml12.load_with_marks(text, path)
     except ConfigError as e:
         return None, {}, e.problems
     if data is None:
-        return None, {}, [Problem(path, 1, 1, "", "the config file is empty; expected a mapping with at least "
-                                                   "'recipe' and 'model'")]
+        fix = ("a later --config is merged over the earlier ones: give it a key to change, or leave it out" if later
+               else "expected a mapping with at least 'recipe' and 'model'")
+        return None, {}, [Problem(path, 1, 1, "", f"the config file is empty; {fix}")]
     if not isinstance(data, dict):
         m = marks[()].value
         return None, {}, [Problem(path, m.line, m.col, "", f"the top level must be a mapping of sections "
@@ -588,8 +599,9 @@ def _apply_override(data: dict, marks: dict, arg: str) -> list[Problem]:
         kind = "mapping, e.g. {preset: tiny}" if opener == "{" else "list, e.g. [a, b]"
         return [Problem(label, None, None, key, f"a value starting with '{opener}' must be one whole YAML flow {kind}; "
                                                 f"got {raw!r} (quote it, '...', for a string)")]
-    if sub is not None and not Draft202012Validator(sub).is_valid(value) and Draft202012Validator(sub).is_valid(raw):
-        value = raw  # e.g. --name=123 for a string key: typed by the schema
+    if sub is not None and not isinstance(value, str) and not Draft202012Validator(sub).is_valid(value) \
+            and Draft202012Validator(sub).is_valid(raw):
+        value = raw  # e.g. --name=123 for a string key: typed by the schema; a quoted string ('') is what it reads as
     node = data
     for i, k in enumerate(keys[:-1]):
         child = node.get(k)
@@ -693,8 +705,8 @@ def load_located(paths: list[str], overrides: list[str] | None = None, *,
     data: dict = {}
     marks: dict = {}
     problems: list[Problem] = []
-    for path in paths:
-        new, new_marks, file_problems = _read_file(path)
+    for i, path in enumerate(paths):
+        new, new_marks, file_problems = _read_file(path, later=i > 0)
         problems += file_problems
         if new is not None and not problems:  # after a broken file, merging further files explains nothing
             _resolve_paths(new, os.path.dirname(os.path.abspath(path)))

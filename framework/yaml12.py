@@ -299,8 +299,9 @@ def _walk(loader: Yaml12Loader, node: yaml.Node, file: str, path: Path, marks: d
                 first = None
             if first is not None:
                 at = f"column {first.col}" if first.line == kmark.line else f"line {first.line}"
-                problems.append(Problem(file, kmark.line, kmark.col, dotted_path(path + (key,)),
-                                        f"duplicate key '{key}' (first defined at {at})"))
+                shown = key if isinstance(key, str) else inline(key)   # `1:` is no list index [1]
+                problems.append(Problem(file, kmark.line, kmark.col, dotted_path(path + (shown,)),
+                                        f"duplicate key '{shown}' (first defined at {at})"))
                 continue
             if key is not None:
                 seen[key] = kmark
@@ -310,8 +311,25 @@ def _walk(loader: Yaml12Loader, node: yaml.Node, file: str, path: Path, marks: d
             _walk(loader, item, file, path + (i,), marks, problems, None, budget)
 
 
+_BREAK = re.compile("\r\n|[\n\r\x85\u2028\u2029]")   # the line breaks PyYAML counts lines by
+
+
+def _unreadable_character(file: str, text: str, e: yaml.reader.ReaderError) -> Problem:
+    """PyYAML's reader refuses a character (a control character, U+FFFE) before it parses, at an offset into `text`
+    rather than a line: the problem at that character's line and column."""
+    before = text[:e.position]
+    breaks = list(_BREAK.finditer(before))
+    col = e.position - (breaks[-1].end() if breaks else 0) + 1
+    return Problem(file, len(breaks) + 1, col, "",
+                   f"YAML syntax error: the character U+{e.character:04X} is not allowed in YAML text; remove it, or "
+                   f'write it as the escape "\\u{e.character:04x}" inside double quotes')
+
+
 def _compose(text: str, file: str) -> tuple[yaml.Node | None, Yaml12Loader]:
-    loader = Yaml12Loader(text)
+    try:
+        loader = Yaml12Loader(text)   # reads the whole text, refusing what YAML does not allow in it
+    except yaml.reader.ReaderError as e:
+        raise ConfigError([_unreadable_character(file, text, e)]) from None
     try:
         return loader.get_single_node(), loader
     except yaml.MarkedYAMLError as e:

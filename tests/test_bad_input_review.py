@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from framework import yaml12
 from framework.cli import main
 from framework.errors import FwError
 from framework.jsonl import read_jsonl
@@ -26,6 +27,96 @@ def config(tmp_path: Path, text: str | bytes, name: str = "c.yaml") -> str:
     path = tmp_path / name
     path.write_bytes(text if isinstance(text, bytes) else text.encode())
     return str(path)
+
+
+# ------------------------------------------------------------------ the config file's text
+
+@pytest.mark.parametrize("char", ["\x00", "\x1b", "\x7f", "\ufffe"])
+def test_a_character_yaml_refuses_is_one_line_at_its_position(tmp_path, capsys, char):
+    """PyYAML's reader refuses control characters (a pasted terminal colour, a NUL) before parsing, with an error
+    that has no position."""
+    path = config(tmp_path, GRPO + f"name: ab{char}c\n")
+    code = ord(char)
+    assert fw(capsys, "validate", "--config", path) == (
+        2, "", (f"{path}:6:9: YAML syntax error: the character U+{code:04X} is not allowed in YAML text; remove it, or "
+               f'write it as the escape "\\u{code:04x}" inside double quotes\n'))
+
+
+def test_the_escape_that_the_message_suggests_reads_back_as_the_character(tmp_path):
+    assert yaml12.load('name: "ab\\u001bc"\n') == {"name": "ab\x1bc"}
+
+
+def test_a_line_counts_from_the_breaks_yaml_counts(tmp_path, capsys):
+    path = config(tmp_path, GRPO.replace("\n", "\r\n") + "seed: 1\r\nname: x\x07\r\n")
+    code, _, err = fw(capsys, "validate", "--config", path)
+    assert (code, err.split(": YAML")[0]) == (2, f"{path}:7:8")
+
+
+@pytest.mark.parametrize("value", ["ab\x01c", "caf\udce9"])   # \udce9: a Latin-1 byte in argv on a UTF-8 system
+def test_an_override_holding_a_character_yaml_refuses_is_its_text(tmp_path, capsys, value):
+    path = config(tmp_path, GRPO)
+    code, out, err = fw(capsys, "print-config", "--config", path, f"--name={value}")
+    assert (code, err) == (0, "")
+    assert yaml12.load(out)["name"] == value
+
+
+def test_a_config_file_not_in_utf8_is_named_at_the_line_and_column_of_the_byte(tmp_path, capsys):
+    path = config(tmp_path, (GRPO + "name: caf\xe9\n").encode("latin-1"))
+    assert fw(capsys, "validate", "--config", path) == (
+        2, "", f"{path}:6:10: not UTF-8 (byte 0xe9); save the file as UTF-8\n")
+
+
+def test_an_empty_later_config_file_is_not_asked_for_recipe_and_model(tmp_path, capsys):
+    """The first file holds them; a later file (an overlay whose every line is commented out) needs neither."""
+    first, later = config(tmp_path, GRPO), config(tmp_path, "# seed: 3\n", "later.yaml")
+    code, _, err = fw(capsys, "validate", "--config", first, "--config", later)
+    assert (code, err) == (2, (f"{later}:1:1: the config file is empty; a later --config is merged over the earlier "
+                              "ones: give it a key to change, or leave it out\n"))
+    code, _, err = fw(capsys, "validate", "--config", later)
+    assert (code, err) == (2, (f"{later}:1:1: the config file is empty; expected a mapping with at least 'recipe' and "
+                              "'model'\n"))
+
+
+# ------------------------------------------------------------------ overrides
+
+@pytest.mark.parametrize("key", ["name", "run_dir"])
+def test_an_override_of_a_quoted_empty_string_is_empty(tmp_path, capsys, key):
+    """`--name=''` is the empty string, as `name: ''` is in a file; it once became the two quote characters (a run
+    directory named '')."""
+    path = config(tmp_path, GRPO)
+    assert fw(capsys, "validate", "--config", path, f"--{key}=''") == (
+        2, "", f"override '--{key}=''': {key}: must not be empty\n")
+
+
+def test_an_override_of_a_number_for_a_string_key_stays_its_text(tmp_path, capsys):
+    path = config(tmp_path, GRPO)
+    code, out, err = fw(capsys, "print-config", "--config", path, "--name=007", '--run_dir="x y"')
+    assert (code, err) == (0, "")
+    printed = yaml12.load(out)
+    assert (printed["name"], Path(printed["run_dir"]).name) == ("007", "x y")
+
+
+# ------------------------------------------------------------------ keys and values as messages show them
+
+@pytest.mark.parametrize("text, expected", [
+    ("1: 2\n", "6:1: 1: unknown key '1' (allowed here: recipe, seed, "),
+    ("trainer:\n  true: 1\n", "7:3: trainer.true: unknown key 'true' (allowed here: accelerator, "),
+    ("null: 1\n", "6:1: null: unknown key 'null' (allowed here: recipe, "),
+    ("trainer:\n  1: 1\n  1: 2\n", "8:3: trainer.1: duplicate key '1' (first defined at line 7)"),
+    ("trainer:\n  false: 1\n  false: 2\n", "8:3: trainer.false: duplicate key 'false' (first defined at line 7)")],
+    ids=["int", "bool", "null", "duplicate int", "duplicate bool"])
+def test_a_key_yaml_reads_as_no_string_is_named_as_written(tmp_path, capsys, text, expected):
+    """`1:` was shown as the list index `[1]`, `true:` as `trainer[True]`, `null:` as `None`."""
+    path = config(tmp_path, GRPO + text)
+    code, _, err = fw(capsys, "validate", "--config", path)
+    assert code == 2 and err.startswith(f"{path}:{expected}") and len(err.splitlines()) == 1, err
+
+
+def test_a_long_wrong_string_is_quoted_cut_short(tmp_path, capsys):
+    """A text pasted under the wrong key was quoted whole: a message line of any length."""
+    path = config(tmp_path, GRPO + f"seed: {'x' * 200_000}\n")
+    assert fw(capsys, "validate", "--config", path) == (
+        2, "", f"{path}:6:7: seed: expected an integer, got the string '{'x' * 100}…'\n")
 
 
 # ------------------------------------------------------------------ JSONL data files
