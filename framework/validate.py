@@ -12,6 +12,7 @@ devices, strategy and precision must be available here.
 from __future__ import annotations
 
 import difflib
+import inspect
 import json
 import os
 import re
@@ -20,7 +21,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from framework.config import LocatedConfig, all_key_paths, is_override, load_located, world_size
+from framework.config import YAML11_BOOLEANS, LocatedConfig, all_key_paths, is_override, load_located, world_size
 from framework.errors import FwError, Problem, what_raised
 from framework.imports import user_line
 
@@ -433,7 +434,7 @@ class _Checks:
         # without a task a null reward.name has nothing to follow: the task's problem is the one to fix
         task_missing = (self.task_failed or self.task is None) and not reward["class_path"] and not reward["name"]
         if self.recipe in RL_RECIPES and not task_missing:
-            from framework.rewards import build_reward
+            from framework.rewards import REWARDS, build_reward
 
             try:
                 reward = build_reward(self.cfg["reward"], self.task)
@@ -441,6 +442,14 @@ class _Checks:
                 self.add_error(e, ("reward", "class_path") if self.cfg["reward"]["class_path"] else ("reward",),
                                "building the reward")
             else:
+                problem = reward_call_problem(reward, self.cfg["reward"]["class_path"])
+                if problem:
+                    self.add(("reward", "class_path"), problem)
+                name = next((n for n, cls in REWARDS.items() if type(reward) is cls), None)
+                problem = None if self.cfg["reward"]["class_path"] or name is None else \
+                    builtin_args_problem(type(reward), self.cfg["reward"]["init_args"] or {})
+                if problem:
+                    self.add(("reward", "init_args"), f"{name}: {problem}")
                 if sample is not None:   # the task's first sample holds what the reward reads of it
                     from framework.rewards import check_metadata
 
@@ -607,6 +616,43 @@ def _offloads_for_a_gpu(cfg: dict, machine: bool = False) -> bool:
 
     t = cfg["trainer"]
     return not machine and cfg["optimizer"]["cpu_offload"] and t["accelerator"] == "auto" and not uses_cuda(t)
+
+
+def reward_call_problem(reward: Any, class_path: str | None) -> str | None:
+    """Why fw cannot call the reward that `class_path` built as it scores samples, or None (also for a built-in): its
+    batch(prompts, completions, metadatas) where it has one, and its own call (prompt, completion, metadata) where it
+    is callable, which fw falls back to when batch() raises. A signature that inspect cannot read passes."""
+    if not class_path:
+        return None
+    batch = getattr(reward, "batch", None)
+    calls = [(batch, "a rollout batch, reward.batch(prompts, completions, metadatas)", ([], [], []))] \
+        if callable(batch) else []
+    if callable(reward):
+        calls.append((reward, "a sample, reward(prompt, completion, metadata)", ("", "", {})))
+    for target, how, args in calls:
+        try:
+            signature = inspect.signature(target)
+        except (TypeError, ValueError):   # a builtin or C extension's: nothing to read
+            continue
+        try:
+            signature.bind(*args)
+        except TypeError as e:
+            name = getattr(target, "__name__", "__call__")   # an instance's own call has no name of its own
+            return f"{class_path} builds a reward that fw cannot call as it scores {how}: its {name}{signature}: {e}"
+    return None
+
+
+def builtin_args_problem(target: type, init_args: dict) -> str | None:
+    """The first of `init_args` that built-in `target`'s constructor annotates as a bool but that is no bool, or None:
+    `extract: no` is the string 'no', which Python takes for true."""
+    parameters = inspect.signature(target).parameters
+    for name, value in init_args.items():
+        annotation = parameters[name].annotation if name in parameters else None
+        if annotation in ("bool", bool) and not isinstance(value, bool):
+            hint = " (YAML 1.2 reads on/off/yes/no as strings: write true or false)" \
+                if str(value).lower() in YAML11_BOOLEANS else ""
+            return f"{name} must be true or false, got {value!r}{hint}"
+    return None
 
 
 def _on_a_gpu(cfg: dict) -> dict:

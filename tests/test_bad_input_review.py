@@ -173,3 +173,62 @@ def test_fit_reads_such_rows_as_errors_of_their_line(tmp_path, row):
     (tmp_path / "d.jsonl").write_text(GOOD_ROW + row + "\n")
     with pytest.raises(FwError, match=rf"^{tmp_path / 'd.jsonl'}:2: not valid JSON"):
         read_jsonl(tmp_path / "d.jsonl")
+
+
+# ------------------------------------------------------------------ plug-ins
+
+REWARDS = """
+class NoMetadata:
+    def __call__(self, prompt, completion):
+        return 1.0
+
+class BadBatch:
+    def __call__(self, prompt, completion, metadata):
+        return 1.0
+    def batch(self, completions):
+        return [1.0] * len(completions)
+
+class Flexible:
+    def __call__(self, *args, **kwargs):
+        return 1.0
+
+class KeywordsOnly:
+    def batch(self, prompts, completions, metadatas, *, scale=1.0):
+        return [scale] * len(prompts)
+"""
+
+
+@pytest.mark.parametrize("name, expected", [
+    ("NoMetadata", ("reward.class_path: bad_sig_rewards.NoMetadata builds a reward that fw cannot call as it scores "
+                   "a sample, reward(prompt, completion, metadata): its __call__(prompt, completion): too many "
+                   "positional arguments")),
+    ("BadBatch", ("reward.class_path: bad_sig_rewards.BadBatch builds a reward that fw cannot call as it scores a "
+                 "rollout batch, reward.batch(prompts, completions, metadatas): its batch(completions): too many "
+                 "positional arguments")),
+    ("Flexible", None), ("KeywordsOnly", None)], ids=["no metadata", "bad batch", "flexible", "keywords only"])
+def test_a_reward_that_cannot_take_fws_call_is_refused_before_the_run(tmp_path, capsys, monkeypatch, name, expected):
+    """It failed at the first rollout, after the models were built and the run directory written."""
+    (tmp_path / "bad_sig_rewards.py").write_text(REWARDS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "bad_sig_rewards", raising=False)
+    path = config(tmp_path, GRPO + f"reward:\n  class_path: bad_sig_rewards.{name}\n")
+    code, out, err = fw(capsys, "validate", "--config", path)
+    if expected is None:
+        assert (code, err) == (0, "")
+    else:
+        assert (code, out, err) == (2, "", f"{path}:7:15: {expected}\n")
+
+
+@pytest.mark.parametrize("task, reward, expected", [
+    ("digits", "  name: exact_match\n  init_args: {extract: no}\n",
+     ("8:14: reward.init_args: exact_match: extract must be true or false, got 'no' (YAML 1.2 reads on/off/yes/no "
+      "as strings: write true or false)")),
+    ("countdown", "  init_args: {use_all: 'false'}\n",
+     "7:14: reward.init_args: countdown: use_all must be true or false, got 'false'"),
+    ("countdown", "  init_args: {use_all: true, format_score: 0.1}\n", None)],
+    ids=["exact_match", "countdown", "valid"])
+def test_a_builtin_rewards_switch_that_is_no_bool_is_refused(tmp_path, capsys, task, reward, expected):
+    """`extract: no` is the string 'no', which is true: the reward extracted answers the user said not to."""
+    path = config(tmp_path, GRPO.replace("{name: digits}", f"{{name: {task}}}") + "reward:\n" + reward)
+    code, _, err = fw(capsys, "validate", "--config", path)
+    assert (code, err) == ((0, "") if expected is None else (2, f"{path}:{expected}\n"))
