@@ -97,9 +97,9 @@ class Digits(Task):
 
     def __init__(self, num_digits: int = 1, rule: str = "copy", template: str = "{digits}=", seed: int = 0):
         super().__init__(seed)
-        if not isinstance(num_digits, int) or num_digits < 1:
+        if not _is_int(num_digits) or num_digits < 1:
             raise FwError(f"digits task: num_digits must be an int >= 1, got {num_digits!r}")
-        if rule not in DIGIT_RULES:
+        if not isinstance(rule, str) or rule not in DIGIT_RULES:
             raise FwError(f"digits task: rule must be one of {', '.join(DIGIT_RULES)}, got {rule!r}")
         _check_template("digits", template, {"digits": "1234"})
         self.num_digits, self.rule, self.template = num_digits, rule, template
@@ -127,11 +127,16 @@ class Arithmetic(Task):
     def __init__(self, digits: int = 2, ops: str | list[str] = "+-*", allow_negative: bool = True,
                  template: str = "{a}{op}{b}=", seed: int = 0):
         super().__init__(seed)
-        if not isinstance(digits, int) or not 1 <= digits <= 18:
+        if not _is_int(digits) or not 1 <= digits <= 18:
             raise FwError(f"arithmetic task: digits must be an int in 1..18, got {digits!r}")
-        ops = list(ops)
-        if not ops or any(op not in ("+", "-", "*") for op in ops):
+        chosen = list(ops) if isinstance(ops, (str, list)) else []   # list(5) would raise, not say what is wanted
+        if not chosen or any(op not in ("+", "-", "*") for op in chosen):
             raise FwError(f"arithmetic task: ops must be a non-empty selection of '+-*', got {ops!r}")
+        ops = chosen
+        if not isinstance(allow_negative, bool):   # `no` is a string in YAML 1.2, and a true one in Python
+            hint = " (YAML 1.2 reads on/off/yes/no as strings: write true or false)" \
+                if str(allow_negative).lower() in ("on", "off", "yes", "no", "y", "n") else ""
+            raise FwError(f"arithmetic task: allow_negative must be true or false, got {allow_negative!r}{hint}")
         _check_template("arithmetic", template, {"a": 12, "op": "+", "b": 34})
         self.digits, self.ops, self.allow_negative, self.template = digits, ops, allow_negative, template
 
@@ -179,11 +184,11 @@ class Countdown(Task):
     def __init__(self, num_numbers: int = 4, max_number: int = 50, max_target: int = 1000,
                  template: str = COUNTDOWN_TEMPLATE, seed: int = 0):
         super().__init__(seed)
-        if not isinstance(num_numbers, int) or not 2 <= num_numbers <= 8:
+        if not _is_int(num_numbers) or not 2 <= num_numbers <= 8:
             raise FwError(f"countdown task: num_numbers must be an int in 2..8, got {num_numbers!r}")
-        if not isinstance(max_number, int) or max_number < 2:
+        if not _is_int(max_number) or max_number < 2:
             raise FwError(f"countdown task: max_number must be an int >= 2, got {max_number!r}")
-        if not isinstance(max_target, int) or max_target < 1:
+        if not _is_int(max_target) or max_target < 1:
             raise FwError(f"countdown task: max_target must be an int >= 1, got {max_target!r}")
         _check_template("countdown", template, {"numbers": "1, 2", "target": 3})
         self.num_numbers, self.max_number, self.max_target = num_numbers, max_number, max_target
@@ -235,6 +240,11 @@ class Countdown(Task):
         """The solution wrapped in ``<answer></answer>``, as the default template asks."""
         sample = self.sample(index)
         return {"prompt": sample["prompt"], "completion": f"<answer>{sample['answer']}</answer>"}
+
+
+def _is_int(value: Any) -> bool:
+    """Whether `value` is an int and not a bool (`num_digits: true` is no count)."""
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _check_template(task: str, template: Any, fields: dict[str, Any]) -> None:
@@ -370,7 +380,7 @@ def build_task(data_cfg: dict, seed: int, path_key: str = "data.path") -> Task:
     init_args.setdefault("seed", seed)
     unknown = set(init_args) - set(inspect.signature(cls).parameters)
     if unknown:
-        raise FwError(f"data.task.init_args: {name!r} has no parameter(s) {', '.join(sorted(unknown))}; "
+        raise FwError(f"data.task.init_args: {name!r} has no parameter(s) {', '.join(sorted(map(str, unknown)))}; "
                       f"it takes {', '.join(inspect.signature(cls).parameters)}")
     return cls(**init_args)
 

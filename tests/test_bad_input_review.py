@@ -232,3 +232,29 @@ def test_a_builtin_rewards_switch_that_is_no_bool_is_refused(tmp_path, capsys, t
     path = config(tmp_path, GRPO.replace("{name: digits}", f"{{name: {task}}}") + "reward:\n" + reward)
     code, _, err = fw(capsys, "validate", "--config", path)
     assert (code, err) == ((0, "") if expected is None else (2, f"{path}:{expected}\n"))
+
+
+# ------------------------------------------------------------------ built-in tasks' arguments
+
+@pytest.mark.parametrize("task, init_args, expected", [
+    ("arithmetic", "{allow_negative: no}", ("arithmetic task: allow_negative must be true or false, got 'no' (YAML "
+                                           "1.2 reads on/off/yes/no as strings: write true or false)")),
+    ("digits", "{num_digits: true}", "digits task: num_digits must be an int >= 1, got True"),
+    ("arithmetic", "{digits: true}", "arithmetic task: digits must be an int in 1..18, got True"),
+    ("countdown", "{max_target: true}", "countdown task: max_target must be an int >= 1, got True"),
+    ("arithmetic", "{ops: 5}", "arithmetic task: ops must be a non-empty selection of '+-*', got 5"),
+    ("digits", "{rule: [next]}", "digits task: rule must be one of copy, last, next, sum, max, got ['next']")],
+    ids=["allow_negative no", "num_digits true", "digits true", "max_target true", "ops 5", "rule list"])
+def test_a_task_argument_of_the_wrong_kind_is_refused(tmp_path, capsys, task, init_args, expected):
+    """`allow_negative: no` is the string 'no', which is true: the task drew negative answers the user turned off."""
+    path = config(tmp_path, GRPO.replace("{name: digits}", f"{{name: {task}, init_args: {init_args}}}"))
+    code, _, err = fw(capsys, "validate", "--config", path)
+    assert (code, err) == (2, (f"{path}:5:{len('  task: {name: ' + task + ', init_args: ') + 1}: "
+                              f"data.task.init_args: {expected}\n"))
+
+
+def test_a_task_argument_named_by_a_number_is_named_in_the_message(tmp_path, capsys):
+    path = config(tmp_path, GRPO.replace("{name: digits}", "{name: digits, init_args: {1: 2}}"))
+    assert fw(capsys, "validate", "--config", path) == (
+        2, "", (f"{path}:5:35: data.task.init_args: 'digits' has no parameter(s) 1; it takes num_digits, rule, "
+               "template, seed\n"))
