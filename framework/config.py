@@ -39,7 +39,6 @@ from framework.yaml12 import Located, Mark
 
 SCHEMA_FILE = "train.schema.json"
 MODELINE = "# yaml-language-server: $schema="
-YAML11_BOOLEANS = {"on", "off", "yes", "no", "y", "n"}
 MAX_PROBLEMS = 50  # reported; the rest are counted in one more line
 MAX_SHOWN = 100   # characters of a wrong string value that a message quotes
 # Built-in names that are checked against a registry at validation time, when no class_path replaces them.
@@ -193,9 +192,7 @@ _PRECISION_ALIASES = {"64": "64-true", "32": "32-true", "16": "16-mixed", "bf16"
 
 
 def _bool_hint(value: Any, wants_bool: bool) -> str:
-    if wants_bool and isinstance(value, str) and value.lower() in YAML11_BOOLEANS:
-        return " (YAML 1.2 reads on/off/yes/no as strings: write true or false)"
-    return ""
+    return yaml12.bool_hint(value) if wants_bool else ""
 
 
 def _null_hint(schema: dict) -> str:

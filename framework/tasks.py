@@ -31,6 +31,7 @@ from typing import Any
 from framework.errors import FwError
 from framework.jsonl import json_type_name, read_jsonl
 from framework.tokenizer import messages_problem
+from framework.yaml12 import bool_hint
 
 LOCATION_KEY = "fw_location"   # a JSONL prompt's `FILE:LINE`, in its sample's metadata
 
@@ -134,9 +135,8 @@ class Arithmetic(Task):
             raise FwError(f"arithmetic task: ops must be a non-empty selection of '+-*', got {ops!r}")
         ops = chosen
         if not isinstance(allow_negative, bool):   # `no` is a string in YAML 1.2, and a true one in Python
-            hint = " (YAML 1.2 reads on/off/yes/no as strings: write true or false)" \
-                if str(allow_negative).lower() in ("on", "off", "yes", "no", "y", "n") else ""
-            raise FwError(f"arithmetic task: allow_negative must be true or false, got {allow_negative!r}{hint}")
+            raise FwError(f"arithmetic task: allow_negative must be true or false, got {allow_negative!r}"
+                          f"{bool_hint(allow_negative)}")
         _check_template("arithmetic", template, {"a": 12, "op": "+", "b": 34})
         self.digits, self.ops, self.allow_negative, self.template = digits, ops, allow_negative, template
 

@@ -21,9 +21,10 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from framework.config import YAML11_BOOLEANS, LocatedConfig, all_key_paths, is_override, load_located, world_size
+from framework.config import LocatedConfig, all_key_paths, is_override, load_located, world_size
 from framework.errors import FwError, Problem, what_raised
 from framework.imports import user_line
+from framework.yaml12 import bool_hint
 
 BUILTIN_RECIPES = ("sft", "grpo", "ppo")
 RL_RECIPES = {"grpo": "group_size", "ppo": "samples_per_prompt"}  # section -> its samples-per-prompt key
@@ -649,9 +650,7 @@ def builtin_args_problem(target: type, init_args: dict) -> str | None:
     for name, value in init_args.items():
         annotation = parameters[name].annotation if name in parameters else None
         if annotation in ("bool", bool) and not isinstance(value, bool):
-            hint = " (YAML 1.2 reads on/off/yes/no as strings: write true or false)" \
-                if str(value).lower() in YAML11_BOOLEANS else ""
-            return f"{name} must be true or false, got {value!r}{hint}"
+            return f"{name} must be true or false, got {value!r}{bool_hint(value)}"
     return None
 
 

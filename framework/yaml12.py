@@ -311,6 +311,17 @@ def _walk(loader: Yaml12Loader, node: yaml.Node, file: str, path: Path, marks: d
             _walk(loader, item, file, path + (i,), marks, problems, None, budget)
 
 
+# The words YAML 1.1 read as booleans and YAML 1.2 reads as strings
+YAML11_BOOLEANS = {"on", "off", "yes", "no", "y", "n"}
+
+
+def bool_hint(value: Any) -> str:
+    """What to write instead, where `value` is meant as a boolean but is a YAML 1.1 boolean word, else ""."""
+    if isinstance(value, str) and value.lower() in YAML11_BOOLEANS:
+        return " (YAML 1.2 reads on/off/yes/no as strings: write true or false)"
+    return ""
+
+
 _BREAK = re.compile("\r\n|[\n\r\x85\u2028\u2029]")   # the line breaks PyYAML counts lines by
 
 
