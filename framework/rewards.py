@@ -44,6 +44,7 @@ import torch
 
 from framework.errors import FwError, raise_on_every_rank, what_raised
 from framework.signals import Interrupted
+from framework.yaml12 import bool_hint
 
 log = logging.getLogger(__name__)
 
@@ -224,6 +225,14 @@ def parse_reference(answer: Any) -> Fraction:
 
 # ---------------------------------------------------------------- built-in rewards
 
+def _need_bools(reward: str, **switches: Any) -> None:
+    """FwError naming the first of a built-in's `switches` that is no bool: `extract: no` is the string 'no', which
+    Python takes for true."""
+    for name, value in switches.items():
+        if not isinstance(value, bool):
+            raise FwError(f"{reward}: {name} must be true or false, got {value!r}{bool_hint(value)}")
+
+
 def _reference(metadata: dict) -> Any:
     if "answer" not in metadata:
         raise KeyError("the sample's metadata has no 'answer' (tasks put the reference answer there)")
@@ -240,6 +249,7 @@ class ExactMatch:
     metadata_keys = ("answer",)   # what every call reads of a sample's metadata (see check_metadata)
 
     def __init__(self, extract: bool = True, normalize: bool = True):
+        _need_bools("exact_match", extract=extract, normalize=normalize)
         self.extract = extract
         self.normalize = normalize
 
@@ -415,6 +425,7 @@ class CountdownReward:
     metadata_keys = ("numbers", "target")
 
     def __init__(self, use_all: bool = False, format_score: float = 0.0):
+        _need_bools("countdown", use_all=use_all)
         self.use_all = use_all
         self.format_score = float(format_score)
 

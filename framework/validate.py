@@ -24,7 +24,6 @@ from typing import Any
 from framework.config import LocatedConfig, all_key_paths, is_override, load_located, world_size
 from framework.errors import FwError, Problem, what_raised
 from framework.imports import user_line
-from framework.yaml12 import bool_hint
 
 BUILTIN_RECIPES = ("sft", "grpo", "ppo")
 RL_RECIPES = {"grpo": "group_size", "ppo": "samples_per_prompt"}  # section -> its samples-per-prompt key
@@ -435,22 +434,18 @@ class _Checks:
         # without a task a null reward.name has nothing to follow: the task's problem is the one to fix
         task_missing = (self.task_failed or self.task is None) and not reward["class_path"] and not reward["name"]
         if self.recipe in RL_RECIPES and not task_missing:
-            from framework.rewards import REWARDS, build_reward
+            from framework.rewards import build_reward
 
             try:
                 reward = build_reward(self.cfg["reward"], self.task)
             except USER_CODE_RAISES as e:   # user code: add_error says it
-                self.add_error(e, ("reward", "class_path") if self.cfg["reward"]["class_path"] else ("reward",),
-                               "building the reward")
+                r = self.cfg["reward"]
+                self.add_error(e, ("reward", "class_path") if r["class_path"] else
+                               ("reward", "init_args") if r["init_args"] else ("reward",), "building the reward")
             else:
                 problem = reward_call_problem(reward, self.cfg["reward"]["class_path"])
                 if problem:
                     self.add(("reward", "class_path"), problem)
-                name = next((n for n, cls in REWARDS.items() if type(reward) is cls), None)
-                problem = None if self.cfg["reward"]["class_path"] or name is None else \
-                    builtin_args_problem(type(reward), self.cfg["reward"]["init_args"] or {})
-                if problem:
-                    self.add(("reward", "init_args"), f"{name}: {problem}")
                 if sample is not None:   # the task's first sample holds what the reward reads of it
                     from framework.rewards import check_metadata
 
@@ -640,17 +635,6 @@ def reward_call_problem(reward: Any, class_path: str | None) -> str | None:
         except TypeError as e:
             name = getattr(target, "__name__", "__call__")   # an instance's own call has no name of its own
             return f"{class_path} builds a reward that fw cannot call as it scores {how}: its {name}{signature}: {e}"
-    return None
-
-
-def builtin_args_problem(target: type, init_args: dict) -> str | None:
-    """The first of `init_args` that built-in `target`'s constructor annotates as a bool but that is no bool, or None:
-    `extract: no` is the string 'no', which Python takes for true."""
-    parameters = inspect.signature(target).parameters
-    for name, value in init_args.items():
-        annotation = parameters[name].annotation if name in parameters else None
-        if annotation in ("bool", bool) and not isinstance(value, bool):
-            return f"{name} must be true or false, got {value!r}{bool_hint(value)}"
     return None
 
 

@@ -759,3 +759,13 @@ def test_ctrl_c_while_a_timed_reward_runs_is_not_the_rewards_keyboard_interrupt(
         release.set()
         signal.signal(signal.SIGINT, previous)
     assert not isinstance(info.value, Interrupted) and type(info.value) is KeyboardInterrupt
+
+
+@pytest.mark.parametrize("name, switch", [("exact_match", "extract"), ("exact_match", "normalize"),
+                                          ("countdown", "use_all")])
+def test_a_built_in_rewards_switch_must_be_a_bool_wherever_it_is_built(name, switch):
+    """`extract: no` is the string 'no' (YAML 1.2), which Python takes for true: refused by the reward itself, so
+    `fw eval`, which builds it without `fw validate`'s checks, refuses it too."""
+    with pytest.raises(FwError, match=rf"^{name}: {switch} must be true or false, got 'no' \(YAML 1\.2 reads"):
+        REWARDS[name](**{switch: "no"})
+    assert REWARDS[name](**{switch: False}) is not None
