@@ -225,6 +225,18 @@ def load_policy(cfg: dict, checkpoint: str | os.PathLike | None) -> tuple[Any, A
     return tokenizer, policy
 
 
+def _check_prompt_text(prompt: str) -> None:
+    """FwError when `prompt` is no UTF-8 text: bytes of another encoding on the command line, which Python keeps as
+    lone surrogates and which no tokenizer takes."""
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as e:
+        code = ord(prompt[e.start])
+        what = f"byte 0x{code - 0xDC00:02x}" if 0xDC80 <= code <= 0xDCFF else f"the lone surrogate U+{code:04X}"
+        raise FwError(f"--prompt is not UTF-8 text ({what} at character {e.start + 1}); give the prompt in UTF-8") \
+            from None
+
+
 def generate_text(cfg: dict | None, prompt: str, checkpoint: str | None = None, max_new_tokens: int | None = None,
                   temperature: float | None = None, seed: int | None = None, skip_damaged: bool = False,
                   overrides: list[str] | None = None) -> str:
@@ -239,6 +251,7 @@ def generate_text(cfg: dict | None, prompt: str, checkpoint: str | None = None, 
     from framework.rollout import CacheSettings, SamplingParams, generate, stop_token_ids
     from framework.tasks import render_prompt
 
+    _check_prompt_text(prompt)
     top = key_schema("seed")["maximum"]   # the config's seed's bounds: the sampler's seeding takes no more
     if seed is not None and not 0 <= seed <= top:
         raise FwError(f"--seed must be an integer from 0 to {top}, as the config's seed is; got {seed}")

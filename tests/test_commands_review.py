@@ -1,0 +1,46 @@
+"""`fw generate` and `fw eval` used as a demanding user would: a --prompt of bytes that are not UTF-8."""
+
+import pytest
+import torch
+from scripts.ckpt_writer import policy_checkpoint
+
+from framework import checkpoint as ck
+from framework.cli import main
+from framework.config import resolve
+from framework.models import Qwen3ForCausalLM
+from framework.models.presets import preset_config
+from framework.tokenizer import Tokenizer
+
+
+def _cfg(run_dir) -> dict:
+    return resolve({"recipe": "grpo", "seed": 3, "run_dir": str(run_dir), "model": {"policy": {"preset": "tiny"}},
+                    "data": {"task": {"name": "digits"}, "chat_template": False},
+                    "rollout": {"prompts_per_step": 2, "max_new_tokens": 2},
+                    "eval": {"max_prompts": 2, "samples_per_prompt": 1, "held_out": False}})
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A tiny GRPO checkpoint (policy/ and config.yaml) at <run>/checkpoints/step-000004."""
+    root = tmp_path_factory.mktemp("review")
+    tok = Tokenizer.builtin()
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(preset_config("tiny", tok.vocab_size, tok.eos_id, tok.pad_id))
+    path = ck.checkpoints_dir(root / "run") / ck.step_dir_name(4)
+    ck.write_checkpoint_dir(policy_checkpoint(model, tok, 4, root / "tok"), path, _cfg(root / "run"))
+    return path
+
+
+def _files(folder):
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*"))
+
+
+@pytest.mark.parametrize(("prompt", "what"), [("ab\udcff", "byte 0xff at character 3"),
+                                              ("\ud800x", "the lone surrogate U+D800 at character 1")])
+def test_a_prompt_that_is_not_utf8_is_one_line(checkpoint, capsys, prompt, what):
+    """Bytes of another encoding on the command line reach Python as lone surrogates, which the tokenizer refuses
+    with a TypeError: one line naming --prompt, exit 2."""
+    assert main(["generate", "--checkpoint", str(checkpoint), "--prompt", prompt, "--greedy"]) == 2
+    shown = capsys.readouterr()
+    assert shown.out == ""
+    assert shown.err.splitlines() == [f"fw: error: --prompt is not UTF-8 text ({what}); give the prompt in UTF-8"]
