@@ -694,10 +694,12 @@ def evaluate_checkpoint(checkpoint: str | Path, cfg: dict | None = None, out: st
                 own = None
         changes = None if own is None else config_changes(own, run_cfg)
         settings = {"eval": run_cfg["eval"], "reward": run_cfg["reward"], "changes": changes}
+        # named as absolute: `--checkpoint .` (or `..`) has no name of its own, nor a run directory above it
+        at = Path(os.path.abspath(path))
         default = report_path is None
         if default:
-            name = path.name if changes == {} else f"{path.name}-{config_sha256(run_cfg)[:8]}"
-            where = (path.parent.parent / "eval" if path.parent.name == "checkpoints" else Path.cwd()) / f"{name}.json"
+            name = at.name if changes == {} else f"{at.name}-{config_sha256(run_cfg)[:8]}"
+            where = (at.parent.parent / "eval" if at.parent.name == "checkpoints" else Path.cwd()) / f"{name}.json"
         else:
             where = Path(report_path)
         _check_report_path(where)   # before the evaluation, which may take long
@@ -709,7 +711,7 @@ def evaluate_checkpoint(checkpoint: str | Path, cfg: dict | None = None, out: st
         step = read_complete_manifest(path).get("step")
         tokenizer, policy = load_policy(run_cfg, path)
         draws = checkpoint_draws(path, run_cfg) if needs_draws(run_cfg) else 0
-        return path, run_cfg, settings, where, step, tokenizer, policy, draws
+        return at, run_cfg, settings, where, step, tokenizer, policy, draws
 
     # a run directory's newest checkpoint, read again if the fit writing the run prunes it meanwhile
     path, cfg, settings, out, step, tokenizer, policy, draws = read_resolved(checkpoint, prepare, skip_damaged)
@@ -794,6 +796,13 @@ def _check_report_path(out: Path) -> None:
         raise FwError(f"--out {out}: cannot create its folder: {parent} is a file")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise FwError(f"--out {out}: {parent} is not writable")
+    from framework.checkpoint.directory import MANIFEST
+
+    folder = Path(os.path.abspath(out.parent))
+    checkpoint = next((f for f in (folder, *folder.parents) if (f / MANIFEST).is_file()), None)
+    if checkpoint is not None:   # not a file of its manifest: a prune deletes it with the checkpoint
+        raise FwError(f"--out {out}: inside checkpoint {checkpoint}, whose files are those its manifest lists and "
+                      "which a prune deletes whole; give a path outside it")
 
 
 def format_table(report: dict[str, Any]) -> str:

@@ -1,4 +1,7 @@
-"""`fw generate` and `fw eval` used as a demanding user would: a --prompt of bytes that are not UTF-8."""
+"""`fw generate` and `fw eval` used as a demanding user would: a --prompt of bytes that are not UTF-8, a report path
+inside a checkpoint, `--checkpoint .` from inside one."""
+
+import json
 
 import pytest
 import torch
@@ -44,3 +47,31 @@ def test_a_prompt_that_is_not_utf8_is_one_line(checkpoint, capsys, prompt, what)
     shown = capsys.readouterr()
     assert shown.out == ""
     assert shown.err.splitlines() == [f"fw: error: --prompt is not UTF-8 text ({what}); give the prompt in UTF-8"]
+
+
+@pytest.mark.parametrize("where", ["r.json", "policy/r.json", "new/r.json"])
+def test_fw_eval_writes_no_report_inside_a_checkpoint(checkpoint, capsys, where):
+    """A report in a checkpoint directory is no file of its manifest, and the run's prune deletes it with the
+    checkpoint: refused before anything loads, as fw export refuses an --out there."""
+    before = _files(checkpoint)
+    out = checkpoint / where
+    assert main(["eval", "--checkpoint", str(checkpoint), "--out", str(out)]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        (f"fw: error: --out {out}: inside checkpoint {checkpoint}, whose files are those its manifest lists and "
+         "which a prune deletes whole; give a path outside it")]
+    assert _files(checkpoint) == before
+
+
+@pytest.mark.parametrize("inside", ["", "policy"])
+def test_fw_eval_of_a_relative_checkpoint_writes_the_runs_report(checkpoint, capsys, monkeypatch, inside):
+    """`fw eval --checkpoint .` in the checkpoint (`..` in its policy/): the report goes where the absolute path's
+    goes, <run>/eval/step-000004.json, naming the checkpoint absolutely; before, it was `.json` (`...json`) in the
+    working directory, inside the checkpoint, and named the checkpoint `.`."""
+    before = _files(checkpoint)
+    report = checkpoint.parent.parent / "eval" / "step-000004.json"
+    report.unlink(missing_ok=True)
+    monkeypatch.chdir(checkpoint / inside)
+    assert main(["eval", "--checkpoint", ".." if inside else "."]) == 0
+    assert capsys.readouterr().out.endswith(f"wrote {report}\n")
+    assert json.loads(report.read_text())["checkpoint"] == str(checkpoint)
+    assert _files(checkpoint) == before
