@@ -458,11 +458,16 @@ class Evaluation:
             part = mine[start:start + chunk]
             seed = (self.seed * 1_000_003 + rank * 100_003 + n) % (2**31 - 1)
             prompts = [self.ids[i] for i in part for _ in range(k)]
-            if engine is not None and engine.model is policy:
-                ro = engine.generate(prompts, params, eos_ids=eos, tokenizer=self.tokenizer, seed=seed)
-            else:
-                ro = generate(policy, prompts, params, eos_ids=eos, tokenizer=self.tokenizer, seed=seed,
-                              cache=CacheSettings.from_config(cfg["rollout"]))
+            try:
+                if engine is not None and engine.model is policy:
+                    ro = engine.generate(prompts, params, eos_ids=eos, tokenizer=self.tokenizer, seed=seed)
+                else:
+                    ro = generate(policy, prompts, params, eos_ids=eos, tokenizer=self.tokenizer, seed=seed,
+                                  cache=CacheSettings.from_config(cfg["rollout"]))
+            except FwError as exc:   # the engine names the rollout's limit; eval.max_new_tokens set this one
+                if e["max_new_tokens"] is None or "rollout.max_new_tokens" not in str(exc):
+                    raise
+                raise FwError(str(exc).replace("rollout.max_new_tokens", "eval.max_new_tokens")) from None
             try:
                 rewards, _ = score_rollout(self.reward_fn, [self.texts[i] for i in part for _ in range(k)],
                                            ro.texts, [self.metadatas[i] for i in part for _ in range(k)],

@@ -1,5 +1,5 @@
 """`fw generate` and `fw eval` used as a demanding user would: a --prompt of bytes that are not UTF-8, a report path
-inside a checkpoint, `--checkpoint .` from inside one."""
+inside a checkpoint, `--checkpoint .` from inside one, an eval.max_new_tokens the KV cache cannot hold."""
 
 import json
 
@@ -75,3 +75,16 @@ def test_fw_eval_of_a_relative_checkpoint_writes_the_runs_report(checkpoint, cap
     assert capsys.readouterr().out.endswith(f"wrote {report}\n")
     assert json.loads(report.read_text())["checkpoint"] == str(checkpoint)
     assert _files(checkpoint) == before
+
+
+def test_an_eval_limit_the_cache_cannot_hold_names_eval_max_new_tokens(checkpoint, tmp_path, capsys):
+    """eval.max_new_tokens, not rollout.max_new_tokens, sets the evaluation's limit: the refusal names the key
+    the user set."""
+    out = tmp_path / "r.json"
+    assert main(["eval", "--checkpoint", str(checkpoint), "--out", str(out), f"--eval.max_new_tokens={10**11}"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].endswith("raise rollout.kv_cache_gib or lower eval.max_new_tokens"), err
+    assert not out.exists()
+    assert main(["eval", "--checkpoint", str(checkpoint), "--out", str(out), f"--rollout.max_new_tokens={10**11}"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].endswith("raise rollout.kv_cache_gib or lower rollout.max_new_tokens"), err
