@@ -309,7 +309,7 @@ class Evaluation:
         self.metadatas = [s["metadata"] for s in samples]
 
     def _build_sft(self, draws: int) -> None:
-        from framework.data import encode_record, record_prompt
+        from framework.data import IGNORE, encode_record, record_prompt, truncate
         from framework.jsonl import read_jsonl
         from framework.tasks import build_task
 
@@ -349,6 +349,13 @@ class Evaluation:
             return
         self.examples = [encode_record(r, fmt, self.tokenizer, cfg, where, train_on_prompt=False)
                          for where, r in chosen]
+        limit = cfg["data"]["max_seq_len"]
+        if not any(t != IGNORE for x in self.examples for t in truncate(x, limit).targets):
+            # else eval/loss would read 0 and eval/perplexity 1, a perfect score of no token
+            source = f"eval.path {e['path']}" if e["path"] else "the training task drawn with eval.seed"
+            raise FwError(f"eval: no example of {source} ({len(self.examples)} chosen) has a target token within "
+                          f"data.max_seq_len ({limit}): their prompts fill it; raise data.max_seq_len or give "
+                          "examples with shorter prompts")
 
     def _held_out(self, get: Any, count: int | None, key: Any, train_key: Any, draws: int) -> list[Any]:
         """The first `eval.max_prompts` distinct samples `get(i)` (i < `count`; None = endless) whose prompt is none

@@ -1,5 +1,6 @@
 """`fw generate` and `fw eval` used as a demanding user would: a --prompt of bytes that are not UTF-8, a report path
-inside a checkpoint, `--checkpoint .` from inside one, an eval.max_new_tokens the KV cache cannot hold."""
+inside a checkpoint, `--checkpoint .` from inside one, an eval.max_new_tokens the KV cache cannot hold, SFT eval
+examples that keep no target token."""
 
 import json
 
@@ -88,3 +89,33 @@ def test_an_eval_limit_the_cache_cannot_hold_names_eval_max_new_tokens(checkpoin
     assert main(["eval", "--checkpoint", str(checkpoint), "--out", str(out), f"--rollout.max_new_tokens={10**11}"]) == 2
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 1 and err[0].endswith("raise rollout.kv_cache_gib or lower rollout.max_new_tokens"), err
+
+
+def test_sft_eval_of_examples_whose_targets_all_fall_past_max_seq_len_is_refused(tmp_path):
+    """An SFT eval whose every example keeps no target token within data.max_seq_len reported eval/loss 0 and
+    eval/perplexity 1, a perfect score of no token: refused, naming the file and the key. One target token more
+    (the prompt's last position, which predicts the completion's first token) evaluates that one token."""
+    from framework.data import IGNORE, encode_record
+    from framework.errors import FwError
+    from framework.evaluation import Evaluation
+    from framework.models import build_policy
+
+    held = tmp_path / "held.jsonl"
+    record = {"prompt": "12 + 30 = ", "completion": "42"}
+    held.write_text(json.dumps(record) + "\n")
+
+    def cfg(max_seq_len):
+        return resolve({"recipe": "sft", "seed": 1, "model": {"policy": {"preset": "tiny"}},
+                        "data": {"task": {"name": "digits"}, "chat_template": False, "max_seq_len": max_seq_len},
+                        "eval": {"path": str(held), "held_out": False}})
+
+    tok = Tokenizer.builtin()
+    targets = encode_record(record, "prompt_completion", tok, cfg(512), "x", train_on_prompt=False).targets
+    prompt = next(i for i, t in enumerate(targets) if t != IGNORE) + 1   # the prompt's tokens
+    policy = build_policy(cfg(prompt)["model"]["policy"], tok, seed=1)
+    with pytest.raises(FwError) as e:
+        Evaluation(cfg(prompt), tok).run(policy)
+    assert str(e.value) == (f"eval: no example of eval.path {held} (1 chosen) has a target token within "
+                            f"data.max_seq_len ({prompt}): their prompts fill it; raise data.max_seq_len or give "
+                            "examples with shorter prompts")
+    assert Evaluation(cfg(prompt + 1), tok).run(policy)["eval/tokens"] == 1
