@@ -17,6 +17,7 @@ import os
 import signal
 import sys
 import traceback
+from typing import Any
 
 from framework.config import dump_config, load_config, schema_path, schema_text
 from framework.errors import ConfigError, FwError
@@ -150,9 +151,9 @@ def _run(args: argparse.Namespace, overrides: list[str]) -> int:
             from framework.validate import process_assumption
 
             assumed = process_assumption(cfg)
-            print(f"{', '.join(args.config)}: valid (recipe {cfg['recipe']}{'; ' + assumed if assumed else ''})")
+            _out(f"{', '.join(args.config)}: valid (recipe {cfg['recipe']}{'; ' + assumed if assumed else ''})")
         elif cmd == "print-config":
-            sys.stdout.write(dump_config(cfg))
+            _written(sys.stdout.write, dump_config(cfg))
         else:
             from framework.trainer import fit
 
@@ -173,16 +174,16 @@ def _run(args: argparse.Namespace, overrides: list[str]) -> int:
         if problems:
             raise located.error(problems)
         plan = estimate(located.cfg, gpu_gib=args.gpu_gib)
-        print(plan.table())
+        _out(plan.table())
         if plan.fits is False:
             raise FwError(plan.refusal())
     elif cmd == "schema":
-        sys.stdout.write(schema_text())
+        _written(sys.stdout.write, schema_text())
     elif cmd == "export":
         from framework.export import export_checkpoint
 
         out = export_checkpoint(args.checkpoint, args.out, merge=args.merge, skip_damaged=args.skip_damaged)
-        print(f"exported {args.checkpoint} to {out or args.out}")
+        _out(f"exported {args.checkpoint} to {out or args.out}")
     elif cmd == "generate":
         if not args.config and not args.checkpoint:
             raise FwError("fw generate needs --config FILE or --checkpoint DIR")
@@ -191,7 +192,7 @@ def _run(args: argparse.Namespace, overrides: list[str]) -> int:
         from framework.generate import generate_text
 
         temperature = 0.0 if args.greedy else args.temperature
-        print(generate_text(cfg, args.prompt, checkpoint=args.checkpoint, max_new_tokens=args.max_new_tokens,
+        _out(generate_text(cfg, args.prompt, checkpoint=args.checkpoint, max_new_tokens=args.max_new_tokens,
                             temperature=temperature, seed=args.seed, skip_damaged=args.skip_damaged,
                             overrides=None if args.config else overrides))
     elif cmd == "eval":
@@ -201,22 +202,22 @@ def _run(args: argparse.Namespace, overrides: list[str]) -> int:
         cfg = load_config(args.config, overrides, imports=EVAL_IMPORTS) if args.config else None
         report, out = evaluate_checkpoint(args.checkpoint, cfg, out=args.out, skip_damaged=args.skip_damaged,
                                           overrides=None if args.config else overrides)
-        print(format_table(report))
-        print(f"wrote {out}")
+        _out(format_table(report))
+        _out(f"wrote {out}")
     elif cmd == "plot":
         from framework.plot import plot_runs
 
         metrics = [m.strip() for m in args.metrics.split(",") if m.strip()] if args.metrics else None
-        print(f"wrote {plot_runs(args.run, args.out, metrics, args.smooth)}")
+        _out(f"wrote {plot_runs(args.run, args.out, metrics, args.smooth)}")
     elif cmd == "doctor":
         import ops_cuda
 
-        print(ops_cuda.doctor())
+        _out(ops_cuda.doctor())
     elif cmd == "ops":
         import ops_cuda
 
         try:
-            print(ops_cuda.build())
+            _out(ops_cuda.build())
         except RuntimeError as e:  # no CUDA / no compiler / a stale build lock: the message says which
             raise FwError(f"cannot build the CUDA ops: {e}") from e
     return 0
@@ -244,6 +245,21 @@ def _joined(rest: list[str]) -> list[str]:
     return out
 
 
+def _written(write: Any, *args: Any) -> None:
+    """`write(*args)` on standard output; a failure there other than a closed pipe (a full disk) is one line."""
+    try:
+        write(*args)
+    except BrokenPipeError:
+        raise
+    except OSError as e:
+        raise FwError(f"cannot write to standard output: {e.strerror or e}") from None
+
+
+def _out(*values: Any) -> None:
+    """print() of a command's result to standard output."""
+    _written(print, *values)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run `fw` with `argv` (default: sys.argv[1:]); returns the exit code."""
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -260,7 +276,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     debug = args.debug or os.environ.get("FW_DEBUG", "") not in ("", "0")
     try:
-        return _run(args, rest)
+        if sys.stdout is None and args.command != "fit":   # fd 1 closed: print() drops the result without a word
+            raise FwError(f"standard output is closed; fw {args.command} writes its result there")
+        code = _run(args, rest)
+        if sys.stdout is not None:
+            _written(sys.stdout.flush)   # here, not at exit: a write that fails is this command's error
+        return code
     except FwError as e:
         if debug:
             traceback.print_exc()

@@ -242,6 +242,26 @@ def test_a_reader_that_stops_reading_ends_fw_quietly():
     assert (proc.wait(timeout=60), err) == (128 + signal.SIGPIPE, "")
 
 
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full, a device whose writes fail")
+@pytest.mark.parametrize("command", [["schema"], ["print-config", "--config", TRAIN], ["plan", "--config", TRAIN]])
+def test_a_result_that_cannot_be_written_is_one_line(command):
+    """A full disk under standard output: one line and exit 2, not a traceback from print() or from the
+    interpreter's flush at exit."""
+    with open("/dev/full", "w") as full:
+        proc = subprocess.run([sys.executable, "-m", "framework", *command], cwd=ROOT, stdout=full,
+                              stderr=subprocess.PIPE, text=True, timeout=120, check=False)
+    want = "fw: error: cannot write to standard output: No space left on device\n"
+    assert (proc.returncode, proc.stderr) == (2, want)
+
+
+def test_a_closed_standard_output_is_refused_rather_than_the_result_dropped():
+    """fd 1 closed: Python's print() writes nowhere without a word, so the result would be lost with exit 0."""
+    proc = subprocess.run(["sh", "-c", 'exec "$0" -m framework schema >&-', sys.executable], cwd=ROOT,
+                          stderr=subprocess.PIPE, text=True, timeout=120, check=False)
+    want = "fw: error: standard output is closed; fw schema writes its result there\n"
+    assert (proc.returncode, proc.stderr) == (2, want)
+
+
 def test_sigint_exits_130(tmp_path):
     marker = tmp_path / "started"
     (tmp_path / "slow_fw_mod.py").write_text(
