@@ -174,9 +174,13 @@ class _CsvWriter(ExperimentWriter):
         if not path.is_file():
             return [], [], False
         with open(path, newline="", encoding="utf-8") as f:
-            lines = f.read().splitlines(keepends=True)
-        torn = bool(lines) and not lines[-1].endswith(("\n", "\r"))
-        reader = csv.DictReader(lines[:-1] if torn else lines)
+            text = f.read()
+        # rows end in CR or LF only: str.splitlines would also split a metric name at a form feed or U+2028,
+        # which the csv module writes unquoted
+        torn = bool(text) and not text.endswith(("\n", "\r"))
+        if torn:
+            text = text[:max(text.rfind("\n"), text.rfind("\r")) + 1]
+        reader = csv.DictReader(io.StringIO(text, newline=""))
         rows = list(reader)
         return list(reader.fieldnames or []), rows, torn
 
