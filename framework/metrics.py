@@ -401,7 +401,9 @@ class JsonlLogger(Logger):
             return
         lines = self.path.read_text(encoding="utf-8").splitlines(keepends=True)
         keep = [ln for ln in lines if ln.strip() and _step_of(ln) <= step]
-        if len(keep) == len(lines):
+        if keep and not keep[-1].endswith("\n"):   # a whole record a kill left without its newline: the next
+            keep[-1] += "\n"                       # line would be written onto it
+        if keep == lines:
             return
         replace_file(self.path, "".join(keep))
 
@@ -417,15 +419,28 @@ def _step_of(line: str) -> float:
 
 def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
     """The records of a metrics.jsonl file, in order. A torn last line (a run killed mid-write, which its resume
-    drops) is left out; a bad line before it is an FwError naming the file and line."""
-    lines = Path(path).read_text(encoding="utf-8").split("\n")
+    drops) is left out; a bad line before it (not JSON, not an object, a step that is no finite number) or bytes
+    that are not UTF-8 are an FwError naming the file and line."""
+    data = Path(path).read_bytes()
+    try:
+        lines = data.decode("utf-8").split("\n")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        raise FwError(f"{path}:{line}: not a metrics record (not UTF-8 text)") from None
     numbered = [(i, ln) for i, ln in enumerate(lines, 1) if ln.strip()]
     records = []
     for i, ln in numbered:
         try:
-            records.append(json.loads(ln))
+            record = json.loads(ln)
         except json.JSONDecodeError as e:
             if i == len(lines):
                 break   # the last line, with no newline after it: a write cut short
             raise FwError(f"{path}:{i}: not a metrics record ({e.msg} at column {e.colno})") from None
+        if not isinstance(record, dict):
+            raise FwError(f"{path}:{i}: not a metrics record (a JSON {type(record).__name__}, not an object)")
+        step = record.get("step")
+        if step is not None and (isinstance(step, bool) or not isinstance(step, (int, float))
+                                 or not math.isfinite(step)):
+            raise FwError(f"{path}:{i}: not a metrics record (its step is {step!r}, not a finite number)")
+        records.append(record)
     return records

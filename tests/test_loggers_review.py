@@ -3,11 +3,15 @@ on metrics.jsonl files that fw did not write whole: a resume keeps every earlier
 metrics.jsonl is one line, exit 2."""
 
 import csv
+import json
 import math
 
 import pytest
 
+from framework.cli import main
 from framework.loggers import build_loggers
+from framework.metrics import JsonlLogger, read_metrics
+from framework.plot import series
 
 
 def csv_cfg(run_dir):
@@ -59,3 +63,45 @@ def test_a_resumed_csv_keeps_non_finite_values_and_hundreds_of_columns(tmp_path)
                                                                                                    "299.0", "")
     assert (rows[1]["step"], rows[1]["loss"], rows[1]["grad_norm"], rows[1]["user/new"]) == ("2", "0.5", "", "7.0")
     assert all(rows[1][n] == "" for n in names)
+
+
+def test_a_resume_after_a_kill_that_cut_only_a_records_newline_keeps_metrics_jsonl_readable(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "loss": 1.0}\n{"step": 2, "loss": 0.5}')   # step 2's newline not written
+    logger = JsonlLogger(path, name="fw")
+    logger.truncate_after(2)
+    logger.log_metrics({"loss": 0.25}, step=3)
+    logger.finalize("success")
+    assert read_metrics(path) == [{"step": 1, "loss": 1.0}, {"step": 2, "loss": 0.5}, {"step": 3, "loss": 0.25}]
+
+
+@pytest.mark.parametrize(("text", "line", "why"), [
+    (b'{"step": 1, "loss": 1.0}\n5\n', 2, "a JSON int, not an object"),
+    (b'[1, 2]\n{"step": 1, "loss": 1.0}\n', 1, "a JSON list, not an object"),
+    (b'{"step": 1, "loss": 1.0}\n{"step": "two", "loss": 0.5}\n', 2, "its step is 'two', not a finite number"),
+    (b'{"step": 1e400, "loss": 1.0}\n', 1, "its step is inf, not a finite number"),
+    (b'{"step": true, "loss": 1.0}\n', 1, "its step is True, not a finite number"),
+    (b'{"step": 1, "loss": 1.0}\n{"step": 2, "loss": "\xff"}\n', 2, "not UTF-8 text"),
+])
+def test_plot_of_a_file_that_is_no_metrics_jsonl_is_one_line(tmp_path, capsys, text, line, why):
+    (tmp_path / "metrics.jsonl").write_bytes(text)
+    assert main(["plot", "--run", str(tmp_path), "--metrics", "loss"]) == 2
+    assert capsys.readouterr().err == f"fw: error: {tmp_path / 'metrics.jsonl'}:{line}: not a metrics record ({why})\n"
+    assert not (tmp_path / "metrics.png").exists()
+
+
+def test_plot_draws_one_point_a_torn_last_line_missing_metrics_and_non_numeric_values(tmp_path, capsys):
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    b.mkdir()
+    (a / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 2.0}) + "\n" + '{"step": 2, "lo')
+    records = [{"step": 1, "loss": "nan", "eval/loss": 3.0}, {"step": 2, "loss": "inf"}, {"step": 3, "loss": 0.5},
+               {"step": None, "loss": 9.0}, {"step": 4, "loss": True}, {"step": 5, "loss": [1]}]
+    (b / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    out = tmp_path / "out.png"
+    assert main(["plot", "--run", str(a), "--run", str(b), "--metrics", "loss,eval/loss", "--out", str(out)]) == 0
+    assert capsys.readouterr().out == f"wrote {out}\n"
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert series(read_metrics(a / "metrics.jsonl"), "loss") == ([1], [2.0])
+    assert series(read_metrics(b / "metrics.jsonl"), "loss") == ([3], [0.5])
+    assert series(read_metrics(a / "metrics.jsonl"), "eval/loss") == ([], [])
