@@ -26,6 +26,7 @@ from torch import nn
 
 from framework.durable import disk_full, disk_full_cause, replace_file
 from framework.errors import FwError
+from framework.jsonl import decode_utf8, json_type_name
 
 
 class _Float64:
@@ -421,12 +422,7 @@ def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
     """The records of a metrics.jsonl file, in order. A torn last line (a run killed mid-write, which its resume
     drops) is left out; a bad line before it (not JSON, not an object, a step that is no finite number) or bytes
     that are not UTF-8 are an FwError naming the file and line."""
-    data = Path(path).read_bytes()
-    try:
-        lines = data.decode("utf-8").split("\n")
-    except UnicodeDecodeError as e:
-        line = data.count(b"\n", 0, e.start) + 1
-        raise FwError(f"{path}:{line}: not a metrics record (not UTF-8 text)") from None
+    lines = decode_utf8(Path(path).read_bytes(), path).split("\n")
     numbered = [(i, ln) for i, ln in enumerate(lines, 1) if ln.strip()]
     records = []
     for i, ln in numbered:
@@ -437,7 +433,7 @@ def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
                 break   # the last line, with no newline after it: a write cut short
             raise FwError(f"{path}:{i}: not a metrics record ({e.msg} at column {e.colno})") from None
         if not isinstance(record, dict):
-            raise FwError(f"{path}:{i}: not a metrics record (a JSON {type(record).__name__}, not an object)")
+            raise FwError(f"{path}:{i}: not a metrics record ({json_type_name(record)}, not an object)")
         step = record.get("step")
         if step is not None and (isinstance(step, bool) or not isinstance(step, (int, float))
                                  or not math.isfinite(step)):

@@ -75,18 +75,19 @@ def test_a_resume_after_a_kill_that_cut_only_a_records_newline_keeps_metrics_jso
     assert read_metrics(path) == [{"step": 1, "loss": 1.0}, {"step": 2, "loss": 0.5}, {"step": 3, "loss": 0.25}]
 
 
-@pytest.mark.parametrize(("text", "line", "why"), [
-    (b'{"step": 1, "loss": 1.0}\n5\n', 2, "a JSON int, not an object"),
-    (b'[1, 2]\n{"step": 1, "loss": 1.0}\n', 1, "a JSON list, not an object"),
-    (b'{"step": 1, "loss": 1.0}\n{"step": "two", "loss": 0.5}\n', 2, "its step is 'two', not a finite number"),
-    (b'{"step": 1e400, "loss": 1.0}\n', 1, "its step is inf, not a finite number"),
-    (b'{"step": true, "loss": 1.0}\n', 1, "its step is True, not a finite number"),
-    (b'{"step": 1, "loss": 1.0}\n{"step": 2, "loss": "\xff"}\n', 2, "not UTF-8 text"),
+@pytest.mark.parametrize(("text", "where"), [
+    (b'{"step": 1, "loss": 1.0}\n5\n', "2: not a metrics record (a number, not an object)"),
+    (b'[1, 2]\n{"step": 1, "loss": 1.0}\n', "1: not a metrics record (an array, not an object)"),
+    (b'{"step": 1, "loss": 1.0}\n{"step": "two", "loss": 0.5}\n',
+     "2: not a metrics record (its step is 'two', not a finite number)"),
+    (b'{"step": 1e400, "loss": 1.0}\n', "1: not a metrics record (its step is inf, not a finite number)"),
+    (b'{"step": true, "loss": 1.0}\n', "1: not a metrics record (its step is True, not a finite number)"),
+    (b'{"step": 1, "loss": 1.0}\n{"step": 2, "loss": "\xff"}\n', "2:22: not UTF-8 (byte 0xff); save the file as UTF-8"),
 ])
-def test_plot_of_a_file_that_is_no_metrics_jsonl_is_one_line(tmp_path, capsys, text, line, why):
+def test_plot_of_a_file_that_is_no_metrics_jsonl_is_one_line(tmp_path, capsys, text, where):
     (tmp_path / "metrics.jsonl").write_bytes(text)
     assert main(["plot", "--run", str(tmp_path), "--metrics", "loss"]) == 2
-    assert capsys.readouterr().err == f"fw: error: {tmp_path / 'metrics.jsonl'}:{line}: not a metrics record ({why})\n"
+    assert capsys.readouterr().err == f"fw: error: {tmp_path / 'metrics.jsonl'}:{where}\n"
     assert not (tmp_path / "metrics.png").exists()
 
 
