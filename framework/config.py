@@ -242,9 +242,7 @@ def _problems_for(error: ValidationError, marks: dict, fallback: Mark, recipe: A
     if v == "additionalProperties":
         allowed = list(error.schema.get("properties", {}))
         extra = [k for k in error.instance if k not in allowed]
-        # a key YAML reads as no string (`1:`, `true:`, `null:`) is shown as written, not as a list index ([1]) or
-        # Python's word (True, None)
-        written = [k if isinstance(k, str) else yaml12.inline(k) for k in extra]
+        written = [yaml12.key_text(k) for k in extra]
         # suggestions cost a search over the schema each: only for the keys that will be shown
         return [at(path + (k,), _unknown_key_message(w, allowed, path, recipe) if i < MAX_PROBLEMS
                    else f"unknown key '{w}'", key=True, shown=_dotted(path + (w,)))

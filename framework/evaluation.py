@@ -450,6 +450,7 @@ class Evaluation:
         from framework.rewards import score_rollout
         from framework.rollout import SamplingParams, generate, stop_token_ids
         from framework.rollout.kv_cache import CacheSettings
+        from framework.rollout.scheduler import RowTooLong
 
         cfg, e = self.cfg, self.cfg["eval"]
         k = e["samples_per_prompt"]
@@ -471,10 +472,10 @@ class Evaluation:
                 else:
                     ro = generate(policy, prompts, params, eos_ids=eos, tokenizer=self.tokenizer, seed=seed,
                                   cache=CacheSettings.from_config(cfg["rollout"]))
-            except FwError as exc:   # the engine names the rollout's limit; eval.max_new_tokens set this one
-                if e["max_new_tokens"] is None or "rollout.max_new_tokens" not in str(exc):
+            except RowTooLong as exc:   # the engine names the rollout's limit; eval.max_new_tokens set this one
+                if e["max_new_tokens"] is None:
                     raise
-                raise FwError(str(exc).replace("rollout.max_new_tokens", "eval.max_new_tokens")) from None
+                raise exc.for_key("eval.max_new_tokens") from None
             try:
                 rewards, _ = score_rollout(self.reward_fn, [self.texts[i] for i in part for _ in range(k)],
                                            ro.texts, [self.metadatas[i] for i in part for _ in range(k)],
@@ -808,10 +809,9 @@ def _check_report_path(out: Path) -> None:
         raise FwError(f"--out {out}: cannot create its folder: {parent} is a file")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise FwError(f"--out {out}: {parent} is not writable")
-    from framework.checkpoint.directory import MANIFEST
+    from framework.checkpoint.directory import enclosing_checkpoint
 
-    folder = Path(os.path.abspath(out.parent))
-    checkpoint = next((f for f in (folder, *folder.parents) if (f / MANIFEST).is_file()), None)
+    checkpoint = enclosing_checkpoint(out.parent)
     if checkpoint is not None:   # not a file of its manifest: a prune deletes it with the checkpoint
         raise FwError(f"--out {out}: inside checkpoint {checkpoint}, whose files are those its manifest lists and "
                       "which a prune deletes whole; give a path outside it")

@@ -25,8 +25,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from framework.checkpoint import CONFIG_FILE, MANIFEST, read_resolved, step_dirs
-from framework.checkpoint.directory import DamagedFile, read_complete_manifest, verify_checkpoint
+from framework.checkpoint import CONFIG_FILE, read_resolved, step_dirs
+from framework.checkpoint.directory import DamagedFile, enclosing_checkpoint, read_complete_manifest, verify_checkpoint
 from framework.checkpoint.tensors import DiskFull
 from framework.durable import dead_leftovers, file_in_the_way, fsync_dir, hidden_sibling, is_disk_full
 from framework.errors import FwError
@@ -112,7 +112,7 @@ def _checkpoint_around(out: Path) -> str | None:
     the ones its manifest lists and which a prune deletes whole, or in a run's checkpoints/ folder, where fw reads
     a `step-*` folder as a checkpoint (one without a manifest passes for the run's damaged newest)."""
     folders = (out, *out.parents)
-    checkpoint = next((f for f in folders if (f / MANIFEST).is_file()), None)
+    checkpoint = enclosing_checkpoint(out)
     run = next((f.parent for f in folders if f.name == "checkpoints"
                 and ((f.parent / LOCK_FILE).exists() or step_dirs(f.parent))), None)
     if run is not None:

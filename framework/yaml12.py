@@ -299,7 +299,7 @@ def _walk(loader: Yaml12Loader, node: yaml.Node, file: str, path: Path, marks: d
                 first = None
             if first is not None:
                 at = f"column {first.col}" if first.line == kmark.line else f"line {first.line}"
-                shown = key if isinstance(key, str) else inline(key)   # `1:` is no list index [1]
+                shown = key_text(key)
                 problems.append(Problem(file, kmark.line, kmark.col, dotted_path(path + (shown,)),
                                         f"duplicate key '{shown}' (first defined at {at})"))
                 continue
@@ -403,6 +403,12 @@ def parse_scalar(text: str) -> tuple[Any, bool]:
         return text, False
     finally:
         loader.dispose()
+
+
+def key_text(key: Any) -> str:
+    """A mapping key as the file writes it: `1:`, `true:` and `null:` are the keys 1, true and null, not a list
+    index [1] or Python's True and None."""
+    return key if isinstance(key, str) else inline(key)
 
 
 def inline(value: Any) -> str:

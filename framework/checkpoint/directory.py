@@ -113,6 +113,13 @@ def is_complete(path: str | os.PathLike) -> bool:
     return True
 
 
+def enclosing_checkpoint(path: str | os.PathLike) -> Path | None:
+    """The checkpoint directory (one holding a manifest) that `path` is or lies inside, or None: files written
+    there are none of its manifest's, and a prune deletes them with it."""
+    folder = Path(os.path.abspath(path))
+    return next((f for f in (folder, *folder.parents) if (f / MANIFEST).is_file()), None)
+
+
 # Checkpoints whose every file this process hashed and found as listed, by directory, with each file's hash and
 # what it was on disk then (inode, size, modification time): `fw fit --resume` verifies the newest checkpoint
 # before it loads it, and the load does not hash the same, unchanged files again (on an 8B run, tens of GB).

@@ -79,15 +79,28 @@ def blocks_for(prompt_len: int, limit: int, block_size: int) -> int:
     return -(-(prompt_len + limit - 1) // block_size)
 
 
+class RowTooLong(FwError):
+    """A row that needs more KV blocks than the whole pool holds. `limit_key` is the setting its new-token limit
+    came from (`for_key` names another, e.g. an evaluation's own limit)."""
+
+    def __init__(self, prompt_len: int, limit: int, need: int, block_size: int, holds: int,
+                 limit_key: str = "rollout.max_new_tokens") -> None:
+        self.counts = (prompt_len, limit, need, block_size, holds)
+        super().__init__(f"rollout: one row of {prompt_len} prompt + {limit} new tokens needs {need} KV blocks of "
+                         f"{block_size} positions, the cache holds {holds}: raise rollout.kv_cache_gib or lower "
+                         f"{limit_key}")
+
+    def for_key(self, limit_key: str) -> RowTooLong:
+        return RowTooLong(*self.counts, limit_key=limit_key)
+
+
 def check_rows_fit(rows: Sequence[RowState], block_size: int, num_blocks: int) -> None:
-    """FwError when the row of `rows` that needs the most blocks does not fit a pool of `num_blocks` (the scratch
-    block included): every row must fit alone, or none could ever finish."""
+    """RowTooLong when the row of `rows` that needs the most blocks does not fit a pool of `num_blocks` (the
+    scratch block included): every row must fit alone, or none could ever finish."""
     worst = max(rows, key=lambda s: blocks_for(len(s.prompt), s.limit, block_size))
     need = blocks_for(len(worst.prompt), worst.limit, block_size)
     if need > num_blocks - 1:
-        raise FwError(f"rollout: one row of {len(worst.prompt)} prompt + {worst.limit} new tokens needs {need} "
-                      f"KV blocks of {block_size} positions, the cache holds {num_blocks - 1}: raise "
-                      "rollout.kv_cache_gib or lower rollout.max_new_tokens")
+        raise RowTooLong(len(worst.prompt), worst.limit, need, block_size, num_blocks - 1)
 
 
 def admission_blocks(seq: RowState, block_size: int) -> int:
