@@ -683,6 +683,51 @@ def _kv_block(cfg: dict, model: Qwen3Config, cb: int) -> tuple[int, int]:
     return kb, 2 * model.num_hidden_layers * model.kv_size * ro["block_size"] * kb
 
 
+def kv_pool_blocks(cfg: dict, model: Qwen3Config, backend: str) -> tuple[int, str] | None:
+    """(blocks, what sets the budget) of the largest KV pool the rollout engine makes, its scratch block included,
+    where the config fixes the budget (framework/rollout/kv_cache.py pool_blocks): rollout.kv_cache_gib, or off CUDA
+    the engine's fixed budget. None on CUDA without kv_cache_gib, where the budget is what the GPU has free when the
+    pool is made: the plan's total bounds that."""
+    from framework.rollout.kv_cache import CPU_KV_CACHE_GIB
+
+    gib = cfg["rollout"]["kv_cache_gib"]
+    if gib is not None:
+        what = f"rollout.kv_cache_gib {gib}"
+    elif backend != "cuda":
+        gib, what = CPU_KV_CACHE_GIB, f"rollout.kv_cache_gib null: {CPU_KV_CACHE_GIB:g} GiB off CUDA"
+    else:
+        return None
+    block = _kv_block(cfg, model, _bytes(compute_dtype(cfg)))[1]
+    return max(2, int(gib * (1 << 30)) // block), what
+
+
+def kv_row_problem(cfg: dict, model: Qwen3Config, backend: str, prompt_len: int, new_tokens: int,
+                   limit_key: str) -> str | None:
+    """Why the rollout engine would refuse a row of `prompt_len` prompt tokens and `new_tokens` new ones (its
+    RowTooLong, framework/rollout/scheduler.py) in the pool that `kv_pool_blocks` says, with the largest value of
+    `limit_key` (the setting of `new_tokens`) and the least rollout.kv_cache_gib that hold it; None when it fits or
+    the pool's budget is not fixed by the config."""
+    from framework.rollout.scheduler import blocks_for
+
+    pool = kv_pool_blocks(cfg, model, backend)
+    if pool is None:
+        return None
+    blocks, what = pool
+    bs = cfg["rollout"]["block_size"]
+    need, holds = blocks_for(prompt_len, new_tokens, bs), blocks - 1
+    if need <= holds:
+        return None
+    block = _kv_block(cfg, model, _bytes(compute_dtype(cfg)))[1]
+    gib = math.ceil((need + 1) * block / GIB * 100) / 100
+    while int(gib * GIB) // block < need + 1:   # a hundredth whose float lies just below the bytes it names
+        gib = round(gib + 0.01, 2)
+    most = holds * bs - prompt_len + 1   # every prompt token and every new token but the last is written
+    fits = f"{limit_key} {most} at most" if most >= 1 else f"not even the prompt fits, whatever {limit_key}"
+    return (f"one row of the longest prompt ({prompt_len:,} tokens) + {new_tokens:,} new tokens needs {need:,} KV "
+            f"blocks of {bs} positions, the pool holds {holds:,} ({what}), and the rollout engine would refuse it: "
+            f"{fits}, or rollout.kv_cache_gib {gib} or more")
+
+
 @dataclass(frozen=True)
 class _BackwardGrads:
     """Gradients that the backward of one micro-batch a step makes beside the activations it holds: at its start
@@ -713,9 +758,10 @@ def _batch_rows(rows: list[Row], cfg: dict, model: Qwen3Config, shapes: BatchSha
         blocks = shapes.rollout_rows * per_row + 1
         how = (f"{blocks} blocks ({shapes.rollout_rows} rows x {per_row} + scratch) x {bs} positions x 2 x {layers} "
                f"layers x {model.num_key_value_heads} kv heads x {model.head_dim} x {kb} B")
-        if ro["kv_cache_gib"] is not None and ro["kv_cache_gib"] * (1 << 30) < blocks * block:
-            blocks = max(2, int(ro["kv_cache_gib"] * (1 << 30)) // block)
-            how = f"rollout.kv_cache_gib {ro['kv_cache_gib']}: {blocks} blocks of {bs} positions x {block} B"
+        pool = kv_pool_blocks(cfg, model, backend)
+        if pool is not None and pool[0] < blocks:
+            blocks = pool[0]
+            how = f"{pool[1]}: {blocks} blocks of {bs} positions x {block} B"
         rows.append(Row("KV cache", blocks * block, ("rollout",), how))
         prefill = shapes.rollout_rows * shapes.prompt_len * no_grad_peak_bytes(model, pb, cb)
         at_once = min(shapes.rollout_rows, ro["max_num_seqs"])

@@ -87,6 +87,7 @@ def check(located: LocatedConfig, *, machine: bool = False) -> list[Problem]:
     checks.combinations(machine)
     checks.trainer(machine)
     checks.held_out()
+    checks.kv_rows(machine)
     if not machine:   # fw fit tokenizes its data as it builds its dataloader, before any step
         checks.sft_lengths()
     return checks.problems
@@ -383,6 +384,55 @@ class _Checks:
                          str(e).removeprefix("eval: "))
             else:
                 self.add_error(e, ("eval",), "choosing the held-out eval set")
+
+    def kv_rows(self, machine: bool) -> None:
+        """The longest row of a rollout and of an evaluation must fit the rollout engine's KV pool where the config
+        fixes its budget (rollout.kv_cache_gib, or the fixed one off CUDA), which the engine refuses it from at the
+        first rollout or evaluation. `fw validate` (not `machine`) checks the fixed budget off CUDA only for a job
+        that leaves no GPU to the machine that runs it. Runs only when the checks above found nothing: it reads the
+        data they read."""
+        if self.recipe not in RL_RECIPES or self.problems:
+            return
+        from framework.config import uses_cuda
+        from framework.evaluation import Evaluation, eval_enabled
+        from framework.memory_plan import _user_code, kv_row_problem
+        from framework.models.build import policy_config
+        from framework.models.hf_io import read_config
+        from framework.recipe import recipe_class
+        from framework.tokenizer import build_tokenizer
+
+        t = self.cfg["trainer"]
+        cuda = uses_cuda(t) if machine else t["accelerator"] not in ("cpu", "mps")
+        if self.cfg["rollout"]["kv_cache_gib"] is None and cuda:
+            return
+        recipe = recipe_class(self.recipe)
+        tokenizer = build_tokenizer(self.cfg)
+        policy = self.cfg["model"]["policy"]
+        model = read_config(policy["path"])[0] if policy["path"] else policy_config(policy, tokenizer)
+        try:
+            with _user_code(recipe):   # Ctrl+C in the task's code ends fw as the memory plan's reading does
+                shapes = recipe.batch_shapes(self.cfg, tokenizer)
+        except FwError:   # the task's prompts past its first: the memory plan, which reads them next, says it
+            return
+        backend = "cuda" if cuda else "cpu"
+        problem = kv_row_problem(self.cfg, model, backend, shapes.prompt_len, shapes.new_tokens,
+                                 "rollout.max_new_tokens")
+        if problem:
+            self.add(("rollout", "max_new_tokens"), problem)
+            return
+        e = self.cfg["eval"]
+        if not eval_enabled(self.cfg):
+            return
+        try:
+            ids = Evaluation(self.cfg, tokenizer, world_size(self.cfg)).ids
+        except USER_CODE_RAISES as exc:   # user code, the task's or the reward's: add_error says it
+            self.add_error(exc, ("eval",), "choosing the eval set")
+            return
+        new = e["max_new_tokens"] or shapes.new_tokens
+        problem = kv_row_problem(self.cfg, model, backend, max(map(len, ids), default=0), new, "eval.max_new_tokens")
+        if problem:
+            # at eval.path where its prompts, not a limit of its own, pass the rollout's pool
+            self.add(("eval", "path" if e["max_new_tokens"] is None and e["path"] else "max_new_tokens"), problem)
 
     def sft_lengths(self) -> None:
         """SFT data tokenized as training tokenizes it: the examples that data.max_seq_len cuts, and those with an empty
