@@ -83,7 +83,35 @@ def read_manifest(path: str | os.PathLike) -> dict:
             f"{file}: checkpoint format version {manifest.get('format_version')!r} is not supported "
             f"(this fw reads versions {', '.join(map(str, READABLE_VERSIONS))})"
         )
+    problem = _malformed(manifest)
+    if problem is not None:
+        raise FwError(f"{file}: malformed manifest ({problem})")
     return manifest
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _malformed(manifest: dict) -> str | None:
+    """What in a parsed manifest is not as fw writes it, for the fields that readers use; None when all are. A
+    flipped bit or a hand edit can leave the JSON valid and a key or a type wrong, which would otherwise fail
+    later as a KeyError or TypeError far from the file."""
+    files = manifest.get("files")
+    if not isinstance(files, dict):
+        return "'files' is not an object"
+    for rel, meta in files.items():
+        if not isinstance(meta, dict) or not _is_int(meta.get("size")) or not isinstance(meta.get("sha256"), str):
+            return f"'files' entry {rel!r} is not {{size: integer, sha256: string}}"
+    components = manifest.get("components")
+    if not isinstance(components, list) or not all(isinstance(c, str) for c in components):
+        return "'components' is not a list of names"
+    for key in ("step", "global_step", "policy_version"):
+        if manifest.get(key) is not None and not _is_int(manifest[key]):
+            return f"{key!r} is not an integer"
+    if not isinstance(manifest.get("sources", {}), dict):
+        return "'sources' is not an object"
+    return None
 
 
 def _check_sizes(path: Path, manifest: dict) -> None:
