@@ -1,5 +1,5 @@
-"""Checkpoints and resume under attack: manifests that parse but hold the wrong types, a stale lock of a killed
-run."""
+"""Checkpoints and resume under attack: content changed behind an unchanged path, manifests that parse but hold
+the wrong types, a stale lock of a killed run."""
 
 import hashlib
 import json
@@ -50,6 +50,28 @@ def _copy(trained: Path, to: Path) -> tuple[Path, Path]:
     manifest["files"]["config.yaml"] = {"size": len(text.encode()), "sha256": hashlib.sha256(text.encode()).hexdigest()}
     (step / "manifest.json").write_text(json.dumps(manifest))
     return to / "run", to / "chats.jsonl"
+
+
+def test_a_data_file_changed_in_place_is_refused_at_resume(trained, tmp_path):
+    """The saved data position indexes the data the checkpoint was trained on: the same `data.path` holding other
+    examples (reordered here) cannot continue the run, as a moved path with other content cannot."""
+    run, data = _copy(trained, tmp_path / "copy")
+    data.write_text("".join(reversed(data.read_text().splitlines(keepends=True))))
+    with pytest.raises(FwError, match=rf"data\.path .*{data} differs in content from what the checkpoint recorded"):
+        fit(config(run, data, max_steps=4), resume="last")
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-000002"]
+    # the same content written again resumes
+    shutil.copy(trained / "chats.jsonl", data)
+    assert fit(config(run, data, max_steps=4), resume="last").global_step == 4
+
+
+def test_an_unreadable_data_path_at_an_unchanged_spelling_is_left_to_the_data_loader(trained, tmp_path):
+    """A path key whose file is gone is not refused as changed content: the run's own reading of it names it."""
+    run, data = _copy(trained, tmp_path / "copy")
+    data.unlink()
+    with pytest.raises(FwError) as e:
+        fit(config(run, data, max_steps=4), resume="last")
+    assert "differs in content" not in str(e.value) and str(data) in str(e.value)
 
 
 @pytest.mark.parametrize("edit, what", [

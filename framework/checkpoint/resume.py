@@ -12,7 +12,8 @@ The run's `config.yaml` is the new config, so it always records what runs.
 A REFUSED key whose value is a path (`data.path`, `model.policy.path`, ...) depends on what the path holds,
 not on its spelling: each checkpoint's manifest records, under "sources", the size and sha256 of every file
 such a path named when it was written (`source_fingerprints`), so a resume accepts the same content at
-another path (a moved project, a per-job scratch copy, another cache home) and refuses other content.
+another path (a moved project, a per-job scratch copy, another cache home) and refuses other content, at
+another path, and for `data.path` at the same one too (a data file rewritten in place).
 """
 
 from __future__ import annotations
@@ -238,7 +239,8 @@ def config_changes(old: dict, new: dict) -> list[tuple[str, Any, Any]]:
 def check_resume_config(checkpoint: str | os.PathLike, cfg: dict) -> list[tuple[str, Any, Any]]:
     """Compare `cfg` with the checkpoint's config.yaml: FwError naming every changed key that a resume cannot
     apply; else the changes that apply, for the caller to report. A refused path key whose new path holds what
-    the checkpoint recorded for it (`source_fingerprints`) is a move: said on stderr, not refused."""
+    the checkpoint recorded for it (`source_fingerprints`) is a move: said on stderr, not refused; an unchanged
+    `data.path` (IN_PLACE_KEYS) that holds other content than recorded is refused."""
     from framework.config import load_config
 
     file = Path(checkpoint) / CONFIG_FILE
@@ -261,6 +263,10 @@ def check_resume_config(checkpoint: str | os.PathLike, cfg: dict) -> list[tuple[
                 continue
             why = f"{why}; {problem}"
         refused.append((k, f"{k} changed from {shown(a)} to {shown(b)} ({why})"))
+    changed = {k for k, _, _ in changes}
+    for k in IN_PLACE_KEYS:
+        if k not in changed:
+            refused += _changed_in_place(k, _value(cfg, k), recorded.get(k))
     if any(k == "recipe" for k, _ in refused):   # the other recipe's sections and defaults differ as a consequence
         refused = [(k, text) for k, text in refused if k == "recipe"]
     if refused:
@@ -271,6 +277,33 @@ def check_resume_config(checkpoint: str | os.PathLike, cfg: dict) -> list[tuple[
             print(f"fw: {k} moved from {shown(a)} to {shown(b)}, which holds the same content (size and sha256 of "
                   "every file); resuming with it", file=sys.stderr)
     return [change for change in changes if change[0] not in {k for k, _, _ in moved}]
+
+
+# the path keys whose content is checked against the checkpoint's record even when the path is unchanged: the
+# saved position indexes the data as it was. A model or tokenizer directory may change in place (a resumed run
+# keeps the generation config it started from, and the weights come from the checkpoint).
+IN_PLACE_KEYS = ("data.path",)
+
+
+def _changed_in_place(key: str, value: Any, recorded: Any) -> list[tuple[str, str]]:
+    """[(key, why)] when path key `key`, spelled as in the checkpoint's config, holds other content than the
+    checkpoint `recorded` for it (a data file rewritten in place);
+    [] when it holds the same, has no record, or cannot be read (what reads it names it then)."""
+    if value is None or value is _ABSENT or recorded is None:
+        return []
+    paths, wanted = (v if isinstance(v, list) else [v] for v in (value, recorded))
+    if len(paths) != len(wanted):
+        return []
+    for path, want in zip(paths, wanted):
+        try:
+            path_fingerprint(path)
+        except OSError:
+            return []
+        problem = _differs(want, path)
+        if problem is not None:
+            why = f"{RESUME_RULES[key][1]}; {problem} from what the checkpoint recorded"
+            return [(key, f"{key} {shown(value)} holds other content than when the checkpoint was written ({why})")]
+    return []
 
 
 def moved_path_keys() -> list[str]:
