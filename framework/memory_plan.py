@@ -934,15 +934,15 @@ class _Planner:
         self.limit, self.source = _limit(cfg, self.backend, gpu_gib)
 
     def shapes(self, cfg: dict) -> BatchShapes | None:
-        """The recipe's batch shapes of `cfg`, which read the task's prompts (user code: `_user_code`)."""
+        """The recipe's batch shapes of `cfg`, which read the task's prompts (user code: `user_code`)."""
         method = getattr(self.recipe, "batch_shapes", None)
         if not callable(method):
             return None
-        with _user_code(self.recipe):
+        with user_code(self.recipe):
             return method(cfg, self.tokenizer)
 
     def requirements(self, cfg: dict) -> Requirements:
-        with _user_code(self.recipe):
+        with user_code(self.recipe):
             return self.recipe.requirements(cfg)
 
     def plan(self, cfg: dict, shapes: BatchShapes | None) -> Plan:
@@ -981,7 +981,7 @@ def _function(frame: FrameType) -> str:
 
 
 @contextlib.contextmanager
-def _user_code(recipe: type) -> Iterator[None]:
+def user_code(recipe: type) -> Iterator[None]:
     """Around what the plan calls that runs user code (a task's prompts, a plugin recipe's methods): what that code
     raises, sys.exit() too, becomes one line at the key that names it, with the call fw made and the user's line that
     raised (the traceback under --debug), as `fw validate` says it; a KeyboardInterrupt there (Ctrl+C, or the code's

@@ -395,7 +395,7 @@ class _Checks:
             return
         from framework.config import uses_cuda
         from framework.evaluation import Evaluation, eval_enabled
-        from framework.memory_plan import _user_code, kv_row_problem
+        from framework.memory_plan import kv_row_problem, user_code
         from framework.models.build import policy_config
         from framework.models.hf_io import read_config
         from framework.recipe import recipe_class
@@ -410,7 +410,7 @@ class _Checks:
         policy = self.cfg["model"]["policy"]
         model = read_config(policy["path"])[0] if policy["path"] else policy_config(policy, tokenizer)
         try:
-            with _user_code(recipe):   # Ctrl+C in the task's code ends fw as the memory plan's reading does
+            with user_code(recipe):   # Ctrl+C in the task's code ends fw as the memory plan's reading does
                 shapes = recipe.batch_shapes(self.cfg, tokenizer)
         except FwError:   # the task's prompts past its first: the memory plan, which reads them next, says it
             return
