@@ -176,7 +176,8 @@ def _export(source: Path, given: str | os.PathLike, out: Path, merge: bool) -> P
         if isinstance(e, Exception) and is_disk_full(e):
             raise DiskFull(f"--out {out}: no space left on device while exporting {source}; nothing was "
                            "written") from None
-        if isinstance(e, OSError) and e.errno in _OUT_ERRORS and not _names(e, source):
+        if isinstance(e, OSError) and not _names(e, source) and (
+                e.errno in _OUT_ERRORS or e.errno in _OUT_PATH_ERRORS and _names_out(e, out, staging)):
             raise _out_error(given, e) from None
         raise
     return source
@@ -184,12 +185,24 @@ def _export(source: Path, given: str | os.PathLike, out: Path, merge: bool) -> P
 
 # what writing to `--out` can meet that the user fixes by choosing another place (or permissions)
 _OUT_ERRORS = (errno.EACCES, errno.EPERM, errno.EROFS, errno.EBUSY, errno.EXDEV)
+# a folder of `--out` that cannot be made (under /proc, say); about `--out` only when the error names it
+_OUT_PATH_ERRORS = (errno.ENOENT, errno.ENOTDIR)
 
 
 def _names(e: OSError, source: Path) -> bool:
     """Whether `e` is about a file of checkpoint `source` (not of `--out`)."""
     return any(isinstance(f, (str, bytes)) and Path(os.fsdecode(f)).is_relative_to(source)
                for f in (e.filename, e.filename2))
+
+
+def _names_out(e: OSError, out: Path, staging: Path | None) -> bool:
+    """Whether `e` is about `out`, a folder above it, or the staging directory (not, say, a LoRA run's base)."""
+    for f in (e.filename, e.filename2):
+        if isinstance(f, (str, bytes)):
+            path = Path(os.fsdecode(f))
+            if out.is_relative_to(path) or staging is not None and path.is_relative_to(staging):
+                return True
+    return False
 
 
 def _out_error(given: str | os.PathLike, e: OSError) -> FwError:

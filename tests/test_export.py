@@ -192,6 +192,19 @@ def test_export_under_a_file_is_one_line(tmp_path, capsys):
     assert (tmp_path / "f").read_text() == "x" and not [p for p in os.listdir(tmp_path) if p.startswith(".")]
 
 
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux's /proc")
+def test_export_where_no_folder_can_be_made_is_one_line_naming_out(tmp_path, capsys):
+    """--out under /proc, where no directory can be created (ENOENT), or below a missing one there."""
+    from framework.cli import main
+
+    ckpt = _write(tmp_path / "run", _policy(True))
+    for out in ("/proc/fw-export", "/proc/fw-export/hf"):
+        assert main(["export", "--checkpoint", ckpt, "--out", out]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"fw: error: --out {out}: No such file or directory (/proc/") and err.count("\n") == 1
+        assert err.endswith("; nothing was exported there: choose a directory this user can write\n")
+
+
 def test_export_of_a_run_dir_with_a_damaged_newest_checkpoint(tmp_path, capsys):
     from framework.cli import main
 
