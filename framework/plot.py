@@ -20,6 +20,9 @@ DEFAULT_METRICS = ("loss", "policy/loss", "value/loss", "reward/mean", "reward/a
 PANEL_INCHES = (5.0, 3.5)   # width, height of one panel
 DPI = 100
 COLUMNS = 2
+# matplotlib's axis margins and ticks overflow float64 for a range wider than about 1.5e308: larger values are
+# drawn scaled (steps, which are no measurement, are refused)
+DRAWABLE = 1e300
 
 
 def figure_size(panels: int) -> tuple[int, int]:
@@ -92,8 +95,16 @@ def plot_runs(runs: list[str | Path], out: str | Path | None = None, metrics: li
     colors = [f"C{i % 10}" for i in range(len(data))]
     for i, metric in enumerate(metrics):
         ax = fig.add_subplot(rows, cols, i + 1)
-        for (name, records), color in zip(data.items(), colors):
-            steps, values = series(records, metric)
+        curves = {name: series(records, metric) for name, records in data.items()}
+        for name, (steps, _) in curves.items():
+            if steps and max(abs(steps[0]), abs(steps[-1])) > DRAWABLE:
+                raise FwError(f"--run {name}: a record of {metric} has step {max(steps, key=abs):g}, beyond what "
+                              "a plot can draw")
+        exponent = _exponent(max((abs(v) for _, values in curves.values() for v in values), default=0.0))
+        if exponent:   # drawn in units of 10**exponent, which the axis's label names
+            curves = {name: (steps, [v / 10.0 ** exponent for v in values]) for name, (steps, values) in curves.items()}
+            ax.set_ylabel(f"×1e{exponent}")
+        for (name, (steps, values)), color in zip(curves.items(), colors):
             if not steps:
                 continue
             label = name if len(data) > 1 else None
@@ -113,6 +124,12 @@ def plot_runs(runs: list[str | Path], out: str | Path | None = None, metrics: li
     except OSError as e:
         raise FwError(f"--out {out}: cannot write it: {e.strerror or e}") from None
     return out
+
+
+def _exponent(largest: float) -> int:
+    """The power of ten a panel whose largest |value| is `largest` is drawn in: 0 up to `DRAWABLE`, else that of
+    `largest`, so the axis range stays far from the float64 limit."""
+    return math.floor(math.log10(largest)) if largest > DRAWABLE else 0
 
 
 def _check_out(out: Path) -> None:

@@ -105,3 +105,28 @@ def test_series_and_smoothing():
     # debiased EMA, by hand: 0.5*0 + 0.5*2 = 1 -> 1/0.5 = 2; 0.5*1 + 0.5*4 = 2.5 -> 2.5/0.75
     assert smooth([2.0, 4.0], 0.5) == pytest.approx([2.0, 2.5 / 0.75])
     assert smooth([2.0, 4.0], 0.0) == [2.0, 4.0]
+
+
+def test_values_near_the_float64_limit_are_drawn_scaled(tmp_path, capsys):
+    """A diverged run's loss of +-1.7e308 (a range float64 cannot hold) is drawn in units of 1e308."""
+    run = tmp_path / "r"
+    run.mkdir()
+    lines = [{"step": 1, "loss": 1.7e308}, {"step": 2, "loss": -1.7e308}, {"step": 3, "loss": 1.0},
+             {"step": 3, "eval/loss": 1.7976931348623157e308}]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    assert main(["plot", "--run", str(run)]) == 0
+    assert capsys.readouterr().err == ""
+    assert png_size(run / "metrics.png") == (1000, 350)
+    from framework.plot import _exponent
+
+    assert (_exponent(1.7e308), _exponent(2e300), _exponent(1e300), _exponent(0.0)) == (308, 300, 0, 0)
+
+
+def test_a_step_beyond_what_a_plot_draws_is_one_line(tmp_path, capsys):
+    run = tmp_path / "r"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 0, "loss": 1}\n{"step": -1.7e308, "loss": 2}\n')
+    assert main(["plot", "--run", str(run)]) == 2
+    assert capsys.readouterr().err == (f"fw: error: --run {run}: a record of loss has step -1.7e+308, beyond what a "
+                                       "plot can draw\n")
+    assert not (run / "metrics.png").exists()
