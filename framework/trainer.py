@@ -65,6 +65,11 @@ def _check_precision(cfg: dict, requirements: Requirements) -> None:
     why = requirements.unsupported_precisions.get(t["precision"])
     if why is not None:
         raise FwError(f"trainer.precision: {t['precision']} is not supported by recipe {cfg['recipe']} ({why})")
+    on_cpu = t["accelerator"] == "cpu" or (t["accelerator"] == "auto" and not torch.cuda.is_available()
+                                           and not torch.backends.mps.is_available())
+    if on_cpu and t["precision"] == "16-mixed":   # Lightning would train in bf16-mixed, with a warning only
+        raise FwError("trainer.precision: 16-mixed (float16 autocast) does not run on the CPU, where Lightning "
+                      "would train in bf16-mixed instead; set trainer.precision: bf16-mixed or 32-true")
 
 
 class KeepOnDevice(SingleDeviceStrategy):

@@ -32,6 +32,23 @@ def test_float64_on_cuda_is_refused_with_the_key(tmp_path):
         build_trainer(_cfg(tmp_path, "sft", accelerator="gpu", precision="64-true"))
 
 
+def test_float16_autocast_on_the_cpu_is_refused_with_the_key(tmp_path, capsys):
+    """Lightning trains a CPU job asked for 16-mixed in bf16-mixed (a warning, not the recorded precision): fw
+    refuses it at trainer.precision's line, before anything is written."""
+    from framework.cli import main
+
+    with pytest.raises(FwError, match="trainer.precision: 16-mixed .* does not run on the CPU"):
+        build_trainer(_cfg(tmp_path, "sft", precision="16-mixed"))
+    config = tmp_path / "c.yaml"
+    config.write_text(f"recipe: sft\nrun_dir: {tmp_path / 'run'}\nmodel:\n  policy:\n    preset: tiny\n"
+                      "data:\n  task:\n    name: digits\ntrainer:\n  accelerator: cpu\n  precision: 16-mixed\n")
+    assert main(["fit", "--config", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"{config}:11:14: trainer.precision: 16-mixed") and err.count("\n") == 1, err
+    assert "bf16-mixed" in err
+    assert not (tmp_path / "run").exists()
+
+
 def test_fp16_loss_scaling_combinations_that_would_clip_scaled_gradients_are_refused(tmp_path):
     with pytest.raises(FwError, match="optimizer.fused: true cannot be combined with trainer.precision: 16-mixed"):
         build_trainer(resolve({**_cfg(tmp_path, "sft", precision="16-mixed"), "optimizer": {"fused": True}}))
