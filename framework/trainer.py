@@ -53,8 +53,9 @@ QUIET_LOGGERS = ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.util
                  "lightning.pytorch.accelerators.cuda", "lightning.fabric.utilities.distributed")
 
 
-def _check_precision(cfg: dict, requirements: Requirements) -> None:
-    """Refuse precision settings that would run but compute the wrong thing."""
+def _check_precision(cfg: dict, requirements: Requirements, machine: bool = True) -> None:
+    """Refuse precision settings that would run but compute the wrong thing. `machine`: this machine runs the job
+    (accelerator auto means what it has); else only an explicit accelerator: cpu counts as the CPU."""
     t = cfg["trainer"]
     if uses_cuda(t) and t["precision"] == "64-true":
         raise FwError("trainer.precision: 64-true runs on the CPU only (the CUDA kernels take bf16, fp16 and "
@@ -65,7 +66,7 @@ def _check_precision(cfg: dict, requirements: Requirements) -> None:
     why = requirements.unsupported_precisions.get(t["precision"])
     if why is not None:
         raise FwError(f"trainer.precision: {t['precision']} is not supported by recipe {cfg['recipe']} ({why})")
-    on_cpu = t["accelerator"] == "cpu" or (t["accelerator"] == "auto" and not torch.cuda.is_available()
+    on_cpu = t["accelerator"] == "cpu" or (machine and t["accelerator"] == "auto" and not uses_cuda(t)
                                            and not torch.backends.mps.is_available())
     if on_cpu and t["precision"] == "16-mixed":   # Lightning would train in bf16-mixed, with a warning only
         raise FwError("trainer.precision: 16-mixed (float16 autocast) does not run on the CPU, where Lightning "

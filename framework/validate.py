@@ -583,7 +583,7 @@ class _Checks:
             from framework.trainer import _check_precision
 
             try:
-                _check_precision(self.cfg, needs)
+                _check_precision(self.cfg, needs, machine)
             except FwError as e:
                 self.add_error(e, ("trainer", "precision"))
         if machine and strategy_ok:

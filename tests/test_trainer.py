@@ -49,6 +49,21 @@ def test_float16_autocast_on_the_cpu_is_refused_with_the_key(tmp_path, capsys):
     assert not (tmp_path / "run").exists()
 
 
+def test_float16_autocast_under_accelerator_auto_is_valid_for_validate_off_the_gpu(tmp_path, capsys):
+    """`fw validate` on a machine without a GPU checks a config meant for one: accelerator auto is not the CPU
+    there, while `fw fit` on this machine refuses it."""
+    from framework.cli import main
+
+    config = tmp_path / "c.yaml"
+    config.write_text(f"recipe: sft\nrun_dir: {tmp_path / 'run'}\nmodel:\n  policy:\n    preset: tiny\n"
+                      "data:\n  task:\n    name: digits\ntrainer:\n  accelerator: auto\n  precision: 16-mixed\n")
+    assert main(["validate", "--config", str(config)]) == 0, capsys.readouterr().err
+    if not torch.cuda.is_available() and not torch.backends.mps.is_available():
+        capsys.readouterr()
+        assert main(["fit", "--config", str(config)]) == 2
+        assert "16-mixed (float16 autocast) does not run on the CPU" in capsys.readouterr().err
+
+
 def test_fp16_loss_scaling_combinations_that_would_clip_scaled_gradients_are_refused(tmp_path):
     with pytest.raises(FwError, match="optimizer.fused: true cannot be combined with trainer.precision: 16-mixed"):
         build_trainer(resolve({**_cfg(tmp_path, "sft", precision="16-mixed"), "optimizer": {"fused": True}}))
