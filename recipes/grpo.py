@@ -116,8 +116,7 @@ class GRPORecipe(RLRecipe):
         adv = grpo_advantages(rewards, size, g["scale_rewards"], g["adv_eps"], batch_std)
 
         def trainer_logprobs() -> Tensor:
-            with torch.no_grad():
-                return self.logprobs(ctx.policy, data)[0]
+            return self.scored_logprobs(ctx.policy, data)
 
         inputs, train = self.loss_batch(ctx, g, data, trainer_logprobs)
         ctx.log("policy/adv_abs", _token_weighted_abs_mean(adv, train.mask))
@@ -132,8 +131,7 @@ class GRPORecipe(RLRecipe):
         inputs, train = self.pinned_loss(pinned)
         if g["kl_coef"] > 0 and pinned["ref_logp"] is None:
             # the frozen reference's logprobs: once a batch (a continued batch's when it began without a KL term)
-            with torch.no_grad():
-                pinned["ref_logp"] = self.logprobs(ctx.reference, data)[0]
+            pinned["ref_logp"] = self.scored_logprobs(ctx.reference, data)
         ref_logp = pinned["ref_logp"] if g["kl_coef"] > 0 else None
 
         def policy_micro(mb: MicroBatch, first: bool) -> tuple[Tensor, dict[str, Tensor]]:

@@ -92,8 +92,8 @@ class PPORecipe(RLRecipe):
             if p["kl_coef"] > 0:
                 # Both sides through the trainer's forward: the rollout's logprobs come from the KV-cache
                 # decode path (bf16 cache under autocast), whose mismatch would make KL(pi || pi) != 0.
-                logp, _ = self.logprobs(ctx.policy, data)
-                ref_logp, _ = self.logprobs(ctx.reference, data)
+                logp = self.scored_logprobs(ctx.policy, data)
+                ref_logp = self.scored_logprobs(ctx.reference, data)
                 kl = kl_estimate(logp, ref_logp, p["kl_estimator"]) * data.mask
                 token_rewards -= p["kl_coef"] * kl
                 kl_metric = float(masked_mean(kl, data.mask))
@@ -110,8 +110,7 @@ class PPORecipe(RLRecipe):
         def trainer_logprobs() -> Tensor:
             if logp is not None:   # the KL's forward above: the same policy, before any update
                 return logp
-            with torch.no_grad():
-                return self.logprobs(ctx.policy, data)[0]
+            return self.scored_logprobs(ctx.policy, data)
 
         inputs, train = self.loss_batch(ctx, p, data, trainer_logprobs)
         raw = advantages

@@ -709,6 +709,20 @@ class RLRecipe:
                                    self.cfg["rollout"]["temperature"], with_entropy,
                                    groups=self._groups(batch, rows))
 
+    def scored_logprobs(self, model: Any, batch: ScoredRollout) -> Tensor:
+        """No-grad logprobs of every row of ``batch`` under ``model`` in eval mode, its mode restored after: the
+        policy itself, as pi_old and the KL read it, and as the rollout sampled from it; a training forward's
+        dropout (LoRA's) would make them one noisy draw of it."""
+        training = bool(getattr(model, "training", False))
+        with torch.no_grad():
+            if training:
+                model.eval()
+            try:
+                return self.logprobs(model, batch)[0]
+            finally:
+                if training:
+                    model.train()
+
     def values(self, value_model: Any, batch: ScoredRollout, rows: MicroBatch | None = None) -> Tensor:
         """``completion_values`` of the micro-batch ``rows`` (None: every row); no device sync."""
         tokens, prompt_lens, completion_lens = self._rows(batch, rows)

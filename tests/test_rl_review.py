@@ -1,0 +1,65 @@
+"""A review of the RL maths against independent float64 references: what pi_old and the KL forward see."""
+import copy
+from typing import ClassVar
+
+import pytest
+import torch
+from test_grpo import config as grpo_config
+from test_grpo import token_logprobs
+from test_ppo import config as ppo_config
+
+import recipes.rl
+from framework.callbacks import Callback
+from framework.trainer import fit
+
+LORA = {"rank": 4, "alpha": 8, "dropout": 0.5}
+TIS = {"name": "tis", "cap": 2.0}
+
+
+class ScoredLogprobs(Callback):
+    """At the first policy step of the second rollout batch (the adapters have moved, no step of this batch is
+    taken yet): the trainer's no-grad logprobs of the batch against a float64 eval-mode forward of the policy."""
+
+    captured: ClassVar[list] = []   # the trainer's no-grad logprobs of each rollout batch, as the recipe read them
+    results: ClassVar[list] = []
+
+    def before_optimizer_step(self, trainer, module, optimizer):
+        if module.optimizer_role(optimizer) != "policy" or module.policy_version != 1:
+            return
+        data = module.recipe.last_rollout
+        policy = copy.deepcopy(module.policy).double().eval()
+        with torch.no_grad():
+            want = token_logprobs(policy, data, module.cfg["rollout"]["temperature"])
+        got = ScoredLogprobs.captured[-1]
+        ScoredLogprobs.results.append(max(abs(float(got[b, j]) - float(lp)) for b, row in enumerate(want)
+                                          for j, lp in enumerate(row)))
+
+
+@pytest.mark.parametrize("recipe", ["grpo", "ppo"])
+def test_pi_old_and_the_kl_forward_see_no_dropout(tmp_path, monkeypatch, recipe):
+    """pi_old of the clipped ratio under an off-policy correction, and PPO's KL-to-reference forward, are the
+    policy itself: LoRA dropout (a training-time noise) must not reach them, as verl scores in eval mode."""
+    plain = recipes.rl.loss_inputs
+
+    def recording(section, behaviour_logp, mask, truncated, trainer_logprobs):
+        def recorded():
+            out = trainer_logprobs()
+            ScoredLogprobs.captured.append(out.detach().clone())
+            return out
+        return plain(section, behaviour_logp, mask, truncated, recorded)
+
+    monkeypatch.setattr(recipes.rl, "loss_inputs", recording)
+    ScoredLogprobs.captured, ScoredLogprobs.results = [], []
+    probe = {"class_path": "test_rl_review.ScoredLogprobs"}
+    model = {"policy": {"preset": "tiny", "lora": LORA}}
+    if recipe == "grpo":
+        cfg = grpo_config(tmp_path / "run", [probe], model=model, reward={"class_path": "test_grpo.LetterReward"},
+                          grpo={"group_size": 4, "off_policy_correction": TIS})
+    else:
+        cfg = ppo_config(tmp_path / "run", [probe], model=model, reward={"class_path": "test_grpo.LetterReward"},
+                         ppo={"kl_coef": 0.1, "off_policy_correction": TIS, "critic": {"lr": 1e-2,
+                                                                                      "max_grad_norm": None}})
+    fit(cfg)
+    assert len(ScoredLogprobs.captured) == 2
+    [worst] = ScoredLogprobs.results
+    assert worst < 1e-5
