@@ -1,5 +1,6 @@
 """A review of the RL maths against independent float64 references: what pi_old and the KL forward see."""
 import copy
+import math
 from typing import ClassVar
 
 import pytest
@@ -11,6 +12,7 @@ from test_ppo import config as ppo_config
 import recipes.rl
 from framework.callbacks import Callback
 from framework.trainer import fit
+from recipes.losses import kl_estimate
 
 LORA = {"rank": 4, "alpha": 8, "dropout": 0.5}
 TIS = {"name": "tis", "cap": 2.0}
@@ -26,6 +28,7 @@ class ScoredLogprobs(Callback):
     def before_optimizer_step(self, trainer, module, optimizer):
         if module.optimizer_role(optimizer) != "policy" or module.policy_version != 1:
             return
+        assert module.policy.training   # the scoring forwards hand the training mode back
         data = module.recipe.last_rollout
         policy = copy.deepcopy(module.policy).double().eval()
         with torch.no_grad():
@@ -63,3 +66,19 @@ def test_pi_old_and_the_kl_forward_see_no_dropout(tmp_path, monkeypatch, recipe)
     assert len(ScoredLogprobs.captured) == 2
     [worst] = ScoredLogprobs.results
     assert worst < 1e-5
+
+
+@pytest.mark.parametrize("estimator, value, grad", [
+    # l = ref - logp = (-0.5, 1): k1 = -l, d/dlogp = 1; k2 = l^2 / 2, d/dlogp = -l; k3 = e^l - l - 1, d/dlogp = 1 - e^l
+    ("k1", [0.5, -1.0], [1.0, 1.0]),
+    ("k2", [0.125, 0.5], [0.5, -1.0]),
+    ("k3", [math.exp(-0.5) - 0.5, math.e - 2.0], [1.0 - math.exp(-0.5), 1.0 - math.e]),
+])
+def test_kl_estimators_values_and_gradients_hand_computed(estimator, value, grad):
+    """The KL term of GRPO's loss pulls the policy towards the reference through logp only."""
+    logp = torch.tensor([-1.0, -2.0], dtype=torch.float64, requires_grad=True)
+    ref = torch.tensor([-1.5, -1.0], dtype=torch.float64, requires_grad=True)
+    kl = kl_estimate(logp, ref.detach(), estimator)
+    assert kl.tolist() == pytest.approx(value, rel=1e-12)
+    kl.sum().backward()
+    assert logp.grad.tolist() == pytest.approx(grad, rel=1e-12)
