@@ -251,3 +251,17 @@ def test_a_target_that_is_not_a_projection_is_one_error():
         lora_policy(targets=["q_proj", "lm_head"])
     assert str(e.value).count("\n") == 0 and "model.policy.lora.targets[1]" in str(e.value)
     assert "q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj" in str(e.value)
+
+
+def test_add_adapters_refuses_an_unknown_target_before_touching_the_model():
+    """A section built by hand (a plugin, a script) skips the schema: the unknown name is one FwError naming it and
+    PEFT's names, and the model is left trainable and without adapters."""
+    from framework.models.lora import add_adapters, has_adapters
+
+    section = resolve({"recipe": "sft", "model": {"policy": {"preset": "tiny"}}, "data": {"path": "x"}})
+    base = build_policy(section["model"]["policy"], Tokenizer.builtin(), seed=1)
+    with pytest.raises(FwError) as e:
+        add_adapters(base, {"rank": 2, "alpha": 4, "dropout": 0.0, "targets": ["q_proj", "qkv_proj"]})
+    assert str(e.value) == ("add_adapters: 'qkv_proj' is not a LoRA target; the targets are PEFT's module names: "
+                            "q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj")
+    assert not has_adapters(base) and all(p.requires_grad for p in base.parameters())

@@ -140,8 +140,12 @@ def add_adapters(model: Qwen3ForCausalLM, lora: dict) -> Qwen3ForCausalLM:
     """
     if has_adapters(model):
         raise FwError("add_adapters: the model already has LoRA adapters")
-    model.requires_grad_(False)
     where = projections(model.config)
+    unknown = [name for name in lora["targets"] if name not in where]
+    if unknown:   # the schema refuses these; a section built by hand reaches here unchecked
+        raise FwError(f"add_adapters: {', '.join(map(repr, unknown))} is not a LoRA target; the targets are PEFT's "
+                      f"module names: {', '.join(where)}")
+    model.requires_grad_(False)
     modules: dict[str, dict[str, tuple[int, int]]] = {}
     for name in lora["targets"]:
         module, lo, hi = where[name]
