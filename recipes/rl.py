@@ -713,15 +713,15 @@ class RLRecipe:
         """No-grad logprobs of every row of ``batch`` under ``model`` in eval mode, its mode restored after: the
         policy itself, as pi_old and the KL read it, and as the rollout sampled from it; a training forward's
         dropout (LoRA's) would make them one noisy draw of it."""
-        training = bool(getattr(model, "training", False))
+        modes = [(m, m.training) for m in model.modules()] if isinstance(model, torch.nn.Module) else []
         with torch.no_grad():
-            if training:
-                model.eval()
+            for m, _ in modes:
+                m.training = False
             try:
                 return self.logprobs(model, batch)[0]
             finally:
-                if training:
-                    model.train()
+                for m, training in modes:   # each module's own mode: a frozen part may be kept in eval mode
+                    m.training = training
 
     def values(self, value_model: Any, batch: ScoredRollout, rows: MicroBatch | None = None) -> Tensor:
         """``completion_values`` of the micro-batch ``rows`` (None: every row); no device sync."""

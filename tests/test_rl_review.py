@@ -82,3 +82,23 @@ def test_kl_estimators_values_and_gradients_hand_computed(estimator, value, grad
     assert kl.tolist() == pytest.approx(value, rel=1e-12)
     kl.sum().backward()
     assert logp.grad.tolist() == pytest.approx(grad, rel=1e-12)
+
+
+def test_scoring_restores_each_modules_own_mode():
+    """Scoring runs every module in eval mode and hands each its own mode back: a part kept in eval mode (a
+    frozen tower, say) stays there, where model.train() would flip it."""
+    seen = []
+
+    class Probe(recipes.rl.RLRecipe):
+        def __init__(self):
+            pass
+
+        def logprobs(self, model, batch):
+            seen.append([m.training for m in model.modules()])
+            return torch.zeros(1), None
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout(0.5), torch.nn.Linear(2, 2)).train()
+    model[2].eval()
+    Probe().scored_logprobs(model, None)
+    assert seen == [[False, False, False, False]]
+    assert [m.training for m in model.modules()] == [True, True, True, False]
