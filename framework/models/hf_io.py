@@ -84,8 +84,10 @@ def read_config(path: str | os.PathLike) -> tuple[Qwen3Config, dict]:
         raise FwError(f"{path}: no config.json (expected a Hugging Face checkpoint directory)")
     try:
         raw = json.loads(file.read_text())
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise FwError(f"{file}: invalid JSON: {e}") from None
+    if not isinstance(raw, dict):
+        raise FwError(f"{file}: expected a JSON object, got {type(raw).__name__}")
     return Qwen3Config.from_hf(raw, source=str(file)), raw
 
 

@@ -11,8 +11,16 @@ from framework.errors import FwError
 # any of them on is refused instead of being loaded as a plain dense model with wrong numerics.
 _MOE_KEYS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "n_routed_experts",
              "num_local_experts", "shared_expert_intermediate_size")
+_HF_SLIDING_WINDOW = 4096   # transformers' Qwen3Config default
 _REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
              "num_attention_heads", "num_key_value_heads")
+
+
+def _plain_rope(settings: object) -> bool:
+    """Whether a rope_scaling / rope_parameters value is plain RoPE: {"rope_type": "default"} (or the older
+    "type" key), optionally with rope_theta; transformers computes those as no scaling at all."""
+    return (isinstance(settings, dict) and settings.get("rope_type", settings.get("type", "default")) == "default"
+            and not set(settings) - {"rope_type", "type", "rope_theta"})
 
 
 @dataclass
@@ -77,8 +85,9 @@ class Qwen3Config:
         if d.get("mlp_bias"):
             unsupported.append("mlp_bias: true")
         layer_types = d.get("layer_types")
-        # transformers windows the layers from max_window_layers on, when use_sliding_window sets a window
-        windowed = (d.get("use_sliding_window") and d.get("sliding_window") is not None
+        # transformers windows the layers from max_window_layers on, when use_sliding_window sets a window: one
+        # that config.json leaves out is transformers' default; a missing max_window_layers counts as 0 (refused)
+        windowed = (d.get("use_sliding_window") and d.get("sliding_window", _HF_SLIDING_WINDOW) is not None
                     and (d.get("max_window_layers") or 0) < (d.get("num_hidden_layers") or 0))
         if layer_types is None and windowed:
             unsupported.append("use_sliding_window: true (sliding-window attention is not implemented)")
@@ -96,14 +105,18 @@ class Qwen3Config:
         for key in _MOE_KEYS:
             if d.get(key):
                 unsupported.append(f"{key}: {d[key]!r} (mixture-of-experts models are not supported)")
-        if d.get("rope_scaling") is not None:
-            unsupported.append(f"rope_scaling: {d['rope_scaling']!r} (only plain RoPE is implemented)")
+        scaling = d.get("rope_scaling")
+        if scaling is not None and not _plain_rope(scaling):
+            unsupported.append(f"rope_scaling: {scaling!r} (only plain RoPE is implemented)")
         rope_theta = d.get("rope_theta")
+        if isinstance(scaling, dict):
+            rope_theta = scaling.get("rope_theta", rope_theta)
         params = d.get("rope_parameters")
         if params is not None:   # transformers >= 5 writes RoPE settings here
-            if params.get("rope_type", "default") != "default" or set(params) - {"rope_type", "rope_theta"}:
+            if not _plain_rope(params):
                 unsupported.append(f"rope_parameters: {params!r} (only plain RoPE is implemented)")
-            rope_theta = params.get("rope_theta", rope_theta)
+            elif "rope_theta" in params:
+                rope_theta = params["rope_theta"]
         if unsupported:
             raise FwError(f"{where} unsupported Qwen3 configuration: " + "; ".join(unsupported))
         # a null num_key_value_heads means one kv head per attention head (multi-head attention), as transformers'
