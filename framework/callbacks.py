@@ -16,6 +16,7 @@ import atexit
 import contextlib
 import math
 import os
+import socket
 import sys
 import threading
 import time
@@ -117,9 +118,21 @@ FAILURE_REPORT_S = 30.0    # the longest the other ranks wait for the failed ran
 DEPARTURE_S = 30.0         # the longest global rank 0 waits for the other ranks' last use of its store
 LAUNCHER_EXIT_S = 10.0     # the longest a process of Lightning's launcher waits for the launcher to end
 STORE_TIMEOUT_S = 10.0     # a TCP store operation that takes longer fails
-# Under torchrun, how long the other ranks outlive their departure: its agent names the first process to end as the
-# failure's root cause, so the failed rank, which departs last, must end first
+# Under torchrun, its agent names the first process it sees end as the failure's root cause, so the failed rank must
+# be seen to end first: a rank on its host waits until its process is gone (the agent has reaped it), a rank on
+# another host this long after the failed rank's departure
 TORCHRUN_GRACE_S = 2.0
+
+
+def _alive(pid: int) -> bool:
+    """Whether process `pid` exists, an unreaped one included (its parent has not yet seen it end)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:   # another user's: it exists
+        return True
+    return True
 
 
 class StopEveryRankOnError(lightning.Callback):
@@ -238,7 +251,7 @@ class StopEveryRankOnError(lightning.Callback):
             return
         code = exception.exit_code if isinstance(exception, Stopped) else \
             EXIT_FW_ERROR if isinstance(exception, FwError) else EXIT_ERROR
-        mine = f"{self._rank}:{code}"
+        mine = f"{self._rank}:{code}:{os.getpid()}:{socket.gethostname()}"
         try:
             claim = self._store.compare_set(self._keys + "claim", "", mine).decode()
         except RuntimeError:   # the store is gone: the failure stays Lightning's to handle
@@ -263,7 +276,8 @@ class StopEveryRankOnError(lightning.Callback):
         atexit.register(hook, state)
 
     def _claim(self) -> str | None:
-        """The failure claimed ("rank:exit code"), or None; RuntimeError when the store is gone."""
+        """The failure claimed ("rank:exit code:pid:host" of the failed rank), or None; RuntimeError when the store
+        is gone."""
         key = self._keys + "claim"
         return self._store.get(key).decode() if self._store.check([key]) else None
 
@@ -286,9 +300,13 @@ class StopEveryRankOnError(lightning.Callback):
         self._await_report()
         for stream in (sys.stdout, sys.stderr):
             stream.flush()
+        _, code, pid, host = claim.split(":", 3)
         if "TORCHELASTIC_RUN_ID" in os.environ:
-            time.sleep(TORCHRUN_GRACE_S)
-        os._exit(int(claim.split(":")[1]))
+            if host == socket.gethostname():
+                self._wait(lambda: not _alive(int(pid)), FAILURE_REPORT_S)
+            else:
+                time.sleep(TORCHRUN_GRACE_S)
+        os._exit(int(code))
 
     def _acknowledge(self) -> None:
         """Tell the failed rank that this one has seen its failure (once)."""

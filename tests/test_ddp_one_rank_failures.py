@@ -4,6 +4,7 @@ FwError, that rank's traceback alone and exit code 1 for any other exception; no
 left behind (the output is read to its end, which comes when the last process has ended). A callback that stops one
 rank alone stops every rank at the same step, exit code 0."""
 
+import atexit
 import json
 import os
 import re
@@ -24,10 +25,12 @@ LATE_S = 20   # from the failure to the last process's end: moments, not a colle
 
 class FailOnRank(Callback):
     """Raises on global rank `rank` at its `call`-th `hook` (`on_train_batch_end`, or `before_optimizer_step`,
-    inside the training step) a FwError (`error: fw`) or a ValueError, writing the time first to `stamp`."""
+    inside the training step) a FwError (`error: fw`) or a ValueError, writing the time first to `stamp`; that
+    rank's process takes `exit_s` seconds more to end after fw's exit hooks (a logger uploading, say)."""
 
-    def __init__(self, rank: int, hook: str, stamp: str, error: str = "fw", call: int = 2):
+    def __init__(self, rank: int, hook: str, stamp: str, error: str = "fw", call: int = 2, exit_s: float = 0.0):
         self.rank, self.hook, self.stamp, self.error, self.call = rank, hook, stamp, error, call
+        self.exit_s = exit_s
         self.calls = 0
 
     def _maybe_fail(self, trainer, hook: str) -> None:
@@ -36,6 +39,8 @@ class FailOnRank(Callback):
         self.calls += 1
         if self.calls == self.call:
             Path(self.stamp).write_text(str(time.time()))
+            if self.exit_s:   # registered before fw's hooks, so it runs after them
+                atexit.register(time.sleep, self.exit_s)
             if self.error == "fw":
                 raise FwError(f"my_callback.threshold: must be below 1 on rank {self.rank}")
             raise ValueError(f"a bug in my_callback on rank {self.rank}")
@@ -209,6 +214,21 @@ def test_torchrun_names_the_failed_rank_as_the_root_cause(tmp_path):
     cfg = sft_config(tmp_path, rank=1, hook="on_train_batch_end")
     proc = launch(tmp_path, cfg, "-m", "torch.distributed.run", "--nproc_per_node", "2",
                   "--master_port", str(29400 + os.getpid() % 500))
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode != 0, err[-3000:]
+    assert err.count("fw: error: global rank 1: my_callback.threshold: must be below 1 on rank 1") == 1, err[-3000:]
+    root = err[err.index("Root Cause (first observed failure):"):]
+    assert "rank      : 1 (local_rank: 1)" in root.splitlines()[4], root
+    assert "exitcode  : 2" in root.splitlines()[5], root
+
+
+@pytest.mark.slow   # a 2-process torchrun start-up
+def test_torchrun_names_the_failed_rank_when_its_process_ends_slowly(tmp_path):
+    """The failed rank's process ends seconds after its report (an exit hook of its own): the other rank on its
+    host ends only once the agent has seen it end, so the agent still names the failed rank."""
+    cfg = sft_config(tmp_path, rank=1, hook="on_train_batch_end", exit_s=4.0)
+    proc = launch(tmp_path, cfg, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                  "--master_port", str(29400 + (os.getpid() + 250) % 500))
     _, err = proc.communicate(timeout=300)
     assert proc.returncode != 0, err[-3000:]
     assert err.count("fw: error: global rank 1: my_callback.threshold: must be below 1 on rank 1") == 1, err[-3000:]
