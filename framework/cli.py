@@ -6,7 +6,8 @@ overrides `--section.key=value`. User errors print one line each on stderr and e
 raises together (`FwError.quiet` on ranks other than global rank 0) is printed by global rank 0 alone; one that a
 single process raises, by that process alone, as `global rank N: ...`, the others ending at once with the same exit
 code (framework.callbacks.StopEveryRankOnError).
-`fw fit` stopped by SIGTERM / SIGINT exits with 143 / 130 after saving its step (framework/signals.py).
+`fw fit` stopped by SIGTERM / SIGINT / SIGUSR1 exits with 143 / 130 / 138 after saving its step
+(framework/signals.py).
 Each command imports only what it needs.
 """
 
@@ -293,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             print(f"fw: error: {_one_line(str(e))}", file=sys.stderr)
         return 2
-    except Stopped as e:   # SIGTERM / SIGINT during fit: the step finished and was saved
+    except Stopped as e:   # SIGTERM / SIGINT / SIGUSR1 during fit: the step finished and was saved
         if debug:
             traceback.print_exc()
         print(f"fw: {e}", file=sys.stderr)

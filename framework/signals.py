@@ -1,13 +1,15 @@
-"""SIGTERM and SIGINT during `fw fit`: finish the step, publish its checkpoint, exit with 128 + the signal.
+"""SIGTERM, SIGINT and SIGUSR1 during `fw fit`: finish the step, publish its checkpoint, exit with 128 + the signal.
 
-SIGTERM is what `timeout`, SLURM and Kubernetes send before they kill; SIGINT is Ctrl+C. While
-`StopSignals` is active, the first of either is a stop request: before training starts it stops at
-once (`Stopped` is raised where the main thread is; there is nothing to save), during training the
-step in progress finishes, its checkpoint is published and `fit` raises `Stopped` (the CLI exits with
-143 for SIGTERM, 130 for SIGINT). A second signal, or a step that has not finished `trainer.stop_grace_s`
-seconds after the first (user code that does not return), ends the process at once with the same
-code; the checkpoints already published stay as they are. `framework.callbacks.StopOnSignal` turns the
-request into Lightning's `trainer.should_stop` at the end of a step.
+SIGTERM is what `timeout`, SLURM and Kubernetes send before they kill; SIGINT is Ctrl+C; SIGUSR1 is what a SLURM
+job asks for ahead of its time limit (`--signal=USR1@SECONDS`). Taking SIGUSR1 also keeps Lightning's own SLURM
+handler of it out, which writes an `hpc_ckpt_N.ckpt` into run_dir in the middle of a step, outside fw's checkpoints,
+and finalizes the loggers of a run that goes on. While `StopSignals` is active, the first of them is a stop request:
+before training starts it stops at once (`Stopped` is raised where the main thread is; there is nothing to save),
+during training the step in progress finishes, its checkpoint is published and `fit` raises `Stopped` (the CLI exits
+with 143 for SIGTERM, 130 for SIGINT, 138 for SIGUSR1). A second signal, or a step that has not finished
+`trainer.stop_grace_s` seconds after the first (user code that does not return), ends the process at once with the
+same code; the checkpoints already published stay as they are. `framework.callbacks.StopOnSignal` turns the request
+into Lightning's `trainer.should_stop` at the end of a step.
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ from typing import final
 
 from framework.console import say
 
-SIGNALS = (signal.SIGTERM, signal.SIGINT)
+# SIGUSR1 is POSIX only; installed before Lightning starts a stage, it is a handler Lightning leaves in place
+SIGNALS = (signal.SIGTERM, signal.SIGINT) + ((signal.SIGUSR1,) if hasattr(signal, "SIGUSR1") else ())
 
 
 def signal_name(signum: int) -> str:
@@ -65,7 +68,7 @@ def _say_last(message: str) -> None:
 
 @final
 class StopSignals:
-    """Context manager: SIGTERM / SIGINT handlers that turn the first signal into a stop request."""
+    """Context manager: SIGTERM / SIGINT / SIGUSR1 handlers that turn the first signal into a stop request."""
 
     def __init__(self, grace_s: float):
         self.grace_s = grace_s
