@@ -49,8 +49,10 @@ UNACTIONABLE_WARNINGS = (
     r".*isinstance\(treespec, LeafSpec\)` is deprecated",
 )
 # Loggers of Lightning's info lines: device banners, tips, "`Trainer.fit` stopped: `max_steps` reached".
+# The signal connector's: its SLURM auto-requeue line (fw handles SIGUSR1 itself) and "Received SIGTERM" beside fw's.
 QUIET_LOGGERS = ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero",
-                 "lightning.pytorch.accelerators.cuda", "lightning.fabric.utilities.distributed")
+                 "lightning.pytorch.accelerators.cuda", "lightning.fabric.utilities.distributed",
+                 "lightning.pytorch.trainer.connectors.signal_connector")
 
 
 def _check_precision(cfg: dict, requirements: Requirements, machine: bool = True) -> None:

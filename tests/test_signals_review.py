@@ -142,6 +142,7 @@ def test_sigusr1_stops_as_sigterm_does_without_lightnings_slurm_checkpoint(tmp_p
     out = run.output()
     assert "Traceback" not in out and not [n for n in NOISE if n in out], out
     assert "auto-requeue signal" not in out and "scontrol" not in out, out   # Lightning's handler did not run
+    assert "auto-requeueing enabled" not in out and "Received SIGUSR1" not in out, out   # nor says it would
     assert not [p.name for p in run_dir.iterdir() if p.name.startswith("hpc_ckpt")]
     reached = metric_steps(run_dir)[-1]
     assert reached >= 2 and metric_steps(run_dir) == list(range(1, reached + 1))
