@@ -109,12 +109,15 @@ def _spans_to_example(text: str, spans: list[tuple[int, int]], tokenizer: Any, t
     straddles: a chat span ends with the special token <|im_end|>, a plain completion is followed by eos.
     """
     ids, offsets = tokenizer.encode_with_offsets(text)
+    # A normalizer may fold a character into the token before it while that token's offsets leave it out (NFC
+    # makes "e" and a combining accent one "é" spanning the "e" alone): a token's characters run to the next one's.
+    nexts = [a for a, _ in offsets[1:]] + [len(text)]
     trainable: list[bool] = []
     j = 0
-    for a, b in offsets:
+    for (a, b), following in zip(offsets, nexts):
         while j < len(spans) and spans[j][1] <= a:
             j += 1
-        trainable.append(train_all or (j < len(spans) and spans[j][0] < max(b, a + 1)))
+        trainable.append(train_all or (j < len(spans) and spans[j][0] < max(b, following, a + 1)))
     for i in end or []:
         ids.append(i)
         trainable.append(True)
@@ -284,6 +287,19 @@ def _say_truncated(examples: list[Example], max_len: int) -> None:
         f"and are cut to it{cut}")
 
 
+def _say_task_cut(position: int, example: Example, max_len: int) -> None:
+    """Say (on the first process) that the task's example at `position` is cut to `max_len`, and whether it keeps a
+    target: a task's examples are drawn as training reads them, so none is counted at load as data.path's are."""
+    from lightning.pytorch.utilities import rank_zero_only
+
+    if rank_zero_only.rank != 0:
+        return
+    empty = all(t == IGNORE for t in truncate(example, max_len).targets)
+    say(f"fw: data.task: example {position} has {len(example.ids)} tokens, more than data.max_seq_len ({max_len}), "
+        f"and is cut to it{', keeping no token to train on' if empty else ''}; later examples that are longer are "
+        "cut too, unsaid")
+
+
 class ExampleStream:
     """Position -> example: shuffled epochs of a fixed list, or a procedural task's `sft_example`.
     `train_on_prompt`: the loss covers every next token, not only the assistant / completion ones."""
@@ -307,12 +323,17 @@ class ExampleStream:
             raise FwError("data: SFT needs data.path (JSONL with messages or prompt/completion) or data.task")
         self._perm_epoch = -1
         self._perm: list[int] = []
+        self._said_cut = False   # a task's examples are endless: the first one `truncate` cuts is said
 
     def __getitem__(self, position: int) -> Example:
         if self.examples is None:
             record = self.task.sft_example(position)
-            return encode_record(record, "prompt_completion", self.tokenizer, self.cfg,
-                                 f"data.task example {position}", train_on_prompt=self.train_on_prompt)
+            example = encode_record(record, "prompt_completion", self.tokenizer, self.cfg,
+                                    f"data.task example {position}", train_on_prompt=self.train_on_prompt)
+            if not self._said_cut and len(example.ids) > self.cfg["data"]["max_seq_len"]:
+                self._said_cut = True
+                _say_task_cut(position, example, self.cfg["data"]["max_seq_len"])
+            return example
         n = len(self.examples)
         epoch, i = divmod(position, n)
         if not self.shuffle:
