@@ -16,7 +16,7 @@ Built-ins (``REWARDS``, selected by ``reward.name``, constructed with ``reward.i
   understood); the reference must be one number (``parse_reference``).
 - ``format``: 1.0 when the completion carries its final answer in the required form: ``boxed``
   (a non-empty ``\\boxed{...}``), ``answer_tag`` (a non-empty ``<answer>...</answer>``) or
-  ``think_answer`` (``<think>...</think>`` then ``<answer>...</answer>`` and nothing else).
+  ``think_answer`` (one ``<think>...</think>`` then one ``<answer>...</answer>`` and nothing else).
 - ``countdown``: 1.0 when the expression (from ``<answer>``, ``\\boxed{}`` or the last line) uses
   only the given numbers, each at most once (all of them with ``use_all``), with ``+ - * /`` and
   parentheses, and evaluates exactly to the target; ``format_score`` for a well-formed expression
@@ -293,6 +293,7 @@ class NumericMatch:
 
 
 _THINK_ANSWER = re.compile(r"\s*<think>.*?</think>\s*<answer>(.*?)</answer>\s*", re.DOTALL)
+_THINK_ANSWER_TAGS = ("<think>", "</think>", "<answer>", "</answer>")
 FORMAT_STYLES = ("boxed", "answer_tag", "think_answer")
 
 
@@ -311,7 +312,8 @@ class FormatReward:
             found = last_answer_tag(completion)
         else:
             match = _THINK_ANSWER.fullmatch(completion)
-            found = match.group(1) if match else None
+            # one thought and one answer: the lazy groups of a full match would reach across a second tag pair
+            found = match.group(1) if match and all(completion.count(t) == 1 for t in _THINK_ANSWER_TAGS) else None
         return float(found is not None and found.strip() != "")
 
 

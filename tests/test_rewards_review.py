@@ -12,6 +12,7 @@ import pytest
 from framework.rewards import (
     CountdownReward,
     ExactMatch,
+    FormatReward,
     NumericMatch,
     evaluate_expression,
 )
@@ -62,6 +63,22 @@ def test_numeric_match_by_hand(completion, answer, expected):
 ])
 def test_exact_match_by_hand(completion, answer, expected):
     assert ExactMatch()("p", completion, meta(answer)) == expected
+
+
+# ---------------------------------------------------------------- format
+
+@pytest.mark.parametrize("completion, expected", [
+    ("<think>2+2</think>\n<answer>4</answer>", 1.0),
+    ("\n<think>\na\n</think>\n\n<answer>\n4\n</answer>\n", 1.0),
+    ("<think>a</think><answer>1</answer><answer>2</answer>", 0.0),    # two answers: something else
+    ("<think>a</think><answer>1</answer> more <answer>2</answer>", 0.0),
+    ("<think>a</think><answer>1</answer>junk</answer>", 0.0),
+    ("<think>a</think><think>b</think><answer>1</answer>", 0.0),      # two thoughts
+    ("<think>a</think>junk<answer>1</answer>", 0.0),
+    ("<think>a</think><answer> </answer>", 0.0),
+])
+def test_think_answer_is_one_thought_then_one_answer(completion, expected):
+    assert FormatReward("think_answer")("p", completion, {}) == expected
 
 
 # ---------------------------------------------------------------- countdown
