@@ -86,12 +86,20 @@ def last_answer_tag(text: str) -> str | None:
     return found[-1] if found else None
 
 
+def tagged_answer(text: str) -> str | None:
+    """Content of the last ``<answer>`` tag (of the last ``\\boxed{}`` in it, when it holds one), else of the last
+    ``\\boxed{}``, else None."""
+    found = last_answer_tag(text)
+    if found is None:
+        return last_boxed(text)
+    boxed = last_boxed(found)   # <answer>\boxed{5}</answer>: the answer is 5, not the LaTeX around it
+    return found if boxed is None else boxed
+
+
 def extract_answer(text: str) -> str:
-    """The final answer of a completion: last ``<answer>`` tag, else last ``\\boxed{}``, else the text."""
-    for found in (last_answer_tag(text), last_boxed(text)):
-        if found is not None:
-            return found
-    return text
+    """The final answer of a completion: ``tagged_answer``, else the text."""
+    found = tagged_answer(text)
+    return text if found is None else found
 
 
 def normalize_text(text: str) -> str:
@@ -404,13 +412,11 @@ def evaluate_expression(text: str) -> tuple[Fraction, list[int]]:
 
 
 def countdown_expression(completion: str) -> str:
-    """The expression a countdown completion proposes: ``<answer>``, ``\\boxed{}``, else its last line.
+    """The expression a countdown completion proposes: ``tagged_answer``, else its last line.
 
     A trailing ``= <target>`` is dropped.
     """
-    found = last_answer_tag(completion)
-    if found is None:
-        found = last_boxed(completion)
+    found = tagged_answer(completion)
     if found is None:
         lines = [line for line in completion.strip().splitlines() if line.strip()]
         found = lines[-1] if lines else ""

@@ -106,6 +106,22 @@ def test_countdown_by_hand(completion, at_most_once, exactly_once):
     assert CountdownReward(use_all=True)("p", completion, NUMBERS) == exactly_once
 
 
+@pytest.mark.parametrize("completion, answer, expected", [
+    ("<answer>\\boxed{5}</answer>", "5", 1.0),
+    ("<answer>The capital is \\boxed{Paris}.</answer>", "Paris", 1.0),
+    ("<answer>\\boxed{5}</answer>", "6", 0.0),
+    ("<answer>\\boxed{4}, no: \\boxed{5}</answer>", "5", 1.0),   # the last box in the tag
+])
+def test_a_box_inside_the_answer_tag_is_the_answer(completion, answer, expected):
+    assert ExactMatch()("p", completion, meta(answer)) == expected
+
+
+def test_a_box_inside_the_answer_tag_is_the_countdown_expression():
+    for use_all in (False, True):
+        assert CountdownReward(use_all=use_all)("p", "<answer>\\boxed{1+2+3+4}</answer>", NUMBERS) == 1.0
+        assert CountdownReward(use_all=use_all)("p", "<answer>so \\boxed{(1+2+3)*4}</answer>", NUMBERS) == 0.0
+
+
 def test_non_integer_intermediate_results_are_exact():
     # 4 / (1 - 2/3) = 12 through the non-integer 1/3; floats would give 11.999999999999998
     assert CountdownReward()("p", "<answer>4/(1-2/3)</answer>", {"numbers": [1, 2, 3, 4], "target": 12}) == 1.0
