@@ -333,6 +333,8 @@ class ExpressionError(ValueError):
 
 _ARITHMETIC = {"+": operator.add, "-": operator.sub, "*": operator.mul, "/": operator.truediv}
 _EXPR_TOKEN = re.compile(r"\s*(?:(\d+)|(.))")
+_EXPR_SPELLINGS = {"\u00d7": "*", "\u00f7": "/", "x": "*", "\u2212": "-"}   # ×, ÷, x and the Unicode minus
+_LATEX_OPERATOR = re.compile(r"\\(times|cdot|div)(?![A-Za-z])")   # what a \boxed{} answer writes
 # Bounds on what a completion may ask of the parser: each level of parentheses costs a few Python
 # frames (deep nests would exhaust the recursion limit), and int() refuses thousands of digits.
 # Countdown needs far less: a handful of numbers, each a few digits.
@@ -341,7 +343,8 @@ MAX_LITERAL_DIGITS = 100
 
 
 def evaluate_expression(text: str) -> tuple[Fraction, list[int]]:
-    """Value and integer literals of ``text``: integers, ``+ - * /`` (also ``× ÷``) and parentheses.
+    """Value and integer literals of ``text``: integers, ``+ - * /`` (also ``× ÷ −``, LaTeX's ``\\times \\cdot
+    \\div``) and parentheses.
 
     Exact rational arithmetic; no unary operators. Division by zero, parentheses nested deeper than
     ``MAX_PAREN_DEPTH``, a literal of more than ``MAX_LITERAL_DIGITS`` digits and anything else not
@@ -349,13 +352,14 @@ def evaluate_expression(text: str) -> tuple[Fraction, list[int]]:
     """
     tokens: list[str | int] = []
     depth = 0
+    text = _LATEX_OPERATOR.sub(lambda m: "/" if m.group(1) == "div" else "*", text)
     for number, char in _EXPR_TOKEN.findall(text):
         if number:
             if len(number) > MAX_LITERAL_DIGITS:
                 raise ExpressionError(f"a number of {len(number)} digits (at most {MAX_LITERAL_DIGITS})")
             tokens.append(int(number))
         elif char.strip():
-            char = {"×": "*", "÷": "/", "x": "*"}.get(char, char)
+            char = _EXPR_SPELLINGS.get(char, char)
             if char not in "+-*/()":
                 raise ExpressionError(f"unexpected character {char!r}")
             depth += {"(": 1, ")": -1}.get(char, 0)

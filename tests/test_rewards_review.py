@@ -106,6 +106,17 @@ def test_countdown_by_hand(completion, at_most_once, exactly_once):
     assert CountdownReward(use_all=True)("p", completion, NUMBERS) == exactly_once
 
 
+@pytest.mark.parametrize("completion, at_most_once, exactly_once", [
+    ("<answer>4 * 3 \u2212 2</answer>", 1.0, 0.0),       # the Unicode minus
+    ("\\boxed{4 \\times 3 - 2 \\div 1}", 1.0, 1.0),      # LaTeX operators in a box
+    ("\\boxed{4 \\cdot 3 - 2}", 1.0, 0.0),
+    ("\\boxed{4 \\cdots 3}", 0.0, 0.0),                  # no operator
+])
+def test_countdown_reads_the_unicode_minus_and_latex_operators(completion, at_most_once, exactly_once):
+    assert CountdownReward()("p", completion, NUMBERS) == at_most_once
+    assert CountdownReward(use_all=True)("p", completion, NUMBERS) == exactly_once
+
+
 @pytest.mark.parametrize("completion, answer, expected", [
     ("<answer>\\boxed{5}</answer>", "5", 1.0),
     ("<answer>The capital is \\boxed{Paris}.</answer>", "Paris", 1.0),
