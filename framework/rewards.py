@@ -11,9 +11,9 @@ Built-ins (``REWARDS``, selected by ``reward.name``, constructed with ``reward.i
   (strip, collapse whitespace, case-fold, drop one trailing period), else 0.0.
 - ``numeric_match``: 1.0 when the extracted number equals the numeric answer within tolerance
   (``rel_tol`` 0 and ``abs_tol`` 1e-9 by default), compared as exact fractions. The number is the
-  content of the last ``\\boxed{...}`` when there is one, else the last number in the completion
-  (``-1,234.5``, ``1.5e-07``, ``3/4``, ``\\frac{3}{4}``, ``2\\frac{1}{2}`` and ``10,\\!000`` are
-  understood); the reference must be one number (``parse_reference``).
+  last number in the last ``\\boxed{...}`` when there is one, else in the completion, an exponent or
+  a subscript being none (the 2 of ``25 m^2``); ``-1,234.5``, ``1.5e-07``, ``3/4``, ``\\frac{3}{4}``,
+  ``2\\frac{1}{2}`` and ``10,\\!000`` are understood. The reference must be one number (``parse_reference``).
 - ``format``: 1.0 when the completion carries its final answer in the required form: ``boxed``
   (a non-empty ``\\boxed{...}``), ``answer_tag`` (a non-empty ``<answer>...</answer>``) or
   ``think_answer`` (one ``<think>...</think>`` then one ``<answer>...</answer>`` and nothing else).
@@ -174,16 +174,23 @@ def _value(match: re.Match) -> Fraction | None:
     return value
 
 
+# What comes before an exponent or a subscript, which are no answer: the 2 of 25 cm^2 or of H_2. A number's own
+# power of ten (1.5 \times 10^{-7}) is read with it.
+_SCRIPT_BEFORE = re.compile(r"[\^_]\s*\{?\s*$")
+
+
 def parse_number(text: str) -> Fraction | None:
-    """The exact value of the last number in ``text``, or None.
+    """The exact value of the last number in ``text`` that is no exponent or subscript, or None.
 
     Understood: thousands commas, decimals, exponents (``1.5e-07``, ``1.5 \\times 10^{-7}``), ``a/b``,
     ``\\frac{a}{b}`` (also ``\\dfrac``, ``\\tfrac``, ``\\frac12``), mixed numbers (``2\\frac{1}{2}``) and
     the LaTeX digit-group spacing ``10,\\!000``, ``1{,}000``, ``1\\,000``.
     """
+    text = _plain(str(text))
     found = None
-    for found in _NUMBER.finditer(_plain(str(text))):
-        pass
+    for match in _NUMBER.finditer(text):
+        if not _SCRIPT_BEFORE.search(text, max(match.start() - 8, 0), match.start()):
+            found = match
     return _value(found) if found else None
 
 

@@ -15,6 +15,7 @@ from framework.rewards import (
     FormatReward,
     NumericMatch,
     evaluate_expression,
+    extract_number,
 )
 from framework.tasks import Arithmetic, Countdown, Digits
 
@@ -49,6 +50,19 @@ def meta(answer, **extra):
 ])
 def test_numeric_match_by_hand(completion, answer, expected):
     assert NumericMatch()("p", completion, meta(answer)) == expected
+
+
+@pytest.mark.parametrize("completion, number", [
+    ("The area is \\boxed{25 \\text{ cm}^2}", 25),      # a unit's power is no answer
+    ("The area is \\boxed{25\\,\\mathrm{m}^{2}}", 25),
+    ("so the area is 25 m^2.", 25),
+    ("\\boxed{3 \\text{ mol of } H_2}", 3),               # nor a subscript
+    ("x_1 = 3 and x_2 = 7", 7),
+    ("\\boxed{x^2}", None),
+    ("\\boxed{1.5 \\times 10^{-7}}", Fraction(15, 10 ** 8)),   # the power of ten of a number is part of it
+])
+def test_an_exponent_or_a_subscript_is_not_the_answer(completion, number):
+    assert extract_number(completion) == number
 
 
 # ---------------------------------------------------------------- exact_match
