@@ -211,9 +211,13 @@ def test_strategies_whose_launcher_trains_nothing_are_refused(tmp_path, strategy
 def test_torchrun_names_the_failed_rank_as_the_root_cause(tmp_path):
     """torchrun's agent reports the first process to end as the root cause of a failed job: the failed rank ends
     first, its one line printed, the other rank after it."""
-    cfg = sft_config(tmp_path, rank=1, hook="on_train_batch_end")
-    proc = launch(tmp_path, cfg, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                  "--master_port", str(29400 + os.getpid() % 500))
+    _rank_1_is_the_root_cause(tmp_path, 29400 + os.getpid() % 500)
+
+
+def _rank_1_is_the_root_cause(tmp_path: Path, port: int, **callback) -> None:
+    """A torchrun job of 2 processes whose rank 1 fails: torchrun's report names rank 1, exit code 2."""
+    cfg = sft_config(tmp_path, rank=1, hook="on_train_batch_end", **callback)
+    proc = launch(tmp_path, cfg, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port))
     _, err = proc.communicate(timeout=300)
     assert proc.returncode != 0, err[-3000:]
     assert err.count("fw: error: global rank 1: my_callback.threshold: must be below 1 on rank 1") == 1, err[-3000:]
@@ -226,15 +230,7 @@ def test_torchrun_names_the_failed_rank_as_the_root_cause(tmp_path):
 def test_torchrun_names_the_failed_rank_when_its_process_ends_slowly(tmp_path):
     """The failed rank's process ends seconds after its report (an exit hook of its own): the other rank on its
     host ends only once the agent has seen it end, so the agent still names the failed rank."""
-    cfg = sft_config(tmp_path, rank=1, hook="on_train_batch_end", exit_s=4.0)
-    proc = launch(tmp_path, cfg, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                  "--master_port", str(29400 + (os.getpid() + 250) % 500))
-    _, err = proc.communicate(timeout=300)
-    assert proc.returncode != 0, err[-3000:]
-    assert err.count("fw: error: global rank 1: my_callback.threshold: must be below 1 on rank 1") == 1, err[-3000:]
-    root = err[err.index("Root Cause (first observed failure):"):]
-    assert "rank      : 1 (local_rank: 1)" in root.splitlines()[4], root
-    assert "exitcode  : 2" in root.splitlines()[5], root
+    _rank_1_is_the_root_cause(tmp_path, 29400 + (os.getpid() + 250) % 500, exit_s=4.0)
 
 
 class StopOnOneRank(Callback):

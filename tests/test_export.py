@@ -309,11 +309,24 @@ def test_export_carries_the_generation_config_of_the_model_the_run_started_from(
         "eos_token_id": tok.eos_id, "pad_token_id": tok.pad_id}
 
 
+def save_lora_checkpoint(cfg: dict, policy, tok, base: Path) -> Path:
+    """The step-3 checkpoint of a LoRA run of `cfg` on `base`, with `policy`'s adapters, as FwModule hands it over."""
+    from framework.models.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter_config, peft_targets
+    from framework.tokenizer import tokenizer_files
+
+    files = {**tokenizer_files(tok), ADAPTER_CONFIG: json.dumps(adapter_config(policy, str(base))).encode()}
+    adapters = {name: t.detach().clone() for name, (t, _, _) in peft_targets(policy).items()}
+    checkpoint = {"global_step": 3, "policy_version": 3, "state_dict": {},
+                  "fw_components": {"policy": {"config": None, "weights_file": ADAPTER_WEIGHTS,
+                                               "state_dict": adapters, "files": files}}}
+    path = ck.checkpoints_dir(cfg["run_dir"]) / ck.step_dir_name(3)
+    ck.AtomicCheckpointIO(cfg).save_checkpoint(checkpoint, path)
+    return path
+
+
 def test_a_merged_export_carries_the_generation_config_of_its_base(tmp_path):
     from framework.config import resolve
     from framework.models import build_policy, save_pretrained
-    from framework.models.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter_config, peft_targets
-    from framework.tokenizer import tokenizer_files
 
     tok = Tokenizer.builtin()
     base = tmp_path / "base"
@@ -324,13 +337,7 @@ def test_a_merged_export_carries_the_generation_config_of_its_base(tmp_path):
     cfg = resolve({"recipe": "sft", "run_dir": str(tmp_path / "run"),
                    "model": {"policy": {"path": str(base), "lora": {"rank": 4}}}})
     policy = build_policy(cfg["model"]["policy"], tok, seed=cfg["seed"])
-    files = {**tokenizer_files(tok), ADAPTER_CONFIG: json.dumps(adapter_config(policy, str(base))).encode()}
-    adapters = {name: t.detach().clone() for name, (t, _, _) in peft_targets(policy).items()}
-    checkpoint = {"global_step": 3, "policy_version": 3, "state_dict": {},   # as FwModule hands over a LoRA run's
-                  "fw_components": {"policy": {"config": None, "weights_file": ADAPTER_WEIGHTS,
-                                               "state_dict": adapters, "files": files}}}
-    path = ck.checkpoints_dir(tmp_path / "run") / ck.step_dir_name(3)
-    ck.AtomicCheckpointIO(cfg).save_checkpoint(checkpoint, path)
+    path = save_lora_checkpoint(cfg, policy, tok, base)
     original = (base / "generation_config.json").read_bytes()
     # the base's changes after the run started: the merged model has the one the run started from
     transformers.GenerationConfig(eos_token_id=151643, temperature=1.5, do_sample=True).save_pretrained(str(base))

@@ -12,9 +12,9 @@ import pytest
 import torch
 import transformers
 from safetensors import safe_open
+from test_export import save_lora_checkpoint
 from test_hf_parity import VOCAB, hf_logits, hf_model
 
-from framework import checkpoint as ck
 from framework.errors import FwError
 from framework.export import export_checkpoint
 from framework.models import load_pretrained
@@ -157,8 +157,7 @@ def _lora_checkpoint(tmp_path: Path, dtype: str | None) -> tuple[Path, Path, tor
     PEFT's B = 0, under which merging changes nothing)."""
     from framework.config import resolve
     from framework.models import build_policy
-    from framework.models.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter_config, peft_targets
-    from framework.tokenizer import tokenizer_files
+    from framework.models.lora import peft_targets
 
     tok = Tokenizer.builtin()
     base = tmp_path / "base"
@@ -172,13 +171,7 @@ def _lora_checkpoint(tmp_path: Path, dtype: str | None) -> tuple[Path, Path, tor
     with torch.no_grad():
         for t, _, _ in peft_targets(policy).values():
             t.copy_(0.3 * torch.randn(t.shape, generator=g))
-    files = {**tokenizer_files(tok), ADAPTER_CONFIG: json.dumps(adapter_config(policy, str(base))).encode()}
-    adapters = {name: t.detach().clone() for name, (t, _, _) in peft_targets(policy).items()}
-    checkpoint = {"global_step": 3, "policy_version": 3, "state_dict": {},   # as FwModule hands over a LoRA run's
-                  "fw_components": {"policy": {"config": None, "weights_file": ADAPTER_WEIGHTS,
-                                               "state_dict": adapters, "files": files}}}
-    path = ck.checkpoints_dir(tmp_path / "run") / ck.step_dir_name(3)
-    ck.AtomicCheckpointIO(cfg).save_checkpoint(checkpoint, path)
+    path = save_lora_checkpoint(cfg, policy, tok, base)
     return base, path, policy
 
 

@@ -77,17 +77,13 @@ def test_adapters_add_their_rows_only_as_a_float64_merge_by_hand():
         assert (got - plain(ids)).abs().max() > 0.05   # the adapters do change the output
 
 
-def test_dropout_draws_one_mask_per_adapter_as_peft_does(tmp_path):
-    """In training, PEFT's lora_dropout is a module per adapter (q_proj, k_proj, ... each draw their own mask):
-    from the same seed, the fused layers' adapters give PEFT's logits on transformers' Qwen3, and in eval neither
-    drops."""
+def peft_twin(policy, tmp_path: Path):
+    """transformers' Qwen3 in float64 with the policy's base weights and PEFT's LoRA loaded from its adapters."""
     from peft import PeftModel
     from safetensors.torch import save_file
 
     from framework.models.lora import adapter_config
 
-    policy = build_policy(_lora(rank=4, alpha=8, dropout=0.3), Tokenizer.builtin(), seed=1).double()
-    _randomize_adapters(policy, 2)
     with adapters_detached(policy):
         save_pretrained(policy, tmp_path / "base")
     (tmp_path / "adapters").mkdir()
@@ -95,7 +91,16 @@ def test_dropout_draws_one_mask_per_adapter_as_peft_does(tmp_path):
     save_file({k: t.detach().contiguous() for k, (t, _, _) in peft_targets(policy).items()},
               str(tmp_path / "adapters" / "adapter_model.safetensors"))
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "base"), dtype=torch.float64)
-    peft_model = PeftModel.from_pretrained(hf, str(tmp_path / "adapters"), is_trainable=True)
+    return PeftModel.from_pretrained(hf, str(tmp_path / "adapters"), is_trainable=True)
+
+
+def test_dropout_draws_one_mask_per_adapter_as_peft_does(tmp_path):
+    """In training, PEFT's lora_dropout is a module per adapter (q_proj, k_proj, ... each draw their own mask):
+    from the same seed, the fused layers' adapters give PEFT's logits on transformers' Qwen3, and in eval neither
+    drops."""
+    policy = build_policy(_lora(rank=4, alpha=8, dropout=0.3), Tokenizer.builtin(), seed=1).double()
+    _randomize_adapters(policy, 2)
+    peft_model = peft_twin(policy, tmp_path)
     ids = torch.randint(0, policy.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         policy.train(), peft_model.train()

@@ -3,33 +3,22 @@
 groups against AdamW written out in float64, and LoRA's adapters against PEFT on transformers' Qwen3 (gradients,
 the merged model, the initialisation)."""
 
-import json
 import math
 
 import pytest
 import torch
-import transformers
-from safetensors.torch import save_file
+from test_lora import peft_twin
+from test_module import sft_cfg
 
 from framework.config import resolve
 from framework.errors import FwError
-from framework.models import build_policy, save_pretrained
-from framework.models.lora import adapter_config, adapters_detached, adapters_disabled, merged_copy, peft_targets
+from framework.models import build_policy
+from framework.models.lora import adapters_disabled, merged_copy, peft_targets
 from framework.module import FwModule
 from framework.optim import build_optimizer
 from framework.tokenizer import Tokenizer
 
 DATA = "recipes/data/arithmetic_chat.jsonl"
-
-
-def sft_cfg(tmp_path, **over):
-    cfg = {"recipe": "sft", "run_dir": str(tmp_path / "run"), "model": {"policy": {"preset": "tiny"}},
-           "data": {"path": DATA, "max_seq_len": 96, "batch_size": 3},
-           "trainer": {"accelerator": "cpu", "max_steps": 2, "enable_progress_bar": False},
-           "logging": {"csv": False, "tensorboard": False}}
-    for k, v in over.items():
-        cfg[k] = {**cfg.get(k, {}), **v}
-    return resolve(cfg)
 
 
 # ------------------------------------------------------------------------------------------ the LR schedule
@@ -154,20 +143,6 @@ def lora_policy(**lora):
     section = resolve({"recipe": "sft", "model": {"policy": {"preset": "tiny", "lora": lora}},
                        "data": {"path": "x"}})["model"]["policy"]
     return build_policy(section, Tokenizer.builtin(), seed=1)
-
-
-def peft_twin(policy, tmp_path):
-    """transformers' Qwen3 with the policy's base weights and PEFT's LoRA loaded from the policy's adapters."""
-    from peft import PeftModel
-
-    with adapters_detached(policy):
-        save_pretrained(policy, tmp_path / "base")
-    (tmp_path / "adapters").mkdir()
-    (tmp_path / "adapters" / "adapter_config.json").write_text(json.dumps(adapter_config(policy, None)))
-    save_file({k: t.detach().contiguous() for k, (t, _, _) in peft_targets(policy).items()},
-              str(tmp_path / "adapters" / "adapter_model.safetensors"))
-    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "base"), dtype=torch.float64)
-    return PeftModel.from_pretrained(hf, str(tmp_path / "adapters"), is_trainable=True)
 
 
 @pytest.mark.parametrize("targets", [["k_proj", "gate_proj"], ["v_proj", "o_proj", "up_proj", "down_proj"]])

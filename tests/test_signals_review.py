@@ -18,6 +18,7 @@ import torch
 from scripts.fw_logged import run_logged
 from scripts.preloaded import forkserver
 from test_stop import NOISE, callbacks, metric_steps, newest, policy_weights, sft_argv, steps_done, wait_for
+from test_stop import Run as StopRun
 
 from framework import checkpoint as ck
 
@@ -47,25 +48,15 @@ def _fit(argv: list[str], log: str, env: dict[str, str], kills: dict[int, int]) 
     run_logged(argv, log)
 
 
-class Run:
-    """One `fw fit` process forked from the forkserver, its stdout and stderr in `log`."""
+class Run(StopRun):
+    """One `fw fit` process forked from the forkserver, its stdout and stderr in `log`, with `env` set and `kills`
+    sent to it (`_fit`)."""
 
     def __init__(self, argv: list[str], log: Path, env: dict[str, str] | None = None,
                  kills: dict[int, int] | None = None):
         self.log = log
         self.proc = forkserver().Process(target=_fit, args=(argv, str(log), env or {}, kills or {}))
         self.proc.start()
-
-    def wait(self, timeout: float = 180) -> int:
-        self.proc.join(timeout)
-        if self.proc.exitcode is None:
-            self.proc.kill()
-            self.proc.join()
-            pytest.fail(f"fw did not exit within {timeout} s; it printed:\n{self.output()}")
-        return self.proc.exitcode
-
-    def output(self) -> str:
-        return self.log.read_text(errors="replace") if self.log.exists() else ""
 
 
 def losses(run_dir: Path) -> list[float]:
