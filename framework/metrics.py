@@ -436,7 +436,7 @@ def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
             raise FwError(f"{path}:{i}: not a metrics record ({json_type_name(record)}, not an object)")
         step = record.get("step")
         if step is not None and (isinstance(step, bool) or not isinstance(step, (int, float))
-                                 or not math.isfinite(step)):
+                                 or isinstance(step, float) and not math.isfinite(step)):   # an int is finite
             raise FwError(f"{path}:{i}: not a metrics record (its step is {step!r}, not a finite number)")
         records.append(record)
     return records

@@ -8,6 +8,7 @@ matplotlib (`pip install 'fw[plot]'`); it draws off-screen (the Agg canvas), so 
 from __future__ import annotations
 
 import math
+import sys
 from pathlib import Path
 
 from framework.durable import file_in_the_way
@@ -98,8 +99,8 @@ def plot_runs(runs: list[str | Path], out: str | Path | None = None, metrics: li
         curves = {name: series(records, metric) for name, records in data.items()}
         for name, (steps, _) in curves.items():
             if steps and max(abs(steps[0]), abs(steps[-1])) > DRAWABLE:
-                raise FwError(f"--run {name}: a record of {metric} has step {max(steps, key=abs):g}, beyond what "
-                              "a plot can draw")
+                raise FwError(f"--run {name}: a record of {metric} has step {_step_text(max(steps, key=abs))}, "
+                              "beyond what a plot can draw")
         exponent = _exponent(max((abs(v) for _, values in curves.values() for v in values), default=0.0))
         if exponent:   # drawn in units of 10**exponent, which the axis's label names
             curves = {name: (steps, [v / 10.0 ** exponent for v in values]) for name, (steps, values) in curves.items()}
@@ -124,6 +125,11 @@ def plot_runs(runs: list[str | Path], out: str | Path | None = None, metrics: li
     except OSError as e:
         raise FwError(f"--out {out}: cannot write it: {e.strerror or e}") from None
     return out
+
+
+def _step_text(step: int) -> str:
+    """`step` in a line: %g where a float holds it, else its count of digits (an int past the float range)."""
+    return f"{float(step):g}" if abs(step) <= sys.float_info.max else f"of {len(str(abs(step)))} digits"
 
 
 def _exponent(largest: float) -> int:

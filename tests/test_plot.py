@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from framework.cli import main
+from framework.metrics import read_metrics
 from framework.plot import figure_size, series, smooth
 
 pytest.importorskip("matplotlib")
@@ -130,3 +131,15 @@ def test_a_step_beyond_what_a_plot_draws_is_one_line(tmp_path, capsys):
     assert capsys.readouterr().err == (f"fw: error: --run {run}: a record of loss has step -1.7e+308, beyond what a "
                                        "plot can draw\n")
     assert not (run / "metrics.png").exists()
+
+
+def test_a_step_past_the_float_range_is_one_line(tmp_path, capsys):
+    """JSON integers have no bound: a step of 401 digits is a record read_metrics accepts (an int is finite) and
+    one line from fw plot, not an OverflowError of a float conversion."""
+    run = tmp_path / "r"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 0, "loss": 1}\n{"step": 1' + "0" * 400 + ', "loss": 2}\n')
+    assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == [0, 10 ** 400]
+    assert main(["plot", "--run", str(run)]) == 2
+    assert capsys.readouterr().err == (f"fw: error: --run {run}: a record of loss has step of 401 digits, beyond "
+                                       "what a plot can draw\n")
