@@ -455,15 +455,33 @@ def _kib(n: float) -> str:
     return f"{n / 1024:.1f} KiB"
 
 
-def _optimizer_state_bytes(o: dict, params: int, dtype: str) -> tuple[float, str]:
-    """(bytes per parameter of the optimizer's states, how) for `params` trainable parameters of `dtype`."""
+def _quantized(n: int) -> bool:
+    """Whether torchao's AdamW8bit keeps a tensor of `n` elements in 8-bit moments (else plain ones)."""
+    return n >= ADAMW8BIT_MIN_ELEMENTS and n % ADAMW8BIT_BLOCK == 0
+
+
+def _optimizer_state_bytes(o: dict, sizes: list[int], dtype: str) -> tuple[float, str]:
+    """(bytes of the optimizer's states, how) for trainable tensors of `sizes` elements in `dtype`."""
+    params = sum(sizes)
     if o["name"] == "adamw8bit":
-        return 2 * ADAMW8BIT_BYTES_PER_MOMENT, f"2 moments x {_count(params)} params x 8 bits + block scales"
+        # a tensor too small (or not a whole number of blocks) keeps both moments in its own dtype
+        plain = sum(n for n in sizes if not _quantized(n))
+        how = f"2 moments x {_count(params - plain)} params x 8 bits + block scales"
+        if plain:
+            how += f", 2 x {_count(plain)} small-tensor params x {_bytes(dtype)} B ({dtype})"
+        return 2 * (params - plain) * ADAMW8BIT_BYTES_PER_MOMENT + 2 * plain * _bytes(dtype), how
     if dtype == "float16" and not o["stochastic_rounding"]:
         # framework/optim.py Float32StateAdamW: float16 moments underflow and nearest rounding drops small updates
-        return 3 * 4, f"2 moments + a master copy x {_count(params)} params x 4 B (float32)"
+        return 3 * 4 * params, f"2 moments + a master copy x {_count(params)} params x 4 B (float32)"
     # torch's and torchao's AdamW keep both moments in the parameters' dtype
-    return 2 * _bytes(dtype), f"2 moments x {_count(params)} params x {_bytes(dtype)} B ({dtype})"
+    return 2 * _bytes(dtype) * params, f"2 moments x {_count(params)} params x {_bytes(dtype)} B ({dtype})"
+
+
+def _value_sizes(m: Qwen3Config) -> list[int]:
+    """Elements of each tensor of a critic on `m`'s trunk (framework/models/value.py): the trunk and v_head's weight
+    and bias."""
+    trunk = [n for group in _step_order(replace(m, tie_word_embeddings=True), None) for n in group]
+    return trunk + [m.hidden_size, 1]
 
 
 def _step_buffer_bytes(cfg: dict, backend: str, dtype: str, model: Qwen3Config, params: int) -> tuple[float, str]:
@@ -481,7 +499,7 @@ def _step_buffer_bytes(cfg: dict, backend: str, dtype: str, model: Qwen3Config, 
             return 0.0, "none: fw's fused kernel updates in place"
 
         def reference(n: int) -> float:
-            quantized = (o["name"] == "adamw8bit" and n >= ADAMW8BIT_MIN_ELEMENTS and n % ADAMW8BIT_BLOCK == 0)
+            quantized = o["name"] == "adamw8bit" and _quantized(n)
             rounded = o["stochastic_rounding"] and dtype == "bfloat16"
             return REFERENCE_STEP_BYTES[quantized, dtype != "float32", rounded] * n
 
@@ -576,8 +594,7 @@ def build_plan(cfg: dict, model: Qwen3Config, requirements: Requirements, shapes
     rows.append(Row("gradients", grad_bytes, ("backward", "step") if one_micro else ("train", "step"),
                     f"{_count(trainable)} trainable params x {_bytes(tdt)} B ({tdt})"
                     + ("; none in the forward: set to None after each step of one micro-batch" if one_micro else "")))
-    per_param, how = _optimizer_state_bytes(o, trainable, tdt)
-    states = trainable * per_param
+    states, how = _optimizer_state_bytes(o, [n for group in _step_order(model, lora) for n in group], tdt)
     if o["cpu_offload"]:
         # torchao's CPUOffloadOptimizer: states, a copy of each parameter and of its gradient in pinned memory
         host = states + 2 * trainable * _bytes(tdt)
@@ -601,15 +618,15 @@ def build_plan(cfg: dict, model: Qwen3Config, requirements: Requirements, shapes
     if requirements.value_model:
         val = param_counts(value or model)
         vparams = val.trunk + (value or model).hidden_size + 1
-        vstate, vhow = _optimizer_state_bytes(o, vparams, vdt)
+        vstate, vhow = _optimizer_state_bytes(o, _value_sizes(value or model), vdt)
         value_grads = vparams * vb
-        on_gpu = 0.0 if o["cpu_offload"] else vparams * vstate
+        on_gpu = 0.0 if o["cpu_offload"] else vstate
         value_casts = val.layers * val.layer_linear * cb if vdt == "float32" and t["precision"] in AUTOCAST_TO else 0
         rows.append(Row("value model", vparams * vb + on_gpu + value_casts, ("held",),
                         f"{_count(vparams)} params x {vb} B ({vdt}) + " + (f"states on the host ({vhow})"
                                                                             if o["cpu_offload"] else vhow)
                         + (" + autocast casts" if value_casts else ""),
-                        host_bytes=vparams * (vstate + 2 * vb) if o["cpu_offload"] else 0.0))
+                        host_bytes=vstate + 2 * vparams * vb if o["cpu_offload"] else 0.0))
 
     if world_size > 1 and not t["strategy"].startswith(("fsdp", "deepspeed")):
         rows.append(Row("DDP gradient buckets", grad_bytes + value_grads, ("held",),

@@ -113,3 +113,90 @@ def test_the_cpu_plan_counts_the_pool_the_engine_makes_without_a_budget():
     assert kv.bytes == (4 << 30) // BLOCK * BLOCK
     gpu = mp.build_plan(cfg, preset_config("tiny", V), req, shapes, backend="cuda")
     assert next(r for r in gpu.rows if r.name == "KV cache").bytes == (512 * -(-8001 // 16) + 1) * BLOCK
+
+
+# ------------------------------------------------------------------------------ optimizer states, tensor by tensor
+
+def _state_bytes(opt) -> int:
+    """Bytes of an optimizer's per-parameter states as built: plain tensors, and an 8-bit moment's codes and block
+    scales (its 256-entry code map and the step counters are constants a tensor, below the plan's resolution)."""
+    import torch
+
+    total = 0
+    for state in opt.state.values():
+        for key, t in state.items():
+            if key == "step" or not isinstance(t, torch.Tensor):
+                continue
+            total += t.codes.nbytes + t.scale.nbytes if hasattr(t, "codes") else t.nbytes
+    return total
+
+
+def _tiny_tensors() -> list[int]:
+    """The tiny preset's trainable tensors by hand: the tied embedding (103 x 64), then per layer qkv, o, gate_up,
+    down and four norm gains (two of 64, q_norm and k_norm of head_dim 64), and the final norm."""
+    layer = [64 * (256 + 2 * 128), 256 * 64, 64 * 2 * 192, 192 * 64, 64, 64, 64, 64]
+    return [V * 64] + 2 * layer + [64]
+
+
+def _8bit_bytes(sizes: list[int], plain_bytes: int) -> float:
+    """torchao's AdamW8bit by hand: 8-bit codes and a float32 scale per 256 for a tensor of at least 4096 elements
+    that 256 divides, else both moments in the parameter's dtype."""
+    return sum(2 * (n + 4 * n / 256) if n >= 4096 and n % 256 == 0 else 2 * n * plain_bytes for n in sizes)
+
+
+@pytest.mark.parametrize("setting", ["adamw8bit", "adamw8bit bf16 rounded", "adamw8bit lora", "adamw", "16-true"])
+def test_the_states_row_is_the_bytes_the_optimizer_makes(setting):
+    """fw's optimizer over the tiny preset on CPU, stepped once: the states it holds against the plan's row and a
+    count by hand. AdamW8bit quantizes only tensors of at least 4096 elements that its 256-element block divides:
+    the norms, the tiny preset's embedding (6,592 elements) and small LoRA factors keep plain moments."""
+    pytest.importorskip("torchao")
+    import torch
+
+    from framework.models.lora import add_adapters
+    from framework.models.qwen3 import Qwen3ForCausalLM
+    from framework.optim import build_optimizer
+
+    policy, trainer, optimizer = {
+        "adamw8bit": ({}, {}, {"name": "adamw8bit"}),
+        "adamw8bit bf16 rounded": ({"dtype": "bfloat16"}, {"precision": "bf16-true"},
+                                   {"name": "adamw8bit", "stochastic_rounding": True}),
+        "adamw8bit lora": ({"lora": {"rank": 8, "targets": ["q_proj", "down_proj"]}}, {}, {"name": "adamw8bit"}),
+        "adamw": ({}, {}, {}),
+        "16-true": ({}, {"precision": "16-true"}, {}),
+    }[setting]
+    cfg = resolve({"recipe": "sft", "model": {"policy": {"preset": "tiny", **policy}},
+                   "trainer": {"accelerator": "cpu", **trainer}, "optimizer": optimizer})
+    config = preset_config("tiny", V)
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(config)
+    if "lora" in policy:
+        add_adapters(model, cfg["model"]["policy"]["lora"])
+    if "precision" in trainer:   # what Lightning's -true precisions do to the whole module
+        model = model.to(getattr(torch, mp.CONVERTS_TO[trainer["precision"]]))
+    opt = build_optimizer(model, cfg["optimizer"], cfg)
+    for p in model.parameters():
+        if p.requires_grad:
+            p.grad = torch.zeros_like(p)
+    opt.step()
+    plan = mp.build_plan(cfg, config, Requirements(automatic_optimization=True), None, backend="cpu")
+    planned = next(r.bytes for r in plan.rows if r.name == "optimizer states")
+    sizes = _tiny_tensors()
+    assert sum(sizes) == 179_200
+    if "lora" in policy:   # A [8, in] and B [out, 8] of q_proj (64 -> 256) and down_proj (192 -> 64), per layer
+        sizes = 2 * [8 * 64, 256 * 8, 8 * 192, 64 * 8]
+    by_hand = {"adamw8bit": _8bit_bytes(sizes, 4), "adamw8bit bf16 rounded": _8bit_bytes(sizes, 2),
+               "adamw8bit lora": _8bit_bytes(sizes, 4), "adamw": 8 * sum(sizes), "16-true": 12 * sum(sizes)}[setting]
+    assert _state_bytes(opt) == by_hand
+    assert planned == by_hand, plan.table()
+
+
+def test_the_critics_8bit_states_keep_its_small_tensors_plain():
+    """PPO's critic: its trunk (no LM head) and v_head, a [1, 64] weight and a bias, all below AdamW8bit's 4096
+    elements, with the norms and the tiny embedding, in plain float32 moments."""
+    cfg = resolve({"recipe": "ppo", "model": {"policy": {"preset": "tiny"}}, "optimizer": {"name": "adamw8bit"}})
+    plan = mp.build_plan(cfg, preset_config("tiny", V), Requirements(automatic_optimization=False, value_model=True),
+                         None, backend="cpu")
+    critic = _tiny_tensors() + [64, 1]
+    value = next(r for r in plan.rows if r.name == "value model")
+    assert value.bytes == sum(critic) * 4 + _8bit_bytes(critic, 4)   # weights and states; no autocast casts
+
