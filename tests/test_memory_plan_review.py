@@ -2,6 +2,8 @@
 builds anything) refuses a row that the engine's pool cannot hold, where the config fixes the pool's budget, as the
 engine refuses it at its first rollout; and the plan counts the CPU pool the engine makes."""
 
+from itertools import pairwise
+
 import pytest
 
 from framework import memory_plan as mp
@@ -200,3 +202,154 @@ def test_the_critics_8bit_states_keep_its_small_tensors_plain():
     value = next(r for r in plan.rows if r.name == "value model")
     assert value.bytes == sum(critic) * 4 + _8bit_bytes(critic, 4)   # weights and states; no autocast casts
 
+
+# ------------------------------------------------------------------------------ properties over a grid of jobs
+
+RL_REQ = {"grpo": Requirements(automatic_optimization=False, reference_model=True),
+          "ppo": Requirements(automatic_optimization=False, reference_model=True, value_model=True)}
+
+
+def _shapes(recipe: str, rows: int, prompt: int, new: int) -> BatchShapes:
+    """A micro-batch of `rows` rows: SFT's of `prompt + new` tokens, RL's of a prompt and its completion, from a
+    rollout of 4 x rows samples that the reference scores whole."""
+    if recipe == "sft":
+        return BatchShapes(rows=rows, seq_len=prompt + new, loss_tokens=rows * (prompt + new), packed=True)
+    return BatchShapes(rows=rows, seq_len=prompt + new, loss_tokens=rows * new, packed=True, rollout_rows=4 * rows,
+                       prompt_len=prompt, new_tokens=new, scoring_rows=4 * rows)
+
+
+GRID_SETTINGS = {
+    "float32": {},
+    "bf16-mixed checkpointed": {"trainer": {"precision": "bf16-mixed"},
+                                "model": {"policy": {"gradient_checkpointing": True}}},
+    "selective lora": {"model": {"policy": {"gradient_checkpointing": "selective", "lora": {"rank": 8}}}},
+    "bf16-true 8-bit": {"model": {"policy": {"dtype": "bfloat16"}}, "trainer": {"precision": "bf16-true"},
+                        "optimizer": {"name": "adamw8bit", "stochastic_rounding": True}},
+}
+
+
+def _grid_cfg(recipe: str, setting: str, preset: str) -> dict:
+    cfg: dict = {"recipe": recipe, "model": {"policy": {"preset": preset}}, "rollout": {"keep_engine": False}}
+    for key, section in GRID_SETTINGS[setting].items():
+        if key == "model":
+            cfg["model"]["policy"].update(section["policy"])
+        else:
+            cfg[key] = section
+    return resolve(cfg)
+
+
+@pytest.mark.parametrize("recipe", ["sft", "grpo", "ppo"])
+@pytest.mark.parametrize("setting", list(GRID_SETTINGS))
+def test_more_rows_longer_sequences_and_a_larger_model_never_plan_less(recipe, setting):
+    """The plan's total, and every phase, over micro-batches of 1 to 16 rows, prompts of 8 to 512 tokens and
+    completions of 8 to 1024, on the tiny, small and 0.6B shapes: none grows and plans less."""
+    req = RL_REQ.get(recipe, Requirements(automatic_optimization=True))
+    models = {p: preset_config(p, V) for p in ("tiny", "small", "qwen3-0.6b")}
+
+    def plan(preset: str, rows: int, prompt: int, new: int) -> mp.Plan:
+        shapes = _shapes(recipe, rows, prompt, new)
+        return mp.build_plan(_grid_cfg(recipe, setting, preset), models[preset], req, shapes, backend="cuda")
+
+    def no_less(a: mp.Plan, b: mp.Plan, what: str) -> None:
+        assert b.total_bytes >= a.total_bytes, what
+        for phase in ("held", *mp.PHASES):
+            assert b.phase_bytes(phase) >= a.phase_bytes(phase), (what, phase)
+
+    for preset in models:
+        for rows, more in pairwise([1, 2, 3, 8, 16]):
+            no_less(plan(preset, rows, 64, 64), plan(preset, more, 64, 64), f"{preset}: rows {rows} -> {more}")
+        for prompt, longer in pairwise([8, 9, 64, 512]):
+            no_less(plan(preset, 4, prompt, 64), plan(preset, 4, longer, 64), f"{preset}: prompt {prompt} -> {longer}")
+        for new, longer in pairwise([8, 16, 17, 256, 1024]):
+            no_less(plan(preset, 4, 64, new), plan(preset, 4, 64, longer), f"{preset}: new {new} -> {longer}")
+    for small, large in pairwise(models):
+        no_less(plan(small, 4, 64, 64), plan(large, 4, 64, 64), f"{small} -> {large}")
+
+
+def test_the_reference_model_is_counted_exactly_when_the_recipe_builds_one():
+    """A frozen reference in the policy's dtype with a KL term (GRPO, PPO), none at kl_coef 0, and none under LoRA,
+    whose base with the adapters off is the reference, unless model.reference.path names another model."""
+    from framework.recipe import recipe_class
+
+    policy = preset_config("tiny", V)
+    other = preset_config("small", V)
+    params = 179_200
+    small = V * 256 + 4 * (256 * (512 + 2 * 256) + 512 * 256 + 256 * 2 * 768 + 768 * 256 + 2 * 256 + 2 * 64) + 256
+    for recipe in ("grpo", "ppo"):
+        for kl in (0.0, 0.05):
+            for lora in (None, {"rank": 4}):
+                for path, ref_cfg in ((None, None), ("somewhere", other)):
+                    for precision, dtype, b in (("32-true", None, 4), ("bf16-mixed", None, 4),
+                                                ("bf16-true", None, 2), ("32-true", "bfloat16", 2)):
+                        cfg = resolve({"recipe": recipe, recipe: {"kl_coef": kl}, "trainer": {"precision": precision},
+                                       "model": {"policy": {"preset": "tiny", "lora": lora, "dtype": dtype},
+                                                 "reference": {"path": path}}})
+                        req = recipe_class(recipe).requirements(cfg)
+                        plan = mp.build_plan(cfg, policy, req, None, backend="cpu", reference=ref_cfg)
+                        ref = [r for r in plan.rows if r.name == "reference model"]
+                        built = kl > 0 and (lora is None or path is not None)
+                        what = (recipe, kl, lora, path, precision, dtype)
+                        assert len(ref) == built, what
+                        if built:
+                            assert ref[0].bytes == (small if path else params) * b, what
+
+
+@pytest.mark.parametrize("job, gib", [
+    (["recipes/sft.yaml", "--model.policy.preset=qwen3-0.6b", "--data.max_seq_len=4096", "--data.batch_size=16"], 40),
+    (["recipes/sft.yaml", "--model.policy.preset=qwen3-1.7b", "--trainer.precision=bf16-mixed"], 24),
+    (["recipes/grpo.yaml", "--model.policy.preset=qwen3-1.7b", "--rollout.max_new_tokens=2048"], 40),
+    (["recipes/ppo.yaml", "--model.policy.preset=qwen3-0.6b", "--rollout.max_new_tokens=1024"], 16),
+])
+def test_each_suggestion_names_schema_keys_and_applied_plans_what_it_said(tmp_path, job, gib):
+    """Over jobs that do not fit: every override a suggestion (or the combined one) gives is a key of the schema, and
+    the config with it applied plans the total the suggestion says, fitting where it says it fits."""
+    from framework.config import all_key_paths, load_config
+
+    known = {".".join(p) for p in all_key_paths()}
+    base = [f"--run_dir={tmp_path}", "--trainer.accelerator=gpu", *job[1:]]
+    plan = mp.estimate(load_config([job[0]], base), gpu_gib=gib)
+    assert plan.fits is False and plan.suggestions, plan.table()
+    for s in plan.suggestions + ([plan.together] if plan.together else []):
+        for override in s.overrides:
+            assert override.startswith("--") and override[2:].split("=")[0] in known, override
+        applied = mp.estimate(load_config([job[0]], base + list(s.overrides)), gpu_gib=gib)
+        assert applied.total_bytes == pytest.approx(s.total_bytes), s.text
+        assert applied.fits == bool(s.fits), s.text
+
+
+@pytest.mark.parametrize("recipe, sections, rows, seq_len, loss_tokens", [
+    # SFT: data.batch_size rows of data.max_seq_len, every token a target; accumulation adds micro-batches
+    ("sft", {"data": {"batch_size": 6, "max_seq_len": 40}}, 6, 40, 240),
+    # GRPO: 6 prompts x 4 samples in 2 minibatches of 2 micro-batches: 6 rows of the 2-token prompt + 30 new tokens
+    ("grpo", {"rollout": {"prompts_per_step": 6}, "grpo": {"group_size": 4, "minibatches": 2}}, 6, 2 + 30, 6 * 30),
+    # PPO: 5 prompts x 3 samples in one minibatch of 2 micro-batches: ceil(15 / 2) = 8 rows
+    ("ppo", {"rollout": {"prompts_per_step": 5}, "ppo": {"samples_per_prompt": 3}}, 8, 2 + 30, 8 * 30),
+])
+def test_the_activations_are_counted_on_the_micro_batch_the_config_makes(tmp_path, recipe, sections, rows, seq_len,
+                                                                         loss_tokens):
+    """The plan of each recipe on the digits task (2-token prompts, no chat template), 2 micro-batches a step: its
+    activation and logits rows are those of the micro-batch counted by hand (rows x (prompt + max_new_tokens) for RL,
+    data.batch_size x data.max_seq_len for SFT), each prompt laid out in its row (shared_prompt false)."""
+    from framework.recipe import recipe_class
+
+    cfg: dict = {"recipe": recipe, "run_dir": str(tmp_path), "model": {"policy": {"preset": "tiny"}},
+                 "trainer": {"accelerator": "cpu", "accumulate_grad_batches": 2},
+                 "data": {"task": {"name": "digits", "init_args": {"num_digits": 1, "rule": "next"}},
+                          "chat_template": False}}
+    if recipe != "sft":
+        cfg["rollout"] = {"max_new_tokens": 30}
+        cfg[recipe] = {"shared_prompt": False}
+    for key, section in sections.items():
+        cfg.setdefault(key, {}).update(section)
+    cfg = resolve(cfg)
+    plan = mp.estimate(cfg)
+    batch = 6 * 4 if recipe == "grpo" else 5 * 3
+    shapes = (BatchShapes(rows=rows, seq_len=seq_len, loss_tokens=loss_tokens, packed=True) if recipe == "sft" else
+              BatchShapes(rows=rows, seq_len=seq_len, loss_tokens=loss_tokens, packed=True, rollout_rows=batch,
+                          prompt_len=PROMPT, new_tokens=30, scoring_rows=batch if recipe == "ppo" else 0))
+    by_hand = mp.build_plan(cfg, preset_config("tiny", V), recipe_class(recipe).requirements(cfg), shapes,
+                            backend="cpu")
+    for name in ("activations", "logits buffers", "scoring forward", "critic update"):
+        got, want = ([r for r in p.rows if r.name == name] for p in (plan, by_hand))
+        assert [r.bytes for r in got] == [r.bytes for r in want], name
+    assert f"{rows} rows x {seq_len}" in next(r for r in plan.rows if r.name == "activations").how
