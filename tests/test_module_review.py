@@ -314,3 +314,28 @@ def test_critic_on_shared_prompts_is_each_sequence_whole(hf_float64):
             ref = hf(input_ids=whole[None]).last_hidden_state[0] @ critic.v_head.weight[0] + critic.v_head.bias[0]
         torch.testing.assert_close(torch.cat([v[p0:p1], v[c0:c1]]), ref, rtol=1e-12, atol=1e-12)
 
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_16_bit_gradients_are_measured_and_clipped_at_full_precision(tmp_path, dtype):
+    """16-bit trained weights: the gradients' norm is the float64 one to float32's precision (in their own dtype it
+    had three digits, and in float16 a finite norm over 65504 came out infinite, zeroing every gradient in the clip
+    and reading as a divergence), and the clipped gradients have norm max_grad_norm up to their own rounding."""
+    if dtype == "bfloat16":
+        pytest.importorskip("torchao")   # bfloat16 weights train with stochastic rounding
+    cfg = resolve({"recipe": "sft", "run_dir": str(tmp_path / "run"), "data": {"path": DATA},
+                   "model": {"policy": {"preset": "tiny", "dtype": dtype}},
+                   "optimizer": {"max_grad_norm": 1.0, "stochastic_rounding": dtype == "bfloat16"},
+                   "trainer": {"accelerator": "cpu", "max_steps": 2}})
+    module = FwModule(cfg)
+    module.configure_optimizers()
+    module._trainer = types.SimpleNamespace(strategy=types.SimpleNamespace(model=module), callbacks=[], world_size=1)
+    g = torch.Generator().manual_seed(0)
+    for p in module.policy.parameters():   # every gradient finite in float16, their norm about 85,000
+        p.grad = (200 * torch.randn(p.shape, generator=g)).to(p.dtype)
+    expected = _norm(module.policy)
+    assert 65504 < expected < 1e5
+    module._before_step(module._optimizer_of["policy"])
+    assert float(module.grad_norms["policy"]) == pytest.approx(expected, rel=1e-5)
+    assert module.step_metrics.compute()["grad_norm"] == pytest.approx(expected, rel=1e-5)
+    assert _norm(module.policy) == pytest.approx(1.0, rel=1e-3)
+    assert module.grad_norms["policy"].dtype == torch.float32
