@@ -42,6 +42,7 @@ import torch
 from framework.cadence import crossed
 from framework.console import say
 from framework.errors import FwError
+from framework.models.modes import eval_mode
 from framework.rng import rng_state, set_rng_state
 
 EVAL_PREFIX = "eval/"
@@ -423,17 +424,12 @@ class Evaluation:
         would otherwise sit beside a second one); else each chunk runs on a fresh engine. A reward that fails
         (FwError) on some ranks fails every rank, once each has scored its share: the ranks score different numbers
         of batches, so they meet only here."""
-        was_training = policy.training
-        policy.eval()
         error: FwError | None = None
-        try:
-            with preserved_rng(), torch.no_grad():
-                if self.rl:
-                    sums, error = self._rl_sums(policy, rank, world_size, engine)
-                else:
-                    sums = self._sft_sums(policy, rank, world_size)
-        finally:
-            policy.train(was_training)
+        with preserved_rng(), torch.no_grad(), eval_mode(policy):
+            if self.rl:
+                sums, error = self._rl_sums(policy, rank, world_size, engine)
+            else:
+                sums = self._sft_sums(policy, rank, world_size)
         import torch.distributed as dist
 
         from framework.errors import raise_on_every_rank

@@ -48,6 +48,7 @@ from framework.console import say
 from framework.errors import FwError
 from framework.memory_plan import compute_dtype, estimate
 from framework.models import Packing, SharedPrompts
+from framework.models.modes import eval_mode
 from framework.recipe import BatchShapes, StepContext
 from framework.rollout import SamplingParams
 from recipes.advantages import all_reduce_sum, batch_reward_std
@@ -713,15 +714,8 @@ class RLRecipe:
         """No-grad logprobs of every row of ``batch`` under ``model`` in eval mode, its mode restored after: the
         policy itself, as pi_old and the KL read it, and as the rollout sampled from it; a training forward's
         dropout (LoRA's) would make them one noisy draw of it."""
-        modes = [(m, m.training) for m in model.modules()] if isinstance(model, torch.nn.Module) else []
-        with torch.no_grad():
-            for m, _ in modes:
-                m.training = False
-            try:
-                return self.logprobs(model, batch)[0]
-            finally:
-                for m, training in modes:   # each module's own mode: a frozen part may be kept in eval mode
-                    m.training = training
+        with torch.no_grad(), eval_mode(model):
+            return self.logprobs(model, batch)[0]
 
     def values(self, value_model: Any, batch: ScoredRollout, rows: MicroBatch | None = None) -> Tensor:
         """``completion_values`` of the micro-batch ``rows`` (None: every row); no device sync."""

@@ -603,3 +603,22 @@ def test_shipped_configs_evaluate(path):
     evaluation = Evaluation(cfg, build_tokenizer(cfg))   # held-out data, or a task with held-out prompts
     held = evaluation.texts if evaluation.rl else evaluation.examples
     assert len(held) == cfg["eval"]["max_prompts"]
+
+
+def test_an_evaluation_hands_each_module_its_own_training_mode_back(tmp_path):
+    """The evaluation runs the policy in eval mode and gives every module its own flag back: a layer kept in eval
+    mode inside a training policy stays in eval mode."""
+    from framework.evaluation import Evaluation
+    from framework.models import build_policy
+    from framework.tokenizer import build_tokenizer
+
+    cfg = resolve({"recipe": "grpo", "run_dir": str(tmp_path / "run"), "model": {"policy": {"preset": "tiny"}},
+                   "data": {"task": {"name": "digits"}}, "rollout": {"max_new_tokens": 4},
+                   "eval": {"every_n_steps": 1, "max_prompts": 4, "held_out": False},
+                   "trainer": {"accelerator": "cpu"}})
+    tok = build_tokenizer(cfg)
+    policy = build_policy(cfg["model"]["policy"], tok, seed=0).train()
+    kept = policy.model.layers[0]
+    kept.eval()
+    Evaluation(cfg, tok).run(policy)
+    assert policy.training and not any(m.training for m in kept.modules())

@@ -132,3 +132,24 @@ def test_group_rows_preempted_together_are_readmitted_as_a_group(tok, monkeypatc
     assert followers == [(4, 3, 3)]
     assert tight.completion_ids == free.completion_ids and torch.equal(tight.logprobs, free.logprobs)
     assert all_free(engine)
+
+
+def test_a_rollout_hands_each_module_its_own_training_mode_back(tok):
+    """The engine samples in eval mode and gives every module its own flag back: a layer the user keeps in eval
+    mode inside a training policy stays in eval mode (model.train() would flip it)."""
+    model = peaked_tiny_model(tok).train()
+    kept = model.model.layers[0]
+    kept.eval()
+    seen = []
+    plain = Qwen3ForCausalLM.forward_paged
+
+    def forward_paged(tokens, batch, cache, last):
+        seen.append(model.training or any(m.training for m in model.modules()))
+        return plain(model, tokens, batch, cache, last)
+
+    model.forward_paged = forward_paged
+    generate(model, [tok.encode("7=")], SamplingParams(max_new_tokens=3, temperature=1.0), tokenizer=tok,
+             cache=settings(model))
+    assert seen and not any(seen)
+    assert model.training and not any(m.training for m in kept.modules())
+    assert all(m.training for m in model.modules() if not any(m is k for k in kept.modules()))

@@ -40,6 +40,7 @@ from torch.profiler import record_function
 import ops_cuda
 from framework.allocator import release_cached, to_device
 from framework.errors import FwError
+from framework.models.modes import eval_mode
 from framework.models.qwen3 import FlashPrefill, PagedBatch
 from framework.rollout.block_manager import BlockManager
 from framework.rollout.kv_cache import (
@@ -273,8 +274,6 @@ class RolloutEngine:
         # Under autocast (e.g. Lightning's bf16-mixed) keys/values come out in the autocast dtype: the cache
         # takes it, as the computation that fills it does, unless rollout.kv_cache_dtype rounds them to float8.
         dtype = compute_dtype(device, model.lm_head_weight.dtype)
-        was_training = model.training
-        model.eval()
         # Under autocast the matmuls read the engine's copies of the weights in the compute dtype, refreshed at each
         # call (`_weight_casts`), so that the decode graphs captured in one call replay in the next ones, reading the
         # same copies. Where adapters wrap a projection, autocast's casts serve instead, cached for the call whatever
@@ -286,7 +285,7 @@ class RolloutEngine:
         weights = model.paged_matmul_weights() if autocast else None
         per_call = autocast and weights is None   # the graphs read this call's casts
         try:
-            with region:
+            with region, eval_mode(model):
                 casts = self._weight_casts(weights, dtype) if autocast else None
                 self._mark("weight copies")
                 self._ensure_cache(seqs, dtype, device)
@@ -299,7 +298,6 @@ class RolloutEngine:
                 _Run(self, seqs, params, {int(e) for e in eos_ids}, tokenizer, seed, device, casts).run()
                 self._mark("drain")   # the last steps' tokens read back
         finally:
-            model.train(was_training)
             if per_call:   # autocast's casts, made anew by the next call
                 self._drop_graphs()
             if autocast:
