@@ -32,6 +32,7 @@ from lightning.pytorch.callbacks.progress.tqdm_progress import convert_inf
 from framework.cadence import crossed
 from framework.errors import ConfigError, FwError
 from framework.metrics import StepMetrics, read_scalars
+from framework.optim import grad_norm
 from framework.signals import Stopped, StopSignals
 
 
@@ -518,14 +519,6 @@ def _finite(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
             for group in _by_device(tensors).values()]
 
 
-def _norm(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """The 2-norm of all of `tensors` in fused launches per device, on the first one's device."""
-    first = tensors[0].device
-    norms = [torch.linalg.vector_norm(torch.stack(torch._foreach_norm([t.detach() for t in group]))).to(first)
-             for group in _by_device(tensors).values()]
-    return torch.linalg.vector_norm(torch.stack(norms))
-
-
 def _grads(optimizer: Any) -> list[torch.Tensor]:
     return [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
 
@@ -570,7 +563,7 @@ class StopOnNonFinite(Callback):
         # FwModule's own norm comes in before_optimizer_step
         grads = _grads(optimizer)
         if self.check_gradients and grads and not isinstance(getattr(module, "grad_norms", None), dict):
-            norm = _norm(grads)
+            norm = grad_norm(grads)
             role = self._role(module, optimizer)
             self._expect(module, f"the {role} gradient's norm is {{}}", norm.isfinite(), norm)
 

@@ -42,25 +42,11 @@ from framework.models.lora import (
     has_adapters,
     peft_targets,
 )
-from framework.optim import build_optimizer, float32_default_dtype, optimizer_problems
+from framework.optim import build_optimizer, float32_default_dtype, grad_norm, optimizer_problems
 from framework.recipe import OptimizerRole, recipe_class
 from framework.rng import choose_rng_state, gather_rng_states, rng_state, set_rng_state
 from framework.schedule import LRSchedule
 from framework.tokenizer import build_tokenizer, tokenizer_files
-
-
-def grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
-    """The 2-norm of all of `grads`, on the first one's device, accumulated and returned in float32 (float64 for
-    float64 gradients): in 16-bit gradients' own dtype it would be rounded to three digits, the clip with it, and in
-    float16 it overflows at 65504 while every gradient is finite, which zeroes them and reads as a divergence."""
-    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-    for g in grads:
-        groups.setdefault((g.device, g.dtype), []).append(g.detach())
-    acc = {key: torch.promote_types(key[1], torch.float32) for key in groups}
-    dtype = torch.float64 if torch.float64 in acc.values() else torch.float32
-    norms = [torch.linalg.vector_norm(torch.stack(torch._foreach_norm(group, 2.0, dtype=acc[key])))
-             .to(grads[0].device, dtype) for key, group in groups.items()]
-    return torch.linalg.vector_norm(torch.stack(norms))
 
 
 class ModuleContext:

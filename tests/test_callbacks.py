@@ -406,3 +406,17 @@ def test_a_progress_bar_of_the_users_replaces_fws_and_a_second_one_is_refused(tm
            "bar, but trainer.enable_progress_bar is false; set it to true to show this bar instead of fw's")
     assert capsys.readouterr().err.splitlines() == [off]
     assert not (tmp_path / "run2").exists()
+
+
+def test_the_non_finite_guard_measures_float16_gradients_without_overflow():
+    """float16 gradients, each finite, whose norm (512 x 300 = 153,600) is past float16's 65,504: a norm taken in
+    the gradients' dtype is inf and would stop a run that has not diverged."""
+    from framework.callbacks import StopOnNonFinite
+
+    plain = torch.nn.Linear(512, 512, bias=False).half()
+    plain.weight.grad = torch.full_like(plain.weight, 300.0)
+    guard = StopOnNonFinite("32-true")
+    guard.on_before_optimizer_step(None, plain, torch.optim.SGD(plain.parameters()))
+    [(_, _, finite, norm)] = guard.pending
+    assert bool(finite) and float(norm) == pytest.approx(153_600.0, rel=1e-3)   # float32 sums
+    guard.check()
