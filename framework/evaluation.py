@@ -295,16 +295,18 @@ class Evaluation:
         def prompt(sample: dict) -> str:   # what the policy reads: a string and its one-user-turn chat are one prompt
             return render_prompt(sample["prompt"], _renderer(), template, thinking)
 
-        def sample(i: int) -> dict:   # with what the reward reads of its metadata, when there is one
-            chosen = checked_sample(source, i)
-            if not self.choose_only:
-                check_metadata(source, i, chosen, self.reward_fn)
-            return chosen
+        def sample(i: int) -> tuple[int, dict]:   # with its index, which names it
+            return i, checked_sample(source, i)
 
-        samples = self._held_out(sample, _length(source), lambda s: (prompt(s),) * 2,
-                                 lambda i: prompt(checked_sample(train, i)), _bounded(train, draws))
+        chosen = self._held_out(sample, _length(source), lambda s: (prompt(s[1]),) * 2,
+                                lambda i: prompt(checked_sample(train, i)), _bounded(train, draws))
         if self.choose_only:
             return
+        # what the reward reads of their metadata, checked here rather than while choosing: a choice made without a
+        # reward (`check_held_out`, `fw fit`'s validation) is reused
+        for i, s in chosen:
+            check_metadata(source, i, s, self.reward_fn)
+        samples = [s for _, s in chosen]
         self.texts = [render_prompt(s["prompt"], self.tokenizer, template, thinking) for s in samples]
         self.ids = [self.tokenizer.encode(t) for t in self.texts]
         self.metadatas = [s["metadata"] for s in samples]
