@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import warnings
 from collections.abc import Collection, Iterator
 from pathlib import Path
@@ -237,6 +238,16 @@ def _check_prompt_text(prompt: str) -> None:
             from None
 
 
+def _warn_past_positions(prompt_len: int, params: SamplingParams, positions: int) -> None:
+    """A line on stderr when the prompt plus max_new_tokens passes the policy's `max_position_embeddings`, as `fw fit`
+    warns (memory_plan.position_warnings): the model computes there but was not trained there."""
+    new = params.max_new_tokens if isinstance(params.max_new_tokens, int) else max(params.max_new_tokens)
+    if prompt_len + new > positions:
+        print(f"fw: warning: the prompt ({prompt_len:,} tokens) plus max_new_tokens ({new:,}) allows rows of "
+              f"{prompt_len + new:,} tokens, more than the policy's max_position_embeddings ({positions:,}), the "
+              "positions it is made for; fw applies no RoPE scaling", file=sys.stderr, flush=True)
+
+
 def generate_text(cfg: dict | None, prompt: str, checkpoint: str | None = None, max_new_tokens: int | None = None,
                   temperature: float | None = None, seed: int | None = None, skip_damaged: bool = False,
                   overrides: list[str] | None = None) -> str:
@@ -296,6 +307,7 @@ def generate_text(cfg: dict | None, prompt: str, checkpoint: str | None = None, 
     ids = tokenizer.encode(text)
     if not ids:
         raise FwError(f"--prompt {prompt!r} encodes to no token; give text the tokenizer keeps")
+    _warn_past_positions(len(ids), params, policy.config.max_position_embeddings)
     # as the run's rollouts sample: its cache settings (rollout.kv_cache_dtype changes what is sampled) and, on CUDA,
     # its autocast (a float8 pool needs 16-bit compute there)
     # the pool's budget may hang on the memory the weights leave (kv_cache_gib null on CUDA): checked again here
