@@ -42,16 +42,18 @@ def _row_attention(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
     return out.reshape(Hq, Tq, D).permute(1, 0, 2).to(q.dtype)
 
 
-_CHUNK_ELEMENTS = 1 << 24   # CPU: the most elements of one [rows, Hq, T, D] product (64 MiB in float32)
+_CHUNK_ELEMENTS = 1 << 20   # CPU: the most elements of one [rows, Hq, T, D] product (4 MiB in float32, in cache)
+_ROWS_ELEMENTS = 1 << 22    # CPU: the most elements of the [rows, Hq, T] weights that one walk over positions reads
 
 
 def _batched_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor, tables: Tensor, lengths: Tensor,
                        scale: float) -> Tensor:
     """CPU: query i [Hq, D] of q [N, Hq, D] attends to positions 0..lengths[i]-1 of the row whose block table
-    is tables[i]; length 0 gives zeros. Contexts are gathered up to the longest and masked; every reduction
-    over positions is a cumsum (one sequential sum per output, in position order), so the masked positions
-    add exact zeros and a query's result is bitwise the same whatever the longest context and the other
-    queries are. The dot products reduce over D, the same size for every query."""
+    is tables[i]; length 0 gives zeros. Each chunk of queries gathers its contexts up to its longest and masks
+    them; every reduction over positions is one sequential sum per output in position order (cumsum's, or the
+    walk over positions, which adds in float64 as cumsum does), so the masked positions add exact zeros and a
+    query's result is bitwise the same whatever the longest context and the other queries are. The dot
+    products reduce over D, the same size for every query."""
     N, Hq, D = q.shape
     Hk, bs = k_pool.shape[1], k_pool.shape[2]
     G = Hq // Hk
@@ -60,29 +62,44 @@ def _batched_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor, tables: Tensor
     longest = int(lengths.max()) if N else 0
     if longest == 0:
         return out.to(q.dtype)
-    n_blocks = -(-longest // bs)
-    T = n_blocks * bs
-    step = max(1, _CHUNK_ELEMENTS // (Hq * T * D))
-    positions = torch.arange(T)
+    step = max(1, _ROWS_ELEMENTS // (Hq * -(-longest // bs) * bs))
     for lo in range(0, N, step):
         hi = min(N, lo + step)
-        blocks = tables[lo:hi, :n_blocks]
         n = hi - lo
-        past = positions[None, :] >= lengths[lo:hi, None]                      # [n, T]
-        k = k_pool[blocks].to(acc)                                             # [n, n_blocks, Hk, bs, D]
-        # the positions past a row's length hold what earlier rows of their blocks wrote, or the padding rows':
-        # zeroed, so that a NaN or inf there (a diverged row) adds exact zeros too
-        v = v_pool[blocks].to(acc).masked_fill_(past.view(n, n_blocks, 1, bs, 1), 0.0)
-        v = v.permute(0, 2, 1, 3, 4)[:, :, None]                               # [n, Hk, 1, n_blocks, bs, D]
-        qi = q[lo:hi].to(acc).reshape(n, 1, Hk, G, 1, D)
-        s = (qi * k[:, :, :, None]).sum(-1)                                    # [n, n_blocks, Hk, G, bs]
-        s = s.permute(0, 2, 3, 1, 4).reshape(n, Hk, G, T) * scale              # positions in order
+        # a chunk's own longest context: a prefill's early queries do not pay for its late ones' positions
+        n_blocks = -(-int(lengths[lo:hi].max()) // bs)
+        if n_blocks == 0:
+            continue
+        T = n_blocks * bs
+        blocks = tables[lo:hi, :n_blocks]
+        past = torch.arange(T)[None, :] >= lengths[lo:hi, None]               # [n, T]
+        s = torch.empty(n, Hk, G, T, dtype=acc)
+        sub = max(1, _CHUNK_ELEMENTS // (Hq * T * D))   # products small enough to stay in cache
+        for a in range(0, n, sub):
+            b = min(n, a + sub)
+            k = k_pool[blocks[a:b]].to(acc)                                    # [m, n_blocks, Hk, bs, D]
+            qi = q[lo + a:lo + b].to(acc).reshape(b - a, 1, Hk, G, 1, D)
+            prod = (qi * k[:, :, :, None]).sum(-1)                             # [m, n_blocks, Hk, G, bs]
+            s[a:b] = prod.permute(0, 2, 3, 1, 4).reshape(b - a, Hk, G, T) * scale   # positions in order
         s.masked_fill_(past[:, None, None, :], float("-inf"))
         m = s.amax(-1, keepdim=True)
         m.masked_fill_(m == float("-inf"), 0.0)                                # rows of length 0
         e = (s - m).exp_()                                                     # exact zeros where masked
         den = e.cumsum(-1)[..., -1:]                                           # [n, Hk, G, 1]
-        num = (e.view(n, Hk, G, n_blocks, bs, 1) * v).view(n, Hk, G, T, D).cumsum(-2)[..., -1, :]
+        # the weighted sum of values as cumsum forms it (float32 products, a float64 sum in position order), one
+        # position at a time over the chunk's queries: cumsum over [n, Hq, T, D] would write every partial sum
+        weights = e.permute(3, 0, 1, 2).unsqueeze(-1).contiguous()             # [T, n, Hk, G, 1]
+        total = torch.zeros(n, Hk, G, D, dtype=torch.float64 if acc == torch.float32 else acc)
+        term = torch.empty(n, Hk, G, D, dtype=acc)
+        for j in range(n_blocks):
+            v = v_pool[blocks[:, j]].to(acc)                                   # [n, Hk, bs, D]
+            # the positions past a row's length hold what earlier rows of their blocks wrote, or the padding rows':
+            # zeroed, so that a NaN or inf there (a diverged row) adds exact zeros too
+            v.masked_fill_(past[:, j * bs:(j + 1) * bs].view(n, 1, bs, 1), 0.0)
+            v = v.unsqueeze(2)                                                 # [n, Hk, 1, bs, D]
+            for t in range(bs):
+                total.add_(torch.mul(weights[j * bs + t], v[:, :, :, t], out=term))
+        num = total.to(acc)
         # rows of length 0 give zeros; a NaN in a row's own context stays NaN, so that a diverged row shows
         o = torch.where(lengths[lo:hi, None, None, None] > 0, num / den, 0.0)
         out[lo:hi] = o.reshape(n, Hq, D)
