@@ -90,7 +90,6 @@ def _batched_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor, tables: Tensor
         # position at a time over the chunk's queries: cumsum over [n, Hq, T, D] would write every partial sum
         weights = e.permute(3, 0, 1, 2).unsqueeze(-1).contiguous()             # [T, n, Hk, G, 1]
         total = torch.zeros(n, Hk, G, D, dtype=torch.float64 if acc == torch.float32 else acc)
-        term = torch.empty(n, Hk, G, D, dtype=acc)
         for j in range(n_blocks):
             v = v_pool[blocks[:, j]].to(acc)                                   # [n, Hk, bs, D]
             # the positions past a row's length hold what earlier rows of their blocks wrote, or the padding rows':
@@ -98,7 +97,7 @@ def _batched_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor, tables: Tensor
             v.masked_fill_(past[:, j * bs:(j + 1) * bs].view(n, 1, bs, 1), 0.0)
             v = v.unsqueeze(2)                                                 # [n, Hk, 1, bs, D]
             for t in range(bs):
-                total.add_(torch.mul(weights[j * bs + t], v[:, :, :, t], out=term))
+                total.add_(weights[j * bs + t] * v[:, :, :, t])   # a float32 product, as cumsum's
         num = total.to(acc)
         # rows of length 0 give zeros; a NaN in a row's own context stays NaN, so that a diverged row shows
         o = torch.where(lengths[lo:hi, None, None, None] > 0, num / den, 0.0)
