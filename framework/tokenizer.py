@@ -17,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from tokenizers import AddedToken
 from tokenizers import Tokenizer as _HfTokenizer
 
 from framework.errors import FwError
@@ -86,10 +87,16 @@ class Tokenizer:
                 raise FwError(f"{config_file}: invalid JSON: {e}") from None
             if not isinstance(config, dict):
                 raise FwError(f"{config_file}: expected a JSON object, got {_json_type(config)}")
-            template = config.get("chat_template")
-            if isinstance(template, str) and template.strip() != qwen3_chat_template().strip():
-                warnings.warn(f"{config_file}: its chat_template differs from Qwen3's; fw renders chat "
-                              "prompts with Qwen3's template", stacklevel=2)
+            _add_config_tokens(tk, config, config_file)
+            # transformers encodes special tokens' text as plain text under split_special_tokens
+            tk.encode_special_tokens = config.get("split_special_tokens") is True
+        # transformers writes the template to chat_template.jinja and reads that file before the config's key
+        template_file = file.parent / "chat_template.jinja"
+        where, template = (template_file, template_file.read_text()) if template_file.is_file() else \
+            (config_file, _default_template(config.get("chat_template")))
+        if isinstance(template, str) and template.strip() != qwen3_chat_template().strip():
+            warnings.warn(f"{where}: its chat_template differs from Qwen3's; fw renders chat "
+                          "prompts with Qwen3's template", stacklevel=2)
         eos, pad = (_token(config, key, config_file) for key in ("eos_token", "pad_token"))
         return cls(tk, eos or EOS_TOKEN, pad or PAD_TOKEN, source=str(file), config=config)
 
@@ -116,7 +123,9 @@ class Tokenizer:
     @functools.cached_property
     def fingerprint(self) -> str:
         """sha256 of the tokenizer's whole pipeline: equal fingerprints tokenize alike."""
-        return hashlib.sha256(self._tk.to_str().encode()).hexdigest()
+        # to_str leaves out encode_special_tokens, which changes the ids of a special token's text
+        split = "\0split_special_tokens" if self._tk.encode_special_tokens else ""
+        return hashlib.sha256((self._tk.to_str() + split).encode()).hexdigest()
 
     @functools.cached_property
     def token_bound(self) -> Callable[[str], int] | None:
@@ -232,6 +241,35 @@ def _json_type(value: Any) -> str:
         return json.dumps(value)
     names = {dict: "an object", list: "an array", str: "a string", int: "a number", float: "a number"}
     return names.get(type(value), type(value).__name__)
+
+
+def _default_template(template: Any) -> Any:
+    """The template transformers renders of tokenizer_config.json's chat_template: the string, or the one named
+    "default" of a list of {name, template}."""
+    if isinstance(template, list):
+        return next((t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"),
+                    None)
+    return template
+
+
+def _add_config_tokens(tk: _HfTokenizer, config: dict, file: Path) -> None:
+    """Add the tokens of tokenizer_config.json's added_tokens_decoder that tokenizer.json lacks, in the order of
+    their ids, as transformers does on loading (each takes the next free id)."""
+    decoder = config.get("added_tokens_decoder")
+    if not isinstance(decoder, dict):
+        return
+    for key in sorted(decoder, key=lambda k: int(k) if str(k).isdigit() else -1):
+        spec = decoder[key]
+        content = spec.get("content") if isinstance(spec, dict) else None
+        if not isinstance(content, str):
+            raise FwError(f'{file}: added_tokens_decoder[{key!r}]: expected {{"content": string, ...}}')
+        if tk.token_to_id(content) is not None:
+            continue
+        token = AddedToken(content, single_word=bool(spec.get("single_word", False)),
+                           lstrip=bool(spec.get("lstrip", False)), rstrip=bool(spec.get("rstrip", False)),
+                           normalized=bool(spec.get("normalized", not spec.get("special", False))),
+                           special=bool(spec.get("special", False)))
+        (tk.add_special_tokens if token.special else tk.add_tokens)([token])
 
 
 def _token(config: dict, key: str, file: Path) -> str | None:
