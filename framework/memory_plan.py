@@ -700,11 +700,11 @@ def _kv_block(cfg: dict, model: Qwen3Config, cb: int) -> tuple[int, int]:
     return kb, 2 * model.num_hidden_layers * model.kv_size * ro["block_size"] * kb
 
 
-def kv_pool_blocks(cfg: dict, model: Qwen3Config, backend: str) -> tuple[int, str] | None:
-    """(blocks, what sets the budget) of the largest KV pool the rollout engine makes, its scratch block included,
-    where the config fixes the budget (framework/rollout/kv_cache.py pool_blocks): rollout.kv_cache_gib, or off CUDA
-    the engine's fixed budget. None on CUDA without kv_cache_gib, where the budget is what the GPU has free when the
-    pool is made: the plan's total bounds that."""
+def kv_pool_blocks(cfg: dict, model: Qwen3Config, backend: str) -> tuple[int, int, str] | None:
+    """(blocks, bytes a block, what sets the budget) of the largest KV pool the rollout engine makes, its scratch
+    block included, where the config fixes the budget (framework/rollout/kv_cache.py pool_blocks):
+    rollout.kv_cache_gib, or off CUDA the engine's fixed budget. None on CUDA without kv_cache_gib, where the budget
+    is what the GPU has free when the pool is made: the plan's total bounds that."""
     from framework.rollout.kv_cache import CPU_KV_CACHE_GIB
 
     gib = cfg["rollout"]["kv_cache_gib"]
@@ -715,7 +715,7 @@ def kv_pool_blocks(cfg: dict, model: Qwen3Config, backend: str) -> tuple[int, st
     else:
         return None
     block = _kv_block(cfg, model, _bytes(compute_dtype(cfg)))[1]
-    return max(2, int(gib * (1 << 30)) // block), what
+    return max(2, int(gib * (1 << 30)) // block), block, what
 
 
 def kv_row_problem(cfg: dict, model: Qwen3Config, backend: str, prompt_len: int, new_tokens: int,
@@ -729,12 +729,11 @@ def kv_row_problem(cfg: dict, model: Qwen3Config, backend: str, prompt_len: int,
     pool = kv_pool_blocks(cfg, model, backend)
     if pool is None:
         return None
-    blocks, what = pool
+    blocks, block, what = pool
     bs = cfg["rollout"]["block_size"]
     need, holds = blocks_for(prompt_len, new_tokens, bs), blocks - 1
     if need <= holds:
         return None
-    block = _kv_block(cfg, model, _bytes(compute_dtype(cfg)))[1]
     gib = math.ceil((need + 1) * block / GIB * 100) / 100
     while int(gib * GIB) // block < need + 1:   # a hundredth whose float lies just below the bytes it names
         gib = round(gib + 0.01, 2)
@@ -778,7 +777,7 @@ def _batch_rows(rows: list[Row], cfg: dict, model: Qwen3Config, shapes: BatchSha
         pool = kv_pool_blocks(cfg, model, backend)
         if pool is not None and pool[0] < blocks:
             blocks = pool[0]
-            how = f"{pool[1]}: {blocks} blocks of {bs} positions x {block} B"
+            how = f"{pool[2]}: {blocks} blocks of {bs} positions x {block} B"
         rows.append(Row("KV cache", blocks * block, ("rollout",), how))
         prefill = shapes.rollout_rows * shapes.prompt_len * no_grad_peak_bytes(model, pb, cb)
         at_once = min(shapes.rollout_rows, ro["max_num_seqs"])

@@ -397,7 +397,6 @@ class _Checks:
         from framework.evaluation import Evaluation, eval_enabled
         from framework.memory_plan import kv_row_problem, user_code
         from framework.models.build import policy_config
-        from framework.models.hf_io import read_config
         from framework.recipe import recipe_class
         from framework.tokenizer import build_tokenizer
 
@@ -407,8 +406,7 @@ class _Checks:
             return
         recipe = recipe_class(self.recipe)
         tokenizer = build_tokenizer(self.cfg)
-        policy = self.cfg["model"]["policy"]
-        model = read_config(policy["path"])[0] if policy["path"] else policy_config(policy, tokenizer)
+        model = policy_config(self.cfg["model"]["policy"], tokenizer)
         try:
             with user_code(recipe):   # Ctrl+C in the task's code ends fw as the memory plan's reading does
                 shapes = recipe.batch_shapes(self.cfg, tokenizer)
