@@ -18,6 +18,7 @@ from test_hf_parity import VOCAB, hf_logits, hf_model
 from framework.errors import FwError
 from framework.export import export_checkpoint
 from framework.models import load_pretrained
+from framework.models.qwen3_config import Qwen3Config
 from framework.tokenizer import Tokenizer
 
 # Both sides compute in float32 from the same weights; they differ only in summation order over at most 96 terms
@@ -95,6 +96,24 @@ def test_a_window_config_json_leaves_to_transformers_default_is_refused(tmp_path
     assert transformers.AutoConfig.from_pretrained(tmp_path).layer_types == ["full_attention", "sliding_attention"]
     with pytest.raises(FwError, match=r"use_sliding_window: true \(sliding-window attention is not implemented\)$"):
         load_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize("layers", [2, 28, 30])
+def test_a_max_window_layers_config_json_leaves_out_is_transformers_default(tmp_path, layers):
+    """use_sliding_window with a window but no max_window_layers: transformers windows the layers from its default
+    (28) on, so a model of 28 layers or fewer has none windowed and loads; one of more layers is refused."""
+    config = transformers.Qwen3Config(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=layers,
+                                      num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+                                      use_sliding_window=True, sliding_window=8)
+    config.save_pretrained(tmp_path)
+    _edit_config(tmp_path, drop=("max_window_layers",))
+    windowed = "sliding_attention" in transformers.AutoConfig.from_pretrained(tmp_path).layer_types
+    assert windowed == (layers > 28)
+    if windowed:
+        with pytest.raises(FwError, match=r"use_sliding_window: true \(sliding-window attention"):
+            Qwen3Config.from_hf(json.loads((tmp_path / "config.json").read_text()))
+    else:
+        assert Qwen3Config.from_hf(json.loads((tmp_path / "config.json").read_text())).num_hidden_layers == layers
 
 
 @pytest.mark.parametrize("model_type", ["qwen2", "qwen3_moe"])

@@ -12,6 +12,7 @@ from framework.errors import FwError
 _MOE_KEYS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "n_routed_experts",
              "num_local_experts", "shared_expert_intermediate_size")
 _HF_SLIDING_WINDOW = 4096   # transformers' Qwen3Config default
+_HF_MAX_WINDOW_LAYERS = 28  # transformers' Qwen3Config default
 _REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
              "num_attention_heads", "num_key_value_heads")
 
@@ -85,10 +86,11 @@ class Qwen3Config:
         if d.get("mlp_bias"):
             unsupported.append("mlp_bias: true")
         layer_types = d.get("layer_types")
-        # transformers windows the layers from max_window_layers on, when use_sliding_window sets a window: one
-        # that config.json leaves out is transformers' default; a missing max_window_layers counts as 0 (refused)
+        # transformers windows the layers from max_window_layers on, when use_sliding_window sets a window; a
+        # window or max_window_layers that config.json leaves out is transformers' default (a null one: refused)
+        first_windowed = d.get("max_window_layers", _HF_MAX_WINDOW_LAYERS)
         windowed = (d.get("use_sliding_window") and d.get("sliding_window", _HF_SLIDING_WINDOW) is not None
-                    and (d.get("max_window_layers") or 0) < (d.get("num_hidden_layers") or 0))
+                    and (first_windowed or 0) < (d.get("num_hidden_layers") or 0))
         if layer_types is None and windowed:
             unsupported.append("use_sliding_window: true (sliding-window attention is not implemented)")
         if layer_types is not None and any(t != "full_attention" for t in layer_types):
