@@ -448,6 +448,21 @@ class CountdownReward:
         self.use_all = use_all
         self.format_score = float(format_score)
 
+    @staticmethod
+    def metadata_problem(metadata: dict) -> str | None:
+        """What is wrong with a sample's numbers and target (None: nothing): the expression's value and literals are
+        numbers, so a string ("24", ["3", "8"]) would never match and every completion would score the format
+        score."""
+        def is_number(x: Any) -> bool:
+            return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
+
+        numbers_, target = metadata["numbers"], metadata["target"]
+        if not isinstance(numbers_, (list, tuple)) or not all(map(is_number, numbers_)):
+            return f"metadata 'numbers' must be a list of finite numbers, got {numbers_!r:.80}"
+        if not is_number(target):
+            return f"metadata 'target' must be a finite number, got {target!r:.80}"
+        return None
+
     def __call__(self, prompt: str, completion: str, metadata: dict) -> float:
         numbers_, target = metadata["numbers"], metadata["target"]
         try:
@@ -469,20 +484,24 @@ REWARDS: dict[str, type] = {
 
 def check_metadata(task: Any, index: int, sample: dict, reward: Any) -> None:
     """FwError naming the task's sample `index` (a ``tasks.checked_sample``) when its metadata lacks a key that
-    `reward` reads on every call (its ``metadata_keys``, which the built-ins state); a reward that states none is
-    not checked (a user's may read no key at all)."""
+    `reward` reads on every call (its ``metadata_keys``, which the built-ins state), or holds one of a kind the reward
+    cannot score (its ``metadata_problem(metadata)``, a message or None, where it has one); a reward that states no
+    keys is not checked (a user's may read no key at all)."""
     keys = getattr(reward, "metadata_keys", None)
     if not isinstance(keys, (tuple, list)):
         return
+    from framework.tasks import sample_name
+
     metadata = sample["metadata"]
+    name = next((n for n, cls in REWARDS.items() if type(reward) is cls), type(reward).__name__)
     missing = [key for key in keys if key not in metadata]
     if missing:
-        from framework.tasks import sample_name
-
-        name = next((n for n, cls in REWARDS.items() if type(reward) is cls), type(reward).__name__)
         held = f"its keys: {', '.join(map(repr, metadata))}" if metadata else "it is empty"
         raise FwError(f"{sample_name(task, index)}: metadata has no {', '.join(map(repr, missing))}, which the reward "
                       f"{name!r} reads ({held})")
+    problem = reward.metadata_problem(metadata) if callable(getattr(reward, "metadata_problem", None)) else None
+    if problem:
+        raise FwError(f"{sample_name(task, index)}: {problem}, which the reward {name!r} reads")
 
 
 # ---------------------------------------------------------------- building and scoring

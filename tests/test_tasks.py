@@ -368,6 +368,28 @@ def test_a_sample_without_the_metadata_keys_its_reward_reads_is_named():
     check_metadata(task, 0, {**sample, "metadata": {"answer": "1"}}, NumericMatch())
 
 
+@pytest.mark.parametrize("metadata, problem", [
+    ({"numbers": ["3", "8"], "target": 24}, "metadata 'numbers' must be a list of finite numbers, got ['3', '8']"),
+    ({"numbers": "3 8", "target": 24}, "metadata 'numbers' must be a list of finite numbers, got '3 8'"),
+    ({"numbers": [3, True], "target": 24}, "metadata 'numbers' must be a list of finite numbers, got [3, True]"),
+    ({"numbers": [3, 8], "target": "24"}, "metadata 'target' must be a finite number, got '24'"),
+    ({"numbers": [3, 8], "target": float("nan")}, "metadata 'target' must be a finite number, got nan"),
+])
+def test_countdown_metadata_of_another_kind_is_named(metadata, problem):
+    """countdown compares the expression's numbers with metadata's: strings never match, so before this check every
+    completion of such a sample scored the format score, silently."""
+    from framework.rewards import CountdownReward, check_metadata
+
+    reward = CountdownReward(format_score=0.1)
+    sample = {"prompt": "3 8 -> 24", "answer": "3*8", "metadata": metadata}
+    with pytest.raises(FwError) as caught:
+        check_metadata(Given([sample]), 0, sample, reward)
+    assert str(caught.value) == f"data.task: Given.sample(0): {problem}, which the reward 'countdown' reads"
+    good = {**sample, "metadata": {"numbers": [3, 8.0], "target": 24}}
+    check_metadata(Given([good]), 0, good, reward)
+    assert reward("", "<answer>3*8</answer>", good["metadata"]) == 1.0
+
+
 class Template:
     """A chat-template renderer standing in for the tokenizer: records what it was asked."""
 
