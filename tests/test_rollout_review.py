@@ -1,7 +1,8 @@
 """The rollout engine's host side where the randomized test rarely goes: a call that raises part-way (in the stop
 check, or a KeyboardInterrupt in the forward) leaves an engine whose next call is a fresh engine's; the prefix cache
 never serves keys/values of the weights before an update; rows of a group preempted together are readmitted as a
-group, the second one reading the first one's prefill."""
+group, the second one reading the first one's prefill. A row whose prompt alone does not fit the pool is refused
+without asking for a lower new-token limit."""
 import pytest
 import torch
 from conftest import peaked_tiny_model
@@ -10,6 +11,7 @@ from framework.models import Qwen3ForCausalLM
 from framework.rollout import CacheSettings, RolloutEngine, SamplingParams, generate
 from framework.rollout import scheduler as scheduler_module
 from framework.rollout.kv_cache import block_bytes
+from framework.rollout.scheduler import RowTooLong
 
 
 def settings(model, blocks=None, block_size=4, admit_batch=1):
@@ -153,3 +155,29 @@ def test_a_rollout_hands_each_module_its_own_training_mode_back(tok):
     assert seen and not any(seen)
     assert model.training and not any(m.training for m in kept.modules())
     assert all(m.training for m in model.modules() if not any(m is k for k in kept.modules()))
+
+
+def test_a_prompt_the_pool_cannot_hold_is_not_blamed_on_the_new_token_limit(tok):
+    """Blocks of 4, a pool holding 2 besides the scratch block. A 12-token prompt fills 3 blocks before its first
+    new token: no max_new_tokens fits it, so the refusal asks only for a larger budget (fw plan says "not even the
+    prompt fits" for it too). Beside a short prompt with a long limit, which needs more blocks, the refusal names
+    the prompt that no limit can fit; the limit still names the setting it came from (eval.max_new_tokens)."""
+    model = peaked_tiny_model(tok)
+    long, short = [5] * 12, [6] * 2
+    one = SamplingParams(max_new_tokens=1, temperature=1.0)
+    with pytest.raises(RowTooLong) as alone:
+        generate(model, [long], one, cache=settings(model, blocks=3))
+    assert str(alone.value) == ("rollout: one row of 12 prompt + 1 new tokens needs 3 KV blocks of 4 positions, the "
+                                "cache holds 2, and not even its prompt fits, whatever rollout.max_new_tokens: raise "
+                                "rollout.kv_cache_gib")
+    mixed = SamplingParams(max_new_tokens=[1, 30], temperature=1.0)
+    with pytest.raises(RowTooLong) as beside:
+        generate(model, [long, short], mixed, cache=settings(model, blocks=3))
+    assert str(beside.value) == str(alone.value)
+    assert str(beside.value.for_key("eval.max_new_tokens")).endswith(
+        "whatever eval.max_new_tokens: raise rollout.kv_cache_gib")
+    # a prompt that fits, with a limit that does not: lowering the limit is the other way out
+    with pytest.raises(RowTooLong, match=r"^rollout: one row of 2 prompt \+ 30 new tokens needs 8 KV blocks of 4 "
+                                         r"positions, the cache holds 2: raise rollout.kv_cache_gib or lower "
+                                         r"rollout.max_new_tokens$"):
+        generate(model, [short], SamplingParams(max_new_tokens=30, temperature=1.0), cache=settings(model, blocks=3))

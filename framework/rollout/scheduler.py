@@ -81,14 +81,18 @@ def blocks_for(prompt_len: int, limit: int, block_size: int) -> int:
 
 class RowTooLong(FwError):
     """A row that needs more KV blocks than the whole pool holds. `limit_key` is the setting its new-token limit
-    came from (`for_key` names another, e.g. an evaluation's own limit)."""
+    came from (`for_key` names another, e.g. an evaluation's own limit). Where the prompt alone does not fit, no
+    limit helps, and the message asks for a larger budget only."""
 
     def __init__(self, prompt_len: int, limit: int, need: int, block_size: int, holds: int,
                  limit_key: str = "rollout.max_new_tokens") -> None:
         self.counts = (prompt_len, limit, need, block_size, holds)
-        super().__init__(f"rollout: one row of {prompt_len} prompt + {limit} new tokens needs {need} KV blocks of "
-                         f"{block_size} positions, the cache holds {holds}: raise rollout.kv_cache_gib or lower "
-                         f"{limit_key}")
+        head = (f"rollout: one row of {prompt_len} prompt + {limit} new tokens needs {need} KV blocks of {block_size} "
+                f"positions, the cache holds {holds}")
+        if blocks_for(prompt_len, 1, block_size) > holds:
+            super().__init__(f"{head}, and not even its prompt fits, whatever {limit_key}: raise rollout.kv_cache_gib")
+        else:
+            super().__init__(f"{head}: raise rollout.kv_cache_gib or lower {limit_key}")
 
     def for_key(self, limit_key: str) -> RowTooLong:
         return RowTooLong(*self.counts, limit_key=limit_key)
@@ -96,8 +100,13 @@ class RowTooLong(FwError):
 
 def check_rows_fit(rows: Sequence[RowState], block_size: int, num_blocks: int) -> None:
     """RowTooLong when the row of `rows` that needs the most blocks does not fit a pool of `num_blocks` (the
-    scratch block included): every row must fit alone, or none could ever finish."""
-    worst = max(rows, key=lambda s: blocks_for(len(s.prompt), s.limit, block_size))
+    scratch block included): every row must fit alone, or none could ever finish. A row whose prompt alone does
+    not fit is named first: a lower limit of the row that needs the most would not make the call fit."""
+    longest = max(rows, key=lambda s: len(s.prompt))
+    if blocks_for(len(longest.prompt), 1, block_size) > num_blocks - 1:
+        worst = longest
+    else:
+        worst = max(rows, key=lambda s: blocks_for(len(s.prompt), s.limit, block_size))
     need = blocks_for(len(worst.prompt), worst.limit, block_size)
     if need > num_blocks - 1:
         raise RowTooLong(len(worst.prompt), worst.limit, need, block_size, num_blocks - 1)
