@@ -19,9 +19,11 @@ on).
 
 RL: `eval.samples_per_prompt` completions per prompt from the rollout engine (batches of
 `rollout.prompts_per_step` prompts), scored by the run's reward. SFT: the token-mean loss of the
-examples' targets. Generation uses seeds of its own (the eval seed and the batch's index, the same at
-every evaluation) and the global RNG states are restored afterwards, so training draws exactly what it
-would draw without evaluation, and a resumed run evaluates exactly as the uninterrupted one did.
+examples' targets. Generation uses seeds of its own (the eval seed, and each sample's index in the eval set as its
+row key: the same at every evaluation, and the same draws however many ranks share the set and however
+`rollout.prompts_per_step` batches it, exactly where the model's outputs do not depend on the batch: fp32 on CPU)
+and the global RNG states are restored afterwards, so training draws exactly what it would draw without
+evaluation, and a resumed run evaluates exactly as the uninterrupted one did.
 """
 
 from __future__ import annotations
@@ -460,16 +462,17 @@ class Evaluation:
         mine = list(range(rank, len(self.ids), world_size))
         chunk = cfg["rollout"]["prompts_per_step"]
         sums = torch.zeros(_RL_SUMS, dtype=torch.float64)
-        for n, start in enumerate(range(0, len(mine), chunk)):
+        for start in range(0, len(mine), chunk):
             part = mine[start:start + chunk]
-            seed = (self.seed * 1_000_003 + rank * 100_003 + n) % (2**31 - 1)
             prompts = [self.ids[i] for i in part for _ in range(k)]
+            keys = [i * k + j for i in part for j in range(k)]   # sample j of eval prompt i, on any rank
             try:
                 if engine is not None and engine.model is policy:
-                    ro = engine.generate(prompts, params, eos_ids=eos, tokenizer=self.tokenizer, seed=seed)
+                    ro = engine.generate(prompts, params, eos_ids=eos, tokenizer=self.tokenizer, seed=self.seed,
+                                         row_keys=keys)
                 else:
-                    ro = generate(policy, prompts, params, eos_ids=eos, tokenizer=self.tokenizer, seed=seed,
-                                  cache=CacheSettings.from_config(cfg["rollout"]))
+                    ro = generate(policy, prompts, params, eos_ids=eos, tokenizer=self.tokenizer, seed=self.seed,
+                                  cache=CacheSettings.from_config(cfg["rollout"]), row_keys=keys)
             except RowTooLong as exc:   # the engine names the rollout's limit; eval.max_new_tokens set this one
                 if e["max_new_tokens"] is None:
                     raise

@@ -104,6 +104,38 @@ def test_rl_metrics_against_hand_counts_on_any_number_of_ranks(tmp_path):
         assert evaluation.reward_fn.scored == scored
 
 
+class RecordingReward:
+    """0.0 for every completion, each recorded under its prompt in the order scored."""
+
+    def __init__(self):
+        self.scored: dict[str, list[str]] = {}
+
+    def __call__(self, prompt, completion, metadata):
+        self.scored.setdefault(prompt, []).append(completion)
+        return 0.0
+
+
+def test_sampled_eval_draws_the_same_completions_on_any_number_of_ranks_and_batches(tmp_path):
+    """Sampling at temperature 1, fp32 on CPU: each eval sample is keyed by its index in the eval set, so 1, 2 and 3
+    ranks, and batches of 1, 2 or 5 prompts (rollout.prompts_per_step), draw exactly the same completions. Before,
+    the seed of a call mixed the rank and the batch's index in: the completions differed."""
+    cfg = rl_config(tmp_path / "run", {"class_path": "test_eval_review.RecordingReward"}, max_new_tokens=6,
+                    temperature=1.0)
+    tokenizer = build_tokenizer(cfg)
+    policy = build_policy(cfg["model"]["policy"], tokenizer, seed=0)
+    evaluation = Evaluation(cfg, tokenizer)
+    evaluation.run(policy)
+    want = evaluation.reward_fn.scored
+    assert len(want) == 5 and all(len(set(v)) > 1 for v in want.values())   # sampled, not one greedy completion
+    for world_size, per_step in ((1, 1), (1, 5), (2, 2), (3, 1), (3, 2)):
+        evaluation.reward_fn = RecordingReward()
+        cfg["rollout"]["prompts_per_step"] = per_step
+        with torch.no_grad():
+            for rank in range(world_size):
+                evaluation._rl_sums(policy, rank, world_size)
+        assert evaluation.reward_fn.scored == want, (world_size, per_step)
+
+
 def test_eval_max_prompts_beyond_the_eval_file_and_eval_max_new_tokens(tmp_path):
     """An eval.path of 3 records with eval.max_prompts 64 evaluates those 3; eval.max_new_tokens bounds the
     completions below rollout.max_new_tokens, and null leaves rollout's."""

@@ -7,6 +7,7 @@ import pytest
 import torch
 from conftest import peaked_tiny_model
 
+from framework.errors import FwError
 from framework.models import Qwen3ForCausalLM
 from framework.rollout import CacheSettings, RolloutEngine, SamplingParams, generate
 from framework.rollout import scheduler as scheduler_module
@@ -181,3 +182,32 @@ def test_a_prompt_the_pool_cannot_hold_is_not_blamed_on_the_new_token_limit(tok)
                                          r"positions, the cache holds 2: raise rollout.kv_cache_gib or lower "
                                          r"rollout.max_new_tokens$"):
         generate(model, [short], SamplingParams(max_new_tokens=30, temperature=1.0), cache=settings(model, blocks=3))
+
+
+def test_row_keys_key_the_noise_instead_of_the_row_index(tok):
+    """Rows named by the same key draw the same tokens and logprobs in calls of other rows, orders and budgets (fp32
+    on CPU); without keys a row's noise is its index's, so keys 0..n-1 change nothing; other keys draw otherwise."""
+    model = peaked_tiny_model(tok)
+    prompts = [tok.encode(p) for p in ("12+3=", "7*8=", "99-4=", "1=")]
+    params = SamplingParams(max_new_tokens=8, temperature=1.0)
+    plain = generate(model, prompts, params, seed=3, cache=settings(model))
+    assert same(plain, generate(model, prompts, params, seed=3, cache=settings(model), row_keys=[0, 1, 2, 3]))
+    keys = [40, 7, 2**62, 5]
+    keyed = generate(model, prompts, params, seed=3, cache=settings(model), row_keys=keys)
+    assert keyed.completion_ids != plain.completion_ids
+    order = [3, 0, 2]
+    part = generate(model, [prompts[i] for i in order], params, seed=3, cache=settings(model, blocks=5),
+                    row_keys=[keys[i] for i in order])
+    for j, i in enumerate(order):
+        assert part.completion_ids[j] == keyed.completion_ids[i]
+        n = len(keyed.completion_ids[i])
+        assert torch.equal(part.logprobs[j, :n], keyed.logprobs[i, :n])
+    engine = RolloutEngine(model, settings(model))
+    try:
+        for bad, message in (([1, 2], "generate: 2 row keys for 4 prompts"),
+                             ([0, 1, 2, -1], r"generate: row keys must be ints in \[0, 2\*\*63\)"),
+                             ([0, 1, 2, True], r"generate: row keys must be ints")):
+            with pytest.raises(FwError, match=message):
+                engine.generate(prompts, params, seed=3, row_keys=bad)
+    finally:
+        engine.release()

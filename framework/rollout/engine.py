@@ -15,7 +15,9 @@ Stopping, per row: an EOS id (the EOS token is kept as the row's last completion
 the trainer learns to emit it; it is left out of the text), a stop string (the token whose text completes it is
 the row's last token; the text keeps the stop string and is cut right after it), or ``max_new_tokens`` (one
 limit for all rows, or one per row). A finished row's blocks go back at once. Sampling noise is keyed by
-(seed, row, step), so the result does not depend on the KV budget or on which rows share a step.
+(seed, row, step), so the result does not depend on the KV budget or on which rows share a step; ``row_keys``
+names the rows for it otherwise than by their index in the call (an evaluation keys each sample by its index in the
+eval set, so that any split of the set over calls and ranks draws the same samples).
 
 Behaviour logprobs are the chosen tokens' log probabilities under the temperature-scaled FULL softmax (top-k /
 top-p / min-p only restrict which token may be drawn), i.e. what the trainer recomputes: a distribution
@@ -153,9 +155,15 @@ def check_fresh_pool(rows: list[RowState], settings: CacheSettings, config: Any,
     check_rows_fit(rows, settings.block_size, pool_blocks(settings, config, dtype, device, rows))
 
 
-def _check_prompts(prompts: list[list[int]], params: SamplingParams, tokenizer: Any, vocab_size: int) -> None:
+def _check_prompts(prompts: list[list[int]], params: SamplingParams, tokenizer: Any, vocab_size: int,
+                   row_keys: Sequence[int] | None = None) -> None:
     if not prompts:
         raise FwError("generate: no prompts")
+    if row_keys is not None:
+        if len(row_keys) != len(prompts):
+            raise FwError(f"generate: {len(row_keys)} row keys for {len(prompts)} prompts")
+        if not all(isinstance(k, int) and not isinstance(k, bool) and 0 <= k < 2**63 for k in row_keys):
+            raise FwError("generate: row keys must be ints in [0, 2**63)")
     for i, prompt in enumerate(prompts):
         if len(prompt) == 0:
             raise FwError(f"generate: prompt {i} is empty (a prompt needs at least one token)")
@@ -261,12 +269,13 @@ class RolloutEngine:
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: SamplingParams, *, eos_ids: Sequence[int] = (),
-                 tokenizer: Any = None, seed: int = 0, policy_version: int = 0) -> Rollout:
+                 tokenizer: Any = None, seed: int = 0, policy_version: int = 0,
+                 row_keys: Sequence[int] | None = None) -> Rollout:
         """Sample completions of ``prompts`` (token id lists) as ``params`` says; see `generate`."""
         if self.timeline is not None:
             self.timeline.enter()
         model = self.model
-        _check_prompts(prompts, params, tokenizer, model.config.vocab_size)
+        _check_prompts(prompts, params, tokenizer, model.config.vocab_size, row_keys)
         device = model.lm_head_weight.device
         seqs = row_states(prompts, params)
         pad_id = tokenizer.pad_id if tokenizer is not None and tokenizer.pad_id is not None else 0
@@ -295,7 +304,7 @@ class RolloutEngine:
                 if casts is not self.graph_casts or self.graph_region != (autocast, dtype):
                     self._drop_graphs()
                 self.graph_casts, self.graph_region = casts, (autocast, dtype)
-                _Run(self, seqs, params, {int(e) for e in eos_ids}, tokenizer, seed, device, casts).run()
+                _Run(self, seqs, params, {int(e) for e in eos_ids}, tokenizer, seed, device, casts, row_keys).run()
                 self._mark("drain")   # the last steps' tokens read back
         finally:
             if per_call:   # autocast's casts, made anew by the next call
@@ -338,11 +347,15 @@ class _Run:
     """
 
     def __init__(self, engine: RolloutEngine, seqs: list[RowState], params: SamplingParams, eos: set[int],
-                 tokenizer: Any, seed: int, device: torch.device, casts: dict[Tensor, Tensor] | None) -> None:
+                 tokenizer: Any, seed: int, device: torch.device, casts: dict[Tensor, Tensor] | None,
+                 row_keys: Sequence[int] | None = None) -> None:
         self.e, self.seqs, self.params, self.eos, self.tok = engine, seqs, params, eos, tokenizer
         self.casts = casts
         self.device = device
         self.key = step_seed(seed, 0)
+        # the sampler's row ids, by row index (the last one a padding row's); None: the index itself
+        self.keys_dev = (None if row_keys is None else
+                         torch.tensor([*row_keys, 0], dtype=torch.long).to(device, non_blocking=True))
         self.bs = engine.settings.block_size
         longest = max(len(s.prompt) + s.limit for s in seqs)
         # block-table width: a power of two, so that calls of similar lengths share their decode graphs
@@ -534,7 +547,8 @@ class _Run:
         timeline = self.e.timeline
         if timeline is not None:
             timeline.forward_done()
-        tokens, logprobs = draw(logits, self.params, self.key, meta[:, :2])
+        counters = meta[:, :2] if self.keys_dev is None else torch.stack([self.keys_dev[meta[:, 0]], meta[:, 1]], 1)
+        tokens, logprobs = draw(logits, self.params, self.key, counters)
         self.last_dev.index_copy_(0, meta[:, 0], tokens)
         for s in rows:
             s.issued += 1
@@ -616,7 +630,7 @@ def _result(seqs: list[RowState], prompts: list[list[int]], pad_id: int, tokeniz
 
 def generate(model: Any, prompts: list[list[int]], params: SamplingParams, *, eos_ids: Sequence[int] = (),
              tokenizer: Any = None, seed: int = 0, policy_version: int = 0, cuda_graph: bool = True,
-             cache: CacheSettings | None = None) -> Rollout:
+             cache: CacheSettings | None = None, row_keys: Sequence[int] | None = None) -> Rollout:
     """Sample completions of ``prompts`` (token id lists) as ``params`` says, on a fresh engine.
 
     Same (model, prompts, params, seed) give the same tokens, whatever the KV budget (``cache``: the `rollout`
@@ -624,11 +638,14 @@ def generate(model: Any, prompts: list[list[int]], params: SamplingParams, *, eo
     None). Of these only kv_cache_dtype changes the tokens: float8_e4m3 rounds the keys and values to e4m3.
     ``tokenizer`` (for ``texts``, stop strings and the pad id; pad id 0 without one) is optional. The model
     runs in eval mode and gets its previous mode back. ``cuda_graph=False`` runs every CUDA decode step
-    eagerly (same tokens). The KV pool and the graphs go back before this returns.
+    eagerly (same tokens). The KV pool and the graphs go back before this returns. ``row_keys`` (ints in
+    [0, 2**63), one a prompt) key each row's sampling noise instead of its index: rows of equal prompt and key draw
+    the same tokens in any call of the same seed, wherever the model's outputs for a row do not depend on the
+    other rows of its steps (fp32 on CPU; on a GPU the kernels of other batch sizes round otherwise).
     """
     engine = RolloutEngine(model, cache, cuda_graph=cuda_graph)
     try:
         return engine.generate(prompts, params, eos_ids=eos_ids, tokenizer=tokenizer, seed=seed,
-                               policy_version=policy_version)
+                               policy_version=policy_version, row_keys=row_keys)
     finally:
         engine.release()
