@@ -586,8 +586,11 @@ def _shorten(text: Any, limit: int = 300) -> str:
     return text if len(text) <= limit else text[:limit] + "...'"
 
 
+_FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+
+
 def _check_value(value: Any) -> float:
-    """``value`` as a finite float, or TypeError / ValueError saying what it was."""
+    """``value`` as a float that float32 holds finite, or TypeError / ValueError saying what it was."""
     if isinstance(value, torch.Tensor) and value.numel() == 1:
         value = value.item()
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
@@ -598,6 +601,8 @@ def _check_value(value: Any) -> float:
         raise ValueError(f"returned {_shorten(value, 60)}, too large for a float") from None
     if not math.isfinite(value):
         raise ValueError(f"returned {value}, expected a finite float")
+    if abs(value) > _FLOAT32_MAX:   # the rollout holds rewards in float32, where this one would be an infinity
+        raise ValueError(f"returned {value:g}, beyond the float32 range (+-{_FLOAT32_MAX:.4g}) rewards are held in")
     return value
 
 
