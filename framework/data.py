@@ -5,7 +5,7 @@ predict after reading `ids[:t+1]`, or -100 where no loss is taken (prompt, paddi
 Shifting per example (not per packed row) keeps a packed row's sequences from predicting each other.
 
 The *stream* is an infinite sequence of examples: position p is example `perm_e[p % n]` of epoch
-`e = p // n` (a permutation seeded with `seed + e`), or `task.sft_example(p)` for a procedural task.
+`e = p // n` (a permutation seeded with `epoch_seed(seed, e)`), or `task.sft_example(p)` for a procedural task.
 A global micro-batch takes the next examples of the stream: packed into `batch_size * world_size`
 rows of `max_seq_len` tokens (or one example per row, right-padded); rank r keeps rows
 `[r * batch_size, (r + 1) * batch_size)`. A batch is therefore a pure function of (seed, position),
@@ -300,6 +300,18 @@ def _say_task_cut(position: int, example: Example, max_len: int) -> None:
         "cut too, unsaid")
 
 
+EPOCH_STRIDE = 0x9E3779B9   # 2^32 divided by the golden ratio: odd, and far from every small fraction of 2^32
+
+
+def epoch_seed(seed: int, epoch: int) -> int:
+    """The seed of epoch `epoch`'s order in a run seeded `seed`. `seed + epoch` would give the run seeded 1 the orders
+    of the run seeded 0 an epoch later, so a sweep over seeds would train every run on one sequence of examples,
+    shifted. torch's CPU generator keeps only the low 32 bits of a seed, so the epoch is spread over them by an odd
+    stride: every epoch of a run has a seed of its own, and runs whose seeds differ by at most 100000 share one only
+    between epochs at least 28657 apart."""
+    return (seed + epoch * EPOCH_STRIDE) % 2**32
+
+
 class ExampleStream:
     """Position -> example: shuffled epochs of a fixed list, or a procedural task's `sft_example`.
     `train_on_prompt`: the loss covers every next token, not only the assistant / completion ones."""
@@ -339,7 +351,7 @@ class ExampleStream:
         if not self.shuffle:
             return self.examples[i]
         if epoch != self._perm_epoch:
-            g = torch.Generator().manual_seed(self.seed + epoch)
+            g = torch.Generator().manual_seed(epoch_seed(self.seed, epoch))
             self._perm = torch.randperm(n, generator=g).tolist()
             self._perm_epoch = epoch
         return self.examples[self._perm[i]]

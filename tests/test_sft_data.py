@@ -313,7 +313,7 @@ def test_stream_epochs_are_seeded_permutations(tmp_path, tok):
     epoch1 = [tuple(s[p].ids) for p in range(7, 14)]
     everything = {tuple(e.ids) for e in s.examples}
     assert set(epoch0) == set(epoch1) == everything
-    assert epoch0 != epoch1   # reshuffled with seed + epoch
+    assert epoch0 != epoch1   # reshuffled every epoch
     order = torch.randperm(7, generator=torch.Generator().manual_seed(0)).tolist()
     assert epoch0 == [tuple(s.examples[i].ids) for i in order]
     assert [tuple(s[p].ids) for p in range(7)] == epoch0   # a pure function of the position

@@ -155,7 +155,7 @@ def test_every_example_of_an_epoch_is_trained_once(tmp_path, tok, pack, world, a
                for r in range(world)]
     seen: list[str] = []
     position = 0
-    for _ in range(6 * accumulate):
+    for _ in range(7 * accumulate):
         batches = [next(loader) for loader in loaders]
         for b in batches:
             assert b["next_position"] == batches[0]["next_position"]
@@ -168,7 +168,8 @@ def test_every_example_of_an_epoch_is_trained_once(tmp_path, tok, pack, world, a
     texts = [r["prompt"] + r["completion"] + "<|im_end|>" for r in records]
     expected = []
     for epoch in range(-(-position // len(records))):
-        perm = torch.randperm(len(records), generator=torch.Generator().manual_seed(cfg["seed"] + epoch)).tolist()
+        seed = (cfg["seed"] + epoch * 0x9E3779B9) % 2**32   # an odd stride per epoch: data.epoch_seed
+        perm = torch.randperm(len(records), generator=torch.Generator().manual_seed(seed)).tolist()
         expected += [texts[i] for i in perm]
     assert seen == expected[:position]
     for epoch in range(position // len(records)):
