@@ -66,10 +66,33 @@ _HALVES = re.compile(r"(?<!\\)(?:\\\\)*(\\u[dD][89abAB][0-9a-fA-F]{2}\\u[dD][c-f
                      r"|\\u[dD][89a-fA-F][0-9a-fA-F]{2})")
 
 
+class _Duplicate(Exception):
+    """A JSON object with a key written twice: json keeps the last value and drops the first unsaid."""
+
+    def __init__(self, key: str):
+        super().__init__(key)
+        self.key = key
+
+
+def _unique(pairs: list[tuple[str, object]]) -> dict:
+    """A JSON object's pairs as a dict; _Duplicate when a key is written twice."""
+    record = dict(pairs)
+    if len(record) != len(pairs):
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise _Duplicate(key)
+            seen.add(key)
+    return record
+
+
 def _parse(line: str) -> tuple[object, int, str | None]:
     """(the line's JSON value, 0, None), or (None, the 1-based column, why it cannot be read)."""
     try:
-        value = json.loads(line)
+        value = json.loads(line, object_pairs_hook=_unique)
+    except _Duplicate as e:
+        return None, 1, (f"duplicate key {e.key!r} in a JSON object: a reader keeps one of its values and drops the "
+                         "other; write the key once")
     except json.JSONDecodeError as e:
         # some messages end in "at", which the column completes ("Unterminated string starting at")
         return None, e.colno, f"not valid JSON ({e.msg.removesuffix(' at')} at column {e.colno})"

@@ -1,4 +1,5 @@
-"""Data loading under review: the epoch orders of runs with neighbouring seeds."""
+"""Data loading under review: the epoch orders of runs with neighbouring seeds, a JSONL object with a key written
+twice."""
 
 import json
 
@@ -6,7 +7,11 @@ import pytest
 
 from framework.config import resolve
 from framework.data import ExampleStream
+from framework.errors import ConfigError, FwError
+from framework.jsonl import read_jsonl
+from framework.tasks import JsonlPrompts
 from framework.tokenizer import Tokenizer
+from framework.validate import validate_config
 
 
 @pytest.fixture(scope="module")
@@ -52,3 +57,44 @@ def test_runs_whose_seeds_are_close_share_an_order_only_epochs_apart():
     assert min(min(g, 2**32 - g) for g in gaps) == 28657
     assert [epoch_seed(s, e) for s, e in ((0, 0), (3, 0), (0, 1), (2**32 - 1, 1))] == \
         [0, 3, EPOCH_STRIDE, EPOCH_STRIDE - 1]   # seed 0 keeps its first epoch's order; below 2^32, torch's range
+
+
+# ---------------------------------------------------------------- a key written twice
+
+@pytest.mark.parametrize("line, key", [
+    ('{"prompt": "2+2=", "completion": "4", "completion": "5"}', "completion"),
+    ('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "a", "content": "b"}]}',
+     "content"),
+])
+def test_a_key_written_twice_in_a_jsonl_object_is_an_error(tmp_path, line, key):
+    """json keeps the last of two values of one key and drops the first without a word, so the run would train on
+    one of the two answers the line holds; a YAML config with a key written twice is refused, and so is this line."""
+    path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "1+1=", "completion": "2"}, line])
+    with pytest.raises(FwError) as e:
+        read_jsonl(path)
+    message = str(e.value)
+    assert message.startswith(f"{path}:2: ") and f"duplicate key {key!r}" in message
+    assert "\n" not in message
+
+
+def test_a_key_written_twice_in_an_rl_prompt_is_an_error(tmp_path):
+    path = write_jsonl(tmp_path / "p.jsonl", ['{"prompt": "1+1=", "answer": "2", "answer": "3"}'])
+    with pytest.raises(FwError, match=rf"^{path}:1: .*duplicate key 'answer'"):
+        JsonlPrompts(str(path), "prompt", "answer", shuffle=True)
+
+
+def test_fw_validate_names_the_line_with_a_key_written_twice(tmp_path):
+    data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "a", "completion": "b"},
+                                              '{"prompt": "c", "prompt": "d", "completion": "e"}'])
+    config = tmp_path / "c.yaml"
+    config.write_text(f"recipe: sft\nmodel: {{policy: {{preset: tiny}}}}\ndata: {{path: {data}}}\n")
+    with pytest.raises(ConfigError) as e:
+        validate_config([str(config)])
+    problems = [str(p) for p in e.value.problems]
+    assert len(problems) == 1 and problems[0].startswith(f"{data}:2:") and "duplicate key 'prompt'" in problems[0]
+
+
+def test_equal_keys_in_different_objects_are_not_duplicates(tmp_path):
+    line = {"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}], "content": 1}
+    path = write_jsonl(tmp_path / "d.jsonl", [line])
+    assert read_jsonl(path) == [(f"{path}:1", line)]
