@@ -13,12 +13,23 @@ from framework.errors import FwError
 
 
 class NotUtf8(FwError):
-    """A JSONL file with a byte that is not UTF-8, at `line` and `col` (1-based)."""
+    """A file with a byte that is not UTF-8, at `line` and `col` (1-based), and why (`reason`)."""
 
-    def __init__(self, path: str | Path, line: int, col: int, byte: int):
-        self.path, self.line, self.col = str(path), line, col
-        self.reason = f"not UTF-8 (byte 0x{byte:02x}); save the file as UTF-8"
-        super().__init__(f"{path}:{line}:{col}: {self.reason}")
+    def __init__(self, path: str | Path, line: int, col: int, reason: str):
+        self.path, self.line, self.col, self.reason = str(path), line, col, reason
+        super().__init__(f"{path}:{line}:{col}: {reason}")
+
+
+# The first bytes of the binary files data is often shipped in, with what each is and what to do with it. A text file
+# may begin with them too, so they name a file only when it is not UTF-8.
+CONTAINERS = (
+    (b"\x1f\x8b", "a gzip-compressed file", "decompress it (gunzip)"),
+    (b"BZh", "a bzip2-compressed file", "decompress it (bunzip2)"),
+    (b"\xfd7zXZ\x00", "an xz-compressed file", "decompress it (unxz)"),
+    (b"\x28\xb5\x2f\xfd", "a zstd-compressed file", "decompress it (unzstd)"),
+    (b"PK\x03\x04", "a zip archive", "extract it (unzip)"),
+    (b"PAR1", "a Parquet file", "convert it"),
+)
 
 
 @dataclass(frozen=True)
@@ -39,14 +50,18 @@ def json_type_name(value: object) -> str:
     return names.get(type(value), type(value).__name__)
 
 
-def decode_utf8(raw: bytes, path: str | Path) -> str:
-    """`raw` (the bytes of file `path`) as text; NotUtf8 at the line and column of the first byte that is not UTF-8."""
+def decode_utf8(raw: bytes, path: str | Path, text: str = "UTF-8 text") -> str:
+    """`raw` (the bytes of file `path`) as text; NotUtf8 at the line and column of the first byte that is not UTF-8,
+    or at 1:1 naming a compressed file or archive (`CONTAINERS`), which is not the `text` expected of it."""
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as e:
+        for magic, what, fix in CONTAINERS:
+            if raw.startswith(magic):
+                raise NotUtf8(path, 1, 1, f"{what}, not {text}; {fix} first") from None
         line = raw.count(b"\n", 0, e.start) + 1
         col = e.start - (raw.rfind(b"\n", 0, e.start) + 1) + 1
-        raise NotUtf8(path, line, col, raw[e.start]) from None
+        raise NotUtf8(path, line, col, f"not UTF-8 (byte 0x{raw[e.start]:02x}); save the file as UTF-8") from None
 
 
 def _text(path: str | Path, key: str) -> str:
@@ -56,7 +71,7 @@ def _text(path: str | Path, key: str) -> str:
         raw = Path(path).read_bytes()
     except OSError as e:
         raise FwError(f"{key}: cannot read {path}: {e.strerror or e}") from None
-    return decode_utf8(raw, path).removeprefix("\ufeff")
+    return decode_utf8(raw, path, "JSON Lines text (one JSON object per line)").removeprefix("\ufeff")
 
 
 # A `\u` escape of half of a UTF-16 surrogate pair (after an even number of backslashes, so not the text `\\u...`):

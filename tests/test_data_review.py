@@ -1,7 +1,10 @@
 """Data loading under review: the epoch orders of runs with neighbouring seeds, a JSONL object with a key written
-twice."""
+twice, and a data file that is compressed or Parquet rather than JSON Lines text."""
 
+import bz2
+import gzip
 import json
+import lzma
 
 import pytest
 
@@ -98,3 +101,47 @@ def test_equal_keys_in_different_objects_are_not_duplicates(tmp_path):
     line = {"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}], "content": 1}
     path = write_jsonl(tmp_path / "d.jsonl", [line])
     assert read_jsonl(path) == [(f"{path}:1", line)]
+
+
+# ---------------------------------------------------------------- a compressed or Parquet file
+
+RECORDS = b'{"prompt": "1+1=", "completion": "2"}\n' * 50
+
+
+CONTAINERS = {   # name: (content, what the message calls it)
+    "d.jsonl.gz": (gzip.compress(RECORDS), "a gzip-compressed file"),
+    "d.jsonl.bz2": (bz2.compress(RECORDS), "a bzip2-compressed file"),
+    "d.jsonl.xz": (lzma.compress(RECORDS), "an xz-compressed file"),
+    "d.jsonl.zst": (b"\x28\xb5\x2f\xfd\x24\x00\x81\x00\xff", "a zstd-compressed file"),
+    "d.zip": (b"PK\x03\x04\x14\x00\x00\x00\x08\x00\x91\xc3", "a zip archive"),
+    "d.parquet": (b"PAR1\x15\x04\x15\x80\xe1\x01", "a Parquet file"),
+}
+
+
+@pytest.mark.parametrize("name", CONTAINERS)
+def test_a_compressed_or_parquet_data_file_is_named_as_such(tmp_path, name):
+    """Such a file is not UTF-8, and being told to save it as UTF-8 sends the user to an editor that cannot open it:
+    the message says what the file is and that fw reads JSON Lines text."""
+    content, said = CONTAINERS[name]
+    path = tmp_path / name
+    path.write_bytes(content)
+    with pytest.raises(FwError) as e:
+        read_jsonl(path)
+    message = str(e.value)
+    assert message.startswith(f"{path}:1:1: {said}, not JSON Lines text"), message
+    assert "save the file as UTF-8" not in message
+
+
+def test_a_text_file_that_begins_like_a_container_is_read_as_text(tmp_path):
+    """The magic bytes name a container only where the file is not UTF-8 text: a record may begin with them."""
+    path = tmp_path / "d.jsonl"
+    path.write_bytes(b'PAR1\n')
+    with pytest.raises(FwError, match=rf"^{path}:1: not valid JSON"):
+        read_jsonl(path)
+
+
+def test_a_file_that_is_not_utf8_is_still_said_to_be_so(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_bytes(b'{"prompt": "a", "completion": "\xe9"}\n')
+    with pytest.raises(FwError, match=rf"^{path}:1:32: not UTF-8 \(byte 0xe9\); save the file as UTF-8$"):
+        read_jsonl(path)
