@@ -275,10 +275,12 @@ def dotted_path(path: Path) -> str:
 
 
 class _Budget:
-    """Values left to visit: aliases make a small node graph expand to an exponentially large tree."""
+    """Values left to visit: aliases make a small node graph expand to an exponentially large tree. `checked`: the
+    mappings whose keys were checked, which an alias reaches again under another path."""
 
     def __init__(self, n: int):
         self.left = n
+        self.checked: set[int] = set()
 
 
 def _walk(loader: Yaml12Loader, node: yaml.Node, file: str, path: Path, marks: dict, problems: list,
@@ -290,6 +292,9 @@ def _walk(loader: Yaml12Loader, node: yaml.Node, file: str, path: Path, marks: d
     marks[path] = Located(_mark(file, node.start_mark), key_mark)
     if isinstance(node, yaml.MappingNode):
         seen: dict = {}
+        # a key written twice is one problem, at the path where it is written, whatever the aliases that reuse it
+        first_visit = id(node) not in budget.checked
+        budget.checked.add(id(node))
         for k_node, v_node in node.value:
             key = _key_text(loader, k_node)
             kmark = _mark(file, k_node.start_mark)
@@ -298,10 +303,11 @@ def _walk(loader: Yaml12Loader, node: yaml.Node, file: str, path: Path, marks: d
             except TypeError:  # unhashable keys are reported by PyYAML when constructing
                 first = None
             if first is not None:
-                at = f"column {first.col}" if first.line == kmark.line else f"line {first.line}"
-                shown = key_text(key)
-                problems.append(Problem(file, kmark.line, kmark.col, dotted_path(path + (shown,)),
-                                        f"duplicate key '{shown}' (first defined at {at})"))
+                if first_visit:
+                    at = f"column {first.col}" if first.line == kmark.line else f"line {first.line}"
+                    shown = key_text(key)
+                    problems.append(Problem(file, kmark.line, kmark.col, dotted_path(path + (shown,)),
+                                            f"duplicate key '{shown}' (first defined at {at})"))
                 continue
             if key is not None:
                 seen[key] = kmark

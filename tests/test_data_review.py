@@ -1,5 +1,6 @@
 """Data loading under review: the epoch orders of runs with neighbouring seeds, a JSONL object with a key written
-twice, and a data file that is compressed or Parquet rather than JSON Lines text."""
+twice, a data file that is compressed or Parquet rather than JSON Lines text, and a YAML key written twice in a
+mapping that aliases reuse."""
 
 import bz2
 import gzip
@@ -145,3 +146,17 @@ def test_a_file_that_is_not_utf8_is_still_said_to_be_so(tmp_path):
     path.write_bytes(b'{"prompt": "a", "completion": "\xe9"}\n')
     with pytest.raises(FwError, match=rf"^{path}:1:32: not UTF-8 \(byte 0xe9\); save the file as UTF-8$"):
         read_jsonl(path)
+
+
+# ---------------------------------------------------------------- YAML: a duplicate key reached through an alias
+
+def test_a_duplicate_key_in_an_aliased_mapping_is_one_problem_where_it_is_written():
+    """A mapping with a key written twice, anchored and used again by an alias, is one mistake at one place: one
+    problem at the path where it is written, not a second at the alias's path, which points at the same line."""
+    from framework import yaml12
+
+    text = "optimizer: &o\n  lr: 1.0e-5\n  lr: 2.0e-5\neval: {x: *o}\nsft: [*o, *o]\n"
+    with pytest.raises(ConfigError) as e:
+        yaml12.load_with_marks(text, "c.yaml")
+    problems = [str(p) for p in e.value.problems]
+    assert problems == ["c.yaml:3:3: optimizer.lr: duplicate key 'lr' (first defined at line 2)"]
