@@ -194,10 +194,10 @@ class StepMetrics(nn.Module):
             self._first(name, user, site)
             self.last[name] = value.detach().clone() if isinstance(value, torch.Tensor) else float(value)
             return
-        key = name.replace(".", "__")  # ModuleDict keys cannot hold dots
+        key = self._key(name)
         if self.names.setdefault(key, name) != name:
             raise ValueError(f"log_metric({name!r}): {self.names[key]!r} is logged too, and the two cannot be told "
-                             "apart ('.' is stored as '__'); rename one of them")
+                             f"apart (both are stored as {key!r}: '.' as '__'); rename one of them")
         if key not in self.metrics:
             self.metrics[key] = REDUCTIONS[reduce](nan_strategy="error").to(self._anchor.device)
             self.reductions[key] = reduce
@@ -213,6 +213,12 @@ class StepMetrics(nn.Module):
             metric.update(value, on_device(weight, metric.device))
         else:
             metric.update(value)
+
+    def _key(self, name: str) -> str:
+        """The aggregator's key in `metrics` for `name`: a ModuleDict key holds no '.', and is no attribute of the
+        ModuleDict ('values', 'update', 'training', ...), which torch refuses."""
+        key = name.replace(".", "__")
+        return f"{key}#" if hasattr(nn.ModuleDict, key) or key in vars(self.metrics) else key
 
     def _pending(self) -> tuple[list[str], list[str], list[str]]:
         """The names of the NaN flags, the keys of the metrics updated, the names of the tensor `last` values."""
