@@ -615,6 +615,46 @@ class StopOnNonFinite(Callback):
                               "optimizer.max_grad_norm set, or use bf16 instead of fp16)")
 
 
+# the keys of a checkpoint that Lightning writes itself (besides its precision plugin's state, under the plugin's class
+# name); fw's own are added after the callbacks' `on_save_checkpoint`
+LIGHTNING_CHECKPOINT_KEYS = ("epoch", "global_step", "pytorch-lightning_version", "state_dict", "loops", "callbacks",
+                             "optimizer_states", "lr_schedulers", "hparams_name", "hyper_parameters", "hparams_type")
+
+
+class RestorableState(lightning.Callback):
+    """Refuses to save a checkpoint that a resume could not load: a user callback's state (`state_dict`), or a key
+    that a callback's `on_save_checkpoint` added, holding an object that the resume's weights-only load refuses (a
+    NumPy scalar, a deque, a Path, an instance of the user's class). Such a checkpoint would be written, and every
+    resume from it would fail; the run stops instead at the save, naming the callback and the object's type.
+
+    It comes after the user callbacks, whose `on_save_checkpoint` Lightning calls in order, so it sees what they
+    added."""
+
+    def __init__(self, specs: Sequence[dict], user: Sequence[lightning.Callback]):
+        self.names = [f"callbacks[{i}] ({spec['class_path']})" for i, spec in enumerate(specs)]
+        self.user = list(user)
+
+    def on_save_checkpoint(self, trainer: lightning.Trainer, module: lightning.LightningModule,
+                           checkpoint: dict[str, Any]) -> None:
+        from framework.checkpoint import step_dir_name
+        from framework.checkpoint.directory import weights_only_refusal
+
+        names = {cb.state_key: name for name, cb in zip(self.names, self.user, strict=True)}
+        parts = [(f"the state of {names.get(key, f'callback {key}')}", state)
+                 for key, state in (checkpoint.get("callbacks") or {}).items()]
+        known = (*LIGHTNING_CHECKPOINT_KEYS, type(trainer.precision_plugin).__qualname__)
+        parts += [(f"the checkpoint's key {key!r} (added by a callback's on_save_checkpoint)", value)
+                  for key, value in checkpoint.items() if key not in known]
+        for what, value in parts:
+            refused = weights_only_refusal(value)
+            if refused is not None:
+                step = getattr(module, "policy_version", trainer.global_step)
+                raise FwError(f"checkpoint {step_dir_name(step)}: {what} holds {refused}, which a resume's "
+                              "weights-only load refuses; keep a checkpointed state to tensors, Python numbers, "
+                              "strings, None and lists, tuples, sets and dicts of them (float(x), list(q), str(path)); "
+                              "the run stops without saving this step, and the earlier checkpoints are intact")
+
+
 def builtin_callbacks(cfg: dict, evaluation: Sequence[lightning.Callback] = (),
                       progress_bar: bool = True) -> list[lightning.Callback]:
     """The non-finite check, the `evaluation` callbacks, metrics logging, learning-rate monitor and the progress

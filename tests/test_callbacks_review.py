@@ -1,5 +1,10 @@
 """User callbacks as a user writes them: metrics under any name, and state that a resume must get back."""
 
+import collections
+import json
+from pathlib import Path
+
+import numpy as np
 import pytest
 
 from framework.callbacks import Callback
@@ -54,3 +59,95 @@ def test_an_interval_of_such_a_name_continues_from_its_saved_state():
     resumed.update("values", 4.0, weight=2.0, user=True)
     resumed.update("items", 2.0, reduce="sum", user=True)
     assert resumed.compute() == {"values": pytest.approx((1.0 + 2 * 4.0) / 3), "items": 7.0}
+
+
+# ------------------------------------------------------------------ state a resume gets back
+
+class Keeps(Callback):
+    """Keeps `kind` of value in its checkpointed state: what a weights-only load (a resume's) refuses."""
+
+    def __init__(self, kind: str):
+        self.kind = kind
+
+    def state_dict(self):
+        value = {"numpy": np.float64(0.5), "deque": collections.deque([1, 2], maxlen=3),
+                 "path": Path("runs/best")}[self.kind]
+        return {"best": value}
+
+    def load_state_dict(self, state):
+        self.best = state["best"]
+
+
+class AddsToCheckpoint(Callback):
+    """Adds a key of its own to the checkpoint (Lightning's `on_save_checkpoint`), holding a NumPy scalar."""
+
+    def on_save_checkpoint(self, trainer, module, checkpoint):
+        checkpoint["my_best"] = np.float32(1.25)
+
+
+@pytest.mark.parametrize(("spec", "what", "refused"), [
+    ("{class_path: test_callbacks_review.Keeps, init_args: {kind: numpy}}",
+     "the state of callbacks[0] (test_callbacks_review.Keeps)", "numpy."),
+    ("{class_path: test_callbacks_review.Keeps, init_args: {kind: deque}}",
+     "the state of callbacks[0] (test_callbacks_review.Keeps)", "collections.deque"),
+    ("{class_path: test_callbacks_review.Keeps, init_args: {kind: path}}",
+     "the state of callbacks[0] (test_callbacks_review.Keeps)", "pathlib.PosixPath"),
+    ("{class_path: test_callbacks_review.AddsToCheckpoint}",
+     "the checkpoint's key 'my_best' (added by a callback's on_save_checkpoint)", "numpy"),
+])
+def test_a_callback_state_that_a_resume_cannot_load_stops_the_run_at_its_first_save(tmp_path, capsys, spec, what,
+                                                                                     refused):
+    """Such a state used to be saved without a word, and every resume from the run's checkpoints then failed,
+    calling the checkpoint's trainer state corrupt."""
+    from framework import checkpoint as ck
+    from framework.cli import main
+
+    run_dir = tmp_path / "run"
+    code = main(fit_args(run_dir, "--trainer.max_steps=3", "--trainer.log_every_n_steps=1",
+                         "--checkpoint.every_n_steps=2", f"--callbacks=[{spec}]"))
+    err = capsys.readouterr().err
+    assert code == 2, err[-3000:]
+    (line,) = [ln for ln in err.splitlines() if ln.startswith("fw: error: ")]
+    assert line.startswith(f"fw: error: checkpoint step-000002: {what} holds {refused}"), line
+    assert "a resume's weights-only load refuses" in line and "Traceback" not in err
+    assert ck.list_checkpoints(run_dir) == []
+    # nothing of the refused save is left behind (no staging directory either), and the steps before it are logged
+    checkpoints = run_dir / "checkpoints"
+    assert not checkpoints.exists() or list(checkpoints.iterdir()) == []
+    assert [json.loads(ln)["step"] for ln in (run_dir / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+
+
+class Counts(Callback):
+    """Counts the optimizer steps it saw, in checkpoints as plain numbers."""
+
+    def __init__(self):
+        self.count = 0
+        self.restored = None
+
+    def after_optimizer_step(self, trainer, module, optimizer):
+        self.count += 1
+
+    def state_dict(self):
+        return {"count": self.count, "history": [float(self.count)], "seen": {self.count}}
+
+    def load_state_dict(self, state):
+        self.restored = state
+        self.count = state["count"]
+
+
+def test_a_callback_state_of_plain_values_comes_back_on_resume(tmp_path):
+    """The check refuses only what a resume cannot load: numbers, lists and sets pass, and come back."""
+    from framework.config import resolve
+    from framework.trainer import fit
+
+    def cfg(max_steps):
+        return resolve({"recipe": "sft", "run_dir": str(tmp_path / "run"), "model": {"policy": {"preset": "tiny"}},
+                        "data": {"path": DATA, "max_seq_len": 64, "batch_size": 2},
+                        "trainer": {"accelerator": "cpu", "max_steps": max_steps, "enable_progress_bar": False},
+                        "checkpoint": {"every_n_steps": 2}, "logging": {"csv": False, "tensorboard": False},
+                        "callbacks": [{"class_path": "test_callbacks_review.Counts"}]})
+
+    fit(cfg(2))
+    trainer = fit(cfg(3), resume="last")
+    counts = next(cb for cb in trainer.callbacks if isinstance(cb, Counts))
+    assert counts.restored == {"count": 2, "history": [2.0], "seen": {2}} and counts.count == 3

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import io
 import json
 import os
 import pickle
@@ -429,6 +430,23 @@ def read_checkpoint_dir(
         return _read(path, manifest, map_location, weights_only)
     with verifying(Verifier(path, manifest)) if verify else explaining(path, manifest):
         return _read(path, manifest, map_location, weights_only)
+
+
+def weights_only_refusal(obj: Any) -> str | None:
+    """What a resume's weights-only load of the trainer state would refuse in `obj` (a global's name, such as
+    `numpy._core.multiarray.scalar`), or None when it loads: `obj` is pickled as `write_checkpoint_dir` pickles the
+    trainer state (its large tensors stored apart) and read back as `read_checkpoint_dir` reads it."""
+    skeleton, _ = split_tensors(obj)
+    buffer = io.BytesIO()
+    torch.save(skeleton, buffer)
+    buffer.seek(0)
+    try:
+        with torch.serialization.safe_globals([TensorRef, SubclassRef]):
+            torch.load(buffer, weights_only=True)
+    except pickle.UnpicklingError as e:
+        found = re.search(r"Unsupported global: GLOBAL (\S+)", str(e))
+        return found.group(1) if found else str(e).strip().splitlines()[0]
+    return None
 
 
 def _read(path: Path, manifest: dict, map_location: Any, weights_only: bool | None) -> dict:
