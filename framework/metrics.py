@@ -159,6 +159,7 @@ class StepMetrics(nn.Module):
         self.reductions: dict[str, str] = {}
         self.names: dict[str, str] = {}   # key -> the name it was logged under
         self.last: dict[str, torch.Tensor | float] = {}
+        self.last_names: set[str] = set()   # names logged with reduce="last" in this run, kept across compute()
         self.nan_seen: dict[str, torch.Tensor] = {}   # per metric: a NaN value was logged (on the device)
         self._ahead: tuple[list[float], list[float]] | None = None   # read_ahead's (NaN flags, values)
         # name -> whether user code logged it first in this run; kept across compute(), unlike the values
@@ -187,23 +188,27 @@ class StepMetrics(nn.Module):
         if reduce != "last" and reduce not in REDUCTIONS:
             raise ValueError(f"log_metric({name!r}): reduce must be 'last' or one of {sorted(REDUCTIONS)}, "
                              f"got {reduce!r}")
+        key = self._key(name)
+        # a name has one reduction: a 'last' value and an aggregated one would be written under one name, the
+        # 'last' one replacing the other
+        before = "last" if name in self.last_names else self.reductions.get(key) if self.names.get(key) == name \
+            else None
+        if before is not None and before != reduce:
+            raise ValueError(f"log_metric({name!r}): logged with reduce={before!r} before, now {reduce!r}")
         if reduce == "last":
             if isinstance(value, torch.Tensor) and value.numel() != 1:
                 raise ValueError(f"log_metric({name!r}): reduce='last' takes one value, got a tensor of shape "
                                  f"{tuple(value.shape)}")
             self._first(name, user, site)
+            self.last_names.add(name)
             self.last[name] = value.detach().clone() if isinstance(value, torch.Tensor) else float(value)
             return
-        key = self._key(name)
         if self.names.setdefault(key, name) != name:
             raise ValueError(f"log_metric({name!r}): {self.names[key]!r} is logged too, and the two cannot be told "
                              f"apart (both are stored as {key!r}: '.' as '__'); rename one of them")
         if key not in self.metrics:
             self.metrics[key] = REDUCTIONS[reduce](nan_strategy="error").to(self._anchor.device)
             self.reductions[key] = reduce
-        elif self.reductions[key] != reduce:
-            raise ValueError(f"log_metric({name!r}): logged with reduce={self.reductions[key]!r} before, "
-                             f"now {reduce!r}")
         self._first(name, user, site)
         metric = self.metrics[key]
         value = on_device(value, metric.device)
@@ -304,6 +309,7 @@ class StepMetrics(nn.Module):
         metrics and the next `compute()` adds each value once, whatever the number of processes."""
         self._ahead = None
         self.last = dict(state["last"])
+        self.last_names.update(self.last)
         for key, saved in state["metrics"].items():
             if key not in self.metrics:
                 self.metrics[key] = REDUCTIONS[saved["reduce"]](nan_strategy="error").to(self._anchor.device)

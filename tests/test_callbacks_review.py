@@ -61,6 +61,28 @@ def test_an_interval_of_such_a_name_continues_from_its_saved_state():
     assert resumed.compute() == {"values": pytest.approx((1.0 + 2 * 4.0) / 3), "items": 7.0}
 
 
+@pytest.mark.parametrize(("first", "then"), [("last", "mean"), ("sum", "last"), ("last", "max")])
+def test_a_name_logged_with_last_and_another_reduction_is_refused(first, then):
+    """A 'last' value and an aggregated one of one name were both kept and written under that name, the 'last' one
+    silently replacing the other in the record; two aggregations of one name are refused, and so is this."""
+    metrics = StepMetrics()
+    metrics.update("user/x", 1.0, reduce=first, user=True)
+    with pytest.raises(ValueError, match=rf"^log_metric\('user/x'\): logged with reduce='{first}' before, now "
+                                         rf"'{then}'$"):
+        metrics.update("user/x", 3.0, reduce=then, user=True)
+    assert metrics.compute() == {"user/x": 1.0}
+    # the name keeps its reduction in the next interval, and in one continued from a checkpoint
+    with pytest.raises(ValueError, match="logged with reduce="):
+        metrics.update("user/x", 3.0, reduce=then, user=True)
+    metrics.update("user/x", 2.0, reduce=first, user=True)
+    resumed = StepMetrics()
+    resumed.load_state(metrics.state())
+    with pytest.raises(ValueError, match="logged with reduce="):
+        resumed.update("user/x", 3.0, reduce=then, user=True)
+    resumed.update("user/x", 4.0, reduce=first, user=True)
+    assert resumed.compute() == {"user/x": {"last": 4.0, "sum": 6.0, "max": 4.0}[first]}
+
+
 # ------------------------------------------------------------------ state a resume gets back
 
 class Keeps(Callback):
