@@ -139,6 +139,35 @@ def test_a_callback_state_that_a_resume_cannot_load_stops_the_run_at_its_first_s
     assert [json.loads(ln)["step"] for ln in (run_dir / "metrics.jsonl").read_text().splitlines()] == [1, 2]
 
 
+def test_a_checkpoint_whose_state_a_weights_only_load_refuses_is_named_so_not_corrupt(tmp_path, capsys,
+                                                                                       monkeypatch):
+    """A checkpoint written before the save checked the callbacks' states: its resume said the trainer state was
+    corrupt. It is whole; the line names what the load refuses and the setting that loads it."""
+    from framework import checkpoint as ck
+    from framework.callbacks import RestorableState
+    from framework.cli import main
+
+    run_dir = tmp_path / "run"
+    keeps = "--callbacks=[{class_path: test_callbacks_review.Keeps, init_args: {kind: deque}}]"
+    with monkeypatch.context() as m:
+        m.setattr(RestorableState, "on_save_checkpoint", lambda *args: None)   # the save as it was
+        assert main(fit_args(run_dir, "--trainer.max_steps=2", "--checkpoint.every_n_steps=2", keeps)) == 0
+    latest = ck.find_latest(run_dir)
+    capsys.readouterr()
+    assert main(fit_args(run_dir, "--trainer.max_steps=3", "--resume", "last", keeps)) == 2
+    err = capsys.readouterr().err
+    (line,) = [ln for ln in err.splitlines() if ln.startswith("fw: error: ")]
+    assert line == (f"fw: error: {Path(latest) / 'trainer_state.pt'}: the trainer state holds collections.deque, "
+                    "which a weights-only load refuses (a callback's or a recipe's saved state holds it); if you "
+                    "trust this checkpoint, set TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1 to load it in full")
+    # the way out that the line names: the resume loads and continues (its own last save as the old one was)
+    monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
+    monkeypatch.setattr(RestorableState, "on_save_checkpoint", lambda *args: None)
+    assert main(fit_args(run_dir, "--trainer.max_steps=3", "--resume", "last", keeps)) == 0, \
+        capsys.readouterr().err[-3000:]
+    assert [r["step"] for r in read_metrics(run_dir / "metrics.jsonl")][-1] == 3
+
+
 class Counts(Callback):
     """Counts the optimizer steps it saw, in checkpoints as plain numbers."""
 

@@ -444,9 +444,14 @@ def weights_only_refusal(obj: Any) -> str | None:
         with torch.serialization.safe_globals([TensorRef, SubclassRef]):
             torch.load(buffer, weights_only=True)
     except pickle.UnpicklingError as e:
-        found = re.search(r"Unsupported global: GLOBAL (\S+)", str(e))
-        return found.group(1) if found else str(e).strip().splitlines()[0]
+        return _refused(e) or str(e).strip().splitlines()[0]
     return None
+
+
+def _refused(error: BaseException) -> str | None:
+    """The global (`module.name`) that a weights-only load refused with `error`, or None for another error."""
+    found = re.search(r"Unsupported global: GLOBAL (\S+)", str(error))
+    return found.group(1) if found and isinstance(error, pickle.UnpicklingError) else None
 
 
 def _read(path: Path, manifest: dict, map_location: Any, weights_only: bool | None) -> dict:
@@ -458,6 +463,11 @@ def _read(path: Path, manifest: dict, map_location: Any, weights_only: bool | No
             checkpoint = torch.load(f, map_location=map_location if map_location is not None else "cpu",
                                     weights_only=weights_only)
     except (RuntimeError, EOFError, ValueError, pickle.UnpicklingError) as e:
+        refused = _refused(e)
+        if refused is not None:   # whole, as written: a callback's or a recipe's state holds an object of this type
+            raise FwError(f"{path / TRAINER_STATE}: the trainer state holds {refused}, which a weights-only load "
+                          "refuses (a callback's or a recipe's saved state holds it); if you trust this checkpoint, "
+                          "set TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1 to load it in full") from None
         raise FwError(f"{path / TRAINER_STATE}: corrupt trainer state ({str(e).splitlines()[0]})") from None
     # every tensor file at once, on several threads (safetensors reads without holding the GIL)
     trainer_files = sorted(r for r in manifest["files"] if is_trainer_tensor_file(r))
