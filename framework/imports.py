@@ -90,6 +90,20 @@ def _in_stdlib(module: Any) -> bool:
     return path.startswith(STDLIB_DIRS) and not path.startswith(SITE_DIRS)
 
 
+def _shadowed(module: Any) -> str | None:
+    """A file of the user's of the top-level `module`'s name in a directory that class_path modules are imported from
+    (`add_search_paths`, which come after everything else on sys.path), which `module` was imported instead of."""
+    file = getattr(module, "__file__", None)
+    if not file:
+        return None
+    for directory in SEARCH_PATHS:
+        for mine in (os.path.join(directory, f"{module.__name__}.py"),
+                     os.path.join(directory, module.__name__, "__init__.py")):
+            if os.path.isfile(mine) and os.path.realpath(mine) != os.path.realpath(file):
+                return mine
+    return None
+
+
 _MODULE = "'{0}' is a module; class_path names a class in it, such as '{0}.ClassName'"
 
 
@@ -137,6 +151,11 @@ def import_object(class_path: str) -> Any:
                     where = getattr(obj, "__file__", None) or "built into the interpreter"
                     hint = (f"; '{module_name}' is Python's own module ({where}), which a file of yours of "
                             "that name does not replace: rename your file")
+                elif not close and owner == module_name and "." not in module_name and (mine := _shadowed(obj)):
+                    what = "fw's own package" if is_fw_file(obj.__file__) else \
+                        "an installed package" if in_library(obj.__file__) else "another module"
+                    hint = (f"; '{module_name}' is {what} ({obj.__file__}), which your {mine} of that name does not "
+                            "replace: rename your file")
                 raise FwError(f"cannot import '{class_path}': module '{module_name}' has no attribute "
                               f"'{attr}'{hint}" if owner == module_name else
                               f"cannot import '{class_path}': '{owner}' has no attribute '{attr}'{hint}")

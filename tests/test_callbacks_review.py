@@ -19,6 +19,28 @@ def fit_args(run_dir, *extra):
             "--logging.tensorboard=false", "--logging.csv=false", *extra]
 
 
+# ------------------------------------------------------------------ where the class comes from
+
+def test_a_callback_file_named_like_a_package_that_comes_first_is_told_to_be_renamed(tmp_path, capsys):
+    """A user's recipes.py beside the config: `recipes` is fw's own package, which comes first on sys.path, so
+    `recipes.Mine` named a missing attribute of fw's package, and nothing said that the user's file was not the one
+    imported."""
+    import recipes
+    from framework.cli import main
+
+    (tmp_path / "recipes.py").write_text("from framework.callbacks import Callback\n\n\nclass Mine(Callback):\n"
+                                         "    pass\n")
+    config = tmp_path / "c.yaml"
+    config.write_text(f"recipe: sft\nrun_dir: {tmp_path / 'run'}\nmodel: {{policy: {{preset: tiny}}}}\n"
+                      "data: {task: {name: digits}}\ntrainer: {max_steps: 1}\ncallbacks:\n"
+                      "  - {class_path: recipes.Mine}\n")
+    assert main(["validate", "--config", str(config)]) == 2
+    line = (f"{config}:7:18: callbacks[0].class_path: cannot import 'recipes.Mine': module 'recipes' has no attribute "
+            f"'Mine'; 'recipes' is fw's own package ({recipes.__file__}), which your {tmp_path / 'recipes.py'} of that "
+            "name does not replace: rename your file")
+    assert capsys.readouterr().err.splitlines() == [line]
+
+
 # ------------------------------------------------------------------ metric names
 
 class PlainNames(Callback):
