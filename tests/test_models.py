@@ -265,7 +265,7 @@ def test_config_round_trip_and_transformers_format():
 
 @pytest.mark.parametrize("change,match", [
     ({"attention_bias": True}, "attention_bias: true"),
-    ({"use_sliding_window": True, "sliding_window": 128}, "use_sliding_window: true"),
+    ({"use_sliding_window": True, "sliding_window": 128, "max_window_layers": 0}, "use_sliding_window: true"),
     ({"num_experts": 8}, "num_experts: 8 .mixture-of-experts"),
     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling: .*only plain RoPE"),
     ({"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1.0}}, "rope_parameters"),
