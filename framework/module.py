@@ -298,13 +298,15 @@ class FwModule(lightning.LightningModule):
         """Record a value for the current logging interval: `mean` (weighted), `sum`, `max`, `min` are
         reduced over micro-batches, steps and ranks; `last` keeps the latest value as is.
 
-        `weight` defaults to 1 / world size: each rank's value is one vote and each call site one vote per
+        `weight` (`mean` only) defaults to 1 / world size: each rank's value is one vote and each call site one vote per
         step in all, so a logging interval that a resume on another number of processes cut in two still
         weighs its steps equally. Weights that count something global (tokens, sequences) need no care.
 
         A name that fw writes itself (`loss`, `lr`, `reward/mean`, `eval/...`, `tokens_per_s`, ...) is refused with a
         ValueError: its value would be merged into fw's. fw's own metrics go through `log_fw_metric`.
         """
+        if weight is not None and reduce != "mean":   # sum, max, min and last have no weights to apply
+            raise ValueError(f"log_metric({name!r}): a weight applies to reduce='mean' only, not {reduce!r}")
         site = None
         if isinstance(name, str) and name not in self.step_metrics.by_user:   # its first write: where, for a refusal
             caller = sys._getframe(1)

@@ -105,6 +105,28 @@ def test_a_name_logged_with_last_and_another_reduction_is_refused(first, then):
     assert resumed.compute() == {"user/x": {"last": 4.0, "sum": 6.0, "max": 4.0}[first]}
 
 
+class WeighsASum(Callback):
+    """Logs a value with a weight, under reduction `reduce`."""
+
+    def __init__(self, reduce: str):
+        self.reduce = reduce
+
+    def before_optimizer_step(self, trainer, module, optimizer):
+        module.log_metric("user/tokens", 3.0, weight=0.5, reduce=self.reduce)
+
+
+@pytest.mark.parametrize("reduce", ["sum", "max", "min", "last"])
+def test_a_weight_with_another_reduction_than_mean_is_refused(tmp_path, reduce):
+    """A weight applies to a mean alone; with sum, max, min or last it was dropped, silently, so a user weighing a
+    sum by a count read an unweighted sum in the records."""
+    from framework.cli import main
+
+    spec = f"--callbacks=[{{class_path: test_callbacks_review.WeighsASum, init_args: {{reduce: {reduce}}}}}]"
+    with pytest.raises(ValueError, match=rf"^log_metric\('user/tokens'\): a weight applies to reduce='mean' only, "
+                                         rf"not '{reduce}'$"):
+        main(fit_args(tmp_path / "run", "--trainer.max_steps=1", spec))
+
+
 # ------------------------------------------------------------------ state a resume gets back
 
 class Keeps(Callback):
