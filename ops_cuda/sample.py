@@ -75,7 +75,8 @@ def inverse_cdf(p: Tensor, u: Tensor) -> Tensor:
     pad = -V % _CHUNK
     if pad:
         p = torch.nn.functional.pad(p, (0, pad))
-    sums = p.view(B, -1, _CHUNK).sum(-1).double().cumsum(-1)
+    # the chunk count spelled out: view(B, -1, ...) cannot infer it for an empty batch (B = 0)
+    sums = p.view(B, p.shape[1] // _CHUNK, _CHUNK).sum(-1).double().cumsum(-1)
     target = (u.to(sums.device) * sums[:, -1])[:, None]
     chunk = torch.searchsorted(sums, target, right=True).clamp_(max=sums.shape[1] - 1)
     chunk = torch.searchsorted(sums, sums.gather(1, chunk))       # the last chunk with mass at or before
