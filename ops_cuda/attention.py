@@ -54,4 +54,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, positions: Tensor | None, scale: 
     if positions is not None:
         need_dim("attention", "positions", positions, 2, "[B, T]")
         need_long("attention", "positions", positions)
+        if positions.shape != q.shape[:2]:
+            fail("attention", f"`positions` must be [B, T] = {tuple(q.shape[:2])} (q's first two sizes), got "
+                              f"{tuple(positions.shape)}")
     return torch.ops.fw.attention(q, k, v, positions, float(scale))

@@ -26,3 +26,16 @@ def test_cpu_rollout_draw_takes_an_empty_batch():
     params = SamplingParams(max_new_tokens=4, temperature=0.7)
     tokens, logprob = draw(torch.randn(0, 300), params, 3, torch.zeros(0, 2, dtype=torch.long))
     assert tokens.shape == (0,) and logprob.shape == (0,)
+
+
+# ------------------------------------------------------------------ attention: positions of another shape
+@pytest.mark.parametrize("shape", [(1, 4), (2, 3), (1, 3)], ids=["longer", "more-rows", "fewer-rows"])
+def test_attention_refuses_positions_of_another_shape(shape):
+    """positions must be q's [B, T]: a longer row failed inside scaled_dot_product_attention's mask, more rows
+    than q's in its output check, and one row for two queries' rows was broadcast over them without a word."""
+    B = 2 if shape == (1, 3) else 1
+    q, k = torch.randn(B, 3, 4, 8), torch.randn(B, 3, 2, 8)
+    positions = torch.zeros(shape, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"^ops_cuda\.attention: `positions` must be \[B, T\] = \(\d, 3\) \(q's first "
+                                         rf"two sizes\), got \({shape[0]}, {shape[1]}\)$"):
+        ops_cuda.attention(q, k, k, positions, 0.3)
