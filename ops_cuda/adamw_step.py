@@ -79,6 +79,28 @@ define("adamw_step(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, T
        adamw_step_reference, fake=lambda *args: None)
 
 
+def _check_tensor(i: int, p: Tensor, g: Tensor, m: Tensor, ms: Tensor, v: Tensor, vs: Tensor, qmap_signed: Tensor,
+                  qmap_unsigned: Tensor) -> None:
+    """Tensor i's gradient and moments fit its parameter, as the CUDA host code requires: the reference would
+    broadcast a gradient of another shape over the parameter, or read past a short code map."""
+    shapes = {"gradient": g.shape, "exp_avg": m.shape, "exp_avg_sq": v.shape}
+    for name, shape in shapes.items():
+        if shape != p.shape:
+            fail("adamw_step", f"tensor {i}: the {name} is {tuple(shape)}, its parameter {tuple(p.shape)}: they must "
+                               "have one shape")
+    if ms.numel() == 0:
+        return
+    blocks = p.numel() // BLOCK
+    if (p.numel() % BLOCK or ms.numel() != blocks or vs.numel() != blocks or m.dtype != torch.uint8
+            or v.dtype != torch.uint8):
+        fail("adamw_step", f"tensor {i}: 8-bit moments need uint8 codes (got {m.dtype} and {v.dtype}), a multiple of "
+                           f"{BLOCK} elements (got {p.numel()}) and one scale per block of {BLOCK} (got {ms.numel()} "
+                           f"and {vs.numel()})")
+    if qmap_signed.numel() != 256 or qmap_unsigned.numel() != 256:
+        fail("adamw_step", f"the quantization maps must hold 256 values each, got {qmap_signed.numel()} and "
+                           f"{qmap_unsigned.numel()}")
+
+
 def adamw_step(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], exp_avg_scales: list[Tensor],
                exp_avg_sqs: list[Tensor], exp_avg_sq_scales: list[Tensor], qmap_signed: Tensor, qmap_unsigned: Tensor,
                *, lr: float, betas: tuple[float, float], weight_decay: float, eps: float, step: int,
@@ -92,6 +114,8 @@ def adamw_step(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor]
         fail("adamw_step", f"the six tensor lists must have one length, got {[len(x) for x in lists]}")
     if step < 1:
         fail("adamw_step", f"`step` counts from 1, got {step}")
+    for i, (p, g, m, ms, v, vs) in enumerate(zip(*lists)):
+        _check_tensor(i, p, g, m, ms, v, vs, qmap_signed, qmap_unsigned)
     beta1, beta2 = betas
     torch.ops.fw.adamw_step(list(params), list(grads), list(exp_avgs), list(exp_avg_scales), list(exp_avg_sqs),
                             list(exp_avg_sq_scales), qmap_signed, qmap_unsigned, float(lr), float(beta1),

@@ -39,3 +39,44 @@ def test_attention_refuses_positions_of_another_shape(shape):
     with pytest.raises(ValueError, match=r"^ops_cuda\.attention: `positions` must be \[B, T\] = \(\d, 3\) \(q's first "
                                          rf"two sizes\), got \({shape[0]}, {shape[1]}\)$"):
         ops_cuda.attention(q, k, k, positions, 0.3)
+
+
+# ------------------------------------------------------------------ adamw_step: tensors that do not fit their parameter
+def _adamw_lists(bad: str) -> tuple[list, ...]:
+    """Two tensors: a plain one that fits, then an 8-bit one (512 elements, two blocks) spoiled as `bad` says."""
+    empty = torch.empty(0)
+    p0, g0 = torch.randn(4), torch.randn(4)
+    n = 512
+    p1, g1 = torch.randn(n), torch.randn(n)
+    m1, v1 = torch.zeros(n, dtype=torch.uint8), torch.zeros(n, dtype=torch.uint8)
+    ms1, vs1 = torch.ones(2), torch.ones(2)
+    qmap = torch.linspace(-1, 1, 256)
+    if bad == "gradient":
+        g1 = torch.randn(1)   # broadcast over the parameter by the reference
+    elif bad == "exp_avg":
+        m1 = m1.view(n, 1)
+    elif bad == "scales":
+        ms1 = torch.ones(1)
+    elif bad == "codes":
+        m1 = torch.zeros(n)
+    elif bad == "qmap":
+        qmap = torch.linspace(-1, 1, 16)
+    return [p0, p1], [g0, g1], [torch.zeros(4), m1], [empty, ms1], [torch.zeros(4), v1], [empty, vs1], qmap, qmap.abs()
+
+
+@pytest.mark.parametrize("bad,message", [
+    ("gradient", r"tensor 1: the gradient is \(1,\), its parameter \(512,\): they must have one shape"),
+    ("exp_avg", r"tensor 1: the exp_avg is \(512, 1\), its parameter \(512,\): they must have one shape"),
+    ("scales", r"tensor 1: 8-bit moments need uint8 codes .* one scale per block of 256 \(got 1 and 2\)"),
+    ("codes", r"tensor 1: 8-bit moments need uint8 codes \(got torch.float32 and torch.uint8\)"),
+    ("qmap", r"the quantization maps must hold 256 values each, got 16 and 16"),
+], ids=["gradient", "exp_avg", "scales", "codes", "qmap"])
+def test_adamw_step_refuses_tensors_that_do_not_fit_their_parameter(bad, message):
+    """The CUDA host code refuses these; the reference broadcast a one-element gradient over the parameter without a
+    word, or failed part-way (the first parameter already stepped) with an error naming neither op nor tensor. Now
+    every tensor is checked before any is touched."""
+    lists = _adamw_lists(bad)
+    before = lists[0][0].clone()
+    with pytest.raises(ValueError, match=rf"^ops_cuda\.adamw_step: {message}"):
+        ops_cuda.adamw_step(*lists, lr=0.1, betas=(0.9, 0.99), weight_decay=0.0, eps=1e-8, step=1)
+    assert torch.equal(lists[0][0], before)
