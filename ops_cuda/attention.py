@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ops_cuda.library import define, fail, need_dim, need_long
+from ops_cuda.library import define, fail, heads_fit, need_dim, need_long
 
 
 def document_mask(positions: Tensor) -> Tensor:
@@ -48,9 +48,10 @@ def attention(q: Tensor, k: Tensor, v: Tensor, positions: Tensor | None, scale: 
     need_dim("attention", "q", q, 4, "[B, T, Hq, D]")
     need_dim("attention", "k", k, 4, "[B, T, Hk, D]")
     need_dim("attention", "v", v, 4, "[B, T, Hk, D]")
-    if k.shape != v.shape or q.shape[:2] != k.shape[:2] or q.shape[3] != k.shape[3] or q.shape[2] % k.shape[2]:
+    if (k.shape != v.shape or q.shape[:2] != k.shape[:2] or q.shape[3] != k.shape[3]
+            or not heads_fit(q.shape[2], k.shape[2])):
         fail("attention", f"shapes disagree: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} "
-                          "(expected k == v shapes, same B, T, D, and Hq a multiple of Hk)")
+                          "(expected k == v shapes, same B, T, D, and Hq a multiple of Hk > 0)")
     if positions is not None:
         need_dim("attention", "positions", positions, 2, "[B, T]")
         need_long("attention", "positions", positions)

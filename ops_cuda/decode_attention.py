@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ops_cuda.library import acc_dtype, define, fail, need_device, need_dim, need_long
+from ops_cuda.library import acc_dtype, define, fail, heads_fit, need_device, need_dim, need_long
 
 
 def decode_attention_reference(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tensor,
@@ -37,7 +37,7 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tenso
     need_long("decode_attention", "lengths", lengths)
     B, Hq, D = q.shape
     if (k_cache.shape != v_cache.shape or k_cache.shape[0] != B or k_cache.shape[3] != D
-            or Hq % k_cache.shape[1] or lengths.shape[0] != B):
+            or not heads_fit(Hq, k_cache.shape[1]) or lengths.shape[0] != B):
         fail("decode_attention", f"shapes disagree: q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}, "
                                  f"v_cache {tuple(v_cache.shape)}, lengths {tuple(lengths.shape)}")
     need_device("decode_attention", "q", q, k_cache=k_cache, v_cache=v_cache, lengths=lengths)

@@ -53,6 +53,11 @@ def need_device(op: str, anchor: str, x: Tensor, **others: Tensor | None) -> Non
             fail(op, f"`{name}` is on {t.device}, `{anchor}` on {x.device}: every tensor must be on one device")
 
 
+def heads_fit(hq: int, hk: int) -> bool:
+    """Whether hq query heads share hk > 0 key/value heads in equal groups (no modulo by zero for hk = 0)."""
+    return hk > 0 and hq % hk == 0
+
+
 def need_long(op: str, name: str, t: Tensor) -> None:
     if t.dtype != torch.int64:
         fail(op, f"`{name}` must be int64 (LongTensor), got {t.dtype}")

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ops_cuda.library import acc_dtype, define, fail, need_device, need_dim, need_long
+from ops_cuda.library import acc_dtype, define, fail, heads_fit, need_device, need_dim, need_long
 
 
 def gather_context(pool: Tensor, table: Tensor, length: int) -> Tensor:
@@ -181,7 +181,7 @@ def _check_pools(op: str, q: Tensor, k_pool: Tensor, v_pool: Tensor, block_table
     if v_pool.dtype != k_pool.dtype or k_pool.dtype not in (q.dtype, torch.float8_e4m3fn):
         fail(op, f"k_pool and v_pool must be float8_e4m3fn or q's dtype ({q.dtype}), got {k_pool.dtype} and "
                  f"{v_pool.dtype}")
-    if (k_pool.shape != v_pool.shape or k_pool.shape[3] != q.shape[2] or q.shape[1] % k_pool.shape[1]
+    if (k_pool.shape != v_pool.shape or k_pool.shape[3] != q.shape[2] or not heads_fit(q.shape[1], k_pool.shape[1])
             or block_tables.shape[0] != lengths.shape[0]):
         fail(op, f"shapes disagree: q {tuple(q.shape)}, k_pool {tuple(k_pool.shape)}, v_pool {tuple(v_pool.shape)}, "
                  f"block_tables {tuple(block_tables.shape)}, lengths {tuple(lengths.shape)}")

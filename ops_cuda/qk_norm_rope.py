@@ -122,10 +122,11 @@ def qk_norm_rope(qkv: Tensor, positions: Tensor, q_weight: Tensor, k_weight: Ten
     D = q_weight.shape[0]
     if positions.shape[0] != qkv.shape[0]:
         fail(op, f"`positions` has {positions.shape[0]} entries for {qkv.shape[0]} tokens")
-    if k_weight.shape != q_weight.shape or qkv.shape[1] % D or qkv.shape[1] // D <= 2 * num_kv_heads or D % 2:
+    if (k_weight.shape != q_weight.shape or D == 0 or D % 2 or num_kv_heads < 1 or qkv.shape[1] % D
+            or qkv.shape[1] // D <= 2 * num_kv_heads):
         fail(op, f"shapes disagree: qkv {tuple(qkv.shape)}, q_weight {tuple(q_weight.shape)}, k_weight "
                  f"{tuple(k_weight.shape)}, {num_kv_heads} kv heads (expected qkv's width (Hq + 2 Hk) * D with Hq > 0, "
-                 "D even)")
+                 "Hk > 0, D > 0 even)")
     q_weight, k_weight = kernel_weights(qkv, q_weight, k_weight)
     if qkv.is_cuda and D not in KERNEL_HEAD_DIMS:
         return _separate_ops(qkv, positions, q_weight, k_weight, eps, theta, num_kv_heads)

@@ -58,9 +58,9 @@ def qk_norm_rope_write(qkv: Tensor, positions: Tensor, q_weight: Tensor, k_weigh
         if t.shape[0] != qkv.shape[0]:
             fail(op, f"`{name}` has {t.shape[0]} entries for {qkv.shape[0]} tokens")
     Hk, D = k_pool.shape[1], k_pool.shape[3]
-    if k_pool.shape != v_pool.shape or qkv.shape[1] % D or qkv.shape[1] // D <= 2 * Hk or D % 2:
+    if k_pool.shape != v_pool.shape or D == 0 or D % 2 or Hk == 0 or qkv.shape[1] % D or qkv.shape[1] // D <= 2 * Hk:
         fail(op, f"shapes disagree: qkv {tuple(qkv.shape)}, k_pool {tuple(k_pool.shape)}, v_pool "
-                 f"{tuple(v_pool.shape)} (expected qkv's width (Hq + 2 Hk) * D, Hq > 0, D even)")
+                 f"{tuple(v_pool.shape)} (expected qkv's width (Hq + 2 Hk) * D, Hq > 0, Hk > 0, D > 0 even)")
     if q_weight.shape != (D,) or k_weight.shape != (D,):
         fail(op, f"q_weight {tuple(q_weight.shape)} and k_weight {tuple(k_weight.shape)} must be [{D}]")
     if k_pool.dtype not in (qkv.dtype, FP8) or v_pool.dtype != k_pool.dtype:

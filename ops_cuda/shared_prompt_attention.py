@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 import ops_cuda.merge_attention  # noqa: F401 (defines fw::merge_attention_states, which the CUDA forward calls)
-from ops_cuda.library import acc_dtype, define, fail, need_dim, register_autocast
+from ops_cuda.library import acc_dtype, define, fail, heads_fit, need_dim, register_autocast
 from ops_cuda.varlen_attention import (
     flash_backward,
     flash_forward,
@@ -276,9 +276,10 @@ def shared_prompt_attention(q: Tensor, k: Tensor, v: Tensor, prompt_tokens: int,
     if cu_prompts.shape != cu_groups.shape:
         fail(op, f"cu_prompts {tuple(cu_prompts.shape)} and cu_groups {tuple(cu_groups.shape)} must count the same "
                  "groups")
-    if k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2] or q.shape[1] % k.shape[1]:
+    if (k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]
+            or not heads_fit(q.shape[1], k.shape[1])):
         fail(op, f"shapes disagree: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} (expected k == v "
-                 "shapes, the same T and D, and Hq a multiple of Hk)")
+                 "shapes, the same T and D, and Hq a multiple of Hk > 0)")
     if not 0 <= prompt_tokens <= q.shape[0]:
         fail(op, f"prompt_tokens {prompt_tokens} must lie in 0..{q.shape[0]} (the row's tokens)")
     return torch.ops.fw.shared_prompt_attention(q, k, v, prompt_tokens, cu_prompts, cu_groups, cu_seqs, max_prompt,

@@ -12,7 +12,7 @@ import itertools
 import torch
 from torch import Tensor
 
-from ops_cuda.library import acc_dtype, define, fail, need_dim, register_autocast
+from ops_cuda.library import acc_dtype, define, fail, heads_fit, need_dim, register_autocast
 
 
 def packed_sequences(positions: Tensor) -> tuple[Tensor, int]:
@@ -247,9 +247,10 @@ def varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_se
     need_dim("varlen_attention", "cu_seqlens", cu_seqlens, 1, "[S + 1]")
     if cu_seqlens.dtype != torch.int32:
         fail("varlen_attention", f"`cu_seqlens` must be int32, got {cu_seqlens.dtype}")
-    if k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2] or q.shape[1] % k.shape[1]:
+    if (k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]
+            or not heads_fit(q.shape[1], k.shape[1])):
         fail("varlen_attention", f"shapes disagree: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} "
-                                 "(expected k == v shapes, same N and D, and Hq a multiple of Hk)")
+                                 "(expected k == v shapes, same N and D, and Hq a multiple of Hk > 0)")
     return torch.ops.fw.varlen_attention(q, k, v, cu_seqlens, max_seqlen, float(scale))[0]
 
 
@@ -271,8 +272,8 @@ def varlen_suffix_attention(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k:
     if cu_q.shape != cu_k.shape:
         fail("varlen_suffix_attention", f"cu_q {tuple(cu_q.shape)} and cu_k {tuple(cu_k.shape)} must count the same "
                                         "sequences")
-    if k.shape != v.shape or q.shape[2] != k.shape[2] or q.shape[1] % k.shape[1]:
+    if k.shape != v.shape or q.shape[2] != k.shape[2] or not heads_fit(q.shape[1], k.shape[1]):
         fail("varlen_suffix_attention", f"shapes disagree: q {tuple(q.shape)}, k {tuple(k.shape)}, "
                                         f"v {tuple(v.shape)} (expected k == v shapes, the same D, and Hq a multiple "
-                                        "of Hk)")
+                                        "of Hk > 0)")
     return torch.ops.fw.varlen_suffix_attention(q, k, v, cu_q, cu_k, max_q, max_k, float(scale))[0]

@@ -80,3 +80,46 @@ def test_adamw_step_refuses_tensors_that_do_not_fit_their_parameter(bad, message
     with pytest.raises(ValueError, match=rf"^ops_cuda\.adamw_step: {message}"):
         ops_cuda.adamw_step(*lists, lr=0.1, betas=(0.9, 0.99), weight_decay=0.0, eps=1e-8, step=1)
     assert torch.equal(lists[0][0], before)
+
+
+# ------------------------------------------------------------------ no key/value heads, no head size
+def _no_heads_cases():
+    long = torch.long
+    q3, none3 = torch.randn(4, 2, 8), torch.randn(4, 0, 8)
+    cu = torch.tensor([0, 4], dtype=torch.int32)
+    no_pool, tables, lengths = torch.randn(2, 0, 4, 8), torch.tensor([[0, 1]]), torch.tensor([3])
+    pos = torch.arange(4)
+    yield "attention", lambda: ops_cuda.attention(torch.randn(1, 4, 2, 8), none3[None], none3[None], None, 0.3)
+    yield "varlen_attention", lambda: ops_cuda.varlen_attention(q3, none3, none3, cu, 4, 0.3)
+    yield "varlen_suffix_attention", lambda: ops_cuda.varlen_suffix_attention(q3, none3, none3, cu, cu, 4, 4, 0.3)
+    yield "shared_prompt_attention", lambda: ops_cuda.shared_prompt_attention(
+        q3, none3, none3, 4, torch.tensor([0, 4], dtype=torch.int32), torch.tensor([0, 0], dtype=torch.int32), cu,
+        4, 0, 4, 0.3)
+    yield "decode_attention", lambda: ops_cuda.decode_attention(
+        torch.randn(1, 2, 8), torch.randn(1, 0, 5, 8), torch.randn(1, 0, 5, 8), lengths, 0.3)
+    yield "paged_decode_attention", lambda: ops_cuda.paged_decode_attention(
+        torch.randn(1, 2, 8), no_pool, no_pool, tables, lengths, 0.3)
+    yield "paged_prefill_attention", lambda: ops_cuda.paged_prefill_attention(
+        torch.randn(3, 2, 8), no_pool, no_pool, tables, torch.tensor([0, 3]), lengths, 0.3)
+    yield "qk_norm_rope", lambda: ops_cuda.qk_norm_rope(torch.randn(4, 32), pos, torch.randn(8), torch.randn(8),
+                                                        1e-6, 1e4, 0)
+    yield "qk_norm_rope", lambda: ops_cuda.qk_norm_rope(torch.randn(4, 32), pos, torch.randn(8), torch.randn(8),
+                                                        1e-6, 1e4, -1)
+    yield "qk_norm_rope", lambda: ops_cuda.qk_norm_rope(torch.randn(4, 32), pos, torch.randn(0), torch.randn(0),
+                                                        1e-6, 1e4, 1)
+    yield "qk_norm_rope_write", lambda: ops_cuda.qk_norm_rope_write(
+        torch.randn(4, 32), pos, torch.randn(8), torch.randn(8), 1e-6, 1e4, no_pool, no_pool,
+        torch.zeros(4, dtype=long), torch.arange(4))
+    yield "qk_norm_rope_write", lambda: ops_cuda.qk_norm_rope_write(
+        torch.randn(4, 32), pos, torch.randn(0), torch.randn(0), 1e-6, 1e4, torch.randn(2, 1, 4, 0),
+        torch.randn(2, 1, 4, 0), torch.zeros(4, dtype=long), torch.arange(4))
+
+
+@pytest.mark.parametrize("op,call", list(_no_heads_cases()),
+                         ids=[f"{op}-{i}" for i, (op, _) in enumerate(_no_heads_cases())])
+def test_no_key_value_heads_or_head_size_is_a_shape_error(op, call):
+    """Zero key/value heads (or a zero head size, or a kv head count below 1) is refused as the shapes' error of the
+    op; the checks took the query heads modulo 0 (ZeroDivisionError: integer modulo by zero), or let a negative
+    count reach torch.split, or ran with no kv heads at all."""
+    with pytest.raises(ValueError, match=rf"^ops_cuda\.{op}: shapes disagree: "):
+        call()
