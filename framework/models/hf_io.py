@@ -36,7 +36,7 @@ from framework.durable import (
     write_new_file,
 )
 from framework.errors import FwError
-from framework.models.qwen3 import HfTargets, Qwen3ForCausalLM, check_tied_head, copy_into
+from framework.models.qwen3 import HfTargets, Qwen3ForCausalLM, check_tied_head, check_weight_dtype, copy_into
 from framework.models.qwen3_config import Qwen3Config
 from framework.models.value import ARCHITECTURE as VALUE_ARCHITECTURE
 from framework.models.value import Qwen3ValueModel
@@ -138,6 +138,7 @@ def stream_load(targets: HfTargets, path: str | os.PathLike, tied: bool = False)
                     seen.add(name)
                     if tied and name == "lm_head.weight":
                         lm_head = f.get_tensor(name)
+                        check_weight_dtype(name, lm_head, str(file))
                     elif name not in targets:
                         raise FwError(f"{file}: unexpected tensor {name} (not part of this Qwen3 model)")
                     else:

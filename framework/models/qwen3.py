@@ -483,10 +483,23 @@ def load_targets(targets: HfTargets, sd: dict[str, Tensor], strict: bool = True,
             copy_into(targets, name, value, source)
 
 
+# what a stored weight may be: a copy converts between these exactly or by rounding; any other dtype (an integer,
+# bool, complex, float8 or packed float4 tensor) is not a plain weight, and copy_ would turn it into wrong numbers
+WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def check_weight_dtype(name: str, value: Tensor, source: str) -> None:
+    """Refuse a stored tensor `name` whose dtype is not a plain floating-point weight's (WEIGHT_DTYPES)."""
+    if value.dtype not in WEIGHT_DTYPES:
+        raise FwError(f"{source}: tensor {name} has dtype {str(value.dtype).removeprefix('torch.')}, expected "
+                      "float32, bfloat16, float16 or float64")
+
+
 def copy_into(targets: HfTargets, name: str, value: Tensor, source: str) -> None:
-    """Copy one HF tensor into its (slice of a) parameter, converting dtype/device; checks the shape."""
+    """Copy one HF tensor into its (slice of a) parameter, converting dtype/device; checks the shape and dtype."""
     t, lo, hi = targets[name]
     dest = t if lo is None else t[lo:hi]
+    check_weight_dtype(name, value, source)
     if tuple(value.shape) != tuple(dest.shape):
         raise FwError(f"{source}: tensor {name} has shape {tuple(value.shape)}, expected {tuple(dest.shape)}")
     with torch.no_grad():
@@ -608,6 +621,7 @@ class Qwen3ForCausalLM(nn.Module):
         """Load HF-named tensors; a tied model also accepts an `lm_head.weight` equal to the embedding."""
         sd = dict(sd)
         if self.lm_head is None and "lm_head.weight" in sd:
+            check_weight_dtype("lm_head.weight", sd["lm_head.weight"], "state dict")
             check_tied_head(sd.pop("lm_head.weight"), sd.get("model.embed_tokens.weight"), "state dict")
         load_targets(self.hf_targets(), sd, strict)
 
