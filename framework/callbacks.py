@@ -703,9 +703,11 @@ def callback_problems(built: list[tuple[int, str, Any]], progress_bar: bool = Tr
 
 def user_callbacks(cfg: dict) -> list[lightning.Callback]:
     """`callbacks: [{class_path, init_args}]` instantiated; FwError at the first `callback_problems`."""
-    from framework.imports import instantiate
+    from framework.imports import instantiate_once
 
-    built = [(i, spec["class_path"], instantiate(spec)) for i, spec in enumerate(cfg["callbacks"])]
+    # within `fw fit`, the objects that its checks built (validate.py)
+    built = [(i, spec["class_path"], instantiate_once(spec, f"callbacks[{i}]"))
+             for i, spec in enumerate(cfg["callbacks"])]
     for i, problem in callback_problems(built, cfg["trainer"]["enable_progress_bar"]):
         raise FwError(f"callbacks[{i}]: {problem}")
     return [cb for _, _, cb in built]

@@ -22,6 +22,7 @@ from typing import Any
 
 from framework.config import dump_config, load_config, schema_path, schema_text
 from framework.errors import ConfigError, FwError
+from framework.imports import built_once
 from framework.signals import Stopped
 
 # Commands whose leftover `--a.b=v` arguments are config overrides.
@@ -279,7 +280,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if sys.stdout is None and args.command != "fit":   # fd 1 closed: print() drops the result without a word
             raise FwError(f"standard output is closed; fw {args.command} writes its result there")
-        code = _run(args, rest)
+        with built_once():   # fit's run uses the user objects that its checks built
+            code = _run(args, rest)
         if sys.stdout is not None:
             _written(sys.stdout.flush)   # here, not at exit: a write that fails is this command's error
         return code

@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import importlib
 import inspect
+import json
 import os
 import pkgutil
 import sys
 import sysconfig
 import traceback
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from framework.errors import FwError, what_raised
@@ -231,3 +233,33 @@ def instantiate(spec: dict, **extra: Any) -> Any:
         raise
     except (Exception, SystemExit) as e:  # the user's constructor: one line, the traceback under --debug
         raise FwError(f"{class_path}(**init_args) {what_raised(e)}{user_line(e)}") from e
+
+
+# The user objects that `instantiate_once` built in the open `built_once()` scope, by where and spec; None outside one.
+_BUILT: dict[tuple[str, str], Any] | None = None
+
+
+@contextlib.contextmanager
+def built_once() -> Iterator[None]:
+    """A scope in which `instantiate_once` builds each user object once: the checks of a config and the run that
+    follows them in one process (`fw fit`) share it, so a constructor's side effects (a tracking run opened, a
+    directory made, a thread started) happen once a process."""
+    global _BUILT
+    outer = _BUILT
+    _BUILT = {} if outer is None else outer
+    try:
+        yield
+    finally:
+        _BUILT = outer
+
+
+def instantiate_once(spec: dict, where: str) -> Any:
+    """`instantiate(spec)`; within `built_once()`, the object built there before for `where` (the config key that
+    names it, `callbacks[0]`) from an equal spec. A constructor that raises leaves nothing: the next call raises
+    again, as the checks and the run each report it where they meet it."""
+    if _BUILT is None:
+        return instantiate(spec)
+    key = (where, json.dumps(spec, sort_keys=True, default=repr))
+    if key not in _BUILT:
+        _BUILT[key] = instantiate(spec)
+    return _BUILT[key]

@@ -512,14 +512,14 @@ def build_reward(reward_cfg: dict, task: Any = None, check: bool = True) -> Call
     a JSONL task's answers are checked for ``numeric_match`` (``check_references``)."""
     init_args = reward_cfg["init_args"] or {}
     if reward_cfg["class_path"]:
-        from framework.imports import import_object, instantiate
+        from framework.imports import import_object, instantiate_once
 
         if _is_reward_function(import_object(reward_cfg["class_path"])):   # would be called with init_args alone
             raise FwError(f"reward.class_path: {reward_cfg['class_path']!r} is a function of (prompt, completion, "
                           "metadata), a reward itself, but class_path names what fw calls with reward.init_args to "
                           "build the reward: a class whose instances are called so (its __call__), or a factory")
 
-        reward = instantiate({"class_path": reward_cfg["class_path"], "init_args": init_args})
+        reward = instantiate_once({"class_path": reward_cfg["class_path"], "init_args": init_args}, "reward")
         where = f"reward.class_path {reward_cfg['class_path']!r}"
     else:
         name = reward_cfg["name"]

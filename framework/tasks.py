@@ -363,12 +363,12 @@ def build_task(data_cfg: dict, seed: int, path_key: str = "data.path") -> Task:
         raise FwError("data: RL needs prompts: set data.task (e.g. {name: digits}) or data.path (JSONL)")
     init_args = dict(task_cfg.get("init_args") or {})
     if task_cfg.get("class_path"):
-        from framework.imports import import_object, instantiate
+        from framework.imports import import_object, instantiate_once
 
         cls_path = task_cfg["class_path"]
         if _takes_seed(import_object(cls_path)):
             init_args.setdefault("seed", seed)
-        task = instantiate({"class_path": cls_path, "init_args": init_args})
+        task = instantiate_once({"class_path": cls_path, "init_args": init_args}, "data.task")
         if not callable(getattr(task, "sample", None)):
             raise FwError(f"data.task.class_path {cls_path!r}: a task needs a sample(index) -> "
                           "{prompt, answer, metadata} method")

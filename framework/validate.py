@@ -448,7 +448,7 @@ class _Checks:
 
     # ------------------------------------------------------------------ class_path parts
     def plugins(self) -> None:
-        from framework.imports import instantiate
+        from framework.imports import instantiate_once
 
         data = self.cfg["data"]
         sample = None   # a class_path or built-in task's first sample, checked
@@ -507,7 +507,7 @@ class _Checks:
         built = []
         for i, spec in enumerate(self.cfg["callbacks"]):
             try:
-                built.append((i, spec["class_path"], instantiate(spec)))
+                built.append((i, spec["class_path"], instantiate_once(spec, f"callbacks[{i}]")))   # fit's run uses it
             except USER_CODE_RAISES as e:   # user code: add_error says it
                 self.add_error(e, ("callbacks", i, "class_path"), "building the callback")
         for i, problem in callback_problems(built, self.cfg["trainer"]["enable_progress_bar"]):
