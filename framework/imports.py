@@ -257,9 +257,15 @@ def instantiate_once(spec: dict, where: str) -> Any:
     """`instantiate(spec)`; within `built_once()`, the object built there before for `where` (the config key that
     names it, `callbacks[0]`) from an equal spec. A constructor that raises leaves nothing: the next call raises
     again, as the checks and the run each report it where they meet it."""
+    return once(where, spec, lambda: instantiate(spec))
+
+
+def once(where: str, spec: Any, build: Callable[[], Any]) -> Any:
+    """`build()`; within `built_once()`, what it returned there before for `where` and an equal `spec` (anything
+    JSON writes). A `build` that raises leaves nothing."""
     if _BUILT is None:
-        return instantiate(spec)
+        return build()
     key = (where, json.dumps(spec, sort_keys=True, default=repr))
     if key not in _BUILT:
-        _BUILT[key] = instantiate(spec)
+        _BUILT[key] = build()
     return _BUILT[key]

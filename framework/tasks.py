@@ -357,8 +357,11 @@ def build_task(data_cfg: dict, seed: int, path_key: str = "data.path") -> Task:
     if task_cfg and path:
         raise FwError("data: set either data.task or data.path (JSONL prompts), not both")
     if path:
-        return JsonlPrompts(path, data_cfg["prompt_key"], data_cfg["answer_key"], data_cfg["shuffle"], seed,
-                            key=path_key)
+        from framework.imports import once
+
+        # read once a `fw fit` process (its checks, its memory plan and the run each ask for the prompts)
+        args = (path, data_cfg["prompt_key"], data_cfg["answer_key"], data_cfg["shuffle"], seed)
+        return once(path_key, args, lambda: JsonlPrompts(*args, key=path_key))
     if not task_cfg:
         raise FwError("data: RL needs prompts: set data.task (e.g. {name: digits}) or data.path (JSONL)")
     init_args = dict(task_cfg.get("init_args") or {})

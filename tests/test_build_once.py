@@ -15,6 +15,7 @@ import yaml
 from lightning.pytorch.loggers import CSVLogger
 from test_ddp import ROOT
 
+from framework import tasks as tasks_module
 from framework.callbacks import Callback
 from framework.cli import main
 from framework.tasks import Task
@@ -161,6 +162,33 @@ def test_an_rl_task_and_reward_are_built_once_each(tmp_path, monkeypatch):
     assert sorted(SeededTask.built) == [5, 6]   # eval.seed null: the run's seed + 1
     assert len(CountedReward.built) == 1
     assert CountedReward.built[0].calls == 2 * 2 + 2   # a rollout batch's samples, then the eval's
+
+
+def test_rl_prompt_files_are_read_once(tmp_path, monkeypatch):
+    """data.path and eval.path: the checks, the memory plans, the recipe and the evaluation each read the JSONL files
+    again; now each is read once a process."""
+    reads = []
+    real = tasks_module.read_jsonl
+
+    def counted(path, key):
+        reads.append(str(path))
+        return real(path, key)
+
+    monkeypatch.setattr(tasks_module, "read_jsonl", counted)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(f'{{"prompt": "{i}+1=", "answer": "{i + 1}"}}\n' for i in range(8)))
+    held_out = tmp_path / "held_out.jsonl"
+    held_out.write_text("".join(f'{{"prompt": "{i}+2=", "answer": "{i + 2}"}}\n' for i in range(4)))
+    cfg = {"recipe": "grpo", "seed": 5, "run_dir": str(tmp_path / "run"), "model": {"policy": {"preset": "tiny"}},
+           "data": {"path": str(prompts), "chat_template": False},
+           "rollout": {"prompts_per_step": 2, "max_new_tokens": 2},
+           "grpo": {"group_size": 2, "epochs": 1, "minibatches": 1},
+           "eval": {"every_n_steps": 1, "max_prompts": 2, "samples_per_prompt": 1, "path": str(held_out)},
+           "trainer": {"max_steps": 1, "enable_progress_bar": False},
+           "logging": {"csv": False, "tensorboard": False}}
+    (tmp_path / "fit.yaml").write_text(yaml.safe_dump(cfg))
+    assert main(["fit", "--config", str(tmp_path / "fit.yaml")]) == 0
+    assert sorted(reads) == [str(held_out), str(prompts)]
 
 
 def _note(path: str, what: str) -> None:
