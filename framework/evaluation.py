@@ -231,8 +231,10 @@ def _renderer() -> Any:
 
 
 def _eval_cfg(cfg: dict) -> dict:
-    """`cfg` with `data.path` set to `eval.path` (for the readers of JSONL data)."""
-    return {**cfg, "data": {**cfg["data"], "path": cfg["eval"]["path"], "task": None}}
+    """`cfg` with `data.path` set to `eval.path` (for the readers of JSONL data), read in file order."""
+    # data.shuffle orders the training stream; the eval set is the file's first `eval.max_prompts` held-out
+    # records, as SFT's is
+    return {**cfg, "data": {**cfg["data"], "path": cfg["eval"]["path"], "task": None, "shuffle": False}}
 
 
 SOURCE_PROBLEM = ("the training data is a JSONL file (data.path), whose records the training stream visits again "

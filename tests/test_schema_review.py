@@ -45,3 +45,26 @@ def test_data_task_is_described_as_serving_sft_too():
     task = DATA["task"]
     assert "SFT" in task["description"] and "SFT" in task["markdownDescription"]
     assert "my_pkg.tasks." in task["properties"]["class_path"]["markdownDescription"]
+
+
+def _lines(path: Path, rows: list[dict]) -> str:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def test_an_rl_eval_file_gives_its_first_max_prompts_prompts(tmp_path):
+    """eval.max_prompts: 'the first ones of the eval data that are not training prompts'. An RL eval.path was read
+    in the seeded shuffled order data.shuffle gives the training file, so a file's first prompts were not the ones
+    evaluated (an SFT eval.path was read in file order)."""
+    from framework.evaluation import Evaluation
+
+    train = _lines(tmp_path / "train.jsonl", [{"prompt": f"t{i}=", "answer": str(i)} for i in range(5)])
+    # q3= is also a training prompt: held out, the next one takes its place
+    held = _lines(tmp_path / "eval.jsonl", [{"prompt": f"q{i}=" if i != 3 else "t0=", "answer": str(i)}
+                                            for i in range(20)])
+    for shuffle in (True, False):
+        cfg = resolve({"recipe": "grpo", "model": {"policy": {"preset": "tiny"}},
+                       "data": {"path": train, "chat_template": False, "shuffle": shuffle},
+                       "eval": {"path": held, "max_prompts": 4, "every_n_steps": 1}})
+        assert Evaluation(cfg, Tokenizer.builtin()).texts == ["q0=", "q1=", "q2=", "q4="]
+    assert "eval.path is read in file order" in DATA["shuffle"]["description"]
