@@ -64,14 +64,20 @@ def decode_utf8(raw: bytes, path: str | Path, text: str = "UTF-8 text") -> str:
         raise NotUtf8(path, line, col, f"not UTF-8 (byte 0x{raw[e.start]:02x}); save the file as UTF-8") from None
 
 
-def _text(path: str | Path, key: str) -> str:
-    """The file as text, without the byte-order mark some editors begin UTF-8 files with; FwError at the line and
-    column of the first byte that is not UTF-8, or naming config key `key` when the file cannot be read."""
+def _text(path: str | Path, key: str) -> tuple[str, NotUtf8 | None]:
+    """The file as text, without the byte-order mark some editors begin UTF-8 files with, and None; or, for a file
+    with a byte that is not UTF-8, the text of the lines before the byte's and the NotUtf8 at its line and column.
+    FwError naming config key `key` when the file cannot be read."""
     try:
         raw = Path(path).read_bytes()
     except OSError as e:
         raise FwError(f"{key}: cannot read {path}: {e.strerror or e}") from None
-    return decode_utf8(raw, path, "JSON Lines text (one JSON object per line)").removeprefix("\ufeff")
+    try:
+        return decode_utf8(raw, path, "JSON Lines text (one JSON object per line)").removeprefix("\ufeff"), None
+    except NotUtf8 as e:
+        # the lines before the byte's decode: their rows are read (and their problems reported) before the byte
+        before = b"\n".join(raw.split(b"\n")[:e.line - 1]) if e.line > 1 else b""
+        return before.decode("utf-8").removeprefix("\ufeff"), e
 
 
 # A `\u` escape of half of a UTF-16 surrogate pair (after an even number of backslashes, so not the text `\\u...`):
@@ -126,10 +132,11 @@ def _parse(line: str) -> tuple[object, int, str | None]:
 
 
 def rows(path: str | Path, key: str = "data.path") -> Iterator[Row]:
-    """Every non-blank line of a JSONL file, parsed; FwError if the file cannot be read as UTF-8 text (naming `key`,
-    the config key that named the file, when it cannot be read at all)."""
+    """Every non-blank line of a JSONL file, parsed; FwError if the file cannot be read (naming `key`, the config key
+    that named the file), NotUtf8 after the rows before a byte that is not UTF-8."""
+    text, not_utf8 = _text(path, key)
     # JSON strings may hold U+2028, U+2029 and U+0085 raw, which str.splitlines() would also split at
-    for lineno, line in enumerate(_text(path, key).split("\n"), 1):
+    for lineno, line in enumerate(text.split("\n"), 1):
         line = line.removesuffix("\r")
         if not line.strip():
             continue
@@ -141,6 +148,8 @@ def rows(path: str | Path, key: str = "data.path") -> Iterator[Row]:
             yield Row(lineno, 1, None, f"expected a JSON object, got {json_type_name(record)}")
             continue
         yield Row(lineno, 1, record, None)
+    if not_utf8 is not None:
+        raise not_utf8
 
 
 def read_jsonl(path: str | Path, key: str = "data.path") -> list[tuple[str, dict]]:

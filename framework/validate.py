@@ -351,7 +351,10 @@ class _Checks:
                         return
                     if bad <= MAX_ROW_PROBLEMS:
                         self.problems.append(Problem(path, row.line, row.col, key, problem))
-        except NotUtf8 as e:
+        except NotUtf8 as e:   # after the rows before its line
+            if bad > MAX_ROW_PROBLEMS:
+                self.problems.append(Problem(path, None, None, key,
+                                             f"{bad - MAX_ROW_PROBLEMS} more bad rows not shown"))
             self.problems.append(Problem(e.path, e.line, e.col, key, e.reason))
             return
         except FwError as e:   # unreadable
