@@ -628,8 +628,12 @@ class _Checks:
             return
         from lightning.pytorch.trainer.connectors.accelerator_connector import _AcceleratorConnector
 
+        from framework.trainer import quiet_lightning
+
         try:
-            with warnings.catch_warnings():
+            # quiet as fw's own Trainer is: its info lines ("Using bfloat16 Automatic Mixed Precision") would
+            # otherwise come before the config's problems, or once more before a run
+            with warnings.catch_warnings(), quiet_lightning():
                 warnings.simplefilter("ignore")
                 _AcceleratorConnector(devices=devices, num_nodes=t["num_nodes"], accelerator=accelerator,
                                       strategy=t["strategy"], precision=t["precision"])

@@ -1,6 +1,13 @@
 """The README followed as a new user follows it: what a command says and does is what the README says it does."""
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 from framework.cli import main
+
+REPO = Path(__file__).parents[1]
 
 SFT = "recipe: sft\nmodel:\n  policy: {preset: tiny}\ndata:\n  path: d.jsonl\n"
 GOOD = '{"prompt": "1+1=", "completion": "2"}\n'
@@ -42,3 +49,19 @@ def test_a_file_not_utf8_on_its_first_line_is_that_one_line(tmp_path, capsys):
     (tmp_path / "c.yaml").write_text(SFT)
     assert main(["validate", "--config", str(tmp_path / "c.yaml")]) == 2
     assert capsys.readouterr().err == f"{data}:1:13: data.path: not UTF-8 (byte 0xff); save the file as UTF-8\n"
+
+
+def test_a_bf16_mixed_fit_with_a_config_problem_says_that_problem_alone(tmp_path):
+    """README: a config problem is one line, with exit code 2. fw fit checks its trainer settings on this machine
+    by building Lightning's accelerator connector, which logs "Using bfloat16 Automatic Mixed Precision (AMP)";
+    fw's own Trainer hides that line, and the check must too, or it comes before the problem."""
+    (tmp_path / "c.yaml").write_text("recipe: grpo\nmodel:\n  policy: {preset: tiny}\ndata:\n  task: {name: digits}\n"
+                                     "rollout: {max_new_tokens: 1}\ngrpo: {overlong: {buffer: 2}}\n"
+                                     "trainer: {precision: bf16-mixed, accelerator: cpu}\n")
+    shown = subprocess.run([sys.executable, "-m", "framework", "fit", "--config", str(tmp_path / "c.yaml"),
+                            f"--run_dir={tmp_path / 'run'}"], check=False, capture_output=True,
+                           text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)}, cwd=tmp_path)
+    assert (shown.returncode, shown.stdout) == (2, ""), shown
+    assert shown.stderr == (f"{tmp_path / 'c.yaml'}:7:27: grpo.overlong.buffer: 2 exceeds rollout.max_new_tokens (1); "
+                            "the penalty ramps over the last `buffer` tokens a completion may have\n"), shown.stderr
+    assert not (tmp_path / "run").exists()
