@@ -617,8 +617,9 @@ def build_plan(cfg: dict, model: Qwen3Config, requirements: Requirements, shapes
     vb = _bytes(vdt)
     if requirements.value_model:
         val = param_counts(value or model)
-        vparams = val.trunk + (value or model).hidden_size + 1
-        vstate, vhow = _optimizer_state_bytes(o, _value_sizes(value or model), vdt)
+        vsizes = _value_sizes(value or model)
+        vparams = sum(vsizes)
+        vstate, vhow = _optimizer_state_bytes(o, vsizes, vdt)
         value_grads = vparams * vb
         on_gpu = 0.0 if o["cpu_offload"] else vstate
         value_casts = val.layers * val.layer_linear * cb if vdt == "float32" and t["precision"] in AUTOCAST_TO else 0

@@ -142,6 +142,21 @@ class CountedReward:
         return self.scale * float(completion.strip() == metadata["answer"])
 
 
+def fit_grpo(tmp_path, data: dict, **sections) -> int:
+    """`fw fit` of one GRPO step with evaluation on the tiny preset, prompts from `data`; `sections` add keys."""
+    cfg = {"recipe": "grpo", "seed": 5, "run_dir": str(tmp_path / "run"), "model": {"policy": {"preset": "tiny"}},
+           "data": {**data, "chat_template": False},
+           "rollout": {"prompts_per_step": 2, "max_new_tokens": 2},
+           "grpo": {"group_size": 2, "epochs": 1, "minibatches": 1},
+           "eval": {"every_n_steps": 1, "max_prompts": 2, "samples_per_prompt": 1},
+           "trainer": {"max_steps": 1, "enable_progress_bar": False},
+           "logging": {"csv": False, "tensorboard": False}}
+    for name, values in sections.items():
+        cfg[name] = {**cfg.get(name, {}), **values}
+    (tmp_path / "fit.yaml").write_text(yaml.safe_dump(cfg))
+    return main(["fit", "--config", str(tmp_path / "fit.yaml")])
+
+
 def test_an_rl_task_and_reward_are_built_once_each(tmp_path, monkeypatch):
     """A GRPO run with evaluation: its checks, the memory plan, the recipe and the evaluation each built the task
     (seven times with the run's seed, twice with the eval's) and the reward (four times). One task is built for the
@@ -149,16 +164,8 @@ def test_an_rl_task_and_reward_are_built_once_each(tmp_path, monkeypatch):
     call."""
     monkeypatch.setattr(SeededTask, "built", [])
     monkeypatch.setattr(CountedReward, "built", [])
-    cfg = {"recipe": "grpo", "seed": 5, "run_dir": str(tmp_path / "run"), "model": {"policy": {"preset": "tiny"}},
-           "data": {"task": {"class_path": "test_build_once.SeededTask"}, "chat_template": False},
-           "reward": {"class_path": "test_build_once.CountedReward", "init_args": {"scale": 2.0}},
-           "rollout": {"prompts_per_step": 2, "max_new_tokens": 2},
-           "grpo": {"group_size": 2, "epochs": 1, "minibatches": 1},
-           "eval": {"every_n_steps": 1, "max_prompts": 2, "samples_per_prompt": 1},
-           "trainer": {"max_steps": 1, "enable_progress_bar": False},
-           "logging": {"csv": False, "tensorboard": False}}
-    (tmp_path / "fit.yaml").write_text(yaml.safe_dump(cfg))
-    assert main(["fit", "--config", str(tmp_path / "fit.yaml")]) == 0
+    assert fit_grpo(tmp_path, {"task": {"class_path": "test_build_once.SeededTask"}},
+                    reward={"class_path": "test_build_once.CountedReward", "init_args": {"scale": 2.0}}) == 0
     assert sorted(SeededTask.built) == [5, 6]   # eval.seed null: the run's seed + 1
     assert len(CountedReward.built) == 1
     assert CountedReward.built[0].calls == 2 * 2 + 2   # a rollout batch's samples, then the eval's
@@ -179,15 +186,7 @@ def test_rl_prompt_files_are_read_once(tmp_path, monkeypatch):
     prompts.write_text("".join(f'{{"prompt": "{i}+1=", "answer": "{i + 1}"}}\n' for i in range(8)))
     held_out = tmp_path / "held_out.jsonl"
     held_out.write_text("".join(f'{{"prompt": "{i}+2=", "answer": "{i + 2}"}}\n' for i in range(4)))
-    cfg = {"recipe": "grpo", "seed": 5, "run_dir": str(tmp_path / "run"), "model": {"policy": {"preset": "tiny"}},
-           "data": {"path": str(prompts), "chat_template": False},
-           "rollout": {"prompts_per_step": 2, "max_new_tokens": 2},
-           "grpo": {"group_size": 2, "epochs": 1, "minibatches": 1},
-           "eval": {"every_n_steps": 1, "max_prompts": 2, "samples_per_prompt": 1, "path": str(held_out)},
-           "trainer": {"max_steps": 1, "enable_progress_bar": False},
-           "logging": {"csv": False, "tensorboard": False}}
-    (tmp_path / "fit.yaml").write_text(yaml.safe_dump(cfg))
-    assert main(["fit", "--config", str(tmp_path / "fit.yaml")]) == 0
+    assert fit_grpo(tmp_path, {"path": str(prompts)}, eval={"path": str(held_out)}) == 0
     assert sorted(reads) == [str(held_out), str(prompts)]
 
 
