@@ -636,23 +636,29 @@ class RestorableState(lightning.Callback):
 
     def on_save_checkpoint(self, trainer: lightning.Trainer, module: lightning.LightningModule,
                            checkpoint: dict[str, Any]) -> None:
-        from framework.checkpoint import step_dir_name
-        from framework.checkpoint.directory import weights_only_refusal
-
         names = {cb.state_key: name for name, cb in zip(self.names, self.user, strict=True)}
         parts = [(f"the state of {names.get(key, f'callback {key}')}", state)
                  for key, state in (checkpoint.get("callbacks") or {}).items()]
         known = (*LIGHTNING_CHECKPOINT_KEYS, type(trainer.precision_plugin).__qualname__)
         parts += [(f"the checkpoint's key {key!r} (added by a callback's on_save_checkpoint)", value)
                   for key, value in checkpoint.items() if key not in known]
+        step = getattr(module, "policy_version", trainer.global_step)
         for what, value in parts:
-            refused = weights_only_refusal(value)
-            if refused is not None:
-                step = getattr(module, "policy_version", trainer.global_step)
-                raise FwError(f"checkpoint {step_dir_name(step)}: {what} holds {refused}, which a resume's "
-                              "weights-only load refuses; keep a checkpointed state to tensors, Python numbers, "
-                              "strings, None and lists, tuples, sets and dicts of them (float(x), list(q), str(path)); "
-                              "the run stops without saving this step, and the earlier checkpoints are intact")
+            check_restorable(step, what, value)
+
+
+def check_restorable(step: int, what: str, value: Any) -> None:
+    """Raise FwError when `value`, a part of step `step`'s checkpoint described by `what`, holds an object that a
+    resume's weights-only load refuses: the save stops there, before anything of the step is written."""
+    from framework.checkpoint import step_dir_name
+    from framework.checkpoint.directory import weights_only_refusal
+
+    refused = weights_only_refusal(value)
+    if refused is not None:
+        raise FwError(f"checkpoint {step_dir_name(step)}: {what} holds {refused}, which a resume's "
+                      "weights-only load refuses; keep a checkpointed state to tensors, Python numbers, "
+                      "strings, None and lists, tuples, sets and dicts of them (float(x), list(q), str(path)); "
+                      "the run stops without saving this step, and the earlier checkpoints are intact")
 
 
 def builtin_callbacks(cfg: dict, evaluation: Sequence[lightning.Callback] = (),

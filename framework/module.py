@@ -27,7 +27,7 @@ from lightning.pytorch.core.optimizer import LightningOptimizer
 from torch.profiler import record_function
 
 from framework.cadence import crossed
-from framework.callbacks import fire
+from framework.callbacks import check_restorable, fire
 from framework.errors import FwError
 from framework.metrics import StepMetrics
 from framework.models.build import vocabulary_problem
@@ -417,7 +417,12 @@ class FwModule(lightning.LightningModule):
             del sd[key]
         checkpoint["fw_components"] = components
         checkpoint["policy_version"] = self.policy_version
-        checkpoint["fw_recipe"] = self.recipe.state_dict()
+        recipe_state = self.recipe.state_dict()
+        # a plugin recipe's state is the user's: one a resume cannot load stops the save, not every later resume
+        recipe = type(self.recipe)
+        check_restorable(self.policy_version, f"the state of recipe {self.cfg['recipe']} "
+                         f"({recipe.__module__}.{recipe.__qualname__})", recipe_state)
+        checkpoint["fw_recipe"] = recipe_state
         checkpoint["fw_rng"] = rng_state()
         checkpoint["fw_rng_ranks"] = gather_rng_states()   # None on one process
         checkpoint["fw_step_metrics"] = self.step_metrics.state()   # reduced over ranks

@@ -169,7 +169,9 @@ class Recipe(Protocol):
 
     def training_step(self, ctx: StepContext, batch: Any, batch_idx: int) -> torch.Tensor | None: ...
 
-    def state_dict(self) -> dict: ...
+    def state_dict(self) -> dict:
+        """What a resume needs (saved in every checkpoint): tensors, Python numbers, strings, None, and lists,
+        tuples, sets and dicts of them, which a weights-only load takes; anything else stops the save."""
 
     def load_state_dict(self, state: dict) -> None: ...
 
