@@ -679,8 +679,9 @@ def score_rollout(reward_fn: Any, prompts: list[str], completions: list[str], me
     A reward that raises or returns NaN / inf / a non-number is reported with the offending sample
     (index, prompt, completion, error); ``on_error="raise"`` then raises ``FwError``, ``"zero"``
     logs a warning and scores the sample 0, unless more than ``max_error_fraction`` of the samples
-    failed, which raises ``FwError``. A failing ``batch`` call is retried per sample when the reward is
-    also callable, so only the offending samples are zeroed; otherwise the whole batch is. A call that
+    failed (with ``collective``, of every process's samples: the rollout batch), which raises ``FwError``. A
+    failing ``batch`` call is retried per sample when the reward is also callable, so only the offending samples
+    are zeroed; otherwise the whole batch is. A call that
     takes longer than ``timeout_s`` raises ``FwError`` whatever ``on_error`` says. ``collective``: every process
     of a multi-process job calls this at the same point (the training step's rollouts; not evaluation, whose ranks
     may score different numbers of batches and raise together once all are scored), so such an error on one rank
@@ -716,22 +717,41 @@ def score_rollout(reward_fn: Any, prompts: list[str], completions: list[str], me
         failures, values = _timed(score, calls, settings["timeout_s"], sample)
     except FwError as exc:   # a call past reward.timeout_s, a batch() of the wrong length
         error = exc
+    # the budget is of the rollout batch, every process's samples: the same batch split over more processes stops
+    # exactly when one process holding all of it would (a collective, reached by every rank with the same on_error)
+    failed_count, total, processes = len(failures), n, 1
+    if on_error == "zero":
+        failed_count, total, processes = _batch_counts(failed_count, n, collective)
     if failures:
         i, first, cause = failures[0]
         report = (f"reward failed on {len(failures)} of {n} samples; first: sample {i}: {first}; "
                   f"prompt={_shorten(prompts[i])} completion={_shorten(completions[i])}")
+        fraction = settings["max_error_fraction"]
         if on_error == "raise":
             error = FwError(report + " (set reward.on_error: zero to count and zero such samples)")
-        elif len(failures) > settings["max_error_fraction"] * n:
-            error = FwError(f"{report}: more than reward.max_error_fraction = {settings['max_error_fraction']:g} of "
-                            "the rollout batch failed, so the reward is taken to be broken (fix it, or raise "
-                            "reward.max_error_fraction)")
+        elif failed_count > fraction * total:
+            batch = "the rollout batch" if processes == 1 else \
+                f"the rollout batch ({failed_count} of its {total} samples on {processes} processes)"
+            error = FwError(f"{report}: more than reward.max_error_fraction = {fraction:g} of {batch} failed, so "
+                            "the reward is taken to be broken (fix it, or raise reward.max_error_fraction)")
         else:
             log.warning("%s; scored 0 (reward.on_error: zero)", report)
         if error is not None:
             error.__cause__ = cause   # --debug prints the reward's own traceback
     raise_on_every_rank(error, collective)
     return torch.tensor(values, dtype=torch.float32), len(failures)
+
+
+def _batch_counts(failed: int, n: int, collective: bool) -> tuple[int, int, int]:
+    """(failed samples, samples, processes) of the rollout batch: this process's alone, or with `collective` under
+    several processes every process's (a collective: call it at the same point on every rank)."""
+    import torch.distributed as dist
+
+    if not (collective and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return failed, n, 1
+    counts: list[tuple[int, int] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(counts, (failed, n))
+    return sum(c[0] for c in counts if c), sum(c[1] for c in counts if c), len(counts)
 
 
 def _score(reward_fn: Any, prompts: list[str], completions: list[str], metadatas: list[dict],
