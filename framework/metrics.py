@@ -271,11 +271,11 @@ class StepMetrics(nn.Module):
         for name, nan in zip(names, flags, strict=True):
             if nan and self.by_user.get(name):   # user code's value: what fw trains may be fine
                 where = f" at {self.user_sites[name]}" if name in self.user_sites else ""
-                raise FwError(f"metric {name!r} is NaN, a value user code logged (module.log_metric{where}); "
-                              "log finite values only")
+                raise _on_every_rank(FwError(f"metric {name!r} is NaN, a value user code logged "
+                                             f"(module.log_metric{where}); log finite values only"))
             if nan:
-                raise FwError(f"metric {name!r} is NaN: the run has diverged (lower optimizer.lr, keep "
-                              "optimizer.max_grad_norm set, or use bf16 instead of fp16)")
+                raise _on_every_rank(FwError(f"metric {name!r} is NaN: the run has diverged (lower optimizer.lr, "
+                                             "keep optimizer.max_grad_norm set, or use bf16 instead of fp16)"))
         weights = iter(values[len(keys) + len(last):])
         # a mean whose weights summed to 0 over the interval and the ranks (no loss token in it) is left out
         out = {self.names[k]: v for k, v in zip(keys, values[:len(keys)], strict=True)
@@ -322,6 +322,16 @@ class StepMetrics(nn.Module):
                 for k, v in saved["state"].items():   # float64 also for a state saved in another dtype
                     setattr(metric, k, v.to(metric.device, metric.dtype))
             metric._update_count = saved["update_count"]
+
+
+def _on_every_rank(error: FwError) -> FwError:
+    """`error`, which every rank of a multi-process job raises together (the NaN flags are reduced over the ranks,
+    so none of them is where it arose): global rank 0 reports it alone, naming no rank."""
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        error.every_rank = True
+        error.quiet = dist.get_rank() != 0
+    return error
 
 
 class JsonlLogger(Logger):

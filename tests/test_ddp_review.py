@@ -1,7 +1,17 @@
 """Multi-process (DDP) paths: what every rank decides together, checked on real gloo process groups."""
 
 import json
+import math
+import os
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
+
+from framework.callbacks import Callback
+
+ROOT = Path(__file__).resolve().parents[1]
 
 ZERO_HALF = {"on_error": "zero", "max_error_fraction": 0.5, "timeout_s": None}
 
@@ -57,3 +67,38 @@ def test_reward_error_budget_spent_over_the_ranks_stops_every_rank_naming_the_co
                               "raised ValueError: unparsable"), message
     assert ("more than reward.max_error_fraction = 0.5 of the rollout batch (5 of its 8 samples on 2 processes) "
             "failed") in message, message
+
+
+class NanOnRankOne(Callback):
+    """Logs `user/ratio` on every rank at every optimizer step: 1.0, NaN on global rank 1."""
+
+    def before_optimizer_step(self, trainer, module, optimizer):
+        module.log_metric("user/ratio", math.nan if trainer.global_rank == 1 else 1.0)
+
+
+NAN_SITE = f"{__file__}:{NanOnRankOne.before_optimizer_step.__code__.co_firstlineno + 1}"
+
+
+@pytest.mark.slow   # a 2-process Lightning start-up
+def test_a_nan_metric_of_one_rank_is_reported_once_naming_no_rank(tmp_path):
+    """The NaN check reads flags reduced over the ranks, so every rank raises it at the same flush: global rank 0
+    reports it (exit 2), not whichever rank claims the failure first, named as if the NaN were its own."""
+    cfg = {"recipe": "sft", "seed": 5, "run_dir": str(tmp_path / "run"), "model": {"policy": {"preset": "tiny"}},
+           "data": {"path": str(ROOT / "recipes" / "data" / "arithmetic_chat.jsonl"), "max_seq_len": 64,
+                    "batch_size": 2},
+           "trainer": {"accelerator": "cpu", "devices": 2, "strategy": "ddp", "max_steps": 2,
+                       "log_every_n_steps": 1, "enable_progress_bar": False},
+           "callbacks": [{"class_path": "test_ddp_review.NanOnRankOne"}],
+           "checkpoint": {"every_n_steps": 100}, "logging": {"csv": False, "tensorboard": False}}
+    path = tmp_path / "config.yaml"
+    path.write_text(json.dumps(cfg))   # JSON is YAML
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT / 'tests'}{os.pathsep}{ROOT}"}
+    env.pop("FW_DEBUG", None)
+    proc = subprocess.run([sys.executable, "-m", "framework", "fit", "--config", str(path)], check=False, cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if "error" in line.lower()]
+    line = (f"fw: error: metric 'user/ratio' is NaN, a value user code logged (module.log_metric at {NAN_SITE}); "
+            "log finite values only")
+    assert errors == [line], proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
