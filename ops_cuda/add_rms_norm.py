@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ops_cuda.library import define, fail, need_dim
+from ops_cuda.library import define, fail, need_dim, need_float
 from ops_cuda.rms_norm import rms_norm_backward_reference, rms_norm_reference
 
 
@@ -75,6 +75,7 @@ def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float,
     if x.shape != residual.shape or weight.shape[0] != x.shape[-1]:
         fail("add_rms_norm", f"shapes disagree: x {tuple(x.shape)}, residual {tuple(residual.shape)}, weight "
                              f"{tuple(weight.shape)}")
+    need_float("add_rms_norm", x=x, residual=residual, weight=weight)
     if torch.promote_types(x.dtype, residual.dtype) != residual.dtype:
         fail("add_rms_norm", f"x ({x.dtype}) must promote to residual's dtype ({residual.dtype})")
     if out_dtype not in (None, x.dtype, residual.dtype):

@@ -58,6 +58,14 @@ def heads_fit(hq: int, hk: int) -> bool:
     return hk > 0 and hq % hk == 0
 
 
+def need_float(op: str, **tensors: Tensor) -> None:
+    """Every tensor of `tensors` floating-point: the references would otherwise compute in an integer (or bool,
+    or complex) dtype and return its truncated result, where the CUDA kernels refuse it."""
+    for name, t in tensors.items():
+        if not t.dtype.is_floating_point:
+            fail(op, f"`{name}` must be a floating-point tensor, got {t.dtype}")
+
+
 def need_long(op: str, name: str, t: Tensor) -> None:
     if t.dtype != torch.int64:
         fail(op, f"`{name}` must be int64 (LongTensor), got {t.dtype}")

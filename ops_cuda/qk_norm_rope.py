@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ops_cuda.library import acc_dtype, define, fail, need_dim, need_long
+from ops_cuda.library import acc_dtype, define, fail, need_dim, need_float, need_long
 from ops_cuda.rms_norm import rms_norm, rms_norm_backward_reference, rms_norm_reference
 from ops_cuda.rope import rope, rope_cos_sin, rope_reference, rope_rotate
 
@@ -127,6 +127,7 @@ def qk_norm_rope(qkv: Tensor, positions: Tensor, q_weight: Tensor, k_weight: Ten
         fail(op, f"shapes disagree: qkv {tuple(qkv.shape)}, q_weight {tuple(q_weight.shape)}, k_weight "
                  f"{tuple(k_weight.shape)}, {num_kv_heads} kv heads (expected qkv's width (Hq + 2 Hk) * D with Hq > 0, "
                  "Hk > 0, D > 0 even)")
+    need_float(op, qkv=qkv, q_weight=q_weight, k_weight=k_weight)
     q_weight, k_weight = kernel_weights(qkv, q_weight, k_weight)
     if qkv.is_cuda and D not in KERNEL_HEAD_DIMS:
         return _separate_ops(qkv, positions, q_weight, k_weight, eps, theta, num_kv_heads)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ops_cuda.library import define, fail, need_dim, need_long
+from ops_cuda.library import define, fail, need_dim, need_float, need_long
 from ops_cuda.qk_norm_rope import kernel_weights, qk_norm_rope_reference
 
 FP8 = torch.float8_e4m3fn
@@ -63,6 +63,7 @@ def qk_norm_rope_write(qkv: Tensor, positions: Tensor, q_weight: Tensor, k_weigh
                  f"{tuple(v_pool.shape)} (expected qkv's width (Hq + 2 Hk) * D, Hq > 0, Hk > 0, D > 0 even)")
     if q_weight.shape != (D,) or k_weight.shape != (D,):
         fail(op, f"q_weight {tuple(q_weight.shape)} and k_weight {tuple(k_weight.shape)} must be [{D}]")
+    need_float(op, qkv=qkv, q_weight=q_weight, k_weight=k_weight)
     if k_pool.dtype not in (qkv.dtype, FP8) or v_pool.dtype != k_pool.dtype:
         fail(op, f"the pools ({k_pool.dtype}, {v_pool.dtype}) must both be qkv's dtype ({qkv.dtype}) or {FP8}")
     q_weight, k_weight = kernel_weights(qkv, q_weight, k_weight)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ops_cuda.library import acc_dtype, define, fail, need_device, need_dim
+from ops_cuda.library import acc_dtype, define, fail, need_device, need_dim, need_float
 
 
 def rms_norm_reference(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -57,5 +57,6 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     need_dim("rms_norm", "weight", weight, 1, f"[D] with D = x.shape[-1] = {x.shape[-1]}")
     if weight.shape[0] != x.shape[-1]:
         fail("rms_norm", f"`weight` has {weight.shape[0]} elements, expected x.shape[-1] = {x.shape[-1]}")
+    need_float("rms_norm", x=x, weight=weight)
     need_device("rms_norm", "x", x, weight=weight)
     return torch.ops.fw.rms_norm(x, weight, float(eps))

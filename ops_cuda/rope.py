@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ops_cuda.library import acc_dtype, define, fail, need_device, need_dim, need_long
+from ops_cuda.library import acc_dtype, define, fail, need_device, need_dim, need_float, need_long
 
 
 def rope_inv_freq(head_dim: int, theta: float) -> Tensor:
@@ -69,5 +69,6 @@ def rope(q: Tensor, k: Tensor, positions: Tensor, theta: float) -> tuple[Tensor,
                      f"{tuple(positions.shape)} (expected q [B,T,Hq,D], k [B,T,Hk,D], positions [B,T])")
     if q.shape[3] % 2:
         fail("rope", f"head_dim must be even, got {q.shape[3]}")
+    need_float("rope", q=q, k=k)
     need_device("rope", "q", q, k=k, positions=positions)
     return torch.ops.fw.rope(q, k, positions, float(theta))

@@ -1,0 +1,57 @@
+"""Known defects, each checked against what a user meets: integer tensors handed to the norm and RoPE ops."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ops_cuda
+
+
+# ------------------------------------------------------------------ the norm and RoPE ops take floating tensors
+def _qkv_args(dtype=torch.float32, weight_dtype=torch.float32):
+    """qkv of 3 tokens, 2 query heads and 1 kv head of 8, its positions and norm weights."""
+    qkv = torch.randn(3, (2 + 2) * 8).to(dtype)
+    return qkv, torch.arange(3), torch.ones(8, dtype=weight_dtype), torch.ones(8, dtype=weight_dtype)
+
+
+def _pools(dtype=torch.float32):
+    return torch.zeros(2, 1, 4, 8, dtype=dtype), torch.zeros(2, 1, 4, 8, dtype=dtype)
+
+
+INTEGER_CALLS = {
+    "rms_norm-x": (lambda d: ops_cuda.rms_norm(torch.ones(2, 4, dtype=d), torch.ones(4), 1e-6), "rms_norm", "x"),
+    "rms_norm-weight": (lambda d: ops_cuda.rms_norm(torch.ones(2, 4), torch.ones(4, dtype=d), 1e-6),
+                        "rms_norm", "weight"),
+    "add_rms_norm-x": (lambda d: ops_cuda.add_rms_norm(torch.ones(2, 4, dtype=d), torch.ones(2, 4, dtype=d),
+                                                       torch.ones(4), 1e-6), "add_rms_norm", "x"),
+    "add_rms_norm-weight": (lambda d: ops_cuda.add_rms_norm(torch.ones(2, 4), torch.ones(2, 4),
+                                                            torch.ones(4, dtype=d), 1e-6), "add_rms_norm", "weight"),
+    "qk_norm_rope-qkv": (lambda d: ops_cuda.qk_norm_rope(*_qkv_args(d), 1e-6, 1e4, 1), "qk_norm_rope", "qkv"),
+    "qk_norm_rope-weight": (lambda d: ops_cuda.qk_norm_rope(*_qkv_args(weight_dtype=d), 1e-6, 1e4, 1),
+                            "qk_norm_rope", "q_weight"),
+    "qk_norm_rope_write-qkv": (lambda d: ops_cuda.qk_norm_rope_write(
+        *_qkv_args(d), 1e-6, 1e4, *_pools(d), torch.zeros(3, dtype=torch.long), torch.arange(3)),
+        "qk_norm_rope_write", "qkv"),
+    "rope-q": (lambda d: ops_cuda.rope(torch.ones(1, 2, 2, 4, dtype=d), torch.ones(1, 2, 1, 4, dtype=d),
+                                       torch.arange(2)[None], 1e4), "rope", "q"),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.bool], ids=str)
+@pytest.mark.parametrize("case", list(INTEGER_CALLS))
+def test_norm_and_rope_ops_refuse_tensors_that_are_not_floating_point(case, dtype):
+    """The CUDA kernels take float32, bfloat16 and float16 only; on the CPU the references computed in the integer
+    dtype and returned truncated numbers of it (rms_norm of ones: ones; of [1, 2]: [0, 1]) without a word."""
+    call, op, name = INTEGER_CALLS[case]
+    with pytest.raises(ValueError, match=rf"^ops_cuda\.{op}: `{name}` must be a floating-point tensor, got "
+                                         rf"{dtype}$"):
+        call(dtype)
+
+
+def test_the_float_check_leaves_floating_tensors_working():
+    """float64 and bfloat16 still run, and give the hand-computed RMSNorm of [3, 4]: x / sqrt(12.5)."""
+    for dtype in (torch.float64, torch.bfloat16):
+        y = ops_cuda.rms_norm(torch.tensor([[3.0, 4.0]], dtype=dtype), torch.ones(2, dtype=dtype), 0.0)
+        want = torch.tensor([[3.0, 4.0]], dtype=torch.float64) / 12.5 ** 0.5
+        assert y.dtype == dtype
+        torch.testing.assert_close(y.double(), want, rtol=1e-2 if dtype == torch.bfloat16 else 1e-12, atol=0)
