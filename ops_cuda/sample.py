@@ -124,6 +124,14 @@ def is_plain(vocab: int, top_k: int, top_p: float, min_p: float) -> bool:
     return (top_k <= 0 or top_k >= vocab) and top_p >= 1.0 and min_p <= 0.0
 
 
+def need_vocab(logits: Tensor) -> None:
+    """logits [B, V] with V > 0: a row of no columns has no token to draw, and the reference's reductions over its
+    columns would fail on it deep inside."""
+    if logits.shape[1] == 0:
+        fail("sample", f"`logits` has no columns (shape {tuple(logits.shape)}): a vocabulary of zero tokens has "
+                       "nothing to draw")
+
+
 def sample_reference(logits: Tensor, temperature: float, top_k: int, top_p: float, min_p: float,
                      seed: int, counters: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """(tokens int64 [B], logprob float32 [B]). Plain sampling (no top-k / top-p / min-p): the inverse CDF of
@@ -131,6 +139,7 @@ def sample_reference(logits: Tensor, temperature: float, top_k: int, top_p: floa
     without mass drawing column 0 (plain_mass). Otherwise Gumbel-max over the allowed tokens of logits / temperature
     (gumbel_noise). logprob under the temperature-scaled FULL softmax (NaN for a row with a NaN logit).
     temperature 0: greedy (first maximum), logprob under the unscaled softmax."""
+    need_vocab(logits)
     z = logits.to(acc_dtype(logits.dtype))
     if temperature == 0.0:
         tokens = z.argmax(-1)
@@ -167,6 +176,7 @@ def sample(logits: Tensor, temperature: float, top_k: int, top_p: float, min_p: 
     Valid ranges (not checked here; the caller's sampling parameters check them): temperature >= 0,
     top_k >= 0 (0 = off), top_p in (0, 1] (1 = off), min_p in [0, 1) (0 = off)."""
     need_dim("sample", "logits", logits, 2, "[B, V]")
+    need_vocab(logits)
     if counters is not None:
         need_dim("sample", "counters", counters, 2, "[B, 2]")
         need_long("sample", "counters", counters)

@@ -1,4 +1,5 @@
-"""Known defects, each checked against what a user meets: integer tensors handed to the norm and RoPE ops."""
+"""Known defects, each checked against what a user meets: integer tensors handed to the norm and RoPE ops, logits of
+no columns handed to the sampler."""
 from __future__ import annotations
 
 import pytest
@@ -55,3 +56,19 @@ def test_the_float_check_leaves_floating_tensors_working():
         want = torch.tensor([[3.0, 4.0]], dtype=torch.float64) / 12.5 ** 0.5
         assert y.dtype == dtype
         torch.testing.assert_close(y.double(), want, rtol=1e-2 if dtype == torch.bfloat16 else 1e-12, atol=0)
+
+
+# ------------------------------------------------------------------ sample: a vocabulary of no columns
+@pytest.mark.parametrize("rows", [2, 0])
+@pytest.mark.parametrize("settings", [(1.0, 0, 1.0, 0.0), (0.0, 0, 1.0, 0.0), (0.7, 5, 1.0, 0.0),
+                                      (0.7, 0, 0.9, 0.0), (0.7, 0, 1.0, 0.1)],
+                         ids=["plain", "greedy", "top_k", "top_p", "min_p"])
+def test_sample_refuses_logits_of_no_columns(settings, rows):
+    """Logits [B, 0] raised IndexError from deep inside the reference (an index of -1, or argmax/max over an empty
+    dim); the wrapper and the op itself (the CPU kernel) now say what is wrong."""
+    message = rf"^ops_cuda\.sample: `logits` has no columns \(shape \({rows}, 0\)\): a vocabulary of zero tokens"
+    logits = torch.zeros(rows, 0)
+    with pytest.raises(ValueError, match=message):
+        ops_cuda.sample(logits, *settings, seed=3)
+    with pytest.raises(ValueError, match=message):
+        torch.ops.fw.sample(logits, *settings, 3, None)
