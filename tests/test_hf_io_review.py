@@ -166,7 +166,8 @@ def test_an_index_entry_whose_shard_lacks_the_tensor_is_a_missing_tensor(tmp_pat
     with pytest.raises(FwError) as e:
         load_pretrained(tmp_path)
     more = f" and {len(lost) - 8} more" if len(lost) > 8 else ""
-    assert str(e.value) == f"{tmp_path}: missing tensors {lost[:8]}{more}"
+    assert str(e.value) == (f"{tmp_path / other}: missing tensors {lost[:8]}{more}, which "
+                            "model.safetensors.index.json places in that shard")
 
 
 # ---------------------------------------------------------------- fw export of a LoRA run

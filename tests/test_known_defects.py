@@ -1,11 +1,17 @@
 """Known defects, each checked against what a user meets: integer tensors handed to the norm and RoPE ops, logits of
-no columns handed to the sampler."""
+no columns handed to the sampler, a model directory (written by transformers) that lacks a tensor."""
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
+from test_hf_parity import hf_model
 
 import ops_cuda
+from framework.errors import FwError
+from framework.models import load_pretrained
 
 
 # ------------------------------------------------------------------ the norm and RoPE ops take floating tensors
@@ -72,3 +78,51 @@ def test_sample_refuses_logits_of_no_columns(settings, rows):
         ops_cuda.sample(logits, *settings, seed=3)
     with pytest.raises(ValueError, match=message):
         torch.ops.fw.sample(logits, *settings, 3, None)
+
+
+# ------------------------------------------------------------------ a model directory that lacks a tensor
+INDEX = "model.safetensors.index.json"
+
+
+def _drop(file, name):
+    """Rewrite safetensors `file` without tensor `name`, as a download of another revision of it would be."""
+    tensors = load_file(str(file))
+    del tensors[name]
+    save_file(tensors, str(file), metadata={"format": "pt"})
+
+
+def test_a_tensor_missing_from_the_single_file_names_that_file(tmp_path):
+    hf_model(tied=False, kv_heads=2).save_pretrained(tmp_path)
+    _drop(tmp_path / "model.safetensors", "model.norm.weight")
+    with pytest.raises(FwError) as e:
+        load_pretrained(tmp_path)
+    assert str(e.value) == f"{tmp_path / 'model.safetensors'}: missing tensors ['model.norm.weight']"
+
+
+def test_a_tensor_missing_from_its_shard_names_the_shard(tmp_path):
+    """The index places the tensor in a shard that does not hold it: the shard and the index are named, not only
+    the directory, whose many files the user would otherwise fetch again one by one."""
+    hf_model(tied=False, kv_heads=2).save_pretrained(tmp_path, max_shard_size="8KB")
+    weight_map = json.loads((tmp_path / INDEX).read_text())["weight_map"]
+    shard = weight_map["model.layers.1.mlp.up_proj.weight"]
+    assert len(set(weight_map.values())) > 2   # sharded: the message must pick the one shard out of several
+    _drop(tmp_path / shard, "model.layers.1.mlp.up_proj.weight")
+    with pytest.raises(FwError) as e:
+        load_pretrained(tmp_path)
+    assert str(e.value) == (f"{tmp_path / shard}: missing tensors ['model.layers.1.mlp.up_proj.weight'], which {INDEX} "
+                            "places in that shard")
+
+
+def test_a_tensor_the_index_places_nowhere_names_the_index_and_the_shards_searched(tmp_path):
+    hf_model(tied=False, kv_heads=2).save_pretrained(tmp_path, max_shard_size="8KB")
+    index = json.loads((tmp_path / INDEX).read_text())
+    for name in ("model.norm.weight", "model.layers.0.input_layernorm.weight"):
+        _drop(tmp_path / index["weight_map"].pop(name), name)
+    (tmp_path / INDEX).write_text(json.dumps(index))
+    shards = sorted(set(index["weight_map"].values()))
+    more = f" and {len(shards) - 8} more" if len(shards) > 8 else ""
+    with pytest.raises(FwError) as e:
+        load_pretrained(tmp_path)
+    assert str(e.value) == (f"{tmp_path / INDEX}: missing tensors ['model.layers.0.input_layernorm.weight', "
+                            f"'model.norm.weight']: the index maps them to no shard, and none of its shards "
+                            f"{shards[:8]}{more} holds them")

@@ -91,6 +91,18 @@ def read_config(path: str | os.PathLike) -> tuple[Qwen3Config, dict]:
     return Qwen3Config.from_hf(raw, source=str(file)), raw
 
 
+def _weight_map(path: Path) -> dict[str, str]:
+    """The weight_map of the index of checkpoint directory `path`: tensor name -> shard file of the directory."""
+    try:
+        weight_map = json.loads((path / INDEX_FILE).read_text())["weight_map"]
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise FwError(f"{path / INDEX_FILE}: not a safetensors index ({e})") from None
+    if not isinstance(weight_map, dict) or not all(
+            isinstance(f, str) and f and Path(f).name == f and f not in (".", "..") for f in weight_map.values()):
+        raise FwError(f"{path / INDEX_FILE}: weight_map must map tensor names to shard files of this directory")
+    return weight_map
+
+
 def checkpoint_files(path: str | os.PathLike) -> list[Path]:
     """The safetensors files of a checkpoint: those named by the index, or the single model.safetensors."""
     path = Path(path)
@@ -98,14 +110,7 @@ def checkpoint_files(path: str | os.PathLike) -> list[Path]:
         if (path / SINGLE_FILE).is_file():   # transformers would read the single file, fw the shards
             raise FwError(f"{path}: holds both {SINGLE_FILE} and {INDEX_FILE}, which may hold different weights; "
                           "remove the one another tool left behind")
-        try:
-            weight_map = json.loads((path / INDEX_FILE).read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise FwError(f"{path / INDEX_FILE}: not a safetensors index ({e})") from None
-        if not isinstance(weight_map, dict) or not all(
-                isinstance(f, str) and f and Path(f).name == f and f not in (".", "..") for f in weight_map.values()):
-            raise FwError(f"{path / INDEX_FILE}: weight_map must map tensor names to shard files of this directory")
-        files = [path / f for f in sorted(set(weight_map.values()))]
+        files = [path / f for f in sorted(set(_weight_map(path).values()))]
         absent = [str(f) for f in files if not f.is_file()]
         if absent:
             raise FwError(f"{path / INDEX_FILE} names shard files that do not exist: {absent}")
@@ -129,7 +134,8 @@ def stream_load(targets: HfTargets, path: str | os.PathLike, tied: bool = False)
     """Copy every tensor of the checkpoint at `path` into `targets`, one tensor at a time; strict."""
     seen: set[str] = set()
     lm_head = None
-    for file in checkpoint_files(path):
+    files = checkpoint_files(path)
+    for file in files:
         try:   # a truncated or garbled shard: the error names the file, which safetensors' own does not
             with safe_open(str(file), framework="pt", device="cpu") as f:
                 for name in f.keys():  # noqa: SIM118 (a safe_open handle is not iterable)
@@ -147,10 +153,32 @@ def stream_load(targets: HfTargets, path: str | os.PathLike, tied: bool = False)
             raise FwError(f"{file}: not a readable safetensors file ({e})") from None
     missing = sorted(set(targets) - seen)
     if missing:
-        more = f" and {len(missing) - 8} more" if len(missing) > 8 else ""
-        raise FwError(f"{path}: missing tensors {missing[:8]}{more}")
+        raise FwError(_missing_message(Path(path), missing, files))
     if lm_head is not None:
         check_tied_head(lm_head, targets["model.embed_tokens.weight"][0], str(path))
+
+
+def _listed(names: list[str]) -> str:
+    """The first 8 of `names`, and how many more."""
+    return f"{names[:8]}" + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+
+
+def _missing_message(path: Path, missing: list[str], files: list[Path]) -> str:
+    """The model's tensors that no file of checkpoint `path` holds, each named against the file that should hold
+    it (the one to fetch again): the single model.safetensors; of shards, the shard the index places it in, or
+    the index where it places it in none."""
+    if files == [path / SINGLE_FILE]:
+        return f"{files[0]}: missing tensors {_listed(missing)}"
+    weight_map = _weight_map(path)
+    by_file: dict[str, list[str]] = {}
+    for name in missing:
+        by_file.setdefault(weight_map.get(name, ""), []).append(name)
+    parts = [f"{path / shard}: missing tensors {_listed(names)}, which {INDEX_FILE} places in that shard"
+             for shard, names in sorted(by_file.items()) if shard]
+    if "" in by_file:
+        parts.append(f"{path / INDEX_FILE}: missing tensors {_listed(by_file[''])}: the index maps them to no "
+                     f"shard, and none of its shards {_listed([f.name for f in files])} holds them")
+    return "; ".join(parts)
 
 
 def load_pretrained(path: str | os.PathLike, dtype: torch.dtype | str | None = None,
