@@ -680,13 +680,19 @@ class EvalCallback(lightning.Callback):
         self.history.append((trainer.global_step, metrics))
 
 
+# The config keys that say where a run writes, which the evaluation of a checkpoint never reads: a config of another
+# run, or one whose relative run_dir resolves elsewhere, differs there without evaluating otherwise.
+OUTPUT_KEYS = ("run_dir", "name")
+
+
 def evaluate_checkpoint(checkpoint: str | Path, cfg: dict | None = None, out: str | Path | None = None,
                         skip_damaged: bool = False, overrides: list[str] | None = None) -> tuple[dict[str, Any], Path]:
     """Evaluate a checkpoint (or a run directory's newest) as training does, leaving out the training samples
     of the checkpoint's run (`checkpoint_draws`); write the JSON report to `out` and return (report, path).
 
     `cfg` replaces the checkpoint's own config.yaml, else `overrides` (`--a.b=v`) apply on top of it. The report
-    holds the eval and reward settings and the config keys that differ from the checkpoint's. Its default path
+    holds the eval and reward settings and the config keys that differ from the checkpoint's (but OUTPUT_KEYS,
+    which the evaluation does not read). Its default path
     is `<run_dir>/eval/<checkpoint>.json` under the checkpoint's own config, `<checkpoint>-<hash>.json` under
     another (the first 8 hex digits of its sha256), and a report there of other settings is never replaced."""
     from framework.checkpoint import read_resolved
@@ -708,7 +714,8 @@ def evaluate_checkpoint(checkpoint: str | Path, cfg: dict | None = None, out: st
                 own = load_config([own_file], imports=())
             except FwError:   # made valid by the given config or the overrides: what changed is not known
                 own = None
-        changes = None if own is None else config_changes(own, run_cfg)
+        changes = None if own is None else {k: v for k, v in config_changes(own, run_cfg).items()
+                                            if k not in OUTPUT_KEYS}
         settings = {"eval": run_cfg["eval"], "reward": run_cfg["reward"], "changes": changes}
         # named as absolute: `--checkpoint .` (or `..`) has no name of its own, nor a run directory above it
         at = Path(os.path.abspath(path))

@@ -1,5 +1,6 @@
 """Known defects, each checked against what a user meets: integer tensors handed to the norm and RoPE ops, logits of
-no columns handed to the sampler, a model directory (written by transformers) that lacks a tensor."""
+no columns handed to the sampler, a model directory (written by transformers) that lacks a tensor, fw eval's report of
+the settings that differ from the checkpoint's."""
 from __future__ import annotations
 
 import json
@@ -7,11 +8,14 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from test_eval import EVAL, grpo_config
 from test_hf_parity import hf_model
 
 import ops_cuda
+from framework.cli import main
 from framework.errors import FwError
 from framework.models import load_pretrained
+from framework.trainer import fit
 
 
 # ------------------------------------------------------------------ the norm and RoPE ops take floating tensors
@@ -126,3 +130,33 @@ def test_a_tensor_the_index_places_nowhere_names_the_index_and_the_shards_search
     assert str(e.value) == (f"{tmp_path / INDEX}: missing tensors ['model.layers.0.input_layernorm.weight', "
                             f"'model.norm.weight']: the index maps them to no shard, and none of its shards "
                             f"{shards[:8]}{more} holds them")
+
+
+# ------------------------------------------------------------------ fw eval: where output goes is no setting
+def test_fw_eval_does_not_count_where_a_run_writes_as_a_changed_setting(tmp_path, capsys):
+    """A config of the same settings for another run directory and name (the training config kept beside a copied
+    run, or one written for another run) evaluates as the checkpoint's own: its report lists no changes and takes
+    the checkpoint's own report path. run_dir and name used to be listed as changes, and the report was written
+    under a hashed name as one of other settings."""
+    run = tmp_path / "run"
+    fit(grpo_config(run, {**EVAL, "at_start": False}, trainer={"accelerator": "cpu", "max_steps": 2,
+                                                               "enable_progress_bar": False}))
+    text = (run / "config.yaml").read_text()
+    assert f"\nrun_dir: {run}\n" in text and "\nname: fw\n" in text
+    other = tmp_path / "other.yaml"
+    other.write_text(text.replace(f"\nrun_dir: {run}\n", "\nrun_dir: elsewhere\n").replace("\nname: fw\n",
+                                                                                           "\nname: another\n"))
+    own = run / "eval" / "step-000002.json"
+    assert main(["eval", "--checkpoint", str(run), "--config", str(other)]) == 0
+    assert sorted(p.name for p in (run / "eval").iterdir()) == [own.name]
+    assert json.loads(own.read_text())["changes"] == {}
+    # a setting that the evaluation reads is still listed, and alone
+    out = tmp_path / "r.json"
+    assert main(["eval", "--checkpoint", str(run), "--config", str(other), "--eval.samples_per_prompt=1",
+                 "--out", str(out)]) == 0
+    assert json.loads(out.read_text())["changes"] == {"eval.samples_per_prompt": 1}
+    # overrides on the checkpoint's own config.yaml, as `fw eval --help` offers them
+    assert main(["eval", "--checkpoint", str(run), "--run_dir", str(tmp_path / "x"), "--name=x", "--out",
+                 str(out)]) == 0
+    assert json.loads(out.read_text())["changes"] == {}
+    assert not (tmp_path / "elsewhere").exists() and not (tmp_path / "x").exists()
