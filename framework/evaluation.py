@@ -694,7 +694,8 @@ def evaluate_checkpoint(checkpoint: str | Path, cfg: dict | None = None, out: st
     holds the eval and reward settings and the config keys that differ from the checkpoint's (but OUTPUT_KEYS,
     which the evaluation does not read). Its default path
     is `<run_dir>/eval/<checkpoint>.json` under the checkpoint's own config, `<checkpoint>-<hash>.json` under
-    another (the first 8 hex digits of its sha256), and a report there of other settings is never replaced."""
+    another (the first 8 hex digits of its sha256 without OUTPUT_KEYS), and a report there of other settings is
+    never replaced."""
     from framework.checkpoint import read_resolved
     from framework.checkpoint.directory import CONFIG_FILE, config_sha256, read_complete_manifest
     from framework.config import load_config
@@ -721,7 +722,8 @@ def evaluate_checkpoint(checkpoint: str | Path, cfg: dict | None = None, out: st
         at = Path(os.path.abspath(path))
         default = report_path is None
         if default:
-            name = at.name if changes == {} else f"{at.name}-{config_sha256(run_cfg)[:8]}"
+            settings_only = {k: v for k, v in run_cfg.items() if k not in OUTPUT_KEYS}
+            name = at.name if changes == {} else f"{at.name}-{config_sha256(settings_only)[:8]}"
             where = (at.parent.parent / "eval" if at.parent.name == "checkpoints" else Path.cwd()) / f"{name}.json"
         else:
             where = Path(report_path)

@@ -155,6 +155,11 @@ def test_fw_eval_does_not_count_where_a_run_writes_as_a_changed_setting(tmp_path
     assert main(["eval", "--checkpoint", str(run), "--config", str(other), "--eval.samples_per_prompt=1",
                  "--out", str(out)]) == 0
     assert json.loads(out.read_text())["changes"] == {"eval.samples_per_prompt": 1}
+    # and such a change gets one default report whatever run_dir and name the config names
+    for config in (other, run / "config.yaml"):
+        assert main(["eval", "--checkpoint", str(run), "--config", str(config), "--eval.samples_per_prompt=1"]) == 0
+    (hashed,) = [p.name for p in (run / "eval").iterdir() if p.name != own.name]
+    assert hashed.startswith("step-000002-"), hashed
     # overrides on the checkpoint's own config.yaml, as `fw eval --help` offers them
     assert main(["eval", "--checkpoint", str(run), "--run_dir", str(tmp_path / "x"), "--name=x", "--out",
                  str(out)]) == 0
