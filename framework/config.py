@@ -594,7 +594,8 @@ def _apply_override(data: dict, marks: dict, arg: str) -> list[Problem]:
         kind = "mapping, e.g. {preset: tiny}" if opener == "{" else "list, e.g. [a, b]"
         return [Problem(label, None, None, key, f"a value starting with '{opener}' must be one whole YAML flow {kind}; "
                                                 f"got {raw!r} (quote it, '...', for a string)")]
-    if sub is not None and not isinstance(value, str) and not Draft202012Validator(sub).is_valid(value) \
+    # a scalar only: `[a.jsonl, 5]` is a list, as in a file, and never the string that spells it, like `[3` above
+    if sub is not None and not isinstance(value, (str, list, dict)) and not Draft202012Validator(sub).is_valid(value) \
             and Draft202012Validator(sub).is_valid(raw):
         value = raw  # e.g. --name=123 for a string key: typed by the schema; a quoted string ('') is what it reads as
     node = data
