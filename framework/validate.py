@@ -290,7 +290,8 @@ class _Checks:
         data = self.cfg["data"]
         if self.recipe in BUILTIN_RECIPES:
             if data["path"] and data["task"]:
-                self.add(("data", "task"), "set either data.task or data.path (JSONL), not both", key=True)
+                self.add(self._overridden([("data", "task"), ("data", "path")]),
+                         "set either data.task or data.path (JSONL), not both", key=True)
                 return   # which one the run is to read is the user's choice: no report on the rows of either
             if not data["path"] and not data["task"]:
                 need = "examples" if self.recipe == "sft" else "prompts"

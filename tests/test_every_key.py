@@ -71,3 +71,20 @@ def test_a_flow_list_or_mapping_on_the_command_line_is_one_for_a_string_key_too(
     config = tmp_path / "c.yaml"
     _write(_base("grpo", tmp_path), config)
     assert _validate(["--config", str(config), arg], capsys) == (2, [f"override '{arg}': {expected}"])
+
+
+def test_a_data_path_given_on_the_command_line_over_a_task_is_shown_at_the_argument(tmp_path, capsys):
+    base = _base("grpo", tmp_path)
+    config = tmp_path / "base.yaml"
+    task_line = _write(base, config)[("data", "task")]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "1=", "answer": "2"}\n')
+    code, lines = _validate(["--config", str(config), f"--data.path={prompts}"], capsys)
+    assert (code, lines) == (2, [(f"override '--data.path={prompts}': data.path: set either data.task or "
+                                  "data.path (JSONL), not both")])
+    # written in the file, it is shown where the task is, as before
+    both = tmp_path / "both.yaml"
+    _write({**base, "data": {**base["data"], "path": str(prompts)}}, both)
+    code, lines = _validate(["--config", str(both)], capsys)
+    assert (code, lines) == (2, [(f"{both}:{task_line}:3: data.task: set either data.task or data.path "
+                                  "(JSONL), not both")])
