@@ -326,8 +326,8 @@ def _check_registry_names(data: dict, marks: dict, fallback: Mark) -> list[Probl
     problems = []
     for path, (module_name, attr) in _REGISTRIES.items():
         name = _get(data, path)
-        if not isinstance(name, str) or _get(data, path[:-1] + ("class_path",)):
-            continue
+        if not isinstance(name, str) or not name or _get(data, path[:-1] + ("class_path",)):
+            continue   # an empty name is the schema's to report
         registry = getattr(importlib.import_module(module_name), attr)
         if name not in registry:
             m = _locate(marks, path, False, fallback)
@@ -385,12 +385,30 @@ def _recipe_unknown(recipe: Any) -> bool:
         return False   # _check_recipe reports the broken installation; the recipe may well be right
 
 
+_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+
+
+def _superseded(error: ValidationError, failed: set) -> bool:
+    """Whether `error` repeats another problem of the same value, `failed` being what that value failed: one line
+    a key. A value of the wrong type fails a key's choices (`block_size: 12.5`), which say what it takes better
+    than its type, and its bounds (`group_size: 1.5`), which an integer's type says first."""
+    if error.validator == "type":
+        return "enum" in failed
+    return error.validator in _BOUNDS and "type" in failed
+
+
 def _validate(data: Any, marks: dict, fallback: Mark, imports: Collection[str] | None = None) -> list[Problem]:
     recipe = data.get("recipe") if isinstance(data, dict) else None
     # under a misspelt recipe (`GRPO`) the right section would be reported as not allowed with it
     sections_unjudged = isinstance(data, dict) and "recipe" in data and _recipe_unknown(recipe)
     problems: list[Problem] = _check_finite(data, marks, fallback)
-    for error in _validator().iter_errors(data):
+    errors = list(_validator().iter_errors(data))
+    failed: dict[tuple, set] = {}   # what each key's value failed, by the key's schema
+    for error in errors:
+        failed.setdefault((tuple(error.absolute_path), id(error.schema)), set()).add(error.validator)
+    for error in errors:
+        if _superseded(error, failed[(tuple(error.absolute_path), id(error.schema))]):
+            continue
         if tuple(error.absolute_path) == ("recipe",) and error.validator == "anyOf":
             continue   # a string that names no recipe: _check_recipe says which ones are installed
         if sections_unjudged and error.validator == "not" and len(error.absolute_path) == 1 \
