@@ -149,12 +149,13 @@ class _Checks:
 
     def _overridden(self, paths: list[tuple]) -> tuple:
         """Of the keys one check relates, the first that a command-line override set (the value the user changed
-        last, so where the problem shows), else the first."""
+        last, so where the problem shows), else the first written in a config file (a key left to its default has no
+        line of its own: it would show at its section's first key), else the first."""
         for path in paths:
             located = self.located.marks.get(path)
             if located is not None and is_override(located.value):
                 return path
-        return paths[0]
+        return next((path for path in paths if path in self.located.marks), paths[0])
 
     def add_error(self, e: BaseException, default: tuple, what: str = "") -> None:
         """An error from a builder: at the key its message starts with (`data.task.init_args: ...`), else

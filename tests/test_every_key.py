@@ -225,3 +225,19 @@ def test_a_data_path_given_on_the_command_line_over_a_task_is_shown_at_the_argum
     code, lines = _validate(["--config", str(both)], capsys)
     assert (code, lines) == (2, [(f"{both}:{task_line}:3: data.task: set either data.task or data.path "
                                   "(JSONL), not both")])
+
+
+def test_a_check_of_several_keys_shows_at_a_written_one_rather_than_a_default(tmp_path, capsys):
+    """minibatches x accumulate_grad_batches against the rollout batch: with grpo.minibatches left to its default and
+    trainer.accumulate_grad_batches written, the problem was shown as grpo.minibatches at the line of grpo's first
+    key (group_size), a line that sets neither."""
+    data = _base("grpo", tmp_path)
+    data["rollout"] = {"prompts_per_step": 2}
+    data["grpo"] = {"group_size": 2}
+    data["trainer"] = {"accumulate_grad_batches": 8}
+    config = tmp_path / "c.yaml"
+    line = _write(data, config)[("trainer", "accumulate_grad_batches")]
+    message = ("1 minibatches x trainer.accumulate_grad_batches (8) exceeds the 4 samples of one rollout batch "
+               "(rollout.prompts_per_step x grpo.group_size)")
+    assert _validate(["--config", str(config)], capsys) == (2, [
+        f"{config}:{line}:28: trainer.accumulate_grad_batches: {message}"])
