@@ -916,7 +916,34 @@ def _limit(cfg: dict, backend: str, gpu_gib: float | None) -> tuple[float | None
         if found is not None:
             return found
         return None, "unknown: a fork-based strategy (set trainer.memory_limit_gib)"
-    return None, "none on CPU (set trainer.memory_limit_gib or pass --gpu-gib to check against one)"
+    found = host_memory()
+    if found is None:
+        return None, "unknown on CPU: this machine's memory could not be read (set trainer.memory_limit_gib)"
+    total, what = found
+    per_node = world_size(cfg, backend) // cfg["trainer"]["num_nodes"]
+    share = f", over its {per_node} processes" if per_node > 1 else ""
+    return total / per_node, f"{what}{share}; trainer.memory_limit_gib sets another"
+
+
+def host_memory() -> tuple[float, str] | None:
+    """The bytes of memory this process's machine has, or its cgroup's limit where that is lower, and what they are;
+    None where neither can be read. A CPU job's plan is checked against it: a job past it cannot run, however the
+    rest of the machine is used."""
+    try:
+        total = float(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    except (ValueError, OSError, AttributeError):
+        return None
+    what = "this machine's memory"
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            with open(path) as f:
+                text = f.read().strip()
+        except OSError:
+            continue
+        if text.isdigit() and 0 < int(text) < total:
+            total, what = float(text), "this container's memory limit"
+        break
+    return total, what
 
 
 def _get(cfg: dict, dotted: str) -> Any:
