@@ -94,10 +94,11 @@ def sft_config(tmp_path: Path, **callback) -> dict:
 
 
 def reported(stderr: str) -> list[str]:
-    """The lines of `stderr` after the memory plan's table, which global rank 0 prints as the run starts."""
+    """The lines of `stderr` after the memory plan's table and its verdict, which global rank 0 prints as the run
+    starts."""
     lines = stderr.splitlines()
     assert lines[0].startswith("fw plan: "), stderr[-3000:]
-    return [line for line in lines[1:] if line and not line.startswith("  ")]
+    return [line for line in lines[1:] if line and not line.startswith(("  ", "fits: "))]
 
 
 @pytest.mark.parametrize("rank, hook", [(1, "on_train_batch_end"),   # the suite's one failing 2-process fit
