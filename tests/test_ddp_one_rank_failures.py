@@ -68,14 +68,19 @@ class EvalRankReward:
 EVAL_RAISE_LINE = EvalRankReward.__call__.__code__.co_firstlineno + 3
 
 
-def fw_fit(tmp_path: Path, cfg: dict) -> tuple[int, str, float]:
-    """`python -m framework fit` of `cfg`: (exit code, stderr, seconds from the failure's stamp to the end)."""
+def run_fit(tmp_path: Path, cfg: dict) -> subprocess.CompletedProcess:
+    """`python -m framework fit` of `cfg` (written to tmp_path/config.yaml), its output captured."""
     path = tmp_path / "config.yaml"
     path.write_text(json.dumps(cfg))   # JSON is YAML
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT / 'tests'}{os.pathsep}{ROOT}"}
     env.pop("FW_DEBUG", None)
-    proc = subprocess.run([sys.executable, "-m", "framework", "fit", "--config", str(path)], check=False, cwd=ROOT,
+    return subprocess.run([sys.executable, "-m", "framework", "fit", "--config", str(path)], check=False, cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=300)
+
+
+def fw_fit(tmp_path: Path, cfg: dict) -> tuple[int, str, float]:
+    """`run_fit`: (exit code, stderr, seconds from the failure's stamp to the end)."""
+    proc = run_fit(tmp_path, cfg)
     end = time.time()
     stamp = tmp_path / "failed_at"
     assert stamp.exists(), proc.stderr[-3000:]   # the failure happened

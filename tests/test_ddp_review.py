@@ -2,12 +2,10 @@
 
 import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from test_ddp_one_rank_failures import run_fit
 
 from framework.callbacks import Callback
 
@@ -90,12 +88,7 @@ def test_a_nan_metric_of_one_rank_is_reported_once_naming_no_rank(tmp_path):
                        "log_every_n_steps": 1, "enable_progress_bar": False},
            "callbacks": [{"class_path": "test_ddp_review.NanOnRankOne"}],
            "checkpoint": {"every_n_steps": 100}, "logging": {"csv": False, "tensorboard": False}}
-    path = tmp_path / "config.yaml"
-    path.write_text(json.dumps(cfg))   # JSON is YAML
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT / 'tests'}{os.pathsep}{ROOT}"}
-    env.pop("FW_DEBUG", None)
-    proc = subprocess.run([sys.executable, "-m", "framework", "fit", "--config", str(path)], check=False, cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=300)
+    proc = run_fit(tmp_path, cfg)
     assert proc.returncode == 2, proc.stderr[-3000:]
     errors = [line for line in proc.stderr.splitlines() if "error" in line.lower()]
     line = (f"fw: error: metric 'user/ratio' is NaN, a value user code logged (module.log_metric at {NAN_SITE}); "
