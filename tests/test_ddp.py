@@ -226,11 +226,17 @@ def fits_config(tmp_path, name: str, **watched) -> dict:
             "checkpoint": {"every_n_steps": 100}, "logging": {"csv": False, "tensorboard": False}}
 
 
+def without_plans(stderr: str) -> list[str]:
+    """The lines of `stderr` but empty ones and the memory plans' tables and verdicts, which global rank 0 prints as
+    each fit starts."""
+    return [line for line in stderr.splitlines() if line and not line.startswith(("fw plan: ", "  ", "fits: "))]
+
+
 def fit_all(tmp_path, cfgs: list[dict]) -> tuple[int, list[str], dict[int, list[dict]]]:
     """FITS_SCRIPT's fits of `cfgs` on 2 processes: the exit code, the lines of stderr other than the memory plans'
     tables (which global rank 0 prints as each fit starts), and each rank's record of the fits it ended."""
     proc = fit_in_subprocess(tmp_path, cfgs, check=False, source=FITS_SCRIPT)
-    lines = [line for line in proc.stderr.splitlines() if line and not line.startswith(("fw plan: ", "  "))]
+    lines = without_plans(proc.stderr)
     ends = {rank: json.loads(path.read_text()) for rank in (0, 1) if (path := tmp_path / f"fits.{rank}.json").exists()}
     return proc.returncode, lines, ends
 

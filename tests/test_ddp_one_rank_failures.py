@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
+from test_ddp import without_plans
 
 from framework.callbacks import Callback
 from framework.errors import FwError
@@ -101,9 +102,8 @@ def sft_config(tmp_path: Path, **callback) -> dict:
 def reported(stderr: str) -> list[str]:
     """The lines of `stderr` after the memory plan's table and its verdict, which global rank 0 prints as the run
     starts."""
-    lines = stderr.splitlines()
-    assert lines[0].startswith("fw plan: "), stderr[-3000:]
-    return [line for line in lines[1:] if line and not line.startswith(("  ", "fits: "))]
+    assert stderr.startswith("fw plan: "), stderr[-3000:]
+    return without_plans(stderr)
 
 
 @pytest.mark.parametrize("rank, hook", [(1, "on_train_batch_end"),   # the suite's one failing 2-process fit
