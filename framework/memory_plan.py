@@ -67,7 +67,10 @@ LOGPROB_TILE_COLS = 8192
 # ops_cuda/linear_logprob.py: columns per offset of the kept logits, and the reference's float32 tile.
 SAVED_LOGITS_CHUNK = 256
 REFERENCE_LOGITS_TILE_BYTES = 1 << 28
-REFERENCE_LOGITS_TILES = 3   # the reference's logits, log-probabilities and probabilities of one tile
+# The most float32 tiles the reference holds at once, in its backward (the loss's first op there, with every
+# activation still held): a tile's log-probabilities, probabilities and gradient while the next tile's logits are
+# made, and the gradient's product terms; its forward holds fewer.
+REFERENCE_LOGITS_TILES = 6
 # A suggestion that does not fit on its own must save at least this share of what the job needs beyond its limit
 # (8-bit states of LoRA's adapters save a tenth of a GiB of a job tens of GiB over).
 USEFUL_SHARE = 0.01
