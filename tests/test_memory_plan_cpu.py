@@ -2,24 +2,11 @@
 
 import pytest
 import torch
+from test_memory_plan import _allocated_peak
 
 import ops_cuda
 from framework import memory_plan as mp
 from framework.models.qwen3_config import Qwen3Config
-
-
-def _allocated_peak(fn) -> int:
-    """The most bytes the CPU allocator holds during `fn()` above what it held before (the profiler's timeline of
-    every allocation and free)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True) as prof:
-        fn()
-    live = peak = 0
-    for _, action, _, size in prof._memory_profile().timeline:
-        live += size if action.name == "CREATE" else -size if action.name == "DESTROY" else 0
-        peak = max(peak, live)
-    return peak
 
 
 # one tile of rows, and two; a frozen LM head (LoRA) and a trained one
