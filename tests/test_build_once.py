@@ -3,17 +3,14 @@ the config build it, and the run uses that object, so a constructor's side effec
 directory made, a thread started) happen once."""
 
 import inspect
-import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import ClassVar
 
 import pytest
 import yaml
 from lightning.pytorch.loggers import CSVLogger
-from test_ddp import ROOT
+from test_ddp import run_fit
 
 from framework import tasks as tasks_module
 from framework.callbacks import Callback
@@ -238,11 +235,7 @@ def test_each_process_of_a_two_process_run_builds_each_object_once(tmp_path):
            "trainer": {"accelerator": "cpu", "devices": 2, "strategy": "ddp", "max_steps": 1,
                        "enable_progress_bar": False},
            "logging": {"csv": False, "tensorboard": False}}
-    path = tmp_path / "grpo.yaml"
-    path.write_text(json.dumps(cfg))   # JSON is YAML
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT / 'tests'}{os.pathsep}{ROOT}"}
-    proc = subprocess.run([sys.executable, "-m", "framework", "fit", "--config", str(path)], check=False, cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=600)
+    proc = run_fit(tmp_path, cfg, timeout=600)
     assert proc.returncode == 0, proc.stderr
     lines = Path(notes).read_text().splitlines()
     pids = {line.split()[1] for line in lines}

@@ -226,6 +226,16 @@ def fits_config(tmp_path, name: str, **watched) -> dict:
             "checkpoint": {"every_n_steps": 100}, "logging": {"csv": False, "tensorboard": False}}
 
 
+def run_fit(tmp_path: Path, cfg: dict, timeout: float = 300) -> subprocess.CompletedProcess:
+    """`python -m framework fit` of `cfg` (written to tmp_path/config.yaml) in a new process, its output captured."""
+    path = tmp_path / "config.yaml"
+    path.write_text(json.dumps(cfg))   # JSON is YAML
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT / 'tests'}{os.pathsep}{ROOT}"}
+    env.pop("FW_DEBUG", None)
+    return subprocess.run([sys.executable, "-m", "framework", "fit", "--config", str(path)], check=False, cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=timeout)
+
+
 def without_plans(stderr: str) -> list[str]:
     """The lines of `stderr` but empty ones and the memory plans' tables and verdicts, which global rank 0 prints as
     each fit starts."""

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
-from test_ddp import without_plans
+from test_ddp import run_fit, without_plans
 
 from framework.callbacks import Callback
 from framework.errors import FwError
@@ -67,16 +67,6 @@ class EvalRankReward:
 
 
 EVAL_RAISE_LINE = EvalRankReward.__call__.__code__.co_firstlineno + 3
-
-
-def run_fit(tmp_path: Path, cfg: dict) -> subprocess.CompletedProcess:
-    """`python -m framework fit` of `cfg` (written to tmp_path/config.yaml), its output captured."""
-    path = tmp_path / "config.yaml"
-    path.write_text(json.dumps(cfg))   # JSON is YAML
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT / 'tests'}{os.pathsep}{ROOT}"}
-    env.pop("FW_DEBUG", None)
-    return subprocess.run([sys.executable, "-m", "framework", "fit", "--config", str(path)], check=False, cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=300)
 
 
 def fw_fit(tmp_path: Path, cfg: dict) -> tuple[int, str, float]:

@@ -5,7 +5,7 @@ import math
 from pathlib import Path
 
 import pytest
-from test_ddp_one_rank_failures import run_fit
+from test_ddp import run_fit
 
 from framework.callbacks import Callback
 

@@ -2,15 +2,11 @@
 point and exits with 2 and one `fw: error:` line naming the rank, as for one process (no traceback, no rank
 left waiting in a collective)."""
 
-import json
-import os
-import subprocess
-import sys
 import time
 
 import pytest
 import torch.distributed as dist
-from test_ddp import ROOT
+from test_ddp import run_fit
 
 
 class RankedReward:
@@ -42,13 +38,8 @@ def fw_fit_two_ranks(tmp_path, reward_args: dict, **reward) -> tuple[int, str, f
            "trainer": {"accelerator": "cpu", "devices": 2, "strategy": "ddp", "max_steps": 2,
                        "enable_progress_bar": False},
            "logging": {"csv": False, "tensorboard": False}}
-    path = tmp_path / "grpo.yaml"
-    path.write_text(json.dumps(cfg))   # JSON is YAML
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT / 'tests'}{os.pathsep}{ROOT}"}
-    env.pop("FW_DEBUG", None)
     start = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "framework", "fit", "--config", str(path)], check=False, cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=600)
+    proc = run_fit(tmp_path, cfg, timeout=600)
     return proc.returncode, proc.stderr, time.monotonic() - start
 
 
