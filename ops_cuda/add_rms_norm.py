@@ -10,7 +10,11 @@ import torch
 from torch import Tensor
 
 from ops_cuda.library import define, fail, need_dim, need_float
-from ops_cuda.rms_norm import rms_norm_backward_reference, rms_norm_reference
+from ops_cuda.rms_norm import rms_norm, rms_norm_backward_reference, rms_norm_reference
+
+# The longest row the CUDA kernel takes (kThreads * kMaxPerThread in csrc/add_rms_norm.cu); longer ones (Qwen3-14B's
+# and -32B's hidden size of 5120) run as an add and rms_norm.
+KERNEL_MAX_D = 4096
 
 
 def add_rms_norm_reference(x: Tensor, residual: Tensor, weight: Tensor, eps: float,
@@ -80,4 +84,12 @@ def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float,
         fail("add_rms_norm", f"x ({x.dtype}) must promote to residual's dtype ({residual.dtype})")
     if out_dtype not in (None, x.dtype, residual.dtype):
         fail("add_rms_norm", f"out_dtype must be x's ({x.dtype}) or residual's ({residual.dtype}), got {out_dtype}")
+    if weight.dtype not in (x.dtype, torch.float32):
+        # the CUDA kernel reads the weight in x's dtype or float32: others (a bf16 weight under fp16 activations)
+        # go as float32, differentiably, which holds a 16-bit weight exactly, as qk_norm_rope's kernel_weights does
+        weight = weight.float()
+    if x.is_cuda and x.shape[-1] > KERNEL_MAX_D:
+        h = residual + x
+        y = rms_norm(h, weight, eps)
+        return h, y if out_dtype in (None, h.dtype) else y.to(out_dtype)
     return torch.ops.fw.add_rms_norm(x, residual, weight, float(eps), out_dtype)

@@ -341,6 +341,39 @@ def test_add_rms_norm_backward(xdtype, rdtype, wdtype, shape):
     assert all(torch.equal(a, b) for a, b in zip(again, (gx, gr, gw)))   # the same bits every run
 
 
+@pytest.mark.parametrize("xdtype,rdtype,wdtype,D", [
+    (torch.bfloat16, torch.bfloat16, torch.bfloat16, 5120),   # Qwen3-14B's and -32B's hidden size
+    (torch.bfloat16, torch.float32, torch.float32, 5120),
+    (torch.float32, torch.float32, torch.float32, 8200),
+    (torch.float16, torch.float32, torch.bfloat16, 1024),     # bf16 weights under 16-mixed's fp16 activations
+    (torch.bfloat16, torch.bfloat16, torch.float16, 2560),
+    (torch.float32, torch.float32, torch.bfloat16, 4096),
+    (torch.float16, torch.float16, torch.bfloat16, 5120),
+])
+def test_add_rms_norm_longer_rows_and_other_weight_dtypes(xdtype, rdtype, wdtype, D):
+    """Rows longer than the kernel's 4096 elements and weights in neither x's dtype nor float32, which the kernel
+    refuses (it raised), against float64 autograd through the add and the norm's formula, forward and backward."""
+    shape = (3, 5, D)
+    x = torch.randn(shape, device=DEV, dtype=xdtype, requires_grad=True)
+    r = (3 * torch.randn(shape, device=DEV)).to(rdtype).requires_grad_(True)
+    w = (1 + 0.1 * torch.randn(D, device=DEV)).to(wdtype).requires_grad_(True)
+    gh = torch.randn(shape, device=DEV).to(rdtype)
+    gy = torch.randn(shape, device=DEV).to(xdtype)
+    h, y = ops_cuda.add_rms_norm(x, r, w, 1e-6, xdtype)
+    assert h.dtype == rdtype and y.dtype == xdtype
+    assert torch.equal(h, r.detach() + x.detach())   # the add rounds as torch's does
+    h64 = h.detach().double().requires_grad_(True)
+    w64 = w.detach().double().requires_grad_(True)
+    y64 = h64 * (h64.square().mean(-1, keepdim=True) + 1e-6).rsqrt() * w64
+    assert rel(y.detach(), y64.detach()) < TOL[xdtype]
+    gx, gr, gw = torch.autograd.grad([h, y], [x, r, w], [gh, gy])
+    assert gx.dtype == xdtype and gr.dtype == rdtype and gw.dtype == wdtype
+    gh64, gw64 = torch.autograd.grad(y64, [h64, w64], gy.double())
+    want = gh64 + gh.double()
+    assert rel(gr, want) < TOL[rdtype] and rel(gx, want) < TOL[xdtype]
+    assert rel(gw, gw64) < TOL[wdtype] * 4   # a sum over every row
+
+
 @pytest.mark.parametrize("dtype,wdtype", [(d, w) for d in DTYPES for w in ("same", "fp32")]
                          + [(torch.float16, "bf16")])
 @pytest.mark.parametrize("N,Hq,Hk,D,offset", [(1, 16, 8, 128, None), (16384, 16, 8, 128, None),
