@@ -556,12 +556,13 @@ def _logits_rows(m: Qwen3Config, n: int, compute: str, keep: bool, backend: str,
 def build_plan(cfg: dict, model: Qwen3Config, requirements: Requirements, shapes: BatchShapes | None, *,
                world_size: int = 1, backend: str = "cuda", limit_bytes: float | None = None,
                limit_source: str = "", reference: Qwen3Config | None = None,
-               value: Qwen3Config | None = None) -> Plan:
+               value: Qwen3Config | None = None, process_bytes: float | None = None) -> Plan:
     """The memory plan of `cfg` (a resolved config) on one of `world_size` processes: a pure function.
 
     model: the policy's shape; reference / value: those of model.reference.path / model.value.path (None =
     the policy's). shapes None: the recipe declares none, so nothing that depends on the batch is counted.
-    backend: "cuda" or "cpu" (which attention kernels save what; no CUDA context on CPU).
+    backend: "cuda" or "cpu" (which attention kernels save what; no CUDA context on CPU). process_bytes: on CPU,
+    the process's own memory before the job builds anything (`process_resident_bytes`); None: not counted.
     """
     policy_cfg, o, t = cfg["model"]["policy"], cfg["optimizer"], cfg["trainer"]
     pdt, cdt = param_dtype(cfg), compute_dtype(cfg)
@@ -662,6 +663,11 @@ def build_plan(cfg: dict, model: Qwen3Config, requirements: Requirements, shapes
         rows.append(Row("CUDA context", context, ("held",), "driver context and kernel images, outside torch's "
                         "allocator", outside_allocator=True))
         rows.append(Row("workspaces", ALLOCATOR_WORKSPACE_BYTES, ("held",), "cuBLAS workspaces, allocator rounding"))
+    elif process_bytes:
+        # on CPU the job's tensors share the limit with the process that makes them
+        rows.append(Row("process baseline", process_bytes, ("held",), "this process's resident memory (VmRSS) "
+                        "before the job builds anything: Python, torch and the imported libraries, the tokenizer; "
+                        "outside torch's allocator", outside_allocator=True))
 
     source = policy_cfg["preset"] or policy_cfg["path"]
     title = (f"fw plan: recipe {cfg['recipe']}, {source} ({_count(counts.total)} params, "
@@ -949,6 +955,24 @@ def host_memory() -> tuple[float, str] | None:
     return total, what
 
 
+def process_resident_bytes() -> float | None:
+    """This process's resident memory now (/proc/self/status VmRSS), else its peak so far (getrusage); None where
+    neither can be read."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return float(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        import resource
+    except ImportError:
+        return None
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss   # KiB, bytes on macOS
+    return float(peak) * (1 if sys.platform == "darwin" else 1024) or None
+
+
 def _get(cfg: dict, dotted: str) -> Any:
     node = cfg
     for key in dotted.split("."):
@@ -979,6 +1003,8 @@ class _Planner:
         self.backend = _backend(cfg, gpu_gib)
         self.world = world_size(cfg, self.backend)
         self.limit, self.source = _limit(cfg, self.backend, gpu_gib)
+        # read last, with the tokenizer and the libraries the plan needs loaded: what the job starts from on CPU
+        self.process = process_resident_bytes() if self.backend == "cpu" else None
 
     def shapes(self, cfg: dict) -> BatchShapes | None:
         """The recipe's batch shapes of `cfg`, which read the task's prompts (user code: `user_code`)."""
@@ -995,7 +1021,7 @@ class _Planner:
     def plan(self, cfg: dict, shapes: BatchShapes | None) -> Plan:
         return build_plan(cfg, self.model, self.requirements(cfg), shapes, world_size=self.world,
                           backend=self.backend, limit_bytes=self.limit, limit_source=self.source,
-                          reference=self.reference, value=self.value)
+                          reference=self.reference, value=self.value, process_bytes=self.process)
 
     def variant(self, cfg: dict, changes: dict[str, Any]) -> dict:
         """`cfg` with dotted `changes` applied (schema-valid values: no second validation)."""
