@@ -534,6 +534,14 @@ def _loop_buffer_elements(lora: dict | None, sizes: list[int], order: list[list[
 def _logits_rows(m: Qwen3Config, n: int, compute: str, keep: bool, backend: str,
                  weight_grad: bool = True) -> tuple[float, str]:
     """Bytes of the loss's linear_logprob for `n` tokens, with the hidden states it keeps, and how."""
+    held, transient, how = _logits_parts(m, n, compute, keep, backend, weight_grad)
+    return held + transient, how
+
+
+def _logits_parts(m: Qwen3Config, n: int, compute: str, keep: bool, backend: str,
+                  weight_grad: bool = True) -> tuple[float, float, str]:
+    """`_logits_rows` in two parts: what the loss's forward leaves held for its backward, what only its forward's or
+    its backward's run holds (its logits tiles, the backward's buffers), and how."""
     c, v, d = _bytes(compute), m.vocab_size, m.hidden_size
     kept_inputs = n * (d * c + 8 + 4 + 4 + 16)   # hidden, targets, logsumexp, entropy; the gather's indices
     loss = n * LOSS_BYTES_PER_TOKEN
@@ -550,19 +558,34 @@ def _logits_rows(m: Qwen3Config, n: int, compute: str, keep: bool, backend: str,
     # the backward: grad_hidden in float32 across vocabulary tiles, and one tile's grad_weight rows (none for a
     # frozen LM head, as under LoRA)
     backward = (n * d * 4 if v > LOGPROB_TILE_COLS else 0) + (min(v, LOGPROB_TILE_COLS) * d * 4 if weight_grad else 0)
-    return kept_inputs + loss + saved + backward, how + " + hidden states and the backward's buffers"
+    held = kept_inputs + loss + (saved if keep else 0)
+    return held, backward + (0 if keep else saved), how + " + hidden states and the backward's buffers"
+
+
+def accuracy_peak_bytes(m: Qwen3Config, n: int, chunk: int, residual_bytes: int, compute_bytes: int) -> float:
+    """The most bytes SFT's token accuracy holds at once over `n` tokens (recipes/sft.py `_accuracy`): a chunk's
+    logits in the matmul's dtype while the previous chunk's are still held, and under autocast (weights in another
+    dtype than the matmul's) the casts of the LM head and of the chunk's hidden states, made at each use (a detached
+    weight is not in autocast's cache); with one chunk, its argmax's int64 indices and their comparison's bools (a
+    bound with two, whose second chunk's logits outweigh them)."""
+    v, d, rows = m.vocab_size, m.hidden_size, min(n, chunk)
+    casts = (v * d + rows * d) * compute_bytes if residual_bytes != compute_bytes else 0
+    return min(n, 2 * chunk) * v * compute_bytes + casts + rows * (8 + 1)
 
 
 def build_plan(cfg: dict, model: Qwen3Config, requirements: Requirements, shapes: BatchShapes | None, *,
                world_size: int = 1, backend: str = "cuda", limit_bytes: float | None = None,
                limit_source: str = "", reference: Qwen3Config | None = None,
-               value: Qwen3Config | None = None, process_bytes: float | None = None) -> Plan:
+               value: Qwen3Config | None = None, process_bytes: float | None = None,
+               accuracy_chunk: int | None = None) -> Plan:
     """The memory plan of `cfg` (a resolved config) on one of `world_size` processes: a pure function.
 
     model: the policy's shape; reference / value: those of model.reference.path / model.value.path (None =
     the policy's). shapes None: the recipe declares none, so nothing that depends on the batch is counted.
     backend: "cuda" or "cpu" (which attention kernels save what; no CUDA context on CPU). process_bytes: on CPU,
     the process's own memory before the job builds anything (`process_resident_bytes`); None: not counted.
+    accuracy_chunk: the tokens per logits chunk of a recipe that computes token accuracy on logged steps (SFT's
+    ACCURACY_CHUNK); None: it computes none.
     """
     policy_cfg, o, t = cfg["model"]["policy"], cfg["optimizer"], cfg["trainer"]
     pdt, cdt = param_dtype(cfg), compute_dtype(cfg)
@@ -649,7 +672,7 @@ def build_plan(cfg: dict, model: Qwen3Config, requirements: Requirements, shapes
                                        counts.embed * _bytes(tdt) if model.tie_word_embeddings else 0.0)
             else:
                 grads = _BackwardGrads(trainable / model.num_hidden_layers * _bytes(tdt), 0.0)
-        _batch_rows(rows, cfg, model, shapes, backend, pb, cb, value_grads, value or model, grads, vb)
+        _batch_rows(rows, cfg, model, shapes, backend, pb, cb, value_grads, value or model, grads, vb, accuracy_chunk)
         if casts and lora is None and shapes.rollout_rows:
             # framework/rollout/engine.py: under autocast the engine multiplies by its own copies of the weights,
             # which a kept engine holds through the update (its decode graphs read them at the next rollout); in the
@@ -765,10 +788,12 @@ class _BackwardGrads:
 
 
 def _batch_rows(rows: list[Row], cfg: dict, model: Qwen3Config, shapes: BatchShapes, backend: str, pb: int,
-                cb: int, value_grads: float, value: Qwen3Config, grads: _BackwardGrads | None, vb: int) -> None:
-    """The rows that depend on the recipe's batch: KV cache, no-grad scoring, activations, logits; with `grads`
-    (one micro-batch a step of a manual-optimization recipe) the backward's gradients beside its activations.
-    vb: the bytes of the critic's parameters, whose forwards run in its dtype (or autocast's)."""
+                cb: int, value_grads: float, value: Qwen3Config, grads: _BackwardGrads | None, vb: int,
+                accuracy_chunk: int | None = None) -> None:
+    """The rows that depend on the recipe's batch: KV cache, no-grad scoring, activations, logits, token accuracy's
+    logits (`accuracy_chunk`: see `build_plan`); with `grads` (one micro-batch a step of a manual-optimization
+    recipe) the backward's gradients beside its activations. vb: the bytes of the critic's parameters, whose forwards
+    run in its dtype (or autocast's)."""
     policy_cfg = cfg["model"]["policy"]
     layers = model.num_hidden_layers
     if shapes.rollout_rows:
@@ -836,9 +861,23 @@ def _batch_rows(rows: list[Row], cfg: dict, model: Qwen3Config, shapes: BatchSha
                     how + (f" + {_kib(copies)} of LoRA's concatenated A" if copies else "")))
     keep = policy_cfg["keep_logits"]
     keep = (policy_cfg["gradient_checkpointing"] is False if keep is None else keep) and cb == 2
-    logits, how = _logits_rows(model, shapes.loss_tokens, "bfloat16" if cb == 2 else "float32", keep, backend,
-                               weight_grad=lora is None)
-    rows.append(Row("logits buffers", logits, ("train",), how))
+    held, transient, how = _logits_parts(model, shapes.loss_tokens, "bfloat16" if cb == 2 else "float32", keep,
+                                         backend, weight_grad=lora is None)
+    rows.append(Row("logits buffers", held + transient, ("train",), how))
+    if accuracy_chunk:
+        # between the loss's forward and the backward, with every activation held: the loss's logits tiles, its
+        # backward's buffers and the activations' gradients in flight (under checkpointing, one layer's recompute)
+        # are not live then, so only what the accuracy holds beyond them raises the step's peak
+        n = shapes.loss_tokens
+        peak = accuracy_peak_bytes(model, n, accuracy_chunk, pb, cb)
+        later = transient + tokens * (in_flight + (per_layer if ckpt else 0))
+        at_once = f"{min(n, 2 * accuracy_chunk):,} tokens" + (f" (two chunks of {accuracy_chunk:,})"
+                                                               if n > accuracy_chunk else "")
+        rows.append(Row("accuracy logits", max(0.0, peak - later), ("train",),
+                        f"token accuracy on logged steps: {at_once} x {model.vocab_size:,} logits x {cb} B"
+                        + (" + the LM head's cast" if pb != cb else "")
+                        + f", {_gib(peak)} GiB less the loss's logits tiles and the backward's buffers, not live "
+                        "then"))
     if grads is not None:
         made = "one layer's adapters' gradients" if lora is not None else "the LM head's and one layer's gradients"
         rows.append(Row("first gradients", grads.first, ("train",),
@@ -1021,7 +1060,8 @@ class _Planner:
     def plan(self, cfg: dict, shapes: BatchShapes | None) -> Plan:
         return build_plan(cfg, self.model, self.requirements(cfg), shapes, world_size=self.world,
                           backend=self.backend, limit_bytes=self.limit, limit_source=self.source,
-                          reference=self.reference, value=self.value, process_bytes=self.process)
+                          reference=self.reference, value=self.value, process_bytes=self.process,
+                          accuracy_chunk=getattr(self.recipe, "ACCURACY_CHUNK", None))
 
     def variant(self, cfg: dict, changes: dict[str, Any]) -> dict:
         """`cfg` with dotted `changes` applied (schema-valid values: no second validation)."""

@@ -1,10 +1,16 @@
-"""What the memory plan counts beside the job's tensors: on CPU the process itself."""
+"""What the memory plan counts beside the job's tensors: on CPU the process itself; in SFT the token accuracy's
+logits."""
 
 from pathlib import Path
+
+import pytest
+import torch
+from test_memory_plan import _allocated_peak
 
 from framework import memory_plan as mp
 from framework.cli import main
 from framework.config import load_config
+from framework.models.qwen3_config import Qwen3Config
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = str(ROOT / "train.yaml")
@@ -49,3 +55,67 @@ def test_a_cpu_fit_that_fits_only_without_the_process_is_refused(tmp_path, capsy
     room = mp.estimate(load_config([TRAIN], [*CPU, f"--trainer.memory_limit_gib={limit + vm_rss() / mp.GIB}"]))
     assert room.fits, room.table()
 
+
+# ------------------------------------------------------------------------------------------ token accuracy
+
+SFT = str(ROOT / "recipes" / "sft.yaml")
+# Qwen3-0.6B's shape (its config.json): a vocabulary of 151,936 and 1,024-wide hidden states
+QWEN_VOCAB, QWEN_HIDDEN = 151936, 1024
+BIG_SFT = ["--model.policy.preset=qwen3-0.6b", "--data.max_seq_len=2048", "--data.batch_size=8"]
+
+
+@pytest.mark.parametrize("tokens", [1000, 6000])   # one chunk of logits, and two
+@pytest.mark.parametrize("autocast", [False, True])
+def test_the_accuracy_peak_is_what_sfts_accuracy_holds(tokens, autocast):
+    """recipes/sft.py's `_accuracy` on CPU, float32 or under bf16 autocast: the allocator's peak is the planned peak
+    (a chunk's logits beside the previous chunk's, and autocast's casts), not just one chunk's logits. The CPU's
+    bfloat16 matmul adds a scratch buffer of well under a percent of the logits, which the plan leaves out, and the
+    accuracy's count a few scalars."""
+    from recipes.sft import SFTRecipe
+
+    vocab, hidden = 8192, 64
+    model = Qwen3Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=128, num_hidden_layers=1,
+                        num_attention_heads=1, num_key_value_heads=1, head_dim=64)
+    torch.manual_seed(0)
+    h, w = torch.randn(tokens, hidden), torch.randn(vocab, hidden)
+    t = torch.randint(0, vocab, (tokens,))
+    recipe = SFTRecipe.__new__(SFTRecipe)   # `_accuracy` reads nothing of the instance but the class's chunk
+
+    def accuracy():
+        with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
+            recipe._accuracy(h, w, t)
+
+    accuracy()   # the first call's one-off allocations out of the measure
+    measured = _allocated_peak(accuracy)
+    planned = mp.accuracy_peak_bytes(model, tokens, SFTRecipe.ACCURACY_CHUNK, 4, 2 if autocast else 4)
+    assert measured <= 1.01 * planned + 1024 and planned <= 1.05 * measured, (measured / 2**20, planned / 2**20)
+
+
+@pytest.mark.parametrize("device", ["cuda", "cpu"])
+def test_an_sft_plan_counts_the_accuracy_logits_beyond_the_backwards_buffers(device):
+    """16,384 loss tokens of Qwen3-0.6B: a logged step's accuracy holds two chunks of 4,096 tokens' logits while every
+    activation is held. By hand from the config, less what the step's train phase counts that is not live then: one
+    layer's activations' gradients in flight, the loss's backward's float32 grad_hidden and one tile of the LM
+    head's gradient, and on CPU (float32) the loss reference's six float32 tiles of 441 rows (2**28 bytes a tile); on
+    the GPU (bf16-mixed, float32 weights, kept logits) the accuracy also casts the LM head and a chunk's hidden
+    states to bfloat16."""
+    n, chunk, v, d, heads = 8 * 2048, 4096, QWEN_VOCAB, QWEN_HIDDEN, 16
+    q, kv, inter = 16 * 128, 8 * 128, 3072
+    # what one layer saves per token: its input and mid-point in the weights' dtype; qkv, attention's output,
+    # gate_up, the rotated q and k with v's copy, the two normed inputs and swiglu's output in the matmuls'; the
+    # float32 logsumexp of each head
+    compute = (q + 2 * kv) + q + 2 * inter + (q + 2 * kv) + d + d + inter
+    argmax = chunk * (8 + 1)   # the last chunk's int64 indices and their comparison's bools: a bound
+    backward = n * d * 4 + 8192 * d * 4
+    if device == "cuda":
+        plan = mp.estimate(load_config([SFT], [*BIG_SFT, "--trainer.precision=bf16-mixed"]), gpu_gib=80.0)
+        in_flight = n * (2 * d * 4 + compute * 2 + 4 * heads)
+        expected = 2 * chunk * v * 2 + (v * d + chunk * d) * 2 + argmax - backward - in_flight
+    else:
+        plan = mp.estimate(load_config([SFT], [*BIG_SFT, *CPU, "--trainer.memory_limit_gib=1000"]))
+        in_flight = n * (2 * d * 4 + compute * 4 + 4 * heads)
+        expected = 2 * chunk * v * 4 + argmax - backward - in_flight - 6 * (2**28 // (4 * v)) * v * 4
+    (row,) = [r for r in plan.rows if r.name == "accuracy logits"]
+    assert row.phases == ("train",) and row.bytes == expected > 0, plan.table()
+    # a recipe that computes no accuracy gets no row
+    assert not [r for r in mp.estimate(load_config([TRAIN], CPU)).rows if r.name == "accuracy logits"]
