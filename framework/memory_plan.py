@@ -563,14 +563,13 @@ def _logits_parts(m: Qwen3Config, n: int, compute: str, keep: bool, backend: str
 
 
 def accuracy_peak_bytes(m: Qwen3Config, n: int, chunk: int, residual_bytes: int, compute_bytes: int) -> float:
-    """The most bytes SFT's token accuracy holds at once over `n` tokens (recipes/sft.py `_accuracy`): a chunk's
-    logits in the matmul's dtype while the previous chunk's are still held, and under autocast (weights in another
-    dtype than the matmul's) the casts of the LM head and of the chunk's hidden states, made at each use (a detached
-    weight is not in autocast's cache); with one chunk, its argmax's int64 indices and their comparison's bools (a
-    bound with two, whose second chunk's logits outweigh them)."""
+    """The most bytes SFT's token accuracy holds at once over `n` tokens (recipes/sft.py `_accuracy`), a bound: one
+    chunk's logits in the matmul's dtype, under autocast (weights in another dtype than the matmul's) the casts of
+    the LM head and of the chunk's hidden states, made at each use (a detached weight is not in autocast's cache),
+    and its argmax's int64 indices and their comparison's bools."""
     v, d, rows = m.vocab_size, m.hidden_size, min(n, chunk)
     casts = (v * d + rows * d) * compute_bytes if residual_bytes != compute_bytes else 0
-    return min(n, 2 * chunk) * v * compute_bytes + casts + rows * (8 + 1)
+    return rows * v * compute_bytes + casts + rows * (8 + 1)
 
 
 def build_plan(cfg: dict, model: Qwen3Config, requirements: Requirements, shapes: BatchShapes | None, *,
@@ -871,10 +870,9 @@ def _batch_rows(rows: list[Row], cfg: dict, model: Qwen3Config, shapes: BatchSha
         n = shapes.loss_tokens
         peak = accuracy_peak_bytes(model, n, accuracy_chunk, pb, cb)
         later = transient + tokens * (in_flight + (per_layer if ckpt else 0))
-        at_once = f"{min(n, 2 * accuracy_chunk):,} tokens" + (f" (two chunks of {accuracy_chunk:,})"
-                                                               if n > accuracy_chunk else "")
         rows.append(Row("accuracy logits", max(0.0, peak - later), ("train",),
-                        f"token accuracy on logged steps: {at_once} x {model.vocab_size:,} logits x {cb} B"
+                        f"token accuracy on logged steps: {min(n, accuracy_chunk):,} tokens x "
+                        f"{model.vocab_size:,} logits x {cb} B"
                         + (" + the LM head's cast" if pb != cb else "")
                         + f", {_gib(peak)} GiB less the loss's logits tiles and the backward's buffers, not live "
                         "then"))

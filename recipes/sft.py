@@ -77,8 +77,9 @@ class SFTRecipe:
     def _accuracy(self, h: torch.Tensor, weight: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         correct = torch.zeros((), dtype=torch.long, device=h.device)
         for i in range(0, h.shape[0], self.ACCURACY_CHUNK):
-            logits = h[i:i + self.ACCURACY_CHUNK] @ weight.T
-            correct += (logits.argmax(-1) == t[i:i + self.ACCURACY_CHUNK]).sum()
+            # one expression: a chunk's logits are freed before the next chunk's are made
+            j = i + self.ACCURACY_CHUNK
+            correct += (h[i:j] @ weight.T).argmax(-1).eq(t[i:j]).sum()
         return correct.double() / max(h.shape[0], 1)
 
     def state_dict(self) -> dict:
