@@ -4,6 +4,13 @@ Two runs in one directory would interleave their metrics and checkpoints. The lo
 holder's pid, so the run that is refused can name it. The kernel drops the lock when the holder's
 process ends, however it ends; the file itself stays (removing it would let a third run lock a new
 file while a second still waits on the old one).
+
+Global rank 0 takes the lock. The other processes of a multi-process run wait for it (`await_rank_zero`), before
+the process group exists: a launcher that starts every rank itself (torchrun, srun, a start by hand on each node)
+would leave them waiting in the process group's set-up, which outlasts SIGTERM, until its timeout when rank 0
+ends on a busy run_dir. Besides its pid the holder writes a token of its own, which the processes that Lightning
+starts from it inherit, and the identity of its launch from the environment, the same on every rank of one launch
+and on every host, so that a rank tells its own job's rank 0 from another run without a pid.
 """
 
 from __future__ import annotations
@@ -11,6 +18,8 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
+import time
+import uuid
 from pathlib import Path
 from types import TracebackType
 from typing import final
@@ -18,6 +27,24 @@ from typing import final
 from framework.errors import FwError
 
 LOCK_FILE = ".lock"
+TOKEN_ENV = "FW_RUN_LOCK"   # the token of the lock this process holds, for the ranks Lightning starts from it
+# what every rank of one launch shares, and another launch differs in (its job, its step, its restart, its store)
+LAUNCH_KEYS = ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "SLURM_JOB_ID", "SLURM_STEP_ID",
+               "SLURM_RESTART_COUNT", "LSB_JOBID", "MASTER_ADDR", "MASTER_PORT")
+WAIT_S = 1800.0      # as long as the process group's own set-up waits for rank 0 (torch's default timeout)
+POLL_S = 0.5         # how often a waiting rank reads the lock file
+CONTENDED_S = 1.0    # how long rank 0 retries a lock that only waiting ranks' probes hold
+
+
+def launch_identity() -> str:
+    """What the launcher's environment says this job is; "" where it says nothing (fw's own launch)."""
+    return " ".join(f"{k}={os.environ[k]}" for k in LAUNCH_KEYS if os.environ.get(k)).replace("\n", " ")
+
+
+def _in_use(run_dir: Path, holder: str) -> FwError:
+    who = f"pid {holder}" if holder.isdigit() else "a process that is starting"
+    return FwError(f"run_dir {run_dir} is in use by another fw fit ({who}); wait for it to end or choose another "
+                   "run_dir")
 
 
 @final
@@ -28,6 +55,7 @@ class RunLock:
         self.run_dir = Path(run_dir)
         self.path = self.run_dir / LOCK_FILE
         self._fd: int | None = None
+        self._token_before: str | None = None
 
     def __enter__(self) -> RunLock:
         try:
@@ -35,19 +63,28 @@ class RunLock:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as exc:   # read-only or special file systems, where access() says yes to root
             raise FwError(f"run_dir {self.run_dir}: cannot create {self.path}: {exc.strerror or exc}") from None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as exc:
-            holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
-            os.close(fd)
-            if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
-                raise FwError(f"run_dir {self.run_dir}: cannot lock {self.path}: {exc.strerror}") from exc
-            who = f"pid {holder}" if holder.isdigit() else "a process that is starting"
-            raise FwError(f"run_dir {self.run_dir} is in use by another fw fit ({who}); wait for it to end or "
-                          "choose another run_dir") from None
+        launch = launch_identity()
+        deadline = time.monotonic() + CONTENDED_S
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except OSError as exc:
+                busy = exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN)
+                if busy and time.monotonic() < deadline and _only_probed(fd):
+                    time.sleep(0.01)
+                    continue
+                holder = os.pread(fd, 64, 0).decode(errors="replace").partition("\n")[0].strip()
+                os.close(fd)
+                if not busy:
+                    raise FwError(f"run_dir {self.run_dir}: cannot lock {self.path}: {exc.strerror}") from exc
+                raise _in_use(self.run_dir, holder) from None
+        token = uuid.uuid4().hex
         os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        os.pwrite(fd, f"{os.getpid()}\n{token}\n{launch}\n".encode(), 0)
         self._fd = fd
+        self._token_before = os.environ.get(TOKEN_ENV)
+        os.environ[TOKEN_ENV] = token
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
@@ -55,3 +92,75 @@ class RunLock:
         if self._fd is not None:
             os.close(self._fd)   # releases the lock
             self._fd = None
+            if self._token_before is None:
+                os.environ.pop(TOKEN_ENV, None)
+            else:
+                os.environ[TOKEN_ENV] = self._token_before
+
+
+def _only_probed(fd: int) -> bool:
+    """Whether the lock that refused an exclusive lock on `fd` is held only shared: by waiting ranks' probes
+    (`_held`), which end at once, and not by another run."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError:
+        return False
+    fcntl.flock(fd, fcntl.LOCK_UN)
+    return True
+
+
+def _read(path: Path) -> list[str] | None:
+    try:
+        return path.read_text(encoding="utf-8", errors="replace").splitlines()
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise FwError(f"run_dir {path.parent}: cannot read {path}: {exc.strerror or exc}") from None
+
+
+def _held(path: Path) -> bool:
+    """Whether a process holds the lock: a shared lock taken and dropped at once, which a holder's exclusive lock
+    refuses (rank 0 retries its own for a moment, so that this probe cannot refuse it)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError as exc:
+        raise FwError(f"run_dir {path.parent}: cannot read {path}: {exc.strerror or exc}") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError as exc:
+        if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+            return True
+        raise FwError(f"run_dir {path.parent}: cannot lock {path}: {exc.strerror}") from exc
+    finally:
+        os.close(fd)   # drops the shared lock
+    return False
+
+
+def await_rank_zero(run_dir: str | os.PathLike, timeout_s: float = WAIT_S) -> None:
+    """On a process of global rank > 0: return once global rank 0 of this job holds `<run_dir>/.lock`; FwError
+    with rank 0's line when another run holds it, or when rank 0 has not taken it within `timeout_s`."""
+    run_dir = Path(run_dir)
+    path = run_dir / LOCK_FILE
+    lines = _read(path)
+    token = os.environ.get(TOKEN_ENV)
+    if token and lines and lines[1:2] == [token]:   # started by Lightning from rank 0, which holds the lock
+        return
+    launch = launch_identity()
+    if not launch:   # nothing to tell this job's rank 0 from another run by
+        return
+    deadline = time.monotonic() + timeout_s
+    judged: list[str] | None = None   # the content last found with the lock free
+    while True:
+        lines = _read(path)
+        if lines and lines[0].strip() and lines != judged:
+            if _held(path):
+                if lines[2:3] == [launch]:
+                    return
+                if _read(path) == lines:   # not rank 0 taking the lock between the read and the probe
+                    raise _in_use(run_dir, lines[0].strip())
+                continue
+            judged = lines   # a header its holder left: wait for rank 0 to write its own
+        if time.monotonic() >= deadline:
+            raise FwError(f"run_dir {run_dir}: global rank 0 of this job did not lock {path} within {timeout_s:g} s; "
+                          "see its output for why it did not start")
+        time.sleep(POLL_S)

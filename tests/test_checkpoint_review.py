@@ -113,6 +113,6 @@ def test_a_lock_left_by_a_killed_run_is_taken_over(tmp_path):
         pass
     holder.send_signal(signal.SIGKILL)
     holder.wait()
-    assert (run_dir / ".lock").read_text() == f"{holder.pid}\n"
+    assert (run_dir / ".lock").read_text().splitlines()[0] == str(holder.pid)
     with RunLock(run_dir):
-        assert (run_dir / ".lock").read_text() == f"{os.getpid()}\n"
+        assert (run_dir / ".lock").read_text().splitlines()[0] == str(os.getpid())
