@@ -21,7 +21,11 @@ import hashlib
 import json
 import os
 import shutil
+import signal
 import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +46,7 @@ from framework.models.hf_io import (
 )
 from framework.models.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from framework.run_lock import LOCK_FILE
+from framework.signals import Stopped
 
 POLICY = "policy"
 _CHUNK = 16 << 20
@@ -99,8 +104,12 @@ def export_checkpoint(checkpoint: str | os.PathLike, out: str | os.PathLike, mer
     if Path.cwd().resolve().is_relative_to(out):
         raise FwError(f"--out {given}: the working directory (or one above it), which the export would replace; "
                       "choose a new directory")
-    source = read_resolved(checkpoint, lambda source: _export(source, given, out, merge), skip_damaged,
-                           settled=False)
+    try:
+        source = read_resolved(checkpoint, lambda source: _export(source, given, out, merge), skip_damaged,
+                               settled=False)
+    except _Terminated:
+        raise Stopped(signal.SIGTERM, f"stopped by SIGTERM while exporting {checkpoint}; nothing was written to "
+                                      f"--out {given}") from None
     if source != Path(checkpoint):   # a run directory: say which of its checkpoints this is
         print(f"fw: exported {source}, the newest {'intact ' if skip_damaged else ''}checkpoint of {checkpoint}",
               file=sys.stderr)
@@ -143,20 +152,21 @@ def _export(source: Path, given: str | os.PathLike, out: Path, merge: bool) -> P
         if not inside:
             out.parent.mkdir(parents=True, exist_ok=True)
         staging = hidden_sibling(out / out.name if inside else out, "staging")
-        staging.mkdir()
-        for name in files:
-            _copy_checked(source / POLICY / name, staging / name, manifest["files"][f"{POLICY}/{name}"])
-        if merge:   # from the checked copies of the adapters, which then make way for the merged model
-            _write_merged(source, staging, manifest)
-            for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
-                (staging / name).unlink()
-        elif MODEL_CONFIG in files and GENERATION_CONFIG not in files:
-            if GENERATION_CONFIG in manifest["files"]:   # the source model's, as the run started from it
-                _copy_checked(source / GENERATION_CONFIG, staging / GENERATION_CONFIG,
-                              manifest["files"][GENERATION_CONFIG])
-            else:
-                write_json(staging / GENERATION_CONFIG, _generation_config(source, staging))
-        fsync_dir(staging)
+        with _sigterm_removes_staging():
+            staging.mkdir()
+            for name in files:
+                _copy_checked(source / POLICY / name, staging / name, manifest["files"][f"{POLICY}/{name}"])
+            if merge:   # from the checked copies of the adapters, which then make way for the merged model
+                _write_merged(source, staging, manifest)
+                for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
+                    (staging / name).unlink()
+            elif MODEL_CONFIG in files and GENERATION_CONFIG not in files:
+                if GENERATION_CONFIG in manifest["files"]:   # the source model's, as the run started from it
+                    _copy_checked(source / GENERATION_CONFIG, staging / GENERATION_CONFIG,
+                                  manifest["files"][GENERATION_CONFIG])
+                else:
+                    write_json(staging / GENERATION_CONFIG, _generation_config(source, staging))
+            fsync_dir(staging)
         if inside:
             _move_into(staging, out, given)
         else:
@@ -181,6 +191,29 @@ def _export(source: Path, given: str | os.PathLike, out: Path, merge: bool) -> P
             raise _out_error(given, e) from None
         raise
     return source
+
+
+class _Terminated(BaseException):
+    """SIGTERM while the staging copy is written: a BaseException, so that no retry of the read catches it."""
+
+
+@contextmanager
+def _sigterm_removes_staging() -> Iterator[None]:
+    """While inside (the copy, up to its publication), SIGTERM raises `_Terminated`, whose way out removes the
+    staging copy as Ctrl+C's does; its default action ends the process where it stands and leaves the copy (an 8B
+    model's 16 GB) hidden beside `--out` until the next export to that path."""
+    if threading.current_thread() is not threading.main_thread():   # signal.signal works only there
+        yield
+        return
+
+    def terminated(signum: int, frame: object) -> None:
+        raise _Terminated
+
+    previous = signal.signal(signal.SIGTERM, terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)   # None: set outside Python
 
 
 # what writing to `--out` can meet that the user fixes by choosing another place (or permissions)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -556,3 +558,41 @@ def test_a_checkpoints_policy_loads_in_the_configs_dtype(tmp_path):
     given = {**cfg, "model": {**cfg["model"], "policy": {**cfg["model"]["policy"], "dtype": "bfloat16"}}}
     _, policy = load_policy(given, other)
     assert {p.dtype for p in policy.parameters()} == {torch.bfloat16}
+
+
+# `fw export ARGV...` with an audit hook that sends this process the signal named by argv[1] as it opens the
+# staging copy's weight file: the copy half made
+SIGNALLED_EXPORT = """
+import os, signal, sys
+signum = getattr(signal, sys.argv[1])
+
+def hook(event, args):
+    if event == "open" and isinstance(args[0], str) and "/.staging-" in args[0] and args[0].endswith(".safetensors"):
+        os.kill(os.getpid(), signum)
+
+sys.addaudithook(hook)
+from framework.cli import main
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+def _signalled_export(signame: str, ckpt: str, out: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    env.pop("FW_DEBUG", None)
+    return subprocess.run([sys.executable, "-c", SIGNALLED_EXPORT, signame, "export", "--checkpoint", ckpt, "--out",
+                           str(out)], check=False, env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_a_sigterm_during_export_removes_its_staging_copy(tmp_path):
+    """SIGTERM (`timeout`, a scheduler, `kill`) in the middle of the copy: its default action ended the process
+    there and left the hidden staging copy (an 8B model's 16 GB) beside --out, removed only by a later export to
+    that same path. Now the copy is removed, and the export ends with exit code 143 and one line."""
+    ckpt = _write(tmp_path / "run", _policy(tied=True))
+    models = tmp_path / "models"
+    models.mkdir()
+    proc = _signalled_export("SIGTERM", ckpt, models / "model")
+    assert proc.returncode == 143, proc.stderr[-3000:]
+    line = f"fw: stopped by SIGTERM while exporting {ckpt}; nothing was written to --out {models / 'model'}"
+    assert proc.stderr.splitlines() == [line]
+    assert os.listdir(models) == []
+
