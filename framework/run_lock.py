@@ -5,12 +5,12 @@ holder's pid, so the run that is refused can name it. The kernel drops the lock 
 process ends, however it ends; the file itself stays (removing it would let a third run lock a new
 file while a second still waits on the old one).
 
-Global rank 0 takes the lock. The other processes of a multi-process run wait for it (`await_rank_zero`), before
-the process group exists: a launcher that starts every rank itself (torchrun, srun, a start by hand on each node)
-would leave them waiting in the process group's set-up, which outlasts SIGTERM, until its timeout when rank 0
-ends on a busy run_dir. Besides its pid the holder writes a token of its own, which the processes that Lightning
-starts from it inherit, and the identity of its launch from the environment, the same on every rank of one launch
-and on every host, so that a rank tells its own job's rank 0 from another run without a pid.
+Global rank 0 takes the lock. The other processes of a multi-process run look at it once, before the process group
+exists (`refuse_another_run`): under a launcher that starts every rank itself (torchrun, srun, a start by hand on
+each node) they would otherwise wait in the process group's set-up, which outlasts SIGTERM, until its timeout when
+rank 0 ends on a busy run_dir. Besides its pid the holder writes a token of its own, which the processes that
+Lightning starts from it inherit, and the identity of its launch from the environment, the same on every rank of
+one launch and on every host, so that a rank tells its own job's rank 0 from another run without a pid.
 """
 
 from __future__ import annotations
@@ -31,9 +31,9 @@ TOKEN_ENV = "FW_RUN_LOCK"   # the token of the lock this process holds, for the 
 # what every rank of one launch shares, and another launch differs in (its job, its step, its restart, its store)
 LAUNCH_KEYS = ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "SLURM_JOB_ID", "SLURM_STEP_ID",
                "SLURM_RESTART_COUNT", "LSB_JOBID", "MASTER_ADDR", "MASTER_PORT")
-WAIT_S = 1800.0      # as long as the process group's own set-up waits for rank 0 (torch's default timeout)
-POLL_S = 0.5         # how often a waiting rank reads the lock file
-CONTENDED_S = 1.0    # how long rank 0 retries a lock that only waiting ranks' probes hold
+SETTLE_S = 2.0       # how long another header may stand before a rank > 0 calls it another run's, not rank 0's
+POLL_S = 0.05        # how often a rank > 0 reads the lock file meanwhile
+CONTENDED_S = 1.0    # how long rank 0 retries a lock that only the other ranks' probes hold
 
 
 def launch_identity() -> str:
@@ -100,7 +100,7 @@ class RunLock:
 
 def _only_probed(fd: int) -> bool:
     """Whether the lock that refused an exclusive lock on `fd` is held only shared: by waiting ranks' probes
-    (`_held`), which end at once, and not by another run."""
+    (`_held`, from the other ranks), which end at once, and not by another run."""
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
     except OSError:
@@ -136,31 +136,22 @@ def _held(path: Path) -> bool:
     return False
 
 
-def await_rank_zero(run_dir: str | os.PathLike, timeout_s: float = WAIT_S) -> None:
-    """On a process of global rank > 0: return once global rank 0 of this job holds `<run_dir>/.lock`; FwError
-    with rank 0's line when another run holds it, or when rank 0 has not taken it within `timeout_s`."""
-    run_dir = Path(run_dir)
-    path = run_dir / LOCK_FILE
-    lines = _read(path)
-    token = os.environ.get(TOKEN_ENV)
-    if token and lines and lines[1:2] == [token]:   # started by Lightning from rank 0, which holds the lock
+def refuse_another_run(run_dir: str | os.PathLike, settle_s: float = SETTLE_S) -> None:
+    """On a process of global rank > 0, before the process group exists: FwError with rank 0's line when another
+    run holds `<run_dir>/.lock`. A lock that is free, a file that does not exist (a run_dir local to each node),
+    or no launch identity to judge by: it goes on, as rank 0 takes the lock or ends with its own line."""
+    path = Path(run_dir) / LOCK_FILE
+    token, launch = os.environ.get(TOKEN_ENV), launch_identity()
+    if not (token or launch):   # nothing to tell this job's rank 0 from another run by
         return
-    launch = launch_identity()
-    if not launch:   # nothing to tell this job's rank 0 from another run by
-        return
-    deadline = time.monotonic() + timeout_s
-    judged: list[str] | None = None   # the content last found with the lock free
+    deadline = time.monotonic() + settle_s
     while True:
         lines = _read(path)
-        if lines and lines[0].strip() and lines != judged:
-            if _held(path):
-                if lines[2:3] == [launch]:
-                    return
-                if _read(path) == lines:   # not rank 0 taking the lock between the read and the probe
-                    raise _in_use(run_dir, lines[0].strip())
-                continue
-            judged = lines   # a header its holder left: wait for rank 0 to write its own
-        if time.monotonic() >= deadline:
-            raise FwError(f"run_dir {run_dir}: global rank 0 of this job did not lock {path} within {timeout_s:g} s; "
-                          "see its output for why it did not start")
+        if lines is None or not _held(path):
+            return
+        if (token and lines[1:2] == [token]) or (launch and lines[2:3] == [launch]):
+            return
+        # held under another header: another run's, unless this job's rank 0 is writing its own just now
+        if time.monotonic() >= deadline and _read(path) == lines:
+            raise _in_use(Path(run_dir), lines[0].strip() if lines else "")
         time.sleep(POLL_S)

@@ -37,7 +37,7 @@ from framework.errors import FwError
 from framework.evaluation import EvalCallback, eval_enabled
 from framework.loggers import build_loggers, earlier_logs, log_config, quiet_event_writer_threads
 from framework.recipe import Requirements, recipe_class
-from framework.run_lock import RunLock, await_rank_zero
+from framework.run_lock import RunLock, refuse_another_run
 from framework.signals import Interrupted, Stopped, StopSignals, signal_name
 
 # Lightning's messages a user of fw cannot act on: fw picks the Trainer's settings itself, keeps the
@@ -329,7 +329,7 @@ def fit(cfg: dict, resume: str | None = None, skip_damaged: bool = False,
         if rank0:   # the other processes of a multi-process run share it with rank 0
             stack.enter_context(RunLock(run_dir))
         else:   # before the process group, which would keep them waiting on a rank 0 that a busy run_dir ended
-            await_rank_zero(run_dir)
+            refuse_another_run(run_dir)
         ckpt_path = resolve_resume(resume, cfg, skip_damaged)
         stack.enter_context(pin_resume(cfg["run_dir"], resume, ckpt_path))
         lightning.seed_everything(cfg["seed"], workers=True, verbose=False)
