@@ -164,18 +164,22 @@ def test_every_rank_resumes_from_the_checkpoint_the_launching_process_resolved(t
     assert [Path(f"{out}.{rank}").read_text() for rank in (0, 1)] == [first, first]
 
 
+def two_process_sft(run_dir: Path) -> dict:
+    """A config of one SFT step of the tiny preset in 2 CPU processes (DDP) that writes no logs and no checkpoint."""
+    return {"recipe": "sft", "seed": 5, "run_dir": str(run_dir), "model": {"policy": {"preset": "tiny"}},
+            "data": {"path": str(ROOT / "recipes" / "data" / "arithmetic_chat.jsonl"), "max_seq_len": 64,
+                     "batch_size": 2},
+            "trainer": {"accelerator": "cpu", "devices": 2, "strategy": "ddp", "max_steps": 1,
+                        "enable_progress_bar": False},
+            "checkpoint": {"every_n_steps": 100}, "logging": {"csv": False, "tensorboard": False}}
+
+
 @pytest.mark.slow   # a 2-process Lightning start-up
 def test_a_finished_two_process_fit_leaves_no_trainer_behind(tmp_path):
     """Once `fit` returns, every rank's trainer and module (the model, its optimizer state) can be freed: a script
     that fits again (a sweep) does not hold each earlier run's until it exits. Global rank 0 keeps an exit hook,
     which waits for the other ranks' departures from its store."""
-    cfg = {"recipe": "sft", "seed": 5, "run_dir": str(tmp_path / "run"), "model": {"policy": {"preset": "tiny"}},
-           "data": {"path": str(ROOT / "recipes" / "data" / "arithmetic_chat.jsonl"), "max_seq_len": 64,
-                    "batch_size": 2},
-           "trainer": {"accelerator": "cpu", "devices": 2, "strategy": "ddp", "max_steps": 1,
-                       "enable_progress_bar": False},
-           "checkpoint": {"every_n_steps": 100}, "logging": {"csv": False, "tensorboard": False}}
-    fit_in_subprocess(tmp_path, cfg, source=KEPT_SCRIPT)
+    fit_in_subprocess(tmp_path, two_process_sft(tmp_path / "run"), source=KEPT_SCRIPT)
     kept = [json.loads((tmp_path / f"kept.{rank}.json").read_text()) for rank in (0, 1)]
     assert kept == [[False, False], [False, False]]
 

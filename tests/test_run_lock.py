@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+from test_ddp import two_process_sft
 
 ROOT = Path(__file__).resolve().parents[1]
 LAUNCHER_KEYS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
@@ -59,14 +60,8 @@ def hold(run_dir: Path, **launcher: str) -> subprocess.Popen:
 
 
 def fit_config(tmp_path: Path) -> Path:
-    cfg = {"recipe": "sft", "seed": 5, "run_dir": str(tmp_path / "run"), "model": {"policy": {"preset": "tiny"}},
-           "data": {"path": str(ROOT / "recipes" / "data" / "arithmetic_chat.jsonl"), "max_seq_len": 64,
-                    "batch_size": 2},
-           "trainer": {"accelerator": "cpu", "devices": 2, "strategy": "ddp", "max_steps": 1,
-                       "enable_progress_bar": False},
-           "checkpoint": {"every_n_steps": 100}, "logging": {"csv": False, "tensorboard": False}}
     path = tmp_path / "config.yaml"
-    path.write_text(json.dumps(cfg))   # JSON is YAML
+    path.write_text(json.dumps(two_process_sft(tmp_path / "run")))   # JSON is YAML
     return path
 
 
