@@ -22,9 +22,9 @@ and `find_latest` says so rather than pass over it (unless asked to skip it). Te
 they are written, several at a time; loads check sizes always and (`checkpoint.verify`) every sha256,
 hashing while the files are read.
 
-Modules: `files` (durable file operations), `tensors` (safetensors written and read, the trainer state's
-tensors), `directory` (one checkpoint directory), `store` (a run's checkpoints), `resume` (what a resume may
-change), `lightning_io` (the CheckpointIO plugin and the checkpoint callback).
+Modules: `tensors` (safetensors written and read, the trainer state's tensors), `directory` (one checkpoint
+directory), `store` (a run's checkpoints), `resume` (what a resume may change), `lightning_io` (the CheckpointIO
+plugin and the checkpoint callback); durable file operations are `framework.durable`'s.
 """
 
 from framework.checkpoint.directory import (
