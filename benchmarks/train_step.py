@@ -33,12 +33,22 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def flops_per_token(cfg, seq: int) -> float:
-    """6 × params (matrix params, embedding counted once as the tied head) + causal attention."""
+def flops_per_token(cfg, seq: float) -> float:
+    """6 × params (matrix params, embedding counted once as the tied head) + causal attention over `seq` positions."""
     d = cfg.hidden_size
     per_layer = d * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * d + 3 * d * cfg.intermediate_size
     params = cfg.vocab_size * d + cfg.num_hidden_layers * per_layer
     return 6 * params + 6 * cfg.num_hidden_layers * seq * cfg.q_size
+
+
+def attended_len(seq: int, doc_len: int) -> float:
+    """The `seq` of `flops_per_token` for rows of `seq` tokens packed with documents of `doc_len` (the last one cut
+    at the row's end; 0: one document a row): causal attention within each document costs the sum of the squares
+    of their lengths, not the square of the row's."""
+    if not doc_len:
+        return float(seq)
+    docs = [doc_len] * (seq // doc_len) + ([seq % doc_len] if seq % doc_len else [])
+    return sum(n * n for n in docs) / seq
 
 
 def fw_loss(model, ids, save_logits=None, positions=None):
@@ -88,7 +98,7 @@ def run(name, model, loss_fn, batch, seq, steps, vocab, profile=0):
     return {"impl": name, "median_s": med, "tok_s": batch * seq / med, "peak_gib": peak, "loss": float(loss)}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=2048)
@@ -104,9 +114,8 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="after timing, print the N kernels of most device time in one more step of each impl")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     cfg = preset_config(args.preset, PRESETS[args.preset]["vocab_size"] or 256)
-    fpt = flops_per_token(cfg, args.seq)
     rows = []
     for impl in args.impls.split(","):
         torch.manual_seed(0)
@@ -134,8 +143,10 @@ def main() -> None:
             row = {"impl": impl, "error": f"OOM: {str(e).splitlines()[0]}"}
         del model
         CUDA and torch.cuda.empty_cache()
-        if "tok_s" in row:
-            row["mfu"] = row["tok_s"] * fpt / PEAK_FLOPS
+        if "tok_s" in row:   # the packed impls' attention spans their documents, not the whole row
+            packed = impl in ("fw-packed", "fw-selective")
+            row["mfu"] = row["tok_s"] * flops_per_token(cfg, attended_len(args.seq, args.doc_len if packed else 0)) \
+                / PEAK_FLOPS
         rows.append(row)
         print(json.dumps(row), flush=True)
     hf = next((r for r in rows if r["impl"] == "hf" and "tok_s" in r), None)
@@ -152,6 +163,7 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
+    return rows
 
 
 if __name__ == "__main__":
