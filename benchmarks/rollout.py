@@ -7,7 +7,8 @@ workload's floor assumes; `fw-longest` and HF `generate` (which has no per-row l
 the longest output, so both are charged the same padding; `fw-eager` is `fw` without the CUDA graph of
 the decode step. `--kv-cache-gib` is the paged cache's budget (rows wait for blocks beyond it) and
 `--kv-cache-dtype` the dtype it holds (`float8_e4m3`: twice the positions a budget holds); the table
-reports the peak allocated and reserved memory and the most rows that decoded together. Each fw impl runs
+reports the peak allocated and reserved memory (HF's own: fw's KV pool handed back first, its model's bytes left
+out) and the most rows that decoded together. Each fw impl runs
 `--rounds` times on the one engine (the first round captures the decode graphs of the buckets it meets) and
 reports the median round; HF runs once.
 
@@ -72,7 +73,7 @@ def run_hf(model, prompts, outs, temperature, pad_id=0):
     return time.perf_counter() - t0
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="qwen3-0.6b")
     ap.add_argument("--num-seqs", type=int, default=256)
@@ -87,7 +88,7 @@ def main() -> None:
     ap.add_argument("--admit-batch", type=int, default=None, help="rows joining at once (default: the schema's)")
     ap.add_argument("--kv-cache-dtype", choices=list(KV_CACHE_DTYPES), default=None,
                     help="the KV pool's dtype (default: the schema's)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     cfg = preset_config(args.preset, PRESETS[args.preset]["vocab_size"] or 256)
     torch.manual_seed(0)
     model = Qwen3ForCausalLM(cfg).to(torch.bfloat16).to(DEVICE).eval()
@@ -103,11 +104,17 @@ def main() -> None:
     for impl in args.impls.split(","):
         CUDA and torch.cuda.reset_peak_memory_stats()
         rounds = []
+        held = held_reserved = 0   # bytes of fw's left out of an HF row's peaks
         if impl.startswith("fw"):
             rounds = [run_fw(engine, prompts, outs, args.temperature, impl) for _ in range(args.rounds)]
             secs = sorted(rounds)[len(rounds) // 2]
         else:
             import transformers
+            # HF's peaks are its own: fw's KV pool and graphs go back (a later fw impl takes new ones), and what
+            # fw's model still holds is subtracted
+            engine.release()
+            if CUDA:
+                held, held_reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
             hf = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**cfg.to_hf(), attn_implementation="sdpa"))
             hf.load_state_dict(model.hf_state_dict(), strict=False)  # tied head: lm_head comes from the embedding
             hf = hf.to(torch.bfloat16).to(DEVICE).eval()
@@ -116,8 +123,8 @@ def main() -> None:
             secs = run_hf(hf, prompts, outs, args.temperature)
             del hf
         rows.append({"impl": impl, "seconds": secs, "rounds": rounds, "useful_tokens": useful, "tok_s": useful / secs,
-                     "peak_gib": (torch.cuda.max_memory_allocated() / 2**30 if CUDA else 0.0),
-                     "reserved_gib": (torch.cuda.max_memory_reserved() / 2**30 if CUDA else 0.0),
+                     "peak_gib": ((torch.cuda.max_memory_allocated() - held) / 2**30 if CUDA else 0.0),
+                     "reserved_gib": ((torch.cuda.max_memory_reserved() - held_reserved) / 2**30 if CUDA else 0.0),
                      "kv_cache_gib": args.kv_cache_gib, "kv_cache_dtype": settings.kv_cache_dtype,
                      "kv_blocks": engine.cache.num_blocks if engine.cache is not None else 0,
                      "peak_rows": engine.peak_rows, "preemptions": engine.preemptions})
@@ -137,6 +144,7 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
+    return rows
 
 
 if __name__ == "__main__":

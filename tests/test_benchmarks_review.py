@@ -28,3 +28,35 @@ def test_train_step_attended_len_of_a_cut_last_document():
     assert attended_len(2048, 0) == 2048.0
     assert attended_len(2048, 512) == 512.0
 
+
+
+def test_rollout_hands_fws_pool_back_before_hf():
+    """HF `generate` runs without fw's KV pool allocated: its row's peak is HF's own (the pool is gone, so the row
+    reports no blocks)."""
+    from benchmarks.rollout import main
+
+    rows = main(["--preset", "tiny", "--num-seqs", "8", "--lo", "4", "--hi", "12", "--impls", "fw,hf",
+                 "--rounds", "1"])
+    by = {r["impl"]: r for r in rows}
+    assert by["fw"]["kv_blocks"] > 0
+    assert by["hf"]["kv_blocks"] == 0
+
+
+@pytest.mark.gpu
+def test_rollout_hf_peak_leaves_out_fws_memory():
+    """HF's peak is the same whether or not fw's engine ran the whole workload before it: neither fw's KV pool nor
+    its model counts, and HF's own model does."""
+    import transformers
+
+    from benchmarks.rollout import main
+    from framework.models.presets import preset_config
+
+    args = ["--preset", "small", "--num-seqs", "64", "--lo", "64", "--hi", "256", "--rounds", "1"]
+    alone = {r["impl"]: r for r in main([*args, "--impls", "hf"])}["hf"]
+    after = {r["impl"]: r for r in main([*args, "--impls", "fw,hf"])}["hf"]
+    # small: 256-wide, 4 layers, vocab 256; the pool of this workload is about 80 MiB
+    assert abs(after["peak_gib"] - alone["peak_gib"]) * 2**10 < 8
+    cfg = preset_config("small", 256)
+    hf = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**cfg.to_hf()))
+    model_gib = sum(p.numel() for p in hf.parameters()) * 2 / 2**30
+    assert alone["peak_gib"] > model_gib
