@@ -71,7 +71,7 @@ def update(model, batch, micro, old_logp, adv, mask, loss_fn, packed: bool | str
     return total
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict[str, dict]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--preset", default="qwen3-0.6b")
     ap.add_argument("--completions", type=int, default=256)
@@ -91,7 +91,7 @@ def main() -> None:
     ap.add_argument("--profile-host", action="store_true", help="with --profile, also the N ops of most host time")
     ap.add_argument("--trace", default=None, metavar="DIR",
                     help="with --profile, write each layout's profiled update as DIR/<layout>.json (chrome trace)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.trace:
         if not args.profile:
             ap.error("--trace needs --profile N: it keeps the profiled update's trace")
@@ -130,10 +130,11 @@ def main() -> None:
             loss = update(model, batch, micro, old_logp, adv, mask, loss_fn, packed, args.group)
             sync()
             times.append(time.perf_counter() - t0)
-        grads = torch.cat([p.grad.float().reshape(-1) for p in model.parameters()])
-        results[name] = {"s": statistics.median(times[1:]), "loss": float(loss), "grads": grads,
+        results[name] = {"s": statistics.median(times[1:]), "loss": float(loss),
                          "alloc": torch.cuda.max_memory_allocated() / 2**30 if CUDA else float("nan"),
                          "reserved": torch.cuda.max_memory_reserved() / 2**30 if CUDA else float("nan")}
+        # kept on the host: a device copy would count in the next layouts' peaks
+        results[name]["grads"] = torch.cat([p.grad.float().reshape(-1).cpu() for p in model.parameters()])
         if args.profile:
             model.zero_grad(set_to_none=True)
             profiles[name] = top_kernels(
@@ -171,6 +172,7 @@ def main() -> None:
               f"{max(0.0, 1.0 - 1.0 / ratio):.1%} of the tokens (recipes.rl.PACK_MIN_SAVING is {PACK_MIN_SAVING:.1%})")
     for name, table in profiles.items():
         print(f"\n{name}: the kernels of one update\n{table}")
+    return results
 
 
 if __name__ == "__main__":

@@ -60,3 +60,26 @@ def test_rollout_hf_peak_leaves_out_fws_memory():
     hf = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**cfg.to_hf()))
     model_gib = sum(p.numel() for p in hf.parameters()) * 2 / 2**30
     assert alone["peak_gib"] > model_gib
+
+
+def test_packed_update_runs_every_layout_on_cpu():
+    """The script's layouts on CPU at a tiny size: each computes the same loss (to bf16 autocast's rounding)."""
+    from benchmarks.packed_update import main
+
+    results = main(["--preset", "tiny", "--completions", "16", "--prompt", "8", "--min-len", "4", "--max-len", "16",
+                    "--rounds", "1", "--split", "groups", "--group", "4"])
+    assert list(results) == ["padded", "packed", "auto", "shared"]
+    for r in results.values():
+        assert r["loss"] == pytest.approx(results["padded"]["loss"], rel=1e-3)
+
+
+@pytest.mark.gpu
+def test_packed_update_peaks_leave_out_earlier_layouts_gradients():
+    """With equal completions `auto` pads, so it runs exactly the padded layout's work: the same peak. The earlier
+    layouts' gradient copies (float32, one a layout) must not count in a later layout's peak."""
+    from benchmarks.packed_update import main
+
+    results = main(["--preset", "small", "--completions", "64", "--prompt", "32", "--max-len", "64", "--equal",
+                    "--rounds", "1", "--split", "groups"])
+    # small's gradients in float32 are about 16 MiB: the old code added one copy a layout run before
+    assert abs(results["auto"]["alloc"] - results["padded"]["alloc"]) * 2**10 < 1
