@@ -209,7 +209,12 @@ def _run(args: argparse.Namespace, overrides: list[str]) -> int:
     elif cmd == "plot":
         from framework.plot import plot_runs
 
-        metrics = [m.strip() for m in args.metrics.split(",") if m.strip()] if args.metrics else None
+        metrics = None
+        if args.metrics is not None:
+            metrics = [m.strip() for m in args.metrics.split(",") if m.strip()]
+            if not metrics:   # a figure of no panel; the defaults are not what the option asked for
+                raise FwError(f"--metrics {args.metrics!r} names no metric; give comma-separated names such as "
+                              "loss,reward/mean, or leave --metrics out for the defaults")
         _out(f"wrote {plot_runs(args.run, args.out, metrics, args.smooth)}")
     elif cmd == "doctor":
         import ops_cuda

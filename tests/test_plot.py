@@ -143,3 +143,16 @@ def test_a_step_past_the_float_range_is_one_line(tmp_path, capsys):
     assert main(["plot", "--run", str(run)]) == 2
     assert capsys.readouterr().err == (f"fw: error: --run {run}: a record of loss has step of 401 digits, beyond "
                                        "what a plot can draw\n")
+
+
+def test_metrics_that_name_no_metric_are_one_line(tmp_path, capsys):
+    """`--metrics ,` (or an empty value) names no metric: one line and exit 2, not a ZeroDivisionError traceback (a
+    figure of no panel) nor the defaults in place of what the option asked for; no PNG is written."""
+    write_run(tmp_path / "a", 0.0)
+    for value in (",", "", " , "):
+        assert main(["plot", "--run", str(tmp_path / "a"), "--metrics", value]) == 2, value
+    errors = capsys.readouterr().err.strip().splitlines()
+    assert errors == [f"fw: error: --metrics {value!r} names no metric; give comma-separated names such as "
+                      "loss,reward/mean, or leave --metrics out for the defaults" for value in (",", "", " , ")]
+    assert not (tmp_path / "a" / "metrics.png").exists()
+
