@@ -7,11 +7,12 @@ matplotlib (`pip install 'fw[plot]'`); it draws off-screen (the Agg canvas), so 
 
 from __future__ import annotations
 
+import io
 import math
 import sys
 from pathlib import Path
 
-from framework.durable import file_in_the_way
+from framework.durable import file_in_the_way, replace_file
 from framework.errors import FwError
 from framework.metrics import read_metrics
 
@@ -119,9 +120,11 @@ def plot_runs(runs: list[str | Path], out: str | Path | None = None, metrics: li
         ax.grid(alpha=0.3)
         if len(data) > 1:
             ax.legend(fontsize="small")
+    image = io.BytesIO()
+    fig.savefig(image, dpi=DPI, format="png")
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(out, dpi=DPI, format="png")
+        replace_file(out, image.getvalue())   # whole or not at all: a failed write keeps an earlier PNG there
     except OSError as e:
         raise FwError(f"--out {out}: cannot write it: {e.strerror or e}") from None
     return out

@@ -156,3 +156,27 @@ def test_metrics_that_name_no_metric_are_one_line(tmp_path, capsys):
                       "loss,reward/mean, or leave --metrics out for the defaults" for value in (",", "", " , ")]
     assert not (tmp_path / "a" / "metrics.png").exists()
 
+
+def test_a_plot_that_cannot_be_written_whole_keeps_the_earlier_png(tmp_path):
+    """A real `fw plot` process whose file size limit (RLIMIT_FSIZE) is below its PNG's size fails at the write: one
+    line, exit 2, and the PNG an earlier plot wrote there stays whole, with no partial file beside it."""
+    import resource
+    import subprocess
+    import sys
+
+    write_run(tmp_path / "a", 0.0)
+    out = tmp_path / "curves.png"
+    assert main(["plot", "--run", str(tmp_path / "a"), "--out", str(out), "--metrics", "loss"]) == 0
+    before = out.read_bytes()
+    limit = len(before) + 4096   # the one panel fits; four panels, twice its pixels, do not
+
+    def limited() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))   # Python ignores SIGXFSZ: a write gets EFBIG
+
+    done = subprocess.run([sys.executable, "-m", "framework", "plot", "--run", str(tmp_path / "a"), "--out", str(out),
+                           "--metrics", "loss,reward/mean,eval/accuracy,loss"], capture_output=True, text=True,
+                          preexec_fn=limited, cwd=Path(__file__).parents[1], check=False)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.startswith(f"fw: error: --out {out}: cannot write it: ") and done.stderr.count("\n") == 1
+    assert out.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "curves.png"]
