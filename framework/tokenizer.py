@@ -73,7 +73,9 @@ class Tokenizer:
         path = Path(path)
         file = path / "tokenizer.json" if path.is_dir() else path
         if not file.is_file():
-            raise FwError(f"{path}: no tokenizer.json (expected a directory holding one, or the file)")
+            # a path that is not there at all (a model not yet downloaded) is not a directory missing one file
+            what = "no tokenizer.json" if path.exists() else "no such file or directory"
+            raise FwError(f"{path}: {what} (expected a directory holding tokenizer.json, or the file)")
         try:
             tk = _HfTokenizer.from_file(str(file))
         except Exception as e:  # noqa: BLE001 (tokenizers raises a bare Exception on malformed files)

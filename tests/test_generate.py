@@ -325,10 +325,10 @@ def test_a_missing_tokenizer_names_the_key_it_came_from(tmp_path):
     cases = [({"model": {"policy": {"path": str(tmp_path / "model")}}}, "model.policy.path", tmp_path / "model"),
              ({"model": {"policy": {"preset": "tiny"}}, "tokenizer": {"path": str(tmp_path / "none")}},
               "tokenizer.path", tmp_path / "none")]
-    for settings, key, where in cases:
+    for (settings, key, where), what in zip(cases, ("no tokenizer.json", "no such file or directory")):
         with pytest.raises(FwError) as e:
             generate_text(resolve({**base, **settings}), "hi", temperature=0.0)
-        assert str(e.value).startswith(f"{key}: {where}: no tokenizer.json"), str(e.value)
+        assert str(e.value).startswith(f"{key}: {where}: {what}"), str(e.value)
 
 
 def test_a_checkpoints_config_imports_the_runs_modules_from_any_working_directory(tmp_path):

@@ -289,3 +289,19 @@ def test_a_tokenizer_json_saved_with_padding_and_truncation_encodes_whole_texts(
     assert tok.token_counts(texts) == expected
     assert tok.most_tokens(texts) == max(expected)
     assert [len(tok.encode_with_offsets(t)[0]) for t in texts] == expected
+
+
+def test_generate_of_a_config_whose_model_directory_is_missing_says_so(tmp_path, capsys):
+    """`fw generate --config F` reads the tokenizer of a model.policy.path that does not exist (recipes/grpo_math.yaml
+    before its model is downloaded): the line says there is no such directory, not that a tokenizer.json is missing
+    from it; a directory without one still says that."""
+    from framework.cli import main
+
+    config = tmp_path / "c.yaml"
+    config.write_text("recipe: grpo\nmodel:\n  policy:\n    path: models/Qwen3-0.6B\ndata:\n  task: {name: digits}\n")
+    (tmp_path / "empty").mkdir()
+    for path, message in ((tmp_path / "models" / "Qwen3-0.6B", "no such file or directory"),
+                          (tmp_path / "empty", "no tokenizer.json")):
+        assert main(["generate", "--config", str(config), "--prompt", "hi", f"--model.policy.path={path}"]) == 2
+        assert capsys.readouterr().err == (f"fw: error: model.policy.path: {path}: {message} (expected a directory "
+                                           "holding tokenizer.json, or the file)\n")
