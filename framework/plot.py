@@ -12,6 +12,7 @@ import math
 import sys
 from pathlib import Path
 
+from framework.checkpoint.directory import enclosing_checkpoint
 from framework.durable import file_in_the_way, replace_file
 from framework.errors import FwError
 from framework.metrics import read_metrics
@@ -142,9 +143,14 @@ def _exponent(largest: float) -> int:
 
 
 def _check_out(out: Path) -> None:
-    """FwError if the PNG cannot go to `out`: a directory there, or a file where a folder of it must be."""
+    """FwError if the PNG cannot go to `out`: a directory there, a file where a folder of it must be, or a checkpoint
+    directory around it."""
     if out.is_dir():
         raise FwError(f"--out {out}: a directory; give the image's file path, e.g. {out / 'metrics.png'}")
     blocking = file_in_the_way(out)
     if blocking is not None:
         raise FwError(f"--out {out}: cannot create its folder: {blocking} is a file")
+    checkpoint = enclosing_checkpoint(out.parent)
+    if checkpoint is not None:   # not a file of its manifest: a prune deletes it with the checkpoint
+        raise FwError(f"--out {out}: inside checkpoint {checkpoint}, whose files are those its manifest lists and "
+                      "which a prune deletes whole; give a path outside it")

@@ -180,3 +180,33 @@ def test_a_plot_that_cannot_be_written_whole_keeps_the_earlier_png(tmp_path):
     assert done.stderr.startswith(f"fw: error: --out {out}: cannot write it: ") and done.stderr.count("\n") == 1
     assert out.read_bytes() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "curves.png"]
+
+
+@pytest.mark.parametrize("where", ["curves.png", "policy/curves.png", "new/curves.png"])
+def test_fw_plot_writes_no_png_inside_a_checkpoint(tmp_path, capsys, where):
+    """A PNG in a checkpoint directory is no file of its manifest, and the run's prune deletes it with the checkpoint:
+    refused before anything is drawn, as fw eval refuses a report there and fw export an --out."""
+    from scripts.ckpt_writer import policy_checkpoint
+
+    from framework import checkpoint as ck
+    from framework.config import resolve
+    from framework.models import Qwen3ForCausalLM
+    from framework.models.presets import preset_config
+    from framework.tokenizer import Tokenizer
+
+    tok = Tokenizer.builtin()
+    model = Qwen3ForCausalLM(preset_config("tiny", tok.vocab_size, tok.eos_id, tok.pad_id))
+    run = tmp_path / "run"
+    checkpoint = ck.checkpoints_dir(run) / ck.step_dir_name(2)
+    cfg = resolve({"recipe": "sft", "run_dir": str(run), "model": {"policy": {"preset": "tiny"}},
+                   "data": {"task": {"name": "digits"}}})
+    ck.write_checkpoint_dir(policy_checkpoint(model, tok, 2, tmp_path / "tok"), checkpoint, cfg)
+    write_run(tmp_path / "a", 0.0)
+    before = sorted(p for p in checkpoint.rglob("*"))
+    out = checkpoint / where
+    assert main(["plot", "--run", str(tmp_path / "a"), "--out", str(out)]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        (f"fw: error: --out {out}: inside checkpoint {checkpoint}, whose files are those its manifest lists and "
+         "which a prune deletes whole; give a path outside it")]
+    assert sorted(p for p in checkpoint.rglob("*")) == before
+    assert main(["plot", "--run", str(tmp_path / "a"), "--out", str(run / "curves.png")]) == 0   # beside it: fine
