@@ -109,9 +109,11 @@ def optimizer_problems(cfg: dict, world_size: int | None = None) -> list[str]:
                         "16-mixed cannot unscale (its loss scaler refuses float16 gradients); use "
                         "model.policy.dtype: null or trainer.precision: 16-true")
     if o["fused"] is True and _uses_torchao_step(o):
-        problems.append("optimizer.fused: true selects torch AdamW's fused kernel, but optimizer.name: adamw8bit "
-                        "and optimizer.stochastic_rounding: true step torchao's states with fw's own kernel; use auto "
-                        "or false")
+        # name only the settings this config has, so the message never points at a key the user left alone
+        why = [k for k, on in (("optimizer.name: adamw8bit", o["name"] == "adamw8bit"),
+                               ("optimizer.stochastic_rounding: true", o["stochastic_rounding"])) if on]
+        problems.append(f"optimizer.fused: true selects torch AdamW's fused kernel, but {' and '.join(why)} "
+                        f"step{'' if len(why) > 1 else 's'} torchao's states with fw's own kernel; use auto or false")
     if o["cpu_offload"]:
         if not uses_cuda(t):
             problems.append("optimizer.cpu_offload: true moves the optimizer states from a CUDA GPU to the CPU, "

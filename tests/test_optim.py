@@ -404,6 +404,20 @@ def test_problems_name_the_key(optimizer, sections, key, says):
     assert any(p.startswith(key) and says in p for p in problems), problems
 
 
+@pytest.mark.parametrize("optimizer, names", [
+    ({"name": "adamw8bit"}, ["optimizer.name: adamw8bit"]),
+    ({"stochastic_rounding": True}, ["optimizer.stochastic_rounding: true"]),
+    ({"name": "adamw8bit", "stochastic_rounding": True},
+     ["optimizer.name: adamw8bit", "optimizer.stochastic_rounding: true"])])
+def test_fused_refusal_names_only_the_settings_the_config_has(optimizer, names):
+    """fused: true with torchao's step is refused naming the setting that selects that step, and not the other one,
+    which the config may leave at its default."""
+    cfg = cfg_with({**optimizer, "fused": True}, trainer={"precision": "bf16-true"})
+    (problem,) = [p for p in optimizer_problems(cfg) if p.startswith("optimizer.fused: true")]
+    named = [n for n in ("optimizer.name: adamw8bit", "optimizer.stochastic_rounding: true") if n in problem]
+    assert named == names, problem
+
+
 @pytest.mark.parametrize("name", ["adamw", "adamw8bit"])
 @pytest.mark.parametrize("sections, key", [
     ({"model": {"policy": {"preset": "tiny", "dtype": "bfloat16"}}, "trainer": {"precision": "bf16-mixed"}},
