@@ -99,8 +99,8 @@ class RunLock:
 
 
 def _only_probed(fd: int) -> bool:
-    """Whether the lock that refused an exclusive lock on `fd` is held only shared: by waiting ranks' probes
-    (`_held`, from the other ranks), which end at once, and not by another run."""
+    """Whether the lock that refused an exclusive lock on `fd` is held only shared: by the other ranks' probes
+    (`_held`), which end at once, and not by another run."""
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
     except OSError:
