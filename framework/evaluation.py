@@ -70,6 +70,16 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
+def count_correct(h: torch.Tensor, weight: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """How many targets `t` are the argmax of `h @ weight.T`, as a device scalar. The argmax needs the full logits:
+    a chunk of `ACCURACY_CHUNK` rows at a time bounds them, each chunk's freed before the next chunk's are made."""
+    correct = torch.zeros((), dtype=torch.long, device=h.device)
+    for i in range(0, h.shape[0], ACCURACY_CHUNK):
+        j = i + ACCURACY_CHUNK
+        correct += (h[i:j] @ weight.T).argmax(-1).eq(t[i:j]).sum()
+    return correct
+
+
 def eval_seed(cfg: dict) -> int:
     """`eval.seed`, or the run's seed + 1 when null."""
     seed = cfg["eval"]["seed"]
@@ -518,11 +528,8 @@ class Evaluation:
             selected = targets != IGNORE
             h, t = hidden[selected], targets[selected]
             logprob, _ = ops_cuda.linear_logprob(h, policy.lm_head_weight, t)
-            # the argmax needs the full logits: a chunk of rows at a time bounds them
-            correct = sum(int(((h[i:i + ACCURACY_CHUNK] @ policy.lm_head_weight.T).argmax(-1)
-                               == t[i:i + ACCURACY_CHUNK]).sum()) for i in range(0, h.shape[0], ACCURACY_CHUNK))
-            sums += torch.stack([-logprob.double().sum(), torch.tensor(float(correct), dtype=torch.float64,
-                                                                        device=device),
+            correct = count_correct(h, policy.lm_head_weight, t)
+            sums += torch.stack([-logprob.double().sum(), correct.double(),
                                  torch.tensor(float(t.numel()), dtype=torch.float64, device=device)])
         return sums
 

@@ -8,6 +8,7 @@ import torch
 
 import ops_cuda
 from framework.data import IGNORE, ExampleStream, sft_dataloader
+from framework.evaluation import ACCURACY_CHUNK, count_correct
 from framework.models import Packing
 from framework.recipe import BatchShapes, Requirements, StepContext
 
@@ -22,7 +23,7 @@ class SFTRecipe:
     gradients, chunked, and only on steps that are logged.
     """
 
-    ACCURACY_CHUNK = 4096   # target tokens per logits chunk for the accuracy metric
+    ACCURACY_CHUNK = ACCURACY_CHUNK   # target tokens per logits chunk (the memory plan reads it here)
 
     def __init__(self, cfg: dict, tokenizer: Any):
         self.cfg = cfg
@@ -75,12 +76,7 @@ class SFTRecipe:
 
     @torch.no_grad()
     def _accuracy(self, h: torch.Tensor, weight: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        correct = torch.zeros((), dtype=torch.long, device=h.device)
-        for i in range(0, h.shape[0], self.ACCURACY_CHUNK):
-            # one expression: a chunk's logits are freed before the next chunk's are made
-            j = i + self.ACCURACY_CHUNK
-            correct += (h[i:j] @ weight.T).argmax(-1).eq(t[i:j]).sum()
-        return correct.double() / max(h.shape[0], 1)
+        return count_correct(h, weight, t).double() / max(h.shape[0], 1)
 
     def state_dict(self) -> dict:
         return {"position": self.position}
