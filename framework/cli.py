@@ -18,6 +18,7 @@ import os
 import signal
 import sys
 import traceback
+from pathlib import Path
 from typing import Any
 
 from framework.config import dump_config, load_config, schema_path, schema_text
@@ -60,9 +61,11 @@ def _parser() -> argparse.ArgumentParser:
     fit.add_argument("--resume", metavar="last|PATH",
                      help="continue from the newest checkpoint of run_dir ('last') or a checkpoint directory; "
                           "changed settings apply where a resume can apply them, else the run is refused")
-    skip_help = ("when the newest checkpoint is damaged (a file missing, truncated or corrupt: every file's sha256 is "
-                 "checked), say so and use the newest intact older one instead of stopping")
-    fit.add_argument("--skip-damaged", action="store_true", help=skip_help)
+    skip_help = ("with {}: when the run's newest checkpoint is damaged (a file missing, truncated or corrupt: every "
+                 "file's sha256 is checked), say so and use the newest intact older one instead of stopping; refused "
+                 "with a checkpoint directory, the one checkpoint there is to use")
+    fit.add_argument("--skip-damaged", action="store_true", help=skip_help.format("--resume last or a run directory"))
+    run_dir = "a run directory as --checkpoint"
     add("validate", "check a config without running it (exit 0 when valid, 2 with every problem)",
         [common, configs], "Check a config without running it. " + overrides)
     add("print-config", "print the resolved config (every default filled in) as YAML",
@@ -84,7 +87,7 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("--merge", action="store_true",
                         help="LoRA checkpoint: write the base with the adapters merged in (default: the adapters "
                              "in PEFT's format)")
-    export.add_argument("--skip-damaged", action="store_true", help=skip_help)
+    export.add_argument("--skip-damaged", action="store_true", help=skip_help.format(run_dir))
 
     gen = add("generate", "generate text from a config's model or a checkpoint", [common, configs],
               "Generate a completion. With only --checkpoint, the checkpoint's own config.yaml is used, with the "
@@ -93,7 +96,7 @@ def _parser() -> argparse.ArgumentParser:
               + overrides)
     gen.add_argument("--checkpoint", metavar="DIR",
                      help="checkpoint directory whose policy is used, or a run directory for its newest checkpoint")
-    gen.add_argument("--skip-damaged", action="store_true", help=skip_help)
+    gen.add_argument("--skip-damaged", action="store_true", help=skip_help.format(run_dir))
     gen.add_argument("--prompt", required=True, help="the user message")
     gen.add_argument("--max-new-tokens", type=int, metavar="N")
     how = gen.add_mutually_exclusive_group()
@@ -109,7 +112,7 @@ def _parser() -> argparse.ArgumentParser:
                     help="checkpoint directory, or a run directory for its newest checkpoint")
     ev.add_argument("--out", metavar="FILE", help="the JSON report (default: <run_dir>/eval/<checkpoint>.json, "
                     "<checkpoint>-<config hash>.json under settings other than the checkpoint's)")
-    ev.add_argument("--skip-damaged", action="store_true", help=skip_help)
+    ev.add_argument("--skip-damaged", action="store_true", help=skip_help.format(run_dir))
 
     plot = add("plot", "draw runs' metrics.jsonl curves into a PNG (needs matplotlib: pip install 'fw[plot]')",
                [common], "Plot metrics.jsonl of one or more runs, one panel per metric, steps on x; training "
@@ -140,6 +143,9 @@ def _run(args: argparse.Namespace, overrides: list[str]) -> int:
         raise FwError(_skip_damaged_alone("--resume", "last"))
     if cmd == "generate" and args.skip_damaged and args.checkpoint is None:
         raise FwError(_skip_damaged_alone("--checkpoint", "RUN_DIR"))
+    if getattr(args, "skip_damaged", False):
+        option, named = ("--resume", args.resume) if cmd == "fit" else ("--checkpoint", args.checkpoint)
+        _refuse_skip_damaged_of_one(option, named)
     if cmd in ("validate", "print-config", "fit"):
         if not args.config:
             raise FwError(f"fw {cmd} needs --config FILE")
@@ -234,6 +240,20 @@ def _skip_damaged_alone(option: str, example: str) -> str:
     """The refusal of --skip-damaged without `option`, the checkpoints it would choose among."""
     return (f"--skip-damaged applies only with {option}: it passes over a run directory's damaged newest checkpoint "
             f"for its newest intact one; add {option} {example}, or leave --skip-damaged out")
+
+
+def _refuse_skip_damaged_of_one(option: str, path: str) -> None:
+    """FwError when `path` (given as `option` with --skip-damaged) is a checkpoint directory itself: the option
+    would change nothing there, neither what is read (the one checkpoint) nor how (its files are not hashed)."""
+    from framework.checkpoint.store import is_one_checkpoint
+
+    if path == "last" or not is_one_checkpoint(path):
+        return
+    parent = Path(os.path.abspath(path)).parent   # `--checkpoint .` too
+    run_dir = f"its run directory {parent.parent}" if parent.name == "checkpoints" else "a run directory"
+    raise FwError(f"--skip-damaged applies only to a run directory: it passes over a run directory's damaged newest "
+                  f"checkpoint for its newest intact one, and {option} {path} is one checkpoint; give {run_dir}, "
+                  "or leave --skip-damaged out")
 
 
 def _one_line(message: str) -> str:

@@ -130,3 +130,34 @@ def test_generate_and_eval_name_a_corrupt_file_that_fails_to_load_unhashed(run, 
     assert capsys.readouterr() == ("", f"fw: error: the newest checkpoint {step4} is damaged: {problem}{HINT}\n")
     assert main([*evaluate, "--checkpoint", str(run_dir), "--skip-damaged"]) == 0
     assert f"fw: warning: skipping damaged checkpoint {step4}: {problem}\n" in capsys.readouterr().err
+
+
+def test_skip_damaged_with_one_checkpoint_is_refused_before_anything_reads_it(run, capsys):
+    """`--skip-damaged` passes over a run directory's damaged newest checkpoint; a checkpoint directory named itself
+    has no other to turn to, and it was read unhashed as if the option were not there (a flipped bit in a weight:
+    generate and eval ran on it, fit resumed from it). Every command refuses the option there, in one line naming
+    the run directory to give instead, before anything is read or written, and `--help` says so."""
+    run_dir, train = run
+    step4 = run_dir / "checkpoints" / "step-000004"
+    _damage(step4, "weight name")   # loads without an error; only its hash finds it
+    out = run_dir.parent / "out"
+    commands = {
+        "--resume": ["fit", "--config", train, "--resume", str(step4), "--trainer.max_steps=6"],
+        "--checkpoint": [["export", "--out", str(out), "--checkpoint", str(step4)],
+                         ["generate", "--prompt", "1+1=", "--greedy", "--max-new-tokens", "2", "--checkpoint",
+                          str(step4)],
+                         ["eval", "--out", str(out / "eval.json"), "--eval.max_prompts=2",
+                          f"--eval.path={DATA / 'arithmetic_chat_heldout.jsonl'}", "--checkpoint", str(step4)]]}
+    argvs = [("--resume", commands["--resume"])] + [("--checkpoint", argv) for argv in commands["--checkpoint"]]
+    capsys.readouterr()
+    for option, argv in argvs:
+        assert main([*argv, "--skip-damaged"]) == 2, argv[0]
+        assert capsys.readouterr() == ("", (
+            f"fw: error: --skip-damaged applies only to a run directory: it passes over a run directory's damaged "
+            f"newest checkpoint for its newest intact one, and {option} {step4} is one checkpoint; give its run "
+            f"directory {run_dir}, or leave --skip-damaged out\n")), argv[0]
+    assert not out.exists()
+    assert sorted(p.name for p in step4.parent.iterdir()) == ["step-000002", "step-000004"]   # nothing moved aside
+    for command in ("fit", "export", "generate", "eval"):
+        assert main([command, "--help"]) == 0
+        assert "refused with a checkpoint directory" in " ".join(capsys.readouterr().out.split()), command

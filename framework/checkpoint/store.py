@@ -237,6 +237,14 @@ def resolve_checkpoint(path: str | os.PathLike, skip_damaged: bool = False, veri
     return _resolve(path, skip_damaged, verify, option)[0]
 
 
+def is_one_checkpoint(path: str | os.PathLike) -> bool:
+    """Whether `path`, as `--checkpoint` or `--resume` gives it, names a checkpoint directory itself rather than a
+    run directory (whose newest checkpoint it stands for)."""
+    path = Path(path)
+    return (not checkpoints_dir(path).is_dir() and path.is_dir()
+            and ((path / MANIFEST).exists() or _STEP_DIR.match(path.name) is not None))
+
+
 def _resolve(path: str | os.PathLike, skip_damaged: bool, verify: bool, option: str) -> tuple[Path, list[Path]]:
     """`resolve_checkpoint`, and the damaged checkpoints it skipped."""
     path = Path(path)
@@ -246,7 +254,7 @@ def _resolve(path: str | os.PathLike, skip_damaged: bool, verify: bool, option: 
             raise FwError(f"{option} {path}: a run directory without a usable checkpoint under "
                           f"{checkpoints_dir(path)}")
         return Path(latest), skipped
-    if path.is_dir() and ((path / MANIFEST).exists() or _STEP_DIR.match(path.name)):
+    if is_one_checkpoint(path):
         problem = damage(path)
         if problem is not None:
             raise FwError(f"{option} {path}: the checkpoint is damaged: {problem}")
