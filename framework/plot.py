@@ -107,20 +107,27 @@ def plot_runs(runs: list[str | Path], out: str | Path | None = None, metrics: li
         if exponent:   # drawn in units of 10**exponent, which the axis's label names
             curves = {name: (steps, [v / 10.0 ** exponent for v in values]) for name, (steps, values) in curves.items()}
             ax.set_ylabel(f"×1e{exponent}")
+        drawn = []   # (line, run) of each run with a finite value of the metric
         for (name, (steps, values)), color in zip(curves.items(), colors):
             if not steps:
                 continue
-            label = name if len(data) > 1 else None
             if metric.startswith("eval/"):
-                ax.plot(steps, values, marker="o", color=color, label=label)
+                (line,) = ax.plot(steps, values, marker="o", color=color)
             else:
                 ax.plot(steps, values, color=color, alpha=0.25, linewidth=1)
-                ax.plot(steps, smooth(values, smoothing), color=color, label=label)
+                (line,) = ax.plot(steps, smooth(values, smoothing), color=color)
+            drawn.append((line, name))
         ax.set_title(metric)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
-        if len(data) > 1:
-            ax.legend(fontsize="small")
+        if not drawn:   # every value null, NaN or infinite: said in the panel rather than left blank
+            ax.text(0.5, 0.5, "no finite value" + (" in any run" if len(data) > 1 else ""), transform=ax.transAxes,
+                    ha="center", va="center")
+            ax.set_xticks([])   # the axes' 0 to 1 would read as steps and values
+            ax.set_yticks([])
+        elif len(data) > 1:
+            # the lines and names given: matplotlib would leave out a run whose name starts with "_"
+            ax.legend([line for line, _ in drawn], [name for _, name in drawn], fontsize="small")
     image = io.BytesIO()
     fig.savefig(image, dpi=DPI, format="png")
     try:

@@ -2,6 +2,7 @@
 
 import json
 import struct
+import warnings
 import zlib
 from pathlib import Path
 
@@ -210,3 +211,29 @@ def test_fw_plot_writes_no_png_inside_a_checkpoint(tmp_path, capsys, where):
          "which a prune deletes whole; give a path outside it")]
     assert sorted(p for p in checkpoint.rglob("*")) == before
     assert main(["plot", "--run", str(tmp_path / "a"), "--out", str(run / "curves.png")]) == 0   # beside it: fine
+
+
+def test_a_panel_without_a_finite_value_says_so_and_no_library_warning_shows(tmp_path, capsys, monkeypatch):
+    """A metric whose every value is null, NaN or infinite has nothing to draw: its panel says so in dark text
+    rather than stay blank, and matplotlib's warning of a legend without labels is not printed. Runs named with a
+    leading underscore (relative paths) are labelled in the legend as any other run, without that warning."""
+    from PIL import Image
+
+    monkeypatch.chdir(tmp_path)
+    lines = [{"step": 1, "loss": 1.0, "eval/loss": None}, {"step": 2, "loss": 0.5, "eval/loss": float("nan")},
+             {"step": 3, "loss": 0.4, "eval/loss": float("inf")}]
+    for run in ("_a", "_b"):
+        Path(run).mkdir()
+        Path(run, "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    for runs in (["_a", "_b"], ["_a"]):
+        out = tmp_path / f"{len(runs)}.png"
+        argv = ["plot", *(a for run in runs for a in ("--run", run)), "--metrics", "loss,eval/loss", "--out", str(out)]
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert main(argv) == 0
+        assert [str(w.message) for w in caught] == [] and capsys.readouterr() == (f"wrote {out}\n", "")
+        # the right panel's middle (eval/loss), blank but for light grid lines unless text is there
+        pixels = Image.open(out).convert("RGB")
+        width, height = pixels.size
+        middle = pixels.crop((width * 3 // 5, height * 2 // 5, width * 9 // 10, height * 3 // 5)).tobytes()
+        assert sum(max(p) < 100 for p in zip(middle[0::3], middle[1::3], middle[2::3])) > 50, runs
