@@ -690,6 +690,15 @@ class EvalCallback(lightning.Callback):
 # The config keys that say where a run writes, which the evaluation of a checkpoint never reads: a config of another
 # run, or one whose relative run_dir resolves elsewhere, differs there without evaluating otherwise.
 OUTPUT_KEYS = ("run_dir", "name")
+# How a run trains, logs and saves, which the evaluation of a checkpoint does not depend on: the training config a
+# checkpoint is evaluated with may differ there from the one it was saved under. (optimizer.name is read only to let
+# the trainer state's 8-bit optimizer states load, which another name refuses rather than changes.)
+TRAINING_KEYS = ("optimizer", "scheduler", "logging", "callbacks", "checkpoint.every_n_steps", "checkpoint.keep_last",
+                 "trainer.devices", "trainer.num_nodes", "trainer.strategy", "trainer.log_every_n_steps",
+                 "trainer.enable_progress_bar", "trainer.memory_limit_gib", "trainer.stop_grace_s")
+# Read only to count the training samples to hold out of a checkpoint whose trainer state records neither the bound
+# its run evaluated against nor its data position (`checkpoint_draws`).
+DRAW_KEYS = ("trainer.max_steps", "trainer.accumulate_grad_batches")
 
 
 def evaluate_checkpoint(checkpoint: str | Path, cfg: dict | None = None, out: str | Path | None = None,
@@ -698,11 +707,11 @@ def evaluate_checkpoint(checkpoint: str | Path, cfg: dict | None = None, out: st
     of the checkpoint's run (`checkpoint_draws`); write the JSON report to `out` and return (report, path).
 
     `cfg` replaces the checkpoint's own config.yaml, else `overrides` (`--a.b=v`) apply on top of it. The report
-    holds the eval and reward settings and the config keys that differ from the checkpoint's (but OUTPUT_KEYS,
-    which the evaluation does not read). Its default path
-    is `<run_dir>/eval/<checkpoint>.json` under the checkpoint's own config, `<checkpoint>-<hash>.json` under
-    another (the first 8 hex digits of its sha256 without OUTPUT_KEYS), and a report there of other settings is
-    never replaced."""
+    holds the eval and reward settings and the config keys that differ from the checkpoint's, but those the
+    evaluation does not depend on (OUTPUT_KEYS, TRAINING_KEYS, and DRAW_KEYS where the checkpoint records its
+    draws). Its default path is `<run_dir>/eval/<checkpoint>.json` under the checkpoint's own config or one that
+    differs in those keys alone, else `<checkpoint>-<hash>.json` (the first 8 hex digits of the sha256 of
+    `_as_read`'s config), and a report there of other settings is never replaced."""
     from framework.checkpoint import read_resolved
     from framework.checkpoint.directory import CONFIG_FILE, config_sha256, read_complete_manifest
     from framework.config import load_config
@@ -722,15 +731,16 @@ def evaluate_checkpoint(checkpoint: str | Path, cfg: dict | None = None, out: st
                 own = load_config([own_file], imports=())
             except FwError:   # made valid by the given config or the overrides: what changed is not known
                 own = None
+        draws = checkpoint_draws(path, run_cfg) if needs_draws(run_cfg) else 0
+        unread = OUTPUT_KEYS + TRAINING_KEYS + (DRAW_KEYS if draws is not None else ())
         changes = None if own is None else {k: v for k, v in config_changes(own, run_cfg).items()
-                                            if k not in OUTPUT_KEYS}
+                                            if not _among(k, unread)}
         settings = {"eval": run_cfg["eval"], "reward": run_cfg["reward"], "changes": changes}
         # named as absolute: `--checkpoint .` (or `..`) has no name of its own, nor a run directory above it
         at = Path(os.path.abspath(path))
         default = report_path is None
         if default:
-            settings_only = {k: v for k, v in run_cfg.items() if k not in OUTPUT_KEYS}
-            name = at.name if changes == {} else f"{at.name}-{config_sha256(settings_only)[:8]}"
+            name = at.name if changes == {} else f"{at.name}-{config_sha256(_as_read(run_cfg, own, unread))[:8]}"
             where = (at.parent.parent / "eval" if at.parent.name == "checkpoints" else Path.cwd()) / f"{name}.json"
         else:
             where = Path(report_path)
@@ -742,7 +752,6 @@ def evaluate_checkpoint(checkpoint: str | Path, cfg: dict | None = None, out: st
                           "give another path, or move it away")
         step = read_complete_manifest(path).get("step")
         tokenizer, policy = load_policy(run_cfg, path)
-        draws = checkpoint_draws(path, run_cfg) if needs_draws(run_cfg) else 0
         return at, run_cfg, settings, where, step, tokenizer, policy, draws
 
     # a run directory's newest checkpoint, read again if the fit writing the run prunes it meanwhile
@@ -757,6 +766,33 @@ def evaluate_checkpoint(checkpoint: str | Path, cfg: dict | None = None, out: st
     out.parent.mkdir(parents=True, exist_ok=True)
     replace_file(out, json.dumps(report, indent=2) + "\n")   # whole or not at all
     return report, out
+
+
+def _among(key: str, keys: tuple[str, ...]) -> bool:
+    """Whether the dotted `key` is one of `keys` or lies under one of them."""
+    return any(key == k or key.startswith(f"{k}.") for k in keys)
+
+
+def _as_read(cfg: dict, own: dict | None, unread: tuple[str, ...]) -> dict:
+    """`cfg` as far as the evaluation reads it, the name of its report hashed from it: without OUTPUT_KEYS, and each
+    other key of `unread` at the checkpoint's own value (`own`), so that a config that differs from the checkpoint's
+    in read keys alone keeps the name it always had; left out when the checkpoint's own config is not known."""
+    out = copy.deepcopy({k: v for k, v in cfg.items() if k not in OUTPUT_KEYS})
+    for dotted in unread:
+        if dotted in OUTPUT_KEYS:
+            continue
+        *parents, last = dotted.split(".")
+        into, source = out, own
+        for part in parents:
+            into = into.get(part) if isinstance(into, dict) else None
+            source = source.get(part) if isinstance(source, dict) else None
+        if not isinstance(into, dict):
+            continue
+        if isinstance(source, dict) and last in source:
+            into[last] = copy.deepcopy(source[last])
+        else:
+            into.pop(last, None)
+    return out
 
 
 def config_changes(before: dict, after: dict, prefix: str = "") -> dict[str, Any]:

@@ -14,11 +14,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 from safetensors.torch import load_file
+from test_eval_held_out_bound import edit_trainer_state
 
 from framework.cli import main
 from framework.config import load_config, resolve
 from framework.errors import FwError
-from framework.evaluation import EvalCallback, Evaluation, pass_at_k, training_draws
+from framework.evaluation import HELD_OUT_ENTRY, EvalCallback, Evaluation, pass_at_k, training_draws
 from framework.metrics import read_metrics
 from framework.tasks import Digits, build_task
 from framework.tokenizer import build_tokenizer
@@ -452,6 +453,41 @@ def test_fw_eval_reports_record_their_settings_and_never_replace_other_settings(
     assert capsys.readouterr().err.splitlines() == [
         (f"fw: error: {own} holds the report of an evaluation with other settings (or of an fw that did not record "
          "them); move it away, or give --out FILE for this one")]
+
+
+def test_fw_eval_reports_are_named_by_the_settings_it_reads_alone(small_run, tmp_path, capsys):
+    """How the run trains, logs and saves (optimizer, scheduler, logging, checkpoint cadence, trainer.max_steps of a
+    checkpoint that records its held-out bound) changes nothing the evaluation reads: a config that differs there
+    alone evaluates as the checkpoint's own, and one that differs in read settings too keeps the name those alone
+    give, which is the name they always gave. They used to be changes, each combination a report of its own."""
+    run = tmp_path / "run"
+    shutil.copytree(small_run, run)
+    reports = run / "eval"
+    own = reports / "step-000002.json"
+    training = ["--optimizer.lr=0.5", "--scheduler.warmup_steps=1", "--logging.csv=true", "--checkpoint.keep_last=1",
+                "--trainer.max_steps=50", "--trainer.log_every_n_steps=3"]
+    assert main(["eval", "--checkpoint", str(run), *training]) == 0
+    assert sorted(p.name for p in reports.iterdir()) == [own.name]
+    assert json.loads(own.read_text())["changes"] == {}
+    read = ["--eval.samples_per_prompt=1"]
+    cfg = load_config([str(run / "config.yaml")], read)
+    del cfg["run_dir"], cfg["name"]
+    digest = hashlib.sha256(json.dumps(cfg, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode())
+    other = reports / f"step-000002-{digest.hexdigest()[:8]}.json"
+    for argv in ([*read, *training], read):
+        assert main(["eval", "--checkpoint", str(run), *argv]) == 0
+        assert sorted(reports.iterdir()) == sorted([own, other]), argv
+        assert json.loads(other.read_text())["changes"] == {"eval.samples_per_prompt": 1}
+    # a checkpoint that records neither its held-out bound nor its data position: its training samples are counted
+    # from trainer.max_steps, which then counts as a setting
+    shutil.rmtree(reports)
+    state = edit_trainer_state(run / "checkpoints" / "step-000002",
+                               lambda s: (s.pop(HELD_OUT_ENTRY), s["fw_recipe"].pop("prompt_position")))
+    assert state[0]["draws"] > 0 and state[1] > 0
+    assert main(["eval", "--checkpoint", str(run), "--trainer.max_steps=50"]) == 0
+    (hashed,) = reports.iterdir()
+    assert hashed != own and json.loads(hashed.read_text())["changes"] == {"trainer.max_steps": 50}
+    capsys.readouterr()
 
 
 def test_fw_eval_out_replaces_an_earlier_report_but_no_other_file(small_run, tmp_path, capsys):
