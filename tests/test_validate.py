@@ -115,6 +115,18 @@ def test_strategy_problems_exit_2_at_fit(tmp_path, capsys, strategy, message):
     assert not (tmp_path / "run").exists()
 
 
+def test_every_strategy_the_schema_offers_is_one_fw_trains_with(tmp_path, capsys):
+    """The schema's `examples` are what editors offer to complete trainer.strategy: none of them may be one that
+    `fw validate` then refuses (FSDP, say)."""
+    schema = json.loads((ROOT / "schemas" / "train.schema.json").read_text())
+    examples = schema["properties"]["trainer"]["properties"]["strategy"]["examples"]
+    assert examples
+    for strategy in examples:
+        config = tmp_path / f"{strategy}.yaml"
+        config.write_text(GRPO + f"run_dir: {tmp_path / 'run'}\ntrainer:\n  strategy: {strategy}\n")
+        assert run_fw(["validate", "--config", str(config)], capsys) == (0, []), strategy
+
+
 # ------------------------------------------------------------------ run_dir
 
 def test_run_dir_below_a_file(tmp_path, capsys):
