@@ -11,10 +11,25 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import sys
 from collections.abc import Iterator
 
 from tqdm import tqdm
+
+
+def first_process() -> bool:
+    """Whether this is the job's first process, the one that speaks: Lightning's `rank_zero_only.rank` once Lightning
+    is imported (a fit numbers its processes there), else the guess Lightning makes at import from the launcher's
+    variables, read without importing it (seconds of `fw validate`'s time for a warning)."""
+    if "lightning.fabric" in sys.modules:
+        from lightning.pytorch.utilities import rank_zero_only
+
+        return rank_zero_only.rank == 0
+    for key in ("RANK", "LOCAL_RANK", "SLURM_PROCID", "JSM_NAMESPACE_RANK"):   # Lightning's order
+        if os.environ.get(key) is not None:
+            return int(os.environ[key]) == 0
+    return True
 
 
 def say(line: str, flush: bool = False) -> None:

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from framework.console import say
+from framework.console import first_process, say
 from framework.errors import FwError
 from framework.jsonl import read_jsonl
 from framework.tasks import build_task, render_prompt
@@ -257,9 +257,7 @@ def empty_reply(record: dict, cfg: dict, text: str, spans: list[tuple[int, int]]
 
 def _say_empty(empty: list[str], total: int) -> None:
     """Say (on the first process) how many examples have an empty reply, and where the first is."""
-    from lightning.pytorch.utilities import rank_zero_only
-
-    if not empty or rank_zero_only.rank != 0:
+    if not empty or not first_process():
         return
     say(f"fw: data.path: {len(empty)} of {total} examples {'has' if len(empty) == 1 else 'have'} an empty or "
         f"blank reply (the first: {empty[0]}), which trains on its end token alone and teaches the model to answer "
@@ -278,9 +276,7 @@ def _say_truncated(examples: list[Example], max_len: int) -> None:
         raise FwError(f"data.max_seq_len: all {len(examples)} examples of data.path are longer than "
                       f"data.max_seq_len ({max_len}), and cut to it none keeps a token to train on; raise it to at "
                       f"least {least}")
-    from lightning.pytorch.utilities import rank_zero_only
-
-    if rank_zero_only.rank != 0:
+    if not first_process():
         return
     cut = f"; {empty} of them {'keeps' if empty == 1 else 'keep'} no token to train on" if empty else ""
     say(f"fw: data.path: {len(long)} of {len(examples)} examples are longer than data.max_seq_len ({max_len}) "
@@ -290,9 +286,7 @@ def _say_truncated(examples: list[Example], max_len: int) -> None:
 def _say_task_cut(position: int, example: Example, max_len: int) -> None:
     """Say (on the first process) that the task's example at `position` is cut to `max_len`, and whether it keeps a
     target: a task's examples are drawn as training reads them, so none is counted at load as data.path's are."""
-    from lightning.pytorch.utilities import rank_zero_only
-
-    if rank_zero_only.rank != 0:
+    if not first_process():
         return
     empty = all(t == IGNORE for t in truncate(example, max_len).targets)
     say(f"fw: data.task: example {position} has {len(example.ids)} tokens, more than data.max_seq_len ({max_len}), "

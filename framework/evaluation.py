@@ -1,4 +1,5 @@
-"""Evaluation on held-out data: while training (`EvalCallback`) and of a saved checkpoint (`fw eval`).
+"""Evaluation on held-out data: while training (`framework.callbacks.EvalCallback`) and of a saved checkpoint
+(`fw eval`).
 
 The eval data is `eval.path` (JSONL in the training data's format) or samples of the training task drawn
 with `eval.seed`; with `eval.held_out` a sample the run can train on is left out, so no eval prompt is a
@@ -38,11 +39,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
-import lightning
 import torch
 
-from framework.cadence import crossed
-from framework.console import say
 from framework.errors import FwError
 from framework.models.modes import eval_mode
 from framework.rng import rng_state, set_rng_state
@@ -251,7 +249,8 @@ SOURCE_PROBLEM = ("the training data is a JSONL file (data.path), whose records 
                   "and again; set eval.path to a held-out JSONL file")
 
 
-def _check_source(cfg: dict) -> None:
+def check_source(cfg: dict) -> None:
+    """FwError when the config has no eval data: neither eval.path nor a training task to draw from."""
     if cfg["eval"]["path"] is None and not cfg["data"]["task"]:
         raise FwError(f"eval: {SOURCE_PROBLEM}")
 
@@ -275,7 +274,7 @@ class Evaluation:
 
     def __init__(self, cfg: dict, tokenizer: Any, world_size: int = 1, *, draws: int | None = None,
                  earlier: int | None = None, choose_only: bool = False):
-        _check_source(cfg)
+        check_source(cfg)
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.choose_only = choose_only
@@ -582,109 +581,6 @@ def preserved_rng() -> Iterator[None]:
         yield
     finally:
         set_rng_state(state)
-
-
-class EvalCallback(lightning.Callback):
-    """Evaluates every `eval.every_n_steps` policy steps (and at step 0 with `eval.at_start`), logging the
-    metrics at that step: with the step's training metrics when the step is logged (the trainer puts this
-    callback ahead of `MetricsLogger`), else in a record of their own. Either way before the step's
-    checkpoint is saved, so a checkpoint of step k comes after step k's eval. It keeps the held-out bound
-    (`held_out_record`) in the checkpoints, for a resumed run and for `fw eval`."""
-
-    def __init__(self, cfg: dict):
-        _check_source(cfg)
-        self.cfg = cfg
-        self.every = cfg["eval"]["every_n_steps"]
-        self.evaluation: Evaluation | None = None
-        self._step = 0
-        self.history: list[tuple[int, dict[str, float]]] = []   # (step, metrics) of this process's evals
-        self.held_out: dict[str, int] | None = None   # held_out_record of this run
-        self._saved: dict[str, int] | None = None   # the checkpoint's, until training starts
-        self._resumed = False   # whether a checkpoint was loaded, until training starts
-
-    # A checkpoint entry of its own rather than Lightning's callback state, which a run resumed without evaluation
-    # would be warned about.
-    def on_save_checkpoint(self, trainer: lightning.Trainer, module: lightning.LightningModule,
-                           checkpoint: dict[str, Any]) -> None:
-        if self.held_out:
-            checkpoint[HELD_OUT_ENTRY] = dict(self.held_out)
-
-    def on_load_checkpoint(self, trainer: lightning.Trainer, module: lightning.LightningModule,
-                           checkpoint: dict[str, Any]) -> None:
-        self._saved = checkpoint.get(HELD_OUT_ENTRY)
-        self._resumed = True
-
-    def on_train_start(self, trainer: lightning.Trainer, module: lightning.LightningModule) -> None:
-        saved, self._saved = self._saved, None
-        resumed, self._resumed = self._resumed, False
-        earlier = saved.get("draws") if saved else None
-        if needs_draws(self.cfg):
-            if resumed and not saved and trainer.is_global_zero:
-                say("fw: warning: eval: the checkpoint records no held-out bound (written by an older fw, or by a "
-                    "run that did not hold out eval data), so the eval set is chosen anew for this run; the eval "
-                    "metrics from here on are not comparable with the earlier ones", flush=True)
-            recipe = getattr(module, "recipe", None)
-            world_size, step = trainer.world_size, trainer.global_step
-            # every rank reaches the collective (the same config on each); rank 0 alone counts the draws (SFT from a
-            # task: packs every row the run trains on)
-            self.held_out = from_rank_zero(lambda: held_out_record(
-                self.cfg, module.tokenizer, world_size, step, data_position(recipe), saved,
-                continued_steps(recipe, world_size)))
-            draws = self.held_out["draws"]
-        else:   # kept for a later start that holds out again
-            held_out = self.cfg["eval"]["held_out"]
-            self.held_out, draws = ({**(saved or {}), "key": HELD_OUT_KEY} if held_out else saved), 0
-        # a record without the key is an older fw's (a run without one at all was warned about above)
-        older = (saved or {}).get("key") != HELD_OUT_KEY and not (needs_draws(self.cfg) and not saved)
-        if resumed and older and self.cfg["eval"]["held_out"] and trainer.is_global_zero:
-            say("fw: warning: eval: the checkpoint was written by an older fw, which held eval samples out by their "
-                "whole record; they are now held out by prompt (an eval sample whose prompt the run trains on is "
-                "left out), so the eval set may differ and the eval metrics from here on may not be comparable "
-                "with the earlier ones", flush=True)
-        self.evaluation = Evaluation(self.cfg, module.tokenizer, trainer.world_size, draws=draws, earlier=earlier)
-        if self.evaluation.changed and trainer.is_global_zero:
-            say(f"fw: warning: eval: this run can draw {draws} training samples, more than the {earlier} its eval "
-                "set was chosen against (a larger trainer.max_steps or global batch), and some eval samples are "
-                "among them; they are replaced by others, so the eval metrics from here on are not comparable "
-                "with the earlier ones", flush=True)
-        self._step = trainer.global_step
-        if self.cfg["eval"]["at_start"] and trainer.global_step == 0:
-            self._evaluate(trainer, module)
-
-    def on_train_batch_end(self, trainer: lightning.Trainer, module: lightning.LightningModule, outputs: Any,
-                           batch: Any, batch_idx: int) -> None:
-        step = trainer.global_step
-        if step == self._step:
-            return
-        due = self.every is not None and crossed(self._step, step, self.every)
-        self._step = step
-        if due:
-            self._evaluate(trainer, module)
-
-    def _evaluate(self, trainer: lightning.Trainer, module: lightning.LightningModule) -> None:
-        from framework.callbacks import MetricsLogger, ProgressBar
-
-        bars = [cb for cb in trainer.callbacks if isinstance(cb, ProgressBar)]
-        for bar in bars:
-            bar.show_phase("eval")
-        try:
-            with trainer.precision_plugin.forward_context(), module.off_the_clock():
-                # the run's rollout engine when it is kept between rollouts (its cache is allocated anyway)
-                engine = module.recipe.engine if getattr(module.recipe, "keep_engine", None) else None
-                metrics = self.evaluation.run(module.policy, trainer.global_rank, trainer.world_size, engine)
-        finally:
-            for bar in bars:
-                bar.show_phase("step")
-        metrics_logger = next(cb for cb in trainer.callbacks if isinstance(cb, MetricsLogger))
-        if metrics_logger.due(trainer):   # logged with the step's training metrics, in the same record
-            for name, value in metrics.items():
-                module.log_fw_metric(name, value, reduce="last")
-        else:   # step 0, or a step the logging cadence skips: a record of its own
-            metrics_logger.truncate_once(trainer)   # a resumed run drops a crashed run's lines first
-            for logger in trainer.loggers:
-                logger.log_metrics(metrics, step=trainer.global_step)
-        module.last_eval_metrics = metrics
-        self.history.append((trainer.global_step, metrics))
 
 
 # The config keys that say where a run writes, which the evaluation of a checkpoint never reads: a config of another

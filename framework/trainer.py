@@ -23,6 +23,7 @@ from lightning.pytorch.utilities import rank_zero_only
 
 from framework.allocator import configure_allocator
 from framework.callbacks import (
+    EvalCallback,
     FlushOnEarlyStop,
     MetricsLogger,
     RestorableState,
@@ -31,11 +32,11 @@ from framework.callbacks import (
     builtin_callbacks,
     user_callbacks,
 )
-from framework.config import uses_cuda
 from framework.console import last_resort_above_bars
 from framework.errors import FwError
-from framework.evaluation import EvalCallback, eval_enabled
+from framework.evaluation import eval_enabled
 from framework.loggers import build_loggers, earlier_logs, log_config, quiet_event_writer_threads
+from framework.precision import check_precision
 from framework.recipe import Requirements, recipe_class
 from framework.run_lock import RunLock, refuse_another_run
 from framework.signals import Interrupted, Stopped, StopSignals, signal_name
@@ -54,26 +55,6 @@ UNACTIONABLE_WARNINGS = (
 QUIET_LOGGERS = ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero",
                  "lightning.pytorch.accelerators.cuda", "lightning.fabric.utilities.distributed",
                  "lightning.pytorch.trainer.connectors.signal_connector")
-
-
-def _check_precision(cfg: dict, requirements: Requirements, machine: bool = True) -> None:
-    """Refuse precision settings that would run but compute the wrong thing. `machine`: this machine runs the job
-    (accelerator auto means what it has); else only an explicit accelerator: cpu counts as the CPU."""
-    t = cfg["trainer"]
-    if uses_cuda(t) and t["precision"] == "64-true":
-        raise FwError("trainer.precision: 64-true runs on the CPU only (the CUDA kernels take bf16, fp16 and "
-                      "fp32); set trainer.accelerator: cpu or another precision")
-    if t["precision"] == "16-mixed" and cfg["optimizer"]["fused"] is True:
-        raise FwError("optimizer.fused: true cannot be combined with trainer.precision: 16-mixed (a fused "
-                      "AdamW unscales inside its step, after fw clips the gradients); use auto or false")
-    why = requirements.unsupported_precisions.get(t["precision"])
-    if why is not None:
-        raise FwError(f"trainer.precision: {t['precision']} is not supported by recipe {cfg['recipe']} ({why})")
-    on_cpu = t["accelerator"] == "cpu" or (machine and t["accelerator"] == "auto" and not uses_cuda(t)
-                                           and not torch.backends.mps.is_available())
-    if on_cpu and t["precision"] == "16-mixed":   # Lightning would train in bf16-mixed, with a warning only
-        raise FwError("trainer.precision: 16-mixed (float16 autocast) does not run on the CPU, where Lightning "
-                      "would train in bf16-mixed instead; set trainer.precision: bf16-mixed or 32-true")
 
 
 class KeepOnDevice(SingleDeviceStrategy):
@@ -221,7 +202,7 @@ def build_trainer(cfg: dict, stop: StopSignals | None = None, keep_on_device: bo
     t = cfg["trainer"]
     requirements = recipe_class(cfg["recipe"]).requirements(cfg)
     automatic = requirements.automatic_optimization
-    _check_precision(cfg, requirements)
+    check_precision(cfg, requirements)
     # Metrics first so they reach the loggers before the checkpoint callback flushes them and saves; the
     # evaluation of a step ahead of both, so its metrics join the step's record and a resumed run never
     # misses one; the non-finite check ahead of all three, so a diverged step is neither evaluated, logged

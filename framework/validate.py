@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from framework.config import LocatedConfig, all_key_paths, is_override, load_located, world_size
+from framework.console import first_process
 from framework.errors import FwError, Problem, what_raised
 from framework.imports import user_line
 
@@ -274,9 +275,7 @@ class _Checks:
     def _say_unread(self, needs: Any) -> None:
         """Say (on the first process) which model paths the recipe will not read: a critic's under a recipe without
         one, a reference's where its KL coefficient is 0 (a path that still looks in use)."""
-        from lightning.pytorch.utilities import rank_zero_only
-
-        if rank_zero_only.rank != 0:
+        if not first_process():
             return
         model, kl = self.cfg["model"], (self.cfg.get(self.recipe) or {}).get("kl_coef")
         why = {"value": f"recipe {self.recipe} trains no critic",
@@ -376,9 +375,7 @@ class _Checks:
 
         if not (eval_enabled(self.cfg) and self.cfg["eval"]["held_out"]) or self.problems:
             return
-        from lightning.fabric.utilities.rank_zero import rank_zero_only
-
-        if rank_zero_only.rank != 0:
+        if not first_process():
             return   # a process that global rank 0 of a multi-process fit started, after rank 0 checked it
         try:
             check_held_out(self.cfg, world_size(self.cfg))
@@ -453,8 +450,6 @@ class _Checks:
 
     # ------------------------------------------------------------------ class_path parts
     def plugins(self) -> None:
-        from framework.imports import instantiate_once
-
         data = self.cfg["data"]
         sample = None   # a class_path or built-in task's first sample, checked
         if data["task"] and not data["path"]:
@@ -506,8 +501,14 @@ class _Checks:
                         check_metadata(self.task, 0, sample, reward)
                     except FwError as e:
                         self.add_error(e, ("data", "task"))
+        if self.cfg["callbacks"]:   # Lightning (seconds to import) only where a user's callback is to be checked
+            self.callbacks()
+        if self.cfg["logging"]["loggers"]:
+            self.loggers()
+
+    def callbacks(self) -> None:
         from framework.callbacks import callback_problems
-        from framework.loggers import logger_args_problem, logger_class_problem
+        from framework.imports import instantiate_once
 
         built = []
         for i, spec in enumerate(self.cfg["callbacks"]):
@@ -517,6 +518,10 @@ class _Checks:
                 self.add_error(e, ("callbacks", i, "class_path"), "building the callback")
         for i, problem in callback_problems(built, self.cfg["trainer"]["enable_progress_bar"]):
             self.add(("callbacks", i, "class_path"), problem)
+
+    def loggers(self) -> None:
+        from framework.loggers import logger_args_problem, logger_class_problem
+
         for i, spec in enumerate(self.cfg["logging"]["loggers"]):
             problem = logger_class_problem(spec["class_path"])
             if problem is not None:
@@ -563,11 +568,13 @@ class _Checks:
 
     # ------------------------------------------------------------------ trainer
     def trainer(self, machine: bool) -> None:
-        from lightning.pytorch.strategies import StrategyRegistry
-
         t = self.cfg["trainer"]
         strategy = t["strategy"]
-        known = ["auto", *StrategyRegistry.available_strategies()]
+        known = ["auto"]
+        if strategy != "auto":   # Lightning (seconds to import) only where another strategy is named
+            from lightning.pytorch.strategies import StrategyRegistry
+
+            known += StrategyRegistry.available_strategies()
         unsupported = next((why for prefix, why in UNSUPPORTED_STRATEGIES.items() if strategy.startswith(prefix)),
                            None)
         strategy_ok = False
@@ -583,10 +590,10 @@ class _Checks:
             strategy_ok = True
         needs = self._requirements()
         if needs is not None:
-            from framework.trainer import _check_precision
+            from framework.precision import check_precision
 
             try:
-                _check_precision(self.cfg, needs, machine)
+                check_precision(self.cfg, needs, machine)
             except FwError as e:
                 self.add_error(e, ("trainer", "precision"))
         if machine and strategy_ok:

@@ -16,10 +16,11 @@ import torch
 from safetensors.torch import load_file
 from test_eval_held_out_bound import edit_trainer_state
 
+from framework.callbacks import EvalCallback
 from framework.cli import main
 from framework.config import load_config, resolve
 from framework.errors import FwError
-from framework.evaluation import HELD_OUT_ENTRY, EvalCallback, Evaluation, pass_at_k, training_draws
+from framework.evaluation import HELD_OUT_ENTRY, Evaluation, pass_at_k, training_draws
 from framework.metrics import read_metrics
 from framework.tasks import Digits, build_task
 from framework.tokenizer import build_tokenizer

@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from framework.callbacks import EvalCallback
 from framework.config import resolve
-from framework.evaluation import HELD_OUT_ENTRY, EvalCallback, training_draws
+from framework.evaluation import HELD_OUT_ENTRY, training_draws
 from framework.tasks import Digits
 from framework.trainer import fit
 
@@ -191,6 +192,7 @@ SCRIPT = """
 import json, sys
 from pathlib import Path
 import framework.evaluation as evaluation
+from framework.callbacks import EvalCallback
 from framework.config import resolve
 from framework.trainer import fit
 
@@ -205,7 +207,7 @@ def training_draws(*args, **kwargs):
 
 evaluation.training_draws = training_draws
 trainer = fit(resolve(json.loads(sys.argv[1])))
-callback = next(cb for cb in trainer.callbacks if isinstance(cb, evaluation.EvalCallback))
+callback = next(cb for cb in trainer.callbacks if isinstance(cb, EvalCallback))
 out = {"calls": CALLS, "record": callback.held_out, "draws": callback.evaluation.draws,
        "examples": [e.ids for e in callback.evaluation.examples], "position": trainer.lightning_module.recipe.position}
 (Path(sys.argv[2]) / f"rank{trainer.global_rank}.json").write_text(json.dumps(out))

@@ -877,3 +877,23 @@ def test_cpu_offload_under_accelerator_auto_is_checked_for_the_gpu_it_is_for(tmp
         validate_config([bench], offload, machine=True)
     assert "optimizer.cpu_offload: true moves the optimizer states from a CUDA GPU to the CPU, but this run has no " \
            "CUDA GPU (trainer.accelerator: auto, none visible)" in str(e.value)
+
+
+def test_validate_runs_without_lightning_and_speaks_on_the_first_process_only(tmp_path):
+    """Lightning takes seconds to import: `fw validate` of a config with no user callback, logger or named strategy
+    checks it without importing Lightning. Its warnings are the first process's: under a launcher's RANK=1 they are
+    not given, under RANK=0 (or none) they are."""
+    config = tmp_path / "c.yaml"
+    config.write_text(f"recipe: grpo\nrun_dir: {tmp_path / 'run'}\ndata: {{task: {{name: digits}}}}\n"
+                      f"model:\n  policy: {{preset: tiny}}\n  value: {{path: {tmp_path / 'gone'}}}\n")
+    probe = ("import sys\nfrom framework.cli import main\ncode = main(['validate', '--config', sys.argv[1]])\n"
+             "print(code, 'lightning' in sys.modules)\n")
+    warning = "fw: warning: model.value.path is set, but recipe grpo trains no critic: it is not read\n"
+    for rank, said in ((None, warning), ("0", warning), ("1", "")):
+        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "SLURM_PROCID")}
+        env["PYTHONPATH"] = str(ROOT)
+        if rank is not None:
+            env["RANK"] = rank
+        done = subprocess.run([sys.executable, "-c", probe, str(config)], env=env, capture_output=True, text=True,
+                              check=False, timeout=120)
+        assert (done.stdout, done.stderr) == (f"{config}: valid (recipe grpo)\n0 False\n", said), rank
