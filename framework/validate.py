@@ -586,6 +586,8 @@ class _Checks:
             close = difflib.get_close_matches(strategy, usable, n=1)
             self.add(("trainer", "strategy"), f"unknown strategy '{strategy}'; expected one of "
                      f"{', '.join(usable)}" + (f"; did you mean '{close[0]}'?" if close else ""))
+        elif strategy == "single_device" and (problem := _single_device_problem(self.cfg)):
+            self.add(("trainer", "strategy"), problem)
         else:
             strategy_ok = True
         needs = self._requirements()
@@ -665,6 +667,24 @@ class _Checks:
         problem = fp8_cuda_problem(getattr(torch, compute_dtype(self.cfg)))
         if problem:
             self.add(("rollout", "kv_cache_dtype"), problem)
+
+
+def _single_device_problem(cfg: dict) -> str | None:
+    """Why Lightning's `single_device` strategy cannot run the job, or None: the registry builds it with the CPU as
+    its device, which no setting changes (a GPU's accelerator refuses it at the start of the fit), and it runs one
+    process whatever trainer.devices and trainer.num_nodes ask for."""
+    from framework.config import uses_cuda
+
+    t = cfg["trainer"]
+    if t["accelerator"] in ("gpu", "cuda", "mps") or uses_cuda(t):
+        return ("'single_device' is Lightning's one-process strategy on the CPU (no setting gives it another device), "
+                "and this job runs on a GPU, whose accelerator refuses the CPU when the fit starts; use auto, which "
+                "runs a one-device job on its device")
+    processes = world_size(cfg, "cpu")
+    if processes != 1:
+        return (f"'single_device' runs one process, but trainer.devices x trainer.num_nodes asks for {processes}; "
+                f"use auto for one process, or ddp for {processes}")
+    return None
 
 
 def _offloads_for_a_gpu(cfg: dict, machine: bool = False) -> bool:

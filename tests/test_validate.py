@@ -115,6 +115,37 @@ def test_strategy_problems_exit_2_at_fit(tmp_path, capsys, strategy, message):
     assert not (tmp_path / "run").exists()
 
 
+def test_single_device_strategy_is_refused_where_lightning_would_not_run_the_job(tmp_path, capsys):
+    """Lightning's registry builds `single_device` on the CPU, which a GPU's accelerator refuses when the fit starts,
+    and it runs one process whatever trainer.devices asks for (fw would plan, hold out and log for two). Both are
+    refused at the key; one process on the CPU, which it runs, stays valid."""
+    import lightning
+    from lightning.pytorch.accelerators import CUDAAccelerator
+    from lightning.pytorch.strategies import StrategyRegistry
+    from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+    assert StrategyRegistry.get("single_device").root_device == torch.device("cpu")
+    with pytest.raises(MisconfigurationException, match="Device should be GPU, got cpu instead"):
+        CUDAAccelerator().setup_device(torch.device("cpu"))
+    trainer = lightning.Trainer(accelerator="cpu", devices=2, strategy="single_device", logger=False,
+                                enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    assert trainer.world_size == 1
+    capsys.readouterr()   # Lightning's info lines
+    base = GRPO + f"run_dir: {tmp_path / 'run'}\ntrainer:\n  strategy: single_device\n"
+    config = tmp_path / "train.yaml"
+    on_a_gpu = ("'single_device' is Lightning's one-process strategy on the CPU (no setting gives it another device), "
+                "and this job runs on a GPU, whose accelerator refuses the CPU when the fit starts; use auto, which "
+                "runs a one-device job on its device")
+    two = ("'single_device' runs one process, but trainer.devices x trainer.num_nodes asks for 2; use auto for one "
+           "process, or ddp for 2")
+    for extra, problem in (("  accelerator: gpu\n", on_a_gpu), ("  accelerator: cpu\n  devices: 2\n", two)):
+        config.write_text(base + extra)
+        assert run_fw(["validate", "--config", str(config)], capsys) == (
+            2, [f"{config}:9:13: trainer.strategy: {problem}"]), extra
+    config.write_text(base + "  accelerator: cpu\n")
+    assert run_fw(["validate", "--config", str(config)], capsys) == (0, [])
+
+
 def test_every_strategy_the_schema_offers_is_one_fw_trains_with(tmp_path, capsys):
     """The schema's `examples` are what editors offer to complete trainer.strategy: none of them may be one that
     `fw validate` then refuses (FSDP, say)."""
