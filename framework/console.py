@@ -22,8 +22,8 @@ def first_process() -> bool:
     """Whether this is the job's first process, the one that speaks: Lightning's `rank_zero_only.rank` once Lightning
     is imported (a fit numbers its processes there), else the guess Lightning makes at import from the launcher's
     variables, read without importing it (seconds of `fw validate`'s time for a warning)."""
-    if "lightning.fabric" in sys.modules:
-        from lightning.pytorch.utilities import rank_zero_only
+    if "lightning.fabric" in sys.modules:   # the same object as lightning.pytorch's
+        from lightning.fabric.utilities.rank_zero import rank_zero_only
 
         return rank_zero_only.rank == 0
     for key in ("RANK", "LOCAL_RANK", "SLURM_PROCID", "JSM_NAMESPACE_RANK"):   # Lightning's order

@@ -1,6 +1,7 @@
 """What `trainer.precision` and `model.policy.dtype` make of the weights: the dtype a `-true` precision converts
 the whole module to, the dtype autocast computes in, and the dtype of the weights the optimizers step. The
-optimizer's checks and the memory plan read them here, so that they agree with what fit builds."""
+optimizer's checks and the memory plan read them here, so that they agree with what fit builds; and the
+precisions a job refuses (`check_precision`, which `fw validate` and fit run)."""
 
 from __future__ import annotations
 
