@@ -912,19 +912,20 @@ def test_cpu_offload_under_accelerator_auto_is_checked_for_the_gpu_it_is_for(tmp
 
 def test_validate_runs_without_lightning_and_speaks_on_the_first_process_only(tmp_path):
     """Lightning takes seconds to import: `fw validate` of a config with no user callback, logger or named strategy
-    checks it without importing Lightning. Its warnings are the first process's: under a launcher's RANK=1 they are
-    not given, under RANK=0 (or none) they are."""
+    checks it without importing Lightning. Its warnings are the first process's: under a launcher's RANK=1, or on a
+    later node of a job started by hand on each node, they are not given; under RANK=0 (or none) they are."""
     config = tmp_path / "c.yaml"
     config.write_text(f"recipe: grpo\nrun_dir: {tmp_path / 'run'}\ndata: {{task: {{name: digits}}}}\n"
                       f"model:\n  policy: {{preset: tiny}}\n  value: {{path: {tmp_path / 'gone'}}}\n")
     probe = ("import sys\nfrom framework.cli import main\ncode = main(['validate', '--config', sys.argv[1]])\n"
              "print(code, 'lightning' in sys.modules)\n")
     warning = "fw: warning: model.value.path is set, but recipe grpo trains no critic: it is not read\n"
-    for rank, said in ((None, warning), ("0", warning), ("1", "")):
-        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "SLURM_PROCID")}
-        env["PYTHONPATH"] = str(ROOT)
-        if rank is not None:
-            env["RANK"] = rank
+    # a job started by hand on each node: the first process of node 1 has LOCAL_RANK 0 and is not the job's first
+    for launch, said in (({}, warning), ({"RANK": "0"}, warning), ({"RANK": "1"}, ""),
+                         ({"NODE_RANK": "1", "LOCAL_RANK": "0"}, ""), ({"NODE_RANK": "0", "LOCAL_RANK": "0"}, warning)):
+        env = {k: v for k, v in os.environ.items()
+               if k not in ("RANK", "LOCAL_RANK", "SLURM_PROCID", "JSM_NAMESPACE_RANK", "NODE_RANK", "GROUP_RANK")}
+        env.update(launch, PYTHONPATH=str(ROOT))
         done = subprocess.run([sys.executable, "-c", probe, str(config)], env=env, capture_output=True, text=True,
                               check=False, timeout=120)
-        assert (done.stdout, done.stderr) == (f"{config}: valid (recipe grpo)\n0 False\n", said), rank
+        assert (done.stdout, done.stderr) == (f"{config}: valid (recipe grpo)\n0 False\n", said), launch
