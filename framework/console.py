@@ -18,14 +18,21 @@ from collections.abc import Iterator
 from tqdm import tqdm
 
 
+def hand_started_node() -> int:
+    """The node of a job started by hand on each node: NODE_RANK (or GROUP_RANK) where no launcher numbers the
+    processes itself (RANK, SLURM_PROCID, JSM_NAMESPACE_RANK), else 0."""
+    if any(k in os.environ for k in ("RANK", "SLURM_PROCID", "JSM_NAMESPACE_RANK")):
+        return 0
+    return int(os.environ.get("NODE_RANK") or os.environ.get("GROUP_RANK") or 0)
+
+
 def first_process() -> bool:
     """Whether this is the job's first process, the one that speaks: Lightning's `rank_zero_only.rank` once Lightning
     is imported (a fit numbers its processes there), else the guess Lightning makes at import from the launcher's
     variables, read without importing it (seconds of `fw validate`'s time for a warning). A process of a later node
     of a job started by hand on each node (NODE_RANK above 0, no launcher's RANK) is never the first, though
     Lightning's guess says so until the fit numbers it (framework/trainer.py)."""
-    launched = any(k in os.environ for k in ("RANK", "SLURM_PROCID", "JSM_NAMESPACE_RANK"))
-    if not launched and int(os.environ.get("NODE_RANK") or os.environ.get("GROUP_RANK") or 0) > 0:
+    if hand_started_node() > 0:
         return False
     if "lightning.fabric" in sys.modules:   # the same object as lightning.pytorch's
         from lightning.fabric.utilities.rank_zero import rank_zero_only

@@ -32,7 +32,7 @@ from framework.callbacks import (
     builtin_callbacks,
     user_callbacks,
 )
-from framework.console import last_resort_above_bars
+from framework.console import hand_started_node, last_resort_above_bars
 from framework.errors import FwError
 from framework.evaluation import eval_enabled
 from framework.loggers import build_loggers, earlier_logs, log_config, quiet_event_writer_threads
@@ -149,9 +149,7 @@ def _number_this_process(cfg: dict) -> None:
     print and write as the first process."""
     from framework.config import world_size
 
-    if any(k in os.environ for k in ("RANK", "SLURM_PROCID", "JSM_NAMESPACE_RANK")):
-        return
-    node = int(os.environ.get("NODE_RANK") or os.environ.get("GROUP_RANK") or 0)
+    node = hand_started_node()
     if node > 0:
         per_node = world_size(cfg) // cfg["trainer"]["num_nodes"]
         rank_zero_only.rank = node * per_node + int(os.environ.get("LOCAL_RANK") or 0)
