@@ -2,6 +2,8 @@
 strict checkpoint loading."""
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -100,6 +102,28 @@ def test_build_policy_from_path_and_bad_settings(tmp_path):
     save_pretrained(tiny_model(vocab_size=100), tmp_path)
     with pytest.raises(FwError, match="the tokenizer has 103 tokens but the model's vocab_size is 100"):
         build_policy(policy_cfg(path=str(tmp_path)), tok)
+
+
+def test_building_on_the_meta_device_draws_nothing_and_leaves_dynamo_unimported(tmp_path):
+    """A preset's init and a checkpoint's load build the model on the meta device first; a normal draw there imports
+    torch._dynamo (about a second of `fw generate`), and its values would be thrown away."""
+    save_pretrained(tiny_model(), tmp_path)
+    script = f"""
+import sys, torch
+before = "torch._dynamo" in sys.modules
+from framework.models import build_policy, load_pretrained
+from framework.tokenizer import Tokenizer
+cfg = dict(path=None, preset="tiny", dtype=None, gradient_checkpointing=False, keep_logits=None,
+           lora=None, compile=False)
+model = build_policy(cfg, Tokenizer.builtin(), seed=0)
+loaded = load_pretrained({str(tmp_path)!r})
+assert not model.model.embed_tokens.weight.is_meta and not loaded.lm_head_weight.is_meta
+print(before, "torch._dynamo" in sys.modules)
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout.split()
+    if out[0] == "True":
+        pytest.skip("this torch imports torch._dynamo with torch")
+    assert out == ["False", "False"]
 
 
 @pytest.mark.slow

@@ -334,13 +334,20 @@ def checkpointing_mode(mode: bool | str) -> bool | str:
     return mode
 
 
+def _embedding(num: int, dim: int) -> nn.Embedding:
+    """nn.Embedding, without its normal(0, 1) draw on the meta device (see `init_weights`)."""
+    if torch.empty(0).is_meta:
+        return nn.Embedding(num, dim, _weight=torch.empty(num, dim))
+    return nn.Embedding(num, dim)
+
+
 class Qwen3Model(nn.Module):
     """The trunk: embeddings, decoder layers and the final norm (shared by policy and value model)."""
 
     def __init__(self, config: Qwen3Config):
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = _embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(Qwen3DecoderLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.gradient_checkpointing: bool | str = False   # model.policy.gradient_checkpointing
@@ -454,8 +461,15 @@ class Qwen3Model(nn.Module):
 
 
 def init_weights(module: nn.Module, std: float) -> None:
-    """HF's initialisation: normal(0, std) for linear and embedding weights, zero biases, unit norms."""
+    """HF's initialisation: normal(0, std) for linear and embedding weights, zero biases, unit norms.
+
+    Nothing is drawn on the meta device: its tensors have no values, and a normal draw's meta kernel imports
+    torch._dynamo, which every command that builds a model there (a checkpoint's load, a preset's init) would
+    otherwise wait for at its start.
+    """
     for m in module.modules():
+        if any(p.is_meta for p in m.parameters(recurse=False)):
+            continue
         if isinstance(m, (nn.Linear, nn.Embedding)):
             nn.init.normal_(m.weight, 0.0, std)
             if getattr(m, "bias", None) is not None:
