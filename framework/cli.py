@@ -111,8 +111,8 @@ def _parser() -> argparse.ArgumentParser:
     ev.add_argument("--checkpoint", required=True, metavar="DIR",
                     help="checkpoint directory, or a run directory for its newest checkpoint")
     ev.add_argument("--out", metavar="FILE", help="the JSON report (default: <run_dir>/eval/<checkpoint>.json, "
-                    "<checkpoint>-<config hash>.json under settings other than the checkpoint's; those of training "
-                    "alone, such as optimizer:, scheduler: or logging:, do not count)")
+                    "<checkpoint>-<config hash>.json under settings other than the checkpoint's; keys eval does not "
+                    "read, such as optimizer:, logging: or the loss settings, do not count)")
     ev.add_argument("--skip-damaged", action="store_true", help=skip_help.format(run_dir))
 
     plot = add("plot", "draw runs' metrics.jsonl curves into a PNG (needs matplotlib: pip install 'fw[plot]')",

@@ -583,18 +583,45 @@ def preserved_rng() -> Iterator[None]:
         set_rng_state(state)
 
 
-# The config keys that say where a run writes, which the evaluation of a checkpoint never reads: a config of another
-# run, or one whose relative run_dir resolves elsewhere, differs there without evaluating otherwise.
-OUTPUT_KEYS = ("run_dir", "name")
-# How a run trains, logs and saves, which the evaluation of a checkpoint does not depend on: the training config a
-# checkpoint is evaluated with may differ there from the one it was saved under. (optimizer.name is read only to let
-# the trainer state's 8-bit optimizer states load, which another name refuses rather than changes.)
-TRAINING_KEYS = ("optimizer", "scheduler", "logging", "callbacks", "checkpoint.every_n_steps", "checkpoint.keep_last",
-                 "trainer.devices", "trainer.num_nodes", "trainer.strategy", "trainer.log_every_n_steps",
-                 "trainer.enable_progress_bar", "trainer.memory_limit_gib", "trainer.stop_grace_s")
-# Read only to count the training samples to hold out of a checkpoint whose trainer state records neither the bound
-# its run evaluated against nor its data position (`checkpoint_draws`).
-DRAW_KEYS = ("trainer.max_steps", "trainer.accumulate_grad_batches")
+# The config keys `fw eval` of a checkpoint reads of every config (`read_keys` adds those of its kind and case), which
+# alone name its report. It does not read where a run writes (`run_dir`, `name`), how it trains, logs and saves
+# (optimizer, scheduler, the loss settings of the recipe's section, `model.value` / `model.reference`, the checkpoint
+# and eval cadence, ...), nor `checkpoint.verify`, which refuses a damaged file rather than changes what an intact
+# checkpoint evaluates to: a config that differs from the checkpoint's there alone evaluates as its own.
+_READ_BY_EVERY_EVAL = ("recipe", "model.policy", "tokenizer", "trainer.accelerator", "trainer.precision", "data.task",
+                       "data.path", "data.chat_template", "eval.path", "eval.held_out", "eval.max_prompts")
+# RL: the generations (rollout's sampling and KV cache settings, eval.temperature in place of rollout.temperature)
+# and their reward
+_READ_BY_RL = ("reward", "eval.samples_per_prompt", "eval.temperature", "eval.max_new_tokens", "rollout.top_k",
+               "rollout.top_p", "rollout.min_p", "rollout.stop", "rollout.prompts_per_step", "rollout.kv_cache_gib",
+               "rollout.max_num_seqs", "rollout.admit_batch", "rollout.block_size", "rollout.kv_cache_dtype")
+# SFT: the examples' format and tokens, and the batches their loss is computed in
+_READ_BY_SFT = ("data.format", "data.max_seq_len", "data.batch_size")
+
+
+def read_keys(cfg: dict, draws_known: bool) -> tuple[str, ...]:
+    """The dotted keys of `cfg` (each with the keys under it) that `fw eval` of a checkpoint reads: those that can
+    change its result. `draws_known`: whether the checkpoint records the training samples to hold out
+    (`checkpoint_draws`); else they are counted from the config (`training_draws`)."""
+    e, rl, draws = cfg["eval"], is_rl(cfg), needs_draws(cfg)
+    keys = [*_READ_BY_EVERY_EVAL, *(_READ_BY_RL if rl else _READ_BY_SFT)]
+    if rl and e["max_new_tokens"] is None:
+        keys.append("rollout.max_new_tokens")
+    if rl and (cfg["data"]["path"] or e["path"]):   # the fields of RL's JSONL prompts
+        keys += ["data.prompt_key", "data.answer_key"]
+    if rl and draws:   # the order of a JSONL file's training prompts, held out
+        keys.append("data.shuffle")
+    if rl or not e["path"]:   # RL generates with the eval seed; SFT draws its task's samples with it
+        keys.append("eval.seed")
+        if e["seed"] is None:   # the run's seed + 1
+            keys.append("seed")
+    if draws:   # the training stream the held-out samples are drawn from
+        keys.append("seed")
+    if draws and not draws_known:
+        # what `training_draws` reads: the run's steps and batches, its data, and its recipe's split of a batch
+        keys += ["trainer.max_steps", "trainer.accumulate_grad_batches", "data", "rollout.prompts_per_step",
+                 cfg["recipe"]]
+    return tuple(dict.fromkeys(keys))
 
 
 def evaluate_checkpoint(checkpoint: str | Path, cfg: dict | None = None, out: str | Path | None = None,
@@ -603,11 +630,10 @@ def evaluate_checkpoint(checkpoint: str | Path, cfg: dict | None = None, out: st
     of the checkpoint's run (`checkpoint_draws`); write the JSON report to `out` and return (report, path).
 
     `cfg` replaces the checkpoint's own config.yaml, else `overrides` (`--a.b=v`) apply on top of it. The report
-    holds the eval and reward settings and the config keys that differ from the checkpoint's, but those the
-    evaluation does not depend on (OUTPUT_KEYS, TRAINING_KEYS, and DRAW_KEYS where the checkpoint records its
-    draws). Its default path is `<run_dir>/eval/<checkpoint>.json` under the checkpoint's own config or one that
-    differs in those keys alone, else `<checkpoint>-<hash>.json` (the first 8 hex digits of the sha256 of
-    `_as_read`'s config), and a report there of other settings is never replaced."""
+    holds the eval and reward settings and the keys the evaluation reads (`read_keys`) that differ from the
+    checkpoint's config. Its default path is `<run_dir>/eval/<checkpoint>.json` where none differs, else
+    `<checkpoint>-<hash>.json` (the first 8 hex digits of the sha256 of `_as_read`'s config), and a report there of
+    other read settings is never replaced."""
     from framework.checkpoint import read_resolved
     from framework.checkpoint.directory import CONFIG_FILE, config_sha256, read_complete_manifest
     from framework.config import load_config
@@ -628,21 +654,21 @@ def evaluate_checkpoint(checkpoint: str | Path, cfg: dict | None = None, out: st
             except FwError:   # made valid by the given config or the overrides: what changed is not known
                 own = None
         draws = checkpoint_draws(path, run_cfg) if needs_draws(run_cfg) else 0
-        unread = OUTPUT_KEYS + TRAINING_KEYS + (DRAW_KEYS if draws is not None else ())
+        read = read_keys(run_cfg, draws is not None)
         changes = None if own is None else {k: v for k, v in config_changes(own, run_cfg).items()
-                                            if not _among(k, unread)}
+                                            if _is_read(k, read)}
         settings = {"eval": run_cfg["eval"], "reward": run_cfg["reward"], "changes": changes}
         # named as absolute: `--checkpoint .` (or `..`) has no name of its own, nor a run directory above it
         at = Path(os.path.abspath(path))
         default = report_path is None
         if default:
-            name = at.name if changes == {} else f"{at.name}-{config_sha256(_as_read(run_cfg, own, unread))[:8]}"
+            name = at.name if changes == {} else f"{at.name}-{config_sha256(_as_read(run_cfg, own, read))[:8]}"
             where = (at.parent.parent / "eval" if at.parent.name == "checkpoints" else Path.cwd()) / f"{name}.json"
         else:
             where = Path(report_path)
         _check_report_path(where)   # before the evaluation, which may take long
         if default:
-            _check_replace(where, settings)
+            _check_replace(where, settings, read)
         elif where.exists() and not _is_report(where):
             raise FwError(f"--out {where}: the file there is not an fw eval report, which is all --out replaces; "
                           "give another path, or move it away")
@@ -669,21 +695,37 @@ def _among(key: str, keys: tuple[str, ...]) -> bool:
     return any(key == k or key.startswith(f"{k}.") for k in keys)
 
 
-def _as_read(cfg: dict, own: dict | None, unread: tuple[str, ...]) -> dict:
-    """`cfg` as far as the evaluation reads it, the name of its report hashed from it: without OUTPUT_KEYS, and each
-    other key of `unread` at the checkpoint's own value (`own`), so that a config that differs from the checkpoint's
-    in read keys alone keeps the name it always had; left out when the checkpoint's own config is not known."""
-    out = copy.deepcopy({k: v for k, v in cfg.items() if k not in OUTPUT_KEYS})
-    for dotted in unread:
-        if dotted in OUTPUT_KEYS:
-            continue
+def _is_read(key: str, read: tuple[str, ...]) -> bool:
+    """Whether a change of the dotted `key` changes a key of `read`: it is one, lies under one or holds one (a
+    section that is null on one side)."""
+    return _among(key, read) or any(k.startswith(f"{key}.") for k in read)
+
+
+def _read_part(value: Any, prefix: str, read: tuple[str, ...]) -> Any:
+    """What of `value`, the config's value at dotted `prefix` ("" for the whole config), is read (`read`)."""
+    if prefix and _among(prefix, read):
+        return value
+    if not isinstance(value, dict):
+        return None
+    parts = {k: f"{prefix}.{k}" if prefix else str(k) for k in value}
+    return {k: _read_part(value[k], p, read) for k, p in parts.items() if _is_read(p, read)}
+
+
+def _as_read(cfg: dict, own: dict | None, read: tuple[str, ...]) -> dict:
+    """The config the name of a report is hashed from: the checkpoint's own (`own`, without `run_dir` and `name`)
+    with the keys the evaluation reads (`read`) at their values in `cfg`, so that a config that differs from the
+    checkpoint's in read keys alone keeps the name it always had; only the read keys when `own` is not known."""
+    if own is None:
+        return _read_part(cfg, "", read)
+    out = copy.deepcopy({k: v for k, v in own.items() if k not in ("run_dir", "name")})
+    for dotted in read:
         *parents, last = dotted.split(".")
-        into, source = out, own
+        into, source = out, cfg
         for part in parents:
-            into = into.get(part) if isinstance(into, dict) else None
+            if not isinstance(into.get(part), dict):
+                into[part] = {}
+            into = into[part]
             source = source.get(part) if isinstance(source, dict) else None
-        if not isinstance(into, dict):
-            continue
         if isinstance(source, dict) and last in source:
             into[last] = copy.deepcopy(source[last])
         else:
@@ -725,18 +767,27 @@ def checkpoint_draws(path: Path, cfg: dict) -> int | None:
     return data_position(state.get("fw_recipe") or {})
 
 
-def _check_replace(out: Path, settings: dict[str, Any]) -> None:
-    """FwError if `out` holds a report of settings other than `settings` (or one that records none)."""
+def _check_replace(out: Path, settings: dict[str, Any], read: tuple[str, ...]) -> None:
+    """FwError if `out` holds a report of settings other than `settings` (or one that records none): another value
+    of a key the evaluation reads (`read`); the others its `eval` and `reward` record, and the changes of them an
+    older fw recorded, are not compared."""
     if not out.exists():
         return
     try:
         earlier = json.loads(out.read_text(encoding="utf-8"))
-        same = all(earlier.get(k) == v for k, v in settings.items())
+        same = all(_read_settings(earlier.get(k), k, read) == _read_settings(v, k, read) for k, v in settings.items())
     except (OSError, ValueError, AttributeError):
         same = False
     if not same:
         raise FwError(f"{out} holds the report of an evaluation with other settings (or of an fw that did not "
                       "record them); move it away, or give --out FILE for this one")
+
+
+def _read_settings(value: Any, key: str, read: tuple[str, ...]) -> Any:
+    """What is read of a report's setting `key` (`eval`, `reward` or `changes`), for `_check_replace`."""
+    if key == "changes":
+        return None if value is None else {k: v for k, v in value.items() if _is_read(k, read)}
+    return _read_part(value, key, read) if isinstance(value, dict) else value
 
 
 def _is_report(path: Path) -> bool:

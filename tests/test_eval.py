@@ -491,6 +491,88 @@ def test_fw_eval_reports_are_named_by_the_settings_it_reads_alone(small_run, tmp
     capsys.readouterr()
 
 
+def test_fw_eval_names_its_report_by_the_keys_it_reads_alone(small_run, tmp_path, capsys):
+    """fw eval of an RL checkpoint reads none of the recipe section's loss settings, model.reference / model.value,
+    the eval cadence, checkpoint.verify, rollout.temperature (eval.temperature is what it samples at) or the SFT data
+    keys: a config that differs there alone generates the same completions, into the same report. They used to be
+    changes, each a report of its own. A key it reads (eval.temperature, the sample count, the run's seed where
+    eval.seed is null, a sampling setting of rollout) gives other completions and a report of its own, named as it
+    always was, whatever the unread keys say."""
+    run = tmp_path / "run"
+    shutil.copytree(small_run, run)
+    reports = run / "eval"
+    log = tmp_path / "scored.jsonl"
+    # a reward that records what it scores: the completions each evaluation generated
+    recording = ["--reward.name=null", "--reward.class_path=test_eval.RecordingReward",
+                 f"--reward.init_args.path={log}"]
+
+    def evaluate(*args: str) -> list:
+        log.unlink(missing_ok=True)
+        assert main(["eval", "--checkpoint", str(run), *recording, *args]) == 0, args
+        return [json.loads(line) for line in log.read_text().splitlines()]
+
+    scored = evaluate()
+    (first,) = reports.iterdir()
+    assert json.loads(first.read_text())["changes"] == {"reward.class_path": "test_eval.RecordingReward",
+                                                       "reward.init_args.path": str(log), "reward.name": None}
+    unread = ["--grpo.clip_eps_high=0.3", "--grpo.loss_agg=seq-mean-token-mean", f"--model.reference.path={tmp_path}",
+              f"--model.value.path={tmp_path}", "--eval.every_n_steps=7", "--eval.at_start=true",
+              "--checkpoint.verify=false", "--rollout.temperature=0.5", "--rollout.keep_engine=false",
+              "--data.max_seq_len=64", "--data.batch_size=3", "--data.pack=false", "--data.format=messages"]
+    for arg in unread:
+        assert evaluate(arg) == scored, arg
+        assert list(reports.iterdir()) == [first], arg
+    cfg = load_config([str(run / "config.yaml")])
+    assert cfg["eval"]["seed"] is None and cfg["eval"]["held_out"]   # the run's seed draws the eval samples
+    read = {"--eval.temperature=0.5": {"eval.temperature": 0.5}, "--eval.samples_per_prompt=2":
+            {"eval.samples_per_prompt": 2}, "--seed=6": {"seed": 6}, "--eval.max_new_tokens=1":
+            {"eval.max_new_tokens": 1}, "--rollout.top_k=3": {"rollout.top_k": 3}}
+    for arg, changes in read.items():
+        before = set(reports.iterdir())
+        assert evaluate(arg) != scored, arg
+        (report,) = set(reports.iterdir()) - before
+        assert json.loads(report.read_text())["changes"] == {**json.loads(first.read_text())["changes"], **changes}
+        # the name a config that differs in these keys alone always had
+        cfg = load_config([str(run / "config.yaml")], [*recording, arg])
+        del cfg["run_dir"], cfg["name"]
+        digest = hashlib.sha256(json.dumps(cfg, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode())
+        assert report.name == f"step-000002-{digest.hexdigest()[:8]}.json", arg
+        # with every unread key changed too: the same report, replaced
+        evaluate(arg, *unread)
+        assert set(reports.iterdir()) == before | {report}, arg
+    capsys.readouterr()
+
+
+def test_fw_eval_of_sft_names_its_report_by_the_keys_sft_reads(tmp_path, capsys):
+    """SFT evaluates the loss of eval.path's examples: it reads no reward, rollout or RL eval setting, not
+    sft.train_on_prompt (the eval loss covers the completions), and neither seed nor eval.seed, which draw nothing
+    from a JSONL file. Its data keys are read, each a change."""
+    lines = (ROOT / "recipes" / "data" / "arithmetic_chat.jsonl").read_text().splitlines()
+    train, held = tmp_path / "train.jsonl", tmp_path / "held.jsonl"
+    train.write_text("\n".join(lines[:8]) + "\n")
+    held.write_text("\n".join(lines[8:12]) + "\n")
+    run = tmp_path / "run"
+    fit(sft_config(run, train, held))
+    reports = run / "eval"
+    own = reports / "step-000002.json"
+    assert main(["eval", "--checkpoint", str(run)]) == 0
+    metrics = json.loads(own.read_text())["metrics"]
+    for arg in ["--sft.train_on_prompt=true", "--reward.name=numeric_match", "--rollout.max_new_tokens=5",
+                "--eval.samples_per_prompt=1", "--eval.temperature=0", "--seed=7", "--eval.seed=3",
+                "--data.shuffle=false", "--data.pack=false"]:
+        assert main(["eval", "--checkpoint", str(run), arg]) == 0, arg
+        assert sorted(reports.iterdir()) == [own], arg
+        report = json.loads(own.read_text())
+        assert report["changes"] == {} and report["metrics"] == metrics, arg
+    for arg, changes in {"--data.max_seq_len=128": {"data.max_seq_len": 128},
+                         "--data.batch_size=1": {"data.batch_size": 1}}.items():
+        before = set(reports.iterdir())
+        assert main(["eval", "--checkpoint", str(run), arg]) == 0
+        (report,) = set(reports.iterdir()) - before
+        assert json.loads(report.read_text())["changes"] == changes, arg
+    capsys.readouterr()
+
+
 def test_fw_eval_out_replaces_an_earlier_report_but_no_other_file(small_run, tmp_path, capsys):
     config = tmp_path / "train.yaml"   # --out given the config meant for --config
     config.write_text("recipe: grpo\n")
