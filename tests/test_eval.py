@@ -742,3 +742,51 @@ def test_an_evaluation_hands_each_module_its_own_training_mode_back(tmp_path):
     kept.eval()
     Evaluation(cfg, tok).run(policy)
     assert policy.training and not any(m.training for m in kept.modules())
+
+
+# Every schema key `read_keys` never counts, for any recipe or case: how a run trains, logs, saves and where it
+# writes. A key added to the schema fails the test below until it is placed: in framework/evaluation.py's read lists
+# if `fw eval` reads it (else two evals that differ there would share a report, the second replacing the first),
+# here if it does not.
+NEVER_READ_BY_EVAL = {
+    "name", "run_dir", "callbacks", "checkpoint.every_n_steps", "checkpoint.keep_last", "checkpoint.verify",
+    "eval.at_start", "eval.every_n_steps", "logging.csv", "logging.loggers", "logging.tensorboard",
+    "model.reference.path", "model.value.path", "rollout.keep_engine", "rollout.temperature",
+    "optimizer.betas", "optimizer.cpu_offload", "optimizer.eps", "optimizer.fused", "optimizer.lr",
+    "optimizer.max_grad_norm", "optimizer.name", "optimizer.stochastic_rounding", "optimizer.weight_decay",
+    "scheduler.min_lr_ratio", "scheduler.name", "scheduler.warmup_steps", "sft.train_on_prompt",
+    "trainer.devices", "trainer.enable_progress_bar", "trainer.log_every_n_steps", "trainer.memory_limit_gib",
+    "trainer.num_nodes", "trainer.stop_grace_s", "trainer.strategy",
+}
+
+
+def _schema_leaves(node: dict, prefix: str = "") -> set[str]:
+    leaves = set()
+    for key, sub in node.get("properties", {}).items():
+        dotted = f"{prefix}.{key}" if prefix else key
+        below = set().union(*(_schema_leaves(alt, dotted) for alt in [sub, *sub.get("anyOf", []),
+                                                                     *sub.get("oneOf", [])]))
+        leaves |= below or {dotted}
+    return leaves
+
+
+def test_every_schema_key_is_placed_as_read_or_not_read_by_fw_eval(tmp_path):
+    from framework.config import schema_text
+    from framework.evaluation import _is_read, read_keys
+
+    leaves = _schema_leaves(json.loads(schema_text()))
+    assert not NEVER_READ_BY_EVAL - leaves, "keys no longer in the schema"
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"prompt": "1+1=", "answer": "2"}\n')
+    ever_read = set()
+    for recipe, changes in (("grpo", []), ("ppo", []), ("sft", []), ("grpo", [f"--data.path={data}"])):
+        cfg = load_config([str(ROOT / "recipes" / f"{recipe}.yaml")],
+                          [*changes, "--eval.seed=null", "--eval.held_out=true"])
+        if changes:
+            cfg["data"]["task"] = None
+        for known in (True, False):
+            read = read_keys(cfg, known)
+            ever_read |= {k for k in leaves if _is_read(k, read)}
+    unplaced = leaves - ever_read - NEVER_READ_BY_EVAL
+    assert not unplaced, f"place each in framework/evaluation.py's read lists or in NEVER_READ_BY_EVAL: {unplaced}"
+    assert not ever_read & NEVER_READ_BY_EVAL
