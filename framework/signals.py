@@ -6,7 +6,8 @@ handler of it out, which writes an `hpc_ckpt_N.ckpt` into run_dir in the middle 
 and finalizes the loggers of a run that goes on. While `StopSignals` is active, the first of them is a stop request:
 before training starts it stops at once (`Stopped` is raised where the main thread is; there is nothing to save),
 during training the step in progress finishes, its checkpoint is published and `fit` raises `Stopped` (the CLI exits
-with 143 for SIGTERM, 130 for SIGINT, 138 for SIGUSR1). A second signal, or a step that has not finished
+with 143 for SIGTERM, 130 for SIGINT, 138 for SIGUSR1); in the run's last step `fit` returns instead, saying that the
+run ended. A second signal, or a step that has not finished
 `trainer.stop_grace_s` seconds after the first (user code that does not return), ends the process at once with the
 same code; the checkpoints already published stay as they are. `framework.callbacks.StopOnSignal` turns the request
 into Lightning's `trainer.should_stop` at the end of a step.

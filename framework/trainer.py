@@ -351,7 +351,11 @@ def fit(cfg: dict, resume: str | None = None, skip_damaged: bool = False,
             saved = f"checkpoint {latest}; continue with --resume last" if latest else "no checkpoint"
             raise Stopped(stop.signum, f"stopped by {signal_name(stop.signum)} after step {module.policy_version}; "
                                        f"{saved}")
-        if module.policy_version < trainer.max_steps and rank0:   # a callback set trainer.should_stop: exit 0
+        if stop.signum is not None and rank0:   # in the last step or after it: its "finishing" line needs an end
+            print(f"fw: {signal_name(stop.signum)} came as the run ended: it reached trainer.max_steps "
+                  f"{trainer.max_steps}; its newest checkpoint is {find_latest(run_dir)}, nothing is lost",
+                  file=sys.stderr, flush=True)
+        elif module.policy_version < trainer.max_steps and rank0:   # a callback set trainer.should_stop: exit 0
             latest = find_latest(run_dir)
             saved = f"checkpoint {latest}; --resume last continues" if latest else "no checkpoint"
             print(f"fw: stopped at step {module.policy_version} of trainer.max_steps {trainer.max_steps}: a callback "
