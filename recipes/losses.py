@@ -142,12 +142,16 @@ class ClippedSurrogate:
         return cls(section["clip_eps_low"], section["clip_eps_high"], section["loss_agg"], max_len,
                    section["clip_ratio_c"])
 
+    def log_ratio(self, logp: Tensor, old_logp: Tensor, mask: Tensor) -> Tensor:
+        """``[B, T]`` log of each token's importance ratio ``rho``."""
+        return logp - old_logp.detach()
+
     def __call__(self, logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor,
                  weight: Tensor | None = None) -> PolicyLoss:
         """``advantages`` is ``[B, T]`` (per token) or ``[B]`` (per sequence, broadcast over its tokens)."""
         if advantages.dim() == 1:
             advantages = advantages[:, None].expand_as(logp)
-        log_ratio = logp - old_logp.detach()
+        log_ratio = self.log_ratio(logp, old_logp, mask)
         ratio = torch.exp(log_ratio)
         adv = advantages.detach()
         unclipped = ratio * adv
@@ -171,6 +175,23 @@ class ClippedSurrogate:
         return PolicyLoss(loss, clip_frac, approx_kl, ratio_mean, adv_weighted, dual_clip_frac)
 
 
+@dataclass(frozen=True)
+class SequenceClippedSurrogate(ClippedSurrogate):
+    """GSPO (``policy_loss: gspo``): the clipped surrogate of each sequence's importance ratio
+    ``s = exp(mean of logp - old_logp over its loss tokens)``, the length-normalised likelihood ratio, in its
+    token form: every token's ratio has the value ``s`` and the gradient of ``s * exp(logp - sg(logp))``, so
+    that per-token advantages (PPO's) apply too. A sequence is clipped whole. Sequence ratios stay near 1, so
+    GSPO clips narrowly (its paper: ``clip_eps_low`` 3e-4, ``clip_eps_high`` 4e-4) and averages per sequence
+    (``loss_agg: seq-mean-token-mean``); the dual clip and the off-policy weight act per token as under ``clip``.
+    """
+
+    def log_ratio(self, logp: Tensor, old_logp: Tensor, mask: Tensor) -> Tensor:
+        m = mask.to(logp.dtype)
+        token = (logp - old_logp).detach() * m
+        mean = token.sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp(min=1.0)
+        return mean + (logp - logp.detach())
+
+
 class PolicyLossFn(Protocol):
     """What a policy loss is: built once from its section, then called per micro-batch."""
 
@@ -181,7 +202,7 @@ class PolicyLossFn(Protocol):
 
 
 # ``grpo.policy_loss`` / ``ppo.policy_loss``: a loss class with ``from_section(section, max_len)``.
-POLICY_LOSSES = {"clip": ClippedSurrogate}
+POLICY_LOSSES = {"clip": ClippedSurrogate, "gspo": SequenceClippedSurrogate}
 
 
 def build_policy_loss(section: dict, max_len: int) -> PolicyLossFn:
