@@ -115,7 +115,7 @@ class PolicyLoss:
 
     loss: Tensor          # aggregated -min(rho*A, clip(rho)*A) (dual-clipped, IS-weighted when set)
     clip_frac: Tensor     # share of tokens whose clipped term was the active (gradient-free) one
-    approx_kl: Tensor     # k3 estimate of KL(pi_old || pi_theta): mean(rho - 1 - log rho)
+    approx_kl: Tensor     # k3 estimate of KL(pi_old || pi_theta): mean(r - 1 - log r), r each token's pi / pi_old
     ratio_mean: Tensor    # mean importance ratio over the mask
     adv_weighted: Tensor  # aggregated rho*A (unclipped objective); -loss is the clipped one
     dual_clip_frac: Tensor  # share of tokens (A < 0) whose loss the dual clip bounded at -clip_ratio_c*A
@@ -168,7 +168,10 @@ class ClippedSurrogate:
         with torch.no_grad():
             mf = mask.to(torch.float32)
             clip_frac = masked_mean((clipped < unclipped).to(torch.float32), mf)
-            approx_kl = masked_mean(ratio - 1.0 - log_ratio, mf)
+            # each token's own ratio, whatever ratio the loss clips: GSPO's sequence mean cancels tokens that
+            # moved in opposite directions and would report a policy that moved as one that stayed
+            token_log_ratio = (logp - old_logp).detach()
+            approx_kl = masked_mean(torch.exp(token_log_ratio) - 1.0 - token_log_ratio, mf)
             ratio_mean = masked_mean(ratio, mf)
             adv_weighted = aggregate(unclipped, mask, self.loss_agg, self.max_len)
             dual_clip_frac = masked_mean(dual.to(torch.float32), mf)
@@ -183,6 +186,7 @@ class SequenceClippedSurrogate(ClippedSurrogate):
     that per-token advantages (PPO's) apply too. A sequence is clipped whole. Sequence ratios stay near 1, so
     GSPO clips narrowly (its paper: ``clip_eps_low`` 3e-4, ``clip_eps_high`` 4e-4) and averages per sequence
     (``loss_agg: seq-mean-token-mean``); the dual clip and the off-policy weight act per token as under ``clip``.
+    ``ratio_mean`` and ``clip_frac`` describe the sequence ratios, ``approx_kl`` the tokens' (as under ``clip``).
     """
 
     def log_ratio(self, logp: Tensor, old_logp: Tensor, mask: Tensor) -> Tensor:

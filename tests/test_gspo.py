@@ -37,6 +37,19 @@ def test_hand_computed_value_and_gradient():
     assert POLICY_LOSSES["gspo"] is SequenceClippedSurrogate
 
 
+def test_approx_kl_is_the_tokens_not_the_sequence_mean():
+    """policy/approx_kl estimates KL(pi_old || pi_theta) from each token's ratio, as under `clip` (and as verl's
+    GSPO logs it): a completion whose tokens moved +0.3 and -0.3 has sequence ratio 1 but has moved."""
+    old = torch.zeros(2, 3, dtype=torch.float64)
+    logp = torch.tensor([[0.3, -0.3, 9.0], [0.1, 0.2, -0.05]], dtype=torch.float64)
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]], dtype=torch.float64)
+    adv = torch.tensor([1.0, -1.0], dtype=torch.float64)
+    out = SequenceClippedSurrogate(3e-4, 4e-4, "seq-mean-token-mean")(logp, old, adv, mask)
+    want = sum(math.exp(x) - 1 - x for x in (0.3, -0.3, 0.1, 0.2, -0.05)) / 5
+    assert out.approx_kl.item() == pytest.approx(want, rel=1e-12)
+    assert out.ratio_mean.item() == pytest.approx((2 * 1.0 + 3 * math.exp(0.25 / 3)) / 5, rel=1e-12)
+
+
 def trl_sequence_loss(logp, old, adv, mask, eps_low, eps_high, loss_type):
     """TRL's GRPO loss with importance_sampling_level="sequence" (GSPO), written out from its published
     formula: the log-weight is the masked mean of the token log-ratios, with its gradient."""
