@@ -183,9 +183,11 @@ class SequenceClippedSurrogate(ClippedSurrogate):
     """GSPO (``policy_loss: gspo``): the clipped surrogate of each sequence's importance ratio
     ``s = exp(mean of logp - old_logp over its loss tokens)``, the length-normalised likelihood ratio, in its
     token form: every token's ratio has the value ``s`` and the gradient of ``s * exp(logp - sg(logp))``, so
-    that per-token advantages (PPO's) apply too. A sequence is clipped whole. Sequence ratios stay near 1, so
-    GSPO clips narrowly (its paper: ``clip_eps_low`` 3e-4, ``clip_eps_high`` 4e-4) and averages per sequence
-    (``loss_agg: seq-mean-token-mean``); the dual clip and the off-policy weight act per token as under ``clip``.
+    that per-token advantages (PPO's) apply too. With one advantage a sequence (GRPO's) a sequence is clipped
+    whole; with PPO's the clip stops only the tokens whose advantage's sign makes it active. Sequence ratios
+    stay near 1, so GSPO clips narrowly (its paper: ``clip_eps_low`` 3e-4, ``clip_eps_high`` 4e-4) and
+    averages per sequence (``loss_agg: seq-mean-token-mean``); the dual clip and the off-policy weight act per
+    token as under ``clip``.
     ``ratio_mean`` and ``clip_frac`` describe the sequence ratios, ``approx_kl`` the tokens' (as under ``clip``).
     """
 

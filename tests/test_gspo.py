@@ -50,6 +50,21 @@ def test_approx_kl_is_the_tokens_not_the_sequence_mean():
     assert out.ratio_mean.item() == pytest.approx((2 * 1.0 + 3 * math.exp(0.25 / 3)) / 5, rel=1e-12)
 
 
+def test_token_advantages_clip_only_the_tokens_the_sign_makes_active():
+    """With PPO's per-token advantages a completion whose ratio is past the clip is not clipped whole: the
+    tokens with A > 0 (s > 1 + eps_high) lose their gradient, the one with A < 0 keeps it."""
+    old = torch.zeros(1, 3, dtype=torch.float64)
+    logp = torch.full((1, 3), 0.01, dtype=torch.float64, requires_grad=True)   # s = e^0.01 > 1 + 4e-4
+    mask = torch.ones(1, 3, dtype=torch.float64)
+    adv = torch.tensor([[1.0, -1.0, 2.0]], dtype=torch.float64)
+    out = SequenceClippedSurrogate(3e-4, 4e-4, "seq-mean-token-mean")(logp, old, adv, mask)
+    s = math.exp(0.01)
+    assert out.loss.item() == pytest.approx(-(1.0004 - s + 2 * 1.0004) / 3, rel=1e-12)
+    out.loss.backward()
+    assert logp.grad[0].tolist() == pytest.approx([0.0, s / 3, 0.0], rel=1e-12)
+    assert out.clip_frac.item() == pytest.approx(2 / 3)
+
+
 def trl_sequence_loss(logp, old, adv, mask, eps_low, eps_high, loss_type):
     """TRL's GRPO loss with importance_sampling_level="sequence" (GSPO), written out from its published
     formula: the log-weight is the masked mean of the token log-ratios, with its gradient."""
