@@ -184,6 +184,24 @@ def test_max_steps_counts_policy_steps_and_metrics(tmp_path):
     assert 0.0 <= first["reward/mean"] <= 1.0
 
 
+@pytest.mark.gpu
+def test_float32_on_cuda_samples_from_the_policy_the_trainer_scores(tmp_path):
+    """The default train.yaml on a GPU (32-true, the engine and its decode graphs kept between rollouts): at every
+    step the rollout's logprobs are the trainer's, as on CPU. A rollout that sampled from stale weights, or read
+    another row's blocks, shows here as a mismatch that grows."""
+    from framework.config import load_config
+
+    cfg = load_config([str(Path(__file__).resolve().parents[1] / "train.yaml")],
+                      [f"--run_dir={tmp_path / 'run'}", "--trainer.max_steps=4", "--trainer.accelerator=gpu",
+                       "--trainer.devices=1", "--trainer.precision=32-true", "--trainer.enable_progress_bar=false",
+                       "--logging.tensorboard=false"])
+    fit(cfg)
+    records = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    seen = [(r["step"], r["mismatch/mean"], r["mismatch/max"]) for r in records if "mismatch/max" in r]
+    assert [step for step, _, _ in seen] == [1, 2, 3, 4]
+    assert all(worst <= 1e-4 for _, _, worst in seen), seen
+
+
 def test_reference_model_only_with_kl(tmp_path):
     module = FwModule(config(tmp_path / "a", grpo={"kl_coef": 0.05}))
     assert module.reference is not None
