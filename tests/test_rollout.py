@@ -1261,3 +1261,35 @@ def test_a_stop_string_of_four_byte_characters_sampled_a_byte_a_token_is_found()
     r = generate(model, [prompt], SamplingParams(max_new_tokens=40, temperature=0.0, stop=[stop, "zz"]),
                  tokenizer=tok)
     assert r.finish_reasons == ["stop"] and r.completion_ids[0] == cycle * 8 and r.texts[0] == stop
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_a_kept_float32_engine_gives_the_trainers_logprobs_after_optimizer_steps(tok, device):
+    """float32 weights without autocast (fit's 32-true) and train.yaml's shape of call (32 prompts x 16 samples, 2 new
+    tokens: on CUDA two decode steps of the 256-row bucket, their graphs captured in the first call and replayed in the
+    later ones): after each in-place AdamW step the kept engine samples with the trainer's logprobs and a fresh
+    engine's tokens."""
+    from framework.models.build import preset_config, seeded_init
+    from recipes.rl import completion_logprobs
+
+    model = Qwen3ForCausalLM(preset_config("tiny", tok.vocab_size, tok.eos_id, tok.pad_id))
+    seeded_init(model, model.config.initializer_range, 0)
+    model = model.to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, fused=device == "cuda")
+    prompts = [tok.encode(f"{i % 10}=") for i in range(32) for _ in range(16)]
+    params = SamplingParams(max_new_tokens=2, temperature=1.0)
+    engine = RolloutEngine(model)
+    gen = torch.Generator(device).manual_seed(0)
+    for step in range(4):
+        r = engine.generate(prompts, params, seed=step)
+        mask = r.completion_mask.to(r.logprobs.dtype)
+        logp, _ = completion_logprobs(model, r.tokens, r.prompt_lens, r.completion_lens, r.logprobs.shape[1], 1.0)
+        worst = float(((r.logprobs - logp.detach()).abs() * mask).max())
+        assert worst < 1e-4, (step, worst)
+        assert r.completion_ids == generate(model, prompts, params, seed=step, cuda_graph=False).completion_ids, step
+        adv = torch.randn(len(prompts), 1, device=device, generator=gen)
+        opt.zero_grad(set_to_none=True)
+        (-(logp * adv * mask).sum() / mask.sum()).backward()
+        opt.step()
+    assert device == "cpu" or engine.graphs
+    engine.release()
