@@ -81,6 +81,17 @@ def token_logprobs(model, data, temperature):
              for j in range(int(data.completion_lens[b]))] for b in range(data.tokens.shape[0])]
 
 
+def hand_group_advantages(rewards: list[float], size: int, eps: float) -> list[float]:
+    """GRPO's advantages by hand: (r - group mean) / (unbiased group std + eps), exactly 0 in a tied group."""
+    adv = []
+    for start in range(0, len(rewards), size):
+        group = rewards[start:start + size]
+        mean = sum(group) / size
+        std = math.sqrt(sum((r - mean) ** 2 for r in group) / (size - 1))
+        adv += [0.0 if max(group) == min(group) else (r - mean) / (std + eps) for r in group]
+    return adv
+
+
 class LetterReward:
     """A dense, varied reward for random-init policies: the share of letters in the completion."""
 

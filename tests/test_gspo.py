@@ -8,7 +8,7 @@ from typing import ClassVar
 
 import pytest
 import torch
-from test_grpo import config, token_logprobs
+from test_grpo import config, hand_group_advantages, token_logprobs
 
 from framework.callbacks import Callback
 from framework.config import load_config
@@ -142,12 +142,7 @@ class GspoProbe(Callback):
         g, data = module.cfg["grpo"], module.recipe.last_rollout
         policy = copy.deepcopy(module.policy).double()
         lp = token_logprobs(policy, data, module.cfg["rollout"]["temperature"])
-        rewards, size, adv = data.rewards.double().tolist(), g["group_size"], []
-        for start in range(0, len(rewards), size):
-            group = rewards[start:start + size]
-            mean = sum(group) / size
-            std = math.sqrt(sum((r - mean) ** 2 for r in group) / (size - 1))
-            adv += [0.0 if max(group) == min(group) else (r - mean) / (std + g["adv_eps"]) for r in group]
+        adv = hand_group_advantages(data.rewards.double().tolist(), g["group_size"], g["adv_eps"])
         terms, clipped = [], 0
         for b, tokens in enumerate(lp):
             s = torch.exp(sum(t - float(data.old_logp[b, j]) for j, t in enumerate(tokens)) / len(tokens))

@@ -8,7 +8,7 @@ from typing import ClassVar
 import pytest
 import torch
 from safetensors.torch import load_file
-from test_grpo import config, token_logprobs
+from test_grpo import config, hand_group_advantages, token_logprobs
 
 from framework.callbacks import Callback
 from framework.cli import main
@@ -241,12 +241,7 @@ class OptionsProbe(Callback):
         truncated = expected_truncated(tok, data, max_new)
         rewards = [float(r) - o["penalty_factor"] * max(0, int(n) - (max_new - o["buffer"])) / o["buffer"]
                    for r, n in zip(data.rewards.double(), data.completion_lens)]
-        size, adv = g["group_size"], []
-        for start in range(0, len(rewards), size):
-            group = rewards[start:start + size]
-            mean = sum(group) / size
-            std = math.sqrt(sum((r - mean) ** 2 for r in group) / (size - 1))
-            adv += [0.0 if max(group) == min(group) else (r - mean) / (std + g["adv_eps"]) for r in group]
+        adv = hand_group_advantages(rewards, g["group_size"], g["adv_eps"])
         policy = copy.deepcopy(module.policy).double()
         lp = token_logprobs(policy, data, temperature)
         terms, dual, dropped = [], 0, 0

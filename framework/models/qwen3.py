@@ -336,7 +336,7 @@ def checkpointing_mode(mode: bool | str) -> bool | str:
 
 def _embedding(num: int, dim: int) -> nn.Embedding:
     """nn.Embedding, without its normal(0, 1) draw on the meta device (see `init_weights`)."""
-    if torch.empty(0).is_meta:
+    if torch.get_default_device().type == "meta":
         return nn.Embedding(num, dim, _weight=torch.empty(num, dim))
     return nn.Embedding(num, dim)
 
