@@ -7,11 +7,13 @@ rollout engine's CUDA prefill gathers the contexts once and calls varlen_suffix_
 Pool layout: k_pool, v_pool [num_blocks, Hk, block_size, D]; position p of row b lives in block
 block_tables[b, p // block_size] at offset p % block_size. The pools hold q's dtype or float8_e4m3fn, whose values
 the attention reads exactly (the CUDA decode kernel as float16, which represents every e4m3 value). A row's result
-does not depend on which other rows share its batch: on CPU every query is batched over the longest context of its
-call, with reductions whose order does not depend on that length (`_batched_attention`); elsewhere the references
-run one row at a time.
+does not depend on which other rows share its batch: on CPU the queries of a row read its context together, with
+reductions whose order does not depend on the other queries (`_batched_attention`); elsewhere the references run one
+row at a time.
 """
 from __future__ import annotations
+
+import itertools
 
 import torch
 import torch.nn.functional as F
@@ -42,18 +44,135 @@ def _row_attention(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
     return out.reshape(Hq, Tq, D).permute(1, 0, 2).to(q.dtype)
 
 
-_CHUNK_ELEMENTS = 1 << 20   # CPU: the most elements of one [rows, Hq, T, D] product (4 MiB in float32, in cache)
-_ROWS_ELEMENTS = 1 << 22    # CPU: the most elements of the [rows, Hq, T] weights that one walk over positions reads
+_CHUNK_ELEMENTS = 1 << 20   # CPU float64: the most elements of one [rows, Hq, T, D] product (in cache)
+_ROWS_ELEMENTS = 1 << 22    # CPU float64: the most attention weights ([queries, Hq, T]) one chunk of queries holds
+_GROUP_ELEMENTS = 1 << 20   # CPU float32: the most weights, keys or values of one chunk of groups (in cache)
+_ROW_MULTIPLE = 8           # CPU float32: a group's query rows (its queries x Hq/Hk) padded to a multiple of this
+_TILE = 64                  # CPU float32: positions one product of weights and values sums over
 
 
 def _batched_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor, tables: Tensor, lengths: Tensor,
                        scale: float) -> Tensor:
     """CPU: query i [Hq, D] of q [N, Hq, D] attends to positions 0..lengths[i]-1 of the row whose block table
-    is tables[i]; length 0 gives zeros. Each chunk of queries gathers its contexts up to its longest and masks
+    is tables[i]; length 0 gives zeros. A query's result is bitwise the same whatever the other queries of the
+    call: float32 through BLAS (`_grouped_attention`), float64 by sums in position order (`_walked_attention`)."""
+    if acc_dtype(q.dtype) == torch.float64:
+        return _walked_attention(q, k_pool, v_pool, tables, lengths, scale)
+    # the op has no backward; its products stay in float32 under a caller's autocast
+    with torch.no_grad(), torch.autocast("cpu", enabled=False):
+        return _grouped_attention(q, k_pool, v_pool, tables, lengths, scale)
+
+
+def _grouped_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor, tables: Tensor, lengths: Tensor,
+                       scale: float) -> Tensor:
+    """`_batched_attention` in float32. Consecutive queries of one block table (a prefill's row) are a group, which
+    reads its context once: its scores are one product of its queries by the keys, its output the products of the
+    weights by the values over tiles of `_TILE` positions, summed tile after tile, over the weights' sums per tile,
+    summed alike. A query's numbers then depend only on its own inputs: the products reduce over D and over `_TILE`
+    positions, the same sizes for every query; their rows are padded to a multiple of `_ROW_MULTIPLE`
+    and there are always two or more in a call, where the BLAS runs one kernel whatever the count (as the engine pads
+    a CPU batch's tokens for the projections); the positions past a query's length weigh exact zeros, and past its
+    row's context the values are zeros, so that what a freed block held (NaN or inf) adds nothing. tests/
+    test_paged_attention.py checks all of this bitwise against the same query alone. A NaN inside a row's own
+    context also reaches the row's queries of earlier positions in the same call (0 times NaN); from that position
+    on the row's outputs are NaN either way."""
+    N, Hq, D = q.shape
+    Hk = k_pool.shape[1]
+    G = Hq // Hk
+    out = torch.zeros(N, Hq, D, dtype=torch.float32)
+    if N == 0:
+        return out.to(q.dtype)
+    # groups: runs of consecutive queries on one table, cut so that one's weights stay within _GROUP_ELEMENTS
+    new_table = torch.ones(N, dtype=torch.bool)
+    new_table[1:] = (tables[1:] != tables[:-1]).any(1)
+    starts = new_table.nonzero().flatten().tolist() + [N]
+    lens = lengths.tolist()
+    groups: dict[int, list[tuple[int, int, int]]] = {}   # padded rows -> (first query, queries, context)
+    for a, b in itertools.pairwise(starts):
+        while a < b:
+            n = b - a
+            while n > 1 and n * Hq * max(lens[a:a + n]) > _GROUP_ELEMENTS:
+                n = -(-n // 2)
+            context = max(lens[a:a + n])
+            if context > 0:
+                groups.setdefault(-(-n * G // _ROW_MULTIPLE) * _ROW_MULTIPLE, []).append((a, n, context))
+            a += n
+    for rows, members in groups.items():
+        i = 0
+        while i < len(members):
+            # a chunk of groups of these padded rows, within _GROUP_ELEMENTS weights, keys and values each
+            j, longest = i + 1, members[i][2]
+            while j < len(members) and (j + 1 - i) * max(rows, D) * Hk * max(longest, members[j][2]) <= _GROUP_ELEMENTS:
+                longest = max(longest, members[j][2])
+                j += 1
+            _attend_groups(q, k_pool, v_pool, tables, lengths, scale, members[i:j], rows, out)
+            i = j
+    return out.to(q.dtype)
+
+
+def _gather_by_head(pool: Tensor, blocks: Tensor, T: int) -> Tensor:
+    """float32 [Hk, R, T, D]: the positions of the blocks [R, T // block_size] of `pool`, one head at a time (an
+    index along the pool's first dimension copies whole blocks)."""
+    Hk, bs, D = pool.shape[1], pool.shape[2], pool.shape[3]
+    out = torch.empty(Hk, blocks.shape[0], T, D, dtype=pool.dtype)
+    flat = blocks.flatten()
+    for h in range(Hk):
+        torch.index_select(pool[:, h], 0, flat, out=out[h].view(-1, bs, D))
+    return out.to(torch.float32)
+
+
+def _attend_groups(q: Tensor, k_pool: Tensor, v_pool: Tensor, tables: Tensor, lengths: Tensor, scale: float,
+                   members: list[tuple[int, int, int]], rows: int, out: Tensor) -> None:
+    """`_grouped_attention`'s work for `members` (first query, queries, context), `rows` padded query rows each,
+    written into `out`. Tensors are [Hk, group, ...]: one batch dimension for the products."""
+    Hq, D = q.shape[1], q.shape[2]
+    Hk, bs = k_pool.shape[1], k_pool.shape[2]
+    G = Hq // Hk
+    R = len(members)
+    span = max(_TILE, bs)   # a multiple of both
+    T = -(-max(c for _, _, c in members) // span) * span
+    n_blocks = T // bs
+    blocks = tables[torch.tensor([a for a, _, _ in members]), :min(n_blocks, tables.shape[1])]
+    if blocks.shape[1] < n_blocks:   # a table narrower than the tiles: positions past it are masked
+        blocks = torch.cat([blocks, blocks.new_zeros(R, n_blocks - blocks.shape[1])], 1)
+    past = torch.arange(T)[None, :] >= torch.tensor([c for _, _, c in members])[:, None]     # [R, T]
+    k, v = _gather_by_head(k_pool, blocks, T), _gather_by_head(v_pool, blocks, T)   # [Hk, R, T, D]
+    # past a row's context its blocks hold what earlier rows wrote (NaN or inf where one diverged): zeros instead
+    v[:, past] = 0.0
+    k, v = k.view(Hk * R, T, D), v.view(Hk * R, T, D)
+    counts = torch.tensor([n for _, n, _ in members])
+    owner = torch.repeat_interleave(torch.arange(R), counts * G)                     # each query row's group
+    slot = torch.arange(len(owner)) - torch.repeat_interleave(torch.cumsum(counts * G, 0) - counts * G, counts * G)
+    queries = torch.cat([torch.arange(a, a + n) for a, n, _ in members])
+    qg = torch.zeros(Hk, R, rows, D, dtype=torch.float32)   # a group's queries, query-major, under each kv head
+    qg[:, owner, slot] = q[queries].to(torch.float32).view(-1, Hk, G, D).transpose(0, 1).reshape(Hk, -1, D)
+    limit = torch.zeros(R, rows, dtype=torch.long)          # each query row's length; 0 for the padding rows
+    limit[owner, slot] = lengths[queries].repeat_interleave(G)
+    if Hk * R == 1:   # one product alone may take another BLAS kernel than the same product in a batch
+        qg, k, v = torch.cat([qg, qg]), torch.cat([k, k]), torch.cat([v, v])
+    s = torch.bmm(qg.view(-1, rows, D), k.transpose(1, 2)).mul_(scale)              # [Hk * R, rows, T]
+    s.view(-1, R, rows, T).masked_fill_(torch.arange(T)[None, None, :] >= limit[:, :, None], float("-inf"))
+    m = s.amax(-1, keepdim=True)
+    m.masked_fill_(m == float("-inf"), 0.0)                                           # queries of length 0
+    e = s.sub_(m).exp_()                                                              # exact zeros where masked
+    # the sums over positions tile after tile (tiles past a query's length add exact zeros), each tile's by BLAS
+    # for the values and by a sum of _TILE weights for the denominator
+    total = torch.bmm(e[:, :, :_TILE], v[:, :_TILE])
+    den = e[:, :, :_TILE].sum(-1, keepdim=True)
+    for t in range(_TILE, T, _TILE):
+        total += torch.bmm(e[:, :, t:t + _TILE], v[:, t:t + _TILE])
+        den += e[:, :, t:t + _TILE].sum(-1, keepdim=True)
+    o = (total / den).view(-1, R, rows, D)[:Hk]
+    o = torch.where(limit[None, :, :, None] > 0, o, 0.0)
+    out[queries] = o[:, owner, slot].view(Hk, -1, G, D).transpose(0, 1).reshape(-1, Hq, D)
+
+
+def _walked_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor, tables: Tensor, lengths: Tensor,
+                      scale: float) -> Tensor:
+    """`_batched_attention` in float64: each chunk of queries gathers its contexts up to its longest and masks
     them; every reduction over positions is one sequential sum per output in position order (cumsum's, or the
-    walk over positions, which adds in float64 as cumsum does), so the masked positions add exact zeros and a
-    query's result is bitwise the same whatever the longest context and the other queries are. The dot
-    products reduce over D, the same size for every query."""
+    walk over positions), so the masked positions add exact zeros and a query's result is bitwise the same whatever
+    the longest context and the other queries are. The dot products reduce over D, the same size for every query."""
     N, Hq, D = q.shape
     Hk, bs = k_pool.shape[1], k_pool.shape[2]
     G = Hq // Hk
@@ -86,10 +205,8 @@ def _batched_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor, tables: Tensor
         m.masked_fill_(m == float("-inf"), 0.0)                                # rows of length 0
         e = (s - m).exp_()                                                     # exact zeros where masked
         den = e.cumsum(-1)[..., -1:]                                           # [n, Hk, G, 1]
-        # the weighted sum of values as cumsum forms it (float32 products, a float64 sum in position order), one
-        # position at a time over the chunk's queries: cumsum over [n, Hq, T, D] would write every partial sum
         weights = e.permute(3, 0, 1, 2).unsqueeze(-1).contiguous()             # [T, n, Hk, G, 1]
-        total = torch.zeros(n, Hk, G, D, dtype=torch.float64 if acc == torch.float32 else acc)
+        total = torch.zeros(n, Hk, G, D, dtype=acc)
         for j in range(n_blocks):
             v = v_pool[blocks[:, j]].to(acc)                                   # [n, Hk, bs, D]
             # the positions past a row's length hold what earlier rows of their blocks wrote, or the padding rows':
@@ -97,10 +214,9 @@ def _batched_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor, tables: Tensor
             v.masked_fill_(past[:, j * bs:(j + 1) * bs].view(n, 1, bs, 1), 0.0)
             v = v.unsqueeze(2)                                                 # [n, Hk, 1, bs, D]
             for t in range(bs):
-                total.add_(weights[j * bs + t] * v[:, :, :, t])   # a float32 product, as cumsum's
-        num = total.to(acc)
+                total.add_(weights[j * bs + t] * v[:, :, :, t])
         # rows of length 0 give zeros; a NaN in a row's own context stays NaN, so that a diverged row shows
-        o = torch.where(lengths[lo:hi, None, None, None] > 0, num / den, 0.0)
+        o = torch.where(lengths[lo:hi, None, None, None] > 0, total / den, 0.0)
         out[lo:hi] = o.reshape(n, Hq, D)
     return out.to(q.dtype)
 

@@ -307,8 +307,8 @@ def test_cpu_rows_are_bitwise_independent_of_their_batch(D, bs, monkeypatch):
         want = naive(q[b:b + 1], k_pool, v_pool, tables[b], n, n - 1, 0.3)[0]
         torch.testing.assert_close(alone[0].double(), want, atol=1e-5, rtol=0)
     from ops_cuda import paged_attention
-    with monkeypatch.context() as m:
-        m.setattr(paged_attention, "_CHUNK_ELEMENTS", 1)
+    with monkeypatch.context() as m:   # every row a chunk of its own
+        m.setattr(paged_attention, "_GROUP_ELEMENTS", 1)
         chunked = ops_cuda.paged_decode_attention(q, k_pool, v_pool, tables, torch.tensor(lengths), 0.3)
     assert torch.equal(chunked, batched)
     # prefill: row 0's last 4 queries alone, then after the 37- and 70-token rows' queries
@@ -320,6 +320,33 @@ def test_cpu_rows_are_bitwise_independent_of_their_batch(D, bs, monkeypatch):
                                            torch.tensor([37, 70, 5]), 0.4)
     assert torch.equal(out[29:], alone)
     torch.testing.assert_close(alone.double(), naive(qp[:4], k_pool, v_pool, tables[0], 5, 1, 0.4), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("Hq, Hk, D, bs", [(4, 2, 64, 16), (3, 1, 16, 8), (16, 8, 128, 128)])
+def test_cpu_prefill_queries_are_bitwise_their_decode_steps(Hq, Hk, D, bs, monkeypatch):
+    """fp32 on CPU: each query of a 300-token prefill (one call, or its queries cut into groups of a few by a small
+    _GROUP_ELEMENTS) is bitwise what a decode step of that position alone gives, or next to other rows: a row the
+    engine preempts and prefills again computes the keys and values its decode steps did. One kv head (Hk 1) runs
+    the product alone that the BLAS may treat otherwise."""
+    from ops_cuda import paged_attention
+
+    n = 300
+    k_pool, v_pool, tables = paged_problem([n, 40], Hq=Hq, Hk=Hk, D=D, bs=bs, seed=3)
+    q = torch.randn(n, Hq, D, generator=torch.Generator().manual_seed(8))
+    row = tables[:1]
+    whole = ops_cuda.paged_prefill_attention(q, k_pool, v_pool, row, torch.tensor([0, n]), torch.tensor([n]), 0.2)
+    with monkeypatch.context() as m:
+        m.setattr(paged_attention, "_GROUP_ELEMENTS", 40 * Hq * n)
+        grouped = ops_cuda.paged_prefill_attention(q, k_pool, v_pool, row, torch.tensor([0, n]), torch.tensor([n]),
+                                                   0.2)
+    assert torch.equal(grouped, whole)
+    for p in (0, 1, 63, 64, 65, 177, n - 1):
+        alone = ops_cuda.paged_decode_attention(q[p:p + 1], k_pool, v_pool, row, torch.tensor([p + 1]), 0.2)
+        beside = ops_cuda.paged_decode_attention(torch.cat([q[p:p + 1], q[:1]]), k_pool, v_pool, tables,
+                                                 torch.tensor([p + 1, 40]), 0.2)
+        assert torch.equal(alone[0], whole[p]) and torch.equal(beside[0], whole[p]), p
+    want = naive(q[n - 40:], k_pool, v_pool, tables[0], n, n - 40, 0.2)
+    torch.testing.assert_close(whole[n - 40:].double(), want, atol=1e-5, rtol=0)
 
 
 def test_cpu_rows_read_nothing_past_their_length():
