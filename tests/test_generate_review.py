@@ -1,5 +1,6 @@
 """Review checks of `fw generate`: a prompt past the policy's positions is said on stderr; the CPU paged attention
-the rollout engine runs gives the results of its cumsum formulation, and float64 attention for a long prompt."""
+the rollout engine runs gives the results of an independent formulation (float64 sums by cumsum) to float32 rounding,
+the same sampled tokens, and float64 attention for a long prompt."""
 import re
 
 import pytest
@@ -55,7 +56,7 @@ def cumsum_attention(q, k_pool, v_pool, tables, lengths, scale):
     return o.reshape(N, Hq, D).to(q.dtype)
 
 
-def test_seeded_sampling_keeps_the_tokens_and_logprobs_of_the_cumsum_formulation(monkeypatch):
+def test_seeded_sampling_keeps_the_tokens_of_the_cumsum_formulation(monkeypatch):
     tok = Tokenizer.builtin()
     torch.manual_seed(5)
     model = Qwen3ForCausalLM(preset_config("tiny", tok.vocab_size, tok.eos_id, tok.pad_id)).eval()
@@ -64,11 +65,14 @@ def test_seeded_sampling_keeps_the_tokens_and_logprobs_of_the_cumsum_formulation
     got = generate(model, prompts, params, seed=11)
     monkeypatch.setattr(paged_attention, "_batched_attention", cumsum_attention)
     want = generate(model, prompts, params, seed=11)
-    assert torch.equal(got.tokens, want.tokens) and torch.equal(got.logprobs, want.logprobs)
+    assert torch.equal(got.tokens, want.tokens)
+    torch.testing.assert_close(got.logprobs, want.logprobs, atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cpu_attention_is_bitwise_the_cumsum_formulation(dtype):
+def test_cpu_attention_is_the_cumsum_formulation_to_rounding(dtype):
+    """Rows of 0 to 320 positions over shuffled blocks; a NaN value at a diverged row's own position makes that
+    row's outputs of its kv head NaN, and adds nothing where it lies past other rows' lengths."""
     g = torch.Generator().manual_seed(2)
     k_pool, v_pool = (torch.randn(60, 2, 16, 64, generator=g).to(dtype) for _ in range(2))
     v_pool[9, 1, 3] = float("nan")   # a diverged row's own position, and a position past other rows' lengths
@@ -77,7 +81,9 @@ def test_cpu_attention_is_bitwise_the_cumsum_formulation(dtype):
     q = torch.randn(40, 4, 64, generator=g).to(dtype)
     got = ops_cuda.paged_decode_attention(q, k_pool, v_pool, tables, lengths, 0.125)
     want = cumsum_attention(q, k_pool, v_pool, tables, lengths, 0.125)
-    assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(), want.nan_to_num())
+    assert want.isnan().any() and torch.equal(got.isnan(), want.isnan())
+    tol = 1e-6 if dtype == torch.float32 else 2 ** -8
+    torch.testing.assert_close(got.nan_to_num().float(), want.nan_to_num().float(), atol=tol, rtol=tol)
 
 
 def test_a_long_prefill_against_float64():
