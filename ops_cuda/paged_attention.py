@@ -69,11 +69,12 @@ def _grouped_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor, tables: Tensor
     reads its context once: its scores are one product of its queries by the keys, its output the products of the
     weights by the values over tiles of `_TILE` positions, summed tile after tile, over the weights' sums per tile,
     summed alike. A query's numbers then depend only on its own inputs: the products reduce over D and over `_TILE`
-    positions, the same sizes for every query; their rows are padded to a multiple of `_ROW_MULTIPLE`
-    and there are always two or more in a call, where the BLAS runs one kernel whatever the count (as the engine pads
-    a CPU batch's tokens for the projections); the positions past a query's length weigh exact zeros, and past its
-    row's context the values are zeros, so that what a freed block held (NaN or inf) adds nothing. tests/
-    test_paged_attention.py checks all of this bitwise against the same query alone. A NaN inside a row's own
+    positions, the same sizes for every query; each product's rows are padded to a multiple of `_ROW_MULTIPLE` and a
+    call holds two products or more, where the BLAS (MKL, on the AMD and Intel CPUs the tests ran on) runs one kernel
+    whatever the count, as the engine's padding of a CPU batch's tokens for the projections assumes; the positions
+    past a query's length weigh exact zeros, and past its row's context the values are zeros, so that what a freed
+    block held (NaN or inf) adds nothing. tests/test_paged_attention.py checks this bitwise against the same query
+    alone and against its decode step. A NaN inside a row's own
     context also reaches the row's queries of earlier positions in the same call (0 times NaN); from that position
     on the row's outputs are NaN either way."""
     N, Hq, D = q.shape
