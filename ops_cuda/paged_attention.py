@@ -66,17 +66,17 @@ def _batched_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor, tables: Tensor
 def _grouped_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor, tables: Tensor, lengths: Tensor,
                        scale: float) -> Tensor:
     """`_batched_attention` in float32. Consecutive queries of one block table (a prefill's row) are a group, which
-    reads its context once: its scores are one product of its queries by the keys, its output the products of the
-    weights by the values over tiles of `_TILE` positions, summed tile after tile, over the weights' sums per tile,
-    summed alike. A query's numbers then depend only on its own inputs: the products reduce over D and over `_TILE`
-    positions, the same sizes for every query; each product's rows are padded to a multiple of `_ROW_MULTIPLE` and a
-    call holds two products or more, where the BLAS (MKL, on the AMD and Intel CPUs the tests ran on) runs one kernel
-    whatever the count, as the engine's padding of a CPU batch's tokens for the projections assumes; the positions
-    past a query's length weigh exact zeros, and past its row's context the values are zeros, so that what a freed
-    block held (NaN or inf) adds nothing. tests/test_paged_attention.py checks this bitwise against the same query
-    alone and against its decode step. A NaN inside a row's own
-    context also reaches the row's queries of earlier positions in the same call (0 times NaN); from that position
-    on the row's outputs are NaN either way."""
+    reads its context once. Every product covers one tile of `_TILE` positions: a tile's scores are its keys by the
+    group's queries (reducing over D), its output its weights by its values and by ones (reducing over `_TILE`),
+    and a query's outputs and weights' sums add up tile after tile. A query's numbers then depend only on its own
+    inputs: the products have the same sizes for every query, their rows are padded to a multiple of
+    `_ROW_MULTIPLE` and a call holds two products or more, where the BLAS (MKL, on the AMD and Intel CPUs the tests
+    ran on) runs one kernel whatever the count, as the engine's padding of a CPU batch's tokens for the projections
+    assumes; the positions past a query's length weigh exact zeros, and past its row's context the keys and values
+    are zeros, so that what a freed block held (NaN or inf) adds nothing. tests/test_paged_attention.py checks this
+    bitwise against the same query alone and against its decode step. A NaN or inf inside a row's own context also
+    reaches the row's queries of earlier positions in the same call (-inf plus NaN or inf, 0 times NaN); from that
+    position on the row's outputs are NaN either way."""
     N, Hq, D = q.shape
     Hk = k_pool.shape[1]
     G = Hq // Hk
@@ -98,6 +98,7 @@ def _grouped_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor, tables: Tensor
             if context > 0:
                 groups.setdefault(-(-n * G // _ROW_MULTIPLE) * _ROW_MULTIPLE, []).append((a, n, context))
             a += n
+    scratch = [torch.empty(0)]
     for rows, members in groups.items():
         i = 0
         while i < len(members):
@@ -106,7 +107,7 @@ def _grouped_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor, tables: Tensor
             while j < len(members) and (j + 1 - i) * max(rows, D) * Hk * max(longest, members[j][2]) <= _GROUP_ELEMENTS:
                 longest = max(longest, members[j][2])
                 j += 1
-            _attend_groups(q, k_pool, v_pool, tables, lengths, scale, members[i:j], rows, out)
+            _attend_groups(q, k_pool, v_pool, tables, lengths, scale, members[i:j], rows, out, scratch)
             i = j
     return out.to(q.dtype)
 
@@ -123,24 +124,26 @@ def _gather_by_head(pool: Tensor, blocks: Tensor, T: int) -> Tensor:
 
 
 def _attend_groups(q: Tensor, k_pool: Tensor, v_pool: Tensor, tables: Tensor, lengths: Tensor, scale: float,
-                   members: list[tuple[int, int, int]], rows: int, out: Tensor) -> None:
+                   members: list[tuple[int, int, int]], rows: int, out: Tensor, scratch: list[Tensor]) -> None:
     """`_grouped_attention`'s work for `members` (first query, queries, context), `rows` padded query rows each,
-    written into `out`. Tensors are [Hk, group, ...]: one batch dimension for the products."""
+    written into `out`. Every product is one tile of `_TILE` positions: tensors are [Hk, group, tile, ...], one batch
+    dimension for the products. `scratch` holds the scores' buffer from one chunk to the next."""
     Hq, D = q.shape[1], q.shape[2]
     Hk, bs = k_pool.shape[1], k_pool.shape[2]
     G = Hq // Hk
     R = len(members)
     span = max(_TILE, bs)   # a multiple of both
     T = -(-max(c for _, _, c in members) // span) * span
-    n_blocks = T // bs
+    nT, n_blocks = T // _TILE, T // bs
     blocks = tables[torch.tensor([a for a, _, _ in members]), :min(n_blocks, tables.shape[1])]
     if blocks.shape[1] < n_blocks:   # a table narrower than the tiles: positions past it are masked
         blocks = torch.cat([blocks, blocks.new_zeros(R, n_blocks - blocks.shape[1])], 1)
     past = torch.arange(T)[None, :] >= torch.tensor([c for _, _, c in members])[:, None]     # [R, T]
     k, v = _gather_by_head(k_pool, blocks, T), _gather_by_head(v_pool, blocks, T)   # [Hk, R, T, D]
-    # past a row's context its blocks hold what earlier rows wrote (NaN or inf where one diverged): zeros instead
+    # past a row's context its blocks hold what earlier rows wrote (NaN or inf where one diverged): zeros instead,
+    # so that the keys' scores there are finite before the mask's -inf is added and the values add nothing
+    k[:, past] = 0.0
     v[:, past] = 0.0
-    k, v = k.view(Hk * R, T, D), v.view(Hk * R, T, D)
     counts = torch.tensor([n for _, n, _ in members])
     owner = torch.repeat_interleave(torch.arange(R), counts * G)                     # each query row's group
     slot = torch.arange(len(owner)) - torch.repeat_interleave(torch.cumsum(counts * G, 0) - counts * G, counts * G)
@@ -149,20 +152,31 @@ def _attend_groups(q: Tensor, k_pool: Tensor, v_pool: Tensor, tables: Tensor, le
     qg[:, owner, slot] = q[queries].to(torch.float32).view(-1, Hk, G, D).transpose(0, 1).reshape(Hk, -1, D)
     limit = torch.zeros(R, rows, dtype=torch.long)          # each query row's length; 0 for the padding rows
     limit[owner, slot] = lengths[queries].repeat_interleave(G)
-    if Hk * R == 1:   # one product alone may take another BLAS kernel than the same product in a batch
-        qg, k, v = torch.cat([qg, qg]), torch.cat([k, k]), torch.cat([v, v])
-    s = torch.bmm(qg.view(-1, rows, D), k.transpose(1, 2)).mul_(scale)              # [Hk * R, rows, T]
-    s.view(-1, R, rows, T).masked_fill_(torch.arange(T)[None, None, :] >= limit[:, :, None], float("-inf"))
-    m = s.amax(-1, keepdim=True)
+    B = Hk * R
+    if B == 1:   # one product alone may take another BLAS kernel than the same product in a batch
+        qg, k, v, B = torch.cat([qg, qg]), torch.cat([k, k]), torch.cat([v, v]), 2
+    k, v = k.view(B * nT, _TILE, D), v.view(B * nT, _TILE, D)
+    qt = qg.view(B, 1, rows, D).expand(B, nT, rows, D).reshape(B * nT, rows, D)
+    if scratch[0].numel() < B * nT * rows * _TILE:
+        scratch[0] = torch.empty(B * nT * rows * _TILE)   # reused: a fresh buffer a chunk costs its page faults
+    s = scratch[0][:B * nT * rows * _TILE].view(B * nT, rows, _TILE)
+    torch.bmm(qt, k.transpose(1, 2), out=s).mul_(scale)                              # [B * nT, rows, _TILE]
+    # the mask: -inf at the positions a query row does not see, read as rows of a tail of zeros then -infs
+    tail = torch.cat([torch.zeros(_TILE), torch.full((_TILE,), float("-inf"))]).unfold(0, _TILE, 1)
+    seen = (limit[:, None, :] - torch.arange(0, T, _TILE)[None, :, None]).clamp_(0, _TILE)   # [R, nT, rows]
+    s.view(-1, R * nT * rows, _TILE).add_(tail.index_select(0, (_TILE - seen).flatten()))
+    s4 = s.view(B, nT, rows, _TILE)
+    m = s4.amax((1, 3), keepdim=True)                                                 # [B, 1, rows, 1]
     m.masked_fill_(m == float("-inf"), 0.0)                                           # queries of length 0
-    e = s.sub_(m).exp_()                                                              # exact zeros where masked
-    # the sums over positions tile after tile (tiles past a query's length add exact zeros), each tile's by BLAS
-    # for the values and by a sum of _TILE weights for the denominator
-    total = torch.bmm(e[:, :, :_TILE], v[:, :_TILE])
-    den = e[:, :, :_TILE].sum(-1, keepdim=True)
-    for t in range(_TILE, T, _TILE):
-        total += torch.bmm(e[:, :, t:t + _TILE], v[:, t:t + _TILE])
-        den += e[:, :, t:t + _TILE].sum(-1, keepdim=True)
+    e = s4.sub_(m).exp_()                                                             # exact zeros where masked
+    # a tile's weights by its values and by ones (its weights' sum) in one BLAS product, summed over the tiles in
+    # order: the tiles past a query's length add exact zeros
+    tiles = torch.bmm(e.view(B * nT, rows, _TILE), torch.cat([v, v.new_ones(B * nT, _TILE, 1)], 2))
+    tiles = tiles.view(B, nT, rows, D + 1)
+    acc = tiles[:, 0].clone()
+    for t in range(1, nT):
+        acc += tiles[:, t]
+    total, den = acc[..., :D], acc[..., D:]                                           # [B, rows, D], [B, rows, 1]
     o = (total / den).view(-1, R, rows, D)[:Hk]
     o = torch.where(limit[None, :, :, None] > 0, o, 0.0)
     out[queries] = o[:, owner, slot].view(Hk, -1, G, D).transpose(0, 1).reshape(-1, Hq, D)
