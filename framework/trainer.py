@@ -6,6 +6,7 @@ import contextlib
 import hashlib
 import logging
 import os
+import shlex
 import signal
 import sys
 import traceback
@@ -326,7 +327,7 @@ def fit(cfg: dict, resume: str | None = None, skip_damaged: bool = False,
         try:
             trainer.fit(module, ckpt_path=ckpt_path)
         except Interrupted as e:   # a reward's KeyboardInterrupt (framework/rewards.py), named by its sample
-            raise _interrupted(module.policy_version, find_latest(run_dir), f"KeyboardInterrupt in {e.what}") from e
+            raise _interrupted(module.policy_version, run_dir, f"KeyboardInterrupt in {e.what}") from e
         except SystemExit as e:
             # Lightning ends a fit that meets a KeyboardInterrupt with sys.exit(1) and no line; one raised by other
             # user code (a callback, a task) is reported as a reward's is, with where it was raised
@@ -334,8 +335,7 @@ def fit(cfg: dict, resume: str | None = None, skip_damaged: bool = False,
                 raise
             frames = traceback.extract_tb(e.__context__.__traceback__)
             where = f" at {frames[-1].filename}:{frames[-1].lineno}" if frames else ""
-            raise _interrupted(module.policy_version, find_latest(run_dir),
-                               f"KeyboardInterrupt raised{where}") from e.__context__
+            raise _interrupted(module.policy_version, run_dir, f"KeyboardInterrupt raised{where}") from e.__context__
         except Exception as e:
             # a checkpoint that fails to load or restore (checkpoint.verify: false reads it unhashed): one line
             # naming its damaged file, with --skip-damaged where that passes over it
@@ -348,7 +348,7 @@ def fit(cfg: dict, resume: str | None = None, skip_damaged: bool = False,
             raise refusal from None
         if stop.signum is not None and module.policy_version < trainer.max_steps:
             latest = find_latest(run_dir)
-            saved = f"checkpoint {latest}; continue with --resume last" if latest else "no checkpoint"
+            saved = f"checkpoint {latest}; continue with {continue_command(run_dir)}" if latest else "no checkpoint"
             raise Stopped(stop.signum, f"stopped by {signal_name(stop.signum)} after step {module.policy_version}; "
                                        f"{saved}")
         if stop.signum is not None and rank0:   # in the last step or after it: its "finishing" line needs an end
@@ -357,16 +357,25 @@ def fit(cfg: dict, resume: str | None = None, skip_damaged: bool = False,
                   file=sys.stderr, flush=True)
         elif module.policy_version < trainer.max_steps and rank0:   # a callback set trainer.should_stop: exit 0
             latest = find_latest(run_dir)
-            saved = f"checkpoint {latest}; --resume last continues" if latest else "no checkpoint"
+            saved = f"checkpoint {latest}; {continue_command(run_dir)} continues" if latest else "no checkpoint"
             print(f"fw: stopped at step {module.policy_version} of trainer.max_steps {trainer.max_steps}: a callback "
                   f"asked to (trainer.should_stop); {saved}", file=sys.stderr, flush=True)
     return trainer
 
 
-def _interrupted(step: int, latest: str | Path | None, what: str) -> Stopped:
+def continue_command(run_dir: Path) -> str:
+    """The command that continues a stopped run as it ran: its config.yaml (written before its first step) holds
+    every override it was started with, which its config file alone does not, and a resume from that file would
+    apply the settings the overrides changed back to the file's."""
+    return f"fw fit --config {shlex.quote(str(run_dir / 'config.yaml'))} --resume last"
+
+
+def _interrupted(step: int, run_dir: Path, what: str) -> Stopped:
     """The stop of a fit that user code's KeyboardInterrupt ended at `step`: what the run did since its newest
-    checkpoint `latest` is lost (the step in progress, or an evaluation after a step whose checkpoint comes after
-    it)."""
-    saved = (f"the newest checkpoint is {latest}, and what came after it is not saved; continue with --resume last"
-             if latest else "no checkpoint is saved")
+    checkpoint is lost (the step in progress, or an evaluation after a step whose checkpoint comes after it)."""
+    from framework.checkpoint import find_latest
+
+    latest = find_latest(run_dir)
+    saved = (f"the newest checkpoint is {latest}, and what came after it is not saved; continue with "
+             f"{continue_command(run_dir)}" if latest else "no checkpoint is saved")
     return Stopped(signal.SIGINT, f"interrupted at step {step}: {what}; {saved}")

@@ -299,7 +299,7 @@ def test_a_run_a_callback_stops_logs_its_last_steps_and_resumes_without_counting
     last = tmp_path / "stopped" / "checkpoints" / "step-000005"
     assert capsys.readouterr().err.splitlines()[-1] == (   # said, though it exits 0
         f"fw: stopped at step 5 of trainer.max_steps 9: a callback asked to (trainer.should_stop); checkpoint {last}; "
-        "--resume last continues")
+        f"fw fit --config {tmp_path / 'stopped' / 'config.yaml'} --resume last continues")
     stopped = read_metrics(tmp_path / "stopped" / "metrics.jsonl")
     assert [r["step"] for r in stopped] == [3, 5]   # steps 4 and 5 are logged, not lost
     assert (tmp_path / "stopped" / "checkpoints" / "step-000005").is_dir()

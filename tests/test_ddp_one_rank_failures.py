@@ -272,7 +272,8 @@ def run_stopped_on_one_rank(tmp_path: Path, cfg: dict, step: int) -> str:
         pytest.fail("the job did not end: a rank waits for the one that stopped")
     assert proc.returncode == 0, err[-3000:]
     latest = Path(cfg["run_dir"]) / "checkpoints" / f"step-{step:06d}"
-    saved = f"checkpoint {latest}; --resume last continues" if step else "no checkpoint"
+    resume = f"fw fit --config {Path(cfg['run_dir']) / 'config.yaml'} --resume last"
+    saved = f"checkpoint {latest}; {resume} continues" if step else "no checkpoint"
     line = (f"fw: stopped at step {step} of trainer.max_steps {cfg['trainer']['max_steps']}: a callback asked to "
             f"(trainer.should_stop); {saved}")
     assert reported(err) == [line], err[-3000:]   # no traceback, no error line

@@ -97,7 +97,7 @@ def test_sigterm_during_a_checkpoint_save_lets_it_finish_then_stops_after_the_ne
     lines = [line for line in out.splitlines() if line.startswith(("fw: SIGTERM", "fw: stopped"))]
     assert lines == ["fw: SIGTERM: finishing the current step and saving a checkpoint (send it again to exit now)",
                      f"fw: stopped by SIGTERM after step 3; checkpoint {ck.checkpoints_dir(run_dir) / 'step-000003'}; "
-                     + "continue with --resume last"]
+                     + f"continue with fw fit --config {run_dir / 'config.yaml'} --resume last"]
     assert out.splitlines()[-1] == lines[-1]
     _resumed_matches_a_straight_run(tmp_path, run_dir, end=5)
 
@@ -141,4 +141,4 @@ def test_sigusr1_stops_as_sigterm_does_without_lightnings_slurm_checkpoint(tmp_p
     assert "fw: SIGUSR1: finishing the current step and saving a checkpoint (send it again to exit now)" in out
     assert out.splitlines()[-1] == (f"fw: stopped by SIGUSR1 after step {reached}; checkpoint "
                                     f"{ck.checkpoints_dir(run_dir) / ck.step_dir_name(reached)}; continue with "
-                                    "--resume last")
+                                    f"fw fit --config {run_dir / 'config.yaml'} --resume last")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import inspect
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -121,7 +122,7 @@ def test_a_signal_finishes_the_step_saves_it_and_resume_continues(tmp_path, sign
     assert f"fw: {name}: finishing the current step and saving a checkpoint" in out
     assert out.splitlines()[-1] == (f"fw: stopped by {name} after step {reached}; checkpoint "
                                     f"{ck.checkpoints_dir(run_dir) / ck.step_dir_name(reached)}; continue with "
-                                    "--resume last")
+                                    f"fw fit --config {run_dir / 'config.yaml'} --resume last")
     assert "Traceback" not in out and not [n for n in NOISE if n in out], out
 
     # --resume last continues from it, to the weights of a run that was never stopped
@@ -131,6 +132,33 @@ def test_a_signal_finishes_the_step_saves_it_and_resume_continues(tmp_path, sign
     assert metric_steps(run_dir) == list(range(1, end + 1))
     assert newest(run_dir) == ck.step_dir_name(end)
     straight = Run(sft_argv(tmp_path / "straight", max_steps=end), tmp_path / "straight.log")
+    assert straight.wait() == 0, straight.output()
+    got, want = policy_weights(run_dir), policy_weights(tmp_path / "straight")
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_the_stop_lines_command_continues_with_the_overrides_the_run_started_with(tmp_path):
+    """The stop line's command resumes from the run's config.yaml, which keeps the overrides the run was started with
+    (a learning rate, a checkpoint every step kept for good, the last step): no setting changes, every checkpoint
+    stays, and the run ends on the weights of a straight run with the same overrides. The config file and
+    `--resume last` alone would set them back to the file's and prune all but its keep_last newest checkpoints."""
+    run_dir, progress = tmp_path / "run", tmp_path / "steps"
+    extra = ("--optimizer.lr=3e-4", "--checkpoint.every_n_steps=1", "--checkpoint.keep_last=null")
+    run = Run(sft_argv(run_dir, *extra, callbacks(("StepFile", {"path": str(progress)})), max_steps=6),
+              tmp_path / "fit.log")
+    wait_for(lambda: steps_done(progress) >= 2, "second step", run)
+    run.signal(signal.SIGTERM)
+    assert run.wait() == 143, run.output()
+    reached = metric_steps(run_dir)[-1]
+    assert reached < 6, "the run ended before the signal"
+    command = shlex.split(run.output().splitlines()[-1].partition("; continue with ")[2])
+    assert command == ["fw", "fit", "--config", str(run_dir / "config.yaml"), "--resume", "last"]
+    resumed = Run(command[1:], tmp_path / "resume.log")
+    assert resumed.wait() == 0, resumed.output()
+    assert "changed settings" not in resumed.output(), resumed.output()
+    assert [Path(p).name for p in ck.list_checkpoints(run_dir)] == [ck.step_dir_name(s) for s in range(1, 7)]
+    assert metric_steps(run_dir) == list(range(1, 7))
+    straight = Run(sft_argv(tmp_path / "straight", *extra, max_steps=6), tmp_path / "straight.log")
     assert straight.wait() == 0, straight.output()
     got, want = policy_weights(run_dir), policy_weights(tmp_path / "straight")
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
@@ -223,7 +251,7 @@ def test_a_keyboard_interrupt_in_a_callback_stops_the_run_in_one_line(tmp_path):
     assert out.splitlines()[-1] == (
         f"fw: interrupted at step 2: KeyboardInterrupt raised at {scripts.stalls.__file__}:{raised}; the newest "
         f"checkpoint is {ck.checkpoints_dir(run_dir) / ck.step_dir_name(2)}, and what came after it is not saved; "
-        "continue with --resume last")
+        f"continue with fw fit --config {run_dir / 'config.yaml'} --resume last")
     assert "Traceback" not in out and not [n for n in NOISE if n in out], out
     assert newest(run_dir) == ck.step_dir_name(2) and metric_steps(run_dir) == [1, 2]
 
@@ -249,7 +277,7 @@ def test_a_keyboard_interrupt_in_the_reward_stops_the_run_as_ctrl_c_does(tmp_pat
     assert out.splitlines()[-1] == (
         "fw: interrupted at step 1: KeyboardInterrupt in the reward call on sample 1; the newest checkpoint is "
         f"{ck.checkpoints_dir(run_dir) / ck.step_dir_name(1)}, and what came after it is not saved; continue with "
-        "--resume last")
+        f"fw fit --config {run_dir / 'config.yaml'} --resume last")
     assert "Traceback" not in out and "reward failed" not in out and not [n for n in NOISE if n in out], out
     assert newest(run_dir) == ck.step_dir_name(1) and metric_steps(run_dir) == [1]
     resumed = Run(["fit", "--config", str(run_dir / "config.yaml"), "--resume", "last",
@@ -264,7 +292,7 @@ def test_ctrl_c_while_the_reward_runs_finishes_the_step(tmp_path):
     assert run.wait() == 130, run.output()
     assert run.output().splitlines()[-1] == (
         f"fw: stopped by SIGINT after step 2; checkpoint {ck.checkpoints_dir(run_dir) / ck.step_dir_name(2)}; "
-        "continue with --resume last")
+        f"continue with fw fit --config {run_dir / 'config.yaml'} --resume last")
     assert newest(run_dir) == ck.step_dir_name(2) and metric_steps(run_dir) == [1, 2]
 
 
