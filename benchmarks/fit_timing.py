@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -152,16 +153,29 @@ def report(cfg: dict, plan_gib: float | None = None) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from framework.config import load_config
-    from framework.memory_plan import GIB, estimate
-    from framework.trainer import fit
+    from framework.errors import FwError
 
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                 epilog="Dotted overrides as fw fit takes them follow, e.g. --run_dir=/tmp/runs/t1 "
+                                        "--trainer.max_steps=10 (a run_dir holding another run's checkpoints is "
+                                        "refused, as fw fit refuses it).")
     ap.add_argument("--config", action="append", required=True)
     ap.add_argument("--rollout-timeline", action="store_true", help="time the rollout's steps (RL recipes)")
     ap.add_argument("--rollout-kernels", type=int, default=-1, metavar="BATCH",
                     help="with --rollout-timeline: profile the kernels of this batch's rollout (CUDA)")
     args, overrides = ap.parse_known_args(argv)
+    try:
+        run(args, overrides)
+    except FwError as e:   # a config or run_dir refused: one line, as fw says it
+        print(f"fit_timing: error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+def run(args: argparse.Namespace, overrides: list[str]) -> None:
+    from framework.config import load_config
+    from framework.memory_plan import GIB, estimate
+    from framework.trainer import fit
+
     cfg = load_config(args.config, overrides)
     cfg["callbacks"] = [*cfg["callbacks"], {"class_path": "examples.step_timer.StepTimer", "init_args": {}}]
     if args.rollout_timeline:
