@@ -11,6 +11,7 @@ devices, strategy and precision must be available here.
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import inspect
 import json
@@ -135,6 +136,20 @@ def _fw_directory(path: str, value: bool = False) -> str | None:
     return None
 
 
+
+def _write_probe(directory: str, make: Any, remove: Any) -> str | None:
+    """Whether an entry can be made in `directory`, by making one and removing it: `os.access` says yes for root
+    wherever the mode bits would refuse, also in /proc and /sys, which refuse every new entry. None, or why not."""
+    probe = os.path.join(directory, f".fw-validate-{os.getpid()}")
+    try:
+        make(probe)
+    except OSError as e:
+        return e.strerror or str(e)
+    with contextlib.suppress(OSError):
+        remove(probe)
+    return None
+
+
 class _Checks:
     def __init__(self, located: LocatedConfig):
         self.located = located
@@ -188,6 +203,11 @@ class _Checks:
                 self.add(("run_dir",), f"{path} is a file; run_dir must be a directory")
             elif not os.access(path, os.W_OK | os.X_OK):
                 self.add(("run_dir",), f"{path} is not writable")
+            else:
+                problem = _write_probe(path, lambda at: os.close(os.open(at, os.O_CREAT | os.O_EXCL | os.O_WRONLY)),
+                                       os.remove)
+                if problem:
+                    self.add(("run_dir",), f"{path} is not writable: {problem}")
             # what fit writes there, by kind: one of the other kind in its place fails the run midway
             for name, directory in (("checkpoints", True), ("logs", True), (LOCK_FILE, False),
                                     ("metrics.jsonl", False), ("config.yaml", False)):
@@ -203,6 +223,10 @@ class _Checks:
             self.add(("run_dir",), f"cannot create {path}: {parent} is a file")
         elif not os.access(parent, os.W_OK | os.X_OK):
             self.add(("run_dir",), f"cannot create {path}: {parent} is not writable")
+        else:
+            problem = _write_probe(parent, os.mkdir, os.rmdir)
+            if problem:
+                self.add(("run_dir",), f"cannot create {path}: {problem}")
 
     def model_dir(self, where: tuple, value: bool = False) -> Any:
         """The Qwen3Config of the model directory at `where`, or None after adding its problem."""

@@ -268,6 +268,25 @@ def test_run_dir_not_writable(tmp_path, capsys):
     assert (code, lines) == (2, [f"{config}:7:10: run_dir: cannot create {locked}/run: {locked} is not writable"])
 
 
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self") or os.geteuid() != 0,
+                    reason="needs Linux's /proc, and root, for whom the mode bits refuse nothing")
+@pytest.mark.parametrize("run_dir, said", [
+    ("/proc/fw-run", "cannot create /proc/fw-run: No such file or directory"),
+    ("/proc", "/proc is not writable: No such file or directory")])
+def test_run_dir_where_nothing_can_be_made(tmp_path, capsys, run_dir, said):
+    """/proc takes no new entry, whatever the mode bits say (and for root `os.access` says yes): refused by validate,
+    where fit would stop at the run lock, and nothing is left behind in a directory that takes entries."""
+    config = tmp_path / "train.yaml"
+    config.write_text(GRPO + f"run_dir: {run_dir}\n")
+    assert run_fw(["validate", "--config", str(config)], capsys) == (2, [f"{config}:7:10: run_dir: {said}"])
+    for writable in (tmp_path / "new" / "run", tmp_path):
+        config.write_text(GRPO + f"run_dir: {writable}\n")
+        before = sorted(p.name for p in tmp_path.iterdir())
+        assert run_fw(["validate", "--config", str(config)], capsys)[0] == 0
+        assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
 # ------------------------------------------------------------------ model directories
 
 @pytest.fixture(scope="module")
