@@ -13,6 +13,7 @@ import sys
 import sysconfig
 import traceback
 import types
+import typing
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -197,8 +198,136 @@ def import_class(class_path: str) -> type:
     return obj
 
 
+_SCALARS = (int, float, str, bool, type(None))
+
+
+def _unannotated(t: Any) -> Any:
+    """`t` without `typing.Annotated`'s metadata; `None` written as an annotation is NoneType."""
+    while typing.get_origin(t) is typing.Annotated:
+        t = typing.get_args(t)[0]
+    return type(None) if t is None else t
+
+
+def _checkable(t: Any) -> bool:
+    """Whether annotation `t` is one whose values YAML data can be checked against exactly: int, float, str, bool,
+    None, bare list / dict, `list[X]`, `dict[str, X]` and unions of these. Any, classes, protocols, callables,
+    tuples, literals, forward references are the constructor's to judge."""
+    t = _unannotated(t)
+    if t in _SCALARS or t in (list, dict):
+        return True
+    origin, args = typing.get_origin(t), typing.get_args(t)
+    if origin in (typing.Union, types.UnionType):
+        return all(_checkable(a) for a in args)
+    if origin is list:
+        return len(args) == 1 and _checkable(args[0])
+    if origin is dict:
+        return len(args) == 2 and _unannotated(args[0]) is str and _checkable(args[1])
+    return False
+
+
+def _type_text(t: Any) -> str:
+    """Annotation `t` as written in Python 3.10+: `int | None`, `list[str]`, `dict[str, float]`."""
+    t = _unannotated(t)
+    if t is type(None):
+        return "None"
+    origin, args = typing.get_origin(t), typing.get_args(t)
+    if origin in (typing.Union, types.UnionType):
+        return " | ".join(_type_text(a) for a in args)
+    if origin in (list, dict):
+        return f"{origin.__name__}[{', '.join(_type_text(a) for a in args)}]"
+    return t.__name__
+
+
+def _shape_fits(value: Any, t: Any) -> bool:
+    """Whether `value` is of `t`'s outer type (its items unchecked): bool is no int here, an int is a float."""
+    t = _unannotated(t)
+    origin = typing.get_origin(t)
+    if origin in (typing.Union, types.UnionType):
+        return any(_shape_fits(value, a) for a in typing.get_args(t))
+    if isinstance(value, bool):
+        return t is bool
+    if t is float:
+        return isinstance(value, (int, float))
+    return isinstance(value, origin or t)
+
+
+def _misfit(value: Any, t: Any, at: str) -> tuple[Any, str] | None:
+    """(the value that does not fit checkable annotation `t`, where it is inside the argument `at`: "" for the
+    argument itself, " at xs[1]" for an item), or None where `value` fits."""
+    t = _unannotated(t)
+    origin, args = typing.get_origin(t), typing.get_args(t)
+    if origin in (typing.Union, types.UnionType):
+        # the member whose outer type the value has says which item is wrong: `[1, 'a']` for `list[int] | None`
+        members = [a for a in args if _shape_fits(value, a)]
+        misfits = [_misfit(value, a, at) for a in members]
+        if any(m is None for m in misfits):
+            return None
+        return misfits[0] if misfits else (value, "")
+    if not _shape_fits(value, t):
+        return value, ""
+    if origin is list:
+        for i, item in enumerate(value):
+            if (m := _misfit(item, args[0], f"{at}[{i}]")) is not None:
+                return m[0], m[1] or f" at {at}[{i}]"
+    elif origin is dict:
+        for key, item in value.items():
+            if not isinstance(key, str):
+                return key, f" as a key of {at}"
+            if (m := _misfit(item, args[1], f"{at}[{key!r}]")) is not None:
+                return m[0], m[1] or f" at {at}[{key!r}]"
+    return None
+
+
+def _value_text(value: Any) -> str:
+    """`'three' (str)`: a value and its type, its repr cut short."""
+    text = repr(value)
+    text = text if len(text) <= 60 else text[:57] + "..."
+    return text if value is None else f"{text} ({type(value).__name__})"
+
+
+def _annotations(target: Any, sig: inspect.Signature) -> dict[str, Any]:
+    """The annotations of `sig`'s parameters, string ones (`from __future__ import annotations`) resolved by
+    `typing.get_type_hints` on the class's `__init__` or the function; a string that does not resolve is left out,
+    and so are all of them where resolving raises."""
+    out = {name: p.annotation for name, p in sig.parameters.items()
+           if p.annotation is not p.empty and not isinstance(p.annotation, str)}
+    if len(out) < sum(p.annotation is not p.empty for p in sig.parameters.values()):
+        function = target.__init__ if isinstance(target, type) else target
+        try:
+            hints = typing.get_type_hints(function) if inspect.isroutine(function) else {}
+        except Exception:  # noqa: BLE001 (it evaluates the user's annotations: NameError, TypeError, ...)
+            hints = {}
+        out.update({name: hints[name] for name, p in sig.parameters.items()
+                    if isinstance(p.annotation, str) and name in hints})
+    return out
+
+
+def _type_problem(target: Any, sig: inspect.Signature, init_args: dict) -> str | None:
+    """`step must be int, got 'three' (str)`: the first of `init_args` whose value its parameter's annotation
+    refuses, where the annotation is one `_checkable` exactly; None when all fit."""
+    if hasattr(target, "__pydantic_validator__") or hasattr(target, "__get_validators__"):
+        return None   # pydantic converts what it is given ('3' for an int): its own validation decides
+    annotations = None
+    for name, value in init_args.items():
+        p = sig.parameters.get(name)
+        if p is None or p.kind not in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) or p.annotation is p.empty:
+            continue
+        if annotations is None:
+            annotations = _annotations(target, sig)
+        t = annotations.get(name, p.empty)
+        if t is p.empty or not _checkable(t) or (m := _misfit(value, t, name)) is None:
+            continue
+        bad, where = m
+        from framework.yaml12 import bool_hint
+
+        hint = bool_hint(bad) if _unannotated(t) is bool or bool in typing.get_args(_unannotated(t)) else ""
+        return f"{name} must be {_type_text(t)}, got {_value_text(bad)}{where}{hint}"
+    return None
+
+
 def check_init_args(target: Any, init_args: dict, class_path: str) -> None:
-    """FwError if `target` cannot accept these keyword arguments (missing ones may come later as extras)."""
+    """FwError if `target` cannot accept these keyword arguments (missing ones may come later as extras), or one's
+    value is not of its parameter's annotation, where that is one fw checks exactly (`_checkable`)."""
     try:
         sig = inspect.signature(target)
     except (TypeError, ValueError):  # builtins without a signature: let the call decide
@@ -209,6 +338,9 @@ def check_init_args(target: Any, init_args: dict, class_path: str) -> None:
         names = [n for n, p in sig.parameters.items()
                  if not n.startswith("_") and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
         raise FwError(f"init_args do not fit {class_path}{sig}: {e} (accepted: {', '.join(names) or 'none'})") from e
+    problem = _type_problem(target, sig, init_args)
+    if problem is not None:
+        raise FwError(f"init_args do not fit {class_path}{sig}: {problem}")
 
 
 def instantiate(spec: dict, **extra: Any) -> Any:

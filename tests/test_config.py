@@ -1,5 +1,6 @@
 """Config loading: merging, overrides, defaults, resolve, saving, class_path imports."""
 
+import inspect
 import os
 import re
 import sys
@@ -492,6 +493,127 @@ def test_valid_class_paths_load(tmp_path, user_modules):
     cfg = load_config([path], [])
     assert cfg["callbacks"] == [{"class_path": "userpkg.good.Scale", "init_args": {"factor": 2}}]
     assert instantiate(cfg["callbacks"][0]).factor == 2
+
+
+STOP_AT = """\
+import lightning
+class StopAt(lightning.Callback):
+    def __init__(self, step: int = 5):
+        self.step = step
+    def on_train_batch_end(self, trainer, *a):
+        if trainer.global_step >= self.step: trainer.should_stop = True
+"""
+
+
+def test_an_init_arg_of_the_wrong_type_is_refused_through_the_cli(tmp_path, user_modules, capsys):
+    """`step: three` for `step: int` fails `fw validate` (exit 2, one line), not `fw fit` at its first step."""
+    from framework.cli import main
+
+    (tmp_path / "userpkg" / "callbacks.py").write_text(STOP_AT)
+    path = write(tmp_path, "c.yaml", MINIMAL + "data: {task: {name: digits}}\n")
+    override = "--callbacks=[{class_path: userpkg.callbacks.StopAt, init_args: {step: three}}]"
+    assert main(["validate", "--config", path, override]) == 2
+    assert capsys.readouterr().err == (
+        f"override '{override}': callbacks[0].init_args: init_args do not fit userpkg.callbacks.StopAt"
+        "(step: int = 5): step must be int, got 'three' (str)\n")
+    assert main(["validate", "--config", path, override.replace("three", "3")]) == 0
+
+
+TYPED = """\
+import typing
+from pathlib import Path
+
+
+class Typed:
+    def __init__(self, step: int = 5, lr: float = 0.1, name: str | None = None, limit: typing.Optional[int] = None,
+                 either: typing.Union[int, str] = 0, flag: bool = False, xs: list[int] | None = None,
+                 weights: dict[str, float] | None = None, loose=None, path: Path = Path("."),
+                 anything: typing.Any = None, fn: typing.Callable | None = None, **rest):
+        pass
+"""
+
+FUTURE = """\
+from __future__ import annotations
+
+
+class Future:
+    def __init__(self, step: int = 5, names: list[str] | None = None):
+        pass
+
+
+def make(k: float = 1.0):
+    return k
+"""
+
+BROKEN_FUTURE = """\
+from __future__ import annotations
+
+
+class Broken:
+    def __init__(self, step: int = 5, other: NoSuchName = None):
+        pass
+"""
+
+
+@pytest.fixture
+def typed_modules(user_modules, tmp_path):
+    (tmp_path / "userpkg" / "typed.py").write_text(TYPED)
+    (tmp_path / "userpkg" / "future.py").write_text(FUTURE)
+    (tmp_path / "userpkg" / "broken_future.py").write_text(BROKEN_FUTURE)
+    return user_modules
+
+
+@pytest.mark.parametrize("class_path, init_args, message", [
+    ("userpkg.typed.Typed", {"step": True}, "step must be int, got True (bool)"),
+    ("userpkg.typed.Typed", {"step": 2.5}, "step must be int, got 2.5 (float)"),
+    ("userpkg.typed.Typed", {"lr": "fast"}, "lr must be float, got 'fast' (str)"),
+    ("userpkg.typed.Typed", {"lr": False}, "lr must be float, got False (bool)"),
+    ("userpkg.typed.Typed", {"name": 3}, "name must be str | None, got 3 (int)"),
+    ("userpkg.typed.Typed", {"limit": "x"}, "limit must be int | None, got 'x' (str)"),
+    ("userpkg.typed.Typed", {"either": None}, "either must be int | str, got None"),
+    ("userpkg.typed.Typed", {"flag": "yes"},
+     "flag must be bool, got 'yes' (str) (YAML 1.2 reads on/off/yes/no as strings: write true or false)"),
+    ("userpkg.typed.Typed", {"xs": [1, "a"]}, "xs must be list[int] | None, got 'a' (str) at xs[1]"),
+    ("userpkg.typed.Typed", {"xs": 1}, "xs must be list[int] | None, got 1 (int)"),
+    ("userpkg.typed.Typed", {"weights": {"a": "b"}},
+     "weights must be dict[str, float] | None, got 'b' (str) at weights['a']"),
+    ("userpkg.typed.Typed", {"weights": {1: 1.0}},
+     "weights must be dict[str, float] | None, got 1 (int) as a key of weights"),
+    ("userpkg.future.Future", {"step": "three"}, "step must be int, got 'three' (str)"),
+    ("userpkg.future.Future", {"names": ["a", 2]}, "names must be list[str] | None, got 2 (int) at names[1]"),
+    ("userpkg.future.make", {"k": "x"}, "k must be float, got 'x' (str)"),
+])
+def test_init_args_of_the_wrong_type_are_refused(typed_modules, class_path, init_args, message):
+    with pytest.raises(FwError) as e:
+        instantiate({"class_path": class_path, "init_args": init_args})
+    assert str(e.value).startswith(f"init_args do not fit {class_path}(")
+    assert str(e.value).endswith(f": {message}")
+
+
+@pytest.mark.parametrize("class_path, init_args", [
+    ("userpkg.typed.Typed", {"step": 3, "lr": 1, "flag": True}),   # an int is a float
+    ("userpkg.typed.Typed", {"lr": 0.5, "name": None, "limit": None, "xs": None, "weights": None}),
+    ("userpkg.typed.Typed", {"name": "a", "limit": 2, "either": "s", "xs": [1, 2], "weights": {"a": 1, "b": 0.5}}),
+    ("userpkg.typed.Typed", {"either": 4, "xs": []}),
+    # not checked: no annotation, a class, Any, Callable, a keyword of **rest
+    ("userpkg.typed.Typed", {"loose": "x", "path": "some/dir", "anything": [1], "fn": "not callable", "other": 1}),
+    ("userpkg.future.Future", {"step": 3, "names": ["a"]}),
+    ("userpkg.future.make", {"k": 2}),
+    ("userpkg.broken_future.Broken", {"step": "three"}),   # a name that does not resolve: nothing checked
+])
+def test_init_args_of_the_annotated_types_or_unchecked_ones_are_accepted(typed_modules, class_path, init_args):
+    instantiate({"class_path": class_path, "init_args": init_args})
+
+
+def test_an_init_arg_of_the_wrong_type_is_reported_at_its_line(tmp_path, typed_modules):
+    path = write(tmp_path, "c.yaml", MINIMAL + "callbacks:\n  - class_path: userpkg.typed.Typed\n"
+                                               "    init_args: {xs: [1, 2], step: true}\n")
+    with pytest.raises(ConfigError) as e:
+        load_config([path], [])
+    signature = inspect.signature(import_object("userpkg.typed.Typed"))
+    expected = (f"{path}:7:16: callbacks[0].init_args: init_args do not fit userpkg.typed.Typed{signature}: "
+                "step must be int, got True (bool)")
+    assert problems(e) == [expected]
 
 
 @pytest.mark.parametrize("value, hint", [
