@@ -103,6 +103,28 @@ def _locate(marks: dict, path: tuple, key: bool, fallback: Mark) -> Mark:
     return fallback
 
 
+def _names(message: str, key: Any) -> bool:
+    """Whether `message` names `key` as a word of its own, not as part of another name, a dotted path or a file's."""
+    return re.search(rf"(?<![\w./-]){re.escape(str(key))}(?![\w/-]|\.\w)", message) is not None
+
+
+def _init_args_mark(marks: dict, path: tuple, init_args: Any, message: str, keys: Collection | None,
+                    fallback: Mark) -> Mark:
+    """Where a problem with the init_args at `path` shows. Those a command-line override set whole: at it. Else at
+    the override that set one of the keys the problem is about (`keys`, else the keys its message names), or, when
+    it names none of them, at the override that set any (the value the user changed last); a problem with keys of the
+    file's shows at the file's init_args, as one with no override does."""
+    mapping = _locate(marks, path, False, fallback)
+    if is_override(mapping) or not isinstance(init_args, dict):
+        return mapping
+    overridden = [k for k in init_args if path + (k,) in marks and is_override(marks[path + (k,)].value)]
+    if not overridden:
+        return mapping
+    about = [k for k in init_args if k in keys] if keys is not None else [k for k in init_args if _names(message, k)]
+    blamed = [k for k in overridden if k in about] if about else overridden
+    return marks[path + (blamed[0],)].value if blamed else mapping
+
+
 def _suggest(word: Any, choices: list) -> str:
     same_but_case = [c for c in choices if str(c).lower() == str(word).lower()]
     close = same_but_case or difflib.get_close_matches(str(word), [str(c) for c in choices], n=1, cutoff=0.6)
@@ -303,7 +325,8 @@ def _check_class_paths(data: Any, marks: dict, fallback: Mark, path: tuple = (),
                 where = path + ("init_args",)
                 check_init_args(target, init_args, class_path)
         except FwError as e:
-            m = _locate(marks, where, False, fallback)
+            m = _init_args_mark(marks, where, data.get("init_args"), str(e), getattr(e, "keys", None), fallback) \
+                if where[-1] == "init_args" else _locate(marks, where, False, fallback)
             problems.append(Problem(m.file, m.line, m.col, _dotted(where), str(e)))
     for key, value in data.items():
         if path == () and sections is not None and key not in sections:
@@ -315,9 +338,12 @@ def _check_class_paths(data: Any, marks: dict, fallback: Mark, path: tuple = (),
 
 def _get(data: Any, path: tuple) -> Any:
     for p in path:
-        if not isinstance(data, dict):
+        if isinstance(data, list) and isinstance(p, int) and 0 <= p < len(data):
+            data = data[p]
+        elif not isinstance(data, dict):
             return None
-        data = data.get(p)
+        else:
+            data = data.get(p)
     return data
 
 
@@ -696,9 +722,13 @@ class LocatedConfig:
     fallback: Mark
     order: dict
 
-    def problem(self, path: tuple, message: str, key: bool = False) -> Problem:
-        """A problem with `path`, shown where it (or its nearest written parent) was written."""
-        m = _locate(self.marks, path, key, self.fallback)
+    def problem(self, path: tuple, message: str, key: bool = False, keys: Collection | None = None) -> Problem:
+        """A problem with `path`, shown where it (or its nearest written parent) was written; one with a class's
+        init_args (about their `keys`, when known) at the override that set the key it is about, if one did."""
+        if path and path[-1] == "init_args" and not key:
+            m = _init_args_mark(self.marks, path, _get(self.cfg, path), message, keys, self.fallback)
+        else:
+            m = _locate(self.marks, path, key, self.fallback)
         return Problem(m.file, m.line, m.col, _dotted(path), message)
 
     def error(self, problems: list[Problem]) -> ConfigError:

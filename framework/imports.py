@@ -14,7 +14,7 @@ import sysconfig
 import traceback
 import types
 import typing
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from framework.errors import FwError, what_raised
@@ -198,6 +198,23 @@ def import_class(class_path: str) -> type:
     return obj
 
 
+class InitArgsError(FwError):
+    """init_args that a class does not take; `keys`: the ones it refuses, for the config to show the problem where
+    they were set (a command-line override of one key, not the file's whole init_args)."""
+
+    def __init__(self, message: str, keys: Iterable[Any]):
+        super().__init__(message)
+        self.keys = tuple(keys)
+
+
+def _refuses(sig: inspect.Signature, key: Any, value: Any) -> bool:
+    try:
+        sig.bind_partial(**{key: value})
+    except TypeError:
+        return True
+    return False
+
+
 _SCALARS = (int, float, str, bool, type(None))
 
 
@@ -302,9 +319,9 @@ def _annotations(target: Any, sig: inspect.Signature) -> dict[str, Any]:
     return out
 
 
-def _type_problem(target: Any, sig: inspect.Signature, init_args: dict) -> str | None:
-    """`step must be int, got 'three' (str)`: the first of `init_args` whose value its parameter's annotation
-    refuses, where the annotation is one `_checkable` exactly; None when all fit."""
+def _type_problem(target: Any, sig: inspect.Signature, init_args: dict) -> tuple[str, str] | None:
+    """(`step`, `step must be int, got 'three' (str)`): the first of `init_args` whose value its parameter's
+    annotation refuses, where the annotation is one `_checkable` exactly; None when all fit."""
     if hasattr(target, "__pydantic_validator__") or hasattr(target, "__get_validators__"):
         return None   # pydantic converts what it is given ('3' for an int): its own validation decides
     annotations = None
@@ -321,13 +338,13 @@ def _type_problem(target: Any, sig: inspect.Signature, init_args: dict) -> str |
         from framework.yaml12 import bool_hint
 
         hint = bool_hint(bad) if _unannotated(t) is bool or bool in typing.get_args(_unannotated(t)) else ""
-        return f"{name} must be {_type_text(t)}, got {_value_text(bad)}{where}{hint}"
+        return name, f"{name} must be {_type_text(t)}, got {_value_text(bad)}{where}{hint}"
     return None
 
 
 def check_init_args(target: Any, init_args: dict, class_path: str) -> None:
-    """FwError if `target` cannot accept these keyword arguments (missing ones may come later as extras), or one's
-    value is not of its parameter's annotation, where that is one fw checks exactly (`_checkable`)."""
+    """InitArgsError if `target` cannot accept these keyword arguments (missing ones may come later as extras), or
+    one's value is not of its parameter's annotation, where that is one fw checks exactly (`_checkable`)."""
     try:
         sig = inspect.signature(target)
     except (TypeError, ValueError):  # builtins without a signature: let the call decide
@@ -337,10 +354,12 @@ def check_init_args(target: Any, init_args: dict, class_path: str) -> None:
     except TypeError as e:
         names = [n for n, p in sig.parameters.items()
                  if not n.startswith("_") and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
-        raise FwError(f"init_args do not fit {class_path}{sig}: {e} (accepted: {', '.join(names) or 'none'})") from e
+        refused = [k for k, v in init_args.items() if _refuses(sig, k, v)]
+        raise InitArgsError(f"init_args do not fit {class_path}{sig}: {e} (accepted: {', '.join(names) or 'none'})",
+                            refused) from e
     problem = _type_problem(target, sig, init_args)
     if problem is not None:
-        raise FwError(f"init_args do not fit {class_path}{sig}: {problem}")
+        raise InitArgsError(f"init_args do not fit {class_path}{sig}: {problem[1]}", [problem[0]])
 
 
 def instantiate(spec: dict, **extra: Any) -> Any:

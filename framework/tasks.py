@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from framework.errors import FwError
+from framework.imports import InitArgsError
 from framework.jsonl import json_type_name, read_jsonl
 from framework.tokenizer import messages_problem
 from framework.yaml12 import bool_hint
@@ -383,8 +384,8 @@ def build_task(data_cfg: dict, seed: int, path_key: str = "data.path") -> Task:
     init_args.setdefault("seed", seed)
     unknown = set(init_args) - set(inspect.signature(cls).parameters)
     if unknown:
-        raise FwError(f"data.task.init_args: {name!r} has no parameter(s) {', '.join(sorted(map(str, unknown)))}; "
-                      f"it takes {', '.join(inspect.signature(cls).parameters)}")
+        names, takes = ", ".join(sorted(map(str, unknown))), ", ".join(inspect.signature(cls).parameters)
+        raise InitArgsError(f"data.task.init_args: {name!r} has no parameter(s) {names}; it takes {takes}", unknown)
     return cls(**init_args)
 
 

@@ -12,6 +12,7 @@ devices, strategy and precision must be available here.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import difflib
 import inspect
 import json
@@ -19,13 +20,15 @@ import os
 import re
 import sys
 import warnings
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
 from framework.config import LocatedConfig, all_key_paths, is_override, load_located, world_size
 from framework.console import first_process
 from framework.errors import FwError, Problem, what_raised
-from framework.imports import user_line
+from framework.imports import InitArgsError, user_line
+from framework.yaml12 import Mark
 
 BUILTIN_RECIPES = ("sft", "grpo", "ppo")
 RL_RECIPES = {"grpo": "group_size", "ppo": "samples_per_prompt"}  # section -> its samples-per-prompt key
@@ -160,8 +163,17 @@ class _Checks:
         self.task_failed = False
 
     # ------------------------------------------------------------------ helpers
-    def add(self, path: tuple, message: str, key: bool = False) -> None:
-        self.problems.append(self.located.problem(path, message, key))
+    def add(self, path: tuple, message: str, key: bool = False, keys: Collection | None = None,
+            init_args: tuple | None = None) -> None:
+        """A problem at `path`; one with a class's init_args (about their `keys`, where known) at the override that
+        set the key it is about, if one did (config.py's LocatedConfig.problem), and so one raised by a constructor
+        called with the `init_args` at that path, though shown at its class_path."""
+        problem = self.located.problem(path, message, key, keys)
+        if init_args is not None and path != init_args:
+            set_at = self.located.problem(init_args, message, keys=keys)
+            if is_override(Mark(set_at.file, set_at.line, set_at.col)):
+                problem = dataclasses.replace(problem, file=set_at.file, line=set_at.line, col=set_at.col)
+        self.problems.append(problem)
 
     def _overridden(self, paths: list[tuple]) -> tuple:
         """Of the keys one check relates, the first that a command-line override set (the value the user changed
@@ -173,9 +185,10 @@ class _Checks:
                 return path
         return next((path for path in paths if path in self.located.marks), paths[0])
 
-    def add_error(self, e: BaseException, default: tuple, what: str = "") -> None:
+    def add_error(self, e: BaseException, default: tuple, what: str = "", init_args: tuple | None = None) -> None:
         """An error from a builder: at the key its message starts with (`data.task.init_args: ...`), else
-        at `default`; an exception that is not an FwError is shown as what raised it. A KeyboardInterrupt (Ctrl+C
+        at `default` (`init_args`: the key of the init_args the builder was called with, see `add`); an exception
+        that is not an FwError is shown as what raised it. A KeyboardInterrupt (Ctrl+C
         while user code ran, or its own) is no problem of the config: it ends the checks as Ctrl+C ends fw, with exit
         code 130 and one line that names the call and the user's line it stopped at."""
         if isinstance(e, KeyboardInterrupt):
@@ -183,15 +196,16 @@ class _Checks:
 
             raise Interrupted(f"{what or '.'.join(map(str, default))}{user_line(e)}") from e
         if not isinstance(e, FwError):
-            self.add(default, f"{what} {what_raised(e)}{user_line(e)}".strip())
+            self.add(default, f"{what} {what_raised(e)}{user_line(e)}".strip(), init_args=init_args)
             return
         text = str(e)
+        keys = e.keys if isinstance(e, InitArgsError) else None   # the init_args keys it is about, where known
         for dotted in _keys():
             if text.startswith((dotted + ":", dotted + " ")):
                 rest = text[len(dotted):].lstrip(":").strip()
-                self.add(tuple(dotted.split(".")), rest)
+                self.add(tuple(dotted.split(".")), rest, keys=keys)
                 return
-        self.add(default, text)
+        self.add(default, text, keys=keys, init_args=init_args)
 
     # ------------------------------------------------------------------ paths
     def run_dir(self) -> None:
@@ -513,7 +527,8 @@ class _Checks:
             except USER_CODE_RAISES as e:   # user code: add_error says it
                 r = self.cfg["reward"]
                 self.add_error(e, ("reward", "class_path") if r["class_path"] else
-                               ("reward", "init_args") if r["init_args"] else ("reward",), "building the reward")
+                               ("reward", "init_args") if r["init_args"] else ("reward",), "building the reward",
+                               init_args=("reward", "init_args"))
             else:
                 problem = reward_call_problem(reward, self.cfg["reward"]["class_path"])
                 if problem:
@@ -539,7 +554,8 @@ class _Checks:
             try:
                 built.append((i, spec["class_path"], instantiate_once(spec, f"callbacks[{i}]")))   # fit's run uses it
             except USER_CODE_RAISES as e:   # user code: add_error says it
-                self.add_error(e, ("callbacks", i, "class_path"), "building the callback")
+                self.add_error(e, ("callbacks", i, "class_path"), "building the callback",
+                               init_args=("callbacks", i, "init_args"))
         for i, problem in callback_problems(built, self.cfg["trainer"]["enable_progress_bar"]):
             self.add(("callbacks", i, "class_path"), problem)
 

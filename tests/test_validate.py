@@ -830,6 +830,74 @@ def test_name_and_class_path_together_show_at_the_one_an_override_added(tmp_path
     assert run_fw(["validate", "--config", str(config)], capsys) == (2, [f"{config}:4:3: data.task: {message}"])
 
 
+DIGITS_CONFIG = ("recipe: grpo\nmodel: {policy: {preset: tiny}}\ndata:\n  task:\n    name: digits\n"
+                 "    init_args: {num_digits: 1, rule: next}\n  chat_template: false\n")
+
+
+def test_a_bad_init_args_value_an_override_set_shows_at_the_override(tmp_path, capsys):
+    """A value the task's own check refuses, set by --data.task.init_args.KEY: the override's line, not the line of
+    the file's init_args, whose values are right."""
+    config = tmp_path / "c.yaml"
+    config.write_text(DIGITS_CONFIG)
+    assert run_fw(["validate", "--config", str(config), "--data.task.init_args.rule=prev"], capsys) == (2, [
+        ("override '--data.task.init_args.rule=prev': data.task.init_args: digits task: rule must be one of copy, "
+         "last, next, sum, max, got 'prev'")])
+    assert run_fw(["validate", "--config", str(config), "--data.task.init_args.num_digits=two"], capsys) == (2, [
+        ("override '--data.task.init_args.num_digits=two': data.task.init_args: digits task: num_digits must be an "
+         "int >= 1, got 'two'")])
+
+
+def test_an_unknown_init_args_key_an_override_set_shows_at_the_override(tmp_path, capsys):
+    """A key the class does not take, added by an override to the file's init_args: of a built-in task (its build
+    refuses it) and of a class_path task (the config's own check of the signature)."""
+    config = tmp_path / "c.yaml"
+    config.write_text(DIGITS_CONFIG)
+    assert run_fw(["validate", "--config", str(config), "--data.task.init_args.foo=1"], capsys) == (2, [
+        ("override '--data.task.init_args.foo=1': data.task.init_args: 'digits' has no parameter(s) foo; it takes "
+         "num_digits, rule, template, seed")])
+    (tmp_path / "argtask.py").write_text(
+        "class T:\n    def __init__(self, a=1, seed=0):\n        pass\n\n"
+        "    def sample(self, i):\n        return {'prompt': 'x', 'answer': '1', 'metadata': {}}\n")
+    config.write_text("recipe: grpo\nmodel: {policy: {preset: tiny}}\ndata:\n  task:\n    class_path: argtask.T\n"
+                      "    init_args: {a: 2}\n  chat_template: false\n")
+    assert run_fw(["validate", "--config", str(config), "--data.task.init_args.b=3"], capsys) == (2, [
+        ("override '--data.task.init_args.b=3': data.task.init_args: init_args do not fit argtask.T(a=1, seed=0): "
+         "got an unexpected keyword argument 'b' (accepted: a, seed)")])
+
+
+def test_a_reward_init_args_key_an_override_set_shows_at_the_override(tmp_path, capsys):
+    """reward.init_args written in the file, one key set from the command line: a built-in reward refusing it, and a
+    class_path reward whose constructor refuses its value (a problem shown at reward.class_path, the override's)."""
+    config = tmp_path / "c.yaml"
+    config.write_text("recipe: grpo\nmodel: {policy: {preset: tiny}}\ndata: {task: {name: digits}}\n"
+                      "reward:\n  name: numeric_match\n  init_args: {rel_tol: 0.1}\n")
+    assert run_fw(["validate", "--config", str(config), "--reward.init_args.x=1"], capsys) == (2, [
+        ("override '--reward.init_args.x=1': reward.init_args: for 'numeric_match': NumericMatch.__init__() got an "
+         "unexpected keyword argument 'x'")])
+    (tmp_path / "kreward.py").write_text(
+        "class R:\n    def __init__(self, k=1):\n        if k == 0:\n"
+        "            raise ValueError('k must not be 0')\n\n"
+        "    def __call__(self, prompt, completion, metadata):\n        return 0.0\n")
+    config.write_text("recipe: grpo\nmodel: {policy: {preset: tiny}}\ndata: {task: {name: digits}}\n"
+                      "reward:\n  class_path: kreward.R\n  init_args: {k: 1}\n")
+    assert run_fw(["validate", "--config", str(config), "--reward.init_args.k=0"], capsys) == (2, [
+        ("override '--reward.init_args.k=0': reward.class_path: kreward.R(**init_args) raised ValueError: k must not "
+         f"be 0 (at {tmp_path / 'kreward.py'}:4)")])
+
+
+def test_a_bad_init_args_value_from_the_file_shows_at_the_file_under_an_override(tmp_path, capsys):
+    """The file's init_args hold the bad value and an override sets another key of them rightly: the file's line.
+    The override's value refused first (the task checks num_digits before rule): the override's."""
+    config = tmp_path / "c.yaml"
+    config.write_text(DIGITS_CONFIG.replace("rule: next", "rule: prev"))
+    assert run_fw(["validate", "--config", str(config), "--data.task.init_args.num_digits=2"], capsys) == (2, [
+        (f"{config}:6:16: data.task.init_args: digits task: rule must be one of copy, last, next, sum, max, "
+         "got 'prev'")])
+    assert run_fw(["validate", "--config", str(config), "--data.task.init_args.num_digits=0"], capsys) == (2, [
+        ("override '--data.task.init_args.num_digits=0': data.task.init_args: digits task: num_digits must be an "
+         "int >= 1, got 0")])
+
+
 def test_model_paths_the_recipe_will_not_read_are_said_once_each(tmp_path, capsys):
     """A critic's path under GRPO and a reference's under kl_coef 0 look in use and are not: one warning line each
     (exit 0, nothing read); a PPO config reads both and says nothing of them."""
