@@ -135,6 +135,41 @@ def test_a_resume_past_max_steps_is_refused_and_one_at_it_says_so(tmp_path, data
             "continue") in capsys.readouterr().err.splitlines()
 
 
+def test_a_resume_whose_smaller_keep_last_deletes_kept_checkpoints_says_which_first(tmp_path, data, capsys):
+    """A run kept every checkpoint (keep_last null, one a step); a resume that leaves that override out (keep_last 2)
+    deletes the oldest three at its first save: a warning names them, and the command that keeps them, as the resume
+    starts. A smaller keep_last that deletes nothing the run's own value keeps is not warned about."""
+    run = tmp_path / "run"
+    cfg = config(run, data, 1)
+    every = cfg["checkpoint"] | {"every_n_steps": 1}
+    fit(cfg | {"trainer": cfg["trainer"] | {"max_steps": 4}, "checkpoint": every})
+    capsys.readouterr()
+    fit(cfg | {"trainer": cfg["trainer"] | {"max_steps": 5}, "checkpoint": every | {"keep_last": 2}}, resume="last")
+    warned = [line for line in capsys.readouterr().err.splitlines() if line.startswith("fw: warning")]
+    assert warned == [(f"fw: warning: checkpoint.keep_last null -> 2: the first save of this resume deletes "
+                      f"step-000001, step-000002, step-000003, which the run's setting keeps (Ctrl+C twice ends the "
+                      f"resume before that save); fw fit --config {run / 'config.yaml'} --resume last resumes with the "
+                      f"settings the run ran with")]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-000004", "step-000005"]
+
+    other = tmp_path / "other"
+
+    def at(max_steps: int, keep_last: int) -> dict:
+        return cfg | {"run_dir": str(other), "trainer": cfg["trainer"] | {"max_steps": max_steps},
+                      "checkpoint": every | {"keep_last": keep_last}}
+
+    fit(at(2, 4))
+    capsys.readouterr()
+    fit(at(3, 3), resume="last")   # 4 -> 3 over 2 checkpoints: the first save leaves 3, deleting none
+    assert "warning" not in capsys.readouterr().err
+    # 3 -> 2 over 3: the run's own value deletes step 1 at the next save, the new one step 2 as well
+    fit(at(4, 2), resume="last")
+    assert [line for line in capsys.readouterr().err.splitlines() if line.startswith("fw: warning")] == [
+        (f"fw: warning: checkpoint.keep_last 3 -> 2: the first save of this resume deletes step-000002, which the "
+        f"run's setting keeps (Ctrl+C twice ends the resume before that save); fw fit --config "
+        f"{other / 'config.yaml'} --resume last resumes with the settings the run ran with")]
+
+
 @pytest.mark.parametrize("damage", ["corrupt", "truncated"])
 def test_fw_fit_skip_damaged_resumes_past_a_damaged_newest_checkpoint(tmp_path, data, damage, capsys):
     """`fw fit --resume last` on a run whose newest checkpoint (step 8) has a flipped bit (sizes intact) or a cut

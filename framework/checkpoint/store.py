@@ -11,7 +11,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from framework.checkpoint.directory import (
     MANIFEST,
@@ -382,10 +382,34 @@ def resolve_resume(resume: str | None, cfg: dict, skip_damaged: bool = False) ->
     if os.environ.get("LOCAL_RANK", "0") == "0" and os.environ.get("NODE_RANK", "0") == "0":
         changed = ", ".join(f"{k} {shown(a)} -> {shown(b)}" for k, a, b in changes)
         print(f"fw: resuming {latest}" + (f" with changed settings: {changed}" if changes else ""), file=sys.stderr)
+        pruned = _pruned_by_a_change(run_dir, changes)
+        if pruned:
+            print(pruned, file=sys.stderr)
         if step == max_steps:
             print(f"fw: {Path(latest).name} is at trainer.max_steps ({max_steps}) already: nothing to train; "
                   "raise --trainer.max_steps to continue", file=sys.stderr)
     return latest
+
+
+def _pruned_by_a_change(run_dir: str, changes: list[tuple[str, Any, Any]]) -> str | None:
+    """The warning for a resume whose checkpoint.keep_last is smaller than the run's (or set where the run's is null)
+    and whose first save therefore deletes checkpoints that the run's own setting keeps: most often an override the
+    run was started with that this command leaves out. None where it deletes none of them."""
+    from framework.yaml12 import inline as shown
+
+    change = next(((a, b) for k, a, b in changes if k == "checkpoint.keep_last"), None)
+    if change is None or change[1] is None:
+        return None
+    before, after = change
+    held = list_checkpoints(run_dir)
+    lost = held[:max(0, len(held) + 1 - after)]                                  # with the first save's own
+    lost = lost[max(0, len(held) + 1 - before) if before is not None else 0:]    # what the run's value deletes too
+    if not lost:
+        return None
+    names = ", ".join(Path(p).name for p in lost)
+    return (f"fw: warning: checkpoint.keep_last {shown(before)} -> {after}: the first save of this resume deletes "
+            f"{names}, which the run's setting keeps (Ctrl+C twice ends the resume before that save); fw fit --config "
+            f"{Path(run_dir) / 'config.yaml'} --resume last resumes with the settings the run ran with")
 
 
 @contextlib.contextmanager
