@@ -20,7 +20,7 @@ import os
 import re
 import sys
 import warnings
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
@@ -139,8 +139,7 @@ def _fw_directory(path: str, value: bool = False) -> str | None:
     return None
 
 
-
-def _write_probe(directory: str, make: Any, remove: Any) -> str | None:
+def _write_probe(directory: str, make: Callable[[str], object], remove: Callable[[str], object]) -> str | None:
     """Whether an entry can be made in `directory`, by making one and removing it: `os.access` says yes for root
     wherever the mode bits would refuse, also in /proc and /sys, which refuse every new entry. None, or why not."""
     probe = os.path.join(directory, f".fw-validate-{os.getpid()}")
