@@ -158,11 +158,14 @@ def _attend_groups(q: Tensor, k_pool: Tensor, v_pool: Tensor, tables: Tensor, le
     k, v = k.view(B * nT, _TILE, D), v.view(B * nT, _TILE, D)
     qt = qg.view(B, 1, rows, D).expand(B, nT, rows, D).reshape(B * nT, rows, D)
     if scratch[0].numel() < B * nT * rows * _TILE:
-        scratch[0] = torch.empty(B * nT * rows * _TILE)   # reused: a fresh buffer a chunk costs its page faults
+        # reused: a fresh buffer a chunk costs its page faults
+        scratch[0] = torch.empty(B * nT * rows * _TILE, dtype=torch.float32)
     s = scratch[0][:B * nT * rows * _TILE].view(B * nT, rows, _TILE)
     torch.bmm(qt, k.transpose(1, 2), out=s).mul_(scale)                              # [B * nT, rows, _TILE]
     # the mask: -inf at the positions a query row does not see, read as rows of a tail of zeros then -infs
-    tail = torch.cat([torch.zeros(_TILE), torch.full((_TILE,), float("-inf"))]).unfold(0, _TILE, 1)
+    tail = torch.full((2 * _TILE,), float("-inf"), dtype=torch.float32)
+    tail[:_TILE] = 0.0
+    tail = tail.unfold(0, _TILE, 1)
     seen = (limit[:, None, :] - torch.arange(0, T, _TILE)[None, :, None]).clamp_(0, _TILE)   # [R, nT, rows]
     s.view(-1, R * nT * rows, _TILE).add_(tail.index_select(0, (_TILE - seen).flatten()))
     s4 = s.view(B, nT, rows, _TILE)

@@ -349,6 +349,22 @@ def test_cpu_prefill_queries_are_bitwise_their_decode_steps(Hq, Hk, D, bs, monke
     torch.testing.assert_close(whole[n - 40:].double(), want, atol=1e-5, rtol=0)
 
 
+def test_cpu_attention_ignores_the_default_dtype():
+    """Under a bf16 default dtype (Lightning's bf16-true sets it while a module runs), float32 queries and pools give
+    bitwise what they give under the float32 default: every buffer the CPU attention makes has its own dtype."""
+    k_pool, v_pool, tables = paged_problem([70, 5], Hq=4, Hk=2, D=16, bs=16, seed=4)
+    q = torch.randn(2, 4, 16, generator=torch.Generator().manual_seed(9))
+    lengths = torch.tensor([70, 5])
+    want = ops_cuda.paged_decode_attention(q, k_pool, v_pool, tables, lengths, 0.25)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        got = ops_cuda.paged_decode_attention(q, k_pool, v_pool, tables, lengths, 0.25)
+    finally:
+        torch.set_default_dtype(default)
+    assert got.dtype == torch.float32 and torch.equal(got, want)
+
+
 def test_cpu_rows_read_nothing_past_their_length():
     """CPU: a row's decode and prefill outputs are bitwise the same whatever the positions past its length hold (what
     an earlier row of its blocks wrote, NaN or inf where that row diverged; the scratch block its table's later
