@@ -242,14 +242,16 @@ def empty_reply(record: dict, cfg: dict, text: str, spans: list[tuple[int, int]]
     `spans`), as its key and the record's own value, e.g. `completion is " "`; None when every reply holds text. Such
     a reply trains on its end token (`<|im_end|>`, or eos without a chat template) and whitespace alone, an empty
     think block aside."""
-    chat = cfg["data"]["chat_template"]
-    if record_format(record, cfg["data"]["format"], chat, where) == "prompt_completion":
+    fmt = record_format(record, cfg["data"]["format"], cfg["data"]["chat_template"], where)
+    if fmt == "prompt_completion":
         replies = [("completion", record["completion"])]   # its one span
     else:   # a span per assistant turn
         replies = [(f"messages[{i}].content", m["content"]) for i, m in enumerate(record["messages"])
                    if m["role"] == "assistant"]
+    # a messages row renders through the chat template whatever data.chat_template says (render_record)
+    templated = cfg["data"]["chat_template"] or fmt == "messages"
     for (key, value), (a, b) in zip(replies, spans, strict=False):
-        reply = text[a:b].removesuffix(TURN_END).removeprefix(EMPTY_THINK) if chat else text[a:b]
+        reply = text[a:b].removesuffix(TURN_END).removeprefix(EMPTY_THINK) if templated else text[a:b]
         if not reply.strip():
             return f"{key} is {json.dumps(value, ensure_ascii=False)}"
     return None

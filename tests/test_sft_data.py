@@ -142,6 +142,22 @@ def test_examples_with_an_empty_reply_are_counted_when_loaded(tmp_path, tok, cap
              f'messages[3].content is ""), {EMPTY_REPLY}')]
 
 
+def test_a_messages_rows_empty_reply_is_counted_without_the_chat_template_too(tmp_path, tok, capsys):
+    """data.chat_template: false renders prompt/completion rows as plain text, but a messages row through the
+    template all the same: its empty reply trains on `<|im_end|>` alone, and is counted with the plain row's."""
+    q = {"role": "user", "content": "1+1="}
+    records = [{"prompt": "1+1=", "completion": "2"}, {"messages": [q, {"role": "assistant", "content": ""}]},
+               {"prompt": "2+2=", "completion": ""}]
+    path = write_jsonl(tmp_path / "d.jsonl", records)
+    cfg = cfg_for(path, chat_template=False)
+    ExampleStream(cfg, tok, train_on_prompt=False)
+    assert capsys.readouterr().err.splitlines() == [
+        (f'fw: data.path: 2 of 3 examples have an empty or blank reply (the first: {path}:2: messages[1].content is '
+         f'""), {EMPTY_REPLY}')]
+    example = encode_record(records[1], "auto", tok, cfg, "d.jsonl:2", train_on_prompt=False)
+    assert trained_text(tok, example) == "<|im_end|>"
+
+
 def test_a_blank_reply_is_counted_and_quoted_as_the_record_holds_it(tmp_path, tok, capsys):
     """A reply of whitespace alone trains on little but its end token, as an empty one does: it is counted, and the
     line quotes the record's own value (the template may strip it)."""
