@@ -428,6 +428,8 @@ class Evaluation:
             raise FwError("eval: every sample of the training task drawn with eval.seed is also a training sample of "
                           "this run (a task with few distinct prompts); set eval.path to held-out data, use a task "
                           "with more prompts, or set eval.held_out: false to evaluate on training prompts")
+        if self.cfg["eval"]["path"] and draws:
+            _say_left_out(list(candidates), chosen, wanted)
         changed = self._earlier is not None and _pick(candidates, first, self._earlier, wanted) != chosen
         return [candidates[k] for k in chosen], changed
 
@@ -549,6 +551,20 @@ def _bounded(source: Any, limit: int) -> int:
     """`limit`, or the length of a finite source when it is shorter (later indices repeat its records)."""
     n = _length(source)
     return limit if n is None else min(n, limit)
+
+
+def _say_left_out(read: list[tuple[str, str]], chosen: list[tuple[str, str]], wanted: int) -> None:
+    """Say (on the first process) how many samples of eval.path, of those `_pick` passed over on its way to `chosen`,
+    are training samples and left out: else a file that repeats training prompts is evaluated on fewer rows than
+    it holds without a word."""
+    from framework.console import first_process, say
+
+    looked_at = len(read) if len(chosen) < wanted else read.index(chosen[-1]) + 1
+    left_out = looked_at - len(chosen)
+    if left_out and first_process():
+        say(f"fw: eval.path: {left_out} of its samples {'has a prompt' if left_out == 1 else 'have prompts'} of the "
+            f"training data and {'is' if left_out == 1 else 'are'} left out (eval.held_out: true); {len(chosen)} "
+            f"{'is' if len(chosen) == 1 else 'are'} evaluated")
 
 
 def _pick(candidates: dict[tuple[str, str], Any], first: dict[str, int], draws: int,

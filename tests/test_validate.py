@@ -647,6 +647,24 @@ def test_an_eval_file_of_training_prompts_is_refused_at_eval_path(tmp_path, caps
     assert run_fw(["validate", "--config", str(config), override], capsys) == (2, [line])
 
 
+def test_an_eval_file_that_repeats_training_prompts_says_how_many_it_leaves_out(tmp_path, capsys):
+    """GRPO on 4 JSONL prompts, evaluated on a file that repeats 2 of them among 3 new ones: the repeats are left out
+    (eval.held_out), and a line says how many, so that the file's rows and eval's count are not silently apart."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(f'{{"prompt": "{a} + {a} =", "answer": "{2 * a}"}}\n' for a in range(4)))
+    held = tmp_path / "held.jsonl"
+    held.write_text("".join(f'{{"prompt": "{a} + {a} =", "answer": "{2 * a}"}}\n' for a in (1, 7, 3, 8, 9)))
+    config = tmp_path / "c.yaml"
+    config.write_text(f"recipe: grpo\nmodel: {{policy: {{preset: tiny}}}}\ndata: {{path: {prompts}}}\n"
+                      "rollout: {prompts_per_step: 2, max_new_tokens: 4}\ngrpo: {group_size: 2}\n"
+                      f"eval: {{every_n_steps: 2, path: {held}}}\ntrainer: {{max_steps: 4}}\n")
+    assert run_fw(["validate", "--config", str(config)], capsys) == (0, [
+        ("fw: eval.path: 2 of its samples have prompts of the training data and are left out (eval.held_out: true); "
+        "3 are evaluated")])
+    held.write_text("".join(f'{{"prompt": "{a} + {a} =", "answer": "{2 * a}"}}\n' for a in (7, 8, 9)))
+    assert run_fw(["validate", "--config", str(config)], capsys) == (0, [])
+
+
 def test_validate_counts_the_training_draws_as_fit_does(tmp_path, capsys):
     """Two-digit prompts (100 of them): the eval set is empty exactly when the rollout batches of
     trainer.max_steps steps on trainer.devices processes draw every prompt; found by hand from the task's
