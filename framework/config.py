@@ -14,6 +14,7 @@ run's saved `config.yaml` can be loaded again as it is.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import difflib
 import functools
 import importlib
@@ -251,6 +252,38 @@ def _alternatives_message(error: ValidationError) -> str | None:
     return best_match(error.context).message if error.context else error.message
 
 
+def _where_set(marks: dict, path: tuple) -> str:
+    """Where the key at `path` was set: `FILE:LINE`, the override's label, or 'the default'."""
+    located = marks.get(path)
+    if located is None:
+        return "the default"
+    m = located.key or located.value
+    return m.file if m.line is None else f"{m.file}:{m.line}"
+
+
+def _sources_message(path: tuple, keys: list, instance: dict, marks: dict, shown: str) -> str | None:
+    """'set only one of' two keys that different files or overrides set (merged, the later ones win): which key is
+    set where the problem shows (`shown`, a file or an override), where the other was set and the override that
+    clears it. None when all of them are set where it shows, whose lines say it."""
+    present = [k for k in keys if instance.get(k) is not None]
+    here = [k for k in present if path + (k,) in marks and marks[path + (k,)].value.file == shown]
+    if len(here) == len(present):
+        return None
+    others = [k for k in present if k not in here]
+    parts = [f"{k} is set here" for k in here]
+    parts += [f"{k}: {_value_text(instance[k])} at {_where_set(marks, path + (k,))}" for k in others]
+    cleared = others if here else others[:-1]   # none set here: keep the one listed last
+    fix = " ".join(f"--{_dotted(path + (k,))}=null" for k in cleared)
+    names = " or ".join(f"'{k}'" for k in keys)
+    return f"set only one of {names}: {' and '.join(parts)}; give {fix} (or remove one)"
+
+
+def _value_text(value: Any) -> str:
+    if isinstance(value, str):
+        return value if len(value) <= MAX_SHOWN else value[:MAX_SHOWN] + "…"
+    return _describe(value)
+
+
 def _problems_for(error: ValidationError, marks: dict, fallback: Mark, recipe: Any) -> list[Problem]:
     path = tuple(error.absolute_path)
     v = error.validator
@@ -290,7 +323,11 @@ def _problems_for(error: ValidationError, marks: dict, fallback: Mark, recipe: A
         keys = [k for b in error.validator_value if isinstance(b, dict) for k in b.get("required", [])[:1]]
         chosen = [path + (k,) for k in keys if isinstance(error.instance, dict) and k in error.instance
                   and path + (k,) in marks and is_override(marks[path + (k,)].value)]
-        return [at(chosen[0], message) if chosen and message.startswith("set only one") else at(path, message)]
+        if not message.startswith("set only one"):
+            return [at(path, message)]
+        problem = at(chosen[0], message) if chosen else at(path, message)
+        sources = _sources_message(path, keys, error.instance, marks, problem.file)
+        return [dataclasses.replace(problem, message=sources) if sources else problem]
     if v == "pattern" and path and path[-1] == "class_path":
         return [at(path, f"{_describe(error.instance)} is not a dotted import path like 'package.module.Class'")]
     if v in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"):

@@ -837,15 +837,45 @@ def test_a_check_of_several_keys_shows_at_the_one_an_override_changed(tmp_path, 
 
 def test_name_and_class_path_together_show_at_the_one_an_override_added(tmp_path, capsys):
     """A task of the file chosen by class_path, then --data.task.name from the command line: the problem is the
-    override's; both written in the file, it is at data.task."""
+    override's, naming the file's class_path and the override that clears it; both written in the file, it is at
+    data.task."""
     (tmp_path / "mytask.py").write_text("class T:\n    def sample(self, i):\n        return {'prompt': 'x'}\n")
     config = tmp_path / "c.yaml"
     config.write_text("recipe: grpo\nmodel: {policy: {preset: tiny}}\ndata:\n  task:\n    class_path: mytask.T\n")
+    argv = ["validate", "--config", str(config), "--data.task.name=digits"]
+    assert run_fw(argv, capsys) == (2, [
+        ("override '--data.task.name=digits': data.task.name: set only one of 'name' or 'class_path': name is set "
+        f"here and class_path: mytask.T at {config}:5; give --data.task.class_path=null (or remove one)")])
+    assert run_fw(argv + ["--data.task.class_path=null"], capsys) == (0, [])
     message = "set only one of 'name' or 'class_path', not 'name' and 'class_path'"
-    assert run_fw(["validate", "--config", str(config), "--data.task.name=digits"], capsys) == (2, [
-        f"override '--data.task.name=digits': data.task.name: {message}"])
     config.write_text(config.read_text() + "    name: digits\n")
     assert run_fw(["validate", "--config", str(config)], capsys) == (2, [f"{config}:4:3: data.task: {message}"])
+
+
+def test_path_and_preset_from_two_files_name_both_and_the_fix(tmp_path, model_dir, capsys):
+    """preset from one file, path from a later one: merged, both are set. The line, at the later file's
+    model.policy, names where preset was set too and the override that clears it; that override validates."""
+    base = tmp_path / "base.yaml"
+    base.write_text("recipe: grpo\nmodel:\n  policy: {preset: tiny}\ndata: {task: {name: digits}}\n")
+    real = tmp_path / "real.yaml"
+    real.write_text(f"model:\n  policy: {{path: {model_dir}}}\n")
+    files = ["validate", "--config", str(base), "--config", str(real)]
+    assert run_fw(files, capsys) == (2, [
+        (f"{real}:2:3: model.policy: set only one of 'path' or 'preset': path is set here and preset: tiny at "
+        f"{base}:3; give --model.policy.preset=null (or remove one)")])
+    assert run_fw(files + ["--model.policy.preset=null"], capsys) == (0, [])
+
+
+def test_path_by_override_over_a_files_preset_names_both_and_the_fix(tmp_path, model_dir, capsys):
+    """--model.policy.path over a file that sets preset: the override's line names the file's preset and the
+    override that clears it; given too, the config validates."""
+    config = tmp_path / "train.yaml"
+    config.write_text("recipe: grpo\nmodel:\n  policy:\n    preset: tiny\ndata: {task: {name: digits}}\n")
+    argv = ["validate", "--config", str(config), f"--model.policy.path={model_dir}"]
+    assert run_fw(argv, capsys) == (2, [
+        (f"override '--model.policy.path={model_dir}': model.policy.path: set only one of 'path' or 'preset': path "
+        f"is set here and preset: tiny at {config}:4; give --model.policy.preset=null (or remove one)")])
+    assert run_fw(argv + ["--model.policy.preset=null"], capsys) == (0, [])
 
 
 DIGITS_CONFIG = ("recipe: grpo\nmodel: {policy: {preset: tiny}}\ndata:\n  task:\n    name: digits\n"
