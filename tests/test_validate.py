@@ -660,7 +660,7 @@ def test_an_eval_file_that_repeats_training_prompts_says_how_many_it_leaves_out(
                       f"eval: {{every_n_steps: 2, path: {held}}}\ntrainer: {{max_steps: 4}}\n")
     assert run_fw(["validate", "--config", str(config)], capsys) == (0, [
         ("fw: eval.path: 2 of its samples have prompts of the training data and are left out (eval.held_out: true); "
-        "3 are evaluated")])
+         "3 are evaluated")])
     held.write_text("".join(f'{{"prompt": "{a} + {a} =", "answer": "{2 * a}"}}\n' for a in (7, 8, 9)))
     assert run_fw(["validate", "--config", str(config)], capsys) == (0, [])
 
@@ -845,7 +845,7 @@ def test_name_and_class_path_together_show_at_the_one_an_override_added(tmp_path
     argv = ["validate", "--config", str(config), "--data.task.name=digits"]
     assert run_fw(argv, capsys) == (2, [
         ("override '--data.task.name=digits': data.task.name: set only one of 'name' or 'class_path': name is set "
-        f"here and class_path: mytask.T at {config}:5; give --data.task.class_path=null (or remove one)")])
+         f"here and class_path: mytask.T at {config}:5; give --data.task.class_path=null (or remove one)")])
     assert run_fw(argv + ["--data.task.class_path=null"], capsys) == (0, [])
     message = "set only one of 'name' or 'class_path', not 'name' and 'class_path'"
     config.write_text(config.read_text() + "    name: digits\n")
@@ -862,7 +862,7 @@ def test_path_and_preset_from_two_files_name_both_and_the_fix(tmp_path, model_di
     files = ["validate", "--config", str(base), "--config", str(real)]
     assert run_fw(files, capsys) == (2, [
         (f"{real}:2:3: model.policy: set only one of 'path' or 'preset': path is set here and preset: tiny at "
-        f"{base}:3; give --model.policy.preset=null (or remove one)")])
+         f"{base}:3; give --model.policy.preset=null (or remove one)")])
     assert run_fw(files + ["--model.policy.preset=null"], capsys) == (0, [])
 
 
@@ -874,7 +874,7 @@ def test_path_by_override_over_a_files_preset_names_both_and_the_fix(tmp_path, m
     argv = ["validate", "--config", str(config), f"--model.policy.path={model_dir}"]
     assert run_fw(argv, capsys) == (2, [
         (f"override '--model.policy.path={model_dir}': model.policy.path: set only one of 'path' or 'preset': path "
-        f"is set here and preset: tiny at {config}:4; give --model.policy.preset=null (or remove one)")])
+         f"is set here and preset: tiny at {config}:4; give --model.policy.preset=null (or remove one)")])
     assert run_fw(argv + ["--model.policy.preset=null"], capsys) == (0, [])
 
 
