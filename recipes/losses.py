@@ -12,6 +12,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
+from framework.config import defaults
 from recipes.advantages import masked_mean, masked_var
 
 
@@ -331,10 +332,36 @@ def option_problems(name: str, section: dict, max_new_tokens: int) -> list[str]:
         problems.append(f"{name}.off_policy_correction.{key}: [low, high] = [{c['low']}, {c['high']}] must hold 1, "
                         "the ratio of a token on which the trainer and the rollout agree, else nearly every token is "
                         "dropped (verl's low is 1 / high)")
-    if c["name"] == "none" and c["level"] == "sequence":
-        problems.append(f"{name}.off_policy_correction.level: sequence changes nothing while "
-                        f"{name}.off_policy_correction.name is none; set name: tis or mask to weigh each completion "
-                        "by one ratio, or leave level at token")
+    problems += unread_problems(name, section)
+    return problems
+
+
+# The keys of a section's options that only some of its modes read: key -> (the modes that read it, what one of them
+# makes of it). ``loss_inputs`` and ``OffPolicyCorrection`` read a correction's; ``overlong_shaping`` reads
+# ``penalty_factor`` only with a ``buffer``.
+_CORRECTION_READERS = {"cap": (("tis",), "cap each weight at it"),
+                       "low": (("mask",), "drop the tokens whose ratio leaves [low, high]"),
+                       "high": (("mask",), "drop the tokens whose ratio leaves [low, high]"),
+                       "level": (("tis", "mask"), "weigh each completion by one ratio")}
+
+
+def unread_problems(name: str, section: dict) -> list[str]:
+    """One line for each option key of ``section`` set off its schema default that its mode does not read (a
+    correction's key its ``name`` ignores, ``overlong.penalty_factor`` without a ``buffer``): it would change
+    nothing."""
+    default = defaults(name)[name]   # the schema's, its single source
+    problems = []
+    c, d = section["off_policy_correction"], default["off_policy_correction"]
+    for key, (modes, what) in _CORRECTION_READERS.items():
+        if c["name"] not in modes and c[key] != d[key]:
+            problems.append(f"{name}.off_policy_correction.{key}: {c[key]} changes nothing while "
+                            f"{name}.off_policy_correction.name is {c['name']}; set name: {' or '.join(modes)} to "
+                            f"{what}, or leave {key} at {d[key]}")
+    o, d = section["overlong"], default["overlong"]
+    if o["buffer"] is None and o["penalty_factor"] != d["penalty_factor"]:
+        problems.append(f"{name}.overlong.penalty_factor: {o['penalty_factor']} changes nothing while "
+                        f"{name}.overlong.buffer is null; set buffer to ramp the penalty over the last `buffer` "
+                        f"tokens, or leave penalty_factor at {d['penalty_factor']}")
     return problems
 
 

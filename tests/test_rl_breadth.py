@@ -415,6 +415,65 @@ def test_ppo_options_through_fit(tmp_path):
         assert math.isfinite(record[key]), key
 
 
+UNREAD = ("changes nothing while grpo.off_policy_correction.name is {}; set name: {}, or leave {} at {}")
+TIS = "tis to cap each weight at it"
+MASK = "mask to drop the tokens whose ratio leaves [low, high]"
+
+
+@pytest.mark.parametrize("override, lines", [
+    ("--grpo.off_policy_correction={name: none, level: sequence}",
+     ["grpo.off_policy_correction.level: sequence " + UNREAD.format("none", "tis or mask to weigh each completion "
+                                                                    "by one ratio", "level", "token")]),
+    ("--grpo.off_policy_correction={low: 0.1, high: 9}",
+     ["grpo.off_policy_correction.low: 0.1 " + UNREAD.format("none", MASK, "low", 0.5),
+      "grpo.off_policy_correction.high: 9 " + UNREAD.format("none", MASK, "high", 2.0)]),
+    ("--grpo.off_policy_correction={name: none, cap: 5.0}",
+     ["grpo.off_policy_correction.cap: 5.0 " + UNREAD.format("none", TIS, "cap", 2.0)]),
+    ("--grpo.off_policy_correction={name: tis, low: 0.3}",
+     ["grpo.off_policy_correction.low: 0.3 " + UNREAD.format("tis", MASK, "low", 0.5)]),
+    ("--grpo.off_policy_correction={name: tis, high: 4.0}",
+     ["grpo.off_policy_correction.high: 4.0 " + UNREAD.format("tis", MASK, "high", 2.0)]),
+    ("--grpo.off_policy_correction={name: mask, cap: 3.0}",
+     ["grpo.off_policy_correction.cap: 3.0 " + UNREAD.format("mask", TIS, "cap", 2.0)]),
+    ("--grpo.overlong={penalty_factor: 2.0}",
+     [("grpo.overlong.penalty_factor: 2.0 changes nothing while grpo.overlong.buffer is null; set buffer to ramp the "
+       "penalty over the last `buffer` tokens, or leave penalty_factor at 1.0")]),
+])
+def test_option_keys_their_mode_does_not_read_are_refused(tmp_path, capsys, override, lines):
+    path = tmp_path / "train.yaml"
+    path.write_text("recipe: grpo\nmodel:\n  policy: {preset: tiny}\ndata:\n  task: {name: digits}\n"
+                    f"run_dir: {tmp_path / 'run'}\n")
+    assert main(["validate", "--config", str(path), override]) == 2
+    assert capsys.readouterr().err.splitlines() == [f"override '{override}': {line}" for line in lines]
+    # the same rule in PPO's section, at the key's place in the file
+    path.write_text("recipe: ppo\nmodel:\n  policy: {preset: tiny}\ndata:\n  task: {name: digits}\n"
+                    f"run_dir: {tmp_path / 'run'}\nppo:\n  {override.removeprefix('--grpo.').replace('=', ': ', 1)}\n")
+    assert main(["validate", "--config", str(path)]) == 2
+    errors = capsys.readouterr().err.splitlines()
+    assert all(e.startswith(f"{path}:8:") for e in errors), errors
+    assert [e.split(": ", 1)[1] for e in errors] == [line.replace("grpo.", "ppo.") for line in lines]
+
+
+@pytest.mark.parametrize("recipe", ["grpo", "ppo"])
+@pytest.mark.parametrize("option", [
+    "off_policy_correction: {name: tis, cap: 2.0}", "off_policy_correction: {name: mask, low: 0.5, high: 2.0}",
+    "off_policy_correction: {name: tis, level: sequence}", "off_policy_correction: {name: mask, level: sequence}",
+    "off_policy_correction: {name: tis, cap: 5.0, level: sequence}",
+    "off_policy_correction: {name: mask, low: 0.2, high: 5.0, level: sequence}",
+    "overlong: {buffer: 4, penalty_factor: 1.0}", "overlong: {buffer: 4, penalty_factor: 2.0}",
+    "overlong: {mask_truncated: true}",
+    # keys at their schema defaults change nothing either way, as `level: token` under `name: none`
+    "off_policy_correction: {name: none, cap: 2.0, low: 0.5, high: 2.0, level: token}",
+    "off_policy_correction: {name: tis, low: 0.5}", "off_policy_correction: {name: mask, cap: 2.0}",
+    "overlong: {buffer: null, penalty_factor: 1.0}",
+])
+def test_option_combinations_the_readme_shows_validate(tmp_path, capsys, recipe, option):
+    path = tmp_path / "train.yaml"
+    path.write_text(f"recipe: {recipe}\nmodel:\n  policy: {{preset: tiny}}\ndata:\n  task: {{name: digits}}\n"
+                    f"run_dir: {tmp_path / 'run'}\nrollout:\n  max_new_tokens: 8\n{recipe}:\n  {option}\n")
+    assert main(["validate", "--config", str(path)]) == 0, capsys.readouterr().err
+
+
 def test_option_combinations_are_refused_at_their_keys(tmp_path, capsys):
     path = tmp_path / "train.yaml"
     path.write_text("recipe: grpo\nmodel:\n  policy: {preset: tiny}\ndata:\n  task: {name: digits}\n"
@@ -427,7 +486,8 @@ def test_option_combinations_are_refused_at_their_keys(tmp_path, capsys):
         f"{path}:11:44: grpo.off_policy_correction.low: 2.0 must be below high (1.5), else every token is dropped"]
     # a level that changes nothing without a correction to apply it to
     assert main(["validate", "--config", str(path), "--grpo.off_policy_correction.name=none",
-                 "--grpo.off_policy_correction.level=sequence", "--grpo.overlong.buffer=null"]) == 2
+                 "--grpo.off_policy_correction.level=sequence", "--grpo.overlong.buffer=null",
+                 "--grpo.off_policy_correction.low=0.5", "--grpo.off_policy_correction.high=2.0"]) == 2
     line = ("override '--grpo.off_policy_correction.level=sequence': grpo.off_policy_correction.level: sequence "
             "changes nothing while grpo.off_policy_correction.name is none; set name: tis or mask to weigh each "
             "completion by one ratio, or leave level at token")
