@@ -271,17 +271,11 @@ def _sources_message(path: tuple, keys: list, instance: dict, marks: dict, shown
         return None
     others = [k for k in present if k not in here]
     parts = [f"{k} is set here" for k in here]
-    parts += [f"{k}: {_value_text(instance[k])} at {_where_set(marks, path + (k,))}" for k in others]
+    parts += [f"{k}: {yaml12.inline(instance[k])} at {_where_set(marks, path + (k,))}" for k in others]
     cleared = others if here else others[:-1]   # none set here: keep the one listed last
     fix = " ".join(f"--{_dotted(path + (k,))}=null" for k in cleared)
     names = " or ".join(f"'{k}'" for k in keys)
     return f"set only one of {names}: {' and '.join(parts)}; give {fix} (or remove one)"
-
-
-def _value_text(value: Any) -> str:
-    if isinstance(value, str):
-        return value if len(value) <= MAX_SHOWN else value[:MAX_SHOWN] + "…"
-    return _describe(value)
 
 
 def _problems_for(error: ValidationError, marks: dict, fallback: Mark, recipe: Any) -> list[Problem]:
