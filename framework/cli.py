@@ -87,6 +87,10 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("--merge", action="store_true",
                         help="LoRA checkpoint: write the base with the adapters merged in (default: the adapters "
                              "in PEFT's format)")
+    export.add_argument("--model.policy.path", dest="base", metavar="DIR",
+                        help="LoRA checkpoint: where its base model is now, when it has moved from model.policy.path "
+                             "of the checkpoint's config.yaml; checked against the checkpoint's record of its files "
+                             "(--merge reads the base there; without it, the exported adapter_config.json names it)")
     export.add_argument("--skip-damaged", action="store_true", help=skip_help.format(run_dir))
 
     gen = add("generate", "generate text from a config's model or a checkpoint", [common, configs],
@@ -191,7 +195,8 @@ def _run(args: argparse.Namespace, overrides: list[str]) -> int:
     elif cmd == "export":
         from framework.export import export_checkpoint
 
-        out = export_checkpoint(args.checkpoint, args.out, merge=args.merge, skip_damaged=args.skip_damaged)
+        out = export_checkpoint(args.checkpoint, args.out, merge=args.merge, skip_damaged=args.skip_damaged,
+                                base=args.base)
         _out(f"exported {args.checkpoint} to {out or args.out}")
     elif cmd == "generate":
         if not args.config and not args.checkpoint:

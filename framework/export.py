@@ -6,12 +6,14 @@ checking it against the manifest, and publishes the copy atomically (see `export
 is an existing empty mount point). `merge=True` (`fw export --merge`)
 turns a LoRA checkpoint into the merged model: the base is rebuilt from the checkpoint's config.yaml
 (`model.policy.path`, or the preset from the seed), the checked copy of the adapters is folded in, and
-the result is written in HF layout.
+the result is written in HF layout. A LoRA checkpoint's base that has moved is named by `base`
+(`--model.policy.path`), once its files match the checkpoint's record of them: the merge reads it there, and
+the adapter directory's adapter_config.json names it.
 
 A model (not an adapter directory) gets a generation_config.json, which transformers' `generate` reads for
 its stop tokens and sampling defaults: the one of the model the run started from, which the checkpoint keeps
 (checked against the manifest like the rest); for a checkpoint without that copy, the one `model.policy.path`
-of its config.yaml holds now; else one made from config.json and the exported tokenizer.
+of its config.yaml (or `base`) holds now; else one made from config.json and the exported tokenizer.
 """
 
 from __future__ import annotations
@@ -71,11 +73,13 @@ def _copy_checked(src: Path, dst: Path, meta: dict) -> None:
 
 
 def export_checkpoint(checkpoint: str | os.PathLike, out: str | os.PathLike, merge: bool = False,
-                      skip_damaged: bool = False) -> str:
+                      skip_damaged: bool = False, base: str | os.PathLike | None = None) -> str:
     """Write the policy of `checkpoint` (a checkpoint dir, or a run dir = its newest checkpoint; with
     `skip_damaged` its newest intact one) to `out` in HF layout, loadable by transformers'
     `AutoModelForCausalLM.from_pretrained` (a LoRA checkpoint: PEFT's adapter directory, or with `merge` the
     merged model), every file checked against the manifest's sha256. `out` must not exist or be empty.
+    `base` (`--model.policy.path`) is where a LoRA checkpoint's base model is now, when it has moved from
+    `model.policy.path` of the checkpoint's config.yaml; its files must be those the checkpoint recorded.
     Returns `out`.
 
     The copy is staged in a hidden sibling of `out` and renamed into place, so `out` appears whole or not at
@@ -105,7 +109,7 @@ def export_checkpoint(checkpoint: str | os.PathLike, out: str | os.PathLike, mer
         raise FwError(f"--out {given}: the working directory (or one above it), which the export would replace; "
                       "choose a new directory")
     try:
-        source = read_resolved(checkpoint, lambda source: _export(source, given, out, merge), skip_damaged,
+        source = read_resolved(checkpoint, lambda source: _export(source, given, out, merge, base), skip_damaged,
                                settled=False)
     except _Terminated:
         raise Stopped(signal.SIGTERM, f"stopped by SIGTERM while exporting {checkpoint}; nothing was written to "
@@ -136,7 +140,7 @@ def _checkpoint_around(out: Path) -> str | None:
     return None
 
 
-def _export(source: Path, given: str | os.PathLike, out: Path, merge: bool) -> Path:
+def _export(source: Path, given: str | os.PathLike, out: Path, merge: bool, base: str | os.PathLike | None) -> Path:
     """`export_checkpoint` of the resolved checkpoint directory `source`; returns `source`."""
     manifest = read_complete_manifest(source)
     if POLICY not in manifest["components"]:
@@ -145,6 +149,10 @@ def _export(source: Path, given: str | os.PathLike, out: Path, merge: bool) -> P
     if merge and ADAPTER_CONFIG not in files:
         raise FwError(f"--merge: {source} holds a full model, not LoRA adapters (no {POLICY}/{ADAPTER_CONFIG}); "
                       "export it without --merge")
+    if base is not None and ADAPTER_CONFIG not in files:
+        raise FwError(f"--model.policy.path {base}: {source} holds a full model, not LoRA adapters (no "
+                      f"{POLICY}/{ADAPTER_CONFIG}), so it has no base model to name; leave --model.policy.path out")
+    policy_cfg = None if base is None else _moved_base(source, manifest, base)
 
     staging = None
     try:
@@ -157,9 +165,11 @@ def _export(source: Path, given: str | os.PathLike, out: Path, merge: bool) -> P
             for name in files:
                 _copy_checked(source / POLICY / name, staging / name, manifest["files"][f"{POLICY}/{name}"])
             if merge:   # from the checked copies of the adapters, which then make way for the merged model
-                _write_merged(source, staging, manifest)
+                _write_merged(source, staging, manifest, policy_cfg)
                 for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
                     (staging / name).unlink()
+            elif policy_cfg is not None:
+                _name_base(staging / ADAPTER_CONFIG, policy_cfg["path"])
             elif MODEL_CONFIG in files and GENERATION_CONFIG not in files:
                 if GENERATION_CONFIG in manifest["files"]:   # the source model's, as the run started from it
                     _copy_checked(source / GENERATION_CONFIG, staging / GENERATION_CONFIG,
@@ -300,8 +310,9 @@ def adapted_policy(source: Path, adapter_dir: Path, policy_cfg: dict | None = No
     if base is not None and not (Path(base) / MODEL_CONFIG).is_file():
         found = "no config.json there" if Path(base).is_dir() else "no such directory"
         raise FwError(f"{source}: the base model of its LoRA adapters, model.policy.path of its {CONFIG_FILE}, is "
-                      f"{base}: {found}; put that model back there (fw generate and fw eval also take "
-                      "--model.policy.path=DIR of a copy, checked against the checkpoint's record of its files)")
+                      f"{base}: {found}; put that model back there (fw generate, fw eval and fw export --merge "
+                      "also take --model.policy.path=DIR of a copy, checked against the checkpoint's record of its "
+                      "files)")
     model_cfg = {**cfg["model"]["policy"], "compile": False, "gradient_checkpointing": False}
     policy = build_policy(model_cfg, tokenizer, seed=cfg["seed"])
     load_targets(peft_targets(policy), load_file(str(adapter_dir / ADAPTER_WEIGHTS)),
@@ -309,32 +320,70 @@ def adapted_policy(source: Path, adapter_dir: Path, policy_cfg: dict | None = No
     return tokenizer, policy
 
 
-def _write_merged(source: Path, staging: Path, manifest: dict) -> None:
+def _moved_base(source: Path, manifest: dict, given: str | os.PathLike) -> dict:
+    """The model.policy config of LoRA checkpoint `source` (its config.yaml) with the base model at `given`
+    (`--model.policy.path`), once that directory holds the files that the checkpoint recorded of its base."""
+    from framework.checkpoint.resume import recorded_move_problem
+    from framework.config import load_config
+
+    policy = load_config([str(source / CONFIG_FILE)], imports=())["model"]["policy"]
+    was = policy["path"]
+    if was is None:
+        raise FwError(f"--model.policy.path {given}: the LoRA adapters of {source} are on the preset "
+                      f"{policy['preset']} (model.policy.preset of its {CONFIG_FILE}), built from its seed, not on a "
+                      "model directory; leave --model.policy.path out")
+    path = os.path.abspath(os.path.expanduser(given))   # as fw reads a path override: from the working directory
+    if not (Path(path) / MODEL_CONFIG).is_file():
+        found = "no config.json there" if Path(path).is_dir() else "no such directory"
+        raise FwError(f"--model.policy.path {given}: {found}; give the directory that the base model of {source} "
+                      f"({was}) was moved or copied to")
+    if path != was:   # the base at its own place is read as without the option
+        problem = recorded_move_problem(manifest, "model.policy.path", was, path)
+        if problem is not None:
+            raise FwError(f"--model.policy.path {given}: not the base model of the LoRA adapters of {source}, "
+                          f"{was} ({problem}); give the directory that model was moved or copied to")
+    return {**policy, "path": path}
+
+
+def _name_base(adapter_config: Path, base: str) -> None:
+    """Point the exported `adapter_config` at `base`: PEFT loads the base from its base_model_name_or_path,
+    which fw writes as model.policy.path of the run, where the base is no longer."""
+    config = json.loads(adapter_config.read_text())
+    config["base_model_name_or_path"] = base
+    adapter_config.unlink()
+    write_json(adapter_config, config)
+
+
+def _write_merged(source: Path, staging: Path, manifest: dict, policy_cfg: dict | None = None) -> None:
     """The merged policy of LoRA checkpoint `source` as config.json, generation_config.json and safetensors in
-    `staging`, from the adapter files already copied (and checked) there."""
+    `staging`, from the adapter files already copied (and checked) there; `policy_cfg` (`_moved_base`) in place
+    of the model.policy of its config.yaml."""
     from framework.models.hf_io import write_model
     from framework.models.lora import merged_copy
 
-    _, policy = adapted_policy(source, staging)
-    write_model(merged_copy(policy), staging, generation_config=_source_generation_config(source, manifest))
+    _, policy = adapted_policy(source, staging, policy_cfg)
+    base = None if policy_cfg is None else policy_cfg["path"]
+    write_model(merged_copy(policy), staging, generation_config=_source_generation_config(source, manifest, base))
 
 
-def _source_generation_config(source: Path, manifest: dict) -> dict | None:
+def _source_generation_config(source: Path, manifest: dict, base: str | None = None) -> dict | None:
     """The generation_config.json of the model directory run `source` started from: the checkpoint's copy
     (its sha256 checked against `manifest`), else `_generation_config_at_path`."""
     if GENERATION_CONFIG in manifest["files"]:
         verify_checkpoint(source, [GENERATION_CONFIG])
         return read_generation_config(source)
-    return _generation_config_at_path(source)
+    return _generation_config_at_path(source, base)
 
 
-def _generation_config_at_path(source: Path) -> dict | None:
+def _generation_config_at_path(source: Path, base: str | None = None) -> dict | None:
     """For a checkpoint written without the source model's copy: the generation_config.json that the directory
-    named by its config.yaml's `model.policy.path` holds now; None for a preset, or a directory without one."""
+    named by its config.yaml's `model.policy.path` (or `base`, where that model is now) holds now; None for a
+    preset, or a directory without one."""
     from framework.config import load_config
 
-    # read as every fw command reads config.yaml: relative paths from its directory, `~` expanded
-    path = load_config([str(source / CONFIG_FILE)], imports=())["model"]["policy"]["path"]
+    path = base
+    if path is None:   # read as every fw command reads config.yaml: relative paths from its directory, `~` expanded
+        path = load_config([str(source / CONFIG_FILE)], imports=())["model"]["policy"]["path"]
     return read_generation_config(path) if path is not None and Path(path).is_dir() else None
 
 

@@ -94,7 +94,7 @@ def checkpoint_policy_config(cfg: dict, checkpoint: Path, adapters: bool) -> dic
     checkpoint's own (its config.yaml), with `cfg`'s dtype. `cfg` may name the base model at another path that
     holds the same files (checked against the manifest's record, as a resume checks a move); any other change of
     the policy (preset, base model, LoRA settings) is refused, naming the key."""
-    from framework.checkpoint.resume import RESUME_RULES, move_problem
+    from framework.checkpoint.resume import RESUME_RULES, recorded_move_problem
     from framework.config import load_config
 
     new = cfg["model"]["policy"]
@@ -126,8 +126,7 @@ def checkpoint_policy_config(cfg: dict, checkpoint: Path, adapters: bool) -> dic
             continue
         why = RESUME_RULES[full][1]
         if key == "path" and was is not None and now is not None:
-            recorded = (read_complete_manifest(checkpoint).get("sources") or {}).get(full)
-            problem = move_problem(full, was, now, recorded)
+            problem = recorded_move_problem(read_complete_manifest(checkpoint), full, was, now)
             if problem is None:   # the same base model, copied or moved
                 out["path"] = now
                 continue

@@ -493,12 +493,130 @@ def test_a_lora_checkpoint_whose_base_is_gone_says_which_key_and_where(tmp_path,
     assert main(generate) == 2
     assert main(["eval", "--checkpoint", str(ckpt), f"--eval.path={held}"]) == 2
     line = (f"fw: error: {ckpt}: the base model of its LoRA adapters, model.policy.path of its config.yaml, is "
-            f"{base}: no such directory; put that model back there (fw generate and fw eval also take "
-            "--model.policy.path=DIR of a copy, checked against the checkpoint's record of its files)")
+            f"{base}: no such directory; put that model back there (fw generate, fw eval and fw export --merge also "
+            "take --model.policy.path=DIR of a copy, checked against the checkpoint's record of its files)")
     assert capsys.readouterr().err.splitlines() == [line] * 3
     assert not (tmp_path / "merged").exists()
     assert main([*generate, f"--model.policy.path={moved}"]) == 0
     assert capsys.readouterr().out == before
+
+
+def _tensors(model_dir: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return {k: v for f in sorted(model_dir.glob("*.safetensors")) for k, v in load_file(str(f)).items()}
+
+
+def test_export_reads_a_moved_lora_base_from_model_policy_path(tmp_path, capsys):
+    """fw export of a LoRA checkpoint whose base directory moved: --merge is refused in one line, and with
+    --model.policy.path at the new place merges the same weights as before the move; the adapter export names the
+    new place in adapter_config.json, from which PEFT loads the base. A checkpoint without the source model's
+    generation_config.json takes the one the moved base holds."""
+    from framework.checkpoint.directory import SOURCE_GENERATION_CONFIG
+    from framework.cli import main
+    from framework.config import load_config
+
+    base, ckpt = _lora_run(tmp_path)
+    # as the writer wrote it before: the same checkpoint without the copy of the base's generation_config.json
+    old = tmp_path / "old" / ck.step_dir_name(2)
+    was = ck.read_checkpoint_dir(ckpt)
+    assert was.pop(SOURCE_GENERATION_CONFIG) is not None
+    was["fw_components"]["policy"]["weights_file"] = "adapter_model.safetensors"   # no config.json to say so
+    ck.write_checkpoint_dir(was, old, load_config([str(ckpt / "config.yaml")], imports=()),
+                            sources=ck.read_manifest(ckpt)["sources"])
+    assert not (old / "generation_config.json").exists()
+    assert main(["export", "--checkpoint", str(ckpt), "--out", str(tmp_path / "before"), "--merge"]) == 0
+    assert main(["export", "--checkpoint", str(ckpt), "--out", str(tmp_path / "adapters-before")]) == 0
+    before = _tensors(tmp_path / "before")
+    adapters = json.loads((tmp_path / "adapters-before" / "adapter_config.json").read_text())
+    assert adapters["base_model_name_or_path"] == str(base)
+
+    moved = tmp_path / "moved"
+    base.rename(moved)
+    capsys.readouterr()
+    assert main(["export", "--checkpoint", str(ckpt), "--out", str(tmp_path / "merged"), "--merge"]) == 2
+    assert capsys.readouterr().err == (
+        f"fw: error: {ckpt}: the base model of its LoRA adapters, model.policy.path of its config.yaml, is {base}: no "
+        "such directory; put that model back there (fw generate, fw eval and fw export --merge also take "
+        "--model.policy.path=DIR of a copy, checked against the checkpoint's record of its files)\n")
+    assert not (tmp_path / "merged").exists()
+
+    merged = tmp_path / "merged"
+    assert main(["export", "--checkpoint", str(ckpt), "--out", str(merged), "--merge",
+                 "--model.policy.path", str(moved)]) == 0
+    after = _tensors(merged)
+    assert sorted(after) == sorted(before)
+    assert all(torch.equal(after[k], before[k]) for k in before)
+    assert sorted(os.listdir(merged)) == sorted(os.listdir(tmp_path / "before"))
+    for name in os.listdir(merged):
+        assert (merged / name).read_bytes() == (tmp_path / "before" / name).read_bytes(), name
+
+    assert main(["export", "--checkpoint", str(ckpt), "--out", str(tmp_path / "adapters"),
+                 f"--model.policy.path={moved}"]) == 0
+    assert json.loads((tmp_path / "adapters" / "adapter_config.json").read_text()) == {
+        **adapters, "base_model_name_or_path": str(moved)}
+    assert sorted(os.listdir(tmp_path / "adapters")) == sorted(os.listdir(tmp_path / "adapters-before"))
+    for name in set(os.listdir(tmp_path / "adapters")) - {"adapter_config.json"}:
+        assert (tmp_path / "adapters" / name).read_bytes() == (tmp_path / "adapters-before" / name).read_bytes()
+
+    # without the checkpoint's copy: the generation_config.json of the base where it is now
+    (moved / "generation_config.json").write_text(json.dumps({"eos_token_id": 151643}))
+    assert main(["export", "--checkpoint", str(old), "--out", str(tmp_path / "from-old"), "--merge",
+                 "--model.policy.path", str(moved)]) == 2   # an edited base is another model
+    (moved / "generation_config.json").write_bytes((ckpt / "generation_config.json").read_bytes())
+    assert main(["export", "--checkpoint", str(old), "--out", str(tmp_path / "from-old"), "--merge",
+                 "--model.policy.path", str(moved)]) == 0
+    assert (tmp_path / "from-old" / "generation_config.json").read_bytes() == (
+        moved / "generation_config.json").read_bytes()
+    assert all(torch.equal(t, before[k]) for k, t in _tensors(tmp_path / "from-old").items())
+
+
+def test_export_refuses_a_model_policy_path_that_is_not_the_checkpoints_base(tmp_path, capsys):
+    """--model.policy.path names the checkpoint's base at another place: a directory of other files, a missing
+    one, a full-model checkpoint (no base) or a LoRA checkpoint on a preset is refused in one line, nothing
+    written."""
+    import shutil
+
+    from framework.cli import main
+    from framework.config import resolve
+    from framework.models import build_policy
+
+    base, ckpt = _lora_run(tmp_path)
+    other = tmp_path / "other"
+    shutil.copytree(base, other)
+    (other / "generation_config.json").write_text(json.dumps({"eos_token_id": 151643}))
+    extra = tmp_path / "extra"
+    shutil.copytree(base, extra)
+    (extra / "README.md").write_text("a copy\n")
+    full = tmp_path / "full" / "step-000003"
+    ck.write_checkpoint_dir(policy_checkpoint(_policy(False), Tokenizer.builtin(), 3, tmp_path / "tok"), full,
+                            _sft_from(base, tmp_path / "full", 3))
+    tok = Tokenizer.builtin()
+    cfg = resolve({"recipe": "sft", "run_dir": str(tmp_path / "preset"),
+                   "model": {"policy": {"preset": "tiny", "lora": {"rank": 4}}}})
+    preset = save_lora_checkpoint(cfg, build_policy(cfg["model"]["policy"], tok, seed=cfg["seed"]), tok, None)
+    out = tmp_path / "out"
+    capsys.readouterr()
+    for checkpoint, dir_, merge in ((ckpt, other, ["--merge"]), (ckpt, extra, []), (ckpt, tmp_path / "gone", []),
+                                    (full, base, []), (preset, base, ["--merge"])):
+        assert main(["export", "--checkpoint", str(checkpoint), "--out", str(out), *merge,
+                     "--model.policy.path", str(dir_)]) == 2
+    assert not out.exists()
+    lines = capsys.readouterr().err.splitlines()
+    assert lines == [
+        (f"fw: error: --model.policy.path {other}: not the base model of the LoRA adapters of {ckpt}, {base} "
+         f"({other / 'generation_config.json'} differs in content from what the checkpoint recorded); give the "
+         "directory that model was moved or copied to"),
+        (f"fw: error: --model.policy.path {extra}: not the base model of the LoRA adapters of {ckpt}, {base} "
+         f"({extra} holds other files (README.md) from what the checkpoint recorded); give the directory that model "
+         "was moved or copied to"),
+        (f"fw: error: --model.policy.path {tmp_path / 'gone'}: no such directory; give the directory that the base "
+         f"model of {ckpt} ({base}) was moved or copied to"),
+        (f"fw: error: --model.policy.path {base}: {full} holds a full model, not LoRA adapters (no "
+         "policy/adapter_config.json), so it has no base model to name; leave --model.policy.path out"),
+        (f"fw: error: --model.policy.path {base}: the LoRA adapters of {preset} are on the preset tiny "
+         "(model.policy.preset of its config.yaml), built from its seed, not on a model directory; leave "
+         "--model.policy.path out")]
 
 
 def test_a_checkpoints_policy_takes_no_other_model_from_the_config(tmp_path, capsys):

@@ -398,6 +398,13 @@ def move_problem(key: str, old: Any, new: Any, recorded: Any) -> str | None:
     return None
 
 
+def recorded_move_problem(manifest: dict, key: str, old: Any, new: Any) -> str | None:
+    """`move_problem` of `key` set to `new` in place of `old`, its value in the config.yaml of the checkpoint
+    whose manifest is `manifest`, against the record of `key`'s files kept there (a checkpoint written before
+    such records has none)."""
+    return move_problem(key, old, new, (manifest.get("sources") or {}).get(key))
+
+
 def _differs(want: dict, path: str) -> str | None:
     """How what `path` holds differs from fingerprint `want`, or None when it is the same."""
     try:
