@@ -473,7 +473,8 @@ class StopOnSignal(lightning.Callback):
     uninterrupted run also passes through. Under several processes the signal and the callbacks' request of every
     rank are combined in one small all-reduce per step, so that no rank leaves the loop while another waits for it
     in the next step's collectives. A request made before the first step (in `setup`, `on_fit_start` or
-    `on_train_start`) is agreed on the same way, before Lightning reads it.
+    `on_train_start`) is agreed on the same way, before Lightning reads it. In the batch that ends the loop (a stop,
+    or trainer.max_steps reached) it tells the signal handlers that the run is ending.
     """
 
     def __init__(self, stop: StopSignals | None = None):
@@ -507,6 +508,8 @@ class StopOnSignal(lightning.Callback):
             self.stop.request(signum)
         self._asked = False
         trainer.should_stop = bool(signum or asked)
+        if self.stop is not None and (trainer.should_stop or 0 <= trainer.max_steps <= trainer.global_step):
+            self.stop.ending()   # the loop ends after this batch: the final save and the teardown follow
 
 
 def _agree_on_stop(trainer: lightning.Trainer) -> None:

@@ -141,7 +141,7 @@ def _parser() -> argparse.ArgumentParser:
 MAX_GPU_GIB = 1 << 20
 
 
-def _run(args: argparse.Namespace, overrides: list[str]) -> int:
+def _run(args: argparse.Namespace, overrides: list[str], program: bool) -> int:
     cmd = args.command
     # an option that would change nothing is refused rather than ignored: whoever gave it expects it to act
     if cmd == "fit" and args.skip_damaged and args.resume is None:
@@ -170,8 +170,10 @@ def _run(args: argparse.Namespace, overrides: list[str]) -> int:
         else:
             from framework.trainer import fit
 
-            # the process ends after fit: the models and optimizer states need not be copied to host memory first
-            fit(cfg, resume=args.resume, skip_damaged=args.skip_damaged, keep_on_device=True)  # writes config.yaml
+            # the process ends after fit: the models and optimizer states need not be copied to host memory first;
+            # as the program, it ends with fit's signal handlers in place (`main`)
+            fit(cfg, resume=args.resume, skip_damaged=args.skip_damaged, keep_on_device=True,   # writes config.yaml
+                signals_until_exit=program)
     elif cmd == "plan":
         if not args.config:
             raise FwError("fw plan needs --config FILE")
@@ -294,8 +296,14 @@ def _out(*values: Any) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run `fw` with `argv` (default: sys.argv[1:]); returns the exit code."""
-    argv = sys.argv[1:] if argv is None else list(argv)
+    """Run `fw` with `argv` (default: sys.argv[1:]); returns the exit code. Without `argv` it is the `fw` program
+    itself (the console script, `python -m framework`): a `fw fit` leaves its signal handlers in place, the process
+    ending after it."""
+    return _main(sys.argv[1:] if argv is None else list(argv), argv is None)
+
+
+def _main(argv: list[str], program: bool) -> int:
+    """`main`; `program`: this process ends after it (`fit`'s signal handlers may stay in place)."""
     parser = _parser()
     try:
         args, rest = parser.parse_known_args(argv)
@@ -312,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
         if sys.stdout is None and args.command != "fit":   # fd 1 closed: print() drops the result without a word
             raise FwError(f"standard output is closed; fw {args.command} writes its result there")
         with built_once():   # fit's run uses the user objects that its checks built
-            code = _run(args, rest)
+            code = _run(args, rest, program)
         if sys.stdout is not None:
             _written(sys.stdout.flush)   # here, not at exit: a write that fails is this command's error
         return code

@@ -11,21 +11,36 @@ run ended. A second signal, or a step that has not finished
 `trainer.stop_grace_s` seconds after the first (user code that does not return), ends the process at once with the
 same code; the checkpoints already published stay as they are. `framework.callbacks.StopOnSignal` turns the request
 into Lightning's `trainer.should_stop` at the end of a step.
+
+Once the run's last step is done (trainer.max_steps reached, or a stop decided at the step's end) the run is ending:
+its final save, the callbacks' and loggers' last work and Lightning's teardown follow. A first signal then lets them
+finish (the closing line says how the run ended); a second one, or an ending that outlasts the grace, exits at once
+with a line naming the newest intact checkpoint (the final save cut short publishes nothing) and the command that
+continues the run. Once `fit` has decided the run's outcome, a signal exits at once with such a line. Under the `fw`
+program the handlers stay in place after `fit` returns, through the CLI's last lines and the atexit hooks; only the
+interpreter's own finalization, its last second or so, runs without them (a signal there ends the process with no
+line, the run complete and written).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
 import threading
+from collections.abc import Callable
 from types import FrameType, TracebackType
-from typing import final
+from typing import Literal, final
 
 from framework.console import say
 
 # SIGUSR1 is POSIX only; installed before Lightning starts a stage, it is a handler Lightning leaves in place
 SIGNALS = (signal.SIGTERM, signal.SIGINT) + ((signal.SIGUSR1,) if hasattr(signal, "SIGUSR1") else ())
+
+# starting: before the first step; training: a step is in progress; ending: the last step is done, its final save and
+# the teardown follow; ended: fit decided the run's outcome
+Phase = Literal["starting", "training", "ending", "ended"]
 
 
 def signal_name(signum: int) -> str:
@@ -69,12 +84,18 @@ def _say_last(message: str) -> None:
 
 @final
 class StopSignals:
-    """Context manager: SIGTERM / SIGINT / SIGUSR1 handlers that turn the first signal into a stop request."""
+    """Context manager: SIGTERM / SIGINT / SIGUSR1 handlers that turn the first signal into a stop request.
 
-    def __init__(self, grace_s: float):
+    `until_exit`: the process ends after the context; the handlers stay in place, answering a signal at once.
+    `state(saving)` (set once the run is built) says what the run has published, for the line of an exit at once;
+    `saving`: the run is ending, and its final save may be under way."""
+
+    def __init__(self, grace_s: float, until_exit: bool = False):
         self.grace_s = grace_s
+        self.until_exit = until_exit
         self.signum: int | None = None   # the first signal received (or, under DDP, seen by any rank)
-        self.training = False
+        self.phase: Phase = "starting"
+        self.state: Callable[[bool], str] | None = None
         self._previous: dict[int, object] = {}
         self._watchdog: threading.Timer | None = None
 
@@ -87,18 +108,30 @@ class StopSignals:
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+        if self.until_exit and self._previous and self.phase != "starting":
+            self.phase = "ended"   # a run took steps, and the process ends next: a signal until then gets its line
+            return
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
         self._previous = {}
-        if self._watchdog is not None:
-            self._watchdog.cancel()
 
     def start_training(self) -> None:
         """From now on a signal ends the current step instead of the process. Installs the handlers
         again: Lightning puts its own SIGTERM handler in place when it starts a stage."""
-        self.training = True
+        self.phase = "training"
         for signum in self._previous:
             signal.signal(signum, self._handle)
+
+    def ending(self) -> None:
+        """The run's last step is done: what follows is its final save and teardown."""
+        if self.phase == "training":
+            self.phase = "ending"
+
+    def ended(self) -> None:
+        """`fit` has decided the run's outcome: a signal from now on exits at once, saying what is published."""
+        self.phase = "ended"
 
     def request(self, signum: int) -> None:
         """Record a stop request that another rank received (it started the watchdog there)."""
@@ -107,18 +140,42 @@ class StopSignals:
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         name = signal_name(signum)
+        if self.phase == "ended":
+            _say_last(f"fw: {name} came as the process was exiting after the run: {self._state(False)}")
+            os._exit(128 + signum)
         if self.signum is not None:
-            _say_last(f"fw: {name} again: exiting now; the checkpoints published so far are kept")
+            if self.phase == "ending":
+                _say_last(f"fw: {name} again as the run was ending: exiting now; {self._state(True)}")
+            else:
+                _say_last(f"fw: {name} again: exiting now; the checkpoints published so far are kept")
             os._exit(128 + signum)
         self.signum = signum
-        if not self.training:
+        if self.phase == "starting":
             raise Stopped(signum, f"stopped by {name} before the first step; nothing to save")
-        say(f"fw: {name}: finishing the current step and saving a checkpoint (send it again to exit now)", flush=True)
+        if self.phase == "ending":
+            say(f"fw: {name} came as the run was ending: letting its final save and teardown finish (send it again "
+                "to exit now)", flush=True)
+        else:
+            say(f"fw: {name}: finishing the current step and saving a checkpoint (send it again to exit now)",
+                flush=True)
         self._watchdog = threading.Timer(self.grace_s, self._expire, args=(signum,))
         self._watchdog.daemon = True
         self._watchdog.start()
 
     def _expire(self, signum: int) -> None:
-        _say_last(f"fw: {signal_name(signum)}: the step did not finish within trainer.stop_grace_s = "
-                  f"{self.grace_s:g} s; exiting without its checkpoint (the checkpoints published so far are kept)")
+        name = signal_name(signum)
+        if self.phase == "training":
+            _say_last(f"fw: {name}: the step did not finish within trainer.stop_grace_s = {self.grace_s:g} s; "
+                      "exiting without its checkpoint (the checkpoints published so far are kept)")
+        else:
+            _say_last(f"fw: {name}: the run's ending (its final save, the callbacks' and loggers' last work) did not "
+                      f"finish within trainer.stop_grace_s = {self.grace_s:g} s; exiting now; {self._state(True)}")
         os._exit(128 + signum)
+
+    def _state(self, saving: bool) -> str:
+        """`state(saving)`, for the line before `os._exit`: reading the run's files must not keep the line from
+        being said, so any error there gives the general account."""
+        if self.state is not None:
+            with contextlib.suppress(Exception):   # the process exits next: a line without the state, not none
+                return self.state(saving)
+        return "the checkpoints published so far are kept"

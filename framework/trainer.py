@@ -280,7 +280,7 @@ def refuse_earlier_metrics(run_dir: str | Path) -> None:
 
 
 def fit(cfg: dict, resume: str | None = None, skip_damaged: bool = False,
-        keep_on_device: bool = False) -> lightning.Trainer:
+        keep_on_device: bool = False, signals_until_exit: bool = False) -> lightning.Trainer:
     """Train `cfg` (a resolved config): lock run_dir, check its memory plan, seed, build, fit; `<run_dir>/config.yaml`
     is written as the first step begins (`SaveConfig`), so a run refused at start-up leaves it as it was.
 
@@ -290,6 +290,8 @@ def fit(cfg: dict, resume: str | None = None, skip_damaged: bool = False,
     SIGTERM / SIGINT finish the current step, publish its checkpoint and raise `framework.signals.Stopped`
     (framework/signals.py has the rules). `keep_on_device`: a one-process job leaves its models and optimizer
     states on the device at the end instead of copying them to host memory (for a caller that exits next).
+    `signals_until_exit`: the process ends after fit, whose signal handlers stay in place, so that a signal while it
+    exits still gets its line.
     """
     from framework.checkpoint import find_latest, pin_resume, refuse_missing_run_dir, resolve_resume, resume_refusal
     from framework.memory_plan import check_fits
@@ -304,7 +306,7 @@ def fit(cfg: dict, resume: str | None = None, skip_damaged: bool = False,
     run_dir = Path(cfg["run_dir"])
     rank0 = rank_zero_only.rank == 0
     with contextlib.ExitStack() as stack:
-        stop = stack.enter_context(StopSignals(cfg["trainer"]["stop_grace_s"]))
+        stop = stack.enter_context(StopSignals(cfg["trainer"]["stop_grace_s"], until_exit=signals_until_exit))
         refuse_missing_run_dir(resume, run_dir)   # before the lock creates it
         if rank0:   # the other processes of a multi-process run share it with rank 0
             stack.enter_context(RunLock(run_dir))
@@ -323,6 +325,7 @@ def fit(cfg: dict, resume: str | None = None, skip_damaged: bool = False,
         # first: it refuses unsupported settings before the models are built
         trainer = build_trainer(cfg, stop, keep_on_device, checkpoint=ckpt_path)
         module = FwModule(cfg, device=build_device(trainer))
+        stop.state = lambda saving: _published(run_dir, module.policy_version, trainer.max_steps, saving)
         log_config(trainer.loggers, cfg)
         try:
             trainer.fit(module, ckpt_path=ckpt_path)
@@ -346,6 +349,7 @@ def fit(cfg: dict, resume: str | None = None, skip_damaged: bool = False,
             if refusal is None:
                 raise
             raise refusal from None
+        stop.ended()   # what follows reports the outcome; a signal now exits at once, saying what is published
         if stop.signum is not None and module.policy_version < trainer.max_steps:
             latest = find_latest(run_dir)
             saved = f"checkpoint {latest}; continue with {continue_command(run_dir)}" if latest else "no checkpoint"
@@ -368,6 +372,26 @@ def continue_command(run_dir: Path) -> str:
     every override it was started with, which its config file alone does not, and a resume from that file would
     apply the settings the overrides changed back to the file's."""
     return f"fw fit --config {shlex.quote(str(run_dir / 'config.yaml'))} --resume last"
+
+
+def _published(run_dir: Path, step: int, max_steps: int, saving: bool) -> str:
+    """What a run at policy step `step` has published, for the line of an exit at once as the run ends: its newest
+    complete checkpoint and the command that continues it; `saving`: an exit cuts the final save short. Read only:
+    `find_latest` would first put back a checkpoint set aside by a replace, which may be this process's own save."""
+    from framework.checkpoint import is_complete, step_dirs
+
+    latest = next((path for path in reversed(step_dirs(run_dir)) if is_complete(path)), None)
+    if latest is None:
+        return "no checkpoint is published" + (f" (the save of step {step} is cut short)" if saving and step else "")
+    reached = int(latest.name.removeprefix("step-"))   # step_dir_name's
+    if reached >= step >= max_steps:
+        return (f"it reached trainer.max_steps {max_steps}; its final checkpoint {latest} and the metric files up to "
+                "it are written")
+    go_on = f"continue with {continue_command(run_dir)}"
+    if reached >= step:
+        return f"its newest checkpoint {latest} (step {reached}) and the metric files up to it are written; {go_on}"
+    cut = f"the save of step {step} is cut short and publishes nothing" if saving else f"step {step} is not saved"
+    return f"{cut}; the newest intact checkpoint is {latest} (step {reached}); {go_on}"
 
 
 def _interrupted(step: int, run_dir: Path, what: str) -> Stopped:

@@ -104,15 +104,19 @@ def test_sigterm_during_a_checkpoint_save_lets_it_finish_then_stops_after_the_ne
 
 def test_a_second_signal_during_the_stops_own_save_exits_at_once_keeping_the_published_ones(tmp_path):
     """SIGTERM while step 2 is saved, then Ctrl+C while the stop's checkpoint (step 3) is written: the process ends at
-    once (130, the "again" line last), step 3's staging is left unpublished, steps 1 and 2 stay intact, and
-    `--resume last` continues from step 2 to the straight run's losses and weights."""
+    once (130, the "again" line last, naming step 2 as the newest intact checkpoint and the command that continues),
+    step 3's staging is left unpublished, steps 1 and 2 stay intact, and `--resume last` continues from step 2 to the
+    straight run's losses and weights."""
     run_dir = tmp_path / "run"
     run = Run(sft_argv(run_dir, "--checkpoint.every_n_steps=1", "--checkpoint.keep_last=3", max_steps=8),
               tmp_path / "fit.log", kills={2: signal.SIGTERM, 3: signal.SIGINT})
     assert run.wait() == 130, run.output()
     out = run.output()
     assert "Traceback" not in out, out
-    assert out.splitlines()[-1] == "fw: SIGINT again: exiting now; the checkpoints published so far are kept"
+    assert out.splitlines()[-1] == (
+        "fw: SIGINT again as the run was ending: exiting now; the save of step 3 is cut short and publishes nothing; "
+        f"the newest intact checkpoint is {ck.checkpoints_dir(run_dir) / ck.step_dir_name(2)} (step 2); continue with "
+        f"fw fit --config {run_dir / 'config.yaml'} --resume last")
     assert [Path(p).name for p in ck.list_checkpoints(run_dir)] == [ck.step_dir_name(1), ck.step_dir_name(2)]
     assert newest(run_dir) == ck.step_dir_name(2)
     _resumed_matches_a_straight_run(tmp_path, run_dir, end=5)

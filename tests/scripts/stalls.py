@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import os
 import signal
 import time
@@ -79,3 +80,34 @@ class InterruptingReward:
                 raise KeyboardInterrupt
             os.kill(os.getpid(), signal.SIGINT)
         return 0.0
+
+
+def _hold(marker: str, go: str) -> None:
+    """Write `marker`, then wait (up to 300 s) until the file `go` exists."""
+    _write(marker, "held")
+    deadline = time.monotonic() + 300
+    while not Path(go).exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+class HoldAt(lightning.Callback):
+    """Holds the run (`_hold`) at `point` as it ends: "final_save" (the last step's checkpoint, before any of it is
+    written), "on_fit_end", "teardown", or "exit" (an atexit hook that `teardown` registers, as a logger's upload at
+    exit is)."""
+
+    def __init__(self, point: str, marker: str, go: str):
+        self.point, self.marker, self.go = point, marker, go
+
+    def on_save_checkpoint(self, trainer, module, checkpoint):
+        if self.point == "final_save" and module.policy_version == trainer.max_steps:
+            _hold(self.marker, self.go)
+
+    def on_fit_end(self, trainer, module):
+        if self.point == "on_fit_end":
+            _hold(self.marker, self.go)
+
+    def teardown(self, trainer, module, stage):
+        if self.point == "teardown":
+            _hold(self.marker, self.go)
+        elif self.point == "exit":
+            atexit.register(_hold, self.marker, self.go)
