@@ -63,6 +63,8 @@ step train-bench-selective 120 train_bench.log python3 -m benchmarks.train_step 
 step train-yaml 60 examples.log python3 -m benchmarks.fit_timing --config train.yaml --run_dir=/tmp/runs/train-yaml
 step decode-splits 90 ops_bench.log python3 -m benchmarks.ops.decode_splits
 step decode-gemm 120 ops_bench.log python3 -m benchmarks.ops.decode_gemm
+step decode-order 120 ops_bench.log python3 -m benchmarks.ops.decode_order --columns "" FW_DECODE_SPLITS=2 FW_DECODE_PERSIST=1
+step rollout-order 480 rollout_bench.log bash -c 'for g in 4 16; do for o in longest admission; do FW_DECODE_ORDER=$o python3 -m benchmarks.rollout --num-seqs 256 --lo 100 --hi 1024 --impls fw --kv-cache-gib $g --rounds 3 || exit; done; done'
 # Big models (docs/PERFORMANCE.md "Scaling"): ROWS picks rows of benchmarks/scale.py; TOKENIZER is a
 # directory with Qwen3's tokenizer.json for the TRL rows.
 step scale 560 scale.log python3 -m benchmarks.scale --rows "${ROWS:-grpo-0.6b,grpo-4b,grpo-4b-117,grpo-8b,grpo-8b-lora16,sft-8b}" --out "$OUT/scale"

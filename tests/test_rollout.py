@@ -618,6 +618,48 @@ def test_cuda_groups_decode_with_packs(model, tok, monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_decode_steps_order_rows_longest_first(model, tok, dtype, monkeypatch):
+    """A CUDA decode step hands the attention its rows longest context first (FW_DECODE_ORDER=admission: the
+    scheduler's order). Graphs replay the eager steps' order; against the scheduler's order the tokens are the same
+    and the logprobs within 1e-5: a row's logits do not depend on its place in the batch, the top-k sampler's
+    logprob may round differently there."""
+    import ops_cuda
+    from framework.models import qwen3
+
+    m = Qwen3ForCausalLM(model.config)
+    m.load_state_dict(model.state_dict())
+    m = m.to("cuda", dtype).eval()
+    # admitted shortest first, so that the scheduler's order and the longest-first one differ
+    prompts = [tok.encode("a" * n) for n in (1, 5, 9, 17, 33, 48)]
+    params = SamplingParams(max_new_tokens=[20, 12, 20, 7, 20, 16], temperature=0.9, top_k=20)
+    attention = ops_cuda.paged_decode_attention
+    lengths = []
+
+    def spy(q, k_pool, v_pool, tables, lens, *rest):
+        lengths.append(lens.tolist())
+        return attention(q, k_pool, v_pool, tables, lens, *rest)
+
+    results = {}
+    for order in ("admission", "longest"):
+        monkeypatch.setenv("FW_DECODE_ORDER", order)
+        with monkeypatch.context() as patch:
+            patch.setattr(qwen3.ops_cuda, "paged_decode_attention", spy)
+            lengths.clear()
+            eager = generate(m, prompts, params, seed=5, cuda_graph=False)
+        steps = [row for row in lengths[::m.config.num_hidden_layers] if len(row) > 1]
+        assert steps
+        descending = all(row == sorted(row, reverse=True) for row in steps)
+        assert descending == (order == "longest"), steps[:3]
+        graphed = generate(m, prompts, params, seed=5)
+        assert graphed.completion_ids == eager.completion_ids
+        assert torch.equal(graphed.logprobs, eager.logprobs)
+        results[order] = eager
+    assert results["longest"].completion_ids == results["admission"].completion_ids
+    assert (results["longest"].logprobs - results["admission"].logprobs).abs().max() <= 1e-5
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("setup", ["fp32", "bf16", "fp32 weights under bf16 autocast",
                                    "bf16 weights under bf16 autocast"])
 def test_cuda_graph_decode_gives_the_eager_tokens(model, prompts, tok, setup, monkeypatch):

@@ -122,6 +122,12 @@ def shared_decode() -> bool:
     return os.environ.get("FW_DECODE_SHARED", "1") != "0"
 
 
+def longest_first() -> bool:
+    """Whether a CUDA decode step orders its rows by context length, longest first (FW_DECODE_ORDER=admission keeps
+    the scheduler's order, to compare)."""
+    return os.environ.get("FW_DECODE_ORDER", "longest") != "admission"
+
+
 def decode_packs(rows: list[RowState], block_size: int) -> tuple[list[RowState], list[tuple[int, int, int]]]:
     """The decode batch's order and each row's pack (first row, rows, shared positions), as
     ops_cuda.paged_decode_attention takes them: rows whose full prompt blocks are the same blocks of the pool (a
@@ -375,6 +381,8 @@ class _Run:
         # blocks once
         self.share = shared_decode() and len({tuple(s.prompt) for s in seqs}) < len(seqs)
         self.packed: tuple[tuple[int, ...], list[RowState], list[tuple[int, int, int]]] = ((), [], [])
+        # elsewhere a CUDA step's rows go longest context first (`_decode`); the CPU's attention has no such order
+        self.longest_first = not self.share and not self.cpu and longest_first()
 
     def run(self) -> None:
         try:
@@ -502,6 +510,10 @@ class _Run:
                 self.packed = (ident, *decode_packs(rows, self.bs))
             _, rows, packs = self.packed
             packs = packs + [(i, 1, 0) for i in range(B, bucket)]   # padding rows: packs of their own
+        elif self.longest_first:
+            # the decode attention's blocks start in row order: with the longest contexts first, the short rows'
+            # blocks fill in behind them, and a step does not end waiting on a long row whose blocks started last
+            rows = sorted(rows, key=lambda s: len(s.prompt) + s.issued, reverse=True)
         blank = [0] * len(packs[0])
         meta = torch.tensor([[s.row, s.issued, len(s.prompt) + s.issued - 1, *p] for s, p in zip(rows, packs)]
                             + [[len(self.seqs), 0, 0, *p] for p in packs[B:]]
