@@ -334,10 +334,16 @@ def _moved_base(source: Path, manifest: dict, given: str | os.PathLike) -> dict:
                       "model directory; leave --model.policy.path out")
     path = os.path.abspath(os.path.expanduser(given))   # as fw reads a path override: from the working directory
     if not (Path(path) / MODEL_CONFIG).is_file():
-        found = "no config.json there" if Path(path).is_dir() else "no such directory"
+        found = ("no config.json there" if Path(path).is_dir() else "not a directory" if Path(path).exists()
+                 else "no such directory")
         raise FwError(f"--model.policy.path {given}: {found}; give the directory that the base model of {source} "
                       f"({was}) was moved or copied to")
     if path != was:   # the base at its own place is read as without the option
+        if (manifest.get("sources") or {}).get("model.policy.path") is None and not Path(was).is_dir():
+            # nothing to check the copy against: what the old place held is neither recorded nor there
+            raise FwError(f"--model.policy.path {given}: {source} was written without a record of its base "
+                          f"model's files, and {was} is gone, so the move cannot be checked; put the base model back "
+                          f"at {was} (a symlink to {path} will do) and leave --model.policy.path out")
         problem = recorded_move_problem(manifest, "model.policy.path", was, path)
         if problem is not None:
             raise FwError(f"--model.policy.path {given}: not the base model of the LoRA adapters of {source}, "

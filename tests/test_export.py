@@ -595,10 +595,12 @@ def test_export_refuses_a_model_policy_path_that_is_not_the_checkpoints_base(tmp
     cfg = resolve({"recipe": "sft", "run_dir": str(tmp_path / "preset"),
                    "model": {"policy": {"preset": "tiny", "lora": {"rank": 4}}}})
     preset = save_lora_checkpoint(cfg, build_policy(cfg["model"]["policy"], tok, seed=cfg["seed"]), tok, None)
+    afile = tmp_path / "afile"
+    afile.write_text("not a model\n")
     out = tmp_path / "out"
     capsys.readouterr()
     for checkpoint, dir_, merge in ((ckpt, other, ["--merge"]), (ckpt, extra, []), (ckpt, tmp_path / "gone", []),
-                                    (full, base, []), (preset, base, ["--merge"])):
+                                    (ckpt, afile, []), (full, base, []), (preset, base, ["--merge"])):
         assert main(["export", "--checkpoint", str(checkpoint), "--out", str(out), *merge,
                      "--model.policy.path", str(dir_)]) == 2
     assert not out.exists()
@@ -612,11 +614,41 @@ def test_export_refuses_a_model_policy_path_that_is_not_the_checkpoints_base(tmp
          "was moved or copied to"),
         (f"fw: error: --model.policy.path {tmp_path / 'gone'}: no such directory; give the directory that the base "
          f"model of {ckpt} ({base}) was moved or copied to"),
+        (f"fw: error: --model.policy.path {afile}: not a directory; give the directory that the base model of {ckpt} "
+         f"({base}) was moved or copied to"),
         (f"fw: error: --model.policy.path {base}: {full} holds a full model, not LoRA adapters (no "
          "policy/adapter_config.json), so it has no base model to name; leave --model.policy.path out"),
         (f"fw: error: --model.policy.path {base}: the LoRA adapters of {preset} are on the preset tiny "
          "(model.policy.preset of its config.yaml), built from its seed, not on a model directory; leave "
          "--model.policy.path out")]
+
+
+def test_export_of_a_checkpoint_without_a_record_of_its_gone_base_says_the_move_cannot_be_checked(tmp_path, capsys):
+    """A LoRA checkpoint written before checkpoints recorded their base model's files, whose base has moved away:
+    --model.policy.path is refused in one line saying that the move cannot be checked (not that the directory holds
+    another model) and how to export it; with the base back at its place (a symlink) the export needs no option."""
+    from framework.cli import main
+    from framework.config import load_config
+
+    base, ckpt = _lora_run(tmp_path)
+    old = tmp_path / "old" / ck.step_dir_name(2)
+    was = ck.read_checkpoint_dir(ckpt)
+    was["fw_components"]["policy"]["weights_file"] = "adapter_model.safetensors"   # no config.json to say so
+    ck.write_checkpoint_dir(was, old, load_config([str(ckpt / "config.yaml")], imports=()), sources={})
+    assert not ck.read_manifest(old)["sources"]
+    moved = tmp_path / "moved"
+    base.rename(moved)
+    capsys.readouterr()
+    for merge in (["--merge"], []):
+        assert main(["export", "--checkpoint", str(old), "--out", str(tmp_path / "out"), *merge,
+                     "--model.policy.path", str(moved)]) == 2
+    line = (f"fw: error: --model.policy.path {moved}: {old} was written without a record of its base model's files, "
+            f"and {base} is gone, so the move cannot be checked; put the base model back at {base} (a symlink to "
+            f"{moved} will do) and leave --model.policy.path out")
+    assert capsys.readouterr().err.splitlines() == [line, line]
+    assert not (tmp_path / "out").exists()
+    base.symlink_to(moved)
+    assert main(["export", "--checkpoint", str(old), "--out", str(tmp_path / "out"), "--merge"]) == 0
 
 
 def test_a_checkpoints_policy_takes_no_other_model_from_the_config(tmp_path, capsys):
