@@ -38,6 +38,10 @@ from framework.console import say
 # SIGUSR1 is POSIX only; installed before Lightning starts a stage, it is a handler Lightning leaves in place
 SIGNALS = (signal.SIGTERM, signal.SIGINT) + ((signal.SIGUSR1,) if hasattr(signal, "SIGUSR1") else ())
 
+# how long the line of an exit at once waits for `StopSignals.state` to read what the run has published: a file system
+# that does not answer must not keep the process from exiting
+STATE_WAIT_S = 5.0
+
 # starting: before the first step; training: a step is in progress; ending: the last step is done, its final save and
 # the teardown follow; ended: fit decided the run's outcome
 Phase = Literal["starting", "training", "ending", "ended"]
@@ -174,8 +178,21 @@ class StopSignals:
 
     def _state(self, saving: bool) -> str:
         """`state(saving)`, for the line before `os._exit`: reading the run's files must not keep the line from
-        being said, so any error there gives the general account."""
-        if self.state is not None:
-            with contextlib.suppress(Exception):   # the process exits next: a line without the state, not none
-                return self.state(saving)
-        return "the checkpoints published so far are kept"
+        being said, nor the process from exiting (a final save stuck on a file system that does not answer is what
+        a grace's expiry or a second signal ends), so an error there, or a read not done within `STATE_WAIT_S`,
+        gives the general account."""
+        found: list[str] = []
+        state = self.state
+        if state is not None:
+            def read() -> None:
+                with contextlib.suppress(Exception):   # the process exits next: a line without the state, not none
+                    found.append(state(saving))
+
+            reader = threading.Thread(target=read, name="fw-published", daemon=True)
+            try:
+                reader.start()
+            except RuntimeError:   # the interpreter is finalizing (Python 3.12+ starts no thread then): read here
+                read()
+            else:
+                reader.join(STATE_WAIT_S)
+        return found[0] if found else "the checkpoints published so far are kept"

@@ -159,3 +159,34 @@ def test_a_signal_while_the_process_exits_after_the_run_says_its_line(tmp_path, 
         (f"fw: {name} came as the process was exiting after the run: it reached trainer.max_steps 2; its final "
          f"checkpoint {_step(fit.run_dir, 2)} and the metric files up to it are written")]
     assert newest(fit.run_dir) == ck.step_dir_name(2) and metric_steps(fit.run_dir) == [1, 2]
+
+
+_PUBLISHED_UNREADABLE = """
+import os, signal, sys, threading, time
+from framework import signals
+signals.STATE_WAIT_S = 0.5
+with signals.StopSignals(grace_s=float(sys.argv[1])) as stops:
+    stops.start_training()
+    stops.ending()
+    stops.state = lambda saving: threading.Event().wait() and ""   # run_dir on a file system that does not answer
+    os.kill(os.getpid(), signal.SIGTERM)   # the first signal as the run ends: the grace's watchdog starts
+    if sys.argv[2] == "again":
+        os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(120)                        # a final save stuck on that file system
+"""
+
+
+
+@pytest.mark.parametrize("how", ["grace", "again"])
+def test_an_exit_at_once_as_the_run_ends_does_not_wait_on_reading_its_checkpoints(how):
+    """The grace's expiry or a second signal as the run ends exits at once even where reading what the run has
+    published does not return (its run_dir on a file system that hangs, the likely reason its final save is stuck):
+    the line then gives the general account instead of waiting for it."""
+    grace, code = ("0.2", 143) if how == "grace" else ("600", 130)
+    proc = subprocess.run([sys.executable, "-c", _PUBLISHED_UNREADABLE, grace, how], check=False, cwd=REPO,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == code, proc.stderr
+    last = ("fw: SIGTERM: the run's ending (its final save, the callbacks' and loggers' last work) did not finish "
+            "within trainer.stop_grace_s = 0.2 s; exiting now" if how == "grace"
+            else "fw: SIGINT again as the run was ending: exiting now")
+    assert proc.stderr.splitlines() == [f"fw: SIGTERM {ENDING}", f"{last}; the checkpoints published so far are kept"]
