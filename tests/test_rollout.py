@@ -630,7 +630,8 @@ def test_cuda_decode_steps_order_rows_longest_first(model, tok, dtype, monkeypat
     m = Qwen3ForCausalLM(model.config)
     m.load_state_dict(model.state_dict())
     m = m.to("cuda", dtype).eval()
-    # admitted shortest first, so that the scheduler's order and the longest-first one differ
+    # the scheduler admits the longest limit first: its order runs contexts of 1, 9, 33, 48, 5 and 17 tokens, not the
+    # longest-first one
     prompts = [tok.encode("a" * n) for n in (1, 5, 9, 17, 33, 48)]
     params = SamplingParams(max_new_tokens=[20, 12, 20, 7, 20, 16], temperature=0.9, top_k=20)
     attention = ops_cuda.paged_decode_attention
