@@ -79,7 +79,8 @@ def export_checkpoint(checkpoint: str | os.PathLike, out: str | os.PathLike, mer
     `AutoModelForCausalLM.from_pretrained` (a LoRA checkpoint: PEFT's adapter directory, or with `merge` the
     merged model), every file checked against the manifest's sha256. `out` must not exist or be empty.
     `base` (`--model.policy.path`) is where a LoRA checkpoint's base model is now, when it has moved from
-    `model.policy.path` of the checkpoint's config.yaml; its files must be those the checkpoint recorded.
+    `model.policy.path` of the checkpoint's config.yaml; another directory than that must hold the files the
+    checkpoint recorded.
     Returns `out`.
 
     The copy is staged in a hidden sibling of `out` and renamed into place, so `out` appears whole or not at

@@ -18,8 +18,8 @@ finish (the closing line says how the run ended); a second one, or an ending tha
 with a line naming the newest intact checkpoint (the final save cut short publishes nothing) and the command that
 continues the run. Once `fit` has decided the run's outcome, a signal exits at once with such a line. Under the `fw`
 program the handlers stay in place after `fit` returns, through the CLI's last lines and the atexit hooks; only the
-interpreter's own finalization, its last second or so, runs without them (a signal there ends the process with no
-line, the run complete and written).
+interpreter's own finalization runs without them (a signal there ends the process with no line, the run complete
+and written).
 """
 
 from __future__ import annotations
