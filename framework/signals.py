@@ -134,7 +134,8 @@ class StopSignals:
             self.phase = "ending"
 
     def ended(self) -> None:
-        """`fit` has decided the run's outcome: a signal from now on exits at once, saying what is published."""
+        """`fit` has decided the run's outcome: a signal from now on exits at once, saying what is published (with
+        `until_exit`; a library caller's process goes on, and the signal only gets a line)."""
         self.phase = "ended"
 
     def request(self, signum: int) -> None:
@@ -145,6 +146,9 @@ class StopSignals:
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         name = signal_name(signum)
         if self.phase == "ended":
+            if not self.until_exit:   # a library caller's process goes on after fit, which is returning: no stop left
+                say(f"fw: {name} came as the run had ended; nothing is left to stop", flush=True)
+                return
             _say_last(f"fw: {name} came as the process was exiting after the run: {self._state(False)}")
             os._exit(128 + signum)
         if self.signum is not None:

@@ -349,7 +349,7 @@ def fit(cfg: dict, resume: str | None = None, skip_damaged: bool = False,
             if refusal is None:
                 raise
             raise refusal from None
-        stop.ended()   # what follows reports the outcome; a signal now exits at once, saying what is published
+        stop.ended()   # what follows reports the outcome; under the fw program a signal now exits at once, saying so
         if stop.signum is not None and module.policy_version < trainer.max_steps:
             latest = find_latest(run_dir)
             saved = f"checkpoint {latest}; continue with {continue_command(run_dir)}" if latest else "no checkpoint"

@@ -190,3 +190,18 @@ def test_an_exit_at_once_as_the_run_ends_does_not_wait_on_reading_its_checkpoint
             "within trainer.stop_grace_s = 0.2 s; exiting now" if how == "grace"
             else "fw: SIGINT again as the run was ending: exiting now")
     assert proc.stderr.splitlines() == [f"fw: SIGTERM {ENDING}", f"{last}; the checkpoints published so far are kept"]
+
+
+def test_a_signal_after_a_library_fit_ended_leaves_the_callers_process_running(capsys):
+    """In-process (fit called from Python, not as the `fw` program): a signal between fit's outcome and its return
+    gets one line and no exit, and the caller's handlers are back after the context."""
+    from framework.signals import StopSignals
+
+    before = signal.getsignal(signal.SIGTERM)
+    with StopSignals(grace_s=60.0) as stop:
+        stop.start_training()
+        stop.ended()
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.1)   # the handler runs in the main thread at the next bytecode boundary
+    assert "fw: SIGTERM came as the run had ended; nothing is left to stop" in capsys.readouterr().err
+    assert signal.getsignal(signal.SIGTERM) is before
