@@ -622,8 +622,8 @@ def test_cuda_groups_decode_with_packs(model, tok, monkeypatch):
 def test_cuda_decode_steps_order_rows_longest_first(model, tok, dtype, monkeypatch):
     """A CUDA decode step hands the attention its rows longest context first (FW_DECODE_ORDER=admission: the
     scheduler's order). Graphs replay the eager steps' order; against the scheduler's order the tokens are the same
-    and the logprobs within 1e-5: a row's logits do not depend on its place in the batch, the top-k sampler's
-    logprob may round differently there."""
+    and the logprobs within 1e-5: a row's logits do not depend on its place in the batch, but the sampler sums a
+    row's masses in another order where the row does not start on 16 bytes (this vocabulary's rows; not Qwen3's)."""
     import ops_cuda
     from framework.models import qwen3
 
