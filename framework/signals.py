@@ -177,7 +177,8 @@ class StopSignals:
                       "exiting without its checkpoint (the checkpoints published so far are kept)")
         else:
             _say_last(f"fw: {name}: the run's ending (its final save, the callbacks' and loggers' last work) did not "
-                      f"finish within trainer.stop_grace_s = {self.grace_s:g} s; exiting now; {self._state(True)}")
+                      f"finish within trainer.stop_grace_s = {self.grace_s:g} s of the signal; exiting now; "
+                      f"{self._state(True)}")
         os._exit(128 + signum)
 
     def _state(self, saving: bool) -> str:

@@ -140,8 +140,8 @@ def test_a_teardown_that_outlasts_the_grace_exits_saying_the_final_checkpoint_is
     assert fit.lines() == [
         f"fw: SIGTERM {ENDING}",
         ("fw: SIGTERM: the run's ending (its final save, the callbacks' and loggers' last work) did not finish "
-         "within trainer.stop_grace_s = 1 s; exiting now; it reached trainer.max_steps 2; its final checkpoint "
-         f"{_step(fit.run_dir, 2)} and the metric files up to it are written")]
+         "within trainer.stop_grace_s = 1 s of the signal; exiting now; it reached trainer.max_steps 2; its final "
+         f"checkpoint {_step(fit.run_dir, 2)} and the metric files up to it are written")]
     assert newest(fit.run_dir) == ck.step_dir_name(2) and metric_steps(fit.run_dir) == [1, 2]
 
 
@@ -187,7 +187,7 @@ def test_an_exit_at_once_as_the_run_ends_does_not_wait_on_reading_its_checkpoint
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == code, proc.stderr
     last = ("fw: SIGTERM: the run's ending (its final save, the callbacks' and loggers' last work) did not finish "
-            "within trainer.stop_grace_s = 0.2 s; exiting now" if how == "grace"
+            "within trainer.stop_grace_s = 0.2 s of the signal; exiting now" if how == "grace"
             else "fw: SIGINT again as the run was ending: exiting now")
     assert proc.stderr.splitlines() == [f"fw: SIGTERM {ENDING}", f"{last}; the checkpoints published so far are kept"]
 
