@@ -747,7 +747,9 @@ def kv_pool_blocks(cfg: dict, model: Qwen3Config, backend: str) -> tuple[int, in
     else:
         return None
     block = _kv_block(cfg, model, _bytes(compute_dtype(cfg)))[1]
-    return max(2, int(gib * (1 << 30)) // block), block, what
+    # as pool_blocks: a set budget too small for 2 blocks gets 1, the scratch block, and no row fits
+    floor = 2 if cfg["rollout"]["kv_cache_gib"] is None else 1
+    return max(floor, int(gib * (1 << 30)) // block), block, what
 
 
 def kv_row_problem(cfg: dict, model: Qwen3Config, backend: str, prompt_len: int, new_tokens: int,
@@ -811,7 +813,7 @@ def _batch_rows(rows: list[Row], cfg: dict, model: Qwen3Config, shapes: BatchSha
         pool = kv_pool_blocks(cfg, model, backend)
         if pool is not None and pool[0] < blocks:
             blocks = pool[0]
-            how = f"{pool[2]}: {blocks} blocks of {bs} positions x {block} B"
+            how = f"{pool[2]}: {blocks} block{'s' * (blocks != 1)} of {bs} positions x {block} B"
         rows.append(Row("KV cache", blocks * block, ("rollout",), how))
         prefill = shapes.rollout_rows * shapes.prompt_len * no_grad_peak_bytes(model, pb, cb)
         at_once = min(shapes.rollout_rows, ro["max_num_seqs"])

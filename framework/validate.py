@@ -434,9 +434,10 @@ class _Checks:
             return
         from framework.config import uses_cuda
         from framework.evaluation import Evaluation, eval_enabled
-        from framework.memory_plan import kv_row_problem, user_code
+        from framework.memory_plan import kv_pool_blocks, kv_row_problem, user_code
         from framework.models.build import policy_config
         from framework.recipe import recipe_class
+        from framework.rollout.scheduler import blocks_for
         from framework.tokenizer import build_tokenizer
 
         t = self.cfg["trainer"]
@@ -455,7 +456,10 @@ class _Checks:
         problem = kv_row_problem(self.cfg, model, backend, shapes.prompt_len, shapes.new_tokens,
                                  "rollout.max_new_tokens")
         if problem:
-            self.add(("rollout", "max_new_tokens"), problem)
+            # where not even the prompt fits, no limit helps: the budget is the key to change
+            holds = kv_pool_blocks(self.cfg, model, backend)[0] - 1
+            prompt_fits = blocks_for(shapes.prompt_len, 1, self.cfg["rollout"]["block_size"]) <= holds
+            self.add(("rollout", "max_new_tokens" if prompt_fits else "kv_cache_gib"), problem)
             return
         e = self.cfg["eval"]
         if not eval_enabled(self.cfg):

@@ -1064,3 +1064,27 @@ def test_validate_runs_without_lightning_and_speaks_on_the_first_process_only(tm
         done = subprocess.run([sys.executable, "-c", probe, str(config)], env=env, capture_output=True, text=True,
                               check=False, timeout=120)
         assert (done.stdout, done.stderr) == (f"{config}: valid (recipe grpo)\n0 False\n", said), launch
+
+
+def test_a_kv_budget_below_two_blocks_is_refused_at_its_key_and_two_blocks_run(tmp_path, capsys):
+    """rollout.kv_cache_gib that pays for fewer than 2 blocks (a row's and the scratch block) was rounded up to 2,
+    so a budget smaller than a block ran past itself; it is refused at its key before anything runs, where `fw plan`
+    and `fw generate` count one block. Exactly 2 blocks run and give the tokens of an unbounded budget."""
+    config = tmp_path / "c.yaml"
+    config.write_text(GRPO + "  chat_template: false\nrollout:\n  max_new_tokens: 2\n  kv_cache_gib: 1.0e-6\n")
+    code, lines = run_fw(["validate", "--config", str(config)], capsys)
+    assert code == 2 and len(lines) == 1, lines
+    assert lines[0].startswith(f"{config}:10:17: rollout.kv_cache_gib: one row of the longest prompt"), lines
+    assert "the pool holds 0 (rollout.kv_cache_gib 1e-06)" in lines[0] and "not even the prompt fits" in lines[0]
+    assert main(["plan", "--config", str(config)]) == 0
+    assert "rollout.kv_cache_gib 1e-06: 1 block of 16 positions x 32768 B" in capsys.readouterr().out
+    gen = ["generate", "--config", str(config), "--prompt", "12+3=", "--seed", "3"]
+    code, lines = run_fw(gen, capsys)
+    assert code == 2 and lines == [("fw: error: rollout: one row of 5 prompt + 2 new tokens needs 1 KV blocks of 16 "
+                                    "positions, the cache holds 0, and not even its prompt fits, whatever "
+                                    "rollout.max_new_tokens: raise rollout.kv_cache_gib")], lines
+    two_blocks = 2 * 32768 / 2**30   # tiny: 2 x 2 layers x 2 kv heads x 16 positions x 64 x 4 B a block
+    assert main([*gen, f"--rollout.kv_cache_gib={two_blocks!r}"]) == 0
+    bounded = capsys.readouterr().out
+    assert main([*gen, "--rollout.kv_cache_gib=null"]) == 0
+    assert capsys.readouterr().out == bounded

@@ -87,16 +87,18 @@ def block_bytes(config: Any, dtype: torch.dtype, block_size: int) -> int:
 def pool_blocks(settings: CacheSettings, config: Any, dtype: torch.dtype, device: torch.device,
                 rows: Sequence[Any]) -> int:
     """Blocks of a pool of `dtype` (the pool's own) for a call over `rows` (each with .prompt and .limit), the scratch
-    block included."""
+    block included; never more than rollout.kv_cache_gib pays for (1 where it pays for fewer than 2)."""
     per_block = block_bytes(config, dtype, settings.block_size)
+    need = sum(blocks_for(len(r.prompt), r.limit, settings.block_size) for r in rows) + 1
     if settings.kv_cache_gib is not None:
-        budget = int(settings.kv_cache_gib * (1 << 30))
-    elif device.type == "cuda":
+        # a set budget is never exceeded: one too small for a row's block and the scratch block leaves the rows
+        # no block (the one block returned is the scratch), and `check_rows_fit` refuses them naming the budget
+        return max(1, min(need, int(settings.kv_cache_gib * (1 << 30)) // per_block))
+    if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         budget = free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device) - FREE_MARGIN_BYTES
     else:
         budget = int(CPU_KV_CACHE_GIB * (1 << 30))
-    need = sum(blocks_for(len(r.prompt), r.limit, settings.block_size) for r in rows) + 1
     return max(2, min(need, budget // per_block))
 
 
