@@ -99,10 +99,12 @@ def check(located: LocatedConfig, *, machine: bool = False) -> list[Problem]:
 
 
 def model_problems(located: LocatedConfig) -> list[Problem]:
-    """The problems of the model directories and the tokenizer a config names, for the models its recipe builds:
-    what `fw plan` reads before it counts."""
+    """The problems of the model directories and the tokenizer a config names, for the models its recipe builds, and
+    a rollout's longest row against a KV budget that the config fixes (`kv_rows`): what `fw plan` reads before it
+    counts, so that it refuses what `fw validate` and `fw fit` refuse."""
     checks = _Checks(located)
     checks.models()
+    checks.kv_rows(machine=False)
     return checks.problems
 
 

@@ -1068,16 +1068,16 @@ def test_validate_runs_without_lightning_and_speaks_on_the_first_process_only(tm
 
 def test_a_kv_budget_below_two_blocks_is_refused_at_its_key_and_two_blocks_run(tmp_path, capsys):
     """rollout.kv_cache_gib that pays for fewer than 2 blocks (a row's and the scratch block) was rounded up to 2,
-    so a budget smaller than a block ran past itself; it is refused at its key before anything runs, where `fw plan`
-    and `fw generate` count one block. Exactly 2 blocks run and give the tokens of an unbounded budget."""
+    so a budget smaller than a block ran past itself; it is refused at its key before anything runs, by `fw plan` as
+    by `fw validate`, and `fw generate` counts one block. Exactly 2 blocks run and give the tokens of an unbounded
+    budget."""
     config = tmp_path / "c.yaml"
     config.write_text(GRPO + "  chat_template: false\nrollout:\n  max_new_tokens: 2\n  kv_cache_gib: 1.0e-6\n")
     code, lines = run_fw(["validate", "--config", str(config)], capsys)
     assert code == 2 and len(lines) == 1, lines
     assert lines[0].startswith(f"{config}:10:17: rollout.kv_cache_gib: one row of the longest prompt"), lines
     assert "the pool holds 0 (rollout.kv_cache_gib 1e-06)" in lines[0] and "not even the prompt fits" in lines[0]
-    assert main(["plan", "--config", str(config)]) == 0
-    assert "rollout.kv_cache_gib 1e-06: 1 block of 16 positions x 32768 B" in capsys.readouterr().out
+    assert run_fw(["plan", "--config", str(config)], capsys) == (2, lines)   # fw plan refuses it as validate does
     gen = ["generate", "--config", str(config), "--prompt", "12+3=", "--seed", "3"]
     code, lines = run_fw(gen, capsys)
     assert code == 2 and lines == [("fw: error: rollout: one row of 5 prompt + 2 new tokens needs 1 KV blocks of 16 "
