@@ -378,11 +378,12 @@ def _published(run_dir: Path, step: int, max_steps: int, saving: bool) -> str:
     """What a run at policy step `step` has published, for the line of an exit at once as the run ends: its newest
     complete checkpoint and the command that continues it; `saving`: an exit cuts the final save short. Read only:
     `find_latest` would first put back a checkpoint set aside by a replace, which may be this process's own save."""
-    from framework.checkpoint import is_complete, step_dirs
+    from framework.checkpoint import list_checkpoints
 
-    latest = next((path for path in reversed(step_dirs(run_dir)) if is_complete(path)), None)
-    if latest is None:
+    complete = list_checkpoints(run_dir)
+    if not complete:
         return "no checkpoint is published" + (f" (the save of step {step} is cut short)" if saving and step else "")
+    latest = Path(complete[-1])
     reached = int(latest.name.removeprefix("step-"))   # step_dir_name's
     if reached >= step >= max_steps:
         return (f"it reached trainer.max_steps {max_steps}; its final checkpoint {latest} and the metric files up to "

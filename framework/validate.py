@@ -436,10 +436,9 @@ class _Checks:
             return
         from framework.config import uses_cuda
         from framework.evaluation import Evaluation, eval_enabled
-        from framework.memory_plan import kv_pool_blocks, kv_row_problem, user_code
+        from framework.memory_plan import kv_row_problem, user_code
         from framework.models.build import policy_config
         from framework.recipe import recipe_class
-        from framework.rollout.scheduler import blocks_for
         from framework.tokenizer import build_tokenizer
 
         t = self.cfg["trainer"]
@@ -458,10 +457,9 @@ class _Checks:
         problem = kv_row_problem(self.cfg, model, backend, shapes.prompt_len, shapes.new_tokens,
                                  "rollout.max_new_tokens")
         if problem:
-            # where not even the prompt fits, no limit helps: the budget is the key to change
-            holds = kv_pool_blocks(self.cfg, model, backend)[0] - 1
-            prompt_fits = blocks_for(shapes.prompt_len, 1, self.cfg["rollout"]["block_size"]) <= holds
-            self.add(("rollout", "max_new_tokens" if prompt_fits else "kv_cache_gib"), problem)
+            # where not even the prompt fits (a row of one new token does not), no limit helps: the budget is the key
+            fits = kv_row_problem(self.cfg, model, backend, shapes.prompt_len, 1, "rollout.max_new_tokens") is None
+            self.add(("rollout", "max_new_tokens" if fits else "kv_cache_gib"), problem)
             return
         e = self.cfg["eval"]
         if not eval_enabled(self.cfg):

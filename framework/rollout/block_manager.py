@@ -38,8 +38,8 @@ class BlockManager:
     """Free list, reference counts and the prefix cache of a pool of `num_blocks` blocks."""
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
-        if num_blocks < 2:
-            raise FwError(f"rollout: the KV cache needs at least 2 blocks, got {num_blocks}")
+        if num_blocks < 1:   # block 0 is scratch; a pool of it alone holds no row, which the Scheduler refuses
+            raise FwError(f"rollout: the KV cache needs at least 1 block, got {num_blocks}")
         self.num_blocks, self.block_size = num_blocks, block_size
         self.refs = [0] * num_blocks
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, num_blocks))

@@ -270,7 +270,6 @@ class RolloutEngine:
                 release_cached(device)
             n = pool_blocks(self.settings, c, dtype, device, seqs)   # with the old pool's memory free again
             self.cache = self.model.new_paged_kv_cache(n, bs, device=device, dtype=dtype)
-        check_rows_fit(seqs, bs, self.cache.num_blocks)   # before the bookkeeping, which needs 2 blocks or more
         # fresh bookkeeping every call: the weights may have changed since, so no cached prefix carries over
         self.blocks = BlockManager(self.cache.num_blocks, bs)
 

@@ -92,7 +92,7 @@ def pool_blocks(settings: CacheSettings, config: Any, dtype: torch.dtype, device
     need = sum(blocks_for(len(r.prompt), r.limit, settings.block_size) for r in rows) + 1
     if settings.kv_cache_gib is not None:
         # a set budget is never exceeded: one too small for a row's block and the scratch block leaves the rows
-        # no block (the one block returned is the scratch), and `check_rows_fit` refuses them naming the budget
+        # no block (the one block returned is the scratch), and the Scheduler's `check_rows_fit` refuses them
         return max(1, min(need, int(settings.kv_cache_gib * (1 << 30)) // per_block))
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
