@@ -308,8 +308,8 @@ def adapted_policy(source: Path, adapter_dir: Path, policy_cfg: dict | None = No
     tokenizer = Tokenizer.from_pretrained(adapter_dir) if (adapter_dir / "tokenizer.json").is_file() \
         else build_tokenizer(cfg)
     base = cfg["model"]["policy"]["path"]
-    if base is not None and not (Path(base) / MODEL_CONFIG).is_file():
-        found = "no config.json there" if Path(base).is_dir() else "no such directory"
+    found = None if base is None else _missing_model(base)
+    if found is not None:
         raise FwError(f"{source}: the base model of its LoRA adapters, model.policy.path of its {CONFIG_FILE}, is "
                       f"{base}: {found}; put that model back there (fw generate, fw eval and fw export --merge "
                       "also take --model.policy.path=DIR of a copy, checked against the checkpoint's record of its "
@@ -319,6 +319,14 @@ def adapted_policy(source: Path, adapter_dir: Path, policy_cfg: dict | None = No
     load_targets(peft_targets(policy), load_file(str(adapter_dir / ADAPTER_WEIGHTS)),
                  source=str(source / POLICY / ADAPTER_WEIGHTS))
     return tokenizer, policy
+
+
+def _missing_model(path: str | os.PathLike) -> str | None:
+    """What `path` lacks as a model directory (its config.json, or the directory itself), or None."""
+    p = Path(path)
+    if (p / MODEL_CONFIG).is_file():
+        return None
+    return "no config.json there" if p.is_dir() else "not a directory" if p.exists() else "no such directory"
 
 
 def _moved_base(source: Path, manifest: dict, given: str | os.PathLike) -> dict:
@@ -334,9 +342,8 @@ def _moved_base(source: Path, manifest: dict, given: str | os.PathLike) -> dict:
                       f"{policy['preset']} (model.policy.preset of its {CONFIG_FILE}), built from its seed, not on a "
                       "model directory; leave --model.policy.path out")
     path = os.path.abspath(os.path.expanduser(given))   # as fw reads a path override: from the working directory
-    if not (Path(path) / MODEL_CONFIG).is_file():
-        found = ("no config.json there" if Path(path).is_dir() else "not a directory" if Path(path).exists()
-                 else "no such directory")
+    found = _missing_model(path)
+    if found is not None:
         raise FwError(f"--model.policy.path {given}: {found}; give the directory that the base model of {source} "
                       f"({was}) was moved or copied to")
     if path != was:   # the base at its own place is read as without the option
