@@ -486,10 +486,9 @@ def check_metadata(task: Any, index: int, sample: dict, reward: Any) -> None:
     """FwError naming the task's sample `index` (a ``tasks.checked_sample``) when its metadata lacks a key that
     `reward` reads on every call (its ``metadata_keys``, which the built-ins state), or holds one of a kind the reward
     cannot score (its ``metadata_problem(metadata)``, a message or None, where it has one); a reward that states no
-    keys is not checked (a user's may read no key at all)."""
+    keys is checked for none (a user's may read no key at all), but still by its ``metadata_problem``."""
     keys = getattr(reward, "metadata_keys", None)
-    if not isinstance(keys, (tuple, list)):
-        return
+    keys = keys if isinstance(keys, (tuple, list)) else ()
     from framework.tasks import sample_name
 
     metadata = sample["metadata"]

@@ -5,6 +5,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from pathlib import Path
 
 import pytest
 
@@ -388,6 +389,26 @@ def test_countdown_metadata_of_another_kind_is_named(metadata, problem):
     good = {**sample, "metadata": {"numbers": [3, 8.0], "target": 24}}
     check_metadata(Given([good]), 0, good, reward)
     assert reward("", "<answer>3*8</answer>", good["metadata"]) == 1.0
+
+
+def test_a_user_rewards_metadata_problem_is_asked_without_metadata_keys(tmp_path):
+    """README: a class_path reward's metadata_problem(metadata), if it has one, refuses a sample; a reward that
+    states no metadata_keys still has its metadata_problem asked, at `fw validate` as at every draw."""
+    (tmp_path / "picky.py").write_text(
+        "class Picky:\n"
+        "    def metadata_problem(self, metadata):\n"
+        "        return None if isinstance(metadata['answer'], int) else 'answer must be an int'\n"
+        "    def __call__(self, prompt, completion, metadata):\n"
+        "        return 0.0\n")
+    config = tmp_path / "train.yaml"
+    config.write_text("recipe: grpo\nmodel: {policy: {preset: tiny}}\ndata: {task: {name: digits}}\n"
+                      "reward: {class_path: picky.Picky}\n")
+    done = subprocess.run([sys.executable, "-m", "framework", "validate", "--config", str(config)],
+                          capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1], timeout=300,
+                          check=False)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stderr.strip() == (f"{config}:3:14: data.task: Digits.sample(0): answer must be an int, which the "
+                                   "reward 'Picky' reads")
 
 
 class Template:
