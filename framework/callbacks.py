@@ -655,7 +655,11 @@ class RestorableState(lightning.Callback):
         parts = [(f"the state of {names.get(key, f'callback {key}')}", state)
                  for key, state in (checkpoint.get("callbacks") or {}).items()]
         known = (*LIGHTNING_CHECKPOINT_KEYS, type(trainer.precision_plugin).__qualname__)
-        parts += [(f"the checkpoint's key {key!r} (added by a callback's on_save_checkpoint)", value)
+        # Lightning hands every callback the same dict, so the key's author is one of those that override the hook
+        adders = [name for name, cb in zip(self.names, self.user, strict=True)
+                  if type(cb).on_save_checkpoint is not lightning.Callback.on_save_checkpoint]
+        by = adders[0] if len(adders) == 1 else f"one of {', '.join(adders)}" if adders else "a callback"
+        parts += [(f"the checkpoint's key {key!r} (added by the on_save_checkpoint of {by})", value)
                   for key, value in checkpoint.items() if key not in known]
         step = getattr(module, "policy_version", trainer.global_step)
         for what, value in parts:

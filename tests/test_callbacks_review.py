@@ -159,7 +159,13 @@ class AddsToCheckpoint(Callback):
     ("{class_path: test_callbacks_review.Keeps, init_args: {kind: path}}",
      "the state of callbacks[0] (test_callbacks_review.Keeps)", "pathlib.PosixPath"),
     ("{class_path: test_callbacks_review.AddsToCheckpoint}",
-     "the checkpoint's key 'my_best' (added by a callback's on_save_checkpoint)", "numpy"),
+     ("the checkpoint's key 'my_best' (added by the on_save_checkpoint of callbacks[0] "
+      "(test_callbacks_review.AddsToCheckpoint))"), "numpy"),
+    # the callback that adds the key is named, not one before it that keeps to the other hooks
+    (("{class_path: test_callbacks_review.WeighsASum, init_args: {reduce: mean}}, "
+      "{class_path: test_callbacks_review.AddsToCheckpoint}"),
+     ("the checkpoint's key 'my_best' (added by the on_save_checkpoint of callbacks[1] "
+      "(test_callbacks_review.AddsToCheckpoint))"), "numpy"),
 ])
 def test_a_callback_state_that_a_resume_cannot_load_stops_the_run_at_its_first_save(tmp_path, capsys, spec, what,
                                                                                      refused):
