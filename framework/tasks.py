@@ -399,6 +399,11 @@ def checked_sample(task: Any, index: int, sft: bool = False) -> Sample:
     name = sample_name(task, index)
     if not isinstance(sample, dict):
         raise FwError(f"{name} returned a {type(sample).__name__}, expected a dict with prompt, answer and metadata")
+    missing = [key for key in ("prompt", "answer", "metadata") if key not in sample]
+    if missing:   # said as missing: the type checks below would call an absent key a None
+        held = f"its keys: {', '.join(map(repr, sample))}" if sample else "it is empty"
+        raise FwError(f"{name} returned a dict without {', '.join(map(repr, missing))}, expected a dict with prompt, "
+                      f"answer and metadata ({held})")
     prompt = sample.get("prompt")
     if not isinstance(prompt, (str, list)):
         raise FwError(f"{name}: prompt must be a string or a list of {{role, content}} messages, got "

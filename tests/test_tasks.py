@@ -391,6 +391,18 @@ def test_countdown_metadata_of_another_kind_is_named(metadata, problem):
     assert reward("", "<answer>3*8</answer>", good["metadata"]) == 1.0
 
 
+def test_a_sample_without_a_key_is_said_to_lack_it():
+    """A user task's sample without `answer` was refused as "answer must be a string, got NoneType", as if the
+    task had set it to None; the line names the key that is missing."""
+    sample = {"prompt": "1=", "metadata": {"answer": "1"}}
+    with pytest.raises(FwError) as caught:
+        tasks.checked_sample(Given([sample]), 0)
+    assert str(caught.value) == ("data.task: Given.sample(0) returned a dict without 'answer', expected a dict with "
+                                 "prompt, answer and metadata (its keys: 'prompt', 'metadata')")
+    with pytest.raises(FwError, match=r"^data.task: Given.sample\(0\): answer must be a string .*, got NoneType$"):
+        tasks.checked_sample(Given([{**sample, "answer": None}]), 0)
+
+
 def test_a_user_rewards_metadata_problem_is_asked_without_metadata_keys(tmp_path):
     """README: a class_path reward's metadata_problem(metadata), if it has one, refuses a sample; a reward that
     states no metadata_keys still has its metadata_problem asked, at `fw validate` as at every draw."""

@@ -720,10 +720,16 @@ def test_validate_names_the_process_count_its_held_out_check_assumed(capsys):
     ("{'prompt': 12, 'answer': '1', 'metadata': {}}",
      "Odd.sample(0): prompt must be a string or a list of {role, content} messages, got int 12"),
     ("{'prompt': 'say 1', 'answer': '1'}",
+     ("Odd.sample(0) returned a dict without 'metadata', expected a dict with prompt, answer and metadata "
+      "(its keys: 'prompt', 'answer')")),
+    ("{'prompt': 'say 1', 'answer': '1', 'metadata': None}",
      "Odd.sample(0): metadata must be a dict (what the reward gets as its third argument), got NoneType"),
     ("{'prompt': 'say 1', 'metadata': {'answer': '1'}}",
+     ("Odd.sample(0) returned a dict without 'answer', expected a dict with prompt, answer and metadata "
+      "(its keys: 'prompt', 'metadata')")),
+    ("{'prompt': 'say 1', 'answer': 1, 'metadata': {'answer': '1'}}",
      ("Odd.sample(0): answer must be a string (the completion SFT trains on, the reference of the built-in "
-      "rewards), got NoneType")),
+      "rewards), got int")),
 ])
 def test_a_task_class_whose_samples_training_cannot_read_is_a_config_problem(tmp_path, capsys, returned, problem):
     """A user's task class returns anything from sample(): what the recipes read of it is checked, at data.task,
