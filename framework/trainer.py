@@ -342,13 +342,19 @@ def fit(cfg: dict, resume: str | None = None, skip_damaged: bool = False,
         except Exception as e:
             # a checkpoint that fails to load or restore (checkpoint.verify: false reads it unhashed): one line
             # naming its damaged file, with --skip-damaged where that passes over it
-            if ckpt_path is None or isinstance(e, Stopped) or (isinstance(e, FwError) and e.quiet):
-                raise
-            restoring = getattr(trainer.strategy.checkpoint_io, "restoring", None) is not None
-            refusal = resume_refusal(e, ckpt_path, resume, skip_damaged, restoring)
-            if refusal is None:
-                raise
-            raise refusal from None
+            if ckpt_path is not None and not isinstance(e, Stopped) and not (isinstance(e, FwError) and e.quiet):
+                restoring = getattr(trainer.strategy.checkpoint_io, "restoring", None) is not None
+                refusal = resume_refusal(e, ckpt_path, resume, skip_damaged, restoring)
+                if refusal is not None:
+                    raise refusal from None
+            if not isinstance(e, (FwError, Stopped)):
+                # a bug (fw's or the user's) keeps its traceback, which ends with what the run kept
+                try:
+                    kept = _since_newest(run_dir)
+                except (OSError, FwError) as unread:   # the error stays the one to report
+                    kept = f"its checkpoints could not be listed ({unread})"
+                _note(e, f"fw: the run ended at step {module.policy_version} on this error; {kept}")
+            raise
         stop.ended()   # what follows reports the outcome; under the fw program a signal now exits at once, saying so
         if stop.signum is not None and module.policy_version < trainer.max_steps:
             latest = find_latest(run_dir)
@@ -398,9 +404,21 @@ def _published(run_dir: Path, step: int, max_steps: int, saving: bool) -> str:
 def _interrupted(step: int, run_dir: Path, what: str) -> Stopped:
     """The stop of a fit that user code's KeyboardInterrupt ended at `step`: what the run did since its newest
     checkpoint is lost (the step in progress, or an evaluation after a step whose checkpoint comes after it)."""
+    return Stopped(signal.SIGINT, f"interrupted at step {step}: {what}; {_since_newest(run_dir)}")
+
+
+def _since_newest(run_dir: Path) -> str:
+    """What a run that ended mid-way kept: its newest checkpoint and the command that continues from it."""
     from framework.checkpoint import find_latest
 
     latest = find_latest(run_dir)
-    saved = (f"the newest checkpoint is {latest}, and what came after it is not saved; continue with "
-             f"{continue_command(run_dir)}" if latest else "no checkpoint is saved")
-    return Stopped(signal.SIGINT, f"interrupted at step {step}: {what}; {saved}")
+    return (f"the newest checkpoint is {latest}, and what came after it is not saved; continue with "
+            f"{continue_command(run_dir)}" if latest else "no checkpoint is saved")
+
+
+def _note(e: BaseException, line: str) -> None:
+    """`line` printed after e's traceback (a note, Python 3.11+), or on stderr before it."""
+    if hasattr(e, "add_note"):
+        e.add_note(line)
+    else:
+        print(line, file=sys.stderr, flush=True)

@@ -135,10 +135,15 @@ def test_a_user_loggers_save_failing_names_it_or_keeps_its_traceback(tmp_path, c
     assert lines == expected("save")
     assert checkpoints(run) == ["step-000002"]
 
-    with pytest.raises(ValueError, match=r"^a bug in my_logger\.save$") as e:
+    with pytest.raises(ValueError) as e:
         fit_with(tmp_path / "value", capsys, {"method": "save", "call": 3})
-    assert e.traceback[-1].name == "_maybe_raise"
-    assert checkpoints(tmp_path / "value" / "run") == ["step-000002"]
+    assert str(e.value) == "a bug in my_logger.save" and e.traceback[-1].name == "_maybe_raise"
+    run = tmp_path / "value" / "run"
+    assert checkpoints(run) == ["step-000002"]
+    # the traceback ends with what the run kept: the checkpoint of step 2, step 4's unwritten
+    note = (f"fw: the run ended at step 4 on this error; the newest checkpoint is {run / 'checkpoints' / 'step-000002'}"
+            f", and what came after it is not saved; continue with fw fit --config {run / 'config.yaml'} --resume last")
+    assert e.value.__notes__ == [note]
 
 
 @pytest.mark.parametrize("error", ["value", "fw"])

@@ -55,6 +55,14 @@ def config(run_dir, data, log_every, callbacks=()):
         "callbacks": list(callbacks)})
 
 
+def test_a_crash_before_the_first_checkpoint_says_none_is_saved(tmp_path, data):
+    crash = {"class_path": "test_resume.CrashAt", "init_args": {"step": 2}}
+    with pytest.raises(RuntimeError, match="simulated crash") as raised:
+        fit(config(tmp_path / "run", data, 1, [crash]))
+    assert raised.value.__notes__ == ["fw: the run ended at step 2 on this error; no checkpoint is saved"]
+    assert not (tmp_path / "run" / "checkpoints").exists() or not any((tmp_path / "run" / "checkpoints").iterdir())
+
+
 def comparable(records):
     return [{k: v for k, v in r.items() if k not in TIMING} for r in records]
 
@@ -70,8 +78,13 @@ def test_interrupted_and_resumed_run_equals_uninterrupted(tmp_path, data, log_ev
 
     broken = tmp_path / "broken"
     crash = {"class_path": "test_resume.CrashAt", "init_args": {"step": crash_at}}
-    with pytest.raises(RuntimeError, match="simulated crash"):
+    with pytest.raises(RuntimeError, match="simulated crash") as raised:
         fit(config(broken, data, log_every, [crash]))
+    # the traceback ends with what the run kept and how it goes on
+    note = (f"fw: the run ended at step {crash_at} on this error; the newest checkpoint is "
+            f"{broken / 'checkpoints' / 'step-000004'}, and what came after it is not saved; continue with "
+            f"fw fit --config {broken / 'config.yaml'} --resume last")
+    assert raised.value.__notes__ == [note]
     logged = [r["step"] for r in read_metrics(broken / "metrics.jsonl")]
     # The crash left lines past the checkpoint (step 5 when logging every step): the resume drops them.
     assert logged == ([1, 2, 3, 4, 5] if log_every == 1 else [3])
