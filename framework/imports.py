@@ -342,11 +342,25 @@ def _type_problem(target: Any, sig: inspect.Signature, init_args: dict) -> tuple
     return None
 
 
+class _Written(str):
+    """An annotation kept as the text its module wrote (`from __future__ import annotations`), shown without the
+    quotes that a signature puts around a string."""
+
+    def __repr__(self) -> str:
+        return str(self)
+
+
+def _unquoted(sig: inspect.Signature) -> inspect.Signature:
+    """`sig` as its source reads: `step: int`, not `step: 'int'`."""
+    return sig.replace(parameters=[p.replace(annotation=_Written(p.annotation)) if isinstance(p.annotation, str)
+                                   else p for p in sig.parameters.values()])
+
+
 def check_init_args(target: Any, init_args: dict, class_path: str) -> None:
     """InitArgsError if `target` cannot accept these keyword arguments (missing ones may come later as extras), or
     one's value is not of its parameter's annotation, where that is one fw checks exactly (`_checkable`)."""
     try:
-        sig = inspect.signature(target)
+        sig = _unquoted(inspect.signature(target))
     except (TypeError, ValueError):  # builtins without a signature: let the call decide
         return
     try:

@@ -616,6 +616,14 @@ def test_an_init_arg_of_the_wrong_type_is_reported_at_its_line(tmp_path, typed_m
     assert problems(e) == [expected]
 
 
+def test_a_signature_of_postponed_annotations_is_shown_as_written(typed_modules):
+    # `from __future__ import annotations` keeps each annotation as a string, which a signature would quote
+    with pytest.raises(FwError) as e:
+        instantiate({"class_path": "userpkg.future.Future", "init_args": {"step": "three"}})
+    assert str(e.value) == ("init_args do not fit userpkg.future.Future(step: int = 5, names: list[str] | None = "
+                            "None): step must be int, got 'three' (str)")
+
+
 @pytest.mark.parametrize("value, hint", [
     ("12", "got the number 12; the nearest allowed are 8 and 16"),
     ("200", "got the number 200; the nearest allowed is 128"),
