@@ -104,6 +104,7 @@ def model_problems(located: LocatedConfig) -> list[Problem]:
     counts, so that it refuses what `fw validate` and `fw fit` refuse."""
     checks = _Checks(located)
     checks.models()
+    checks.batch_split()   # the plan cuts the rollout batch into its micro-batches
     checks.kv_rows(machine=False)
     return checks.problems
 
@@ -598,6 +599,13 @@ class _Checks:
         if temperature <= 0:
             self.add(("rollout", "temperature"), f"{self.recipe} samples from the policy and needs a temperature "
                      f"> 0 (got {temperature}); the trainer's logprobs use the same one")
+        self.batch_split()
+
+    def batch_split(self) -> None:
+        """An RL rollout batch too small for its minibatches x micro-batches: no policy step could be cut from it."""
+        if self.recipe not in RL_RECIPES:
+            return
+        cfg = self.cfg
         section = cfg[self.recipe]
         samples = cfg["rollout"]["prompts_per_step"] * section[RL_RECIPES[self.recipe]]
         micro = cfg["trainer"]["accumulate_grad_batches"]

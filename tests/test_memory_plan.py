@@ -790,6 +790,19 @@ def test_fw_plan_reports_a_model_directory_at_its_key_as_validate_does(tmp_path,
                                  "Face Qwen3 directory with config.json and model.safetensors)")]
 
 
+def test_fw_plan_reports_a_batch_split_at_its_key_as_validate_does(tmp_path, capsys):
+    """A rollout batch that cannot be cut into minibatches x micro-batches is the line fw validate gives, at the key
+    in the file that set it, not a line that names no file."""
+    config = tmp_path / "c.yaml"
+    config.write_text("trainer:\n  accumulate_grad_batches: 1000\n")
+    code, out, err = fw(capsys, "plan", "--config", TRAIN, "--config", str(config))
+    assert (code, out) == (2, "")
+    expected = (f"{config}:2:28: trainer.accumulate_grad_batches: 1 minibatches x trainer.accumulate_grad_batches "
+                "(1000) exceeds the 512 samples of one rollout batch (rollout.prompts_per_step x grpo.group_size)\n")
+    assert err == expected
+    assert fw(capsys, "validate", "--config", TRAIN, "--config", str(config)) == (2, "", expected)
+
+
 def test_fw_plan_usage_errors(capsys):
     for value in ("0", "inf", "nan", "1e300"):   # "fits: inf GiB to spare" says nothing
         code, _, err = fw(capsys, "plan", "--config", TRAIN, "--gpu-gib", value)
