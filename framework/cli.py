@@ -19,7 +19,7 @@ import signal
 import sys
 import traceback
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from framework.config import dump_config, load_config, schema_path, schema_text
 from framework.errors import ConfigError, FwError
@@ -35,6 +35,21 @@ def _reference() -> str:
             "`fw print-config --config FILE` shows every resolved value.")
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser whose usage errors are one line, as every other user error of fw is, instead of the usage
+    text followed by the error; the line names the command's --help, where the usage is."""
+
+    def error(self, message: str) -> NoReturn:
+        _usage_error(self.prog, message)
+
+
+def _usage_error(prog: str, message: str) -> NoReturn:
+    """A usage error of `prog` ("fw", "fw plan") as one line, exit code 2."""
+    command = prog.removeprefix("fw").strip()
+    sys.stderr.write(f"fw: error: {command + ': ' if command else ''}{message} (see {prog} --help)\n")
+    raise SystemExit(2)
+
+
 def _parser() -> argparse.ArgumentParser:
     # --debug is accepted before and after the command; SUPPRESS keeps `fw --debug fit` from being reset
     common = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
@@ -45,7 +60,7 @@ def _parser() -> argparse.ArgumentParser:
                          help="YAML config; repeat to merge several, later files win (mappings merge, lists replace)")
 
     overrides = "Dotted overrides such as --trainer.max_steps=10 --optimizer.lr=1e-4 follow the options."
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="fw", allow_abbrev=False,
         description="fw: declarative post-training (SFT, GRPO, PPO) for Qwen3 on PyTorch Lightning.",
         epilog=_reference())
@@ -309,8 +324,8 @@ def _main(argv: list[str], program: bool) -> int:
         args, rest = parser.parse_known_args(argv)
         rest = _joined(rest)
         if rest and args.command not in _WITH_CONFIG:
-            parser.error(f"unrecognized arguments: {' '.join(rest)}")
-    except SystemExit as e:  # --help, or a usage error already printed by argparse
+            _usage_error(" ".join(["fw", *filter(None, [args.command])]), f"unrecognized arguments: {' '.join(rest)}")
+    except SystemExit as e:  # --help, or a usage error already printed (_usage_error)
         return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
     if args.command is None:
         parser.print_help(sys.stderr)

@@ -63,6 +63,24 @@ def test_unknown_arguments_of_commands_without_config_are_usage_errors(capsys):
     assert code == 2 and "unrecognized arguments: --trainer.max_steps=3" in err
 
 
+def test_usage_errors_are_one_line_naming_the_command_and_its_help():
+    """An option argparse refuses (a bad value, one missing, a command unknown) is one `fw: error:` line with exit
+    code 2, as every other user error is, not the usage text followed by the error."""
+    cases = {
+        ("plan", "--config", TRAIN, "--gpu-gib", "abc"):
+            "fw: error: plan: argument --gpu-gib: invalid float value: 'abc' (see fw plan --help)\n",
+        ("export", "--checkpoint", "runs/x"):
+            "fw: error: export: the following arguments are required: --out (see fw export --help)\n",
+        ("schema", "--x"): "fw: error: schema: unrecognized arguments: --x (see fw schema --help)\n",
+        ("--bogus",): "fw: error: unrecognized arguments: --bogus (see fw --help)\n",
+        ("ops", "frob"): ("fw: error: ops: argument OPS_COMMAND: invalid choice: 'frob' (choose from 'build') "
+                          "(see fw ops --help)\n"),
+    }
+    for argv, err in cases.items():
+        done = fw_process(*argv)
+        assert (done.returncode, done.stdout, done.stderr) == (2, "", err), argv
+
+
 # ------------------------------------------------------------------------------------------ config commands
 
 def test_validate(capsys):
