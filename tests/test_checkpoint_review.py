@@ -65,6 +65,25 @@ def test_a_data_file_changed_in_place_is_refused_at_resume(trained, tmp_path):
     assert fit(config(run, data, max_steps=4), resume="last").global_step == 4
 
 
+def test_a_data_file_changed_in_place_is_refused_with_its_own_remedy(trained, tmp_path):
+    """The refusal of a data file rewritten under its unchanged path says to put its content back, not to keep a
+    value of the checkpoint's config.yaml, which the config keeps already; a changed value beside it keeps that
+    remedy too."""
+    run, data = _copy(trained, tmp_path / "copy")
+    data.write_text("".join(reversed(data.read_text().splitlines(keepends=True))))
+    with pytest.raises(FwError) as e:
+        fit(config(run, data, max_steps=4), resume="last")
+    assert str(e.value).endswith(f"; put back what data.path {data} held when the checkpoint was written or start "
+                                 "a new run_dir")
+    seeded = config(run, data, max_steps=4)
+    seeded["seed"] = 1
+    with pytest.raises(FwError) as e:
+        fit(seeded, resume="last")
+    step = run / "checkpoints" / "step-000002"
+    assert str(e.value).endswith(f"; keep the value of {step / 'config.yaml'}, put back what data.path {data} held "
+                                 "when the checkpoint was written or start a new run_dir")
+
+
 def test_an_unreadable_data_path_at_an_unchanged_spelling_is_left_to_the_data_loader(trained, tmp_path):
     """A path key whose file is gone is not refused as changed content: the run's own reading of it names it."""
     run, data = _copy(trained, tmp_path / "copy")

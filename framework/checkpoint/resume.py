@@ -264,14 +264,21 @@ def check_resume_config(checkpoint: str | os.PathLike, cfg: dict) -> list[tuple[
             why = f"{why}; {problem}"
         refused.append((k, f"{k} changed from {shown(a)} to {shown(b)} ({why})"))
     changed = {k for k, _, _ in changes}
+    in_place = []
     for k in IN_PLACE_KEYS:
         if k not in changed:
-            refused += _changed_in_place(k, _value(cfg, k), recorded.get(k))
+            in_place += _changed_in_place(k, _value(cfg, k), recorded.get(k))
+    refused += in_place
     if any(k == "recipe" for k, _ in refused):   # the other recipe's sections and defaults differ as a consequence
         refused = [(k, text) for k, text in refused if k == "recipe"]
     if refused:
-        raise FwError(f"--resume {checkpoint}: a resume cannot apply: {'; '.join(text for _, text in refused)}; keep "
-                      f"the value of {file} or start a new run_dir")
+        # a value that changed goes back to the checkpoint's; a file rewritten under its unchanged path has its
+        # content put back instead, since its value is the checkpoint's already
+        rewritten = [k for k, _ in in_place if any(k == key for key, _ in refused)]
+        fixes = ([f"keep the value of {file}"] if len(refused) > len(rewritten) else []) + [
+            f"put back what {k} {shown(_value(cfg, k))} held when the checkpoint was written" for k in rewritten]
+        raise FwError(f"--resume {checkpoint}: a resume cannot apply: {'; '.join(text for _, text in refused)}; "
+                      f"{', '.join(fixes)} or start a new run_dir")
     if os.environ.get("LOCAL_RANK", "0") == "0" and os.environ.get("NODE_RANK", "0") == "0":
         for k, a, b in moved:
             print(f"fw: {k} moved from {shown(a)} to {shown(b)}, which holds the same content (size and sha256 of "
