@@ -156,8 +156,19 @@ def _parser() -> argparse.ArgumentParser:
 MAX_GPU_GIB = 1 << 20
 
 
+# the options that name a file or directory, as their argparse destinations: an empty one would be read as the
+# working directory (a path joined to it) or as a file named "", neither what was meant
+_PATH_OPTIONS = {"config": ("--config", "a YAML config file"), "resume": ("--resume", "last or a checkpoint directory"),
+                 "checkpoint": ("--checkpoint", "a checkpoint or run directory"), "out": ("--out", "a path to write"),
+                 "run": ("--run", "a run directory")}
+
+
 def _run(args: argparse.Namespace, overrides: list[str], program: bool) -> int:
     cmd = args.command
+    for dest, (option, wanted) in _PATH_OPTIONS.items():
+        value = getattr(args, dest, None)
+        if "" in (value if isinstance(value, list) else [value]):
+            raise FwError(f"{option} is empty; give {wanted}")
     # an option that would change nothing is refused rather than ignored: whoever gave it expects it to act
     if cmd == "fit" and args.skip_damaged and args.resume is None:
         raise FwError(_skip_damaged_alone("--resume", "last"))

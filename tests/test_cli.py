@@ -81,6 +81,26 @@ def test_usage_errors_are_one_line_naming_the_command_and_its_help():
         assert (done.returncode, done.stdout, done.stderr) == (2, "", err), argv
 
 
+def test_an_empty_path_option_is_refused_naming_it(tmp_path, capsys):
+    """An empty --config, --resume, --checkpoint, --out or --run is refused naming the option, instead of being
+    read as the working directory (`--out ''` said that it exists, `--resume ''` named '.') or as a file named ''
+    (a line starting ': config file not found')."""
+    cases = {
+        ("validate", "--config", ""): "--config is empty; give a YAML config file",
+        ("validate", "--config", TRAIN, "--config", ""): "--config is empty; give a YAML config file",
+        ("fit", "--config", TRAIN, "--resume", ""): "--resume is empty; give last or a checkpoint directory",
+        ("export", "--checkpoint", "", "--out", str(tmp_path / "out")):
+            "--checkpoint is empty; give a checkpoint or run directory",
+        ("export", "--checkpoint", str(tmp_path), "--out", ""): "--out is empty; give a path to write",
+        ("eval", "--checkpoint", str(tmp_path), "--out", ""): "--out is empty; give a path to write",
+        ("generate", "--checkpoint", "", "--prompt", "3="): "--checkpoint is empty; give a checkpoint or run directory",
+        ("plot", "--run", ""): "--run is empty; give a run directory",
+    }
+    for argv, message in cases.items():
+        assert fw(capsys, *argv) == (2, "", f"fw: error: {message}\n"), argv
+    assert not (tmp_path / "out").exists()
+
+
 # ------------------------------------------------------------------------------------------ config commands
 
 def test_validate(capsys):
