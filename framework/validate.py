@@ -142,6 +142,29 @@ def _fw_directory(path: str, value: bool = False) -> str | None:
     return None
 
 
+def _inside_checkpoints(path: str) -> str | None:
+    """Why run_dir `path` is no place for a run, or None: it is a checkpoint directory, whose config.yaml the run
+    would overwrite (the checkpoint then fails its manifest's check), or lies in one, which a prune deletes whole,
+    or in a run's checkpoints/ folder, where fw reads the folders it writes as that run's checkpoints."""
+    from framework.checkpoint import step_dirs
+    from framework.checkpoint.directory import enclosing_checkpoint
+    from framework.run_lock import LOCK_FILE
+
+    folder = Path(os.path.abspath(path))
+    checkpoint = enclosing_checkpoint(folder)
+    if checkpoint == folder:
+        return (f"is checkpoint {checkpoint}: a run there would overwrite its config.yaml, which its manifest lists; "
+                "choose a run_dir outside it")
+    if checkpoint is not None:
+        return f"lies inside checkpoint {checkpoint}, which a prune deletes whole; choose a run_dir outside it"
+    for f in (folder, *folder.parents):
+        if f.name == "checkpoints" and ((f.parent / LOCK_FILE).exists() or step_dirs(f.parent)):
+            where = "is" if f == folder else "lies inside"
+            return (f"{where} the checkpoints/ folder of run directory {f.parent}, where fw reads what is there as "
+                    f"that run's checkpoints; choose a run_dir outside {f}")
+    return None
+
+
 def _write_probe(directory: str, make: Callable[[str], object], remove: Callable[[str], object]) -> str | None:
     """Whether an entry can be made in `directory`, by making one and removing it: `os.access` says yes for root
     wherever the mode bits would refuse, also in /proc and /sys, which refuse every new entry. None, or why not."""
@@ -214,6 +237,10 @@ class _Checks:
         from framework.run_lock import LOCK_FILE
 
         path = self.cfg["run_dir"]
+        inside = _inside_checkpoints(path)
+        if inside:
+            self.add(("run_dir",), f"{path} {inside}")
+            return
         if os.path.exists(path):
             if not os.path.isdir(path):
                 self.add(("run_dir",), f"{path} is a file; run_dir must be a directory")

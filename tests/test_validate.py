@@ -183,6 +183,37 @@ def test_run_dir_entries_of_the_wrong_kind(tmp_path, capsys, name, make):
             "there: move it away")])
 
 
+def test_a_run_dir_in_a_checkpoint_or_a_runs_checkpoints_folder_is_refused(tmp_path, capsys):
+    """A fresh run whose run_dir is a checkpoint would write its config.yaml over the checkpoint's (which then fails
+    its manifest's check: the checkpoint is lost); one inside a checkpoint is deleted with it by a prune, and one in a
+    run's checkpoints/ folder is read as that run's checkpoint. Each is refused before anything is written."""
+    run = tmp_path / "run"
+    config = tmp_path / "train.yaml"
+    config.write_text(GRPO + f"run_dir: {run}\nrollout: {{prompts_per_step: 2, max_new_tokens: 2}}\n"
+                      "grpo: {group_size: 2}\ntrainer: {max_steps: 1, enable_progress_bar: false}\n"
+                      "eval: {every_n_steps: null}\n")
+    assert main(["fit", "--config", str(config)]) == 0
+    step = run / "checkpoints" / "step-000001"
+    before = {p: p.read_bytes() for p in step.rglob("*") if p.is_file()}
+    capsys.readouterr()
+    folder = run / "checkpoints"
+    cases = {
+        step: f"is checkpoint {step}: a run there would overwrite its config.yaml, which its manifest lists; "
+              "choose a run_dir outside it",
+        step / "policy" / "run": f"lies inside checkpoint {step}, which a prune deletes whole; choose a run_dir "
+                                 "outside it",
+        folder: f"is the checkpoints/ folder of run directory {run}, where fw reads what is there as that run's "
+                f"checkpoints; choose a run_dir outside {folder}",
+        folder / "new": f"lies inside the checkpoints/ folder of run directory {run}, where fw reads what is there "
+                        f"as that run's checkpoints; choose a run_dir outside {folder}",
+    }
+    for run_dir, message in cases.items():
+        assert run_fw(["fit", "--config", str(config), f"--run_dir={run_dir}"], capsys) == (
+            2, [f"override '--run_dir={run_dir}': run_dir: {run_dir} {message}"]), run_dir
+    assert {p: p.read_bytes() for p in step.rglob("*") if p.is_file()} == before
+    assert sorted(p.name for p in folder.iterdir()) == ["step-000001"]
+
+
 def test_eval_files_are_checked_where_training_evaluates(tmp_path, capsys):
     """fw validate (and fit, before anything is written) reads eval.path as it reads data.path, naming eval.path;
     a run whose training data is a JSONL file needs one."""
