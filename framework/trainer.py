@@ -293,7 +293,14 @@ def fit(cfg: dict, resume: str | None = None, skip_damaged: bool = False,
     `signals_until_exit`: the process ends after fit, whose signal handlers stay in place, so that a signal while it
     exits still gets its line.
     """
-    from framework.checkpoint import find_latest, pin_resume, refuse_missing_run_dir, resolve_resume, resume_refusal
+    from framework.checkpoint import (
+        checkpoints_dir,
+        find_latest,
+        pin_resume,
+        refuse_missing_run_dir,
+        resolve_resume,
+        resume_refusal,
+    )
     from framework.memory_plan import check_fits
     from framework.module import FwModule
 
@@ -315,8 +322,11 @@ def fit(cfg: dict, resume: str | None = None, skip_damaged: bool = False,
         ckpt_path = resolve_resume(resume, cfg, skip_damaged)
         stack.enter_context(pin_resume(cfg["run_dir"], resume, ckpt_path))
         lightning.seed_everything(cfg["seed"], workers=True, verbose=False)
-        if ckpt_path is None:
-            refuse_earlier_metrics(run_dir)   # on every rank, so that all of them stop together
+        if ckpt_path is None or Path(ckpt_path).parent.resolve() != checkpoints_dir(run_dir).resolve():
+            # a fresh run, or one resumed from another directory's checkpoint (whose run_dir holds no checkpoint,
+            # resolve_resume saw to that), must not write into an earlier run's metrics: on every rank, so that all
+            # of them stop together
+            refuse_earlier_metrics(run_dir)
         if rank0:
             print(plan.table(), file=sys.stderr, flush=True)
         stack.enter_context(quiet_lightning())

@@ -126,6 +126,32 @@ def test_resume_from_an_older_checkpoint_into_its_run_dir_is_refused(tmp_path, d
     assert trainer.global_step == 9
 
 
+def test_resume_of_another_runs_checkpoint_into_a_used_run_dir_is_refused(tmp_path, data):
+    """Run A's step-8 resumed into run B, which holds a checkpoint of its own: B's metrics would go on with A's steps
+    and pruning by step would delete B's checkpoint. Into run C, which crashed before its first checkpoint, A's
+    steps would follow C's metrics. Both refused; nothing of B or C changes."""
+    a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
+    fit(config(a, data, 1) | {"trainer": config(a, data, 1)["trainer"] | {"max_steps": 8}})
+    fit(config(b, data, 1) | {"trainer": config(b, data, 1)["trainer"] | {"max_steps": 4}})
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        fit(config(c, data, 1, [{"class_path": "test_resume.CrashAt", "init_args": {"step": 2}}]))
+    kept = {run: (sorted(p.name for p in (run / "checkpoints").glob("*")), (run / "metrics.jsonl").read_bytes())
+            for run in (b, c)}
+    assert kept[b][0] == ["step-000004"] and kept[c][0] == []
+    theirs = a / "checkpoints" / "step-000008"
+    with pytest.raises(FwError) as e:
+        fit(config(b, data, 1), resume=str(theirs))
+    assert str(e.value) == (f"--resume {theirs}: {theirs} is not one of {b / 'checkpoints'}, which holds checkpoints "
+                            "of its own (step-000004 is the newest): a run resumed there would mix its steps with "
+                            "theirs and prune them; resume into an empty run_dir, or give --resume last to continue "
+                            "the run there")
+    with pytest.raises(FwError, match=rf"^{c / 'metrics.jsonl'} holds the metrics of an earlier run"):
+        fit(config(c, data, 1), resume=str(a))   # a run directory stands for its newest checkpoint
+    for run in (b, c):
+        assert (sorted(p.name for p in (run / "checkpoints").glob("*")), (run / "metrics.jsonl").read_bytes()) \
+            == kept[run]
+
+
 def test_a_resume_past_max_steps_is_refused_and_one_at_it_says_so(tmp_path, data, capsys):
     """A resume only trains further: a checkpoint past trainer.max_steps is refused before anything changes (its
     config.yaml would record a max_steps the run never kept); one at it trains nothing and says so."""

@@ -308,6 +308,18 @@ def refuse_newer_checkpoints(run_dir: str | os.PathLike, checkpoint: str | os.Pa
                       "run_dir, or move them out of this one first")
 
 
+def refuse_foreign_resume(run_dir: str | os.PathLike, checkpoint: str | os.PathLike, resume: str) -> None:
+    """FwError if `run_dir` holds checkpoints of its own and `checkpoint`, from elsewhere, is not one of them: the
+    run resumed there would write its steps beside theirs, and `prune` (by step) would delete theirs, the work of
+    another timeline. An empty run_dir takes a checkpoint from anywhere."""
+    existing = step_dirs(run_dir)
+    if existing:
+        raise FwError(f"--resume {resume}: {checkpoint} is not one of {checkpoints_dir(run_dir)}, which holds "
+                      f"checkpoints of its own ({existing[-1].name} is the newest): a run resumed there would mix its "
+                      "steps with theirs and prune them; resume into an empty run_dir, or give --resume last to "
+                      "continue the run there")
+
+
 def move_aside(path: Path) -> Path | None:
     """Rename the damaged checkpoint `path` to `<name>.damaged` (or `.damaged-2`, ...) beside it, a name that
     neither discovery nor pruning nor the leftover cleanup reads, and say so on stderr; None when it is gone
@@ -365,6 +377,8 @@ def resolve_resume(resume: str | None, cfg: dict, skip_damaged: bool = False) ->
     own = checkpoints_dir(run_dir).resolve()
     skipped = [p for p in skipped if p.parent.resolve() == own]   # another run's are left alone
     refuse_newer_checkpoints(run_dir, latest, resume, skipped)
+    if Path(latest).parent.resolve() != own:
+        refuse_foreign_resume(run_dir, latest, resume)
     try:
         changes = check_resume_config(latest, cfg)
     except FwError as e:   # a config.yaml that does not load: corrupt (hashed now, unless verified), or not
