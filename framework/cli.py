@@ -163,6 +163,19 @@ _PATH_OPTIONS = {"config": ("--config", "a YAML config file"), "resume": ("--res
                  "run": ("--run", "a run directory")}
 
 
+def _checked(paths: list[str], overrides: list[str], imports: tuple, policy: bool, eval_files: bool) -> dict:
+    """The config of `fw generate` / `fw eval --config`, what they read of it (`validate.read_problems`) checked as fw
+    validate checks it: every problem at its file, line and key."""
+    from framework.config import load_located
+    from framework.validate import read_problems
+
+    located = load_located(paths, overrides, imports=imports)
+    problems = read_problems(located, policy, eval_files)
+    if problems:
+        raise located.error(problems)
+    return located.cfg
+
+
 def _run(args: argparse.Namespace, overrides: list[str], program: bool) -> int:
     cmd = args.command
     for dest, (option, wanted) in _PATH_OPTIONS.items():
@@ -230,7 +243,8 @@ def _run(args: argparse.Namespace, overrides: list[str], program: bool) -> int:
         if not args.config and not args.checkpoint:
             raise FwError("fw generate needs --config FILE or --checkpoint DIR")
         # without --config, the overrides apply on top of the checkpoint's own config.yaml
-        cfg = load_config(args.config, overrides, imports=()) if args.config else None
+        cfg = _checked(args.config, overrides, (), policy=args.checkpoint is None, eval_files=False) \
+            if args.config else None
         from framework.generate import generate_text
 
         temperature = 0.0 if args.greedy else args.temperature
@@ -241,7 +255,8 @@ def _run(args: argparse.Namespace, overrides: list[str], program: bool) -> int:
         from framework.evaluation import EVAL_IMPORTS, evaluate_checkpoint, format_table
 
         # without --config, the overrides apply on top of the checkpoint's own config.yaml
-        cfg = load_config(args.config, overrides, imports=EVAL_IMPORTS) if args.config else None
+        # the checkpoint's policy/ is what it evaluates (a LoRA checkpoint's base is checked as it loads)
+        cfg = _checked(args.config, overrides, EVAL_IMPORTS, policy=False, eval_files=True) if args.config else None
         report, out = evaluate_checkpoint(args.checkpoint, cfg, out=args.out, skip_damaged=args.skip_damaged,
                                           overrides=None if args.config else overrides)
         _out(format_table(report))

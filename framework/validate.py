@@ -109,6 +109,18 @@ def model_problems(located: LocatedConfig) -> list[Problem]:
     return checks.problems
 
 
+def read_problems(located: LocatedConfig, policy: bool, eval_files: bool) -> list[Problem]:
+    """The problems of what `fw generate` / `fw eval` read of a config, at their keys, as fw validate says them:
+    the policy's directory and the tokenizer (`policy`: generate without a checkpoint, whose policy/ serves
+    otherwise) and eval.path's files (`eval_files`)."""
+    checks = _Checks(located)
+    if policy:
+        checks.models(policy_only=True)
+    if eval_files:
+        checks.eval_files()
+    return checks.problems
+
+
 def _keys() -> list[str]:
     """Every dotted key, longest first (so `data.task.init_args` wins over `data.task`)."""
     return sorted((".".join(p) for p in all_key_paths()), key=len, reverse=True)
@@ -308,10 +320,12 @@ class _Checks:
                 return None
         return config
 
-    def models(self) -> None:
+    def models(self, policy_only: bool = False) -> None:
+        """The model directories (the policy's alone with `policy_only`: what generate and eval build) and the
+        tokenizer."""
         model = self.cfg["model"]
         roles = ["policy"]
-        needs = self._requirements()
+        needs = None if policy_only else self._requirements()
         if needs is not None:   # the models the recipe builds, as fit does
             roles += [role for role, built in (("value", needs.value_model), ("reference", needs.reference_model))
                       if built]
@@ -375,9 +389,13 @@ class _Checks:
 
         if not eval_enabled(self.cfg):
             return
-        paths = self.cfg["eval"]["path"]
-        if paths is None and not self.cfg["data"]["task"]:
+        if self.cfg["eval"]["path"] is None and not self.cfg["data"]["task"]:
             self.add(("eval", "path"), SOURCE_PROBLEM)
+        self.eval_files()
+
+    def eval_files(self) -> None:
+        """eval.path's JSONL files, row by row."""
+        paths = self.cfg["eval"]["path"]
         for i, path in enumerate([paths] if isinstance(paths, str) else paths or []):
             self.jsonl(("eval", "path") if isinstance(paths, str) else ("eval", "path", i), path, "eval.path")
 

@@ -461,3 +461,24 @@ def test_pyproject_dependencies_and_entry_point():
     assert {"pytest", "ruff"} <= dev
     assert project["scripts"] == {"fw": "framework.cli:main"}
     assert project["requires-python"] == ">=3.10"
+
+
+def test_generate_and_eval_with_a_config_report_its_problems_at_their_keys(capsys, tmp_path):
+    """`fw generate --config` and `fw eval --config` check the policy directory, the tokenizer and (eval) eval.path's
+    rows as fw validate does: each problem at its override or file line and key, every bad row, before anything
+    loads."""
+    missing = tmp_path / "nonexist"
+    code, out, err = fw(capsys, "generate", "--config", TRAIN, "--prompt", "3=", "--model.policy.preset=null",
+                        f"--model.policy.path={missing}")
+    assert (code, out) == (2, "")
+    assert err == (f"override '--model.policy.path={missing}': model.policy.path: no such directory: {missing} "
+                   "(expected a Hugging Face Qwen3 directory with config.json and model.safetensors)\n")
+    rows = tmp_path / "eval.jsonl"
+    rows.write_text('{"messages": [{"role": "user", "content": "1+1"}, {"role": "assistant", "content": "2"}]}\n'
+                    'not json\n{"x": 1}\n')
+    code, out, err = fw(capsys, "eval", "--config", str(ROOT / "recipes" / "sft.yaml"), "--checkpoint",
+                        str(tmp_path / "none"), f"--eval.path={rows}")
+    assert (code, out) == (2, "")
+    assert err.splitlines() == [
+        f"{rows}:2:1: eval.path: not valid JSON (Expecting value at column 1)",
+        f"{rows}:3:1: eval.path: expected a 'messages' list or 'prompt' and 'completion' keys, got keys ['x']"]

@@ -167,3 +167,26 @@ def test_a_checkpoint_without_a_record_compares_with_the_old_path_or_says_how_to
     finally:
         gone.unlink(missing_ok=True)
         aside.rename(gone)
+
+
+def test_generate_and_eval_of_a_full_checkpoint_need_no_base_model(trained, tmp_path, capsys):
+    """A full fine-tune's checkpoint holds its whole policy: with its base model directory deleted, `fw generate
+    --config F --checkpoint RUN` and `fw eval` still run from the checkpoint's policy/, where `fw generate --config F`
+    alone, which builds from that directory, is refused at its line."""
+    from framework.export import export_checkpoint
+
+    root = _project(tmp_path / "projB", "{path: model}")
+    export_checkpoint(trained / "runs" / "sft", root / "model")
+    assert main(["fit", "--config", str(root / "sft.yaml")]) == 0
+    shutil.rmtree(root / "model")
+    config, run = str(root / "sft.yaml"), str(root / "runs" / "sft")
+    capsys.readouterr()
+    assert main(["generate", "--config", config, "--checkpoint", run, "--prompt", "1+1=", "--max-new-tokens", "2",
+                 "--greedy"]) == 0
+    assert main(["eval", "--config", config, "--checkpoint", run, f"--eval.path={root / 'data' / 'chats.jsonl'}",
+                 "--eval.held_out=false", "--out", str(tmp_path / "report.json")]) == 0
+    capsys.readouterr()
+    assert main(["generate", "--config", config, "--prompt", "1+1=", "--max-new-tokens", "2", "--greedy"]) == 2
+    assert capsys.readouterr().err == (f"{config}:4:24: model.policy.path: no such directory: {root / 'model'} "
+                                       "(expected a Hugging Face Qwen3 directory with config.json and "
+                                       "model.safetensors)\n")

@@ -292,16 +292,20 @@ def test_a_tokenizer_json_saved_with_padding_and_truncation_encodes_whole_texts(
 
 
 def test_generate_of_a_config_whose_model_directory_is_missing_says_so(tmp_path, capsys):
-    """`fw generate --config F` reads the tokenizer of a model.policy.path that does not exist (recipes/grpo_math.yaml
-    before its model is downloaded): the line says there is no such directory, not that a tokenizer.json is missing
-    from it; a directory without one still says that."""
+    """`fw generate --config F` checks a model.policy.path that does not exist (recipes/grpo_math.yaml before its
+    model is downloaded) as fw validate does: the line says there is no such directory, at the override or the
+    file's line, not that a tokenizer.json is missing from it; a directory without a model says that."""
     from framework.cli import main
 
     config = tmp_path / "c.yaml"
     config.write_text("recipe: grpo\nmodel:\n  policy:\n    path: models/Qwen3-0.6B\ndata:\n  task: {name: digits}\n")
     (tmp_path / "empty").mkdir()
-    for path, message in ((tmp_path / "models" / "Qwen3-0.6B", "no such file or directory"),
-                          (tmp_path / "empty", "no tokenizer.json")):
+    missing = tmp_path / "models" / "Qwen3-0.6B"
+    absent = f"no such directory: {missing} (expected a Hugging Face Qwen3 directory with config.json and " \
+             "model.safetensors)"
+    empty = f"{tmp_path / 'empty'}: no config.json (expected a Hugging Face checkpoint directory)"
+    for path, message in ((missing, absent), (tmp_path / "empty", empty)):
         assert main(["generate", "--config", str(config), "--prompt", "hi", f"--model.policy.path={path}"]) == 2
-        assert capsys.readouterr().err == (f"fw: error: model.policy.path: {path}: {message} (expected a directory "
-                                           "holding tokenizer.json, or the file)\n")
+        assert capsys.readouterr().err == f"override '--model.policy.path={path}': model.policy.path: {message}\n"
+    assert main(["generate", "--config", str(config), "--prompt", "hi"]) == 2
+    assert capsys.readouterr().err == f"{config}:4:11: model.policy.path: {absent}\n"
