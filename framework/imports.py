@@ -356,15 +356,18 @@ def _unquoted(sig: inspect.Signature) -> inspect.Signature:
                                    else p for p in sig.parameters.values()])
 
 
-def check_init_args(target: Any, init_args: dict, class_path: str) -> None:
-    """InitArgsError if `target` cannot accept these keyword arguments (missing ones may come later as extras), or
-    one's value is not of its parameter's annotation, where that is one fw checks exactly (`_checkable`)."""
+def check_init_args(target: Any, init_args: dict, class_path: str, complete: bool = False) -> None:
+    """InitArgsError if `target` cannot accept these keyword arguments (missing ones may come later as extras, unless
+    they are `complete`), or one's value is not of its parameter's annotation, where that is one fw checks exactly
+    (`_checkable`)."""
     try:
         sig = _unquoted(inspect.signature(target))
     except (TypeError, ValueError):  # builtins without a signature: let the call decide
         return
     try:
-        sig.bind_partial(**init_args)
+        sig.bind_partial(**init_args)   # first: a misspelt name is the problem, not the missing one it was meant for
+        if complete:
+            sig.bind(**init_args)
     except TypeError as e:
         names = [n for n, p in sig.parameters.items()
                  if not n.startswith("_") and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
@@ -391,7 +394,7 @@ def instantiate(spec: dict, **extra: Any) -> Any:
     if not callable(target):
         raise FwError(f"'{class_path}' is a {type(target).__name__}, which cannot be called")
     kwargs = {**init_args, **extra}
-    check_init_args(target, kwargs, class_path)
+    check_init_args(target, kwargs, class_path, complete=True)
     try:
         return target(**kwargs)
     except FwError:

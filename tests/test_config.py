@@ -427,6 +427,11 @@ def test_instantiate(user_modules):
     with pytest.raises(FwError, match="init_args do not fit userpkg.good.Scale.*unexpected keyword argument "
                                       "'factr'.*accepted: factor, offset"):
         instantiate({"class_path": "userpkg.good.Scale", "init_args": {"factr": 2}})
+    # a required argument left out is read off the signature, as a misspelt one is, not from the constructor's error
+    with pytest.raises(FwError) as e:
+        instantiate({"class_path": "userpkg.good.Scale", "init_args": {}}, offset=1.5)
+    assert str(e.value) == ("init_args do not fit userpkg.good.Scale(factor, offset=0.0): missing a required argument: "
+                            "'factor' (accepted: factor, offset)")
     with pytest.raises(FwError, match="set offset, which fw passes itself"):
         instantiate({"class_path": "userpkg.good.Scale", "init_args": {"factor": 1, "offset": 2}}, offset=1)
     with pytest.raises(FwError, match="expected a mapping with a 'class_path' string"):
