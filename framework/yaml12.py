@@ -199,11 +199,31 @@ Yaml12Loader.add_constructor("tag:yaml.org,2002:null", _construct_null)
 Yaml12Loader.add_constructor("tag:yaml.org,2002:timestamp", _construct_timestamp)
 
 
+class _Yaml11Resolver(yaml.resolver.Resolver):
+    """The implicit tags a YAML 1.1 reader gives a plain scalar: PyYAML's own resolver, which `yaml.safe_load`
+    uses, plus the 1.1 spec's `y`/`Y`/`n`/`N` booleans that PyYAML leaves out but other 1.1 readers take."""
+
+
+_Yaml11Resolver.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^(?:y|Y|n|N)$"), list("yYnN"))
+_YAML11 = _Yaml11Resolver()
+
+
 class Yaml12Dumper(yaml.SafeDumper):
-    """SafeDumper that quotes exactly the strings the 1.2 core schema would read as something else, and writes
-    strings holding U+0085, U+2028 or U+2029 double-quoted."""
+    """SafeDumper that quotes exactly the strings that the 1.2 core schema or a YAML 1.1 reader would read as
+    something else, and writes strings holding U+0085, U+2028 or U+2029 double-quoted.
+
+    A resolved config.yaml is read by fw (YAML 1.2) and by users' scripts, often with PyYAML (YAML 1.1, where
+    `12:30` is 750 and `on` is true); a string either would misread is quoted, so both read the same string.
+    """
 
     yaml_implicit_resolvers = _core_resolver_table()
+
+    def resolve(self, kind: type, value: Any, implicit: tuple[bool, bool]) -> str:
+        tag = super().resolve(kind, value, implicit)
+        if kind is yaml.ScalarNode and implicit[0] and tag == self.DEFAULT_SCALAR_TAG:
+            # the serializer writes a string plain only where this gives the string tag; any other tag quotes it
+            return _YAML11.resolve(kind, value, implicit)
+        return tag
 
 
 # PyYAML reads these as line breaks, which a plain or single-quoted scalar folds (NEL becomes a space); escaped

@@ -1,6 +1,7 @@
 """Config loading: merging, overrides, defaults, resolve, saving, class_path imports."""
 
 import inspect
+import json
 import os
 import re
 import sys
@@ -9,6 +10,7 @@ from fractions import Fraction
 from pathlib import Path
 
 import pytest
+import yaml
 
 from framework import yaml12
 from framework.config import load_config, resolve, save_resolved, schema_path
@@ -327,6 +329,36 @@ def test_save_resolved_round_trips_with_a_working_modeline(tmp_path):
     assert os.path.samefile(out.parent / schema_ref, os.path.realpath(schema_path()))
     assert load_config([str(out)], []) == cfg
     assert [p.name for p in out.parent.iterdir()] == ["config.yaml"]  # no temp file left behind
+
+
+@pytest.mark.parametrize("value", ["y", "N", "yes", "No", "on", "OFF", "12:30", "1:20:30", "0o17", "0x1F", "0b101",
+                                   "0755", ".inf", "~", "null", "2026-12-07", "=", "<<", "1_000", "true"])
+def test_a_written_config_reads_back_its_strings_in_yaml_1_1_too(tmp_path, capsys, value):
+    """config.yaml and `fw print-config` quote a string that PyYAML (YAML 1.1, what many scripts read config.yaml
+    with) or fw (YAML 1.2) would read as something else: `12:30` is 750 and `on` is true in YAML 1.1."""
+    from framework.cli import main
+    path = write(tmp_path, "c.yaml", MINIMAL + f"name: {json.dumps(value)}\nrollout: {{stop: [{json.dumps(value)}]}}\n")
+    cfg = load_config([path], [])
+    out = tmp_path / "run" / "config.yaml"
+    save_resolved(cfg, out)
+    assert main(["print-config", "--config", path]) == 0
+    for text in (out.read_text(), capsys.readouterr().out):
+        assert f"\nname: '{value}'\n" in text
+        pyyaml = yaml.safe_load(text)
+        assert (pyyaml["name"], pyyaml["rollout"]["stop"]) == (value, [value])
+        assert yaml12.load(text) == cfg
+    assert load_config([str(out)], []) == cfg
+
+
+def test_a_written_config_of_unambiguous_strings_quotes_none(tmp_path, capsys):
+    from framework.cli import main
+    path = write(tmp_path, "c.yaml", MINIMAL + "name: yEs-12:30\nrollout: {stop: [x:y, '1.2.3', 2026-12]}\n")
+    cfg = load_config([path], [])
+    assert main(["print-config", "--config", path]) == 0
+    text = capsys.readouterr().out
+    assert "\nname: yEs-12:30\n" in text and "\n  stop:\n  - x:y\n  - 1.2.3\n  - 2026-12\n" in text
+    assert "'" not in text and '"' not in text
+    assert yaml12.load(text) == cfg and yaml.safe_load(text) == cfg
 
 
 # ------------------------------------------------------------------------------------------ class_path

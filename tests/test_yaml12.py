@@ -162,17 +162,41 @@ def test_dump_round_trip_of_unicode_line_breaks(value):
 
 
 def test_dump_round_trip_fuzz():
+    """What fw writes reads back the same in fw's YAML 1.2 reader and in PyYAML's YAML 1.1 one."""
     rng = random.Random(0)
     alphabet = list("ab 0:#-?,[]{}!&*|>'\"%@`~\t\n\r\\e.") + ["\x85", "\u2028", "\u2029", "\ufeff", "é", "\x7f",
-                                                               "null", "true", "on", ".inf", "0x1", "1e5", "<<"]
+                                                               "null", "true", "on", ".inf", "0x1", "1e5", "<<",
+                                                               "Yes", "n", "=", "12", ":30", "2026-12-07", "0b1", "_"]
     for _ in range(1500):
         value = "".join(rng.choice(alphabet) for _ in range(rng.randint(1, 6)))
         data = {"k": value, value: [value]}
-        assert yaml12.load(yaml12.dump(data)) == data, repr(value)
+        text = yaml12.dump(data)
+        assert yaml12.load(text) == data, repr(value)
+        assert yaml.safe_load(text) == data, repr(value)
 
 
-def test_dump_quotes_only_what_yaml12_would_misread():
-    assert yaml12.dump({"a": "1e3", "b": "yes", "c": "12:30"}) == "a: '1e3'\nb: yes\nc: 12:30\n"
+# strings that YAML 1.1 (PyYAML's `yaml.safe_load`, or the 1.1 spec: y/n) or YAML 1.2 reads as something else
+AMBIGUOUS = ["y", "Y", "n", "N", "yes", "Yes", "YES", "no", "No", "NO", "on", "On", "ON", "off", "Off", "OFF",
+             "12:30", "-1:30", "1:20:30", "190:20:30.15", "0o17", "0x1F", "0b101", "+0b1", "0755", "1_000", "1.5_0",
+             ".inf", "-.Inf", ".NaN", "~", "null", "Null", "", "true", "False", "1e3", "2026-12-07",
+             "2001-12-14t21:59:43.10-05:00", "=", "<<"]
+
+
+@pytest.mark.parametrize("value", AMBIGUOUS)
+def test_dump_quotes_a_string_either_yaml_version_would_misread(value):
+    data = {"v": value, value: [value], "m": {value: value}}
+    text = yaml12.dump(data)
+    assert text.splitlines()[0] == f"v: '{value}'"
+    assert yaml12.load(text) == data
+    assert yaml.safe_load(text) == data
+
+
+def test_dump_quotes_only_what_a_yaml_reader_would_misread():
+    data = {"a": "1e3", "b": "yes", "c": "12:30", "d": "digits-grpo", "e": "yEs", "f": "x:y", "g": "1.2.3",
+            "h": "2026-12", "i": "hello world", "j": "0o8", "k": "runs/exp-1"}
+    assert yaml12.dump(data) == ("a: '1e3'\nb: 'yes'\nc: '12:30'\nd: digits-grpo\ne: yEs\nf: x:y\ng: 1.2.3\n"
+                                 "h: 2026-12\ni: hello world\nj: 0o8\nk: runs/exp-1\n")
+    assert yaml12.load(yaml12.dump(data)) == yaml.safe_load(yaml12.dump(data)) == data
 
 
 def test_dump_round_trip_of_numbers_and_order():
