@@ -647,9 +647,9 @@ def evaluate_checkpoint(checkpoint: str | Path, cfg: dict | None = None, out: st
 
     `cfg` replaces the checkpoint's own config.yaml, else `overrides` (`--a.b=v`) apply on top of it. The report
     holds the eval and reward settings and the keys the evaluation reads (`read_keys`) that differ from the
-    checkpoint's config. Its default path is `<run_dir>/eval/<checkpoint>.json` where none differs, else
-    `<checkpoint>-<hash>.json` (the first 8 hex digits of the sha256 of `_as_read`'s config), and a report there of
-    other read settings is never replaced."""
+    checkpoint's config, a path moved with its files (`_verified_moves`) not among them. Its default path is
+    `<run_dir>/eval/<checkpoint>.json` where none differs, else `<checkpoint>-<hash>.json` (the first 8 hex digits
+    of the sha256 of `_as_read`'s config), and a report there of other read settings is never replaced."""
     from framework.checkpoint import read_resolved
     from framework.checkpoint.directory import CONFIG_FILE, config_sha256, read_complete_manifest
     from framework.config import load_config
@@ -671,14 +671,20 @@ def evaluate_checkpoint(checkpoint: str | Path, cfg: dict | None = None, out: st
                 own = None
         draws = checkpoint_draws(path, run_cfg) if needs_draws(run_cfg) else 0
         read = read_keys(run_cfg, draws is not None)
-        changes = None if own is None else {k: v for k, v in config_changes(own, run_cfg).items()
-                                            if _is_read(k, read)}
+        manifest = read_complete_manifest(path)
+        changes, moves = None, {}
+        if own is not None:
+            changes = {k: v for k, v in config_changes(own, run_cfg).items() if _is_read(k, read)}
+            moves = _verified_moves(manifest, own, changes)
+            changes = {k: v for k, v in changes.items() if k not in moves}
         settings = {"eval": run_cfg["eval"], "reward": run_cfg["reward"], "changes": changes}
         # named as absolute: `--checkpoint .` (or `..`) has no name of its own, nor a run directory above it
         at = Path(os.path.abspath(path))
         default = report_path is None
         if default:
-            name = at.name if changes == {} else f"{at.name}-{config_sha256(_as_read(run_cfg, own, read))[:8]}"
+            # a moved path is hashed as the checkpoint's own, so a move leaves the name other changes give
+            named = _with_values(run_cfg, moves)
+            name = at.name if changes == {} else f"{at.name}-{config_sha256(_as_read(named, own, read))[:8]}"
             where = (at.parent.parent / "eval" if at.parent.name == "checkpoints" else Path.cwd()) / f"{name}.json"
         else:
             where = Path(report_path)
@@ -688,7 +694,7 @@ def evaluate_checkpoint(checkpoint: str | Path, cfg: dict | None = None, out: st
         elif where.exists() and not _is_report(where):
             raise FwError(f"--out {where}: the file there is not an fw eval report, which is all --out replaces; "
                           "give another path, or move it away")
-        step = read_complete_manifest(path).get("step")
+        step = manifest.get("step")
         tokenizer, policy = load_policy(run_cfg, path)
         return at, run_cfg, settings, where, step, tokenizer, policy, draws
 
@@ -746,6 +752,37 @@ def _as_read(cfg: dict, own: dict | None, read: tuple[str, ...]) -> dict:
             into[last] = copy.deepcopy(source[last])
         else:
             into.pop(last, None)
+    return out
+
+
+def _verified_moves(manifest: dict, own: dict, changes: dict[str, Any]) -> dict[str, Any]:
+    """{dotted key: its value in `own`} of each path key among `changes` (`config_changes` of `own`, the config.yaml
+    of the checkpoint whose manifest is `manifest`) whose new path holds what the checkpoint recorded for it, as a
+    resume checks a move (`recorded_move_problem`): the same files at another place, read as they were."""
+    from framework.checkpoint.resume import moved_path_keys, recorded_move_problem
+
+    out: dict[str, Any] = {}
+    for key in moved_path_keys():
+        if key not in changes:
+            continue
+        old: Any = own
+        for part in key.split("."):
+            old = old.get(part) if isinstance(old, dict) else None
+        new = changes[key]
+        if old is not None and new is not None and recorded_move_problem(manifest, key, old, new) is None:
+            out[key] = old
+    return out
+
+
+def _with_values(cfg: dict, values: dict[str, Any]) -> dict:
+    """A copy of `cfg` with each dotted key of `values` set to its value there."""
+    out = copy.deepcopy(cfg)
+    for dotted, value in values.items():
+        *parents, last = dotted.split(".")
+        into = out
+        for part in parents:
+            into = into[part]
+        into[last] = copy.deepcopy(value)
     return out
 
 

@@ -710,6 +710,53 @@ def test_a_checkpoints_policy_loads_in_the_configs_dtype(tmp_path):
     assert {p.dtype for p in policy.parameters()} == {torch.bfloat16}
 
 
+
+def test_fw_eval_of_a_moved_lora_base_or_data_file_reports_no_change(tmp_path, capsys):
+    """fw eval of a LoRA checkpoint with --model.policy.path at a copy of its base, and --data.path at a copy of its
+    data, each holding what the checkpoint recorded: a move, as a resume accepts it, is no change of settings. The
+    report is the checkpoint's own (before, each was listed in "changes" and the report named with a hash), and with
+    another change too it keeps the name and "changes" of that change alone; a data file of other content stays a
+    change."""
+    import shutil
+
+    from framework.cli import main
+    from framework.trainer import fit
+
+    base, data = tmp_path / "base", tmp_path / "train.jsonl"
+    _hf_base(base, eos_token_id=[151645, 151643])
+    shutil.copy(ROOT / "recipes" / "data" / "arithmetic_chat.jsonl", data)
+    cfg = _sft_from(base, tmp_path / "run", 2)
+    cfg["data"]["path"] = str(data)
+    cfg["eval"].update(path=str(ROOT / "recipes" / "data" / "arithmetic_chat_heldout.jsonl"), max_prompts=4)
+    cfg["model"]["policy"]["lora"] = {"rank": 4, "alpha": 8, "dropout": 0.0, "targets": ["q_proj", "v_proj"]}
+    fit(cfg)
+    ckpt = ck.checkpoints_dir(tmp_path / "run") / ck.step_dir_name(2)
+    reports = tmp_path / "run" / "eval"
+    copy, data_copy, other = tmp_path / "copy", tmp_path / "copy.jsonl", tmp_path / "other.jsonl"
+    shutil.copytree(base, copy)
+    shutil.copy(data, data_copy)
+    other.write_text("".join(data.read_text().splitlines(keepends=True)[::-1]))   # other content: reversed
+
+    def evaluate(*overrides: str) -> tuple[str, dict]:
+        capsys.readouterr()
+        assert main(["eval", "--checkpoint", str(ckpt), *overrides]) == 0
+        out = Path(capsys.readouterr().out.splitlines()[-1].removeprefix("wrote "))
+        assert out.parent == reports
+        return out.name, json.loads(out.read_text())
+
+    name, own = evaluate()
+    assert (name, own["changes"]) == ("step-000002.json", {})
+    base.rename(tmp_path / "gone")   # the base is now at its copy alone
+    for overrides in ([f"--model.policy.path={copy}"], [f"--model.policy.path={copy}", f"--data.path={data_copy}"]):
+        name, report = evaluate(*overrides)
+        assert (name, report["changes"], report["metrics"]) == ("step-000002.json", {}, own["metrics"]), overrides
+    (tmp_path / "gone").rename(base)
+    hashed, report = evaluate(f"--data.path={other}")
+    assert hashed.startswith("step-000002-") and report["changes"] == {"data.path": str(other)}
+    name, report = evaluate(f"--model.policy.path={copy}", f"--data.path={other}")
+    assert (name, report["changes"]) == (hashed, {"data.path": str(other)})
+    assert sorted(p.name for p in reports.iterdir()) == sorted({"step-000002.json", hashed})
+
 # `fw export ARGV...` with an audit hook that sends this process the signal named by argv[1] as it opens the
 # staging copy's weight file: the copy half made
 SIGNALLED_EXPORT = """
