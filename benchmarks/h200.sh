@@ -4,8 +4,9 @@
 # examples in bf16. Logs go to $OUT (default ./h200-logs). Each step has its own time limit so that a
 # slow or failing step still leaves the others' results; steps run in order of importance.
 # STEPS="build gpu-tests ops-bench" (names as below) runs a subset, when device time is short. Where one
-# call is limited to 600 s, the GPU tests take a call of their own (STEPS="build gpu-tests"), and the rest
-# go in the calls after it, e.g. STEPS="build ops-bench ops-profile train-bench grpo-bench rollout-full";
+# call is limited to 600 s, the GPU tests take two calls of their own (STEPS="build gpu-tests-ops", then
+# STEPS="build gpu-tests-rest": the whole suite runs past gpu-tests' limit on an H100), and the rest
+# go in the calls after them, e.g. STEPS="build ops-bench ops-profile train-bench grpo-bench rollout-full";
 # each step's own line in summary.log gives its time.
 set -u
 STEPS=${STEPS:-}
@@ -25,10 +26,10 @@ step build 300 summary.log python3 -c "import ops_cuda; print(ops_cuda.build());
 # from $OUT is at most two folders deep and 16 MiB a file): put in .fwops/ of the checkout and carried, it spares a
 # later call on the same sources the build (benchmarks/device_env.sh unpacks it)
 step keep-build 120 summary.log env OUT="$OUT" bash -c 'so=$(python3 -c "import ops_cuda; print(ops_cuda.build())" | tail -n 1) && rel=$(dirname "${so#"$FW_OPS_CACHE"/}") && tar czf "$OUT/fwops.tgz" -C "$FW_OPS_CACHE" "$rel/fw_ops.so" "$rel/built" && ls -l "$OUT/fwops.tgz"'
-step gpu-tests 560 gpu_tests.log python3 -m pytest -m gpu -q -p no:cacheprovider --continue-on-collection-errors --durations=10
+step gpu-tests 560 gpu_tests.log python3 -m pytest -m gpu -q -rfE -p no:cacheprovider --continue-on-collection-errors --durations=10
 # the same tests in two parts, for calls where the build and all of them do not fit one call's limit
-step gpu-tests-ops 560 gpu_tests.log python3 -m pytest -m gpu -q -p no:cacheprovider --durations=10 tests/test_ops_gpu.py
-step gpu-tests-rest 560 gpu_tests.log python3 -m pytest -m gpu -q -p no:cacheprovider --continue-on-collection-errors --durations=10 --ignore=tests/test_ops_gpu.py
+step gpu-tests-ops 560 gpu_tests.log python3 -m pytest -m gpu -q -rfE -p no:cacheprovider --durations=10 tests/test_ops_gpu.py
+step gpu-tests-rest 560 gpu_tests.log python3 -m pytest -m gpu -q -rfE -p no:cacheprovider --continue-on-collection-errors --durations=10 --ignore=tests/test_ops_gpu.py
 step ops-bench 330 ops_bench.log python3 -m benchmarks.ops.bench_ops
 step ops-bench-pdl-off 90 ops_bench.log env FW_PDL=0 python3 -m benchmarks.ops.bench_ops --only rms_norm,rope,swiglu
 step varlen-backends 90 ops_bench.log python3 -m benchmarks.ops.varlen_backends
