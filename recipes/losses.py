@@ -344,6 +344,11 @@ _CORRECTION_READERS = {"cap": (("tis",), "cap each weight at it"),
                        "high": (("mask",), "drop the tokens whose ratio leaves [low, high]"),
                        "level": (("tis", "mask"), "weigh each completion by one ratio")}
 
+# The keys of a section that only some of its settings read: key -> (whether the section reads it, the setting that
+# keeps it unread, what to set instead). The KL term (and its estimator) exists only with ``kl_coef`` > 0.
+_SECTION_READERS = {"kl_estimator": (lambda s: s["kl_coef"] > 0, lambda s: f"kl_coef is {s['kl_coef']}",
+                                     "kl_coef > 0 to add the KL to the reference")}
+
 
 def unread_problems(name: str, section: dict) -> list[str]:
     """One line for each option key of ``section`` set off its schema default that its mode does not read (a
@@ -357,6 +362,10 @@ def unread_problems(name: str, section: dict) -> list[str]:
             problems.append(f"{name}.off_policy_correction.{key}: {c[key]} changes nothing while "
                             f"{name}.off_policy_correction.name is {c['name']}; set name: {' or '.join(modes)} to "
                             f"{what}, or leave {key} at {d[key]}")
+    for key, (reads, why, what) in _SECTION_READERS.items():
+        if key in section and not reads(section) and section[key] != default[key]:
+            problems.append(f"{name}.{key}: {section[key]} changes nothing while {name}.{why(section)}; set {what}, "
+                            f"or leave {key} at {default[key]}")
     o, d = section["overlong"], default["overlong"]
     if o["buffer"] is None and o["penalty_factor"] != d["penalty_factor"]:
         problems.append(f"{name}.overlong.penalty_factor: {o['penalty_factor']} changes nothing while "

@@ -505,3 +505,22 @@ def test_option_combinations_are_refused_at_their_keys(tmp_path, capsys):
     cfg = config(tmp_path / "run", grpo={"overlong": {"buffer": 9}})   # Python configs skip validate: the recipe checks
     with pytest.raises(FwError, match="grpo.overlong.buffer: 9 exceeds rollout.max_new_tokens"):
         FwModule(cfg)
+
+
+@pytest.mark.parametrize("recipe, overrides, line", [
+    ("grpo", ["--grpo.kl_estimator=k1"],
+     ("grpo.kl_estimator: k1 changes nothing while grpo.kl_coef is 0.0; set kl_coef > 0 to add the KL to the "
+     "reference, or leave kl_estimator at k3")),
+    ("ppo", ["--ppo.kl_coef=0", "--ppo.kl_estimator=k3"],
+     ("ppo.kl_estimator: k3 changes nothing while ppo.kl_coef is 0; set kl_coef > 0 to add the KL to the "
+     "reference, or leave kl_estimator at k1")),
+])
+def test_a_kl_estimator_without_a_kl_term_is_refused(tmp_path, capsys, recipe, overrides, line):
+    path = tmp_path / "train.yaml"
+    path.write_text(f"recipe: {recipe}\nmodel:\n  policy: {{preset: tiny}}\ndata:\n  task: {{name: digits}}\n"
+                    f"run_dir: {tmp_path / 'run'}\n")
+    assert main(["validate", "--config", str(path), *overrides]) == 2
+    assert capsys.readouterr().err.splitlines() == [f"override '{overrides[-1]}': {line}"]
+    # the estimator is read once the KL term is on, and its default stands under kl_coef 0
+    assert main(["validate", "--config", str(path), *overrides, f"--{recipe}.kl_coef=0.1"]) == 0
+    assert main(["validate", "--config", str(path), f"--{recipe}.kl_coef=0"]) == 0
