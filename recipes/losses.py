@@ -347,7 +347,10 @@ _CORRECTION_READERS = {"cap": (("tis",), "cap each weight at it"),
 # The keys of a section that only some of its settings read: key -> (whether the section reads it, the setting that
 # keeps it unread, what to set instead). The KL term (and its estimator) exists only with ``kl_coef`` > 0.
 _SECTION_READERS = {"kl_estimator": (lambda s: s["kl_coef"] > 0, lambda s: f"kl_coef is {s['kl_coef']}",
-                                     "kl_coef > 0 to add the KL to the reference")}
+                                     "kl_coef > 0 to add the KL to the reference"),
+                    "dynamic_sampling_max_rounds": (lambda s: s["dynamic_sampling"],
+                                                    lambda s: "dynamic_sampling is false",
+                                                    "dynamic_sampling: true to draw further rounds")}
 
 
 def unread_problems(name: str, section: dict) -> list[str]:

@@ -524,3 +524,14 @@ def test_a_kl_estimator_without_a_kl_term_is_refused(tmp_path, capsys, recipe, o
     # the estimator is read once the KL term is on, and its default stands under kl_coef 0
     assert main(["validate", "--config", str(path), *overrides, f"--{recipe}.kl_coef=0.1"]) == 0
     assert main(["validate", "--config", str(path), f"--{recipe}.kl_coef=0"]) == 0
+
+
+def test_dynamic_sampling_max_rounds_without_dynamic_sampling_is_refused(tmp_path, capsys):
+    path = tmp_path / "train.yaml"
+    path.write_text("recipe: grpo\nmodel:\n  policy: {preset: tiny}\ndata:\n  task: {name: digits}\n"
+                    f"run_dir: {tmp_path / 'run'}\ngrpo:\n  dynamic_sampling_max_rounds: 3\n")
+    assert main(["validate", "--config", str(path)]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        (f"{path}:8:32: grpo.dynamic_sampling_max_rounds: 3 changes nothing while grpo.dynamic_sampling is false; "
+         "set dynamic_sampling: true to draw further rounds, or leave dynamic_sampling_max_rounds at 10")]
+    assert main(["validate", "--config", str(path), "--grpo.dynamic_sampling=true"]) == 0
