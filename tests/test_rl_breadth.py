@@ -535,3 +535,19 @@ def test_dynamic_sampling_max_rounds_without_dynamic_sampling_is_refused(tmp_pat
         (f"{path}:8:32: grpo.dynamic_sampling_max_rounds: 3 changes nothing while grpo.dynamic_sampling is false; "
          "set dynamic_sampling: true to draw further rounds, or leave dynamic_sampling_max_rounds at 10")]
     assert main(["validate", "--config", str(path), "--grpo.dynamic_sampling=true"]) == 0
+
+
+def test_adv_eps_under_scale_rewards_none_is_refused(tmp_path, capsys):
+    path = tmp_path / "train.yaml"
+    path.write_text("recipe: grpo\nmodel:\n  policy: {preset: tiny}\ndata:\n  task: {name: digits}\n"
+                    f"run_dir: {tmp_path / 'run'}\ngrpo:\n  scale_rewards: none\n  adv_eps: 0.01\n")
+    assert main(["validate", "--config", str(path)]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        (f"{path}:9:12: grpo.adv_eps: 0.01 changes nothing while grpo.scale_rewards is none; set scale_rewards: "
+         "group or batch to divide the advantages by a std, or leave adv_eps at 0.0001")]
+    # Dr.GRPO's advantages are the centred rewards whatever eps is: the key is indeed unread
+    rewards = torch.tensor([1.0, 0.0, 0.0, 0.0])
+    expected = torch.tensor([0.75, -0.25, -0.25, -0.25])
+    for eps in (1e-4, 0.01, 10.0):
+        assert torch.equal(grpo_advantages(rewards, 4, "none", eps), expected)
+    assert main(["validate", "--config", str(path), "--grpo.scale_rewards=group"]) == 0
