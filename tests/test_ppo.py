@@ -10,6 +10,7 @@ import torch
 from test_grpo import token_logprobs
 
 from framework.callbacks import Callback
+from framework.cli import main
 from framework.config import resolve
 from framework.errors import FwError
 from framework.metrics import read_metrics
@@ -233,3 +234,13 @@ def test_whitening_statistics_cover_only_the_tokens_in_the_loss(tmp_path, droppe
     assert torch.allclose(got, expected, rtol=0, atol=1e-6), got
     # the logged mean |A| is over the same tokens: 6 of the 8 kept ones at |A| = scale
     assert ctx.logged["policy/adv_abs"] == pytest.approx(6 * scale / 8, abs=1e-6)
+
+
+def test_a_zero_vf_coef_is_refused(tmp_path, capsys):
+    # vf_coef scales the critic's loss before its backward: at 0 the critic gets no gradient and never learns
+    path = tmp_path / "train.yaml"
+    path.write_text("recipe: ppo\nmodel:\n  policy: {preset: tiny}\ndata:\n  task: {name: digits}\n"
+                    f"run_dir: {tmp_path / 'run'}\nppo:\n  vf_coef: 0\n")
+    assert main(["validate", "--config", str(path)]) == 2
+    assert capsys.readouterr().err.splitlines() == [f"{path}:8:12: ppo.vf_coef: must be > 0, got 0"]
+    assert main(["validate", "--config", str(path), "--ppo.vf_coef=0.01"]) == 0
