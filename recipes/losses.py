@@ -332,6 +332,11 @@ def option_problems(name: str, section: dict, max_new_tokens: int) -> list[str]:
         problems.append(f"{name}.off_policy_correction.{key}: [low, high] = [{c['low']}, {c['high']}] must hold 1, "
                         "the ratio of a token on which the trainer and the rollout agree, else nearly every token is "
                         "dropped (verl's low is 1 / high)")
+    if c["name"] == "tis" and c["cap"] < 1:
+        # nearly every token's ratio is about 1: a cap below it weights them all by the cap, scaling the update alone
+        problems.append(f"{name}.off_policy_correction.cap: {c['cap']} is below 1, the ratio of a token on which the "
+                        "trainer and the rollout agree, so nearly every token's weight is capped and the update is "
+                        "just scaled by it; set cap >= 1")
     problems += unread_problems(name, section)
     return problems
 

@@ -551,3 +551,20 @@ def test_adv_eps_under_scale_rewards_none_is_refused(tmp_path, capsys):
     for eps in (1e-4, 0.01, 10.0):
         assert torch.equal(grpo_advantages(rewards, 4, "none", eps), expected)
     assert main(["validate", "--config", str(path), "--grpo.scale_rewards=group"]) == 0
+
+
+def test_a_tis_cap_below_one_is_refused(tmp_path, capsys):
+    # trainer and rollout agree (ratio 1) on every token: a cap of 0.5 weights each by 0.5, capping them all
+    logp = torch.log(torch.tensor([[0.5, 0.25, 0.125]]))
+    mask = torch.ones(1, 3)
+    c = OffPolicyCorrection("tis", cap=0.5, low=0.5, high=2.0, level="token")(logp, logp.clone(), mask)
+    assert torch.allclose(c.weight, torch.full((1, 3), 0.5)) and float(c.capped_frac) == 1.0
+    path = tmp_path / "train.yaml"
+    path.write_text("recipe: grpo\nmodel:\n  policy: {preset: tiny}\ndata:\n  task: {name: digits}\n"
+                    f"run_dir: {tmp_path / 'run'}\ngrpo:\n  off_policy_correction: {{name: tis, cap: 0.5}}\n")
+    assert main(["validate", "--config", str(path)]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        (f"{path}:8:43: grpo.off_policy_correction.cap: 0.5 is below 1, the ratio of a token on which the trainer "
+         "and the rollout agree, so nearly every token's weight is capped and the update is just scaled by it; "
+         "set cap >= 1")]
+    assert main(["validate", "--config", str(path), "--grpo.off_policy_correction.cap=1.0"]) == 0
