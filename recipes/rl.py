@@ -495,6 +495,7 @@ class RLRecipe:
         self.engine: Any = None   # the policy's RolloutEngine, kept from one rollout to the next if keep_engine
         self.keep_engine: bool | None = None   # rollout.keep_engine resolved at the first rollout
         self.shares_prompts = shares_prompts(cfg, self.section, self.samples_key)   # the update's layout
+        self._said_all_truncated = False
         self.cut: CutBatch | None = None   # the batch max_steps stopped this run inside, this rank's share
         self._saved_cut: dict | None = None   # a checkpoint's cut batch, every rank's, until the first step
 
@@ -805,15 +806,29 @@ class RLRecipe:
                 taken += 1
         return None
 
-    @staticmethod
-    def loss_batch(ctx: StepContext, section: dict, data: ScoredRollout,
+    def loss_batch(self, ctx: StepContext, section: dict, data: ScoredRollout,
                    trainer_logprobs: Callable[[], Tensor]) -> tuple[LossInputs, ScoredRollout]:
         """What the loss trains on (``section``'s overlong masking and off-policy correction applied, their
         metrics logged) and the rollout batch with the loss's mask, which the loss weighting also sees."""
         inputs = loss_inputs(section, data.old_logp, data.mask, data.truncated, trainer_logprobs)
         for name, value in inputs.metrics.items():
             ctx.log(name, value)
+        self._say_all_truncated(ctx, section, data)
         return RLRecipe.loss_pair(data, inputs)
+
+    def _say_all_truncated(self, ctx: StepContext, section: dict, data: ScoredRollout) -> None:
+        """One line, the first time a rollout batch's completions (global rank 0's share) are all cut at
+        max_new_tokens while overlong.mask_truncated leaves them out of the loss: the update then trains on no token,
+        which its metrics show only as a zero gradient."""
+        if (self._said_all_truncated or ctx.rank != 0 or not section["overlong"]["mask_truncated"]
+                or data.truncated.numel() == 0 or not bool(data.truncated.all())):
+            return
+        self._said_all_truncated = True
+        share = "" if ctx.world_size == 1 else " of this process's share"
+        say(f"fw: warning: every completion{share} of the rollout batch after policy step {ctx.policy_version} was "
+            f"cut at rollout.max_new_tokens ({self.cfg['rollout']['max_new_tokens']}), and "
+            f"{self.section}.overlong.mask_truncated leaves such completions out of the loss, so this update trains "
+            "on no token; raise rollout.max_new_tokens, or set mask_truncated: false (said once)", flush=True)
 
     def log_rollout(self, ctx: StepContext, batch: ScoredRollout) -> None:
         """Reward and rollout metrics of one rollout batch (averaged over the logging interval)."""

@@ -568,3 +568,30 @@ def test_a_tis_cap_below_one_is_refused(tmp_path, capsys):
          "and the rollout agree, so nearly every token's weight is capped and the update is just scaled by it; "
          "set cap >= 1")]
     assert main(["validate", "--config", str(path), "--grpo.off_policy_correction.cap=1.0"]) == 0
+
+
+class TruncationProbe(Callback):
+    """Whether each rollout batch's completions were all cut at max_new_tokens, read at each policy step."""
+
+    all_cut: ClassVar[list] = []
+
+    def before_optimizer_step(self, trainer, module, optimizer):
+        TruncationProbe.all_cut.append(bool(module.recipe.last_rollout.truncated.all()))
+
+
+@pytest.mark.parametrize("mask_truncated", [True, False])
+def test_an_update_on_no_token_is_said_once(tmp_path, capsys, mask_truncated):
+    """One new token a completion: the tiny model's rows all run to max_new_tokens, and overlong.mask_truncated leaves
+    every one of them out of the loss. That update trains on nothing, which the metrics show only as a zero gradient:
+    one line says so, once, the first time; without mask_truncated nothing is said."""
+    TruncationProbe.all_cut.clear()
+    probe = {"class_path": "test_rl_breadth.TruncationProbe"}
+    fit(config(tmp_path / "run", [probe], rollout={"max_new_tokens": 1},
+               grpo={"overlong": {"mask_truncated": mask_truncated}}))
+    assert TruncationProbe.all_cut == [True, True]   # the premise: every batch all cut
+    said = [line for line in capsys.readouterr().err.splitlines() if "fw: warning: every completion" in line]
+    expected = ("fw: warning: every completion of the rollout batch after policy step 0 was cut at "
+                "rollout.max_new_tokens (1), and grpo.overlong.mask_truncated leaves such completions out of the loss, "
+                "so this update trains on no token; raise rollout.max_new_tokens, or set mask_truncated: false (said "
+                "once)")
+    assert said == ([expected] if mask_truncated else [])
