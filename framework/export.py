@@ -31,7 +31,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from framework.checkpoint import CONFIG_FILE, read_resolved, step_dirs
+from framework.checkpoint import CONFIG_FILE, read_resolved, run_of_checkpoints_folder
 from framework.checkpoint.directory import DamagedFile, enclosing_checkpoint, read_complete_manifest, verify_checkpoint
 from framework.checkpoint.tensors import DiskFull
 from framework.durable import dead_leftovers, file_in_the_way, fsync_dir, hidden_sibling, is_disk_full
@@ -47,7 +47,6 @@ from framework.models.hf_io import (
     write_json,
 )
 from framework.models.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS
-from framework.run_lock import LOCK_FILE
 from framework.signals import Stopped
 
 POLICY = "policy"
@@ -125,10 +124,8 @@ def _checkpoint_around(out: Path) -> str | None:
     """Why `out` (resolved) is no place for an export, or None: it lies in a checkpoint directory, whose files are
     the ones its manifest lists and which a prune deletes whole, or in a run's checkpoints/ folder, where fw reads
     a `step-*` folder as a checkpoint (one without a manifest passes for the run's damaged newest)."""
-    folders = (out, *out.parents)
     checkpoint = enclosing_checkpoint(out)
-    run = next((f.parent for f in folders if f.name == "checkpoints"
-                and ((f.parent / LOCK_FILE).exists() or step_dirs(f.parent))), None)
+    run = run_of_checkpoints_folder(out)
     if run is not None:
         if checkpoint is not None:
             why = f"inside checkpoint {checkpoint}, which a prune deletes whole"

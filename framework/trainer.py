@@ -294,8 +294,8 @@ def fit(cfg: dict, resume: str | None = None, skip_damaged: bool = False,
     exits still gets its line.
     """
     from framework.checkpoint import (
-        checkpoints_dir,
         find_latest,
+        in_run_dir,
         pin_resume,
         refuse_missing_run_dir,
         resolve_resume,
@@ -322,7 +322,7 @@ def fit(cfg: dict, resume: str | None = None, skip_damaged: bool = False,
         ckpt_path = resolve_resume(resume, cfg, skip_damaged)
         stack.enter_context(pin_resume(cfg["run_dir"], resume, ckpt_path))
         lightning.seed_everything(cfg["seed"], workers=True, verbose=False)
-        if ckpt_path is None or Path(ckpt_path).parent.resolve() != checkpoints_dir(run_dir).resolve():
+        if ckpt_path is None or not in_run_dir(run_dir, ckpt_path):
             # a fresh run, or one resumed from another directory's checkpoint (whose run_dir holds no checkpoint,
             # resolve_resume saw to that), must not write into an earlier run's metrics: on every rank, so that all
             # of them stop together

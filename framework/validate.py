@@ -158,9 +158,8 @@ def _inside_checkpoints(path: str) -> str | None:
     """Why run_dir `path` is no place for a run, or None: it is a checkpoint directory, whose config.yaml the run
     would overwrite (the checkpoint then fails its manifest's check), or lies in one, which a prune deletes whole,
     or in a run's checkpoints/ folder, where fw reads the folders it writes as that run's checkpoints."""
-    from framework.checkpoint import step_dirs
+    from framework.checkpoint import checkpoints_dir, run_of_checkpoints_folder
     from framework.checkpoint.directory import enclosing_checkpoint
-    from framework.run_lock import LOCK_FILE
 
     folder = Path(os.path.abspath(path))
     checkpoint = enclosing_checkpoint(folder)
@@ -169,11 +168,11 @@ def _inside_checkpoints(path: str) -> str | None:
                 "choose a run_dir outside it")
     if checkpoint is not None:
         return f"lies inside checkpoint {checkpoint}, which a prune deletes whole; choose a run_dir outside it"
-    for f in (folder, *folder.parents):
-        if f.name == "checkpoints" and ((f.parent / LOCK_FILE).exists() or step_dirs(f.parent)):
-            where = "is" if f == folder else "lies inside"
-            return (f"{where} the checkpoints/ folder of run directory {f.parent}, where fw reads what is there as "
-                    f"that run's checkpoints; choose a run_dir outside {f}")
+    run = run_of_checkpoints_folder(folder)
+    if run is not None:
+        where = "is" if folder == checkpoints_dir(run) else "lies inside"
+        return (f"{where} the checkpoints/ folder of run directory {run}, where fw reads what is there as that "
+                f"run's checkpoints; choose a run_dir outside {checkpoints_dir(run)}")
     return None
 
 

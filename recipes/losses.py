@@ -350,14 +350,13 @@ _CORRECTION_READERS = {"cap": (("tis",), "cap each weight at it"),
                        "level": (("tis", "mask"), "weigh each completion by one ratio")}
 
 # The keys of a section that only some of its settings read: key -> (whether the section reads it, the setting that
-# keeps it unread, what to set instead). The KL term (and its estimator) exists only with ``kl_coef`` > 0;
-# ``grpo_advantages`` adds ``adv_eps`` to a std that ``scale_rewards: none`` never divides by.
-_SECTION_READERS = {"kl_estimator": (lambda s: s["kl_coef"] > 0, lambda s: f"kl_coef is {s['kl_coef']}",
+# keeps it unread, formatted with the section, what to set instead). The KL term (and its estimator) exists only with
+# ``kl_coef`` > 0; ``grpo_advantages`` adds ``adv_eps`` to a std that ``scale_rewards: none`` never divides by.
+_SECTION_READERS = {"kl_estimator": (lambda s: s["kl_coef"] > 0, "kl_coef is {kl_coef}",
                                      "kl_coef > 0 to add the KL to the reference"),
-                    "dynamic_sampling_max_rounds": (lambda s: s["dynamic_sampling"],
-                                                    lambda s: "dynamic_sampling is false",
+                    "dynamic_sampling_max_rounds": (lambda s: s["dynamic_sampling"], "dynamic_sampling is false",
                                                     "dynamic_sampling: true to draw further rounds"),
-                    "adv_eps": (lambda s: s["scale_rewards"] != "none", lambda s: "scale_rewards is none",
+                    "adv_eps": (lambda s: s["scale_rewards"] != "none", "scale_rewards is none",
                                 "scale_rewards: group or batch to divide the advantages by a std")}
 
 
@@ -375,8 +374,8 @@ def unread_problems(name: str, section: dict) -> list[str]:
                             f"{what}, or leave {key} at {d[key]}")
     for key, (reads, why, what) in _SECTION_READERS.items():
         if key in section and not reads(section) and section[key] != default[key]:
-            problems.append(f"{name}.{key}: {section[key]} changes nothing while {name}.{why(section)}; set {what}, "
-                            f"or leave {key} at {default[key]}")
+            problems.append(f"{name}.{key}: {section[key]} changes nothing while {name}.{why.format_map(section)}; "
+                            f"set {what}, or leave {key} at {default[key]}")
     o, d = section["overlong"], default["overlong"]
     if o["buffer"] is None and o["penalty_factor"] != d["penalty_factor"]:
         problems.append(f"{name}.overlong.penalty_factor: {o['penalty_factor']} changes nothing while "

@@ -308,6 +308,19 @@ def refuse_newer_checkpoints(run_dir: str | os.PathLike, checkpoint: str | os.Pa
                       "run_dir, or move them out of this one first")
 
 
+def run_of_checkpoints_folder(path: str | os.PathLike) -> Path | None:
+    """The run directory whose checkpoints/ folder `path` is or lies inside (one a fit locked, or that holds
+    checkpoints), or None: fw reads what is there as that run's checkpoints."""
+    folder = Path(os.path.abspath(path))
+    return next((f.parent for f in (folder, *folder.parents) if f.name == "checkpoints"
+                 and ((f.parent / LOCK_FILE).exists() or step_dirs(f.parent))), None)
+
+
+def in_run_dir(run_dir: str | os.PathLike, checkpoint: str | os.PathLike) -> bool:
+    """Whether `checkpoint` is one of `run_dir`'s own checkpoints (not another directory's, nor a copy)."""
+    return Path(checkpoint).parent.resolve() == checkpoints_dir(run_dir).resolve()
+
+
 def refuse_foreign_resume(run_dir: str | os.PathLike, checkpoint: str | os.PathLike, resume: str) -> None:
     """FwError if `run_dir` holds checkpoints of its own and `checkpoint`, from elsewhere, is not one of them: the
     run resumed there would write its steps beside theirs, and `prune` (by step) would delete theirs, the work of
@@ -374,10 +387,9 @@ def resolve_resume(resume: str | None, cfg: dict, skip_damaged: bool = False) ->
     else:
         found, skipped = _resolve(resume, skip_damaged, verify, option="--resume")
         latest = str(found)
-    own = checkpoints_dir(run_dir).resolve()
-    skipped = [p for p in skipped if p.parent.resolve() == own]   # another run's are left alone
+    skipped = [p for p in skipped if in_run_dir(run_dir, p)]   # another run's are left alone
     refuse_newer_checkpoints(run_dir, latest, resume, skipped)
-    if Path(latest).parent.resolve() != own:
+    if not in_run_dir(run_dir, latest):
         refuse_foreign_resume(run_dir, latest, resume)
     try:
         changes = check_resume_config(latest, cfg)
