@@ -652,6 +652,7 @@ def evaluate_checkpoint(checkpoint: str | Path, cfg: dict | None = None, out: st
     of the sha256 of `_as_read`'s config), and a report there of other read settings is never replaced."""
     from framework.checkpoint import read_resolved
     from framework.checkpoint.directory import CONFIG_FILE, config_sha256, read_complete_manifest
+    from framework.checkpoint.resume import say_moved
     from framework.config import load_config
     from framework.durable import replace_file
     from framework.generate import _device, autocast_context, checkpoint_config, load_policy
@@ -676,6 +677,8 @@ def evaluate_checkpoint(checkpoint: str | Path, cfg: dict | None = None, out: st
         if own is not None:
             changes = {k: v for k, v in config_changes(own, run_cfg).items() if _is_read(k, read)}
             moves = _verified_moves(manifest, own, changes)
+            for key, was in moves.items():
+                say_moved(key, was, changes[key], "evaluating with it")
             changes = {k: v for k, v in changes.items() if k not in moves}
         settings = {"eval": run_cfg["eval"], "reward": run_cfg["reward"], "changes": changes}
         # named as absolute: `--checkpoint .` (or `..`) has no name of its own, nor a run directory above it

@@ -329,7 +329,7 @@ def _missing_model(path: str | os.PathLike) -> str | None:
 def _moved_base(source: Path, manifest: dict, given: str | os.PathLike) -> dict:
     """The model.policy config of LoRA checkpoint `source` (its config.yaml) with the base model at `given`
     (`--model.policy.path`), once that directory holds the files that the checkpoint recorded of its base."""
-    from framework.checkpoint.resume import recorded_move_problem
+    from framework.checkpoint.resume import recorded_move_problem, say_moved
     from framework.config import load_config
 
     policy = load_config([str(source / CONFIG_FILE)], imports=())["model"]["policy"]
@@ -353,6 +353,7 @@ def _moved_base(source: Path, manifest: dict, given: str | os.PathLike) -> dict:
         if problem is not None:
             raise FwError(f"--model.policy.path {given}: not the base model of the LoRA adapters of {source}, "
                           f"{was} ({problem}); give the directory that model was moved or copied to")
+        say_moved("model.policy.path", was, path, "exporting with it")
     return {**policy, "path": path}
 
 

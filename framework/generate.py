@@ -89,12 +89,13 @@ def checkpoint_config(checkpoint: str | os.PathLike, overrides: list[str] | None
 _POLICY_KEYS_THAT_APPLY = ("dtype", "compile", "gradient_checkpointing", "keep_logits")
 
 
-def checkpoint_policy_config(cfg: dict, checkpoint: Path, adapters: bool) -> dict:
+def checkpoint_policy_config(cfg: dict, checkpoint: Path, adapters: bool, moved: str | None = None) -> dict:
     """The model.policy config that reads `checkpoint`'s policy (LoRA `adapters` or a full model) under `cfg`: the
     checkpoint's own (its config.yaml), with `cfg`'s dtype. `cfg` may name the base model at another path that
-    holds the same files (checked against the manifest's record, as a resume checks a move); any other change of
-    the policy (preset, base model, LoRA settings) is refused, naming the key."""
-    from framework.checkpoint.resume import RESUME_RULES, recorded_move_problem
+    holds the same files (checked against the manifest's record, as a resume checks a move; said on stderr with
+    `moved`, what goes on with it, unless None); any other change of the policy (preset, base model, LoRA
+    settings) is refused, naming the key."""
+    from framework.checkpoint.resume import RESUME_RULES, recorded_move_problem, say_moved
     from framework.config import load_config
 
     new = cfg["model"]["policy"]
@@ -129,22 +130,25 @@ def checkpoint_policy_config(cfg: dict, checkpoint: Path, adapters: bool) -> dic
             problem = recorded_move_problem(read_complete_manifest(checkpoint), full, was, now)
             if problem is None:   # the same base model, copied or moved
                 out["path"] = now
+                if moved is not None:
+                    say_moved(full, was, now, moved)
                 continue
             why = f"{why}; {problem}"
         raise refuse(full, was, now, why)
     return out
 
 
-def _checkpoint_policy(cfg: dict, path: Path) -> tuple[dict, bool, dict]:
+def _checkpoint_policy(cfg: dict, path: Path, moved: str | None = None) -> tuple[dict, bool, dict]:
     """(manifest, whether its policy is LoRA adapters, the model.policy config that reads it) of checkpoint `path`
-    under `cfg`; refused changes of the policy stop here, before any weights load."""
+    under `cfg`; refused changes of the policy stop here, before any weights load. `moved`: as
+    `checkpoint_policy_config` takes it."""
     from framework.models.lora import ADAPTER_CONFIG
 
     manifest = read_complete_manifest(path)
     if POLICY not in manifest["components"]:
         raise FwError(f"--checkpoint {path}: the checkpoint holds no {POLICY}/ component")
     adapters = f"{POLICY}/{ADAPTER_CONFIG}" in manifest["files"]
-    return manifest, adapters, checkpoint_policy_config(cfg, path, adapters)
+    return manifest, adapters, checkpoint_policy_config(cfg, path, adapters, moved)
 
 
 def _policy_shapes(cfg: dict, checkpoint: Path | None) -> tuple[Any, Any, torch.dtype] | None:
@@ -194,10 +198,11 @@ def _check_cache_holds(cfg: dict, checkpoint: Path | None, prompt: str, params: 
                          device)
 
 
-def load_policy(cfg: dict, checkpoint: str | os.PathLike | None) -> tuple[Any, Any]:
+def load_policy(cfg: dict, checkpoint: str | os.PathLike | None, moved: str | None = None) -> tuple[Any, Any]:
     """(tokenizer, policy): from ``checkpoint``'s ``policy/`` (a checkpoint directory, its sizes checked;
     with ``checkpoint.verify`` every file read is hashed while it loads), else built from ``cfg`` (random
-    init for a preset, seeded with ``cfg["seed"]``)."""
+    init for a preset, seeded with ``cfg["seed"]``). ``moved``: what a base model found moved goes on to do, said
+    on stderr (None: nothing said)."""
     from framework.export import adapted_policy
     from framework.models import build_policy, load_pretrained
     from framework.models.lora import merged_copy
@@ -208,7 +213,7 @@ def load_policy(cfg: dict, checkpoint: str | os.PathLike | None) -> tuple[Any, A
         torch.manual_seed(cfg["seed"])
         return tokenizer, build_policy(cfg["model"]["policy"], tokenizer)
     path = Path(checkpoint)
-    manifest, adapters, policy_cfg = _checkpoint_policy(cfg, path)
+    manifest, adapters, policy_cfg = _checkpoint_policy(cfg, path, moved)
     rels = [rel for rel in manifest["files"] if rel.startswith(POLICY + "/") or rel == CONFIG_FILE]
     policy_dir = path / POLICY
     with verifying(Verifier(path, manifest, rels) if cfg["checkpoint"]["verify"] else None):
@@ -296,7 +301,7 @@ def generate_text(cfg: dict | None, prompt: str, checkpoint: str | None = None, 
             raise FwError(where + message[len(key):]) from None
         with cache_limit_named():
             _check_cache_holds(run_cfg, path, prompt, params)
-        return (run_cfg, params, *load_policy(run_cfg, path))
+        return (run_cfg, params, *load_policy(run_cfg, path, "generating with it"))
 
     # a run directory's newest checkpoint, read again if the fit writing the run prunes it meanwhile
     cfg, params, tokenizer, policy = (prepare(None) if checkpoint is None

@@ -479,7 +479,8 @@ def _lora_run(tmp_path: Path) -> tuple[Path, Path]:
 def test_a_lora_checkpoint_whose_base_is_gone_says_which_key_and_where(tmp_path, capsys):
     """fw export --merge, fw generate and fw eval of a LoRA checkpoint whose base directory moved away: one line
     naming the checkpoint, model.policy.path and the missing directory; fw generate then reads the base from
-    --model.policy.path at its new place, the same completion as before the move."""
+    --model.policy.path at its new place, the same completion as before the move, and it and fw eval say the move
+    in one line each."""
     from framework.cli import main
 
     base, ckpt = _lora_run(tmp_path)
@@ -498,7 +499,13 @@ def test_a_lora_checkpoint_whose_base_is_gone_says_which_key_and_where(tmp_path,
     assert capsys.readouterr().err.splitlines() == [line] * 3
     assert not (tmp_path / "merged").exists()
     assert main([*generate, f"--model.policy.path={moved}"]) == 0
-    assert capsys.readouterr().out == before
+    said = (f"fw: model.policy.path moved from {base} to {moved}, which holds the same content (size and sha256 of "
+            "every file); {}")
+    assert capsys.readouterr() == (before, said.format("generating with it") + "\n")
+    assert main(["eval", "--checkpoint", str(ckpt), f"--eval.path={held}", f"--model.policy.path={moved}",
+                 "--out", str(tmp_path / "report.json")]) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert [line for line in err if "moved" in line] == [said.format("evaluating with it")]
 
 
 def _tensors(model_dir: Path) -> dict[str, torch.Tensor]:
@@ -509,7 +516,8 @@ def _tensors(model_dir: Path) -> dict[str, torch.Tensor]:
 
 def test_export_reads_a_moved_lora_base_from_model_policy_path(tmp_path, capsys):
     """fw export of a LoRA checkpoint whose base directory moved: --merge is refused in one line, and with
-    --model.policy.path at the new place merges the same weights as before the move; the adapter export names the
+    --model.policy.path at the new place merges the same weights as before the move (saying the move in one line);
+    the adapter export names the
     new place in adapter_config.json, from which PEFT loads the base. A checkpoint without the source model's
     generation_config.json takes the one the moved base holds."""
     from framework.checkpoint.directory import SOURCE_GENERATION_CONFIG
@@ -544,6 +552,8 @@ def test_export_reads_a_moved_lora_base_from_model_policy_path(tmp_path, capsys)
     merged = tmp_path / "merged"
     assert main(["export", "--checkpoint", str(ckpt), "--out", str(merged), "--merge",
                  "--model.policy.path", str(moved)]) == 0
+    assert capsys.readouterr().err == (f"fw: model.policy.path moved from {base} to {moved}, which holds the same "
+                                       "content (size and sha256 of every file); exporting with it\n")
     after = _tensors(merged)
     assert sorted(after) == sorted(before)
     assert all(torch.equal(after[k], before[k]) for k in before)
@@ -737,10 +747,14 @@ def test_fw_eval_of_a_moved_lora_base_or_data_file_reports_no_change(tmp_path, c
     shutil.copy(data, data_copy)
     other.write_text("".join(data.read_text().splitlines(keepends=True)[::-1]))   # other content: reversed
 
+    said: list[str] = []
+
     def evaluate(*overrides: str) -> tuple[str, dict]:
         capsys.readouterr()
         assert main(["eval", "--checkpoint", str(ckpt), *overrides]) == 0
-        out = Path(capsys.readouterr().out.splitlines()[-1].removeprefix("wrote "))
+        printed = capsys.readouterr()
+        said[:] = [line for line in printed.err.splitlines() if " moved from " in line]
+        out = Path(printed.out.splitlines()[-1].removeprefix("wrote "))
         assert out.parent == reports
         return out.name, json.loads(out.read_text())
 
@@ -750,6 +764,10 @@ def test_fw_eval_of_a_moved_lora_base_or_data_file_reports_no_change(tmp_path, c
     for overrides in ([f"--model.policy.path={copy}"], [f"--model.policy.path={copy}", f"--data.path={data_copy}"]):
         name, report = evaluate(*overrides)
         assert (name, report["changes"], report["metrics"]) == ("step-000002.json", {}, own["metrics"]), overrides
+    # each move said in one line, as a resume says it
+    assert said == [f"fw: {key} moved from {was} to {now}, which holds the same content (size and sha256 of every "
+                    "file); evaluating with it" for key, was, now in [("model.policy.path", base, copy),
+                                                                       ("data.path", data, data_copy)]]
     (tmp_path / "gone").rename(base)
     hashed, report = evaluate(f"--data.path={other}")
     assert hashed.startswith("step-000002-") and report["changes"] == {"data.path": str(other)}

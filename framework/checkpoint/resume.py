@@ -279,11 +279,17 @@ def check_resume_config(checkpoint: str | os.PathLike, cfg: dict) -> list[tuple[
             f"put back what {k} {shown(_value(cfg, k))} held when the checkpoint was written" for k in rewritten]
         raise FwError(f"--resume {checkpoint}: a resume cannot apply: {'; '.join(text for _, text in refused)}; "
                       f"{', '.join(fixes)} or start a new run_dir")
-    if os.environ.get("LOCAL_RANK", "0") == "0" and os.environ.get("NODE_RANK", "0") == "0":
-        for k, a, b in moved:
-            print(f"fw: {k} moved from {shown(a)} to {shown(b)}, which holds the same content (size and sha256 of "
-                  "every file); resuming with it", file=sys.stderr)
+    for k, a, b in moved:
+        say_moved(k, a, b, "resuming with it")
     return [change for change in changes if change[0] not in {k for k, _, _ in moved}]
+
+
+def say_moved(key: str, was: Any, now: Any, doing: str) -> None:
+    """Say on stderr, on the first rank only, that path key `key` moved from `was` to `now`, which holds what the
+    checkpoint recorded (a verified move), and that `doing` goes on with it."""
+    if os.environ.get("LOCAL_RANK", "0") == "0" and os.environ.get("NODE_RANK", "0") == "0":
+        print(f"fw: {key} moved from {shown(was)} to {shown(now)}, which holds the same content (size and sha256 of "
+              f"every file); {doing}", file=sys.stderr)
 
 
 # the path keys whose content is checked against the checkpoint's record even when the path is unchanged: the
