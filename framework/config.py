@@ -42,7 +42,8 @@ SCHEMA_FILE = "train.schema.json"
 MODELINE = "# yaml-language-server: $schema="
 MAX_PROBLEMS = 50  # reported; the rest are counted in one more line
 MAX_SHOWN = 100   # characters of a wrong string value that a message quotes
-# Built-in names that are checked against a registry at validation time, when no class_path replaces them.
+# Built-in names that are checked against a registry at validation time, unless a class_path is set too (which
+# the schema refuses: one line for it is enough).
 _REGISTRIES = {("reward", "name"): ("framework.rewards", "REWARDS"),
                ("data", "task", "name"): ("framework.tasks", "TASKS")}
 

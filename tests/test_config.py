@@ -121,7 +121,7 @@ def test_resolve_rejects_a_non_mapping():
 
 
 def test_reward_class_path_keeps_the_builtin_name_default():
-    # documented: reward.class_path, when set, is used instead of reward.name
+    # documented: reward.class_path is set instead of reward.name, which stays null
     cfg = resolve({"recipe": "grpo", "model": {"policy": {"preset": "tiny"}},
                    "reward": {"class_path": "fractions.Fraction"}})
     assert cfg["reward"] == {"name": None, "class_path": "fractions.Fraction", "init_args": {},

@@ -93,7 +93,8 @@ def test_the_rl_bound_is_exactly_the_prompts_the_run_draws(tmp_path, recipe, sec
 
 def test_dynamic_sampling_is_bounded_by_its_most_rounds_per_rollout_batch(tmp_path):
     # every group ties, so each of the 2 rollout batches (steps 1-2, 3-4) draws all 3 rounds: the bound is met
-    cfg = rl_config(tmp_path / "run", max_steps=4, reward={"class_path": "test_eval_held_out_bound.ZeroReward"},
+    cfg = rl_config(tmp_path / "run", max_steps=4,
+                    reward={"name": None, "class_path": "test_eval_held_out_bound.ZeroReward"},
                     grpo={"group_size": 2, "epochs": 2, "minibatches": 1, "dynamic_sampling": True,
                           "dynamic_sampling_max_rounds": 3})
     asked, position, record = run(cfg)

@@ -159,8 +159,8 @@ def test_every_key_with_a_bad_value(recipe, tmp_path, capsys):
         policy = data["model"]["policy"]
         if path[:2] == ("model", "policy") and path[2:] in (("path",), ("preset",)):
             policy.pop("preset" if path[2] == "path" else "path", None)   # one of the two, as the schema wants
-        if path[:3] == ("data", "task", "class_path"):
-            data["data"]["task"].pop("name")
+        if path[:3] == ("data", "task", "class_path") or path == ("reward", "class_path"):
+            (data["data"]["task"] if path[0] == "data" else data["reward"]).pop("name")   # one of the two
         _put(data, path, value)
         dotted = ".".join(path)
         bad = tmp_path / f"bad{n}.yaml"
@@ -169,7 +169,7 @@ def test_every_key_with_a_bad_value(recipe, tmp_path, capsys):
         problem = _deviation(code, lines, re.escape(f"{bad}:{line}:") + r"\d+: ", dotted)
         if problem:
             wrong.append(f"{dotted}: {value!r} in a file: {problem}: {lines}")
-        if on_command_line and path[:2] != ("model", "policy") and path[:2] != ("data", "task"):
+        if on_command_line and path[:2] not in (("model", "policy"), ("data", "task"), ("reward", "class_path")):
             arg = f"--{dotted}={json.dumps(value)}"
             code, lines = _validate(["--config", str(config), arg], capsys)
             problem = _deviation(code, lines, re.escape(f"override '{arg}': "), dotted)

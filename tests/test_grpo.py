@@ -162,7 +162,7 @@ def test_update_gradient_matches_float64_reference(tmp_path, loss_agg, micro):
     """Second update on one rollout (ratio != 1, clipping and the k3 KL active), micro-batched or not."""
     GradProbe.results = []
     probe = {"class_path": "test_grpo.GradProbe", "init_args": {"step": 2}}
-    cfg = config(tmp_path / "run", [probe], reward={"class_path": "test_grpo.LetterReward"},
+    cfg = config(tmp_path / "run", [probe], reward={"name": None, "class_path": "test_grpo.LetterReward"},
                  grpo={"group_size": 4, "epochs": 2, "minibatches": 1, "clip_eps_low": 0.02, "clip_eps_high": 0.03,
                        "kl_coef": 0.5, "kl_estimator": "k3", "loss_agg": loss_agg},
                  trainer={"accelerator": "cpu", "max_steps": 2, "enable_progress_bar": False,

@@ -161,7 +161,7 @@ class GspoProbe(Callback):
 def test_gspo_through_fit_matches_the_sequence_objective_in_float64(tmp_path):
     GspoProbe.results = []
     cfg = config(tmp_path / "run", [{"class_path": "test_gspo.GspoProbe"}],
-                 reward={"class_path": "test_grpo.LetterReward"},
+                 reward={"name": None, "class_path": "test_grpo.LetterReward"},
                  grpo={"group_size": 4, "epochs": 2, "policy_loss": "gspo", "clip_eps_low": 3e-3,
                        "clip_eps_high": 4e-3, "loss_agg": "seq-mean-token-mean"},
                  trainer={"accelerator": "cpu", "max_steps": 2, "enable_progress_bar": False,

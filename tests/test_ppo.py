@@ -112,7 +112,7 @@ def _worst(reference, model):
 def test_policy_and_critic_gradients_match_float64_reference(tmp_path):
     PPOProbe.results = []
     probe = {"class_path": "test_ppo.PPOProbe", "init_args": {}}
-    cfg = config(tmp_path / "run", [probe], reward={"class_path": "test_grpo.LetterReward"},
+    cfg = config(tmp_path / "run", [probe], reward={"name": None, "class_path": "test_grpo.LetterReward"},
                  ppo={"epochs": 2, "minibatches": 1, "kl_coef": 0.2, "kl_estimator": "k1", "gamma": 0.9,
                       "lam": 0.8, "value_clip": 0.05, "vf_coef": 0.7, "clip_eps_low": 0.1, "clip_eps_high": 0.15,
                       "critic": {"lr": 1e-2, "max_grad_norm": None}})

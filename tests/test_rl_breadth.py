@@ -278,7 +278,7 @@ class OptionsProbe(Callback):
 def test_every_loss_option_matches_a_float64_gradient(tmp_path, correction, monkeypatch):
     OptionsProbe.results = []
     probe = {"class_path": "test_rl_breadth.OptionsProbe"}
-    cfg = config(tmp_path / "run", [probe], reward={"class_path": "test_grpo.LetterReward"},
+    cfg = config(tmp_path / "run", [probe], reward={"name": None, "class_path": "test_grpo.LetterReward"},
                  rollout={"prompts_per_step": 4, "max_new_tokens": 3, "temperature": 0.9, "stop": STOP},
                  grpo={"group_size": 4, "epochs": 2, "clip_ratio_c": 1.01,
                        "overlong": {"mask_truncated": True, "buffer": 2, "penalty_factor": 0.5},
@@ -321,7 +321,7 @@ class TrainedGroups(Callback):
 
 
 def dynamic_config(run_dir, callbacks=(), **trainer):
-    return config(run_dir, callbacks, reward={"class_path": "test_rl_breadth.ParityReward"},
+    return config(run_dir, callbacks, reward={"name": None, "class_path": "test_rl_breadth.ParityReward"},
                   rollout={"prompts_per_step": 2, "max_new_tokens": 2, "temperature": 1.0},
                   grpo={"group_size": 2, "dynamic_sampling": True, "dynamic_sampling_max_rounds": 4},
                   trainer={"accelerator": "cpu", "max_steps": 6, "enable_progress_bar": False, **trainer},

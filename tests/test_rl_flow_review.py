@@ -50,6 +50,6 @@ def test_fit_stops_on_a_reward_past_float32_naming_the_reward(tmp_path):
 
     from framework.trainer import fit
 
-    cfg = config(tmp_path / "run", reward={"class_path": "test_rl_flow_review.HugeForOddCompletions"})
+    cfg = config(tmp_path / "run", reward={"name": None, "class_path": "test_rl_flow_review.HugeForOddCompletions"})
     with pytest.raises(FwError, match=r"reward failed on \d+ of 16 samples; first: sample \d+: returned 1e\+39"):
         fit(cfg)

@@ -55,11 +55,12 @@ def test_pi_old_and_the_kl_forward_see_no_dropout(tmp_path, monkeypatch, recipe)
     ScoredLogprobs.captured, ScoredLogprobs.results = [], []
     probe = {"class_path": "test_rl_review.ScoredLogprobs"}
     model = {"policy": {"preset": "tiny", "lora": LORA}}
+    reward = {"name": None, "class_path": "test_grpo.LetterReward"}
     if recipe == "grpo":
-        cfg = grpo_config(tmp_path / "run", [probe], model=model, reward={"class_path": "test_grpo.LetterReward"},
+        cfg = grpo_config(tmp_path / "run", [probe], model=model, reward=reward,
                           grpo={"group_size": 4, "off_policy_correction": TIS})
     else:
-        cfg = ppo_config(tmp_path / "run", [probe], model=model, reward={"class_path": "test_grpo.LetterReward"},
+        cfg = ppo_config(tmp_path / "run", [probe], model=model, reward=reward,
                          ppo={"kl_coef": 0.1, "off_policy_correction": TIS, "critic": {"lr": 1e-2,
                                                                                       "max_grad_norm": None}})
     fit(cfg)

@@ -889,6 +889,21 @@ def test_name_and_class_path_together_show_at_the_one_an_override_added(tmp_path
     assert run_fw(["validate", "--config", str(config)], capsys) == (2, [f"{config}:4:3: data.task: {message}"])
 
 
+def test_a_reward_takes_name_or_class_path_not_both_as_a_task_does(tmp_path, capsys):
+    """A reward class given by override over a file's built-in reward name: refused as a task's pair is (the name
+    would be ignored), naming the file's name and the override that clears it; with it, the config validates."""
+    (tmp_path / "myreward.py").write_text(
+        "class Length:\n    def __call__(self, prompt, completion, metadata):\n        return len(completion)\n")
+    config = tmp_path / "c.yaml"
+    config.write_text("recipe: grpo\nmodel: {policy: {preset: tiny}}\ndata: {task: {name: digits}}\n"
+                      "reward:\n  name: exact_match\n")
+    argv = ["validate", "--config", str(config), "--reward.class_path=myreward.Length"]
+    assert run_fw(argv, capsys) == (2, [
+        ("override '--reward.class_path=myreward.Length': reward.class_path: set only one of 'name' or 'class_path': "
+         f"class_path is set here and name: exact_match at {config}:5; give --reward.name=null (or remove one)")])
+    assert run_fw(argv + ["--reward.name=null"], capsys) == (0, [])
+
+
 def test_path_and_preset_from_two_files_name_both_and_the_fix(tmp_path, model_dir, capsys):
     """preset from one file, path from a later one: merged, both are set. The line, at the later file's
     model.policy, names where preset was set too and the override that clears it; that override validates."""
