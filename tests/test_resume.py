@@ -220,7 +220,7 @@ def test_fw_fit_skip_damaged_resumes_past_a_damaged_newest_checkpoint(tmp_path, 
 
     run = tmp_path / "run"
     cfg = config(run, data, 1)
-    cfg["scheduler"]["name"] = "constant"   # the lr of a step does not depend on trainer.max_steps
+    cfg["scheduler"].update(name="constant", min_lr_ratio=0.0)   # the lr of a step does not depend on max_steps
     cfg["trainer"]["max_steps"] = 8
     train = tmp_path / "train.yaml"
     train.write_text(dump_config(cfg))

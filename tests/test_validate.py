@@ -1140,3 +1140,18 @@ def test_a_kv_budget_below_two_blocks_is_refused_at_its_key_and_two_blocks_run(t
     bounded = capsys.readouterr().out
     assert main([*gen, "--rollout.kv_cache_gib=null"]) == 0
     assert capsys.readouterr().out == bounded
+
+
+def test_min_lr_ratio_under_a_constant_schedule_is_refused(tmp_path, capsys):
+    """`scheduler.name: constant` (the default) never decays, so a min_lr_ratio written for it would change nothing
+    (the lr stays at optimizer.lr: test_optim_review's constant case): refused at its line, as the recipe sections'
+    unread keys are; under a decaying schedule it validates."""
+    path = tmp_path / "train.yaml"
+    path.write_text("recipe: sft\nmodel:\n  policy: {preset: tiny}\ndata:\n  task: {name: digits}\n"
+                    f"run_dir: {tmp_path / 'run'}\nscheduler:\n  warmup_steps: 10\n  min_lr_ratio: 0.1\n")
+    assert run_fw(["validate", "--config", str(path)], capsys) == (2, [
+        (f"{path}:9:17: scheduler.min_lr_ratio: 0.1 changes nothing while scheduler.name is constant; set name: "
+         "linear or cosine to decay the lr to it, or leave min_lr_ratio at 0.0")])
+    for name in ("linear", "cosine"):
+        assert run_fw(["validate", "--config", str(path), f"--scheduler.name={name}"], capsys) == (0, [])
+    assert run_fw(["validate", "--config", str(path), "--scheduler.min_lr_ratio=0"], capsys) == (0, [])
