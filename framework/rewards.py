@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 
+from framework.config import defaults
 from framework.errors import FwError, raise_on_every_rank, what_raised
 from framework.signals import Interrupted
 from framework.yaml12 import bool_hint
@@ -668,6 +669,19 @@ def _timed(work: Callable[[], Any], calls: _Calls, timeout_s: float | None, desc
     if "error" in outcome:
         raise outcome["error"]
     return outcome["value"]
+
+
+def settings_problems(cfg: dict) -> list[str]:
+    """`reward.max_error_fraction` set off its schema default while `reward.on_error` is raise, whose first failed
+    sample stops the run (`score_rollout` reads the fraction under zero alone): one `key: message` line (it would
+    change nothing), else none."""
+    r = cfg["reward"]
+    default = defaults(cfg["recipe"])["reward"]["max_error_fraction"]
+    if r["on_error"] == "raise" and r["max_error_fraction"] != default:
+        return [(f"reward.max_error_fraction: {r['max_error_fraction']} changes nothing while reward.on_error is "
+                 "raise, which stops the run at the first failed sample; set on_error: zero to score failed samples "
+                 f"0 up to that fraction, or leave max_error_fraction at {default}")]
+    return []
 
 
 def score_rollout(reward_fn: Any, prompts: list[str], completions: list[str], metadatas: list[dict],

@@ -621,6 +621,7 @@ class _Checks:
     def combinations(self, machine: bool = False) -> None:
         from framework.optim import optimizer_problems
         from framework.recipe import recipe_class
+        from framework.rewards import settings_problems
         from framework.schedule import schedule_problems
 
         cfg = self.cfg
@@ -635,7 +636,8 @@ class _Checks:
             except USER_CODE_RAISES as e:   # a plugin recipe's code: add_error says it
                 self.add_error(e, ("recipe",), f"{self.recipe}'s config_problems(cfg)")
         for problem in [*optimizer_problems(_on_a_gpu(cfg) if _offloads_for_a_gpu(cfg, machine) else cfg),
-                        *schedule_problems(cfg), *recipe_problems]:
+                        *schedule_problems(cfg), *(settings_problems(cfg) if self.recipe in RL_RECIPES else []),
+                        *recipe_problems]:
             key, _, message = problem.partition(": ")   # each line starts with the key it names
             self.add(tuple(key.split(".")), message)
         if self.recipe not in RL_RECIPES:

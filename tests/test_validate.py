@@ -1155,3 +1155,18 @@ def test_min_lr_ratio_under_a_constant_schedule_is_refused(tmp_path, capsys):
     for name in ("linear", "cosine"):
         assert run_fw(["validate", "--config", str(path), f"--scheduler.name={name}"], capsys) == (0, [])
     assert run_fw(["validate", "--config", str(path), "--scheduler.min_lr_ratio=0"], capsys) == (0, [])
+
+
+def test_max_error_fraction_under_on_error_raise_is_refused(tmp_path, capsys):
+    """Under `reward.on_error: raise` (the default) the first failed sample stops the run, so a max_error_fraction
+    would change nothing (test_rewards: under raise, one failure of three stops scoring at a fraction of 1): refused at
+    its line; under zero it validates."""
+    path = tmp_path / "train.yaml"
+    path.write_text("recipe: grpo\nmodel:\n  policy: {preset: tiny}\ndata:\n  task: {name: digits}\n"
+                    f"run_dir: {tmp_path / 'run'}\nreward:\n  max_error_fraction: 0.9\n")
+    assert run_fw(["validate", "--config", str(path)], capsys) == (2, [
+        (f"{path}:8:23: reward.max_error_fraction: 0.9 changes nothing while reward.on_error is raise, which stops "
+         "the run at the first failed sample; set on_error: zero to score failed samples 0 up to that fraction, or "
+         "leave max_error_fraction at 0.5")])
+    assert run_fw(["validate", "--config", str(path), "--reward.on_error=zero"], capsys) == (0, [])
+    assert run_fw(["validate", "--config", str(path), "--reward.max_error_fraction=0.5"], capsys) == (0, [])
