@@ -588,6 +588,9 @@ class _Checks:
                         check_metadata(self.task, 0, sample, reward)
                     except FwError as e:
                         self.add_error(e, ("data", "task"))
+                    except USER_CODE_RAISES as e:   # the reward's own metadata_problem: add_error says it
+                        self.add_error(e, ("reward", "class_path"), f"{type(reward).__name__}.metadata_problem("
+                                       f"{type(self.task).__name__}.sample(0)'s metadata)")
         if self.cfg["callbacks"]:   # Lightning (seconds to import) only where a user's callback is to be checked
             self.callbacks()
         if self.cfg["logging"]["loggers"]:

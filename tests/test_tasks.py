@@ -423,6 +423,26 @@ def test_a_user_rewards_metadata_problem_is_asked_without_metadata_keys(tmp_path
                                    "reward 'Picky' reads")
 
 
+def test_a_user_rewards_metadata_problem_that_raises_is_one_line_at_its_class_path(tmp_path):
+    """A metadata_problem that raises (user code, as a reward that raises is) is one line at reward.class_path naming
+    the call and the user's line, exit 2, not a traceback out of fw validate."""
+    (tmp_path / "picky.py").write_text(
+        "class Picky:\n"
+        "    def metadata_problem(self, metadata):\n"
+        "        return metadata['level']\n"
+        "    def __call__(self, prompt, completion, metadata):\n"
+        "        return 0.0\n")
+    config = tmp_path / "train.yaml"
+    config.write_text("recipe: grpo\nmodel: {policy: {preset: tiny}}\ndata: {task: {name: digits}}\n"
+                      "reward: {class_path: picky.Picky}\n")
+    done = subprocess.run([sys.executable, "-m", "framework", "validate", "--config", str(config)],
+                          capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1], timeout=300,
+                          check=False)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stderr.strip() == (f"{config}:4:22: reward.class_path: Picky.metadata_problem(Digits.sample(0)'s "
+                                   f"metadata) raised KeyError: 'level' (at {tmp_path / 'picky.py'}:3)")
+
+
 class Template:
     """A chat-template renderer standing in for the tokenizer: records what it was asked."""
 
