@@ -35,7 +35,7 @@ import threading
 import time
 import traceback
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from collections.abc import Set as AbstractSet
 from fractions import Fraction
 from typing import Any
@@ -489,7 +489,8 @@ def check_metadata(task: Any, index: int, sample: dict, reward: Any) -> None:
     cannot score (its ``metadata_problem(metadata)``, a message or None, where it has one); a reward that states no
     keys is checked for none (a user's may read no key at all), but still by its ``metadata_problem``."""
     keys = getattr(reward, "metadata_keys", None)
-    keys = keys if isinstance(keys, (tuple, list)) else ()
+    # `metadata_keys = ("answer")` is a string, not a tuple: it names one key, not its letters nor none
+    keys = (keys,) if isinstance(keys, str) else tuple(keys) if isinstance(keys, Collection) else ()
     from framework.tasks import sample_name
 
     metadata = sample["metadata"]

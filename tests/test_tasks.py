@@ -391,6 +391,27 @@ def test_countdown_metadata_of_another_kind_is_named(metadata, problem):
     assert reward("", "<answer>3*8</answer>", good["metadata"]) == 1.0
 
 
+@pytest.mark.parametrize("keys", [("level"), ["level"], {"level"}, ("level",)], ids=["str", "list", "set", "tuple"])
+def test_metadata_keys_written_as_a_string_or_a_set_name_their_keys(keys):
+    """`metadata_keys = ("level")` (a string: the tuple's comma forgotten) names the key `level`, as a set of keys
+    does; before, anything but a tuple or list was taken for no keys, and a sample without `level` passed until the
+    reward's KeyError at scoring."""
+    from framework.rewards import check_metadata
+
+    class Levelled:
+        metadata_keys = keys
+
+        def __call__(self, prompt, completion, metadata):
+            return float(metadata["level"])
+
+    sample = {"prompt": "1=", "answer": "1", "metadata": {"answer": "1"}}
+    with pytest.raises(FwError) as caught:
+        check_metadata(Given([sample]), 0, sample, Levelled())
+    assert str(caught.value) == ("data.task: Given.sample(0): metadata has no 'level', which the reward 'Levelled' "
+                                 "reads (its keys: 'answer')")
+    check_metadata(Given([sample]), 0, {**sample, "metadata": {"answer": "1", "level": 2}}, Levelled())
+
+
 def test_a_sample_without_a_key_is_said_to_lack_it():
     """A user task's sample without `answer` was refused as "answer must be a string, got NoneType", as if the
     task had set it to None; the line names the key that is missing."""
