@@ -24,6 +24,8 @@ from __future__ import annotations
 import inspect
 import operator
 import random
+import string
+from collections.abc import Iterable
 from fractions import Fraction
 from pathlib import Path
 from typing import Any
@@ -103,7 +105,7 @@ class Digits(Task):
             raise FwError(f"digits task: num_digits must be an int >= 1, got {num_digits!r}")
         if not isinstance(rule, str) or rule not in DIGIT_RULES:
             raise FwError(f"digits task: rule must be one of {', '.join(DIGIT_RULES)}, got {rule!r}")
-        _check_template("digits", template, {"digits": "1234"})
+        _check_template("digits", template, {"digits": "1234"}, needed=["digits"])
         self.num_digits, self.rule, self.template = num_digits, rule, template
 
     def sample(self, index: int) -> Sample:
@@ -138,7 +140,9 @@ class Arithmetic(Task):
         if not isinstance(allow_negative, bool):   # `no` is a string in YAML 1.2, and a true one in Python
             raise FwError(f"arithmetic task: allow_negative must be true or false, got {allow_negative!r}"
                           f"{bool_hint(allow_negative)}")
-        _check_template("arithmetic", template, {"a": 12, "op": "+", "b": 34})
+        # one operator needs no {op}: the template may write it ("{a}+{b}=")
+        _check_template("arithmetic", template, {"a": 12, "op": "+", "b": 34},
+                        needed=["a", "op", "b"] if len(set(ops)) > 1 else ["a", "b"])
         self.digits, self.ops, self.allow_negative, self.template = digits, ops, allow_negative, template
 
     def sample(self, index: int) -> Sample:
@@ -191,7 +195,7 @@ class Countdown(Task):
             raise FwError(f"countdown task: max_number must be an int >= 2, got {max_number!r}")
         if not _is_int(max_target) or max_target < 1:
             raise FwError(f"countdown task: max_target must be an int >= 1, got {max_target!r}")
-        _check_template("countdown", template, {"numbers": "1, 2", "target": 3})
+        _check_template("countdown", template, {"numbers": "1, 2", "target": 3}, needed=["numbers", "target"])
         self.num_numbers, self.max_number, self.max_target = num_numbers, max_number, max_target
         self.template = template
         rng, hits, draws = random.Random("countdown-probe"), 0, 0
@@ -248,8 +252,9 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _check_template(task: str, template: Any, fields: dict[str, Any]) -> None:
-    """FwError unless `template` formats with `fields`, values of the types its task fills in."""
+def _check_template(task: str, template: Any, fields: dict[str, Any], needed: Iterable[str] = ()) -> None:
+    """FwError unless `template` formats with `fields`, values of the types its task fills in, and uses each of the
+    `needed` ones, those the answer depends on."""
     if not isinstance(template, str):
         raise FwError(f"{task} task: template must be a string, got {template!r}")
     try:
@@ -257,6 +262,11 @@ def _check_template(task: str, template: Any, fields: dict[str, Any]) -> None:
     except (KeyError, IndexError, ValueError, AttributeError, TypeError) as exc:
         raise FwError(f"{task} task: template {template!r} may only use the fields "
                       f"{', '.join('{' + f + '}' for f in sorted(fields))} ({type(exc).__name__}: {exc})") from exc
+    used = {name.split(".")[0].split("[")[0] for _, name, _, _ in string.Formatter().parse(template) if name}
+    missing = [f for f in needed if f not in used]
+    if missing:   # prompts that differ there alone would read the same and want different answers
+        raise FwError(f"{task} task: template {template!r} leaves out "
+                      f"{', '.join('{' + f + '}' for f in missing)}, which the answer depends on")
 
 
 def _check_prompt(prompt: Any) -> str | None:

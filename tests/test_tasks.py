@@ -130,6 +130,29 @@ def test_templates_index_and_format_their_fields_as_the_task_fills_them():
     assert len(prompt) == 14 and prompt.endswith("=")
 
 
+@pytest.mark.parametrize("cls, kwargs, missing", [
+    (Digits, {"template": "Next digit:"}, "{digits}"),
+    (Digits, {"template": "{{digits}}="}, "{digits}"),   # escaped braces: the literal text, not the field
+    (Arithmetic, {"template": "{a} ? {b} ="}, "{op}"),
+    (Arithmetic, {"template": "{a}{op}=", "ops": "+"}, "{b}"),
+    (Countdown, {"template": "Use {numbers}."}, "{target}"),
+])
+def test_a_template_that_leaves_out_what_the_answer_depends_on_is_refused(cls, kwargs, missing):
+    """Every prompt of such a template reads the same across the field it leaves out while the answers differ:
+    nothing could learn it. Formatting did not catch it (an unused field is no error to str.format)."""
+    assert kwargs["template"].format(digits="12", a=1, op="+", b=2, numbers="1, 2", target=3)   # it formats
+    with pytest.raises(FwError) as caught:
+        cls(**kwargs)
+    assert str(caught.value) == (f"{cls.__name__.lower()} task: template {kwargs['template']!r} leaves out {missing}, "
+                                 "which the answer depends on")
+
+
+def test_one_operator_needs_no_op_field_in_the_template():
+    sample = Arithmetic(ops="+", template="{a} plus {b} is", seed=2).sample(0)
+    a, b = sample["metadata"]["a"], sample["metadata"]["b"]
+    assert sample["prompt"] == f"{a} plus {b} is" and sample["answer"] == str(a + b)
+
+
 def test_negative_index_rejected():
     with pytest.raises(FwError, match="index must be an int >= 0"):
         Digits().sample(-1)
