@@ -99,11 +99,14 @@ def check(located: LocatedConfig, *, machine: bool = False) -> list[Problem]:
 
 
 def model_problems(located: LocatedConfig) -> list[Problem]:
-    """The problems of the model directories and the tokenizer a config names, for the models its recipe builds, and
-    a rollout's longest row against a KV budget that the config fixes (`kv_rows`): what `fw plan` reads before it
-    counts, so that it refuses what `fw validate` and `fw fit` refuse."""
+    """The problems of the model directories and the tokenizer a config names, for the models its recipe builds, its
+    data (JSONL rows, or the task and its first sample: the plan reads the prompts' lengths), and a rollout's longest
+    row against a KV budget that the config fixes (`kv_rows`): what `fw plan` reads before it counts, so that it
+    refuses what `fw validate` and `fw fit` refuse."""
     checks = _Checks(located)
     checks.models()
+    checks.data()
+    checks.task_sample()
     checks.batch_split()   # the plan cuts the rollout batch into its micro-batches
     checks.kv_rows(machine=False)
     return checks.problems
@@ -536,34 +539,7 @@ class _Checks:
 
     # ------------------------------------------------------------------ class_path parts
     def plugins(self) -> None:
-        data = self.cfg["data"]
-        sample = None   # a class_path or built-in task's first sample, checked
-        if data["task"] and not data["path"]:
-            from framework.tasks import build_task, checked_sample
-
-            try:
-                self.task = build_task(data, seed=self.cfg["seed"])
-            except USER_CODE_RAISES as e:   # user code: add_error says it
-                self.task_failed = True
-                at = ("data", "task", "init_args") if ("data", "task", "init_args") in self.located.marks else \
-                    ("data", "task")
-                self.add_error(e, at, "building the task")
-            else:
-                try:   # its first sample, as training reads it
-                    sample = checked_sample(self.task, 0)
-                    prompt = sample["prompt"]
-                except USER_CODE_RAISES as e:   # user code: add_error says it
-                    self.task_failed = True
-                    self.add_error(e, ("data", "task"), f"{type(self.task).__name__}.sample(0)")
-                else:
-                    problem = None if data["chat_template"] or self.recipe not in RL_RECIPES else \
-                        _messages_without_template(prompt, f"{type(self.task).__name__}.sample(0)'s prompt")
-                    if problem:
-                        self.add(("data", "task"), problem)
-        elif data["path"] and self.recipe in RL_RECIPES:
-            from framework.tasks import JsonlPrompts
-
-            self.task = JsonlPrompts   # its reward_name is what a null reward.name means
+        sample = self.task_sample()
         reward = self.cfg["reward"]
         # without a task a null reward.name has nothing to follow: the task's problem is the one to fix
         task_missing = (self.task_failed or self.task is None) and not reward["class_path"] and not reward["name"]
@@ -595,6 +571,39 @@ class _Checks:
             self.callbacks()
         if self.cfg["logging"]["loggers"]:
             self.loggers()
+
+    def task_sample(self) -> dict | None:
+        """Build a class_path or built-in task and check its first sample, as training reads it: that sample, or None
+        (no such task, or one that failed)."""
+        data = self.cfg["data"]
+        sample = None
+        if data["task"] and not data["path"]:
+            from framework.tasks import build_task, checked_sample
+
+            try:
+                self.task = build_task(data, seed=self.cfg["seed"])
+            except USER_CODE_RAISES as e:   # user code: add_error says it
+                self.task_failed = True
+                at = ("data", "task", "init_args") if ("data", "task", "init_args") in self.located.marks else \
+                    ("data", "task")
+                self.add_error(e, at, "building the task")
+            else:
+                try:   # its first sample, as training reads it
+                    sample = checked_sample(self.task, 0)
+                    prompt = sample["prompt"]
+                except USER_CODE_RAISES as e:   # user code: add_error says it
+                    self.task_failed = True
+                    self.add_error(e, ("data", "task"), f"{type(self.task).__name__}.sample(0)")
+                else:
+                    problem = None if data["chat_template"] or self.recipe not in RL_RECIPES else \
+                        _messages_without_template(prompt, f"{type(self.task).__name__}.sample(0)'s prompt")
+                    if problem:
+                        self.add(("data", "task"), problem)
+        elif data["path"] and self.recipe in RL_RECIPES:
+            from framework.tasks import JsonlPrompts
+
+            self.task = JsonlPrompts   # its reward_name is what a null reward.name means
+        return sample
 
     def callbacks(self) -> None:
         from framework.callbacks import callback_problems

@@ -790,6 +790,30 @@ def test_fw_plan_reports_a_model_directory_at_its_key_as_validate_does(tmp_path,
                                  "Face Qwen3 directory with config.json and model.safetensors)")]
 
 
+def test_fw_plan_reports_its_data_at_their_keys_as_validate_does(tmp_path, capsys, monkeypatch):
+    """The plan reads the prompts' lengths: a user task whose init_args miss a required argument, and a JSONL row
+    whose prompt is no string, are each the line fw validate gives, at the key or the row, not a line that names
+    neither."""
+    (tmp_path / "qa_task.py").write_text(
+        "from framework.tasks import Digits\n\n\nclass WithLevel(Digits):\n"
+        "    def __init__(self, level, **kw):\n        super().__init__(**kw)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    config = tmp_path / "task.yaml"
+    config.write_text("data:\n  task: {name: null, class_path: qa_task.WithLevel, init_args: {num_digits: 1}}\n")
+    code, out, err = fw(capsys, "plan", "--config", TRAIN, "--config", str(config))
+    assert (code, out) == (2, "")
+    assert err.splitlines() == [(f"{config}:2:64: data.task.init_args: init_args do not fit qa_task.WithLevel(level, "
+                                 "**kw): missing a required argument: 'level' (accepted: level)")]
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"prompt": "1=", "answer": "2"}\n{"prompt": 5, "answer": "3"}\n')
+    config = tmp_path / "rows.yaml"
+    config.write_text(f"data:\n  task: null\n  path: {rows}\neval: {{every_n_steps: null}}\n")
+    code, out, err = fw(capsys, "plan", "--config", TRAIN, "--config", str(config))
+    assert (code, out) == (2, "")
+    assert err.splitlines() == [(f"{rows}:2:1: data.path: 'prompt' must be a non-empty string or a non-empty list "
+                                 "of {role, content} messages")]
+
+
 def test_fw_plan_reports_a_batch_split_at_its_key_as_validate_does(tmp_path, capsys):
     """A rollout batch that cannot be cut into minibatches x micro-batches is the line fw validate gives, at the key
     in the file that set it, not a line that names no file."""
