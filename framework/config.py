@@ -850,6 +850,7 @@ def dump_config(cfg: dict) -> str:
 
 
 SEARCH_PATHS_LINE = "# fw: class_path modules also import from: "
+RESOLVED_LINE = "# Resolved by fw: every default filled in.\n"   # the mark of a config.yaml that fw wrote
 
 
 def _recorded_search_paths(path: str) -> list[str]:
@@ -869,6 +870,16 @@ def _recorded_search_paths(path: str) -> list[str]:
     return []
 
 
+def written_by_fw(path: str | os.PathLike) -> bool:
+    """Whether the config file `path` is one that `save_resolved` wrote (`RESOLVED_LINE` heads it, below the
+    modeline)."""
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            return RESOLVED_LINE in [f.readline() for _ in range(3)]
+    except OSError:
+        return False
+
+
 def save_resolved(cfg: dict, path: str | os.PathLike) -> None:
     """Write `cfg` as YAML with the schema modeline, atomically (a temp file renamed into place); the directories
     class_path modules were imported from in this process are recorded for the commands that read it back."""
@@ -876,6 +887,5 @@ def save_resolved(cfg: dict, path: str | os.PathLike) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     schema_ref = os.path.relpath(os.path.realpath(schema_path()), os.path.realpath(path.parent))
     searched = f"{SEARCH_PATHS_LINE}{json.dumps(SEARCH_PATHS)}\n" if SEARCH_PATHS else ""
-    text = (f"{MODELINE}{Path(schema_ref).as_posix()}\n"
-            "# Resolved by fw: every default filled in.\n" + searched + dump_config(cfg))
+    text = f"{MODELINE}{Path(schema_ref).as_posix()}\n" + RESOLVED_LINE + searched + dump_config(cfg)
     replace_file(path, text)

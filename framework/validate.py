@@ -24,7 +24,7 @@ from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
-from framework.config import LocatedConfig, all_key_paths, is_override, load_located, world_size
+from framework.config import LocatedConfig, all_key_paths, is_override, load_located, world_size, written_by_fw
 from framework.console import first_process
 from framework.errors import FwError, Problem, what_raised
 from framework.imports import InitArgsError, user_line
@@ -272,6 +272,12 @@ class _Checks:
                 if os.path.exists(child) and os.path.isdir(child) != directory:
                     self.add(("run_dir",), f"{child} is a {'file' if directory else 'directory'}; fit writes "
                                            f"{'a directory' if directory else 'a file'} there: move it away")
+            config = os.path.join(path, "config.yaml")
+            if os.path.isfile(config) and not written_by_fw(config):
+                # fit replaces it with the run's resolved config: a hand-written one (a config next to its own
+                # run, `run_dir: .`) would lose its comments and take in every override of the command
+                self.add(("run_dir",), f"{config} is not a config.yaml that fw wrote; fit writes the run's resolved "
+                                       "config there, which would replace it: move it away or choose another run_dir")
             return
         parent = path
         while not os.path.exists(parent):

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from framework.cli import main
-from framework.config import MAX_PROBLEMS, load_config
+from framework.config import MAX_PROBLEMS, load_config, save_resolved
 from framework.errors import FwError
 from framework.validate import MAX_ROW_PROBLEMS
 
@@ -181,6 +181,24 @@ def test_run_dir_entries_of_the_wrong_kind(tmp_path, capsys, name, make):
     assert run_fw(["fit", "--config", str(config)], capsys) == (
         2, [(f"{config}:7:10: run_dir: {run / name} is a {make.replace('dir', 'directory')}; fit writes {want} "
             "there: move it away")])
+
+
+def test_a_hand_written_config_yaml_in_run_dir_is_not_replaced(tmp_path, capsys):
+    """fit writes the resolved config to <run_dir>/config.yaml: a config of the user's there (the very file given,
+    with `run_dir: .`) is refused before anything is written, not replaced; one that fw wrote is fit's to replace."""
+    project = tmp_path / "project"
+    project.mkdir()
+    config = project / "config.yaml"
+    text = "# my experiment\n" + GRPO + "run_dir: .\n"
+    config.write_text(text)
+    assert run_fw(["fit", "--config", str(config), "--trainer.max_steps=1"], capsys) == (
+        2, [(f"{config}:8:10: run_dir: {config} is not a config.yaml that fw wrote; fit writes the run's resolved "
+             "config there, which would replace it: move it away or choose another run_dir")])
+    assert config.read_text() == text
+    assert sorted(p.name for p in project.iterdir()) == ["config.yaml"]
+    resolved = load_config([str(config)], imports=())
+    save_resolved(resolved, config)
+    assert run_fw(["validate", "--config", str(config)], capsys)[0] == 0
 
 
 def test_a_run_dir_in_a_checkpoint_or_a_runs_checkpoints_folder_is_refused(tmp_path, capsys):
