@@ -311,6 +311,16 @@ def adapted_policy(source: Path, adapter_dir: Path, policy_cfg: dict | None = No
                       f"{base}: {found}; put that model back there (fw generate, fw eval and fw export --merge "
                       "also take --model.policy.path=DIR of a copy, checked against the checkpoint's record of its "
                       "files)")
+    if base is not None:
+        # the frozen base is as much the trained model as the adapters: one changed in place (a new revision
+        # downloaded over it, another model written there) must not be merged or sampled as if it were the same
+        from framework.checkpoint.resume import base_changed_in_place
+
+        problem = base_changed_in_place(read_complete_manifest(source), base)
+        if problem is not None:
+            raise FwError(f"{source}: the base model of its LoRA adapters, {base} (model.policy.path), is not the one "
+                          f"they were trained on ({problem}); put that model back there, or name a copy of it with "
+                          "--model.policy.path=DIR")
     model_cfg = {**cfg["model"]["policy"], "compile": False, "gradient_checkpointing": False}
     policy = build_policy(model_cfg, tokenizer, seed=cfg["seed"])
     load_targets(peft_targets(policy), load_file(str(adapter_dir / ADAPTER_WEIGHTS)),

@@ -190,3 +190,56 @@ def test_generate_and_eval_of_a_full_checkpoint_need_no_base_model(trained, tmp_
     assert capsys.readouterr().err == (f"{config}:4:24: model.policy.path: no such directory: {root / 'model'} "
                                        "(expected a Hugging Face Qwen3 directory with config.json and "
                                        "model.safetensors)\n")
+
+
+def test_a_lora_base_rewritten_in_place_is_refused_where_a_full_models_is_not(trained, trained_from_model, tmp_path,
+                                                                             capsys):
+    """LoRA adapters are trained on their frozen base, which the checkpoint does not hold: that base rewritten at
+    its unchanged path (one bit of its weights) is refused by a resume and by fw export --merge and fw generate,
+    naming the file, and a copy of the original named with --model.policy.path still exports; its generation config
+    may change (the checkpoint keeps its own). A full fine-tune's checkpoint holds its weights, so its initial model
+    may change in place."""
+    from framework.export import export_checkpoint
+
+    root = _project(tmp_path / "projL", "{path: model, lora: {rank: 4}}")
+    export_checkpoint(trained / "runs" / "sft", root / "model")
+    original = tmp_path / "original"
+    shutil.copytree(root / "model", original)
+    assert main(["fit", "--config", str(root / "sft.yaml")]) == 0
+    weights = root / "model" / "model.safetensors"
+
+    def flip(path: Path) -> None:
+        raw = bytearray(path.read_bytes())
+        raw[-3] ^= 0x01
+        path.write_bytes(bytes(raw))
+
+    flip(weights)
+    with pytest.raises(FwError) as e:
+        _resume(root)
+    assert (f"model.policy.path {root / 'model'} holds other content than when the checkpoint was written (the "
+            f"checkpoint's LoRA adapters were trained on this frozen base model; {weights} differs in content from "
+            "what the checkpoint recorded)") in str(e.value)
+    run = root / "runs" / "sft"
+    refusal = (f"fw: error: {run / 'checkpoints' / 'step-000002'}: the base model of its LoRA adapters, "
+               f"{root / 'model'} (model.policy.path), is not the one they were trained on ({weights} differs in "
+               "content from what the checkpoint recorded); put that model back there, or name a copy of it with "
+               "--model.policy.path=DIR\n")
+    capsys.readouterr()
+    assert main(["export", "--checkpoint", str(run), "--merge", "--out", str(tmp_path / "merged")]) == 2
+    assert capsys.readouterr().err.endswith(refusal)
+    assert not (tmp_path / "merged").exists()
+    assert main(["generate", "--checkpoint", str(run), "--prompt", "1+1=", "--max-new-tokens", "2", "--greedy"]) == 2
+    assert capsys.readouterr().err.endswith(refusal)
+    assert main(["export", "--checkpoint", str(run), "--merge", "--out", str(tmp_path / "merged"),
+                 "--model.policy.path", str(original)]) == 0
+    flip(weights)   # back to what it was
+    (root / "model" / "generation_config.json").write_text('{"temperature": 0.5}\n')   # not the weights: no matter
+    assert _resume(root) == str(run / "checkpoints" / "step-000002")
+
+    full = trained_from_model / "model" / "model.safetensors"
+    flip(full)
+    try:
+        assert _resume(trained_from_model, "--trainer.max_steps=3") == str(
+            trained_from_model / "runs" / "sft" / "checkpoints" / "step-000002")
+    finally:
+        flip(full)   # the module's other tests use it

@@ -240,7 +240,8 @@ def check_resume_config(checkpoint: str | os.PathLike, cfg: dict) -> list[tuple[
     """Compare `cfg` with the checkpoint's config.yaml: FwError naming every changed key that a resume cannot
     apply; else the changes that apply, for the caller to report. A refused path key whose new path holds what
     the checkpoint recorded for it (`source_fingerprints`) is a move: said on stderr, not refused; an unchanged
-    `data.path` (IN_PLACE_KEYS) that holds other content than recorded is refused."""
+    `data.path` (and under LoRA `model.policy.path`: `in_place_keys`) that holds other content than recorded is
+    refused."""
     from framework.config import load_config
 
     file = Path(checkpoint) / CONFIG_FILE
@@ -265,7 +266,7 @@ def check_resume_config(checkpoint: str | os.PathLike, cfg: dict) -> list[tuple[
         refused.append((k, f"{k} changed from {shown(a)} to {shown(b)} ({why})"))
     changed = {k for k, _, _ in changes}
     in_place = []
-    for k in IN_PLACE_KEYS:
+    for k in in_place_keys(cfg):
         if k not in changed:
             in_place += _changed_in_place(k, _value(cfg, k), recorded.get(k))
     refused += in_place
@@ -294,8 +295,19 @@ def say_moved(key: str, was: Any, now: Any, doing: str) -> None:
 
 # the path keys whose content is checked against the checkpoint's record even when the path is unchanged: the
 # saved position indexes the data as it was. A model or tokenizer directory may change in place (a resumed run
-# keeps the generation config it started from, and the weights come from the checkpoint).
+# keeps the generation config it started from, and the weights come from the checkpoint), except the base model
+# of LoRA adapters (`in_place_keys`), whose weights the checkpoint does not hold.
 IN_PLACE_KEYS = ("data.path",)
+
+
+# why an in-place change of a key is refused, where its resume rule's reason is about another change
+_IN_PLACE_WHY = {"model.policy.path": "the checkpoint's LoRA adapters were trained on this frozen base model"}
+
+
+def in_place_keys(cfg: dict) -> tuple[str, ...]:
+    """The path keys of `cfg` whose content a resume checks even at an unchanged path: `IN_PLACE_KEYS`, and under
+    LoRA `model.policy.path`, the frozen base that the adapters were trained on."""
+    return IN_PLACE_KEYS + (("model.policy.path",) if cfg["model"]["policy"]["lora"] is not None else ())
 
 
 def _changed_in_place(key: str, value: Any, recorded: Any) -> list[tuple[str, str]]:
@@ -312,9 +324,9 @@ def _changed_in_place(key: str, value: Any, recorded: Any) -> list[tuple[str, st
             path_fingerprint(path)
         except OSError:
             return []
-        problem = _differs(want, path)
+        problem = _differs(want, path, weights=key == "model.policy.path")
         if problem is not None:
-            why = f"{RESUME_RULES[key][1]}; {problem} from what the checkpoint recorded"
+            why = f"{_IN_PLACE_WHY.get(key, RESUME_RULES[key][1])}; {problem} from what the checkpoint recorded"
             return [(key, f"{key} {shown(value)} holds other content than when the checkpoint was written ({why})")]
     return []
 
@@ -418,12 +430,36 @@ def recorded_move_problem(manifest: dict, key: str, old: Any, new: Any) -> str |
     return move_problem(key, old, new, (manifest.get("sources") or {}).get(key))
 
 
-def _differs(want: dict, path: str) -> str | None:
-    """How what `path` holds differs from fingerprint `want`, or None when it is the same."""
+def base_changed_in_place(manifest: dict, path: str) -> str | None:
+    """How the LoRA base model directory `path`, where the config.yaml of the checkpoint whose manifest is `manifest`
+    names it, differs in its weights from the checkpoint's record of it; None when it does not, or when there is no
+    record (a checkpoint written before such records) or no directory to read (its loader names what is missing)."""
+    recorded = (manifest.get("sources") or {}).get("model.policy.path")
+    if not isinstance(recorded, dict) or not Path(path).is_dir():
+        return None
+    problem = _differs(recorded, path, weights=True)
+    return None if problem is None else f"{problem} from what the checkpoint recorded"
+
+
+def _weights(fingerprint: dict) -> dict:
+    """The part of a model directory's fingerprint that decides its weights: config.json and the safetensors files
+    with their index (a generation config, a tokenizer or a README may change: the checkpoint keeps its own)."""
+    files = fingerprint.get("files")
+    if not isinstance(files, dict):
+        return fingerprint
+    return {"files": {name: f for name, f in files.items()
+                      if name == "config.json" or name.endswith((".safetensors", ".safetensors.index.json"))}}
+
+
+def _differs(want: dict, path: str, weights: bool = False) -> str | None:
+    """How what `path` holds differs from fingerprint `want`, or None when it is the same; `weights`: in the files
+    that decide a model directory's weights alone."""
     try:
         have = path_fingerprint(path)
     except OSError as e:
         return f"{path} cannot be read ({e.strerror})"
+    if weights:
+        want, have = _weights(want), _weights(have)
     if have == want:
         return None
     if "files" in want and "files" in have:
