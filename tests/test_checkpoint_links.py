@@ -98,3 +98,45 @@ def test_fw_fit_resumed_beside_a_linked_checkpoint_prunes_the_link_and_resumes_a
 
     assert main([*argv, "--trainer.max_steps=8", "--resume", "last"]) == 0
     assert sorted(os.listdir(ck.checkpoints_dir(run_dir))) == ["step-000006", "step-000008"]
+
+
+def test_a_linked_checkpoint_whose_storage_is_gone_is_damage_not_passed_over(tmp_path, capsys, quiet_lightning):
+    """The newest checkpoint linked to storage that is not mounted: `--resume last` used to pass over it without a
+    word, train from the older one and crash publishing the link's step over it. It is refused now, naming the link
+    and its target, as is a resume from an older checkpoint named by path; `--skip-damaged` moves the link aside
+    (its target untouched) and resumes from the newest intact one."""
+    from framework.cli import main
+
+    run_dir = tmp_path / "run"
+    argv = ["fit", "--config", str(REPO / "recipes" / "sft.yaml"), f"--run_dir={run_dir}",
+            f"--data.path={REPO / 'recipes' / 'data' / 'arithmetic_chat.jsonl'}", "--data.max_seq_len=64",
+            "--data.batch_size=2", "--trainer.enable_progress_bar=false", "--checkpoint.every_n_steps=2",
+            "--logging.tensorboard=false", "--logging.csv=false"]
+    assert main([*argv, "--trainer.max_steps=4"]) == 0
+    archive, mounted = tmp_path / "archive", tmp_path / "unmounted"
+    archive.mkdir()
+    link = ck.checkpoints_dir(run_dir) / "step-000004"
+    shutil.move(link, archive / link.name)
+    link.symlink_to(archive / link.name)
+    archive.rename(mounted)   # the storage goes away
+    metrics = (run_dir / "metrics.jsonl").read_bytes()
+    capsys.readouterr()
+
+    assert main([*argv, "--trainer.max_steps=6", "--resume", "last"]) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"fw: error: the newest checkpoint {link} is damaged: {link} is a link to {archive / link.name}, which does "
+        "not exist (is its storage mounted?); --skip-damaged uses the newest intact older one instead")
+    older = ck.checkpoints_dir(run_dir) / "step-000002"
+    assert main([*argv, "--trainer.max_steps=6", "--resume", str(older)]) == 2
+    assert "holds checkpoints past step 2 (step-000004)" in capsys.readouterr().err
+    assert sorted(os.listdir(ck.checkpoints_dir(run_dir))) == ["step-000002", "step-000004"]
+    assert (run_dir / "metrics.jsonl").read_bytes() == metrics
+
+    assert main([*argv, "--trainer.max_steps=6", "--resume", "last", "--skip-damaged"]) == 0
+    aside = link.with_name("step-000004.damaged")
+    assert f"fw: moved the damaged checkpoint {link} aside to {aside}" in capsys.readouterr().err
+    assert sorted(os.listdir(ck.checkpoints_dir(run_dir))) == [
+        "step-000002", "step-000004", "step-000004.damaged", "step-000006"]
+    assert os.readlink(aside) == str(archive / link.name)
+    mounted.rename(archive)   # back: the target is whole
+    ck.verify_checkpoint(aside)

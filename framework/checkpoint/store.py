@@ -74,13 +74,19 @@ def clean_leftovers(ckpt_dir: str | os.PathLike) -> list[str]:
 
 
 def step_dirs(run_dir: str | os.PathLike) -> list[Path]:
-    """Every `step-*` directory under `<run_dir>/checkpoints`, complete or not, oldest step first."""
+    """Every `step-*` directory under `<run_dir>/checkpoints`, complete or not, oldest step first; a link to one
+    counts even where its target is missing (moved to storage that is not mounted): it stands for that checkpoint."""
     ckpt_dir = checkpoints_dir(run_dir)
     if not ckpt_dir.is_dir():
         return []
     found = [(int(m.group(1)), entry) for entry in ckpt_dir.iterdir()
-             if (m := _STEP_DIR.match(entry.name)) and entry.is_dir()]
+             if (m := _STEP_DIR.match(entry.name)) and (entry.is_dir() or _dangling(entry))]
     return [p for _, p in sorted(found)]
+
+
+def _dangling(path: Path) -> bool:
+    """Whether `path` is a symbolic link whose target does not exist."""
+    return path.is_symlink() and not path.exists()
 
 
 def list_checkpoints(run_dir: str | os.PathLike) -> list[str]:
@@ -92,6 +98,8 @@ def damage(path: str | os.PathLike, verify: bool = False) -> str | None:
     """Why checkpoint `path` cannot be used (a missing or wrong-sized file, an unreadable manifest, and with
     `verify` a wrong sha256), naming the file; None when it is complete."""
     path = Path(path)
+    if _dangling(path):
+        return f"{path} is a link to {os.readlink(path)}, which does not exist (is its storage mounted?)"
     try:
         manifest = read_complete_manifest(path)
     except FwError as e:
@@ -146,7 +154,7 @@ def _newest(run_dir: str | os.PathLike, skip_damaged: bool, verify: bool) -> tup
     """`find_latest`, and the damaged checkpoints it skipped, newest first."""
     recover(checkpoints_dir(run_dir))
     skipped: list[Path] = []
-    gone: set[Path] = set()   # pruned while read, or a link whose target is gone
+    gone: set[Path] = set()   # pruned while read
     listed = reversed(step_dirs(run_dir))
     while (path := next(listed, None)) is not None:
         if path in skipped or path in gone:
@@ -154,7 +162,7 @@ def _newest(run_dir: str | os.PathLike, skip_damaged: bool, verify: bool) -> tup
         problem = _settled_damage(path, verify)
         if problem is None:
             return str(path), skipped
-        if not path.exists():
+        if not os.path.lexists(path):
             # pruned while it was read: a writer is running, and it published a newer checkpoint first
             gone.add(path)
             listed = reversed(step_dirs(run_dir))
@@ -297,10 +305,12 @@ def refuse_newer_checkpoints(run_dir: str | os.PathLike, checkpoint: str | os.Pa
     would delete the run's newest checkpoints instead of theirs. The damaged ones in `skipped` do not count
     (`resolve_resume` moves them aside)."""
     step = read_manifest(checkpoint).get("step")
-    passed = {p.resolve() for p in skipped}
-    newer = [Path(p) for p in list_checkpoints(run_dir)
-             if step is not None and int(_STEP_DIR.match(Path(p).name).group(1)) > step
-             and Path(p).resolve() not in passed]
+    passed = {p.absolute() for p in skipped}
+    # a link whose target is missing counts: its checkpoint may be back once its storage is mounted, and the save of
+    # its step could not publish over it
+    newer = [p for p in step_dirs(run_dir)
+             if step is not None and int(_STEP_DIR.match(p.name).group(1)) > step
+             and (is_complete(p) or _dangling(p)) and p.absolute() not in passed]
     if newer:
         names = ", ".join(p.name for p in newer)
         raise FwError(f"--resume {resume}: {checkpoints_dir(run_dir)} holds checkpoints past step {step} ({names}); a "
