@@ -73,8 +73,9 @@ BIG_SFT = ["--model.policy.preset=qwen3-0.6b", "--data.max_seq_len=2048", "--dat
 def test_the_accuracy_peak_is_what_sfts_accuracy_holds(tokens, autocast):
     """recipes/sft.py's `_accuracy` on CPU, float32 or under bf16 autocast: the allocator's peak is the planned peak
     (one chunk's logits, autocast's casts, the argmax), not two chunks' logits at once. The CPU's
-    bfloat16 matmul adds a scratch buffer of well under a percent of the logits, which the plan leaves out, and the
-    accuracy's count a few scalars."""
+    bfloat16 matmul adds a scratch buffer, which the plan leaves out: well under a percent of the logits, but a few
+    percent where oneDNN takes its AMX kernels (a CPU with AMX tiles; ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 brings it
+    back under a percent); the accuracy's count adds a few scalars."""
     from recipes.sft import SFTRecipe
 
     vocab, hidden = 8192, 64
@@ -92,7 +93,8 @@ def test_the_accuracy_peak_is_what_sfts_accuracy_holds(tokens, autocast):
     accuracy()   # the first call's one-off allocations out of the measure
     measured = _allocated_peak(accuracy)
     planned = mp.accuracy_peak_bytes(model, tokens, SFTRecipe.ACCURACY_CHUNK, 4, 2 if autocast else 4)
-    assert measured <= 1.01 * planned + 1024 and planned <= 1.05 * measured, (measured / 2**20, planned / 2**20)
+    scratch = 1.04 if autocast else 1.01
+    assert measured <= scratch * planned + 1024 and planned <= 1.05 * measured, (measured / 2**20, planned / 2**20)
 
 
 @pytest.mark.parametrize("device", ["cuda", "cpu"])
