@@ -3,6 +3,7 @@ out here (verl's dual clip, rollout IS and DAPO overlong reward; TRL's truncated
 float64 gradients with every loss option on, dynamic sampling's rounds and its exact resume."""
 import copy
 import math
+from pathlib import Path
 from typing import ClassVar
 
 import pytest
@@ -420,6 +421,14 @@ TIS = "tis to cap each weight at it"
 MASK = "mask to drop the tokens whose ratio leaves [low, high]"
 
 
+def _digits_config(tmp_path: Path, recipe: str, extra: str = "") -> Path:
+    """A train.yaml of `recipe` on the digits task with a tiny policy, `extra` (YAML lines) after its run_dir."""
+    path = tmp_path / "train.yaml"
+    path.write_text(f"recipe: {recipe}\nmodel:\n  policy: {{preset: tiny}}\ndata:\n  task: {{name: digits}}\n"
+                    f"run_dir: {tmp_path / 'run'}\n{extra}")
+    return path
+
+
 @pytest.mark.parametrize("override, lines", [
     ("--grpo.off_policy_correction={name: none, level: sequence}",
      ["grpo.off_policy_correction.level: sequence " + UNREAD.format("none", "tis or mask to weigh each completion "
@@ -440,9 +449,7 @@ MASK = "mask to drop the tokens whose ratio leaves [low, high]"
        "penalty over the last `buffer` tokens, or leave penalty_factor at 1.0")]),
 ])
 def test_option_keys_their_mode_does_not_read_are_refused(tmp_path, capsys, override, lines):
-    path = tmp_path / "train.yaml"
-    path.write_text("recipe: grpo\nmodel:\n  policy: {preset: tiny}\ndata:\n  task: {name: digits}\n"
-                    f"run_dir: {tmp_path / 'run'}\n")
+    path = _digits_config(tmp_path, "grpo")
     assert main(["validate", "--config", str(path), override]) == 2
     assert capsys.readouterr().err.splitlines() == [f"override '{override}': {line}" for line in lines]
     # the same rule in PPO's section, at the key's place in the file
@@ -468,17 +475,13 @@ def test_option_keys_their_mode_does_not_read_are_refused(tmp_path, capsys, over
     "overlong: {buffer: null, penalty_factor: 1.0}",
 ])
 def test_option_combinations_the_readme_shows_validate(tmp_path, capsys, recipe, option):
-    path = tmp_path / "train.yaml"
-    path.write_text(f"recipe: {recipe}\nmodel:\n  policy: {{preset: tiny}}\ndata:\n  task: {{name: digits}}\n"
-                    f"run_dir: {tmp_path / 'run'}\nrollout:\n  max_new_tokens: 8\n{recipe}:\n  {option}\n")
+    path = _digits_config(tmp_path, recipe, f"rollout:\n  max_new_tokens: 8\n{recipe}:\n  {option}\n")
     assert main(["validate", "--config", str(path)]) == 0, capsys.readouterr().err
 
 
 def test_option_combinations_are_refused_at_their_keys(tmp_path, capsys):
-    path = tmp_path / "train.yaml"
-    path.write_text("recipe: grpo\nmodel:\n  policy: {preset: tiny}\ndata:\n  task: {name: digits}\n"
-                    f"run_dir: {tmp_path / 'run'}\nrollout:\n  max_new_tokens: 8\ngrpo:\n"
-                    "  overlong: {buffer: 9}\n  off_policy_correction: {name: mask, low: 2.0, high: 1.5}\n")
+    path = _digits_config(tmp_path, "grpo", "rollout:\n  max_new_tokens: 8\ngrpo:\n  overlong: {buffer: 9}\n"
+                          "  off_policy_correction: {name: mask, low: 2.0, high: 1.5}\n")
     assert main(["validate", "--config", str(path)]) == 2
     assert capsys.readouterr().err.splitlines() == [
         (f"{path}:10:22: grpo.overlong.buffer: 9 exceeds rollout.max_new_tokens (8); the penalty ramps over "
@@ -516,9 +519,7 @@ def test_option_combinations_are_refused_at_their_keys(tmp_path, capsys):
      "reference, or leave kl_estimator at k1")),
 ])
 def test_a_kl_estimator_without_a_kl_term_is_refused(tmp_path, capsys, recipe, overrides, line):
-    path = tmp_path / "train.yaml"
-    path.write_text(f"recipe: {recipe}\nmodel:\n  policy: {{preset: tiny}}\ndata:\n  task: {{name: digits}}\n"
-                    f"run_dir: {tmp_path / 'run'}\n")
+    path = _digits_config(tmp_path, recipe)
     assert main(["validate", "--config", str(path), *overrides]) == 2
     assert capsys.readouterr().err.splitlines() == [f"override '{overrides[-1]}': {line}"]
     # the estimator is read once the KL term is on, and its default stands under kl_coef 0
@@ -527,9 +528,7 @@ def test_a_kl_estimator_without_a_kl_term_is_refused(tmp_path, capsys, recipe, o
 
 
 def test_dynamic_sampling_max_rounds_without_dynamic_sampling_is_refused(tmp_path, capsys):
-    path = tmp_path / "train.yaml"
-    path.write_text("recipe: grpo\nmodel:\n  policy: {preset: tiny}\ndata:\n  task: {name: digits}\n"
-                    f"run_dir: {tmp_path / 'run'}\ngrpo:\n  dynamic_sampling_max_rounds: 3\n")
+    path = _digits_config(tmp_path, "grpo", "grpo:\n  dynamic_sampling_max_rounds: 3\n")
     assert main(["validate", "--config", str(path)]) == 2
     assert capsys.readouterr().err.splitlines() == [
         (f"{path}:8:32: grpo.dynamic_sampling_max_rounds: 3 changes nothing while grpo.dynamic_sampling is false; "
@@ -538,9 +537,7 @@ def test_dynamic_sampling_max_rounds_without_dynamic_sampling_is_refused(tmp_pat
 
 
 def test_adv_eps_under_scale_rewards_none_is_refused(tmp_path, capsys):
-    path = tmp_path / "train.yaml"
-    path.write_text("recipe: grpo\nmodel:\n  policy: {preset: tiny}\ndata:\n  task: {name: digits}\n"
-                    f"run_dir: {tmp_path / 'run'}\ngrpo:\n  scale_rewards: none\n  adv_eps: 0.01\n")
+    path = _digits_config(tmp_path, "grpo", "grpo:\n  scale_rewards: none\n  adv_eps: 0.01\n")
     assert main(["validate", "--config", str(path)]) == 2
     assert capsys.readouterr().err.splitlines() == [
         (f"{path}:9:12: grpo.adv_eps: 0.01 changes nothing while grpo.scale_rewards is none; set scale_rewards: "
@@ -559,9 +556,7 @@ def test_a_tis_cap_below_one_is_refused(tmp_path, capsys):
     mask = torch.ones(1, 3)
     c = OffPolicyCorrection("tis", cap=0.5, low=0.5, high=2.0, level="token")(logp, logp.clone(), mask)
     assert torch.allclose(c.weight, torch.full((1, 3), 0.5)) and float(c.capped_frac) == 1.0
-    path = tmp_path / "train.yaml"
-    path.write_text("recipe: grpo\nmodel:\n  policy: {preset: tiny}\ndata:\n  task: {name: digits}\n"
-                    f"run_dir: {tmp_path / 'run'}\ngrpo:\n  off_policy_correction: {{name: tis, cap: 0.5}}\n")
+    path = _digits_config(tmp_path, "grpo", "grpo:\n  off_policy_correction: {name: tis, cap: 0.5}\n")
     assert main(["validate", "--config", str(path)]) == 2
     assert capsys.readouterr().err.splitlines() == [
         (f"{path}:8:43: grpo.off_policy_correction.cap: 0.5 is below 1, the ratio of a token on which the trainer "

@@ -447,13 +447,13 @@ def test_a_sample_without_a_key_is_said_to_lack_it():
         tasks.checked_sample(Given([{**sample, "answer": None}]), 0)
 
 
-def test_a_user_rewards_metadata_problem_is_asked_without_metadata_keys(tmp_path):
-    """README: a class_path reward's metadata_problem(metadata), if it has one, refuses a sample; a reward that
-    states no metadata_keys still has its metadata_problem asked, at `fw validate` as at every draw."""
+def _validate_with_picky(tmp_path: Path, problem: str) -> tuple[Path, subprocess.CompletedProcess]:
+    """`fw validate` of the digits task under a class_path reward `picky.Picky` whose metadata_problem returns the
+    expression `problem` (line 3 of picky.py): the config and the finished process."""
     (tmp_path / "picky.py").write_text(
         "class Picky:\n"
         "    def metadata_problem(self, metadata):\n"
-        "        return None if isinstance(metadata['answer'], int) else 'answer must be an int'\n"
+        f"        return {problem}\n"
         "    def __call__(self, prompt, completion, metadata):\n"
         "        return 0.0\n")
     config = tmp_path / "train.yaml"
@@ -462,6 +462,14 @@ def test_a_user_rewards_metadata_problem_is_asked_without_metadata_keys(tmp_path
     done = subprocess.run([sys.executable, "-m", "framework", "validate", "--config", str(config)],
                           capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1], timeout=300,
                           check=False)
+    return config, done
+
+
+def test_a_user_rewards_metadata_problem_is_asked_without_metadata_keys(tmp_path):
+    """README: a class_path reward's metadata_problem(metadata), if it has one, refuses a sample; a reward that
+    states no metadata_keys still has its metadata_problem asked, at `fw validate` as at every draw."""
+    config, done = _validate_with_picky(tmp_path, "None if isinstance(metadata['answer'], int) else "
+                                                  "'answer must be an int'")
     assert done.returncode == 2, done.stdout + done.stderr
     assert done.stderr.strip() == (f"{config}:3:14: data.task: Digits.sample(0): answer must be an int, which the "
                                    "reward 'Picky' reads")
@@ -470,18 +478,7 @@ def test_a_user_rewards_metadata_problem_is_asked_without_metadata_keys(tmp_path
 def test_a_user_rewards_metadata_problem_that_raises_is_one_line_at_its_class_path(tmp_path):
     """A metadata_problem that raises (user code, as a reward that raises is) is one line at reward.class_path naming
     the call and the user's line, exit 2, not a traceback out of fw validate."""
-    (tmp_path / "picky.py").write_text(
-        "class Picky:\n"
-        "    def metadata_problem(self, metadata):\n"
-        "        return metadata['level']\n"
-        "    def __call__(self, prompt, completion, metadata):\n"
-        "        return 0.0\n")
-    config = tmp_path / "train.yaml"
-    config.write_text("recipe: grpo\nmodel: {policy: {preset: tiny}}\ndata: {task: {name: digits}}\n"
-                      "reward: {class_path: picky.Picky}\n")
-    done = subprocess.run([sys.executable, "-m", "framework", "validate", "--config", str(config)],
-                          capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1], timeout=300,
-                          check=False)
+    config, done = _validate_with_picky(tmp_path, "metadata['level']")
     assert done.returncode == 2, done.stdout + done.stderr
     assert done.stderr.strip() == (f"{config}:4:22: reward.class_path: Picky.metadata_problem(Digits.sample(0)'s "
                                    f"metadata) raised KeyError: 'level' (at {tmp_path / 'picky.py'}:3)")
