@@ -265,8 +265,11 @@ def _where_set(marks: dict, path: tuple) -> str:
 def _sources_message(path: tuple, keys: list, instance: dict, marks: dict, shown: str) -> str | None:
     """'set only one of' two keys that different files or overrides set (merged, the later ones win): which key is
     set where the problem shows (`shown`, a file or an override), where the other was set and the override that
-    clears it. None when all of them are set where it shows, whose lines say it."""
+    clears it. None when all of them are set where it shows, whose lines say it, or when none has a place (a config
+    built in Python), where no file, line or override is there to name."""
     present = [k for k in keys if instance.get(k) is not None]
+    if not any(path + (k,) in marks for k in present):
+        return None
     here = [k for k in present if path + (k,) in marks and marks[path + (k,)].value.file == shown]
     if len(here) == len(present):
         return None

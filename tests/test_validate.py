@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from framework.cli import main
-from framework.config import MAX_PROBLEMS, load_config, save_resolved
+from framework.config import MAX_PROBLEMS, ConfigError, load_config, resolve, save_resolved
 from framework.errors import FwError
 from framework.validate import MAX_ROW_PROBLEMS
 
@@ -946,6 +946,14 @@ def test_path_by_override_over_a_files_preset_names_both_and_the_fix(tmp_path, m
         (f"override '--model.policy.path={model_dir}': model.policy.path: set only one of 'path' or 'preset': path "
          f"is set here and preset: tiny at {config}:4; give --model.policy.preset=null (or remove one)")])
     assert run_fw(argv + ["--model.policy.preset=null"], capsys) == (0, [])
+
+
+def test_path_and_preset_in_a_config_built_in_python_say_both_without_a_file_or_override():
+    """A dict config has no file, line or override to name: the line says both keys are set, not that each was set
+    "at the default", and gives no command-line flag."""
+    with pytest.raises(ConfigError) as e:
+        resolve({"recipe": "sft", "model": {"policy": {"path": "/models/q", "preset": "tiny"}}})
+    assert str(e.value) == "<config>: model.policy: set only one of 'path' or 'preset', not 'path' and 'preset'"
 
 
 DIGITS_CONFIG = ("recipe: grpo\nmodel: {policy: {preset: tiny}}\ndata:\n  task:\n    name: digits\n"
