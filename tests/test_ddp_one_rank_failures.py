@@ -112,7 +112,9 @@ def test_another_exception_on_one_rank_shows_that_ranks_traceback_alone(tmp_path
     assert code == 1, err[-3000:]
     lines = reported(err)
     assert lines[0] == "[rank1]: Traceback (most recent call last):", err[-3000:]
-    assert lines[-1] == "[rank1]: ValueError: a bug in my_callback on rank 1", err[-3000:]
+    # the exception's line, then the note fit adds to a bug's traceback: what the run kept
+    assert lines[-2:] == ["[rank1]: ValueError: a bug in my_callback on rank 1",
+                          "[rank1]: fw: the run ended at step 2 on this error; no checkpoint is saved"], err[-3000:]
     assert all(line.startswith("[rank1]: ") for line in lines), err[-3000:]   # rank 1's traceback alone
     assert err.count("Traceback") == 1, err[-3000:]
     assert late < LATE_S, err[-3000:]
