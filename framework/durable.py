@@ -8,6 +8,7 @@ import errno
 import hashlib
 import os
 import re
+import resource
 import secrets
 import shutil
 import stat
@@ -190,17 +191,53 @@ def _chain(exc: BaseException | None) -> Iterator[BaseException]:
         exc = exc.__cause__ or exc.__context__
 
 
+# The errors of a write that finds no room, as a message words each: a full file system, a full quota, and a file
+# past the largest size allowed: the process's file size limit (RLIMIT_FSIZE, `ulimit -f`; CPython ignores SIGXFSZ,
+# so the write fails with EFBIG instead of the signal killing the process) or its file system's largest file.
+_NO_ROOM = {errno.ENOSPC: "no space left on device", errno.EDQUOT: "disk quota exceeded",
+            errno.EFBIG: "file size limit exceeded"}
+# the same errors where torch and safetensors keep only their text (strerror, or Rust's io::ErrorKind)
+_NO_ROOM_TEXT = {"No space left on device": errno.ENOSPC, "StorageFull": errno.ENOSPC,
+                 "Disk quota exceeded": errno.EDQUOT, "FilesystemQuotaExceeded": errno.EDQUOT,
+                 "File too large": errno.EFBIG, "FileTooLarge": errno.EFBIG}
+
+
 def disk_full_cause(exc: BaseException | None) -> OSError | None:
-    """The ENOSPC / EDQUOT OSError in `exc`'s chain, or None."""
-    return next((e for e in _chain(exc) if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)),
-                None)
+    """The OSError in `exc`'s chain of a write that found no room (ENOSPC, EDQUOT, or EFBIG: a file size limit),
+    or None."""
+    return next((e for e in _chain(exc) if isinstance(e, OSError) and e.errno in _NO_ROOM), None)
 
 
-def is_disk_full(exc: BaseException | None) -> bool:
-    """Whether `exc`'s chain holds a full disk or quota: its OSError, or only its message where torch and
-    safetensors wrap it."""
-    return disk_full_cause(exc) is not None or any(
-        "No space left on device" in str(e) or "StorageFull" in str(e) for e in _chain(exc))
+def no_room(exc: BaseException | None) -> int | None:
+    """The errno (ENOSPC, EDQUOT or EFBIG) of a write that found no room in `exc`'s chain: its OSError's, or the
+    one its message names where torch and safetensors wrap it; None if none."""
+    cause = disk_full_cause(exc)
+    if cause is not None:
+        return cause.errno
+    return next((code for e in _chain(exc) for text, code in _NO_ROOM_TEXT.items() if text in str(e)), None)
+
+
+def no_room_reason(code: int) -> str:
+    """What a message calls the `no_room` error `code`: "no space left on device" and so on."""
+    return _NO_ROOM[code]
+
+
+def room_left(code: int, directory: str | os.PathLike) -> str:
+    """The room that a write into `directory` failing with the `no_room` error `code` had, for a message: the space
+    left, or for EFBIG the file size limit and how to raise it."""
+    if code != errno.EFBIG:
+        return f"{free_space(directory)} free"
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    if limit == resource.RLIM_INFINITY:   # not this process's limit: the file system's largest file
+        return "larger than its file system allows"
+    return (f"this process's file size limit is {limit:,} bytes; `ulimit -f`, in blocks of 1024 bytes, raises it, "
+            "`ulimit -f unlimited` lifts it")
+
+
+def no_room_text(code: int, directory: str | os.PathLike, doing: str) -> str:
+    """"<what found no room> while <doing> (<the room there was>)" for a message, of a write into `directory` that
+    failed with the `no_room` error `code`."""
+    return f"{no_room_reason(code)} while {doing} ({room_left(code, directory)})"
 
 
 def free_space(directory: str | os.PathLike) -> str:
@@ -212,13 +249,15 @@ def free_space(directory: str | os.PathLike) -> str:
     return f"{st.f_bavail * st.f_frsize / 1e6:.1f} MB"
 
 
-def disk_full(path: str | os.PathLike, what: str, key: str | None = None) -> Exception:
-    """The one-line DiskFull (an FwError) for a run file `path` that a full disk or quota stopped: it names the
-    config `key` that writes it (if any), the file, `what` it holds and the space left. It is met before a
-    checkpoint's write starts or after one is published, so the published checkpoints are intact."""
+def disk_full(path: str | os.PathLike, what: str, key: str | None = None, *, cause: BaseException) -> Exception:
+    """The one-line DiskFull (an FwError) for a run file `path` that found no room (`cause`: a full disk or quota,
+    or a file size limit): it names the config `key` that writes it (if any), the file, `what` it holds, and the
+    space left or the limit. It is met before a checkpoint's write starts or after one is published, so the
+    published checkpoints are intact."""
     where = f"{key}: " if key else ""
-    return DiskFull(f"{where}{path}: no space left on device while writing {what} "
-                    f"({free_space(Path(path).parent)} free); the run stopped, its published checkpoints are intact")
+    code = no_room(cause) or errno.ENOSPC
+    return DiskFull(f"{where}{path}: {no_room_text(code, Path(path).parent, f'writing {what}')}; the run stopped, "
+                    "its published checkpoints are intact")
 
 
 def _other_process_alive(pid: int) -> bool:

@@ -17,7 +17,8 @@ class FwError(Exception):
 
 
 class DiskFull(FwError):
-    """The file system ran out of space (or quota) while a run file (a checkpoint's, a log's) was written."""
+    """A run file (a checkpoint's, a log's) found no room while it was written: the file system ran out of space
+    (or quota), or the file reached the process's file size limit (`ulimit -f`)."""
 
 
 def what_raised(e: BaseException) -> str:

@@ -34,7 +34,14 @@ from typing import Any
 from framework.checkpoint import CONFIG_FILE, read_resolved, run_of_checkpoints_folder
 from framework.checkpoint.directory import DamagedFile, enclosing_checkpoint, read_complete_manifest, verify_checkpoint
 from framework.checkpoint.tensors import DiskFull
-from framework.durable import dead_leftovers, file_in_the_way, fsync_dir, hidden_sibling, is_disk_full
+from framework.durable import (
+    dead_leftovers,
+    file_in_the_way,
+    fsync_dir,
+    hidden_sibling,
+    no_room,
+    no_room_text,
+)
 from framework.errors import FwError
 from framework.models.hf_io import (
     GENERATION_CONFIG,
@@ -191,8 +198,9 @@ def _export(source: Path, given: str | os.PathLike, out: Path, merge: bool, base
     except BaseException as e:
         if staging is not None:
             shutil.rmtree(staging, ignore_errors=True)
-        if isinstance(e, Exception) and is_disk_full(e):
-            raise DiskFull(f"--out {out}: no space left on device while exporting {source}; nothing was "
+        code = no_room(e) if isinstance(e, Exception) else None
+        if code is not None:
+            raise DiskFull(f"--out {out}: {no_room_text(code, out.parent, f'exporting {source}')}; nothing was "
                            "written") from None
         if isinstance(e, OSError) and not _names(e, source) and (
                 e.errno in _OUT_ERRORS or e.errno in _OUT_PATH_ERRORS and _names_out(e, out, staging)):

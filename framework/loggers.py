@@ -127,8 +127,9 @@ _FILE_VERSION = re.compile(rb"\x1a.brain\.Event:", re.DOTALL)
 
 @contextlib.contextmanager
 def _full_disk_stops(key: str, path: Callable[[], str | os.PathLike], what: str) -> Iterator[None]:
-    """A full disk (ENOSPC / EDQUOT anywhere in an exception's chain: Lightning wraps some in a ValueError) as
-    `disk_full`'s one-line error naming `key` and the file `path()`, the OSError kept as its cause."""
+    """A write that finds no room (ENOSPC / EDQUOT / EFBIG anywhere in an exception's chain: Lightning wraps some in
+    a ValueError) as `disk_full`'s one-line error naming `key` and the file `path()`, the OSError kept as its
+    cause."""
     try:
         yield
     except FwError:
@@ -137,7 +138,7 @@ def _full_disk_stops(key: str, path: Callable[[], str | os.PathLike], what: str)
         cause = disk_full_cause(e)
         if cause is None:
             raise
-        raise disk_full(path(), what, key) from cause
+        raise disk_full(path(), what, key, cause=cause) from cause
 
 
 def _finalize_failed(finalize: Callable[[], None]) -> None:
@@ -363,7 +364,8 @@ class _EventWriterGuard:
         file = self.file or getattr(self.events, "get_logdir", lambda: "the TensorBoard log")()
         if self.failure is not None:
             if disk_full_cause(self.failure) is not None:
-                raise disk_full(file, "TensorBoard's events", "logging.tensorboard") from self.failure
+                raise disk_full(file, "TensorBoard's events", "logging.tensorboard",
+                                cause=self.failure) from self.failure
             raise FwError(f"logging.tensorboard: {file}: writing TensorBoard's events failed: {self.failure}; the run "
                           "stopped, its published checkpoints are intact") from self.failure
         if self.thread_gone():

@@ -369,9 +369,10 @@ class JsonlLogger(Logger):
             self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 (kept open across calls; closed in finalize)
         return self._file
 
-    def _full(self) -> Exception:
-        """The one-line DiskFull of a full disk met writing the file (the caller keeps the OSError as its cause)."""
-        return disk_full(self.path, "the run's metrics")
+    def _full(self, cause: OSError) -> Exception:
+        """The one-line DiskFull of a write to the file that found no room (the caller keeps `cause` as its
+        cause)."""
+        return disk_full(self.path, "the run's metrics", cause=cause)
 
     @rank_zero_only
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
@@ -384,7 +385,7 @@ class JsonlLogger(Logger):
         except OSError as e:
             if disk_full_cause(e) is None:
                 raise
-            raise self._full() from e
+            raise self._full(e) from e
 
     @rank_zero_only
     def save(self) -> None:
@@ -395,7 +396,7 @@ class JsonlLogger(Logger):
             except OSError as e:
                 if disk_full_cause(e) is None:
                     raise
-                raise self._full() from e
+                raise self._full(e) from e
 
     @rank_zero_only
     def finalize(self, status: str) -> None:

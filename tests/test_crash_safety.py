@@ -352,6 +352,47 @@ def test_fw_fit_on_a_full_disk_exits_2_with_one_line(tmp_path, tmpfs, capsys, qu
     ck.verify_checkpoint(ck.checkpoints_dir(run_dir) / "step-000002")
 
 
+def test_fw_fit_past_the_file_size_limit_exits_2_with_one_line(tmp_path, capsys, quiet_lightning):
+    """A real `fw fit --resume last` process whose file size limit (RLIMIT_FSIZE, `ulimit -f`) lets it write its
+    config and logs but not its next checkpoint's larger files: the write fails with EFBIG (CPython ignores
+    SIGXFSZ), and the run ends as on a full disk, with one line naming the checkpoint and the limit to raise, exit
+    2, and the checkpoint it resumed from intact. Under 100,000 bytes torch's pickle of the trainer state fails
+    first (an error of torch's own, the OSError its context); under 500,000 one of the safetensors files does."""
+    import resource
+
+    from framework.cli import main
+    from framework.metrics import read_metrics
+
+    run_dir = tmp_path / "run"
+    train = _sft_config(tmp_path, run_dir, max_steps=2)
+    assert main(["fit", "--config", train]) == 0
+    capsys.readouterr()
+    ckpts = ck.checkpoints_dir(run_dir)
+    step4 = ckpts / "step-000004"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    for limit in (100_000, 500_000):
+        def limited(limit: int = limit) -> None:
+            resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+        done = subprocess.run([sys.executable, "-m", "framework", "fit", "--config", train, "--resume", "last",
+                               "--trainer.max_steps=4"], capture_output=True, text=True, preexec_fn=limited,
+                              cwd=REPO, env=env, check=False)
+        assert done.returncode == 2, done.stderr[-3000:]
+        (error,) = fw_lines(done.stderr)[1:]   # after the line on the resumed checkpoint's changed max_steps
+        limit_line = (f"(this process's file size limit is {limit:,} bytes; `ulimit -f`, in blocks of 1024 bytes, "
+                      "raises it, `ulimit -f unlimited` lifts it)")
+        if limit == 100_000:
+            assert error == (f"fw: error: {ckpts}: file size limit exceeded while writing the checkpoint step-000004 "
+                             f"{limit_line}; the earlier checkpoints are intact")
+        else:
+            assert error.startswith(f"fw: error: {step4}/"), error
+            assert error.endswith(f".safetensors: file size limit exceeded while writing the checkpoint {limit_line}; "
+                                  "the checkpoint step-000004 was not written, the earlier checkpoints are intact")
+        assert os.listdir(ckpts) == ["step-000002"]   # no staging directory left beside it
+        ck.verify_checkpoint(ckpts / "step-000002")
+        assert [r["step"] for r in read_metrics(run_dir / "metrics.jsonl")][:2] == [1, 2]
+
+
 def test_fw_fit_resume_names_a_corrupt_checkpoint(tmp_path, capsys, quiet_lightning):
     from framework.cli import main
 

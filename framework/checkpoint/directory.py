@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import io
 import json
@@ -23,7 +24,6 @@ from framework.checkpoint.tensors import (
     DiskFull,
     SubclassRef,
     TensorRef,
-    is_disk_full,
     is_trainer_tensor_file,
     join_tensors,
     read_safetensors,
@@ -33,7 +33,16 @@ from framework.checkpoint.tensors import (
     write_safetensors,
 )
 from framework.config import save_resolved
-from framework.durable import free_space, fsync_dir, hash_and_fsync, hidden_sibling, publish_dir, sha256
+from framework.durable import (
+    fsync_dir,
+    hash_and_fsync,
+    hidden_sibling,
+    no_room,
+    no_room_text,
+    publish_dir,
+    room_left,
+    sha256,
+)
 from framework.errors import FwError
 from framework.models.hf_io import GENERATION_CONFIG, INDEX_FILE, parse_size, plan_shards
 
@@ -325,10 +334,10 @@ def write_checkpoint_dir(
     `final`, atomically. Pops "fw_components", and SOURCE_GENERATION_CONFIG (bytes, written as the top-level
     generation_config.json when not None). Returns the manifest. Components are sharded like HF's
     save_pretrained (5 GB shards by default); the trainer state's tensors go to safetensors shards no larger
-    (smaller for a large state, to spread it over the writing threads) beside the pickled rest. A full disk
-    raises DiskFull (an FwError) after removing the staging directory; earlier checkpoints are never
-    touched. `sources`: what the config's data and model paths hold (resume.py `source_fingerprints`), kept in
-    the manifest."""
+    (smaller for a large state, to spread it over the writing threads) beside the pickled rest. A write that
+    finds no room (a full disk or quota, a file size limit) raises DiskFull (an FwError) after removing the
+    staging directory; earlier checkpoints are never touched. `sources`: what the config's data and model paths
+    hold (resume.py `source_fingerprints`), kept in the manifest."""
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
     components = checkpoint.pop("fw_components", None) or {}
@@ -380,13 +389,15 @@ def write_checkpoint_dir(
         fsync_dir(staging)
         publish_dir(staging, final, use_exchange=use_exchange)
     except BaseException as e:
-        shutil.rmtree(staging, ignore_errors=True)
+        shutil.rmtree(staging, ignore_errors=True)   # before room_left: the space it held is free again
+        code = no_room(e) if isinstance(e, Exception) else None
         if isinstance(e, DiskFull):   # named by its published path: the staging directory is gone
-            raise DiskFull(f"{str(e).replace(str(staging), str(final))} ({free_space(final.parent)} free); the "
-                           f"checkpoint {final.name} was not written, the earlier checkpoints are intact") from None
-        if isinstance(e, Exception) and is_disk_full(e):
-            raise DiskFull(f"{final.parent}: no space left on device while writing the checkpoint {final.name} "
-                           f"({free_space(final.parent)} free); the earlier checkpoints are intact") from None
+            room = room_left(code or errno.ENOSPC, final.parent)
+            raise DiskFull(f"{str(e).replace(str(staging), str(final))} ({room}); the checkpoint {final.name} was "
+                           "not written, the earlier checkpoints are intact") from None
+        if code is not None:
+            text = no_room_text(code, final.parent, f"writing the checkpoint {final.name}")
+            raise DiskFull(f"{final.parent}: {text}; the earlier checkpoints are intact") from None
         raise
     return manifest
 

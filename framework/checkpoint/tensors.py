@@ -24,7 +24,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from framework.durable import is_disk_full
+from framework.durable import no_room, no_room_reason
 from framework.errors import DiskFull, FwError
 
 SAFETENSORS_DTYPES = {
@@ -214,7 +214,8 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: di
                       ) -> tuple[int, str]:
     """Write `tensors` as a safetensors file (readable by safetensors and transformers), fsync it and return
     (size, sha256) of the bytes written. Tensors may live on any device; CUDA ones stream through pinned
-    memory. A full disk raises DiskFull naming the file."""
+    memory. A write that finds no room (a full disk or quota, a file size limit) raises DiskFull naming the
+    file."""
     for name, t in tensors.items():
         if t.dtype not in SAFETENSORS_DTYPES:
             raise ValueError(f"{path}: tensor {name} has dtype {t.dtype}, which safetensors cannot hold")
@@ -240,8 +241,9 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: di
         finally:
             sink.close()
     except OSError as e:
-        if is_disk_full(e):
-            raise DiskFull(f"{path}: no space left on device while writing the checkpoint") from None
+        code = no_room(e)
+        if code is not None:   # the OSError stays its __context__, which `no_room` finds
+            raise DiskFull(f"{path}: {no_room_reason(code)} while writing the checkpoint") from None
         raise
     return sink.size, sink.digest.hexdigest()
 
