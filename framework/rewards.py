@@ -694,9 +694,9 @@ def score_rollout(reward_fn: Any, prompts: list[str], completions: list[str], me
     (index, prompt, completion, error); ``on_error="raise"`` then raises ``FwError``, ``"zero"``
     logs a warning and scores the sample 0, unless more than ``max_error_fraction`` of the samples
     failed (with ``collective``, of every process's samples: the rollout batch), which raises ``FwError``. A
-    failing ``batch`` call is retried per sample when the reward is also callable, so only the offending samples
-    are zeroed; otherwise the whole batch is. A call that
-    takes longer than ``timeout_s`` raises ``FwError`` whatever ``on_error`` says. ``collective``: every process
+    ``batch`` call that fails (raises, or returns no sequence of one value a sample) is retried per sample when
+    the reward is also callable, so only the offending samples are zeroed; otherwise the whole batch is. A call
+    that takes longer than ``timeout_s`` raises ``FwError`` whatever ``on_error`` says. ``collective``: every process
     of a multi-process job calls this at the same point (the training step's rollouts; not evaluation, whose ranks
     may score different numbers of batches and raise together once all are scored), so such an error on one rank
     is raised on every rank (``framework.errors.raise_on_every_rank``). A KeyboardInterrupt in the reward raises
@@ -729,7 +729,7 @@ def score_rollout(reward_fn: Any, prompts: list[str], completions: list[str], me
         # the reward's own KeyboardInterrupt becomes Interrupted where it runs; one raised in this thread while it
         # waits for a timed call is the process's SIGINT (`fw eval` has no stop handler), not the reward's
         failures, values = _timed(score, calls, settings["timeout_s"], sample)
-    except FwError as exc:   # a call past reward.timeout_s, a batch() of the wrong length
+    except FwError as exc:   # a call past reward.timeout_s
         error = exc
     # the budget is of the rollout batch, every process's samples: the same batch split over more processes stops
     # exactly when one process holding all of it would (a collective, reached by every rank with the same on_error)
@@ -768,6 +768,23 @@ def _batch_counts(failed: int, n: int, collective: bool) -> tuple[int, int, int]
     return sum(c[0] for c in counts if c), sum(c[1] for c in counts if c), len(counts)
 
 
+def _batch_values(result: Any, n: int) -> list | str:
+    """`batch()`'s result as a list of its `n` values, or what is wrong with it: a mapping or set has no sample
+    order (a dict would score its keys), a string's characters are not values, and a sequence of another length
+    cannot be matched to the samples."""
+    not_values = f"returned a value of type {type(result).__name__}, expected a sequence of {n} values, one per sample"
+    if isinstance(result, (Mapping, AbstractSet, str, bytes)):
+        return not_values
+    try:
+        items = iter(result)   # a class with __getitem__ alone iterates too
+    except TypeError:
+        return not_values
+    values = list(items)
+    if len(values) != n:
+        return f"returned {len(values)} values for {n} samples"
+    return values
+
+
 def _score(reward_fn: Any, prompts: list[str], completions: list[str], metadatas: list[dict],
            calls: _Calls) -> tuple[list[tuple[int, str, BaseException | None]], list[float]]:
     """The failures (index, error, the reward's exception or None for a bad value) and values of every sample, failed
@@ -779,20 +796,21 @@ def _score(reward_fn: Any, prompts: list[str], completions: list[str], metadatas
     per_sample = not callable(batch)
     if callable(batch):
         calls.enter("batch()", None)
+        failed, cause, result = None, None, []
         try:
-            result = batch(prompts, completions, metadatas)
-            if isinstance(result, (Mapping, AbstractSet)):   # no sample order: a dict would score its keys
-                raise TypeError(f"returned a {type(result).__name__}, expected a sequence of one value per sample")
-            result = list(result)
+            # a generator's body is the reward's code too: what list() raises is the reward's failure
+            result = _batch_values(batch(prompts, completions, metadatas), n)
         except (Exception, SystemExit) as exc:  # noqa: BLE001 - user code: any failure is reported, then retried
+            failed, cause = f"batch() {_raised(exc)}", exc
+        if isinstance(result, str):   # a result of no use, raised or not: a failed call all the same
+            failed = f"batch() {result}"
+        if failed is not None:
             if not callable(reward_fn):
-                failures = [(i, f"batch() {_raised(exc)}", exc) for i in range(n)]
+                failures = [(i, failed, cause) for i in range(n)]
             else:
-                log.warning("reward batch() %s; scoring the %d samples one call each instead", _raised(exc), n)
+                log.warning("reward %s; scoring the %d samples one call each instead", failed, n)
                 per_sample = True
         else:
-            if len(result) != n:
-                raise FwError(f"reward batch() returned {len(result)} values for {n} samples")
             for i, value in enumerate(result):
                 try:
                     values[i] = _check_value(value)

@@ -527,7 +527,8 @@ def test_a_batch_returning_a_mapping_is_refused_not_read_by_its_keys(caplog):
         def batch(self, prompts, completions, metadatas):
             return {i: 0.0 for i in range(len(completions))}
 
-    with pytest.raises(FwError, match="batch\\(\\) raised TypeError: returned a dict, expected a sequence"):
+    with pytest.raises(FwError, match="sample 0: batch\\(\\) returned a value of type dict, expected a sequence of 2 "
+                                      "values, one per sample;"):
         score_rollout(Keyed(), ["a", "b"], ["x", "y"], [{}] * 2, RAISE)
 
     class KeyedButCallable(Keyed):
@@ -537,8 +538,8 @@ def test_a_batch_returning_a_mapping_is_refused_not_read_by_its_keys(caplog):
     with caplog.at_level(logging.WARNING, logger="framework.rewards"):
         rewards, errors = score_rollout(KeyedButCallable(), ["a", "b"], ["x", "y"], [{}] * 2, RAISE)
     assert rewards.tolist() == [0.25, 0.25] and errors == 0
-    assert "reward batch() raised TypeError: returned a dict, expected a sequence of one value per sample; " \
-           "scoring the 2 samples one call each instead" in caplog.text
+    assert "reward batch() returned a value of type dict, expected a sequence of 2 values, one per sample; scoring " \
+           "the 2 samples one call each instead" in caplog.text
 
 
 def test_score_rollout_batched_nan_and_failures():
@@ -565,8 +566,46 @@ def test_score_rollout_batched_nan_and_failures():
         def batch(self, prompts, completions, metadatas):
             return [1.0]
 
-    with pytest.raises(FwError, match="returned 1 values for 2 samples"):
-        score_rollout(Short(), ["a", "b"], ["x", "y"], [{}] * 2, ZERO)
+    # a result of another length is a failed call, as a raise is: every sample fails, past max_error_fraction
+    with pytest.raises(FwError, match="reward failed on 2 of 2 samples; first: sample 0: batch\\(\\) returned 1 "
+                                      "values for 2 samples;.*more than reward.max_error_fraction"):
+        score_rollout(Short(), ["a", "b"], ["x", "y"], [{}] * 2, {**ZERO, "max_error_fraction": 0.5})
+    rewards, errors = score_rollout(Short(), ["a", "b"], ["x", "y"], [{}] * 2, ZERO)
+    assert rewards.tolist() == [0.0, 0.0] and errors == 2
+
+    class ShortButCallable(Short):
+        def __call__(self, prompt, completion, metadata):
+            return float(len(completion))
+
+    rewards, errors = score_rollout(ShortButCallable(), ["a", "b"], ["x", "yy"], [{}] * 2, RAISE)
+    assert rewards.tolist() == [1.0, 2.0] and errors == 0   # retried per sample, as a raising batch() is
+
+    class Text:
+        def batch(self, prompts, completions, metadatas):
+            return "10"   # two characters for two samples: not two values
+
+    with pytest.raises(FwError, match="batch\\(\\) returned a value of type str, expected a sequence of 2 values"):
+        score_rollout(Text(), ["a", "b"], ["x", "y"], [{}] * 2, RAISE)
+
+    class Indexed:   # the old sequence protocol: __getitem__ until IndexError, no __iter__
+        def __init__(self, values):
+            self.values = values
+
+        def __getitem__(self, i):
+            return self.values[i]
+
+    class ByIndex:
+        def batch(self, prompts, completions, metadatas):
+            return Indexed([float(len(c)) for c in completions])
+
+    class Number:
+        def batch(self, prompts, completions, metadatas):
+            return 1.0
+
+    rewards, errors = score_rollout(ByIndex(), ["a", "b"], ["x", "yy"], [{}] * 2, RAISE)
+    assert rewards.tolist() == [1.0, 2.0] and errors == 0
+    with pytest.raises(FwError, match="batch\\(\\) returned a value of type float, expected a sequence of 2 values"):
+        score_rollout(Number(), ["a", "b"], ["x", "y"], [{}] * 2, RAISE)
 
 
 def test_score_rollout_rejects_mismatched_lengths():
@@ -710,7 +749,7 @@ def test_rewards_run_on_a_helper_thread_only_when_timed():
         def batch(self, prompts, completions, metadatas):
             return []
 
-    with pytest.raises(FwError, match="returned 0 values for 1 samples"):
+    with pytest.raises(FwError, match="sample 0: batch\\(\\) returned 0 values for 1 samples"):
         score_rollout(Short(), ["p"], ["c"], [{}], {**RAISE, "timeout_s": 10})
 
 
