@@ -418,48 +418,104 @@ class JsonlLogger(Logger):
 
     @rank_zero_only
     def truncate_after(self, step: int) -> None:
-        """Drop lines with `step` > `step` (written after the checkpoint a run resumes from)."""
+        """Drop lines with `step` > `step` (written after the checkpoint a run resumes from); FwError naming the file
+        and line of a line it cannot place (`resumed_text`), leaving the file as it is."""
         if self._file is not None:
             self.finalize("resumed")
         if not self.path.exists():
             return
-        lines = self.path.read_text(encoding="utf-8").splitlines(keepends=True)
-        keep = [ln for ln in lines if ln.strip() and _step_of(ln) <= step]
-        if keep and not keep[-1].endswith("\n"):   # a whole record a kill left without its newline: the next
-            keep[-1] += "\n"                       # line would be written onto it
-        if keep == lines:
-            return
-        replace_file(self.path, "".join(keep))
+        text, kept = resumed_text(self.path, step)
+        if kept != text:
+            replace_file(self.path, kept)
 
 
-def _step_of(line: str) -> float:
-    """The step of a metrics.jsonl line; a torn last line (crash mid-write) counts as past every step."""
+_TORN = object()   # the value of a torn last line
+
+
+class _NotJson(str):
+    """The value of a line that is not JSON: why, as a metrics record's problem says it."""
+
+
+def _values(text: str) -> list[tuple[int, str, Any]]:
+    """(line number, line, JSON value) of each non-blank line of a metrics.jsonl's `text`. A torn last line (a run
+    killed mid-write: no newline after it) has the value `_TORN`; any other line that is not JSON has a `_NotJson`,
+    since no crash leaves one."""
+    lines = text.split("\n")
+    values: list[tuple[int, str, Any]] = []
+    for i, ln in enumerate(lines, 1):
+        if not ln.strip():
+            continue
+        try:
+            values.append((i, ln, json.loads(ln)))
+        except json.JSONDecodeError as e:
+            # some messages end in "at", which the column completes ("Unterminated string starting at")
+            why = f"{e.msg.removesuffix(' at')} at column {e.colno}"
+            values.append((i, ln, _TORN if i == len(lines) else _NotJson(why)))
+        except (RecursionError, ValueError) as e:   # nested too deep; an integer longer than Python reads
+            values.append((i, ln, _NotJson(f"not readable JSON: {e}")))
+    return values
+
+
+def _not_a_record(value: Any) -> str | None:
+    """Why a line's JSON value is no metrics record, or None. Its step may be null or missing (a logger's
+    `log_metrics` called without one) and any finite number."""
+    if isinstance(value, _NotJson):
+        return str(value)
+    if not isinstance(value, dict):
+        return f"{json_type_name(value)}, not an object"
+    step = value.get("step")
+    if step is not None and (isinstance(step, bool) or not isinstance(step, (int, float))
+                             or isinstance(step, float) and not math.isfinite(step)):   # an int is finite
+        return f"its step is {step!r}, not a finite number"
+    return None
+
+
+def resumed_text(path: str | os.PathLike, step: int) -> tuple[str, str]:
+    """The text of metrics.jsonl `path`, and what a run resumed at `step` keeps of it: the lines of the steps up to
+    `step`, and those logged without a step before the first line past it (after it, the run logged them past its
+    checkpoint and logs them again), each ending in a newline, without blank lines and a torn last line (a run
+    killed mid-write).
+
+    Any other line must be a JSON object whose "step" is a number or null: else fw cannot tell whether the line
+    comes before the checkpoint, so it is an FwError naming the file and line (and so are bytes that are not
+    UTF-8), for the user to fix or delete, rather than a line the resume drops unsaid."""
     try:
-        step = json.loads(line).get("step")
-    except json.JSONDecodeError:
-        return math.inf
-    return math.inf if step is None else step
+        text = decode_utf8(Path(path).read_bytes(), path)
+    except OSError as e:
+        raise FwError(f"{path}: cannot read the run's metrics: {e.strerror or e}") from None
+    kept, past = [], False
+    for i, ln, value in _values(text):
+        if value is _TORN:
+            continue
+        problem = _not_a_record(value)
+        if problem is not None:
+            raise FwError(f"{path}:{i}: not a metrics record ({problem}); a resume expects a JSON object with a "
+                          'number or null "step" on every line, to keep those up to its checkpoint\'s step: fix or '
+                          "delete the line")
+        line_step = value.get("step")
+        past = past or (line_step is not None and line_step > step)
+        if not past:
+            kept.append(ln + "\n")
+    return text, "".join(kept)
+
+
+def check_resumable(path: str | os.PathLike) -> None:
+    """FwError naming the file and line if a resume cannot place a line of metrics.jsonl `path` (`resumed_text`);
+    nothing if there is no such file. Read only: a resume checks this at start-up, before it builds or writes."""
+    if Path(path).is_file():
+        resumed_text(path, 0)
 
 
 def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
     """The records of a metrics.jsonl file, in order. A torn last line (a run killed mid-write, which its resume
     drops) is left out; a bad line before it (not JSON, not an object, a step that is no finite number) or bytes
     that are not UTF-8 are an FwError naming the file and line."""
-    lines = decode_utf8(Path(path).read_bytes(), path).split("\n")
-    numbered = [(i, ln) for i, ln in enumerate(lines, 1) if ln.strip()]
     records = []
-    for i, ln in numbered:
-        try:
-            record = json.loads(ln)
-        except json.JSONDecodeError as e:
-            if i == len(lines):
-                break   # the last line, with no newline after it: a write cut short
-            raise FwError(f"{path}:{i}: not a metrics record ({e.msg} at column {e.colno})") from None
-        if not isinstance(record, dict):
-            raise FwError(f"{path}:{i}: not a metrics record ({json_type_name(record)}, not an object)")
-        step = record.get("step")
-        if step is not None and (isinstance(step, bool) or not isinstance(step, (int, float))
-                                 or isinstance(step, float) and not math.isfinite(step)):   # an int is finite
-            raise FwError(f"{path}:{i}: not a metrics record (its step is {step!r}, not a finite number)")
-        records.append(record)
+    for i, _, value in _values(decode_utf8(Path(path).read_bytes(), path)):
+        if value is _TORN:
+            continue
+        problem = _not_a_record(value)
+        if problem is not None:
+            raise FwError(f"{path}:{i}: not a metrics record ({problem})")
+        records.append(value)
     return records

@@ -37,6 +37,7 @@ from framework.console import hand_started_node, last_resort_above_bars
 from framework.errors import FwError
 from framework.evaluation import eval_enabled
 from framework.loggers import build_loggers, earlier_logs, log_config, quiet_event_writer_threads
+from framework.metrics import check_resumable
 from framework.precision import check_precision
 from framework.recipe import Requirements, recipe_class
 from framework.run_lock import RunLock, refuse_another_run
@@ -327,6 +328,10 @@ def fit(cfg: dict, resume: str | None = None, skip_damaged: bool = False,
             # resolve_resume saw to that), must not write into an earlier run's metrics: on every rank, so that all
             # of them stop together
             refuse_earlier_metrics(run_dir)
+        else:
+            # the resume drops the lines past its checkpoint at its first record: a line it cannot place is
+            # refused now, before a step is spent, on every rank so that all of them stop together
+            check_resumable(run_dir / "metrics.jsonl")
         if rank0:
             print(plan.table(), file=sys.stderr, flush=True)
         stack.enter_context(quiet_lightning())

@@ -9,6 +9,7 @@ import math
 import pytest
 
 from framework.cli import main
+from framework.errors import FwError
 from framework.loggers import build_loggers
 from framework.metrics import JsonlLogger, read_metrics
 from framework.plot import series
@@ -73,6 +74,18 @@ def test_a_resume_after_a_kill_that_cut_only_a_records_newline_keeps_metrics_jso
     logger.log_metrics({"loss": 0.25}, step=3)
     logger.finalize("success")
     assert read_metrics(path) == [{"step": 1, "loss": 1.0}, {"step": 2, "loss": 0.5}, {"step": 3, "loss": 0.25}]
+
+
+def test_truncating_metrics_jsonl_refuses_a_line_it_cannot_place_and_keeps_the_file(tmp_path):
+    """The resume checks metrics.jsonl at start-up (tests/test_resume.py); a line it cannot place that appears
+    later, by the first record, is the same one line, and the file stays as it is."""
+    path = tmp_path / "metrics.jsonl"
+    text = b'{"step": 1, "loss": 1.0}\n[1, 2]\n{"step": 2, "loss": 0.5}\n'
+    path.write_bytes(text)
+    with pytest.raises(FwError, match=rf'^{path}:2: not a metrics record \(an array, not an object\); a resume '
+                                      r'expects a JSON object with a number or null "step" on every line'):
+        JsonlLogger(path, name="fw").truncate_after(1)
+    assert path.read_bytes() == text
 
 
 @pytest.mark.parametrize(("text", "where"), [

@@ -108,6 +108,109 @@ def test_interrupted_and_resumed_run_equals_uninterrupted(tmp_path, data, log_ev
         assert comparable(read_metrics(straight / "metrics.jsonl")) == expected
 
 
+@pytest.fixture(scope="module")
+def four_steps(tmp_path_factory, data):
+    """A finished run of 4 steps, each logged, its checkpoint at step 4; copied by each test that edits it."""
+    run = tmp_path_factory.mktemp("four_steps") / "run"
+    fit(config(run, data, 1) | {"trainer": config(run, data, 1)["trainer"] | {"max_steps": 4}})
+    return run
+
+
+@pytest.fixture
+def resumable(four_steps, tmp_path, data):
+    """(the `fw fit --resume last` arguments of a copy of `four_steps` that trains to step 6, its metrics.jsonl)."""
+    from framework.config import dump_config
+
+    run = tmp_path / "run"
+    shutil.copytree(four_steps, run)
+    train = tmp_path / "train.yaml"
+    train.write_text(dump_config(config(run, data, 1)))
+    return ["fit", "--config", str(train), "--resume", "last", "--trainer.max_steps=6"], run / "metrics.jsonl"
+
+
+EXPECTED = 'a resume expects a JSON object with a number or null "step" on every line'
+
+
+@pytest.mark.parametrize("line, problem", [
+    (b"[1, 2]", "2: not a metrics record (an array, not an object)"),
+    (b"3", "2: not a metrics record (a number, not an object)"),
+    (b'"x"', "2: not a metrics record (a string, not an object)"),
+    (b"null", "2: not a metrics record (null, not an object)"),
+    (b'{"step": "2", "loss": 1.0}', "2: not a metrics record (its step is '2', not a finite number)"),
+    (b'{"step": NaN, "loss": 1.0}', "2: not a metrics record (its step is nan, not a finite number)"),
+    (b'{"step": true, "loss": 1.0}', "2: not a metrics record (its step is True, not a finite number)"),
+    # cut short but not the last line: no crash leaves one, so it is not passed over as a torn write
+    (b'{"step": 2, "lo', "2: not a metrics record (Unterminated string starting at column 13)"),
+])
+def test_a_resume_refuses_a_metrics_line_it_cannot_place_and_keeps_the_file(resumable, capsys, line, problem):
+    """A hand-edited metrics.jsonl line that is no JSON object with an integer step: the resume cannot tell whether
+    it comes before its checkpoint, so it neither keeps nor drops it. One line naming the file and line, exit 2,
+    before a step is trained; the file is left as it was for the user to fix."""
+    from test_crash_safety import fw_lines
+
+    from framework.cli import main
+
+    argv, metrics = resumable
+    lines = metrics.read_bytes().splitlines(keepends=True)
+    edited = b"".join([lines[0], line + b"\n", *lines[1:]])
+    metrics.write_bytes(edited)
+    capsys.readouterr()
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert fw_lines(err)[-1] == f"fw: error: {metrics}:{problem}; {EXPECTED}, to keep those up to its checkpoint's " \
+                                "step: fix or delete the line"
+    assert metrics.read_bytes() == edited
+    assert sorted(p.name for p in (metrics.parent / "checkpoints").iterdir()) == ["step-000004"]
+
+
+def test_a_resume_names_a_metrics_byte_that_is_not_utf8_and_keeps_the_file(resumable, capsys):
+    from test_crash_safety import fw_lines
+
+    from framework.cli import main
+
+    argv, metrics = resumable
+    edited = metrics.read_bytes().replace(b'"step": 3', b'"step": 3, "note": "\xff"', 1)
+    metrics.write_bytes(edited)
+    capsys.readouterr()
+    assert main(argv) == 2
+    assert fw_lines(capsys.readouterr().err)[-1] == (f"fw: error: {metrics}:3:22: not UTF-8 (byte 0xff); save the "
+                                                     "file as UTF-8")
+    assert metrics.read_bytes() == edited
+
+
+def test_a_resume_drops_a_torn_last_metrics_line(resumable, capsys):
+    """A run killed mid-write leaves its last line cut short, with no newline after it: the resume drops it with the
+    other lines past its checkpoint, as before."""
+    from test_crash_safety import fw_lines
+
+    from framework.cli import main
+
+    argv, metrics = resumable
+    metrics.write_bytes(metrics.read_bytes() + b'{"step": 5, "loss": 0.5}\n{"step": 6, "lo')
+    assert main(argv) == 0
+    fw_lines(capsys.readouterr().err)   # no traceback
+    assert [r["step"] for r in read_metrics(metrics)] == [1, 2, 3, 4, 5, 6]
+
+
+def test_a_resume_keeps_the_metrics_lines_logged_without_a_step_before_its_checkpoint(resumable, capsys):
+    """A callback's `logger.log_metrics(...)` without a step writes `"step": null` (or a hand edit leaves a line
+    with no step key): the resume keeps such lines up to the first line past its checkpoint, after which the run
+    logged them past the checkpoint and logs them again; a whole step such as 3.0 compares as 3."""
+    argv, metrics = resumable
+    lines = metrics.read_bytes().splitlines(keepends=True)
+    metrics.write_bytes(b"".join([*lines[:2], b'{"step": null, "mine": 1}\n', b'{"step": 3.0, "mine": 3}\n',
+                                  *lines[2:], b'{"mine": 2}\n', b'{"step": 5, "loss": 0.5}\n',
+                                  b'{"step": null, "mine": 5}\n']))
+    from framework.cli import main
+
+    assert main(argv) == 0
+    records = read_metrics(metrics)
+    assert [r.get("step") for r in records] == [1, 2, None, 3.0, 3, 4, None, 5, 6]
+    assert [r["mine"] for r in records if "mine" in r] == [1, 3, 2]
+    assert records[7]["loss"] != 0.5   # step 5 is the resumed run's own
+
+
 def test_resume_from_an_older_checkpoint_into_its_run_dir_is_refused(tmp_path, data):
     """A run holding step-4 and step-8: resuming step-4 there would train steps 5.. beside the other timeline's
     step-8, which `--resume last` would then pick and pruning by step would keep. Refused; nothing changes."""
