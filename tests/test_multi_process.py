@@ -102,7 +102,7 @@ def ddp(devices):
 
 
 # ------------------------------------------------------------------------------------------------ GRPO
-GRPO = {"reward": {"class_path": "test_grpo.LetterReward"},
+GRPO = {"reward": {"name": None, "class_path": "test_grpo.LetterReward"},
         # stop strings cut completions at different lengths, so the ranks' token counts differ
         "rollout": {"prompts_per_step": 2, "max_new_tokens": 6, "temperature": 0.9, "stop": ["1", "5", "+"]},
         "grpo": {"group_size": 4, "scale_rewards": "batch", "minibatches": 1, "clip_eps_low": 0.2,
@@ -324,7 +324,7 @@ def test_ppo_whitens_with_the_statistics_of_every_rank(tmp_path):
 
     run = tmp_path / "run"
     cfg = ppo_config(run, [{"class_path": "test_multi_process.AdvantageDump"}],
-                     reward={"class_path": "test_grpo.LetterReward"},
+                     reward={"name": None, "class_path": "test_grpo.LetterReward"},
                      rollout={"prompts_per_step": 4, "max_new_tokens": 6, "temperature": 1.1, "stop": ["1", "5", "+"]},
                      trainer={**ddp(2), "max_steps": 1})
     fit_in_subprocess(tmp_path, cfg)
