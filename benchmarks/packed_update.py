@@ -8,10 +8,11 @@ the host, the micro-batch weights read once, autocast bf16 over float32 weights,
 the device. Every layout runs the same micro-batches: padded, packed, auto (the recipes' packed=None), and
 shared: each micro-batch's prompts laid out once per group of --group rows, which hold the same prompt
 (`grpo.shared_prompt`; --split groups cuts the micro-batches between groups, as the recipes then do).
-Prints the median of --rounds updates per layout, its time per real token, peak allocated and reserved GiB,
-and how far the packed loss and gradients are from the padded ones; --equal adds the share of tokens packing
-must remove to pay, --profile the kernels that take the most device time in one update of each layout (and
---profile-host the ops of most host time, --trace their chrome traces).
+Prints the median of --rounds updates per layout, when the host returned from it (before the device was
+waited for: about the whole time where enqueueing, not the kernels, sets it), its time per real token, peak
+allocated and reserved GiB, and how far the packed loss and gradients are from the padded ones; --equal adds the
+share of tokens packing must remove to pay, --profile the kernels that take the most device time in one update of
+each layout (and --profile-host the ops of most host time, --trace their chrome traces).
 
     python -m benchmarks.packed_update [--preset qwen3-0.6b] [--micro 4] [--rounds 3] [--equal] [--profile N]
     python -m benchmarks.packed_update --equal --split groups      # grpo-bench's update, prompts shared or not
@@ -121,16 +122,19 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
     loss_fn = build_policy_loss(section, width)
     results, profiles = {}, {}
     for name, packed in LAYOUTS.items():
-        times = []
+        times, returned = [], []
         CUDA and torch.cuda.reset_peak_memory_stats()
         for _ in range(args.rounds + 1):   # the first: warm-up
             model.zero_grad(set_to_none=True)
             sync()
             t0 = time.perf_counter()
             loss = update(model, batch, micro, old_logp, adv, mask, loss_fn, packed, args.group)
+            returned.append(time.perf_counter() - t0)
             sync()
             times.append(time.perf_counter() - t0)
-        results[name] = {"s": statistics.median(times[1:]), "loss": float(loss),
+        # where the host returns about when the device ends, the host's enqueueing sets the time, not the kernels
+        results[name] = {"s": statistics.median(times[1:]), "host": statistics.median(returned[1:]),
+                         "loss": float(loss),
                          "alloc": torch.cuda.max_memory_allocated() / 2**30 if CUDA else float("nan"),
                          "reserved": torch.cuda.max_memory_reserved() / 2**30 if CUDA else float("nan")}
         # kept on the host: a device copy would count in the next layouts' peaks
@@ -149,11 +153,12 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
           f"{args.prompt}-token prompts, {args.micro} micro-batches split by {args.split} "
           f"(tokens {[int(lens[r].sum()) for r in micro]}; auto lays them out {auto}), autocast bf16, "
           f"{torch.cuda.get_device_name() if CUDA else 'CPU'}; real tokens {real}, padded {padded}")
-    print(f"| layout | median s ({args.rounds}) | us per real token | peak allocated GiB | peak reserved GiB | loss |")
-    print("|---|---|---|---|---|---|")
+    print(f"| layout | median s ({args.rounds}) | host returned after, s | us per real token | peak allocated GiB "
+          "| peak reserved GiB | loss |")
+    print("|---|---|---|---|---|---|---|")
     for name, r in results.items():
-        print(f"| {name} | {r['s']:.3f} | {1e6 * r['s'] / real:.2f} | {r['alloc']:.2f} | {r['reserved']:.2f} "
-              f"| {r['loss']:.6g} |")
+        print(f"| {name} | {r['s']:.3f} | {r['host']:.3f} | {1e6 * r['s'] / real:.2f} | {r['alloc']:.2f} "
+              f"| {r['reserved']:.2f} | {r['loss']:.6g} |")
     pad, pk = results["padded"], results["packed"]
     diff = float((pk["grads"] - pad["grads"]).norm() / pad["grads"].norm())
     print(f"speed-up packed / padded: {pad['s'] / pk['s']:.2f}x, auto / padded: {pad['s'] / results['auto']['s']:.2f}x "
