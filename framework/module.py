@@ -46,7 +46,7 @@ from framework.optim import build_optimizer, float32_default_dtype, grad_norm, o
 from framework.recipe import OptimizerRole, recipe_class
 from framework.rng import choose_rng_state, gather_rng_states, rng_state, set_rng_state
 from framework.schedule import LRSchedule
-from framework.tokenizer import build_tokenizer, tokenizer_files
+from framework.tokenizer import build_tokenizer
 
 
 class ModuleContext:
@@ -137,7 +137,7 @@ class FwModule(lightning.LightningModule):
         self._pending_rng: dict | None = None
         self._flush_time = time.perf_counter()
         self._resumed_interval_s = 0.0   # the checkpoint's open logging interval, seconds so far (tokens/s)
-        self._tokenizer_files = tokenizer_files(self.tokenizer)
+        self._tokenizer_files = self.tokenizer.files()
         self._layouts = {"policy": HfLayout(self.policy, "policy.", peft_targets(self.policy) if lora else None)}
         if self.value is not None:
             self._layouts["value"] = HfLayout(self.value, "value.")

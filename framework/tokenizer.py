@@ -10,7 +10,6 @@ import functools
 import hashlib
 import json
 import os
-import tempfile
 import unicodedata
 import warnings
 from collections.abc import Callable
@@ -224,17 +223,23 @@ class Tokenizer:
             out.append("<|im_start|>assistant\n" + ("" if enable_thinking else "<think>\n\n</think>\n\n"))
         return "".join(out)
 
-    def save_pretrained(self, path: str | os.PathLike) -> None:
-        """Write tokenizer.json and tokenizer_config.json for transformers, with Qwen3's chat template: the one
+    def files(self) -> dict[str, bytes]:
+        """tokenizer.json and tokenizer_config.json for transformers, by name, with Qwen3's chat template: the one
         fw renders prompts with, whichever template the directory it was read from had."""
-        path = Path(path)
-        path.mkdir(parents=True, exist_ok=True)
-        self._tk.save(str(path / "tokenizer.json"))
         config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": None, "unk_token": None,
                   "clean_up_tokenization_spaces": False, "model_max_length": 131072, **self.config,
                   "eos_token": self.eos_token, "pad_token": self.pad_token,
                   "chat_template": qwen3_chat_template()}
-        (path / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
+        # to_str(pretty=True) is the text `save` writes
+        return {"tokenizer.json": self._tk.to_str(pretty=True).encode("utf-8"),
+                "tokenizer_config.json": (json.dumps(config, indent=2, ensure_ascii=False) + "\n").encode("utf-8")}
+
+    def save_pretrained(self, path: str | os.PathLike) -> None:
+        """Write `files()` into directory `path`."""
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        for name, data in self.files().items():
+            (path / name).write_bytes(data)
 
 
 def _json_type(value: Any) -> str:
@@ -323,10 +328,3 @@ def build_tokenizer(cfg: dict) -> Tokenizer:
         return Tokenizer.from_pretrained(path)
     except FwError as e:   # the commands that run without `fw validate` (generate, eval) name the key too
         raise FwError(f"{key}: {e}") from None
-
-
-def tokenizer_files(tokenizer: Tokenizer) -> dict[str, bytes]:
-    """The files `save_pretrained` writes (tokenizer.json, tokenizer_config.json), by name."""
-    with tempfile.TemporaryDirectory() as tmp:
-        tokenizer.save_pretrained(tmp)
-        return {p.name: p.read_bytes() for p in sorted(Path(tmp).iterdir()) if p.is_file()}

@@ -314,9 +314,8 @@ def test_export_carries_the_generation_config_of_the_model_the_run_started_from(
 def save_lora_checkpoint(cfg: dict, policy, tok, base: Path) -> Path:
     """The step-3 checkpoint of a LoRA run of `cfg` on `base`, with `policy`'s adapters, as FwModule hands it over."""
     from framework.models.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter_config, peft_targets
-    from framework.tokenizer import tokenizer_files
 
-    files = {**tokenizer_files(tok), ADAPTER_CONFIG: json.dumps(adapter_config(policy, str(base))).encode()}
+    files = {**tok.files(), ADAPTER_CONFIG: json.dumps(adapter_config(policy, str(base))).encode()}
     adapters = {name: t.detach().clone() for name, (t, _, _) in peft_targets(policy).items()}
     checkpoint = {"global_step": 3, "policy_version": 3, "state_dict": {},
                   "fw_components": {"policy": {"config": None, "weights_file": ADAPTER_WEIGHTS,

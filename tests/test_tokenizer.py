@@ -161,6 +161,22 @@ def test_save_pretrained_loads_in_transformers(tmp_path):
     assert again.encode(text) == tok.encode(text) and again.eos_id == tok.eos_id
 
 
+@pytest.mark.parametrize("which", ["builtin", "qwen3"])
+def test_the_files_a_checkpoint_holds_are_the_tokenizers_librarys_own_save(tmp_path, which):
+    """A checkpoint takes the tokenizer's files from memory, not through a temporary directory (a full /tmp would
+    stop the run's start): tokenizer.json is the bytes the tokenizers library's `save` writes, and save_pretrained
+    writes the same files."""
+    from tokenizers import Tokenizer as HfTokenizer
+
+    tok = Tokenizer.builtin() if which == "builtin" else Tokenizer.from_pretrained(qwen_tokenizer_dir())
+    files = tok.files()
+    source = BUILTIN_FILE if which == "builtin" else qwen_tokenizer_dir() / "tokenizer.json"
+    HfTokenizer.from_file(str(source)).save(str(tmp_path / "library.json"))
+    assert files["tokenizer.json"] == (tmp_path / "library.json").read_bytes()
+    tok.save_pretrained(tmp_path / "saved")
+    assert {p.name: p.read_bytes() for p in (tmp_path / "saved").iterdir()} == files
+
+
 def test_warns_when_a_checkpoint_brings_another_chat_template(tmp_path):
     Tokenizer.builtin().save_pretrained(tmp_path)
     cfg = json.loads((tmp_path / "tokenizer_config.json").read_text())

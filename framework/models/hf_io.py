@@ -40,7 +40,7 @@ from framework.models.qwen3 import HfTargets, Qwen3ForCausalLM, check_tied_head,
 from framework.models.qwen3_config import Qwen3Config
 from framework.models.value import ARCHITECTURE as VALUE_ARCHITECTURE
 from framework.models.value import Qwen3ValueModel
-from framework.tokenizer import TURN_END, Tokenizer, tokenizer_files
+from framework.tokenizer import TURN_END, Tokenizer
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -264,7 +264,7 @@ def write_model(model: Qwen3ForCausalLM, directory: str | os.PathLike, max_shard
     caller publishes. `generation_config` stands for the model's own."""
     directory = Path(directory)
     if tokenizer is not None:
-        for name, data in tokenizer_files(tokenizer).items():
+        for name, data in tokenizer.files().items():
             write_new_file(directory / name, data)
     config = model.config.to_hf(dtype_name(model.lm_head_weight.dtype))
     if generation_config is None:
