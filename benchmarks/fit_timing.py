@@ -7,7 +7,9 @@ The `StepTimer` callback of examples/step_timer.py is appended to the config's c
 `class_path` mechanism users have); the summary reads its `step_times.json` and the run's `metrics.jsonl`.
 The first step (kernels, allocator, autotuning) is reported apart from the median of the later ones. Peak memory
 is the run's largest `memory/peak_gib` (torch.cuda.max_memory_allocated) and `memory/reserved_gib` in
-metrics.jsonl, beside `framework.memory_plan.estimate(cfg)`'s total in torch's allocator.
+metrics.jsonl, beside `framework.memory_plan.estimate(cfg)`'s total in torch's allocator. A host probe ends the
+report: the µs the host takes to queue one small op on the run's device (`host_probe`), which says how fast the
+machine's CPU was, since the eager parts of a step wait on it.
 
 With --rollout-timeline an RL run's rollout engine carries a `framework.rollout.timeline.Timeline` each step
 (`RolloutTimeline` below, written to <run_dir>/rollout_timeline.json): where the rollout's wall time goes;
@@ -19,6 +21,7 @@ import argparse
 import json
 import statistics
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -152,6 +155,30 @@ def report(cfg: dict, plan_gib: float | None = None) -> str:
     return "\n".join(lines)
 
 
+def host_probe(device: str, launches: int = 10_000, rounds: int = 5) -> list[float]:
+    """µs the host takes to queue one small op on `device` (an in-place add to one element), in each of `rounds`
+    runs of `launches`. The eager parts of a step (the RL update's forwards and backwards) are queued about as fast
+    as the GPU runs them, so their time follows the host's speed, which differs between machines of one GPU kind:
+    this figure beside a step time says how fast the host was."""
+    x = torch.zeros(1, device=device)
+    sync = torch.cuda.synchronize if x.is_cuda else (lambda: None)
+    times = []
+    for _ in range(rounds):
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(launches):
+            x.add_(1)
+        times.append((time.perf_counter() - t0) / launches * 1e6)
+    sync()
+    return times
+
+
+def probe_line(device: str) -> str:
+    times = host_probe(device)
+    return (f"  host probe                {statistics.median(times):.2f} us to queue a one-element add on {device} "
+            f"(median of {len(times)} runs: {', '.join(f'{t:.2f}' for t in times)})")
+
+
 def main(argv: list[str] | None = None) -> None:
     from framework.errors import FwError
 
@@ -172,7 +199,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def run(args: argparse.Namespace, overrides: list[str]) -> None:
-    from framework.config import load_config
+    from framework.config import load_config, uses_cuda
     from framework.memory_plan import GIB, estimate
     from framework.trainer import fit
 
@@ -183,7 +210,8 @@ def run(args: argparse.Namespace, overrides: list[str]) -> None:
                                  "init_args": {"kernels_at": args.rollout_kernels}})
     plan = estimate(cfg)
     fit(cfg, keep_on_device=True)   # as `fw fit` runs it: the process ends after the report
-    print("\n" + report(cfg, plan.allocated_bytes / GIB), flush=True)
+    device = "cuda" if uses_cuda(cfg["trainer"]) else "cpu"
+    print("\n" + report(cfg, plan.allocated_bytes / GIB) + "\n" + probe_line(device), flush=True)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 import json
 import re
+import statistics
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -15,7 +16,11 @@ def test_step_timer_records_every_policy_step(tmp_path, capsys, monkeypatch):
                 "--trainer.enable_progress_bar=false", "--logging.tensorboard=false", "--logging.csv=false"])
     times = json.loads((tmp_path / "run" / "step_times.json").read_text())
     assert len(times["step_seconds"]) == 3 and all(t > 0 for t in times["step_seconds"])
-    assert "median later step" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "median later step" in out
+    probe = re.search(r"host probe +([\d.]+) us to queue a one-element add on cpu \(median of 5 runs: (.*)\)", out)
+    assert probe and float(probe[1]) > 0
+    assert statistics.median(float(t) for t in probe[2].split(", ")) == float(probe[1])
 
 
 def test_rollout_timeline_accounts_for_each_rollout(tmp_path, capsys, monkeypatch):
