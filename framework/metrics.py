@@ -493,8 +493,9 @@ def resumed_text(path: str | os.PathLike, step: int) -> tuple[str, str]:
                           'number or null "step" on every line, to keep those up to its checkpoint\'s step: fix or '
                           "delete the line")
         line_step = value.get("step")
-        past = past or (line_step is not None and line_step > step)
-        if not past:
+        if line_step is not None:
+            past = past or line_step > step
+        if (not past) if line_step is None else line_step <= step:
             kept.append(ln + "\n")
     return text, "".join(kept)
 

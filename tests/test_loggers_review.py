@@ -88,6 +88,15 @@ def test_truncating_metrics_jsonl_refuses_a_line_it_cannot_place_and_keeps_the_f
     assert path.read_bytes() == text
 
 
+def test_truncating_metrics_jsonl_keeps_each_step_by_its_own_value_and_stepless_lines_before_the_first_past(tmp_path):
+    """A line with a step is kept by its step alone; one without is kept only before the first line past the
+    checkpoint, after which the resumed run logs it again."""
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1}\n{"step": null, "a": 1}\n{"step": 5}\n{"b": 2}\n{"step": 3.0}\n{"step": 2}\n')
+    JsonlLogger(path, name="fw").truncate_after(3)
+    assert path.read_text() == '{"step": 1}\n{"step": null, "a": 1}\n{"step": 3.0}\n{"step": 2}\n'
+
+
 @pytest.mark.parametrize(("text", "where"), [
     (b'{"step": 1, "loss": 1.0}\n5\n', "2: not a metrics record (a number, not an object)"),
     (b'[1, 2]\n{"step": 1, "loss": 1.0}\n', "1: not a metrics record (an array, not an object)"),
