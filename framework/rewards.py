@@ -802,7 +802,7 @@ def _score(reward_fn: Any, prompts: list[str], completions: list[str], metadatas
             result = _batch_values(batch(prompts, completions, metadatas), n)
         except (Exception, SystemExit) as exc:  # noqa: BLE001 - user code: any failure is reported, then retried
             failed, cause = f"batch() {_raised(exc)}", exc
-        if isinstance(result, str):   # a result of no use, raised or not: a failed call all the same
+        if isinstance(result, str):   # a result of no use: the call failed, as one that raises does
             failed = f"batch() {result}"
         if failed is not None:
             if not callable(reward_fn):
