@@ -796,14 +796,15 @@ def _score(reward_fn: Any, prompts: list[str], completions: list[str], metadatas
     per_sample = not callable(batch)
     if callable(batch):
         calls.enter("batch()", None)
-        failed, cause, result = None, None, []
+        failed, cause = None, None
         try:
             # a generator's body is the reward's code too: what list() raises is the reward's failure
             result = _batch_values(batch(prompts, completions, metadatas), n)
         except (Exception, SystemExit) as exc:  # noqa: BLE001 - user code: any failure is reported, then retried
             failed, cause = f"batch() {_raised(exc)}", exc
-        if isinstance(result, str):   # a result of no use: the call failed, as one that raises does
-            failed = f"batch() {result}"
+        else:
+            if isinstance(result, str):   # a result of no use: the call failed, as one that raises does
+                failed = f"batch() {result}"
         if failed is not None:
             if not callable(reward_fn):
                 failures = [(i, failed, cause) for i in range(n)]
