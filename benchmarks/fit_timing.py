@@ -14,6 +14,10 @@ machine's CPU was, since the eager parts of a step wait on it.
 With --rollout-timeline an RL run's rollout engine carries a `framework.rollout.timeline.Timeline` each step
 (`RolloutTimeline` below, written to <run_dir>/rollout_timeline.json): where the rollout's wall time goes;
 `--rollout-kernels K` adds the kernels of batch K's rollout under torch.profiler.
+
+With --step-spans a `framework.spans.SpanClock` runs through the whole fit (`StepSpans` below, written to
+<run_dir>/step_spans.json): per step, each named span's host and device seconds and how far the device trailed the
+host at its ends, the step's own phases timed without a profiler.
 """
 from __future__ import annotations
 
@@ -29,6 +33,7 @@ import torch
 
 from framework.callbacks import Callback
 from framework.rollout.timeline import Timeline, parts_text
+from framework.spans import SpanClock
 
 
 class ProfiledTimeline(Timeline):
@@ -80,6 +85,45 @@ class RolloutTimeline(Callback):
             lines = kernel_table(self.timeline.prof, steps, f"batch {batch_idx}'s rollout, per decode step (the "
                                  f"prefill's kernels spread over its {steps} decode steps)", "a step")
             (Path(trainer.default_root_dir) / "rollout_kernels.md").write_text("\n".join(lines) + "\n")
+
+
+class StepSpans(Callback):
+    """A SpanClock from the start of training to its end, a boundary at every training batch's start; the steps
+    between boundaries go to <run_dir>/step_spans.json at the end."""
+
+    def __init__(self) -> None:
+        self.clock: SpanClock | None = None
+
+    def on_train_start(self, trainer, module) -> None:
+        self.clock = SpanClock(module.device).start()
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
+        self.clock.boundary()
+
+    def on_train_end(self, trainer, module) -> None:
+        self.clock.boundary()
+        self.clock.stop()
+        (Path(trainer.default_root_dir) / "step_spans.json").write_text(json.dumps(self.clock.steps()))
+
+
+def span_lines(steps: list[dict]) -> list[str]:
+    """Medians over the later steps of each span's calls, host and device seconds and the device's lag at its ends,
+    largest device time first."""
+    later = steps[1:] or steps
+    names = sorted({n for s in later for n in s["spans"]},
+                   key=lambda n: -statistics.median(s["spans"].get(n, {}).get("device_s", 0.0) for s in later))
+
+    def m(name: str, key: str) -> float:
+        return statistics.median(s["spans"][name][key] for s in later if name in s["spans"])
+
+    lines = [(f"  step spans (median of {len(later)} later steps; lag: how far the device trailed the host at a "
+             "span's begin / end, ms)"),
+             (f"    {'step, batch start to next':<28} host {statistics.median(s['host_s'] for s in later):.3f} s, "
+             f"device {statistics.median(s['device_s'] for s in later):.3f} s")]
+    for n in names:
+        lines.append(f"    {n:<28} host {m(n, 'host_s'):.3f} s, device {m(n, 'device_s'):.3f} s, "
+                     f"{m(n, 'calls'):.0f} calls, lag {1e3 * m(n, 'lag_begin_s'):.1f} / {1e3 * m(n, 'lag_end_s'):.1f}")
+    return lines
 
 
 def timeline_lines(summaries: list[dict]) -> list[str]:
@@ -149,6 +193,9 @@ def report(cfg: dict, plan_gib: float | None = None) -> str:
     timeline = run_dir / "rollout_timeline.json"
     if timeline.exists() and (summaries := json.loads(timeline.read_text())):
         lines += timeline_lines(summaries)
+    spans = run_dir / "step_spans.json"
+    if spans.exists() and (steps_spans := json.loads(spans.read_text())):
+        lines += span_lines(steps_spans)
     kernels = run_dir / "rollout_kernels.md"
     if kernels.exists():
         lines += ["  " + line for line in kernels.read_text().splitlines()]
@@ -190,6 +237,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rollout-timeline", action="store_true", help="time the rollout's steps (RL recipes)")
     ap.add_argument("--rollout-kernels", type=int, default=-1, metavar="BATCH",
                     help="with --rollout-timeline: profile the kernels of this batch's rollout (CUDA)")
+    ap.add_argument("--step-spans", action="store_true",
+                    help="time each step's named spans on the host and the device (framework.spans)")
     args, overrides = ap.parse_known_args(argv)
     try:
         run(args, overrides)
@@ -208,6 +257,8 @@ def run(args: argparse.Namespace, overrides: list[str]) -> None:
     if args.rollout_timeline:
         cfg["callbacks"].append({"class_path": "benchmarks.fit_timing.RolloutTimeline",
                                  "init_args": {"kernels_at": args.rollout_kernels}})
+    if args.step_spans:
+        cfg["callbacks"].append({"class_path": "benchmarks.fit_timing.StepSpans", "init_args": {}})
     plan = estimate(cfg)
     fit(cfg, keep_on_device=True)   # as `fw fit` runs it: the process ends after the report
     device = "cuda" if uses_cuda(cfg["trainer"]) else "cpu"

@@ -24,7 +24,6 @@ from typing import Any
 import lightning
 import torch
 from lightning.pytorch.core.optimizer import LightningOptimizer
-from torch.profiler import record_function
 
 from framework.cadence import crossed
 from framework.callbacks import check_restorable, fire
@@ -46,6 +45,7 @@ from framework.optim import build_optimizer, float32_default_dtype, grad_norm, o
 from framework.recipe import OptimizerRole, recipe_class
 from framework.rng import choose_rng_state, gather_rng_states, rng_state, set_rng_state
 from framework.schedule import LRSchedule
+from framework.spans import span
 from framework.tokenizer import build_tokenizer
 
 
@@ -88,11 +88,11 @@ class ModuleContext:
         return max_steps is None or max_steps < 0 or self._module.policy_version < max_steps
 
     def backward(self, loss: torch.Tensor) -> None:
-        with record_function("fw.backward"):
+        with span("fw.backward"):
             self._module.manual_backward(loss)
 
     def step(self, role: str) -> None:
-        with record_function("fw.optimizer_step"):
+        with span("fw.optimizer_step"):
             self._module.step_optimizer(role)
 
     def log(self, name: str, value: torch.Tensor | float, weight: torch.Tensor | float | None = None,
@@ -340,7 +340,7 @@ class FwModule(lightning.LightningModule):
         finally:
             self._flush_time += time.perf_counter() - start
 
-    @record_function("fw.metrics.flush")
+    @span("fw.metrics.flush")
     def flush_metrics(self) -> dict[str, float]:
         """Reduce the interval's metrics (on every rank), add tokens/s, send them to every logger."""
         metrics = self.step_metrics.compute()
@@ -365,7 +365,7 @@ class FwModule(lightning.LightningModule):
     def training_step(self, batch: Any, batch_idx: int):
         # named ranges for torch.profiler (benchmarks/fit_profile.py, benchmarks/trace_gaps.py): the step, and inside
         # it the recipe's phases, the backward and the optimizer step
-        with record_function("fw.training_step"):
+        with span("fw.training_step"):
             return self.recipe.training_step(self.context, batch, batch_idx)
 
     def on_train_start(self) -> None:

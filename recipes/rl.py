@@ -39,7 +39,6 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.profiler import record_function
 from torch.utils.data import DataLoader, IterableDataset
 
 from framework.allocator import to_device
@@ -51,6 +50,7 @@ from framework.models import Packing, SharedPrompts
 from framework.models.modes import eval_mode
 from framework.recipe import BatchShapes, StepContext
 from framework.rollout import SamplingParams
+from framework.spans import span
 from recipes.advantages import all_reduce_sum, batch_reward_std
 from recipes.losses import LossInputs, aggregate_weights, loss_inputs, minibatch_count
 
@@ -643,7 +643,7 @@ class RLRecipe:
         cfg, tok = self.cfg, self.tokenizer
         n_prompts = cfg["rollout"]["prompts_per_step"]
         first = self.prompt_position + (round_index * ctx.world_size + ctx.rank) * n_prompts
-        with record_function("fw.rl.prompts"):
+        with span("fw.rl.prompts"):
             samples = [checked_sample(self.task, first + i) for i in range(n_prompts)]
             try:   # raised at scoring, on every rank as a failed reward is: one rank alone would leave the rest waiting
                 for i, sample in enumerate(samples):
@@ -659,14 +659,14 @@ class RLRecipe:
         start = time.perf_counter()
         engine = self.rollout_engine(ctx.policy)
         try:
-            with record_function("fw.rl.generate"):
+            with span("fw.rl.generate"):
                 ro = engine.generate(prompts, self.sampling, eos_ids=stop_token_ids(tok, ctx.policy),
                                      tokenizer=tok, seed=seed, policy_version=int(ctx.policy_version))
         finally:
             if not self.keep_engine:   # its memory is the update's
                 self.engine.release()
         gen_seconds = time.perf_counter() - start
-        with record_function("fw.rl.reward"):
+        with span("fw.rl.reward"):
             rep_texts = [t for t in texts for _ in range(samples_per_prompt)]
             metadatas = [s["metadata"] for s in samples for _ in range(samples_per_prompt)]
             # every rank scores its rollouts here: a reward's failure on one of them stops them all
@@ -795,7 +795,7 @@ class RLRecipe:
                                             mb_count)
                 for phase in phases:
                     for m, weight in zip(micro, weights, strict=True):
-                        with record_function("fw.rl.loss"):   # the micro-batch's forward and loss
+                        with span("fw.rl.loss"):   # the micro-batch's forward and loss
                             loss, logged = phase.loss(m, first)
                         # Logged before the backward is queued: a metric that reads the device then waits
                         # for the forward only, and the next micro-batch's layout is built while the
