@@ -87,6 +87,9 @@ class RolloutTimeline(Callback):
             (Path(trainer.default_root_dir) / "rollout_kernels.md").write_text("\n".join(lines) + "\n")
 
 
+BETWEEN = "fit.batch_end_to_next"   # StepSpans' own span
+
+
 class StepSpans(Callback):
     """A SpanClock from the start of training to its end, a boundary at every training batch's start; the steps
     between boundaries go to <run_dir>/step_spans.json at the end."""
@@ -98,9 +101,17 @@ class StepSpans(Callback):
         self.clock = SpanClock(module.device).start()
 
     def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
+        if batch_idx:
+            self.clock.mark(BETWEEN, begin=False)
         self.clock.boundary()
 
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+        # from here (after the batch-end hooks of the callbacks before this one, the metrics' flush among them) to the
+        # next batch's start: the later callbacks' hooks, Lightning's loop and the next batch's fetch
+        self.clock.mark(BETWEEN, begin=True)
+
     def on_train_end(self, trainer, module) -> None:
+        self.clock.mark(BETWEEN, begin=False)
         self.clock.boundary()
         self.clock.stop()
         (Path(trainer.default_root_dir) / "step_spans.json").write_text(json.dumps(self.clock.steps()))

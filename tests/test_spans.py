@@ -91,8 +91,11 @@ def test_fit_timing_step_spans_times_an_rl_steps_phases(tmp_path, capsys, monkey
     for step in steps:
         spans = step["spans"]
         assert {"fw.training_step", "fw.rl.generate", "fw.rl.reward", "fw.rl.loss", "fw.backward",
-                "fw.optimizer_step", "fw.metrics.flush"} <= set(spans)
+                "fw.optimizer_step", "fw.metrics.flush", "fit.batch_end_to_next"} <= set(spans)
         assert spans["fw.rl.generate"]["host_s"] < spans["fw.training_step"]["host_s"] <= step["host_s"]
+        # the step's parts that do not overlap: the recipe's step, the flush, the rest of the batch's end
+        parts = sum(spans[n]["host_s"] for n in ("fw.training_step", "fw.metrics.flush", "fit.batch_end_to_next"))
+        assert parts <= step["host_s"]
     out = capsys.readouterr().out
     line = re.search(r"fw\.rl\.generate +host ([\d.]+) s, device ([\d.]+) s, 1 calls", out)
     assert line and float(line[1]) > 0
