@@ -83,3 +83,17 @@ def test_packed_update_peaks_leave_out_earlier_layouts_gradients():
                     "--rounds", "1", "--split", "groups"])
     # small's gradients in float32 are about 16 MiB: the old code added one copy a layout run before
     assert abs(results["auto"]["alloc"] - results["padded"]["alloc"]) * 2**10 < 1
+
+
+def test_host_cost_times_every_op_of_a_training_layer(capsys):
+    """Every row is a positive time, the table names them all, and a call with gradients of an fw op costs the
+    host more than the one-element add it is read against."""
+    from benchmarks.ops.host_cost import main
+
+    rows = main(["--device", "cpu", "--calls", "50", "--rounds", "1"])
+    assert {"host probe: one-element add_", "nn.Linear, grad", "rms_norm, grad", "add_rms_norm, grad",
+            "qk_norm_rope, grad", "swiglu, grad", "parts: its reference called directly"} <= set(rows)
+    assert all(us > 0 for us in rows.values())
+    assert rows["add_rms_norm, grad"] > rows["host probe: one-element add_"]
+    out = capsys.readouterr().out
+    assert all(f"| {name} |" in out for name in rows)
