@@ -97,3 +97,25 @@ def test_host_cost_times_every_op_of_a_training_layer(capsys):
     assert rows["add_rms_norm, grad"] > rows["host probe: one-element add_"]
     out = capsys.readouterr().out
     assert all(f"| {name} |" in out for name in rows)
+
+
+def test_host_costs_plain_function_gives_the_registered_gradients():
+    """The plain autograd.Function that host_cost prices against the op's registration computes what the
+    registration does: the same outputs and gradients (float64, CPU)."""
+    import torch
+
+    import ops_cuda
+    from benchmarks.ops.host_cost import _PlainAddRmsNorm
+
+    g = torch.Generator().manual_seed(0)
+    x, h, w = (torch.randn(*s, generator=g, dtype=torch.float64) for s in ((3, 16), (3, 16), (16,)))
+    grads = []
+    calls = (lambda a, b, c: ops_cuda.add_rms_norm(a, b, c, 1e-6),
+             lambda a, b, c: _PlainAddRmsNorm.apply(a, b, c, 1e-6))
+    for f in calls:
+        a, b, c = (t.clone().requires_grad_() for t in (x, h, w))
+        hs, y = f(a, b, c)
+        (hs.sum() * 0.5 + (y * torch.arange(16, dtype=torch.float64)).sum()).backward()
+        grads.append((hs.detach(), y.detach(), a.grad, b.grad, c.grad))
+    for ours, theirs in zip(*grads, strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=0)

@@ -3,7 +3,9 @@ negligible: what a host-bound forward pays per op, beside the host probe (a one-
 
 Each row calls the op in a loop and reports µs a call (median of --rounds runs of --calls). The "parts" rows split
 `ops_cuda.add_rms_norm` into its reference's own work (called directly, CPU only), the dispatcher and the op
-wrapper, and autograd's share (the same call with inputs that require gradients).
+wrapper, and autograd's share (the same call with inputs that require gradients); the last row calls the op with
+gradients through a plain `torch.autograd.Function` that saves what its `torch.library` autograd registration saves,
+to price that registration's own Python (the forward only: no backward runs here).
 
     python -m benchmarks.ops.host_cost [--device cuda] [--calls 3000] [--rounds 5]
 """
@@ -35,6 +37,23 @@ def per_call_us(f: Callable[[], object], calls: int, rounds: int, sync: Callable
     return statistics.median(times)
 
 
+class _PlainAddRmsNorm(torch.autograd.Function):
+    """fw::add_rms_norm's forward under a plain autograd.Function, for the price of the registration's layers."""
+
+    @staticmethod
+    def forward(ctx, x, residual, weight, eps):
+        h, y = torch.ops.fw.add_rms_norm(x, residual, weight, eps, None)
+        ctx.save_for_backward(h, weight)
+        ctx.eps, ctx.x_dtype = eps, x.dtype
+        return h, y
+
+    @staticmethod
+    def backward(ctx, grad_h, grad_y):
+        h, weight = ctx.saved_tensors
+        gx, gr, gw = torch.ops.fw.add_rms_norm_backward(grad_h, grad_y, h, weight, ctx.eps, ctx.x_dtype)
+        return gx, gr, gw, None
+
+
 def cases(device: str) -> dict[str, Callable[[], object]]:
     """The ops of one training layer (and the host probe), on [4, ...] tensors; `grad` ones require gradients."""
     g = torch.Generator(device=device).manual_seed(0)
@@ -59,6 +78,8 @@ def cases(device: str) -> dict[str, Callable[[], object]]:
         "swiglu, grad": lambda: ops_cuda.swiglu(gate_up),
         "parts: add_rms_norm, no grad": lambda: ops_cuda.add_rms_norm(xd, hd, wd, 1e-6),
         "parts: torch.ops.fw.add_rms_norm, no grad": lambda: torch.ops.fw.add_rms_norm(xd, hd, wd, 1e-6, None),
+        "parts: torch.ops.fw.add_rms_norm, grad": lambda: torch.ops.fw.add_rms_norm(x, h, w, 1e-6, None),
+        "parts: the op, grad, under a plain autograd.Function": lambda: _PlainAddRmsNorm.apply(x, h, w, 1e-6),
     }
     if device == "cpu":
         ref = REFERENCES["add_rms_norm"]
