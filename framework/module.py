@@ -363,8 +363,9 @@ class FwModule(lightning.LightningModule):
         return self.recipe.train_dataloader(self.context)
 
     def training_step(self, batch: Any, batch_idx: int):
-        # named ranges for torch.profiler (benchmarks/fit_profile.py, benchmarks/trace_gaps.py): the step, and inside
-        # it the recipe's phases, the backward and the optimizer step
+        # named spans (framework.spans: torch.profiler ranges for benchmarks/fit_profile.py and trace_gaps.py, and
+        # timed marks under a running SpanClock): the step, and inside it the recipe's phases, the backward and the
+        # optimizer step
         with span("fw.training_step"):
             return self.recipe.training_step(self.context, batch, batch_idx)
 
