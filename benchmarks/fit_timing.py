@@ -110,6 +110,10 @@ class StepSpans(Callback):
         # next batch's start: the later callbacks' hooks, Lightning's loop and the next batch's fetch
         self.clock.mark(BETWEEN, begin=True)
 
+    def on_exception(self, trainer, module, exception) -> None:
+        if self.clock is not None:   # a fit that failed leaves no clock running for the next one
+            self.clock.stop()
+
     def on_train_end(self, trainer, module) -> None:
         self.clock.mark(BETWEEN, begin=False)
         self.clock.boundary()

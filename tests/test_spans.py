@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from framework.callbacks import Callback
 from framework.spans import SpanClock, span
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -123,3 +124,25 @@ def test_cuda_device_seconds_and_lag_follow_the_stream_not_the_host():
     assert queued["host_s"] < 0.01 and queued["device_s"] >= 0.03 and queued["lag_end_s"] >= 0.03
     # after a synchronisation the device has caught up: it reaches the next mark as soon as it is queued
     assert waits["host_s"] >= 0.03 and after["lag_begin_s"] < 0.005
+
+
+
+class RaisesAtSecondBatch(Callback):
+    """A user callback that fails in the fit's second training batch."""
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
+        if batch_idx == 1:
+            raise RuntimeError("a user callback failed")
+
+
+def test_a_fit_that_fails_leaves_no_clock_running(tmp_path, monkeypatch):
+    """StepSpans stops its clock when the fit raises, so a later fit in the process can start its own."""
+    monkeypatch.syspath_prepend(str(ROOT))
+    import framework.spans
+    from benchmarks.fit_timing import main as fit_timing
+
+    with pytest.raises(RuntimeError, match="a user callback failed"):
+        fit_timing(["--config", str(ROOT / "train.yaml"), f"--run_dir={tmp_path / 'run'}", "--trainer.max_steps=3",
+                    "--step-spans", "--trainer.enable_progress_bar=false", "--logging.tensorboard=false",
+                    "--logging.csv=false", "--callbacks=[{class_path: test_spans.RaisesAtSecondBatch}]"])
+    assert framework.spans._clock is None
