@@ -111,7 +111,7 @@ def test_host_costs_plain_function_gives_the_registered_gradients():
     x, h, w = (torch.randn(*s, generator=g, dtype=torch.float64) for s in ((3, 16), (3, 16), (16,)))
     grads = []
     calls = (lambda a, b, c: ops_cuda.add_rms_norm(a, b, c, 1e-6),
-             lambda a, b, c: _PlainAddRmsNorm.apply(a, b, c, 1e-6))
+             lambda a, b, c: _PlainAddRmsNorm.apply(a, b, c, 1e-6, None))
     for f in calls:
         a, b, c = (t.clone().requires_grad_() for t in (x, h, w))
         hs, y = f(a, b, c)

@@ -19,6 +19,8 @@ from collections.abc import Callable
 import torch
 
 import ops_cuda
+from ops_cuda.add_rms_norm import _backward as add_rms_norm_backward
+from ops_cuda.add_rms_norm import _setup as add_rms_norm_setup
 from ops_cuda.library import REFERENCES
 
 
@@ -38,20 +40,18 @@ def per_call_us(f: Callable[[], object], calls: int, rounds: int, sync: Callable
 
 
 class _PlainAddRmsNorm(torch.autograd.Function):
-    """fw::add_rms_norm's forward under a plain autograd.Function, for the price of the registration's layers."""
+    """fw::add_rms_norm under a plain autograd.Function that runs its registration's own setup and backward, for
+    the price of the registration's layers."""
 
     @staticmethod
-    def forward(ctx, x, residual, weight, eps):
-        h, y = torch.ops.fw.add_rms_norm(x, residual, weight, eps, None)
-        ctx.save_for_backward(h, weight)
-        ctx.eps, ctx.x_dtype = eps, x.dtype
-        return h, y
+    def forward(ctx, *inputs):
+        out = torch.ops.fw.add_rms_norm(*inputs)
+        add_rms_norm_setup(ctx, inputs, out)
+        return out
 
     @staticmethod
     def backward(ctx, grad_h, grad_y):
-        h, weight = ctx.saved_tensors
-        gx, gr, gw = torch.ops.fw.add_rms_norm_backward(grad_h, grad_y, h, weight, ctx.eps, ctx.x_dtype)
-        return gx, gr, gw, None
+        return add_rms_norm_backward(ctx, grad_h, grad_y)
 
 
 def cases(device: str) -> dict[str, Callable[[], object]]:
@@ -79,7 +79,7 @@ def cases(device: str) -> dict[str, Callable[[], object]]:
         "parts: add_rms_norm, no grad": lambda: ops_cuda.add_rms_norm(xd, hd, wd, 1e-6),
         "parts: torch.ops.fw.add_rms_norm, no grad": lambda: torch.ops.fw.add_rms_norm(xd, hd, wd, 1e-6, None),
         "parts: torch.ops.fw.add_rms_norm, grad": lambda: torch.ops.fw.add_rms_norm(x, h, w, 1e-6, None),
-        "parts: the op, grad, under a plain autograd.Function": lambda: _PlainAddRmsNorm.apply(x, h, w, 1e-6),
+        "parts: the op, grad, under a plain autograd.Function": lambda: _PlainAddRmsNorm.apply(x, h, w, 1e-6, None),
     }
     if device == "cpu":
         ref = REFERENCES["add_rms_norm"]
