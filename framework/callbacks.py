@@ -474,7 +474,8 @@ class StopOnSignal(lightning.Callback):
     rank are combined in one small all-reduce per step, so that no rank leaves the loop while another waits for it
     in the next step's collectives. A request made before the first step (in `setup`, `on_fit_start` or
     `on_train_start`) is agreed on the same way, before Lightning reads it. In the batch that ends the loop (a stop,
-    or trainer.max_steps reached) it tells the signal handlers that the run is ending.
+    or trainer.max_steps reached) it tells the signal handlers that the run is ending. A signal that comes while the
+    checkpoint callback saves, after this decision, is `StopAfterSave`'s.
     """
 
     def __init__(self, stop: StopSignals | None = None):
@@ -510,6 +511,44 @@ class StopOnSignal(lightning.Callback):
         trainer.should_stop = bool(signum or asked)
         if self.stop is not None and (trainer.should_stop or 0 <= trainer.max_steps <= trainer.global_step):
             self.stop.ending()   # the loop ends after this batch: the final save and the teardown follow
+
+
+class StopAfterSave(lightning.Callback):
+    """Ends training on every rank after a checkpoint save during which a signal came (framework/signals.py).
+
+    `StopOnSignal` decides before the checkpoint callback saves, so a signal that comes while that save is written
+    would wait for the next step's end: one more step trained and saved again, against the grace the signal's sender
+    gives. Coming after the checkpoint callback, this one stops the loop once that save is published: the step the
+    signal found in progress is then the one saved. It acts only in a batch where the checkpoint callback saved the
+    step just taken, which every rank does together, so its agreement across ranks costs one all-reduce a save.
+    """
+
+    def __init__(self, stop: StopSignals | None, saved_step: Callable[[], int | None],
+                 step_of: Callable[[lightning.Trainer, lightning.LightningModule], int]):
+        self.stop = stop
+        self.saved_step = saved_step   # the step of the checkpoint callback's newest save
+        self.step_of = step_of
+        self._step: int | None = None
+
+    def on_train_start(self, trainer: lightning.Trainer, module: lightning.LightningModule) -> None:
+        self._step = self.step_of(trainer, module)
+
+    def on_train_batch_end(self, trainer: lightning.Trainer, module: lightning.LightningModule, outputs: Any,
+                           batch: Any, batch_idx: int) -> None:
+        step = self.step_of(trainer, module)
+        previous, self._step = self._step, step
+        if self.stop is None or trainer.should_stop or step == previous or self.saved_step() != step:
+            return
+        if 0 <= trainer.max_steps <= trainer.global_step:
+            return   # the run's last step: the loop ends here anyway
+        signum = self.stop.signum or 0
+        if trainer.world_size > 1:
+            flag = torch.tensor([signum], device=trainer.strategy.root_device)
+            signum = int(trainer.strategy.reduce(flag, reduce_op="max").item())
+        if signum:
+            self.stop.request(signum)
+            trainer.should_stop = True
+            self.stop.ending()
 
 
 def _agree_on_stop(trainer: lightning.Trainer) -> None:

@@ -28,6 +28,7 @@ from framework.callbacks import (
     FlushOnEarlyStop,
     MetricsLogger,
     RestorableState,
+    StopAfterSave,
     StopEveryRankOnError,
     StopOnSignal,
     builtin_callbacks,
@@ -207,16 +208,18 @@ def build_trainer(cfg: dict, stop: StopSignals | None = None, keep_on_device: bo
     # evaluation of a step ahead of both, so its metrics join the step's record and a resumed run never
     # misses one; the non-finite check ahead of all three, so a diverged step is neither evaluated, logged
     # nor saved; after the user callbacks, which may stop the run (on one rank only), every rank's agreement
-    # to stop, then its last steps' record, then the check of what the user callbacks save, then the save. A
-    # failure of one rank is told to the others first, while nothing else has run on its way out.
+    # to stop, then its last steps' record, then the check of what the user callbacks save, then the save, then a
+    # stop for a signal that came during that save. A failure of one rank is told to the others first, while
+    # nothing else has run on its way out.
     evaluation = [EvalCallback(cfg)] if eval_enabled(cfg) else []
     user = user_callbacks(cfg)
     own_bar = not any(isinstance(cb, LightningProgressBar) for cb in user)   # a user's bar replaces fw's
     builtin = builtin_callbacks(cfg, evaluation, progress_bar=own_bar)
     metrics = next(cb for cb in builtin if isinstance(cb, MetricsLogger))
+    saver = CheckpointCallback(cfg)
     callbacks = [StopEveryRankOnError(), SameCheckpointOnEveryRank(checkpoint), SaveConfig(cfg), *builtin, *user,
                  StopOnSignal(stop), FlushOnEarlyStop(metrics, stop), RestorableState(cfg["callbacks"], user),
-                 CheckpointCallback(cfg)]
+                 saver, StopAfterSave(stop, lambda: saver.last_saved, CheckpointCallback.step_of)]
     return lightning.Trainer(
         accelerator=t["accelerator"],
         devices=t["devices"],

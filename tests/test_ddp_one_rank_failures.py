@@ -315,3 +315,51 @@ def test_a_callback_stopping_one_rank_before_the_first_step_stops_every_rank(tmp
     run_stopped_on_one_rank(tmp_path, cfg, 0)
     assert [json.loads(Path(f"{end}.{r}").read_text()) for r in (0, 1)] == [[0, 0], [0, 0]]
     assert list_checkpoints(cfg["run_dir"]) == []   # no step, nothing saved
+
+
+class SignalOneRankDuringSave(Callback):
+    """Sends SIGTERM to global rank `rank`'s own process while the checkpoint of policy step `step` is being saved
+    (from the save's `on_save_checkpoint`, which every rank runs); every rank writes the step it ended at to
+    `<out>.<rank>`."""
+
+    def __init__(self, rank: int, step: int, out: str):
+        self.rank, self.step, self.out = rank, step, out
+
+    def on_save_checkpoint(self, trainer, module, checkpoint):
+        import signal
+
+        if trainer.global_rank == self.rank and module.policy_version == self.step:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    def on_fit_end(self, trainer, module):
+        Path(f"{self.out}.{trainer.global_rank}").write_text(json.dumps(module.policy_version))
+
+
+@pytest.mark.slow   # a 2-process Lightning start-up
+def test_a_signal_to_one_rank_during_a_save_stops_every_rank_with_that_step(tmp_path):
+    """SIGTERM reaches rank 1 alone while step 2's periodic checkpoint is saved: once that save is published every
+    rank stops (agreed after the save), none trains step 3, and the job exits 143 naming step 2."""
+    import signal
+
+    from framework.checkpoint import list_checkpoints, verify_checkpoint
+
+    end = tmp_path / "ended"
+    cfg = plain_sft(tmp_path, max_steps=6)
+    cfg["checkpoint"] = {"every_n_steps": 2}
+    cfg["callbacks"] = [{"class_path": "test_ddp_one_rank_failures.SignalOneRankDuringSave",
+                         "init_args": {"rank": 1, "step": 2, "out": str(end)}}]
+    proc = launch(tmp_path, cfg)
+    try:
+        _, err = proc.communicate(timeout=240)
+    except subprocess.TimeoutExpired:   # a rank waits in a collective the other never joins
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        pytest.fail("the job did not end: one rank stopped and the other waits for it")
+    assert proc.returncode == 143, err[-3000:]
+    assert [json.loads(Path(f"{end}.{r}").read_text()) for r in (0, 1)] == [2, 2]
+    saved = list_checkpoints(cfg["run_dir"])
+    assert [Path(p).name for p in saved] == ["step-000002"]
+    verify_checkpoint(saved[0])
+    resume = f"fw fit --config {Path(cfg['run_dir']) / 'config.yaml'} --resume last"
+    assert reported(err)[-1] == (f"fw: stopped by SIGTERM after step 2; checkpoint {saved[0]}; continue with "
+                                 f"{resume}"), err[-3000:]

@@ -80,36 +80,36 @@ def _resumed_matches_a_straight_run(tmp_path: Path, run_dir: Path, end: int) -> 
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
 
 
-def test_sigterm_during_a_checkpoint_save_lets_it_finish_then_stops_after_the_next_step(tmp_path):
-    """The save of step 2 is under way when SIGTERM comes: it is published whole, step 3 (the step in progress once
-    the save returns) is taken and saved, and the run exits 143 with its two lines. Fails if the handler raised into
-    the save (a torn step 2) or if the stop skipped step 3's save."""
+def test_sigterm_during_a_checkpoint_save_lets_it_finish_then_stops_with_that_step(tmp_path):
+    """The save of step 2 is under way when SIGTERM comes: it is published whole and the run stops there, exiting
+    143 with its two lines, step 2 its last. Fails if the handler raised into the save (a torn step 2), or if the
+    stop waited for the next step's end (a step 3 trained and saved against the signal's grace)."""
     run_dir = tmp_path / "run"
     run = Run(sft_argv(run_dir, "--checkpoint.every_n_steps=2", "--checkpoint.keep_last=3", max_steps=8),
               tmp_path / "fit.log", kills={2: signal.SIGTERM})
     assert run.wait() == 143, run.output()
     out = run.output()
     assert "Traceback" not in out and not [n for n in NOISE if n in out], out
-    assert [Path(p).name for p in ck.list_checkpoints(run_dir)] == [ck.step_dir_name(2), ck.step_dir_name(3)]
-    for path in ck.list_checkpoints(run_dir):
-        ck.verify_checkpoint(path)
-    assert hidden(run_dir) == [] and metric_steps(run_dir) == [1, 2, 3]
+    assert [Path(p).name for p in ck.list_checkpoints(run_dir)] == [ck.step_dir_name(2)]
+    ck.verify_checkpoint(ck.list_checkpoints(run_dir)[0])
+    assert hidden(run_dir) == [] and metric_steps(run_dir) == [1, 2]
     lines = [line for line in out.splitlines() if line.startswith(("fw: SIGTERM", "fw: stopped"))]
     assert lines == ["fw: SIGTERM: finishing the current step and saving a checkpoint (send it again to exit now)",
-                     f"fw: stopped by SIGTERM after step 3; checkpoint {ck.checkpoints_dir(run_dir) / 'step-000003'}; "
+                     f"fw: stopped by SIGTERM after step 2; checkpoint {ck.checkpoints_dir(run_dir) / 'step-000002'}; "
                      + f"continue with fw fit --config {run_dir / 'config.yaml'} --resume last"]
     assert out.splitlines()[-1] == lines[-1]
     _resumed_matches_a_straight_run(tmp_path, run_dir, end=5)
 
 
 def test_a_second_signal_during_the_stops_own_save_exits_at_once_keeping_the_published_ones(tmp_path):
-    """SIGTERM while step 2 is saved, then Ctrl+C while the stop's checkpoint (step 3) is written: the process ends at
+    """SIGTERM while step 3 trains, then Ctrl+C while the stop's checkpoint (step 3) is written: the process ends at
     once (130, the "again" line last, naming step 2 as the newest intact checkpoint and the command that continues),
     step 3's staging is left unpublished, steps 1 and 2 stay intact, and `--resume last` continues from step 2 to the
     straight run's losses and weights."""
     run_dir = tmp_path / "run"
-    run = Run(sft_argv(run_dir, "--checkpoint.every_n_steps=1", "--checkpoint.keep_last=3", max_steps=8),
-              tmp_path / "fit.log", kills={2: signal.SIGTERM, 3: signal.SIGINT})
+    run = Run(sft_argv(run_dir, "--checkpoint.every_n_steps=1", "--checkpoint.keep_last=3",
+                       callbacks(("SignalAtStep", {"step": 2, "signum": int(signal.SIGTERM)})), max_steps=8),
+              tmp_path / "fit.log", kills={3: signal.SIGINT})
     assert run.wait() == 130, run.output()
     out = run.output()
     assert "Traceback" not in out, out

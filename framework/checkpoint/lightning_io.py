@@ -112,6 +112,11 @@ class CheckpointCallback(pl.Callback):
         self._seen_step: int | None = None
         self._last_saved: int | None = None
 
+    @property
+    def last_saved(self) -> int | None:
+        """The step of the newest checkpoint this run saved or resumed from (None before either)."""
+        return self._last_saved
+
     @staticmethod
     def step_of(trainer: pl.Trainer, module: pl.LightningModule) -> int:
         version = getattr(module, "policy_version", None)

@@ -51,6 +51,19 @@ class InterruptAtStep(lightning.Callback):
             raise KeyboardInterrupt
 
 
+class SignalAtStep(lightning.Callback):
+    """Sends `signum` to its own process at the start of the batch that follows policy step `step`, as `kill` does
+    while that batch trains."""
+
+    def __init__(self, step: int, signum: int):
+        self.step = step
+        self.signum = signum
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx):
+        if module.policy_version == self.step:
+            os.kill(os.getpid(), self.signum)
+
+
 class HangingReward:
     """A reward whose first call touches `marker` and never returns."""
 
