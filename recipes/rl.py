@@ -157,11 +157,13 @@ PACK_MIN_SAVING = 0.08
 def packs(prompt_lens: Tensor, completion_lens: Tensor, packed: bool | None = None) -> bool:
     """Whether rows of these host lengths are laid out packed: ``packed`` when given, else whether packing
     removes at least ``PACK_MIN_SAVING`` of the padded layout's tokens."""
+    return _packs([a + b for a, b in zip(prompt_lens.tolist(), completion_lens.tolist(), strict=True)], packed)
+
+
+def _packs(lens: list[int], packed: bool | None) -> bool:
     if packed is not None:
         return packed
-    lens = prompt_lens + completion_lens
-    padded = len(lens) * int(lens.max()) if len(lens) else 0
-    return int(lens.sum()) <= (1.0 - PACK_MIN_SAVING) * padded
+    return sum(lens) <= (1.0 - PACK_MIN_SAVING) * len(lens) * max(lens, default=0)
 
 
 @dataclass(frozen=True)
@@ -188,38 +190,35 @@ def response_layout(tokens: Tensor, prompt_lens: Tensor, completion_lens: Tensor
     """The model input of rows ``tokens`` [B, T] (prompt + completion, right-padded) and the completion tokens.
 
     Completion token ``j`` of row ``b`` sits at ``prompt_lens[b] + j`` of its sequence and is predicted from
-    the state at ``prompt_lens[b] + j - 1``. The indices are built on the host from the lengths (host
-    tensors cost no sync; device ones one copy) and reach ``tokens``' device in one non-blocking copy.
-    ``packed``: True packs, False pads, None packs when ``packs`` says it pays. ``groups`` (host, one id a
-    row): rows with the same id have the same prompt, which is then laid out once (``shared_prompt_layout``).
+    the state at ``prompt_lens[b] + j - 1``. The layout is planned on the host from the host lengths, a few numbers
+    a run of tokens, which become an index a token on ``tokens``' device (``_expand_runs``): no torch kernel runs on
+    the host, whose thread pool other work of a training run may keep busy, and the device is not waited for.
+    ``packed``: True packs, False pads, None packs when ``packs`` says it pays. ``groups`` (host, one id a row): rows
+    with the same id have the same prompt, which is then laid out once (``shared_prompt_layout``).
     """
     if groups is not None:
         return shared_prompt_layout(tokens, prompt_lens, completion_lens, width, groups)
-    p, c = prompt_lens.cpu().long(), completion_lens.cpu().long()
-    lens = p + c
-    B = len(lens)
-    rows, cols = (torch.arange(width)[None, :] < c[:, None]).nonzero(as_tuple=True)
-    at = p[rows] + cols
-    longest = int(lens.max()) if B else 0
-    if not packs(p, c, packed):
-        idx = to_device(torch.cat([rows, cols, rows * longest + at - 1, at]), tokens.device)
-        rows_d, cols_d, source, at_d = idx.split([len(rows)] * 4)
-        return ResponseLayout(tokens[:, :longest], None, None, rows_d, cols_d, source, tokens[rows_d, at_d])
-    ends = lens.cumsum(0)
-    starts = ends - lens
-    n = int(ends[-1]) if B else 0
-    seq = torch.repeat_interleave(torch.arange(B), lens, output_size=n)
-    pos = torch.arange(n) - starts[seq]
-    cu = torch.cat([ends.new_zeros(1), ends])
-    m = len(rows)
-    idx = to_device(torch.cat([seq, pos, rows, cols, starts[rows] + at - 1, at, cu]), tokens.device)
-    seq_d, pos_d, rows_d, cols_d, source, at_d, cu_d = idx.split([n, n, m, m, m, m, B + 1])
-    return ResponseLayout(tokens[seq_d, pos_d][None], pos_d[None], Packing(cu_d.to(torch.int32), longest),
-                          rows_d, cols_d, source, tokens[rows_d, at_d])
-
-
-def _longest(lengths: Tensor) -> int:
-    return int(lengths.max()) if len(lengths) else 0
+    p, c = prompt_lens.tolist(), completion_lens.tolist()
+    lens = [a + b for a, b in zip(p, c, strict=True)]
+    longest, index = max(lens, default=0), list(range(len(lens)))
+    behind = [-d for d in _exclusive_cumsum(c)]   # less the completion tokens of the rows before
+    if not _packs(lens, packed):
+        # a run a row's completion: its row, its tokens' column less their index, its prompt's length
+        [(answer, t)], _ = _expand_runs(tokens.device, [(c, [index, behind, p])])
+        rows, cols = answer[:, 0], t + answer[:, 1]
+        at = cols + answer[:, 2]
+        return ResponseLayout(tokens[:, :longest], None, None, rows, cols, rows * longest + at - 1, tokens[rows, at])
+    starts = _exclusive_cumsum(lens)   # each sequence's first index in the packed row
+    # a run a sequence (its row, its positions less their index in the packed row), and a run a completion (as
+    # above, and where its sequence starts)
+    [(sequence, t_seq), (answer, t)], cu = _expand_runs(
+        tokens.device, [(lens, [index, [-s for s in starts]]), (c, [index, behind, p, starts])],
+        extra=_bounds(lens))
+    seq, pos = sequence[:, 0], t_seq + sequence[:, 1]
+    rows, cols = answer[:, 0], t + answer[:, 1]
+    at = cols + answer[:, 2]
+    return ResponseLayout(tokens[seq, pos][None], pos[None], Packing(cu.to(torch.int32), longest), rows, cols,
+                          answer[:, 3] + at - 1, tokens[rows, at])
 
 
 def shared_prompt_layout(tokens: Tensor, prompt_lens: Tensor, completion_lens: Tensor, width: int,
@@ -228,45 +227,82 @@ def shared_prompt_layout(tokens: Tensor, prompt_lens: Tensor, completion_lens: T
     prompt, read from the group's first row. One packed row holds every group's prompt, then every row's
     completion, group after group (SharedPrompts); a completion's first token is predicted from its prompt's last
     state. Raises FwError when rows of one group differ in prompt length."""
-    p, c, groups = prompt_lens.cpu().long(), completion_lens.cpu().long(), groups.cpu().long()
+    p, c, ids = prompt_lens.tolist(), completion_lens.tolist(), groups.tolist()
     B = len(p)
-    _, inverse = torch.unique(groups, return_inverse=True)
-    G = int(inverse.max()) + 1 if B else 0
-    first = torch.full((G,), B, dtype=torch.long).scatter_reduce(0, inverse, torch.arange(B), "amin")
-    pg = p[first]
-    if not torch.equal(pg[inverse], p):
+    number = {key: i for i, key in enumerate(sorted(set(ids)))}
+    group = [number[key] for key in ids]
+    G = len(number)
+    first = [B] * G   # each group's first row
+    for r in range(B - 1, -1, -1):
+        first[group[r]] = r
+    pg = [p[r] for r in first]
+    if any(p[r] != pg[group[r]] for r in range(B)):
         raise FwError("shared_prompt: rows of one group have prompts of different lengths; a group's rows must "
                       "hold the same prompt")
-    n = int(pg.sum())
-    p_start = pg.cumsum(0) - pg
-    # the prompts: group g's tokens from its first row
-    p_group = torch.repeat_interleave(torch.arange(G), pg, output_size=n)
-    p_cols = torch.arange(n) - p_start[p_group]
+    n = sum(pg)
+    p_start = _exclusive_cumsum(pg)
+    last = [s + length - 1 for s, length in zip(p_start, pg, strict=True)]   # each prompt's last state
     # the completions, group after group (a group's rows in batch order), so that each group's tokens are one span
-    # of the attention's queries: token t is column cols[t] of row rows[t], at n + t in the packed row
-    order = torch.sort(inverse, stable=True).indices
-    c_order = c[order]
-    c_start = torch.empty(B, dtype=torch.long)
-    c_start[order] = c_order.cumsum(0) - c_order
-    rows, cols = (torch.arange(width)[None, :] < c_order[:, None]).nonzero(as_tuple=True)
-    rows = order[rows]
-    m = len(rows)
-    g_rows = inverse[rows]
-    source = torch.where(cols == 0, p_start[g_rows] + pg[g_rows] - 1, n + c_start[rows] + cols - 1)
-    # the attention's sequences: each prompt, then each non-empty completion (an empty one has no token)
-    live = c_order[c_order > 0]
-    per_group = torch.zeros(G, dtype=torch.long).index_add_(0, inverse, c)
-    zero = torch.zeros(1, dtype=torch.long)
-    cu_p, cu_g, cu_s = (torch.cat([zero, x.cumsum(0)]) for x in (pg, per_group, torch.cat([pg, live])))
-    seq = torch.cat([first[p_group], rows])
-    pos = torch.cat([p_cols, p[rows] + cols])
-    idx = to_device(torch.cat([seq, pos, rows, cols, source, cu_p, cu_g, cu_s]), tokens.device)
-    seq_d, pos_d, rows_d, cols_d, source_d, cu_p_d, cu_g_d, cu_s_d = idx.split(
-        [n + m, n + m, m, m, m, G + 1, G + 1, G + len(live) + 1])
-    packing = SharedPrompts(n, cu_p_d.to(torch.int32), _longest(pg), cu_g_d.to(torch.int32), _longest(per_group),
-                            cu_s_d.to(torch.int32), max(_longest(pg), _longest(live)))
-    return ResponseLayout(tokens[seq_d, pos_d][None], pos_d[None], packing, rows_d, cols_d, source_d,
-                          tokens[rows_d, pos_d[n:]])
+    # of the attention's queries
+    order = sorted(range(B), key=group.__getitem__)
+    c_order = [c[r] for r in order]
+    before = _exclusive_cumsum(c_order)
+    per_group = [0] * G
+    for r in range(B):
+        per_group[group[r]] += c[r]
+    live = [x for x in c_order if x > 0]   # the attention's sequences: each prompt, then each non-empty completion
+    # one packed row: a run a group's prompt, then a run a completion; each run's row, its positions less their
+    # index in the packed row, its prompt's length (0 for a prompt's run) and the state its first token is
+    # predicted from (a completion's: its prompt's last)
+    runs = (pg + c_order, [first + order,
+                           [-s for s in p_start] + [p[r] - n - b for r, b in zip(order, before, strict=True)],
+                           [0] * G + [p[r] for r in order],
+                           [0] * G + [last[group[r]] for r in order]])
+    [(row, t)], cu = _expand_runs(tokens.device, [runs], extra=_bounds(pg) + _bounds(per_group) + _bounds(pg + live))
+    seq, pos = row[:, 0], t + row[:, 1]
+    rows, at = seq[n:], pos[n:]
+    cols = at - row[n:, 2]
+    source = torch.where(cols == 0, row[n:, 3], t[n:] - 1)
+    cu_p, cu_g, cu_s = cu.to(torch.int32).split([G + 1, G + 1, G + len(live) + 1])
+    packing = SharedPrompts(n, cu_p, max(pg, default=0), cu_g, max(per_group, default=0), cu_s,
+                            max(pg + live, default=0))
+    return ResponseLayout(tokens[seq, pos][None], pos[None], packing, rows, cols, source, tokens[rows, at])
+
+
+def _exclusive_cumsum(xs: list[int]) -> list[int]:
+    out, total = [], 0
+    for x in xs:
+        out.append(total)
+        total += x
+    return out
+
+
+def _bounds(lengths: list[int]) -> list[int]:
+    """cu_seqlens of runs of `lengths`: 0, then each run's end."""
+    return [*_exclusive_cumsum(lengths), sum(lengths)]
+
+
+def _expand_runs(device: torch.device, plans: Sequence[tuple[list[int], list[list[int]]]],
+                 extra: Sequence[int] = ()) -> tuple[list[tuple[Tensor, Tensor]], Tensor]:
+    """Per-token tables on ``device`` from per-run numbers planned on the host, in one non-blocking copy. A plan
+    (lengths, columns) is runs of consecutive tokens: each token of run k gets (columns[0][k], columns[1][k], ...).
+    Returns each plan's [tokens, len(columns)] table and its tokens' indices (0, 1, ...), and ``extra`` on the
+    device. Sizes come from the host, so nothing is read back."""
+    flat: list[int] = []
+    shapes = []
+    for lengths, columns in plans:
+        flat += lengths
+        for numbers in zip(*columns, strict=True):   # row-major: a run's numbers side by side
+            flat += numbers
+        shapes.append((len(lengths), len(columns), sum(lengths)))
+    values = to_device(torch.tensor([*flat, *extra], dtype=torch.long), device)
+    tables, i = [], 0
+    for runs, k, total in shapes:
+        lengths, table = values[i:i + runs], values[i + runs:i + runs + k * runs].view(runs, k)
+        i += runs + k * runs
+        tables.append((table.repeat_interleave(lengths, dim=0, output_size=total),
+                       torch.arange(total, device=device)))
+    return tables, values[i:]
 
 
 def completion_logprobs(model: Any, tokens: Tensor, prompt_lens: Tensor, completion_lens: Tensor, width: int,
