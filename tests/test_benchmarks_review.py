@@ -119,3 +119,17 @@ def test_host_costs_plain_function_gives_the_registered_gradients():
         grads.append((hs.detach(), y.detach(), a.grad, b.grad, c.grad))
     for ours, theirs in zip(*grads, strict=True):
         torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+
+
+def test_forward_host_times_the_layout_the_forward_and_the_backward(capsys):
+    """Each call's two times, the device's never before the host's return, a forward with its backward longer than
+    the forward alone, and the layout a small part of the forward."""
+    from benchmarks.forward_host import main
+
+    results = main(["--preset", "tiny", "--rows", "16", "--prompt", "8", "--completion", "16", "--group", "4",
+                    "--rounds", "3", "--warmup", "1"])
+    assert set(results) == {"layout", "forward", "forward + backward"}
+    assert all(0 < host <= device for host, device in results.values())
+    assert results["forward + backward"][1] > results["forward"][1] > results["layout"][1]
+    out = capsys.readouterr().out
+    assert all(f"| {name} |" in out for name in results)
