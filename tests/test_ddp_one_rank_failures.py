@@ -2,7 +2,8 @@
 within moments with the failed rank's report only: one `fw: error: global rank N: ...` line and exit code 2 for a
 FwError, that rank's traceback alone and exit code 1 for any other exception; no other rank's traceback, no process
 left behind (the output is read to its end, which comes when the last process has ended). A callback that stops one
-rank alone stops every rank at the same step, exit code 0."""
+rank alone stops every rank at the same step, exit code 0; a signal to one rank during a save stops every rank once
+that save is published, exit code 143."""
 
 import atexit
 import json
