@@ -523,21 +523,18 @@ class StopAfterSave(lightning.Callback):
     step just taken, which every rank does together, so its agreement across ranks costs one all-reduce a save.
     """
 
-    def __init__(self, stop: StopSignals | None, saved_step: Callable[[], int | None],
-                 step_of: Callable[[lightning.Trainer, lightning.LightningModule], int]):
+    def __init__(self, stop: StopSignals | None, saved_step: Callable[[], int | None]):
         self.stop = stop
         self.saved_step = saved_step   # the step of the checkpoint callback's newest save
-        self.step_of = step_of
-        self._step: int | None = None
+        self._saved: int | None = None   # that step at the previous batch's end
 
     def on_train_start(self, trainer: lightning.Trainer, module: lightning.LightningModule) -> None:
-        self._step = self.step_of(trainer, module)
+        self._saved = self.saved_step()
 
     def on_train_batch_end(self, trainer: lightning.Trainer, module: lightning.LightningModule, outputs: Any,
                            batch: Any, batch_idx: int) -> None:
-        step = self.step_of(trainer, module)
-        previous, self._step = self._step, step
-        if self.stop is None or trainer.should_stop or step == previous or self.saved_step() != step:
+        previous, self._saved = self._saved, self.saved_step()
+        if self.stop is None or trainer.should_stop or self._saved == previous:   # no save in this batch
             return
         if 0 <= trainer.max_steps <= trainer.global_step:
             return   # the run's last step: the loop ends here anyway

@@ -219,7 +219,7 @@ def build_trainer(cfg: dict, stop: StopSignals | None = None, keep_on_device: bo
     saver = CheckpointCallback(cfg)
     callbacks = [StopEveryRankOnError(), SameCheckpointOnEveryRank(checkpoint), SaveConfig(cfg), *builtin, *user,
                  StopOnSignal(stop), FlushOnEarlyStop(metrics, stop), RestorableState(cfg["callbacks"], user),
-                 saver, StopAfterSave(stop, lambda: saver.last_saved, CheckpointCallback.step_of)]
+                 saver, StopAfterSave(stop, lambda: saver.last_saved)]
     return lightning.Trainer(
         accelerator=t["accelerator"],
         devices=t["devices"],
